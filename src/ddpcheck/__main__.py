@@ -1,0 +1,8 @@
+"""``python -m ddpcheck`` is the ``ddpcheck`` command."""
+
+import sys
+
+from ddpcheck.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Records every collective a rank issues through ``torch.distributed``'s Python API.
+
+Invariant: once :func:`install` ran in a rank process, each call of a wrapped ``torch.distributed``
+function appends one :class:`Collective` to the current log *before* the call goes on the wire, so
+the log of a rank that hangs inside a collective still ends with that collective. The oracle uses
+the log for the communication budget (gradient bytes cross the wire once per step) and to point at
+the first collective where ranks disagree.
+
+What it sees: calls made as ``torch.distributed.<op>(...)`` (``parallel/``, torch's
+ZeroRedundancyOptimizer, most hand-written code). What it cannot see: collectives issued from C++
+(torch DDP's Reducer buckets), which never pass through Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable
+
+__all__ = ["Collective", "install", "installed", "records", "reset", "summary"]
+
+# op name -> (positional index of the tensor argument(s), name of the root argument or None)
+_OPS: dict[str, tuple[int, str | None]] = {
+    "all_reduce": (0, None),
+    "broadcast": (0, "src"),
+    "reduce": (0, "dst"),
+    "all_gather": (1, None),
+    "all_gather_into_tensor": (1, None),
+    "gather": (0, "dst"),
+    "scatter": (0, "src"),
+    "reduce_scatter": (0, None),
+    "reduce_scatter_tensor": (1, None),
+    "all_to_all": (1, None),
+    "all_to_all_single": (1, None),
+    "barrier": (-1, None),
+    "broadcast_object_list": (0, "src"),
+    "all_gather_object": (1, None),
+    "gather_object": (0, "dst"),
+    "scatter_object_list": (1, "src"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective call as a rank issued it."""
+
+    op: str
+    nbytes: int
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    root: int | None
+    group: tuple[int, ...] | None  # global ranks of the group; None for the default group
+    reduce_op: str | None
+    async_op: bool
+    launched: float  # time.perf_counter() at the call
+    tag: str = ""  # what the caller said it carries (see `tagged`)
+
+    def signature(self) -> tuple:
+        """What every rank of the group must agree on for the collective to pair correctly."""
+        shapes = self.shapes if self.op in ("all_reduce", "broadcast", "reduce") else ()
+        return (self.op, self.dtypes if shapes else (), shapes, self.root, self.group,
+                self.reduce_op)
+
+    def brief(self) -> str:
+        parts = [self.op]
+        if self.reduce_op:
+            parts.append(self.reduce_op)
+        if self.shapes:
+            parts.append("+".join("x".join(map(str, s)) or "scalar" for s in self.shapes))
+        if self.dtypes:
+            parts.append("/".join(sorted(set(self.dtypes))))
+        if self.root is not None:
+            parts.append(f"root={self.root}")
+        if self.group is not None:
+            parts.append(f"group={list(self.group)}")
+        return " ".join(parts)
+
+
+_log: list[Collective] = []
+_installed = False
+_tag: list[str] = []
+
+
+def records() -> list[Collective]:
+    """The collectives issued since the last :func:`reset`, in call order."""
+    return list(_log)
+
+
+def reset() -> None:
+    _log.clear()
+
+
+def installed() -> bool:
+    return _installed
+
+
+def summary(log: list[Collective]) -> dict[str, int]:
+    """Bytes per op, and the number of calls per op under ``'<op>#calls'``."""
+    out: dict[str, int] = {}
+    for c in log:
+        out[c.op] = out.get(c.op, 0) + c.nbytes
+        out[c.op + "#calls"] = out.get(c.op + "#calls", 0) + 1
+    return out
+
+
+def install() -> None:
+    """Wrap ``torch.distributed``'s collectives in this process. Idempotent."""
+    global _installed
+    if _installed:
+        return
+    import torch.distributed as dist
+
+    for name, (index, root_name) in _OPS.items():
+        original = getattr(dist, name, None)
+        if original is not None:
+            setattr(dist, name, _wrap(name, original, index, root_name))
+    _installed = True
+
+
+def _wrap(name: str, original: Callable[..., Any], index: int, root_name: str | None):
+    import torch
+    import torch.distributed as dist
+
+    @functools.wraps(original)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        tensors = _tensors(args[index] if 0 <= index < len(args) else
+                           kwargs.get(_first_param(original, index)))
+        group = kwargs.get("group")
+        if group is None and name != "barrier":
+            group = _positional(original, args, "group")
+        root = kwargs.get(root_name) if root_name else None
+        if root_name and root is None:
+            root = _positional(original, args, root_name)
+        reduce_op = kwargs.get("op") if "op" in kwargs else _positional(original, args, "op")
+        if reduce_op is None and name in ("all_reduce", "reduce", "reduce_scatter",
+                                          "reduce_scatter_tensor"):
+            reduce_op = dist.ReduceOp.SUM
+        _log.append(Collective(
+            op=name,
+            nbytes=sum(t.numel() * t.element_size() for t in tensors),
+            dtypes=tuple(str(t.dtype).replace("torch.", "") for t in tensors),
+            shapes=tuple(tuple(t.shape) for t in tensors),
+            root=int(root) if root is not None else None,
+            group=_group_ranks(dist, group),
+            reduce_op=_op_name(reduce_op),
+            async_op=bool(kwargs.get("async_op", _positional(original, args, "async_op") or False)),
+            launched=time.perf_counter(),
+        ))
+        return original(*args, **kwargs)
+
+    recorded.__ddpcheck_original__ = original  # type: ignore[attr-defined]
+    _ = torch  # keep the import: tensors are inspected above
+    return recorded
+
+
+def _tensors(obj: Any) -> list[Any]:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for t in obj if isinstance(t, torch.Tensor)]
+    return []
+
+
+@functools.lru_cache(maxsize=None)
+def _param_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    import inspect
+
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+def _first_param(fn: Callable[..., Any], index: int) -> str | None:
+    names = _param_names(fn)
+    return names[index] if index < len(names) else None
+
+
+def _positional(fn: Callable[..., Any], args: tuple, name: str) -> Any:
+    names = _param_names(fn)
+    if name in names:
+        i = names.index(name)
+        if i < len(args):
+            return args[i]
+    return None
+
+
+def _group_ranks(dist: Any, group: Any) -> tuple[int, ...] | None:
+    if group is None or group is dist.group.WORLD:
+        return None
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except Exception:  # a group this rank is not part of
+        return ()
+
+
+def _op_name(op: Any) -> str | None:
+    if op is None:
+        return None
+    text = str(op)
+    return text.split(".")[-1].upper()
