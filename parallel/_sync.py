@@ -15,19 +15,22 @@ import torch
 
 __all__ = ["mark_synchronized", "take_synchronized"]
 
-# param -> id of the gradient tensor the sync left in param.grad (None: no rank had a gradient)
-_MARKS: "weakref.WeakKeyDictionary[torch.Tensor, int | None]" = weakref.WeakKeyDictionary()
+# param -> weak reference to the gradient the sync left in param.grad (None: no rank had one).
+# A weak reference, not id(): a freed gradient's id can be reused by the next backward's.
+_MARKS: "weakref.WeakKeyDictionary[torch.Tensor, weakref.ref | None]" = weakref.WeakKeyDictionary()
 
 
 def mark_synchronized(params) -> None:
     """Record that these parameters' gradients now hold the world average."""
     for p in params:
-        _MARKS[p] = None if p.grad is None else id(p.grad)
+        _MARKS[p] = None if p.grad is None else weakref.ref(p.grad)
 
 
 def take_synchronized(param: torch.Tensor) -> bool:
     """Whether ``param``'s gradient was averaged by DDP and is unchanged since; consumes the mark."""
     if param not in _MARKS:
         return False
-    grad_id = _MARKS.pop(param)
-    return grad_id == (None if param.grad is None else id(param.grad))
+    ref = _MARKS.pop(param)
+    if ref is None:
+        return param.grad is None
+    return ref() is param.grad
