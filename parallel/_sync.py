@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import weakref
 
+from torch.utils.weak import WeakIdKeyDictionary
+
 import torch
 
 __all__ = ["mark_synchronized", "take_synchronized"]
 
 # param -> weak reference to the gradient the sync left in param.grad (None: no rank had one).
 # A weak reference, not id(): a freed gradient's id can be reused by the next backward's.
-_MARKS: "weakref.WeakKeyDictionary[torch.Tensor, weakref.ref | None]" = weakref.WeakKeyDictionary()
+_MARKS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # keyed by identity, not tensor ==
 
 
 def mark_synchronized(params) -> None:

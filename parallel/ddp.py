@@ -1,0 +1,312 @@
+"""A small, readable data-parallel wrapper: which gradients cross the wire, and when.
+
+Invariant: after ``finish_gradient_sync()`` returns, on every rank of the group, each trainable
+parameter's ``.grad`` is the world mean of the ranks' local gradients -- a rank that produced no
+gradient for it contributes zeros -- and is bitwise identical across ranks; a parameter no rank
+produced a gradient for keeps ``grad is None``. Between ``backward()`` and
+``finish_gradient_sync()`` gradients are in flight and must not be read.
+
+What moves, and when:
+
+1. construction: parameters and buffers are broadcast from the group's rank 0 (one flattened
+   broadcast per dtype), after checking that every rank wraps the same parameter list;
+2. backward: a post-accumulate-grad hook marks each gradient ready; when every gradient of a
+   bucket is ready -- and every earlier bucket has been launched, so all ranks pair the same
+   tensors in the same collectives whatever order their hooks fire in -- the bucket is flattened
+   and all-reduced asynchronously, overlapping with the rest of backward;
+3. ``finish_gradient_sync()``: the buckets still waiting (a parameter unused on this rank, a
+   last partial bucket) are launched with zeros or the gradient accumulated under ``no_sync()``,
+   one tiny all-reduce tells every rank which parameters any rank used, every handle is waited
+   on, and the averages are copied back into ``.grad``.
+
+Buckets are fixed at construction: trainable parameters in reverse registration order (the order
+backward usually produces them), grouped by dtype and device, capped at ``bucket_size_mb``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import hashlib
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ddpcheck._validation import InvalidArgument, check_positive_number
+from parallel import _sync
+
+__all__ = ["DDP"]
+
+
+class BucketState(enum.IntEnum):
+    """Lifecycle of one bucket within one synchronised backward."""
+
+    FILLING = 0  # waiting for gradients
+    IN_FLIGHT = 1  # all-reduce launched, handle not yet waited on
+
+
+class _Bucket:
+    """A fixed set of same-dtype parameters whose gradients travel in one all-reduce."""
+
+    def __init__(self, index: int, params: list[nn.Parameter]):
+        # fixed at construction
+        self.index = index
+        self.params = params
+        self.dtype = params[0].dtype
+        self.nbytes = sum(p.numel() * p.element_size() for p in params)
+        # per iteration (reset by DDP._reset_iteration)
+        self.ready: set[int] = set()  # positions in self.params whose hook fired
+        self.state = BucketState.FILLING
+        self.flat: torch.Tensor | None = None
+        self.handle: Any = None
+
+    def reset(self) -> None:
+        self.ready.clear()
+        self.state = BucketState.FILLING
+        self.flat = None
+        self.handle = None
+
+
+class DDP(nn.Module):
+    """Wraps ``module`` so its gradients are averaged over ``process_group`` (default: world).
+
+    Call ``finish_gradient_sync()`` after every synchronised ``backward()`` and before
+    ``optimizer.step()``; use ``no_sync()`` for accumulation micro-batches.
+
+    Collective: construction broadcasts parameters and buffers; call it on all ranks of the group,
+    with the same module structure, or the world hangs.
+    """
+
+    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group: Any = None):
+        super().__init__()
+        # -- validate before any collective, so a mistake fails the same way on every rank
+        if not isinstance(module, nn.Module):
+            raise InvalidArgument(f"module={module!r} must be a torch.nn.Module")
+        check_positive_number("bucket_size_mb", bucket_size_mb)
+        if bucket_size_mb == float("inf"):
+            raise InvalidArgument("bucket_size_mb=inf must be finite; use a large value such as "
+                                  "1e6 for one bucket per dtype")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DDP needs an initialised default process group: call "
+                               "torch.distributed.init_process_group(...) on every rank first")
+        if process_group is not None and dist.get_rank(process_group) < 0:
+            raise InvalidArgument(f"process_group={process_group!r} does not contain this rank "
+                                  f"(global rank {dist.get_rank()}); wrap the module only on the "
+                                  "group's ranks")
+        params = [p for p in module.parameters() if p.requires_grad]  # tied weights appear once
+        if not params:
+            raise InvalidArgument(f"module={type(module).__name__} has no parameter with "
+                                  "requires_grad=True; there is nothing to synchronise")
+
+        # fixed at construction
+        self.module = module
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        # The group's rank 0, as the global rank that broadcast's `src` expects.
+        self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+        # NCCL averages in the collective; gloo sums, and we divide after the wait.
+        self._average_in_collective = dist.get_backend(process_group) == "nccl"
+        self._names = {p: n for n, p in module.named_parameters()}
+        self._params = params
+        self._check_same_parameters_everywhere()
+        self._broadcast_state()
+        self._buckets = _build_buckets(params, int(bucket_size_mb * 1024 * 1024))
+        # param -> (bucket index, position in bucket)
+        self._where = {p: (b.index, i) for b in self._buckets for i, p in enumerate(b.params)}
+        self._positions = {p: i for i, p in enumerate(params)}  # index into the usage flags
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+        # modified by no_sync()
+        self._sync_enabled = True
+        # per iteration (reset by _reset_iteration)
+        self._step_started = False  # a synced forward ran, or a synced hook fired
+        self._next_launch = 0  # buckets launch strictly in index order on every rank
+
+    # -- the training-loop surface ------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_no_gradients_in_flight("forward")
+        if self._sync_enabled and torch.is_grad_enabled():
+            self._step_started = True
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside this block accumulate gradients locally, with no communication.
+
+        The next synchronised backward (outside the block) reduces the accumulated gradients,
+        including those of parameters that were used only in earlier micro-batches.
+        """
+        self._check_no_gradients_in_flight("no_sync()")
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def finish_gradient_sync(self) -> None:
+        """Flush every bucket, wait for all all-reduces, and write the averages into ``.grad``.
+
+        Collective: call on all ranks of the group after each synchronised backward, in the same
+        order, or the world hangs.
+        """
+        if not self._sync_enabled:
+            raise RuntimeError("finish_gradient_sync() was called inside no_sync(), where "
+                               "gradients stay local; call it after the backward that runs "
+                               "outside no_sync()")
+        if not self._step_started:
+            raise RuntimeError("finish_gradient_sync() was called twice, or before any forward/"
+                               "backward through the DDP wrapper; call it exactly once after "
+                               "each synchronised backward")
+        self._check_parameters_unchanged()
+        # Launch what is still filling, in index order: every rank issues the same sequence.
+        for bucket in self._buckets[self._next_launch:]:
+            self._launch(bucket)
+        self._next_launch = len(self._buckets)
+        used_anywhere = self._exchange_usage()
+        for bucket in self._buckets:
+            self._wait_and_unflatten(bucket, used_anywhere)
+        _sync.mark_synchronized(self._params)
+        self._reset_iteration()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's state dict, without a wrapper prefix."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # -- construction-time collectives --------------------------------------------------------
+
+    def _check_same_parameters_everywhere(self) -> None:
+        """Refuse to start if ranks wrap different parameter lists: buckets would mis-pair."""
+        signature = repr([(tuple(p.shape), str(p.dtype)) for p in self._params]).encode()
+        digest = int.from_bytes(hashlib.sha256(signature).digest()[:7], "little")
+        mine = torch.tensor([digest, len(self._params)], dtype=torch.int64)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        # all-gather (hash of the trainable parameters' shapes and dtypes, count) from every rank,
+        # so every rank sees the same verdict and raises together instead of hanging later.
+        dist.all_gather(gathered, mine, group=self.process_group)
+        differ = [r for r, t in enumerate(gathered) if not torch.equal(t, gathered[0])]
+        if differ:
+            counts = {r: int(gathered[r][1]) for r in range(self.world_size)}
+            raise RuntimeError(
+                f"ranks {differ} (group ranks) wrap a different list of trainable parameters than "
+                f"rank 0 (shapes, dtypes or order differ; counts per rank: {counts}); build the "
+                "same module, with the same parameter registration order, on every rank")
+
+    @torch.no_grad()
+    def _broadcast_state(self) -> None:
+        """Make every replica start from the group's rank-0 parameters and buffers."""
+        tensors = list(self.module.parameters()) + list(self.module.buffers())
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            same = [t for t in tensors if t.dtype == dtype]
+            flat = _flatten_dense_tensors([t.detach() for t in same])  # (sum of numels,)
+            # broadcast all parameters and buffers of this dtype from group rank 0, once, at
+            # construction: rank 0's initialisation becomes everyone's.
+            dist.broadcast(flat, src=self._src, group=self.process_group)
+            for t, synced in zip(same, _unflatten_dense_tensors(flat, same)):
+                t.copy_(synced)
+
+    # -- backward: hooks and bucket launches -------------------------------------------------
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: ``param.grad`` now holds this backward's contribution."""
+        if not self._sync_enabled:
+            return  # accumulation micro-batch: the gradient stays local
+        self._step_started = True
+        bucket_index, position = self._where[param]
+        bucket = self._buckets[bucket_index]
+        if position in bucket.ready or bucket.state is not BucketState.FILLING:
+            raise RuntimeError(
+                f"the gradient of parameter {self._names.get(param, '?')!r} was produced twice in "
+                "one synchronised backward (a second backward() before finish_gradient_sync(), "
+                "or reentrant checkpointing); run the earlier backwards under no_sync(), or call "
+                "finish_gradient_sync() in between")
+        bucket.ready.add(position)
+        # Launch every bucket that is complete, but never out of index order.
+        while (self._next_launch < len(self._buckets)
+               and len(self._buckets[self._next_launch].ready)
+               == len(self._buckets[self._next_launch].params)):
+            self._launch(self._buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        """Flatten the bucket's gradients and start their all-reduce without waiting."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        bucket.flat = _flatten_dense_tensors(grads)  # (bucket numel,), contiguous copy
+        op = dist.ReduceOp.AVG if self._average_in_collective else dist.ReduceOp.SUM
+        # all-reduce bucket `bucket.index` (grads of its params) across the group as soon as its
+        # last gradient is ready, so communication overlaps the rest of backward.
+        bucket.handle = dist.all_reduce(bucket.flat, op=op, group=self.process_group,
+                                        async_op=True)
+        bucket.state = BucketState.IN_FLIGHT
+
+    # -- finish: usage exchange, waits, write-back --------------------------------------------
+
+    def _exchange_usage(self) -> torch.Tensor:
+        """Which parameters produced a gradient on at least one rank this step."""
+        used = torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32)
+        # all-reduce the per-parameter "has a gradient here" flags (4 bytes per parameter), so a
+        # parameter no rank used keeps grad=None, exactly as in single-process training.
+        dist.all_reduce(used, op=dist.ReduceOp.SUM, group=self.process_group)
+        return used
+
+    @torch.no_grad()
+    def _wait_and_unflatten(self, bucket: _Bucket, used_anywhere: torch.Tensor) -> None:
+        # Sync point: the bucket's reduced values exist only after its handle completes.
+        bucket.handle.wait()
+        flat = bucket.flat
+        if not self._average_in_collective:
+            flat.div_(self.world_size)
+        for p, averaged in zip(bucket.params, _unflatten_dense_tensors(flat, bucket.params)):
+            if not used_anywhere[self._positions[p]]:
+                continue  # no rank had a gradient: leave grad None, as a single process would
+            if p.grad is None:
+                p.grad = torch.empty_like(p).copy_(averaged)  # strides follow the parameter
+            else:
+                p.grad.copy_(averaged)  # copy_ honours the gradient's strides
+
+    def _reset_iteration(self) -> None:
+        """The one place per-iteration state is cleared."""
+        for bucket in self._buckets:
+            bucket.reset()
+        self._next_launch = 0
+        self._step_started = False
+
+    # -- guards -------------------------------------------------------------------------------
+
+    def _check_no_gradients_in_flight(self, what: str) -> None:
+        if self._next_launch or any(b.ready for b in self._buckets):
+            raise RuntimeError(
+                f"{what} while gradients of the last backward are still being synchronised; "
+                "call model.finish_gradient_sync() after loss.backward() and before the next "
+                "forward or optimizer.step()")
+
+    def _check_parameters_unchanged(self) -> None:
+        """Catch parameters replaced or unfrozen after wrapping: they would never be reduced."""
+        for name, p in self.module.named_parameters():
+            if p.requires_grad and p not in self._where:
+                raise RuntimeError(
+                    f"parameter {name!r} requires grad but was not trainable (or did not exist) "
+                    "when DDP was constructed, so it is never synchronised; set requires_grad "
+                    "and assign parameters before wrapping the module")
+
+
+def _build_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
+    """Fixed bucket layout: reverse registration order, one dtype/device per bucket, byte cap."""
+    buckets: list[list[nn.Parameter]] = []
+    open_bucket: dict[tuple, tuple[list[nn.Parameter], int]] = {}  # (dtype, device) -> (params, bytes)
+    for p in reversed(params):
+        key = (p.dtype, p.device)
+        size = p.numel() * p.element_size()
+        current = open_bucket.get(key)
+        if current is None or (current[1] + size > cap_bytes and current[0]):
+            current = ([], 0)
+            buckets.append(current[0])
+        current[0].append(p)
+        open_bucket[key] = (current[0], current[1] + size)
+    return [_Bucket(i, b) for i, b in enumerate(buckets)]
