@@ -1,0 +1,473 @@
+"""ZeRO-1: parameters and gradients replicated, optimizer state sharded by a pluggable rule.
+
+Invariant: after ``step()`` returns on every rank of the group, every parameter holds, bitwise on
+every rank, the value the plain ``optimizer_cls`` would give it when stepped on the world-mean
+gradient; the optimizer state of each parameter lives only on its owner
+(``owner_of(param)``, a rank of the group, chosen per param group by the sharding rule).
+
+One step moves, in this order:
+
+1. gradients not already averaged by ``parallel.DDP`` in this step (``parallel._sync``): one int32
+   all-reduce counting which ranks hold a gradient for each, then one flattened all-reduce per dtype.
+   A parameter no rank used keeps ``grad=None``; one used by some ranks is averaged with zeros for
+   the others. With DDP every gradient is already averaged, so nothing is all-reduced here and
+   gradient bytes cross the wire once per step;
+2. nothing: each rank steps its inner optimizer on the parameters it owns;
+3. updated parameters: one flattened broadcast per (owner rank, dtype) from the owner's *global*
+   rank, covering the parameters that have a gradient (the others were not updated anywhere).
+
+Checkpoints use the plain optimizer's layout (indices over all param groups), so they load at any
+world size, with any rule, and into (or from) a plain ``optimizer_cls``.
+"""
+
+from __future__ import annotations
+
+import io
+import zlib
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from ddpcheck._validation import InvalidArgument
+from parallel import sharding
+from parallel._sync import take_synchronized
+
+__all__ = ["ShardedOptimizer"]
+
+# Keys of a param group that are not hyperparameters: they describe membership, which differs
+# between the full (outer) group and its owned subset in the inner optimizer.
+_MEMBERSHIP_KEYS = ("params", "param_names")
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer_cls`` so each rank keeps state for, and updates, only the params it owns.
+
+    ``param_groups`` is the full view (every parameter, every hyperparameter); edits to it -- an
+    LR scheduler, a user changing ``lr`` -- reach the inner optimizer at the next ``step()``.
+    ``state`` is this rank's shard (``optimizer.state[p]`` for owned ``p``).
+    ``zero_grad(set_to_none=True)`` (inherited) clears the gradient of every parameter, owned or not.
+
+    Collective: constructing it is a collective over ``process_group`` (default: the world): call
+    it on all ranks of the group, with the same parameters in the same order, or the world hangs.
+
+    Raises:
+        InvalidArgument: ``params`` empty or not tensors/param-group dicts, a parameter repeated,
+            ``optimizer_cls`` not a ``torch.optim.Optimizer`` subclass or rejecting
+            ``optimizer_kwargs``, ``sharding_rule`` not callable or answering badly, this rank not
+            in ``process_group``, ``torch.distributed`` not initialised, or the ranks passing
+            different parameters. All but the last are raised before any collective.
+    """
+
+    def __init__(self, params: Iterable[Any], optimizer_cls: type, sharding_rule: Callable[..., Any]
+                 = sharding.modulo, process_group: Any = None, **optimizer_kwargs: Any):
+        _check_optimizer_cls(optimizer_cls)
+        if not callable(sharding_rule):
+            raise InvalidArgument(
+                f"sharding_rule={sharding_rule!r} is not callable; pass a function "
+                "rule(params, world_size) -> owners, such as parallel.sharding.greedy")
+        rank, world_size, global_ranks = _check_process_group(process_group)
+        groups = _check_params(params)
+        first = next((p for group in groups for p in group["params"]), None)
+        if first is None:
+            raise InvalidArgument(f"params={groups!r} holds no parameter in any group; pass the "
+                                  "parameters to optimize, such as model.parameters()")
+        defaults = _probe_defaults(optimizer_cls, optimizer_kwargs, first)
+
+        # fixed at construction
+        self._optimizer_cls = optimizer_cls
+        self._optimizer_kwargs = dict(optimizer_kwargs)
+        self._rule = sharding_rule
+        self._group = process_group  # None: the default group
+        self._rank = rank  # this rank, in the group
+        self._world_size = world_size
+        self._global_ranks = global_ranks  # group rank -> global rank, for src=/dst=
+        # extended by add_param_group
+        self._owners: dict[int, int] = {}  # id(param) -> group rank of its owner
+        self._inner: torch.optim.Optimizer | None = None  # built after the first groups are known
+        self._pending_inner_groups: list[dict[str, Any]] = []  # owned subsets until it is built
+        # per consolidation: the full state gathered on this rank, dropped by anything that
+        # changes the state (step, load_state_dict, add_param_group)
+        self._consolidated: dict[str, Any] | None = None
+        self._consolidated_on: int | None = None  # group rank holding it (known on every rank)
+
+        super().__init__(groups, defaults)  # calls self.add_param_group once per group
+        self._inner = optimizer_cls(self._pending_inner_groups, **optimizer_kwargs)
+        self._pending_inner_groups = []
+        self.state = self._inner.state  # this rank's shard
+
+    # ------------------------------------------------------------------ membership and ownership
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; its parameters get owners from the sharding rule, earlier ones keep theirs.
+
+        Collective: call on all ranks of the group with the same group, or the world hangs. It
+        exchanges a small fingerprint (count, shapes, dtypes, owners) to catch ranks that disagree.
+        """
+        index = len(self.param_groups)
+        param_group = _check_params([param_group], group_offset=index)[0]
+        super().add_param_group(param_group)  # fills defaults, rejects params already in a group
+        group = self.param_groups[-1]
+        try:
+            owners = sharding.check_owners(
+                self._rule(list(group["params"]), self._world_size), group["params"],
+                self._world_size, rule=self._rule, group_index=index)
+            self._check_same_on_all_ranks(index, group["params"], owners)
+        except BaseException:
+            self.param_groups.pop()
+            raise
+        for p, owner in zip(group["params"], owners):
+            self._owners[id(p)] = owner
+        owned = {**_hyperparameters(group),
+                 "params": [p for p, o in zip(group["params"], owners) if o == self._rank]}
+        if self._inner is None:
+            self._pending_inner_groups.append(owned)
+        else:
+            self._inner.add_param_group(owned)
+        self._consolidated, self._consolidated_on = None, None
+
+    def owner_of(self, param: torch.Tensor) -> int:
+        """The rank, within the optimizer's process group, that holds ``param``'s state."""
+        try:
+            return self._owners[id(param)]
+        except (KeyError, TypeError):
+            raise InvalidArgument(
+                f"param={_describe(param)} is not managed by this ShardedOptimizer; pass one of "
+                "the tensors in optimizer.param_groups[i]['params']") from None
+
+    def _check_same_on_all_ranks(self, index: int, params: list[torch.Tensor],
+                                 owners: list[int]) -> None:
+        layout = repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()
+        mine = torch.tensor([len(params), zlib.crc32(layout), zlib.crc32(repr(owners).encode())],
+                            dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(self._world_size)]
+        # all-gather 3 int64 per rank (param count, layout hash, owners hash) once per new param
+        # group, so a rank passing other params or getting other owners fails here, not mis-paired
+        dist.all_gather(everyone, mine, group=self._group)
+        for what, column in (("parameter counts", 0), ("parameter shapes/dtypes", 1),
+                             ("owners from the sharding rule", 2)):
+            values = [int(t[column]) for t in everyone]
+            if len(set(values)) > 1:
+                raise InvalidArgument(
+                    f"param group {index} differs across ranks in its {what} (per rank: "
+                    f"{values if column == 0 else [hex(v) for v in values]}); every rank must "
+                    "pass the same parameters in the same order, and sharding_rule="
+                    f"{sharding.rule_name(self._rule)} must be deterministic")
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    # ------------------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Average gradients (unless DDP did), step the owned params, broadcast them from owners.
+
+        Collective: call on all ranks of the group, every step, or the world hangs.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._consolidated, self._consolidated_on = None, None
+        params = self._params()
+        self._average_gradients(params)
+        for group, inner_group in zip(self.param_groups, self._inner.param_groups):
+            inner_group.update(_hyperparameters(group))  # schedulers edit the outer groups
+        self._inner.step()
+        self._broadcast_parameters(params)
+        return loss
+
+    def _average_gradients(self, params: list[torch.Tensor]) -> None:
+        # take_synchronized consumes DDP's mark, so it runs for every param, every step
+        pending = [p for p in params if not take_synchronized(p)]
+        if not pending:
+            return
+        present = torch.tensor([p.grad is not None for p in pending], dtype=torch.int32,
+                               device=pending[0].device)
+        # all-reduce (sum) one int32 per not-yet-averaged param among all ranks, so every rank
+        # builds the same gradient buffers even where only some ranks produced a gradient
+        dist.all_reduce(present, group=self._group)
+        # .tolist(): sync point, the counts decide the layout of the gradient buffers below
+        used = [p for p, n in zip(pending, present.tolist()) if n > 0]
+        average = dist.get_backend(self._group) == "nccl"  # gloo: SUM, then divide
+        for dtype_params in _by_dtype(used).values():
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                              for p in dtype_params])  # (sum of numels,)
+            # all-reduce one flat buffer per dtype of gradients among all ranks, before the
+            # inner step reads them; gloo has AVG too, but SUM-then-divide works on every build
+            dist.all_reduce(flat, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM,
+                            group=self._group)
+            if not average:
+                flat.div_(self._world_size)
+            for p, view in zip(dtype_params, flat.split([p.numel() for p in dtype_params])):
+                if p.grad is None:
+                    p.grad = view.view_as(p).clone()
+                else:
+                    p.grad.copy_(view.view_as(p.grad))
+
+    def _broadcast_parameters(self, params: list[torch.Tensor]) -> None:
+        # grad presence is identical on all ranks here (averaged above, or by DDP), so every rank
+        # lists the same params; params without a gradient were not updated and need not move
+        updated = [p for p in params if p.grad is not None]
+        handles, unpack = [], []
+        for owner in range(self._world_size):
+            mine = owner == self._rank
+            owned = [p for p in updated if self._owners[id(p)] == owner]
+            for dtype, dtype_params in _by_dtype(owned).items():
+                numel = sum(p.numel() for p in dtype_params)
+                flat = (torch.cat([p.detach().reshape(-1) for p in dtype_params]) if mine
+                        else torch.empty(numel, dtype=dtype, device=dtype_params[0].device))
+                # broadcast this owner's updated params of one dtype (one flat buffer) to the
+                # other ranks right after its inner step; async so all owners' buffers overlap
+                handles.append(dist.broadcast(flat, src=self._global_ranks[owner],
+                                              group=self._group, async_op=True))
+                if not mine:
+                    unpack.append((flat, dtype_params))
+        for handle in handles:
+            handle.wait()  # sync point: the received buffers are read just below
+        for flat, dtype_params in unpack:
+            for p, view in zip(dtype_params, flat.split([p.numel() for p in dtype_params])):
+                p.copy_(view.view_as(p))
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the full optimizer state on group rank ``to``; then ``state_dict()`` works there.
+
+        Collective: call on all ranks of the group, or the world hangs. Any later ``step()``,
+        ``load_state_dict()`` or ``add_param_group()`` makes the gathered copy stale (dropped).
+        """
+        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < self._world_size:
+            raise InvalidArgument(f"to={to!r} must be a rank of the optimizer's process group, "
+                                  f"an integer in [0, {self._world_size})")
+        index = {id(p): i for i, p in enumerate(self._params())}
+        shards = self._gather_bytes(_to_bytes({index[id(p)]: s for p, s
+                                               in self._inner.state.items() if s}), to)
+        self._consolidated_on = to
+        self._consolidated = None
+        if self._rank == to:
+            state = {i: s for shard in shards for i, s in _from_bytes(shard).items()}
+            self._consolidated = {"state": dict(sorted(state.items())),
+                                  "param_groups": self._packed_groups()}
+
+    def _gather_bytes(self, mine: torch.Tensor, to: int) -> list[torch.Tensor]:
+        """Every rank's uint8 buffer, on group rank ``to`` (an empty list elsewhere).
+
+        NOTE: not ``dist.gather_object``: it decodes through numpy, which torch does not require
+        and which is absent on some of our machines. Same two steps: sizes, then padded bytes.
+        """
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self._world_size)]
+        # all-gather one int64 per rank (its shard's byte count), so `to` can size the buffers
+        dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=self._group)
+        longest = max(int(s) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:mine.numel()] = mine
+        received = ([torch.empty(longest, dtype=torch.uint8) for _ in range(self._world_size)]
+                    if self._rank == to else None)
+        # gather every rank's serialized state shard on rank `to` only, now, because the caller
+        # is about to save a checkpoint there
+        dist.gather(padded, received, dst=self._global_ranks[to], group=self._group)
+        if received is None:
+            return []
+        return [buf[:int(n)] for buf, n in zip(received, sizes)]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full state in the plain ``optimizer_cls`` layout, on the rank it was gathered on.
+
+        Raises:
+            RuntimeError: ``consolidate_state_dict(to=<this rank>)`` was not called on all ranks
+                since the last change of the state.
+        """
+        if self._consolidated is None:
+            if self._consolidated_on is None:
+                why = "has not been consolidated since the last step() or load_state_dict()"
+            else:
+                why = (f"was consolidated on rank {self._consolidated_on}, not on this rank "
+                       f"({self._rank})")
+            raise RuntimeError(
+                f"ShardedOptimizer state {why}; each rank holds only its shard. Call "
+                f"`consolidate_state_dict(to={self._rank})` on all ranks of the group first "
+                "(a collective), then state_dict() on this rank")
+        return {"state": dict(self._consolidated["state"]),
+                "param_groups": [dict(g) for g in self._consolidated["param_groups"]]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full state dict (ours, saved at any world size or rule, or a plain optimizer's).
+
+        Local: no collective. Every rank must load the same dict to stay consistent; each keeps the
+        state of the parameters it owns now, and the hyperparameters of every group.
+        """
+        saved_groups = _check_loadable(state_dict, self.param_groups)
+        by_index = {i: p for saved, group in zip(saved_groups, self.param_groups)
+                    for i, p in zip(saved["params"], group["params"])}
+        inner_groups, inner_state, next_index = [], {}, 0
+        for saved, group, inner_group in zip(saved_groups, self.param_groups,
+                                             self._inner.param_groups):
+            # the full groups are updated in place, so schedulers holding them keep working
+            group.update({k: v for k, v in saved.items() if k not in _MEMBERSHIP_KEYS})
+            indices = []
+            owned = {id(p) for p in inner_group["params"]}
+            for i in saved["params"]:
+                if id(by_index[i]) in owned:
+                    if i in state_dict["state"]:
+                        inner_state[next_index] = state_dict["state"][i]
+                    indices.append(next_index)
+                    next_index += 1
+            inner_groups.append({**_hyperparameters(group), "params": indices})
+        self._inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+        self.state = self._inner.state  # the inner optimizer replaced its state dict
+        self._consolidated, self._consolidated_on = None, None
+
+    def _packed_groups(self) -> list[dict[str, Any]]:
+        # the plain Optimizer.state_dict layout: params become indices counted across groups
+        packed, start = [], 0
+        for group in self.param_groups:
+            n = len(group["params"])
+            packed.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": list(range(start, start + n))})
+            start += n
+        return packed
+
+
+# ---------------------------------------------------------------------------- argument checks
+
+
+def _check_optimizer_cls(optimizer_cls: Any) -> None:
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+        if isinstance(optimizer_cls, torch.optim.Optimizer):
+            name = type(optimizer_cls).__name__
+            raise InvalidArgument(
+                f"optimizer_cls=<{name} instance> must be a subclass of torch.optim.Optimizer, "
+                f"not an instance; pass its class, {name}, and its hyperparameters as keywords")
+        raise InvalidArgument(f"optimizer_cls={optimizer_cls!r} must be a subclass of "
+                              "torch.optim.Optimizer, such as torch.optim.AdamW")
+    if issubclass(optimizer_cls, ShardedOptimizer):
+        raise InvalidArgument(f"optimizer_cls={optimizer_cls!r} is already sharded; pass the "
+                              "plain optimizer class, such as torch.optim.AdamW")
+
+
+def _check_process_group(process_group: Any) -> tuple[int, int, list[int]]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise InvalidArgument("ShardedOptimizer needs torch.distributed: call "
+                              "torch.distributed.init_process_group(...) first")
+    rank = dist.get_rank(process_group)
+    if rank < 0:
+        raise InvalidArgument(
+            f"process_group={process_group!r} (global ranks "
+            f"{dist.get_process_group_ranks(process_group)}) does not contain this rank "
+            f"(global rank {dist.get_rank()}); construct ShardedOptimizer only on its members")
+    world_size = dist.get_world_size(process_group)
+    if process_group is None:
+        return rank, world_size, list(range(world_size))
+    return rank, world_size, [dist.get_global_rank(process_group, r) for r in range(world_size)]
+
+
+def _check_params(params: Any, group_offset: int = 0) -> list[dict[str, Any]]:
+    """Normalise to a list of group dicts with list params; reject what would mis-shard."""
+    if isinstance(params, torch.Tensor):
+        raise InvalidArgument(f"params={_describe(params)} is a single tensor; pass an iterable "
+                              "of tensors, such as model.parameters() or [tensor]")
+    if isinstance(params, (set, frozenset)) or not isinstance(params, Iterable):
+        raise InvalidArgument(f"params={params!r} must be an ordered iterable of tensors or of "
+                              "param-group dicts (a set's order differs across ranks)")
+    items = list(params)
+    if not items:
+        raise InvalidArgument("params=[] is empty; pass the parameters to optimize, such as "
+                              "model.parameters() (was a generator consumed already?)")
+    groups = items if all(isinstance(g, dict) for g in items) else [{"params": items}]
+    out = []
+    for index, group in enumerate(groups, group_offset):
+        if not isinstance(group, dict) or "params" not in group:
+            raise InvalidArgument(f"param group {index}={group!r} must be a dict with a 'params' "
+                                  "key; do not mix tensors and dicts in params")
+        members = group["params"]
+        if isinstance(members, torch.Tensor):
+            members = [members]
+        elif isinstance(members, (set, frozenset)):
+            raise InvalidArgument(f"param group {index}: params={members!r} is a set; pass a "
+                                  "list, so every rank sees the same order")
+        members, seen = list(members), set()
+        for i, p in enumerate(members):
+            tensor = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, param) pairs
+            if not isinstance(tensor, torch.Tensor):
+                raise InvalidArgument(f"param group {index}, parameter {i} is {p!r}; "
+                                      "parameters must be tensors")
+            if id(tensor) in seen:
+                raise InvalidArgument(
+                    f"param group {index}, parameter {i} repeats an earlier parameter "
+                    "(a tied weight listed twice?); list each tensor once, e.g. "
+                    "list(dict.fromkeys(params)), or it would be stepped and broadcast twice")
+            seen.add(id(tensor))
+        out.append({**group, "params": members})
+    return out
+
+
+def _probe_defaults(optimizer_cls: type, kwargs: dict[str, Any],
+                    like: Any) -> dict[str, Any]:
+    """Build ``optimizer_cls`` on an empty tensor: validates kwargs early and yields its defaults."""
+    like = like[1] if isinstance(like, tuple) else like
+    try:
+        probe = optimizer_cls([torch.empty(0, dtype=like.dtype, device=like.device)], **kwargs)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"optimizer_cls={optimizer_cls.__name__} rejected "
+                              f"optimizer_kwargs={kwargs!r}: {e}") from e
+    return dict(probe.defaults)
+
+
+def _check_loadable(state_dict: Any, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if (not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict)
+            or not isinstance(state_dict.get("param_groups"), list)):
+        raise InvalidArgument(
+            f"state_dict with keys {sorted(state_dict) if isinstance(state_dict, dict) else None}"
+            " is not an optimizer state dict; pass what ShardedOptimizer.state_dict() (after "
+            "consolidate_state_dict) or a plain optimizer's state_dict() returned")
+    saved = state_dict["param_groups"]
+    if len(saved) != len(groups):
+        raise InvalidArgument(f"state_dict has {len(saved)} param groups, this optimizer has "
+                              f"{len(groups)}; load a checkpoint of the same param groups")
+    for index, (s, g) in enumerate(zip(saved, groups)):
+        if len(s.get("params", ())) != len(g["params"]):
+            raise InvalidArgument(
+                f"param group {index} has {len(g['params'])} parameters but the state_dict's has "
+                f"{len(s.get('params', ()))}; load a checkpoint of the same parameters")
+    known = {i for s in saved for i in s["params"]}
+    stray = sorted(set(state_dict["state"]) - known, key=repr)
+    if stray:
+        raise InvalidArgument(f"state_dict['state'] has keys {stray!r} that no param group lists; "
+                              "the checkpoint is corrupt or from another optimizer")
+    return saved
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def _to_bytes(obj: Any) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _from_bytes(data: torch.Tensor) -> Any:
+    # weights_only=False: the bytes come from our own group's ranks (like gather_object's
+    # pickles), and an optimizer's state may hold more than tensors and numbers
+    compact = data.clone()  # its own storage, exactly data.numel() bytes (no numpy needed)
+    return torch.load(io.BytesIO(bytes(compact.untyped_storage())), weights_only=False)
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in _MEMBERSHIP_KEYS}
+
+
+def _by_dtype(params: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    """Params grouped by dtype, dtypes in name order, params in their given order within each."""
+    out: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        out.setdefault(p.dtype, []).append(p)
+    return dict(sorted(out.items(), key=lambda item: str(item[0])))
+
+
+def _describe(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"<tensor shape={tuple(t.shape)} dtype={t.dtype}>"
+    return repr(t)
