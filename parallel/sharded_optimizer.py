@@ -14,7 +14,8 @@ One step moves, in this order:
    gradient bytes cross the wire once per step;
 2. nothing: each rank steps its inner optimizer on the parameters it owns;
 3. updated parameters: one flattened broadcast per (owner rank, dtype) from the owner's *global*
-   rank, covering the parameters that have a gradient (the others were not updated anywhere).
+   rank, covering the parameters that have a gradient (the others were not updated anywhere),
+   owner after owner through one reusable buffer per dtype.
 
 Checkpoints use the plain optimizer's layout (indices over all param groups), so they load at any
 world size, with any rule, and into (or from) a plain ``optimizer_cls``.
@@ -75,8 +76,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         defaults = _probe_defaults(optimizer_cls, optimizer_kwargs, first)
 
         # fixed at construction
-        self._optimizer_cls = optimizer_cls
-        self._optimizer_kwargs = dict(optimizer_kwargs)
         self._rule = sharding_rule
         self._group = process_group  # None: the default group
         self._rank = rank  # this rank, in the group
@@ -86,6 +85,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._owners: dict[int, int] = {}  # id(param) -> group rank of its owner
         self._inner: torch.optim.Optimizer | None = None  # built after the first groups are known
         self._pending_inner_groups: list[dict[str, Any]] = []  # owned subsets until it is built
+        # grown lazily: one reusable broadcast buffer per dtype (see _scratch_for)
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
         # per consolidation: the full state gathered on this rank, dropped by anything that
         # changes the state (step, load_state_dict, add_param_group)
         self._consolidated: dict[str, Any] | None = None
@@ -210,25 +211,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # grad presence is identical on all ranks here (averaged above, or by DDP), so every rank
         # lists the same params; params without a gradient were not updated and need not move
         updated = [p for p in params if p.grad is not None]
-        handles, unpack = [], []
         for owner in range(self._world_size):
             mine = owner == self._rank
             owned = [p for p in updated if self._owners[id(p)] == owner]
             for dtype, dtype_params in _by_dtype(owned).items():
-                numel = sum(p.numel() for p in dtype_params)
-                flat = (torch.cat([p.detach().reshape(-1) for p in dtype_params]) if mine
-                        else torch.empty(numel, dtype=dtype, device=dtype_params[0].device))
+                sizes = [p.numel() for p in dtype_params]
+                flat = self._scratch_for(dtype, sum(sizes), dtype_params[0].device)
+                if mine:
+                    torch.cat([p.detach().reshape(-1) for p in dtype_params], out=flat)
                 # broadcast this owner's updated params of one dtype (one flat buffer) to the
-                # other ranks right after its inner step; async so all owners' buffers overlap
-                handles.append(dist.broadcast(flat, src=self._global_ranks[owner],
-                                              group=self._group, async_op=True))
+                # other ranks, right after the inner step changed them
+                dist.broadcast(flat, src=self._global_ranks[owner], group=self._group)
                 if not mine:
-                    unpack.append((flat, dtype_params))
-        for handle in handles:
-            handle.wait()  # sync point: the received buffers are read just below
-        for flat, dtype_params in unpack:
-            for p, view in zip(dtype_params, flat.split([p.numel() for p in dtype_params])):
-                p.copy_(view.view_as(p))
+                    for p, view in zip(dtype_params, flat.split(sizes)):
+                        p.copy_(view.view_as(p))
+
+    def _scratch_for(self, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
+        """A (numel,) slice of this dtype's reusable broadcast buffer, grown when too small.
+
+        NOTE: one buffer reused slab after slab, not a fresh buffer per slab: allocating tens of
+        MB each step page-faults fresh memory, which made the broadcast phase about twice as
+        slow here (bench/sharding_balance.py), and fresh buffers for all slabs at once would
+        briefly hold a full extra copy of the parameters. Cost: the largest slab, kept.
+        """
+        buffer = self._scratch.get(dtype)
+        if buffer is None or buffer.numel() < numel or buffer.device != device:
+            buffer = self._scratch[dtype] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer[:numel]
 
     # ------------------------------------------------------------------------------ checkpoints
 
