@@ -1,0 +1,165 @@
+"""``assert_equivalent``: run a target in real worlds and hold it to the oracle.
+
+Per scenario, the full-batch reference is computed once in this process (which also validates
+the scenario: a bad model factory or an optimizer kwarg the optimizer rejects fails here, once,
+before any process is spawned); then, per world size, every rank of the persistent world runs the
+example and the oracle compares what they recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import shlex
+import sys
+import time
+from typing import Any, Iterable
+
+from ddpcheck._validation import InvalidArgument, check_positive_number, check_world_sizes
+from ddpcheck.report import Divergence, EquivalenceError
+from ddpcheck.scenario import Scenario
+from ddpcheck.targets import Target
+
+__all__ = ["Report", "assert_equivalent", "check_example", "replay_command", "target_spec"]
+
+
+@dataclasses.dataclass
+class Report:
+    """What ``assert_equivalent`` checked: one row per (scenario, world size)."""
+
+    examples: list[tuple[str, int, float]] = dataclasses.field(default_factory=list)
+    skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (scenario, why)
+
+    @property
+    def count(self) -> int:
+        return len(self.examples)
+
+    def __str__(self) -> str:
+        seconds = sum(s for _, _, s in self.examples)
+        sizes = sorted({w for _, w, _ in self.examples})
+        text = f"{self.count} examples equivalent (world sizes {sizes}) in {seconds:.2f} s"
+        for name, why in self.skipped:
+            text += f"\nskipped {name}: {why}"
+        return text
+
+
+def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
+                      world_sizes: Iterable[int] = (1, 2, 3, 4), deadline: float = 60.0) -> Report:
+    """Check ``target`` against the oracle on ``scenario`` (default: the built-in battery).
+
+    Raises :class:`ddpcheck.EquivalenceError` on the first divergence, with a table and a replay
+    command; returns a :class:`Report` when every example holds.
+    """
+    _check_target(target)
+    sizes = check_world_sizes("world_sizes", world_sizes)
+    check_positive_number("deadline", deadline)
+    if scenario is None:
+        from ddpcheck.battery import BATTERY
+
+        named = BATTERY
+    elif isinstance(scenario, Scenario):
+        named = [(None, scenario)]
+    else:
+        raise InvalidArgument(f"scenario={scenario!r} must be a ddpcheck.Scenario (or None for "
+                              "the built-in battery)")
+    report = Report()
+    for name, sc in named:
+        reference = prepare_reference(sc)
+        why = target.supports(sc)
+        if why is not None:
+            report.skipped.append((name or "scenario", why))
+            continue
+        for world_size in sizes:
+            started = time.perf_counter()
+            check_example(target, sc, world_size, deadline=deadline, reference=reference,
+                          name=name)
+            report.examples.append((name or "scenario", world_size,
+                                    time.perf_counter() - started))
+    return report
+
+
+def check_example(target: Target, scenario: Scenario, world_size: int, *, deadline: float = 60.0,
+                  reference: Any = None, name: str | None = None) -> None:
+    """One example: run on every rank of the persistent world, compare, raise on divergence."""
+    from ddpcheck.oracle import compare
+    from ddpcheck.runner import run_example
+    from ddpcheck.world import WorldFailure, get_world
+
+    if reference is None:
+        reference = prepare_reference(scenario)
+    replay = replay_command(target, scenario, world_size)
+    try:
+        records = get_world(world_size).run(run_example, target, scenario, deadline=deadline,
+                                            what=f"example {name or 'scenario'}")
+    except WorldFailure as failure:
+        raise EquivalenceError(_failure_rows(failure), scenario=scenario, world_size=world_size,
+                               target=target, replay=replay, failure=failure, name=name) from None
+    divergences = compare(records, reference, scenario, target.configure(scenario))
+    if divergences:
+        raise EquivalenceError(divergences, scenario=scenario, world_size=world_size,
+                               target=target, replay=replay, name=name)
+
+
+def prepare_reference(scenario: Scenario) -> Any:
+    """The full-batch reference; user mistakes in the scenario surface here, once."""
+    from ddpcheck.oracle import reference_run
+
+    try:
+        return reference_run(scenario)
+    except InvalidArgument:
+        raise
+    except TypeError as exc:
+        if "__init__()" in str(exc) or "unexpected keyword" in str(exc):
+            raise InvalidArgument(
+                f"optimizer_kwargs={scenario.optimizer_kwargs!r} were rejected by "
+                f"{scenario.optimizer.__module__}.{scenario.optimizer.__qualname__}: {exc}") from exc
+        raise
+    except ValueError as exc:  # e.g. torch.optim's "Invalid learning rate: -1"
+        raise InvalidArgument(
+            f"the scenario could not be trained in a single process, so there is no reference: "
+            f"{exc} (optimizer={scenario.optimizer.__qualname__}, "
+            f"optimizer_kwargs={scenario.optimizer_kwargs!r})") from exc
+
+
+def _failure_rows(failure: Any) -> list[Divergence]:
+    kind = "rank timed out" if failure.kind == "timeout" else "rank failed"
+    rows = []
+    for state in failure.ranks:
+        if state.rank in failure.guilty:
+            last = state.detail.strip().splitlines()[-1] if state.detail.strip() else state.status
+            rows.append(Divergence("-", failure.world_size, state.rank, "-", kind,
+                                   detail=last if state.status != "stuck" else "stuck"))
+    return rows
+
+
+def _check_target(target: Any) -> None:
+    if isinstance(target, type):
+        raise InvalidArgument(f"target={target.__qualname__} is a class; pass an instance, "
+                              f"such as {target.__qualname__}()")
+    missing = [m for m in ("configure", "supports", "wrap", "make_optimizer", "after_backward", "no_sync",
+                           "optimizer_state") if not callable(getattr(target, m, None))]
+    if missing:
+        raise InvalidArgument(f"target={target!r} lacks {missing}; subclass ddpcheck.Target")
+    try:
+        pickle.dumps(target)
+    except Exception as exc:
+        raise InvalidArgument(
+            f"target={target!r} cannot be pickled ({exc}); targets travel to every rank by "
+            "pickle, so define the class at module level of an importable module") from exc
+
+
+def target_spec(target: Any) -> str:
+    """``MODULE:NAME`` (or ``MODULE:EXPR``) that rebuilds ``target`` in another process."""
+    module_name = type(target).__module__
+    module = sys.modules.get(module_name)
+    for attr, value in vars(module).items() if module else ():
+        if value is target:
+            return f"{module_name}:{attr}"
+    if dataclasses.is_dataclass(target):
+        return f"{module_name}:{target!r}"
+    return f"{module_name}:{type(target).__qualname__}()"
+
+
+def replay_command(target: Any, scenario: Scenario, world_size: int) -> str:
+    return (f"python -m ddpcheck replay {shlex.quote(target_spec(target))} "
+            f"--world-size {world_size} --scenario {shlex.quote(repr(scenario))}")

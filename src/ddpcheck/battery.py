@@ -1,0 +1,44 @@
+"""The built-in battery: representative scenarios ``assert_equivalent`` runs when given none.
+
+Each one aims at bug classes of the catalogue (shared/bug-catalogue.md): tied weights (B4),
+unused and frozen parameters (B1, B3, B11), buffers and rank-0 initialisation (D1, D2), several
+param groups with a schedule (E4, E5), accumulation (B2, C1-C3), tiny and large buckets (B1, B6),
+non-contiguous gradients (B9), mixed dtypes (B10), uneven and tiny batches (A3, E2), SGD for scale
+bugs (A1, A2) and Adam/AdamW for state bugs (E3, E7).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddpcheck import zoo
+from ddpcheck.scenario import Scenario
+
+__all__ = ["BATTERY"]
+
+_SGD_MOMENTUM = {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}
+
+#: (name, scenario) pairs, cheapest first.
+BATTERY: list[tuple[str, Scenario]] = [
+    ("mlp-sgd", Scenario(zoo.MLP, global_batch=8, steps=2)),
+    ("tied-sgd-momentum", Scenario(zoo.Tied, optimizer_kwargs=_SGD_MOMENTUM, global_batch=7,
+                                   steps=3, seed=1)),
+    ("unused-frozen-adamw", Scenario(zoo.UnusedAndFrozen, optimizer=torch.optim.AdamW,
+                                     optimizer_kwargs={"lr": 0.01, "weight_decay": 0.1},
+                                     global_batch=9, steps=3, seed=2)),
+    ("sample-branch-accumulate", Scenario(zoo.SampleBranch, optimizer_kwargs=_SGD_MOMENTUM,
+                                          global_batch=11, steps=2, accumulation=3, seed=3,
+                                          bucket_size_mb=1e-6)),
+    ("buffers-groups-schedule", Scenario(zoo.WithBuffers, optimizer=torch.optim.Adam,
+                                         optimizer_kwargs={"lr": 0.02},
+                                         param_groups=zoo.BiasGroups(lr=0.05, weight_decay=0.0),
+                                         lr_decay=0.5, global_batch=6, steps=3, seed=4)),
+    ("non-contiguous-one-bucket", Scenario(zoo.NonContiguous, optimizer_kwargs={"lr": 0.1},
+                                           global_batch=5, steps=2, seed=5,
+                                           bucket_size_mb=1000.0, set_to_none=False)),
+    ("mixed-dtypes-sum", Scenario(zoo.MixedPrecision, optimizer_kwargs={"lr": 0.05},
+                                  global_batch=8, steps=2, reduction="sum", seed=6,
+                                  bucket_size_mb=1e-6)),
+    ("tiny-batch", Scenario(zoo.SampleBranch, optimizer=torch.optim.Adam,
+                            optimizer_kwargs={"lr": 0.01}, global_batch=3, steps=2, seed=7)),
+]

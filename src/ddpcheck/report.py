@@ -1,0 +1,113 @@
+"""How divergences are reported: one table, the details of the first row, and a replay line.
+
+Numbers we compute are rounded to 3 significant figures; the statistics of the first mismatch
+are ``torch.testing.assert_close``'s own message, unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+__all__ = ["Divergence", "EquivalenceError", "format_table"]
+
+#: Rows shown in an EquivalenceError message; the rest are counted.
+MAX_ROWS = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """One thing that differs: where (step, world size, rank, parameter), what, and how much."""
+
+    step: Any  # int, or "init" before the first step
+    world_size: int
+    rank: int | None  # None: not one rank's fault (e.g. state held by several ranks)
+    name: str
+    kind: str
+    max_abs: float | None = None
+    max_rel: float | None = None
+    detail: str = ""
+
+    @classmethod
+    def of(cls, step: Any, world_size: int, rank: int | None, name: str, kind: str,
+           got: torch.Tensor, expected: torch.Tensor, got_label: tuple, expected_label: tuple,
+           rtol: float = 0.0, atol: float = 0.0) -> "Divergence":
+        """A divergence between two tensors, with assert_close's statistics as the detail."""
+        diff = (got.double() - expected.double()).abs()
+        rel = diff / expected.double().abs().clamp_min(torch.finfo(torch.float64).tiny)
+        finite = torch.isfinite(diff)
+        max_abs = float(diff[finite].max()) if finite.any() else float("inf")
+        max_rel = float(rel[finite].max()) if finite.any() else float("inf")
+        try:
+            torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, equal_nan=True,
+                                       check_dtype=False)
+            message = "(differs only where assert_close is more lenient than the oracle)"
+        except AssertionError as exc:
+            message = str(exc)
+        who = "rank {}".format(got_label[1]) if got_label[0] == "rank" else got_label[0]
+        than = ("rank {}".format(expected_label[1]) if expected_label[0] == "rank"
+                else expected_label[0])
+        return cls(step, world_size, rank, name, kind, max_abs, max_rel,
+                   f"{who} vs {than}: {message}")
+
+    def row(self) -> list[str]:
+        return [str(self.step), str(self.world_size), "-" if self.rank is None else str(self.rank),
+                self.name, self.kind, _sig(self.max_abs), _sig(self.max_rel)]
+
+
+def _sig(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def format_table(divergences: list[Divergence], max_rows: int = MAX_ROWS) -> str:
+    header = ["step", "W", "rank", "parameter", "kind", "max abs", "max rel"]
+    rows = [d.row() for d in divergences[:max_rows]]
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header] + rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    if len(divergences) > max_rows:
+        lines.append(f"... and {len(divergences) - max_rows} more")
+    return "\n".join(lines)
+
+
+class EquivalenceError(AssertionError):
+    """A target diverged from its replicas or from the full-batch reference, broke the
+    communication budget, or a rank failed or timed out.
+
+    Attributes: ``divergences`` (the rows), ``scenario``, ``world_size``, ``target`` and
+    ``replay`` (a shell command that runs this one example again).
+    """
+
+    def __init__(self, divergences: list[Divergence], *, scenario: Any, world_size: int,
+                 target: Any, replay: str, failure: Any = None, name: str | None = None):
+        self.divergences = divergences
+        self.scenario = scenario
+        self.world_size = world_size
+        self.target = target
+        self.replay = replay
+        self.failure = failure  # a ddpcheck.world.WorldFailure, for rank failures and timeouts
+        self.name = name
+        super().__init__(self._format())
+
+    @property
+    def kinds(self) -> list[str]:
+        return list(dict.fromkeys(d.kind for d in self.divergences))
+
+    def _format(self) -> str:
+        first = self.divergences[0]
+        label = f" ({self.name})" if self.name else ""
+        lines = [f"{type(self.target).__name__} diverged at world size {self.world_size}"
+                 f"{label}: {first.kind}",
+                 f"scenario: {self.scenario!r}",
+                 "",
+                 format_table(self.divergences)]
+        details = [d for d in self.divergences if d.detail][:1]
+        for d in details:
+            where = f"step {d.step}, rank {'-' if d.rank is None else d.rank}, {d.name!r}"
+            lines += ["", f"first divergence ({where}):", d.detail]
+        if self.failure is not None:
+            lines += ["", str(self.failure)]
+        lines += ["", f"replay: {self.replay}"]
+        return "\n".join(lines)

@@ -1,0 +1,181 @@
+"""What one equivalence example trains, and the rules that make it comparable.
+
+A :class:`Scenario` is plain, picklable data: a model factory, a data function, an optimizer with
+its keyword arguments, optional parameter groups and learning-rate decay, the global batch size,
+steps, accumulation, dtype and seed. Its ``repr`` is Python code, so a failing example prints as a
+line that :func:`from_repr` turns back into the same scenario (the replay command uses this).
+
+The batch rule (documented in the README): the global batch of B samples is split into W
+contiguous shards with ``torch.tensor_split`` -- the first ``B % W`` ranks get one sample more, a
+rank may get none when B < W -- and each shard into ``accumulation`` micro-batches the same way.
+Every sample is used exactly once. A rank back-propagates ``sum of its samples' losses * W / B``
+(``* W`` only for ``reduction="sum"``), so that the *average* over ranks that data-parallel code
+computes weighs every sample exactly as the full-batch reference does, whatever the split.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ddpcheck import zoo
+from ddpcheck._validation import InvalidArgument
+
+__all__ = ["Scenario", "build_model", "from_repr", "global_batch", "local_micro_batches",
+           "per_sample_loss"]
+
+_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """One training run to compare: every rank and the reference build it identically."""
+
+    model: Callable[[], nn.Module] = zoo.MLP
+    data: Callable[[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = zoo.regression_data
+    optimizer: type = torch.optim.SGD
+    optimizer_kwargs: dict = dataclasses.field(default_factory=lambda: {"lr": 0.1})
+    param_groups: Callable[[nn.Module], list] | None = None
+    lr_decay: float | None = None  # ExponentialLR gamma, stepped after every optimizer step
+    global_batch: int = 8
+    steps: int = 2
+    accumulation: int = 1
+    dtype: str = "float64"
+    reduction: str = "mean"  # the global objective: mean or sum of per-sample losses
+    seed: int = 0
+    bucket_size_mb: float | None = None  # a hint for targets that bucket (None: their default)
+    set_to_none: bool = True  # zero_grad(set_to_none=...)
+    rank_seeds: bool = True  # initialise each rank differently: rank 0's weights must win
+
+    def __post_init__(self):
+        _check_int("global_batch", self.global_batch, 1)
+        _check_int("steps", self.steps, 1)
+        _check_int("accumulation", self.accumulation, 1)
+        _check_int("seed", self.seed, 0)
+        if self.dtype not in _DTYPES:
+            raise InvalidArgument(f"dtype={self.dtype!r} must be one of {sorted(_DTYPES)}")
+        if self.reduction not in ("mean", "sum"):
+            raise InvalidArgument(f"reduction={self.reduction!r} must be 'mean' or 'sum'")
+        if not callable(self.model):
+            raise InvalidArgument(f"model={self.model!r} must be a callable returning an "
+                                  "nn.Module, such as a module class")
+        if not (isinstance(self.optimizer, type) and issubclass(self.optimizer, torch.optim.Optimizer)):
+            raise InvalidArgument(f"optimizer={self.optimizer!r} must be a torch.optim.Optimizer "
+                                  "subclass, such as torch.optim.SGD")
+        if not isinstance(self.optimizer_kwargs, dict):
+            raise InvalidArgument(f"optimizer_kwargs={self.optimizer_kwargs!r} must be a dict")
+        if self.lr_decay is not None and not 0 < self.lr_decay <= 1:
+            raise InvalidArgument(f"lr_decay={self.lr_decay!r} must be in (0, 1]")
+        if self.bucket_size_mb is not None and not self.bucket_size_mb > 0:
+            raise InvalidArgument(f"bucket_size_mb={self.bucket_size_mb!r} must be positive")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def __repr__(self) -> str:
+        fields = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if value != default or f.name == "model":
+                fields.append(f"{f.name}={_code(value)}")
+        return f"ddpcheck.Scenario({', '.join(fields)})"
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgument(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+def _code(value: Any) -> str:
+    """Python source that evaluates to ``value`` (classes and functions by their import path)."""
+    if isinstance(value, type) or (callable(value) and hasattr(value, "__qualname__")):
+        return f"{value.__module__}.{value.__qualname__}"
+    if dataclasses.is_dataclass(value):
+        args = ", ".join(f"{f.name}={_code(getattr(value, f.name))}"
+                         for f in dataclasses.fields(value))
+        return f"{type(value).__module__}.{type(value).__qualname__}({args})"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_code(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_code(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+class _AutoImport(dict):
+    """Evaluation namespace that imports ``a.b.c`` references on first use."""
+
+    def __missing__(self, name: str) -> Any:
+        if hasattr(builtins, name):
+            return getattr(builtins, name)
+        module = importlib.import_module(name)
+        self[name] = module
+        return module
+
+
+def from_repr(text: str) -> Scenario:
+    """Rebuild a scenario from its ``repr`` (modules it names are imported)."""
+    import ddpcheck
+
+    namespace = _AutoImport(ddpcheck=ddpcheck, torch=torch)
+    scenario = eval(text, namespace)  # noqa: S307 -- the text is a replay line we printed
+    if not isinstance(scenario, Scenario):
+        raise InvalidArgument(f"{text!r} does not describe a ddpcheck.Scenario")
+    return scenario
+
+
+# ---------------------------------------------------------------------------------------------
+# Building: the same code runs in every rank and in the reference.
+
+
+def build_model(scenario: Scenario, seed: int) -> nn.Module:
+    """The scenario's model, initialised from ``seed``, in the scenario's dtype."""
+    torch.manual_seed(seed)
+    model = scenario.model()
+    if not isinstance(model, nn.Module):
+        raise InvalidArgument(f"model={_code(scenario.model)} returned {type(model).__name__}, "
+                              "not a torch.nn.Module")
+    if not getattr(model, "keeps_dtypes", False):
+        model = model.to(scenario.torch_dtype)
+    return model
+
+
+def parameter_dtypes(scenario: Scenario) -> set[torch.dtype]:
+    """The dtypes of the scenario's parameters (builds the model once)."""
+    return {p.dtype for p in build_model(scenario, scenario.seed).parameters()}
+
+
+def make_param_groups(scenario: Scenario, model: nn.Module) -> list:
+    if scenario.param_groups is None:
+        return list(model.parameters())
+    return scenario.param_groups(model)
+
+
+def global_batch(scenario: Scenario, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole batch of one step (different data every step)."""
+    return scenario.data(scenario.seed * 1_000 + step, scenario.global_batch, scenario.torch_dtype)
+
+
+def local_micro_batches(scenario: Scenario, step: int, rank: int, world_size: int):
+    """This rank's micro-batches of one step, each as ``(x, y)`` (possibly empty)."""
+    x, y = global_batch(scenario, step)
+    xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
+    return list(zip(torch.tensor_split(xs, scenario.accumulation),
+                    torch.tensor_split(ys, scenario.accumulation)))
+
+
+def per_sample_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Squared error per sample, ``(b,)``, accumulated in the output's dtype."""
+    return ((out - y) ** 2).flatten(1).sum(dim=1)
+
+
+def loss_scale(scenario: Scenario, world_size: int) -> float:
+    """Multiplier of a rank's summed sample losses (see the module docstring)."""
+    return world_size / scenario.global_batch if scenario.reduction == "mean" else world_size

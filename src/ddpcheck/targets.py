@@ -1,0 +1,174 @@
+"""Targets: how an implementation under test is driven inside each rank.
+
+A :class:`Target` is pickled to every rank process, so subclasses must be defined at module level
+of an importable module. The runner calls, per example and per rank::
+
+    target = target.configure(scenario)          # read hints such as bucket_size_mb
+    model = target.wrap(module)
+    optimizer = target.make_optimizer(params, optimizer_cls, **kwargs)
+    for each step:
+        for each micro-batch but the last:  with target.no_sync(model): forward/backward
+        last micro-batch:                   forward/backward
+        target.after_backward(model, optimizer)
+        optimizer.step(); optimizer.zero_grad(...)
+
+and reads ``target.optimizer_state(optimizer)`` to check that optimizer state matches the
+reference and -- when ``shards_optimizer_state`` is true -- that each parameter's state lives on
+exactly one rank. ``flattened_broadcasts`` opts into the broadcast budget (see ``oracle``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, ContextManager, Mapping
+
+__all__ = ["LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP", "TORCH_ZERO", "BUILTIN",
+           "LocalTarget", "ParallelDDPTarget", "ParallelTarget", "Target", "TorchDDPTarget",
+           "TorchZeroTarget"]
+
+
+class Target:
+    """Base class: no wrapping, the plain optimizer, no synchronisation (override what you need)."""
+
+    #: True when the optimizer keeps each parameter's state on one rank only (ZeRO-1 style).
+    shards_optimizer_state: bool = False
+    #: True when updated parameters travel in one flattened broadcast per owner rank and dtype;
+    #: the oracle then fails a step with more broadcasts than W x parameter dtypes.
+    flattened_broadcasts: bool = False
+
+    def configure(self, scenario: Any) -> "Target":
+        """Return the target to use for this scenario (default: itself)."""
+        return self
+
+    def supports(self, scenario: Any) -> str | None:
+        """None when the target can run ``scenario``; otherwise why not (the example is skipped
+        and the reason reported). Called in the parent process, before any rank runs."""
+        return None
+
+    def wrap(self, module: Any) -> Any:
+        return module
+
+    def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
+        return optimizer_cls(params, **kwargs)
+
+    def after_backward(self, model: Any, optimizer: Any) -> None:
+        """Called after the last micro-batch's backward, before ``optimizer.step()``."""
+
+    def no_sync(self, model: Any) -> ContextManager[Any]:
+        """Context for accumulation micro-batches whose gradients stay local."""
+        return contextlib.nullcontext()
+
+    def optimizer_state(self, optimizer: Any) -> Mapping[Any, dict]:
+        """The optimizer state this rank holds, keyed by parameter tensor."""
+        return optimizer.state
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bucketed(Target):
+    """A target whose wrapper buckets gradients; takes the scenario's bucket size hint."""
+
+    bucket_size_mb: float | None = None
+
+    def configure(self, scenario: Any) -> "Target":
+        hint = getattr(scenario, "bucket_size_mb", None)
+        if hint is None or self.bucket_size_mb is not None:
+            return self
+        return dataclasses.replace(self, bucket_size_mb=hint)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelDDPTarget(_Bucketed):
+    """``parallel.DDP`` with the plain optimizer."""
+
+    def wrap(self, module: Any) -> Any:
+        from parallel import DDP
+
+        return DDP(module, bucket_size_mb=self.bucket_size_mb or 25.0)
+
+    def after_backward(self, model: Any, optimizer: Any) -> None:
+        model.finish_gradient_sync()
+
+    def no_sync(self, model: Any) -> ContextManager[Any]:
+        return model.no_sync()
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelTarget(ParallelDDPTarget):
+    """``parallel.DDP`` with ``parallel.ShardedOptimizer`` (the built-in ``parallel`` target)."""
+
+    sharding_rule: Any = None  # None: the ShardedOptimizer's default (sharding.modulo)
+    shards_optimizer_state = True
+    flattened_broadcasts = True
+
+    def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
+        from parallel import ShardedOptimizer
+
+        if self.sharding_rule is not None:
+            kwargs["sharding_rule"] = self.sharding_rule
+        return ShardedOptimizer(params, optimizer_cls, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchDDPTarget(_Bucketed):
+    """torch's ``DistributedDataParallel`` with the plain optimizer."""
+
+    def wrap(self, module: Any) -> Any:
+        from torch.nn.parallel import DistributedDataParallel
+
+        kwargs = {} if self.bucket_size_mb is None else {"bucket_cap_mb": self.bucket_size_mb}
+        # Unused parameters are part of every battery; torch needs to be told to look for them.
+        return DistributedDataParallel(module, find_unused_parameters=True, **kwargs)
+
+    def no_sync(self, model: Any) -> ContextManager[Any]:
+        return model.no_sync()
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchZeroTarget(TorchDDPTarget):
+    """torch DDP with ``ZeroRedundancyOptimizer``."""
+
+    shards_optimizer_state = True
+
+    def supports(self, scenario: Any) -> str | None:
+        from ddpcheck.scenario import parameter_dtypes
+
+        if len(parameter_dtypes(scenario)) > 1:
+            return "ZeroRedundancyOptimizer requires one dtype for all parameters"
+        return None
+
+    def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        params = list(params)
+        if params and isinstance(params[0], dict):
+            first, *rest = params
+            first = dict(first)
+            optimizer = ZeroRedundancyOptimizer(first.pop("params"), optimizer_class=optimizer_cls,
+                                                **{**kwargs, **first})
+            for group in rest:  # a later group falls back to the kwargs, not to group 0's values
+                optimizer.add_param_group({**kwargs, **group})
+            return optimizer
+        # Not parameters_as_bucket_view=True: on torch 2.13 it scrambles a non-contiguous
+        # parameter (the battery's non-contiguous scenario diverges at W=1), so ZeRO broadcasts
+        # one parameter at a time and this target does not promise flattened broadcasts.
+        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_cls, **kwargs)
+
+    def optimizer_state(self, optimizer: Any) -> Mapping[Any, dict]:
+        return optimizer.optim.state  # the local shard's inner optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalTarget(Target):
+    """No synchronisation at all: every rank trains on its own shard. Fails for W > 1."""
+
+
+PARALLEL = ParallelTarget()
+PARALLEL_DDP = ParallelDDPTarget()
+TORCH_DDP = TorchDDPTarget()
+TORCH_ZERO = TorchZeroTarget()
+LOCAL = LocalTarget()
+
+#: Built-in targets by the short names the command line accepts.
+BUILTIN = {"parallel": PARALLEL, "parallel_ddp": PARALLEL_DDP, "torch_ddp": TORCH_DDP,
+           "torch_zero": TORCH_ZERO, "local": LOCAL}
