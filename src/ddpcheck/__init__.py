@@ -3,15 +3,39 @@
 It runs a target (a DDP wrapper, a sharded optimizer, or both) in real multi-process
 ``torch.distributed`` worlds and checks that every replica stays bitwise identical and that all of
 them match a single-process full-batch reference step.
+
+Names are imported lazily, so ``import ddpcheck.pytest_plugin`` (loaded by every pytest run) and
+the command line's ``--help`` do not import torch.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from ddpcheck._validation import InvalidArgument
-from ddpcheck.api import Report, assert_equivalent
-from ddpcheck.report import Divergence, EquivalenceError
-from ddpcheck.scenario import Scenario
-from ddpcheck.targets import Target
 
 __version__ = "0.1.0"
 
-__all__ = ["Divergence", "EquivalenceError", "InvalidArgument", "Report", "Scenario", "Target",
-           "__version__", "assert_equivalent"]
+_LAZY = {
+    "Divergence": "ddpcheck.report",
+    "EquivalenceError": "ddpcheck.report",
+    "Report": "ddpcheck.api",
+    "Scenario": "ddpcheck.scenario",
+    "Target": "ddpcheck.targets",
+    "assert_equivalent": "ddpcheck.api",
+}
+
+__all__ = ["InvalidArgument", "__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ddpcheck' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,15 +1,165 @@
-"""The ``ddpcheck`` command line (placeholder until the harness lands)."""
+"""The ``ddpcheck`` command line.
+
+Exit status: 0 nothing found, 1 a counterexample (printed with its replay line), 2 a usage or
+set-up error. ``MODULE:TARGET`` names a module-level attribute importable on ``PYTHONPATH`` (or an
+expression evaluated in that module, such as ``mypkg.targets:MyTarget(bucket_size_mb=1)``); the
+built-in short names are ``parallel``, ``parallel_ddp``, ``torch_ddp``, ``torch_zero``, ``local``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
+import time
+from typing import Any
+
+EXIT_OK, EXIT_FOUND, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A command-line mistake: printed without a traceback, exit status 2."""
+
+
+def resolve_target(spec: str) -> Any:
+    """``parallel`` / ``MODULE:ATTR`` / ``MODULE:EXPR`` -> a target instance."""
+    from ddpcheck.targets import BUILTIN
+
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    return _resolve(spec, "target")
+
+
+def _resolve(spec: str, what: str) -> Any:
+    if ":" not in spec:
+        raise UsageError(f"{what} {spec!r} must look like MODULE:NAME (for example "
+                         f"mypkg.checks:MY_{what.upper()})")
+    module_name, expr = spec.split(":", 1)
+    sys.path.insert(0, os.getcwd())  # like `python -m`, modules in the current directory count
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"cannot import {module_name!r} for {what} {spec!r}: {exc}") from exc
+    try:
+        return eval(expr, vars(module))  # noqa: S307 -- the user's own module and expression
+    except Exception as exc:
+        raise UsageError(f"{what} {spec!r}: {expr!r} is not defined in {module_name} "
+                         f"({type(exc).__name__}: {exc})") from exc
+
+
+def _world_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--world-sizes={text!r} must be comma-separated "
+                                         "integers, such as 1,2,3,4") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"--world-sizes={text!r} must list positive integers")
+    return sizes
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddpcheck",
+        description="Find bugs in data-parallel training code: run it in real multi-process "
+                    "worlds against a single-process full-batch reference.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    check = sub.add_parser("check", help="check a target (default: the built-in parallel target)",
+                           description="Run the built-in battery of scenarios against a target "
+                                       "at every world size. Exit 0 if nothing diverges, 1 with "
+                                       "a counterexample, 2 on a usage error.")
+    check.add_argument("target", nargs="?", default="parallel", metavar="MODULE:TARGET")
+    check.add_argument("--world-sizes", type=_world_sizes, default=(1, 2, 3, 4),
+                       help="comma-separated world sizes (default 1,2,3,4)")
+    check.add_argument("--deadline", type=_positive(float), default=60.0,
+                       help="seconds one example may take before it counts as hung (default 60)")
+
+    replay = sub.add_parser("replay", help="run one example again (the line a failure prints)")
+    replay.add_argument("target", metavar="MODULE:TARGET")
+    replay.add_argument("--world-size", type=_positive(int), required=True)
+    replay.add_argument("--scenario", required=True, help="the scenario's repr, as printed")
+    replay.add_argument("--deadline", type=_positive(float), default=60.0)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ddpcheck", description=__doc__)
-    parser.parse_args(argv)
-    return 0
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    import warnings
+
+    # torch warns at import when numpy is missing; ddpcheck does not need numpy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import ddpcheck
+
+    try:
+        if args.command == "check":
+            return _check(args)
+        if args.command == "replay":
+            return _replay(args)
+    except (UsageError, ddpcheck.InvalidArgument) as exc:
+        print(f"ddpcheck {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        from ddpcheck.world import shutdown_worlds
+
+        shutdown_worlds()
+        print("ddpcheck: interrupted; every rank process was stopped", file=sys.stderr)
+        return 130
+    raise AssertionError(f"unhandled command {args.command!r}")
+
+
+def _check(args: argparse.Namespace) -> int:
+    import ddpcheck
+
+    target = resolve_target(args.target)
+    started = time.perf_counter()
+    try:
+        report = ddpcheck.assert_equivalent(target, world_sizes=args.world_sizes,
+                                            deadline=args.deadline)
+    except ddpcheck.EquivalenceError as exc:
+        print(str(exc))
+        return EXIT_FOUND
+    print(f"ddpcheck check {args.target}: {report} "
+          f"(wall {time.perf_counter() - started:.1f} s, world start-up included)")
+    return EXIT_OK
+
+
+def _replay(args: argparse.Namespace) -> int:
+    import ddpcheck
+    from ddpcheck.api import check_example
+    from ddpcheck.scenario import from_repr
+
+    target = resolve_target(args.target)
+    try:
+        scenario = from_repr(args.scenario)
+    except ddpcheck.InvalidArgument:
+        raise
+    except Exception as exc:
+        raise UsageError(f"--scenario could not be read: {type(exc).__name__}: {exc}") from exc
+    try:
+        check_example(target, scenario, args.world_size, deadline=args.deadline)
+    except ddpcheck.EquivalenceError as exc:
+        print(str(exc))
+        return EXIT_FOUND
+    print(f"ddpcheck replay: equivalent at world size {args.world_size}")
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ STARTUP_DEADLINE = 120.0
 FAILURE_GRACE = 2.0
 
 _SHUTDOWN = b""
+_NUMPY_WARNING = "ignore:Failed to initialize NumPy"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,6 +186,27 @@ class World:
         self._procs, self._conns = [], []
         self._logs = [os.path.join(self._dir, f"rank{r}.log") for r in range(self.world_size)]
         self._stacks = [os.path.join(self._dir, f"rank{r}.stack") for r in range(self.world_size)]
+        # torch warns at import when numpy is missing; in a rank that is noise on the user's
+        # terminal (spawn imports it before our log redirection), so the children ignore it.
+        saved = os.environ.get("PYTHONWARNINGS")
+        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [saved, _NUMPY_WARNING]))
+        try:
+            self._spawn(ctx, store_path)
+        finally:
+            if saved is None:
+                del os.environ["PYTHONWARNINGS"]
+            else:
+                os.environ["PYTHONWARNINGS"] = saved
+        _LIVE.add(self)
+        self._alive = True
+        try:
+            self._collect("world start-up", deadline)
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def _spawn(self, ctx: Any, store_path: str) -> None:
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(
@@ -198,14 +220,6 @@ class World:
             child_end.close()
             self._procs.append(proc)
             self._conns.append(parent_end)
-        _LIVE.add(self)
-        self._alive = True
-        try:
-            self._collect("world start-up", deadline)
-        except BaseException:
-            self.kill()
-            raise
-        return self
 
     def close(self, timeout: float = 5.0) -> None:
         """Ask every rank to exit, then make sure it has (killing stragglers)."""
