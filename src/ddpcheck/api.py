@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 from ddpcheck._validation import InvalidArgument, check_positive_number, check_world_sizes
 from ddpcheck.report import Divergence, EquivalenceError
-from ddpcheck.scenario import Scenario
+from ddpcheck.scenario import Scenario, import_path
 from ddpcheck.targets import Target
 
 __all__ = ["Report", "assert_equivalent", "check_example", "replay_command", "target_spec"]
@@ -112,7 +112,7 @@ def prepare_reference(scenario: Scenario) -> Any:
         if "__init__()" in str(exc) or "unexpected keyword" in str(exc):
             raise InvalidArgument(
                 f"optimizer_kwargs={scenario.optimizer_kwargs!r} were rejected by "
-                f"{scenario.optimizer.__module__}.{scenario.optimizer.__qualname__}: {exc}") from exc
+                f"{import_path(scenario.optimizer)}: {exc}") from exc
         raise
     except ValueError as exc:  # e.g. torch.optim's "Invalid learning rate: -1"
         raise InvalidArgument(

@@ -96,7 +96,7 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 def _code(value: Any) -> str:
     """Python source that evaluates to ``value`` (classes and functions by their import path)."""
     if isinstance(value, type) or (callable(value) and hasattr(value, "__qualname__")):
-        return f"{value.__module__}.{value.__qualname__}"
+        return import_path(value)
     if dataclasses.is_dataclass(value):
         args = ", ".join(f"{f.name}={_code(getattr(value, f.name))}"
                          for f in dataclasses.fields(value))
@@ -107,6 +107,17 @@ def _code(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {_code(v)}" for k, v in value.items()) + "}"
     return repr(value)
+
+
+def import_path(obj: Any) -> str:
+    """The shortest ``package.name`` that reaches ``obj`` (torch.optim.Adam, not
+    torch.optim.adam.Adam: submodules are not always attributes of their package)."""
+    parts = obj.__module__.split(".")
+    for i in range(1, len(parts) + 1):
+        module = importlib.import_module(".".join(parts[:i]))
+        if getattr(module, obj.__qualname__, None) is obj:
+            return f"{module.__name__}.{obj.__qualname__}"
+    return f"{obj.__module__}.{obj.__qualname__}"
 
 
 class _AutoImport(dict):

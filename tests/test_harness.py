@@ -1,0 +1,312 @@
+"""The harness core: built-in targets pass the battery, broken ones fail loudly and fast.
+
+Targets defined here travel to rank processes by pickle (``tests.test_harness.X``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ddpcheck
+from ddpcheck import targets, zoo
+from ddpcheck.api import check_example
+from ddpcheck.scenario import Scenario, from_repr
+from ddpcheck.world import get_world
+
+ALL_SIZES = (1, 2, 3, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in targets
+
+
+@pytest.mark.parametrize("name", ["PARALLEL", "PARALLEL_DDP", "TORCH_DDP", "TORCH_ZERO"])
+def test_builtin_targets_pass_the_battery(name):
+    report = ddpcheck.assert_equivalent(getattr(targets, name), world_sizes=ALL_SIZES)
+    from ddpcheck.battery import BATTERY
+
+    assert report.count + len(report.skipped) * len(ALL_SIZES) == len(BATTERY) * len(ALL_SIZES)
+    if name == "TORCH_ZERO":
+        assert report.skipped == [("mixed-dtypes-sum",
+                                   "ZeroRedundancyOptimizer requires one dtype for all parameters")]
+    else:
+        assert not report.skipped
+
+
+def test_local_passes_alone_and_fails_with_replicas_diverging():
+    ddpcheck.assert_equivalent(targets.LOCAL, world_sizes=(1,))
+    with pytest.raises(ddpcheck.EquivalenceError) as info:
+        ddpcheck.assert_equivalent(targets.LOCAL, world_sizes=(2,))
+    err = info.value
+    assert err.world_size == 2
+    assert err.kinds[0] == "replicas differ (initial state)"
+    text = str(err)
+    assert "step  W  rank  parameter" in text
+    assert "Tensor-likes are not equal!" in text
+    assert "replay: python -m ddpcheck replay ddpcheck.targets:LOCAL --world-size 2" in text
+
+
+@dataclasses.dataclass(frozen=True)
+class SameInitLocal(targets.LocalTarget):
+    """Identical initial weights, but still no synchronisation: the reference catches it."""
+
+
+def test_unsynchronised_training_is_caught_by_the_reference_and_replicas():
+    scenario = Scenario(zoo.MLP, rank_seeds=False)
+    with pytest.raises(ddpcheck.EquivalenceError) as info:
+        check_example(SameInitLocal(), scenario, 2)
+    kinds = info.value.kinds
+    assert "replicas differ (gradient)" in kinds
+    assert "reference differs (gradient)" in kinds
+
+
+# ---------------------------------------------------------------------------------------------
+# Numerically invisible bugs: the state-placement and communication-budget checks
+
+
+@dataclasses.dataclass(frozen=True)
+class AveragesTwice(targets.ParallelDDPTarget):
+    """Averages the already averaged gradients again: no number changes at W=2."""
+
+    def after_backward(self, model, optimizer):
+        model.finish_gradient_sync()
+        for p in model.module.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad.div_(dist.get_world_size())
+
+
+@dataclasses.dataclass(frozen=True)
+class EveryRankStepsEverything(targets.ParallelDDPTarget):
+    """Claims to shard optimizer state but keeps all of it on every rank."""
+
+    shards_optimizer_state = True
+
+
+@dataclasses.dataclass(frozen=True)
+class BroadcastsEachParameter(targets.ParallelDDPTarget):
+    """Broadcasts every parameter on its own after the step (correct numbers, wasted calls)."""
+
+    flattened_broadcasts = True
+
+    def make_optimizer(self, params, optimizer_cls, **kwargs):
+        return _BroadcastingSGD(params, **kwargs)
+
+
+class _BroadcastingSGD(torch.optim.SGD):
+    def step(self, closure=None):
+        super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                dist.broadcast(p.data, src=0)
+
+
+@pytest.mark.parametrize("target, kind", [
+    (AveragesTwice(), "communication over budget"),
+    (EveryRankStepsEverything(), "optimizer state misplaced"),
+    (BroadcastsEachParameter(), "communication over budget"),
+])
+def test_bugs_that_change_no_number_are_still_caught(target, kind):
+    scenario = Scenario(zoo.MLP, optimizer_kwargs={"lr": 0.1, "momentum": 0.9})
+    with pytest.raises(ddpcheck.EquivalenceError) as info:
+        check_example(target, scenario, 2)
+    assert info.value.kinds == [kind]
+
+
+# ---------------------------------------------------------------------------------------------
+# Failing and hanging ranks
+
+
+@dataclasses.dataclass(frozen=True)
+class RaisesOnRankOne(targets.ParallelDDPTarget):
+    def after_backward(self, model, optimizer):
+        if dist.get_rank() == 1:
+            raise RuntimeError("deliberate failure on rank 1")
+        model.finish_gradient_sync()
+
+
+@dataclasses.dataclass(frozen=True)
+class HangsOnRankZero(targets.ParallelDDPTarget):
+    def after_backward(self, model, optimizer):
+        if dist.get_rank() == 0:
+            time.sleep(3600)
+        model.finish_gradient_sync()
+
+
+def test_a_rank_that_raises_is_reported_and_the_world_replaced():
+    old_pids = get_world(2).pids
+    started = time.monotonic()
+    with pytest.raises(ddpcheck.EquivalenceError) as info:
+        check_example(RaisesOnRankOne(), Scenario(), 2, deadline=20)
+    assert time.monotonic() - started < 20 + 5
+    err = info.value
+    assert err.kinds == ["rank failed"]
+    assert [d.rank for d in err.divergences] == [1]
+    assert "RuntimeError: deliberate failure on rank 1" in str(err)
+    assert "rank 0: did not return in time; it was here:" in str(err)
+    assert not any(_alive(pid) for pid in old_pids)
+    check_example(targets.PARALLEL, Scenario(), 2)  # a fresh world works
+    assert set(get_world(2).pids).isdisjoint(old_pids)
+
+
+def test_a_rank_that_hangs_times_out_with_its_stack():
+    started = time.monotonic()
+    with pytest.raises(ddpcheck.EquivalenceError) as info:
+        check_example(HangsOnRankZero(), Scenario(), 2, deadline=3)
+    assert time.monotonic() - started < 3 + 5
+    err = info.value
+    assert "rank timed out" in err.kinds
+    assert "test_harness.py\", line" in str(err) and "in after_backward" in str(err)
+    check_example(targets.PARALLEL, Scenario(), 2)
+
+
+def test_worlds_persist_across_examples():
+    pids = get_world(3).pids
+    for seed in range(10):
+        check_example(targets.PARALLEL, Scenario(zoo.Tied, seed=seed), 3)
+    assert get_world(3).pids == pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone as far as we are concerned.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_no_rank_outlives_its_harness_process(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent("""
+        import ddpcheck
+        from ddpcheck import targets
+        from ddpcheck.world import get_world
+        if __name__ == "__main__":
+            ddpcheck.assert_equivalent(targets.PARALLEL, world_sizes=(2,))
+            print(" ".join(map(str, get_world(2).pids)), flush=True)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+
+
+def test_ranks_die_with_a_killed_harness(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        from ddpcheck.world import get_world
+        if __name__ == "__main__":
+            print(" ".join(map(str, get_world(2).pids)), flush=True)
+            time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        proc.kill()
+
+
+# ---------------------------------------------------------------------------------------------
+# Replay and bad input
+
+
+def test_scenario_repr_is_code_that_rebuilds_it():
+    scenario = Scenario(zoo.WithBuffers, optimizer=torch.optim.Adam,
+                        optimizer_kwargs={"lr": 0.02, "betas": (0.8, 0.9)},
+                        param_groups=zoo.BiasGroups(lr=0.5), lr_decay=0.5, global_batch=5)
+    assert from_repr(repr(scenario)) == scenario
+
+
+def test_the_replay_line_replays(tmp_path):
+    with pytest.raises(ddpcheck.EquivalenceError) as info:
+        check_example(targets.LOCAL, Scenario(seed=3), 2)
+    command = info.value.replay
+    assert command.startswith("python -m ddpcheck replay ")
+    out = subprocess.run(command.replace("python", sys.executable, 1), shell=True,
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 1, out.stderr
+    assert "replicas differ (initial state)" in out.stdout
+
+
+def not_a_module():
+    return 42
+
+
+class _LocalScope:
+    pass
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"world_sizes": (0,)}, "world_sizes=(0,) contains 0; every world size must be a positive integer"),
+    ({"world_sizes": (2, -1)}, "world_sizes=(2, -1) contains -1"),
+    ({"world_sizes": (1.5,)}, "world_sizes=(1.5,) contains 1.5"),
+    ({"world_sizes": "2"}, "world_sizes='2' must be a sequence of positive integers"),
+    ({"world_sizes": ()}, "world_sizes=() is empty"),
+    ({"deadline": 0}, "deadline=0 must be a positive number"),
+    ({"scenario": "mlp"}, "scenario='mlp' must be a ddpcheck.Scenario"),
+    ({"scenario": Scenario(not_a_module)},
+     "model=tests.test_harness.not_a_module returned int, not a torch.nn.Module"),
+    ({"scenario": Scenario(optimizer_kwargs={"lr": 0.1, "momentum_typo": 0.9})},
+     "optimizer_kwargs={'lr': 0.1, 'momentum_typo': 0.9} were rejected by torch.optim.SGD"),
+    ({"scenario": Scenario(optimizer_kwargs={"lr": -1.0})}, "Invalid learning rate: -1.0"),
+])
+def test_bad_arguments_are_clear_errors(kwargs, message):
+    with pytest.raises(ddpcheck.InvalidArgument) as info:
+        ddpcheck.assert_equivalent(targets.PARALLEL, **{"world_sizes": (1,), **kwargs})
+    assert message in str(info.value)
+
+
+def test_bad_targets_are_clear_errors():
+    with pytest.raises(ddpcheck.InvalidArgument, match=r"is a class; pass an instance, such as "
+                                                        r"ParallelTarget\(\)"):
+        ddpcheck.assert_equivalent(targets.ParallelTarget, world_sizes=(1,))
+
+    class Local(ddpcheck.Target):
+        pass
+
+    with pytest.raises(ddpcheck.InvalidArgument, match="define the class at module level"):
+        ddpcheck.assert_equivalent(Local(), world_sizes=(1,))
+    with pytest.raises(ddpcheck.InvalidArgument, match=r"lacks \['configure', 'supports'"):
+        ddpcheck.assert_equivalent(object(), world_sizes=(1,))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("global_batch", 0, "global_batch=0 must be an integer >= 1"),
+    ("steps", 1.5, "steps=1.5 must be an integer >= 1"),
+    ("dtype", "float16", "dtype='float16' must be one of ['float32', 'float64']"),
+    ("optimizer", "sgd", "optimizer='sgd' must be a torch.optim.Optimizer subclass"),
+    ("reduction", "max", "reduction='max' must be 'mean' or 'sum'"),
+])
+def test_bad_scenarios_are_clear_errors(field, value, message):
+    with pytest.raises(ddpcheck.InvalidArgument) as info:
+        Scenario(**{field: value})
+    assert message in str(info.value)
