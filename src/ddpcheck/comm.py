@@ -4,7 +4,12 @@ Invariant: once :func:`install` ran in a rank process, each call of a wrapped ``
 function appends one :class:`Collective` to the current log *before* the call goes on the wire, so
 the log of a rank that hangs inside a collective still ends with that collective. The oracle uses
 the log for the communication budget (gradient bytes cross the wire once per step) and to point at
-the first collective where ranks disagree.
+the first collective where ranks disagree; ``ddpcheck trace`` draws it as a timeline.
+
+Timing: ``launched`` is taken at the call. A blocking call sets ``completed`` when it returns. An
+``async_op=True`` call returns the torch ``Work`` inside a thin proxy: ``completed`` is when the
+work finished (its future's callback, or else the ``wait()``), ``waited`` when ``wait()`` returned;
+a collective nobody waited for keeps both None.
 
 What it sees: calls made as ``torch.distributed.<op>(...)`` (``parallel/``, torch's
 ZeroRedundancyOptimizer, most hand-written code). What it cannot see: collectives issued from C++
@@ -13,12 +18,13 @@ ZeroRedundancyOptimizer, most hand-written code). What it cannot see: collective
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-__all__ = ["Collective", "install", "installed", "records", "reset", "summary"]
+__all__ = ["Collective", "install", "installed", "records", "reset", "summary", "tagged"]
 
 # op name -> (positional index of the tensor argument(s), name of the root argument or None)
 _OPS: dict[str, tuple[int, str | None]] = {
@@ -55,6 +61,8 @@ class Collective:
     async_op: bool
     launched: float  # time.perf_counter() at the call
     tag: str = ""  # what the caller said it carries (see `tagged`)
+    completed: float | None = None  # perf_counter() when the collective finished on this rank
+    waited: float | None = None  # perf_counter() when wait() returned (async_op=True only)
 
     def signature(self) -> tuple:
         """What every rank of the group must agree on for the collective to pair correctly."""
@@ -93,6 +101,16 @@ def reset() -> None:
 
 def installed() -> bool:
     return _installed
+
+
+@contextlib.contextmanager
+def tagged(text: str) -> Iterator[None]:
+    """Collectives issued inside this block carry ``text`` as their ``tag`` (innermost wins)."""
+    _tag.append(text)
+    try:
+        yield
+    finally:
+        _tag.pop()
 
 
 def summary(log: list[Collective]) -> dict[str, int]:
@@ -146,12 +164,51 @@ def _wrap(name: str, original: Callable[..., Any], index: int, root_name: str | 
             reduce_op=_op_name(reduce_op),
             async_op=bool(kwargs.get("async_op", _positional(original, args, "async_op") or False)),
             launched=time.perf_counter(),
+            tag=_tag[-1] if _tag else "",
         ))
-        return original(*args, **kwargs)
+        entry = _log[-1]
+        result = original(*args, **kwargs)
+        if entry.async_op and result is not None:
+            return _RecordedWork(result, entry)
+        _finish(entry, completed=time.perf_counter())
+        return result
 
     recorded.__ddpcheck_original__ = original  # type: ignore[attr-defined]
     _ = torch  # keep the import: tensors are inspected above
     return recorded
+
+
+def _finish(entry: Collective, completed: float, waited: float | None = None) -> None:
+    """Fill in the times of ``entry``, if it is still in the log (a reset may have dropped it)."""
+    for i in range(len(_log) - 1, -1, -1):
+        if _log[i] is entry:
+            _log[i] = dataclasses.replace(entry, completed=completed, waited=waited)
+            return
+
+
+class _RecordedWork:
+    """The ``Work`` of an async collective, timing its completion and its ``wait()``."""
+
+    def __init__(self, work: Any, entry: Collective):
+        self._work = work
+        self._entry = entry
+        self._done_at: float | None = None
+        try:  # gloo and nccl complete a future; its callback runs on the backend's thread
+            work.get_future().add_done_callback(self._on_done)
+        except Exception:  # no future on this backend: completion is taken at wait()
+            pass
+
+    def _on_done(self, _future: Any) -> None:
+        self._done_at = time.perf_counter()
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._work.wait(*args, **kwargs)
+        now = time.perf_counter()
+        _finish(self._entry, completed=min(self._done_at or now, now), waited=now)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
 
 
 def _tensors(obj: Any) -> list[Any]:
