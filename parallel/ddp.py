@@ -172,6 +172,14 @@ class DDP(nn.Module):
         _sync.mark_synchronized(self._params)
         self._reset_iteration()
 
+    @property
+    def bucket_layout(self) -> list[list[str]]:
+        """Parameter names of each bucket, in launch order (fixed at construction; no collective).
+
+        Bucket ``i`` travels as the ``i``-th gradient all-reduce of every synchronised step.
+        """
+        return [[self._names.get(p, "?") for p in b.params] for b in self._buckets]
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict, without a wrapper prefix."""
         return self.module.state_dict(*args, **kwargs)
