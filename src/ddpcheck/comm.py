@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import time
 from typing import Any, Callable, Iterator
 
@@ -88,6 +89,28 @@ class Collective:
 _log: list[Collective] = []
 _installed = False
 _tag: list[str] = []
+_sequence_fd: int | None = None  # the sequence file, opened O_APPEND; None: not recording
+
+
+def record_to(path: str | None) -> None:
+    """Also append every collective, from now on, to the sequence file ``path`` (None: stop)."""
+    global _sequence_fd
+    if _sequence_fd is not None:
+        os.close(_sequence_fd)
+        _sequence_fd = None
+    if path is not None:
+        _sequence_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o600)
+
+
+def restart_sequence() -> None:
+    """Empty the sequence file: the world calls this at the start of every task."""
+    if _sequence_fd is not None:
+        os.ftruncate(_sequence_fd, 0)  # O_APPEND: the next write lands at the new end
+
+
+def sequence_line(c: Collective) -> bytes:
+    """One record of the sequence file: the signature fields, as a Python literal."""
+    return (repr((c.op, c.dtypes, c.shapes, c.root, c.group, c.reduce_op)) + "\n").encode()
 
 
 def records() -> list[Collective]:
@@ -154,7 +177,7 @@ def _wrap(name: str, original: Callable[..., Any], index: int, root_name: str | 
         if reduce_op is None and name in ("all_reduce", "reduce", "reduce_scatter",
                                           "reduce_scatter_tensor"):
             reduce_op = dist.ReduceOp.SUM
-        _log.append(Collective(
+        record = Collective(
             op=name,
             nbytes=sum(t.numel() * t.element_size() for t in tensors),
             dtypes=tuple(str(t.dtype).replace("torch.", "") for t in tensors),
@@ -165,8 +188,11 @@ def _wrap(name: str, original: Callable[..., Any], index: int, root_name: str | 
             async_op=bool(kwargs.get("async_op", _positional(original, args, "async_op") or False)),
             launched=time.perf_counter(),
             tag=_tag[-1] if _tag else "",
-        ))
-        entry = _log[-1]
+        )
+        _log.append(record)
+        if _sequence_fd is not None:  # before the call: a rank stuck inside it still shows it
+            os.write(_sequence_fd, sequence_line(record))
+        entry = record
         result = original(*args, **kwargs)
         if entry.async_op and result is not None:
             return _RecordedWork(result, entry)

@@ -3,7 +3,8 @@
 Invariant: ``World.run(fn, *args)`` returns the list of every rank's ``fn(*args)`` only when *all*
 ranks returned. If any rank raises, exits, or misses the deadline, it raises :class:`WorldFailure`
 naming each rank's state (its traceback, its exit code, or a faulthandler dump of where it was
-stuck), and the world is torn down -- no process is left -- so the next :func:`get_world` spawns a
+stuck) and the first collective where the ranks' sequences disagree (``ddpcheck.sequences``), and
+the world is torn down -- no process is left -- so the next :func:`get_world` spawns a
 fresh one. Every wait here has a deadline.
 
 Why persistent: spawning a gloo world costs seconds (2.0 s at W=2, 4.6 s at W=4 on our machines),
@@ -86,31 +87,52 @@ class RankState:
 class WorldFailure(Exception):
     """A ``World.run`` that did not complete on every rank.
 
-    ``kind`` is ``"raised"`` (a rank raised an exception), ``"exited"`` (a rank process died) or
-    ``"timeout"`` (the deadline passed). ``ranks`` holds one :class:`RankState` per rank.
+    ``kind`` is ``"raised"`` (a rank raised an exception), ``"exited"`` (a rank process died),
+    ``"timeout"`` (the deadline passed) or ``"mismatch"`` (the ranks issued different collectives
+    at the same index, or a rank finished with fewer: the cause, whatever happened next).
+    ``ranks`` holds one :class:`RankState` per rank; ``disagreement`` the first collective where
+    the ranks' sequences disagree (a ``ddpcheck.sequences.Disagreement``, or None when they agree,
+    with ``collectives`` then saying how many they issued).
     """
 
-    def __init__(self, kind: str, world_size: int, ranks: list[RankState], what: str):
+    def __init__(self, kind: str, world_size: int, ranks: list[RankState], what: str,
+                 disagreement: Any = None, collectives: str = ""):
         self.kind = kind
         self.world_size = world_size
         self.ranks = ranks
         self.what = what
+        self.disagreement = disagreement
+        self.collectives = collectives
         super().__init__(self._format())
 
     @property
     def guilty(self) -> list[int]:
-        """Ranks that raised or exited (or, for a pure hang, that were stuck)."""
-        bad = [s.rank for s in self.ranks if s.status in ("raised", "exited")]
-        return bad or [s.rank for s in self.ranks if s.status == "stuck"]
+        """The ranks to blame: for a mismatch, those outside the majority at the first
+        disagreement; else the ranks that died, else those that raised; for a pure hang, the
+        stuck ranks the others wait for (those that issued nothing where the others did)."""
+        if self.kind == "mismatch" and self.disagreement is not None:
+            return self.disagreement.deviants
+        for status in ("exited", "raised"):
+            bad = [s.rank for s in self.ranks if s.status == status]
+            if bad:
+                return bad
+        stuck = [s.rank for s in self.ranks if s.status == "stuck"]
+        behind = [] if self.disagreement is None else self.disagreement.behind
+        return [r for r in stuck if r in behind] or stuck
 
     def _format(self) -> str:
         verdict = {
             "raised": "a rank raised",
             "exited": "a rank process exited",
             "timeout": "the deadline passed",
+            "mismatch": "the ranks issued mismatched collectives",
         }[self.kind]
         lines = [f"{self.what} failed in a world of {self.world_size}: {verdict} "
                  f"(guilty rank(s): {', '.join(map(str, self.guilty))})"]
+        if self.disagreement is not None:
+            lines.append(self.disagreement.describe())
+        elif self.collectives:
+            lines.append(self.collectives)
         # The same exception on several ranks is reported once, with the ranks that share it.
         seen: dict[tuple[str, str], list[int]] = {}
         for state in self.ranks:
@@ -158,6 +180,7 @@ class World:
         self._conns: list[Any] = []
         self._logs: list[str] = []
         self._stacks: list[str] = []
+        self._sequences: list[str] = []  # per-rank collective sequence files (ddpcheck.comm)
         # lifecycle
         self._alive = False
         self._runs = 0
@@ -186,6 +209,8 @@ class World:
         self._procs, self._conns = [], []
         self._logs = [os.path.join(self._dir, f"rank{r}.log") for r in range(self.world_size)]
         self._stacks = [os.path.join(self._dir, f"rank{r}.stack") for r in range(self.world_size)]
+        self._sequences = [os.path.join(self._dir, f"rank{r}.collectives")
+                           for r in range(self.world_size)]
         # torch warns at import when numpy is missing; in a rank that is noise on the user's
         # terminal (spawn imports it before our log redirection), so the children ignore it.
         saved = os.environ.get("PYTHONWARNINGS")
@@ -213,7 +238,8 @@ class World:
                 target=_rank_main,
                 name=f"ddpcheck-rank{rank}-of-{self.world_size}",
                 args=(rank, self.world_size, self.backend, store_path, child_end,
-                      self._logs[rank], self._stacks[rank], os.getpid()),
+                      self._logs[rank], self._stacks[rank], os.getpid(),
+                      self._sequences[rank]),
                 daemon=True,
             )
             proc.start()
@@ -265,14 +291,28 @@ class World:
         """
         check_positive_number("deadline", deadline)
         payload = _pickle_task(fn, args)
+        if self._alive and any(p.exitcode is not None for p in self._procs):
+            # A rank died *between* tasks (gloo's teardown race can SIGABRT an idle rank, see
+            # platform-notes.md): no task of ours was running, so blame none -- start afresh.
+            self.kill()
         if not self._alive:
             self.start()
         self._runs += 1
         for path in self._stacks:
             open(path, "w").close()
-        for conn in self._conns:
-            conn.send_bytes(payload)
-        return self._collect(what or getattr(fn, "__qualname__", repr(fn)), deadline)
+        try:
+            for conn in self._conns:
+                conn.send_bytes(payload)
+            return self._collect(what or getattr(fn, "__qualname__", repr(fn)), deadline)
+        except WorldFailure:
+            raise
+        except BaseException:  # Ctrl-C, or a broken pipe: ranks are mid-task, never reuse them
+            self.kill()
+            raise
+
+    def collective_sequences(self) -> list[str]:
+        """Each rank's collective sequence file (``ddpcheck.comm`` format) for the last task."""
+        return [_read(path) for path in self._sequences]
 
     def _collect(self, what: str, deadline: float) -> list[Any]:
         """Wait for one message from every rank, or fail with every rank's state."""
@@ -314,9 +354,22 @@ class World:
         dumps = self._dump_stacks(sorted(pending))
         for rank in sorted(pending):
             states[rank] = RankState(rank, "stuck", dumps[rank], log_tail=_tail(self._logs[rank]))
-        failure = WorldFailure(kind or "timeout", n, [states[r] for r in range(n)], what)
+        failure = self._failure(kind or "timeout", [states[r] for r in range(n)], what)
         self.kill()
         raise failure
+
+    def _failure(self, kind: str, states: list[RankState], what: str) -> WorldFailure:
+        """The failure, with the first collective where the ranks' sequences disagree; a real
+        mismatch (different collectives, or a finished rank that issued fewer) is the kind."""
+        from ddpcheck import sequences
+
+        seqs = [sequences.parse(text) for text in self.collective_sequences()]
+        finished = [s.rank for s in states if s.status == "returned"]
+        disagreement = sequences.diagnose(seqs, finished)
+        if disagreement is not None and disagreement.mismatched:
+            kind = "mismatch"
+        summary = "" if disagreement is not None else sequences.agreement_summary(seqs)
+        return WorldFailure(kind, self.world_size, states, what, disagreement, summary)
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Ask stuck ranks for their Python stacks (faulthandler on SIGUSR1) and read them."""
@@ -442,7 +495,8 @@ atexit.register(shutdown_worlds)
 
 
 def _rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: Any,
-               log_path: str, stack_path: str, parent_pid: int) -> None:
+               log_path: str, stack_path: str, parent_pid: int,
+               sequence_path: str | None = None) -> None:
     """Join the process group, then run tasks from the parent until told to stop."""
     _die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group; the parent decides when ranks stop.
@@ -472,6 +526,7 @@ def _rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: 
             timeout=datetime.timedelta(seconds=STARTUP_DEADLINE),
         )
         comm.install()
+        comm.record_to(sequence_path)
         _send(conn, ("ok", os.getpid()))
     except BaseException:
         _send(conn, ("error", traceback.format_exc()))
@@ -485,6 +540,7 @@ def _rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: 
             _exit(0, log)
         try:
             fn, args = pickle.loads(payload)
+            comm.restart_sequence()
             result = fn(*args)
             message = ("ok", result)
         except BaseException:  # report everything, SystemExit included, then keep serving
