@@ -93,6 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--world-size", type=_positive(int), required=True)
     replay.add_argument("--scenario", required=True, help="the scenario's repr, as printed")
     replay.add_argument("--deadline", type=_positive(float), default=60.0)
+
+    trace = sub.add_parser("trace", help="record every collective of one step as a Chrome/"
+                                         "Perfetto trace",
+                           description="Run one steady-state training step of a model with "
+                                       "several gradient buckets on every rank and write its "
+                                       "collectives and phases in Chrome trace format (open in "
+                                       "https://ui.perfetto.dev or chrome://tracing). Exit 0, "
+                                       "or 2 on a usage or set-up error.")
+    trace.add_argument("target", nargs="?", default="parallel", metavar="MODULE:TARGET")
+    trace.add_argument("--world-size", type=_positive(int), default=2,
+                       help="ranks to trace (default 2)")
+    trace.add_argument("-o", "--output", default="trace.json",
+                       help="where to write the JSON (default trace.json)")
+    trace.add_argument("--deadline", type=_positive(float), default=60.0)
     return parser
 
 
@@ -113,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             return _check(args)
         if args.command == "replay":
             return _replay(args)
+        if args.command == "trace":
+            return _trace(args)
     except (UsageError, ddpcheck.InvalidArgument) as exc:
         print(f"ddpcheck {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -159,6 +175,38 @@ def _replay(args: argparse.Namespace) -> int:
         print(str(exc))
         return EXIT_FOUND
     print(f"ddpcheck replay: equivalent at world size {args.world_size}")
+    return EXIT_OK
+
+
+def _trace(args: argparse.Namespace) -> int:
+    import json
+
+    from ddpcheck.trace import TRACE_SCENARIO, chrome_trace, overlap, record_step
+    from ddpcheck.world import WorldFailure, get_world
+
+    target = resolve_target(args.target)
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(folder):
+        raise UsageError(f"-o {args.output!r}: the folder {folder!r} does not exist; create it "
+                         "or write elsewhere")
+    try:
+        traces = get_world(args.world_size).run(record_step, target, TRACE_SCENARIO,
+                                                deadline=args.deadline, what="ddpcheck trace")
+    except WorldFailure as exc:
+        raise UsageError(f"the traced step did not complete on every rank:\n{exc}") from exc
+    with open(args.output, "w") as f:
+        json.dump(chrome_trace(traces, title=f"ddpcheck trace {args.target} "
+                                             f"--world-size {args.world_size}"), f)
+    print(f"ddpcheck trace {args.target}: one step at world size {args.world_size} written to "
+          f"{args.output} (open it in https://ui.perfetto.dev)")
+    for t in traces:
+        reduced = sum(c.nbytes for c in t.collectives if c.op == "all_reduce")
+        line = f"  rank {t.rank}: {len(t.collectives)} collectives, {reduced} bytes all-reduced"
+        seen = overlap(t)
+        if seen is not None:
+            line += (f"; first async all-reduce launched {seen[0] * 1e3:.2f} ms into a "
+                     f"{seen[1] * 1e3:.2f} ms backward")
+        print(line)
     return EXIT_OK
 
 
