@@ -36,9 +36,11 @@ BATTERY: list[tuple[str, Scenario]] = [
     ("non-contiguous-one-bucket", Scenario(zoo.NonContiguous, optimizer_kwargs={"lr": 0.1},
                                            global_batch=5, steps=2, seed=5,
                                            bucket_size_mb=1000.0, set_to_none=False)),
+    # 157-byte buckets: [b.bias, b.weight] (float32), [a.bias], [a.weight] (float64) -- several
+    # buckets (B1), and one that would mix both dtypes if buckets ignored dtype (B10)
     ("mixed-dtypes-sum", Scenario(zoo.MixedPrecision, optimizer_kwargs={"lr": 0.05},
                                   global_batch=8, steps=2, reduction="sum", seed=6,
-                                  bucket_size_mb=1e-6)),
+                                  bucket_size_mb=1.5e-4)),
     ("tiny-batch", Scenario(zoo.SampleBranch, optimizer=torch.optim.Adam,
                             optimizer_kwargs={"lr": 0.01}, global_batch=3, steps=2, seed=7)),
 ]
