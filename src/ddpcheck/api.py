@@ -89,11 +89,17 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *, deadli
         reference = prepare_reference(scenario)
     replay = replay_command(target, scenario, world_size)
     try:
-        records = get_world(world_size).run(run_example, target, scenario, deadline=deadline,
-                                            what=f"example {name or 'scenario'}")
+        world = get_world(world_size)
+        records = world.run(run_example, target, scenario, deadline=deadline,
+                            what=f"example {name or 'scenario'}")
     except WorldFailure as failure:
         raise EquivalenceError(_failure_rows(failure), scenario=scenario, world_size=world_size,
                                target=target, replay=replay, failure=failure, name=name) from None
+    mismatched = _mismatched_collectives(world.collective_sequences(), world_size)
+    if mismatched:  # ranks paired different collectives, yet nothing hung: numbers are garbage
+        world.kill()  # and gloo's pairs may hold stray bytes: the next example gets a new world
+        raise EquivalenceError(mismatched, scenario=scenario, world_size=world_size,
+                               target=target, replay=replay, name=name)
     divergences = compare(records, reference, scenario, target.configure(scenario))
     if divergences:
         raise EquivalenceError(divergences, scenario=scenario, world_size=world_size,
@@ -122,14 +128,47 @@ def prepare_reference(scenario: Scenario) -> Any:
 
 
 def _failure_rows(failure: Any) -> list[Divergence]:
-    kind = "rank timed out" if failure.kind == "timeout" else "rank failed"
+    kind = {"timeout": "rank timed out", "mismatch": "collectives mismatched"}.get(
+        failure.kind, "rank failed")
     rows = []
     for state in failure.ranks:
         if state.rank in failure.guilty:
-            last = state.detail.strip().splitlines()[-1] if state.detail.strip() else state.status
+            if failure.kind == "mismatch":
+                detail = _at_disagreement(failure.disagreement, state.rank)
+            elif state.detail.strip():
+                detail = state.detail.strip().splitlines()[-1]
+            else:
+                detail = state.status
             rows.append(Divergence("-", failure.world_size, state.rank, "-", kind,
-                                   detail=last if state.status != "stuck" else "stuck"))
+                                   detail=detail if state.status != "stuck" or
+                                   failure.kind == "mismatch" else "stuck"))
     return rows
+
+
+def _at_disagreement(disagreement: Any, rank: int) -> str:
+    entry = disagreement.entries.get(rank)
+    if entry is None:
+        return f"issued nothing at collective index {disagreement.index}"
+    return f"issued {entry.brief()} at collective index {disagreement.index}"
+
+
+def _mismatched_collectives(texts: list[str], world_size: int) -> list[Divergence]:
+    """Rows for ranks whose collective sequences disagree in an example that completed.
+
+    Identical sequence files (the usual case) are accepted without parsing them, so the check
+    costs a few file reads per example."""
+    from ddpcheck import sequences
+
+    if sequences.same_texts(texts):
+        return []
+    disagreement = sequences.diagnose([sequences.parse(t) for t in texts],
+                                      finished=range(world_size))
+    if disagreement is None:  # different texts, same signatures (e.g. all_gather shapes)
+        return []
+    where = disagreement.describe()
+    return [Divergence("-", world_size, rank, "-", "collectives mismatched",
+                       detail=f"rank {rank} {_at_disagreement(disagreement, rank)}\n{where}")
+            for rank in disagreement.deviants]
 
 
 def _check_target(target: Any) -> None:

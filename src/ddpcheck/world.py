@@ -506,18 +506,21 @@ def _rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: 
     os.dup2(log.fileno(), 2)
     stack_file = open(stack_path, "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    # A rank that crashes (SIGABRT from gloo, SIGSEGV) leaves its Python stack in its log, whose
+    # tail the parent reports with the exit status.
+    faulthandler.enable(file=log, all_threads=True)
 
     import warnings
 
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    import torch
-    import torch.distributed as dist
-
-    from ddpcheck import comm
-
-    # Two cores host up to W ranks: intra-op threads would only oversubscribe them.
-    torch.set_num_threads(1)
     try:
+        import torch
+        import torch.distributed as dist
+
+        from ddpcheck import comm
+
+        # Two cores host up to W ranks: intra-op threads would only oversubscribe them.
+        torch.set_num_threads(1)
         dist.init_process_group(
             backend,
             store=dist.FileStore(store_path, world_size),
