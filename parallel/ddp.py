@@ -6,6 +6,13 @@ gradient for it contributes zeros -- and is bitwise identical across ranks; a pa
 produced a gradient for keeps ``grad is None``. Between ``backward()`` and
 ``finish_gradient_sync()`` gradients are in flight and must not be read.
 
+Gradients as bucket views: each bucket owns one flat buffer for its whole life, and after a sync
+the ``.grad`` of each contiguous parameter *is* its slice of that buffer (as torch DDP's
+``gradient_as_bucket_view=True``). No copy comes back after the all-reduce, and a gradient that
+is still that slice at the next launch (``zero_grad(set_to_none=False)``, accumulation) is not
+copied in either. The cost: a ``.grad`` kept from an earlier step is overwritten by later ones.
+A non-contiguous parameter's gradient keeps the parameter's strides and is copied both ways.
+
 What moves, and when:
 
 1. construction: parameters and buffers are broadcast from the group's rank 0 (one flattened
@@ -15,9 +22,13 @@ What moves, and when:
    tensors in the same collectives whatever order their hooks fire in -- the bucket is flattened
    and all-reduced asynchronously, overlapping with the rest of backward;
 3. ``finish_gradient_sync()``: the buckets still waiting (a parameter unused on this rank, a
-   last partial bucket) are launched with zeros or the gradient accumulated under ``no_sync()``,
-   one tiny all-reduce tells every rank which parameters any rank used, every handle is waited
-   on, and the averages are copied back into ``.grad``.
+   last partial bucket) are launched with zeros or the gradient accumulated under ``no_sync()``;
+   right after the last bucket, one tiny all-reduce tells every rank which parameters any rank
+   used; every handle is waited on, and each ``.grad`` is pointed at its averaged slice.
+
+Averaging happens inside the collective (``ReduceOp.AVG``) on nccl and gloo -- on gloo it is
+bitwise equal to SUM-then-divide (platform-notes.md) and runs on gloo's thread, off the training
+loop; other backends sum and divide after the wait.
 
 Buckets are fixed at construction: trainable parameters in reverse registration order (the order
 backward usually produces them), grouped by dtype and device, capped at ``bucket_size_mb``.
@@ -33,7 +44,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # construction only
 
 from ddpcheck._validation import InvalidArgument, check_positive_number
 from parallel import _sync
@@ -57,16 +68,25 @@ class _Bucket:
         self.params = params
         self.dtype = params[0].dtype
         self.nbytes = sum(p.numel() * p.element_size() for p in params)
+        # The buffer the all-reduce works on, allocated once: no allocation (and no page faults)
+        # per step. views[i] is params[i]'s slice, shaped like it; it becomes params[i].grad
+        # after a sync when params[i] is contiguous (as_grad[i]).
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=self.dtype,
+                                device=params[0].device)  # (bucket numel,)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in params:
+            self.views.append(self.flat[offset:offset + p.numel()].view(p.shape))  # (p.shape)
+            offset += p.numel()
+        self.as_grad = [p.is_contiguous() for p in params]
         # per iteration (reset by DDP._reset_iteration)
         self.ready: set[int] = set()  # positions in self.params whose hook fired
         self.state = BucketState.FILLING
-        self.flat: torch.Tensor | None = None
         self.handle: Any = None
 
     def reset(self) -> None:
         self.ready.clear()
         self.state = BucketState.FILLING
-        self.flat = None
         self.handle = None
 
 
@@ -107,8 +127,8 @@ class DDP(nn.Module):
         self.world_size = dist.get_world_size(process_group)
         # The group's rank 0, as the global rank that broadcast's `src` expects.
         self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
-        # NCCL averages in the collective; gloo sums, and we divide after the wait.
-        self._average_in_collective = dist.get_backend(process_group) == "nccl"
+        # nccl and gloo average in the collective; other backends sum, and we divide after the wait.
+        self._average_in_collective = dist.get_backend(process_group) in ("nccl", "gloo")
         self._names = {p: n for n, p in module.named_parameters()}
         self._params = params
         self._check_same_parameters_everywhere()
@@ -124,6 +144,8 @@ class DDP(nn.Module):
         # per iteration (reset by _reset_iteration)
         self._step_started = False  # a synced forward ran, or a synced hook fired
         self._next_launch = 0  # buckets launch strictly in index order on every rank
+        self._used: torch.Tensor | None = None  # usage flags, reduced in flight after the last bucket
+        self._used_handle: Any = None
 
     # -- the training-loop surface ------------------------------------------------------------
 
@@ -166,9 +188,11 @@ class DDP(nn.Module):
         for bucket in self._buckets[self._next_launch:]:
             self._launch(bucket)
         self._next_launch = len(self._buckets)
-        used_anywhere = self._exchange_usage()
+        # Sync point: which parameters any rank used decides between a gradient and None.
+        self._used_handle.wait()
+        used_anywhere = self._used.tolist()
         for bucket in self._buckets:
-            self._wait_and_unflatten(bucket, used_anywhere)
+            self._wait_and_write_back(bucket, used_anywhere)
         _sync.mark_synchronized(self._params)
         self._reset_iteration()
 
@@ -242,41 +266,52 @@ class DDP(nn.Module):
             self._launch(self._buckets[self._next_launch])
             self._next_launch += 1
 
+    @torch.no_grad()
     def _launch(self, bucket: _Bucket) -> None:
-        """Flatten the bucket's gradients and start their all-reduce without waiting."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        bucket.flat = _flatten_dense_tensors(grads)  # (bucket numel,), contiguous copy
+        """Gather the bucket's gradients into its buffer and start their all-reduce."""
+        for p, view in zip(bucket.params, bucket.views):
+            if p.grad is None:
+                view.zero_()  # no gradient here: contribute zeros
+            elif p.grad is not view:  # already in place when .grad is still last sync's slice
+                view.copy_(p.grad)
         op = dist.ReduceOp.AVG if self._average_in_collective else dist.ReduceOp.SUM
         # all-reduce bucket `bucket.index` (grads of its params) across the group as soon as its
         # last gradient is ready, so communication overlaps the rest of backward.
         bucket.handle = dist.all_reduce(bucket.flat, op=op, group=self.process_group,
                                         async_op=True)
         bucket.state = BucketState.IN_FLIGHT
+        if bucket.index == len(self._buckets) - 1:
+            self._launch_usage_exchange()
 
-    # -- finish: usage exchange, waits, write-back --------------------------------------------
+    def _launch_usage_exchange(self) -> None:
+        """Start summing which parameters produced a gradient on each rank this step.
 
-    def _exchange_usage(self) -> torch.Tensor:
-        """Which parameters produced a gradient on at least one rank this step."""
-        used = torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32)
-        # all-reduce the per-parameter "has a gradient here" flags (4 bytes per parameter), so a
-        # parameter no rank used keeps grad=None, exactly as in single-process training.
-        dist.all_reduce(used, op=dist.ReduceOp.SUM, group=self.process_group)
-        return used
+        Called right after the last bucket launches: every gradient of this step exists by then.
+        """
+        self._used = torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32)
+        # all-reduce the per-parameter "has a gradient here" flags (4 bytes per parameter) behind
+        # the last bucket, so a parameter no rank used keeps grad=None, as in one process.
+        self._used_handle = dist.all_reduce(self._used, op=dist.ReduceOp.SUM,
+                                            group=self.process_group, async_op=True)
+
+    # -- finish: waits, write-back ------------------------------------------------------------
 
     @torch.no_grad()
-    def _wait_and_unflatten(self, bucket: _Bucket, used_anywhere: torch.Tensor) -> None:
+    def _wait_and_write_back(self, bucket: _Bucket, used_anywhere: list[int]) -> None:
         # Sync point: the bucket's reduced values exist only after its handle completes.
         bucket.handle.wait()
-        flat = bucket.flat
         if not self._average_in_collective:
-            flat.div_(self.world_size)
-        for p, averaged in zip(bucket.params, _unflatten_dense_tensors(flat, bucket.params)):
+            bucket.flat.div_(self.world_size)
+        for p, view, as_grad in zip(bucket.params, bucket.views, bucket.as_grad):
             if not used_anywhere[self._positions[p]]:
                 continue  # no rank had a gradient: leave grad None, as a single process would
-            if p.grad is None:
-                p.grad = torch.empty_like(p).copy_(averaged)  # strides follow the parameter
+            if as_grad:
+                if p.grad is not view:
+                    p.grad = view  # the averaged slice itself: no copy
+            elif p.grad is None:
+                p.grad = torch.empty_like(p).copy_(view)  # strides follow the parameter
             else:
-                p.grad.copy_(averaged)  # copy_ honours the gradient's strides
+                p.grad.copy_(view)  # copy_ honours the gradient's strides
 
     def _reset_iteration(self) -> None:
         """The one place per-iteration state is cleared."""
@@ -284,6 +319,7 @@ class DDP(nn.Module):
             bucket.reset()
         self._next_launch = 0
         self._step_started = False
+        self._used = self._used_handle = None
 
     # -- guards -------------------------------------------------------------------------------
 
