@@ -20,7 +20,17 @@ from ddpcheck.report import Divergence, EquivalenceError
 from ddpcheck.scenario import Scenario, import_path
 from ddpcheck.targets import Target
 
-__all__ = ["Report", "assert_equivalent", "check_example", "replay_command", "target_spec"]
+__all__ = ["Report", "assert_equivalent", "check_example", "note_example", "replay_command",
+           "target_spec"]
+
+#: Examples run in this process (the pytest plugin prints the total at the end of a session).
+EXAMPLES_RUN = 0
+
+
+def note_example() -> None:
+    """Count one example (for properties that drive worlds themselves)."""
+    global EXAMPLES_RUN
+    EXAMPLES_RUN += 1
 
 
 @dataclasses.dataclass
@@ -79,9 +89,11 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
 
 
 def check_example(target: Target, scenario: Scenario, world_size: int, *, deadline: float = 60.0,
-                  reference: Any = None, name: str | None = None) -> None:
-    """One example: run on every rank of the persistent world, compare, raise on divergence."""
-    from ddpcheck.oracle import compare
+                  reference: Any = None, name: str | None = None, checks: Any = None) -> None:
+    """One example: run on every rank of the persistent world, compare, raise on divergence.
+
+    ``checks``: a subset of ``ddpcheck.oracle.CHECKS`` (default: all of them)."""
+    from ddpcheck.oracle import CHECKS, compare
     from ddpcheck.runner import run_example
     from ddpcheck.world import WorldFailure, get_world
 
@@ -95,12 +107,14 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *, deadli
     except WorldFailure as failure:
         raise EquivalenceError(_failure_rows(failure), scenario=scenario, world_size=world_size,
                                target=target, replay=replay, failure=failure, name=name) from None
+    note_example()
     mismatched = _mismatched_collectives(world.collective_sequences(), world_size)
     if mismatched:  # ranks paired different collectives, yet nothing hung: numbers are garbage
         world.kill()  # and gloo's pairs may hold stray bytes: the next example gets a new world
         raise EquivalenceError(mismatched, scenario=scenario, world_size=world_size,
                                target=target, replay=replay, name=name)
-    divergences = compare(records, reference, scenario, target.configure(scenario))
+    divergences = compare(records, reference, scenario, target.configure(scenario),
+                          CHECKS if checks is None else frozenset(checks))
     if divergences:
         raise EquivalenceError(divergences, scenario=scenario, world_size=world_size,
                                target=target, replay=replay, name=name)

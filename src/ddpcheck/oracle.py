@@ -30,7 +30,10 @@ from ddpcheck.runner import RankRecord, StepRecord, snapshot
 from ddpcheck.scenario import (Scenario, build_model, global_batch, make_param_groups,
                                per_sample_loss)
 
-__all__ = ["TOLERANCES", "Reference", "compare", "reference_run", "tolerance"]
+__all__ = ["CHECKS", "TOLERANCES", "Reference", "compare", "reference_run", "tolerance"]
+
+#: The oracle's checks, each selectable on its own (one property per invariant).
+CHECKS = frozenset({"replicas", "reference", "state", "budget"})
 
 # {dtype: (rtol, atol)} for a rank against the full-batch reference, per step of training.
 # float64: DDP and the reference differ by ~1e-16 relative (platform-notes.md, "Numerics"), real
@@ -102,13 +105,17 @@ def reference_run(scenario: Scenario) -> Reference:
 
 
 def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
-            target: Any) -> list[Divergence]:
-    """Every divergence of the ranks from each other and from the reference (empty: all good)."""
+            target: Any, checks: frozenset = CHECKS) -> list[Divergence]:
+    """Every divergence of the ranks from each other and from the reference (empty: all good).
+
+    ``checks`` selects a subset of :data:`CHECKS`."""
     world_size = len(records)
+    replicas, against_ref = "replicas" in checks, "reference" in checks
     out: list[Divergence] = []
     # Start: all replicas hold rank 0's initialisation.
     out += _compare_maps("init", world_size, records, lambda r: r.initial, reference.initial,
-                         "initial state", tolerance(reference.compute_dtype, 1, 0))
+                         "initial state", tolerance(reference.compute_dtype, 1, 0),
+                         replicas, against_ref)
     if out:
         return out
     for step, ref in enumerate(reference.steps):
@@ -118,23 +125,26 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
                             ("buffer", "buffers")):
             found += _compare_maps(step, world_size, records,
                                    lambda r, f=field: getattr(r.steps[step], f),
-                                   getattr(ref, field), kind, tol)
-        found += _compare_state(step, world_size, records, ref, tol,
-                                getattr(target, "shards_optimizer_state", False))
-        found += _check_budget(step, world_size, records, reference,
-                               getattr(target, "flattened_broadcasts", False))
+                                   getattr(ref, field), kind, tol, replicas, against_ref)
+        if "state" in checks:
+            found += _compare_state(step, world_size, records, ref, tol,
+                                    getattr(target, "shards_optimizer_state", False))
+        if "budget" in checks:
+            found += _check_budget(step, world_size, records, reference,
+                                   getattr(target, "flattened_broadcasts", False))
         if found:
             return out + found  # later steps only repeat the damage
     return out
 
 
 def _compare_maps(step: Any, world_size: int, records: list[RankRecord], get: Any,
-                  reference: dict, kind: str, tol: tuple[float, float]) -> list[Divergence]:
+                  reference: dict, kind: str, tol: tuple[float, float], replicas: bool = True,
+                  against_reference: bool = True) -> list[Divergence]:
     out = []
     maps = [get(r) for r in records]
     # 1. replicas against rank 0, bitwise
     replicas_differ = False
-    for rank in range(1, world_size):
+    for rank in range(1, world_size if replicas else 1):
         for name, value in maps[0].items():
             other = maps[rank].get(name)
             if (value is None) != (other is None):
@@ -146,7 +156,7 @@ def _compare_maps(step: Any, world_size: int, records: list[RankRecord], get: An
                                          other, value, ("rank", rank), ("rank", 0)))
                 replicas_differ = True
     # 2. against the reference: rank 0 stands for all when the replicas agree
-    ranks = range(world_size) if replicas_differ else range(1)
+    ranks = range(world_size) if replicas_differ else range(1 if against_reference else 0)
     rtol, atol = tol
     for rank in ranks:
         for name, ref in reference.items():

@@ -79,12 +79,8 @@ class Scenario:
         return _DTYPES[self.dtype]
 
     def __repr__(self) -> str:
-        fields = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            if value != default or f.name == "model":
-                fields.append(f"{f.name}={_code(value)}")
+        fields = [f"{f.name}={_code(getattr(self, f.name))}" for f in dataclasses.fields(self)
+                  if f.name == "model" or not _is_default(self, f)]
         return f"ddpcheck.Scenario({', '.join(fields)})"
 
 
@@ -99,14 +95,22 @@ def _code(value: Any) -> str:
         return import_path(value)
     if dataclasses.is_dataclass(value):
         args = ", ".join(f"{f.name}={_code(getattr(value, f.name))}"
-                         for f in dataclasses.fields(value))
-        return f"{type(value).__module__}.{type(value).__qualname__}({args})"
+                         for f in dataclasses.fields(value) if not _is_default(value, f))
+        return f"{import_path(type(value))}({args})"
     if isinstance(value, (list, tuple)):
         inner = ", ".join(_code(v) for v in value)
         return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {_code(v)}" for k, v in value.items()) + "}"
     return repr(value)
+
+
+def _is_default(obj: Any, field: dataclasses.Field) -> bool:
+    if field.default is not dataclasses.MISSING:
+        return getattr(obj, field.name) == field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return getattr(obj, field.name) == field.default_factory()
+    return False
 
 
 def import_path(obj: Any) -> str:
@@ -147,14 +151,17 @@ def from_repr(text: str) -> Scenario:
 
 
 def build_model(scenario: Scenario, seed: int) -> nn.Module:
-    """The scenario's model, initialised from ``seed``, in the scenario's dtype."""
+    """The scenario's model, initialised from ``seed``, in the scenario's dtype (a model with a
+    ``restore_dtypes()`` method keeps the exceptions it makes after the cast)."""
     torch.manual_seed(seed)
     model = scenario.model()
     if not isinstance(model, nn.Module):
         raise InvalidArgument(f"model={_code(scenario.model)} returned {type(model).__name__}, "
                               "not a torch.nn.Module")
-    if not getattr(model, "keeps_dtypes", False):
-        model = model.to(scenario.torch_dtype)
+    model = model.to(scenario.torch_dtype)
+    restore = getattr(model, "restore_dtypes", None)
+    if callable(restore):  # a model that mixes dtypes on purpose sets its exceptions back
+        restore()
     return model
 
 

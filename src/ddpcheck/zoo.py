@@ -132,12 +132,14 @@ class MixedPrecision(nn.Module):
     """A float32 layer and a float64 layer in one model: buckets and broadcasts must not mix
     dtypes. The scenario's dtype applies to the float64 half only."""
 
-    keeps_dtypes = True  # the runner must not cast this model to the scenario's dtype
-
     def __init__(self):
         super().__init__()
         self.a = nn.Linear(IN_FEATURES, 6).double()
         self.b = nn.Linear(6, OUT_FEATURES).float()
+
+    def restore_dtypes(self) -> None:
+        """After the runner casts the model to the scenario's dtype, ``b`` is float32 again."""
+        self.b.float()
 
     def forward(self, x):
         return self.b(torch.tanh(self.a(x.double())).float()).to(x.dtype)

@@ -1,0 +1,245 @@
+"""Random architectures from a small, printable spec (the vocabulary of ``ddpcheck.strategies``).
+
+Invariant: a :class:`ModelSpec` builds a model whose output for each sample depends only on that
+sample and the weights (no dropout, no batch statistics, no data-dependent buffer updates), so the
+full-batch reference and W shards compute the same objective. Data-dependent branches are decided
+per sample (``use="sample"``), which makes a layer unused by some ranks but not by the batch.
+
+The hidden state is ``(B, width)`` throughout; every layer maps it to the same shape, so layers
+compose in any order and Hypothesis can delete any of them while shrinking. Parameters are
+registered in ``registration`` order, independently of the execution order of ``layers``.
+
+Supported layers (see :data:`KINDS`): linear, a linear reused twice, a transposed (non-contiguous)
+weight, Conv1d, Conv2d, LayerNorm, a random buffer, a small self-attention block, and an embedding
+optionally tied to the output. Not supported, and why: BatchNorm in train mode and anything else
+with batch statistics (not shard-invariant), dropout (random per rank), buffers updated from data
+(torch DDP keeps them rank-local).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["KINDS", "Layer", "ModelSpec", "SpecData", "SpecModel"]
+
+KINDS = ("linear", "reused", "transposed", "conv1d", "conv2d", "layernorm", "buffer", "attention",
+         "embedding")
+USES = ("always", "sample", "never")
+OUT_FEATURES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One layer of a spec: its kind, and how it is trained and used.
+
+    ``use``: ``"always"``; ``"sample"`` -- only for samples whose feature ``index % width`` is
+    positive (other samples skip it), ``"never"`` -- registered, never called (its gradient stays
+    None everywhere). ``frozen``: ``requires_grad=False``. ``float32``: this layer's parameters are
+    float32 in a float64 model (mixed dtypes).
+    """
+
+    kind: str = "linear"
+    use: str = "always"
+    frozen: bool = False
+    float32: bool = False
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind={self.kind!r} must be one of {KINDS}")
+        if self.use not in USES:
+            raise ValueError(f"use={self.use!r} must be one of {USES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A whole model: ``layers`` run in order on a ``(B, width)`` state, then a linear head.
+
+    ``registration`` is a permutation of the layer indices: the order in which the layers'
+    parameters are registered (and so the order DDP buckets and optimizers see them).
+    ``tie_head`` ties the head to the first embedding layer's weight, if there is one.
+    """
+
+    layers: tuple[Layer, ...] = ()
+    width: int = 4
+    registration: tuple[int, ...] | None = None
+    head_bias: bool = True
+    tie_head: bool = False
+
+    def __post_init__(self):
+        order = self.registration
+        if order is not None and sorted(order) != list(range(len(self.layers))):
+            raise ValueError(f"registration={order!r} must be a permutation of "
+                             f"range({len(self.layers)})")
+        if self.width < 2:
+            raise ValueError(f"width={self.width!r} must be at least 2")
+
+    def __call__(self) -> "SpecModel":
+        return SpecModel(self)
+
+    @property
+    def data(self) -> "SpecData":
+        return SpecData(self.width)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecData:
+    """Inputs ``(B, width)`` and targets ``(B, 3)`` for a spec model of that width."""
+
+    width: int
+
+    def __call__(self, seed: int, batch: int, dtype: torch.dtype):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(batch, self.width, generator=g, dtype=torch.float64).to(dtype)
+        y = torch.randn(batch, OUT_FEATURES, generator=g, dtype=torch.float64).to(dtype)
+        return x, y
+
+
+class SpecModel(nn.Module):
+    """The module a :class:`ModelSpec` describes."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        w = spec.width
+        blocks = [_make_block(layer.kind, w) for layer in spec.layers]
+        order = spec.registration or tuple(range(len(blocks)))
+        for i in order:  # registration order, independent of execution order
+            self.add_module(f"l{i}", blocks[i])
+        for layer, block in zip(spec.layers, blocks):
+            if layer.frozen:
+                block.requires_grad_(False)
+        self.head = nn.Linear(w, OUT_FEATURES, bias=spec.head_bias)
+        self._tied = None
+        if spec.tie_head:
+            for i, layer in enumerate(spec.layers):
+                if layer.kind == "embedding" and not layer.float32:
+                    self._tied = i
+                    break
+
+    def restore_dtypes(self) -> None:
+        """Called after the model is cast to the scenario's dtype: float32 layers stay float32."""
+        for i, layer in enumerate(self.spec.layers):
+            if layer.float32:
+                getattr(self, f"l{i}").float()
+
+    def forward(self, x):
+        h = x  # (B, width)
+        for i, layer in enumerate(self.spec.layers):
+            if layer.use == "never":
+                continue
+            block = getattr(self, f"l{i}")
+            dtype = next(block.parameters(), h).dtype if layer.float32 else h.dtype
+            out = block(h.to(dtype)).to(h.dtype)  # (B, width)
+            if layer.use == "sample":
+                take = x[:, i % self.spec.width] > 0  # (B,): decided per sample
+                out = torch.where(take[:, None], out, h)
+            h = out
+        out = self.head(h)  # (B, 3)
+        if self._tied is not None:
+            emb = getattr(self, f"l{self._tied}").table.weight  # (vocab, width)
+            out = out + (h @ emb.t())[:, :OUT_FEATURES]  # tied output projection
+        return out
+
+
+class _Linear(nn.Module):
+    def __init__(self, w: int, repeat: int = 1):
+        super().__init__()
+        self.fc = nn.Linear(w, w)
+        self.repeat = repeat
+
+    def forward(self, h):
+        for _ in range(self.repeat):  # a reused module: one parameter, several uses
+            h = torch.tanh(self.fc(h))
+        return h
+
+
+class _Transposed(nn.Module):
+    def __init__(self, w: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(w, w).t() / math.sqrt(w))  # strides (1, w)
+
+    def forward(self, h):
+        return torch.tanh(h @ self.weight)
+
+
+class _Conv1d(nn.Module):
+    def __init__(self, w: int):
+        super().__init__()
+        self.conv = nn.Conv1d(1, 2, kernel_size=3, padding=1)
+
+    def forward(self, h):
+        return torch.tanh(self.conv(h[:, None, :]).sum(dim=1))  # (B,1,w) -> (B,2,w) -> (B,w)
+
+
+class _Conv2d(nn.Module):
+    def __init__(self, w: int):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, kernel_size=(3, 1), padding=(1, 0))
+
+    def forward(self, h):
+        y = self.conv(h[:, None, :, None])  # (B,1,w,1) -> (B,2,w,1)
+        return torch.tanh(y.sum(dim=(1, 3)))  # (B,w)
+
+
+class _LayerNorm(nn.Module):
+    def __init__(self, w: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(w)
+
+    def forward(self, h):
+        return self.norm(h)
+
+
+class _Buffer(nn.Module):
+    def __init__(self, w: int):
+        super().__init__()
+        self.register_buffer("scale", torch.rand(w) + 0.5)  # random: must come from rank 0
+        self.fc = nn.Linear(w, w, bias=False)
+
+    def forward(self, h):
+        return torch.tanh(self.fc(h * self.scale))
+
+
+class _Attention(nn.Module):
+    """Self-attention over two tokens made from the sample: per-sample, no batch mixing."""
+
+    def __init__(self, w: int):
+        super().__init__()
+        self.qkv = nn.Linear(w, 3 * w)
+        self.proj = nn.Linear(w, w)
+
+    def forward(self, h):
+        tokens = torch.stack([h, h.flip(-1)], dim=1)  # (B, 2, w)
+        q, k, v = self.qkv(tokens).chunk(3, dim=-1)  # 3 x (B, 2, w)
+        att = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(h.shape[-1]), dim=-1)  # (B, 2, 2)
+        return self.proj((att @ v).mean(dim=1))  # (B, 2, w) -> (B, w)
+
+
+class _Embedding(nn.Module):
+    VOCAB = 5
+
+    def __init__(self, w: int):
+        super().__init__()
+        self.table = nn.Embedding(self.VOCAB, w)
+
+    def forward(self, h):
+        idx = (h[:, 0].detach().abs() * 3).long().clamp(max=self.VOCAB - 1)  # (B,) per sample
+        return h + self.table(idx)  # (B, w)
+
+
+def _make_block(kind: str, w: int) -> nn.Module:
+    return {
+        "linear": lambda: _Linear(w),
+        "reused": lambda: _Linear(w, repeat=2),
+        "transposed": lambda: _Transposed(w),
+        "conv1d": lambda: _Conv1d(w),
+        "conv2d": lambda: _Conv2d(w),
+        "layernorm": lambda: _LayerNorm(w),
+        "buffer": lambda: _Buffer(w),
+        "attention": lambda: _Attention(w),
+        "embedding": lambda: _Embedding(w),
+    }[kind]()
