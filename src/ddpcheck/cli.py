@@ -107,6 +107,21 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("-o", "--output", default="trace.json",
                        help="where to write the JSON (default trace.json)")
     trace.add_argument("--deadline", type=_positive(float), default=60.0)
+
+    mutants = sub.add_parser(
+        "mutants", help="run the built-in mutant catalogue and print which bugs were caught",
+        description="Search each mutant of ddpcheck.mutants (the parallel target with one seeded "
+                    "bug from the bug catalogue) for a counterexample, after checking that the "
+                    "unmutated parallel target passes the same search. Exit 0 if every mutant is "
+                    "killed and the unmutated target passes, 1 otherwise, 2 on a usage error.")
+    mutants.add_argument("--budget-seconds", type=_positive(float), default=10.0,
+                         help="search time per mutant, world start-up excluded (default 10)")
+    mutants.add_argument("--world-sizes", type=_world_sizes, default=(1, 2, 3, 4),
+                         help="comma-separated world sizes (default 1,2,3,4)")
+    mutants.add_argument("--only", default=None, metavar="NAME[,NAME...]",
+                         help="run only these mutants (names as in the table)")
+    mutants.add_argument("--deadline", type=_positive(float), default=60.0,
+                         help="seconds one example may take before it counts as hung (default 60)")
     return parser
 
 
@@ -127,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             return _check(args)
         if args.command == "replay":
             return _replay(args)
+        if args.command == "mutants":
+            return _mutants(args)
         if args.command == "trace":
             return _trace(args)
     except (UsageError, ddpcheck.InvalidArgument) as exc:
@@ -208,6 +225,41 @@ def _trace(args: argparse.Namespace) -> int:
                      f"{seen[1] * 1e3:.2f} ms backward")
         print(line)
     return EXIT_OK
+
+
+def _mutants(args: argparse.Namespace) -> int:
+    from ddpcheck import mutants, search
+    from ddpcheck.targets import PARALLEL
+
+    catalogue = mutants.CATALOGUE
+    if args.only is not None:
+        catalogue = [mutants.by_name(n.strip()) for n in args.only.split(",") if n.strip()]
+        if not catalogue:
+            raise UsageError(f"--only={args.only!r} names no mutant")
+    widths = [max(len("(unmutated)"), *(len(m.name) for m in catalogue)), 5,
+              len("SURVIVED (budget)"), len("examples"), len("seconds"), len("counterexample")]
+    print(f"ddpcheck mutants: {len(catalogue)} mutants, {args.budget_seconds:g} s each, world "
+          f"sizes {','.join(map(str, args.world_sizes))} (starting worlds...)", flush=True)
+    header = search.table_lines([], widths)
+    print("\n".join(header), flush=True)
+    started = time.perf_counter()
+    rows = search.score(catalogue, args.budget_seconds, control=PARALLEL,
+                        world_sizes=args.world_sizes, deadline=args.deadline,
+                        on_row=lambda r: print(search.table_lines([r.row()], widths)[2],
+                                               flush=True))
+    killed = sum(r.killed for r in rows if not r.control)
+    control_ok = all(r.as_expected for r in rows if r.control)
+    seconds = sorted(r.outcome.seconds for r in rows if not r.control and r.killed)
+    median = seconds[len(seconds) // 2] if seconds else float("nan")
+    print(f"\nkilled {killed}/{len(catalogue)} "
+          f"({100 * killed / max(len(catalogue), 1):.0f} %); median {median:.2f} s to the first "
+          f"counterexample; unmutated target {'passes' if control_ok else 'FAILS'}; "
+          f"wall {time.perf_counter() - started:.1f} s")
+    for r in rows:
+        if r.control and r.killed:
+            print(f"\nthe unmutated target failed, so the scores above mean nothing:\n"
+                  f"{r.outcome.counterexample.error}")
+    return EXIT_OK if killed == len(catalogue) and control_ok else EXIT_FOUND
 
 
 if __name__ == "__main__":
