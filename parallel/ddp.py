@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # construction only
 
-from ddpcheck._validation import InvalidArgument, check_positive_number
+from ddpcheck._validation import InvalidArgument, check_positive_number, check_process_group
 from parallel import _sync
 
 __all__ = ["DDP"]
@@ -112,6 +112,7 @@ class DDP(nn.Module):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DDP needs an initialised default process group: call "
                                "torch.distributed.init_process_group(...) on every rank first")
+        check_process_group("process_group", process_group)
         if process_group is not None and dist.get_rank(process_group) < 0:
             raise InvalidArgument(f"process_group={process_group!r} does not contain this rank "
                                   f"(global rank {dist.get_rank()}); wrap the module only on the "

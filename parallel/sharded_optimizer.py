@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ddpcheck._validation import InvalidArgument
+from ddpcheck._validation import InvalidArgument, check_process_group
 from parallel import sharding
 from parallel._sync import take_synchronized
 
@@ -106,13 +106,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         exchanges a small fingerprint (count, shapes, dtypes, owners) to catch ranks that disagree.
         """
         index = len(self.param_groups)
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            raise InvalidArgument(f"param_group={param_group!r} must be a dict with a 'params' "
+                                  "key, such as {'params': [tensor], 'lr': 0.01}")
         param_group = _check_params([param_group], group_offset=index)[0]
         super().add_param_group(param_group)  # fills defaults, rejects params already in a group
         group = self.param_groups[-1]
         try:
-            owners = sharding.check_owners(
-                self._rule(list(group["params"]), self._world_size), group["params"],
-                self._world_size, rule=self._rule, group_index=index)
+            try:
+                answer = self._rule(list(group["params"]), self._world_size)
+            except TypeError as e:  # most often the wrong signature; the message says which
+                raise InvalidArgument(
+                    f"sharding_rule={sharding.rule_name(self._rule)} failed for param group "
+                    f"{index} with TypeError: {e}; a sharding rule is called as "
+                    "rule(params, world_size) and returns one owner rank per parameter") from e
+            owners = sharding.check_owners(answer, group["params"], self._world_size,
+                                           rule=self._rule, group_index=index)
             self._check_same_on_all_ranks(index, group["params"], owners)
         except BaseException:
             self.param_groups.pop()
@@ -360,6 +369,7 @@ def _check_process_group(process_group: Any) -> tuple[int, int, list[int]]:
     if not dist.is_available() or not dist.is_initialized():
         raise InvalidArgument("ShardedOptimizer needs torch.distributed: call "
                               "torch.distributed.init_process_group(...) first")
+    check_process_group("process_group", process_group)
     rank = dist.get_rank(process_group)
     if rank < 0:
         raise InvalidArgument(
@@ -427,9 +437,10 @@ def _probe_defaults(optimizer_cls: type, kwargs: dict[str, Any],
 def _check_loadable(state_dict: Any, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if (not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict)
             or not isinstance(state_dict.get("param_groups"), list)):
+        described = (f"state_dict with keys {sorted(state_dict)}" if isinstance(state_dict, dict)
+                     else f"state_dict={state_dict!r:.80}")
         raise InvalidArgument(
-            f"state_dict with keys {sorted(state_dict) if isinstance(state_dict, dict) else None}"
-            " is not an optimizer state dict; pass what ShardedOptimizer.state_dict() (after "
+            f"{described} is not an optimizer state dict; pass what ShardedOptimizer.state_dict() (after "
             "consolidate_state_dict) or a plain optimizer's state_dict() returned")
     saved = state_dict["param_groups"]
     if len(saved) != len(groups):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numbers
 from typing import Any, Iterable
 
-__all__ = ["InvalidArgument", "check_positive_number", "check_world_size", "check_world_sizes"]
+__all__ = ["InvalidArgument", "check_deadline", "check_positive_number", "check_process_group",
+           "check_world_size", "check_world_sizes"]
 
 
 class InvalidArgument(ValueError):
@@ -48,3 +49,26 @@ def check_positive_number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
         raise InvalidArgument(f"{name}={value!r} must be a positive number")
     return float(value)
+
+
+def check_deadline(name: str, value: Any) -> float:
+    """Seconds to wait: positive and finite (every wait has a deadline)."""
+    seconds = check_positive_number(name, value)
+    if seconds == float("inf"):
+        raise InvalidArgument(f"{name}={value!r} must be finite: every wait has a deadline; "
+                              "use a large number of seconds, such as 3600")
+    return seconds
+
+
+def check_process_group(name: str, value: Any) -> None:
+    """None (the default group) or a ``torch.distributed`` process group."""
+    if value is None:
+        return
+    import torch.distributed as dist  # here, not at import: the pytest plugin must not load torch
+
+    # new_group() hands ranks outside the group a sentinel; the callers say "not a member".
+    if value is dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    if not isinstance(value, dist.ProcessGroup):
+        raise InvalidArgument(f"{name}={value!r} must be a torch.distributed ProcessGroup, such "
+                              "as dist.new_group(ranks), or None for the default group")

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any, Iterable
 
-from ddpcheck._validation import InvalidArgument, check_positive_number, check_world_sizes
+from ddpcheck._validation import InvalidArgument, check_deadline, check_world_sizes
 from ddpcheck.report import Divergence, EquivalenceError
 from ddpcheck.scenario import Scenario, import_path
 from ddpcheck.targets import Target
@@ -62,7 +62,7 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
     """
     _check_target(target)
     sizes = check_world_sizes("world_sizes", world_sizes)
-    check_positive_number("deadline", deadline)
+    check_deadline("deadline", deadline)
     if scenario is None:
         from ddpcheck.battery import BATTERY
 

@@ -182,8 +182,8 @@ def _replay(args: argparse.Namespace) -> int:
     target = resolve_target(args.target)
     try:
         scenario = from_repr(args.scenario)
-    except ddpcheck.InvalidArgument:
-        raise
+    except ddpcheck.InvalidArgument as exc:  # e.g. Scenario(steps=0): say which flag held it
+        raise UsageError(f"--scenario {args.scenario!r}: {exc}") from exc
     except Exception as exc:
         raise UsageError(f"--scenario could not be read: {type(exc).__name__}: {exc}") from exc
     try:

@@ -34,7 +34,7 @@ import traceback
 from multiprocessing.connection import wait as _wait_any
 from typing import Any, Callable
 
-from ddpcheck._validation import InvalidArgument, check_positive_number, check_world_size
+from ddpcheck._validation import InvalidArgument, check_deadline, check_world_size
 
 __all__ = [
     "DEFAULT_DEADLINE",
@@ -289,7 +289,7 @@ class World:
         ``fn`` and ``args`` travel by pickle, so ``fn`` must be defined at module level of an
         importable module. On any failure the world is killed and :class:`WorldFailure` raised.
         """
-        check_positive_number("deadline", deadline)
+        check_deadline("deadline", deadline)
         payload = _pickle_task(fn, args)
         if self._alive and any(p.exitcode is not None for p in self._procs):
             # A rank died *between* tasks (gloo's teardown race can SIGABRT an idle rank, see
