@@ -4,9 +4,10 @@ One band per rank: the top row holds the step's phases (forward, backward, after
 optimizer.step), the rows below hold the collectives, each bar from launch to completion, labelled
 with its bucket when it carries one; a tick marks where the rank's wait() returned.
 
-Run: ``ddpcheck trace --world-size 2 -o trace.json && python bench/render_trace.py trace.json
-docs/trace.png``. Needs matplotlib, which is not a dependency of ddpcheck: ``pip install
-matplotlib``.
+Run: ``python bench/render_trace.py [TRACE.json OUT.png]``; with no arguments it records one step
+of the built-in ``parallel`` target at W=2 (what ``ddpcheck trace`` records) and writes
+``docs/trace.png``. Needs matplotlib, which is not a dependency of ddpcheck (``pip install
+matplotlib``); without it the script says so and exits 0.
 """
 
 from __future__ import annotations
@@ -69,7 +70,30 @@ def render(trace_path: str, png_path: str) -> None:
     fig.savefig(png_path, dpi=110)
 
 
+def record(trace_path: str) -> None:
+    from ddpcheck.cli import main
+
+    if main(["trace", "parallel", "--world-size", "2", "-o", trace_path]) != 0:
+        sys.exit("ddpcheck trace failed")
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: python bench/render_trace.py TRACE.json OUT.png")
-    render(sys.argv[1], sys.argv[2])
+    import importlib.util
+    import os
+    import tempfile
+
+    if importlib.util.find_spec("matplotlib") is None:
+        print("render_trace.py: matplotlib is not installed (pip install matplotlib); skipped")
+        sys.exit(0)
+    if len(sys.argv) == 3:
+        render(sys.argv[1], sys.argv[2])
+    elif len(sys.argv) == 1:
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "trace.json")
+            record(path)
+            out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs",
+                               "trace.png")
+            render(path, out)
+            print(f"wrote {os.path.normpath(out)}")
+    else:
+        sys.exit("usage: python bench/render_trace.py [TRACE.json OUT.png]")
