@@ -1,0 +1,116 @@
+"""False-alarm soak (not CI): many correct examples, zero divergences expected.
+
+Runs N examples (default 10,000) of the built-in correct targets PARALLEL, TORCH_DDP and TORCH_ZERO
+over deterministic, varied scenarios -- every zoo model x optimizer x batch size x steps x
+accumulation x dtype x seed, drawn from a seeded RNG -- at world sizes 2, 3 and 4, and prints the
+count, every divergence (with its replay line) and the time. Any divergence is a false alarm of
+the oracle or a real bug in a target; either way it must be looked at.
+
+    python bench/soak.py                     # 10,000 examples
+    python bench/soak.py --examples 900 --max-seconds 600
+
+Each scenario is checked by every target at every world size (9 examples), sharing one reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import sys
+import time
+import warnings
+
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+import torch  # noqa: E402
+
+import ddpcheck  # noqa: E402
+from ddpcheck import targets, zoo  # noqa: E402
+from ddpcheck.api import check_example, prepare_reference  # noqa: E402
+from ddpcheck.scenario import Scenario  # noqa: E402
+from ddpcheck.world import shutdown_worlds  # noqa: E402
+
+MODELS = [zoo.MLP, zoo.Tied, zoo.SampleBranch, zoo.UnusedAndFrozen, zoo.WithBuffers,
+          zoo.NonContiguous, zoo.MixedPrecision]
+OPTIMIZERS = [
+    (torch.optim.SGD, {"lr": 0.1}),
+    (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    (torch.optim.Adam, {"lr": 0.01}),
+    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+]
+TARGETS = {"parallel": targets.PARALLEL, "torch_ddp": targets.TORCH_DDP,
+           "torch_zero": targets.TORCH_ZERO}
+
+
+def scenario(index: int, seed: int) -> Scenario:
+    """The index-th soak scenario: a pure function of (index, seed)."""
+    rng = random.Random(seed * 1_000_003 + index)
+    optimizer, kwargs = rng.choice(OPTIMIZERS)
+    return Scenario(
+        rng.choice(MODELS), optimizer=optimizer, optimizer_kwargs=dict(kwargs),
+        param_groups=rng.choice([None, None, zoo.BiasGroups(lr=0.02, weight_decay=0.0)]),
+        lr_decay=rng.choice([None, None, 0.5]),
+        global_batch=rng.randint(1, 12), steps=rng.randint(1, 3),
+        accumulation=rng.randint(1, 3), dtype=rng.choice(["float64", "float64", "float32"]),
+        reduction=rng.choice(["mean", "mean", "sum"]), seed=rng.randint(0, 10_000),
+        bucket_size_mb=rng.choice([None, 1e-6, 1000.0]), set_to_none=rng.choice([True, False]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--examples", type=int, default=10_000, help="examples to run")
+    parser.add_argument("--world-sizes", default="2,3,4", help="comma-separated (default 2,3,4)")
+    parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated names")
+    parser.add_argument("--seed", type=int, default=0, help="scenario stream seed")
+    parser.add_argument("--deadline", type=float, default=120.0, help="seconds per example")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="stop early after this long and report what ran")
+    args = parser.parse_args(argv)
+    sizes = [int(w) for w in args.world_sizes.split(",")]
+    chosen = {name: TARGETS[name] for name in args.targets.split(",")}
+
+    started = time.perf_counter()
+    ran, skipped, divergences = 0, 0, []
+    per_target: dict[str, int] = collections.Counter()
+    index = 0
+    try:
+        while ran < args.examples:
+            if args.max_seconds and time.perf_counter() - started > args.max_seconds:
+                print(f"stopping early: --max-seconds {args.max_seconds} reached")
+                break
+            sc = scenario(index, args.seed)
+            reference = prepare_reference(sc)
+            for name, target in chosen.items():
+                if target.supports(sc) is not None:
+                    skipped += len(sizes)
+                    continue
+                for w in sizes:
+                    if ran >= args.examples:
+                        break
+                    try:
+                        check_example(target, sc, w, deadline=args.deadline, reference=reference,
+                                      name=f"soak-{index}")
+                    except ddpcheck.EquivalenceError as exc:
+                        divergences.append(exc)
+                        print(f"DIVERGENCE {name} W={w} soak-{index}: {exc.kinds}\n"
+                              + "\n".join(str(exc).splitlines()[:12]) + f"\n{exc.replay}\n",
+                              flush=True)
+                    ran += 1
+                    per_target[name] += 1
+                    if ran % 500 == 0:
+                        print(f"  {ran} examples, {len(divergences)} divergences, "
+                              f"{time.perf_counter() - started:.0f} s", flush=True)
+            index += 1
+    finally:
+        shutdown_worlds()
+    seconds = time.perf_counter() - started
+    print(f"soak: {ran} examples ({', '.join(f'{n} {c}' for n, c in per_target.items())}) over "
+          f"{index} scenarios at world sizes {sizes}; {skipped} skipped (unsupported); "
+          f"{len(divergences)} divergences; {seconds:.1f} s "
+          f"({1e3 * seconds / max(ran, 1):.1f} ms per example, world start-up included)")
+    return 1 if divergences else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
