@@ -287,8 +287,8 @@ def _fuzz_rule(args: argparse.Namespace) -> int:
 
     rule = _resolve(args.rule, "rule")
     if not callable(rule):
-        raise UsageError(f"rule {args.rule!r} is {rule!r}, not a function rule(params, "
-                         "world_size) -> owners")
+        raise UsageError(f"rule {args.rule!r} is a {type(rule).__name__}, not a function "
+                         "rule(params, world_size) -> owners")
     violations = rules.rule_violations(rule, deadline=args.deadline)
     for v in violations:
         print(f"ddpcheck fuzz-rule {args.rule}: {v.message}")

@@ -1,0 +1,73 @@
+"""The mutant catalogue: every seeded bug is caught, and the unmutated target is not.
+
+One test runs the whole catalogue through ``ddpcheck mutants`` in one process, so the persistent
+worlds are spawned once for all mutants.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+
+import pytest
+
+from ddpcheck import mutants
+from ddpcheck.cli import main
+from ddpcheck.targets import ParallelDDPTarget
+
+#: Seconds per mutant in CI: the slowest kill here takes well under a second in warm worlds.
+CI_BUDGET = 5.0
+_CATALOGUE_CLASSES = re.compile(r"^[A-G][0-9]{1,2}$")
+
+
+def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
+    assert len(mutants.CATALOGUE) >= 25
+    names = [m.name for m in mutants.CATALOGUE]
+    assert len(set(names)) == len(names)
+    for m in mutants.CATALOGUE:
+        assert _CATALOGUE_CLASSES.match(m.bug_class), m
+        assert m.description and "\n" not in m.description
+        assert isinstance(m.target, ParallelDDPTarget)
+        assert type(m.target).__module__ == "ddpcheck.mutants"
+        assert pickle.loads(pickle.dumps(m.target)) == m.target
+        broken = [type(m.target).ddp_class, getattr(type(m.target), "optimizer_class", None)]
+        assert any(cls is not None and cls.__module__ == "ddpcheck.mutants" and cls.__doc__
+                   for cls in broken), f"{m.name} seeds no bug"
+    assert len({m.bug_class for m in mutants.CATALOGUE}) >= 20
+
+
+def test_by_name_rejects_unknown_mutants():
+    assert mutants.by_name("nodivide").name == "NoDivide"
+    with pytest.raises(ValueError, match="mutant 'Nope' is not in the catalogue; known: NoDivide"):
+        mutants.by_name("Nope")
+
+
+def test_every_mutant_is_killed_and_the_unmutated_target_passes(capsys):
+    status = main(["mutants", "--budget-seconds", str(CI_BUDGET)])
+    out = capsys.readouterr().out
+    n = len(mutants.CATALOGUE)
+    assert f"killed {n}/{n} (100 %)" in out, out
+    assert "unmutated target passes" in out, out
+    assert status == 0, out
+    rows = [line for line in out.splitlines() if line.startswith("| ")][1:]
+    assert len(rows) == n + 1
+    assert "| (unmutated)" in rows[0] and "| passes " in rows[0]
+    assert all("| killed " in row for row in rows[1:]), out
+
+
+def test_a_surviving_mutant_fails_the_command(capsys, monkeypatch):
+    # The unmutated target stands in for a mutant the harness cannot kill.
+    from ddpcheck.targets import PARALLEL
+
+    monkeypatch.setattr(mutants, "CATALOGUE",
+                        [mutants.Mutant("Unbroken", "A1", "no bug at all", PARALLEL)])
+    status = main(["mutants", "--budget-seconds", "60", "--world-sizes", "2"])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert re.search(r"\| Unbroken +\| A1 +\| SURVIVED +\| 8 ", out), out
+    assert "killed 0/1 (0 %)" in out
+
+
+def test_mutants_only_rejects_unknown_names(capsys):
+    assert main(["mutants", "--only", "NoSuchBug"]) == 2
+    assert "mutant 'NoSuchBug' is not in the catalogue" in capsys.readouterr().err
