@@ -1,0 +1,152 @@
+"""ddpcheck.strategies and ddpcheck.models: every drawn scenario builds and runs, prints as code,
+and shrinks to small models; the pytest plugin leaves the user's Hypothesis settings alone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import HealthCheck, find, given, settings
+from hypothesis import strategies as st
+
+import ddpcheck
+from ddpcheck import strategies as dst
+from ddpcheck import targets
+from ddpcheck.api import check_example
+from ddpcheck.models import Layer, ModelSpec
+from ddpcheck.scenario import build_model, from_repr
+
+FAST = settings(max_examples=25, deadline=None, database=None, derandomize=True,
+                suppress_health_check=list(HealthCheck))
+
+
+@FAST
+@given(dst.scenarios(models=dst.models(mixed_dtypes=True), dtypes=("float64", "float32")))
+def test_every_drawn_scenario_builds_prints_as_code_and_runs_alone(scenario):
+    assert from_repr(repr(scenario)) == scenario
+    model = build_model(scenario, scenario.seed)
+    x, y = scenario.data(0, scenario.global_batch, scenario.torch_dtype)
+    assert model(x).shape == y.shape
+    check_example(targets.LOCAL, scenario, 1)  # W=1: no synchronisation needed to match
+
+
+def test_registration_order_is_independent_of_execution_order():
+    spec = ModelSpec(layers=(Layer("linear"), Layer("conv1d"), Layer("layernorm")),
+                     registration=(2, 0, 1))
+    names = [n for n, _ in spec().named_parameters()]
+    assert names[0].startswith("l2.") and names[-1].startswith("head.")
+    assert ModelSpec(layers=spec.layers)().state_dict().keys() != spec().state_dict().keys() or \
+        names != [n for n, _ in ModelSpec(layers=spec.layers)().named_parameters()]
+
+
+def test_layer_vocabulary_has_the_promised_parameter_properties():
+    spec = ModelSpec(layers=(Layer("transposed"), Layer("embedding"), Layer("linear", frozen=True),
+                             Layer("reused", use="never"), Layer("buffer"),
+                             Layer("attention", float32=True)), tie_head=True)
+    model = build_model(ddpcheck.Scenario(spec, data=spec.data), 0)
+    params = dict(model.named_parameters())
+    assert not params["l0.weight"].is_contiguous()  # non-contiguous gradients follow
+    assert not params["l2.fc.weight"].requires_grad
+    assert params["l5.qkv.weight"].dtype == torch.float32
+    assert params["head.weight"].dtype == torch.float64
+    assert "l4.scale" in dict(model.named_buffers())
+    x, y = spec.data(0, 6, torch.float64)
+    model(x).pow(2).sum().backward()
+    assert params["l3.fc.weight"].grad is None  # never used
+    assert params["l1.table.weight"].grad is not None  # used by the embedding and the tied head
+
+
+def test_shrinking_reaches_small_models():
+    # The smallest model with a layer that no sample uses is that one layer alone.
+    found = find(dst.models(), lambda m: any(layer.use == "never" for layer in m.layers),
+                 settings=settings(database=None, max_examples=500))
+    assert found == ModelSpec(layers=(Layer("linear", use="never"),), width=2)
+    # The smallest scenario with accumulation and an uneven batch at W=3.
+    scenario = find(dst.scenarios(), lambda s: s.accumulation > 1 and s.global_batch % 3,
+                    settings=settings(database=None, max_examples=500))
+    assert scenario.model == ModelSpec(width=2)
+    assert (scenario.global_batch, scenario.accumulation, scenario.steps) == (1, 2, 1)
+    assert scenario.optimizer is torch.optim.SGD
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: dst.world_sizes(min_size=0), "min_size=0 must be an integer >= 1"),
+    (lambda: dst.world_sizes(min_size=3, max_size=2), "Cannot have max_size=2 < min_size=3"),
+    (lambda: dst.layers(kinds=("lstm",)), "kinds=('lstm',) must be a non-empty subset"),
+    (lambda: dst.models(max_layers=-1), "max_layers=-1 must be an integer >= 0"),
+    (lambda: dst.scenarios(dtypes=("float16",)), "dtypes=('float16',) must be a non-empty subset"),
+    (lambda: dst.scenarios(models=[1]), "Expected a SearchStrategy, such as "
+                                        "ddpcheck.strategies.models(), but got models=[1]"),
+    (lambda: dst.scenarios(max_steps=0), "max_steps=0 must be an integer >= 1"),
+])
+def test_strategy_misuse_names_the_argument(call, message):
+    with pytest.raises(ddpcheck.InvalidArgument) as info:
+        call()
+    assert message in str(info.value)
+
+
+def test_model_spec_rejects_a_bad_registration_order():
+    with pytest.raises(ValueError, match=r"registration=\(0, 0\) must be a permutation"):
+        ModelSpec(layers=(Layer(), Layer()), registration=(0, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# The plugin
+
+
+def _pytest(tmp_path, body, *args):
+    (tmp_path / "test_it.py").write_text(textwrap.dedent(body))
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                           str(tmp_path / "test_it.py"), *args],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+def test_plugin_leaves_the_users_hypothesis_profile_and_torch_alone(tmp_path):
+    out = _pytest(tmp_path, """
+        import sys
+        from hypothesis import settings
+        settings.register_profile("mine", max_examples=123)
+        settings.load_profile("mine")
+
+        def test_profile():
+            import ddpcheck.pytest_plugin, ddpcheck.strategies
+            assert settings.default.max_examples == 123
+            assert "ddpcheck.pytest_plugin" in sys.modules
+    """)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ddpcheck: world sizes 1,2,3,4, deadline 60 s" in out.stdout
+
+    out = subprocess.run([sys.executable, "-c",
+                          "import sys, ddpcheck.pytest_plugin; print('torch' in sys.modules)"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False"
+
+
+def test_plugin_fixtures_run_a_target_and_count_examples(tmp_path):
+    out = _pytest(tmp_path, """
+        from ddpcheck import targets
+
+        def test_run(ddpcheck_run, ddpcheck_options, ddpcheck_world):
+            assert ddpcheck_options.world_sizes == (1, 2)
+            report = ddpcheck_run(targets.PARALLEL)
+            assert report.count == 16
+            assert ddpcheck_world(2).world_size == 2
+    """, "--ddpcheck-world-sizes", "1,2", "--ddpcheck-deadline", "30")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ddpcheck: world sizes 1,2, deadline 30 s" in out.stdout
+    assert "ddpcheck: 16 data-parallel examples run" in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ddpcheck-world-sizes", "2,x"], "--ddpcheck-world-sizes='2,x' must be comma-separated"),
+    (["--ddpcheck-world-sizes", "0"], "--ddpcheck-world-sizes='0' must list positive integers"),
+    (["--ddpcheck-deadline", "-3"], "--ddpcheck-deadline='-3' must be a positive number"),
+    (["--ddpcheck-world-sizes", "1000"], "lower -n or the largest world size"),
+])
+def test_plugin_rejects_bad_options_naming_the_flag(tmp_path, args, message):
+    out = _pytest(tmp_path, "def test_nothing():\n    pass\n", *args)
+    assert out.returncode == 4, out.stdout + out.stderr
+    assert message in out.stderr
