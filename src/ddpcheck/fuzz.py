@@ -1,0 +1,99 @@
+"""Fuzzing a target: Hypothesis draws scenarios and world sizes, the oracle judges, and a failure
+is shrunk to a minimal counterexample with its divergence table and replay line.
+
+This is what ``ddpcheck check`` runs after the built-in battery, and what ``ddpcheck mutants``
+uses to hunt each mutant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Any, Callable
+
+from ddpcheck._validation import InvalidArgument, check_positive_number, check_world_sizes
+
+__all__ = ["FuzzResult", "fuzz"]
+
+
+@dataclasses.dataclass
+class FuzzResult:
+    """How a fuzzing run ended."""
+
+    examples: int  # examples run, shrinking included
+    first_failure: int | None  # examples run until the first failure (1-based), if any
+    seconds: float
+    error: Any = None  # the shrunk EquivalenceError, if any
+
+    @property
+    def found(self) -> bool:
+        return self.error is not None
+
+
+def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = (1, 2, 3, 4),
+         seed: int | None = None, deadline: float = 60.0, dtypes: tuple = ("float64",),
+         progress: Callable[[int, float], None] | None = None,
+         time_budget: float | None = None) -> FuzzResult:
+    """Run up to ``examples`` random examples of ``target``; shrink the first failure.
+
+    ``seed`` makes the run reproducible (default: derandomized, the same every time);
+    ``time_budget`` (seconds) stops generating new examples once spent (shrinking still runs).
+    """
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hypothesis_seed
+    from hypothesis import strategies as st
+
+    from ddpcheck import strategies as dst
+    from ddpcheck.api import check_example
+    from ddpcheck.report import EquivalenceError
+
+    if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
+        raise InvalidArgument(f"examples={examples!r} must be a positive integer")
+    sizes = check_world_sizes("world_sizes", world_sizes)
+    check_positive_number("deadline", deadline)
+    started = time.perf_counter()
+    count = [0]
+    first = [None]
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
+              suppress_health_check=list(HealthCheck), print_blob=False,
+              phases=[Phase.generate, Phase.target, Phase.shrink])
+    @given(scenario=dst.scenarios(models=dst.models(mixed_dtypes=True), dtypes=dtypes),
+           world_size=st.sampled_from(sizes))
+    def one(scenario, world_size):
+        if time_budget is not None and first[0] is None \
+                and time.perf_counter() - started > time_budget:
+            return  # out of time: remaining examples pass without running
+        if target.supports(scenario) is not None:
+            return
+        count[0] += 1
+        if progress is not None:
+            progress(count[0], time.perf_counter() - started)
+        try:
+            check_example(target, scenario, world_size, deadline=deadline)
+        except EquivalenceError:
+            if first[0] is None:
+                first[0] = count[0]
+            raise
+
+    if seed is not None:
+        one = hypothesis_seed(seed)(one)
+    try:
+        one()
+    except EquivalenceError as error:
+        return FuzzResult(count[0], first[0], time.perf_counter() - started, error)
+    return FuzzResult(count[0], None, time.perf_counter() - started)
+
+
+def terminal_progress(total: int, stream: Any = None) -> Callable[[int, float], None] | None:
+    """A live one-line progress report, only when ``stream`` is a terminal."""
+    stream = stream or sys.stderr
+    if not stream.isatty():
+        return None
+
+    def show(done: int, seconds: float) -> None:
+        stream.write(f"\r  {done}/{total} examples, {seconds:.1f} s ")
+        stream.flush()
+
+    return show
