@@ -115,14 +115,21 @@ class KilledMidCollective(targets.ParallelDDPTarget):
         return _KilledSGD(params, self.guilty, **kwargs)
 
 
+def _sleep_in_hook(grad):
+    time.sleep(3600)
+
+
 @dataclasses.dataclass(frozen=True)
 class SleepsForever(targets.ParallelDDPTarget):
+    """Sleeps in backward before its last bucket launches, so the others wait for it."""
+
     guilty: int = 1
 
-    def after_backward(self, model, optimizer):
+    def wrap(self, module):
+        model = super().wrap(module)
         if dist.get_rank() == self.guilty:
-            time.sleep(3600)
-        model.finish_gradient_sync()
+            module.fc1.weight.register_hook(_sleep_in_hook)
+        return model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +176,7 @@ FAULTS = {
          "all_reduce SUM 4194304 float32"]),
     "sleeps forever": (
         SleepsForever, "rank timed out",
-        ["rank {g}: did not return in time; it was here:", "in after_backward",
+        ["rank {g}: did not return in time; it was here:", "in _sleep_in_hook",
          "rank {g} issued nothing at index"]),
     "mismatched op": (
         lambda guilty: MismatchedCollective(how="op", guilty=guilty), "collectives mismatched",
