@@ -180,6 +180,17 @@ def _check(args: argparse.Namespace) -> int:
     import ddpcheck
 
     target = resolve_target(args.target)
+    from ddpcheck.torchrun import check_in_world, under_torchrun
+
+    if under_torchrun():  # use the world torchrun built instead of spawning one
+        status = check_in_world(target, deadline=args.deadline, out=sys.stdout,
+                                world_sizes=None if args.world_sizes == (1, 2, 3, 4)
+                                else args.world_sizes)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Every rank has the same status. os._exit skips gloo's teardown, which races with its
+        # worker threads right after the last collective (platform-notes.md).
+        os._exit(status)
     started = time.perf_counter()
     try:
         report = ddpcheck.assert_equivalent(target, world_sizes=args.world_sizes,

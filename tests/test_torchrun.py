@@ -1,0 +1,43 @@
+"""``ddpcheck check`` under torchrun uses torchrun's world (env:// rendezvous on a free port)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "2", "-m", "ddpcheck", "check"]
+
+
+def _torchrun(*args: str, cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(TORCHRUN + list(args), capture_output=True, text=True, timeout=240,
+                          cwd=cwd, env=env)
+
+
+def test_the_builtin_target_passes_in_torchruns_world(tmp_path):
+    out = _torchrun("--world-sizes", "2", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # printed once (rank 0), naming the world torchrun built
+    assert out.stdout.count("examples equivalent in the torchrun world of 2 (backend gloo)") == 1
+
+
+def test_a_mutant_fails_on_every_rank_with_one_report(tmp_path):
+    out = _torchrun("ddpcheck.mutants:NoDivide()", cwd=tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.stdout.count("NoDivide diverged at world size 2 (mlp-sgd): reference differs "
+                            "(gradient)") == 1
+    assert "replay: python -m ddpcheck replay" in out.stdout
+
+
+@pytest.mark.parametrize("sizes", ["3", "1,3"])
+def test_world_sizes_must_contain_torchruns_size(tmp_path, sizes):
+    out = _torchrun("--world-sizes", sizes, cwd=tmp_path)
+    # every rank exits 2; torchrun itself reports any failed rank as 1 (ChildFailedError)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "exitcode  : 2" in out.stderr
+    assert (f"--world-sizes={sizes} does not contain torchrun's world size 2"
+            in out.stdout), out.stdout
