@@ -100,8 +100,8 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *, deadli
     if reference is None:
         reference = prepare_reference(scenario)
     replay = replay_command(target, scenario, world_size)
+    world = get_world(world_size)  # a world that cannot start raises WorldStartError
     try:
-        world = get_world(world_size)
         records = world.run(run_example, target, scenario, deadline=deadline,
                             what=f"example {name or 'scenario'}")
     except WorldFailure as failure:

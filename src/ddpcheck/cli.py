@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated world sizes (default 1,2,3,4)")
     check.add_argument("--deadline", type=_positive(float), default=60.0,
                        help="seconds one example may take before it counts as hung (default 60)")
+    check.add_argument("--examples", type=_positive(int), default=100,
+                       help="random examples to run after the built-in battery (default 100)")
+    check.add_argument("--seed", type=int, default=None,
+                       help="seed of the random examples (default: the same examples every run)")
 
     replay = sub.add_parser("replay", help="run one example again (the line a failure prints)")
     replay.add_argument("target", metavar="MODULE:TARGET")
@@ -191,15 +195,33 @@ def _check(args: argparse.Namespace) -> int:
         # Every rank has the same status. os._exit skips gloo's teardown, which races with its
         # worker threads right after the last collective (platform-notes.md).
         os._exit(status)
+    from ddpcheck.fuzz import fuzz, terminal_progress
+
     started = time.perf_counter()
+    sizes = ",".join(map(str, args.world_sizes))
+    # 1. the built-in battery: representative scenarios, every world size
     try:
         report = ddpcheck.assert_equivalent(target, world_sizes=args.world_sizes,
                                             deadline=args.deadline)
     except ddpcheck.EquivalenceError as exc:
         print(str(exc))
         return EXIT_FOUND
-    print(f"ddpcheck check {args.target}: {report} "
-          f"(wall {time.perf_counter() - started:.1f} s, world start-up included)")
+    print(f"battery: {report}")
+    # 2. random examples, shrunk to a minimal counterexample on failure
+    print(f"fuzzing {args.target} with {args.examples} random examples at world sizes {sizes}"
+          f"{'' if args.seed is None else f' (seed {args.seed})'}", flush=True)
+    result = fuzz(target, examples=args.examples, world_sizes=args.world_sizes, seed=args.seed,
+                  deadline=args.deadline, progress=terminal_progress(args.examples))
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")
+    if result.found:
+        print(f"counterexample found after {result.first_failure} examples and shrunk "
+              f"({result.examples} examples, {result.seconds:.1f} s):\n")
+        print(str(result.error))
+        return EXIT_FOUND
+    print(f"ddpcheck check {args.target}: nothing found in {report.count} battery and "
+          f"{result.examples} random examples (wall {time.perf_counter() - started:.1f} s, "
+          "world start-up included)")
     return EXIT_OK
 
 

@@ -37,6 +37,7 @@ from typing import Any, Callable
 from ddpcheck._validation import InvalidArgument, check_deadline, check_world_size
 
 __all__ = [
+    "WorldStartError",
     "DEFAULT_DEADLINE",
     "RankState",
     "World",
@@ -149,6 +150,11 @@ class WorldFailure(Exception):
         return "\n".join(lines)
 
 
+class WorldStartError(RuntimeError):
+    """The rank processes could not start or join the process group (an environment problem,
+    such as a main module that spawn cannot re-import, never a verdict on a target)."""
+
+
 def _indent(text: str, prefix: str = "    ") -> str:
     return "\n".join(prefix + line for line in text.rstrip().splitlines())
 
@@ -204,6 +210,7 @@ class World:
         if self._alive:
             return self
         ctx = multiprocessing.get_context(self.start_method)
+        _check_main_module_importable()
         self._dir = tempfile.mkdtemp(prefix=f"ddpcheck-w{self.world_size}-")
         store_path = os.path.join(self._dir, "store")
         self._procs, self._conns = [], []
@@ -226,6 +233,10 @@ class World:
         self._alive = True
         try:
             self._collect("world start-up", deadline)
+        except WorldFailure as failure:  # not the target's fault: the environment's
+            self.kill()
+            raise WorldStartError(f"could not start a world of {self.world_size} ranks; "
+                                  f"nothing was checked.\n{failure}") from None
         except BaseException:
             self.kill()
             raise
@@ -406,6 +417,18 @@ def _trim_dump(dump: str) -> str:
         below_loop = is_frame and "in _rank_main" in line
         kept.append(line)
     return "\n".join(kept)
+
+
+def _check_main_module_importable() -> None:
+    """spawn re-imports the parent's ``__main__`` in every rank; a script read from stdin or a
+    deleted file cannot be, and every rank would die before reporting anything."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path and getattr(main, "__spec__", None) is None and not os.path.exists(path):
+        raise WorldStartError(
+            f"the main module {path!r} is not a file, so spawned ranks cannot import it; run "
+            "your code from a file or with `python -m`, and define targets in an importable "
+            "module")
 
 
 def _default_backend() -> str:
