@@ -552,6 +552,9 @@ def _rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: 
             timeout=datetime.timedelta(seconds=STARTUP_DEADLINE),
         )
         comm.install()
+        # The first optimizer a process builds imports torch._dynamo (seconds); pay that here,
+        # inside the start-up deadline, not inside the first example's.
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
         comm.record_to(sequence_path)
         _send(conn, ("ok", os.getpid()))
     except BaseException:
