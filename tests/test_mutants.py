@@ -15,8 +15,10 @@ from ddpcheck import mutants
 from ddpcheck.cli import main
 from ddpcheck.targets import ParallelDDPTarget
 
-#: Seconds per mutant in CI: the slowest kill here takes well under a second in warm worlds.
-CI_BUDGET = 5.0
+#: Seconds per mutant in CI: a ceiling, not the expected cost -- every kill takes at most 8
+#: examples, under a second in warm worlds on an idle machine, but a 2-core machine shared with
+#: other test runs slows examples down by 10-50x, and a mutant out of budget counts as surviving.
+CI_BUDGET = 30.0
 _CATALOGUE_CLASSES = re.compile(r"^[A-G][0-9]{1,2}$")
 
 

@@ -83,12 +83,19 @@ def _battery_examples(world_sizes: Sequence[int]) -> list[tuple[str, Any, int]]:
 def warm_up(world_sizes: Iterable[int]) -> None:
     """Start the worlds and compute the battery's references (shared by every search)."""
     from ddpcheck.battery import BATTERY
-    from ddpcheck.world import get_world
+    from ddpcheck.world import STARTUP_DEADLINE, get_world
 
     for name, scenario in BATTERY:
         _reference(name, scenario)
     for w in world_sizes:
-        get_world(w)
+        # a fresh world's first example would otherwise pay for importing the harness
+        get_world(w).run(_import_harness, deadline=STARTUP_DEADLINE, what="warm-up")
+
+
+def _import_harness() -> None:
+    """Inside a rank: import what examples use (cheap once imported)."""
+    import ddpcheck.mutants  # noqa: F401 -- also imports parallel and the targets
+    import ddpcheck.runner  # noqa: F401
 
 
 def battery_search(target: Any, budget_seconds: float, *, world_sizes: Sequence[int] = (1, 2, 3, 4),
