@@ -18,8 +18,9 @@ Classes of the catalogue without a mutant here, and why:
   unmutated ``DDP`` *raises* (a second synchronised backward, reentrant checkpointing); within
   what the target supports the mutant is equivalent. Killing it needs "misuse must raise"
   examples, which the oracle does not have.
-* B7 "wait only on the last handle": gloo completes the collectives of one process group in
-  launch order in practice, so the mutant is equivalent on CPU (it is a real bug on NCCL streams).
+* B7 "wait only on the last handle": not included. On gloo, work of one process group is queued
+  in launch order, so the earlier buckets have very likely finished when the last one has: at
+  best a flaky kill (expected, not measured). ``ReadsBeforeWait`` covers B7.
 * B12 (bypassing the wrapper): the runner always calls the wrapper's forward and
   ``finish_gradient_sync``; the bypass is a training-loop bug.
 * C2 (sync/step flag logic of trainers) and E3 (a group-level step counter skipped on empty
