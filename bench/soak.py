@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = {name: TARGETS[name] for name in args.targets.split(",")}
 
     started = time.perf_counter()
-    ran, skipped, divergences = 0, 0, []
+    ran, skipped, divergences, errors = 0, 0, [], []
     per_target: dict[str, int] = collections.Counter()
     index = 0
     try:
@@ -80,7 +80,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"stopping early: --max-seconds {args.max_seconds} reached")
                 break
             sc = scenario(index, args.seed)
-            reference = prepare_reference(sc)
+            try:
+                reference = prepare_reference(sc)
+            except Exception as exc:  # the scenario itself cannot train: say so, never hide it
+                errors.append(exc)
+                print(f"SCENARIO ERROR soak-{index}: {type(exc).__name__}: {exc}\n  {sc!r}",
+                      flush=True)
+                index += 1
+                continue
             for name, target in chosen.items():
                 if target.supports(sc) is not None:
                     skipped += len(sizes)
@@ -107,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - started
     print(f"soak: {ran} examples ({', '.join(f'{n} {c}' for n, c in per_target.items())}) over "
           f"{index} scenarios at world sizes {sizes}; {skipped} skipped (unsupported); "
-          f"{len(divergences)} divergences; {seconds:.1f} s "
+          f"{len(divergences)} divergences; {len(errors)} scenarios the reference could not "
+          f"train; {seconds:.1f} s "
           f"({1e3 * seconds / max(ran, 1):.1f} ms per example, world start-up included)")
-    return 1 if divergences else 0
+    return 1 if divergences or errors else 0
 
 
 if __name__ == "__main__":
