@@ -26,9 +26,9 @@ What moves, and when:
    right after the last bucket, one tiny all-reduce tells every rank which parameters any rank
    used; every handle is waited on, and each ``.grad`` is pointed at its averaged slice.
 
-Averaging happens inside the collective (``ReduceOp.AVG``) on nccl and gloo -- on gloo it is
-bitwise equal to SUM-then-divide (platform-notes.md) and runs on gloo's thread, off the training
-loop; other backends sum and divide after the wait.
+Averaging: NCCL averages inside the collective (``ReduceOp.AVG``); gloo sums and we divide the
+flat bucket after the wait. (gloo's own AVG is bitwise equal on torch 2.13, but releases before
+it reject AVG on gloo, and pyproject.toml promises torch >= 2.1.)
 
 Buckets are fixed at construction: trainable parameters in reverse registration order (the order
 backward usually produces them), grouped by dtype and device, capped at ``bucket_size_mb``.
@@ -128,8 +128,8 @@ class DDP(nn.Module):
         self.world_size = dist.get_world_size(process_group)
         # The group's rank 0, as the global rank that broadcast's `src` expects.
         self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
-        # nccl and gloo average in the collective; other backends sum, and we divide after the wait.
-        self._average_in_collective = dist.get_backend(process_group) in ("nccl", "gloo")
+        # NCCL averages in the collective; gloo (and the rest) sum, and we divide after the wait.
+        self._average_in_collective = dist.get_backend(process_group) == "nccl"
         self._names = {p: n for n, p in module.named_parameters()}
         self._params = params
         self._check_same_parameters_everywhere()

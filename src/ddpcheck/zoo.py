@@ -138,7 +138,9 @@ class MixedPrecision(nn.Module):
         self.b = nn.Linear(6, OUT_FEATURES).float()
 
     def restore_dtypes(self) -> None:
-        """After the runner casts the model to the scenario's dtype, ``b`` is float32 again."""
+        """After the runner casts the model to the scenario's dtype, ``a`` is float64 and ``b``
+        float32 again, whatever that dtype was."""
+        self.a.double()
         self.b.float()
 
     def forward(self, x):
