@@ -45,7 +45,8 @@ def test_by_name_rejects_unknown_mutants():
 
 
 def test_every_mutant_is_killed_and_the_unmutated_target_passes(capsys):
-    status = main(["mutants", "--budget-seconds", str(CI_BUDGET)])
+    # The battery search: every class in seconds. The shrinking search is tested below.
+    status = main(["mutants", "--budget-seconds", str(CI_BUDGET), "--search", "battery"])
     out = capsys.readouterr().out
     n = len(mutants.CATALOGUE)
     assert f"killed {n}/{n} (100 %)" in out, out
@@ -63,7 +64,8 @@ def test_a_surviving_mutant_fails_the_command(capsys, monkeypatch):
 
     monkeypatch.setattr(mutants, "CATALOGUE",
                         [mutants.Mutant("Unbroken", "A1", "no bug at all", PARALLEL)])
-    status = main(["mutants", "--budget-seconds", "60", "--world-sizes", "2"])
+    status = main(["mutants", "--budget-seconds", "60", "--world-sizes", "2",
+                   "--search", "battery"])
     out = capsys.readouterr().out
     assert status == 1
     assert re.search(r"\| Unbroken +\| A1 +\| SURVIVED +\| 8 ", out), out
@@ -73,3 +75,17 @@ def test_a_surviving_mutant_fails_the_command(capsys, monkeypatch):
 def test_mutants_only_rejects_unknown_names(capsys):
     assert main(["mutants", "--only", "NoSuchBug"]) == 2
     assert "mutant 'NoSuchBug' is not in the catalogue" in capsys.readouterr().err
+
+
+def test_the_shrinking_search_reports_minimal_random_counterexamples(capsys):
+    status = main(["mutants", "--budget-seconds", str(CI_BUDGET), "--world-sizes", "1,2",
+                   "--only", "NoDivide,EveryRankStepsEverything,ZeroFillsUnused"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    # Shrunk: the smallest model (the head alone, or one unused layer), one sample, one step.
+    assert re.search(r"\| NoDivide +\| A1 +\| killed .*random\[head \w+ B=1 steps=1\] W=2 "
+                     r"step 0: reference differs \(gradient\) head.weight", out), out
+    assert re.search(r"\| EveryRankStepsEverything .*random\[head Adam\w* B=1 steps=1\] W=2 "
+                     r"step 0: optimizer state misplaced", out), out
+    assert re.search(r"\| ZeroFillsUnused .*random\[linear\(unused\) SGD B=1 steps=1\] W=1 "
+                     r"step 0: reference differs \(gradient\) l0.fc.weight", out), out

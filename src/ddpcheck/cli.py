@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="comma-separated world sizes (default 1,2,3,4)")
     mutants.add_argument("--only", default=None, metavar="NAME[,NAME...]",
                          help="run only these mutants (names as in the table)")
+    mutants.add_argument("--search", choices=("shrinking", "battery"), default="shrinking",
+                         help="shrinking: random examples shrunk by Hypothesis, then the battery "
+                              "(default); battery: the built-in battery only (fastest)")
     mutants.add_argument("--deadline", type=_positive(float), default=60.0,
                          help="seconds one example may take before it counts as hung (default 60)")
 
@@ -289,12 +292,14 @@ def _mutants(args: argparse.Namespace) -> int:
             raise UsageError(f"--only={args.only!r} names no mutant")
     widths = [max(len("(unmutated)"), *(len(m.name) for m in catalogue)), 5,
               len("SURVIVED (budget)"), len("examples"), len("seconds"), len("counterexample")]
-    print(f"ddpcheck mutants: {len(catalogue)} mutants, {args.budget_seconds:g} s each, world "
-          f"sizes {','.join(map(str, args.world_sizes))} (starting worlds...)", flush=True)
+    print(f"ddpcheck mutants: {len(catalogue)} mutants, {args.budget_seconds:g} s each, "
+          f"{args.search} search, world sizes {','.join(map(str, args.world_sizes))} "
+          "(starting worlds...)", flush=True)
     header = search.table_lines([], widths)
     print("\n".join(header), flush=True)
     started = time.perf_counter()
-    rows = search.score(catalogue, args.budget_seconds, control=PARALLEL,
+    chosen = search.default_search() if args.search == "shrinking" else search.battery_search
+    rows = search.score(catalogue, args.budget_seconds, control=PARALLEL, search=chosen,
                         world_sizes=args.world_sizes, deadline=args.deadline,
                         on_row=lambda r: print(search.table_lines([r.row()], widths)[2],
                                                flush=True))

@@ -104,8 +104,8 @@ def _rebucket(ddp: DDP, params: list, bucket_size_mb: float, build: Any = None) 
 
 
 class _SumThenDivideDDP(DDP):
-    """The original's path for backends without ``ReduceOp.AVG``: SUM in the collective, divide
-    after the wait. (Not a bug; the A1/A2 mutants break the division of this path.)"""
+    """Pins the original's gloo path -- SUM in the collective, divide after the wait -- even on a
+    backend that averages in the collective. (Not a bug; the A1/A2 mutants break its division.)"""
 
     def __init__(self, module, bucket_size_mb=25.0, process_group=None):
         super().__init__(module, bucket_size_mb, process_group)
@@ -131,14 +131,15 @@ class _NoDivideDDP(_SumThenDivideDDP):
                 p.grad.copy_(view)
 
 
-class _DivideTwiceDDP(DDP):
-    """Divides by W on top of ``ReduceOp.AVG`` (torchtitan #2323: the loss was already normalised
-    globally and DDP averaged too; the catalogue's "divide on top of AVG")."""
+class _DivideTwiceDDP(_SumThenDivideDDP):
+    """Divides by W twice (torchtitan #2323: the loss was already normalised globally and DDP
+    averaged too; the catalogue's "divide on top of AVG")."""
 
     @torch.no_grad()
     def _wait_and_write_back(self, bucket, used_anywhere):
         bucket.handle.wait()
-        bucket.flat.div_(self.world_size)  # BUG: the collective already averaged
+        bucket.flat.div_(self.world_size)
+        bucket.flat.div_(self.world_size)  # BUG: a second division by W
         for p, view, as_grad in zip(bucket.params, bucket.views, bucket.as_grad):
             if not used_anywhere[self._positions[p]]:
                 continue

@@ -10,9 +10,8 @@ target searched in this process.
 
 :func:`battery_search` walks the built-in battery (``ddpcheck.battery.BATTERY``) x world sizes,
 world size major -- W=2 first, the cheapest world where replicas can disagree, then 3 (divisor and
-ordering bugs that W=2 hides), 4, and 1 last (a bug visible at W=1 is visible at W=2 too). When a
-Hypothesis-driven search with shrinking exists, it plugs in here with the same signature;
-:func:`default_search` picks it.
+ordering bugs that W=2 hides), 4, and 1 last (a bug visible at W=1 is visible at W=2 too).
+:func:`default_search` is the Hypothesis-driven search with shrinking, which falls back on it.
 """
 
 from __future__ import annotations
@@ -125,13 +124,11 @@ def battery_search(target: Any, budget_seconds: float, *, world_sizes: Sequence[
 
 
 def default_search() -> Search:
-    """The search ``ddpcheck mutants`` uses: the battery, until a shrinking search is provided
-    as ``ddpcheck.strategies.counterexample_search`` (same signature as :func:`battery_search`)."""
-    try:
-        from ddpcheck import strategies
-    except ImportError:
-        return battery_search
-    return getattr(strategies, "counterexample_search", battery_search)
+    """The search ``ddpcheck mutants`` uses: random examples shrunk by Hypothesis, then the
+    battery for whatever budget is left (:func:`ddpcheck.fuzz.shrinking_search`)."""
+    from ddpcheck.fuzz import shrinking_search
+
+    return shrinking_search
 
 
 def find_counterexample(target: Any, budget_seconds: float, *, search: Search | None = None,
