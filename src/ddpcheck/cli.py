@@ -190,6 +190,11 @@ def _check(args: argparse.Namespace) -> int:
     from ddpcheck.torchrun import check_in_world, under_torchrun
 
     if under_torchrun():  # use the world torchrun built instead of spawning one
+        if os.environ.get("RANK") == "0":
+            # Random examples would need every rank to draw the same ones; the battery is
+            # deterministic. Say so rather than ignore --examples/--seed silently.
+            print("ddpcheck check under torchrun: the built-in battery only; --examples and "
+                  "--seed apply to spawned worlds", file=sys.stderr, flush=True)
         status = check_in_world(target, deadline=args.deadline, out=sys.stdout,
                                 world_sizes=None if args.world_sizes == (1, 2, 3, 4)
                                 else args.world_sizes)
