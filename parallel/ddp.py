@@ -299,20 +299,28 @@ class DDP(nn.Module):
 
     @torch.no_grad()
     def _wait_and_write_back(self, bucket: _Bucket, used_anywhere: list[int]) -> None:
-        # Sync point: the bucket's reduced values exist only after its handle completes.
-        bucket.handle.wait()
-        if not self._average_in_collective:
-            bucket.flat.div_(self.world_size)
+        self._wait_and_average(bucket)
         for p, view, as_grad in zip(bucket.params, bucket.views, bucket.as_grad):
             if not used_anywhere[self._positions[p]]:
                 continue  # no rank had a gradient: leave grad None, as a single process would
-            if as_grad:
-                if p.grad is not view:
-                    p.grad = view  # the averaged slice itself: no copy
-            elif p.grad is None:
-                p.grad = torch.empty_like(p).copy_(view)  # strides follow the parameter
-            else:
-                p.grad.copy_(view)  # copy_ honours the gradient's strides
+            self._write_grad(p, view, as_grad)
+
+    def _wait_and_average(self, bucket: _Bucket) -> None:
+        # Sync point: the bucket's reduced values exist only after its handle completes.
+        bucket.handle.wait()
+        if not self._average_in_collective:
+            bucket.flat.div_(self.world_size)  # gloo summed; now the world mean
+
+    @staticmethod
+    def _write_grad(p: nn.Parameter, view: torch.Tensor, as_grad: bool) -> None:
+        """Make ``p.grad`` the averaged ``view`` (its slice of the bucket buffer)."""
+        if as_grad:
+            if p.grad is not view:
+                p.grad = view  # the averaged slice itself: no copy
+        elif p.grad is None:
+            p.grad = torch.empty_like(p).copy_(view)  # strides follow the parameter
+        else:
+            p.grad.copy_(view)  # copy_ honours the gradient's strides
 
     def _reset_iteration(self) -> None:
         """The one place per-iteration state is cleared."""

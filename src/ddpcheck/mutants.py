@@ -115,61 +115,28 @@ class _SumThenDivideDDP(DDP):
 class _NoDivideDDP(_SumThenDivideDDP):
     """Sums but never divides by W (Arctic-Platform #119: ``dp_size`` dropped)."""
 
-    @torch.no_grad()
-    def _wait_and_write_back(self, bucket, used_anywhere):
+    def _wait_and_average(self, bucket):
         bucket.handle.wait()
         # BUG: no bucket.flat.div_(self.world_size) after the SUM
-        for p, view, as_grad in zip(bucket.params, bucket.views, bucket.as_grad):
-            if not used_anywhere[self._positions[p]]:
-                continue
-            if as_grad:
-                if p.grad is not view:
-                    p.grad = view
-            elif p.grad is None:
-                p.grad = torch.empty_like(p).copy_(view)
-            else:
-                p.grad.copy_(view)
 
 
 class _DivideTwiceDDP(_SumThenDivideDDP):
     """Divides by W twice (torchtitan #2323: the loss was already normalised globally and DDP
     averaged too; the catalogue's "divide on top of AVG")."""
 
-    @torch.no_grad()
-    def _wait_and_write_back(self, bucket, used_anywhere):
+    def _wait_and_average(self, bucket):
         bucket.handle.wait()
         bucket.flat.div_(self.world_size)
         bucket.flat.div_(self.world_size)  # BUG: a second division by W
-        for p, view, as_grad in zip(bucket.params, bucket.views, bucket.as_grad):
-            if not used_anywhere[self._positions[p]]:
-                continue
-            if as_grad:
-                if p.grad is not view:
-                    p.grad = view
-            elif p.grad is None:
-                p.grad = torch.empty_like(p).copy_(view)
-            else:
-                p.grad.copy_(view)
 
 
 class _DivideByNumelDDP(_SumThenDivideDDP):
     """Divides the SUM by the bucket's element count, not by W (meta-pytorch/torchcomms #287:
     gloo AVG divided by ``tensor.numel()``)."""
 
-    @torch.no_grad()
-    def _wait_and_write_back(self, bucket, used_anywhere):
+    def _wait_and_average(self, bucket):
         bucket.handle.wait()
         bucket.flat.div_(bucket.flat.numel())  # BUG: numel instead of world size
-        for p, view, as_grad in zip(bucket.params, bucket.views, bucket.as_grad):
-            if not used_anywhere[self._positions[p]]:
-                continue
-            if as_grad:
-                if p.grad is not view:
-                    p.grad = view
-            elif p.grad is None:
-                p.grad = torch.empty_like(p).copy_(view)
-            else:
-                p.grad.copy_(view)
 
 
 class _AveragesAgainOptimizer(ShardedOptimizer):
@@ -244,39 +211,21 @@ class _ZeroFillsUnusedDDP(DDP):
 
     @torch.no_grad()
     def _wait_and_write_back(self, bucket, used_anywhere):
-        bucket.handle.wait()
-        if not self._average_in_collective:
-            bucket.flat.div_(self.world_size)
+        self._wait_and_average(bucket)
         for p, view, as_grad in zip(bucket.params, bucket.views, bucket.as_grad):
             # BUG: no `continue` for parameters unused on every rank
-            if as_grad:
-                if p.grad is not view:
-                    p.grad = view
-            elif p.grad is None:
-                p.grad = torch.empty_like(p).copy_(view)
-            else:
-                p.grad.copy_(view)
+            self._write_grad(p, view, as_grad)
 
 
 class _LocallyUnusedStaysNoneDDP(DDP):
     """A parameter unused on this rank but used on another keeps ``grad=None`` here, so this
     replica skips it in ``step()`` (pytorch #32612; detectron2 fakes zero grads for this)."""
 
-    @torch.no_grad()
-    def _wait_and_write_back(self, bucket, used_anywhere):
-        bucket.handle.wait()
-        if not self._average_in_collective:
-            bucket.flat.div_(self.world_size)
-        for p, view, as_grad in zip(bucket.params, bucket.views, bucket.as_grad):
-            if not used_anywhere[self._positions[p]]:
-                continue
-            if p.grad is None:
-                continue  # BUG: the world's average is dropped where this rank had no gradient
-            if as_grad:
-                if p.grad is not view:
-                    p.grad = view
-            else:
-                p.grad.copy_(view)
+    @staticmethod
+    def _write_grad(p, view, as_grad):
+        if p.grad is None:
+            return  # BUG: the world's average is dropped where this rank had no gradient
+        DDP._write_grad(p, view, as_grad)
 
 
 class _TiedListedTwiceDDP(DDP):
@@ -371,21 +320,12 @@ class _ReshapeWriteBackDDP(DDP):
     """Writes averages back through ``grad.reshape(-1)``, which is a *copy* for a non-contiguous
     gradient, so the write is lost (DeepSpeed #2489, Megatron-LM #5337)."""
 
-    @torch.no_grad()
-    def _wait_and_write_back(self, bucket, used_anywhere):
-        bucket.handle.wait()
-        if not self._average_in_collective:
-            bucket.flat.div_(self.world_size)
-        for p, view, as_grad in zip(bucket.params, bucket.views, bucket.as_grad):
-            if not used_anywhere[self._positions[p]]:
-                continue
-            if as_grad:
-                if p.grad is not view:
-                    p.grad = view
-            elif p.grad is None:
-                p.grad = torch.empty_like(p).copy_(view)
-            else:
-                p.grad.reshape(-1).copy_(view.reshape(-1))  # BUG: reshape may copy
+    @staticmethod
+    def _write_grad(p, view, as_grad):
+        if not as_grad and p.grad is not None:
+            p.grad.reshape(-1).copy_(view.reshape(-1))  # BUG: reshape may copy
+        else:
+            DDP._write_grad(p, view, as_grad)
 
 
 def _buckets_ignoring_dtype(params, cap_bytes):
