@@ -270,11 +270,7 @@ class DDP(nn.Module):
     @torch.no_grad()
     def _launch(self, bucket: _Bucket) -> None:
         """Gather the bucket's gradients into its buffer and start their all-reduce."""
-        for p, view in zip(bucket.params, bucket.views):
-            if p.grad is None:
-                view.zero_()  # no gradient here: contribute zeros
-            elif p.grad is not view:  # already in place when .grad is still last sync's slice
-                view.copy_(p.grad)
+        self._fill(bucket)
         op = dist.ReduceOp.AVG if self._average_in_collective else dist.ReduceOp.SUM
         # all-reduce bucket `bucket.index` (grads of its params) across the group as soon as its
         # last gradient is ready, so communication overlaps the rest of backward.
@@ -283,6 +279,16 @@ class DDP(nn.Module):
         bucket.state = BucketState.IN_FLIGHT
         if bucket.index == len(self._buckets) - 1:
             self._launch_usage_exchange()
+
+    @staticmethod
+    @torch.no_grad()
+    def _fill(bucket: _Bucket) -> None:
+        """Copy this rank's gradients into the bucket buffer (zeros where there is none)."""
+        for p, view in zip(bucket.params, bucket.views):
+            if p.grad is None:
+                view.zero_()  # no gradient here: contribute zeros
+            elif p.grad is not view:  # already in place when .grad is still last sync's slice
+                view.copy_(p.grad)
 
     def _launch_usage_exchange(self) -> None:
         """Start summing which parameters produced a gradient on each rank this step.

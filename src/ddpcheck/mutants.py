@@ -190,19 +190,14 @@ class _DropsEarlierMicroBatchesDDP(DDP):
     """At the synchronised micro-batch, a parameter whose hook did not fire contributes zeros --
     even if earlier ``no_sync`` micro-batches accumulated a gradient for it (pytorch #69031)."""
 
+    @staticmethod
     @torch.no_grad()
-    def _launch(self, bucket):
+    def _fill(bucket):
         for i, (p, view) in enumerate(zip(bucket.params, bucket.views)):
             if p.grad is None or i not in bucket.ready:  # BUG: `or i not in bucket.ready`
                 view.zero_()
             elif p.grad is not view:
                 view.copy_(p.grad)
-        op = dist.ReduceOp.AVG if self._average_in_collective else dist.ReduceOp.SUM
-        bucket.handle = dist.all_reduce(bucket.flat, op=op, group=self.process_group,
-                                        async_op=True)
-        bucket.state = _ddp.BucketState.IN_FLIGHT
-        if bucket.index == len(self._buckets) - 1:
-            self._launch_usage_exchange()
 
 
 class _ZeroFillsUnusedDDP(DDP):
@@ -298,22 +293,12 @@ class _AssumesGradIsViewDDP(DDP):
     pytorch #43307: "for just 2 iterations, it wouldn't fail")."""
 
     @torch.no_grad()
-    def _launch(self, bucket):
+    def _fill(self, bucket):
         synced = self.__dict__.setdefault("_synced_buckets", set())
-        for p, view in zip(bucket.params, bucket.views):
-            if bucket.index in synced:
-                continue  # BUG: p.grad may be a new tensor, not the view
-            if p.grad is None:
-                view.zero_()
-            elif p.grad is not view:
-                view.copy_(p.grad)
+        if bucket.index in synced:
+            return  # BUG: p.grad may be a new tensor, not the bucket's view
+        DDP._fill(bucket)
         synced.add(bucket.index)
-        op = dist.ReduceOp.AVG if self._average_in_collective else dist.ReduceOp.SUM
-        bucket.handle = dist.all_reduce(bucket.flat, op=op, group=self.process_group,
-                                        async_op=True)
-        bucket.state = _ddp.BucketState.IN_FLIGHT
-        if bucket.index == len(self._buckets) - 1:
-            self._launch_usage_exchange()
 
 
 class _ReshapeWriteBackDDP(DDP):
