@@ -74,7 +74,8 @@ def resolve_options(config: Any) -> Options:
                                 "number of seconds")
     workers = _xdist_workers(config)
     cores = os.cpu_count() or 1
-    if workers * max(sizes) > MAX_RANKS_PER_CORE * cores:
+    # Only when asked for: the plugin loads in every pytest run, ddpcheck's or not.
+    if raw and workers * max(sizes) > MAX_RANKS_PER_CORE * cores:
         raise pytest.UsageError(
             f"-n {workers} with --ddpcheck-world-sizes up to {max(sizes)} would start "
             f"{workers * max(sizes)} rank processes on {cores} cores; lower -n or the largest "
