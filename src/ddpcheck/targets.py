@@ -149,9 +149,11 @@ class TorchZeroTarget(TorchDDPTarget):
             for group in rest:  # a later group falls back to the kwargs, not to group 0's values
                 optimizer.add_param_group({**kwargs, **group})
             return optimizer
-        # Not parameters_as_bucket_view=True: on torch 2.13 it scrambles a non-contiguous
-        # parameter (the battery's non-contiguous scenario diverges at W=1), so ZeRO broadcasts
-        # one parameter at a time and this target does not promise flattened broadcasts.
+        # Not parameters_as_bucket_view=True: with torch DDP in front (torch 2.13), a parameter
+        # created non-contiguous then gets wrong gradients even at W=1 -- ZeRO swaps param.data
+        # for a contiguous bucket view after DDP's Reducer fixed the gradient layout (found by
+        # the battery's non-contiguous scenario; ZeRO alone is fine). So ZeRO broadcasts one
+        # parameter at a time, and this target does not promise flattened broadcasts.
         return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_cls, **kwargs)
 
     def optimizer_state(self, optimizer: Any) -> Mapping[Any, dict]:
