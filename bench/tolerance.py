@@ -42,10 +42,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=150)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--where", action="store_true", help="print where each worst case was")
     args = parser.parse_args()
     worst: dict[tuple[str, int], float] = collections.defaultdict(float)
+    where: dict[tuple[str, int], str] = {}
     count: dict[tuple[str, int], int] = collections.Counter()
     started = time.perf_counter()
+
+    def note(key, fraction, what, scenario):
+        if fraction > worst[key]:
+            worst[key] = fraction
+            where[key] = f"{what} of {scenario!r}"
 
     @seed(args.seed)
     @settings(max_examples=args.examples, deadline=None, database=None,
@@ -67,12 +74,14 @@ def main() -> None:
                     for name, value in getattr(ref, field).items():
                         got = getattr(mine, field)[name]
                         if value is not None and got is not None:
-                            worst[key] = max(worst[key], used_fraction(got, value, rtol, atol))
+                            note(key, used_fraction(got, value, rtol, atol),
+                                 f"{field} {name} step {step}", scenario)
                 for name, state in ref.state.items():
                     for k, value in state.items():
                         got = mine.state.get(name, {}).get(k)
                         if torch.is_tensor(value) and torch.is_tensor(got):
-                            worst[key] = max(worst[key], used_fraction(got, value, rtol, atol))
+                            note(key, used_fraction(got, value, rtol, atol),
+                                 f"state {name}[{k}] step {step}", scenario)
 
     measure()
     shutdown_worlds()
@@ -81,6 +90,9 @@ def main() -> None:
     print(f"{'dtype':>8} {'W':>2} {'examples':>9} {'worst share of tolerance used':>30}")
     for (dtype, w), value in sorted(worst.items()):
         print(f"{dtype:>8} {w:>2} {count[(dtype, w)]:>9} {value:>30.3g}")
+    if args.where:
+        for key, text in sorted(where.items()):
+            print(key, text)
 
 
 if __name__ == "__main__":

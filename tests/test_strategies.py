@@ -150,3 +150,15 @@ def test_plugin_rejects_bad_options_naming_the_flag(tmp_path, args, message):
     out = _pytest(tmp_path, "def test_nothing():\n    pass\n", *args)
     assert out.returncode == 4, out.stdout + out.stderr
     assert message in out.stderr
+
+
+def test_a_random_scenario_replays_in_a_fresh_process(tmp_path):
+    # The replay line must rebuild ModelSpec scenarios where ddpcheck.models was never imported.
+    spec = ModelSpec(layers=(Layer("embedding", use="sample"), Layer("attention", float32=True)),
+                     width=3, registration=(1, 0), tie_head=True)
+    scenario = ddpcheck.Scenario(spec, data=spec.data, steps=1)
+    out = subprocess.run([sys.executable, "-m", "ddpcheck", "replay", "parallel", "--world-size",
+                          "2", "--scenario", repr(scenario)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "equivalent at world size 2" in out.stdout

@@ -18,6 +18,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import importlib
+import re
 from typing import Any, Callable
 
 import torch
@@ -140,6 +141,14 @@ def from_repr(text: str) -> Scenario:
     import ddpcheck
 
     namespace = _AutoImport(ddpcheck=ddpcheck, torch=torch)
+    # Submodules are not always attributes of their package until imported (ddpcheck.models).
+    for dotted in set(re.findall(r"\b[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+", text)):
+        parts = dotted.split(".")
+        for i in range(2, len(parts)):
+            try:
+                importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                break
     scenario = eval(text, namespace)  # noqa: S307 -- the text is a replay line we printed
     if not isinstance(scenario, Scenario):
         raise InvalidArgument(f"{text!r} does not describe a ddpcheck.Scenario")

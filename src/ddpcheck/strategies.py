@@ -125,6 +125,12 @@ def _scenarios(draw, model_strategy, dtypes, max_batch, max_steps, max_accumulat
         # the default eps=1e-8, so no tolerance could tell it from a bug. eps=1e-3 keeps noise
         # at noise level; float64 needs nothing of the kind.
         kwargs = {**kwargs, "eps": 1e-3}
+    # float32 also runs at most 2 steps of the mean objective: a fast-moving model (a summed
+    # loss, attention, tied embeddings) amplifies float32 rounding exponentially step after step,
+    # until no tolerance tells drift from a bug (bench/tolerance.py measured it). float64 drifts
+    # by ~1e-16 and keeps every step.
+    steps = draw(st.integers(1, min(max_steps, 2) if float32 else max_steps))
+    reduction = "mean" if float32 else draw(st.sampled_from(("mean", "sum")))
     groups = draw(st.one_of(st.none(), st.builds(BiasGroups, lr=st.sampled_from((0.05, 0.2)),
                                                  weight_decay=st.sampled_from((0.0, 0.05)))))
     return Scenario(
@@ -135,10 +141,10 @@ def _scenarios(draw, model_strategy, dtypes, max_batch, max_steps, max_accumulat
         param_groups=groups,
         lr_decay=draw(st.sampled_from((None, 0.5))),
         global_batch=draw(st.integers(1, max_batch)),
-        steps=draw(st.integers(1, max_steps)),
+        steps=steps,
         accumulation=draw(st.integers(1, max_accumulation)),
         dtype=dtype,
-        reduction=draw(st.sampled_from(("mean", "sum"))),
+        reduction=reduction,
         seed=draw(st.integers(0, 2**16)),
         bucket_size_mb=draw(bucket_sizes()),
         set_to_none=draw(st.booleans().map(lambda b: not b)),
