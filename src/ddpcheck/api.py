@@ -94,7 +94,8 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *, deadli
 
     ``checks``: a subset of ``ddpcheck.oracle.CHECKS`` (default: all of them)."""
     from ddpcheck.oracle import CHECKS, compare
-    from ddpcheck.runner import run_example
+    from ddpcheck.runner import run_example_packed
+    from ddpcheck.transport import unpack
     from ddpcheck.world import WorldFailure, get_world
 
     if reference is None:
@@ -102,12 +103,13 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *, deadli
     replay = replay_command(target, scenario, world_size)
     world = get_world(world_size)  # a world that cannot start raises WorldStartError
     try:
-        records = world.run(run_example, target, scenario, deadline=deadline,
-                            what=f"example {name or 'scenario'}")
+        packed = world.run(run_example_packed, target, scenario, deadline=deadline,
+                           what=f"example {name or 'scenario'}")
     except WorldFailure as failure:
         raise EquivalenceError(_failure_rows(failure), scenario=scenario, world_size=world_size,
                                target=target, replay=replay, failure=failure, name=name) from None
     note_example()
+    records = [unpack(p) for p in packed]
     mismatched = _mismatched_collectives(world.collective_sequences(), world_size)
     if mismatched:  # ranks paired different collectives, yet nothing hung: numbers are garbage
         world.kill()  # and gloo's pairs may hold stray bytes: the next example gets a new world

@@ -21,7 +21,8 @@ from ddpcheck import comm
 from ddpcheck.scenario import (Scenario, build_model, local_micro_batches, loss_scale,
                                make_param_groups, per_sample_loss)
 
-__all__ = ["RankRecord", "StepRecord", "rank_seed", "run_example", "snapshot"]
+__all__ = ["RankRecord", "StepRecord", "rank_seed", "run_example", "run_example_packed",
+           "snapshot"]
 
 #: Seed offset between ranks when each rank initialises its own weights differently.
 _RANK_SEED_STRIDE = 7919
@@ -99,3 +100,11 @@ def run_example(target: Any, scenario: Scenario) -> RankRecord:
         steps.append(snapshot(module, names, target.optimizer_state(optimizer), comm.records()))
         optimizer.zero_grad(set_to_none=scenario.set_to_none)
     return RankRecord(rank, initial, steps, time.perf_counter() - started)
+
+
+def run_example_packed(target: Any, scenario: Scenario) -> Any:
+    """:func:`run_example`, its tensors packed for a fast trip to the parent
+    (``ddpcheck.transport.unpack`` restores the record)."""
+    from ddpcheck.transport import pack
+
+    return pack(run_example(target, scenario))

@@ -1,0 +1,70 @@
+"""Ship a rank's record to the parent as one buffer per dtype instead of one pickle per tensor.
+
+Invariant: ``unpack(pack(obj))`` rebuilds ``obj`` with every tensor equal in dtype, shape and
+values (always contiguous: the oracle compares values, not strides). Why: pickling a tensor goes
+through ``torch.save``'s machinery, about 0.1 ms per tensor on the receiving side; a record holds
+dozens of small tensors per step, which made unpickling a noticeable share of each example.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+__all__ = ["pack", "unpack"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """Where one tensor lives in the packed buffer of its dtype."""
+
+    dtype: torch.dtype
+    offset: int
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class Packed:
+    tree: Any  # the original structure, tensors replaced by _Slot
+    buffers: dict[torch.dtype, torch.Tensor]  # (total numel,) per dtype
+
+
+def _map(x: Any, leaf: type, fn: Any) -> Any:
+    """``x`` with every ``leaf`` instance inside dicts, lists, tuples and dataclasses replaced
+    by ``fn(leaf)``."""
+    if isinstance(x, leaf):
+        return fn(x)
+    if isinstance(x, dict):
+        return {k: _map(v, leaf, fn) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map(v, leaf, fn) for v in x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: _map(getattr(x, f.name), leaf, fn)
+                                         for f in dataclasses.fields(x) if f.init})
+    return x
+
+
+def pack(obj: Any) -> Packed:
+    chunks: dict[torch.dtype, list[torch.Tensor]] = {}
+    sizes: dict[torch.dtype, int] = {}
+
+    def slot(t: torch.Tensor) -> _Slot:
+        offset = sizes.get(t.dtype, 0)
+        chunks.setdefault(t.dtype, []).append(t.detach().reshape(-1))
+        sizes[t.dtype] = offset + t.numel()
+        return _Slot(t.dtype, offset, tuple(t.shape))
+
+    tree = _map(obj, torch.Tensor, slot)
+    return Packed(tree, {dtype: torch.cat(parts) for dtype, parts in chunks.items()})
+
+
+def unpack(packed: Packed) -> Any:
+    def tensor(s: _Slot) -> torch.Tensor:
+        numel = 1
+        for d in s.shape:
+            numel *= d
+        return packed.buffers[s.dtype][s.offset:s.offset + numel].view(s.shape)
+
+    return _map(packed.tree, _Slot, tensor)
