@@ -2,7 +2,7 @@
 
 Runs correct targets on random scenarios (``ddpcheck.strategies``) in float64 and float32, and
 prints, per dtype and world size, how much of the tolerance the worst rounding difference used:
-``max |rank - reference| / (atol + rtol * |reference|)`` over every gradient, parameter and
+``max |rank - reference| / allowed`` (the oracle's allowance) over every gradient, parameter and
 optimizer-state tensor of every step. A healthy table keeps this well below 1 for correct code,
 while real bugs exceed it by orders of magnitude (a wrong divisor is a relative error of >= 1/3).
 
@@ -24,7 +24,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from ddpcheck import strategies as dst  # noqa: E402
 from ddpcheck import targets  # noqa: E402
-from ddpcheck.oracle import reference_run, tolerance  # noqa: E402
+from ddpcheck.oracle import reference_run, scaled_atol, tolerance  # noqa: E402
 from ddpcheck.runner import run_example  # noqa: E402
 from ddpcheck.world import get_world, shutdown_worlds  # noqa: E402
 
@@ -32,10 +32,11 @@ TARGETS = (targets.PARALLEL, targets.TORCH_DDP)
 
 
 def used_fraction(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float) -> float:
+    """max |got - ref| / allowed, with the oracle's own allowance (scaled_atol + rtol |ref|)."""
     if not ref.is_floating_point() or ref.numel() == 0:
         return 0.0
     diff = (got.double() - ref.double()).abs()
-    return float((diff / (atol + rtol * ref.double().abs())).max())
+    return float((diff / (scaled_atol(ref, rtol, atol) + rtol * ref.double().abs())).max())
 
 
 def main() -> None:

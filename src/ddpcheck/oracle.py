@@ -30,7 +30,8 @@ from ddpcheck.runner import RankRecord, StepRecord, snapshot
 from ddpcheck.scenario import (Scenario, build_model, global_batch, make_param_groups,
                                per_sample_loss)
 
-__all__ = ["CHECKS", "TOLERANCES", "Reference", "compare", "reference_run", "tolerance"]
+__all__ = ["CHECKS", "TOLERANCES", "Reference", "compare", "reference_run", "scaled_atol",
+           "tolerance"]
 
 #: The oracle's checks, each selectable on its own (one property per invariant).
 CHECKS = frozenset({"replicas", "reference", "state", "budget"})
@@ -174,8 +175,22 @@ def _compare_maps(step: Any, world_size: int, records: list[RankRecord], get: An
             elif got is not None and not _close(got, ref, rtol, atol):
                 out.append(Divergence.of(step, world_size, rank, name,
                                          f"reference differs ({kind})", got, ref,
-                                         ("rank", rank), ("reference", None), rtol, atol))
+                                         ("rank", rank), ("reference", None), rtol,
+                                         scaled_atol(ref, rtol, atol)))
     return out
+
+
+def scaled_atol(ref: torch.Tensor, rtol: float, atol: float) -> float:
+    """The absolute tolerance for one tensor: ``atol + rtol * max|ref|``.
+
+    Rounding noise on an element that is zero in exact arithmetic (the key bias under softmax,
+    say) scales with the magnitudes summed to produce the tensor, not with the element itself;
+    a floor tied to the tensor's scale keeps such elements from false alarms, while real bugs
+    -- errors comparable to the values -- exceed it by orders of magnitude.
+    """
+    if ref.numel() == 0 or not ref.is_floating_point():
+        return atol
+    return atol + rtol * float(ref.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float) -> bool:
@@ -183,7 +198,8 @@ def _close(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float) -> bo
         return False
     if not got.is_floating_point():
         return torch.equal(got, ref)
-    return bool(torch.allclose(got, ref, rtol=rtol, atol=atol, equal_nan=True))
+    return bool(torch.allclose(got, ref, rtol=rtol, atol=scaled_atol(ref, rtol, atol),
+                               equal_nan=True))
 
 
 def _compare_state(step: int, world_size: int, records: list[RankRecord], ref: StepRecord,
@@ -218,7 +234,8 @@ def _compare_state(step: int, world_size: int, records: list[RankRecord], ref: S
                     if torch.is_tensor(got) and got.shape == ref_value.shape:
                         out.append(Divergence.of(step, world_size, rank, f"{name}[{key!r}]",
                                                  "optimizer state differs", got, ref_value,
-                                                 ("rank", rank), ("reference", None), rtol, atol))
+                                                 ("rank", rank), ("reference", None), rtol,
+                                                 scaled_atol(ref_value, rtol, atol)))
                     else:
                         out.append(Divergence(step, world_size, rank, f"{name}[{key!r}]",
                                               "optimizer state differs",
