@@ -182,11 +182,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._consolidated, self._consolidated_on = None, None
         params = self._params()
         self._average_gradients(params)
-        for group, inner_group in zip(self.param_groups, self._inner.param_groups):
-            inner_group.update(_hyperparameters(group))  # schedulers edit the outer groups
+        self._sync_hyperparameters()
         self._inner.step()
         self._broadcast_parameters(params)
         return loss
+
+    def _sync_hyperparameters(self) -> None:
+        """Copy each full group's hyperparameters into its inner group: schedulers and users
+        edit ``param_groups``, the inner optimizer steps."""
+        for group, inner_group in zip(self.param_groups, self._inner.param_groups):
+            inner_group.update(_hyperparameters(group))
 
     def _average_gradients(self, params: list[torch.Tensor]) -> None:
         # take_synchronized consumes DDP's mark, so it runs for every param, every step
@@ -220,7 +225,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # grad presence is identical on all ranks here (averaged above, or by DDP), so every rank
         # lists the same params; params without a gradient were not updated and need not move
         updated = [p for p in params if p.grad is not None]
-        for owner in range(self._world_size):
+        for owner in self._broadcasting_owners():
             mine = owner == self._rank
             owned = [p for p in updated if self._owners[id(p)] == owner]
             for dtype, dtype_params in _by_dtype(owned).items():
@@ -230,10 +235,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     torch.cat([p.detach().reshape(-1) for p in dtype_params], out=flat)
                 # broadcast this owner's updated params of one dtype (one flat buffer) to the
                 # other ranks, right after the inner step changed them
-                dist.broadcast(flat, src=self._global_ranks[owner], group=self._group)
+                dist.broadcast(flat, src=self._source_of(owner), group=self._group)
                 if not mine:
                     for p, view in zip(dtype_params, flat.split(sizes)):
                         p.copy_(view.view_as(p))
+
+    def _broadcasting_owners(self) -> range:
+        """Group ranks whose updated parameters are broadcast: every rank may own some."""
+        return range(self._world_size)
+
+    def _source_of(self, owner: int) -> int:
+        """The global rank broadcast's ``src`` needs for group rank ``owner``."""
+        return self._global_ranks[owner]
 
     def _scratch_for(self, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
         """A (numel,) slice of this dtype's reusable broadcast buffer, grown when too small.

@@ -451,80 +451,33 @@ class _BroadcastsFromWrongRankOptimizer(ShardedOptimizer):
     """Broadcasts owner ``i``'s slab from rank ``i % (W - 1)`` (the catalogue's E1 mutant;
     pytorch/xla #5936, fairscale #121)."""
 
-    def _broadcast_parameters(self, params):
-        updated = [p for p in params if p.grad is not None]
-        for owner in range(self._world_size):
-            mine = owner == self._rank
-            owned = [p for p in updated if self._owners[id(p)] == owner]
-            for dtype, dtype_params in _zero._by_dtype(owned).items():
-                sizes = [p.numel() for p in dtype_params]
-                flat = self._scratch_for(dtype, sum(sizes), dtype_params[0].device)
-                if mine:
-                    torch.cat([p.detach().reshape(-1) for p in dtype_params], out=flat)
-                src = self._global_ranks[owner % max(self._world_size - 1, 1)]  # BUG
-                dist.broadcast(flat, src=src, group=self._group)
-                if not mine:
-                    for p, view in zip(dtype_params, flat.split(sizes)):
-                        p.copy_(view.view_as(p))
+    def _source_of(self, owner):
+        return self._global_ranks[owner % max(self._world_size - 1, 1)]  # BUG: not `owner`
 
 
 class _LastShardNeverBroadcastOptimizer(ShardedOptimizer):
     """The broadcast loop stops one rank short: the last rank's shard is updated there only
     (Megatron-LM #6048: trailing shards never updated)."""
 
-    def _broadcast_parameters(self, params):
-        updated = [p for p in params if p.grad is not None]
-        for owner in range(self._world_size - 1):  # BUG: range(self._world_size)
-            mine = owner == self._rank
-            owned = [p for p in updated if self._owners[id(p)] == owner]
-            for dtype, dtype_params in _zero._by_dtype(owned).items():
-                sizes = [p.numel() for p in dtype_params]
-                flat = self._scratch_for(dtype, sum(sizes), dtype_params[0].device)
-                if mine:
-                    torch.cat([p.detach().reshape(-1) for p in dtype_params], out=flat)
-                dist.broadcast(flat, src=self._global_ranks[owner], group=self._group)
-                if not mine:
-                    for p, view in zip(dtype_params, flat.split(sizes)):
-                        p.copy_(view.view_as(p))
+    def _broadcasting_owners(self):
+        return range(self._world_size - 1)  # BUG: range(self._world_size)
 
 
 class _GroupZeroHyperparametersOptimizer(ShardedOptimizer):
     """Every inner group takes group 0's hyperparameters (pytorch #54736: interleaved groups;
     the catalogue's E4 mutant)."""
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._consolidated, self._consolidated_on = None, None
-        params = self._params()
-        self._average_gradients(params)
+    def _sync_hyperparameters(self):
         for inner_group in self._inner.param_groups:
             inner_group.update(_zero._hyperparameters(self.param_groups[0]))  # BUG: group 0's
-        self._inner.step()
-        self._broadcast_parameters(params)
-        return loss
 
 
 class _SchedulerNeverReachesOptimizer(ShardedOptimizer):
     """Edits of ``param_groups`` (an LR scheduler) never reach the inner optimizer
     (microsoft/dp-transformers #43, pytorch #46750)."""
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._consolidated, self._consolidated_on = None, None
-        params = self._params()
-        self._average_gradients(params)
-        # BUG: no inner_group.update(_hyperparameters(group)) before stepping
-        self._inner.step()
-        self._broadcast_parameters(params)
-        return loss
+    def _sync_hyperparameters(self):
+        pass  # BUG: the inner groups keep the hyperparameters they were built with
 
 
 class _EveryRankStepsEverythingOptimizer(ShardedOptimizer):
