@@ -100,26 +100,29 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *, deadli
 
     if reference is None:
         reference = prepare_reference(scenario)
-    replay = replay_command(target, scenario, world_size)
+
+    def failed(divergences: list[Divergence], failure: Any = None) -> EquivalenceError:
+        # The replay line is built only on failure: the passing path is the hot one.
+        return EquivalenceError(divergences, scenario=scenario, world_size=world_size,
+                                target=target, replay=replay_command(target, scenario, world_size),
+                                failure=failure, name=name)
+
     world = get_world(world_size)  # a world that cannot start raises WorldStartError
     try:
         packed = world.run(run_example_packed, target, scenario, deadline=deadline,
                            what=f"example {name or 'scenario'}")
     except WorldFailure as failure:
-        raise EquivalenceError(_failure_rows(failure), scenario=scenario, world_size=world_size,
-                               target=target, replay=replay, failure=failure, name=name) from None
+        raise failed(_failure_rows(failure), failure) from None
     note_example()
     records = [unpack(p) for p in packed]
     mismatched = _mismatched_collectives(world.collective_sequences(), world_size)
     if mismatched:  # ranks paired different collectives, yet nothing hung: numbers are garbage
         world.kill()  # and gloo's pairs may hold stray bytes: the next example gets a new world
-        raise EquivalenceError(mismatched, scenario=scenario, world_size=world_size,
-                               target=target, replay=replay, name=name)
+        raise failed(mismatched)
     divergences = compare(records, reference, scenario, target.configure(scenario),
                           CHECKS if checks is None else frozenset(checks))
     if divergences:
-        raise EquivalenceError(divergences, scenario=scenario, world_size=world_size,
-                               target=target, replay=replay, name=name)
+        raise failed(divergences)
 
 
 def prepare_reference(scenario: Scenario) -> Any:
