@@ -57,16 +57,25 @@ def _raise_in_hook(grad):
 
 
 @dataclasses.dataclass(frozen=True)
-class RaisesInBackwardHook(targets.ParallelDDPTarget):
-    """Raises in backward after the later layers' buckets were launched (tiny buckets)."""
+class _HookOnGuiltyRank(targets.ParallelDDPTarget):
+    """Registers ``fault`` as a gradient hook of fc1.weight on rank ``guilty`` only: it runs in
+    backward, after the later layers' buckets were launched (tiny buckets)."""
 
     guilty: int = 1
+    fault = None  # a module-level gradient hook, set by each subclass
 
     def wrap(self, module):
         model = super().wrap(module)
         if dist.get_rank() == self.guilty:
-            module.fc1.weight.register_hook(_raise_in_hook)
+            module.fc1.weight.register_hook(type(self).fault)
         return model
+
+
+@dataclasses.dataclass(frozen=True)
+class RaisesInBackwardHook(_HookOnGuiltyRank):
+    """Raises in backward after the later layers' buckets were launched (tiny buckets)."""
+
+    fault = staticmethod(_raise_in_hook)
 
 
 class _ExitingSGD(torch.optim.SGD):
@@ -120,16 +129,10 @@ def _sleep_in_hook(grad):
 
 
 @dataclasses.dataclass(frozen=True)
-class SleepsForever(targets.ParallelDDPTarget):
+class SleepsForever(_HookOnGuiltyRank):
     """Sleeps in backward before its last bucket launches, so the others wait for it."""
 
-    guilty: int = 1
-
-    def wrap(self, module):
-        model = super().wrap(module)
-        if dist.get_rank() == self.guilty:
-            module.fc1.weight.register_hook(_sleep_in_hook)
-        return model
+    fault = staticmethod(_sleep_in_hook)
 
 
 @dataclasses.dataclass(frozen=True)

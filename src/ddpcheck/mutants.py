@@ -146,21 +146,8 @@ class _AveragesAgainOptimizer(ShardedOptimizer):
 
     def _average_gradients(self, params):
         for p in params:
-            take_synchronized(p)  # BUG: DDP's mark is consumed but ignored
-        pending = list(params)
-        present = torch.tensor([p.grad is not None for p in pending], dtype=torch.int32)
-        dist.all_reduce(present, group=self._group)
-        used = [p for p, n in zip(pending, present.tolist()) if n > 0]
-        for dtype_params in _zero._by_dtype(used).values():
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                              for p in dtype_params])
-            dist.all_reduce(flat, group=self._group)
-            flat.div_(self._world_size)
-            for p, view in zip(dtype_params, flat.split([p.numel() for p in dtype_params])):
-                if p.grad is None:
-                    p.grad = view.view_as(p).clone()
-                else:
-                    p.grad.copy_(view.view_as(p.grad))
+            take_synchronized(p)  # BUG: DDP's mark is consumed and ignored...
+        super()._average_gradients(params)  # ...so every gradient is averaged a second time
 
 
 # =============================================================================================
