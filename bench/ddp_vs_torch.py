@@ -113,7 +113,7 @@ def _rank_profile(steps: int) -> str:
 
 
 def step_time(repetitions: int) -> None:
-    from ddpcheck.world import get_world
+    from ddpcheck._internal.world import get_world
 
     per_rank = get_world(2).run(_rank_time, repetitions, deadline=600)
     # A repetition takes as long as its slower rank.
@@ -135,7 +135,7 @@ def overlap() -> None:
     from ddpcheck.scenario import Scenario
     from ddpcheck.targets import PARALLEL_DDP
     from ddpcheck.trace import record_step
-    from ddpcheck.world import get_world
+    from ddpcheck._internal.world import get_world
 
     scenario = Scenario(model=BenchMLP, data=bench_data, dtype="float32", global_batch=2 * BATCH,
                         steps=1)
@@ -159,7 +159,7 @@ def overlap() -> None:
 
 if __name__ == "__main__":
     if "--profile" in sys.argv:
-        from ddpcheck.world import get_world
+        from ddpcheck._internal.world import get_world
 
         print(get_world(2).run(_rank_profile, 20, deadline=600)[0])
     else:

@@ -19,10 +19,11 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import torch.distributed as dist  # noqa: E402
 
-from ddpcheck import api, comm, targets  # noqa: E402
+from ddpcheck import api, targets
+from ddpcheck._internal import recorder as comm  # noqa: E402
 from ddpcheck.api import check_example, prepare_reference  # noqa: E402
 from ddpcheck.scenario import Scenario  # noqa: E402
-from ddpcheck.world import World, get_world, shutdown_worlds  # noqa: E402
+from ddpcheck._internal.world import World, get_world, shutdown_worlds  # noqa: E402
 
 
 def _record_to(paths):

@@ -29,7 +29,7 @@ import ddpcheck  # noqa: E402
 from ddpcheck import targets, zoo  # noqa: E402
 from ddpcheck.api import check_example, prepare_reference  # noqa: E402
 from ddpcheck.scenario import Scenario  # noqa: E402
-from ddpcheck.world import shutdown_worlds  # noqa: E402
+from ddpcheck._internal.world import shutdown_worlds  # noqa: E402
 
 MODELS = [zoo.MLP, zoo.Tied, zoo.SampleBranch, zoo.UnusedAndFrozen, zoo.WithBuffers,
           zoo.NonContiguous, zoo.MixedPrecision]

@@ -25,8 +25,8 @@ from hypothesis import strategies as st  # noqa: E402
 from ddpcheck import strategies as dst  # noqa: E402
 from ddpcheck import targets  # noqa: E402
 from ddpcheck.oracle import reference_run, scaled_atol, tolerance  # noqa: E402
-from ddpcheck.runner import run_example  # noqa: E402
-from ddpcheck.world import get_world, shutdown_worlds  # noqa: E402
+from ddpcheck._internal.runner import run_example  # noqa: E402
+from ddpcheck._internal.world import get_world, shutdown_worlds  # noqa: E402
 
 TARGETS = (targets.PARALLEL, targets.TORCH_DDP)
 

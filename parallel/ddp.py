@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # construction only
 
-from ddpcheck._validation import InvalidArgument, check_positive_number, check_process_group
+from ddpcheck._internal.validation import InvalidArgument, check_positive_number, check_process_group
 from parallel import _sync
 
 __all__ = ["DDP"]

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ddpcheck._validation import InvalidArgument, check_process_group
+from ddpcheck._internal.validation import InvalidArgument, check_process_group
 from parallel import sharding
 from parallel._sync import take_synchronized
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ddpcheck._validation import InvalidArgument
+from ddpcheck._internal.validation import InvalidArgument
 
 __all__ = ["Rule", "check_owners", "contiguous", "greedy", "modulo", "rule_name"]
 

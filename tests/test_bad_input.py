@@ -21,7 +21,7 @@ from torch import nn
 
 import ddpcheck
 from ddpcheck import cli, targets
-from ddpcheck.world import get_world
+from ddpcheck._internal.world import get_world
 from parallel import DDP, ShardedOptimizer
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpcheck.world import get_world
+from ddpcheck._internal.world import get_world
 from parallel import DDP
 
 WORLD_SIZES = (1, 2, 3, 4)

@@ -29,7 +29,7 @@ import ddpcheck
 from ddpcheck import targets
 from ddpcheck.api import check_example
 from ddpcheck.scenario import Scenario
-from ddpcheck.world import get_world
+from ddpcheck._internal.world import get_world
 
 DEADLINE = 3.0
 #: One step, so "after the last collective" is literal; one bucket per parameter, so buckets are

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from ddpcheck import mutants
+from ddpcheck.mutation import catalogue as mutants
 from ddpcheck.cli import main
 from ddpcheck.targets import ParallelDDPTarget
 
@@ -30,10 +30,10 @@ def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
         assert _CATALOGUE_CLASSES.match(m.bug_class), m
         assert m.description and "\n" not in m.description
         assert isinstance(m.target, ParallelDDPTarget)
-        assert type(m.target).__module__ == "ddpcheck.mutants"
+        assert type(m.target).__module__ == "ddpcheck.mutation.catalogue"
         assert pickle.loads(pickle.dumps(m.target)) == m.target
         broken = [type(m.target).ddp_class, getattr(type(m.target), "optimizer_class", None)]
-        assert any(cls is not None and cls.__module__ == "ddpcheck.mutants" and cls.__doc__
+        assert any(cls is not None and cls.__module__ == "ddpcheck.mutation.catalogue" and cls.__doc__
                    for cls in broken), f"{m.name} seeds no bug"
     assert len({m.bug_class for m in mutants.CATALOGUE}) >= 20
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpcheck import comm
-from ddpcheck._validation import InvalidArgument
-from ddpcheck.world import get_world
+from ddpcheck._internal import recorder as comm
+from ddpcheck._internal.validation import InvalidArgument
+from ddpcheck._internal.world import get_world
 from parallel import ShardedOptimizer, sharding
 from parallel._sync import mark_synchronized
 

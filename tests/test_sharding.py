@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddpcheck._validation import InvalidArgument
+from ddpcheck._internal.validation import InvalidArgument
 from parallel import sharding
 
 RULES = [sharding.modulo, sharding.contiguous, sharding.greedy]

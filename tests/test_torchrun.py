@@ -26,7 +26,7 @@ def test_the_builtin_target_passes_in_torchruns_world(tmp_path):
 
 
 def test_a_mutant_fails_on_every_rank_with_one_report(tmp_path):
-    out = _torchrun("ddpcheck.mutants:NoDivide()", cwd=tmp_path)
+    out = _torchrun("ddpcheck.mutation.catalogue:NoDivide()", cwd=tmp_path)
     assert out.returncode == 1, out.stdout + out.stderr
     assert out.stdout.count("NoDivide diverged at world size 2 (mlp-sgd): reference differs "
                             "(gradient)") == 1

@@ -10,7 +10,7 @@ import pytest
 from ddpcheck import cli
 from ddpcheck.targets import PARALLEL, PARALLEL_DDP
 from ddpcheck.trace import TRACE_SCENARIO, chrome_trace, overlap, record_step
-from ddpcheck.world import get_world
+from ddpcheck._internal.world import get_world
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ddpcheck._validation import InvalidArgument
+from ddpcheck._internal.validation import InvalidArgument
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Divergence": "ddpcheck.report",
-    "EquivalenceError": "ddpcheck.report",
+    "Divergence": "ddpcheck.errors",
+    "EquivalenceError": "ddpcheck.errors",
     "Report": "ddpcheck.api",
     "Scenario": "ddpcheck.scenario",
     "Target": "ddpcheck.targets",

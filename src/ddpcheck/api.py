@@ -15,8 +15,8 @@ import sys
 import time
 from typing import Any, Iterable
 
-from ddpcheck._validation import InvalidArgument, check_deadline, check_world_sizes
-from ddpcheck.report import Divergence, EquivalenceError
+from ddpcheck._internal.validation import InvalidArgument, check_deadline, check_world_sizes
+from ddpcheck.errors import Divergence, EquivalenceError
 from ddpcheck.scenario import Scenario, import_path
 from ddpcheck.targets import Target
 
@@ -94,9 +94,9 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *, deadli
 
     ``checks``: a subset of ``ddpcheck.oracle.CHECKS`` (default: all of them)."""
     from ddpcheck.oracle import CHECKS, compare
-    from ddpcheck.runner import run_example_packed
-    from ddpcheck.transport import unpack
-    from ddpcheck.world import WorldFailure, get_world
+    from ddpcheck._internal.runner import run_example_packed
+    from ddpcheck._internal.transport import unpack
+    from ddpcheck._internal.world import WorldFailure, get_world
 
     if reference is None:
         reference = prepare_reference(scenario)
@@ -176,7 +176,7 @@ def _mismatched_collectives(texts: list[str], world_size: int) -> list[Divergenc
 
     Identical sequence files (the usual case) are accepted without parsing them, so the check
     costs a few file reads per example."""
-    from ddpcheck import sequences
+    from ddpcheck._internal import sequences
 
     if sequences.same_texts(texts):
         return []

@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     mutants = sub.add_parser(
         "mutants", help="run the built-in mutant catalogue and print which bugs were caught",
-        description="Search each mutant of ddpcheck.mutants (the parallel target with one seeded "
+        description="Search each mutant of ddpcheck.mutation.catalogue (the parallel target with one seeded "
                     "bug from the bug catalogue) for a counterexample, after checking that the "
                     "unmutated parallel target passes the same search. Exit 0 if every mutant is "
                     "killed and the unmutated target passes, 1 otherwise, 2 on a usage error.")
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ddpcheck {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        from ddpcheck.world import shutdown_worlds
+        from ddpcheck._internal.world import shutdown_worlds
 
         shutdown_worlds()
         print("ddpcheck: interrupted; every rank process was stopped", file=sys.stderr)
@@ -258,7 +258,7 @@ def _trace(args: argparse.Namespace) -> int:
     import json
 
     from ddpcheck.trace import TRACE_SCENARIO, chrome_trace, overlap, record_step
-    from ddpcheck.world import WorldFailure, get_world
+    from ddpcheck._internal.world import WorldFailure, get_world
 
     target = resolve_target(args.target)
     folder = os.path.dirname(os.path.abspath(args.output))
@@ -287,7 +287,7 @@ def _trace(args: argparse.Namespace) -> int:
 
 
 def _mutants(args: argparse.Namespace) -> int:
-    from ddpcheck import mutants, search
+    from ddpcheck.mutation import catalogue as mutants, search
     from ddpcheck.targets import PARALLEL
 
     catalogue = mutants.CATALOGUE

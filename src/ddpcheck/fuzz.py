@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from ddpcheck._validation import InvalidArgument, check_positive_number, check_world_sizes
+from ddpcheck._internal.validation import InvalidArgument, check_positive_number, check_world_sizes
 
 __all__ = ["FuzzResult", "brief", "fuzz", "shrinking_search"]
 
@@ -47,7 +47,7 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = (1, 2, 3, 4),
 
     from ddpcheck import strategies as dst
     from ddpcheck.api import check_example
-    from ddpcheck.report import EquivalenceError
+    from ddpcheck.errors import EquivalenceError
 
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
         raise InvalidArgument(f"examples={examples!r} must be a positive integer")
@@ -137,10 +137,10 @@ def brief(scenario: Any) -> str:
 def shrinking_search(target: Any, budget_seconds: float, *, world_sizes: Any = (1, 2, 3, 4),
                      deadline: float = 60.0, fuzz_share: float = 0.5,
                      examples: int = 200) -> Any:
-    """A search for ``ddpcheck.search``: up to ``examples`` random examples first, for a
+    """A search for ``ddpcheck.mutation.search``: up to ``examples`` random examples first, for a
     *shrunk* counterexample, within ``fuzz_share`` of the budget; if they find none, the
     built-in battery (not shrunk, but aimed at every bug class) gets the rest."""
-    from ddpcheck.search import Counterexample, Outcome, battery_search
+    from ddpcheck.mutation.search import Counterexample, Outcome, battery_search
 
     check_positive_number("budget_seconds", budget_seconds)
     started = time.perf_counter()

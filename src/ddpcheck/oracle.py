@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from ddpcheck.report import Divergence
-from ddpcheck.runner import RankRecord, StepRecord, snapshot
+from ddpcheck.errors import Divergence
+from ddpcheck._internal.runner import RankRecord, StepRecord, snapshot
 from ddpcheck.scenario import (Scenario, build_model, global_batch, make_param_groups,
                                per_sample_loss)
 

@@ -107,7 +107,7 @@ def pytest_report_header(config: Any) -> str:
 def pytest_sessionfinish(session: Any, exitstatus: Any) -> None:
     """Stop this process's worlds, and hand the example count to the xdist controller."""
     examples = _examples_run()
-    world = sys.modules.get("ddpcheck.world")
+    world = sys.modules.get("ddpcheck._internal.world")
     if world is not None:
         world.shutdown_worlds()
     workeroutput = getattr(session.config, "workeroutput", None)
@@ -173,6 +173,6 @@ def ddpcheck_run(ddpcheck_options: Options) -> Callable[..., Any]:
 
 
 def get_world(world_size: int) -> Any:
-    from ddpcheck.world import get_world as _get_world
+    from ddpcheck._internal.world import get_world as _get_world
 
     return _get_world(world_size)

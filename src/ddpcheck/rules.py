@@ -136,7 +136,7 @@ def rule_violations(rule: Callable[..., Any], *, rank_world_sizes: Sequence[int]
                     "function of the parameters' shapes, dtypes and order and of world_size"))
         if found:
             return _first_per_kind(found)
-    from ddpcheck.world import get_world
+    from ddpcheck._internal.world import get_world
 
     for world_size in rank_world_sizes:
         answers = get_world(world_size).run(_answers_in_rank, rule, deadline=deadline,

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ddpcheck import zoo
-from ddpcheck._validation import InvalidArgument
+from ddpcheck._internal.validation import InvalidArgument
 
 __all__ = ["Scenario", "build_model", "from_repr", "global_batch", "local_micro_batches",
            "per_sample_loss"]

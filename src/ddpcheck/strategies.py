@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 from hypothesis import strategies as st
 
-from ddpcheck._validation import InvalidArgument
+from ddpcheck._internal.validation import InvalidArgument
 from ddpcheck.models import KINDS, Layer, ModelSpec
 from ddpcheck.scenario import Scenario
 from ddpcheck.zoo import BiasGroups

@@ -69,12 +69,12 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
     rank 0 to ``out``), 2 a usage error (``world_sizes`` not containing torchrun's size)."""
     import torch.distributed as dist
 
-    from ddpcheck import comm
+    from ddpcheck._internal import recorder as comm
     from ddpcheck.api import prepare_reference, replay_command
     from ddpcheck.battery import BATTERY
     from ddpcheck.oracle import compare
-    from ddpcheck.report import Divergence, EquivalenceError
-    from ddpcheck.runner import run_example
+    from ddpcheck.errors import Divergence, EquivalenceError
+    from ddpcheck._internal.runner import run_example
 
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])

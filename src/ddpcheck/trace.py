@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpcheck import comm
+from ddpcheck._internal import recorder as comm
 from ddpcheck.scenario import (Scenario, build_model, local_micro_batches, loss_scale,
                                make_param_groups, per_sample_loss)
 

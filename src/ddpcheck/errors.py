@@ -87,7 +87,7 @@ class EquivalenceError(AssertionError):
         self.world_size = world_size
         self.target = target
         self.replay = replay
-        self.failure = failure  # a ddpcheck.world.WorldFailure, for rank failures and timeouts
+        self.failure = failure  # a ddpcheck._internal.world.WorldFailure, for rank failures and timeouts
         self.name = name
         super().__init__(self._format())
 

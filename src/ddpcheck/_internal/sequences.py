@@ -2,11 +2,11 @@
 
 Invariant: :func:`diagnose` returns ``None`` exactly when, for every process group, every member
 rank's sequence of collectives on that group has the same length and the same
-:meth:`ddpcheck.comm.Collective.signature` at every index. Otherwise it returns the *first*
+:meth:`ddpcheck._internal.recorder.Collective.signature` at every index. Otherwise it returns the *first*
 disagreement -- earliest index, world group before subgroups -- with each member's collective at
 that index (or "issued nothing").
 
-Sequences come from the per-rank sequence files ``ddpcheck.comm`` appends to before each
+Sequences come from the per-rank sequence files ``ddpcheck._internal.recorder`` appends to before each
 collective goes on the wire, so they survive a rank that hangs or is killed. Collectives issued
 from C++ (torch DDP's Reducer) are not in them.
 
@@ -24,7 +24,7 @@ import collections
 import dataclasses
 from typing import Iterable, Sequence
 
-from ddpcheck.comm import Collective
+from ddpcheck._internal.recorder import Collective
 
 __all__ = ["Disagreement", "diagnose", "parse", "same_texts"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ddpcheck import comm
+from ddpcheck._internal import recorder as comm
 from ddpcheck.scenario import (Scenario, build_model, local_micro_batches, loss_scale,
                                make_param_groups, per_sample_loss)
 
@@ -104,7 +104,7 @@ def run_example(target: Any, scenario: Scenario) -> RankRecord:
 
 def run_example_packed(target: Any, scenario: Scenario) -> Any:
     """:func:`run_example`, its tensors packed for a fast trip to the parent
-    (``ddpcheck.transport.unpack`` restores the record)."""
-    from ddpcheck.transport import pack
+    (``ddpcheck._internal.transport.unpack`` restores the record)."""
+    from ddpcheck._internal.transport import pack
 
     return pack(run_example(target, scenario))

@@ -588,7 +588,7 @@ def by_name(name: str) -> Mutant:
     for mutant in CATALOGUE:
         if mutant.name.lower() == name.lower():
             return mutant
-    from ddpcheck._validation import InvalidArgument
+    from ddpcheck._internal.validation import InvalidArgument
 
     raise InvalidArgument(f"mutant {name!r} is not in the catalogue; known: "
                           f"{', '.join(m.name for m in CATALOGUE)}")
@@ -605,7 +605,7 @@ def _check_overrides() -> None:
                 if callable(value) and not name.startswith("__") and not hasattr(original, name):
                     raise ImportError(
                         f"mutant {mutant.name}: {broken.__qualname__}.{name} overrides nothing in "
-                        f"{original.__module__}.{original.__qualname__}; update ddpcheck.mutants "
+                        f"{original.__module__}.{original.__qualname__}; update ddpcheck.mutation.catalogue "
                         "to the current parallel/ code")
 
 

@@ -3,7 +3,7 @@
 Invariant: ``World.run(fn, *args)`` returns the list of every rank's ``fn(*args)`` only when *all*
 ranks returned. If any rank raises, exits, or misses the deadline, it raises :class:`WorldFailure`
 naming each rank's state (its traceback, its exit code, or a faulthandler dump of where it was
-stuck) and the first collective where the ranks' sequences disagree (``ddpcheck.sequences``), and
+stuck) and the first collective where the ranks' sequences disagree (``ddpcheck._internal.sequences``), and
 the world is torn down -- no process is left -- so the next :func:`get_world` spawns a
 fresh one. Every wait here has a deadline.
 
@@ -34,7 +34,7 @@ import traceback
 from multiprocessing.connection import wait as _wait_any
 from typing import Any, Callable
 
-from ddpcheck._validation import InvalidArgument, check_deadline, check_world_size
+from ddpcheck._internal.validation import InvalidArgument, check_deadline, check_world_size
 
 __all__ = [
     "WorldStartError",
@@ -92,7 +92,7 @@ class WorldFailure(Exception):
     ``"timeout"`` (the deadline passed) or ``"mismatch"`` (the ranks issued different collectives
     at the same index, or a rank finished with fewer: the cause, whatever happened next).
     ``ranks`` holds one :class:`RankState` per rank; ``disagreement`` the first collective where
-    the ranks' sequences disagree (a ``ddpcheck.sequences.Disagreement``, or None when they agree,
+    the ranks' sequences disagree (a ``ddpcheck._internal.sequences.Disagreement``, or None when they agree,
     with ``collectives`` then saying how many they issued).
     """
 
@@ -186,7 +186,7 @@ class World:
         self._conns: list[Any] = []
         self._logs: list[str] = []
         self._stacks: list[str] = []
-        self._sequences: list[str] = []  # per-rank collective sequence files (ddpcheck.comm)
+        self._sequences: list[str] = []  # per-rank collective sequence files (ddpcheck._internal.recorder)
         # lifecycle
         self._alive = False
         self._runs = 0
@@ -322,7 +322,7 @@ class World:
             raise
 
     def collective_sequences(self) -> list[str]:
-        """Each rank's collective sequence file (``ddpcheck.comm`` format) for the last task."""
+        """Each rank's collective sequence file (``ddpcheck._internal.recorder`` format) for the last task."""
         return [_read(path) for path in self._sequences]
 
     def _collect(self, what: str, deadline: float) -> list[Any]:
@@ -372,7 +372,7 @@ class World:
     def _failure(self, kind: str, states: list[RankState], what: str) -> WorldFailure:
         """The failure, with the first collective where the ranks' sequences disagree; a real
         mismatch (different collectives, or a finished rank that issued fewer) is the kind."""
-        from ddpcheck import sequences
+        from ddpcheck._internal import sequences
 
         seqs = [sequences.parse(text) for text in self.collective_sequences()]
         finished = [s.rank for s in states if s.status == "returned"]
@@ -540,7 +540,7 @@ def _rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: 
         import torch
         import torch.distributed as dist
 
-        from ddpcheck import comm
+        from ddpcheck._internal import recorder as comm
 
         # Two cores host up to W ranks: intra-op threads would only oversubscribe them.
         torch.set_num_threads(1)

@@ -20,7 +20,7 @@ import dataclasses
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-from ddpcheck._validation import check_positive_number, check_world_sizes
+from ddpcheck._internal.validation import check_positive_number, check_world_sizes
 
 __all__ = ["Counterexample", "Outcome", "Scored", "Search", "battery_search", "default_search",
            "find_counterexample", "score", "table_lines", "warm_up"]
@@ -82,7 +82,7 @@ def _battery_examples(world_sizes: Sequence[int]) -> list[tuple[str, Any, int]]:
 def warm_up(world_sizes: Iterable[int]) -> None:
     """Start the worlds and compute the battery's references (shared by every search)."""
     from ddpcheck.battery import BATTERY
-    from ddpcheck.world import STARTUP_DEADLINE, get_world
+    from ddpcheck._internal.world import STARTUP_DEADLINE, get_world
 
     for name, scenario in BATTERY:
         _reference(name, scenario)
@@ -93,15 +93,15 @@ def warm_up(world_sizes: Iterable[int]) -> None:
 
 def _import_harness() -> None:
     """Inside a rank: import what examples use (cheap once imported)."""
-    import ddpcheck.mutants  # noqa: F401 -- also imports parallel and the targets
-    import ddpcheck.runner  # noqa: F401
+    import ddpcheck.mutation.catalogue  # noqa: F401 -- also imports parallel and the targets
+    import ddpcheck._internal.runner  # noqa: F401
 
 
 def battery_search(target: Any, budget_seconds: float, *, world_sizes: Sequence[int] = (1, 2, 3, 4),
                    deadline: float = 60.0) -> Outcome:
     """Battery x world sizes, in :data:`SEARCH_ORDER`, until the first divergence."""
     from ddpcheck.api import check_example
-    from ddpcheck.report import EquivalenceError
+    from ddpcheck.errors import EquivalenceError
 
     check_positive_number("budget_seconds", budget_seconds)
     sizes = check_world_sizes("world_sizes", world_sizes)
@@ -188,7 +188,7 @@ def table_lines(rows: list[list[str]], widths: list[int] | None = None) -> list[
 def score(mutants: Iterable[Any], budget_seconds: float, *, control: Any = None,
           world_sizes: Sequence[int] = (1, 2, 3, 4), search: Search | None = None,
           deadline: float = 60.0, on_row: Callable[[Scored], None] | None = None) -> list[Scored]:
-    """Search every mutant (``ddpcheck.mutants.Mutant``) for a counterexample within
+    """Search every mutant (``ddpcheck.mutation.catalogue.Mutant``) for a counterexample within
     ``budget_seconds`` each; ``control`` (the unmutated target), if given, is searched first with
     no budget limit short of exhausting the search. ``on_row`` sees each row as it completes."""
     search = search or default_search()
