@@ -117,7 +117,10 @@ def test_plugin_leaves_the_users_hypothesis_profile_and_torch_alone(tmp_path):
             assert "ddpcheck.pytest_plugin" in sys.modules
     """)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "ddpcheck: world sizes 1,2,3,4, deadline 60 s" in out.stdout
+    # Quiet in a project that does not use it: no header, no summary line.
+    assert "ddpcheck:" not in out.stdout
+    verbose = _pytest(tmp_path, "def test_nothing():\n    pass\n", "-v")
+    assert "ddpcheck: world sizes 1,2,3,4, deadline 60 s" in verbose.stdout
 
     out = subprocess.run([sys.executable, "-c",
                           "import sys, ddpcheck.pytest_plugin; print('torch' in sys.modules)"],
@@ -137,14 +140,15 @@ def test_plugin_fixtures_run_a_target_and_count_examples(tmp_path):
     """, "--ddpcheck-world-sizes", "1,2", "--ddpcheck-deadline", "30")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ddpcheck: world sizes 1,2, deadline 30 s" in out.stdout
-    assert "ddpcheck: 16 data-parallel examples run" in out.stdout
+    assert "ddpcheck: 16 data-parallel examples run (fixture world sizes 1,2, deadline 30 s)" \
+        in out.stdout
 
 
 @pytest.mark.parametrize("args, message", [
     (["--ddpcheck-world-sizes", "2,x"], "--ddpcheck-world-sizes='2,x' must be comma-separated"),
     (["--ddpcheck-world-sizes", "0"], "--ddpcheck-world-sizes='0' must list positive integers"),
     (["--ddpcheck-deadline", "-3"], "--ddpcheck-deadline='-3' must be a positive number"),
-    (["--ddpcheck-world-sizes", "1000"], "lower -n or the largest world size"),
+    (["--ddpcheck-world-sizes", "1000"], "lower the largest world size"),
 ])
 def test_plugin_rejects_bad_options_naming_the_flag(tmp_path, args, message):
     out = _pytest(tmp_path, "def test_nothing():\n    pass\n", *args)

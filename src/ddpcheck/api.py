@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Any, Iterable
 
+from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
 from ddpcheck._internal.validation import InvalidArgument, check_deadline, check_world_sizes
 from ddpcheck.errors import Divergence, EquivalenceError
 from ddpcheck.scenario import Scenario, import_path
@@ -54,7 +55,7 @@ class Report:
 
 
 def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
-                      world_sizes: Iterable[int] = (1, 2, 3, 4), deadline: float = 60.0) -> Report:
+                      world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES, deadline: float = DEFAULT_DEADLINE) -> Report:
     """Check ``target`` against the oracle on ``scenario`` (default: the built-in battery).
 
     Raises :class:`ddpcheck.EquivalenceError` on the first divergence, with a table and a replay
@@ -88,7 +89,7 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
     return report
 
 
-def check_example(target: Target, scenario: Scenario, world_size: int, *, deadline: float = 60.0,
+def check_example(target: Target, scenario: Scenario, world_size: int, *, deadline: float = DEFAULT_DEADLINE,
                   reference: Any = None, name: str | None = None, checks: Any = None) -> None:
     """One example: run on every rank of the persistent world, compare, raise on divergence.
 

@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any
 
+from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, parse_world_sizes
+
 EXIT_OK, EXIT_FOUND, EXIT_USAGE = 0, 1, 2
 
 
@@ -49,14 +51,12 @@ def _resolve(spec: str, what: str) -> Any:
 
 
 def _world_sizes(text: str) -> tuple[int, ...]:
+    from ddpcheck._internal.validation import InvalidArgument
+
     try:
-        sizes = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--world-sizes={text!r} must be comma-separated "
-                                         "integers, such as 1,2,3,4") from None
-    if not sizes or any(s < 1 for s in sizes):
-        raise argparse.ArgumentTypeError(f"--world-sizes={text!r} must list positive integers")
-    return sizes
+        return parse_world_sizes(text)
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive(kind: type):
@@ -83,9 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                                        "at every world size. Exit 0 if nothing diverges, 1 with "
                                        "a counterexample, 2 on a usage error.")
     check.add_argument("target", nargs="?", default="parallel", metavar="MODULE:TARGET")
-    check.add_argument("--world-sizes", type=_world_sizes, default=(1, 2, 3, 4),
-                       help="comma-separated world sizes (default 1,2,3,4)")
-    check.add_argument("--deadline", type=_positive(float), default=60.0,
+    check.add_argument("--world-sizes", type=_world_sizes, default=None,
+                       help="comma-separated world sizes (default 1,2,3,4; under torchrun, "
+                            "torchrun's world size)")
+    check.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
                        help="seconds one example may take before it counts as hung (default 60)")
     check.add_argument("--examples", type=_positive(int), default=100,
                        help="random examples to run after the built-in battery (default 100)")
@@ -96,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("target", metavar="MODULE:TARGET")
     replay.add_argument("--world-size", type=_positive(int), required=True)
     replay.add_argument("--scenario", required=True, help="the scenario's repr, as printed")
-    replay.add_argument("--deadline", type=_positive(float), default=60.0)
+    replay.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE)
 
     trace = sub.add_parser("trace", help="record every collective of one step as a Chrome/"
                                          "Perfetto trace",
@@ -110,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ranks to trace (default 2)")
     trace.add_argument("-o", "--output", default="trace.json",
                        help="where to write the JSON (default trace.json)")
-    trace.add_argument("--deadline", type=_positive(float), default=60.0)
+    trace.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE)
 
     mutants = sub.add_parser(
         "mutants", help="run the built-in mutant catalogue and print which bugs were caught",
@@ -120,14 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "killed and the unmutated target passes, 1 otherwise, 2 on a usage error.")
     mutants.add_argument("--budget-seconds", type=_positive(float), default=10.0,
                          help="search time per mutant, world start-up excluded (default 10)")
-    mutants.add_argument("--world-sizes", type=_world_sizes, default=(1, 2, 3, 4),
+    mutants.add_argument("--world-sizes", type=_world_sizes, default=DEFAULT_WORLD_SIZES,
                          help="comma-separated world sizes (default 1,2,3,4)")
     mutants.add_argument("--only", default=None, metavar="NAME[,NAME...]",
                          help="run only these mutants (names as in the table)")
     mutants.add_argument("--search", choices=("shrinking", "battery"), default="shrinking",
                          help="shrinking: random examples shrunk by Hypothesis, then the battery "
                               "(default); battery: the built-in battery only (fastest)")
-    mutants.add_argument("--deadline", type=_positive(float), default=60.0,
+    mutants.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
                          help="seconds one example may take before it counts as hung (default 60)")
 
     rule = sub.add_parser(
@@ -141,9 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     rule.add_argument("rule", metavar="MODULE:RULE",
                       help="a function rule(params, world_size) -> owners, such as "
                            "parallel.sharding:greedy")
-    rule.add_argument("--world-sizes", type=_world_sizes, default=(1, 2, 3, 4),
+    rule.add_argument("--world-sizes", type=_world_sizes, default=DEFAULT_WORLD_SIZES,
                       help="world sizes of the equivalence check (default 1,2,3,4)")
-    rule.add_argument("--deadline", type=_positive(float), default=60.0,
+    rule.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
                       help="seconds one example may take before it counts as hung (default 60)")
     return parser
 
@@ -196,8 +197,7 @@ def _check(args: argparse.Namespace) -> int:
             print("ddpcheck check under torchrun: the built-in battery only; --examples and "
                   "--seed apply to spawned worlds", file=sys.stderr, flush=True)
         status = check_in_world(target, deadline=args.deadline, out=sys.stdout,
-                                world_sizes=None if args.world_sizes == (1, 2, 3, 4)
-                                else args.world_sizes)
+                                world_sizes=args.world_sizes)
         sys.stdout.flush()
         sys.stderr.flush()
         # Every rank has the same status. os._exit skips gloo's teardown, which races with its
@@ -205,6 +205,7 @@ def _check(args: argparse.Namespace) -> int:
         os._exit(status)
     from ddpcheck.fuzz import fuzz, terminal_progress
 
+    args.world_sizes = args.world_sizes or DEFAULT_WORLD_SIZES
     started = time.perf_counter()
     sizes = ",".join(map(str, args.world_sizes))
     # 1. the built-in battery: representative scenarios, every world size

@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any, Callable
 
+from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
 from ddpcheck._internal.validation import InvalidArgument, check_positive_number, check_world_sizes
 
 __all__ = ["FuzzResult", "brief", "fuzz", "shrinking_search"]
@@ -31,8 +32,8 @@ class FuzzResult:
         return self.error is not None
 
 
-def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = (1, 2, 3, 4),
-         seed: int | None = None, deadline: float = 60.0, dtypes: tuple = ("float64",),
+def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_SIZES,
+         seed: int | None = None, deadline: float = DEFAULT_DEADLINE, dtypes: tuple = ("float64",),
          progress: Callable[[int, float], None] | None = None,
          time_budget: float | None = None) -> FuzzResult:
     """Run up to ``examples`` random examples of ``target``; shrink the first failure.
@@ -134,8 +135,8 @@ def brief(scenario: Any) -> str:
     return f"{shape} {opt} {' '.join(extra)}"
 
 
-def shrinking_search(target: Any, budget_seconds: float, *, world_sizes: Any = (1, 2, 3, 4),
-                     deadline: float = 60.0, fuzz_share: float = 0.5,
+def shrinking_search(target: Any, budget_seconds: float, *, world_sizes: Any = DEFAULT_WORLD_SIZES,
+                     deadline: float = DEFAULT_DEADLINE, fuzz_share: float = 0.5,
                      examples: int = 200) -> Any:
     """A search for ``ddpcheck.mutation.search``: up to ``examples`` random examples first, for a
     *shrunk* counterexample, within ``fuzz_share`` of the budget; if they find none, the

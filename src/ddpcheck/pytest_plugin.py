@@ -15,10 +15,9 @@ from typing import Any, Callable
 
 import pytest
 
-DEFAULT_WORLD_SIZES = (1, 2, 3, 4)
-DEFAULT_DEADLINE = 60.0
-#: More rank processes than this per core is refused: they would mostly wait for each other.
-MAX_RANKS_PER_CORE = 16
+from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine,
+                                        parse_world_sizes)
+from ddpcheck._internal.validation import InvalidArgument
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,10 +42,12 @@ def pytest_addoption(parser: Any) -> None:
 class Options:
     """The resolved ddpcheck options of one pytest session."""
 
-    def __init__(self, world_sizes: tuple[int, ...], deadline: float, workers: int):
+    def __init__(self, world_sizes: tuple[int, ...], deadline: float, workers: int,
+                 given: bool = False):
         self.world_sizes = world_sizes
         self.deadline = deadline
         self.workers = workers
+        self.given = given  # a --ddpcheck-* option was on the command line
 
     def header(self) -> str:
         sizes = ",".join(map(str, self.world_sizes))
@@ -54,33 +55,32 @@ class Options:
                 f"{self.workers} worker process(es) each keeping its own worlds")
 
 
+#: Where the plugin keeps its state on the pytest config (``config.stash``, not attributes).
+OPTIONS = pytest.StashKey[Options]()
+EXAMPLES = pytest.StashKey[int]()
+
+
 def resolve_options(config: Any) -> Options:
     """Every cross-option rule in one place; raises pytest.UsageError naming the flags."""
     raw = config.getoption("ddpcheck_world_sizes")
-    try:
-        sizes = tuple(int(p) for p in raw.split(",") if p.strip()) if raw else DEFAULT_WORLD_SIZES
-    except ValueError:
-        raise pytest.UsageError(f"--ddpcheck-world-sizes={raw!r} must be comma-separated "
-                                "integers, such as 1,2,3,4") from None
-    if not sizes or any(s < 1 for s in sizes):
-        raise pytest.UsageError(f"--ddpcheck-world-sizes={raw!r} must list positive integers")
     raw_deadline = config.getoption("ddpcheck_deadline")
+    workers = _xdist_workers(config)
+    try:
+        sizes = (parse_world_sizes(raw, "--ddpcheck-world-sizes") if raw
+                 else DEFAULT_WORLD_SIZES)
+        # Only when asked for: the plugin loads in every pytest run, ddpcheck's or not.
+        if raw:
+            check_fits_machine(sizes, workers=workers, flag="--ddpcheck-world-sizes")
+    except InvalidArgument as exc:
+        raise pytest.UsageError(str(exc)) from None
     try:
         deadline = float(raw_deadline) if raw_deadline is not None else DEFAULT_DEADLINE
     except ValueError:
         deadline = -1.0
-    if not deadline > 0:
+    if not 0 < deadline < float("inf"):
         raise pytest.UsageError(f"--ddpcheck-deadline={raw_deadline!r} must be a positive "
-                                "number of seconds")
-    workers = _xdist_workers(config)
-    cores = os.cpu_count() or 1
-    # Only when asked for: the plugin loads in every pytest run, ddpcheck's or not.
-    if raw and workers * max(sizes) > MAX_RANKS_PER_CORE * cores:
-        raise pytest.UsageError(
-            f"-n {workers} with --ddpcheck-world-sizes up to {max(sizes)} would start "
-            f"{workers * max(sizes)} rank processes on {cores} cores; lower -n or the largest "
-            "world size")
-    return Options(sizes, deadline, workers)
+                                "number of seconds (finite: every wait has a deadline)")
+    return Options(sizes, deadline, workers, given=raw is not None or raw_deadline is not None)
 
 
 def _xdist_workers(config: Any) -> int:
@@ -92,12 +92,18 @@ def _xdist_workers(config: Any) -> int:
 
 def pytest_configure(config: Any) -> None:
     config.addinivalue_line("markers", "ddpcheck: a test that runs data-parallel examples")
-    config._ddpcheck_options = resolve_options(config)
-    config._ddpcheck_examples = 0
+    config.stash[OPTIONS] = resolve_options(config)
+    config.stash[EXAMPLES] = 0
 
 
-def pytest_report_header(config: Any) -> str:
-    return config._ddpcheck_options.header()
+def pytest_report_header(config: Any) -> str | None:
+    """Only when ddpcheck was asked for (an option) or the run is verbose: the plugin loads in
+    every pytest run of every project that has ddpcheck installed. A run that used the fixtures
+    gets the same line in its summary (:func:`pytest_terminal_summary`)."""
+    options = config.stash[OPTIONS]
+    if options.given or config.getoption("verbose") > 0:
+        return options.header()
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,22 +120,25 @@ def pytest_sessionfinish(session: Any, exitstatus: Any) -> None:
     if workeroutput is not None:  # an xdist worker
         workeroutput["ddpcheck_examples"] = examples
     else:
-        session.config._ddpcheck_examples += examples
+        session.config.stash[EXAMPLES] += examples
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: Any) -> None:
     """xdist controller: add up the examples every worker ran."""
     output = getattr(node, "workeroutput", {}) or {}
-    node.config._ddpcheck_examples += int(output.get("ddpcheck_examples", 0))
+    node.config.stash[EXAMPLES] += int(output.get("ddpcheck_examples", 0))
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: Any, config: Any) -> None:
     if getattr(config, "workerinput", None) is not None:
         return
-    total = config._ddpcheck_examples
+    total = config.stash[EXAMPLES]
     if total:
-        terminalreporter.write_line(f"ddpcheck: {total} data-parallel examples run")
+        options = config.stash[OPTIONS]
+        sizes = ",".join(map(str, options.world_sizes))
+        terminalreporter.write_line(f"ddpcheck: {total} data-parallel examples run (fixture world "
+                                    f"sizes {sizes}, deadline {options.deadline:g} s)")
 
 
 def _examples_run() -> int:
@@ -144,7 +153,7 @@ def _examples_run() -> int:
 @pytest.fixture(scope="session")
 def ddpcheck_options(request: Any) -> Options:
     """The resolved --ddpcheck-* options."""
-    return request.config._ddpcheck_options
+    return request.config.stash[OPTIONS]
 
 
 @pytest.fixture(scope="session")

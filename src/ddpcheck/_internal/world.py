@@ -18,10 +18,6 @@ Rendezvous uses a ``FileStore`` in a fresh temporary directory, so no port is ev
 from __future__ import annotations
 
 import atexit
-import ctypes
-import dataclasses
-import datetime
-import faulthandler
 import os
 import pickle
 import shutil
@@ -30,133 +26,22 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from multiprocessing.connection import wait as _wait_any
 from typing import Any, Callable
 
+from ddpcheck._internal.failures import RankState, WorldFailure, WorldStartError
+from ddpcheck._internal.options import DEFAULT_DEADLINE, STARTUP_DEADLINE
+from ddpcheck._internal.rank import SHUTDOWN, rank_main
 from ddpcheck._internal.validation import InvalidArgument, check_deadline, check_world_size
 
-__all__ = [
-    "WorldStartError",
-    "DEFAULT_DEADLINE",
-    "RankState",
-    "World",
-    "WorldFailure",
-    "get_world",
-    "shutdown_worlds",
-]
+__all__ = ["RankState", "World", "WorldFailure", "WorldStartError", "get_world",
+           "shutdown_worlds"]
 
-#: Seconds one ``World.run`` may take before the world is declared hung.
-DEFAULT_DEADLINE = 60.0
-#: Seconds a freshly spawned world may take to import torch and rendezvous (W=8 took 11.4 s here).
-STARTUP_DEADLINE = 120.0
 #: Once one rank has failed, how long the others get to finish before they are presumed stuck
 #: waiting for it in a collective.
 FAILURE_GRACE = 2.0
 
-_SHUTDOWN = b""
 _NUMPY_WARNING = "ignore:Failed to initialize NumPy"
-
-
-# ---------------------------------------------------------------------------------------------
-# Reports
-
-
-@dataclasses.dataclass(frozen=True)
-class RankState:
-    """What one rank did during a failed ``World.run``."""
-
-    rank: int
-    status: str  # "returned" | "raised" | "exited" | "stuck"
-    detail: str = ""  # traceback, exit description or stack dump
-    log_tail: str = ""  # last lines the rank wrote to stdout/stderr
-
-    def describe(self) -> str:
-        head = {
-            "returned": f"rank {self.rank}: returned normally",
-            "raised": f"rank {self.rank}: raised",
-            "exited": f"rank {self.rank}: process exited ({self.detail})",
-            "stuck": f"rank {self.rank}: did not return in time; it was here:",
-        }[self.status]
-        body = "" if self.status in ("returned", "exited") else self.detail
-        text = head + ("\n" + _indent(body) if body else "")
-        if self.log_tail and self.status != "returned":
-            text += "\n" + _indent("last output of the rank:\n" + self.log_tail)
-        return text
-
-
-class WorldFailure(Exception):
-    """A ``World.run`` that did not complete on every rank.
-
-    ``kind`` is ``"raised"`` (a rank raised an exception), ``"exited"`` (a rank process died),
-    ``"timeout"`` (the deadline passed) or ``"mismatch"`` (the ranks issued different collectives
-    at the same index, or a rank finished with fewer: the cause, whatever happened next).
-    ``ranks`` holds one :class:`RankState` per rank; ``disagreement`` the first collective where
-    the ranks' sequences disagree (a ``ddpcheck._internal.sequences.Disagreement``, or None when they agree,
-    with ``collectives`` then saying how many they issued).
-    """
-
-    def __init__(self, kind: str, world_size: int, ranks: list[RankState], what: str,
-                 disagreement: Any = None, collectives: str = ""):
-        self.kind = kind
-        self.world_size = world_size
-        self.ranks = ranks
-        self.what = what
-        self.disagreement = disagreement
-        self.collectives = collectives
-        super().__init__(self._format())
-
-    @property
-    def guilty(self) -> list[int]:
-        """The ranks to blame: for a mismatch, those outside the majority at the first
-        disagreement; else the ranks that died, else those that raised; for a pure hang, the
-        stuck ranks the others wait for (those that issued nothing where the others did)."""
-        if self.kind == "mismatch" and self.disagreement is not None:
-            return self.disagreement.deviants
-        for status in ("exited", "raised"):
-            bad = [s.rank for s in self.ranks if s.status == status]
-            if bad:
-                return bad
-        stuck = [s.rank for s in self.ranks if s.status == "stuck"]
-        behind = [] if self.disagreement is None else self.disagreement.behind
-        return [r for r in stuck if r in behind] or stuck
-
-    def _format(self) -> str:
-        verdict = {
-            "raised": "a rank raised",
-            "exited": "a rank process exited",
-            "timeout": "the deadline passed",
-            "mismatch": "the ranks issued mismatched collectives",
-        }[self.kind]
-        lines = [f"{self.what} failed in a world of {self.world_size}: {verdict} "
-                 f"(guilty rank(s): {', '.join(map(str, self.guilty))})"]
-        if self.disagreement is not None:
-            lines.append(self.disagreement.describe())
-        elif self.collectives:
-            lines.append(self.collectives)
-        # The same exception on several ranks is reported once, with the ranks that share it.
-        seen: dict[tuple[str, str], list[int]] = {}
-        for state in self.ranks:
-            seen.setdefault((state.status, state.detail), []).append(state.rank)
-        for state in self.ranks:
-            ranks = seen.get((state.status, state.detail))
-            if ranks is None:
-                continue
-            del seen[(state.status, state.detail)]
-            text = state.describe()
-            if len(ranks) > 1:
-                text = text.replace(f"rank {state.rank}:", f"ranks {', '.join(map(str, ranks))}:", 1)
-            lines.append(text)
-        return "\n".join(lines)
-
-
-class WorldStartError(RuntimeError):
-    """The rank processes could not start or join the process group (an environment problem,
-    such as a main module that spawn cannot re-import, never a verdict on a target)."""
-
-
-def _indent(text: str, prefix: str = "    ") -> str:
-    return "\n".join(prefix + line for line in text.rstrip().splitlines())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,7 +131,7 @@ class World:
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(
-                target=_rank_main,
+                target=rank_main,
                 name=f"ddpcheck-rank{rank}-of-{self.world_size}",
                 args=(rank, self.world_size, self.backend, store_path, child_end,
                       self._logs[rank], self._stacks[rank], os.getpid(),
@@ -264,7 +149,7 @@ class World:
             return
         for conn in self._conns:
             try:
-                conn.send_bytes(_SHUTDOWN)
+                conn.send_bytes(SHUTDOWN)
             except OSError:
                 pass
         end = time.monotonic() + timeout
@@ -414,7 +299,7 @@ def _trim_dump(dump: str) -> str:
         is_frame = line.lstrip().startswith("File ")
         if is_frame and below_loop:
             continue
-        below_loop = is_frame and "in _rank_main" in line
+        below_loop = is_frame and "in rank_main" in line
         kept.append(line)
     return "\n".join(kept)
 
@@ -511,100 +396,3 @@ def shutdown_worlds() -> None:
 
 
 atexit.register(shutdown_worlds)
-
-
-# ---------------------------------------------------------------------------------------------
-# The world, seen from inside a rank process
-
-
-def _rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: Any,
-               log_path: str, stack_path: str, parent_pid: int,
-               sequence_path: str | None = None) -> None:
-    """Join the process group, then run tasks from the parent until told to stop."""
-    _die_with_parent(parent_pid)
-    # Ctrl-C reaches the whole process group; the parent decides when ranks stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    log = open(log_path, "w", buffering=1)
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
-    stack_file = open(stack_path, "w")
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    # A rank that crashes (SIGABRT from gloo, SIGSEGV) leaves its Python stack in its log, whose
-    # tail the parent reports with the exit status.
-    faulthandler.enable(file=log, all_threads=True)
-
-    import warnings
-
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    try:
-        import torch
-        import torch.distributed as dist
-
-        from ddpcheck._internal import recorder as comm
-
-        # Two cores host up to W ranks: intra-op threads would only oversubscribe them.
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            backend,
-            store=dist.FileStore(store_path, world_size),
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=STARTUP_DEADLINE),
-        )
-        comm.install()
-        # The first optimizer a process builds imports torch._dynamo (seconds); pay that here,
-        # inside the start-up deadline, not inside the first example's.
-        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-        comm.record_to(sequence_path)
-        _send(conn, ("ok", os.getpid()))
-    except BaseException:
-        _send(conn, ("error", traceback.format_exc()))
-        _exit(1, log)
-    while True:
-        try:
-            payload = conn.recv_bytes()
-        except (EOFError, OSError):
-            _exit(0, log)  # the parent is gone
-        if payload == _SHUTDOWN:
-            _exit(0, log)
-        try:
-            fn, args = pickle.loads(payload)
-            comm.restart_sequence()
-            result = fn(*args)
-            message = ("ok", result)
-        except BaseException:  # report everything, SystemExit included, then keep serving
-            message = ("error", traceback.format_exc())
-        _send(conn, message)
-
-
-def _send(conn: Any, message: tuple) -> None:
-    try:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:  # an unpicklable result becomes a rank error, not a lost rank
-        data = pickle.dumps(("error", f"result of the task could not be pickled: {exc!r}"))
-    conn.send_bytes(data)
-
-
-def _exit(code: int, log: Any) -> None:
-    """Leave without running gloo's destructors.
-
-    Tearing the process group down right before exit races with gloo's worker threads (SIGABRT in
-    about 1 of 55 short worlds on torch 2.13); ``os._exit`` skips that teardown entirely.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    log.flush()
-    os._exit(code)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Make the kernel SIGKILL this rank if the parent dies, so no rank outlives its harness."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            PR_SET_PDEATHSIG = 1
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except OSError:
-            pass
-    if os.getppid() != parent_pid:
-        os._exit(1)

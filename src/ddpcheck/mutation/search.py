@@ -20,6 +20,7 @@ import dataclasses
 import time
 from typing import Any, Callable, Iterable, Sequence
 
+from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
 from ddpcheck._internal.validation import check_positive_number, check_world_sizes
 
 __all__ = ["Counterexample", "Outcome", "Scored", "Search", "battery_search", "default_search",
@@ -82,7 +83,8 @@ def _battery_examples(world_sizes: Sequence[int]) -> list[tuple[str, Any, int]]:
 def warm_up(world_sizes: Iterable[int]) -> None:
     """Start the worlds and compute the battery's references (shared by every search)."""
     from ddpcheck.battery import BATTERY
-    from ddpcheck._internal.world import STARTUP_DEADLINE, get_world
+    from ddpcheck._internal.options import STARTUP_DEADLINE
+    from ddpcheck._internal.world import get_world
 
     for name, scenario in BATTERY:
         _reference(name, scenario)
@@ -97,8 +99,8 @@ def _import_harness() -> None:
     import ddpcheck._internal.runner  # noqa: F401
 
 
-def battery_search(target: Any, budget_seconds: float, *, world_sizes: Sequence[int] = (1, 2, 3, 4),
-                   deadline: float = 60.0) -> Outcome:
+def battery_search(target: Any, budget_seconds: float, *, world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
+                   deadline: float = DEFAULT_DEADLINE) -> Outcome:
     """Battery x world sizes, in :data:`SEARCH_ORDER`, until the first divergence."""
     from ddpcheck.api import check_example
     from ddpcheck.errors import EquivalenceError
@@ -186,8 +188,8 @@ def table_lines(rows: list[list[str]], widths: list[int] | None = None) -> list[
 
 
 def score(mutants: Iterable[Any], budget_seconds: float, *, control: Any = None,
-          world_sizes: Sequence[int] = (1, 2, 3, 4), search: Search | None = None,
-          deadline: float = 60.0, on_row: Callable[[Scored], None] | None = None) -> list[Scored]:
+          world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES, search: Search | None = None,
+          deadline: float = DEFAULT_DEADLINE, on_row: Callable[[Scored], None] | None = None) -> list[Scored]:
     """Search every mutant (``ddpcheck.mutation.catalogue.Mutant``) for a counterexample within
     ``budget_seconds`` each; ``control`` (the unmutated target), if given, is searched first with
     no budget limit short of exhausting the search. ``on_row`` sees each row as it completes."""

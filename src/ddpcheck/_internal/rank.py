@@ -1,0 +1,119 @@
+"""The world, seen from inside a rank process: join the group, then serve tasks until told to stop.
+
+Invariant: a rank answers every task with exactly one message, ``("ok", result)`` or
+``("error", traceback)``, and never runs two tasks at once; it dies with its parent
+(``PR_SET_PDEATHSIG``), ignores Ctrl-C (the parent decides when ranks stop), and leaves with
+``os._exit`` (see :func:`_exit`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import traceback
+from typing import Any
+
+from ddpcheck._internal.options import STARTUP_DEADLINE
+
+__all__ = ["SHUTDOWN", "rank_main"]
+
+#: The message that tells a rank to exit.
+SHUTDOWN = b""
+
+
+def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: Any,
+               log_path: str, stack_path: str, parent_pid: int,
+               sequence_path: str | None = None) -> None:
+    """Join the process group, then run tasks from the parent until told to stop."""
+    _die_with_parent(parent_pid)
+    # Ctrl-C reaches the whole process group; the parent decides when ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    log = open(log_path, "w", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    stack_file = open(stack_path, "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    # A rank that crashes (SIGABRT from gloo, SIGSEGV) leaves its Python stack in its log, whose
+    # tail the parent reports with the exit status.
+    faulthandler.enable(file=log, all_threads=True)
+
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from ddpcheck._internal import recorder as comm
+
+        # Two cores host up to W ranks: intra-op threads would only oversubscribe them.
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            backend,
+            store=dist.FileStore(store_path, world_size),
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=STARTUP_DEADLINE),
+        )
+        comm.install()
+        # The first optimizer a process builds imports torch._dynamo (seconds); pay that here,
+        # inside the start-up deadline, not inside the first example's.
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        comm.record_to(sequence_path)
+        _send(conn, ("ok", os.getpid()))
+    except BaseException:
+        _send(conn, ("error", traceback.format_exc()))
+        _exit(1, log)
+    while True:
+        try:
+            payload = conn.recv_bytes()
+        except (EOFError, OSError):
+            _exit(0, log)  # the parent is gone
+        if payload == SHUTDOWN:
+            _exit(0, log)
+        try:
+            fn, args = pickle.loads(payload)
+            comm.restart_sequence()
+            result = fn(*args)
+            message = ("ok", result)
+        except BaseException:  # report everything, SystemExit included, then keep serving
+            message = ("error", traceback.format_exc())
+        _send(conn, message)
+
+
+def _send(conn: Any, message: tuple) -> None:
+    try:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # an unpicklable result becomes a rank error, not a lost rank
+        data = pickle.dumps(("error", f"result of the task could not be pickled: {exc!r}"))
+    conn.send_bytes(data)
+
+
+def _exit(code: int, log: Any) -> None:
+    """Leave without running gloo's destructors.
+
+    Tearing the process group down right before exit races with gloo's worker threads (SIGABRT in
+    about 1 of 55 short worlds on torch 2.13); ``os._exit`` skips that teardown entirely.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    log.flush()
+    os._exit(code)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Make the kernel SIGKILL this rank if the parent dies, so no rank outlives its harness."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            PR_SET_PDEATHSIG = 1
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
