@@ -13,20 +13,25 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ddpcheck._internal.validation import InvalidArgument
+from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
+from ddpcheck.errors import (Divergence, EquivalenceError, InvalidArgument, NothingChecked,
+                             ScenarioError, SetupError, WorldStartError)
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Divergence": "ddpcheck.errors",
-    "EquivalenceError": "ddpcheck.errors",
     "Report": "ddpcheck.api",
     "Scenario": "ddpcheck.scenario",
     "Target": "ddpcheck.targets",
     "assert_equivalent": "ddpcheck.api",
+    "check_example": "ddpcheck.api",
+    "get_world": "ddpcheck._internal.world",
+    "shutdown_worlds": "ddpcheck._internal.world",
 }
 
-__all__ = ["InvalidArgument", "__version__", *_LAZY]
+__all__ = ["DEFAULT_DEADLINE", "DEFAULT_WORLD_SIZES", "Divergence", "EquivalenceError",
+           "InvalidArgument", "NothingChecked", "ScenarioError", "SetupError", "WorldStartError",
+           "__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,11 @@
-"""How divergences are reported: one table, the details of the first row, and a replay line.
+"""Every outcome that is not "nothing found", each with its own exception type.
+
+One rule: :class:`EquivalenceError` (exit 1) means the target has a bug and its replay line proves
+it. Everything that is *not* the target's fault is a :class:`SetupError` (exit 2) -- a world that
+cannot start, a scenario the oracle cannot judge -- or :class:`NothingChecked` (exit 3), or a usage
+mistake, :class:`InvalidArgument` (exit 2).
+
+How divergences are reported: one table, the details of the first row, and a replay line.
 
 Numbers we compute are rounded to 3 significant figures; the statistics of the first mismatch
 are ``torch.testing.assert_close``'s own message, unchanged.
@@ -7,11 +14,38 @@ are ``torch.testing.assert_close``'s own message, unchanged.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["Divergence", "EquivalenceError", "format_table"]
+__all__ = ["Divergence", "EquivalenceError", "InvalidArgument", "NothingChecked",
+           "ScenarioError", "SetupError", "WorldStartError", "format_table"]
+
+
+class InvalidArgument(ValueError):
+    """An argument passed to ddpcheck is invalid; the message says which and why."""
+
+
+class SetupError(RuntimeError):
+    """Nothing (or not everything) could be checked, through no fault of the target: the message
+    names the cause and the fix. Never a verdict on the target."""
+
+
+class WorldStartError(SetupError):
+    """The rank processes could not start or join the process group (an environment problem,
+    such as a main module without ``if __name__ == "__main__":``), never a verdict on a target."""
+
+
+class ScenarioError(SetupError, InvalidArgument):
+    """The scenario is one the oracle cannot judge or cannot even build: its model factory, data
+    function or optimizer fails on their own, or the model is not a per-sample function (batch
+    statistics, dropout), or the reference itself diverges numerically. Raised in the parent,
+    before any world runs, naming the cause."""
+
+
+class NothingChecked(SetupError):
+    """Every example was skipped or declined: passing it would be a silent no-op."""
 
 #: Rows shown in an EquivalenceError message; the rest are counted.
 MAX_ROWS = 12
@@ -32,9 +66,11 @@ class Divergence:
 
     @classmethod
     def of(cls, step: Any, world_size: int, rank: int | None, name: str, kind: str,
-           got: torch.Tensor, expected: torch.Tensor, got_label: tuple, expected_label: tuple,
+           got: "torch.Tensor", expected: "torch.Tensor", got_label: tuple, expected_label: tuple,
            rtol: float = 0.0, atol: float = 0.0) -> "Divergence":
         """A divergence between two tensors, with assert_close's statistics as the detail."""
+        import torch  # here: the plugin and the command line's --help import this module
+
         diff = (got.double() - expected.double()).abs()
         rel = diff / expected.double().abs().clamp_min(torch.finfo(torch.float64).tiny)
         finite = torch.isfinite(diff)

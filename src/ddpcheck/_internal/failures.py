@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ddpcheck.errors import WorldStartError  # re-exported: the world raises it
+
 __all__ = ["RankState", "WorldFailure", "WorldStartError"]
 
 
@@ -99,11 +101,6 @@ class WorldFailure(Exception):
                 text = text.replace(f"rank {state.rank}:", f"ranks {', '.join(map(str, ranks))}:", 1)
             lines.append(text)
         return "\n".join(lines)
-
-
-class WorldStartError(RuntimeError):
-    """The rank processes could not start or join the process group (an environment problem,
-    such as a main module that spawn cannot re-import, never a verdict on a target)."""
 
 
 def _indent(text: str, prefix: str = "    ") -> str:

@@ -9,12 +9,10 @@ from __future__ import annotations
 import numbers
 from typing import Any, Iterable
 
+from ddpcheck.errors import InvalidArgument  # re-exported for the validators' callers
+
 __all__ = ["InvalidArgument", "check_deadline", "check_positive_number", "check_process_group",
            "check_world_size", "check_world_sizes"]
-
-
-class InvalidArgument(ValueError):
-    """An argument passed to ddpcheck or parallel/ is invalid; the message says which and why."""
 
 
 def _is_int(value: Any) -> bool:
