@@ -41,3 +41,14 @@ def test_world_sizes_must_contain_torchruns_size(tmp_path, sizes):
     assert "exitcode  : 2" in out.stderr
     assert (f"--world-sizes={sizes} does not contain torchrun's world size 2"
             in out.stdout), out.stdout
+
+
+def test_collectives_that_pair_wrongly_but_complete_are_caught_under_torchrun():
+    # gloo pairs an int64 all-reduce with a float64 one of the same bytes: the numbers are
+    # garbage and nothing hangs. Spawned worlds catch it from the sequence files; torchrun must
+    # reach the same verdict through the same judge (ddpcheck.api.verdict).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = _torchrun('tests.test_faults:MismatchedCollective(how="dtype")', cwd=root)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "collectives mismatched" in out.stdout
+    assert "rank 1: all_reduce SUM 4 int64" in out.stdout, out.stdout

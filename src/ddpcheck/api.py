@@ -22,7 +22,7 @@ from ddpcheck.scenario import Scenario, import_path
 from ddpcheck.targets import Target
 
 __all__ = ["Report", "assert_equivalent", "check_example", "note_example", "replay_command",
-           "target_spec"]
+           "target_spec", "verdict"]
 
 #: Examples run in this process (the pytest plugin prints the total at the end of a session).
 EXAMPLES_RUN = 0
@@ -89,41 +89,63 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
     return report
 
 
-def check_example(target: Target, scenario: Scenario, world_size: int, *, deadline: float = DEFAULT_DEADLINE,
-                  reference: Any = None, name: str | None = None, checks: Any = None) -> None:
+def check_example(target: Target, scenario: Scenario, world_size: int, *,
+                  deadline: float = DEFAULT_DEADLINE, reference: Any = None,
+                  name: str | None = None, checks: Any = None) -> None:
     """One example: run on every rank of the persistent world, compare, raise on divergence.
 
     ``checks``: a subset of ``ddpcheck.oracle.CHECKS`` (default: all of them)."""
-    from ddpcheck.oracle import CHECKS, compare
     from ddpcheck._internal.runner import run_example_packed
     from ddpcheck._internal.transport import unpack
     from ddpcheck._internal.world import WorldFailure, get_world
 
     if reference is None:
         reference = prepare_reference(scenario)
-
-    def failed(divergences: list[Divergence], failure: Any = None) -> EquivalenceError:
-        # The replay line is built only on failure: the passing path is the hot one.
-        return EquivalenceError(divergences, scenario=scenario, world_size=world_size,
-                                target=target, replay=replay_command(target, scenario, world_size),
-                                failure=failure, name=name)
-
     world = get_world(world_size)  # a world that cannot start raises WorldStartError
     try:
         packed = world.run(run_example_packed, target, scenario, deadline=deadline,
                            what=f"example {name or 'scenario'}")
     except WorldFailure as failure:
-        raise failed(_failure_rows(failure), failure) from None
-    note_example()
-    records = [unpack(p) for p in packed]
-    mismatched = _mismatched_collectives(world.collective_sequences(), world_size)
-    if mismatched:  # ranks paired different collectives, yet nothing hung: numbers are garbage
-        world.kill()  # and gloo's pairs may hold stray bytes: the next example gets a new world
-        raise failed(mismatched)
-    divergences = compare(records, reference, scenario, target.configure(scenario),
-                          CHECKS if checks is None else frozenset(checks))
-    if divergences:
-        raise failed(divergences)
+        error = verdict(target, scenario, world_size, failure=failure, name=name)
+    else:
+        note_example()
+        error = verdict(target, scenario, world_size, records=[unpack(p) for p in packed],
+                        sequences=world.collective_sequences(), reference=reference,
+                        checks=checks, name=name)
+        if error is not None and "collectives mismatched" in error.kinds:
+            # ranks paired different collectives, yet nothing hung: gloo's pairs may hold stray
+            # bytes, so the next example gets a new world
+            world.kill()
+    if error is not None:
+        raise error
+
+
+def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = None,
+            sequences: Any = (), failure: Any = None, reference: Any = None, checks: Any = None,
+            name: str | None = None) -> EquivalenceError | None:
+    """The one judgement of an example, for spawned worlds and torchrun alike: None when it holds.
+
+    Give either ``failure`` (a ``WorldFailure``: a rank raised, died, hung or mismatched) or
+    ``records`` (every rank's ``RankRecord``) with ``sequences`` (every rank's collective-sequence
+    text: ranks that paired different collectives are wrong even when the numbers look fine).
+    """
+    from ddpcheck.oracle import CHECKS, compare
+
+    if failure is not None:
+        divergences = _failure_rows(failure)
+    else:
+        divergences = _mismatched_collectives(list(sequences), world_size)
+        if not divergences:
+            if reference is None:
+                reference = prepare_reference(scenario)
+            divergences = compare(records, reference, scenario, target.configure(scenario),
+                                  CHECKS if checks is None else frozenset(checks))
+    if not divergences:
+        return None
+    # The replay line is built only on failure: the passing path is the hot one.
+    return EquivalenceError(divergences, scenario=scenario, world_size=world_size, target=target,
+                            replay=replay_command(target, scenario, world_size), failure=failure,
+                            name=name)
 
 
 def prepare_reference(scenario: Scenario) -> Any:
@@ -179,7 +201,7 @@ def _mismatched_collectives(texts: list[str], world_size: int) -> list[Divergenc
     costs a few file reads per example."""
     from ddpcheck._internal import sequences
 
-    if sequences.same_texts(texts):
+    if not texts or sequences.same_texts(texts):
         return []
     disagreement = sequences.diagnose([sequences.parse(t) for t in texts],
                                       finished=range(world_size))

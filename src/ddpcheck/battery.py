@@ -1,6 +1,6 @@
 """The built-in battery: representative scenarios ``assert_equivalent`` runs when given none.
 
-Each one aims at bug classes of the catalogue (shared/bug-catalogue.md): tied weights (B4),
+Each one aims at bug classes of the catalogue (docs/bug-catalogue.md): tied weights (B4),
 unused and frozen parameters (B1, B3, B11), buffers and rank-0 initialisation (D1, D2), several
 param groups with a schedule (E4, E5), accumulation (B2, C1-C3), tiny and large buckets (B1, B6),
 non-contiguous gradients (B9), mixed dtypes (B10), uneven and tiny batches (A3, E2), SGD for scale

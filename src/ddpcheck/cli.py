@@ -201,7 +201,7 @@ def _check(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         # Every rank has the same status. os._exit skips gloo's teardown, which races with its
-        # worker threads right after the last collective (platform-notes.md).
+        # worker threads right after the last collective (docs/platform-notes.md).
         os._exit(status)
     from ddpcheck.fuzz import fuzz, terminal_progress
 
@@ -288,40 +288,38 @@ def _trace(args: argparse.Namespace) -> int:
 
 
 def _mutants(args: argparse.Namespace) -> int:
-    from ddpcheck.mutation import catalogue as mutants, search
+    from ddpcheck.mutation import catalogue, score, search
     from ddpcheck.targets import PARALLEL
 
-    catalogue = mutants.CATALOGUE
+    mutants = catalogue.CATALOGUE
     if args.only is not None:
-        catalogue = [mutants.by_name(n.strip()) for n in args.only.split(",") if n.strip()]
-        if not catalogue:
+        mutants = [catalogue.by_name(n.strip()) for n in args.only.split(",") if n.strip()]
+        if not mutants:
             raise UsageError(f"--only={args.only!r} names no mutant")
-    widths = [max(len("(unmutated)"), *(len(m.name) for m in catalogue)), 5,
-              len("SURVIVED (budget)"), len("examples"), len("seconds"), len("counterexample")]
-    print(f"ddpcheck mutants: {len(catalogue)} mutants, {args.budget_seconds:g} s each, "
+    widths = score.table_widths(m.name for m in mutants)
+    print(f"ddpcheck mutants: {len(mutants)} mutants, {args.budget_seconds:g} s each, "
           f"{args.search} search, world sizes {','.join(map(str, args.world_sizes))} "
           "(starting worlds...)", flush=True)
-    header = search.table_lines([], widths)
-    print("\n".join(header), flush=True)
+    print("\n".join(score.table_lines([], widths)), flush=True)
     started = time.perf_counter()
-    chosen = search.default_search() if args.search == "shrinking" else search.battery_search
-    rows = search.score(catalogue, args.budget_seconds, control=PARALLEL, search=chosen,
-                        world_sizes=args.world_sizes, deadline=args.deadline,
-                        on_row=lambda r: print(search.table_lines([r.row()], widths)[2],
-                                               flush=True))
+    chosen = search.shrinking_search if args.search == "shrinking" else search.battery_search
+    rows = score.score(mutants, args.budget_seconds, control=PARALLEL, search=chosen,
+                       world_sizes=args.world_sizes, deadline=args.deadline,
+                       on_row=lambda r: print(score.table_lines([r.row()], widths)[2],
+                                              flush=True))
     killed = sum(r.killed for r in rows if not r.control)
     control_ok = all(r.as_expected for r in rows if r.control)
     seconds = sorted(r.outcome.seconds for r in rows if not r.control and r.killed)
     median = seconds[len(seconds) // 2] if seconds else float("nan")
-    print(f"\nkilled {killed}/{len(catalogue)} "
-          f"({100 * killed / max(len(catalogue), 1):.0f} %); median {median:.2f} s to the first "
+    print(f"\nkilled {killed}/{len(mutants)} "
+          f"({100 * killed / max(len(mutants), 1):.0f} %); median {median:.2f} s to the first "
           f"counterexample; unmutated target {'passes' if control_ok else 'FAILS'}; "
           f"wall {time.perf_counter() - started:.1f} s")
     for r in rows:
         if r.control and r.killed:
             print(f"\nthe unmutated target failed, so the scores above mean nothing:\n"
                   f"{r.outcome.counterexample.error}")
-    return EXIT_OK if killed == len(catalogue) and control_ok else EXIT_FOUND
+    return EXIT_OK if killed == len(mutants) and control_ok else EXIT_FOUND
 
 
 def _fuzz_rule(args: argparse.Namespace) -> int:

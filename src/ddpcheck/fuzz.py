@@ -2,7 +2,7 @@
 is shrunk to a minimal counterexample with its divergence table and replay line.
 
 This is what ``ddpcheck check`` runs after the built-in battery, and what ``ddpcheck mutants``
-uses to hunt each mutant.
+uses to hunt each mutant (``ddpcheck.mutation.search.shrinking_search``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Callable
 from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
 from ddpcheck._internal.validation import InvalidArgument, check_positive_number, check_world_sizes
 
-__all__ = ["FuzzResult", "brief", "fuzz", "shrinking_search"]
+__all__ = ["FuzzResult", "fuzz", "terminal_progress"]
 
 
 @dataclasses.dataclass
@@ -108,54 +108,3 @@ def terminal_progress(total: int, stream: Any = None) -> Callable[[int, float], 
         stream.flush()
 
     return show
-
-
-def brief(scenario: Any) -> str:
-    """A one-line summary of a (usually shrunk) scenario for tables."""
-    model = scenario.model
-    layers = getattr(model, "layers", None)
-    if layers is None:
-        shape = getattr(model, "__qualname__", type(model).__name__)
-    else:
-        shape = "+".join(layer.kind + ("(" + ",".join(
-            f for f, on in (("sample" if layer.use == "sample" else "unused", layer.use != "always"),
-                            ("frozen", layer.frozen), ("f32", layer.float32)) if on) + ")"
-            if layer.use != "always" or layer.frozen or layer.float32 else "")
-            for layer in layers) or "head"
-    opt = scenario.optimizer.__name__
-    extra = [f"B={scenario.global_batch}", f"steps={scenario.steps}"]
-    if scenario.accumulation > 1:
-        extra.append(f"acc={scenario.accumulation}")
-    if scenario.param_groups is not None:
-        extra.append("2 groups")
-    if scenario.lr_decay is not None:
-        extra.append("lr decay")
-    if scenario.dtype != "float64":
-        extra.append(scenario.dtype)
-    return f"{shape} {opt} {' '.join(extra)}"
-
-
-def shrinking_search(target: Any, budget_seconds: float, *, world_sizes: Any = DEFAULT_WORLD_SIZES,
-                     deadline: float = DEFAULT_DEADLINE, fuzz_share: float = 0.5,
-                     examples: int = 200) -> Any:
-    """A search for ``ddpcheck.mutation.search``: up to ``examples`` random examples first, for a
-    *shrunk* counterexample, within ``fuzz_share`` of the budget; if they find none, the
-    built-in battery (not shrunk, but aimed at every bug class) gets the rest."""
-    from ddpcheck.mutation.search import Counterexample, Outcome, battery_search
-
-    check_positive_number("budget_seconds", budget_seconds)
-    started = time.perf_counter()
-    share = budget_seconds * fuzz_share
-    result = fuzz(target, examples=examples, world_sizes=world_sizes, deadline=deadline,
-                  time_budget=None if share == float("inf") else share)
-    if result.found:
-        err = result.error
-        found = Counterexample(f"random[{brief(err.scenario)}]", err.scenario, err.world_size,
-                               err.kinds[0], err)
-        return Outcome(found, result.first_failure or result.examples,
-                       time.perf_counter() - started, exhausted=False)
-    rest = battery_search(target, max(budget_seconds - (time.perf_counter() - started), 1e-3),
-                          world_sizes=world_sizes, deadline=deadline)
-    rest.examples += result.examples
-    rest.seconds = time.perf_counter() - started
-    return rest

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
+from ddpcheck._internal.records import RankRecord, StepRecord, initial_state, snapshot
+from ddpcheck._internal.train import Loop, train
 from ddpcheck.errors import Divergence
-from ddpcheck._internal.runner import RankRecord, StepRecord, snapshot
-from ddpcheck.scenario import (Scenario, build_model, global_batch, make_param_groups,
-                               per_sample_loss)
+from ddpcheck.scenario import Scenario, build_model, global_batch, make_param_groups
 
 __all__ = ["CHECKS", "TOLERANCES", "Reference", "compare", "reference_run", "scaled_atol",
            "tolerance"]
@@ -76,21 +76,13 @@ def reference_run(scenario: Scenario) -> Reference:
     initial weights, one backward per step of the global objective."""
     model = build_model(scenario, scenario.seed)
     names = {p: n for n, p in model.named_parameters()}
-    initial = {**{n: p.detach().clone() for n, p in model.named_parameters()},
-               **{n: b.detach().clone() for n, b in model.named_buffers()}}
+    initial = initial_state(model)
     optimizer = scenario.optimizer(make_param_groups(scenario, model), **scenario.optimizer_kwargs)
-    scheduler = (torch.optim.lr_scheduler.ExponentialLR(optimizer, scenario.lr_decay)
-                 if scenario.lr_decay is not None else None)
-    scale = 1.0 / scenario.global_batch if scenario.reduction == "mean" else 1.0
     steps = []
-    for step in range(scenario.steps):
-        x, y = global_batch(scenario, step)
-        (per_sample_loss(model(x), y).sum() * scale).backward()
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        steps.append(snapshot(model, names, optimizer.state))
-        optimizer.zero_grad(set_to_none=scenario.set_to_none)
+    train(scenario, model, optimizer, Loop(
+        batches=lambda step: [global_batch(scenario, step)],
+        scale=1.0 / scenario.global_batch if scenario.reduction == "mean" else 1.0,
+        after_step=lambda step: steps.append(snapshot(model, names, optimizer.state))))
     trainable = [p for p in model.parameters() if p.requires_grad]
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     return Reference(initial, steps,

@@ -1,11 +1,13 @@
 """``ddpcheck check`` inside a world someone else built: ``torchrun`` (env:// rendezvous).
 
 Invariant: when :func:`under_torchrun` is true, :func:`check_in_world` runs the battery on the
-world ``torchrun`` started -- every rank runs every example, the records are gathered on rank 0,
-rank 0 computes the full-batch reference and applies the same oracle as a spawned world, and the
-verdict is broadcast so that every rank returns the same exit status. Only rank 0 prints. Every
-collective runs under the process group's timeout (the ``--deadline``), so a rank that raises or
-hangs makes the others fail instead of waiting forever.
+world ``torchrun`` started -- every rank runs every example while recording its collective
+sequence, each rank's record (or traceback) and sequence are gathered on rank 0, and rank 0 judges
+them with the very function spawned worlds use (``ddpcheck.api.verdict``: collective sequences,
+then the oracle against the full-batch reference); the verdict is broadcast so that every rank
+returns the same exit status. Only rank 0 prints. Every collective runs under the process group's
+timeout (the ``--deadline``), so a rank that raises or hangs makes the others fail instead of
+waiting forever.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import tempfile
 import traceback
 from typing import Any
 
@@ -30,7 +33,8 @@ def _gather_to_zero(obj: Any) -> list[Any] | None:
     """Every rank's ``obj`` on rank 0 (None elsewhere), by pickle.
 
     NOTE: not ``dist.gather_object``: it decodes through numpy, which torch does not require and
-    which some of our machines lack. Same two steps: sizes, then padded bytes.
+    which some of our machines lack. Same two steps: sizes, then padded bytes. (``parallel``'s
+    ShardedOptimizer has its own copy: ``parallel/`` imports nothing from ddpcheck.)
     """
     import torch
     import torch.distributed as dist
@@ -63,18 +67,43 @@ def _agree(status: int) -> int:
     return int(flag)
 
 
+def _run_recorded(target: Any, scenario: Any, sequence_path: str) -> tuple[tuple, str]:
+    """This rank's ``("ok", record)`` or ``("error", traceback)``, and its collective sequence."""
+    from ddpcheck._internal import recorder
+    from ddpcheck._internal.runner import run_example
+
+    recorder.restart_sequence()
+    try:
+        outcome: tuple = ("ok", run_example(target, scenario))
+    except Exception:
+        outcome = ("error", traceback.format_exc())
+    with open(sequence_path, errors="replace") as f:
+        return outcome, f.read()
+
+
+def _judge(gathered: list, target: Any, scenario: Any, name: str, world_size: int) -> Any:
+    """Rank 0: the EquivalenceError of one example, or None (``ddpcheck.api.verdict``)."""
+    from ddpcheck._internal.failures import RankState, WorldFailure
+    from ddpcheck.api import verdict
+
+    outcomes = [outcome for outcome, _ in gathered]
+    if any(kind == "error" for kind, _ in outcomes):
+        states = [RankState(r, "raised", text) if kind == "error" else RankState(r, "returned")
+                  for r, (kind, text) in enumerate(outcomes)]
+        failure = WorldFailure("raised", world_size, states, f"example {name}")
+        return verdict(target, scenario, world_size, failure=failure, name=name)
+    return verdict(target, scenario, world_size, records=[value for _, value in outcomes],
+                   sequences=[sequence for _, sequence in gathered], name=name)
+
+
 def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline: float,
                    out: Any) -> int:
     """Run the battery on torchrun's world; 0 all equivalent, 1 a counterexample (printed on
     rank 0 to ``out``), 2 a usage error (``world_sizes`` not containing torchrun's size)."""
     import torch.distributed as dist
 
-    from ddpcheck._internal import recorder as comm
-    from ddpcheck.api import prepare_reference, replay_command
+    from ddpcheck._internal import recorder
     from ddpcheck.battery import BATTERY
-    from ddpcheck.oracle import compare
-    from ddpcheck.errors import Divergence, EquivalenceError
-    from ddpcheck._internal.runner import run_example
 
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
@@ -91,38 +120,27 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
         # leaves before rank 0 has printed why
         dist.barrier()
         return 2
-    comm.install()
+    recorder.install()
     examples = 0
-    for name, scenario in BATTERY:
-        if target.supports(scenario) is not None:
-            continue
+    with tempfile.TemporaryDirectory(prefix="ddpcheck-torchrun-") as folder:
+        sequence_path = os.path.join(folder, f"rank{rank}.collectives")
+        recorder.record_to(sequence_path)
         try:
-            record: Any = ("ok", run_example(target, scenario))
-        except Exception:
-            record = ("error", traceback.format_exc())
-        gathered = _gather_to_zero(record)
-        status = 0
-        if rank == 0:
-            replay = replay_command(target, scenario, world_size)
-            failed = [(r, text) for r, (kind, text) in enumerate(gathered) if kind == "error"]
-            if failed:
-                rows = [Divergence("-", world_size, r, "-", "rank failed",
-                                   detail=text.strip().splitlines()[-1]) for r, text in failed]
-                error = EquivalenceError(rows, scenario=scenario, world_size=world_size,
-                                         target=target, replay=replay, name=name)
-            else:
-                records = [value for _, value in gathered]
-                found = compare(records, prepare_reference(scenario), scenario,
-                                target.configure(scenario))
-                error = (EquivalenceError(found, scenario=scenario, world_size=world_size,
-                                          target=target, replay=replay, name=name)
-                         if found else None)
-            if error is not None:
-                say(str(error))
-                status = 1
-        examples += 1
-        if _agree(status):
-            return 1
+            for name, scenario in BATTERY:
+                if target.supports(scenario) is not None:
+                    continue
+                gathered = _gather_to_zero(_run_recorded(target, scenario, sequence_path))
+                status = 0
+                if rank == 0:
+                    error = _judge(gathered, target, scenario, name, world_size)
+                    if error is not None:
+                        say(str(error))
+                        status = 1
+                examples += 1
+                if _agree(status):
+                    return 1
+        finally:
+            recorder.record_to(None)
     say(f"ddpcheck check: {examples} examples equivalent in the torchrun world of {world_size} "
         f"(backend {dist.get_backend()})")
     return 0

@@ -12,8 +12,7 @@ collective to the point where the rank waited for it.
 Times are ``time.perf_counter()``, which on Linux is ``CLOCK_MONOTONIC``: one clock for every
 process on the machine, so ranks line up without correction.
 
-What a collective carries: its ``comm.tagged`` label if the caller gave one, otherwise -- for a
-wrapper exposing ``bucket_layout`` (``parallel.DDP``) -- the bucket whose gradient bytes match the
+What a collective carries: for a wrapper exposing ``bucket_layout`` (``parallel.DDP``), the bucket whose gradient bytes match the
 next asynchronous floating-point all-reduce, in launch order. The trace reads the layout from the
 wrapper after the step, so ``parallel/`` needs no hook into ddpcheck. Collectives issued from C++
 (torch DDP's Reducer) never pass through Python and do not appear.
@@ -21,17 +20,16 @@ wrapper after the step, so ``parallel/`` needs no hook into ddpcheck. Collective
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import time
 from typing import Any
 
 import torch
 from torch import nn
 
-from ddpcheck._internal import recorder as comm
+from ddpcheck._internal import recorder
+from ddpcheck._internal.train import Loop, train
 from ddpcheck.scenario import (Scenario, build_model, local_micro_batches, loss_scale,
-                               make_param_groups, per_sample_loss)
+                               make_param_groups)
 
 __all__ = ["TRACE_SCENARIO", "RankTrace", "Stack", "chrome_trace", "overlap", "record_step"]
 
@@ -64,7 +62,7 @@ TRACE_SCENARIO = Scenario(model=Stack, data=stack_data, dtype="float32", global_
 class RankTrace:
     rank: int
     phases: list[tuple[str, float, float]]  # (name, start, end), perf_counter seconds
-    collectives: list[comm.Collective]
+    collectives: list[recorder.Collective]
     carries: list[str]  # per collective: what it carries ("" if unknown)
 
 
@@ -77,40 +75,32 @@ def record_step(target: Any, scenario: Scenario = TRACE_SCENARIO, warmup: int = 
     import torch.distributed as dist
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    scenario = dataclasses.replace(scenario, steps=warmup + 1)
     target = target.configure(scenario)
     module = build_model(scenario, scenario.seed)
     model = target.wrap(module)
     optimizer = target.make_optimizer(make_param_groups(scenario, module), scenario.optimizer,
                                       **scenario.optimizer_kwargs)
-    scale = loss_scale(scenario, world_size)
-    for step in range(warmup + 1):
-        micro_batches = local_micro_batches(scenario, step, rank, world_size)
+    phases: list[tuple[str, float, float]] = []
+
+    def start_step(step: int) -> None:
         # Line the ranks up so the recorded step starts together (the barrier is not recorded).
         dist.barrier()
-        comm.reset()
-        phases = []
-        for i, (x, y) in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with contextlib.nullcontext() if last else target.no_sync(model):
-                t0 = time.perf_counter()
-                loss = per_sample_loss(model(x), y).sum() * scale
-                t1 = time.perf_counter()
-                loss.backward()
-                t2 = time.perf_counter()
-            phases += [("forward", t0, t1), ("backward", t1, t2)]
-        t3 = time.perf_counter()
-        target.after_backward(model, optimizer)
-        t4 = time.perf_counter()
-        optimizer.step()
-        t5 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=scenario.set_to_none)
-        phases += [("after_backward", t3, t4), ("optimizer.step", t4, t5)]
-    records = comm.records()
+        recorder.reset()
+        phases.clear()
+
+    train(scenario, model, optimizer, Loop(
+        batches=lambda step: local_micro_batches(scenario, step, rank, world_size),
+        scale=loss_scale(scenario, world_size),
+        no_sync=lambda: target.no_sync(model),
+        after_backward=lambda: target.after_backward(model, optimizer),
+        before_step=start_step, phases=phases))
+    records = recorder.records()
     return RankTrace(rank, phases, records, _carries(model, module, records))
 
 
-def _carries(model: Any, module: nn.Module, records: list[comm.Collective]) -> list[str]:
-    """Label each record with its tag, or with the DDP bucket it carries (see module docstring)."""
+def _carries(model: Any, module: nn.Module, records: list[recorder.Collective]) -> list[str]:
+    """Label each record with the DDP bucket it carries, "" if unknown (see module docstring)."""
     layout = getattr(model, "bucket_layout", None)
     params = dict(module.named_parameters())
     buckets = []
@@ -119,7 +109,7 @@ def _carries(model: Any, module: nn.Module, records: list[comm.Collective]) -> l
         buckets.append((nbytes, f"bucket {i}: " + ", ".join(names)))
     out, next_bucket = [], 0
     for c in records:
-        label = c.tag
+        label = ""
         if (not label and next_bucket < len(buckets) and c.op == "all_reduce" and c.async_op
                 and c.dtypes and c.dtypes[0].startswith(("float", "bfloat"))
                 and c.nbytes == buckets[next_bucket][0]):

@@ -18,14 +18,13 @@ ZeroRedundancyOptimizer, most hand-written code). What it cannot see: collective
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-__all__ = ["Collective", "install", "installed", "records", "reset", "summary", "tagged"]
+__all__ = ["Collective", "install", "record_to", "records", "reset", "restart_sequence"]
 
 # op name -> (positional index of the tensor argument(s), name of the root argument or None)
 _OPS: dict[str, tuple[int, str | None]] = {
@@ -61,7 +60,6 @@ class Collective:
     reduce_op: str | None
     async_op: bool
     launched: float  # time.perf_counter() at the call
-    tag: str = ""  # what the caller said it carries (see `tagged`)
     completed: float | None = None  # perf_counter() when the collective finished on this rank
     waited: float | None = None  # perf_counter() when wait() returned (async_op=True only)
 
@@ -88,7 +86,6 @@ class Collective:
 
 _log: list[Collective] = []
 _installed = False
-_tag: list[str] = []
 _sequence_fd: int | None = None  # the sequence file, opened O_APPEND; None: not recording
 
 
@@ -122,29 +119,6 @@ def reset() -> None:
     _log.clear()
 
 
-def installed() -> bool:
-    return _installed
-
-
-@contextlib.contextmanager
-def tagged(text: str) -> Iterator[None]:
-    """Collectives issued inside this block carry ``text`` as their ``tag`` (innermost wins)."""
-    _tag.append(text)
-    try:
-        yield
-    finally:
-        _tag.pop()
-
-
-def summary(log: list[Collective]) -> dict[str, int]:
-    """Bytes per op, and the number of calls per op under ``'<op>#calls'``."""
-    out: dict[str, int] = {}
-    for c in log:
-        out[c.op] = out.get(c.op, 0) + c.nbytes
-        out[c.op + "#calls"] = out.get(c.op + "#calls", 0) + 1
-    return out
-
-
 def install() -> None:
     """Wrap ``torch.distributed``'s collectives in this process. Idempotent."""
     global _installed
@@ -160,7 +134,6 @@ def install() -> None:
 
 
 def _wrap(name: str, original: Callable[..., Any], index: int, root_name: str | None):
-    import torch
     import torch.distributed as dist
 
     @functools.wraps(original)
@@ -187,20 +160,17 @@ def _wrap(name: str, original: Callable[..., Any], index: int, root_name: str | 
             reduce_op=_op_name(reduce_op),
             async_op=bool(kwargs.get("async_op", _positional(original, args, "async_op") or False)),
             launched=time.perf_counter(),
-            tag=_tag[-1] if _tag else "",
         )
         _log.append(record)
         if _sequence_fd is not None:  # before the call: a rank stuck inside it still shows it
             os.write(_sequence_fd, sequence_line(record))
-        entry = record
         result = original(*args, **kwargs)
-        if entry.async_op and result is not None:
-            return _RecordedWork(result, entry)
-        _finish(entry, completed=time.perf_counter())
+        if record.async_op and result is not None:
+            return _RecordedWork(result, record)
+        _finish(record, completed=time.perf_counter())
         return result
 
     recorded.__ddpcheck_original__ = original  # type: ignore[attr-defined]
-    _ = torch  # keep the import: tensors are inspected above
     return recorded
 
 

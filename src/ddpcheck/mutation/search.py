@@ -11,20 +11,22 @@ target searched in this process.
 :func:`battery_search` walks the built-in battery (``ddpcheck.battery.BATTERY``) x world sizes,
 world size major -- W=2 first, the cheapest world where replicas can disagree, then 3 (divisor and
 ordering bugs that W=2 hides), 4, and 1 last (a bug visible at W=1 is visible at W=2 too).
-:func:`default_search` is the Hypothesis-driven search with shrinking, which falls back on it.
+:func:`shrinking_search` (the default of ``ddpcheck mutants``) fuzzes first, for a counterexample
+Hypothesis has shrunk, and falls back on the battery.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
+from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, STARTUP_DEADLINE
 from ddpcheck._internal.validation import check_positive_number, check_world_sizes
 
-__all__ = ["Counterexample", "Outcome", "Scored", "Search", "battery_search", "default_search",
-           "find_counterexample", "score", "table_lines", "warm_up"]
+__all__ = ["Counterexample", "Outcome", "Search", "battery_search", "brief", "shrinking_search",
+           "warm_up"]
 
 #: Seconds an example may always take, however little budget is left. A healthy example takes
 #: milliseconds, but a loaded 2-core machine stretches that by orders of magnitude, and a timeout
@@ -80,23 +82,24 @@ def _battery_examples(world_sizes: Sequence[int]) -> list[tuple[str, Any, int]]:
     return [(name, scenario, w) for w in ordered for name, scenario in BATTERY]
 
 
-def warm_up(world_sizes: Iterable[int]) -> None:
-    """Start the worlds and compute the battery's references (shared by every search)."""
-    from ddpcheck.battery import BATTERY
-    from ddpcheck._internal.options import STARTUP_DEADLINE
+def warm_up(world_sizes: Iterable[int], modules: Iterable[str] = ()) -> None:
+    """Start the worlds, import ``modules`` (the targets' own) in every rank, and compute the
+    battery's references: shared by every search, so paid outside the budgets."""
     from ddpcheck._internal.world import get_world
+    from ddpcheck.battery import BATTERY
 
     for name, scenario in BATTERY:
         _reference(name, scenario)
     for w in world_sizes:
         # a fresh world's first example would otherwise pay for importing the harness
-        get_world(w).run(_import_harness, deadline=STARTUP_DEADLINE, what="warm-up")
+        get_world(w).run(_import, ("ddpcheck._internal.runner", *modules),
+                         deadline=STARTUP_DEADLINE, what="warm-up")
 
 
-def _import_harness() -> None:
+def _import(modules: tuple[str, ...]) -> None:
     """Inside a rank: import what examples use (cheap once imported)."""
-    import ddpcheck.mutation.catalogue  # noqa: F401 -- also imports parallel and the targets
-    import ddpcheck._internal.runner  # noqa: F401
+    for name in modules:
+        importlib.import_module(name)
 
 
 def battery_search(target: Any, budget_seconds: float, *, world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
@@ -125,85 +128,52 @@ def battery_search(target: Any, budget_seconds: float, *, world_sizes: Sequence[
     return Outcome(None, examples, time.perf_counter() - started, exhausted=True)
 
 
-def default_search() -> Search:
-    """The search ``ddpcheck mutants`` uses: random examples shrunk by Hypothesis, then the
-    battery for whatever budget is left (:func:`ddpcheck.fuzz.shrinking_search`)."""
-    from ddpcheck.fuzz import shrinking_search
-
-    return shrinking_search
-
-
-def find_counterexample(target: Any, budget_seconds: float, *, search: Search | None = None,
-                        **options: Any) -> Counterexample | None:
-    """The first counterexample ``search`` (default :func:`default_search`) finds, or None."""
-    return (search or default_search())(target, budget_seconds, **options).counterexample
-
-
-# ---------------------------------------------------------------------------------------------
-# Scoring a mutant catalogue
-
-
-@dataclasses.dataclass
-class Scored:
-    """One row of the mutant table."""
-
-    name: str
-    bug_class: str
-    outcome: Outcome
-    control: bool = False  # the unmutated target: it must *not* be killed
-
-    @property
-    def killed(self) -> bool:
-        return self.outcome.counterexample is not None
-
-    @property
-    def as_expected(self) -> bool:
-        return self.killed != self.control
-
-    def row(self) -> list[str]:
-        o = self.outcome
-        if self.killed:
-            verdict = "FALSE ALARM" if self.control else "killed"
-        elif self.control:
-            verdict = "passes" if o.exhausted else "passes (budget)"
-        else:
-            verdict = "SURVIVED" if o.exhausted else "SURVIVED (budget)"
-        found = o.counterexample.one_line() if o.counterexample else "-"
-        return [self.name, self.bug_class, verdict, str(o.examples), f"{o.seconds:.2f}", found]
+def brief(scenario: Any) -> str:
+    """A one-line summary of a (usually shrunk) scenario for tables."""
+    model = scenario.model
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        shape = getattr(model, "__qualname__", type(model).__name__)
+    else:
+        shape = "+".join(layer.kind + ("(" + ",".join(
+            f for f, on in (("sample" if layer.use == "sample" else "unused", layer.use != "always"),
+                            ("frozen", layer.frozen), ("f32", layer.float32)) if on) + ")"
+            if layer.use != "always" or layer.frozen or layer.float32 else "")
+            for layer in layers) or "head"
+    opt = scenario.optimizer.__name__
+    extra = [f"B={scenario.global_batch}", f"steps={scenario.steps}"]
+    if scenario.accumulation > 1:
+        extra.append(f"acc={scenario.accumulation}")
+    if scenario.param_groups is not None:
+        extra.append("2 groups")
+    if scenario.lr_decay is not None:
+        extra.append("lr decay")
+    if scenario.dtype != "float64":
+        extra.append(scenario.dtype)
+    return f"{shape} {opt} {' '.join(extra)}"
 
 
-TABLE_HEADER = ["mutant", "class", "killed?", "examples", "seconds", "counterexample"]
+def shrinking_search(target: Any, budget_seconds: float, *, world_sizes: Any = DEFAULT_WORLD_SIZES,
+                     deadline: float = DEFAULT_DEADLINE, fuzz_share: float = 0.5,
+                     examples: int = 200) -> Outcome:
+    """Up to ``examples`` random examples first, for a
+    *shrunk* counterexample, within ``fuzz_share`` of the budget; if they find none, the
+    built-in battery (not shrunk, but aimed at every bug class) gets the rest."""
+    from ddpcheck.fuzz import fuzz
 
-
-def table_lines(rows: list[list[str]], widths: list[int] | None = None) -> list[str]:
-    """Markdown-compatible table lines (header, rule, rows), columns padded to ``widths``."""
-    widths = widths or [max(len(r[i]) for r in [TABLE_HEADER] + rows)
-                        for i in range(len(TABLE_HEADER))]
-
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
-
-    return [line(TABLE_HEADER), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
-            *[line(r) for r in rows]]
-
-
-def score(mutants: Iterable[Any], budget_seconds: float, *, control: Any = None,
-          world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES, search: Search | None = None,
-          deadline: float = DEFAULT_DEADLINE, on_row: Callable[[Scored], None] | None = None) -> list[Scored]:
-    """Search every mutant (``ddpcheck.mutation.catalogue.Mutant``) for a counterexample within
-    ``budget_seconds`` each; ``control`` (the unmutated target), if given, is searched first with
-    no budget limit short of exhausting the search. ``on_row`` sees each row as it completes."""
-    search = search or default_search()
-    out = []
-    todo = [(m.name, m.bug_class, m.target, False) for m in mutants]
-    if control is not None:
-        todo.insert(0, ("(unmutated)", "-", control, True))
-    for name, bug_class, target, is_control in todo:
-        budget = float("inf") if is_control else budget_seconds
-        warm_up(world_sizes)  # respawns a world the previous mutant broke, outside the budget
-        outcome = search(target, budget, world_sizes=world_sizes, deadline=deadline)
-        scored = Scored(name, bug_class, outcome, control=is_control)
-        out.append(scored)
-        if on_row is not None:
-            on_row(scored)
-    return out
+    check_positive_number("budget_seconds", budget_seconds)
+    started = time.perf_counter()
+    share = budget_seconds * fuzz_share
+    result = fuzz(target, examples=examples, world_sizes=world_sizes, deadline=deadline,
+                  time_budget=None if share == float("inf") else share)
+    if result.found:
+        err = result.error
+        found = Counterexample(f"random[{brief(err.scenario)}]", err.scenario, err.world_size,
+                               err.kinds[0], err)
+        return Outcome(found, result.first_failure or result.examples,
+                       time.perf_counter() - started, exhausted=False)
+    rest = battery_search(target, max(budget_seconds - (time.perf_counter() - started), 1e-3),
+                          world_sizes=world_sizes, deadline=deadline)
+    rest.examples += result.examples
+    rest.seconds = time.perf_counter() - started
+    return rest

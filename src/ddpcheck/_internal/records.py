@@ -1,0 +1,59 @@
+"""What the oracle compares: one rank's (or the reference's) state after every step.
+
+Invariant: a :class:`StepRecord` holds *copies* (never views) of every gradient, parameter and
+buffer by name, the optimizer state this process holds by parameter name, and the collectives it
+issued during the step -- so a later step, or the target, cannot change what was recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ddpcheck._internal.recorder import Collective
+
+__all__ = ["RankRecord", "StepRecord", "initial_state", "snapshot"]
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """What one rank (or the reference) holds right after one optimizer step."""
+
+    grads: dict[str, torch.Tensor | None]
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    state: dict[str, dict[str, Any]]  # optimizer state held here, by parameter name
+    collectives: list[Collective] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class RankRecord:
+    rank: int
+    initial: dict[str, torch.Tensor]  # parameters and buffers right after wrapping
+    steps: list[StepRecord]
+    seconds: float
+
+
+def initial_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the parameters and buffers, by name (the state every replica must start from)."""
+    with torch.no_grad():
+        return {**{n: p.detach().clone() for n, p in module.named_parameters()},
+                **{n: b.detach().clone() for n, b in module.named_buffers()}}
+
+
+def snapshot(model: torch.nn.Module, names: dict[Any, str], state: Any,
+             collectives: list | None = None) -> StepRecord:
+    """Copies of everything the oracle compares; ``state`` maps parameter -> state dict."""
+    with torch.no_grad():
+        grads = {n: None if p.grad is None else p.grad.detach().clone()
+                 for n, p in model.named_parameters()}
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        held = {}
+        for p, entries in state.items():
+            if entries:
+                held[names.get(p, "?")] = {k: v.detach().clone() if torch.is_tensor(v) else v
+                                           for k, v in entries.items()}
+    return StepRecord(grads, params, buffers, held, collectives or [])

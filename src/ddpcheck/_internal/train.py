@@ -1,0 +1,72 @@
+"""The one training loop: the ranks, the trace and the single-process reference all train here.
+
+Invariant: :func:`train` runs ``scenario.steps`` steps of the scenario's objective -- per step,
+the micro-batches ``loop.batches(step)`` (all but the last under ``loop.no_sync()``), each
+back-propagating its summed per-sample losses times ``loop.scale``; then
+``loop.after_backward()``, ``optimizer.step()``, the LR schedule, ``loop.after_step(step)``
+(where callers snapshot), and ``zero_grad``. Because the runner (every rank of a world),
+``ddpcheck.trace`` (timed) and the oracle's reference (one process, the whole batch) share it,
+what the trace draws and what the reference computes are exactly the steps the oracle checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any, Callable, ContextManager
+
+import torch
+
+from ddpcheck.scenario import Scenario, per_sample_loss
+
+__all__ = ["Loop", "train"]
+
+
+def _nothing(*_: Any) -> None:
+    return None
+
+
+@dataclasses.dataclass
+class Loop:
+    """What differs between the callers of :func:`train`; the defaults are a plain process."""
+
+    batches: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]  # step -> micro-batches
+    scale: float  # multiplier of each micro-batch's summed per-sample losses
+    no_sync: Callable[[], ContextManager[Any]] = contextlib.nullcontext  # all but the last
+    after_backward: Callable[[], None] = _nothing
+    before_step: Callable[[int], None] = _nothing  # after the batches are drawn, before forward
+    after_step: Callable[[int], None] = _nothing  # after optimizer.step and the schedule
+    #: When a list, (phase, start, end) ``time.perf_counter()`` spans are appended to it.
+    phases: list[tuple[str, float, float]] | None = None
+
+
+def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop) -> None:
+    """Train ``model`` with ``optimizer`` on the scenario's steps, as ``loop`` says."""
+    scheduler = (torch.optim.lr_scheduler.ExponentialLR(optimizer, scenario.lr_decay)
+                 if scenario.lr_decay is not None else None)
+    clock = time.perf_counter
+    for step in range(scenario.steps):
+        micro_batches = loop.batches(step)
+        loop.before_step(step)
+        for i, (x, y) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else loop.no_sync():
+                t0 = clock()
+                loss = per_sample_loss(model(x), y).sum() * loop.scale
+                t1 = clock()
+                loss.backward()
+                t2 = clock()
+            if loop.phases is not None:
+                loop.phases += [("forward", t0, t1), ("backward", t1, t2)]
+        t3 = clock()
+        loop.after_backward()
+        t4 = clock()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        t5 = clock()
+        if loop.phases is not None:
+            loop.phases += [("after_backward", t3, t4), ("optimizer.step", t4, t5)]
+        loop.after_step(step)
+        optimizer.zero_grad(set_to_none=scenario.set_to_none)

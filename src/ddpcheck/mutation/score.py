@@ -1,0 +1,90 @@
+"""Scoring a mutant catalogue: every mutant searched for a counterexample within a budget.
+
+Invariant: :func:`score` returns one :class:`Scored` row per mutant, in catalogue order, after the
+unmutated target (the control) -- which must *not* be killed, or the scores mean nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, Sequence
+
+from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
+from ddpcheck.mutation.search import Outcome, Search, shrinking_search, warm_up
+
+__all__ = ["CONTROL", "TABLE_HEADER", "Scored", "score", "table_lines", "table_widths"]
+
+#: The control row's name.
+CONTROL = "(unmutated)"
+
+@dataclasses.dataclass
+class Scored:
+    """One row of the mutant table."""
+
+    name: str
+    bug_class: str
+    outcome: Outcome
+    control: bool = False  # the unmutated target: it must *not* be killed
+
+    @property
+    def killed(self) -> bool:
+        return self.outcome.counterexample is not None
+
+    @property
+    def as_expected(self) -> bool:
+        return self.killed != self.control
+
+    def row(self) -> list[str]:
+        o = self.outcome
+        if self.killed:
+            verdict = "FALSE ALARM" if self.control else "killed"
+        elif self.control:
+            verdict = "passes" if o.exhausted else "passes (budget)"
+        else:
+            verdict = "SURVIVED" if o.exhausted else "SURVIVED (budget)"
+        found = o.counterexample.one_line() if o.counterexample else "-"
+        return [self.name, self.bug_class, verdict, str(o.examples), f"{o.seconds:.2f}", found]
+
+
+TABLE_HEADER = ["mutant", "class", "killed?", "examples", "seconds", "counterexample"]
+
+
+def table_widths(names: Iterable[str]) -> list[int]:
+    """Column widths that fit every row before the rows exist (the table prints as it goes)."""
+    return [max(len(CONTROL), *(len(n) for n in names)), len("class"), len("SURVIVED (budget)"),
+            len("examples"), len("seconds"), len("counterexample")]
+
+
+def table_lines(rows: list[list[str]], widths: list[int] | None = None) -> list[str]:
+    """Markdown-compatible table lines (header, rule, rows), columns padded to ``widths``."""
+    widths = widths or [max(len(r[i]) for r in [TABLE_HEADER] + rows)
+                        for i in range(len(TABLE_HEADER))]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    return [line(TABLE_HEADER), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+            *[line(r) for r in rows]]
+
+
+def score(mutants: Iterable[Any], budget_seconds: float, *, control: Any = None,
+          world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES, search: Search | None = None,
+          deadline: float = DEFAULT_DEADLINE, on_row: Callable[[Scored], None] | None = None) -> list[Scored]:
+    """Search every mutant (``ddpcheck.mutation.catalogue.Mutant``) for a counterexample within
+    ``budget_seconds`` each; ``control`` (the unmutated target), if given, is searched first with
+    no budget limit short of exhausting the search. ``on_row`` sees each row as it completes."""
+    search = search or shrinking_search
+    out = []
+    todo = [(m.name, m.bug_class, m.target, False) for m in mutants]
+    if control is not None:
+        todo.insert(0, (CONTROL, "-", control, True))
+    for name, bug_class, target, is_control in todo:
+        budget = float("inf") if is_control else budget_seconds
+        # respawns a world the previous mutant broke, outside the budget
+        warm_up(world_sizes, modules=[type(target).__module__])
+        outcome = search(target, budget, world_sizes=world_sizes, deadline=deadline)
+        scored = Scored(name, bug_class, outcome, control=is_control)
+        out.append(scored)
+        if on_row is not None:
+            on_row(scored)
+    return out
