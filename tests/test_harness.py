@@ -261,10 +261,6 @@ def not_a_module():
     return 42
 
 
-class _LocalScope:
-    pass
-
-
 @pytest.mark.parametrize("kwargs, message", [
     ({"world_sizes": (0,)}, "world_sizes=(0,) contains 0; every world size must be a positive integer"),
     ({"world_sizes": (2, -1)}, "world_sizes=(2, -1) contains -1"),

@@ -15,9 +15,9 @@ import sys
 import time
 from typing import Any, Iterable
 
-from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
+from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine
 from ddpcheck._internal.validation import InvalidArgument, check_deadline, check_world_sizes
-from ddpcheck.errors import Divergence, EquivalenceError
+from ddpcheck.errors import Divergence, EquivalenceError, NothingChecked
 from ddpcheck.scenario import Scenario, import_path
 from ddpcheck.targets import Target
 
@@ -59,10 +59,14 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
     """Check ``target`` against the oracle on ``scenario`` (default: the built-in battery).
 
     Raises :class:`ddpcheck.EquivalenceError` on the first divergence, with a table and a replay
-    command; returns a :class:`Report` when every example holds.
+    command; returns a :class:`Report` when every example holds. Not the target's fault, so never
+    an EquivalenceError: :class:`ddpcheck.ScenarioError` (a scenario the oracle cannot judge),
+    :class:`ddpcheck.WorldStartError`, :class:`ddpcheck.NothingChecked` (the target declined every
+    scenario: passing would be a silent no-op), :class:`ddpcheck.InvalidArgument`.
     """
     _check_target(target)
     sizes = check_world_sizes("world_sizes", world_sizes)
+    check_fits_machine(sizes, flag="world_sizes")
     check_deadline("deadline", deadline)
     if scenario is None:
         from ddpcheck.battery import BATTERY
@@ -86,6 +90,9 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
                           name=name)
             report.examples.append((name or "scenario", world_size,
                                     time.perf_counter() - started))
+    if not report.examples:
+        raise NothingChecked(f"{type(target).__name__} declined every scenario: " + "; ".join(
+            f"{name}: {why}" for name, why in report.skipped))
     return report
 
 

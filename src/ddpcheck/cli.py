@@ -1,7 +1,10 @@
 """The ``ddpcheck`` command line.
 
-Exit status: 0 nothing found, 1 a counterexample (printed with its replay line), 2 a usage or
-set-up error. ``MODULE:TARGET`` names a module-level attribute importable on ``PYTHONPATH`` (or an
+Exit status, one meaning each (:data:`EXIT_CODES`): 0 checked and nothing found; 1 a counterexample
+in the target (printed, with its replay line); 2 a usage or set-up error -- anything that is not
+the target's fault (an unimportable module, a world that cannot start or fit the machine, an
+unwritable output, a scenario the oracle cannot judge); 3 nothing was checked (every example
+skipped or declined). ``MODULE:TARGET`` names a module-level attribute importable on ``PYTHONPATH`` (or an
 expression evaluated in that module, such as ``mypkg.targets:MyTarget(bucket_size_mb=1)``); the
 built-in short names are ``parallel``, ``parallel_ddp``, ``torch_ddp``, ``torch_zero``, ``local``.
 """
@@ -15,9 +18,14 @@ import sys
 import time
 from typing import Any
 
-from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, parse_world_sizes
+from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine,
+                                        parse_world_sizes)
 
-EXIT_OK, EXIT_FOUND, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_NOTHING_CHECKED = 0, 1, 2, 3
+#: The exit codes, as ``--help`` and the README state them.
+EXIT_CODES = ("exit status: 0 checked, nothing found; 1 a counterexample in the target (printed "
+              "with its replay line); 2 usage or set-up error, not the target's fault; 3 nothing "
+              "was checked (every example skipped or declined)")
 
 
 class UsageError(Exception):
@@ -41,8 +49,12 @@ def _resolve(spec: str, what: str) -> Any:
     sys.path.insert(0, os.getcwd())  # like `python -m`, modules in the current directory count
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"cannot import {module_name!r} for {what} {spec!r}: {exc}") from exc
+    except Exception as exc:  # ImportError, and whatever the module raises while importing
+        where = ""
+        if isinstance(exc, SyntaxError) and exc.filename:
+            where = f" ({exc.filename}, line {exc.lineno})"
+        raise UsageError(f"cannot import {module_name!r} for {what} {spec!r}: "
+                         f"{type(exc).__name__}: {exc}{where}") from None
     try:
         return eval(expr, vars(module))  # noqa: S307 -- the user's own module and expression
     except Exception as exc:
@@ -75,13 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddpcheck",
         description="Find bugs in data-parallel training code: run it in real multi-process "
-                    "worlds against a single-process full-batch reference.")
+                    "worlds against a single-process full-batch reference.",
+        epilog=EXIT_CODES)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     check = sub.add_parser("check", help="check a target (default: the built-in parallel target)",
                            description="Run the built-in battery of scenarios against a target "
-                                       "at every world size. Exit 0 if nothing diverges, 1 with "
-                                       "a counterexample, 2 on a usage error.")
+                                       "at every world size, then random examples shrunk by "
+                                       "Hypothesis.", epilog=EXIT_CODES)
     check.add_argument("target", nargs="?", default="parallel", metavar="MODULE:TARGET")
     check.add_argument("--world-sizes", type=_world_sizes, default=None,
                        help="comma-separated world sizes (default 1,2,3,4; under torchrun, "
@@ -93,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--seed", type=int, default=None,
                        help="seed of the random examples (default: the same examples every run)")
 
-    replay = sub.add_parser("replay", help="run one example again (the line a failure prints)")
+    replay = sub.add_parser("replay", help="run one example again (the line a failure prints)",
+                            epilog=EXIT_CODES)
     replay.add_argument("target", metavar="MODULE:TARGET")
     replay.add_argument("--world-size", type=_positive(int), required=True)
     replay.add_argument("--scenario", required=True, help="the scenario's repr, as printed")
@@ -172,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
             return _fuzz_rule(args)
         if args.command == "trace":
             return _trace(args)
-    except (UsageError, ddpcheck.InvalidArgument) as exc:
+    except ddpcheck.NothingChecked as exc:
+        print(f"ddpcheck {args.command}: nothing was checked: {exc}", file=sys.stderr)
+        return EXIT_NOTHING_CHECKED
+    except (UsageError, ddpcheck.InvalidArgument, ddpcheck.SetupError) as exc:
         print(f"ddpcheck {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
@@ -208,6 +225,7 @@ def _check(args: argparse.Namespace) -> int:
     args.world_sizes = args.world_sizes or DEFAULT_WORLD_SIZES
     started = time.perf_counter()
     sizes = ",".join(map(str, args.world_sizes))
+    check_fits_machine(args.world_sizes)
     # 1. the built-in battery: representative scenarios, every world size
     try:
         report = ddpcheck.assert_equivalent(target, world_sizes=args.world_sizes,
@@ -215,7 +233,12 @@ def _check(args: argparse.Namespace) -> int:
     except ddpcheck.EquivalenceError as exc:
         print(str(exc))
         return EXIT_FOUND
-    print(f"battery: {report}")
+    except ddpcheck.NothingChecked as exc:  # the random examples may still find something
+        battery, declined = 0, str(exc)
+        print(f"battery: nothing checked: {exc}")
+    else:
+        battery, declined = report.count, ""
+        print(f"battery: {report}")
     # 2. random examples, shrunk to a minimal counterexample on failure
     print(f"fuzzing {args.target} with {args.examples} random examples at world sizes {sizes}"
           f"{'' if args.seed is None else f' (seed {args.seed})'}", flush=True)
@@ -228,7 +251,12 @@ def _check(args: argparse.Namespace) -> int:
               f"({result.examples} examples, {result.seconds:.1f} s):\n")
         print(str(result.error))
         return EXIT_FOUND
-    print(f"ddpcheck check {args.target}: nothing found in {report.count} battery and "
+    if battery + result.examples == 0:
+        reasons = "; ".join(f"{why} ({n}x)" for why, n in result.declined.items())
+        raise ddpcheck.NothingChecked(
+            f"{args.target} declined every battery scenario ({declined}) and every one of "
+            f"{args.examples} random examples ({reasons or 'no reason given'})")
+    print(f"ddpcheck check {args.target}: nothing found in {battery} battery and "
           f"{result.examples} random examples (wall {time.perf_counter() - started:.1f} s, "
           "world start-up included)")
     return EXIT_OK
@@ -246,6 +274,10 @@ def _replay(args: argparse.Namespace) -> int:
         raise UsageError(f"--scenario {args.scenario!r}: {exc}") from exc
     except Exception as exc:
         raise UsageError(f"--scenario could not be read: {type(exc).__name__}: {exc}") from exc
+    check_fits_machine((args.world_size,), flag="--world-size")
+    why = target.supports(scenario)
+    if why is not None:
+        raise ddpcheck.NothingChecked(f"{args.target} declines this scenario: {why}")
     try:
         check_example(target, scenario, args.world_size, deadline=args.deadline)
     except ddpcheck.EquivalenceError as exc:
@@ -262,10 +294,8 @@ def _trace(args: argparse.Namespace) -> int:
     from ddpcheck._internal.world import WorldFailure, get_world
 
     target = resolve_target(args.target)
-    folder = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(folder):
-        raise UsageError(f"-o {args.output!r}: the folder {folder!r} does not exist; create it "
-                         "or write elsewhere")
+    check_fits_machine((args.world_size,), flag="--world-size")
+    _check_writable(args.output, "-o")
     try:
         traces = get_world(args.world_size).run(record_step, target, TRACE_SCENARIO,
                                                 deadline=args.deadline, what="ddpcheck trace")
@@ -285,6 +315,23 @@ def _trace(args: argparse.Namespace) -> int:
                      f"{seen[1] * 1e3:.2f} ms backward")
         print(line)
     return EXIT_OK
+
+
+def _check_writable(path: str, flag: str) -> None:
+    """Fail before any world runs, not after: the folder exists and the file can be written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path!r}: the folder {folder!r} does not exist; create it or "
+                         "write elsewhere")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{flag} {path!r} cannot be written ({exc.strerror}); write "
+                         "elsewhere") from None
+    if not existed:
+        os.remove(path)
 
 
 def _mutants(args: argparse.Namespace) -> int:

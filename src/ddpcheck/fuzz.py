@@ -26,6 +26,8 @@ class FuzzResult:
     first_failure: int | None  # examples run until the first failure (1-based), if any
     seconds: float
     error: Any = None  # the shrunk EquivalenceError, if any
+    #: Examples the target declined (``supports``), by reason: none of them was checked.
+    declined: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def found(self) -> bool:
@@ -57,6 +59,7 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     started = time.perf_counter()
     count = [0]
     first = [None]
+    declined: dict[str, int] = {}
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
               suppress_health_check=list(HealthCheck), print_blob=False,
@@ -67,7 +70,9 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
         if time_budget is not None and first[0] is None \
                 and time.perf_counter() - started > time_budget:
             return  # out of time: remaining examples pass without running
-        if target.supports(scenario) is not None:
+        why = target.supports(scenario)
+        if why is not None:
+            declined[why] = declined.get(why, 0) + 1
             return
         count[0] += 1
         if progress is not None:
@@ -84,7 +89,7 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     try:
         one()
     except EquivalenceError as error:
-        return FuzzResult(count[0], first[0], time.perf_counter() - started, error)
+        return FuzzResult(count[0], first[0], time.perf_counter() - started, error, declined)
     except FlakyFailure as flaky:
         # The example failed, then passed when Hypothesis replayed it: a race (e.g. a gradient
         # read before its all-reduce finished). Still a counterexample; say it is intermittent.
@@ -93,8 +98,8 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
             raise
         error.args = (f"{error.args[0]}\n\nintermittent: this example failed, then passed when "
                       "replayed -- a race or other nondeterminism in the target",)
-        return FuzzResult(count[0], first[0], time.perf_counter() - started, error)
-    return FuzzResult(count[0], None, time.perf_counter() - started)
+        return FuzzResult(count[0], first[0], time.perf_counter() - started, error, declined)
+    return FuzzResult(count[0], None, time.perf_counter() - started, None, declined)
 
 
 def terminal_progress(total: int, stream: Any = None) -> Callable[[int, float], None] | None:
