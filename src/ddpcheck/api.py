@@ -93,11 +93,12 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *, deadli
     """One example: run on every rank of the persistent world, compare, raise on divergence.
 
     ``checks``: a subset of ``ddpcheck.oracle.CHECKS`` (default: all of them)."""
-    from ddpcheck.oracle import CHECKS, compare
+    from ddpcheck.oracle import compare, validate_checks
     from ddpcheck._internal.runner import run_example_packed
     from ddpcheck._internal.transport import unpack
     from ddpcheck._internal.world import WorldFailure, get_world
 
+    checks = validate_checks(checks)
     if reference is None:
         reference = prepare_reference(scenario)
 
@@ -119,8 +120,7 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *, deadli
     if mismatched:  # ranks paired different collectives, yet nothing hung: numbers are garbage
         world.kill()  # and gloo's pairs may hold stray bytes: the next example gets a new world
         raise failed(mismatched)
-    divergences = compare(records, reference, scenario, target.configure(scenario),
-                          CHECKS if checks is None else frozenset(checks))
+    divergences = compare(records, reference, scenario, target.configure(scenario), checks)
     if divergences:
         raise failed(divergences)
 

@@ -32,7 +32,8 @@ Invariant: :func:`compare` returns one of three verdicts, never a mix --
    ``target_fault=False``.
 
 Checks 3 and 4 catch bugs that change no number: every rank stepping every parameter, or a second
-average of gradients that are already identical.
+average of gradients that are already identical. :func:`validate_checks` turns a user's ``checks``
+into a subset of :data:`CHECKS`, rejecting strings, typos and the empty set.
 """
 
 from __future__ import annotations
@@ -43,13 +44,14 @@ from typing import Any
 
 import torch
 
+from ddpcheck._internal.validation import InvalidArgument
 from ddpcheck.errors import Divergence
 from ddpcheck._internal.runner import RankRecord, StepRecord, snapshot
 from ddpcheck.scenario import (Scenario, build_model, global_batch, make_param_groups,
                                per_sample_loss)
 
 __all__ = ["CHECKS", "NON_FINITE", "TOLERANCES", "Reference", "bitwise_equal", "cannot_judge",
-           "compare", "reference_run", "scaled_atol", "tolerance"]
+           "compare", "reference_run", "scaled_atol", "tolerance", "validate_checks"]
 
 #: The oracle's checks, each selectable on its own (one property per invariant).
 CHECKS = frozenset({"replicas", "reference", "state", "budget"})
@@ -58,6 +60,34 @@ CHECKS = frozenset({"replicas", "reference", "state", "budget"})
 #: reference is finite, not the target's fault (``target_fault=False``) when the reference holds
 #: them itself.
 NON_FINITE = "non-finite values"
+
+
+def validate_checks(checks: Any) -> frozenset:
+    """``checks`` as a non-empty subset of :data:`CHECKS` (``None``: all of them).
+
+    Raises :class:`InvalidArgument` for a string (``"replicas"`` would otherwise be read as a set
+    of letters), a value that is not an iterable of names, an unknown name, or the empty set
+    (nothing would be checked)."""
+    valid = ", ".join(repr(c) for c in sorted(CHECKS))
+    if checks is None:
+        return CHECKS
+    if isinstance(checks, (str, bytes)):
+        hint = f", such as {{{checks!r}}}" if checks in CHECKS else ""
+        raise InvalidArgument(f"checks={checks!r} is a string; pass a set of check names{hint} "
+                              f"from {valid}, or None for all of them")
+    try:
+        names = frozenset(checks)
+    except TypeError:
+        raise InvalidArgument(f"checks={checks!r} must be a set of check names from {valid}, "
+                              "or None for all of them") from None
+    unknown = sorted((n for n in names if n not in CHECKS), key=repr)
+    if unknown:
+        raise InvalidArgument(f"checks={checks!r} contains unknown check "
+                              f"{', '.join(repr(n) for n in unknown)}; the checks are {valid}")
+    if not names:
+        raise InvalidArgument(f"checks={checks!r} is empty, so nothing would be checked; name "
+                              f"at least one of {valid}, or pass None for all of them")
+    return names
 
 
 def cannot_judge(divergences: list[Divergence]) -> bool:
@@ -140,6 +170,7 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
 
     ``checks`` selects a subset of :data:`CHECKS`. The rows are all the target's fault, or all
     not (:func:`cannot_judge`: the reference went non-finite); see the module's invariant."""
+    checks = validate_checks(checks)
     world_size = len(records)
     replicas, against_ref = "replicas" in checks, "reference" in checks
     unjudgeable = _reference_non_finite(reference, world_size)
