@@ -26,7 +26,7 @@ LAYERS = [
                                "ddpcheck.targets"]),
     ("runner", ["ddpcheck._internal.records", "ddpcheck._internal.train",
                 "ddpcheck._internal.runner"]),
-    ("oracle", ["ddpcheck.oracle"]),
+    ("oracle", ["ddpcheck.reference", "ddpcheck.budget", "ddpcheck.oracle"]),
     ("strategies", ["ddpcheck.strategies", "ddpcheck.battery"]),
     ("front ends", ["ddpcheck", "ddpcheck.__main__", "ddpcheck.api", "ddpcheck.fuzz",
                     "ddpcheck.torchrun", "ddpcheck.trace", "ddpcheck.rules", "ddpcheck.cli",

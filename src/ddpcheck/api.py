@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine
 from ddpcheck._internal.validation import InvalidArgument, check_deadline, check_world_sizes
-from ddpcheck.errors import Divergence, EquivalenceError, NothingChecked
+from ddpcheck.errors import Divergence, EquivalenceError, NothingChecked, ScenarioError
 from ddpcheck.scenario import Scenario, import_path
 from ddpcheck.targets import Target
 
@@ -105,7 +105,9 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
     from ddpcheck._internal.runner import run_example_packed
     from ddpcheck._internal.transport import unpack
     from ddpcheck._internal.world import WorldFailure, get_world
+    from ddpcheck.oracle import validate_checks
 
+    checks = validate_checks(checks)  # a typo must not turn every check off
     if reference is None:
         reference = prepare_reference(scenario)
     world = get_world(world_size)  # a world that cannot start raises WorldStartError
@@ -135,8 +137,10 @@ def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = 
     Give either ``failure`` (a ``WorldFailure``: a rank raised, died, hung or mismatched) or
     ``records`` (every rank's ``RankRecord``) with ``sequences`` (every rank's collective-sequence
     text: ranks that paired different collectives are wrong even when the numbers look fine).
+    Raises :class:`ddpcheck.ScenarioError` when the oracle cannot judge the example (the
+    reference itself went non-finite): that is nobody's bug, so never an EquivalenceError.
     """
-    from ddpcheck.oracle import CHECKS, compare
+    from ddpcheck.oracle import cannot_judge, compare
 
     if failure is not None:
         divergences = _failure_rows(failure)
@@ -146,9 +150,16 @@ def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = 
             if reference is None:
                 reference = prepare_reference(scenario)
             divergences = compare(records, reference, scenario, target.configure(scenario),
-                                  CHECKS if checks is None else frozenset(checks))
+                                  checks)
     if not divergences:
         return None
+    if cannot_judge(divergences):
+        first = divergences[0]
+        raise ScenarioError(
+            f"the oracle cannot judge {scenario!r} at world size {world_size}: {first.detail} "
+            f"(step {first.step}, {first.name}); the full-batch reference itself diverges "
+            "numerically, so no target could match it -- lower the learning rate or the number "
+            "of steps. Steps before it were judged and held.")
     # The replay line is built only on failure: the passing path is the hot one.
     return EquivalenceError(divergences, scenario=scenario, world_size=world_size, target=target,
                             replay=replay_command(target, scenario, world_size), failure=failure,
@@ -157,7 +168,7 @@ def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = 
 
 def prepare_reference(scenario: Scenario) -> Any:
     """The full-batch reference; user mistakes in the scenario surface here, once."""
-    from ddpcheck.oracle import reference_run
+    from ddpcheck.reference import reference_run
 
     try:
         return reference_run(scenario)

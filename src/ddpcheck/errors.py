@@ -63,6 +63,9 @@ class Divergence:
     max_abs: float | None = None
     max_rel: float | None = None
     detail: str = ""
+    #: False for a row that says the oracle could not judge the target (the reference itself
+    #: went non-finite, see ``ddpcheck.oracle``): not evidence of a bug. Every other row is.
+    target_fault: bool = True
 
     @classmethod
     def of(cls, step: Any, world_size: int, rank: int | None, name: str, kind: str,

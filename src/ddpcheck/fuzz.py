@@ -26,7 +26,8 @@ class FuzzResult:
     first_failure: int | None  # examples run until the first failure (1-based), if any
     seconds: float
     error: Any = None  # the shrunk EquivalenceError, if any
-    #: Examples the target declined (``supports``), by reason: none of them was checked.
+    #: Examples not checked, by reason: the target declined them (``supports``), or the oracle
+    #: could not judge them (``unjudgeable: ...``).
     declined: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
@@ -50,7 +51,7 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
 
     from ddpcheck import strategies as dst
     from ddpcheck.api import check_example
-    from ddpcheck.errors import EquivalenceError
+    from ddpcheck.errors import EquivalenceError, ScenarioError
 
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
         raise InvalidArgument(f"examples={examples!r} must be a positive integer")
@@ -83,6 +84,9 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
             if first[0] is None:
                 first[0] = count[0]
             raise
+        except ScenarioError as exc:  # the oracle cannot judge it: nobody's bug, not a failure
+            declined[f"unjudgeable: {exc}"] = 1
+            count[0] -= 1
 
     if seed is not None:
         one = hypothesis_seed(seed)(one)

@@ -1,0 +1,44 @@
+"""The communication budget: bugs that change no number, caught by what crossed the wire.
+
+Invariant: :func:`check_budget` returns no divergence exactly when, on every rank, the bytes of
+floating-point all-reduces in one step are at most the gradient bytes (each gradient crosses the
+wire once), and -- for a target that promises ``flattened_broadcasts`` -- the broadcasts per step
+are at most W x parameter dtypes (one per owner and dtype). Only collectives issued through
+``torch.distributed``'s Python API are seen (``_internal.recorder``).
+"""
+
+from __future__ import annotations
+
+from ddpcheck._internal.records import RankRecord
+from ddpcheck.errors import Divergence
+from ddpcheck.reference import Reference
+
+__all__ = ["check_budget"]
+
+
+def check_budget(step: int, world_size: int, records: list[RankRecord], reference: Reference,
+                  flattened_broadcasts: bool) -> list[Divergence]:
+    if world_size == 1:
+        return []
+    grad_bytes, n_dtypes = reference.gradient_bytes, reference.n_dtypes
+    out = []
+    for record in records:
+        calls = record.steps[step].collectives
+        floating = [c for c in calls if any(d.startswith(("float", "bfloat")) for d in c.dtypes)]
+        reduced = sum(c.nbytes for c in floating if c.op == "all_reduce")
+        if reduced > grad_bytes:
+            out.append(Divergence(step, world_size, record.rank, "(all gradients)",
+                                  "communication over budget",
+                                  detail=f"all-reduced {reduced} bytes in one step; the gradients "
+                                         f"are {grad_bytes} bytes (ratio "
+                                         f"{reduced / max(grad_bytes, 1):.3g}), so some were "
+                                         "reduced more than once"))
+        broadcasts = [c for c in floating if c.op == "broadcast"]
+        if flattened_broadcasts and len(broadcasts) > world_size * n_dtypes:
+            out.append(Divergence(step, world_size, record.rank, "(all parameters)",
+                                  "communication over budget",
+                                  detail=f"{len(broadcasts)} broadcasts in one step; at most "
+                                         f"{world_size} owners x {n_dtypes} dtypes = "
+                                         f"{world_size * n_dtypes} are needed (one flattened "
+                                         "broadcast per owner and dtype)"))
+    return out

@@ -1,0 +1,51 @@
+"""The single-process full-batch reference every target is held to.
+
+Invariant: :func:`reference_run` trains the scenario in this process through the same loop as the
+ranks (``_internal.train``), on the whole global batch, with the plain optimizer and rank 0's
+initial weights: one backward of the global objective per step. What it records is what a correct
+data-parallel target must reproduce; the budgets a target's communication is held to are derived
+from the same model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ddpcheck._internal.records import StepRecord, initial_state, snapshot
+from ddpcheck._internal.train import Loop, train
+from ddpcheck.scenario import Scenario, build_model, global_batch, make_param_groups
+
+__all__ = ["Reference", "reference_run"]
+
+
+@dataclasses.dataclass
+class Reference:
+    initial: dict[str, torch.Tensor]  # parameters and buffers before the first step
+    steps: list[StepRecord]
+    gradient_bytes: int  # bytes of all trainable parameters' gradients: the all-reduce budget
+    n_dtypes: int  # parameter dtypes: the broadcast budget is W x n_dtypes
+    compute_dtype: torch.dtype  # the least precise parameter dtype: it sets the tolerance
+
+
+def reference_run(scenario: Scenario) -> Reference:
+    """Train the scenario in this process on the whole batch: the plain optimizer, rank 0's
+    initial weights, one backward per step of the global objective."""
+    model = build_model(scenario, scenario.seed)
+    names = {p: n for n, p in model.named_parameters()}
+    initial = initial_state(model)
+    optimizer = scenario.optimizer(make_param_groups(scenario, model), **scenario.optimizer_kwargs)
+    steps = []
+    train(scenario, model, optimizer, Loop(
+        batches=lambda step: [global_batch(scenario, step)],
+        scale=1.0 / scenario.global_batch if scenario.reduction == "mean" else 1.0,
+        after_step=lambda step: steps.append(snapshot(model, names, optimizer.state))))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return Reference(initial, steps,
+                     gradient_bytes=sum(p.numel() * p.element_size() for p in trainable),
+                     n_dtypes=len(dtypes) or 1,
+                     # a float64 layer fed by a float32 one inherits float32 rounding
+                     compute_dtype=min(dtypes, key=lambda d: torch.finfo(d).eps * -1,
+                                       default=scenario.torch_dtype))

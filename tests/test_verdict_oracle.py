@@ -1,0 +1,265 @@
+"""Verdicts that mean what they say: the oracle's comparisons on hand-built records.
+
+Everything here but the last test calls :func:`ddpcheck.oracle.compare` directly on
+``RankRecord``/``StepRecord`` objects built by hand (no worlds, no processes). The invariant under
+test (``ddpcheck.oracle``'s docstring): replicas are compared by their raw bits, NaN payloads
+included; NaN/inf on a rank where the reference is finite is the target's fault; NaN/inf that the
+reference produces itself make the scenario unjudgeable, which is never the target's fault; and
+every named check runs on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddpcheck import targets, zoo
+from ddpcheck._internal.records import RankRecord, StepRecord
+from ddpcheck._internal.validation import InvalidArgument
+from ddpcheck.errors import EquivalenceError
+from ddpcheck.oracle import (CHECKS, NON_FINITE, bitwise_equal, cannot_judge, compare,
+                             validate_checks)
+from ddpcheck.reference import Reference
+from ddpcheck.scenario import Scenario
+
+NAN = float("nan")
+INF = float("inf")
+
+
+def _other_nan() -> torch.Tensor:
+    """A quiet NaN whose payload differs from ``float('nan')``'s: equal as a number, not in bits."""
+    bits = torch.tensor([NAN], dtype=torch.float64).view(torch.int64) | 1
+    nan = bits.view(torch.float64)
+    assert torch.isnan(nan).all() and not bitwise_equal(nan, torch.tensor([NAN]).double())
+    return nan
+
+
+def _t(*values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _step(w, grad=None, state=None, buffers=None) -> StepRecord:
+    return StepRecord(grads={"w": _t(0.5, 0.5) if grad is None else grad}, params={"w": w},
+                      buffers=buffers or {}, state=state or {})
+
+
+def _reference(steps, initial=None) -> Reference:
+    return Reference(initial={"w": _t(1.0, 2.0)} if initial is None else initial, steps=steps,
+                     gradient_bytes=16, n_dtypes=1, compute_dtype=torch.float64)
+
+
+def _ranks(*per_rank, initial=None) -> list[RankRecord]:
+    return [RankRecord(rank, {"w": _t(1.0, 2.0)} if initial is None else dict(initial),
+                       list(steps), 0.0)
+            for rank, steps in enumerate(per_rank)]
+
+
+def _compare(records, reference, checks=CHECKS):
+    return compare(records, reference, Scenario(zoo.MLP), None, checks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Replicas: raw bits
+
+
+def test_identical_nan_replicas_pass_the_replica_check():
+    reference = _reference([_step(_t(1.0, 2.0))])
+    records = _ranks([_step(_t(NAN, 2.0))], [_step(_t(NAN, 2.0))], [_step(_t(NAN, 2.0))])
+    assert _compare(records, reference, {"replicas"}) == []
+
+
+def test_a_nan_payload_difference_between_replicas_is_still_replicas_differ():
+    reference = _reference([_step(_t(1.0, 2.0))])
+    records = _ranks([_step(_t(NAN, 2.0))],
+                     [_step(torch.cat([_other_nan(), _t(2.0)]))])
+    rows = _compare(records, reference, {"replicas"})
+    assert [(r.kind, r.rank, r.name, r.target_fault) for r in rows] == [
+        ("replicas differ (parameter)", 1, "w", True)]
+    assert "differ in their bits" in rows[0].detail
+
+
+def test_signed_zeros_differ_bitwise():
+    reference = _reference([_step(_t(1.0, 2.0))])
+    records = _ranks([_step(_t(1.0, 2.0), grad=_t(0.0, 0.5))],
+                     [_step(_t(1.0, 2.0), grad=_t(-0.0, 0.5))])
+    assert [r.kind for r in _compare(records, reference, {"replicas"})] == [
+        "replicas differ (gradient)"]
+
+
+@pytest.mark.parametrize("a, b, equal", [
+    (torch.tensor([1, 2]), torch.tensor([1, 2]), True),
+    (torch.tensor([True, False]), torch.tensor([True, True]), False),
+    (torch.tensor([NAN], dtype=torch.float16), torch.tensor([NAN], dtype=torch.float16), True),
+    (torch.tensor([NAN], dtype=torch.bfloat16), torch.tensor([NAN], dtype=torch.bfloat16), True),
+    (torch.tensor([complex(NAN, 1)]), torch.tensor([complex(NAN, 1)]), True),
+    (torch.tensor([1.0]), torch.tensor([1.0], dtype=torch.float64), False),  # dtype
+    (torch.tensor([1.0]), torch.tensor([[1.0]]), False),  # shape
+    (torch.tensor([INF, -INF]), torch.tensor([INF, -INF]), True),
+])
+def test_bitwise_equal(a, b, equal):
+    assert bitwise_equal(a, b) is equal
+
+
+def test_replicas_with_names_only_on_another_rank_differ():
+    reference = _reference([_step(_t(1.0, 2.0))])
+    extra = _step(_t(1.0, 2.0))
+    extra.params["v"] = _t(3.0)
+    records = _ranks([_step(_t(1.0, 2.0))], [extra])
+    rows = _compare(records, reference, {"replicas"})
+    assert [(r.kind, r.rank, r.name, r.detail) for r in rows] == [
+        ("replicas differ (parameter)", 1, "v", "present on rank 1 only")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite values
+
+
+def test_reference_going_non_finite_cannot_be_judged_and_is_not_the_targets_fault():
+    reference = _reference([_step(_t(1.0, 2.0)),
+                            _step(_t(NAN, INF), grad=_t(INF, 0.5)),
+                            _step(_t(NAN, NAN), grad=_t(NAN, NAN))])
+    # The ranks agree with the reference at step 0, then do anything at all: not judged.
+    records = _ranks([_step(_t(1.0, 2.0)), _step(_t(5.0, 6.0)), _step(_t(NAN, 1.0))],
+                     [_step(_t(1.0, 2.0)), _step(_t(7.0, 8.0)), _step(_t(2.0, NAN))])
+    rows = _compare(records, reference)
+    assert cannot_judge(rows)
+    assert {r.kind for r in rows} == {NON_FINITE}
+    assert not any(r.target_fault for r in rows)
+    assert {(r.step, r.rank) for r in rows} == {(1, None)}
+    assert {r.name for r in rows} == {"w", "w.grad"}  # where: every reference tensor at step 1
+    assert "the reference itself produced NaN/inf at step 1" in rows[0].detail
+    assert "lower the learning rate" in rows[0].detail
+    # whichever checks were asked for
+    for check in CHECKS:
+        assert cannot_judge(_compare(records, reference, {check}))
+
+
+def test_a_target_fault_before_the_reference_goes_non_finite_is_reported_alone():
+    reference = _reference([_step(_t(1.0, 2.0)), _step(_t(NAN, NAN))])
+    records = _ranks([_step(_t(1.0, 2.5)), _step(_t(NAN, NAN))],
+                     [_step(_t(1.0, 2.5)), _step(_t(NAN, NAN))])
+    rows = _compare(records, reference)
+    assert rows and all(r.target_fault for r in rows) and not cannot_judge(rows)
+    assert {(r.step, r.kind) for r in rows} == {(0, "reference differs (parameter)")}
+
+
+def test_non_finite_optimizer_state_in_the_reference_cannot_be_judged():
+    reference = _reference([_step(_t(1.0, 2.0), state={"w": {"exp_avg_sq": _t(INF, 1.0)}})])
+    state = {"w": {"exp_avg_sq": _t(INF, 1.0)}}
+    records = _ranks([_step(_t(1.0, 2.0), state=state)], [_step(_t(1.0, 2.0), state=state)])
+    rows = _compare(records, reference)
+    assert cannot_judge(rows)
+    assert [r.name for r in rows] == ["w['exp_avg_sq']"]
+
+
+def test_rank_non_finite_where_the_reference_is_finite_is_the_targets_fault():
+    reference = _reference([_step(_t(1.0, 2.0))])
+    nan_step = _step(_t(1.0, 2.0), grad=_t(NAN, 0.5))
+    records = _ranks([nan_step], [nan_step])  # bitwise identical replicas: rank 0 stands for all
+    rows = _compare(records, reference)
+    assert [(r.kind, r.rank, r.name, r.target_fault) for r in rows] == [
+        (NON_FINITE, 0, "w.grad", True)]
+    assert rows[0].detail == ("rank 0 has NaN/inf in gradient w at step 0 where the reference is "
+                              "finite (1 of 2 elements)")
+    assert not cannot_judge(rows)
+
+
+def test_rank_non_finite_optimizer_state_is_the_targets_fault():
+    reference = _reference([_step(_t(1.0, 2.0), state={"w": {"exp_avg": _t(0.1, 0.2)}})])
+    records = _ranks([_step(_t(1.0, 2.0), state={"w": {"exp_avg": _t(0.1, 0.2)}})],
+                     [_step(_t(1.0, 2.0), state={"w": {"exp_avg": _t(0.1, -INF)}})])
+    rows = _compare(records, reference, {"state"})
+    assert [(r.kind, r.rank, r.name, r.target_fault) for r in rows] == [
+        (NON_FINITE, 1, "w['exp_avg']", True)]
+
+
+def test_non_finite_values_the_reference_starts_with_are_ordinary_values():
+    mask = _t(0.0, -INF)  # an additive attention mask, say
+    initial = {"w": _t(1.0, 2.0), "mask": mask}
+    reference = _reference([_step(_t(1.0, 2.0), buffers={"mask": mask})], initial=initial)
+    good = _ranks([_step(_t(1.0, 2.0), buffers={"mask": mask})],
+                  [_step(_t(1.0, 2.0), buffers={"mask": mask.clone()})], initial=initial)
+    assert _compare(good, reference) == []
+    lost = _ranks([_step(_t(1.0, 2.0), buffers={"mask": _t(0.0, 0.0)})],
+                  [_step(_t(1.0, 2.0), buffers={"mask": _t(0.0, 0.0)})], initial=initial)
+    assert [r.kind for r in _compare(lost, reference)] == ["reference differs (buffer)"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks: validated, and each one on every rank
+
+
+@pytest.mark.parametrize("checks, says", [
+    ("replicas", "is a string"),
+    ({"replica"}, "unknown check 'replica'"),
+    (set(), "is empty"),
+    (5, "must be a set of check names"),
+    (["reference", "budgte"], "unknown check 'budgte'"),
+])
+def test_validate_checks_rejects(checks, says):
+    with pytest.raises(InvalidArgument) as info:
+        validate_checks(checks)
+    message = str(info.value)
+    assert says in message
+    assert repr(checks) in message
+    assert all(repr(name) in message for name in CHECKS)  # lists the valid ones
+
+
+def test_validate_checks_accepts():
+    assert validate_checks(None) == CHECKS
+    assert validate_checks(["replicas", "budget"]) == frozenset({"replicas", "budget"})
+    assert validate_checks(c for c in ("state",)) == frozenset({"state"})
+
+
+def test_check_example_validates_checks_before_anything_runs():
+    with pytest.raises(InvalidArgument, match="is a string"):
+        from ddpcheck.api import check_example
+
+        check_example(targets.TORCH_DDP, Scenario(zoo.MLP), 2, checks="replicas")
+
+
+def test_reference_alone_compares_every_rank():
+    reference = _reference([_step(_t(1.0, 2.0))])
+    records = _ranks([_step(_t(1.0, 2.0))], [_step(_t(1.0, 2.5))], [_step(_t(1.0, 2.0))])
+    rows = _compare(records, reference, {"reference"})
+    assert [(r.kind, r.rank) for r in rows] == [("reference differs (parameter)", 1)]
+    # ... and non-finite values on any rank, too
+    records = _ranks([_step(_t(1.0, 2.0))], [_step(_t(1.0, 2.0))], [_step(_t(INF, 2.0))])
+    rows = _compare(records, reference, {"reference"})
+    assert [(r.kind, r.rank, r.target_fault) for r in rows] == [(NON_FINITE, 2, True)]
+
+
+def test_replicas_alone_reports_no_reference_rows():
+    reference = _reference([_step(_t(1.0, 2.0))])
+    records = _ranks([_step(_t(1.0, 2.0))], [_step(_t(1.0, 2.5))])
+    rows = _compare(records, reference, {"replicas"})
+    assert [r.kind for r in rows] == ["replicas differ (parameter)"]
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: torch's own DDP on a scenario that overflows
+
+
+def test_torch_ddp_on_an_overflowing_scenario_is_not_blamed():
+    """lr=1e200 sends the reference itself to NaN at step 1: nobody's bug. The verdict is a
+    ScenarioError naming the step (exit 2 on the command line), never an EquivalenceError."""
+    import ddpcheck
+    from ddpcheck.api import check_example
+
+    scenario = Scenario(model=zoo.MLP, optimizer_kwargs={"lr": 1e200}, steps=3)
+    with pytest.raises(ddpcheck.ScenarioError, match="step 1") as raised:
+        check_example(targets.TORCH_DDP, scenario, 2)
+    assert not isinstance(raised.value, EquivalenceError)
+    assert "lower the learning rate" in str(raised.value)
+
+
+def test_the_overflow_replay_line_exits_2_not_1():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "ddpcheck", "replay", "torch_ddp", "--world-size", "2",
+         "--scenario", 'ddpcheck.Scenario(model=ddpcheck.zoo.MLP, optimizer_kwargs={"lr": 1e200},'
+                       ' steps=3)'], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "cannot judge" in out.stderr and "Traceback" not in out.stderr
