@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # construction only
 
-from ddpcheck._internal.validation import InvalidArgument, check_positive_number, check_process_group
+from parallel._checks import check_ddp_arguments
 from parallel import _sync
 
 __all__ = ["DDP"]
@@ -102,25 +102,8 @@ class DDP(nn.Module):
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group: Any = None):
         super().__init__()
-        # -- validate before any collective, so a mistake fails the same way on every rank
-        if not isinstance(module, nn.Module):
-            raise InvalidArgument(f"module={module!r} must be a torch.nn.Module")
-        check_positive_number("bucket_size_mb", bucket_size_mb)
-        if bucket_size_mb == float("inf"):
-            raise InvalidArgument("bucket_size_mb=inf must be finite; use a large value such as "
-                                  "1e6 for one bucket per dtype")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("DDP needs an initialised default process group: call "
-                               "torch.distributed.init_process_group(...) on every rank first")
-        check_process_group("process_group", process_group)
-        if process_group is not None and dist.get_rank(process_group) < 0:
-            raise InvalidArgument(f"process_group={process_group!r} does not contain this rank "
-                                  f"(global rank {dist.get_rank()}); wrap the module only on the "
-                                  "group's ranks")
-        params = [p for p in module.parameters() if p.requires_grad]  # tied weights appear once
-        if not params:
-            raise InvalidArgument(f"module={type(module).__name__} has no parameter with "
-                                  "requires_grad=True; there is nothing to synchronise")
+        # validated before any collective, so a mistake fails the same way on every rank
+        params = check_ddp_arguments(module, bucket_size_mb, process_group)
 
         # fixed at construction
         self.module = module

@@ -30,7 +30,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ddpcheck._internal.validation import InvalidArgument, check_process_group
+from parallel import _checks
+from parallel._checks import InvalidArgument, describe
 from parallel import sharding
 from parallel._sync import take_synchronized
 
@@ -62,18 +63,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type, sharding_rule: Callable[..., Any]
                  = sharding.modulo, process_group: Any = None, **optimizer_kwargs: Any):
-        _check_optimizer_cls(optimizer_cls)
-        if not callable(sharding_rule):
-            raise InvalidArgument(
-                f"sharding_rule={sharding_rule!r} is not callable; pass a function "
-                "rule(params, world_size) -> owners, such as parallel.sharding.greedy")
-        rank, world_size, global_ranks = _check_process_group(process_group)
-        groups = _check_params(params)
-        first = next((p for group in groups for p in group["params"]), None)
-        if first is None:
-            raise InvalidArgument(f"params={groups!r} holds no parameter in any group; pass the "
-                                  "parameters to optimize, such as model.parameters()")
-        defaults = _probe_defaults(optimizer_cls, optimizer_kwargs, first)
+        # validated before any collective, so a mistake fails the same way on every rank
+        _checks.check_optimizer_cls(optimizer_cls, sharded_cls=ShardedOptimizer)
+        _checks.check_sharding_rule(sharding_rule)
+        rank, world_size, global_ranks = _checks.check_optimizer_process_group(process_group)
+        groups = _checks.check_params(params)
+        first = _checks.check_has_a_param(groups)
+        defaults = _checks.probe_defaults(optimizer_cls, optimizer_kwargs, first)
 
         # fixed at construction
         self._rule = sharding_rule
@@ -106,10 +102,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         exchanges a small fingerprint (count, shapes, dtypes, owners) to catch ranks that disagree.
         """
         index = len(self.param_groups)
-        if not isinstance(param_group, dict) or "params" not in param_group:
-            raise InvalidArgument(f"param_group={param_group!r} must be a dict with a 'params' "
-                                  "key, such as {'params': [tensor], 'lr': 0.01}")
-        param_group = _check_params([param_group], group_offset=index)[0]
+        param_group = _checks.check_param_group(param_group, index)
         super().add_param_group(param_group)  # fills defaults, rejects params already in a group
         group = self.param_groups[-1]
         try:
@@ -142,7 +135,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return self._owners[id(param)]
         except (KeyError, TypeError):
             raise InvalidArgument(
-                f"param={_describe(param)} is not managed by this ShardedOptimizer; pass one of "
+                f"param={describe(param)} is not managed by this ShardedOptimizer; pass one of "
                 "the tensors in optimizer.param_groups[i]['params']") from None
 
     def _check_same_on_all_ranks(self, index: int, params: list[torch.Tensor],
@@ -269,9 +262,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Collective: call on all ranks of the group, or the world hangs. Any later ``step()``,
         ``load_state_dict()`` or ``add_param_group()`` makes the gathered copy stale (dropped).
         """
-        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < self._world_size:
-            raise InvalidArgument(f"to={to!r} must be a rank of the optimizer's process group, "
-                                  f"an integer in [0, {self._world_size})")
+        _checks.check_consolidation_rank(to, self._world_size)
         index = {id(p): i for i, p in enumerate(self._params())}
         shards = self._gather_bytes(_to_bytes({index[id(p)]: s for p, s
                                                in self._inner.state.items() if s}), to)
@@ -329,7 +320,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Local: no collective. Every rank must load the same dict to stay consistent; each keeps the
         state of the parameters it owns now, and the hyperparameters of every group.
         """
-        saved_groups = _check_loadable(state_dict, self.param_groups)
+        saved_groups = _checks.check_loadable(state_dict, self.param_groups)
         by_index = {i: p for saved, group in zip(saved_groups, self.param_groups)
                     for i, p in zip(saved["params"], group["params"])}
         inner_groups, inner_state, next_index = [], {}, 0
@@ -361,117 +352,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return packed
 
 
-# ---------------------------------------------------------------------------- argument checks
-
-
-def _check_optimizer_cls(optimizer_cls: Any) -> None:
-    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-        if isinstance(optimizer_cls, torch.optim.Optimizer):
-            name = type(optimizer_cls).__name__
-            raise InvalidArgument(
-                f"optimizer_cls=<{name} instance> must be a subclass of torch.optim.Optimizer, "
-                f"not an instance; pass its class, {name}, and its hyperparameters as keywords")
-        raise InvalidArgument(f"optimizer_cls={optimizer_cls!r} must be a subclass of "
-                              "torch.optim.Optimizer, such as torch.optim.AdamW")
-    if issubclass(optimizer_cls, ShardedOptimizer):
-        raise InvalidArgument(f"optimizer_cls={optimizer_cls!r} is already sharded; pass the "
-                              "plain optimizer class, such as torch.optim.AdamW")
-
-
-def _check_process_group(process_group: Any) -> tuple[int, int, list[int]]:
-    if not dist.is_available() or not dist.is_initialized():
-        raise InvalidArgument("ShardedOptimizer needs torch.distributed: call "
-                              "torch.distributed.init_process_group(...) first")
-    check_process_group("process_group", process_group)
-    rank = dist.get_rank(process_group)
-    if rank < 0:
-        raise InvalidArgument(
-            f"process_group={process_group!r} (global ranks "
-            f"{dist.get_process_group_ranks(process_group)}) does not contain this rank "
-            f"(global rank {dist.get_rank()}); construct ShardedOptimizer only on its members")
-    world_size = dist.get_world_size(process_group)
-    if process_group is None:
-        return rank, world_size, list(range(world_size))
-    return rank, world_size, [dist.get_global_rank(process_group, r) for r in range(world_size)]
-
-
-def _check_params(params: Any, group_offset: int = 0) -> list[dict[str, Any]]:
-    """Normalise to a list of group dicts with list params; reject what would mis-shard."""
-    if isinstance(params, torch.Tensor):
-        raise InvalidArgument(f"params={_describe(params)} is a single tensor; pass an iterable "
-                              "of tensors, such as model.parameters() or [tensor]")
-    if isinstance(params, (set, frozenset)) or not isinstance(params, Iterable):
-        raise InvalidArgument(f"params={params!r} must be an ordered iterable of tensors or of "
-                              "param-group dicts (a set's order differs across ranks)")
-    items = list(params)
-    if not items:
-        raise InvalidArgument("params=[] is empty; pass the parameters to optimize, such as "
-                              "model.parameters() (was a generator consumed already?)")
-    groups = items if all(isinstance(g, dict) for g in items) else [{"params": items}]
-    out = []
-    for index, group in enumerate(groups, group_offset):
-        if not isinstance(group, dict) or "params" not in group:
-            raise InvalidArgument(f"param group {index}={group!r} must be a dict with a 'params' "
-                                  "key; do not mix tensors and dicts in params")
-        members = group["params"]
-        if isinstance(members, torch.Tensor):
-            members = [members]
-        elif isinstance(members, (set, frozenset)):
-            raise InvalidArgument(f"param group {index}: params={members!r} is a set; pass a "
-                                  "list, so every rank sees the same order")
-        members, seen = list(members), set()
-        for i, p in enumerate(members):
-            tensor = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, param) pairs
-            if not isinstance(tensor, torch.Tensor):
-                raise InvalidArgument(f"param group {index}, parameter {i} is {p!r}; "
-                                      "parameters must be tensors")
-            if id(tensor) in seen:
-                raise InvalidArgument(
-                    f"param group {index}, parameter {i} repeats an earlier parameter "
-                    "(a tied weight listed twice?); list each tensor once, e.g. "
-                    "list(dict.fromkeys(params)), or it would be stepped and broadcast twice")
-            seen.add(id(tensor))
-        out.append({**group, "params": members})
-    return out
-
-
-def _probe_defaults(optimizer_cls: type, kwargs: dict[str, Any],
-                    like: Any) -> dict[str, Any]:
-    """Build ``optimizer_cls`` on an empty tensor: validates kwargs early and yields its defaults."""
-    like = like[1] if isinstance(like, tuple) else like
-    try:
-        probe = optimizer_cls([torch.empty(0, dtype=like.dtype, device=like.device)], **kwargs)
-    except (TypeError, ValueError) as e:
-        raise InvalidArgument(f"optimizer_cls={optimizer_cls.__name__} rejected "
-                              f"optimizer_kwargs={kwargs!r}: {e}") from e
-    return dict(probe.defaults)
-
-
-def _check_loadable(state_dict: Any, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    if (not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict)
-            or not isinstance(state_dict.get("param_groups"), list)):
-        described = (f"state_dict with keys {sorted(state_dict)}" if isinstance(state_dict, dict)
-                     else f"state_dict={state_dict!r:.80}")
-        raise InvalidArgument(
-            f"{described} is not an optimizer state dict; pass what ShardedOptimizer.state_dict() (after "
-            "consolidate_state_dict) or a plain optimizer's state_dict() returned")
-    saved = state_dict["param_groups"]
-    if len(saved) != len(groups):
-        raise InvalidArgument(f"state_dict has {len(saved)} param groups, this optimizer has "
-                              f"{len(groups)}; load a checkpoint of the same param groups")
-    for index, (s, g) in enumerate(zip(saved, groups)):
-        if len(s.get("params", ())) != len(g["params"]):
-            raise InvalidArgument(
-                f"param group {index} has {len(g['params'])} parameters but the state_dict's has "
-                f"{len(s.get('params', ()))}; load a checkpoint of the same parameters")
-    known = {i for s in saved for i in s["params"]}
-    stray = sorted(set(state_dict["state"]) - known, key=repr)
-    if stray:
-        raise InvalidArgument(f"state_dict['state'] has keys {stray!r} that no param group lists; "
-                              "the checkpoint is corrupt or from another optimizer")
-    return saved
-
-
 # ---------------------------------------------------------------------------------- helpers
 
 
@@ -498,9 +378,3 @@ def _by_dtype(params: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor
     for p in params:
         out.setdefault(p.dtype, []).append(p)
     return dict(sorted(out.items(), key=lambda item: str(item[0])))
-
-
-def _describe(t: Any) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"<tensor shape={tuple(t.shape)} dtype={t.dtype}>"
-    return repr(t)

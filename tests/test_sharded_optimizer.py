@@ -16,9 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ddpcheck._internal import recorder as comm
-from ddpcheck._internal.validation import InvalidArgument
 from ddpcheck._internal.world import get_world
-from parallel import ShardedOptimizer, sharding
+from parallel import InvalidArgument, ShardedOptimizer, sharding
 from parallel._sync import mark_synchronized
 
 F64, F32 = torch.float64, torch.float32
@@ -435,7 +434,9 @@ def _rank_misuse():
             attempt()
             out[label] = ("no error", "")
         except Exception as e:  # noqa: BLE001 - the test asserts on the type
-            out[label] = (type(e).__name__, str(e))
+            kind = "parallel.InvalidArgument" if isinstance(e, InvalidArgument) else \
+                type(e).__name__
+            out[label] = (kind, str(e))
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()
@@ -492,7 +493,7 @@ def test_misuse_raises_a_message_naming_the_argument_and_the_fix(misuse, label):
     for rank, out in enumerate(misuse):
         kind, message = out[label]
         expected_kind = "RuntimeError" if label == "state_dict after a later step" else \
-            "InvalidArgument"
+            "parallel.InvalidArgument"
         assert kind == expected_kind, (rank, label, kind, message)
         for fragment in MISUSE[label]:
             assert fragment in message, (rank, fragment, message)
