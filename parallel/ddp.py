@@ -24,7 +24,13 @@ What moves, and when:
 3. ``finish_gradient_sync()``: the buckets still waiting (a parameter unused on this rank, a
    last partial bucket) are launched with zeros or the gradient accumulated under ``no_sync()``;
    right after the last bucket, one tiny all-reduce tells every rank which parameters any rank
-   used; every handle is waited on, and each ``.grad`` is pointed at its averaged slice.
+   used; every handle is waited on, each ``.grad`` is pointed at its averaged slice, and each
+   synchronised parameter gets a mark, ``param.ddp_averaged_grad`` (an :class:`AveragedGrad`).
+
+The mark is the hand-over to ``ShardedOptimizer``: its ``step()`` averages gradients itself when
+used alone, and must not average again what DDP already did -- the mean of W equal gradients
+changes no number, but moves every gradient byte a second time. It consumes each mark and skips
+that parameter's all-reduce while ``.grad`` is still the very tensor DDP averaged.
 
 Averaging: NCCL averages inside the collective (``ReduceOp.AVG``); gloo sums and we divide the
 flat bucket after the wait. (gloo's own AVG is bitwise equal on torch 2.13, but releases before
@@ -39,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import hashlib
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -47,9 +54,8 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # construction only
 
 from parallel._checks import check_ddp_arguments
-from parallel import _sync
 
-__all__ = ["DDP"]
+__all__ = ["AveragedGrad", "DDP"]
 
 
 class BucketState(enum.IntEnum):
@@ -98,6 +104,11 @@ class DDP(nn.Module):
 
     Collective: construction broadcasts parameters and buffers; call it on all ranks of the group,
     with the same module structure, or the world hangs.
+
+    With ``ShardedOptimizer``: ``finish_gradient_sync()`` marks every parameter it synchronised
+    (``param.ddp_averaged_grad``, see :class:`AveragedGrad`), and the optimizer does not
+    all-reduce those gradients again: they already hold the world mean, and a second all-reduce
+    would move every gradient byte twice for the same numbers.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group: Any = None):
@@ -177,7 +188,7 @@ class DDP(nn.Module):
         used_anywhere = self._used.tolist()
         for bucket in self._buckets:
             self._wait_and_write_back(bucket, used_anywhere)
-        _sync.mark_synchronized(self._params)
+        self._mark_averaged()
         self._reset_iteration()
 
     @property
@@ -311,6 +322,11 @@ class DDP(nn.Module):
         else:
             p.grad.copy_(view)  # copy_ honours the gradient's strides
 
+    def _mark_averaged(self) -> None:
+        """Hand-over to ``ShardedOptimizer``: these gradients need no second all-reduce."""
+        for p in self._params:
+            p.ddp_averaged_grad = AveragedGrad(p.grad)
+
     def _reset_iteration(self) -> None:
         """The one place per-iteration state is cleared."""
         for bucket in self._buckets:
@@ -336,6 +352,33 @@ class DDP(nn.Module):
                     f"parameter {name!r} requires grad but was not trainable (or did not exist) "
                     "when DDP was constructed, so it is never synchronised; set requires_grad "
                     "and assign parameters before wrapping the module")
+
+
+class AveragedGrad:
+    """DDP's mark on a parameter, ``param.ddp_averaged_grad``: its gradient is the world mean.
+
+    Set by ``DDP.finish_gradient_sync()`` on every parameter it synchronised; consumed (read and
+    deleted) by ``ShardedOptimizer.step()``, which then skips that parameter's all-reduce. Valid
+    only while ``param.grad`` is still the very tensor the sync left there (or still None, where
+    no rank had a gradient); a later step whose backward skipped the sync finds no mark, and the
+    optimizer averages it again. Bookkeeping local to one rank: no collective.
+    """
+
+    __slots__ = ("_grad",)
+
+    def __init__(self, grad: torch.Tensor | None):
+        # A weak reference, not id(): a freed gradient's id can be reused by the next backward's.
+        self._grad = None if grad is None else weakref.ref(grad)
+
+    def holds(self, grad: torch.Tensor | None) -> bool:
+        """Whether ``grad`` is the gradient the sync averaged (or None where it left None)."""
+        if self._grad is None:
+            return grad is None
+        return self._grad() is grad
+
+    def __reduce__(self) -> tuple:
+        # A pickled or copied parameter was averaged by nobody: its copy carries no mark (None).
+        return type(None), ()
 
 
 def _build_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:

@@ -7,11 +7,12 @@ gradient; the optimizer state of each parameter lives only on its owner
 
 One step moves, in this order:
 
-1. gradients not already averaged by ``parallel.DDP`` in this step (``parallel._sync``): one int32
-   all-reduce counting which ranks hold a gradient for each, then one flattened all-reduce per dtype.
-   A parameter no rank used keeps ``grad=None``; one used by some ranks is averaged with zeros for
-   the others. With DDP every gradient is already averaged, so nothing is all-reduced here and
-   gradient bytes cross the wire once per step;
+1. gradients not already averaged by ``parallel.DDP`` in this step: one int32 all-reduce counting
+   which ranks hold a gradient for each, then one flattened all-reduce per dtype. A parameter no
+   rank used keeps ``grad=None``; one used by some ranks is averaged with zeros for the others.
+   DDP marks each gradient it averaged (``param.ddp_averaged_grad``); averaging it again would
+   give the same numbers for every gradient byte sent twice, so with DDP nothing is all-reduced
+   here and gradient bytes cross the wire once per step;
 2. nothing: each rank steps its inner optimizer on the parameters it owns;
 3. updated parameters: one flattened broadcast per (owner rank, dtype) from the owner's *global*
    rank, covering the parameters that have a gradient (the others were not updated anywhere),
@@ -33,7 +34,6 @@ import torch.distributed as dist
 from parallel import _checks
 from parallel._checks import InvalidArgument, describe
 from parallel import sharding
-from parallel._sync import take_synchronized
 
 __all__ = ["ShardedOptimizer"]
 
@@ -49,6 +49,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     LR scheduler, a user changing ``lr`` -- reach the inner optimizer at the next ``step()``.
     ``state`` is this rank's shard (``optimizer.state[p]`` for owned ``p``).
     ``zero_grad(set_to_none=True)`` (inherited) clears the gradient of every parameter, owned or not.
+
+    With ``parallel.DDP``: ``step()`` does not all-reduce a gradient DDP already averaged -- the
+    mean of W equal gradients is the same numbers for every gradient byte sent twice. DDP's
+    ``finish_gradient_sync()`` leaves ``param.ddp_averaged_grad`` on each such parameter; ``step()``
+    consumes it (see ``_take_ddp_mark``) and averages only the others.
 
     Collective: constructing it is a collective over ``process_group`` (default: the world): call
     it on all ranks of the group, with the same parameters in the same order, or the world hangs.
@@ -187,8 +192,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             inner_group.update(_hyperparameters(group))
 
     def _average_gradients(self, params: list[torch.Tensor]) -> None:
-        # take_synchronized consumes DDP's mark, so it runs for every param, every step
-        pending = [p for p in params if not take_synchronized(p)]
+        # every param's DDP mark is consumed every step, so a later step that skipped DDP's sync
+        # finds none and is averaged here again
+        pending = [p for p in params if not self._take_ddp_mark(p)]
         if not pending:
             return
         present = torch.tensor([p.grad is not None for p in pending], dtype=torch.int32,
@@ -213,6 +219,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     p.grad = view.view_as(p).clone()
                 else:
                     p.grad.copy_(view.view_as(p.grad))
+
+    @staticmethod
+    def _take_ddp_mark(param: torch.Tensor) -> bool:
+        """Consume ``param.ddp_averaged_grad``: whether DDP averaged the gradient it still holds.
+
+        The mark (``parallel.ddp.AveragedGrad``) is deleted whatever the answer: each counts once.
+        """
+        mark = vars(param).pop("ddp_averaged_grad", None)
+        return mark is not None and mark.holds(param.grad)
 
     def _broadcast_parameters(self, params: list[torch.Tensor]) -> None:
         # grad presence is identical on all ranks here (averaged above, or by DDP), so every rank

@@ -46,7 +46,6 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from parallel import DDP, ShardedOptimizer
 from parallel import ddp as _ddp
 from parallel import sharded_optimizer as _zero
-from parallel._sync import take_synchronized
 from ddpcheck.targets import ParallelDDPTarget, ParallelTarget
 
 __all__ = ["CATALOGUE", "Mutant", "by_name"]
@@ -146,7 +145,7 @@ class _AveragesAgainOptimizer(ShardedOptimizer):
 
     def _average_gradients(self, params):
         for p in params:
-            take_synchronized(p)  # BUG: DDP's mark is consumed and ignored...
+            self._take_ddp_mark(p)  # BUG: DDP's mark is consumed and ignored...
         super()._average_gradients(params)  # ...so every gradient is averaged a second time
 
 
@@ -169,7 +168,7 @@ class _NoFinalFlushDDP(DDP):
         used_anywhere = self._used.tolist()
         for bucket in self._buckets[:self._next_launch]:
             self._wait_and_write_back(bucket, used_anywhere)
-        _ddp._sync.mark_synchronized(self._params)
+        self._mark_averaged()
         self._reset_iteration()
 
 
@@ -249,7 +248,7 @@ class _ReadinessOrderDDP(DDP):
         used_anywhere = self._used.tolist()
         for bucket in self._buckets:
             self._wait_and_write_back(bucket, used_anywhere)
-        _ddp._sync.mark_synchronized(self._params)
+        self._mark_averaged()
         self._reset_iteration()
 
 
