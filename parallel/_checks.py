@@ -47,7 +47,7 @@ def check_process_group(name: str, value: Any) -> None:
 
 
 def describe(t: Any) -> str:
-    """A tensor as its shape and dtype (its values would flood the message), anything else as repr."""
+    """A tensor as its shape and dtype (its values would flood a message), anything else as repr."""
     if isinstance(t, torch.Tensor):
         return f"<tensor shape={tuple(t.shape)} dtype={t.dtype}>"
     return repr(t)

@@ -11,8 +11,8 @@ One step moves, in this order:
    which ranks hold a gradient for each, then one flattened all-reduce per dtype. A parameter no
    rank used keeps ``grad=None``; one used by some ranks is averaged with zeros for the others.
    DDP marks each gradient it averaged (``param.ddp_averaged_grad``); averaging it again would
-   give the same numbers for every gradient byte sent twice, so with DDP nothing is all-reduced
-   here and gradient bytes cross the wire once per step;
+   give the same numbers but send every gradient byte a second time, so with DDP nothing is
+   all-reduced here and gradient bytes cross the wire once per step;
 2. nothing: each rank steps its inner optimizer on the parameters it owns;
 3. updated parameters: one flattened broadcast per (owner rank, dtype) from the owner's *global*
    rank, covering the parameters that have a gradient (the others were not updated anywhere),
@@ -31,11 +31,10 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from parallel import _checks
+from parallel import _checks, sharding
 from parallel._checks import InvalidArgument, describe
-from parallel import sharding
 
-__all__ = ["ShardedOptimizer"]
+__all__ = ["ShardedOptimizer", "hyperparameters"]
 
 # Keys of a param group that are not hyperparameters: they describe membership, which differs
 # between the full (outer) group and its owned subset in the inner optimizer.
@@ -50,10 +49,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``state`` is this rank's shard (``optimizer.state[p]`` for owned ``p``).
     ``zero_grad(set_to_none=True)`` (inherited) clears the gradient of every parameter, owned or not.
 
-    With ``parallel.DDP``: ``step()`` does not all-reduce a gradient DDP already averaged -- the
-    mean of W equal gradients is the same numbers for every gradient byte sent twice. DDP's
-    ``finish_gradient_sync()`` leaves ``param.ddp_averaged_grad`` on each such parameter; ``step()``
-    consumes it (see ``_take_ddp_mark``) and averages only the others.
+    With ``parallel.DDP``: ``step()`` does not all-reduce a gradient DDP already averaged --
+    averaging W equal gradients again gives the same numbers but sends every gradient byte a
+    second time. DDP's ``finish_gradient_sync()`` leaves ``param.ddp_averaged_grad`` on each
+    parameter it averaged; ``step()`` consumes that mark (``_take_ddp_mark``) and averages only
+    the others.
+
+    Seams: each step is one method a subclass may override to change exactly that step --
+    ``_record_owners`` (who owns what), ``_owned_group`` (what the inner optimizer holds),
+    ``_average_gradients`` and ``_take_ddp_mark`` (which gradients are averaged here),
+    ``_sync_hyperparameters`` (``param_groups`` edits into the inner optimizer),
+    ``_broadcast_parameters``, ``_broadcasting_owners`` and ``_source_of`` (who sends updated
+    parameters, from which global rank). :func:`hyperparameters` is the group filter they share.
 
     Collective: constructing it is a collective over ``process_group`` (default: the world): call
     it on all ranks of the group, with the same parameters in the same order, or the world hangs.
@@ -124,15 +131,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         except BaseException:
             self.param_groups.pop()
             raise
-        for p, owner in zip(group["params"], owners):
-            self._owners[id(p)] = owner
-        owned = {**_hyperparameters(group),
-                 "params": [p for p, o in zip(group["params"], owners) if o == self._rank]}
+        self._record_owners(group["params"], owners)
+        owned = self._owned_group(group, owners)
         if self._inner is None:
             self._pending_inner_groups.append(owned)
         else:
             self._inner.add_param_group(owned)
         self._consolidated, self._consolidated_on = None, None
+
+    def _record_owners(self, params: list[torch.Tensor], owners: list[int]) -> None:
+        """Remember each parameter's owner: ``owner_of`` and the broadcasts read it."""
+        for p, owner in zip(params, owners):
+            self._owners[id(p)] = owner
+
+    def _owned_group(self, group: dict[str, Any], owners: list[int]) -> dict[str, Any]:
+        """The inner optimizer's copy of ``group``: its hyperparameters, this rank's params only."""
+        return {**hyperparameters(group),
+                "params": [p for p, o in zip(group["params"], owners) if o == self._rank]}
 
     def owner_of(self, param: torch.Tensor) -> int:
         """The rank, within the optimizer's process group, that holds ``param``'s state."""
@@ -189,9 +204,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Copy each full group's hyperparameters into its inner group: schedulers and users
         edit ``param_groups``, the inner optimizer steps."""
         for group, inner_group in zip(self.param_groups, self._inner.param_groups):
-            inner_group.update(_hyperparameters(group))
+            inner_group.update(hyperparameters(group))
 
     def _average_gradients(self, params: list[torch.Tensor]) -> None:
+        """Average the gradients DDP did not (all of them without DDP, none after its sync)."""
         # every param's DDP mark is consumed every step, so a later step that skipped DDP's sync
         # finds none and is averaged here again
         pending = [p for p in params if not self._take_ddp_mark(p)]
@@ -351,7 +367,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         inner_state[next_index] = state_dict["state"][i]
                     indices.append(next_index)
                     next_index += 1
-            inner_groups.append({**_hyperparameters(group), "params": indices})
+            inner_groups.append({**hyperparameters(group), "params": indices})
         self._inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
         self.state = self._inner.state  # the inner optimizer replaced its state dict
         self._consolidated, self._consolidated_on = None, None
@@ -383,7 +399,9 @@ def _from_bytes(data: torch.Tensor) -> Any:
     return torch.load(io.BytesIO(bytes(compact.untyped_storage())), weights_only=False)
 
 
-def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group without its membership keys (``params``, ``param_names``): what the full
+    group and its owned subset in the inner optimizer must agree on."""
     return {k: v for k, v in group.items() if k not in _MEMBERSHIP_KEYS}
 
 
