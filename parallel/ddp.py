@@ -24,7 +24,12 @@ What moves, and when:
 3. ``finish_gradient_sync()``: the buckets still waiting (a parameter unused on this rank, a
    last partial bucket) are launched with zeros or the gradient accumulated under ``no_sync()``;
    right after the last bucket, one tiny all-reduce tells every rank which parameters any rank
-   used; every handle is waited on, and each ``.grad`` is pointed at its averaged slice.
+   used; every handle is waited on, each ``.grad`` is pointed at its averaged slice, and each
+   synchronised parameter gets a mark, ``param.ddp_averaged_grad`` (an :class:`AveragedGrad`).
+
+The mark is the hand-over to ``ShardedOptimizer``, which otherwise averages gradients itself:
+averaging again the mean of W equal gradients changes no number but sends every gradient byte
+twice, so it skips the parameters DDP marked (see ``DDP`` and ``AveragedGrad``).
 
 Averaging: NCCL averages inside the collective (``ReduceOp.AVG``); gloo sums and we divide the
 flat bucket after the wait. (gloo's own AVG is bitwise equal on torch 2.13, but releases before
@@ -39,55 +44,16 @@ from __future__ import annotations
 import contextlib
 import enum
 import hashlib
+import weakref
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # construction only
 
-from ddpcheck._internal.validation import InvalidArgument, check_positive_number, check_process_group
-from parallel import _sync
+from parallel._checks import check_ddp_arguments
 
-__all__ = ["DDP"]
-
-
-class BucketState(enum.IntEnum):
-    """Lifecycle of one bucket within one synchronised backward."""
-
-    FILLING = 0  # waiting for gradients
-    IN_FLIGHT = 1  # all-reduce launched, handle not yet waited on
-
-
-class _Bucket:
-    """A fixed set of same-dtype parameters whose gradients travel in one all-reduce."""
-
-    def __init__(self, index: int, params: list[nn.Parameter]):
-        # fixed at construction
-        self.index = index
-        self.params = params
-        self.dtype = params[0].dtype
-        self.nbytes = sum(p.numel() * p.element_size() for p in params)
-        # The buffer the all-reduce works on, allocated once: no allocation (and no page faults)
-        # per step. views[i] is params[i]'s slice, shaped like it; it becomes params[i].grad
-        # after a sync when params[i] is contiguous (as_grad[i]).
-        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=self.dtype,
-                                device=params[0].device)  # (bucket numel,)
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for p in params:
-            self.views.append(self.flat[offset:offset + p.numel()].view(p.shape))  # (p.shape)
-            offset += p.numel()
-        self.as_grad = [p.is_contiguous() for p in params]
-        # per iteration (reset by DDP._reset_iteration)
-        self.ready: set[int] = set()  # positions in self.params whose hook fired
-        self.state = BucketState.FILLING
-        self.handle: Any = None
-
-    def reset(self) -> None:
-        self.ready.clear()
-        self.state = BucketState.FILLING
-        self.handle = None
+__all__ = ["AveragedGrad", "Bucket", "BucketState", "DDP"]
 
 
 class DDP(nn.Module):
@@ -98,45 +64,38 @@ class DDP(nn.Module):
 
     Collective: construction broadcasts parameters and buffers; call it on all ranks of the group,
     with the same module structure, or the world hangs.
+
+    With ``ShardedOptimizer``: ``finish_gradient_sync()`` marks every parameter it synchronised
+    (``param.ddp_averaged_grad``, see :class:`AveragedGrad`), and the optimizer does not
+    all-reduce those gradients again: they already hold the world mean, and a second all-reduce
+    would move every gradient byte twice for the same numbers.
+
+    Seams: each step is one method a subclass may override to change exactly that step --
+    ``_build_buckets`` (which parameters travel together), ``_initial_state`` and
+    ``_broadcast_source`` (what construction broadcasts, from where), ``_on_grad_ready`` (when a
+    bucket launches), ``_fill`` (gradients into the bucket), ``_launch`` (its all-reduce),
+    ``_wait_and_average``, ``_wait_and_write_back`` and ``_write_grad`` (averages back into
+    ``.grad``), ``_mark_averaged`` (the hand-over). ``_lay_out_buckets(params)`` lays out the
+    buckets and the parameter -> bucket map together, for a subclass that changes ``params``.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group: Any = None):
         super().__init__()
-        # -- validate before any collective, so a mistake fails the same way on every rank
-        if not isinstance(module, nn.Module):
-            raise InvalidArgument(f"module={module!r} must be a torch.nn.Module")
-        check_positive_number("bucket_size_mb", bucket_size_mb)
-        if bucket_size_mb == float("inf"):
-            raise InvalidArgument("bucket_size_mb=inf must be finite; use a large value such as "
-                                  "1e6 for one bucket per dtype")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("DDP needs an initialised default process group: call "
-                               "torch.distributed.init_process_group(...) on every rank first")
-        check_process_group("process_group", process_group)
-        if process_group is not None and dist.get_rank(process_group) < 0:
-            raise InvalidArgument(f"process_group={process_group!r} does not contain this rank "
-                                  f"(global rank {dist.get_rank()}); wrap the module only on the "
-                                  "group's ranks")
-        params = [p for p in module.parameters() if p.requires_grad]  # tied weights appear once
-        if not params:
-            raise InvalidArgument(f"module={type(module).__name__} has no parameter with "
-                                  "requires_grad=True; there is nothing to synchronise")
+        # validated before any collective, so a mistake fails the same way on every rank
+        params = check_ddp_arguments(module, bucket_size_mb, process_group)
 
         # fixed at construction
         self.module = module
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
-        # The group's rank 0, as the global rank that broadcast's `src` expects.
-        self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
         # NCCL averages in the collective; gloo (and the rest) sum, and we divide after the wait.
         self._average_in_collective = dist.get_backend(process_group) == "nccl"
         self._names = {p: n for n, p in module.named_parameters()}
         self._params = params
         self._check_same_parameters_everywhere()
         self._broadcast_state()
-        self._buckets = _build_buckets(params, int(bucket_size_mb * 1024 * 1024))
-        # param -> (bucket index, position in bucket)
-        self._where = {p: (b.index, i) for b in self._buckets for i, p in enumerate(b.params)}
+        self._bucket_cap_bytes = int(bucket_size_mb * 1024 * 1024)
+        self._lay_out_buckets(params)  # sets self._buckets and self._where
         self._positions = {p: i for i, p in enumerate(params)}  # index into the usage flags
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
@@ -194,7 +153,7 @@ class DDP(nn.Module):
         used_anywhere = self._used.tolist()
         for bucket in self._buckets:
             self._wait_and_write_back(bucket, used_anywhere)
-        _sync.mark_synchronized(self._params)
+        self._mark_averaged()
         self._reset_iteration()
 
     @property
@@ -234,15 +193,52 @@ class DDP(nn.Module):
     @torch.no_grad()
     def _broadcast_state(self) -> None:
         """Make every replica start from the group's rank-0 parameters and buffers."""
-        tensors = list(self.module.parameters()) + list(self.module.buffers())
+        tensors = self._initial_state()
+        src = self._broadcast_source()
         for dtype in dict.fromkeys(t.dtype for t in tensors):
             same = [t for t in tensors if t.dtype == dtype]
-            flat = _flatten_dense_tensors([t.detach() for t in same])  # (sum of numels,)
+            flat = torch.cat([t.detach().reshape(-1) for t in same])  # (sum of numels,)
             # broadcast all parameters and buffers of this dtype from group rank 0, once, at
             # construction: rank 0's initialisation becomes everyone's.
-            dist.broadcast(flat, src=self._src, group=self.process_group)
-            for t, synced in zip(same, _unflatten_dense_tensors(flat, same)):
-                t.copy_(synced)
+            dist.broadcast(flat, src=src, group=self.process_group)
+            for t, synced in zip(same, flat.split([t.numel() for t in same])):
+                t.copy_(synced.view_as(t))
+
+    def _initial_state(self) -> list[torch.Tensor]:
+        """What construction makes equal on every rank: all parameters (frozen too) and buffers."""
+        return list(self.module.parameters()) + list(self.module.buffers())
+
+    def _broadcast_source(self) -> int:
+        """The group's rank 0, as the global rank that broadcast's ``src`` expects."""
+        return 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
+
+    # -- bucket layout (fixed at construction; no collective) ----------------------------------
+
+    def _lay_out_buckets(self, params: list[nn.Parameter]) -> None:
+        """Build the buckets over ``params``, and the map from each parameter to its bucket slot."""
+        layout = self._build_buckets(params, self._bucket_cap_bytes)
+        self._buckets = [Bucket(i, members) for i, members in enumerate(layout)]
+        # param -> (bucket index, position in bucket)
+        self._where = {p: (b.index, i) for b in self._buckets for i, p in enumerate(b.params)}
+
+    def _build_buckets(self, params: list[nn.Parameter],
+                       cap_bytes: int) -> list[list[nn.Parameter]]:
+        """The parameters of each bucket, in launch order: reverse registration order (the order
+        backward usually produces them), one dtype and device per bucket, at most ``cap_bytes``
+        each (a larger parameter gets a bucket of its own)."""
+        buckets: list[list[nn.Parameter]] = []
+        # (dtype, device) -> (its open bucket's params, their bytes)
+        open_bucket: dict[tuple, tuple[list[nn.Parameter], int]] = {}
+        for p in reversed(params):
+            key = (p.dtype, p.device)
+            size = p.numel() * p.element_size()
+            current = open_bucket.get(key)
+            if current is None or (current[1] + size > cap_bytes and current[0]):
+                current = ([], 0)
+                buckets.append(current[0])
+            current[0].append(p)
+            open_bucket[key] = (current[0], current[1] + size)
+        return buckets
 
     # -- backward: hooks and bucket launches -------------------------------------------------
 
@@ -268,7 +264,7 @@ class DDP(nn.Module):
             self._next_launch += 1
 
     @torch.no_grad()
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         """Gather the bucket's gradients into its buffer and start their all-reduce."""
         self._fill(bucket)
         op = dist.ReduceOp.AVG if self._average_in_collective else dist.ReduceOp.SUM
@@ -282,7 +278,7 @@ class DDP(nn.Module):
 
     @staticmethod
     @torch.no_grad()
-    def _fill(bucket: _Bucket) -> None:
+    def _fill(bucket: Bucket) -> None:
         """Copy this rank's gradients into the bucket buffer (zeros where there is none)."""
         for p, view in zip(bucket.params, bucket.views):
             if p.grad is None:
@@ -304,14 +300,16 @@ class DDP(nn.Module):
     # -- finish: waits, write-back ------------------------------------------------------------
 
     @torch.no_grad()
-    def _wait_and_write_back(self, bucket: _Bucket, used_anywhere: list[int]) -> None:
+    def _wait_and_write_back(self, bucket: Bucket, used_anywhere: list[int]) -> None:
+        """Wait for the bucket, then give each parameter some rank used its averaged gradient."""
         self._wait_and_average(bucket)
         for p, view, as_grad in zip(bucket.params, bucket.views, bucket.as_grad):
             if not used_anywhere[self._positions[p]]:
                 continue  # no rank had a gradient: leave grad None, as a single process would
             self._write_grad(p, view, as_grad)
 
-    def _wait_and_average(self, bucket: _Bucket) -> None:
+    def _wait_and_average(self, bucket: Bucket) -> None:
+        """Wait for the bucket's all-reduce; leave the world mean in its buffer."""
         # Sync point: the bucket's reduced values exist only after its handle completes.
         bucket.handle.wait()
         if not self._average_in_collective:
@@ -327,6 +325,11 @@ class DDP(nn.Module):
             p.grad = torch.empty_like(p).copy_(view)  # strides follow the parameter
         else:
             p.grad.copy_(view)  # copy_ honours the gradient's strides
+
+    def _mark_averaged(self) -> None:
+        """Hand-over to ``ShardedOptimizer``: these gradients need no second all-reduce."""
+        for p in self._params:
+            p.ddp_averaged_grad = AveragedGrad(p.grad)
 
     def _reset_iteration(self) -> None:
         """The one place per-iteration state is cleared."""
@@ -355,17 +358,69 @@ class DDP(nn.Module):
                     "and assign parameters before wrapping the module")
 
 
-def _build_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
-    """Fixed bucket layout: reverse registration order, one dtype/device per bucket, byte cap."""
-    buckets: list[list[nn.Parameter]] = []
-    open_bucket: dict[tuple, tuple[list[nn.Parameter], int]] = {}  # (dtype, device) -> (params, bytes)
-    for p in reversed(params):
-        key = (p.dtype, p.device)
-        size = p.numel() * p.element_size()
-        current = open_bucket.get(key)
-        if current is None or (current[1] + size > cap_bytes and current[0]):
-            current = ([], 0)
-            buckets.append(current[0])
-        current[0].append(p)
-        open_bucket[key] = (current[0], current[1] + size)
-    return [_Bucket(i, b) for i, b in enumerate(buckets)]
+class AveragedGrad:
+    """DDP's mark on a parameter, ``param.ddp_averaged_grad``: its gradient is the world mean.
+
+    Set by ``DDP.finish_gradient_sync()`` on every parameter it synchronised; consumed (read and
+    deleted) by ``ShardedOptimizer.step()``, which then skips that parameter's all-reduce. Valid
+    only while ``param.grad`` is still the very tensor the sync left there (or still None, where
+    no rank had a gradient); a later step whose backward skipped the sync finds no mark, and the
+    optimizer averages it again. Bookkeeping local to one rank: no collective.
+    """
+
+    __slots__ = ("_grad",)
+
+    def __init__(self, grad: torch.Tensor | None):
+        # A weak reference, not id(): a freed gradient's id can be reused by the next backward's.
+        self._grad = None if grad is None else weakref.ref(grad)
+
+    def holds(self, grad: torch.Tensor | None) -> bool:
+        """Whether ``grad`` is the gradient the sync averaged (or None where it left None)."""
+        if self._grad is None:
+            return grad is None
+        return self._grad() is grad
+
+    def __reduce__(self) -> tuple:
+        # A pickled or copied parameter was averaged by nobody: its copy carries no mark (None).
+        return type(None), ()
+
+
+class BucketState(enum.IntEnum):
+    """Lifecycle of one bucket within one synchronised backward."""
+
+    FILLING = 0  # waiting for gradients
+    IN_FLIGHT = 1  # all-reduce launched, handle not yet waited on
+
+
+class Bucket:
+    """A fixed set of same-dtype parameters whose gradients travel in one all-reduce.
+
+    Public because DDP's seams (``_fill``, ``_launch``, ``_wait_and_average``, ...) receive it.
+    """
+
+    def __init__(self, index: int, params: list[nn.Parameter]):
+        # fixed at construction
+        self.index = index
+        self.params = params
+        self.dtype = params[0].dtype
+        self.nbytes = sum(p.numel() * p.element_size() for p in params)
+        # The buffer the all-reduce works on, allocated once: no allocation (and no page faults)
+        # per step. views[i] is params[i]'s slice, shaped like it; it becomes params[i].grad
+        # after a sync when params[i] is contiguous (as_grad[i]).
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=self.dtype,
+                                device=params[0].device)  # (bucket numel,)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in params:
+            self.views.append(self.flat[offset:offset + p.numel()].view(p.shape))  # (p.shape)
+            offset += p.numel()
+        self.as_grad = [p.is_contiguous() for p in params]
+        # per iteration (reset by DDP._reset_iteration)
+        self.ready: set[int] = set()  # positions in self.params whose hook fired
+        self.state = BucketState.FILLING
+        self.handle: Any = None
+
+    def reset(self) -> None:
+        self.ready.clear()
+        self.state = BucketState.FILLING
+        self.handle = None

@@ -7,11 +7,12 @@ gradient; the optimizer state of each parameter lives only on its owner
 
 One step moves, in this order:
 
-1. gradients not already averaged by ``parallel.DDP`` in this step (``parallel._sync``): one int32
-   all-reduce counting which ranks hold a gradient for each, then one flattened all-reduce per dtype.
-   A parameter no rank used keeps ``grad=None``; one used by some ranks is averaged with zeros for
-   the others. With DDP every gradient is already averaged, so nothing is all-reduced here and
-   gradient bytes cross the wire once per step;
+1. gradients not already averaged by ``parallel.DDP`` in this step: one int32 all-reduce counting
+   which ranks hold a gradient for each, then one flattened all-reduce per dtype. A parameter no
+   rank used keeps ``grad=None``; one used by some ranks is averaged with zeros for the others.
+   DDP marks each gradient it averaged (``param.ddp_averaged_grad``); averaging it again would
+   give the same numbers but send every gradient byte a second time, so with DDP nothing is
+   all-reduced here and gradient bytes cross the wire once per step;
 2. nothing: each rank steps its inner optimizer on the parameters it owns;
 3. updated parameters: one flattened broadcast per (owner rank, dtype) from the owner's *global*
    rank, covering the parameters that have a gradient (the others were not updated anywhere),
@@ -30,11 +31,10 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ddpcheck._internal.validation import InvalidArgument, check_process_group
-from parallel import sharding
-from parallel._sync import take_synchronized
+from parallel import _checks, sharding
+from parallel._checks import InvalidArgument, describe
 
-__all__ = ["ShardedOptimizer"]
+__all__ = ["ShardedOptimizer", "hyperparameters"]
 
 # Keys of a param group that are not hyperparameters: they describe membership, which differs
 # between the full (outer) group and its owned subset in the inner optimizer.
@@ -49,6 +49,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``state`` is this rank's shard (``optimizer.state[p]`` for owned ``p``).
     ``zero_grad(set_to_none=True)`` (inherited) clears the gradient of every parameter, owned or not.
 
+    With ``parallel.DDP``: ``step()`` does not all-reduce a gradient DDP already averaged --
+    averaging W equal gradients again gives the same numbers but sends every gradient byte a
+    second time. DDP's ``finish_gradient_sync()`` leaves ``param.ddp_averaged_grad`` on each
+    parameter it averaged; ``step()`` consumes that mark (``_take_ddp_mark``) and averages only
+    the others.
+
+    Seams: each step is one method a subclass may override to change exactly that step --
+    ``_record_owners`` (who owns what), ``_owned_group`` (what the inner optimizer holds),
+    ``_average_gradients`` and ``_take_ddp_mark`` (which gradients are averaged here),
+    ``_sync_hyperparameters`` (``param_groups`` edits into the inner optimizer),
+    ``_broadcast_parameters``, ``_broadcasting_owners`` and ``_source_of`` (who sends updated
+    parameters, from which global rank). :func:`hyperparameters` is the group filter they share.
+
     Collective: constructing it is a collective over ``process_group`` (default: the world): call
     it on all ranks of the group, with the same parameters in the same order, or the world hangs.
 
@@ -62,18 +75,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type, sharding_rule: Callable[..., Any]
                  = sharding.modulo, process_group: Any = None, **optimizer_kwargs: Any):
-        _check_optimizer_cls(optimizer_cls)
-        if not callable(sharding_rule):
-            raise InvalidArgument(
-                f"sharding_rule={sharding_rule!r} is not callable; pass a function "
-                "rule(params, world_size) -> owners, such as parallel.sharding.greedy")
-        rank, world_size, global_ranks = _check_process_group(process_group)
-        groups = _check_params(params)
-        first = next((p for group in groups for p in group["params"]), None)
-        if first is None:
-            raise InvalidArgument(f"params={groups!r} holds no parameter in any group; pass the "
-                                  "parameters to optimize, such as model.parameters()")
-        defaults = _probe_defaults(optimizer_cls, optimizer_kwargs, first)
+        # validated before any collective, so a mistake fails the same way on every rank
+        _checks.check_optimizer_cls(optimizer_cls, sharded_cls=ShardedOptimizer)
+        _checks.check_sharding_rule(sharding_rule)
+        rank, world_size, global_ranks = _checks.check_optimizer_process_group(process_group)
+        groups = _checks.check_params(params)
+        first = _checks.check_has_a_param(groups)
+        defaults = _checks.probe_defaults(optimizer_cls, optimizer_kwargs, first)
 
         # fixed at construction
         self._rule = sharding_rule
@@ -106,10 +114,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         exchanges a small fingerprint (count, shapes, dtypes, owners) to catch ranks that disagree.
         """
         index = len(self.param_groups)
-        if not isinstance(param_group, dict) or "params" not in param_group:
-            raise InvalidArgument(f"param_group={param_group!r} must be a dict with a 'params' "
-                                  "key, such as {'params': [tensor], 'lr': 0.01}")
-        param_group = _check_params([param_group], group_offset=index)[0]
+        param_group = _checks.check_param_group(param_group, index)
         super().add_param_group(param_group)  # fills defaults, rejects params already in a group
         group = self.param_groups[-1]
         try:
@@ -126,15 +131,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         except BaseException:
             self.param_groups.pop()
             raise
-        for p, owner in zip(group["params"], owners):
-            self._owners[id(p)] = owner
-        owned = {**_hyperparameters(group),
-                 "params": [p for p, o in zip(group["params"], owners) if o == self._rank]}
+        self._record_owners(group["params"], owners)
+        owned = self._owned_group(group, owners)
         if self._inner is None:
             self._pending_inner_groups.append(owned)
         else:
             self._inner.add_param_group(owned)
         self._consolidated, self._consolidated_on = None, None
+
+    def _record_owners(self, params: list[torch.Tensor], owners: list[int]) -> None:
+        """Remember each parameter's owner: ``owner_of`` and the broadcasts read it."""
+        for p, owner in zip(params, owners):
+            self._owners[id(p)] = owner
+
+    def _owned_group(self, group: dict[str, Any], owners: list[int]) -> dict[str, Any]:
+        """The inner optimizer's copy of ``group``: its hyperparameters, this rank's params only."""
+        return {**hyperparameters(group),
+                "params": [p for p, o in zip(group["params"], owners) if o == self._rank]}
 
     def owner_of(self, param: torch.Tensor) -> int:
         """The rank, within the optimizer's process group, that holds ``param``'s state."""
@@ -142,7 +155,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return self._owners[id(param)]
         except (KeyError, TypeError):
             raise InvalidArgument(
-                f"param={_describe(param)} is not managed by this ShardedOptimizer; pass one of "
+                f"param={describe(param)} is not managed by this ShardedOptimizer; pass one of "
                 "the tensors in optimizer.param_groups[i]['params']") from None
 
     def _check_same_on_all_ranks(self, index: int, params: list[torch.Tensor],
@@ -191,11 +204,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Copy each full group's hyperparameters into its inner group: schedulers and users
         edit ``param_groups``, the inner optimizer steps."""
         for group, inner_group in zip(self.param_groups, self._inner.param_groups):
-            inner_group.update(_hyperparameters(group))
+            inner_group.update(hyperparameters(group))
 
     def _average_gradients(self, params: list[torch.Tensor]) -> None:
-        # take_synchronized consumes DDP's mark, so it runs for every param, every step
-        pending = [p for p in params if not take_synchronized(p)]
+        """Average the gradients DDP did not (all of them without DDP, none after its sync)."""
+        # every param's DDP mark is consumed every step, so a later step that skipped DDP's sync
+        # finds none and is averaged here again
+        pending = [p for p in params if not self._take_ddp_mark(p)]
         if not pending:
             return
         present = torch.tensor([p.grad is not None for p in pending], dtype=torch.int32,
@@ -220,6 +235,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     p.grad = view.view_as(p).clone()
                 else:
                     p.grad.copy_(view.view_as(p.grad))
+
+    @staticmethod
+    def _take_ddp_mark(param: torch.Tensor) -> bool:
+        """Consume ``param.ddp_averaged_grad``: whether DDP averaged the gradient it still holds.
+
+        The mark (``parallel.ddp.AveragedGrad``) is deleted whatever the answer: each counts once.
+        """
+        mark = vars(param).pop("ddp_averaged_grad", None)
+        return mark is not None and mark.holds(param.grad)
 
     def _broadcast_parameters(self, params: list[torch.Tensor]) -> None:
         # grad presence is identical on all ranks here (averaged above, or by DDP), so every rank
@@ -269,9 +293,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Collective: call on all ranks of the group, or the world hangs. Any later ``step()``,
         ``load_state_dict()`` or ``add_param_group()`` makes the gathered copy stale (dropped).
         """
-        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < self._world_size:
-            raise InvalidArgument(f"to={to!r} must be a rank of the optimizer's process group, "
-                                  f"an integer in [0, {self._world_size})")
+        _checks.check_consolidation_rank(to, self._world_size)
         index = {id(p): i for i, p in enumerate(self._params())}
         shards = self._gather_bytes(_to_bytes({index[id(p)]: s for p, s
                                                in self._inner.state.items() if s}), to)
@@ -329,7 +351,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Local: no collective. Every rank must load the same dict to stay consistent; each keeps the
         state of the parameters it owns now, and the hyperparameters of every group.
         """
-        saved_groups = _check_loadable(state_dict, self.param_groups)
+        saved_groups = _checks.check_loadable(state_dict, self.param_groups)
         by_index = {i: p for saved, group in zip(saved_groups, self.param_groups)
                     for i, p in zip(saved["params"], group["params"])}
         inner_groups, inner_state, next_index = [], {}, 0
@@ -345,7 +367,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         inner_state[next_index] = state_dict["state"][i]
                     indices.append(next_index)
                     next_index += 1
-            inner_groups.append({**_hyperparameters(group), "params": indices})
+            inner_groups.append({**hyperparameters(group), "params": indices})
         self._inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
         self.state = self._inner.state  # the inner optimizer replaced its state dict
         self._consolidated, self._consolidated_on = None, None
@@ -359,117 +381,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                            "params": list(range(start, start + n))})
             start += n
         return packed
-
-
-# ---------------------------------------------------------------------------- argument checks
-
-
-def _check_optimizer_cls(optimizer_cls: Any) -> None:
-    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-        if isinstance(optimizer_cls, torch.optim.Optimizer):
-            name = type(optimizer_cls).__name__
-            raise InvalidArgument(
-                f"optimizer_cls=<{name} instance> must be a subclass of torch.optim.Optimizer, "
-                f"not an instance; pass its class, {name}, and its hyperparameters as keywords")
-        raise InvalidArgument(f"optimizer_cls={optimizer_cls!r} must be a subclass of "
-                              "torch.optim.Optimizer, such as torch.optim.AdamW")
-    if issubclass(optimizer_cls, ShardedOptimizer):
-        raise InvalidArgument(f"optimizer_cls={optimizer_cls!r} is already sharded; pass the "
-                              "plain optimizer class, such as torch.optim.AdamW")
-
-
-def _check_process_group(process_group: Any) -> tuple[int, int, list[int]]:
-    if not dist.is_available() or not dist.is_initialized():
-        raise InvalidArgument("ShardedOptimizer needs torch.distributed: call "
-                              "torch.distributed.init_process_group(...) first")
-    check_process_group("process_group", process_group)
-    rank = dist.get_rank(process_group)
-    if rank < 0:
-        raise InvalidArgument(
-            f"process_group={process_group!r} (global ranks "
-            f"{dist.get_process_group_ranks(process_group)}) does not contain this rank "
-            f"(global rank {dist.get_rank()}); construct ShardedOptimizer only on its members")
-    world_size = dist.get_world_size(process_group)
-    if process_group is None:
-        return rank, world_size, list(range(world_size))
-    return rank, world_size, [dist.get_global_rank(process_group, r) for r in range(world_size)]
-
-
-def _check_params(params: Any, group_offset: int = 0) -> list[dict[str, Any]]:
-    """Normalise to a list of group dicts with list params; reject what would mis-shard."""
-    if isinstance(params, torch.Tensor):
-        raise InvalidArgument(f"params={_describe(params)} is a single tensor; pass an iterable "
-                              "of tensors, such as model.parameters() or [tensor]")
-    if isinstance(params, (set, frozenset)) or not isinstance(params, Iterable):
-        raise InvalidArgument(f"params={params!r} must be an ordered iterable of tensors or of "
-                              "param-group dicts (a set's order differs across ranks)")
-    items = list(params)
-    if not items:
-        raise InvalidArgument("params=[] is empty; pass the parameters to optimize, such as "
-                              "model.parameters() (was a generator consumed already?)")
-    groups = items if all(isinstance(g, dict) for g in items) else [{"params": items}]
-    out = []
-    for index, group in enumerate(groups, group_offset):
-        if not isinstance(group, dict) or "params" not in group:
-            raise InvalidArgument(f"param group {index}={group!r} must be a dict with a 'params' "
-                                  "key; do not mix tensors and dicts in params")
-        members = group["params"]
-        if isinstance(members, torch.Tensor):
-            members = [members]
-        elif isinstance(members, (set, frozenset)):
-            raise InvalidArgument(f"param group {index}: params={members!r} is a set; pass a "
-                                  "list, so every rank sees the same order")
-        members, seen = list(members), set()
-        for i, p in enumerate(members):
-            tensor = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, param) pairs
-            if not isinstance(tensor, torch.Tensor):
-                raise InvalidArgument(f"param group {index}, parameter {i} is {p!r}; "
-                                      "parameters must be tensors")
-            if id(tensor) in seen:
-                raise InvalidArgument(
-                    f"param group {index}, parameter {i} repeats an earlier parameter "
-                    "(a tied weight listed twice?); list each tensor once, e.g. "
-                    "list(dict.fromkeys(params)), or it would be stepped and broadcast twice")
-            seen.add(id(tensor))
-        out.append({**group, "params": members})
-    return out
-
-
-def _probe_defaults(optimizer_cls: type, kwargs: dict[str, Any],
-                    like: Any) -> dict[str, Any]:
-    """Build ``optimizer_cls`` on an empty tensor: validates kwargs early and yields its defaults."""
-    like = like[1] if isinstance(like, tuple) else like
-    try:
-        probe = optimizer_cls([torch.empty(0, dtype=like.dtype, device=like.device)], **kwargs)
-    except (TypeError, ValueError) as e:
-        raise InvalidArgument(f"optimizer_cls={optimizer_cls.__name__} rejected "
-                              f"optimizer_kwargs={kwargs!r}: {e}") from e
-    return dict(probe.defaults)
-
-
-def _check_loadable(state_dict: Any, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    if (not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict)
-            or not isinstance(state_dict.get("param_groups"), list)):
-        described = (f"state_dict with keys {sorted(state_dict)}" if isinstance(state_dict, dict)
-                     else f"state_dict={state_dict!r:.80}")
-        raise InvalidArgument(
-            f"{described} is not an optimizer state dict; pass what ShardedOptimizer.state_dict() (after "
-            "consolidate_state_dict) or a plain optimizer's state_dict() returned")
-    saved = state_dict["param_groups"]
-    if len(saved) != len(groups):
-        raise InvalidArgument(f"state_dict has {len(saved)} param groups, this optimizer has "
-                              f"{len(groups)}; load a checkpoint of the same param groups")
-    for index, (s, g) in enumerate(zip(saved, groups)):
-        if len(s.get("params", ())) != len(g["params"]):
-            raise InvalidArgument(
-                f"param group {index} has {len(g['params'])} parameters but the state_dict's has "
-                f"{len(s.get('params', ()))}; load a checkpoint of the same parameters")
-    known = {i for s in saved for i in s["params"]}
-    stray = sorted(set(state_dict["state"]) - known, key=repr)
-    if stray:
-        raise InvalidArgument(f"state_dict['state'] has keys {stray!r} that no param group lists; "
-                              "the checkpoint is corrupt or from another optimizer")
-    return saved
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -488,7 +399,9 @@ def _from_bytes(data: torch.Tensor) -> Any:
     return torch.load(io.BytesIO(bytes(compact.untyped_storage())), weights_only=False)
 
 
-def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group without its membership keys (``params``, ``param_names``): what the full
+    group and its owned subset in the inner optimizer must agree on."""
     return {k: v for k, v in group.items() if k not in _MEMBERSHIP_KEYS}
 
 
@@ -498,9 +411,3 @@ def _by_dtype(params: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor
     for p in params:
         out.setdefault(p.dtype, []).append(p)
     return dict(sorted(out.items(), key=lambda item: str(item[0])))
-
-
-def _describe(t: Any) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"<tensor shape={tuple(t.shape)} dtype={t.dtype}>"
-    return repr(t)

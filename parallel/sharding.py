@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ddpcheck._internal.validation import InvalidArgument
+from parallel._checks import InvalidArgument
 
 __all__ = ["Rule", "check_owners", "contiguous", "greedy", "modulo", "rule_name"]
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpcheck._internal.world import get_world
-from parallel import DDP
+from parallel import DDP, InvalidArgument
 
 WORLD_SIZES = (1, 2, 3, 4)
 TINY, LARGE = 1e-9, 100.0  # one parameter per bucket / everything in one bucket
@@ -340,16 +340,16 @@ def rank_bad_arguments() -> list[str]:
                    {"bucket_size_mb": float("nan")}, {"bucket_size_mb": "25"}):
         try:
             DDP(nn.Linear(2, 2), **kwargs)
-        except ValueError as exc:
+        except InvalidArgument as exc:
             messages.append(str(exc))
     frozen = nn.Linear(2, 2).requires_grad_(False)
     try:
         DDP(frozen)
-    except ValueError as exc:
+    except InvalidArgument as exc:
         messages.append(str(exc))
     try:
         DDP("not a module")
-    except ValueError as exc:
+    except InvalidArgument as exc:
         messages.append(str(exc))
     return messages
 

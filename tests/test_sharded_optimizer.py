@@ -16,10 +16,9 @@ import torch
 import torch.distributed as dist
 
 from ddpcheck._internal import recorder as comm
-from ddpcheck._internal.validation import InvalidArgument
 from ddpcheck._internal.world import get_world
-from parallel import ShardedOptimizer, sharding
-from parallel._sync import mark_synchronized
+from parallel import InvalidArgument, ShardedOptimizer, sharding
+from parallel.ddp import AveragedGrad
 
 F64, F32 = torch.float64, torch.float32
 # 6 params, 2 dtypes; and a list smaller than every world size above 1
@@ -256,6 +255,12 @@ def test_checkpoint_saved_at_3_resumes_at_2_and_in_a_plain_optimizer(case):
 # ------------------------------------------------------------------------- partial grads, DDP marks
 
 
+def mark_averaged(params):
+    """What DDP.finish_gradient_sync() leaves on each parameter it synchronised."""
+    for p in params:
+        p.ddp_averaged_grad = AveragedGrad(p.grad)
+
+
 def _rank_partial_grads():
     """W=3: p0 on all ranks, p1 only on rank 0, p2 on none, p3 different per rank; then the DDP
     path (marked grads are not averaged again); then zero_grad on owned and non-owned params."""
@@ -275,11 +280,11 @@ def _rank_partial_grads():
     # DDP averaged p0, p1 (marked); p2, p3 still need the optimizer's all-reduce
     for p in params:
         p.grad = torch.ones_like(p)
-    mark_synchronized(params[:2])
+    mark_averaged(params[:2])
     comm.reset()
     opt.step()
     out["partial"] = [(c.op, c.nbytes) for c in comm.records() if c.op == "all_reduce"]
-    mark_synchronized(params)
+    mark_averaged(params)
     comm.reset()
     opt.step()
     out["all_marked"] = [c.op for c in comm.records()]
@@ -435,7 +440,9 @@ def _rank_misuse():
             attempt()
             out[label] = ("no error", "")
         except Exception as e:  # noqa: BLE001 - the test asserts on the type
-            out[label] = (type(e).__name__, str(e))
+            kind = "parallel.InvalidArgument" if isinstance(e, InvalidArgument) else \
+                type(e).__name__
+            out[label] = (kind, str(e))
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()
@@ -492,7 +499,7 @@ def test_misuse_raises_a_message_naming_the_argument_and_the_fix(misuse, label):
     for rank, out in enumerate(misuse):
         kind, message = out[label]
         expected_kind = "RuntimeError" if label == "state_dict after a later step" else \
-            "InvalidArgument"
+            "parallel.InvalidArgument"
         assert kind == expected_kind, (rank, label, kind, message)
         for fragment in MISUSE[label]:
             assert fragment in message, (rank, fragment, message)

@@ -1,7 +1,7 @@
 """parallel.DDP + parallel.ShardedOptimizer: gradient bytes cross the wire once per step.
 
-DDP averages the gradients and marks them (parallel._sync); the optimizer must then all-reduce
-nothing, only broadcast updated parameters from their owners.
+DDP averages the gradients and marks them (``param.ddp_averaged_grad``); the optimizer must then
+all-reduce nothing, only broadcast updated parameters from their owners.
 """
 
 from __future__ import annotations
@@ -93,3 +93,48 @@ def test_with_ddp_gradients_are_all_reduced_once_and_steps_match_plain(world_siz
             assert len(casts) <= len(set(r["owners"])) * 2, where
             # the unused parameter has no gradient anywhere: it is neither stepped nor broadcast
             assert sum(c[1] for c in casts) == updated_bytes, where
+
+
+def _rank_handshake():
+    torch.manual_seed(0)
+    model = DDP(Net(), bucket_size_mb=0.0005)
+    params = list(model.parameters())
+    opt = ShardedOptimizer(params, torch.optim.SGD, lr=0.1)
+    x, y = batches()[0]
+
+    def backward():
+        ((model(x) - y) ** 2).mean().backward()
+
+    def step():
+        comm.reset()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return sorted((c.dtypes[0], c.nbytes) for c in comm.records() if c.op == "all_reduce")
+
+    out = {}
+    backward()
+    model.finish_gradient_sync()
+    out["marked"] = [hasattr(p, "ddp_averaged_grad") for p in params]
+    out["synced"] = step()
+    out["consumed"] = [hasattr(p, "ddp_averaged_grad") for p in params]
+    with model.no_sync():  # DDP's sync skipped: no mark, so the optimizer averages
+        backward()
+    out["unsynced"] = step()
+    backward()
+    model.finish_gradient_sync()
+    scale = model.module.scale
+    scale.grad = scale.grad.clone()  # not the tensor DDP averaged any more
+    out["replaced"] = step()
+    return out
+
+
+def test_ddp_marks_are_consumed_once_and_valid_only_for_the_gradient_ddp_left():
+    net = Net()
+    used = [p for p in net.parameters() if p is not net.unused]
+    f64 = sum(p.numel() * 8 for p in used if p.dtype == torch.float64)
+    flags = ("int32", 4 * len(list(net.parameters())))
+    for r in get_world(2).run(_rank_handshake, deadline=120):
+        assert all(r["marked"]) and not any(r["consumed"])
+        assert r["synced"] == []  # every gradient already averaged by DDP
+        assert r["unsynced"] == sorted([flags, ("float32", 4 * 3), ("float64", f64)])
+        assert r["replaced"] == sorted([("int32", 4), ("float32", 4 * 3)])

@@ -11,8 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddpcheck._internal.validation import InvalidArgument
-from parallel import sharding
+from parallel import InvalidArgument, sharding
 
 RULES = [sharding.modulo, sharding.contiguous, sharding.greedy]
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]

@@ -41,12 +41,10 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from parallel import DDP, ShardedOptimizer
-from parallel import ddp as _ddp
-from parallel import sharded_optimizer as _zero
-from parallel._sync import take_synchronized
+from parallel.ddp import BucketState
+from parallel.sharded_optimizer import hyperparameters
 from ddpcheck.targets import ParallelDDPTarget, ParallelTarget
 
 __all__ = ["CATALOGUE", "Mutant", "by_name"]
@@ -90,13 +88,6 @@ class _SeededDDPOnly(ParallelDDPTarget):
 
     def wrap(self, module: Any) -> Any:
         return self.ddp_class(module, bucket_size_mb=self.bucket_size_mb or 25.0)
-
-
-def _rebucket(ddp: DDP, params: list, bucket_size_mb: float, build: Any = None) -> None:
-    """Lay ``ddp``'s buckets out again over ``params`` (for mutants of the layout)."""
-    build = build or _ddp._build_buckets
-    ddp._buckets = build(params, int(bucket_size_mb * 1024 * 1024))
-    ddp._where = {p: (b.index, i) for b in ddp._buckets for i, p in enumerate(b.params)}
 
 
 # =============================================================================================
@@ -146,7 +137,7 @@ class _AveragesAgainOptimizer(ShardedOptimizer):
 
     def _average_gradients(self, params):
         for p in params:
-            take_synchronized(p)  # BUG: DDP's mark is consumed and ignored...
+            self._take_ddp_mark(p)  # BUG: DDP's mark is consumed and ignored...
         super()._average_gradients(params)  # ...so every gradient is averaged a second time
 
 
@@ -169,7 +160,7 @@ class _NoFinalFlushDDP(DDP):
         used_anywhere = self._used.tolist()
         for bucket in self._buckets[:self._next_launch]:
             self._wait_and_write_back(bucket, used_anywhere)
-        _ddp._sync.mark_synchronized(self._params)
+        self._mark_averaged()
         self._reset_iteration()
 
 
@@ -219,7 +210,7 @@ class _TiedListedTwiceDDP(DDP):
         super().__init__(module, bucket_size_mb, process_group)
         by_name = [p for _, p in module.named_parameters(remove_duplicate=False)
                    if p.requires_grad]  # BUG: one entry per name, not per tensor
-        _rebucket(self, by_name, bucket_size_mb)
+        self._lay_out_buckets(by_name)
 
 
 class _ReadinessOrderDDP(DDP):
@@ -243,13 +234,13 @@ class _ReadinessOrderDDP(DDP):
             return super().finish_gradient_sync()
         self._check_parameters_unchanged()
         for bucket in self._buckets:
-            if bucket.state is _ddp.BucketState.FILLING:
+            if bucket.state is BucketState.FILLING:
                 self._launch(bucket)
         self._used_handle.wait()
         used_anywhere = self._used.tolist()
         for bucket in self._buckets:
             self._wait_and_write_back(bucket, used_anywhere)
-        _ddp._sync.mark_synchronized(self._params)
+        self._mark_averaged()
         self._reset_iteration()
 
 
@@ -264,9 +255,10 @@ class _ReadsBeforeWaitDDP(DDP):
         bucket.handle.wait()
         if not self._average_in_collective:
             early.div_(self.world_size)
-        for p, averaged in zip(bucket.params, _unflatten_dense_tensors(early, bucket.params)):
+        for p, averaged in zip(bucket.params, early.split([p.numel() for p in bucket.params])):
             if not used_anywhere[self._positions[p]]:
                 continue
+            averaged = averaged.view_as(p)
             if p.grad is None:
                 p.grad = torch.empty_like(p).copy_(averaged)
             else:
@@ -300,28 +292,22 @@ class _ReshapeWriteBackDDP(DDP):
             DDP._write_grad(p, view, as_grad)
 
 
-def _buckets_ignoring_dtype(params, cap_bytes):
-    """``_build_buckets`` keyed by device only (the bug of :class:`_MixedDtypeBucketsDDP`)."""
-    buckets, current, size_so_far = [], None, 0
-    for p in reversed(params):
-        size = p.numel() * p.element_size()
-        if current is None or (size_so_far + size > cap_bytes and current):
-            current, size_so_far = [], 0
-            buckets.append(current)
-        current.append(p)
-        size_so_far += size
-    return [_ddp._Bucket(i, b) for i, b in enumerate(buckets)]
-
-
 class _MixedDtypeBucketsDDP(DDP):
     """Buckets ignore dtype, so a float64 gradient lands in a bucket whose buffer has the first
     parameter's dtype, float32 (fairscale #583, pytorch #59834, NVIDIA/apex #1893). Here that
     fails loudly when the float32 slice is installed as a float64 parameter's ``.grad``; where a
     copy is made instead, precision is lost silently."""
 
-    def __init__(self, module, bucket_size_mb=25.0, process_group=None):
-        super().__init__(module, bucket_size_mb, process_group)
-        _rebucket(self, self._params, bucket_size_mb, build=_buckets_ignoring_dtype)  # BUG
+    def _build_buckets(self, params, cap_bytes):
+        buckets, current, size_so_far = [], None, 0
+        for p in reversed(params):  # BUG: no (dtype, device) key, one open bucket for all
+            size = p.numel() * p.element_size()
+            if current is None or (size_so_far + size > cap_bytes and current):
+                current, size_so_far = [], 0
+                buckets.append(current)
+            current.append(p)
+            size_so_far += size
+        return buckets
 
 
 class _BucketsFrozenDDP(DDP):
@@ -333,7 +319,7 @@ class _BucketsFrozenDDP(DDP):
         super().__init__(module, bucket_size_mb, process_group)
         self._params = list(module.parameters())  # BUG: frozen ones included
         self._positions = {p: i for i, p in enumerate(self._params)}
-        _rebucket(self, self._params, bucket_size_mb)
+        self._lay_out_buckets(self._params)
 
 
 # =============================================================================================
@@ -370,11 +356,11 @@ class _SumsEachMicroBatchDDP(DDP):
         with super().no_sync():
             yield
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
-        flat = _flatten_dense_tensors(grads)
+        flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.process_group)  # BUG: reduced now, and again later
-        for p, summed in zip(self._params, _unflatten_dense_tensors(flat, grads)):
+        for p, summed in zip(self._params, flat.split([g.numel() for g in grads])):
             if p.grad is not None:
-                p.grad.copy_(summed)
+                p.grad.copy_(summed.view_as(p.grad))
 
 
 # =============================================================================================
@@ -384,30 +370,16 @@ class _SumsEachMicroBatchDDP(DDP):
 class _SkipsBuffersDDP(DDP):
     """Broadcasts parameters but not buffers at construction (fairscale #68, timm #110)."""
 
-    @torch.no_grad()
-    def _broadcast_state(self):
-        tensors = list(self.module.parameters())  # BUG: + list(self.module.buffers()) missing
-        for dtype in dict.fromkeys(t.dtype for t in tensors):
-            same = [t for t in tensors if t.dtype == dtype]
-            flat = _flatten_dense_tensors([t.detach() for t in same])
-            dist.broadcast(flat, src=self._src, group=self.process_group)
-            for t, synced in zip(same, _unflatten_dense_tensors(flat, same)):
-                t.copy_(synced)
+    def _initial_state(self):
+        return list(self.module.parameters())  # BUG: + list(self.module.buffers()) missing
 
 
 class _BroadcastsFromLastRankDDP(DDP):
     """Broadcasts the initial state from the group's last rank, not rank 0 (pytorch #63213)."""
 
-    @torch.no_grad()
-    def _broadcast_state(self):
-        tensors = list(self.module.parameters()) + list(self.module.buffers())
-        src = dist.get_global_rank(self.process_group or dist.group.WORLD, self.world_size - 1)
-        for dtype in dict.fromkeys(t.dtype for t in tensors):
-            same = [t for t in tensors if t.dtype == dtype]
-            flat = _flatten_dense_tensors([t.detach() for t in same])
-            dist.broadcast(flat, src=src, group=self.process_group)  # BUG: src is not rank 0
-            for t, synced in zip(same, _unflatten_dense_tensors(flat, same)):
-                t.copy_(synced)
+    def _broadcast_source(self):
+        # BUG: the group's last rank, not rank 0
+        return dist.get_global_rank(self.process_group or dist.group.WORLD, self.world_size - 1)
 
 
 class _NoInitialBroadcastDDP(DDP):
@@ -427,11 +399,9 @@ class _OwnersFromReversedOrderOptimizer(ShardedOptimizer):
     reverse order, so a parameter is broadcast from a rank that did not update it
     (fairscale #122: ownership computed in two places that disagree)."""
 
-    def add_param_group(self, param_group):
-        super().add_param_group(param_group)
-        params = list(self.param_groups[-1]["params"])[::-1]  # BUG: another ordering
-        for p, owner in zip(params, self._rule(params, self._world_size)):
-            self._owners[id(p)] = int(owner)
+    def _record_owners(self, params, owners):
+        params = list(params)[::-1]  # BUG: another ordering than the one the inner optimizer got
+        super()._record_owners(params, [int(o) for o in self._rule(params, self._world_size)])
 
 
 class _BroadcastsFromWrongRankOptimizer(ShardedOptimizer):
@@ -456,7 +426,7 @@ class _GroupZeroHyperparametersOptimizer(ShardedOptimizer):
 
     def _sync_hyperparameters(self):
         for inner_group in self._inner.param_groups:
-            inner_group.update(_zero._hyperparameters(self.param_groups[0]))  # BUG: group 0's
+            inner_group.update(hyperparameters(self.param_groups[0]))  # BUG: group 0's
 
 
 class _SchedulerNeverReachesOptimizer(ShardedOptimizer):
@@ -471,15 +441,8 @@ class _EveryRankStepsEverythingOptimizer(ShardedOptimizer):
     """Every rank's inner optimizer holds every parameter (ooples/AiDotNet.Tensors #260): the
     numbers are right, the memory saving is gone. Killed by the state-placement check."""
 
-    def add_param_group(self, param_group):
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        everything = {**_zero._hyperparameters(group), "params": list(group["params"])}
-        if self._inner is None:  # BUG: the owned subset replaced by all parameters
-            self._pending_inner_groups[-1] = everything
-        else:
-            self._inner.param_groups.pop()
-            self._inner.add_param_group(everything)
+    def _owned_group(self, group, owners):
+        return {**hyperparameters(group), "params": list(group["params"])}  # BUG: not only owned
 
 
 class _NeverBroadcastsOptimizer(ShardedOptimizer):
