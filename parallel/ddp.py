@@ -42,7 +42,6 @@ backward usually produces them), grouped by dtype and device, capped at ``bucket
 from __future__ import annotations
 
 import contextlib
-import enum
 import hashlib
 import weakref
 from typing import Any, Iterator
@@ -52,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel._checks import check_ddp_arguments
+from parallel.buckets import Bucket, BucketState
 
 __all__ = ["AveragedGrad", "Bucket", "BucketState", "DDP"]
 
@@ -383,44 +383,3 @@ class AveragedGrad:
     def __reduce__(self) -> tuple:
         # A pickled or copied parameter was averaged by nobody: its copy carries no mark (None).
         return type(None), ()
-
-
-class BucketState(enum.IntEnum):
-    """Lifecycle of one bucket within one synchronised backward."""
-
-    FILLING = 0  # waiting for gradients
-    IN_FLIGHT = 1  # all-reduce launched, handle not yet waited on
-
-
-class Bucket:
-    """A fixed set of same-dtype parameters whose gradients travel in one all-reduce.
-
-    Public because DDP's seams (``_fill``, ``_launch``, ``_wait_and_average``, ...) receive it.
-    """
-
-    def __init__(self, index: int, params: list[nn.Parameter]):
-        # fixed at construction
-        self.index = index
-        self.params = params
-        self.dtype = params[0].dtype
-        self.nbytes = sum(p.numel() * p.element_size() for p in params)
-        # The buffer the all-reduce works on, allocated once: no allocation (and no page faults)
-        # per step. views[i] is params[i]'s slice, shaped like it; it becomes params[i].grad
-        # after a sync when params[i] is contiguous (as_grad[i]).
-        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=self.dtype,
-                                device=params[0].device)  # (bucket numel,)
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for p in params:
-            self.views.append(self.flat[offset:offset + p.numel()].view(p.shape))  # (p.shape)
-            offset += p.numel()
-        self.as_grad = [p.is_contiguous() for p in params]
-        # per iteration (reset by DDP._reset_iteration)
-        self.ready: set[int] = set()  # positions in self.params whose hook fired
-        self.state = BucketState.FILLING
-        self.handle: Any = None
-
-    def reset(self) -> None:
-        self.ready.clear()
-        self.state = BucketState.FILLING
-        self.handle = None

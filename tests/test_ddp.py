@@ -10,6 +10,8 @@ are.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 
 import pytest
@@ -238,7 +240,7 @@ def rank_accumulate(bucket_mb: float, micro: int) -> dict:
     chunks = list(zip(torch.tensor_split(xs, micro), torch.tensor_split(ys, micro)))
     for i, (cx, cy) in enumerate(chunks):
         last = i == len(chunks) - 1
-        context = model.no_sync() if not last else _null()
+        context = model.no_sync() if not last else contextlib.nullcontext()
         with context:
             if len(cx):
                 loss_fn(model(cx), cy, BATCH, world).backward()
@@ -352,14 +354,6 @@ def rank_bad_arguments() -> list[str]:
     except InvalidArgument as exc:
         messages.append(str(exc))
     return messages
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,108 @@
+"""``parallel.ShardedOptimizer`` with one seeded bug each: the optimizer half of the catalogue.
+
+Each class overrides one seam of ``parallel.ShardedOptimizer`` (rarely two, named in its
+docstring) with a copy that carries one bug of a class in ``docs/bug-catalogue.md``.
+``ddpcheck.mutation.catalogue`` turns each into a target.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel import ShardedOptimizer
+from parallel.sharded_optimizer import hyperparameters
+
+
+class AveragesAgainOptimizer(ShardedOptimizer):
+    """Averages gradients DDP already averaged (kubeflow/pytorch-operator #122: DDP plus a
+    hand-written ``average_gradients``). The numbers do not change -- the average of W identical
+    gradients -- so only the communication budget sees it."""
+
+    def _average_gradients(self, params):
+        for p in params:
+            self._take_ddp_mark(p)  # BUG: DDP's mark is consumed and ignored...
+        super()._average_gradients(params)  # ...so every gradient is averaged a second time
+
+
+class SkipsZeroGradOptimizer(ShardedOptimizer):
+    """``zero_grad`` does nothing, so every step re-reduces the gradients of all earlier steps
+    (DeepSpeed #7839; lodestone-rock/RamTorch #13)."""
+
+    def zero_grad(self, set_to_none: bool = True):
+        return None  # BUG
+
+
+# =============================================================================================
+# E. Sharded optimizer
+
+
+class OwnersFromReversedOrderOptimizer(ShardedOptimizer):
+    """Steps the owners the rule gives, but broadcasts by owners computed over the group in
+    reverse order, so a parameter is broadcast from a rank that did not update it
+    (fairscale #122: ownership computed in two places that disagree)."""
+
+    def _record_owners(self, params, owners):
+        params = list(params)[::-1]  # BUG: another ordering than the one the inner optimizer got
+        super()._record_owners(params, [int(o) for o in self._rule(params, self._world_size)])
+
+
+class BroadcastsFromWrongRankOptimizer(ShardedOptimizer):
+    """Broadcasts owner ``i``'s slab from rank ``i % (W - 1)`` (the catalogue's E1 mutant;
+    pytorch/xla #5936, fairscale #121)."""
+
+    def _source_of(self, owner):
+        return self._global_ranks[owner % max(self._world_size - 1, 1)]  # BUG: not `owner`
+
+
+class LastShardNeverBroadcastOptimizer(ShardedOptimizer):
+    """The broadcast loop stops one rank short: the last rank's shard is updated there only
+    (Megatron-LM #6048: trailing shards never updated)."""
+
+    def _broadcasting_owners(self):
+        return range(self._world_size - 1)  # BUG: range(self._world_size)
+
+
+class GroupZeroHyperparametersOptimizer(ShardedOptimizer):
+    """Every inner group takes group 0's hyperparameters (pytorch #54736: interleaved groups;
+    the catalogue's E4 mutant)."""
+
+    def _sync_hyperparameters(self):
+        for inner_group in self._inner.param_groups:
+            inner_group.update(hyperparameters(self.param_groups[0]))  # BUG: group 0's
+
+
+class SchedulerNeverReachesOptimizer(ShardedOptimizer):
+    """Edits of ``param_groups`` (an LR scheduler) never reach the inner optimizer
+    (microsoft/dp-transformers #43, pytorch #46750)."""
+
+    def _sync_hyperparameters(self):
+        pass  # BUG: the inner groups keep the hyperparameters they were built with
+
+
+class EveryRankStepsEverythingOptimizer(ShardedOptimizer):
+    """Every rank's inner optimizer holds every parameter (ooples/AiDotNet.Tensors #260): the
+    numbers are right, the memory saving is gone. Killed by the state-placement check."""
+
+    def _owned_group(self, group, owners):
+        return {**hyperparameters(group), "params": list(group["params"])}  # BUG: not only owned
+
+
+class NeverBroadcastsOptimizer(ShardedOptimizer):
+    """Owners update their parameters and never send them (the catalogue's E6 "owner never
+    broadcasts")."""
+
+    def _broadcast_parameters(self, params):
+        return None  # BUG
+
+
+class PerParameterBroadcastOptimizer(ShardedOptimizer):
+    """Broadcasts each updated parameter on its own instead of one flat slab per (owner, dtype):
+    correct numbers, W x parameters calls (fairscale OSS before its broadcast buckets). Killed by
+    the broadcast budget."""
+
+    def _broadcast_parameters(self, params):
+        for p in params:
+            if p.grad is not None:  # BUG: one collective per parameter
+                owner = self._owners[id(p)]
+                dist.broadcast(p.data, src=self._global_ranks[owner], group=self._group)
