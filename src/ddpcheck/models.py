@@ -3,7 +3,9 @@
 Invariant: a :class:`ModelSpec` builds a model whose output for each sample depends only on that
 sample and the weights (no dropout, no batch statistics, no data-dependent buffer updates), so the
 full-batch reference and W shards compute the same objective. Data-dependent branches are decided
-per sample (``use="sample"``), which makes a layer unused by some ranks but not by the batch.
+per sample (``use="sample"``): only the samples that take a layer go through it, so a rank whose
+samples all skip it has *no* gradient for it (None) while the batch as a whole has one -- a
+parameter unused on some ranks, the case unused-parameter handling exists for.
 
 The hidden state is ``(B, width)`` throughout; every layer maps it to the same shape, so layers
 compose in any order and Hypothesis can delete any of them while shrinking. Parameters are
@@ -126,21 +128,32 @@ class SpecModel(nn.Module):
             if layer.float32:
                 getattr(self, f"l{i}").float()
 
+    @staticmethod
+    def _run_block(layer: Layer, block: nn.Module, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``block`` on the hidden state ``h`` (and, for an embedding, the inputs ``x``), in the
+        layer's dtype, returned in ``h``'s."""
+        dtype = next(block.parameters(), h).dtype if layer.float32 else h.dtype
+        if layer.kind == "embedding":  # the row is chosen from the input, not from h
+            return block(h.to(dtype), x).to(h.dtype)  # (b, width)
+        return block(h.to(dtype)).to(h.dtype)  # (b, width)
+
     def forward(self, x):
         h = x  # (B, width)
         for i, layer in enumerate(self.spec.layers):
             if layer.use == "never":
                 continue
             block = getattr(self, f"l{i}")
-            dtype = next(block.parameters(), h).dtype if layer.float32 else h.dtype
-            if layer.kind == "embedding":  # the row is chosen from the input, not from h
-                out = block(h.to(dtype), x).to(h.dtype)  # (B, width)
-            else:
-                out = block(h.to(dtype)).to(h.dtype)  # (B, width)
-            if layer.use == "sample":
-                take = x[:, i % self.spec.width] > 0  # (B,): decided per sample
-                out = torch.where(take[:, None], out, h)
-            h = out
+            if layer.use == "always":
+                h = self._run_block(layer, block, h, x)
+                continue
+            # "sample": only the samples whose feature says so go through the block. The others
+            # never touch it, so a rank none of whose samples take it has no gradient for it
+            # (None), while the batch as a whole does: unused on some ranks only.
+            take = x[:, i % self.spec.width] > 0  # (B,): decided per sample
+            if bool(take.any()):
+                out = h.clone()
+                out[take] = self._run_block(layer, block, h[take], x[take])  # (taken, width)
+                h = out
         out = self.head(h)  # (B, 3)
         if self._tied is not None:
             emb = getattr(self, f"l{self._tied}").table.weight  # (vocab, width)

@@ -1,0 +1,143 @@
+"""The capability vocabulary: the features a scenario can exercise, and which ones it does.
+
+A target declares the features it supports (``Target.supported_features``, ``None`` for all);
+the battery, the random examples and the command line honour it -- a declined feature is not
+generated, and a scenario that needs one is skipped with the feature named. :func:`of` says which
+features a scenario exercises at a world size, so nobody reads ``ModelSpec`` fields again.
+
+Invariant: :func:`of` is a pure function of (scenario, world size). The model-derived features
+are read from the model the scenario builds (frozen, tied, buffers, mixed dtypes, non-contiguous)
+and, for parameter usage, from one forward/backward per rank shard and step on the initial
+weights -- what every rank of a world would see at step 0 -- cached per scenario.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from ddpcheck._internal.validation import InvalidArgument
+from ddpcheck.models import ModelSpec
+from ddpcheck.scenario import Scenario, build_model, global_batch, per_sample_loss
+
+__all__ = ["FEATURES", "declines", "of", "parse"]
+
+#: Every feature a scenario can exercise, with what it means (the order of reports).
+FEATURES: dict[str, str] = {
+    "float64": "float64 scenarios",
+    "float32": "float32 scenarios (calibrated tolerance)",
+    "accumulation": "several micro-batches per step, all but the last under no_sync()",
+    "unused-on-some-ranks": "a trainable parameter with a gradient on some ranks but None on "
+                            "others (its layer is used by some samples only)",
+    "unused-everywhere": "a trainable parameter no rank uses in a step (its grad stays None)",
+    "frozen": "parameters with requires_grad=False",
+    "tied": "one parameter used by two modules (tied weights)",
+    "buffers": "buffers, which must start as rank 0's",
+    "mixed-dtypes": "float32 and float64 parameters in one model",
+    "non-contiguous": "a parameter created non-contiguous (a transposed view)",
+    "param-groups": "several param groups with their own hyperparameters",
+    "lr-schedule": "an LR schedule stepped after every optimizer step",
+    "uneven-batches": "a global batch not divisible by W (some ranks get fewer, or no, samples)",
+    "broadcast": "ranks initialised differently: the target must broadcast rank 0's state",
+    "grads-kept": "zero_grad(set_to_none=False): gradients kept (zeroed) between steps",
+}
+
+
+def parse(text: str | Iterable[str], flag: str = "--without") -> frozenset[str]:
+    """``"accumulation,buffers"`` (or an iterable of names) -> a validated set of features."""
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text)]
+    names = [n for n in names if n]
+    unknown = [n for n in names if n not in FEATURES]
+    if unknown:
+        raise InvalidArgument(f"{flag}: {', '.join(map(repr, unknown))} "
+                              f"{'is not a feature' if len(unknown) == 1 else 'are not features'};"
+                              f" known: {', '.join(FEATURES)}")
+    return frozenset(names)
+
+
+def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
+    """The features ``scenario`` exercises at ``world_size`` (None: those that do not depend on
+    it; ``uneven-batches`` and ``unused-on-some-ranks`` need a world size)."""
+    found = {scenario.dtype}
+    if scenario.accumulation > 1:
+        found.add("accumulation")
+    if scenario.param_groups is not None:
+        found.add("param-groups")
+    if scenario.lr_decay is not None:
+        found.add("lr-schedule")
+    if scenario.rank_seeds:
+        found.add("broadcast")
+    if not scenario.set_to_none:
+        found.add("grads-kept")
+    if world_size is not None and scenario.global_batch % world_size:
+        found.add("uneven-batches")
+    return frozenset(found | _model_features(scenario, world_size or 1))
+
+
+def declines(target: Any, scenario: Scenario, world_size: int | None = None) -> str | None:
+    """Why ``target`` does not run ``scenario`` (a feature it does not support, or its own
+    ``supports()`` reason), or None when it does."""
+    supported = getattr(target, "supported_features", None)
+    if supported is not None:
+        needed = sorted(of(scenario, world_size) - frozenset(supported))
+        if needed:
+            return (f"needs {', '.join(needed)} (not in {type(target).__name__}."
+                    "supported_features)")
+    return target.supports(scenario)
+
+
+#: (repr of a scenario, world size) -> its model-derived features; bounded.
+_CACHE: dict[tuple[str, int], frozenset[str]] = {}
+
+
+def _model_features(scenario: Scenario, world_size: int) -> frozenset[str]:
+    key = (repr(scenario), world_size)
+    found = _CACHE.get(key)
+    if found is None:
+        if len(_CACHE) > 1024:
+            _CACHE.clear()
+        found = _CACHE[key] = _inspect(scenario, world_size)
+    return found
+
+
+def _inspect(scenario: Scenario, world_size: int) -> frozenset[str]:
+    model = build_model(scenario, scenario.seed)
+    found = set()
+    params = list(model.parameters())
+    if any(not p.requires_grad for p in params):
+        found.add("frozen")
+    if len(list(model.named_parameters(remove_duplicate=False))) > len(params):
+        found.add("tied")
+    if any(True for _ in model.buffers()):
+        found.add("buffers")
+    if len({p.dtype for p in params if p.is_floating_point()}) > 1:
+        found.add("mixed-dtypes")
+    if any(not p.is_contiguous() for p in params):
+        found.add("non-contiguous")
+    spec = scenario.model
+    if isinstance(spec, ModelSpec) and all(layer.use == "always" for layer in spec.layers):
+        return frozenset(found)  # every parameter is used by every sample: nothing to probe
+    return frozenset(found | _usage(scenario, model, world_size))
+
+
+def _usage(scenario: Scenario, model: torch.nn.Module, world_size: int) -> set[str]:
+    """Which trainable parameters each rank's shard leaves without a gradient, per step (on the
+    initial weights: the usage the first step of every rank sees)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    found = set()
+    for step in range(scenario.steps):
+        x, y = global_batch(scenario, step)
+        used_by = []
+        for xs, ys in zip(torch.tensor_split(x, world_size), torch.tensor_split(y, world_size)):
+            model.zero_grad(set_to_none=True)
+            if len(xs):
+                per_sample_loss(model(xs), ys).sum().backward()
+            used_by.append([p.grad is not None for p in trainable])
+        for flags in zip(*used_by):
+            if not any(flags):
+                found.add("unused-everywhere")
+            elif not all(flags):
+                found.add("unused-on-some-ranks")
+    model.zero_grad(set_to_none=True)
+    return found
