@@ -132,19 +132,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     rule = sub.add_parser(
         "fuzz-rule", help="check a sharding rule's invariants and equivalence, report its balance",
-        description="Call the rule on tiny, mixed-dtype and GPT-shaped parameter lists at world "
-                    "sizes 1-8 (right length, integer owners in range, same answer twice), then on "
-                    "every rank of real worlds of 2-4 processes (same answer everywhere), then "
-                    "check ShardedOptimizer under the rule against the battery, and print the "
-                    "optimizer-state balance (max / ideal bytes) on GPT-like parameters. Exit 0 if "
-                    "the rule holds, 1 with the violations, 2 on a usage error.")
+        description="Call the rule on parameter lists drawn by Hypothesis (1-300 parameters shaped "
+                    "like real models', mixed dtypes, world sizes 1-8, often more ranks than "
+                    "parameters) and on fixed GPT-like lists, each call with a deadline, in a "
+                    "separate process (right length, integer owners in range, same answer twice, "
+                    "returns in time), then on every rank of real worlds of 2-4 processes (same "
+                    "answer everywhere); a violation is shrunk to the smallest parameter list "
+                    "that shows it. Then check ShardedOptimizer under the rule against the "
+                    "battery, and print the optimizer-state balance (max / ideal bytes) on "
+                    "GPT-like parameters. Exit 0 if the rule holds, 1 with the violations (the "
+                    "rule raised, hung, crashed its process, answered wrongly, or ShardedOptimizer "
+                    "under it is not equivalent), 2 on a usage or set-up error.")
     rule.add_argument("rule", metavar="MODULE:RULE",
                       help="a function rule(params, world_size) -> owners, such as "
                            "parallel.sharding:greedy")
     rule.add_argument("--world-sizes", type=_world_sizes, default=(1, 2, 3, 4),
                       help="world sizes of the equivalence check (default 1,2,3,4)")
     rule.add_argument("--deadline", type=_positive(float), default=60.0,
-                      help="seconds one example may take before it counts as hung (default 60)")
+                      help="seconds one call of the rule, or one equivalence example, may take "
+                           "before it counts as hung (default 60)")
+    rule.add_argument("--examples", type=_positive(int), default=200,
+                      help="parameter lists Hypothesis draws (default 200)")
+    rule.add_argument("--seed", type=int, default=None,
+                      help="seed of the drawn lists (default: the same lists every run)")
     return parser
 
 
@@ -326,30 +336,52 @@ def _mutants(args: argparse.Namespace) -> int:
 def _fuzz_rule(args: argparse.Namespace) -> int:
     import ddpcheck
     from ddpcheck import rules
+    from ddpcheck._internal.world import WorldStartError
     from ddpcheck.targets import ParallelTarget
 
-    rule = _resolve(args.rule, "rule")
+    try:
+        rule = _resolve(args.rule, "rule")
+    except UsageError:
+        raise
+    except Exception as exc:  # the module raised while being imported
+        raise UsageError(f"cannot import the module of rule {args.rule!r}: "
+                         f"{type(exc).__name__}: {exc}") from exc
     if not callable(rule):
         raise UsageError(f"rule {args.rule!r} is a {type(rule).__name__}, not a function "
                          "rule(params, world_size) -> owners")
-    violations = rules.rule_violations(rule, deadline=args.deadline)
-    for v in violations:
-        print(f"ddpcheck fuzz-rule {args.rule}: {v.message}")
-    if violations:
-        return EXIT_FOUND
-    print(f"ddpcheck fuzz-rule {args.rule}: invariants hold (length, integer owners in range, "
-          "deterministic, same on every rank; world sizes 1-8 on 5 parameter lists)")
+    prefix = f"ddpcheck fuzz-rule {args.rule}"
     try:
-        report = ddpcheck.assert_equivalent(ParallelTarget(sharding_rule=rule),
+        report = rules.check_rule(rule, examples=args.examples, seed=args.seed,
+                                  deadline=args.deadline)
+    except (rules.SetupError, WorldStartError) as exc:
+        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    for v in report.violations:
+        print(f"{prefix}: {v.message}")
+    if report.violations:
+        return EXIT_FOUND
+    budget = (f" (the {rules.SEARCH_BUDGET:g} s search budget ran out first)"
+              if report.budget_reached else "")
+    print(f"{prefix}: invariants hold (length, integer owners in range, deterministic, returns "
+          f"within {args.deadline:g} s, same on every rank): {report.examples} drawn parameter "
+          f"lists at world sizes 1-{rules.MAX_WORLD_SIZE}{budget}"
+          f"{'' if args.seed is None else f' (seed {args.seed})'}, "
+          f"{len(rules.parameter_lists())} fixed ones, {report.cross_rank_lists} across the ranks "
+          f"of worlds of {', '.join(map(str, rules.RANK_WORLD_SIZES))} processes")
+    try:
+        result = ddpcheck.assert_equivalent(ParallelTarget(sharding_rule=rule),
                                             world_sizes=args.world_sizes, deadline=args.deadline)
     except ddpcheck.EquivalenceError as exc:
-        print(f"ddpcheck fuzz-rule {args.rule}: ShardedOptimizer under the rule is not "
-              f"equivalent:\n{exc}")
+        print(f"{prefix}: ShardedOptimizer under the rule is not equivalent:\n{exc}")
         return EXIT_FOUND
-    print(f"ddpcheck fuzz-rule {args.rule}: ShardedOptimizer equivalent: {report}")
+    except WorldStartError as exc:
+        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"{prefix}: ShardedOptimizer equivalent: {result}")
     params = rules.gpt_like()
-    ratios = ", ".join(f"W={w} {rules.balance(rule, params, w):.3f}" for w in (2, 3, 4, 8))
-    print(f"ddpcheck fuzz-rule {args.rule}: optimizer-state balance on GPT-2-small parameters "
+    ratios = ", ".join(f"W={w} {rules.balance(owners, params, w):.3f}"
+                       for w, owners in sorted(report.gpt_owners.items()))
+    print(f"{prefix}: optimizer-state balance on GPT-2-small parameters "
           f"(max / ideal bytes, 1.000 is perfect): {ratios}")
     return EXIT_OK
 
