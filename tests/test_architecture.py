@@ -27,10 +27,12 @@ LAYERS = [
     ("runner", ["ddpcheck._internal.records", "ddpcheck._internal.train",
                 "ddpcheck._internal.runner"]),
     ("oracle", ["ddpcheck.reference", "ddpcheck.budget", "ddpcheck.oracle"]),
-    ("strategies", ["ddpcheck.strategies", "ddpcheck.battery"]),
+    ("strategies", ["ddpcheck.strategies", "ddpcheck.battery", "ddpcheck.rule_params",
+                    "ddpcheck.features"]),
     ("front ends", ["ddpcheck", "ddpcheck.__main__", "ddpcheck.api", "ddpcheck.fuzz",
                     "ddpcheck.torchrun", "ddpcheck.trace", "ddpcheck.rules", "ddpcheck.cli",
-                    "ddpcheck.pytest_plugin", "ddpcheck._internal", "ddpcheck.mutation",
+                    "ddpcheck.pytest_plugin", "ddpcheck._internal", "ddpcheck._internal.rule_calls",
+                    "ddpcheck.mutation",
                     "ddpcheck.mutation.*"]),
 ]
 

@@ -147,19 +147,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     rule = sub.add_parser(
         "fuzz-rule", help="check a sharding rule's invariants and equivalence, report its balance",
-        description="Call the rule on tiny, mixed-dtype and GPT-shaped parameter lists at world "
-                    "sizes 1-8 (right length, integer owners in range, same answer twice), then on "
-                    "every rank of real worlds of 2-4 processes (same answer everywhere), then "
-                    "check ShardedOptimizer under the rule against the battery, and print the "
-                    "optimizer-state balance (max / ideal bytes) on GPT-like parameters. Exit 0 if "
-                    "the rule holds, 1 with the violations, 2 on a usage error.")
+        description="Call the rule on parameter lists drawn by Hypothesis (1-300 parameters shaped "
+                    "like real models', mixed dtypes, world sizes 1-8, often more ranks than "
+                    "parameters) and on fixed GPT-like lists, each call with a deadline, in a "
+                    "separate process (right length, integer owners in range, same answer twice, "
+                    "returns in time), then on every rank of real worlds of 2-4 processes (same "
+                    "answer everywhere); a violation is shrunk to the smallest parameter list "
+                    "that shows it. Then check ShardedOptimizer under the rule against the "
+                    "battery, and print the optimizer-state balance (max / ideal bytes) on "
+                    "GPT-like parameters. Exit 0 if the rule holds, 1 with the violations (the "
+                    "rule raised, hung, crashed its process, answered wrongly, or ShardedOptimizer "
+                    "under it is not equivalent), 2 on a usage or set-up error.")
     rule.add_argument("rule", metavar="MODULE:RULE",
                       help="a function rule(params, world_size) -> owners, such as "
                            "parallel.sharding:greedy")
     rule.add_argument("--world-sizes", type=_world_sizes, default=DEFAULT_WORLD_SIZES,
                       help="world sizes of the equivalence check (default 1,2,3,4)")
     rule.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
-                      help="seconds one example may take before it counts as hung (default 60)")
+                      help="seconds one call of the rule, or one equivalence example, may take "
+                           "before it counts as hung (default 60)")
+    rule.add_argument("--examples", type=_positive(int), default=200,
+                      help="parameter lists Hypothesis draws (default 200)")
+    rule.add_argument("--seed", type=int, default=None,
+                      help="seed of the drawn lists (default: the same lists every run)")
     return parser
 
 
@@ -335,38 +345,10 @@ def _check_writable(path: str, flag: str) -> None:
 
 
 def _mutants(args: argparse.Namespace) -> int:
-    from ddpcheck.mutation import catalogue, score, search
-    from ddpcheck.targets import PARALLEL
+    from ddpcheck.mutation.command import run_mutants
 
-    mutants = catalogue.CATALOGUE
-    if args.only is not None:
-        mutants = [catalogue.by_name(n.strip()) for n in args.only.split(",") if n.strip()]
-        if not mutants:
-            raise UsageError(f"--only={args.only!r} names no mutant")
-    widths = score.table_widths(m.name for m in mutants)
-    print(f"ddpcheck mutants: {len(mutants)} mutants, {args.budget_seconds:g} s each, "
-          f"{args.search} search, world sizes {','.join(map(str, args.world_sizes))} "
-          "(starting worlds...)", flush=True)
-    print("\n".join(score.table_lines([], widths)), flush=True)
-    started = time.perf_counter()
-    chosen = search.shrinking_search if args.search == "shrinking" else search.battery_search
-    rows = score.score(mutants, args.budget_seconds, control=PARALLEL, search=chosen,
-                       world_sizes=args.world_sizes, deadline=args.deadline,
-                       on_row=lambda r: print(score.table_lines([r.row()], widths)[2],
-                                              flush=True))
-    killed = sum(r.killed for r in rows if not r.control)
-    control_ok = all(r.as_expected for r in rows if r.control)
-    seconds = sorted(r.outcome.seconds for r in rows if not r.control and r.killed)
-    median = seconds[len(seconds) // 2] if seconds else float("nan")
-    print(f"\nkilled {killed}/{len(mutants)} "
-          f"({100 * killed / max(len(mutants), 1):.0f} %); median {median:.2f} s to the first "
-          f"counterexample; unmutated target {'passes' if control_ok else 'FAILS'}; "
-          f"wall {time.perf_counter() - started:.1f} s")
-    for r in rows:
-        if r.control and r.killed:
-            print(f"\nthe unmutated target failed, so the scores above mean nothing:\n"
-                  f"{r.outcome.counterexample.error}")
-    return EXIT_OK if killed == len(mutants) and control_ok else EXIT_FOUND
+    return run_mutants(args.only, budget_seconds=args.budget_seconds, search=args.search,
+                       world_sizes=args.world_sizes, deadline=args.deadline)
 
 
 def _fuzz_rule(args: argparse.Namespace) -> int:
@@ -378,24 +360,33 @@ def _fuzz_rule(args: argparse.Namespace) -> int:
     if not callable(rule):
         raise UsageError(f"rule {args.rule!r} is a {type(rule).__name__}, not a function "
                          "rule(params, world_size) -> owners")
-    violations = rules.rule_violations(rule, deadline=args.deadline)
-    for v in violations:
-        print(f"ddpcheck fuzz-rule {args.rule}: {v.message}")
-    if violations:
+    prefix = f"ddpcheck fuzz-rule {args.rule}"
+    # a world that cannot start, or fails while no call of the rule runs, is a SetupError: exit 2
+    report = rules.check_rule(rule, examples=args.examples, seed=args.seed,
+                              deadline=args.deadline)
+    for v in report.violations:
+        print(f"{prefix}: {v.message}")
+    if report.violations:
         return EXIT_FOUND
-    print(f"ddpcheck fuzz-rule {args.rule}: invariants hold (length, integer owners in range, "
-          "deterministic, same on every rank; world sizes 1-8 on 5 parameter lists)")
+    budget = (f" (the {rules.SEARCH_BUDGET:g} s search budget ran out first)"
+              if report.budget_reached else "")
+    print(f"{prefix}: invariants hold (length, integer owners in range, deterministic, returns "
+          f"within {args.deadline:g} s, same on every rank): {report.examples} drawn parameter "
+          f"lists at world sizes 1-{rules.MAX_WORLD_SIZE}{budget}"
+          f"{'' if args.seed is None else f' (seed {args.seed})'}, "
+          f"{len(rules.parameter_lists())} fixed ones, {report.cross_rank_lists} across the ranks "
+          f"of worlds of {', '.join(map(str, rules.RANK_WORLD_SIZES))} processes")
     try:
-        report = ddpcheck.assert_equivalent(ParallelTarget(sharding_rule=rule),
+        result = ddpcheck.assert_equivalent(ParallelTarget(sharding_rule=rule),
                                             world_sizes=args.world_sizes, deadline=args.deadline)
     except ddpcheck.EquivalenceError as exc:
-        print(f"ddpcheck fuzz-rule {args.rule}: ShardedOptimizer under the rule is not "
-              f"equivalent:\n{exc}")
+        print(f"{prefix}: ShardedOptimizer under the rule is not equivalent:\n{exc}")
         return EXIT_FOUND
-    print(f"ddpcheck fuzz-rule {args.rule}: ShardedOptimizer equivalent: {report}")
+    print(f"{prefix}: ShardedOptimizer equivalent: {result}")
     params = rules.gpt_like()
-    ratios = ", ".join(f"W={w} {rules.balance(rule, params, w):.3f}" for w in (2, 3, 4, 8))
-    print(f"ddpcheck fuzz-rule {args.rule}: optimizer-state balance on GPT-2-small parameters "
+    ratios = ", ".join(f"W={w} {rules.balance(owners, params, w):.3f}"
+                       for w, owners in sorted(report.gpt_owners.items()))
+    print(f"{prefix}: optimizer-state balance on GPT-2-small parameters "
           f"(max / ideal bytes, 1.000 is perfect): {ratios}")
     return EXIT_OK
 

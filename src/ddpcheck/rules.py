@@ -1,30 +1,55 @@
-"""``ddpcheck fuzz-rule``: a sharding rule's invariants, equivalence under it, and its balance.
+"""``ddpcheck fuzz-rule``: a sharding rule's invariants, with a deadline on every call of it.
 
-Invariant: :func:`rule_violations` returns no violation exactly when, for every parameter list
-of :func:`parameter_lists` and every world size in 1..8 (many of them larger than the list),
-``rule(params, W)`` returns one integer owner in ``[0, W)`` per parameter, returns the same answer
-when called again, and returns the same answer on every rank of real worlds of 2..4 processes.
-Each kind of violation has its own message (see :data:`KINDS`), naming the rule, the world size
-and the parameter list it failed on.
+Invariant: :func:`check_rule` reports no violation exactly when, for every parameter list it tried
+(Hypothesis draws them: 1 to 300 parameters shaped like real models' -- vectors, matrices, conv
+kernels, large embeddings on the meta device, scalars, empty tensors -- in float32, float64,
+bfloat16 and float16, at world sizes 1..8, often larger than the list; then the fixed lists of
+:func:`parameter_lists`), ``rule(params, W)`` returned within the deadline one integer owner in
+``[0, W)`` per parameter, returned the same valid answer when called again, and returned the same
+answer on every rank of real worlds of 2..4 processes. A violation found by Hypothesis is shrunk
+to the smallest parameter list that shows it. Each kind of violation (see :data:`KINDS`) has its
+own message, naming the rule, the world size and the parameter list it failed on.
+
+Where the rule runs: never in the calling process, always inside rank processes under deadlines
+(``ddpcheck._internal.rule_calls``); the parameter lists are ``ddpcheck.rule_params``. When a
+world fails while no call of the rule was running, nothing was decided about the rule: that is a
+set-up error (``ddpcheck.SetupError``), not a verdict.
 """
+
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
+import os
+import shutil
+import tempfile
 from typing import Any, Callable, Sequence
 
-import torch
+from ddpcheck._internal.options import DEFAULT_DEADLINE
+from ddpcheck._internal.rule_calls import (HARD_FLOOR, HARD_GRACE, HARD_REFRESH, KINDS,
+                                           MAX_WORLD_SIZE, answers_in_rank, brief_owners,
+                                           hang_text, rule_name, search_in_rank)
+from ddpcheck.errors import SetupError
+from ddpcheck.rule_params import (DTYPES, ParamSpec, balance, describe, gpt_like,
+                                  parameter_lists)
 
-__all__ = ["KINDS", "Violation", "balance", "gpt_like", "parameter_lists", "rule_violations"]
+__all__ = ["DTYPES", "KINDS", "MAX_WORLD_SIZE", "ParamSpec", "RuleReport", "SetupError", "Violation", "balance",
+           "check_rule", "gpt_like", "parameter_lists", "rule_violations"]
 
-#: Violation kinds, in the order they are checked.
-KINDS = ("raised", "wrong length", "not an integer", "out of range", "nondeterministic",
-         "rank-dependent")
-#: World sizes of the pure checks; several exceed the length of several lists.
-WORLD_SIZES = tuple(range(1, 9))
 #: World sizes of the cross-rank check (real processes).
 RANK_WORLD_SIZES = (2, 3, 4)
+#: Drawn examples by default; each is two calls of the rule.
+DEFAULT_EXAMPLES = 200
+#: Seconds the pure search may spend; once spent it starts no new call of the rule (so a slow
+#: rule ends the search early, with the examples it got through, instead of running for hours).
+SEARCH_BUDGET = 120.0
+#: Seconds the cross-rank check may spend on one world.
+CROSS_BUDGET = 60.0
+#: Seconds the parent allows past a task's own limits before it declares the world hung.
+WORLD_MARGIN = 30.0
+
+#: Frames under this folder are ddpcheck's, not the rule's.
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,150 +58,162 @@ class Violation:
     message: str
 
 
-def gpt_like(layers: int = 12, width: int = 768, vocab: int = 50257, context: int = 1024
-             ) -> list[torch.Tensor]:
-    """GPT-2-small-shaped parameters, in registration order, on the meta device (no memory)."""
-    shapes = [(vocab, width), (context, width)]
-    for _ in range(layers):
-        shapes += [(width,), (width,), (width, 3 * width), (3 * width,), (width, width), (width,),
-                   (width,), (width,), (width, 4 * width), (4 * width,), (4 * width, width),
-                   (width,)]
-    shapes += [(width,), (width,)]
-    return [torch.empty(s, device="meta") for s in shapes]
+@dataclasses.dataclass
+class RuleReport:
+    """What :func:`check_rule` found."""
+
+    violations: list[Violation]
+    examples: int = 0  # drawn parameter lists tried by the pure search
+    budget_reached: bool = False  # the pure search stopped early on SEARCH_BUDGET
+    cross_rank_lists: int = 0  # parameter lists compared across the ranks of each world
+    #: owners on :func:`gpt_like` at each of BALANCE_WORLD_SIZES (when the invariants hold)
+    gpt_owners: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
 
-def parameter_lists() -> dict[str, list[torch.Tensor]]:
-    """Named parameter lists a rule must handle: tiny, mixed-dtype, and GPT-shaped."""
-    return {
-        "one parameter": [torch.zeros(4)],
-        "mlp (4 parameters)": [torch.zeros(8, 5), torch.zeros(8), torch.zeros(3, 8),
-                               torch.zeros(3)],
-        "mixed dtypes (3 parameters)": [torch.zeros(6, 5, dtype=torch.float64),
-                                        torch.zeros(6, dtype=torch.float64), torch.zeros(3, 6)],
-        "equal sizes (5 parameters)": [torch.zeros(7) for _ in range(5)],
-        "gpt-like (148 parameters)": gpt_like(),
-    }
+# ---------------------------------------------------------------------------------------------
+# The parent's side
 
 
-def _name(rule: Any) -> str:
-    from parallel.sharding import rule_name
+def check_rule(rule: Callable[..., Any], *, examples: int = DEFAULT_EXAMPLES,
+               seed: int | None = None, deadline: float = DEFAULT_DEADLINE,
+               rank_world_sizes: Sequence[int] = RANK_WORLD_SIZES) -> RuleReport:
+    """Every invariant ``rule`` breaks, each on the smallest input found (empty: none).
 
-    return rule_name(rule)
+    ``deadline`` bounds each call of the rule (seconds). The rule travels to the rank processes
+    by pickle, so it must be defined at module level of an importable module. Raises
+    :class:`SetupError` (or ``WorldStartError``) when the checks could not run: no verdict.
+    """
+    from ddpcheck._internal.world import get_world
+
+    name = rule_name(rule)
+    directory = tempfile.mkdtemp(prefix="ddpcheck-fuzz-rule-")
+    try:
+        world = get_world(1)
+        ran = _run(world, search_in_rank, (rule, examples, seed, deadline, directory,
+                                            SEARCH_BUDGET), deadline, SEARCH_BUDGET, directory,
+                   name, "the search in a world of 1 process")
+        if isinstance(ran, Violation):
+            return RuleReport([ran])
+        result = ran[0]
+        report = RuleReport([Violation(k, result["found"][k]) for k in KINDS
+                             if k in result["found"]],
+                            result["examples"], result["budget_reached"])
+        if report.violations:
+            if "hangs" in result["found"]:
+                world.kill()  # the interrupted call may have left the rank in any state
+            return report
+        # The fixed lists first (the smallest first), so messages do not depend on the draws.
+        lists = list(parameter_lists().items()) + [(None, specs) for specs in result["sample"]]
+        report.cross_rank_lists = len(lists)
+        for world_size in rank_world_sizes:
+            violation = _cross_rank(rule, name, world_size, lists, deadline, directory)
+            if violation is not None:
+                report.violations = [violation]
+                return report
+        report.gpt_owners = result["gpt_owners"]
+        return report
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
-def _shape_check(rule: Any, answer: Any, params: Sequence[torch.Tensor], world_size: int,
-                 what: str) -> Violation | None:
-    where = f"{_name(rule)} on {what} at world_size={world_size}"
-    if isinstance(answer, torch.Tensor):
-        answer = answer.tolist()
-    if isinstance(answer, (str, bytes, dict)) or not hasattr(answer, "__len__"):
-        return Violation("wrong length", f"wrong length: {where} returned {answer!r}, not a "
-                                         "sequence; a rule returns one owner rank per parameter")
-    if len(answer) != len(params):
-        return Violation("wrong length",
-                         f"wrong length: {where} returned {len(answer)} owners for {len(params)} "
-                         "parameters; a rule returns exactly one owner rank per parameter, in order")
-    for i, owner in enumerate(answer):
-        if isinstance(owner, bool) or not isinstance(owner, numbers.Integral):
-            return Violation("not an integer",
-                             f"not an integer: {where} returned owner {owner!r} (type "
-                             f"{type(owner).__name__}) for parameter {i}; owners are int ranks")
-        if not 0 <= owner < world_size:
-            return Violation("out of range",
-                             f"out of range: {where} returned owner {owner!r} for parameter {i}; "
-                             f"owners must be in [0, world_size={world_size})")
+def rule_violations(rule: Callable[..., Any], **kwargs: Any) -> list[Violation]:
+    """The violations of :func:`check_rule` alone."""
+    return check_rule(rule, **kwargs).violations
+
+
+def _run(world: Any, fn: Callable[..., Any], args: tuple, limit: float, budget: float,
+         directory: str, name: str, what: str) -> list[Any] | Violation:
+    """``world.run`` with a backstop deadline past the task's own limits. A failure while a rank
+    was calling the rule is the rule's violation (``hangs`` or ``crashed``); any other failure is a
+    :class:`SetupError`."""
+    from ddpcheck._internal.world import WorldFailure
+
+    for entry in os.listdir(directory):  # no progress of an earlier task may be read as this one's
+        os.unlink(os.path.join(directory, entry))
+    try:
+        backstop = budget + max(limit + HARD_GRACE, HARD_FLOOR) + HARD_REFRESH + WORLD_MARGIN
+        return world.run(fn, *args, deadline=backstop, what=f"fuzz-rule {name}")
+    except WorldFailure as failure:
+        for state in failure.ranks:
+            calling = _read(os.path.join(directory, f"rank{state.rank}.calling"))
+            if state.status == "returned" or not calling.startswith("calling\n"):
+                continue
+            call, where = calling[len("calling\n"):].split("\n", 1)
+            stack = _trim_stack(_read(os.path.join(directory, f"rank{state.rank}.hung")))
+            if stack or state.status == "stuck":
+                kind = "hangs"
+                detail = (f"{call} {hang_text(limit)} (not even on the alarm signal: stuck in C "
+                          f"code?), so its process was killed; it was here:\n"
+                          f"{_indent(stack or _trim_stack(state.detail))}")
+            else:
+                kind = "crashed"
+                detail = (f"{call} ended its process ({state.detail or state.status}); a rule "
+                          "must return, not exit or crash the interpreter")
+                if state.log_tail:
+                    detail += f"; last output:\n{_indent(state.log_tail)}"
+            return Violation(kind, f"{kind}: {name} {where}: {detail}")
+        raise SetupError(f"fuzz-rule could not finish {what}, and no call of the rule was running "
+                         f"when it failed, so nothing was decided about the rule:\n"
+                         f"{failure}") from None
+
+
+def _cross_rank(rule: Any, name: str, world_size: int,
+                lists: list[tuple[str | None, Sequence[ParamSpec]]], deadline: float,
+                directory: str) -> Violation | None:
+    """Every rank of a world of ``world_size`` answers each list; the first disagreement, or the
+    first failure common to every rank, if any."""
+    from ddpcheck._internal.world import get_world
+
+    world = get_world(world_size)
+    answers = _run(world, answers_in_rank, (rule, lists, deadline, directory, CROSS_BUDGET),
+                   deadline, CROSS_BUDGET, directory, name,
+                   f"the cross-rank check in a world of {world_size} processes")
+    if isinstance(answers, Violation):
+        return answers
+    if any(answer[0] == "hangs" for mine in answers for answer in mine):
+        world.kill()  # the interrupted call may have left the rank in any state
+    for i in range(min(len(mine) for mine in answers)):
+        where = f"in a world of {world_size} processes on {describe(lists[i][1], lists[i][0])}"
+        first = answers[0][i]
+        for rank, mine in enumerate(answers[1:], 1):
+            if mine[i] != first:
+                return Violation(
+                    "rank-dependent",
+                    f"rank-dependent: {name} {where}: answered {shown(first)} on rank 0 but "
+                    f"{shown(mine[i])} on rank {rank}; every rank must compute the same owners "
+                    "without communicating (do not read the rank, a random generator or the "
+                    "clock)")
+        if first[0] != "ok":  # the same failure on every rank, only inside a real world
+            return Violation(first[0], f"{first[0]}: {name} {where}: on every rank, {first[1]}")
     return None
 
 
-def _answers(rule: Any, world_size: int) -> dict[str, list[int] | str]:
-    """Every list's answer at ``world_size`` (an exception becomes its text)."""
-    out: dict[str, list[int] | str] = {}
-    for what, params in parameter_lists().items():
-        try:
-            answer = rule(params, world_size)
-            out[what] = [int(o) for o in (answer.tolist() if isinstance(answer, torch.Tensor)
-                                          else answer)]
-        except Exception as exc:  # reported as a violation by the caller
-            out[what] = f"{type(exc).__name__}: {exc}"
-    return out
+def shown(answer: tuple[str, Any]) -> str:
+    status, value = answer
+    return brief_owners(value) if status == "ok" else f"({status}: {value})"
 
 
-def _answers_in_rank(rule: Any) -> dict[str, list[int] | str]:
-    """Inside a rank process: this rank's answers at the world's size."""
-    import torch.distributed as dist
-
-    return _answers(rule, dist.get_world_size())
-
-
-def rule_violations(rule: Callable[..., Any], *, rank_world_sizes: Sequence[int] = RANK_WORLD_SIZES,
-                    deadline: float = 60.0) -> list[Violation]:
-    """Every invariant ``rule`` breaks (empty: none). The cross-rank check spawns (or reuses)
-    worlds of ``rank_world_sizes`` processes; the rule travels to them by pickle, so it must be
-    defined at module level of an importable module."""
-    found: list[Violation] = []
-    lists = parameter_lists()
-    for world_size in WORLD_SIZES:
-        for what, params in lists.items():
-            try:
-                first = rule(params, world_size)
-            except Exception as exc:
-                found.append(Violation("raised", f"raised: {_name(rule)} on {what} at world_size="
-                                                 f"{world_size} raised {type(exc).__name__}: {exc}"))
-                continue
-            bad = _shape_check(rule, first, params, world_size, what)
-            if bad is not None:
-                found.append(bad)
-                continue
-            again = rule(params, world_size)
-            if list(map(int, _as_list(again))) != list(map(int, _as_list(first))):
-                found.append(Violation(
-                    "nondeterministic",
-                    f"nondeterministic: {_name(rule)} on {what} at world_size={world_size} "
-                    f"answered {_brief(first)} and then {_brief(again)}; a rule must be a pure "
-                    "function of the parameters' shapes, dtypes and order and of world_size"))
-        if found:
-            return _first_per_kind(found)
-    from ddpcheck._internal.world import get_world
-
-    for world_size in rank_world_sizes:
-        answers = get_world(world_size).run(_answers_in_rank, rule, deadline=deadline,
-                                            what=f"fuzz-rule {_name(rule)}")
-        for rank, theirs in enumerate(answers[1:], 1):
-            for what, answer in answers[0].items():
-                if theirs[what] != answer:
-                    found.append(Violation(
-                        "rank-dependent",
-                        f"rank-dependent: {_name(rule)} on {what} in a world of {world_size} "
-                        f"answered {_brief(answer)} on rank 0 but {_brief(theirs[what])} on rank "
-                        f"{rank}; every rank must compute the same owners without communicating "
-                        "(do not read the rank, a random generator or the clock)"))
-                    return found
-    return found
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
-def _as_list(answer: Any) -> list:
-    return answer.tolist() if isinstance(answer, torch.Tensor) else list(answer)
+def _trim_stack(dump: str) -> str:
+    """A faulthandler dump without its header and the frames below the rule (ddpcheck's,
+    Hypothesis's, multiprocessing's)."""
+    import multiprocessing
+
+    import hypothesis
+
+    below = (f'File "{_HERE}', 'File "<string>"',
+             f'File "{os.path.dirname(os.path.abspath(hypothesis.__file__))}',
+             f'File "{os.path.dirname(os.path.abspath(multiprocessing.__file__))}')
+    return "\n".join(line for line in dump.strip().splitlines()
+                     if not line.lstrip().startswith(below) and not line.startswith("Timeout ("))
 
 
-def _brief(answer: Any, limit: int = 12) -> str:
-    if isinstance(answer, str):
-        return answer
-    items = _as_list(answer)
-    text = ", ".join(map(str, items[:limit]))
-    return f"[{text}{', ...' if len(items) > limit else ''}]"
-
-
-def _first_per_kind(found: list[Violation]) -> list[Violation]:
-    seen: dict[str, Violation] = {}
-    for v in found:
-        seen.setdefault(v.kind, v)
-    return [seen[k] for k in KINDS if k in seen]
-
-
-def balance(rule: Callable[..., Any], params: Sequence[torch.Tensor], world_size: int) -> float:
-    """Bytes of the most loaded rank over the ideal share (1.0 is perfect)."""
-    loads = [0] * world_size
-    for p, owner in zip(params, _as_list(rule(params, world_size))):
-        loads[int(owner)] += p.numel() * p.element_size()
-    total = sum(loads)
-    return max(loads) * world_size / total if total else 1.0
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in text.rstrip().splitlines())

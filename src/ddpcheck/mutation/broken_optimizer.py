@@ -7,7 +7,6 @@ docstring) with a copy that carries one bug of a class in ``docs/bug-catalogue.m
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from parallel import ShardedOptimizer
