@@ -347,7 +347,7 @@ def _check_writable(path: str, flag: str) -> None:
 def _mutants(args: argparse.Namespace) -> int:
     from ddpcheck.mutation.command import run_mutants
 
-    return run_mutants(args.only, budget_seconds=args.budget_seconds, search=args.search,
+    return run_mutants(args.only, budget_seconds=args.budget_seconds, search_name=args.search,
                        world_sizes=args.world_sizes, deadline=args.deadline)
 
 
