@@ -39,35 +39,55 @@ class Report:
     """What ``assert_equivalent`` checked: one row per (scenario, world size)."""
 
     examples: list[tuple[str, int, float]] = dataclasses.field(default_factory=list)
-    skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (scenario, why)
+    #: (scenario, world size, why) for every example not run
+    skipped: list[tuple[str, int, str]] = dataclasses.field(default_factory=list)
+    #: the features (``ddpcheck.features``) the examples that ran exercised
+    features: set[str] = dataclasses.field(default_factory=set)
 
     @property
     def count(self) -> int:
         return len(self.examples)
 
     def __str__(self) -> str:
+        from ddpcheck.features import exercised
+
         seconds = sum(s for _, _, s in self.examples)
         sizes = sorted({w for _, w, _ in self.examples})
-        text = f"{self.count} examples equivalent (world sizes {sizes}) in {seconds:.2f} s"
-        for name, why in self.skipped:
-            text += f"\nskipped {name}: {why}"
-        return text
+        text = (f"{self.count} examples equivalent (world sizes {sizes}) in {seconds:.2f} s, "
+                f"{exercised(self.features)}")
+        return text + "".join(f"\nskipped {line}" for line in self.skipped_lines())
+
+    def skipped_lines(self) -> list[str]:
+        """One line per scenario and reason, with the world sizes it was skipped at."""
+        grouped: dict[tuple[str, str], list[int]] = {}
+        for name, world_size, why in self.skipped:
+            grouped.setdefault((name, why), []).append(world_size)
+        return [f"{name} (W={','.join(map(str, sizes))}): {why}"
+                for (name, why), sizes in grouped.items()]
 
 
 def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
-                      world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES, deadline: float = DEFAULT_DEADLINE) -> Report:
+                      world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
+                      deadline: float = DEFAULT_DEADLINE, without: Iterable[str] = ()) -> Report:
     """Check ``target`` against the oracle on ``scenario`` (default: the built-in battery).
+
+    A scenario that needs a feature the target does not support (``Target.supported_features``)
+    or that ``without`` excludes (names from ``ddpcheck.features.FEATURES``) is skipped at that
+    world size, naming the feature.
 
     Raises :class:`ddpcheck.EquivalenceError` on the first divergence, with a table and a replay
     command; returns a :class:`Report` when every example holds. Not the target's fault, so never
     an EquivalenceError: :class:`ddpcheck.ScenarioError` (a scenario the oracle cannot judge),
-    :class:`ddpcheck.WorldStartError`, :class:`ddpcheck.NothingChecked` (the target declined every
-    scenario: passing would be a silent no-op), :class:`ddpcheck.InvalidArgument`.
+    :class:`ddpcheck.WorldStartError`, :class:`ddpcheck.NothingChecked` (every example skipped or
+    declined: passing would be a silent no-op), :class:`ddpcheck.InvalidArgument`.
     """
+    from ddpcheck import features
+
     _check_target(target)
     sizes = check_world_sizes("world_sizes", world_sizes)
     check_fits_machine(sizes, flag="world_sizes")
     check_deadline("deadline", deadline)
+    excluded = features.parse(without, "without")
     if scenario is None:
         from ddpcheck.battery import BATTERY
 
@@ -79,20 +99,23 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
                               "the built-in battery)")
     report = Report()
     for name, sc in named:
-        reference = prepare_reference(sc)
-        why = target.supports(sc)
-        if why is not None:
-            report.skipped.append((name or "scenario", why))
-            continue
+        reference = None
         for world_size in sizes:
+            why = features.declines(target, sc, world_size, excluded)
+            if why is not None:
+                report.skipped.append((name or "scenario", world_size, why))
+                continue
+            if reference is None:
+                reference = prepare_reference(sc)
             started = time.perf_counter()
             check_example(target, sc, world_size, deadline=deadline, reference=reference,
                           name=name)
             report.examples.append((name or "scenario", world_size,
                                     time.perf_counter() - started))
+            report.features |= features.of(sc, world_size)
     if not report.examples:
-        raise NothingChecked(f"{type(target).__name__} declined every scenario: " + "; ".join(
-            f"{name}: {why}" for name, why in report.skipped))
+        raise NothingChecked(f"{type(target).__name__} declined every scenario: "
+                             + "; ".join(report.skipped_lines()))
     return report
 
 

@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="random examples to run after the built-in battery (default 100)")
     check.add_argument("--seed", type=int, default=None,
                        help="seed of the random examples (default: the same examples every run)")
+    check.add_argument("--without", default="", metavar="FEATURE[,FEATURE...]",
+                       help="features never to exercise, on top of the target's "
+                            "supported_features (e.g. accumulation,buffers; see ddpcheck.features)")
+    check.add_argument("--dtypes", default="float64", metavar="DTYPE[,DTYPE...]",
+                       help="dtypes of the random examples: float64 (default), float32 or both")
 
     replay = sub.add_parser("replay", help="run one example again (the line a failure prints)",
                             epilog=EXIT_CODES)
@@ -232,28 +237,35 @@ def _check(args: argparse.Namespace) -> int:
         os._exit(status)
     from ddpcheck.fuzz import fuzz, terminal_progress
 
+    from ddpcheck import features
+
     args.world_sizes = args.world_sizes or DEFAULT_WORLD_SIZES
+    without = features.parse(args.without, "--without")
+    dtypes = tuple(sorted(features.parse(args.dtypes, "--dtypes")))
+    if not dtypes or any(d not in ("float64", "float32") for d in dtypes):
+        raise UsageError(f"--dtypes={args.dtypes!r} must name float64, float32 or both")
     started = time.perf_counter()
     sizes = ",".join(map(str, args.world_sizes))
     check_fits_machine(args.world_sizes)
     # 1. the built-in battery: representative scenarios, every world size
     try:
         report = ddpcheck.assert_equivalent(target, world_sizes=args.world_sizes,
-                                            deadline=args.deadline)
+                                            deadline=args.deadline, without=without)
     except ddpcheck.EquivalenceError as exc:
         print(str(exc))
         return EXIT_FOUND
     except ddpcheck.NothingChecked as exc:  # the random examples may still find something
-        battery, declined = 0, str(exc)
+        battery, declined, exercised = 0, str(exc), set()
         print(f"battery: nothing checked: {exc}")
     else:
-        battery, declined = report.count, ""
+        battery, declined, exercised = report.count, "", report.features
         print(f"battery: {report}")
     # 2. random examples, shrunk to a minimal counterexample on failure
     print(f"fuzzing {args.target} with {args.examples} random examples at world sizes {sizes}"
           f"{'' if args.seed is None else f' (seed {args.seed})'}", flush=True)
     result = fuzz(target, examples=args.examples, world_sizes=args.world_sizes, seed=args.seed,
-                  deadline=args.deadline, progress=terminal_progress(args.examples))
+                  deadline=args.deadline, progress=terminal_progress(args.examples),
+                  dtypes=dtypes, without=without)
     if sys.stderr.isatty():
         sys.stderr.write("\n")
     if result.found:
@@ -267,8 +279,8 @@ def _check(args: argparse.Namespace) -> int:
             f"{args.target} declined every battery scenario ({declined}) and every one of "
             f"{args.examples} random examples ({reasons or 'no reason given'})")
     print(f"ddpcheck check {args.target}: nothing found in {battery} battery and "
-          f"{result.examples} random examples (wall {time.perf_counter() - started:.1f} s, "
-          "world start-up included)")
+          f"{result.examples} random examples, {features.exercised(exercised | result.features)} "
+          f"(wall {time.perf_counter() - started:.1f} s, world start-up included)")
     return EXIT_OK
 
 

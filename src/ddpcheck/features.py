@@ -21,7 +21,7 @@ from ddpcheck._internal.validation import InvalidArgument
 from ddpcheck.models import ModelSpec
 from ddpcheck.scenario import Scenario, build_model, global_batch, per_sample_loss
 
-__all__ = ["FEATURES", "declines", "of", "parse"]
+__all__ = ["FEATURES", "declines", "exercised", "of", "parse"]
 
 #: Every feature a scenario can exercise, with what it means (the order of reports).
 FEATURES: dict[str, str] = {
@@ -32,7 +32,7 @@ FEATURES: dict[str, str] = {
                             "others (its layer is used by some samples only)",
     "unused-everywhere": "a trainable parameter no rank uses in a step (its grad stays None)",
     "frozen": "parameters with requires_grad=False",
-    "tied": "one parameter used by two modules (tied weights)",
+    "tied": "one parameter used twice in a step (tied or reused weights)",
     "buffers": "buffers, which must start as rank 0's",
     "mixed-dtypes": "float32 and float64 parameters in one model",
     "non-contiguous": "a parameter created non-contiguous (a transposed view)",
@@ -75,16 +75,28 @@ def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
     return frozenset(found | _model_features(scenario, world_size or 1))
 
 
-def declines(target: Any, scenario: Scenario, world_size: int | None = None) -> str | None:
-    """Why ``target`` does not run ``scenario`` (a feature it does not support, or its own
-    ``supports()`` reason), or None when it does."""
+def declines(target: Any, scenario: Scenario, world_size: int | None = None,
+             without: frozenset[str] = frozenset()) -> str | None:
+    """Why ``target`` does not run ``scenario`` -- a feature it does not support, a feature the
+    user excluded (``without``), or its own ``supports()`` reason -- or None when it does."""
     supported = getattr(target, "supported_features", None)
-    if supported is not None:
-        needed = sorted(of(scenario, world_size) - frozenset(supported))
-        if needed:
-            return (f"needs {', '.join(needed)} (not in {type(target).__name__}."
+    if supported is not None or without:
+        needed = of(scenario, world_size)
+        unsupported = sorted(needed - frozenset(supported)) if supported is not None else []
+        if unsupported:
+            return (f"needs {', '.join(unsupported)} (not in {type(target).__name__}."
                     "supported_features)")
+        excluded = sorted(needed & without)
+        if excluded:
+            return f"needs {', '.join(excluded)} (excluded with --without)"
     return target.supports(scenario)
+
+
+def exercised(found: set[str] | frozenset[str]) -> str:
+    """``"12/15 features (not exercised: float32, grads-kept, tied)"``, for reports."""
+    missing = [f for f in FEATURES if f not in found]
+    text = f"{len(FEATURES) - len(missing)}/{len(FEATURES)} features"
+    return text + (f" (not exercised: {', '.join(missing)})" if missing else "")
 
 
 #: (repr of a scenario, world size) -> its model-derived features; bounded.
@@ -116,8 +128,13 @@ def _inspect(scenario: Scenario, world_size: int) -> frozenset[str]:
     if any(not p.is_contiguous() for p in params):
         found.add("non-contiguous")
     spec = scenario.model
-    if isinstance(spec, ModelSpec) and all(layer.use == "always" for layer in spec.layers):
-        return frozenset(found)  # every parameter is used by every sample: nothing to probe
+    if isinstance(spec, ModelSpec):
+        tied_head = spec.tie_head and any(layer.kind == "embedding" and not layer.float32
+                                          for layer in spec.layers)
+        if tied_head or any(layer.kind == "reused" for layer in spec.layers):
+            found.add("tied")  # used twice in forward, registered once
+        if all(layer.use == "always" for layer in spec.layers):
+            return frozenset(found)  # every parameter is used by every sample: nothing to probe
     return frozenset(found | _usage(scenario, model, world_size))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
 from ddpcheck._internal.validation import InvalidArgument, check_positive_number, check_world_sizes
@@ -29,6 +29,8 @@ class FuzzResult:
     #: Examples not checked, by reason: the target declined them (``supports``), or the oracle
     #: could not judge them (``unjudgeable: ...``).
     declined: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: The features (``ddpcheck.features``) the examples that ran exercised.
+    features: set[str] = dataclasses.field(default_factory=set)
 
     @property
     def found(self) -> bool:
@@ -38,43 +40,59 @@ class FuzzResult:
 def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_SIZES,
          seed: int | None = None, deadline: float = DEFAULT_DEADLINE, dtypes: tuple = ("float64",),
          progress: Callable[[int, float], None] | None = None,
-         time_budget: float | None = None) -> FuzzResult:
+         time_budget: float | None = None, without: Iterable[str] = ()) -> FuzzResult:
     """Run up to ``examples`` random examples of ``target``; shrink the first failure.
 
     ``seed`` makes the run reproducible (default: derandomized, the same every time);
     ``time_budget`` (seconds) stops generating new examples once spent (shrinking still runs).
+    Features the target does not support (``Target.supported_features``) or ``without`` excludes
+    are not generated; the rare drawn example that still needs one is rejected (``assume``), so
+    it costs no example of the budget.
     """
-    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import HealthCheck, Phase, assume, given, settings
     from hypothesis import seed as hypothesis_seed
     from hypothesis.errors import FlakyFailure
     from hypothesis import strategies as st
 
+    from ddpcheck import features
     from ddpcheck import strategies as dst
     from ddpcheck.api import check_example
-    from ddpcheck.errors import EquivalenceError, ScenarioError
+    from ddpcheck.errors import EquivalenceError, NothingChecked, ScenarioError
 
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
         raise InvalidArgument(f"examples={examples!r} must be a positive integer")
     sizes = check_world_sizes("world_sizes", world_sizes)
     check_positive_number("deadline", deadline)
     started = time.perf_counter()
+    excluded = features.parse(without, "without")
+    supported = getattr(target, "supported_features", None)
+    unsupported = excluded | (frozenset(features.FEATURES) - frozenset(supported)
+                              if supported is not None else frozenset())
+    dtypes = tuple(d for d in dtypes if d not in unsupported)
+    if not dtypes:
+        raise NothingChecked(f"{type(target).__name__} supports none of the dtypes "
+                                  f"{', '.join(dtypes)} once --without is applied")
     count = [0]
     first = [None]
     declined: dict[str, int] = {}
+    exercised: set[str] = set()
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
               suppress_health_check=list(HealthCheck), print_blob=False,
               phases=[Phase.generate, Phase.target, Phase.shrink])
-    @given(scenario=dst.scenarios(models=dst.models(mixed_dtypes=True), dtypes=dtypes),
-           world_size=st.sampled_from(sizes))
-    def one(scenario, world_size):
+    @given(data=st.data())
+    def one(data):
+        world_size = data.draw(st.sampled_from(sizes), label="world_size")
+        scenario = data.draw(dst.scenarios(
+            models=dst.models(mixed_dtypes=True, without=unsupported), dtypes=dtypes,
+            without=unsupported, world_size=world_size), label="scenario")
         if time_budget is not None and first[0] is None \
                 and time.perf_counter() - started > time_budget:
             return  # out of time: remaining examples pass without running
-        why = target.supports(scenario)
+        why = features.declines(target, scenario, world_size, excluded)
         if why is not None:
             declined[why] = declined.get(why, 0) + 1
-            return
+            assume(False)  # not generated, in effect: costs no example of the budget
         count[0] += 1
         if progress is not None:
             progress(count[0], time.perf_counter() - started)
@@ -87,13 +105,16 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
         except ScenarioError as exc:  # the oracle cannot judge it: nobody's bug, not a failure
             declined[f"unjudgeable: {exc}"] = 1
             count[0] -= 1
+            return
+        exercised.update(features.of(scenario, world_size))
 
     if seed is not None:
         one = hypothesis_seed(seed)(one)
     try:
         one()
     except EquivalenceError as error:
-        return FuzzResult(count[0], first[0], time.perf_counter() - started, error, declined)
+        return FuzzResult(count[0], first[0], time.perf_counter() - started, error, declined,
+                          exercised)
     except FlakyFailure as flaky:
         # The example failed, then passed when Hypothesis replayed it: a race (e.g. a gradient
         # read before its all-reduce finished). Still a counterexample; say it is intermittent.
@@ -102,8 +123,10 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
             raise
         error.args = (f"{error.args[0]}\n\nintermittent: this example failed, then passed when "
                       "replayed -- a race or other nondeterminism in the target",)
-        return FuzzResult(count[0], first[0], time.perf_counter() - started, error, declined)
-    return FuzzResult(count[0], None, time.perf_counter() - started, None, declined)
+        return FuzzResult(count[0], first[0], time.perf_counter() - started, error, declined,
+                          exercised)
+    return FuzzResult(count[0], None, time.perf_counter() - started, None, declined,
+                      exercised)
 
 
 def terminal_progress(total: int, stream: Any = None) -> Callable[[int, float], None] | None:

@@ -176,11 +176,6 @@ def build_model(scenario: Scenario, seed: int) -> nn.Module:
     return model
 
 
-def parameter_dtypes(scenario: Scenario) -> set[torch.dtype]:
-    """The dtypes of the scenario's parameters (builds the model once)."""
-    return {p.dtype for p in build_model(scenario, scenario.seed).parameters()}
-
-
 def make_param_groups(scenario: Scenario, model: nn.Module) -> list:
     if scenario.param_groups is None:
         return list(model.parameters())

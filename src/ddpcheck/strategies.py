@@ -15,11 +15,12 @@ world size of 1, SGD, one step, no accumulation, float64.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 from hypothesis import strategies as st
 
+from ddpcheck import features
 from ddpcheck._internal.validation import InvalidArgument
 from ddpcheck.models import KINDS, Layer, ModelSpec
 from ddpcheck.scenario import Scenario
@@ -72,7 +73,7 @@ def layers(*, kinds: Sequence[str] = KINDS, unused: bool = True, frozen: bool = 
 
 
 @st.composite
-def _models(draw, min_layers, max_layers, kinds, unused, frozen, mixed_dtypes):
+def _models(draw, min_layers, max_layers, kinds, unused, frozen, mixed_dtypes, tie=True):
     drawn = tuple(draw(st.lists(layers(kinds=kinds, unused=unused, frozen=frozen,
                                        float32=mixed_dtypes),
                                 min_size=min_layers, max_size=max_layers)))
@@ -82,20 +83,33 @@ def _models(draw, min_layers, max_layers, kinds, unused, frozen, mixed_dtypes):
         width=draw(st.integers(2, 6)),
         registration=None if registration == tuple(range(len(drawn))) else registration,
         head_bias=draw(st.booleans().map(lambda b: not b)),
-        tie_head=any(layer.kind == "embedding" for layer in drawn) and draw(st.booleans()),
+        tie_head=tie and any(layer.kind == "embedding" for layer in drawn) and draw(st.booleans()),
     )
 
 
 def models(*, min_layers: int = 0, max_layers: int = 5, kinds: Sequence[str] = KINDS,
-           unused: bool = True, frozen: bool = True,
-           mixed_dtypes: bool = False) -> st.SearchStrategy[ModelSpec]:
+           unused: bool = True, frozen: bool = True, mixed_dtypes: bool = False,
+           without: Iterable[str] = ()) -> st.SearchStrategy[ModelSpec]:
     """Random architectures as :class:`ddpcheck.models.ModelSpec`: ``min_layers`` to
     ``max_layers`` layers on a hidden state of width 2-6 and a linear head (so 1 to ~25
     parameter tensors -- fewer and more than W), registered in a random order independent of
     their execution order, an embedding optionally tied to the head. Shrinks towards fewer
-    layers, plainer kinds, registration in execution order, and a head with a bias."""
+    layers, plainer kinds, registration in execution order, and a head with a bias.
+
+    ``without`` (features of ``ddpcheck.features.FEATURES``) removes what produces them:
+    layers used by some samples or none (``unused-*``), frozen layers, the reused linear and the
+    tied head (``tied``), the buffer layer, the transposed weight (``non-contiguous``), float32
+    layers (``mixed-dtypes``)."""
     _check_range("min_layers", min_layers, "max_layers", max_layers, 0)
-    return _models(min_layers, max_layers, tuple(kinds), unused, frozen, mixed_dtypes)
+    without = features.parse(without, "without")
+    dropped = {"tied": ("reused",), "buffers": ("buffer",), "non-contiguous": ("transposed",)}
+    kinds = tuple(k for k in kinds
+                  if not any(k in dropped.get(f, ()) for f in without))
+    if not kinds:
+        raise InvalidArgument(f"without={sorted(without)!r} leaves no layer kind to draw")
+    unused = unused and not without & {"unused-on-some-ranks", "unused-everywhere"}
+    return _models(min_layers, max_layers, kinds, unused, frozen and "frozen" not in without,
+                   mixed_dtypes and "mixed-dtypes" not in without, "tied" not in without)
 
 
 def optimizers() -> st.SearchStrategy[tuple[type, dict]]:
@@ -114,7 +128,8 @@ def optimizers() -> st.SearchStrategy[tuple[type, dict]]:
 
 
 @st.composite
-def _scenarios(draw, model_strategy, dtypes, max_batch, max_steps, max_accumulation):
+def _scenarios(draw, model_strategy, dtypes, max_batch, max_steps, max_accumulation, without,
+               world_size):
     spec = draw(model_strategy)
     optimizer, kwargs = draw(optimizers())
     dtype = draw(st.sampled_from(dtypes))
@@ -131,44 +146,59 @@ def _scenarios(draw, model_strategy, dtypes, max_batch, max_steps, max_accumulat
     # by ~1e-16 and keeps every step.
     steps = draw(st.integers(1, min(max_steps, 2) if float32 else max_steps))
     reduction = "mean" if float32 else draw(st.sampled_from(("mean", "sum")))
-    groups = draw(st.one_of(st.none(), st.builds(BiasGroups, lr=st.sampled_from((0.05, 0.2)),
-                                                 weight_decay=st.sampled_from((0.0, 0.05)))))
+    groups = None if "param-groups" in without else draw(st.one_of(
+        st.none(), st.builds(BiasGroups, lr=st.sampled_from((0.05, 0.2)),
+                             weight_decay=st.sampled_from((0.0, 0.05)))))
+    if "uneven-batches" in without and world_size is not None:  # multiples of W only
+        batch = world_size * draw(st.integers(1, max(1, max_batch // world_size)))
+    else:
+        batch = draw(st.integers(1, max_batch))
     return Scenario(
         model=spec,
         data=spec.data,
         optimizer=optimizer,
         optimizer_kwargs=kwargs,
         param_groups=groups,
-        lr_decay=draw(st.sampled_from((None, 0.5))),
-        global_batch=draw(st.integers(1, max_batch)),
+        lr_decay=None if "lr-schedule" in without else draw(st.sampled_from((None, 0.5))),
+        global_batch=batch,
         steps=steps,
-        accumulation=draw(st.integers(1, max_accumulation)),
+        accumulation=1 if "accumulation" in without else draw(st.integers(1, max_accumulation)),
         dtype=dtype,
         reduction=reduction,
         seed=draw(st.integers(0, 2**16)),
         bucket_size_mb=draw(bucket_sizes()),
-        set_to_none=draw(st.booleans().map(lambda b: not b)),
+        set_to_none=True if "grads-kept" in without else draw(st.booleans().map(lambda b: not b)),
+        rank_seeds="broadcast" not in without,
     )
 
 
 def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
               dtypes: Sequence[str] = ("float64",), max_batch: int = 12, max_steps: int = 4,
-              max_accumulation: int = 3) -> st.SearchStrategy[Scenario]:
+              max_accumulation: int = 3, without: Iterable[str] = (),
+              world_size: int | None = None) -> st.SearchStrategy[Scenario]:
     """Whole training runs: a model (default: :func:`models`), an optimizer with optional
     param groups and LR decay, a global batch of 1 to ``max_batch`` samples (often not divisible
     by W, sometimes smaller than W), 1 to ``max_steps`` steps, 1 to ``max_accumulation``
     micro-batches, a dtype from ``dtypes`` (float64 by default; ``("float64", "float32")`` adds
     float32 at its calibrated tolerance), a bucket-size hint and a seed. Shrinks towards one
-    step of plain SGD on a one-sample batch of the simplest model."""
-    dtypes = tuple(dtypes)
+    step of plain SGD on a one-sample batch of the simplest model.
+
+    ``without`` names features of ``ddpcheck.features.FEATURES`` never to generate (what a
+    target does not support): they cost no example. ``uneven-batches`` needs ``world_size`` (the
+    batch is then a multiple of it); the model-derived features are honoured by the default
+    model strategy (pass your own ``models`` and it is yours to honour them)."""
+    without = features.parse(without, "without")
+    dtypes = tuple(d for d in dtypes if d not in without)
     if not dtypes or any(d not in ("float64", "float32") for d in dtypes):
         raise InvalidArgument(f"dtypes={dtypes!r} must be a non-empty subset of "
-                              "('float64', 'float32')")
+                              "('float64', 'float32') once `without` is applied")
     _check_range("1", 1, "max_batch", max_batch, 1)
     _check_range("1", 1, "max_steps", max_steps, 1)
     _check_range("1", 1, "max_accumulation", max_accumulation, 1)
     if models is not None and not isinstance(models, st.SearchStrategy):
         raise InvalidArgument(f"Expected a SearchStrategy, such as ddpcheck.strategies.models(), "
                               f"but got models={models!r} (type={type(models).__name__})")
-    return _scenarios(models if models is not None else globals()["models"](), dtypes,
-                      max_batch, max_steps, max_accumulation)
+    if models is None:
+        models = globals()["models"](without=without)
+    return _scenarios(models, dtypes, max_batch, max_steps, max_accumulation, without,
+                      world_size)

@@ -23,6 +23,8 @@ import contextlib
 import dataclasses
 from typing import Any, ContextManager, Mapping
 
+from ddpcheck.features import FEATURES
+
 __all__ = ["LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP", "TORCH_ZERO", "BUILTIN",
            "LocalTarget", "ParallelDDPTarget", "ParallelTarget", "Target", "TorchDDPTarget",
            "TorchZeroTarget"]
@@ -36,6 +38,9 @@ class Target:
     #: True when updated parameters travel in one flattened broadcast per owner rank and dtype;
     #: the oracle then fails a step with more broadcasts than W x parameter dtypes.
     flattened_broadcasts: bool = False
+    #: The features of ``ddpcheck.features.FEATURES`` this target supports (None: all of them).
+    #: Scenarios needing another are not generated, and battery scenarios are skipped naming it.
+    supported_features: frozenset[str] | None = None
 
     def configure(self, scenario: Any) -> "Target":
         """Return the target to use for this scenario (default: itself)."""
@@ -130,12 +135,8 @@ class TorchZeroTarget(TorchDDPTarget):
 
     shards_optimizer_state = True
 
-    def supports(self, scenario: Any) -> str | None:
-        from ddpcheck.scenario import parameter_dtypes
-
-        if len(parameter_dtypes(scenario)) > 1:
-            return "ZeroRedundancyOptimizer requires one dtype for all parameters"
-        return None
+    # ZeroRedundancyOptimizer rejects parameters of several dtypes.
+    supported_features = frozenset(FEATURES) - {"mixed-dtypes"}
 
     def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
         from torch.distributed.optim import ZeroRedundancyOptimizer
