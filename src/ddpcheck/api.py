@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-import shlex
-import sys
 import time
 from typing import Any, Iterable
 
 from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
 from ddpcheck._internal.validation import InvalidArgument, check_deadline, check_world_sizes
 from ddpcheck.errors import Divergence, EquivalenceError
+from ddpcheck.replay import replay_command, target_spec, verify_replayable
 from ddpcheck.scenario import Scenario, import_path
 from ddpcheck.targets import Target
 
@@ -99,6 +98,7 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *, deadli
     from ddpcheck._internal.transport import unpack
     from ddpcheck._internal.world import WorldFailure, get_world
 
+    _check_target(target)  # cached: a pickle and a dict look-up once the target is verified
     if reference is None:
         reference = prepare_reference(scenario)
 
@@ -205,20 +205,4 @@ def _check_target(target: Any) -> None:
         raise InvalidArgument(
             f"target={target!r} cannot be pickled ({exc}); targets travel to every rank by "
             "pickle, so define the class at module level of an importable module") from exc
-
-
-def target_spec(target: Any) -> str:
-    """``MODULE:NAME`` (or ``MODULE:EXPR``) that rebuilds ``target`` in another process."""
-    module_name = type(target).__module__
-    module = sys.modules.get(module_name)
-    for attr, value in vars(module).items() if module else ():
-        if value is target:
-            return f"{module_name}:{attr}"
-    if dataclasses.is_dataclass(target):
-        return f"{module_name}:{target!r}"
-    return f"{module_name}:{type(target).__qualname__}()"
-
-
-def replay_command(target: Any, scenario: Scenario, world_size: int) -> str:
-    return (f"python -m ddpcheck replay {shlex.quote(target_spec(target))} "
-            f"--world-size {world_size} --scenario {shlex.quote(repr(scenario))}")
+    verify_replayable(target)  # a failure's replay line must rebuild exactly this target

@@ -43,8 +43,10 @@ def _resolve(spec: str, what: str) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise UsageError(f"cannot import {module_name!r} for {what} {spec!r}: {exc}") from exc
+    from ddpcheck.replay import evaluate_in  # the evaluation replay lines are verified against
+
     try:
-        return eval(expr, vars(module))  # noqa: S307 -- the user's own module and expression
+        return evaluate_in(module, expr)
     except Exception as exc:
         raise UsageError(f"{what} {spec!r}: {expr!r} is not defined in {module_name} "
                          f"({type(exc).__name__}: {exc})") from exc
