@@ -17,7 +17,7 @@ from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
 from ddpcheck._internal.validation import InvalidArgument, check_deadline, check_world_sizes
 from ddpcheck.errors import Divergence, EquivalenceError
 from ddpcheck.replay import replay_command, target_spec, verify_replayable
-from ddpcheck.scenario import Scenario, import_path
+from ddpcheck.scenario import Scenario
 from ddpcheck.targets import Target
 
 __all__ = ["Report", "assert_equivalent", "check_example", "note_example", "replay_command",
@@ -127,24 +127,18 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *, deadli
 
 
 def prepare_reference(scenario: Scenario) -> Any:
-    """The full-batch reference; user mistakes in the scenario surface here, once."""
+    """The full-batch reference; user mistakes in the scenario surface here, once, as a
+    :class:`ScenarioError` naming the cause (``ddpcheck.validity``), before any world runs."""
     from ddpcheck.oracle import reference_run
+    from ddpcheck.validity import check_scenario, explain_reference_failure
 
+    check_scenario(scenario)
     try:
         return reference_run(scenario)
     except InvalidArgument:
         raise
-    except TypeError as exc:
-        if "__init__()" in str(exc) or "unexpected keyword" in str(exc):
-            raise InvalidArgument(
-                f"optimizer_kwargs={scenario.optimizer_kwargs!r} were rejected by "
-                f"{import_path(scenario.optimizer)}: {exc}") from exc
-        raise
-    except ValueError as exc:  # e.g. torch.optim's "Invalid learning rate: -1"
-        raise InvalidArgument(
-            f"the scenario could not be trained in a single process, so there is no reference: "
-            f"{exc} (optimizer={scenario.optimizer.__qualname__}, "
-            f"optimizer_kwargs={scenario.optimizer_kwargs!r})") from exc
+    except Exception as exc:  # the backward, param groups, the optimizer's step, a later step
+        raise explain_reference_failure(scenario, exc) from exc
 
 
 def _failure_rows(failure: Any) -> list[Divergence]:
