@@ -86,7 +86,8 @@ BAD = [
       "GroupNorm/LayerNorm, or SyncBatchNorm"]),
     ("batch mean", f"ddpcheck.Scenario(model={H}.BatchMean)",
      ["the output of a sample depends on the other samples of its batch",
-      "forwards on the whole batch of 8 and on its parts (1 + 7 samples) differ by up to"]),
+      "forwards on the whole batch of 8 and on the two shards of world size 2 (4 + 4 samples) "
+      "differ by up to"]),
     ("buffer written by forward", f"ddpcheck.Scenario(model={H}.CountsForwards)",
      ["the model's forward changes its buffers ['calls'] (running statistics?)",
       "keep forward from writing buffers"]),

@@ -9,8 +9,8 @@ raises :class:`ddpcheck.ScenarioError` with one message per cause, naming the ca
 * the data function returns ``(inputs, targets)``, two tensors with ``global_batch`` rows, for
   ``(seed, batch, dtype)``;
 * the forward on that batch returns ONE tensor shaped like the targets (not a tuple or a dict);
-* the model is a per-sample function: the whole batch gives the outputs of its parts put
-  together (no batch statistics), the same batch twice gives the same outputs (no dropout), and
+* the model is a per-sample function: the whole batch gives the outputs of its two shards at
+  world size 2 put together (no batch statistics), the same batch twice gives the same outputs (no dropout), and
   the forward writes no buffer (no running statistics). Ranks train on parts of the batch, so
   without this there is no full-batch reference;
 * the optimizer is a ``torch.optim.Optimizer`` that steps without a closure (not LBFGS) and
@@ -274,8 +274,8 @@ class _Forwards:
         self.part_failure: tuple[int, Exception] | None = None
         self.mixing: float | None = None
         self.random = False
-        if x.shape[0] > 1:  # the first sample alone, then the others
-            self._parts(model, [x[:1], x[1:]], buffers, reference, rtol, floor)
+        if x.shape[0] > 1:  # the two shards of world size 2: sizes every W >= 2 run reaches
+            self._parts(model, list(torch.tensor_split(x, 2)), buffers, reference, rtol, floor)
         if x.shape[0] == 1 or self.part_failure is not None or self.mixing is not None:
             # Random, or a function of the batch? The same batch again tells them apart. (When
             # the parts agree, a random model is all but impossible: two draws of masks would
@@ -311,19 +311,19 @@ def _refuse_batch_dependence(scenario: Any, model: nn.Module, facts: _Forwards) 
     parts = " + ".join(map(str, facts.sizes))
     if facts.part_failure is not None:
         size, exc = facts.part_failure
-        how = (f"the forward runs on the whole batch of {batch} but raises {_exc(exc)} on a part "
-               f"of {size} sample{'s' if size > 1 else ''}")
+        how = (f"the forward runs on the whole batch of {batch} but raises {_exc(exc)} on a shard "
+               f"of {size} sample{'s' if size > 1 else ''} (world size 2)")
     elif facts.mixing == float("inf"):
-        how = f"the parts of the batch ({parts} samples) give outputs of other shapes"
+        how = (f"the two shards of world size 2 ({parts} samples) give outputs of other shapes "
+               "than the whole batch")
     else:
-        how = (f"forwards on the whole batch of {batch} and on its parts ({parts} samples) "
-               f"differ by up to {facts.mixing:.3g}")
+        how = (f"forwards on the whole batch of {batch} and on the two shards of world size 2 "
+               f"({parts} samples) differ by up to {facts.mixing:.3g}")
     found = _modules(model, "batchnorm")
     if facts.part_failure is not None and not found:
         raise ScenarioError(
-            f"the model cannot run on parts of the batch: {how}; ranks see shards and "
-            "micro-batches as small as one sample (or none), so make forward work on any number "
-            "of samples")
+            f"the model cannot run on shards of the batch: {how}; ranks see shards and "
+            "micro-batches of the batch, so make forward work on any number of samples")
     raise ScenarioError(
         "the output of a sample depends on the other samples of its batch (batch statistics, "
         f"e.g. BatchNorm in train mode){found}: {how}; data-parallel shards see different "
