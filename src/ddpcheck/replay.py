@@ -34,11 +34,10 @@ import sys
 from typing import Any
 
 from ddpcheck.errors import InvalidArgument
+from ddpcheck.targets import CONSTRUCTOR_CALL as _CALL  # metadata of a target, not its state
 
 __all__ = ["evaluate", "evaluate_in", "replay_command", "target_spec", "verify_replayable"]
 
-#: Instance attribute where ``Target.__new__`` records the constructor call (metadata, not state).
-_CALL = "_ddpcheck_call"
 
 _VERIFIED: dict[tuple[int, type, bytes], str] = {}  # (id, class, pickle) -> verified spec
 _MAX_CACHED = 256
