@@ -20,7 +20,8 @@ import torch.distributed as dist
 import ddpcheck
 from ddpcheck import targets, zoo
 from ddpcheck.api import check_example
-from ddpcheck.scenario import Scenario, from_repr
+from ddpcheck.replay import from_repr
+from ddpcheck.scenario import Scenario
 from ddpcheck._internal.world import get_world
 
 ALL_SIZES = (1, 2, 3, 4)

@@ -17,7 +17,8 @@ from ddpcheck import strategies as dst
 from ddpcheck import targets
 from ddpcheck.api import check_example
 from ddpcheck.models import Layer, ModelSpec
-from ddpcheck.scenario import build_model, from_repr
+from ddpcheck.replay import from_repr
+from ddpcheck.scenario import build_model
 
 FAST = settings(max_examples=25, deadline=None, database=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-import shlex
-import sys
 import time
 from typing import Any, Iterable
 
 from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine
 from ddpcheck._internal.validation import InvalidArgument, check_deadline, check_world_sizes
 from ddpcheck.errors import Divergence, EquivalenceError, NothingChecked, ScenarioError
-from ddpcheck.scenario import Scenario, import_path
+from ddpcheck.replay import replay_command, target_spec, verify_replayable
+from ddpcheck.scenario import Scenario
 from ddpcheck.targets import Target
 
 __all__ = ["Report", "assert_equivalent", "check_example", "note_example", "replay_command",
@@ -83,7 +82,7 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
     """
     from ddpcheck import features
 
-    _check_target(target)
+    check_target(target)
     sizes = check_world_sizes("world_sizes", world_sizes)
     check_fits_machine(sizes, flag="world_sizes")
     check_deadline("deadline", deadline)
@@ -131,6 +130,7 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
     from ddpcheck.oracle import validate_checks
 
     checks = validate_checks(checks)  # a typo must not turn every check off
+    check_target(target)  # cached: a pickle and a dict look-up once the target is verified
     if reference is None:
         reference = prepare_reference(scenario)
     world = get_world(world_size)  # a world that cannot start raises WorldStartError
@@ -190,24 +190,18 @@ def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = 
 
 
 def prepare_reference(scenario: Scenario) -> Any:
-    """The full-batch reference; user mistakes in the scenario surface here, once."""
+    """The full-batch reference; user mistakes in the scenario surface here, once, as a
+    :class:`ScenarioError` naming the cause (``ddpcheck.validity``), before any world runs."""
     from ddpcheck.reference import reference_run
+    from ddpcheck.validity import check_scenario, explain_reference_failure
 
+    check_scenario(scenario)
     try:
         return reference_run(scenario)
     except InvalidArgument:
         raise
-    except TypeError as exc:
-        if "__init__()" in str(exc) or "unexpected keyword" in str(exc):
-            raise InvalidArgument(
-                f"optimizer_kwargs={scenario.optimizer_kwargs!r} were rejected by "
-                f"{import_path(scenario.optimizer)}: {exc}") from exc
-        raise
-    except ValueError as exc:  # e.g. torch.optim's "Invalid learning rate: -1"
-        raise InvalidArgument(
-            f"the scenario could not be trained in a single process, so there is no reference: "
-            f"{exc} (optimizer={scenario.optimizer.__qualname__}, "
-            f"optimizer_kwargs={scenario.optimizer_kwargs!r})") from exc
+    except Exception as exc:  # the backward, param groups, the optimizer's step, a later step
+        raise explain_reference_failure(scenario, exc) from exc
 
 
 def _failure_rows(failure: Any) -> list[Divergence]:
@@ -254,7 +248,7 @@ def _mismatched_collectives(texts: list[str], world_size: int) -> list[Divergenc
             for rank in disagreement.deviants]
 
 
-def _check_target(target: Any) -> None:
+def check_target(target: Any) -> None:
     if isinstance(target, type):
         raise InvalidArgument(f"target={target.__qualname__} is a class; pass an instance, "
                               f"such as {target.__qualname__}()")
@@ -268,20 +262,4 @@ def _check_target(target: Any) -> None:
         raise InvalidArgument(
             f"target={target!r} cannot be pickled ({exc}); targets travel to every rank by "
             "pickle, so define the class at module level of an importable module") from exc
-
-
-def target_spec(target: Any) -> str:
-    """``MODULE:NAME`` (or ``MODULE:EXPR``) that rebuilds ``target`` in another process."""
-    module_name = type(target).__module__
-    module = sys.modules.get(module_name)
-    for attr, value in vars(module).items() if module else ():
-        if value is target:
-            return f"{module_name}:{attr}"
-    if dataclasses.is_dataclass(target):
-        return f"{module_name}:{target!r}"
-    return f"{module_name}:{type(target).__qualname__}()"
-
-
-def replay_command(target: Any, scenario: Scenario, world_size: int) -> str:
-    return (f"python -m ddpcheck replay {shlex.quote(target_spec(target))} "
-            f"--world-size {world_size} --scenario {shlex.quote(repr(scenario))}")
+    verify_replayable(target)  # a failure's replay line must rebuild exactly this target

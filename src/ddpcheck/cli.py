@@ -55,8 +55,10 @@ def _resolve(spec: str, what: str) -> Any:
             where = f" ({exc.filename}, line {exc.lineno})"
         raise UsageError(f"cannot import {module_name!r} for {what} {spec!r}: "
                          f"{type(exc).__name__}: {exc}{where}") from None
+    from ddpcheck.replay import evaluate_in  # the evaluation replay lines are verified against
+
     try:
-        return eval(expr, vars(module))  # noqa: S307 -- the user's own module and expression
+        return evaluate_in(module, expr)
     except Exception as exc:
         raise UsageError(f"{what} {spec!r}: {expr!r} is not defined in {module_name} "
                          f"({type(exc).__name__}: {exc})") from exc
@@ -287,7 +289,7 @@ def _check(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     import ddpcheck
     from ddpcheck.api import check_example
-    from ddpcheck.scenario import from_repr
+    from ddpcheck.replay import from_repr
 
     target = resolve_target(args.target)
     try:

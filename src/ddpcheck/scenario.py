@@ -3,7 +3,7 @@
 A :class:`Scenario` is plain, picklable data: a model factory, a data function, an optimizer with
 its keyword arguments, optional parameter groups and learning-rate decay, the global batch size,
 steps, accumulation, dtype and seed. Its ``repr`` is Python code, so a failing example prints as a
-line that :func:`from_repr` turns back into the same scenario (the replay command uses this).
+line that ``ddpcheck.replay.from_repr`` turns back into the same scenario (replay lines use this).
 
 The batch rule (documented in the README): the global batch of B samples is split into W
 contiguous shards with ``torch.tensor_split`` -- the first ``B % W`` ranks get one sample more, a
@@ -15,10 +15,8 @@ computes weighs every sample exactly as the full-batch reference does, whatever 
 
 from __future__ import annotations
 
-import builtins
 import dataclasses
 import importlib
-import re
 from typing import Any, Callable
 
 import torch
@@ -27,7 +25,7 @@ from torch import nn
 from ddpcheck import zoo
 from ddpcheck._internal.validation import InvalidArgument
 
-__all__ = ["Scenario", "build_model", "from_repr", "global_batch", "local_micro_batches",
+__all__ = ["Scenario", "build_model", "global_batch", "local_micro_batches",
            "per_sample_loss"]
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -123,36 +121,6 @@ def import_path(obj: Any) -> str:
         if getattr(module, obj.__qualname__, None) is obj:
             return f"{module.__name__}.{obj.__qualname__}"
     return f"{obj.__module__}.{obj.__qualname__}"
-
-
-class _AutoImport(dict):
-    """Evaluation namespace that imports ``a.b.c`` references on first use."""
-
-    def __missing__(self, name: str) -> Any:
-        if hasattr(builtins, name):
-            return getattr(builtins, name)
-        module = importlib.import_module(name)
-        self[name] = module
-        return module
-
-
-def from_repr(text: str) -> Scenario:
-    """Rebuild a scenario from its ``repr`` (modules it names are imported)."""
-    import ddpcheck
-
-    namespace = _AutoImport(ddpcheck=ddpcheck, torch=torch)
-    # Submodules are not always attributes of their package until imported (ddpcheck.models).
-    for dotted in set(re.findall(r"\b[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+", text)):
-        parts = dotted.split(".")
-        for i in range(2, len(parts)):
-            try:
-                importlib.import_module(".".join(parts[:i]))
-            except ImportError:
-                break
-    scenario = eval(text, namespace)  # noqa: S307 -- the text is a replay line we printed
-    if not isinstance(scenario, Scenario):
-        raise InvalidArgument(f"{text!r} does not describe a ddpcheck.Scenario")
-    return scenario
 
 
 # ---------------------------------------------------------------------------------------------

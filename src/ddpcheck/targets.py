@@ -29,6 +29,9 @@ __all__ = ["LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP", "TORCH_ZERO", "BUIL
            "LocalTarget", "ParallelDDPTarget", "ParallelTarget", "Target", "TorchDDPTarget",
            "TorchZeroTarget"]
 
+#: Instance attribute holding ``(args, kwargs)`` of the call that built a target.
+CONSTRUCTOR_CALL = "_ddpcheck_call"
+
 
 class Target:
     """Base class: no wrapping, the plain optimizer, no synchronisation (override what you need)."""
@@ -41,6 +44,16 @@ class Target:
     #: The features of ``ddpcheck.features.FEATURES`` this target supports (None: all of them).
     #: Scenarios needing another are not generated, and battery scenarios are skipped naming it.
     supported_features: frozenset[str] | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Target":
+        # Record the constructor call: a failure's replay line rebuilds a plain-class target as
+        # ``module:Cls(args...)`` (``ddpcheck.replay``). Kept in the instance dict, so it travels
+        # with the target; unpickling calls ``__new__`` without arguments, then restores it.
+        if (args or kwargs) and cls.__init__ is object.__init__:
+            raise TypeError(f"{cls.__qualname__}() takes no arguments")
+        self = super().__new__(cls)
+        object.__setattr__(self, CONSTRUCTOR_CALL, (args, kwargs))  # frozen dataclasses too
+        return self
 
     def configure(self, scenario: Any) -> "Target":
         """Return the target to use for this scenario (default: itself)."""

@@ -103,8 +103,10 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
     import torch.distributed as dist
 
     from ddpcheck._internal import recorder
+    from ddpcheck.api import check_target
     from ddpcheck.battery import BATTERY
 
+    check_target(target)  # on every rank, before any collective: a refusal must not hang rank 0
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     say = (lambda text: print(text, file=out, flush=True)) if rank == 0 else (lambda text: None)

@@ -1,0 +1,96 @@
+"""How scenario problems are named in messages: values, exceptions and the model's modules.
+
+Kept apart from ``ddpcheck.validity`` so the checks there read as checks. Every function returns
+one short line (long reprs are cut), so a refusal message stays one readable sentence.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["MODULE_KINDS", "active_modules", "brief", "code_name", "describe_value",
+           "exception_text", "is_active", "kind_of", "needs_arguments", "short_name"]
+
+
+def needs_arguments(function: Any, *args: Any) -> bool:
+    """True when ``function(*args)`` does not even bind to its signature."""
+    try:
+        inspect.signature(function).bind(*args)
+    except TypeError:
+        return True
+    except ValueError:  # no signature to read
+        return False
+    return False
+
+
+def code_name(value: Any) -> str:
+    from ddpcheck.scenario import _code
+
+    try:
+        return _code(value)
+    except Exception:
+        return brief(value)
+
+
+def short_name(value: Any) -> str:
+    return getattr(value, "__qualname__", None) or type(value).__qualname__
+
+
+def brief(value: Any) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def describe_value(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        kinds = ", ".join(kind_of(v) for v in value[:4]) + (", ..." if len(value) > 4 else "")
+        return f"a {type(value).__name__} of {len(value)} ({kinds})"
+    if isinstance(value, dict):
+        keys = ", ".join(repr(k) for k in list(value)[:4]) + (", ..." if len(value) > 4 else "")
+        return f"a dict with keys {keys}"
+    return kind_of(value)
+
+
+def kind_of(value: Any) -> str:
+    if torch.is_tensor(value):
+        return f"tensor{tuple(value.shape)}"
+    return type(value).__name__
+
+
+def exception_text(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+MODULE_KINDS = {
+    "batchnorm": (nn.modules.batchnorm._BatchNorm, "using batch statistics"),
+    "dropout": (nn.modules.dropout._DropoutNd, "with p > 0 in train mode"),
+}
+
+
+def is_active(module: nn.Module) -> bool:
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):  # eval mode without running stats
+        return module.training or not module.track_running_stats  # uses batch statistics too
+    return module.training and getattr(module, "p", 0) > 0
+
+
+def active_modules(model: nn.Module, kind: str, hint: bool = False) -> str:
+    """`` (found: bn (BatchNorm1d), ...)`` for the model's modules of ``kind`` that are active."""
+    cls, how = MODULE_KINDS[kind]
+    found = [f"{n or 'the model'} ({type(m).__name__})" for n, m in model.named_modules()
+             if isinstance(m, cls) and is_active(m)]
+    if not found:
+        return ""
+    more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+    text = f"{', '.join(found[:3])}{more} {how}"
+    if hint and kind == "batchnorm":
+        return (f" (the model has {text}: batch statistics depend on the batch, so the oracle "
+                "cannot judge it; use eval mode, GroupNorm/LayerNorm, or SyncBatchNorm in your own "
+                "test)")
+    return f" (found: {text})"

@@ -1,0 +1,283 @@
+"""Replay lines that rebuild exactly the target that failed.
+
+Every failure prints ``python -m ddpcheck replay MODULE:EXPR --world-size W --scenario '...'``.
+``MODULE:EXPR`` must rebuild, in a fresh process, a target equal to the one that failed: a line
+that rebuilds another target (``MyTarget()`` for ``MyTarget(scale_bug=True)``) would pass and
+silently clear the bug. So :func:`target_spec` tries, in order:
+
+1. a module-level attribute that *is* the target: ``module:NAME``;
+2. a dataclass: its fields as code (classes and functions by import path, defaults left out),
+   then its ``repr``;
+3. any target: the call that built it, ``module:Cls(args...)`` (``Target.__new__`` records the
+   arguments), every argument as code;
+
+and accepts a candidate only if evaluating it the way ``ddpcheck replay`` does (:func:`evaluate`:
+import the module, evaluate the expression in it) rebuilds an object of the same class whose
+state -- its instance attributes -- equals the target's. When none does (an argument whose repr
+is not code, a target changed after construction, a class defined in ``__main__`` or inside a
+function), :func:`verify_replayable` refuses with :class:`InvalidArgument` before any world runs,
+saying how to make the target replayable; a different target is never printed.
+
+Verified specs are cached by the target's id and pickle, so the check costs one ``pickle.dumps``
+per example, and a target changed after its check is verified again.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import importlib
+import pickle
+import re
+import shlex
+import sys
+from typing import Any
+
+from ddpcheck.errors import InvalidArgument
+from ddpcheck.targets import CONSTRUCTOR_CALL as _CALL  # metadata of a target, not its state
+
+__all__ = ["evaluate", "evaluate_in", "from_repr", "replay_command", "target_spec",
+           "verify_replayable"]
+
+
+_VERIFIED: dict[tuple[int, type, bytes], str] = {}  # (id, class, pickle) -> verified spec
+_MAX_CACHED = 256
+
+
+def replay_command(target: Any, scenario: Any, world_size: int) -> str:
+    """The shell command that runs this one example again (the target's spec is verified)."""
+    return (f"python -m ddpcheck replay {shlex.quote(target_spec(target))} "
+            f"--world-size {world_size} --scenario {shlex.quote(repr(scenario))}")
+
+
+def target_spec(target: Any) -> str:
+    """``MODULE:NAME`` or ``MODULE:EXPR`` that rebuilds ``target`` in another process, verified
+    by rebuilding it here; :class:`InvalidArgument` when no such spec exists."""
+    try:
+        key: tuple[int, type, bytes] | None = (id(target), type(target), pickle.dumps(target))
+    except Exception:  # unpicklable: the caller's pickle check says so; nothing to cache
+        key = None
+    spec = _VERIFIED.get(key) if key is not None else None
+    if spec is None:
+        spec = _find_spec(target)
+        if key is not None:
+            if len(_VERIFIED) >= _MAX_CACHED:
+                _VERIFIED.clear()
+            _VERIFIED[key] = spec
+    return spec
+
+
+#: What a check calls when it starts: the spec, or the refusal.
+verify_replayable = target_spec
+
+
+def evaluate(spec: str) -> Any:
+    """``MODULE:EXPR`` -> the object ``ddpcheck replay`` would use."""
+    module_name, expr = spec.split(":", 1)
+    return evaluate_in(importlib.import_module(module_name), expr)
+
+
+def evaluate_in(module: Any, expr: str) -> Any:
+    """Evaluate ``expr`` in ``module``'s namespace; dotted names it does not define, such as
+    ``parallel.sharding.greedy``, are imported on use."""
+    return _evaluate(expr, vars(module))
+
+
+def from_repr(text: str) -> Any:
+    """Rebuild a scenario from its ``repr`` (the modules it names are imported): the other half
+    of a replay line."""
+    from ddpcheck.scenario import Scenario
+
+    scenario = _evaluate(text, {})
+    if not isinstance(scenario, Scenario):
+        raise InvalidArgument(f"{text!r} does not describe a ddpcheck.Scenario")
+    return scenario
+
+
+def _evaluate(expr: str, namespace: dict) -> Any:
+    # Submodules are not always attributes of their package until imported (ddpcheck.models).
+    for dotted in set(re.findall(r"\b[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+", expr)):
+        parts = dotted.split(".")
+        if parts[0] in namespace and not _is_module(namespace[parts[0]]):
+            continue  # an attribute of something the namespace defines, not a module path
+        for i in range(1, len(parts)):
+            try:
+                importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                break
+    return eval(expr, _Namespace(namespace))  # noqa: S307 -- the user's code, or our replay line
+
+
+class _Namespace(dict):
+    """A module's namespace in which unknown names are builtins or importable top-level modules
+    (the names of a dataclass field's import path)."""
+
+    def __missing__(self, name: str) -> Any:
+        if hasattr(builtins, name):
+            return getattr(builtins, name)
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            raise NameError(f"name {name!r} is not defined") from None
+        self[name] = module
+        return module
+
+
+def _is_module(value: Any) -> bool:
+    return type(value).__name__ == "module"
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding and verifying a spec
+
+
+def _find_spec(target: Any) -> str:
+    cls = type(target)
+    module_name = cls.__module__
+    if module_name == "__main__":
+        raise _refusal(target, f"its class {cls.__qualname__} is defined in __main__ (the script "
+                               "being run), and a replay process imports targets by module name, "
+                               "where __main__ is ddpcheck itself",
+                       "define the class in an importable module and import it into the script")
+    if "<locals>" in cls.__qualname__:
+        raise _refusal(target, f"its class {cls.__qualname__} is defined inside a function",
+                       f"define {cls.__name__} at module level")
+    module = sys.modules.get(module_name)
+    if module is None:
+        raise _refusal(target, f"its module {module_name!r} is not imported",
+                       "define the class in an importable module")
+    for attr, value in list(vars(module).items()):
+        if value is target:
+            return f"{module_name}:{attr}"
+    reasons = []
+    for expr in _candidates(target, reasons):
+        try:
+            rebuilt = evaluate_in(module, expr)
+        except Exception as exc:
+            reasons.append(f"{module_name}:{expr} does not evaluate ({type(exc).__name__}: "
+                           f"{_one_line(exc)})")
+            continue
+        why = _differs(target, rebuilt)
+        if why is None:
+            return f"{module_name}:{expr}"
+        reasons.append(f"{module_name}:{expr} builds a different target ({why})")
+    name = cls.__qualname__
+    if dataclasses.is_dataclass(target):
+        fix = ("give its fields values written as code (numbers, strings, module-level functions "
+               f"and classes), or assign it to a module-level name (MY_TARGET = {name}(...)) in "
+               f"{module_name}")
+    else:
+        fix = (f"build it with arguments written as code and do not change it afterwards, "
+               f"assign it to a module-level name (MY_TARGET = {name}(...)) in {module_name}, or "
+               f"make {name} a dataclass whose fields hold its whole state")
+    raise _refusal(target, "; ".join(dict.fromkeys(reasons)) or "no way to rebuild it was found",
+                   fix)
+
+
+def _candidates(target: Any, reasons: list[str]):
+    """Expressions (in the class's module) that may rebuild ``target``."""
+    from ddpcheck.scenario import _code, _is_default
+
+    cls = type(target)
+    name = cls.__qualname__
+    seen = set()
+
+    def once(expr: str):
+        if expr not in seen:
+            seen.add(expr)
+            return [expr]
+        return []
+
+    if dataclasses.is_dataclass(target):
+        try:
+            fields = [f"{f.name}={_code(getattr(target, f.name))}"
+                      for f in dataclasses.fields(target)
+                      if f.init and not _is_default(target, f)]
+            yield from once(f"{name}({', '.join(fields)})")
+        except Exception as exc:  # a field that cannot be compared or written as code
+            reasons.append(f"its fields cannot be written as code ({type(exc).__name__}: "
+                           f"{_one_line(exc)})")
+        yield from once(repr(target))
+    call = _recorded_call(target)
+    if call is not None:
+        args, kwargs = call
+        try:
+            text = [_code(a) for a in args] + [f"{k}={_code(v)}" for k, v in kwargs.items()]
+            yield from once(f"{name}({', '.join(text)})")
+        except Exception as exc:
+            reasons.append(f"the arguments it was built with cannot be written as code "
+                           f"({type(exc).__name__}: {_one_line(exc)})")
+    elif not dataclasses.is_dataclass(target):
+        yield from once(f"{name}()")
+
+
+def _recorded_call(target: Any) -> tuple[tuple, dict] | None:
+    try:
+        call = vars(target).get(_CALL)
+    except TypeError:  # no instance dict
+        return None
+    if isinstance(call, tuple) and len(call) == 2:
+        return call
+    return None
+
+
+def _state(obj: Any) -> dict | None:
+    try:
+        return {k: v for k, v in vars(obj).items() if k != _CALL}
+    except TypeError:
+        return None
+
+
+def _differs(target: Any, rebuilt: Any) -> str | None:
+    """None when ``rebuilt`` is the same target; otherwise what differs."""
+    if type(rebuilt) is not type(target):
+        return f"a {type(rebuilt).__module__}.{type(rebuilt).__qualname__}, not a " \
+               f"{type(target).__module__}.{type(target).__qualname__}"
+    mine, theirs = _state(target), _state(rebuilt)
+    if mine is None or theirs is None:
+        return None if _same(target, rebuilt) else "their pickles differ"
+    diffs = []
+    for key in sorted(set(mine) | set(theirs)):
+        if key not in theirs:
+            diffs.append(f"{key} is set on the target but not by the constructor")
+        elif key not in mine:
+            diffs.append(f"{key} is set by the constructor but absent from the target")
+        elif not _same(mine[key], theirs[key]):
+            diffs.append(f"{key}={_brief(mine[key])} on the target, {_brief(theirs[key])} rebuilt")
+    if not diffs:
+        return None
+    more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
+    return ", ".join(diffs[:3]) + more
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        equal = a == b
+        if isinstance(equal, bool):
+            return equal
+    except Exception:
+        pass
+    try:  # tensors, objects without a useful __eq__: equal pickles mean equal state
+        return pickle.dumps(a) == pickle.dumps(b)
+    except Exception:
+        return False
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _refusal(target: Any, why: str, fix: str) -> InvalidArgument:
+    cls = type(target)
+    return InvalidArgument(
+        f"target {cls.__module__}.{cls.__qualname__} cannot be replayed: {why}. A failure's "
+        "replay line must rebuild exactly this target in a fresh process, and none can; to make "
+        f"it replayable, {fix}")
