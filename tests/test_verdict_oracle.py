@@ -45,7 +45,7 @@ def _step(w, grad=None, state=None, buffers=None) -> StepRecord:
 
 def _reference(steps, initial=None) -> Reference:
     return Reference(initial={"w": _t(1.0, 2.0)} if initial is None else initial, steps=steps,
-                     gradient_bytes=16, n_dtypes=1, compute_dtype=torch.float64)
+                     gradient_bytes=16, gradient_numel=2, n_dtypes=1, compute_dtype=torch.float64)
 
 
 def _ranks(*per_rank, initial=None) -> list[RankRecord]:
@@ -263,3 +263,31 @@ def test_the_overflow_replay_line_exits_2_not_1():
                        ' steps=3)'], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "cannot judge" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_gradients_sent_in_a_wider_dtype_are_not_called_a_double_reduction():
+    """float32 gradients promoted by torch.cat into a float64 buffer: as many elements, twice
+    the bytes -- its own kind, with the dtypes, not 'reduced more than once'."""
+    from ddpcheck._internal.recorder import Collective
+    from ddpcheck.budget import check_budget
+
+    def reduce(dtype: str, numel: int) -> Collective:
+        return Collective(op="all_reduce", nbytes=numel * (8 if dtype == "float64" else 4),
+                          dtypes=(dtype,), shapes=((numel,),), root=None, group=None,
+                          reduce_op="SUM", async_op=True, launched=0.0)
+
+    reference = Reference(initial={}, steps=[], gradient_bytes=8 * 4, gradient_numel=8,
+                          n_dtypes=1, compute_dtype=torch.float32)
+
+    def rows(collectives):
+        records = [RankRecord(r, {}, [StepRecord({}, {}, {}, {}, collectives)], 0.0)
+                   for r in range(2)]
+        return check_budget(0, 2, records, reference, False)
+
+    widened = rows([reduce("float64", 8)])
+    assert [d.kind for d in widened] == ["communication in a wider dtype"] * 2
+    assert "float64" in widened[0].detail and "wider dtype" in widened[0].detail
+    twice = rows([reduce("float32", 8), reduce("float32", 8)])
+    assert [d.kind for d in twice] == ["communication over budget"] * 2
+    assert "reduced more than once" in twice[0].detail
+    assert rows([reduce("float32", 8)]) == []

@@ -2,12 +2,15 @@
 
 Invariant: :func:`check_budget` returns no divergence exactly when, on every rank, the bytes of
 floating-point all-reduces in one step are at most the gradient bytes (each gradient crosses the
-wire once), and -- for a target that promises ``flattened_broadcasts`` -- the broadcasts per step
+wire once, in its own dtype: as many elements in more bytes is reported as its own kind,
+``communication in a wider dtype``, not as a double reduction), and -- for a target that promises ``flattened_broadcasts`` -- the broadcasts per step
 are at most W x parameter dtypes (one per owner and dtype). Only collectives issued through
 ``torch.distributed``'s Python API are seen (``_internal.recorder``).
 """
 
 from __future__ import annotations
+
+import math
 
 from ddpcheck._internal.records import RankRecord
 from ddpcheck.errors import Divergence
@@ -26,7 +29,19 @@ def check_budget(step: int, world_size: int, records: list[RankRecord], referenc
         calls = record.steps[step].collectives
         floating = [c for c in calls if any(d.startswith(("float", "bfloat")) for d in c.dtypes)]
         reduced = sum(c.nbytes for c in floating if c.op == "all_reduce")
-        if reduced > grad_bytes:
+        elements = sum(_numel(c) for c in floating if c.op == "all_reduce")
+        if reduced > grad_bytes and elements <= reference.gradient_numel:
+            # no more elements than the gradients have, but more bytes: they travelled wider
+            # (float32 gradients promoted by torch.cat into a float64 bucket, say)
+            widened = sorted({d for c in floating if c.op == "all_reduce" for d in c.dtypes})
+            out.append(Divergence(step, world_size, record.rank, "(all gradients)",
+                                  "communication in a wider dtype",
+                                  detail=f"all-reduced {elements} elements as {reduced} bytes "
+                                         f"({'/'.join(widened)}); the gradients are "
+                                         f"{reference.gradient_numel} elements in {grad_bytes} "
+                                         "bytes, so some were sent in a wider dtype than their "
+                                         "own (promoted in a mixed-dtype bucket?)"))
+        elif reduced > grad_bytes:
             out.append(Divergence(step, world_size, record.rank, "(all gradients)",
                                   "communication over budget",
                                   detail=f"all-reduced {reduced} bytes in one step; the gradients "
@@ -42,3 +57,7 @@ def check_budget(step: int, world_size: int, records: list[RankRecord], referenc
                                          f"{world_size * n_dtypes} are needed (one flattened "
                                          "broadcast per owner and dtype)"))
     return out
+
+
+def _numel(collective) -> int:
+    return sum(math.prod(shape) for shape in collective.shapes)

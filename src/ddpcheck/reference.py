@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from ddpcheck._internal.records import StepRecord, initial_state, snapshot
+from ddpcheck._internal.records import StepRecord, gradients, initial_state, snapshot
 from ddpcheck._internal.train import Loop, train
 from ddpcheck.scenario import Scenario, build_model, global_batch, make_param_groups
 
@@ -25,6 +25,7 @@ class Reference:
     initial: dict[str, torch.Tensor]  # parameters and buffers before the first step
     steps: list[StepRecord]
     gradient_bytes: int  # bytes of all trainable parameters' gradients: the all-reduce budget
+    gradient_numel: int  # their elements: more bytes than this in as many elements is widening
     n_dtypes: int  # parameter dtypes: the broadcast budget is W x n_dtypes
     compute_dtype: torch.dtype  # the least precise parameter dtype: it sets the tolerance
 
@@ -37,14 +38,18 @@ def reference_run(scenario: Scenario) -> Reference:
     initial = initial_state(model)
     optimizer = scenario.optimizer(make_param_groups(scenario, model), **scenario.optimizer_kwargs)
     steps = []
+    grads: dict = {}
     train(scenario, model, optimizer, Loop(
         batches=lambda step: [global_batch(scenario, step)],
         scale=1.0 / scenario.global_batch if scenario.reduction == "mean" else 1.0,
-        after_step=lambda step: steps.append(snapshot(model, names, optimizer.state))))
+        before_optimizer_step=lambda step: grads.__setitem__("now", gradients(model)),
+        after_step=lambda step: steps.append(snapshot(model, names, optimizer.state,
+                                                      grads=grads["now"]))))
     trainable = [p for p in model.parameters() if p.requires_grad]
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     return Reference(initial, steps,
                      gradient_bytes=sum(p.numel() * p.element_size() for p in trainable),
+                     gradient_numel=sum(p.numel() for p in trainable),
                      n_dtypes=len(dtypes) or 1,
                      # a float64 layer fed by a float32 one inherits float32 rounding
                      compute_dtype=min(dtypes, key=lambda d: torch.finfo(d).eps * -1,

@@ -149,6 +149,9 @@ def _find_spec(target: Any) -> str:
     for attr, value in list(vars(module).items()):
         if value is target:
             return f"{module_name}:{attr}"
+    found = _attribute_elsewhere(target)  # e.g. MY_TARGET = Target.from_wrappers(...) in yours
+    if found is not None:
+        return found
     reasons = []
     for expr in _candidates(target, reasons):
         try:
@@ -172,6 +175,19 @@ def _find_spec(target: Any) -> str:
                f"make {name} a dataclass whose fields hold its whole state")
     raise _refusal(target, "; ".join(dict.fromkeys(reasons)) or "no way to rebuild it was found",
                    fix)
+
+
+def _attribute_elsewhere(target: Any) -> str | None:
+    """``MODULE:NAME`` of a module-level name bound to ``target`` in any imported module but
+    ``__main__`` (a replay process cannot import it by that name), in module order."""
+    for name in sorted(n for n in list(sys.modules) if n not in ("__main__", "__mp_main__")):
+        namespace = getattr(sys.modules.get(name), "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attr, value in list(namespace.items()):
+            if value is target and not attr.startswith("_"):
+                return f"{name}:{attr}"
+    return None
 
 
 def _candidates(target: Any, reasons: list[str]):

@@ -5,16 +5,23 @@ of an importable module. The runner calls, per example and per rank::
 
     target = target.configure(scenario)          # read hints such as bucket_size_mb
     model = target.wrap(module)
-    optimizer = target.make_optimizer(params, optimizer_cls, **kwargs)
+    optimizer = target.make_optimizer(params, optimizer_cls, [model=model,] **kwargs)
     for each step:
+        target.before_step(model, optimizer)
         for each micro-batch but the last:  with target.no_sync(model): forward/backward
         last micro-batch:                   forward/backward
         target.after_backward(model, optimizer)
-        optimizer.step(); optimizer.zero_grad(...)
+        (gradients recorded here)
+        optimizer.step(); optimizer.zero_grad(set_to_none=...)   # the target's optimizer's own
+        target.after_step(model, optimizer)
 
 and reads ``target.optimizer_state(optimizer)`` to check that optimizer state matches the
 reference and -- when ``shards_optimizer_state`` is true -- that each parameter's state lives on
 exactly one rank. ``flattened_broadcasts`` opts into the broadcast budget (see ``oracle``).
+``make_optimizer`` gets the wrapped model only if its signature names a ``model`` parameter.
+
+Most implementations need no class at all: :meth:`Target.from_wrappers` assembles one from a
+wrapper class, the name of its finish method and a sharded optimizer class.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from ddpcheck.features import FEATURES
 
 __all__ = ["LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP", "TORCH_ZERO", "BUILTIN",
            "LocalTarget", "ParallelDDPTarget", "ParallelTarget", "Target", "TorchDDPTarget",
-           "TorchZeroTarget"]
+           "TorchZeroTarget", "WrapperTarget"]
 
 #: Instance attribute holding ``(args, kwargs)`` of the call that built a target.
 CONSTRUCTOR_CALL = "_ddpcheck_call"
@@ -44,6 +51,9 @@ class Target:
     #: The features of ``ddpcheck.features.FEATURES`` this target supports (None: all of them).
     #: Scenarios needing another are not generated, and battery scenarios are skipped naming it.
     supported_features: frozenset[str] | None = None
+    #: True when the optimizer itself averages gradients inside ``step()`` (ZeRO-2 style, no
+    #: wrapper in front): gradients are then recorded after the step, not before it.
+    gradients_synchronized_in_step: bool = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Target":
         # Record the constructor call: a failure's replay line rebuilds a plain-class target as
@@ -70,16 +80,73 @@ class Target:
     def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
         return optimizer_cls(params, **kwargs)
 
+    def before_step(self, model: Any, optimizer: Any) -> None:
+        """Called at the start of every step, before its first forward (``on_train_batch_start``)."""
+
     def after_backward(self, model: Any, optimizer: Any) -> None:
         """Called after the last micro-batch's backward, before ``optimizer.step()``."""
+
+    def after_step(self, model: Any, optimizer: Any) -> None:
+        """Called after ``optimizer.step()`` and ``zero_grad`` (where loops call ``model.reset()``)."""
 
     def no_sync(self, model: Any) -> ContextManager[Any]:
         """Context for accumulation micro-batches whose gradients stay local."""
         return contextlib.nullcontext()
 
     def optimizer_state(self, optimizer: Any) -> Mapping[Any, dict]:
-        """The optimizer state this rank holds, keyed by parameter tensor."""
-        return optimizer.state
+        """The optimizer state this rank holds, keyed by parameter tensor.
+
+        Default: the state of the one ``torch.optim.Optimizer`` the optimizer wraps, if it holds
+        one in an attribute (ZeroRedundancyOptimizer's ``.optim``, a ZeRO-1 wrapper's inner
+        optimizer), else its own ``state``. Override it when neither is right."""
+        import torch
+
+        inner = [v for v in vars(optimizer).values()
+                 if isinstance(v, torch.optim.Optimizer) and v is not optimizer]
+        if len(inner) == 1:
+            return inner[0].state
+        state = getattr(optimizer, "state", None)
+        if state is None:
+            raise TypeError(
+                f"{type(self).__name__}.optimizer_state: {type(optimizer).__name__} has no "
+                "`state` and wraps no single torch.optim.Optimizer; override "
+                "Target.optimizer_state(optimizer) to return {parameter: state dict} held on "
+                "this rank, and set shards_optimizer_state = True if each rank holds only its "
+                "shard")
+        return state
+
+    @staticmethod
+    def from_wrappers(*, ddp: Any = None, ddp_kwargs: dict | None = None,
+                      finish: str | None = None, no_sync: str | None = "no_sync",
+                      optimizer: Any = None, optimizer_kwargs: dict | None = None,
+                      inner_optimizer: str = "class", before_step: str | None = None,
+                      after_step: str | None = None, supports: Any = None,
+                      shards_optimizer_state: bool | None = None) -> "WrapperTarget":
+        """A target for the common shapes of data-parallel code, with no class to write.
+
+        ``ddp(module, **ddp_kwargs)`` wraps the model; ``finish`` names the wrapper's method to
+        call after backward (e.g. ``"finish_gradient_sync"``; None for a wrapper that syncs inside
+        backward, like torch's); ``no_sync`` names its accumulation context manager (None: the
+        wrapper has none). ``optimizer`` wraps the optimizer: called as
+        ``optimizer(params, optimizer_cls, **kwargs, **optimizer_kwargs)`` when ``inner_optimizer``
+        is ``"class"``, as ``optimizer(optimizer_cls(params, **kwargs), **optimizer_kwargs)`` when
+        it is ``"instance"``, or with ``inner_optimizer`` as the keyword naming the class (e.g.
+        ``"optimizer_class"`` for ZeroRedundancyOptimizer). ``before_step`` / ``after_step`` name
+        wrapper methods a real loop calls there (e.g. ``after_step="reset"``). ``supports``: the
+        features it supports (``ddpcheck.features``; None for all). ``shards_optimizer_state``
+        defaults to True when an ``optimizer`` wrapper is given.
+
+        Assign the result to a module-level name: ``MODULE:NAME`` is then its replay line and
+        its command-line name.
+        """
+        return WrapperTarget(
+            ddp=ddp, ddp_kwargs=dict(ddp_kwargs or {}), finish=finish, no_sync_method=no_sync,
+            optimizer=optimizer, optimizer_kwargs=dict(optimizer_kwargs or {}),
+            inner_optimizer=inner_optimizer, before_step_method=before_step,
+            after_step_method=after_step,
+            supported_features=None if supports is None else frozenset(supports),
+            shards_optimizer_state=(optimizer is not None if shards_optimizer_state is None
+                                    else shards_optimizer_state))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,8 +237,61 @@ class TorchZeroTarget(TorchDDPTarget):
         # parameter at a time, and this target does not promise flattened broadcasts.
         return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_cls, **kwargs)
 
-    def optimizer_state(self, optimizer: Any) -> Mapping[Any, dict]:
-        return optimizer.optim.state  # the local shard's inner optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class WrapperTarget(Target):
+    """A target assembled by :meth:`Target.from_wrappers` (see there for the fields)."""
+
+    ddp: Any = None
+    ddp_kwargs: dict = dataclasses.field(default_factory=dict)
+    finish: str | None = None
+    no_sync_method: str | None = "no_sync"
+    optimizer: Any = None
+    optimizer_kwargs: dict = dataclasses.field(default_factory=dict)
+    inner_optimizer: str = "class"
+    before_step_method: str | None = None
+    after_step_method: str | None = None
+    supported_features: frozenset[str] | None = None
+    shards_optimizer_state: bool = False
+
+    def wrap(self, module: Any) -> Any:
+        return module if self.ddp is None else self.ddp(module, **self.ddp_kwargs)
+
+    def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
+        if self.optimizer is None:
+            return optimizer_cls(params, **kwargs)
+        if self.inner_optimizer == "class":
+            return self.optimizer(params, optimizer_cls, **kwargs, **self.optimizer_kwargs)
+        if self.inner_optimizer == "instance":
+            return self.optimizer(optimizer_cls(params, **kwargs), **self.optimizer_kwargs)
+        return self.optimizer(params, **{self.inner_optimizer: optimizer_cls}, **kwargs,
+                              **self.optimizer_kwargs)
+
+    def before_step(self, model: Any, optimizer: Any) -> None:
+        if self.before_step_method is not None:
+            _method(model, self.before_step_method, "before_step")()
+
+    def after_backward(self, model: Any, optimizer: Any) -> None:
+        if self.finish is not None:
+            _method(model, self.finish, "finish")()
+
+    def after_step(self, model: Any, optimizer: Any) -> None:
+        if self.after_step_method is not None:
+            _method(model, self.after_step_method, "after_step")()
+
+    def no_sync(self, model: Any) -> ContextManager[Any]:
+        if self.no_sync_method is None:
+            return contextlib.nullcontext()
+        return _method(model, self.no_sync_method, "no_sync")()
+
+
+def _method(model: Any, name: str, field: str) -> Any:
+    method = getattr(model, name, None)
+    if not callable(method):
+        raise AttributeError(f"Target.from_wrappers({field}={name!r}): the wrapped model "
+                             f"{type(model).__name__} has no method {name!r}")
+    return method
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ddpcheck._internal import recorder
+from ddpcheck._internal.runner import make_optimizer
 from ddpcheck._internal.train import Loop, train
 from ddpcheck.scenario import (Scenario, build_model, local_micro_batches, loss_scale,
                                make_param_groups)
@@ -79,11 +80,11 @@ def record_step(target: Any, scenario: Scenario = TRACE_SCENARIO, warmup: int = 
     target = target.configure(scenario)
     module = build_model(scenario, scenario.seed)
     model = target.wrap(module)
-    optimizer = target.make_optimizer(make_param_groups(scenario, module), scenario.optimizer,
-                                      **scenario.optimizer_kwargs)
+    optimizer = make_optimizer(target, model, make_param_groups(scenario, module), scenario)
     phases: list[tuple[str, float, float]] = []
 
     def start_step(step: int) -> None:
+        target.before_step(model, optimizer)
         # Line the ranks up so the recorded step starts together (the barrier is not recorded).
         dist.barrier()
         recorder.reset()
@@ -94,7 +95,8 @@ def record_step(target: Any, scenario: Scenario = TRACE_SCENARIO, warmup: int = 
         scale=loss_scale(scenario, world_size),
         no_sync=lambda: target.no_sync(model),
         after_backward=lambda: target.after_backward(model, optimizer),
-        before_step=start_step, phases=phases))
+        before_step=start_step, end_step=lambda step: target.after_step(model, optimizer),
+        phases=phases))
     records = recorder.records()
     return RankTrace(rank, phases, records, _carries(model, module, records))
 

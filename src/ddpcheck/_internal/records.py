@@ -1,7 +1,7 @@
 """What the oracle compares: one rank's (or the reference's) state after every step.
 
-Invariant: a :class:`StepRecord` holds *copies* (never views) of every gradient, parameter and
-buffer by name, the optimizer state this process holds by parameter name, and the collectives it
+Invariant: a :class:`StepRecord` holds *copies* (never views) of every gradient (as the
+optimizer step received it), parameter and buffer (after the step) by name, the optimizer state this process holds by parameter name, and the collectives it
 issued during the step -- so a later step, or the target, cannot change what was recorded.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from ddpcheck._internal.recorder import Collective
 
-__all__ = ["RankRecord", "StepRecord", "initial_state", "snapshot"]
+__all__ = ["RankRecord", "StepRecord", "gradients", "initial_state", "snapshot"]
 
 
 @dataclasses.dataclass
@@ -43,12 +43,21 @@ def initial_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
                 **{n: b.detach().clone() for n, b in module.named_buffers()}}
 
 
-def snapshot(model: torch.nn.Module, names: dict[Any, str], state: Any,
-             collectives: list | None = None) -> StepRecord:
-    """Copies of everything the oracle compares; ``state`` maps parameter -> state dict."""
+def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """Copies of the gradients, by name (None where there is none)."""
     with torch.no_grad():
-        grads = {n: None if p.grad is None else p.grad.detach().clone()
-                 for n, p in model.named_parameters()}
+        return {n: None if p.grad is None else p.grad.detach().clone()
+                for n, p in model.named_parameters()}
+
+
+def snapshot(model: torch.nn.Module, names: dict[Any, str], state: Any,
+             collectives: list | None = None,
+             grads: dict[str, torch.Tensor | None] | None = None) -> StepRecord:
+    """Copies of everything the oracle compares; ``state`` maps parameter -> state dict;
+    ``grads``, when given, are the gradients recorded earlier (before the optimizer step)."""
+    if grads is None:
+        grads = gradients(model)
+    with torch.no_grad():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
         held = {}

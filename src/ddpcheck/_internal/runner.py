@@ -4,23 +4,31 @@ Invariant: :func:`run_example` is deterministic given (target, scenario, rank, w
 rank builds the same model (from a rank-dependent seed when ``scenario.rank_seeds``, so the
 target's broadcast from rank 0 is exercised), takes its own shard of each global batch (see
 ``scenario``'s batch rule), trains through the one loop (``_internal.train``) and records after
-every step what the oracle compares -- gradients (after the optimizer step, before ``zero_grad``),
-parameters, buffers, the optimizer state this rank holds, and every collective it issued through
-``torch.distributed``.
+every step what the oracle compares -- gradients as ``optimizer.step()`` receives them (after
+``after_backward``; after the step instead for a target whose optimizer synchronises gradients
+itself, ``Target.gradients_synchronized_in_step``), parameters, buffers and the optimizer state this
+rank holds after the step, and every collective it issued through ``torch.distributed``.
+
+The target's hooks run where a real training loop runs them: ``before_step`` before the step's
+first forward, ``no_sync`` around every micro-batch but the last, ``after_backward`` after the last
+backward, then ``optimizer.step()``, ``optimizer.zero_grad()`` (the target's optimizer's own) and
+``after_step``.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from typing import Any
 
 from ddpcheck._internal import recorder
-from ddpcheck._internal.records import RankRecord, initial_state, snapshot
+from ddpcheck._internal.records import RankRecord, gradients, initial_state, snapshot
 from ddpcheck._internal.train import Loop, train
 from ddpcheck.scenario import (Scenario, build_model, local_micro_batches, loss_scale,
                                make_param_groups)
 
-__all__ = ["rank_seed", "run_example", "run_example_packed"]
+__all__ = ["make_optimizer", "rank_seed", "run_example", "run_example_packed"]
 
 #: Seed offset between ranks when each rank initialises its own weights differently.
 _RANK_SEED_STRIDE = 7919
@@ -41,22 +49,47 @@ def run_example(target: Any, scenario: Scenario) -> RankRecord:
     names = {p: n for n, p in module.named_parameters()}
     model = target.wrap(module)
     initial = initial_state(module)
-    optimizer = target.make_optimizer(make_param_groups(scenario, module), scenario.optimizer,
-                                      **scenario.optimizer_kwargs)
+    optimizer = make_optimizer(target, model, make_param_groups(scenario, module), scenario)
     steps = []
+    in_step = getattr(target, "gradients_synchronized_in_step", False)
+    grads: dict = {}
+
+    def start(step: int) -> None:
+        recorder.reset()
+        target.before_step(model, optimizer)
 
     def record(step: int) -> None:
         steps.append(snapshot(module, names, target.optimizer_state(optimizer),
-                              recorder.records()))
+                              recorder.records(), grads=None if in_step else grads["now"]))
 
     train(scenario, model, optimizer, Loop(
         batches=lambda step: local_micro_batches(scenario, step, rank, world_size),
         scale=loss_scale(scenario, world_size),
         no_sync=lambda: target.no_sync(model),
         after_backward=lambda: target.after_backward(model, optimizer),
-        before_step=lambda step: recorder.reset(),
-        after_step=record))
+        before_step=start,
+        before_optimizer_step=lambda step: grads.__setitem__("now", gradients(module)),
+        after_step=record,
+        end_step=lambda step: target.after_step(model, optimizer)))
     return RankRecord(rank, initial, steps, time.perf_counter() - started)
+
+
+def make_optimizer(target: Any, model: Any, params: list, scenario: Scenario) -> Any:
+    """``target.make_optimizer``, given the wrapped model when it takes a ``model`` keyword (a
+    sharded optimizer that must know its DDP); older targets' signatures are left as they are."""
+    kwargs = dict(scenario.optimizer_kwargs)
+    if _takes_model(type(target).make_optimizer):
+        kwargs["model"] = model
+    return target.make_optimizer(params, scenario.optimizer, **kwargs)
+
+
+@functools.lru_cache(maxsize=256)
+def _takes_model(method: Any) -> bool:
+    try:
+        parameters = inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+    return "model" in parameters
 
 
 def run_example_packed(target: Any, scenario: Scenario) -> Any:

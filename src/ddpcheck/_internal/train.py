@@ -3,8 +3,10 @@
 Invariant: :func:`train` runs ``scenario.steps`` steps of the scenario's objective -- per step,
 the micro-batches ``loop.batches(step)`` (all but the last under ``loop.no_sync()``), each
 back-propagating its summed per-sample losses times ``loop.scale``; then
-``loop.after_backward()``, ``optimizer.step()``, the LR schedule, ``loop.after_step(step)``
-(where callers snapshot), and ``zero_grad``. Because the runner (every rank of a world),
+``loop.after_backward()``, ``loop.before_optimizer_step(step)`` (gradients are final here),
+``optimizer.step()``, the LR schedule, ``loop.after_step(step)`` (where callers snapshot),
+``zero_grad`` (on the given optimizer: a sharded optimizer's own ``zero_grad`` is what runs) and
+``loop.end_step(step)``. Because the runner (every rank of a world),
 ``ddpcheck.trace`` (timed) and the oracle's reference (one process, the whole batch) share it,
 what the trace draws and what the reference computes are exactly the steps the oracle checks.
 """
@@ -36,7 +38,9 @@ class Loop:
     no_sync: Callable[[], ContextManager[Any]] = contextlib.nullcontext  # all but the last
     after_backward: Callable[[], None] = _nothing
     before_step: Callable[[int], None] = _nothing  # after the batches are drawn, before forward
+    before_optimizer_step: Callable[[int], None] = _nothing  # after after_backward
     after_step: Callable[[int], None] = _nothing  # after optimizer.step and the schedule
+    end_step: Callable[[int], None] = _nothing  # after zero_grad
     #: When a list, (phase, start, end) ``time.perf_counter()`` spans are appended to it.
     phases: list[tuple[str, float, float]] | None = None
 
@@ -61,6 +65,7 @@ def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop) -> None:
                 loop.phases += [("forward", t0, t1), ("backward", t1, t2)]
         t3 = clock()
         loop.after_backward()
+        loop.before_optimizer_step(step)
         t4 = clock()
         optimizer.step()
         if scheduler is not None:
@@ -70,3 +75,4 @@ def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop) -> None:
             loop.phases += [("after_backward", t3, t4), ("optimizer.step", t4, t5)]
         loop.after_step(step)
         optimizer.zero_grad(set_to_none=scenario.set_to_none)
+        loop.end_step(step)
