@@ -18,7 +18,7 @@ PACKAGES = {"ddpcheck": ROOT / "src" / "ddpcheck", "parallel": ROOT / "parallel"
 #: ddpcheck's layers, lowest first. A module not listed fails the test: place it on purpose.
 LAYERS = [
     ("errors and options", ["ddpcheck.errors", "ddpcheck._internal.validation",
-                            "ddpcheck._internal.options"]),
+                            "ddpcheck._internal.options", "ddpcheck._internal.vocabulary"]),
     ("world", ["ddpcheck._internal.failures", "ddpcheck._internal.rank",
                "ddpcheck._internal.world", "ddpcheck._internal.recorder",
                "ddpcheck._internal.sequences", "ddpcheck._internal.transport"]),

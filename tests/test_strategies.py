@@ -145,11 +145,28 @@ def test_plugin_fixtures_run_a_target_and_count_examples(tmp_path):
         in out.stdout
 
 
+def test_plugin_flags_narrow_the_features_the_fixtures_exercise(tmp_path):
+    out = _pytest(tmp_path, """
+        from ddpcheck import targets
+
+        def test_run(ddpcheck_run, ddpcheck_options):
+            assert ddpcheck_options.without == {"accumulation", "float32"}
+            report = ddpcheck_run(targets.PARALLEL)
+            assert not report.features & {"accumulation", "float32"}
+            assert any("excluded with --without" in line for line in report.skipped_lines())
+    """, "--ddpcheck-world-sizes", "2", "--ddpcheck-without", "accumulation",
+        "--ddpcheck-dtypes", "float64")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "without accumulation,float32" in out.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["--ddpcheck-world-sizes", "2,x"], "--ddpcheck-world-sizes='2,x' must be comma-separated"),
     (["--ddpcheck-world-sizes", "0"], "--ddpcheck-world-sizes='0' must list positive integers"),
     (["--ddpcheck-deadline", "-3"], "--ddpcheck-deadline='-3' must be a positive number"),
     (["--ddpcheck-world-sizes", "1000"], "lower the largest world size"),
+    (["--ddpcheck-without", "buffer"], "'buffer' is not a feature; known:"),
+    (["--ddpcheck-dtypes", "float16"], "--ddpcheck-dtypes: 'float16' is not a feature"),
 ])
 def test_plugin_rejects_bad_options_naming_the_flag(tmp_path, args, message):
     out = _pytest(tmp_path, "def test_nothing():\n    pass\n", *args)

@@ -13,48 +13,15 @@ weights -- what every rank of a world would see at step 0 -- cached per scenario
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
-from ddpcheck._internal.validation import InvalidArgument
+from ddpcheck._internal.vocabulary import FEATURES, parse
 from ddpcheck.models import ModelSpec
 from ddpcheck.scenario import Scenario, build_model, global_batch, per_sample_loss
 
 __all__ = ["FEATURES", "declines", "exercised", "of", "parse"]
-
-#: Every feature a scenario can exercise, with what it means (the order of reports).
-FEATURES: dict[str, str] = {
-    "float64": "float64 scenarios",
-    "float32": "float32 scenarios (calibrated tolerance)",
-    "accumulation": "several micro-batches per step, all but the last under no_sync()",
-    "unused-on-some-ranks": "a trainable parameter with a gradient on some ranks but None on "
-                            "others (its layer is used by some samples only)",
-    "unused-everywhere": "a trainable parameter no rank uses in a step (its grad stays None)",
-    "frozen": "parameters with requires_grad=False",
-    "tied": "one parameter used twice in a step (tied or reused weights)",
-    "buffers": "buffers, which must start as rank 0's",
-    "mixed-dtypes": "float32 and float64 parameters in one model",
-    "non-contiguous": "a parameter created non-contiguous (a transposed view)",
-    "param-groups": "several param groups with their own hyperparameters",
-    "lr-schedule": "an LR schedule stepped after every optimizer step",
-    "uneven-batches": "a global batch not divisible by W (some ranks get fewer, or no, samples)",
-    "broadcast": "ranks initialised differently: the target must broadcast rank 0's state",
-    "grads-kept": "zero_grad(set_to_none=False): gradients kept (zeroed) between steps",
-}
-
-
-def parse(text: str | Iterable[str], flag: str = "--without") -> frozenset[str]:
-    """``"accumulation,buffers"`` (or an iterable of names) -> a validated set of features."""
-    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text)]
-    names = [n for n in names if n]
-    unknown = [n for n in names if n not in FEATURES]
-    if unknown:
-        raise InvalidArgument(f"{flag}: {', '.join(map(repr, unknown))} "
-                              f"{'is not a feature' if len(unknown) == 1 else 'are not features'};"
-                              f" known: {', '.join(FEATURES)}")
-    return frozenset(names)
-
 
 def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
     """The features ``scenario`` exercises at ``world_size`` (None: those that do not depend on

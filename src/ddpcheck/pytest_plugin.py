@@ -18,6 +18,7 @@ import pytest
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine,
                                         parse_world_sizes)
 from ddpcheck._internal.validation import InvalidArgument
+from ddpcheck._internal.vocabulary import parse as parse_features
 
 
 # ---------------------------------------------------------------------------------------------
@@ -33,6 +34,10 @@ def pytest_addoption(parser: Any) -> None:
                     help="World sizes the ddpcheck fixtures use (default 1,2,3,4)")
     group.addoption("--ddpcheck-deadline", action="store", default=None, metavar="SECONDS",
                     help="Seconds one example may take before it counts as hung (default 60)")
+    group.addoption("--ddpcheck-without", action="store", default=None, metavar="FEATURE,...",
+                    help="Features the ddpcheck fixtures never exercise (see ddpcheck.features)")
+    group.addoption("--ddpcheck-dtypes", action="store", default=None, metavar="DTYPE,...",
+                    help="Dtypes the ddpcheck fixtures exercise: float64, float32 or both")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,15 +48,17 @@ class Options:
     """The resolved ddpcheck options of one pytest session."""
 
     def __init__(self, world_sizes: tuple[int, ...], deadline: float, workers: int,
-                 given: bool = False):
+                 given: bool = False, without: frozenset[str] = frozenset()):
         self.world_sizes = world_sizes
         self.deadline = deadline
         self.workers = workers
         self.given = given  # a --ddpcheck-* option was on the command line
+        self.without = without  # features never exercised (--ddpcheck-without/-dtypes)
 
     def header(self) -> str:
         sizes = ",".join(map(str, self.world_sizes))
-        return (f"ddpcheck: world sizes {sizes}, deadline {self.deadline:g} s, "
+        without = f", without {','.join(sorted(self.without))}" if self.without else ""
+        return (f"ddpcheck: world sizes {sizes}, deadline {self.deadline:g} s{without}, "
                 f"{self.workers} worker process(es) each keeping its own worlds")
 
 
@@ -64,8 +71,17 @@ def resolve_options(config: Any) -> Options:
     """Every cross-option rule in one place; raises pytest.UsageError naming the flags."""
     raw = config.getoption("ddpcheck_world_sizes")
     raw_deadline = config.getoption("ddpcheck_deadline")
+    raw_without = config.getoption("ddpcheck_without")
+    raw_dtypes = config.getoption("ddpcheck_dtypes")
     workers = _xdist_workers(config)
     try:
+        without = parse_features(raw_without or "", "--ddpcheck-without")
+        if raw_dtypes:
+            dtypes = parse_features(raw_dtypes, "--ddpcheck-dtypes")
+            if not dtypes or not dtypes <= {"float64", "float32"}:
+                raise InvalidArgument(f"--ddpcheck-dtypes={raw_dtypes!r} must name float64, "
+                                      "float32 or both")
+            without |= {"float64", "float32"} - dtypes
         sizes = (parse_world_sizes(raw, "--ddpcheck-world-sizes") if raw
                  else DEFAULT_WORLD_SIZES)
         # Only when asked for: the plugin loads in every pytest run, ddpcheck's or not.
@@ -80,7 +96,8 @@ def resolve_options(config: Any) -> Options:
     if not 0 < deadline < float("inf"):
         raise pytest.UsageError(f"--ddpcheck-deadline={raw_deadline!r} must be a positive "
                                 "number of seconds (finite: every wait has a deadline)")
-    return Options(sizes, deadline, workers, given=raw is not None or raw_deadline is not None)
+    given = any(v is not None for v in (raw, raw_deadline, raw_without, raw_dtypes))
+    return Options(sizes, deadline, workers, given=given, without=frozenset(without))
 
 
 def _xdist_workers(config: Any) -> int:
@@ -165,14 +182,14 @@ def ddpcheck_world(ddpcheck_options: Options) -> Callable[[int], Any]:
 @pytest.fixture(scope="session")
 def ddpcheck_run(ddpcheck_options: Options) -> Callable[..., Any]:
     """``ddpcheck_run(target, scenario=None, world_sizes=None)``: ``assert_equivalent`` with the
-    session's world sizes and deadline."""
+    session's world sizes, deadline and excluded features."""
 
     def run(target: Any, scenario: Any = None, world_sizes: Any = None) -> Any:
         import ddpcheck
 
         return ddpcheck.assert_equivalent(
             target, scenario, world_sizes=world_sizes or ddpcheck_options.world_sizes,
-            deadline=ddpcheck_options.deadline)
+            deadline=ddpcheck_options.deadline, without=ddpcheck_options.without)
 
     return run
 
