@@ -13,6 +13,14 @@ reused until they fail or the interpreter exits.
 
 Rendezvous uses a ``FileStore`` in a fresh temporary directory, so no port is ever fixed and
 ``pytest -n auto`` workers cannot collide.
+
+Hang diagnosis at the speed of the evidence. While a task runs longer than :data:`POLL_INTERVAL`,
+the parent re-reads the ranks' collective sequence files; once they show a collective that can
+never complete -- ranks issued different collectives at the same index, or a rank issued one that
+a rank which already returned never issued -- and the evidence stays unchanged for
+:data:`EVIDENCE_GRACE`, the task fails as a ``"mismatch"`` naming the collective and its call site,
+instead of at the deadline. Hangs without such evidence (a rank sleeping outside any collective)
+still wait for the deadline.
 """
 
 from __future__ import annotations
@@ -40,6 +48,13 @@ __all__ = ["RankState", "World", "WorldFailure", "WorldStartError", "get_world",
 #: Once one rank has failed, how long the others get to finish before they are presumed stuck
 #: waiting for it in a collective.
 FAILURE_GRACE = 2.0
+#: Seconds between two readings of the sequence files while a task runs (the first reading comes
+#: this long after the task started, so a healthy example, ~10 ms, never pays for one).
+POLL_INTERVAL = 0.3
+#: Seconds the sequence files must keep showing the same collective that cannot complete, with no
+#: rank returning meanwhile, before the task is failed as a mismatch: long enough for a rank that
+#: only looks stuck to move on, far shorter than any deadline.
+EVIDENCE_GRACE = 2.0
 
 _NUMPY_WARNING = "ignore:Failed to initialize NumPy"
 
@@ -117,7 +132,7 @@ class World:
         _LIVE.add(self)
         self._alive = True
         try:
-            self._collect("world start-up", deadline)
+            self._collect("world start-up", deadline, starting=True)
         except WorldFailure as failure:  # not the target's fault: the environment's
             self.kill()
             raise WorldStartError(f"could not start a world of {self.world_size} ranks; "
@@ -194,7 +209,9 @@ class World:
         if not self._alive:
             self.start()
         self._runs += 1
-        for path in self._stacks:
+        # Empty here, before any rank starts: a slow rank's file must not show the last task's
+        # collectives to the evidence polling in _collect.
+        for path in self._stacks + self._sequences:
             open(path, "w").close()
         try:
             for conn in self._conns:
@@ -210,22 +227,31 @@ class World:
         """Each rank's collective sequence file (``ddpcheck._internal.recorder`` format) for the last task."""
         return [_read(path) for path in self._sequences]
 
-    def _collect(self, what: str, deadline: float) -> list[Any]:
-        """Wait for one message from every rank, or fail with every rank's state."""
+    def _collect(self, what: str, deadline: float, starting: bool = False) -> list[Any]:
+        """Wait for one message from every rank, or fail with every rank's state.
+
+        While waiting, the sequence files are watched for a collective that cannot complete
+        (:meth:`_hopeless`); start-up issues no collectives, so it is not watched."""
         n = self.world_size
         results: list[Any] = [None] * n
         states: dict[int, RankState] = {}
         pending = set(range(n))
-        end = time.monotonic() + deadline
+        started = time.monotonic()
+        end = started + deadline
+        next_poll = started + POLL_INTERVAL
+        evidence: tuple | None = None  # what the sequence files last showed, and since when
+        evidence_since = 0.0
         failed_at: float | None = None
         kind: str | None = None
         while pending:
             limit = end if failed_at is None else min(end, failed_at + FAILURE_GRACE)
-            timeout = limit - time.monotonic()
-            if timeout <= 0:
+            watching = not starting and kind is None
+            now = time.monotonic()
+            timeout = (min(limit, next_poll) if watching else limit) - now
+            if now >= limit:
                 break
             waitables = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
-            ready = _wait_any(waitables, timeout)
+            ready = _wait_any(waitables, max(timeout, 0.0))
             for rank in sorted(pending):
                 conn, proc = self._conns[rank], self._procs[rank]
                 if conn in ready or proc.sentinel in ready:
@@ -245,6 +271,15 @@ class World:
                     pending.discard(rank)
                     if kind is not None and failed_at is None:
                         failed_at = time.monotonic()
+            now = time.monotonic()
+            if pending and watching and kind is None and now >= next_poll:
+                next_poll = now + POLL_INTERVAL
+                seen = self._hopeless(set(range(n)) - pending)
+                if seen is None or seen != evidence:
+                    evidence, evidence_since = seen, now
+                elif now - evidence_since >= EVIDENCE_GRACE:
+                    kind = "mismatch"  # unchanged for the grace: the pending ranks are stuck
+                    break
         if not pending and kind is None:
             return results
         dumps = self._dump_stacks(sorted(pending))
@@ -266,6 +301,20 @@ class World:
             kind = "mismatch"
         summary = "" if disagreement is not None else sequences.agreement_summary(seqs)
         return WorldFailure(kind, self.world_size, states, what, disagreement, summary)
+
+    def _hopeless(self, finished: set[int]) -> tuple | None:
+        """The sequence files' texts and ``finished`` if they show a collective that can never
+        complete (``sequences.Disagreement.mismatched``: different collectives at one index, or
+        one that a finished rank never issued), else None. Identical files are never parsed."""
+        from ddpcheck._internal import sequences
+
+        texts = self.collective_sequences()
+        if sequences.same_texts(texts):
+            return None
+        disagreement = sequences.diagnose([sequences.parse(t) for t in texts], finished)
+        if disagreement is None or not disagreement.mismatched:
+            return None
+        return tuple(texts), frozenset(finished)
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Ask stuck ranks for their Python stacks (faulthandler on SIGUSR1) and read them."""
