@@ -148,8 +148,8 @@ def prepare_reference(scenario: Scenario) -> Any:
 
 
 def _failure_rows(failure: Any) -> list[Divergence]:
-    kind = {"timeout": "rank timed out", "mismatch": "collectives mismatched"}.get(
-        failure.kind, "rank failed")
+    kind = {"timeout": "rank timed out", "mismatch": "collectives mismatched",
+            "contaminated": "rank left unfit"}.get(failure.kind, "rank failed")
     rows = []
     for state in failure.ranks:
         if state.rank in failure.guilty:

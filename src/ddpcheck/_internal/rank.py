@@ -1,9 +1,11 @@
 """The world, seen from inside a rank process: join the group, then serve tasks until told to stop.
 
-Invariant: a rank answers every task with exactly one message, ``("ok", result)`` or
-``("error", traceback)``, and never runs two tasks at once; it dies with its parent
-(``PR_SET_PDEATHSIG``), ignores Ctrl-C (the parent decides when ranks stop), and leaves with
-``os._exit`` (see :func:`_exit`).
+Invariant: a rank answers every task with exactly one message, ``("ok", result)``,
+``("error", traceback)`` or ``("unfit", what changed)`` -- the task returned but left the process
+unfit for the next one (``ddpcheck._internal.fitness``) -- and never runs two tasks at once; it
+leads its own session and process group (so the parent can kill whatever a target started in it),
+dies with its parent (``PR_SET_PDEATHSIG``), ignores Ctrl-C (the parent decides when ranks stop),
+and leaves with ``os._exit`` (see :func:`_exit`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
                log_path: str, stack_path: str, parent_pid: int,
                sequence_path: str | None = None) -> None:
     """Join the process group, then run tasks from the parent until told to stop."""
+    # Its own group first: killing the group then kills whatever a target starts from here.
+    try:
+        os.setsid()
+    except OSError:  # already a group leader
+        pass
     _die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group; the parent decides when ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -49,7 +56,7 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
         import torch
         import torch.distributed as dist
 
-        from ddpcheck._internal import recorder as comm
+        from ddpcheck._internal import fitness, recorder as comm
 
         # Two cores host up to W ranks: intra-op threads would only oversubscribe them.
         torch.set_num_threads(1)
@@ -65,6 +72,7 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
         # inside the start-up deadline, not inside the first example's.
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
         comm.record_to(sequence_path)
+        baseline = fitness.baseline(tuple(comm.wrapped()))
         _send(conn, ("ok", os.getpid()))
     except BaseException:
         _send(conn, ("error", traceback.format_exc()))
@@ -80,7 +88,8 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
             fn, args = pickle.loads(payload)
             comm.restart_sequence()
             result = fn(*args)
-            message = ("ok", result)
+            unfit = fitness.problems(baseline)
+            message = ("unfit", "; ".join(unfit)) if unfit else ("ok", result)
         except BaseException:  # report everything, SystemExit included, then keep serving
             message = ("error", traceback.format_exc())
         _send(conn, message)

@@ -14,6 +14,18 @@ reused until they fail or the interpreter exits.
 Rendezvous uses a ``FileStore`` in a fresh temporary directory, so no port is ever fixed and
 ``pytest -n auto`` workers cannot collide.
 
+Isolation between tasks. Persistence must not carry one example's damage into the next: after
+every task each rank checks that its process is still fit (``ddpcheck._internal.fitness``: default
+process group, global hooks, threads, thread counts, process groups, file descriptors...). An unfit
+rank fails the task with the kind ``"contaminated"`` naming what changed, and the world is replaced,
+so the example that did the damage is the one blamed. Every failed ``run`` kills the world; a run
+that *completed* keeps it, even when the caller then finds the results wrong (``api.check_example``
+replaces it itself after a collective mismatch): the ranks passed the fitness check and agreed on
+every collective, so nothing of that example is left in them that a passing example could not have
+left too -- and keeping the world spares Hypothesis's shrinking a respawn (~2 s at W=2) per failing
+example. Each rank leads its own process group, and killing a world kills the groups, so processes
+a target started inside a rank die with it.
+
 Hang diagnosis at the speed of the evidence. While a task runs longer than :data:`POLL_INTERVAL`,
 the parent re-reads the ranks' collective sequence files; once they show a collective that can
 never complete -- ranks issued different collectives at the same index, or a rank issued one that
@@ -173,13 +185,10 @@ class World:
         self.kill()
 
     def kill(self) -> None:
-        """Kill every rank now and remove the world's files. Safe to call twice."""
+        """Kill every rank, and every process it started, now; remove the world's files. Safe to
+        call twice."""
         for proc in self._procs:
-            if proc.is_alive():
-                try:
-                    os.kill(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, TypeError):
-                    pass
+            _kill_group(proc)
         for proc in self._procs:
             proc.join(5.0)
         for conn in self._conns:
@@ -264,6 +273,9 @@ class World:
                     elif message[0] == "ok":
                         results[rank] = message[1]
                         states[rank] = RankState(rank, "returned")
+                    elif message[0] == "unfit":  # finished: not a reason to stop waiting for others
+                        states[rank] = RankState(rank, "unfit", message[1],
+                                                 log_tail=_tail(self._logs[rank]))
                     else:
                         states[rank] = RankState(rank, "raised", message[1],
                                                  log_tail=_tail(self._logs[rank]))
@@ -281,7 +293,9 @@ class World:
                     kind = "mismatch"  # unchanged for the grace: the pending ranks are stuck
                     break
         if not pending and kind is None:
-            return results
+            if not any(s.status == "unfit" for s in states.values()):
+                return results
+            kind = "contaminated"
         dumps = self._dump_stacks(sorted(pending))
         for rank in sorted(pending):
             states[rank] = RankState(rank, "stuck", dumps[rank], log_tail=_tail(self._logs[rank]))
@@ -295,7 +309,7 @@ class World:
         from ddpcheck._internal import sequences
 
         seqs = [sequences.parse(text) for text in self.collective_sequences()]
-        finished = [s.rank for s in states if s.status == "returned"]
+        finished = [s.rank for s in states if s.status in ("returned", "unfit")]
         disagreement = sequences.diagnose(seqs, finished)
         if disagreement is not None and disagreement.mismatched:
             kind = "mismatch"
@@ -351,6 +365,22 @@ def _trim_dump(dump: str) -> str:
         below_loop = is_frame and "in rank_main" in line
         kept.append(line)
     return "\n".join(kept)
+
+
+def _kill_group(proc: Any) -> None:
+    """SIGKILL the process group ``proc`` leads (itself and whatever it started), and ``proc``
+    itself in case it died or was killed before it could lead one."""
+    if proc.pid is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.exitcode is None:  # not reaped yet, so the pid is still this process's
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _check_main_module_importable() -> None:
