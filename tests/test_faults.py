@@ -280,7 +280,7 @@ def test_fault_is_reported_fast_and_leaves_nothing_behind(fault, world_size):
     # on a busy machine) done before the clock runs.
     check_example(targets.PARALLEL, FAULT_SCENARIO, world_size, deadline=60)
     world = get_world(world_size)
-    old_pids = world.pids
+    old_pids, old_janitor_pid = world.pids, world.janitor_pid
     before_children = _children(os.getpid())
     listening = _socket_inodes(old_pids) & _listening_inodes()
     assert listening, "gloo ranks should hold listening sockets; the port check would be vacuous"
@@ -301,11 +301,14 @@ def test_fault_is_reported_fast_and_leaves_nothing_behind(fault, world_size):
     # The dead world is gone: processes reaped, listening sockets closed.
     assert not (_children(os.getpid()) & set(old_pids)), text
     assert not (listening & _listening_inodes())
-    # A fresh world runs the next example normally, and only its ranks are new children.
+    # A fresh world runs the next example normally, and only its ranks (and its janitor, which
+    # replaced the dead world's) are new children.
     check_example(targets.PARALLEL, Scenario(), world_size, deadline=60)
     new_pids = get_world(world_size).pids
     assert set(new_pids).isdisjoint(old_pids)
-    assert _children(os.getpid()) <= (before_children - set(old_pids)) | set(new_pids)
+    old_janitor, new_janitor = {old_janitor_pid}, {get_world(world_size).janitor_pid}
+    assert _children(os.getpid()) <= ((before_children - set(old_pids) - old_janitor)
+                                      | set(new_pids) | new_janitor)
     print(f"\nFAULT-TABLE W={world_size} {fault!r}: {err.kinds[0]} in {elapsed:.2f} s")
 
 

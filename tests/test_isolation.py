@@ -1,7 +1,10 @@
-"""Isolation between examples (``ddpcheck._internal.fitness``).
+"""Isolation between examples, start-up and shutdown hygiene (``ddpcheck._internal.fitness``,
+``ddpcheck._internal.janitor``, ``world._refuse_nested_start``).
 
 A target that leaves its rank processes unfit for the next example is the one blamed ("rank left
-unfit", naming what changed), and the next, correct example runs in a fresh world.
+unfit", naming what changed), and the next, correct example runs in a fresh world. A script that
+calls ddpcheck at import time gets one line, fast. SIGTERM or SIGKILL of a process running
+ddpcheck leaves no world directory and no rank process behind.
 
 Targets travel to rank processes by pickle, so they are module-level classes here.
 """
@@ -10,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -23,8 +28,10 @@ import ddpcheck
 from ddpcheck import targets
 from ddpcheck.api import check_example
 from ddpcheck.scenario import Scenario
+from ddpcheck._internal import rank as rank_module
 from ddpcheck._internal.world import get_world
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIO = Scenario(steps=1)
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +162,121 @@ def test_processes_a_target_starts_die_with_the_world(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# Start-up: a script that calls ddpcheck at import time
+
+
+def test_a_script_without_main_guard_gets_one_line_fast(tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text(textwrap.dedent("""
+        import ddpcheck
+        from ddpcheck import targets
+        print("the script ran", flush=True)
+        ddpcheck.assert_equivalent(targets.PARALLEL, world_sizes=(2,))
+    """))
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path, env=_env(tmp_path))
+    elapsed = time.monotonic() - started
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    assert ("WorldStartError: " + str(script) + " calls ddpcheck when it is imported, and every "
+            "rank process re-imports the main module (multiprocessing's spawn); put that call "
+            'under `if __name__ == "__main__":`') in text, text
+    assert out.stdout.count("the script ran") == 1, text  # the ranks' output is not shown
+    assert "bootstrapping phase" not in text and "multiprocessing/spawn.py" not in text, text
+    assert len(text.splitlines()) < 25, text
+    assert not _leftover_dirs(tmp_path), text
+    assert elapsed < 60, f"took {elapsed:.1f} s"
+    print(f"\nNO-MAIN-GUARD: exit {out.returncode} in {elapsed:.1f} s, {len(text.splitlines())} lines")
+
+
+def test_a_world_cannot_be_started_inside_a_rank():
+    results = get_world(2).run(_start_a_world_inside_a_rank)
+    assert results == ["WorldStartError: a ddpcheck world cannot be started from inside a "
+                       "ddpcheck rank process (a target or task called ddpcheck)"] * 2
+
+
+def _start_a_world_inside_a_rank():
+    try:
+        get_world(2)
+    except ddpcheck.WorldStartError as exc:
+        return f"WorldStartError: {exc}"
+    return "started"
+
+
+# ---------------------------------------------------------------------------------------------
+# Shutdown: SIGTERM and SIGKILL of the parent
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killing_ddpcheck_check_leaves_no_world_behind(tmp_path, sig):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpcheck", "check", "--world-sizes", "2", "--examples", "1000"],
+        cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True)
+    try:
+        # worlds started: a world directory with a rank that joined (its sequence file exists)
+        _wait_until(lambda: any(os.path.exists(os.path.join(tmp_path, d, "rank1.collectives"))
+                                and os.path.getsize(os.path.join(tmp_path, d, "rank1.collectives"))
+                                for d in _leftover_dirs(tmp_path)) or proc.poll() is not None, 120)
+        assert proc.poll() is None, proc.stdout.read()
+        ranks = _world_processes(tmp_path)
+        assert len(ranks) >= 2, ranks
+        started = time.monotonic()
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=30)
+        _wait_until(lambda: not _leftover_dirs(tmp_path) and not _world_processes(tmp_path), 10)
+        elapsed = time.monotonic() - started
+        assert not _leftover_dirs(tmp_path), (_leftover_dirs(tmp_path), out)
+        assert not _world_processes(tmp_path), out
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 143, out
+            assert "ddpcheck: terminated; every rank process was stopped" in out, out
+            assert "Traceback" not in out, out
+        print(f"\n{sig.name}: clean in {elapsed:.2f} s")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        for pid in _world_processes(tmp_path):  # never leave anything, even on failure
+            os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------------
 # Helpers
+
+
+def _env(tmp_path) -> dict:
+    return {**os.environ, "TMPDIR": str(tmp_path),
+            "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT,
+                                           os.environ.get("PYTHONPATH", "")])}
+
+
+def _leftover_dirs(tmp_path) -> list[str]:
+    return sorted(d for d in os.listdir(tmp_path) if d.startswith("ddpcheck-"))
+
+
+def _world_processes(tmp_path) -> list[int]:
+    """Live processes of worlds whose directory is under ``tmp_path``: ranks (and what they
+    started) carry it in their environment, janitors on their command line."""
+    found = []
+    needle = f"{rank_module.WORLD_DIR_ENV}={tmp_path}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and (needle in environ or
+                             (b"janitor.py" in cmdline and str(tmp_path).encode() in cmdline)):
+            found.append(int(entry))
+    return found
 
 
 def _alive(pid: int) -> bool:

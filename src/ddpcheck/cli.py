@@ -1,7 +1,8 @@
 """The ``ddpcheck`` command line.
 
 Exit status: 0 nothing found, 1 a counterexample (printed with its replay line), 2 a usage or
-set-up error. ``MODULE:TARGET`` names a module-level attribute importable on ``PYTHONPATH`` (or an
+set-up error, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM: every rank process is stopped
+and every world directory removed before exiting). ``MODULE:TARGET`` names a module-level attribute importable on ``PYTHONPATH`` (or an
 expression evaluated in that module, such as ``mypkg.targets:MyTarget(bucket_size_mb=1)``); the
 built-in short names are ``parallel``, ``parallel_ddp``, ``torch_ddp``, ``torch_zero``, ``local``.
 """
@@ -22,6 +23,18 @@ EXIT_OK, EXIT_FOUND, EXIT_USAGE = 0, 1, 2
 
 class UsageError(Exception):
     """A command-line mistake: printed without a traceback, exit status 2."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``timeout``, a CI cancel): unwinds like Ctrl-C, so a running world is killed on
+    the way out, then :func:`main` stops the others and exits 143."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends us at once
+    raise Terminated()
 
 
 def resolve_target(spec: str) -> Any:
@@ -155,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    import signal
     import warnings
 
+    signal.signal(signal.SIGTERM, _terminate)
     # torch warns at import when numpy is missing; ddpcheck does not need numpy.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import ddpcheck
@@ -175,10 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, ddpcheck.InvalidArgument) as exc:
         print(f"ddpcheck {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         from ddpcheck._internal.world import shutdown_worlds
 
         shutdown_worlds()
+        if isinstance(exc, Terminated):
+            print("ddpcheck: terminated; every rank process was stopped", file=sys.stderr)
+            return 143
         print("ddpcheck: interrupted; every rank process was stopped", file=sys.stderr)
         return 130
     raise AssertionError(f"unhandled command {args.command!r}")

@@ -6,6 +6,9 @@ unfit for the next one (``ddpcheck._internal.fitness``) -- and never runs two ta
 leads its own session and process group (so the parent can kill whatever a target started in it),
 dies with its parent (``PR_SET_PDEATHSIG``), ignores Ctrl-C (the parent decides when ranks stop),
 and leaves with ``os._exit`` (see :func:`_exit`).
+
+The parent sets :data:`WORLD_DIR_ENV` for its ranks; ``ddpcheck._internal.world`` reads it to
+refuse starting a world from inside a rank (see ``world._refuse_nested_start``).
 """
 
 from __future__ import annotations
@@ -22,16 +25,28 @@ from typing import Any
 
 from ddpcheck._internal.options import STARTUP_DEADLINE
 
-__all__ = ["SHUTDOWN", "rank_main"]
+__all__ = ["NESTED_MARKER", "SHUTDOWN", "WORLD_DIR_ENV", "rank_main", "serving"]
 
 #: The message that tells a rank to exit.
 SHUTDOWN = b""
+#: Set by the parent in its ranks' environment: the world's directory.
+WORLD_DIR_ENV = "DDPCHECK_WORLD_DIR"
+#: File a rank creates in the world directory when re-importing the main module started a world.
+NESTED_MARKER = "nested-start"
+
+_serving = False
+
+
+def serving() -> bool:
+    """True inside a rank that has joined its world (as opposed to spawn's start-up)."""
+    return _serving
 
 
 def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: Any,
                log_path: str, stack_path: str, parent_pid: int,
                sequence_path: str | None = None) -> None:
     """Join the process group, then run tasks from the parent until told to stop."""
+    global _serving
     # Its own group first: killing the group then kills whatever a target starts from here.
     try:
         os.setsid()
@@ -40,7 +55,9 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
     _die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group; the parent decides when ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    log = open(log_path, "w", buffering=1)
+    # Append: the parent pointed this process's stdout/stderr at the same file while spawning
+    # it, so whatever happened during spawn's start-up is already there.
+    log = open(log_path, "a", buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     stack_file = open(stack_path, "w")
@@ -77,6 +94,7 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
     except BaseException:
         _send(conn, ("error", traceback.format_exc()))
         _exit(1, log)
+    _serving = True
     while True:
         try:
             payload = conn.recv_bytes()

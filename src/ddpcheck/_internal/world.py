@@ -26,6 +26,17 @@ left too -- and keeping the world spares Hypothesis's shrinking a respawn (~2 s 
 example. Each rank leads its own process group, and killing a world kills the groups, so processes
 a target started inside a rank die with it.
 
+Start-up and shutdown hygiene. The parent marks its ranks' environment (``rank.WORLD_DIR_ENV``); a
+world started inside a rank -- a script calling ddpcheck at import time without
+``if __name__ == "__main__":``, which spawn re-imports in every rank -- is refused: the rank leaves
+quietly and the parent raises :class:`WorldStartError` with one line saying so. A rank's output,
+from the first line spawn runs, goes to its log, never to the user's terminal. Every world has a
+janitor process (``ddpcheck._internal.janitor``) that removes its directory and kills its process
+groups if the parent dies without doing so (SIGKILL); the ranks themselves die with the parent
+(``PR_SET_PDEATHSIG``). So a process killed by SIGTERM's default action leaves nothing behind; the
+command line also turns SIGTERM into an orderly stop (exit 143). No SIGTERM handler is installed
+for API users: the janitor makes one unnecessary, and a library should not take over a signal.
+
 Hang diagnosis at the speed of the evidence. While a task runs longer than :data:`POLL_INTERVAL`,
 the parent re-reads the ranks' collective sequence files; once they show a collective that can
 never complete -- ranks issued different collectives at the same index, or a rank issued one that
@@ -38,6 +49,7 @@ still wait for the deadline.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import pickle
 import shutil
@@ -47,11 +59,12 @@ import tempfile
 import threading
 import time
 from multiprocessing.connection import wait as _wait_any
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ddpcheck._internal.failures import RankState, WorldFailure, WorldStartError
+from ddpcheck._internal.janitor import Janitor
 from ddpcheck._internal.options import DEFAULT_DEADLINE, STARTUP_DEADLINE
-from ddpcheck._internal.rank import SHUTDOWN, rank_main
+from ddpcheck._internal.rank import NESTED_MARKER, SHUTDOWN, WORLD_DIR_ENV, rank_main
 from ddpcheck._internal.validation import InvalidArgument, check_deadline, check_world_size
 
 __all__ = ["RankState", "World", "WorldFailure", "WorldStartError", "get_world",
@@ -99,6 +112,7 @@ class World:
         self._logs: list[str] = []
         self._stacks: list[str] = []
         self._sequences: list[str] = []  # per-rank collective sequence files (ddpcheck._internal.recorder)
+        self._janitor: Janitor | None = None
         # lifecycle
         self._alive = False
         self._runs = 0
@@ -113,6 +127,11 @@ class World:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs if p.pid is not None]
 
+    @property
+    def janitor_pid(self) -> int | None:
+        """The world's janitor process (``ddpcheck._internal.janitor``), while the world lives."""
+        return None if self._janitor is None else self._janitor.pid
+
     def start(self, deadline: float = STARTUP_DEADLINE) -> "World":
         """Spawn the ranks and wait until every one has joined the process group."""
         # Plain multiprocessing, not torch.multiprocessing: results travel as pickled bytes, so
@@ -121,29 +140,26 @@ class World:
 
         if self._alive:
             return self
+        _refuse_nested_start()
         ctx = multiprocessing.get_context(self.start_method)
         _check_main_module_importable()
         self._dir = tempfile.mkdtemp(prefix=f"ddpcheck-w{self.world_size}-")
+        _LIVE.add(self)  # from here on, kill() (and shutdown_worlds) cleans up
+        self._alive = True
         store_path = os.path.join(self._dir, "store")
         self._procs, self._conns = [], []
         self._logs = [os.path.join(self._dir, f"rank{r}.log") for r in range(self.world_size)]
         self._stacks = [os.path.join(self._dir, f"rank{r}.stack") for r in range(self.world_size)]
         self._sequences = [os.path.join(self._dir, f"rank{r}.collectives")
                            for r in range(self.world_size)]
-        # torch warns at import when numpy is missing; in a rank that is noise on the user's
-        # terminal (spawn imports it before our log redirection), so the children ignore it.
+        # torch warns at import when numpy is missing; the children ignore it. They learn their
+        # world's directory, which marks them as ranks (see _refuse_nested_start).
         saved = os.environ.get("PYTHONWARNINGS")
-        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [saved, _NUMPY_WARNING]))
         try:
-            self._spawn(ctx, store_path)
-        finally:
-            if saved is None:
-                del os.environ["PYTHONWARNINGS"]
-            else:
-                os.environ["PYTHONWARNINGS"] = saved
-        _LIVE.add(self)
-        self._alive = True
-        try:
+            self._janitor = Janitor(self._dir)
+            with _environment(PYTHONWARNINGS=",".join(filter(None, [saved, _NUMPY_WARNING])),
+                              **{WORLD_DIR_ENV: self._dir}):
+                self._spawn(ctx, store_path)
             self._collect("world start-up", deadline, starting=True)
         except WorldFailure as failure:  # not the target's fault: the environment's
             self.kill()
@@ -155,6 +171,12 @@ class World:
         return self
 
     def _spawn(self, ctx: Any, store_path: str) -> None:
+        # multiprocessing's helper processes inherit our stdout: start them before redirecting.
+        from multiprocessing import forkserver, resource_tracker
+
+        resource_tracker.ensure_running()
+        if self.start_method == "forkserver":
+            forkserver.ensure_running()
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(
@@ -165,10 +187,12 @@ class World:
                       self._sequences[rank]),
                 daemon=True,
             )
-            proc.start()
+            with _output_to(self._logs[rank]):
+                proc.start()
             child_end.close()
             self._procs.append(proc)
             self._conns.append(parent_end)
+            self._janitor.watch(proc.pid)  # the rank leads its own process group
 
     def close(self, timeout: float = 5.0) -> None:
         """Ask every rank to exit, then make sure it has (killing stragglers)."""
@@ -197,6 +221,9 @@ class World:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+        if self._janitor is not None:
+            self._janitor.release()
+            self._janitor = None
         self._alive = False
         _LIVE.discard(self)
 
@@ -267,6 +294,8 @@ class World:
                     message = _receive(conn)
                     if message is None:  # the process died without answering
                         proc.join(1.0)
+                        if starting:
+                            self._refuse_if_nested()
                         states[rank] = RankState(rank, "exited", _exit_description(proc.exitcode),
                                                  log_tail=_tail(self._logs[rank]))
                         kind = kind or "exited"
@@ -330,6 +359,15 @@ class World:
             return None
         return tuple(texts), frozenset(finished)
 
+    def _refuse_if_nested(self) -> None:
+        """A rank left because re-importing the main module started a world: say so, once."""
+        if self._dir is not None and os.path.exists(os.path.join(self._dir, NESTED_MARKER)):
+            main = getattr(sys.modules.get("__main__"), "__file__", None) or "the main module"
+            raise WorldStartError(
+                f"{main} calls ddpcheck when it is imported, and every rank process re-imports "
+                "the main module (multiprocessing's spawn); put that call under "
+                "`if __name__ == \"__main__\":`")
+
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Ask stuck ranks for their Python stacks (faulthandler on SIGUSR1) and read them."""
         dumps: dict[int, str] = {}
@@ -381,6 +419,63 @@ def _kill_group(proc: Any) -> None:
             os.kill(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """Set environment variables for the processes spawned inside the block."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _output_to(path: str) -> Iterator[None]:
+    """Point this process's stdout and stderr (file descriptors 1 and 2) at ``path`` while a rank
+    is spawned, so the rank's output goes to its log from its first line -- spawn re-imports the
+    main module before our code runs in it. Our own output in those milliseconds goes there too."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        saved = (os.dup(1), os.dup(2))
+    except OSError:  # no stdout or stderr to redirect
+        yield
+        return
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (log, *saved):
+            os.close(fd)
+
+
+def _refuse_nested_start() -> None:
+    """No world inside a rank. While spawn re-imports the main module in a new rank (a script
+    that calls ddpcheck without ``if __name__ == "__main__":``), leave quietly and leave a marker
+    the parent turns into one clear line; anywhere else in a rank, raise."""
+    import multiprocessing.process
+
+    world_dir = os.environ.get(WORLD_DIR_ENV)
+    if not world_dir:
+        return
+    if getattr(multiprocessing.process.current_process(), "_inheriting", False):
+        try:
+            open(os.path.join(world_dir, NESTED_MARKER), "a").close()
+        finally:
+            os._exit(3)
+    raise WorldStartError("a ddpcheck world cannot be started from inside a ddpcheck rank "
+                          "process (a target or task called ddpcheck)")
 
 
 def _check_main_module_importable() -> None:
@@ -456,6 +551,7 @@ _LOCK = threading.Lock()
 def get_world(world_size: int, *, backend: str | None = None, start_method: str = "spawn") -> World:
     """The persistent world of this size, spawned on first use and after a failure."""
     check_world_size("world_size", world_size)
+    _refuse_nested_start()
     key = (world_size, backend, start_method)
     with _LOCK:
         world = _WORLDS.get(key)
