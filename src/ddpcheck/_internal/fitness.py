@@ -22,9 +22,11 @@ after the warm-up that imports what the built-in targets use):
 
 Measured with torch 2.13: torch's DistributedDataParallel (with ``find_unused_parameters``),
 ZeroRedundancyOptimizer and ``parallel.DDP``/``ShardedOptimizer`` running the battery at W=1-4
-change none of these after the rank's warm-up, so no allowance is needed (:data:`FD_SLACK` is 0;
-see ``tests/test_isolation.py``). Cost: about 20-30 us per task, most of it listing
-``/proc/self/fd`` (see :func:`problems`).
+change none of these after the rank's start-up (file descriptors stay at 15/16/17/18 at
+W=1/2/3/4, one Python thread, one process group), so no allowance is needed (:data:`FD_SLACK` is
+0; ``tests/test_harness.py::test_builtin_targets_pass_the_battery`` keeps it so). Cost: 14-26 us
+per task in a lone process, 20-90 us with W ranks sharing 2 busy cores; more than half of it is
+listing ``/proc/self/fd``.
 """
 
 from __future__ import annotations

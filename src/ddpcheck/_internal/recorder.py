@@ -10,7 +10,7 @@ Call site: each record carries ``site``, ``"file:line in function"`` of the firs
 ``torch.distributed`` and this module -- the line of the target (or of ``parallel/``) that issued
 it, so a hang report can point at it. It is written to the sequence file but is not part of the
 signature ranks must agree on. Cost: a walk of a few frames, with the per-code-object verdict and
-file name cached (about 1-2 us per collective, see :func:`call_site`).
+file name cached: 0.2-0.6 us per collective (a W=1 gloo all_reduce of 4 floats: 21.4 vs 21.0 us).
 
 Timing: ``launched`` is taken at the call. A blocking call sets ``completed`` when it returns. An
 ``async_op=True`` call returns the torch ``Work`` inside a thin proxy: ``completed`` is when the
