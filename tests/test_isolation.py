@@ -187,7 +187,8 @@ def test_a_script_without_main_guard_gets_one_line_fast(tmp_path):
     assert len(text.splitlines()) < 25, text
     assert not _leftover_dirs(tmp_path), text
     assert elapsed < 60, f"took {elapsed:.1f} s"
-    print(f"\nNO-MAIN-GUARD: exit {out.returncode} in {elapsed:.1f} s, {len(text.splitlines())} lines")
+    print(f"\nNO-MAIN-GUARD: exit {out.returncode} in {elapsed:.1f} s, "
+          f"{len(text.splitlines())} lines")
 
 
 def test_a_world_cannot_be_started_inside_a_rank():

@@ -2,9 +2,10 @@
 
 Exit status: 0 nothing found, 1 a counterexample (printed with its replay line), 2 a usage or
 set-up error, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM: every rank process is stopped
-and every world directory removed before exiting). ``MODULE:TARGET`` names a module-level attribute importable on ``PYTHONPATH`` (or an
-expression evaluated in that module, such as ``mypkg.targets:MyTarget(bucket_size_mb=1)``); the
-built-in short names are ``parallel``, ``parallel_ddp``, ``torch_ddp``, ``torch_zero``, ``local``.
+and every world directory removed before exiting). ``MODULE:TARGET`` names a module-level
+attribute importable on ``PYTHONPATH`` (or an expression evaluated in that module, such as
+``mypkg.targets:MyTarget(bucket_size_mb=1)``); the built-in short names are ``parallel``,
+``parallel_ddp``, ``torch_ddp``, ``torch_zero``, ``local``.
 """
 
 from __future__ import annotations
@@ -169,9 +170,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     import signal
+    import threading
+
+    # SIGTERM unwinds like Ctrl-C while a command runs; a caller of main() gets its handler back.
+    previous = (signal.signal(signal.SIGTERM, _terminate)
+                if threading.current_thread() is threading.main_thread() else None)
+    try:
+        return _dispatch(args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     import warnings
 
-    signal.signal(signal.SIGTERM, _terminate)
     # torch warns at import when numpy is missing; ddpcheck does not need numpy.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import ddpcheck

@@ -10,6 +10,9 @@ Protocol, over a pipe whose only writer is the parent: ``group <pgid>`` for each
 ``done`` when the parent cleaned up itself. On end-of-file without ``done`` -- the parent is gone,
 the kernel closed its end -- the janitor SIGKILLs every group and removes the directory.
 
+Limit: a child the parent creates with a bare ``os.fork()`` (not the ranks, not ``subprocess``:
+both close the pipe) holds the write end too, so the janitor also waits for that child to exit.
+
 This file runs as a script (``python -I -S janitor.py DIR FD``): stdlib only, no torch, no
 ddpcheck, so it starts in tens of milliseconds. It lives in its own session, so a Ctrl-C or a
 SIGTERM sent to the parent's process group does not reach it before it has done its job.
