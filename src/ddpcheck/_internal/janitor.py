@@ -43,8 +43,10 @@ class Janitor:
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", os.path.abspath(__file__), world_dir, str(read_end)],
+                # No stdio of ours: a caller reading our stdout/stderr to EOF must not wait for
+                # the janitor.
                 pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                start_new_session=True)
+                stderr=subprocess.DEVNULL, start_new_session=True)
         except BaseException:
             os.close(self._write_end)
             raise
