@@ -97,7 +97,11 @@ class DDP(nn.Module):
         self._bucket_cap_bytes = int(bucket_size_mb * 1024 * 1024)
         self._lay_out_buckets(params)  # sets self._buckets and self._where
         self._positions = {p: i for i, p in enumerate(params)}  # index into the usage flags
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        # The hooks hold the wrapper weakly: a bound method would tie the wrapper to its own
+        # parameters through autograd's C++ hook table, a cycle the garbage collector cannot see,
+        # so every wrapper (and its buckets) would live as long as its parameters.
+        self._hooks = [p.register_post_accumulate_grad_hook(_call_weakly(self)) for p in params]
+        weakref.finalize(self, _remove_all, self._hooks)
 
         # modified by no_sync()
         self._sync_enabled = True
@@ -383,3 +387,20 @@ class AveragedGrad:
     def __reduce__(self) -> tuple:
         # A pickled or copied parameter was averaged by nobody: its copy carries no mark (None).
         return type(None), ()
+
+
+def _call_weakly(ddp: "DDP") -> Any:
+    """A post-accumulate-grad hook calling ``ddp._on_grad_ready`` while ``ddp`` is alive."""
+    ref = weakref.ref(ddp)
+
+    def on_grad_ready(param: nn.Parameter) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._on_grad_ready(param)
+
+    return on_grad_ready
+
+
+def _remove_all(handles: list) -> None:
+    for handle in handles:
+        handle.remove()

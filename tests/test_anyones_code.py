@@ -221,3 +221,11 @@ def test_a_ddp_without_unused_parameter_handling_is_caught_by_random_examples_al
     result = fuzz(NoFinalFlush(), examples=200, world_sizes=(2,), deadline=20.0)
     assert result.found
     assert result.first_failure <= 200
+
+
+def test_a_misspelt_supported_feature_is_refused_not_ignored():
+    class Typo(targets.ParallelTarget):
+        supported_features = frozenset(features.FEATURES) - {"lr-schedul"} | {"lr-schedul"}
+
+    with pytest.raises(ddpcheck.InvalidArgument, match="Typo.supported_features: 'lr-schedul'"):
+        ddpcheck.assert_equivalent(Typo(), world_sizes=(1,))

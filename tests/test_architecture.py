@@ -20,6 +20,8 @@ LAYERS = [
     ("errors and options", ["ddpcheck.errors", "ddpcheck._internal.validation",
                             "ddpcheck._internal.options", "ddpcheck._internal.vocabulary"]),
     ("world", ["ddpcheck._internal.failures", "ddpcheck._internal.rank",
+               "ddpcheck._internal.fitness", "ddpcheck._internal.janitor",
+               "ddpcheck._internal.processes",
                "ddpcheck._internal.world", "ddpcheck._internal.recorder",
                "ddpcheck._internal.sequences", "ddpcheck._internal.transport"]),
     ("scenarios and targets", ["ddpcheck.scenario", "ddpcheck.models", "ddpcheck.zoo",
@@ -33,6 +35,7 @@ LAYERS = [
                     "ddpcheck.api", "ddpcheck.fuzz",
                     "ddpcheck.torchrun", "ddpcheck.trace", "ddpcheck.rules", "ddpcheck.cli",
                     "ddpcheck.pytest_plugin", "ddpcheck._internal", "ddpcheck._internal.rule_calls",
+                    "ddpcheck._internal.cli_parser",
                     "ddpcheck.mutation",
                     "ddpcheck.mutation.*"]),
 ]

@@ -43,8 +43,15 @@ def _attempt(fn):
 
 
 def rank_bad_parallel_arguments():
-    rank = dist.get_rank()
     only_rank_0 = dist.new_group([0])  # collective: every rank creates every group
+    try:  # a group left behind would make the world unfit for the next task
+        return _bad_parallel_arguments(only_rank_0)
+    finally:
+        dist.destroy_process_group(only_rank_0)
+
+
+def _bad_parallel_arguments(only_rank_0):
+    rank = dist.get_rank()
     SGD = torch.optim.SGD
     params = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2, 2))]
     attempts = {

@@ -252,8 +252,15 @@ def rank_accumulate(bucket_mb: float, micro: int) -> dict:
 
 def rank_subgroup(bucket_mb: float) -> dict | None:
     """DDP over ranks [1, 2] of a world of 3: src must be global rank 1, not 0."""
-    rank = dist.get_rank()
     group = dist.new_group([1, 2])
+    try:  # a group left behind would make the world unfit for the next task
+        return _in_subgroup(group, bucket_mb)
+    finally:
+        dist.destroy_process_group(group)
+
+
+def _in_subgroup(group, bucket_mb: float) -> dict | None:
+    rank = dist.get_rank()
     if rank not in (1, 2):
         return None
     group_rank = dist.get_rank(group)
@@ -265,7 +272,8 @@ def rank_subgroup(bucket_mb: float) -> dict | None:
     torch.manual_seed(0)
     ref_model = make_model("mlp", SEED + 77 * 1)  # the group's rank 0 is global rank 1
     loss_fn(ref_model(x), y, BATCH, 1).backward()
-    return {"grads": grads_of(model.module), "reference": grads_of(ref_model)}
+    out = {"grads": grads_of(model.module), "reference": grads_of(ref_model)}
+    return out
 
 
 def rank_two_steps(bucket_mb: float) -> dict:

@@ -4,7 +4,9 @@ Each fault is injected on one rank (the last one) at world sizes 2 and 3. Every 
 ``EquivalenceError`` of the right kind within the deadline + 5 s, naming the guilty rank with its
 stack (or its exit status, for a process that could not leave one) and the first collective where
 the ranks disagree; the world is replaced, the next example runs normally, no rank process is left
-and no listening TCP socket of the dead world stays bound.
+and no listening TCP socket of the dead world stays bound. A collective that can never complete
+(one rank in a barrier the others finished without) is reported as soon as the ranks' sequence
+files prove it -- seconds -- not at the deadline.
 
 Then interrupts: Ctrl-C of ``ddpcheck check`` and of a pytest run leaves no process behind.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -160,6 +163,18 @@ class MismatchedCollective(targets.ParallelDDPTarget):
                 dist.all_reduce(t, async_op=True).wait()
 
 
+@dataclasses.dataclass(frozen=True)
+class ExtraBarrier(targets.ParallelDDPTarget):
+    """The guilty rank enters one barrier nobody else does, after a correct gradient sync."""
+
+    guilty: int = 1
+
+    def after_backward(self, model, optimizer):
+        model.finish_gradient_sync()
+        if dist.get_rank() == self.guilty:
+            dist.barrier()  # EXTRA-BARRIER
+
+
 # (target factory, kind, what the message must show about the guilty rank)
 FAULTS = {
     "raises before a collective": (
@@ -265,7 +280,7 @@ def test_fault_is_reported_fast_and_leaves_nothing_behind(fault, world_size):
     # on a busy machine) done before the clock runs.
     check_example(targets.PARALLEL, FAULT_SCENARIO, world_size, deadline=60)
     world = get_world(world_size)
-    old_pids = world.pids
+    old_pids, old_janitor_pid = world.pids, world.janitor_pid
     before_children = _children(os.getpid())
     listening = _socket_inodes(old_pids) & _listening_inodes()
     assert listening, "gloo ranks should hold listening sockets; the port check would be vacuous"
@@ -286,12 +301,38 @@ def test_fault_is_reported_fast_and_leaves_nothing_behind(fault, world_size):
     # The dead world is gone: processes reaped, listening sockets closed.
     assert not (_children(os.getpid()) & set(old_pids)), text
     assert not (listening & _listening_inodes())
-    # A fresh world runs the next example normally, and only its ranks are new children.
+    # A fresh world runs the next example normally, and only its ranks (and its janitor, which
+    # replaced the dead world's) are new children.
     check_example(targets.PARALLEL, Scenario(), world_size, deadline=60)
     new_pids = get_world(world_size).pids
     assert set(new_pids).isdisjoint(old_pids)
-    assert _children(os.getpid()) <= (before_children - set(old_pids)) | set(new_pids)
+    old_janitor, new_janitor = {old_janitor_pid}, {get_world(world_size).janitor_pid}
+    assert _children(os.getpid()) <= ((before_children - set(old_pids) - old_janitor)
+                                      | set(new_pids) | new_janitor)
     print(f"\nFAULT-TABLE W={world_size} {fault!r}: {err.kinds[0]} in {elapsed:.2f} s")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_extra_collective_is_reported_at_the_speed_of_the_evidence(world_size):
+    """The other ranks finish; the sequence files show rank 1 in a barrier none of them issued.
+    That is reported within seconds, naming the barrier and its line, not at the deadline."""
+    deadline = 60
+    check_example(targets.PARALLEL, FAULT_SCENARIO, world_size, deadline=60)  # a warm world
+    started = time.monotonic()
+    with pytest.raises(ddpcheck.EquivalenceError) as info:
+        check_example(ExtraBarrier(guilty=1), FAULT_SCENARIO, world_size, deadline=deadline)
+    elapsed = time.monotonic() - started
+    err, text = info.value, str(info.value)
+    with open(__file__) as f:
+        line = next(i for i, text_line in enumerate(f, 1) if "# EXTRA-BARRIER" in text_line)
+    assert elapsed < min(15, deadline / 4), f"took {elapsed:.1f} s\n{text}"
+    assert err.kinds == ["collectives mismatched"], text
+    assert [d.rank for d in err.divergences] == [1], text
+    site = f"test_faults.py:{line} in after_backward)"  # relative to the current directory
+    assert re.search(r"rank 1: barrier \(at \S*" + re.escape(site), text), text
+    assert re.search(r"issued barrier \(at \S*" + re.escape(site), text), text  # the row
+    check_example(targets.PARALLEL, FAULT_SCENARIO, world_size, deadline=60)
+    print(f"\nEXTRA-BARRIER W={world_size}: {err.kinds[0]} in {elapsed:.2f} s")
 
 
 def test_a_rank_dying_between_tasks_is_not_blamed_on_the_next_example():

@@ -205,8 +205,8 @@ def prepare_reference(scenario: Scenario) -> Any:
 
 
 def _failure_rows(failure: Any) -> list[Divergence]:
-    kind = {"timeout": "rank timed out", "mismatch": "collectives mismatched"}.get(
-        failure.kind, "rank failed")
+    kind = {"timeout": "rank timed out", "mismatch": "collectives mismatched",
+            "contaminated": "rank left unfit"}.get(failure.kind, "rank failed")
     rows = []
     for state in failure.ranks:
         if state.rank in failure.guilty:
@@ -249,13 +249,21 @@ def _mismatched_collectives(texts: list[str], world_size: int) -> list[Divergenc
 
 
 def check_target(target: Any) -> None:
+    """Refuse, before any world runs, a target the ranks could not use or a failure could not
+    replay; name what is wrong and how to fix it."""
     if isinstance(target, type):
         raise InvalidArgument(f"target={target.__qualname__} is a class; pass an instance, "
                               f"such as {target.__qualname__}()")
-    missing = [m for m in ("configure", "supports", "wrap", "make_optimizer", "after_backward", "no_sync",
-                           "optimizer_state") if not callable(getattr(target, m, None))]
+    missing = [m for m in ("configure", "supports", "wrap", "make_optimizer", "before_step",
+                           "after_backward", "after_step", "no_sync", "optimizer_state")
+               if not callable(getattr(target, m, None))]
     if missing:
         raise InvalidArgument(f"target={target!r} lacks {missing}; subclass ddpcheck.Target")
+    supported = getattr(target, "supported_features", None)
+    if supported is not None:  # a typo would silently decline nothing
+        from ddpcheck._internal.vocabulary import parse
+
+        parse(supported, f"{type(target).__name__}.supported_features")
     try:
         pickle.dumps(target)
     except Exception as exc:

@@ -68,10 +68,11 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     supported = getattr(target, "supported_features", None)
     unsupported = excluded | (frozenset(features.FEATURES) - frozenset(supported)
                               if supported is not None else frozenset())
-    dtypes = tuple(d for d in dtypes if d not in unsupported)
-    if not dtypes:
+    kept = tuple(d for d in dtypes if d not in unsupported)
+    if not kept:
         raise NothingChecked(f"{type(target).__name__} supports none of the dtypes "
-                                  f"{', '.join(dtypes)} once --without is applied")
+                             f"{', '.join(dtypes)} once --without is applied")
+    dtypes = kept
     count = [0]
     first = [None]
     declined: dict[str, int] = {}

@@ -13,15 +13,13 @@ from ddpcheck.errors import WorldStartError  # re-exported: the world raises it
 __all__ = ["RankState", "WorldFailure", "WorldStartError"]
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class RankState:
     """What one rank did during a failed ``World.run``."""
 
     rank: int
-    status: str  # "returned" | "raised" | "exited" | "stuck"
-    detail: str = ""  # traceback, exit description or stack dump
+    status: str  # "returned" | "raised" | "exited" | "stuck" | "unfit"
+    detail: str = ""  # traceback, exit description, stack dump, or what an unfit rank changed
     log_tail: str = ""  # last lines the rank wrote to stdout/stderr
 
     def describe(self) -> str:
@@ -30,8 +28,10 @@ class RankState:
             "raised": f"rank {self.rank}: raised",
             "exited": f"rank {self.rank}: process exited ({self.detail})",
             "stuck": f"rank {self.rank}: did not return in time; it was here:",
+            "unfit": f"rank {self.rank}: returned, but left its process unfit for the next "
+                     f"task: {self.detail}",
         }[self.status]
-        body = "" if self.status in ("returned", "exited") else self.detail
+        body = "" if self.status in ("returned", "exited", "unfit") else self.detail
         text = head + ("\n" + _indent(body) if body else "")
         if self.log_tail and self.status != "returned":
             text += "\n" + _indent("last output of the rank:\n" + self.log_tail)
@@ -42,8 +42,10 @@ class WorldFailure(Exception):
     """A ``World.run`` that did not complete on every rank.
 
     ``kind`` is ``"raised"`` (a rank raised an exception), ``"exited"`` (a rank process died),
-    ``"timeout"`` (the deadline passed) or ``"mismatch"`` (the ranks issued different collectives
-    at the same index, or a rank finished with fewer: the cause, whatever happened next).
+    ``"timeout"`` (the deadline passed), ``"mismatch"`` (the ranks issued different collectives
+    at the same index, or a rank finished with fewer: the cause, whatever happened next; reported
+    as soon as the sequences show it cannot resolve) or ``"contaminated"`` (every rank returned,
+    but one left its process unfit for the next task: ``ddpcheck._internal.fitness``).
     ``ranks`` holds one :class:`RankState` per rank; ``disagreement`` the first collective where
     the ranks' sequences disagree (a ``ddpcheck._internal.sequences.Disagreement``, or None when they agree,
     with ``collectives`` then saying how many they issued).
@@ -62,11 +64,12 @@ class WorldFailure(Exception):
     @property
     def guilty(self) -> list[int]:
         """The ranks to blame: for a mismatch, those outside the majority at the first
-        disagreement; else the ranks that died, else those that raised; for a pure hang, the
-        stuck ranks the others wait for (those that issued nothing where the others did)."""
+        disagreement; else the ranks that died, else those that raised, else (contamination)
+        those left unfit; for a pure hang, the stuck ranks the others wait for (those that issued
+        nothing where the others did)."""
         if self.kind == "mismatch" and self.disagreement is not None:
             return self.disagreement.deviants
-        for status in ("exited", "raised"):
+        for status in ("exited", "raised") + (("unfit",) if self.kind == "contaminated" else ()):
             bad = [s.rank for s in self.ranks if s.status == status]
             if bad:
                 return bad
@@ -80,6 +83,7 @@ class WorldFailure(Exception):
             "exited": "a rank process exited",
             "timeout": "the deadline passed",
             "mismatch": "the ranks issued mismatched collectives",
+            "contaminated": "a rank left its process unfit for the next task",
         }[self.kind]
         lines = [f"{self.what} failed in a world of {self.world_size}: {verdict} "
                  f"(guilty rank(s): {', '.join(map(str, self.guilty))})"]

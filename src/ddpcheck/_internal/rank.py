@@ -1,9 +1,14 @@
 """The world, seen from inside a rank process: join the group, then serve tasks until told to stop.
 
-Invariant: a rank answers every task with exactly one message, ``("ok", result)`` or
-``("error", traceback)``, and never runs two tasks at once; it dies with its parent
-(``PR_SET_PDEATHSIG``), ignores Ctrl-C (the parent decides when ranks stop), and leaves with
-``os._exit`` (see :func:`_exit`).
+Invariant: a rank answers every task with exactly one message, ``("ok", result)``,
+``("error", traceback)`` or ``("unfit", what changed)`` -- the task returned but left the process
+unfit for the next one (``ddpcheck._internal.fitness``) -- and never runs two tasks at once; it
+leads its own session and process group (so the parent can kill whatever a target started in it),
+dies with its parent (``PR_SET_PDEATHSIG``), ignores Ctrl-C (the parent decides when ranks stop),
+and leaves with ``os._exit`` (see :func:`_exit`).
+
+The parent sets :data:`WORLD_DIR_ENV` for its ranks; ``ddpcheck._internal.world`` reads it to
+refuse starting a world from inside a rank (see ``world._refuse_nested_start``).
 """
 
 from __future__ import annotations
@@ -20,20 +25,39 @@ from typing import Any
 
 from ddpcheck._internal.options import STARTUP_DEADLINE
 
-__all__ = ["SHUTDOWN", "rank_main"]
+__all__ = ["NESTED_MARKER", "SHUTDOWN", "WORLD_DIR_ENV", "rank_main", "serving"]
 
 #: The message that tells a rank to exit.
 SHUTDOWN = b""
+#: Set by the parent in its ranks' environment: the world's directory.
+WORLD_DIR_ENV = "DDPCHECK_WORLD_DIR"
+#: File a rank creates in the world directory when re-importing the main module started a world.
+NESTED_MARKER = "nested-start"
+
+_serving = False
+
+
+def serving() -> bool:
+    """True inside a rank that has joined its world (as opposed to spawn's start-up)."""
+    return _serving
 
 
 def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: Any,
                log_path: str, stack_path: str, parent_pid: int,
                sequence_path: str | None = None) -> None:
     """Join the process group, then run tasks from the parent until told to stop."""
+    global _serving
+    # Its own group first: killing the group then kills whatever a target starts from here.
+    try:
+        os.setsid()
+    except OSError:  # already a group leader
+        pass
     _die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group; the parent decides when ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    log = open(log_path, "w", buffering=1)
+    # Append: the parent pointed this process's stdout/stderr at the same file while spawning
+    # it, so whatever happened during spawn's start-up is already there.
+    log = open(log_path, "a", buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     stack_file = open(stack_path, "w")
@@ -49,7 +73,7 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
         import torch
         import torch.distributed as dist
 
-        from ddpcheck._internal import recorder as comm
+        from ddpcheck._internal import fitness, recorder as comm
 
         # Two cores host up to W ranks: intra-op threads would only oversubscribe them.
         torch.set_num_threads(1)
@@ -65,10 +89,12 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
         # inside the start-up deadline, not inside the first example's.
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
         comm.record_to(sequence_path)
+        baseline = fitness.baseline(tuple(comm.wrapped()))
         _send(conn, ("ok", os.getpid()))
     except BaseException:
         _send(conn, ("error", traceback.format_exc()))
         _exit(1, log)
+    _serving = True
     while True:
         try:
             payload = conn.recv_bytes()
@@ -80,7 +106,8 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
             fn, args = pickle.loads(payload)
             comm.restart_sequence()
             result = fn(*args)
-            message = ("ok", result)
+            unfit = fitness.problems(baseline)
+            message = ("unfit", "; ".join(unfit)) if unfit else ("ok", result)
         except BaseException:  # report everything, SystemExit included, then keep serving
             message = ("error", traceback.format_exc())
         _send(conn, message)

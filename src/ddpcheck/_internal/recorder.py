@@ -6,6 +6,12 @@ the log of a rank that hangs inside a collective still ends with that collective
 the log for the communication budget (gradient bytes cross the wire once per step) and to point at
 the first collective where ranks disagree; ``ddpcheck trace`` draws it as a timeline.
 
+Call site: each record carries ``site``, ``"file:line in function"`` of the first frame outside
+``torch.distributed`` and this module -- the line of the target (or of ``parallel/``) that issued
+it, so a hang report can point at it. It is written to the sequence file but is not part of the
+signature ranks must agree on. Cost: a walk of a few frames, with the per-code-object verdict and
+file name cached: 0.2-0.6 us per collective (a W=1 gloo all_reduce of 4 floats: 21.4 vs 21.0 us).
+
 Timing: ``launched`` is taken at the call. A blocking call sets ``completed`` when it returns. An
 ``async_op=True`` call returns the torch ``Work`` inside a thin proxy: ``completed`` is when the
 work finished (its future's callback, or else the ``wait()``), ``waited`` when ``wait()`` returned;
@@ -21,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -62,6 +69,7 @@ class Collective:
     launched: float  # time.perf_counter() at the call
     completed: float | None = None  # perf_counter() when the collective finished on this rank
     waited: float | None = None  # perf_counter() when wait() returned (async_op=True only)
+    site: str = ""  # "file:line in function" of the caller (see `call_site`); not in the signature
 
     def signature(self) -> tuple:
         """What every rank of the group must agree on for the collective to pair correctly."""
@@ -81,6 +89,8 @@ class Collective:
             parts.append(f"root={self.root}")
         if self.group is not None:
             parts.append(f"group={list(self.group)}")
+        if self.site:
+            parts.append(f"(at {self.site})")
         return " ".join(parts)
 
 
@@ -106,8 +116,51 @@ def restart_sequence() -> None:
 
 
 def sequence_line(c: Collective) -> bytes:
-    """One record of the sequence file: the signature fields, as a Python literal."""
-    return (repr((c.op, c.dtypes, c.shapes, c.root, c.group, c.reduce_op)) + "\n").encode()
+    """One record of the sequence file: the signature fields, then the call site, as a Python
+    literal."""
+    return (repr((c.op, c.dtypes, c.shapes, c.root, c.group, c.reduce_op, c.site)) + "\n").encode()
+
+
+# code object -> its display file name, or None for frames to skip (torch.distributed, this module)
+_SITE_FILES: dict[Any, str | None] = {}
+
+
+def call_site(depth: int = 2) -> str:
+    """``"file:line in function"`` of the first caller frame outside ``torch.distributed`` and
+    this module (``depth`` frames up is where to start looking); ``""`` if there is none.
+
+    File names are shown relative to the current directory when they are under it."""
+    try:
+        frame: Any = sys._getframe(depth)
+    except ValueError:
+        return ""
+    while frame is not None:
+        code = frame.f_code
+        try:
+            shown = _SITE_FILES[code]
+        except KeyError:
+            shown = _SITE_FILES[code] = _display_name(code.co_filename)
+        if shown is not None:
+            return f"{shown}:{frame.f_lineno} in {code.co_name}"
+        frame = frame.f_back
+    return ""
+
+
+def _display_name(path: str) -> str | None:
+    if path == __file__ or path.startswith(_skipped_dir()):
+        return None
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return path if rel.startswith("..") else rel
+
+
+@functools.lru_cache(maxsize=1)
+def _skipped_dir() -> str:
+    import torch.distributed
+
+    return os.path.dirname(torch.distributed.__file__) + os.sep
 
 
 def records() -> list[Collective]:
@@ -117,6 +170,13 @@ def records() -> list[Collective]:
 
 def reset() -> None:
     _log.clear()
+
+
+def wrapped() -> list[str]:
+    """The names of the ``torch.distributed`` functions :func:`install` wrapped."""
+    import torch.distributed as dist
+
+    return [n for n in _OPS if getattr(getattr(dist, n, None), "__ddpcheck_original__", None)]
 
 
 def install() -> None:
@@ -160,6 +220,7 @@ def _wrap(name: str, original: Callable[..., Any], index: int, root_name: str | 
             reduce_op=_op_name(reduce_op),
             async_op=bool(kwargs.get("async_op", _positional(original, args, "async_op") or False)),
             launched=time.perf_counter(),
+            site=call_site(),
         )
         _log.append(record)
         if _sequence_fd is not None:  # before the call: a rank stuck inside it still shows it

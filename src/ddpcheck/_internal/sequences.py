@@ -30,17 +30,18 @@ __all__ = ["Disagreement", "diagnose", "parse", "same_texts"]
 
 
 def parse(text: str) -> list[Collective]:
-    """The collectives of one sequence file (a torn last line, from a killed rank, is dropped)."""
+    """The collectives of one sequence file (a torn last line, from a killed rank, is dropped),
+    each with the call site the recorder wrote after the signature fields."""
     out = []
     for line in text.splitlines():
         try:
-            op, dtypes, shapes, root, group, reduce_op = ast.literal_eval(line)
+            op, dtypes, shapes, root, group, reduce_op, *site = ast.literal_eval(line)
         except (ValueError, SyntaxError, TypeError):
             continue
         out.append(Collective(op=op, nbytes=0, dtypes=tuple(dtypes),
                               shapes=tuple(tuple(s) for s in shapes), root=root,
                               group=None if group is None else tuple(group), reduce_op=reduce_op,
-                              async_op=False, launched=0.0))
+                              async_op=False, launched=0.0, site=site[0] if site else ""))
     return out
 
 

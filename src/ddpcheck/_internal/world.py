@@ -1,25 +1,46 @@
 """Persistent multi-process ``torch.distributed`` worlds with deadlines.
 
-Invariant: ``World.run(fn, *args)`` returns the list of every rank's ``fn(*args)`` only when *all*
-ranks returned. If any rank raises, exits, or misses the deadline, it raises :class:`WorldFailure`
-naming each rank's state (its traceback, its exit code, or a faulthandler dump of where it was
-stuck) and the first collective where the ranks' sequences disagree (``ddpcheck._internal.sequences``), and
-the world is torn down -- no process is left -- so the next :func:`get_world` spawns a
-fresh one. Every wait here has a deadline.
+Invariant: ``World.run(fn, *args)`` returns every rank's ``fn(*args)`` only when *all* ranks
+returned. If any rank raises, exits, misses the deadline or is left unfit, it raises
+:class:`WorldFailure` naming each rank's state (traceback, exit code, or a faulthandler dump of
+where it was stuck) and the first collective where the ranks' sequences disagree
+(``_internal.sequences``), and the world is torn down -- no process is left -- so the next
+:func:`get_world` spawns a fresh one. Every wait here has a deadline.
 
 Why persistent: spawning a gloo world costs seconds (2.0 s at W=2, 4.6 s at W=4 on our machines),
-one equivalence example in a running world costs milliseconds. Worlds are kept per world size and
-reused until they fail or the interpreter exits.
+one example in a running world milliseconds. Worlds are kept per world size until they fail or
+the interpreter exits. Rendezvous uses a ``FileStore`` in a fresh temporary directory: no port is
+ever fixed, and ``pytest -n auto`` workers cannot collide.
 
-Rendezvous uses a ``FileStore`` in a fresh temporary directory, so no port is ever fixed and
-``pytest -n auto`` workers cannot collide.
+Isolation between tasks: after every task each rank checks that its process is still fit
+(``_internal.fitness``); an unfit rank fails the task as ``"contaminated"`` naming what changed, so
+the example that did the damage is blamed, not the next. Every failed ``run`` kills the world; a
+run that *completed* keeps it even when the caller finds the results wrong (``api.check_example``
+replaces it after a collective mismatch): its ranks passed the fitness check and agreed on every
+collective, and keeping the world spares shrinking a ~2 s respawn per failing example (with one,
+mutant kills took 95-127 s instead of ~2 s; docs/platform-notes.md). Each rank leads its own
+process group, and a kill kills the groups: processes a target started die with the world.
+
+Start-up and shutdown hygiene: a world started inside a rank (a script calling ddpcheck at import
+time without ``if __name__ == "__main__":``, which spawn re-imports in every rank) is refused with
+one line (:class:`WorldStartError`). A rank's output goes to its log from the first line spawn
+runs. Every world has a janitor process (``_internal.janitor``) that removes its directory and
+kills its process groups if the parent dies without doing so (SIGKILL); the ranks die with the
+parent (``PR_SET_PDEATHSIG``). The command line turns SIGTERM into an orderly stop (exit 143); API
+users get no handler (the janitor makes one unnecessary, and a library should not take a signal).
+
+Hang diagnosis at the speed of the evidence: while a task runs, the parent re-reads the sequence
+files every :data:`POLL_INTERVAL`; once they show a collective that can never complete (ranks
+issued different collectives at one index, or one that a rank which already returned never
+issued) and the evidence stays unchanged for :data:`EVIDENCE_GRACE`, the task fails as a
+``"mismatch"`` naming the collective and its call site, long before the deadline. Hangs without
+such evidence still wait for the deadline.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import pickle
 import shutil
 import signal
 import sys
@@ -30,8 +51,13 @@ from multiprocessing.connection import wait as _wait_any
 from typing import Any, Callable
 
 from ddpcheck._internal.failures import RankState, WorldFailure, WorldStartError
+from ddpcheck._internal.janitor import Janitor
+from ddpcheck._internal.processes import (check_main_module_importable, default_backend,
+                                          environment, exit_description, kill_group, output_to,
+                                          pickle_task, read, receive, refuse_nested_start, tail,
+                                          trim_dump)
 from ddpcheck._internal.options import DEFAULT_DEADLINE, STARTUP_DEADLINE
-from ddpcheck._internal.rank import SHUTDOWN, rank_main
+from ddpcheck._internal.rank import NESTED_MARKER, SHUTDOWN, WORLD_DIR_ENV, rank_main
 from ddpcheck._internal.validation import InvalidArgument, check_deadline, check_world_size
 
 __all__ = ["RankState", "World", "WorldFailure", "WorldStartError", "get_world",
@@ -40,6 +66,13 @@ __all__ = ["RankState", "World", "WorldFailure", "WorldStartError", "get_world",
 #: Once one rank has failed, how long the others get to finish before they are presumed stuck
 #: waiting for it in a collective.
 FAILURE_GRACE = 2.0
+#: Seconds between two readings of the sequence files while a task runs (the first reading comes
+#: this long after the task started, so a healthy example, ~10 ms, never pays for one).
+POLL_INTERVAL = 0.3
+#: Seconds the sequence files must keep showing the same collective that cannot complete, with no
+#: rank returning meanwhile, before the task is failed as a mismatch: long enough for a rank that
+#: only looks stuck to move on, far shorter than any deadline.
+EVIDENCE_GRACE = 2.0
 
 _NUMPY_WARNING = "ignore:Failed to initialize NumPy"
 
@@ -63,7 +96,7 @@ class World:
                 f"start_method={start_method!r} is not supported; use 'spawn' or 'forkserver' "
                 "(fork is unsafe once torch has started threads)")
         self.world_size = world_size
-        self.backend = backend or _default_backend()
+        self.backend = backend or default_backend()
         self.start_method = start_method
         # fixed at start
         self._dir: str | None = None
@@ -72,6 +105,7 @@ class World:
         self._logs: list[str] = []
         self._stacks: list[str] = []
         self._sequences: list[str] = []  # per-rank collective sequence files (ddpcheck._internal.recorder)
+        self._janitor: Janitor | None = None
         # lifecycle
         self._alive = False
         self._runs = 0
@@ -86,6 +120,11 @@ class World:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs if p.pid is not None]
 
+    @property
+    def janitor_pid(self) -> int | None:
+        """The world's janitor process (``ddpcheck._internal.janitor``), while the world lives."""
+        return None if self._janitor is None else self._janitor.pid
+
     def start(self, deadline: float = STARTUP_DEADLINE) -> "World":
         """Spawn the ranks and wait until every one has joined the process group."""
         # Plain multiprocessing, not torch.multiprocessing: results travel as pickled bytes, so
@@ -94,30 +133,27 @@ class World:
 
         if self._alive:
             return self
+        refuse_nested_start()
         ctx = multiprocessing.get_context(self.start_method)
-        _check_main_module_importable()
+        check_main_module_importable()
         self._dir = tempfile.mkdtemp(prefix=f"ddpcheck-w{self.world_size}-")
+        _LIVE.add(self)  # from here on, kill() (and shutdown_worlds) cleans up
+        self._alive = True
         store_path = os.path.join(self._dir, "store")
         self._procs, self._conns = [], []
         self._logs = [os.path.join(self._dir, f"rank{r}.log") for r in range(self.world_size)]
         self._stacks = [os.path.join(self._dir, f"rank{r}.stack") for r in range(self.world_size)]
         self._sequences = [os.path.join(self._dir, f"rank{r}.collectives")
                            for r in range(self.world_size)]
-        # torch warns at import when numpy is missing; in a rank that is noise on the user's
-        # terminal (spawn imports it before our log redirection), so the children ignore it.
+        # torch warns at import when numpy is missing; the children ignore it. They learn their
+        # world's directory, which marks them as ranks (see refuse_nested_start).
         saved = os.environ.get("PYTHONWARNINGS")
-        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [saved, _NUMPY_WARNING]))
         try:
-            self._spawn(ctx, store_path)
-        finally:
-            if saved is None:
-                del os.environ["PYTHONWARNINGS"]
-            else:
-                os.environ["PYTHONWARNINGS"] = saved
-        _LIVE.add(self)
-        self._alive = True
-        try:
-            self._collect("world start-up", deadline)
+            self._janitor = Janitor(self._dir)
+            with environment(PYTHONWARNINGS=",".join(filter(None, [saved, _NUMPY_WARNING])),
+                              **{WORLD_DIR_ENV: self._dir}):
+                self._spawn(ctx, store_path)
+            self._collect("world start-up", deadline, starting=True)
         except WorldFailure as failure:  # not the target's fault: the environment's
             self.kill()
             raise WorldStartError(f"could not start a world of {self.world_size} ranks; "
@@ -128,6 +164,12 @@ class World:
         return self
 
     def _spawn(self, ctx: Any, store_path: str) -> None:
+        # multiprocessing's helper processes inherit our stdout: start them before redirecting.
+        from multiprocessing import forkserver, resource_tracker
+
+        resource_tracker.ensure_running()
+        if self.start_method == "forkserver":
+            forkserver.ensure_running()
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(
@@ -138,10 +180,12 @@ class World:
                       self._sequences[rank]),
                 daemon=True,
             )
-            proc.start()
+            with output_to(self._logs[rank]):
+                proc.start()
             child_end.close()
             self._procs.append(proc)
             self._conns.append(parent_end)
+            self._janitor.watch(proc.pid)  # the rank leads its own process group
 
     def close(self, timeout: float = 5.0) -> None:
         """Ask every rank to exit, then make sure it has (killing stragglers)."""
@@ -158,13 +202,10 @@ class World:
         self.kill()
 
     def kill(self) -> None:
-        """Kill every rank now and remove the world's files. Safe to call twice."""
+        """Kill every rank, and every process it started, now; remove the world's files. Safe to
+        call twice."""
         for proc in self._procs:
-            if proc.is_alive():
-                try:
-                    os.kill(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, TypeError):
-                    pass
+            kill_group(proc)
         for proc in self._procs:
             proc.join(5.0)
         for conn in self._conns:
@@ -173,6 +214,9 @@ class World:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+        if self._janitor is not None:
+            self._janitor.release()
+            self._janitor = None
         self._alive = False
         _LIVE.discard(self)
 
@@ -186,7 +230,7 @@ class World:
         importable module. On any failure the world is killed and :class:`WorldFailure` raised.
         """
         check_deadline("deadline", deadline)
-        payload = _pickle_task(fn, args)
+        payload = pickle_task(fn, args)
         if self._alive and any(p.exitcode is not None for p in self._procs):
             # A rank died *between* tasks (gloo's teardown race can SIGABRT an idle rank, see
             # platform-notes.md): no task of ours was running, so blame none -- start afresh.
@@ -194,7 +238,9 @@ class World:
         if not self._alive:
             self.start()
         self._runs += 1
-        for path in self._stacks:
+        # Empty here, before any rank starts: a slow rank's file must not show the last task's
+        # collectives to the evidence polling in _collect.
+        for path in self._stacks + self._sequences:
             open(path, "w").close()
         try:
             for conn in self._conns:
@@ -208,48 +254,73 @@ class World:
 
     def collective_sequences(self) -> list[str]:
         """Each rank's collective sequence file (``ddpcheck._internal.recorder`` format) for the last task."""
-        return [_read(path) for path in self._sequences]
+        return [read(path) for path in self._sequences]
 
-    def _collect(self, what: str, deadline: float) -> list[Any]:
-        """Wait for one message from every rank, or fail with every rank's state."""
+    def _collect(self, what: str, deadline: float, starting: bool = False) -> list[Any]:
+        """Wait for one message from every rank, or fail with every rank's state.
+
+        While waiting, the sequence files are watched for a collective that cannot complete
+        (:meth:`_hopeless`); start-up issues no collectives, so it is not watched."""
         n = self.world_size
         results: list[Any] = [None] * n
         states: dict[int, RankState] = {}
         pending = set(range(n))
-        end = time.monotonic() + deadline
+        started = time.monotonic()
+        end = started + deadline
+        next_poll = started + POLL_INTERVAL
+        evidence: tuple | None = None  # what the sequence files last showed, and since when
+        evidence_since = 0.0
         failed_at: float | None = None
         kind: str | None = None
         while pending:
             limit = end if failed_at is None else min(end, failed_at + FAILURE_GRACE)
-            timeout = limit - time.monotonic()
-            if timeout <= 0:
+            watching = not starting and kind is None
+            now = time.monotonic()
+            timeout = (min(limit, next_poll) if watching else limit) - now
+            if now >= limit:
                 break
             waitables = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
-            ready = _wait_any(waitables, timeout)
+            ready = _wait_any(waitables, max(timeout, 0.0))
             for rank in sorted(pending):
                 conn, proc = self._conns[rank], self._procs[rank]
                 if conn in ready or proc.sentinel in ready:
-                    message = _receive(conn)
+                    message = receive(conn)
                     if message is None:  # the process died without answering
                         proc.join(1.0)
-                        states[rank] = RankState(rank, "exited", _exit_description(proc.exitcode),
-                                                 log_tail=_tail(self._logs[rank]))
+                        if starting:
+                            self._refuse_if_nested()
+                        states[rank] = RankState(rank, "exited", exit_description(proc.exitcode),
+                                                 log_tail=tail(self._logs[rank]))
                         kind = kind or "exited"
                     elif message[0] == "ok":
                         results[rank] = message[1]
                         states[rank] = RankState(rank, "returned")
+                    elif message[0] == "unfit":  # finished: not a reason to stop waiting for others
+                        states[rank] = RankState(rank, "unfit", message[1],
+                                                 log_tail=tail(self._logs[rank]))
                     else:
                         states[rank] = RankState(rank, "raised", message[1],
-                                                 log_tail=_tail(self._logs[rank]))
+                                                 log_tail=tail(self._logs[rank]))
                         kind = kind or "raised"
                     pending.discard(rank)
                     if kind is not None and failed_at is None:
                         failed_at = time.monotonic()
+            now = time.monotonic()
+            if pending and watching and kind is None and now >= next_poll:
+                next_poll = now + POLL_INTERVAL
+                seen = self._hopeless(set(range(n)) - pending)
+                if seen is None or seen != evidence:
+                    evidence, evidence_since = seen, now
+                elif now - evidence_since >= EVIDENCE_GRACE:
+                    kind = "mismatch"  # unchanged for the grace: the pending ranks are stuck
+                    break
         if not pending and kind is None:
-            return results
+            if not any(s.status == "unfit" for s in states.values()):
+                return results
+            kind = "contaminated"
         dumps = self._dump_stacks(sorted(pending))
         for rank in sorted(pending):
-            states[rank] = RankState(rank, "stuck", dumps[rank], log_tail=_tail(self._logs[rank]))
+            states[rank] = RankState(rank, "stuck", dumps[rank], log_tail=tail(self._logs[rank]))
         failure = self._failure(kind or "timeout", [states[r] for r in range(n)], what)
         self.kill()
         raise failure
@@ -260,12 +331,35 @@ class World:
         from ddpcheck._internal import sequences
 
         seqs = [sequences.parse(text) for text in self.collective_sequences()]
-        finished = [s.rank for s in states if s.status == "returned"]
+        finished = [s.rank for s in states if s.status in ("returned", "unfit")]
         disagreement = sequences.diagnose(seqs, finished)
         if disagreement is not None and disagreement.mismatched:
             kind = "mismatch"
         summary = "" if disagreement is not None else sequences.agreement_summary(seqs)
         return WorldFailure(kind, self.world_size, states, what, disagreement, summary)
+
+    def _hopeless(self, finished: set[int]) -> tuple | None:
+        """The sequence files' texts and ``finished`` if they show a collective that can never
+        complete (``sequences.Disagreement.mismatched``: different collectives at one index, or
+        one that a finished rank never issued), else None. Identical files are never parsed."""
+        from ddpcheck._internal import sequences
+
+        texts = self.collective_sequences()
+        if sequences.same_texts(texts):
+            return None
+        disagreement = sequences.diagnose([sequences.parse(t) for t in texts], finished)
+        if disagreement is None or not disagreement.mismatched:
+            return None
+        return tuple(texts), frozenset(finished)
+
+    def _refuse_if_nested(self) -> None:
+        """A rank left because re-importing the main module started a world: say so, once."""
+        if self._dir is not None and os.path.exists(os.path.join(self._dir, NESTED_MARKER)):
+            main = getattr(sys.modules.get("__main__"), "__file__", None) or "the main module"
+            raise WorldStartError(
+                f"{main} calls ddpcheck when it is imported, and every rank process re-imports "
+                "the main module (multiprocessing's spawn); put that call under "
+                "`if __name__ == \"__main__\":`")
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Ask stuck ranks for their Python stacks (faulthandler on SIGUSR1) and read them."""
@@ -275,95 +369,21 @@ class World:
             try:
                 os.kill(proc.pid, signal.SIGUSR1)
             except ProcessLookupError:
-                dumps[rank] = f"(process gone: {_exit_description(proc.exitcode)})"
+                dumps[rank] = f"(process gone: {exit_description(proc.exitcode)})"
         end = time.monotonic() + 2.0
         waiting = [r for r in ranks if r not in dumps]
         while waiting and time.monotonic() < end:
             time.sleep(0.05)
-            waiting = [r for r in waiting if "most recent call first" not in _read(self._stacks[r])]
+            waiting = [r for r in waiting if "most recent call first" not in read(self._stacks[r])]
         time.sleep(0.05)  # let faulthandler finish the dump it started
         for rank in ranks:
             if rank not in dumps:
-                dumps[rank] = _trim_dump(_read(self._stacks[rank])) or "(no stack dump arrived)"
+                dumps[rank] = trim_dump(read(self._stacks[rank])) or "(no stack dump arrived)"
         return dumps
 
     def __repr__(self) -> str:
         state = "alive" if self._alive else "stopped"
         return f"World(world_size={self.world_size}, backend={self.backend!r}, {state})"
-
-
-def _trim_dump(dump: str) -> str:
-    """Drop the frames below the rank's task loop: they are the same in every dump."""
-    kept, below_loop = [], False
-    for line in dump.strip().splitlines():
-        is_frame = line.lstrip().startswith("File ")
-        if is_frame and below_loop:
-            continue
-        below_loop = is_frame and "in rank_main" in line
-        kept.append(line)
-    return "\n".join(kept)
-
-
-def _check_main_module_importable() -> None:
-    """spawn re-imports the parent's ``__main__`` in every rank; a script read from stdin or a
-    deleted file cannot be, and every rank would die before reporting anything."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if path and getattr(main, "__spec__", None) is None and not os.path.exists(path):
-        raise WorldStartError(
-            f"the main module {path!r} is not a file, so spawned ranks cannot import it; run "
-            "your code from a file or with `python -m`, and define targets in an importable "
-            "module")
-
-
-def _default_backend() -> str:
-    import torch
-
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
-
-
-def _pickle_task(fn: Callable[..., Any], args: tuple) -> bytes:
-    try:
-        return pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
-    except (pickle.PicklingError, AttributeError, TypeError) as exc:
-        raise InvalidArgument(
-            f"cannot send {fn!r} with its arguments to the rank processes: {exc}. Everything a "
-            "world runs travels by pickle, so functions, targets and model factories must be "
-            "defined at module level of an importable module (not inside a function, not a "
-            "lambda, not in __main__ of an interactive session)") from exc
-
-
-def _receive(conn: Any) -> tuple | None:
-    try:
-        if not conn.poll(0):
-            return None
-        return pickle.loads(conn.recv_bytes())
-    except (EOFError, OSError):
-        return None
-
-
-def _exit_description(code: int | None) -> str:
-    if code is None:
-        return "exit code unknown"
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def _tail(path: str, lines: int = 15) -> str:
-    text = _read(path).rstrip()
-    return "\n".join(text.splitlines()[-lines:])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,6 +397,7 @@ _LOCK = threading.Lock()
 def get_world(world_size: int, *, backend: str | None = None, start_method: str = "spawn") -> World:
     """The persistent world of this size, spawned on first use and after a failure."""
     check_world_size("world_size", world_size)
+    refuse_nested_start()
     key = (world_size, backend, start_method)
     with _LOCK:
         world = _WORLDS.get(key)

@@ -1,0 +1,134 @@
+"""The grammar of the ``ddpcheck`` command line: every subcommand, flag, default and help text.
+
+Apart from ``ddpcheck.cli`` (what each command does) so either reads on its own. Imports no torch:
+``ddpcheck --help`` must answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, parse_world_sizes
+
+__all__ = ["EXIT_CODES", "build_parser"]
+
+#: The exit codes, as ``--help`` and the README state them.
+EXIT_CODES = ("exit status: 0 checked, nothing found; 1 a counterexample in the target (printed "
+              "with its replay line); 2 usage or set-up error, not the target's fault; 3 nothing "
+              "was checked (every example skipped or declined)")
+
+
+def _world_sizes(text: str) -> tuple[int, ...]:
+    from ddpcheck._internal.validation import InvalidArgument
+
+    try:
+        return parse_world_sizes(text)
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddpcheck",
+        description="Find bugs in data-parallel training code: run it in real multi-process "
+                    "worlds against a single-process full-batch reference.",
+        epilog=EXIT_CODES)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    check = sub.add_parser("check", help="check a target (default: the built-in parallel target)",
+                           description="Run the built-in battery of scenarios against a target "
+                                       "at every world size, then random examples shrunk by "
+                                       "Hypothesis.", epilog=EXIT_CODES)
+    check.add_argument("target", nargs="?", default="parallel", metavar="MODULE:TARGET")
+    check.add_argument("--world-sizes", type=_world_sizes, default=None,
+                       help="comma-separated world sizes (default 1,2,3,4; under torchrun, "
+                            "torchrun's world size)")
+    check.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
+                       help="seconds one example may take before it counts as hung (default 60)")
+    check.add_argument("--examples", type=_positive(int), default=100,
+                       help="random examples to run after the built-in battery (default 100)")
+    check.add_argument("--seed", type=int, default=None,
+                       help="seed of the random examples (default: the same examples every run)")
+    check.add_argument("--without", default="", metavar="FEATURE[,FEATURE...]",
+                       help="features never to exercise, on top of the target's "
+                            "supported_features (e.g. accumulation,buffers; see ddpcheck.features)")
+    check.add_argument("--dtypes", default="float64", metavar="DTYPE[,DTYPE...]",
+                       help="dtypes of the random examples: float64 (default), float32 or both")
+
+    replay = sub.add_parser("replay", help="run one example again (the line a failure prints)",
+                            epilog=EXIT_CODES)
+    replay.add_argument("target", metavar="MODULE:TARGET")
+    replay.add_argument("--world-size", type=_positive(int), required=True)
+    replay.add_argument("--scenario", required=True, help="the scenario's repr, as printed")
+    replay.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE)
+
+    trace = sub.add_parser("trace", help="record every collective of one step as a Chrome/"
+                                         "Perfetto trace",
+                           description="Run one steady-state training step of a model with "
+                                       "several gradient buckets on every rank and write its "
+                                       "collectives and phases in Chrome trace format (open in "
+                                       "https://ui.perfetto.dev or chrome://tracing). Exit 0, "
+                                       "or 2 on a usage or set-up error.")
+    trace.add_argument("target", nargs="?", default="parallel", metavar="MODULE:TARGET")
+    trace.add_argument("--world-size", type=_positive(int), default=2,
+                       help="ranks to trace (default 2)")
+    trace.add_argument("-o", "--output", default="trace.json",
+                       help="where to write the JSON (default trace.json)")
+    trace.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE)
+
+    mutants = sub.add_parser(
+        "mutants", help="run the built-in mutant catalogue and print which bugs were caught",
+        description="Search each mutant of ddpcheck.mutation.catalogue (the parallel target with one seeded "
+                    "bug from the bug catalogue) for a counterexample, after checking that the "
+                    "unmutated parallel target passes the same search. Exit 0 if every mutant is "
+                    "killed and the unmutated target passes, 1 otherwise, 2 on a usage error.")
+    mutants.add_argument("--budget-seconds", type=_positive(float), default=10.0,
+                         help="search time per mutant, world start-up excluded (default 10)")
+    mutants.add_argument("--world-sizes", type=_world_sizes, default=DEFAULT_WORLD_SIZES,
+                         help="comma-separated world sizes (default 1,2,3,4)")
+    mutants.add_argument("--only", default=None, metavar="NAME[,NAME...]",
+                         help="run only these mutants (names as in the table)")
+    mutants.add_argument("--search", choices=("shrinking", "battery"), default="shrinking",
+                         help="shrinking: random examples shrunk by Hypothesis, then the battery "
+                              "(default); battery: the built-in battery only (fastest)")
+    mutants.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
+                         help="seconds one example may take before it counts as hung (default 60)")
+
+    rule = sub.add_parser(
+        "fuzz-rule", help="check a sharding rule's invariants and equivalence, report its balance",
+        description="Call the rule on parameter lists drawn by Hypothesis (1-300 parameters shaped "
+                    "like real models', mixed dtypes, world sizes 1-8, often more ranks than "
+                    "parameters) and on fixed GPT-like lists, each call with a deadline, in a "
+                    "separate process (right length, integer owners in range, same answer twice, "
+                    "returns in time), then on every rank of real worlds of 2-4 processes (same "
+                    "answer everywhere); a violation is shrunk to the smallest parameter list "
+                    "that shows it. Then check ShardedOptimizer under the rule against the "
+                    "battery, and print the optimizer-state balance (max / ideal bytes) on "
+                    "GPT-like parameters. Exit 0 if the rule holds, 1 with the violations (the "
+                    "rule raised, hung, crashed its process, answered wrongly, or ShardedOptimizer "
+                    "under it is not equivalent), 2 on a usage or set-up error.")
+    rule.add_argument("rule", metavar="MODULE:RULE",
+                      help="a function rule(params, world_size) -> owners, such as "
+                           "parallel.sharding:greedy")
+    rule.add_argument("--world-sizes", type=_world_sizes, default=DEFAULT_WORLD_SIZES,
+                      help="world sizes of the equivalence check (default 1,2,3,4)")
+    rule.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
+                      help="seconds one call of the rule, or one equivalence example, may take "
+                           "before it counts as hung (default 60)")
+    rule.add_argument("--examples", type=_positive(int), default=200,
+                      help="parameter lists Hypothesis draws (default 200)")
+    rule.add_argument("--seed", type=int, default=None,
+                      help="seed of the drawn lists (default: the same lists every run)")
+    return parser

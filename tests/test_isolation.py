@@ -1,0 +1,294 @@
+"""Isolation between examples, start-up and shutdown hygiene (``ddpcheck._internal.fitness``,
+``ddpcheck._internal.janitor``, ``world._refuse_nested_start``).
+
+A target that leaves its rank processes unfit for the next example is the one blamed ("rank left
+unfit", naming what changed), and the next, correct example runs in a fresh world. A script that
+calls ddpcheck at import time gets one line, fast. SIGTERM or SIGKILL of a process running
+ddpcheck leaves no world directory and no rank process behind.
+
+Targets travel to rank processes by pickle, so they are module-level classes here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ddpcheck
+from ddpcheck import targets
+from ddpcheck.api import check_example
+from ddpcheck.scenario import Scenario
+from ddpcheck._internal import rank as rank_module
+from ddpcheck._internal.world import get_world
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCENARIO = Scenario(steps=1)
+
+# ---------------------------------------------------------------------------------------------
+# Targets that damage the rank process (each on every rank, as a careless target would)
+
+_KEEP: list = []  # what the leaky targets keep alive in the rank process
+
+
+def _noop_hook(module, inputs, output):
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RegistersGlobalHook(targets.ParallelTarget):
+    def wrap(self, module):
+        torch.nn.modules.module.register_module_forward_hook(_noop_hook)
+        return super().wrap(module)
+
+
+@dataclasses.dataclass(frozen=True)
+class DestroysDefaultGroup(targets.ParallelDDPTarget):
+    def after_backward(self, model, optimizer):
+        model.finish_gradient_sync()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@dataclasses.dataclass(frozen=True)
+class NewGroupPerExample(targets.ParallelTarget):
+    def wrap(self, module):
+        _KEEP.append(dist.new_group(list(range(dist.get_world_size()))))
+        return super().wrap(module)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChangesThreadCount(targets.ParallelTarget):
+    def wrap(self, module):
+        torch.set_num_threads(2)
+        return super().wrap(module)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeavesThreadRunning(targets.ParallelTarget):
+    def wrap(self, module):
+        stop = threading.Event()
+        threading.Thread(target=stop.wait, name="leftover-worker", daemon=True).start()
+        _KEEP.append(stop)
+        return super().wrap(module)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaksFile(targets.ParallelTarget):
+    def wrap(self, module):
+        _KEEP.append(open(os.devnull))
+        return super().wrap(module)
+
+
+@dataclasses.dataclass(frozen=True)
+class StartsSubprocess(targets.ParallelTarget):
+    """Starts a long-lived child on every rank and records its pid in ``marker``.<rank>."""
+
+    marker: str = ""
+
+    def wrap(self, module):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        with open(f"{self.marker}.{dist.get_rank()}", "w") as f:
+            f.write(str(child.pid))
+        return super().wrap(module)
+
+
+CONTAMINATIONS = {
+    "global forward hook": (RegistersGlobalHook, "registered 1 global forward hook"),
+    "destroyed default group": (DestroysDefaultGroup, "destroyed the default process group"),
+    "new_group per example": (NewGroupPerExample, "process groups 1 -> 2"),
+    "set_num_threads": (ChangesThreadCount, "changed torch.get_num_threads() 1 -> 2"),
+    "thread left running": (LeavesThreadRunning, "left 1 thread(s) running (leftover-worker)"),
+    "file left open": (LeaksFile, "file descriptors {fds} -> {fds_after}"),
+}
+
+
+def _fd_count():
+    from ddpcheck._internal import fitness
+
+    return fitness.baseline().fds
+
+
+@pytest.mark.parametrize("case", list(CONTAMINATIONS))
+def test_a_target_that_leaves_its_ranks_unfit_is_blamed_not_the_next(case):
+    make, fragment = CONTAMINATIONS[case]
+    check_example(targets.PARALLEL, SCENARIO, 2)  # a warm world
+    old_pids = get_world(2).pids
+    fds = get_world(2).run(_fd_count)[0]
+    with pytest.raises(ddpcheck.EquivalenceError) as info:
+        check_example(make(), SCENARIO, 2, deadline=30)
+    err, text = info.value, str(info.value)
+    assert err.kinds == ["rank left unfit"], text
+    assert [d.rank for d in err.divergences] == [0, 1], text
+    assert fragment.format(fds=fds, fds_after=fds + 1) in text, text
+    assert "left its process unfit for the next task" in text, text
+    # The world was replaced, and the next, correct example passes in it.
+    check_example(targets.PARALLEL, SCENARIO, 2)
+    assert set(get_world(2).pids).isdisjoint(old_pids)
+
+
+def test_the_fitness_check_is_cheap():
+    """It runs after every task: it must cost well under a millisecond."""
+    assert max(get_world(2).run(_fitness_check_seconds)) < 1e-3
+
+
+def _fitness_check_seconds(n=500):
+    from ddpcheck._internal import fitness, recorder
+
+    base = fitness.baseline(tuple(recorder.wrapped()))
+    started = time.perf_counter()
+    for _ in range(n):
+        assert not fitness.problems(base)
+    return (time.perf_counter() - started) / n
+
+
+def test_processes_a_target_starts_die_with_the_world(tmp_path):
+    marker = str(tmp_path / "child")
+    check_example(StartsSubprocess(marker=marker), SCENARIO, 2, deadline=30)
+    pids = [int(open(f"{marker}.{r}").read()) for r in range(2)]
+    assert all(_alive(p) for p in pids)
+    get_world(2).kill()  # what a failure does: every rank's process group goes
+    _wait_until(lambda: not any(_alive(p) for p in pids), 10)
+    assert not any(_alive(p) for p in pids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Start-up: a script that calls ddpcheck at import time
+
+
+def test_a_script_without_main_guard_gets_one_line_fast(tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text(textwrap.dedent("""
+        import ddpcheck
+        from ddpcheck import targets
+        print("the script ran", flush=True)
+        ddpcheck.assert_equivalent(targets.PARALLEL, world_sizes=(2,))
+    """))
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path, env=_env(tmp_path))
+    elapsed = time.monotonic() - started
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    assert ("WorldStartError: " + str(script) + " calls ddpcheck when it is imported, and every "
+            "rank process re-imports the main module (multiprocessing's spawn); put that call "
+            'under `if __name__ == "__main__":`') in text, text
+    assert out.stdout.count("the script ran") == 1, text  # the ranks' output is not shown
+    assert "bootstrapping phase" not in text and "multiprocessing/spawn.py" not in text, text
+    assert len(text.splitlines()) < 25, text
+    assert not _leftover_dirs(tmp_path), text
+    assert elapsed < 60, f"took {elapsed:.1f} s"
+    print(f"\nNO-MAIN-GUARD: exit {out.returncode} in {elapsed:.1f} s, "
+          f"{len(text.splitlines())} lines")
+
+
+def test_a_world_cannot_be_started_inside_a_rank():
+    results = get_world(2).run(_start_a_world_inside_a_rank)
+    assert results == ["WorldStartError: a ddpcheck world cannot be started from inside a "
+                       "ddpcheck rank process (a target or task called ddpcheck)"] * 2
+
+
+def _start_a_world_inside_a_rank():
+    try:
+        get_world(2)
+    except ddpcheck.WorldStartError as exc:
+        return f"WorldStartError: {exc}"
+    return "started"
+
+
+# ---------------------------------------------------------------------------------------------
+# Shutdown: SIGTERM and SIGKILL of the parent
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killing_ddpcheck_check_leaves_no_world_behind(tmp_path, sig):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpcheck", "check", "--world-sizes", "2", "--examples", "1000"],
+        cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True)
+    try:
+        # worlds started: a world directory with a rank that joined (its sequence file exists)
+        _wait_until(lambda: any(os.path.exists(os.path.join(tmp_path, d, "rank1.collectives"))
+                                and os.path.getsize(os.path.join(tmp_path, d, "rank1.collectives"))
+                                for d in _leftover_dirs(tmp_path)) or proc.poll() is not None, 120)
+        assert proc.poll() is None, proc.stdout.read()
+        ranks = _world_processes(tmp_path)
+        assert len(ranks) >= 2, ranks
+        started = time.monotonic()
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=30)
+        _wait_until(lambda: not _leftover_dirs(tmp_path) and not _world_processes(tmp_path), 10)
+        elapsed = time.monotonic() - started
+        assert not _leftover_dirs(tmp_path), (_leftover_dirs(tmp_path), out)
+        assert not _world_processes(tmp_path), out
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 143, out
+            assert "ddpcheck: terminated; every rank process was stopped" in out, out
+            assert "Traceback" not in out, out
+        print(f"\n{sig.name}: clean in {elapsed:.2f} s")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        for pid in _world_processes(tmp_path):  # never leave anything, even on failure
+            os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _env(tmp_path) -> dict:
+    return {**os.environ, "TMPDIR": str(tmp_path),
+            "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT,
+                                           os.environ.get("PYTHONPATH", "")])}
+
+
+def _leftover_dirs(tmp_path) -> list[str]:
+    return sorted(d for d in os.listdir(tmp_path) if d.startswith("ddpcheck-"))
+
+
+def _world_processes(tmp_path) -> list[int]:
+    """Live processes of worlds whose directory is under ``tmp_path``: ranks (and what they
+    started) carry it in their environment, janitors on their command line."""
+    found = []
+    needle = f"{rank_module.WORLD_DIR_ENV}={tmp_path}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and (needle in environ or
+                             (b"janitor.py" in cmdline and str(tmp_path).encode() in cmdline)):
+            found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_until(condition, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.05)
