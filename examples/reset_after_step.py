@@ -93,16 +93,15 @@ class MainGradDDP(nn.Module):
 
 
 # -- the ddpcheck targets: public API only ---------------------------------------------------
+# It handles every feature, so supported_features stays None: it declines nothing.
 @dataclasses.dataclass(frozen=True)
 class MainGradTarget(ddpcheck.Target):
-    """Handles every feature: declines nothing (``supported_features`` stays None)."""
-
-    bug: bool = False
+    bug: bool = False  # True: the seeded bug (H2)
 
     def wrap(self, module):
         return MainGradDDP(module, bug=self.bug)
 
-    def after_backward(self, model, optimizer):
+    def after_backward(self, model, optimizer):  # after the last micro-batch's backward
         model.sync_gradients()
 
     def after_step(self, model, optimizer):  # after optimizer.step() and zero_grad()
