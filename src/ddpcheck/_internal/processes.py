@@ -164,6 +164,6 @@ def read(path: str) -> str:
         return ""
 
 
-def tail(path: str, lines: int = 15) -> str:
+def tail(path: str, lines: int = 30) -> str:
     text = read(path).rstrip()
     return "\n".join(text.splitlines()[-lines:])
