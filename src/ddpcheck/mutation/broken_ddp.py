@@ -8,6 +8,7 @@ that carries one bug of a class in ``docs/bug-catalogue.md``, grouped by that ca
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator
 
 import torch
@@ -296,3 +297,86 @@ class NoInitialBroadcastDDP(DDP):
 
     def _broadcast_state(self):
         return None  # BUG
+
+
+# =============================================================================================
+# H. Seen in public from-scratch implementations
+
+
+class ReducesParameterDDP(DDP):
+    """The hook reduces the tensor it is handed as if it were the gradient -- but a
+    post-accumulate-grad hook is handed the *parameter* (code written for ``register_hook(fn)``,
+    which calls ``fn(grad)``): the weights are all-reduced and divided in place, ``.grad`` is never
+    synchronised, and the replicas step on their own gradients (H1). Here the bucket carries what
+    the hook was handed: ``_fill`` packs the parameters, ``_write_grad`` writes their average back
+    into them. The buckets keep their schedule, so every rank still pairs the same collectives."""
+
+    @staticmethod
+    @torch.no_grad()
+    def _fill(bucket):
+        for p, view in zip(bucket.params, bucket.views):
+            view.copy_(p)  # BUG: the parameter, not p.grad
+
+    @staticmethod
+    @torch.no_grad()
+    def _write_grad(p, view, as_grad):
+        p.copy_(view)  # BUG: the "averaged gradient" goes back into the weights; .grad stays local
+
+
+class AddsIntoAliasedBufferDDP(DDP):
+    """Each bucket buffer is a persistent gradient accumulator (a flat ``main_grad``): a step's
+    slot starts from zero and the fill *adds* the gradient into it -- written for a ``.grad`` that
+    is a copy of the buffer, but after a sync ``.grad`` *is* its slot (``p.grad =
+    main_grad.to(p.dtype)`` returns the same tensor when the dtypes match). Under
+    ``zero_grad(set_to_none=False)`` the next backward accumulates into the slot in place and the
+    fill adds it again, so from step 1 the gradient counts twice; ``set_to_none=True`` hides it
+    (H2)."""
+
+    @staticmethod
+    @torch.no_grad()
+    def _fill(bucket):
+        for p, view in zip(bucket.params, bucket.views):
+            if p.grad is not view:
+                view.zero_()  # the step's slot starts from zero (zero_grad zeroed an aliased one)
+            if p.grad is not None:
+                view.add_(p.grad)  # BUG: when p.grad *is* the slot, it is added to itself
+
+
+class ReducesLastMicroBatchOnlyDDP(DDP):
+    """Reduction driven by per-tensor ``register_hook``: each hook sees the gradient of the
+    current backward only, and reduces it when sync is on -- so only the last micro-batch of an
+    accumulation is averaged; what the ``no_sync`` micro-batches accumulated in ``.grad`` stays
+    local, and the replicas differ (H3; C1's ``FreesNoSyncGrads`` drops them instead). The tensor
+    hooks (added in ``__init__``) take the synchronised backward's gradient into the bucket
+    (``_fill``) instead of letting autograd accumulate it; ``_write_grad`` adds the average to the
+    local rest, as autograd adds what a tensor hook returns."""
+
+    def __init__(self, module, bucket_size_mb=25.0, process_group=None):
+        super().__init__(module, bucket_size_mb, process_group)
+        self._this_backward = {}  # param -> its gradient from the synchronised backward
+
+        def tensor_hook(p, grad):
+            if not self._sync_enabled:
+                return grad  # accumulation micro-batch: autograd accumulates it locally
+            self._this_backward[p] = grad  # BUG: only this backward's gradient is reduced
+            return torch.zeros_like(grad)  # its average is added at the write-back
+
+        for p in self._params:
+            p.register_hook(functools.partial(tensor_hook, p))
+
+    @torch.no_grad()
+    def _fill(self, bucket):
+        for p, view in zip(bucket.params, bucket.views):
+            grad = self._this_backward.pop(p, None)
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad)
+
+    @staticmethod
+    @torch.no_grad()
+    def _write_grad(p, view, as_grad):
+        if p.grad is None:
+            p.grad = torch.empty_like(p).copy_(view)
+        else:
+            p.grad.add_(view)  # the earlier micro-batches' local sum + this one's average

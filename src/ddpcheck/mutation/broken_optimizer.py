@@ -105,3 +105,34 @@ class PerParameterBroadcastOptimizer(ShardedOptimizer):
             if p.grad is not None:  # BUG: one collective per parameter
                 owner = self._owners[id(p)]
                 dist.broadcast(p.data, src=self._global_ranks[owner], group=self._group)
+
+
+# =============================================================================================
+# H. Seen in public from-scratch implementations
+
+
+class ZeroGradOwnedOnlyOptimizer(ShardedOptimizer):
+    """``zero_grad`` delegates to the inner optimizer, which holds only this rank's shard: the
+    parameters other ranks own keep last step's averaged gradient here, and DDP adds it into the
+    next step's all-reduce (H4). Invisible without DDP in front, at W=1 and at step 0."""
+
+    def zero_grad(self, set_to_none: bool = True):
+        self._inner.zero_grad(set_to_none=set_to_none)  # BUG: only the owned parameters
+
+
+class CopiedGroupsOptimizer(ShardedOptimizer):
+    """The wrapper is a mere container -- built with ``defaults={}`` -- and its inner optimizer is
+    built from copies of its param groups, filled in from ``optimizer_kwargs``; nothing carries
+    later edits across (H5). So the wrapper's groups hold only what the caller put in them: any
+    torch LR scheduler raises ``KeyError('lr')`` on a group without its own ``lr``, and where every
+    group has one, schedules and ``g['lr'] = ...`` edits never reach the inner optimizer (as E5's
+    ``SchedulerNeverReaches``). Hyperparameters given per group at construction are copied, so
+    they work. Overrides ``add_param_group`` (where the wrapper's defaults fill a new group) and
+    ``_sync_hyperparameters``."""
+
+    def add_param_group(self, param_group):
+        self.defaults = {}  # BUG: the wrapper's defaults={}; only the inner optimizer has them
+        super().add_param_group(param_group)  # the inner group: a copy, defaults from kwargs
+
+    def _sync_hyperparameters(self):
+        pass  # the inner groups stay the copies made at construction

@@ -158,6 +158,18 @@ _ENTRIES: list[tuple[str, str, str, dict]] = [
      {"optimizer": O.NeverBroadcastsOptimizer}),
     ("PerParameterBroadcast", "E6", "one broadcast per param instead of per (owner, dtype)",
      {"optimizer": O.PerParameterBroadcastOptimizer}),
+    ("ReducesParameter", "H1", "post-accumulate hook reduces the parameter it gets, not its grad",
+     {"ddp": D.ReducesParameterDDP}),
+    ("AddsIntoAliasedBuffer", "H2",
+     "fill adds into the bucket buffer that .grad aliases: kept grads count twice",
+     {"ddp": D.AddsIntoAliasedBufferDDP}),
+    ("ReducesLastMicroBatchOnly", "H3",
+     "per-tensor register_hook reduction: earlier micro-batches stay local",
+     {"ddp": D.ReducesLastMicroBatchOnlyDDP}),
+    ("ZeroGradOwnedOnly", "H4", "zero_grad clears only the owned params: stale grads re-reduced",
+     {"optimizer": O.ZeroGradOwnedOnlyOptimizer}),
+    ("CopiedGroups", "H5", "defaults={} wrapper, inner built from copied groups, never synced",
+     {"optimizer": O.CopiedGroupsOptimizer}),
 ]
 
 CATALOGUE: list[Mutant] = []
