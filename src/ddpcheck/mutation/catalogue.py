@@ -31,6 +31,9 @@ Classes of the catalogue without a mutant here, and why:
   scenario generates; orders derived from ``id()`` or ``set`` iteration happen to agree across
   spawned ranks (address randomisation moves whole pages), so such a mutant is not reliably
   killable -- the oracle would need a per-rank permutation feature.
+* H6 (an inner optimizer over an empty shard): ``parallel.ShardedOptimizer`` builds its inner
+  optimizer even when this rank owns nothing; breaking that means rewriting construction, not
+  overriding a seam.
 """
 
 
