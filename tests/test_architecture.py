@@ -21,7 +21,7 @@ LAYERS = [
                             "ddpcheck._internal.options", "ddpcheck._internal.vocabulary"]),
     ("world", ["ddpcheck._internal.failures", "ddpcheck._internal.rank",
                "ddpcheck._internal.fitness", "ddpcheck._internal.janitor",
-               "ddpcheck._internal.processes",
+               "ddpcheck._internal.processes", "ddpcheck._internal.freshness",
                "ddpcheck._internal.world", "ddpcheck._internal.recorder",
                "ddpcheck._internal.sequences", "ddpcheck._internal.transport"]),
     ("scenarios and targets", ["ddpcheck.scenario", "ddpcheck.models", "ddpcheck.zoo",

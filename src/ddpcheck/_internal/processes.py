@@ -11,13 +11,15 @@ import os
 import pickle
 import signal
 import sys
+import time
 from typing import Any, Callable, Iterator
 
 from ddpcheck._internal.failures import WorldStartError
 from ddpcheck._internal.rank import NESTED_MARKER, WORLD_DIR_ENV
 from ddpcheck._internal.validation import InvalidArgument
 
-__all__ = ["check_main_module_importable", "default_backend", "environment", "exit_description",
+__all__ = ["check_main_module_importable", "default_backend", "dump_stacks", "environment",
+           "exit_description",
            "kill_group", "output_to", "pickle_task", "read", "receive", "refuse_nested_start",
            "tail", "trim_dump"]
 
@@ -167,3 +169,24 @@ def read(path: str) -> str:
 def tail(path: str, lines: int = 30) -> str:
     text = read(path).rstrip()
     return "\n".join(text.splitlines()[-lines:])
+
+
+def dump_stacks(procs: list[Any], stack_paths: list[str], ranks: list[int]) -> dict[int, str]:
+    """Ask stuck ranks for their Python stacks (faulthandler on SIGUSR1) and read them."""
+    dumps: dict[int, str] = {}
+    for rank in ranks:
+        proc = procs[rank]
+        try:
+            os.kill(proc.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            dumps[rank] = f"(process gone: {exit_description(proc.exitcode)})"
+    end = time.monotonic() + 2.0
+    waiting = [r for r in ranks if r not in dumps]
+    while waiting and time.monotonic() < end:
+        time.sleep(0.05)
+        waiting = [r for r in waiting if "most recent call first" not in read(stack_paths[r])]
+    time.sleep(0.05)  # let faulthandler finish the dump it started
+    for rank in ranks:
+        if rank not in dumps:
+            dumps[rank] = trim_dump(read(stack_paths[rank])) or "(no stack dump arrived)"
+    return dumps

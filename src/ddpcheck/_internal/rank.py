@@ -74,6 +74,7 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
         import torch.distributed as dist
 
         from ddpcheck._internal import fitness, recorder as comm
+        from ddpcheck._internal.freshness import ImportTracker
 
         # Two cores host up to W ranks: intra-op threads would only oversubscribe them.
         torch.set_num_threads(1)
@@ -90,7 +91,8 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
         comm.record_to(sequence_path)
         baseline = fitness.baseline(tuple(comm.wrapped()))
-        _send(conn, ("ok", os.getpid()))
+        imports = ImportTracker()
+        _send(conn, ("ok", os.getpid(), imports.new_files()))
     except BaseException:
         _send(conn, ("error", traceback.format_exc()))
         _exit(1, log)
@@ -107,7 +109,8 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
             comm.restart_sequence()
             result = fn(*args)
             unfit = fitness.problems(baseline)
-            message = ("unfit", "; ".join(unfit)) if unfit else ("ok", result)
+            message = (("unfit", "; ".join(unfit)) if unfit
+                       else ("ok", result, imports.new_files()))
         except BaseException:  # report everything, SystemExit included, then keep serving
             message = ("error", traceback.format_exc())
         _send(conn, message)

@@ -42,7 +42,6 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -51,11 +50,12 @@ from multiprocessing.connection import wait as _wait_any
 from typing import Any, Callable
 
 from ddpcheck._internal.failures import RankState, WorldFailure, WorldStartError
+from ddpcheck._internal.freshness import announce, changed
 from ddpcheck._internal.janitor import Janitor
 from ddpcheck._internal.processes import (check_main_module_importable, default_backend,
+                                          dump_stacks,
                                           environment, exit_description, kill_group, output_to,
-                                          pickle_task, read, receive, refuse_nested_start, tail,
-                                          trim_dump)
+                                          pickle_task, read, receive, refuse_nested_start, tail)
 from ddpcheck._internal.options import DEFAULT_DEADLINE, STARTUP_DEADLINE
 from ddpcheck._internal.rank import NESTED_MARKER, SHUTDOWN, WORLD_DIR_ENV, rank_main
 from ddpcheck._internal.validation import InvalidArgument, check_deadline, check_world_size
@@ -106,6 +106,8 @@ class World:
         self._stacks: list[str] = []
         self._sequences: list[str] = []  # per-rank collective sequence files (ddpcheck._internal.recorder)
         self._janitor: Janitor | None = None
+        # grown by every task: user source files the ranks imported -> their mtime then
+        self._sources: dict[str, int] = {}
         # lifecycle
         self._alive = False
         self._runs = 0
@@ -217,6 +219,7 @@ class World:
         if self._janitor is not None:
             self._janitor.release()
             self._janitor = None
+        self._sources = {}
         self._alive = False
         _LIVE.discard(self)
 
@@ -233,7 +236,11 @@ class World:
         payload = pickle_task(fn, args)
         if self._alive and any(p.exitcode is not None for p in self._procs):
             # A rank died *between* tasks (gloo's teardown race can SIGABRT an idle rank, see
-            # platform-notes.md): no task of ours was running, so blame none -- start afresh.
+            # docs/platform-notes.md): no task of ours was running, so blame none -- start afresh.
+            self.kill()
+        stale = changed(self._sources) if self._alive else []
+        if stale:  # the ranks hold code that no longer exists on disk
+            announce(stale)
             self.kill()
         if not self._alive:
             self.start()
@@ -294,6 +301,7 @@ class World:
                         kind = kind or "exited"
                     elif message[0] == "ok":
                         results[rank] = message[1]
+                        self._sources.update(message[2])
                         states[rank] = RankState(rank, "returned")
                     elif message[0] == "unfit":  # finished: not a reason to stop waiting for others
                         states[rank] = RankState(rank, "unfit", message[1],
@@ -318,7 +326,7 @@ class World:
             if not any(s.status == "unfit" for s in states.values()):
                 return results
             kind = "contaminated"
-        dumps = self._dump_stacks(sorted(pending))
+        dumps = dump_stacks(self._procs, self._stacks, sorted(pending))
         for rank in sorted(pending):
             states[rank] = RankState(rank, "stuck", dumps[rank], log_tail=tail(self._logs[rank]))
         failure = self._failure(kind or "timeout", [states[r] for r in range(n)], what)
@@ -360,26 +368,6 @@ class World:
                 f"{main} calls ddpcheck when it is imported, and every rank process re-imports "
                 "the main module (multiprocessing's spawn); put that call under "
                 "`if __name__ == \"__main__\":`")
-
-    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
-        """Ask stuck ranks for their Python stacks (faulthandler on SIGUSR1) and read them."""
-        dumps: dict[int, str] = {}
-        for rank in ranks:
-            proc = self._procs[rank]
-            try:
-                os.kill(proc.pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                dumps[rank] = f"(process gone: {exit_description(proc.exitcode)})"
-        end = time.monotonic() + 2.0
-        waiting = [r for r in ranks if r not in dumps]
-        while waiting and time.monotonic() < end:
-            time.sleep(0.05)
-            waiting = [r for r in waiting if "most recent call first" not in read(self._stacks[r])]
-        time.sleep(0.05)  # let faulthandler finish the dump it started
-        for rank in ranks:
-            if rank not in dumps:
-                dumps[rank] = trim_dump(read(self._stacks[rank])) or "(no stack dump arrived)"
-        return dumps
 
     def __repr__(self) -> str:
         state = "alive" if self._alive else "stopped"
