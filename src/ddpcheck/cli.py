@@ -26,6 +26,9 @@ EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_NOTHING_CHECKED = 0, 1, 2, 3
 EXIT_CODES = ("exit status: 0 checked, nothing found; 1 a counterexample in the target (printed "
               "with its replay line); 2 usage or set-up error, not the target's fault; 3 nothing "
               "was checked (every example skipped or declined)")
+SURVEY_EXIT_CODES = ("exit status: 0 every cell that ran passed; 1 some cell failed (each a "
+                     "proven counterexample, with its replay line); 2 usage or set-up error, not "
+                     "the target's fault (a scenario the oracle cannot judge, too); 3 no cell ran")
 
 
 class UsageError(Exception):
@@ -85,6 +88,24 @@ def _positive(kind: type):
     return parse
 
 
+def _target_options(parser: argparse.ArgumentParser, *, examples: int, what: str,
+                    world_sizes: str) -> None:
+    """The options ``check`` and ``survey`` share."""
+    parser.add_argument("target", nargs="?", default="parallel", metavar="MODULE:TARGET")
+    parser.add_argument("--world-sizes", type=_world_sizes, default=None,
+                        help=f"comma-separated world sizes ({world_sizes})")
+    parser.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
+                        help="seconds one example may take before it counts as hung (default 60)")
+    parser.add_argument("--examples", type=_positive(int), default=examples,
+                        help=f"{what} (default {examples})")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the random examples (default: the same examples every run)")
+    parser.add_argument("--without", default="", metavar="FEATURE[,FEATURE...]",
+                        help="features never to exercise, on top of the target's "
+                             "supported_features (e.g. accumulation,buffers; see "
+                             "ddpcheck.features)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddpcheck",
@@ -97,21 +118,23 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Run the built-in battery of scenarios against a target "
                                        "at every world size, then random examples shrunk by "
                                        "Hypothesis.", epilog=EXIT_CODES)
-    check.add_argument("target", nargs="?", default="parallel", metavar="MODULE:TARGET")
-    check.add_argument("--world-sizes", type=_world_sizes, default=None,
-                       help="comma-separated world sizes (default 1,2,3,4; under torchrun, "
-                            "torchrun's world size)")
-    check.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
-                       help="seconds one example may take before it counts as hung (default 60)")
-    check.add_argument("--examples", type=_positive(int), default=100,
-                       help="random examples to run after the built-in battery (default 100)")
-    check.add_argument("--seed", type=int, default=None,
-                       help="seed of the random examples (default: the same examples every run)")
-    check.add_argument("--without", default="", metavar="FEATURE[,FEATURE...]",
-                       help="features never to exercise, on top of the target's "
-                            "supported_features (e.g. accumulation,buffers; see ddpcheck.features)")
+    _target_options(check, examples=100, what="random examples to run after the built-in battery",
+                    world_sizes="default 1,2,3,4; under torchrun, torchrun's world size")
     check.add_argument("--dtypes", default="float64", metavar="DTYPE[,DTYPE...]",
                        help="dtypes of the random examples: float64 (default), float32 or both")
+
+    survey = sub.add_parser(
+        "survey", help="run everything, stopping nowhere, and print the capability matrix",
+        description="The battery at every world size, then random examples exercising each "
+                    "feature of ddpcheck.features at each world size (a cell stops at its first "
+                    "failure, shrunk by Hypothesis): the feature x world-size matrix, every "
+                    "failure with its replay line, the battery table.", epilog=SURVEY_EXIT_CODES)
+    _target_options(survey, examples=8, what="random examples per feature and world size",
+                    world_sizes="default 1,2,3,4")
+    survey.add_argument("--shrink-seconds", type=_positive(float), default=3.0,
+                        help="seconds to shrink each failing cell's counterexample (default 3)")
+    survey.add_argument("--json", default=None, metavar="PATH",
+                        help="also write the survey (every cell) as JSON to PATH")
 
     replay = sub.add_parser("replay", help="run one example again (the line a failure prints)",
                             epilog=EXIT_CODES)
@@ -195,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "check":
             return _check(args)
+        if args.command == "survey":
+            return _survey(args)
         if args.command == "replay":
             return _replay(args)
         if args.command == "mutants":
@@ -286,6 +311,20 @@ def _check(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _survey(args: argparse.Namespace) -> int:
+    from ddpcheck import features, surveys
+
+    target = resolve_target(args.target)
+    sizes = args.world_sizes or DEFAULT_WORLD_SIZES
+    check_fits_machine(sizes)
+    if args.json:
+        _check_writable(args.json, "--json")
+    return surveys.command(target, args.target, world_sizes=sizes, examples=args.examples,
+                           without=features.parse(args.without, "--without"), seed=args.seed,
+                           deadline=args.deadline, shrink_seconds=args.shrink_seconds,
+                           json_path=args.json)
+
+
 def _replay(args: argparse.Namespace) -> int:
     import ddpcheck
     from ddpcheck.api import check_example
@@ -366,43 +405,14 @@ def _mutants(args: argparse.Namespace) -> int:
 
 
 def _fuzz_rule(args: argparse.Namespace) -> int:
-    import ddpcheck
     from ddpcheck import rules
-    from ddpcheck.targets import ParallelTarget
 
     rule = _resolve(args.rule, "rule")
     if not callable(rule):
         raise UsageError(f"rule {args.rule!r} is a {type(rule).__name__}, not a function "
                          "rule(params, world_size) -> owners")
-    prefix = f"ddpcheck fuzz-rule {args.rule}"
-    # a world that cannot start, or fails while no call of the rule runs, is a SetupError: exit 2
-    report = rules.check_rule(rule, examples=args.examples, seed=args.seed,
-                              deadline=args.deadline)
-    for v in report.violations:
-        print(f"{prefix}: {v.message}")
-    if report.violations:
-        return EXIT_FOUND
-    budget = (f" (the {rules.SEARCH_BUDGET:g} s search budget ran out first)"
-              if report.budget_reached else "")
-    print(f"{prefix}: invariants hold (length, integer owners in range, deterministic, returns "
-          f"within {args.deadline:g} s, same on every rank): {report.examples} drawn parameter "
-          f"lists at world sizes 1-{rules.MAX_WORLD_SIZE}{budget}"
-          f"{'' if args.seed is None else f' (seed {args.seed})'}, "
-          f"{len(rules.parameter_lists())} fixed ones, {report.cross_rank_lists} across the ranks "
-          f"of worlds of {', '.join(map(str, rules.RANK_WORLD_SIZES))} processes")
-    try:
-        result = ddpcheck.assert_equivalent(ParallelTarget(sharding_rule=rule),
-                                            world_sizes=args.world_sizes, deadline=args.deadline)
-    except ddpcheck.EquivalenceError as exc:
-        print(f"{prefix}: ShardedOptimizer under the rule is not equivalent:\n{exc}")
-        return EXIT_FOUND
-    print(f"{prefix}: ShardedOptimizer equivalent: {result}")
-    params = rules.gpt_like()
-    ratios = ", ".join(f"W={w} {rules.balance(owners, params, w):.3f}"
-                       for w, owners in sorted(report.gpt_owners.items()))
-    print(f"{prefix}: optimizer-state balance on GPT-2-small parameters "
-          f"(max / ideal bytes, 1.000 is perfect): {ratios}")
-    return EXIT_OK
+    return rules.command(rule, args.rule, examples=args.examples, seed=args.seed,
+                         deadline=args.deadline, world_sizes=args.world_sizes)
 
 
 if __name__ == "__main__":
