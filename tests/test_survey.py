@@ -76,7 +76,8 @@ def test_a_mutant_fails_its_rows_without_stopping_the_survey(capsys, tmp_path):
     cell = survey.cell("unused-everywhere", 2)
     assert cell.status == "fail" and cell.kind == "reference differs (gradient)", cell
     assert cell.label == "FAIL reference differs (gradient)" and cell.label in out
-    assert cell.summary.startswith("linear(unused) SGD B=1 steps=1"), cell  # shrunk
+    # shrunk (to "linear(unused) SGD B=1 steps=1" given time; a loaded machine may stop earlier)
+    assert "(unused" in cell.summary and "unused-everywhere" in cell.exercises, cell
     assert cell.replay.startswith("python -m ddpcheck replay 'ddpcheck.mutation.catalogue:"
                                   "ZeroFillsUnused()' --world-size 2 --scenario ")
     assert cell.replay in out
