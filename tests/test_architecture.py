@@ -32,7 +32,7 @@ LAYERS = [
     ("oracle", ["ddpcheck.reference", "ddpcheck.budget", "ddpcheck.oracle", "ddpcheck.validity"]),
     ("strategies", ["ddpcheck.strategies", "ddpcheck.battery", "ddpcheck.rule_params"]),
     ("front ends", ["ddpcheck", "ddpcheck.__main__", "ddpcheck.replay",
-                    "ddpcheck.api", "ddpcheck.fuzz",
+                    "ddpcheck.api", "ddpcheck.fuzz", "ddpcheck.surveys",
                     "ddpcheck.torchrun", "ddpcheck.trace", "ddpcheck.rules", "ddpcheck.cli",
                     "ddpcheck.pytest_plugin", "ddpcheck._internal", "ddpcheck._internal.rule_calls",
                     "ddpcheck._internal.cli_parser",

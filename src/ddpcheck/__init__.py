@@ -22,11 +22,13 @@ __version__ = "0.1.0"
 _LAZY = {
     "Report": "ddpcheck.api",
     "Scenario": "ddpcheck.scenario",
+    "Survey": "ddpcheck.surveys",
     "Target": "ddpcheck.targets",
     "assert_equivalent": "ddpcheck.api",
     "check_example": "ddpcheck.api",
     "get_world": "ddpcheck._internal.world",
     "shutdown_worlds": "ddpcheck._internal.world",
+    "survey": "ddpcheck.surveys",
 }
 
 __all__ = ["DEFAULT_DEADLINE", "DEFAULT_WORLD_SIZES", "Divergence", "EquivalenceError",

@@ -103,6 +103,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     try:
         if args.command == "check":
             return _check(args)
+        if args.command == "survey":
+            return _survey(args)
         if args.command == "replay":
             return _replay(args)
         if args.command == "mutants":
@@ -197,6 +199,20 @@ def _check(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _survey(args: argparse.Namespace) -> int:
+    from ddpcheck import features, surveys
+
+    target = resolve_target(args.target)
+    sizes = args.world_sizes or DEFAULT_WORLD_SIZES
+    check_fits_machine(sizes)
+    if args.json:
+        _check_writable(args.json, "--json")
+    return surveys.command(target, args.target, world_sizes=sizes, examples=args.examples,
+                           without=features.parse(args.without, "--without"), seed=args.seed,
+                           deadline=args.deadline, shrink_seconds=args.shrink_seconds,
+                           json_path=args.json)
+
+
 def _replay(args: argparse.Namespace) -> int:
     import ddpcheck
     from ddpcheck.api import check_example
@@ -277,43 +293,14 @@ def _mutants(args: argparse.Namespace) -> int:
 
 
 def _fuzz_rule(args: argparse.Namespace) -> int:
-    import ddpcheck
     from ddpcheck import rules
-    from ddpcheck.targets import ParallelTarget
 
     rule = _resolve(args.rule, "rule")
     if not callable(rule):
         raise UsageError(f"rule {args.rule!r} is a {type(rule).__name__}, not a function "
                          "rule(params, world_size) -> owners")
-    prefix = f"ddpcheck fuzz-rule {args.rule}"
-    # a world that cannot start, or fails while no call of the rule runs, is a SetupError: exit 2
-    report = rules.check_rule(rule, examples=args.examples, seed=args.seed,
-                              deadline=args.deadline)
-    for v in report.violations:
-        print(f"{prefix}: {v.message}")
-    if report.violations:
-        return EXIT_FOUND
-    budget = (f" (the {rules.SEARCH_BUDGET:g} s search budget ran out first)"
-              if report.budget_reached else "")
-    print(f"{prefix}: invariants hold (length, integer owners in range, deterministic, returns "
-          f"within {args.deadline:g} s, same on every rank): {report.examples} drawn parameter "
-          f"lists at world sizes 1-{rules.MAX_WORLD_SIZE}{budget}"
-          f"{'' if args.seed is None else f' (seed {args.seed})'}, "
-          f"{len(rules.parameter_lists())} fixed ones, {report.cross_rank_lists} across the ranks "
-          f"of worlds of {', '.join(map(str, rules.RANK_WORLD_SIZES))} processes")
-    try:
-        result = ddpcheck.assert_equivalent(ParallelTarget(sharding_rule=rule),
-                                            world_sizes=args.world_sizes, deadline=args.deadline)
-    except ddpcheck.EquivalenceError as exc:
-        print(f"{prefix}: ShardedOptimizer under the rule is not equivalent:\n{exc}")
-        return EXIT_FOUND
-    print(f"{prefix}: ShardedOptimizer equivalent: {result}")
-    params = rules.gpt_like()
-    ratios = ", ".join(f"W={w} {rules.balance(owners, params, w):.3f}"
-                       for w, owners in sorted(report.gpt_owners.items()))
-    print(f"{prefix}: optimizer-state balance on GPT-2-small parameters "
-          f"(max / ideal bytes, 1.000 is perfect): {ratios}")
-    return EXIT_OK
+    return rules.command(rule, args.rule, examples=args.examples, seed=args.seed,
+                         deadline=args.deadline, world_sizes=args.world_sizes)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from ddpcheck.rule_params import (DTYPES, ParamSpec, balance, describe, gpt_like
                                   parameter_lists)
 
 __all__ = ["DTYPES", "KINDS", "MAX_WORLD_SIZE", "ParamSpec", "RuleReport", "SetupError", "Violation", "balance",
-           "check_rule", "gpt_like", "parameter_lists", "rule_violations"]
+           "check_rule", "command", "gpt_like", "parameter_lists", "rule_violations"]
 
 #: World sizes of the cross-rank check (real processes).
 RANK_WORLD_SIZES = (2, 3, 4)
@@ -114,6 +114,43 @@ def check_rule(rule: Callable[..., Any], *, examples: int = DEFAULT_EXAMPLES,
         return report
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def command(rule: Callable[..., Any], name: str, *, examples: int, seed: int | None,
+            deadline: float, world_sizes: Sequence[int]) -> int:
+    """``ddpcheck fuzz-rule``: the invariants, then ShardedOptimizer under the rule against the
+    battery, then the balance; prints each and returns the exit status (0 holds, 1 violated)."""
+    import ddpcheck
+    from ddpcheck.targets import ParallelTarget
+
+    prefix = f"ddpcheck fuzz-rule {name}"
+    # a world that cannot start, or fails while no call of the rule runs, is a SetupError: exit 2
+    report = check_rule(rule, examples=examples, seed=seed, deadline=deadline)
+    for v in report.violations:
+        print(f"{prefix}: {v.message}")
+    if report.violations:
+        return 1
+    budget = (f" (the {SEARCH_BUDGET:g} s search budget ran out first)"
+              if report.budget_reached else "")
+    print(f"{prefix}: invariants hold (length, integer owners in range, deterministic, returns "
+          f"within {deadline:g} s, same on every rank): {report.examples} drawn parameter "
+          f"lists at world sizes 1-{MAX_WORLD_SIZE}{budget}"
+          f"{'' if seed is None else f' (seed {seed})'}, "
+          f"{len(parameter_lists())} fixed ones, {report.cross_rank_lists} across the ranks "
+          f"of worlds of {', '.join(map(str, RANK_WORLD_SIZES))} processes")
+    try:
+        result = ddpcheck.assert_equivalent(ParallelTarget(sharding_rule=rule),
+                                            world_sizes=world_sizes, deadline=deadline)
+    except ddpcheck.EquivalenceError as exc:
+        print(f"{prefix}: ShardedOptimizer under the rule is not equivalent:\n{exc}")
+        return 1
+    print(f"{prefix}: ShardedOptimizer equivalent: {result}")
+    params = gpt_like()
+    ratios = ", ".join(f"W={w} {balance(owners, params, w):.3f}"
+                       for w, owners in sorted(report.gpt_owners.items()))
+    print(f"{prefix}: optimizer-state balance on GPT-2-small parameters "
+          f"(max / ideal bytes, 1.000 is perfect): {ratios}")
+    return 0
 
 
 def rule_violations(rule: Callable[..., Any], **kwargs: Any) -> list[Violation]:

@@ -15,6 +15,7 @@ world size of 1, SGD, one step, no accumulation, float64.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable, Sequence
 
 import torch
@@ -26,8 +27,8 @@ from ddpcheck.models import KINDS, Layer, ModelSpec
 from ddpcheck.scenario import Scenario
 from ddpcheck.zoo import BiasGroups
 
-__all__ = ["BUCKET_SIZES", "bucket_sizes", "layers", "models", "optimizers", "scenarios",
-           "world_sizes"]
+__all__ = ["BUCKET_SIZES", "bucket_sizes", "exercising", "layers", "models", "optimizers",
+           "scenarios", "world_sizes"]
 
 #: Bucket-size hints: the target's default, one parameter per bucket, a few, all in one.
 BUCKET_SIZES = (None, 1e-6, 2e-4, 1e6)
@@ -202,3 +203,65 @@ def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
         models = globals()["models"](without=without)
     return _scenarios(models, dtypes, max_batch, max_steps, max_accumulation, without,
                       world_size)
+
+
+#: The layer a model gets so that it exercises the feature (``exercising``).
+_LAYERS = {"unused-everywhere": Layer(use="never"), "unused-on-some-ranks": Layer(use="sample"),
+           "frozen": Layer(frozen=True), "tied": Layer(kind="reused"),
+           "buffers": Layer(kind="buffer"), "mixed-dtypes": Layer(float32=True),
+           "non-contiguous": Layer(kind="transposed")}
+
+
+def exercising(feature: str, *, world_size: int, dtypes: Sequence[str] | None = None,
+               without: Iterable[str] = ()) -> st.SearchStrategy[Scenario]:
+    """:func:`scenarios` made to exercise ``feature`` (of ``ddpcheck.features.FEATURES``) at
+    ``world_size``: the model gets the layer that produces it (a never-used, sample-gated, frozen,
+    reused, buffer, float32 or transposed layer), or the scenario the field (micro-batches, param
+    groups, LR decay, kept gradients, a batch not divisible by W, few samples per rank); nothing
+    in ``without`` is generated. Shrinks towards the simplest scenario that still has it.
+
+    ``unused-on-some-ranks`` depends on the data (whether some rank's samples all skip the
+    layer) and cannot happen at W=1, nor ``uneven-batches``: check ``feature in
+    features.of(scenario, world_size)`` (``assume``) when you rely on it. ``dtypes`` defaults to
+    ``("float32",)`` for ``float32`` and ``("float64",)`` otherwise."""
+    without = features.parse(without, "without")
+    _check_range("1", 1, "world_size", world_size, 1)
+    if feature not in features.FEATURES or feature in without:
+        raise InvalidArgument(f"feature={feature!r} must be one of ddpcheck.features.FEATURES "
+                              "and not in `without`")
+    if dtypes is None:
+        dtypes = ("float32",) if feature == "float32" else ("float64",)
+    model = models(mixed_dtypes=True, without=without)
+    if feature in _LAYERS:
+        model = st.builds(_with_layer, model, st.just(_LAYERS[feature]), st.integers(0, 5))
+    drawn = scenarios(models=model, dtypes=dtypes, without=without, world_size=world_size)
+    return _forced(drawn, feature, world_size, "uneven-batches" in without)
+
+
+def _with_layer(spec: ModelSpec, layer: Layer, index: int) -> ModelSpec:
+    i = min(index, len(spec.layers))
+    order = spec.registration
+    if order is not None:  # the new layer is registered last
+        order = tuple(j + (j >= i) for j in order) + (i,)
+    return dataclasses.replace(spec, layers=spec.layers[:i] + (layer,) + spec.layers[i:],
+                               registration=order)
+
+
+@st.composite
+def _forced(draw, drawn, feature, world_size, even_batches):
+    s = draw(drawn)
+    change = {}
+    if feature == "accumulation":
+        change["accumulation"] = draw(st.integers(2, 3))
+    elif feature == "param-groups" and s.param_groups is None:
+        change["param_groups"] = BiasGroups()
+    elif feature == "lr-schedule":
+        change["lr_decay"] = 0.5
+    elif feature == "grads-kept":
+        change["set_to_none"] = False
+    elif feature == "uneven-batches" and world_size > 1 and s.global_batch % world_size == 0:
+        change["global_batch"] = s.global_batch - 1  # >= W - 1 >= 1, and not a multiple of W
+    elif feature == "unused-on-some-ranks":  # few samples per rank: some rank skips the layer
+        change["global_batch"] = (world_size * draw(st.integers(1, 2)) if even_batches
+                                  else draw(st.integers(1, 2 * world_size)))
+    return dataclasses.replace(s, **change) if change else s

@@ -10,12 +10,15 @@ import argparse
 
 from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, parse_world_sizes
 
-__all__ = ["EXIT_CODES", "build_parser"]
+__all__ = ["EXIT_CODES", "SURVEY_EXIT_CODES", "build_parser"]
 
 #: The exit codes, as ``--help`` and the README state them.
 EXIT_CODES = ("exit status: 0 checked, nothing found; 1 a counterexample in the target (printed "
               "with its replay line); 2 usage or set-up error, not the target's fault; 3 nothing "
               "was checked (every example skipped or declined)")
+SURVEY_EXIT_CODES = ("exit status: 0 every cell that ran passed; 1 some cell failed (each a "
+                     "proven counterexample, with its replay line); 2 usage or set-up error, not "
+                     "the target's fault (a scenario the oracle cannot judge, too); 3 no cell ran")
 
 
 def _world_sizes(text: str) -> tuple[int, ...]:
@@ -39,6 +42,24 @@ def _positive(kind: type):
     return parse
 
 
+def _target_options(parser: argparse.ArgumentParser, *, examples: int, what: str,
+                    world_sizes: str) -> None:
+    """The options ``check`` and ``survey`` share."""
+    parser.add_argument("target", nargs="?", default="parallel", metavar="MODULE:TARGET")
+    parser.add_argument("--world-sizes", type=_world_sizes, default=None,
+                        help=f"comma-separated world sizes ({world_sizes})")
+    parser.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
+                        help="seconds one example may take before it counts as hung (default 60)")
+    parser.add_argument("--examples", type=_positive(int), default=examples,
+                        help=f"{what} (default {examples})")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the random examples (default: the same examples every run)")
+    parser.add_argument("--without", default="", metavar="FEATURE[,FEATURE...]",
+                        help="features never to exercise, on top of the target's "
+                             "supported_features (e.g. accumulation,buffers; see "
+                             "ddpcheck.features)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddpcheck",
@@ -51,21 +72,23 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Run the built-in battery of scenarios against a target "
                                        "at every world size, then random examples shrunk by "
                                        "Hypothesis.", epilog=EXIT_CODES)
-    check.add_argument("target", nargs="?", default="parallel", metavar="MODULE:TARGET")
-    check.add_argument("--world-sizes", type=_world_sizes, default=None,
-                       help="comma-separated world sizes (default 1,2,3,4; under torchrun, "
-                            "torchrun's world size)")
-    check.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
-                       help="seconds one example may take before it counts as hung (default 60)")
-    check.add_argument("--examples", type=_positive(int), default=100,
-                       help="random examples to run after the built-in battery (default 100)")
-    check.add_argument("--seed", type=int, default=None,
-                       help="seed of the random examples (default: the same examples every run)")
-    check.add_argument("--without", default="", metavar="FEATURE[,FEATURE...]",
-                       help="features never to exercise, on top of the target's "
-                            "supported_features (e.g. accumulation,buffers; see ddpcheck.features)")
+    _target_options(check, examples=100, what="random examples to run after the built-in battery",
+                    world_sizes="default 1,2,3,4; under torchrun, torchrun's world size")
     check.add_argument("--dtypes", default="float64", metavar="DTYPE[,DTYPE...]",
                        help="dtypes of the random examples: float64 (default), float32 or both")
+
+    survey = sub.add_parser(
+        "survey", help="run everything, stopping nowhere, and print the capability matrix",
+        description="The battery at every world size, then random examples exercising each "
+                    "feature of ddpcheck.features at each world size (a cell stops at its first "
+                    "failure, shrunk by Hypothesis): the feature x world-size matrix, every "
+                    "failure with its replay line, the battery table.", epilog=SURVEY_EXIT_CODES)
+    _target_options(survey, examples=8, what="random examples per feature and world size",
+                    world_sizes="default 1,2,3,4")
+    survey.add_argument("--shrink-seconds", type=_positive(float), default=3.0,
+                        help="seconds to shrink each failing cell's counterexample (default 3)")
+    survey.add_argument("--json", default=None, metavar="PATH",
+                        help="also write the survey (every cell) as JSON to PATH")
 
     replay = sub.add_parser("replay", help="run one example again (the line a failure prints)",
                             epilog=EXIT_CODES)

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 __all__ = ["MODULE_KINDS", "active_modules", "brief", "code_name", "describe_value",
-           "exception_text", "is_active", "kind_of", "needs_arguments", "short_name"]
+           "exception_text", "is_active", "kind_of", "needs_arguments", "scenario_line",
+           "short_name"]
 
 
 def needs_arguments(function: Any, *args: Any) -> bool:
@@ -94,3 +95,33 @@ def active_modules(model: nn.Module, kind: str, hint: bool = False) -> str:
                 "cannot judge it; use eval mode, GroupNorm/LayerNorm, or SyncBatchNorm in your own "
                 "test)")
     return f" (found: {text})"
+
+
+def scenario_line(scenario: Any) -> str:
+    """A one-line summary of a (usually shrunk) scenario for tables, such as
+    ``linear(unused)+buffer SGD B=3 steps=1 acc=2``."""
+    model = scenario.model
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        shape = getattr(model, "__qualname__", type(model).__name__)
+    else:
+        shape = "+".join(layer.kind + ("(" + ",".join(
+            f for f, on in (("sample" if layer.use == "sample" else "unused", layer.use != "always"),
+                            ("frozen", layer.frozen), ("f32", layer.float32)) if on) + ")"
+            if layer.use != "always" or layer.frozen or layer.float32 else "")
+            for layer in layers) or "head"
+    opt = scenario.optimizer.__name__
+    extra = [f"B={scenario.global_batch}", f"steps={scenario.steps}"]
+    if scenario.accumulation > 1:
+        extra.append(f"acc={scenario.accumulation}")
+    if scenario.param_groups is not None:
+        extra.append("2 groups")
+    if scenario.lr_decay is not None:
+        extra.append("lr decay")
+    if scenario.dtype != "float64":
+        extra.append(scenario.dtype)
+    if scenario.reduction != "mean":
+        extra.append(scenario.reduction)
+    if not scenario.set_to_none:
+        extra.append("grads kept")
+    return f"{shape} {opt} {' '.join(extra)}"

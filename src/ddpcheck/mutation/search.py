@@ -22,6 +22,7 @@ import importlib
 import time
 from typing import Any, Callable, Iterable, Sequence
 
+from ddpcheck._internal.messages import scenario_line as brief
 from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, STARTUP_DEADLINE
 from ddpcheck._internal.validation import check_positive_number, check_world_sizes
 
@@ -126,31 +127,6 @@ def battery_search(target: Any, budget_seconds: float, *, world_sizes: Sequence[
             found = Counterexample(name, scenario, w, err.kinds[0], err)
             return Outcome(found, examples, time.perf_counter() - started, exhausted=False)
     return Outcome(None, examples, time.perf_counter() - started, exhausted=True)
-
-
-def brief(scenario: Any) -> str:
-    """A one-line summary of a (usually shrunk) scenario for tables."""
-    model = scenario.model
-    layers = getattr(model, "layers", None)
-    if layers is None:
-        shape = getattr(model, "__qualname__", type(model).__name__)
-    else:
-        shape = "+".join(layer.kind + ("(" + ",".join(
-            f for f, on in (("sample" if layer.use == "sample" else "unused", layer.use != "always"),
-                            ("frozen", layer.frozen), ("f32", layer.float32)) if on) + ")"
-            if layer.use != "always" or layer.frozen or layer.float32 else "")
-            for layer in layers) or "head"
-    opt = scenario.optimizer.__name__
-    extra = [f"B={scenario.global_batch}", f"steps={scenario.steps}"]
-    if scenario.accumulation > 1:
-        extra.append(f"acc={scenario.accumulation}")
-    if scenario.param_groups is not None:
-        extra.append("2 groups")
-    if scenario.lr_decay is not None:
-        extra.append("lr decay")
-    if scenario.dtype != "float64":
-        extra.append(scenario.dtype)
-    return f"{shape} {opt} {' '.join(extra)}"
 
 
 def shrinking_search(target: Any, budget_seconds: float, *, world_sizes: Any = DEFAULT_WORLD_SIZES,
