@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 import ddpcheck  # noqa: E402
 from ddpcheck import targets, zoo  # noqa: E402
+from ddpcheck.features import declines  # noqa: E402
 from ddpcheck.api import check_example, prepare_reference  # noqa: E402
 from ddpcheck.scenario import Scenario  # noqa: E402
 from ddpcheck._internal.world import shutdown_worlds  # noqa: E402
@@ -89,10 +90,10 @@ def main(argv: list[str] | None = None) -> int:
                 index += 1
                 continue
             for name, target in chosen.items():
-                if target.supports(sc) is not None:
-                    skipped += len(sizes)
-                    continue
                 for w in sizes:
+                    if declines(target, sc, w) is not None:
+                        skipped += 1
+                        continue
                     if ran >= args.examples:
                         break
                     try:

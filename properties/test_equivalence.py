@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import assume, given
 
+from ddpcheck import features, targets
 from ddpcheck import strategies as dst
-from ddpcheck import targets
 from ddpcheck.api import check_example
 
 TARGETS = {"PARALLEL": targets.PARALLEL, "TORCH_DDP": targets.TORCH_DDP,
@@ -21,7 +21,7 @@ MIXED = dst.scenarios(models=dst.models(mixed_dtypes=True), dtypes=("float64", "
 
 def _check(name, scenario, world_size, checks):
     target = TARGETS[name]
-    assume(target.supports(scenario) is None)
+    assume(features.declines(target, scenario, world_size) is None)
     check_example(target, scenario, world_size, checks=checks)
 
 

@@ -123,14 +123,19 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
                   name: str | None = None, checks: Any = None) -> None:
     """One example: run on every rank of the persistent world, compare, raise on divergence.
 
-    ``checks``: a subset of ``ddpcheck.oracle.CHECKS`` (default: all of them)."""
+    ``checks``: a subset of ``ddpcheck.oracle.CHECKS`` (default: all of them). An example the
+    target declines (``supports``, ``supported_features``) raises :class:`NothingChecked`."""
     from ddpcheck._internal.runner import run_example_packed
     from ddpcheck._internal.transport import unpack
     from ddpcheck._internal.world import WorldFailure, get_world
+    from ddpcheck.features import declines
     from ddpcheck.oracle import validate_checks
 
     checks = validate_checks(checks)  # a typo must not turn every check off
     check_target(target)  # cached: a pickle and a dict look-up once the target is verified
+    why = declines(target, scenario, world_size)
+    if why is not None:  # running it anyway would blame the target for what it never claimed
+        raise NothingChecked(f"{type(target).__name__} declines this example: {why}")
     if reference is None:
         reference = prepare_reference(scenario)
     world = get_world(world_size)  # a world that cannot start raises WorldStartError

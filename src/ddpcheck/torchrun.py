@@ -105,6 +105,7 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
     from ddpcheck._internal import recorder
     from ddpcheck.api import check_target
     from ddpcheck.battery import BATTERY
+    from ddpcheck.features import declines
 
     check_target(target)  # on every rank, before any collective: a refusal must not hang rank 0
     world_size = int(os.environ["WORLD_SIZE"])
@@ -129,7 +130,7 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
         recorder.record_to(sequence_path)
         try:
             for name, scenario in BATTERY:
-                if target.supports(scenario) is not None:
+                if declines(target, scenario, world_size) is not None:
                     continue
                 gathered = _gather_to_zero(_run_recorded(target, scenario, sequence_path))
                 status = 0

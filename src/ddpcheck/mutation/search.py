@@ -108,6 +108,7 @@ def battery_search(target: Any, budget_seconds: float, *, world_sizes: Sequence[
     """Battery x world sizes, in :data:`SEARCH_ORDER`, until the first divergence."""
     from ddpcheck.api import check_example
     from ddpcheck.errors import EquivalenceError
+    from ddpcheck.features import declines
 
     check_positive_number("budget_seconds", budget_seconds)
     sizes = check_world_sizes("world_sizes", world_sizes)
@@ -117,7 +118,7 @@ def battery_search(target: Any, budget_seconds: float, *, world_sizes: Sequence[
         spent = time.perf_counter() - started
         if spent >= budget_seconds:
             return Outcome(None, examples, spent, exhausted=False)
-        if target.supports(scenario) is not None:
+        if declines(target, scenario, w) is not None:
             continue
         examples += 1
         try:
