@@ -26,6 +26,7 @@ import tempfile
 from typing import Any, Callable, Sequence
 
 from ddpcheck._internal.options import DEFAULT_DEADLINE
+from ddpcheck._internal.processes import read
 from ddpcheck._internal.rule_calls import (HARD_FLOOR, HARD_GRACE, HARD_REFRESH, KINDS,
                                            MAX_WORLD_SIZE, answers_in_rank, brief_owners,
                                            hang_text, rule_name, search_in_rank)
@@ -172,11 +173,11 @@ def _run(world: Any, fn: Callable[..., Any], args: tuple, limit: float, budget: 
         return world.run(fn, *args, deadline=backstop, what=f"fuzz-rule {name}")
     except WorldFailure as failure:
         for state in failure.ranks:
-            calling = _read(os.path.join(directory, f"rank{state.rank}.calling"))
+            calling = read(os.path.join(directory, f"rank{state.rank}.calling"))
             if state.status == "returned" or not calling.startswith("calling\n"):
                 continue
             call, where = calling[len("calling\n"):].split("\n", 1)
-            stack = _trim_stack(_read(os.path.join(directory, f"rank{state.rank}.hung")))
+            stack = _trim_stack(read(os.path.join(directory, f"rank{state.rank}.hung")))
             if stack or state.status == "stuck":
                 kind = "hangs"
                 detail = (f"{call} {hang_text(limit)} (not even on the alarm signal: stuck in C "
@@ -228,14 +229,6 @@ def _cross_rank(rule: Any, name: str, world_size: int,
 def shown(answer: tuple[str, Any]) -> str:
     status, value = answer
     return brief_owners(value) if status == "ok" else f"({status}: {value})"
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
 
 
 def _trim_stack(dump: str) -> str:
