@@ -213,6 +213,11 @@ class ParallelTarget(ParallelDDPTarget):
             kwargs["sharding_rule"] = self.sharding_rule
         return ShardedOptimizer(params, optimizer_cls, **kwargs)
 
+    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float,
+                       norm_type: float) -> Any:
+        # the global norm from each rank's owned shard: one scalar all-reduced, not W full norms
+        return optimizer.clip_grad_norm_(max_norm, norm_type)
+
 
 @dataclasses.dataclass(frozen=True)
 class TorchDDPTarget(_Bucketed):
