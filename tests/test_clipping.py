@@ -199,6 +199,25 @@ def test_clipping_is_plain_data_and_a_feature():
             ddpcheck.Scenario(**bad)
 
 
+def test_random_scenarios_clip_a_quarter_of_the_time_and_never_when_excluded():
+    from hypothesis import HealthCheck, given, settings
+
+    from ddpcheck import strategies as dst
+
+    seen = {"with": [], "without": []}
+
+    @settings(max_examples=200, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(dst.scenarios(), dst.scenarios(without={"clipping"}))
+    def draw(with_clipping, without_clipping):
+        seen["with"].append(with_clipping.max_grad_norm is not None)
+        seen["without"].append(without_clipping.max_grad_norm is not None)
+
+    draw()
+    assert 0.15 <= sum(seen["with"]) / 200 <= 0.35, sum(seen["with"])
+    assert not any(seen["without"])
+
+
 CLIPPING = [ddpcheck.Scenario(ddpcheck.zoo.Tied, global_batch=7, steps=3, seed=1,
                               optimizer_kwargs={"lr": 0.1, "momentum": 0.9}, max_grad_norm=0.5),
             ddpcheck.Scenario(ddpcheck.zoo.SampleBranch, optimizer=torch.optim.Adam,

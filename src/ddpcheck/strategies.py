@@ -15,6 +15,7 @@ world size of 1, SGD, one step, no accumulation, float64.
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Sequence
 
 import torch
@@ -26,8 +27,8 @@ from ddpcheck.models import KINDS, Layer, ModelSpec
 from ddpcheck.scenario import Scenario
 from ddpcheck.zoo import BiasGroups
 
-__all__ = ["BUCKET_SIZES", "bucket_sizes", "layers", "models", "optimizers", "scenarios",
-           "world_sizes"]
+__all__ = ["BUCKET_SIZES", "MAX_GRAD_NORMS", "bucket_sizes", "layers", "models", "optimizers",
+           "scenarios", "world_sizes"]
 
 #: Bucket-size hints: the target's default, one parameter per bucket, a few, all in one.
 BUCKET_SIZES = (None, 1e-6, 2e-4, 1e6)
@@ -169,7 +170,22 @@ def _scenarios(draw, model_strategy, dtypes, max_batch, max_steps, max_accumulat
         bucket_size_mb=draw(bucket_sizes()),
         set_to_none=True if "grads-kept" in without else draw(st.booleans().map(lambda b: not b)),
         rank_seeds="broadcast" not in without,
+        **({} if "clipping" in without else draw(_clipping())),
     )
+
+
+#: Clipping thresholds, around the gradient norms random scenarios have (measured at step 0: the
+#: 2-norm's quartiles are ~2.4 / 4.2 / 7.2, the inf-norm's ~1.4 / 2.4 / 4.3): most clip, some not.
+MAX_GRAD_NORMS = (0.5, 2.0, 8.0)
+
+
+@st.composite
+def _clipping(draw) -> dict:
+    """A quarter of scenarios clip (shrinking towards none that does)."""
+    if draw(st.integers(0, 3)) < 3:
+        return {}
+    return {"max_grad_norm": draw(st.sampled_from(MAX_GRAD_NORMS)),
+            "grad_norm_type": draw(st.sampled_from((2.0, math.inf)))}
 
 
 def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
@@ -179,9 +195,10 @@ def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
     """Whole training runs: a model (default: :func:`models`), an optimizer with optional
     param groups and LR decay, a global batch of 1 to ``max_batch`` samples (often not divisible
     by W, sometimes smaller than W), 1 to ``max_steps`` steps, 1 to ``max_accumulation``
-    micro-batches, a dtype from ``dtypes`` (float64 by default; ``("float64", "float32")`` adds
-    float32 at its calibrated tolerance), a bucket-size hint and a seed. Shrinks towards one
-    step of plain SGD on a one-sample batch of the simplest model.
+    micro-batches, a dtype from ``dtypes`` (float64 by default; ``("float64", "float32")``
+    adds float32 at its calibrated tolerance), a bucket-size hint, a seed, and in a quarter of
+    them gradient clipping (2-norm or inf-norm, :data:`MAX_GRAD_NORMS`). Shrinks towards one
+    step of plain SGD on a one-sample batch of the simplest model, without clipping.
 
     ``without`` names features of ``ddpcheck.features.FEATURES`` never to generate (what a
     target does not support): they cost no example. ``uneven-batches`` needs ``world_size`` (the

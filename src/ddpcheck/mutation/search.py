@@ -150,6 +150,9 @@ def brief(scenario: Any) -> str:
         extra.append("lr decay")
     if scenario.dtype != "float64":
         extra.append(scenario.dtype)
+    if getattr(scenario, "max_grad_norm", None) is not None:
+        kind = "" if scenario.grad_norm_type == 2.0 else f" {scenario.grad_norm_type:g}-norm"
+        extra.append(f"clip={scenario.max_grad_norm:g}{kind}")
     return f"{shape} {opt} {' '.join(extra)}"
 
 
