@@ -234,3 +234,22 @@ def test_correct_targets_clip_like_the_reference(target):
     for scenario in CLIPPING:
         if features.declines(target, scenario) is None:  # torch_zero: not mixed dtypes
             ddpcheck.assert_equivalent(target, scenario, world_sizes=(1, 2, 3))
+
+
+def test_the_clipping_mutants_are_killed_by_the_clipping_battery_scenario():
+    from ddpcheck.mutation.catalogue import by_name
+
+    for name in ("LocalShardNorm", "NormCountsReplicas", "ClipsBeforeAveraging"):
+        with pytest.raises(ddpcheck.EquivalenceError, match="differ"):
+            ddpcheck.assert_equivalent(by_name(name).target, CLIPPING[0], world_sizes=(2,))
+
+
+def test_the_optimizer_only_base_of_clips_before_averaging_is_itself_correct():
+    # ClipsBeforeAveraging runs ShardedOptimizer with no DDP in front: a kill means something only
+    # if the same drive without the bug passes, the battery and the clipping scenarios alike
+    from ddpcheck.mutation.catalogue import _SeededOptimizerOnly
+
+    base = _SeededOptimizerOnly()
+    ddpcheck.assert_equivalent(base, world_sizes=(2, 3))
+    for scenario in CLIPPING:
+        ddpcheck.assert_equivalent(base, scenario, world_sizes=(2, 3))
