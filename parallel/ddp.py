@@ -365,7 +365,8 @@ class DDP(nn.Module):
 class AveragedGrad:
     """DDP's mark on a parameter, ``param.ddp_averaged_grad``: its gradient is the world mean.
 
-    Set by ``DDP.finish_gradient_sync()`` on every parameter it synchronised; consumed (read and
+    Set by ``DDP.finish_gradient_sync()`` on every parameter it synchronised (and by
+    ``ShardedOptimizer.clip_grad_norm_``, which averages what DDP did not); consumed (read and
     deleted) by ``ShardedOptimizer.step()``, which then skips that parameter's all-reduce. Valid
     only while ``param.grad`` is still the very tensor the sync left there (or still None, where
     no rank had a gradient); a later step whose backward skipped the sync finds no mark, and the

@@ -18,6 +18,9 @@ One step moves, in this order:
    rank, covering the parameters that have a gradient (the others were not updated anywhere),
    owner after owner through one reusable buffer per dtype.
 
+``clip_grad_norm_`` (``parallel.clipping``), called before ``step()``, does step 1 early and adds
+one all-reduce of one scalar per rank: each rank's share of the global gradient norm.
+
 Checkpoints use the plain optimizer's layout (indices over all param groups), so they load at any
 world size, with any rule, and into (or from) a plain ``optimizer_cls``.
 """
@@ -33,6 +36,7 @@ import torch.distributed as dist
 
 from parallel import _checks, sharding
 from parallel._checks import InvalidArgument, describe
+from parallel.clipping import GlobalNormClipping
 
 __all__ = ["ShardedOptimizer", "hyperparameters"]
 
@@ -41,7 +45,7 @@ __all__ = ["ShardedOptimizer", "hyperparameters"]
 _MEMBERSHIP_KEYS = ("params", "param_names")
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
     """Wraps ``optimizer_cls`` so each rank keeps state for, and updates, only the params it owns.
 
     ``param_groups`` is the full view (every parameter, every hyperparameter); edits to it -- an
@@ -60,7 +64,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``_average_gradients`` and ``_take_ddp_mark`` (which gradients are averaged here),
     ``_sync_hyperparameters`` (``param_groups`` edits into the inner optimizer),
     ``_broadcast_parameters``, ``_broadcasting_owners`` and ``_source_of`` (who sends updated
-    parameters, from which global rank). :func:`hyperparameters` is the group filter they share.
+    parameters, from which global rank); ``_norm_shares`` and ``_global_norm`` for
+    ``clip_grad_norm_``. :func:`hyperparameters` is the group filter they share.
 
     Collective: constructing it is a collective over ``process_group`` (default: the world): call
     it on all ranks of the group, with the same parameters in the same order, or the world hangs.

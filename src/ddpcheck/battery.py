@@ -3,8 +3,8 @@
 Each one aims at bug classes of the catalogue (docs/bug-catalogue.md): tied weights (B4),
 unused and frozen parameters (B1, B3, B11), buffers and rank-0 initialisation (D1, D2), several
 param groups with a schedule (E4, E5), accumulation (B2, C1-C3), tiny and large buckets (B1, B6),
-non-contiguous gradients (B9), mixed dtypes (B10), uneven and tiny batches (A3, E2), SGD for scale
-bugs (A1, A2) and Adam/AdamW for state bugs (E3, E7).
+non-contiguous gradients (B9), mixed dtypes (B10), uneven and tiny batches (A3, E2), gradient
+clipping (A4), SGD for scale bugs (A1, A2) and Adam/AdamW for state bugs (E3, E7).
 """
 
 from __future__ import annotations
@@ -43,4 +43,7 @@ BATTERY: list[tuple[str, Scenario]] = [
                                   bucket_size_mb=1.5e-4)),
     ("tiny-batch", Scenario(zoo.SampleBranch, optimizer=torch.optim.Adam,
                             optimizer_kwargs={"lr": 0.01}, global_batch=3, steps=2, seed=7)),
+    # gradient 2-norms 1.6, 3.9, 2.9: step 0 is not clipped, the later steps are
+    ("clip-sgd-momentum", Scenario(zoo.MLP, optimizer_kwargs=_SGD_MOMENTUM, global_batch=10,
+                                   steps=3, seed=8, max_grad_norm=2.0)),
 ]

@@ -3,7 +3,9 @@
 Invariant: :func:`check_budget` returns no divergence exactly when, on every rank, the bytes of
 floating-point all-reduces in one step are at most the gradient bytes (each gradient crosses the
 wire once, in its own dtype: as many elements in more bytes is reported as its own kind,
-``communication in a wider dtype``, not as a double reduction), and -- for a target that promises ``flattened_broadcasts`` -- the broadcasts per step
+``communication in a wider dtype``, not as a double reduction; a scenario that clips allows a
+scalar per parameter dtype more, for a sharded global norm), and -- for a target that promises
+``flattened_broadcasts`` -- the broadcasts per step
 are at most W x parameter dtypes (one per owner and dtype). Only collectives issued through
 ``torch.distributed``'s Python API are seen (``_internal.recorder``).
 """
@@ -23,14 +25,19 @@ def check_budget(step: int, world_size: int, records: list[RankRecord], referenc
                   flattened_broadcasts: bool) -> list[Divergence]:
     if world_size == 1:
         return []
-    grad_bytes, n_dtypes = reference.gradient_bytes, reference.n_dtypes
+    n_dtypes, grad_bytes = reference.n_dtypes, reference.gradient_bytes
+    # a clipping scenario may add a global norm's scalars (float64 at most) to the gradients
+    budget_bytes = grad_bytes + 8 * reference.norm_scalars
+    budget_numel = reference.gradient_numel + reference.norm_scalars
+    norm = (f" (+ up to {reference.norm_scalars} norm scalar(s) for clipping)"
+            if reference.norm_scalars else "")
     out = []
     for record in records:
         calls = record.steps[step].collectives
         floating = [c for c in calls if any(d.startswith(("float", "bfloat")) for d in c.dtypes)]
         reduced = sum(c.nbytes for c in floating if c.op == "all_reduce")
         elements = sum(_numel(c) for c in floating if c.op == "all_reduce")
-        if reduced > grad_bytes and elements <= reference.gradient_numel:
+        if reduced > budget_bytes and elements <= budget_numel:
             # no more elements than the gradients have, but more bytes: they travelled wider
             # (float32 gradients promoted by torch.cat into a float64 bucket, say)
             widened = sorted({d for c in floating if c.op == "all_reduce" for d in c.dtypes})
@@ -39,13 +46,13 @@ def check_budget(step: int, world_size: int, records: list[RankRecord], referenc
                                   detail=f"all-reduced {elements} elements as {reduced} bytes "
                                          f"({'/'.join(widened)}); the gradients are "
                                          f"{reference.gradient_numel} elements in {grad_bytes} "
-                                         "bytes, so some were sent in a wider dtype than their "
-                                         "own (promoted in a mixed-dtype bucket?)"))
-        elif reduced > grad_bytes:
+                                         f"bytes{norm}, so some were sent in a wider dtype than "
+                                         "their own (promoted in a mixed-dtype bucket?)"))
+        elif reduced > budget_bytes:
             out.append(Divergence(step, world_size, record.rank, "(all gradients)",
                                   "communication over budget",
                                   detail=f"all-reduced {reduced} bytes in one step; the gradients "
-                                         f"are {grad_bytes} bytes (ratio "
+                                         f"are {grad_bytes} bytes{norm} (ratio "
                                          f"{reduced / max(grad_bytes, 1):.3g}), so some were "
                                          "reduced more than once"))
         broadcasts = [c for c in floating if c.op == "broadcast"]

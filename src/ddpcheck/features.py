@@ -33,6 +33,8 @@ def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
         found.add("param-groups")
     if scenario.lr_decay is not None:
         found.add("lr-schedule")
+    if scenario.max_grad_norm is not None:
+        found.add("clipping")
     if scenario.rank_seeds:
         found.add("broadcast")
     if not scenario.set_to_none:

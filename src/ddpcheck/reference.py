@@ -28,6 +28,9 @@ class Reference:
     gradient_numel: int  # their elements: more bytes than this in as many elements is widening
     n_dtypes: int  # parameter dtypes: the broadcast budget is W x n_dtypes
     compute_dtype: torch.dtype  # the least precise parameter dtype: it sets the tolerance
+    #: Scalars a target may all-reduce per step besides the gradients when the scenario clips: a
+    #: sharded global norm (one per parameter dtype at most); 0 without clipping.
+    norm_scalars: int = 0
 
 
 def reference_run(scenario: Scenario) -> Reference:
@@ -51,6 +54,7 @@ def reference_run(scenario: Scenario) -> Reference:
                      gradient_bytes=sum(p.numel() * p.element_size() for p in trainable),
                      gradient_numel=sum(p.numel() for p in trainable),
                      n_dtypes=len(dtypes) or 1,
+                     norm_scalars=(len(dtypes) or 1) if scenario.max_grad_norm is not None else 0,
                      # a float64 layer fed by a float32 one inherits float32 rounding
                      compute_dtype=min(dtypes, key=lambda d: torch.finfo(d).eps * -1,
                                        default=scenario.torch_dtype))

@@ -2,8 +2,9 @@
 
 A :class:`Scenario` is plain, picklable data: a model factory, a data function, an optimizer with
 its keyword arguments, optional parameter groups and learning-rate decay, the global batch size,
-steps, accumulation, dtype and seed. Its ``repr`` is Python code, so a failing example prints as a
-line that ``ddpcheck.replay.from_repr`` turns back into the same scenario (replay lines use this).
+steps, accumulation, dtype, seed and optional gradient clipping. Its ``repr`` is Python code, so
+a failing example prints as a line that ``ddpcheck.replay.from_repr`` turns back into the same
+scenario (replay lines use this).
 
 The batch rule (documented in the README): the global batch of B samples is split into W
 contiguous shards with ``torch.tensor_split`` -- the first ``B % W`` ranks get one sample more, a
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from typing import Any, Callable
 
 import torch
@@ -50,6 +52,9 @@ class Scenario:
     bucket_size_mb: float | None = None  # a hint for targets that bucket (None: their default)
     set_to_none: bool = True  # zero_grad(set_to_none=...)
     rank_seeds: bool = True  # initialise each rank differently: rank 0's weights must win
+    # clip the synchronised gradients' global norm to this before every step (None: no clipping)
+    max_grad_norm: float | None = None
+    grad_norm_type: float = 2.0  # the norm clipped (math.inf: the largest |gradient|)
 
     def __post_init__(self):
         _check_int("global_batch", self.global_batch, 1)
@@ -72,6 +77,7 @@ class Scenario:
             raise InvalidArgument(f"lr_decay={self.lr_decay!r} must be in (0, 1]")
         if self.bucket_size_mb is not None and not self.bucket_size_mb > 0:
             raise InvalidArgument(f"bucket_size_mb={self.bucket_size_mb!r} must be positive")
+        _check_clipping(self.max_grad_norm, self.grad_norm_type)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -88,6 +94,21 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise InvalidArgument(f"{name}={value!r} must be an integer >= {minimum}")
 
 
+def _check_clipping(max_norm: Any, norm_type: Any) -> None:
+    def positive(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+    if max_norm is not None and not (positive(max_norm) and math.isfinite(max_norm)):
+        raise InvalidArgument(f"max_grad_norm={max_norm!r} must be None or a positive finite "
+                              "number")
+    if not positive(norm_type):
+        raise InvalidArgument(f"grad_norm_type={norm_type!r} must be a positive number, such as "
+                              "2.0 or math.inf")
+    if max_norm is None and norm_type != 2.0:  # a norm that is never clipped is a mistake
+        raise InvalidArgument(f"grad_norm_type={norm_type!r} needs max_grad_norm (no clipping "
+                              "without it)")
+
+
 def _code(value: Any) -> str:
     """Python source that evaluates to ``value`` (classes and functions by their import path)."""
     if isinstance(value, type) or (callable(value) and hasattr(value, "__qualname__")):
@@ -101,6 +122,8 @@ def _code(value: Any) -> str:
         return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {_code(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, float) and math.isinf(value):  # repr() gives `inf`, which is not code
+        return "math.inf" if value > 0 else "-math.inf"
     return repr(value)
 
 

@@ -16,6 +16,7 @@ world size of 1, SGD, one step, no accumulation, float64.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable, Sequence
 
 import torch
@@ -27,8 +28,8 @@ from ddpcheck.models import KINDS, Layer, ModelSpec
 from ddpcheck.scenario import Scenario
 from ddpcheck.zoo import BiasGroups
 
-__all__ = ["BUCKET_SIZES", "bucket_sizes", "exercising", "layers", "models", "optimizers",
-           "scenarios", "world_sizes"]
+__all__ = ["BUCKET_SIZES", "MAX_GRAD_NORMS", "bucket_sizes", "exercising", "layers", "models",
+           "optimizers", "scenarios", "world_sizes"]
 
 #: Bucket-size hints: the target's default, one parameter per bucket, a few, all in one.
 BUCKET_SIZES = (None, 1e-6, 2e-4, 1e6)
@@ -170,7 +171,22 @@ def _scenarios(draw, model_strategy, dtypes, max_batch, max_steps, max_accumulat
         bucket_size_mb=draw(bucket_sizes()),
         set_to_none=True if "grads-kept" in without else draw(st.booleans().map(lambda b: not b)),
         rank_seeds="broadcast" not in without,
+        **({} if "clipping" in without else draw(_clipping())),
     )
+
+
+#: Clipping thresholds, around the gradient norms random scenarios have (measured at step 0: the
+#: 2-norm's quartiles are ~2.4 / 4.2 / 7.2, the inf-norm's ~1.4 / 2.4 / 4.3): most clip, some not.
+MAX_GRAD_NORMS = (0.5, 2.0, 8.0)
+
+
+@st.composite
+def _clipping(draw) -> dict:
+    """A quarter of scenarios clip (shrinking towards none that does)."""
+    if draw(st.integers(0, 3)) < 3:
+        return {}
+    return {"max_grad_norm": draw(st.sampled_from(MAX_GRAD_NORMS)),
+            "grad_norm_type": draw(st.sampled_from((2.0, math.inf)))}
 
 
 def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
@@ -180,9 +196,10 @@ def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
     """Whole training runs: a model (default: :func:`models`), an optimizer with optional
     param groups and LR decay, a global batch of 1 to ``max_batch`` samples (often not divisible
     by W, sometimes smaller than W), 1 to ``max_steps`` steps, 1 to ``max_accumulation``
-    micro-batches, a dtype from ``dtypes`` (float64 by default; ``("float64", "float32")`` adds
-    float32 at its calibrated tolerance), a bucket-size hint and a seed. Shrinks towards one
-    step of plain SGD on a one-sample batch of the simplest model.
+    micro-batches, a dtype from ``dtypes`` (float64 by default; ``("float64", "float32")``
+    adds float32 at its calibrated tolerance), a bucket-size hint, a seed, and in a quarter of
+    them gradient clipping (2-norm or inf-norm, :data:`MAX_GRAD_NORMS`). Shrinks towards one
+    step of plain SGD on a one-sample batch of the simplest model, without clipping.
 
     ``without`` names features of ``ddpcheck.features.FEATURES`` never to generate (what a
     target does not support): they cost no example. ``uneven-batches`` needs ``world_size`` (the
@@ -217,7 +234,8 @@ def exercising(feature: str, *, world_size: int, dtypes: Sequence[str] | None = 
     """:func:`scenarios` made to exercise ``feature`` (of ``ddpcheck.features.FEATURES``) at
     ``world_size``: the model gets the layer that produces it (a never-used, sample-gated, frozen,
     reused, buffer, float32 or transposed layer), or the scenario the field (micro-batches, param
-    groups, LR decay, kept gradients, a batch not divisible by W, few samples per rank); nothing
+    groups, LR decay, kept gradients, clipping, a batch not divisible by W, few samples per
+    rank); nothing
     in ``without`` is generated. Shrinks towards the simplest scenario that still has it.
 
     ``unused-on-some-ranks`` depends on the data (whether some rank's samples all skip the
@@ -259,6 +277,9 @@ def _forced(draw, drawn, feature, world_size, even_batches):
         change["lr_decay"] = 0.5
     elif feature == "grads-kept":
         change["set_to_none"] = False
+    elif feature == "clipping" and s.max_grad_norm is None:
+        change["max_grad_norm"] = draw(st.sampled_from(MAX_GRAD_NORMS))
+        change["grad_norm_type"] = draw(st.sampled_from((2.0, math.inf)))
     elif feature == "uneven-batches" and world_size > 1 and s.global_batch % world_size == 0:
         change["global_batch"] = s.global_batch - 1  # >= W - 1 >= 1, and not a multiple of W
     elif feature == "unused-on-some-ranks":  # few samples per rank: some rank skips the layer

@@ -11,6 +11,7 @@ of an importable module. The runner calls, per example and per rank::
         for each micro-batch but the last:  with target.no_sync(model): forward/backward
         last micro-batch:                   forward/backward
         target.after_backward(model, optimizer)
+        target.clip_grad_norm(model, optimizer, max_norm, norm_type)   # scenarios that clip
         (gradients recorded here)
         optimizer.step(); optimizer.zero_grad(set_to_none=...)   # the target's optimizer's own
         target.after_step(model, optimizer)
@@ -88,6 +89,25 @@ class Target:
 
     def after_step(self, model: Any, optimizer: Any) -> None:
         """Called after ``optimizer.step()`` and ``zero_grad`` (where loops call ``model.reset()``)."""
+
+    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float,
+                       norm_type: float) -> Any:
+        """Clip the synchronised gradients to a global norm; called after ``after_backward`` in
+        scenarios that clip (``Scenario.max_grad_norm``).
+
+        Default: ``torch.nn.utils.clip_grad_norm_`` over the wrapped model's parameters, right
+        wherever every rank holds every synchronised gradient (any DDP). Override it where each
+        rank holds only part of the norm, or where gradients are averaged later, in ``step()``.
+        """
+        if self.gradients_synchronized_in_step:
+            raise NotImplementedError(
+                f"{type(self).__name__} averages gradients inside optimizer.step(), so clipping "
+                "before it would clip each rank's own gradients; override "
+                "Target.clip_grad_norm(model, optimizer, max_norm, norm_type) to clip through "
+                "the optimizer, or leave 'clipping' out of supported_features")
+        import torch
+
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
 
     def no_sync(self, model: Any) -> ContextManager[Any]:
         """Context for accumulation micro-batches whose gradients stay local."""
@@ -192,6 +212,11 @@ class ParallelTarget(ParallelDDPTarget):
         if self.sharding_rule is not None:
             kwargs["sharding_rule"] = self.sharding_rule
         return ShardedOptimizer(params, optimizer_cls, **kwargs)
+
+    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float,
+                       norm_type: float) -> Any:
+        # the global norm from each rank's owned shard: one scalar all-reduced, not W full norms
+        return optimizer.clip_grad_norm_(max_norm, norm_type)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -95,6 +95,8 @@ def record_step(target: Any, scenario: Scenario = TRACE_SCENARIO, warmup: int = 
         scale=loss_scale(scenario, world_size),
         no_sync=lambda: target.no_sync(model),
         after_backward=lambda: target.after_backward(model, optimizer),
+        clip_grad_norm=lambda max_norm, norm_type: target.clip_grad_norm(model, optimizer,
+                                                                         max_norm, norm_type),
         before_step=start_step, end_step=lambda step: target.after_step(model, optimizer),
         phases=phases))
     records = recorder.records()

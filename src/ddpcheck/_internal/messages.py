@@ -124,4 +124,7 @@ def scenario_line(scenario: Any) -> str:
         extra.append(scenario.reduction)
     if not scenario.set_to_none:
         extra.append("grads kept")
+    if getattr(scenario, "max_grad_norm", None) is not None:
+        kind = "" if scenario.grad_norm_type == 2.0 else f" {scenario.grad_norm_type:g}-norm"
+        extra.append(f"clip={scenario.max_grad_norm:g}{kind}")
     return f"{shape} {opt} {' '.join(extra)}"

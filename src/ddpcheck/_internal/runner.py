@@ -11,8 +11,8 @@ rank holds after the step, and every collective it issued through ``torch.distri
 
 The target's hooks run where a real training loop runs them: ``before_step`` before the step's
 first forward, ``no_sync`` around every micro-batch but the last, ``after_backward`` after the last
-backward, then ``optimizer.step()``, ``optimizer.zero_grad()`` (the target's optimizer's own) and
-``after_step``.
+backward, ``clip_grad_norm`` when the scenario clips, then ``optimizer.step()``,
+``optimizer.zero_grad()`` (the target's optimizer's own) and ``after_step``.
 """
 
 from __future__ import annotations
@@ -67,6 +67,8 @@ def run_example(target: Any, scenario: Scenario) -> RankRecord:
         scale=loss_scale(scenario, world_size),
         no_sync=lambda: target.no_sync(model),
         after_backward=lambda: target.after_backward(model, optimizer),
+        clip_grad_norm=lambda max_norm, norm_type: target.clip_grad_norm(model, optimizer,
+                                                                         max_norm, norm_type),
         before_step=start,
         before_optimizer_step=lambda step: grads.__setitem__("now", gradients(module)),
         after_step=record,

@@ -3,7 +3,8 @@
 Invariant: :func:`train` runs ``scenario.steps`` steps of the scenario's objective -- per step,
 the micro-batches ``loop.batches(step)`` (all but the last under ``loop.no_sync()``), each
 back-propagating its summed per-sample losses times ``loop.scale``; then
-``loop.after_backward()``, ``loop.before_optimizer_step(step)`` (gradients are final here),
+``loop.after_backward()``, when the scenario clips (``max_grad_norm``) the clipping of the now
+synchronised gradients, ``loop.before_optimizer_step(step)`` (gradients are final here),
 ``optimizer.step()``, the LR schedule, ``loop.after_step(step)`` (where callers snapshot),
 ``zero_grad`` (on the given optimizer: a sharded optimizer's own ``zero_grad`` is what runs) and
 ``loop.end_step(step)``. Because the runner (every rank of a world),
@@ -37,6 +38,9 @@ class Loop:
     scale: float  # multiplier of each micro-batch's summed per-sample losses
     no_sync: Callable[[], ContextManager[Any]] = contextlib.nullcontext  # all but the last
     after_backward: Callable[[], None] = _nothing
+    #: ``(max_norm, norm_type) ->`` clip the synchronised gradients; only called when the
+    #: scenario clips. None: ``torch.nn.utils.clip_grad_norm_`` over the model's parameters.
+    clip_grad_norm: Callable[[float, float], Any] | None = None
     before_step: Callable[[int], None] = _nothing  # after the batches are drawn, before forward
     before_optimizer_step: Callable[[int], None] = _nothing  # after after_backward
     after_step: Callable[[int], None] = _nothing  # after optimizer.step and the schedule
@@ -65,6 +69,8 @@ def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop) -> None:
                 loop.phases += [("forward", t0, t1), ("backward", t1, t2)]
         t3 = clock()
         loop.after_backward()
+        if scenario.max_grad_norm is not None:
+            _clip(scenario, model, loop)
         loop.before_optimizer_step(step)
         t4 = clock()
         optimizer.step()
@@ -76,3 +82,11 @@ def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop) -> None:
         loop.after_step(step)
         optimizer.zero_grad(set_to_none=scenario.set_to_none)
         loop.end_step(step)
+
+
+def _clip(scenario: Scenario, model: Any, loop: Loop) -> None:
+    if loop.clip_grad_norm is None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), scenario.max_grad_norm,
+                                       scenario.grad_norm_type)
+    else:
+        loop.clip_grad_norm(scenario.max_grad_norm, scenario.grad_norm_type)

@@ -28,6 +28,8 @@ FEATURES: dict[str, str] = {
     "non-contiguous": "a parameter created non-contiguous (a transposed view)",
     "param-groups": "several param groups with their own hyperparameters",
     "lr-schedule": "an LR schedule stepped after every optimizer step",
+    "clipping": "the synchronised gradients clipped to a global norm before every step "
+                "(max_grad_norm, grad_norm_type)",
     "uneven-batches": "a global batch not divisible by W (some ranks get fewer, or no, samples)",
     "broadcast": "ranks initialised differently: the target must broadcast rank 0's state",
     "grads-kept": "zero_grad(set_to_none=False): gradients kept (zeroed) between steps",

@@ -7,9 +7,13 @@ docstring) with a copy that carries one bug of a class in ``docs/bug-catalogue.m
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import torch.distributed as dist
 
 from parallel import ShardedOptimizer
+from parallel.clipping import norm_from_shares, norm_share
 from parallel.sharded_optimizer import hyperparameters
 
 
@@ -30,6 +34,49 @@ class SkipsZeroGradOptimizer(ShardedOptimizer):
 
     def zero_grad(self, set_to_none: bool = True):
         return None  # BUG
+
+
+# =============================================================================================
+# A4. Gradient-norm / clipping reduction
+
+
+class LocalShardNormOptimizer(ShardedOptimizer):
+    """Clips by the norm of this rank's own shard: the all-reduce of the shares is missing, so
+    each rank scales every gradient by its own coefficient (pytorch/xla #4796: ZeRO-1 did not
+    reduce the local norm across shards)."""
+
+    def _global_norm(self, shares, norm_type):
+        return norm_from_shares(norm_share(shares, norm_type), norm_type)  # BUG: no all-reduce
+
+
+class NormCountsReplicasOptimizer(ShardedOptimizer):
+    """Every rank adds every (replicated) gradient to its share, so the all-reduced sum counts
+    each W times: the 2-norm is sqrt(W) too large (modelscope/twinkle #290: already-synced
+    gradients reduced again for the norm; LBANN/lbann #2376). An inf-norm's max is unaffected."""
+
+    def _norm_shares(self, params):
+        return [p.grad for p in params if p.grad is not None]  # BUG: not only the owned ones
+
+
+class ClipsBeforeAveragingOptimizer(ShardedOptimizer):
+    """Clips the gradients before averaging them: the norm is the norm of rank-local gradients,
+    then ``step()`` averages the clipped ones (horovod/horovod #1346: clipping before the
+    allreduce). Equivalent behind ``parallel.DDP``, which has averaged already; the catalogue
+    drives it without DDP."""
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        params = self._params()
+        # BUG: no self._average_gradients(params) first: the gradients are this rank's own
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return torch.tensor(0.0)
+        total = self._global_norm(self._norm_shares(params), norm_type)
+        total = total.to(functools.reduce(torch.promote_types, {g.dtype for g in grads}))
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coefficient)
+        return total
 
 
 # =============================================================================================

@@ -1,19 +1,18 @@
 """The mutant catalogue: the built-in ``parallel`` target with exactly one seeded bug each.
 
-Invariant: every entry of :data:`CATALOGUE` is :class:`~ddpcheck.targets.ParallelTarget` (or, where
-noted, :class:`~ddpcheck.targets.ParallelDDPTarget`) whose ``parallel.DDP`` or
-``parallel.ShardedOptimizer`` is replaced by a subclass overriding one method (rarely two, always
-named in the docstring; ``broken_ddp``, ``broken_optimizer``) with a copy that carries one bug of a class in
-``docs/bug-catalogue.md``. Each docstring says what the bug is and which real report it mirrors.
-``ddpcheck mutants`` (and ``tests/test_mutants.py``) hold the harness to killing all of them.
+Invariant: every entry of :data:`CATALOGUE` is :class:`~ddpcheck.targets.ParallelTarget` (or,
+where noted, :class:`~ddpcheck.targets.ParallelDDPTarget`, or ``ShardedOptimizer`` with no DDP
+in front) whose ``parallel.DDP`` or ``parallel.ShardedOptimizer`` is replaced by a subclass
+overriding one method (rarely two, always named in the docstring; ``broken_ddp``,
+``broken_optimizer``) with a copy that carries one bug of a class in ``docs/bug-catalogue.md``.
+Each docstring says what the bug is and which real report it mirrors. ``ddpcheck mutants``
+(and ``tests/test_mutants.py``) hold the harness to killing all of them.
 
 Classes of the catalogue without a mutant here, and why:
 
 * A3 (mean of per-rank means), F1-F3 (samplers, padding, uneven batch counts): loss
   normalisation and data sharding belong to the training loop -- ddpcheck's runner owns them --
   not to ``parallel.DDP`` / ``ShardedOptimizer``, which never see the batch.
-* A4 (clipping): neither ``parallel`` class clips, and the runner does not clip; a mutant would
-  have no code to break.
 * B5 (a hook firing twice) and "no already-marked guard": the guard only matters where the
   unmutated ``DDP`` *raises* (a second synchronised backward, reentrant checkpointing); within
   what the target supports the mutant is equivalent. Killing it needs "misuse must raise"
@@ -39,6 +38,7 @@ Classes of the catalogue without a mutant here, and why:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -90,13 +90,45 @@ class _SeededDDPOnly(ParallelDDPTarget):
         return self.ddp_class(module, bucket_size_mb=self.bucket_size_mb or 25.0)
 
 
+@dataclasses.dataclass(frozen=True)
+class _SeededOptimizerOnly(_Seeded):
+    """``optimizer_class`` with no DDP in front, averaging gradients itself -- in ``step()``, or
+    in ``clip_grad_norm_`` -- as Horovod's DistributedOptimizer does. Rank 0's initial state is
+    broadcast here, as DDP's construction would."""
+
+    ddp_class = None
+    gradients_synchronized_in_step = True
+
+    def wrap(self, module: Any) -> Any:
+        import torch
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                buffer = tensor.detach().contiguous()
+                # broadcast each parameter and buffer from rank 0 to every rank, once, before
+                # the first step: every replica starts from rank 0's state
+                dist.broadcast(buffer, src=0)
+                tensor.copy_(buffer)
+        return module
+
+    def after_backward(self, model: Any, optimizer: Any) -> None:
+        pass  # nothing to finish: the optimizer averages
+
+    def no_sync(self, model: Any) -> Any:
+        return contextlib.nullcontext()  # gradients accumulate locally until the optimizer's
+
+
 # =============================================================================================
 # The targets, and the catalogue
 
 def _target(name: str, *, ddp: type = DDP, optimizer: type = ShardedOptimizer,
-            ddp_only: bool = False) -> type:
-    base = _SeededDDPOnly if ddp_only else _Seeded
-    attrs = {"ddp_class": ddp, "__module__": __name__, "__qualname__": name}
+            ddp_only: bool = False, optimizer_only: bool = False) -> type:
+    base = (_SeededDDPOnly if ddp_only else _SeededOptimizerOnly if optimizer_only
+            else _Seeded)
+    attrs = {"__module__": __name__, "__qualname__": name}
+    if not optimizer_only:
+        attrs["ddp_class"] = ddp
     if not ddp_only:
         attrs["optimizer_class"] = optimizer
     cls = type(name, (base,), attrs)
@@ -110,6 +142,12 @@ _ENTRIES: list[tuple[str, str, str, dict]] = [
      {"optimizer": O.AveragesAgainOptimizer}),
     ("DivideByNumel", "A2", "gloo SUM divided by the bucket's numel instead of W",
      {"ddp": D.DivideByNumelDDP}),
+    ("LocalShardNorm", "A4", "gradients clipped by this rank's shard of the norm (no all-reduce)",
+     {"optimizer": O.LocalShardNormOptimizer}),
+    ("NormCountsReplicas", "A4", "every rank adds every replicated gradient: norm sqrt(W) too large",
+     {"optimizer": O.NormCountsReplicasOptimizer}),
+    ("ClipsBeforeAveraging", "A4", "clipped by the norm of rank-local gradients, then averaged",
+     {"optimizer": O.ClipsBeforeAveragingOptimizer, "optimizer_only": True}),
     ("NoFinalFlush", "B1", "finish_gradient_sync never flushes incomplete buckets",
      {"ddp": D.NoFinalFlushDDP}),
     ("DropsEarlierMicroBatches", "B2",
@@ -202,6 +240,8 @@ def stale_overrides() -> list[str]:
     for mutant in CATALOGUE:
         for broken in (type(mutant.target).ddp_class,
                        getattr(type(mutant.target), "optimizer_class", ShardedOptimizer)):
+            if broken is None:  # no DDP in front
+                continue
             original = DDP if issubclass(broken, DDP) else ShardedOptimizer
             for name, value in vars(broken).items():
                 if callable(value) and not name.startswith("__") and not hasattr(original, name):
