@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import ddpcheck
 from ddpcheck import features, targets
 from ddpcheck import strategies as dst
+from ddpcheck.battery import BATTERY
 from ddpcheck.cli import main
 from ddpcheck.surveys import Survey
 
@@ -61,7 +62,7 @@ def test_parallel_passes_every_cell_and_the_json_matches_the_printed_matrix(caps
         else:
             assert c.status == "ok" and 1 <= c.examples <= 2 and c.label == f"ok {c.examples}", c
     assert all(c.label == "passes" for c in survey.section("battery"))
-    assert len(survey.section("battery")) == 2 * 8
+    assert len(survey.section("battery")) == 2 * len(BATTERY)
     assert survey.features == set(features.FEATURES)
     # the JSON is the printed survey: same matrix, battery table, summary counts
     assert survey.matrix() in out and survey.battery_table() in out
@@ -83,7 +84,7 @@ def test_a_mutant_fails_its_rows_without_stopping_the_survey(capsys, tmp_path):
     assert cell.replay in out
     # every cell ran to a verdict: the first failure did not stop the survey
     assert all(c.status in ("ok", "fail") for c in survey.cells), out
-    assert len(survey.cells) == len(features.FEATURES) + 8
+    assert len(survey.cells) == len(features.FEATURES) + len(BATTERY)
     assert survey.cell("unused-frozen-adamw", 2).label.startswith("FAILS reference differs")
     assert survey.cell("mlp-sgd", 2).label == "passes"
     # other rows fail when their examples happen to hold a never-used layer too; every shrunk
