@@ -29,7 +29,7 @@ from ddpcheck._internal.world import World, get_world, shutdown_worlds
 SCENARIOS = [Scenario(zoo.MLP, global_batch=8, steps=1, seed=s) for s in range(3)] + [
     Scenario(zoo.Tied, global_batch=7, steps=1, seed=3)]
 TARGET = targets.PARALLEL
-#: docs/platform-notes.md: one equivalence example in an already-running world, W = 2, 3, 4.
+#: docs/platform.md: one equivalence example in an already-running world, W = 2, 3, 4.
 NOTES_MS = {2: 6.5, 3: 14.6, 4: 22.5}
 
 

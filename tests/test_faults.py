@@ -336,7 +336,7 @@ def test_an_extra_collective_is_reported_at_the_speed_of_the_evidence(world_size
 
 
 def test_a_rank_dying_between_tasks_is_not_blamed_on_the_next_example():
-    """gloo's teardown race can SIGABRT an idle rank (docs/platform-notes.md): no task was running, so
+    """gloo's teardown race can SIGABRT an idle rank (docs/platform.md): no task was running, so
     the next example gets a fresh world instead of a "rank failed" it did not cause."""
     world = get_world(2)
     victim = world.pids[1]

@@ -148,7 +148,7 @@ def _check(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         # Every rank has the same status. os._exit skips gloo's teardown, which races with its
-        # worker threads right after the last collective (docs/platform-notes.md).
+        # worker threads right after the last collective (docs/platform.md).
         os._exit(status)
     from ddpcheck.fuzz import fuzz, terminal_progress
 

@@ -99,9 +99,9 @@ def cannot_judge(divergences: list[Divergence]) -> bool:
 
 
 # {dtype: (rtol, atol)} for a rank against the full-batch reference, per step of training.
-# float64: DDP and the reference differ by ~1e-16 relative (docs/platform-notes.md, "Numerics"), real
+# float64: DDP and the reference differ by ~1e-16 relative (docs/platform.md, "Numerics"), real
 # bugs by >= 1e-3; 1e-9 leaves six orders of margin on each side.
-# float32: single-step gradients differ by up to ~9e-8 absolute (docs/platform-notes.md), Adam
+# float32: single-step gradients differ by up to ~9e-8 absolute (docs/platform.md), Adam
 # amplifies differences where its second moment is near zero; see bench/tolerance.py.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-9, 1e-12),

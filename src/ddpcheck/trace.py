@@ -27,10 +27,9 @@ import torch
 from torch import nn
 
 from ddpcheck._internal import recorder
-from ddpcheck._internal.runner import make_optimizer
-from ddpcheck._internal.train import Loop, train
-from ddpcheck.scenario import (Scenario, build_model, local_micro_batches, loss_scale,
-                               make_param_groups)
+from ddpcheck._internal.runner import make_optimizer, target_loop
+from ddpcheck._internal.train import train
+from ddpcheck.scenario import Scenario, build_model, make_param_groups
 
 __all__ = ["TRACE_SCENARIO", "RankTrace", "Stack", "chrome_trace", "overlap", "record_step"]
 
@@ -84,21 +83,14 @@ def record_step(target: Any, scenario: Scenario = TRACE_SCENARIO, warmup: int = 
     phases: list[tuple[str, float, float]] = []
 
     def start_step(step: int) -> None:
-        target.before_step(model, optimizer)
         # Line the ranks up so the recorded step starts together (the barrier is not recorded).
         dist.barrier()
         recorder.reset()
         phases.clear()
 
-    train(scenario, model, optimizer, Loop(
-        batches=lambda step: local_micro_batches(scenario, step, rank, world_size),
-        scale=loss_scale(scenario, world_size),
-        no_sync=lambda: target.no_sync(model),
-        after_backward=lambda: target.after_backward(model, optimizer),
-        clip_grad_norm=lambda max_norm, norm_type: target.clip_grad_norm(model, optimizer,
-                                                                         max_norm, norm_type),
-        before_step=start_step, end_step=lambda step: target.after_step(model, optimizer),
-        phases=phases))
+    train(scenario, model, optimizer, target_loop(target, model, optimizer, scenario, rank,
+                                                  world_size, before_step=start_step,
+                                                  phases=phases))
     records = recorder.records()
     return RankTrace(rank, phases, records, _carries(model, module, records))
 

@@ -19,7 +19,7 @@ DEFAULT_WORLD_SIZES = (1, 2, 3, 4)
 #: Seconds one example may take before its world is declared hung.
 DEFAULT_DEADLINE = 60.0
 #: Seconds a freshly spawned world may take to import torch and rendezvous (W=8 took 11.4 s on
-#: our 2-core machines; see docs/platform-notes.md).
+#: our 2-core machines; see docs/platform.md).
 STARTUP_DEADLINE = 120.0
 #: More rank processes than this per core are refused: they would mostly wait for each other.
 MAX_RANKS_PER_CORE = 16

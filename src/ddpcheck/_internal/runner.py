@@ -28,7 +28,7 @@ from ddpcheck._internal.train import Loop, train
 from ddpcheck.scenario import (Scenario, build_model, local_micro_batches, loss_scale,
                                make_param_groups)
 
-__all__ = ["make_optimizer", "rank_seed", "run_example", "run_example_packed"]
+__all__ = ["make_optimizer", "rank_seed", "run_example", "run_example_packed", "target_loop"]
 
 #: Seed offset between ranks when each rank initialises its own weights differently.
 _RANK_SEED_STRIDE = 7919
@@ -56,24 +56,38 @@ def run_example(target: Any, scenario: Scenario) -> RankRecord:
 
     def start(step: int) -> None:
         recorder.reset()
-        target.before_step(model, optimizer)
 
     def record(step: int) -> None:
         steps.append(snapshot(module, names, target.optimizer_state(optimizer),
                               recorder.records(), grads=None if in_step else grads["now"]))
 
-    train(scenario, model, optimizer, Loop(
+    train(scenario, model, optimizer, target_loop(
+        target, model, optimizer, scenario, rank, world_size, before_step=start,
+        before_optimizer_step=lambda step: grads.__setitem__("now", gradients(module)),
+        after_step=record))
+    return RankRecord(rank, initial, steps, time.perf_counter() - started)
+
+
+def target_loop(target: Any, model: Any, optimizer: Any, scenario: Scenario, rank: int,
+                world_size: int, **hooks: Any) -> Loop:
+    """The loop of one rank: its shard of every batch, the target's hooks where a real training
+    loop calls them (``hooks`` add to them: ``before_step`` runs before the target's own)."""
+    first = hooks.pop("before_step", None)
+
+    def before_step(step: int) -> None:
+        if first is not None:
+            first(step)
+        target.before_step(model, optimizer)
+
+    return Loop(
         batches=lambda step: local_micro_batches(scenario, step, rank, world_size),
         scale=loss_scale(scenario, world_size),
         no_sync=lambda: target.no_sync(model),
         after_backward=lambda: target.after_backward(model, optimizer),
         clip_grad_norm=lambda max_norm, norm_type: target.clip_grad_norm(model, optimizer,
                                                                          max_norm, norm_type),
-        before_step=start,
-        before_optimizer_step=lambda step: grads.__setitem__("now", gradients(module)),
-        after_step=record,
-        end_step=lambda step: target.after_step(model, optimizer)))
-    return RankRecord(rank, initial, steps, time.perf_counter() - started)
+        before_step=before_step,
+        end_step=lambda step: target.after_step(model, optimizer), **hooks)
 
 
 def make_optimizer(target: Any, model: Any, params: list, scenario: Scenario) -> Any:

@@ -18,7 +18,7 @@ the example that did the damage is blamed, not the next. Every failed ``run`` ki
 run that *completed* keeps it even when the caller finds the results wrong (``api.check_example``
 replaces it after a collective mismatch): its ranks passed the fitness check and agreed on every
 collective, and keeping the world spares shrinking a ~2 s respawn per failing example (with one,
-mutant kills took 95-127 s instead of ~2 s; docs/platform-notes.md). Each rank leads its own
+mutant kills took 95-127 s instead of ~2 s; docs/platform.md). Each rank leads its own
 process group, and a kill kills the groups: processes a target started die with the world.
 
 Start-up and shutdown hygiene: a world started inside a rank (a script calling ddpcheck at import
@@ -236,7 +236,7 @@ class World:
         payload = pickle_task(fn, args)
         if self._alive and any(p.exitcode is not None for p in self._procs):
             # A rank died *between* tasks (gloo's teardown race can SIGABRT an idle rank, see
-            # docs/platform-notes.md): no task of ours was running, so blame none -- start afresh.
+            # docs/platform.md): no task of ours was running, so blame none -- start afresh.
             self.kill()
         stale = changed(self._sources) if self._alive else []
         if stale:  # the ranks hold code that no longer exists on disk
