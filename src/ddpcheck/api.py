@@ -270,9 +270,9 @@ def check_target(target: Any) -> None:
 
         parse(supported, f"{type(target).__name__}.supported_features")
     try:
-        pickle.dumps(target)
+        pickled = pickle.dumps(target)
     except Exception as exc:
         raise InvalidArgument(
             f"target={target!r} cannot be pickled ({exc}); targets travel to every rank by "
             "pickle, so define the class at module level of an importable module") from exc
-    verify_replayable(target)  # a failure's replay line must rebuild exactly this target
+    verify_replayable(target, pickled)  # a failure's replay line must rebuild exactly this target

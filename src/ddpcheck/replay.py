@@ -50,11 +50,13 @@ def replay_command(target: Any, scenario: Any, world_size: int) -> str:
             f"--world-size {world_size} --scenario {shlex.quote(repr(scenario))}")
 
 
-def target_spec(target: Any) -> str:
+def target_spec(target: Any, pickled: bytes | None = None) -> str:
     """``MODULE:NAME`` or ``MODULE:EXPR`` that rebuilds ``target`` in another process, verified
-    by rebuilding it here; :class:`InvalidArgument` when no such spec exists."""
+    by rebuilding it here; :class:`InvalidArgument` when no such spec exists. ``pickled``: the
+    target's pickle, when the caller has it already (the check's hot path pickles once)."""
     try:
-        key: tuple[int, type, bytes] | None = (id(target), type(target), pickle.dumps(target))
+        key: tuple[int, type, bytes] | None = (
+            id(target), type(target), pickled if pickled is not None else pickle.dumps(target))
     except Exception:  # unpicklable: the caller's pickle check says so; nothing to cache
         key = None
     spec = _VERIFIED.get(key) if key is not None else None
