@@ -13,6 +13,7 @@ import pickle
 import time
 from typing import Any, Iterable
 
+from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine
 from ddpcheck._internal.validation import InvalidArgument, check_deadline, check_world_sizes
 from ddpcheck.errors import Divergence, EquivalenceError, NothingChecked, ScenarioError
@@ -67,8 +68,13 @@ class Report:
 
 def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
                       world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
-                      deadline: float = DEFAULT_DEADLINE, without: Iterable[str] = ()) -> Report:
+                      deadline: float = DEFAULT_DEADLINE, without: Iterable[str] = (),
+                      device: str = "cpu", backend: str | None = None) -> Report:
     """Check ``target`` against the oracle on ``scenario`` (default: the built-in battery).
+
+    ``device="cuda"`` runs every rank on its GPU (rank r on cuda:r, NCCL; ``backend="gloo"``
+    lets ranks share GPUs); the reference stays the CPU run. Refused before any world starts
+    when the machine cannot run it (``ddpcheck._internal.devices.check_fits``).
 
     A scenario that needs a feature the target does not support (``Target.supported_features``)
     or that ``without`` excludes (names from ``ddpcheck.features.FEATURES``) is skipped at that
@@ -85,6 +91,7 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
     check_target(target)
     sizes = check_world_sizes("world_sizes", world_sizes)
     check_fits_machine(sizes, flag="world_sizes")
+    check_fits(device, sizes, backend)
     check_deadline("deadline", deadline)
     excluded = features.parse(without, "without")
     if scenario is None:
@@ -108,7 +115,7 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
                 reference = prepare_reference(sc)
             started = time.perf_counter()
             check_example(target, sc, world_size, deadline=deadline, reference=reference,
-                          name=name)
+                          name=name, device=device, backend=backend)
             report.examples.append((name or "scenario", world_size,
                                     time.perf_counter() - started))
             report.features |= features.of(sc, world_size)
@@ -120,11 +127,13 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
 
 def check_example(target: Target, scenario: Scenario, world_size: int, *,
                   deadline: float = DEFAULT_DEADLINE, reference: Any = None,
-                  name: str | None = None, checks: Any = None) -> None:
+                  name: str | None = None, checks: Any = None, device: str = "cpu",
+                  backend: str | None = None) -> None:
     """One example: run on every rank of the persistent world, compare, raise on divergence.
 
     ``checks``: a subset of ``ddpcheck.oracle.CHECKS`` (default: all of them). An example the
-    target declines (``supports``, ``supported_features``) raises :class:`NothingChecked`."""
+    target declines (``supports``, ``supported_features``) raises :class:`NothingChecked`.
+    ``device``/``backend``: where the ranks compute (as for :func:`assert_equivalent`)."""
     from ddpcheck._internal.runner import run_example_packed
     from ddpcheck._internal.transport import unpack
     from ddpcheck._internal.world import WorldFailure, get_world
@@ -132,23 +141,26 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
     from ddpcheck.oracle import validate_checks
 
     checks = validate_checks(checks)  # a typo must not turn every check off
+    check_fits(device, (world_size,), backend)  # no GPU, or too few for NCCL: before spawning
     check_target(target)  # cached: a pickle and a dict look-up once the target is verified
     why = declines(target, scenario, world_size)
     if why is not None:  # running it anyway would blame the target for what it never claimed
         raise NothingChecked(f"{type(target).__name__} declines this example: {why}")
     if reference is None:
         reference = prepare_reference(scenario)
-    world = get_world(world_size)  # a world that cannot start raises WorldStartError
+    # a world that cannot start raises WorldStartError
+    world = get_world(world_size, backend=backend, device=device)
     try:
         packed = world.run(run_example_packed, target, scenario, deadline=deadline,
                            what=f"example {name or 'scenario'}")
     except WorldFailure as failure:
-        error = verdict(target, scenario, world_size, failure=failure, name=name)
+        error = verdict(target, scenario, world_size, failure=failure, name=name,
+                        device=device, backend=backend)
     else:
         note_example()
         error = verdict(target, scenario, world_size, records=[unpack(p) for p in packed],
                         sequences=world.collective_sequences(), reference=reference,
-                        checks=checks, name=name)
+                        checks=checks, name=name, device=device, backend=backend)
         if error is not None and "collectives mismatched" in error.kinds:
             # ranks paired different collectives, yet nothing hung: gloo's pairs may hold stray
             # bytes, so the next example gets a new world
@@ -159,7 +171,8 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
 
 def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = None,
             sequences: Any = (), failure: Any = None, reference: Any = None, checks: Any = None,
-            name: str | None = None) -> EquivalenceError | None:
+            name: str | None = None, device: str = "cpu",
+            backend: str | None = None) -> EquivalenceError | None:
     """The one judgement of an example, for spawned worlds and torchrun alike: None when it holds.
 
     Give either ``failure`` (a ``WorldFailure``: a rank raised, died, hung or mismatched) or
@@ -167,6 +180,7 @@ def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = 
     text: ranks that paired different collectives are wrong even when the numbers look fine).
     Raises :class:`ddpcheck.ScenarioError` when the oracle cannot judge the example (the
     reference itself went non-finite): that is nobody's bug, so never an EquivalenceError.
+    ``device``/``backend`` (the run's) go into the replay line.
     """
     from ddpcheck.oracle import cannot_judge, compare
 
@@ -190,8 +204,9 @@ def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = 
             "of steps. Steps before it were judged and held.")
     # The replay line is built only on failure: the passing path is the hot one.
     return EquivalenceError(divergences, scenario=scenario, world_size=world_size, target=target,
-                            replay=replay_command(target, scenario, world_size), failure=failure,
-                            name=name)
+                            replay=replay_command(target, scenario, world_size, device=device,
+                                                  backend=backend),
+                            failure=failure, name=name)
 
 
 def prepare_reference(scenario: Scenario) -> Any:

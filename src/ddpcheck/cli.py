@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from ddpcheck._internal.cli_parser import build_parser
+from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import DEFAULT_WORLD_SIZES, check_fits_machine
 
 EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_NOTHING_CHECKED = 0, 1, 2, 3
@@ -134,9 +135,12 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     import ddpcheck
 
-    target = resolve_target(args.target)
-    from ddpcheck.torchrun import check_in_world, under_torchrun
+    from ddpcheck.torchrun import check_in_world, local_world_size, under_torchrun
 
+    # first: a machine without the GPUs asked for is told so in seconds, before the target loads
+    check_fits(args.device, (local_world_size(),) if under_torchrun() else
+               args.world_sizes or DEFAULT_WORLD_SIZES, args.backend, flag="--device")
+    target = resolve_target(args.target)
     if under_torchrun():  # use the world torchrun built instead of spawning one
         if os.environ.get("RANK") == "0":
             # Random examples would need every rank to draw the same ones; the battery is
@@ -144,7 +148,8 @@ def _check(args: argparse.Namespace) -> int:
             print("ddpcheck check under torchrun: the built-in battery only; --examples and "
                   "--seed apply to spawned worlds", file=sys.stderr, flush=True)
         status = check_in_world(target, deadline=args.deadline, out=sys.stdout,
-                                world_sizes=args.world_sizes)
+                                world_sizes=args.world_sizes, device=args.device,
+                                backend=args.backend)
         sys.stdout.flush()
         sys.stderr.flush()
         # Every rank has the same status. os._exit skips gloo's teardown, which races with its
@@ -165,7 +170,8 @@ def _check(args: argparse.Namespace) -> int:
     # 1. the built-in battery: representative scenarios, every world size
     try:
         report = ddpcheck.assert_equivalent(target, world_sizes=args.world_sizes,
-                                            deadline=args.deadline, without=without)
+                                            deadline=args.deadline, without=without,
+                                            device=args.device, backend=args.backend)
     except ddpcheck.EquivalenceError as exc:
         print(str(exc))
         return EXIT_FOUND
@@ -180,7 +186,7 @@ def _check(args: argparse.Namespace) -> int:
           f"{'' if args.seed is None else f' (seed {args.seed})'}", flush=True)
     result = fuzz(target, examples=args.examples, world_sizes=args.world_sizes, seed=args.seed,
                   deadline=args.deadline, progress=terminal_progress(args.examples),
-                  dtypes=dtypes, without=without)
+                  dtypes=dtypes, without=without, device=args.device, backend=args.backend)
     if sys.stderr.isatty():
         sys.stderr.write("\n")
     if result.found:
@@ -202,15 +208,16 @@ def _check(args: argparse.Namespace) -> int:
 def _survey(args: argparse.Namespace) -> int:
     from ddpcheck import features, surveys
 
-    target = resolve_target(args.target)
     sizes = args.world_sizes or DEFAULT_WORLD_SIZES
+    check_fits(args.device, sizes, args.backend, flag="--device")
+    target = resolve_target(args.target)
     check_fits_machine(sizes)
     if args.json:
         _check_writable(args.json, "--json")
     return surveys.command(target, args.target, world_sizes=sizes, examples=args.examples,
                            without=features.parse(args.without, "--without"), seed=args.seed,
                            deadline=args.deadline, shrink_seconds=args.shrink_seconds,
-                           json_path=args.json)
+                           json_path=args.json, device=args.device, backend=args.backend)
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -218,6 +225,7 @@ def _replay(args: argparse.Namespace) -> int:
     from ddpcheck.api import check_example
     from ddpcheck.replay import from_repr
 
+    check_fits(args.device, (args.world_size,), args.backend, flag="--device")
     target = resolve_target(args.target)
     try:
         scenario = from_repr(args.scenario)
@@ -227,7 +235,8 @@ def _replay(args: argparse.Namespace) -> int:
         raise UsageError(f"--scenario could not be read: {type(exc).__name__}: {exc}") from exc
     check_fits_machine((args.world_size,), flag="--world-size")
     try:  # a declined scenario raises NothingChecked (exit 3)
-        check_example(target, scenario, args.world_size, deadline=args.deadline)
+        check_example(target, scenario, args.world_size, deadline=args.deadline,
+                      device=args.device, backend=args.backend)
     except ddpcheck.EquivalenceError as exc:
         print(str(exc))
         return EXIT_FOUND

@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any, Callable, Iterable
 
+from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
 from ddpcheck._internal.validation import InvalidArgument, check_positive_number, check_world_sizes
 
@@ -40,14 +41,16 @@ class FuzzResult:
 def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_SIZES,
          seed: int | None = None, deadline: float = DEFAULT_DEADLINE, dtypes: tuple = ("float64",),
          progress: Callable[[int, float], None] | None = None,
-         time_budget: float | None = None, without: Iterable[str] = ()) -> FuzzResult:
+         time_budget: float | None = None, without: Iterable[str] = (), device: str = "cpu",
+         backend: str | None = None) -> FuzzResult:
     """Run up to ``examples`` random examples of ``target``; shrink the first failure.
 
     ``seed`` makes the run reproducible (default: derandomized, the same every time);
     ``time_budget`` (seconds) stops generating new examples once spent (shrinking still runs).
     Features the target does not support (``Target.supported_features``) or ``without`` excludes
     are not generated; the rare drawn example that still needs one is rejected (``assume``), so
-    it costs no example of the budget.
+    it costs no example of the budget. ``device``/``backend``: where the ranks compute (as for
+    ``ddpcheck.assert_equivalent``).
     """
     from hypothesis import HealthCheck, Phase, assume, given, settings
     from hypothesis import seed as hypothesis_seed
@@ -63,6 +66,7 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
         raise InvalidArgument(f"examples={examples!r} must be a positive integer")
     sizes = check_world_sizes("world_sizes", world_sizes)
     check_positive_number("deadline", deadline)
+    check_fits(device, sizes, backend)  # before Hypothesis draws anything
     started = time.perf_counter()
     excluded = features.parse(without, "without")
     supported = getattr(target, "supported_features", None)
@@ -98,7 +102,8 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
         if progress is not None:
             progress(count[0], time.perf_counter() - started)
         try:
-            check_example(target, scenario, world_size, deadline=deadline)
+            check_example(target, scenario, world_size, deadline=deadline, device=device,
+                          backend=backend)
         except EquivalenceError:
             if first[0] is None:
                 first[0] = count[0]

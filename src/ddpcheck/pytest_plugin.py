@@ -9,12 +9,14 @@ controller prints the total number of examples run.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import Any, Callable
 
 import pytest
 
+from ddpcheck._internal.devices import backend_for, check_device, check_fits
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine,
                                         parse_world_sizes)
 from ddpcheck._internal.validation import InvalidArgument
@@ -38,6 +40,12 @@ def pytest_addoption(parser: Any) -> None:
                     help="Features the ddpcheck fixtures never exercise (see ddpcheck.features)")
     group.addoption("--ddpcheck-dtypes", action="store", default=None, metavar="DTYPE,...",
                     help="Dtypes the ddpcheck fixtures exercise: float64, float32 or both")
+    group.addoption("--ddpcheck-device", action="store", default=None, metavar="DEVICE",
+                    help="Where the fixtures' ranks compute: cpu (default) or cuda (rank r on "
+                         "GPU r, NCCL)")
+    group.addoption("--ddpcheck-backend", action="store", default=None, metavar="BACKEND",
+                    help="Backend of the fixtures' worlds: gloo or nccl (default: gloo on cpu, "
+                         "nccl on cuda)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -48,17 +56,22 @@ class Options:
     """The resolved ddpcheck options of one pytest session."""
 
     def __init__(self, world_sizes: tuple[int, ...], deadline: float, workers: int,
-                 given: bool = False, without: frozenset[str] = frozenset()):
+                 given: bool = False, without: frozenset[str] = frozenset(),
+                 device: str = "cpu", backend: str | None = None):
         self.world_sizes = world_sizes
         self.deadline = deadline
         self.workers = workers
         self.given = given  # a --ddpcheck-* option was on the command line
         self.without = without  # features never exercised (--ddpcheck-without/-dtypes)
+        self.device = device  # where the ranks compute (--ddpcheck-device)
+        self.backend = backend  # None: the device's own (--ddpcheck-backend)
 
     def header(self) -> str:
         sizes = ",".join(map(str, self.world_sizes))
         without = f", without {','.join(sorted(self.without))}" if self.without else ""
-        return (f"ddpcheck: world sizes {sizes}, deadline {self.deadline:g} s{without}, "
+        where = "" if self.device == "cpu" and self.backend is None else \
+            f", device {self.device}{f' over {self.backend}' if self.backend else ''}"
+        return (f"ddpcheck: world sizes {sizes}, deadline {self.deadline:g} s{without}{where}, "
                 f"{self.workers} worker process(es) each keeping its own worlds")
 
 
@@ -73,6 +86,8 @@ def resolve_options(config: Any) -> Options:
     raw_deadline = config.getoption("ddpcheck_deadline")
     raw_without = config.getoption("ddpcheck_without")
     raw_dtypes = config.getoption("ddpcheck_dtypes")
+    device = config.getoption("ddpcheck_device") or "cpu"
+    backend = config.getoption("ddpcheck_backend")
     workers = _xdist_workers(config)
     try:
         without = parse_features(raw_without or "", "--ddpcheck-without")
@@ -87,6 +102,10 @@ def resolve_options(config: Any) -> Options:
         # Only when asked for: the plugin loads in every pytest run, ddpcheck's or not.
         if raw:
             check_fits_machine(sizes, workers=workers, flag="--ddpcheck-world-sizes")
+        check_device(device, "--ddpcheck-device")
+        backend_for(device, backend, name="--ddpcheck-backend")
+        if device != "cpu":  # only then is torch imported, to ask about the GPUs
+            check_fits(device, sizes, backend, flag="--ddpcheck-device")
     except InvalidArgument as exc:
         raise pytest.UsageError(str(exc)) from None
     try:
@@ -96,8 +115,10 @@ def resolve_options(config: Any) -> Options:
     if not 0 < deadline < float("inf"):
         raise pytest.UsageError(f"--ddpcheck-deadline={raw_deadline!r} must be a positive "
                                 "number of seconds (finite: every wait has a deadline)")
-    given = any(v is not None for v in (raw, raw_deadline, raw_without, raw_dtypes))
-    return Options(sizes, deadline, workers, given=given, without=frozenset(without))
+    given = any(v is not None for v in (raw, raw_deadline, raw_without, raw_dtypes,
+                                        config.getoption("ddpcheck_device"), backend))
+    return Options(sizes, deadline, workers, given=given, without=frozenset(without),
+                   device=device, backend=backend)
 
 
 def _xdist_workers(config: Any) -> int:
@@ -175,21 +196,24 @@ def ddpcheck_options(request: Any) -> Options:
 
 @pytest.fixture(scope="session")
 def ddpcheck_world(ddpcheck_options: Options) -> Callable[[int], Any]:
-    """``ddpcheck_world(W)``: the persistent world of W ranks (spawned on first use)."""
-    return get_world
+    """``ddpcheck_world(W)``: the persistent world of W ranks on the session's device (spawned on
+    first use)."""
+    return functools.partial(get_world, device=ddpcheck_options.device,
+                             backend=ddpcheck_options.backend)
 
 
 @pytest.fixture(scope="session")
 def ddpcheck_run(ddpcheck_options: Options) -> Callable[..., Any]:
     """``ddpcheck_run(target, scenario=None, world_sizes=None)``: ``assert_equivalent`` with the
-    session's world sizes, deadline and excluded features."""
+    session's world sizes, deadline, excluded features and device."""
 
     def run(target: Any, scenario: Any = None, world_sizes: Any = None) -> Any:
         import ddpcheck
 
         return ddpcheck.assert_equivalent(
             target, scenario, world_sizes=world_sizes or ddpcheck_options.world_sizes,
-            deadline=ddpcheck_options.deadline, without=ddpcheck_options.without)
+            deadline=ddpcheck_options.deadline, without=ddpcheck_options.without,
+            device=ddpcheck_options.device, backend=ddpcheck_options.backend)
 
     return run
 
@@ -198,7 +222,7 @@ def ddpcheck_run(ddpcheck_options: Options) -> Callable[..., Any]:
 # Plain functions behind the fixtures
 
 
-def get_world(world_size: int) -> Any:
+def get_world(world_size: int, device: str = "cpu", backend: str | None = None) -> Any:
     from ddpcheck._internal.world import get_world as _get_world
 
-    return _get_world(world_size)
+    return _get_world(world_size, device=device, backend=backend)

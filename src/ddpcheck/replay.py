@@ -44,10 +44,14 @@ _VERIFIED: dict[tuple[int, type, bytes], str] = {}  # (id, class, pickle) -> ver
 _MAX_CACHED = 256
 
 
-def replay_command(target: Any, scenario: Any, world_size: int) -> str:
-    """The shell command that runs this one example again (the target's spec is verified)."""
+def replay_command(target: Any, scenario: Any, world_size: int, *, device: str = "cpu",
+                   backend: str | None = None) -> str:
+    """The shell command that runs this one example again (the target's spec is verified); it
+    names the device and backend only when they are not the defaults (scenarios carry neither)."""
+    where = (f" --device {device}" if device != "cpu" else "") + \
+        (f" --backend {backend}" if backend is not None else "")
     return (f"python -m ddpcheck replay {shlex.quote(target_spec(target))} "
-            f"--world-size {world_size} --scenario {shlex.quote(repr(scenario))}")
+            f"--world-size {world_size}{where} --scenario {shlex.quote(repr(scenario))}")
 
 
 def target_spec(target: Any, pickled: bytes | None = None) -> str:

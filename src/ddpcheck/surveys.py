@@ -172,7 +172,8 @@ def survey(target: Any, *, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
            examples: int = DEFAULT_EXAMPLES, without: Iterable[str] = (),
            deadline: float = DEFAULT_DEADLINE, seed: int | None = None,
            shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
-           progress: Callable[[int, int, str, float], None] | None = None) -> Survey:
+           progress: Callable[[int, int, str, float], None] | None = None,
+           device: str = "cpu", backend: str | None = None) -> Survey:  # as assert_equivalent's
     """Run the battery at every world size and ``examples`` random examples per (feature, world
     size), stopping nowhere; return the :class:`Survey` (``print`` it for the matrix).
 
@@ -182,14 +183,16 @@ def survey(target: Any, *, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
     Raises what is not the target's fault (:class:`ddpcheck.InvalidArgument`,
     :class:`ddpcheck.SetupError` and its subclasses) instead of recording it.
     """
-    from ddpcheck.api import check_target
+    from ddpcheck.api import check_fits, check_target
     from ddpcheck.battery import BATTERY
     from ddpcheck.replay import target_spec
 
     check_target(target)
     sizes = check_world_sizes("world_sizes", world_sizes)
     check_fits_machine(sizes, flag="world_sizes")
+    check_fits(device, sizes, backend)  # no GPU, or too few for NCCL: before any world starts
     check_deadline("deadline", deadline)
+    run = {"deadline": deadline, "device": device, "backend": backend}  # every check_example's
     check_positive_number("shrink_seconds", shrink_seconds)
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
         raise InvalidArgument(f"examples={examples!r} must be a positive integer")
@@ -208,10 +211,10 @@ def survey(target: Any, *, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
                 progress(len(cells), len(rows) * len(sizes), f"{row} W={w}",
                          time.perf_counter() - started)
             if section == "battery":
-                cell = _battery_cell(target, row, scenario, w, excluded, deadline, exercised)
+                cell = _battery_cell(target, row, scenario, w, excluded, run, exercised)
             else:
                 cell = _feature_cell(target, row, w, examples=examples, excluded=excluded,
-                                     unsupported=unsupported, deadline=deadline, seed=seed,
+                                     unsupported=unsupported, run=run, seed=seed,
                                      shrink_seconds=shrink_seconds, exercised=exercised)
             cells.append(cell)
     return Survey(target_spec(target), sizes, examples, cells, exercised,
@@ -260,7 +263,7 @@ _REFERENCES: dict[str, Any] = {}
 
 
 def _battery_cell(target: Any, name: str, scenario: Any, world_size: int,
-                  excluded: frozenset[str], deadline: float, exercised: set[str]) -> Cell:
+                  excluded: frozenset[str], run: dict, exercised: set[str]) -> Cell:
     from ddpcheck.api import check_example, prepare_reference
     from ddpcheck.errors import EquivalenceError
 
@@ -273,8 +276,8 @@ def _battery_cell(target: Any, name: str, scenario: Any, world_size: int,
     started = time.perf_counter()
     exercised |= features.of(scenario, world_size)
     try:
-        check_example(target, scenario, world_size, deadline=deadline,
-                      reference=_REFERENCES[key], name=name)
+        check_example(target, scenario, world_size, reference=_REFERENCES[key], name=name,
+                      **run)
     except EquivalenceError as error:
         return _failed(Cell("battery", name, world_size, "fail", 1, first_failure=1), error,
                        started)
@@ -287,7 +290,7 @@ class _Abort(BaseException):
 
 
 def _feature_cell(target: Any, feature: str, world_size: int, *, examples: int,
-                  excluded: frozenset[str], unsupported: frozenset[str], deadline: float,
+                  excluded: frozenset[str], unsupported: frozenset[str], run: dict,
                   seed: int | None, shrink_seconds: float, exercised: set[str]) -> Cell:
     from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
     from hypothesis import seed as hypothesis_seed
@@ -339,7 +342,7 @@ def _feature_cell(target: Any, feature: str, world_size: int, *, examples: int,
             assume(False)  # costs no example of the budget
         cell.examples += 1
         try:
-            check_example(target, scenario, world_size, deadline=deadline)
+            check_example(target, scenario, world_size, **run)
         except EquivalenceError as error:
             exercised.update(found)
             failed[key] = error

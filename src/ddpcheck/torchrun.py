@@ -8,6 +8,11 @@ then the oracle against the full-batch reference); the verdict is broadcast so t
 returns the same exit status. Only rank 0 prints. Every collective runs under the process group's
 timeout (the ``--deadline``), so a rank that raises or hangs makes the others fail instead of
 waiting forever.
+
+The backend follows the tensors, as in spawned worlds (``_internal.devices.backend_for``): gloo on
+the CPU whatever GPUs are visible; with ``device="cuda"`` each rank computes on
+``cuda:LOCAL_RANK`` over NCCL, and its record comes back to rank 0 on the CPU, where the
+full-batch reference runs.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import tempfile
 import traceback
 from typing import Any
 
-__all__ = ["check_in_world", "under_torchrun"]
+from ddpcheck._internal.validation import InvalidArgument
+
+__all__ = ["check_in_world", "init_world", "local_world_size", "under_torchrun"]
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -29,30 +36,41 @@ def under_torchrun() -> bool:
     return all(name in os.environ for name in _ENV)
 
 
+def local_world_size() -> int:
+    """Ranks torchrun started on this machine (they share its GPUs)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
 def _gather_to_zero(obj: Any) -> list[Any] | None:
     """Every rank's ``obj`` on rank 0 (None elsewhere), by pickle.
 
     NOTE: not ``dist.gather_object``: it decodes through numpy, which torch does not require and
     which some of our machines lack. Same two steps: sizes, then padded bytes. (``parallel``'s
-    ShardedOptimizer has its own copy: ``parallel/`` imports nothing from ddpcheck.)
+    ShardedOptimizer has its own copy: ``parallel/`` imports nothing from ddpcheck.) On the
+    rank's device: NCCL carries only CUDA tensors.
     """
     import torch
     import torch.distributed as dist
 
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    from ddpcheck._internal.devices import this_rank
+
+    device = this_rank()
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device)
+             for _ in range(dist.get_world_size())]
     # all-gather one int64 per rank (its record's byte count), so rank 0 can size the buffers
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64))
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
     longest = max(int(s) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[:data.numel()] = data
     rank0 = dist.get_rank() == 0
-    received = [torch.empty(longest, dtype=torch.uint8) for _ in sizes] if rank0 else None
+    received = ([torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
+                if rank0 else None)
     # gather every rank's pickled record on rank 0, which holds the reference and compares
     dist.gather(padded, received, dst=0)
     if not rank0:
         return None
-    return [pickle.loads(bytes(buf[:int(n)].clone().untyped_storage()))
+    return [pickle.loads(bytes(buf[:int(n)].cpu().clone().untyped_storage()))
             for buf, n in zip(received, sizes)]
 
 
@@ -61,29 +79,35 @@ def _agree(status: int) -> int:
     import torch
     import torch.distributed as dist
 
-    flag = torch.tensor([status], dtype=torch.int64)
+    from ddpcheck._internal.devices import this_rank
+
+    flag = torch.tensor([status], dtype=torch.int64, device=this_rank())
     # broadcast rank 0's verdict, so every rank stops after the same example with the same status
     dist.broadcast(flag, src=0)
     return int(flag)
 
 
 def _run_recorded(target: Any, scenario: Any, sequence_path: str) -> tuple[tuple, str]:
-    """This rank's ``("ok", record)`` or ``("error", traceback)``, and its collective sequence."""
+    """This rank's ``("ok", packed record)`` (its tensors on the CPU: ``_internal.transport``)
+    or ``("error", traceback)``, and its collective sequence."""
     from ddpcheck._internal import recorder
-    from ddpcheck._internal.runner import run_example
+    from ddpcheck._internal.runner import run_example_packed
 
     recorder.restart_sequence()
     try:
-        outcome: tuple = ("ok", run_example(target, scenario))
+        outcome: tuple = ("ok", run_example_packed(target, scenario))
     except Exception:
         outcome = ("error", traceback.format_exc())
     with open(sequence_path, errors="replace") as f:
         return outcome, f.read()
 
 
-def _judge(gathered: list, target: Any, scenario: Any, name: str, world_size: int) -> Any:
-    """Rank 0: the EquivalenceError of one example, or None (``ddpcheck.api.verdict``)."""
+def _judge(gathered: list, target: Any, scenario: Any, name: str, world_size: int,
+           **where: Any) -> Any:
+    """Rank 0: the EquivalenceError of one example, or None (``ddpcheck.api.verdict``);
+    ``where``: the run's device and backend, for the replay line."""
     from ddpcheck._internal.failures import RankState, WorldFailure
+    from ddpcheck._internal.transport import unpack
     from ddpcheck.api import verdict
 
     outcomes = [outcome for outcome, _ in gathered]
@@ -91,15 +115,17 @@ def _judge(gathered: list, target: Any, scenario: Any, name: str, world_size: in
         states = [RankState(r, "raised", text) if kind == "error" else RankState(r, "returned")
                   for r, (kind, text) in enumerate(outcomes)]
         failure = WorldFailure("raised", world_size, states, f"example {name}")
-        return verdict(target, scenario, world_size, failure=failure, name=name)
-    return verdict(target, scenario, world_size, records=[value for _, value in outcomes],
-                   sequences=[sequence for _, sequence in gathered], name=name)
+        return verdict(target, scenario, world_size, failure=failure, name=name, **where)
+    return verdict(target, scenario, world_size, records=[unpack(value) for _, value in outcomes],
+                   sequences=[sequence for _, sequence in gathered], name=name, **where)
 
 
 def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline: float,
-                   out: Any) -> int:
+                   out: Any, device: str = "cpu", backend: str | None = None) -> int:
     """Run the battery on torchrun's world; 0 all equivalent, 1 a counterexample (printed on
-    rank 0 to ``out``), 2 a usage error (``world_sizes`` not containing torchrun's size)."""
+    rank 0 to ``out``), 2 a usage error (``world_sizes`` not containing torchrun's size).
+    ``device``/``backend``: as for ``ddpcheck.assert_equivalent`` (the caller has checked that
+    they fit the machine: ``_internal.devices.check_fits``)."""
     import torch.distributed as dist
 
     from ddpcheck._internal import recorder
@@ -111,10 +137,7 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     say = (lambda text: print(text, file=out, flush=True)) if rank == 0 else (lambda text: None)
-    if not dist.is_initialized():
-        backend = "nccl" if _cuda() else "gloo"
-        dist.init_process_group(backend, init_method="env://",
-                                timeout=datetime.timedelta(seconds=deadline))
+    init_world(device, backend, deadline)
     if world_sizes is not None and world_size not in world_sizes:
         say(f"ddpcheck check: error: --world-sizes={','.join(map(str, world_sizes))} does not "
             f"contain torchrun's world size {world_size}; under torchrun the world is the one "
@@ -135,7 +158,8 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
                 gathered = _gather_to_zero(_run_recorded(target, scenario, sequence_path))
                 status = 0
                 if rank == 0:
-                    error = _judge(gathered, target, scenario, name, world_size)
+                    error = _judge(gathered, target, scenario, name, world_size,
+                                   device=device, backend=backend)
                     if error is not None:
                         say(str(error))
                         status = 1
@@ -145,11 +169,26 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
         finally:
             recorder.record_to(None)
     say(f"ddpcheck check: {examples} examples equivalent in the torchrun world of {world_size} "
-        f"(backend {dist.get_backend()})")
+        f"(backend {dist.get_backend()}{', device cuda' if device == 'cuda' else ''})")
     return 0
 
 
-def _cuda() -> bool:
-    import torch
+def init_world(device: str, backend: str | None, deadline: float) -> str:
+    """Bind this rank to ``cuda:LOCAL_RANK`` (or the CPU) and join torchrun's world over the
+    backend the tensors need (``_internal.devices.backend_for``: gloo for CPU tensors, whatever
+    GPUs are visible); the backend. A world someone already initialised must suit the device."""
+    import torch.distributed as dist
 
-    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+    from ddpcheck._internal.devices import backend_for, enter_rank
+
+    chosen = backend_for(device, backend)
+    placed = enter_rank(device, int(os.environ["LOCAL_RANK"]))
+    if dist.is_initialized():
+        if dist.get_backend() == "nccl" and device == "cpu":
+            raise InvalidArgument("the process group was initialised with nccl, which cannot "
+                                  "carry the CPU tensors of device 'cpu'; use --device cuda")
+        return dist.get_backend()
+    dist.init_process_group(chosen, init_method="env://",
+                            timeout=datetime.timedelta(seconds=deadline),
+                            device_id=placed if chosen == "nccl" else None)
+    return chosen

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ddpcheck._internal import recorder
+from ddpcheck._internal.devices import to_rank_device
 from ddpcheck._internal.runner import make_optimizer, target_loop
 from ddpcheck._internal.train import train
 from ddpcheck.scenario import Scenario, build_model, make_param_groups
@@ -77,7 +78,7 @@ def record_step(target: Any, scenario: Scenario = TRACE_SCENARIO, warmup: int = 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     scenario = dataclasses.replace(scenario, steps=warmup + 1)
     target = target.configure(scenario)
-    module = build_model(scenario, scenario.seed)
+    module = to_rank_device(build_model(scenario, scenario.seed))  # a CUDA world's rank: there
     model = target.wrap(module)
     optimizer = make_optimizer(target, model, make_param_groups(scenario, module), scenario)
     phases: list[tuple[str, float, float]] = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from ddpcheck._internal.devices import BACKENDS, DEVICES
 from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, parse_world_sizes
 
 __all__ = ["EXIT_CODES", "SURVEY_EXIT_CODES", "build_parser"]
@@ -58,6 +59,17 @@ def _target_options(parser: argparse.ArgumentParser, *, examples: int, what: str
                         help="features never to exercise, on top of the target's "
                              "supported_features (e.g. accumulation,buffers; see "
                              "ddpcheck.features)")
+    _device_options(parser)
+
+
+def _device_options(parser: argparse.ArgumentParser) -> None:
+    """Where the ranks compute; the reference always runs on the CPU (``_internal.devices``)."""
+    parser.add_argument("--device", choices=DEVICES, default="cpu",
+                        help="cpu (default), or cuda: rank r on GPU r, NCCL, TF32 off; refused "
+                             "without a GPU, or with more ranks than GPUs unless --backend gloo")
+    parser.add_argument("--backend", choices=BACKENDS, default=None,
+                        help="the process-group backend (default: gloo on cpu, nccl on cuda); "
+                             "gloo with --device cuda lets ranks share GPUs")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--world-size", type=_positive(int), required=True)
     replay.add_argument("--scenario", required=True, help="the scenario's repr, as printed")
     replay.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE)
+    _device_options(replay)
 
     trace = sub.add_parser("trace", help="record every collective of one step as a Chrome/"
                                          "Perfetto trace",

@@ -18,8 +18,7 @@ from ddpcheck._internal.failures import WorldStartError
 from ddpcheck._internal.rank import NESTED_MARKER, WORLD_DIR_ENV
 from ddpcheck._internal.validation import InvalidArgument
 
-__all__ = ["check_main_module_importable", "default_backend", "dump_stacks", "environment",
-           "exit_description",
+__all__ = ["check_main_module_importable", "dump_stacks", "environment", "exit_description",
            "kill_group", "output_to", "pickle_task", "read", "receive", "refuse_nested_start",
            "tail", "trim_dump"]
 
@@ -119,12 +118,6 @@ def check_main_module_importable() -> None:
             f"the main module {path!r} is not a file, so spawned ranks cannot import it; run "
             "your code from a file or with `python -m`, and define targets in an importable "
             "module")
-
-
-def default_backend() -> str:
-    """gloo, whatever accelerators are visible: the runner builds every model and batch on the
-    CPU, and NCCL cannot carry CPU tensors (a device mode, with NCCL, must be asked for)."""
-    return "gloo"
 
 
 def pickle_task(fn: Callable[..., Any], args: tuple) -> bytes:

@@ -44,8 +44,9 @@ def serving() -> bool:
 
 def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: Any,
                log_path: str, stack_path: str, parent_pid: int,
-               sequence_path: str | None = None) -> None:
-    """Join the process group, then run tasks from the parent until told to stop."""
+               sequence_path: str | None = None, device: str = "cpu") -> None:
+    """Join the process group on ``device`` (``_internal.devices``), then run tasks from the
+    parent until told to stop."""
     global _serving
     # Its own group first: killing the group then kills whatever a target starts from here.
     try:
@@ -74,16 +75,20 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
         import torch.distributed as dist
 
         from ddpcheck._internal import fitness, recorder as comm
+        from ddpcheck._internal.devices import enter_rank
         from ddpcheck._internal.freshness import ImportTracker
 
         # Two cores host up to W ranks: intra-op threads would only oversubscribe them.
         torch.set_num_threads(1)
+        placed = enter_rank(device, rank)
         dist.init_process_group(
             backend,
             store=dist.FileStore(store_path, world_size),
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=STARTUP_DEADLINE),
+            # NCCL: create the communicator now, inside the start-up deadline
+            device_id=placed if backend == "nccl" else None,
         )
         comm.install()
         # The first optimizer a process builds imports torch._dynamo (seconds); pay that here,

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from ddpcheck._internal import recorder
+from ddpcheck._internal.devices import to_rank_device
 from ddpcheck._internal.records import RankRecord, gradients, initial_state, snapshot
 from ddpcheck._internal.train import Loop, train
 from ddpcheck.scenario import (Scenario, build_model, local_micro_batches, loss_scale,
@@ -45,7 +46,8 @@ def run_example(target: Any, scenario: Scenario) -> RankRecord:
     started = time.perf_counter()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     target = target.configure(scenario)
-    module = build_model(scenario, rank_seed(scenario, rank))
+    # on the rank's device (a CUDA world's), parameters and buffers, before the target wraps it
+    module = to_rank_device(build_model(scenario, rank_seed(scenario, rank)))
     names = {p: n for n, p in module.named_parameters()}
     model = target.wrap(module)
     initial = initial_state(module)
@@ -80,7 +82,8 @@ def target_loop(target: Any, model: Any, optimizer: Any, scenario: Scenario, ran
         target.before_step(model, optimizer)
 
     return Loop(
-        batches=lambda step: local_micro_batches(scenario, step, rank, world_size),
+        batches=lambda step: to_rank_device(local_micro_batches(scenario, step, rank,
+                                                                world_size)),
         scale=loss_scale(scenario, world_size),
         no_sync=lambda: target.no_sync(model),
         after_backward=lambda: target.after_backward(model, optimizer),

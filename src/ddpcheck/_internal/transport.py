@@ -1,7 +1,8 @@
 """Ship a rank's record to the parent as one buffer per dtype instead of one pickle per tensor.
 
 Invariant: ``unpack(pack(obj))`` rebuilds ``obj`` with every tensor equal in dtype, shape and
-values (always contiguous: the oracle compares values, not strides). Why: pickling a tensor goes
+values (always contiguous: the oracle compares values, not strides), on the CPU whatever device
+the rank computed on. Why: pickling a tensor goes
 through ``torch.save``'s machinery, about 0.1 ms per tensor on the receiving side; a record holds
 dozens of small tensors per step, which made unpickling a noticeable share of each example.
 """
@@ -52,7 +53,8 @@ def pack(obj: Any) -> Packed:
 
     def slot(t: torch.Tensor) -> _Slot:
         offset = sizes.get(t.dtype, 0)
-        chunks.setdefault(t.dtype, []).append(t.detach().reshape(-1))
+        # on the CPU: the oracle compares with the CPU reference, and the parent may have no GPU
+        chunks.setdefault(t.dtype, []).append(t.detach().reshape(-1).cpu())
         sizes[t.dtype] = offset + t.numel()
         return _Slot(t.dtype, offset, tuple(t.shape))
 

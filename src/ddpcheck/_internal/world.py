@@ -52,8 +52,8 @@ from typing import Any, Callable
 from ddpcheck._internal.failures import RankState, WorldFailure, WorldStartError
 from ddpcheck._internal.freshness import announce, changed
 from ddpcheck._internal.janitor import Janitor
-from ddpcheck._internal.processes import (check_main_module_importable, default_backend,
-                                          dump_stacks,
+from ddpcheck._internal.devices import backend_for, check_device
+from ddpcheck._internal.processes import (check_main_module_importable, dump_stacks,
                                           environment, exit_description, kill_group, output_to,
                                           pickle_task, read, receive, refuse_nested_start, tail)
 from ddpcheck._internal.options import DEFAULT_DEADLINE, STARTUP_DEADLINE
@@ -88,7 +88,7 @@ class World:
     default group. Not thread-safe: one ``run`` at a time.
     """
 
-    def __init__(self, world_size: int, *, backend: str | None = None,
+    def __init__(self, world_size: int, *, backend: str | None = None, device: str = "cpu",
                  start_method: str = "spawn"):
         check_world_size("world_size", world_size)
         if start_method not in ("spawn", "forkserver"):
@@ -96,7 +96,8 @@ class World:
                 f"start_method={start_method!r} is not supported; use 'spawn' or 'forkserver' "
                 "(fork is unsafe once torch has started threads)")
         self.world_size = world_size
-        self.backend = backend or default_backend()
+        self.device = check_device(device)  # every rank computes there (_internal.devices)
+        self.backend = backend_for(device, backend)
         self.start_method = start_method
         # fixed at start
         self._dir: str | None = None
@@ -179,7 +180,7 @@ class World:
                 name=f"ddpcheck-rank{rank}-of-{self.world_size}",
                 args=(rank, self.world_size, self.backend, store_path, child_end,
                       self._logs[rank], self._stacks[rank], os.getpid(),
-                      self._sequences[rank]),
+                      self._sequences[rank], self.device),
                 daemon=True,
             )
             with output_to(self._logs[rank]):
@@ -371,26 +372,29 @@ class World:
 
     def __repr__(self) -> str:
         state = "alive" if self._alive else "stopped"
-        return f"World(world_size={self.world_size}, backend={self.backend!r}, {state})"
+        return (f"World(world_size={self.world_size}, backend={self.backend!r}, "
+                f"device={self.device!r}, {state})")
 
 
 # ---------------------------------------------------------------------------------------------
-# Registry of persistent worlds (one per world size, backend and start method)
+# Registry of persistent worlds (one per world size, backend, device and start method)
 
 _WORLDS: dict[tuple, World] = {}
 _LIVE: set[World] = set()
 _LOCK = threading.Lock()
 
 
-def get_world(world_size: int, *, backend: str | None = None, start_method: str = "spawn") -> World:
-    """The persistent world of this size, spawned on first use and after a failure."""
+def get_world(world_size: int, *, backend: str | None = None, device: str = "cpu",
+              start_method: str = "spawn") -> World:
+    """The persistent world of this size on ``device`` ("cpu" or "cuda"), spawned on first use
+    and after a failure; a CUDA world is never handed out for CPU examples, nor the reverse."""
     check_world_size("world_size", world_size)
     refuse_nested_start()
-    key = (world_size, backend, start_method)
+    key = (world_size, backend_for(device, backend), device, start_method)
     with _LOCK:
         world = _WORLDS.get(key)
         if world is None or not world.alive:
-            world = World(world_size, backend=backend, start_method=start_method)
+            world = World(world_size, backend=key[1], device=device, start_method=start_method)
             _WORLDS[key] = world
     return world.start()
 
