@@ -71,7 +71,7 @@ class GlobalNormClipping:
 
     def _global_norm(self, shares: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         """The ``norm_type``-norm of every rank's ``shares`` together, the same on every rank."""
-        share = norm_share(shares, norm_type)
+        share = norm_share(shares, norm_type, device=self._params()[0].device)
         # all-reduce one float64 scalar per rank (the sum of |g|^p over the gradients it owns, or
         # their largest |g| for inf) among all ranks, before any gradient is scaled: a rank sees
         # only its share of the norm, and every rank must scale by the same coefficient
@@ -80,11 +80,13 @@ class GlobalNormClipping:
         return norm_from_shares(share, norm_type)
 
 
-def norm_share(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+def norm_share(grads: list[torch.Tensor], norm_type: float,
+               device: torch.device | None = None) -> torch.Tensor:
     """What ``grads`` add to a p-norm: the sum of |g|^p (max |g| for inf), a float64 scalar, from
-    per-tensor norms as torch's ``clip_grad_norm_`` takes them (exact inputs: torch's bits)."""
+    per-tensor norms as torch's ``clip_grad_norm_`` takes them (exact inputs: torch's bits).
+    ``device``: where a rank with no gradients puts its zero (NCCL carries only CUDA tensors)."""
     if not grads:
-        return torch.zeros((), dtype=torch.float64)
+        return torch.zeros((), dtype=torch.float64, device=device)
     norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]).double()
     if math.isinf(norm_type):
         return norms.max()

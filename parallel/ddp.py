@@ -92,6 +92,8 @@ class DDP(nn.Module):
         self._average_in_collective = dist.get_backend(process_group) == "nccl"
         self._names = {p: n for n, p in module.named_parameters()}
         self._params = params
+        # checks and flags travel where the gradients do: NCCL carries only CUDA tensors
+        self._device = params[0].device if params else torch.device("cpu")
         self._check_same_parameters_everywhere()
         self._broadcast_state()
         self._bucket_cap_bytes = int(bucket_size_mb * 1024 * 1024)
@@ -181,7 +183,7 @@ class DDP(nn.Module):
         """Refuse to start if ranks wrap different parameter lists: buckets would mis-pair."""
         signature = repr([(tuple(p.shape), str(p.dtype)) for p in self._params]).encode()
         digest = int.from_bytes(hashlib.sha256(signature).digest()[:7], "little")
-        mine = torch.tensor([digest, len(self._params)], dtype=torch.int64)
+        mine = torch.tensor([digest, len(self._params)], dtype=torch.int64, device=self._device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         # all-gather (hash of the trainable parameters' shapes and dtypes, count) from every rank,
         # so every rank sees the same verdict and raises together instead of hanging later.
@@ -295,7 +297,8 @@ class DDP(nn.Module):
 
         Called right after the last bucket launches: every gradient of this step exists by then.
         """
-        self._used = torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32)
+        self._used = torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32,
+                                  device=self._device)
         # all-reduce the per-parameter "has a gradient here" flags (4 bytes per parameter) behind
         # the last bucket, so a parameter no rank used keeps grad=None, as in one process.
         self._used_handle = dist.all_reduce(self._used, op=dist.ReduceOp.SUM,

@@ -167,7 +167,7 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
                                  owners: list[int]) -> None:
         layout = repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()
         mine = torch.tensor([len(params), zlib.crc32(layout), zlib.crc32(repr(owners).encode())],
-                            dtype=torch.int64)
+                            dtype=torch.int64, device=params[0].device if params else None)
         everyone = [torch.empty_like(mine) for _ in range(self._world_size)]
         # all-gather 3 int64 per rank (param count, layout hash, owners hash) once per new param
         # group, so a rank passing other params or getting other owners fails here, not mis-paired
