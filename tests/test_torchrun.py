@@ -8,18 +8,22 @@ import sys
 
 import pytest
 
+from tests.test_devices import subprocess_env
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             "2", "-m", "ddpcheck", "check"]
 
 
-def _torchrun(*args: str, cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+def _torchrun(*args: str, cwd, env=None) -> subprocess.CompletedProcess:
+    env = env or {**os.environ, "PYTHONWARNINGS": "ignore"}
     return subprocess.run(TORCHRUN + list(args), capture_output=True, text=True, timeout=240,
                           cwd=cwd, env=env)
 
 
 def test_the_builtin_target_passes_in_torchruns_world(tmp_path):
-    out = _torchrun("--world-sizes", "2", cwd=tmp_path)
+    # every process sees 8 GPUs that are not there: CPU tensors must still travel by gloo
+    out = _torchrun("--world-sizes", "2", cwd=tmp_path,
+                    env=subprocess_env(tmp_path, fake_gpus=8))
     assert out.returncode == 0, out.stdout + out.stderr
     # printed once (rank 0), naming the world torchrun built
     assert out.stdout.count("examples equivalent in the torchrun world of 2 (backend gloo)") == 1
