@@ -13,6 +13,9 @@ Prints (not a test, no assertion):
 
 Run: ``python bench/ddp_vs_torch.py [repetitions]`` (about a minute on 2 cores);
 ``python bench/ddp_vs_torch.py --profile`` prints where rank 0's parallel.DDP step spends its time.
+``python bench/ddp_vs_torch.py --device cuda [repetitions]``: the same on two GPUs over NCCL (each
+step ends with ``torch.cuda.synchronize()``, so it is timed to completion, TF32 off as in every
+ddpcheck rank); on a machine with fewer than two GPUs it says so and measures nothing (exit 0).
 """
 
 from __future__ import annotations
@@ -47,11 +50,12 @@ def bench_data(seed: int, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor,
 def _variants():
     from torch.nn.parallel import DistributedDataParallel
 
+    from ddpcheck._internal.devices import to_rank_device
     from parallel import DDP
 
     def build(wrap):
         torch.manual_seed(0)
-        model = wrap(BenchMLP())
+        model = wrap(to_rank_device(BenchMLP()))  # on this rank's GPU in a CUDA world
         return model, torch.optim.SGD(model.parameters(), lr=1e-3)
 
     return {
@@ -69,14 +73,18 @@ def _step(name: str, model, optimizer, x, y) -> None:
         model.finish_gradient_sync()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if x.is_cuda:  # kernels run asynchronously: the step ends when they have
+        torch.cuda.synchronize()
 
 
 def _rank_time(repetitions: int, warmup: int = 3) -> dict[str, list[float]]:
     import torch.distributed as dist
 
+    from ddpcheck._internal.devices import to_rank_device
+
     variants = _variants()
     names = list(variants)
-    x, y = bench_data(dist.get_rank(), BATCH, torch.float32)
+    x, y = to_rank_device([bench_data(dist.get_rank(), BATCH, torch.float32)])[0]
     times: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(warmup + repetitions):
         order = names[rep % len(names):] + names[:rep % len(names)]  # rotate who goes first
@@ -98,8 +106,10 @@ def _rank_profile(steps: int) -> str:
 
     import torch.distributed as dist
 
+    from ddpcheck._internal.devices import to_rank_device
+
     model, optimizer = _variants()["parallel.DDP"]
-    x, y = bench_data(dist.get_rank(), BATCH, torch.float32)
+    x, y = to_rank_device([bench_data(dist.get_rank(), BATCH, torch.float32)])[0]
     for _ in range(3):
         _step("parallel.DDP", model, optimizer, x, y)
     profile = cProfile.Profile()
@@ -112,10 +122,11 @@ def _rank_profile(steps: int) -> str:
     return out.getvalue()
 
 
-def step_time(repetitions: int) -> None:
+def step_time(repetitions: int, device: str = "cpu") -> None:
     from ddpcheck._internal.world import get_world
 
-    per_rank = get_world(2).run(_rank_time, repetitions, deadline=600)
+    world = get_world(2, device=device)
+    per_rank = world.run(_rank_time, repetitions, deadline=600)
     # A repetition takes as long as its slower rank.
     times = {name: [max(r[name][i] for r in per_rank) for i in range(repetitions)]
              for name in per_rank[0]}
@@ -123,7 +134,8 @@ def step_time(repetitions: int) -> None:
     params = sum(p.numel() for p in BenchMLP().parameters())
     print(f"Step time, MLP {DEPTH}x{WIDTH} ({params / 1e6:.1f} M parameters, "
           f"{params * 4 / 2**20:.0f} MiB of float32 gradients), batch {BATCH} per rank, SGD, "
-          f"gloo W=2, default 25 MB buckets, {repetitions} interleaved repetitions:")
+          f"{world.backend} W=2 on {device}, default 25 MB buckets, {repetitions} interleaved "
+          "repetitions:")
     print(f"  {'parallel.DDP':26} median {statistics.median(ours) * 1e3:7.1f} ms")
     for name in ("torch DDP", "torch DDP (find_unused)"):
         ratio = statistics.median(o / t for o, t in zip(ours, times[name]))
@@ -131,7 +143,7 @@ def step_time(repetitions: int) -> None:
               f" ours / it = {ratio:.3f} (median ratio)")
 
 
-def overlap() -> None:
+def overlap(device: str = "cpu") -> None:
     from ddpcheck.scenario import Scenario
     from ddpcheck.targets import PARALLEL_DDP
     from ddpcheck.trace import record_step
@@ -139,7 +151,8 @@ def overlap() -> None:
 
     scenario = Scenario(model=BenchMLP, data=bench_data, dtype="float32", global_batch=2 * BATCH,
                         steps=1)
-    traces = get_world(2).run(record_step, PARALLEL_DDP, scenario, 2, deadline=300)
+    traces = get_world(2, device=device).run(record_step, PARALLEL_DDP, scenario, 2,
+                                             deadline=300)
     print("Overlap, one traced parallel.DDP step (ms from the start of backward):")
     for t in traces:
         backward = [p for p in t.phases if p[0] == "backward"][-1]
@@ -157,11 +170,30 @@ def overlap() -> None:
               f"({(backward[2] - first) * 1e3:.1f} ms earlier)")
 
 
+def _device(argv: list[str]) -> str:
+    """``--device cpu|cuda`` out of ``argv`` (removed from it); "cpu" without one."""
+    if "--device" not in argv:
+        return "cpu"
+    at = argv.index("--device")
+    device = argv[at + 1] if at + 1 < len(argv) else ""
+    del argv[at:at + 2]
+    if device not in ("cpu", "cuda"):
+        sys.exit(f"--device {device!r}: use cpu or cuda")
+    return device
+
+
 if __name__ == "__main__":
-    if "--profile" in sys.argv:
+    args = sys.argv[1:]
+    device = _device(args)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and gpus < 2:
+        print(f"ddp_vs_torch --device cuda: skipped, nothing measured: it needs 2 CUDA devices "
+              f"(NCCL, one rank per GPU) and this machine has {gpus}")
+        sys.exit(0)
+    if "--profile" in args:
         from ddpcheck._internal.world import get_world
 
-        print(get_world(2).run(_rank_profile, 20, deadline=600)[0])
+        print(get_world(2, device=device).run(_rank_profile, 20, deadline=600)[0])
     else:
-        step_time(int(sys.argv[1]) if len(sys.argv) > 1 else 30)
-        overlap()
+        step_time(int(args[0]) if args else 30, device)
+        overlap(device)

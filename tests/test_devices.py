@@ -189,7 +189,8 @@ def test_the_api_refuses_cuda_without_gpus_before_any_world_starts(monkeypatch):
     for call in (lambda: ddpcheck.assert_equivalent(targets.PARALLEL, device="cuda"),
                  lambda: check_example(targets.PARALLEL, SMALL, 1, device="cuda"),
                  lambda: ddpcheck.survey(targets.PARALLEL, device="cuda"),
-                 lambda: fuzz(targets.PARALLEL, device="cuda")):
+                 lambda: fuzz(targets.PARALLEL, device="cuda"),
+                 lambda: World(1, device="cuda").start()):  # ddpcheck.get_world's worlds too
         with pytest.raises(ddpcheck.InvalidArgument, match="sees no CUDA device"):
             call()
 

@@ -165,7 +165,8 @@ def _check(args: argparse.Namespace) -> int:
     if not dtypes or any(d not in ("float64", "float32") for d in dtypes):
         raise UsageError(f"--dtypes={args.dtypes!r} must name float64, float32 or both")
     started = time.perf_counter()
-    sizes = ",".join(map(str, args.world_sizes))
+    sizes = ",".join(map(str, args.world_sizes)) + ("" if args.device == "cpu" else
+                                                     f" on {args.device}")
     check_fits_machine(args.world_sizes)
     # 1. the built-in battery: representative scenarios, every world size
     try:

@@ -52,7 +52,7 @@ from typing import Any, Callable
 from ddpcheck._internal.failures import RankState, WorldFailure, WorldStartError
 from ddpcheck._internal.freshness import announce, changed
 from ddpcheck._internal.janitor import Janitor
-from ddpcheck._internal.devices import backend_for, check_device
+from ddpcheck._internal.devices import backend_for, check_device, check_fits
 from ddpcheck._internal.processes import (check_main_module_importable, dump_stacks,
                                           environment, exit_description, kill_group, output_to,
                                           pickle_task, read, receive, refuse_nested_start, tail)
@@ -136,6 +136,7 @@ class World:
 
         if self._alive:
             return self
+        check_fits(self.device, (self.world_size,), self.backend)  # no GPU: one line, no spawn
         refuse_nested_start()
         ctx = multiprocessing.get_context(self.start_method)
         check_main_module_importable()
