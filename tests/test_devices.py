@@ -162,7 +162,7 @@ def test_check_on_cuda_without_gpus_is_refused_in_seconds(tmp_path):
     took = time.monotonic() - started
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip().splitlines() == [
-        "ddpcheck check: error: --device=cuda, but torch "
+        "ddpcheck check: error: --device='cuda', but torch "
         f"{torch.__version__} sees no CUDA device (torch.cuda.is_available() is False); run on "
         "the CPU (the default) or on a machine with a GPU"]
     assert took < 5 + 10, f"{took:.1f} s"  # interpreter + torch import on a loaded 2-core machine
@@ -205,7 +205,7 @@ def _pytest(tmp_path, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("args, message", [
     (["--ddpcheck-device", "gpu"], "--ddpcheck-device='gpu' is not a device ddpcheck runs on"),
     (["--ddpcheck-backend", "nccl"], "--ddpcheck-backend='nccl' cannot carry CPU tensors"),
-    pytest.param(["--ddpcheck-device", "cuda"], "--ddpcheck-device=cuda, but torch",
+    pytest.param(["--ddpcheck-device", "cuda"], "--ddpcheck-device='cuda', but torch",
                  marks=NO_GPU),
 ])
 def test_the_plugin_validates_the_device_like_the_command_line(tmp_path, args, message):

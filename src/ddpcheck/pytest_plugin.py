@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import pytest
 
-from ddpcheck._internal.devices import backend_for, check_device, check_fits
+from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine,
                                         parse_world_sizes)
 from ddpcheck._internal.validation import InvalidArgument
@@ -102,10 +102,8 @@ def resolve_options(config: Any) -> Options:
         # Only when asked for: the plugin loads in every pytest run, ddpcheck's or not.
         if raw:
             check_fits_machine(sizes, workers=workers, flag="--ddpcheck-world-sizes")
-        check_device(device, "--ddpcheck-device")
-        backend_for(device, backend, name="--ddpcheck-backend")
-        if device != "cpu":  # only then is torch imported, to ask about the GPUs
-            check_fits(device, sizes, backend, flag="--ddpcheck-device")
+        # imports torch only for cuda, to ask about the GPUs
+        check_fits(device, sizes, backend, flag="--ddpcheck-device")
     except InvalidArgument as exc:
         raise pytest.UsageError(str(exc)) from None
     try:

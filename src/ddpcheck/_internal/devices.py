@@ -45,8 +45,9 @@ def check_device(device: Any, name: str = "device") -> str:
 
 def backend_for(device: str, requested: str | None = None, *, name: str = "backend") -> str:
     """The backend of a world computing on ``device``: gloo for the CPU, NCCL for CUDA, unless
-    ``requested`` names one (gloo over CUDA tensors lets ranks share one GPU)."""
-    check_device(device)
+    ``requested`` names one (gloo over CUDA tensors lets ranks share one GPU). ``name``: the
+    backend's name in messages; the device's is derived from it ("--backend" -> "--device")."""
+    check_device(device, name.replace("backend", "device"))
     if requested is None:
         return "nccl" if device == "cuda" else "gloo"
     if requested not in BACKENDS:
@@ -70,21 +71,21 @@ def check_fits(device: str, world_sizes: Iterable[int], backend: str | None = No
     import torch
 
     if not torch.cuda.is_available():
-        raise InvalidArgument(f"{flag}=cuda, but torch {torch.__version__} sees no CUDA device "
-                              "(torch.cuda.is_available() is False); run on the CPU (the "
-                              "default) or on a machine with a GPU")
+        raise InvalidArgument(f"{flag}={device!r}, but torch {torch.__version__} sees no CUDA "
+                              "device (torch.cuda.is_available() is False); run on the CPU "
+                              "(the default) or on a machine with a GPU")
     if chosen == "nccl":
         import torch.distributed as dist
 
         count = torch.cuda.device_count()
         largest = max(world_sizes, default=1)
         if not dist.is_nccl_available():
-            raise InvalidArgument(f"{flag}=cuda: this torch was built without NCCL; ask for "
-                                  "the gloo backend")
+            raise InvalidArgument(f"{flag}={device!r}: this torch was built without NCCL; ask "
+                                  "for the gloo backend")
         if largest > count:
             raise InvalidArgument(
-                f"{flag}=cuda: a world of {largest} ranks needs {largest} GPUs with NCCL (one "
-                f"rank per GPU: NCCL refuses two ranks on one device), and {count} are "
+                f"{flag}={device!r}: a world of {largest} ranks needs {largest} GPUs with NCCL "
+                f"(one rank per GPU: NCCL refuses two ranks on one device), and {count} are "
                 f"visible; use world sizes up to {count}, or the gloo backend to share GPUs")
     return chosen
 
