@@ -32,7 +32,8 @@ def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
         assert isinstance(m.target, ParallelDDPTarget)
         assert type(m.target).__module__ == "ddpcheck.mutation.catalogue"
         assert pickle.loads(pickle.dumps(m.target)) == m.target
-        broken = [type(m.target).ddp_class, getattr(type(m.target), "optimizer_class", None)]
+        broken = [type(m.target).ddp_class, getattr(type(m.target), "optimizer_class", None),
+                  getattr(type(m.target), "batches_class", None)]
         assert any(cls is not None and cls.__module__.startswith("ddpcheck.mutation.broken_")
                    and cls.__doc__ for cls in broken), f"{m.name} seeds no bug"
     assert len({m.bug_class for m in mutants.CATALOGUE}) >= 20
