@@ -62,6 +62,10 @@ def test_every_mutant_is_killed_and_the_unmutated_target_passes(capsys):
     assert len(rows) == n + 1
     assert "| (unmutated)" in rows[0] and "| passes " in rows[0]
     assert all("| killed " in row for row in rows[1:]), out
+    # the batch-plan mutants are named by their cause, before any number differs
+    for name in ("MeanOfRankMeans", "SamplerSeededPerRank", "FlooredShards", "PaddingSampler"):
+        row = next(r for r in rows if r.startswith(f"| {name} "))
+        assert re.search(r": sample (dropped|duplicated|misweighted) sample \d+", row), row
 
 
 def test_a_surviving_mutant_fails_the_command(capsys, monkeypatch):
