@@ -2,7 +2,7 @@
 
 Each class is a ``Target.shard_batch`` hook (``ddpcheck.batches``): the default plan
 (``ddpcheck.batches.contiguous``: contiguous shards, every scale ``W / B``) with one change, the
-one its docstring names, drawn from docs/bug-catalogue.md (A3, F1, F2). The catalogue puts each in
+one its docstring names, drawn from docs/bug-catalogue.md (A3, F1, F2, F3). The catalogue puts each in
 front of the unmutated ``parallel`` target, so the bug is in the loop, not in DDP.
 """
 
@@ -12,7 +12,8 @@ import dataclasses
 
 from ddpcheck.batches import BatchPlan, DistributedSamplerBatches, GlobalBatch, split
 
-__all__ = ["FlooredShards", "MeanOfRankMeans", "PaddingSampler", "SamplerSeededPerRank"]
+__all__ = ["FlooredShards", "MeanOfRankMeans", "PaddingSampler", "SamplerSeededPerRank",
+           "SkipsEmptyShard"]
 
 
 def _scale(batch: GlobalBatch) -> float:
@@ -67,4 +68,17 @@ class SamplerSeededPerRank:
         order = tuple(batch.indices[int(i)] for i in torch.randperm(batch.size,
                                                                     generator=generator))
         shard = split(order, batch.world_size)[batch.rank]
+        return BatchPlan.uniform(split(shard, batch.accumulation), _scale(batch))
+
+
+@dataclasses.dataclass(frozen=True)
+class SkipsEmptyShard:
+    """F3: a rank whose shard is empty (B < W) runs no micro-batch at all, as a loop whose loader
+    ran dry skips the step's forward and backward while the other ranks synchronise
+    (pytorch/pytorch #38174: torch DDP hangs; ``parallel.DDP`` raises in its finish)."""
+
+    def __call__(self, batch: GlobalBatch) -> BatchPlan:
+        shard = split(batch.indices, batch.world_size)[batch.rank]
+        if not shard:  # BUG: no micro-batch, rather than an empty one that still synchronises
+            return BatchPlan((), ())
         return BatchPlan.uniform(split(shard, batch.accumulation), _scale(batch))

@@ -6,15 +6,12 @@ in front) whose ``parallel.DDP`` or ``parallel.ShardedOptimizer`` is replaced by
 overriding one method (rarely two, always named in the docstring; ``broken_ddp``,
 ``broken_optimizer``) with a copy that carries one bug of a class in ``docs/bug-catalogue.md`` --
 or whose batch plan (``Target.shard_batch``) is a hook of ``broken_batches`` carrying one bug of
-the training loop's data split or loss normalisation (A3, F1, F2).
+the training loop's data split or loss normalisation (A3, F1-F3).
 Each docstring says what the bug is and which real report it mirrors. ``ddpcheck mutants``
 (and ``tests/test_mutants.py``) hold the harness to killing all of them.
 
 Classes of the catalogue without a mutant here, and why:
 
-* F3 (a rank with fewer batches than the others, which hangs torch DDP): a plan may give a rank
-  no micro-batch, but ``parallel.DDP``'s final flush all-reduces every bucket whether or not a
-  backward ran, so for this target skipping a step on an empty shard changes nothing.
 * B5 (a hook firing twice) and "no already-marked guard": the guard only matters where the
   unmutated ``DDP`` *raises* (a second synchronised backward, reentrant checkpointing); within
   what the target supports the mutant is equivalent. Killing it needs "misuse must raise"
@@ -223,6 +220,8 @@ _ENTRIES: list[tuple[str, str, str, dict]] = [
      {"batches": S.FlooredShards}),
     ("PaddingSampler", "F2", "DistributedSampler(drop_last=False) pads uneven batches with repeats",
      {"batches": S.PaddingSampler}),
+    ("SkipsEmptyShard", "F3", "a rank with no samples (B < W) skips forward and backward",
+     {"batches": S.SkipsEmptyShard}),
     ("ReducesParameter", "H1", "post-accumulate hook reduces the parameter it gets, not its grad",
      {"ddp": D.ReducesParameterDDP}),
     ("AddsIntoAliasedBuffer", "H2",
