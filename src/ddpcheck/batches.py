@@ -65,7 +65,7 @@ class BatchPlan:
 
     def __post_init__(self):
         try:
-            micro = tuple(tuple(_index(i, m) for i in mb) for m, mb in
+            micro = tuple(_micro_batch(mb, m) for m, mb in
                           enumerate(_iterable(self.micro_batches, "micro_batches")))
         except TypeError as exc:
             raise InvalidArgument(f"BatchPlan: micro_batches must be a sequence of sequences of "
@@ -90,6 +90,12 @@ def _iterable(value: Any, name: str) -> Any:
     return value
 
 
+def _micro_batch(value: Any, m: int) -> tuple[int, ...]:
+    if type(value) is tuple and all(type(i) is int for i in value):
+        return value  # already what a plan holds (the default plan's case: a rank's hot path)
+    return tuple(_index(i, m) for i in value)
+
+
 def _index(value: Any, micro_batch: int) -> int:
     if isinstance(value, bool):
         raise InvalidArgument(f"BatchPlan: micro-batch {micro_batch} holds {value!r}, not a "
@@ -102,9 +108,11 @@ def _index(value: Any, micro_batch: int) -> int:
 
 
 def _scale(value: Any, micro_batch: int) -> float:
+    if type(value) is float and math.isfinite(value):
+        return value
     try:
         number = None if isinstance(value, (bool, str, bytes)) else float(value)
-    except (TypeError, ValueError):
+    except Exception:  # a tensor of several elements, an object float() refuses
         number = None
     if number is None or not math.isfinite(number):
         raise InvalidArgument(f"BatchPlan: the scale of micro-batch {micro_batch} is {value!r}; "
@@ -181,7 +189,8 @@ def plan_for(hook: Callable[[GlobalBatch], Any], batch: GlobalBatch,
              who: str = "Target.shard_batch") -> BatchPlan:
     """``hook(batch)``, checked: an :class:`InvalidArgument` naming the rank and the step when the
     hook raises or its answer is not a plan of this batch's samples."""
-    where = f"{who} at step {batch.step} for rank {batch.rank} (W={batch.world_size}, B={batch.size})"
+    where = (f"{who} at step {batch.step} for rank {batch.rank} "
+             f"(W={batch.world_size}, B={batch.size})")
     try:
         plan = hook(batch)
     except InvalidArgument as exc:

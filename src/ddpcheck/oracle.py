@@ -146,10 +146,10 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
     for step, ref in enumerate(reference.steps):
         plans = [r.steps[step].batch_plan for r in records]
         if against_ref and None not in plans:  # the objective first: it explains any number
-            out = check_sample_weights(step, world_size, plans, scenario.global_batch,
-                                       scenario.reduction)
-            if out:
-                return out
+            wrong = check_sample_weights(step, world_size, plans, scenario.global_batch,
+                                         scenario.reduction)
+            if wrong:
+                return out + wrong
         if unjudgeable and unjudgeable[0].step == step:
             return unjudgeable  # nothing from here on can be judged
         tol = tolerance(reference.compute_dtype, world_size, step)

@@ -2,9 +2,10 @@
 
 Invariant: :func:`run_example` is deterministic given (target, scenario, rank, world size): every
 rank builds the same model (from a rank-dependent seed when ``scenario.rank_seeds``, so the
-target's broadcast from rank 0 is exercised), takes the micro-batches of each global batch its
-target's ``shard_batch`` plans (``ddpcheck.batches``; by default ``scenario``'s batch rule), trains through the one loop (``_internal.train``) and records after
-every step what the oracle compares -- gradients as ``optimizer.step()`` receives them (after
+target's broadcast from rank 0 is exercised), takes the micro-batches of each global batch that
+its target's ``shard_batch`` plans (``ddpcheck.batches``; by default ``scenario``'s batch rule),
+trains through the one loop (``_internal.train``) and records after every step what the oracle
+compares -- gradients as ``optimizer.step()`` receives them (after
 ``after_backward``; after the step instead for a target whose optimizer synchronises gradients
 itself, ``Target.gradients_synchronized_in_step``), parameters, buffers and the optimizer state this
 rank holds after the step, every collective it issued through ``torch.distributed``, and the
@@ -26,7 +27,7 @@ from typing import Any
 from ddpcheck._internal import recorder
 from ddpcheck._internal.records import RankRecord, gradients, initial_state, snapshot
 from ddpcheck._internal.train import Loop, train
-from ddpcheck.batches import BatchPlan, global_indices, plan_for
+from ddpcheck.batches import BatchPlan, contiguous, global_indices, plan_for
 from ddpcheck.scenario import Scenario, build_model, global_batch, make_param_groups
 
 __all__ = ["make_optimizer", "rank_seed", "run_example", "run_example_packed", "target_loop"]
@@ -78,9 +79,10 @@ def target_loop(target: Any, model: Any, optimizer: Any, scenario: Scenario, ran
     own); each step's plan is stored in ``plans`` when given."""
     first = hooks.pop("before_step", None)
     who = f"{type(target).__name__}.shard_batch"
+    hook = getattr(target, "shard_batch", contiguous)  # a duck-typed target: the batch rule
 
     def batches(step: int) -> list:
-        plan = plan_for(target.shard_batch, global_indices(scenario, step, rank, world_size), who)
+        plan = plan_for(hook, global_indices(scenario, step, rank, world_size), who)
         if plans is not None:
             plans[step] = plan
         x, y = global_batch(scenario, step)
