@@ -32,7 +32,8 @@ def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
         assert isinstance(m.target, ParallelDDPTarget)
         assert type(m.target).__module__ == "ddpcheck.mutation.catalogue"
         assert pickle.loads(pickle.dumps(m.target)) == m.target
-        broken = [type(m.target).ddp_class, getattr(type(m.target), "optimizer_class", None)]
+        broken = [type(m.target).ddp_class, getattr(type(m.target), "optimizer_class", None),
+                  getattr(type(m.target), "batches_class", None)]
         assert any(cls is not None and cls.__module__.startswith("ddpcheck.mutation.broken_")
                    and cls.__doc__ for cls in broken), f"{m.name} seeds no bug"
     assert len({m.bug_class for m in mutants.CATALOGUE}) >= 20
@@ -61,6 +62,11 @@ def test_every_mutant_is_killed_and_the_unmutated_target_passes(capsys):
     assert len(rows) == n + 1
     assert "| (unmutated)" in rows[0] and "| passes " in rows[0]
     assert all("| killed " in row for row in rows[1:]), out
+    # the batch-plan mutants are named by their cause, before any number differs
+    for name in ("MeanOfRankMeans", "SamplerSeededPerRank", "FlooredShards", "PaddingSampler"):
+        # (SkipsEmptyShard is a rank failure: the other ranks synchronise without it)
+        row = next(r for r in rows if r.startswith(f"| {name} "))
+        assert re.search(r": sample (dropped|duplicated|misweighted) sample \d+", row), row
 
 
 def test_a_surviving_mutant_fails_the_command(capsys, monkeypatch):

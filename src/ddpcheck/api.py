@@ -146,6 +146,7 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
     why = declines(target, scenario, world_size)
     if why is not None:  # running it anyway would blame the target for what it never claimed
         raise NothingChecked(f"{type(target).__name__} declines this example: {why}")
+    check_batch_plans(target, scenario, world_size)
     if reference is None:
         reference = prepare_reference(scenario)
     # a world that cannot start raises WorldStartError
@@ -266,6 +267,18 @@ def _mismatched_collectives(texts: list[str], world_size: int) -> list[Divergenc
     return [Divergence("-", world_size, rank, "-", "collectives mismatched",
                        detail=f"rank {rank} {_at_disagreement(disagreement, rank)}\n{where}")
             for rank in disagreement.deviants]
+
+
+def check_batch_plans(target: Any, scenario: Scenario, world_size: int) -> None:
+    """A target's own ``shard_batch`` answers every step and rank with a valid plan -- checked
+    here, before any world runs, so a malformed answer is an :class:`InvalidArgument` naming the
+    rank and the step, not a rank failure (``ddpcheck.batches``). The default needs no check."""
+    from ddpcheck.batches import check_plans
+
+    configured = target.configure(scenario)
+    if getattr(type(configured), "shard_batch", Target.shard_batch) is not Target.shard_batch:
+        check_plans(configured.shard_batch, scenario, world_size,
+                    f"{type(configured).__name__}.shard_batch")
 
 
 def check_target(target: Any) -> None:

@@ -17,7 +17,8 @@ Invariant: :func:`compare` returns one of three verdicts, never a mix --
    is a difference (same shape and dtype required; integer and bool tensors compare exactly);
 2. they match the reference within :func:`tolerance` for the dtype and world size, with the same
    gradients missing (``None``) as in the reference -- on every rank: rank 0 stands for the others
-   only when check 1 ran and found them bitwise identical to it;
+   only when check 1 ran and found them bitwise identical to it. First, at every step (even one 6
+   cannot judge), the ranks' batch plans weigh each sample as the reference (``sample_weights``);
 3. the optimizer state the ranks hold matches the reference's, every parameter with reference
    state has it on some rank, and -- for a target that shards optimizer state -- on exactly one;
 4. communication stays within budget: bytes all-reduced per step <= the gradient bytes (each
@@ -51,6 +52,7 @@ from ddpcheck._internal.validation import InvalidArgument
 from ddpcheck.budget import check_budget
 from ddpcheck.errors import Divergence
 from ddpcheck.reference import Reference, reference_run
+from ddpcheck.sample_weights import check_sample_weights
 from ddpcheck.scenario import Scenario
 
 __all__ = ["CHECKS", "NON_FINITE", "TOLERANCES", "Reference", "bitwise_equal", "cannot_judge",
@@ -142,6 +144,12 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
     if out:
         return out
     for step, ref in enumerate(reference.steps):
+        plans = [r.steps[step].batch_plan for r in records]
+        if against_ref and None not in plans:  # the objective first: it explains any number
+            wrong = check_sample_weights(step, world_size, plans, scenario.global_batch,
+                                         scenario.reduction)
+            if wrong:
+                return out + wrong
         if unjudgeable and unjudgeable[0].step == step:
             return unjudgeable  # nothing from here on can be judged
         tol = tolerance(reference.compute_dtype, world_size, step)

@@ -43,8 +43,9 @@ def reference_run(scenario: Scenario) -> Reference:
     steps = []
     grads: dict = {}
     train(scenario, model, optimizer, Loop(
-        batches=lambda step: [global_batch(scenario, step)],
-        scale=1.0 / scenario.global_batch if scenario.reduction == "mean" else 1.0,
+        batches=lambda step: [(*global_batch(scenario, step),
+                               1.0 / scenario.global_batch if scenario.reduction == "mean"
+                               else 1.0)],
         before_optimizer_step=lambda step: grads.__setitem__("now", gradients(model)),
         after_step=lambda step: steps.append(snapshot(model, names, optimizer.state,
                                                       grads=grads["now"]))))

@@ -12,6 +12,8 @@ rank may get none when B < W -- and each shard into ``accumulation`` micro-batch
 Every sample is used exactly once. A rank back-propagates ``sum of its samples' losses * W / B``
 (``* W`` only for ``reduction="sum"``), so that the *average* over ranks that data-parallel code
 computes weighs every sample exactly as the full-batch reference does, whatever the split.
+This rule is the default batch plan (``ddpcheck.batches.contiguous``); a target may own the split
+instead (``Target.shard_batch``), and the oracle then checks that its plan weighs samples so.
 """
 
 from __future__ import annotations

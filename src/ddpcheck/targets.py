@@ -7,9 +7,11 @@ of an importable module. The runner calls, per example and per rank::
     model = target.wrap(module)
     optimizer = target.make_optimizer(params, optimizer_cls, [model=model,] **kwargs)
     for each step:
+        plan = target.shard_batch(GlobalBatch(indices, step, rank, W, accumulation, reduction))
         target.before_step(model, optimizer)
-        for each micro-batch but the last:  with target.no_sync(model): forward/backward
-        last micro-batch:                   forward/backward
+        for each micro-batch of plan but the last:  with target.no_sync(model): forward/backward
+        last micro-batch:                           forward/backward
+        (each backward of sum(per-sample losses of its samples) * its scale in the plan)
         target.after_backward(model, optimizer)
         target.clip_grad_norm(model, optimizer, max_norm, norm_type)   # scenarios that clip
         (gradients recorded here)
@@ -20,6 +22,10 @@ and reads ``target.optimizer_state(optimizer)`` to check that optimizer state ma
 reference and -- when ``shards_optimizer_state`` is true -- that each parameter's state lives on
 exactly one rank. ``flattened_broadcasts`` opts into the broadcast budget (see ``oracle``).
 ``make_optimizer`` gets the wrapped model only if its signature names a ``model`` parameter.
+``shard_batch`` (``ddpcheck.batches``) is where a target that owns the data split -- its sampler,
+its loss normalisation -- says which samples this rank trains on and how each micro-batch's loss is
+scaled; it is also called in the checking process, before any world runs, so it must be a
+deterministic function of its argument. The default is the scenario's batch rule.
 
 Most implementations need no class at all: :meth:`Target.from_wrappers` assembles one from a
 wrapper class, the name of its finish method and a sharded optimizer class.
@@ -31,6 +37,8 @@ import contextlib
 import dataclasses
 from typing import Any, ContextManager, Mapping
 
+from ddpcheck._internal.validation import InvalidArgument
+from ddpcheck.batches import BatchPlan, GlobalBatch, contiguous
 from ddpcheck.features import FEATURES
 
 __all__ = ["LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP", "TORCH_ZERO", "BUILTIN",
@@ -80,6 +88,14 @@ class Target:
 
     def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
         return optimizer_cls(params, **kwargs)
+
+    def shard_batch(self, batch: GlobalBatch) -> BatchPlan:
+        """This rank's micro-batches of the step's global batch, and each one's loss scale.
+
+        Default: ``ddpcheck.batches.contiguous``, the scenario's batch rule. Override it (or pass
+        ``shard_batch=`` to :meth:`from_wrappers`) to run your own sampler and normalisation;
+        ``ddpcheck.batches.DistributedSamplerBatches`` runs torch's ``DistributedSampler``."""
+        return contiguous(batch)
 
     def before_step(self, model: Any, optimizer: Any) -> None:
         """Called at the start of every step, before its first forward (``on_train_batch_start``)."""
@@ -141,7 +157,8 @@ class Target:
                       optimizer: Any = None, optimizer_kwargs: dict | None = None,
                       inner_optimizer: str = "class", before_step: str | None = None,
                       after_step: str | None = None, supports: Any = None,
-                      shards_optimizer_state: bool | None = None) -> "WrapperTarget":
+                      shards_optimizer_state: bool | None = None,
+                      shard_batch: Any = None) -> "WrapperTarget":
         """A target for the common shapes of data-parallel code, with no class to write.
 
         ``ddp(module, **ddp_kwargs)`` wraps the model; ``finish`` names the wrapper's method to
@@ -154,11 +171,16 @@ class Target:
         ``"optimizer_class"`` for ZeroRedundancyOptimizer). ``before_step`` / ``after_step`` name
         wrapper methods a real loop calls there (e.g. ``after_step="reset"``). ``supports``: the
         features it supports (``ddpcheck.features``; None for all). ``shards_optimizer_state``
-        defaults to True when an ``optimizer`` wrapper is given.
+        defaults to True when an ``optimizer`` wrapper is given. ``shard_batch``: a callable
+        ``(ddpcheck.batches.GlobalBatch) -> BatchPlan`` that owns the data split (None: the
+        scenario's batch rule; see :meth:`Target.shard_batch`).
 
         Assign the result to a module-level name: ``MODULE:NAME`` is then its replay line and
         its command-line name.
         """
+        if shard_batch is not None and not callable(shard_batch):
+            raise InvalidArgument(f"Target.from_wrappers(shard_batch={shard_batch!r}) must be a "
+                                  "callable (GlobalBatch) -> BatchPlan, or None")
         return WrapperTarget(
             ddp=ddp, ddp_kwargs=dict(ddp_kwargs or {}), finish=finish, no_sync_method=no_sync,
             optimizer=optimizer, optimizer_kwargs=dict(optimizer_kwargs or {}),
@@ -166,7 +188,8 @@ class Target:
             after_step_method=after_step,
             supported_features=None if supports is None else frozenset(supports),
             shards_optimizer_state=(optimizer is not None if shards_optimizer_state is None
-                                    else shards_optimizer_state))
+                                    else shards_optimizer_state),
+            batch_sharding=shard_batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,9 +302,13 @@ class WrapperTarget(Target):
     after_step_method: str | None = None
     supported_features: frozenset[str] | None = None
     shards_optimizer_state: bool = False
+    batch_sharding: Any = None  # from_wrappers(shard_batch=...)
 
     def wrap(self, module: Any) -> Any:
         return module if self.ddp is None else self.ddp(module, **self.ddp_kwargs)
+
+    def shard_batch(self, batch: GlobalBatch) -> BatchPlan:
+        return contiguous(batch) if self.batch_sharding is None else self.batch_sharding(batch)
 
     def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
         if self.optimizer is None:

@@ -129,7 +129,7 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
     import torch.distributed as dist
 
     from ddpcheck._internal import recorder
-    from ddpcheck.api import check_target
+    from ddpcheck.api import check_batch_plans, check_target
     from ddpcheck.battery import BATTERY
     from ddpcheck.features import declines
 
@@ -155,6 +155,8 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
             for name, scenario in BATTERY:
                 if declines(target, scenario, world_size) is not None:
                     continue
+                # every rank, before any collective: a malformed plan must not hang rank 0
+                check_batch_plans(target, scenario, world_size)
                 gathered = _gather_to_zero(_run_recorded(target, scenario, sequence_path))
                 status = 0
                 if rank == 0:

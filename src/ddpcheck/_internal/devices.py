@@ -139,11 +139,12 @@ def this_rank() -> "torch.device":
 
 
 def to_rank_device(value: Any) -> Any:
-    """``value`` (a module, a tensor, or a list of ``(x, y)`` batches) on this rank's device;
-    itself, untouched, on the CPU (the hot path of every CPU example)."""
+    """``value`` (a module, a tensor, or a list of ``(x, y, scale)`` micro-batches: their tensors)
+    on this rank's device; itself, untouched, on the CPU (the hot path of every CPU example)."""
     device = _rank_device
     if device is None or device.type == "cpu":
         return value
     if isinstance(value, list):
-        return [tuple(t.to(device) for t in pair) for pair in value]
+        return [tuple(t.to(device) if hasattr(t, "to") else t for t in item)  # not the scale
+                for item in value]
     return value.to(device)

@@ -26,6 +26,8 @@ class StepRecord:
     buffers: dict[str, torch.Tensor]
     state: dict[str, dict[str, Any]]  # optimizer state held here, by parameter name
     collectives: list[Collective] = dataclasses.field(default_factory=list)
+    #: the rank's ``ddpcheck.batches.BatchPlan`` of the step (None in the reference)
+    batch_plan: Any = None
 
 
 @dataclasses.dataclass

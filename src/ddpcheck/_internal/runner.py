@@ -2,12 +2,14 @@
 
 Invariant: :func:`run_example` is deterministic given (target, scenario, rank, world size): every
 rank builds the same model (from a rank-dependent seed when ``scenario.rank_seeds``, so the
-target's broadcast from rank 0 is exercised), takes its own shard of each global batch (see
-``scenario``'s batch rule), trains through the one loop (``_internal.train``) and records after
-every step what the oracle compares -- gradients as ``optimizer.step()`` receives them (after
+target's broadcast from rank 0 is exercised), takes the micro-batches of each global batch that
+its target's ``shard_batch`` plans (``ddpcheck.batches``; by default ``scenario``'s batch rule),
+trains through the one loop (``_internal.train``) and records after every step what the oracle
+compares -- gradients as ``optimizer.step()`` receives them (after
 ``after_backward``; after the step instead for a target whose optimizer synchronises gradients
 itself, ``Target.gradients_synchronized_in_step``), parameters, buffers and the optimizer state this
-rank holds after the step, and every collective it issued through ``torch.distributed``.
+rank holds after the step, every collective it issued through ``torch.distributed``, and the
+step's batch plan (the oracle checks that the plans weigh every sample as the reference does).
 
 The target's hooks run where a real training loop runs them: ``before_step`` before the step's
 first forward, ``no_sync`` around every micro-batch but the last, ``after_backward`` after the last
@@ -26,8 +28,8 @@ from ddpcheck._internal import recorder
 from ddpcheck._internal.devices import to_rank_device
 from ddpcheck._internal.records import RankRecord, gradients, initial_state, snapshot
 from ddpcheck._internal.train import Loop, train
-from ddpcheck.scenario import (Scenario, build_model, local_micro_batches, loss_scale,
-                               make_param_groups)
+from ddpcheck.batches import BatchPlan, contiguous, global_indices, plan_for
+from ddpcheck.scenario import Scenario, build_model, global_batch, make_param_groups
 
 __all__ = ["make_optimizer", "rank_seed", "run_example", "run_example_packed", "target_loop"]
 
@@ -55,6 +57,7 @@ def run_example(target: Any, scenario: Scenario) -> RankRecord:
     steps = []
     in_step = getattr(target, "gradients_synchronized_in_step", False)
     grads: dict = {}
+    plans: dict[int, BatchPlan] = {}
 
     def start(step: int) -> None:
         recorder.reset()
@@ -62,19 +65,31 @@ def run_example(target: Any, scenario: Scenario) -> RankRecord:
     def record(step: int) -> None:
         steps.append(snapshot(module, names, target.optimizer_state(optimizer),
                               recorder.records(), grads=None if in_step else grads["now"]))
+        steps[-1].batch_plan = plans[step]
 
     train(scenario, model, optimizer, target_loop(
-        target, model, optimizer, scenario, rank, world_size, before_step=start,
+        target, model, optimizer, scenario, rank, world_size, plans=plans, before_step=start,
         before_optimizer_step=lambda step: grads.__setitem__("now", gradients(module)),
         after_step=record))
     return RankRecord(rank, initial, steps, time.perf_counter() - started)
 
 
 def target_loop(target: Any, model: Any, optimizer: Any, scenario: Scenario, rank: int,
-                world_size: int, **hooks: Any) -> Loop:
-    """The loop of one rank: its shard of every batch, the target's hooks where a real training
-    loop calls them (``hooks`` add to them: ``before_step`` runs before the target's own)."""
+                world_size: int, plans: dict | None = None, **hooks: Any) -> Loop:
+    """The loop of one rank: the micro-batches its target plans, the target's hooks where a real
+    training loop calls them (``hooks`` add to them: ``before_step`` runs before the target's
+    own); each step's plan is stored in ``plans`` when given."""
     first = hooks.pop("before_step", None)
+    who = f"{type(target).__name__}.shard_batch"
+    hook = getattr(target, "shard_batch", contiguous)  # a duck-typed target: the batch rule
+
+    def batches(step: int) -> list:
+        plan = plan_for(hook, global_indices(scenario, step, rank, world_size), who)
+        if plans is not None:
+            plans[step] = plan
+        x, y = global_batch(scenario, step)
+        return to_rank_device([(*_select(x, y, indices), scale)
+                               for indices, scale in zip(plan.micro_batches, plan.scales)])
 
     def before_step(step: int) -> None:
         if first is not None:
@@ -82,15 +97,25 @@ def target_loop(target: Any, model: Any, optimizer: Any, scenario: Scenario, ran
         target.before_step(model, optimizer)
 
     return Loop(
-        batches=lambda step: to_rank_device(local_micro_batches(scenario, step, rank,
-                                                                world_size)),
-        scale=loss_scale(scenario, world_size),
+        batches=batches,
         no_sync=lambda: target.no_sync(model),
         after_backward=lambda: target.after_backward(model, optimizer),
         clip_grad_norm=lambda max_norm, norm_type: target.clip_grad_norm(model, optimizer,
                                                                          max_norm, norm_type),
         before_step=before_step,
         end_step=lambda step: target.after_step(model, optimizer), **hooks)
+
+
+def _select(x: Any, y: Any, indices: tuple[int, ...]) -> tuple[Any, Any]:
+    """The samples ``indices`` of ``(x, y)``: a view for a contiguous run (what ``tensor_split``
+    gives, so the default plan computes bit for bit as before), else a gathered copy."""
+    import torch
+
+    start = indices[0] if indices else 0
+    if indices == tuple(range(start, start + len(indices))):
+        return x[start:start + len(indices)], y[start:start + len(indices)]
+    at = torch.tensor(indices, dtype=torch.long)
+    return x.index_select(0, at), y.index_select(0, at)
 
 
 def make_optimizer(target: Any, model: Any, params: list, scenario: Scenario) -> Any:

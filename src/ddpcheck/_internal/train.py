@@ -2,7 +2,7 @@
 
 Invariant: :func:`train` runs ``scenario.steps`` steps of the scenario's objective -- per step,
 the micro-batches ``loop.batches(step)`` (all but the last under ``loop.no_sync()``), each
-back-propagating its summed per-sample losses times ``loop.scale``; then
+``(x, y, scale)`` back-propagating its summed per-sample losses times its ``scale``; then
 ``loop.after_backward()``, when the scenario clips (``max_grad_norm``) the clipping of the now
 synchronised gradients, ``loop.before_optimizer_step(step)`` (gradients are final here),
 ``optimizer.step()``, the LR schedule, ``loop.after_step(step)`` (where callers snapshot),
@@ -34,8 +34,8 @@ def _nothing(*_: Any) -> None:
 class Loop:
     """What differs between the callers of :func:`train`; the defaults are a plain process."""
 
-    batches: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]  # step -> micro-batches
-    scale: float  # multiplier of each micro-batch's summed per-sample losses
+    #: step -> micro-batches ``(x, y, scale)``: scale multiplies the summed per-sample losses
+    batches: Callable[[int], list[tuple[torch.Tensor, torch.Tensor, float]]]
     no_sync: Callable[[], ContextManager[Any]] = contextlib.nullcontext  # all but the last
     after_backward: Callable[[], None] = _nothing
     #: ``(max_norm, norm_type) ->`` clip the synchronised gradients; only called when the
@@ -57,11 +57,11 @@ def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop) -> None:
     for step in range(scenario.steps):
         micro_batches = loop.batches(step)
         loop.before_step(step)
-        for i, (x, y) in enumerate(micro_batches):
+        for i, (x, y, scale) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else loop.no_sync():
                 t0 = clock()
-                loss = per_sample_loss(model(x), y).sum() * loop.scale
+                loss = per_sample_loss(model(x), y).sum() * scale
                 t1 = clock()
                 loss.backward()
                 t2 = clock()

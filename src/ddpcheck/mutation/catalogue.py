@@ -4,15 +4,14 @@ Invariant: every entry of :data:`CATALOGUE` is :class:`~ddpcheck.targets.Paralle
 where noted, :class:`~ddpcheck.targets.ParallelDDPTarget`, or ``ShardedOptimizer`` with no DDP
 in front) whose ``parallel.DDP`` or ``parallel.ShardedOptimizer`` is replaced by a subclass
 overriding one method (rarely two, always named in the docstring; ``broken_ddp``,
-``broken_optimizer``) with a copy that carries one bug of a class in ``docs/bug-catalogue.md``.
+``broken_optimizer``) with a copy that carries one bug of a class in ``docs/bug-catalogue.md`` --
+or whose batch plan (``Target.shard_batch``) is a hook of ``broken_batches`` carrying one bug of
+the training loop's data split or loss normalisation (A3, F1-F3).
 Each docstring says what the bug is and which real report it mirrors. ``ddpcheck mutants``
 (and ``tests/test_mutants.py``) hold the harness to killing all of them.
 
 Classes of the catalogue without a mutant here, and why:
 
-* A3 (mean of per-rank means), F1-F3 (samplers, padding, uneven batch counts): loss
-  normalisation and data sharding belong to the training loop -- ddpcheck's runner owns them --
-  not to ``parallel.DDP`` / ``ShardedOptimizer``, which never see the batch.
 * B5 (a hook firing twice) and "no already-marked guard": the guard only matters where the
   unmutated ``DDP`` *raises* (a second synchronised backward, reentrant checkpointing); within
   what the target supports the mutant is equivalent. Killing it needs "misuse must raise"
@@ -43,6 +42,7 @@ import dataclasses
 from typing import Any
 
 from parallel import DDP, ShardedOptimizer
+from ddpcheck.mutation import broken_batches as S
 from ddpcheck.mutation import broken_ddp as D
 from ddpcheck.mutation import broken_optimizer as O
 from ddpcheck.targets import ParallelDDPTarget, ParallelTarget
@@ -119,14 +119,27 @@ class _SeededOptimizerOnly(_Seeded):
         return contextlib.nullcontext()  # gradients accumulate locally until the optimizer's
 
 
+@dataclasses.dataclass(frozen=True)
+class _SeededBatches(_Seeded):
+    """The unmutated ``parallel`` target with ``batches_class()`` as its batch plan."""
+
+    batches_class = None  # a class of broken_batches (set by _target)
+
+    def shard_batch(self, batch: Any) -> Any:
+        return self.batches_class()(batch)
+
+
 # =============================================================================================
 # The targets, and the catalogue
 
 def _target(name: str, *, ddp: type = DDP, optimizer: type = ShardedOptimizer,
-            ddp_only: bool = False, optimizer_only: bool = False) -> type:
+            ddp_only: bool = False, optimizer_only: bool = False,
+            batches: type | None = None) -> type:
     base = (_SeededDDPOnly if ddp_only else _SeededOptimizerOnly if optimizer_only
-            else _Seeded)
+            else _Seeded if batches is None else _SeededBatches)
     attrs = {"__module__": __name__, "__qualname__": name}
+    if batches is not None:
+        attrs["batches_class"] = batches
     if not optimizer_only:
         attrs["ddp_class"] = ddp
     if not ddp_only:
@@ -146,6 +159,8 @@ _ENTRIES: list[tuple[str, str, str, dict]] = [
      {"optimizer": O.LocalShardNormOptimizer}),
     ("NormCountsReplicas", "A4", "every rank adds every replicated gradient: norm sqrt(W) too large",
      {"optimizer": O.NormCountsReplicasOptimizer}),
+    ("MeanOfRankMeans", "A3", "each rank's loss is its own mean: uneven shards weigh samples unequally",
+     {"batches": S.MeanOfRankMeans}),
     ("ClipsBeforeAveraging", "A4", "clipped by the norm of rank-local gradients, then averaged",
      {"optimizer": O.ClipsBeforeAveragingOptimizer, "optimizer_only": True}),
     ("NoFinalFlush", "B1", "finish_gradient_sync never flushes incomplete buckets",
@@ -199,6 +214,14 @@ _ENTRIES: list[tuple[str, str, str, dict]] = [
      {"optimizer": O.NeverBroadcastsOptimizer}),
     ("PerParameterBroadcast", "E6", "one broadcast per param instead of per (owner, dtype)",
      {"optimizer": O.PerParameterBroadcastOptimizer}),
+    ("SamplerSeededPerRank", "F1", "samples shuffled with a per-rank seed: overlaps and gaps",
+     {"batches": S.SamplerSeededPerRank}),
+    ("FlooredShards", "F2", "every rank takes B // W samples: the remainder is never trained on",
+     {"batches": S.FlooredShards}),
+    ("PaddingSampler", "F2", "DistributedSampler(drop_last=False) pads uneven batches with repeats",
+     {"batches": S.PaddingSampler}),
+    ("SkipsEmptyShard", "F3", "a rank with no samples (B < W) skips forward and backward",
+     {"batches": S.SkipsEmptyShard}),
     ("ReducesParameter", "H1", "post-accumulate hook reduces the parameter it gets, not its grad",
      {"ddp": D.ReducesParameterDDP}),
     ("AddsIntoAliasedBuffer", "H2",

@@ -1,0 +1,84 @@
+"""Batch plans with one seeded bug each: the data split and loss normalisation of training loops.
+
+Each class is a ``Target.shard_batch`` hook (``ddpcheck.batches``): the default plan
+(``ddpcheck.batches.contiguous``: contiguous shards, every scale ``W / B``) with one change, the
+one its docstring names, drawn from docs/bug-catalogue.md (A3, F1, F2, F3). The catalogue puts each in
+front of the unmutated ``parallel`` target, so the bug is in the loop, not in DDP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ddpcheck.batches import BatchPlan, DistributedSamplerBatches, GlobalBatch, split
+
+__all__ = ["FlooredShards", "MeanOfRankMeans", "PaddingSampler", "SamplerSeededPerRank",
+           "SkipsEmptyShard"]
+
+
+def _scale(batch: GlobalBatch) -> float:
+    return batch.world_size / batch.size if batch.reduction == "mean" else batch.world_size
+
+
+@dataclasses.dataclass(frozen=True)
+class FlooredShards:
+    """F2: every rank takes ``B // W`` samples (``per_rank = len(dataset) // world_size``, as in
+    modelscope/ms-swift #9907): the last ``B % W`` samples are never used."""
+
+    def __call__(self, batch: GlobalBatch) -> BatchPlan:
+        per_rank = batch.size // batch.world_size  # BUG: floors away the remainder
+        shard = batch.indices[batch.rank * per_rank:(batch.rank + 1) * per_rank]
+        return BatchPlan.uniform(split(shard, batch.accumulation), _scale(batch))
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddingSampler(DistributedSamplerBatches):
+    """F2: shards with torch's ``DistributedSampler(drop_last=False)``, normalised right
+    (``W / B``): on a batch not divisible by W the sampler pads by repeating samples
+    (pytorch/pytorch #25162), which are then trained on twice."""
+
+    normalize: str = "global"  # BUG: the sampler pads; the scale is right for unpadded shards
+
+
+@dataclasses.dataclass(frozen=True)
+class MeanOfRankMeans:
+    """A3: each rank normalises by its own sample count (``loss.mean()`` over its shard, split
+    over micro-batches), and DDP averages those means: on uneven shards a sample's weight is
+    ``1 / (W * its shard's size)``, not ``1 / B`` (vllm-project/speculators #942)."""
+
+    def __call__(self, batch: GlobalBatch) -> BatchPlan:
+        shard = split(batch.indices, batch.world_size)[batch.rank]
+        if batch.reduction == "mean":  # BUG: the local mean, not the global one
+            scale = 1.0 / len(shard) if shard else 0.0
+        else:
+            scale = float(batch.world_size)
+        return BatchPlan.uniform(split(shard, batch.accumulation), scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSeededPerRank:
+    """F1: the samples are shuffled before sharding, but with a seed that differs per rank
+    (``seed + rank``; Lightning-AI/pytorch-lightning #17713): ranks cut different permutations,
+    so some samples are trained on twice and others never."""
+
+    def __call__(self, batch: GlobalBatch) -> BatchPlan:
+        import torch
+
+        generator = torch.Generator().manual_seed(1000 * batch.step + batch.rank)  # BUG: + rank
+        order = tuple(batch.indices[int(i)] for i in torch.randperm(batch.size,
+                                                                    generator=generator))
+        shard = split(order, batch.world_size)[batch.rank]
+        return BatchPlan.uniform(split(shard, batch.accumulation), _scale(batch))
+
+
+@dataclasses.dataclass(frozen=True)
+class SkipsEmptyShard:
+    """F3: a rank whose shard is empty (B < W) runs no micro-batch at all, as a loop whose loader
+    ran dry skips the step's forward and backward while the other ranks synchronise
+    (pytorch/pytorch #38174: torch DDP hangs; ``parallel.DDP`` raises in its finish)."""
+
+    def __call__(self, batch: GlobalBatch) -> BatchPlan:
+        shard = split(batch.indices, batch.world_size)[batch.rank]
+        if not shard:  # BUG: no micro-batch, rather than an empty one that still synchronises
+            return BatchPlan((), ())
+        return BatchPlan.uniform(split(shard, batch.accumulation), _scale(batch))
