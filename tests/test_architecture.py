@@ -25,7 +25,7 @@ LAYERS = [
                "ddpcheck._internal.world", "ddpcheck._internal.recorder",
                "ddpcheck._internal.sequences", "ddpcheck._internal.transport"]),
     ("scenarios and targets", ["ddpcheck.scenario", "ddpcheck.models", "ddpcheck.zoo",
-                               "ddpcheck.features", "ddpcheck.targets",
+                               "ddpcheck.features", "ddpcheck.targets", "ddpcheck.fsdp_setup",
                                "ddpcheck._internal.messages"]),
     ("runner", ["ddpcheck._internal.records", "ddpcheck._internal.train",
                 "ddpcheck._internal.runner"]),

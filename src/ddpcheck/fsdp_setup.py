@@ -1,0 +1,104 @@
+"""How the ``torch_fsdp`` target (``ddpcheck.targets.TorchFSDPTarget``) sets up torch's FSDP2.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) shards every parameter as a DTensor (``Shard(0)``
+over the world), all-gathers it for forward and backward, reduce-scatters gradients (averaged),
+and the plain optimizer steps the local shards. Apart from ``ddpcheck.targets`` to keep that
+module short, and so that the FSDP mutants (``ddpcheck.mutation.broken_fsdp``) reuse the steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+__all__ = ["broadcast_from", "gradient_sync_off", "shard_leaves"]
+
+
+def broadcast_from(module: Any, src: int) -> None:
+    """Copy rank ``src``'s parameters and buffers to every rank (FSDP2 does not broadcast; the
+    scenarios initialise ranks differently on purpose). Collective: every rank calls it."""
+    import torch
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            buffer = tensor.detach().contiguous()
+            dist.broadcast(buffer, src=src)
+            tensor.copy_(buffer)
+
+
+def shard_leaves(module: Any, reshard_after_forward: bool) -> Any:
+    """``fully_shard`` every module holding parameters of its own, then the root (which takes
+    whatever parameters are left): one FSDP2 parameter group per layer, as real models do.
+    Modules sharing a parameter (tied weights) are sharded together, as FSDP2 requires."""
+    from torch.distributed.fsdp import fully_shard
+
+    groups: list[list[Any]] = []  # modules that must share one fully_shard call
+    owner: dict[int, list[Any]] = {}  # id(parameter) -> its group
+    for child in list(module.modules())[1:]:
+        own = list(child.parameters(recurse=False))
+        if not own:
+            continue
+        joined = [g for g in {id(owner[id(p)]): owner[id(p)] for p in own
+                              if id(p) in owner}.values()]
+        group = [m for g in joined for m in g] + [child]
+        groups = [g for g in groups if all(g is not j for j in joined)] + [group]
+        for m in group:
+            for p in m.parameters(recurse=False):
+                owner[id(p)] = group
+    for group in groups:
+        fully_shard(group if len(group) > 1 else group[0],
+                    reshard_after_forward=reshard_after_forward)
+    return fully_shard(module, reshard_after_forward=reshard_after_forward)
+
+
+@contextlib.contextmanager
+def gradient_sync_off(model: Any) -> Iterator[None]:
+    """FSDP2's accumulation: no reduce-scatter for these micro-batches (the unsharded gradients
+    accumulate locally), and back on for the last one, which reduces the sum."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+
+def layers_skipped_unevenly(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> str | None:
+    """Why FSDP2 cannot run ``scenario``: a layer whose forward runs in some rank's micro-batch
+    but not in another's at the same point (data-dependent branches). FSDP2 all-gathers a
+    layer's parameters in its forward pre-hook, so the ranks' collectives would not pair. Read
+    from the initial weights, as ``ddpcheck.features`` reads parameter usage; None when every
+    micro-batch calls the same layers on every rank at these world sizes."""
+    import torch
+
+    from ddpcheck.scenario import build_model, local_micro_batches
+
+    model = build_model(scenario, scenario.seed)
+    called: list[str] = []
+    hooks = [m.register_forward_pre_hook(lambda m, _, name=name: called.append(name))
+             for name, m in model.named_modules() if any(True for _ in m.parameters(False))]
+    try:
+        with torch.no_grad():
+            for world_size in world_sizes:
+                for step in range(scenario.steps):
+                    seen = []
+                    for rank in range(world_size):
+                        uses = []
+                        for x, _ in local_micro_batches(scenario, step, rank, world_size):
+                            called.clear()
+                            model(x)
+                            uses.append(frozenset(called))
+                        seen.append(uses)
+                    for rank, uses in enumerate(seen[1:], 1):
+                        for i, (here, there) in enumerate(zip(seen[0], uses)):
+                            if here != there:
+                                layer = sorted(here ^ there)[0]
+                                return (f"layer {layer!r} runs in micro-batch {i} of step {step} "
+                                        f"on one of ranks 0 and {rank} only (W={world_size}); "
+                                        "FSDP2 all-gathers a layer's parameters in its forward, "
+                                        "so the ranks' collectives would not pair")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return None
