@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-__all__ = ["broadcast_from", "gradient_sync_off", "shard_leaves"]
+__all__ = ["broadcast_from", "fsdp_cannot_run", "gradient_sync_off", "shard_leaves"]
 
 
 def broadcast_from(module: Any, src: int) -> None:
@@ -64,20 +64,51 @@ def gradient_sync_off(model: Any) -> Iterator[None]:
 
 
 
-def layers_skipped_unevenly(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> str | None:
-    """Why FSDP2 cannot run ``scenario``: a layer whose forward runs in some rank's micro-batch
-    but not in another's at the same point (data-dependent branches). FSDP2 all-gathers a
-    layer's parameters in its forward pre-hook, so the ranks' collectives would not pair. Read
-    from the initial weights, as ``ddpcheck.features`` reads parameter usage; None when every
-    micro-batch calls the same layers on every rank at these world sizes."""
+def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> str | None:
+    """Why FSDP2 cannot run ``scenario``, read from forwards of every rank's micro-batches on
+    the initial weights (as ``ddpcheck.features`` reads parameter usage); None when it can:
+
+    * a layer whose forward runs in some rank's micro-batch but not in another's at the same
+      point (data-dependent branches): FSDP2 all-gathers a layer's parameters in its forward
+      pre-hook, so the ranks' collectives would not pair;
+    * a parameter used outside its own layer's forward (a head tied to an embedding's weight
+      by reading ``embedding.weight`` in the parent): FSDP2 holds it unsharded only there.
+    """
     import torch
+    from torch.overrides import TorchFunctionMode
 
     from ddpcheck.scenario import build_model, local_micro_batches
 
     model = build_model(scenario, scenario.seed)
+    owners: dict[int, list[Any]] = {}  # id(parameter) -> the modules holding it (tied: several)
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(m)
+    names = {id(p): n for n, p in model.named_parameters()}
+    active: list[Any] = []  # the layers whose forward is running
     called: list[str] = []
-    hooks = [m.register_forward_pre_hook(lambda m, _, name=name: called.append(name))
-             for name, m in model.named_modules() if any(True for _ in m.parameters(False))]
+    outside: list[str] = []
+
+    class Uses(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            for value in [*args, *(kwargs or {}).values()]:
+                holders = owners.get(id(value))
+                if holders is not None and not any(h is m for h in holders for m in active):
+                    outside.append(names[id(value)])
+            return func(*args, **(kwargs or {}))
+
+    def enter(module: Any, _: Any, name: str) -> None:
+        called.append(name)
+        active.append(module)
+
+    def leave(*_: Any) -> None:
+        active.pop()
+
+    hooks = []
+    for name, m in model.named_modules():
+        if any(True for _ in m.parameters(False)):
+            hooks.append(m.register_forward_pre_hook(lambda m, a, name=name: enter(m, a, name)))
+            hooks.append(m.register_forward_hook(leave))
     try:
         with torch.no_grad():
             for world_size in world_sizes:
@@ -87,7 +118,12 @@ def layers_skipped_unevenly(scenario: Any, world_sizes: tuple[int, ...] = (2, 3,
                         uses = []
                         for x, _ in local_micro_batches(scenario, step, rank, world_size):
                             called.clear()
-                            model(x)
+                            with Uses():
+                                model(x)
+                            if outside:
+                                return (f"parameter {outside[0]!r} is used outside its layer's "
+                                        "forward (a weight tied by reading it in another "
+                                        "module); FSDP2 holds it whole only inside that forward")
                             uses.append(frozenset(called))
                         seen.append(uses)
                     for rank, uses in enumerate(seen[1:], 1):

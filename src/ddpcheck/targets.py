@@ -319,9 +319,9 @@ class TorchFSDPTarget(Target):
         return dataclasses.replace(self, reshard_after_forward=bool(scenario.seed % 2))
 
     def supports(self, scenario: Any) -> str | None:
-        from ddpcheck.fsdp_setup import layers_skipped_unevenly
+        from ddpcheck.fsdp_setup import fsdp_cannot_run
 
-        return layers_skipped_unevenly(scenario)
+        return fsdp_cannot_run(scenario)
 
     def wrap(self, module: Any) -> Any:
         from ddpcheck.fsdp_setup import broadcast_from, shard_leaves
