@@ -9,6 +9,7 @@ module short, and so that the FSDP mutants (``ddpcheck.mutation.broken_fsdp``) r
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterator
 
 __all__ = ["broadcast_from", "fsdp_cannot_run", "gradient_sync_off", "shard_leaves"]
@@ -71,6 +72,8 @@ def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> 
     * a layer whose forward runs in some rank's micro-batch but not in another's at the same
       point (data-dependent branches): FSDP2 all-gathers a layer's parameters in its forward
       pre-hook, so the ranks' collectives would not pair;
+    * infinity-norm clipping where some rank holds an empty shard (fewer rows than W), on
+      which torch 2.13's ``clip_grad_norm_`` raises;
     * a parameter used outside its own layer's forward (a head tied to an embedding's weight
       by reading ``embedding.weight`` in the parent): FSDP2 holds it unsharded only there.
     """
@@ -80,6 +83,13 @@ def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> 
     from ddpcheck.scenario import build_model, local_micro_batches
 
     model = build_model(scenario, scenario.seed)
+    if scenario.max_grad_norm is not None and math.isinf(scenario.grad_norm_type):
+        for name, p in model.named_parameters():
+            if p.requires_grad and (p.dim() == 0 or p.shape[0] < max(world_sizes)):
+                return (f"parameter {name!r} has {p.shape[0] if p.dim() else 0} rows, so some "
+                        f"rank holds an empty shard of it at W={max(world_sizes)}, and torch "
+                        "2.13's clip_grad_norm_ with norm_type=inf raises on an empty DTensor "
+                        "shard (_foreach_norm: the infinity norm has no identity)")
     owners: dict[int, list[Any]] = {}  # id(parameter) -> the modules holding it (tied: several)
     for m in model.modules():
         for p in m.parameters(recurse=False):
