@@ -51,6 +51,27 @@ def test_a_local_shard_that_is_not_its_slice_is_reported_by_rank_parameter_and_s
     assert "rank 1's local shard is not slice [4:8] along dim 0 of (8, " in text, text
 
 
+@dataclasses.dataclass(frozen=True)
+class GathersWithAllReduce(TorchFSDPTarget):
+    """Gathers as FSDP2 does, then also all-reduces a copy through torch.distributed (as a
+    hand-written ZeRO-3 gather would issue visible collectives): the harness's gathers must not
+    count against the step's communication budget."""
+
+    def full_tensor(self, tensor):
+        import torch.distributed as dist
+
+        whole = super().full_tensor(tensor)
+        if whole.is_floating_point():  # twice: the gradient gathers alone then cost 2x budget
+            dist.all_reduce(whole.clone())
+            dist.all_reduce(whole.clone())
+        return whole
+
+
+def test_the_harness_gathers_are_not_counted_as_the_targets_communication():
+    scenario = ddpcheck.Scenario(model=zoo.MLP, steps=1)
+    ddpcheck.check_example(GathersWithAllReduce(), scenario, 2)  # over budget if counted
+
+
 def _record(rank, whole, local, dim=0):
     step = StepRecord({}, {"w": whole}, {}, {}, [], {"w": (dim, local)})
     return RankRecord(rank, {}, [step], 0.0)
