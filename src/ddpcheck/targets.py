@@ -19,6 +19,9 @@ of an importable module. The runner calls, per example and per rank::
 and reads ``target.optimizer_state(optimizer)`` to check that optimizer state matches the
 reference and -- when ``shards_optimizer_state`` is true -- that each parameter's state lives on
 exactly one rank. ``flattened_broadcasts`` opts into the broadcast budget (see ``oracle``).
+Parameters, gradients and optimizer state a rank holds only a shard of (FSDP2's DTensors, your
+own ZeRO-3) are read whole through ``target.full_tensor`` and their shards through
+``target.local_shard`` (both DTensor-aware by default).
 ``make_optimizer`` gets the wrapped model only if its signature names a ``model`` parameter.
 
 Most implementations need no class at all: :meth:`Target.from_wrappers` assembles one from a
