@@ -4,6 +4,16 @@ FSDP2 (``torch.distributed.fsdp.fully_shard``) shards every parameter as a DTens
 over the world), all-gathers it for forward and backward, reduce-scatters gradients (averaged),
 and the plain optimizer steps the local shards. Apart from ``ddpcheck.targets`` to keep that
 module short, and so that the FSDP mutants (``ddpcheck.mutation.broken_fsdp``) reuse the steps.
+
+What FSDP2 cannot run, each found by trying the battery and random scenarios (torch 2.13, gloo,
+CPU): non-contiguous parameters (``fully_shard`` raises), and a parameter used on some ranks only
+(FSDP2 all-gathers a layer's parameters in its forward and reduce-scatters the gradients it got,
+so a layer some ranks skip leaves the collectives unpaired) -- both declined as features by
+``TorchFSDPTarget.supported_features`` -- and, declined per scenario by :func:`fsdp_cannot_run`,
+a layer skipped by some ranks' micro-batches only, a parameter used outside its own layer's
+forward, and infinity-norm clipping with an empty shard. Tied weights, mixed dtypes (per
+layer), frozen and globally unused parameters work: modules sharing a parameter are sharded
+together (:func:`shard_leaves`).
 """
 
 from __future__ import annotations

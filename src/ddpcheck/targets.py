@@ -302,18 +302,12 @@ class TorchFSDPTarget(Target):
     ``reshard_after_forward``: FSDP2's option of that name; None (the default) takes it from the
     scenario's seed -- True for odd seeds, False for even ones -- so random examples exercise
     both the re-gather in backward and the unsharded parameters kept from forward to backward.
-    Optimizer state is every rank's own shard: gathered, every rank holds all of it, so it is
-    not ``shards_optimizer_state`` in the ZeRO-1 sense (each parameter's state on one rank).
+    Optimizer state, gathered, is held whole by every rank (not ``shards_optimizer_state``).
     """
 
     reshard_after_forward: bool | None = None
 
-    # Declined, each found by running the battery and random scenarios (torch 2.13, gloo, CPU):
-    # * non-contiguous: fully_shard raises "FSDP does not support non-contiguous parameters";
-    # * unused-on-some-ranks: FSDP2 all-gathers a layer's parameters in its forward and
-    #   reduce-scatters the gradients it got, so a layer some ranks skip leaves the ranks'
-    #   collectives unpaired; supports() also declines a layer skipped by some micro-batches.
-    # Tied weights work: modules sharing a parameter are sharded together (fsdp_setup).
+    # Declined, and what supports() declines besides: see ddpcheck.fsdp_setup (found by trying).
     supported_features = frozenset(FEATURES) - {"non-contiguous", "unused-on-some-ranks"}
 
     def configure(self, scenario: Any) -> "Target":
