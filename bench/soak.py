@@ -8,6 +8,7 @@ the oracle or a real bug in a target; either way it must be looked at.
 
     python bench/soak.py                     # 10,000 examples
     python bench/soak.py --examples 900 --max-seconds 600
+    python bench/soak.py --targets torch_fsdp --examples 1000   # FSDP2 (not in the default set)
 
 Each scenario is checked by every target at every world size (9 examples), sharing one reference.
 """
@@ -41,7 +42,8 @@ OPTIMIZERS = [
     (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
 ]
 TARGETS = {"parallel": targets.PARALLEL, "torch_ddp": targets.TORCH_DDP,
-           "torch_zero": targets.TORCH_ZERO}
+           "torch_zero": targets.TORCH_ZERO, "torch_fsdp": targets.TORCH_FSDP}
+DEFAULT_TARGETS = "parallel,torch_ddp,torch_zero"  # torch_fsdp on request: --targets torch_fsdp
 
 
 def scenario(index: int, seed: int) -> Scenario:
@@ -62,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=10_000, help="examples to run")
     parser.add_argument("--world-sizes", default="2,3,4", help="comma-separated (default 2,3,4)")
-    parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated names")
+    parser.add_argument("--targets", default=DEFAULT_TARGETS,
+                        help=f"comma-separated names among {', '.join(TARGETS)} "
+                             f"(default {DEFAULT_TARGETS})")
     parser.add_argument("--seed", type=int, default=0, help="scenario stream seed")
     parser.add_argument("--deadline", type=float, default=120.0, help="seconds per example")
     parser.add_argument("--max-seconds", type=float, default=None,

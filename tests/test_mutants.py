@@ -13,13 +13,13 @@ import pytest
 
 from ddpcheck.mutation import catalogue as mutants
 from ddpcheck.cli import main
-from ddpcheck.targets import ParallelDDPTarget
+from ddpcheck.targets import ParallelDDPTarget, TorchFSDPTarget
 
 #: Seconds per mutant in CI: a ceiling, not the expected cost -- every kill takes at most 8
 #: examples, under a second in warm worlds on an idle machine, but a 2-core machine shared with
 #: other test runs slows examples down by 10-50x, and a mutant out of budget counts as surviving.
 CI_BUDGET = 30.0
-_CATALOGUE_CLASSES = re.compile(r"^[A-H][0-9]{1,2}$")
+_CATALOGUE_CLASSES = re.compile(r"^[A-I][0-9]{1,2}$")
 
 
 def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
@@ -29,9 +29,14 @@ def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
     for m in mutants.CATALOGUE:
         assert _CATALOGUE_CLASSES.match(m.bug_class), m
         assert m.description and "\n" not in m.description
+        assert pickle.loads(pickle.dumps(m.target)) == m.target
+        if isinstance(m.target, TorchFSDPTarget):  # family I: the class itself is the bug
+            assert m.bug_class.startswith("I"), m
+            assert type(m.target).__module__ == "ddpcheck.mutation.broken_fsdp"
+            assert type(m.target).__doc__ and type(m.target) is not TorchFSDPTarget
+            continue
         assert isinstance(m.target, ParallelDDPTarget)
         assert type(m.target).__module__ == "ddpcheck.mutation.catalogue"
-        assert pickle.loads(pickle.dumps(m.target)) == m.target
         broken = [type(m.target).ddp_class, getattr(type(m.target), "optimizer_class", None),
                   getattr(type(m.target), "batches_class", None)]
         assert any(cls is not None and cls.__module__.startswith("ddpcheck.mutation.broken_")
@@ -59,9 +64,10 @@ def test_every_mutant_is_killed_and_the_unmutated_target_passes(capsys):
     assert "unmutated target passes" in out, out
     assert status == 0, out
     rows = [line for line in out.splitlines() if line.startswith("| ")][1:]
-    assert len(rows) == n + 1
+    assert len(rows) == n + 2  # a control per family: parallel's, and FSDP2's for family I
     assert "| (unmutated)" in rows[0] and "| passes " in rows[0]
-    assert all("| killed " in row for row in rows[1:]), out
+    assert "| (unmutated TorchFSDPTarget)" in rows[1] and "| passes " in rows[1]
+    assert all("| killed " in row for row in rows[2:]), out
     # the batch-plan mutants are named by their cause, before any number differs
     for name in ("MeanOfRankMeans", "SamplerSeededPerRank", "FlooredShards", "PaddingSampler"):
         # (SkipsEmptyShard is a rank failure: the other ranks synchronise without it)

@@ -15,6 +15,8 @@ Invariant: :func:`compare` returns one of three verdicts, never a mix --
    are exact after an all-reduce or a broadcast from an owner -- no tolerance). Bitwise means the
    raw bits: identical NaNs are identical, while a NaN with another payload, or -0.0 against 0.0,
    is a difference (same shape and dtype required; integer and bool tensors compare exactly);
+   sharded tensors are compared gathered, and each rank's local shard must be its slice of the
+   gathered parameter (``ddpcheck.shards``);
 2. they match the reference within :func:`tolerance` for the dtype and world size, with the same
    gradients missing (``None``) as in the reference -- on every rank: rank 0 stands for the others
    only when check 1 ran and found them bitwise identical to it. First, at every step (even one 6
@@ -54,6 +56,7 @@ from ddpcheck.errors import Divergence
 from ddpcheck.reference import Reference, reference_run
 from ddpcheck.sample_weights import check_sample_weights
 from ddpcheck.scenario import Scenario
+from ddpcheck.shards import compare_shards
 
 __all__ = ["CHECKS", "NON_FINITE", "TOLERANCES", "Reference", "bitwise_equal", "cannot_judge",
            "compare", "reference_run", "scaled_atol", "tolerance", "validate_checks"]
@@ -159,6 +162,8 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
             found += _compare_maps(step, world_size, records,
                                    lambda r, f=field: getattr(r.steps[step], f),
                                    getattr(ref, field), kind, tol, replicas, against_ref)
+        if replicas:
+            found += compare_shards(step, world_size, records)
         if "state" in checks:
             found += _compare_state(step, world_size, records, ref, tol,
                                     getattr(target, "shards_optimizer_state", False))

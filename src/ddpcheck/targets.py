@@ -21,6 +21,9 @@ of an importable module. The runner calls, per example and per rank::
 and reads ``target.optimizer_state(optimizer)`` to check that optimizer state matches the
 reference and -- when ``shards_optimizer_state`` is true -- that each parameter's state lives on
 exactly one rank. ``flattened_broadcasts`` opts into the broadcast budget (see ``oracle``).
+Parameters, gradients and optimizer state a rank holds only a shard of (FSDP2's DTensors, your
+own ZeRO-3) are read whole through ``target.full_tensor`` and their shards through
+``target.local_shard`` (both DTensor-aware by default).
 ``make_optimizer`` gets the wrapped model only if its signature names a ``model`` parameter.
 ``shard_batch`` (``ddpcheck.batches``) is where a target that owns the data split -- its sampler,
 its loss normalisation -- says which samples this rank trains on and how each micro-batch's loss is
@@ -41,9 +44,9 @@ from ddpcheck._internal.validation import InvalidArgument
 from ddpcheck.batches import BatchPlan, GlobalBatch, contiguous
 from ddpcheck.features import FEATURES
 
-__all__ = ["LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP", "TORCH_ZERO", "BUILTIN",
+__all__ = ["LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP", "TORCH_FSDP", "TORCH_ZERO", "BUILTIN",
            "LocalTarget", "ParallelDDPTarget", "ParallelTarget", "Target", "TorchDDPTarget",
-           "TorchZeroTarget", "WrapperTarget"]
+           "TorchFSDPTarget", "TorchZeroTarget", "WrapperTarget"]
 
 #: Instance attribute holding ``(args, kwargs)`` of the call that built a target.
 CONSTRUCTOR_CALL = "_ddpcheck_call"
@@ -128,6 +131,35 @@ class Target:
     def no_sync(self, model: Any) -> ContextManager[Any]:
         """Context for accumulation micro-batches whose gradients stay local."""
         return contextlib.nullcontext()
+
+    def full_tensor(self, tensor: Any) -> Any:
+        """The whole of a parameter, gradient or optimizer-state tensor this rank may hold only
+        a shard of. Collective: every rank calls it for the same tensors in the same order, and
+        the harness's own calls are not counted against the step's communication.
+
+        Default: ``tensor.full_tensor()`` for a DTensor (FSDP2), else ``tensor``. Override it
+        for your own ZeRO-3 style sharding (all-gather the shards, return the whole tensor)."""
+        full = getattr(tensor, "full_tensor", None)
+        return full() if callable(full) else tensor
+
+    def local_shard(self, tensor: Any) -> tuple[int | None, Any] | None:
+        """``(dim, local tensor)`` of a parameter sharded over the world: the rank holds chunk
+        ``rank`` of ``torch.chunk(full, W, dim)`` (FSDP2's ``Shard(dim)``; dim None: a replicated
+        copy of the whole); None when the parameter is not sharded this way. The harness checks
+        the local tensor against that slice of :meth:`full_tensor` (``ddpcheck.shards``).
+
+        Default: a DTensor on a one-dimensional mesh with a ``Shard(dim)`` or ``Replicate``
+        placement; anything else is not checked."""
+        placements = getattr(tensor, "placements", None)
+        if placements is None or len(placements) != 1 or not callable(
+                getattr(tensor, "to_local", None)):
+            return None
+        (placement,) = placements
+        if placement.is_replicate():
+            return None, tensor.to_local()
+        if placement.is_shard():
+            return placement.dim, tensor.to_local()
+        return None  # Partial, or a placement this check does not know
 
     def optimizer_state(self, optimizer: Any) -> Mapping[Any, dict]:
         """The optimizer state this rank holds, keyed by parameter tensor.
@@ -286,6 +318,42 @@ class TorchZeroTarget(TorchDDPTarget):
         return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_cls, **kwargs)
 
 
+@dataclasses.dataclass(frozen=True)
+class TorchFSDPTarget(Target):
+    """torch's FSDP2 with the plain optimizer over the sharded (DTensor) parameters.
+
+    ``reshard_after_forward``: FSDP2's option of that name; None (the default) takes it from the
+    scenario's seed -- True for odd seeds, False for even ones -- so random examples exercise
+    both the re-gather in backward and the unsharded parameters kept from forward to backward.
+    Optimizer state, gathered, is held whole by every rank (not ``shards_optimizer_state``).
+    """
+
+    reshard_after_forward: bool | None = None
+
+    # Declined, and what supports() declines besides: see ddpcheck.fsdp_setup (found by trying).
+    supported_features = frozenset(FEATURES) - {"non-contiguous", "unused-on-some-ranks"}
+
+    def configure(self, scenario: Any) -> "Target":
+        if self.reshard_after_forward is not None:
+            return self
+        return dataclasses.replace(self, reshard_after_forward=bool(scenario.seed % 2))
+
+    def supports(self, scenario: Any) -> str | None:
+        from ddpcheck.fsdp_setup import fsdp_cannot_run
+
+        return fsdp_cannot_run(scenario)
+
+    def wrap(self, module: Any) -> Any:
+        from ddpcheck.fsdp_setup import broadcast_from, shard_leaves
+
+        broadcast_from(module, 0)
+        return shard_leaves(module, bool(self.reshard_after_forward))
+
+    def no_sync(self, model: Any) -> ContextManager[Any]:
+        from ddpcheck.fsdp_setup import gradient_sync_off
+
+        return gradient_sync_off(model)
+
 
 @dataclasses.dataclass(frozen=True)
 class WrapperTarget(Target):
@@ -355,8 +423,9 @@ PARALLEL = ParallelTarget()
 PARALLEL_DDP = ParallelDDPTarget()
 TORCH_DDP = TorchDDPTarget()
 TORCH_ZERO = TorchZeroTarget()
+TORCH_FSDP = TorchFSDPTarget()
 LOCAL = LocalTarget()
 
 #: Built-in targets by the short names the command line accepts.
 BUILTIN = {"parallel": PARALLEL, "parallel_ddp": PARALLEL_DDP, "torch_ddp": TORCH_DDP,
-           "torch_zero": TORCH_ZERO, "local": LOCAL}
+           "torch_zero": TORCH_ZERO, "torch_fsdp": TORCH_FSDP, "local": LOCAL}

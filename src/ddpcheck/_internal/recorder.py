@@ -18,20 +18,23 @@ work finished (its future's callback, or else the ``wait()``), ``waited`` when `
 a collective nobody waited for keeps both None.
 
 What it sees: calls made as ``torch.distributed.<op>(...)`` (``parallel/``, torch's
-ZeroRedundancyOptimizer, most hand-written code). What it cannot see: collectives issued from C++
-(torch DDP's Reducer buckets), which never pass through Python.
+ZeroRedundancyOptimizer, FSDP2's all-gathers and reduce-scatters, most hand-written code). What it cannot see: collectives issued from C++
+(torch DDP's Reducer buckets), which never pass through Python, and DTensor's functional
+collectives (``DTensor.full_tensor()``, FSDP2's gradient-norm reduction in clipping).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-__all__ = ["Collective", "install", "record_to", "records", "reset", "restart_sequence"]
+__all__ = ["Collective", "install", "paused", "record_to", "records", "reset",
+           "restart_sequence"]
 
 # op name -> (positional index of the tensor argument(s), name of the root argument or None)
 _OPS: dict[str, tuple[int, str | None]] = {
@@ -40,10 +43,12 @@ _OPS: dict[str, tuple[int, str | None]] = {
     "reduce": (0, "dst"),
     "all_gather": (1, None),
     "all_gather_into_tensor": (1, None),
+    "all_gather_single": (1, None),  # FSDP2's parameter all-gather (torch 2.13)
     "gather": (0, "dst"),
     "scatter": (0, "src"),
     "reduce_scatter": (0, None),
     "reduce_scatter_tensor": (1, None),
+    "reduce_scatter_single": (1, None),  # FSDP2's gradient reduce-scatter (torch 2.13)
     "all_to_all": (1, None),
     "all_to_all_single": (1, None),
     "barrier": (-1, None),
@@ -96,6 +101,7 @@ class Collective:
 
 _log: list[Collective] = []
 _installed = False
+_paused = False  # inside paused(): collectives are not logged
 _sequence_fd: int | None = None  # the sequence file, opened O_APPEND; None: not recording
 
 
@@ -172,6 +178,19 @@ def reset() -> None:
     _log.clear()
 
 
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Collectives issued inside are not logged: the harness's own gathers of sharded tensors
+    (``Target.full_tensor``), which are no part of the target's communication. They still go to
+    the sequence file, where every rank issues them in the same order."""
+    global _paused
+    before, _paused = _paused, True
+    try:
+        yield
+    finally:
+        _paused = before
+
+
 def wrapped() -> list[str]:
     """The names of the ``torch.distributed`` functions :func:`install` wrapped."""
     import torch.distributed as dist
@@ -208,7 +227,7 @@ def _wrap(name: str, original: Callable[..., Any], index: int, root_name: str | 
             root = _positional(original, args, root_name)
         reduce_op = kwargs.get("op") if "op" in kwargs else _positional(original, args, "op")
         if reduce_op is None and name in ("all_reduce", "reduce", "reduce_scatter",
-                                          "reduce_scatter_tensor"):
+                                          "reduce_scatter_tensor", "reduce_scatter_single"):
             reduce_op = dist.ReduceOp.SUM
         record = Collective(
             op=name,
@@ -222,7 +241,8 @@ def _wrap(name: str, original: Callable[..., Any], index: int, root_name: str | 
             launched=time.perf_counter(),
             site=call_site(),
         )
-        _log.append(record)
+        if not _paused:
+            _log.append(record)
         if _sequence_fd is not None:  # before the call: a rank stuck inside it still shows it
             os.write(_sequence_fd, sequence_line(record))
         result = original(*args, **kwargs)

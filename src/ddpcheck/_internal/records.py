@@ -3,18 +3,25 @@
 Invariant: a :class:`StepRecord` holds *copies* (never views) of every gradient (as the
 optimizer step received it), parameter and buffer (after the step) by name, the optimizer state this process holds by parameter name, and the collectives it
 issued during the step -- so a later step, or the target, cannot change what was recorded.
+Tensors a rank holds only a shard of (FSDP2's DTensors) are recorded whole, through the
+``gather`` the runner passes (``Target.full_tensor``: a collective, called in the same order on
+every rank), and each sharded parameter's local shard beside it (``StepRecord.shards``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ddpcheck._internal.recorder import Collective
 
 __all__ = ["RankRecord", "StepRecord", "gradients", "initial_state", "snapshot"]
+
+
+def _whole(tensor: Any) -> Any:
+    return tensor
 
 
 @dataclasses.dataclass
@@ -28,6 +35,10 @@ class StepRecord:
     collectives: list[Collective] = dataclasses.field(default_factory=list)
     #: the rank's ``ddpcheck.batches.BatchPlan`` of the step (None in the reference)
     batch_plan: Any = None
+    #: parameter name -> (dim, this rank's local shard) for parameters sharded over the world:
+    #: the shard must be chunk ``rank`` of ``torch.chunk(params[name], W, dim)`` (dim None: the
+    #: whole); see ``Target.local_shard`` and ``ddpcheck.shards``
+    shards: dict[str, tuple[int | None, torch.Tensor]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -38,33 +49,44 @@ class RankRecord:
     seconds: float
 
 
-def initial_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def initial_state(module: torch.nn.Module,
+                  gather: Callable[[Any], Any] = _whole) -> dict[str, torch.Tensor]:
     """Copies of the parameters and buffers, by name (the state every replica must start from)."""
     with torch.no_grad():
-        return {**{n: p.detach().clone() for n, p in module.named_parameters()},
-                **{n: b.detach().clone() for n, b in module.named_buffers()}}
+        return {**{n: gather(p.detach()).clone() for n, p in module.named_parameters()},
+                **{n: gather(b.detach()).clone() for n, b in module.named_buffers()}}
 
 
-def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+def gradients(model: torch.nn.Module,
+              gather: Callable[[Any], Any] = _whole) -> dict[str, torch.Tensor | None]:
     """Copies of the gradients, by name (None where there is none)."""
     with torch.no_grad():
-        return {n: None if p.grad is None else p.grad.detach().clone()
+        return {n: None if p.grad is None else gather(p.grad.detach()).clone()
                 for n, p in model.named_parameters()}
 
 
 def snapshot(model: torch.nn.Module, names: dict[Any, str], state: Any,
              collectives: list | None = None,
-             grads: dict[str, torch.Tensor | None] | None = None) -> StepRecord:
+             grads: dict[str, torch.Tensor | None] | None = None,
+             gather: Callable[[Any], Any] = _whole,
+             local_shard: Callable[[Any], Any] | None = None) -> StepRecord:
     """Copies of everything the oracle compares; ``state`` maps parameter -> state dict;
-    ``grads``, when given, are the gradients recorded earlier (before the optimizer step)."""
+    ``grads``, when given, are the gradients recorded earlier (before the optimizer step);
+    ``gather`` makes a sharded tensor whole, ``local_shard`` says which shard of a parameter
+    this rank holds (``Target.full_tensor`` / ``Target.local_shard``)."""
     if grads is None:
-        grads = gradients(model)
+        grads = gradients(model, gather)
     with torch.no_grad():
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        params = {n: gather(p.detach()).clone() for n, p in model.named_parameters()}
+        buffers = {n: gather(b.detach()).clone() for n, b in model.named_buffers()}
         held = {}
         for p, entries in state.items():
             if entries:
-                held[names.get(p, "?")] = {k: v.detach().clone() if torch.is_tensor(v) else v
-                                           for k, v in entries.items()}
-    return StepRecord(grads, params, buffers, held, collectives or [])
+                held[names.get(p, "?")] = {k: gather(v.detach()).clone() if torch.is_tensor(v)
+                                           else v for k, v in entries.items()}
+        shards = {}
+        for n, p in model.named_parameters() if local_shard is not None else ():
+            found = local_shard(p.detach())
+            if found is not None:
+                shards[n] = (found[0], found[1].clone())
+    return StepRecord(grads, params, buffers, held, collectives or [], shards=shards)

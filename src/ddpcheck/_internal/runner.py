@@ -50,9 +50,10 @@ def run_example(target: Any, scenario: Scenario) -> RankRecord:
     target = target.configure(scenario)
     # on the rank's device (a CUDA world's), parameters and buffers, before the target wraps it
     module = to_rank_device(build_model(scenario, rank_seed(scenario, rank)))
-    names = {p: n for n, p in module.named_parameters()}
     model = target.wrap(module)
-    initial = initial_state(module)
+    names = {p: n for n, p in module.named_parameters()}  # after wrap: FSDP2 replaces them
+    with recorder.paused():  # the harness's own gathers of sharded tensors are not the target's
+        initial = initial_state(module, target.full_tensor)
     optimizer = make_optimizer(target, model, make_param_groups(scenario, module), scenario)
     steps = []
     in_step = getattr(target, "gradients_synchronized_in_step", False)
@@ -63,14 +64,20 @@ def run_example(target: Any, scenario: Scenario) -> RankRecord:
         recorder.reset()
 
     def record(step: int) -> None:
-        steps.append(snapshot(module, names, target.optimizer_state(optimizer),
-                              recorder.records(), grads=None if in_step else grads["now"]))
+        collectives = recorder.records()
+        with recorder.paused():
+            steps.append(snapshot(module, names, target.optimizer_state(optimizer), collectives,
+                                  grads=None if in_step else grads["now"],
+                                  gather=target.full_tensor, local_shard=target.local_shard))
         steps[-1].batch_plan = plans[step]
+
+    def record_gradients(step: int) -> None:
+        with recorder.paused():
+            grads["now"] = gradients(module, target.full_tensor)
 
     train(scenario, model, optimizer, target_loop(
         target, model, optimizer, scenario, rank, world_size, plans=plans, before_step=start,
-        before_optimizer_step=lambda step: grads.__setitem__("now", gradients(module)),
-        after_step=record))
+        before_optimizer_step=record_gradients, after_step=record))
     return RankRecord(rank, initial, steps, time.perf_counter() - started)
 
 

@@ -6,7 +6,8 @@ in front) whose ``parallel.DDP`` or ``parallel.ShardedOptimizer`` is replaced by
 overriding one method (rarely two, always named in the docstring; ``broken_ddp``,
 ``broken_optimizer``) with a copy that carries one bug of a class in ``docs/bug-catalogue.md`` --
 or whose batch plan (``Target.shard_batch``) is a hook of ``broken_batches`` carrying one bug of
-the training loop's data split or loss normalisation (A3, F1-F3).
+the training loop's data split or loss normalisation (A3, F1-F3). Family I (sharded parameters)
+is :class:`~ddpcheck.targets.TorchFSDPTarget` subclasses overriding one method (``broken_fsdp``).
 Each docstring says what the bug is and which real report it mirrors. ``ddpcheck mutants``
 (and ``tests/test_mutants.py``) hold the harness to killing all of them.
 
@@ -44,8 +45,9 @@ from typing import Any
 from parallel import DDP, ShardedOptimizer
 from ddpcheck.mutation import broken_batches as S
 from ddpcheck.mutation import broken_ddp as D
+from ddpcheck.mutation import broken_fsdp as F
 from ddpcheck.mutation import broken_optimizer as O
-from ddpcheck.targets import ParallelDDPTarget, ParallelTarget
+from ddpcheck.targets import ParallelDDPTarget, ParallelTarget, TorchFSDPTarget
 
 __all__ = ["CATALOGUE", "Mutant", "by_name", "stale_overrides"]
 
@@ -243,6 +245,21 @@ for _name, _class, _description, _swap in _ENTRIES:
     CATALOGUE.append(Mutant(_name, _class, _description, _cls()))
 del _name, _class, _description, _swap, _cls
 
+# Family I: torch's FSDP2 (``TorchFSDPTarget``) with one seeded bug each (``broken_fsdp``).
+CATALOGUE += [
+    Mutant("BroadcastsFromLastRankFSDP", "I1",
+           "FSDP2: initial state broadcast from the last rank before sharding",
+           F.BroadcastsFromLastRankFSDP()),
+    Mutant("NoGradientDivideFSDP", "I2",
+           "FSDP2: gradients reduce-scattered with SUM, divide factor 1", F.NoGradientDivideFSDP()),
+    Mutant("NeighbourGradientShardFSDP", "I3",
+           "FSDP2: each local shard stepped with the next rank's gradient slice",
+           F.NeighbourGradientShardFSDP()),
+    Mutant("StaleUnshardedParamsFSDP", "I4",
+           "FSDP2: unshard() before optimizer.step: the next forward uses stale parameters",
+           F.StaleUnshardedParamsFSDP()),
+]
+
 
 def by_name(name: str) -> Mutant:
     """The catalogue entry called ``name`` (case-insensitive)."""
@@ -261,6 +278,14 @@ def stale_overrides() -> list[str]:
     requires this to be empty."""
     stale = []
     for mutant in CATALOGUE:
+        if isinstance(mutant.target, TorchFSDPTarget):  # family I: overrides TorchFSDPTarget's
+            broken = type(mutant.target)
+            for name, value in vars(broken).items():
+                if callable(value) and not name.startswith("__") and not hasattr(
+                        TorchFSDPTarget, name):
+                    stale.append(f"mutant {mutant.name}: {broken.__qualname__}.{name} overrides "
+                                 "nothing in ddpcheck.targets.TorchFSDPTarget")
+            continue
         for broken in (type(mutant.target).ddp_class,
                        getattr(type(mutant.target), "optimizer_class", ShardedOptimizer)):
             if broken is None:  # no DDP in front

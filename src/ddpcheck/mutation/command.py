@@ -11,7 +11,7 @@ import time
 
 from ddpcheck._internal.validation import InvalidArgument
 from ddpcheck.mutation import catalogue, score, search
-from ddpcheck.targets import PARALLEL
+from ddpcheck.targets import PARALLEL, TORCH_FSDP, TorchFSDPTarget
 
 __all__ = ["run_mutants"]
 
@@ -31,7 +31,9 @@ def run_mutants(only: str | None, *, budget_seconds: float, search_name: str,
     print("\n".join(score.table_lines([], widths)), flush=True)
     started = time.perf_counter()
     chosen = search.shrinking_search if search_name == "shrinking" else search.battery_search
-    rows = score.score(mutants, budget_seconds, control=PARALLEL, search=chosen,
+    fsdp = [isinstance(m.target, TorchFSDPTarget) for m in mutants]
+    controls = [PARALLEL] * (not all(fsdp)) + [TORCH_FSDP] * any(fsdp)  # each family's original
+    rows = score.score(mutants, budget_seconds, control=controls, search=chosen,
                        world_sizes=world_sizes, deadline=deadline,
                        on_row=lambda r: print(score.table_lines([r.row()], widths)[2],
                                               flush=True))

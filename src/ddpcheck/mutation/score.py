@@ -71,13 +71,16 @@ def score(mutants: Iterable[Any], budget_seconds: float, *, control: Any = None,
           world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES, search: Search | None = None,
           deadline: float = DEFAULT_DEADLINE, on_row: Callable[[Scored], None] | None = None) -> list[Scored]:
     """Search every mutant (``ddpcheck.mutation.catalogue.Mutant``) for a counterexample within
-    ``budget_seconds`` each; ``control`` (the unmutated target), if given, is searched first with
+    ``budget_seconds`` each; ``control`` (the unmutated target, or a list of them), if given, is searched first with
     no budget limit short of exhausting the search. ``on_row`` sees each row as it completes."""
     search = search or shrinking_search
     out = []
     todo = [(m.name, m.bug_class, m.target, False) for m in mutants]
-    if control is not None:
-        todo.insert(0, (CONTROL, "-", control, True))
+    # several controls (a list) when the mutants seed bugs into several unmutated targets
+    controls = [] if control is None else control if isinstance(control, list) else [control]
+    for i, unmutated in reversed(list(enumerate(controls))):
+        label = CONTROL if i == 0 else f"{CONTROL[:-1]} {type(unmutated).__name__})"
+        todo.insert(0, (label, "-", unmutated, True))
     for name, bug_class, target, is_control in todo:
         budget = float("inf") if is_control else budget_seconds
         # respawns a world the previous mutant broke, outside the budget

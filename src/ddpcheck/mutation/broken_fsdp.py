@@ -1,0 +1,91 @@
+"""FSDP2 mutants: ``ddpcheck.targets.TorchFSDPTarget`` with one seeded bug each (family I of
+``docs/bug-catalogue.md``), each seeded through FSDP2's public API or a collective of its own.
+
+Every class overrides one method of ``TorchFSDPTarget`` (named in its docstring); the catalogue
+lists them beside the ``parallel`` mutants, and ``stale_overrides`` checks that each override
+still overrides a method of ``TorchFSDPTarget``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ddpcheck.targets import TorchFSDPTarget
+
+__all__ = ["BroadcastsFromLastRankFSDP", "NoGradientDivideFSDP", "NeighbourGradientShardFSDP",
+           "StaleUnshardedParamsFSDP"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BroadcastsFromLastRankFSDP(TorchFSDPTarget):
+    """I1 (``wrap``): the initial state is broadcast from the last rank, not rank 0, before
+    sharding -- every replica agrees, on the wrong initialisation."""
+
+    def wrap(self, module: Any) -> Any:
+        import torch.distributed as dist
+
+        from ddpcheck.fsdp_setup import broadcast_from, shard_leaves
+
+        broadcast_from(module, dist.get_world_size() - 1)
+        return shard_leaves(module, bool(self.reshard_after_forward))
+
+
+@dataclasses.dataclass(frozen=True)
+class NoGradientDivideFSDP(TorchFSDPTarget):
+    """I2 (``wrap``): gradients reduce-scattered with SUM and no division -- a gradient divide
+    factor of 1 (``FSDPModule.set_gradient_divide_factor(1.0)``) instead of W."""
+
+    def wrap(self, module: Any) -> Any:
+        from torch.distributed.fsdp import FSDPModule
+
+        model = super().wrap(module)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)
+        return model
+
+
+@dataclasses.dataclass(frozen=True)
+class NeighbourGradientShardFSDP(TorchFSDPTarget):
+    """I3 (``after_backward``): every rank steps its local shard with the next rank's slice of
+    the gradient (its neighbour's shard, where the shapes agree), as an off-by-one in a
+    hand-written reduce-scatter's output offsets would."""
+
+    def after_backward(self, model: Any, optimizer: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is None or p.grad.dim() == 0:
+                    continue
+                local = p.grad.to_local()
+                whole = p.grad.full_tensor()  # a collective: every rank, same order
+                chunks = torch.chunk(whole, world_size, dim=0)
+                neighbour = (rank + 1) % world_size
+                if neighbour < len(chunks) and chunks[neighbour].shape == local.shape:
+                    local.copy_(chunks[neighbour])
+
+
+@dataclasses.dataclass(frozen=True)
+class StaleUnshardedParamsFSDP(TorchFSDPTarget):
+    """I4 (``make_optimizer``): every FSDP module is unsharded (``FSDPModule.unshard()``, say
+    to prefetch the next forward) in a pre-hook of ``optimizer.step()``, so after the step the
+    model holds unsharded parameters gathered *before* it, and the next forward uses those
+    stale values: the updated shards are never re-gathered."""
+
+    def make_optimizer(self, params: Any, optimizer_cls: type, model: Any = None,
+                       **kwargs: Any) -> Any:
+        from torch.distributed.fsdp import FSDPModule
+
+        optimizer = optimizer_cls(params, **kwargs)
+
+        def unshard_before_step(*_: Any) -> None:
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.unshard()
+
+        optimizer.register_step_pre_hook(unshard_before_step)
+        return optimizer
