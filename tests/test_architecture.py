@@ -28,6 +28,7 @@ LAYERS = [
                                "ddpcheck.features", "ddpcheck.targets",
                                "ddpcheck._internal.messages"]),
     ("runner", ["ddpcheck._internal.records", "ddpcheck._internal.train",
+                "ddpcheck._internal.rank_orders",
                 "ddpcheck._internal.runner"]),
     ("oracle", ["ddpcheck.reference", "ddpcheck.budget", "ddpcheck.oracle", "ddpcheck.validity"]),
     ("strategies", ["ddpcheck.strategies", "ddpcheck.battery", "ddpcheck.rule_params"]),

@@ -2,7 +2,8 @@
 
 Invariant: :func:`run_example` is deterministic given (target, scenario, rank, world size): every
 rank builds the same model (from a rank-dependent seed when ``scenario.rank_seeds``, so the
-target's broadcast from rank 0 is exercised), takes its own shard of each global batch (see
+target's broadcast from rank 0 is exercised; registered in a rank-dependent order when
+``scenario.rank_orders``, so pairing tensors by position is caught), takes its own shard of each global batch (see
 ``scenario``'s batch rule), trains through the one loop (``_internal.train``) and records after
 every step what the oracle compares -- gradients as ``optimizer.step()`` receives them (after
 ``after_backward``; after the step instead for a target whose optimizer synchronises gradients
@@ -23,6 +24,7 @@ import time
 from typing import Any
 
 from ddpcheck._internal import recorder
+from ddpcheck._internal.rank_orders import ORDER_SEED_STRIDE, permute_registration
 from ddpcheck._internal.records import RankRecord, gradients, initial_state, snapshot
 from ddpcheck._internal.train import Loop, train
 from ddpcheck.scenario import (Scenario, build_model, local_micro_batches, loss_scale,
@@ -46,6 +48,8 @@ def run_example(target: Any, scenario: Scenario) -> RankRecord:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     target = target.configure(scenario)
     module = build_model(scenario, rank_seed(scenario, rank))
+    if scenario.rank_orders:  # the reference keeps the canonical order; the oracle pairs by name
+        permute_registration(module, scenario.seed + ORDER_SEED_STRIDE * (rank + 1))
     names = {p: n for n, p in module.named_parameters()}
     model = target.wrap(module)
     initial = initial_state(module)
