@@ -223,6 +223,13 @@ class ParallelTarget(ParallelDDPTarget):
 class TorchDDPTarget(_Bucketed):
     """torch's ``DistributedDataParallel`` with the plain optimizer."""
 
+    # Not rank-orders: torch DDP pairs parameters and buffers by registration position, and its
+    # docstring requires "the exact same parameter registration order" on every process. With
+    # per-rank orders (torch 2.13, W=2) its construction check raises "params[0] in this process
+    # with sizes [8] appears not to match sizes of the same param in process 0" -- and where
+    # the shapes happen to line up, nothing would stop it pairing different tensors.
+    supported_features = frozenset(FEATURES) - {"rank-orders"}
+
     def wrap(self, module: Any) -> Any:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -240,8 +247,10 @@ class TorchZeroTarget(TorchDDPTarget):
 
     shards_optimizer_state = True
 
-    # ZeroRedundancyOptimizer rejects parameters of several dtypes.
-    supported_features = frozenset(FEATURES) - {"mixed-dtypes"}
+    # ZeroRedundancyOptimizer rejects parameters of several dtypes. Not rank-orders either: torch
+    # DDP in front refuses them (above), and ZeRO's own partition (largest first, ties in list
+    # order) would give equal-sized parameters different owners on different ranks.
+    supported_features = frozenset(FEATURES) - {"mixed-dtypes", "rank-orders"}
 
     def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
         from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -26,10 +26,6 @@ Classes of the catalogue without a mutant here, and why:
   shards): ``parallel`` has no trainer flags and torch's optimizers count steps per parameter, so
   there is no such counter to skip.
 * E7, E8 (checkpoints): the oracle has no checkpoint round trip yet.
-* G1 (parameter order differing per rank): needs per-rank permuted construction order, which no
-  scenario generates; orders derived from ``id()`` or ``set`` iteration happen to agree across
-  spawned ranks (address randomisation moves whole pages), so such a mutant is not reliably
-  killable -- the oracle would need a per-rank permutation feature.
 * H6 (an inner optimizer over an empty shard): ``parallel.ShardedOptimizer`` builds its inner
   optimizer even when this rank owns nothing; breaking that means rewriting construction, not
   overriding a seam.
@@ -199,6 +195,9 @@ _ENTRIES: list[tuple[str, str, str, dict]] = [
      {"optimizer": O.NeverBroadcastsOptimizer}),
     ("PerParameterBroadcast", "E6", "one broadcast per param instead of per (owner, dtype)",
      {"optimizer": O.PerParameterBroadcastOptimizer}),
+    ("OwnRegistrationOrder", "G1",
+     "gradient buckets laid out in this rank's registration order, not rank 0's",
+     {"ddp": D.OwnRegistrationOrderDDP}),
     ("ReducesParameter", "H1", "post-accumulate hook reduces the parameter it gets, not its grad",
      {"ddp": D.ReducesParameterDDP}),
     ("AddsIntoAliasedBuffer", "H2",
