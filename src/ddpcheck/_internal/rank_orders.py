@@ -9,7 +9,9 @@ is only tested by ranks whose orders differ.
 Invariant: :func:`permute_registration` changes nothing but dictionary order -- no tensor is
 created, copied or re-initialised, every ``named_parameters()`` / ``named_buffers()`` name stays
 the same (a shared tensor keeps the name of its first registration), and what ``forward``
-computes is unchanged because only attribute-accessed children are reordered.
+computes is unchanged because only attribute-accessed children are reordered. (A model whose own
+``forward`` iterates ``self.children()`` or ``self.parameters()`` would compute something else
+per rank: leave ``rank_orders`` off for it. ddpcheck's models reach every child by name.)
 """
 
 from __future__ import annotations
