@@ -197,6 +197,15 @@ class ParallelDDPTarget(_Bucketed):
     def no_sync(self, model: Any) -> ContextManager[Any]:
         return model.no_sync()
 
+    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float,
+                       norm_type: float) -> Any:
+        import torch
+
+        # in name order, not this rank's registration order: the norm sums per-parameter norms
+        # in list order, and ranks that registered differently would round it differently
+        params = [p for _, p in sorted(model.module.named_parameters())]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
 
 @dataclasses.dataclass(frozen=True)
 class ParallelTarget(ParallelDDPTarget):
