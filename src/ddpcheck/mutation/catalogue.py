@@ -41,6 +41,7 @@ from typing import Any
 from parallel import DDP, ShardedOptimizer
 from ddpcheck.mutation import broken_ddp as D
 from ddpcheck.mutation import broken_optimizer as O
+from ddpcheck.features import FEATURES
 from ddpcheck.targets import ParallelDDPTarget, ParallelTarget
 
 __all__ = ["CATALOGUE", "Mutant", "by_name", "stale_overrides"]
@@ -94,6 +95,9 @@ class _SeededOptimizerOnly(_Seeded):
 
     ddp_class = None
     gradients_synchronized_in_step = True
+    # No DDP in front: nothing tells ShardedOptimizer rank 0's order (parallel.handover), and the
+    # broadcast below pairs tensors by this rank's registration order.
+    supported_features = frozenset(FEATURES) - {"rank-orders"}
 
     def wrap(self, module: Any) -> Any:
         import torch
