@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpcheck
+from ddpcheck import features
 
 
 class MainGradDDP(nn.Module):
@@ -93,10 +94,11 @@ class MainGradDDP(nn.Module):
 
 
 # -- the ddpcheck targets: public API only ---------------------------------------------------
-# It handles every feature, so supported_features stays None: it declines nothing.
+# It handles every feature but per-rank registration orders: main_grad is laid out by position.
 @dataclasses.dataclass(frozen=True)
 class MainGradTarget(ddpcheck.Target):
     bug: bool = False  # True: the seeded bug (H2)
+    supported_features = frozenset(features.FEATURES) - {"rank-orders"}
 
     def wrap(self, module):
         return MainGradDDP(module, bug=self.bug)

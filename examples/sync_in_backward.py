@@ -109,8 +109,10 @@ class BackwardSyncDDP(nn.Module):
 
 
 # -- the ddpcheck targets: public API only ---------------------------------------------------
-# Every parameter must have a gradient on every rank (torch DDP's default contract).
-SUPPORTS = frozenset(features.FEATURES) - features.parse("unused-on-some-ranks,unused-everywhere")
+# Every parameter must have a gradient on every rank, and every rank must register them in one
+# order (torch DDP's default contract: buckets pair tensors by registration position).
+SUPPORTS = frozenset(features.FEATURES) - features.parse("unused-on-some-ranks,unused-everywhere,"
+                                                         "rank-orders")
 TARGET = ddpcheck.Target.from_wrappers(ddp=BackwardSyncDDP, finish=None, supports=SUPPORTS)
 BUGGY = ddpcheck.Target.from_wrappers(ddp=BackwardSyncDDP, ddp_kwargs={"bug": True},
                                       finish=None, supports=SUPPORTS)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from parallel._checks import check_positive_number
-from parallel.ddp import AveragedGrad
+from parallel.handover import AveragedGrad
 
 __all__ = ["GlobalNormClipping", "norm_from_shares", "norm_share"]
 

@@ -15,8 +15,10 @@ A non-contiguous parameter's gradient keeps the parameter's strides and is copie
 
 What moves, and when:
 
-1. construction: parameters and buffers are broadcast from the group's rank 0 (one flattened
-   broadcast per dtype), after checking that every rank wraps the same parameter list;
+1. construction: after checking that every rank wraps the same parameters and buffers (names,
+   shapes, dtypes), rank 0's registration order is broadcast (ranks may register in different
+   orders; everything below pairs tensors in rank 0's), then parameters and buffers are broadcast
+   from the group's rank 0 (one flattened broadcast per dtype);
 2. backward: a post-accumulate-grad hook marks each gradient ready; when every gradient of a
    bucket is ready -- and every earlier bucket has been launched, so all ranks pair the same
    tensors in the same collectives whatever order their hooks fire in -- the bucket is flattened
@@ -29,14 +31,17 @@ What moves, and when:
 
 The mark is the hand-over to ``ShardedOptimizer``, which otherwise averages gradients itself:
 averaging again the mean of W equal gradients changes no number but sends every gradient byte
-twice, so it skips the parameters DDP marked (see ``DDP`` and ``AveragedGrad``).
+twice, so it skips the parameters DDP marked (see ``DDP`` and ``AveragedGrad``). A second mark,
+``param.ddp_position`` (set at construction), lets it put its param groups in rank 0's order
+(``parallel/handover.py``).
 
 Averaging: NCCL averages inside the collective (``ReduceOp.AVG``); gloo sums and we divide the
 flat bucket after the wait. (gloo's own AVG is bitwise equal on torch 2.13, but releases before
 it reject AVG on gloo, and pyproject.toml promises torch >= 2.1.)
 
-Buckets are fixed at construction: trainable parameters in reverse registration order (the order
-backward usually produces them), grouped by dtype and device, capped at ``bucket_size_mb``.
+Buckets are fixed at construction: trainable parameters in reverse registration order -- rank 0's
+-- (the order backward usually produces them), grouped by dtype and device, capped at
+``bucket_size_mb``.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from torch import nn
 
 from parallel._checks import check_ddp_arguments
 from parallel.buckets import Bucket, BucketState
+from parallel.handover import AveragedGrad, mark_positions
 
 __all__ = ["AveragedGrad", "Bucket", "BucketState", "DDP"]
 
@@ -63,7 +69,8 @@ class DDP(nn.Module):
     ``optimizer.step()``; use ``no_sync()`` for accumulation micro-batches.
 
     Collective: construction broadcasts parameters and buffers; call it on all ranks of the group,
-    with the same module structure, or the world hangs.
+    with the same module structure, or the world hangs. The registration order may differ per
+    rank: tensors are paired in rank 0's order, matched by name.
 
     With ``ShardedOptimizer``: ``finish_gradient_sync()`` marks every parameter it synchronised
     (``param.ddp_averaged_grad``, see :class:`AveragedGrad`), and the optimizer does not
@@ -71,7 +78,8 @@ class DDP(nn.Module):
     would move every gradient byte twice for the same numbers.
 
     Seams: each step is one method a subclass may override to change exactly that step --
-    ``_build_buckets`` (which parameters travel together), ``_initial_state`` and
+    ``_agree_on_order`` (the order every rank pairs tensors in), ``_build_buckets`` (which
+    parameters travel together), ``_initial_state`` and
     ``_broadcast_source`` (what construction broadcasts, from where), ``_on_grad_ready`` (when a
     bucket launches), ``_fill`` (gradients into the bucket), ``_launch`` (its all-reduce),
     ``_wait_and_average``, ``_wait_and_write_back`` and ``_write_grad`` (averages back into
@@ -91,10 +99,14 @@ class DDP(nn.Module):
         # NCCL averages in the collective; gloo (and the rest) sum, and we divide after the wait.
         self._average_in_collective = dist.get_backend(process_group) == "nccl"
         self._names = {p: n for n, p in module.named_parameters()}
-        self._params = params
         # checks and flags travel where the gradients do: NCCL carries only CUDA tensors
         self._device = params[0].device if params else torch.device("cpu")
         self._check_same_parameters_everywhere()
+        # every parameter and buffer in rank 0's registration order: what collectives pair by
+        self._state_order = self._agree_on_order()
+        mark_positions(self._state_order)  # for ShardedOptimizer (parallel.handover)
+        trainable = set(params)
+        self._params = params = [t for t in self._state_order if t in trainable]
         self._broadcast_state()
         self._bucket_cap_bytes = int(bucket_size_mb * 1024 * 1024)
         self._lay_out_buckets(params)  # sets self._buckets and self._where
@@ -180,21 +192,45 @@ class DDP(nn.Module):
     # -- construction-time collectives --------------------------------------------------------
 
     def _check_same_parameters_everywhere(self) -> None:
-        """Refuse to start if ranks wrap different parameter lists: buckets would mis-pair."""
-        signature = repr([(tuple(p.shape), str(p.dtype)) for p in self._params]).encode()
+        """Refuse to start if ranks wrap different parameters or buffers: buckets would mis-pair.
+
+        Names, not positions: the registration order may differ (see ``_agree_on_order``).
+        """
+        tensors = [*self.module.named_parameters(), *self.module.named_buffers()]
+        signature = repr(sorted((n, tuple(t.shape), str(t.dtype), t.requires_grad)
+                                for n, t in tensors)).encode()
         digest = int.from_bytes(hashlib.sha256(signature).digest()[:7], "little")
-        mine = torch.tensor([digest, len(self._params)], dtype=torch.int64, device=self._device)
+        mine = torch.tensor([digest, len(tensors)], dtype=torch.int64, device=self._device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        # all-gather (hash of the trainable parameters' shapes and dtypes, count) from every rank,
-        # so every rank sees the same verdict and raises together instead of hanging later.
+        # all-gather (hash of the parameters' and buffers' names, shapes, dtypes and trainability,
+        # count) from every rank, so every rank sees the same verdict and raises together
+        # instead of hanging later.
         dist.all_gather(gathered, mine, group=self.process_group)
         differ = [r for r, t in enumerate(gathered) if not torch.equal(t, gathered[0])]
         if differ:
             counts = {r: int(gathered[r][1]) for r in range(self.world_size)}
             raise RuntimeError(
-                f"ranks {differ} (group ranks) wrap a different list of trainable parameters than "
-                f"rank 0 (shapes, dtypes or order differ; counts per rank: {counts}); build the "
-                "same module, with the same parameter registration order, on every rank")
+                f"ranks {differ} (group ranks) wrap different parameters or buffers than rank 0 "
+                f"(names, shapes, dtypes or requires_grad differ; tensors per rank: {counts}); "
+                "build the same module on every rank")
+
+    def _agree_on_order(self) -> list[torch.Tensor]:
+        """Every parameter and buffer, in the group's rank-0 registration order, on every rank.
+
+        Collectives pair tensors by position, so all ranks must list them in one order, and
+        ranks may register in different orders. Rank 0's order, rather than sorted names, keeps
+        "reverse registration" a good guess at the order backward produces gradients (buckets).
+        It travels as positions in the sorted names, which every rank has (checked above).
+        """
+        named = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        ranked = sorted(named)
+        position = {name: i for i, name in enumerate(ranked)}
+        order = torch.tensor([position[name] for name in named], dtype=torch.int64,
+                             device=self._device)  # (tensors,)
+        # broadcast rank 0's registration order (one int64 per parameter and buffer), once, at
+        # construction: every rank then pairs tensors in it, whatever order it registered them in
+        dist.broadcast(order, src=self._broadcast_source(), group=self.process_group)
+        return [named[ranked[i]] for i in order.tolist()]
 
     @torch.no_grad()
     def _broadcast_state(self) -> None:
@@ -211,8 +247,9 @@ class DDP(nn.Module):
                 t.copy_(synced.view_as(t))
 
     def _initial_state(self) -> list[torch.Tensor]:
-        """What construction makes equal on every rank: all parameters (frozen too) and buffers."""
-        return list(self.module.parameters()) + list(self.module.buffers())
+        """What construction makes equal on every rank: all parameters (frozen too) and buffers,
+        in rank 0's order."""
+        return list(self._state_order)
 
     def _broadcast_source(self) -> int:
         """The group's rank 0, as the global rank that broadcast's ``src`` expects."""
@@ -363,34 +400,6 @@ class DDP(nn.Module):
                     f"parameter {name!r} requires grad but was not trainable (or did not exist) "
                     "when DDP was constructed, so it is never synchronised; set requires_grad "
                     "and assign parameters before wrapping the module")
-
-
-class AveragedGrad:
-    """DDP's mark on a parameter, ``param.ddp_averaged_grad``: its gradient is the world mean.
-
-    Set by ``DDP.finish_gradient_sync()`` on every parameter it synchronised (and by
-    ``ShardedOptimizer.clip_grad_norm_``, which averages what DDP did not); consumed (read and
-    deleted) by ``ShardedOptimizer.step()``, which then skips that parameter's all-reduce. Valid
-    only while ``param.grad`` is still the very tensor the sync left there (or still None, where
-    no rank had a gradient); a later step whose backward skipped the sync finds no mark, and the
-    optimizer averages it again. Bookkeeping local to one rank: no collective.
-    """
-
-    __slots__ = ("_grad",)
-
-    def __init__(self, grad: torch.Tensor | None):
-        # A weak reference, not id(): a freed gradient's id can be reused by the next backward's.
-        self._grad = None if grad is None else weakref.ref(grad)
-
-    def holds(self, grad: torch.Tensor | None) -> bool:
-        """Whether ``grad`` is the gradient the sync averaged (or None where it left None)."""
-        if self._grad is None:
-            return grad is None
-        return self._grad() is grad
-
-    def __reduce__(self) -> tuple:
-        # A pickled or copied parameter was averaged by nobody: its copy carries no mark (None).
-        return type(None), ()
 
 
 def _call_weakly(ddp: "DDP") -> Any:

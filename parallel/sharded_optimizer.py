@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from parallel import _checks, sharding
+from parallel import _checks, handover, sharding
 from parallel._checks import InvalidArgument, describe
 from parallel.clipping import GlobalNormClipping
 
@@ -68,7 +68,8 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
     ``clip_grad_norm_``. :func:`hyperparameters` is the group filter they share.
 
     Collective: constructing it is a collective over ``process_group`` (default: the world): call
-    it on all ranks of the group, with the same parameters in the same order, or the world hangs.
+    it on all ranks of the group, with the same parameters in the same order (or, behind
+    ``parallel.DDP``, in any: rank 0's wins, ``parallel.handover``), or the world hangs.
 
     Raises:
         InvalidArgument: ``params`` empty or not tensors/param-group dicts, a parameter repeated,
@@ -98,8 +99,7 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
         self._owners: dict[int, int] = {}  # id(param) -> group rank of its owner
         self._inner: torch.optim.Optimizer | None = None  # built after the first groups are known
         self._pending_inner_groups: list[dict[str, Any]] = []  # owned subsets until it is built
-        # grown lazily: one reusable broadcast buffer per dtype (see _scratch_for)
-        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}  # broadcast buffers (_scratch_for)
         # per consolidation: the full state gathered on this rank, dropped by anything that
         # changes the state (step, load_state_dict, add_param_group)
         self._consolidated: dict[str, Any] | None = None
@@ -122,6 +122,8 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
         param_group = _checks.check_param_group(param_group, index)
         super().add_param_group(param_group)  # fills defaults, rejects params already in a group
         group = self.param_groups[-1]
+        # behind parallel.DDP ranks may list parameters in their own orders: rank 0's wins (broadcast)
+        handover.put_in_rank0_order(group, self._group, self._global_ranks[0])
         try:
             try:
                 answer = self._rule(list(group["params"]), self._world_size)

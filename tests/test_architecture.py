@@ -29,6 +29,7 @@ LAYERS = [
                                "ddpcheck.features", "ddpcheck.batches", "ddpcheck.targets",
                                "ddpcheck.fsdp_setup", "ddpcheck._internal.messages"]),
     ("runner", ["ddpcheck._internal.records", "ddpcheck._internal.train",
+                "ddpcheck._internal.rank_orders",
                 "ddpcheck._internal.runner"]),
     ("oracle", ["ddpcheck.reference", "ddpcheck.budget", "ddpcheck.sample_weights",
                 "ddpcheck.shards", "ddpcheck.oracle", "ddpcheck.validity"]),

@@ -475,7 +475,7 @@ def test_misuse_is_a_clear_error_on_every_rank(kind):
 def test_ranks_wrapping_different_parameters_fail_together():
     messages = get_world(2).run(rank_mismatched_models)
     for message in messages:
-        assert "ranks [1] (group ranks) wrap a different list of trainable parameters" in message
+        assert "ranks [1] (group ranks) wrap different parameters or buffers than rank 0" in message
 
 
 def test_bad_arguments_name_the_problem():

@@ -85,7 +85,7 @@ def test_a_surviving_mutant_fails_the_command(capsys, monkeypatch):
                    "--search", "battery"])
     out = capsys.readouterr().out
     assert status == 1
-    assert re.search(r"\| Unbroken +\| A1 +\| SURVIVED +\| 9 ", out), out
+    assert re.search(r"\| Unbroken +\| A1 +\| SURVIVED +\| 10 ", out), out
     assert "killed 0/1 (0 %)" in out
 
 

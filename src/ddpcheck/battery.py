@@ -4,7 +4,8 @@ Each one aims at bug classes of the catalogue (docs/bug-catalogue.md): tied weig
 unused and frozen parameters (B1, B3, B11), buffers and rank-0 initialisation (D1, D2), several
 param groups with a schedule (E4, E5), accumulation (B2, C1-C3), tiny and large buckets (B1, B6),
 non-contiguous gradients (B9), mixed dtypes (B10), uneven and tiny batches (A3, E2), gradient
-clipping (A4), SGD for scale bugs (A1, A2) and Adam/AdamW for state bugs (E3, E7).
+clipping (A4), per-rank registration orders (G1), SGD for scale bugs (A1, A2) and Adam/AdamW
+for state bugs (E3, E7).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ddpcheck import zoo
+from ddpcheck.models import Layer, ModelSpec, SpecData
 from ddpcheck.scenario import Scenario
 
 __all__ = ["BATTERY"]
@@ -46,4 +48,10 @@ BATTERY: list[tuple[str, Scenario]] = [
     # gradient 2-norms 1.6, 3.9, 2.9: step 0 is not clipped, the later steps are
     ("clip-sgd-momentum", Scenario(zoo.MLP, optimizer_kwargs=_SGD_MOMENTUM, global_batch=10,
                                    steps=3, seed=8, max_grad_norm=2.0)),
+    # same-shaped tensors (4x4 weights, 4-vectors) that every rank registers in its own order,
+    # one bucket per dtype: pairing them by this rank's position mixes them up silently (G1)
+    ("rank-orders-adam", Scenario(ModelSpec(layers=(Layer(), Layer(kind="buffer"), Layer())),
+                                  data=SpecData(4), optimizer=torch.optim.Adam,
+                                  optimizer_kwargs={"lr": 0.01}, global_batch=6, steps=2,
+                                  seed=9, rank_orders=True)),
 ]

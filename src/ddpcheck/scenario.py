@@ -57,6 +57,8 @@ class Scenario:
     # clip the synchronised gradients' global norm to this before every step (None: no clipping)
     max_grad_norm: float | None = None
     grad_norm_type: float = 2.0  # the norm clipped (math.inf: the largest |gradient|)
+    # every rank registers parameters and buffers in its own order (same names, shapes, values)
+    rank_orders: bool = False
 
     def __post_init__(self):
         _check_int("global_batch", self.global_batch, 1)

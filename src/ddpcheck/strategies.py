@@ -172,7 +172,13 @@ def _scenarios(draw, model_strategy, dtypes, max_batch, max_steps, max_accumulat
         set_to_none=True if "grads-kept" in without else draw(st.booleans().map(lambda b: not b)),
         rank_seeds="broadcast" not in without,
         **({} if "clipping" in without else draw(_clipping())),
+        rank_orders=False if "rank-orders" in without else draw(_rank_orders()),
     )
+
+
+def _rank_orders() -> st.SearchStrategy[bool]:
+    """One scenario in six registers in per-rank orders (shrinking towards the same order)."""
+    return st.integers(0, 5).map(lambda n: n == 5)
 
 
 #: Clipping thresholds, around the gradient norms random scenarios have (measured at step 0: the
@@ -197,9 +203,10 @@ def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
     param groups and LR decay, a global batch of 1 to ``max_batch`` samples (often not divisible
     by W, sometimes smaller than W), 1 to ``max_steps`` steps, 1 to ``max_accumulation``
     micro-batches, a dtype from ``dtypes`` (float64 by default; ``("float64", "float32")``
-    adds float32 at its calibrated tolerance), a bucket-size hint, a seed, and in a quarter of
-    them gradient clipping (2-norm or inf-norm, :data:`MAX_GRAD_NORMS`). Shrinks towards one
-    step of plain SGD on a one-sample batch of the simplest model, without clipping.
+    adds float32 at its calibrated tolerance), a bucket-size hint, a seed, in a quarter of
+    them gradient clipping (2-norm or inf-norm, :data:`MAX_GRAD_NORMS`), and in a sixth of them
+    per-rank registration orders (``rank_orders``). Shrinks towards one step of plain SGD on a
+    one-sample batch of the simplest model, without clipping, in one registration order.
 
     ``without`` names features of ``ddpcheck.features.FEATURES`` never to generate (what a
     target does not support): they cost no example. ``uneven-batches`` needs ``world_size`` (the
@@ -234,8 +241,8 @@ def exercising(feature: str, *, world_size: int, dtypes: Sequence[str] | None = 
     """:func:`scenarios` made to exercise ``feature`` (of ``ddpcheck.features.FEATURES``) at
     ``world_size``: the model gets the layer that produces it (a never-used, sample-gated, frozen,
     reused, buffer, float32 or transposed layer), or the scenario the field (micro-batches, param
-    groups, LR decay, kept gradients, clipping, a batch not divisible by W, few samples per
-    rank); nothing
+    groups, LR decay, kept gradients, clipping, per-rank orders, a batch not divisible by W, few
+    samples per rank); nothing
     in ``without`` is generated. Shrinks towards the simplest scenario that still has it.
 
     ``unused-on-some-ranks`` depends on the data (whether some rank's samples all skip the
@@ -277,6 +284,8 @@ def _forced(draw, drawn, feature, world_size, even_batches):
         change["lr_decay"] = 0.5
     elif feature == "grads-kept":
         change["set_to_none"] = False
+    elif feature == "rank-orders":
+        change["rank_orders"] = True
     elif feature == "clipping" and s.max_grad_norm is None:
         change["max_grad_norm"] = draw(st.sampled_from(MAX_GRAD_NORMS))
         change["grad_norm_type"] = draw(st.sampled_from((2.0, math.inf)))

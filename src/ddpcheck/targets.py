@@ -252,6 +252,15 @@ class ParallelDDPTarget(_Bucketed):
     def no_sync(self, model: Any) -> ContextManager[Any]:
         return model.no_sync()
 
+    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float,
+                       norm_type: float) -> Any:
+        import torch
+
+        # in name order, not this rank's registration order: the norm sums per-parameter norms
+        # in list order, and ranks that registered differently would round it differently
+        params = [p for _, p in sorted(model.module.named_parameters())]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
 
 @dataclasses.dataclass(frozen=True)
 class ParallelTarget(ParallelDDPTarget):
@@ -278,6 +287,13 @@ class ParallelTarget(ParallelDDPTarget):
 class TorchDDPTarget(_Bucketed):
     """torch's ``DistributedDataParallel`` with the plain optimizer."""
 
+    # Not rank-orders: torch DDP pairs parameters and buffers by registration position, and its
+    # docstring requires "the exact same parameter registration order" on every process. With
+    # per-rank orders (torch 2.13, W=2) its construction check raises "params[0] in this process
+    # with sizes [8] appears not to match sizes of the same param in process 0" -- and where
+    # the shapes happen to line up, nothing would stop it pairing different tensors.
+    supported_features = frozenset(FEATURES) - {"rank-orders"}
+
     def wrap(self, module: Any) -> Any:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -295,8 +311,10 @@ class TorchZeroTarget(TorchDDPTarget):
 
     shards_optimizer_state = True
 
-    # ZeroRedundancyOptimizer rejects parameters of several dtypes.
-    supported_features = frozenset(FEATURES) - {"mixed-dtypes"}
+    # ZeroRedundancyOptimizer rejects parameters of several dtypes. Not rank-orders either: torch
+    # DDP in front refuses them (above), and ZeRO's own partition (largest first, ties in list
+    # order) would give equal-sized parameters different owners on different ranks.
+    supported_features = frozenset(FEATURES) - {"mixed-dtypes", "rank-orders"}
 
     def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
         from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -2,10 +2,11 @@
 
 Invariant: :func:`run_example` is deterministic given (target, scenario, rank, world size): every
 rank builds the same model (from a rank-dependent seed when ``scenario.rank_seeds``, so the
-target's broadcast from rank 0 is exercised), takes the micro-batches of each global batch that
-its target's ``shard_batch`` plans (``ddpcheck.batches``; by default ``scenario``'s batch rule),
-trains through the one loop (``_internal.train``) and records after every step what the oracle
-compares -- gradients as ``optimizer.step()`` receives them (after
+target's broadcast from rank 0 is exercised; registered in a rank-dependent order when
+``scenario.rank_orders``, so pairing tensors by position is caught), takes the micro-batches of
+each global batch that its target's ``shard_batch`` plans (``ddpcheck.batches``; by default
+``scenario``'s batch rule), trains through the one loop (``_internal.train``) and records after
+every step what the oracle compares -- gradients as ``optimizer.step()`` receives them (after
 ``after_backward``; after the step instead for a target whose optimizer synchronises gradients
 itself, ``Target.gradients_synchronized_in_step``), parameters, buffers and the optimizer state this
 rank holds after the step, every collective it issued through ``torch.distributed``, and the
@@ -26,6 +27,7 @@ from typing import Any
 
 from ddpcheck._internal import recorder
 from ddpcheck._internal.devices import to_rank_device
+from ddpcheck._internal.rank_orders import ORDER_SEED_STRIDE, permute_registration
 from ddpcheck._internal.records import RankRecord, gradients, initial_state, snapshot
 from ddpcheck._internal.train import Loop, train
 from ddpcheck.batches import BatchPlan, contiguous, global_indices, plan_for
@@ -50,6 +52,8 @@ def run_example(target: Any, scenario: Scenario) -> RankRecord:
     target = target.configure(scenario)
     # on the rank's device (a CUDA world's), parameters and buffers, before the target wraps it
     module = to_rank_device(build_model(scenario, rank_seed(scenario, rank)))
+    if scenario.rank_orders:  # the reference keeps the canonical order; the oracle pairs by name
+        permute_registration(module, scenario.seed + ORDER_SEED_STRIDE * (rank + 1))
     model = target.wrap(module)
     names = {p: n for n, p in module.named_parameters()}  # after wrap: FSDP2 replaces them
     with recorder.paused():  # the harness's own gathers of sharded tensors are not the target's

@@ -300,6 +300,23 @@ class NoInitialBroadcastDDP(DDP):
 
 
 # =============================================================================================
+# G. Parameter list and identity consistency
+
+
+class OwnRegistrationOrderDDP(DDP):
+    """Lays out the gradient buckets over *this rank's* registration order, not the order the
+    ranks agreed on (rank 0's) -- right only while every rank registers in one order, torch DDP's
+    documented precondition (catalogue G1; pytorch #74113, NVIDIA/Megatron-LM #2218). A rank
+    that registered differently all-reduces other parameters' gradients together with its
+    peers': silently when the bucket sizes coincide, a mismatched collective otherwise."""
+
+    def _lay_out_buckets(self, params):
+        agreed = set(params)
+        mine = [p for p in self.module.parameters() if p in agreed]  # BUG: not `params`' order
+        super()._lay_out_buckets(mine)
+
+
+# =============================================================================================
 # H. Seen in public from-scratch implementations
 
 

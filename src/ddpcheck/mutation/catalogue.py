@@ -26,10 +26,6 @@ Classes of the catalogue without a mutant here, and why:
   shards): ``parallel`` has no trainer flags and torch's optimizers count steps per parameter, so
   there is no such counter to skip.
 * E7, E8 (checkpoints): the oracle has no checkpoint round trip yet.
-* G1 (parameter order differing per rank): needs per-rank permuted construction order, which no
-  scenario generates; orders derived from ``id()`` or ``set`` iteration happen to agree across
-  spawned ranks (address randomisation moves whole pages), so such a mutant is not reliably
-  killable -- the oracle would need a per-rank permutation feature.
 * H6 (an inner optimizer over an empty shard): ``parallel.ShardedOptimizer`` builds its inner
   optimizer even when this rank owns nothing; breaking that means rewriting construction, not
   overriding a seam.
@@ -47,6 +43,7 @@ from ddpcheck.mutation import broken_batches as S
 from ddpcheck.mutation import broken_ddp as D
 from ddpcheck.mutation import broken_fsdp as F
 from ddpcheck.mutation import broken_optimizer as O
+from ddpcheck.features import FEATURES
 from ddpcheck.targets import ParallelDDPTarget, ParallelTarget, TorchFSDPTarget
 
 __all__ = ["CATALOGUE", "Mutant", "by_name", "stale_overrides"]
@@ -100,6 +97,9 @@ class _SeededOptimizerOnly(_Seeded):
 
     ddp_class = None
     gradients_synchronized_in_step = True
+    # No DDP in front: nothing tells ShardedOptimizer rank 0's order (parallel.handover), and the
+    # broadcast below pairs tensors by this rank's registration order.
+    supported_features = frozenset(FEATURES) - {"rank-orders"}
 
     def wrap(self, module: Any) -> Any:
         import torch
@@ -224,6 +224,9 @@ _ENTRIES: list[tuple[str, str, str, dict]] = [
      {"batches": S.PaddingSampler}),
     ("SkipsEmptyShard", "F3", "a rank with no samples (B < W) skips forward and backward",
      {"batches": S.SkipsEmptyShard}),
+    ("OwnRegistrationOrder", "G1",
+     "gradient buckets laid out in this rank's registration order, not rank 0's",
+     {"ddp": D.OwnRegistrationOrderDDP}),
     ("ReducesParameter", "H1", "post-accumulate hook reduces the parameter it gets, not its grad",
      {"ddp": D.ReducesParameterDDP}),
     ("AddsIntoAliasedBuffer", "H2",
