@@ -39,6 +39,8 @@ def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
         found.add("broadcast")
     if not scenario.set_to_none:
         found.add("grads-kept")
+    if scenario.checkpoint_after is not None:
+        found.add("checkpoint")
     if world_size is not None and scenario.global_batch % world_size:
         found.add("uneven-batches")
     return frozenset(found | _model_features(scenario, world_size or 1))

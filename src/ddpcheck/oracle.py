@@ -20,6 +20,7 @@ Invariant: :func:`compare` returns one of three verdicts, never a mix --
    only when check 1 ran and found them bitwise identical to it;
 3. the optimizer state the ranks hold matches the reference's, every parameter with reference
    state has it on some rank, and -- for a target that shards optimizer state -- on exactly one;
+   so does the LR schedule (``ddpcheck.schedules``);
 4. communication stays within budget: bytes all-reduced per step <= the gradient bytes (each
    gradient crosses the wire once), and -- for a target that promises ``flattened_broadcasts`` --
    broadcasts per step <= W x parameter dtypes (one per owner and dtype). Only collectives
@@ -51,6 +52,7 @@ from ddpcheck._internal.validation import InvalidArgument
 from ddpcheck.budget import check_budget
 from ddpcheck.errors import Divergence
 from ddpcheck.reference import Reference, reference_run
+from ddpcheck.schedules import compare_schedule
 from ddpcheck.scenario import Scenario
 
 __all__ = ["CHECKS", "NON_FINITE", "TOLERANCES", "Reference", "bitwise_equal", "cannot_judge",
@@ -125,11 +127,13 @@ def tolerance(dtype: torch.dtype, world_size: int, step: int) -> tuple[float, fl
 
 
 def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
-            target: Any, checks: frozenset = CHECKS) -> list[Divergence]:
+            target: Any, checks: frozenset = CHECKS, *, earlier_steps: int = 0) -> list[Divergence]:
     """Every divergence of the ranks from each other and from the reference (empty: all good).
 
     ``checks`` selects a subset of :data:`CHECKS`. The rows are all the target's fault, or all
-    not (:func:`cannot_judge`: the reference went non-finite); see the module's invariant."""
+    not (:func:`cannot_judge`: the reference went non-finite); see the module's invariant.
+    ``earlier_steps``: steps trained before these records' first (a resumed run; they widen the
+    tolerance as they would have, and the reference is the part from there on)."""
     checks = validate_checks(checks)
     world_size = len(records)
     replicas, against_ref = "replicas" in checks, "reference" in checks
@@ -137,14 +141,15 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
     out: list[Divergence] = []
     # Start: all replicas hold rank 0's initialisation.
     out += _compare_maps("init", world_size, records, lambda r: r.initial, reference.initial,
-                         "initial state", tolerance(reference.compute_dtype, 1, 0),
+                         "initial state",
+                         tolerance(reference.compute_dtype, 1, max(earlier_steps - 1, 0)),
                          replicas, against_ref)
     if out:
         return out
     for step, ref in enumerate(reference.steps):
         if unjudgeable and unjudgeable[0].step == step:
             return unjudgeable  # nothing from here on can be judged
-        tol = tolerance(reference.compute_dtype, world_size, step)
+        tol = tolerance(reference.compute_dtype, world_size, earlier_steps + step)
         found = []
         for kind, field in (("gradient", "grads"), ("parameter", "params"),
                             ("buffer", "buffers")):
@@ -154,6 +159,7 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
         if "state" in checks:
             found += _compare_state(step, world_size, records, ref, tol,
                                     getattr(target, "shards_optimizer_state", False))
+            found += compare_schedule(step, world_size, records, ref, tol, earlier_steps > 0)
         if "budget" in checks:
             found += check_budget(step, world_size, records, reference,
                                    getattr(target, "flattened_broadcasts", False))

@@ -13,8 +13,9 @@ import dataclasses
 
 import torch
 
-from ddpcheck._internal.records import StepRecord, gradients, initial_state, snapshot
-from ddpcheck._internal.train import Loop, train
+from ddpcheck._internal.records import (StepRecord, gradients, initial_state, schedule_state,
+                                       snapshot)
+from ddpcheck._internal.train import Loop, make_scheduler, train
 from ddpcheck.scenario import Scenario, build_model, global_batch, make_param_groups
 
 __all__ = ["Reference", "reference_run"]
@@ -40,14 +41,16 @@ def reference_run(scenario: Scenario) -> Reference:
     names = {p: n for n, p in model.named_parameters()}
     initial = initial_state(model)
     optimizer = scenario.optimizer(make_param_groups(scenario, model), **scenario.optimizer_kwargs)
+    scheduler = make_scheduler(scenario, optimizer)
     steps = []
     grads: dict = {}
     train(scenario, model, optimizer, Loop(
         batches=lambda step: [global_batch(scenario, step)],
         scale=1.0 / scenario.global_batch if scenario.reduction == "mean" else 1.0,
         before_optimizer_step=lambda step: grads.__setitem__("now", gradients(model)),
-        after_step=lambda step: steps.append(snapshot(model, names, optimizer.state,
-                                                      grads=grads["now"]))))
+        after_step=lambda step: steps.append(snapshot(
+            model, names, optimizer.state, grads=grads["now"],
+            schedule=schedule_state(optimizer, scheduler)))), scheduler=scheduler)
     trainable = [p for p in model.parameters() if p.requires_grad]
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     return Reference(initial, steps,

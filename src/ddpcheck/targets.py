@@ -16,6 +16,11 @@ of an importable module. The runner calls, per example and per rank::
         optimizer.step(); optimizer.zero_grad(set_to_none=...)   # the target's optimizer's own
         target.after_step(model, optimizer)
 
+In scenarios with ``checkpoint_after`` the run stops after that step with
+``target.save_checkpoint(module, model, optimizer, scheduler)`` (collective; the checkpoint is
+rank 0's answer) and a fresh run -- at ``resume_world_size`` -- builds everything anew, calls
+``target.load_checkpoint(checkpoint, module, model, optimizer, scheduler)`` and trains the rest.
+
 and reads ``target.optimizer_state(optimizer)`` to check that optimizer state matches the
 reference and -- when ``shards_optimizer_state`` is true -- that each parameter's state lives on
 exactly one rank. ``flattened_broadcasts`` opts into the broadcast budget (see ``oracle``).
@@ -112,6 +117,39 @@ class Target:
     def no_sync(self, model: Any) -> ContextManager[Any]:
         """Context for accumulation micro-batches whose gradients stay local."""
         return contextlib.nullcontext()
+
+    def save_checkpoint(self, module: Any, model: Any, optimizer: Any, scheduler: Any) -> Any:
+        """The checkpoint of a run, returned on rank 0 (scenarios with ``checkpoint_after``).
+        Collective: called on every rank after the step ``checkpoint_after``.
+
+        Default: the unwrapped ``module``'s ``state_dict()`` (a wrapper's may prefix its keys,
+        torch DDP's with ``module.``), the optimizer's full state -- gathered on rank 0 first by
+        ``consolidate_state_dict(to=0)`` where the optimizer has one (a sharded optimizer: each
+        rank holds only its shard) -- and the LR ``scheduler``'s ``state_dict()`` (None without
+        a schedule). ``model`` is the wrapped model."""
+        import torch.distributed as dist
+
+        if callable(getattr(optimizer, "consolidate_state_dict", None)):
+            optimizer.consolidate_state_dict(to=0)
+        if dist.get_rank() != 0:
+            return None
+        return {"model": module.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": None if scheduler is None else scheduler.state_dict()}
+
+    def load_checkpoint(self, checkpoint: Any, module: Any, model: Any, optimizer: Any,
+                        scheduler: Any) -> None:
+        """Load what rank 0's ``save_checkpoint`` returned, on every rank of the resumed run
+        (its world size may differ), after the model is wrapped and the optimizer and
+        scheduler are built, before the step after the checkpoint.
+
+        Default: the module strictly (in place, so the wrapper and the optimizer keep their
+        parameters; every rank loads the same weights, so no broadcast is needed), then the
+        optimizer (a sharded one keeps the state of the parameters it owns in this world) and
+        the scheduler."""
+        module.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(checkpoint["scheduler"])
 
     def optimizer_state(self, optimizer: Any) -> Mapping[Any, dict]:
         """The optimizer state this rank holds, keyed by parameter tensor.
@@ -243,6 +281,12 @@ class TorchZeroTarget(TorchDDPTarget):
     # ZeroRedundancyOptimizer rejects parameters of several dtypes.
     supported_features = frozenset(FEATURES) - {"mixed-dtypes"}
 
+    def supports(self, scenario: Any) -> str | None:
+        if getattr(scenario, "checkpoint_after", None) is not None and not _numpy_available():
+            return ("checkpoint: ZeroRedundancyOptimizer.consolidate_state_dict decodes every "
+                    "rank's shard through numpy (torch 2.13), which is not installed here")
+        return None
+
     def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -309,6 +353,12 @@ class WrapperTarget(Target):
         if self.no_sync_method is None:
             return contextlib.nullcontext()
         return _method(model, self.no_sync_method, "no_sync")()
+
+
+def _numpy_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("numpy") is not None
 
 
 def _method(model: Any, name: str, field: str) -> Any:

@@ -14,7 +14,8 @@ import torch
 
 from ddpcheck._internal.recorder import Collective
 
-__all__ = ["RankRecord", "StepRecord", "gradients", "initial_state", "snapshot"]
+__all__ = ["RankRecord", "StepRecord", "gradients", "initial_state", "schedule_state",
+           "snapshot"]
 
 
 @dataclasses.dataclass
@@ -26,6 +27,8 @@ class StepRecord:
     buffers: dict[str, torch.Tensor]
     state: dict[str, dict[str, Any]]  # optimizer state held here, by parameter name
     collectives: list[Collective] = dataclasses.field(default_factory=list)
+    #: the LR schedule after the step (``schedule_state``; empty without one)
+    schedule: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -50,9 +53,20 @@ def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
                 for n, p in model.named_parameters()}
 
 
+def schedule_state(optimizer: Any, scheduler: Any) -> dict[str, Any]:
+    """The scheduler's step count and every group's lr (empty without a scheduler): a schedule
+    that restarts its count after a resume is a bug even where the lr happens to continue."""
+    if scheduler is None:
+        return {}
+    return {"step count (last_epoch)": scheduler.last_epoch,
+            **{f"lr of param group {i}": group["lr"]
+               for i, group in enumerate(optimizer.param_groups)}}
+
+
 def snapshot(model: torch.nn.Module, names: dict[Any, str], state: Any,
              collectives: list | None = None,
-             grads: dict[str, torch.Tensor | None] | None = None) -> StepRecord:
+             grads: dict[str, torch.Tensor | None] | None = None,
+             schedule: dict[str, Any] | None = None) -> StepRecord:
     """Copies of everything the oracle compares; ``state`` maps parameter -> state dict;
     ``grads``, when given, are the gradients recorded earlier (before the optimizer step)."""
     if grads is None:
@@ -65,4 +79,4 @@ def snapshot(model: torch.nn.Module, names: dict[Any, str], state: Any,
             if entries:
                 held[names.get(p, "?")] = {k: v.detach().clone() if torch.is_tensor(v) else v
                                            for k, v in entries.items()}
-    return StepRecord(grads, params, buffers, held, collectives or [])
+    return StepRecord(grads, params, buffers, held, collectives or [], schedule or {})

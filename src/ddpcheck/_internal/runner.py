@@ -19,16 +19,21 @@ from __future__ import annotations
 
 import functools
 import inspect
+import io
 import time
 from typing import Any
 
+import torch
+
 from ddpcheck._internal import recorder
-from ddpcheck._internal.records import RankRecord, gradients, initial_state, snapshot
-from ddpcheck._internal.train import Loop, train
+from ddpcheck._internal.records import (RankRecord, gradients, initial_state, schedule_state,
+                                       snapshot)
+from ddpcheck._internal.train import Loop, make_scheduler, train
 from ddpcheck.scenario import (Scenario, build_model, local_micro_batches, loss_scale,
                                make_param_groups)
 
-__all__ = ["make_optimizer", "rank_seed", "run_example", "run_example_packed", "target_loop"]
+__all__ = ["checkpoint_from_bytes", "checkpoint_to_bytes", "make_optimizer", "rank_seed",
+           "run_example", "run_example_packed", "target_loop"]
 
 #: Seed offset between ranks when each rank initialises its own weights differently.
 _RANK_SEED_STRIDE = 7919
@@ -38,8 +43,13 @@ def rank_seed(scenario: Scenario, rank: int) -> int:
     return scenario.seed + (_RANK_SEED_STRIDE * rank if scenario.rank_seeds else 0)
 
 
-def run_example(target: Any, scenario: Scenario) -> RankRecord:
-    """Train ``scenario`` under ``target`` on this rank. Collective: runs on every rank."""
+def run_example(target: Any, scenario: Scenario, *, part: str = "whole",
+                checkpoint: Any = None) -> Any:
+    """Train ``scenario`` under ``target`` on this rank. Collective: runs on every rank.
+
+    ``part``: ``"whole"`` (the record), ``"until checkpoint"`` (steps ``0..checkpoint_after``;
+    ``(record, checkpoint)``, the checkpoint as ``torch.save`` bytes on rank 0, None elsewhere)
+    or ``"resumed"`` (a fresh run that loads ``checkpoint`` and trains the steps after it)."""
     import torch.distributed as dist
 
     started = time.perf_counter()
@@ -50,6 +60,15 @@ def run_example(target: Any, scenario: Scenario) -> RankRecord:
     model = target.wrap(module)
     initial = initial_state(module)
     optimizer = make_optimizer(target, model, make_param_groups(scenario, module), scenario)
+    scheduler = make_scheduler(scenario, optimizer)
+    steps_run = range(scenario.steps)
+    if part == "until checkpoint":
+        steps_run = range(scenario.checkpoint_after + 1)
+    elif part == "resumed":
+        target.load_checkpoint(checkpoint_from_bytes(checkpoint), module, model, optimizer,
+                               scheduler)
+        initial = initial_state(module)  # what the resumed run starts from
+        steps_run = range(scenario.checkpoint_after + 1, scenario.steps)
     steps = []
     in_step = getattr(target, "gradients_synchronized_in_step", False)
     grads: dict = {}
@@ -59,13 +78,35 @@ def run_example(target: Any, scenario: Scenario) -> RankRecord:
 
     def record(step: int) -> None:
         steps.append(snapshot(module, names, target.optimizer_state(optimizer),
-                              recorder.records(), grads=None if in_step else grads["now"]))
+                              recorder.records(), grads=None if in_step else grads["now"],
+                              schedule=schedule_state(optimizer, scheduler)))
 
     train(scenario, model, optimizer, target_loop(
         target, model, optimizer, scenario, rank, world_size, before_step=start,
         before_optimizer_step=lambda step: grads.__setitem__("now", gradients(module)),
-        after_step=record))
-    return RankRecord(rank, initial, steps, time.perf_counter() - started)
+        after_step=record), scheduler=scheduler, steps=steps_run)
+    result = RankRecord(rank, initial, steps, time.perf_counter() - started)
+    if part != "until checkpoint":
+        return result
+    saved = target.save_checkpoint(module, model, optimizer, scheduler)
+    return result, checkpoint_to_bytes(saved, type(target).__name__) if rank == 0 else None
+
+
+def checkpoint_to_bytes(checkpoint: Any, who: str) -> bytes:
+    """Rank 0's checkpoint as bytes: a copy taken now (a state dict aliases live tensors), and
+    what a real checkpoint goes through on its way to a file."""
+    if checkpoint is None:
+        raise TypeError(f"{who}.save_checkpoint(module, model, optimizer, scheduler) returned "
+                        "None on rank 0; it must return the checkpoint there")
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    return buffer.getvalue()
+
+
+def checkpoint_from_bytes(data: bytes) -> Any:
+    # weights_only=False: the bytes are rank 0's own checkpoint of this example, which may hold
+    # more than tensors and numbers (whatever the target's save_checkpoint returned)
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def target_loop(target: Any, model: Any, optimizer: Any, scenario: Scenario, rank: int,
@@ -108,9 +149,10 @@ def _takes_model(method: Any) -> bool:
     return "model" in parameters
 
 
-def run_example_packed(target: Any, scenario: Scenario) -> Any:
+def run_example_packed(target: Any, scenario: Scenario, part: str = "whole",
+                       checkpoint: Any = None) -> Any:
     """:func:`run_example`, its tensors packed for a fast trip to the parent
     (``ddpcheck._internal.transport.unpack`` restores the record)."""
     from ddpcheck._internal.transport import pack
 
-    return pack(run_example(target, scenario))
+    return pack(run_example(target, scenario, part=part, checkpoint=checkpoint))

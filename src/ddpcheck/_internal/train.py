@@ -23,7 +23,7 @@ import torch
 
 from ddpcheck.scenario import Scenario, per_sample_loss
 
-__all__ = ["Loop", "train"]
+__all__ = ["Loop", "make_scheduler", "train"]
 
 
 def _nothing(*_: Any) -> None:
@@ -49,12 +49,23 @@ class Loop:
     phases: list[tuple[str, float, float]] | None = None
 
 
-def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop) -> None:
-    """Train ``model`` with ``optimizer`` on the scenario's steps, as ``loop`` says."""
-    scheduler = (torch.optim.lr_scheduler.ExponentialLR(optimizer, scenario.lr_decay)
-                 if scenario.lr_decay is not None else None)
+def make_scheduler(scenario: Scenario, optimizer: Any) -> Any:
+    """The scenario's LR schedule on ``optimizer`` (None without ``lr_decay``)."""
+    return (torch.optim.lr_scheduler.ExponentialLR(optimizer, scenario.lr_decay)
+            if scenario.lr_decay is not None else None)
+
+
+def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop, *, scheduler: Any = None,
+          steps: range | None = None) -> None:
+    """Train ``model`` with ``optimizer`` on the scenario's steps, as ``loop`` says.
+
+    ``scheduler``: the LR schedule to step (None: :func:`make_scheduler`'s), given by callers
+    that record or checkpoint it; ``steps``: a part of the run (default all of it), so that a
+    run resumed from a checkpoint continues at the step after it."""
+    if scheduler is None:
+        scheduler = make_scheduler(scenario, optimizer)
     clock = time.perf_counter
-    for step in range(scenario.steps):
+    for step in range(scenario.steps) if steps is None else steps:
         micro_batches = loop.batches(step)
         loop.before_step(step)
         for i, (x, y) in enumerate(micro_batches):

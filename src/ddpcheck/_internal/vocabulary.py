@@ -33,6 +33,8 @@ FEATURES: dict[str, str] = {
     "uneven-batches": "a global batch not divisible by W (some ranks get fewer, or no, samples)",
     "broadcast": "ranks initialised differently: the target must broadcast rank 0's state",
     "grads-kept": "zero_grad(set_to_none=False): gradients kept (zeroed) between steps",
+    "checkpoint": "a checkpoint saved after a step and the run resumed from it, possibly at "
+                  "another world size (save_checkpoint / load_checkpoint)",
 }
 
 
