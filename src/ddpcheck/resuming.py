@@ -20,10 +20,12 @@ __all__ = ["run_in_two_worlds"]
 def run_in_two_worlds(target: Any, scenario: Any, world_size: int, *, deadline: float,
                       what: str) -> tuple[tuple[list, list], tuple[list, list], list]:
     """``((records before, records after), (their collective sequences), the two worlds)``."""
+    from ddpcheck._internal.options import check_fits_machine
     from ddpcheck._internal.runner import run_example_packed
     from ddpcheck._internal.transport import unpack
     from ddpcheck._internal.world import get_world
 
+    check_fits_machine((scenario.resume_world_size or world_size,), flag="resume_world_size")
     world = get_world(world_size)
     saved = [unpack(p) for p in world.run(run_example_packed, target, scenario,
                                           "until checkpoint", None, deadline=deadline,
