@@ -102,8 +102,8 @@ NO_ACCUMULATION_NO_UNUSED = NoAccumulationNoUnused()
 
 
 @pytest.mark.parametrize("target, count", [
-    (WRAPPED, 18), (RESET_AFTER_STEP, 18), (FREES_GRADS, 18), (HIDDEN_INNER, 16),
-    (WantsTheModel(), 18)], ids=["wrapped", "reset", "frees-grads", "hidden-inner", "model-kw"])
+    (WRAPPED, 20), (RESET_AFTER_STEP, 20), (FREES_GRADS, 20), (HIDDEN_INNER, 16),
+    (WantsTheModel(), 20)], ids=["wrapped", "reset", "frees-grads", "hidden-inner", "model-kw"])
 def test_real_loop_shapes_pass_the_battery(target, count):
     report = ddpcheck.assert_equivalent(target, world_sizes=(2, 3))
     assert report.count == count, report

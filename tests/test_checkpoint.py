@@ -167,3 +167,17 @@ def test_without_checkpoint_never_draws_one_and_bad_resume_sizes_are_refused():
                 settings=settings(max_examples=500, database=None)).steps == 2
     with pytest.raises(InvalidArgument, match="resume_world_sizes=\\(0,\\) must be"):
         dst.scenarios(resume_world_sizes=(0,))
+
+
+def test_kept_gradients_do_not_survive_a_checkpoint_in_the_reference_either():
+    # set_to_none=False keeps a zero gradient for a layer that step 1 does not use; a resumed
+    # run has none (checkpoints carry no gradients), and SGD steps a zero gradient but skips a
+    # missing one -- the reference drops them after the checkpoint's step too (found by the
+    # survey: this scenario failed before)
+    from ddpcheck.models import Layer, ModelSpec, SpecData
+
+    scenario = ddpcheck.Scenario(
+        model=ModelSpec(layers=(Layer(use="sample"),), width=2), data=SpecData(width=2),
+        global_batch=1, reduction="sum", seed=3637, set_to_none=False, checkpoint_after=0,
+        resume_world_size=2)
+    ddpcheck.check_example(PARALLEL, scenario, 1)

@@ -4,7 +4,8 @@ Invariant: :func:`reference_run` trains the scenario in this process through the
 ranks (``_internal.train``), on the whole global batch, with the plain optimizer and rank 0's
 initial weights: one backward of the global objective per step. What it records is what a correct
 data-parallel target must reproduce; the budgets a target's communication is held to are derived
-from the same model.
+from the same model. A scenario with ``checkpoint_after`` trains uninterrupted, except that the
+gradients are dropped after that step, as a run resumed from a checkpoint has none.
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ class Reference:
     norm_scalars: int = 0
 
 
+def _drop_gradients(model: torch.nn.Module) -> None:
+    """A checkpoint carries no gradients: a resumed run starts with none, even where the
+    scenario keeps them (``set_to_none=False``) -- and an optimizer skips a parameter whose
+    gradient is None but steps (decays, moves with momentum) one whose gradient is zero."""
+    for p in model.parameters():
+        p.grad = None
+
+
 def reference_run(scenario: Scenario) -> Reference:
     """Train the scenario in this process on the whole batch: the plain optimizer, rank 0's
     initial weights, one backward per step of the global objective."""
@@ -50,7 +59,9 @@ def reference_run(scenario: Scenario) -> Reference:
         before_optimizer_step=lambda step: grads.__setitem__("now", gradients(model)),
         after_step=lambda step: steps.append(snapshot(
             model, names, optimizer.state, grads=grads["now"],
-            schedule=schedule_state(optimizer, scheduler)))), scheduler=scheduler)
+            schedule=schedule_state(optimizer, scheduler))),
+        end_step=lambda step: _drop_gradients(model) if step == scenario.checkpoint_after
+        else None), scheduler=scheduler)
     trainable = [p for p in model.parameters() if p.requires_grad]
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     return Reference(initial, steps,

@@ -193,9 +193,9 @@ def _clipping(draw) -> dict:
 
 @st.composite
 def _checkpoint(draw, steps: int, resume_world_sizes: tuple[int, ...]) -> dict:
-    """A sixth of multi-step scenarios save after a step and resume, at the same world size or
+    """A quarter of multi-step scenarios save after a step and resume, at the same world size or
     one of ``resume_world_sizes`` (shrinking towards none, then the same W, then the first)."""
-    if draw(st.integers(0, 5)) < 5:
+    if draw(st.integers(0, 3)) < 3:
         return {}
     return {"checkpoint_after": draw(st.integers(0, steps - 2)),
             "resume_world_size": draw(st.one_of(st.none(), st.sampled_from(resume_world_sizes)))}
@@ -211,7 +211,7 @@ def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
     by W, sometimes smaller than W), 1 to ``max_steps`` steps, 1 to ``max_accumulation``
     micro-batches, a dtype from ``dtypes`` (float64 by default; ``("float64", "float32")``
     adds float32 at its calibrated tolerance), a bucket-size hint, a seed, in a quarter of
-    them gradient clipping (2-norm or inf-norm, :data:`MAX_GRAD_NORMS`), and in a sixth of those
+    them gradient clipping (2-norm or inf-norm, :data:`MAX_GRAD_NORMS`), and in a quarter of those
     with several steps a checkpoint round trip, resumed at the same world size or one of
     ``resume_world_sizes`` (pass the world sizes your run allows). Shrinks towards one step of
     plain SGD on a one-sample batch of the simplest model, without clipping or checkpoint.
