@@ -124,7 +124,9 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
     """One example: run on every rank of the persistent world, compare, raise on divergence.
 
     ``checks``: a subset of ``ddpcheck.oracle.CHECKS`` (default: all of them). An example the
-    target declines (``supports``, ``supported_features``) raises :class:`NothingChecked`."""
+    target declines (``supports``, ``supported_features``) raises :class:`NothingChecked`. A
+    scenario with ``checkpoint_after`` saves in this world and resumes in the persistent world
+    of ``resume_world_size`` (``ddpcheck.resuming``), judged by ``ddpcheck.resumed``."""
     from ddpcheck._internal.runner import run_example_packed
     from ddpcheck._internal.transport import unpack
     from ddpcheck._internal.world import WorldFailure, get_world

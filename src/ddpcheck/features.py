@@ -64,6 +64,11 @@ def declines(target: Any, scenario: Scenario, world_size: int | None = None,
         excluded = sorted(needed & without)
         if excluded:
             return f"needs {', '.join(excluded)} (excluded with --without)"
+    if scenario.checkpoint_after is not None and not all(
+            callable(getattr(target, hook, None)) for hook in ("save_checkpoint",
+                                                               "load_checkpoint")):
+        return ("checkpoint: the target has no save_checkpoint / load_checkpoint hooks "
+                "(subclass ddpcheck.Target for the defaults)")
     return target.supports(scenario)
 
 

@@ -13,6 +13,11 @@ The target's hooks run where a real training loop runs them: ``before_step`` bef
 first forward, ``no_sync`` around every micro-batch but the last, ``after_backward`` after the last
 backward, ``clip_grad_norm`` when the scenario clips, then ``optimizer.step()``,
 ``optimizer.zero_grad()`` (the target's optimizer's own) and ``after_step``.
+
+A scenario with ``checkpoint_after`` runs in two parts (``run_example``'s ``part``): the steps up
+to it, then ``save_checkpoint`` (collective; rank 0's answer leaves as ``torch.save`` bytes); and,
+in a fresh run -- possibly at another world size -- everything built anew, ``load_checkpoint``,
+and the remaining steps, with the LR scheduler loaded rather than restarted.
 """
 
 from __future__ import annotations

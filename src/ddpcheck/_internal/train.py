@@ -1,6 +1,7 @@
 """The one training loop: the ranks, the trace and the single-process reference all train here.
 
-Invariant: :func:`train` runs ``scenario.steps`` steps of the scenario's objective -- per step,
+Invariant: :func:`train` runs ``scenario.steps`` steps of the scenario's objective (or the part
+``steps`` of them a run resumed from a checkpoint trains) -- per step,
 the micro-batches ``loop.batches(step)`` (all but the last under ``loop.no_sync()``), each
 back-propagating its summed per-sample losses times ``loop.scale``; then
 ``loop.after_backward()``, when the scenario clips (``max_grad_norm``) the clipping of the now
