@@ -25,7 +25,8 @@ FAST = settings(max_examples=25, deadline=None, database=None, derandomize=True,
 
 
 @FAST
-@given(dst.scenarios(models=dst.models(mixed_dtypes=True), dtypes=("float64", "float32")))
+@given(dst.scenarios(models=dst.models(mixed_dtypes=True), dtypes=("float64", "float32"),
+                    resume_world_sizes=(1,)))  # alone: a checkpoint resumes at W=1 too
 def test_every_drawn_scenario_builds_prints_as_code_and_runs_alone(scenario):
     assert from_repr(repr(scenario)) == scenario
     model = build_model(scenario, scenario.seed)
@@ -136,12 +137,12 @@ def test_plugin_fixtures_run_a_target_and_count_examples(tmp_path):
         def test_run(ddpcheck_run, ddpcheck_options, ddpcheck_world):
             assert ddpcheck_options.world_sizes == (1, 2)
             report = ddpcheck_run(targets.PARALLEL)
-            assert report.count == 18
+            assert report.count == 20
             assert ddpcheck_world(2).world_size == 2
     """, "--ddpcheck-world-sizes", "1,2", "--ddpcheck-deadline", "30")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ddpcheck: world sizes 1,2, deadline 30 s" in out.stdout
-    assert "ddpcheck: 18 data-parallel examples run (fixture world sizes 1,2, deadline 30 s)" \
+    assert "ddpcheck: 20 data-parallel examples run (fixture world sizes 1,2, deadline 30 s)" \
         in out.stdout
 
 
