@@ -145,8 +145,7 @@ class Zero1:
 # -- the ddpcheck targets: public API only ---------------------------------------------------
 # Zero-filled unused parameters (not None); Zero1 is no torch Optimizer, so no LR scheduler;
 # and it has no state_dict to checkpoint.
-SUPPORTS = frozenset(features.FEATURES) - features.parse("unused-everywhere,lr-schedule,"
-                                                         "checkpoint")
+SUPPORTS = frozenset(features.FEATURES) - features.parse("unused-everywhere,lr-schedule,checkpoint")
 TARGET = ddpcheck.Target.from_wrappers(ddp=OverlapDDP, finish="finish_gradient_synchronization",
                                        optimizer=Zero1, supports=SUPPORTS)
 BUGGY = ddpcheck.Target.from_wrappers(ddp=OverlapDDP, finish="finish_gradient_synchronization",
