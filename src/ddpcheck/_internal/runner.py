@@ -57,6 +57,8 @@ def run_example(target: Any, scenario: Scenario, *, part: str = "whole",
     or ``"resumed"`` (a fresh run that loads ``checkpoint`` and trains the steps after it)."""
     import torch.distributed as dist
 
+    if part not in ("whole", "until checkpoint", "resumed"):
+        raise ValueError(f"part={part!r} must be 'whole', 'until checkpoint' or 'resumed'")
     started = time.perf_counter()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     target = target.configure(scenario)
