@@ -25,13 +25,15 @@ class SavesWrappedModelHooks:
         if dist.get_rank() != 0:
             return None
         return {"model": torch.nn.Module.state_dict(model),  # BUG: the wrapper's keys
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+                "optimizer": optimizer.state_dict(),
+                "scheduler": None if scheduler is None else scheduler.state_dict()}
 
     def load_checkpoint(self, checkpoint: Any, module: Any, model: Any, optimizer: Any,
                         scheduler: Any) -> None:
         module.load_state_dict(checkpoint["model"], strict=False)  # BUG: every key ignored
         optimizer.load_state_dict(checkpoint["optimizer"])
-        scheduler.load_state_dict(checkpoint["scheduler"])
+        if scheduler is not None:
+            scheduler.load_state_dict(checkpoint["scheduler"])
 
 
 class ForgetsSchedulerHooks:
