@@ -1,4 +1,4 @@
-"""Calibration of the oracle's tolerance table (``ddpcheck.oracle.TOLERANCES``).
+"""Calibration of the oracle's tolerance table (``ddpcheck.tolerances.TOLERANCES``).
 
 Runs correct targets on random scenarios (``ddpcheck.strategies``) in float64 and float32, and
 prints, per dtype and world size, how much of the tolerance the worst rounding difference used:

@@ -144,9 +144,10 @@ class Zero1:
 
 # -- the ddpcheck targets: public API only ---------------------------------------------------
 # Zero-filled unused parameters (not None); Zero1 is no torch Optimizer, so no LR scheduler;
-# tensors paired by registration position (as torch DDP does), so one order on every rank.
+# tensors paired by registration position (as torch DDP does), so one order on every rank;
+# and it has no state_dict to checkpoint.
 SUPPORTS = frozenset(features.FEATURES) - features.parse("unused-everywhere,lr-schedule,"
-                                                         "rank-orders")
+                                                         "rank-orders,checkpoint")
 TARGET = ddpcheck.Target.from_wrappers(ddp=OverlapDDP, finish="finish_gradient_synchronization",
                                        optimizer=Zero1, supports=SUPPORTS)
 BUGGY = ddpcheck.Target.from_wrappers(ddp=OverlapDDP, finish="finish_gradient_synchronization",

@@ -6,6 +6,7 @@ Targets defined here travel to rank processes by pickle (``tests.test_harness.X`
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import signal
 import subprocess
@@ -37,20 +38,26 @@ def test_builtin_targets_pass_the_battery(name):
     from ddpcheck.battery import BATTERY
 
     assert report.count + len(report.skipped) == len(BATTERY) * len(ALL_SIZES)
-    # torch's DDP declines per-rank registration orders; ZeRO also rejects mixed dtypes
+    # torch's DDP declines per-rank registration orders; ZeRO also rejects mixed dtypes, and
+    # checkpoints where its consolidate_state_dict cannot run (it needs numpy)
     declined = {"TORCH_ZERO": ["mixed-dtypes-sum (W=1,2,3,4): needs mixed-dtypes (not in "
                                "TorchZeroTarget.supported_features)"],
                 "TORCH_DDP": []}.get(name)
     if declined is not None:
         cls = type(getattr(targets, name)).__name__
-        assert report.skipped_lines() == declined + [
+        no_numpy = name == "TORCH_ZERO" and importlib.util.find_spec("numpy") is None
+        assert sorted(report.skipped_lines()) == sorted(declined + [
             f"rank-orders-adam (W=1,2,3,4): needs rank-orders (not in {cls}.supported_features)"]
+            + ["checkpoint-resume (W=1,2,3,4): checkpoint: ZeroRedundancyOptimizer."
+               "consolidate_state_dict decodes every rank's shard through numpy (torch 2.13), "
+               "which is not installed here"] * no_numpy)
     else:
         assert not report.skipped
 
 
 def test_local_passes_alone_and_fails_with_replicas_diverging():
-    ddpcheck.assert_equivalent(targets.LOCAL, world_sizes=(1,))
+    # (not the checkpoint scenario: it resumes at W=2, where LOCAL is not alone any more)
+    ddpcheck.assert_equivalent(targets.LOCAL, world_sizes=(1,), without=("checkpoint",))
     with pytest.raises(ddpcheck.EquivalenceError) as info:
         ddpcheck.assert_equivalent(targets.LOCAL, world_sizes=(2,))
     err = info.value

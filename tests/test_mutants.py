@@ -38,7 +38,8 @@ def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
         assert isinstance(m.target, ParallelDDPTarget)
         assert type(m.target).__module__ == "ddpcheck.mutation.catalogue"
         broken = [type(m.target).ddp_class, getattr(type(m.target), "optimizer_class", None),
-                  getattr(type(m.target), "batches_class", None)]
+                  getattr(type(m.target), "batches_class", None),
+                  *type(m.target).__mro__]  # checkpoint bugs: a broken_checkpoint hooks mixin
         assert any(cls is not None and cls.__module__.startswith("ddpcheck.mutation.broken_")
                    and cls.__doc__ for cls in broken), f"{m.name} seeds no bug"
     assert len({m.bug_class for m in mutants.CATALOGUE}) >= 20

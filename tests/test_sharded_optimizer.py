@@ -252,6 +252,19 @@ def test_checkpoint_saved_at_3_resumes_at_2_and_in_a_plain_optimizer(case):
             assert torch.equal(p, e), f"{name} param {i}: {(p - e).abs().max()}"
 
 
+def test_checkpoint_saved_at_2_resumes_at_3_bitwise():
+    """Resharding onto more ranks: at W=3 a rank owns state nobody held at W=2 under this rule,
+    and the continued run still equals the uninterrupted plain run bitwise."""
+    spec = CKPT_SPECS[0]
+    saved = get_world(2).run(_rank_save, spec, 0, deadline=120)
+    resumed = get_world(3).run(_rank_resume, spec, saved[0]["params"], saved[0]["sd"],
+                               "modulo", 2, deadline=120)
+    uninterrupted = plain({**spec, "steps": spec["steps"] + 2})
+    for rank, got in enumerate(resumed):
+        for i, (p, e) in enumerate(zip(got, uninterrupted)):
+            assert torch.equal(p, e), (rank, i)
+
+
 # ------------------------------------------------------------------------- partial grads, DDP marks
 
 

@@ -10,7 +10,6 @@ import textwrap
 import pytest
 import torch
 from hypothesis import HealthCheck, find, given, settings
-from hypothesis import strategies as st
 
 import ddpcheck
 from ddpcheck import strategies as dst
@@ -25,7 +24,8 @@ FAST = settings(max_examples=25, deadline=None, database=None, derandomize=True,
 
 
 @FAST
-@given(dst.scenarios(models=dst.models(mixed_dtypes=True), dtypes=("float64", "float32")))
+@given(dst.scenarios(models=dst.models(mixed_dtypes=True), dtypes=("float64", "float32"),
+                    resume_world_sizes=(1,)))  # alone: a checkpoint resumes at W=1 too
 def test_every_drawn_scenario_builds_prints_as_code_and_runs_alone(scenario):
     assert from_repr(repr(scenario)) == scenario
     model = build_model(scenario, scenario.seed)

@@ -132,13 +132,16 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
     """One example: run on every rank of the persistent world, compare, raise on divergence.
 
     ``checks``: a subset of ``ddpcheck.oracle.CHECKS`` (default: all of them). An example the
-    target declines (``supports``, ``supported_features``) raises :class:`NothingChecked`.
+    target declines (``supports``, ``supported_features``) raises :class:`NothingChecked`. A
+    scenario with ``checkpoint_after`` saves in this world and resumes in the persistent world
+    of ``resume_world_size`` (``ddpcheck.resuming``), judged by ``ddpcheck.resumed``.
     ``device``/``backend``: where the ranks compute (as for :func:`assert_equivalent`)."""
     from ddpcheck._internal.runner import run_example_packed
     from ddpcheck._internal.transport import unpack
     from ddpcheck._internal.world import WorldFailure, get_world
     from ddpcheck.features import declines
     from ddpcheck.oracle import validate_checks
+    from ddpcheck.resuming import run_in_two_worlds
 
     checks = validate_checks(checks)  # a typo must not turn every check off
     check_fits(device, (world_size,), backend)  # no GPU, or too few for NCCL: before spawning
@@ -151,21 +154,29 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
         reference = prepare_reference(scenario)
     # a world that cannot start raises WorldStartError
     world = get_world(world_size, backend=backend, device=device)
+    worlds = [world]
     try:
-        packed = world.run(run_example_packed, target, scenario, deadline=deadline,
-                           what=f"example {name or 'scenario'}")
+        if scenario.checkpoint_after is None:
+            packed = world.run(run_example_packed, target, scenario, deadline=deadline,
+                               what=f"example {name or 'scenario'}")
+            records, sequences = [unpack(p) for p in packed], world.collective_sequences()
+        else:  # save in this world, resume in one of resume_world_size (ddpcheck.resuming)
+            records, sequences, worlds = run_in_two_worlds(
+                target, scenario, world_size, deadline=deadline,
+                what=f"example {name or 'scenario'}", device=device, backend=backend)
     except WorldFailure as failure:
         error = verdict(target, scenario, world_size, failure=failure, name=name,
                         device=device, backend=backend)
     else:
         note_example()
-        error = verdict(target, scenario, world_size, records=[unpack(p) for p in packed],
-                        sequences=world.collective_sequences(), reference=reference,
-                        checks=checks, name=name, device=device, backend=backend)
+        error = verdict(target, scenario, world_size, records=records, sequences=sequences,
+                        reference=reference, checks=checks, name=name, device=device,
+                        backend=backend)
         if error is not None and "collectives mismatched" in error.kinds:
             # ranks paired different collectives, yet nothing hung: gloo's pairs may hold stray
             # bytes, so the next example gets a new world
-            world.kill()
+            for used in worlds:
+                used.kill()
     if error is not None:
         raise error
 
@@ -178,22 +189,30 @@ def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = 
 
     Give either ``failure`` (a ``WorldFailure``: a rank raised, died, hung or mismatched) or
     ``records`` (every rank's ``RankRecord``) with ``sequences`` (every rank's collective-sequence
-    text: ranks that paired different collectives are wrong even when the numbers look fine).
+    text: ranks that paired different collectives are wrong even when the numbers look fine);
+    for a scenario with ``checkpoint_after``, both as pairs (before the checkpoint, resumed).
     Raises :class:`ddpcheck.ScenarioError` when the oracle cannot judge the example (the
     reference itself went non-finite): that is nobody's bug, so never an EquivalenceError.
     ``device``/``backend`` (the run's) go into the replay line.
     """
     from ddpcheck.oracle import cannot_judge, compare
 
+    from ddpcheck.resumed import compare_resumed
+
+    resumed = scenario.checkpoint_after is not None
     if failure is not None:
         divergences = _failure_rows(failure)
     else:
-        divergences = _mismatched_collectives(list(sequences), world_size)
+        # a resumed example: (before, after) records and sequences, at W and resume_world_size
+        parts = zip(sequences, (len(part) for part in records)) if resumed else [
+            (sequences, world_size)]
+        divergences = [row for texts, size in parts
+                       for row in _mismatched_collectives(list(texts), size)]
         if not divergences:
             if reference is None:
                 reference = prepare_reference(scenario)
-            divergences = compare(records, reference, scenario, target.configure(scenario),
-                                  checks)
+            divergences = (compare_resumed if resumed else compare)(
+                records, reference, scenario, target.configure(scenario), checks)
     if not divergences:
         return None
     if cannot_judge(divergences):

@@ -4,8 +4,9 @@ Each one aims at bug classes of the catalogue (docs/bug-catalogue.md): tied weig
 unused and frozen parameters (B1, B3, B11), buffers and rank-0 initialisation (D1, D2), several
 param groups with a schedule (E4, E5), accumulation (B2, C1-C3), tiny and large buckets (B1, B6),
 non-contiguous gradients (B9), mixed dtypes (B10), uneven and tiny batches (A3, E2), gradient
-clipping (A4), per-rank registration orders (G1), SGD for scale bugs (A1, A2) and Adam/AdamW
-for state bugs (E3, E7).
+clipping (A4), per-rank registration orders (G1), SGD for scale bugs (A1, A2), Adam/AdamW for
+state bugs (E3, E7), and a checkpoint resumed at W=2 -- the same world at W=2, another elsewhere
+(E7, E8).
 """
 
 from __future__ import annotations
@@ -54,4 +55,11 @@ BATTERY: list[tuple[str, Scenario]] = [
                                   data=SpecData(4), optimizer=torch.optim.Adam,
                                   optimizer_kwargs={"lr": 0.01}, global_batch=6, steps=2,
                                   seed=9, rank_orders=True)),
+    # saved after step 0, resumed at W=2: Adam moments and step counts on every rank, a
+    # scheduler's count, two param groups; resharded onto another world at W != 2
+    ("checkpoint-resume", Scenario(zoo.MLP, optimizer=torch.optim.Adam,
+                                   optimizer_kwargs={"lr": 0.02},
+                                   param_groups=zoo.BiasGroups(lr=0.05, weight_decay=0.0),
+                                   lr_decay=0.5, global_batch=6, steps=3, seed=9,
+                                   checkpoint_after=0, resume_world_size=2)),
 ]

@@ -25,7 +25,8 @@ __all__ = ["FEATURES", "declines", "exercised", "of", "parse"]
 
 def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
     """The features ``scenario`` exercises at ``world_size`` (None: those that do not depend on
-    it; ``uneven-batches`` and ``unused-on-some-ranks`` need a world size)."""
+    it; ``uneven-batches`` and ``unused-on-some-ranks`` need a world size), and at its
+    ``resume_world_size`` when it resumes from a checkpoint in another world."""
     found = {scenario.dtype}
     if scenario.accumulation > 1:
         found.add("accumulation")
@@ -41,8 +42,13 @@ def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
         found.add("grads-kept")
     if scenario.rank_orders:
         found.add("rank-orders")
+    if scenario.checkpoint_after is not None:
+        found.add("checkpoint")
     if world_size is not None and scenario.global_batch % world_size:
         found.add("uneven-batches")
+    resumed_at = scenario.resume_world_size
+    if world_size is not None and resumed_at not in (None, world_size):
+        found |= of(scenario, resumed_at)  # the resumed run's world shards the batch its way
     return frozenset(found | _model_features(scenario, world_size or 1))
 
 
@@ -60,6 +66,11 @@ def declines(target: Any, scenario: Scenario, world_size: int | None = None,
         excluded = sorted(needed & without)
         if excluded:
             return f"needs {', '.join(excluded)} (excluded with --without)"
+    if scenario.checkpoint_after is not None and not all(
+            callable(getattr(target, hook, None)) for hook in ("save_checkpoint",
+                                                               "load_checkpoint")):
+        return ("checkpoint: the target has no save_checkpoint / load_checkpoint hooks "
+                "(subclass ddpcheck.Target for the defaults)")
     return target.supports(scenario)
 
 

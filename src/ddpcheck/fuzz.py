@@ -90,7 +90,8 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
         world_size = data.draw(st.sampled_from(sizes), label="world_size")
         scenario = data.draw(dst.scenarios(
             models=dst.models(mixed_dtypes=True, without=unsupported), dtypes=dtypes,
-            without=unsupported, world_size=world_size), label="scenario")
+            without=unsupported, world_size=world_size, resume_world_sizes=sizes),
+            label="scenario")
         if time_budget is not None and first[0] is None \
                 and time.perf_counter() - started > time_budget:
             return  # out of time: remaining examples pass without running

@@ -23,6 +23,7 @@ Invariant: :func:`compare` returns one of three verdicts, never a mix --
    cannot judge), the ranks' batch plans weigh each sample as the reference (``sample_weights``);
 3. the optimizer state the ranks hold matches the reference's, every parameter with reference
    state has it on some rank, and -- for a target that shards optimizer state -- on exactly one;
+   so does the LR schedule (``ddpcheck.schedules``);
 4. communication stays within budget: bytes all-reduced per step <= the gradient bytes (each
    gradient crosses the wire once), and -- for a target that promises ``flattened_broadcasts`` --
    broadcasts per step <= W x parameter dtypes (one per owner and dtype). Only collectives
@@ -44,7 +45,6 @@ into a subset of :data:`CHECKS`, rejecting strings, typos and the empty set.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -55,8 +55,10 @@ from ddpcheck.budget import check_budget
 from ddpcheck.errors import Divergence
 from ddpcheck.reference import Reference, reference_run
 from ddpcheck.sample_weights import check_sample_weights
+from ddpcheck.schedules import compare_schedule
 from ddpcheck.scenario import Scenario
 from ddpcheck.shards import compare_shards
+from ddpcheck.tolerances import TOLERANCES, close, scaled_atol, tolerance
 
 __all__ = ["CHECKS", "NON_FINITE", "TOLERANCES", "Reference", "bitwise_equal", "cannot_judge",
            "compare", "reference_run", "scaled_atol", "tolerance", "validate_checks"]
@@ -103,38 +105,18 @@ def cannot_judge(divergences: list[Divergence]) -> bool:
     return bool(divergences) and not any(d.target_fault for d in divergences)
 
 
-# {dtype: (rtol, atol)} for a rank against the full-batch reference, per step of training.
-# float64: DDP and the reference differ by ~1e-16 relative (docs/platform.md, "Numerics"), real
-# bugs by >= 1e-3; 1e-9 leaves six orders of margin on each side.
-# float32: single-step gradients differ by up to ~9e-8 absolute (docs/platform.md), Adam
-# amplifies differences where its second moment is near zero; see bench/tolerance.py.
-TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float64: (1e-9, 1e-12),
-    torch.float32: (2e-4, 2e-5),
-}
-
-
-def tolerance(dtype: torch.dtype, world_size: int, step: int) -> tuple[float, float]:
-    """(rtol, atol) after ``step`` (0-based) steps at ``world_size``.
-
-    Rounding differences come from summation order, which changes more with more shards, and
-    compound over steps; both factors grow slowly so the bound stays far below real bugs.
-    """
-    rtol, atol = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
-    factor = (1 + math.log2(max(world_size, 1))) * (1 + step)
-    return rtol * factor, atol * factor
-
-
 # ---------------------------------------------------------------------------------------------
 # Comparisons
 
 
 def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
-            target: Any, checks: frozenset = CHECKS) -> list[Divergence]:
+            target: Any, checks: frozenset = CHECKS, *, earlier_steps: int = 0) -> list[Divergence]:
     """Every divergence of the ranks from each other and from the reference (empty: all good).
 
     ``checks`` selects a subset of :data:`CHECKS`. The rows are all the target's fault, or all
-    not (:func:`cannot_judge`: the reference went non-finite); see the module's invariant."""
+    not (:func:`cannot_judge`: the reference went non-finite); see the module's invariant.
+    ``earlier_steps``: steps trained before these records' first (a resumed run; they widen the
+    tolerance as they would have, and the reference is the part from there on)."""
     checks = validate_checks(checks)
     world_size = len(records)
     replicas, against_ref = "replicas" in checks, "reference" in checks
@@ -142,7 +124,8 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
     out: list[Divergence] = []
     # Start: all replicas hold rank 0's initialisation.
     out += _compare_maps("init", world_size, records, lambda r: r.initial, reference.initial,
-                         "initial state", tolerance(reference.compute_dtype, 1, 0),
+                         "initial state",
+                         tolerance(reference.compute_dtype, 1, max(earlier_steps - 1, 0)),
                          replicas, against_ref)
     if out:
         return out
@@ -155,7 +138,7 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
                 return out + wrong
         if unjudgeable and unjudgeable[0].step == step:
             return unjudgeable  # nothing from here on can be judged
-        tol = tolerance(reference.compute_dtype, world_size, step)
+        tol = tolerance(reference.compute_dtype, world_size, earlier_steps + step)
         found = []
         for kind, field in (("gradient", "grads"), ("parameter", "params"),
                             ("buffer", "buffers")):
@@ -167,6 +150,7 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
         if "state" in checks:
             found += _compare_state(step, world_size, records, ref, tol,
                                     getattr(target, "shards_optimizer_state", False))
+            found += compare_schedule(step, world_size, records, ref, tol, earlier_steps > 0)
         if "budget" in checks:
             found += check_budget(step, world_size, records, reference,
                                    getattr(target, "flattened_broadcasts", False))
@@ -267,7 +251,7 @@ def _against_reference(step: Any, world_size: int, rank: int, name: str, what: s
             return Divergence(step, world_size, rank, label or name, NON_FINITE,
                               detail=f"rank {rank} has NaN/inf in {what} {_when(step)} where the "
                                      f"reference is finite ({_count(mask)})")
-    if _close(got, ref, rtol, atol):
+    if close(got, ref, rtol, atol):
         return None
     if got.dtype != ref.dtype:
         return Divergence(step, world_size, rank, name, kind,
@@ -348,28 +332,6 @@ def _compare_maps(step: Any, world_size: int, records: list[RankRecord], get: An
                 if row is not None:
                     out.append(row)
     return out
-
-
-def scaled_atol(ref: torch.Tensor, rtol: float, atol: float) -> float:
-    """The absolute tolerance for one tensor: ``atol + rtol * max|ref|``.
-
-    Rounding noise on an element that is zero in exact arithmetic (the key bias under softmax,
-    say) scales with the magnitudes summed to produce the tensor, not with the element itself;
-    a floor tied to the tensor's scale keeps such elements from false alarms, while real bugs
-    -- errors comparable to the values -- exceed it by orders of magnitude.
-    """
-    if ref.numel() == 0 or not ref.is_floating_point():
-        return atol
-    return atol + rtol * float(ref.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
-
-
-def _close(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float) -> bool:
-    if got.shape != ref.shape or got.dtype != ref.dtype:
-        return False
-    if not got.is_floating_point():
-        return torch.equal(got, ref)
-    return bool(torch.allclose(got, ref, rtol=rtol, atol=scaled_atol(ref, rtol, atol),
-                               equal_nan=True))
 
 
 def _compare_state(step: int, world_size: int, records: list[RankRecord], ref: StepRecord,

@@ -4,7 +4,8 @@ Invariant: :func:`reference_run` trains the scenario in this process through the
 ranks (``_internal.train``), on the whole global batch, with the plain optimizer and rank 0's
 initial weights: one backward of the global objective per step. What it records is what a correct
 data-parallel target must reproduce; the budgets a target's communication is held to are derived
-from the same model.
+from the same model. A scenario with ``checkpoint_after`` trains uninterrupted, except that the
+gradients are dropped after that step, as a run resumed from a checkpoint has none.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import dataclasses
 
 import torch
 
-from ddpcheck._internal.records import StepRecord, gradients, initial_state, snapshot
-from ddpcheck._internal.train import Loop, train
+from ddpcheck._internal.records import (StepRecord, gradients, initial_state, schedule_state,
+                                       snapshot)
+from ddpcheck._internal.train import Loop, make_scheduler, train
 from ddpcheck.scenario import Scenario, build_model, global_batch, make_param_groups
 
 __all__ = ["Reference", "reference_run"]
@@ -33,6 +35,14 @@ class Reference:
     norm_scalars: int = 0
 
 
+def _drop_gradients(model: torch.nn.Module) -> None:
+    """A checkpoint carries no gradients: a resumed run starts with none, even where the
+    scenario keeps them (``set_to_none=False``) -- and an optimizer skips a parameter whose
+    gradient is None but steps (decays, moves with momentum) one whose gradient is zero."""
+    for p in model.parameters():
+        p.grad = None
+
+
 def reference_run(scenario: Scenario) -> Reference:
     """Train the scenario in this process on the whole batch: the plain optimizer, rank 0's
     initial weights, one backward per step of the global objective."""
@@ -40,6 +50,7 @@ def reference_run(scenario: Scenario) -> Reference:
     names = {p: n for n, p in model.named_parameters()}
     initial = initial_state(model)
     optimizer = scenario.optimizer(make_param_groups(scenario, model), **scenario.optimizer_kwargs)
+    scheduler = make_scheduler(scenario, optimizer)
     steps = []
     grads: dict = {}
     train(scenario, model, optimizer, Loop(
@@ -47,8 +58,11 @@ def reference_run(scenario: Scenario) -> Reference:
                                1.0 / scenario.global_batch if scenario.reduction == "mean"
                                else 1.0)],
         before_optimizer_step=lambda step: grads.__setitem__("now", gradients(model)),
-        after_step=lambda step: steps.append(snapshot(model, names, optimizer.state,
-                                                      grads=grads["now"]))))
+        after_step=lambda step: steps.append(snapshot(
+            model, names, optimizer.state, grads=grads["now"],
+            schedule=schedule_state(optimizer, scheduler))),
+        end_step=lambda step: _drop_gradients(model) if step == scenario.checkpoint_after
+        else None), scheduler=scheduler)
     trainable = [p for p in model.parameters() if p.requires_grad]
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     return Reference(initial, steps,

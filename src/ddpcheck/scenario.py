@@ -59,6 +59,10 @@ class Scenario:
     grad_norm_type: float = 2.0  # the norm clipped (math.inf: the largest |gradient|)
     # every rank registers parameters and buffers in its own order (same names, shapes, values)
     rank_orders: bool = False
+    # save a checkpoint after this step (0-based) and resume from it in a fresh run: the target's
+    # save_checkpoint/load_checkpoint hooks (None: train uninterrupted)
+    checkpoint_after: int | None = None
+    resume_world_size: int | None = None  # the resumed run's world size (None: the same W)
 
     def __post_init__(self):
         _check_int("global_batch", self.global_batch, 1)
@@ -82,6 +86,7 @@ class Scenario:
         if self.bucket_size_mb is not None and not self.bucket_size_mb > 0:
             raise InvalidArgument(f"bucket_size_mb={self.bucket_size_mb!r} must be positive")
         _check_clipping(self.max_grad_norm, self.grad_norm_type)
+        _check_checkpoint(self.checkpoint_after, self.resume_world_size, self.steps)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -111,6 +116,19 @@ def _check_clipping(max_norm: Any, norm_type: Any) -> None:
     if max_norm is None and norm_type != 2.0:  # a norm that is never clipped is a mistake
         raise InvalidArgument(f"grad_norm_type={norm_type!r} needs max_grad_norm (no clipping "
                               "without it)")
+
+
+def _check_checkpoint(after: Any, resume_world_size: Any, steps: int) -> None:
+    if after is not None:
+        _check_int("checkpoint_after", after, 0)
+        if after >= steps - 1:  # a checkpoint after the last step resumes nothing
+            raise InvalidArgument(f"checkpoint_after={after!r} must be below steps - 1 = "
+                                  f"{steps - 1}: the resumed run must train at least one step")
+    if resume_world_size is not None:
+        _check_int("resume_world_size", resume_world_size, 1)
+        if after is None:
+            raise InvalidArgument(f"resume_world_size={resume_world_size!r} needs "
+                                  "checkpoint_after (there is no resume without a checkpoint)")
 
 
 def _code(value: Any) -> str:

@@ -131,7 +131,7 @@ def optimizers() -> st.SearchStrategy[tuple[type, dict]]:
 
 @st.composite
 def _scenarios(draw, model_strategy, dtypes, max_batch, max_steps, max_accumulation, without,
-               world_size):
+               world_size, resume_world_sizes):
     spec = draw(model_strategy)
     optimizer, kwargs = draw(optimizers())
     dtype = draw(st.sampled_from(dtypes))
@@ -173,6 +173,7 @@ def _scenarios(draw, model_strategy, dtypes, max_batch, max_steps, max_accumulat
         rank_seeds="broadcast" not in without,
         **({} if "clipping" in without else draw(_clipping())),
         rank_orders=False if "rank-orders" in without else draw(_rank_orders()),
+        **({} if "checkpoint" in without else draw(_checkpoint(steps, resume_world_sizes))),
     )
 
 
@@ -195,18 +196,32 @@ def _clipping(draw) -> dict:
             "grad_norm_type": draw(st.sampled_from((2.0, math.inf)))}
 
 
+@st.composite
+def _checkpoint(draw, steps: int, resume_world_sizes: tuple[int, ...]) -> dict:
+    """A quarter of multi-step scenarios save after a step and resume, at the same world size or
+    one of ``resume_world_sizes`` (shrinking towards none, then the same W, then the first)."""
+    # drawn whatever the steps: shrinking the steps then leaves the later choices in place
+    if not draw(st.sampled_from((False, False, False, True))) or steps < 2:
+        return {}
+    return {"checkpoint_after": draw(st.integers(0, steps - 2)),
+            "resume_world_size": draw(st.one_of(st.none(), st.sampled_from(resume_world_sizes)))}
+
+
 def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
               dtypes: Sequence[str] = ("float64",), max_batch: int = 12, max_steps: int = 4,
               max_accumulation: int = 3, without: Iterable[str] = (),
-              world_size: int | None = None) -> st.SearchStrategy[Scenario]:
+              world_size: int | None = None,
+              resume_world_sizes: Sequence[int] = (1, 2, 3)) -> st.SearchStrategy[Scenario]:
     """Whole training runs: a model (default: :func:`models`), an optimizer with optional
     param groups and LR decay, a global batch of 1 to ``max_batch`` samples (often not divisible
     by W, sometimes smaller than W), 1 to ``max_steps`` steps, 1 to ``max_accumulation``
     micro-batches, a dtype from ``dtypes`` (float64 by default; ``("float64", "float32")``
     adds float32 at its calibrated tolerance), a bucket-size hint, a seed, in a quarter of
-    them gradient clipping (2-norm or inf-norm, :data:`MAX_GRAD_NORMS`), and in a sixth of them
-    per-rank registration orders (``rank_orders``). Shrinks towards one step of plain SGD on a
-    one-sample batch of the simplest model, without clipping, in one registration order.
+    them gradient clipping (2-norm or inf-norm, :data:`MAX_GRAD_NORMS`), in a sixth of them
+    per-rank registration orders (``rank_orders``), and in a quarter of those with several steps
+    a checkpoint round trip, resumed at the same world size or one of ``resume_world_sizes`` (pass
+    the world sizes your run allows). Shrinks towards one step of plain SGD on a one-sample batch
+    of the simplest model, without clipping or checkpoint, in one registration order.
 
     ``without`` names features of ``ddpcheck.features.FEATURES`` never to generate (what a
     target does not support): they cost no example. ``uneven-batches`` needs ``world_size`` (the
@@ -220,13 +235,18 @@ def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
     _check_range("1", 1, "max_batch", max_batch, 1)
     _check_range("1", 1, "max_steps", max_steps, 1)
     _check_range("1", 1, "max_accumulation", max_accumulation, 1)
+    resume_world_sizes = tuple(resume_world_sizes)
+    if not resume_world_sizes or any(isinstance(w, bool) or not isinstance(w, int) or w < 1
+                                     for w in resume_world_sizes):
+        raise InvalidArgument(f"resume_world_sizes={resume_world_sizes!r} must be a non-empty "
+                              "sequence of positive integers")
     if models is not None and not isinstance(models, st.SearchStrategy):
         raise InvalidArgument(f"Expected a SearchStrategy, such as ddpcheck.strategies.models(), "
                               f"but got models={models!r} (type={type(models).__name__})")
     if models is None:
         models = globals()["models"](without=without)
     return _scenarios(models, dtypes, max_batch, max_steps, max_accumulation, without,
-                      world_size)
+                      world_size, resume_world_sizes)
 
 
 #: The layer a model gets so that it exercises the feature (``exercising``).
@@ -241,8 +261,8 @@ def exercising(feature: str, *, world_size: int, dtypes: Sequence[str] | None = 
     """:func:`scenarios` made to exercise ``feature`` (of ``ddpcheck.features.FEATURES``) at
     ``world_size``: the model gets the layer that produces it (a never-used, sample-gated, frozen,
     reused, buffer, float32 or transposed layer), or the scenario the field (micro-batches, param
-    groups, LR decay, kept gradients, clipping, per-rank orders, a batch not divisible by W, few
-    samples per rank); nothing
+    groups, LR decay, kept gradients, clipping, per-rank orders, a checkpoint resumed at W or
+    W' <= 3, a batch not divisible by W, few samples per rank); nothing
     in ``without`` is generated. Shrinks towards the simplest scenario that still has it.
 
     ``unused-on-some-ranks`` depends on the data (whether some rank's samples all skip the
@@ -289,6 +309,10 @@ def _forced(draw, drawn, feature, world_size, even_batches):
     elif feature == "clipping" and s.max_grad_norm is None:
         change["max_grad_norm"] = draw(st.sampled_from(MAX_GRAD_NORMS))
         change["grad_norm_type"] = draw(st.sampled_from((2.0, math.inf)))
+    elif feature == "checkpoint" and s.checkpoint_after is None:
+        change["steps"] = max(s.steps, 2)
+        change["checkpoint_after"] = draw(st.integers(0, change["steps"] - 2))
+        change["resume_world_size"] = draw(st.one_of(st.none(), st.integers(1, 3)))
     elif feature == "uneven-batches" and world_size > 1 and s.global_batch % world_size == 0:
         change["global_batch"] = s.global_batch - 1  # >= W - 1 >= 1, and not a multiple of W
     elif feature == "unused-on-some-ranks":  # few samples per rank: some rank skips the layer

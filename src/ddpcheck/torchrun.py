@@ -5,7 +5,9 @@ world ``torchrun`` started -- every rank runs every example while recording its 
 sequence, each rank's record (or traceback) and sequence are gathered on rank 0, and rank 0 judges
 them with the very function spawned worlds use (``ddpcheck.api.verdict``: collective sequences,
 then the oracle against the full-batch reference); the verdict is broadcast so that every rank
-returns the same exit status. Only rank 0 prints. Every collective runs under the process group's
+returns the same exit status. Only rank 0 prints. A scenario that checkpoints resumes in the same
+world (rank 0's checkpoint broadcast to every rank); one that resumes at another world size is
+skipped, saying so: torchrun's world cannot change size. Every collective runs under the process group's
 timeout (the ``--deadline``), so a rank that raises or hangs makes the others fail instead of
 waiting forever.
 
@@ -87,15 +89,36 @@ def _agree(status: int) -> int:
     return int(flag)
 
 
-def _run_recorded(target: Any, scenario: Any, sequence_path: str) -> tuple[tuple, str]:
-    """This rank's ``("ok", packed record)`` (its tensors on the CPU: ``_internal.transport``)
-    or ``("error", traceback)``, and its collective sequence."""
+def _broadcast_bytes(data: bytes | None) -> bytes:
+    """Rank 0's ``data`` on every rank (a checkpoint for the resumed run), on the rank's device:
+    NCCL carries only CUDA tensors."""
+    import torch
+    import torch.distributed as dist
+
+    from ddpcheck._internal.devices import this_rank
+
+    device = this_rank()
+    size = torch.tensor([0 if data is None else len(data)], dtype=torch.int64, device=device)
+    # broadcast the checkpoint's byte count from rank 0, so every rank can size the buffer
+    dist.broadcast(size, src=0)
+    buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+              if data is not None else torch.empty(int(size), dtype=torch.uint8, device=device))
+    # broadcast rank 0's checkpoint to every rank: what a file on shared storage would carry
+    dist.broadcast(buffer, src=0)
+    return bytes(buffer.cpu().clone().untyped_storage())
+
+
+def _run_recorded(target: Any, scenario: Any, sequence_path: str, part: str = "whole",
+                  checkpoint: Any = None) -> tuple[tuple, str]:
+    """This rank's ``("ok", packed result)`` (its tensors on the CPU: ``_internal.transport``;
+    the result of ``run_example(part=...)``) or ``("error", traceback)``, and its collective
+    sequence."""
     from ddpcheck._internal import recorder
     from ddpcheck._internal.runner import run_example_packed
 
     recorder.restart_sequence()
     try:
-        outcome: tuple = ("ok", run_example_packed(target, scenario))
+        outcome: tuple = ("ok", run_example_packed(target, scenario, part, checkpoint))
     except Exception:
         outcome = ("error", traceback.format_exc())
     with open(sequence_path, errors="replace") as f:
@@ -118,6 +141,37 @@ def _judge(gathered: list, target: Any, scenario: Any, name: str, world_size: in
         return verdict(target, scenario, world_size, failure=failure, name=name, **where)
     return verdict(target, scenario, world_size, records=[unpack(value) for _, value in outcomes],
                    sequences=[sequence for _, sequence in gathered], name=name, **where)
+
+
+def _example(target: Any, scenario: Any, name: str, world_size: int, rank: int,
+             sequence_path: str, **where: Any) -> Any:
+    """Rank 0: the EquivalenceError of one example, or None (other ranks: None). A scenario
+    with ``checkpoint_after`` saves, then resumes in this same world. ``where``: the run's
+    device and backend, for the replay line."""
+    from ddpcheck._internal.transport import unpack
+
+    if scenario.checkpoint_after is None:
+        gathered = _gather_to_zero(_run_recorded(target, scenario, sequence_path))
+        return _judge(gathered, target, scenario, name, world_size, **where) if rank == 0 else None
+    saved = _gather_to_zero(_run_recorded(target, scenario, sequence_path, "until checkpoint"))
+    failed = rank == 0 and any(kind == "error" for (kind, _), _ in saved)
+    if _agree(int(failed)):
+        return _judge(saved, target, scenario, name, world_size, **where) if rank == 0 else None
+    before = [unpack(value) for (_, value), _ in saved] if rank == 0 else None  # (record, bytes)
+    checkpoint = _broadcast_bytes(before[0][1] if rank == 0 else None)
+    resumed = _gather_to_zero(_run_recorded(target, scenario, sequence_path, "resumed",
+                                            checkpoint))
+    if rank != 0:
+        return None
+    if any(kind == "error" for (kind, _), _ in resumed):
+        return _judge(resumed, target, scenario, name, world_size, **where)
+    from ddpcheck.api import verdict
+
+    return verdict(target, scenario, world_size,
+                   records=([record for record, _ in before],
+                            [unpack(value) for (_, value), _ in resumed]),
+                   sequences=([text for _, text in saved], [text for _, text in resumed]),
+                   name=name, **where)
 
 
 def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline: float,
@@ -155,16 +209,18 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
             for name, scenario in BATTERY:
                 if declines(target, scenario, world_size) is not None:
                     continue
+                if scenario.resume_world_size not in (None, world_size):
+                    say(f"skipped {name}: it resumes its checkpoint at world size "
+                        f"{scenario.resume_world_size}, and torchrun's world is {world_size}")
+                    continue
                 # every rank, before any collective: a malformed plan must not hang rank 0
                 check_batch_plans(target, scenario, world_size)
-                gathered = _gather_to_zero(_run_recorded(target, scenario, sequence_path))
+                error = _example(target, scenario, name, world_size, rank, sequence_path,
+                                 device=device, backend=backend)
                 status = 0
-                if rank == 0:
-                    error = _judge(gathered, target, scenario, name, world_size,
-                                   device=device, backend=backend)
-                    if error is not None:
-                        say(str(error))
-                        status = 1
+                if error is not None:
+                    say(str(error))
+                    status = 1
                 examples += 1
                 if _agree(status):
                     return 1

@@ -335,7 +335,7 @@ def _refuse_batch_dependence(scenario: Any, model: nn.Module, facts: _Forwards) 
 def _tolerance(model: nn.Module, out: torch.Tensor) -> tuple[float, float]:
     """The oracle's per-step tolerance for the model's least precise dtype: outputs closer than
     this are indistinguishable to it, outputs further apart would be blamed on the target."""
-    from ddpcheck.oracle import TOLERANCES
+    from ddpcheck.tolerances import TOLERANCES
 
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if out.is_floating_point():

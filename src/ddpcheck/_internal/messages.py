@@ -127,4 +127,7 @@ def scenario_line(scenario: Any) -> str:
     if getattr(scenario, "max_grad_norm", None) is not None:
         kind = "" if scenario.grad_norm_type == 2.0 else f" {scenario.grad_norm_type:g}-norm"
         extra.append(f"clip={scenario.max_grad_norm:g}{kind}")
+    if getattr(scenario, "checkpoint_after", None) is not None:
+        at = scenario.resume_world_size
+        extra.append(f"ckpt@{scenario.checkpoint_after}" + ("" if at is None else f"->W={at}"))
     return f"{shape} {opt} {' '.join(extra)}"

@@ -17,7 +17,8 @@ import torch
 
 from ddpcheck._internal.recorder import Collective
 
-__all__ = ["RankRecord", "StepRecord", "gradients", "initial_state", "snapshot"]
+__all__ = ["RankRecord", "StepRecord", "gradients", "initial_state", "schedule_state",
+           "snapshot"]
 
 
 def _whole(tensor: Any) -> Any:
@@ -39,6 +40,8 @@ class StepRecord:
     #: the shard must be chunk ``rank`` of ``torch.chunk(params[name], W, dim)`` (dim None: the
     #: whole); see ``Target.local_shard`` and ``ddpcheck.shards``
     shards: dict[str, tuple[int | None, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    #: the LR schedule after the step (``schedule_state``; empty without one)
+    schedule: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -65,11 +68,22 @@ def gradients(model: torch.nn.Module,
                 for n, p in model.named_parameters()}
 
 
+def schedule_state(optimizer: Any, scheduler: Any) -> dict[str, Any]:
+    """The scheduler's step count and every group's lr (empty without a scheduler): a schedule
+    that restarts its count after a resume is a bug even where the lr happens to continue."""
+    if scheduler is None:
+        return {}
+    return {"step count (last_epoch)": scheduler.last_epoch,
+            **{f"lr of param group {i}": group["lr"]
+               for i, group in enumerate(optimizer.param_groups)}}
+
+
 def snapshot(model: torch.nn.Module, names: dict[Any, str], state: Any,
              collectives: list | None = None,
              grads: dict[str, torch.Tensor | None] | None = None,
              gather: Callable[[Any], Any] = _whole,
-             local_shard: Callable[[Any], Any] | None = None) -> StepRecord:
+             local_shard: Callable[[Any], Any] | None = None,
+             schedule: dict[str, Any] | None = None) -> StepRecord:
     """Copies of everything the oracle compares; ``state`` maps parameter -> state dict;
     ``grads``, when given, are the gradients recorded earlier (before the optimizer step);
     ``gather`` makes a sharded tensor whole, ``local_shard`` says which shard of a parameter
@@ -89,4 +103,5 @@ def snapshot(model: torch.nn.Module, names: dict[Any, str], state: Any,
             found = local_shard(p.detach())
             if found is not None:
                 shards[n] = (found[0], found[1].clone())
-    return StepRecord(grads, params, buffers, held, collectives or [], shards=shards)
+    return StepRecord(grads, params, buffers, held, collectives or [], shards=shards,
+                      schedule=schedule or {})

@@ -16,24 +16,34 @@ The target's hooks run where a real training loop runs them: ``before_step`` bef
 first forward, ``no_sync`` around every micro-batch but the last, ``after_backward`` after the last
 backward, ``clip_grad_norm`` when the scenario clips, then ``optimizer.step()``,
 ``optimizer.zero_grad()`` (the target's optimizer's own) and ``after_step``.
+
+A scenario with ``checkpoint_after`` runs in two parts (``run_example``'s ``part``): the steps up
+to it, then ``save_checkpoint`` (collective; rank 0's answer leaves as ``torch.save`` bytes); and,
+in a fresh run -- possibly at another world size -- everything built anew, ``load_checkpoint``,
+and the remaining steps, with the LR scheduler loaded rather than restarted.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import io
 import time
 from typing import Any
+
+import torch
 
 from ddpcheck._internal import recorder
 from ddpcheck._internal.devices import to_rank_device
 from ddpcheck._internal.rank_orders import ORDER_SEED_STRIDE, permute_registration
-from ddpcheck._internal.records import RankRecord, gradients, initial_state, snapshot
-from ddpcheck._internal.train import Loop, train
+from ddpcheck._internal.records import (RankRecord, gradients, initial_state, schedule_state,
+                                       snapshot)
+from ddpcheck._internal.train import Loop, make_scheduler, train
 from ddpcheck.batches import BatchPlan, contiguous, global_indices, plan_for
 from ddpcheck.scenario import Scenario, build_model, global_batch, make_param_groups
 
-__all__ = ["make_optimizer", "rank_seed", "run_example", "run_example_packed", "target_loop"]
+__all__ = ["checkpoint_from_bytes", "checkpoint_to_bytes", "make_optimizer", "rank_seed",
+           "run_example", "run_example_packed", "target_loop"]
 
 #: Seed offset between ranks when each rank initialises its own weights differently.
 _RANK_SEED_STRIDE = 7919
@@ -43,10 +53,17 @@ def rank_seed(scenario: Scenario, rank: int) -> int:
     return scenario.seed + (_RANK_SEED_STRIDE * rank if scenario.rank_seeds else 0)
 
 
-def run_example(target: Any, scenario: Scenario) -> RankRecord:
-    """Train ``scenario`` under ``target`` on this rank. Collective: runs on every rank."""
+def run_example(target: Any, scenario: Scenario, *, part: str = "whole",
+                checkpoint: Any = None) -> Any:
+    """Train ``scenario`` under ``target`` on this rank. Collective: runs on every rank.
+
+    ``part``: ``"whole"`` (the record), ``"until checkpoint"`` (steps ``0..checkpoint_after``;
+    ``(record, checkpoint)``, the checkpoint as ``torch.save`` bytes on rank 0, None elsewhere)
+    or ``"resumed"`` (a fresh run that loads ``checkpoint`` and trains the steps after it)."""
     import torch.distributed as dist
 
+    if part not in ("whole", "until checkpoint", "resumed"):
+        raise ValueError(f"part={part!r} must be 'whole', 'until checkpoint' or 'resumed'")
     started = time.perf_counter()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     target = target.configure(scenario)
@@ -59,6 +76,16 @@ def run_example(target: Any, scenario: Scenario) -> RankRecord:
     with recorder.paused():  # the harness's own gathers of sharded tensors are not the target's
         initial = initial_state(module, target.full_tensor)
     optimizer = make_optimizer(target, model, make_param_groups(scenario, module), scenario)
+    scheduler = make_scheduler(scenario, optimizer)
+    steps_run = range(scenario.steps)
+    if part == "until checkpoint":
+        steps_run = range(scenario.checkpoint_after + 1)
+    elif part == "resumed":
+        target.load_checkpoint(checkpoint_from_bytes(checkpoint), module, model, optimizer,
+                               scheduler)
+        with recorder.paused():  # what the resumed run starts from
+            initial = initial_state(module, target.full_tensor)
+        steps_run = range(scenario.checkpoint_after + 1, scenario.steps)
     steps = []
     in_step = getattr(target, "gradients_synchronized_in_step", False)
     grads: dict = {}
@@ -72,7 +99,8 @@ def run_example(target: Any, scenario: Scenario) -> RankRecord:
         with recorder.paused():
             steps.append(snapshot(module, names, target.optimizer_state(optimizer), collectives,
                                   grads=None if in_step else grads["now"],
-                                  gather=target.full_tensor, local_shard=target.local_shard))
+                                  gather=target.full_tensor, local_shard=target.local_shard,
+                                  schedule=schedule_state(optimizer, scheduler)))
         steps[-1].batch_plan = plans[step]
 
     def record_gradients(step: int) -> None:
@@ -81,8 +109,30 @@ def run_example(target: Any, scenario: Scenario) -> RankRecord:
 
     train(scenario, model, optimizer, target_loop(
         target, model, optimizer, scenario, rank, world_size, plans=plans, before_step=start,
-        before_optimizer_step=record_gradients, after_step=record))
-    return RankRecord(rank, initial, steps, time.perf_counter() - started)
+        before_optimizer_step=record_gradients, after_step=record), scheduler=scheduler,
+        steps=steps_run)
+    result = RankRecord(rank, initial, steps, time.perf_counter() - started)
+    if part != "until checkpoint":
+        return result
+    saved = target.save_checkpoint(module, model, optimizer, scheduler)
+    return result, checkpoint_to_bytes(saved, type(target).__name__) if rank == 0 else None
+
+
+def checkpoint_to_bytes(checkpoint: Any, who: str) -> bytes:
+    """Rank 0's checkpoint as bytes: a copy taken now (a state dict aliases live tensors), and
+    what a real checkpoint goes through on its way to a file."""
+    if checkpoint is None:
+        raise TypeError(f"{who}.save_checkpoint(module, model, optimizer, scheduler) returned "
+                        "None on rank 0; it must return the checkpoint there")
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    return buffer.getvalue()
+
+
+def checkpoint_from_bytes(data: bytes) -> Any:
+    # weights_only=False: the bytes are rank 0's own checkpoint of this example, which may hold
+    # more than tensors and numbers (whatever the target's save_checkpoint returned)
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def target_loop(target: Any, model: Any, optimizer: Any, scenario: Scenario, rank: int,
@@ -147,9 +197,10 @@ def _takes_model(method: Any) -> bool:
     return "model" in parameters
 
 
-def run_example_packed(target: Any, scenario: Scenario) -> Any:
+def run_example_packed(target: Any, scenario: Scenario, part: str = "whole",
+                       checkpoint: Any = None) -> Any:
     """:func:`run_example`, its tensors packed for a fast trip to the parent
     (``ddpcheck._internal.transport.unpack`` restores the record)."""
     from ddpcheck._internal.transport import pack
 
-    return pack(run_example(target, scenario))
+    return pack(run_example(target, scenario, part=part, checkpoint=checkpoint))

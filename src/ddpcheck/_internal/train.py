@@ -1,6 +1,7 @@
 """The one training loop: the ranks, the trace and the single-process reference all train here.
 
-Invariant: :func:`train` runs ``scenario.steps`` steps of the scenario's objective -- per step,
+Invariant: :func:`train` runs ``scenario.steps`` steps of the scenario's objective (or the part
+``steps`` of them a run resumed from a checkpoint trains) -- per step,
 the micro-batches ``loop.batches(step)`` (all but the last under ``loop.no_sync()``), each
 ``(x, y, scale)`` back-propagating its summed per-sample losses times its ``scale``; then
 ``loop.after_backward()``, when the scenario clips (``max_grad_norm``) the clipping of the now
@@ -23,7 +24,7 @@ import torch
 
 from ddpcheck.scenario import Scenario, per_sample_loss
 
-__all__ = ["Loop", "train"]
+__all__ = ["Loop", "make_scheduler", "train"]
 
 
 def _nothing(*_: Any) -> None:
@@ -49,12 +50,23 @@ class Loop:
     phases: list[tuple[str, float, float]] | None = None
 
 
-def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop) -> None:
-    """Train ``model`` with ``optimizer`` on the scenario's steps, as ``loop`` says."""
-    scheduler = (torch.optim.lr_scheduler.ExponentialLR(optimizer, scenario.lr_decay)
-                 if scenario.lr_decay is not None else None)
+def make_scheduler(scenario: Scenario, optimizer: Any) -> Any:
+    """The scenario's LR schedule on ``optimizer`` (None without ``lr_decay``)."""
+    return (torch.optim.lr_scheduler.ExponentialLR(optimizer, scenario.lr_decay)
+            if scenario.lr_decay is not None else None)
+
+
+def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop, *, scheduler: Any = None,
+          steps: range | None = None) -> None:
+    """Train ``model`` with ``optimizer`` on the scenario's steps, as ``loop`` says.
+
+    ``scheduler``: the LR schedule to step (None: :func:`make_scheduler`'s), given by callers
+    that record or checkpoint it; ``steps``: a part of the run (default all of it), so that a
+    run resumed from a checkpoint continues at the step after it."""
+    if scheduler is None:
+        scheduler = make_scheduler(scenario, optimizer)
     clock = time.perf_counter
-    for step in range(scenario.steps):
+    for step in range(scenario.steps) if steps is None else steps:
         micro_batches = loop.batches(step)
         loop.before_step(step)
         for i, (x, y, scale) in enumerate(micro_batches):

@@ -35,6 +35,8 @@ FEATURES: dict[str, str] = {
     "grads-kept": "zero_grad(set_to_none=False): gradients kept (zeroed) between steps",
     "rank-orders": "each rank registers parameters and buffers in its own order (same names and "
                    "shapes)",
+    "checkpoint": "a checkpoint saved after a step and the run resumed from it, possibly at "
+                  "another world size (save_checkpoint / load_checkpoint)",
 }
 
 

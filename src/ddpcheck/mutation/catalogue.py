@@ -4,10 +4,12 @@ Invariant: every entry of :data:`CATALOGUE` is :class:`~ddpcheck.targets.Paralle
 where noted, :class:`~ddpcheck.targets.ParallelDDPTarget`, or ``ShardedOptimizer`` with no DDP
 in front) whose ``parallel.DDP`` or ``parallel.ShardedOptimizer`` is replaced by a subclass
 overriding one method (rarely two, always named in the docstring; ``broken_ddp``,
-``broken_optimizer``) with a copy that carries one bug of a class in ``docs/bug-catalogue.md`` --
-or whose batch plan (``Target.shard_batch``) is a hook of ``broken_batches`` carrying one bug of
-the training loop's data split or loss normalisation (A3, F1-F3). Family I (sharded parameters)
-is :class:`~ddpcheck.targets.TorchFSDPTarget` subclasses overriding one method (``broken_fsdp``).
+``broken_optimizer``) with a copy that carries one bug of a class in ``docs/bug-catalogue.md``
+-- or whose batch plan (``Target.shard_batch``) is a hook of ``broken_batches`` carrying one bug
+of the training loop's data split or loss normalisation (A3, F1-F3), or whose target hooks
+``save_checkpoint`` / ``load_checkpoint`` are those of a mixin of ``broken_checkpoint`` (E7, E8).
+Family I (sharded parameters) is :class:`~ddpcheck.targets.TorchFSDPTarget` subclasses overriding
+one method (``broken_fsdp``).
 Each docstring says what the bug is and which real report it mirrors. ``ddpcheck mutants``
 (and ``tests/test_mutants.py``) hold the harness to killing all of them.
 
@@ -25,7 +27,6 @@ Classes of the catalogue without a mutant here, and why:
 * C2 (sync/step flag logic of trainers) and E3 (a group-level step counter skipped on empty
   shards): ``parallel`` has no trainer flags and torch's optimizers count steps per parameter, so
   there is no such counter to skip.
-* E7, E8 (checkpoints): the oracle has no checkpoint round trip yet.
 * H6 (an inner optimizer over an empty shard): ``parallel.ShardedOptimizer`` builds its inner
   optimizer even when this rank owns nothing; breaking that means rewriting construction, not
   overriding a seam.
@@ -40,11 +41,12 @@ from typing import Any
 
 from parallel import DDP, ShardedOptimizer
 from ddpcheck.mutation import broken_batches as S
+from ddpcheck.mutation import broken_checkpoint as K
 from ddpcheck.mutation import broken_ddp as D
 from ddpcheck.mutation import broken_fsdp as F
 from ddpcheck.mutation import broken_optimizer as O
 from ddpcheck.features import FEATURES
-from ddpcheck.targets import ParallelDDPTarget, ParallelTarget, TorchFSDPTarget
+from ddpcheck.targets import ParallelDDPTarget, ParallelTarget, Target, TorchFSDPTarget
 
 __all__ = ["CATALOGUE", "Mutant", "by_name", "stale_overrides"]
 
@@ -136,7 +138,7 @@ class _SeededBatches(_Seeded):
 
 def _target(name: str, *, ddp: type = DDP, optimizer: type = ShardedOptimizer,
             ddp_only: bool = False, optimizer_only: bool = False,
-            batches: type | None = None) -> type:
+            batches: type | None = None, hooks: type | None = None) -> type:
     base = (_SeededDDPOnly if ddp_only else _SeededOptimizerOnly if optimizer_only
             else _Seeded if batches is None else _SeededBatches)
     attrs = {"__module__": __name__, "__qualname__": name}
@@ -146,7 +148,7 @@ def _target(name: str, *, ddp: type = DDP, optimizer: type = ShardedOptimizer,
         attrs["ddp_class"] = ddp
     if not ddp_only:
         attrs["optimizer_class"] = optimizer
-    cls = type(name, (base,), attrs)
+    cls = type(name, (base,) if hooks is None else (hooks, base), attrs)
     return dataclasses.dataclass(frozen=True)(cls)
 
 
@@ -237,6 +239,14 @@ _ENTRIES: list[tuple[str, str, str, dict]] = [
      {"ddp": D.ReducesLastMicroBatchOnlyDDP}),
     ("ZeroGradOwnedOnly", "H4", "zero_grad clears only the owned params: stale grads re-reduced",
      {"optimizer": O.ZeroGradOwnedOnlyOptimizer}),
+    ("ConsolidatesOwnShard", "E7",
+     "consolidate_state_dict gathers nothing: the checkpoint holds one shard's state",
+     {"optimizer": O.ConsolidatesOwnShardOptimizer}),
+    ("ForgetsScheduler", "E7", "the LR scheduler's state is not checkpointed: its count restarts",
+     {"hooks": K.ForgetsSchedulerHooks}),
+    ("SavesWrappedModel", "E8",
+     "the wrapper's module.x keys saved, loaded with strict=False: no weight loads",
+     {"hooks": K.SavesWrappedModelHooks}),
     ("CopiedGroups", "H5", "defaults={} wrapper, inner built from copied groups, never synced",
      {"optimizer": O.CopiedGroupsOptimizer}),
 ]
@@ -276,26 +286,28 @@ def by_name(name: str) -> Mutant:
 
 
 def stale_overrides() -> list[str]:
-    """Methods a mutant overrides that ``parallel`` no longer has: when ``parallel`` renames a
-    seam, such a mutant silently stops being a mutant (and "survives"). ``tests/test_mutants.py``
+    """Methods a mutant overrides that ``parallel`` (or the target it mutates) no longer has:
+    when a seam is renamed, such a mutant silently stops being a mutant (and "survives"). ``tests/test_mutants.py``
     requires this to be empty."""
     stale = []
     for mutant in CATALOGUE:
         if isinstance(mutant.target, TorchFSDPTarget):  # family I: overrides TorchFSDPTarget's
-            broken = type(mutant.target)
-            for name, value in vars(broken).items():
-                if callable(value) and not name.startswith("__") and not hasattr(
-                        TorchFSDPTarget, name):
-                    stale.append(f"mutant {mutant.name}: {broken.__qualname__}.{name} overrides "
-                                 "nothing in ddpcheck.targets.TorchFSDPTarget")
+            stale += _stale(mutant, type(mutant.target), TorchFSDPTarget)
             continue
         for broken in (type(mutant.target).ddp_class,
                        getattr(type(mutant.target), "optimizer_class", ShardedOptimizer)):
             if broken is None:  # no DDP in front
                 continue
             original = DDP if issubclass(broken, DDP) else ShardedOptimizer
-            for name, value in vars(broken).items():
-                if callable(value) and not name.startswith("__") and not hasattr(original, name):
-                    stale.append(f"mutant {mutant.name}: {broken.__qualname__}.{name} overrides "
-                                 f"nothing in {original.__module__}.{original.__qualname__}")
+            stale += _stale(mutant, broken, original)
+        for hooks in type(mutant.target).__mro__:
+            if hooks.__module__ == K.__name__:
+                stale += _stale(mutant, hooks, Target)
     return stale
+
+
+def _stale(mutant: Mutant, broken: type, original: type) -> list[str]:
+    return [f"mutant {mutant.name}: {broken.__qualname__}.{name} overrides nothing in "
+            f"{original.__module__}.{original.__qualname__}"
+            for name, value in vars(broken).items()
+            if callable(value) and not name.startswith("__") and not hasattr(original, name)]
