@@ -9,6 +9,12 @@ the oracle or a real bug in a target; either way it must be looked at.
     python bench/soak.py                     # 10,000 examples
     python bench/soak.py --examples 900 --max-seconds 600
     python bench/soak.py --targets torch_fsdp --examples 1000   # FSDP2 (not in the default set)
+    python bench/soak.py --whole-step --examples 2000            # clipping, orders, checkpoints
+
+``--whole-step`` makes every scenario use at least one feature of the whole training step --
+gradient clipping (2- or inf-norm), per-rank registration orders, a checkpoint resumed at this
+or another world size -- and adds ``parallel_strided``, ``parallel`` owning its batch
+(``ddpcheck.batches.strided``: non-contiguous shards, every sample weighted as in the full batch).
 
 Each scenario is checked by every target at every world size (9 examples), sharing one reference.
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import random
 import sys
 import time
@@ -27,8 +34,10 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 import torch  # noqa: E402
 
 import ddpcheck  # noqa: E402
-from ddpcheck import targets, zoo  # noqa: E402
-from ddpcheck.features import declines  # noqa: E402
+from parallel import DDP, ShardedOptimizer  # noqa: E402
+
+from ddpcheck import batches, targets, zoo  # noqa: E402
+from ddpcheck.features import FEATURES, declines, of  # noqa: E402
 from ddpcheck.api import check_example, prepare_reference  # noqa: E402
 from ddpcheck.scenario import Scenario  # noqa: E402
 from ddpcheck._internal.world import shutdown_worlds  # noqa: E402
@@ -41,17 +50,49 @@ OPTIMIZERS = [
     (torch.optim.Adam, {"lr": 0.01}),
     (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
 ]
+#: ``parallel`` owning its batch. Not rank-orders: torch's clip_grad_norm_ sums the norm in each
+#: rank's own parameter order, so replicas would differ in the last bit (ParallelTarget clips in
+#: name order for that reason).
+PARALLEL_STRIDED = ddpcheck.Target.from_wrappers(
+    ddp=DDP, finish="finish_gradient_sync", optimizer=ShardedOptimizer,
+    supports=frozenset(FEATURES) - {"rank-orders"}, shard_batch=batches.strided)
 TARGETS = {"parallel": targets.PARALLEL, "torch_ddp": targets.TORCH_DDP,
-           "torch_zero": targets.TORCH_ZERO, "torch_fsdp": targets.TORCH_FSDP}
+           "torch_zero": targets.TORCH_ZERO, "torch_fsdp": targets.TORCH_FSDP,
+           "parallel_strided": PARALLEL_STRIDED}
+#: The features of the whole step the --whole-step soak counts examples of.
+WHOLE_STEP = ("clipping", "rank-orders", "checkpoint")
 DEFAULT_TARGETS = "parallel,torch_ddp,torch_zero"  # torch_fsdp on request: --targets torch_fsdp
 
 
-def scenario(index: int, seed: int) -> Scenario:
-    """The index-th soak scenario: a pure function of (index, seed)."""
+def scenario(index: int, seed: int, whole_step: tuple[int, ...] = ()) -> Scenario:
+    """The index-th soak scenario: a pure function of (index, seed, whole_step). ``whole_step``:
+    the world sizes a checkpoint may resume at; when given, every scenario clips, registers per
+    rank, or checkpoints (at least one of them)."""
     rng = random.Random(seed * 1_000_003 + index)
     optimizer, kwargs = rng.choice(OPTIMIZERS)
-    return Scenario(
-        rng.choice(MODELS), optimizer=optimizer, optimizer_kwargs=dict(kwargs),
+    extra = _whole_step(rng, whole_step) if whole_step else {}
+    return Scenario(**{**_plain(rng, optimizer, kwargs), **extra})
+
+
+def _whole_step(rng: random.Random, sizes: tuple[int, ...]) -> dict:
+    steps = rng.randint(1, 3)
+    extra: dict = {"steps": steps}
+    if rng.random() < 0.5:
+        extra["max_grad_norm"] = rng.choice([0.05, 0.5, 2.0])
+        extra["grad_norm_type"] = rng.choice([2.0, 2.0, math.inf])
+    if rng.random() < 0.4:
+        extra["rank_orders"] = True
+    if steps > 1 and rng.random() < 0.6:
+        extra["checkpoint_after"] = rng.randint(0, steps - 2)
+        extra["resume_world_size"] = rng.choice((None, *sizes))
+    if len(extra) == 1:  # none drawn: every scenario uses one
+        extra["rank_orders"] = True
+    return extra
+
+
+def _plain(rng: random.Random, optimizer: type, kwargs: dict) -> dict:
+    return dict(
+        model=rng.choice(MODELS), optimizer=optimizer, optimizer_kwargs=dict(kwargs),
         param_groups=rng.choice([None, None, zoo.BiasGroups(lr=0.02, weight_decay=0.0)]),
         lr_decay=rng.choice([None, None, 0.5]),
         global_batch=rng.randint(1, 12), steps=rng.randint(1, 3),
@@ -71,9 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=120.0, help="seconds per example")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="stop early after this long and report what ran")
+    parser.add_argument("--whole-step", action="store_true",
+                        help="every scenario clips, registers per rank or checkpoints; adds "
+                             "the parallel_strided target unless --targets is given")
     args = parser.parse_args(argv)
     sizes = [int(w) for w in args.world_sizes.split(",")]
-    chosen = {name: TARGETS[name] for name in args.targets.split(",")}
+    names = args.targets
+    if args.whole_step and names == DEFAULT_TARGETS:
+        names += ",parallel_strided"
+    chosen = {name: TARGETS[name] for name in names.split(",")}
+    whole_step = tuple(sizes) if args.whole_step else ()
+    used: collections.Counter = collections.Counter()
 
     started = time.perf_counter()
     ran, skipped, divergences, errors = 0, 0, [], []
@@ -84,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.max_seconds and time.perf_counter() - started > args.max_seconds:
                 print(f"stopping early: --max-seconds {args.max_seconds} reached")
                 break
-            sc = scenario(index, args.seed)
+            sc = scenario(index, args.seed, whole_step)
             try:
                 reference = prepare_reference(sc)
             except Exception as exc:  # the scenario itself cannot train: say so, never hide it
@@ -110,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
                               flush=True)
                     ran += 1
                     per_target[name] += 1
+                    exercised = of(sc, w)
+                    used.update(f for f in WHOLE_STEP if f in exercised)
+                    used["owns its batch"] += target is PARALLEL_STRIDED
                     if ran % 500 == 0:
                         print(f"  {ran} examples, {len(divergences)} divergences, "
                               f"{time.perf_counter() - started:.0f} s", flush=True)
@@ -122,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(divergences)} divergences; {len(errors)} scenarios the reference could not "
           f"train; {seconds:.1f} s "
           f"({1e3 * seconds / max(ran, 1):.1f} ms per example, world start-up included)")
+    if whole_step:
+        print("examples using: " + ", ".join(f"{f} {used[f]}" for f in
+                                            (*WHOLE_STEP, "owns its batch")))
     return 1 if divergences or errors else 0
 
 

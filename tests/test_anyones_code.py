@@ -102,7 +102,7 @@ NO_ACCUMULATION_NO_UNUSED = NoAccumulationNoUnused()
 
 @pytest.mark.parametrize("target, count", [
     (WRAPPED, 22), (RESET_AFTER_STEP, 22), (FREES_GRADS, 22), (HIDDEN_INNER, 18),
-    (WantsTheModel(), 20)], ids=["wrapped", "reset", "frees-grads", "hidden-inner", "model-kw"])
+    (WantsTheModel(), 22)], ids=["wrapped", "reset", "frees-grads", "hidden-inner", "model-kw"])
 def test_real_loop_shapes_pass_the_battery(target, count):
     report = ddpcheck.assert_equivalent(target, world_sizes=(2, 3))
     assert report.count == count, report

@@ -86,7 +86,10 @@ def test_a_surviving_mutant_fails_the_command(capsys, monkeypatch):
                    "--search", "battery"])
     out = capsys.readouterr().out
     assert status == 1
-    assert re.search(r"\| Unbroken +\| A1 +\| SURVIVED +\| 10 ", out), out
+    from ddpcheck.battery import BATTERY
+
+    # it ran the whole battery at W=2 and survived
+    assert re.search(rf"\| Unbroken +\| A1 +\| SURVIVED +\| {len(BATTERY)} ", out), out
     assert "killed 0/1 (0 %)" in out
 
 

@@ -130,18 +130,21 @@ def test_plugin_leaves_the_users_hypothesis_profile_and_torch_alone(tmp_path):
 
 
 def test_plugin_fixtures_run_a_target_and_count_examples(tmp_path):
-    out = _pytest(tmp_path, """
+    from ddpcheck.battery import BATTERY
+
+    n = 2 * len(BATTERY)  # every battery scenario at W=1 and W=2
+    out = _pytest(tmp_path, f"""
         from ddpcheck import targets
 
         def test_run(ddpcheck_run, ddpcheck_options, ddpcheck_world):
             assert ddpcheck_options.world_sizes == (1, 2)
             report = ddpcheck_run(targets.PARALLEL)
-            assert report.count == 20
+            assert report.count == {n}
             assert ddpcheck_world(2).world_size == 2
     """, "--ddpcheck-world-sizes", "1,2", "--ddpcheck-deadline", "30")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ddpcheck: world sizes 1,2, deadline 30 s" in out.stdout
-    assert "ddpcheck: 20 data-parallel examples run (fixture world sizes 1,2, deadline 30 s)" \
+    assert f"ddpcheck: {n} data-parallel examples run (fixture world sizes 1,2, deadline 30 s)" \
         in out.stdout
 
 

@@ -34,7 +34,7 @@ from typing import Any, Callable
 from ddpcheck._internal.validation import InvalidArgument
 
 __all__ = ["BatchPlan", "DistributedSamplerBatches", "GlobalBatch", "check_plans", "contiguous",
-           "global_indices", "plan_for", "split"]
+           "global_indices", "plan_for", "split", "strided"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +135,16 @@ def split(items: tuple, parts: int) -> list[tuple]:
 def contiguous(batch: GlobalBatch) -> BatchPlan:
     """The default plan, ``ddpcheck.scenario``'s batch rule (see the module's invariant)."""
     shard = split(batch.indices, batch.world_size)[batch.rank]
+    scale = (batch.world_size / batch.size if batch.reduction == "mean"
+             else batch.world_size)
+    return BatchPlan.uniform(split(shard, batch.accumulation), scale)
+
+
+def strided(batch: GlobalBatch) -> BatchPlan:
+    """Every W-th sample from this rank's index on -- ``DistributedSampler(shuffle=False)``'s
+    order without its padding -- each weighted as in the full batch (W/B, or W for "sum"): a
+    correct plan whose shards are not contiguous (the soak's batch-owning target uses it)."""
+    shard = batch.indices[batch.rank::batch.world_size]
     scale = (batch.world_size / batch.size if batch.reduction == "mean"
              else batch.world_size)
     return BatchPlan.uniform(split(shard, batch.accumulation), scale)

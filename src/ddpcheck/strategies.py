@@ -179,7 +179,7 @@ def _scenarios(draw, model_strategy, dtypes, max_batch, max_steps, max_accumulat
 
 def _rank_orders() -> st.SearchStrategy[bool]:
     """One scenario in six registers in per-rank orders (shrinking towards the same order)."""
-    return st.integers(0, 5).map(lambda n: n == 5)
+    return st.sampled_from((False,) * 5 + (True,))
 
 
 #: Clipping thresholds, around the gradient norms random scenarios have (measured at step 0: the
@@ -189,8 +189,9 @@ MAX_GRAD_NORMS = (0.5, 2.0, 8.0)
 
 @st.composite
 def _clipping(draw) -> dict:
-    """A quarter of scenarios clip (shrinking towards none that does)."""
-    if draw(st.integers(0, 3)) < 3:
+    """A quarter of scenarios clip (shrinking towards none that does). ``sampled_from``, not
+    ``integers(0, 3) == 3``: Hypothesis favours small integers, which made it ~15 %."""
+    if not draw(st.sampled_from((False, False, False, True))):
         return {}
     return {"max_grad_norm": draw(st.sampled_from(MAX_GRAD_NORMS)),
             "grad_norm_type": draw(st.sampled_from((2.0, math.inf)))}
@@ -198,10 +199,10 @@ def _clipping(draw) -> dict:
 
 @st.composite
 def _checkpoint(draw, steps: int, resume_world_sizes: tuple[int, ...]) -> dict:
-    """A quarter of multi-step scenarios save after a step and resume, at the same world size or
+    """A third of multi-step scenarios save after a step and resume, at the same world size or
     one of ``resume_world_sizes`` (shrinking towards none, then the same W, then the first)."""
     # drawn whatever the steps: shrinking the steps then leaves the later choices in place
-    if not draw(st.sampled_from((False, False, False, True))) or steps < 2:
+    if not draw(st.sampled_from((False, False, True))) or steps < 2:
         return {}
     return {"checkpoint_after": draw(st.integers(0, steps - 2)),
             "resume_world_size": draw(st.one_of(st.none(), st.sampled_from(resume_world_sizes)))}
@@ -218,7 +219,7 @@ def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
     micro-batches, a dtype from ``dtypes`` (float64 by default; ``("float64", "float32")``
     adds float32 at its calibrated tolerance), a bucket-size hint, a seed, in a quarter of
     them gradient clipping (2-norm or inf-norm, :data:`MAX_GRAD_NORMS`), in a sixth of them
-    per-rank registration orders (``rank_orders``), and in a quarter of those with several steps
+    per-rank registration orders (``rank_orders``), and in a third of those with several steps
     a checkpoint round trip, resumed at the same world size or one of ``resume_world_sizes`` (pass
     the world sizes your run allows). Shrinks towards one step of plain SGD on a one-sample batch
     of the simplest model, without clipping or checkpoint, in one registration order.

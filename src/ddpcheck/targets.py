@@ -151,9 +151,11 @@ class TorchFSDPTarget(Target):
 
     # Declined, and what supports() declines besides: see ddpcheck.fsdp_setup (found by trying).
     # Checkpoints too: FSDP2's state dicts hold DTensor shards, which resume through
-    # torch.distributed.checkpoint, not the default hooks' rank-0 state_dict.
+    # torch.distributed.checkpoint, not the default hooks' rank-0 state_dict. And per-rank
+    # registration orders: fully_shard packs each module's parameters into its all-gather buffer
+    # in registration order, which torch requires to be the same on every rank (as DDP does).
     supported_features = frozenset(FEATURES) - {"non-contiguous", "unused-on-some-ranks",
-                                                "checkpoint"}
+                                                "checkpoint", "rank-orders"}
 
     def configure(self, scenario: Any) -> "Target":
         if self.reshard_after_forward is not None:
