@@ -287,8 +287,8 @@ def by_name(name: str) -> Mutant:
 
 def stale_overrides() -> list[str]:
     """Methods a mutant overrides that ``parallel`` (or the target it mutates) no longer has:
-    when a seam is renamed, such a mutant silently stops being a mutant (and "survives"). ``tests/test_mutants.py``
-    requires this to be empty."""
+    when a seam is renamed, such a mutant silently stops being a mutant (and "survives").
+    ``tests/test_mutants.py`` requires this to be empty."""
     stale = []
     for mutant in CATALOGUE:
         if isinstance(mutant.target, TorchFSDPTarget):  # family I: overrides TorchFSDPTarget's
