@@ -301,9 +301,10 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
         ``load_state_dict()`` or ``add_param_group()`` makes the gathered copy stale (dropped).
         """
         _checks.check_consolidation_rank(to, self._world_size)
-        index = {id(p): i for i, p in enumerate(self._params())}
-        shards = self._gather_bytes(_to_bytes({index[id(p)]: s for p, s
-                                               in self._inner.state.items() if s}), to)
+        params = self._params()
+        index = {id(p): i for i, p in enumerate(params)}
+        mine = _to_bytes({index[id(p)]: s for p, s in self._inner.state.items() if s})
+        shards = self._gather_bytes(mine.to(params[0].device if params else "cpu"), to)
         self._consolidated_on = to
         self._consolidated = None
         if self._rank == to:
@@ -312,18 +313,16 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
                                   "param_groups": self._packed_groups()}
 
     def _gather_bytes(self, mine: torch.Tensor, to: int) -> list[torch.Tensor]:
-        """Every rank's uint8 buffer, on group rank ``to`` (an empty list elsewhere).
-
-        NOTE: not ``dist.gather_object``: it decodes through numpy, which torch does not require
-        and which is absent on some of our machines. Same two steps: sizes, then padded bytes.
-        """
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self._world_size)]
+        """Every rank's uint8 buffer, on group rank ``to`` (an empty list elsewhere), on ``mine``'s
+        device (NCCL carries only CUDA tensors). NOTE: not ``dist.gather_object``: it decodes
+        through numpy, which torch does not require. Same two steps: sizes, then padded bytes."""
+        sizes = [mine.new_zeros(1, dtype=torch.int64) for _ in range(self._world_size)]
         # all-gather one int64 per rank (its shard's byte count), so `to` can size the buffers
-        dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=self._group)
+        dist.all_gather(sizes, sizes[0].new_tensor([mine.numel()]), group=self._group)
         longest = max(int(s) for s in sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded = mine.new_zeros(longest)
         padded[:mine.numel()] = mine
-        received = ([torch.empty(longest, dtype=torch.uint8) for _ in range(self._world_size)]
+        received = ([mine.new_empty(longest) for _ in range(self._world_size)]
                     if self._rank == to else None)
         # gather every rank's serialized state shard on rank `to` only, now, because the caller
         # is about to save a checkpoint there
@@ -402,7 +401,7 @@ def _to_bytes(obj: Any) -> torch.Tensor:
 def _from_bytes(data: torch.Tensor) -> Any:
     # weights_only=False: the bytes come from our own group's ranks (like gather_object's
     # pickles), and an optimizer's state may hold more than tensors and numbers
-    compact = data.clone()  # its own storage, exactly data.numel() bytes (no numpy needed)
+    compact = data.cpu().clone()  # its own CPU storage of data.numel() bytes (no numpy)
     return torch.load(io.BytesIO(bytes(compact.untyped_storage())), weights_only=False)
 
 

@@ -181,3 +181,17 @@ def test_kept_gradients_do_not_survive_a_checkpoint_in_the_reference_either():
         global_batch=1, reduction="sum", seed=3637, set_to_none=False, checkpoint_after=0,
         resume_world_size=2)
     ddpcheck.check_example(PARALLEL, scenario, 1)
+
+
+def test_optimizer_state_is_loaded_by_name_when_ranks_register_in_other_orders():
+    # A plain optimizer's state_dict pairs state with parameters by position; with per-rank
+    # registration orders the default load_checkpoint must pair it by name (Adam moments of
+    # same-shaped and other-shaped tensors would land on the wrong parameters otherwise).
+    from ddpcheck import targets
+    from ddpcheck.models import Layer, ModelSpec, SpecData
+
+    scenario = ddpcheck.Scenario(ModelSpec(layers=(Layer(), Layer(kind="buffer"), Layer())),
+                                 data=SpecData(4), optimizer=torch.optim.Adam,
+                                 optimizer_kwargs={"lr": 0.01}, global_batch=6, steps=3, seed=9,
+                                 rank_orders=True, checkpoint_after=0, resume_world_size=3)
+    ddpcheck.check_example(targets.PARALLEL_DDP, scenario, 2)

@@ -138,7 +138,7 @@ def test_torchrun_joins_over_gloo_for_cpu_tensors_when_gpus_are_visible(eight_vi
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group",
-                        lambda backend, **kwargs: joined.append((backend, kwargs["device_id"])))
+                        lambda backend, **kwargs: joined.append((backend, kwargs.get("device_id"))))
     assert torchrun.init_world("cpu", None, 30.0) == "gloo"
     assert joined == [("gloo", None)]
     # on CUDA, NCCL with the rank's device (the binding itself needs a real GPU: see below)

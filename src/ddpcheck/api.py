@@ -149,7 +149,8 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
     why = declines(target, scenario, world_size)
     if why is not None:  # running it anyway would blame the target for what it never claimed
         raise NothingChecked(f"{type(target).__name__} declines this example: {why}")
-    check_batch_plans(target, scenario, world_size)
+    for size in dict.fromkeys((world_size, scenario.resume_world_size or world_size)):
+        check_batch_plans(target, scenario, size)  # a resumed world's plans too
     if reference is None:
         reference = prepare_reference(scenario)
     # a world that cannot start raises WorldStartError

@@ -110,13 +110,15 @@ def cannot_judge(divergences: list[Divergence]) -> bool:
 
 
 def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
-            target: Any, checks: frozenset = CHECKS, *, earlier_steps: int = 0) -> list[Divergence]:
+            target: Any, checks: frozenset = CHECKS, *, earlier_steps: int = 0,
+            earlier_world_size: int = 1) -> list[Divergence]:
     """Every divergence of the ranks from each other and from the reference (empty: all good).
 
     ``checks`` selects a subset of :data:`CHECKS`. The rows are all the target's fault, or all
     not (:func:`cannot_judge`: the reference went non-finite); see the module's invariant.
-    ``earlier_steps``: steps trained before these records' first (a resumed run; they widen the
-    tolerance as they would have, and the reference is the part from there on)."""
+    ``earlier_steps``: steps trained before these records' first, at ``earlier_world_size`` (a
+    resumed run: they widen the tolerance as they would have -- the state loaded is as far from
+    the reference as that world left it -- and the reference is the part from there on)."""
     checks = validate_checks(checks)
     world_size = len(records)
     replicas, against_ref = "replicas" in checks, "reference" in checks
@@ -125,7 +127,8 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
     # Start: all replicas hold rank 0's initialisation.
     out += _compare_maps("init", world_size, records, lambda r: r.initial, reference.initial,
                          "initial state",
-                         tolerance(reference.compute_dtype, 1, max(earlier_steps - 1, 0)),
+                         tolerance(reference.compute_dtype, earlier_world_size if earlier_steps
+                                   else 1, max(earlier_steps - 1, 0)),
                          replicas, against_ref)
     if out:
         return out
@@ -138,7 +141,8 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
                 return out + wrong
         if unjudgeable and unjudgeable[0].step == step:
             return unjudgeable  # nothing from here on can be judged
-        tol = tolerance(reference.compute_dtype, world_size, earlier_steps + step)
+        tol = tolerance(reference.compute_dtype, max(world_size, earlier_world_size),
+                        earlier_steps + step)
         found = []
         for kind, field in (("gradient", "grads"), ("parameter", "params"),
                             ("buffer", "buffers")):

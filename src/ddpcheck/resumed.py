@@ -36,7 +36,8 @@ def compare_resumed(parts: tuple[list, list], reference: Reference, scenario: Sc
     last = reference.steps[saved_at]
     rest = dataclasses.replace(reference, initial={**last.params, **last.buffers},
                                steps=reference.steps[saved_at + 1:])
-    rows = compare(after, rest, scenario, target, checks, earlier_steps=saved_at + 1)
+    rows = compare(after, rest, scenario, target, checks, earlier_steps=saved_at + 1,
+                   earlier_world_size=len(before))
     return [_renumbered(row, saved_at + 1) for row in rows]
 
 

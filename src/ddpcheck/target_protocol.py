@@ -179,6 +179,7 @@ class Target:
         if dist.get_rank() != 0:
             return None
         return {"model": module.state_dict(), "optimizer": optimizer.state_dict(),
+                "optimizer_names": _names_by_group(module, optimizer),
                 "scheduler": None if scheduler is None else scheduler.state_dict()}
 
     def load_checkpoint(self, checkpoint: Any, module: Any, model: Any, optimizer: Any,
@@ -189,10 +190,13 @@ class Target:
 
         Default: the module strictly (in place, so the wrapper and the optimizer keep their
         parameters; every rank loads the same weights, so no broadcast is needed), then the
-        optimizer (a sharded one keeps the state of the parameters it owns in this world) and
-        the scheduler."""
+        optimizer (a sharded one keeps the state of the parameters it owns in this world;
+        state is paired with parameters by name, since ranks may register them in other orders)
+        and the scheduler."""
         module.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        optimizer.load_state_dict(_in_this_rank_order(
+            checkpoint["optimizer"], checkpoint.get("optimizer_names"),
+            _names_by_group(module, optimizer)))
         if scheduler is not None:
             scheduler.load_state_dict(checkpoint["scheduler"])
 
@@ -316,3 +320,31 @@ def _method(model: Any, name: str, field: str) -> Any:
         raise AttributeError(f"Target.from_wrappers({field}={name!r}): the wrapped model "
                              f"{type(model).__name__} has no method {name!r}")
     return method
+
+
+def _names_by_group(module: Any, optimizer: Any) -> list[list[str]] | None:
+    """Each param group's parameter names, in the order the optimizer lists them; None when it
+    has no plain ``param_groups`` or lists a parameter the module does not name."""
+    named = {id(p): n for n, p in module.named_parameters()}
+    try:
+        return [[named[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    except (AttributeError, KeyError, TypeError):
+        return None
+
+
+def _in_this_rank_order(saved: dict, saved_names: Any, mine: Any) -> dict:
+    """``saved`` (an optimizer ``state_dict``: state by position) with each group's positions
+    put in this rank's parameter order. ``load_state_dict`` pairs positions with parameters, and
+    a rank may register its parameters in another order than rank 0 (``Scenario.rank_orders``);
+    unchanged when the orders agree or the names cannot be matched."""
+    if saved_names is None or mine is None or saved_names == mine or not isinstance(saved, dict):
+        return saved
+    groups = saved.get("param_groups")
+    if groups is None or len(groups) != len(mine) or any(
+            sorted(a) != sorted(b) for a, b in zip(saved_names, mine)):
+        return saved
+    reordered = []
+    for group, names, my_names in zip(groups, saved_names, mine):
+        position = dict(zip(names, group["params"]))
+        reordered.append({**group, "params": [position[name] for name in my_names]})
+    return {**saved, "param_groups": reordered}

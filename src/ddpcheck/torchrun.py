@@ -248,5 +248,5 @@ def init_world(device: str, backend: str | None, deadline: float) -> str:
         return dist.get_backend()
     dist.init_process_group(chosen, init_method="env://",
                             timeout=datetime.timedelta(seconds=deadline),
-                            device_id=placed if chosen == "nccl" else None)
+                            **({"device_id": placed} if chosen == "nccl" else {}))
     return chosen

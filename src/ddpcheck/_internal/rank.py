@@ -87,8 +87,9 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=STARTUP_DEADLINE),
-            # NCCL: create the communicator now, inside the start-up deadline
-            device_id=placed if backend == "nccl" else None,
+            # NCCL: create the communicator now, inside the start-up deadline (the keyword only
+            # there: torch before 2.3 has no device_id)
+            **({"device_id": placed} if backend == "nccl" else {}),
         )
         comm.install()
         # The first optimizer a process builds imports torch._dynamo (seconds); pay that here,
