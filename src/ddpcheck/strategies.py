@@ -258,13 +258,15 @@ _LAYERS = {"unused-everywhere": Layer(use="never"), "unused-on-some-ranks": Laye
 
 
 def exercising(feature: str, *, world_size: int, dtypes: Sequence[str] | None = None,
-               without: Iterable[str] = ()) -> st.SearchStrategy[Scenario]:
+               without: Iterable[str] = (),
+               resume_world_sizes: Sequence[int] | None = None) -> st.SearchStrategy[Scenario]:
     """:func:`scenarios` made to exercise ``feature`` (of ``ddpcheck.features.FEATURES``) at
     ``world_size``: the model gets the layer that produces it (a never-used, sample-gated, frozen,
     reused, buffer, float32 or transposed layer), or the scenario the field (micro-batches, param
     groups, LR decay, kept gradients, clipping, per-rank orders, a checkpoint resumed at W or
-    W' <= 3, a batch not divisible by W, few samples per rank); nothing
-    in ``without`` is generated. Shrinks towards the simplest scenario that still has it.
+    one of ``resume_world_sizes`` -- default 1..W, which fit wherever W does, GPUs included --
+    a batch not divisible by W, few samples per rank); nothing in ``without`` is generated.
+    Shrinks towards the simplest scenario that still has it.
 
     ``unused-on-some-ranks`` depends on the data (whether some rank's samples all skip the
     layer) and cannot happen at W=1, nor ``uneven-batches``: check ``feature in
@@ -280,8 +282,10 @@ def exercising(feature: str, *, world_size: int, dtypes: Sequence[str] | None = 
     model = models(mixed_dtypes=True, without=without)
     if feature in _LAYERS:
         model = st.builds(_with_layer, model, st.just(_LAYERS[feature]), st.integers(0, 5))
-    drawn = scenarios(models=model, dtypes=dtypes, without=without, world_size=world_size)
-    return _forced(drawn, feature, world_size, "uneven-batches" in without)
+    resumes = tuple(resume_world_sizes or range(1, world_size + 1))
+    drawn = scenarios(models=model, dtypes=dtypes, without=without, world_size=world_size,
+                      resume_world_sizes=resumes)
+    return _forced(drawn, feature, world_size, "uneven-batches" in without, resumes)
 
 
 def _with_layer(spec: ModelSpec, layer: Layer, index: int) -> ModelSpec:
@@ -294,7 +298,7 @@ def _with_layer(spec: ModelSpec, layer: Layer, index: int) -> ModelSpec:
 
 
 @st.composite
-def _forced(draw, drawn, feature, world_size, even_batches):
+def _forced(draw, drawn, feature, world_size, even_batches, resumes):
     s = draw(drawn)
     change = {}
     if feature == "accumulation":
@@ -313,7 +317,7 @@ def _forced(draw, drawn, feature, world_size, even_batches):
     elif feature == "checkpoint" and s.checkpoint_after is None:
         change["steps"] = max(s.steps, 2)
         change["checkpoint_after"] = draw(st.integers(0, change["steps"] - 2))
-        change["resume_world_size"] = draw(st.one_of(st.none(), st.integers(1, 3)))
+        change["resume_world_size"] = draw(st.one_of(st.none(), st.sampled_from(resumes)))
     elif feature == "uneven-batches" and world_size > 1 and s.global_batch % world_size == 0:
         change["global_batch"] = s.global_batch - 1  # >= W - 1 >= 1, and not a multiple of W
     elif feature == "unused-on-some-ranks":  # few samples per rank: some rank skips the layer
