@@ -199,23 +199,25 @@ def plan_for(hook: Callable[[GlobalBatch], Any], batch: GlobalBatch,
              who: str = "Target.shard_batch") -> BatchPlan:
     """``hook(batch)``, checked: an :class:`InvalidArgument` naming the rank and the step when the
     hook raises or its answer is not a plan of this batch's samples."""
-    where = (f"{who} at step {batch.step} for rank {batch.rank} "
-             f"(W={batch.world_size}, B={batch.size})")
+    def where() -> str:  # built on failure only: this runs every step of every rank
+        return f"{who} at step {batch.step} for rank {batch.rank} (W={batch.world_size}, " \
+               f"B={batch.size})"
+
     try:
         plan = hook(batch)
     except InvalidArgument as exc:
-        raise InvalidArgument(f"{where}: {exc}") from exc
+        raise InvalidArgument(f"{where()}: {exc}") from exc
     except Exception as exc:
-        raise InvalidArgument(f"{where} raised {type(exc).__name__}: {exc}; the hook must return "
-                              "a ddpcheck.batches.BatchPlan for any global batch") from exc
+        raise InvalidArgument(f"{where()} raised {type(exc).__name__}: {exc}; the hook must "
+                              "return a ddpcheck.batches.BatchPlan for any global batch") from exc
     if not isinstance(plan, BatchPlan):
-        raise InvalidArgument(f"{where} returned {type(plan).__name__} {plan!r:.80}, not a "
+        raise InvalidArgument(f"{where()} returned {type(plan).__name__} {plan!r:.80}, not a "
                               "ddpcheck.batches.BatchPlan(micro_batches, scales)")
     for m, micro_batch in enumerate(plan.micro_batches):
         bad = [i for i in micro_batch if not 0 <= i < batch.size]
         if bad:
-            raise InvalidArgument(f"{where}: micro-batch {m} holds sample index {bad[0]}, outside "
-                                  f"the global batch's 0..{batch.size - 1}")
+            raise InvalidArgument(f"{where()}: micro-batch {m} holds sample index {bad[0]}, "
+                                  f"outside the global batch's 0..{batch.size - 1}")
     return plan
 
 

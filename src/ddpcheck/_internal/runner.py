@@ -73,8 +73,9 @@ def run_example(target: Any, scenario: Scenario, *, part: str = "whole",
         permute_registration(module, scenario.seed + ORDER_SEED_STRIDE * (rank + 1))
     model = target.wrap(module)
     names = {p: n for n, p in module.named_parameters()}  # after wrap: FSDP2 replaces them
-    with recorder.paused():  # the harness's own gathers of sharded tensors are not the target's
-        initial = initial_state(module, target.full_tensor)
+    if part != "resumed":  # (a resumed run records what it loaded instead, below)
+        with recorder.paused():  # the harness's own gathers of sharded tensors aren't the target's
+            initial = initial_state(module, target.full_tensor)
     optimizer = make_optimizer(target, model, make_param_groups(scenario, module), scenario)
     scheduler = make_scheduler(scenario, optimizer)
     steps_run = range(scenario.steps)
