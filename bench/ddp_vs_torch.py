@@ -8,7 +8,7 @@ Prints (not a test, no assertion):
    -- on the same 16.8 M-parameter MLP stack, gloo, W=2, in the same world. Repetitions
    interleave the variants (rotating which goes first) and each repetition's time is the slower
    rank's; the figure is the median of per-repetition ratios (ours / torch's). Target: <= 1.0.
-2. the overlap, from a ``ddpcheck.trace`` recording of one parallel.DDP step: when each bucket's
+2. the overlap, from a ``ddpcheck._internal.runs.trace`` recording of one parallel.DDP step: when each bucket's
    all-reduce was launched and completed, against the end of backward.
 
 Run: ``python bench/ddp_vs_torch.py [repetitions]`` (about a minute on 2 cores);
@@ -123,7 +123,7 @@ def _rank_profile(steps: int) -> str:
 
 
 def step_time(repetitions: int, device: str = "cpu") -> None:
-    from ddpcheck._internal.world import get_world
+    from ddpcheck._internal.world.worlds import get_world
 
     world = get_world(2, device=device)
     per_rank = world.run(_rank_time, repetitions, deadline=600)
@@ -146,8 +146,8 @@ def step_time(repetitions: int, device: str = "cpu") -> None:
 def overlap(device: str = "cpu") -> None:
     from ddpcheck.scenario import Scenario
     from ddpcheck.targets import PARALLEL_DDP
-    from ddpcheck.trace import record_step
-    from ddpcheck._internal.world import get_world
+    from ddpcheck._internal.runs.trace import record_step
+    from ddpcheck._internal.world.worlds import get_world
 
     scenario = Scenario(model=BenchMLP, data=bench_data, dtype="float32", global_batch=2 * BATCH,
                         steps=1)
@@ -191,7 +191,7 @@ if __name__ == "__main__":
               f"(NCCL, one rank per GPU) and this machine has {gpus}")
         sys.exit(0)
     if "--profile" in args:
-        from ddpcheck._internal.world import get_world
+        from ddpcheck._internal.world.worlds import get_world
 
         print(get_world(2, device=device).run(_rank_profile, 20, deadline=600)[0])
     else:

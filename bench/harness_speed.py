@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 
 from ddpcheck import targets, zoo
-from ddpcheck.api import check_example, prepare_reference
-from ddpcheck._internal.runner import run_example
+from ddpcheck import check_example
+from ddpcheck._internal.runs.example import prepare_reference
+from ddpcheck._internal.rank.runner import run_example
 from ddpcheck.scenario import Scenario
-from ddpcheck._internal.world import World, get_world, shutdown_worlds
+from ddpcheck._internal.world.worlds import World, get_world, shutdown_worlds
 
 SCENARIOS = [Scenario(zoo.MLP, global_batch=8, steps=1, seed=s) for s in range(3)] + [
     Scenario(zoo.Tied, global_batch=7, steps=1, seed=3)]
@@ -58,14 +59,14 @@ def _replay_collectives(calls: list[tuple], repeats: int) -> list[float]:
 
 
 def _collectives_of_one_example(world_size: int, scenario: Scenario) -> list[tuple]:
-    from ddpcheck._internal import recorder as comm
+    from ddpcheck._internal.rank import recorder as comm
 
     records = get_world(world_size).run(_run_and_log, TARGET, scenario)
     return records[0]
 
 
 def _run_and_log(target, scenario):
-    from ddpcheck._internal import recorder as comm
+    from ddpcheck._internal.rank import recorder as comm
 
     comm.reset()
     run_example(target, scenario)

@@ -38,9 +38,10 @@ from parallel import DDP, ShardedOptimizer  # noqa: E402
 
 from ddpcheck import batches, targets, zoo  # noqa: E402
 from ddpcheck.features import FEATURES, declines, of  # noqa: E402
-from ddpcheck.api import check_example, prepare_reference  # noqa: E402
+from ddpcheck import check_example
+from ddpcheck._internal.runs.example import prepare_reference  # noqa: E402
 from ddpcheck.scenario import Scenario  # noqa: E402
-from ddpcheck._internal.world import shutdown_worlds  # noqa: E402
+from ddpcheck._internal.world.worlds import shutdown_worlds  # noqa: E402
 
 MODELS = [zoo.MLP, zoo.Tied, zoo.SampleBranch, zoo.UnusedAndFrozen, zoo.WithBuffers,
           zoo.NonContiguous, zoo.MixedPrecision]

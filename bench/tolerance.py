@@ -1,4 +1,4 @@
-"""Calibration of the oracle's tolerance table (``ddpcheck.tolerances.TOLERANCES``).
+"""Calibration of the oracle's tolerance table (``ddpcheck._internal.oracle.tolerances.TOLERANCES``).
 
 Runs correct targets on random scenarios (``ddpcheck.strategies``) in float64 and float32, and
 prints, per dtype and world size, how much of the tolerance the worst rounding difference used:
@@ -25,9 +25,9 @@ from hypothesis import strategies as st  # noqa: E402
 from ddpcheck import strategies as dst  # noqa: E402
 from ddpcheck import targets  # noqa: E402
 from ddpcheck.features import declines  # noqa: E402
-from ddpcheck.oracle import reference_run, scaled_atol, tolerance  # noqa: E402
-from ddpcheck._internal.runner import run_example  # noqa: E402
-from ddpcheck._internal.world import get_world, shutdown_worlds  # noqa: E402
+from ddpcheck._internal.oracle.compare import reference_run, scaled_atol, tolerance  # noqa: E402
+from ddpcheck._internal.rank.runner import run_example  # noqa: E402
+from ddpcheck._internal.world.worlds import get_world, shutdown_worlds  # noqa: E402
 
 TARGETS = (targets.PARALLEL, targets.TORCH_DDP)
 

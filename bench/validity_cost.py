@@ -1,4 +1,4 @@
-"""What scenario validity (``ddpcheck.validity.check_scenario``) adds to each random example.
+"""What scenario validity (``ddpcheck._internal.oracle.judgeable.check_scenario``) adds to each random example.
 
 Draws the random scenarios ``ddpcheck check`` fuzzes with (``strategies.scenarios`` over
 mixed-dtype models), then prints, per scenario, the parent's CPU time of ``check_scenario`` and
@@ -20,10 +20,11 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from ddpcheck import strategies as dst, targets, validity  # noqa: E402
-from ddpcheck.api import check_example  # noqa: E402
-from ddpcheck.oracle import reference_run  # noqa: E402
-from ddpcheck._internal.world import get_world, shutdown_worlds  # noqa: E402
+from ddpcheck import strategies as dst, targets
+from ddpcheck._internal.oracle import judgeable as validity  # noqa: E402
+from ddpcheck import check_example  # noqa: E402
+from ddpcheck._internal.oracle.compare import reference_run  # noqa: E402
+from ddpcheck._internal.world.worlds import get_world, shutdown_worlds  # noqa: E402
 
 
 def _scenarios(n: int) -> list:

@@ -12,7 +12,7 @@ from hypothesis import assume, given
 
 from ddpcheck import features, targets
 from ddpcheck import strategies as dst
-from ddpcheck.api import check_example
+from ddpcheck import check_example
 
 TARGETS = {"PARALLEL": targets.PARALLEL, "TORCH_DDP": targets.TORCH_DDP,
            "TORCH_ZERO": targets.TORCH_ZERO}

@@ -14,7 +14,7 @@ import ddpcheck
 import parallel
 from ddpcheck import features, targets
 from ddpcheck import strategies as dst
-from ddpcheck.fuzz import fuzz
+from ddpcheck._internal.runs.fuzz import fuzz
 
 # ---------------------------------------------------------------------------------------------
 # Implementations "from elsewhere", written as their authors would, and their targets
@@ -114,7 +114,7 @@ def test_a_loop_hook_left_out_is_the_targets_fault():
 
 
 def test_factory_targets_replay_by_their_module_name():
-    from ddpcheck.replay import target_spec
+    from ddpcheck._internal.runs.replay import target_spec
 
     assert target_spec(RESET_AFTER_STEP) == "tests.test_anyones_code:RESET_AFTER_STEP"
 

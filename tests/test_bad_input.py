@@ -21,7 +21,8 @@ from torch import nn
 
 import ddpcheck
 from ddpcheck import cli, targets
-from ddpcheck._internal.world import get_world
+from ddpcheck.errors import ExitCode
+from ddpcheck._internal.world.worlds import get_world
 from parallel import DDP, InvalidArgument, ShardedOptimizer
 
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +206,7 @@ def test_command_line_errors_exit_2_naming_the_argument(argv, message, capsys):
     except SystemExit as exc:  # argparse's own errors
         status = exc.code
     err = capsys.readouterr().err
-    assert status == cli.EXIT_USAGE, err
+    assert status == ExitCode.SETUP, err
     assert message in err, err
     assert "Traceback" not in err
 

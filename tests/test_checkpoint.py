@@ -19,7 +19,7 @@ from ddpcheck import strategies as dst
 from ddpcheck.battery import BATTERY
 from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked
 from ddpcheck.mutation import catalogue
-from ddpcheck.replay import from_repr
+from ddpcheck._internal.runs.replay import from_repr
 from ddpcheck.targets import PARALLEL, TORCH_DDP, TORCH_ZERO, ParallelTarget
 
 RESUME = dict(BATTERY)["checkpoint-resume"]  # Adam, two param groups, ExponentialLR, 3 steps

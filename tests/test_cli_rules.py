@@ -17,7 +17,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from ddpcheck._internal.world import get_world
+from ddpcheck._internal.world.worlds import get_world
 from ddpcheck.cli import main
 
 RULE = "ddpcheck fuzz-rule tests.test_cli_rules"

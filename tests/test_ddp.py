@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpcheck._internal.world import get_world
+from ddpcheck._internal.world.worlds import get_world
 from parallel import DDP, InvalidArgument
 
 WORLD_SIZES = (1, 2, 3, 4)

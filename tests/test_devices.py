@@ -22,14 +22,15 @@ import torch.distributed as dist
 
 import ddpcheck
 from ddpcheck import targets
-from ddpcheck._internal import devices, world as world_module
+from ddpcheck._internal import devices
+from ddpcheck._internal.world import worlds as world_module
 from ddpcheck._internal.devices import backend_for, check_fits
-from ddpcheck._internal.runner import run_example_packed
-from ddpcheck._internal.transport import unpack
-from ddpcheck._internal.world import World, get_world
-from ddpcheck.api import check_example
-from ddpcheck.fuzz import fuzz
-from ddpcheck.replay import replay_command
+from ddpcheck._internal.rank.runner import run_example_packed
+from ddpcheck._internal.rank.transport import unpack
+from ddpcheck._internal.world.worlds import World, get_world
+from ddpcheck import check_example
+from ddpcheck._internal.runs.fuzz import fuzz
+from ddpcheck._internal.runs.replay import replay_command
 from ddpcheck.scenario import Scenario
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,7 +132,7 @@ def test_worlds_are_kept_per_device(monkeypatch):
 
 def test_torchrun_joins_over_gloo_for_cpu_tensors_when_gpus_are_visible(eight_visible_gpus,
                                                                        monkeypatch):
-    from ddpcheck import torchrun
+    from ddpcheck._internal.runs import torchrun
 
     joined = []
     monkeypatch.setattr(devices, "_rank_device", None)  # restored: this process is no rank
@@ -219,7 +220,7 @@ def test_replay_lines_name_the_device_only_when_it_is_not_the_cpu():
     assert "--device" not in cpu and "--backend" not in cpu
     cuda = replay_command(targets.LOCAL, SMALL, 2, device="cuda", backend="gloo")
     assert " --world-size 2 --device cuda --backend gloo --scenario " in cuda
-    from ddpcheck._internal.cli_parser import build_parser
+    from ddpcheck.cli import build_parser
 
     args = build_parser().parse_args(shlex.split(cuda)[3:])
     assert (args.device, args.backend, args.world_size) == ("cuda", "gloo", 2)

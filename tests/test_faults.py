@@ -30,9 +30,9 @@ import torch.distributed as dist
 
 import ddpcheck
 from ddpcheck import targets
-from ddpcheck.api import check_example
+from ddpcheck import check_example
 from ddpcheck.scenario import Scenario
-from ddpcheck._internal.world import get_world
+from ddpcheck._internal.world.worlds import get_world
 
 DEADLINE = 3.0
 #: One step, so "after the last collective" is literal; one bucket per parameter, so buckets are
@@ -461,7 +461,7 @@ def test_ctrl_c_of_ddpcheck_check_leaves_no_process(tmp_path):
 
 def test_ctrl_c_of_a_pytest_run_leaves_no_process(tmp_path):
     (tmp_path / "test_busy.py").write_text(textwrap.dedent(f"""
-        from ddpcheck.api import check_example
+        from ddpcheck import check_example
         from ddpcheck.scenario import Scenario
         from tests.test_faults import BusyTarget
 
@@ -480,7 +480,7 @@ def test_ctrl_c_of_a_pytest_run_leaves_no_process(tmp_path):
 def test_ctrl_c_of_a_pytest_xdist_run_leaves_no_process(tmp_path):
     (tmp_path / "test_busy.py").write_text(textwrap.dedent(f"""
         import pytest
-        from ddpcheck.api import check_example
+        from ddpcheck import check_example
         from ddpcheck.scenario import Scenario
         from tests.test_faults import BusyTarget
 

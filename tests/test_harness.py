@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 import ddpcheck
 from ddpcheck import targets, zoo
-from ddpcheck.api import check_example
-from ddpcheck.replay import from_repr
+from ddpcheck import check_example
+from ddpcheck._internal.runs.replay import from_repr
 from ddpcheck.scenario import Scenario
-from ddpcheck._internal.world import get_world
+from ddpcheck._internal.world.worlds import get_world
 
 ALL_SIZES = (1, 2, 3, 4)
 
@@ -208,7 +208,7 @@ def test_no_rank_outlives_its_harness_process(tmp_path):
     script.write_text(textwrap.dedent("""
         import ddpcheck
         from ddpcheck import targets
-        from ddpcheck._internal.world import get_world
+        from ddpcheck._internal.world.worlds import get_world
         if __name__ == "__main__":
             ddpcheck.assert_equivalent(targets.PARALLEL, world_sizes=(2,))
             print(" ".join(map(str, get_world(2).pids)), flush=True)
@@ -228,7 +228,7 @@ def test_ranks_die_with_a_killed_harness(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent("""
         import time
-        from ddpcheck._internal.world import get_world
+        from ddpcheck._internal.world.worlds import get_world
         if __name__ == "__main__":
             print(" ".join(map(str, get_world(2).pids)), flush=True)
             time.sleep(600)

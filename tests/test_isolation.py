@@ -1,5 +1,5 @@
-"""Isolation between examples, start-up and shutdown hygiene (``ddpcheck._internal.fitness``,
-``ddpcheck._internal.janitor``, ``world._refuse_nested_start``).
+"""Isolation between examples, start-up and shutdown hygiene (``ddpcheck._internal.rank.fitness``,
+``ddpcheck._internal.world.janitor``, ``world._refuse_nested_start``).
 
 A target that leaves its rank processes unfit for the next example is the one blamed ("rank left
 unfit", naming what changed), and the next, correct example runs in a fresh world. A script that
@@ -26,10 +26,10 @@ import torch.distributed as dist
 
 import ddpcheck
 from ddpcheck import targets
-from ddpcheck.api import check_example
+from ddpcheck import check_example
 from ddpcheck.scenario import Scenario
-from ddpcheck._internal import rank as rank_module
-from ddpcheck._internal.world import get_world
+from ddpcheck._internal.rank import serve as rank_module
+from ddpcheck._internal.world.worlds import get_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIO = Scenario(steps=1)
@@ -113,7 +113,7 @@ CONTAMINATIONS = {
 
 
 def _fd_count():
-    from ddpcheck._internal import fitness
+    from ddpcheck._internal.rank import fitness
 
     return fitness.baseline().fds
 
@@ -142,7 +142,7 @@ def test_the_fitness_check_is_cheap():
 
 
 def _fitness_check_seconds(n=500):
-    from ddpcheck._internal import fitness, recorder
+    from ddpcheck._internal.rank import fitness, recorder
 
     base = fitness.baseline(tuple(recorder.wrapped()))
     started = time.perf_counter()

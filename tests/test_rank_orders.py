@@ -19,14 +19,14 @@ from hypothesis import strategies as st
 
 import ddpcheck
 from ddpcheck import features, strategies as dst, targets, zoo
-from ddpcheck._internal.rank_orders import permute_registration
-from ddpcheck._internal.runner import run_example
-from ddpcheck._internal.world import get_world
-from ddpcheck.api import check_example
+from ddpcheck._internal.rank.orders import permute_registration
+from ddpcheck._internal.rank.runner import run_example
+from ddpcheck._internal.world.worlds import get_world
+from ddpcheck import check_example
 from ddpcheck.battery import BATTERY
 from ddpcheck.models import KINDS, Layer, ModelSpec, SpecData
 from ddpcheck.mutation.catalogue import by_name
-from ddpcheck.reference import reference_run
+from ddpcheck._internal.oracle.reference import reference_run
 from ddpcheck.scenario import build_model
 from parallel import DDP, ShardedOptimizer
 

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, find, given, settings
 import ddpcheck
 from ddpcheck import strategies as dst
 from ddpcheck import targets
-from ddpcheck.api import check_example
+from ddpcheck import check_example
 from ddpcheck.models import Layer, ModelSpec
-from ddpcheck.replay import from_repr
+from ddpcheck._internal.runs.replay import from_repr
 from ddpcheck.scenario import build_model
 
 FAST = settings(max_examples=25, deadline=None, database=None, derandomize=True,

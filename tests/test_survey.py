@@ -19,7 +19,7 @@ from ddpcheck import features, targets
 from ddpcheck import strategies as dst
 from ddpcheck.battery import BATTERY
 from ddpcheck.cli import main
-from ddpcheck.surveys import Survey
+from ddpcheck._internal.runs.survey import Survey
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,4 +134,4 @@ def test_nothing_ran_is_exit_3_and_the_help_states_the_exit_codes(capsys, tmp_pa
         main(["survey", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "0 every cell that ran passed; 1 some cell failed" in text and "3 no cell ran" in text
-    assert ddpcheck.survey.__module__ == "ddpcheck.surveys"
+    assert ddpcheck.survey.__module__ == "ddpcheck._internal.runs.survey"

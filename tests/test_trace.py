@@ -8,9 +8,10 @@ from collections import Counter
 import pytest
 
 from ddpcheck import cli
+from ddpcheck.errors import ExitCode
 from ddpcheck.targets import PARALLEL, PARALLEL_DDP
-from ddpcheck.trace import TRACE_SCENARIO, chrome_trace, overlap, record_step
-from ddpcheck._internal.world import get_world
+from ddpcheck._internal.runs.trace import TRACE_SCENARIO, chrome_trace, overlap, record_step
+from ddpcheck._internal.world.worlds import get_world
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def test_sharded_optimizer_step_is_traced():
 
 def test_cli_writes_a_loadable_trace(tmp_path, capsys):
     out = tmp_path / "trace.json"
-    assert cli.main(["trace", "--world-size", "2", "-o", str(out)]) == cli.EXIT_OK
+    assert cli.main(["trace", "--world-size", "2", "-o", str(out)]) == ExitCode.OK
     events = json.loads(out.read_text())["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1}
     assert "first async all-reduce launched" in capsys.readouterr().out
@@ -92,5 +93,5 @@ def test_cli_writes_a_loadable_trace(tmp_path, capsys):
 ])
 def test_cli_usage_errors_exit_2(tmp_path, capsys, argv, message):
     argv = [a.format(tmp=tmp_path) for a in argv]
-    assert cli.main(argv) == cli.EXIT_USAGE
+    assert cli.main(argv) == ExitCode.SETUP
     assert message in capsys.readouterr().err

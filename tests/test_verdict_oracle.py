@@ -1,8 +1,8 @@
 """Verdicts that mean what they say: the oracle's comparisons on hand-built records.
 
-Everything here but the last test calls :func:`ddpcheck.oracle.compare` directly on
+Everything here but the last test calls :func:`ddpcheck._internal.oracle.compare.compare` directly on
 ``RankRecord``/``StepRecord`` objects built by hand (no worlds, no processes). The invariant under
-test (``ddpcheck.oracle``'s docstring): replicas are compared by their raw bits, NaN payloads
+test (``ddpcheck._internal.oracle.compare``'s docstring): replicas are compared by their raw bits, NaN payloads
 included; NaN/inf on a rank where the reference is finite is the target's fault; NaN/inf that the
 reference produces itself make the scenario unjudgeable, which is never the target's fault; and
 every named check runs on every rank.
@@ -15,11 +15,11 @@ import torch
 
 from ddpcheck import targets, zoo
 from ddpcheck._internal.records import RankRecord, StepRecord
-from ddpcheck._internal.validation import InvalidArgument
+from ddpcheck.errors import InvalidArgument
 from ddpcheck.errors import EquivalenceError
-from ddpcheck.oracle import (CHECKS, NON_FINITE, bitwise_equal, cannot_judge, compare,
+from ddpcheck._internal.oracle.compare import (CHECKS, NON_FINITE, bitwise_equal, cannot_judge, compare,
                              validate_checks)
-from ddpcheck.reference import Reference
+from ddpcheck._internal.oracle.reference import Reference
 from ddpcheck.scenario import Scenario
 
 NAN = float("nan")
@@ -213,7 +213,7 @@ def test_validate_checks_accepts():
 
 def test_check_example_validates_checks_before_anything_runs():
     with pytest.raises(InvalidArgument, match="is a string"):
-        from ddpcheck.api import check_example
+        from ddpcheck import check_example
 
         check_example(targets.TORCH_DDP, Scenario(zoo.MLP), 2, checks="replicas")
 
@@ -244,7 +244,7 @@ def test_torch_ddp_on_an_overflowing_scenario_is_not_blamed():
     """lr=1e200 sends the reference itself to NaN at step 1: nobody's bug. The verdict is a
     ScenarioError naming the step (exit 2 on the command line), never an EquivalenceError."""
     import ddpcheck
-    from ddpcheck.api import check_example
+    from ddpcheck import check_example
 
     scenario = Scenario(model=zoo.MLP, optimizer_kwargs={"lr": 1e200}, steps=3)
     with pytest.raises(ddpcheck.ScenarioError, match="step 1") as raised:
@@ -268,8 +268,8 @@ def test_the_overflow_replay_line_exits_2_not_1():
 def test_gradients_sent_in_a_wider_dtype_are_not_called_a_double_reduction():
     """float32 gradients promoted by torch.cat into a float64 buffer: as many elements, twice
     the bytes -- its own kind, with the dtypes, not 'reduced more than once'."""
-    from ddpcheck._internal.recorder import Collective
-    from ddpcheck.budget import check_budget
+    from ddpcheck._internal.records import Collective
+    from ddpcheck._internal.oracle.budget import check_budget
 
     def reduce(dtype: str, numel: int) -> Collective:
         return Collective(op="all_reduce", nbytes=numel * (8 if dtype == "float64" else 4),

@@ -19,9 +19,9 @@ import pytest
 
 import ddpcheck
 from ddpcheck import targets, zoo
-from ddpcheck.api import check_example
+from ddpcheck import check_example
 from ddpcheck.cli import resolve_target
-from ddpcheck.replay import evaluate, target_spec
+from ddpcheck._internal.runs.replay import evaluate, target_spec
 from ddpcheck.scenario import Scenario
 from tests import verdict_helpers as h
 
@@ -39,7 +39,7 @@ def _table(text: str) -> list[str]:
 @pytest.fixture
 def no_world(monkeypatch):
     """Fail the test if anything tries to start a world."""
-    from ddpcheck._internal import world
+    from ddpcheck._internal.world import worlds as world
 
     def refuse(*args, **kwargs):
         raise AssertionError("a world was started; the refusal should come first")

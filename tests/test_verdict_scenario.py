@@ -18,12 +18,13 @@ from hypothesis import HealthCheck, given, settings
 
 import ddpcheck
 from ddpcheck import cli, zoo
+from ddpcheck.errors import ExitCode
 from ddpcheck import strategies as dst
-from ddpcheck.api import prepare_reference
+from ddpcheck._internal.runs.example import prepare_reference
 from ddpcheck.battery import BATTERY
-from ddpcheck.replay import from_repr
+from ddpcheck._internal.runs.replay import from_repr
 from ddpcheck.scenario import Scenario
-from ddpcheck.validity import check_scenario
+from ddpcheck._internal.oracle.judgeable import check_scenario
 
 from tests import verdict_helpers as h
 from tests.test_verdict_replay import ROOT
@@ -121,7 +122,7 @@ def test_a_bad_scenario_is_a_scenario_error_naming_the_cause(text, phrases):
 
 @pytest.fixture
 def no_world(monkeypatch):
-    from ddpcheck._internal import world
+    from ddpcheck._internal.world import worlds as world
 
     def refuse(*args, **kwargs):
         raise AssertionError("a world was started for a scenario the oracle cannot judge")
@@ -133,7 +134,7 @@ def no_world(monkeypatch):
 def test_the_command_line_exits_2_with_one_line(no_world, capsys, text, phrases):
     status = cli.main(["replay", "parallel", "--world-size", "2", "--scenario", text])
     captured = capsys.readouterr()
-    assert status == cli.EXIT_USAGE, captured
+    assert status == ExitCode.SETUP, captured
     assert captured.out == ""
     lines = captured.err.splitlines()
     assert len(lines) == 1, captured.err
@@ -167,7 +168,7 @@ def test_every_generated_scenario_passes(scenario):
 
 
 def test_the_probe_leaves_the_random_state_alone_and_runs_once_per_scenario(monkeypatch):
-    from ddpcheck import validity
+    from ddpcheck._internal.oracle import judgeable as validity
 
     scenario = Scenario(zoo.MLP, seed=3)
     torch.manual_seed(123)

@@ -4,8 +4,12 @@ It runs a target (a DDP wrapper, a sharded optimizer, or both) in real multi-pro
 ``torch.distributed`` worlds and checks that every replica stays bitwise identical and that all of
 them match a single-process full-batch reference step.
 
-Names are imported lazily, so ``import ddpcheck.pytest_plugin`` (loaded by every pytest run) and
-the command line's ``--help`` do not import torch.
+This module is the whole public surface: :data:`__all__` lists every public name, and each is
+reachable from a fresh ``import ddpcheck``. Names that need torch (and the public modules
+``batches``, ``battery``, ``features``, ``models``, ``strategies``, ``targets``, ``zoo``) load on
+first use, so ``import ddpcheck.pytest_plugin`` (loaded by every pytest run) and the command
+line's ``--help`` do not import torch; the outcomes and defaults below import nothing heavy.
+Everything under ``ddpcheck._internal`` is private: no stability promise.
 """
 
 from __future__ import annotations
@@ -14,35 +18,48 @@ import importlib
 from typing import Any
 
 from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
-from ddpcheck.errors import (Divergence, EquivalenceError, InvalidArgument, NothingChecked,
-                             ScenarioError, SetupError, WorldStartError)
+from ddpcheck.errors import (DdpcheckError, Divergence, EquivalenceError, ExitCode,
+                             InvalidArgument, NothingChecked, ScenarioError, SetupError,
+                             WorldStartError)
 
 __version__ = "0.1.0"
 
+#: Public names that load on first use, and the module each comes from.
 _LAZY = {
+    "FuzzResult": "ddpcheck._internal.runs.fuzz",
     "Report": "ddpcheck.api",
     "Scenario": "ddpcheck.scenario",
-    "Survey": "ddpcheck.surveys",
+    "Survey": "ddpcheck._internal.runs.survey",
     "Target": "ddpcheck.targets",
+    "World": "ddpcheck._internal.world.worlds",
+    "WorldFailure": "ddpcheck._internal.world.failures",
     "assert_equivalent": "ddpcheck.api",
     "check_example": "ddpcheck.api",
-    "get_world": "ddpcheck._internal.world",
-    "shutdown_worlds": "ddpcheck._internal.world",
-    "survey": "ddpcheck.surveys",
+    "fuzz": "ddpcheck._internal.runs.fuzz",
+    "get_world": "ddpcheck._internal.world.worlds",
+    "shutdown_worlds": "ddpcheck._internal.world.worlds",
+    "survey": "ddpcheck._internal.runs.survey",
 }
+#: The public modules, imported on first use as attributes (``ddpcheck.zoo.MLP``): what a
+#: printed scenario or replay line names evaluates after ``import ddpcheck, torch`` alone.
+_MODULES = ("batches", "battery", "features", "models", "strategies", "targets", "zoo")
 
-__all__ = ["DEFAULT_DEADLINE", "DEFAULT_WORLD_SIZES", "Divergence", "EquivalenceError",
-           "InvalidArgument", "NothingChecked", "ScenarioError", "SetupError", "WorldStartError",
-           "__version__", *_LAZY]
+__all__ = sorted(["DEFAULT_DEADLINE", "DEFAULT_WORLD_SIZES", "DdpcheckError", "Divergence",
+                  "EquivalenceError", "ExitCode", "InvalidArgument", "NothingChecked",
+                  "ScenarioError", "SetupError", "WorldStartError", "__version__", *_LAZY,
+                  *_MODULES])
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'ddpcheck' has no attribute {name!r}")
+    elif name in _MODULES:
+        value = importlib.import_module(f"ddpcheck.{name}")
+    else:
+        raise AttributeError(f"module 'ddpcheck' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted(set(__all__) | set(globals()))

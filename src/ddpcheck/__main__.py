@@ -1,4 +1,4 @@
-"""``python -m ddpcheck`` is the ``ddpcheck`` command."""
+"""``python -m ddpcheck`` is the ``ddpcheck`` command line (``ddpcheck.cli``)."""
 
 import sys
 

@@ -13,7 +13,7 @@ Invariant: the default, :func:`contiguous`, is the batch rule of ``ddpcheck.scen
 contiguous shards as ``torch.tensor_split`` cuts them, each cut into ``accumulation`` micro-batches
 the same way, every scale ``W / B`` (``W`` for ``reduction="sum"``) -- bit for bit.
 
-The oracle (``ddpcheck.sample_weights``) holds every plan to the full-batch objective: summed over
+The oracle (``ddpcheck._internal.oracle.sample_weights``) holds every plan to the full-batch objective: summed over
 ranks and micro-batches, sample i's weight ``(1/W) * sum of the scales of the micro-batches that
 hold it`` (data-parallel code averages gradients over W) must be ``1/B`` (``"mean"``) or ``1``
 (``"sum"``). A plan that weighs a sample otherwise is the target's bug (``EquivalenceError``); a
@@ -31,7 +31,7 @@ import math
 import operator
 from typing import Any, Callable
 
-from ddpcheck._internal.validation import InvalidArgument
+from ddpcheck.errors import InvalidArgument
 
 __all__ = ["BatchPlan", "DistributedSamplerBatches", "GlobalBatch", "check_plans", "contiguous",
            "global_indices", "plan_for", "split", "strided"]

@@ -1,14 +1,22 @@
-"""The ``ddpcheck`` command line.
+"""The ``ddpcheck`` command line: its grammar, and one path from options to an exit status.
 
-Exit status, one meaning each (:data:`EXIT_CODES`): 0 checked and nothing found; 1 a counterexample
-in the target (printed, with its replay line); 2 a usage or set-up error -- anything that is not
-the target's fault (an unimportable module, a world that cannot start or fit the machine, an
-unwritable output, a scenario the oracle cannot judge); 3 nothing was checked (every example
-skipped or declined); 130 interrupted (Ctrl-C), 143 terminated (SIGTERM: every rank process is
-stopped and every world directory removed before exiting). ``MODULE:TARGET`` names a module-level
-attribute importable on ``PYTHONPATH`` (or an expression evaluated in that module, such as
-``mypkg.targets:MyTarget(bucket_size_mb=1)``); the built-in short names are ``parallel``,
-``parallel_ddp``, ``torch_ddp``, ``torch_zero``, ``local``.
+Every command goes the same way (:func:`main`): parse; validate what the commands share before
+anything heavy loads (:func:`_prepare`: the device and GPUs asked for, the world sizes against the
+machine, output paths, then the target or rule named); run the command, which prints its report
+and returns an :class:`~ddpcheck.errors.ExitCode` or raises an outcome; and map every outcome
+to its exit status in one place (:func:`_outcome`), with one line and no traceback for anything
+that is not the target's fault. The exit statuses, one meaning each, are ``ExitCode``'s: 0 checked
+and nothing found; 1 a counterexample in the target (printed with its replay line); 2 a usage or
+set-up error; 3 nothing was checked; 130 interrupted (Ctrl-C), 143 terminated (SIGTERM: every rank
+process is stopped and every world directory removed before exiting).
+
+``MODULE:TARGET`` names a module-level attribute importable on ``PYTHONPATH`` (or an expression
+evaluated in that module, such as ``mypkg.targets:MyTarget(bucket_size_mb=1)``); the built-in
+short names are those of ``ddpcheck.targets.BUILTIN``.
+
+Lazy imports, measured: this module imports neither torch nor Hypothesis, so ``ddpcheck --help``
+and a usage error answer in ~0.1 s instead of ~1.5 s (importing torch); each command imports what
+it runs.
 """
 
 from __future__ import annotations
@@ -16,18 +24,36 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 import time
-from typing import Any
+import warnings
+from typing import Any, Callable
 
-from ddpcheck._internal.cli_parser import build_parser
-from ddpcheck._internal.devices import check_fits
-from ddpcheck._internal.options import DEFAULT_WORLD_SIZES, check_fits_machine
+from ddpcheck._internal.devices import BACKENDS, DEVICES, check_fits
+from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine,
+                                        parse_features, parse_world_sizes)
+from ddpcheck.errors import (DdpcheckError, EquivalenceError, ExitCode, InvalidArgument,
+                             NothingChecked)
 
-EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_NOTHING_CHECKED = 0, 1, 2, 3
+__all__ = ["EXIT_CODES", "SURVEY_EXIT_CODES", "UsageError", "build_parser", "main",
+           "resolve_target"]
+
+#: The exit statuses, as ``--help`` states them (``ddpcheck.errors.ExitCode``).
+EXIT_CODES = (f"exit status: {ExitCode.OK:d} checked, nothing found; {ExitCode.FOUND:d} a "
+              "counterexample in the target (printed with its replay line); "
+              f"{ExitCode.SETUP:d} usage or set-up error, not the target's fault; "
+              f"{ExitCode.NOTHING_CHECKED:d} nothing was checked (every example skipped or "
+              "declined)")
+SURVEY_EXIT_CODES = (f"exit status: {ExitCode.OK:d} every cell that ran passed; "
+                     f"{ExitCode.FOUND:d} some cell failed (each a proven counterexample, with its "
+                     f"replay line); {ExitCode.SETUP:d} usage or set-up error, not the target's "
+                     "fault (a scenario the oracle cannot judge, too); "
+                     f"{ExitCode.NOTHING_CHECKED:d} no cell ran")
 
 
-class UsageError(Exception):
+class UsageError(InvalidArgument):
     """A command-line mistake: printed without a traceback, exit status 2."""
 
 
@@ -36,11 +62,95 @@ class Terminated(KeyboardInterrupt):
     the way out, then :func:`main` stops the others and exits 143."""
 
 
-def _terminate(signum: int, frame: Any) -> None:
-    import signal
+# ---------------------------------------------------------------------------------------------
+# The one path: parse, prepare, run, map the outcome
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return ExitCode.SETUP
+    # SIGTERM unwinds like Ctrl-C while a command runs; a caller of main() gets its handler back.
+    previous = (signal.signal(signal.SIGTERM, _terminate)
+                if threading.current_thread() is threading.main_thread() else None)
+    try:
+        return int(_outcome(args.command, lambda: _COMMANDS[args.command](_prepare(args))))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _outcome(command: str, run: Callable[[], ExitCode]) -> ExitCode:
+    """Run a command and turn whatever it raises into its exit status, one line each."""
+    # torch warns at import when numpy is missing; ddpcheck does not need numpy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    try:
+        return run()
+    except EquivalenceError as exc:  # the target's bug: the table and the replay line
+        print(str(exc))
+        return exc.exit_code
+    except NothingChecked as exc:
+        print(f"ddpcheck {command}: nothing was checked: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except DdpcheckError as exc:
+        print(f"ddpcheck {command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt as exc:
+        from ddpcheck._internal.world.worlds import shutdown_worlds
+
+        shutdown_worlds()
+        if isinstance(exc, Terminated):
+            print("ddpcheck: terminated; every rank process was stopped", file=sys.stderr)
+            return ExitCode.TERMINATED
+        print("ddpcheck: interrupted; every rank process was stopped", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+
+
+def _terminate(signum: int, frame: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends us at once
     raise Terminated()
+
+
+def _prepare(args: argparse.Namespace) -> argparse.Namespace:
+    """What every command shares, checked in this order before anything heavy loads: the device
+    (a machine without the GPUs asked for is told so in seconds), then the target or rule (its
+    import may be slow), the world sizes against the machine, and the output paths."""
+    sizes = _world_sizes_of(args)
+    if getattr(args, "device", None) is not None:
+        check_fits(args.device, sizes, args.backend, flag="--device")
+    if isinstance(getattr(args, "target", None), str):
+        args.target_spec, args.target = args.target, resolve_target(args.target)
+    if getattr(args, "rule", None) is not None:
+        args.rule_spec, args.rule = args.rule, _resolve_rule(args.rule)
+    if not _under_torchrun(args):
+        check_fits_machine(sizes, flag="--world-size" if hasattr(args, "world_size")
+                           else "--world-sizes")
+    for flag in ("json", "output"):
+        if getattr(args, flag, None):
+            _check_writable(getattr(args, flag), "-o" if flag == "output" else f"--{flag}")
+    return args
+
+
+def _world_sizes_of(args: argparse.Namespace) -> tuple[int, ...]:
+    if _under_torchrun(args):
+        from ddpcheck._internal.runs.torchrun import local_world_size
+
+        return (local_world_size(),)
+    if getattr(args, "world_size", None) is not None:
+        return (args.world_size,)
+    if getattr(args, "world_sizes", None) is None and hasattr(args, "world_sizes"):
+        args.world_sizes = DEFAULT_WORLD_SIZES
+    return tuple(getattr(args, "world_sizes", None) or ())
+
+
+def _under_torchrun(args: argparse.Namespace) -> bool:
+    if args.command != "check":
+        return False
+    from ddpcheck._internal.runs.torchrun import under_torchrun
+
+    return under_torchrun()
 
 
 def resolve_target(spec: str) -> Any:
@@ -50,6 +160,14 @@ def resolve_target(spec: str) -> Any:
     if spec in BUILTIN:
         return BUILTIN[spec]
     return _resolve(spec, "target")
+
+
+def _resolve_rule(spec: str) -> Any:
+    rule = _resolve(spec, "rule")
+    if not callable(rule):
+        raise UsageError(f"rule {spec!r} is a {type(rule).__name__}, not a function "
+                         "rule(params, world_size) -> owners")
+    return rule
 
 
 def _resolve(spec: str, what: str) -> Any:
@@ -66,213 +184,13 @@ def _resolve(spec: str, what: str) -> Any:
             where = f" ({exc.filename}, line {exc.lineno})"
         raise UsageError(f"cannot import {module_name!r} for {what} {spec!r}: "
                          f"{type(exc).__name__}: {exc}{where}") from None
-    from ddpcheck.replay import evaluate_in  # the evaluation replay lines are verified against
+    from ddpcheck._internal.runs.replay import evaluate_in  # as replay lines are verified
 
     try:
         return evaluate_in(module, expr)
     except Exception as exc:
         raise UsageError(f"{what} {spec!r}: {expr!r} is not defined in {module_name} "
                          f"({type(exc).__name__}: {exc})") from exc
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return EXIT_USAGE
-    import signal
-    import threading
-
-    # SIGTERM unwinds like Ctrl-C while a command runs; a caller of main() gets its handler back.
-    previous = (signal.signal(signal.SIGTERM, _terminate)
-                if threading.current_thread() is threading.main_thread() else None)
-    try:
-        return _dispatch(args)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-
-
-def _dispatch(args: argparse.Namespace) -> int:
-    import warnings
-
-    # torch warns at import when numpy is missing; ddpcheck does not need numpy.
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    import ddpcheck
-
-    try:
-        if args.command == "check":
-            return _check(args)
-        if args.command == "survey":
-            return _survey(args)
-        if args.command == "replay":
-            return _replay(args)
-        if args.command == "mutants":
-            return _mutants(args)
-        if args.command == "fuzz-rule":
-            return _fuzz_rule(args)
-        if args.command == "trace":
-            return _trace(args)
-    except ddpcheck.NothingChecked as exc:
-        print(f"ddpcheck {args.command}: nothing was checked: {exc}", file=sys.stderr)
-        return EXIT_NOTHING_CHECKED
-    except (UsageError, ddpcheck.InvalidArgument, ddpcheck.SetupError) as exc:
-        print(f"ddpcheck {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt as exc:
-        from ddpcheck._internal.world import shutdown_worlds
-
-        shutdown_worlds()
-        if isinstance(exc, Terminated):
-            print("ddpcheck: terminated; every rank process was stopped", file=sys.stderr)
-            return 143
-        print("ddpcheck: interrupted; every rank process was stopped", file=sys.stderr)
-        return 130
-    raise AssertionError(f"unhandled command {args.command!r}")
-
-
-def _check(args: argparse.Namespace) -> int:
-    import ddpcheck
-
-    from ddpcheck.torchrun import check_in_world, local_world_size, under_torchrun
-
-    # first: a machine without the GPUs asked for is told so in seconds, before the target loads
-    check_fits(args.device, (local_world_size(),) if under_torchrun() else
-               args.world_sizes or DEFAULT_WORLD_SIZES, args.backend, flag="--device")
-    target = resolve_target(args.target)
-    if under_torchrun():  # use the world torchrun built instead of spawning one
-        if os.environ.get("RANK") == "0":
-            # Random examples would need every rank to draw the same ones; the battery is
-            # deterministic. Say so rather than ignore --examples/--seed silently.
-            print("ddpcheck check under torchrun: the built-in battery only; --examples and "
-                  "--seed apply to spawned worlds", file=sys.stderr, flush=True)
-        status = check_in_world(target, deadline=args.deadline, out=sys.stdout,
-                                world_sizes=args.world_sizes, device=args.device,
-                                backend=args.backend)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # Every rank has the same status. os._exit skips gloo's teardown, which races with its
-        # worker threads right after the last collective (docs/platform.md).
-        os._exit(status)
-    from ddpcheck.fuzz import fuzz, terminal_progress
-
-    from ddpcheck import features
-
-    args.world_sizes = args.world_sizes or DEFAULT_WORLD_SIZES
-    without = features.parse(args.without, "--without")
-    dtypes = tuple(sorted(features.parse(args.dtypes, "--dtypes")))
-    if not dtypes or any(d not in ("float64", "float32") for d in dtypes):
-        raise UsageError(f"--dtypes={args.dtypes!r} must name float64, float32 or both")
-    started = time.perf_counter()
-    sizes = ",".join(map(str, args.world_sizes)) + ("" if args.device == "cpu" else
-                                                     f" on {args.device}")
-    check_fits_machine(args.world_sizes)
-    # 1. the built-in battery: representative scenarios, every world size
-    try:
-        report = ddpcheck.assert_equivalent(target, world_sizes=args.world_sizes,
-                                            deadline=args.deadline, without=without,
-                                            device=args.device, backend=args.backend)
-    except ddpcheck.EquivalenceError as exc:
-        print(str(exc))
-        return EXIT_FOUND
-    except ddpcheck.NothingChecked as exc:  # the random examples may still find something
-        battery, declined, exercised = 0, str(exc), set()
-        print(f"battery: nothing checked: {exc}")
-    else:
-        battery, declined, exercised = report.count, "", report.features
-        print(f"battery: {report}")
-    # 2. random examples, shrunk to a minimal counterexample on failure
-    print(f"fuzzing {args.target} with {args.examples} random examples at world sizes {sizes}"
-          f"{'' if args.seed is None else f' (seed {args.seed})'}", flush=True)
-    result = fuzz(target, examples=args.examples, world_sizes=args.world_sizes, seed=args.seed,
-                  deadline=args.deadline, progress=terminal_progress(args.examples),
-                  dtypes=dtypes, without=without, device=args.device, backend=args.backend)
-    if sys.stderr.isatty():
-        sys.stderr.write("\n")
-    if result.found:
-        print(f"counterexample found after {result.first_failure} examples and shrunk "
-              f"({result.examples} examples, {result.seconds:.1f} s):\n")
-        print(str(result.error))
-        return EXIT_FOUND
-    if battery + result.examples == 0:
-        reasons = "; ".join(f"{why} ({n}x)" for why, n in result.declined.items())
-        raise ddpcheck.NothingChecked(
-            f"{args.target} declined every battery scenario ({declined}) and every one of "
-            f"{args.examples} random examples ({reasons or 'no reason given'})")
-    print(f"ddpcheck check {args.target}: nothing found in {battery} battery and "
-          f"{result.examples} random examples, {features.exercised(exercised | result.features)} "
-          f"(wall {time.perf_counter() - started:.1f} s, world start-up included)")
-    return EXIT_OK
-
-
-def _survey(args: argparse.Namespace) -> int:
-    from ddpcheck import features, surveys
-
-    sizes = args.world_sizes or DEFAULT_WORLD_SIZES
-    check_fits(args.device, sizes, args.backend, flag="--device")
-    target = resolve_target(args.target)
-    check_fits_machine(sizes)
-    if args.json:
-        _check_writable(args.json, "--json")
-    return surveys.command(target, args.target, world_sizes=sizes, examples=args.examples,
-                           without=features.parse(args.without, "--without"), seed=args.seed,
-                           deadline=args.deadline, shrink_seconds=args.shrink_seconds,
-                           json_path=args.json, device=args.device, backend=args.backend)
-
-
-def _replay(args: argparse.Namespace) -> int:
-    import ddpcheck
-    from ddpcheck.api import check_example
-    from ddpcheck.replay import from_repr
-
-    check_fits(args.device, (args.world_size,), args.backend, flag="--device")
-    target = resolve_target(args.target)
-    try:
-        scenario = from_repr(args.scenario)
-    except ddpcheck.InvalidArgument as exc:  # e.g. Scenario(steps=0): say which flag held it
-        raise UsageError(f"--scenario {args.scenario!r}: {exc}") from exc
-    except Exception as exc:
-        raise UsageError(f"--scenario could not be read: {type(exc).__name__}: {exc}") from exc
-    check_fits_machine((args.world_size,), flag="--world-size")
-    try:  # a declined scenario raises NothingChecked (exit 3)
-        check_example(target, scenario, args.world_size, deadline=args.deadline,
-                      device=args.device, backend=args.backend)
-    except ddpcheck.EquivalenceError as exc:
-        print(str(exc))
-        return EXIT_FOUND
-    print(f"ddpcheck replay: equivalent at world size {args.world_size}")
-    return EXIT_OK
-
-
-def _trace(args: argparse.Namespace) -> int:
-    import json
-
-    from ddpcheck.trace import TRACE_SCENARIO, chrome_trace, overlap, record_step
-    from ddpcheck._internal.world import WorldFailure, get_world
-
-    target = resolve_target(args.target)
-    check_fits_machine((args.world_size,), flag="--world-size")
-    _check_writable(args.output, "-o")
-    try:
-        traces = get_world(args.world_size).run(record_step, target, TRACE_SCENARIO,
-                                                deadline=args.deadline, what="ddpcheck trace")
-    except WorldFailure as exc:
-        raise UsageError(f"the traced step did not complete on every rank:\n{exc}") from exc
-    with open(args.output, "w") as f:
-        json.dump(chrome_trace(traces, title=f"ddpcheck trace {args.target} "
-                                             f"--world-size {args.world_size}"), f)
-    print(f"ddpcheck trace {args.target}: one step at world size {args.world_size} written to "
-          f"{args.output} (open it in https://ui.perfetto.dev)")
-    for t in traces:
-        reduced = sum(c.nbytes for c in t.collectives if c.op == "all_reduce")
-        line = f"  rank {t.rank}: {len(t.collectives)} collectives, {reduced} bytes all-reduced"
-        seen = overlap(t)
-        if seen is not None:
-            line += (f"; first async all-reduce launched {seen[0] * 1e3:.2f} ms into a "
-                     f"{seen[1] * 1e3:.2f} ms backward")
-        print(line)
-    return EXIT_OK
 
 
 def _check_writable(path: str, flag: str) -> None:
@@ -292,22 +210,333 @@ def _check_writable(path: str, flag: str) -> None:
         os.remove(path)
 
 
-def _mutants(args: argparse.Namespace) -> int:
-    from ddpcheck.mutation.command import run_mutants
+# ---------------------------------------------------------------------------------------------
+# The commands: each prints its report and returns its exit status (or raises an outcome)
+
+
+def _check(args: argparse.Namespace) -> ExitCode:
+    import ddpcheck
+    from ddpcheck import features
+    from ddpcheck._internal.runs.fuzz import fuzz, terminal_progress
+
+    if _under_torchrun(args):  # use the world torchrun built instead of spawning one
+        _check_under_torchrun(args)
+    without = parse_features(args.without, "--without")
+    dtypes = tuple(sorted(parse_features(args.dtypes, "--dtypes")))
+    if not dtypes or any(d not in ("float64", "float32") for d in dtypes):
+        raise UsageError(f"--dtypes={args.dtypes!r} must name float64, float32 or both")
+    started = time.perf_counter()
+    sizes = ",".join(map(str, args.world_sizes)) + ("" if args.device == "cpu" else
+                                                     f" on {args.device}")
+    run = {"deadline": args.deadline, "without": without, "device": args.device,
+           "backend": args.backend}
+    # 1. the built-in battery: representative scenarios, every world size
+    try:
+        report = ddpcheck.assert_equivalent(args.target, world_sizes=args.world_sizes, **run)
+    except NothingChecked as exc:  # the random examples may still find something
+        battery, declined, exercised = 0, str(exc), set()
+        print(f"battery: nothing checked: {exc}")
+    else:
+        battery, declined, exercised = report.count, "", report.features
+        print(f"battery: {report}")
+    # 2. random examples, shrunk to a minimal counterexample on failure
+    print(f"fuzzing {args.target_spec} with {args.examples} random examples at world sizes "
+          f"{sizes}{'' if args.seed is None else f' (seed {args.seed})'}", flush=True)
+    result = fuzz(args.target, examples=args.examples, world_sizes=args.world_sizes,
+                  seed=args.seed, progress=terminal_progress(args.examples), dtypes=dtypes, **run)
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")
+    if result.found:
+        print(f"counterexample found after {result.first_failure} examples and shrunk "
+              f"({result.examples} examples, {result.seconds:.1f} s):\n")
+        raise result.error
+    if battery + result.examples == 0:
+        reasons = "; ".join(f"{why} ({n}x)" for why, n in result.declined.items())
+        raise NothingChecked(
+            f"{args.target_spec} declined every battery scenario ({declined}) and every one of "
+            f"{args.examples} random examples ({reasons or 'no reason given'})")
+    print(f"ddpcheck check {args.target_spec}: nothing found in {battery} battery and "
+          f"{result.examples} random examples, {features.exercised(exercised | result.features)} "
+          f"(wall {time.perf_counter() - started:.1f} s, world start-up included)")
+    return ExitCode.OK
+
+
+def _check_under_torchrun(args: argparse.Namespace) -> None:
+    """Every rank of torchrun's world runs the battery; every rank exits with the verdict."""
+    from ddpcheck._internal.runs.torchrun import check_in_world
+
+    if os.environ.get("RANK") == "0":
+        # Random examples would need every rank to draw the same ones; the battery is
+        # deterministic. Say so rather than ignore --examples/--seed silently.
+        print("ddpcheck check under torchrun: the built-in battery only; --examples and "
+              "--seed apply to spawned worlds", file=sys.stderr, flush=True)
+    status = check_in_world(args.target, deadline=args.deadline, out=sys.stdout,
+                            world_sizes=args.world_sizes, device=args.device,
+                            backend=args.backend)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Every rank has the same status. os._exit skips gloo's teardown, which races with its
+    # worker threads right after the last collective (docs/platform.md).
+    os._exit(status)
+
+
+def _survey(args: argparse.Namespace) -> ExitCode:
+    from ddpcheck._internal.runs import survey
+
+    sizes = ",".join(map(str, args.world_sizes))
+    seed = "" if args.seed is None else f" (seed {args.seed})"
+    print(f"ddpcheck survey {args.target_spec}: the battery and {args.examples} random examples "
+          f"per feature at world sizes {sizes}{seed}\n", flush=True)
+    progress = survey.terminal_progress()
+    result = survey.survey(args.target, world_sizes=args.world_sizes, examples=args.examples,
+                           without=parse_features(args.without, "--without"), seed=args.seed,
+                           deadline=args.deadline, shrink_seconds=args.shrink_seconds,
+                           progress=progress, device=args.device, backend=args.backend)
+    if progress is not None:
+        sys.stderr.write("\r\033[K")
+    print(result, flush=True)
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(result.as_dict(), f, indent=2)
+    if result.exit_code == ExitCode.NOTHING_CHECKED:
+        print("ddpcheck survey: nothing was checked: every cell was declined or not applicable",
+              file=sys.stderr)
+    return result.exit_code
+
+
+def _replay(args: argparse.Namespace) -> ExitCode:
+    from ddpcheck._internal.runs.example import check_example
+    from ddpcheck._internal.runs.replay import from_repr
+
+    try:
+        scenario = from_repr(args.scenario)
+    except InvalidArgument as exc:  # e.g. Scenario(steps=0): say which flag held it
+        raise UsageError(f"--scenario {args.scenario!r}: {exc}") from exc
+    except Exception as exc:
+        raise UsageError(f"--scenario could not be read: {type(exc).__name__}: {exc}") from exc
+    # a declined scenario raises NothingChecked (exit 3)
+    check_example(args.target, scenario, args.world_size, deadline=args.deadline,
+                  device=args.device, backend=args.backend)
+    print(f"ddpcheck replay: equivalent at world size {args.world_size}")
+    return ExitCode.OK
+
+
+def _trace(args: argparse.Namespace) -> ExitCode:
+    import json
+
+    from ddpcheck._internal.runs.trace import TRACE_SCENARIO, chrome_trace, overlap, record_step
+    from ddpcheck._internal.world.worlds import WorldFailure, get_world
+
+    try:
+        traces = get_world(args.world_size).run(record_step, args.target, TRACE_SCENARIO,
+                                                deadline=args.deadline, what="ddpcheck trace")
+    except WorldFailure as exc:
+        raise UsageError(f"the traced step did not complete on every rank:\n{exc}") from exc
+    with open(args.output, "w") as f:
+        json.dump(chrome_trace(traces, title=f"ddpcheck trace {args.target_spec} "
+                                             f"--world-size {args.world_size}"), f)
+    print(f"ddpcheck trace {args.target_spec}: one step at world size {args.world_size} written "
+          f"to {args.output} (open it in https://ui.perfetto.dev)")
+    for t in traces:
+        reduced = sum(c.nbytes for c in t.collectives if c.op == "all_reduce")
+        line = f"  rank {t.rank}: {len(t.collectives)} collectives, {reduced} bytes all-reduced"
+        seen = overlap(t)
+        if seen is not None:
+            line += (f"; first async all-reduce launched {seen[0] * 1e3:.2f} ms into a "
+                     f"{seen[1] * 1e3:.2f} ms backward")
+        print(line)
+    return ExitCode.OK
+
+
+def _mutants(args: argparse.Namespace) -> ExitCode:
+    from ddpcheck.mutation.score import run_mutants
 
     return run_mutants(args.only, budget_seconds=args.budget_seconds, search_name=args.search,
                        world_sizes=args.world_sizes, deadline=args.deadline)
 
 
-def _fuzz_rule(args: argparse.Namespace) -> int:
-    from ddpcheck import rules
+def _fuzz_rule(args: argparse.Namespace) -> ExitCode:
+    import ddpcheck
+    from ddpcheck._internal.rules import check as rules
+    from ddpcheck.targets import ParallelTarget
 
-    rule = _resolve(args.rule, "rule")
-    if not callable(rule):
-        raise UsageError(f"rule {args.rule!r} is a {type(rule).__name__}, not a function "
-                         "rule(params, world_size) -> owners")
-    return rules.command(rule, args.rule, examples=args.examples, seed=args.seed,
-                         deadline=args.deadline, world_sizes=args.world_sizes)
+    prefix = f"ddpcheck fuzz-rule {args.rule_spec}"
+    # a world that cannot start, or fails while no call of the rule runs, is a SetupError: exit 2
+    report = rules.check_rule(args.rule, examples=args.examples, seed=args.seed,
+                              deadline=args.deadline)
+    for v in report.violations:
+        print(f"{prefix}: {v.message}")
+    if report.violations:
+        return ExitCode.FOUND
+    print(f"{prefix}: {report.summary(args.deadline, args.seed)}")
+    try:
+        result = ddpcheck.assert_equivalent(ParallelTarget(sharding_rule=args.rule),
+                                            world_sizes=args.world_sizes, deadline=args.deadline)
+    except EquivalenceError as exc:
+        print(f"{prefix}: ShardedOptimizer under the rule is not equivalent:\n{exc}")
+        return ExitCode.FOUND
+    print(f"{prefix}: ShardedOptimizer equivalent: {result}")
+    print(f"{prefix}: optimizer-state balance on GPT-2-small parameters (max / ideal bytes, "
+          f"1.000 is perfect): {report.balance()}")
+    return ExitCode.OK
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], ExitCode]] = {
+    "check": _check, "survey": _survey, "replay": _replay, "trace": _trace,
+    "mutants": _mutants, "fuzz-rule": _fuzz_rule}
+
+
+# ---------------------------------------------------------------------------------------------
+# The grammar: every subcommand, flag, default and help text
+
+
+def _world_sizes(text: str) -> tuple[int, ...]:
+    try:
+        return parse_world_sizes(text)
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        return value
+    return parse
+
+
+def _target_options(parser: argparse.ArgumentParser, *, examples: int, what: str,
+                    world_sizes: str) -> None:
+    """The options ``check`` and ``survey`` share."""
+    parser.add_argument("target", nargs="?", default="parallel", metavar="MODULE:TARGET")
+    parser.add_argument("--world-sizes", type=_world_sizes, default=None,
+                        help=f"comma-separated world sizes ({world_sizes})")
+    parser.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
+                        help="seconds one example may take before it counts as hung (default 60)")
+    parser.add_argument("--examples", type=_positive(int), default=examples,
+                        help=f"{what} (default {examples})")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the random examples (default: the same examples every run)")
+    parser.add_argument("--without", default="", metavar="FEATURE[,FEATURE...]",
+                        help="features never to exercise, on top of the target's "
+                             "supported_features (e.g. accumulation,buffers; see "
+                             "ddpcheck.features)")
+    _device_options(parser)
+
+
+def _device_options(parser: argparse.ArgumentParser) -> None:
+    """Where the ranks compute; the reference always runs on the CPU (``_internal.devices``)."""
+    parser.add_argument("--device", choices=DEVICES, default="cpu",
+                        help="cpu (default), or cuda: rank r on GPU r, NCCL, TF32 off; refused "
+                             "without a GPU, or with more ranks than GPUs unless --backend gloo")
+    parser.add_argument("--backend", choices=BACKENDS, default=None,
+                        help="the process-group backend (default: gloo on cpu, nccl on cuda); "
+                             "gloo with --device cuda lets ranks share GPUs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddpcheck",
+        description="Find bugs in data-parallel training code: run it in real multi-process "
+                    "worlds against a single-process full-batch reference.",
+        epilog=EXIT_CODES)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    check = sub.add_parser("check", help="check a target (default: the built-in parallel target)",
+                           description="Run the built-in battery of scenarios against a target "
+                                       "at every world size, then random examples shrunk by "
+                                       "Hypothesis.", epilog=EXIT_CODES)
+    _target_options(check, examples=100, what="random examples to run after the built-in battery",
+                    world_sizes="default 1,2,3,4; under torchrun, torchrun's world size")
+    check.add_argument("--dtypes", default="float64", metavar="DTYPE[,DTYPE...]",
+                       help="dtypes of the random examples: float64 (default), float32 or both")
+
+    survey = sub.add_parser(
+        "survey", help="run everything, stopping nowhere, and print the capability matrix",
+        description="The battery at every world size, then random examples exercising each "
+                    "feature of ddpcheck.features at each world size (a cell stops at its first "
+                    "failure, shrunk by Hypothesis): the feature x world-size matrix, every "
+                    "failure with its replay line, the battery table.", epilog=SURVEY_EXIT_CODES)
+    _target_options(survey, examples=8, what="random examples per feature and world size",
+                    world_sizes="default 1,2,3,4")
+    survey.add_argument("--shrink-seconds", type=_positive(float), default=3.0,
+                        help="seconds to shrink each failing cell's counterexample (default 3)")
+    survey.add_argument("--json", default=None, metavar="PATH",
+                        help="also write the survey (every cell) as JSON to PATH")
+
+    replay = sub.add_parser("replay", help="run one example again (the line a failure prints)",
+                            epilog=EXIT_CODES)
+    replay.add_argument("target", metavar="MODULE:TARGET")
+    replay.add_argument("--world-size", type=_positive(int), required=True)
+    replay.add_argument("--scenario", required=True, help="the scenario's repr, as printed")
+    replay.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE)
+    _device_options(replay)
+
+    trace = sub.add_parser("trace", help="record every collective of one step as a Chrome/"
+                                         "Perfetto trace",
+                           description="Run one steady-state training step of a model with "
+                                       "several gradient buckets on every rank and write its "
+                                       "collectives and phases in Chrome trace format (open in "
+                                       "https://ui.perfetto.dev or chrome://tracing). Exit 0, "
+                                       "or 2 on a usage or set-up error.")
+    trace.add_argument("target", nargs="?", default="parallel", metavar="MODULE:TARGET")
+    trace.add_argument("--world-size", type=_positive(int), default=2,
+                       help="ranks to trace (default 2)")
+    trace.add_argument("-o", "--output", default="trace.json",
+                       help="where to write the JSON (default trace.json)")
+    trace.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE)
+
+    mutants = sub.add_parser(
+        "mutants", help="run the built-in mutant catalogue and print which bugs were caught",
+        description="Search each mutant of ddpcheck.mutation.catalogue (the parallel target with "
+                    "one seeded bug from the bug catalogue) for a counterexample, after checking "
+                    "that the unmutated parallel target passes the same search. Exit 0 if every "
+                    "mutant is killed and the unmutated target passes, 1 otherwise, 2 on a usage "
+                    "error.")
+    mutants.add_argument("--budget-seconds", type=_positive(float), default=10.0,
+                         help="search time per mutant, world start-up excluded (default 10)")
+    mutants.add_argument("--world-sizes", type=_world_sizes, default=DEFAULT_WORLD_SIZES,
+                         help="comma-separated world sizes (default 1,2,3,4)")
+    mutants.add_argument("--only", default=None, metavar="NAME[,NAME...]",
+                         help="run only these mutants (names as in the table)")
+    mutants.add_argument("--search", choices=("shrinking", "battery"), default="shrinking",
+                         help="shrinking: random examples shrunk by Hypothesis, then the battery "
+                              "(default); battery: the built-in battery only (fastest)")
+    mutants.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
+                         help="seconds one example may take before it counts as hung (default 60)")
+
+    rule = sub.add_parser(
+        "fuzz-rule", help="check a sharding rule's invariants and equivalence, report its balance",
+        description="Call the rule on parameter lists drawn by Hypothesis (1-300 parameters shaped "
+                    "like real models', mixed dtypes, world sizes 1-8, often more ranks than "
+                    "parameters) and on fixed GPT-like lists, each call with a deadline, in a "
+                    "separate process (right length, integer owners in range, same answer twice, "
+                    "returns in time), then on every rank of real worlds of 2-4 processes (same "
+                    "answer everywhere); a violation is shrunk to the smallest parameter list "
+                    "that shows it. Then check ShardedOptimizer under the rule against the "
+                    "battery, and print the optimizer-state balance (max / ideal bytes) on "
+                    "GPT-like parameters. Exit 0 if the rule holds, 1 with the violations (the "
+                    "rule raised, hung, crashed its process, answered wrongly, or ShardedOptimizer "
+                    "under it is not equivalent), 2 on a usage or set-up error.")
+    rule.add_argument("rule", metavar="MODULE:RULE",
+                      help="a function rule(params, world_size) -> owners, such as "
+                           "parallel.sharding:greedy")
+    rule.add_argument("--world-sizes", type=_world_sizes, default=DEFAULT_WORLD_SIZES,
+                      help="world sizes of the equivalence check (default 1,2,3,4)")
+    rule.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
+                      help="seconds one call of the rule, or one equivalence example, may take "
+                           "before it counts as hung (default 60)")
+    rule.add_argument("--examples", type=_positive(int), default=200,
+                      help="parameter lists Hypothesis draws (default 200)")
+    rule.add_argument("--seed", type=int, default=None,
+                      help="seed of the drawn lists (default: the same lists every run)")
+    return parser
 
 
 if __name__ == "__main__":

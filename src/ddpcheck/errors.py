@@ -1,33 +1,61 @@
-"""Every outcome that is not "nothing found", each with its own exception type.
+"""Every outcome of a check that is not "nothing found": one exception type and one exit code each.
 
-One rule: :class:`EquivalenceError` (exit 1) means the target has a bug and its replay line proves
-it. Everything that is *not* the target's fault is a :class:`SetupError` (exit 2) -- a world that
-cannot start, a scenario the oracle cannot judge -- or :class:`NothingChecked` (exit 3), or a usage
-mistake, :class:`InvalidArgument` (exit 2).
+One rule: :class:`EquivalenceError` (:attr:`ExitCode.FOUND`) means the target has a bug and its
+replay line proves it. Everything that is *not* the target's fault is a :class:`SetupError`
+(:attr:`ExitCode.SETUP`) -- a world that cannot start, a scenario the oracle cannot judge -- or
+:class:`NothingChecked` (:attr:`ExitCode.NOTHING_CHECKED`), or a usage mistake,
+:class:`InvalidArgument` (:attr:`ExitCode.SETUP` too). All of them derive from
+:class:`DdpcheckError`, and each carries its ``exit_code``: the command line, the pytest plugin and
+the docs read the meaning from here, never from a bare integer.
 
 How divergences are reported: one table, the details of the first row, and a replay line.
-
 Numbers we compute are rounded to 3 significant figures; the statistics of the first mismatch
-are ``torch.testing.assert_close``'s own message, unchanged.
+are ``torch.testing.assert_close``'s own message, unchanged. Imports no torch (the pytest plugin
+and ``ddpcheck --help`` load this module).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Divergence", "EquivalenceError", "InvalidArgument", "NothingChecked",
-           "ScenarioError", "SetupError", "WorldStartError", "format_table"]
+__all__ = ["DdpcheckError", "Divergence", "EquivalenceError", "ExitCode", "InvalidArgument",
+           "NothingChecked", "ScenarioError", "SetupError", "WorldStartError", "format_table"]
 
 
-class InvalidArgument(ValueError):
+class ExitCode(enum.IntEnum):
+    """The exit status of ``ddpcheck`` commands, one meaning each (``pytest.ExitCode`` style)."""
+
+    #: Checked, and nothing found.
+    OK = 0
+    #: A counterexample in the target: the divergence table and a replay line that reproduces it.
+    FOUND = 1
+    #: A usage or set-up error, never the target's fault (a bad argument, a world that cannot
+    #: start, a scenario the oracle cannot judge).
+    SETUP = 2
+    #: Nothing was checked: every example was skipped or declined (never reported as OK).
+    NOTHING_CHECKED = 3
+    #: Interrupted (Ctrl-C): every rank process stopped, every world directory removed.
+    INTERRUPTED = 130
+    #: Terminated (SIGTERM): the same clean stop.
+    TERMINATED = 143
+
+
+class DdpcheckError(Exception):
+    """The base of every outcome ddpcheck raises; ``exit_code`` is the command line's status."""
+
+    exit_code: ExitCode = ExitCode.SETUP
+
+
+class InvalidArgument(DdpcheckError, ValueError):
     """An argument passed to ddpcheck is invalid; the message says which and why."""
 
 
-class SetupError(RuntimeError):
+class SetupError(DdpcheckError, RuntimeError):
     """Nothing (or not everything) could be checked, through no fault of the target: the message
     names the cause and the fix. Never a verdict on the target."""
 
@@ -47,6 +75,9 @@ class ScenarioError(SetupError, InvalidArgument):
 class NothingChecked(SetupError):
     """Every example was skipped or declined: passing it would be a silent no-op."""
 
+    exit_code = ExitCode.NOTHING_CHECKED
+
+
 #: Rows shown in an EquivalenceError message; the rest are counted.
 MAX_ROWS = 12
 
@@ -64,7 +95,7 @@ class Divergence:
     max_rel: float | None = None
     detail: str = ""
     #: False for a row that says the oracle could not judge the target (the reference itself
-    #: went non-finite, see ``ddpcheck.oracle``): not evidence of a bug. Every other row is.
+    #: went non-finite, see ``ddpcheck._internal.oracle.compare``): not evidence of a bug. Every other row is.
     target_fault: bool = True
 
     @classmethod
@@ -111,13 +142,15 @@ def format_table(divergences: list[Divergence], max_rows: int = MAX_ROWS) -> str
     return "\n".join(lines)
 
 
-class EquivalenceError(AssertionError):
+class EquivalenceError(DdpcheckError, AssertionError):
     """A target diverged from its replicas or from the full-batch reference, broke the
-    communication budget, or a rank failed or timed out.
+    communication budget, or a rank failed or timed out: the target's bug, with its proof.
 
     Attributes: ``divergences`` (the rows), ``scenario``, ``world_size``, ``target`` and
     ``replay`` (a shell command that runs this one example again).
     """
+
+    exit_code = ExitCode.FOUND
 
     def __init__(self, divergences: list[Divergence], *, scenario: Any, world_size: int,
                  target: Any, replay: str, failure: Any = None, name: str | None = None):
@@ -126,7 +159,7 @@ class EquivalenceError(AssertionError):
         self.world_size = world_size
         self.target = target
         self.replay = replay
-        self.failure = failure  # a ddpcheck._internal.world.WorldFailure, for rank failures and timeouts
+        self.failure = failure  # a ddpcheck._internal.world.worlds.WorldFailure, for rank failures and timeouts
         self.name = name
         super().__init__(self._format())
 

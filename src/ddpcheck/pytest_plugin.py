@@ -19,8 +19,8 @@ import pytest
 from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine,
                                         parse_world_sizes)
-from ddpcheck._internal.validation import InvalidArgument
-from ddpcheck._internal.vocabulary import parse as parse_features
+from ddpcheck.errors import InvalidArgument
+from ddpcheck._internal.options import parse_features
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ def pytest_report_header(config: Any) -> str | None:
 def pytest_sessionfinish(session: Any, exitstatus: Any) -> None:
     """Stop this process's worlds, and hand the example count to the xdist controller."""
     examples = _examples_run()
-    world = sys.modules.get("ddpcheck._internal.world")
+    world = sys.modules.get("ddpcheck._internal.world.worlds")
     if world is not None:
         world.shutdown_worlds()
     workeroutput = getattr(session.config, "workeroutput", None)
@@ -178,7 +178,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: Any, config: Any)
 
 
 def _examples_run() -> int:
-    api = sys.modules.get("ddpcheck.api")
+    api = sys.modules.get("ddpcheck._internal.runs.example")
     return getattr(api, "EXAMPLES_RUN", 0) if api is not None else 0
 
 
@@ -221,6 +221,6 @@ def ddpcheck_run(ddpcheck_options: Options) -> Callable[..., Any]:
 
 
 def get_world(world_size: int, device: str = "cpu", backend: str | None = None) -> Any:
-    from ddpcheck._internal.world import get_world as _get_world
+    from ddpcheck._internal.world.worlds import get_world as _get_world
 
     return _get_world(world_size, device=device, backend=backend)

@@ -3,7 +3,7 @@
 A :class:`Scenario` is plain, picklable data: a model factory, a data function, an optimizer with
 its keyword arguments, optional parameter groups and learning-rate decay, the global batch size,
 steps, accumulation, dtype, seed and optional gradient clipping. Its ``repr`` is Python code, so
-a failing example prints as a line that ``ddpcheck.replay.from_repr`` turns back into the same
+a failing example prints as a line that ``ddpcheck._internal.runs.replay.from_repr`` turns back into the same
 scenario (replay lines use this).
 
 The batch rule (documented in the README): the global batch of B samples is split into W
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ddpcheck import zoo
-from ddpcheck._internal.validation import InvalidArgument
+from ddpcheck.errors import InvalidArgument
 
 __all__ = ["Scenario", "build_model", "global_batch", "local_micro_batches",
            "per_sample_loss"]

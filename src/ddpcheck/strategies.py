@@ -23,7 +23,7 @@ import torch
 from hypothesis import strategies as st
 
 from ddpcheck import features
-from ddpcheck._internal.validation import InvalidArgument
+from ddpcheck.errors import InvalidArgument
 from ddpcheck.models import KINDS, Layer, ModelSpec
 from ddpcheck.scenario import Scenario
 from ddpcheck.zoo import BiasGroups

@@ -2,7 +2,7 @@
 
 Invariant: the backend follows the tensors, never the machine. CPU tensors travel by gloo
 whatever GPUs are visible (NCCL cannot carry them); CUDA tensors by NCCL unless gloo is asked for
-by name. Spawned worlds (``_internal.world``) and torchrun (``ddpcheck.torchrun``) both ask
+by name. Spawned worlds (``_internal.world``) and torchrun (``ddpcheck._internal.runs.torchrun``) both ask
 :func:`backend_for`; :func:`check_fits` refuses, before any process is spawned, what the machine
 cannot run (no GPU; more NCCL ranks than GPUs). The device is a run option, not part of a
 scenario: the full-batch reference always runs on the CPU in the checking process, and records
@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Iterable
 
-from ddpcheck._internal.validation import InvalidArgument
+from ddpcheck.errors import InvalidArgument
 
 if TYPE_CHECKING:
     import torch

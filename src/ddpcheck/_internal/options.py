@@ -1,17 +1,24 @@
-"""Defaults and option parsing shared by every front end (API, command line, pytest plugin).
+"""What a user can pass, and how it is checked: defaults, argument validators, world-size text
+and the names of the capability vocabulary.
 
-One place for the numbers a user can change, and one parser for world-size text, so the CLI
-and the plugin cannot drift apart. Imports no torch: the pytest plugin loads it in every run.
+One place for the numbers a user can change and for every misuse message -- each names the
+argument, the value and the rule -- so the API, the command line and the pytest plugin cannot
+drift apart, and a bad argument fails before the first process spawn or collective instead of
+hanging half a world. Imports no torch: the pytest plugin and ``ddpcheck --help`` load it.
 """
 
 from __future__ import annotations
 
+import numbers
 import os
+from typing import Any, Iterable
 
-from ddpcheck._internal.validation import InvalidArgument
+from ddpcheck.errors import InvalidArgument
 
-__all__ = ["DEFAULT_DEADLINE", "DEFAULT_WORLD_SIZES", "MAX_RANKS_PER_CORE", "STARTUP_DEADLINE",
-           "check_fits_machine", "parse_world_sizes"]
+__all__ = ["DEFAULT_DEADLINE", "DEFAULT_WORLD_SIZES", "FEATURES", "MAX_RANKS_PER_CORE",
+           "STARTUP_DEADLINE", "check_deadline", "check_fits_machine", "check_positive_number",
+           "check_process_group", "check_world_size", "check_world_sizes", "parse_features",
+           "parse_world_sizes"]
 
 #: World sizes checked when none are given: 1 (the wrapper is a no-op), 2 (the cheapest world
 #: where replicas can disagree), 3 (divisor and ordering bugs 2 hides), 4.
@@ -50,3 +57,107 @@ def check_fits_machine(world_sizes: tuple[int, ...], *, workers: int = 1,
             f"{who}{flag} up to {max(world_sizes)} would start {ranks} rank processes on "
             f"{cores} core(s) (at most {MAX_RANKS_PER_CORE} per core); lower the largest world "
             "size" + (" or the number of workers" if workers > 1 else ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument validators
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_world_size(name: str, value: Any) -> int:
+    if not _is_int(value):
+        raise InvalidArgument(f"{name}={value!r} must be a positive integer (a number of ranks)")
+    if value < 1:
+        raise InvalidArgument(f"{name}={value!r} must be at least 1")
+    return int(value)
+
+
+def check_world_sizes(name: str, values: Any) -> tuple[int, ...]:
+    if _is_int(values):
+        values = (values,)
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidArgument(f"{name}={values!r} must be a sequence of positive integers, "
+                              "such as (1, 2, 3, 4)")
+    values = tuple(values)
+    if not values:
+        raise InvalidArgument(f"{name}={values!r} is empty; give at least one world size")
+    for v in values:
+        if not _is_int(v) or v < 1:
+            raise InvalidArgument(f"{name}={values!r} contains {v!r}; every world size must be a "
+                                  "positive integer")
+    return tuple(dict.fromkeys(int(v) for v in values))
+
+
+def check_positive_number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise InvalidArgument(f"{name}={value!r} must be a positive number")
+    return float(value)
+
+
+def check_deadline(name: str, value: Any) -> float:
+    """Seconds to wait: positive and finite (every wait has a deadline)."""
+    seconds = check_positive_number(name, value)
+    if seconds == float("inf"):
+        raise InvalidArgument(f"{name}={value!r} must be finite: every wait has a deadline; "
+                              "use a large number of seconds, such as 3600")
+    return seconds
+
+
+def check_process_group(name: str, value: Any) -> None:
+    """None (the default group) or a ``torch.distributed`` process group."""
+    if value is None:
+        return
+    import torch.distributed as dist  # here, not at import: the pytest plugin must not load torch
+
+    # new_group() hands ranks outside the group a sentinel; the callers say "not a member".
+    if value is dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    if not isinstance(value, dist.ProcessGroup):
+        raise InvalidArgument(f"{name}={value!r} must be a torch.distributed ProcessGroup, such "
+                              "as dist.new_group(ranks), or None for the default group")
+
+
+# ---------------------------------------------------------------------------------------------
+# The capability vocabulary's names (``ddpcheck.features`` says what each scenario exercises)
+
+
+#: Every feature a scenario can exercise, with what it means (the order of reports).
+FEATURES: dict[str, str] = {
+    "float64": "float64 scenarios",
+    "float32": "float32 scenarios (calibrated tolerance)",
+    "accumulation": "several micro-batches per step, all but the last under no_sync()",
+    "unused-on-some-ranks": "a trainable parameter with a gradient on some ranks but None on "
+                            "others (its layer is used by some samples only)",
+    "unused-everywhere": "a trainable parameter no rank uses in a step (its grad stays None)",
+    "frozen": "parameters with requires_grad=False",
+    "tied": "one parameter used twice in a step (tied or reused weights)",
+    "buffers": "buffers, which must start as rank 0's",
+    "mixed-dtypes": "float32 and float64 parameters in one model",
+    "non-contiguous": "a parameter created non-contiguous (a transposed view)",
+    "param-groups": "several param groups with their own hyperparameters",
+    "lr-schedule": "an LR schedule stepped after every optimizer step",
+    "clipping": "the synchronised gradients clipped to a global norm before every step "
+                "(max_grad_norm, grad_norm_type)",
+    "uneven-batches": "a global batch not divisible by W (some ranks get fewer, or no, samples)",
+    "broadcast": "ranks initialised differently: the target must broadcast rank 0's state",
+    "grads-kept": "zero_grad(set_to_none=False): gradients kept (zeroed) between steps",
+    "rank-orders": "each rank registers parameters and buffers in its own order (same names and "
+                   "shapes)",
+    "checkpoint": "a checkpoint saved after a step and the run resumed from it, possibly at "
+                  "another world size (save_checkpoint / load_checkpoint)",
+}
+
+
+def parse_features(text: str | Iterable[str], flag: str = "--without") -> frozenset[str]:
+    """``"accumulation,buffers"`` (or an iterable of names) -> a validated set of features."""
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text)]
+    names = [n for n in names if n]
+    unknown = [n for n in names if n not in FEATURES]
+    if unknown:
+        raise InvalidArgument(f"{flag}: {', '.join(map(repr, unknown))} "
+                              f"{'is not a feature' if len(unknown) == 1 else 'are not features'};"
+                              f" known: {', '.join(FEATURES)}")
+    return frozenset(names)

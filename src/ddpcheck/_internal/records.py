@@ -15,10 +15,50 @@ from typing import Any, Callable
 
 import torch
 
-from ddpcheck._internal.recorder import Collective
 
-__all__ = ["RankRecord", "StepRecord", "gradients", "initial_state", "schedule_state",
+__all__ = ["Collective", "RankRecord", "StepRecord", "gradients", "initial_state", "schedule_state",
            "snapshot"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective call as a rank issued it."""
+
+    op: str
+    nbytes: int
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    root: int | None
+    group: tuple[int, ...] | None  # global ranks of the group; None for the default group
+    reduce_op: str | None
+    async_op: bool
+    launched: float  # time.perf_counter() at the call
+    completed: float | None = None  # perf_counter() when the collective finished on this rank
+    waited: float | None = None  # perf_counter() when wait() returned (async_op=True only)
+    site: str = ""  # "file:line in function" of the caller (see `call_site`); not in the signature
+
+    def signature(self) -> tuple:
+        """What every rank of the group must agree on for the collective to pair correctly."""
+        shapes = self.shapes if self.op in ("all_reduce", "broadcast", "reduce") else ()
+        return (self.op, self.dtypes if shapes else (), shapes, self.root, self.group,
+                self.reduce_op)
+
+    def brief(self) -> str:
+        parts = [self.op]
+        if self.reduce_op:
+            parts.append(self.reduce_op)
+        if self.shapes:
+            parts.append("+".join("x".join(map(str, s)) or "scalar" for s in self.shapes))
+        if self.dtypes:
+            parts.append("/".join(sorted(set(self.dtypes))))
+        if self.root is not None:
+            parts.append(f"root={self.root}")
+        if self.group is not None:
+            parts.append(f"group={list(self.group)}")
+        if self.site:
+            parts.append(f"(at {self.site})")
+        return " ".join(parts)
+
 
 
 def _whole(tensor: Any) -> Any:
@@ -38,7 +78,7 @@ class StepRecord:
     batch_plan: Any = None
     #: parameter name -> (dim, this rank's local shard) for parameters sharded over the world:
     #: the shard must be chunk ``rank`` of ``torch.chunk(params[name], W, dim)`` (dim None: the
-    #: whole); see ``Target.local_shard`` and ``ddpcheck.shards``
+    #: whole); see ``Target.local_shard`` and ``ddpcheck._internal.oracle.shards``
     shards: dict[str, tuple[int | None, torch.Tensor]] = dataclasses.field(default_factory=dict)
     #: the LR schedule after the step (``schedule_state``; empty without one)
     schedule: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -25,7 +25,7 @@ class BroadcastsFromLastRankFSDP(TorchFSDPTarget):
     def wrap(self, module: Any) -> Any:
         import torch.distributed as dist
 
-        from ddpcheck.fsdp_setup import broadcast_from, shard_leaves
+        from ddpcheck.targets.fsdp import broadcast_from, shard_leaves
 
         broadcast_from(module, dist.get_world_size() - 1)
         return shard_leaves(module, bool(self.reshard_after_forward))

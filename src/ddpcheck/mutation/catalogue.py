@@ -279,7 +279,7 @@ def by_name(name: str) -> Mutant:
     for mutant in CATALOGUE:
         if mutant.name.lower() == name.lower():
             return mutant
-    from ddpcheck._internal.validation import InvalidArgument
+    from ddpcheck.errors import InvalidArgument
 
     raise InvalidArgument(f"mutant {name!r} is not in the catalogue; known: "
                           f"{', '.join(m.name for m in CATALOGUE)}")

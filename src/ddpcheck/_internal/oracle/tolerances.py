@@ -1,0 +1,59 @@
+"""How close a rank must come to the full-batch reference: the one tolerance table.
+
+Replicas are compared bitwise (``ddpcheck._internal.oracle.compare``); a rank against the reference differs by the
+rounding of another summation order, which this table bounds per dtype, world size and step --
+far below what real bugs produce (``bench/tolerance.py`` measures the share used).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["TOLERANCES", "close", "scaled_atol", "tolerance"]
+
+
+# {dtype: (rtol, atol)} for a rank against the full-batch reference, per step of training.
+# float64: DDP and the reference differ by ~1e-16 relative (docs/platform.md, "Numerics"), real
+# bugs by >= 1e-3; 1e-9 leaves six orders of margin on each side.
+# float32: single-step gradients differ by up to ~9e-8 absolute (docs/platform.md), Adam
+# amplifies differences where its second moment is near zero; see bench/tolerance.py.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-9, 1e-12),
+    torch.float32: (2e-4, 2e-5),
+}
+
+
+def tolerance(dtype: torch.dtype, world_size: int, step: int) -> tuple[float, float]:
+    """(rtol, atol) after ``step`` (0-based) steps at ``world_size``.
+
+    Rounding differences come from summation order, which changes more with more shards, and
+    compound over steps; both factors grow slowly so the bound stays far below real bugs.
+    """
+    rtol, atol = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
+    factor = (1 + math.log2(max(world_size, 1))) * (1 + step)
+    return rtol * factor, atol * factor
+
+
+def scaled_atol(ref: torch.Tensor, rtol: float, atol: float) -> float:
+    """The absolute tolerance for one tensor: ``atol + rtol * max|ref|``.
+
+    Rounding noise on an element that is zero in exact arithmetic (the key bias under softmax,
+    say) scales with the magnitudes summed to produce the tensor, not with the element itself;
+    a floor tied to the tensor's scale keeps such elements from false alarms, while real bugs
+    -- errors comparable to the values -- exceed it by orders of magnitude.
+    """
+    if ref.numel() == 0 or not ref.is_floating_point():
+        return atol
+    return atol + rtol * float(ref.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
+
+
+def close(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float) -> bool:
+    """Within ``tolerance`` of ``ref`` (same shape and dtype; integers exactly; NaN where NaN)."""
+    if got.shape != ref.shape or got.dtype != ref.dtype:
+        return False
+    if not got.is_floating_point():
+        return torch.equal(got, ref)
+    return bool(torch.allclose(got, ref, rtol=rtol, atol=scaled_atol(ref, rtol, atol),
+                               equal_nan=True))

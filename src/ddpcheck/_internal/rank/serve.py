@@ -1,0 +1,155 @@
+"""The world, seen from inside a rank process: join the group, then serve tasks until told to stop.
+
+Invariant: a rank answers every task with exactly one message, ``("ok", result)``,
+``("error", traceback)`` or ``("unfit", what changed)`` -- the task returned but left the process
+unfit for the next one (``ddpcheck._internal.rank.fitness``) -- and never runs two tasks at once; it
+leads its own session and process group (so the parent can kill whatever a target started in it),
+dies with its parent (``PR_SET_PDEATHSIG``), ignores Ctrl-C (the parent decides when ranks stop),
+and leaves with ``os._exit`` (see :func:`_exit`).
+
+The parent sets :data:`WORLD_DIR_ENV` for its ranks; ``ddpcheck._internal.world.worlds`` reads it to
+refuse starting a world from inside a rank (see ``world._refuse_nested_start``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import traceback
+from typing import Any
+
+from ddpcheck._internal.options import STARTUP_DEADLINE
+
+__all__ = ["NESTED_MARKER", "SHUTDOWN", "WORLD_DIR_ENV", "rank_main", "serving"]
+
+#: The message that tells a rank to exit.
+SHUTDOWN = b""
+#: Set by the parent in its ranks' environment: the world's directory.
+WORLD_DIR_ENV = "DDPCHECK_WORLD_DIR"
+#: File a rank creates in the world directory when re-importing the main module started a world.
+NESTED_MARKER = "nested-start"
+
+_serving = False
+
+
+def serving() -> bool:
+    """True inside a rank that has joined its world (as opposed to spawn's start-up)."""
+    return _serving
+
+
+def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: Any,
+               log_path: str, stack_path: str, parent_pid: int,
+               sequence_path: str | None = None, device: str = "cpu") -> None:
+    """Join the process group on ``device`` (``_internal.devices``), then run tasks from the
+    parent until told to stop."""
+    global _serving
+    # Its own group first: killing the group then kills whatever a target starts from here.
+    try:
+        os.setsid()
+    except OSError:  # already a group leader
+        pass
+    _die_with_parent(parent_pid)
+    # Ctrl-C reaches the whole process group; the parent decides when ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Append: the parent pointed this process's stdout/stderr at the same file while spawning
+    # it, so whatever happened during spawn's start-up is already there.
+    log = open(log_path, "a", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    stack_file = open(stack_path, "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    # A rank that crashes (SIGABRT from gloo, SIGSEGV) leaves its Python stack in its log, whose
+    # tail the parent reports with the exit status.
+    faulthandler.enable(file=log, all_threads=True)
+
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from ddpcheck._internal.rank import fitness, recorder as comm
+        from ddpcheck._internal.devices import enter_rank
+        from ddpcheck._internal.rank.freshness import ImportTracker
+
+        # Two cores host up to W ranks: intra-op threads would only oversubscribe them.
+        torch.set_num_threads(1)
+        placed = enter_rank(device, rank)
+        dist.init_process_group(
+            backend,
+            store=dist.FileStore(store_path, world_size),
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=STARTUP_DEADLINE),
+            # NCCL: create the communicator now, inside the start-up deadline (the keyword only
+            # there: torch before 2.3 has no device_id)
+            **({"device_id": placed} if backend == "nccl" else {}),
+        )
+        comm.install()
+        # The first optimizer a process builds imports torch._dynamo (seconds); pay that here,
+        # inside the start-up deadline, not inside the first example's.
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        comm.record_to(sequence_path)
+        baseline = fitness.baseline(tuple(comm.wrapped()))
+        imports = ImportTracker()
+        _send(conn, ("ok", os.getpid(), imports.new_files()))
+    except BaseException:
+        _send(conn, ("error", traceback.format_exc()))
+        _exit(1, log)
+    _serving = True
+    while True:
+        try:
+            payload = conn.recv_bytes()
+        except (EOFError, OSError):
+            _exit(0, log)  # the parent is gone
+        if payload == SHUTDOWN:
+            _exit(0, log)
+        try:
+            fn, args = pickle.loads(payload)
+            comm.restart_sequence()
+            result = fn(*args)
+            unfit = fitness.problems(baseline)
+            message = (("unfit", "; ".join(unfit)) if unfit
+                       else ("ok", result, imports.new_files()))
+        except BaseException:  # report everything, SystemExit included, then keep serving
+            message = ("error", traceback.format_exc())
+        _send(conn, message)
+
+
+def _send(conn: Any, message: tuple) -> None:
+    try:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # an unpicklable result becomes a rank error, not a lost rank
+        data = pickle.dumps(("error", f"result of the task could not be pickled: {exc!r}"))
+    conn.send_bytes(data)
+
+
+def _exit(code: int, log: Any) -> None:
+    """Leave without running gloo's destructors.
+
+    Tearing the process group down right before exit races with gloo's worker threads (SIGABRT in
+    about 1 of 55 short worlds on torch 2.13); ``os._exit`` skips that teardown entirely.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    log.flush()
+    os._exit(code)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Make the kernel SIGKILL this rank if the parent dies, so no rank outlives its harness."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            PR_SET_PDEATHSIG = 1
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)

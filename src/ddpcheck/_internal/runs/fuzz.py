@@ -1,0 +1,152 @@
+"""Fuzzing a target: Hypothesis draws scenarios and world sizes, the oracle judges, and a failure
+is shrunk to a minimal counterexample with its divergence table and replay line.
+
+This is what ``ddpcheck check`` runs after the built-in battery, and what ``ddpcheck mutants``
+uses to hunt each mutant (``ddpcheck.mutation.search.shrinking_search``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Any, Callable, Iterable
+
+from ddpcheck._internal.devices import check_fits
+from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
+from ddpcheck.errors import InvalidArgument
+from ddpcheck._internal.options import check_positive_number, check_world_sizes
+
+__all__ = ["FuzzResult", "fuzz", "terminal_progress"]
+
+
+@dataclasses.dataclass
+class FuzzResult:
+    """How a fuzzing run ended."""
+
+    examples: int  # examples run, shrinking included
+    first_failure: int | None  # examples run until the first failure (1-based), if any
+    seconds: float
+    error: Any = None  # the shrunk EquivalenceError, if any
+    #: Examples not checked, by reason: the target declined them (``supports``), or the oracle
+    #: could not judge them (``unjudgeable: ...``).
+    declined: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: The features (``ddpcheck.features``) the examples that ran exercised.
+    features: set[str] = dataclasses.field(default_factory=set)
+
+    @property
+    def found(self) -> bool:
+        return self.error is not None
+
+
+def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_SIZES,
+         seed: int | None = None, deadline: float = DEFAULT_DEADLINE, dtypes: tuple = ("float64",),
+         progress: Callable[[int, float], None] | None = None,
+         time_budget: float | None = None, without: Iterable[str] = (), device: str = "cpu",
+         backend: str | None = None) -> FuzzResult:
+    """Run up to ``examples`` random examples of ``target``; shrink the first failure.
+
+    ``seed`` makes the run reproducible (default: derandomized, the same every time);
+    ``time_budget`` (seconds) stops generating new examples once spent (shrinking still runs).
+    Features the target does not support (``Target.supported_features``) or ``without`` excludes
+    are not generated; the rare drawn example that still needs one is rejected (``assume``), so
+    it costs no example of the budget. ``device``/``backend``: where the ranks compute (as for
+    ``ddpcheck.assert_equivalent``).
+    """
+    from hypothesis import HealthCheck, Phase, assume, given, settings
+    from hypothesis import seed as hypothesis_seed
+    from hypothesis.errors import FlakyFailure, Unsatisfiable
+    from hypothesis import strategies as st
+
+    from ddpcheck import features
+    from ddpcheck import strategies as dst
+    from ddpcheck._internal.runs.example import check_example
+    from ddpcheck.errors import EquivalenceError, NothingChecked, ScenarioError
+
+    if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
+        raise InvalidArgument(f"examples={examples!r} must be a positive integer")
+    sizes = check_world_sizes("world_sizes", world_sizes)
+    check_positive_number("deadline", deadline)
+    check_fits(device, sizes, backend)  # before Hypothesis draws anything
+    started = time.perf_counter()
+    excluded = features.parse(without, "without")
+    supported = getattr(target, "supported_features", None)
+    unsupported = excluded | (frozenset(features.FEATURES) - frozenset(supported)
+                              if supported is not None else frozenset())
+    kept = tuple(d for d in dtypes if d not in unsupported)
+    if not kept:
+        raise NothingChecked(f"{type(target).__name__} supports none of the dtypes "
+                             f"{', '.join(dtypes)} once --without is applied")
+    dtypes = kept
+    count = [0]
+    first = [None]
+    declined: dict[str, int] = {}
+    exercised: set[str] = set()
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
+              suppress_health_check=list(HealthCheck), print_blob=False,
+              phases=[Phase.generate, Phase.target, Phase.shrink])
+    @given(data=st.data())
+    def one(data):
+        world_size = data.draw(st.sampled_from(sizes), label="world_size")
+        scenario = data.draw(dst.scenarios(
+            models=dst.models(mixed_dtypes=True, without=unsupported), dtypes=dtypes,
+            without=unsupported, world_size=world_size, resume_world_sizes=sizes),
+            label="scenario")
+        if time_budget is not None and first[0] is None \
+                and time.perf_counter() - started > time_budget:
+            return  # out of time: remaining examples pass without running
+        why = features.declines(target, scenario, world_size, excluded)
+        if why is not None:
+            declined[why] = declined.get(why, 0) + 1
+            assume(False)  # not generated, in effect: costs no example of the budget
+        count[0] += 1
+        if progress is not None:
+            progress(count[0], time.perf_counter() - started)
+        try:
+            check_example(target, scenario, world_size, deadline=deadline, device=device,
+                          backend=backend)
+        except EquivalenceError:
+            if first[0] is None:
+                first[0] = count[0]
+            raise
+        except ScenarioError as exc:  # the oracle cannot judge it: nobody's bug, not a failure
+            declined[f"unjudgeable: {exc}"] = 1
+            count[0] -= 1
+            return
+        exercised.update(features.of(scenario, world_size))
+
+    if seed is not None:
+        one = hypothesis_seed(seed)(one)
+    try:
+        one()
+    except Unsatisfiable:  # every example drawn was declined: the caller reports nothing checked
+        pass
+    except EquivalenceError as error:
+        return FuzzResult(count[0], first[0], time.perf_counter() - started, error, declined,
+                          exercised)
+    except FlakyFailure as flaky:
+        # The example failed, then passed when Hypothesis replayed it: a race (e.g. a gradient
+        # read before its all-reduce finished). Still a counterexample; say it is intermittent.
+        error = next((e for e in flaky.exceptions if isinstance(e, EquivalenceError)), None)
+        if error is None:
+            raise
+        error.args = (f"{error.args[0]}\n\nintermittent: this example failed, then passed when "
+                      "replayed -- a race or other nondeterminism in the target",)
+        return FuzzResult(count[0], first[0], time.perf_counter() - started, error, declined,
+                          exercised)
+    return FuzzResult(count[0], None, time.perf_counter() - started, None, declined,
+                      exercised)
+
+
+def terminal_progress(total: int, stream: Any = None) -> Callable[[int, float], None] | None:
+    """A live one-line progress report, only when ``stream`` is a terminal."""
+    stream = stream or sys.stderr
+    if not stream.isatty():
+        return None
+
+    def show(done: int, seconds: float) -> None:
+        stream.write(f"\r  {done}/{total} examples, {seconds:.1f} s ")
+        stream.flush()
+
+    return show

@@ -1,0 +1,104 @@
+"""The one training loop: the ranks, the trace and the single-process reference all train here.
+
+Invariant: :func:`train` runs ``scenario.steps`` steps of the scenario's objective (or the part
+``steps`` of them a run resumed from a checkpoint trains) -- per step,
+the micro-batches ``loop.batches(step)`` (all but the last under ``loop.no_sync()``), each
+``(x, y, scale)`` back-propagating its summed per-sample losses times its ``scale``; then
+``loop.after_backward()``, when the scenario clips (``max_grad_norm``) the clipping of the now
+synchronised gradients, ``loop.before_optimizer_step(step)`` (gradients are final here),
+``optimizer.step()``, the LR schedule, ``loop.after_step(step)`` (where callers snapshot),
+``zero_grad`` (on the given optimizer: a sharded optimizer's own ``zero_grad`` is what runs) and
+``loop.end_step(step)``. Because the runner (every rank of a world),
+``ddpcheck._internal.runs.trace`` (timed) and the oracle's reference (one process, the whole batch) share it,
+what the trace draws and what the reference computes are exactly the steps the oracle checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any, Callable, ContextManager
+
+import torch
+
+from ddpcheck.scenario import Scenario, per_sample_loss
+
+__all__ = ["Loop", "make_scheduler", "train"]
+
+
+def _nothing(*_: Any) -> None:
+    return None
+
+
+@dataclasses.dataclass
+class Loop:
+    """What differs between the callers of :func:`train`; the defaults are a plain process."""
+
+    #: step -> micro-batches ``(x, y, scale)``: scale multiplies the summed per-sample losses
+    batches: Callable[[int], list[tuple[torch.Tensor, torch.Tensor, float]]]
+    no_sync: Callable[[], ContextManager[Any]] = contextlib.nullcontext  # all but the last
+    after_backward: Callable[[], None] = _nothing
+    #: ``(max_norm, norm_type) ->`` clip the synchronised gradients; only called when the
+    #: scenario clips. None: ``torch.nn.utils.clip_grad_norm_`` over the model's parameters.
+    clip_grad_norm: Callable[[float, float], Any] | None = None
+    before_step: Callable[[int], None] = _nothing  # after the batches are drawn, before forward
+    before_optimizer_step: Callable[[int], None] = _nothing  # after after_backward
+    after_step: Callable[[int], None] = _nothing  # after optimizer.step and the schedule
+    end_step: Callable[[int], None] = _nothing  # after zero_grad
+    #: When a list, (phase, start, end) ``time.perf_counter()`` spans are appended to it.
+    phases: list[tuple[str, float, float]] | None = None
+
+
+def make_scheduler(scenario: Scenario, optimizer: Any) -> Any:
+    """The scenario's LR schedule on ``optimizer`` (None without ``lr_decay``)."""
+    return (torch.optim.lr_scheduler.ExponentialLR(optimizer, scenario.lr_decay)
+            if scenario.lr_decay is not None else None)
+
+
+def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop, *, scheduler: Any = None,
+          steps: range | None = None) -> None:
+    """Train ``model`` with ``optimizer`` on the scenario's steps, as ``loop`` says.
+
+    ``scheduler``: the LR schedule to step (None: :func:`make_scheduler`'s), given by callers
+    that record or checkpoint it; ``steps``: a part of the run (default all of it), so that a
+    run resumed from a checkpoint continues at the step after it."""
+    if scheduler is None:
+        scheduler = make_scheduler(scenario, optimizer)
+    clock = time.perf_counter
+    for step in range(scenario.steps) if steps is None else steps:
+        micro_batches = loop.batches(step)
+        loop.before_step(step)
+        for i, (x, y, scale) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else loop.no_sync():
+                t0 = clock()
+                loss = per_sample_loss(model(x), y).sum() * scale
+                t1 = clock()
+                loss.backward()
+                t2 = clock()
+            if loop.phases is not None:
+                loop.phases += [("forward", t0, t1), ("backward", t1, t2)]
+        t3 = clock()
+        loop.after_backward()
+        if scenario.max_grad_norm is not None:
+            _clip(scenario, model, loop)
+        loop.before_optimizer_step(step)
+        t4 = clock()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        t5 = clock()
+        if loop.phases is not None:
+            loop.phases += [("after_backward", t3, t4), ("optimizer.step", t4, t5)]
+        loop.after_step(step)
+        optimizer.zero_grad(set_to_none=scenario.set_to_none)
+        loop.end_step(step)
+
+
+def _clip(scenario: Scenario, model: Any, loop: Loop) -> None:
+    if loop.clip_grad_norm is None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), scenario.max_grad_norm,
+                                       scenario.grad_norm_type)
+    else:
+        loop.clip_grad_norm(scenario.max_grad_norm, scenario.grad_norm_type)

@@ -1,0 +1,413 @@
+"""Persistent multi-process ``torch.distributed`` worlds with deadlines.
+
+Invariant: ``World.run(fn, *args)`` returns every rank's ``fn(*args)`` only when *all* ranks
+returned. If any rank raises, exits, misses the deadline or is left unfit, it raises
+:class:`WorldFailure` naming each rank's state (traceback, exit code, or a faulthandler dump of
+where it was stuck) and the first collective where the ranks' sequences disagree
+(``sequences``), and the world is torn down -- no process is left -- so the next
+:func:`get_world` spawns a fresh one. Every wait here has a deadline.
+
+Why persistent: spawning a gloo world costs seconds (2.0 s at W=2, 4.6 s at W=4 on our machines),
+one example in a running world milliseconds. Worlds are kept per world size until they fail or
+the interpreter exits. Rendezvous uses a ``FileStore`` in a fresh temporary directory: no port is
+ever fixed, and ``pytest -n auto`` workers cannot collide.
+
+Isolation between tasks: after every task each rank checks that its process is still fit
+(``ddpcheck._internal.rank.fitness``); an unfit rank fails the task as ``"contaminated"`` naming what changed, so
+the example that did the damage is blamed, not the next. Every failed ``run`` kills the world; a
+run that *completed* keeps it even when the caller finds the results wrong (``ddpcheck.check_example``
+replaces it after a collective mismatch): its ranks passed the fitness check and agreed on every
+collective, and keeping the world spares shrinking a ~2 s respawn per failing example (with one,
+mutant kills took 95-127 s instead of ~2 s; docs/platform.md). Each rank leads its own
+process group, and a kill kills the groups: processes a target started die with the world.
+
+Start-up and shutdown hygiene: a world started inside a rank (a script calling ddpcheck at import
+time without ``if __name__ == "__main__":``, which spawn re-imports in every rank) is refused with
+one line (:class:`WorldStartError`). A rank's output goes to its log from the first line spawn
+runs. Every world has a janitor process (``janitor``) that removes its directory and
+kills its process groups if the parent dies without doing so (SIGKILL); the ranks die with the
+parent (``PR_SET_PDEATHSIG``). The command line turns SIGTERM into an orderly stop (exit 143); API
+users get no handler (the janitor makes one unnecessary, and a library should not take a signal).
+
+Hang diagnosis at the speed of the evidence: while a task runs, the parent re-reads the sequence
+files every :data:`POLL_INTERVAL`; once they show a collective that can never complete (ranks
+issued different collectives at one index, or one that a rank which already returned never
+issued) and the evidence stays unchanged for :data:`EVIDENCE_GRACE`, the task fails as a
+``"mismatch"`` naming the collective and its call site, long before the deadline. Hangs without
+such evidence still wait for the deadline.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from multiprocessing.connection import wait as _wait_any
+from typing import Any, Callable
+
+from ddpcheck._internal.world.failures import RankState, WorldFailure, WorldStartError
+from ddpcheck._internal.rank.freshness import announce, changed
+from ddpcheck._internal.world.janitor import Janitor
+from ddpcheck._internal.devices import backend_for, check_device, check_fits
+from ddpcheck._internal.world.processes import (check_main_module_importable, dump_stacks,
+                                          environment, exit_description, kill_group, output_to,
+                                          pickle_task, read, receive, refuse_nested_start, tail)
+from ddpcheck._internal.options import DEFAULT_DEADLINE, STARTUP_DEADLINE
+from ddpcheck._internal.rank.serve import NESTED_MARKER, SHUTDOWN, WORLD_DIR_ENV, rank_main
+from ddpcheck.errors import InvalidArgument
+from ddpcheck._internal.options import check_deadline, check_world_size
+
+__all__ = ["RankState", "World", "WorldFailure", "WorldStartError", "get_world",
+           "shutdown_worlds"]
+
+#: Once one rank has failed, how long the others get to finish before they are presumed stuck
+#: waiting for it in a collective.
+FAILURE_GRACE = 2.0
+#: Seconds between two readings of the sequence files while a task runs (the first reading comes
+#: this long after the task started, so a healthy example, ~10 ms, never pays for one).
+POLL_INTERVAL = 0.3
+#: Seconds the sequence files must keep showing the same collective that cannot complete, with no
+#: rank returning meanwhile, before the task is failed as a mismatch: long enough for a rank that
+#: only looks stuck to move on, far shorter than any deadline.
+EVIDENCE_GRACE = 2.0
+
+_NUMPY_WARNING = "ignore:Failed to initialize NumPy"
+
+
+# ---------------------------------------------------------------------------------------------
+# The world, seen from the parent process
+
+
+class World:
+    """``world_size`` real processes joined in one ``torch.distributed`` process group.
+
+    Collective: ``run`` executes ``fn`` on every rank at once; ``fn`` may use any collective of the
+    default group. Not thread-safe: one ``run`` at a time.
+    """
+
+    def __init__(self, world_size: int, *, backend: str | None = None, device: str = "cpu",
+                 start_method: str = "spawn"):
+        check_world_size("world_size", world_size)
+        if start_method not in ("spawn", "forkserver"):
+            raise InvalidArgument(
+                f"start_method={start_method!r} is not supported; use 'spawn' or 'forkserver' "
+                "(fork is unsafe once torch has started threads)")
+        self.world_size = world_size
+        self.device = check_device(device)  # every rank computes there (_internal.devices)
+        self.backend = backend_for(device, backend)
+        self.start_method = start_method
+        # fixed at start
+        self._dir: str | None = None
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._logs: list[str] = []
+        self._stacks: list[str] = []
+        self._sequences: list[str] = []  # per-rank collective sequence files (ddpcheck._internal.rank.recorder)
+        self._janitor: Janitor | None = None
+        # grown by every task: user source files the ranks imported -> their mtime then
+        self._sources: dict[str, int] = {}
+        # lifecycle
+        self._alive = False
+        self._runs = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    @property
+    def janitor_pid(self) -> int | None:
+        """The world's janitor process (``ddpcheck._internal.world.janitor``), while the world lives."""
+        return None if self._janitor is None else self._janitor.pid
+
+    def start(self, deadline: float = STARTUP_DEADLINE) -> "World":
+        """Spawn the ranks and wait until every one has joined the process group."""
+        # Plain multiprocessing, not torch.multiprocessing: results travel as pickled bytes, so
+        # torch's shared-memory tensor reductions would only add file-descriptor traffic.
+        import multiprocessing
+
+        if self._alive:
+            return self
+        check_fits(self.device, (self.world_size,), self.backend)  # no GPU: one line, no spawn
+        refuse_nested_start()
+        ctx = multiprocessing.get_context(self.start_method)
+        check_main_module_importable()
+        self._dir = tempfile.mkdtemp(prefix=f"ddpcheck-w{self.world_size}-")
+        _LIVE.add(self)  # from here on, kill() (and shutdown_worlds) cleans up
+        self._alive = True
+        store_path = os.path.join(self._dir, "store")
+        self._procs, self._conns = [], []
+        self._logs = [os.path.join(self._dir, f"rank{r}.log") for r in range(self.world_size)]
+        self._stacks = [os.path.join(self._dir, f"rank{r}.stack") for r in range(self.world_size)]
+        self._sequences = [os.path.join(self._dir, f"rank{r}.collectives")
+                           for r in range(self.world_size)]
+        # torch warns at import when numpy is missing; the children ignore it. They learn their
+        # world's directory, which marks them as ranks (see refuse_nested_start).
+        saved = os.environ.get("PYTHONWARNINGS")
+        try:
+            self._janitor = Janitor(self._dir)
+            with environment(PYTHONWARNINGS=",".join(filter(None, [saved, _NUMPY_WARNING])),
+                              **{WORLD_DIR_ENV: self._dir}):
+                self._spawn(ctx, store_path)
+            self._collect("world start-up", deadline, starting=True)
+        except WorldFailure as failure:  # not the target's fault: the environment's
+            self.kill()
+            raise WorldStartError(f"could not start a world of {self.world_size} ranks; "
+                                  f"nothing was checked.\n{failure}") from None
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def _spawn(self, ctx: Any, store_path: str) -> None:
+        # multiprocessing's helper processes inherit our stdout: start them before redirecting.
+        from multiprocessing import forkserver, resource_tracker
+
+        resource_tracker.ensure_running()
+        if self.start_method == "forkserver":
+            forkserver.ensure_running()
+        for rank in range(self.world_size):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            proc = ctx.Process(
+                target=rank_main,
+                name=f"ddpcheck-rank{rank}-of-{self.world_size}",
+                args=(rank, self.world_size, self.backend, store_path, child_end,
+                      self._logs[rank], self._stacks[rank], os.getpid(),
+                      self._sequences[rank], self.device),
+                daemon=True,
+            )
+            with output_to(self._logs[rank]):
+                proc.start()
+            child_end.close()
+            self._procs.append(proc)
+            self._conns.append(parent_end)
+            self._janitor.watch(proc.pid)  # the rank leads its own process group
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Ask every rank to exit, then make sure it has (killing stragglers)."""
+        if not self._alive:
+            return
+        for conn in self._conns:
+            try:
+                conn.send_bytes(SHUTDOWN)
+            except OSError:
+                pass
+        end = time.monotonic() + timeout
+        for proc in self._procs:
+            proc.join(max(0.0, end - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill every rank, and every process it started, now; remove the world's files. Safe to
+        call twice."""
+        for proc in self._procs:
+            kill_group(proc)
+        for proc in self._procs:
+            proc.join(5.0)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+        if self._janitor is not None:
+            self._janitor.release()
+            self._janitor = None
+        self._sources = {}
+        self._alive = False
+        _LIVE.discard(self)
+
+    # -- running work ------------------------------------------------------------------------
+
+    def run(self, fn: Callable[..., Any], *args: Any, deadline: float = DEFAULT_DEADLINE,
+            what: str | None = None) -> list[Any]:
+        """Run ``fn(*args)`` on every rank; return the per-rank results, rank 0 first.
+
+        ``fn`` and ``args`` travel by pickle, so ``fn`` must be defined at module level of an
+        importable module. On any failure the world is killed and :class:`WorldFailure` raised.
+        """
+        check_deadline("deadline", deadline)
+        payload = pickle_task(fn, args)
+        if self._alive and any(p.exitcode is not None for p in self._procs):
+            # A rank died *between* tasks (gloo's teardown race can SIGABRT an idle rank, see
+            # docs/platform.md): no task of ours was running, so blame none -- start afresh.
+            self.kill()
+        stale = changed(self._sources) if self._alive else []
+        if stale:  # the ranks hold code that no longer exists on disk
+            announce(stale)
+            self.kill()
+        if not self._alive:
+            self.start()
+        self._runs += 1
+        # Empty here, before any rank starts: a slow rank's file must not show the last task's
+        # collectives to the evidence polling in _collect.
+        for path in self._stacks + self._sequences:
+            open(path, "w").close()
+        try:
+            for conn in self._conns:
+                conn.send_bytes(payload)
+            return self._collect(what or getattr(fn, "__qualname__", repr(fn)), deadline)
+        except WorldFailure:
+            raise
+        except BaseException:  # Ctrl-C, or a broken pipe: ranks are mid-task, never reuse them
+            self.kill()
+            raise
+
+    def collective_sequences(self) -> list[str]:
+        """Each rank's collective sequence file (``ddpcheck._internal.rank.recorder`` format) for the last task."""
+        return [read(path) for path in self._sequences]
+
+    def _collect(self, what: str, deadline: float, starting: bool = False) -> list[Any]:
+        """Wait for one message from every rank, or fail with every rank's state.
+
+        While waiting, the sequence files are watched for a collective that cannot complete
+        (:meth:`_hopeless`); start-up issues no collectives, so it is not watched."""
+        n = self.world_size
+        results: list[Any] = [None] * n
+        states: dict[int, RankState] = {}
+        pending = set(range(n))
+        started = time.monotonic()
+        end = started + deadline
+        next_poll = started + POLL_INTERVAL
+        evidence: tuple | None = None  # what the sequence files last showed, and since when
+        evidence_since = 0.0
+        failed_at: float | None = None
+        kind: str | None = None
+        while pending:
+            limit = end if failed_at is None else min(end, failed_at + FAILURE_GRACE)
+            watching = not starting and kind is None
+            now = time.monotonic()
+            timeout = (min(limit, next_poll) if watching else limit) - now
+            if now >= limit:
+                break
+            waitables = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
+            ready = _wait_any(waitables, max(timeout, 0.0))
+            for rank in sorted(pending):
+                conn, proc = self._conns[rank], self._procs[rank]
+                if conn in ready or proc.sentinel in ready:
+                    message = receive(conn)
+                    if message is None:  # the process died without answering
+                        proc.join(1.0)
+                        if starting:
+                            self._refuse_if_nested()
+                        states[rank] = RankState(rank, "exited", exit_description(proc.exitcode),
+                                                 log_tail=tail(self._logs[rank]))
+                        kind = kind or "exited"
+                    elif message[0] == "ok":
+                        results[rank] = message[1]
+                        self._sources.update(message[2])
+                        states[rank] = RankState(rank, "returned")
+                    elif message[0] == "unfit":  # finished: not a reason to stop waiting for others
+                        states[rank] = RankState(rank, "unfit", message[1],
+                                                 log_tail=tail(self._logs[rank]))
+                    else:
+                        states[rank] = RankState(rank, "raised", message[1],
+                                                 log_tail=tail(self._logs[rank]))
+                        kind = kind or "raised"
+                    pending.discard(rank)
+                    if kind is not None and failed_at is None:
+                        failed_at = time.monotonic()
+            now = time.monotonic()
+            if pending and watching and kind is None and now >= next_poll:
+                next_poll = now + POLL_INTERVAL
+                seen = self._hopeless(set(range(n)) - pending)
+                if seen is None or seen != evidence:
+                    evidence, evidence_since = seen, now
+                elif now - evidence_since >= EVIDENCE_GRACE:
+                    kind = "mismatch"  # unchanged for the grace: the pending ranks are stuck
+                    break
+        if not pending and kind is None:
+            if not any(s.status == "unfit" for s in states.values()):
+                return results
+            kind = "contaminated"
+        dumps = dump_stacks(self._procs, self._stacks, sorted(pending))
+        for rank in sorted(pending):
+            states[rank] = RankState(rank, "stuck", dumps[rank], log_tail=tail(self._logs[rank]))
+        failure = self._failure(kind or "timeout", [states[r] for r in range(n)], what)
+        self.kill()
+        raise failure
+
+    def _failure(self, kind: str, states: list[RankState], what: str) -> WorldFailure:
+        """The failure, with the first collective where the ranks' sequences disagree; a real
+        mismatch (different collectives, or a finished rank that issued fewer) is the kind."""
+        from ddpcheck._internal.world import sequences
+
+        seqs = [sequences.parse(text) for text in self.collective_sequences()]
+        finished = [s.rank for s in states if s.status in ("returned", "unfit")]
+        disagreement = sequences.diagnose(seqs, finished)
+        if disagreement is not None and disagreement.mismatched:
+            kind = "mismatch"
+        summary = "" if disagreement is not None else sequences.agreement_summary(seqs)
+        return WorldFailure(kind, self.world_size, states, what, disagreement, summary)
+
+    def _hopeless(self, finished: set[int]) -> tuple | None:
+        """The sequence files' texts and ``finished`` if they show a collective that can never
+        complete (``sequences.Disagreement.mismatched``: different collectives at one index, or
+        one that a finished rank never issued), else None. Identical files are never parsed."""
+        from ddpcheck._internal.world import sequences
+
+        texts = self.collective_sequences()
+        if sequences.same_texts(texts):
+            return None
+        disagreement = sequences.diagnose([sequences.parse(t) for t in texts], finished)
+        if disagreement is None or not disagreement.mismatched:
+            return None
+        return tuple(texts), frozenset(finished)
+
+    def _refuse_if_nested(self) -> None:
+        """A rank left because re-importing the main module started a world: say so, once."""
+        if self._dir is not None and os.path.exists(os.path.join(self._dir, NESTED_MARKER)):
+            main = getattr(sys.modules.get("__main__"), "__file__", None) or "the main module"
+            raise WorldStartError(
+                f"{main} calls ddpcheck when it is imported, and every rank process re-imports "
+                "the main module (multiprocessing's spawn); put that call under "
+                "`if __name__ == \"__main__\":`")
+
+    def __repr__(self) -> str:
+        state = "alive" if self._alive else "stopped"
+        return (f"World(world_size={self.world_size}, backend={self.backend!r}, "
+                f"device={self.device!r}, {state})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry of persistent worlds (one per world size, backend, device and start method)
+
+_WORLDS: dict[tuple, World] = {}
+_LIVE: set[World] = set()
+_LOCK = threading.Lock()
+
+
+def get_world(world_size: int, *, backend: str | None = None, device: str = "cpu",
+              start_method: str = "spawn") -> World:
+    """The persistent world of this size on ``device`` ("cpu" or "cuda"), spawned on first use
+    and after a failure; a CUDA world is never handed out for CPU examples, nor the reverse."""
+    check_world_size("world_size", world_size)
+    refuse_nested_start()
+    key = (world_size, backend_for(device, backend), device, start_method)
+    with _LOCK:
+        world = _WORLDS.get(key)
+        if world is None or not world.alive:
+            world = World(world_size, backend=key[1], device=device, start_method=start_method)
+            _WORLDS[key] = world
+    return world.start()
+
+
+def shutdown_worlds() -> None:
+    """Stop every world this process started. Runs at interpreter exit too."""
+    with _LOCK:
+        worlds = list(_LIVE)
+        _WORLDS.clear()
+    for world in worlds:
+        world.close()
+
+
+atexit.register(shutdown_worlds)

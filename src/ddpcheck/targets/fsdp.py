@@ -1,0 +1,160 @@
+"""How the ``torch_fsdp`` target (``ddpcheck.targets.TorchFSDPTarget``) sets up torch's FSDP2.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) shards every parameter as a DTensor (``Shard(0)``
+over the world), all-gathers it for forward and backward, reduce-scatters gradients (averaged),
+and the plain optimizer steps the local shards. Its own module so the FSDP mutants
+(``ddpcheck.mutation.broken_fsdp``) reuse the steps.
+
+What FSDP2 cannot run, each found by trying the battery and random scenarios (torch 2.13, gloo,
+CPU): non-contiguous parameters (``fully_shard`` raises), and a parameter used on some ranks only
+(FSDP2 all-gathers a layer's parameters in its forward and reduce-scatters the gradients it got,
+so a layer some ranks skip leaves the collectives unpaired) -- both declined as features by
+``TorchFSDPTarget.supported_features`` -- and, declined per scenario by :func:`fsdp_cannot_run`,
+a layer skipped by some ranks' micro-batches only, a parameter used outside its own layer's
+forward, and infinity-norm clipping with an empty shard. Tied weights, mixed dtypes (per
+layer), frozen and globally unused parameters work: modules sharing a parameter are sharded
+together (:func:`shard_leaves`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator
+
+__all__ = ["broadcast_from", "fsdp_cannot_run", "gradient_sync_off", "shard_leaves"]
+
+
+def broadcast_from(module: Any, src: int) -> None:
+    """Copy rank ``src``'s parameters and buffers to every rank (FSDP2 does not broadcast; the
+    scenarios initialise ranks differently on purpose). Collective: every rank calls it."""
+    import torch
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            buffer = tensor.detach().contiguous()
+            dist.broadcast(buffer, src=src)
+            tensor.copy_(buffer)
+
+
+def shard_leaves(module: Any, reshard_after_forward: bool) -> Any:
+    """``fully_shard`` every module holding parameters of its own, then the root (which takes
+    whatever parameters are left): one FSDP2 parameter group per layer, as real models do.
+    Modules sharing a parameter (tied weights) are sharded together, as FSDP2 requires."""
+    from torch.distributed.fsdp import fully_shard
+
+    groups: list[list[Any]] = []  # modules that must share one fully_shard call
+    owner: dict[int, list[Any]] = {}  # id(parameter) -> its group
+    for child in list(module.modules())[1:]:
+        own = list(child.parameters(recurse=False))
+        if not own:
+            continue
+        joined = [g for g in {id(owner[id(p)]): owner[id(p)] for p in own
+                              if id(p) in owner}.values()]
+        group = [m for g in joined for m in g] + [child]
+        groups = [g for g in groups if all(g is not j for j in joined)] + [group]
+        for m in group:
+            for p in m.parameters(recurse=False):
+                owner[id(p)] = group
+    for group in groups:
+        fully_shard(group if len(group) > 1 else group[0],
+                    reshard_after_forward=reshard_after_forward)
+    return fully_shard(module, reshard_after_forward=reshard_after_forward)
+
+
+@contextlib.contextmanager
+def gradient_sync_off(model: Any) -> Iterator[None]:
+    """FSDP2's accumulation: no reduce-scatter for these micro-batches (the unsharded gradients
+    accumulate locally), and back on for the last one, which reduces the sum."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+
+def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> str | None:
+    """Why FSDP2 cannot run ``scenario``, read from forwards of every rank's micro-batches on
+    the initial weights (as ``ddpcheck.features`` reads parameter usage); None when it can:
+
+    * a layer whose forward runs in some rank's micro-batch but not in another's at the same
+      point (data-dependent branches): FSDP2 all-gathers a layer's parameters in its forward
+      pre-hook, so the ranks' collectives would not pair;
+    * infinity-norm clipping where some rank holds an empty shard (fewer rows than W), on
+      which torch 2.13's ``clip_grad_norm_`` raises;
+    * a parameter used outside its own layer's forward (a head tied to an embedding's weight
+      by reading ``embedding.weight`` in the parent): FSDP2 holds it unsharded only there.
+    """
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from ddpcheck.scenario import build_model, local_micro_batches
+
+    model = build_model(scenario, scenario.seed)
+    if scenario.max_grad_norm is not None and math.isinf(scenario.grad_norm_type):
+        for name, p in model.named_parameters():
+            if p.requires_grad and (p.dim() == 0 or p.shape[0] < max(world_sizes)):
+                return (f"parameter {name!r} has {p.shape[0] if p.dim() else 0} rows, so some "
+                        f"rank holds an empty shard of it at W={max(world_sizes)}, and torch "
+                        "2.13's clip_grad_norm_ with norm_type=inf raises on an empty DTensor "
+                        "shard (_foreach_norm: the infinity norm has no identity)")
+    owners: dict[int, list[Any]] = {}  # id(parameter) -> the modules holding it (tied: several)
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(m)
+    names = {id(p): n for n, p in model.named_parameters()}
+    active: list[Any] = []  # the layers whose forward is running
+    called: list[str] = []
+    outside: list[str] = []
+
+    class Uses(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            for value in [*args, *(kwargs or {}).values()]:
+                holders = owners.get(id(value))
+                if holders is not None and not any(h is m for h in holders for m in active):
+                    outside.append(names[id(value)])
+            return func(*args, **(kwargs or {}))
+
+    def enter(module: Any, _: Any, name: str) -> None:
+        called.append(name)
+        active.append(module)
+
+    def leave(*_: Any) -> None:
+        active.pop()
+
+    hooks = []
+    for name, m in model.named_modules():
+        if any(True for _ in m.parameters(False)):
+            hooks.append(m.register_forward_pre_hook(lambda m, a, name=name: enter(m, a, name)))
+            hooks.append(m.register_forward_hook(leave))
+    try:
+        with torch.no_grad():
+            for world_size in world_sizes:
+                for step in range(scenario.steps):
+                    seen = []
+                    for rank in range(world_size):
+                        uses = []
+                        for x, _ in local_micro_batches(scenario, step, rank, world_size):
+                            called.clear()
+                            with Uses():
+                                model(x)
+                            if outside:
+                                return (f"parameter {outside[0]!r} is used outside its layer's "
+                                        "forward (a weight tied by reading it in another "
+                                        "module); FSDP2 holds it whole only inside that forward")
+                            uses.append(frozenset(called))
+                        seen.append(uses)
+                    for rank, uses in enumerate(seen[1:], 1):
+                        for i, (here, there) in enumerate(zip(seen[0], uses)):
+                            if here != there:
+                                layer = sorted(here ^ there)[0]
+                                return (f"layer {layer!r} runs in micro-batch {i} of step {step} "
+                                        f"on one of ranks 0 and {rank} only (W={world_size}); "
+                                        "FSDP2 all-gathers a layer's parameters in its forward, "
+                                        "so the ranks' collectives would not pair")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return None
