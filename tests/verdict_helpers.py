@@ -1,4 +1,4 @@
-"""Targets, models and data functions for tests/test_verdict_*.py.
+"""Targets, models and data functions for tests/oracle/, tests/runs/test_replay.py.
 
 A module of its own (not a test module), imported by name in rank processes and in the replay
 processes the tests start (``tests.verdict_helpers:...``).

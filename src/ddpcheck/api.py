@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterable
+from typing import Iterable
 
 from ddpcheck import features
 from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_deadline,
                                         check_fits_machine, check_world_sizes)
 from ddpcheck._internal.runs.example import check_example, check_target, prepare_reference
+from ddpcheck.battery import BATTERY
 from ddpcheck.errors import InvalidArgument, NothingChecked
+from ddpcheck.features import exercised
 from ddpcheck.scenario import Scenario
 from ddpcheck.targets import Target
 
@@ -39,8 +41,6 @@ class Report:
         return len(self.examples)
 
     def __str__(self) -> str:
-        from ddpcheck.features import exercised
-
         seconds = sum(s for _, _, s in self.examples)
         sizes = sorted({w for _, w, _ in self.examples})
         text = (f"{self.count} examples equivalent (world sizes {sizes}) in {seconds:.2f} s, "
@@ -76,8 +76,6 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
     :class:`ddpcheck.WorldStartError`, :class:`ddpcheck.NothingChecked` (every example skipped or
     declined: passing would be a silent no-op), :class:`ddpcheck.InvalidArgument`.
     """
-    from ddpcheck import features
-
     check_target(target)
     sizes = check_world_sizes("world_sizes", world_sizes)
     check_fits_machine(sizes, flag="world_sizes")
@@ -85,8 +83,6 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
     check_deadline("deadline", deadline)
     excluded = features.parse(without, "without")
     if scenario is None:
-        from ddpcheck.battery import BATTERY
-
         named = BATTERY
     elif isinstance(scenario, Scenario):
         named = [(None, scenario)]

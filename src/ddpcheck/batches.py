@@ -31,6 +31,8 @@ import math
 import operator
 from typing import Any, Callable
 
+from torch.utils.data import DistributedSampler
+
 from ddpcheck.errors import InvalidArgument
 
 __all__ = ["BatchPlan", "DistributedSamplerBatches", "GlobalBatch", "check_plans", "contiguous",
@@ -176,8 +178,6 @@ class DistributedSamplerBatches:
             raise InvalidArgument(f"normalize={self.normalize!r} must be 'local' or 'global'")
 
     def __call__(self, batch: GlobalBatch) -> BatchPlan:
-        from torch.utils.data import DistributedSampler
-
         sampler = DistributedSampler(batch.indices, num_replicas=batch.world_size,
                                      rank=batch.rank, shuffle=self.shuffle, seed=self.seed,
                                      drop_last=self.drop_last)

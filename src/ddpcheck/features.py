@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from ddpcheck._internal.options import FEATURES, parse_features as parse
+from ddpcheck._internal.options import FEATURES
+from ddpcheck._internal.options import parse_features as parse
 from ddpcheck.models import ModelSpec
 from ddpcheck.scenario import Scenario, build_model, global_batch, per_sample_loss
 

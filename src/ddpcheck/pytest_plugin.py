@@ -18,10 +18,8 @@ import pytest
 
 from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine,
-                                        parse_world_sizes)
-from ddpcheck.errors import InvalidArgument
-from ddpcheck._internal.options import parse_features
-
+                                        parse_features, parse_world_sizes)
+from ddpcheck.errors import DdpcheckError, ExitCode, InvalidArgument
 
 # ---------------------------------------------------------------------------------------------
 # Options
@@ -166,6 +164,25 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
     node.config.stash[EXAMPLES] += int(output.get("ddpcheck_examples", 0))
 
 
+#: What each outcome of a failed test means, as its report says it (``ddpcheck.errors.ExitCode``).
+OUTCOMES = {ExitCode.FOUND: "a data-parallel bug in the target; its replay line reproduces it",
+            ExitCode.SETUP: "usage or set-up, not the target's fault",
+            ExitCode.NOTHING_CHECKED: "nothing was checked (every example skipped or declined)"}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: Any, call: Any) -> Any:
+    """A test that failed with a ddpcheck outcome says which one (its ``ExitCode``), so a bug in
+    the target is never confused with a set-up problem; the summary counts them."""
+    outcome = yield
+    report = outcome.get_result()
+    excinfo = call.excinfo
+    if report.failed and excinfo is not None and isinstance(excinfo.value, DdpcheckError):
+        code = excinfo.value.exit_code
+        report.user_properties.append(("ddpcheck_outcome", code.name))
+        report.sections.append(("ddpcheck", f"ExitCode.{code.name}: {OUTCOMES.get(code, '')}"))
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: Any, config: Any) -> None:
     if getattr(config, "workerinput", None) is not None:
         return
@@ -175,6 +192,14 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: Any, config: Any)
         sizes = ",".join(map(str, options.world_sizes))
         terminalreporter.write_line(f"ddpcheck: {total} data-parallel examples run (fixture world "
                                     f"sizes {sizes}, deadline {options.deadline:g} s)")
+    counts: dict[str, int] = {}
+    for report in terminalreporter.stats.get("failed", []):
+        for key, value in getattr(report, "user_properties", ()):
+            if key == "ddpcheck_outcome":
+                counts[value] = counts.get(value, 0) + 1
+    if counts:
+        terminalreporter.write_line("ddpcheck outcomes of failed tests: " + "; ".join(
+            f"{n} {name} ({OUTCOMES[ExitCode[name]]})" for name, n in sorted(counts.items())))
 
 
 def _examples_run() -> int:

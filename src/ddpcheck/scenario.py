@@ -145,7 +145,7 @@ def _code(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {_code(v)}" for k, v in value.items()) + "}"
     if isinstance(value, float) and math.isinf(value):  # repr() gives `inf`, which is not code
-        return "math.inf" if value > 0 else "-math.inf"
+        return 'float("inf")' if value > 0 else '-float("inf")'  # needs no import to evaluate
     return repr(value)
 
 

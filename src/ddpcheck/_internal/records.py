@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 import torch
 
-
 __all__ = ["Collective", "RankRecord", "StepRecord", "gradients", "initial_state", "schedule_state",
            "snapshot"]
 

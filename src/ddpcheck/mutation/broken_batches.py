@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ddpcheck.batches import BatchPlan, DistributedSamplerBatches, GlobalBatch, split
 
 __all__ = ["FlooredShards", "MeanOfRankMeans", "PaddingSampler", "SamplerSeededPerRank",
@@ -62,8 +64,6 @@ class SamplerSeededPerRank:
     so some samples are trained on twice and others never."""
 
     def __call__(self, batch: GlobalBatch) -> BatchPlan:
-        import torch
-
         generator = torch.Generator().manual_seed(1000 * batch.step + batch.rank)  # BUG: + rank
         order = tuple(batch.indices[int(i)] for i in torch.randperm(batch.size,
                                                                     generator=generator))

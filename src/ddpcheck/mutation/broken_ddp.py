@@ -17,7 +17,6 @@ import torch.distributed as dist
 from parallel import DDP
 from parallel.buckets import BucketState
 
-
 # =============================================================================================
 # A. Gradient scaling and averaging
 

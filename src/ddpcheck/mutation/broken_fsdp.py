@@ -11,7 +11,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from ddpcheck.targets import TorchFSDPTarget
+from ddpcheck.targets.fsdp import broadcast_from, shard_leaves
 
 __all__ = ["BroadcastsFromLastRankFSDP", "NoGradientDivideFSDP", "NeighbourGradientShardFSDP",
            "StaleUnshardedParamsFSDP"]
@@ -23,10 +27,6 @@ class BroadcastsFromLastRankFSDP(TorchFSDPTarget):
     sharding -- every replica agrees, on the wrong initialisation."""
 
     def wrap(self, module: Any) -> Any:
-        import torch.distributed as dist
-
-        from ddpcheck.targets.fsdp import broadcast_from, shard_leaves
-
         broadcast_from(module, dist.get_world_size() - 1)
         return shard_leaves(module, bool(self.reshard_after_forward))
 
@@ -53,9 +53,6 @@ class NeighbourGradientShardFSDP(TorchFSDPTarget):
     hand-written reduce-scatter's output offsets would."""
 
     def after_backward(self, model: Any, optimizer: Any) -> None:
-        import torch
-        import torch.distributed as dist
-
         rank, world_size = dist.get_rank(), dist.get_world_size()
         with torch.no_grad():
             for p in model.parameters():

@@ -11,7 +11,7 @@ of the training loop's data split or loss normalisation (A3, F1-F3), or whose ta
 Family I (sharded parameters) is :class:`~ddpcheck.targets.TorchFSDPTarget` subclasses overriding
 one method (``broken_fsdp``).
 Each docstring says what the bug is and which real report it mirrors. ``ddpcheck mutants``
-(and ``tests/test_mutants.py``) hold the harness to killing all of them.
+(and ``tests/mutation/test_mutants.py``) hold the harness to killing all of them.
 
 Classes of the catalogue without a mutant here, and why:
 
@@ -39,14 +39,18 @@ import contextlib
 import dataclasses
 from typing import Any
 
-from parallel import DDP, ShardedOptimizer
+import torch
+import torch.distributed as dist
+
+from ddpcheck.errors import InvalidArgument
+from ddpcheck.features import FEATURES
 from ddpcheck.mutation import broken_batches as S
 from ddpcheck.mutation import broken_checkpoint as K
 from ddpcheck.mutation import broken_ddp as D
 from ddpcheck.mutation import broken_fsdp as F
 from ddpcheck.mutation import broken_optimizer as O
-from ddpcheck.features import FEATURES
 from ddpcheck.targets import ParallelDDPTarget, ParallelTarget, Target, TorchFSDPTarget
+from parallel import DDP, ShardedOptimizer
 
 __all__ = ["CATALOGUE", "Mutant", "by_name", "stale_overrides"]
 
@@ -104,9 +108,6 @@ class _SeededOptimizerOnly(_Seeded):
     supported_features = frozenset(FEATURES) - {"rank-orders"}
 
     def wrap(self, module: Any) -> Any:
-        import torch
-        import torch.distributed as dist
-
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
                 buffer = tensor.detach().contiguous()
@@ -279,7 +280,6 @@ def by_name(name: str) -> Mutant:
     for mutant in CATALOGUE:
         if mutant.name.lower() == name.lower():
             return mutant
-    from ddpcheck.errors import InvalidArgument
 
     raise InvalidArgument(f"mutant {name!r} is not in the catalogue; known: "
                           f"{', '.join(m.name for m in CATALOGUE)}")
@@ -288,7 +288,7 @@ def by_name(name: str) -> Mutant:
 def stale_overrides() -> list[str]:
     """Methods a mutant overrides that ``parallel`` (or the target it mutates) no longer has:
     when a seam is renamed, such a mutant silently stops being a mutant (and "survives").
-    ``tests/test_mutants.py`` requires this to be empty."""
+    ``tests/mutation/test_mutants.py`` requires this to be empty."""
     stale = []
     for mutant in CATALOGUE:
         if isinstance(mutant.target, TorchFSDPTarget):  # family I: overrides TorchFSDPTarget's

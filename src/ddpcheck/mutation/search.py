@@ -22,9 +22,15 @@ import importlib
 import time
 from typing import Any, Callable, Iterable, Sequence
 
+from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, STARTUP_DEADLINE,
+                                        check_positive_number, check_world_sizes)
 from ddpcheck._internal.oracle.messages import scenario_line as brief
-from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, STARTUP_DEADLINE
-from ddpcheck._internal.options import check_positive_number, check_world_sizes
+from ddpcheck._internal.runs.example import check_example, prepare_reference
+from ddpcheck._internal.runs.fuzz import fuzz
+from ddpcheck._internal.world.worlds import get_world
+from ddpcheck.battery import BATTERY
+from ddpcheck.errors import EquivalenceError
+from ddpcheck.features import declines
 
 __all__ = ["Counterexample", "Outcome", "Search", "battery_search", "brief", "shrinking_search",
            "warm_up"]
@@ -68,16 +74,12 @@ _REFERENCES: dict[str, Any] = {}
 
 
 def _reference(name: str, scenario: Any) -> Any:
-    from ddpcheck._internal.runs.example import prepare_reference
-
     if name not in _REFERENCES:
         _REFERENCES[name] = prepare_reference(scenario)
     return _REFERENCES[name]
 
 
 def _battery_examples(world_sizes: Sequence[int]) -> list[tuple[str, Any, int]]:
-    from ddpcheck.battery import BATTERY
-
     ordered = [w for w in SEARCH_ORDER if w in world_sizes]
     ordered += [w for w in world_sizes if w not in ordered]
     return [(name, scenario, w) for w in ordered for name, scenario in BATTERY]
@@ -86,9 +88,6 @@ def _battery_examples(world_sizes: Sequence[int]) -> list[tuple[str, Any, int]]:
 def warm_up(world_sizes: Iterable[int], modules: Iterable[str] = ()) -> None:
     """Start the worlds, import ``modules`` (the targets' own) in every rank, and compute the
     battery's references: shared by every search, so paid outside the budgets."""
-    from ddpcheck._internal.world.worlds import get_world
-    from ddpcheck.battery import BATTERY
-
     for name, scenario in BATTERY:
         _reference(name, scenario)
     for w in world_sizes:
@@ -106,10 +105,6 @@ def _import(modules: tuple[str, ...]) -> None:
 def battery_search(target: Any, budget_seconds: float, *, world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
                    deadline: float = DEFAULT_DEADLINE) -> Outcome:
     """Battery x world sizes, in :data:`SEARCH_ORDER`, until the first divergence."""
-    from ddpcheck._internal.runs.example import check_example
-    from ddpcheck.errors import EquivalenceError
-    from ddpcheck.features import declines
-
     check_positive_number("budget_seconds", budget_seconds)
     sizes = check_world_sizes("world_sizes", world_sizes)
     started = time.perf_counter()
@@ -136,8 +131,6 @@ def shrinking_search(target: Any, budget_seconds: float, *, world_sizes: Any = D
     """Up to ``examples`` random examples first, for a
     *shrunk* counterexample, within ``fuzz_share`` of the budget; if they find none, the
     built-in battery (not shrunk, but aimed at every bug class) gets the rest."""
-    from ddpcheck._internal.runs.fuzz import fuzz
-
     check_positive_number("budget_seconds", budget_seconds)
     started = time.perf_counter()
     share = budget_seconds * fuzz_share

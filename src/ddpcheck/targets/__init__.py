@@ -11,10 +11,16 @@ and FSDP2, and a broken one, each a frozen dataclass whose replay line is its fi
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any, ContextManager
 
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
 from ddpcheck.features import FEATURES
+from ddpcheck.targets.fsdp import broadcast_from, fsdp_cannot_run, gradient_sync_off, shard_leaves
 from ddpcheck.targets.protocol import CONSTRUCTOR_CALL, Target, WrapperTarget
+from parallel import DDP, ShardedOptimizer
 
 __all__ = ["LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP", "TORCH_FSDP", "TORCH_ZERO", "BUILTIN",
            "CONSTRUCTOR_CALL", "LocalTarget", "ParallelDDPTarget", "ParallelTarget", "Target",
@@ -39,8 +45,6 @@ class ParallelDDPTarget(_Bucketed):
     """``parallel.DDP`` with the plain optimizer."""
 
     def wrap(self, module: Any) -> Any:
-        from parallel import DDP
-
         return DDP(module, bucket_size_mb=self.bucket_size_mb or 25.0)
 
     def after_backward(self, model: Any, optimizer: Any) -> None:
@@ -51,8 +55,6 @@ class ParallelDDPTarget(_Bucketed):
 
     def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float,
                        norm_type: float) -> Any:
-        import torch
-
         # in name order, not this rank's registration order: the norm sums per-parameter norms
         # in list order, and ranks that registered differently would round it differently
         params = [p for _, p in sorted(model.module.named_parameters())]
@@ -68,8 +70,6 @@ class ParallelTarget(ParallelDDPTarget):
     flattened_broadcasts = True
 
     def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
-        from parallel import ShardedOptimizer
-
         if self.sharding_rule is not None:
             kwargs["sharding_rule"] = self.sharding_rule
         return ShardedOptimizer(params, optimizer_cls, **kwargs)
@@ -92,8 +92,6 @@ class TorchDDPTarget(_Bucketed):
     supported_features = frozenset(FEATURES) - {"rank-orders"}
 
     def wrap(self, module: Any) -> Any:
-        from torch.nn.parallel import DistributedDataParallel
-
         kwargs = {} if self.bucket_size_mb is None else {"bucket_cap_mb": self.bucket_size_mb}
         # Unused parameters are part of every battery; torch needs to be told to look for them.
         return DistributedDataParallel(module, find_unused_parameters=True, **kwargs)
@@ -120,6 +118,7 @@ class TorchZeroTarget(TorchDDPTarget):
         return None
 
     def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
+        # here: importing torch.distributed.optim costs 0.6 s after torch, for ZeRO targets only
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         params = list(params)
@@ -165,25 +164,17 @@ class TorchFSDPTarget(Target):
         return dataclasses.replace(self, reshard_after_forward=bool(scenario.seed % 2))
 
     def supports(self, scenario: Any) -> str | None:
-        from ddpcheck.targets.fsdp import fsdp_cannot_run
-
         return fsdp_cannot_run(scenario)
 
     def wrap(self, module: Any) -> Any:
-        from ddpcheck.targets.fsdp import broadcast_from, shard_leaves
-
         broadcast_from(module, 0)
         return shard_leaves(module, bool(self.reshard_after_forward))
 
     def no_sync(self, model: Any) -> ContextManager[Any]:
-        from ddpcheck.targets.fsdp import gradient_sync_off
-
         return gradient_sync_off(model)
 
 
 def _numpy_available() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("numpy") is not None
 
 

@@ -45,8 +45,11 @@ import contextlib
 import dataclasses
 from typing import Any, ContextManager, Mapping
 
-from ddpcheck.errors import InvalidArgument
+import torch
+import torch.distributed as dist
+
 from ddpcheck.batches import BatchPlan, GlobalBatch, contiguous
+from ddpcheck.errors import InvalidArgument
 
 __all__ = ["CONSTRUCTOR_CALL", "Target", "WrapperTarget"]
 
@@ -126,7 +129,6 @@ class Target:
                 "before it would clip each rank's own gradients; override "
                 "Target.clip_grad_norm(model, optimizer, max_norm, norm_type) to clip through "
                 "the optimizer, or leave 'clipping' out of supported_features")
-        import torch
 
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
 
@@ -172,8 +174,6 @@ class Target:
         ``consolidate_state_dict(to=0)`` where the optimizer has one (a sharded optimizer: each
         rank holds only its shard) -- and the LR ``scheduler``'s ``state_dict()`` (None without
         a schedule). ``model`` is the wrapped model."""
-        import torch.distributed as dist
-
         if callable(getattr(optimizer, "consolidate_state_dict", None)):
             optimizer.consolidate_state_dict(to=0)
         if dist.get_rank() != 0:
@@ -206,8 +206,6 @@ class Target:
         Default: the state of the one ``torch.optim.Optimizer`` the optimizer wraps, if it holds
         one in an attribute (ZeroRedundancyOptimizer's ``.optim``, a ZeRO-1 wrapper's inner
         optimizer), else its own ``state``. Override it when neither is right."""
-        import torch
-
         inner = [v for v in vars(optimizer).values()
                  if isinstance(v, torch.optim.Optimizer) and v is not optimizer]
         if len(inner) == 1:

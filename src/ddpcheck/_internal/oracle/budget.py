@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import math
 
+from ddpcheck._internal.oracle.reference import Reference
 from ddpcheck._internal.records import RankRecord
 from ddpcheck.errors import Divergence
-from ddpcheck._internal.oracle.reference import Reference
 
 __all__ = ["check_budget"]
 

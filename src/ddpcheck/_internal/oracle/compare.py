@@ -51,15 +51,14 @@ from typing import Any
 
 import torch
 
-from ddpcheck._internal.records import RankRecord, StepRecord
-from ddpcheck.errors import InvalidArgument
 from ddpcheck._internal.oracle.budget import check_budget
-from ddpcheck.errors import Divergence
 from ddpcheck._internal.oracle.reference import Reference, reference_run
 from ddpcheck._internal.oracle.sample_weights import check_sample_weights
-from ddpcheck.scenario import Scenario
 from ddpcheck._internal.oracle.shards import compare_shards
 from ddpcheck._internal.oracle.tolerances import TOLERANCES, close, scaled_atol, tolerance
+from ddpcheck._internal.records import RankRecord, StepRecord
+from ddpcheck.errors import Divergence, InvalidArgument
+from ddpcheck.scenario import Scenario
 
 __all__ = ["CHECKS", "NON_FINITE", "TOLERANCES", "Reference", "bitwise_equal", "cannot_judge",
            "compare", "reference_run", "scaled_atol", "tolerance", "validate_checks"]

@@ -39,7 +39,8 @@ import torch
 from torch import nn
 
 from ddpcheck._internal.oracle.messages import (active_modules, brief, code_name, describe_value,
-                                         exception_text, needs_arguments, short_name)
+                                                exception_text, needs_arguments, short_name)
+from ddpcheck._internal.oracle.tolerances import TOLERANCES
 from ddpcheck.errors import ScenarioError
 from ddpcheck.scenario import import_path, make_param_groups, per_sample_loss
 
@@ -335,8 +336,6 @@ def _refuse_batch_dependence(scenario: Any, model: nn.Module, facts: _Forwards) 
 def _tolerance(model: nn.Module, out: torch.Tensor) -> tuple[float, float]:
     """The oracle's per-step tolerance for the model's least precise dtype: outputs closer than
     this are indistinguishable to it, outputs further apart would be blamed on the target."""
-    from ddpcheck._internal.oracle.tolerances import TOLERANCES
-
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if out.is_floating_point():
         dtypes.add(out.dtype)

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpcheck.scenario import _code
+
 __all__ = ["MODULE_KINDS", "active_modules", "brief", "code_name", "describe_value",
            "exception_text", "is_active", "kind_of", "needs_arguments", "scenario_line",
            "short_name"]
@@ -29,8 +31,6 @@ def needs_arguments(function: Any, *args: Any) -> bool:
 
 
 def code_name(value: Any) -> str:
-    from ddpcheck.scenario import _code
-
     try:
         return _code(value)
     except Exception:

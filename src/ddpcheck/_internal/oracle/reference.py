@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from ddpcheck._internal.records import (StepRecord, gradients, initial_state, schedule_state,
-                                       snapshot)
+                                        snapshot)
 from ddpcheck._internal.training import Loop, make_scheduler, train
 from ddpcheck.scenario import Scenario, build_model, global_batch, make_param_groups
 

@@ -26,7 +26,7 @@ Measured with torch 2.13: torch's DistributedDataParallel (with ``find_unused_pa
 ZeroRedundancyOptimizer and ``parallel.DDP``/``ShardedOptimizer`` running the battery at W=1-4
 change none of these after the rank's start-up (file descriptors stay at 15/16/17/18 at
 W=1/2/3/4, one Python thread, one process group), so no allowance is needed (:data:`FD_SLACK` is
-0; ``tests/test_harness.py::test_builtin_targets_pass_the_battery`` keeps it so). Cost: 14-26 us
+0; ``tests/world/test_harness.py::test_builtin_targets_pass_the_battery`` keeps it so). Cost: 14-26 us
 per task in a lone process, 20-90 us with W ranks sharing 2 busy cores; more than half of it is
 listing ``/proc/self/fd``.
 """
@@ -38,6 +38,11 @@ import gc
 import os
 import threading
 from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.modules.module as module
+import torch.optim.optimizer as optimizer
 
 __all__ = ["Baseline", "FD_SLACK", "baseline", "problems"]
 
@@ -80,9 +85,6 @@ class Baseline:
 
 def baseline(collective_names: tuple[str, ...] = ()) -> Baseline:
     """The state of this rank process now; ``collective_names``: the recorder's wrapped ops."""
-    import torch
-    import torch.distributed as dist
-
     return Baseline(
         default_group=_default_group(),
         collectives=tuple((n, getattr(dist, n, None)) for n in collective_names),
@@ -100,9 +102,6 @@ def baseline(collective_names: tuple[str, ...] = ()) -> Baseline:
 
 def problems(base: Baseline) -> list[str]:
     """What changed since ``base``, one phrase each (empty: the process is fit)."""
-    import torch
-    import torch.distributed as dist
-
     out = []
     group = _default_group()
     if group is None:
@@ -147,24 +146,17 @@ def problems(base: Baseline) -> list[str]:
 
 
 def _default_group() -> Any:
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return None
     return dist.distributed_c10d._get_default_group()
 
 
 def _hook_counts() -> tuple[int, ...]:
-    import torch.nn.modules.module as module
-    import torch.optim.optimizer as optimizer
-
     return (tuple(len(getattr(module, name, ())) for name, _ in _MODULE_HOOKS)
             + tuple(len(getattr(optimizer, name, ())) for name, _ in _OPTIMIZER_HOOKS))
 
 
 def _group_count() -> int:
-    import torch.distributed as dist
-
     try:
         return len(dist.distributed_c10d._world.pg_map)
     except Exception:  # the default group is gone, or torch moved its bookkeeping

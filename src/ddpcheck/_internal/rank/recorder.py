@@ -28,10 +28,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import os
 import sys
 import time
 from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed
+import torch.distributed as dist
 
 from ddpcheck._internal.records import Collective
 
@@ -126,8 +131,6 @@ def _display_name(path: str) -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def _skipped_dir() -> str:
-    import torch.distributed
-
     return os.path.dirname(torch.distributed.__file__) + os.sep
 
 
@@ -155,8 +158,6 @@ def paused() -> Iterator[None]:
 
 def wrapped() -> list[str]:
     """The names of the ``torch.distributed`` functions :func:`install` wrapped."""
-    import torch.distributed as dist
-
     return [n for n in _OPS if getattr(getattr(dist, n, None), "__ddpcheck_original__", None)]
 
 
@@ -165,7 +166,6 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    import torch.distributed as dist
 
     for name, (index, root_name) in _OPS.items():
         original = getattr(dist, name, None)
@@ -175,8 +175,6 @@ def install() -> None:
 
 
 def _wrap(name: str, original: Callable[..., Any], index: int, root_name: str | None):
-    import torch.distributed as dist
-
     @functools.wraps(original)
     def recorded(*args: Any, **kwargs: Any) -> Any:
         tensors = _tensors(args[index] if 0 <= index < len(args) else
@@ -251,8 +249,6 @@ class _RecordedWork:
 
 
 def _tensors(obj: Any) -> list[Any]:
-    import torch
-
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (list, tuple)):
@@ -262,8 +258,6 @@ def _tensors(obj: Any) -> list[Any]:
 
 @functools.lru_cache(maxsize=None)
 def _param_names(fn: Callable[..., Any]) -> tuple[str, ...]:
-    import inspect
-
     try:
         return tuple(inspect.signature(fn).parameters)
     except (TypeError, ValueError):

@@ -32,12 +32,14 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ddpcheck._internal.rank import recorder
 from ddpcheck._internal.devices import to_rank_device
+from ddpcheck._internal.rank import recorder
 from ddpcheck._internal.rank.orders import ORDER_SEED_STRIDE, permute_registration
+from ddpcheck._internal.rank.transport import pack
 from ddpcheck._internal.records import (RankRecord, gradients, initial_state, schedule_state,
-                                       snapshot)
+                                        snapshot)
 from ddpcheck._internal.training import Loop, make_scheduler, train
 from ddpcheck.batches import BatchPlan, contiguous, global_indices, plan_for
 from ddpcheck.scenario import Scenario, build_model, global_batch, make_param_groups
@@ -60,8 +62,6 @@ def run_example(target: Any, scenario: Scenario, *, part: str = "whole",
     ``part``: ``"whole"`` (the record), ``"until checkpoint"`` (steps ``0..checkpoint_after``;
     ``(record, checkpoint)``, the checkpoint as ``torch.save`` bytes on rank 0, None elsewhere)
     or ``"resumed"`` (a fresh run that loads ``checkpoint`` and trains the steps after it)."""
-    import torch.distributed as dist
-
     if part not in ("whole", "until checkpoint", "resumed"):
         raise ValueError(f"part={part!r} must be 'whole', 'until checkpoint' or 'resumed'")
     started = time.perf_counter()
@@ -171,8 +171,6 @@ def target_loop(target: Any, model: Any, optimizer: Any, scenario: Scenario, ran
 def _select(x: Any, y: Any, indices: tuple[int, ...]) -> tuple[Any, Any]:
     """The samples ``indices`` of ``(x, y)``: a view for a contiguous run (what ``tensor_split``
     gives, so the default plan computes bit for bit as before), else a gathered copy."""
-    import torch
-
     start = indices[0] if indices else 0
     if indices == tuple(range(start, start + len(indices))):
         return x[start:start + len(indices)], y[start:start + len(indices)]
@@ -202,6 +200,4 @@ def run_example_packed(target: Any, scenario: Scenario, part: str = "whole",
                        checkpoint: Any = None) -> Any:
     """:func:`run_example`, its tensors packed for a fast trip to the parent
     (``ddpcheck._internal.rank.transport.unpack`` restores the record)."""
-    from ddpcheck._internal.rank.transport import pack
-
     return pack(run_example(target, scenario, part=part, checkpoint=checkpoint))

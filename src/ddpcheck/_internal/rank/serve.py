@@ -74,8 +74,9 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
         import torch
         import torch.distributed as dist
 
-        from ddpcheck._internal.rank import fitness, recorder as comm
         from ddpcheck._internal.devices import enter_rank
+        from ddpcheck._internal.rank import fitness
+        from ddpcheck._internal.rank import recorder as comm
         from ddpcheck._internal.rank.freshness import ImportTracker
 
         # Two cores host up to W ranks: intra-op threads would only oversubscribe them.

@@ -22,8 +22,14 @@ import traceback
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, Phase, Verbosity, given
+from hypothesis import seed as hypothesis_seed
+from hypothesis import settings
+from hypothesis import strategies as st
 
-from ddpcheck._internal.rules.params import ParamSpec, describe, param_lists_strategy, parameter_lists
+from ddpcheck._internal.rules.params import (ParamSpec, describe, param_lists_strategy,
+                                             parameter_lists)
 
 __all__ = ["BALANCE_WORLD_SIZES", "HARD_FLOOR", "HARD_GRACE", "HARD_REFRESH", "KINDS",
            "MAX_WORLD_SIZE", "answers_in_rank", "brief_owners", "hang_text", "rule_name",
@@ -242,10 +248,6 @@ def search_in_rank(rule: Any, examples: int, seed: int | None, limit: float, dir
                     budget: float) -> dict[str, Any]:
     """Hypothesis search, then the named lists; the smallest violation of each kind found, and on
     success the owners on GPT-like parameters for the balance report."""
-    from hypothesis import HealthCheck, Phase, Verbosity, given, settings
-    from hypothesis import seed as hypothesis_seed
-    from hypothesis import strategies as st
-
     name = rule_name(rule)
     found: dict[str, tuple[tuple, str]] = {}
     tried: list[tuple[ParamSpec, ...]] = []
@@ -320,8 +322,6 @@ def answers_in_rank(rule: Any, lists: list[tuple[str | None, Sequence[ParamSpec]
                      directory: str, budget: float) -> list[tuple[str, Any]]:
     """Inside a rank: this rank's answer (or failure) on each list at the world's size; stops at
     the first hang (the other ranks' answers on later lists would not be compared anyway)."""
-    import torch.distributed as dist
-
     rank, world_size = dist.get_rank(), dist.get_world_size()
     answers: list[tuple[str, Any]] = []
     with _Guard(limit, _Progress(directory, rank), budget) as guard:

@@ -20,19 +20,23 @@ set-up error (``ddpcheck.SetupError``), not a verdict.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import shutil
 import tempfile
 from typing import Any, Callable, Sequence
 
+import hypothesis
+
 from ddpcheck._internal.options import DEFAULT_DEADLINE
-from ddpcheck._internal.world.processes import read
 from ddpcheck._internal.rules.calls import (HARD_FLOOR, HARD_GRACE, HARD_REFRESH, KINDS,
-                                           MAX_WORLD_SIZE, answers_in_rank, brief_owners,
-                                           hang_text, rule_name, search_in_rank)
-from ddpcheck.errors import SetupError
+                                            MAX_WORLD_SIZE, answers_in_rank, brief_owners,
+                                            hang_text, rule_name, search_in_rank)
 from ddpcheck._internal.rules.params import (DTYPES, ParamSpec, balance, describe, gpt_like,
-                                  parameter_lists)
+                                             parameter_lists)
+from ddpcheck._internal.world.processes import read
+from ddpcheck._internal.world.worlds import WorldFailure, get_world
+from ddpcheck.errors import SetupError
 
 __all__ = ["DTYPES", "KINDS", "MAX_WORLD_SIZE", "ParamSpec", "RuleReport", "SetupError", "Violation", "balance",
            "check_rule", "command", "gpt_like", "parameter_lists", "rule_violations"]
@@ -101,8 +105,6 @@ def check_rule(rule: Callable[..., Any], *, examples: int = DEFAULT_EXAMPLES,
     by pickle, so it must be defined at module level of an importable module. Raises
     :class:`SetupError` (or ``WorldStartError``) when the checks could not run: no verdict.
     """
-    from ddpcheck._internal.world.worlds import get_world
-
     name = rule_name(rule)
     directory = tempfile.mkdtemp(prefix="ddpcheck-fuzz-rule-")
     try:
@@ -144,8 +146,6 @@ def _run(world: Any, fn: Callable[..., Any], args: tuple, limit: float, budget: 
     """``world.run`` with a backstop deadline past the task's own limits. A failure while a rank
     was calling the rule is the rule's violation (``hangs`` or ``crashed``); any other failure is a
     :class:`SetupError`."""
-    from ddpcheck._internal.world.worlds import WorldFailure
-
     for entry in os.listdir(directory):  # no progress of an earlier task may be read as this one's
         os.unlink(os.path.join(directory, entry))
     try:
@@ -180,8 +180,6 @@ def _cross_rank(rule: Any, name: str, world_size: int,
                 directory: str) -> Violation | None:
     """Every rank of a world of ``world_size`` answers each list; the first disagreement, or the
     first failure common to every rank, if any."""
-    from ddpcheck._internal.world.worlds import get_world
-
     world = get_world(world_size)
     answers = _run(world, answers_in_rank, (rule, lists, deadline, directory, CROSS_BUDGET),
                    deadline, CROSS_BUDGET, directory, name,
@@ -214,10 +212,6 @@ def shown(answer: tuple[str, Any]) -> str:
 def _trim_stack(dump: str) -> str:
     """A faulthandler dump without its header and the frames below the rule (ddpcheck's,
     Hypothesis's, multiprocessing's)."""
-    import multiprocessing
-
-    import hypothesis
-
     below = (f'File "{_HERE}', 'File "<string>"',
              f'File "{os.path.dirname(os.path.abspath(hypothesis.__file__))}',
              f'File "{os.path.dirname(os.path.abspath(multiprocessing.__file__))}')

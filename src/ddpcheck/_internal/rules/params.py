@@ -12,6 +12,7 @@ import math
 from typing import Any, Sequence
 
 import torch
+from hypothesis import strategies as st
 
 __all__ = ["DTYPES", "MAX_PARAMS", "ParamSpec", "balance", "describe", "gpt_like",
            "param_lists_strategy", "parameter_lists"]
@@ -103,8 +104,6 @@ def param_lists_strategy() -> Any:
     repeat a block of shapes like a stack of layers, after an optional embedding; half mix
     dtypes parameter by parameter. Everything shrinks towards one ``float32 (1,)``.
     """
-    from hypothesis import strategies as st
-
     dtype = st.sampled_from(DTYPES)
     dim = st.one_of(st.integers(1, 64), st.integers(1, 4096))
     vector = st.tuples(dim)

@@ -16,10 +16,20 @@ import pickle
 from typing import Any
 
 from ddpcheck._internal.devices import check_fits
-from ddpcheck._internal.options import DEFAULT_DEADLINE
+from ddpcheck._internal.options import DEFAULT_DEADLINE, check_fits_machine, parse_features
+from ddpcheck._internal.oracle.compare import (cannot_judge, compare, compare_resumed,
+                                               validate_checks)
+from ddpcheck._internal.oracle.judgeable import check_scenario, explain_reference_failure
+from ddpcheck._internal.oracle.reference import reference_run
+from ddpcheck._internal.rank.runner import run_example_packed
+from ddpcheck._internal.rank.transport import unpack
+from ddpcheck._internal.runs.replay import replay_command, verify_replayable
+from ddpcheck._internal.world import sequences
+from ddpcheck._internal.world.worlds import WorldFailure, get_world
+from ddpcheck.batches import check_plans
 from ddpcheck.errors import (Divergence, EquivalenceError, InvalidArgument, NothingChecked,
                              ScenarioError)
-from ddpcheck._internal.runs.replay import replay_command, target_spec, verify_replayable
+from ddpcheck.features import declines
 from ddpcheck.scenario import Scenario
 from ddpcheck.targets import Target
 
@@ -47,12 +57,6 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
     scenario with ``checkpoint_after`` saves in this world and resumes in the persistent world
     of ``resume_world_size`` (:func:`run_in_two_worlds`), judged by ``compare_resumed``.
     ``device``/``backend``: where the ranks compute (as for :func:`assert_equivalent`)."""
-    from ddpcheck._internal.rank.runner import run_example_packed
-    from ddpcheck._internal.rank.transport import unpack
-    from ddpcheck._internal.world.worlds import WorldFailure, get_world
-    from ddpcheck.features import declines
-    from ddpcheck._internal.oracle.compare import validate_checks
-
     checks = validate_checks(checks)  # a typo must not turn every check off
     check_fits(device, (world_size,), backend)  # no GPU, or too few for NCCL: before spawning
     check_target(target)  # cached: a pickle and a dict look-up once the target is verified
@@ -106,10 +110,6 @@ def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = 
     reference itself went non-finite): that is nobody's bug, so never an EquivalenceError.
     ``device``/``backend`` (the run's) go into the replay line.
     """
-    from ddpcheck._internal.oracle.compare import cannot_judge, compare
-
-    from ddpcheck._internal.oracle.compare import compare_resumed
-
     resumed = scenario.checkpoint_after is not None
     if failure is not None:
         divergences = _failure_rows(failure)
@@ -143,9 +143,6 @@ def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = 
 def prepare_reference(scenario: Scenario) -> Any:
     """The full-batch reference; user mistakes in the scenario surface here, once, as a
     :class:`ScenarioError` naming the cause (``ddpcheck._internal.oracle.judgeable``), before any world runs."""
-    from ddpcheck._internal.oracle.reference import reference_run
-    from ddpcheck._internal.oracle.judgeable import check_scenario, explain_reference_failure
-
     check_scenario(scenario)
     try:
         return reference_run(scenario)
@@ -185,8 +182,6 @@ def _mismatched_collectives(texts: list[str], world_size: int) -> list[Divergenc
 
     Identical sequence files (the usual case) are accepted without parsing them, so the check
     costs a few file reads per example."""
-    from ddpcheck._internal.world import sequences
-
     if not texts or sequences.same_texts(texts):
         return []
     disagreement = sequences.diagnose([sequences.parse(t) for t in texts],
@@ -203,8 +198,6 @@ def check_batch_plans(target: Any, scenario: Scenario, world_size: int) -> None:
     """A target's own ``shard_batch`` answers every step and rank with a valid plan -- checked
     here, before any world runs, so a malformed answer is an :class:`InvalidArgument` naming the
     rank and the step, not a rank failure (``ddpcheck.batches``). The default needs no check."""
-    from ddpcheck.batches import check_plans
-
     configured = target.configure(scenario)
     if getattr(type(configured), "shard_batch", Target.shard_batch) is not Target.shard_batch:
         check_plans(configured.shard_batch, scenario, world_size,
@@ -224,9 +217,8 @@ def check_target(target: Any) -> None:
         raise InvalidArgument(f"target={target!r} lacks {missing}; subclass ddpcheck.Target")
     supported = getattr(target, "supported_features", None)
     if supported is not None:  # a typo would silently decline nothing
-        from ddpcheck._internal.options import parse_features as parse
 
-        parse(supported, f"{type(target).__name__}.supported_features")
+        parse_features(supported, f"{type(target).__name__}.supported_features")
     try:
         pickled = pickle.dumps(target)
     except Exception as exc:
@@ -241,12 +233,6 @@ def run_in_two_worlds(target: Any, scenario: Any, world_size: int, *, deadline: 
                       ) -> tuple[tuple[list, list], tuple[list, list], list]:
     """``((records before, records after), (their collective sequences), the two worlds)``;
     both worlds compute on ``device`` over ``backend`` (``check_example``'s)."""
-    from ddpcheck._internal.devices import check_fits
-    from ddpcheck._internal.options import check_fits_machine
-    from ddpcheck._internal.rank.runner import run_example_packed
-    from ddpcheck._internal.rank.transport import unpack
-    from ddpcheck._internal.world.worlds import get_world
-
 
     resumed_size = scenario.resume_world_size or world_size
     check_fits_machine((resumed_size,), flag="resume_world_size")

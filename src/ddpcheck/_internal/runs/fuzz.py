@@ -12,10 +12,19 @@ import sys
 import time
 from typing import Any, Callable, Iterable
 
+from hypothesis import HealthCheck, Phase, assume, given
+from hypothesis import seed as hypothesis_seed
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.errors import FlakyFailure, Unsatisfiable
+
+from ddpcheck import features
+from ddpcheck import strategies as dst
 from ddpcheck._internal.devices import check_fits
-from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
-from ddpcheck.errors import InvalidArgument
-from ddpcheck._internal.options import check_positive_number, check_world_sizes
+from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES,
+                                        check_positive_number, check_world_sizes)
+from ddpcheck._internal.runs.example import check_example
+from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked, ScenarioError
 
 __all__ = ["FuzzResult", "fuzz", "terminal_progress"]
 
@@ -53,16 +62,6 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     it costs no example of the budget. ``device``/``backend``: where the ranks compute (as for
     ``ddpcheck.assert_equivalent``).
     """
-    from hypothesis import HealthCheck, Phase, assume, given, settings
-    from hypothesis import seed as hypothesis_seed
-    from hypothesis.errors import FlakyFailure, Unsatisfiable
-    from hypothesis import strategies as st
-
-    from ddpcheck import features
-    from ddpcheck import strategies as dst
-    from ddpcheck._internal.runs.example import check_example
-    from ddpcheck.errors import EquivalenceError, NothingChecked, ScenarioError
-
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
         raise InvalidArgument(f"examples={examples!r} must be a positive integer")
     sizes = check_world_sizes("world_sizes", world_sizes)

@@ -34,6 +34,7 @@ import sys
 from typing import Any
 
 from ddpcheck.errors import InvalidArgument
+from ddpcheck.scenario import Scenario, _code, _is_default
 from ddpcheck.targets import CONSTRUCTOR_CALL as _CALL  # metadata of a target, not its state
 
 __all__ = ["evaluate", "evaluate_in", "from_repr", "replay_command", "target_spec",
@@ -92,8 +93,6 @@ def evaluate_in(module: Any, expr: str) -> Any:
 def from_repr(text: str) -> Any:
     """Rebuild a scenario from its ``repr`` (the modules it names are imported): the other half
     of a replay line."""
-    from ddpcheck.scenario import Scenario
-
     scenario = _evaluate(text, {})
     if not isinstance(scenario, Scenario):
         raise InvalidArgument(f"{text!r} does not describe a ddpcheck.Scenario")
@@ -198,8 +197,6 @@ def _attribute_elsewhere(target: Any) -> str | None:
 
 def _candidates(target: Any, reasons: list[str]):
     """Expressions (in the class's module) that may rebuild ``target``."""
-    from ddpcheck.scenario import _code, _is_default
-
     cls = type(target)
     name = cls.__qualname__
     seen = set()

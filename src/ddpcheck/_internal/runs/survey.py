@@ -13,21 +13,28 @@ stops it and propagates unchanged (exit 2); a random example the oracle cannot j
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 import zlib
 from typing import Any, Callable, Iterable
 
+from hypothesis import HealthCheck, Phase, Verbosity, assume, given
+from hypothesis import seed as hypothesis_seed
+from hypothesis import settings
 from hypothesis import strategies as st
+from hypothesis.errors import FlakyFailure, Unsatisfiable
 
 from ddpcheck import features
 from ddpcheck import strategies as dst
+from ddpcheck._internal.devices import check_fits
+from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_deadline,
+                                        check_fits_machine, check_positive_number,
+                                        check_world_sizes)
 from ddpcheck._internal.oracle.messages import scenario_line
-from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine
-from ddpcheck.errors import InvalidArgument
-from ddpcheck._internal.options import (check_deadline, check_positive_number,
-                                           check_world_sizes)
+from ddpcheck._internal.runs.example import check_example, check_target, prepare_reference
+from ddpcheck._internal.runs.replay import target_spec
+from ddpcheck.battery import BATTERY
+from ddpcheck.errors import EquivalenceError, InvalidArgument, ScenarioError
 
 __all__ = ["DEFAULT_EXAMPLES", "DEFAULT_SHRINK_SECONDS", "Cell", "Survey", "survey",
            "terminal_progress"]
@@ -183,11 +190,6 @@ def survey(target: Any, *, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
     Raises what is not the target's fault (:class:`ddpcheck.InvalidArgument`,
     :class:`ddpcheck.SetupError` and its subclasses) instead of recording it.
     """
-    from ddpcheck._internal.devices import check_fits
-    from ddpcheck._internal.runs.example import check_target
-    from ddpcheck.battery import BATTERY
-    from ddpcheck._internal.runs.replay import target_spec
-
     check_target(target)
     sizes = check_world_sizes("world_sizes", world_sizes)
     check_fits_machine(sizes, flag="world_sizes")
@@ -244,9 +246,6 @@ _REFERENCES: dict[str, Any] = {}
 
 def _battery_cell(target: Any, name: str, scenario: Any, world_size: int,
                   excluded: frozenset[str], run: dict, exercised: set[str]) -> Cell:
-    from ddpcheck._internal.runs.example import check_example, prepare_reference
-    from ddpcheck.errors import EquivalenceError
-
     why = features.declines(target, scenario, world_size, excluded)
     if why is not None:
         return Cell("battery", name, world_size, "declined", reason=why)
@@ -272,13 +271,6 @@ class _Abort(BaseException):
 def _feature_cell(target: Any, feature: str, world_size: int, *, examples: int,
                   excluded: frozenset[str], unsupported: frozenset[str], run: dict,
                   seed: int | None, shrink_seconds: float, exercised: set[str]) -> Cell:
-    from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
-    from hypothesis import seed as hypothesis_seed
-    from hypothesis.errors import FlakyFailure, Unsatisfiable
-
-    from ddpcheck._internal.runs.example import check_example
-    from ddpcheck.errors import EquivalenceError, ScenarioError
-
     cell = Cell("feature", feature, world_size, "ok")
     if world_size == 1 and feature in NEEDS_SEVERAL_RANKS:
         cell.status, cell.reason = "n/a", "one rank holds every sample: no example can exercise it"

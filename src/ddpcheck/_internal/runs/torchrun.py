@@ -26,7 +26,18 @@ import tempfile
 import traceback
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from ddpcheck._internal.devices import backend_for, enter_rank, this_rank
+from ddpcheck._internal.rank import recorder
+from ddpcheck._internal.rank.runner import run_example_packed
+from ddpcheck._internal.rank.transport import unpack
+from ddpcheck._internal.runs.example import check_batch_plans, check_target, verdict
+from ddpcheck._internal.world.failures import RankState, WorldFailure
+from ddpcheck.battery import BATTERY
 from ddpcheck.errors import InvalidArgument
+from ddpcheck.features import declines
 
 __all__ = ["check_in_world", "init_world", "local_world_size", "under_torchrun"]
 
@@ -51,11 +62,6 @@ def _gather_to_zero(obj: Any) -> list[Any] | None:
     ShardedOptimizer has its own copy: ``parallel/`` imports nothing from ddpcheck.) On the
     rank's device: NCCL carries only CUDA tensors.
     """
-    import torch
-    import torch.distributed as dist
-
-    from ddpcheck._internal.devices import this_rank
-
     device = this_rank()
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device)
@@ -78,11 +84,6 @@ def _gather_to_zero(obj: Any) -> list[Any] | None:
 
 def _agree(status: int) -> int:
     """Rank 0's ``status`` on every rank."""
-    import torch
-    import torch.distributed as dist
-
-    from ddpcheck._internal.devices import this_rank
-
     flag = torch.tensor([status], dtype=torch.int64, device=this_rank())
     # broadcast rank 0's verdict, so every rank stops after the same example with the same status
     dist.broadcast(flag, src=0)
@@ -92,11 +93,6 @@ def _agree(status: int) -> int:
 def _broadcast_bytes(data: bytes | None) -> bytes:
     """Rank 0's ``data`` on every rank (a checkpoint for the resumed run), on the rank's device:
     NCCL carries only CUDA tensors."""
-    import torch
-    import torch.distributed as dist
-
-    from ddpcheck._internal.devices import this_rank
-
     device = this_rank()
     size = torch.tensor([0 if data is None else len(data)], dtype=torch.int64, device=device)
     # broadcast the checkpoint's byte count from rank 0, so every rank can size the buffer
@@ -113,9 +109,6 @@ def _run_recorded(target: Any, scenario: Any, sequence_path: str, part: str = "w
     """This rank's ``("ok", packed result)`` (its tensors on the CPU: ``ddpcheck._internal.rank.transport``;
     the result of ``run_example(part=...)``) or ``("error", traceback)``, and its collective
     sequence."""
-    from ddpcheck._internal.rank import recorder
-    from ddpcheck._internal.rank.runner import run_example_packed
-
     recorder.restart_sequence()
     try:
         outcome: tuple = ("ok", run_example_packed(target, scenario, part, checkpoint))
@@ -129,10 +122,6 @@ def _judge(gathered: list, target: Any, scenario: Any, name: str, world_size: in
            **where: Any) -> Any:
     """Rank 0: the EquivalenceError of one example, or None (``ddpcheck._internal.runs.example.verdict``);
     ``where``: the run's device and backend, for the replay line."""
-    from ddpcheck._internal.world.failures import RankState, WorldFailure
-    from ddpcheck._internal.rank.transport import unpack
-    from ddpcheck._internal.runs.example import verdict
-
     outcomes = [outcome for outcome, _ in gathered]
     if any(kind == "error" for kind, _ in outcomes):
         states = [RankState(r, "raised", text) if kind == "error" else RankState(r, "returned")
@@ -148,8 +137,6 @@ def _example(target: Any, scenario: Any, name: str, world_size: int, rank: int,
     """Rank 0: the EquivalenceError of one example, or None (other ranks: None). A scenario
     with ``checkpoint_after`` saves, then resumes in this same world. ``where``: the run's
     device and backend, for the replay line."""
-    from ddpcheck._internal.rank.transport import unpack
-
     if scenario.checkpoint_after is None:
         gathered = _gather_to_zero(_run_recorded(target, scenario, sequence_path))
         return _judge(gathered, target, scenario, name, world_size, **where) if rank == 0 else None
@@ -165,7 +152,6 @@ def _example(target: Any, scenario: Any, name: str, world_size: int, rank: int,
         return None
     if any(kind == "error" for (kind, _), _ in resumed):
         return _judge(resumed, target, scenario, name, world_size, **where)
-    from ddpcheck._internal.runs.example import verdict
 
     return verdict(target, scenario, world_size,
                    records=([record for record, _ in before],
@@ -180,13 +166,6 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
     rank 0 to ``out``), 2 a usage error (``world_sizes`` not containing torchrun's size).
     ``device``/``backend``: as for ``ddpcheck.assert_equivalent`` (the caller has checked that
     they fit the machine: ``_internal.devices.check_fits``)."""
-    import torch.distributed as dist
-
-    from ddpcheck._internal.rank import recorder
-    from ddpcheck._internal.runs.example import check_batch_plans, check_target
-    from ddpcheck.battery import BATTERY
-    from ddpcheck.features import declines
-
     check_target(target)  # on every rank, before any collective: a refusal must not hang rank 0
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
@@ -235,10 +214,6 @@ def init_world(device: str, backend: str | None, deadline: float) -> str:
     """Bind this rank to ``cuda:LOCAL_RANK`` (or the CPU) and join torchrun's world over the
     backend the tensors need (``_internal.devices.backend_for``: gloo for CPU tensors, whatever
     GPUs are visible); the backend. A world someone already initialised must suit the device."""
-    import torch.distributed as dist
-
-    from ddpcheck._internal.devices import backend_for, enter_rank
-
     chosen = backend_for(device, backend)
     placed = enter_rank(device, int(os.environ["LOCAL_RANK"]))
     if dist.is_initialized():

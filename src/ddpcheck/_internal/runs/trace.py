@@ -24,10 +24,11 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from ddpcheck._internal.rank import recorder
 from ddpcheck._internal.devices import to_rank_device
+from ddpcheck._internal.rank import recorder
 from ddpcheck._internal.rank.runner import make_optimizer, target_loop
 from ddpcheck._internal.training import train
 from ddpcheck.scenario import Scenario, build_model, make_param_groups
@@ -73,8 +74,6 @@ def record_step(target: Any, scenario: Scenario = TRACE_SCENARIO, warmup: int = 
     The warm-up steps allocate what the first step allocates (optimizer state, gradients), so the
     recorded step is a steady-state one. Collective: run on every rank of the world.
     """
-    import torch.distributed as dist
-
     rank, world_size = dist.get_rank(), dist.get_world_size()
     scenario = dataclasses.replace(scenario, steps=warmup + 1)
     target = target.configure(scenario)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ddpcheck.errors import WorldStartError  # re-exported: the world raises it
+from ddpcheck.errors import DdpcheckError, WorldStartError  # the world raises WorldStartError
 
 __all__ = ["RankState", "WorldFailure", "WorldStartError"]
 
@@ -38,8 +38,9 @@ class RankState:
         return text
 
 
-class WorldFailure(Exception):
-    """A ``World.run`` that did not complete on every rank.
+class WorldFailure(DdpcheckError):
+    """A ``World.run`` that did not complete on every rank (``ddpcheck.World``'s own failure;
+    ``check_example`` turns it into the rows of an ``EquivalenceError``).
 
     ``kind`` is ``"raised"`` (a rank raised an exception), ``"exited"`` (a rank process died),
     ``"timeout"`` (the deadline passed), ``"mismatch"`` (the ranks issued different collectives

@@ -7,6 +7,7 @@ Parent side only; ``worlds`` composes these into a World.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.process
 import os
 import pickle
 import signal
@@ -14,8 +15,8 @@ import sys
 import time
 from typing import Any, Callable, Iterator
 
-from ddpcheck._internal.world.failures import WorldStartError
 from ddpcheck._internal.rank.serve import NESTED_MARKER, WORLD_DIR_ENV
+from ddpcheck._internal.world.failures import WorldStartError
 from ddpcheck.errors import InvalidArgument
 
 __all__ = ["check_main_module_importable", "dump_stacks", "environment", "exit_description",
@@ -94,8 +95,6 @@ def refuse_nested_start() -> None:
     """No world inside a rank. While spawn re-imports the main module in a new rank (a script
     that calls ddpcheck without ``if __name__ == "__main__":``), leave quietly and leave a marker
     the parent turns into one clear line; anywhere else in a rank, raise."""
-    import multiprocessing.process
-
     world_dir = os.environ.get(WORLD_DIR_ENV)
     if not world_dir:
         return

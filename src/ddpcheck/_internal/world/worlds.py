@@ -40,26 +40,32 @@ such evidence still wait for the deadline.
 from __future__ import annotations
 
 import atexit
+# Plain multiprocessing, not torch.multiprocessing: results travel as pickled bytes, so torch's
+# shared-memory tensor reductions would only add file-descriptor traffic.
+import multiprocessing
 import os
 import shutil
 import sys
 import tempfile
 import threading
 import time
+from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import wait as _wait_any
 from typing import Any, Callable
 
-from ddpcheck._internal.world.failures import RankState, WorldFailure, WorldStartError
-from ddpcheck._internal.rank.freshness import announce, changed
-from ddpcheck._internal.world.janitor import Janitor
 from ddpcheck._internal.devices import backend_for, check_device, check_fits
-from ddpcheck._internal.world.processes import (check_main_module_importable, dump_stacks,
-                                          environment, exit_description, kill_group, output_to,
-                                          pickle_task, read, receive, refuse_nested_start, tail)
-from ddpcheck._internal.options import DEFAULT_DEADLINE, STARTUP_DEADLINE
+from ddpcheck._internal.options import (DEFAULT_DEADLINE, STARTUP_DEADLINE, check_deadline,
+                                        check_world_size)
+from ddpcheck._internal.rank.freshness import announce, changed
 from ddpcheck._internal.rank.serve import NESTED_MARKER, SHUTDOWN, WORLD_DIR_ENV, rank_main
+from ddpcheck._internal.world import sequences
+from ddpcheck._internal.world.failures import RankState, WorldFailure, WorldStartError
+from ddpcheck._internal.world.janitor import Janitor
+from ddpcheck._internal.world.processes import (check_main_module_importable, dump_stacks,
+                                                environment, exit_description, kill_group,
+                                                output_to, pickle_task, read, receive,
+                                                refuse_nested_start, tail)
 from ddpcheck.errors import InvalidArgument
-from ddpcheck._internal.options import check_deadline, check_world_size
 
 __all__ = ["RankState", "World", "WorldFailure", "WorldStartError", "get_world",
            "shutdown_worlds"]
@@ -131,10 +137,6 @@ class World:
 
     def start(self, deadline: float = STARTUP_DEADLINE) -> "World":
         """Spawn the ranks and wait until every one has joined the process group."""
-        # Plain multiprocessing, not torch.multiprocessing: results travel as pickled bytes, so
-        # torch's shared-memory tensor reductions would only add file-descriptor traffic.
-        import multiprocessing
-
         if self._alive:
             return self
         check_fits(self.device, (self.world_size,), self.backend)  # no GPU: one line, no spawn
@@ -170,8 +172,6 @@ class World:
 
     def _spawn(self, ctx: Any, store_path: str) -> None:
         # multiprocessing's helper processes inherit our stdout: start them before redirecting.
-        from multiprocessing import forkserver, resource_tracker
-
         resource_tracker.ensure_running()
         if self.start_method == "forkserver":
             forkserver.ensure_running()
@@ -339,8 +339,6 @@ class World:
     def _failure(self, kind: str, states: list[RankState], what: str) -> WorldFailure:
         """The failure, with the first collective where the ranks' sequences disagree; a real
         mismatch (different collectives, or a finished rank that issued fewer) is the kind."""
-        from ddpcheck._internal.world import sequences
-
         seqs = [sequences.parse(text) for text in self.collective_sequences()]
         finished = [s.rank for s in states if s.status in ("returned", "unfit")]
         disagreement = sequences.diagnose(seqs, finished)
@@ -353,8 +351,6 @@ class World:
         """The sequence files' texts and ``finished`` if they show a collective that can never
         complete (``sequences.Disagreement.mismatched``: different collectives at one index, or
         one that a finished rank never issued), else None. Identical files are never parsed."""
-        from ddpcheck._internal.world import sequences
-
         texts = self.collective_sequences()
         if sequences.same_texts(texts):
             return None

@@ -25,7 +25,7 @@ from ddpcheck._internal.runs.replay import evaluate, target_spec
 from ddpcheck.scenario import Scenario
 from tests import verdict_helpers as h
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _table(text: str) -> list[str]:

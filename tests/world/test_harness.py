@@ -1,6 +1,6 @@
 """The harness core: built-in targets pass the battery, broken ones fail loudly and fast.
 
-Targets defined here travel to rank processes by pickle (``tests.test_harness.X``).
+Targets defined here travel to rank processes by pickle (``tests.world.test_harness.X``).
 """
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ def not_a_module():
     ({"deadline": 0}, "deadline=0 must be a positive number"),
     ({"scenario": "mlp"}, "scenario='mlp' must be a ddpcheck.Scenario"),
     ({"scenario": Scenario(not_a_module)},
-     "model=tests.test_harness.not_a_module returned int, not a torch.nn.Module"),
+     "model=tests.world.test_harness.not_a_module returned int, not a torch.nn.Module"),
     ({"scenario": Scenario(optimizer_kwargs={"lr": 0.1, "momentum_typo": 0.9})},
      "optimizer_kwargs={'lr': 0.1, 'momentum_typo': 0.9} were rejected by torch.optim.SGD"),
     ({"scenario": Scenario(optimizer_kwargs={"lr": -1.0})}, "Invalid learning rate: -1.0"),

@@ -4,7 +4,7 @@ On a machine without GPUs the CUDA side is simulated (``torch.cuda.is_available`
 ``device_count`` -> 8): no code path may then choose NCCL for CPU tensors. What needs a real GPU
 is skipped here and runs unchanged on a GPU machine (``GPU`` marks below).
 
-Helpers defined here travel to rank processes by pickle (``tests.test_devices.X``).
+Helpers defined here travel to rank processes by pickle (``tests.world.test_devices.X``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from ddpcheck._internal.runs.fuzz import fuzz
 from ddpcheck._internal.runs.replay import replay_command
 from ddpcheck.scenario import Scenario
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 GPU = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")
 TWO_GPUS = pytest.mark.skipif(GPUS < 2, reason="needs two CUDA devices")
@@ -143,11 +143,11 @@ def test_torchrun_joins_over_gloo_for_cpu_tensors_when_gpus_are_visible(eight_vi
     assert torchrun.init_world("cpu", None, 30.0) == "gloo"
     assert joined == [("gloo", None)]
     # on CUDA, NCCL with the rank's device (the binding itself needs a real GPU: see below)
-    monkeypatch.setattr(devices, "enter_rank", lambda device, index: torch.device("cuda", index))
+    monkeypatch.setattr(torchrun, "enter_rank", lambda device, index: torch.device("cuda", index))
     assert torchrun.init_world("cuda", None, 30.0) == "nccl"
     assert torchrun.init_world("cuda", "gloo", 30.0) == "gloo"
     assert joined[1:] == [("nccl", torch.device("cuda", 0)), ("gloo", None)]
-    # end to end, with 8 fake GPUs in every process: tests/test_torchrun.py's first test
+    # end to end, with 8 fake GPUs in every process: tests/runs/test_torchrun.py's first test
 
 
 # ---------------------------------------------------------------------------------------------

@@ -116,7 +116,7 @@ def test_a_loop_hook_left_out_is_the_targets_fault():
 def test_factory_targets_replay_by_their_module_name():
     from ddpcheck._internal.runs.replay import target_spec
 
-    assert target_spec(RESET_AFTER_STEP) == "tests.test_anyones_code:RESET_AFTER_STEP"
+    assert target_spec(RESET_AFTER_STEP) == "tests.targets.test_anyones_code:RESET_AFTER_STEP"
 
 
 def test_the_optimizer_state_default_finds_an_inner_optimizer():

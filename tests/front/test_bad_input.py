@@ -1,11 +1,11 @@
 """Bad-input table: every argument of DDP, ShardedOptimizer, assert_equivalent and the command line,
 given an invalid value, fails with a message that names the argument -- no deep torch traceback.
 
-Rows already covered elsewhere are not repeated here: tests/test_ddp.py
+Rows already covered elsewhere are not repeated here: tests/parallel/test_ddp.py
 (``test_bad_arguments_name_the_problem``: bucket_size_mb 0/-1/nan/'25', a module without trainable
-parameters or not a module; no process group), tests/test_sharded_optimizer.py (``MISUSE``:
+parameters or not a module; no process group), tests/parallel/test_sharded_optimizer.py (``MISUSE``:
 optimizer_cls, empty/set/duplicate params, optimizer kwargs, sharding rules, owner_of,
-consolidate_state_dict(to=2), load_state_dict shapes) and tests/test_harness.py (world_sizes,
+consolidate_state_dict(to=2), load_state_dict shapes) and tests/world/test_harness.py (world_sizes,
 deadline=0, scenario, targets, Scenario fields).
 """
 
@@ -96,7 +96,7 @@ PARALLEL_ROWS = {
     "SO params=None": ["params=None must be an ordered iterable"],
     "SO params=[1.0]": ["param group 0, parameter 0 is 1.0", "parameters must be tensors"],
     "SO unknown kwarg": ["optimizer_cls=SGD rejected optimizer_kwargs=", "momentum_typo"],
-    "SO sharding_rule(params)": ["sharding_rule=tests.test_bad_input._one_arg_rule",
+    "SO sharding_rule(params)": ["sharding_rule=tests.front.test_bad_input._one_arg_rule",
                                  "rule(params, world_size)"],
     "SO process_group='world'": ["process_group='world' must be a torch.distributed "
                                  "ProcessGroup", "dist.new_group"],

@@ -27,7 +27,7 @@ from ddpcheck.scenario import Scenario
 from ddpcheck._internal.oracle.judgeable import check_scenario
 
 from tests import verdict_helpers as h
-from tests.test_verdict_replay import ROOT
+from tests.runs.test_replay import ROOT
 
 H = "tests.verdict_helpers"
 
@@ -40,8 +40,8 @@ BAD = [
     ("model instance", "ddpcheck.Scenario(model=torch.nn.Linear(5, 3))",
      ["model=Linear(in_features=5, out_features=3, bias=True) is a module instance, not a "
       "factory", "pass a class whose constructor takes no arguments"]),
-    ("model returns no module", "ddpcheck.Scenario(model=tests.test_harness.not_a_module)",
-     ["model=tests.test_harness.not_a_module returned int, not a torch.nn.Module"]),
+    ("model returns no module", "ddpcheck.Scenario(model=tests.world.test_harness.not_a_module)",
+     ["model=tests.world.test_harness.not_a_module returned int, not a torch.nn.Module"]),
     ("data with the wrong arguments", f"ddpcheck.Scenario(model=ddpcheck.zoo.MLP, "
                                       f"data={H}.two_arg_data)",
      [f"data={H}.two_arg_data cannot be called as data(seed, batch, dtype)",

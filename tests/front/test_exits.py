@@ -14,7 +14,7 @@ import pytest
 import ddpcheck
 from ddpcheck import targets
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class DeclinesEverything(targets.ParallelTarget):
@@ -61,7 +61,7 @@ def test_an_unwritable_trace_output_is_refused_before_any_world_runs(tmp_path):
 
 
 def test_a_target_that_declines_everything_does_not_exit_0():
-    out, _ = _ddpcheck("check", "tests.test_verdict_exits:DECLINES_EVERYTHING", "--examples",
+    out, _ = _ddpcheck("check", "tests.front.test_exits:DECLINES_EVERYTHING", "--examples",
                        "5")
     assert out.returncode == 3, out.stdout + out.stderr
     assert "nothing was checked" in out.stderr
@@ -69,7 +69,7 @@ def test_a_target_that_declines_everything_does_not_exit_0():
 
 
 def test_replaying_a_declined_scenario_checks_nothing():
-    out, _ = _ddpcheck("replay", "tests.test_verdict_exits:DECLINES_EVERYTHING", "--world-size",
+    out, _ = _ddpcheck("replay", "tests.front.test_exits:DECLINES_EVERYTHING", "--world-size",
                        "2", "--scenario", "ddpcheck.Scenario(model=ddpcheck.zoo.MLP)")
     assert out.returncode == 3, out.stdout + out.stderr
 

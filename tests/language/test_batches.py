@@ -158,7 +158,7 @@ def test_distributed_sampler_padding_duplicates_a_sample_and_the_oracle_names_it
     assert {r.kind for r in rows[1:]} == {"sample misweighted"}
     assert [r.name for r in rows[1:]] == [f"sample {i}" for i in range(1, 7)]
     assert "diverged at world size 2: sample duplicated" in str(error)
-    assert "replay: python -m ddpcheck replay tests.test_batches:SAMPLER " in str(error)
+    assert "replay: python -m ddpcheck replay tests.language.test_batches:SAMPLER " in str(error)
 
 
 def test_distributed_sampler_drop_last_drops_the_tail_and_the_oracle_names_it():

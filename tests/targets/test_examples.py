@@ -21,7 +21,7 @@ from ddpcheck import features
 from ddpcheck._internal.runs.fuzz import fuzz
 from examples import explicit_finish, reset_after_step, sync_in_backward
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "your-own-ddp.md"
 EXAMPLES = {"explicit_finish": explicit_finish, "sync_in_backward": sync_in_backward,
             "reset_after_step": reset_after_step}

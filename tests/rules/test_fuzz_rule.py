@@ -1,7 +1,7 @@
 """``ddpcheck fuzz-rule``: each kind of bad rule is rejected with its own message, on the smallest
 parameter list Hypothesis finds; a rule that hangs or kills its process is the rule's fault (exit
 1), a check that cannot run is a set-up error (exit 2); good rules pass. The rules travel to rank
-processes by reference (``tests.test_cli_rules.X``).
+processes by reference (``tests.rules.test_fuzz_rule.X``).
 
 Tests that kill a world (a crash kills the world of 2, a hang the world of 1) come last, so the
 others share the persistent worlds.
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ddpcheck._internal.world.worlds import get_world
 from ddpcheck.cli import main
 
-RULE = "ddpcheck fuzz-rule tests.test_cli_rules"
+RULE = "ddpcheck fuzz-rule tests.rules.test_fuzz_rule"
 
 
 def out_of_range(params, world_size):
@@ -81,29 +81,29 @@ def crashes_in_a_real_world(params, world_size):
 
 
 @pytest.mark.parametrize("rule, message", [
-    ("out_of_range", "out of range: tests.test_cli_rules.out_of_range at world size 1 on 2 "
+    ("out_of_range", "out of range: tests.rules.test_fuzz_rule.out_of_range at world size 1 on 2 "
                      "parameters [float32 (1,), float32 (1,)]: returned owner 1 for parameter 1; "
                      "owners must be in [0, world_size=1)"),
-    ("wrong_length", "wrong length: tests.test_cli_rules.wrong_length at world size 1 on 1 "
+    ("wrong_length", "wrong length: tests.rules.test_fuzz_rule.wrong_length at world size 1 on 1 "
                      "parameter [float32 (1,)]: returned 2 owners for 1 parameter"),
-    ("float_owners", "not an integer: tests.test_cli_rules.float_owners at world size 1 on 1 "
+    ("float_owners", "not an integer: tests.rules.test_fuzz_rule.float_owners at world size 1 on 1 "
                      "parameter [float32 (1,)]: returned owner 0.0 (type float) for parameter 0"),
     ("nondeterministic", re.compile(
-        r"nondeterministic: tests\.test_cli_rules\.nondeterministic at world size 2 on 1 "
+        r"nondeterministic: tests\.rules\.test_fuzz_rule\.nondeterministic at world size 2 on 1 "
         r"parameter \[float32 \(1,\)\]: answered \[(0\] and then \[1|1\] and then \[0)\]")),
-    ("rank_dependent", "rank-dependent: tests.test_cli_rules.rank_dependent in a world of 2 "
+    ("rank_dependent", "rank-dependent: tests.rules.test_fuzz_rule.rank_dependent in a world of 2 "
                        "processes on tiny (1 parameter) [float32 (4,)]: answered [0] on "
                        "rank 0 but [1] on rank 1"),
-    ("too_few_params", "raised: tests.test_cli_rules.too_few_params at world size 2 on 1 "
+    ("too_few_params", "raised: tests.rules.test_fuzz_rule.too_few_params at world size 2 on 1 "
                        "parameter [float32 (1,)]: raised ValueError: more ranks than parameters"),
-    ("wrong_for_two", "out of range: tests.test_cli_rules.wrong_for_two at world size 1 on 2 "
+    ("wrong_for_two", "out of range: tests.rules.test_fuzz_rule.wrong_for_two at world size 1 on 2 "
                       "parameters [float32 (1,), float32 (1,)]: returned owner 1 for parameter 1"),
-    ("garbage_second", "wrong length: tests.test_cli_rules.garbage_second at world size 1 on 1 "
+    ("garbage_second", "wrong length: tests.rules.test_fuzz_rule.garbage_second at world size 1 on 1 "
                        "parameter [float32 (1,)]: on the second call (the first answered [0]), "
                        "returned 'garbage', not a sequence"),
 ])
 def test_bad_rules_are_rejected_with_their_own_message(rule, message, capsys):
-    status = main(["fuzz-rule", f"tests.test_cli_rules:{rule}", "--world-sizes", "2"])
+    status = main(["fuzz-rule", f"tests.rules.test_fuzz_rule:{rule}", "--world-sizes", "2"])
     out, err = capsys.readouterr()
     assert status == 1, out + err
     if isinstance(message, str):
@@ -159,10 +159,10 @@ def test_a_rule_the_ranks_cannot_import_is_a_set_up_error(tmp_path, monkeypatch,
 
 
 def test_a_rule_that_kills_its_rank_is_reported_not_raised(capsys):
-    status = main(["fuzz-rule", "tests.test_cli_rules:crashes_in_a_real_world"])
+    status = main(["fuzz-rule", "tests.rules.test_fuzz_rule:crashes_in_a_real_world"])
     out, err = capsys.readouterr()
     assert status == 1, out + err
-    assert ("crashed: tests.test_cli_rules.crashes_in_a_real_world in a world of 2 processes on "
+    assert ("crashed: tests.rules.test_fuzz_rule.crashes_in_a_real_world in a world of 2 processes on "
             "rank 0, on tiny (1 parameter) [float32 (4,)]: the call ended its process (exit code "
             "3)") in out, out
     assert "Traceback" not in out + err
@@ -171,11 +171,11 @@ def test_a_rule_that_kills_its_rank_is_reported_not_raised(capsys):
 def test_a_hanging_rule_is_killed_at_the_deadline_and_named(capsys):
     get_world(1)  # start-up is not the rule's time
     started = time.monotonic()
-    status = main(["fuzz-rule", "tests.test_cli_rules:hangs", "--deadline", "3"])
+    status = main(["fuzz-rule", "tests.rules.test_fuzz_rule:hangs", "--deadline", "3"])
     seconds = time.monotonic() - started
     out, err = capsys.readouterr()
     assert status == 1, out + err
-    assert ("hangs: tests.test_cli_rules.hangs at world size 1 on 1 parameter [float32 (1,)]: "
+    assert ("hangs: tests.rules.test_fuzz_rule.hangs at world size 1 on 1 parameter [float32 (1,)]: "
             "did not return within the 3 s deadline (--deadline); it was at ") in out, out
-    assert "test_cli_rules.py" in out and "in hangs" in out, out
+    assert "test_fuzz_rule.py" in out and "in hangs" in out, out
     assert seconds < 3 + 6, seconds

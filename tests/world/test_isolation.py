@@ -31,7 +31,7 @@ from ddpcheck.scenario import Scenario
 from ddpcheck._internal.rank import serve as rank_module
 from ddpcheck._internal.world.worlds import get_world
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCENARIO = Scenario(steps=1)
 
 # ---------------------------------------------------------------------------------------------

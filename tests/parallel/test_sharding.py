@@ -1,7 +1,7 @@
 """parallel.sharding: each rule's invariant, and the validator of a rule's answer.
 
 Pure functions, no world: the distributed behaviour of every rule is covered by
-tests/test_sharded_optimizer.py (bitwise equivalence at W = 1..4 and W > number of params).
+tests/parallel/test_sharded_optimizer.py (bitwise equivalence at W = 1..4 and W > number of params).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _rule(params, world_size):
 
 
 @pytest.mark.parametrize("answer, fragments", [
-    ([0, 1], ["tests.test_sharding._rule for param group 4 returned 2 owners for 3 parameters",
+    ([0, 1], ["tests.parallel.test_sharding._rule for param group 4 returned 2 owners for 3 parameters",
               "exactly one owner rank per parameter"]),
     ([0, 1.0, 0], ["returned owner 1.0 (type float) for parameter 1",
                    "integer ranks in [0, world_size=2)"]),

@@ -38,7 +38,7 @@ DEADLINE = 3.0
 #: One step, so "after the last collective" is literal; one bucket per parameter, so buckets are
 #: in flight during backward when a hook raises.
 FAULT_SCENARIO = Scenario(steps=1, bucket_size_mb=1e-6)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,7 +449,7 @@ class BusyTarget(targets.ParallelDDPTarget):
 
 
 def test_ctrl_c_of_ddpcheck_check_leaves_no_process(tmp_path):
-    spec = f"tests.test_faults:BusyTarget(marker={str(tmp_path / 'busy')!r})"
+    spec = f"tests.world.test_faults:BusyTarget(marker={str(tmp_path / 'busy')!r})"
     status, out, left = _interrupt_when(
         [sys.executable, "-m", "ddpcheck", "check", spec, "--world-sizes", "2",
          "--deadline", "600"], "busy", str(tmp_path))
@@ -463,7 +463,7 @@ def test_ctrl_c_of_a_pytest_run_leaves_no_process(tmp_path):
     (tmp_path / "test_busy.py").write_text(textwrap.dedent(f"""
         from ddpcheck import check_example
         from ddpcheck.scenario import Scenario
-        from tests.test_faults import BusyTarget
+        from tests.world.test_faults import BusyTarget
 
         def test_busy():
             check_example(BusyTarget(marker={str(tmp_path / 'busy')!r}), Scenario(), 2,
@@ -482,7 +482,7 @@ def test_ctrl_c_of_a_pytest_xdist_run_leaves_no_process(tmp_path):
         import pytest
         from ddpcheck import check_example
         from ddpcheck.scenario import Scenario
-        from tests.test_faults import BusyTarget
+        from tests.world.test_faults import BusyTarget
 
         @pytest.mark.parametrize("i", [0, 1])
         def test_busy(i):

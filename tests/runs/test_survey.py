@@ -98,7 +98,7 @@ def test_a_mutant_fails_its_rows_without_stopping_the_survey(capsys, tmp_path):
 
 
 def test_a_declined_feature_is_declined_and_never_generated(capsys, tmp_path):
-    status, out, survey = _survey(capsys, tmp_path, "tests.test_survey:NO_ACCUMULATION",
+    status, out, survey = _survey(capsys, tmp_path, "tests.runs.test_survey:NO_ACCUMULATION",
                                   "--world-sizes", "2", "--examples", "2")
     assert status == 0, out
     cell = survey.cell("accumulation", 2)
@@ -124,7 +124,7 @@ def test_exercising_draws_the_feature_and_nothing_declined(data):
 
 
 def test_nothing_ran_is_exit_3_and_the_help_states_the_exit_codes(capsys, tmp_path):
-    status, out, survey = _survey(capsys, tmp_path, "tests.test_survey:DECLINES_EVERYTHING",
+    status, out, survey = _survey(capsys, tmp_path, "tests.runs.test_survey:DECLINES_EVERYTHING",
                                   "--world-sizes", "2", "--examples", "1")
     assert status == 3 and survey.exit_code == 3, out
     assert {c.status for c in survey.cells} == {"declined"}
