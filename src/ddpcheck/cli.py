@@ -255,6 +255,8 @@ def _check(args: argparse.Namespace) -> ExitCode:
         raise NothingChecked(
             f"{args.target_spec} declined every battery scenario ({declined}) and every one of "
             f"{args.examples} random examples ({reasons or 'no reason given'})")
+    for note in result.notes:
+        print(f"note: {note}")
     print(f"ddpcheck check {args.target_spec}: nothing found in {battery} battery and "
           f"{result.examples} random examples, {features.exercised(exercised | result.features)} "
           f"(wall {time.perf_counter() - started:.1f} s, world start-up included)")

@@ -1,6 +1,7 @@
 """The capability vocabulary: the features a scenario can exercise, and which ones it does.
 
-A target declares the features it supports (``Target.supported_features``, ``None`` for all);
+A target declares the features it supports (``Target.supported_features``; ``None``: everything
+within torch DDP's contract, :data:`DEFAULT_FEATURES` -- features beyond it are opt-in);
 the battery, the random examples and the command line honour it -- a declined feature is not
 generated, and a scenario that needs one is skipped with the feature named. :func:`of` says which
 features a scenario exercises at a world size, so nobody reads ``ModelSpec`` fields again.
@@ -17,12 +18,13 @@ from typing import Any
 
 import torch
 
-from ddpcheck._internal.options import FEATURES
+from ddpcheck._internal.options import BEYOND_TORCH, DEFAULT_FEATURES, FEATURES
 from ddpcheck._internal.options import parse_features as parse
 from ddpcheck.models import ModelSpec
 from ddpcheck.scenario import Scenario, build_model, global_batch, per_sample_loss
 
-__all__ = ["FEATURES", "declines", "exercised", "of", "parse"]
+__all__ = ["BEYOND_TORCH", "DEFAULT_FEATURES", "FEATURES", "declines", "exercised", "of", "parse",
+           "supported_by"]
 
 def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
     """The features ``scenario`` exercises at ``world_size`` (None: those that do not depend on
@@ -57,13 +59,15 @@ def declines(target: Any, scenario: Scenario, world_size: int | None = None,
              without: frozenset[str] = frozenset()) -> str | None:
     """Why ``target`` does not run ``scenario`` -- a feature it does not support, a feature the
     user excluded (``without``), or its own ``supports()`` reason -- or None when it does."""
-    supported = getattr(target, "supported_features", None)
-    if supported is not None or without:
-        needed = of(scenario, world_size)
-        unsupported = sorted(needed - frozenset(supported)) if supported is not None else []
-        if unsupported:
-            return (f"needs {', '.join(unsupported)} (not in {type(target).__name__}."
-                    "supported_features)")
+    needed = of(scenario, world_size)
+    unsupported = sorted(needed - supported_by(target))
+    if unsupported:
+        declared = getattr(target, "supported_features", None) is not None
+        return (f"needs {', '.join(unsupported)} (not in {type(target).__name__}."
+                "supported_features" + ("" if declared else
+                                        ": beyond torch DDP's contract, checked only when "
+                                        "declared") + ")")
+    if without:
         excluded = sorted(needed & without)
         if excluded:
             return f"needs {', '.join(excluded)} (excluded with --without)"
@@ -73,6 +77,14 @@ def declines(target: Any, scenario: Scenario, world_size: int | None = None,
         return ("checkpoint: the target has no save_checkpoint / load_checkpoint hooks "
                 "(subclass ddpcheck.Target for the defaults)")
     return target.supports(scenario)
+
+
+def supported_by(target: Any) -> frozenset[str]:
+    """The features ``target`` is checked on: its ``supported_features``, or -- when it declares
+    nothing -- :data:`DEFAULT_FEATURES`, everything within torch DDP's own contract (features
+    beyond it, :data:`BEYOND_TORCH`, are opt-in)."""
+    supported = getattr(target, "supported_features", None)
+    return DEFAULT_FEATURES if supported is None else frozenset(supported)
 
 
 def exercised(found: set[str] | frozenset[str]) -> str:

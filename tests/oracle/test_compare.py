@@ -291,3 +291,28 @@ def test_gradients_sent_in_a_wider_dtype_are_not_called_a_double_reduction():
     assert [d.kind for d in twice] == ["communication over budget"] * 2
     assert "reduced more than once" in twice[0].detail
     assert rows([reduce("float32", 8)]) == []
+
+
+def test_control_scalars_are_not_a_double_reduction_but_a_second_gradient_is():
+    """A course DDP sums float "has a gradient here" flags, one per trainable tensor: control
+    traffic, within budget. The same gradients reduced twice are not."""
+    from ddpcheck._internal.records import Collective
+    from ddpcheck._internal.oracle.budget import check_budget
+
+    def reduce(numel: int) -> Collective:
+        return Collective(op="all_reduce", nbytes=numel * 8, dtypes=("float64",),
+                          shapes=((numel,),), root=None, group=None, reduce_op="SUM",
+                          async_op=False, launched=0.0)
+
+    # two trainable tensors of 4 and 3 elements
+    reference = Reference(initial={}, steps=[], gradient_bytes=7 * 8, gradient_numel=7,
+                          n_dtypes=1, compute_dtype=torch.float64, trainable_tensors=2)
+
+    def rows(collectives):
+        records = [RankRecord(r, {}, [StepRecord({}, {}, {}, {}, collectives)], 0.0)
+                   for r in range(2)]
+        return check_budget(0, 2, records, reference, False)
+
+    assert rows([reduce(2), reduce(4), reduce(3)]) == []  # flags, then each gradient once
+    again = rows([reduce(2), reduce(4), reduce(3), reduce(3)])  # the bias reduced twice
+    assert [d.kind for d in again] == ["communication over budget"] * 2, again

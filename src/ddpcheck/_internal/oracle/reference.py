@@ -33,6 +33,9 @@ class Reference:
     #: Scalars a target may all-reduce per step besides the gradients when the scenario clips: a
     #: sharded global norm (one per parameter dtype at most); 0 without clipping.
     norm_scalars: int = 0
+    #: Trainable parameter tensors: the budget allows a scalar per tensor for control traffic
+    #: (which parameters have a gradient on each rank, per-tensor norms) in any float dtype.
+    trainable_tensors: int = 0
 
 
 def _drop_gradients(model: torch.nn.Module) -> None:
@@ -70,6 +73,7 @@ def reference_run(scenario: Scenario) -> Reference:
                      gradient_numel=sum(p.numel() for p in trainable),
                      n_dtypes=len(dtypes) or 1,
                      norm_scalars=(len(dtypes) or 1) if scenario.max_grad_norm is not None else 0,
+                     trainable_tensors=len(trainable),
                      # a float64 layer fed by a float32 one inherits float32 rounding
                      compute_dtype=min(dtypes, key=lambda d: torch.finfo(d).eps * -1,
                                        default=scenario.torch_dtype))
