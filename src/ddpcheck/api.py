@@ -16,6 +16,7 @@ from ddpcheck import features
 from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_deadline,
                                         check_fits_machine, check_world_sizes)
+from ddpcheck._internal.oracle.judgeable import check_scenario
 from ddpcheck._internal.runs.example import check_example, check_target, prepare_reference
 from ddpcheck.battery import BATTERY
 from ddpcheck.errors import InvalidArgument, NothingChecked
@@ -97,6 +98,7 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
         reference = None
         for world_size in sizes:
             sc = _within(given, sizes) if scenario is None else given
+            check_scenario(sc)  # the user's model and data first: their errors read best here
             why = features.declines(target, sc, world_size, excluded)
             if why is not None:
                 report.skipped.append((name or "scenario", world_size, why))

@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
+from ddpcheck._internal.messages import code_name, exception_text
 from ddpcheck._internal.options import BEYOND_TORCH, DEFAULT_FEATURES, FEATURES
 from ddpcheck._internal.options import parse_features as parse
+from ddpcheck.errors import ScenarioError
 from ddpcheck.models import ModelSpec
 from ddpcheck.scenario import Scenario, build_model, global_batch, per_sample_loss
 
@@ -70,7 +72,7 @@ def declines(target: Any, scenario: Scenario, world_size: int | None = None,
     if without:
         excluded = sorted(needed & without)
         if excluded:
-            return f"needs {', '.join(excluded)} (excluded with --without)"
+            return f"needs {', '.join(excluded)} (excluded with --without or --dtypes)"
     if scenario.checkpoint_after is not None and not all(
             callable(getattr(target, hook, None)) for hook in ("save_checkpoint",
                                                                "load_checkpoint")):
@@ -104,7 +106,16 @@ def _model_features(scenario: Scenario, world_size: int) -> frozenset[str]:
     if found is None:
         if len(_CACHE) > 1024:
             _CACHE.clear()
-        found = _CACHE[key] = _inspect(scenario, world_size)
+        try:
+            found = _inspect(scenario, world_size)
+        except ScenarioError:
+            raise
+        except Exception as exc:  # the user's model or data, not the target: exit 2, one line
+            raise ScenarioError(
+                f"the scenario's model or data failed while ddpcheck read which features it "
+                f"exercises (model={code_name(scenario.model)}, data={code_name(scenario.data)}, "
+                f"the batches of {world_size} rank(s)): {exception_text(exc)}") from exc
+        _CACHE[key] = found
     return found
 
 
@@ -144,7 +155,9 @@ def _usage(scenario: Scenario, model: torch.nn.Module, world_size: int) -> set[s
         for xs, ys in zip(torch.tensor_split(x, world_size), torch.tensor_split(y, world_size)):
             model.zero_grad(set_to_none=True)
             # as the runner does, an empty shard runs too: its used parameters get zeros, not None
-            per_sample_loss(model(xs), ys).sum().backward()
+            loss = per_sample_loss(model(xs), ys).sum()
+            if loss.requires_grad:  # else no parameter is used: the reference says why
+                loss.backward()
             used_by.append([p.grad is not None for p in trainable])
         for flags in zip(*used_by):
             if not any(flags):

@@ -33,6 +33,7 @@ from ddpcheck.scenario import Scenario
 from ddpcheck._internal.rank import serve as rank_module
 from ddpcheck._internal.rank.fitness import FD_HEADROOM
 from ddpcheck._internal.world.worlds import get_world
+from tests.patience import patience
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCENARIO = Scenario(steps=1)
@@ -131,7 +132,7 @@ def test_what_a_target_leaves_behind_is_put_right_and_noted_not_blamed(case):
     make, note, new_world = LEFTOVERS[case]
     check_example(targets.PARALLEL, SCENARIO, 2)  # a warm world
     old_pids = get_world(2).pids
-    notes = check_example(make(), SCENARIO, 2, deadline=30)
+    notes = check_example(make(), SCENARIO, 2, deadline=patience(30))
     assert any(n.startswith(note + " (ranks 0, 1)") for n in notes), notes
     assert (any(n.startswith("a new world for the next task") for n in notes)) == new_world, notes
     # The next, correct example passes, in a world that is as it started.
@@ -144,11 +145,11 @@ def test_descriptors_kept_open_are_noted_and_a_world_that_holds_too_many_is_repl
     check_example(targets.PARALLEL, SCENARIO, 2)
     fds = get_world(2).run(_fd_count)[0]
     old_pids = get_world(2).pids
-    notes = check_example(LeaksFile(), SCENARIO, 2, deadline=30)
+    notes = check_example(LeaksFile(), SCENARIO, 2, deadline=patience(30))
     assert any(n.startswith(f"file descriptors {fds} -> {fds + 1}, kept open by a library")
                for n in notes), notes
     assert get_world(2).pids == old_pids
-    notes = check_example(LeaksFile(count=FD_HEADROOM + 1), SCENARIO, 2, deadline=30)
+    notes = check_example(LeaksFile(count=FD_HEADROOM + 1), SCENARIO, 2, deadline=patience(30))
     assert any(f"more than {FD_HEADROOM} kept open" in n for n in notes), notes
     assert any(n.startswith("a new world for the next task") for n in notes), notes
     assert check_example(targets.PARALLEL, SCENARIO, 2) == ()
@@ -159,7 +160,7 @@ def test_a_global_hook_left_behind_is_blamed_only_after_the_numbers_held():
     check_example(targets.PARALLEL, SCENARIO, 2)
     old_pids = get_world(2).pids
     with pytest.raises(ddpcheck.EquivalenceError) as info:
-        check_example(RegistersGlobalHook(), SCENARIO, 2, deadline=30)
+        check_example(RegistersGlobalHook(), SCENARIO, 2, deadline=patience(30))
     err, text = info.value, str(info.value)
     assert err.kinds == ["rank left unfit"], text
     assert [d.rank for d in err.divergences] == [0, 1], text
@@ -173,7 +174,7 @@ def test_numbers_are_judged_before_what_the_ranks_left_behind():
     # A bug in the numbers (weights all-reduced after the step, never the gradients) is the
     # verdict, whatever else the target left: the global hook must not hide it.
     with pytest.raises(ddpcheck.EquivalenceError) as info:
-        check_example(HookAndAveragesWeights(), SCENARIO, 2, deadline=30)
+        check_example(HookAndAveragesWeights(), SCENARIO, 2, deadline=patience(30))
     assert info.value.kinds[0].startswith(("replicas differ", "reference differs")), \
         str(info.value)
     assert "rank left unfit" not in info.value.kinds, str(info.value)
@@ -213,11 +214,11 @@ def _fitness_check_seconds(n=500):
 
 def test_processes_a_target_starts_die_with_the_world(tmp_path):
     marker = str(tmp_path / "child")
-    check_example(StartsSubprocess(marker=marker), SCENARIO, 2, deadline=30)
+    check_example(StartsSubprocess(marker=marker), SCENARIO, 2, deadline=patience(30))
     pids = [int(open(f"{marker}.{r}").read()) for r in range(2)]
     assert all(_alive(p) for p in pids)
     get_world(2).kill()  # what a failure does: every rank's process group goes
-    _wait_until(lambda: not any(_alive(p) for p in pids), 10)
+    _wait_until(lambda: not any(_alive(p) for p in pids), patience(10))
     assert not any(_alive(p) for p in pids)
 
 
@@ -235,7 +236,7 @@ def test_a_script_without_main_guard_gets_one_line_fast(tmp_path):
     """))
     started = time.monotonic()
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path, env=_env(tmp_path))
+                         timeout=patience(120), cwd=tmp_path, env=_env(tmp_path))
     elapsed = time.monotonic() - started
     text = out.stdout + out.stderr
     assert out.returncode != 0, text
@@ -246,7 +247,7 @@ def test_a_script_without_main_guard_gets_one_line_fast(tmp_path):
     assert "bootstrapping phase" not in text and "multiprocessing/spawn.py" not in text, text
     assert len(text.splitlines()) < 25, text
     assert not _leftover_dirs(tmp_path), text
-    assert elapsed < 60, f"took {elapsed:.1f} s"
+    assert elapsed < patience(60), f"took {elapsed:.1f} s"
     print(f"\nNO-MAIN-GUARD: exit {out.returncode} in {elapsed:.1f} s, "
           f"{len(text.splitlines())} lines")
 
@@ -279,14 +280,15 @@ def test_killing_ddpcheck_check_leaves_no_world_behind(tmp_path, sig):
         # worlds started: a world directory with a rank that joined (its sequence file exists)
         _wait_until(lambda: any(os.path.exists(os.path.join(tmp_path, d, "rank1.collectives"))
                                 and os.path.getsize(os.path.join(tmp_path, d, "rank1.collectives"))
-                                for d in _leftover_dirs(tmp_path)) or proc.poll() is not None, 120)
+                                for d in _leftover_dirs(tmp_path)) or proc.poll() is not None, patience(120))
         assert proc.poll() is None, proc.stdout.read()
         ranks = _world_processes(tmp_path)
         assert len(ranks) >= 2, ranks
         started = time.monotonic()
         proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=30)
-        _wait_until(lambda: not _leftover_dirs(tmp_path) and not _world_processes(tmp_path), 10)
+        out, _ = proc.communicate(timeout=patience(30))
+        _wait_until(lambda: not _leftover_dirs(tmp_path) and not _world_processes(tmp_path),
+                    patience(10))
         elapsed = time.monotonic() - started
         assert not _leftover_dirs(tmp_path), (_leftover_dirs(tmp_path), out)
         assert not _world_processes(tmp_path), out

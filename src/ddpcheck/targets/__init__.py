@@ -186,6 +186,9 @@ def _numpy_available() -> bool:
 class LocalTarget(Target):
     """No synchronisation at all: every rank trains on its own shard. Fails for W > 1."""
 
+    # Every feature: with nothing to pair across ranks, any registration order will do.
+    supported_features = frozenset(FEATURES)
+
 
 PARALLEL = ParallelTarget()
 PARALLEL_DDP = ParallelDDPTarget()

@@ -69,6 +69,7 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
     checks = validate_checks(checks)  # a typo must not turn every check off
     check_fits(device, (world_size,), backend)  # no GPU, or too few for NCCL: before spawning
     check_target(target)  # cached: a pickle and a dict look-up once the target is verified
+    check_scenario(scenario)  # the user's model and data first: their errors read best here
     why = declines(target, scenario, world_size)
     if why is not None:  # running it anyway would blame the target for what it never claimed
         raise NothingChecked(f"{type(target).__name__} declines this example: {why}")

@@ -30,7 +30,7 @@ from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_deadline,
                                         check_fits_machine, check_positive_number,
                                         check_world_sizes)
-from ddpcheck._internal.oracle.messages import scenario_line
+from ddpcheck._internal.messages import scenario_line
 from ddpcheck._internal.runs.example import check_example, check_target, prepare_reference
 from ddpcheck._internal.runs.replay import target_spec
 from ddpcheck.battery import BATTERY
