@@ -5,9 +5,13 @@
   torch's own DDP: one parameter order on every rank.
 * :class:`CourseTarget` -- its target, written against the previous release's API: a class with a
   ``supports()`` method and no ``supported_features``.
-* :class:`ManagedDDP` -- the same DDP behind a process-group manager of the kind training
+* :class:`ManagedTarget` -- the same DDP behind a process-group manager of the kind training
   frameworks keep: dp/tp/pp groups built for every model. ``weights_bug=True`` all-reduces the
   weights where the gradients belong (a real framework's bug).
+* :class:`RecipientRankTarget`, :class:`UnknownConsolidateTarget` -- sharded optimizers whose
+  ``consolidate_state_dict`` names the receiving rank as fairscale does, or as nobody does.
+* :class:`BroadcastsWhenAttached` -- rank 0's weights broadcast when the optimizer is built
+  (Horovod's shape), not when the model is wrapped.
 """
 
 from __future__ import annotations
@@ -107,3 +111,66 @@ class ManagedTarget(ddpcheck.Target):
 
     def teardown(self, model: Any, optimizer: Any) -> None:
         del model.manager  # the framework's reset: its groups go with it
+
+
+def _fairscale_style(base: type) -> type:
+    """``base`` with fairscale OSS's spelling: ``consolidate_state_dict(recipient_rank=0)``."""
+    class OSSLike(base):
+        def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
+            super().consolidate_state_dict(to=recipient_rank)
+    return OSSLike
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipientRankTarget(ddpcheck.targets.ParallelTarget):
+    """parallel's ShardedOptimizer behind fairscale's spelling of consolidate_state_dict."""
+
+    def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
+        from parallel import ShardedOptimizer
+
+        return _fairscale_style(ShardedOptimizer)(params, optimizer_cls, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnknownConsolidateTarget(ddpcheck.targets.ParallelTarget):
+    """A sharded optimizer whose consolidate_state_dict names its rank in a way nobody uses."""
+
+    def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
+        from parallel import ShardedOptimizer
+
+        class Odd(ShardedOptimizer):
+            def consolidate_state_dict(self, destination: int = 0) -> None:
+                super().consolidate_state_dict(to=destination)
+
+        return Odd(params, optimizer_cls, **kwargs)
+
+
+class BroadcastsWhenAttached(ddpcheck.Target):
+    """Horovod's shape: no wrapper broadcast; rank 0's weights are broadcast when the optimizer is
+    built, and gradients averaged after backward."""
+
+    def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
+        params = list(params)
+        with torch.no_grad():
+            for group in params if params and isinstance(params[0], dict) else [{"params": params}]:
+                for p in group["params"]:
+                    dist.broadcast(p, 0)
+        return optimizer_cls(params, **kwargs)
+
+    def wrap(self, module: Any) -> Any:
+        with torch.no_grad():  # buffers are the model's business, as in Horovod's examples
+            for b in module.buffers():
+                dist.broadcast(b, 0)
+        return _Averaging(module)
+
+    def after_backward(self, model: Any, optimizer: Any) -> None:
+        model.finish()
+
+    def no_sync(self, model: Any) -> Any:
+        return contextlib.nullcontext()
+
+
+class _Averaging(CourseDDP):
+    def __init__(self, module: nn.Module):  # no broadcast here: the optimizer's does it
+        nn.Module.__init__(self)
+        self.module, self.group, self.weights_bug = module, None, False

@@ -5,13 +5,15 @@ torch DDP's contract that the target did not declare."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import ddpcheck
 from ddpcheck import cli, targets
 from ddpcheck.errors import ExitCode
 from ddpcheck.features import BEYOND_TORCH, DEFAULT_FEATURES, FEATURES, supported_by
 from ddpcheck.scenario import Scenario
-from tests.targets.course_ddp import CourseTarget, ManagedTarget
+from tests.targets.course_ddp import (BroadcastsWhenAttached, CourseTarget, ManagedTarget,
+                                      RecipientRankTarget, UnknownConsolidateTarget)
 
 SCENARIO = Scenario(ddpcheck.zoo.MLP, global_batch=7, steps=2)
 
@@ -58,3 +60,23 @@ def test_fsdp2_with_an_int_reshard_after_forward_passes_in_one_persistent_world(
     assert any("process group(s) and left them (destroyed after the example)" in n
                for n in notes), notes
     assert ddpcheck.get_world(4).pids == pids, notes  # put right, not replaced
+
+
+CHECKPOINT = Scenario(ddpcheck.zoo.MLP, optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.01},
+                      global_batch=6, steps=3, checkpoint_after=0)
+
+
+def test_the_default_checkpoint_asks_the_optimizer_by_the_keyword_it_takes():
+    ddpcheck.check_example(RecipientRankTarget(), CHECKPOINT, 2)  # fairscale's recipient_rank
+
+
+def test_an_optimizer_the_default_checkpoint_cannot_ask_declines_instead_of_failing():
+    with pytest.raises(ddpcheck.NothingChecked) as info:
+        ddpcheck.check_example(UnknownConsolidateTarget(), CHECKPOINT, 2)
+    assert "consolidate_state_dict" in str(info.value) and "override" in str(info.value)
+    ddpcheck.check_example(targets.PARALLEL, CHECKPOINT, 2)  # the world serves the next example
+
+
+def test_the_initial_state_is_recorded_once_the_optimizer_is_built():
+    # Horovod's shape: the broadcast happens when the optimizer is attached
+    ddpcheck.check_example(BroadcastsWhenAttached(), SCENARIO, 2)
