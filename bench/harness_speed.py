@@ -59,8 +59,6 @@ def _replay_collectives(calls: list[tuple], repeats: int) -> list[float]:
 
 
 def _collectives_of_one_example(world_size: int, scenario: Scenario) -> list[tuple]:
-    from ddpcheck._internal.rank import recorder as comm
-
     records = get_world(world_size).run(_run_and_log, TARGET, scenario)
     return records[0]
 

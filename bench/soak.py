@@ -10,6 +10,13 @@ the oracle or a real bug in a target; either way it must be looked at.
     python bench/soak.py --examples 900 --max-seconds 600
     python bench/soak.py --targets torch_fsdp --examples 1000   # FSDP2 (not in the default set)
     python bench/soak.py --whole-step --examples 2000            # clipping, orders, checkpoints
+    python bench/soak.py --strategies --examples 20000            # check's own random examples
+
+``--strategies`` draws exactly what ``ddpcheck check`` draws after its battery -- ``ddpcheck.fuzz``
+with ``ddpcheck.strategies``: every layer kind (attention, embeddings, tied heads...), SGD/Adam/
+AdamW, accumulation, float64 and float32, clipping, orders, checkpoints -- in chunks of 500 with a
+new seed each, over ``local`` at W=1 and the correct targets at W=2-4, until ``--examples`` ran.
+A false alarm stops that target's chunk and is printed shrunk, with its replay line.
 
 ``--whole-step`` makes every scenario use at least one feature of the whole training step --
 gradient clipping (2- or inf-norm), per-rank registration orders, a checkpoint resumed at this
@@ -102,6 +109,45 @@ def _plain(rng: random.Random, optimizer: type, kwargs: dict) -> dict:
         bucket_size_mb=rng.choice([None, 1e-6, 1000.0]), set_to_none=rng.choice([True, False]))
 
 
+#: (name, target, world sizes) of the --strategies soak: no synchronisation is correct at W=1.
+STRATEGY_TARGETS = [("local", targets.LOCAL, (1,)), ("parallel", targets.PARALLEL, (2, 3, 4)),
+                    ("torch_ddp", targets.TORCH_DDP, (2, 3, 4)),
+                    ("torch_zero", targets.TORCH_ZERO, (2, 3, 4))]
+
+
+def strategies_soak(examples: int, seed: int, chunk: int = 500,
+                    max_seconds: float | None = None) -> int:
+    """``ddpcheck.fuzz`` -- check's random examples -- over STRATEGY_TARGETS in turn."""
+    started = time.perf_counter()
+    ran: collections.Counter = collections.Counter()
+    found, declined, rounds = [], 0, 0
+    try:
+        while sum(ran.values()) < examples:
+            if max_seconds and time.perf_counter() - started > max_seconds:
+                print(f"stopping early: --max-seconds {max_seconds} reached")
+                break
+            name, target, sizes = STRATEGY_TARGETS[rounds % len(STRATEGY_TARGETS)]
+            chunk_seed = seed * 1_000_003 + rounds
+            rounds += 1
+            result = ddpcheck.fuzz(target, examples=chunk, world_sizes=sizes, seed=chunk_seed,
+                                   dtypes=("float64", "float32"), deadline=120.0)
+            ran[name] += result.examples
+            declined += sum(result.declined.values())
+            if result.found:
+                found.append(result.error)
+                print(f"FALSE ALARM {name} (seed {chunk_seed}), after {result.first_failure} "
+                      f"examples:\n{result.error}\n", flush=True)
+            print(f"  {sum(ran.values())} examples, {len(found)} false alarms, "
+                  f"{time.perf_counter() - started:.0f} s", flush=True)
+    finally:
+        shutdown_worlds()
+    seconds = time.perf_counter() - started
+    print(f"strategies soak: {sum(ran.values())} examples "
+          f"({', '.join(f'{n} {c}' for n, c in ran.items())}) in {rounds} chunks of {chunk}; "
+          f"{declined} declined or unjudgeable; {len(found)} false alarms; {seconds:.1f} s")
+    return 1 if found else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=10_000, help="examples to run")
@@ -116,7 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--whole-step", action="store_true",
                         help="every scenario clips, registers per rank or checkpoints; adds "
                              "the parallel_strided target unless --targets is given")
+    parser.add_argument("--strategies", action="store_true",
+                        help="check's own random examples (ddpcheck.fuzz) over local at W=1 and "
+                             "the correct targets at W=2-4, in chunks of 500")
     args = parser.parse_args(argv)
+    if args.strategies:
+        return strategies_soak(args.examples, args.seed, max_seconds=args.max_seconds)
     sizes = [int(w) for w in args.world_sizes.split(",")]
     names = args.targets
     if args.whole_step and names == DEFAULT_TARGETS:

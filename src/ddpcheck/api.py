@@ -16,10 +16,10 @@ from ddpcheck import features
 from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_deadline,
                                         check_fits_machine, check_world_sizes)
+from ddpcheck._internal.oracle.judgeable import check_scenario
 from ddpcheck._internal.runs.example import check_example, check_target, prepare_reference
 from ddpcheck.battery import BATTERY
 from ddpcheck.errors import InvalidArgument, NothingChecked
-from ddpcheck.features import exercised
 from ddpcheck.scenario import Scenario
 from ddpcheck.targets import Target
 
@@ -35,6 +35,9 @@ class Report:
     skipped: list[tuple[str, int, str]] = dataclasses.field(default_factory=list)
     #: the features (``ddpcheck.features``) the examples that ran exercised
     features: set[str] = dataclasses.field(default_factory=set)
+    #: what examples left in the rank processes and ddpcheck put right (process groups
+    #: destroyed, a world replaced): how the target lives in its process, never a verdict
+    notes: dict[str, None] = dataclasses.field(default_factory=dict)
 
     @property
     def count(self) -> int:
@@ -44,8 +47,9 @@ class Report:
         seconds = sum(s for _, _, s in self.examples)
         sizes = sorted({w for _, w, _ in self.examples})
         text = (f"{self.count} examples equivalent (world sizes {sizes}) in {seconds:.2f} s, "
-                f"{exercised(self.features)}")
-        return text + "".join(f"\nskipped {line}" for line in self.skipped_lines())
+                f"{features.exercised(self.features)}")
+        return (text + "".join(f"\nskipped {line}" for line in self.skipped_lines())
+                + "".join(f"\nnote: {note}" for note in self.notes))
 
     def skipped_lines(self) -> list[str]:
         """One line per scenario and reason, with the world sizes it was skipped at."""
@@ -90,9 +94,11 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
         raise InvalidArgument(f"scenario={scenario!r} must be a ddpcheck.Scenario (or None for "
                               "the built-in battery)")
     report = Report()
-    for name, sc in named:
+    for name, given in named:
         reference = None
         for world_size in sizes:
+            sc = _within(given, sizes) if scenario is None else given
+            check_scenario(sc)  # the user's model and data first: their errors read best here
             why = features.declines(target, sc, world_size, excluded)
             if why is not None:
                 report.skipped.append((name or "scenario", world_size, why))
@@ -100,14 +106,30 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
             if reference is None:
                 reference = prepare_reference(sc)
             started = time.perf_counter()
-            check_example(target, sc, world_size, deadline=deadline, reference=reference,
-                          name=name, device=device, backend=backend)
+            try:
+                notes = check_example(target, sc, world_size, deadline=deadline,
+                                      reference=reference, name=name, device=device,
+                                      backend=backend)
+            except NothingChecked as exc:  # declined once running: a default hook cannot serve it
+                report.skipped.append((name or "scenario", world_size, str(exc)))
+                continue
             report.examples.append((name or "scenario", world_size,
                                     time.perf_counter() - started))
             report.features |= features.of(sc, world_size)
+            report.notes.update(dict.fromkeys(notes))
     if not report.examples:
         raise NothingChecked(f"{type(target).__name__} declined every scenario: "
                              + "; ".join(report.skipped_lines()))
     return report
+
+
+def _within(scenario: Scenario, sizes: tuple[int, ...]) -> Scenario:
+    """A battery scenario that resumes at a world size the caller did not allow resumes in the
+    world that saved it instead: the world sizes asked for are a promise (``--world-sizes 1``
+    starts no world of 2). The same reference serves both: resuming elsewhere changes no number
+    of the full-batch run."""
+    if scenario.resume_world_size is None or scenario.resume_world_size in sizes:
+        return scenario
+    return dataclasses.replace(scenario, resume_world_size=None)
 
 

@@ -7,8 +7,9 @@ and returns an :class:`~ddpcheck.errors.ExitCode` or raises an outcome; and map 
 to its exit status in one place (:func:`_outcome`), with one line and no traceback for anything
 that is not the target's fault. The exit statuses, one meaning each, are ``ExitCode``'s: 0 checked
 and nothing found; 1 a counterexample in the target (printed with its replay line); 2 a usage or
-set-up error; 3 nothing was checked; 130 interrupted (Ctrl-C), 143 terminated (SIGTERM: every rank
-process is stopped and every world directory removed before exiting).
+set-up error; 3 nothing was checked; 4 an internal error of ddpcheck (its traceback); 130
+interrupted (Ctrl-C), 143 terminated (SIGTERM: every rank process is stopped and every world
+directory removed before exiting).
 
 ``MODULE:TARGET`` names a module-level attribute importable on ``PYTHONPATH`` (or an expression
 evaluated in that module, such as ``mypkg.targets:MyTarget(bucket_size_mb=1)``); the built-in
@@ -28,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import warnings
 from typing import Any, Callable
 
@@ -45,12 +47,13 @@ EXIT_CODES = (f"exit status: {ExitCode.OK:d} checked, nothing found; {ExitCode.F
               "counterexample in the target (printed with its replay line); "
               f"{ExitCode.SETUP:d} usage or set-up error, not the target's fault; "
               f"{ExitCode.NOTHING_CHECKED:d} nothing was checked (every example skipped or "
-              "declined)")
+              f"declined); {ExitCode.INTERNAL:d} an internal error of ddpcheck")
 SURVEY_EXIT_CODES = (f"exit status: {ExitCode.OK:d} every cell that ran passed; "
                      f"{ExitCode.FOUND:d} some cell failed (each a proven counterexample, with its "
                      f"replay line); {ExitCode.SETUP:d} usage or set-up error, not the target's "
                      "fault (a scenario the oracle cannot judge, too); "
-                     f"{ExitCode.NOTHING_CHECKED:d} no cell ran")
+                     f"{ExitCode.NOTHING_CHECKED:d} no cell ran; {ExitCode.INTERNAL:d} an "
+                     "internal error of ddpcheck")
 
 
 class UsageError(InvalidArgument):
@@ -97,6 +100,10 @@ def _outcome(command: str, run: Callable[[], ExitCode]) -> ExitCode:
     except DdpcheckError as exc:
         print(f"ddpcheck {command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Exception:  # ddpcheck's own bug: say so, and never with FOUND's status
+        print(f"ddpcheck {command}: internal error (a bug in ddpcheck, not a verdict on the "
+              f"target; please report it):\n{traceback.format_exc()}", file=sys.stderr)
+        return ExitCode.INTERNAL
     except KeyboardInterrupt as exc:
         from ddpcheck._internal.world.worlds import shutdown_worlds
 
@@ -228,11 +235,13 @@ def _check(args: argparse.Namespace) -> ExitCode:
     started = time.perf_counter()
     sizes = ",".join(map(str, args.world_sizes)) + ("" if args.device == "cpu" else
                                                      f" on {args.device}")
-    run = {"deadline": args.deadline, "without": without, "device": args.device,
-           "backend": args.backend}
+    # --dtypes constrain the battery too: its float64 scenarios are skipped, naming why
+    battery_without = without | ({"float64", "float32"} - set(dtypes))
+    run = {"deadline": args.deadline, "device": args.device, "backend": args.backend}
     # 1. the built-in battery: representative scenarios, every world size
     try:
-        report = ddpcheck.assert_equivalent(args.target, world_sizes=args.world_sizes, **run)
+        report = ddpcheck.assert_equivalent(args.target, world_sizes=args.world_sizes,
+                                            without=battery_without, **run)
     except NothingChecked as exc:  # the random examples may still find something
         battery, declined, exercised = 0, str(exc), set()
         print(f"battery: nothing checked: {exc}")
@@ -243,7 +252,8 @@ def _check(args: argparse.Namespace) -> ExitCode:
     print(f"fuzzing {args.target_spec} with {args.examples} random examples at world sizes "
           f"{sizes}{'' if args.seed is None else f' (seed {args.seed})'}", flush=True)
     result = fuzz(args.target, examples=args.examples, world_sizes=args.world_sizes,
-                  seed=args.seed, progress=terminal_progress(args.examples), dtypes=dtypes, **run)
+                  seed=args.seed, progress=terminal_progress(args.examples), dtypes=dtypes,
+                  without=without, **run)
     if sys.stderr.isatty():
         sys.stderr.write("\n")
     if result.found:
@@ -255,6 +265,8 @@ def _check(args: argparse.Namespace) -> ExitCode:
         raise NothingChecked(
             f"{args.target_spec} declined every battery scenario ({declined}) and every one of "
             f"{args.examples} random examples ({reasons or 'no reason given'})")
+    for note in result.notes:
+        print(f"note: {note}")
     print(f"ddpcheck check {args.target_spec}: nothing found in {battery} battery and "
           f"{result.examples} random examples, {features.exercised(exercised | result.features)} "
           f"(wall {time.perf_counter() - started:.1f} s, world start-up included)")

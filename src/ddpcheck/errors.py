@@ -39,6 +39,10 @@ class ExitCode(enum.IntEnum):
     SETUP = 2
     #: Nothing was checked: every example was skipped or declined (never reported as OK).
     NOTHING_CHECKED = 3
+    #: ddpcheck itself failed -- a bug in ddpcheck, never a verdict on the target: the
+    #: traceback is printed (Python's own status for an uncaught exception, 1, would read as
+    #: FOUND).
+    INTERNAL = 4
     #: Interrupted (Ctrl-C): every rank process stopped, every world directory removed.
     INTERRUPTED = 130
     #: Terminated (SIGTERM): the same clean stop.

@@ -1,6 +1,7 @@
 """The capability vocabulary: the features a scenario can exercise, and which ones it does.
 
-A target declares the features it supports (``Target.supported_features``, ``None`` for all);
+A target declares the features it supports (``Target.supported_features``; ``None``: everything
+within torch DDP's contract, :data:`DEFAULT_FEATURES` -- features beyond it are opt-in);
 the battery, the random examples and the command line honour it -- a declined feature is not
 generated, and a scenario that needs one is skipped with the feature named. :func:`of` says which
 features a scenario exercises at a world size, so nobody reads ``ModelSpec`` fields again.
@@ -17,12 +18,15 @@ from typing import Any
 
 import torch
 
-from ddpcheck._internal.options import FEATURES
+from ddpcheck._internal.messages import code_name, exception_text
+from ddpcheck._internal.options import BEYOND_TORCH, DEFAULT_FEATURES, FEATURES
 from ddpcheck._internal.options import parse_features as parse
+from ddpcheck.errors import ScenarioError
 from ddpcheck.models import ModelSpec
 from ddpcheck.scenario import Scenario, build_model, global_batch, per_sample_loss
 
-__all__ = ["FEATURES", "declines", "exercised", "of", "parse"]
+__all__ = ["BEYOND_TORCH", "DEFAULT_FEATURES", "FEATURES", "declines", "exercised", "of", "parse",
+           "supported_by"]
 
 def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
     """The features ``scenario`` exercises at ``world_size`` (None: those that do not depend on
@@ -57,22 +61,32 @@ def declines(target: Any, scenario: Scenario, world_size: int | None = None,
              without: frozenset[str] = frozenset()) -> str | None:
     """Why ``target`` does not run ``scenario`` -- a feature it does not support, a feature the
     user excluded (``without``), or its own ``supports()`` reason -- or None when it does."""
-    supported = getattr(target, "supported_features", None)
-    if supported is not None or without:
-        needed = of(scenario, world_size)
-        unsupported = sorted(needed - frozenset(supported)) if supported is not None else []
-        if unsupported:
-            return (f"needs {', '.join(unsupported)} (not in {type(target).__name__}."
-                    "supported_features)")
+    needed = of(scenario, world_size)
+    unsupported = sorted(needed - supported_by(target))
+    if unsupported:
+        declared = getattr(target, "supported_features", None) is not None
+        return (f"needs {', '.join(unsupported)} (not in {type(target).__name__}."
+                "supported_features" + ("" if declared else
+                                        ": beyond torch DDP's contract, checked only when "
+                                        "declared") + ")")
+    if without:
         excluded = sorted(needed & without)
         if excluded:
-            return f"needs {', '.join(excluded)} (excluded with --without)"
+            return f"needs {', '.join(excluded)} (excluded with --without or --dtypes)"
     if scenario.checkpoint_after is not None and not all(
             callable(getattr(target, hook, None)) for hook in ("save_checkpoint",
                                                                "load_checkpoint")):
         return ("checkpoint: the target has no save_checkpoint / load_checkpoint hooks "
                 "(subclass ddpcheck.Target for the defaults)")
     return target.supports(scenario)
+
+
+def supported_by(target: Any) -> frozenset[str]:
+    """The features ``target`` is checked on: its ``supported_features``, or -- when it declares
+    nothing -- :data:`DEFAULT_FEATURES`, everything within torch DDP's own contract (features
+    beyond it, :data:`BEYOND_TORCH`, are opt-in)."""
+    supported = getattr(target, "supported_features", None)
+    return DEFAULT_FEATURES if supported is None else frozenset(supported)
 
 
 def exercised(found: set[str] | frozenset[str]) -> str:
@@ -92,7 +106,16 @@ def _model_features(scenario: Scenario, world_size: int) -> frozenset[str]:
     if found is None:
         if len(_CACHE) > 1024:
             _CACHE.clear()
-        found = _CACHE[key] = _inspect(scenario, world_size)
+        try:
+            found = _inspect(scenario, world_size)
+        except ScenarioError:
+            raise
+        except Exception as exc:  # the user's model or data, not the target: exit 2, one line
+            raise ScenarioError(
+                f"the scenario's model or data failed while ddpcheck read which features it "
+                f"exercises (model={code_name(scenario.model)}, data={code_name(scenario.data)}, "
+                f"the batches of {world_size} rank(s)): {exception_text(exc)}") from exc
+        _CACHE[key] = found
     return found
 
 
@@ -132,7 +155,9 @@ def _usage(scenario: Scenario, model: torch.nn.Module, world_size: int) -> set[s
         for xs, ys in zip(torch.tensor_split(x, world_size), torch.tensor_split(y, world_size)):
             model.zero_grad(set_to_none=True)
             # as the runner does, an empty shard runs too: its used parameters get zeros, not None
-            per_sample_loss(model(xs), ys).sum().backward()
+            loss = per_sample_loss(model(xs), ys).sum()
+            if loss.requires_grad:  # else no parameter is used: the reference says why
+                loss.backward()
             used_by.append([p.grad is not None for p in trainable])
         for flags in zip(*used_by):
             if not any(flags):

@@ -24,6 +24,7 @@ from ddpcheck import cli, targets
 from ddpcheck.errors import ExitCode
 from ddpcheck._internal.world.worlds import get_world
 from parallel import DDP, InvalidArgument, ShardedOptimizer
+from tests.patience import patience
 
 # ---------------------------------------------------------------------------------------------
 # parallel.DDP and parallel.ShardedOptimizer, inside a world of 2 (every rank must agree)
@@ -112,7 +113,7 @@ PARALLEL_ROWS = {
 
 @pytest.fixture(scope="module")
 def parallel_answers():
-    return get_world(2).run(rank_bad_parallel_arguments, deadline=120)
+    return get_world(2).run(rank_bad_parallel_arguments, deadline=patience(120))
 
 
 @pytest.mark.parametrize("label", list(PARALLEL_ROWS))
@@ -214,7 +215,7 @@ def test_command_line_errors_exit_2_naming_the_argument(argv, message, capsys):
 def test_the_installed_command_reports_usage_errors_without_a_traceback():
     out = subprocess.run([sys.executable, "-m", "ddpcheck", "replay", "parallel", "--world-size",
                           "2", "--scenario", "ddpcheck.Scenario(dtype='float16')"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=patience(120))
     assert out.returncode == 2, out.stderr
     assert "dtype='float16' must be one of ['float32', 'float64']" in out.stderr
     assert "Traceback" not in out.stderr

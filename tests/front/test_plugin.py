@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from tests.patience import patience
 
 
 def test_a_failed_test_says_which_outcome_it_was(tmp_path):
@@ -23,7 +24,7 @@ def test_a_failed_test_says_which_outcome_it_was(tmp_path):
     """))
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
                            "test_user.py"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=patience(120))
     out = done.stdout
     assert done.returncode == 1, out
     assert "ExitCode.SETUP: usage or set-up, not the target's fault" in out, out

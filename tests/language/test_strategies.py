@@ -18,6 +18,7 @@ from ddpcheck import check_example
 from ddpcheck.models import Layer, ModelSpec
 from ddpcheck._internal.runs.replay import from_repr
 from ddpcheck.scenario import build_model
+from tests.patience import patience
 
 FAST = settings(max_examples=25, deadline=None, database=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))
@@ -102,7 +103,7 @@ def _pytest(tmp_path, body, *args):
     (tmp_path / "test_it.py").write_text(textwrap.dedent(body))
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
                            str(tmp_path / "test_it.py"), *args],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=patience(300), cwd=tmp_path)
 
 
 def test_plugin_leaves_the_users_hypothesis_profile_and_torch_alone(tmp_path):
@@ -125,7 +126,7 @@ def test_plugin_leaves_the_users_hypothesis_profile_and_torch_alone(tmp_path):
 
     out = subprocess.run([sys.executable, "-c",
                           "import sys, ddpcheck.pytest_plugin; print('torch' in sys.modules)"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=patience(60))
     assert out.stdout.strip() == "False"
 
 
@@ -184,6 +185,6 @@ def test_a_random_scenario_replays_in_a_fresh_process(tmp_path):
     scenario = ddpcheck.Scenario(spec, data=spec.data, steps=1)
     out = subprocess.run([sys.executable, "-m", "ddpcheck", "replay", "parallel", "--world-size",
                           "2", "--scenario", repr(scenario)],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                         capture_output=True, text=True, timeout=patience(120), cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "equivalent at world size 2" in out.stdout

@@ -28,6 +28,7 @@ from ddpcheck._internal.oracle.judgeable import check_scenario
 
 from tests import verdict_helpers as h
 from tests.runs.test_replay import ROOT
+from tests.patience import patience
 
 H = "tests.verdict_helpers"
 
@@ -147,7 +148,7 @@ def test_the_installed_command_exits_2_without_a_traceback(name):
     text, phrases = next(b[1:] for b in BAD if b[0] == name)
     out = subprocess.run([sys.executable, "-m", "ddpcheck", "replay", "parallel",
                           "--world-size", "2", "--scenario", text],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+                         cwd=ROOT, capture_output=True, text=True, timeout=patience(120))
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stdout == ""
     assert out.stderr.count("\n") == 1 and phrases[0] in out.stderr, out.stderr

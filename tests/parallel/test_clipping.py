@@ -23,6 +23,7 @@ from ddpcheck._internal.world.worlds import get_world
 from ddpcheck._internal.runs.replay import from_repr
 from parallel import ShardedOptimizer, sharding
 from parallel.ddp import AveragedGrad
+from tests.patience import patience
 
 F64, F32 = torch.float64, torch.float32
 # 7 parameters (more than every world size), one of them without a gradient (unused everywhere)
@@ -99,7 +100,7 @@ def _same(a, b):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_sharded_clip_is_bitwise_torchs_on_exact_gradients_moving_one_scalar(world_size):
     cases = _cases("exact") + _cases("exact", MIXED)
-    results = get_world(world_size).run(_rank_clip, cases, deadline=120)
+    results = get_world(world_size).run(_rank_clip, cases, deadline=patience(120))
     for n, (shapes, kind, max_norm, norm_type, rule, _) in enumerate(cases):
         total, grads = torch_clip(shapes, kind, max_norm, norm_type)
         for rank, result in enumerate(r[n] for r in results):
@@ -118,7 +119,7 @@ def test_sharded_clip_is_bitwise_torchs_on_exact_gradients_moving_one_scalar(wor
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sharded_clip_is_torchs_within_rounding_on_random_gradients(world_size):
     cases = _cases("random")
-    results = get_world(world_size).run(_rank_clip, cases, deadline=120)
+    results = get_world(world_size).run(_rank_clip, cases, deadline=patience(120))
     for n, (shapes, kind, max_norm, norm_type, _, _) in enumerate(cases):
         total, grads = torch_clip(shapes, kind, max_norm, norm_type)
         first = results[0][n]
@@ -154,7 +155,7 @@ def _rank_clip_unaveraged(max_norm, norm_type):
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 def test_without_ddp_the_clip_averages_first_and_the_step_does_not_again(norm_type):
     world_size = 3
-    results = get_world(world_size).run(_rank_clip_unaveraged, 0.75, norm_type, deadline=60)
+    results = get_world(world_size).run(_rank_clip_unaveraged, 0.75, norm_type, deadline=patience(60))
     # the world mean of (r + 1) x g over r = 0, 1, 2 is 2g: exact
     params = make_params(SHAPES, "exact")
     for p in params:

@@ -19,6 +19,7 @@ from ddpcheck._internal.rank import recorder as comm
 from ddpcheck._internal.world.worlds import get_world
 from parallel import InvalidArgument, ShardedOptimizer, sharding
 from parallel.ddp import AveragedGrad
+from tests.patience import patience
 
 F64, F32 = torch.float64, torch.float32
 # 6 params, 2 dtypes; and a list smaller than every world size above 1
@@ -121,7 +122,7 @@ def test_sharded_step_is_bitwise_the_plain_step_for_every_rule_and_optimizer(wor
     only; broadcasts per step = (owner, dtype) pairs, from the owner, carrying every param once;
     gradients averaged in one int32 presence exchange plus one all-reduce per dtype."""
     specs = equivalence_specs()
-    results = get_world(world_size).run(_rank_equivalence, specs, deadline=120)
+    results = get_world(world_size).run(_rank_equivalence, specs, deadline=patience(120))
     for n, spec in enumerate(specs):
         expected = plain(spec)
         ranks = [r[n] for r in results]
@@ -218,7 +219,7 @@ def test_checkpoint_saved_at_3_resumes_at_2_and_in_a_plain_optimizer(case):
     in a plain optimizer; also load the plain optimizer's own checkpoint at W=2. Every continued run
     equals the uninterrupted plain run bitwise, and the consolidated dict equals the plain one."""
     spec, to = CKPT_SPECS[case], case * 2  # consolidate on rank 0, and on the last rank
-    saved = get_world(3).run(_rank_save, spec, to, deadline=120)
+    saved = get_world(3).run(_rank_save, spec, to, deadline=patience(120))
     sd = saved[to]["sd"]
     for rank, r in enumerate(saved):
         if rank != to:
@@ -242,9 +243,9 @@ def test_checkpoint_saved_at_3_resumes_at_2_and_in_a_plain_optimizer(case):
     # deepcopy: load_state_dict aliases the dict's tensors, and stepping would change them
     resumed_plain, _ = _plain_resume(spec, values, copy.deepcopy(sd), 2)
     other_rule = "greedy" if spec["rule"] == "modulo" else "contiguous"
-    resumed_sharded = get_world(2).run(_rank_resume, spec, values, sd, other_rule, 2, deadline=120)
+    resumed_sharded = get_world(2).run(_rank_resume, spec, values, sd, other_rule, 2, deadline=patience(120))
     from_plain = get_world(2).run(_rank_resume, spec, [p.detach() for p in ref_params], ref_sd,
-                                  other_rule, 2, deadline=120)
+                                  other_rule, 2, deadline=patience(120))
     for name, got in [("plain resume", resumed_plain)] + [
             (f"W=2 rank {r} resume of W=3 ckpt", g) for r, g in enumerate(resumed_sharded)] + [
             (f"W=2 rank {r} resume of plain ckpt", g) for r, g in enumerate(from_plain)]:
@@ -256,9 +257,9 @@ def test_checkpoint_saved_at_2_resumes_at_3_bitwise():
     """Resharding onto more ranks: at W=3 a rank owns state nobody held at W=2 under this rule,
     and the continued run still equals the uninterrupted plain run bitwise."""
     spec = CKPT_SPECS[0]
-    saved = get_world(2).run(_rank_save, spec, 0, deadline=120)
+    saved = get_world(2).run(_rank_save, spec, 0, deadline=patience(120))
     resumed = get_world(3).run(_rank_resume, spec, saved[0]["params"], saved[0]["sd"],
-                               "modulo", 2, deadline=120)
+                               "modulo", 2, deadline=patience(120))
     uninterrupted = plain({**spec, "steps": spec["steps"] + 2})
     for rank, got in enumerate(resumed):
         for i, (p, e) in enumerate(zip(got, uninterrupted)):
@@ -311,7 +312,7 @@ def _rank_partial_grads():
 
 
 def test_grads_present_on_some_ranks_are_averaged_with_zeros_and_ddp_marks_skip_the_exchange():
-    results = get_world(3).run(_rank_partial_grads, deadline=120)
+    results = get_world(3).run(_rank_partial_grads, deadline=patience(120))
     for rank, r in enumerate(results):
         g = r["grads"]
         assert torch.equal(g[0], torch.full_like(g[0], 0.5)), rank
@@ -356,7 +357,7 @@ def _rank_add_param_group(rule, sharded):
 
 def test_add_param_group_keeps_earlier_owners_and_steps_like_plain():
     expected = _rank_add_param_group("greedy", sharded=False)
-    for r in get_world(3).run(_rank_add_param_group, "greedy", True, deadline=120):
+    for r in get_world(3).run(_rank_add_param_group, "greedy", True, deadline=patience(120)):
         assert r["kept"]
         assert r["groups"] == expected["groups"]
         for i, (p, e) in enumerate(zip(r["params"], expected["params"])):
@@ -387,7 +388,7 @@ def _in_subgroup(spec, pg):
 
 def test_process_group_excluding_rank_0_broadcasts_from_global_owner_ranks():
     spec = dict(opt="adamw", groups="two", rule="modulo", shapes=SHAPES, steps=STEPS)
-    message, *members = get_world(3).run(_rank_subgroup, spec, deadline=120)
+    message, *members = get_world(3).run(_rank_subgroup, spec, deadline=patience(120))
     assert "does not contain this rank (global rank 0)" in message
     assert "construct ShardedOptimizer only on its members" in message
     expected = plain(spec)
@@ -511,7 +512,7 @@ MISUSE = {
 
 @pytest.fixture(scope="module")
 def misuse():
-    return get_world(2).run(_rank_misuse, deadline=120)
+    return get_world(2).run(_rank_misuse, deadline=patience(120))
 
 
 @pytest.mark.parametrize("label", list(MISUSE))

@@ -13,6 +13,7 @@ from torch import nn
 from ddpcheck._internal.rank import recorder as comm
 from ddpcheck._internal.world.worlds import get_world
 from parallel import DDP, ShardedOptimizer, sharding
+from tests.patience import patience
 
 STEPS = 3
 
@@ -71,7 +72,7 @@ def test_with_ddp_gradients_are_all_reduced_once_and_steps_match_plain(world_siz
     # DDP's buckets carry every trainable parameter's gradient (zeros where unused) once
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
     updated_bytes = grad_bytes - ref.unused.numel() * ref.unused.element_size()
-    results = get_world(world_size).run(_rank_ddp_sharded, rule, deadline=120)
+    results = get_world(world_size).run(_rank_ddp_sharded, rule, deadline=patience(120))
     for rank, r in enumerate(results):
         for i, (p, q) in enumerate(zip(r["params"], results[0]["params"])):
             assert torch.equal(p, q), f"rank {rank} param {i} differs from rank 0"
@@ -133,7 +134,7 @@ def test_ddp_marks_are_consumed_once_and_valid_only_for_the_gradient_ddp_left():
     used = [p for p in net.parameters() if p is not net.unused]
     f64 = sum(p.numel() * 8 for p in used if p.dtype == torch.float64)
     flags = ("int32", 4 * len(list(net.parameters())))
-    for r in get_world(2).run(_rank_handshake, deadline=120):
+    for r in get_world(2).run(_rank_handshake, deadline=patience(120)):
         assert all(r["marked"]) and not any(r["consumed"])
         assert r["synced"] == []  # every gradient already averaged by DDP
         assert r["unsynced"] == sorted([flags, ("float32", 4 * 3), ("float64", f64)])

@@ -24,6 +24,7 @@ from ddpcheck.cli import resolve_target
 from ddpcheck._internal.runs.replay import evaluate, target_spec
 from ddpcheck.scenario import Scenario
 from tests import verdict_helpers as h
+from tests.patience import patience
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,7 +61,7 @@ def test_a_plain_class_target_fails_and_its_replay_line_fails_the_same_way():
 
     argv = shlex.split(err.replay)
     argv[0] = sys.executable
-    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=patience(300))
     assert out.returncode == 1, out.stdout + out.stderr
     assert _table(out.stdout) == _table(str(err))
     assert f"replay: {err.replay}" in out.stdout  # the replay prints the same line again

@@ -12,12 +12,13 @@ from ddpcheck.errors import ExitCode
 from ddpcheck.targets import PARALLEL, PARALLEL_DDP
 from ddpcheck._internal.runs.trace import TRACE_SCENARIO, chrome_trace, overlap, record_step
 from ddpcheck._internal.world.worlds import get_world
+from tests.patience import patience
 
 
 @pytest.fixture(scope="module")
 def traces():
     """One recorded step of parallel.DDP (plain optimizer) at W=2, several buckets."""
-    return get_world(2).run(record_step, PARALLEL_DDP, TRACE_SCENARIO, deadline=120)
+    return get_world(2).run(record_step, PARALLEL_DDP, TRACE_SCENARIO, deadline=patience(120))
 
 
 def _events(traces):
@@ -72,7 +73,7 @@ def test_first_bucket_launches_before_backward_ends(traces):
 
 
 def test_sharded_optimizer_step_is_traced():
-    traces = get_world(2).run(record_step, PARALLEL, TRACE_SCENARIO, deadline=120)
+    traces = get_world(2).run(record_step, PARALLEL, TRACE_SCENARIO, deadline=patience(120))
     for t in traces:
         ops = Counter(c.op for c in t.collectives)
         assert ops["broadcast"] >= 1, ops  # owners send updated parameters

@@ -15,6 +15,7 @@ import parallel
 from ddpcheck import features, targets
 from ddpcheck import strategies as dst
 from ddpcheck._internal.runs.fuzz import fuzz
+from tests.patience import patience
 
 # ---------------------------------------------------------------------------------------------
 # Implementations "from elsewhere", written as their authors would, and their targets
@@ -100,8 +101,10 @@ NO_ACCUMULATION_NO_UNUSED = NoAccumulationNoUnused()
 # The hooks and the factory
 
 
+# 11 battery scenarios at W=2 and 3; a target that declares nothing skips rank-orders-adam
+# (beyond torch DDP's contract), the hidden inner optimizer the LR schedule and the checkpoint.
 @pytest.mark.parametrize("target, count", [
-    (WRAPPED, 22), (RESET_AFTER_STEP, 22), (FREES_GRADS, 22), (HIDDEN_INNER, 18),
+    (WRAPPED, 20), (RESET_AFTER_STEP, 20), (FREES_GRADS, 20), (HIDDEN_INNER, 18),
     (WantsTheModel(), 22)], ids=["wrapped", "reset", "frees-grads", "hidden-inner", "model-kw"])
 def test_real_loop_shapes_pass_the_battery(target, count):
     report = ddpcheck.assert_equivalent(target, world_sizes=(2, 3))
@@ -217,7 +220,7 @@ def test_a_ddp_without_unused_parameter_handling_is_caught_by_random_examples_al
     # samples skip a layer, that bucket's all-reduce is never issued -- unpaired collectives.
     from ddpcheck.mutation.catalogue import NoFinalFlush
 
-    result = fuzz(NoFinalFlush(), examples=200, world_sizes=(2,), deadline=20.0)
+    result = fuzz(NoFinalFlush(), examples=200, world_sizes=(2,), deadline=patience(20))
     assert result.found
     assert result.first_failure <= 200
 

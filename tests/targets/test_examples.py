@@ -20,6 +20,7 @@ import ddpcheck
 from ddpcheck import features
 from ddpcheck._internal.runs.fuzz import fuzz
 from examples import explicit_finish, reset_after_step, sync_in_backward
+from tests.patience import patience
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "your-own-ddp.md"
@@ -158,7 +159,7 @@ def test_the_survey_matrix_of_the_correct_target(name):
 def test_the_replay_line_fails_the_same_way(name, replays):
     result, proc = replays[name]
     assert proc is not None, f"{name}: nothing to replay"
-    out, err = proc.communicate(timeout=300)
+    out, err = proc.communicate(timeout=patience(300))
     assert proc.returncode == 1, (proc.returncode, out, err)
     header = out.splitlines()[0]  # "<Target> diverged at world size W: <kind>"
     assert header.rpartition(": ")[2] == result.error.divergences[0].kind == BUG_KIND[name], out

@@ -32,6 +32,7 @@ from ddpcheck import check_example
 from ddpcheck._internal.runs.fuzz import fuzz
 from ddpcheck._internal.runs.replay import replay_command
 from ddpcheck.scenario import Scenario
+from tests.patience import patience
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -158,7 +159,7 @@ def test_torchrun_joins_over_gloo_for_cpu_tensors_when_gpus_are_visible(eight_vi
 def test_check_on_cuda_without_gpus_is_refused_in_seconds(tmp_path):
     started = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "ddpcheck", "check", "parallel", "--device",
-                          "cuda"], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          "cuda"], capture_output=True, text=True, timeout=patience(60), cwd=tmp_path,
                          env=subprocess_env(tmp_path))
     took = time.monotonic() - started
     assert out.returncode == 2, out.stdout + out.stderr
@@ -173,7 +174,7 @@ def test_check_on_cuda_without_gpus_is_refused_in_seconds(tmp_path):
 def test_nccl_with_more_ranks_than_gpus_is_refused_unless_gloo_is_asked_for(tmp_path):
     command = [sys.executable, "-m", "ddpcheck", "check", "parallel", "--device", "cuda",
                "--world-sizes", "1,2"]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    out = subprocess.run(command, capture_output=True, text=True, timeout=patience(60), cwd=tmp_path,
                          env=subprocess_env(tmp_path, fake_gpus=1))
     assert out.returncode == 2, out.stdout + out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
@@ -200,7 +201,7 @@ def _pytest(tmp_path, *args: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_it.py").write_text("def test_nothing():\n    pass\n")
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
                            str(tmp_path / "test_it.py"), *args], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path, env=subprocess_env(tmp_path))
+                          timeout=patience(120), cwd=tmp_path, env=subprocess_env(tmp_path))
 
 
 @pytest.mark.parametrize("args, message", [
@@ -282,7 +283,7 @@ def test_a_bug_found_on_gpus_replays_on_gpus():
 def test_torchrun_on_two_gpus_uses_nccl(tmp_path):
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", "2", "-m", "ddpcheck", "check", "--device", "cuda"],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=patience(600), cwd=tmp_path,
                          env=subprocess_env(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "in the torchrun world of 2 (backend nccl, device cuda)" in out.stdout

@@ -33,6 +33,7 @@ from ddpcheck import targets
 from ddpcheck import check_example
 from ddpcheck.scenario import Scenario
 from ddpcheck._internal.world.worlds import get_world
+from tests.patience import patience
 
 DEADLINE = 3.0
 #: One step, so "after the last collective" is literal; one bucket per parameter, so buckets are
@@ -278,7 +279,7 @@ def test_fault_is_reported_fast_and_leaves_nothing_behind(fault, world_size):
     guilty = world_size - 1
     # A warm world: started, and torch's lazy imports (the first optimizer pulls in dynamo, seconds
     # on a busy machine) done before the clock runs.
-    check_example(targets.PARALLEL, FAULT_SCENARIO, world_size, deadline=60)
+    check_example(targets.PARALLEL, FAULT_SCENARIO, world_size, deadline=patience(60))
     world = get_world(world_size)
     old_pids, old_janitor_pid = world.pids, world.janitor_pid
     before_children = _children(os.getpid())
@@ -291,7 +292,7 @@ def test_fault_is_reported_fast_and_leaves_nothing_behind(fault, world_size):
     elapsed = time.monotonic() - started
     err, text = info.value, str(info.value)
 
-    assert elapsed < DEADLINE + 5, f"{fault}: took {elapsed:.1f} s\n{text}"
+    assert elapsed < DEADLINE + patience(5), f"{fault}: took {elapsed:.1f} s\n{text}"
     assert err.kinds == [kind], text
     assert [d.rank for d in err.divergences] == [guilty], text
     for fragment in fragments:
@@ -303,7 +304,7 @@ def test_fault_is_reported_fast_and_leaves_nothing_behind(fault, world_size):
     assert not (listening & _listening_inodes())
     # A fresh world runs the next example normally, and only its ranks (and its janitor, which
     # replaced the dead world's) are new children.
-    check_example(targets.PARALLEL, Scenario(), world_size, deadline=60)
+    check_example(targets.PARALLEL, Scenario(), world_size, deadline=patience(60))
     new_pids = get_world(world_size).pids
     assert set(new_pids).isdisjoint(old_pids)
     old_janitor, new_janitor = {old_janitor_pid}, {get_world(world_size).janitor_pid}
@@ -317,7 +318,7 @@ def test_an_extra_collective_is_reported_at_the_speed_of_the_evidence(world_size
     """The other ranks finish; the sequence files show rank 1 in a barrier none of them issued.
     That is reported within seconds, naming the barrier and its line, not at the deadline."""
     deadline = 60
-    check_example(targets.PARALLEL, FAULT_SCENARIO, world_size, deadline=60)  # a warm world
+    check_example(targets.PARALLEL, FAULT_SCENARIO, world_size, deadline=patience(60))  # a warm world
     started = time.monotonic()
     with pytest.raises(ddpcheck.EquivalenceError) as info:
         check_example(ExtraBarrier(guilty=1), FAULT_SCENARIO, world_size, deadline=deadline)
@@ -325,13 +326,13 @@ def test_an_extra_collective_is_reported_at_the_speed_of_the_evidence(world_size
     err, text = info.value, str(info.value)
     with open(__file__) as f:
         line = next(i for i, text_line in enumerate(f, 1) if "# EXTRA-BARRIER" in text_line)
-    assert elapsed < min(15, deadline / 4), f"took {elapsed:.1f} s\n{text}"
+    assert elapsed < patience(min(15, deadline / 4)), f"took {elapsed:.1f} s\n{text}"
     assert err.kinds == ["collectives mismatched"], text
     assert [d.rank for d in err.divergences] == [1], text
     site = f"test_faults.py:{line} in after_backward)"  # relative to the current directory
     assert re.search(r"rank 1: barrier \(at \S*" + re.escape(site), text), text
     assert re.search(r"issued barrier \(at \S*" + re.escape(site), text), text  # the row
-    check_example(targets.PARALLEL, FAULT_SCENARIO, world_size, deadline=60)
+    check_example(targets.PARALLEL, FAULT_SCENARIO, world_size, deadline=patience(60))
     print(f"\nEXTRA-BARRIER W={world_size}: {err.kinds[0]} in {elapsed:.2f} s")
 
 
@@ -343,7 +344,7 @@ def test_a_rank_dying_between_tasks_is_not_blamed_on_the_next_example():
     os.kill(victim, signal.SIGABRT)
     world._procs[1].join(10)  # reaped: the world sees the exit status before the next run
     assert world._procs[1].exitcode == -signal.SIGABRT
-    check_example(targets.PARALLEL, Scenario(), 2, deadline=60)
+    check_example(targets.PARALLEL, Scenario(), 2, deadline=patience(60))
     assert victim not in get_world(2).pids
 
 
@@ -409,15 +410,15 @@ def _interrupt_when(cmd: list[str], ready: str, cwd: str, timeout: float = 120.0
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        end = time.monotonic() + timeout
+        end = time.monotonic() + patience(timeout)
         marker = os.path.join(cwd, ready)
         while not os.path.exists(marker):
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < end, "the ranks never got busy"
             time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-        end = time.monotonic() + 15
+        out, _ = proc.communicate(timeout=patience(60))
+        end = time.monotonic() + patience(15)
         while _session_processes(proc.pid) and time.monotonic() < end:
             time.sleep(0.1)
         return proc.returncode, out, _session_processes(proc.pid)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from tests.patience import patience
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,7 +41,7 @@ def test_an_edited_target_module_gets_a_fresh_world(tmp_path):
             print("FRESH", set(first).isdisjoint(ddpcheck.get_world(2).pids))
     """))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path,
+                         timeout=patience(300), cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"})
     assert out.returncode == 0, out.stdout + out.stderr
     assert "FRESH True" in out.stdout

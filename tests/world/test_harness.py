@@ -24,6 +24,7 @@ from ddpcheck import check_example
 from ddpcheck._internal.runs.replay import from_repr
 from ddpcheck.scenario import Scenario
 from ddpcheck._internal.world.worlds import get_world
+from tests.patience import patience
 
 ALL_SIZES = (1, 2, 3, 4)
 
@@ -160,7 +161,7 @@ def test_a_rank_that_raises_is_reported_and_the_world_replaced():
     old_pids = get_world(2).pids
     started = time.monotonic()
     with pytest.raises(ddpcheck.EquivalenceError) as info:
-        check_example(RaisesOnRankOne(), Scenario(), 2, deadline=20)
+        check_example(RaisesOnRankOne(), Scenario(), 2, deadline=patience(20))
     assert time.monotonic() - started < 20 + 5
     err = info.value
     assert err.kinds == ["rank failed"]
@@ -175,7 +176,7 @@ def test_a_rank_that_raises_is_reported_and_the_world_replaced():
 def test_a_rank_that_hangs_times_out_with_its_stack():
     started = time.monotonic()
     with pytest.raises(ddpcheck.EquivalenceError) as info:
-        check_example(HangsOnRankZero(), Scenario(), 2, deadline=3)
+        check_example(HangsOnRankZero(), Scenario(), 2, deadline=patience(3))
     assert time.monotonic() - started < 3 + 5
     err = info.value
     assert "rank timed out" in err.kinds
@@ -214,7 +215,7 @@ def test_no_rank_outlives_its_harness_process(tmp_path):
             print(" ".join(map(str, get_world(2).pids)), flush=True)
     """))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
+                         timeout=patience(120), cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == 2
@@ -265,7 +266,7 @@ def test_the_replay_line_replays(tmp_path):
     command = info.value.replay
     assert command.startswith("python -m ddpcheck replay ")
     out = subprocess.run(command.replace("python", sys.executable, 1), shell=True,
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                         capture_output=True, text=True, timeout=patience(120), cwd=tmp_path)
     assert out.returncode == 1, out.stderr
     assert "replicas differ (initial state)" in out.stdout
 

@@ -1,8 +1,10 @@
 """Isolation between examples, start-up and shutdown hygiene (``ddpcheck._internal.rank.fitness``,
 ``ddpcheck._internal.world.janitor``, ``world._refuse_nested_start``).
 
-A target that leaves its rank processes unfit for the next example is the one blamed ("rank left
-unfit", naming what changed), and the next, correct example runs in a fresh world. A script that
+What a target leaves in its rank processes is put right (process groups destroyed, settings set
+back) or answered with a fresh world, and noted -- never blamed, except a change that alters what
+later code computes (a global module hook: "rank left unfit"), and only after the example's numbers
+held. The next, correct example runs in a process as it started. A script that
 calls ddpcheck at import time gets one line, fast. SIGTERM or SIGKILL of a process running
 ddpcheck leaves no world directory and no rank process behind.
 
@@ -29,7 +31,9 @@ from ddpcheck import targets
 from ddpcheck import check_example
 from ddpcheck.scenario import Scenario
 from ddpcheck._internal.rank import serve as rank_module
+from ddpcheck._internal.rank.fitness import FD_HEADROOM
 from ddpcheck._internal.world.worlds import get_world
+from tests.patience import patience
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCENARIO = Scenario(steps=1)
@@ -62,7 +66,7 @@ class DestroysDefaultGroup(targets.ParallelDDPTarget):
 @dataclasses.dataclass(frozen=True)
 class NewGroupPerExample(targets.ParallelTarget):
     def wrap(self, module):
-        _KEEP.append(dist.new_group(list(range(dist.get_world_size()))))
+        module.group = dist.new_group(list(range(dist.get_world_size())))  # kept by the model
         return super().wrap(module)
 
 
@@ -84,8 +88,10 @@ class LeavesThreadRunning(targets.ParallelTarget):
 
 @dataclasses.dataclass(frozen=True)
 class LeaksFile(targets.ParallelTarget):
+    count: int = 1
+
     def wrap(self, module):
-        _KEEP.append(open(os.devnull))
+        _KEEP.extend(open(os.devnull) for _ in range(self.count))
         return super().wrap(module)
 
 
@@ -102,38 +108,92 @@ class StartsSubprocess(targets.ParallelTarget):
         return super().wrap(module)
 
 
-CONTAMINATIONS = {
-    "global forward hook": (RegistersGlobalHook, "registered 1 global forward hook"),
-    "destroyed default group": (DestroysDefaultGroup, "destroyed the default process group"),
-    "new_group per example": (NewGroupPerExample, "process groups 1 -> 2"),
-    "set_num_threads": (ChangesThreadCount, "changed torch.get_num_threads() 1 -> 2"),
-    "thread left running": (LeavesThreadRunning, "left 1 thread(s) running (leftover-worker)"),
-    "file left open": (LeaksFile, "file descriptors {fds} -> {fds_after}"),
-}
-
-
 def _fd_count():
     from ddpcheck._internal.rank import fitness
 
     return fitness.baseline().fds
 
 
-@pytest.mark.parametrize("case", list(CONTAMINATIONS))
-def test_a_target_that_leaves_its_ranks_unfit_is_blamed_not_the_next(case):
-    make, fragment = CONTAMINATIONS[case]
+#: What a target leaves in its ranks that ddpcheck puts right or answers with a new world: how a
+#: framework lives in its process, never a verdict (case -> target, note, a new world?).
+LEFTOVERS = {
+    "destroyed default group": (DestroysDefaultGroup, "destroyed the default process group", True),
+    "new_group per example": (NewGroupPerExample, "created 1 process group(s) and left them "
+                                                  "(destroyed after the example)", False),
+    "set_num_threads": (ChangesThreadCount, "changed torch.get_num_threads() 1 -> 2 (set back)",
+                        False),
+    "thread left running": (LeavesThreadRunning, "left 1 thread(s) running (leftover-worker)",
+                            True),
+}
+
+
+@pytest.mark.parametrize("case", list(LEFTOVERS))
+def test_what_a_target_leaves_behind_is_put_right_and_noted_not_blamed(case):
+    make, note, new_world = LEFTOVERS[case]
     check_example(targets.PARALLEL, SCENARIO, 2)  # a warm world
     old_pids = get_world(2).pids
+    notes = check_example(make(), SCENARIO, 2, deadline=patience(30))
+    assert any(n.startswith(note + " (ranks 0, 1)") for n in notes), notes
+    assert (any(n.startswith("a new world for the next task") for n in notes)) == new_world, notes
+    # The next, correct example passes, in a world that is as it started.
+    assert check_example(targets.PARALLEL, SCENARIO, 2) == ()
+    assert set(get_world(2).pids).isdisjoint(old_pids) == new_world
+
+
+def test_descriptors_kept_open_are_noted_and_a_world_that_holds_too_many_is_replaced():
+    # Libraries keep descriptors open for good (FSDP2's meshes); a leak would exhaust them.
+    check_example(targets.PARALLEL, SCENARIO, 2)
     fds = get_world(2).run(_fd_count)[0]
+    old_pids = get_world(2).pids
+    notes = check_example(LeaksFile(), SCENARIO, 2, deadline=patience(30))
+    assert any(n.startswith(f"file descriptors {fds} -> {fds + 1}, kept open by a library")
+               for n in notes), notes
+    assert get_world(2).pids == old_pids
+    notes = check_example(LeaksFile(count=FD_HEADROOM + 1), SCENARIO, 2, deadline=patience(30))
+    assert any(f"more than {FD_HEADROOM} kept open" in n for n in notes), notes
+    assert any(n.startswith("a new world for the next task") for n in notes), notes
+    assert check_example(targets.PARALLEL, SCENARIO, 2) == ()
+    assert set(get_world(2).pids).isdisjoint(old_pids)
+
+
+def test_a_global_hook_left_behind_is_blamed_only_after_the_numbers_held():
+    check_example(targets.PARALLEL, SCENARIO, 2)
+    old_pids = get_world(2).pids
     with pytest.raises(ddpcheck.EquivalenceError) as info:
-        check_example(make(), SCENARIO, 2, deadline=30)
+        check_example(RegistersGlobalHook(), SCENARIO, 2, deadline=patience(30))
     err, text = info.value, str(info.value)
     assert err.kinds == ["rank left unfit"], text
     assert [d.rank for d in err.divergences] == [0, 1], text
-    assert fragment.format(fds=fds, fds_after=fds + 1) in text, text
-    assert "left its process unfit for the next task" in text, text
-    # The world was replaced, and the next, correct example passes in it.
-    check_example(targets.PARALLEL, SCENARIO, 2)
+    assert "registered 1 global forward hook: every later model or step in this process would " \
+           "run it (the numbers of this example held)" in text, text
+    check_example(targets.PARALLEL, SCENARIO, 2)  # in a fresh world
     assert set(get_world(2).pids).isdisjoint(old_pids)
+
+
+def test_numbers_are_judged_before_what_the_ranks_left_behind():
+    # A bug in the numbers (weights all-reduced after the step, never the gradients) is the
+    # verdict, whatever else the target left: the global hook must not hide it.
+    with pytest.raises(ddpcheck.EquivalenceError) as info:
+        check_example(HookAndAveragesWeights(), SCENARIO, 2, deadline=patience(30))
+    assert info.value.kinds[0].startswith(("replicas differ", "reference differs")), \
+        str(info.value)
+    assert "rank left unfit" not in info.value.kinds, str(info.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class HookAndAveragesWeights(targets.LocalTarget):
+    def wrap(self, module):
+        torch.nn.modules.module.register_module_forward_hook(_noop_hook)
+        with torch.no_grad():  # rank 0's weights, as a DDP would broadcast them
+            for p in module.parameters():
+                dist.broadcast(p, 0)
+        return module
+
+    def after_step(self, model, optimizer):
+        with torch.no_grad():
+            for p in model.parameters():
+                dist.all_reduce(p)
+                p /= dist.get_world_size()
 
 
 def test_the_fitness_check_is_cheap():
@@ -147,17 +207,18 @@ def _fitness_check_seconds(n=500):
     base = fitness.baseline(tuple(recorder.wrapped()))
     started = time.perf_counter()
     for _ in range(n):
-        assert not fitness.problems(base)
+        found, base = fitness.restore(base)
+        assert not found, found
     return (time.perf_counter() - started) / n
 
 
 def test_processes_a_target_starts_die_with_the_world(tmp_path):
     marker = str(tmp_path / "child")
-    check_example(StartsSubprocess(marker=marker), SCENARIO, 2, deadline=30)
+    check_example(StartsSubprocess(marker=marker), SCENARIO, 2, deadline=patience(30))
     pids = [int(open(f"{marker}.{r}").read()) for r in range(2)]
     assert all(_alive(p) for p in pids)
     get_world(2).kill()  # what a failure does: every rank's process group goes
-    _wait_until(lambda: not any(_alive(p) for p in pids), 10)
+    _wait_until(lambda: not any(_alive(p) for p in pids), patience(10))
     assert not any(_alive(p) for p in pids)
 
 
@@ -175,7 +236,7 @@ def test_a_script_without_main_guard_gets_one_line_fast(tmp_path):
     """))
     started = time.monotonic()
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path, env=_env(tmp_path))
+                         timeout=patience(120), cwd=tmp_path, env=_env(tmp_path))
     elapsed = time.monotonic() - started
     text = out.stdout + out.stderr
     assert out.returncode != 0, text
@@ -186,7 +247,7 @@ def test_a_script_without_main_guard_gets_one_line_fast(tmp_path):
     assert "bootstrapping phase" not in text and "multiprocessing/spawn.py" not in text, text
     assert len(text.splitlines()) < 25, text
     assert not _leftover_dirs(tmp_path), text
-    assert elapsed < 60, f"took {elapsed:.1f} s"
+    assert elapsed < patience(60), f"took {elapsed:.1f} s"
     print(f"\nNO-MAIN-GUARD: exit {out.returncode} in {elapsed:.1f} s, "
           f"{len(text.splitlines())} lines")
 
@@ -219,14 +280,15 @@ def test_killing_ddpcheck_check_leaves_no_world_behind(tmp_path, sig):
         # worlds started: a world directory with a rank that joined (its sequence file exists)
         _wait_until(lambda: any(os.path.exists(os.path.join(tmp_path, d, "rank1.collectives"))
                                 and os.path.getsize(os.path.join(tmp_path, d, "rank1.collectives"))
-                                for d in _leftover_dirs(tmp_path)) or proc.poll() is not None, 120)
+                                for d in _leftover_dirs(tmp_path)) or proc.poll() is not None, patience(120))
         assert proc.poll() is None, proc.stdout.read()
         ranks = _world_processes(tmp_path)
         assert len(ranks) >= 2, ranks
         started = time.monotonic()
         proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=30)
-        _wait_until(lambda: not _leftover_dirs(tmp_path) and not _world_processes(tmp_path), 10)
+        out, _ = proc.communicate(timeout=patience(30))
+        _wait_until(lambda: not _leftover_dirs(tmp_path) and not _world_processes(tmp_path),
+                    patience(10))
         elapsed = time.monotonic() - started
         assert not _leftover_dirs(tmp_path), (_leftover_dirs(tmp_path), out)
         assert not _world_processes(tmp_path), out

@@ -3,8 +3,9 @@
 The packages, in the order an example travels (docs/architecture.md draws the whole trip):
 
 * ``options``, ``devices`` -- what a user can pass and where ranks compute; no torch at import.
-* ``training``, ``records`` -- the one training loop every party runs, and what it records: the
-  scenario language's meaning, shared by the ranks and the reference.
+* ``training``, ``records``, ``messages`` -- the one training loop every party runs, what it
+  records, and how a scenario's problems are named: the scenario language's meaning, shared by
+  the ranks, the reference and the checks.
 * ``rank/`` -- what runs inside a rank process: serving tasks, the example, the recorder of
   collectives, the fitness check. Imports neither the world nor the oracle.
 * ``world/`` -- the parent's side of a world: spawning, waiting with deadlines, diagnosing hangs

@@ -15,7 +15,8 @@ from typing import Any, Iterable
 
 from ddpcheck.errors import InvalidArgument
 
-__all__ = ["DEFAULT_DEADLINE", "DEFAULT_WORLD_SIZES", "FEATURES", "MAX_RANKS_PER_CORE",
+__all__ = ["BEYOND_TORCH", "DEFAULT_DEADLINE", "DEFAULT_FEATURES", "DEFAULT_WORLD_SIZES",
+           "FEATURES", "MAX_RANKS_PER_CORE",
            "STARTUP_DEADLINE", "check_deadline", "check_fits_machine", "check_positive_number",
            "check_process_group", "check_world_size", "check_world_sizes", "parse_features",
            "parse_world_sizes"]
@@ -149,6 +150,14 @@ FEATURES: dict[str, str] = {
     "checkpoint": "a checkpoint saved after a step and the run resumed from it, possibly at "
                   "another world size (save_checkpoint / load_checkpoint)",
 }
+
+
+#: Features beyond the contract of torch's own DistributedDataParallel, which requires "the exact
+#: same parameter registration order" on every process: checked only on targets that declare
+#: them in ``supported_features``, so that a new default never turns a correct target red.
+BEYOND_TORCH = frozenset({"rank-orders"})
+#: What a target that declares nothing (``supported_features = None``) is checked on.
+DEFAULT_FEATURES = frozenset(FEATURES) - BEYOND_TORCH
 
 
 def parse_features(text: str | Iterable[str], flag: str = "--without") -> frozenset[str]:

@@ -44,6 +44,10 @@ class _Bucketed(Target):
 class ParallelDDPTarget(_Bucketed):
     """``parallel.DDP`` with the plain optimizer."""
 
+    # Every feature, per-rank registration orders included: parallel.DDP pairs tensors in rank
+    # 0's order (parallel/handover.py), beyond torch DDP's contract.
+    supported_features = frozenset(FEATURES)
+
     def wrap(self, module: Any) -> Any:
         return DDP(module, bucket_size_mb=self.bucket_size_mb or 25.0)
 
@@ -148,7 +152,7 @@ class TorchFSDPTarget(Target):
     Optimizer state, gathered, is held whole by every rank (not ``shards_optimizer_state``).
     """
 
-    reshard_after_forward: bool | None = None
+    reshard_after_forward: bool | int | None = None
 
     # Declined, and what supports() declines besides: see ddpcheck.targets.fsdp (found by trying).
     # Checkpoints too: FSDP2's state dicts hold DTensor shards, which resume through
@@ -168,7 +172,7 @@ class TorchFSDPTarget(Target):
 
     def wrap(self, module: Any) -> Any:
         broadcast_from(module, 0)
-        return shard_leaves(module, bool(self.reshard_after_forward))
+        return shard_leaves(module, self.reshard_after_forward)
 
     def no_sync(self, model: Any) -> ContextManager[Any]:
         return gradient_sync_off(model)
@@ -181,6 +185,9 @@ def _numpy_available() -> bool:
 @dataclasses.dataclass(frozen=True)
 class LocalTarget(Target):
     """No synchronisation at all: every rank trains on its own shard. Fails for W > 1."""
+
+    # Every feature: with nothing to pair across ranks, any registration order will do.
+    supported_features = frozenset(FEATURES)
 
 
 PARALLEL = ParallelTarget()

@@ -41,7 +41,7 @@ def broadcast_from(module: Any, src: int) -> None:
             tensor.copy_(buffer)
 
 
-def shard_leaves(module: Any, reshard_after_forward: bool) -> Any:
+def shard_leaves(module: Any, reshard_after_forward: bool | int) -> Any:
     """``fully_shard`` every module holding parameters of its own, then the root (which takes
     whatever parameters are left): one FSDP2 parameter group per layer, as real models do.
     Modules sharing a parameter (tied weights) are sharded together, as FSDP2 requires."""

@@ -43,13 +43,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from typing import Any, ContextManager, Mapping
 
 import torch
 import torch.distributed as dist
 
 from ddpcheck.batches import BatchPlan, GlobalBatch, contiguous
-from ddpcheck.errors import InvalidArgument
+from ddpcheck.errors import InvalidArgument, NothingChecked
 
 __all__ = ["CONSTRUCTOR_CALL", "Target", "WrapperTarget"]
 
@@ -65,7 +66,9 @@ class Target:
     #: True when updated parameters travel in one flattened broadcast per owner rank and dtype;
     #: the oracle then fails a step with more broadcasts than W x parameter dtypes.
     flattened_broadcasts: bool = False
-    #: The features of ``ddpcheck.features.FEATURES`` this target supports (None: all of them).
+    #: The features of ``ddpcheck.features.FEATURES`` this target supports. None: everything
+    #: within torch DDP's own contract (``ddpcheck.features.DEFAULT_FEATURES``); features beyond
+    #: it (``BEYOND_TORCH``: per-rank registration orders) must be declared to be checked.
     #: Scenarios needing another are not generated, and battery scenarios are skipped naming it.
     supported_features: frozenset[str] | None = None
     #: True when the optimizer itself averages gradients inside ``step()`` (ZeRO-2 style, no
@@ -173,9 +176,12 @@ class Target:
         torch DDP's with ``module.``), the optimizer's full state -- gathered on rank 0 first by
         ``consolidate_state_dict(to=0)`` where the optimizer has one (a sharded optimizer: each
         rank holds only its shard) -- and the LR ``scheduler``'s ``state_dict()`` (None without
-        a schedule). ``model`` is the wrapped model."""
-        if callable(getattr(optimizer, "consolidate_state_dict", None)):
-            optimizer.consolidate_state_dict(to=0)
+        a schedule). ``model`` is the wrapped model. An optimizer whose
+        ``consolidate_state_dict`` names its target rank otherwise (``to`` in torch's
+        ZeroRedundancyOptimizer and ``parallel``, ``recipient_rank`` in fairscale's OSS) is
+        asked by that name; one that names neither declines the example (:class:`NothingChecked`,
+        not a verdict), saying to override this hook."""
+        _consolidate_on_rank_zero(self, optimizer)
         if dist.get_rank() != 0:
             return None
         return {"model": module.state_dict(), "optimizer": optimizer.state_dict(),
@@ -239,7 +245,8 @@ class Target:
         it is ``"instance"``, or with ``inner_optimizer`` as the keyword naming the class (e.g.
         ``"optimizer_class"`` for ZeroRedundancyOptimizer). ``before_step`` / ``after_step`` name
         wrapper methods a real loop calls there (e.g. ``after_step="reset"``). ``supports``: the
-        features it supports (``ddpcheck.features``; None for all). ``shards_optimizer_state``
+        features it supports (``ddpcheck.features``; None: those within torch DDP's contract,
+        ``features.DEFAULT_FEATURES``). ``shards_optimizer_state``
         defaults to True when an ``optimizer`` wrapper is given. ``shard_batch``: a callable
         ``(ddpcheck.batches.GlobalBatch) -> BatchPlan`` that owns the data split (None: the
         scenario's batch rule; see :meth:`Target.shard_batch`).
@@ -318,6 +325,32 @@ def _method(model: Any, name: str, field: str) -> Any:
         raise AttributeError(f"Target.from_wrappers({field}={name!r}): the wrapped model "
                              f"{type(model).__name__} has no method {name!r}")
     return method
+
+
+#: How ``consolidate_state_dict`` names the rank that receives the whole state, by optimizer
+#: family: torch's ZeroRedundancyOptimizer and ``parallel.ShardedOptimizer``; fairscale's OSS.
+_RECIPIENT_KEYWORDS = ("to", "recipient_rank")
+
+
+def _consolidate_on_rank_zero(target: Any, optimizer: Any) -> None:
+    """Gather a sharded optimizer's whole state on rank 0, asking it by the keyword it takes.
+    Collective; every rank decides the same way, so a decline leaves no collective unpaired."""
+    consolidate = getattr(optimizer, "consolidate_state_dict", None)
+    if not callable(consolidate):
+        return  # not sharded: every rank holds the whole state
+    try:
+        parameters = inspect.signature(consolidate).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    for keyword in _RECIPIENT_KEYWORDS:
+        if keyword in parameters:
+            consolidate(**{keyword: 0})
+            return
+    raise NothingChecked(
+        f"checkpoint: {type(target).__name__} keeps the default save_checkpoint, which cannot "
+        f"tell how {type(optimizer).__name__}.consolidate_state_dict gathers the state on rank 0 "
+        f"(it takes none of {', '.join(_RECIPIENT_KEYWORDS)}); override "
+        "Target.save_checkpoint, or leave 'checkpoint' out of supported_features")
 
 
 def _names_by_group(module: Any, optimizer: Any) -> list[list[str]] | None:

@@ -4,6 +4,6 @@
 records to each other (bitwise) and to the reference (within ``tolerances``), with the optimizer
 state, the LR schedule and a resumed run; ``budget`` what crossed the wire; ``shards`` each rank's
 local shard; ``sample_weights`` the batch plans' weighing of samples; ``judgeable`` whether a
-scenario can be judged at all (and ``messages`` how its problems are named). Functions of their
+scenario can be judged at all. Functions of their
 arguments: imports the scenario language, ``training`` and ``records``; never the world or the rank.
 """

@@ -3,8 +3,9 @@
 Invariant: :func:`check_budget` returns no divergence exactly when, on every rank, the bytes of
 floating-point all-reduces in one step are at most the gradient bytes (each gradient crosses the
 wire once, in its own dtype: as many elements in more bytes is reported as its own kind,
-``communication in a wider dtype``, not as a double reduction; a scenario that clips allows a
-scalar per parameter dtype more, for a sharded global norm), and -- for a target that promises
+``communication in a wider dtype``, not as a double reduction; control traffic is allowed a
+scalar per trainable parameter tensor, and a scenario that clips a scalar per parameter dtype
+more, for a sharded global norm), and -- for a target that promises
 ``flattened_broadcasts`` -- the broadcasts per step
 are at most W x parameter dtypes (one per owner and dtype). Only collectives issued through
 ``torch.distributed``'s Python API are seen (``ddpcheck._internal.rank.recorder``).
@@ -26,11 +27,15 @@ def check_budget(step: int, world_size: int, records: list[RankRecord], referenc
     if world_size == 1:
         return []
     n_dtypes, grad_bytes = reference.n_dtypes, reference.gradient_bytes
-    # a clipping scenario may add a global norm's scalars (float64 at most) to the gradients
-    budget_bytes = grad_bytes + 8 * reference.norm_scalars
-    budget_numel = reference.gradient_numel + reference.norm_scalars
-    norm = (f" (+ up to {reference.norm_scalars} norm scalar(s) for clipping)"
-            if reference.norm_scalars else "")
+    # Beyond the gradients: a scalar per trainable tensor for control traffic (a float vector
+    # of "has a gradient here" flags, per-tensor norms) and, in a clipping scenario, a global
+    # norm's scalars; float64 at most. A gradient reduced twice exceeds it unless every tensor
+    # of the model is a single element.
+    extra = reference.trainable_tensors + reference.norm_scalars
+    budget_bytes = grad_bytes + 8 * extra
+    budget_numel = reference.gradient_numel + extra
+    norm = (f" (+ up to {extra} control scalar(s): one per trainable tensor"
+            f"{', and the norm for clipping' if reference.norm_scalars else ''})")
     out = []
     for record in records:
         calls = record.steps[step].collectives

@@ -55,7 +55,8 @@ from ddpcheck._internal.oracle.budget import check_budget
 from ddpcheck._internal.oracle.reference import Reference, reference_run
 from ddpcheck._internal.oracle.sample_weights import check_sample_weights
 from ddpcheck._internal.oracle.shards import compare_shards
-from ddpcheck._internal.oracle.tolerances import TOLERANCES, close, scaled_atol, tolerance
+from ddpcheck._internal.oracle.tolerances import (NOISE_FACTOR, TOLERANCES, close,
+                                                  close_within_noise, scaled_atol, tolerance)
 from ddpcheck._internal.records import RankRecord, StepRecord
 from ddpcheck.errors import Divergence, InvalidArgument
 from ddpcheck.scenario import Scenario
@@ -125,11 +126,14 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
     unjudgeable = _reference_non_finite(reference, world_size)
     out: list[Divergence] = []
     # Start: all replicas hold rank 0's initialisation.
+    # (after a resume, the state loaded is the reference's after the step before it)
     out += _compare_maps("init", world_size, records, lambda r: r.initial, reference.initial,
                          "initial state",
                          tolerance(reference.compute_dtype, earlier_world_size if earlier_steps
                                    else 1, max(earlier_steps - 1, 0)),
-                         replicas, against_ref)
+                         replicas, against_ref,
+                         _noise(reference, earlier_steps - 1, "params", "buffers")
+                         if earlier_steps else None)
     if out:
         return out
     for step, ref in enumerate(reference.steps):
@@ -148,12 +152,14 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
                             ("buffer", "buffers")):
             found += _compare_maps(step, world_size, records,
                                    lambda r, f=field: getattr(r.steps[step], f),
-                                   getattr(ref, field), kind, tol, replicas, against_ref)
+                                   getattr(ref, field), kind, tol, replicas, against_ref,
+                                   _noise(reference, earlier_steps + step, field))
         if replicas:
             found += compare_shards(step, world_size, records)
         if "state" in checks:
             found += _compare_state(step, world_size, records, ref, tol,
-                                    getattr(target, "shards_optimizer_state", False))
+                                    getattr(target, "shards_optimizer_state", False),
+                                    _noise(reference, earlier_steps + step, "state"))
             found += compare_schedule(step, world_size, records, ref, tol, earlier_steps > 0)
         if "budget" in checks:
             found += check_budget(step, world_size, records, reference,
@@ -240,8 +246,10 @@ def _reference_non_finite(reference: Reference, world_size: int) -> list[Diverge
 
 def _against_reference(step: Any, world_size: int, rank: int, name: str, what: str, kind: str,
                        got: torch.Tensor, ref: Any, rtol: float, atol: float,
-                       label: str | None = None) -> Divergence | None:
-    """One rank's tensor against the reference's: None when it matches within tolerance.
+                       label: str | None = None, noise: Any = None) -> Divergence | None:
+    """One rank's tensor against the reference's: None when it matches within tolerance, or
+    within the reference's own rounding spread there (``noise()``: a tensor or None, asked only
+    when the tolerance alone is exceeded; ``Reference.noise``).
 
     ``what`` names the tensor in details; ``label`` in a :data:`NON_FINITE` row's name column
     (default ``name``: a gradient's is ``NAME.grad``, since the kind does not say)."""
@@ -260,8 +268,17 @@ def _against_reference(step: Any, world_size: int, rank: int, name: str, what: s
     if got.dtype != ref.dtype:
         return Divergence(step, world_size, rank, name, kind,
                           detail=f"{_brief(got)} on rank {rank}, {_brief(ref)} in the reference")
-    return Divergence.of(step, world_size, rank, name, kind, got, ref, ("rank", rank),
-                         ("reference", None), rtol, scaled_atol(ref, rtol, atol))
+    spread = noise() if noise is not None else None
+    if spread is not None and close_within_noise(got, ref, rtol, atol, spread):
+        return None
+    row = Divergence.of(step, world_size, rank, name, kind, got, ref, ("rank", rank),
+                        ("reference", None), rtol, scaled_atol(ref, rtol, atol))
+    if spread is not None:
+        row = dataclasses.replace(row, detail=f"{row.detail}\n(the reference's own rounding "
+                                              "over other summation orders is at most "
+                                              f"{float(spread.max()):.3g} here; the tolerance "
+                                              f"allows {NOISE_FACTOR:g}x that on top)")
+    return row
 
 
 def _replica_row(step: Any, world_size: int, rank: int, name: str, kind: str,
@@ -284,7 +301,9 @@ def _replica_row(step: Any, world_size: int, rank: int, name: str, kind: str,
 
 def _compare_maps(step: Any, world_size: int, records: list[RankRecord], get: Any,
                   reference: dict, kind: str, tol: tuple[float, float], replicas: bool = True,
-                  against_reference: bool = True) -> list[Divergence]:
+                  against_reference: bool = True, noise: Any = None) -> list[Divergence]:
+    """Replicas bitwise, then every rank against ``reference`` (a name -> tensor map) within
+    ``tol``; ``noise(name)``: the reference's rounding spread of that tensor, or None."""
     out = []
     maps = [get(r) for r in records]
     # 1. replicas against rank 0, bitwise
@@ -332,14 +351,32 @@ def _compare_maps(step: Any, world_size: int, records: list[RankRecord], get: An
             elif got is not None:
                 row = _against_reference(step, world_size, rank, name, f"{kind} {name}",
                                          f"reference differs ({kind})", got, ref, rtol, atol,
-                                         f"{name}.grad" if kind == "gradient" else name)
+                                         f"{name}.grad" if kind == "gradient" else name,
+                                         None if noise is None else
+                                         lambda n=name: noise(n))
                 if row is not None:
                     out.append(row)
     return out
 
 
+def _noise(reference: Reference, step: int, *fields: str) -> Any:
+    """``name -> the reference's rounding spread of that tensor after step`` (or None), looked
+    up in ``fields`` of ``reference.noise(step)``; the noise is computed on the first call."""
+    def lookup(name: str) -> Any:
+        noise = reference.noise(step) if hasattr(reference, "noise") else None
+        if noise is None:
+            return None
+        for field in fields:
+            found = getattr(noise, field).get(name)
+            if found is not None:
+                return found
+        return None
+    return lookup
+
+
 def _compare_state(step: int, world_size: int, records: list[RankRecord], ref: StepRecord,
-                   tol: tuple[float, float], shards_state: bool) -> list[Divergence]:
+                   tol: tuple[float, float], shards_state: bool,
+                   noise: Any = None) -> list[Divergence]:
     out = []
     rtol, atol = tol
     for name, ref_state in ref.state.items():
@@ -370,7 +407,9 @@ def _compare_state(step: int, world_size: int, records: list[RankRecord], ref: S
                     continue
                 row = _against_reference(step, world_size, rank, f"{name}[{key!r}]",
                                          f"optimizer state {key!r} of {name}",
-                                         "optimizer state differs", got, ref_value, rtol, atol)
+                                         "optimizer state differs", got, ref_value, rtol, atol,
+                                         noise=None if noise is None else
+                                         lambda n=f"{name}[{key!r}]": noise(n))
                 if row is not None:
                     out.append(row)
     extra = {n for r in records for n in r.steps[step].state} - set(ref.state)

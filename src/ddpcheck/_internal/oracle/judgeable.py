@@ -38,7 +38,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ddpcheck._internal.oracle.messages import (active_modules, brief, code_name, describe_value,
+from ddpcheck._internal.messages import (active_modules, brief, code_name, describe_value,
                                                 exception_text, needs_arguments, short_name)
 from ddpcheck._internal.oracle.tolerances import TOLERANCES
 from ddpcheck.errors import ScenarioError
@@ -241,7 +241,8 @@ def _forward(scenario: Any, model: nn.Module, x: torch.Tensor, y: torch.Tensor) 
         out = model(x)
     except Exception as exc:
         raise ScenarioError(
-            f"the model's forward raised {exception_text(exc)} on the inputs from data="
+            f"the forward of model={code_name(scenario.model)} raised {exception_text(exc)} on "
+            "the inputs from data="
             f"{code_name(scenario.data)} (shape {tuple(x.shape)}, dtype "
             f"{str(x.dtype).replace('torch.', '')}){active_modules(model, 'batchnorm', hint=True)}"
         ) from exc

@@ -6,11 +6,23 @@ initial weights: one backward of the global objective per step. What it records 
 data-parallel target must reproduce; the budgets a target's communication is held to are derived
 from the same model. A scenario with ``checkpoint_after`` trains uninterrupted, except that the
 gradients are dropped after that step, as a run resumed from a checkpoint has none.
+
+What the reference cannot pin down (:meth:`Reference.noise`): the same run with each step's
+gradient summed in other, equally valid orders -- the global batch accumulated in 2, 3, 4 and 5
+micro-batches, as data-parallel ranks and accumulation split it -- differs from it by rounding.
+Where the scenario is ill-conditioned that rounding is not small: a gradient that is zero in
+exact arithmetic (an attention key bias: softmax ignores a shift shared by every logit) carries
+~1e-16 of sign-flipping noise, and Adam's first step, ``lr * g / (|g| + eps)``, has a sensitivity
+of ``lr / eps`` there, turning it into ~1e-9 parameter differences in float64 -- more than any
+fixed float64 tolerance. The oracle widens its tolerance element by element by a multiple of this
+spread (``ddpcheck._internal.oracle.compare``); the variants are trained only when a comparison
+would otherwise fail, so passing examples never pay for them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -19,7 +31,23 @@ from ddpcheck._internal.records import (StepRecord, gradients, initial_state, sc
 from ddpcheck._internal.training import Loop, make_scheduler, train
 from ddpcheck.scenario import Scenario, build_model, global_batch, make_param_groups
 
-__all__ = ["Reference", "reference_run"]
+__all__ = ["NOISE_SPLITS", "Noise", "Reference", "reference_run"]
+
+#: The other ways :meth:`Reference.noise` sums each step's gradient: the global batch accumulated
+#: in this many micro-batches.
+NOISE_SPLITS = (2, 3, 4, 5)
+
+
+@dataclasses.dataclass
+class Noise:
+    """Per tensor of one step, the largest elementwise difference between the reference and its
+    variants (:data:`NOISE_SPLITS`): gradients, parameters, buffers, optimizer state (keyed as
+    ``name[key]``)."""
+
+    grads: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    state: dict[str, torch.Tensor]
 
 
 @dataclasses.dataclass
@@ -33,6 +61,31 @@ class Reference:
     #: Scalars a target may all-reduce per step besides the gradients when the scenario clips: a
     #: sharded global norm (one per parameter dtype at most); 0 without clipping.
     norm_scalars: int = 0
+    #: Trainable parameter tensors: the budget allows a scalar per tensor for control traffic
+    #: (which parameters have a gradient on each rank, per-tensor norms) in any float dtype.
+    trainable_tensors: int = 0
+    #: The scenario, to train the variants of :meth:`noise` on demand (None: no noise floor).
+    scenario: Any = None
+    #: step -> its :class:`Noise`, filled on first use; shared by the parts a resumed run's
+    #: judgement slices this reference into (``dataclasses.replace`` keeps the same dict).
+    noise_cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def noise(self, step: int) -> Noise | None:
+        """What the reference cannot pin down after ``step`` (0-based, of the whole run): see
+        the module docstring. None without a scenario."""
+        if self.scenario is None:
+            return None
+        if not self.noise_cache:
+            # the whole run again (this reference may be a part of it), then the variants
+            mine = _train(self.scenario, 1)[0]
+            variants = [_train(self.scenario, split)[0] for split in NOISE_SPLITS]
+            for index, record in enumerate(mine):
+                others = [v[index] for v in variants]
+                self.noise_cache[index] = Noise(
+                    *(_spread(getattr(record, f), [getattr(o, f) for o in others])
+                      for f in ("grads", "params", "buffers")),
+                    _spread(_flat_state(record.state), [_flat_state(o.state) for o in others]))
+        return self.noise_cache.get(step)
 
 
 def _drop_gradients(model: torch.nn.Module) -> None:
@@ -46,23 +99,7 @@ def _drop_gradients(model: torch.nn.Module) -> None:
 def reference_run(scenario: Scenario) -> Reference:
     """Train the scenario in this process on the whole batch: the plain optimizer, rank 0's
     initial weights, one backward per step of the global objective."""
-    model = build_model(scenario, scenario.seed)
-    names = {p: n for n, p in model.named_parameters()}
-    initial = initial_state(model)
-    optimizer = scenario.optimizer(make_param_groups(scenario, model), **scenario.optimizer_kwargs)
-    scheduler = make_scheduler(scenario, optimizer)
-    steps = []
-    grads: dict = {}
-    train(scenario, model, optimizer, Loop(
-        batches=lambda step: [(*global_batch(scenario, step),
-                               1.0 / scenario.global_batch if scenario.reduction == "mean"
-                               else 1.0)],
-        before_optimizer_step=lambda step: grads.__setitem__("now", gradients(model)),
-        after_step=lambda step: steps.append(snapshot(
-            model, names, optimizer.state, grads=grads["now"],
-            schedule=schedule_state(optimizer, scheduler))),
-        end_step=lambda step: _drop_gradients(model) if step == scenario.checkpoint_after
-        else None), scheduler=scheduler)
+    steps, model, initial = _train(scenario, 1)
     trainable = [p for p in model.parameters() if p.requires_grad]
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     return Reference(initial, steps,
@@ -70,6 +107,54 @@ def reference_run(scenario: Scenario) -> Reference:
                      gradient_numel=sum(p.numel() for p in trainable),
                      n_dtypes=len(dtypes) or 1,
                      norm_scalars=(len(dtypes) or 1) if scenario.max_grad_norm is not None else 0,
+                     trainable_tensors=len(trainable),
                      # a float64 layer fed by a float32 one inherits float32 rounding
                      compute_dtype=min(dtypes, key=lambda d: torch.finfo(d).eps * -1,
-                                       default=scenario.torch_dtype))
+                                       default=scenario.torch_dtype),
+                     scenario=scenario)
+
+
+def _train(scenario: Scenario, split: int) -> tuple[list[StepRecord], torch.nn.Module, dict]:
+    """The reference's run, each step's global batch accumulated in ``split`` micro-batches
+    (1: one backward of the whole batch)."""
+    model = build_model(scenario, scenario.seed)
+    names = {p: n for n, p in model.named_parameters()}
+    initial = initial_state(model)
+    optimizer = scenario.optimizer(make_param_groups(scenario, model), **scenario.optimizer_kwargs)
+    scheduler = make_scheduler(scenario, optimizer)
+    scale = 1.0 / scenario.global_batch if scenario.reduction == "mean" else 1.0
+    steps: list[StepRecord] = []
+    grads: dict = {}
+
+    def batches(step: int) -> list:
+        x, y = global_batch(scenario, step)
+        return [(xs, ys, scale) for xs, ys in zip(torch.tensor_split(x, split),
+                                                   torch.tensor_split(y, split)) if len(xs)]
+
+    train(scenario, model, optimizer, Loop(
+        batches=batches,
+        before_optimizer_step=lambda step: grads.__setitem__("now", gradients(model)),
+        after_step=lambda step: steps.append(snapshot(
+            model, names, optimizer.state, grads=grads["now"],
+            schedule=schedule_state(optimizer, scheduler))),
+        end_step=lambda step: _drop_gradients(model) if step == scenario.checkpoint_after
+        else None), scheduler=scheduler)
+    return steps, model, initial
+
+
+def _flat_state(state: dict) -> dict[str, Any]:
+    return {f"{name}[{key!r}]": value for name, held in state.items()
+            for key, value in held.items()}
+
+
+def _spread(mine: dict, others: list[dict]) -> dict[str, torch.Tensor]:
+    """name -> the largest elementwise |other - mine| over ``others`` (float tensors only)."""
+    out = {}
+    for name, value in mine.items():
+        if not torch.is_tensor(value) or not value.is_floating_point():
+            continue
+        diffs = [(o[name].double() - value.double()).abs() for o in others
+                 if torch.is_tensor(o.get(name)) and o[name].shape == value.shape]
+        if diffs:
+            out[name] = torch.stack(diffs).amax(dim=0).nan_to_num(0.0, 0.0, 0.0)
+    return out

@@ -73,9 +73,6 @@ def run_example(target: Any, scenario: Scenario, *, part: str = "whole",
         permute_registration(module, scenario.seed + ORDER_SEED_STRIDE * (rank + 1))
     model = target.wrap(module)
     names = {p: n for n, p in module.named_parameters()}  # after wrap: FSDP2 replaces them
-    if part != "resumed":  # (a resumed run records what it loaded instead, below)
-        with recorder.paused():  # the harness's own gathers of sharded tensors aren't the target's
-            initial = initial_state(module, target.full_tensor)
     optimizer = make_optimizer(target, model, make_param_groups(scenario, module), scenario)
     scheduler = make_scheduler(scenario, optimizer)
     steps_run = range(scenario.steps)
@@ -84,9 +81,11 @@ def run_example(target: Any, scenario: Scenario, *, part: str = "whole",
     elif part == "resumed":
         target.load_checkpoint(checkpoint_from_bytes(checkpoint), module, model, optimizer,
                                scheduler)
-        with recorder.paused():  # what the resumed run starts from
-            initial = initial_state(module, target.full_tensor)
         steps_run = range(scenario.checkpoint_after + 1, scenario.steps)
+    # The state training starts from: once the target has built model *and* optimizer (a wrapper
+    # may broadcast when its optimizer is attached), and after a resumed run's load.
+    with recorder.paused():  # the harness's own gathers of sharded tensors aren't the target's
+        initial = initial_state(module, target.full_tensor)
     steps = []
     in_step = getattr(target, "gradients_synchronized_in_step", False)
     grads: dict = {}
@@ -113,10 +112,13 @@ def run_example(target: Any, scenario: Scenario, *, part: str = "whole",
         before_optimizer_step=record_gradients, after_step=record), scheduler=scheduler,
         steps=steps_run)
     result = RankRecord(rank, initial, steps, time.perf_counter() - started)
-    if part != "until checkpoint":
-        return result
-    saved = target.save_checkpoint(module, model, optimizer, scheduler)
-    return result, checkpoint_to_bytes(saved, type(target).__name__) if rank == 0 else None
+    if part == "until checkpoint":
+        saved = target.save_checkpoint(module, model, optimizer, scheduler)
+        result = result, checkpoint_to_bytes(saved, type(target).__name__) if rank == 0 else None
+    teardown = getattr(target, "teardown", None)
+    if callable(teardown):  # per-example framework state: singletons, meshes, groups
+        teardown(model, optimizer)
+    return result
 
 
 def checkpoint_to_bytes(checkpoint: Any, who: str) -> bytes:

@@ -1,8 +1,11 @@
 """The world, seen from inside a rank process: join the group, then serve tasks until told to stop.
 
-Invariant: a rank answers every task with exactly one message, ``("ok", result)``,
-``("error", traceback)`` or ``("unfit", what changed)`` -- the task returned but left the process
-unfit for the next one (``ddpcheck._internal.rank.fitness``) -- and never runs two tasks at once; it
+Invariant: a rank answers every task with exactly one message -- ``("ok", result, files, unfit,
+notes, replace)``: the result, the user files imported (``freshness``), and what the task left
+behind (``fitness.restore``: changes to later computations, what was put right, whether the
+process must be replaced); ``("refused", exception name, message, replace)`` when ddpcheck's own
+code raised one of its outcomes (a default hook declining the example); or ``("error",
+traceback)`` -- and never runs two tasks at once; it
 leads its own session and process group (so the parent can kill whatever a target started in it),
 dies with its parent (``PR_SET_PDEATHSIG``), ignores Ctrl-C (the parent decides when ranks stop),
 and leaves with ``os._exit`` (see :func:`_exit`).
@@ -24,6 +27,7 @@ import traceback
 from typing import Any
 
 from ddpcheck._internal.options import STARTUP_DEADLINE
+from ddpcheck.errors import DdpcheckError
 
 __all__ = ["NESTED_MARKER", "SHUTDOWN", "WORLD_DIR_ENV", "rank_main", "serving"]
 
@@ -115,9 +119,13 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
             fn, args = pickle.loads(payload)
             comm.restart_sequence()
             result = fn(*args)
-            unfit = fitness.problems(baseline)
-            message = (("unfit", "; ".join(unfit)) if unfit
-                       else ("ok", result, imports.new_files()))
+            # the record goes back whatever the task left: the numbers are judged first
+            fit, baseline = fitness.restore(baseline)
+            message = ("ok", result, imports.new_files(), fit.unfit, fit.notes,
+                       bool(fit.replace or fit.unfit))
+        except DdpcheckError as exc:  # ddpcheck declining the task in here: not the target's
+            fit, baseline = fitness.restore(baseline)
+            message = ("refused", type(exc).__name__, str(exc), bool(fit.replace or fit.unfit))
         except BaseException:  # report everything, SystemExit included, then keep serving
             message = ("error", traceback.format_exc())
         _send(conn, message)

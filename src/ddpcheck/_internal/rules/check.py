@@ -38,8 +38,8 @@ from ddpcheck._internal.world.processes import read
 from ddpcheck._internal.world.worlds import WorldFailure, get_world
 from ddpcheck.errors import SetupError
 
-__all__ = ["DTYPES", "KINDS", "MAX_WORLD_SIZE", "ParamSpec", "RuleReport", "SetupError", "Violation", "balance",
-           "check_rule", "command", "gpt_like", "parameter_lists", "rule_violations"]
+__all__ = ["DTYPES", "KINDS", "MAX_WORLD_SIZE", "ParamSpec", "RuleReport", "SetupError",
+           "Violation", "balance", "check_rule", "gpt_like", "parameter_lists", "rule_violations"]
 
 #: World sizes of the cross-rank check (real processes).
 RANK_WORLD_SIZES = (2, 3, 4)

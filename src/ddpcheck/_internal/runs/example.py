@@ -27,8 +27,9 @@ from ddpcheck._internal.runs.replay import replay_command, verify_replayable
 from ddpcheck._internal.world import sequences
 from ddpcheck._internal.world.worlds import WorldFailure, get_world
 from ddpcheck.batches import check_plans
-from ddpcheck.errors import (Divergence, EquivalenceError, InvalidArgument, NothingChecked,
-                             ScenarioError)
+from ddpcheck import errors
+from ddpcheck.errors import (DdpcheckError, Divergence, EquivalenceError, InvalidArgument,
+                             NothingChecked, ScenarioError)
 from ddpcheck.features import declines
 from ddpcheck.scenario import Scenario
 from ddpcheck.targets import Target
@@ -49,17 +50,26 @@ def note_example() -> None:
 def check_example(target: Target, scenario: Scenario, world_size: int, *,
                   deadline: float = DEFAULT_DEADLINE, reference: Any = None,
                   name: str | None = None, checks: Any = None, device: str = "cpu",
-                  backend: str | None = None) -> None:
+                  backend: str | None = None) -> tuple[str, ...]:
     """One example: run on every rank of the persistent world, compare, raise on divergence.
 
-    ``checks``: a subset of ``ddpcheck._internal.oracle.compare.CHECKS`` (default: all of them). An example the
-    target declines (``supports``, ``supported_features``) raises :class:`NothingChecked`. A
-    scenario with ``checkpoint_after`` saves in this world and resumes in the persistent world
-    of ``resume_world_size`` (:func:`run_in_two_worlds`), judged by ``compare_resumed``.
-    ``device``/``backend``: where the ranks compute (as for :func:`assert_equivalent`)."""
+    Returns the notes of what the example left behind in the rank processes and ddpcheck put
+    right (process groups destroyed, settings restored, a world replaced; ``World.notes``):
+    never a verdict. ``checks``: a subset of ``ddpcheck._internal.oracle.compare.CHECKS``
+    (default: all of them). An example the target declines (``supports``,
+    ``supported_features``, or a default hook that cannot serve it, found in the ranks) raises
+    :class:`NothingChecked`. A scenario with ``checkpoint_after`` saves in this world and resumes
+    in the persistent world of ``resume_world_size`` (:func:`run_in_two_worlds`), judged by
+    ``compare_resumed``. ``device``/``backend``: where the ranks compute (as for
+    ``ddpcheck.assert_equivalent``).
+
+    Numbers first: the records are compared before anything the ranks report about their
+    processes, so a rank left unfit (a global module hook: ``World.unfit``) is reported only
+    when every number holds -- a bug in the numbers is never hidden behind it."""
     checks = validate_checks(checks)  # a typo must not turn every check off
     check_fits(device, (world_size,), backend)  # no GPU, or too few for NCCL: before spawning
     check_target(target)  # cached: a pickle and a dict look-up once the target is verified
+    check_scenario(scenario)  # the user's model and data first: their errors read best here
     why = declines(target, scenario, world_size)
     if why is not None:  # running it anyway would blame the target for what it never claimed
         raise NothingChecked(f"{type(target).__name__} declines this example: {why}")
@@ -80,6 +90,8 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
                 target, scenario, world_size, deadline=deadline,
                 what=f"example {name or 'scenario'}", device=device, backend=backend)
     except WorldFailure as failure:
+        if failure.kind == "refused":  # ddpcheck's own outcome, raised in the ranks
+            raise _refused(failure) from None
         error = verdict(target, scenario, world_size, failure=failure, name=name,
                         device=device, backend=backend)
     else:
@@ -92,20 +104,36 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
             # bytes, so the next example gets a new world
             for used in worlds:
                 used.kill()
+        elif error is None and any(used.unfit for used in worlds):
+            error = verdict(target, scenario, world_size, unfit=worlds, name=name,
+                            device=device, backend=backend)
     if error is not None:
         raise error
+    return tuple(dict.fromkeys(note for used in worlds for note in used.notes))
+
+
+def _refused(failure: WorldFailure) -> DdpcheckError:
+    """The outcome ddpcheck's own code raised in the ranks (the first rank's), rebuilt here."""
+    state = next(s for s in failure.ranks if s.status == "refused")
+    name, _, message = state.detail.partition(": ")
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, DdpcheckError)):
+        cls = errors.SetupError
+    return cls(message)
 
 
 def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = None,
-            sequences: Any = (), failure: Any = None, reference: Any = None, checks: Any = None,
-            name: str | None = None, device: str = "cpu",
+            sequences: Any = (), failure: Any = None, unfit: Any = (), reference: Any = None,
+            checks: Any = None, name: str | None = None, device: str = "cpu",
             backend: str | None = None) -> EquivalenceError | None:
     """The one judgement of an example, for spawned worlds and torchrun alike: None when it holds.
 
-    Give either ``failure`` (a ``WorldFailure``: a rank raised, died, hung or mismatched) or
+    Give either ``failure`` (a ``WorldFailure``: a rank raised, died, hung or mismatched), or
     ``records`` (every rank's ``RankRecord``) with ``sequences`` (every rank's collective-sequence
-    text: ranks that paired different collectives are wrong even when the numbers look fine);
-    for a scenario with ``checkpoint_after``, both as pairs (before the checkpoint, resumed).
+    text: ranks that paired different collectives are wrong even when the numbers look fine) --
+    for a scenario with ``checkpoint_after``, both as pairs (before the checkpoint, resumed) --,
+    or ``unfit`` (the worlds of an example whose numbers held but whose ranks left a change that
+    alters later computations, ``World.unfit``).
     Raises :class:`ddpcheck.ScenarioError` when the oracle cannot judge the example (the
     reference itself went non-finite): that is nobody's bug, so never an EquivalenceError.
     ``device``/``backend`` (the run's) go into the replay line.
@@ -113,6 +141,11 @@ def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = 
     resumed = scenario.checkpoint_after is not None
     if failure is not None:
         divergences = _failure_rows(failure)
+    elif unfit:
+        divergences = [Divergence("-", used.world_size, rank, "-", "rank left unfit",
+                                  detail=f"{changed}: every later model or step in this process "
+                                         "would run it (the numbers of this example held)")
+                       for used in unfit for rank, changed in sorted(used.unfit.items())]
     else:
         # a resumed example: (before, after) records and sequences, at W and resume_world_size
         parts = zip(sequences, (len(part) for part in records)) if resumed else [
@@ -153,8 +186,8 @@ def prepare_reference(scenario: Scenario) -> Any:
 
 
 def _failure_rows(failure: Any) -> list[Divergence]:
-    kind = {"timeout": "rank timed out", "mismatch": "collectives mismatched",
-            "contaminated": "rank left unfit"}.get(failure.kind, "rank failed")
+    kind = {"timeout": "rank timed out", "mismatch": "collectives mismatched"}.get(
+        failure.kind, "rank failed")
     rows = []
     for state in failure.ranks:
         if state.rank in failure.guilty:

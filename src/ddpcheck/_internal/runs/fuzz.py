@@ -42,6 +42,8 @@ class FuzzResult:
     declined: dict[str, int] = dataclasses.field(default_factory=dict)
     #: The features (``ddpcheck.features``) the examples that ran exercised.
     features: set[str] = dataclasses.field(default_factory=set)
+    #: What examples left in the rank processes and ddpcheck put right (never a verdict).
+    notes: dict[str, None] = dataclasses.field(default_factory=dict)
 
     @property
     def found(self) -> bool:
@@ -69,9 +71,7 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     check_fits(device, sizes, backend)  # before Hypothesis draws anything
     started = time.perf_counter()
     excluded = features.parse(without, "without")
-    supported = getattr(target, "supported_features", None)
-    unsupported = excluded | (frozenset(features.FEATURES) - frozenset(supported)
-                              if supported is not None else frozenset())
+    unsupported = excluded | (frozenset(features.FEATURES) - features.supported_by(target))
     kept = tuple(d for d in dtypes if d not in unsupported)
     if not kept:
         raise NothingChecked(f"{type(target).__name__} supports none of the dtypes "
@@ -81,6 +81,7 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     first = [None]
     declined: dict[str, int] = {}
     exercised: set[str] = set()
+    notes: dict[str, None] = {}
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
               suppress_health_check=list(HealthCheck), print_blob=False,
@@ -103,8 +104,8 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
         if progress is not None:
             progress(count[0], time.perf_counter() - started)
         try:
-            check_example(target, scenario, world_size, deadline=deadline, device=device,
-                          backend=backend)
+            left = check_example(target, scenario, world_size, deadline=deadline,
+                                 device=device, backend=backend)
         except EquivalenceError:
             if first[0] is None:
                 first[0] = count[0]
@@ -113,7 +114,12 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
             declined[f"unjudgeable: {exc}"] = 1
             count[0] -= 1
             return
+        except NothingChecked as exc:  # declined once running (a default hook cannot serve it)
+            declined[str(exc)] = declined.get(str(exc), 0) + 1
+            count[0] -= 1
+            return
         exercised.update(features.of(scenario, world_size))
+        notes.update(dict.fromkeys(left))
 
     if seed is not None:
         one = hypothesis_seed(seed)(one)
@@ -123,7 +129,7 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
         pass
     except EquivalenceError as error:
         return FuzzResult(count[0], first[0], time.perf_counter() - started, error, declined,
-                          exercised)
+                          exercised, notes)
     except FlakyFailure as flaky:
         # The example failed, then passed when Hypothesis replayed it: a race (e.g. a gradient
         # read before its all-reduce finished). Still a counterexample; say it is intermittent.
@@ -133,9 +139,9 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
         error.args = (f"{error.args[0]}\n\nintermittent: this example failed, then passed when "
                       "replayed -- a race or other nondeterminism in the target",)
         return FuzzResult(count[0], first[0], time.perf_counter() - started, error, declined,
-                          exercised)
+                          exercised, notes)
     return FuzzResult(count[0], None, time.perf_counter() - started, None, declined,
-                      exercised)
+                      exercised, notes)
 
 
 def terminal_progress(total: int, stream: Any = None) -> Callable[[int, float], None] | None:

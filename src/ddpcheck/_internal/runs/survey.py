@@ -30,11 +30,11 @@ from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_deadline,
                                         check_fits_machine, check_positive_number,
                                         check_world_sizes)
-from ddpcheck._internal.oracle.messages import scenario_line
+from ddpcheck._internal.messages import scenario_line
 from ddpcheck._internal.runs.example import check_example, check_target, prepare_reference
 from ddpcheck._internal.runs.replay import target_spec
 from ddpcheck.battery import BATTERY
-from ddpcheck.errors import EquivalenceError, InvalidArgument, ScenarioError
+from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked, ScenarioError
 
 __all__ = ["DEFAULT_EXAMPLES", "DEFAULT_SHRINK_SECONDS", "Cell", "Survey", "survey",
            "terminal_progress"]
@@ -200,9 +200,7 @@ def survey(target: Any, *, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
         raise InvalidArgument(f"examples={examples!r} must be a positive integer")
     excluded = features.parse(without, "without")
-    supported = getattr(target, "supported_features", None)
-    unsupported = excluded | (frozenset(features.FEATURES) - frozenset(supported)
-                              if supported is not None else frozenset())
+    unsupported = excluded | (frozenset(features.FEATURES) - features.supported_by(target))
     started = time.perf_counter()
     exercised: set[str] = set()
     cells: list[Cell] = []
@@ -253,13 +251,16 @@ def _battery_cell(target: Any, name: str, scenario: Any, world_size: int,
     if key not in _REFERENCES:
         _REFERENCES[key] = prepare_reference(scenario)
     started = time.perf_counter()
-    exercised |= features.of(scenario, world_size)
     try:
         check_example(target, scenario, world_size, reference=_REFERENCES[key], name=name,
                       **run)
+    except NothingChecked as exc:  # declined once running (a default hook cannot serve it)
+        return Cell("battery", name, world_size, "declined", reason=str(exc))
     except EquivalenceError as error:
+        exercised |= features.of(scenario, world_size)
         return _failed(Cell("battery", name, world_size, "fail", 1, first_failure=1), error,
                        started)
+    exercised |= features.of(scenario, world_size)
     return Cell("battery", name, world_size, "ok", 1, seconds=time.perf_counter() - started)
 
 
@@ -325,6 +326,10 @@ def _feature_cell(target: Any, feature: str, world_size: int, *, examples: int,
         except ScenarioError as exc:  # the oracle cannot judge it: nobody's bug, not a failure
             cell.examples -= 1
             rejected[f"unjudgeable: {exc}"] = 1
+            assume(False)
+        except NothingChecked as exc:  # declined once running (a default hook cannot serve it)
+            cell.examples -= 1
+            rejected[str(exc)] = rejected.get(str(exc), 0) + 1
             assume(False)
         except Exception as exc:  # the harness or the world, not the target: stop the survey
             crash.append(exc)

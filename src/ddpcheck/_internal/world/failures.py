@@ -18,8 +18,10 @@ class RankState:
     """What one rank did during a failed ``World.run``."""
 
     rank: int
-    status: str  # "returned" | "raised" | "exited" | "stuck" | "unfit"
-    detail: str = ""  # traceback, exit description, stack dump, or what an unfit rank changed
+    status: str  # "returned" | "raised" | "exited" | "stuck" | "unfit" | "refused"
+    #: traceback, exit description, stack dump, what an unfit rank changed, or (refused) the
+    #: ddpcheck outcome the task raised as "ExceptionName: message"
+    detail: str = ""
     log_tail: str = ""  # last lines the rank wrote to stdout/stderr
 
     def describe(self) -> str:
@@ -28,10 +30,11 @@ class RankState:
             "raised": f"rank {self.rank}: raised",
             "exited": f"rank {self.rank}: process exited ({self.detail})",
             "stuck": f"rank {self.rank}: did not return in time; it was here:",
-            "unfit": f"rank {self.rank}: returned, but left its process unfit for the next "
-                     f"task: {self.detail}",
+            "unfit": f"rank {self.rank}: returned, but left what later code computes changed: "
+                     f"{self.detail}",
+            "refused": f"rank {self.rank}: ddpcheck refused the task: {self.detail}",
         }[self.status]
-        body = "" if self.status in ("returned", "exited", "unfit") else self.detail
+        body = "" if self.status in ("returned", "exited", "unfit", "refused") else self.detail
         text = head + ("\n" + _indent(body) if body else "")
         if self.log_tail and self.status != "returned":
             text += "\n" + _indent("last output of the rank:\n" + self.log_tail)
@@ -45,21 +48,29 @@ class WorldFailure(DdpcheckError):
     ``kind`` is ``"raised"`` (a rank raised an exception), ``"exited"`` (a rank process died),
     ``"timeout"`` (the deadline passed), ``"mismatch"`` (the ranks issued different collectives
     at the same index, or a rank finished with fewer: the cause, whatever happened next; reported
-    as soon as the sequences show it cannot resolve) or ``"contaminated"`` (every rank returned,
-    but one left its process unfit for the next task: ``ddpcheck._internal.rank.fitness``).
-    ``ranks`` holds one :class:`RankState` per rank; ``disagreement`` the first collective where
-    the ranks' sequences disagree (a ``ddpcheck._internal.world.sequences.Disagreement``, or None when they agree,
-    with ``collectives`` then saying how many they issued).
+    as soon as the sequences show it cannot resolve), ``"contaminated"`` (every rank returned,
+    but one left a change that alters what later code computes, such as a global module hook:
+    ``ddpcheck._internal.rank.fitness``; ``results`` then holds every rank's result, so the
+    numbers are judged first) or ``"refused"`` (ddpcheck's own code in the ranks raised one of
+    its outcomes -- a default hook that cannot serve this target declines the example --, not the
+    target's fault). ``ranks`` holds one :class:`RankState` per rank; ``disagreement`` the first
+    collective where the ranks' sequences disagree (a
+    ``ddpcheck._internal.world.sequences.Disagreement``, or None when they agree, with
+    ``collectives`` then saying how many they issued); ``notes`` what the ranks left behind and
+    ddpcheck put right (``World.notes``).
     """
 
     def __init__(self, kind: str, world_size: int, ranks: list[RankState], what: str,
-                 disagreement: Any = None, collectives: str = ""):
+                 disagreement: Any = None, collectives: str = "", *,
+                 results: list[Any] | None = None, notes: tuple[str, ...] = ()):
         self.kind = kind
         self.world_size = world_size
         self.ranks = ranks
         self.what = what
         self.disagreement = disagreement
         self.collectives = collectives
+        self.results = results
+        self.notes = notes
         super().__init__(self._format())
 
     @property
@@ -70,7 +81,8 @@ class WorldFailure(DdpcheckError):
         nothing where the others did)."""
         if self.kind == "mismatch" and self.disagreement is not None:
             return self.disagreement.deviants
-        for status in ("exited", "raised") + (("unfit",) if self.kind == "contaminated" else ()):
+        for status in ("exited", "raised", "refused") + (("unfit",) if self.kind == "contaminated"
+                                                         else ()):
             bad = [s.rank for s in self.ranks if s.status == status]
             if bad:
                 return bad
@@ -84,7 +96,8 @@ class WorldFailure(DdpcheckError):
             "exited": "a rank process exited",
             "timeout": "the deadline passed",
             "mismatch": "the ranks issued mismatched collectives",
-            "contaminated": "a rank left its process unfit for the next task",
+            "contaminated": "a rank left a change that alters what later code computes",
+            "refused": "ddpcheck refused the task in the ranks",
         }[self.kind]
         lines = [f"{self.what} failed in a world of {self.world_size}: {verdict} "
                  f"(guilty rank(s): {', '.join(map(str, self.guilty))})"]

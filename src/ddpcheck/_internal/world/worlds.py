@@ -119,6 +119,14 @@ class World:
         # lifecycle
         self._alive = False
         self._runs = 0
+        #: what the last task left behind in the ranks and ddpcheck put right, one line each
+        #: (``ddpcheck._internal.rank.fitness``); empty when the processes were as they started
+        self.notes: tuple[str, ...] = ()
+        #: rank -> what the last task changed that alters later computations (a global module
+        #: hook): the task's results were returned all the same, to be judged first; the world
+        #: was replaced
+        self.unfit: dict[int, str] = {}
+        self._last_sequences: list[str] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -248,6 +256,7 @@ class World:
         if not self._alive:
             self.start()
         self._runs += 1
+        self.notes, self.unfit, self._last_sequences = (), {}, []
         # Empty here, before any rank starts: a slow rank's file must not show the last task's
         # collectives to the evidence polling in _collect.
         for path in self._stacks + self._sequences:
@@ -263,7 +272,11 @@ class World:
             raise
 
     def collective_sequences(self) -> list[str]:
-        """Each rank's collective sequence file (``ddpcheck._internal.rank.recorder`` format) for the last task."""
+        """Each rank's collective sequence (``ddpcheck._internal.rank.recorder`` format) of the
+        last task, read when it ended (the world may since have been replaced)."""
+        return list(self._last_sequences)
+
+    def _read_sequences(self) -> list[str]:
         return [read(path) for path in self._sequences]
 
     def _collect(self, what: str, deadline: float, starting: bool = False) -> list[Any]:
@@ -282,6 +295,8 @@ class World:
         evidence_since = 0.0
         failed_at: float | None = None
         kind: str | None = None
+        left: dict[str, list[int]] = {}  # what the task left behind (and was put right) -> ranks
+        replacing = False  # a rank's process cannot be put right: replace the world afterwards
         while pending:
             limit = end if failed_at is None else min(end, failed_at + FAILURE_GRACE)
             watching = not starting and kind is None
@@ -302,13 +317,20 @@ class World:
                         states[rank] = RankState(rank, "exited", exit_description(proc.exitcode),
                                                  log_tail=tail(self._logs[rank]))
                         kind = kind or "exited"
-                    elif message[0] == "ok":
+                    elif message[0] == "ok":  # unfit or not, the result is in: judge it first
                         results[rank] = message[1]
                         self._sources.update(message[2])
-                        states[rank] = RankState(rank, "returned")
-                    elif message[0] == "unfit":  # finished: not a reason to stop waiting for others
-                        states[rank] = RankState(rank, "unfit", message[1],
-                                                 log_tail=tail(self._logs[rank]))
+                        unfit, notes, replace = message[3:] if len(message) > 3 else ([], [], 0)
+                        replacing = replacing or replace
+                        for note in notes:
+                            left.setdefault(note, []).append(rank)
+                        states[rank] = (RankState(rank, "unfit", "; ".join(unfit),
+                                                  log_tail=tail(self._logs[rank]))
+                                        if unfit else RankState(rank, "returned"))
+                    elif message[0] == "refused":  # ddpcheck's own outcome, raised in the rank
+                        states[rank] = RankState(rank, "refused", f"{message[1]}: {message[2]}")
+                        replacing = replacing or message[3]
+                        kind = kind or "refused"
                     else:
                         states[rank] = RankState(rank, "raised", message[1],
                                                  log_tail=tail(self._logs[rank]))
@@ -325,10 +347,23 @@ class World:
                 elif now - evidence_since >= EVIDENCE_GRACE:
                     kind = "mismatch"  # unchanged for the grace: the pending ranks are stuck
                     break
-        if not pending and kind is None:
-            if not any(s.status == "unfit" for s in states.values()):
-                return results
-            kind = "contaminated"
+        self.notes = tuple(f"{note} (rank{'s' if len(ranks) > 1 else ''} "
+                           f"{', '.join(map(str, sorted(ranks)))})" for note, ranks in left.items())
+        if replacing:
+            self.notes += ("a new world for the next task: this one's processes could not be put "
+                           "back as they started",)
+        self._last_sequences = self._read_sequences()  # before a kill removes the files
+        self.unfit = {r: s.detail for r, s in states.items() if s.status == "unfit"}
+        if not pending and kind is None:  # done: the caller judges the results, then `unfit`
+            if replacing:
+                self.kill()
+            return results
+        if not pending and kind == "refused" and all(
+                s.status in ("returned", "refused", "unfit") for s in states.values()):
+            failure = self._failure(kind, [states[r] for r in range(n)], what)
+            if replacing:  # every rank answered: the world can serve the next task
+                self.kill()
+            raise failure
         dumps = dump_stacks(self._procs, self._stacks, sorted(pending))
         for rank in sorted(pending):
             states[rank] = RankState(rank, "stuck", dumps[rank], log_tail=tail(self._logs[rank]))
@@ -339,19 +374,22 @@ class World:
     def _failure(self, kind: str, states: list[RankState], what: str) -> WorldFailure:
         """The failure, with the first collective where the ranks' sequences disagree; a real
         mismatch (different collectives, or a finished rank that issued fewer) is the kind."""
-        seqs = [sequences.parse(text) for text in self.collective_sequences()]
+        seqs = [sequences.parse(text) for text in self._read_sequences()]
         finished = [s.rank for s in states if s.status in ("returned", "unfit")]
         disagreement = sequences.diagnose(seqs, finished)
         if disagreement is not None and disagreement.mismatched:
             kind = "mismatch"
+        if kind == "refused" and any(s.status in ("raised", "exited") for s in states):
+            kind = next(s.status for s in states if s.status in ("raised", "exited"))
         summary = "" if disagreement is not None else sequences.agreement_summary(seqs)
-        return WorldFailure(kind, self.world_size, states, what, disagreement, summary)
+        return WorldFailure(kind, self.world_size, states, what, disagreement, summary,
+                            notes=self.notes)
 
     def _hopeless(self, finished: set[int]) -> tuple | None:
         """The sequence files' texts and ``finished`` if they show a collective that can never
         complete (``sequences.Disagreement.mismatched``: different collectives at one index, or
         one that a finished rank never issued), else None. Identical files are never parsed."""
-        texts = self.collective_sequences()
+        texts = self._read_sequences()
         if sequences.same_texts(texts):
             return None
         disagreement = sequences.diagnose([sequences.parse(t) for t in texts], finished)
