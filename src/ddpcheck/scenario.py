@@ -6,7 +6,7 @@ steps, accumulation, dtype, seed and optional gradient clipping. Its ``repr`` is
 a failing example prints as a line that ``ddpcheck._internal.runs.replay.from_repr`` turns back into the same
 scenario (replay lines use this).
 
-The batch rule (documented in the README): the global batch of B samples is split into W
+The batch rule (documented in docs/scenarios.md): the global batch of B samples is split into W
 contiguous shards with ``torch.tensor_split`` -- the first ``B % W`` ranks get one sample more, a
 rank may get none when B < W -- and each shard into ``accumulation`` micro-batches the same way.
 Every sample is used exactly once. A rank back-propagates ``sum of its samples' losses * W / B``

@@ -42,8 +42,8 @@ def built(tmp_path_factory) -> dict[str, pathlib.Path]:
             shutil.copy(ROOT / name, tree / name)
     out = tree / "dist"
     done = subprocess.run(
-        [sys.executable, "-c", "import sys; from setuptools import build_meta as b; out = sys.argv[1]; "
-         "b.build_wheel(out); b.build_sdist(out)", str(out)],
+        [sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
+         "out = sys.argv[1]; b.build_wheel(out); b.build_sdist(out)", str(out)],
         cwd=tree, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     return {"wheel": next(out.glob("*.whl")), "sdist": next(out.glob("*.tar.gz"))}
