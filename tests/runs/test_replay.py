@@ -166,32 +166,19 @@ def test_a_target_changed_after_its_check_is_verified_again():
 SCRIPT = textwrap.dedent("""
     import ddpcheck
     from ddpcheck import zoo
+    from tests.verdict_helpers import MyTarget
 
 
     def my_rule(params, world_size):
         return [0] * len(params)
 
 
-    class Doubled(ddpcheck.Target):
+    class Doubled(MyTarget):
         \"\"\"torch DDP; with bug=True every averaged gradient is doubled.\"\"\"
 
         def __init__(self, bug=False, rule=None):
-            self.bug = bug
+            super().__init__(scale_bug=bug)
             self.rule = rule
-
-        def wrap(self, module):
-            from torch.nn.parallel import DistributedDataParallel
-
-            return DistributedDataParallel(module)
-
-        def no_sync(self, model):
-            return model.no_sync()
-
-        def after_backward(self, model, optimizer):
-            if self.bug:
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(2)
 
 
     MINE = Doubled(bug=True)
@@ -255,12 +242,12 @@ def test_a_target_in_the_script_being_run_is_named_by_the_scripts_path(script_ma
 
 def test_what_a_script_cannot_rebuild_is_refused_with_the_fix(script_main, no_world):
     changed = script_main.Doubled()
-    changed.bug = True
+    changed.scale_bug = True
     rows = [
         (script_main.Hidden(), "its class Hidden is defined in check_mine.py under `if __name__ "
                                "== \"__main__\":`", "define Hidden at module level"),
-        (changed, "check_mine.py:Doubled() builds a different target (bug=True on the target, "
-                  "False rebuilt)", "assign it to a module-level name"),
+        (changed, "check_mine.py:Doubled() builds a different target (scale_bug=True on the "
+                  "target, False rebuilt)", "assign it to a module-level name"),
         (script_main.Doubled(rule=lambda params, world_size: [0] * len(params)),
          "cannot be pickled", "functions defined with def at module level (not a lambda"),
     ]
@@ -286,15 +273,17 @@ def test_a_script_failure_replays_from_the_scripts_folder(tmp_path):
     """The whole path: ranks unpickle the script's class (spawn imports the script in each), the
     replay process imports the file by path, and its ranks import it by name."""
     (tmp_path / "check_mine.py").write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": ROOT}  # the script imports tests.verdict_helpers
     run = subprocess.run([sys.executable, "check_mine.py"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=300, env=env)
     assert run.returncode == 1, run.stderr
     replay = next(line for line in run.stderr.splitlines() if line.startswith("replay: "))
     assert replay.startswith("replay: python -m ddpcheck replay 'check_mine.py:Doubled(bug=True)' "
                              "--world-size 2"), replay
     argv = shlex.split(replay[len("replay: "):])
     argv[0] = sys.executable
-    again = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                           env=env)
     assert again.returncode == 1, again.stdout + again.stderr
     assert _table(again.stdout) == _table(run.stderr)
     assert replay in again.stdout  # the replay names the script by its path again
@@ -309,7 +298,7 @@ def test_a_file_spec_imports_the_script_as_a_module_and_replays_by_its_path(tmp_
     monkeypatch.chdir(tmp_path)
     try:
         target = resolve_target("sub/check_mine.py:Doubled(bug=True)")
-        assert type(target).__module__ == "check_mine" and target.bug
+        assert type(target).__module__ == "check_mine" and target.scale_bug
         assert not hasattr(sys.modules["check_mine"], "GUARDED")  # the main block did not run
         assert target_spec(target) == "sub/check_mine.py:Doubled(bug=True)"
         assert target_spec(sys.modules["check_mine"].MINE) == "sub/check_mine.py:MINE"
