@@ -1,12 +1,16 @@
 # Two commands do everything on a fresh machine (see README):
 #   make check   create .venv, install, fuzz the built-in `parallel` target
 #   make test    create .venv, install, run the test suite
+# and one to package:
+#   make dist    the wheel and the sdist in dist/ (`python -m build`, from a tool venv: `build` is
+#                no dependency of ddpcheck)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TOOLS := .venv-build
 
-.PHONY: check test bench clean
+.PHONY: check test bench dist clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,5 +27,15 @@ test: $(STAMP)
 bench: $(STAMP)
 	for f in bench/*.py; do $(BIN)/python $$f || exit 1; done
 
+$(TOOLS)/.installed:
+	$(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/pip install --quiet build
+	touch $@
+
+dist: $(TOOLS)/.installed
+	$(TOOLS)/bin/python -m build --outdir dist .
+
+# Everything the commands above write: the venvs, and what builds leave (setuptools writes
+# build/ and the egg-info at the root or under src/ depending on the command).
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) $(TOOLS) build dist *.egg-info src/*.egg-info

@@ -1,4 +1,4 @@
-"""How often the random scenarios exercise each feature (the README's vocabulary table).
+"""How often the random scenarios exercise each feature (the vocabulary table of docs/scenarios.md).
 
 Draws N scenarios from ``ddpcheck.strategies.scenarios`` (both dtypes, mixed-dtype models, world
 sizes 2-4 as the runs allow, checkpoints resumed at 1-3) and a world size from 2-4 each, then

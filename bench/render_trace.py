@@ -1,4 +1,4 @@
-"""Render a ``ddpcheck trace`` JSON file as a timeline PNG (the picture in the README).
+"""Render a ``ddpcheck trace`` JSON file as a timeline PNG (the picture in docs/figures.md).
 
 One band per rank: the top row holds the step's phases (forward, backward, after_backward,
 optimizer.step), the rows below hold the collectives, each bar from launch to completion, labelled

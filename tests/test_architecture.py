@@ -18,7 +18,8 @@ PACKAGES = {"ddpcheck": ROOT / "src" / "ddpcheck", "parallel": ROOT / "parallel"
 
 #: Where each module of ddpcheck lives: the first prefix that matches (``.*``: the folder).
 PLACES = [
-    ("base", ["ddpcheck.errors", "ddpcheck._internal.options", "ddpcheck._internal.devices"]),
+    ("base", ["ddpcheck.errors", "ddpcheck._internal.options", "ddpcheck._internal.devices",
+              "ddpcheck._internal.scripts"]),
     ("language", ["ddpcheck.scenario", "ddpcheck.models", "ddpcheck.zoo", "ddpcheck.batches",
                   "ddpcheck.battery", "ddpcheck.features", "ddpcheck.strategies",
                   "ddpcheck._internal.training", "ddpcheck._internal.records",

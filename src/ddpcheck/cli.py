@@ -12,8 +12,10 @@ interrupted (Ctrl-C), 143 terminated (SIGTERM: every rank process is stopped and
 directory removed before exiting).
 
 ``MODULE:TARGET`` names a module-level attribute importable on ``PYTHONPATH`` (or an expression
-evaluated in that module, such as ``mypkg.targets:MyTarget(bucket_size_mb=1)``); the built-in
-short names are those of ``ddpcheck.targets.BUILTIN``.
+evaluated in that module, such as ``mypkg.targets:MyTarget(bucket_size_mb=1)``), and
+``path/to/FILE.py:TARGET`` the same in a script, imported as the module ``FILE`` (so its
+``if __name__ == "__main__":`` block does not run); the built-in short names are those of
+``ddpcheck.targets.BUILTIN``.
 
 Lazy imports, measured: this module imports neither torch nor Hypothesis, so ``ddpcheck --help``
 and a usage error answer in ~0.1 s instead of ~1.5 s (importing torch); each command imports what
@@ -34,6 +36,7 @@ import warnings
 from typing import Any, Callable
 
 from ddpcheck._internal.devices import BACKENDS, DEVICES, check_fits
+from ddpcheck._internal.scripts import load
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine,
                                         parse_features, parse_world_sizes)
 from ddpcheck.errors import (DdpcheckError, EquivalenceError, ExitCode, InvalidArgument,
@@ -54,6 +57,12 @@ SURVEY_EXIT_CODES = (f"exit status: {ExitCode.OK:d} every cell that ran passed; 
                      "fault (a scenario the oracle cannot judge, too); "
                      f"{ExitCode.NOTHING_CHECKED:d} no cell ran; {ExitCode.INTERNAL:d} an "
                      "internal error of ddpcheck")
+
+
+#: What a target argument may be (``resolve_target``).
+TARGET_HELP = ("a built-in name (parallel, torch_ddp, ...), MODULE:EXPR (mypkg.checks:MY_TARGET), "
+               "or path/to/FILE.py:EXPR, a script imported as a module "
+               "(check_my_ddp.py:MyTarget())")
 
 
 class UsageError(InvalidArgument):
@@ -179,12 +188,15 @@ def _resolve_rule(spec: str) -> Any:
 
 def _resolve(spec: str, what: str) -> Any:
     if ":" not in spec:
-        raise UsageError(f"{what} {spec!r} must look like MODULE:NAME (for example "
-                         f"mypkg.checks:MY_{what.upper()})")
+        raise UsageError(f"{what} {spec!r} must look like MODULE:NAME or path/to/FILE.py:NAME "
+                         f"(for example mypkg.checks:MY_{what.upper()} or "
+                         f"check_my_ddp.py:MY_{what.upper()})")
     module_name, expr = spec.split(":", 1)
     sys.path.insert(0, os.getcwd())  # like `python -m`, modules in the current directory count
-    try:
-        module = importlib.import_module(module_name)
+    try:  # a FILE.py is imported under its own name: its `if __name__ == "__main__":` stays shut
+        module = load(module_name)
+    except InvalidArgument as exc:  # not a file, or a name that cannot be its module's
+        raise UsageError(f"{what} {spec!r}: {exc}") from None
     except Exception as exc:  # ImportError, and whatever the module raises while importing
         where = ""
         if isinstance(exc, SyntaxError) and exc.filename:
@@ -426,7 +438,8 @@ def _positive(kind: type) -> Callable[[str], Any]:
 def _target_options(parser: argparse.ArgumentParser, *, examples: int, what: str,
                     world_sizes: str) -> None:
     """The options ``check`` and ``survey`` share."""
-    parser.add_argument("target", nargs="?", default="parallel", metavar="MODULE:TARGET")
+    parser.add_argument("target", nargs="?", default="parallel", metavar="MODULE:TARGET",
+                        help=f"{TARGET_HELP}; default parallel")
     parser.add_argument("--world-sizes", type=_world_sizes, default=None,
                         help=f"comma-separated world sizes ({world_sizes})")
     parser.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
@@ -484,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     replay = sub.add_parser("replay", help="run one example again (the line a failure prints)",
                             epilog=EXIT_CODES)
-    replay.add_argument("target", metavar="MODULE:TARGET")
+    replay.add_argument("target", metavar="MODULE:TARGET", help=TARGET_HELP)
     replay.add_argument("--world-size", type=_positive(int), required=True)
     replay.add_argument("--scenario", required=True, help="the scenario's repr, as printed")
     replay.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE)
@@ -497,7 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "collectives and phases in Chrome trace format (open in "
                                        "https://ui.perfetto.dev or chrome://tracing). Exit 0, "
                                        "or 2 on a usage or set-up error.")
-    trace.add_argument("target", nargs="?", default="parallel", metavar="MODULE:TARGET")
+    trace.add_argument("target", nargs="?", default="parallel", metavar="MODULE:TARGET",
+                       help=f"{TARGET_HELP}; default parallel")
     trace.add_argument("--world-size", type=_positive(int), default=2,
                        help="ranks to trace (default 2)")
     trace.add_argument("-o", "--output", default="trace.json",
@@ -538,7 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "under it is not equivalent), 2 on a usage or set-up error.")
     rule.add_argument("rule", metavar="MODULE:RULE",
                       help="a function rule(params, world_size) -> owners, such as "
-                           "parallel.sharding:greedy")
+                           "parallel.sharding:greedy or my_rules.py:balanced")
     rule.add_argument("--world-sizes", type=_world_sizes, default=DEFAULT_WORLD_SIZES,
                       help="world sizes of the equivalence check (default 1,2,3,4)")
     rule.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,

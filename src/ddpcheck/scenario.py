@@ -6,7 +6,7 @@ steps, accumulation, dtype, seed and optional gradient clipping. Its ``repr`` is
 a failing example prints as a line that ``ddpcheck._internal.runs.replay.from_repr`` turns back into the same
 scenario (replay lines use this).
 
-The batch rule (documented in the README): the global batch of B samples is split into W
+The batch rule (documented in docs/scenarios.md): the global batch of B samples is split into W
 contiguous shards with ``torch.tensor_split`` -- the first ``B % W`` ranks get one sample more, a
 rank may get none when B < W -- and each shard into ``accumulation`` micro-batches the same way.
 Every sample is used exactly once. A rank back-propagates ``sum of its samples' losses * W / B``
@@ -28,6 +28,7 @@ from torch import nn
 
 from ddpcheck import zoo
 from ddpcheck.errors import InvalidArgument
+from ddpcheck._internal.scripts import MAIN_NAMES, public_module_name
 
 __all__ = ["Scenario", "build_model", "global_batch", "local_micro_batches",
            "per_sample_loss"]
@@ -159,7 +160,11 @@ def _is_default(obj: Any, field: dataclasses.Field) -> bool:
 
 def import_path(obj: Any) -> str:
     """The shortest ``package.name`` that reaches ``obj`` (torch.optim.Adam, not
-    torch.optim.adam.Adam: submodules are not always attributes of their package)."""
+    torch.optim.adam.Adam: submodules are not always attributes of their package); what the
+    script being run defines is named by the script's module (``check_my_ddp.my_data``), which is
+    what another process imports (``ddpcheck._internal.scripts``)."""
+    if obj.__module__ in MAIN_NAMES:  # the script being run, as other processes import it
+        return f"{public_module_name(obj.__module__)}.{obj.__qualname__}"
     parts = obj.__module__.split(".")
     for i in range(1, len(parts) + 1):
         module = importlib.import_module(".".join(parts[:i]))

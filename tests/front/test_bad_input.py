@@ -196,7 +196,10 @@ CLI_ROWS = [
     (["replay", "parallel", "--world-size", "2", "--scenario", "ddpcheck.Scenario(steps=0)"],
      "--scenario 'ddpcheck.Scenario(steps=0)': steps=0 must be an integer >= 1"),
     (["replay", "nocolon", "--world-size", "2", "--scenario", "ddpcheck.Scenario()"],
-     "target 'nocolon' must look like MODULE:NAME"),
+     "target 'nocolon' must look like MODULE:NAME or path/to/FILE.py:NAME"),
+    (["check", "no_such_file.py:T"], "target 'no_such_file.py:T': 'no_such_file.py' is not a file"),
+    (["fuzz-rule", "no/such_rules.py:greedy"], "rule 'no/such_rules.py:greedy': "
+                                               "'no/such_rules.py' is not a file"),
 ]
 
 
@@ -210,6 +213,24 @@ def test_command_line_errors_exit_2_naming_the_argument(argv, message, capsys):
     assert status == ExitCode.SETUP, err
     assert message in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("name, source, message", [
+    ("my-checks.py", "T = 1\n", "'my-checks' is not a Python name; rename the file"),
+    ("json.py", "T = 1\n", "cannot be imported as the module 'json': a module of that name is "
+                           "already imported"),
+    ("broken.py", "raise RuntimeError('boom')\n",
+     "cannot import '{path}' for target '{path}:T': RuntimeError: boom"),
+])
+def test_a_script_that_cannot_be_a_module_exits_2_naming_the_fix(tmp_path, capsys, monkeypatch,
+                                                                  name, source, message):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    path = tmp_path / name
+    path.write_text(source)
+    assert cli.main(["check", f"{path}:T"]) == ExitCode.SETUP
+    err = capsys.readouterr().err
+    assert message.format(path=path) in err, err
+    assert "broken" not in sys.modules  # a module that failed to import is not left half-made
 
 
 def test_the_installed_command_reports_usage_errors_without_a_traceback():

@@ -257,7 +257,9 @@ def check_target(target: Any) -> None:
     except Exception as exc:
         raise InvalidArgument(
             f"target={target!r} cannot be pickled ({exc}); targets travel to every rank by "
-            "pickle, so define the class at module level of an importable module") from exc
+            "pickle, so define the class at module level of an importable module or of the "
+            "script you run, and give it functions defined with def at module level (not a "
+            "lambda, not a function defined inside another)") from exc
     verify_replayable(target, pickled)  # a failure's replay line must rebuild exactly this target
 
 

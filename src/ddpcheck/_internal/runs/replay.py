@@ -14,9 +14,17 @@ silently clear the bug. So :func:`target_spec` tries, in order:
 and accepts a candidate only if evaluating it the way ``ddpcheck replay`` does (:func:`evaluate`:
 import the module, evaluate the expression in it) rebuilds an object of the same class whose
 state -- its instance attributes -- equals the target's. When none does (an argument whose repr
-is not code, a target changed after construction, a class defined in ``__main__`` or inside a
-function), :func:`verify_replayable` refuses with :class:`InvalidArgument` before any world runs,
-saying how to make the target replayable; a different target is never printed.
+is not code, a target changed after construction, a class defined inside a function or in an
+interactive session), :func:`verify_replayable` refuses with :class:`InvalidArgument` before any
+world runs, saying how to make the target replayable; a different target is never printed.
+
+A target written in the script being run (its class in ``__main__``, or its state naming the
+script's functions and classes) is named by the script's path, ``check_my_ddp.py:EXPR``, and
+verified by importing that file as a module (``ddpcheck._internal.scripts``) -- exactly what the
+replay process does -- and evaluating EXPR there; a class from ``__main__`` and the same class
+from the imported file count as the same (same script, same qualified name), and so do their
+functions inside the target's state. A module-level name of the script counts only if importing
+the file defines it too (not a name bound under ``if __name__ == "__main__":``).
 
 Verified specs are cached by the target's id and pickle, so the check costs one ``pickle.dumps``
 per example, and a target changed after its check is verified again.
@@ -27,14 +35,18 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import importlib
+import io
 import pickle
 import re
 import shlex
 import sys
+import types
 from typing import Any
 
+from ddpcheck._internal.scripts import MAIN_NAMES, load, main_script, module_spec, \
+    public_module_name
 from ddpcheck.errors import InvalidArgument
-from ddpcheck.scenario import Scenario, _code, _is_default
+from ddpcheck.scenario import Scenario, _code, _is_default, import_path
 from ddpcheck.targets import CONSTRUCTOR_CALL as _CALL  # metadata of a target, not its state
 
 __all__ = ["evaluate", "evaluate_in", "from_repr", "replay_command", "target_spec",
@@ -79,9 +91,9 @@ verify_replayable = target_spec
 
 
 def evaluate(spec: str) -> Any:
-    """``MODULE:EXPR`` -> the object ``ddpcheck replay`` would use."""
+    """``MODULE:EXPR`` or ``FILE.py:EXPR`` -> the object ``ddpcheck replay`` would use."""
     module_name, expr = spec.split(":", 1)
-    return evaluate_in(importlib.import_module(module_name), expr)
+    return evaluate_in(load(module_name), expr)
 
 
 def evaluate_in(module: Any, expr: str) -> Any:
@@ -138,67 +150,123 @@ def _is_module(value: Any) -> bool:
 
 def _find_spec(target: Any) -> str:
     cls = type(target)
-    module_name = cls.__module__
-    if module_name == "__main__":
-        raise _refusal(target, f"its class {cls.__qualname__} is defined in __main__ (the script "
-                               "being run), and a replay process imports targets by module name, "
-                               "where __main__ is ddpcheck itself",
-                       "define the class in an importable module and import it into the script")
     if "<locals>" in cls.__qualname__:
         raise _refusal(target, f"its class {cls.__qualname__} is defined inside a function",
                        f"define {cls.__name__} at module level")
+    if cls.__module__ in MAIN_NAMES or _ScriptPickler.mentions_script(target):
+        return _spec_in_script(target)
+    module_name = cls.__module__
     module = sys.modules.get(module_name)
     if module is None:
         raise _refusal(target, f"its module {module_name!r} is not imported",
                        "define the class in an importable module")
+    prefix = module_spec(module_name) or module_name  # a file imported by path: by its path
     for attr, value in list(vars(module).items()):
         if value is target:
-            return f"{module_name}:{attr}"
+            return f"{prefix}:{attr}"
     found = _attribute_elsewhere(target)  # e.g. MY_TARGET = Target.from_wrappers(...) in yours
     if found is not None:
         return found
-    reasons = []
-    for expr in _candidates(target, reasons):
+    reasons: list[str] = []
+    spec = _first_rebuilding(target, prefix, module, _candidates(target, reasons), reasons)
+    if spec is not None:
+        return spec
+    raise _refusal(target, "; ".join(dict.fromkeys(reasons)) or "no way to rebuild it was found",
+                   _fix(target, prefix))
+
+
+def _spec_in_script(target: Any) -> str:
+    """``check_my_ddp.py:EXPR`` for a target the script being run defines or refers to, verified
+    in the file imported as a module -- what the replay process evaluates it in."""
+    cls = type(target)
+    script = main_script()
+    if script is None:
+        raise _refusal(
+            target, f"its class {cls.__qualname__} (or something it holds) is defined in "
+            "__main__ of a session no other process can import (an interactive interpreter, "
+            "python -c, a script read from standard input)",
+            "save the code in a file and run it (python check_my_ddp.py), or define it in an "
+            "importable module")
+    try:
+        module = load(script.spec)
+    except Exception as exc:
+        raise _refusal(target, f"importing {script.spec} as the module {script.name} failed "
+                               f"({type(exc).__name__}: {_one_line(exc)})",
+                       "make the script importable: its work under "
+                       "`if __name__ == \"__main__\":`") from None
+    if cls.__module__ in MAIN_NAMES and not _defines(module, cls.__qualname__):
+        raise _refusal(target, f"its class {cls.__qualname__} is defined in {script.spec} under "
+                               "`if __name__ == \"__main__\":`, so importing the script (what "
+                               "a replay does) does not define it",
+                       f"define {cls.__qualname__} at module level, above that block")
+    main = sys.modules["__main__"]
+    names = [attr for attr, value in list(vars(main).items()) if value is target]
+    reasons: list[str] = []
+    class_code = cls.__qualname__ if cls.__module__ in MAIN_NAMES else import_path(cls)
+    exprs = [*names, *_candidates(target, reasons, class_code)]
+    spec = _first_rebuilding(target, script.spec, module, exprs, reasons)
+    if spec is not None:
+        return spec
+    raise _refusal(target, "; ".join(dict.fromkeys(reasons)) or "no way to rebuild it was found",
+                   _fix(target, script.spec))
+
+
+def _defines(module: Any, qualname: str) -> bool:
+    obj = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return False
+    return True
+
+
+def _first_rebuilding(target: Any, prefix: str, module: Any, exprs: Any,
+                      reasons: list[str]) -> str | None:
+    """The first ``prefix:expr`` whose evaluation in ``module`` rebuilds ``target``; what each
+    other candidate did is added to ``reasons``."""
+    for expr in exprs:
         try:
             rebuilt = evaluate_in(module, expr)
         except Exception as exc:
-            reasons.append(f"{module_name}:{expr} does not evaluate ({type(exc).__name__}: "
+            reasons.append(f"{prefix}:{expr} does not evaluate ({type(exc).__name__}: "
                            f"{_one_line(exc)})")
             continue
         why = _differs(target, rebuilt)
         if why is None:
-            return f"{module_name}:{expr}"
-        reasons.append(f"{module_name}:{expr} builds a different target ({why})")
-    name = cls.__qualname__
+            return f"{prefix}:{expr}"
+        reasons.append(f"{prefix}:{expr} builds a different target ({why})")
+    return None
+
+
+def _fix(target: Any, where: str) -> str:
+    name = type(target).__qualname__
     if dataclasses.is_dataclass(target):
-        fix = ("give its fields values written as code (numbers, strings, module-level functions "
-               f"and classes), or assign it to a module-level name (MY_TARGET = {name}(...)) in "
-               f"{module_name}")
-    else:
-        fix = (f"build it with arguments written as code and do not change it afterwards, "
-               f"assign it to a module-level name (MY_TARGET = {name}(...)) in {module_name}, or "
-               f"make {name} a dataclass whose fields hold its whole state")
-    raise _refusal(target, "; ".join(dict.fromkeys(reasons)) or "no way to rebuild it was found",
-                   fix)
+        return ("give its fields values written as code (numbers, strings, module-level "
+                f"functions and classes), or assign it to a module-level name (MY_TARGET = "
+                f"{name}(...)) in {where}")
+    return (f"build it with arguments written as code and do not change it afterwards, assign "
+            f"it to a module-level name (MY_TARGET = {name}(...)) in {where}, or make {name} a "
+            "dataclass whose fields hold its whole state")
 
 
 def _attribute_elsewhere(target: Any) -> str | None:
     """``MODULE:NAME`` of a module-level name bound to ``target`` in any imported module but
     ``__main__`` (a replay process cannot import it by that name), in module order."""
-    for name in sorted(n for n in list(sys.modules) if n not in ("__main__", "__mp_main__")):
+    for name in sorted(n for n in list(sys.modules) if n not in MAIN_NAMES):
         namespace = getattr(sys.modules.get(name), "__dict__", None)
         if not isinstance(namespace, dict):
             continue
         for attr, value in list(namespace.items()):
             if value is target and not attr.startswith("_"):
-                return f"{name}:{attr}"
+                return f"{module_spec(name) or name}:{attr}"
     return None
 
 
-def _candidates(target: Any, reasons: list[str]):
-    """Expressions (in the class's module) that may rebuild ``target``."""
+def _candidates(target: Any, reasons: list[str], class_code: str | None = None):
+    """Expressions (in the class's module, or wherever ``class_code`` names the class) that may
+    rebuild ``target``."""
     cls = type(target)
-    name = cls.__qualname__
+    name = class_code or cls.__qualname__
     seen = set()
 
     def once(expr: str):
@@ -249,7 +317,7 @@ def _state(obj: Any) -> dict | None:
 
 def _differs(target: Any, rebuilt: Any) -> str | None:
     """None when ``rebuilt`` is the same target; otherwise what differs."""
-    if type(rebuilt) is not type(target):
+    if not _same_class(type(rebuilt), type(target)):
         return f"a {type(rebuilt).__module__}.{type(rebuilt).__qualname__}, not a " \
                f"{type(target).__module__}.{type(target).__qualname__}"
     mine, theirs = _state(target), _state(rebuilt)
@@ -269,19 +337,68 @@ def _differs(target: Any, rebuilt: Any) -> str | None:
     return ", ".join(diffs[:3]) + more
 
 
+def _same_class(a: type, b: type) -> bool:
+    """One class, or the script's class seen from ``__main__`` and from the imported file."""
+    return a is b or (a.__qualname__ == b.__qualname__
+                      and public_module_name(a.__module__) == public_module_name(b.__module__)
+                      and (a.__module__ in MAIN_NAMES) != (b.__module__ in MAIN_NAMES))
+
+
 def _same(a: Any, b: Any) -> bool:
     if a is b:
         return True
     try:
         equal = a == b
-        if isinstance(equal, bool):
+        if isinstance(equal, bool) and (equal or not _ScriptPickler.mentions_script(a)):
             return equal
     except Exception:
         pass
     try:  # tensors, objects without a useful __eq__: equal pickles mean equal state
-        return pickle.dumps(a) == pickle.dumps(b)
+        return _ScriptPickler.dumps(a) == _ScriptPickler.dumps(b)
     except Exception:
         return False
+
+
+class _ScriptPickler(pickle.Pickler):
+    """Pickles the classes and functions of the script being run by the script's module name
+    and qualified name, whether they come from ``__main__`` or from the script imported as a
+    file: the two copies of one source compare equal. Never unpickled."""
+
+    def __init__(self, file: Any):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        script = main_script()
+        self.script_modules = {*MAIN_NAMES, *([script.name] if script is not None else [])}
+        self.mentions = False
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)):
+            module = getattr(obj, "__module__", None)
+            if module in self.script_modules:
+                self.mentions = True
+                return _script_global, (public_module_name(module), obj.__qualname__)
+        return NotImplemented
+
+    @classmethod
+    def dumps(cls, obj: Any) -> bytes:
+        buffer = io.BytesIO()
+        cls(buffer).dump(obj)
+        return buffer.getvalue()
+
+    @classmethod
+    def mentions_script(cls, obj: Any) -> bool:
+        """True when ``obj`` holds (or is an instance of) a class or function of ``__main__``."""
+        pickler = cls(io.BytesIO())
+        pickler.script_modules = set(MAIN_NAMES)
+        try:
+            pickler.dump(obj)
+        except Exception:
+            return False
+        return pickler.mentions
+
+
+def _script_global(module: str, qualname: str) -> Any:
+    """What :class:`_ScriptPickler` writes for a script's class or function (never called)."""
+    raise NotImplementedError(f"{module}.{qualname}")
 
 
 def _brief(value: Any) -> str:
