@@ -1,0 +1,95 @@
+"""The product's own path: how fast `ddpcheck check` reaches a first verdict, and what each random
+example costs after it, against a fresh world per example.
+
+Prints, at each world size and in one run (commands interleaved, so a noisy machine slows all of
+them alike), the medians of:
+- spawn-per-example: a fresh world started, one example run in it, the world stopped -- what a
+  harness without persistent worlds pays per example (in this process, torch already imported);
+- first verdict: `ddpcheck check --world-sizes W --examples 1 --seed S` as a whole process
+  (interpreter, imports, world start-up, the built-in battery, one random example);
+- marginal cost per random example: (`--examples N` - `--examples 1`) / (N - 1), same seed;
+and the ratios the issue holds them to: spawn / marginal (>= 100x) and first verdict / spawn
+(<= 1.5x at W=2).
+
+    python bench/throughput.py [--world-sizes 2,4] [--examples 201] [--repeats 3] [--seed 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import ddpcheck
+from ddpcheck import targets
+from ddpcheck._internal.runs.example import check_example
+from ddpcheck._internal.world.worlds import World, shutdown_worlds
+from ddpcheck.battery import BATTERY
+
+
+def _spawned_example(world_size: int) -> float:
+    """Seconds for a fresh world, one example (the battery's first) in it, and its shutdown."""
+    started = time.perf_counter()
+    world = World(world_size).start()
+    try:
+        from ddpcheck._internal.rank.runner import run_example_packed
+
+        _, scenario = BATTERY[0]
+        world.run(run_example_packed, targets.PARALLEL, scenario)
+    finally:
+        world.close()
+    return time.perf_counter() - started
+
+
+def _check(world_size: int, examples: int, seed: int) -> float:
+    """Seconds of a whole `ddpcheck check` process."""
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "ddpcheck", "check", "--world-sizes",
+                           str(world_size), "--examples", str(examples), "--seed", str(seed)],
+                          capture_output=True, text=True, timeout=3600)
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"ddpcheck check exited {done.returncode}:\n{done.stdout}{done.stderr}")
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", default="2,4")
+    parser.add_argument("--examples", type=int, default=201,
+                        help="random examples of the long run (default 201)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=3)
+    args = parser.parse_args(argv)
+    sizes = [int(w) for w in args.world_sizes.split(",")]
+    # one example in this process first: torch, dynamo and the reference machinery imported
+    check_example(targets.PARALLEL, BATTERY[0][1], 1)
+    shutdown_worlds()
+    print(f"ddpcheck {ddpcheck.__version__}, {os.cpu_count()} cores, load "
+          f"{os.getloadavg()[0]:.1f}; {args.repeats} repeats, interleaved")
+    rows = []
+    for world_size in sizes:
+        spawned, first, long = [], [], []
+        for _ in range(args.repeats):
+            spawned.append(_spawned_example(world_size))
+            first.append(_check(world_size, 1, args.seed))
+            long.append(_check(world_size, args.examples, args.seed))
+        s, f = statistics.median(spawned), statistics.median(first)
+        marginal = statistics.median((lg - fs) / (args.examples - 1) for lg, fs in zip(long, first))
+        rows.append((world_size, s, f, marginal))
+        print(f"W={world_size}: spawn-per-example {s:.2f} s; first verdict {f:.2f} s "
+              f"({f / s:.2f}x a spawned example); marginal {1e3 * marginal:.1f} ms per random "
+              f"example ({s / marginal:.0f}x cheaper than a spawn); "
+              f"{args.examples} examples {statistics.median(long):.1f} s", flush=True)
+    verdict = all(s / m >= 100 for _, s, _, m in rows) and all(
+        f / s <= 1.5 for w, s, f, _ in rows if w == 2)
+    print("targets (>= 100x cheaper at every W; first verdict <= 1.5x a spawn at W=2): "
+          + ("met" if verdict else "NOT met"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
