@@ -28,7 +28,8 @@ from torch.overrides import TorchFunctionMode
 
 from ddpcheck.scenario import build_model, local_micro_batches
 
-__all__ = ["broadcast_from", "fsdp_cannot_run", "gradient_sync_off", "shard_leaves"]
+__all__ = ["broadcast_from", "fsdp_cannot_run", "fully_shard_options", "gradient_sync_off",
+           "shard_leaves"]
 
 
 def broadcast_from(module: Any, src: int) -> None:
@@ -41,10 +42,20 @@ def broadcast_from(module: Any, src: int) -> None:
             tensor.copy_(buffer)
 
 
-def shard_leaves(module: Any, reshard_after_forward: bool | int) -> Any:
+def fully_shard_options(*, cpu_offload: bool = False) -> dict[str, Any]:
+    """``fully_shard`` keywords for the FSDP2 target's options (``offload_policy``)."""
+    if not cpu_offload:
+        return {}
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return {"offload_policy": CPUOffloadPolicy()}
+
+
+def shard_leaves(module: Any, reshard_after_forward: bool | int, **options: Any) -> Any:
     """``fully_shard`` every module holding parameters of its own, then the root (which takes
     whatever parameters are left): one FSDP2 parameter group per layer, as real models do.
-    Modules sharing a parameter (tied weights) are sharded together, as FSDP2 requires."""
+    Modules sharing a parameter (tied weights) are sharded together, as FSDP2 requires.
+    ``options``: more ``fully_shard`` keywords, the same for every call."""
     # here: importing torch.distributed.fsdp costs 0.5 s after torch, for FSDP2 targets only
     from torch.distributed.fsdp import fully_shard
 
@@ -63,8 +74,8 @@ def shard_leaves(module: Any, reshard_after_forward: bool | int) -> Any:
                 owner[id(p)] = group
     for group in groups:
         fully_shard(group if len(group) > 1 else group[0],
-                    reshard_after_forward=reshard_after_forward)
-    return fully_shard(module, reshard_after_forward=reshard_after_forward)
+                    reshard_after_forward=reshard_after_forward, **options)
+    return fully_shard(module, reshard_after_forward=reshard_after_forward, **options)
 
 
 @contextlib.contextmanager
