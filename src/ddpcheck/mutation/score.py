@@ -116,8 +116,12 @@ def run_mutants(only: str | None, *, budget_seconds: float, search_name: str,
     print("\n".join(table_lines([], widths)), flush=True)
     started = time.perf_counter()
     chosen = search.shrinking_search if search_name == "shrinking" else search.battery_search
-    fsdp = [isinstance(m.target, TorchFSDPTarget) for m in mutants]
-    controls = [PARALLEL] * (not all(fsdp)) + [TORCH_FSDP] * any(fsdp)  # each family's original
+    controls = []  # each family's original, in catalogue order
+    for m in mutants:
+        control = (m.control if m.control is not None else
+                   TORCH_FSDP if isinstance(m.target, TorchFSDPTarget) else PARALLEL)
+        if all(control is not c for c in controls):
+            controls.append(control)
     rows = score(mutants, budget_seconds, control=controls, search=chosen,
                  world_sizes=world_sizes, deadline=deadline,
                  on_row=lambda r: print(table_lines([r.row()], widths)[2], flush=True))

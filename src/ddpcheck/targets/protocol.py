@@ -148,7 +148,12 @@ class Target:
         """The scenario's LR schedule over ``optimizer``: ``ExponentialLR(gamma)``, stepped once
         per optimizer step (only scenarios with ``lr_decay`` have one). Override it to return a
         framework's prepared scheduler (accelerate's ``prepare_scheduler``); it needs ``step()``
-        and ``state_dict()``."""
+        and ``state_dict()``. Default: over ``optimizer`` -- or, when that is no
+        ``torch.optim.Optimizer``, over the one it wraps as ``.optimizer``."""
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(optimizer, torch.optim.Optimizer) and isinstance(
+                inner, torch.optim.Optimizer):
+            optimizer = inner
         return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma)
 
     def micro_batch(self, model: Any, optimizer: Any, index: int,
