@@ -20,6 +20,7 @@ from typing import Any, ContextManager
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpcheck.errors import NothingChecked
 from ddpcheck.features import FEATURES
 from ddpcheck.targets.accelerate import AccelerateTarget
 from ddpcheck.targets.environment import installed_version
@@ -176,7 +177,7 @@ class TorchFSDPTarget(Target):
 
     reshard_after_forward: bool | int | None = None
     #: ``fully_shard(offload_policy=CPUOffloadPolicy())``: parameters, gradients and optimizer
-    #: state kept on the CPU (the step runs there; on a CPU world nothing moves)
+    #: state kept on the CPU, the step run there (needs an accelerator: declined in CPU worlds)
     cpu_offload: bool = False
 
     # Declined, and what supports() declines besides: see ddpcheck.targets.fsdp (found by trying).
@@ -196,6 +197,13 @@ class TorchFSDPTarget(Target):
         return fsdp_cannot_run(scenario)
 
     def wrap(self, module: Any) -> Any:
+        if self.cpu_offload and next(module.parameters()).device.type == "cpu":
+            # every rank decides alike, before any collective: a decline, not a rank failure
+            raise NothingChecked(
+                "cpu_offload: FSDP2's CPUOffloadPolicy keeps parameters on the CPU and copies "
+                "them to the accelerator for each forward; in a CPU world torch 2.13 raises "
+                "'Cannot access accelerator device when none is available' (run it with "
+                "--device cuda)")
         broadcast_from(module, 0)
         return shard_leaves(module, self.reshard_after_forward, **fully_shard_options(
             cpu_offload=self.cpu_offload))
@@ -273,7 +281,7 @@ READY_MADE = (
                   "mixed-dtypes": "ZeroRedundancyOptimizer rejects parameters of several dtypes"}),
     ReadyMade("torch_fsdp", TORCH_FSDP, "torch", "torch",
               "torch FSDP2 (fully_shard per layer); TorchFSDPTarget(reshard_after_forward=int|"
-              "False, cpu_offload=True) for its options", {
+              "False, cpu_offload=True) for its options (cpu_offload needs --device cuda)", {
                   "non-contiguous": "fully_shard raises on non-contiguous parameters",
                   "unused-on-some-ranks": "FSDP2 all-gathers a layer in its forward: a layer "
                                           "some ranks skip leaves the collectives unpaired",
