@@ -290,7 +290,8 @@ READY_MADE = (
                   "rank-orders": "fully_shard packs parameters in registration order, which "
                                  "must be the same on every rank"},
               "a layer skipped by some ranks' micro-batches, a weight used outside its layer, "
-              "infinity-norm clipping with an empty shard (ddpcheck.targets.fsdp)"),
+              "infinity-norm clipping with an empty shard, a layer called twice per forward "
+              "with accumulation (reduce-scattered twice: bench/fsdp_reused_module.py)"),
     ReadyMade("local", LOCAL, "torch", "torch",
               "no synchronisation at all: must fail for W > 1", {}),
     ReadyMade("accelerate", ACCELERATE, "accelerate", "accelerate",

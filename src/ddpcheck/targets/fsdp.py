@@ -11,7 +11,8 @@ CPU): non-contiguous parameters (``fully_shard`` raises), and a parameter used o
 so a layer some ranks skip leaves the collectives unpaired) -- both declined as features by
 ``TorchFSDPTarget.supported_features`` -- and, declined per scenario by :func:`fsdp_cannot_run`,
 a layer skipped by some ranks' micro-batches only, a parameter used outside its own layer's
-forward, and infinity-norm clipping with an empty shard. Tied weights, mixed dtypes (per
+forward, infinity-norm clipping with an empty shard, and a layer called twice per forward with
+accumulation (reduce-scattered twice: right numbers, twice the communication). Tied weights, mixed dtypes (per
 layer), frozen and globally unused parameters work: modules sharing a parameter are sharded
 together (:func:`shard_leaves`).
 """
@@ -100,7 +101,9 @@ def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> 
     * infinity-norm clipping where some rank holds an empty shard (fewer rows than W), on
       which torch 2.13's ``clip_grad_norm_`` raises;
     * a parameter used outside its own layer's forward (a head tied to an embedding's weight
-      by reading ``embedding.weight`` in the parent): FSDP2 holds it unsharded only there.
+      by reading ``embedding.weight`` in the parent): FSDP2 holds it unsharded only there;
+    * a layer called more than once per forward, with accumulation: FSDP2 reduce-scatters its
+      gradient once per call then (``bench/fsdp_reused_module.py``), twice the budget.
     """
     model = build_model(scenario, scenario.seed)
     if scenario.max_grad_norm is not None and math.isinf(scenario.grad_norm_type):
@@ -154,6 +157,14 @@ def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> 
                                 return (f"parameter {outside[0]!r} is used outside its layer's "
                                         "forward (a weight tied by reading it in another "
                                         "module); FSDP2 holds it whole only inside that forward")
+                            twice = sorted({n for n in called if called.count(n) > 1})
+                            if twice and scenario.accumulation > 1:
+                                return (f"layer {twice[0]!r} runs more than once per forward, "
+                                        "with accumulation: FSDP2 (torch 2.13) then reduce-"
+                                        "scatters its gradient once per call in the window's "
+                                        "last micro-batch -- the right numbers, its bytes twice "
+                                        "on the wire, which the communication budget reports "
+                                        "(bench/fsdp_reused_module.py)")
                             uses.append(frozenset(called))
                         seen.append(uses)
                     for rank, uses in enumerate(seen[1:], 1):
