@@ -83,3 +83,13 @@ def test_fsdp2_options_resharding_and_cpu_offload():
     with pytest.raises(ddpcheck.NothingChecked, match="cpu_offload.*--device cuda"):
         ddpcheck.check_example(targets.TorchFSDPTarget(cpu_offload=True), scenario, 2)
     ddpcheck.check_example(targets.TORCH_FSDP, scenario, 2)  # the world serves the next one
+
+
+def test_deepspeed_zero_1_and_2_on_its_cpu_accelerator_over_gloo():
+    _needs("deepspeed")
+    scenario = Scenario(zoo.Tied, dtype="float32", optimizer=torch.optim.Adam,
+                        optimizer_kwargs={"lr": 0.01, "eps": 1e-3}, lr_decay=0.5,
+                        global_batch=7, steps=2, accumulation=2)
+    ddpcheck.check_example(targets.DEEPSPEED_ZERO1, scenario, 2)
+    # ZeRO-2 reduces every micro-batch by design (declared): within its budget
+    ddpcheck.check_example(targets.DEEPSPEED_ZERO2, scenario, 2)

@@ -2,7 +2,8 @@
 
 ``protocol`` says what a target is -- every hook the runner calls, and its default
 (:class:`Target`, re-exported here with :class:`WrapperTarget`); ``fsdp`` how the FSDP2 target
-sets torch's FSDP2 up; ``accelerate``, ``fabric``, ``lightning`` drive those frameworks (each
+sets torch's FSDP2 up; ``accelerate``, ``fabric``, ``lightning``, ``deepspeed`` drive those
+frameworks (each
 imported only when its target runs; ``environment`` joins them to the existing process group).
 This module holds the built-ins: ``parallel`` (ours), torch's DDP, ZeRO and FSDP2, a broken one,
 the frameworks', each a frozen dataclass whose replay line is its fields, :data:`READY_MADE`
@@ -23,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpcheck.errors import NothingChecked
 from ddpcheck.features import FEATURES
 from ddpcheck.targets.accelerate import AccelerateTarget
+from ddpcheck.targets.deepspeed import DeepSpeedTarget
 from ddpcheck.targets.environment import installed_version
 from ddpcheck.targets.fabric import FabricTarget
 from ddpcheck.targets.fsdp import (broadcast_from, fsdp_cannot_run, fully_shard_options,
@@ -31,9 +33,9 @@ from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.protocol import CONSTRUCTOR_CALL, Target, WrapperTarget
 from parallel import DDP, ShardedOptimizer
 
-__all__ = ["ACCELERATE", "FABRIC", "LIGHTNING", "LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP",
+__all__ = ["ACCELERATE", "DEEPSPEED_ZERO1", "DEEPSPEED_ZERO2", "FABRIC", "LIGHTNING", "LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP",
            "TORCH_FSDP", "TORCH_ZERO", "TORCH_ZERO_BUCKET_VIEW", "BUILTIN", "CONSTRUCTOR_CALL",
-           "READY_MADE", "AccelerateTarget", "FabricTarget", "LightningTarget", "LocalTarget",
+           "READY_MADE", "AccelerateTarget", "DeepSpeedTarget", "FabricTarget", "LightningTarget", "LocalTarget",
            "ParallelDDPTarget", "ParallelTarget", "ReadyMade", "Target", "TorchDDPTarget",
            "TorchFSDPTarget", "TorchZeroTarget", "WrapperTarget"]
 
@@ -234,6 +236,8 @@ LOCAL = LocalTarget()
 ACCELERATE = AccelerateTarget()
 FABRIC = FabricTarget()
 LIGHTNING = LightningTarget()
+DEEPSPEED_ZERO1 = DeepSpeedTarget(stage=1)
+DEEPSPEED_ZERO2 = DeepSpeedTarget(stage=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +313,28 @@ READY_MADE = (
                "checkpoint": f"{_OWN_CHECKPOINTS} (the Trainer's .ckpt files)"},
               "infinity-norm clipping in automatic optimization (gradient_clip_val clips the "
               "2-norm)"),
+)
+
+_DEEPSPEED = {
+    "float64": "ZeRO steps float32 master copies of the parameters",
+    "clipping": "gradient_clipping clips inside engine.step(), after gradients are recorded",
+    "unused-everywhere": "ZeRO's flat partitions give an unused parameter a zero gradient and "
+                         "step it (torch leaves it untouched)",
+    "unused-on-some-ranks": "the ranks' gradient all-reduces stop pairing (buckets of different "
+                            "sizes), though ignore_unused_parameters is documented to ignore "
+                            "them",
+    "mixed-dtypes": "ddpcheck's mixed dtypes are float32 layers in a float64 model, and float64 "
+                    "is declined",
+    "checkpoint": f"{_OWN_CHECKPOINTS} (engine.save_checkpoint)",
+    "rank-orders": "ZeRO partitions parameters in registration order, which must be the same "
+                   "on every rank"}
+READY_MADE += (
+    ReadyMade("deepspeed_zero1", DEEPSPEED_ZERO1, "deepspeed", "deepspeed",
+              "DeepSpeed's engine, ZeRO stage 1, CPU accelerator over gloo (float32: "
+              "ddpcheck check deepspeed_zero1 --dtypes float32)", _DEEPSPEED),
+    ReadyMade("deepspeed_zero2", DEEPSPEED_ZERO2, "deepspeed", "deepspeed",
+              "DeepSpeed's engine, ZeRO stage 2: gradients partitioned, reduced every "
+              "micro-batch (float32: --dtypes float32)", _DEEPSPEED),
 )
 
 #: Built-in targets by the short names the command line accepts: a framework's only where it is

@@ -99,6 +99,10 @@ class Target:
     #: (:meth:`gradient_shards`, gathered outside the recorded collectives) and does not require
     #: the other ranks' ``.grad`` to agree.
     sharded_gradients: bool = False
+    #: True when the target reduces the gradients after every micro-batch by design (DeepSpeed's
+    #: ZeRO-2, which cannot accumulate locally): the communication budget then allows the
+    #: gradient bytes once per micro-batch instead of once per step.
+    reduces_every_micro_batch: bool = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Target":
         # Record the constructor call: a failure's replay line rebuilds a plain-class target as

@@ -29,7 +29,8 @@ __all__ = ["GATHERS", "REDUCTIONS", "check_budget"]
 
 
 def check_budget(step: int, world_size: int, records: list[RankRecord], reference: Reference,
-                  flattened_broadcasts: bool) -> list[Divergence]:
+                  flattened_broadcasts: bool,
+                  reduces_every_micro_batch: bool = False) -> list[Divergence]:
     if world_size == 1:
         return []
     n_dtypes, grad_bytes = reference.n_dtypes, reference.gradient_bytes
@@ -50,6 +51,12 @@ def check_budget(step: int, world_size: int, records: list[RankRecord], referenc
         padding, padded_numel = _padding(record.steps[step].shards, reference, world_size)
         reduced = sum(c.nbytes for c in reductions)
         elements = sum(_numel(c) for c in reductions)
+        plan = record.steps[step].batch_plan
+        if reduces_every_micro_batch and plan is not None and plan.micro_batches:
+            # declared: each micro-batch's gradient crosses the wire once (ZeRO-2), so the step
+            # may reduce as many gradients' worth as it has micro-batches
+            reduced //= len(plan.micro_batches)
+            elements //= len(plan.micro_batches)
         if reduced > budget_bytes + padding and elements <= budget_numel + padded_numel:
             # no more elements than the gradients have, but more bytes: they travelled wider
             # (float32 gradients promoted by torch.cat into a float64 bucket, say)

@@ -168,7 +168,8 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
             found += compare_schedule(step, world_size, records, ref, tol, earlier_steps > 0)
         if "budget" in checks:
             found += check_budget(step, world_size, records, reference,
-                                   getattr(target, "flattened_broadcasts", False))
+                                   getattr(target, "flattened_broadcasts", False),
+                                   getattr(target, "reduces_every_micro_batch", False))
         if found:
             return out + found  # later steps only repeat the damage
     return out
