@@ -124,7 +124,9 @@ def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> 
 
     class Uses(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            for value in [*args, *(kwargs or {}).values()]:
+            # reading an attribute (param.dtype, .shape) computes nothing with the parameter
+            reads = getattr(func, "__name__", "") == "__get__"
+            for value in [] if reads else [*args, *(kwargs or {}).values()]:
                 holders = owners.get(id(value))
                 if holders is not None and not any(h is m for h in holders for m in active):
                     outside.append(names[id(value)])
