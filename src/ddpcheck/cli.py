@@ -346,6 +346,10 @@ def _trace(args: argparse.Namespace) -> ExitCode:
     from ddpcheck._internal.runs.trace import TRACE_SCENARIO, chrome_trace, overlap, record_step
     from ddpcheck._internal.world.worlds import WorldFailure, get_world
 
+    if callable(getattr(args.target, "fit", None)):
+        raise UsageError(f"{args.target_spec} owns its training loop (Target.fit); ddpcheck "
+                         "trace times the steps of its own loop, so it cannot trace this target")
+
     try:
         traces = get_world(args.world_size).run(record_step, args.target, TRACE_SCENARIO,
                                                 deadline=args.deadline, what="ddpcheck trace")

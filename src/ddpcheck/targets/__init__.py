@@ -323,6 +323,8 @@ _DEEPSPEED = {
     "unused-on-some-ranks": "the ranks' gradient all-reduces stop pairing (buckets of different "
                             "sizes), though ignore_unused_parameters is documented to ignore "
                             "them",
+    "non-contiguous": "deepspeed.initialize raises broadcasting a non-contiguous parameter "
+                      "('self.stride(-1) must be 1 to view Float as Byte')",
     "mixed-dtypes": "ddpcheck's mixed dtypes are float32 layers in a float64 model, and float64 "
                     "is declined",
     "checkpoint": f"{_OWN_CHECKPOINTS} (engine.save_checkpoint)",

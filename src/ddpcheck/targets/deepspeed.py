@@ -23,7 +23,8 @@ after the point where gradients are recorded -- and its default is 1.0, so the t
 parameters no rank uses (ZeRO's flat partitions give them a zero gradient and step them),
 parameters some ranks do not use (the ranks' gradient all-reduces stop pairing: ranks issue
 buckets of different sizes, though ``ignore_unused_parameters`` is documented as "unused
-parameters are ignored and training continues"), mixed dtypes, checkpoints (``engine.save_checkpoint`` is DeepSpeed's own format), per-rank
+parameters are ignored and training continues"), non-contiguous parameters (``initialize``
+raises broadcasting them: "self.stride(-1) must be 1 to view Float as Byte"), mixed dtypes, checkpoints (``engine.save_checkpoint`` is DeepSpeed's own format), per-rank
 registration orders.
 
 Imports DeepSpeed only inside the hooks. Unverified on GPUs (none here): the accelerator is chosen
@@ -90,8 +91,8 @@ class DeepSpeedTarget(Target):
     steps_every_micro_batch = True
     sharded_gradients = True
     supported_features = frozenset(FEATURES) - {"float64", "clipping", "unused-everywhere",
-                                                "unused-on-some-ranks", "mixed-dtypes",
-                                                "checkpoint", "rank-orders"}
+                                                "unused-on-some-ranks", "non-contiguous",
+                                                "mixed-dtypes", "checkpoint", "rank-orders"}
 
     @property
     def reduces_every_micro_batch(self) -> bool:  # type: ignore[override]
