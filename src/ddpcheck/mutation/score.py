@@ -87,7 +87,8 @@ def score(mutants: Iterable[Any], budget_seconds: float, *, control: Any = None,
     # several controls (a list) when the mutants seed bugs into several unmutated targets
     controls = [] if control is None else control if isinstance(control, list) else [control]
     for i, unmutated in reversed(list(enumerate(controls))):
-        label = CONTROL if i == 0 else f"{CONTROL[:-1]} {type(unmutated).__name__})"
+        label = (CONTROL if unmutated is PARALLEL else
+                 f"{CONTROL[:-1]} {type(unmutated).__name__})")
         todo.insert(0, (label, "-", unmutated, True))
     for name, bug_class, target, is_control in todo:
         budget = float("inf") if is_control else budget_seconds

@@ -325,6 +325,8 @@ _DEEPSPEED = {
                             "them",
     "non-contiguous": "deepspeed.initialize raises broadcasting a non-contiguous parameter "
                       "('self.stride(-1) must be 1 to view Float as Byte')",
+    "param-groups": "safe_get_full_optimizer_state raises 'exp_avg not found in optimizer "
+                    "state fragment' for a second group's parameter: its state cannot be read",
     "mixed-dtypes": "ddpcheck's mixed dtypes are float32 layers in a float64 model, and float64 "
                     "is declined",
     "checkpoint": f"{_OWN_CHECKPOINTS} (engine.save_checkpoint)",

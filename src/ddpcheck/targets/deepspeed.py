@@ -24,7 +24,10 @@ parameters no rank uses (ZeRO's flat partitions give them a zero gradient and st
 parameters some ranks do not use (the ranks' gradient all-reduces stop pairing: ranks issue
 buckets of different sizes, though ``ignore_unused_parameters`` is documented as "unused
 parameters are ignored and training continues"), non-contiguous parameters (``initialize``
-raises broadcasting them: "self.stride(-1) must be 1 to view Float as Byte"), mixed dtypes, checkpoints (``engine.save_checkpoint`` is DeepSpeed's own format), per-rank
+raises broadcasting them: "self.stride(-1) must be 1 to view Float as Byte"), several param
+groups (``safe_get_full_optimizer_state`` raises "exp_avg not found in optimizer state
+fragment" for a parameter of the second group, ZeRO-1 at W=2: its state cannot be read per
+parameter), mixed dtypes, checkpoints (``engine.save_checkpoint`` is DeepSpeed's own format), per-rank
 registration orders.
 
 Imports DeepSpeed only inside the hooks. Unverified on GPUs (none here): the accelerator is chosen
@@ -92,7 +95,8 @@ class DeepSpeedTarget(Target):
     sharded_gradients = True
     supported_features = frozenset(FEATURES) - {"float64", "clipping", "unused-everywhere",
                                                 "unused-on-some-ranks", "non-contiguous",
-                                                "mixed-dtypes", "checkpoint", "rank-orders"}
+                                                "param-groups", "mixed-dtypes", "checkpoint",
+                                                "rank-orders"}
 
     @property
     def reduces_every_micro_batch(self) -> bool:  # type: ignore[override]
