@@ -327,6 +327,8 @@ _DEEPSPEED = {
                       "('self.stride(-1) must be 1 to view Float as Byte')",
     "param-groups": "safe_get_full_optimizer_state raises 'exp_avg not found in optimizer "
                     "state fragment' for a second group's parameter: its state cannot be read",
+    "buffers": "the engine broadcasts parameters only (_broadcast_model walks "
+               "named_parameters()): buffers initialised differently per rank stay different",
     "mixed-dtypes": "ddpcheck's mixed dtypes are float32 layers in a float64 model, and float64 "
                     "is declined",
     "checkpoint": f"{_OWN_CHECKPOINTS} (engine.save_checkpoint)",

@@ -27,7 +27,9 @@ parameters are ignored and training continues"), non-contiguous parameters (``in
 raises broadcasting them: "self.stride(-1) must be 1 to view Float as Byte"), several param
 groups (``safe_get_full_optimizer_state`` raises "exp_avg not found in optimizer state
 fragment" for a parameter of the second group, ZeRO-1 at W=2: its state cannot be read per
-parameter), mixed dtypes, checkpoints (``engine.save_checkpoint`` is DeepSpeed's own format), per-rank
+parameter), buffers (the engine broadcasts parameters only: ``_broadcast_model`` walks
+``module.named_parameters()``, so buffers initialised differently per rank stay different, where
+torch DDP broadcasts them), mixed dtypes, checkpoints (``engine.save_checkpoint`` is DeepSpeed's own format), per-rank
 registration orders.
 
 Imports DeepSpeed only inside the hooks. Unverified on GPUs (none here): the accelerator is chosen
@@ -95,8 +97,8 @@ class DeepSpeedTarget(Target):
     sharded_gradients = True
     supported_features = frozenset(FEATURES) - {"float64", "clipping", "unused-everywhere",
                                                 "unused-on-some-ranks", "non-contiguous",
-                                                "param-groups", "mixed-dtypes", "checkpoint",
-                                                "rank-orders"}
+                                                "param-groups", "buffers", "mixed-dtypes",
+                                                "checkpoint", "rank-orders"}
 
     @property
     def reduces_every_micro_batch(self) -> bool:  # type: ignore[override]
