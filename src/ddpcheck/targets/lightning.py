@@ -15,7 +15,9 @@ spawns and initialises nothing.
 
 ``manual=True`` runs manual optimization instead (``automatic_optimization = False``:
 ``manual_backward``, and every A-th micro-batch ``clip_gradients``, ``step``, the scheduler and
-``zero_grad``), as Lightning's docs show for accumulation. Documented behaviours the target meets
+``zero_grad``), as Lightning's docs show for accumulation. ``static_graph=True`` declines
+accumulation (torch's DDP trips an internal assert under ``no_sync()`` with a static graph:
+``bench/ddp_static_graph_no_sync.py``) and data-dependent parameter usage (documented). Documented behaviours the target meets
 as a user must: automatic optimization divides each micro-batch's loss by
 ``accumulate_grad_batches`` (ddpcheck's are already scaled, so ``training_step`` multiplies them
 back), and ``gradient_clip_val`` clips the 2-norm only (infinity-norm clipping is declined in
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpcheck import features
 from ddpcheck.features import FEATURES
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.protocol import Target
@@ -52,6 +55,14 @@ class LightningTarget(Target):
     supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint"}
 
     def supports(self, scenario: Any) -> str | None:
+        if self.static_graph and scenario.accumulation > 1:
+            return ("accumulation with static_graph: torch 2.13's DDP(static_graph=True) raises "
+                    "'expect_autograd_hooks_ INTERNAL ASSERT FAILED' under no_sync(), which "
+                    "Lightning uses to accumulate (bench/ddp_static_graph_no_sync.py)")
+        if self.static_graph and _usage_varies(scenario):
+            return ("parameter usage that depends on the data, with static_graph: torch's DDP "
+                    "docs require that \"the set of used and unused parameters will not change "
+                    "during the whole training loop\"")
         if (not self.manual and scenario.max_grad_norm is not None
                 and math.isinf(scenario.grad_norm_type)):
             return ("clipping: Trainer(gradient_clip_val=...) clips the 2-norm only "
@@ -84,6 +95,16 @@ class LightningTarget(Target):
         loader = torch.utils.data.DataLoader(
             [micro for step in run.batches for micro in step], batch_size=None, shuffle=False)
         trainer.fit(net, train_dataloaders=loader)
+
+
+def _usage_varies(scenario: Any) -> bool:
+    """Whether which parameters get gradients depends on the samples (a layer some samples
+    skip): some rank or step then uses another set."""
+    layers = getattr(scenario.model, "layers", None)
+    if layers is not None and any(layer.use == "sample" for layer in layers):
+        return True
+    return any("unused-on-some-ranks" in features.of(scenario, world_size)
+               for world_size in (2, 3, 4))
 
 
 def _module(pl: Any, net: Any, run: Any, accumulation: int, manual: bool) -> Any:
