@@ -1,5 +1,6 @@
 # Two commands do everything on a fresh machine (see README):
-#   make check   create .venv, install, fuzz the built-in `parallel` target
+#   make check   create .venv, install (the frameworks of the ready-made targets too), fuzz the
+#                built-in `parallel` target
 #   make test    create .venv, install, run the test suite
 # and one to package:
 #   make dist    the wheel and the sdist in dist/ (`python -m build`, from a tool venv: `build` is
@@ -15,7 +16,7 @@ TOOLS := .venv-build
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt -e .
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[frameworks]'
 	touch $(STAMP)
 
 check: $(STAMP)

@@ -32,6 +32,10 @@ BATTERY: list[tuple[str, Scenario]] = [
     ("sample-branch-accumulate", Scenario(zoo.SampleBranch, optimizer_kwargs=_SGD_MOMENTUM,
                                           global_batch=11, steps=2, accumulation=3, seed=3,
                                           bucket_size_mb=1e-6)),
+    # a schedule and micro-batches together: a framework that gates optimizer.step() and the
+    # scheduler after every micro-batch must let neither act inside the window (C2)
+    ("schedule-accumulate", Scenario(zoo.MLP, optimizer_kwargs={"lr": 0.1}, lr_decay=0.5,
+                                     global_batch=8, steps=2, accumulation=2, seed=10)),
     ("buffers-groups-schedule", Scenario(zoo.WithBuffers, optimizer=torch.optim.Adam,
                                          optimizer_kwargs={"lr": 0.02},
                                          param_groups=zoo.BiasGroups(lr=0.05, weight_decay=0.0),

@@ -140,7 +140,7 @@ def _prepare(args: argparse.Namespace) -> argparse.Namespace:
         args.target_spec, args.target = args.target, resolve_target(args.target)
     if getattr(args, "rule", None) is not None:
         args.rule_spec, args.rule = args.rule, _resolve_rule(args.rule)
-    if not _under_torchrun(args):
+    if sizes and not _under_torchrun(args):
         check_fits_machine(sizes, flag="--world-size" if hasattr(args, "world_size")
                            else "--world-sizes")
     for flag in ("json", "output"):
@@ -171,10 +171,15 @@ def _under_torchrun(args: argparse.Namespace) -> bool:
 
 def resolve_target(spec: str) -> Any:
     """``parallel`` / ``MODULE:ATTR`` / ``MODULE:EXPR`` -> a target instance."""
-    from ddpcheck.targets import BUILTIN
+    from ddpcheck.targets import BUILTIN, READY_MADE
 
     if spec in BUILTIN:
         return BUILTIN[spec]
+    missing = next((e for e in READY_MADE if e.name == spec), None)
+    if missing is not None:  # a framework's target, the framework not installed
+        raise UsageError(f"target {spec!r} drives {missing.framework}, which is not installed "
+                         "here; pip install 'ddpcheck[frameworks]' (or the package alone, at "
+                         "the version in constraints.txt)")
     return _resolve(spec, "target")
 
 
@@ -353,6 +358,10 @@ def _trace(args: argparse.Namespace) -> ExitCode:
     from ddpcheck._internal.runs.trace import TRACE_SCENARIO, chrome_trace, overlap, record_step
     from ddpcheck._internal.world.worlds import WorldFailure, get_world
 
+    if callable(getattr(args.target, "fit", None)):
+        raise UsageError(f"{args.target_spec} owns its training loop (Target.fit); ddpcheck "
+                         "trace times the steps of its own loop, so it cannot trace this target")
+
     try:
         traces = get_world(args.world_size).run(record_step, args.target, TRACE_SCENARIO,
                                                 deadline=args.deadline, what="ddpcheck trace")
@@ -371,6 +380,22 @@ def _trace(args: argparse.Namespace) -> ExitCode:
             line += (f"; first async all-reduce launched {seen[0] * 1e3:.2f} ms into a "
                      f"{seen[1] * 1e3:.2f} ms backward")
         print(line)
+    return ExitCode.OK
+
+
+def _targets(args: argparse.Namespace) -> ExitCode:
+    from ddpcheck.targets import READY_MADE
+
+    for entry in READY_MADE:
+        version = entry.version
+        where = (f"{entry.framework} {version}" if version is not None else
+                 f"{entry.framework} not installed: pip install 'ddpcheck[frameworks]'")
+        print(f"{entry.name}  ({where})\n    {entry.summary}")
+        for feature, why in entry.declines.items():
+            print(f"    declines {feature}: {why}")
+        if entry.per_scenario:
+            print(f"    declines, scenario by scenario: {entry.per_scenario}")
+    print("\ncheck one with: ddpcheck check NAME; or your own with ddpcheck check MODULE:EXPR")
     return ExitCode.OK
 
 
@@ -409,7 +434,7 @@ def _fuzz_rule(args: argparse.Namespace) -> ExitCode:
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], ExitCode]] = {
     "check": _check, "survey": _survey, "replay": _replay, "trace": _trace,
-    "mutants": _mutants, "fuzz-rule": _fuzz_rule}
+    "mutants": _mutants, "fuzz-rule": _fuzz_rule, "targets": _targets}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,6 +542,13 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("-o", "--output", default="trace.json",
                        help="where to write the JSON (default trace.json)")
     trace.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE)
+
+    sub.add_parser("targets", help="list the ready-made targets: framework, installed version, "
+                                   "what each declines and why",
+                   description="List every ready-made target ddpcheck check accepts by name: "
+                               "what it drives, its framework and installed version (a "
+                               "framework's target is usable only where it is installed), and "
+                               "each feature it declines with the reason. Exit 0.")
 
     mutants = sub.add_parser(
         "mutants", help="run the built-in mutant catalogue and print which bugs were caught",

@@ -12,8 +12,10 @@ compose in any order and Hypothesis can delete any of them while shrinking. Para
 registered in ``registration`` order, independently of the execution order of ``layers``.
 
 Supported layers (see :data:`KINDS`): linear, a linear reused twice, a transposed (non-contiguous)
-weight, Conv1d, Conv2d, LayerNorm, a random buffer, a small self-attention block, and an embedding
-optionally tied to the output. Not supported, and why: BatchNorm in train mode and anything else
+weight, Conv1d, Conv2d, LayerNorm, a random buffer, a small self-attention block, an embedding
+optionally tied to the output, and a Conv2d in the ``channels_last`` memory format (its weight's
+strides are not the default ones: the realistic way a model gets non-contiguous parameters, and
+the trigger of a torch DDP bug, docs/stride-bug.md). Not supported, and why: BatchNorm in train mode and anything else
 with batch statistics (not shard-invariant), dropout (random per rank), buffers updated from data
 (torch DDP keeps them rank-local).
 """
@@ -29,7 +31,7 @@ from torch import nn
 __all__ = ["KINDS", "Layer", "ModelSpec", "SpecData", "SpecModel"]
 
 KINDS = ("linear", "reused", "transposed", "conv1d", "conv2d", "layernorm", "buffer", "attention",
-         "embedding")
+         "embedding", "conv_channels_last")
 USES = ("always", "sample", "never")
 OUT_FEATURES = 3
 
@@ -201,6 +203,21 @@ class _Conv2d(nn.Module):
         return torch.tanh(y.sum(dim=(1, 3)))  # (B,w)
 
 
+class _ConvChannelsLast(nn.Module):
+    """A 2-channel Conv2d converted to ``channels_last``, as vision models are for speed: its
+    weight ``(2, 2, 3, 1)`` has strides ``(6, 1, 2, 2)``, and so has its gradient."""
+
+    def __init__(self, w: int):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, kernel_size=(3, 1), padding=(1, 0))
+        self.conv.to(memory_format=torch.channels_last)
+
+    def forward(self, h):
+        x = torch.stack([h, h.flip(-1)], dim=1)[..., None]  # (B,2,w,1)
+        y = self.conv(x.contiguous(memory_format=torch.channels_last))  # (B,2,w,1)
+        return torch.tanh(y.sum(dim=(1, 3)))  # (B,w)
+
+
 class _LayerNorm(nn.Module):
     def __init__(self, w: int):
         super().__init__()
@@ -260,4 +277,5 @@ def _make_block(kind: str, w: int) -> nn.Module:
         "buffer": lambda: _Buffer(w),
         "attention": lambda: _Attention(w),
         "embedding": lambda: _Embedding(w),
+        "conv_channels_last": lambda: _ConvChannelsLast(w),
     }[kind]()

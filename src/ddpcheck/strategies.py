@@ -100,11 +100,12 @@ def models(*, min_layers: int = 0, max_layers: int = 5, kinds: Sequence[str] = K
 
     ``without`` (features of ``ddpcheck.features.FEATURES``) removes what produces them:
     layers used by some samples or none (``unused-*``), frozen layers, the reused linear and the
-    tied head (``tied``), the buffer layer, the transposed weight (``non-contiguous``), float32
-    layers (``mixed-dtypes``)."""
+    tied head (``tied``), the buffer layer, the transposed weight and the ``channels_last`` conv
+    (``non-contiguous``), float32 layers (``mixed-dtypes``)."""
     _check_range("min_layers", min_layers, "max_layers", max_layers, 0)
     without = features.parse(without, "without")
-    dropped = {"tied": ("reused",), "buffers": ("buffer",), "non-contiguous": ("transposed",)}
+    dropped = {"tied": ("reused",), "buffers": ("buffer",),
+               "non-contiguous": ("transposed", "conv_channels_last")}
     kinds = tuple(k for k in kinds
                   if not any(k in dropped.get(f, ()) for f in without))
     if not kinds:
@@ -254,7 +255,7 @@ def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
 _LAYERS = {"unused-everywhere": Layer(use="never"), "unused-on-some-ranks": Layer(use="sample"),
            "frozen": Layer(frozen=True), "tied": Layer(kind="reused"),
            "buffers": Layer(kind="buffer"), "mixed-dtypes": Layer(float32=True),
-           "non-contiguous": Layer(kind="transposed")}
+           "non-contiguous": (Layer(kind="transposed"), Layer(kind="conv_channels_last"))}
 
 
 def exercising(feature: str, *, world_size: int, dtypes: Sequence[str] | None = None,
@@ -281,7 +282,9 @@ def exercising(feature: str, *, world_size: int, dtypes: Sequence[str] | None = 
         dtypes = ("float32",) if feature == "float32" else ("float64",)
     model = models(mixed_dtypes=True, without=without)
     if feature in _LAYERS:
-        model = st.builds(_with_layer, model, st.just(_LAYERS[feature]), st.integers(0, 5))
+        layer = _LAYERS[feature]
+        model = st.builds(_with_layer, model, st.sampled_from(layer) if isinstance(layer, tuple)
+                          else st.just(layer), st.integers(0, 5))
     resumes = tuple(resume_world_sizes or range(1, world_size + 1))
     drawn = scenarios(models=model, dtypes=dtypes, without=without, world_size=world_size,
                       resume_world_sizes=resumes)

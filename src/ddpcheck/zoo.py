@@ -20,6 +20,7 @@ __all__ = [
     "IN_FEATURES",
     "OUT_FEATURES",
     "BiasGroups",
+    "ChannelsLastConv",
     "MLP",
     "MixedPrecision",
     "NonContiguous",
@@ -126,6 +127,23 @@ class NonContiguous(nn.Module):
 
     def forward(self, x):
         return self.proj(torch.tanh(x @ self.w))  # (B, 5) x (5, 3) -> (B, 3)
+
+
+class ChannelsLastConv(nn.Module):
+    """A Conv2d in the ``channels_last`` memory format, as vision models are converted for speed:
+    its weight ``(4, 2, 3, 1)`` has strides ``(6, 1, 2, 2)``, not the default ``(6, 3, 1, 1)``
+    -- the realistic non-contiguous parameter (docs/stride-bug.md)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, kernel_size=(3, 1), padding=(1, 0))
+        self.conv.to(memory_format=torch.channels_last)
+        self.head = nn.Linear(4 * IN_FEATURES, OUT_FEATURES)
+
+    def forward(self, x):
+        image = torch.stack([x, x.flip(-1)], dim=1)[..., None]  # (B, 2, 5, 1)
+        y = torch.tanh(self.conv(image.contiguous(memory_format=torch.channels_last)))
+        return self.head(y.flatten(1))  # (B, 4*5) -> (B, 3)
 
 
 class MixedPrecision(nn.Module):

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 from hypothesis import HealthCheck, find, given, settings
+from hypothesis.errors import NoSuchExample
 
 import ddpcheck
 from ddpcheck import strategies as dst
@@ -59,6 +60,25 @@ def test_layer_vocabulary_has_the_promised_parameter_properties():
     model(x).pow(2).sum().backward()
     assert params["l3.fc.weight"].grad is None  # never used
     assert params["l1.table.weight"].grad is not None  # used by the embedding and the tied head
+
+
+def test_a_channels_last_conv_is_drawn_as_a_non_contiguous_parameter():
+    spec = ModelSpec(layers=(Layer("conv_channels_last"),))
+    scenario = ddpcheck.Scenario(spec, data=spec.data, dtype="float32")
+    weight = dict(build_model(scenario, 0).named_parameters())["l0.conv.weight"]
+    assert weight.stride() == (6, 1, 2, 2) and not weight.is_contiguous()  # kept by the cast
+    assert "non-contiguous" in ddpcheck.features.of(scenario, 2)
+    assert "non-contiguous" in ddpcheck.features.of(ddpcheck.Scenario(ddpcheck.zoo.ChannelsLastConv), 2)
+    # drawn by the default strategy, and by the non-contiguous row half the time; never `without`
+    find(dst.models(), lambda m: any(layer.kind == "conv_channels_last" for layer in m.layers),
+         settings=FAST)
+    find(dst.exercising("non-contiguous", world_size=2),
+         lambda s: any(layer.kind == "conv_channels_last" for layer in s.model.layers),
+         settings=FAST)
+    with pytest.raises(NoSuchExample):
+        find(dst.models(without={"non-contiguous"}),
+             lambda m: any(layer.kind == "conv_channels_last" for layer in m.layers),
+             settings=FAST)
 
 
 def test_shrinking_reaches_small_models():

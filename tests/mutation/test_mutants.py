@@ -35,6 +35,16 @@ def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
             assert type(m.target).__module__ == "ddpcheck.mutation.broken_fsdp"
             assert type(m.target).__doc__ and type(m.target) is not TorchFSDPTarget
             continue
+        if m.control is not None:  # the loop hooks' families: a control of broken_loop
+            assert isinstance(m.target, type(m.control)) and type(m.target) is not type(m.control)
+            assert type(m.target).__module__ == "ddpcheck.mutation.broken_loop"
+            broken = [type(m.target), getattr(type(m.target), "optimizer_class", None),
+                      getattr(type(m.target), "scheduler_class", None)]
+            assert any(cls is not None and cls.__doc__ and cls.__module__.endswith("broken_loop")
+                       and cls not in (type(m.control), type(m.control).optimizer_class,
+                                       getattr(type(m.control), "scheduler_class", None))
+                       for cls in broken), f"{m.name} seeds no bug"
+            continue
         assert isinstance(m.target, ParallelDDPTarget)
         assert type(m.target).__module__ == "ddpcheck.mutation.catalogue"
         broken = [type(m.target).ddp_class, getattr(type(m.target), "optimizer_class", None),
@@ -65,10 +75,18 @@ def test_every_mutant_is_killed_and_the_unmutated_target_passes(capsys):
     assert "unmutated target passes" in out, out
     assert status == 0, out
     rows = [line for line in out.splitlines() if line.startswith("| ")][1:]
-    assert len(rows) == n + 2  # a control per family: parallel's, and FSDP2's for family I
+    # a control per family: parallel's, FSDP2's for family I, and the loop hooks' two
+    assert len(rows) == n + 4
     assert "| (unmutated)" in rows[0] and "| passes " in rows[0]
-    assert "| (unmutated TorchFSDPTarget)" in rows[1] and "| passes " in rows[1]
-    assert all("| killed " in row for row in rows[2:]), out
+    for row, name in zip(rows[1:4], ("TorchFSDPTarget", "EngineTarget", "Zero2Target")):
+        assert f"| (unmutated {name})" in row and "| passes " in row, out
+    assert all("| killed " in row for row in rows[4:]), out
+    # the loop hooks' mutants, each named by what only it breaks
+    for name, kind in (("StepsInsideWindow", "stepped inside accumulation window"),
+                       ("ReducesTwiceZero2", "communication over budget"),
+                       ("SkipsFirstReduce", "replicas differ")):
+        row = next(r for r in rows if r.startswith(f"| {name} "))
+        assert kind in row, row
     # the batch-plan mutants are named by their cause, before any number differs
     for name in ("MeanOfRankMeans", "SamplerSeededPerRank", "FlooredShards", "PaddingSampler"):
         # (SkipsEmptyShard is a rank failure: the other ranks synchronise without it)

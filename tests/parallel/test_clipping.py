@@ -207,7 +207,9 @@ def test_random_scenarios_clip_a_quarter_of_the_time_and_never_when_excluded():
 
     seen = {"with": [], "without": []}
 
-    @settings(max_examples=200, deadline=None, database=None, derandomize=True,
+    # 600 draws: one fixed (derandomized) sample, so its share moves whenever the strategies
+    # gain a choice (a layer kind); at 200 it ranged 12-30 % across such changes
+    @settings(max_examples=600, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(dst.scenarios(), dst.scenarios(without={"clipping"}))
     def draw(with_clipping, without_clipping):
@@ -215,7 +217,8 @@ def test_random_scenarios_clip_a_quarter_of_the_time_and_never_when_excluded():
         seen["without"].append(without_clipping.max_grad_norm is not None)
 
     draw()
-    assert 0.15 <= sum(seen["with"]) / 200 <= 0.35, sum(seen["with"])
+    share = sum(seen["with"]) / len(seen["with"])
+    assert 0.15 <= share <= 0.35, (share, len(seen["with"]))
     assert not any(seen["without"])
 
 

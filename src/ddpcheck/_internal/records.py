@@ -81,6 +81,10 @@ class StepRecord:
     shards: dict[str, tuple[int | None, torch.Tensor]] = dataclasses.field(default_factory=dict)
     #: the LR schedule after the step (``schedule_state``; empty without one)
     schedule: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: a target that ``steps_every_micro_batch``: the parameters after each gated step inside
+    #: the accumulation window, ``(micro-batch index, {name: parameter})`` -- each must still be
+    #: the parameters the step started from (``ddpcheck._internal.oracle.window``)
+    window: list[tuple[int, dict[str, torch.Tensor]]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -112,7 +116,9 @@ def schedule_state(optimizer: Any, scheduler: Any) -> dict[str, Any]:
     that restarts its count after a resume is a bug even where the lr happens to continue."""
     if scheduler is None:
         return {}
-    return {"step count (last_epoch)": scheduler.last_epoch,
+    # state_dict() is what every scheduler, and a framework's wrapper of one, passes through
+    # (accelerate's AcceleratedScheduler has no last_epoch attribute of its own)
+    return {"step count (last_epoch)": scheduler.state_dict().get("last_epoch"),
             **{f"lr of param group {i}": group["lr"]
                for i, group in enumerate(optimizer.param_groups)}}
 

@@ -2,8 +2,12 @@
 
 Invariant: :func:`train` runs ``scenario.steps`` steps of the scenario's objective (or the part
 ``steps`` of them a run resumed from a checkpoint trains) -- per step,
-the micro-batches ``loop.batches(step)`` (all but the last under ``loop.no_sync()``), each
-``(x, y, scale)`` back-propagating its summed per-sample losses times its ``scale``; then
+the micro-batches ``loop.batches(step)``, each ``(x, y, scale)`` inside ``loop.micro_batch(index,
+count)`` (default: all but the last under ``loop.no_sync()``) back-propagating its summed
+per-sample losses times its ``scale`` through ``loop.backward`` -- and, in a loop that
+``steps_every_micro_batch`` (accelerate's and DeepSpeed's idiom: the framework gates), calling
+``optimizer.step()``, the LR schedule and ``zero_grad`` after every micro-batch but the last too,
+then ``loop.inside_window(step, index)`` (where callers check nothing moved); then
 ``loop.after_backward()``, when the scenario clips (``max_grad_norm``) the clipping of the now
 synchronised gradients, ``loop.before_optimizer_step(step)`` (gradients are final here),
 ``optimizer.step()``, the LR schedule, ``loop.after_step(step)`` (where callers snapshot),
@@ -24,11 +28,15 @@ import torch
 
 from ddpcheck.scenario import Scenario, per_sample_loss
 
-__all__ = ["Loop", "make_scheduler", "train"]
+__all__ = ["FitRun", "Loop", "make_scheduler", "micro_batch_loss", "train"]
 
 
 def _nothing(*_: Any) -> None:
     return None
+
+
+def _backward(loss: Any) -> None:
+    loss.backward()
 
 
 @dataclasses.dataclass
@@ -38,6 +46,13 @@ class Loop:
     #: step -> micro-batches ``(x, y, scale)``: scale multiplies the summed per-sample losses
     batches: Callable[[int], list[tuple[torch.Tensor, torch.Tensor, float]]]
     no_sync: Callable[[], ContextManager[Any]] = contextlib.nullcontext  # all but the last
+    #: ``(index, count) ->`` the context of micro-batch ``index`` of ``count`` (None: ``no_sync``
+    #: around all but the last)
+    micro_batch: Callable[[int, int], ContextManager[Any]] | None = None
+    backward: Callable[[Any], None] = _backward  # ``loss ->`` back-propagate it
+    #: optimizer.step(), the schedule and zero_grad after every micro-batch; the framework gates
+    steps_every_micro_batch: bool = False
+    inside_window: Callable[[int, int], None] = _nothing  # (step, index) after such a step
     after_backward: Callable[[], None] = _nothing
     #: ``(max_norm, norm_type) ->`` clip the synchronised gradients; only called when the
     #: scenario clips. None: ``torch.nn.utils.clip_grad_norm_`` over the model's parameters.
@@ -48,6 +63,50 @@ class Loop:
     end_step: Callable[[int], None] = _nothing  # after zero_grad
     #: When a list, (phase, start, end) ``time.perf_counter()`` spans are appended to it.
     phases: list[tuple[str, float, float]] | None = None
+
+
+@dataclasses.dataclass
+class FitRun:
+    """What a target that owns the whole training loop (``Target.fit(module, run)``: Lightning's
+    ``Trainer.fit``) is given, to train the scenario as the reference does.
+
+    ``batches[step]`` are this rank's micro-batches ``(x, y, scale)`` of that step, in order: the
+    loss of one is :meth:`loss` (the summed per-sample losses times ``scale``), and the step's
+    gradient is the sum over its micro-batches. ``params``: what the optimizer gets (parameters,
+    or param groups); ``optimizer(params, **optimizer_kwargs)``; ``gamma``: an ``ExponentialLR``
+    stepped once per optimizer step (None: no schedule); ``max_grad_norm``/``grad_norm_type``:
+    clip the synchronised gradients before each step (None: no clipping); ``set_to_none``: how
+    ``zero_grad`` clears. The target calls :attr:`started` once, when model and optimizer are
+    built and before the first forward (the initial state is recorded then), and :attr:`record`
+    after every optimizer step, once the LR schedule stepped and before ``zero_grad``."""
+
+    module: Any
+    params: Any
+    optimizer: type
+    optimizer_kwargs: dict
+    gamma: float | None
+    max_grad_norm: float | None
+    grad_norm_type: float
+    set_to_none: bool
+    batches: list
+    #: ``(model, optimizer) ->`` call once, model and optimizer built, before the first forward
+    started: Callable[[Any, Any], None]
+    #: ``(model, optimizer, scheduler) ->`` call after every optimizer step (and its schedule)
+    record: Callable[[Any, Any, Any], None]
+
+    @property
+    def steps(self) -> int:
+        return len(self.batches)
+
+    @staticmethod
+    def loss(output: Any, y: Any, scale: float) -> Any:
+        """One micro-batch's loss, as the reference computes it."""
+        return micro_batch_loss(output, y, scale)
+
+
+def micro_batch_loss(output: Any, y: Any, scale: float) -> Any:
+    """The loss one micro-batch back-propagates: its summed per-sample losses times ``scale``."""
+    return per_sample_loss(output, y).sum() * scale
 
 
 def make_scheduler(scenario: Scenario, optimizer: Any) -> Any:
@@ -71,12 +130,15 @@ def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop, *, schedul
         loop.before_step(step)
         for i, (x, y, scale) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            with contextlib.nullcontext() if last else loop.no_sync():
+            with _micro_batch(loop, i, len(micro_batches)):
                 t0 = clock()
                 loss = per_sample_loss(model(x), y).sum() * scale
                 t1 = clock()
-                loss.backward()
+                loop.backward(loss)
                 t2 = clock()
+                if loop.steps_every_micro_batch and not last:  # the framework must not act yet
+                    _optimizer_step(scenario, optimizer, scheduler)
+                    loop.inside_window(step, i)
             if loop.phases is not None:
                 loop.phases += [("forward", t0, t1), ("backward", t1, t2)]
         t3 = clock()
@@ -94,6 +156,20 @@ def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop, *, schedul
         loop.after_step(step)
         optimizer.zero_grad(set_to_none=scenario.set_to_none)
         loop.end_step(step)
+
+
+def _micro_batch(loop: Loop, index: int, count: int) -> ContextManager[Any]:
+    if loop.micro_batch is not None:
+        return loop.micro_batch(index, count)
+    return contextlib.nullcontext() if index == count - 1 else loop.no_sync()
+
+
+def _optimizer_step(scenario: Scenario, optimizer: Any, scheduler: Any) -> None:
+    """What a loop that steps after every micro-batch calls inside an accumulation window."""
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=scenario.set_to_none)
 
 
 def _clip(scenario: Scenario, model: Any, loop: Loop) -> None:

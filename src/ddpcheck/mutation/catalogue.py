@@ -48,6 +48,7 @@ from ddpcheck.mutation import broken_batches as S
 from ddpcheck.mutation import broken_checkpoint as K
 from ddpcheck.mutation import broken_ddp as D
 from ddpcheck.mutation import broken_fsdp as F
+from ddpcheck.mutation import broken_loop as L
 from ddpcheck.mutation import broken_optimizer as O
 from ddpcheck.targets import ParallelDDPTarget, ParallelTarget, Target, TorchFSDPTarget
 from parallel import DDP, ShardedOptimizer
@@ -63,6 +64,8 @@ class Mutant:
     bug_class: str  # catalogue id, e.g. "A1"
     description: str  # one line
     target: Any
+    #: the unmutated target it must be told apart from (None: ``parallel``)
+    control: Any = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,6 +278,26 @@ CATALOGUE += [
 ]
 
 
+# The loop hooks and sharded gradients (``broken_loop``): DeepSpeed's engine in miniature, driven
+# as accelerate and DeepSpeed are, and ZeRO-2 in miniature, each with its own unmutated control.
+LOOP_CONTROL = L.EngineTarget()
+ZERO2_CONTROL = L.Zero2Target()
+CATALOGUE += [
+    Mutant("SkipsFirstReduce", "B12",
+           "backward wrapper skips the reduce after a step's first micro-batch, even the only one",
+           L.SkipsFirstReduceTarget(), LOOP_CONTROL),
+    Mutant("StepsInsideWindow", "C2",
+           "the framework's gated optimizer steps inside the accumulation window",
+           L.StepsInsideWindowTarget(), LOOP_CONTROL),
+    Mutant("SchedulerPerMicroBatch", "C2",
+           "the framework's gated LR scheduler steps after every micro-batch",
+           L.SchedulerPerMicroBatchTarget(), LOOP_CONTROL),
+    Mutant("ReducesTwiceZero2", "C3",
+           "ZeRO-2: every gradient all-reduced, then reduced to its owner again",
+           L.ReducesTwiceZero2Target(), ZERO2_CONTROL),
+]
+
+
 def by_name(name: str) -> Mutant:
     """The catalogue entry called ``name`` (case-insensitive)."""
     for mutant in CATALOGUE:
@@ -293,6 +316,15 @@ def stale_overrides() -> list[str]:
     for mutant in CATALOGUE:
         if isinstance(mutant.target, TorchFSDPTarget):  # family I: overrides TorchFSDPTarget's
             stale += _stale(mutant, type(mutant.target), TorchFSDPTarget)
+            continue
+        if mutant.control is not None:  # broken_loop: the control's class and its pieces
+            control = type(mutant.control)
+            stale += _stale(mutant, type(mutant.target), control)
+            for piece in ("optimizer_class", "scheduler_class"):
+                broken, original = (getattr(type(mutant.target), piece, None),
+                                    getattr(control, piece, None))
+                if broken is not None and broken is not original:
+                    stale += _stale(mutant, broken, original)
             continue
         for broken in (type(mutant.target).ddp_class,
                        getattr(type(mutant.target), "optimizer_class", ShardedOptimizer)):

@@ -87,7 +87,8 @@ def score(mutants: Iterable[Any], budget_seconds: float, *, control: Any = None,
     # several controls (a list) when the mutants seed bugs into several unmutated targets
     controls = [] if control is None else control if isinstance(control, list) else [control]
     for i, unmutated in reversed(list(enumerate(controls))):
-        label = CONTROL if i == 0 else f"{CONTROL[:-1]} {type(unmutated).__name__})"
+        label = (CONTROL if unmutated is PARALLEL else
+                 f"{CONTROL[:-1]} {type(unmutated).__name__})")
         todo.insert(0, (label, "-", unmutated, True))
     for name, bug_class, target, is_control in todo:
         budget = float("inf") if is_control else budget_seconds
@@ -116,8 +117,12 @@ def run_mutants(only: str | None, *, budget_seconds: float, search_name: str,
     print("\n".join(table_lines([], widths)), flush=True)
     started = time.perf_counter()
     chosen = search.shrinking_search if search_name == "shrinking" else search.battery_search
-    fsdp = [isinstance(m.target, TorchFSDPTarget) for m in mutants]
-    controls = [PARALLEL] * (not all(fsdp)) + [TORCH_FSDP] * any(fsdp)  # each family's original
+    controls = []  # each family's original, in catalogue order
+    for m in mutants:
+        control = (m.control if m.control is not None else
+                   TORCH_FSDP if isinstance(m.target, TorchFSDPTarget) else PARALLEL)
+        if all(control is not c for c in controls):
+            controls.append(control)
     rows = score(mutants, budget_seconds, control=controls, search=chosen,
                  world_sizes=world_sizes, deadline=deadline,
                  on_row=lambda r: print(table_lines([r.row()], widths)[2], flush=True))

@@ -2,9 +2,13 @@
 
 ``protocol`` says what a target is -- every hook the runner calls, and its default
 (:class:`Target`, re-exported here with :class:`WrapperTarget`); ``fsdp`` how the FSDP2 target
-sets torch's FSDP2 up. This module holds the built-ins: ``parallel`` (ours), torch's DDP, ZeRO
-and FSDP2, and a broken one, each a frozen dataclass whose replay line is its fields, and
-:data:`BUILTIN`, the short names the command line accepts. Imports the scenario language and
+sets torch's FSDP2 up; ``accelerate``, ``fabric``, ``lightning``, ``deepspeed`` drive those
+frameworks (each
+imported only when its target runs; ``environment`` joins them to the existing process group).
+This module holds the built-ins: ``parallel`` (ours), torch's DDP, ZeRO and FSDP2, a broken one,
+the frameworks', each a frozen dataclass whose replay line is its fields, :data:`READY_MADE`
+(what ``ddpcheck targets`` lists: each one's framework, version and what it declines, and why)
+and :data:`BUILTIN`, the short names the command line accepts. Imports the scenario language and
 ``parallel``; nothing of ddpcheck's private packages.
 """
 
@@ -17,14 +21,23 @@ from typing import Any, ContextManager
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpcheck.errors import NothingChecked
 from ddpcheck.features import FEATURES
-from ddpcheck.targets.fsdp import broadcast_from, fsdp_cannot_run, gradient_sync_off, shard_leaves
+from ddpcheck.targets.accelerate import AccelerateTarget
+from ddpcheck.targets.deepspeed import DeepSpeedTarget
+from ddpcheck.targets.environment import installed_version
+from ddpcheck.targets.fabric import FabricTarget
+from ddpcheck.targets.fsdp import (broadcast_from, fsdp_cannot_run, fully_shard_options,
+                                   gradient_sync_off, shard_leaves)
+from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.protocol import CONSTRUCTOR_CALL, Target, WrapperTarget
 from parallel import DDP, ShardedOptimizer
 
-__all__ = ["LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP", "TORCH_FSDP", "TORCH_ZERO", "BUILTIN",
-           "CONSTRUCTOR_CALL", "LocalTarget", "ParallelDDPTarget", "ParallelTarget", "Target",
-           "TorchDDPTarget", "TorchFSDPTarget", "TorchZeroTarget", "WrapperTarget"]
+__all__ = ["ACCELERATE", "DEEPSPEED_ZERO1", "DEEPSPEED_ZERO2", "FABRIC", "LIGHTNING", "LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP",
+           "TORCH_FSDP", "TORCH_ZERO", "TORCH_ZERO_BUCKET_VIEW", "BUILTIN", "CONSTRUCTOR_CALL",
+           "READY_MADE", "AccelerateTarget", "DeepSpeedTarget", "FabricTarget", "LightningTarget", "LocalTarget",
+           "ParallelDDPTarget", "ParallelTarget", "ReadyMade", "Target", "TorchDDPTarget",
+           "TorchFSDPTarget", "TorchZeroTarget", "WrapperTarget"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +119,15 @@ class TorchDDPTarget(_Bucketed):
 
 @dataclasses.dataclass(frozen=True)
 class TorchZeroTarget(TorchDDPTarget):
-    """torch DDP with ``ZeroRedundancyOptimizer``."""
+    """torch DDP with ``ZeroRedundancyOptimizer``, built in the order torch's ZeRO documentation
+    shows (DDP first, ZeRO over ``ddp.parameters()``).
+
+    ``parameters_as_bucket_view``: ZeRO's option of that name (``torch_zero_bucket_view``). With
+    it, torch 2.13 computes wrong gradients for a parameter whose strides change after DDP
+    wrapped it -- a non-contiguous or ``channels_last`` weight -- and this target fails, as it
+    must (docs/stride-bug.md)."""
+
+    parameters_as_bucket_view: bool = False
 
     shards_optimizer_state = True
 
@@ -129,17 +150,21 @@ class TorchZeroTarget(TorchDDPTarget):
         if params and isinstance(params[0], dict):
             first, *rest = params
             first = dict(first)
-            optimizer = ZeroRedundancyOptimizer(first.pop("params"), optimizer_class=optimizer_cls,
-                                                **{**kwargs, **first})
+            optimizer = ZeroRedundancyOptimizer(
+                first.pop("params"), optimizer_class=optimizer_cls,
+                parameters_as_bucket_view=self.parameters_as_bucket_view, **{**kwargs, **first})
             for group in rest:  # a later group falls back to the kwargs, not to group 0's values
                 optimizer.add_param_group({**kwargs, **group})
             return optimizer
-        # Not parameters_as_bucket_view=True: with torch DDP in front (torch 2.13), a parameter
-        # created non-contiguous then gets wrong gradients even at W=1 -- ZeRO swaps param.data
-        # for a contiguous bucket view after DDP's Reducer fixed the gradient layout (found by
-        # the battery's non-contiguous scenario; ZeRO alone is fine). So ZeRO broadcasts one
-        # parameter at a time, and this target does not promise flattened broadcasts.
-        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_cls, **kwargs)
+        # parameters_as_bucket_view=False by default: with torch DDP in front (torch 2.13), a
+        # parameter created non-contiguous then gets wrong gradients even at W=1 -- ZeRO swaps
+        # param.data for a contiguous bucket view after DDP's Reducer fixed the gradient layout
+        # (found by the battery's non-contiguous scenario; ZeRO alone is fine; docs/stride-bug.md).
+        # So ZeRO broadcasts one parameter at a time, and this target does not promise flattened
+        # broadcasts.
+        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_cls,
+                                       parameters_as_bucket_view=self.parameters_as_bucket_view,
+                                       **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +178,9 @@ class TorchFSDPTarget(Target):
     """
 
     reshard_after_forward: bool | int | None = None
+    #: ``fully_shard(offload_policy=CPUOffloadPolicy())``: parameters, gradients and optimizer
+    #: state kept on the CPU, the step run there (needs an accelerator: declined in CPU worlds)
+    cpu_offload: bool = False
 
     # Declined, and what supports() declines besides: see ddpcheck.targets.fsdp (found by trying).
     # Checkpoints too: FSDP2's state dicts hold DTensor shards, which resume through
@@ -171,8 +199,16 @@ class TorchFSDPTarget(Target):
         return fsdp_cannot_run(scenario)
 
     def wrap(self, module: Any) -> Any:
+        if self.cpu_offload and next(module.parameters()).device.type == "cpu":
+            # every rank decides alike, before any collective: a decline, not a rank failure
+            raise NothingChecked(
+                "cpu_offload: FSDP2's CPUOffloadPolicy keeps parameters on the CPU and copies "
+                "them to the accelerator for each forward; in a CPU world torch 2.13 raises "
+                "'Cannot access accelerator device when none is available' (run it with "
+                "--device cuda)")
         broadcast_from(module, 0)
-        return shard_leaves(module, self.reshard_after_forward)
+        return shard_leaves(module, self.reshard_after_forward, **fully_shard_options(
+            cpu_offload=self.cpu_offload))
 
     def no_sync(self, model: Any) -> ContextManager[Any]:
         return gradient_sync_off(model)
@@ -194,9 +230,120 @@ PARALLEL = ParallelTarget()
 PARALLEL_DDP = ParallelDDPTarget()
 TORCH_DDP = TorchDDPTarget()
 TORCH_ZERO = TorchZeroTarget()
+TORCH_ZERO_BUCKET_VIEW = TorchZeroTarget(parameters_as_bucket_view=True)
 TORCH_FSDP = TorchFSDPTarget()
 LOCAL = LocalTarget()
+ACCELERATE = AccelerateTarget()
+FABRIC = FabricTarget()
+LIGHTNING = LightningTarget()
+DEEPSPEED_ZERO1 = DeepSpeedTarget(stage=1)
+DEEPSPEED_ZERO2 = DeepSpeedTarget(stage=2)
 
-#: Built-in targets by the short names the command line accepts.
-BUILTIN = {"parallel": PARALLEL, "parallel_ddp": PARALLEL_DDP, "torch_ddp": TORCH_DDP,
-           "torch_zero": TORCH_ZERO, "torch_fsdp": TORCH_FSDP, "local": LOCAL}
+
+@dataclasses.dataclass(frozen=True)
+class ReadyMade:
+    """One ready-made target, as ``ddpcheck targets`` lists it."""
+
+    name: str  # its command-line name
+    target: Target
+    framework: str  # the distribution that provides what it drives
+    module: str  # the module it imports (installed when importable)
+    summary: str
+    #: feature -> why the target declines it (every feature outside its supported_features)
+    declines: dict
+    #: what its ``supports()`` declines besides, scenario by scenario
+    per_scenario: str = ""
+
+    @property
+    def version(self) -> str | None:
+        """The framework's installed version; None when it is not installed."""
+        return installed_version(self.framework, self.module)
+
+
+_TORCH_DDP_ORDER = ("torch DDP requires \"the exact same parameter registration order\" on "
+                    "every process")
+_OWN_CHECKPOINTS = "saved through the framework's own checkpoint format, not the default hooks"
+
+#: Every ready-made target, in the order ``ddpcheck targets`` lists them.
+READY_MADE = (
+    ReadyMade("parallel", PARALLEL, "torch", "torch",
+              "parallel.DDP + parallel.ShardedOptimizer (this repository)", {}),
+    ReadyMade("parallel_ddp", PARALLEL_DDP, "torch", "torch",
+              "parallel.DDP + the plain optimizer", {}),
+    ReadyMade("torch_ddp", TORCH_DDP, "torch", "torch",
+              "torch DistributedDataParallel(find_unused_parameters=True)",
+              {"rank-orders": _TORCH_DDP_ORDER}),
+    ReadyMade("torch_zero", TORCH_ZERO, "torch", "torch",
+              "torch DDP + ZeroRedundancyOptimizer", {
+                  "rank-orders": _TORCH_DDP_ORDER,
+                  "mixed-dtypes": "ZeroRedundancyOptimizer rejects parameters of several dtypes"},
+              "checkpoints where numpy is missing (consolidate_state_dict decodes through it)"),
+    ReadyMade("torch_zero_bucket_view", TORCH_ZERO_BUCKET_VIEW, "torch", "torch",
+              "torch DDP + ZeroRedundancyOptimizer(parameters_as_bucket_view=True): fails on "
+              "torch 2.13 (docs/stride-bug.md)", {
+                  "rank-orders": _TORCH_DDP_ORDER,
+                  "mixed-dtypes": "ZeroRedundancyOptimizer rejects parameters of several dtypes"}),
+    ReadyMade("torch_fsdp", TORCH_FSDP, "torch", "torch",
+              "torch FSDP2 (fully_shard per layer); TorchFSDPTarget(reshard_after_forward=int|"
+              "False, cpu_offload=True) for its options (cpu_offload needs --device cuda)", {
+                  "non-contiguous": "fully_shard raises on non-contiguous parameters",
+                  "unused-on-some-ranks": "FSDP2 all-gathers a layer in its forward: a layer "
+                                          "some ranks skip leaves the collectives unpaired",
+                  "checkpoint": "FSDP2's sharded state dicts resume through "
+                                "torch.distributed.checkpoint",
+                  "rank-orders": "fully_shard packs parameters in registration order, which "
+                                 "must be the same on every rank"},
+              "a layer skipped by some ranks' micro-batches, a weight used outside its layer, "
+              "infinity-norm clipping with an empty shard, a layer called twice per forward "
+              "with accumulation (reduce-scattered twice: bench/fsdp_reused_module.py)"),
+    ReadyMade("local", LOCAL, "torch", "torch",
+              "no synchronisation at all: must fail for W > 1", {}),
+    ReadyMade("accelerate", ACCELERATE, "accelerate", "accelerate",
+              "Accelerator: prepare, accumulate, backward, clip_grad_norm_, the prepared "
+              "scheduler", {"rank-orders": _TORCH_DDP_ORDER,
+                            "checkpoint": f"{_OWN_CHECKPOINTS} (save_state/load_state)"}),
+    ReadyMade("fabric", FABRIC, "lightning", "lightning",
+              "Lightning Fabric DDP: setup, no_backward_sync, backward, clip_gradients",
+              {"rank-orders": _TORCH_DDP_ORDER,
+               "checkpoint": f"{_OWN_CHECKPOINTS} (fabric.save/fabric.load)"}),
+    ReadyMade("lightning", LIGHTNING, "lightning", "lightning",
+              "Lightning Trainer.fit with DDPStrategy, automatic optimization (its own loop; "
+              "LightningTarget(manual=True), LightningTarget(static_graph=True))",
+              {"rank-orders": _TORCH_DDP_ORDER,
+               "checkpoint": f"{_OWN_CHECKPOINTS} (the Trainer's .ckpt files)"},
+              "infinity-norm clipping in automatic optimization (gradient_clip_val clips the "
+              "2-norm)"),
+)
+
+_DEEPSPEED = {
+    "float64": "ZeRO steps float32 master copies of the parameters",
+    "clipping": "gradient_clipping clips inside engine.step(), after gradients are recorded",
+    "unused-everywhere": "ZeRO's flat partitions give an unused parameter a zero gradient and "
+                         "step it (torch leaves it untouched)",
+    "unused-on-some-ranks": "the ranks' gradient all-reduces stop pairing (buckets of different "
+                            "sizes), though ignore_unused_parameters is documented to ignore "
+                            "them",
+    "non-contiguous": "deepspeed.initialize raises broadcasting a non-contiguous parameter "
+                      "('self.stride(-1) must be 1 to view Float as Byte')",
+    "param-groups": "safe_get_full_optimizer_state raises 'exp_avg not found in optimizer "
+                    "state fragment' for a second group's parameter: its state cannot be read",
+    "buffers": "the engine broadcasts parameters only (_broadcast_model walks "
+               "named_parameters()): buffers initialised differently per rank stay different",
+    "mixed-dtypes": "ddpcheck's mixed dtypes are float32 layers in a float64 model, and float64 "
+                    "is declined",
+    "checkpoint": f"{_OWN_CHECKPOINTS} (engine.save_checkpoint)",
+    "rank-orders": "ZeRO partitions parameters in registration order, which must be the same "
+                   "on every rank"}
+READY_MADE += (
+    ReadyMade("deepspeed_zero1", DEEPSPEED_ZERO1, "deepspeed", "deepspeed",
+              "DeepSpeed's engine, ZeRO stage 1, CPU accelerator over gloo (float32: "
+              "ddpcheck check deepspeed_zero1 --dtypes float32)", _DEEPSPEED),
+    ReadyMade("deepspeed_zero2", DEEPSPEED_ZERO2, "deepspeed", "deepspeed",
+              "DeepSpeed's engine, ZeRO stage 2: gradients partitioned, reduced every "
+              "micro-batch (float32: --dtypes float32)", _DEEPSPEED),
+)
+
+#: Built-in targets by the short names the command line accepts: a framework's only where it is
+#: installed.
+BUILTIN = {entry.name: entry.target for entry in READY_MADE
+           if entry.framework == "torch" or entry.version is not None}

@@ -11,7 +11,8 @@ CPU): non-contiguous parameters (``fully_shard`` raises), and a parameter used o
 so a layer some ranks skip leaves the collectives unpaired) -- both declined as features by
 ``TorchFSDPTarget.supported_features`` -- and, declined per scenario by :func:`fsdp_cannot_run`,
 a layer skipped by some ranks' micro-batches only, a parameter used outside its own layer's
-forward, and infinity-norm clipping with an empty shard. Tied weights, mixed dtypes (per
+forward, infinity-norm clipping with an empty shard, and a layer called twice per forward with
+accumulation (reduce-scattered twice: right numbers, twice the communication). Tied weights, mixed dtypes (per
 layer), frozen and globally unused parameters work: modules sharing a parameter are sharded
 together (:func:`shard_leaves`).
 """
@@ -28,7 +29,8 @@ from torch.overrides import TorchFunctionMode
 
 from ddpcheck.scenario import build_model, local_micro_batches
 
-__all__ = ["broadcast_from", "fsdp_cannot_run", "gradient_sync_off", "shard_leaves"]
+__all__ = ["broadcast_from", "fsdp_cannot_run", "fully_shard_options", "gradient_sync_off",
+           "shard_leaves"]
 
 
 def broadcast_from(module: Any, src: int) -> None:
@@ -41,10 +43,20 @@ def broadcast_from(module: Any, src: int) -> None:
             tensor.copy_(buffer)
 
 
-def shard_leaves(module: Any, reshard_after_forward: bool | int) -> Any:
+def fully_shard_options(*, cpu_offload: bool = False) -> dict[str, Any]:
+    """``fully_shard`` keywords for the FSDP2 target's options (``offload_policy``)."""
+    if not cpu_offload:
+        return {}
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return {"offload_policy": CPUOffloadPolicy()}
+
+
+def shard_leaves(module: Any, reshard_after_forward: bool | int, **options: Any) -> Any:
     """``fully_shard`` every module holding parameters of its own, then the root (which takes
     whatever parameters are left): one FSDP2 parameter group per layer, as real models do.
-    Modules sharing a parameter (tied weights) are sharded together, as FSDP2 requires."""
+    Modules sharing a parameter (tied weights) are sharded together, as FSDP2 requires.
+    ``options``: more ``fully_shard`` keywords, the same for every call."""
     # here: importing torch.distributed.fsdp costs 0.5 s after torch, for FSDP2 targets only
     from torch.distributed.fsdp import fully_shard
 
@@ -63,8 +75,8 @@ def shard_leaves(module: Any, reshard_after_forward: bool | int) -> Any:
                 owner[id(p)] = group
     for group in groups:
         fully_shard(group if len(group) > 1 else group[0],
-                    reshard_after_forward=reshard_after_forward)
-    return fully_shard(module, reshard_after_forward=reshard_after_forward)
+                    reshard_after_forward=reshard_after_forward, **options)
+    return fully_shard(module, reshard_after_forward=reshard_after_forward, **options)
 
 
 @contextlib.contextmanager
@@ -89,7 +101,9 @@ def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> 
     * infinity-norm clipping where some rank holds an empty shard (fewer rows than W), on
       which torch 2.13's ``clip_grad_norm_`` raises;
     * a parameter used outside its own layer's forward (a head tied to an embedding's weight
-      by reading ``embedding.weight`` in the parent): FSDP2 holds it unsharded only there.
+      by reading ``embedding.weight`` in the parent): FSDP2 holds it unsharded only there;
+    * a layer called more than once per forward, with accumulation: FSDP2 reduce-scatters its
+      gradient once per call then (``bench/fsdp_reused_module.py``), twice the budget.
     """
     model = build_model(scenario, scenario.seed)
     if scenario.max_grad_norm is not None and math.isinf(scenario.grad_norm_type):
@@ -110,7 +124,9 @@ def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> 
 
     class Uses(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            for value in [*args, *(kwargs or {}).values()]:
+            # reading an attribute (param.dtype, .shape) computes nothing with the parameter
+            reads = getattr(func, "__name__", "") == "__get__"
+            for value in [] if reads else [*args, *(kwargs or {}).values()]:
                 holders = owners.get(id(value))
                 if holders is not None and not any(h is m for h in holders for m in active):
                     outside.append(names[id(value)])
@@ -143,6 +159,14 @@ def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> 
                                 return (f"parameter {outside[0]!r} is used outside its layer's "
                                         "forward (a weight tied by reading it in another "
                                         "module); FSDP2 holds it whole only inside that forward")
+                            twice = sorted({n for n in called if called.count(n) > 1})
+                            if twice and scenario.accumulation > 1:
+                                return (f"layer {twice[0]!r} runs more than once per forward, "
+                                        "with accumulation: FSDP2 (torch 2.13) then reduce-"
+                                        "scatters its gradient once per call in the window's "
+                                        "last micro-batch -- the right numbers, its bytes twice "
+                                        "on the wire, which the communication budget reports "
+                                        "(bench/fsdp_reused_module.py)")
                             uses.append(frozenset(called))
                         seen.append(uses)
                     for rank, uses in enumerate(seen[1:], 1):

@@ -4,19 +4,34 @@ A :class:`Target` is pickled to every rank process, so subclasses must be define
 of an importable module. The runner calls, per example and per rank::
 
     target = target.configure(scenario)          # read hints such as bucket_size_mb
-    model = target.wrap(module)
-    optimizer = target.make_optimizer(params, optimizer_cls, [model=model,] **kwargs)
+    model, optimizer = target.setup(module, params, optimizer_cls, **kwargs)
+        # default: model = target.wrap(module)
+        #          optimizer = target.make_optimizer(params, optimizer_cls, [model=model,] **kwargs)
+    scheduler = target.make_scheduler(optimizer, gamma)   # scenarios with lr_decay
+    (initial state recorded here)
     for each step:
         plan = target.shard_batch(GlobalBatch(indices, step, rank, W, accumulation, reduction))
         target.before_step(model, optimizer)
-        for each micro-batch of plan but the last:  with target.no_sync(model): forward/backward
-        last micro-batch:                           forward/backward
-        (each backward of sum(per-sample losses of its samples) * its scale in the plan)
+        for index, micro-batch of plan (count of them):
+            with target.micro_batch(model, optimizer, index, count):
+                # default: target.no_sync(model) for all but the last
+                loss = sum(per-sample losses of its samples) * its scale in the plan
+                target.backward(model, loss)                   # default: loss.backward()
+                if target.steps_every_micro_batch and not last:
+                    optimizer.step(); scheduler.step(); optimizer.zero_grad(...)
+                    (parameters must not have moved: the framework gates these calls)
         target.after_backward(model, optimizer)
         target.clip_grad_norm(model, optimizer, max_norm, norm_type)   # scenarios that clip
-        (gradients recorded here)
-        optimizer.step(); optimizer.zero_grad(set_to_none=...)   # the target's optimizer's own
+        (gradients recorded here; a target with sharded_gradients: each from its owner,
+         target.gradient_shards)
+        optimizer.step(); scheduler.step(); optimizer.zero_grad(set_to_none=...)
         target.after_step(model, optimizer)
+    target.teardown(model, optimizer)
+
+A target that owns the whole loop (Lightning's ``Trainer.fit``) defines ``fit(module, run)``
+instead: it trains on ``run.batches`` and calls ``run.started(...)`` once model and optimizer are
+built and ``run.record(...)`` after every optimizer step (``ddpcheck._internal.training.FitRun``).
+Hooks and frameworks: ``docs/frameworks.md``.
 
 In scenarios with ``checkpoint_after`` the run stops after that step with
 ``target.save_checkpoint(module, model, optimizer, scheduler)`` (collective; the checkpoint is
@@ -74,6 +89,20 @@ class Target:
     #: True when the optimizer itself averages gradients inside ``step()`` (ZeRO-2 style, no
     #: wrapper in front): gradients are then recorded after the step, not before it.
     gradients_synchronized_in_step: bool = False
+    #: True when the loop calls ``optimizer.step()``, the LR scheduler and ``zero_grad()`` after
+    #: *every* micro-batch and the framework decides whether they act (accelerate's
+    #: ``accumulate``, DeepSpeed's engine): the oracle then requires the parameters not to move
+    #: inside an accumulation window, and compares them at its end as usual.
+    steps_every_micro_batch: bool = False
+    #: True when each synchronised gradient lives on one rank only, its owner (ZeRO-2, fairscale's
+    #: OSS/ShardedDDP, DeepSpeed stage 2): the harness records each gradient as its owner holds it
+    #: (:meth:`gradient_shards`, gathered outside the recorded collectives) and does not require
+    #: the other ranks' ``.grad`` to agree.
+    sharded_gradients: bool = False
+    #: True when the target reduces the gradients after every micro-batch by design (DeepSpeed's
+    #: ZeRO-2, which cannot accumulate locally): the communication budget then allows the
+    #: gradient bytes once per micro-batch instead of once per step.
+    reduces_every_micro_batch: bool = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Target":
         # Record the constructor call: a failure's replay line rebuilds a plain-class target as
@@ -100,6 +129,50 @@ class Target:
     def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
         return optimizer_cls(params, **kwargs)
 
+    def setup(self, module: Any, params: Any, optimizer_cls: type,
+              **kwargs: Any) -> tuple[Any, Any]:
+        """``(model, optimizer)``, for frameworks that build both at once (accelerate's
+        ``prepare``, DeepSpeed's ``initialize``, Fabric's ``setup``). The initial state is
+        recorded after it. ``params``: the module's parameters or param groups, as built before
+        any wrapping. Default: :meth:`wrap`, then :meth:`make_optimizer` over ``params`` as the
+        module holds them after wrapping (FSDP2 replaces each by a DTensor of the same name),
+        given the wrapped model when its signature names a ``model`` parameter."""
+        names = {id(p): n for n, p in module.named_parameters()}
+        model = self.wrap(module)
+        params = _rebound(params, names, dict(module.named_parameters()))
+        try:
+            takes_model = "model" in inspect.signature(type(self).make_optimizer).parameters
+        except (TypeError, ValueError):
+            takes_model = False
+        if takes_model:
+            kwargs["model"] = model
+        return model, self.make_optimizer(params, optimizer_cls, **kwargs)
+
+    def make_scheduler(self, optimizer: Any, gamma: float) -> Any:
+        """The scenario's LR schedule over ``optimizer``: ``ExponentialLR(gamma)``, stepped once
+        per optimizer step (only scenarios with ``lr_decay`` have one). Override it to return a
+        framework's prepared scheduler (accelerate's ``prepare_scheduler``); it needs ``step()``
+        and ``state_dict()``. Default: over ``optimizer`` -- or, when that is no
+        ``torch.optim.Optimizer``, over the one it wraps as ``.optimizer``."""
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(optimizer, torch.optim.Optimizer) and isinstance(
+                inner, torch.optim.Optimizer):
+            optimizer = inner
+        return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma)
+
+    def micro_batch(self, model: Any, optimizer: Any, index: int,
+                    count: int) -> ContextManager[Any]:
+        """The context of micro-batch ``index`` of ``count`` in a step: its forward and backward
+        (and, with :attr:`steps_every_micro_batch`, the gated step) run inside. Default:
+        :meth:`no_sync` for all but the last. Override it for accelerate's
+        ``accumulate(model)`` or Fabric's ``no_backward_sync(model, enabled=not last)``."""
+        return self.no_sync(model) if index < count - 1 else contextlib.nullcontext()
+
+    def backward(self, model: Any, loss: Any) -> None:
+        """Back-propagate one micro-batch's loss. Default: ``loss.backward()``; override it for
+        ``accelerator.backward(loss)``, ``fabric.backward(loss)``, ``engine.backward(loss)``."""
+        loss.backward()
+
     def shard_batch(self, batch: GlobalBatch) -> BatchPlan:
         """This rank's micro-batches of the step's global batch, and each one's loss scale.
 
@@ -116,6 +189,11 @@ class Target:
 
     def after_step(self, model: Any, optimizer: Any) -> None:
         """Called after ``optimizer.step()`` and ``zero_grad`` (where loops call ``model.reset()``)."""
+
+    def teardown(self, model: Any, optimizer: Any) -> None:
+        """Called once per example on every rank, after its last step (and checkpoint): reset
+        per-example framework state -- singletons (accelerate's ``AcceleratorState``), meshes,
+        groups -- so the next example in this process starts clean. Default: nothing."""
 
     def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float,
                        norm_type: float) -> Any:
@@ -138,6 +216,34 @@ class Target:
     def no_sync(self, model: Any) -> ContextManager[Any]:
         """Context for accumulation micro-batches whose gradients stay local."""
         return contextlib.nullcontext()
+
+    def gradient_owner(self, optimizer: Any, param: Any) -> int:
+        """The rank that holds ``param``'s synchronised gradient, for a target with
+        :attr:`sharded_gradients` that keeps the default :meth:`gradient_shards`. Default: the
+        optimizer's ``owner_of(param)`` (``parallel.ShardedOptimizer``), else the rank torch's
+        ZeroRedundancyOptimizer assigned it (``_param_to_rank``)."""
+        owner_of = getattr(optimizer, "owner_of", None)
+        if callable(owner_of):
+            return int(owner_of(param))
+        ranks = getattr(optimizer, "_param_to_rank", None)
+        if ranks is not None:
+            return int(ranks[param])
+        raise TypeError(f"{type(self).__name__} declares sharded_gradients, but "
+                        f"{type(optimizer).__name__} has no owner_of(param) or _param_to_rank; "
+                        "override Target.gradient_owner(optimizer, param) or "
+                        "Target.gradient_shards(model, optimizer)")
+
+    def gradient_shards(self, model: Any, optimizer: Any, params: Any) -> Any:
+        """The synchronised gradient pieces this rank owns, for a target with
+        :attr:`sharded_gradients`: ``(parameter, offset, piece)`` triples, ``piece`` the elements
+        ``[offset, offset + piece.numel())`` of the parameter's flattened gradient (a flat shard,
+        DeepSpeed stage 2), or the whole gradient at offset 0 (ZeRO-2 per parameter); None for a
+        parameter whose owner holds no gradient (unused everywhere). ``params``: the parameters
+        whose gradients are recorded. Default: for each parameter this rank owns
+        (:meth:`gradient_owner`), its ``.grad`` whole."""
+        rank = dist.get_rank()
+        return [(p, 0, None if p.grad is None else p.grad.detach().reshape(-1))
+                for p in params if self.gradient_owner(optimizer, p) == rank]
 
     def full_tensor(self, tensor: Any) -> Any:
         """The whole of a parameter, gradient or optimizer-state tensor this rank may hold only
@@ -317,6 +423,18 @@ class WrapperTarget(Target):
         if self.no_sync_method is None:
             return contextlib.nullcontext()
         return _method(model, self.no_sync_method, "no_sync")()
+
+
+def _rebound(params: Any, names: dict, now: dict) -> Any:
+    """``params`` (parameters, or param groups) with each parameter replaced by the one the
+    module now registers under its name; unchanged where it registers the same objects."""
+    def one(p: Any) -> Any:
+        return now.get(names.get(id(p)), p)
+
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return [{**group, "params": [one(p) for p in group["params"]]} for group in params]
+    return [one(p) for p in params]
 
 
 def _method(model: Any, name: str, field: str) -> Any:

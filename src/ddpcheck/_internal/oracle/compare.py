@@ -55,6 +55,7 @@ from ddpcheck._internal.oracle.budget import check_budget
 from ddpcheck._internal.oracle.reference import Reference, reference_run
 from ddpcheck._internal.oracle.sample_weights import check_sample_weights
 from ddpcheck._internal.oracle.shards import compare_shards
+from ddpcheck._internal.oracle.window import check_window
 from ddpcheck._internal.oracle.tolerances import (NOISE_FACTOR, TOLERANCES, close,
                                                   close_within_noise, scaled_atol, tolerance)
 from ddpcheck._internal.records import RankRecord, StepRecord
@@ -145,6 +146,10 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
                 return out + wrong
         if unjudgeable and unjudgeable[0].step == step:
             return unjudgeable  # nothing from here on can be judged
+        if against_ref:  # a framework stepping inside the window explains every number after
+            moved = check_window(step, world_size, records, bitwise_equal)
+            if moved:
+                return out + moved
         tol = tolerance(reference.compute_dtype, max(world_size, earlier_world_size),
                         earlier_steps + step)
         found = []
@@ -163,7 +168,8 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
             found += compare_schedule(step, world_size, records, ref, tol, earlier_steps > 0)
         if "budget" in checks:
             found += check_budget(step, world_size, records, reference,
-                                   getattr(target, "flattened_broadcasts", False))
+                                   getattr(target, "flattened_broadcasts", False),
+                                   getattr(target, "reduces_every_micro_batch", False))
         if found:
             return out + found  # later steps only repeat the damage
     return out

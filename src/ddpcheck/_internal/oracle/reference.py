@@ -64,6 +64,11 @@ class Reference:
     #: Trainable parameter tensors: the budget allows a scalar per tensor for control traffic
     #: (which parameters have a gradient on each rank, per-tensor norms) in any float dtype.
     trainable_tensors: int = 0
+    #: Trainable parameters by name: ``(shape, bytes per element)`` -- the padding a target that
+    #: shards them along dim 0 (FSDP2) may reduce-scatter on top of their bytes (``budget``).
+    trainable_shapes: dict = dataclasses.field(default_factory=dict)
+    #: Bytes of all parameters: what a ZeRO-style re-gather of updated parameters may all-gather.
+    parameter_bytes: int = 0
     #: The scenario, to train the variants of :meth:`noise` on demand (None: no noise floor).
     scenario: Any = None
     #: step -> its :class:`Noise`, filled on first use; shared by the parts a resumed run's
@@ -108,6 +113,10 @@ def reference_run(scenario: Scenario) -> Reference:
                      n_dtypes=len(dtypes) or 1,
                      norm_scalars=(len(dtypes) or 1) if scenario.max_grad_norm is not None else 0,
                      trainable_tensors=len(trainable),
+                     trainable_shapes={n: (tuple(p.shape), p.element_size())
+                                       for n, p in model.named_parameters() if p.requires_grad},
+                     parameter_bytes=sum(p.numel() * p.element_size()
+                                         for p in model.parameters()),
                      # a float64 layer fed by a float32 one inherits float32 rounding
                      compute_dtype=min(dtypes, key=lambda d: torch.finfo(d).eps * -1,
                                        default=scenario.torch_dtype),

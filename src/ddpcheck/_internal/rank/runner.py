@@ -38,14 +38,17 @@ from ddpcheck._internal.devices import to_rank_device
 from ddpcheck._internal.rank import recorder
 from ddpcheck._internal.rank.orders import ORDER_SEED_STRIDE, permute_registration
 from ddpcheck._internal.rank.transport import pack
+from ddpcheck._internal.rank.owned import owned_gradients
 from ddpcheck._internal.records import (RankRecord, gradients, initial_state, schedule_state,
                                         snapshot)
-from ddpcheck._internal.training import Loop, make_scheduler, train
+from ddpcheck._internal.training import FitRun, Loop, make_scheduler, train
 from ddpcheck.batches import BatchPlan, contiguous, global_indices, plan_for
+from ddpcheck.errors import NothingChecked
 from ddpcheck.scenario import Scenario, build_model, global_batch, make_param_groups
 
-__all__ = ["checkpoint_from_bytes", "checkpoint_to_bytes", "make_optimizer", "rank_seed",
-           "run_example", "run_example_packed", "target_loop"]
+__all__ = ["StepRecords", "checkpoint_from_bytes", "checkpoint_to_bytes", "fit_owned_loop",
+           "make_optimizer", "rank_seed", "run_example", "run_example_packed", "setup",
+           "target_loop", "target_scheduler"]
 
 #: Seed offset between ranks when each rank initialises its own weights differently.
 _RANK_SEED_STRIDE = 7919
@@ -71,54 +74,160 @@ def run_example(target: Any, scenario: Scenario, *, part: str = "whole",
     module = to_rank_device(build_model(scenario, rank_seed(scenario, rank)))
     if scenario.rank_orders:  # the reference keeps the canonical order; the oracle pairs by name
         permute_registration(module, scenario.seed + ORDER_SEED_STRIDE * (rank + 1))
-    model = target.wrap(module)
-    names = {p: n for n, p in module.named_parameters()}  # after wrap: FSDP2 replaces them
-    optimizer = make_optimizer(target, model, make_param_groups(scenario, module), scenario)
-    scheduler = make_scheduler(scenario, optimizer)
-    steps_run = range(scenario.steps)
-    if part == "until checkpoint":
-        steps_run = range(scenario.checkpoint_after + 1)
-    elif part == "resumed":
-        target.load_checkpoint(checkpoint_from_bytes(checkpoint), module, model, optimizer,
-                               scheduler)
-        steps_run = range(scenario.checkpoint_after + 1, scenario.steps)
-    # The state training starts from: once the target has built model *and* optimizer (a wrapper
-    # may broadcast when its optimizer is attached), and after a resumed run's load.
-    with recorder.paused():  # the harness's own gathers of sharded tensors aren't the target's
-        initial = initial_state(module, target.full_tensor)
-    steps = []
-    in_step = getattr(target, "gradients_synchronized_in_step", False)
-    grads: dict = {}
     plans: dict[int, BatchPlan] = {}
+    if callable(getattr(target, "fit", None)):  # the target owns the loop (Lightning's Trainer)
+        if part != "whole":
+            raise NothingChecked(f"checkpoint: {type(target).__name__} owns its training loop "
+                                 "(Target.fit), which has no checkpoint round trip; leave "
+                                 "'checkpoint' out of its supported_features")
+        return fit_owned_loop(target, module, scenario, rank, world_size, plans, started)
+    model, optimizer = setup(target, module, make_param_groups(scenario, module), scenario)
+    names = {p: n for n, p in module.named_parameters()}  # after wrap: FSDP2 replaces them
+    scheduler = target_scheduler(target, optimizer, scenario)
+    records = StepRecords(target, module, names, plans)
+    try:
+        steps_run = range(scenario.steps)
+        if part == "until checkpoint":
+            steps_run = range(scenario.checkpoint_after + 1)
+        elif part == "resumed":
+            target.load_checkpoint(checkpoint_from_bytes(checkpoint), module, model, optimizer,
+                                   scheduler)
+            steps_run = range(scenario.checkpoint_after + 1, scenario.steps)
+        # The state training starts from: once the target has built model *and* optimizer (a
+        # wrapper may broadcast when its optimizer is attached), and after a resumed run's load.
+        initial = records.initial()
 
-    def start(step: int) -> None:
+        train(scenario, model, optimizer, target_loop(
+            target, model, optimizer, scenario, rank, world_size, plans=plans,
+            before_step=lambda step: recorder.reset(),
+            before_optimizer_step=lambda step: records.gradients(model, optimizer),
+            inside_window=lambda step, index: records.inside_window(index),
+            after_step=lambda step: records.step(step, model, optimizer, scheduler)),
+            scheduler=scheduler, steps=steps_run)
+        result = RankRecord(rank, initial, records.steps, time.perf_counter() - started)
+        if part == "until checkpoint":
+            saved = target.save_checkpoint(module, model, optimizer, scheduler)
+            result = result, checkpoint_to_bytes(saved, type(target).__name__) if rank == 0 else None
+    finally:  # per-example framework state (singletons, meshes, groups), even after a failure
+        teardown = getattr(target, "teardown", None)
+        if callable(teardown):
+            teardown(model, optimizer)
+    return result
+
+
+class StepRecords:
+    """What one rank records of a run, step after step, as its target holds it: gradients as
+    ``optimizer.step()`` receives them (after it, for ``gradients_synchronized_in_step``; from
+    their owners, for ``sharded_gradients``), then everything else after the step."""
+
+    def __init__(self, target: Any, module: Any, names: dict, plans: dict):
+        self.target, self.module, self.names, self.plans = target, module, names, plans
+        self.in_step = getattr(target, "gradients_synchronized_in_step", False)
+        self.sharded = getattr(target, "sharded_gradients", False)
+        self.steps: list = []
+        self.grads: Any = None
+        self.window: list = []
+
+    def initial(self) -> dict:
+        with recorder.paused():  # the harness's own gathers of sharded tensors aren't the target's
+            return initial_state(self.module, self.target.full_tensor)
+
+    def _gradients(self, model: Any, optimizer: Any) -> dict:
+        with recorder.paused():
+            if self.sharded:
+                params = [p for _, p in self.module.named_parameters()]
+                return owned_gradients(self.module, self.target.gradient_shards(
+                    model, optimizer, params))
+            return gradients(self.module, self.target.full_tensor)
+
+    def gradients(self, model: Any, optimizer: Any) -> None:
+        if not self.in_step:
+            self.grads = self._gradients(model, optimizer)
+
+    def inside_window(self, index: int) -> None:
+        """After a gated step inside an accumulation window: the parameters, which must not
+        have moved (``ddpcheck._internal.oracle.window``)."""
+        with recorder.paused(), torch.no_grad():
+            self.window.append((index, {n: self.target.full_tensor(p.detach()).clone()
+                                        for n, p in self.module.named_parameters()}))
+
+    def step(self, step: int, model: Any, optimizer: Any, scheduler: Any) -> None:
+        collectives = recorder.records()
+        grads = self._gradients(model, optimizer) if self.in_step else self.grads
+        with recorder.paused():
+            self.steps.append(snapshot(
+                self.module, self.names, self.target.optimizer_state(optimizer), collectives,
+                grads=grads, gather=self.target.full_tensor, local_shard=self.target.local_shard,
+                schedule=schedule_state(optimizer, scheduler)))
+        self.steps[-1].batch_plan = self.plans[step]
+        self.steps[-1].window, self.window = self.window, []
+
+
+def setup(target: Any, module: Any, params: list, scenario: Scenario) -> tuple[Any, Any]:
+    """``(model, optimizer)`` from ``target.setup`` (a duck-typed target without one: ``wrap``
+    then :func:`make_optimizer`)."""
+    build = getattr(target, "setup", None)
+    if callable(build):
+        return build(module, params, scenario.optimizer, **scenario.optimizer_kwargs)
+    model = target.wrap(module)
+    return model, make_optimizer(target, model, params, scenario)
+
+
+def target_scheduler(target: Any, optimizer: Any, scenario: Scenario) -> Any:
+    """The scenario's LR schedule as the target builds it (``Target.make_scheduler``)."""
+    if scenario.lr_decay is None:
+        return None
+    build = getattr(target, "make_scheduler", None)
+    if not callable(build):
+        return make_scheduler(scenario, optimizer)
+    return build(optimizer, scenario.lr_decay)
+
+
+def fit_owned_loop(target: Any, module: Any, scenario: Scenario, rank: int, world_size: int,
+                   plans: dict, started: float) -> RankRecord:
+    """Run a target that owns its loop (``Target.fit(module, run)``) on this rank's batches,
+    recording when it calls ``run.started`` and ``run.record`` (``training.FitRun``)."""
+    loop = target_loop(target, None, None, scenario, rank, world_size, plans=plans)
+    names = {p: n for n, p in module.named_parameters()}
+    records = StepRecords(target, module, names, plans)
+    initial: list = []
+    model_seen: list = []
+
+    def at_start(model: Any, optimizer: Any) -> None:
+        if initial:
+            raise RuntimeError(f"{type(target).__name__}.fit called run.started twice")
+        initial.append(records.initial())
+        model_seen.append((model, optimizer))
         recorder.reset()
 
-    def record(step: int) -> None:
-        collectives = recorder.records()
-        with recorder.paused():
-            steps.append(snapshot(module, names, target.optimizer_state(optimizer), collectives,
-                                  grads=None if in_step else grads["now"],
-                                  gather=target.full_tensor, local_shard=target.local_shard,
-                                  schedule=schedule_state(optimizer, scheduler)))
-        steps[-1].batch_plan = plans[step]
+    def at_step(model: Any, optimizer: Any, scheduler: Any) -> None:
+        step = len(records.steps)
+        if not initial or step >= scenario.steps:
+            raise RuntimeError(f"{type(target).__name__}.fit called run.record "
+                               + ("before run.started" if not initial else
+                                  f"more often than the scenario's {scenario.steps} step(s)"))
+        records.gradients(model, optimizer)
+        records.step(step, model, optimizer, scheduler)
+        recorder.reset()
 
-    def record_gradients(step: int) -> None:
-        with recorder.paused():
-            grads["now"] = gradients(module, target.full_tensor)
-
-    train(scenario, model, optimizer, target_loop(
-        target, model, optimizer, scenario, rank, world_size, plans=plans, before_step=start,
-        before_optimizer_step=record_gradients, after_step=record), scheduler=scheduler,
-        steps=steps_run)
-    result = RankRecord(rank, initial, steps, time.perf_counter() - started)
-    if part == "until checkpoint":
-        saved = target.save_checkpoint(module, model, optimizer, scheduler)
-        result = result, checkpoint_to_bytes(saved, type(target).__name__) if rank == 0 else None
-    teardown = getattr(target, "teardown", None)
-    if callable(teardown):  # per-example framework state: singletons, meshes, groups
-        teardown(model, optimizer)
-    return result
+    run = FitRun(module=module, params=make_param_groups(scenario, module),
+                 optimizer=scenario.optimizer, optimizer_kwargs=dict(scenario.optimizer_kwargs),
+                 gamma=scenario.lr_decay, max_grad_norm=scenario.max_grad_norm,
+                 grad_norm_type=scenario.grad_norm_type, set_to_none=scenario.set_to_none,
+                 batches=[loop.batches(step) for step in range(scenario.steps)],
+                 started=at_start, record=at_step)
+    try:
+        target.fit(module, run)
+    finally:
+        teardown = getattr(target, "teardown", None)
+        if callable(teardown):
+            model, optimizer = model_seen[0] if model_seen else (None, None)
+            teardown(model, optimizer)
+    if len(records.steps) != scenario.steps:
+        raise RuntimeError(f"{type(target).__name__}.fit recorded {len(records.steps)} of the "
+                           f"scenario's {scenario.steps} step(s): call run.record after every "
+                           "optimizer step")
+    return RankRecord(rank, initial[0], records.steps, time.perf_counter() - started)
 
 
 def checkpoint_to_bytes(checkpoint: Any, who: str) -> bytes:
@@ -160,9 +269,16 @@ def target_loop(target: Any, model: Any, optimizer: Any, scenario: Scenario, ran
             first(step)
         target.before_step(model, optimizer)
 
+    micro_batch = getattr(target, "micro_batch", None)  # duck-typed targets: no_sync
+    backward = getattr(target, "backward", None)
     return Loop(
         batches=batches,
         no_sync=lambda: target.no_sync(model),
+        micro_batch=None if micro_batch is None else
+        lambda index, count: micro_batch(model, optimizer, index, count),
+        backward=(lambda loss: loss.backward()) if backward is None else
+        lambda loss: backward(model, loss),
+        steps_every_micro_batch=getattr(target, "steps_every_micro_batch", False),
         after_backward=lambda: target.after_backward(model, optimizer),
         clip_grad_norm=lambda max_norm, norm_type: target.clip_grad_norm(model, optimizer,
                                                                          max_norm, norm_type),

@@ -29,7 +29,7 @@ from torch import nn
 
 from ddpcheck._internal.devices import to_rank_device
 from ddpcheck._internal.rank import recorder
-from ddpcheck._internal.rank.runner import make_optimizer, target_loop
+from ddpcheck._internal.rank.runner import setup, target_loop
 from ddpcheck._internal.training import train
 from ddpcheck.scenario import Scenario, build_model, make_param_groups
 
@@ -78,8 +78,7 @@ def record_step(target: Any, scenario: Scenario = TRACE_SCENARIO, warmup: int = 
     scenario = dataclasses.replace(scenario, steps=warmup + 1)
     target = target.configure(scenario)
     module = to_rank_device(build_model(scenario, scenario.seed))  # a CUDA world's rank: there
-    model = target.wrap(module)
-    optimizer = make_optimizer(target, model, make_param_groups(scenario, module), scenario)
+    model, optimizer = setup(target, module, make_param_groups(scenario, module), scenario)
     phases: list[tuple[str, float, float]] = []
 
     def start_step(step: int) -> None:

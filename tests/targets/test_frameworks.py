@@ -1,0 +1,95 @@
+"""The ready-made targets of production stacks (accelerate, Lightning Fabric, Lightning's Trainer,
+torch's ZeRO and FSDP2 options): each checked on one busy scenario in a shared world of 2 --
+frameworks are slow to import (3-5 s per rank), so these tests are few -- plus what
+``ddpcheck targets`` lists. A framework that is not installed skips its test, saying so."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import ddpcheck
+from ddpcheck import cli, targets, zoo
+from ddpcheck.errors import ExitCode
+from ddpcheck.features import FEATURES, supported_by
+from ddpcheck.scenario import Scenario
+
+#: micro-batches, a schedule, clipping, Adam state, a parameter some ranks do not use
+BUSY = Scenario(zoo.SampleBranch, optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.01},
+                lr_decay=0.5, global_batch=7, steps=2, accumulation=3, max_grad_norm=1.0)
+
+
+def _needs(module: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed (pip install 'ddpcheck[frameworks]')")
+
+
+def test_ddpcheck_targets_lists_every_ready_made_target_with_its_declines(capsys):
+    assert cli.main(["targets"]) == ExitCode.OK
+    out = capsys.readouterr().out
+    for name in ("torch_zero", "torch_zero_bucket_view", "torch_fsdp", "accelerate", "fabric",
+                 "lightning"):
+        assert f"\n{name}  (" in f"\n{out}", out
+    assert "declines mixed-dtypes: ZeroRedundancyOptimizer rejects" in out
+    for entry in targets.READY_MADE:  # every declined feature has its reason, and only those
+        assert set(entry.declines) == set(FEATURES) - supported_by(entry.target), entry.name
+
+
+def test_a_framework_that_is_not_installed_is_named_with_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.delitem(targets.BUILTIN, "fabric", raising=False)
+    status = cli.main(["check", "fabric", "--examples", "1"])
+    assert status == ExitCode.SETUP
+    assert "drives lightning, which is not installed here" in capsys.readouterr().err
+
+
+def test_accelerate_as_its_docs_drive_it():
+    _needs("accelerate")
+    ddpcheck.check_example(targets.ACCELERATE, BUSY, 2)
+    # its documented default: the prepared scheduler steps num_processes times per step
+    with pytest.raises(ddpcheck.EquivalenceError) as info:
+        ddpcheck.check_example(targets.AccelerateTarget(split_batches=False), BUSY, 2)
+    assert info.value.kinds[0] == "LR schedule differs", str(info.value)
+
+
+def test_lightning_fabric():
+    _needs("lightning")
+    ddpcheck.check_example(targets.FABRIC, BUSY, 2)
+
+
+def test_lightnings_trainer_owns_the_loop_automatic_and_manual():
+    _needs("lightning")
+    ddpcheck.check_example(targets.LIGHTNING, BUSY, 2)
+    ddpcheck.check_example(targets.LightningTarget(manual=True),
+                           Scenario(zoo.Tied, global_batch=5, steps=2, accumulation=2,
+                                    max_grad_norm=1.0, grad_norm_type=float("inf")), 2)
+
+
+def test_zero_with_parameters_as_bucket_view_gets_a_channels_last_conv_wrong():
+    scenario = Scenario(zoo.ChannelsLastConv, global_batch=6, steps=1)
+    ddpcheck.check_example(targets.TORCH_ZERO, scenario, 2)
+    with pytest.raises(ddpcheck.EquivalenceError) as info:
+        ddpcheck.check_example(targets.TORCH_ZERO_BUCKET_VIEW, scenario, 2)
+    assert info.value.kinds[0] == "reference differs (gradient)", str(info.value)
+    assert "conv.weight" in str(info.value)
+
+
+def test_fsdp2_options_resharding_and_cpu_offload():
+    scenario = Scenario(zoo.Tied, global_batch=5, steps=2, accumulation=2, lr_decay=0.5)
+    ddpcheck.check_example(targets.TorchFSDPTarget(reshard_after_forward=False), scenario, 2)
+    ddpcheck.check_example(targets.TorchFSDPTarget(reshard_after_forward=2), scenario, 2)
+    # CPU offload copies to an accelerator for compute: in a CPU world it declines, not fails
+    with pytest.raises(ddpcheck.NothingChecked, match="cpu_offload.*--device cuda"):
+        ddpcheck.check_example(targets.TorchFSDPTarget(cpu_offload=True), scenario, 2)
+    ddpcheck.check_example(targets.TORCH_FSDP, scenario, 2)  # the world serves the next one
+
+
+def test_deepspeed_zero_1_and_2_on_its_cpu_accelerator_over_gloo():
+    _needs("deepspeed")
+    scenario = Scenario(zoo.Tied, dtype="float32", optimizer=torch.optim.Adam,
+                        optimizer_kwargs={"lr": 0.01, "eps": 1e-3}, lr_decay=0.5,
+                        global_batch=7, steps=2, accumulation=2)
+    ddpcheck.check_example(targets.DEEPSPEED_ZERO1, scenario, 2)
+    # ZeRO-2 reduces every micro-batch by design (declared): within its budget
+    ddpcheck.check_example(targets.DEEPSPEED_ZERO2, scenario, 2)

@@ -1,0 +1,41 @@
+"""The loop hooks on real worlds, no framework needed: a target that owns its loop
+(``Target.fit``), sharded gradients recorded from their owners, and what a broken integration of
+either is told."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddpcheck
+from ddpcheck import zoo
+from ddpcheck.mutation.broken_loop import EngineTarget, Zero2Target
+from ddpcheck.scenario import Scenario
+from tests.targets.own_loop import HalfOwnedZero2, HandLoopTarget
+
+#: micro-batches, a schedule, clipping, Adam state, uneven shards: every hook has work
+BUSY = Scenario(zoo.SampleBranch, optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.01},
+                lr_decay=0.5, global_batch=7, steps=2, accumulation=2, max_grad_norm=1.0)
+
+
+def test_a_target_that_owns_its_loop_is_recorded_at_every_step_it_reports():
+    ddpcheck.check_example(HandLoopTarget(), BUSY, 2)
+    with pytest.raises(ddpcheck.EquivalenceError) as info:
+        ddpcheck.check_example(HandLoopTarget(record_every=2), BUSY, 2)
+    assert info.value.kinds[0] == "rank failed", str(info.value)
+    assert "recorded 1 of the scenario's 2 step(s)" in str(info.value)
+
+
+def test_the_engine_idiom_steps_after_every_micro_batch_and_holds():
+    # step(), the schedule and zero_grad() after each micro-batch, gated; backward reduces
+    ddpcheck.check_example(EngineTarget(), BUSY, 3)
+
+
+def test_sharded_gradients_are_judged_as_their_owners_hold_them():
+    plain = Scenario(zoo.Tied, optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.01},
+                     global_batch=5, steps=2, accumulation=2)
+    ddpcheck.check_example(Zero2Target(), plain, 3)  # non-owners keep their local gradients
+    with pytest.raises(ddpcheck.EquivalenceError) as info:
+        ddpcheck.check_example(HalfOwnedZero2(), plain, 2)
+    assert info.value.kinds[0] == "rank failed", str(info.value)
+    assert "are owned by no rank" in str(info.value)
