@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterable
+from typing import Any, Iterable
 
 from ddpcheck import features
 from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_deadline,
                                         check_fits_machine, check_world_sizes)
 from ddpcheck._internal.oracle.judgeable import check_scenario
-from ddpcheck._internal.runs.example import check_example, check_target, prepare_reference
+from ddpcheck._internal.runs.example import (check_example, check_example_keeping_reference,
+                                             check_target)
+from ddpcheck._internal.world.worlds import launch_worlds
 from ddpcheck.battery import BATTERY
 from ddpcheck.errors import InvalidArgument, NothingChecked
 from ddpcheck.scenario import Scenario
@@ -94,22 +96,25 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
         raise InvalidArgument(f"scenario={scenario!r} must be a ddpcheck.Scenario (or None for "
                               "the built-in battery)")
     report = Report()
-    for name, given in named:
-        reference = None
-        for world_size in sizes:
+    references: dict[int, Any] = {}  # battery index -> its reference, shared by every size
+    # World by world, smallest first, the next one booting while this one runs its examples:
+    # the first verdicts come from the world that is up first, and no world waits idle.
+    launch_worlds(sizes[:1], device=device, backend=backend)
+    for at, world_size in enumerate(sizes):
+        launch_worlds(sizes[at + 1:at + 2], device=device, backend=backend)
+        for index, (name, given) in enumerate(named):
             sc = _within(given, sizes) if scenario is None else given
             check_scenario(sc)  # the user's model and data first: their errors read best here
             why = features.declines(target, sc, world_size, excluded)
             if why is not None:
                 report.skipped.append((name or "scenario", world_size, why))
                 continue
-            if reference is None:
-                reference = prepare_reference(sc)
             started = time.perf_counter()
             try:
-                notes = check_example(target, sc, world_size, deadline=deadline,
-                                      reference=reference, name=name, device=device,
-                                      backend=backend)
+                # the first time, the reference is computed while the ranks run the example
+                notes, references[index] = check_example_keeping_reference(
+                    target, sc, world_size, deadline=deadline, reference=references.get(index),
+                    name=name, device=device, backend=backend)
             except NothingChecked as exc:  # declined once running: a default hook cannot serve it
                 report.skipped.append((name or "scenario", world_size, str(exc)))
                 continue

@@ -25,7 +25,6 @@ it runs.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import signal
 import sys
@@ -35,7 +34,8 @@ import traceback
 import warnings
 from typing import Any, Callable
 
-from ddpcheck._internal.devices import BACKENDS, DEVICES, check_fits
+from ddpcheck._internal.devices import (BACKENDS, DEVICES, check_fits, local_world_size,
+                                       under_torchrun)
 from ddpcheck._internal.scripts import load
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine,
                                         parse_features, parse_world_sizes)
@@ -131,18 +131,25 @@ def _terminate(signum: int, frame: Any) -> None:
 
 def _prepare(args: argparse.Namespace) -> argparse.Namespace:
     """What every command shares, checked in this order before anything heavy loads: the device
-    (a machine without the GPUs asked for is told so in seconds), then the target or rule (its
-    import may be slow), the world sizes against the machine, and the output paths."""
+    (a machine without the GPUs asked for is told so in seconds), the world sizes against the
+    machine, then the target or rule (its import may be slow), and the output paths. The first
+    world a command needs is launched before the target loads, so its ranks boot (import torch,
+    join the group: ~2 s) while this process imports and computes the battery's references."""
     sizes = _world_sizes_of(args)
     if getattr(args, "device", None) is not None:
         check_fits(args.device, sizes, args.backend, flag="--device")
+    torchrun = _under_torchrun(args)
+    if sizes and not torchrun:
+        check_fits_machine(sizes, flag="--world-size" if hasattr(args, "world_size")
+                           else "--world-sizes")
+    if args.command in ("check", "survey", "replay") and not torchrun:
+        from ddpcheck._internal.world.worlds import launch_worlds  # no torch: see worlds
+
+        launch_worlds(sizes[:1], device=args.device, backend=args.backend)
     if isinstance(getattr(args, "target", None), str):
         args.target_spec, args.target = args.target, resolve_target(args.target)
     if getattr(args, "rule", None) is not None:
         args.rule_spec, args.rule = args.rule, _resolve_rule(args.rule)
-    if sizes and not _under_torchrun(args):
-        check_fits_machine(sizes, flag="--world-size" if hasattr(args, "world_size")
-                           else "--world-sizes")
     for flag in ("json", "output"):
         if getattr(args, flag, None):
             _check_writable(getattr(args, flag), "-o" if flag == "output" else f"--{flag}")
@@ -151,8 +158,6 @@ def _prepare(args: argparse.Namespace) -> argparse.Namespace:
 
 def _world_sizes_of(args: argparse.Namespace) -> tuple[int, ...]:
     if _under_torchrun(args):
-        from ddpcheck._internal.runs.torchrun import local_world_size
-
         return (local_world_size(),)
     if getattr(args, "world_size", None) is not None:
         return (args.world_size,)
@@ -162,11 +167,7 @@ def _world_sizes_of(args: argparse.Namespace) -> tuple[int, ...]:
 
 
 def _under_torchrun(args: argparse.Namespace) -> bool:
-    if args.command != "check":
-        return False
-    from ddpcheck._internal.runs.torchrun import under_torchrun
-
-    return under_torchrun()
+    return args.command == "check" and under_torchrun()
 
 
 def resolve_target(spec: str) -> Any:

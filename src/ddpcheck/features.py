@@ -22,7 +22,7 @@ from ddpcheck._internal.messages import code_name, exception_text
 from ddpcheck._internal.options import BEYOND_TORCH, DEFAULT_FEATURES, FEATURES
 from ddpcheck._internal.options import parse_features as parse
 from ddpcheck.errors import ScenarioError
-from ddpcheck.models import ModelSpec
+from ddpcheck.models import ModelSpec, SpecData
 from ddpcheck.scenario import Scenario, build_model, global_batch, per_sample_loss
 
 __all__ = ["BEYOND_TORCH", "DEFAULT_FEATURES", "FEATURES", "declines", "exercised", "of", "parse",
@@ -139,9 +139,37 @@ def _inspect(scenario: Scenario, world_size: int) -> frozenset[str]:
                                           for layer in spec.layers)
         if tied_head or any(layer.kind == "reused" for layer in spec.layers):
             found.add("tied")  # used twice in forward, registered once
-        if all(layer.use == "always" for layer in spec.layers):
-            return frozenset(found)  # every parameter is used by every sample: nothing to probe
+        if isinstance(scenario.data, SpecData) and scenario.data.width == spec.width:
+            # which samples take a layer is decided by their own inputs (ddpcheck.models): read
+            # it from the data, with no forward or backward (the measured third of a random
+            # example's cost in the checking process)
+            return frozenset(found | _spec_usage(scenario, spec, world_size))
     return frozenset(found | _usage(scenario, model, world_size))
+
+
+def _spec_usage(scenario: Scenario, spec: ModelSpec, world_size: int) -> set[str]:
+    """:func:`_usage` for a :class:`ModelSpec` model on its own data: a layer used ``"sample"``
+    runs on the samples whose input feature ``index % width`` is positive, ``"never"`` on none,
+    ``"always"`` on all (as the head, and a tied embedding, which the head uses); a frozen layer
+    has nothing to use. ``tests/language/test_strategies.py`` holds the two to the same answer."""
+    tied = next((i for i, layer in enumerate(spec.layers)
+                 if spec.tie_head and layer.kind == "embedding" and not layer.float32), None)
+    gated = [(i, layer.use) for i, layer in enumerate(spec.layers)
+             if not layer.frozen and layer.use != "always" and i != tied]
+    found: set[str] = set()
+    if any(use == "never" for _, use in gated):
+        found.add("unused-everywhere")
+    sampled = [i for i, use in gated if use == "sample"]
+    for step in range(scenario.steps if sampled else 0):
+        x, _ = global_batch(scenario, step)
+        shards = torch.tensor_split(x, world_size)
+        for i in sampled:
+            used = [bool((shard[:, i % spec.width] > 0).any()) for shard in shards]
+            if not any(used):
+                found.add("unused-everywhere")
+            elif not all(used):
+                found.add("unused-on-some-ranks")
+    return found
 
 
 def _usage(scenario: Scenario, model: torch.nn.Module, world_size: int) -> set[str]:

@@ -167,7 +167,7 @@ def test_check_on_cuda_without_gpus_is_refused_in_seconds(tmp_path):
         "ddpcheck check: error: --device='cuda', but torch "
         f"{torch.__version__} sees no CUDA device (torch.cuda.is_available() is False); run on "
         "the CPU (the default) or on a machine with a GPU"]
-    assert took < 5 + 10, f"{took:.1f} s"  # interpreter + torch import on a loaded 2-core machine
+    assert took < patience(15), f"{took:.1f} s"  # interpreter + torch import, then one line
     assert not list(tmp_path.glob("ddpcheck-*"))
 
 

@@ -162,7 +162,7 @@ def test_a_rank_that_raises_is_reported_and_the_world_replaced():
     started = time.monotonic()
     with pytest.raises(ddpcheck.EquivalenceError) as info:
         check_example(RaisesOnRankOne(), Scenario(), 2, deadline=patience(20))
-    assert time.monotonic() - started < 20 + 5
+    assert time.monotonic() - started < patience(20) + patience(5)
     err = info.value
     assert err.kinds == ["rank failed"]
     assert [d.rank for d in err.divergences] == [1]
@@ -174,6 +174,7 @@ def test_a_rank_that_raises_is_reported_and_the_world_replaced():
 
 
 def test_a_rank_that_hangs_times_out_with_its_stack():
+    check_example(targets.PARALLEL, Scenario(), 2)  # a warm world: start-up is not the deadline's
     started = time.monotonic()
     with pytest.raises(ddpcheck.EquivalenceError) as info:
         check_example(HangsOnRankZero(), Scenario(), 2, deadline=patience(3))

@@ -2,8 +2,8 @@
 
 Invariant: the backend follows the tensors, never the machine. CPU tensors travel by gloo
 whatever GPUs are visible (NCCL cannot carry them); CUDA tensors by NCCL unless gloo is asked for
-by name. Spawned worlds (``_internal.world``) and torchrun (``ddpcheck._internal.runs.torchrun``) both ask
-:func:`backend_for`; :func:`check_fits` refuses, before any process is spawned, what the machine
+by name. Spawned worlds (``_internal.world``) and torchrun (``ddpcheck._internal.runs.torchrun``,
+which :func:`under_torchrun` detects) both ask :func:`backend_for`; :func:`check_fits` refuses, before any process is spawned, what the machine
 cannot run (no GPU; more NCCL ranks than GPUs). The device is a run option, not part of a
 scenario: the full-batch reference always runs on the CPU in the checking process, and records
 come back to the CPU (``_internal.transport.pack``), so one oracle judges both.
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["BACKENDS", "DEVICES", "backend_for", "check_device", "check_fits", "enter_rank",
+           "local_world_size", "under_torchrun",
            "strict_precision", "this_rank", "to_rank_device"]
 
 #: Devices a world can compute on ("cuda": rank r on cuda:r, or cuda:LOCAL_RANK under torchrun).
@@ -34,6 +35,20 @@ DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl")
 
 _rank_device: Any = None  # this process's device once enter_rank ran (a rank); else the CPU
+
+
+#: What torchrun (torch.distributed.run) sets in the environment of every process it starts.
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def under_torchrun() -> bool:
+    """True in a process ``torchrun`` started: ``ddpcheck check`` then uses its world."""
+    return all(name in os.environ for name in _TORCHRUN_ENV)
+
+
+def local_world_size() -> int:
+    """Ranks torchrun started on this machine (they share its GPUs)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
 
 def check_device(device: Any, name: str = "device") -> str:

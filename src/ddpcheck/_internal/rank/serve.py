@@ -116,7 +116,9 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
         if payload == SHUTDOWN:
             _exit(0, log)
         try:
-            fn, args = pickle.loads(payload)
+            paths, task = pickle.loads(payload)
+            sys.path[:0] = [path for path in paths if path not in sys.path]
+            fn, args = pickle.loads(task)
             comm.restart_sequence()
             result = fn(*args)
             # the record goes back whatever the task left: the numbers are judged first

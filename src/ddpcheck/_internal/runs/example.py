@@ -25,7 +25,7 @@ from ddpcheck._internal.rank.runner import run_example_packed
 from ddpcheck._internal.rank.transport import unpack
 from ddpcheck._internal.runs.replay import replay_command, verify_replayable
 from ddpcheck._internal.world import sequences
-from ddpcheck._internal.world.worlds import WorldFailure, get_world
+from ddpcheck._internal.world.worlds import Pending, WorldFailure, get_world
 from ddpcheck.batches import check_plans
 from ddpcheck import errors
 from ddpcheck.errors import (DdpcheckError, Divergence, EquivalenceError, InvalidArgument,
@@ -34,8 +34,8 @@ from ddpcheck.features import declines
 from ddpcheck.scenario import Scenario
 from ddpcheck.targets import Target
 
-__all__ = ["check_batch_plans", "check_example", "check_target", "note_example",
-           "prepare_reference", "run_in_two_worlds", "verdict"]
+__all__ = ["check_batch_plans", "check_example", "check_example_keeping_reference",
+           "check_target", "note_example", "prepare_reference", "run_in_two_worlds", "verdict"]
 
 #: Examples run in this process (the pytest plugin prints the total at the end of a session).
 EXAMPLES_RUN = 0
@@ -51,11 +51,24 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
                   deadline: float = DEFAULT_DEADLINE, reference: Any = None,
                   name: str | None = None, checks: Any = None, device: str = "cpu",
                   backend: str | None = None) -> tuple[str, ...]:
+    """One example (see :func:`check_example_keeping_reference`); returns what it left in the
+    rank processes and ddpcheck put right (``World.notes``): never a verdict."""
+    return check_example_keeping_reference(
+        target, scenario, world_size, deadline=deadline, reference=reference, name=name,
+        checks=checks, device=device, backend=backend)[0]
+
+
+def check_example_keeping_reference(target: Target, scenario: Scenario, world_size: int, *,
+                                    deadline: float = DEFAULT_DEADLINE, reference: Any = None,
+                                    name: str | None = None, checks: Any = None,
+                                    device: str = "cpu", backend: str | None = None
+                                    ) -> tuple[tuple[str, ...], Any]:
     """One example: run on every rank of the persistent world, compare, raise on divergence.
 
     Returns the notes of what the example left behind in the rank processes and ddpcheck put
-    right (process groups destroyed, settings restored, a world replaced; ``World.notes``):
-    never a verdict. ``checks``: a subset of ``ddpcheck._internal.oracle.compare.CHECKS``
+    right (process groups destroyed, settings restored, a world replaced; ``World.notes``) --
+    never a verdict -- and the reference it was judged against (computed while the ranks ran,
+    when not given), for the next example of the same scenario. ``checks``: a subset of ``ddpcheck._internal.oracle.compare.CHECKS``
     (default: all of them). An example the target declines (``supports``,
     ``supported_features``, or a default hook that cannot serve it, found in the ranks) raises
     :class:`NothingChecked`. A scenario with ``checkpoint_after`` saves in this world and resumes
@@ -75,20 +88,21 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
         raise NothingChecked(f"{type(target).__name__} declines this example: {why}")
     for size in dict.fromkeys((world_size, scenario.resume_world_size or world_size)):
         check_batch_plans(target, scenario, size)  # a resumed world's plans too
-    if reference is None:
-        reference = prepare_reference(scenario)
     # a world that cannot start raises WorldStartError
     world = get_world(world_size, backend=backend, device=device)
     worlds = [world]
     try:
         if scenario.checkpoint_after is None:
-            packed = world.run(run_example_packed, target, scenario, deadline=deadline,
-                               what=f"example {name or 'scenario'}")
+            pending = world.submit(run_example_packed, target, scenario, deadline=deadline,
+                                   what=f"example {name or 'scenario'}")
+            reference = _reference_meanwhile(pending, reference, scenario)
+            packed = pending.collect()
             records, sequences = [unpack(p) for p in packed], world.collective_sequences()
         else:  # save in this world, resume in one of resume_world_size
-            records, sequences, worlds = run_in_two_worlds(
+            records, sequences, worlds, reference = run_in_two_worlds(
                 target, scenario, world_size, deadline=deadline,
-                what=f"example {name or 'scenario'}", device=device, backend=backend)
+                what=f"example {name or 'scenario'}", device=device, backend=backend,
+                reference=reference)
     except WorldFailure as failure:
         if failure.kind == "refused":  # ddpcheck's own outcome, raised in the ranks
             raise _refused(failure) from None
@@ -109,7 +123,26 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
                             device=device, backend=backend)
     if error is not None:
         raise error
-    return tuple(dict.fromkeys(note for used in worlds for note in used.notes))
+    return tuple(dict.fromkeys(note for used in worlds for note in used.notes)), reference
+
+
+def _reference_meanwhile(pending: Pending, reference: Any, scenario: Scenario) -> Any:
+    """The reference, computed while the ranks train (it is needed only to judge them): one
+    example costs the slower of the two, not their sum. A scenario the reference cannot train
+    lets the ranks finish first, so the world stays usable."""
+    if reference is not None:
+        return reference
+    try:
+        return prepare_reference(scenario)
+    except KeyboardInterrupt:
+        pending.abandon()
+        raise
+    except BaseException:
+        try:
+            pending.collect()
+        except WorldFailure:
+            pass
+        raise
 
 
 def _refused(failure: WorldFailure) -> DdpcheckError:
@@ -264,18 +297,22 @@ def check_target(target: Any) -> None:
 
 
 def run_in_two_worlds(target: Any, scenario: Any, world_size: int, *, deadline: float,
-                      what: str, device: str = "cpu", backend: str | None = None
-                      ) -> tuple[tuple[list, list], tuple[list, list], list]:
-    """``((records before, records after), (their collective sequences), the two worlds)``;
-    both worlds compute on ``device`` over ``backend`` (``check_example``'s)."""
-
+                      what: str, device: str = "cpu", backend: str | None = None,
+                      reference: Any = None) -> tuple[tuple[list, list], tuple[list, list],
+                                                       list, Any]:
+    """``((records before, records after), (their collective sequences), the two worlds, the
+    reference)``: the steps up to the checkpoint in the world of ``world_size``, the rest in the
+    world of ``resume_world_size``; both compute on ``device`` over ``backend``
+    (``check_example``'s). The reference (when not given) is computed while the first world
+    trains."""
     resumed_size = scenario.resume_world_size or world_size
     check_fits_machine((resumed_size,), flag="resume_world_size")
     check_fits(device, (resumed_size,), backend)  # GPUs for the resumed world too
     world = get_world(world_size, backend=backend, device=device)
-    saved = [unpack(p) for p in world.run(run_example_packed, target, scenario,
-                                          "until checkpoint", None, deadline=deadline,
-                                          what=f"{what} until its checkpoint")]
+    pending = world.submit(run_example_packed, target, scenario, "until checkpoint", None,
+                           deadline=deadline, what=f"{what} until its checkpoint")
+    reference = _reference_meanwhile(pending, reference, scenario)
+    saved = [unpack(p) for p in pending.collect()]
     sequences = world.collective_sequences()
     checkpoint = saved[0][1]
     resumed_world = get_world(resumed_size, backend=backend, device=device)
@@ -283,4 +320,4 @@ def run_in_two_worlds(target: Any, scenario: Any, world_size: int, *, deadline: 
                                                     "resumed", checkpoint, deadline=deadline,
                                                     what=f"{what} resumed from its checkpoint")]
     return (([record for record, _ in saved], resumed),
-            (sequences, resumed_world.collective_sequences()), [world, resumed_world])
+            (sequences, resumed_world.collective_sequences()), [world, resumed_world], reference)

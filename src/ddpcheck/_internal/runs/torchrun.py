@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpcheck._internal.devices import backend_for, enter_rank, this_rank
+from ddpcheck._internal.devices import (backend_for, enter_rank, local_world_size, this_rank,
+                                       under_torchrun)
 from ddpcheck._internal.rank import recorder
 from ddpcheck._internal.rank.runner import run_example_packed
 from ddpcheck._internal.rank.transport import unpack
@@ -40,19 +41,6 @@ from ddpcheck.errors import InvalidArgument
 from ddpcheck.features import declines
 
 __all__ = ["check_in_world", "init_world", "local_world_size", "under_torchrun"]
-
-_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-
-
-def under_torchrun() -> bool:
-    """True in a process ``torchrun`` (torch.distributed.run) started."""
-    return all(name in os.environ for name in _ENV)
-
-
-def local_world_size() -> int:
-    """Ranks torchrun started on this machine (they share its GPUs)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-
 
 def _gather_to_zero(obj: Any) -> list[Any] | None:
     """Every rank's ``obj`` on rank 0 (None elsewhere), by pickle.

@@ -119,15 +119,19 @@ def check_main_module_importable() -> None:
             "module")
 
 
-def pickle_task(fn: Callable[..., Any], args: tuple) -> bytes:
+def pickle_task(fn: Callable[..., Any], args: tuple, paths: list[str] | None = None) -> bytes:
+    """The message a rank runs: ``(paths, pickled (fn, args))``. ``paths``: ``sys.path`` entries
+    this process gained since the rank was spawned (a script's folder, the working directory),
+    put first in the rank's path *before* the task is unpickled, so it finds their modules."""
     try:
-        return pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+        task = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
         raise InvalidArgument(
             f"cannot send {fn!r} with its arguments to the rank processes: {exc}. Everything a "
             "world runs travels by pickle, so functions, targets and model factories must be "
             "defined at module level of an importable module (not inside a function, not a "
             "lambda, not in __main__ of an interactive session)") from exc
+    return pickle.dumps((paths or [], task), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def receive(conn: Any) -> tuple | None:

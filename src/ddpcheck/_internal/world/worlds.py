@@ -51,14 +51,13 @@ import threading
 import time
 from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import wait as _wait_any
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from ddpcheck._internal.devices import backend_for, check_device, check_fits
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, STARTUP_DEADLINE, check_deadline,
                                         check_world_size)
 from ddpcheck._internal.rank.freshness import announce, changed
 from ddpcheck._internal.rank.serve import NESTED_MARKER, SHUTDOWN, WORLD_DIR_ENV, rank_main
-from ddpcheck._internal.world import sequences
 from ddpcheck._internal.world.failures import RankState, WorldFailure, WorldStartError
 from ddpcheck._internal.world.janitor import Janitor
 from ddpcheck._internal.world.processes import (check_main_module_importable, dump_stacks,
@@ -67,8 +66,8 @@ from ddpcheck._internal.world.processes import (check_main_module_importable, du
                                                 refuse_nested_start, tail)
 from ddpcheck.errors import InvalidArgument
 
-__all__ = ["RankState", "World", "WorldFailure", "WorldStartError", "get_world",
-           "shutdown_worlds"]
+__all__ = ["Pending", "RankState", "World", "WorldFailure", "WorldStartError", "get_world",
+           "launch_worlds", "shutdown_worlds"]
 
 #: Once one rank has failed, how long the others get to finish before they are presumed stuck
 #: waiting for it in a collective.
@@ -118,6 +117,8 @@ class World:
         self._sources: dict[str, int] = {}
         # lifecycle
         self._alive = False
+        self._booting: float | None = None  # launched, not yet joined: the start-up deadline
+        self._path: set[str] = set()  # sys.path entries the ranks have
         self._runs = 0
         #: what the last task left behind in the ranks and ddpcheck put right, one line each
         #: (``ddpcheck._internal.rank.fitness``); empty when the processes were as they started
@@ -145,6 +146,15 @@ class World:
 
     def start(self, deadline: float = STARTUP_DEADLINE) -> "World":
         """Spawn the ranks and wait until every one has joined the process group."""
+        self.launch(deadline)
+        if self._booting is not None:
+            self._await_start()
+        return self
+
+    def launch(self, deadline: float = STARTUP_DEADLINE) -> "World":
+        """Spawn the ranks and return at once; the first task (or :meth:`start`) waits for them
+        to join. Ranks spend ~2 s importing torch and joining the group: launched first, a
+        world boots while this process imports, draws and computes references."""
         if self._alive:
             return self
         check_fits(self.device, (self.world_size,), self.backend)  # no GPU: one line, no spawn
@@ -152,6 +162,7 @@ class World:
         ctx = multiprocessing.get_context(self.start_method)
         check_main_module_importable()
         self._dir = tempfile.mkdtemp(prefix=f"ddpcheck-w{self.world_size}-")
+        self._path = set(sys.path)  # spawn gives the ranks this process's sys.path
         _LIVE.add(self)  # from here on, kill() (and shutdown_worlds) cleans up
         self._alive = True
         store_path = os.path.join(self._dir, "store")
@@ -168,7 +179,18 @@ class World:
             with environment(PYTHONWARNINGS=",".join(filter(None, [saved, _NUMPY_WARNING])),
                               **{WORLD_DIR_ENV: self._dir}):
                 self._spawn(ctx, store_path)
-            self._collect("world start-up", deadline, starting=True)
+        except BaseException:
+            self.kill()
+            raise
+        self._booting = time.monotonic() + deadline
+        return self
+
+    def _await_start(self) -> None:
+        """Wait (until the launch's deadline) for every rank to join the process group."""
+        end, self._booting = self._booting, None
+        try:
+            # a world launched long ago has its answers waiting: a second to read them
+            self._collect("world start-up", max(end - time.monotonic(), 1.0), starting=True)
         except WorldFailure as failure:  # not the target's fault: the environment's
             self.kill()
             raise WorldStartError(f"could not start a world of {self.world_size} ranks; "
@@ -176,7 +198,6 @@ class World:
         except BaseException:
             self.kill()
             raise
-        return self
 
     def _spawn(self, ctx: Any, store_path: str) -> None:
         # multiprocessing's helper processes inherit our stdout: start them before redirecting.
@@ -201,8 +222,12 @@ class World:
             self._janitor.watch(proc.pid)  # the rank leads its own process group
 
     def close(self, timeout: float = 5.0) -> None:
-        """Ask every rank to exit, then make sure it has (killing stragglers)."""
+        """Ask every rank to exit, then make sure it has (killing stragglers). A world still
+        booting is killed at once: its ranks read no message before they have joined."""
         if not self._alive:
+            return
+        if self._booting is not None:
+            self.kill()
             return
         for conn in self._conns:
             try:
@@ -232,6 +257,7 @@ class World:
             self._janitor = None
         self._sources = {}
         self._alive = False
+        self._booting = None
         _LIVE.discard(self)
 
     # -- running work ------------------------------------------------------------------------
@@ -243,8 +269,15 @@ class World:
         ``fn`` and ``args`` travel by pickle, so ``fn`` must be defined at module level of an
         importable module. On any failure the world is killed and :class:`WorldFailure` raised.
         """
+        return self.submit(fn, *args, deadline=deadline, what=what).collect()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, deadline: float = DEFAULT_DEADLINE,
+               what: str | None = None) -> "Pending":
+        """Start ``fn(*args)`` on every rank and return at once; :meth:`Pending.collect` waits
+        for the results (the deadline counts from here). Meanwhile this process is free -- the
+        oracle computes its reference while the ranks train -- but the world runs one task at a
+        time: collect before submitting again."""
         check_deadline("deadline", deadline)
-        payload = pickle_task(fn, args)
         if self._alive and any(p.exitcode is not None for p in self._procs):
             # A rank died *between* tasks (gloo's teardown race can SIGABRT an idle rank, see
             # docs/platform.md): no task of ours was running, so blame none -- start afresh.
@@ -253,8 +286,14 @@ class World:
         if stale:  # the ranks hold code that no longer exists on disk
             announce(stale)
             self.kill()
+        # what the ranks have not seen of this process's sys.path yet travels with the task
+        added = [] if not self._alive else [p for p in sys.path if p not in self._path]
+        payload = pickle_task(fn, args, added)
         if not self._alive:
             self.start()
+        elif self._booting is not None:  # launched: wait for the ranks to join
+            self._await_start()
+        self._path.update(added)
         self._runs += 1
         self.notes, self.unfit, self._last_sequences = (), {}, []
         # Empty here, before any rank starts: a slow rank's file must not show the last task's
@@ -264,12 +303,11 @@ class World:
         try:
             for conn in self._conns:
                 conn.send_bytes(payload)
-            return self._collect(what or getattr(fn, "__qualname__", repr(fn)), deadline)
-        except WorldFailure:
-            raise
-        except BaseException:  # Ctrl-C, or a broken pipe: ranks are mid-task, never reuse them
+        except BaseException:  # a broken pipe: ranks may be mid-task, never reuse them
             self.kill()
             raise
+        return Pending(self, what or getattr(fn, "__qualname__", repr(fn)),
+                       time.monotonic() + deadline)
 
     def collective_sequences(self) -> list[str]:
         """Each rank's collective sequence (``ddpcheck._internal.rank.recorder`` format) of the
@@ -278,6 +316,16 @@ class World:
 
     def _read_sequences(self) -> list[str]:
         return [read(path) for path in self._sequences]
+
+    def _finish(self, what: str, end: float) -> list[Any]:
+        """Collect a submitted task by the monotonic time ``end``; see :meth:`run`."""
+        try:
+            return self._collect(what, max(end - time.monotonic(), 0.0))
+        except WorldFailure:
+            raise
+        except BaseException:  # Ctrl-C: ranks are mid-task, never reuse them
+            self.kill()
+            raise
 
     def _collect(self, what: str, deadline: float, starting: bool = False) -> list[Any]:
         """Wait for one message from every rank, or fail with every rank's state.
@@ -374,6 +422,10 @@ class World:
     def _failure(self, kind: str, states: list[RankState], what: str) -> WorldFailure:
         """The failure, with the first collective where the ranks' sequences disagree; a real
         mismatch (different collectives, or a finished rank that issued fewer) is the kind."""
+        # here, not at import: it loads torch (records), and the command line launches its
+        # worlds before importing torch, so the ranks boot while it imports (bench/throughput)
+        from ddpcheck._internal.world import sequences
+
         seqs = [sequences.parse(text) for text in self._read_sequences()]
         finished = [s.rank for s in states if s.status in ("returned", "unfit")]
         disagreement = sequences.diagnose(seqs, finished)
@@ -390,6 +442,8 @@ class World:
         complete (``sequences.Disagreement.mismatched``: different collectives at one index, or
         one that a finished rank never issued), else None. Identical files are never parsed."""
         texts = self._read_sequences()
+        from ddpcheck._internal.world import sequences  # (see _failure)
+
         if sequences.same_texts(texts):
             return None
         disagreement = sequences.diagnose([sequences.parse(t) for t in texts], finished)
@@ -410,6 +464,29 @@ class World:
         state = "alive" if self._alive else "stopped"
         return (f"World(world_size={self.world_size}, backend={self.backend!r}, "
                 f"device={self.device!r}, {state})")
+
+
+class Pending:
+    """A task submitted to every rank of a world (:meth:`World.submit`), not yet collected."""
+
+    def __init__(self, world: World, what: str, end: float):
+        self.world, self.what, self._end = world, what, end
+        self._done = False
+
+    def collect(self) -> list[Any]:
+        """Every rank's result, rank 0 first (what :meth:`World.run` returns), or
+        :class:`WorldFailure`. Once only."""
+        if self._done:
+            raise RuntimeError(f"{self.what} was collected already")
+        self._done = True
+        return self.world._finish(self.what, self._end)
+
+    def abandon(self) -> None:
+        """The caller will not collect (it failed meanwhile): the ranks are mid-task, so the
+        world is replaced."""
+        if not self._done:
+            self._done = True
+            self.world.kill()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,6 +510,22 @@ def get_world(world_size: int, *, backend: str | None = None, device: str = "cpu
             world = World(world_size, backend=key[1], device=device, start_method=start_method)
             _WORLDS[key] = world
     return world.start()
+
+
+def launch_worlds(world_sizes: Iterable[int], *, backend: str | None = None,
+                  device: str = "cpu") -> None:
+    """Launch the persistent worlds of these sizes that are not running yet, without waiting:
+    they boot side by side, while this process goes on (``World.launch``)."""
+    for world_size in world_sizes:
+        check_world_size("world_size", world_size)
+        refuse_nested_start()
+        key = (world_size, backend_for(device, backend), device, "spawn")
+        with _LOCK:
+            world = _WORLDS.get(key)
+            if world is None or not world.alive:
+                world = World(world_size, backend=key[1], device=device)
+                _WORLDS[key] = world
+        world.launch()
 
 
 def shutdown_worlds() -> None:
