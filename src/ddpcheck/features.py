@@ -1,8 +1,9 @@
 """The capability vocabulary: the features a scenario can exercise, and which ones it does.
 
-A target declares the features it supports (``Target.supported_features``, ``None`` for all);
-the battery, the random examples and the command line honour it -- a declined feature is not
-generated, and a scenario that needs one is skipped with the feature named. :func:`of` says which
+A target declares the features it supports (``Target.supported_features``, ``None`` for all
+but the opt-in ones, :data:`OPT_IN`); the battery, the random examples and the command line
+honour it -- a declined feature is not generated, and a scenario that needs one is skipped with
+the feature named. :func:`of` says which
 features a scenario exercises at a world size, so nobody reads ``ModelSpec`` fields again.
 
 Invariant: :func:`of` is a pure function of (scenario, world size). The model-derived features
@@ -17,17 +18,31 @@ from typing import Any
 
 import torch
 
-from ddpcheck._internal.options import FEATURES
+from ddpcheck._internal import objective
+from ddpcheck._internal.options import FEATURES, OPT_IN
 from ddpcheck._internal.options import parse_features as parse
 from ddpcheck.models import ModelSpec
-from ddpcheck.scenario import Scenario, build_model, global_batch, per_sample_loss
+from ddpcheck.scenario import Scenario, build_model, global_batch
 
-__all__ = ["FEATURES", "declines", "exercised", "of", "parse"]
+__all__ = ["FEATURES", "OPT_IN", "declines", "exercised", "of", "parse", "supported",
+           "unsupported"]
+
 
 def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
     """The features ``scenario`` exercises at ``world_size`` (None: those that do not depend on
     it; ``uneven-batches`` and ``unused-on-some-ranks`` need a world size), and at its
     ``resume_world_size`` when it resumes from a checkpoint in another world."""
+    found = set(_fields(scenario))
+    if world_size is not None and scenario.global_batch % world_size:
+        found.add("uneven-batches")
+    resumed_at = scenario.resume_world_size
+    if world_size is not None and resumed_at not in (None, world_size):
+        found |= of(scenario, resumed_at)  # the resumed run's world shards the batch its way
+    return frozenset(found | _model_features(scenario, world_size or 1))
+
+
+def _fields(scenario: Scenario) -> set[str]:
+    """The features read from the scenario's fields alone (cheap: no model is built)."""
     found = {scenario.dtype}
     if scenario.accumulation > 1:
         found.add("accumulation")
@@ -45,24 +60,43 @@ def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
         found.add("rank-orders")
     if scenario.checkpoint_after is not None:
         found.add("checkpoint")
-    if world_size is not None and scenario.global_batch % world_size:
-        found.add("uneven-batches")
-    resumed_at = scenario.resume_world_size
-    if world_size is not None and resumed_at not in (None, world_size):
-        found |= of(scenario, resumed_at)  # the resumed run's world shards the batch its way
-    return frozenset(found | _model_features(scenario, world_size or 1))
+    if scenario.loss == "token_cross_entropy":
+        found.add("tokens")
+    if scenario.autocast is not None:
+        found.add("autocast")
+    if scenario.param_dtype is not None:
+        found.add("param-dtype")
+    return found
+
+
+def supported(target: Any) -> frozenset[str]:
+    """The features ``target`` supports: its ``supported_features`` (None: every feature),
+    less the opt-in ones (:data:`OPT_IN`) whose attribute it does not set."""
+    declared = getattr(target, "supported_features", None)
+    found = frozenset(FEATURES) if declared is None else frozenset(declared)
+    return found - {f for f, flag in OPT_IN.items() if not getattr(target, flag, False)}
+
+
+def unsupported(target: Any, without: frozenset[str] = frozenset()) -> frozenset[str]:
+    """The features never to generate for ``target``: those it does not support, and
+    ``without`` (what the user excluded)."""
+    return (frozenset(FEATURES) - supported(target)) | without
 
 
 def declines(target: Any, scenario: Scenario, world_size: int | None = None,
              without: frozenset[str] = frozenset()) -> str | None:
     """Why ``target`` does not run ``scenario`` -- a feature it does not support, a feature the
     user excluded (``without``), or its own ``supports()`` reason -- or None when it does."""
-    supported = getattr(target, "supported_features", None)
-    if supported is not None or without:
+    declared = getattr(target, "supported_features", None)
+    if declared is not None or without or _fields(scenario) & OPT_IN.keys():
         needed = of(scenario, world_size)
-        unsupported = sorted(needed - frozenset(supported)) if supported is not None else []
-        if unsupported:
-            return (f"needs {', '.join(unsupported)} (not in {type(target).__name__}."
+        missing = sorted(needed - supported(target))
+        opted_out = [f"{f} (opt-in: {type(target).__name__}.{OPT_IN[f]} is not set)"
+                     for f in missing if f in OPT_IN]
+        if opted_out:
+            return f"needs {', '.join(opted_out)}"
+        if missing:
+            return (f"needs {', '.join(missing)} (not in {type(target).__name__}."
                     "supported_features)")
         excluded = sorted(needed & without)
         if excluded:
@@ -132,7 +166,7 @@ def _usage(scenario: Scenario, model: torch.nn.Module, world_size: int) -> set[s
         for xs, ys in zip(torch.tensor_split(x, world_size), torch.tensor_split(y, world_size)):
             model.zero_grad(set_to_none=True)
             # as the runner does, an empty shard runs too: its used parameters get zeros, not None
-            per_sample_loss(model(xs), ys).sum().backward()
+            objective.micro_batch_loss(scenario, model, xs, ys).backward()
             used_by.append([p.grad is not None for p in trainable])
         for flags in zip(*used_by):
             if not any(flags):

@@ -81,6 +81,10 @@ class StepRecord:
     shards: dict[str, tuple[int | None, torch.Tensor]] = dataclasses.field(default_factory=dict)
     #: the LR schedule after the step (``schedule_state``; empty without one)
     schedule: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: the reference's only: each sample's terms of the objective in the step's global batch --
+    #: its non-padding tokens under a token loss -- None for a per-sample loss (one term each);
+    #: the batch plans are judged per term (``ddpcheck._internal.oracle.sample_weights``)
+    tokens: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass

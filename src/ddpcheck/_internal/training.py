@@ -3,7 +3,8 @@
 Invariant: :func:`train` runs ``scenario.steps`` steps of the scenario's objective (or the part
 ``steps`` of them a run resumed from a checkpoint trains) -- per step,
 the micro-batches ``loop.batches(step)`` (all but the last under ``loop.no_sync()``), each
-``(x, y, scale)`` back-propagating its summed per-sample losses times its ``scale``; then
+``(x, y, scale)`` back-propagating its :func:`micro_batch_loss` (the summed terms of the
+scenario's objective, ``ddpcheck._internal.objective``) times its ``scale``; then
 ``loop.after_backward()``, when the scenario clips (``max_grad_norm``) the clipping of the now
 synchronised gradients, ``loop.before_optimizer_step(step)`` (gradients are final here),
 ``optimizer.step()``, the LR schedule, ``loop.after_step(step)`` (where callers snapshot),
@@ -22,9 +23,10 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from ddpcheck.scenario import Scenario, per_sample_loss
+from ddpcheck._internal import objective
+from ddpcheck.scenario import Scenario
 
-__all__ = ["Loop", "make_scheduler", "train"]
+__all__ = ["Loop", "make_scheduler", "micro_batch_loss", "train"]
 
 
 def _nothing(*_: Any) -> None:
@@ -35,7 +37,7 @@ def _nothing(*_: Any) -> None:
 class Loop:
     """What differs between the callers of :func:`train`; the defaults are a plain process."""
 
-    #: step -> micro-batches ``(x, y, scale)``: scale multiplies the summed per-sample losses
+    #: step -> micro-batches ``(x, y, scale)``: scale multiplies the summed terms of the loss
     batches: Callable[[int], list[tuple[torch.Tensor, torch.Tensor, float]]]
     no_sync: Callable[[], ContextManager[Any]] = contextlib.nullcontext  # all but the last
     after_backward: Callable[[], None] = _nothing
@@ -48,6 +50,17 @@ class Loop:
     end_step: Callable[[int], None] = _nothing  # after zero_grad
     #: When a list, (phase, start, end) ``time.perf_counter()`` spans are appended to it.
     phases: list[tuple[str, float, float]] | None = None
+    #: True for the single-process reference: it runs the scenario's ``param_dtype`` policy
+    #: itself, which in a rank is the target's to implement.
+    emulates_param_dtype: bool = False
+
+
+def micro_batch_loss(scenario: Scenario, model: Any, x: torch.Tensor, y: torch.Tensor,
+                     scale: float, loop: Loop) -> torch.Tensor:
+    """The loss one micro-batch back-propagates: the sum of its terms of the scenario's
+    objective, under its precision policy, times ``scale`` (its batch plan's)."""
+    return objective.micro_batch_loss(scenario, model, x, y,
+                                      emulate=loop.emulates_param_dtype) * scale
 
 
 def make_scheduler(scenario: Scenario, optimizer: Any) -> Any:
@@ -73,7 +86,7 @@ def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop, *, schedul
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else loop.no_sync():
                 t0 = clock()
-                loss = per_sample_loss(model(x), y).sum() * scale
+                loss = micro_batch_loss(scenario, model, x, y, scale, loop)
                 t1 = clock()
                 loss.backward()
                 t2 = clock()

@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from ddpcheck.scenario import build_model, local_micro_batches
 
-__all__ = ["broadcast_from", "fsdp_cannot_run", "gradient_sync_off", "shard_leaves"]
+__all__ = ["broadcast_from", "fsdp_cannot_run", "gradient_sync_off", "precision", "shard_leaves"]
 
 
 def broadcast_from(module: Any, src: int) -> None:
@@ -41,12 +41,25 @@ def broadcast_from(module: Any, src: int) -> None:
             tensor.copy_(buffer)
 
 
-def shard_leaves(module: Any, reshard_after_forward: bool) -> Any:
+def precision(param_dtype: Any, reduce_dtype: Any) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` with these dtypes, or None when both are None (FSDP2's
+    default policy: no casts)."""
+    if param_dtype is None and reduce_dtype is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # see shard_leaves
+
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def shard_leaves(module: Any, reshard_after_forward: bool, mp_policy: Any = None) -> Any:
     """``fully_shard`` every module holding parameters of its own, then the root (which takes
     whatever parameters are left): one FSDP2 parameter group per layer, as real models do.
-    Modules sharing a parameter (tied weights) are sharded together, as FSDP2 requires."""
+    Modules sharing a parameter (tied weights) are sharded together, as FSDP2 requires.
+    ``mp_policy``: a ``MixedPrecisionPolicy`` for every group (None: FSDP2's default)."""
     # here: importing torch.distributed.fsdp costs 0.5 s after torch, for FSDP2 targets only
     from torch.distributed.fsdp import fully_shard
+
+    options = {} if mp_policy is None else {"mp_policy": mp_policy}
 
     groups: list[list[Any]] = []  # modules that must share one fully_shard call
     owner: dict[int, list[Any]] = {}  # id(parameter) -> its group
@@ -63,8 +76,8 @@ def shard_leaves(module: Any, reshard_after_forward: bool) -> Any:
                 owner[id(p)] = group
     for group in groups:
         fully_shard(group if len(group) > 1 else group[0],
-                    reshard_after_forward=reshard_after_forward)
-    return fully_shard(module, reshard_after_forward=reshard_after_forward)
+                    reshard_after_forward=reshard_after_forward, **options)
+    return fully_shard(module, reshard_after_forward=reshard_after_forward, **options)
 
 
 @contextlib.contextmanager

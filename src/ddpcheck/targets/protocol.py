@@ -71,6 +71,12 @@ class Target:
     #: True when the optimizer itself averages gradients inside ``step()`` (ZeRO-2 style, no
     #: wrapper in front): gradients are then recorded after the step, not before it.
     gradients_synchronized_in_step: bool = False
+    #: True when the target applies a scenario's ``param_dtype`` policy itself -- float32 master
+    #: weights, forward and backward on copies in ``scenario.param_dtype``, gradients accumulated
+    #: and reduced in float32 -- as FSDP2's ``MixedPrecisionPolicy`` does (read it in
+    #: ``configure``). Opt-in: scenarios with a ``param_dtype`` are declined otherwise
+    #: (``ddpcheck.features.OPT_IN``); ``Scenario.autocast`` needs nothing of the target.
+    applies_param_dtype: bool = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Target":
         # Record the constructor call: a failure's replay line rebuilds a plain-class target as

@@ -8,6 +8,13 @@ scalar per parameter dtype more, for a sharded global norm), and -- for a target
 ``flattened_broadcasts`` -- the broadcasts per step
 are at most W x parameter dtypes (one per owner and dtype). Only collectives issued through
 ``torch.distributed``'s Python API are seen (``ddpcheck._internal.rank.recorder``).
+
+:func:`check_reduce_dtypes` holds the other side of "in its own dtype": no floating-point
+reduction (all-reduce, reduce, reduce-scatter) in a dtype narrower than the narrowest gradient --
+the master weights' float32 under a ``param_dtype`` policy, whose promise is float32 reduction
+-- or it is ``communication in a narrower dtype`` (gradients reduced in bfloat16 where float32 was
+promised: FSDP2's ``reduce_dtype`` misconfigured, a compression hook). Parameters all-gathered in
+``param_dtype`` are the policy, not a reduction, and pass.
 """
 
 from __future__ import annotations
@@ -18,7 +25,37 @@ from ddpcheck._internal.oracle.reference import Reference
 from ddpcheck._internal.records import RankRecord
 from ddpcheck.errors import Divergence
 
-__all__ = ["check_budget"]
+__all__ = ["NARROWER", "REDUCTIONS", "check_budget", "check_reduce_dtypes"]
+
+NARROWER = "communication in a narrower dtype"
+#: The collectives that sum gradients (what a narrower dtype rounds).
+REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+              "reduce_scatter_single")
+_BITS = {"float64": 64, "float32": 32, "bfloat16": 16, "float16": 16, "float8_e4m3fn": 8,
+         "float8_e5m2": 8}
+
+
+def check_reduce_dtypes(step: int, world_size: int, records: list[RankRecord],
+                        reference: Reference) -> list[Divergence]:
+    """Rows for ranks that reduced floating-point tensors in a dtype narrower than the
+    narrowest gradient of the reference (see the module docstring); one per rank."""
+    promised = reference.gradient_dtype
+    if world_size == 1 or promised is None:
+        return []
+    want = str(promised).replace("torch.", "")
+    out = []
+    for record in records:
+        narrow = [c for c in record.steps[step].collectives if c.op in REDUCTIONS
+                  and any(_BITS.get(d, 64) < _BITS.get(want, 64) for d in c.dtypes)]
+        if narrow:
+            first = narrow[0]
+            out.append(Divergence(step, world_size, record.rank, "(all gradients)", NARROWER,
+                                  detail=f"{len(narrow)} reduction(s) in "
+                                         f"{'/'.join(sorted({d for c in narrow for d in c.dtypes}))}"
+                                         f", first {first.brief()}; the gradients are {want}, "
+                                         f"and reductions were promised in {want} (rounding "
+                                         "every sum to the narrower dtype changes the numbers)"))
+    return out
 
 
 def check_budget(step: int, world_size: int, records: list[RankRecord], reference: Reference,

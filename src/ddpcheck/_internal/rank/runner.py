@@ -146,10 +146,10 @@ def target_loop(target: Any, model: Any, optimizer: Any, scenario: Scenario, ran
     hook = getattr(target, "shard_batch", contiguous)  # a duck-typed target: the batch rule
 
     def batches(step: int) -> list:
-        plan = plan_for(hook, global_indices(scenario, step, rank, world_size), who)
+        x, y = global_batch(scenario, step)
+        plan = plan_for(hook, global_indices(scenario, step, rank, world_size, y), who)
         if plans is not None:
             plans[step] = plan
-        x, y = global_batch(scenario, step)
         return to_rank_device([(*_select(x, y, indices), scale)
                                for indices, scale in zip(plan.micro_batches, plan.scales)])
 

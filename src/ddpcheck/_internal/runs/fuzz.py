@@ -69,9 +69,8 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     check_fits(device, sizes, backend)  # before Hypothesis draws anything
     started = time.perf_counter()
     excluded = features.parse(without, "without")
-    supported = getattr(target, "supported_features", None)
-    unsupported = excluded | (frozenset(features.FEATURES) - frozenset(supported)
-                              if supported is not None else frozenset())
+    unsupported = features.unsupported(target, excluded)
+    opt_in = frozenset(features.OPT_IN) - unsupported  # generated only for a target that opts in
     kept = tuple(d for d in dtypes if d not in unsupported)
     if not kept:
         raise NothingChecked(f"{type(target).__name__} supports none of the dtypes "
@@ -90,7 +89,8 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
         world_size = data.draw(st.sampled_from(sizes), label="world_size")
         scenario = data.draw(dst.scenarios(
             models=dst.models(mixed_dtypes=True, without=unsupported), dtypes=dtypes,
-            without=unsupported, world_size=world_size, resume_world_sizes=sizes),
+            without=unsupported, world_size=world_size, resume_world_sizes=sizes,
+            opt_in=opt_in),
             label="scenario")
         if time_budget is not None and first[0] is None \
                 and time.perf_counter() - started > time_budget:
