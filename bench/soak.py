@@ -20,9 +20,11 @@ or another world size -- and adds ``parallel_strided``, ``parallel`` owning its 
 ``--tokens`` makes every scenario a language model (``ddpcheck.zoo.GPTConfig`` variants of
 ``TinyGPT``, tied or not, 0-2 blocks) trained on padded token sequences with
 ``loss="token_cross_entropy"``, in float64, float32, or float32 under a precision policy (autocast
-in bfloat16 or float16, a bfloat16 ``param_dtype`` -- which only FSDP2 applies), half of them with
-the whole step's features too, over ``parallel``, ``torch_ddp``, ``torch_zero`` and
-``torch_fsdp``.
+in bfloat16 or float16, a bfloat16 ``param_dtype`` -- which only FSDP2 applies), over
+``parallel``, ``torch_ddp``, ``torch_zero`` and ``torch_fsdp``: every other scenario from this
+file's generator (half of them with the whole step's features too), the others drawn from the
+random strategies ``ddpcheck check`` draws from (``strategies.exercising("tokens")`` in float64
+and float32, ``param-dtype`` opted in), in Hypothesis's derandomized order.
 
 Each scenario is checked by every target at every world size (9 examples), sharing one reference.
 """
@@ -79,7 +81,26 @@ TOKEN_TARGETS = "parallel,torch_ddp,torch_zero,torch_fsdp"
 PRECISIONS = [("float64", {}), ("float64", {}), ("float32", {}),
               ("float32", {"autocast": torch.bfloat16}), ("float32", {"autocast": torch.bfloat16}),
               ("float32", {"autocast": torch.float16}),
+              ("float32", {"param_dtype": torch.bfloat16}),
               ("float32", {"param_dtype": torch.bfloat16})]
+
+
+def drawn_token_scenarios(n: int, world_size: int) -> list[Scenario]:
+    """``n`` scenarios from ``strategies.exercising("tokens")`` (float64 and float32, the
+    ``param-dtype`` policy opted in), in Hypothesis's derandomized order."""
+    from hypothesis import HealthCheck, given, settings
+
+    found: list[Scenario] = []
+
+    @settings(max_examples=n, database=None, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(dst.exercising("tokens", world_size=world_size, dtypes=("float64", "float32"),
+                          opt_in=("param-dtype",)))
+    def draw(scenario):
+        found.append(scenario)
+
+    draw()
+    return found
 
 
 def scenario(index: int, seed: int, whole_step: tuple[int, ...] = ()) -> Scenario:
@@ -163,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = {name: TARGETS[name] for name in names.split(",")}
     whole_step = tuple(sizes) if args.whole_step else ()
     used: collections.Counter = collections.Counter()
+    drawn: list[Scenario] = []  # --tokens: scenarios from the random strategies
 
     started = time.perf_counter()
     ran, skipped, divergences, errors = 0, 0, [], []
@@ -173,8 +195,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.max_seconds and time.perf_counter() - started > args.max_seconds:
                 print(f"stopping early: --max-seconds {args.max_seconds} reached")
                 break
-            sc = (token_scenario(index, args.seed, tuple(sizes)) if args.tokens
-                  else scenario(index, args.seed, whole_step))
+            if args.tokens and index % 2:
+                if not drawn:
+                    drawn.extend(drawn_token_scenarios(args.examples, max(sizes)))
+                sc = drawn[(index // 2) % len(drawn)]
+            elif args.tokens:
+                sc = token_scenario(index, args.seed, tuple(sizes))
+            else:
+                sc = scenario(index, args.seed, whole_step)
             try:
                 reference = prepare_reference(sc)
             except Exception as exc:  # the scenario itself cannot train: say so, never hide it
@@ -204,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                     used.update(f for f in WHOLE_STEP + PRECISION if f in exercised)
                     if sc.autocast is not None or sc.param_dtype is not None:
                         used[f"policy {sc.autocast or sc.param_dtype}"] += 1
-                    used["owns its batch"] += target is PARALLEL_STRIDED
+                    if target is PARALLEL_STRIDED:
+                        used["owns its batch"] += 1
                     if ran % 500 == 0:
                         print(f"  {ran} examples, {len(divergences)} divergences, "
                               f"{time.perf_counter() - started:.0f} s", flush=True)

@@ -112,7 +112,8 @@ def main() -> None:
 
     measure()
     shutdown_worlds()
-    print(f"tolerance calibration, {args.examples} random examples of {', '.join(type(t).__name__ for t in chosen)}, "
+    names = ", ".join(type(t).__name__ for t in chosen)
+    print(f"tolerance calibration, {args.examples} random examples of {names}, "
           f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, {time.perf_counter() - started:.0f} s")
     print(f"{'dtype':>18} {'W':>2} {'examples':>9} {'worst share of tolerance used':>30}")
     for (dtype, w), value in sorted(worst.items()):

@@ -28,8 +28,9 @@ from ddpcheck.models import KINDS, Layer, ModelSpec
 from ddpcheck.scenario import Scenario
 from ddpcheck.zoo import BiasGroups, GPTConfig, token_data
 
-__all__ = ["BUCKET_SIZES", "FLOAT32_ONLY", "LOW_PRECISION_EPS", "MAX_GRAD_NORMS", "bucket_sizes", "exercising",
-           "gpt_models", "layers", "models", "optimizers", "scenarios", "world_sizes"]
+__all__ = ["BUCKET_SIZES", "FLOAT32_ONLY", "LOW_PRECISION_EPS", "MAX_GRAD_NORMS", "bucket_sizes",
+           "exercising", "gpt_models", "layers", "models", "optimizers", "scenarios",
+           "world_sizes"]
 
 #: Features only float32 scenarios can have: the precision policies keep float32 master weights.
 FLOAT32_ONLY = ("float32", "autocast", "param-dtype")
@@ -150,16 +151,20 @@ def gpt_models(*, without: Iterable[str] = ()) -> st.SearchStrategy[GPTConfig]:
                      tied=st.just(False) if "tied" in without else st.booleans())
 
 
-#: The precision policies a float32 scenario may draw: (feature, field, dtype).
-_POLICIES = (("autocast", "autocast", torch.bfloat16), ("autocast", "autocast", torch.float16),
+#: The precision policies a float32 scenario may draw: (feature, field, dtype), param_dtype
+#: twice -- Hypothesis favours the first choices, and an opted-in target should see it as often as
+#: autocast (bench/feature_rates.py --opt-in param-dtype).
+_POLICIES = (("autocast", "autocast", torch.bfloat16),
+             ("param-dtype", "param_dtype", torch.bfloat16),
+             ("autocast", "autocast", torch.float16),
              ("param-dtype", "param_dtype", torch.bfloat16))
 
 
 @st.composite
 def _precision(draw, without, opt_in) -> dict:
     """A third of float32 scenarios run a precision policy (shrinking towards none): autocast in
-    bfloat16 or float16 unless ``without`` excludes it, and ``param_dtype`` bfloat16 only for a
-    target that opts in (``opt_in``)."""
+    bfloat16 or float16 unless ``without`` excludes it, or -- about as often, for a target that
+    opts in (``opt_in``) -- ``param_dtype`` bfloat16."""
     allowed = [(field, dtype) for feature, field, dtype in _POLICIES
                if feature not in without and (feature not in features.OPT_IN or feature in opt_in)]
     if not allowed or not draw(st.sampled_from((False, False, True))):
@@ -329,7 +334,8 @@ _LAYERS = {"unused-everywhere": Layer(use="never"), "unused-on-some-ranks": Laye
 
 def exercising(feature: str, *, world_size: int, dtypes: Sequence[str] | None = None,
                without: Iterable[str] = (),
-               resume_world_sizes: Sequence[int] | None = None) -> st.SearchStrategy[Scenario]:
+               resume_world_sizes: Sequence[int] | None = None,
+               opt_in: Iterable[str] = ()) -> st.SearchStrategy[Scenario]:
     """:func:`scenarios` made to exercise ``feature`` (of ``ddpcheck.features.FEATURES``) at
     ``world_size``: the model gets the layer that produces it (a never-used, sample-gated, frozen,
     reused, buffer, float32 or transposed layer), or the scenario the field (micro-batches, param
@@ -341,7 +347,7 @@ def exercising(feature: str, *, world_size: int, dtypes: Sequence[str] | None = 
     ``tokens`` trains a language model (:func:`gpt_models`) on padded token sequences;
     ``autocast`` and ``param-dtype`` run a precision policy (bfloat16 or float16 autocast, a
     bfloat16 ``param_dtype``) in float32 scenarios; the features a layer gives never train a
-    language model.
+    language model. ``opt_in``: as for :func:`scenarios`.
 
     ``unused-on-some-ranks`` depends on the data (whether some rank's samples all skip the
     layer) and cannot happen at W=1, nor ``uneven-batches``: check ``feature in
@@ -356,12 +362,14 @@ def exercising(feature: str, *, world_size: int, dtypes: Sequence[str] | None = 
         dtypes = ("float32",) if feature in FLOAT32_ONLY else ("float64",)
     if feature in FLOAT32_ONLY and tuple(dtypes) != ("float32",):
         raise InvalidArgument(f"feature={feature!r} needs dtypes=('float32',), not {dtypes!r}")
+    if feature in features.OPT_IN:
+        opt_in = (*opt_in, feature)
     model = models(mixed_dtypes=True, without=without)
     if feature in _LAYERS:
         model = st.builds(_with_layer, model, st.just(_LAYERS[feature]), st.integers(0, 5))
     resumes = tuple(resume_world_sizes or range(1, world_size + 1))
     drawn = scenarios(models=model, dtypes=dtypes, without=without, world_size=world_size,
-                      resume_world_sizes=resumes,
+                      resume_world_sizes=resumes, opt_in=opt_in,
                       _tokens=True if feature == "tokens" else False if feature in _LAYERS
                       else None)
     return _forced(drawn, feature, world_size, "uneven-batches" in without, resumes)

@@ -164,7 +164,8 @@ def test_token_means_per_micro_batch_or_per_rank_misweigh_tokens_and_say_where()
     assert rows and {r.kind for r in rows} == {"token misweighted"}
     first = rows[0]
     assert first.rank is not None and first.name.startswith("sample ")
-    assert f"({batch.tokens[int(first.name.split()[1])]} tokens)" in first.name
+    n = batch.tokens[int(first.name.split()[1])]
+    assert first.name.endswith(f"({n} token{'s' if n > 1 else ''})")
     assert f"rank {first.rank} scales micro-batch" in first.detail
     assert f"1/T = 1/{batch.total}" in first.detail
     batch, plans = _plans(TokenMean("rank"), TOKENS, 2)

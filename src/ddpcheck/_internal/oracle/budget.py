@@ -48,11 +48,10 @@ def check_reduce_dtypes(step: int, world_size: int, records: list[RankRecord],
         narrow = [c for c in record.steps[step].collectives if c.op in REDUCTIONS
                   and any(_BITS.get(d, 64) < _BITS.get(want, 64) for d in c.dtypes)]
         if narrow:
-            first = narrow[0]
+            first, dtypes = narrow[0], sorted({d for c in narrow for d in c.dtypes})
             out.append(Divergence(step, world_size, record.rank, "(all gradients)", NARROWER,
-                                  detail=f"{len(narrow)} reduction(s) in "
-                                         f"{'/'.join(sorted({d for c in narrow for d in c.dtypes}))}"
-                                         f", first {first.brief()}; the gradients are {want}, "
+                                  detail=f"{len(narrow)} reduction(s) in {'/'.join(dtypes)}, "
+                                         f"first {first.brief()}; the gradients are {want}, "
                                          f"and reductions were promised in {want} (rounding "
                                          "every sum to the narrower dtype changes the numbers)"))
     return out

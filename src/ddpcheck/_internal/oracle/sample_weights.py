@@ -72,12 +72,12 @@ def check_sample_weights(step: int, world_size: int, plans: list[Any], batch_siz
             what, whose, verb, losses, gets = (f"sample {i}", f"sample {i}'s", "is",
                                                "its loss is", "gives it")
         else:
-            what = whose = f"the {tokens[i]} tokens of sample {i}"
+            what = whose = f"the {_tokens(tokens[i])} of sample {i}"
             verb, losses, gets = "are", "their losses are", "gives each token"
         where = ", ".join(f"rank {r} micro-batch {m} (scale {s:.3g})" for r, m, s in held)
-        common = dict(step=step, world_size=world_size,
-                      name=f"sample {i}" if tokens is None else f"sample {i} ({tokens[i]} tokens)",
-                      max_abs=error, max_rel=error / expected)
+        name = f"sample {i}" if tokens is None else f"sample {i} ({_tokens(tokens[i])})"
+        common = dict(step=step, world_size=world_size, name=name, max_abs=error,
+                      max_rel=error / expected)
         if not held:
             causes.append(Divergence(
                 rank=None, kind=kinds[0], **common,
@@ -99,3 +99,7 @@ def check_sample_weights(step: int, world_size: int, plans: list[Any], batch_siz
                        f"full-batch objective, reduction={reduction!r}, {gets} {objective} (a "
                        f"scale of {expected * world_size:.3g})"))
     return causes + misweighted
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
