@@ -54,7 +54,7 @@ class Scenario:
     steps: int = 2
     accumulation: int = 1
     dtype: str = "float64"
-    reduction: str = "mean"  # the global objective: mean or sum of per-sample losses
+    reduction: str = "mean"  # the global objective: mean or sum of the loss terms (see `loss`)
     seed: int = 0
     bucket_size_mb: float | None = None  # a hint for targets that bucket (None: their default)
     set_to_none: bool = True  # zero_grad(set_to_none=...)

@@ -244,3 +244,19 @@ def test_the_random_scenarios_draw_tokens_and_opt_in_policies_only_when_asked():
     with pytest.raises(InvalidArgument, match="needs dtypes=\\('float32',\\)"):
         dst.exercising("autocast", world_size=2, dtypes=("float64",))
     assert not math.isnan(share)
+
+
+# ---------------------------------------------------------------------------------------------
+# The built-in targets on token examples (worlds)
+
+
+@pytest.mark.parametrize("target, world_size, precision", [
+    (targets.PARALLEL, 3, {}), (targets.TORCH_DDP, 2, {"autocast": torch.bfloat16}),
+    (targets.TORCH_ZERO, 2, {}), (targets.PARALLEL_DDP, 2, {"autocast": torch.float16}),
+    (targets.LOCAL, 1, {})], ids=["parallel", "torch_ddp-bf16", "torch_zero", "parallel_ddp-fp16",
+                                  "local"])
+def test_correct_targets_pass_token_examples(target, world_size, precision):
+    scenario = TOKENS if not precision else Scenario(
+        zoo.TinyGPT, data=zoo.token_data, loss="token_cross_entropy", global_batch=7,
+        accumulation=2, steps=2, dtype="float32", **precision)
+    ddpcheck.check_example(target, scenario, world_size)  # raises EquivalenceError on a bug

@@ -56,11 +56,11 @@ class Loop:
 
 
 def micro_batch_loss(scenario: Scenario, model: Any, x: torch.Tensor, y: torch.Tensor,
-                     scale: float, loop: Loop) -> torch.Tensor:
+                     scale: float, *, emulate: bool = False) -> torch.Tensor:
     """The loss one micro-batch back-propagates: the sum of its terms of the scenario's
-    objective, under its precision policy, times ``scale`` (its batch plan's)."""
-    return objective.micro_batch_loss(scenario, model, x, y,
-                                      emulate=loop.emulates_param_dtype) * scale
+    objective, under its precision policy (``emulate``: the reference's ``param_dtype``), times
+    ``scale`` (its batch plan's)."""
+    return objective.micro_batch_loss(scenario, model, x, y, emulate=emulate) * scale
 
 
 def make_scheduler(scenario: Scenario, optimizer: Any) -> Any:
@@ -86,7 +86,8 @@ def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop, *, schedul
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else loop.no_sync():
                 t0 = clock()
-                loss = micro_batch_loss(scenario, model, x, y, scale, loop)
+                loss = micro_batch_loss(scenario, model, x, y, scale,
+                                        emulate=loop.emulates_param_dtype)
                 t1 = clock()
                 loss.backward()
                 t2 = clock()

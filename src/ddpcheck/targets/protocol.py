@@ -11,7 +11,8 @@ of an importable module. The runner calls, per example and per rank::
         target.before_step(model, optimizer)
         for each micro-batch of plan but the last:  with target.no_sync(model): forward/backward
         last micro-batch:                           forward/backward
-        (each backward of sum(per-sample losses of its samples) * its scale in the plan)
+        (each backward of the sum of its samples' loss terms -- per-sample losses, or non-padding
+         tokens' -- times its scale in the plan)
         target.after_backward(model, optimizer)
         target.clip_grad_norm(model, optimizer, max_norm, norm_type)   # scenarios that clip
         (gradients recorded here)
