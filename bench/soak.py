@@ -11,6 +11,7 @@ the oracle or a real bug in a target; either way it must be looked at.
     python bench/soak.py --targets torch_fsdp --examples 1000   # FSDP2 (not in the default set)
     python bench/soak.py --whole-step --examples 2000            # clipping, orders, checkpoints
     python bench/soak.py --strategies --examples 20000            # check's own random examples
+    python bench/soak.py --tokens --examples 2000                # language models, bf16 policies
 
 ``--strategies`` draws exactly what ``ddpcheck check`` draws after its battery -- ``ddpcheck.fuzz``
 with ``ddpcheck.strategies``: every layer kind (attention, embeddings, tied heads...), SGD/Adam/
@@ -22,6 +23,15 @@ A false alarm stops that target's chunk and is printed shrunk, with its replay l
 gradient clipping (2- or inf-norm), per-rank registration orders, a checkpoint resumed at this
 or another world size -- and adds ``parallel_strided``, ``parallel`` owning its batch
 (``ddpcheck.batches.strided``: non-contiguous shards, every sample weighted as in the full batch).
+
+``--tokens`` makes every scenario a language model (``ddpcheck.zoo.GPTConfig`` variants of
+``TinyGPT``, tied or not, 0-2 blocks) trained on padded token sequences with
+``loss="token_cross_entropy"``, in float64, float32, or float32 under a precision policy (autocast
+in bfloat16 or float16, a bfloat16 ``param_dtype`` -- which only FSDP2 applies), over
+``parallel``, ``torch_ddp``, ``torch_zero`` and ``torch_fsdp``: every other scenario from this
+file's generator (half of them with the whole step's features too), the others drawn from the
+random strategies ``ddpcheck check`` draws from (``strategies.exercising("tokens")`` in float64
+and float32, ``param-dtype`` opted in), in Hypothesis's derandomized order.
 
 Each scenario is checked by every target at every world size (9 examples), sharing one reference.
 """
@@ -44,6 +54,7 @@ import ddpcheck  # noqa: E402
 from parallel import DDP, ShardedOptimizer  # noqa: E402
 
 from ddpcheck import batches, targets, zoo  # noqa: E402
+from ddpcheck import strategies as dst  # noqa: E402
 from ddpcheck.features import FEATURES, declines, of  # noqa: E402
 from ddpcheck import check_example
 from ddpcheck._internal.runs.example import prepare_reference  # noqa: E402
@@ -69,7 +80,34 @@ TARGETS = {"parallel": targets.PARALLEL, "torch_ddp": targets.TORCH_DDP,
            "parallel_strided": PARALLEL_STRIDED}
 #: The features of the whole step the --whole-step soak counts examples of.
 WHOLE_STEP = ("clipping", "rank-orders", "checkpoint")
+#: ... and the precision features the --tokens soak counts.
+PRECISION = ("float32", "autocast", "param-dtype", "accumulation", "uneven-batches")
 DEFAULT_TARGETS = "parallel,torch_ddp,torch_zero"  # torch_fsdp on request: --targets torch_fsdp
+TOKEN_TARGETS = "parallel,torch_ddp,torch_zero,torch_fsdp"
+#: --tokens: (dtype, precision policy) of a scenario, float64 and the policies most often.
+PRECISIONS = [("float64", {}), ("float64", {}), ("float32", {}),
+              ("float32", {"autocast": torch.bfloat16}), ("float32", {"autocast": torch.bfloat16}),
+              ("float32", {"autocast": torch.float16}),
+              ("float32", {"param_dtype": torch.bfloat16}),
+              ("float32", {"param_dtype": torch.bfloat16})]
+
+
+def drawn_token_scenarios(n: int, world_size: int) -> list[Scenario]:
+    """``n`` scenarios from ``strategies.exercising("tokens")`` (float64 and float32, the
+    ``param-dtype`` policy opted in), in Hypothesis's derandomized order."""
+    from hypothesis import HealthCheck, given, settings
+
+    found: list[Scenario] = []
+
+    @settings(max_examples=n, database=None, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(dst.exercising("tokens", world_size=world_size, dtypes=("float64", "float32"),
+                          opt_in=("param-dtype",)))
+    def draw(scenario):
+        found.append(scenario)
+
+    draw()
+    return found
 
 
 def scenario(index: int, seed: int, whole_step: tuple[int, ...] = ()) -> Scenario:
@@ -80,6 +118,23 @@ def scenario(index: int, seed: int, whole_step: tuple[int, ...] = ()) -> Scenari
     optimizer, kwargs = rng.choice(OPTIMIZERS)
     extra = _whole_step(rng, whole_step) if whole_step else {}
     return Scenario(**{**_plain(rng, optimizer, kwargs), **extra})
+
+
+def token_scenario(index: int, seed: int, sizes: tuple[int, ...]) -> Scenario:
+    """The index-th ``--tokens`` scenario: a pure function of (index, seed, sizes)."""
+    rng = random.Random(seed * 1_000_003 + index + 7)
+    optimizer, kwargs = rng.choice(OPTIMIZERS)
+    dtype, precision = rng.choice(PRECISIONS)
+    plain = _plain(rng, optimizer, kwargs)
+    plain.update(model=zoo.GPTConfig(width=rng.choice([8, 12]), heads=rng.choice([1, 2, 4]),
+                                     layers=rng.randint(0, 2), tied=rng.random() < 0.7),
+                 data=zoo.token_data, loss="token_cross_entropy", dtype=dtype, **precision)
+    if dtype == "float32":  # the mean objective: a summed one moves fast and amplifies rounding
+        plain["reduction"] = "mean"
+    if precision and optimizer is not torch.optim.SGD:  # as ddpcheck.strategies draws them
+        plain["optimizer_kwargs"]["eps"] = dst.LOW_PRECISION_EPS
+    extra = _whole_step(rng, sizes) if rng.random() < 0.5 else {}
+    return Scenario(**{**plain, **extra})
 
 
 def _whole_step(rng: random.Random, sizes: tuple[int, ...]) -> dict:
@@ -165,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", action="store_true",
                         help="check's own random examples (ddpcheck.fuzz) over local at W=1 and "
                              "the correct targets at W=2-4, in chunks of 500")
+    parser.add_argument("--tokens", action="store_true",
+                        help="every scenario a language model on tokens (bf16 policies "
+                             "included); adds torch_fsdp unless --targets is given")
     args = parser.parse_args(argv)
     if args.strategies:
         return strategies_soak(args.examples, args.seed, max_seconds=args.max_seconds)
@@ -172,9 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     names = args.targets
     if args.whole_step and names == DEFAULT_TARGETS:
         names += ",parallel_strided"
+    if args.tokens and names == DEFAULT_TARGETS:
+        names = TOKEN_TARGETS
     chosen = {name: TARGETS[name] for name in names.split(",")}
     whole_step = tuple(sizes) if args.whole_step else ()
     used: collections.Counter = collections.Counter()
+    drawn: list[Scenario] = []  # --tokens: scenarios from the random strategies
 
     started = time.perf_counter()
     ran, skipped, divergences, errors = 0, 0, [], []
@@ -185,7 +246,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.max_seconds and time.perf_counter() - started > args.max_seconds:
                 print(f"stopping early: --max-seconds {args.max_seconds} reached")
                 break
-            sc = scenario(index, args.seed, whole_step)
+            if args.tokens and index % 2:
+                if not drawn:
+                    drawn.extend(drawn_token_scenarios(args.examples, max(sizes)))
+                sc = drawn[(index // 2) % len(drawn)]
+            elif args.tokens:
+                sc = token_scenario(index, args.seed, tuple(sizes))
+            else:
+                sc = scenario(index, args.seed, whole_step)
             try:
                 reference = prepare_reference(sc)
             except Exception as exc:  # the scenario itself cannot train: say so, never hide it
@@ -212,8 +280,11 @@ def main(argv: list[str] | None = None) -> int:
                     ran += 1
                     per_target[name] += 1
                     exercised = of(sc, w)
-                    used.update(f for f in WHOLE_STEP if f in exercised)
-                    used["owns its batch"] += target is PARALLEL_STRIDED
+                    used.update(f for f in WHOLE_STEP + PRECISION if f in exercised)
+                    if sc.autocast is not None or sc.param_dtype is not None:
+                        used[f"policy {sc.autocast or sc.param_dtype}"] += 1
+                    if target is PARALLEL_STRIDED:
+                        used["owns its batch"] += 1
                     if ran % 500 == 0:
                         print(f"  {ran} examples, {len(divergences)} divergences, "
                               f"{time.perf_counter() - started:.0f} s", flush=True)
@@ -226,9 +297,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(divergences)} divergences; {len(errors)} scenarios the reference could not "
           f"train; {seconds:.1f} s "
           f"({1e3 * seconds / max(ran, 1):.1f} ms per example, world start-up included)")
-    if whole_step:
-        print("examples using: " + ", ".join(f"{f} {used[f]}" for f in
-                                            (*WHOLE_STEP, "owns its batch")))
+    if whole_step or args.tokens:
+        print("examples using: " + ", ".join(f"{f} {n}" for f, n in sorted(used.items())))
     return 1 if divergences or errors else 0
 
 

@@ -1,12 +1,16 @@
 """Calibration of the oracle's tolerance table (``ddpcheck._internal.oracle.tolerances.TOLERANCES``).
 
-Runs correct targets on random scenarios (``ddpcheck.strategies``) in float64 and float32, and
-prints, per dtype and world size, how much of the tolerance the worst rounding difference used:
+Runs correct targets on random scenarios (``ddpcheck.strategies``) in float64 and float32 (with
+``--precision``: float32 scenarios under a precision policy -- autocast in bfloat16 or float16, a
+bfloat16 ``param_dtype`` on FSDP2 -- over ``PARALLEL``, ``TORCH_DDP`` and ``TORCH_FSDP``), and
+prints, per dtype (or policy) and world size, how much of the tolerance the worst rounding
+difference used:
 ``max |rank - reference| / allowed`` (the oracle's allowance) over every gradient, parameter and
 optimizer-state tensor of every step. A healthy table keeps this well below 1 for correct code,
 while real bugs exceed it by orders of magnitude (a wrong divisor is a relative error of >= 1/3).
 
     python bench/tolerance.py [--examples 150] [--seed 0]
+    python bench/tolerance.py --precision --examples 300 --seed 1
 """
 
 from __future__ import annotations
@@ -30,6 +34,16 @@ from ddpcheck._internal.rank.runner import run_example  # noqa: E402
 from ddpcheck._internal.world.worlds import get_world, shutdown_worlds  # noqa: E402
 
 TARGETS = (targets.PARALLEL, targets.TORCH_DDP)
+PRECISION_TARGETS = (targets.PARALLEL, targets.TORCH_DDP, targets.TORCH_FSDP)
+
+
+def policy(scenario) -> str:
+    """The precision a scenario's numbers are judged at: its policy, else the oracle's dtype."""
+    if scenario.param_dtype is not None:
+        return f"{str(scenario.param_dtype).replace('torch.', '')} param_dtype"
+    if scenario.autocast is not None:
+        return f"{str(scenario.autocast).replace('torch.', '')} autocast"
+    return ""
 
 
 def used_fraction(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float) -> float:
@@ -45,7 +59,18 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=150)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--where", action="store_true", help="print where each worst case was")
+    parser.add_argument("--precision", action="store_true",
+                        help="float32 scenarios under a precision policy (autocast, param_dtype)")
     args = parser.parse_args()
+    chosen = PRECISION_TARGETS if args.precision else TARGETS
+    if args.precision:  # a policy in every scenario: autocast anywhere, param_dtype on FSDP2
+        def scenarios(world_size):
+            return st.one_of(dst.exercising("autocast", world_size=world_size),
+                             dst.exercising("param-dtype", world_size=world_size))
+    else:
+        def scenarios(world_size):
+            return dst.scenarios(models=dst.models(mixed_dtypes=True),
+                                 dtypes=("float64", "float32"))
     worst: dict[tuple[str, int], float] = collections.defaultdict(float)
     where: dict[tuple[str, int], str] = {}
     count: dict[tuple[str, int], int] = collections.Counter()
@@ -59,15 +84,14 @@ def main() -> None:
     @seed(args.seed)
     @settings(max_examples=args.examples, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
-    @given(scenario=dst.scenarios(models=dst.models(mixed_dtypes=True),
-                                  dtypes=("float64", "float32")),
-           world_size=dst.world_sizes(), target=st.sampled_from(TARGETS))
-    def measure(scenario, world_size, target):
+    @given(data=st.data(), world_size=dst.world_sizes(), target=st.sampled_from(chosen))
+    def measure(data, world_size, target):
+        scenario = data.draw(scenarios(world_size))
         assume(declines(target, scenario, world_size) is None)  # torch DDP: no per-rank orders
         reference = reference_run(scenario)
         records = get_world(world_size).run(run_example, target, scenario)
         dtype = reference.compute_dtype
-        key = (str(dtype).replace("torch.", ""), world_size)
+        key = (policy(scenario) or str(dtype).replace("torch.", ""), world_size)
         count[key] += 1
         for step, ref in enumerate(reference.steps):
             rtol, atol = tolerance(dtype, world_size, step)
@@ -88,11 +112,12 @@ def main() -> None:
 
     measure()
     shutdown_worlds()
-    print(f"tolerance calibration, {args.examples} random examples of {', '.join(type(t).__name__ for t in TARGETS)}, "
+    names = ", ".join(type(t).__name__ for t in chosen)
+    print(f"tolerance calibration, {args.examples} random examples of {names}, "
           f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, {time.perf_counter() - started:.0f} s")
-    print(f"{'dtype':>8} {'W':>2} {'examples':>9} {'worst share of tolerance used':>30}")
+    print(f"{'dtype':>18} {'W':>2} {'examples':>9} {'worst share of tolerance used':>30}")
     for (dtype, w), value in sorted(worst.items()):
-        print(f"{dtype:>8} {w:>2} {count[(dtype, w)]:>9} {value:>30.3g}")
+        print(f"{dtype:>18} {w:>2} {count[(dtype, w)]:>9} {value:>30.3g}")
     if args.where:
         for key, text in sorted(where.items()):
             print(key, text)

@@ -23,7 +23,7 @@ PLACES = [
     ("language", ["ddpcheck.scenario", "ddpcheck.models", "ddpcheck.zoo", "ddpcheck.batches",
                   "ddpcheck.battery", "ddpcheck.features", "ddpcheck.strategies",
                   "ddpcheck._internal.training", "ddpcheck._internal.records",
-                  "ddpcheck._internal.messages"]),
+                  "ddpcheck._internal.messages", "ddpcheck._internal.objective"]),
     ("targets", ["ddpcheck.targets", "ddpcheck.targets.*"]),
     ("rank", ["ddpcheck._internal.rank", "ddpcheck._internal.rank.*"]),
     ("world", ["ddpcheck._internal.world", "ddpcheck._internal.world.*"]),

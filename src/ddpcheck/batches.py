@@ -6,17 +6,22 @@ mean of per-rank means over uneven shards (docs/bug-catalogue.md, A3 and F1-F3).
 a target hook, ``Target.shard_batch(batch)``: given the step's :class:`GlobalBatch` (the sample
 indices ``0..B-1``, the step, this rank, W, the scenario's accumulation and reduction) it returns
 this rank's :class:`BatchPlan` -- its micro-batches as lists of sample indices, and the scale of
-each micro-batch's summed per-sample losses. The runner indexes the global batch with it, so the
-user's sampler and normalisation are what run.
+each micro-batch's summed loss terms (per-sample losses; under ``loss="token_cross_entropy"`` the
+cross-entropies of its non-padding tokens, whose counts per sample :attr:`GlobalBatch.tokens`
+gives). The runner indexes the global batch with it, so the user's sampler and normalisation are
+what run. :class:`TokenMean` builds the plans real loops use (a per-micro-batch, per-rank or
+global mean), so a user can check the one theirs computes.
 
 Invariant: the default, :func:`contiguous`, is the batch rule of ``ddpcheck.scenario`` -- W
 contiguous shards as ``torch.tensor_split`` cuts them, each cut into ``accumulation`` micro-batches
-the same way, every scale ``W / B`` (``W`` for ``reduction="sum"``) -- bit for bit.
+the same way, every scale ``W / T`` (T the global batch's terms: B samples, or its non-padding
+tokens; ``W`` for ``reduction="sum"``) -- bit for bit.
 
 The oracle (``ddpcheck._internal.oracle.sample_weights``) holds every plan to the full-batch objective: summed over
 ranks and micro-batches, sample i's weight ``(1/W) * sum of the scales of the micro-batches that
-hold it`` (data-parallel code averages gradients over W) must be ``1/B`` (``"mean"``) or ``1``
-(``"sum"``). A plan that weighs a sample otherwise is the target's bug (``EquivalenceError``); a
+hold it`` (data-parallel code averages gradients over W) -- the weight of each of its terms -- must
+be ``1/T`` (``"mean"``) or ``1`` (``"sum"``). A plan that weighs a sample (or its tokens)
+otherwise is the target's bug (``EquivalenceError``); a
 hook that raises, or returns something that is not a valid plan (not a :class:`BatchPlan`, an
 index out of range, a non-finite scale), is a setup error (``InvalidArgument``, exit 2), caught
 by :func:`check_plans` in the checking process before any world runs -- which is why a hook must
@@ -33,10 +38,12 @@ from typing import Any, Callable
 
 from torch.utils.data import DistributedSampler
 
+from ddpcheck._internal.objective import is_token_loss, tokens
 from ddpcheck.errors import InvalidArgument
+from ddpcheck.scenario import global_batch
 
-__all__ = ["BatchPlan", "DistributedSamplerBatches", "GlobalBatch", "check_plans", "contiguous",
-           "global_indices", "plan_for", "split", "strided"]
+__all__ = ["BatchPlan", "DistributedSamplerBatches", "GlobalBatch", "TokenMean", "check_plans",
+           "contiguous", "global_indices", "global_scale", "plan_for", "split", "strided"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,16 +56,33 @@ class GlobalBatch:
     world_size: int
     accumulation: int  # the scenario's micro-batches per step (a hook may use another number)
     reduction: str  # "mean" or "sum": the full-batch objective the plan must reproduce
+    #: each sample's non-padding target tokens under ``loss="token_cross_entropy"``; None for a
+    #: per-sample loss (every sample one term)
+    tokens: tuple[int, ...] | None = None
 
     @property
     def size(self) -> int:
         return len(self.indices)
 
+    @property
+    def terms(self) -> tuple[int, ...]:
+        """Each sample's terms of the objective: its tokens, or 1 for a per-sample loss."""
+        return (1,) * self.size if self.tokens is None else self.tokens
+
+    @property
+    def total(self) -> int:
+        """T, the terms of the whole global batch: ``"mean"`` divides their sum by it."""
+        return self.size if self.tokens is None else sum(self.tokens)
+
+    def terms_of(self, samples: Any) -> int:
+        """The terms the samples ``samples`` (indices) hold together."""
+        return len(samples) if self.tokens is None else sum(self.tokens[i] for i in samples)
+
 
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
     """One rank's share of a step: ``micro_batches[i]`` (sample indices; repeats count twice)
-    back-propagates ``sum of their per-sample losses * scales[i]``. All but the last micro-batch
+    back-propagates ``sum of their loss terms * scales[i]``. All but the last micro-batch
     run under ``no_sync``; a rank with no micro-batch runs no forward at all (as a loop whose
     loader ran dry). Lists, tuples and integer tensors are accepted and stored as tuples."""
 
@@ -134,22 +158,67 @@ def split(items: tuple, parts: int) -> list[tuple]:
     return out
 
 
+def global_scale(batch: GlobalBatch) -> float:
+    """The scale that weighs every term as the full-batch objective does once DDP averages over
+    W: ``W / T`` (``"mean"``), ``W`` (``"sum"``)."""
+    return batch.world_size / batch.total if batch.reduction == "mean" else batch.world_size
+
+
 def contiguous(batch: GlobalBatch) -> BatchPlan:
     """The default plan, ``ddpcheck.scenario``'s batch rule (see the module's invariant)."""
     shard = split(batch.indices, batch.world_size)[batch.rank]
-    scale = (batch.world_size / batch.size if batch.reduction == "mean"
-             else batch.world_size)
-    return BatchPlan.uniform(split(shard, batch.accumulation), scale)
+    return BatchPlan.uniform(split(shard, batch.accumulation), global_scale(batch))
 
 
 def strided(batch: GlobalBatch) -> BatchPlan:
     """Every W-th sample from this rank's index on -- ``DistributedSampler(shuffle=False)``'s
-    order without its padding -- each weighted as in the full batch (W/B, or W for "sum"): a
+    order without its padding -- each weighted as in the full batch (W/T, or W for "sum"): a
     correct plan whose shards are not contiguous (the soak's batch-owning target uses it)."""
     shard = batch.indices[batch.rank::batch.world_size]
-    scale = (batch.world_size / batch.size if batch.reduction == "mean"
-             else batch.world_size)
-    return BatchPlan.uniform(split(shard, batch.accumulation), scale)
+    return BatchPlan.uniform(split(shard, batch.accumulation), global_scale(batch))
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenMean:
+    """The plans real training loops compute: contiguous shards (the default split), and each
+    micro-batch's summed loss divided by the terms -- tokens, or samples for a per-sample loss --
+    ``over`` which the loop takes its mean:
+
+    * ``"micro-batch"``: ``loss.mean() / accumulation`` on every micro-batch (a token mean per
+      micro-batch, then averaged over micro-batches and, by DDP, over ranks): right only when
+      every micro-batch holds as many tokens (huggingface/transformers #34191);
+    * ``"rank"``: the summed loss over this rank's token count, averaged by DDP -- the average of
+      per-rank token means, right only when every rank holds as many tokens
+      (vllm-project/speculators #942);
+    * ``"global"``: the summed loss over the global batch's token count T, times W (DDP divides
+      by W): ``num_items_in_batch`` summed over ranks -- right whatever the split.
+
+    ``reduction="sum"`` scales by ``W`` in every case (undoing DDP's average). Use it as a
+    target's ``shard_batch`` to check a loop's normalisation: the oracle names every token it
+    weighs otherwise than the full-batch objective.
+    """
+
+    over: str = "global"
+
+    def __post_init__(self):
+        if self.over not in ("micro-batch", "rank", "global"):
+            raise InvalidArgument(f"over={self.over!r} must be 'micro-batch', 'rank' or "
+                                  "'global'")
+
+    def __call__(self, batch: GlobalBatch) -> BatchPlan:
+        shard = split(batch.indices, batch.world_size)[batch.rank]
+        micro = split(shard, batch.accumulation)
+        if batch.reduction == "sum" or self.over == "global":
+            return BatchPlan.uniform(micro, global_scale(batch))
+        if self.over == "rank":
+            terms = batch.terms_of(shard)
+            return BatchPlan.uniform(micro, 1.0 / terms if terms else 0.0)
+        return BatchPlan(micro, [_inverse(batch.terms_of(mb) * batch.accumulation)
+                                 for mb in micro])
+
+
+def _inverse(count: int) -> float:
+    return 1.0 / count if count else 0.0  # an empty micro-batch: nothing to normalise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,15 +253,16 @@ class DistributedSamplerBatches:
         sampler.set_epoch(batch.step)
         mine = tuple(batch.indices[i] for i in sampler)
         micro = split(mine, batch.accumulation)
-        return BatchPlan(micro, [self.scale(batch, len(mb)) for mb in micro])
+        return BatchPlan(micro, [self.scale(batch, batch.terms_of(mb)) for mb in micro])
 
     def scale(self, batch: GlobalBatch, samples: int) -> float:
-        """The scale of a micro-batch of ``samples`` samples."""
+        """The scale of a micro-batch of ``samples`` terms (samples, or tokens under a token
+        loss)."""
         if batch.reduction == "sum":
             return float(batch.world_size)
         if self.normalize == "global":
-            return batch.world_size / batch.size
-        return 1.0 / (samples * batch.accumulation) if samples else 0.0
+            return global_scale(batch)
+        return _inverse(samples * batch.accumulation)
 
 
 def plan_for(hook: Callable[[GlobalBatch], Any], batch: GlobalBatch,
@@ -226,11 +296,20 @@ def check_plans(hook: Callable[[GlobalBatch], Any], scenario: Any, world_size: i
     """Call the hook for every step and rank of ``scenario`` here, before any world runs, so a
     malformed answer is a setup error (see the module docstring), not a rank failure."""
     for step in range(scenario.steps):
+        batch = global_indices(scenario, step, 0, world_size)
         for rank in range(world_size):
-            plan_for(hook, global_indices(scenario, step, rank, world_size), who)
+            plan_for(hook, dataclasses.replace(batch, rank=rank), who)
 
 
-def global_indices(scenario: Any, step: int, rank: int, world_size: int) -> GlobalBatch:
-    """The :class:`GlobalBatch` a rank's hook receives at ``step`` of ``scenario``."""
+def global_indices(scenario: Any, step: int, rank: int, world_size: int,
+                   targets: Any = None) -> GlobalBatch:
+    """The :class:`GlobalBatch` a rank's hook receives at ``step`` of ``scenario``; ``targets``:
+    the step's global targets when the caller has drawn them (a token loss counts their tokens;
+    otherwise they are drawn here)."""
+    counts = None
+    if is_token_loss(scenario):
+        if targets is None:
+            targets = global_batch(scenario, step)[1]
+        counts = tokens(scenario, targets)
     return GlobalBatch(tuple(range(scenario.global_batch)), step, rank, world_size,
-                       scenario.accumulation, scenario.reduction)
+                       scenario.accumulation, scenario.reduction, counts)

@@ -5,8 +5,10 @@ unused and frozen parameters (B1, B3, B11), buffers and rank-0 initialisation (D
 param groups with a schedule (E4, E5), accumulation (B2, C1-C3), tiny and large buckets (B1, B6),
 non-contiguous gradients (B9), mixed dtypes (B10), uneven and tiny batches (A3, E2), gradient
 clipping (A4), per-rank registration orders (G1), SGD for scale bugs (A1, A2), Adam/AdamW for
-state bugs (E3, E7), and a checkpoint resumed at W=2 -- the same world at W=2, another elsewhere
-(E7, E8).
+state bugs (E3, E7), a checkpoint resumed at W=2 -- the same world at W=2, another elsewhere
+(E7, E8) -- and a language model on padded tokens, in float64 and under the two bfloat16
+precision policies (J1-J4: token means per micro-batch or per rank, reductions in a narrower
+dtype, accumulators).
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ _SGD_MOMENTUM = {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0
 #: (name, scenario) pairs, cheapest first.
 BATTERY: list[tuple[str, Scenario]] = [
     ("mlp-sgd", Scenario(zoo.MLP, global_batch=8, steps=2)),
+    # bfloat16 parameters with float32 master weights and reductions: only targets that apply
+    # param_dtype (FSDP2) run it -- the others decline it at no cost, hence so early: it is where
+    # a bfloat16 reduction shows, as "communication in a narrower dtype" (J3)
+    ("tokens-param-dtype-bf16", Scenario(zoo.TinyGPT, data=zoo.token_data,
+                                         loss="token_cross_entropy", optimizer=torch.optim.AdamW,
+                                         optimizer_kwargs={"lr": 0.01, "eps": 0.1},
+                                         global_batch=7, steps=2, accumulation=2,
+                                         dtype="float32", seed=12, param_dtype=torch.bfloat16)),
     ("tied-sgd-momentum", Scenario(zoo.Tied, optimizer_kwargs=_SGD_MOMENTUM, global_batch=7,
                                    steps=3, seed=1)),
     ("unused-frozen-adamw", Scenario(zoo.UnusedAndFrozen, optimizer=torch.optim.AdamW,
@@ -66,4 +76,14 @@ BATTERY: list[tuple[str, Scenario]] = [
                                    param_groups=zoo.BiasGroups(lr=0.05, weight_decay=0.0),
                                    lr_decay=0.5, global_batch=6, steps=3, seed=9,
                                    checkpoint_after=0, resume_world_size=2)),
+    # 7 sequences of 1-8 tokens in 2 micro-batches: micro-batches and ranks hold different token
+    # counts at every W, so a token mean per micro-batch or per rank misweighs tokens (J1, J2)
+    ("tokens-accumulate", Scenario(zoo.TinyGPT, data=zoo.token_data, loss="token_cross_entropy",
+                                   optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 0.01},
+                                   global_batch=7, steps=2, accumulation=2, seed=10)),
+    # bfloat16 autocast, every target's (the loop's precision policy, not the wrapper's)
+    ("tokens-autocast-bf16", Scenario(zoo.TinyGPT, data=zoo.token_data,
+                                      loss="token_cross_entropy", optimizer_kwargs={"lr": 0.1},
+                                      global_batch=7, steps=2, accumulation=2, dtype="float32",
+                                      seed=11, autocast=torch.bfloat16)),
 ]

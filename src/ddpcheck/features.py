@@ -1,9 +1,10 @@
 """The capability vocabulary: the features a scenario can exercise, and which ones it does.
 
 A target declares the features it supports (``Target.supported_features``; ``None``: everything
-within torch DDP's contract, :data:`DEFAULT_FEATURES` -- features beyond it are opt-in);
-the battery, the random examples and the command line honour it -- a declined feature is not
-generated, and a scenario that needs one is skipped with the feature named. :func:`of` says which
+within torch DDP's contract, :data:`DEFAULT_FEATURES` -- features beyond it are opt-in, and the
+:data:`OPT_IN` ones need the target's own attribute besides); the battery, the random examples
+and the command line honour it -- a declined feature is not generated, and a scenario that needs
+one is skipped with the feature named. :func:`of` says which
 features a scenario exercises at a world size, so nobody reads ``ModelSpec`` fields again.
 
 Invariant: :func:`of` is a pure function of (scenario, world size). The model-derived features
@@ -18,20 +19,32 @@ from typing import Any
 
 import torch
 
+from ddpcheck._internal import objective
 from ddpcheck._internal.messages import code_name, exception_text
-from ddpcheck._internal.options import BEYOND_TORCH, DEFAULT_FEATURES, FEATURES
+from ddpcheck._internal.options import BEYOND_TORCH, DEFAULT_FEATURES, FEATURES, OPT_IN
 from ddpcheck._internal.options import parse_features as parse
 from ddpcheck.errors import ScenarioError
 from ddpcheck.models import ModelSpec, SpecData
-from ddpcheck.scenario import Scenario, build_model, global_batch, per_sample_loss
+from ddpcheck.scenario import Scenario, build_model, global_batch
 
-__all__ = ["BEYOND_TORCH", "DEFAULT_FEATURES", "FEATURES", "declines", "exercised", "of", "parse",
-           "supported_by"]
+__all__ = ["BEYOND_TORCH", "DEFAULT_FEATURES", "FEATURES", "OPT_IN", "declines", "exercised", "of",
+           "parse", "supported_by", "unsupported"]
 
 def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
     """The features ``scenario`` exercises at ``world_size`` (None: those that do not depend on
     it; ``uneven-batches`` and ``unused-on-some-ranks`` need a world size), and at its
     ``resume_world_size`` when it resumes from a checkpoint in another world."""
+    found = set(_fields(scenario))
+    if world_size is not None and scenario.global_batch % world_size:
+        found.add("uneven-batches")
+    resumed_at = scenario.resume_world_size
+    if world_size is not None and resumed_at not in (None, world_size):
+        found |= of(scenario, resumed_at)  # the resumed run's world shards the batch its way
+    return frozenset(found | _model_features(scenario, world_size or 1))
+
+
+def _fields(scenario: Scenario) -> set[str]:
+    """The features read from the scenario's fields alone (cheap: no model is built)."""
     found = {scenario.dtype}
     if scenario.accumulation > 1:
         found.add("accumulation")
@@ -49,12 +62,13 @@ def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
         found.add("rank-orders")
     if scenario.checkpoint_after is not None:
         found.add("checkpoint")
-    if world_size is not None and scenario.global_batch % world_size:
-        found.add("uneven-batches")
-    resumed_at = scenario.resume_world_size
-    if world_size is not None and resumed_at not in (None, world_size):
-        found |= of(scenario, resumed_at)  # the resumed run's world shards the batch its way
-    return frozenset(found | _model_features(scenario, world_size or 1))
+    if scenario.loss == "token_cross_entropy":
+        found.add("tokens")
+    if scenario.autocast is not None:
+        found.add("autocast")
+    if scenario.param_dtype is not None:
+        found.add("param-dtype")
+    return found
 
 
 def declines(target: Any, scenario: Scenario, world_size: int | None = None,
@@ -62,13 +76,19 @@ def declines(target: Any, scenario: Scenario, world_size: int | None = None,
     """Why ``target`` does not run ``scenario`` -- a feature it does not support, a feature the
     user excluded (``without``), or its own ``supports()`` reason -- or None when it does."""
     needed = of(scenario, world_size)
-    unsupported = sorted(needed - supported_by(target))
-    if unsupported:
+    missing = sorted(needed - supported_by(target))
+    opted_out = [f"{f} (opt-in: {type(target).__name__}.{OPT_IN[f]} is not set)"
+                 for f in missing if f in OPT_IN]
+    if opted_out:
+        return f"needs {', '.join(opted_out)}"
+    if missing:
         declared = getattr(target, "supported_features", None) is not None
-        return (f"needs {', '.join(unsupported)} (not in {type(target).__name__}."
-                "supported_features" + ("" if declared else
-                                        ": beyond torch DDP's contract, checked only when "
-                                        "declared") + ")")
+        why = ("" if declared else
+               ": its own shard_batch weighs samples; declare 'tokens' once it weighs tokens"
+               if missing == ["tokens"] else
+               ": beyond torch DDP's contract, checked only when declared")
+        return (f"needs {', '.join(missing)} (not in {type(target).__name__}."
+                f"supported_features{why})")
     if without:
         excluded = sorted(needed & without)
         if excluded:
@@ -84,9 +104,20 @@ def declines(target: Any, scenario: Scenario, world_size: int | None = None,
 def supported_by(target: Any) -> frozenset[str]:
     """The features ``target`` is checked on: its ``supported_features``, or -- when it declares
     nothing -- :data:`DEFAULT_FEATURES`, everything within torch DDP's own contract (features
-    beyond it, :data:`BEYOND_TORCH`, are opt-in)."""
-    supported = getattr(target, "supported_features", None)
-    return DEFAULT_FEATURES if supported is None else frozenset(supported)
+    beyond it, :data:`BEYOND_TORCH`, are opt-in, and ``tokens`` is when the target owns its
+    batch plan); less the :data:`OPT_IN` features whose attribute it does not set, whatever it
+    declares."""
+    declared = getattr(target, "supported_features", None)
+    found = DEFAULT_FEATURES if declared is None else frozenset(declared)
+    if declared is None and getattr(target, "owns_batch_plan", False):
+        found -= {"tokens"}  # its plan weighs samples; a token loss must be declared
+    return found - {f for f, flag in OPT_IN.items() if not getattr(target, flag, False)}
+
+
+def unsupported(target: Any, without: frozenset[str] = frozenset()) -> frozenset[str]:
+    """The features never to generate for ``target``: those it is not checked on, and
+    ``without`` (what the user excluded)."""
+    return (frozenset(FEATURES) - supported_by(target)) | without
 
 
 def exercised(found: set[str] | frozenset[str]) -> str:
@@ -183,7 +214,7 @@ def _usage(scenario: Scenario, model: torch.nn.Module, world_size: int) -> set[s
         for xs, ys in zip(torch.tensor_split(x, world_size), torch.tensor_split(y, world_size)):
             model.zero_grad(set_to_none=True)
             # as the runner does, an empty shard runs too: its used parameters get zeros, not None
-            loss = per_sample_loss(model(xs), ys).sum()
+            loss = objective.micro_batch_loss(scenario, model, xs, ys)
             if loss.requires_grad:  # else no parameter is used: the reference says why
                 loss.backward()
             used_by.append([p.grad is not None for p in trainable])

@@ -2,7 +2,9 @@
 
 A :class:`Scenario` is plain, picklable data: a model factory, a data function, an optimizer with
 its keyword arguments, optional parameter groups and learning-rate decay, the global batch size,
-steps, accumulation, dtype, seed and optional gradient clipping. Its ``repr`` is Python code, so
+steps, accumulation, dtype, seed, optional gradient clipping, the loss and its precision policy
+(``ddpcheck._internal.objective`` computes the loss, the same for every party). Its ``repr`` is
+Python code, so
 a failing example prints as a line that ``ddpcheck._internal.runs.replay.from_repr`` turns back into the same
 scenario (replay lines use this).
 
@@ -11,7 +13,9 @@ contiguous shards with ``torch.tensor_split`` -- the first ``B % W`` ranks get o
 rank may get none when B < W -- and each shard into ``accumulation`` micro-batches the same way.
 Every sample is used exactly once. A rank back-propagates ``sum of its samples' losses * W / B``
 (``* W`` only for ``reduction="sum"``), so that the *average* over ranks that data-parallel code
-computes weighs every sample exactly as the full-batch reference does, whatever the split.
+computes weighs every sample exactly as the full-batch reference does, whatever the split. Under
+``loss="token_cross_entropy"`` the terms are non-padding tokens, not samples: the scale is
+``W / T``, T the non-padding tokens of the global batch.
 This rule is the default batch plan (``ddpcheck.batches.contiguous``); a target may own the split
 instead (``Target.shard_batch``), and the oracle then checks that its plan weighs samples so.
 """
@@ -27,6 +31,7 @@ import torch
 from torch import nn
 
 from ddpcheck import zoo
+from ddpcheck._internal.objective import LOSSES, LOW_PRECISION, count, per_sample_loss
 from ddpcheck.errors import InvalidArgument
 from ddpcheck._internal.scripts import MAIN_NAMES, public_module_name
 
@@ -50,7 +55,7 @@ class Scenario:
     steps: int = 2
     accumulation: int = 1
     dtype: str = "float64"
-    reduction: str = "mean"  # the global objective: mean or sum of per-sample losses
+    reduction: str = "mean"  # the global objective: mean or sum of the loss terms (see `loss`)
     seed: int = 0
     bucket_size_mb: float | None = None  # a hint for targets that bucket (None: their default)
     set_to_none: bool = True  # zero_grad(set_to_none=...)
@@ -64,6 +69,14 @@ class Scenario:
     # save_checkpoint/load_checkpoint hooks (None: train uninterrupted)
     checkpoint_after: int | None = None
     resume_world_size: int | None = None  # the resumed run's world size (None: the same W)
+    # the terms of the objective (ddpcheck._internal.objective.LOSSES): "squared_error" per
+    # sample, or "token_cross_entropy" per non-padding token (model logits (B, L, V), data tokens)
+    loss: str = "squared_error"
+    # the forward under torch.autocast(device, dtype=autocast): torch.bfloat16 or torch.float16
+    autocast: torch.dtype | None = None
+    # float32 master weights, forward and backward on copies in param_dtype, gradients
+    # accumulated and reduced in float32 (FSDP2's MixedPrecisionPolicy): the target casts
+    param_dtype: torch.dtype | None = None
 
     def __post_init__(self):
         _check_int("global_batch", self.global_batch, 1)
@@ -74,6 +87,9 @@ class Scenario:
             raise InvalidArgument(f"dtype={self.dtype!r} must be one of {sorted(_DTYPES)}")
         if self.reduction not in ("mean", "sum"):
             raise InvalidArgument(f"reduction={self.reduction!r} must be 'mean' or 'sum'")
+        if self.loss not in LOSSES:
+            raise InvalidArgument(f"loss={self.loss!r} must be one of {sorted(LOSSES)}")
+        _check_precision(self.autocast, self.param_dtype, self.dtype)
         if not callable(self.model):
             raise InvalidArgument(f"model={self.model!r} must be a callable returning an "
                                   "nn.Module, such as a module class")
@@ -117,6 +133,18 @@ def _check_clipping(max_norm: Any, norm_type: Any) -> None:
     if max_norm is None and norm_type != 2.0:  # a norm that is never clipped is a mistake
         raise InvalidArgument(f"grad_norm_type={norm_type!r} needs max_grad_norm (no clipping "
                               "without it)")
+
+
+def _check_precision(autocast: Any, param_dtype: Any, dtype: str) -> None:
+    for name, value in (("autocast", autocast), ("param_dtype", param_dtype)):
+        if value is None:
+            continue
+        if value not in LOW_PRECISION:
+            raise InvalidArgument(f"{name}={value!r} must be None, torch.bfloat16 or "
+                                  "torch.float16")
+        if dtype != "float32":  # autocast leaves float64 alone; mixed precision keeps fp32 masters
+            raise InvalidArgument(f"{name}={value} needs dtype='float32' (the master weights of "
+                                  f"mixed precision), not dtype={dtype!r}")
 
 
 def _check_checkpoint(after: Any, resume_world_size: Any, steps: int) -> None:
@@ -213,11 +241,8 @@ def local_micro_batches(scenario: Scenario, step: int, rank: int, world_size: in
                     torch.tensor_split(ys, scenario.accumulation)))
 
 
-def per_sample_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Squared error per sample, ``(b,)``, accumulated in the output's dtype."""
-    return ((out - y) ** 2).flatten(1).sum(dim=1)
-
-
-def loss_scale(scenario: Scenario, world_size: int) -> float:
-    """Multiplier of a rank's summed sample losses (see the module docstring)."""
-    return world_size / scenario.global_batch if scenario.reduction == "mean" else world_size
+def loss_scale(scenario: Scenario, world_size: int, step: int = 0) -> float:
+    """Multiplier of a rank's summed losses at ``step`` (see the module docstring)."""
+    if scenario.reduction == "sum":
+        return world_size
+    return world_size / count(scenario, global_batch(scenario, step)[1])

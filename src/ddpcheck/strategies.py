@@ -26,10 +26,21 @@ from ddpcheck import features
 from ddpcheck.errors import InvalidArgument
 from ddpcheck.models import KINDS, Layer, ModelSpec
 from ddpcheck.scenario import Scenario
-from ddpcheck.zoo import BiasGroups
+from ddpcheck.zoo import BiasGroups, GPTConfig, token_data
 
-__all__ = ["BUCKET_SIZES", "MAX_GRAD_NORMS", "bucket_sizes", "exercising", "layers", "models",
-           "optimizers", "scenarios", "world_sizes"]
+__all__ = ["BUCKET_SIZES", "FLOAT32_ONLY", "LOW_PRECISION_EPS", "MAX_GRAD_NORMS", "bucket_sizes",
+           "exercising", "gpt_models", "layers", "models", "optimizers", "scenarios",
+           "world_sizes"]
+
+#: Features only float32 scenarios can have: the precision policies keep float32 master weights.
+FLOAT32_ONLY = ("float32", "autocast", "param-dtype")
+#: Adam's eps under a precision policy. A shard rounds a gradient element differently from the
+#: full batch by ~1 % of the tensor's scale in bfloat16, and Adam's first step, lr * g / (|g| +
+#: eps), turns that into a different *sign* wherever |g| is below it: an lr-sized update (a
+#: soak of token scenarios hit 2 * lr at its third example with the default 1e-8). With eps above
+#: the noise the update moves by noise * lr / eps, within the tolerance; float32 needs 1e-3 for
+#: the same reason on gradients that are zero in exact arithmetic (below).
+LOW_PRECISION_EPS = 0.1
 
 #: Bucket-size hints: the target's default, one parameter per bucket, a few, all in one.
 BUCKET_SIZES = (None, 1e-6, 2e-4, 1e6)
@@ -130,13 +141,59 @@ def optimizers() -> st.SearchStrategy[tuple[type, dict]]:
     return st.one_of(sgd, adam)
 
 
+def gpt_models(*, without: Iterable[str] = ()) -> st.SearchStrategy[GPTConfig]:
+    """Language models (``ddpcheck.zoo.GPTConfig``, each a :class:`ddpcheck.zoo.TinyGPT`
+    factory): width 8 or 12, 1, 2 or 4 heads, 0 to 2 blocks, the head tied to the token
+    embedding or not (never with ``tied`` in ``without``). Shrinks towards one head, no block,
+    an untied head: a bigram model."""
+    without = features.parse(without, "without")
+    return st.builds(GPTConfig, width=st.sampled_from((8, 12)), heads=st.sampled_from((1, 2, 4)),
+                     layers=st.integers(0, 2),
+                     tied=st.just(False) if "tied" in without else st.booleans())
+
+
+#: The precision policies a float32 scenario may draw: (feature, field, dtype), param_dtype
+#: twice -- Hypothesis favours the first choices, and an opted-in target should see it as often as
+#: autocast (bench/feature_rates.py --opt-in param-dtype).
+_POLICIES = (("autocast", "autocast", torch.bfloat16),
+             ("param-dtype", "param_dtype", torch.bfloat16),
+             ("autocast", "autocast", torch.float16),
+             ("param-dtype", "param_dtype", torch.bfloat16))
+
+
+@st.composite
+def _precision(draw, without, opt_in) -> dict:
+    """A third of float32 scenarios run a precision policy (shrinking towards none): autocast in
+    bfloat16 or float16 unless ``without`` excludes it, or -- about as often, for a target that
+    opts in (``opt_in``) -- ``param_dtype`` bfloat16."""
+    allowed = [(field, dtype) for feature, field, dtype in _POLICIES
+               if feature not in without and (feature not in features.OPT_IN or feature in opt_in)]
+    if not allowed or not draw(st.sampled_from((False, False, True))):
+        return {}
+    field, dtype = draw(st.sampled_from(allowed))
+    return {field: dtype}
+
+
+def _low_precision(optimizer: type, kwargs: dict) -> dict:
+    """``kwargs`` of ``optimizer`` under a precision policy: Adam's eps above the noise."""
+    if optimizer is torch.optim.SGD:
+        return kwargs
+    return {**kwargs, "eps": LOW_PRECISION_EPS}
+
+
 @st.composite
 def _scenarios(draw, model_strategy, dtypes, max_batch, max_steps, max_accumulation, without,
-               world_size, resume_world_sizes):
-    spec = draw(model_strategy)
+               world_size, resume_world_sizes, opt_in=frozenset(), tokens=None):
+    if tokens is None:  # a fifth of scenarios train a language model (shrinking towards none)
+        tokens = "tokens" not in without and draw(st.sampled_from((False,) * 4 + (True,)))
+    if tokens:
+        spec, data, loss = draw(gpt_models(without=without)), token_data, "token_cross_entropy"
+    else:
+        spec = draw(model_strategy)
+        data, loss = spec.data, "squared_error"
     optimizer, kwargs = draw(optimizers())
     dtype = draw(st.sampled_from(dtypes))
-    float32 = dtype == "float32" or any(layer.float32 for layer in spec.layers)
+    float32 = dtype == "float32" or (not tokens and any(layer.float32 for layer in spec.layers))
     if float32 and optimizer is not torch.optim.SGD:
         # Adam divides by sqrt(v) + eps: on a gradient that is zero in exact arithmetic (a key
         # bias under softmax, say) float32 rounding noise of ~1e-9 becomes an O(lr) update with
@@ -156,9 +213,14 @@ def _scenarios(draw, model_strategy, dtypes, max_batch, max_steps, max_accumulat
         batch = world_size * draw(st.integers(1, max(1, max_batch // world_size)))
     else:
         batch = draw(st.integers(1, max_batch))
+    precision = draw(_precision(without, opt_in)) if dtype == "float32" else {}
+    if precision:
+        kwargs = _low_precision(optimizer, kwargs)
     return Scenario(
         model=spec,
-        data=spec.data,
+        data=data,
+        loss=loss,
+        **precision,
         optimizer=optimizer,
         optimizer_kwargs=kwargs,
         param_groups=groups,
@@ -213,12 +275,17 @@ def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
               dtypes: Sequence[str] = ("float64",), max_batch: int = 12, max_steps: int = 4,
               max_accumulation: int = 3, without: Iterable[str] = (),
               world_size: int | None = None,
-              resume_world_sizes: Sequence[int] = (1, 2, 3)) -> st.SearchStrategy[Scenario]:
-    """Whole training runs: a model (default: :func:`models`), an optimizer with optional
+              resume_world_sizes: Sequence[int] = (1, 2, 3),
+              opt_in: Iterable[str] = (), _tokens: bool | None = None
+              ) -> st.SearchStrategy[Scenario]:
+    """Whole training runs: a model (default: :func:`models`; in a fifth of them a language model
+    of :func:`gpt_models` on padded token sequences, ``loss="token_cross_entropy"``), an optimizer
+    with optional
     param groups and LR decay, a global batch of 1 to ``max_batch`` samples (often not divisible
     by W, sometimes smaller than W), 1 to ``max_steps`` steps, 1 to ``max_accumulation``
     micro-batches, a dtype from ``dtypes`` (float64 by default; ``("float64", "float32")``
-    adds float32 at its calibrated tolerance), a bucket-size hint, a seed, in a quarter of
+    adds float32 at its calibrated tolerance; a third of float32 scenarios run the forward under
+    ``autocast`` in bfloat16 or float16), a bucket-size hint, a seed, in a quarter of
     them gradient clipping (2-norm or inf-norm, :data:`MAX_GRAD_NORMS`), in a sixth of them
     per-rank registration orders (``rank_orders``), and in a third of those with several steps
     a checkpoint round trip, resumed at the same world size or one of ``resume_world_sizes`` (pass
@@ -228,8 +295,16 @@ def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
     ``without`` names features of ``ddpcheck.features.FEATURES`` never to generate (what a
     target does not support): they cost no example. ``uneven-batches`` needs ``world_size`` (the
     batch is then a multiple of it); the model-derived features are honoured by the default
-    model strategy (pass your own ``models`` and it is yours to honour them)."""
+    model strategy (pass your own ``models`` and it is yours to honour them). ``opt_in`` names
+    the features beyond torch's contract to generate too (``ddpcheck.features.OPT_IN``:
+    ``param-dtype``, a bfloat16 ``param_dtype`` policy, for a target that applies it).
+    (``_tokens``: :func:`exercising`'s, True or False to force or forbid a language model.)"""
+    tokens = _tokens
     without = features.parse(without, "without")
+    opt_in = features.parse(opt_in, "opt_in")
+    if opt_in - features.OPT_IN.keys():
+        raise InvalidArgument(f"opt_in={sorted(opt_in)!r} may name only the opt-in features "
+                              f"{sorted(features.OPT_IN)}")
     dtypes = tuple(d for d in dtypes if d not in without)
     if not dtypes or any(d not in ("float64", "float32") for d in dtypes):
         raise InvalidArgument(f"dtypes={dtypes!r} must be a non-empty subset of "
@@ -248,7 +323,7 @@ def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
     if models is None:
         models = globals()["models"](without=without)
     return _scenarios(models, dtypes, max_batch, max_steps, max_accumulation, without,
-                      world_size, resume_world_sizes)
+                      world_size, resume_world_sizes, opt_in, tokens)
 
 
 #: The layer a model gets so that it exercises the feature (``exercising``).
@@ -260,7 +335,8 @@ _LAYERS = {"unused-everywhere": Layer(use="never"), "unused-on-some-ranks": Laye
 
 def exercising(feature: str, *, world_size: int, dtypes: Sequence[str] | None = None,
                without: Iterable[str] = (),
-               resume_world_sizes: Sequence[int] | None = None) -> st.SearchStrategy[Scenario]:
+               resume_world_sizes: Sequence[int] | None = None,
+               opt_in: Iterable[str] = ()) -> st.SearchStrategy[Scenario]:
     """:func:`scenarios` made to exercise ``feature`` (of ``ddpcheck.features.FEATURES``) at
     ``world_size``: the model gets the layer that produces it (a never-used, sample-gated, frozen,
     reused, buffer, float32 or transposed layer), or the scenario the field (micro-batches, param
@@ -269,17 +345,26 @@ def exercising(feature: str, *, world_size: int, dtypes: Sequence[str] | None = 
     a batch not divisible by W, few samples per rank); nothing in ``without`` is generated.
     Shrinks towards the simplest scenario that still has it.
 
+    ``tokens`` trains a language model (:func:`gpt_models`) on padded token sequences;
+    ``autocast`` and ``param-dtype`` run a precision policy (bfloat16 or float16 autocast, a
+    bfloat16 ``param_dtype``) in float32 scenarios; the features a layer gives never train a
+    language model. ``opt_in``: as for :func:`scenarios`.
+
     ``unused-on-some-ranks`` depends on the data (whether some rank's samples all skip the
     layer) and cannot happen at W=1, nor ``uneven-batches``: check ``feature in
     features.of(scenario, world_size)`` (``assume``) when you rely on it. ``dtypes`` defaults to
-    ``("float32",)`` for ``float32`` and ``("float64",)`` otherwise."""
+    ``("float32",)`` for the features of :data:`FLOAT32_ONLY` and ``("float64",)`` otherwise."""
     without = features.parse(without, "without")
     _check_range("1", 1, "world_size", world_size, 1)
     if feature not in features.FEATURES or feature in without:
         raise InvalidArgument(f"feature={feature!r} must be one of ddpcheck.features.FEATURES "
                               "and not in `without`")
     if dtypes is None:
-        dtypes = ("float32",) if feature == "float32" else ("float64",)
+        dtypes = ("float32",) if feature in FLOAT32_ONLY else ("float64",)
+    if feature in FLOAT32_ONLY and tuple(dtypes) != ("float32",):
+        raise InvalidArgument(f"feature={feature!r} needs dtypes=('float32',), not {dtypes!r}")
+    if feature in features.OPT_IN:
+        opt_in = (*opt_in, feature)
     model = models(mixed_dtypes=True, without=without)
     if feature in _LAYERS:
         layer = _LAYERS[feature]
@@ -287,7 +372,9 @@ def exercising(feature: str, *, world_size: int, dtypes: Sequence[str] | None = 
                           else st.just(layer), st.integers(0, 5))
     resumes = tuple(resume_world_sizes or range(1, world_size + 1))
     drawn = scenarios(models=model, dtypes=dtypes, without=without, world_size=world_size,
-                      resume_world_sizes=resumes)
+                      resume_world_sizes=resumes, opt_in=opt_in,
+                      _tokens=True if feature == "tokens" else False if feature in _LAYERS
+                      else None)
     return _forced(drawn, feature, world_size, "uneven-batches" in without, resumes)
 
 
@@ -323,6 +410,14 @@ def _forced(draw, drawn, feature, world_size, even_batches, resumes):
         change["resume_world_size"] = draw(st.one_of(st.none(), st.sampled_from(resumes)))
     elif feature == "uneven-batches" and world_size > 1 and s.global_batch % world_size == 0:
         change["global_batch"] = s.global_batch - 1  # >= W - 1 >= 1, and not a multiple of W
+    elif feature == "autocast" and s.autocast is None:
+        change["autocast"] = draw(st.sampled_from((torch.bfloat16, torch.float16)))
+        change["param_dtype"] = None
+        change["optimizer_kwargs"] = _low_precision(s.optimizer, s.optimizer_kwargs)
+    elif feature == "param-dtype" and s.param_dtype is None:
+        change["param_dtype"] = torch.bfloat16
+        change["autocast"] = None
+        change["optimizer_kwargs"] = _low_precision(s.optimizer, s.optimizer_kwargs)
     elif feature == "unused-on-some-ranks":  # few samples per rank: some rank skips the layer
         change["global_batch"] = (world_size * draw(st.integers(1, 2)) if even_batches
                                   else draw(st.integers(1, 2 * world_size)))

@@ -6,29 +6,41 @@ same batch compute the same objective; where a branch depends on the data it dep
 sample, never on the batch as a whole. Each class is defined at module level, so scenarios that
 name it travel to rank processes by pickle.
 
-Inputs are ``(B, 5)`` features and targets ``(B, 3)``.
+Inputs are ``(B, 5)`` features and targets ``(B, 3)``; the language model, :class:`TinyGPT`,
+reads token sequences ``(B, BLOCK)`` from :func:`token_data` and returns next-token logits
+``(B, BLOCK, VOCAB)`` (train it with ``Scenario(loss="token_cross_entropy")``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ddpcheck._internal.objective import IGNORE_INDEX
+
 __all__ = [
+    "BLOCK",
+    "IGNORE_INDEX",
     "IN_FEATURES",
     "OUT_FEATURES",
+    "VOCAB",
     "BiasGroups",
     "ChannelsLastConv",
+    "GPTConfig",
     "MLP",
     "MixedPrecision",
     "NonContiguous",
     "SampleBranch",
     "Tied",
+    "TinyGPT",
     "UnusedAndFrozen",
     "WithBuffers",
     "regression_data",
+    "token_data",
 ]
 
 IN_FEATURES, OUT_FEATURES = 5, 3
@@ -181,3 +193,112 @@ class BiasGroups:
         if vectors:
             groups.append({"params": vectors, "lr": self.lr, "weight_decay": self.weight_decay})
         return groups
+
+
+# ---------------------------------------------------------------------------------------------
+# A language model: tokens, padding, a tied head
+
+#: Tokens of the vocabulary, and the longest sequence (the positions :class:`TinyGPT` knows).
+VOCAB, BLOCK = 11, 8
+
+
+def token_data(seed: int, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global batch of token sequences ``(x, y)``, both ``(B, BLOCK)`` int64: sample i is a
+    random sequence of 1 to ``BLOCK`` tokens (lengths drawn per sample, so samples, micro-batches
+    and ranks hold different numbers of tokens), ``y`` its next tokens, padded on the right --
+    ``x`` with token 0, ``y`` with :data:`IGNORE_INDEX`, which no loss term counts. ``dtype`` is
+    ignored: tokens are integers."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, BLOCK + 1, (batch,), generator=g)  # (B,)
+    sequences = torch.randint(0, VOCAB, (batch, BLOCK + 1), generator=g)  # (B, BLOCK + 1)
+    x, y = sequences[:, :-1].clone(), sequences[:, 1:].clone()  # (B, BLOCK) each
+    padding = torch.arange(BLOCK)[None, :] >= lengths[:, None]  # (B, BLOCK)
+    x[padding] = 0
+    y[padding] = IGNORE_INDEX
+    return x, y
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """A :class:`TinyGPT`'s shape; calling it builds one (a model factory, as ``nanoGPT``'s
+    config, whose ``repr`` is code): ``width`` (a multiple of ``heads``), ``layers`` blocks, and a
+    head ``tied`` to the token embedding or not."""
+
+    width: int = 8
+    heads: int = 2
+    layers: int = 1
+    tied: bool = True
+
+    def __post_init__(self):
+        if self.width < 1 or self.heads < 1 or self.width % self.heads or self.layers < 0:
+            raise ValueError(f"{self!r}: width must be a positive multiple of heads, layers >= 0")
+
+    def __call__(self) -> "TinyGPT":
+        return TinyGPT(self)
+
+
+class TinyGPT(nn.Module):
+    """A decoder-only language model of the GPT-2 shape, small enough for examples of tens of
+    milliseconds: token embedding (tied to the LM head unless the config says otherwise) plus
+    learned positions, pre-LayerNorm blocks of causal self-attention and a GELU MLP, a final
+    LayerNorm and the head; ``(B, L)`` tokens in, ``(B, L, VOCAB)`` logits out.
+
+    Per sample, as every model here: attention is causal within a sequence and never across
+    samples, and right padding is never attended to by a real token. Linear layers have no bias
+    (as LLaMA's, or nanoGPT's ``bias=False``): the key projection's bias has a gradient that is
+    zero in exact arithmetic (softmax ignores a shift), and Adam would turn rounding noise on it
+    into updates.
+    """
+
+    def __init__(self, config: GPTConfig | None = None):
+        super().__init__()
+        c = config or GPTConfig()
+        self.tok = nn.Embedding(VOCAB, c.width)
+        self.pos = nn.Embedding(BLOCK, c.width)
+        self.blocks = nn.ModuleList(_Block(c.width, c.heads) for _ in range(c.layers))
+        self.norm = nn.LayerNorm(c.width)
+        self.head = nn.Linear(c.width, VOCAB, bias=False)
+        with torch.no_grad():  # embeddings of nanoGPT's scale, not N(0, 1): calmer logits
+            self.tok.weight.normal_(0.0, 0.3)
+            self.pos.weight.normal_(0.0, 0.3)
+        if c.tied:
+            self.head.weight = self.tok.weight
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1], device=x.device)  # (L,)
+        h = self.tok(x) + self.pos(positions)  # (B, L, width)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))  # (B, L, VOCAB)
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = _CausalSelfAttention(width, heads)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width, bias=False)
+        self.proj = nn.Linear(4 * width, width, bias=False)
+
+    def forward(self, h):  # (B, L, width)
+        h = h + self.attn(self.ln1(h))
+        return h + self.proj(F.gelu(self.fc(self.ln2(h))))
+
+
+class _CausalSelfAttention(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.out = nn.Linear(width, width, bias=False)
+
+    def forward(self, h):  # (B, L, width)
+        b, length, width = h.shape
+        d = width // self.heads
+        q, k, v = (t.reshape(b, length, self.heads, d).transpose(1, 2)  # (B, heads, L, d)
+                   for t in self.qkv(h).split(width, dim=-1))
+        att = q @ k.transpose(-2, -1) / math.sqrt(d)  # (B, heads, L, L)
+        causal = torch.ones(length, length, dtype=torch.bool, device=h.device).tril()
+        att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        return self.out((att @ v).transpose(1, 2).reshape(b, length, width))

@@ -19,7 +19,7 @@ from ddpcheck.targets import ParallelDDPTarget, TorchFSDPTarget
 #: examples, under a second in warm worlds on an idle machine, but a 2-core machine shared with
 #: other test runs slows examples down by 10-50x, and a mutant out of budget counts as surviving.
 CI_BUDGET = 30.0
-_CATALOGUE_CLASSES = re.compile(r"^[A-I][0-9]{1,2}$")
+_CATALOGUE_CLASSES = re.compile(r"^[A-J][0-9]{1,2}$")
 
 
 def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
@@ -30,8 +30,8 @@ def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
         assert _CATALOGUE_CLASSES.match(m.bug_class), m
         assert m.description and "\n" not in m.description
         assert pickle.loads(pickle.dumps(m.target)) == m.target
-        if isinstance(m.target, TorchFSDPTarget):  # family I: the class itself is the bug
-            assert m.bug_class.startswith("I"), m
+        if isinstance(m.target, TorchFSDPTarget):  # family I (and J3): the class is the bug
+            assert m.bug_class.startswith("I") or m.bug_class == "J3", m
             assert type(m.target).__module__ == "ddpcheck.mutation.broken_fsdp"
             assert type(m.target).__doc__ and type(m.target) is not TorchFSDPTarget
             continue
@@ -75,7 +75,7 @@ def test_every_mutant_is_killed_and_the_unmutated_target_passes(capsys):
     assert "unmutated target passes" in out, out
     assert status == 0, out
     rows = [line for line in out.splitlines() if line.startswith("| ")][1:]
-    # a control per family: parallel's, FSDP2's for family I, and the loop hooks' two
+    # a control per family: parallel's, FSDP2's for families I and J3, and the loop hooks' two
     assert len(rows) == n + 4
     assert "| (unmutated)" in rows[0] and "| passes " in rows[0]
     for row, name in zip(rows[1:4], ("TorchFSDPTarget", "EngineTarget", "Zero2Target")):
@@ -92,6 +92,13 @@ def test_every_mutant_is_killed_and_the_unmutated_target_passes(capsys):
         # (SkipsEmptyShard is a rank failure: the other ranks synchronise without it)
         row = next(r for r in rows if r.startswith(f"| {name} "))
         assert re.search(r": sample (dropped|duplicated|misweighted) sample \d+", row), row
+    # the token means: the battery's language model names the tokens, before any number
+    for name in ("MicroBatchTokenMean", "RankTokenMean"):
+        row = next(r for r in rows if r.startswith(f"| {name} "))
+        assert re.search(r": (sample|token) misweighted sample \d+", row), row
+    # a reduction in bfloat16 where float32 was promised: its dtype, not its rounding
+    row = next(r for r in rows if r.startswith("| ReducesInParamDtypeFSDP "))
+    assert "communication in a narrower dtype" in row, row
 
 
 def test_a_surviving_mutant_fails_the_command(capsys, monkeypatch):
@@ -105,9 +112,11 @@ def test_a_surviving_mutant_fails_the_command(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert status == 1
     from ddpcheck.battery import BATTERY
+    from ddpcheck.features import declines
 
-    # it ran the whole battery at W=2 and survived
-    assert re.search(rf"\| Unbroken +\| A1 +\| SURVIVED +\| {len(BATTERY)} ", out), out
+    # it ran the whole battery at W=2 (what parallel supports of it) and survived
+    ran = sum(declines(PARALLEL, scenario, 2) is None for _, scenario in BATTERY)
+    assert re.search(rf"\| Unbroken +\| A1 +\| SURVIVED +\| {ran} ", out), out
     assert "killed 0/1 (0 %)" in out
 
 

@@ -376,3 +376,42 @@ def test_the_noise_floor_hides_no_bug_beside_the_noise():
     assert [(d.step, d.kind, d.name) for d in rows] == [
         (1, "reference differs (parameter)", "out.weight")], rows
     assert "the reference's own rounding over other summation orders is at most" in rows[0].detail
+
+
+def test_a_reduction_narrower_than_the_gradients_is_named_before_the_numbers():
+    """float32 gradients reduce-scattered in bfloat16 (a param_dtype policy without
+    reduce_dtype): its own kind, naming the dtype, first among the rows; parameters gathered in
+    bfloat16 are the policy, not a reduction."""
+    from ddpcheck._internal.oracle.budget import NARROWER, check_reduce_dtypes
+    from ddpcheck._internal.records import Collective
+
+    def call(op: str, dtype: str) -> Collective:
+        return Collective(op=op, nbytes=16, dtypes=(dtype,), shapes=((8,),), root=None,
+                          group=None, reduce_op="SUM" if "reduce" in op else None,
+                          async_op=False, launched=0.0)
+
+    reference = Reference(initial={"w": _t(1.0, 2.0).float()},
+                          steps=[_step(_t(1.0, 2.0).float(), grad=_t(0.5, 0.5).float())],
+                          gradient_bytes=8, gradient_numel=2, n_dtypes=1,
+                          compute_dtype=torch.bfloat16, gradient_dtype=torch.float32)
+
+    def records(*collectives):
+        return [RankRecord(r, {"w": _t(1.0, 2.0).float()},
+                           [StepRecord({"w": _t(0.5, 0.5).float()}, {"w": _t(1.0, 2.0).float()},
+                                       {}, {}, list(collectives))], 0.0) for r in range(2)]
+
+    narrow = records(call("all_gather_single", "bfloat16"),
+                     call("reduce_scatter_single", "bfloat16"))
+    rows = check_reduce_dtypes(0, 2, narrow, reference)
+    assert [(r.kind, r.rank) for r in rows] == [(NARROWER, 0), (NARROWER, 1)]
+    assert "reduce_scatter_single SUM 8 bfloat16" in rows[0].detail
+    assert "the gradients are float32" in rows[0].detail
+    assert check_reduce_dtypes(0, 2, records(call("all_gather_single", "bfloat16"),
+                                             call("reduce_scatter_single", "float32")),
+                               reference) == []
+    assert check_reduce_dtypes(0, 1, narrow, reference) == []  # W=1: nothing crossed a wire
+    scenario = Scenario(zoo.MLP, dtype="float32", param_dtype=torch.bfloat16, steps=1)
+    rows = compare(narrow, reference, scenario, None)
+    assert rows[0].kind == NARROWER  # the cause, before any number
+    assert NARROWER not in [r.kind for r in compare(narrow, reference, scenario, None,
+                                                      {"replicas", "reference"})]

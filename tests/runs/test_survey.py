@@ -59,17 +59,22 @@ def test_parallel_passes_every_cell_and_the_json_matches_the_printed_matrix(caps
     for c in rows:
         if c.world_size == 1 and c.row in ("unused-on-some-ranks", "uneven-batches"):
             assert c.status == "n/a" and c.label == "-", c  # one rank: not "declined"
+        elif c.row in features.OPT_IN:  # beyond torch's contract: parallel does not opt in
+            assert c.status == "declined" and "applies_param_dtype is not set" in c.reason, c
         else:
             assert c.status == "ok" and 1 <= c.examples <= 2 and c.label == f"ok {c.examples}", c
-    assert all(c.label == "passes" for c in survey.section("battery"))
-    assert len(survey.section("battery")) == 2 * len(BATTERY)
-    assert survey.features == set(features.FEATURES)
+    battery = survey.section("battery")
+    assert len(battery) == 2 * len(BATTERY)
+    declined = [c for c in battery if c.status == "declined"]
+    assert {c.row for c in declined} == {"tokens-param-dtype-bf16"}, declined
+    assert all(c.label == "passes" for c in battery if c.status != "declined")
+    assert survey.features == set(features.FEATURES) - set(features.OPT_IN)
     # the JSON is the printed survey: same matrix, battery table, summary counts
     assert survey.matrix() in out and survey.battery_table() in out
-    n = len(features.FEATURES)
-    assert (f"features {2 * n - 2} ok, 0 FAIL, 0 declined, 2 n/a; battery {2 * len(BATTERY)} "
-            "pass, 0 FAIL") in out
-    assert f"{n}/{n} features" in out and "failures: none" in out
+    n, opt_in = len(features.FEATURES), len(features.OPT_IN)
+    assert (f"features {2 * (n - opt_in) - 2} ok, 0 FAIL, {2 * opt_in} declined, 2 n/a; "
+            f"battery {2 * len(BATTERY) - 2} pass, 0 FAIL") in out
+    assert f"{n - opt_in}/{n} features" in out and "failures: none" in out
 
 
 def test_a_mutant_fails_its_rows_without_stopping_the_survey(capsys, tmp_path):
@@ -84,8 +89,10 @@ def test_a_mutant_fails_its_rows_without_stopping_the_survey(capsys, tmp_path):
     assert cell.replay.startswith("python -m ddpcheck replay 'ddpcheck.mutation.catalogue:"
                                   "ZeroFillsUnused()' --world-size 2 --scenario ")
     assert cell.replay in out
-    # every cell ran to a verdict: the first failure did not stop the survey
-    assert all(c.status in ("ok", "fail") for c in survey.cells), out
+    # every cell ran to a verdict: the first failure did not stop the survey (but the opt-in
+    # param_dtype policy, which the mutant's parallel does not apply)
+    assert all(c.status in ("ok", "fail") for c in survey.cells
+               if c.row not in ("param-dtype", "tokens-param-dtype-bf16")), out
     assert len(survey.cells) == len(features.FEATURES) + len(BATTERY)
     assert survey.cell("unused-frozen-adamw", 2).label.startswith("FAILS reference differs")
     assert survey.cell("mlp-sgd", 2).label == "passes"

@@ -34,7 +34,7 @@ class HandLoopTarget(Target):
             for i, (x, y, scale) in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
                 with contextlib.nullcontext() if last else model.no_sync():
-                    run.loss(model(x), y, scale).backward()
+                    run.loss(model, x, y, scale).backward()
             if run.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_grad_norm,
                                                run.grad_norm_type)

@@ -176,14 +176,15 @@ def test_unknown_feature_names_are_refused_with_the_vocabulary():
 def _unused_on_some_ranks(scenario, world_size) -> bool:
     """As the ranks see it: some trainable parameter has a gradient on one rank's shard of step
     0 and None on another's (independent of ddpcheck.features)."""
-    from ddpcheck.scenario import build_model, global_batch, per_sample_loss
+    from ddpcheck._internal.objective import summed
+    from ddpcheck.scenario import build_model, global_batch
 
     model = build_model(scenario, scenario.seed)
     x, y = global_batch(scenario, 0)
     seen = []
     for xs, ys in zip(torch.tensor_split(x, world_size), torch.tensor_split(y, world_size)):
         model.zero_grad(set_to_none=True)
-        per_sample_loss(model(xs), ys).sum().backward()  # an empty shard too, as ranks do
+        summed(scenario, model(xs), ys).backward()  # an empty shard too, as ranks do
         seen.append([p.grad is None for p in model.parameters() if p.requires_grad])
     return any(len(set(flags)) > 1 for flags in zip(*seen))
 
@@ -194,7 +195,8 @@ SHARDED: list[bool] = []
 
 @settings(max_examples=200, deadline=None, database=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
-@given(dst.scenarios(models=dst.models(mixed_dtypes=True), dtypes=("float64", "float32")),
+@given(dst.scenarios(models=dst.models(mixed_dtypes=True), dtypes=("float64", "float32"),
+                    opt_in=features.OPT_IN),  # as a target that opts in sees them
        st.integers(2, 4))
 def _draw(scenario, world_size):
     for name in features.of(scenario, world_size):

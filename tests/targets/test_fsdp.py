@@ -105,3 +105,30 @@ def test_fsdp_declines_name_their_reasons():
     assert "'l0.table.weight' is used outside its layer's forward" in TORCH_FSDP.supports(
         tied_head)
     assert TORCH_FSDP.supports(ddpcheck.Scenario(model=zoo.Tied)) is None  # tied within layers
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixed precision: FSDP2's MixedPrecisionPolicy from the scenario's param_dtype
+
+
+BF16_PARAMS = ddpcheck.Scenario(zoo.TinyGPT, data=zoo.token_data, loss="token_cross_entropy",
+                                optimizer=torch.optim.AdamW,
+                                optimizer_kwargs={"lr": 0.01, "eps": 0.1}, global_batch=7,
+                                steps=2, accumulation=2, dtype="float32", seed=3,
+                                param_dtype=torch.bfloat16)
+
+
+def test_fsdp2_applies_the_scenarios_param_dtype_and_matches_the_emulated_reference():
+    configured = TORCH_FSDP.configure(BF16_PARAMS)
+    assert (configured.param_dtype, configured.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert TORCH_FSDP.configure(ddpcheck.Scenario(seed=3)).param_dtype is None  # no policy
+    ddpcheck.check_example(TORCH_FSDP, BF16_PARAMS, 2)  # raises EquivalenceError on a bug
+
+
+def test_a_reduction_in_bfloat16_under_a_float32_promise_is_a_narrower_dtype():
+    with pytest.raises(ddpcheck.EquivalenceError) as caught:
+        ddpcheck.check_example(TorchFSDPTarget(reduce_dtype=torch.bfloat16), BF16_PARAMS, 2)
+    error = caught.value
+    assert error.kinds[0] == "communication in a narrower dtype", str(error)
+    assert "reduce_scatter_single" in error.divergences[0].detail
+    assert "reduce_dtype=torch.bfloat16" in error.replay  # the replay line rebuilds the target

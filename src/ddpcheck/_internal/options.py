@@ -16,7 +16,7 @@ from typing import Any, Iterable
 from ddpcheck.errors import InvalidArgument
 
 __all__ = ["BEYOND_TORCH", "DEFAULT_DEADLINE", "DEFAULT_FEATURES", "DEFAULT_WORLD_SIZES",
-           "FEATURES", "MAX_RANKS_PER_CORE",
+           "FEATURES", "MAX_RANKS_PER_CORE", "OPT_IN",
            "STARTUP_DEADLINE", "check_deadline", "check_fits_machine", "check_positive_number",
            "check_process_group", "check_world_size", "check_world_sizes", "parse_features",
            "parse_world_sizes"]
@@ -149,7 +149,20 @@ FEATURES: dict[str, str] = {
                    "shapes)",
     "checkpoint": "a checkpoint saved after a step and the run resumed from it, possibly at "
                   "another world size (save_checkpoint / load_checkpoint)",
+    "tokens": "a language model trained on padded token sequences: the loss is the mean (or "
+              "sum) over the global batch's non-padding tokens (loss='token_cross_entropy')",
+    "autocast": "the forward under torch.autocast in bfloat16 or float16 (float32 parameters)",
+    "param-dtype": "float32 master weights, forward and backward in bfloat16 or float16, "
+                   "gradients accumulated and reduced in float32 (FSDP2's MixedPrecisionPolicy); "
+                   "opt-in",
 }
+
+#: Features beyond torch's own contract, by the target attribute that opts in to each: a target
+#: supports one only when that attribute is true, whatever its ``supported_features`` say (so
+#: ``FEATURES.keys() - {...}`` never opts in by accident). A ``param_dtype`` policy is the
+#: target's to apply (FSDP2's ``MixedPrecisionPolicy``); one that does not would train in float32
+#: and be blamed for it.
+OPT_IN: dict[str, str] = {"param-dtype": "applies_param_dtype"}
 
 
 #: Features beyond the contract of torch's own DistributedDataParallel, which requires "the exact

@@ -85,6 +85,10 @@ class StepRecord:
     #: the accumulation window, ``(micro-batch index, {name: parameter})`` -- each must still be
     #: the parameters the step started from (``ddpcheck._internal.oracle.window``)
     window: list[tuple[int, dict[str, torch.Tensor]]] = dataclasses.field(default_factory=list)
+    #: the reference's only: each sample's terms of the objective in the step's global batch --
+    #: its non-padding tokens under a token loss -- None for a per-sample loss (one term each);
+    #: the batch plans are judged per term (``ddpcheck._internal.oracle.sample_weights``)
+    tokens: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass

@@ -3,11 +3,12 @@
 Invariant: :func:`train` runs ``scenario.steps`` steps of the scenario's objective (or the part
 ``steps`` of them a run resumed from a checkpoint trains) -- per step,
 the micro-batches ``loop.batches(step)``, each ``(x, y, scale)`` inside ``loop.micro_batch(index,
-count)`` (default: all but the last under ``loop.no_sync()``) back-propagating its summed
-per-sample losses times its ``scale`` through ``loop.backward`` -- and, in a loop that
-``steps_every_micro_batch`` (accelerate's and DeepSpeed's idiom: the framework gates), calling
-``optimizer.step()``, the LR schedule and ``zero_grad`` after every micro-batch but the last too,
-then ``loop.inside_window(step, index)`` (where callers check nothing moved); then
+count)`` (default: all but the last under ``loop.no_sync()``) back-propagating its
+:func:`micro_batch_loss` (the summed terms of the scenario's objective,
+``ddpcheck._internal.objective``) times its ``scale`` through ``loop.backward`` -- and, in a loop
+that ``steps_every_micro_batch`` (accelerate's and DeepSpeed's idiom: the framework gates),
+calling ``optimizer.step()``, the LR schedule and ``zero_grad`` after every micro-batch but the
+last too, then ``loop.inside_window(step, index)`` (where callers check nothing moved); then
 ``loop.after_backward()``, when the scenario clips (``max_grad_norm``) the clipping of the now
 synchronised gradients, ``loop.before_optimizer_step(step)`` (gradients are final here),
 ``optimizer.step()``, the LR schedule, ``loop.after_step(step)`` (where callers snapshot),
@@ -26,7 +27,8 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from ddpcheck.scenario import Scenario, per_sample_loss
+from ddpcheck._internal import objective
+from ddpcheck.scenario import Scenario
 
 __all__ = ["FitRun", "Loop", "make_scheduler", "micro_batch_loss", "train"]
 
@@ -43,7 +45,7 @@ def _backward(loss: Any) -> None:
 class Loop:
     """What differs between the callers of :func:`train`; the defaults are a plain process."""
 
-    #: step -> micro-batches ``(x, y, scale)``: scale multiplies the summed per-sample losses
+    #: step -> micro-batches ``(x, y, scale)``: scale multiplies the summed terms of the loss
     batches: Callable[[int], list[tuple[torch.Tensor, torch.Tensor, float]]]
     no_sync: Callable[[], ContextManager[Any]] = contextlib.nullcontext  # all but the last
     #: ``(index, count) ->`` the context of micro-batch ``index`` of ``count`` (None: ``no_sync``
@@ -63,6 +65,17 @@ class Loop:
     end_step: Callable[[int], None] = _nothing  # after zero_grad
     #: When a list, (phase, start, end) ``time.perf_counter()`` spans are appended to it.
     phases: list[tuple[str, float, float]] | None = None
+    #: True for the single-process reference: it runs the scenario's ``param_dtype`` policy
+    #: itself, which in a rank is the target's to implement.
+    emulates_param_dtype: bool = False
+
+
+def micro_batch_loss(scenario: Scenario, model: Any, x: torch.Tensor, y: torch.Tensor,
+                     scale: float, *, emulate: bool = False) -> torch.Tensor:
+    """The loss one micro-batch back-propagates: the sum of its terms of the scenario's
+    objective, under its precision policy (``emulate``: the reference's ``param_dtype``), times
+    ``scale`` (its batch plan's)."""
+    return objective.micro_batch_loss(scenario, model, x, y, emulate=emulate) * scale
 
 
 @dataclasses.dataclass
@@ -71,7 +84,8 @@ class FitRun:
     ``Trainer.fit``) is given, to train the scenario as the reference does.
 
     ``batches[step]`` are this rank's micro-batches ``(x, y, scale)`` of that step, in order: the
-    loss of one is :meth:`loss` (the summed per-sample losses times ``scale``), and the step's
+    loss of one is :meth:`loss` (the summed terms of the scenario's objective, under its precision
+    policy, times ``scale``), and the step's
     gradient is the sum over its micro-batches. ``params``: what the optimizer gets (parameters,
     or param groups); ``optimizer(params, **optimizer_kwargs)``; ``gamma``: an ``ExponentialLR``
     stepped once per optimizer step (None: no schedule); ``max_grad_norm``/``grad_norm_type``:
@@ -80,6 +94,7 @@ class FitRun:
     built and before the first forward (the initial state is recorded then), and :attr:`record`
     after every optimizer step, once the LR schedule stepped and before ``zero_grad``."""
 
+    scenario: Scenario
     module: Any
     params: Any
     optimizer: type
@@ -98,15 +113,9 @@ class FitRun:
     def steps(self) -> int:
         return len(self.batches)
 
-    @staticmethod
-    def loss(output: Any, y: Any, scale: float) -> Any:
-        """One micro-batch's loss, as the reference computes it."""
-        return micro_batch_loss(output, y, scale)
-
-
-def micro_batch_loss(output: Any, y: Any, scale: float) -> Any:
-    """The loss one micro-batch back-propagates: its summed per-sample losses times ``scale``."""
-    return per_sample_loss(output, y).sum() * scale
+    def loss(self, model: Any, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+        """One micro-batch's loss through ``model``, as the reference computes it."""
+        return micro_batch_loss(self.scenario, model, x, y, scale)
 
 
 def make_scheduler(scenario: Scenario, optimizer: Any) -> Any:
@@ -132,7 +141,8 @@ def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop, *, schedul
             last = i == len(micro_batches) - 1
             with _micro_batch(loop, i, len(micro_batches)):
                 t0 = clock()
-                loss = per_sample_loss(model(x), y).sum() * scale
+                loss = micro_batch_loss(scenario, model, x, y, scale,
+                                        emulate=loop.emulates_param_dtype)
                 t1 = clock()
                 loop.backward(loss)
                 t2 = clock()

@@ -2,8 +2,10 @@
 
 Each class is a ``Target.shard_batch`` hook (``ddpcheck.batches``): the default plan
 (``ddpcheck.batches.contiguous``: contiguous shards, every scale ``W / B``) with one change, the
-one its docstring names, drawn from docs/bug-catalogue.md (A3, F1, F2, F3). The catalogue puts each in
-front of the unmutated ``parallel`` target, so the bug is in the loop, not in DDP.
+one its docstring names, drawn from docs/bug-catalogue.md (A3, F1, F2, F3, and J1, J2: a token mean
+taken where the global one belongs, ``ddpcheck.batches.TokenMean`` with another ``over``). The
+catalogue puts each in front of the unmutated ``parallel`` target, so the bug is in the loop, not
+in DDP.
 """
 
 from __future__ import annotations
@@ -12,14 +14,14 @@ import dataclasses
 
 import torch
 
-from ddpcheck.batches import BatchPlan, DistributedSamplerBatches, GlobalBatch, split
+from ddpcheck.batches import BatchPlan, DistributedSamplerBatches, GlobalBatch, TokenMean, split
 
-__all__ = ["FlooredShards", "MeanOfRankMeans", "PaddingSampler", "SamplerSeededPerRank",
-           "SkipsEmptyShard"]
+__all__ = ["FlooredShards", "MeanOfRankMeans", "MicroBatchTokenMean", "PaddingSampler",
+           "RankTokenMean", "SamplerSeededPerRank", "SkipsEmptyShard"]
 
 
 def _scale(batch: GlobalBatch) -> float:
-    return batch.world_size / batch.size if batch.reduction == "mean" else batch.world_size
+    return batch.world_size / batch.total if batch.reduction == "mean" else batch.world_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,3 +84,24 @@ class SkipsEmptyShard:
         if not shard:  # BUG: no micro-batch, rather than an empty one that still synchronises
             return BatchPlan((), ())
         return BatchPlan.uniform(split(shard, batch.accumulation), _scale(batch))
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatchTokenMean(TokenMean):
+    """J1: each micro-batch's loss is the mean over *its own* tokens, divided by the number of
+    micro-batches (``loss.mean() / gradient_accumulation_steps``): a token in a micro-batch of few
+    tokens weighs more than one in a long micro-batch (huggingface/transformers #34191: years of
+    gradient-accumulation runs weighted short sequences wrong). Right only when every micro-batch
+    holds as many tokens."""
+
+    over: str = "micro-batch"  # BUG: the micro-batch's token count, not the global batch's
+
+
+@dataclasses.dataclass(frozen=True)
+class RankTokenMean(TokenMean):
+    """J2: each rank's loss is the mean over *its own* tokens, and DDP averages those means: a
+    token on a rank with few tokens weighs more (vllm-project/speculators #942: a per-rank token
+    mean then DDP's mean weights each token by the rank it landed on). Right only when every rank
+    holds as many tokens."""
+
+    over: str = "rank"  # BUG: the rank's token count, not the global batch's

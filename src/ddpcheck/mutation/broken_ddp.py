@@ -396,3 +396,40 @@ class ReducesLastMicroBatchOnlyDDP(DDP):
             p.grad = torch.empty_like(p).copy_(view)
         else:
             p.grad.add_(view)  # the earlier micro-batches' local sum + this one's average
+
+
+# =============================================================================================
+# J. Language-model training: tokens and mixed precision
+
+
+class LastMicroBatchAfterReduceDDP(DDP):
+    """Gradient accumulation in a float32 accumulator whose all-reduce runs *before* the last
+    micro-batch's gradient is added to it: the earlier micro-batches are averaged, the last one
+    stays local, and the replicas differ from the first step (J4; DeepSpeed #7985, the
+    BF16_Optimizer that leaked the last micro-batch's gradient: per-rank gradients differed by
+    ~3.8 % at the boundary). Tensor hooks (``__init__``) hold the synchronised backward's
+    gradient aside in the accumulator's dtype (float32, or the parameter's when wider), so the
+    bucket carries what ``.grad`` had accumulated before it; ``_wait_and_write_back`` adds it
+    after the all-reduce."""
+
+    def __init__(self, module, bucket_size_mb=25.0, process_group=None):
+        super().__init__(module, bucket_size_mb, process_group)
+        self._last_micro_batch = {}  # param -> its gradient from the synchronised backward
+
+        def tensor_hook(p, grad):
+            if not self._sync_enabled:
+                return grad  # accumulation micro-batch: into the accumulator (.grad), locally
+            wide = torch.promote_types(grad.dtype, torch.float32)
+            self._last_micro_batch[p] = grad.to(wide)  # BUG: held aside until after the reduce
+            return torch.zeros_like(grad)
+
+        for p in self._params:
+            p.register_hook(functools.partial(tensor_hook, p))
+
+    @torch.no_grad()
+    def _wait_and_write_back(self, bucket, used_anywhere):
+        super()._wait_and_write_back(bucket, used_anywhere)
+        for p in bucket.params:
+            last = self._last_micro_batch.pop(p, None)
+            if last is not None and p.grad is not None:
+                p.grad.copy_((p.grad.to(last.dtype) + last).to(p.grad.dtype))  # local, after

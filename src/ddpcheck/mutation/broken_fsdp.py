@@ -1,5 +1,6 @@
 """FSDP2 mutants: ``ddpcheck.targets.TorchFSDPTarget`` with one seeded bug each (family I of
-``docs/bug-catalogue.md``), each seeded through FSDP2's public API or a collective of its own.
+``docs/bug-catalogue.md``, and J3, a mixed-precision policy's reduction), each seeded through
+FSDP2's public API or a collective of its own.
 
 Every class overrides one method of ``TorchFSDPTarget`` (named in its docstring); the catalogue
 lists them beside the ``parallel`` mutants, and ``stale_overrides`` checks that each override
@@ -15,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from ddpcheck.targets import TorchFSDPTarget
-from ddpcheck.targets.fsdp import broadcast_from, shard_leaves
+from ddpcheck.targets.fsdp import broadcast_from, fully_shard_options, shard_leaves
 
 __all__ = ["BroadcastsFromLastRankFSDP", "NoGradientDivideFSDP", "NeighbourGradientShardFSDP",
-           "StaleUnshardedParamsFSDP"]
+           "ReducesInParamDtypeFSDP", "StaleUnshardedParamsFSDP"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +29,8 @@ class BroadcastsFromLastRankFSDP(TorchFSDPTarget):
 
     def wrap(self, module: Any) -> Any:
         broadcast_from(module, dist.get_world_size() - 1)
-        return shard_leaves(module, bool(self.reshard_after_forward))
+        return shard_leaves(module, self.reshard_after_forward, **fully_shard_options(
+            param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,3 +88,17 @@ class StaleUnshardedParamsFSDP(TorchFSDPTarget):
 
         optimizer.register_step_pre_hook(unshard_before_step)
         return optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class ReducesInParamDtypeFSDP(TorchFSDPTarget):
+    """J3 (``configure``): the ``MixedPrecisionPolicy`` is built from the scenario's
+    ``param_dtype`` alone, without ``reduce_dtype`` -- FSDP2 then reduce-scatters the gradients in
+    ``param_dtype`` (bfloat16) where the policy promises float32 (the common way to lose gradient
+    precision with FSDP2; FSDP1's ``MixedPrecision(param_dtype=...)`` did the same). Numbers move
+    by bfloat16 rounding only; the dtype of the reduce-scatter shows it."""
+
+    def configure(self, scenario: Any) -> Any:
+        configured = super().configure(scenario)
+        # BUG: reduce_dtype left to FSDP2's default, param_dtype
+        return dataclasses.replace(configured, reduce_dtype=configured.param_dtype)

@@ -6,10 +6,10 @@ in front) whose ``parallel.DDP`` or ``parallel.ShardedOptimizer`` is replaced by
 overriding one method (rarely two, always named in the docstring; ``broken_ddp``,
 ``broken_optimizer``) with a copy that carries one bug of a class in ``docs/bug-catalogue.md``
 -- or whose batch plan (``Target.shard_batch``) is a hook of ``broken_batches`` carrying one bug
-of the training loop's data split or loss normalisation (A3, F1-F3), or whose target hooks
+of the training loop's data split or loss normalisation (A3, F1-F3, J1, J2), or whose target hooks
 ``save_checkpoint`` / ``load_checkpoint`` are those of a mixin of ``broken_checkpoint`` (E7, E8).
 Family I (sharded parameters) is :class:`~ddpcheck.targets.TorchFSDPTarget` subclasses overriding
-one method (``broken_fsdp``).
+one method (``broken_fsdp``), and so is J3 (a mixed-precision policy that reduces in bfloat16).
 Each docstring says what the bug is and which real report it mirrors. ``ddpcheck mutants``
 (and ``tests/mutation/test_mutants.py``) hold the harness to killing all of them.
 
@@ -253,6 +253,15 @@ _ENTRIES: list[tuple[str, str, str, dict]] = [
      {"hooks": K.SavesWrappedModelHooks}),
     ("CopiedGroups", "H5", "defaults={} wrapper, inner built from copied groups, never synced",
      {"optimizer": O.CopiedGroupsOptimizer}),
+    ("MicroBatchTokenMean", "J1",
+     "each micro-batch's loss is its own token mean: accumulation weighs tokens unequally",
+     {"batches": S.MicroBatchTokenMean}),
+    ("RankTokenMean", "J2",
+     "each rank's loss is its own token mean, averaged by DDP: ranks' token counts differ",
+     {"batches": S.RankTokenMean}),
+    ("LastMicroBatchAfterReduce", "J4",
+     "fp32 accumulator all-reduced before the last micro-batch is added: it stays local",
+     {"ddp": D.LastMicroBatchAfterReduceDDP}),
 ]
 
 CATALOGUE: list[Mutant] = []
@@ -275,6 +284,9 @@ CATALOGUE += [
     Mutant("StaleUnshardedParamsFSDP", "I4",
            "FSDP2: unshard() before optimizer.step: the next forward uses stale parameters",
            F.StaleUnshardedParamsFSDP()),
+    Mutant("ReducesInParamDtypeFSDP", "J3",
+           "FSDP2: MixedPrecisionPolicy without reduce_dtype: gradients reduced in bfloat16",
+           F.ReducesInParamDtypeFSDP()),
 ]
 
 

@@ -175,12 +175,25 @@ class TorchFSDPTarget(Target):
     scenario's seed -- True for odd seeds, False for even ones -- so random examples exercise
     both the re-gather in backward and the unsharded parameters kept from forward to backward.
     Optimizer state, gathered, is held whole by every rank (not ``shards_optimizer_state``).
+
+    ``param_dtype`` / ``reduce_dtype``: FSDP2's ``MixedPrecisionPolicy`` fields; None (the
+    default) takes them from the scenario's ``param_dtype`` policy (the target opts in,
+    ``applies_param_dtype``): ``MixedPrecisionPolicy(param_dtype=scenario.param_dtype,
+    reduce_dtype=torch.float32)`` -- float32 sharded parameters are the master weights, forward
+    and backward run on gathered copies in ``param_dtype``, gradients accumulate (under
+    ``set_requires_gradient_sync(False)``) and are reduce-scattered in float32. A field set here
+    overrides the scenario: ``reduce_dtype=torch.bfloat16`` reduces gradients in bfloat16 where
+    the scenario promises float32, which the oracle reports (``communication in a narrower
+    dtype``).
     """
 
     reshard_after_forward: bool | int | None = None
     #: ``fully_shard(offload_policy=CPUOffloadPolicy())``: parameters, gradients and optimizer
     #: state kept on the CPU, the step run there (needs an accelerator: declined in CPU worlds)
     cpu_offload: bool = False
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    applies_param_dtype = True
 
     # Declined, and what supports() declines besides: see ddpcheck.targets.fsdp (found by trying).
     # Checkpoints too: FSDP2's state dicts hold DTensor shards, which resume through
@@ -191,9 +204,15 @@ class TorchFSDPTarget(Target):
                                                 "checkpoint", "rank-orders"}
 
     def configure(self, scenario: Any) -> "Target":
-        if self.reshard_after_forward is not None:
-            return self
-        return dataclasses.replace(self, reshard_after_forward=bool(scenario.seed % 2))
+        change: dict[str, Any] = {}
+        if self.reshard_after_forward is None:
+            change["reshard_after_forward"] = bool(scenario.seed % 2)
+        policy = getattr(scenario, "param_dtype", None)
+        if policy is not None and self.param_dtype is None:
+            change["param_dtype"] = policy
+        if policy is not None and self.reduce_dtype is None:
+            change["reduce_dtype"] = torch.float32
+        return dataclasses.replace(self, **change) if change else self
 
     def supports(self, scenario: Any) -> str | None:
         return fsdp_cannot_run(scenario)
@@ -208,7 +227,8 @@ class TorchFSDPTarget(Target):
                 "--device cuda)")
         broadcast_from(module, 0)
         return shard_leaves(module, self.reshard_after_forward, **fully_shard_options(
-            cpu_offload=self.cpu_offload))
+            cpu_offload=self.cpu_offload, param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype))
 
     def no_sync(self, model: Any) -> ContextManager[Any]:
         return gradient_sync_off(model)

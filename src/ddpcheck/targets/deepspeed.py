@@ -45,7 +45,6 @@ from typing import Any, ContextManager
 import contextlib
 
 import torch
-import torch.distributed as dist
 
 from ddpcheck.features import FEATURES
 from ddpcheck.targets.environment import join_existing_group

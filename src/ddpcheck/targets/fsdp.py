@@ -43,20 +43,29 @@ def broadcast_from(module: Any, src: int) -> None:
             tensor.copy_(buffer)
 
 
-def fully_shard_options(*, cpu_offload: bool = False) -> dict[str, Any]:
-    """``fully_shard`` keywords for the FSDP2 target's options (``offload_policy``)."""
-    if not cpu_offload:
-        return {}
-    from torch.distributed.fsdp import CPUOffloadPolicy
+def fully_shard_options(*, cpu_offload: bool = False, param_dtype: Any = None,
+                        reduce_dtype: Any = None) -> dict[str, Any]:
+    """``fully_shard`` keywords for the FSDP2 target's options: ``offload_policy``, and a
+    ``MixedPrecisionPolicy`` when either dtype is set (none: FSDP2's defaults, no casts)."""
+    options: dict[str, Any] = {}
+    if cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy  # see shard_leaves
 
-    return {"offload_policy": CPUOffloadPolicy()}
+        options["offload_policy"] = CPUOffloadPolicy()
+    if param_dtype is not None or reduce_dtype is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy  # see shard_leaves
+
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                    reduce_dtype=reduce_dtype)
+    return options
 
 
 def shard_leaves(module: Any, reshard_after_forward: bool | int, **options: Any) -> Any:
     """``fully_shard`` every module holding parameters of its own, then the root (which takes
     whatever parameters are left): one FSDP2 parameter group per layer, as real models do.
     Modules sharing a parameter (tied weights) are sharded together, as FSDP2 requires.
-    ``options``: more ``fully_shard`` keywords, the same for every call."""
+    ``options``: more ``fully_shard`` keywords, the same for every call
+    (:func:`fully_shard_options`)."""
     # here: importing torch.distributed.fsdp costs 0.5 s after torch, for FSDP2 targets only
     from torch.distributed.fsdp import fully_shard
 
@@ -88,7 +97,6 @@ def gradient_sync_off(model: Any) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
 
 
 def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> str | None:

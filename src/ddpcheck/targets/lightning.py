@@ -122,7 +122,7 @@ def _module(pl: Any, net: Any, run: Any, accumulation: int, manual: bool) -> Any
 
         def training_step(self, batch, batch_idx):
             x, y, scale = batch
-            loss = run.loss(self.net(x), y, scale)
+            loss = run.loss(self.net, x, y, scale)
             if not manual:  # Lightning divides by accumulate_grad_batches; ours is scaled
                 return loss * accumulation
             self.manual_backward(loss)

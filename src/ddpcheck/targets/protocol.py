@@ -15,7 +15,8 @@ of an importable module. The runner calls, per example and per rank::
         for index, micro-batch of plan (count of them):
             with target.micro_batch(model, optimizer, index, count):
                 # default: target.no_sync(model) for all but the last
-                loss = sum(per-sample losses of its samples) * its scale in the plan
+                loss = sum of its samples' loss terms (per-sample losses, or non-padding
+                       tokens') * its scale in the plan
                 target.backward(model, loss)                   # default: loss.backward()
                 if target.steps_every_micro_batch and not last:
                     optimizer.step(); scheduler.step(); optimizer.zero_grad(...)
@@ -83,7 +84,9 @@ class Target:
     flattened_broadcasts: bool = False
     #: The features of ``ddpcheck.features.FEATURES`` this target supports. None: everything
     #: within torch DDP's own contract (``ddpcheck.features.DEFAULT_FEATURES``); features beyond
-    #: it (``BEYOND_TORCH``: per-rank registration orders) must be declared to be checked.
+    #: it (``BEYOND_TORCH``: per-rank registration orders) must be declared to be checked, and
+    #: so must ``tokens`` when the target owns its batch plan (:attr:`owns_batch_plan`): a plan
+    #: written for per-sample losses is not judged on token losses unless it says it weighs them.
     #: Scenarios needing another are not generated, and battery scenarios are skipped naming it.
     supported_features: frozenset[str] | None = None
     #: True when the optimizer itself averages gradients inside ``step()`` (ZeRO-2 style, no
@@ -103,6 +106,12 @@ class Target:
     #: ZeRO-2, which cannot accumulate locally): the communication budget then allows the
     #: gradient bytes once per micro-batch instead of once per step.
     reduces_every_micro_batch: bool = False
+    #: True when the target applies a scenario's ``param_dtype`` policy itself -- float32 master
+    #: weights, forward and backward on copies in ``scenario.param_dtype``, gradients accumulated
+    #: and reduced in float32 -- as FSDP2's ``MixedPrecisionPolicy`` does (read it in
+    #: ``configure``). Opt-in: scenarios with a ``param_dtype`` are declined otherwise
+    #: (``ddpcheck.features.OPT_IN``); ``Scenario.autocast`` needs nothing of the target.
+    applies_param_dtype: bool = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Target":
         # Record the constructor call: a failure's replay line rebuilds a plain-class target as
@@ -172,6 +181,11 @@ class Target:
         """Back-propagate one micro-batch's loss. Default: ``loss.backward()``; override it for
         ``accelerator.backward(loss)``, ``fabric.backward(loss)``, ``engine.backward(loss)``."""
         loss.backward()
+
+    @property
+    def owns_batch_plan(self) -> bool:
+        """True when :meth:`shard_batch` is the target's own, not the scenario's batch rule."""
+        return type(self).shard_batch is not Target.shard_batch
 
     def shard_batch(self, batch: GlobalBatch) -> BatchPlan:
         """This rank's micro-batches of the step's global batch, and each one's loss scale.
@@ -393,6 +407,10 @@ class WrapperTarget(Target):
 
     def wrap(self, module: Any) -> Any:
         return module if self.ddp is None else self.ddp(module, **self.ddp_kwargs)
+
+    @property
+    def owns_batch_plan(self) -> bool:
+        return self.batch_sharding is not None
 
     def shard_batch(self, batch: GlobalBatch) -> BatchPlan:
         return contiguous(batch) if self.batch_sharding is None else self.batch_sharding(batch)

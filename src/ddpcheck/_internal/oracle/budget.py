@@ -15,6 +15,14 @@ each layer in every forward and backward, which this budget does not model); and
 that promises ``flattened_broadcasts`` -- the broadcasts per step are at most W x parameter
 dtypes (one per owner and dtype). Only collectives issued through ``torch.distributed``'s Python
 API are seen (``ddpcheck._internal.rank.recorder``).
+
+:func:`check_reduce_dtypes` holds the other side of "in its own dtype": no floating-point
+reduction (all-reduce, reduce, reduce-scatter) in a dtype narrower than the narrowest gradient
+(the master weights' float32 under a ``param_dtype`` policy, whose promise is float32 reduction),
+beyond the control scalars the budget allows (a float64 model's norm reduced in float32 is not
+gradient traffic), or it is ``communication in a narrower dtype`` (gradients reduced in bfloat16
+where float32 was promised: FSDP2's ``reduce_dtype`` misconfigured, a compression hook).
+Parameters all-gathered in ``param_dtype`` are the policy, not a reduction, and pass.
 """
 
 from __future__ import annotations
@@ -25,7 +33,36 @@ from ddpcheck._internal.oracle.reference import Reference
 from ddpcheck._internal.records import RankRecord
 from ddpcheck.errors import Divergence
 
-__all__ = ["GATHERS", "REDUCTIONS", "check_budget"]
+__all__ = ["GATHERS", "NARROWER", "REDUCTIONS", "check_budget", "check_reduce_dtypes"]
+
+NARROWER = "communication in a narrower dtype"
+_BITS = {"float64": 64, "float32": 32, "bfloat16": 16, "float16": 16, "float8_e4m3fn": 8,
+         "float8_e5m2": 8}
+
+
+def check_reduce_dtypes(step: int, world_size: int, records: list[RankRecord],
+                        reference: Reference) -> list[Divergence]:
+    """Rows for ranks that reduced floating-point tensors in a dtype narrower than the
+    narrowest gradient of the reference (see the module docstring); one per rank."""
+    promised = reference.gradient_dtype
+    if world_size == 1 or promised is None:
+        return []
+    want = str(promised).replace("torch.", "")
+    # control scalars (a norm, a flag, a logged loss) may travel narrower: only gradient-sized
+    # traffic beyond the budget's allowance of a scalar per trainable tensor is a narrowing
+    allowance = reference.trainable_tensors + reference.norm_scalars
+    out = []
+    for record in records:
+        narrow = [c for c in record.steps[step].collectives if c.op in REDUCTIONS
+                  and any(_BITS.get(d, 64) < _BITS.get(want, 64) for d in c.dtypes)]
+        if sum(math.prod(shape) for c in narrow for shape in c.shapes) > allowance:
+            first, dtypes = narrow[0], sorted({d for c in narrow for d in c.dtypes})
+            out.append(Divergence(step, world_size, record.rank, "(all gradients)", NARROWER,
+                                  detail=f"{len(narrow)} reduction(s) in {'/'.join(dtypes)}, "
+                                         f"first {first.brief()}; the gradients are {want}, "
+                                         f"and reductions were promised in {want} (rounding "
+                                         "every sum to the narrower dtype changes the numbers)"))
+    return out
 
 
 def check_budget(step: int, world_size: int, records: list[RankRecord], reference: Reference,

@@ -25,7 +25,9 @@ Invariant: :func:`compare` returns one of three verdicts, never a mix --
    state has it on some rank, and -- for a target that shards optimizer state -- on exactly one;
    so does the LR schedule (``ddpcheck._internal.oracle.compare``);
 4. communication stays within budget: bytes all-reduced per step <= the gradient bytes (each
-   gradient crosses the wire once), and -- for a target that promises ``flattened_broadcasts`` --
+   gradient crosses the wire once), no reduction in a dtype narrower than the gradients' (a
+   ``param_dtype`` policy promises float32 reductions), and -- for a target that promises
+   ``flattened_broadcasts`` --
    broadcasts per step <= W x parameter dtypes (one per owner and dtype). Only collectives
    issued through ``torch.distributed``'s Python API are seen;
 5. no rank holds NaN/inf where the reference is finite. A violation is reported as kind
@@ -51,7 +53,7 @@ from typing import Any
 
 import torch
 
-from ddpcheck._internal.oracle.budget import check_budget
+from ddpcheck._internal.oracle.budget import check_budget, check_reduce_dtypes
 from ddpcheck._internal.oracle.reference import Reference, reference_run
 from ddpcheck._internal.oracle.sample_weights import check_sample_weights
 from ddpcheck._internal.oracle.shards import compare_shards
@@ -141,7 +143,7 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
         plans = [r.steps[step].batch_plan for r in records]
         if against_ref and None not in plans:  # the objective first: it explains any number
             wrong = check_sample_weights(step, world_size, plans, scenario.global_batch,
-                                         scenario.reduction)
+                                         scenario.reduction, ref.tokens)
             if wrong:
                 return out + wrong
         if unjudgeable and unjudgeable[0].step == step:
@@ -152,7 +154,9 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
                 return out + moved
         tol = tolerance(reference.compute_dtype, max(world_size, earlier_world_size),
                         earlier_steps + step)
-        found = []
+        # a reduction narrower than promised first: it explains the numbers it rounded
+        found = check_reduce_dtypes(step, world_size, records, reference) \
+            if "budget" in checks else []
         for kind, field in (("gradient", "grads"), ("parameter", "params"),
                             ("buffer", "buffers")):
             found += _compare_maps(step, world_size, records,

@@ -8,7 +8,9 @@ raises :class:`ddpcheck.ScenarioError` with one message per cause, naming the ca
   instance, not a class that needs arguments);
 * the data function returns ``(inputs, targets)``, two tensors with ``global_batch`` rows, for
   ``(seed, batch, dtype)``;
-* the forward on that batch returns ONE tensor shaped like the targets (not a tuple or a dict);
+* the forward on that batch returns ONE tensor the scenario's loss takes (not a tuple or a
+  dict): shaped like the targets for a squared error, logits ``(B, L, V)`` for integer target
+  tokens ``(B, L)`` under ``loss="token_cross_entropy"`` (``ddpcheck._internal.objective``);
 * the model is a per-sample function: the whole batch gives the outputs of its two shards at
   world size 2 put together (no batch statistics), the same batch twice gives the same outputs (no dropout), and
   the forward writes no buffer (no running statistics). Ranks train on parts of the batch, so
@@ -38,12 +40,13 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ddpcheck._internal import objective
 from ddpcheck._internal.messages import (active_modules, brief, code_name, describe_value,
-                                                exception_text, needs_arguments, short_name)
+                                         exception_text, needs_arguments, short_name)
 from ddpcheck._internal.oracle.tolerances import TOLERANCES
 from ddpcheck.errors import ScenarioError
 from ddpcheck.models import ModelSpec
-from ddpcheck.scenario import import_path, make_param_groups, per_sample_loss
+from ddpcheck.scenario import import_path, make_param_groups
 
 __all__ = ["check_scenario", "explain_reference_failure"]
 
@@ -244,7 +247,7 @@ def _data(scenario: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _forward(scenario: Any, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The model's output on ``x``: one tensor shaped like ``y``."""
+    """The model's output on ``x``: one tensor the scenario's loss takes with ``y``."""
     try:
         out = model(x)
     except Exception as exc:
@@ -256,15 +259,13 @@ def _forward(scenario: Any, model: nn.Module, x: torch.Tensor, y: torch.Tensor) 
         ) from exc
     if not torch.is_tensor(out):
         raise ScenarioError(
-            f"the model's forward returned {describe_value(out)}, not one tensor: the loss is the "
-            "squared error between one output tensor and the targets, so make forward return "
+            f"the model's forward returned {describe_value(out)}, not one tensor: the loss "
+            f"({scenario.loss}) takes one output tensor and the targets, so make forward return "
             "only the prediction (for instance a wrapper module whose forward returns its first "
             "output)")
-    if out.shape != y.shape:
-        raise ScenarioError(
-            f"the model's forward returned shape {tuple(out.shape)} for targets of shape "
-            f"{tuple(y.shape)} from data={code_name(scenario.data)}; they must match (the loss is "
-            "the squared error of each sample)")
+    wrong = objective.check_output(scenario, out, y)
+    if wrong is not None:
+        raise ScenarioError(f"{wrong} (data={code_name(scenario.data)})")
     return out
 
 
@@ -384,7 +385,7 @@ def _backward(scenario: Any, model: nn.Module, out: torch.Tensor, y: torch.Tenso
             f"parameter ({trainable} of its parameters require grad): there is no gradient to "
             "synchronise; leave some parameters trainable and used by forward")
     try:
-        per_sample_loss(out, y).sum().backward()
+        objective.summed(scenario, out, y).backward()
     except Exception as exc:
         raise ScenarioError(f"the backward of the loss through model={code_name(scenario.model)} "
                             f"raised {exception_text(exc)} at step {step}") from exc

@@ -2,7 +2,9 @@
 
 Invariant: :func:`reference_run` trains the scenario in this process through the same loop as the
 ranks (``ddpcheck._internal.training``), on the whole global batch, with the plain optimizer and rank 0's
-initial weights: one backward of the global objective per step. What it records is what a correct
+initial weights: one backward of the global objective per step (the scenario's loss and precision
+policy, ``ddpcheck._internal.objective``, its ``param_dtype`` policy emulated here as a rank's
+target implements it). What it records is what a correct
 data-parallel target must reproduce; the budgets a target's communication is held to are derived
 from the same model. A scenario with ``checkpoint_after`` trains uninterrupted, except that the
 gradients are dropped after that step, as a run resumed from a checkpoint has none.
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ddpcheck._internal.objective import count, tokens
 from ddpcheck._internal.records import (StepRecord, gradients, initial_state, schedule_state,
                                         snapshot)
 from ddpcheck._internal.training import Loop, make_scheduler, train
@@ -57,7 +60,9 @@ class Reference:
     gradient_bytes: int  # bytes of all trainable parameters' gradients: the all-reduce budget
     gradient_numel: int  # their elements: more bytes than this in as many elements is widening
     n_dtypes: int  # parameter dtypes: the broadcast budget is W x n_dtypes
-    compute_dtype: torch.dtype  # the least precise parameter dtype: it sets the tolerance
+    #: the least precise dtype the model computes in -- its parameters', the scenario's autocast
+    #: or param_dtype: it sets the tolerance
+    compute_dtype: torch.dtype
     #: Scalars a target may all-reduce per step besides the gradients when the scenario clips: a
     #: sharded global norm (one per parameter dtype at most); 0 without clipping.
     norm_scalars: int = 0
@@ -74,6 +79,9 @@ class Reference:
     #: step -> its :class:`Noise`, filled on first use; shared by the parts a resumed run's
     #: judgement slices this reference into (``dataclasses.replace`` keeps the same dict).
     noise_cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    #: the narrowest gradient dtype: a gradient all-reduced or reduce-scattered in a narrower one
+    #: was sent narrower than promised (``ddpcheck._internal.oracle.budget``)
+    gradient_dtype: torch.dtype | None = None
 
     def noise(self, step: int) -> Noise | None:
         """What the reference cannot pin down after ``step`` (0-based, of the whole run): see
@@ -107,6 +115,9 @@ def reference_run(scenario: Scenario) -> Reference:
     steps, model, initial = _train(scenario, 1)
     trainable = [p for p in model.parameters() if p.requires_grad]
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    # a float64 layer fed by a float32 one inherits float32 rounding; autocast and param_dtype
+    # compute in theirs
+    computed = dtypes | {d for d in (scenario.autocast, scenario.param_dtype) if d is not None}
     return Reference(initial, steps,
                      gradient_bytes=sum(p.numel() * p.element_size() for p in trainable),
                      gradient_numel=sum(p.numel() for p in trainable),
@@ -117,37 +128,43 @@ def reference_run(scenario: Scenario) -> Reference:
                                        for n, p in model.named_parameters() if p.requires_grad},
                      parameter_bytes=sum(p.numel() * p.element_size()
                                          for p in model.parameters()),
-                     # a float64 layer fed by a float32 one inherits float32 rounding
-                     compute_dtype=min(dtypes, key=lambda d: torch.finfo(d).eps * -1,
+                     compute_dtype=max(computed, key=lambda d: torch.finfo(d).eps,
                                        default=scenario.torch_dtype),
+                     gradient_dtype=min((p.dtype for p in trainable if p.is_floating_point()),
+                                        key=lambda d: torch.finfo(d).bits, default=None),
                      scenario=scenario)
 
 
 def _train(scenario: Scenario, split: int) -> tuple[list[StepRecord], torch.nn.Module, dict]:
     """The reference's run, each step's global batch accumulated in ``split`` micro-batches
-    (1: one backward of the whole batch)."""
+    (1: one backward of the whole batch), each scaled by the whole batch's term count."""
     model = build_model(scenario, scenario.seed)
     names = {p: n for n, p in model.named_parameters()}
     initial = initial_state(model)
     optimizer = scenario.optimizer(make_param_groups(scenario, model), **scenario.optimizer_kwargs)
     scheduler = make_scheduler(scenario, optimizer)
-    scale = 1.0 / scenario.global_batch if scenario.reduction == "mean" else 1.0
     steps: list[StepRecord] = []
     grads: dict = {}
+    terms: dict = {}
 
     def batches(step: int) -> list:
         x, y = global_batch(scenario, step)
+        terms[step] = tokens(scenario, y)
+        scale = 1.0 / count(scenario, y) if scenario.reduction == "mean" else 1.0
         return [(xs, ys, scale) for xs, ys in zip(torch.tensor_split(x, split),
                                                    torch.tensor_split(y, split)) if len(xs)]
+
+    def record(step: int) -> None:
+        steps.append(snapshot(model, names, optimizer.state, grads=grads["now"],
+                              schedule=schedule_state(optimizer, scheduler)))
+        steps[-1].tokens = terms[step]
 
     train(scenario, model, optimizer, Loop(
         batches=batches,
         before_optimizer_step=lambda step: grads.__setitem__("now", gradients(model)),
-        after_step=lambda step: steps.append(snapshot(
-            model, names, optimizer.state, grads=grads["now"],
-            schedule=schedule_state(optimizer, scheduler))),
+        after_step=record,
         end_step=lambda step: _drop_gradients(model) if step == scenario.checkpoint_after
-        else None), scheduler=scheduler)
+        else None, emulates_param_dtype=True), scheduler=scheduler)
     return steps, model, initial
 
 

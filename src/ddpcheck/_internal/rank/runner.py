@@ -210,7 +210,7 @@ def fit_owned_loop(target: Any, module: Any, scenario: Scenario, rank: int, worl
         records.step(step, model, optimizer, scheduler)
         recorder.reset()
 
-    run = FitRun(module=module, params=make_param_groups(scenario, module),
+    run = FitRun(scenario=scenario, module=module, params=make_param_groups(scenario, module),
                  optimizer=scenario.optimizer, optimizer_kwargs=dict(scenario.optimizer_kwargs),
                  gamma=scenario.lr_decay, max_grad_norm=scenario.max_grad_norm,
                  grad_norm_type=scenario.grad_norm_type, set_to_none=scenario.set_to_none,
@@ -257,10 +257,10 @@ def target_loop(target: Any, model: Any, optimizer: Any, scenario: Scenario, ran
     hook = getattr(target, "shard_batch", contiguous)  # a duck-typed target: the batch rule
 
     def batches(step: int) -> list:
-        plan = plan_for(hook, global_indices(scenario, step, rank, world_size), who)
+        x, y = global_batch(scenario, step)
+        plan = plan_for(hook, global_indices(scenario, step, rank, world_size, y), who)
         if plans is not None:
             plans[step] = plan
-        x, y = global_batch(scenario, step)
         return to_rank_device([(*_select(x, y, indices), scale)
                                for indices, scale in zip(plan.micro_batches, plan.scales)])
 

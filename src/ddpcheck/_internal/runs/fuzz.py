@@ -71,7 +71,8 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     check_fits(device, sizes, backend)  # before Hypothesis draws anything
     started = time.perf_counter()
     excluded = features.parse(without, "without")
-    unsupported = excluded | (frozenset(features.FEATURES) - features.supported_by(target))
+    unsupported = features.unsupported(target, excluded)
+    opt_in = frozenset(features.OPT_IN) - unsupported  # generated only for a target that opts in
     kept = tuple(d for d in dtypes if d not in unsupported)
     if not kept:
         raise NothingChecked(f"{type(target).__name__} supports none of the dtypes "
@@ -87,7 +88,8 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     # from it, which cost 17 ms per example when they were built inside the test.
     scenario_strategies = {w: dst.scenarios(
         models=dst.models(mixed_dtypes=True, without=unsupported), dtypes=dtypes,
-        without=unsupported, world_size=w, resume_world_sizes=sizes) for w in sizes}
+        without=unsupported, world_size=w, resume_world_sizes=sizes, opt_in=opt_in)
+        for w in sizes}
     world_size_strategy = st.sampled_from(sizes)
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,

@@ -200,7 +200,7 @@ def survey(target: Any, *, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
         raise InvalidArgument(f"examples={examples!r} must be a positive integer")
     excluded = features.parse(without, "without")
-    unsupported = excluded | (frozenset(features.FEATURES) - features.supported_by(target))
+    unsupported = features.unsupported(target, excluded)
     started = time.perf_counter()
     exercised: set[str] = set()
     cells: list[Cell] = []
@@ -276,11 +276,13 @@ def _feature_cell(target: Any, feature: str, world_size: int, *, examples: int,
     if world_size == 1 and feature in NEEDS_SEVERAL_RANKS:
         cell.status, cell.reason = "n/a", "one rank holds every sample: no example can exercise it"
         return cell
-    dtypes = ("float32",) if feature == "float32" else \
+    dtypes = ("float32",) if feature in dst.FLOAT32_ONLY else \
         tuple(d for d in ("float64", "float32") if d not in unsupported)[:1]
     if feature in unsupported or not dtypes:
         cell.status = "declined"
         cell.reason = ("excluded with --without" if feature in excluded else
+                       f"opt-in: {type(target).__name__}.{features.OPT_IN[feature]} is not set"
+                       if feature in features.OPT_IN else
                        f"not in {type(target).__name__}.supported_features" if dtypes else
                        f"{type(target).__name__} supports neither float64 nor float32")
         return cell
