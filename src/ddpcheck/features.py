@@ -108,7 +108,7 @@ def supported_by(target: Any) -> frozenset[str]:
     batch plan); less the :data:`OPT_IN` features whose attribute it does not set, whatever it
     declares."""
     declared = getattr(target, "supported_features", None)
-    found = DEFAULT_FEATURES if declared is None else frozenset(declared)
+    found = frozenset(FEATURES) - BEYOND_TORCH if declared is None else frozenset(declared)
     if declared is None and getattr(target, "owns_batch_plan", False):
         found -= {"tokens"}  # its plan weighs samples; a token loss must be declared
     return found - {f for f, flag in OPT_IN.items() if not getattr(target, flag, False)}

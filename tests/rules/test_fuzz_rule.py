@@ -12,7 +12,9 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import sys
 import time
+import types
 
 import pytest
 import torch.distributed as dist
@@ -147,15 +149,26 @@ def test_a_rule_module_that_fails_to_import_is_a_usage_error(tmp_path, monkeypat
     assert "Traceback" not in out + err
 
 
-def test_a_rule_the_ranks_cannot_import_is_a_set_up_error(tmp_path, monkeypatch, capsys):
-    get_world(1)  # started before the module's directory is on the path: its ranks lack it
+def test_a_directory_added_to_the_path_after_the_world_started_travels_to_its_ranks(tmp_path,
+                                                                                     monkeypatch):
+    world = get_world(1)  # started before the module's directory is on the path
     (tmp_path / "fuzz_rule_parent_only.py").write_text(
         "def rule(params, world_size):\n    return [0] * len(params)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert main(["fuzz-rule", "fuzz_rule_parent_only:rule"]) == 2
+    from fuzz_rule_parent_only import rule
+
+    assert world.run(rule, ["a", "b"], 1) == [[0, 0]]
+
+
+def test_a_rule_the_ranks_cannot_import_is_a_set_up_error(monkeypatch, capsys):
+    get_world(1)
+    module = types.ModuleType("fuzz_rule_in_memory")  # imported here, on no disk the ranks see
+    exec("def rule(params, world_size):\n    return [0] * len(params)\n", module.__dict__)
+    monkeypatch.setitem(sys.modules, "fuzz_rule_in_memory", module)
+    assert main(["fuzz-rule", "fuzz_rule_in_memory:rule"]) == 2
     out, err = capsys.readouterr()
     assert "no call of the rule was running when it failed, so nothing was decided" in err, err
-    assert "No module named 'fuzz_rule_parent_only'" in err, err
+    assert "No module named 'fuzz_rule_in_memory'" in err, err
     assert out == ""
 
 

@@ -19,13 +19,31 @@ SCENARIO = Scenario(ddpcheck.zoo.MLP, global_batch=7, steps=2)
 
 
 def test_a_target_that_declares_nothing_is_checked_within_torch_ddps_contract():
-    assert supported_by(CourseTarget()) == DEFAULT_FEATURES == frozenset(FEATURES) - BEYOND_TORCH
+    assert supported_by(CourseTarget()) == DEFAULT_FEATURES == (
+        frozenset(FEATURES) - BEYOND_TORCH - {"param-dtype"})
     assert "rank-orders" in BEYOND_TORCH
-    assert supported_by(targets.PARALLEL) == frozenset(FEATURES)  # ours declares everything
+    assert supported_by(targets.PARALLEL) == frozenset(FEATURES) - {"param-dtype"}  # all it can
     ordered = Scenario(ddpcheck.zoo.MLP, rank_orders=True)
     why = ddpcheck.features.declines(CourseTarget(), ordered, 2)
     assert why == ("needs rank-orders (not in CourseTarget.supported_features: beyond torch DDP's "
                    "contract, checked only when declared)"), why
+
+
+def test_a_target_that_owns_its_batch_plan_declares_tokens_to_be_checked_on_them():
+    """A plan written for per-sample losses (before token losses existed) is not judged on a
+    token loss unless the target declares it weighs tokens; one that declares them is."""
+    own_plan = ddpcheck.Target.from_wrappers(shard_batch=ddpcheck.batches.strided)
+    assert own_plan.owns_batch_plan and not ddpcheck.Target.from_wrappers().owns_batch_plan
+    assert "tokens" not in supported_by(own_plan)
+    assert "tokens" in supported_by(CourseTarget())  # the harness weighs its tokens
+    tokens = Scenario(ddpcheck.zoo.TinyGPT, data=ddpcheck.zoo.token_data,
+                      loss="token_cross_entropy", global_batch=4)
+    why = ddpcheck.features.declines(own_plan, tokens, 2)
+    assert why == ("needs tokens (not in WrapperTarget.supported_features: its own shard_batch "
+                   "weighs samples; declare 'tokens' once it weighs tokens)"), why
+    declared = ddpcheck.Target.from_wrappers(shard_batch=ddpcheck.batches.strided,
+                                             supports=FEATURES.keys() - {"rank-orders"})
+    assert ddpcheck.features.declines(declared, tokens, 2) is None
 
 
 def test_a_ddp_with_torchs_contract_passes_check_with_the_default_settings(capsys):

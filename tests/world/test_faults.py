@@ -407,8 +407,11 @@ def _interrupt_when(cmd: list[str], ready: str, cwd: str, timeout: float = 120.0
     """Start ``cmd`` in its own session, wait until ``ready`` appears in a rank's log (the
     ranks are busy), Ctrl-C the whole group; return (exit status, output, leftover pids)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    # Ctrl-C as a terminal gives it: a suite started in the background (`make test &`, nohup)
+    # ignores SIGINT, and a child inherits that -- Python then installs no KeyboardInterrupt
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         end = time.monotonic() + patience(timeout)
         marker = os.path.join(cwd, ready)

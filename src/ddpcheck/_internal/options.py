@@ -169,8 +169,9 @@ OPT_IN: dict[str, str] = {"param-dtype": "applies_param_dtype"}
 #: same parameter registration order" on every process: checked only on targets that declare
 #: them in ``supported_features``, so that a new default never turns a correct target red.
 BEYOND_TORCH = frozenset({"rank-orders"})
-#: What a target that declares nothing (``supported_features = None``) is checked on.
-DEFAULT_FEATURES = frozenset(FEATURES) - BEYOND_TORCH
+#: What a target that declares nothing (``supported_features = None``) and sets no
+#: :data:`OPT_IN` attribute is checked on.
+DEFAULT_FEATURES = frozenset(FEATURES) - BEYOND_TORCH - OPT_IN.keys()
 
 
 def parse_features(text: str | Iterable[str], flag: str = "--without") -> frozenset[str]:
