@@ -66,6 +66,19 @@ def test_lightnings_trainer_owns_the_loop_automatic_and_manual():
                                     max_grad_norm=1.0, grad_norm_type=float("inf")), 2)
 
 
+#: a language model on padded tokens, accumulated, under bfloat16 autocast
+TOKENS = Scenario(zoo.TinyGPT, data=zoo.token_data, loss="token_cross_entropy", dtype="float32",
+                  autocast=torch.bfloat16, optimizer=torch.optim.AdamW, global_batch=7, steps=2,
+                  accumulation=2)
+
+
+@pytest.mark.parametrize("name,module", [("accelerate", "accelerate"), ("fabric", "lightning"),
+                                         ("lightning", "lightning")])
+def test_the_frameworks_train_language_models_under_autocast(name, module):
+    _needs(module)
+    ddpcheck.check_example(targets.BUILTIN[name], TOKENS, 2)
+
+
 def test_zero_with_parameters_as_bucket_view_gets_a_channels_last_conv_wrong():
     scenario = Scenario(zoo.ChannelsLastConv, global_batch=6, steps=1)
     ddpcheck.check_example(targets.TORCH_ZERO, scenario, 2)

@@ -33,9 +33,10 @@ from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.protocol import CONSTRUCTOR_CALL, Target, WrapperTarget
 from parallel import DDP, ShardedOptimizer
 
-__all__ = ["ACCELERATE", "DEEPSPEED_ZERO1", "DEEPSPEED_ZERO2", "FABRIC", "LIGHTNING", "LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP",
-           "TORCH_FSDP", "TORCH_ZERO", "TORCH_ZERO_BUCKET_VIEW", "BUILTIN", "CONSTRUCTOR_CALL",
-           "READY_MADE", "AccelerateTarget", "DeepSpeedTarget", "FabricTarget", "LightningTarget", "LocalTarget",
+__all__ = ["ACCELERATE", "DEEPSPEED_ZERO1", "DEEPSPEED_ZERO2", "FABRIC", "LIGHTNING", "LOCAL",
+           "PARALLEL", "PARALLEL_DDP", "TORCH_DDP", "TORCH_FSDP", "TORCH_ZERO",
+           "TORCH_ZERO_BUCKET_VIEW", "BUILTIN", "CONSTRUCTOR_CALL", "READY_MADE",
+           "AccelerateTarget", "DeepSpeedTarget", "FabricTarget", "LightningTarget", "LocalTarget",
            "ParallelDDPTarget", "ParallelTarget", "ReadyMade", "Target", "TorchDDPTarget",
            "TorchFSDPTarget", "TorchZeroTarget", "WrapperTarget"]
 
@@ -283,26 +284,32 @@ class ReadyMade:
 _TORCH_DDP_ORDER = ("torch DDP requires \"the exact same parameter registration order\" on "
                     "every process")
 _OWN_CHECKPOINTS = "saved through the framework's own checkpoint format, not the default hooks"
+#: The opt-in precision policy (``features.OPT_IN``): declined by every target not applying it.
+_NO_PARAM_DTYPE = {"param-dtype": "a param_dtype policy is the target's to apply "
+                                  "(applies_param_dtype); torch_fsdp applies it through FSDP2's "
+                                  "MixedPrecisionPolicy"}
 
 #: Every ready-made target, in the order ``ddpcheck targets`` lists them.
 READY_MADE = (
     ReadyMade("parallel", PARALLEL, "torch", "torch",
-              "parallel.DDP + parallel.ShardedOptimizer (this repository)", {}),
+              "parallel.DDP + parallel.ShardedOptimizer (this repository)", _NO_PARAM_DTYPE),
     ReadyMade("parallel_ddp", PARALLEL_DDP, "torch", "torch",
-              "parallel.DDP + the plain optimizer", {}),
+              "parallel.DDP + the plain optimizer", _NO_PARAM_DTYPE),
     ReadyMade("torch_ddp", TORCH_DDP, "torch", "torch",
               "torch DistributedDataParallel(find_unused_parameters=True)",
-              {"rank-orders": _TORCH_DDP_ORDER}),
+              {"rank-orders": _TORCH_DDP_ORDER, **_NO_PARAM_DTYPE}),
     ReadyMade("torch_zero", TORCH_ZERO, "torch", "torch",
               "torch DDP + ZeroRedundancyOptimizer", {
                   "rank-orders": _TORCH_DDP_ORDER,
-                  "mixed-dtypes": "ZeroRedundancyOptimizer rejects parameters of several dtypes"},
+                  "mixed-dtypes": "ZeroRedundancyOptimizer rejects parameters of several dtypes",
+                  **_NO_PARAM_DTYPE},
               "checkpoints where numpy is missing (consolidate_state_dict decodes through it)"),
     ReadyMade("torch_zero_bucket_view", TORCH_ZERO_BUCKET_VIEW, "torch", "torch",
               "torch DDP + ZeroRedundancyOptimizer(parameters_as_bucket_view=True): fails on "
               "torch 2.13 (docs/stride-bug.md)", {
                   "rank-orders": _TORCH_DDP_ORDER,
-                  "mixed-dtypes": "ZeroRedundancyOptimizer rejects parameters of several dtypes"}),
+                  "mixed-dtypes": "ZeroRedundancyOptimizer rejects parameters of several dtypes",
+                  **_NO_PARAM_DTYPE}),
     ReadyMade("torch_fsdp", TORCH_FSDP, "torch", "torch",
               "torch FSDP2 (fully_shard per layer); TorchFSDPTarget(reshard_after_forward=int|"
               "False, cpu_offload=True) for its options (cpu_offload needs --device cuda)", {
@@ -317,20 +324,21 @@ READY_MADE = (
               "infinity-norm clipping with an empty shard, a layer called twice per forward "
               "with accumulation (reduce-scattered twice: bench/fsdp_reused_module.py)"),
     ReadyMade("local", LOCAL, "torch", "torch",
-              "no synchronisation at all: must fail for W > 1", {}),
+              "no synchronisation at all: must fail for W > 1", _NO_PARAM_DTYPE),
     ReadyMade("accelerate", ACCELERATE, "accelerate", "accelerate",
               "Accelerator: prepare, accumulate, backward, clip_grad_norm_, the prepared "
               "scheduler", {"rank-orders": _TORCH_DDP_ORDER,
-                            "checkpoint": f"{_OWN_CHECKPOINTS} (save_state/load_state)"}),
+                            "checkpoint": f"{_OWN_CHECKPOINTS} (save_state/load_state)",
+                            **_NO_PARAM_DTYPE}),
     ReadyMade("fabric", FABRIC, "lightning", "lightning",
               "Lightning Fabric DDP: setup, no_backward_sync, backward, clip_gradients",
               {"rank-orders": _TORCH_DDP_ORDER,
-               "checkpoint": f"{_OWN_CHECKPOINTS} (fabric.save/fabric.load)"}),
+               "checkpoint": f"{_OWN_CHECKPOINTS} (fabric.save/fabric.load)", **_NO_PARAM_DTYPE}),
     ReadyMade("lightning", LIGHTNING, "lightning", "lightning",
               "Lightning Trainer.fit with DDPStrategy, automatic optimization (its own loop; "
               "LightningTarget(manual=True), LightningTarget(static_graph=True))",
               {"rank-orders": _TORCH_DDP_ORDER,
-               "checkpoint": f"{_OWN_CHECKPOINTS} (the Trainer's .ckpt files)"},
+               "checkpoint": f"{_OWN_CHECKPOINTS} (the Trainer's .ckpt files)", **_NO_PARAM_DTYPE},
               "infinity-norm clipping in automatic optimization (gradient_clip_val clips the "
               "2-norm)"),
 )
@@ -353,7 +361,8 @@ _DEEPSPEED = {
                     "is declined",
     "checkpoint": f"{_OWN_CHECKPOINTS} (engine.save_checkpoint)",
     "rank-orders": "ZeRO partitions parameters in registration order, which must be the same "
-                   "on every rank"}
+                   "on every rank",
+    **_NO_PARAM_DTYPE}
 READY_MADE += (
     ReadyMade("deepspeed_zero1", DEEPSPEED_ZERO1, "deepspeed", "deepspeed",
               "DeepSpeed's engine, ZeRO stage 1, CPU accelerator over gloo (float32: "
