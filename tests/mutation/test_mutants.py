@@ -136,7 +136,9 @@ def test_the_shrinking_search_reports_minimal_random_counterexamples(capsys):
                      r"step 0: reference differs \(gradient\) head.weight", out), out
     assert re.search(r"\| EveryRankStepsEverything .*random\[.* B=1 steps=1\] W=2 "
                      r"step 0: optimizer state misplaced", out), out
-    # (a layer used "by some samples" that the one sample skips is unused everywhere: no gradient)
-    assert re.search(r"\| ZeroFillsUnused .*random\[linear\((unused|sample)[^)]*\) SGD B=1 "
-                     r"steps=1\] W=1 "
-                     r"step 0: reference differs \(gradient\) l0.fc.weight", out), out
+    # (a layer used "by some samples" that the one sample skips is unused everywhere: no gradient;
+    # plain linear layers before it may be left -- the shrinker deletes the list's prefix only
+    # when its trials reach that far, which a change of the strategies' draws can move)
+    assert re.search(r"\| ZeroFillsUnused .*random\[(linear\+){0,2}linear\((unused|sample)[^)]*\) "
+                     r"SGD B=1 steps=1\] W=1 "
+                     r"step 0: reference differs \(gradient\) l[0-2].fc.weight", out), out
