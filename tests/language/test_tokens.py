@@ -239,6 +239,12 @@ def test_the_random_scenarios_draw_tokens_and_opt_in_policies_only_when_asked():
     assert 0.05 < share < 0.5, share
     assert any("autocast" in f for f in found)
     assert not any("param-dtype" in f for f in found)  # opt-in
+    opted: list = []
+    settings(max_examples=150, database=None, deadline=None, derandomize=True,
+             suppress_health_check=list(HealthCheck))(given(dst.scenarios(
+                 dtypes=("float32",), opt_in=("param-dtype",)))(
+                 lambda scenario: opted.append(features.of(scenario))))()
+    assert sum("param-dtype" in f for f in opted) / len(opted) >= 0.03  # a target that opts in
     with pytest.raises(InvalidArgument, match="only the opt-in features"):
         dst.scenarios(opt_in=("tokens",))
     with pytest.raises(InvalidArgument, match="needs dtypes=\\('float32',\\)"):
