@@ -220,8 +220,9 @@ FAULTS = {
 # Process and socket inspection (Linux /proc)
 
 
-def _children(pid: int) -> set[int]:
-    """Direct children of ``pid``, zombies included (an unreaped rank is a leftover too)."""
+def _processes(match) -> set[int]:
+    """Pids whose ``/proc/PID/stat`` fields after the command name satisfy ``match``: state,
+    ppid, pgrp, session... (``fields[0]`` is the state, ``fields[1]`` the parent)."""
     out = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -231,9 +232,14 @@ def _children(pid: int) -> set[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == pid:
+        if match(fields):
             out.add(int(entry))
     return out
+
+
+def _children(pid: int) -> set[int]:
+    """Direct children of ``pid``, zombies included (an unreaped rank is a leftover too)."""
+    return _processes(lambda fields: int(fields[1]) == pid)
 
 
 def _listening_inodes() -> set[int]:
@@ -389,18 +395,7 @@ def _running(pids: list[int]) -> set[int]:
 
 def _session_processes(sid: int) -> set[int]:
     """Live (non-zombie) processes of session ``sid``."""
-    out = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            out.add(int(entry))
-    return out
+    return _processes(lambda fields: int(fields[3]) == sid and fields[0] != "Z")
 
 
 def _interrupt_when(cmd: list[str], ready: str, cwd: str, timeout: float = 120.0):
