@@ -266,3 +266,16 @@ def test_correct_targets_pass_token_examples(target, world_size, precision):
         zoo.TinyGPT, data=zoo.token_data, loss="token_cross_entropy", global_batch=7,
         accumulation=2, steps=2, dtype="float32", **precision)
     ddpcheck.check_example(target, scenario, world_size)  # raises EquivalenceError on a bug
+
+
+def test_a_language_model_counterexample_has_its_one_line_summary():
+    """The mutants' table names a shrunk token scenario by its blocks and policy (a GPTConfig's
+    ``layers`` is a count, not a ModelSpec's tuple of layers)."""
+    from ddpcheck._internal.messages import scenario_line
+
+    scenario = Scenario(zoo.GPTConfig(layers=2), data=zoo.token_data, loss="token_cross_entropy",
+                        dtype="float32", autocast=torch.bfloat16, global_batch=3, steps=1)
+    assert scenario_line(scenario) == "gpt(2 blocks, tied) SGD B=3 steps=1 float32 autocast=bfloat16"
+    untied = Scenario(zoo.GPTConfig(layers=1, tied=False), data=zoo.token_data,
+                      loss="token_cross_entropy", global_batch=3, steps=1)
+    assert scenario_line(untied) == "gpt(1 block) SGD B=3 steps=1"

@@ -104,6 +104,9 @@ def scenario_line(scenario: Any) -> str:
     layers = getattr(model, "layers", None)
     if layers is None:
         shape = getattr(model, "__qualname__", type(model).__name__)
+    elif isinstance(layers, int):  # a language model's config (zoo.GPTConfig): its blocks
+        shape = f"gpt({layers} block{'' if layers == 1 else 's'}" + (
+            ", tied)" if getattr(model, "tied", False) else ")")
     else:
         shape = "+".join(layer.kind + ("(" + ",".join(
             f for f, on in (("sample" if layer.use == "sample" else "unused", layer.use != "always"),
@@ -120,6 +123,10 @@ def scenario_line(scenario: Any) -> str:
         extra.append("lr decay")
     if scenario.dtype != "float64":
         extra.append(scenario.dtype)
+    for policy in ("autocast", "param_dtype"):
+        dtype = getattr(scenario, policy, None)
+        if dtype is not None:
+            extra.append(f"{policy}={str(dtype).replace('torch.', '')}")
     if scenario.reduction != "mean":
         extra.append(scenario.reduction)
     if not scenario.set_to_none:
