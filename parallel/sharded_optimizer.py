@@ -51,7 +51,8 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
     ``param_groups`` is the full view (every parameter, every hyperparameter); edits to it -- an
     LR scheduler, a user changing ``lr`` -- reach the inner optimizer at the next ``step()``.
     ``state`` is this rank's shard (``optimizer.state[p]`` for owned ``p``).
-    ``zero_grad(set_to_none=True)`` (inherited) clears the gradient of every parameter, owned or not.
+    ``zero_grad(set_to_none=True)`` (inherited) clears the gradient of every parameter, owned or
+    not.
 
     With ``parallel.DDP``: ``step()`` does not all-reduce a gradient DDP already averaged --
     averaging W equal gradients again gives the same numbers but sends every gradient byte a
@@ -122,7 +123,8 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
         param_group = _checks.check_param_group(param_group, index)
         super().add_param_group(param_group)  # fills defaults, rejects params already in a group
         group = self.param_groups[-1]
-        # behind parallel.DDP ranks may list parameters in their own orders: rank 0's wins (broadcast)
+        # behind parallel.DDP ranks may list parameters in their own orders: rank 0's wins
+        # (broadcast)
         handover.put_in_rank0_order(group, self._group, self._global_ranks[0])
         try:
             try:

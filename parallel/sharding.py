@@ -10,7 +10,8 @@ parameters of *one* param group, in order. Invariant every rule must keep, check
   rank computes the same answer without communicating. (Ranks that disagree are caught by the
   optimizer's cross-rank fingerprint at ``add_param_group``.)
 
-``world_size`` may exceed ``len(params)``; then some ranks own nothing in that group, which is legal.
+``world_size`` may exceed ``len(params)``; then some ranks own nothing in that group, which is
+legal.
 """
 
 from __future__ import annotations

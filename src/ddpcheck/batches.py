@@ -17,16 +17,15 @@ contiguous shards as ``torch.tensor_split`` cuts them, each cut into ``accumulat
 the same way, every scale ``W / T`` (T the global batch's terms: B samples, or its non-padding
 tokens; ``W`` for ``reduction="sum"``) -- bit for bit.
 
-The oracle (``ddpcheck._internal.oracle.sample_weights``) holds every plan to the full-batch objective: summed over
-ranks and micro-batches, sample i's weight ``(1/W) * sum of the scales of the micro-batches that
-hold it`` (data-parallel code averages gradients over W) -- the weight of each of its terms -- must
-be ``1/T`` (``"mean"``) or ``1`` (``"sum"``). A plan that weighs a sample (or its tokens)
-otherwise is the target's bug (``EquivalenceError``); a
-hook that raises, or returns something that is not a valid plan (not a :class:`BatchPlan`, an
-index out of range, a non-finite scale), is a setup error (``InvalidArgument``, exit 2), caught
-by :func:`check_plans` in the checking process before any world runs -- which is why a hook must
-be a deterministic function of its argument (read the rank from ``batch.rank``, not from
-``torch.distributed``).
+The oracle (``ddpcheck._internal.oracle.sample_weights``) holds every plan to the full-batch
+objective: summed over ranks and micro-batches, sample i's weight ``(1/W) * sum of the scales of the
+micro-batches that hold it`` (data-parallel code averages gradients over W) -- the weight of each of
+its terms -- must be ``1/T`` (``"mean"``) or ``1`` (``"sum"``). A plan that weighs a sample (or its
+tokens) otherwise is the target's bug (``EquivalenceError``); a hook that raises, or returns
+something that is not a valid plan (not a :class:`BatchPlan`, an index out of range, a non-finite
+scale), is a setup error (``InvalidArgument``, exit 2), caught by :func:`check_plans` in the
+checking process before any world runs -- which is why a hook must be a deterministic function of
+its argument (read the rank from ``batch.rank``, not from ``torch.distributed``).
 """
 
 from __future__ import annotations

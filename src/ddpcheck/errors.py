@@ -99,7 +99,8 @@ class Divergence:
     max_rel: float | None = None
     detail: str = ""
     #: False for a row that says the oracle could not judge the target (the reference itself
-    #: went non-finite, see ``ddpcheck._internal.oracle.compare``): not evidence of a bug. Every other row is.
+    # #: went non-finite, see ``ddpcheck._internal.oracle.compare``): not evidence of a bug. Every
+    # other row is.
     target_fault: bool = True
 
     @classmethod

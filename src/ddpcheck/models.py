@@ -15,9 +15,9 @@ Supported layers (see :data:`KINDS`): linear, a linear reused twice, a transpose
 weight, Conv1d, Conv2d, LayerNorm, a random buffer, a small self-attention block, an embedding
 optionally tied to the output, and a Conv2d in the ``channels_last`` memory format (its weight's
 strides are not the default ones: the realistic way a model gets non-contiguous parameters, and
-the trigger of a torch DDP bug, docs/stride-bug.md). Not supported, and why: BatchNorm in train mode and anything else
-with batch statistics (not shard-invariant), dropout (random per rank), buffers updated from data
-(torch DDP keeps them rank-local).
+the trigger of a torch DDP bug, docs/stride-bug.md). Not supported, and why: BatchNorm in train mode
+and anything else with batch statistics (not shard-invariant), dropout (random per rank), buffers
+updated from data (torch DDP keeps them rank-local).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ its keyword arguments, optional parameter groups and learning-rate decay, the gl
 steps, accumulation, dtype, seed, optional gradient clipping, the loss and its precision policy
 (``ddpcheck._internal.objective`` computes the loss, the same for every party). Its ``repr`` is
 Python code, so
-a failing example prints as a line that ``ddpcheck._internal.runs.replay.from_repr`` turns back into the same
-scenario (replay lines use this).
+a failing example prints as a line that ``ddpcheck._internal.runs.replay.from_repr`` turns back into
+the same scenario (replay lines use this).
 
 The batch rule (documented in docs/scenarios.md): the global batch of B samples is split into W
 contiguous shards with ``torch.tensor_split`` -- the first ``B % W`` ranks get one sample more, a

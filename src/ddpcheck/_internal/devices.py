@@ -3,10 +3,11 @@
 Invariant: the backend follows the tensors, never the machine. CPU tensors travel by gloo
 whatever GPUs are visible (NCCL cannot carry them); CUDA tensors by NCCL unless gloo is asked for
 by name. Spawned worlds (``_internal.world``) and torchrun (``ddpcheck._internal.runs.torchrun``,
-which :func:`under_torchrun` detects) both ask :func:`backend_for`; :func:`check_fits` refuses, before any process is spawned, what the machine
-cannot run (no GPU; more NCCL ranks than GPUs). The device is a run option, not part of a
-scenario: the full-batch reference always runs on the CPU in the checking process, and records
-come back to the CPU (``_internal.transport.pack``), so one oracle judges both.
+which :func:`under_torchrun` detects) both ask :func:`backend_for`; :func:`check_fits` refuses,
+before any process is spawned, what the machine cannot run (no GPU; more NCCL ranks than GPUs). The
+device is a run option, not part of a scenario: the full-batch reference always runs on the CPU in
+the checking process, and records come back to the CPU (``_internal.transport.pack``), so one oracle
+judges both.
 
 Inside a rank, :func:`enter_rank` (called once, before the process group starts) binds the
 process to its device and switches off TF32 and reduced-precision matmuls -- a float32 example

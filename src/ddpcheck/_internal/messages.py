@@ -1,7 +1,8 @@
 """How scenario problems are named in messages: values, exceptions and the model's modules.
 
-Kept apart from ``ddpcheck._internal.oracle.judgeable`` so the checks there read as checks. Every function returns
-one short line (long reprs are cut), so a refusal message stays one readable sentence.
+Kept apart from ``ddpcheck._internal.oracle.judgeable`` so the checks there read as checks. Every
+function returns one short line (long reprs are cut), so a refusal message stays one readable
+sentence.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """What the oracle compares: one rank's (or the reference's) state after every step.
 
 Invariant: a :class:`StepRecord` holds *copies* (never views) of every gradient (as the
-optimizer step received it), parameter and buffer (after the step) by name, the optimizer state this process holds by parameter name, and the collectives it
-issued during the step -- so a later step, or the target, cannot change what was recorded.
-Tensors a rank holds only a shard of (FSDP2's DTensors) are recorded whole, through the
-``gather`` the runner passes (``Target.full_tensor``: a collective, called in the same order on
-every rank), and each sharded parameter's local shard beside it (``StepRecord.shards``).
+optimizer step received it), parameter and buffer (after the step) by name, the optimizer state this
+process holds by parameter name, and the collectives it issued during the step -- so a later step,
+or the target, cannot change what was recorded. Tensors a rank holds only a shard of (FSDP2's
+DTensors) are recorded whole, through the ``gather`` the runner passes (``Target.full_tensor``: a
+collective, called in the same order on every rank), and each sharded parameter's local shard beside
+it (``StepRecord.shards``).
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ synchronised gradients, ``loop.before_optimizer_step(step)`` (gradients are fina
 ``optimizer.step()``, the LR schedule, ``loop.after_step(step)`` (where callers snapshot),
 ``zero_grad`` (on the given optimizer: a sharded optimizer's own ``zero_grad`` is what runs) and
 ``loop.end_step(step)``. Because the runner (every rank of a world),
-``ddpcheck._internal.runs.trace`` (timed) and the oracle's reference (one process, the whole batch) share it,
-what the trace draws and what the reference computes are exactly the steps the oracle checks.
+``ddpcheck._internal.runs.trace`` (timed) and the oracle's reference (one process, the whole batch)
+share it, what the trace draws and what the reference computes are exactly the steps the oracle
+checks.
 """
 
 from __future__ import annotations

@@ -79,7 +79,8 @@ def score(mutants: Iterable[Any], budget_seconds: float, *, control: Any = None,
           world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES, search: Search | None = None,
           deadline: float = DEFAULT_DEADLINE, on_row: Callable[[Scored], None] | None = None) -> list[Scored]:
     """Search every mutant (``ddpcheck.mutation.catalogue.Mutant``) for a counterexample within
-    ``budget_seconds`` each; ``control`` (the unmutated target, or a list of them), if given, is searched first with
+    ``budget_seconds`` each; ``control`` (the unmutated target, or a list of them), if given, is
+    searched first with
     no budget limit short of exhausting the search. ``on_row`` sees each row as it completes."""
     search = search or shrinking_search
     out = []

@@ -29,8 +29,8 @@ groups (``safe_get_full_optimizer_state`` raises "exp_avg not found in optimizer
 fragment" for a parameter of the second group, ZeRO-1 at W=2: its state cannot be read per
 parameter), buffers (the engine broadcasts parameters only: ``_broadcast_model`` walks
 ``module.named_parameters()``, so buffers initialised differently per rank stay different, where
-torch DDP broadcasts them), mixed dtypes, checkpoints (``engine.save_checkpoint`` is DeepSpeed's own format), per-rank
-registration orders.
+torch DDP broadcasts them), mixed dtypes, checkpoints (``engine.save_checkpoint`` is DeepSpeed's own
+format), per-rank registration orders.
 
 Imports DeepSpeed only inside the hooks. Unverified on GPUs (none here): the accelerator is chosen
 from the parameters' device, so it should run unchanged under ``--device cuda``.

@@ -12,9 +12,9 @@ so a layer some ranks skip leaves the collectives unpaired) -- both declined as 
 ``TorchFSDPTarget.supported_features`` -- and, declined per scenario by :func:`fsdp_cannot_run`,
 a layer skipped by some ranks' micro-batches only, a parameter used outside its own layer's
 forward, infinity-norm clipping with an empty shard, and a layer called twice per forward with
-accumulation (reduce-scattered twice: right numbers, twice the communication). Tied weights, mixed dtypes (per
-layer), frozen and globally unused parameters work: modules sharing a parameter are sharded
-together (:func:`shard_leaves`).
+accumulation (reduce-scattered twice: right numbers, twice the communication). Tied weights, mixed
+dtypes (per layer), frozen and globally unused parameters work: modules sharing a parameter are
+sharded together (:func:`shard_leaves`).
 """
 
 from __future__ import annotations

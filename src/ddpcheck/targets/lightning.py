@@ -17,9 +17,9 @@ spawns and initialises nothing.
 ``manual_backward``, and every A-th micro-batch ``clip_gradients``, ``step``, the scheduler and
 ``zero_grad``), as Lightning's docs show for accumulation. ``static_graph=True`` declines
 accumulation (torch's DDP trips an internal assert under ``no_sync()`` with a static graph:
-``bench/ddp_static_graph_no_sync.py``) and data-dependent parameter usage (documented). Documented behaviours the target meets
-as a user must: automatic optimization divides each micro-batch's loss by
-``accumulate_grad_batches`` (ddpcheck's are already scaled, so ``training_step`` multiplies them
+``bench/ddp_static_graph_no_sync.py``) and data-dependent parameter usage (documented). Documented
+behaviours the target meets as a user must: automatic optimization divides each micro-batch's loss
+by ``accumulate_grad_batches`` (ddpcheck's are already scaled, so ``training_step`` multiplies them
 back), and ``gradient_clip_val`` clips the 2-norm only (infinity-norm clipping is declined in
 automatic optimization; manual optimization clips through ``torch.nn.utils.clip_grad_norm_``).
 

@@ -41,15 +41,15 @@ rank 0's answer) and a fresh run -- at ``resume_world_size`` -- builds everythin
 
 and reads ``target.optimizer_state(optimizer)`` to check that optimizer state matches the
 reference and -- when ``shards_optimizer_state`` is true -- that each parameter's state lives on
-exactly one rank. ``flattened_broadcasts`` opts into the broadcast budget (``ddpcheck._internal.oracle.budget``).
-Parameters, gradients and optimizer state a rank holds only a shard of (FSDP2's DTensors, your
-own ZeRO-3) are read whole through ``target.full_tensor`` and their shards through
-``target.local_shard`` (both DTensor-aware by default).
-``make_optimizer`` gets the wrapped model only if its signature names a ``model`` parameter.
-``shard_batch`` (``ddpcheck.batches``) is where a target that owns the data split -- its sampler,
-its loss normalisation -- says which samples this rank trains on and how each micro-batch's loss is
-scaled; it is also called in the checking process, before any world runs, so it must be a
-deterministic function of its argument. The default is the scenario's batch rule.
+exactly one rank. ``flattened_broadcasts`` opts into the broadcast budget
+(``ddpcheck._internal.oracle.budget``). Parameters, gradients and optimizer state a rank holds only
+a shard of (FSDP2's DTensors, your own ZeRO-3) are read whole through ``target.full_tensor`` and
+their shards through ``target.local_shard`` (both DTensor-aware by default). ``make_optimizer`` gets
+the wrapped model only if its signature names a ``model`` parameter. ``shard_batch``
+(``ddpcheck.batches``) is where a target that owns the data split -- its sampler, its loss
+normalisation -- says which samples this rank trains on and how each micro-batch's loss is scaled;
+it is also called in the checking process, before any world runs, so it must be a deterministic
+function of its argument. The default is the scenario's batch rule.
 
 Most implementations need no class at all: :meth:`Target.from_wrappers` assembles one from a
 wrapper class, the name of its finish method and a sharded optimizer class.
@@ -115,8 +115,9 @@ class Target:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Target":
         # Record the constructor call: a failure's replay line rebuilds a plain-class target as
-        # ``module:Cls(args...)`` (``ddpcheck._internal.runs.replay``). Kept in the instance dict, so it travels
-        # with the target; unpickling calls ``__new__`` without arguments, then restores it.
+        # ``module:Cls(args...)`` (``ddpcheck._internal.runs.replay``). Kept in the instance dict,
+        # so it travels with the target; unpickling calls ``__new__`` without arguments, then
+        # restores it.
         if (args or kwargs) and cls.__init__ is object.__init__:
             raise TypeError(f"{cls.__qualname__}() takes no arguments")
         self = super().__new__(cls)
@@ -273,7 +274,8 @@ class Target:
         """``(dim, local tensor)`` of a parameter sharded over the world: the rank holds chunk
         ``rank`` of ``torch.chunk(full, W, dim)`` (FSDP2's ``Shard(dim)``; dim None: a replicated
         copy of the whole); None when the parameter is not sharded this way. The harness checks
-        the local tensor against that slice of :meth:`full_tensor` (``ddpcheck._internal.oracle.shards``).
+        the local tensor against that slice of :meth:`full_tensor`
+        (``ddpcheck._internal.oracle.shards``).
 
         Default: a DTensor on a one-dimensional mesh with a ``Shard(dim)`` or ``Replicate``
         placement; anything else is not checked."""

@@ -1,7 +1,7 @@
 """The oracle: the comparisons of every rank against each other and the full-batch reference.
 
-The reference itself is ``ddpcheck._internal.oracle.reference``; the communication budget (check 4) is
-``ddpcheck._internal.oracle.budget``.
+The reference itself is ``ddpcheck._internal.oracle.reference``; the communication budget (check 4)
+is ``ddpcheck._internal.oracle.budget``.
 
 Invariant: :func:`compare` returns one of three verdicts, never a mix --
 
@@ -57,9 +57,9 @@ from ddpcheck._internal.oracle.budget import check_budget, check_reduce_dtypes
 from ddpcheck._internal.oracle.reference import Reference, reference_run
 from ddpcheck._internal.oracle.sample_weights import check_sample_weights
 from ddpcheck._internal.oracle.shards import compare_shards
-from ddpcheck._internal.oracle.window import check_window
 from ddpcheck._internal.oracle.tolerances import (NOISE_FACTOR, TOLERANCES, close,
                                                   close_within_noise, scaled_atol, tolerance)
+from ddpcheck._internal.oracle.window import check_window
 from ddpcheck._internal.records import RankRecord, StepRecord
 from ddpcheck.errors import Divergence, InvalidArgument
 from ddpcheck.scenario import Scenario

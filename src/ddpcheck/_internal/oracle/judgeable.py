@@ -12,9 +12,9 @@ raises :class:`ddpcheck.ScenarioError` with one message per cause, naming the ca
   dict): shaped like the targets for a squared error, logits ``(B, L, V)`` for integer target
   tokens ``(B, L)`` under ``loss="token_cross_entropy"`` (``ddpcheck._internal.objective``);
 * the model is a per-sample function: the whole batch gives the outputs of its two shards at
-  world size 2 put together (no batch statistics), the same batch twice gives the same outputs (no dropout), and
-  the forward writes no buffer (no running statistics). Ranks train on parts of the batch, so
-  without this there is no full-batch reference;
+  world size 2 put together (no batch statistics), the same batch twice gives the same outputs (no
+  dropout), and the forward writes no buffer (no running statistics). Ranks train on parts of the
+  batch, so without this there is no full-batch reference;
 * the optimizer is a ``torch.optim.Optimizer`` that steps without a closure (not LBFGS) and
   accepts the kwargs (built on a dummy tensor).
 

@@ -1,13 +1,13 @@
 """The single-process full-batch reference every target is held to.
 
 Invariant: :func:`reference_run` trains the scenario in this process through the same loop as the
-ranks (``ddpcheck._internal.training``), on the whole global batch, with the plain optimizer and rank 0's
-initial weights: one backward of the global objective per step (the scenario's loss and precision
-policy, ``ddpcheck._internal.objective``, its ``param_dtype`` policy emulated here as a rank's
-target implements it). What it records is what a correct
-data-parallel target must reproduce; the budgets a target's communication is held to are derived
-from the same model. A scenario with ``checkpoint_after`` trains uninterrupted, except that the
-gradients are dropped after that step, as a run resumed from a checkpoint has none.
+ranks (``ddpcheck._internal.training``), on the whole global batch, with the plain optimizer and
+rank 0's initial weights: one backward of the global objective per step (the scenario's loss and
+precision policy, ``ddpcheck._internal.objective``, its ``param_dtype`` policy emulated here as a
+rank's target implements it). What it records is what a correct data-parallel target must reproduce;
+the budgets a target's communication is held to are derived from the same model. A scenario with
+``checkpoint_after`` trains uninterrupted, except that the gradients are dropped after that step, as
+a run resumed from a checkpoint has none.
 
 What the reference cannot pin down (:meth:`Reference.noise`): the same run with each step's
 gradient summed in other, equally valid orders -- the global batch accumulated in 2, 3, 4 and 5

@@ -14,8 +14,9 @@ ranks), ``sample misweighted`` (one does, with a scale that gives it the wrong w
 rank's micro-batch, expected against got) -- ``token dropped|duplicated|misweighted`` under a token
 loss, naming the sample's tokens, the micro-batch and the rank. Causes come first.
 
-It runs before the numbers are compared at each step (``ddpcheck._internal.oracle.compare``), because a sample
-weighed wrongly changes every gradient: the verdict should name the sample, not a parameter.
+It runs before the numbers are compared at each step (``ddpcheck._internal.oracle.compare``),
+because a sample weighed wrongly changes every gradient: the verdict should name the sample, not a
+parameter.
 """
 
 from __future__ import annotations

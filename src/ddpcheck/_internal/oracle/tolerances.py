@@ -1,8 +1,8 @@
 """How close a rank must come to the full-batch reference: the one tolerance table.
 
-Replicas are compared bitwise (``ddpcheck._internal.oracle.compare``); a rank against the reference differs by the
-rounding of another summation order, which this table bounds per dtype, world size and step --
-far below what real bugs produce (``bench/tolerance.py`` measures the share used).
+Replicas are compared bitwise (``ddpcheck._internal.oracle.compare``); a rank against the reference
+differs by the rounding of another summation order, which this table bounds per dtype, world size
+and step -- far below what real bugs produce (``bench/tolerance.py`` measures the share used).
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ work finished (its future's callback, or else the ``wait()``), ``waited`` when `
 a collective nobody waited for keeps both None.
 
 What it sees: calls made as ``torch.distributed.<op>(...)`` (``parallel/``, torch's
-ZeroRedundancyOptimizer, FSDP2's all-gathers and reduce-scatters, most hand-written code). What it cannot see: collectives issued from C++
-(torch DDP's Reducer buckets), which never pass through Python, and DTensor's functional
-collectives (``DTensor.full_tensor()``, FSDP2's gradient-norm reduction in clipping).
+ZeroRedundancyOptimizer, FSDP2's all-gathers and reduce-scatters, most hand-written code). What it
+cannot see: collectives issued from C++ (torch DDP's Reducer buckets), which never pass through
+Python, and DTensor's functional collectives (``DTensor.full_tensor()``, FSDP2's gradient-norm
+reduction in clipping).
 """
 
 from __future__ import annotations

@@ -5,12 +5,12 @@ rank builds the same model (from a rank-dependent seed when ``scenario.rank_seed
 target's broadcast from rank 0 is exercised; registered in a rank-dependent order when
 ``scenario.rank_orders``, so pairing tensors by position is caught), takes the micro-batches of
 each global batch that its target's ``shard_batch`` plans (``ddpcheck.batches``; by default
-``scenario``'s batch rule), trains through the one loop (``ddpcheck._internal.training``) and records after
-every step what the oracle compares -- gradients as ``optimizer.step()`` receives them (after
-``after_backward``; after the step instead for a target whose optimizer synchronises gradients
-itself, ``Target.gradients_synchronized_in_step``), parameters, buffers and the optimizer state this
-rank holds after the step, every collective it issued through ``torch.distributed``, and the
-step's batch plan (the oracle checks that the plans weigh every sample as the reference does).
+``scenario``'s batch rule), trains through the one loop (``ddpcheck._internal.training``) and
+records after every step what the oracle compares -- gradients as ``optimizer.step()`` receives them
+(after ``after_backward``; after the step instead for a target whose optimizer synchronises
+gradients itself, ``Target.gradients_synchronized_in_step``), parameters, buffers and the optimizer
+state this rank holds after the step, every collective it issued through ``torch.distributed``, and
+the step's batch plan (the oracle checks that the plans weigh every sample as the reference does).
 
 The target's hooks run where a real training loop runs them: ``before_step`` before the step's
 first forward, ``no_sync`` around every micro-batch but the last, ``after_backward`` after the last
@@ -37,8 +37,8 @@ import torch.distributed as dist
 from ddpcheck._internal.devices import to_rank_device
 from ddpcheck._internal.rank import recorder
 from ddpcheck._internal.rank.orders import ORDER_SEED_STRIDE, permute_registration
-from ddpcheck._internal.rank.transport import pack
 from ddpcheck._internal.rank.owned import owned_gradients
+from ddpcheck._internal.rank.transport import pack
 from ddpcheck._internal.records import (RankRecord, gradients, initial_state, schedule_state,
                                         snapshot)
 from ddpcheck._internal.training import FitRun, Loop, make_scheduler, train

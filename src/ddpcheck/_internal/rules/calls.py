@@ -6,8 +6,8 @@ deadlines: a ``SIGALRM`` interval timer that interrupts a call still running aft
 seconds (loops, ``time.sleep``, lock waits), and a ``faulthandler`` watchdog that dumps the stack
 and ends the rank a few seconds later (a hang inside C code that never returns to the
 interpreter; see ``_Guard``). Before each call the rank writes which input it is calling the
-rule on to a progress file, so the parent (``ddpcheck._internal.rules.check``) knows which input was to blame
-when a rank dies or the world's own deadline passes.
+rule on to a progress file, so the parent (``ddpcheck._internal.rules.check``) knows which input was
+to blame when a rank dies or the world's own deadline passes.
 """
 
 from __future__ import annotations

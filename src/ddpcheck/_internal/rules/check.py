@@ -11,9 +11,9 @@ to the smallest parameter list that shows it. Each kind of violation (see :data:
 own message, naming the rule, the world size and the parameter list it failed on.
 
 Where the rule runs: never in the calling process, always inside rank processes under deadlines
-(``ddpcheck._internal.rules.calls``); the parameter lists are ``ddpcheck._internal.rules.params``. When a
-world fails while no call of the rule was running, nothing was decided about the rule: that is a
-set-up error (``ddpcheck.SetupError``), not a verdict.
+(``ddpcheck._internal.rules.calls``); the parameter lists are ``ddpcheck._internal.rules.params``.
+When a world fails while no call of the rule was running, nothing was decided about the rule: that
+is a set-up error (``ddpcheck.SetupError``), not a verdict.
 """
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
+from ddpcheck import errors
 from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import DEFAULT_DEADLINE, check_fits_machine, parse_features
 from ddpcheck._internal.oracle.compare import (cannot_judge, compare, compare_resumed,
@@ -27,7 +28,6 @@ from ddpcheck._internal.runs.replay import replay_command, verify_replayable
 from ddpcheck._internal.world import sequences
 from ddpcheck._internal.world.worlds import Pending, WorldFailure, get_world
 from ddpcheck.batches import check_plans
-from ddpcheck import errors
 from ddpcheck.errors import (DdpcheckError, Divergence, EquivalenceError, InvalidArgument,
                              NothingChecked, ScenarioError)
 from ddpcheck.features import declines
@@ -68,12 +68,12 @@ def check_example_keeping_reference(target: Target, scenario: Scenario, world_si
     Returns the notes of what the example left behind in the rank processes and ddpcheck put
     right (process groups destroyed, settings restored, a world replaced; ``World.notes``) --
     never a verdict -- and the reference it was judged against (computed while the ranks ran,
-    when not given), for the next example of the same scenario. ``checks``: a subset of ``ddpcheck._internal.oracle.compare.CHECKS``
-    (default: all of them). An example the target declines (``supports``,
-    ``supported_features``, or a default hook that cannot serve it, found in the ranks) raises
-    :class:`NothingChecked`. A scenario with ``checkpoint_after`` saves in this world and resumes
-    in the persistent world of ``resume_world_size`` (:func:`run_in_two_worlds`), judged by
-    ``compare_resumed``. ``device``/``backend``: where the ranks compute (as for
+    when not given), for the next example of the same scenario. ``checks``: a subset of
+    ``ddpcheck._internal.oracle.compare.CHECKS`` (default: all of them). An example the target
+    declines (``supports``, ``supported_features``, or a default hook that cannot serve it, found in
+    the ranks) raises :class:`NothingChecked`. A scenario with ``checkpoint_after`` saves in this
+    world and resumes in the persistent world of ``resume_world_size`` (:func:`run_in_two_worlds`),
+    judged by ``compare_resumed``. ``device``/``backend``: where the ranks compute (as for
     ``ddpcheck.assert_equivalent``).
 
     Numbers first: the records are compared before anything the ranks report about their
@@ -208,7 +208,8 @@ def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = 
 
 def prepare_reference(scenario: Scenario) -> Any:
     """The full-batch reference; user mistakes in the scenario surface here, once, as a
-    :class:`ScenarioError` naming the cause (``ddpcheck._internal.oracle.judgeable``), before any world runs."""
+    :class:`ScenarioError` naming the cause (``ddpcheck._internal.oracle.judgeable``), before any
+    world runs."""
     check_scenario(scenario)
     try:
         return reference_run(scenario)

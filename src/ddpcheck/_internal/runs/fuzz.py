@@ -67,8 +67,8 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     ``time_budget`` (seconds) stops generating new examples once spent (shrinking still runs).
     Features the target does not support (``Target.supported_features``) or ``without`` excludes
     are not generated; the rare drawn example that still needs one is rejected (``assume``), so
-    it costs no example of the budget -- until :data:`GIVE_UP_AFTER_DECLINED` were, with none run. ``device``/``backend``: where the ranks compute (as for
-    ``ddpcheck.assert_equivalent``).
+    it costs no example of the budget -- until :data:`GIVE_UP_AFTER_DECLINED` were, with none run.
+    ``device``/``backend``: where the ranks compute (as for ``ddpcheck.assert_equivalent``).
     """
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
         raise InvalidArgument(f"examples={examples!r} must be a positive integer")

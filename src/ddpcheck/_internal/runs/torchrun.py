@@ -3,13 +3,13 @@
 Invariant: when :func:`under_torchrun` is true, :func:`check_in_world` runs the battery on the
 world ``torchrun`` started -- every rank runs every example while recording its collective
 sequence, each rank's record (or traceback) and sequence are gathered on rank 0, and rank 0 judges
-them with the very function spawned worlds use (``ddpcheck._internal.runs.example.verdict``: collective sequences,
-then the oracle against the full-batch reference); the verdict is broadcast so that every rank
-returns the same exit status. Only rank 0 prints. A scenario that checkpoints resumes in the same
-world (rank 0's checkpoint broadcast to every rank); one that resumes at another world size is
-skipped, saying so: torchrun's world cannot change size. Every collective runs under the process group's
-timeout (the ``--deadline``), so a rank that raises or hangs makes the others fail instead of
-waiting forever.
+them with the very function spawned worlds use (``ddpcheck._internal.runs.example.verdict``:
+collective sequences, then the oracle against the full-batch reference); the verdict is broadcast so
+that every rank returns the same exit status. Only rank 0 prints. A scenario that checkpoints
+resumes in the same world (rank 0's checkpoint broadcast to every rank); one that resumes at another
+world size is skipped, saying so: torchrun's world cannot change size. Every collective runs under
+the process group's timeout (the ``--deadline``), so a rank that raises or hangs makes the others
+fail instead of waiting forever.
 
 The backend follows the tensors, as in spawned worlds (``_internal.devices.backend_for``): gloo on
 the CPU whatever GPUs are visible; with ``device="cuda"`` each rank computes on

@@ -12,10 +12,11 @@ collective to the point where the rank waited for it.
 Times are ``time.perf_counter()``, which on Linux is ``CLOCK_MONOTONIC``: one clock for every
 process on the machine, so ranks line up without correction.
 
-What a collective carries: for a wrapper exposing ``bucket_layout`` (``parallel.DDP``), the bucket whose gradient bytes match the
-next asynchronous floating-point all-reduce, in launch order. The trace reads the layout from the
-wrapper after the step, so ``parallel/`` needs no hook into ddpcheck. Collectives issued from C++
-(torch DDP's Reducer) never pass through Python and do not appear.
+What a collective carries: for a wrapper exposing ``bucket_layout`` (``parallel.DDP``), the bucket
+whose gradient bytes match the next asynchronous floating-point all-reduce, in launch order. The
+trace reads the layout from the wrapper after the step, so ``parallel/`` needs no hook into
+ddpcheck. Collectives issued from C++ (torch DDP's Reducer) never pass through Python and do not
+appear.
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 
 Invariant: :func:`diagnose` returns ``None`` exactly when, for every process group, every member
 rank's sequence of collectives on that group has the same length and the same
-:meth:`ddpcheck._internal.rank.recorder.Collective.signature` at every index. Otherwise it returns the *first*
-disagreement -- earliest index, world group before subgroups -- with each member's collective at
-that index (or "issued nothing").
+:meth:`ddpcheck._internal.rank.recorder.Collective.signature` at every index. Otherwise it returns
+the *first* disagreement -- earliest index, world group before subgroups -- with each member's
+collective at that index (or "issued nothing").
 
-Sequences come from the per-rank sequence files ``ddpcheck._internal.rank.recorder`` appends to before each
-collective goes on the wire, so they survive a rank that hangs or is killed. Collectives issued
-from C++ (torch DDP's Reducer) are not in them.
+Sequences come from the per-rank sequence files ``ddpcheck._internal.rank.recorder`` appends to
+before each collective goes on the wire, so they survive a rank that hangs or is killed. Collectives
+issued from C++ (torch DDP's Reducer) are not in them.
 
 Whether a disagreement is *the* failure or a consequence of one is decided by :attr:`mismatched`:
 two ranks issued different collectives at the same index, or a rank that finished its task

@@ -13,13 +13,14 @@ the interpreter exits. Rendezvous uses a ``FileStore`` in a fresh temporary dire
 ever fixed, and ``pytest -n auto`` workers cannot collide.
 
 Isolation between tasks: after every task each rank checks that its process is still fit
-(``ddpcheck._internal.rank.fitness``); an unfit rank fails the task as ``"contaminated"`` naming what changed, so
-the example that did the damage is blamed, not the next. Every failed ``run`` kills the world; a
-run that *completed* keeps it even when the caller finds the results wrong (``ddpcheck.check_example``
-replaces it after a collective mismatch): its ranks passed the fitness check and agreed on every
-collective, and keeping the world spares shrinking a ~2 s respawn per failing example (with one,
-mutant kills took 95-127 s instead of ~2 s; docs/platform.md). Each rank leads its own
-process group, and a kill kills the groups: processes a target started die with the world.
+(``ddpcheck._internal.rank.fitness``); an unfit rank fails the task as ``"contaminated"`` naming
+what changed, so the example that did the damage is blamed, not the next. Every failed ``run`` kills
+the world; a run that *completed* keeps it even when the caller finds the results wrong
+(``ddpcheck.check_example`` replaces it after a collective mismatch): its ranks passed the fitness
+check and agreed on every collective, and keeping the world spares shrinking a ~2 s respawn per
+failing example (with one, mutant kills took 95-127 s instead of ~2 s; docs/platform.md). Each rank
+leads its own process group, and a kill kills the groups: processes a target started die with the
+world.
 
 Start-up and shutdown hygiene: a world started inside a rank (a script calling ddpcheck at import
 time without ``if __name__ == "__main__":``, which spawn re-imports in every rank) is refused with
