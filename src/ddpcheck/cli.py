@@ -280,9 +280,10 @@ def _check(args: argparse.Namespace) -> ExitCode:
         raise result.error
     if battery + result.examples == 0:
         reasons = "; ".join(f"{why} ({n}x)" for why, n in result.declined.items())
+        drawn = sum(result.declined.values())
         raise NothingChecked(
             f"{args.target_spec} declined every battery scenario ({declined}) and every one of "
-            f"{args.examples} random examples ({reasons or 'no reason given'})")
+            f"the {drawn} random scenario(s) drawn ({reasons or 'no reason given'})")
     for note in result.notes:
         print(f"note: {note}")
     print(f"ddpcheck check {args.target_spec}: nothing found in {battery} battery and "

@@ -28,7 +28,7 @@ from ddpcheck.models import ModelSpec, SpecData
 from ddpcheck.scenario import Scenario, build_model, global_batch
 
 __all__ = ["BEYOND_TORCH", "DEFAULT_FEATURES", "FEATURES", "OPT_IN", "declines", "exercised", "of",
-           "parse", "supported_by", "unsupported"]
+           "owns_batch_plan", "parse", "supported_by", "unsupported", "why_unsupported"]
 
 def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
     """The features ``scenario`` exercises at ``world_size`` (None: those that do not depend on
@@ -82,13 +82,10 @@ def declines(target: Any, scenario: Scenario, world_size: int | None = None,
     if opted_out:
         return f"needs {', '.join(opted_out)}"
     if missing:
-        declared = getattr(target, "supported_features", None) is not None
-        why = ("" if declared else
-               ": its own shard_batch weighs samples; declare 'tokens' once it weighs tokens"
-               if missing == ["tokens"] else
-               ": beyond torch DDP's contract, checked only when declared")
-        return (f"needs {', '.join(missing)} (not in {type(target).__name__}."
-                f"supported_features{why})")
+        reasons: dict[str, list[str]] = {}  # features sharing a reason are named together
+        for feature in missing:
+            reasons.setdefault(why_unsupported(target, feature), []).append(feature)
+        return "needs " + "; ".join(f"{', '.join(fs)} ({why})" for why, fs in reasons.items())
     if without:
         excluded = sorted(needed & without)
         if excluded:
@@ -101,6 +98,18 @@ def declines(target: Any, scenario: Scenario, world_size: int | None = None,
     return target.supports(scenario)
 
 
+def why_unsupported(target: Any, feature: str) -> str:
+    """Why ``target`` is not checked on ``feature`` (in :func:`supported_by`'s terms)."""
+    where = f"not in {type(target).__name__}.supported_features"
+    declared = getattr(target, "supported_features", None)
+    if feature == "tokens" and (declared is None or "tokens" in declared):
+        return (f"{where}: its own shard_batch may weigh samples only; declare 'tokens' with it "
+                "once it weighs tokens")
+    if declared is None:
+        return f"{where}: beyond torch DDP's contract, checked only when declared"
+    return where
+
+
 def supported_by(target: Any) -> frozenset[str]:
     """The features ``target`` is checked on: its ``supported_features``, or -- when it declares
     nothing -- :data:`DEFAULT_FEATURES`, everything within torch DDP's own contract (features
@@ -109,9 +118,31 @@ def supported_by(target: Any) -> frozenset[str]:
     declares."""
     declared = getattr(target, "supported_features", None)
     found = frozenset(FEATURES) - BEYOND_TORCH if declared is None else frozenset(declared)
-    if declared is None and getattr(target, "owns_batch_plan", False):
-        found -= {"tokens"}  # its plan weighs samples; a token loss must be declared
+    if owns_batch_plan(target) and not _declared_with_its_plan(target):
+        found -= {"tokens"}  # its plan may weigh samples only: a token loss must be declared
     return found - {f for f, flag in OPT_IN.items() if not getattr(target, flag, False)}
+
+
+def owns_batch_plan(target: Any) -> bool:
+    """True when ``target`` plans its own micro-batches: ``Target.owns_batch_plan`` where it
+    has one, else (a duck-typed target) whether it has a ``shard_batch`` at all."""
+    owns = getattr(target, "owns_batch_plan", None)
+    return bool(owns) if owns is not None else callable(getattr(target, "shard_batch", None))
+
+
+def _declared_with_its_plan(target: Any) -> bool:
+    """Whether ``supported_features`` was declared where the batch plan was written -- on the
+    instance (``Target.from_wrappers(supports=..., shard_batch=...)``), or on the class that
+    defines ``shard_batch`` or a subclass of it -- and not inherited from a base whose plan
+    was the batch rule (a subclass of a ready-made target overriding ``shard_batch`` does not
+    declare ``tokens`` by inheriting ``FEATURES - {...}``)."""
+    if "supported_features" in getattr(target, "__dict__", {}):
+        return getattr(target, "supported_features") is not None
+    mro = type(target).__mro__
+    plan = next((i for i, cls in enumerate(mro) if "shard_batch" in vars(cls)), None)
+    features = next((i for i, cls in enumerate(mro) if "supported_features" in vars(cls)), None)
+    return (plan is not None and features is not None and features <= plan
+            and mro[features].__dict__["supported_features"] is not None)
 
 
 def unsupported(target: Any, without: frozenset[str] = frozenset()) -> frozenset[str]:

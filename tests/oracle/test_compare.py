@@ -11,6 +11,7 @@ every named check runs on every rank.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -415,3 +416,31 @@ def test_a_reduction_narrower_than_the_gradients_is_named_before_the_numbers():
     assert rows[0].kind == NARROWER  # the cause, before any number
     assert NARROWER not in [r.kind for r in compare(narrow, reference, scenario, None,
                                                       {"replicas", "reference"})]
+
+
+def test_control_scalars_may_be_narrower_but_a_gradient_shaped_reduction_may_not():
+    """A float64 model: its norm and a flag per trainable tensor reduced in float32 are control
+    traffic (DeepSpeed reduces its norm in a float32 tensor); one small gradient reduced in
+    float32 is a narrowing, however few its elements."""
+    from ddpcheck._internal.oracle.budget import NARROWER, check_reduce_dtypes
+    from ddpcheck._internal.records import Collective
+
+    def call(shape: tuple) -> Collective:
+        return Collective(op="all_reduce", nbytes=4 * max(1, math.prod(shape)),
+                          dtypes=("float32",), shapes=(shape,), root=None, group=None,
+                          reduce_op="SUM", async_op=False, launched=0.0)
+
+    # weight (4, 3) and bias (4,): two trainable tensors of float64
+    reference = Reference(initial={}, steps=[], gradient_bytes=16 * 8, gradient_numel=16,
+                          n_dtypes=1, compute_dtype=torch.float64, gradient_dtype=torch.float64,
+                          trainable_tensors=2, norm_scalars=1,
+                          trainable_shapes={"w": ((4, 3), 8), "b": ((4,), 8)})
+
+    def rows(*collectives):
+        records = [RankRecord(r, {}, [StepRecord({}, {}, {}, {}, list(collectives))], 0.0)
+                   for r in range(2)]
+        return check_reduce_dtypes(0, 2, records, reference)
+
+    assert rows(call((1,)), call((2,))) == []  # the norm, the flags
+    assert [r.kind for r in rows(call((4,)))] == [NARROWER] * 2  # the bias, 4 elements
+    assert [r.kind for r in rows(call((5,)))] == [NARROWER] * 2  # more than the allowance

@@ -40,7 +40,22 @@ def test_a_target_that_owns_its_batch_plan_declares_tokens_to_be_checked_on_them
                       loss="token_cross_entropy", global_batch=4)
     why = ddpcheck.features.declines(own_plan, tokens, 2)
     assert why == ("needs tokens (not in WrapperTarget.supported_features: its own shard_batch "
-                   "weighs samples; declare 'tokens' once it weighs tokens)"), why
+                   "may weigh samples only; declare 'tokens' with it once it weighs tokens)"), why
+    # declared by inheritance from a ready-made target whose plan was the batch rule: not enough
+    class OwnPlanDDP(targets.TorchDDPTarget):
+        def shard_batch(self, batch):
+            return ddpcheck.batches.strided(batch)
+
+    assert "tokens" not in supported_by(OwnPlanDDP())
+    assert "tokens" in supported_by(targets.TORCH_DDP)
+
+    class DuckTyped:  # no Target base: its shard_batch is its own plan all the same
+        supported_features = None
+
+        def shard_batch(self, batch):
+            return ddpcheck.batches.strided(batch)
+
+    assert "tokens" not in supported_by(DuckTyped())
     declared = ddpcheck.Target.from_wrappers(shard_batch=ddpcheck.batches.strided,
                                              supports=FEATURES.keys() - {"rank-orders"})
     assert ddpcheck.features.declines(declared, tokens, 2) is None

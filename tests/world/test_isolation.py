@@ -354,3 +354,23 @@ def _wait_until(condition, seconds: float) -> None:
     end = time.monotonic() + seconds
     while not condition() and time.monotonic() < end:
         time.sleep(0.05)
+
+
+def _reduce_scatter_list_bytes():
+    """In a rank: ``dist.reduce_scatter(output, input_list)`` as the recorder logs it."""
+    import torch
+    import torch.distributed as dist
+
+    from ddpcheck._internal.rank import recorder
+
+    recorder.reset()
+    world = dist.get_world_size()
+    inputs = [torch.ones(4) for _ in range(world)]
+    dist.reduce_scatter(torch.empty(4), inputs)
+    return [(c.op, c.nbytes) for c in recorder.records()]
+
+
+def test_a_list_reduce_scatter_is_counted_by_its_input_as_the_budget_says():
+    logged = get_world(2).run(_reduce_scatter_list_bytes)
+    # 2 inputs of 4 float32 elements: 32 bytes on each rank, not the output's 16
+    assert logged == [[("reduce_scatter", 32)]] * 2, logged

@@ -30,7 +30,8 @@ class BroadcastsFromLastRankFSDP(TorchFSDPTarget):
     def wrap(self, module: Any) -> Any:
         broadcast_from(module, dist.get_world_size() - 1)
         return shard_leaves(module, self.reshard_after_forward, **fully_shard_options(
-            param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype))
+            cpu_offload=self.cpu_offload, param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype))
 
 
 @dataclasses.dataclass(frozen=True)

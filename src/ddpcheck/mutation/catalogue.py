@@ -132,6 +132,8 @@ class _SeededBatches(_Seeded):
     """The unmutated ``parallel`` target with ``batches_class()`` as its batch plan."""
 
     batches_class = None  # a class of broken_batches (set by _target)
+    # declared with the plan, so token scenarios judge it too (ddpcheck.features.supported_by)
+    supported_features = ParallelTarget.supported_features
 
     def shard_batch(self, batch: Any) -> Any:
         return self.batches_class()(batch)

@@ -19,8 +19,9 @@ API are seen (``ddpcheck._internal.rank.recorder``).
 :func:`check_reduce_dtypes` holds the other side of "in its own dtype": no floating-point
 reduction (all-reduce, reduce, reduce-scatter) in a dtype narrower than the narrowest gradient
 (the master weights' float32 under a ``param_dtype`` policy, whose promise is float32 reduction),
-beyond the control scalars the budget allows (a float64 model's norm reduced in float32 is not
-gradient traffic), or it is ``communication in a narrower dtype`` (gradients reduced in bfloat16
+beyond the control scalars the budget allows (a float64 model's norm, or a vector of a flag per
+trainable tensor, reduced in float32 is not gradient traffic; a tensor shaped like a gradient is),
+or it is ``communication in a narrower dtype`` (gradients reduced in bfloat16
 where float32 was promised: FSDP2's ``reduce_dtype`` misconfigured, a compression hook).
 Parameters all-gathered in ``param_dtype`` are the policy, not a reduction, and pass.
 """
@@ -48,14 +49,17 @@ def check_reduce_dtypes(step: int, world_size: int, records: list[RankRecord],
     if world_size == 1 or promised is None:
         return []
     want = str(promised).replace("torch.", "")
-    # control scalars (a norm, a flag, a logged loss) may travel narrower: only gradient-sized
-    # traffic beyond the budget's allowance of a scalar per trainable tensor is a narrowing
+    # control scalars (a norm, a flag per trainable tensor, a logged loss) may travel narrower:
+    # a narrowing is a tensor shaped like a gradient, or more elements than that allowance
     allowance = reference.trainable_tensors + reference.norm_scalars
+    control = {(), (1,), (reference.trainable_tensors,)}
+    gradient_shapes = {shape for shape, _ in reference.trainable_shapes.values()} - control
     out = []
     for record in records:
         narrow = [c for c in record.steps[step].collectives if c.op in REDUCTIONS
                   and any(_BITS.get(d, 64) < _BITS.get(want, 64) for d in c.dtypes)]
-        if sum(math.prod(shape) for c in narrow for shape in c.shapes) > allowance:
+        if any(tuple(shape) in gradient_shapes for c in narrow for shape in c.shapes) or \
+                sum(math.prod(shape) for c in narrow for shape in c.shapes) > allowance:
             first, dtypes = narrow[0], sorted({d for c in narrow for d in c.dtypes})
             out.append(Divergence(step, world_size, record.rank, "(all gradients)", NARROWER,
                                   detail=f"{len(narrow)} reduction(s) in {'/'.join(dtypes)}, "

@@ -54,7 +54,7 @@ _OPS: dict[str, tuple[int, str | None]] = {
     "all_gather_single": (1, None),  # FSDP2's parameter all-gather (torch 2.13)
     "gather": (0, "dst"),
     "scatter": (0, "src"),
-    "reduce_scatter": (0, None),
+    "reduce_scatter": (1, None),  # (output, input_list): counted by its input, as the others
     "reduce_scatter_tensor": (1, None),
     "reduce_scatter_single": (1, None),  # FSDP2's gradient reduce-scatter (torch 2.13)
     "all_to_all": (1, None),

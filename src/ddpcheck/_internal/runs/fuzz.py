@@ -50,9 +50,10 @@ class FuzzResult:
         return self.error is not None
 
 
-#: Drawn scenarios declined in a row, none run yet, after which the rest of the examples pass
-#: undrawn: the caller reports nothing checked in seconds, with the reasons, where Hypothesis
-#: alone would draw 1,000 (~60 s of building models) before giving up.
+#: Drawn scenarios declined with none run yet -- at least this many, and twice the examples
+#: asked for -- after which the rest of the examples pass unjudged: the caller reports nothing
+#: checked in seconds, with the reasons, where Hypothesis alone would draw 1,000 (~60 s of
+#: building models) before giving up.
 GIVE_UP_AFTER_DECLINED = 200
 
 
@@ -67,7 +68,8 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     ``time_budget`` (seconds) stops generating new examples once spent (shrinking still runs).
     Features the target does not support (``Target.supported_features``) or ``without`` excludes
     are not generated; the rare drawn example that still needs one is rejected (``assume``), so
-    it costs no example of the budget -- until :data:`GIVE_UP_AFTER_DECLINED` were, with none run.
+    it costs no example of the budget -- until :data:`GIVE_UP_AFTER_DECLINED` (or twice
+    ``examples``) were, with none run.
     ``device``/``backend``: where the ranks compute (as for ``ddpcheck.assert_equivalent``).
     """
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
@@ -85,6 +87,7 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
                              f"{', '.join(dtypes)} once --without is applied")
     dtypes = kept
     count = [0]
+    give_up_after = max(GIVE_UP_AFTER_DECLINED, 2 * examples)
     first = [None]
     declined: dict[str, int] = {}
     exercised: set[str] = set()
@@ -105,7 +108,7 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     def one(data):
         world_size = data.draw(world_size_strategy, label="world_size")
         scenario = data.draw(scenario_strategies[world_size], label="scenario")
-        if count[0] == 0 and sum(declined.values()) >= GIVE_UP_AFTER_DECLINED:
+        if count[0] == 0 and sum(declined.values()) >= give_up_after:
             return  # nothing this target runs is being drawn: the rest pass unjudged
         if time_budget is not None and first[0] is None \
                 and time.perf_counter() - started > time_budget:

@@ -283,7 +283,7 @@ def _feature_cell(target: Any, feature: str, world_size: int, *, examples: int,
         cell.reason = ("excluded with --without" if feature in excluded else
                        f"opt-in: {type(target).__name__}.{features.OPT_IN[feature]} is not set"
                        if feature in features.OPT_IN else
-                       f"not in {type(target).__name__}.supported_features" if dtypes else
+                       features.why_unsupported(target, feature) if dtypes else
                        f"{type(target).__name__} supports neither float64 nor float32")
         return cell
     started = time.perf_counter()
