@@ -87,9 +87,13 @@ def declines(target: Any, scenario: Scenario, world_size: int | None = None,
             reasons.setdefault(why_unsupported(target, feature), []).append(feature)
         return "needs " + "; ".join(f"{', '.join(fs)} ({why})" for why, fs in reasons.items())
     if without:
-        excluded = sorted(needed & without)
-        if excluded:
-            return f"needs {', '.join(excluded)} (excluded with --without or --dtypes)"
+        dtypes = sorted(needed & without & {"float64", "float32"})
+        others = sorted(needed & without - {"float64", "float32"})
+        if others:
+            return f"needs {', '.join(others)} (excluded with --without)"
+        if dtypes:  # ddpcheck check runs float64 alone unless --dtypes adds float32
+            return (f"needs {', '.join(dtypes)} (a dtype not checked: --dtypes is float64 alone "
+                    "by default, or --without excludes it)")
     if scenario.checkpoint_after is not None and not all(
             callable(getattr(target, hook, None)) for hook in ("save_checkpoint",
                                                                "load_checkpoint")):
