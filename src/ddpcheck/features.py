@@ -26,6 +26,7 @@ from ddpcheck._internal.options import parse_features as parse
 from ddpcheck.errors import ScenarioError
 from ddpcheck.models import ModelSpec, SpecData
 from ddpcheck.scenario import Scenario, build_model, global_batch
+from ddpcheck.zoo import GPTConfig, token_data
 
 __all__ = ["BEYOND_TORCH", "DEFAULT_FEATURES", "FEATURES", "OPT_IN", "declines", "exercised", "of",
            "owns_batch_plan", "parse", "supported_by", "unsupported", "why_unsupported"]
@@ -210,6 +211,11 @@ def _inspect(scenario: Scenario, world_size: int) -> frozenset[str]:
             # it from the data, with no forward or backward (the measured third of a random
             # example's cost in the checking process)
             return frozenset(found | _spec_usage(scenario, spec, world_size))
+    if isinstance(spec, GPTConfig) and scenario.data is token_data:
+        # every parameter of a TinyGPT takes part in every forward, and every sample has a real
+        # token: no shard leaves one without a gradient (held to _usage by
+        # tests/language/test_tokens.py), so no backward per rank is needed to say so
+        return frozenset(found)
     return frozenset(found | _usage(scenario, model, world_size))
 
 

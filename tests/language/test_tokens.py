@@ -275,7 +275,21 @@ def test_a_language_model_counterexample_has_its_one_line_summary():
 
     scenario = Scenario(zoo.GPTConfig(layers=2), data=zoo.token_data, loss="token_cross_entropy",
                         dtype="float32", autocast=torch.bfloat16, global_batch=3, steps=1)
-    assert scenario_line(scenario) == "gpt(2 blocks, tied) SGD B=3 steps=1 float32 autocast=bfloat16"
+    assert scenario_line(scenario) == ("gpt(2 blocks, tied) SGD B=3 steps=1 float32 "
+                                       "autocast=bfloat16")
     untied = Scenario(zoo.GPTConfig(layers=1, tied=False), data=zoo.token_data,
                       loss="token_cross_entropy", global_batch=3, steps=1)
     assert scenario_line(untied) == "gpt(1 block) SGD B=3 steps=1"
+
+
+@settings(max_examples=40, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(dst.exercising("tokens", world_size=4), st.integers(1, 4))
+def test_a_language_models_usage_is_read_without_a_backward_and_agrees(scenario, world_size):
+    """``features`` says a TinyGPT on its token data leaves no parameter without a gradient on
+    any rank, with no backward; the backward per rank shard says the same."""
+    from ddpcheck.features import _usage
+    from ddpcheck.scenario import build_model
+
+    assert not features.of(scenario, world_size) & {"unused-on-some-ranks", "unused-everywhere"}
+    assert _usage(scenario, build_model(scenario, scenario.seed), world_size) == set()

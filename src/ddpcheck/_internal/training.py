@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 import time
 from typing import Any, Callable, ContextManager
 
@@ -31,7 +33,7 @@ import torch
 from ddpcheck._internal import objective
 from ddpcheck.scenario import Scenario
 
-__all__ = ["FitRun", "Loop", "make_scheduler", "micro_batch_loss", "train"]
+__all__ = ["FitRun", "Loop", "make_scheduler", "micro_batch_loss", "optimizer_kwargs", "train"]
 
 
 def _nothing(*_: Any) -> None:
@@ -117,6 +119,24 @@ class FitRun:
     def loss(self, model: Any, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
         """One micro-batch's loss through ``model``, as the reference computes it."""
         return micro_batch_loss(self.scenario, model, x, y, scale)
+
+
+def optimizer_kwargs(target: Any, model: Any, kwargs: dict) -> dict:
+    """``kwargs`` for ``target.make_optimizer``, with the wrapped ``model`` added when its
+    signature names a ``model`` parameter (a sharded optimizer that must know its DDP); older
+    targets' signatures are left as they are."""
+    if _takes_model(type(target).make_optimizer):
+        return {**kwargs, "model": model}
+    return dict(kwargs)
+
+
+@functools.lru_cache(maxsize=256)
+def _takes_model(method: Any) -> bool:
+    """Cached: every rank asks it for every example."""
+    try:
+        return "model" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def make_scheduler(scenario: Scenario, optimizer: Any) -> Any:

@@ -65,6 +65,7 @@ from typing import Any, ContextManager, Mapping
 import torch
 import torch.distributed as dist
 
+from ddpcheck._internal.training import optimizer_kwargs
 from ddpcheck.batches import BatchPlan, GlobalBatch, contiguous
 from ddpcheck.errors import InvalidArgument, NothingChecked
 
@@ -150,13 +151,8 @@ class Target:
         names = {id(p): n for n, p in module.named_parameters()}
         model = self.wrap(module)
         params = _rebound(params, names, dict(module.named_parameters()))
-        try:
-            takes_model = "model" in inspect.signature(type(self).make_optimizer).parameters
-        except (TypeError, ValueError):
-            takes_model = False
-        if takes_model:
-            kwargs["model"] = model
-        return model, self.make_optimizer(params, optimizer_cls, **kwargs)
+        return model, self.make_optimizer(params, optimizer_cls,
+                                          **optimizer_kwargs(self, model, kwargs))
 
     def make_scheduler(self, optimizer: Any, gamma: float) -> Any:
         """The scenario's LR schedule over ``optimizer``: ``ExponentialLR(gamma)``, stepped once

@@ -59,7 +59,7 @@ def check_reduce_dtypes(step: int, world_size: int, records: list[RankRecord],
         narrow = [c for c in record.steps[step].collectives if c.op in REDUCTIONS
                   and any(_BITS.get(d, 64) < _BITS.get(want, 64) for d in c.dtypes)]
         if any(tuple(shape) in gradient_shapes for c in narrow for shape in c.shapes) or \
-                sum(math.prod(shape) for c in narrow for shape in c.shapes) > allowance:
+                sum(_numel(c) for c in narrow) > allowance:
             first, dtypes = narrow[0], sorted({d for c in narrow for d in c.dtypes})
             out.append(Divergence(step, world_size, record.rank, "(all gradients)", NARROWER,
                                   detail=f"{len(narrow)} reduction(s) in {'/'.join(dtypes)}, "

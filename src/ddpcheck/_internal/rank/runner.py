@@ -25,8 +25,6 @@ and the remaining steps, with the LR scheduler loaded rather than restarted.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import io
 import time
 from typing import Any
@@ -41,7 +39,7 @@ from ddpcheck._internal.rank.owned import owned_gradients
 from ddpcheck._internal.rank.transport import pack
 from ddpcheck._internal.records import (RankRecord, gradients, initial_state, schedule_state,
                                         snapshot)
-from ddpcheck._internal.training import FitRun, Loop, make_scheduler, train
+from ddpcheck._internal.training import FitRun, Loop, make_scheduler, optimizer_kwargs, train
 from ddpcheck.batches import BatchPlan, contiguous, global_indices, plan_for
 from ddpcheck.errors import NothingChecked
 from ddpcheck.scenario import Scenario, build_model, global_batch, make_param_groups
@@ -109,10 +107,14 @@ def run_example(target: Any, scenario: Scenario, *, part: str = "whole",
             saved = target.save_checkpoint(module, model, optimizer, scheduler)
             result = result, checkpoint_to_bytes(saved, type(target).__name__) if rank == 0 else None
     finally:  # per-example framework state (singletons, meshes, groups), even after a failure
-        teardown = getattr(target, "teardown", None)
-        if callable(teardown):
-            teardown(model, optimizer)
+        _teardown(target, model, optimizer)
     return result
+
+
+def _teardown(target: Any, model: Any, optimizer: Any) -> None:
+    teardown = getattr(target, "teardown", None)  # duck-typed targets may have none
+    if callable(teardown):
+        teardown(model, optimizer)
 
 
 class StepRecords:
@@ -219,10 +221,7 @@ def fit_owned_loop(target: Any, module: Any, scenario: Scenario, rank: int, worl
     try:
         target.fit(module, run)
     finally:
-        teardown = getattr(target, "teardown", None)
-        if callable(teardown):
-            model, optimizer = model_seen[0] if model_seen else (None, None)
-            teardown(model, optimizer)
+        _teardown(target, *(model_seen[0] if model_seen else (None, None)))
     if len(records.steps) != scenario.steps:
         raise RuntimeError(f"{type(target).__name__}.fit recorded {len(records.steps)} of the "
                            f"scenario's {scenario.steps} step(s): call run.record after every "
@@ -297,21 +296,10 @@ def _select(x: Any, y: Any, indices: tuple[int, ...]) -> tuple[Any, Any]:
 
 
 def make_optimizer(target: Any, model: Any, params: list, scenario: Scenario) -> Any:
-    """``target.make_optimizer``, given the wrapped model when it takes a ``model`` keyword (a
-    sharded optimizer that must know its DDP); older targets' signatures are left as they are."""
-    kwargs = dict(scenario.optimizer_kwargs)
-    if _takes_model(type(target).make_optimizer):
-        kwargs["model"] = model
-    return target.make_optimizer(params, scenario.optimizer, **kwargs)
-
-
-@functools.lru_cache(maxsize=256)
-def _takes_model(method: Any) -> bool:
-    try:
-        parameters = inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return False
-    return "model" in parameters
+    """``target.make_optimizer``, given the wrapped model when it takes a ``model`` keyword
+    (``ddpcheck._internal.training.optimizer_kwargs``)."""
+    return target.make_optimizer(params, scenario.optimizer,
+                                 **optimizer_kwargs(target, model, scenario.optimizer_kwargs))
 
 
 def run_example_packed(target: Any, scenario: Scenario, part: str = "whole",
