@@ -502,6 +502,19 @@ def get_world(world_size: int, *, backend: str | None = None, device: str = "cpu
               start_method: str = "spawn") -> World:
     """The persistent world of this size on ``device`` ("cpu" or "cuda"), spawned on first use
     and after a failure; a CUDA world is never handed out for CPU examples, nor the reverse."""
+    return _registered(world_size, backend, device, start_method).start()
+
+
+def launch_worlds(world_sizes: Iterable[int], *, backend: str | None = None,
+                  device: str = "cpu") -> None:
+    """Launch the persistent worlds of these sizes that are not running yet, without waiting:
+    they boot side by side, while this process goes on (``World.launch``)."""
+    for world_size in world_sizes:
+        _registered(world_size, backend, device, "spawn").launch()
+
+
+def _registered(world_size: int, backend: str | None, device: str, start_method: str) -> World:
+    """The registry's world of this key, a new (unstarted) one when it has none alive."""
     check_world_size("world_size", world_size)
     refuse_nested_start()
     key = (world_size, backend_for(device, backend), device, start_method)
@@ -510,23 +523,7 @@ def get_world(world_size: int, *, backend: str | None = None, device: str = "cpu
         if world is None or not world.alive:
             world = World(world_size, backend=key[1], device=device, start_method=start_method)
             _WORLDS[key] = world
-    return world.start()
-
-
-def launch_worlds(world_sizes: Iterable[int], *, backend: str | None = None,
-                  device: str = "cpu") -> None:
-    """Launch the persistent worlds of these sizes that are not running yet, without waiting:
-    they boot side by side, while this process goes on (``World.launch``)."""
-    for world_size in world_sizes:
-        check_world_size("world_size", world_size)
-        refuse_nested_start()
-        key = (world_size, backend_for(device, backend), device, "spawn")
-        with _LOCK:
-            world = _WORLDS.get(key)
-            if world is None or not world.alive:
-                world = World(world_size, backend=key[1], device=device)
-                _WORLDS[key] = world
-        world.launch()
+    return world
 
 
 def shutdown_worlds() -> None:
