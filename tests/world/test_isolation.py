@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 import ddpcheck
-from ddpcheck import targets
+from ddpcheck import targets, zoo
+from ddpcheck.mutation import catalogue as mutants
 from ddpcheck import check_example
 from ddpcheck.scenario import Scenario
 from ddpcheck._internal.rank import serve as rank_module
@@ -220,6 +221,36 @@ def test_processes_a_target_starts_die_with_the_world(tmp_path):
     get_world(2).kill()  # what a failure does: every rank's process group goes
     _wait_until(lambda: not any(_alive(p) for p in pids), patience(10))
     assert not any(_alive(p) for p in pids)
+
+
+#: torch.get_num_threads() in every forward this process ran (the ranks' are in their processes).
+THREADS_HERE: list[int] = []
+
+
+class RecordsThreads(zoo.MLP):
+    def forward(self, x):
+        THREADS_HERE.append(torch.get_num_threads())
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("passes", [True, False])
+def test_the_checking_process_computes_on_one_thread_and_gives_the_callers_back(passes):
+    # The reference and the oracle compute here while the ranks train on the same cores.
+    target = targets.PARALLEL if passes else mutants.by_name("NoDivide").target
+    THREADS_HERE.clear()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        if passes:
+            check_example(target, Scenario(model=RecordsThreads, steps=2), 2, deadline=patience(30))
+        else:
+            with pytest.raises(ddpcheck.EquivalenceError):
+                check_example(target, Scenario(model=RecordsThreads, steps=2), 2,
+                              deadline=patience(30))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert THREADS_HERE and set(THREADS_HERE) == {1}, THREADS_HERE
 
 
 # ---------------------------------------------------------------------------------------------
