@@ -3,8 +3,12 @@ example costs after it, against a fresh world per example.
 
 Prints, at each world size and in one run (commands interleaved, so a noisy machine slows all of
 them alike), the medians of:
-- spawn-per-example: a fresh world started, one example run in it, the world stopped -- what a
+- spawn-per-example: a fresh world spawned, one example run in it, the world stopped -- what a
   harness without persistent worlds pays per example (in this process, torch already imported);
+  the issue's baseline;
+- fork-per-example: the same with the ranks forked from ddpcheck's fork server, which imported
+  torch once (``_internal.world.forking``; how ddpcheck starts its worlds now): a harness
+  without persistent worlds could do that too, so the ratio against it is printed as well;
 - first verdict: `ddpcheck check --world-sizes W --examples 1 --seed S` as a whole process
   (interpreter, imports, world start-up, the built-in battery, one random example);
 - marginal cost per random example: (`--examples N` - `--examples 1`) / (N - 1), same seed;
@@ -30,10 +34,10 @@ from ddpcheck._internal.world.worlds import World, shutdown_worlds
 from ddpcheck.battery import BATTERY
 
 
-def _spawned_example(world_size: int) -> float:
+def _fresh_world_example(world_size: int, start_method: str) -> float:
     """Seconds for a fresh world, one example (the battery's first) in it, and its shutdown."""
     started = time.perf_counter()
-    world = World(world_size).start()
+    world = World(world_size, start_method=start_method).start()
     try:
         from ddpcheck._internal.rank.runner import run_example_packed
 
@@ -72,17 +76,19 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.getloadavg()[0]:.1f}; {args.repeats} repeats, interleaved")
     rows = []
     for world_size in sizes:
-        spawned, first, long = [], [], []
+        spawned, forked, first, long = [], [], [], []
         for _ in range(args.repeats):
-            spawned.append(_spawned_example(world_size))
+            spawned.append(_fresh_world_example(world_size, "spawn"))
+            forked.append(_fresh_world_example(world_size, "auto"))
             first.append(_check(world_size, 1, args.seed))
             long.append(_check(world_size, args.examples, args.seed))
-        s, f = statistics.median(spawned), statistics.median(first)
+        s, f, k = statistics.median(spawned), statistics.median(first), statistics.median(forked)
         marginal = statistics.median((lg - fs) / (args.examples - 1) for lg, fs in zip(long, first))
         rows.append((world_size, s, f, marginal))
         print(f"W={world_size}: spawn-per-example {s:.2f} s; first verdict {f:.2f} s "
               f"({f / s:.2f}x a spawned example); marginal {1e3 * marginal:.1f} ms per random "
-              f"example ({s / marginal:.0f}x cheaper than a spawn); "
+              f"example ({s / marginal:.0f}x cheaper than a spawn); fork-per-example {k:.2f} s "
+              f"({k / marginal:.0f}x the marginal); "
               f"{args.examples} examples {statistics.median(long):.1f} s", flush=True)
     verdict = all(s / m >= 100 for _, s, _, m in rows) and all(
         f / s <= 1.5 for w, s, f, _ in rows if w == 2)

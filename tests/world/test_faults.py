@@ -237,9 +237,21 @@ def _processes(match) -> set[int]:
     return out
 
 
-def _children(pid: int) -> set[int]:
-    """Direct children of ``pid``, zombies included (an unreaped rank is a leftover too)."""
-    return _processes(lambda fields: int(fields[1]) == pid)
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid``, zombies included (an unreaped rank is a leftover too): ranks
+    are children of the fork server, a child of this process."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):  # gone, or not a process
+            continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
 
 
 def _listening_inodes() -> set[int]:
@@ -288,7 +300,7 @@ def test_fault_is_reported_fast_and_leaves_nothing_behind(fault, world_size):
     check_example(targets.PARALLEL, FAULT_SCENARIO, world_size, deadline=patience(60))
     world = get_world(world_size)
     old_pids, old_janitor_pid = world.pids, world.janitor_pid
-    before_children = _children(os.getpid())
+    before_children = _descendants(os.getpid())
     listening = _socket_inodes(old_pids) & _listening_inodes()
     assert listening, "gloo ranks should hold listening sockets; the port check would be vacuous"
 
@@ -306,7 +318,7 @@ def test_fault_is_reported_fast_and_leaves_nothing_behind(fault, world_size):
     assert "first collective where" in text or "every rank issued the same" in text, text
 
     # The dead world is gone: processes reaped, listening sockets closed.
-    assert not (_children(os.getpid()) & set(old_pids)), text
+    assert not (_descendants(os.getpid()) & set(old_pids)), text
     assert not (listening & _listening_inodes())
     # A fresh world runs the next example normally, and only its ranks (and its janitor, which
     # replaced the dead world's) are new children.
@@ -314,7 +326,7 @@ def test_fault_is_reported_fast_and_leaves_nothing_behind(fault, world_size):
     new_pids = get_world(world_size).pids
     assert set(new_pids).isdisjoint(old_pids)
     old_janitor, new_janitor = {old_janitor_pid}, {get_world(world_size).janitor_pid}
-    assert _children(os.getpid()) <= ((before_children - set(old_pids) - old_janitor)
+    assert _descendants(os.getpid()) <= ((before_children - set(old_pids) - old_janitor)
                                       | set(new_pids) | new_janitor)
     print(f"\nFAULT-TABLE W={world_size} {fault!r}: {err.kinds[0]} in {elapsed:.2f} s")
 

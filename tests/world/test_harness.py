@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 import ddpcheck
-from ddpcheck import targets, zoo
-from ddpcheck import check_example
+from ddpcheck import check_example, targets, zoo
 from ddpcheck._internal.runs.replay import from_repr
-from ddpcheck.scenario import Scenario
+from ddpcheck._internal.world import forking
 from ddpcheck._internal.world.worlds import get_world
+from ddpcheck.scenario import Scenario
 from tests.patience import patience
 
 ALL_SIZES = (1, 2, 3, 4)
@@ -193,6 +193,43 @@ def test_worlds_persist_across_examples():
     for seed in range(10):
         check_example(targets.PARALLEL, Scenario(zoo.Tied, seed=seed), 3)
     assert get_world(3).pids == pids
+
+
+def _setting_and_parent(name: str) -> tuple[str | None, int]:
+    return os.environ.get(name), os.getppid()
+
+
+def test_ranks_see_this_processs_environment_as_their_world_starts(monkeypatch):
+    # Forked ranks start from the fork server's environment, older than this process's.
+    server = forking.start_method()
+    monkeypatch.setenv("DDPCHECK_TEST_SETTING", "set after the fork server started")
+    world = ddpcheck.World(2).start()
+    try:
+        answers = world.run(_setting_and_parent, "DDPCHECK_TEST_SETTING")
+    finally:
+        world.close()
+    assert [setting for setting, _ in answers] == ["set after the fork server started"] * 2
+    if server == "forkserver":  # forked from the server, which imported torch once
+        assert {parent for _, parent in answers} == {forking.parent_of_ranks(server)}
+        assert forking.parent_of_ranks(server) != os.getpid()
+
+
+def test_a_ranks_output_goes_to_its_log_from_its_first_line(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        print("imported as", __name__, flush=True)
+        if __name__ == "__main__":
+            from ddpcheck._internal.world.worlds import get_world
+            world = get_world(2)
+            for rank in range(2):
+                print(rank, open(os.path.join(world._dir, f"rank{rank}.log")).read().strip())
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=patience(120), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["imported as __main__", "0 imported as __mp_main__",
+                                       "1 imported as __mp_main__"], out.stdout + out.stderr
 
 
 def _alive(pid: int) -> bool:

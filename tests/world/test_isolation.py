@@ -27,13 +27,12 @@ import torch
 import torch.distributed as dist
 
 import ddpcheck
-from ddpcheck import targets, zoo
-from ddpcheck.mutation import catalogue as mutants
-from ddpcheck import check_example
-from ddpcheck.scenario import Scenario
+from ddpcheck import check_example, targets, zoo
 from ddpcheck._internal.rank import serve as rank_module
 from ddpcheck._internal.rank.fitness import FD_HEADROOM
 from ddpcheck._internal.world.worlds import get_world
+from ddpcheck.mutation import catalogue as mutants
+from ddpcheck.scenario import Scenario
 from tests.patience import patience
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -313,7 +312,7 @@ def test_killing_ddpcheck_check_leaves_no_world_behind(tmp_path, sig):
                                 and os.path.getsize(os.path.join(tmp_path, d, "rank1.collectives"))
                                 for d in _leftover_dirs(tmp_path)) or proc.poll() is not None, patience(120))
         assert proc.poll() is None, proc.stdout.read()
-        ranks = _world_processes(tmp_path)
+        ranks = [pid for pid in _world_processes(tmp_path) if pid != proc.pid]
         assert len(ranks) >= 2, ranks
         started = time.monotonic()
         proc.send_signal(sig)
@@ -347,14 +346,17 @@ def _env(tmp_path) -> dict:
 
 
 def _leftover_dirs(tmp_path) -> list[str]:
-    return sorted(d for d in os.listdir(tmp_path) if d.startswith("ddpcheck-"))
+    """Worlds' directories, and multiprocessing's (the fork server's socket lives there)."""
+    return sorted(d for d in os.listdir(tmp_path) if d.startswith(("ddpcheck-", "pymp-")))
 
 
 def _world_processes(tmp_path) -> list[int]:
-    """Live processes of worlds whose directory is under ``tmp_path``: ranks (and what they
-    started) carry it in their environment, janitors on their command line."""
+    """Live processes of a run whose temporary files go under ``tmp_path`` (``_env``): the
+    command itself, the fork server, ranks and what they started all inherit that TMPDIR in
+    their environment (a spawned rank its world's directory too); janitors show it on their
+    command line."""
     found = []
-    needle = f"{rank_module.WORLD_DIR_ENV}={tmp_path}".encode()
+    needles = (f"{rank_module.WORLD_DIR_ENV}={tmp_path}".encode(), f"TMPDIR={tmp_path}\0".encode())
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
@@ -367,7 +369,7 @@ def _world_processes(tmp_path) -> list[int]:
                 state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != "Z" and (needle in environ or
+        if state != "Z" and (any(needle in environ for needle in needles) or
                              (b"janitor.py" in cmdline and str(tmp_path).encode() in cmdline)):
             found.append(int(entry))
     return found

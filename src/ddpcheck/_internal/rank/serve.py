@@ -29,7 +29,8 @@ from typing import Any
 from ddpcheck._internal.options import STARTUP_DEADLINE
 from ddpcheck.errors import DdpcheckError
 
-__all__ = ["NESTED_MARKER", "SHUTDOWN", "WORLD_DIR_ENV", "rank_main", "serving"]
+__all__ = ["NESTED_MARKER", "SHUTDOWN", "WORLD_DIR_ENV", "log_of", "rank_main", "rank_name",
+           "serving", "world_dir_of"]
 
 #: The message that tells a rank to exit.
 SHUTDOWN = b""
@@ -39,6 +40,29 @@ WORLD_DIR_ENV = "DDPCHECK_WORLD_DIR"
 NESTED_MARKER = "nested-start"
 
 _serving = False
+_NAME_PREFIX = "ddpcheck-rank"
+
+
+def rank_name(rank: int, world_size: int, world_dir: str) -> str:
+    """A rank's process name. It carries the world's directory: a rank forked from a fork server
+    has the server's environment, not :data:`WORLD_DIR_ENV`, while it re-imports the main module
+    -- and the name is set before that (``multiprocessing.spawn.prepare``)."""
+    return f"{_NAME_PREFIX}{rank}-of-{world_size}@{world_dir}"
+
+
+def world_dir_of(name: str) -> str | None:
+    """The world directory in a :func:`rank_name`, else None."""
+    head, at, world_dir = name.partition("@")
+    return world_dir if at and head.startswith(_NAME_PREFIX) else None
+
+
+def log_of(name: str) -> str | None:
+    """The log of the rank named ``name`` (:func:`rank_name`), else None."""
+    world_dir = world_dir_of(name)
+    if world_dir is None:
+        return None
+    rank = name[len(_NAME_PREFIX):].partition("-of-")[0]
+    return os.path.join(world_dir, f"rank{rank}.log") if rank.isdigit() else None
 
 
 def serving() -> bool:
@@ -48,10 +72,17 @@ def serving() -> bool:
 
 def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: Any,
                log_path: str, stack_path: str, parent_pid: int,
-               sequence_path: str | None = None, device: str = "cpu") -> None:
+               sequence_path: str | None = None, device: str = "cpu",
+               environ: dict[str, str] | None = None) -> None:
     """Join the process group on ``device`` (``_internal.devices``), then run tasks from the
-    parent until told to stop."""
+    parent until told to stop. ``parent_pid``: the process this rank dies with (the fork
+    server, for a forked rank). ``environ``: the parent's environment as it launched the world,
+    for a rank forked from a server that started with an older one (it sets ``WORLD_DIR_ENV``,
+    and whatever the user set since: ``NCCL_*``, ``CUDA_VISIBLE_DEVICES``, ...)."""
     global _serving
+    if environ is not None:  # forked: the fork server's environment, not the parent's
+        os.environ.clear()
+        os.environ.update(environ)
     # Its own group first: killing the group then kills whatever a target starts from here.
     try:
         os.setsid()

@@ -8,12 +8,13 @@ directory and any process a target started inside a rank (each rank leads its ow
 
 Protocol, over a pipe whose only writer is the parent: ``group <pgid>`` for each rank spawned;
 ``done`` when the parent cleaned up itself. On end-of-file without ``done`` -- the parent is gone,
-the kernel closed its end -- the janitor SIGKILLs every group and removes the directory.
+the kernel closed its end -- the janitor SIGKILLs every group and removes the directory (and any
+other it was given: the fork server's, ``forking.leftovers``).
 
 Limit: a child the parent creates with a bare ``os.fork()`` (not the ranks, not ``subprocess``:
 both close the pipe) holds the write end too, so the janitor also waits for that child to exit.
 
-This file runs as a script (``python -I -S janitor.py DIR FD``): stdlib only, no torch, no
+This file runs as a script (``python -I -S janitor.py FD DIR [DIR ...]``): stdlib only, no torch, no
 ddpcheck, so it starts in tens of milliseconds. It lives in its own session, so a Ctrl-C or a
 SIGTERM sent to the parent's process group does not reach it before it has done its job.
 """
@@ -38,11 +39,12 @@ REMOVE_DEADLINE = 5.0
 class Janitor:
     """Parent side: start the janitor of ``world_dir``; tell it each rank's process group."""
 
-    def __init__(self, world_dir: str):
+    def __init__(self, world_dir: str, *also: str):
         read_end, self._write_end = os.pipe()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", os.path.abspath(__file__), world_dir, str(read_end)],
+                [sys.executable, "-I", "-S", os.path.abspath(__file__), str(read_end), world_dir,
+                 *also],
                 # No stdio of ours: a caller reading our stdout/stderr to EOF must not wait for
                 # the janitor.
                 pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -81,7 +83,7 @@ class Janitor:
                 pass
 
 
-def _serve(world_dir: str, fd: int) -> int:
+def _serve(fd: int, directories: list[str]) -> int:
     """Janitor side: read the pipe until EOF; clean up unless the parent said ``done``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     groups: list[int] = []
@@ -98,10 +100,11 @@ def _serve(world_dir: str, fd: int) -> int:
     for pgid in groups:
         _kill_group(pgid)
     end = time.monotonic() + REMOVE_DEADLINE
-    while os.path.exists(world_dir) and time.monotonic() < end:
-        shutil.rmtree(world_dir, ignore_errors=True)
-        if os.path.exists(world_dir):
-            time.sleep(0.1)
+    for directory in directories:
+        while os.path.exists(directory) and time.monotonic() < end:
+            shutil.rmtree(directory, ignore_errors=True)
+            if os.path.exists(directory):
+                time.sleep(0.1)
     return 0
 
 
@@ -113,4 +116,4 @@ def _kill_group(pgid: int) -> Any:
 
 
 if __name__ == "__main__":
-    sys.exit(_serve(sys.argv[1], int(sys.argv[2])))
+    sys.exit(_serve(int(sys.argv[1]), sys.argv[2:]))

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any, Callable, Iterator
 
-from ddpcheck._internal.rank.serve import NESTED_MARKER, WORLD_DIR_ENV
+from ddpcheck._internal.rank.serve import NESTED_MARKER, WORLD_DIR_ENV, world_dir_of
 from ddpcheck._internal.world.failures import WorldStartError
 from ddpcheck.errors import InvalidArgument
 
@@ -94,11 +94,13 @@ def output_to(path: str) -> Iterator[None]:
 def refuse_nested_start() -> None:
     """No world inside a rank. While spawn re-imports the main module in a new rank (a script
     that calls ddpcheck without ``if __name__ == "__main__":``), leave quietly and leave a marker
-    the parent turns into one clear line; anywhere else in a rank, raise."""
-    world_dir = os.environ.get(WORLD_DIR_ENV)
+    the parent turns into one clear line; anywhere else in a rank, raise. A rank forked from the
+    fork server knows its world by its process name until ``rank_main`` sets the variable."""
+    this = multiprocessing.process.current_process()
+    world_dir = os.environ.get(WORLD_DIR_ENV) or world_dir_of(this.name)
     if not world_dir:
         return
-    if getattr(multiprocessing.process.current_process(), "_inheriting", False):
+    if getattr(this, "_inheriting", False):
         try:
             open(os.path.join(world_dir, NESTED_MARKER), "a").close()
         finally:

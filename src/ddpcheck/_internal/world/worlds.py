@@ -58,7 +58,9 @@ from ddpcheck._internal.devices import backend_for, check_device, check_fits
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, STARTUP_DEADLINE, check_deadline,
                                         check_world_size)
 from ddpcheck._internal.rank.freshness import announce, changed
-from ddpcheck._internal.rank.serve import NESTED_MARKER, SHUTDOWN, WORLD_DIR_ENV, rank_main
+from ddpcheck._internal.rank.serve import (NESTED_MARKER, SHUTDOWN, WORLD_DIR_ENV, rank_main,
+                                           rank_name)
+from ddpcheck._internal.world import forking
 from ddpcheck._internal.world.failures import RankState, WorldFailure, WorldStartError
 from ddpcheck._internal.world.janitor import Janitor
 from ddpcheck._internal.world.processes import (check_main_module_importable, dump_stacks,
@@ -84,6 +86,12 @@ EVIDENCE_GRACE = 2.0
 _NUMPY_WARNING = "ignore:Failed to initialize NumPy"
 
 
+def _rank_warnings() -> str:
+    """``PYTHONWARNINGS`` for ranks and the fork server: torch warns at import when numpy is
+    missing; they ignore it."""
+    return ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), _NUMPY_WARNING]))
+
+
 # ---------------------------------------------------------------------------------------------
 # The world, seen from the parent process
 
@@ -96,12 +104,13 @@ class World:
     """
 
     def __init__(self, world_size: int, *, backend: str | None = None, device: str = "cpu",
-                 start_method: str = "spawn"):
+                 start_method: str = "auto"):
         check_world_size("world_size", world_size)
-        if start_method not in ("spawn", "forkserver"):
+        if start_method not in ("auto", "spawn", "forkserver"):
             raise InvalidArgument(
-                f"start_method={start_method!r} is not supported; use 'spawn' or 'forkserver' "
-                "(fork is unsafe once torch has started threads)")
+                f"start_method={start_method!r} is not supported; use 'auto' (ddpcheck's fork "
+                "server where it can run one, else spawn: _internal.world.forking), 'spawn' or "
+                "'forkserver' (fork is unsafe once torch has started threads)")
         self.world_size = world_size
         self.device = check_device(device)  # every rank computes there (_internal.devices)
         self.backend = backend_for(device, backend)
@@ -160,10 +169,14 @@ class World:
             return self
         check_fits(self.device, (self.world_size,), self.backend)  # no GPU: one line, no spawn
         refuse_nested_start()
-        ctx = multiprocessing.get_context(self.start_method)
         check_main_module_importable()
+        warnings = _rank_warnings()
+        method = self.start_method
+        if method == "auto":
+            method = forking.start_method(warnings)
+        ctx = multiprocessing.get_context(method)
         self._dir = tempfile.mkdtemp(prefix=f"ddpcheck-w{self.world_size}-")
-        self._path = set(sys.path)  # spawn gives the ranks this process's sys.path
+        self._path = set(sys.path)  # the ranks get this process's sys.path
         _LIVE.add(self)  # from here on, kill() (and shutdown_worlds) cleans up
         self._alive = True
         store_path = os.path.join(self._dir, "store")
@@ -172,14 +185,14 @@ class World:
         self._stacks = [os.path.join(self._dir, f"rank{r}.stack") for r in range(self.world_size)]
         self._sequences = [os.path.join(self._dir, f"rank{r}.collectives")
                            for r in range(self.world_size)]
-        # torch warns at import when numpy is missing; the children ignore it. They learn their
-        # world's directory, which marks them as ranks (see refuse_nested_start).
-        saved = os.environ.get("PYTHONWARNINGS")
         try:
-            self._janitor = Janitor(self._dir)
-            with environment(PYTHONWARNINGS=",".join(filter(None, [saved, _NUMPY_WARNING])),
-                              **{WORLD_DIR_ENV: self._dir}):
-                self._spawn(ctx, store_path)
+            if method == "forkserver":
+                forkserver.ensure_running()
+            self._janitor = Janitor(self._dir, *forking.leftovers(method))
+            # Spawned ranks learn their world's directory from the environment, which marks
+            # them as ranks (see refuse_nested_start); forked ones from their process name.
+            with environment(PYTHONWARNINGS=warnings, **{WORLD_DIR_ENV: self._dir}):
+                self._spawn(ctx, store_path, method)
         except BaseException:
             self.kill()
             raise
@@ -200,23 +213,26 @@ class World:
             self.kill()
             raise
 
-    def _spawn(self, ctx: Any, store_path: str) -> None:
+    def _spawn(self, ctx: Any, store_path: str, method: str) -> None:
         # multiprocessing's helper processes inherit our stdout: start them before redirecting.
         resource_tracker.ensure_running()
-        if self.start_method == "forkserver":
-            forkserver.ensure_running()
+        forked = method == "forkserver"
+        parent_pid = forking.parent_of_ranks(method)
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=rank_main,
-                name=f"ddpcheck-rank{rank}-of-{self.world_size}",
+                name=rank_name(rank, self.world_size, self._dir),
                 args=(rank, self.world_size, self.backend, store_path, child_end,
-                      self._logs[rank], self._stacks[rank], os.getpid(),
-                      self._sequences[rank], self.device),
+                      self._logs[rank], self._stacks[rank], parent_pid,
+                      self._sequences[rank], self.device,
+                      dict(os.environ) if forked else None),
                 daemon=True,
             )
             with output_to(self._logs[rank]):
                 proc.start()
+            if forked:
+                forking.forked()
             child_end.close()
             self._procs.append(proc)
             self._conns.append(parent_end)
@@ -499,7 +515,7 @@ _LOCK = threading.Lock()
 
 
 def get_world(world_size: int, *, backend: str | None = None, device: str = "cpu",
-              start_method: str = "spawn") -> World:
+              start_method: str = "auto") -> World:
     """The persistent world of this size on ``device`` ("cpu" or "cuda"), spawned on first use
     and after a failure; a CUDA world is never handed out for CPU examples, nor the reverse."""
     return _registered(world_size, backend, device, start_method).start()
@@ -508,9 +524,14 @@ def get_world(world_size: int, *, backend: str | None = None, device: str = "cpu
 def launch_worlds(world_sizes: Iterable[int], *, backend: str | None = None,
                   device: str = "cpu") -> None:
     """Launch the persistent worlds of these sizes that are not running yet, without waiting:
-    they boot side by side, while this process goes on (``World.launch``)."""
+    they boot side by side, while this process goes on (``World.launch``). While ddpcheck's fork
+    server is still importing torch (``forking``), launching is starting it: a world forks its
+    ranks in milliseconds when it is first used."""
+    refuse_nested_start()  # before the fork server: a rank must not start one
+    if forking.start_method(_rank_warnings()) == "forkserver" and forking.booting():
+        return
     for world_size in world_sizes:
-        _registered(world_size, backend, device, "spawn").launch()
+        _registered(world_size, backend, device, "auto").launch()
 
 
 def _registered(world_size: int, backend: str | None, device: str, start_method: str) -> World:

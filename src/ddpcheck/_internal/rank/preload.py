@@ -1,0 +1,44 @@
+"""Imported once by the fork server the ranks are forked from (``_internal.world.forking``).
+
+What every rank would otherwise import itself -- torch, torch.distributed, and dynamo, which the
+first optimizer a process builds pulls in: ~2.4 s of a spawned W=2 world's start-up on the
+2-core machine, ~0.1 s forked. Also sends a rank's output to its log from the first line
+multiprocessing runs in it (re-importing the parent's main module comes before ``rank_main``),
+as spawning under ``output_to`` does.
+
+Runs in the fork server only: nothing here starts a thread or touches a GPU -- a fork copies
+neither.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.spawn
+import os
+from typing import Any
+
+import torch
+import torch.distributed  # noqa: F401
+
+from ddpcheck._internal.rank.serve import log_of
+
+__all__: list[str] = []
+
+# The first optimizer a process builds imports dynamo (what rank_main does at start-up too);
+# one tensor of one element runs no parallel region, so no thread starts.
+torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+_prepare = multiprocessing.spawn.prepare
+
+
+def _prepare_into_log(data: dict[str, Any]) -> None:
+    log = log_of(data.get("name", ""))
+    if log is not None:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    _prepare(data)
+
+
+# looked up by multiprocessing.spawn._main in every process this server forks
+multiprocessing.spawn.prepare = _prepare_into_log
