@@ -3,9 +3,9 @@
 Why: a spawned rank imports torch and dynamo itself -- a W=2 world took ~2.4 s to start on the
 2-core machine, a W=4 world ~4.6 s, and every world a failure replaces pays it again. Forked
 from multiprocessing's fork server, which imported them once (``_internal.rank.preload``), a
-W=2 world starts in ~0.1 s. The server is started once per process, by ddpcheck, with its own
-output going nowhere (a rank's goes to its log: ``preload``); a fork server someone else
-started has other imports and output, so ddpcheck spawns beside it instead.
+W=2 world starts in ~0.1 s. The server is started once per process, by ddpcheck (a rank's
+output goes to its log: ``preload``); a fork server someone else started has other imports, so
+ddpcheck spawns beside it instead.
 
 What a fork server changes, and how it is kept as before: ranks are the server's children, not
 this process's (``parent_of_ranks`` is what a rank checks to die with its parent); they inherit
@@ -23,7 +23,7 @@ import os
 import threading
 from multiprocessing import forkserver, util
 
-from ddpcheck._internal.world.processes import environment, output_to
+from ddpcheck._internal.world.processes import environment
 
 __all__ = ["PRELOAD", "booting", "forked", "leftovers", "parent_of_ranks", "start_method"]
 
@@ -49,12 +49,13 @@ def start_method(warnings: str | None = None) -> str:
     with _LOCK:
         running = _running_pid()
         if running is not None and running != _started_pid:
-            return "spawn"  # someone else's server: its imports and output are not ours
+            return "spawn"  # someone else's server: its imports are not ours
         if running is None:
             multiprocessing.set_forkserver_preload([PRELOAD])
             _has_forked = False
-        with output_to(os.devnull), environment(**({"PYTHONWARNINGS": warnings}
-                                                   if warnings else {})):
+        # Its output stays this process's: a process of the caller's own that the server forks
+        # prints where the caller's do; a rank's goes to its log (``preload``).
+        with environment(**({"PYTHONWARNINGS": warnings} if warnings else {})):
             forkserver.ensure_running()  # at once if it runs; restarted if it died
         if _running_pid() != running:
             _has_forked = False
