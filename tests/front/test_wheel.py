@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,22 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "README.md", "src", "parallel")  # what a build reads
+#: Every public module (and parallel's) imports from the installed wheel, not the checkout.
+IMPORTS = textwrap.dedent("""
+    import importlib, pkgutil
+    import ddpcheck
+
+    def test_every_public_module_imports_from_the_wheel():
+        assert ddpcheck.__file__.startswith({purelib!r}), ddpcheck.__file__
+        missing = [n for n in ddpcheck.__all__ if getattr(ddpcheck, n, None) is None]
+        assert not missing, missing
+        public = [m.name for m in pkgutil.walk_packages(ddpcheck.__path__, "ddpcheck.")
+                  if "._" not in m.name and not m.name.endswith("__main__")]
+        for name in public + ["parallel", "parallel.sharding"]:
+            importlib.import_module(name)
+        print()
+        print(len(public), "public modules")
+""")
 PROPERTY = ("import ddpcheck\n"
             "def test_parallel(ddpcheck_run): ddpcheck_run(ddpcheck.targets.PARALLEL, "
             "ddpcheck.Scenario(), world_sizes=(2,))\n")
@@ -107,29 +124,19 @@ def test_an_installed_wheel_works_from_an_empty_folder(built, tmp_path):
         return subprocess.run([str(a) for a in argv], cwd=empty, env=env, capture_output=True,
                               text=True, timeout=600)
 
-    imports = run(python, "-c", textwrap.dedent(f"""
-        import importlib, pkgutil
-        import ddpcheck
-        assert ddpcheck.__file__.startswith({purelib!r}), ddpcheck.__file__
-        missing = [n for n in ddpcheck.__all__ if getattr(ddpcheck, n, None) is None]
-        assert not missing, missing
-        public = [m.name for m in pkgutil.walk_packages(ddpcheck.__path__, "ddpcheck.")
-                  if "._" not in m.name and not m.name.endswith("__main__")]
-        for name in public + ["parallel", "parallel.sharding"]:
-            importlib.import_module(name)
-        print(len(public), "public modules")
-    """))
-    assert imports.returncode == 0, imports.stdout + imports.stderr
-    assert int(imports.stdout.split()[0]) >= 12, imports.stdout
-
     check = run(venv / "bin" / "ddpcheck", "check", "--examples", "5", "--world-sizes", "2")
     assert check.returncode == 0, check.stdout + check.stderr
     assert "nothing found" in check.stdout, check.stdout
 
+    # One interpreter (torch imported once) for the plugin and for the imports of every public
+    # module from the wheel, the latter a test of its own, run first.
+    (empty / "test_imports.py").write_text(IMPORTS.format(purelib=purelib))
     (empty / "test_property.py").write_text(PROPERTY)
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # the plugin loads by its entry point's name
-    plugin = run(python, "-m", "pytest", "-p", "ddpcheck", "-p", "no:cacheprovider", "-q",
-                 "test_property.py")
+    plugin = run(python, "-m", "pytest", "-p", "ddpcheck", "-p", "no:cacheprovider", "-q", "-s",
+                 "test_imports.py", "test_property.py")
     assert plugin.returncode == 0, plugin.stdout + plugin.stderr
-    assert "1 passed" in plugin.stdout, plugin.stdout
+    assert "2 passed" in plugin.stdout, plugin.stdout
+    public = re.search(r"^(\d+) public modules$", plugin.stdout, re.M)
+    assert public and int(public.group(1)) >= 12, plugin.stdout
     assert "ddpcheck: 1 data-parallel examples run" in plugin.stdout, plugin.stdout

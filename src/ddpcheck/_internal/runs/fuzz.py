@@ -61,7 +61,7 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
          seed: int | None = None, deadline: float = DEFAULT_DEADLINE, dtypes: tuple = ("float64",),
          progress: Callable[[int, float], None] | None = None,
          time_budget: float | None = None, without: Iterable[str] = (), device: str = "cpu",
-         backend: str | None = None) -> FuzzResult:
+         backend: str | None = None, shrink: bool = True) -> FuzzResult:
     """Run up to ``examples`` random examples of ``target``; shrink the first failure.
 
     ``seed`` makes the run reproducible (default: derandomized, the same every time);
@@ -71,6 +71,10 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     it costs no example of the budget -- until :data:`GIVE_UP_AFTER_DECLINED` (or twice
     ``examples``) were, with none run.
     ``device``/``backend``: where the ranks compute (as for ``ddpcheck.assert_equivalent``).
+    ``shrink=False`` reports the first failure as drawn (Hypothesis replays it once), for a
+    caller that needs the verdict, not a minimal counterexample: a failure that leaves the world
+    unfit (a rank raised, hung or mismatched collectives) costs a world respawn per shrinking
+    step -- ~30 of them, over 100 s, for a collective mismatch at W=2.
     """
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
         raise InvalidArgument(f"examples={examples!r} must be a positive integer")
@@ -103,7 +107,7 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
               suppress_health_check=list(HealthCheck), print_blob=False,
-              phases=[Phase.generate, Phase.target, Phase.shrink])
+              phases=[Phase.generate, Phase.target] + ([Phase.shrink] if shrink else []))
     @given(data=st.data())
     def one(data):
         world_size = data.draw(world_size_strategy, label="world_size")
