@@ -72,9 +72,9 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     ``examples``) were, with none run.
     ``device``/``backend``: where the ranks compute (as for ``ddpcheck.assert_equivalent``).
     ``shrink=False`` reports the first failure as drawn (Hypothesis replays it once), for a
-    caller that needs the verdict, not a minimal counterexample: a failure that leaves the world
-    unfit (a rank raised, hung or mismatched collectives) costs a world respawn per shrinking
-    step -- ~30 of them, over 100 s, for a collective mismatch at W=2.
+    caller that needs the verdict, not a minimal counterexample: a failure that kills the world (a
+    rank raised, hung or mismatched collectives) costs a new world and, for a mismatch, the
+    seconds that prove it per shrinking step -- ~30 steps for a collective mismatch at W=2.
     """
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
         raise InvalidArgument(f"examples={examples!r} must be a positive integer")
