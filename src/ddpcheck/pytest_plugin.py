@@ -219,7 +219,7 @@ def ddpcheck_options(request: Any) -> Options:
 
 @pytest.fixture(scope="session")
 def ddpcheck_world(ddpcheck_options: Options) -> Callable[[int], Any]:
-    """``ddpcheck_world(W)``: the persistent world of W ranks on the session's device (spawned on
+    """``ddpcheck_world(W)``: the persistent world of W ranks on the session's device (started on
     first use)."""
     return functools.partial(get_world, device=ddpcheck_options.device,
                              backend=ddpcheck_options.backend)

@@ -361,3 +361,39 @@ def test_bad_scenarios_are_clear_errors(field, value, message):
     with pytest.raises(ddpcheck.InvalidArgument) as info:
         Scenario(**{field: value})
     assert message in str(info.value)
+
+
+def test_a_fork_server_that_never_gets_ready_is_a_start_error(monkeypatch, tmp_path):
+    # forking before the server's imports end would block without a deadline: wait_ready bounds it
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        monkeypatch.setattr(forking, "_started_pid", stuck.pid)
+        monkeypatch.setattr(forking, "_has_forked", False)
+        monkeypatch.setattr(forking, "_ready_path", str(tmp_path / "never"))
+        started = time.monotonic()
+        with pytest.raises(ddpcheck.WorldStartError, match="did not import torch within 1 s"):
+            forking.wait_ready(1.0)
+        assert time.monotonic() - started < patience(5)
+        stuck.kill()
+        stuck.wait(10)
+        with pytest.raises(ddpcheck.WorldStartError, match="exited while importing torch"):
+            forking.wait_ready(patience(30))
+        (tmp_path / "never").touch()  # ready: no wait at all
+        monkeypatch.setattr(forking, "_started_pid", os.getpid())
+        forking.wait_ready(0.0)
+    finally:
+        stuck.kill()
+        stuck.wait(10)
+
+
+def _numpy_draw() -> float:
+    import numpy
+
+    return float(numpy.random.random())
+
+
+def test_every_rank_draws_its_own_numpy_randomness():
+    # forked from one server, ranks would share its numpy state; spawned ones never did
+    pytest.importorskip("numpy")
+    draws = get_world(3).run(_numpy_draw)
+    assert len(set(draws)) == 3, draws

@@ -16,16 +16,19 @@ import multiprocessing.spawn
 import os
 from typing import Any
 
-import torch
-import torch.distributed  # noqa: F401
-
-from ddpcheck._internal.rank.serve import log_of
+from ddpcheck._internal.rank.serve import READY_ENV, log_of
 
 __all__: list[str] = []
 
-# The first optimizer a process builds imports dynamo (what rank_main does at start-up too);
-# one tensor of one element runs no parallel region, so no thread starts.
-torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+try:  # never fail the server: a rank that then cannot import torch says why in its log
+    import torch
+    import torch.distributed  # noqa: F401
+
+    # The first optimizer a process builds imports dynamo (what rank_main does at start-up
+    # too); one tensor of one element runs no parallel region, so no thread starts.
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+except Exception:  # noqa: S110 -- each rank imports again, and reports what fails
+    pass
 
 _prepare = multiprocessing.spawn.prepare
 
@@ -42,3 +45,6 @@ def _prepare_into_log(data: dict[str, Any]) -> None:
 
 # looked up by multiprocessing.spawn._main in every process this server forks
 multiprocessing.spawn.prepare = _prepare_into_log
+
+if os.environ.get(READY_ENV):
+    open(os.environ[READY_ENV], "w").close()

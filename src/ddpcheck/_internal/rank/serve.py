@@ -29,7 +29,8 @@ from typing import Any
 from ddpcheck._internal.options import STARTUP_DEADLINE
 from ddpcheck.errors import DdpcheckError
 
-__all__ = ["NESTED_MARKER", "SHUTDOWN", "WORLD_DIR_ENV", "log_of", "rank_main", "rank_name",
+__all__ = ["NESTED_MARKER", "READY_ENV", "SHUTDOWN", "WORLD_DIR_ENV", "log_of", "rank_main",
+           "rank_name",
            "serving", "world_dir_of"]
 
 #: The message that tells a rank to exit.
@@ -38,6 +39,10 @@ SHUTDOWN = b""
 WORLD_DIR_ENV = "DDPCHECK_WORLD_DIR"
 #: File a rank creates in the world directory when re-importing the main module started a world.
 NESTED_MARKER = "nested-start"
+
+#: Set by the parent for the fork server: the file ``preload`` creates once its imports are done
+#: (``_internal.world.forking.wait_ready`` waits for it, with a deadline).
+READY_ENV = "DDPCHECK_FORKSERVER_READY"
 
 _serving = False
 _NAME_PREFIX = "ddpcheck-rank"
@@ -83,6 +88,9 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
     if environ is not None:  # forked: the fork server's environment, not the parent's
         os.environ.clear()
         os.environ.update(environ)
+        numpy = sys.modules.get("numpy")  # ... and its numpy random state, the same in every rank
+        if numpy is not None:
+            numpy.random.seed()  # fresh entropy, as a spawned rank's
     # Its own group first: killing the group then kills whatever a target starts from here.
     try:
         os.setsid()

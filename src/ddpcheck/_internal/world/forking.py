@@ -18,14 +18,22 @@ other module a rank runs it imports after the fork, so an edited module reaches 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
+import sys
 import threading
+import time
 from multiprocessing import forkserver, util
+from typing import Iterator
 
+from ddpcheck._internal.rank.serve import READY_ENV
+from ddpcheck._internal.world.failures import WorldStartError
 from ddpcheck._internal.world.processes import environment
 
-__all__ = ["PRELOAD", "booting", "forked", "leftovers", "parent_of_ranks", "start_method"]
+__all__ = ["PRELOAD", "booting", "forked", "leftovers", "parent_of_ranks", "start_method",
+           "wait_ready"]
 
 #: The module the fork server imports before it forks any rank.
 PRELOAD = "ddpcheck._internal.rank.preload"
@@ -33,6 +41,8 @@ PRELOAD = "ddpcheck._internal.rank.preload"
 _LOCK = threading.Lock()
 _started_pid: int | None = None  # the fork server ddpcheck started, while it runs
 _has_forked = False  # ... and whether it has forked a rank yet (it has finished importing)
+_ready_path: str | None = None  # the file the server creates once it has imported torch
+_starts = 0
 
 
 def _running_pid() -> int | None:
@@ -42,31 +52,74 @@ def _running_pid() -> int | None:
 def start_method(warnings: str | None = None) -> str:
     """``"forkserver"`` once ddpcheck's fork server runs (started here on first use, or again if
     it died, with ``PYTHONWARNINGS=warnings`` for its imports), ``"spawn"`` where there is none
-    to be had."""
-    global _started_pid, _has_forked
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    to be had: not Linux (macOS has the start method, but forking after torch's import is why
+    CPython spawns there), or a fork server someone else started in this process."""
+    global _started_pid, _has_forked, _ready_path, _starts
+    if not sys.platform.startswith("linux") or \
+            "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     with _LOCK:
         running = _running_pid()
         if running is not None and running != _started_pid:
             return "spawn"  # someone else's server: its imports are not ours
-        if running is None:
-            multiprocessing.set_forkserver_preload([PRELOAD])
-            _has_forked = False
+        multiprocessing.set_forkserver_preload([PRELOAD])
+        _starts += 1  # a file of its own for a server (re)started by this call
+        ready = os.path.join(util.get_temp_dir(), f"ddpcheck-forkserver-ready-{_starts}")
         # Its output stays this process's: a process of the caller's own that the server forks
-        # prints where the caller's do; a rank's goes to its log (``preload``).
-        with environment(**({"PYTHONWARNINGS": warnings} if warnings else {})):
+        # prints where the caller's do; a rank's goes to its log (``preload``). Ctrl-C is
+        # ignored from its first instruction (the server ignores it only after its imports).
+        with _sigint_ignored(), environment(**{READY_ENV: ready}, **(
+                {"PYTHONWARNINGS": warnings} if warnings else {})):
             forkserver.ensure_running()  # at once if it runs; restarted if it died
-        if _running_pid() != running:
-            _has_forked = False
+        if _running_pid() != running:  # started (again) just now
+            _has_forked, _ready_path = False, ready
         _started_pid = _running_pid()
         return "forkserver"
 
 
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored in this process while the block starts a process (which inherits that)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def wait_ready(deadline: float) -> None:
+    """Wait until ddpcheck's fork server has imported torch (forking a rank before blocks
+    without a deadline), at most ``deadline`` seconds; raise :class:`WorldStartError` if it
+    exits or takes longer."""
+    if not booting() or _ready_path is None:
+        return
+    end = time.monotonic() + deadline
+    while not os.path.exists(_ready_path):
+        if not _alive(_started_pid):
+            raise WorldStartError("ddpcheck's fork server exited while importing torch; its "
+                                  "output is above")
+        if time.monotonic() > end:
+            raise WorldStartError(f"ddpcheck's fork server did not import torch within "
+                                  f"{deadline:.0f} s; nothing was checked")
+        time.sleep(0.01)
+
+
+def _alive(pid: int | None) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def booting() -> bool:
-    """True from the start of ddpcheck's fork server until it forks its first rank: forking
-    waits for its imports (~2.5 s), so a world launched now would block this process."""
-    return _started_pid is not None and not _has_forked
+    """True from the start of ddpcheck's fork server until it has imported torch (or forked a
+    rank): forking waits for those imports (~2.5 s), so a world launched now would block."""
+    return _started_pid is not None and not _has_forked and not (
+        _ready_path is not None and os.path.exists(_ready_path))
 
 
 def forked() -> None:

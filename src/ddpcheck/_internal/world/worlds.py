@@ -187,8 +187,10 @@ class World:
         self._sequences = [os.path.join(self._dir, f"rank{r}.collectives")
                            for r in range(self.world_size)]
         try:
-            if method == "forkserver":
+            if self.start_method == "forkserver":  # asked for: whoever's server it is
                 forkserver.ensure_running()
+            if method == "forkserver":  # forking before the server's imports end would block
+                forking.wait_ready(max(deadline, 1.0))
             self._janitor = Janitor(self._dir, *forking.leftovers(method))
             # Spawned ranks learn their world's directory from the environment, which marks
             # them as ranks (see refuse_nested_start); forked ones from their process name.
