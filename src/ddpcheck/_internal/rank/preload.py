@@ -47,4 +47,7 @@ def _prepare_into_log(data: dict[str, Any]) -> None:
 multiprocessing.spawn.prepare = _prepare_into_log
 
 if os.environ.get(READY_ENV):
-    open(os.environ[READY_ENV], "w").close()
+    try:
+        open(os.environ[READY_ENV], "w").close()
+    except OSError:  # the parent has left and its temporary directory with it: nobody waits
+        pass
