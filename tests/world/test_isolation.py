@@ -142,6 +142,8 @@ def test_what_a_target_leaves_behind_is_put_right_and_noted_not_blamed(case):
 
 def test_descriptors_kept_open_are_noted_and_a_world_that_holds_too_many_is_replaced():
     # Libraries keep descriptors open for good (FSDP2's meshes); a leak would exhaust them.
+    # A fresh world: one an earlier test used may have accepted more descriptors than it holds.
+    get_world(2).kill()
     check_example(targets.PARALLEL, SCENARIO, 2)
     fds = get_world(2).run(_fd_count)[0]
     old_pids = get_world(2).pids

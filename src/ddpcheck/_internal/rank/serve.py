@@ -140,7 +140,9 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
         # inside the start-up deadline, not inside the first example's.
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
         comm.record_to(sequence_path)
-        baseline = fitness.baseline(tuple(comm.wrapped()))
+        # What the process holds is read when the first task arrives: by then every rank has
+        # joined, and descriptors open only during start-up (rendezvous) are closed.
+        baseline = None
         imports = ImportTracker()
         _send(conn, ("ok", os.getpid(), imports.new_files()))
     except BaseException:
@@ -154,6 +156,8 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
             _exit(0, log)  # the parent is gone
         if payload == SHUTDOWN:
             _exit(0, log)
+        if baseline is None:
+            baseline = fitness.baseline(tuple(comm.wrapped()))
         try:
             paths, task = pickle.loads(payload)
             sys.path[:0] = [path for path in paths if path not in sys.path]
