@@ -365,7 +365,9 @@ def test_bad_scenarios_are_clear_errors(field, value, message):
 
 def test_a_fork_server_that_never_gets_ready_is_a_start_error(monkeypatch, tmp_path):
     # forking before the server's imports end would block without a deadline: wait_ready bounds it
-    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # a process that waits for input it never gets: alive until killed, no sleep
+    stuck = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
     try:
         monkeypatch.setattr(forking, "_started_pid", stuck.pid)
         monkeypatch.setattr(forking, "_has_forked", False)
@@ -384,6 +386,7 @@ def test_a_fork_server_that_never_gets_ready_is_a_start_error(monkeypatch, tmp_p
     finally:
         stuck.kill()
         stuck.wait(10)
+        stuck.stdin.close()
 
 
 def _numpy_draw() -> float:

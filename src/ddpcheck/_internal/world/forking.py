@@ -62,7 +62,8 @@ def start_method(warnings: str | None = None) -> str:
         running = _running_pid()
         if running is not None and running != _started_pid:
             return "spawn"  # someone else's server: its imports are not ours
-        multiprocessing.set_forkserver_preload([PRELOAD])
+        if running is None:  # (a server that died keeps its preload list when restarted)
+            multiprocessing.set_forkserver_preload([PRELOAD])
         _starts += 1  # a file of its own for a server (re)started by this call
         ready = os.path.join(util.get_temp_dir(), f"ddpcheck-forkserver-ready-{_starts}")
         # Its output stays this process's: a process of the caller's own that the server forks
