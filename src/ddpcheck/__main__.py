@@ -1,8 +1,6 @@
 """``python -m ddpcheck`` is the ``ddpcheck`` command line (``ddpcheck.cli``)."""
 
-import sys
-
-from ddpcheck.cli import main
+from ddpcheck.cli import command
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

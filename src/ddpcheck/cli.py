@@ -25,6 +25,7 @@ it runs.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
 import sys
@@ -32,7 +33,7 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from ddpcheck._internal.devices import (BACKENDS, DEVICES, check_fits, local_world_size,
                                        under_torchrun)
@@ -42,7 +43,7 @@ from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, c
 from ddpcheck.errors import (DdpcheckError, EquivalenceError, ExitCode, InvalidArgument,
                              NothingChecked)
 
-__all__ = ["EXIT_CODES", "SURVEY_EXIT_CODES", "UsageError", "build_parser", "main",
+__all__ = ["EXIT_CODES", "SURVEY_EXIT_CODES", "UsageError", "build_parser", "command", "main",
            "resolve_target"]
 
 #: The exit statuses, as ``--help`` states them (``ddpcheck.errors.ExitCode``).
@@ -92,6 +93,28 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def command() -> NoReturn:
+    """The ``ddpcheck`` command (and ``python -m ddpcheck``): :func:`main`, then the exit
+    handlers (every world shut down, every directory removed), the output flushed, and the
+    process ends without the interpreter's teardown. With torch and dynamo imported, that
+    teardown -- freeing every module, of no use to a process that ends -- took 1.0-1.7 s after
+    the verdict was printed on the 2-core machine (``bench/throughput.py``'s first verdict
+    waits for it). A caller of :func:`main` (tests, scripts) keeps its interpreter."""
+    try:
+        status = main()
+    except SystemExit as exc:  # argparse: --help, a usage error
+        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`ddpcheck ... | head`): nothing to say
+            pass
+    os._exit(status)
 
 
 def _outcome(command: str, run: Callable[[], ExitCode]) -> ExitCode:

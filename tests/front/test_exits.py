@@ -135,3 +135,31 @@ def test_an_internal_error_is_never_reported_as_a_found_bug(monkeypatch, capsys)
     err = capsys.readouterr().err
     assert "internal error (a bug in ddpcheck, not a verdict on the target" in err, err
     assert "RuntimeError: a bug in ddpcheck" in err, err
+
+
+@pytest.mark.parametrize("args", [
+    ("check", "local", "--world-sizes", "1", "--examples", "1"),  # a verdict: worlds ran
+    ("check", "nosuch_module:T"),  # a set-up error while the fork server still imports torch
+], ids=["verdict", "setup-error"])
+def test_the_command_leaves_nothing_holding_its_output(args):
+    """When the command has exited, its output has ended too: nothing it started (fork server,
+    ranks, janitors) still holds the pipe, so `ddpcheck ... | tee` and a captured run end with
+    the verdict, not seconds later (the fork server used to finish its imports, then tear
+    down torch, ~1-3 s, holding stdout). Read without waiting, once the process has gone: the
+    pipes must already be at their end."""
+    proc = subprocess.Popen([sys.executable, "-m", "ddpcheck", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        # the output is a few lines: it fits the pipe's buffer, so waiting first cannot block
+        proc.wait(timeout=patience(120))
+        for pipe in (proc.stdout, proc.stderr):
+            os.set_blocking(pipe.fileno(), False)
+            while True:
+                chunk = pipe.read()
+                assert chunk is not None, "a process the command started still holds its output"
+                if chunk == b"":
+                    break
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode in (0, 2)

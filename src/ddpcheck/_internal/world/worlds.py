@@ -559,4 +559,10 @@ def shutdown_worlds() -> None:
         world.close()
 
 
-atexit.register(shutdown_worlds)
+def _at_exit() -> None:
+    """Every world, then ddpcheck's fork server: a process that ends leaves nothing running."""
+    shutdown_worlds()
+    forking.stop()
+
+
+atexit.register(_at_exit)
