@@ -27,6 +27,7 @@ world size, with any rule, and into (or from) a plain ``optimizer_cls``.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import zlib
 from typing import Any, Callable, Iterable
@@ -403,8 +404,11 @@ def _to_bytes(obj: Any) -> torch.Tensor:
 def _from_bytes(data: torch.Tensor) -> Any:
     # weights_only=False: the bytes come from our own group's ranks (like gather_object's
     # pickles), and an optimizer's state may hold more than tensors and numbers
-    compact = data.cpu().clone()  # its own CPU storage of data.numel() bytes (no numpy)
-    return torch.load(io.BytesIO(bytes(compact.untyped_storage())), weights_only=False)
+    compact = data.cpu().contiguous()  # data.numel() bytes of CPU memory, read in one copy
+    # (not bytes(storage): that iterates byte by byte, 60 ms for a 20 kB shard; not numpy,
+    # which torch does not require)
+    raw = ctypes.string_at(compact.data_ptr(), compact.numel())
+    return torch.load(io.BytesIO(raw), weights_only=False)
 
 
 def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
