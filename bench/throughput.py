@@ -12,6 +12,10 @@ them alike), the medians of:
 - first verdict: `ddpcheck check --world-sizes W --examples 1 --seed S` as a whole process
   (interpreter, imports, world start-up, the built-in battery, one random example);
 - marginal cost per random example: (`--examples N` - `--examples 1`) / (N - 1), same seed;
+- ranks alone: the same random examples (drawn once by ``fuzz`` in this process, same seed) run
+  back to back on the persistent world with nothing drawn, referenced or judged in between --
+  the target's own work, the recording and the round trip: the floor the marginal cost cannot
+  go below however the checking process overlaps its work with the ranks';
 and the ratios the issue holds them to: spawn / marginal (>= 100x) and first verdict / spawn
 (<= 1.5x at W=2).
 
@@ -48,6 +52,42 @@ def _fresh_world_example(world_size: int, start_method: str) -> float:
     return time.perf_counter() - started
 
 
+def _drawn(world_size: int, examples: int, seed: int) -> list:
+    """The scenarios ``fuzz(PARALLEL)`` runs at ``world_size`` with ``seed``: captured while it
+    runs them, so Hypothesis draws exactly what it draws for ``ddpcheck check``."""
+    from ddpcheck._internal.runs import fuzz as fuzzing
+
+    drawn, run = [], fuzzing.check_example
+
+    def capture(target, scenario, size, **kwargs):
+        drawn.append(scenario)
+        return run(target, scenario, size, **kwargs)
+
+    fuzzing.check_example = capture
+    try:
+        fuzzing.fuzz(targets.PARALLEL, examples=examples, world_sizes=(world_size,), seed=seed)
+    finally:
+        fuzzing.check_example = run
+    return drawn
+
+
+def _ranks_alone(world_size: int, scenarios: list) -> float:
+    """Seconds per example for the ranks alone to run ``scenarios`` back to back (a resumed one
+    in both its worlds), nothing judged in between."""
+    from ddpcheck._internal.rank.runner import run_example_packed
+    from ddpcheck._internal.runs.example import run_in_two_worlds
+    from ddpcheck._internal.world.worlds import get_world
+
+    started = time.perf_counter()
+    for scenario in scenarios:
+        if scenario.checkpoint_after is None:
+            get_world(world_size).run(run_example_packed, targets.PARALLEL, scenario)
+        else:  # a reference given: none is computed
+            run_in_two_worlds(targets.PARALLEL, scenario, world_size, deadline=60.0,
+                              what="ranks alone", reference=False)
+    return (time.perf_counter() - started) / len(scenarios)
+
+
 def _check(world_size: int, examples: int, seed: int) -> float:
     """Seconds of a whole `ddpcheck check` process."""
     started = time.perf_counter()
@@ -76,19 +116,24 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.getloadavg()[0]:.1f}; {args.repeats} repeats, interleaved")
     rows = []
     for world_size in sizes:
-        spawned, forked, first, long = [], [], [], []
+        spawned, forked, first, long, alone = [], [], [], [], []
+        scenarios = _drawn(world_size, args.examples, args.seed)
         for _ in range(args.repeats):
+            alone.append(_ranks_alone(world_size, scenarios))
             spawned.append(_fresh_world_example(world_size, "spawn"))
             forked.append(_fresh_world_example(world_size, "auto"))
             first.append(_check(world_size, 1, args.seed))
             long.append(_check(world_size, args.examples, args.seed))
         s, f, k = statistics.median(spawned), statistics.median(first), statistics.median(forked)
         marginal = statistics.median((lg - fs) / (args.examples - 1) for lg, fs in zip(long, first))
+        a = statistics.median(alone)
         rows.append((world_size, s, f, marginal))
         print(f"W={world_size}: spawn-per-example {s:.2f} s; first verdict {f:.2f} s "
               f"({f / s:.2f}x a spawned example); marginal {1e3 * marginal:.1f} ms per random "
               f"example ({s / marginal:.0f}x cheaper than a spawn); fork-per-example {k:.2f} s "
-              f"({k / marginal:.0f}x the marginal); "
+              f"({k / marginal:.0f}x the marginal); ranks alone {1e3 * a:.1f} ms per example "
+              f"(at most {s / a:.0f}x cheaper than a spawn; the marginal is {marginal / a:.2f}x "
+              f"it); "
               f"{args.examples} examples {statistics.median(long):.1f} s", flush=True)
     verdict = all(s / m >= 100 for _, s, _, m in rows) and all(
         f / s <= 1.5 for w, s, f, _ in rows if w == 2)

@@ -137,29 +137,41 @@ def test_an_internal_error_is_never_reported_as_a_found_bug(monkeypatch, capsys)
     assert "RuntimeError: a bug in ddpcheck" in err, err
 
 
+def _holders(pipe) -> list[str]:
+    """The command lines of every other process that holds ``pipe`` open (Linux ``/proc``)."""
+    name = f"pipe:[{os.fstat(pipe.fileno()).st_ino}]"
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(pid) != os.getpid() and any(
+                    os.readlink(f"/proc/{pid}/fd/{fd}") == name
+                    for fd in os.listdir(f"/proc/{pid}/fd")):
+                with open(f"/proc/{pid}/cmdline") as f:
+                    found.append(f.read().replace("\0", " ").strip())
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("args", [
     ("check", "local", "--world-sizes", "1", "--examples", "1"),  # a verdict: worlds ran
     ("check", "nosuch_module:T"),  # a set-up error while the fork server still imports torch
 ], ids=["verdict", "setup-error"])
 def test_the_command_leaves_nothing_holding_its_output(args):
-    """When the command has exited, its output has ended too: nothing it started (fork server,
-    ranks, janitors) still holds the pipe, so `ddpcheck ... | tee` and a captured run end with
-    the verdict, not seconds later (the fork server used to finish its imports, then tear
-    down torch, ~1-3 s, holding stdout). Read without waiting, once the process has gone: the
-    pipes must already be at their end."""
+    """When the command has exited, its output has ended too: nothing it started (the fork
+    server, multiprocessing's resource tracker, ranks, janitors) still holds the pipe, so
+    `ddpcheck ... | tee` and a captured run end with the verdict, not seconds later (the fork
+    server used to finish its imports, then tear down torch, ~1-3 s, holding stdout; the
+    resource tracker a moment more)."""
     proc = subprocess.Popen([sys.executable, "-m", "ddpcheck", *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         # the output is a few lines: it fits the pipe's buffer, so waiting first cannot block
         proc.wait(timeout=patience(120))
-        for pipe in (proc.stdout, proc.stderr):
-            os.set_blocking(pipe.fileno(), False)
-            while True:
-                chunk = pipe.read()
-                assert chunk is not None, "a process the command started still holds its output"
-                if chunk == b"":
-                    break
+        holders = _holders(proc.stdout) + _holders(proc.stderr)
     finally:
         proc.kill()
         proc.communicate()
+    assert holders == [], f"still holding the command's output after it exited: {holders}"
     assert proc.returncode in (0, 2)
