@@ -29,9 +29,8 @@ from typing import Any
 from ddpcheck._internal.options import STARTUP_DEADLINE
 from ddpcheck.errors import DdpcheckError
 
-__all__ = ["NESTED_MARKER", "READY_ENV", "SHUTDOWN", "WORLD_DIR_ENV", "log_of", "rank_main",
-           "rank_name",
-           "serving", "world_dir_of"]
+__all__ = ["NESTED_MARKER", "READY_ENV", "SEQUENCE_SLOTS", "SHUTDOWN", "WORLD_DIR_ENV", "log_of",
+           "rank_main", "rank_name", "sequence_file", "serving", "world_dir_of"]
 
 #: The message that tells a rank to exit.
 SHUTDOWN = b""
@@ -43,6 +42,16 @@ NESTED_MARKER = "nested-start"
 #: Set by the parent for the fork server: the file ``preload`` creates once its imports are done
 #: (``_internal.world.forking.wait_ready`` waits for it, with a deadline).
 READY_ENV = "DDPCHECK_FORKSERVER_READY"
+
+#: Sets of sequence files per rank: the running task's, and a queued task's
+#: (``_internal.world.worlds.World.submit``).
+SEQUENCE_SLOTS = 2
+
+
+def sequence_file(first: str, slot: int) -> str:
+    """The sequence file of ``slot``, from the first slot's path (a rank and its world agree)."""
+    return first if slot == 0 else f"{first}.{slot}"
+
 
 _serving = False
 _NAME_PREFIX = "ddpcheck-rank"
@@ -143,6 +152,7 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
         # What the process holds is read when the first task arrives: by then every rank has
         # joined, and descriptors open only during start-up (rendezvous) are closed.
         baseline = None
+        sequence_slot = 0
         imports = ImportTracker()
         _send(conn, ("ok", os.getpid(), imports.new_files()))
     except BaseException:
@@ -159,10 +169,17 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
         if baseline is None:
             baseline = fitness.baseline(tuple(comm.wrapped()))
         try:
-            paths, task = pickle.loads(payload)
+            # the pickled task, then one byte: the slot of its sequence file (a task queued
+            # behind another writes the other one; _internal.world.worlds.SEQUENCE_SLOTS)
+            paths, task = pickle.loads(payload[:-1])
+            slot = payload[-1]
+            if slot != sequence_slot:
+                comm.record_to(sequence_file(sequence_path, slot))
+                sequence_slot = slot
+            else:
+                comm.restart_sequence()
             sys.path[:0] = [path for path in paths if path not in sys.path]
             fn, args = pickle.loads(task)
-            comm.restart_sequence()
             result = fn(*args)
             # the record goes back whatever the task left: the numbers are judged first
             fit, baseline = fitness.restore(baseline)

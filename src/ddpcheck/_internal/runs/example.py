@@ -13,8 +13,9 @@ the target's fault.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import pickle
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -37,8 +38,9 @@ from ddpcheck.features import declines
 from ddpcheck.scenario import Scenario
 from ddpcheck.targets import Target
 
-__all__ = ["check_batch_plans", "check_example", "check_example_keeping_reference",
-           "check_target", "note_example", "prepare_reference", "run_in_two_worlds", "verdict"]
+__all__ = ["Launched", "admit", "check_batch_plans", "check_example",
+           "check_example_keeping_reference", "check_target", "judge", "launch", "note_example",
+           "prepare_reference", "run_in_two_worlds", "verdict"]
 
 #: Examples run in this process (the pytest plugin prints the total at the end of a session).
 EXAMPLES_RUN = 0
@@ -83,51 +85,130 @@ def check_example_keeping_reference(target: Target, scenario: Scenario, world_si
     processes, so a rank left unfit (a global module hook: ``World.unfit``) is reported only
     when every number holds -- a bug in the numbers is never hidden behind it."""
     with _beside_the_ranks():  # inline, not a frame more in every traceback
-        checks = validate_checks(checks)  # a typo must not turn every check off
-        check_fits(device, (world_size,), backend)  # no GPU, too few for NCCL: before spawning
-        check_target(target)  # cached: a pickle and a dict look-up once the target is verified
-        check_scenario(scenario)  # the user's model and data first: their errors read best here
-        why = declines(target, scenario, world_size)
-        if why is not None:  # running it would blame the target for what it never claimed
-            raise NothingChecked(f"{type(target).__name__} declines this example: {why}")
-        for size in dict.fromkeys((world_size, scenario.resume_world_size or world_size)):
-            check_batch_plans(target, scenario, size)  # a resumed world's plans too
-        # a world that cannot start raises WorldStartError
-        world = get_world(world_size, backend=backend, device=device)
-        worlds = [world]
-        try:
-            if scenario.checkpoint_after is None:
-                pending = world.submit(run_example_packed, target, scenario, deadline=deadline,
-                                       what=f"example {name or 'scenario'}")
-                reference = _reference_meanwhile(pending, reference, scenario)
-                packed = pending.collect()
-                records, sequences = [unpack(p) for p in packed], world.collective_sequences()
-            else:  # save in this world, resume in one of resume_world_size
-                records, sequences, worlds, reference = run_in_two_worlds(
-                    target, scenario, world_size, deadline=deadline,
-                    what=f"example {name or 'scenario'}", device=device, backend=backend,
-                    reference=reference)
-        except WorldFailure as failure:
-            if failure.kind == "refused":  # ddpcheck's own outcome, raised in the ranks
-                raise _refused(failure) from None
-            error = verdict(target, scenario, world_size, failure=failure, name=name,
-                            device=device, backend=backend)
-        else:
-            note_example()
-            error = verdict(target, scenario, world_size, records=records, sequences=sequences,
-                            reference=reference, checks=checks, name=name, device=device,
-                            backend=backend)
-            if error is not None and "collectives mismatched" in error.kinds:
-                # ranks paired different collectives, yet nothing hung: gloo's pairs may hold
-                # stray bytes, so the next example gets a new world
-                for used in worlds:
-                    used.kill()
-            elif error is None and any(used.unfit for used in worlds):
-                error = verdict(target, scenario, world_size, unfit=worlds, name=name,
-                                device=device, backend=backend)
-        if error is not None:
-            raise error
-        return tuple(dict.fromkeys(note for used in worlds for note in used.notes)), reference
+        if scenario.checkpoint_after is not None:  # save in this world, resume in another
+            return _check_in_two_worlds(target, scenario, world_size, deadline=deadline,
+                                        reference=reference, name=name, checks=checks,
+                                        device=device, backend=backend)
+        launched = launch(target, scenario, world_size, deadline=deadline, name=name,
+                          checks=checks, device=device, backend=backend)
+        reference = _reference_meanwhile(launched.pending, reference, scenario)
+        return judge(launched, reference), reference
+
+
+@dataclasses.dataclass
+class Launched:
+    """An example admitted and submitted to its world's ranks (:func:`launch`), to be judged
+    by :func:`judge` once they answer."""
+
+    target: Any
+    scenario: Scenario
+    world_size: int
+    world: Any
+    pending: Pending
+    checks: frozenset
+    name: str | None
+    device: str
+    backend: str | None
+
+
+def admit(target: Target, scenario: Scenario, world_size: int, *, checks: Any = None,
+          device: str = "cpu", backend: str | None = None) -> frozenset:
+    """Everything refused before any world runs (see the module's invariant); the checks to
+    run."""
+    checks = validate_checks(checks)  # a typo must not turn every check off
+    check_fits(device, (world_size,), backend)  # no GPU, too few for NCCL: before spawning
+    check_target(target)  # cached: a pickle and a dict look-up once the target is verified
+    check_scenario(scenario)  # the user's model and data first: their errors read best here
+    why = declines(target, scenario, world_size)
+    if why is not None:  # running it would blame the target for what it never claimed
+        raise NothingChecked(f"{type(target).__name__} declines this example: {why}")
+    for size in dict.fromkeys((world_size, scenario.resume_world_size or world_size)):
+        check_batch_plans(target, scenario, size)  # a resumed world's plans too
+    return checks
+
+
+def launch(target: Target, scenario: Scenario, world_size: int, *,
+           deadline: float = DEFAULT_DEADLINE, name: str | None = None, checks: Any = None,
+           device: str = "cpu", backend: str | None = None) -> Launched:
+    """Admit an example of one world (no ``checkpoint_after``) and submit it to the persistent
+    world's ranks -- queued behind a task still running there (``World.submit``)."""
+    checks = admit(target, scenario, world_size, checks=checks, device=device, backend=backend)
+    # a world that cannot start raises WorldStartError
+    world = get_world(world_size, backend=backend, device=device)
+    pending = world.submit(run_example_packed, target, scenario, deadline=deadline,
+                           what=f"example {name or 'scenario'}")
+    return Launched(target, scenario, world_size, world, pending, checks, name, device, backend)
+
+
+def judge(launched: Launched, reference: Any) -> tuple[str, ...]:
+    """Collect a launched example and judge it against ``reference``: raise the target's
+    :class:`EquivalenceError`, or return the notes of what it left behind (``World.notes``).
+    ``TaskLost`` (a queued example whose world was replaced first) passes through: it never
+    ran in a fit world."""
+    world = launched.world
+
+    def collected() -> tuple[list, list, list, Any]:
+        records = [unpack(p) for p in launched.pending.collect()]
+        return records, world.collective_sequences(), [world], reference
+
+    return _judged(launched.target, launched.scenario, launched.world_size, collected,
+                   launched.checks, [world], name=launched.name, device=launched.device,
+                   backend=launched.backend)[0]
+
+
+def _judged(target: Any, scenario: Scenario, world_size: int,
+            collected: Callable[[], tuple[Any, Any, list, Any]], checks: frozenset,
+            worlds: list, **common: Any) -> tuple[tuple[str, ...], Any]:
+    """The verdict on what ``collected()`` returns -- ``(records, sequences, worlds,
+    reference)`` -- or on the ``WorldFailure`` it raises: raise the target's error, else
+    return the worlds' notes and the reference."""
+    reference = None
+    try:
+        records, texts, worlds, reference = collected()
+    except WorldFailure as failure:
+        if failure.kind == "refused":  # ddpcheck's own outcome, raised in the ranks
+            raise _refused(failure) from None
+        error = verdict(target, scenario, world_size, failure=failure, **common)
+    else:
+        note_example()
+        error = verdict(target, scenario, world_size, records=records, sequences=texts,
+                        reference=reference, checks=checks, **common)
+        error = _after_the_numbers(error, target, scenario, world_size, worlds, common)
+    if error is not None:
+        raise error
+    return tuple(dict.fromkeys(note for used in worlds for note in used.notes)), reference
+
+
+def _after_the_numbers(error: EquivalenceError | None, target: Any, scenario: Scenario,
+                       world_size: int, worlds: list, common: dict) -> EquivalenceError | None:
+    """What the worlds report once the numbers were judged: gloo's pairs after a mismatch
+    that completed (the next example gets new worlds), or a rank left unfit."""
+    if error is not None and "collectives mismatched" in error.kinds:
+        # ranks paired different collectives, yet nothing hung: gloo's pairs may hold
+        # stray bytes, so the next example gets a new world
+        for used in worlds:
+            used.kill()
+    elif error is None and any(used.unfit for used in worlds):
+        error = verdict(target, scenario, world_size, unfit=worlds, **common)
+    return error
+
+
+def _check_in_two_worlds(target: Target, scenario: Scenario, world_size: int, *,
+                         deadline: float, reference: Any, name: str | None, checks: Any,
+                         device: str, backend: str | None) -> tuple[tuple[str, ...], Any]:
+    """:func:`check_example_keeping_reference` for a scenario that saves in one world and
+    resumes in another."""
+    checks = admit(target, scenario, world_size, checks=checks, device=device, backend=backend)
+    # a world that cannot start raises WorldStartError
+    worlds = [get_world(world_size, backend=backend, device=device)]
+
+    def collected() -> tuple[Any, Any, list, Any]:
+        return run_in_two_worlds(target, scenario, world_size, deadline=deadline,
+                                 what=f"example {name or 'scenario'}", device=device,
+                                 backend=backend, reference=reference)
+
+    return _judged(target, scenario, world_size, collected, checks, worlds, name=name,
+                   device=device, backend=backend)
 
 
 @contextlib.contextmanager

@@ -42,6 +42,7 @@ such evidence still wait for the deadline.
 from __future__ import annotations
 
 import atexit
+import math
 # Plain multiprocessing, not torch.multiprocessing: results travel as pickled bytes, so torch's
 # shared-memory tensor reductions would only add file-descriptor traffic.
 import multiprocessing
@@ -59,8 +60,8 @@ from ddpcheck._internal.devices import backend_for, check_device, check_fits
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, STARTUP_DEADLINE, check_deadline,
                                         check_world_size)
 from ddpcheck._internal.rank.freshness import announce, changed
-from ddpcheck._internal.rank.serve import (NESTED_MARKER, SHUTDOWN, WORLD_DIR_ENV, rank_main,
-                                           rank_name)
+from ddpcheck._internal.rank.serve import (NESTED_MARKER, SEQUENCE_SLOTS, SHUTDOWN,
+                                           WORLD_DIR_ENV, rank_main, rank_name, sequence_file)
 from ddpcheck._internal.world import forking
 from ddpcheck._internal.world.failures import RankState, WorldFailure, WorldStartError
 from ddpcheck._internal.world.janitor import Janitor
@@ -70,8 +71,8 @@ from ddpcheck._internal.world.processes import (check_main_module_importable, du
                                                 refuse_nested_start, tail)
 from ddpcheck.errors import InvalidArgument
 
-__all__ = ["Pending", "RankState", "World", "WorldFailure", "WorldStartError", "get_world",
-           "launch_worlds", "shutdown_worlds"]
+__all__ = ["Pending", "RankState", "TaskLost", "World", "WorldFailure", "WorldStartError",
+           "get_world", "launch_worlds", "shutdown_worlds"]
 
 #: Once one rank has failed, how long the others get to finish before they are presumed stuck
 #: waiting for it in a collective.
@@ -122,7 +123,9 @@ class World:
         self._conns: list[Any] = []
         self._logs: list[str] = []
         self._stacks: list[str] = []
-        self._sequences: list[str] = []  # per-rank collective sequence files (ddpcheck._internal.rank.recorder)
+        # per-rank collective sequence files (ddpcheck._internal.rank.recorder), two sets: a task
+        # queued behind a running one writes the other (SEQUENCE_SLOTS)
+        self._sequences: list[list[str]] = [[], []]
         self._janitor: Janitor | None = None
         # grown by every task: user source files the ranks imported -> their mtime then
         self._sources: dict[str, int] = {}
@@ -131,6 +134,7 @@ class World:
         self._booting: float | None = None  # launched, not yet joined: the start-up deadline
         self._path: set[str] = set()  # sys.path entries the ranks have
         self._runs = 0
+        self._in_flight: list[Pending] = []  # submitted, not collected: running, then queued
         #: what the last task left behind in the ranks and ddpcheck put right, one line each
         #: (``ddpcheck._internal.rank.fitness``); empty when the processes were as they started
         self.notes: tuple[str, ...] = ()
@@ -184,8 +188,8 @@ class World:
         self._procs, self._conns = [], []
         self._logs = [os.path.join(self._dir, f"rank{r}.log") for r in range(self.world_size)]
         self._stacks = [os.path.join(self._dir, f"rank{r}.stack") for r in range(self.world_size)]
-        self._sequences = [os.path.join(self._dir, f"rank{r}.collectives")
-                           for r in range(self.world_size)]
+        self._sequences = [[sequence_file(os.path.join(self._dir, f"rank{r}.collectives"), slot)
+                            for r in range(self.world_size)] for slot in range(SEQUENCE_SLOTS)]
         try:
             if self.start_method == "forkserver":  # asked for: whoever's server it is
                 forkserver.ensure_running()
@@ -228,7 +232,7 @@ class World:
                 name=rank_name(rank, self.world_size, self._dir),
                 args=(rank, self.world_size, self.backend, store_path, child_end,
                       self._logs[rank], self._stacks[rank], parent_pid,
-                      self._sequences[rank], self.device,
+                      self._sequences[0][rank], self.device,
                       dict(os.environ) if forked else None),
                 daemon=True,
             )
@@ -262,6 +266,9 @@ class World:
     def kill(self) -> None:
         """Kill every rank, and every process it started, now; remove the world's files. Safe to
         call twice."""
+        for pending in self._in_flight:  # never to be collected: their ranks are gone
+            pending.lost = True
+        self._in_flight = []
         for proc in self._procs:
             kill_group(proc)
         for proc in self._procs:
@@ -295,9 +302,18 @@ class World:
                what: str | None = None) -> "Pending":
         """Start ``fn(*args)`` on every rank and return at once; :meth:`Pending.collect` waits
         for the results (the deadline counts from here). Meanwhile this process is free -- the
-        oracle computes its reference while the ranks train -- but the world runs one task at a
-        time: collect before submitting again."""
+        oracle computes its reference while the ranks train.
+
+        One more task may be submitted while one runs: it is queued in the ranks' pipes and
+        starts on each rank as soon as that rank answered the first, so the ranks do not wait
+        while this process judges the first (``runs.pipeline``); its deadline counts from the
+        moment the first was collected. Collect in submission order. If the world is replaced
+        before the queued task was collected (the first failed, or left its processes unfit), it
+        never ran in a fit world: its ``collect`` raises :class:`TaskLost`, and the caller runs it
+        again."""
         check_deadline("deadline", deadline)
+        if self._in_flight:
+            return self._queue(fn, args, deadline, what)
         if self._alive and any(p.exitcode is not None for p in self._procs):
             # A rank died *between* tasks (gloo's teardown race can SIGABRT an idle rank, see
             # docs/platform.md): no task of ours was running, so blame none -- start afresh.
@@ -314,40 +330,71 @@ class World:
         elif self._booting is not None:  # launched: wait for the ranks to join
             self._await_start()
         self._path.update(added)
-        self._runs += 1
-        self.notes, self.unfit, self._last_sequences = (), {}, []
-        # Empty here, before any rank starts: a slow rank's file must not show the last task's
-        # collectives to the evidence polling in _collect.
-        for path in self._stacks + self._sequences:
+        for path in self._stacks:
             open(path, "w").close()
+        return self._send_task(payload, added, fn, deadline, what)
+
+    def _queue(self, fn: Callable[..., Any], args: tuple, deadline: float,
+               what: str | None) -> "Pending":
+        """A task behind the one running (see :meth:`submit`)."""
+        if len(self._in_flight) >= SEQUENCE_SLOTS:
+            raise RuntimeError(f"{self!r} runs one task and queues one: collect before "
+                               "submitting a third")
+        added = [p for p in sys.path if p not in self._path]
+        payload = pickle_task(fn, args, added)
+        self._path.update(added)
+        return self._send_task(payload, added, fn, deadline, what)
+
+    def _send_task(self, payload: bytes, added: list[str], fn: Callable[..., Any],
+                   deadline: float, what: str | None) -> "Pending":
+        slot = self._runs % SEQUENCE_SLOTS
+        self._runs += 1
+        # Empty here, before any rank starts this task: a slow rank's file must not show an
+        # earlier task's collectives to the evidence polling in _collect.
+        for path in self._sequences[slot]:
+            open(path, "w").close()
+        pending = Pending(self, what or getattr(fn, "__qualname__", repr(fn)), deadline, slot,
+                          started=not self._in_flight)
         try:
             for conn in self._conns:
-                conn.send_bytes(payload)
+                conn.send_bytes(payload + slot.to_bytes(1, "little"))
         except BaseException:  # a broken pipe: ranks may be mid-task, never reuse them
             self.kill()
             raise
-        return Pending(self, what or getattr(fn, "__qualname__", repr(fn)),
-                       time.monotonic() + deadline)
+        self._in_flight.append(pending)
+        return pending
 
     def collective_sequences(self) -> list[str]:
         """Each rank's collective sequence (``ddpcheck._internal.rank.recorder`` format) of the
         last task, read when it ended (the world may since have been replaced)."""
         return list(self._last_sequences)
 
-    def _read_sequences(self) -> list[str]:
-        return [read(path) for path in self._sequences]
+    def _read_sequences(self, slot: int) -> list[str]:
+        return [read(path) for path in self._sequences[slot]]
 
-    def _finish(self, what: str, end: float) -> list[Any]:
-        """Collect a submitted task by the monotonic time ``end``; see :meth:`run`."""
+    def _finish(self, pending: "Pending") -> list[Any]:
+        """Collect ``pending``, the running task, by its deadline; see :meth:`run`. The task
+        queued behind it starts now: its deadline counts from here."""
+        if not self._in_flight or self._in_flight[0] is not pending:
+            raise RuntimeError(f"{pending.what} collected out of order: collect tasks in the "
+                               "order they were submitted")
+        self.notes, self.unfit, self._last_sequences = (), {}, []
         try:
-            return self._collect(what, max(end - time.monotonic(), 0.0))
+            return self._collect(pending.what, max(pending.end - time.monotonic(), 0.0),
+                                 slot=pending.slot)
         except WorldFailure:
             raise
         except BaseException:  # Ctrl-C: ranks are mid-task, never reuse them
             self.kill()
             raise
+        finally:
+            if self._in_flight and self._in_flight[0] is pending:
+                self._in_flight.pop(0)
+                for queued in self._in_flight:
+                    queued.start_clock()
 
-    def _collect(self, what: str, deadline: float, starting: bool = False) -> list[Any]:
+    def _collect(self, what: str, deadline: float, starting: bool = False,
+                 slot: int = 0) -> list[Any]:
         """Wait for one message from every rank, or fail with every rank's state.
 
         While waiting, the sequence files are watched for a collective that cannot complete
@@ -409,7 +456,7 @@ class World:
             now = time.monotonic()
             if pending and watching and kind is None and now >= next_poll:
                 next_poll = now + POLL_INTERVAL
-                seen = self._hopeless(set(range(n)) - pending)
+                seen = self._hopeless(set(range(n)) - pending, slot)
                 if seen is None or seen != evidence:
                     evidence, evidence_since = seen, now
                 elif now - evidence_since >= EVIDENCE_GRACE:
@@ -420,7 +467,7 @@ class World:
         if replacing:
             self.notes += ("a new world for the next task: this one's processes could not be put "
                            "back as they started",)
-        self._last_sequences = self._read_sequences()  # before a kill removes the files
+        self._last_sequences = self._read_sequences(slot)  # before a kill removes the files
         self.unfit = {r: s.detail for r, s in states.items() if s.status == "unfit"}
         if not pending and kind is None:  # done: the caller judges the results, then `unfit`
             if replacing:
@@ -428,25 +475,26 @@ class World:
             return results
         if not pending and kind == "refused" and all(
                 s.status in ("returned", "refused", "unfit") for s in states.values()):
-            failure = self._failure(kind, [states[r] for r in range(n)], what)
+            failure = self._failure(kind, [states[r] for r in range(n)], what, slot)
             if replacing:  # every rank answered: the world can serve the next task
                 self.kill()
             raise failure
         dumps = dump_stacks(self._procs, self._stacks, sorted(pending))
         for rank in sorted(pending):
             states[rank] = RankState(rank, "stuck", dumps[rank], log_tail=tail(self._logs[rank]))
-        failure = self._failure(kind or "timeout", [states[r] for r in range(n)], what)
+        failure = self._failure(kind or "timeout", [states[r] for r in range(n)], what, slot)
         self.kill()
         raise failure
 
-    def _failure(self, kind: str, states: list[RankState], what: str) -> WorldFailure:
+    def _failure(self, kind: str, states: list[RankState], what: str,
+                 slot: int) -> WorldFailure:
         """The failure, with the first collective where the ranks' sequences disagree; a real
         mismatch (different collectives, or a finished rank that issued fewer) is the kind."""
         # here, not at import: it loads torch (records), and the command line launches its
         # worlds before importing torch, so the ranks boot while it imports (bench/throughput)
         from ddpcheck._internal.world import sequences
 
-        seqs = [sequences.parse(text) for text in self._read_sequences()]
+        seqs = [sequences.parse(text) for text in self._read_sequences(slot)]
         finished = [s.rank for s in states if s.status in ("returned", "unfit")]
         disagreement = sequences.diagnose(seqs, finished)
         if disagreement is not None and disagreement.mismatched:
@@ -457,11 +505,11 @@ class World:
         return WorldFailure(kind, self.world_size, states, what, disagreement, summary,
                             notes=self.notes)
 
-    def _hopeless(self, finished: set[int]) -> tuple | None:
+    def _hopeless(self, finished: set[int], slot: int) -> tuple | None:
         """The sequence files' texts and ``finished`` if they show a collective that can never
         complete (``sequences.Disagreement.mismatched``: different collectives at one index, or
         one that a finished rank never issued), else None. Identical files are never parsed."""
-        texts = self._read_sequences()
+        texts = self._read_sequences(slot)
         from ddpcheck._internal.world import sequences  # (see _failure)
 
         if sequences.same_texts(texts):
@@ -486,27 +534,44 @@ class World:
                 f"device={self.device!r}, {state})")
 
 
+class TaskLost(Exception):
+    """A queued task whose world was replaced before it was collected (:meth:`World.submit`):
+    it did not run in a fit world -- run it again. Never a verdict."""
+
+
 class Pending:
     """A task submitted to every rank of a world (:meth:`World.submit`), not yet collected."""
 
-    def __init__(self, world: World, what: str, end: float):
-        self.world, self.what, self._end = world, what, end
+    def __init__(self, world: World, what: str, deadline: float, slot: int, started: bool):
+        self.world, self.what, self.slot = world, what, slot
+        self._deadline = deadline
+        self.end = time.monotonic() + deadline if started else math.inf  # queued: not yet
+        self.lost = False  # the world was replaced before this task was collected
         self._done = False
+
+    def start_clock(self) -> None:
+        """The task before this one was collected: this one runs now, its deadline from here."""
+        if self.end == math.inf:
+            self.end = time.monotonic() + self._deadline
 
     def collect(self) -> list[Any]:
         """Every rank's result, rank 0 first (what :meth:`World.run` returns), or
-        :class:`WorldFailure`. Once only."""
+        :class:`WorldFailure`; :class:`TaskLost` for a queued task whose world was replaced
+        before (see :meth:`World.submit`). Once only."""
         if self._done:
             raise RuntimeError(f"{self.what} was collected already")
         self._done = True
-        return self.world._finish(self.what, self._end)
+        if self.lost:
+            raise TaskLost(f"{self.what}: its world was replaced before it was collected")
+        return self.world._finish(self)
 
     def abandon(self) -> None:
         """The caller will not collect (it failed meanwhile): the ranks are mid-task, so the
         world is replaced."""
         if not self._done:
             self._done = True
-            self.world.kill()
+            if not self.lost:
+                self.world.kill()
 
 
 # ---------------------------------------------------------------------------------------------
