@@ -7,10 +7,13 @@ uses to hunt each mutant (``ddpcheck.mutation.search.shrinking_search``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import queue
 import sys
+import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from hypothesis import HealthCheck, Phase, assume, given
 from hypothesis import seed as hypothesis_seed
@@ -24,6 +27,8 @@ from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES,
                                         check_positive_number, check_world_sizes)
 from ddpcheck._internal.runs.example import check_example
+from ddpcheck._internal.runs.pipeline import one_behind_the_other
+from ddpcheck._internal.world.worlds import lending_waits, released
 from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked, ScenarioError
 
 __all__ = ["FuzzResult", "fuzz", "terminal_progress"]
@@ -90,9 +95,7 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
         raise NothingChecked(f"{type(target).__name__} supports none of the dtypes "
                              f"{', '.join(dtypes)} once --without is applied")
     dtypes = kept
-    count = [0]
     give_up_after = max(GIVE_UP_AFTER_DECLINED, 2 * examples)
-    first = [None]
     declined: dict[str, int] = {}
     exercised: set[str] = set()
     notes: dict[str, None] = {}
@@ -105,64 +108,231 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
         for w in sizes}
     world_size_strategy = st.sampled_from(sizes)
 
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
-              suppress_health_check=list(HealthCheck), print_blob=False,
-              phases=[Phase.generate, Phase.target] + ([Phase.shrink] if shrink else []))
-    @given(data=st.data())
-    def one(data):
+    def drawn(data: Any, tally: _Tally, budget: bool) -> tuple[int, Any] | None:
+        """The next example Hypothesis draws, or None where it passes unrun: nothing this
+        target runs is being drawn, or (``budget``) the time is out. A declined draw is
+        rejected (``assume``): it costs no example of the budget."""
         world_size = data.draw(world_size_strategy, label="world_size")
         scenario = data.draw(scenario_strategies[world_size], label="scenario")
-        if count[0] == 0 and sum(declined.values()) >= give_up_after:
-            return  # nothing this target runs is being drawn: the rest pass unjudged
-        if time_budget is not None and first[0] is None \
-                and time.perf_counter() - started > time_budget:
-            return  # out of time: remaining examples pass without running
+        if tally.drawn == 0 and sum(tally.declined.values()) >= give_up_after:
+            return None  # nothing this target runs is being drawn: the rest pass unjudged
+        if budget and time_budget is not None and time.perf_counter() - started > time_budget:
+            return None  # out of time: remaining examples pass without running
         why = features.declines(target, scenario, world_size, excluded)
         if why is not None:
-            declined[why] = declined.get(why, 0) + 1
-            assume(False)  # not generated, in effect: costs no example of the budget
-        count[0] += 1
-        if progress is not None:
-            progress(count[0], time.perf_counter() - started)
+            tally.declined[why] = tally.declined.get(why, 0) + 1
+            assume(False)  # not generated, in effect
+        tally.drawn += 1
+        return world_size, scenario
+
+    def run_hypothesis(test: Callable[[Any], None], phases: list) -> None:
+        @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
+                  suppress_health_check=list(HealthCheck), print_blob=False, phases=phases)
+        @given(data=st.data())
+        def one(data):
+            test(data)
+
+        if seed is not None:
+            one = hypothesis_seed(seed)(one)
+        try:
+            one()
+        except Unsatisfiable:  # every example drawn was declined: nothing checked
+            pass
+
+    # 1. Hypothesis draws in a thread of its own, a little ahead; the examples run one behind
+    # the other (runs.pipeline) until the first failure.
+    generation = _Generation(lambda test: run_hypothesis(test, [Phase.generate, Phase.target]),
+                             drawn)
+    count, first, failing = 0, None, None
+    try:
+        # closing: a failure stops it, abandoning what is still in flight
+        with lending_waits(generation.lock), contextlib.closing(one_behind_the_other(
+                target, generation.items(), deadline=deadline, device=device,
+                backend=backend)) as examples_run:
+            for (index, world_size, scenario), outcome in examples_run:
+                if outcome.skipped is not None:  # unjudgeable, or declined in the ranks
+                    if outcome.unjudgeable:
+                        declined[f"unjudgeable: {outcome.skipped}"] = 1
+                    else:
+                        declined[outcome.skipped] = declined.get(outcome.skipped, 0) + 1
+                    continue
+                count += 1
+                if progress is not None:
+                    progress(count, time.perf_counter() - started)
+                if outcome.error is not None:
+                    first, failing = count, (index, world_size, scenario, outcome.error)
+                    break
+                exercised.update(features.of(scenario, world_size))
+                notes.update(dict.fromkeys(outcome.notes))
+    finally:
+        generation.stop()
+    for why, n in generation.tally.declined.items():
+        declined[why] = declined.get(why, 0) + n
+    if failing is None:
+        return FuzzResult(count, None, time.perf_counter() - started, None, declined,
+                          exercised, notes)
+    index, world_size, scenario, error = failing
+    if not shrink:
+        return FuzzResult(count, first, time.perf_counter() - started, error, declined,
+                          exercised, notes)
+
+    # 2. The failure shrunk: Hypothesis draws again, the same examples in the same order (the
+    # same seed, and every example before the failing one passes as it did while drawn above),
+    # now running the failing one and every shrinking step.
+    replay = _Replay(index, (world_size, scenario))
+
+    def shrinking(data: Any) -> None:
+        nonlocal count
+        the_failing_one = not replay.reached
+        if the_failing_one:
+            item = drawn(data, replay.tally, budget=False)
+            if item is None or replay.tally.drawn < index:
+                return  # before the failing example: drawn and decided as it was above
+            replay.reached = True
+            if item != replay.failing:  # Hypothesis drew otherwise: keep the failure as found
+                replay.done = True
+                return
+            world_size, scenario = item
+        else:  # a shrinking step (drawn even when done: a choice sequence draws the same)
+            world_size = data.draw(world_size_strategy, label="world_size")
+            scenario = data.draw(scenario_strategies[world_size], label="scenario")
+            if replay.done:
+                return
+            if features.declines(target, scenario, world_size, excluded) is not None:
+                assume(False)
+        count += 1
         try:
             left = check_example(target, scenario, world_size, deadline=deadline,
                                  device=device, backend=backend)
         except EquivalenceError:
-            if first[0] is None:
-                first[0] = count[0]
+            replay.reproduced = replay.reproduced or the_failing_one
             raise
-        except ScenarioError as exc:  # the oracle cannot judge it: nobody's bug, not a failure
-            declined[f"unjudgeable: {exc}"] = 1
-            count[0] -= 1
+        except (ScenarioError, NothingChecked):  # nobody's bug, not a failure
+            count -= 1
+            replay.done = replay.done or the_failing_one
             return
-        except NothingChecked as exc:  # declined once running (a default hook cannot serve it)
-            declined[str(exc)] = declined.get(str(exc), 0) + 1
-            count[0] -= 1
-            return
-        exercised.update(features.of(scenario, world_size))
+        if the_failing_one:  # it passed when run again: intermittent, reported as found
+            replay.done = True
         notes.update(dict.fromkeys(left))
 
-    if seed is not None:
-        one = hypothesis_seed(seed)(one)
     try:
-        one()
-    except Unsatisfiable:  # every example drawn was declined: the caller reports nothing checked
-        pass
-    except EquivalenceError as error:
-        return FuzzResult(count[0], first[0], time.perf_counter() - started, error, declined,
+        run_hypothesis(shrinking, [Phase.generate, Phase.target, Phase.shrink])
+    except EquivalenceError as shrunk:
+        return FuzzResult(count, first, time.perf_counter() - started, shrunk, declined,
                           exercised, notes)
     except FlakyFailure as flaky:
-        # The example failed, then passed when Hypothesis replayed it: a race (e.g. a gradient
-        # read before its all-reduce finished). Still a counterexample; say it is intermittent.
-        error = next((e for e in flaky.exceptions if isinstance(e, EquivalenceError)), None)
-        if error is None:
+        # A shrinking step failed, then passed when Hypothesis replayed it: a race (e.g. a
+        # gradient read before its all-reduce finished). Still a counterexample.
+        shrunk = next((e for e in flaky.exceptions if isinstance(e, EquivalenceError)), None)
+        if shrunk is None:
             raise
-        error.args = (f"{error.args[0]}\n\nintermittent: this example failed, then passed when "
-                      "replayed -- a race or other nondeterminism in the target",)
-        return FuzzResult(count[0], first[0], time.perf_counter() - started, error, declined,
-                          exercised, notes)
-    return FuzzResult(count[0], None, time.perf_counter() - started, None, declined,
-                      exercised, notes)
+        return FuzzResult(count, first, time.perf_counter() - started,
+                          _intermittent(shrunk), declined, exercised, notes)
+    # The failing example passed when run again (or Hypothesis drew otherwise): report it as
+    # found, unshrunk.
+    if replay.reached and replay.failing_passed:
+        error = _intermittent(error)
+    return FuzzResult(count, first, time.perf_counter() - started, error, declined, exercised,
+                      notes)
+
+
+def _intermittent(error: EquivalenceError) -> EquivalenceError:
+    error.args = (f"{error.args[0]}\n\nintermittent: this example failed, then passed when "
+                  "replayed -- a race or other nondeterminism in the target",)
+    return error
+
+
+@dataclasses.dataclass
+class _Tally:
+    """What a Hypothesis run drew: scenarios accepted, and declined ones by reason."""
+
+    drawn: int = 0
+    declined: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+class _Generation:
+    """Hypothesis drawing examples in a thread of its own, at most one ahead of the caller, so
+    drawing and deciding the next example overlaps with the ranks running this one. Its test
+    function only draws (``drawn``): what Hypothesis draws next depends on nothing an example
+    does when run, so a second run with the same seed draws the same examples (``_Replay``)."""
+
+    def __init__(self, run: Callable[[Callable[[Any], None]], None],
+                 drawn: Callable[[Any, _Tally, bool], Any]):
+        #: held by the caller except while it waits (``worlds.lending_waits``), taken here for
+        #: each draw: drawing builds models from torch's global random generator (and asks the
+        #: target's ``supports``), which must not interleave with the caller's own
+        self.lock = threading.Lock()
+        self.tally = _Tally()
+        self._run, self._drawn = run, drawn
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._produce, name="ddpcheck-draws",
+                                        daemon=True)
+
+    def items(self) -> Iterator[tuple[int, int, Any]]:
+        """``(index, world_size, scenario)``, index counting from 1, until Hypothesis is done."""
+        self._thread.start()
+        while True:
+            with released():
+                item = self._queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def stop(self) -> None:
+        """Draw no more; wait for the thread (it draws nothing more once stopped)."""
+        self._stopped.set()
+        while self._thread.is_alive():
+            try:
+                self._queue.get(timeout=0.05)  # unblocks a put
+            except queue.Empty:
+                pass
+        self._thread.join()
+
+    def _produce(self) -> None:
+        try:
+            self._run(self._test)
+            self._put(_DONE)
+        except BaseException as exc:  # the caller raises it
+            self._put(exc)
+
+    def _test(self, data: Any) -> None:
+        with self.lock:
+            if self._stopped.is_set():
+                return
+            item = self._drawn(data, self.tally, True)
+        if item is not None:
+            self._put((self.tally.drawn, *item))
+
+    def _put(self, item: Any) -> None:
+        while not self._stopped.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                pass
+
+
+_DONE = object()
+
+
+@dataclasses.dataclass
+class _Replay:
+    """The second Hypothesis run: where the failing example is (its index among the examples
+    drawn) and how far the run has got."""
+
+    index: int
+    failing: tuple[int, Any]
+    tally: _Tally = dataclasses.field(default_factory=_Tally)
+    reached: bool = False  # the failing example was drawn again
+    reproduced: bool = False  # ... and failed again
+    done: bool = False  # nothing more to run: drew otherwise, or the failure did not reproduce
+
+    @property
+    def failing_passed(self) -> bool:
+        return self.reached and self.done and not self.reproduced
 
 
 def terminal_progress(total: int, stream: Any = None) -> Callable[[int, float], None] | None:

@@ -42,6 +42,7 @@ such evidence still wait for the deadline.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 # Plain multiprocessing, not torch.multiprocessing: results travel as pickled bytes, so torch's
 # shared-memory tensor reductions would only add file-descriptor traffic.
@@ -54,7 +55,7 @@ import threading
 import time
 from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import wait as _wait_any
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from ddpcheck._internal.devices import backend_for, check_device, check_fits
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, STARTUP_DEADLINE, check_deadline,
@@ -72,7 +73,7 @@ from ddpcheck._internal.world.processes import (check_main_module_importable, du
 from ddpcheck.errors import InvalidArgument
 
 __all__ = ["Pending", "RankState", "TaskLost", "World", "WorldFailure", "WorldStartError",
-           "get_world", "launch_worlds", "shutdown_worlds"]
+           "get_world", "launch_worlds", "lending_waits", "released", "shutdown_worlds"]
 
 #: Once one rank has failed, how long the others get to finish before they are presumed stuck
 #: waiting for it in a collective.
@@ -358,7 +359,15 @@ class World:
         try:
             for conn in self._conns:
                 conn.send_bytes(payload + slot.to_bytes(1, "little"))
-        except BaseException:  # a broken pipe: ranks may be mid-task, never reuse them
+        except OSError:
+            if not self._in_flight:  # a broken pipe: ranks may be mid-task, never reuse them
+                self.kill()
+                raise
+            # A rank of the running task has died: collecting that task reports it, from the
+            # evidence a kill now would remove; this one never runs.
+            pending.lost = True
+            return pending
+        except BaseException:
             self.kill()
             raise
         self._in_flight.append(pending)
@@ -375,9 +384,6 @@ class World:
     def _finish(self, pending: "Pending") -> list[Any]:
         """Collect ``pending``, the running task, by its deadline; see :meth:`run`. The task
         queued behind it starts now: its deadline counts from here."""
-        if not self._in_flight or self._in_flight[0] is not pending:
-            raise RuntimeError(f"{pending.what} collected out of order: collect tasks in the "
-                               "order they were submitted")
         self.notes, self.unfit, self._last_sequences = (), {}, []
         try:
             return self._collect(pending.what, max(pending.end - time.monotonic(), 0.0),
@@ -420,7 +426,8 @@ class World:
             if now >= limit:
                 break
             waitables = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
-            ready = _wait_any(waitables, max(timeout, 0.0))
+            with released():
+                ready = _wait_any(waitables, max(timeout, 0.0))
             for rank in sorted(pending):
                 conn, proc = self._conns[rank], self._procs[rank]
                 if conn in ready or proc.sentinel in ready:
@@ -534,6 +541,43 @@ class World:
                 f"device={self.device!r}, {state})")
 
 
+class _Lender(threading.local):
+    lock: Any = None
+
+
+_lender = _Lender()
+
+
+@contextlib.contextmanager
+def lending_waits(lock: Any) -> Iterator[None]:
+    """While the block runs, this thread holds ``lock`` -- except while it waits for ranks to
+    answer, when it does nothing else: a thread whose work must not interleave with this one's
+    (torch's global random generator, the caller's own hooks) gets those waits (``runs.fuzz``
+    draws the next example there). Also lends the waits of :func:`released`."""
+    previous, _lender.lock = _lender.lock, lock
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+        _lender.lock = previous
+
+
+@contextlib.contextmanager
+def released() -> Iterator[None]:
+    """Inside :func:`lending_waits`: its lock released for the block (a wait of the caller's)."""
+    lock = _lender.lock
+    if lock is None:
+        yield
+        return
+    lock.release()
+    try:
+        yield
+    finally:
+        lock.acquire()
+
+
+
 class TaskLost(Exception):
     """A queued task whose world was replaced before it was collected (:meth:`World.submit`):
     it did not run in a fit world -- run it again. Never a verdict."""
@@ -560,6 +604,9 @@ class Pending:
         before (see :meth:`World.submit`). Once only."""
         if self._done:
             raise RuntimeError(f"{self.what} was collected already")
+        if not self.lost and self.world._in_flight[:1] != [self]:
+            raise RuntimeError(f"{self.what} collected out of order: collect tasks in the "
+                               "order they were submitted")
         self._done = True
         if self.lost:
             raise TaskLost(f"{self.what}: its world was replaced before it was collected")

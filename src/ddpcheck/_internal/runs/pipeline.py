@@ -1,0 +1,117 @@
+"""Examples one behind the other: while the ranks run the next example, this process judges the
+last one and computes the next one's reference.
+
+Why: run one at a time, an example's checking-process work -- admitting it, submitting it,
+unpacking and comparing what came back -- ran while the ranks waited, a third of a random
+example's wall time at W=2 (``bench/throughput.py``). Here example k+1 is queued in the ranks'
+pipes before example k is judged (``World.submit`` queues one task), so each rank starts it as
+soon as it has answered k.
+
+Invariant: every example gets the verdict :func:`check_example` would give it, in the order the
+examples came, and nothing is judged from a process a previous example left unfit: an example
+queued in a world that was then replaced (``TaskLost``) runs again, alone, in a fresh one. A
+scenario that resumes from a checkpoint (two worlds, the second needing the first's checkpoint)
+runs alone too. The caller stops at the first failure by closing the generator: whatever is
+still in flight is abandoned with its world.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Iterator
+
+from ddpcheck._internal.runs.example import (_beside_the_ranks, check_example, judge, launch,
+                                             prepare_reference)
+from ddpcheck._internal.world.worlds import TaskLost, WorldFailure
+from ddpcheck.errors import EquivalenceError, NothingChecked, ScenarioError
+
+__all__ = ["Outcome", "one_behind_the_other"]
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one example came to: its notes (``World.notes``), the target's error, or why it was
+    not checked (``skipped``: the oracle cannot judge it, or the target declined it in the
+    ranks)."""
+
+    notes: tuple[str, ...] = ()
+    error: EquivalenceError | None = None
+    skipped: str | None = None
+    unjudgeable: bool = False
+
+
+def one_behind_the_other(target: Any, items: Iterable[tuple[Any, int, Any]], *, deadline: float,
+                         device: str = "cpu", backend: str | None = None
+                         ) -> Iterator[tuple[tuple[Any, int, Any], Outcome]]:
+    """``(item, outcome)`` for every ``item = (key, world_size, scenario)`` of ``items``, in
+    their order, each example queued behind the one before (see the module's invariant)."""
+    running: tuple | None = None  # (item, Launched, reference or the ScenarioError it raised)
+    queued: list = []  # launched, not yet judged: abandoned if the caller stops
+    options = dict(deadline=deadline, device=device, backend=backend)
+    try:
+        with _beside_the_ranks():
+            for item in items:
+                _, world_size, scenario = item
+                if scenario.checkpoint_after is not None:  # its second world needs the first's
+                    if running is not None:
+                        finished, running = running, None
+                        yield finished[0], _judged(target, finished, options)
+                    yield item, _alone(target, scenario, world_size, options)
+                    continue
+                try:
+                    launched = launch(target, scenario, world_size, **options)
+                except (ScenarioError, NothingChecked) as exc:  # refused before any world ran
+                    if running is not None:
+                        finished, running = running, None
+                        yield finished[0], _judged(target, finished, options)
+                    yield item, _skipped(exc)
+                    continue
+                queued.append(launched)
+                if running is not None:  # judged while the ranks run the one just launched
+                    finished, running = running, None
+                    yield finished[0], _judged(target, finished, options)
+                    queued.remove(finished[1])
+                try:
+                    reference: Any = prepare_reference(scenario)
+                except ScenarioError as exc:  # collected, then skipped: the world stays usable
+                    reference = exc
+                running = (item, launched, reference)
+            if running is not None:
+                finished, running = running, None
+                yield finished[0], _judged(target, finished, options)
+                queued.remove(finished[1])
+    finally:
+        for launched in queued:
+            launched.pending.abandon()
+
+
+def _judged(target: Any, running: tuple, options: dict) -> Outcome:
+    item, launched, reference = running
+    if isinstance(reference, ScenarioError):
+        try:
+            launched.pending.collect()
+        except (WorldFailure, TaskLost):
+            pass
+        return _skipped(reference)
+    try:
+        return Outcome(notes=judge(launched, reference))
+    except TaskLost:  # its world was replaced before it ran there: again, alone, in a new one
+        _, world_size, scenario = item
+        return _alone(target, scenario, world_size, options)
+    except EquivalenceError as error:
+        return Outcome(error=error)
+    except (ScenarioError, NothingChecked) as exc:
+        return _skipped(exc)
+
+
+def _alone(target: Any, scenario: Any, world_size: int, options: dict) -> Outcome:
+    try:
+        return Outcome(notes=check_example(target, scenario, world_size, **options))
+    except EquivalenceError as error:
+        return Outcome(error=error)
+    except (ScenarioError, NothingChecked) as exc:
+        return _skipped(exc)
+
+
+def _skipped(exc: Exception) -> Outcome:
+    return Outcome(skipped=str(exc), unjudgeable=isinstance(exc, ScenarioError))

@@ -1,0 +1,73 @@
+"""``fuzz`` runs its random examples one behind the other (``runs.pipeline``) and shrinks the
+first failure in a second Hypothesis run that draws the same examples: the verdicts are those of
+examples run one at a time."""
+
+from __future__ import annotations
+
+import torch
+
+from ddpcheck import targets
+from ddpcheck._internal.runs import fuzz as fuzzing
+from ddpcheck._internal.runs.fuzz import fuzz
+from ddpcheck._internal.runs.pipeline import Outcome
+from ddpcheck.mutation.catalogue import by_name
+
+_RUNS_IN_THIS_PROCESS = [0]
+
+
+class FailsOnlyTheFirstTime(targets.ParallelTarget):
+    """Gradients doubled in the first example each rank process runs, right afterwards."""
+
+    def after_backward(self, model, optimizer):
+        super().after_backward(model, optimizer)
+        if _RUNS_IN_THIS_PROCESS[0] == 0:
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(2)
+
+    def after_step(self, model, optimizer):
+        _RUNS_IN_THIS_PROCESS[0] += 1
+        return super().after_step(model, optimizer)
+
+
+FAILS_ONLY_THE_FIRST_TIME = FailsOnlyTheFirstTime()
+
+
+def test_the_examples_and_their_order_are_those_drawn_one_at_a_time(monkeypatch):
+    """Every scenario Hypothesis draws runs, once, in the order drawn: the same list a run
+    that judged each example before drawing the next (seeded) gets."""
+    ran = []
+    run = fuzzing.one_behind_the_other
+
+    def recording(target, items, **kwargs):
+        for item, outcome in run(target, items, **kwargs):
+            ran.append(item[1:])
+            yield item, outcome
+
+    monkeypatch.setattr(fuzzing, "one_behind_the_other", recording)
+    result = fuzz(targets.PARALLEL, examples=12, world_sizes=(2, 3), seed=5)
+    assert not result.found and result.examples == len(ran) == 12
+    drawn = []
+
+    def drawing(target, items, **kwargs):  # what the drawing thread hands over, nothing run
+        for item in items:
+            drawn.append(item[1:])
+            yield item, Outcome()
+
+    monkeypatch.setattr(fuzzing, "one_behind_the_other", drawing)
+    fuzz(targets.PARALLEL, examples=12, world_sizes=(2, 3), seed=5)
+    assert drawn == ran
+
+
+def test_the_first_failure_is_drawn_again_and_shrunk():
+    result = fuzz(by_name("NoDivide").target, examples=50, world_sizes=(2,), seed=1)
+    assert result.found and "intermittent" not in str(result.error)
+    # shrinking ran examples beyond the first failure: the second run reached and reproduced it
+    assert result.examples > result.first_failure
+
+
+def test_a_failure_that_does_not_fail_again_is_reported_as_intermittent():
+    result = fuzz(FAILS_ONLY_THE_FIRST_TIME, examples=5, world_sizes=(1,), seed=2)
+    assert result.found and result.first_failure == 1
+    assert "intermittent" in str(result.error)
