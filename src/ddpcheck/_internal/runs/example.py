@@ -89,8 +89,12 @@ def check_example_keeping_reference(target: Target, scenario: Scenario, world_si
             return _check_in_two_worlds(target, scenario, world_size, deadline=deadline,
                                         reference=reference, name=name, checks=checks,
                                         device=device, backend=backend)
-        launched = launch(target, scenario, world_size, deadline=deadline, name=name,
-                          checks=checks, device=device, backend=backend)
+        checks = admit(target, scenario, world_size, checks=checks, device=device,
+                       backend=backend)
+        # inline, as above: a world that cannot start raises WorldStartError
+        world = get_world(world_size, backend=backend, device=device)
+        launched = _submit(world, target, scenario, world_size, deadline, name, checks, device,
+                           backend)
         reference = _reference_meanwhile(launched.pending, reference, scenario)
         return judge(launched, reference), reference
 
@@ -135,6 +139,11 @@ def launch(target: Target, scenario: Scenario, world_size: int, *,
     checks = admit(target, scenario, world_size, checks=checks, device=device, backend=backend)
     # a world that cannot start raises WorldStartError
     world = get_world(world_size, backend=backend, device=device)
+    return _submit(world, target, scenario, world_size, deadline, name, checks, device, backend)
+
+
+def _submit(world: Any, target: Target, scenario: Scenario, world_size: int, deadline: float,
+            name: str | None, checks: frozenset, device: str, backend: str | None) -> Launched:
     pending = world.submit(run_example_packed, target, scenario, deadline=deadline,
                            what=f"example {name or 'scenario'}")
     return Launched(target, scenario, world_size, world, pending, checks, name, device, backend)

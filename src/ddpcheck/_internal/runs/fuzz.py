@@ -76,10 +76,15 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     it costs no example of the budget -- until :data:`GIVE_UP_AFTER_DECLINED` (or twice
     ``examples``) were, with none run.
     ``device``/``backend``: where the ranks compute (as for ``ddpcheck.assert_equivalent``).
-    ``shrink=False`` reports the first failure as drawn (Hypothesis replays it once), for a
+    ``shrink=False`` reports the first failure as drawn, without running it again, for a
     caller that needs the verdict, not a minimal counterexample: a failure that kills the world (a
     rank raised, hung or mismatched collectives) costs a new world and, for a mismatch, the
     seconds that prove it per shrinking step -- ~30 steps for a collective mismatch at W=2.
+
+    How (``docs/architecture.md``): the examples run one behind the other while Hypothesis
+    draws in a thread of its own (``runs.pipeline``); the first failure is shrunk by a second
+    Hypothesis run, which draws the same examples and runs from the failing one on -- it is
+    reported as intermittent if it passes there.
     """
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
         raise InvalidArgument(f"examples={examples!r} must be a positive integer")
