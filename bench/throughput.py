@@ -57,17 +57,18 @@ def _drawn(world_size: int, examples: int, seed: int) -> list:
     runs them, so Hypothesis draws exactly what it draws for ``ddpcheck check``."""
     from ddpcheck._internal.runs import fuzz as fuzzing
 
-    drawn, run = [], fuzzing.check_example
+    drawn, run = [], fuzzing.one_behind_the_other
 
-    def capture(target, scenario, size, **kwargs):
-        drawn.append(scenario)
-        return run(target, scenario, size, **kwargs)
+    def capture(target, items, **kwargs):
+        for item, outcome in run(target, items, **kwargs):
+            drawn.append(item[2])
+            yield item, outcome
 
-    fuzzing.check_example = capture
+    fuzzing.one_behind_the_other = capture
     try:
         fuzzing.fuzz(targets.PARALLEL, examples=examples, world_sizes=(world_size,), seed=seed)
     finally:
-        fuzzing.check_example = run
+        fuzzing.one_behind_the_other = run
     return drawn
 
 

@@ -4,6 +4,8 @@ examples run one at a time."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ddpcheck import targets
@@ -71,3 +73,23 @@ def test_a_failure_that_does_not_fail_again_is_reported_as_intermittent():
     result = fuzz(FAILS_ONLY_THE_FIRST_TIME, examples=5, world_sizes=(1,), seed=2)
     assert result.found and result.first_failure == 1
     assert "intermittent" in str(result.error)
+
+
+class LeavesAThread(targets.ParallelTarget):
+    """Every example leaves a thread running in each rank: its world is replaced after it."""
+
+    def after_step(self, model, optimizer):
+        threading.Thread(target=threading.Event().wait, daemon=True).start()
+        return super().after_step(model, optimizer)
+
+
+LEAVES_A_THREAD = LeavesAThread()
+
+
+def test_an_example_queued_in_a_world_then_replaced_runs_again_in_a_new_one():
+    """Each example's world is replaced once it is judged, so the example queued behind it is
+    lost every time and runs again, alone, in a new world -- never judged from the old one, and
+    never out of order with the one queued next."""
+    result = fuzz(LEAVES_A_THREAD, examples=8, world_sizes=(2,), seed=4)
+    assert not result.found and result.examples == 8, result
+    assert any("new world" in note for note in result.notes), result.notes

@@ -195,7 +195,7 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
                 return  # before the failing example: drawn and decided as it was above
             replay.reached = True
             if item != replay.failing:  # Hypothesis drew otherwise: keep the failure as found
-                replay.done = True
+                replay.done = replay.drew_otherwise = True
                 return
             world_size, scenario = item
         else:  # a shrinking step (drawn even when done: a choice sequence draws the same)
@@ -256,8 +256,9 @@ class _Tally:
 
 
 class _Generation:
-    """Hypothesis drawing examples in a thread of its own, at most one ahead of the caller, so
-    drawing and deciding the next example overlaps with the ranks running this one. Its test
+    """Hypothesis drawing examples in a thread of its own, a draw or two ahead of the caller
+    (declined draws do not count), so drawing and deciding the next example overlaps with the
+    ranks running this one. Its test
     function only draws (``drawn``): what Hypothesis draws next depends on nothing an example
     does when run, so a second run with the same seed draws the same examples (``_Replay``)."""
 
@@ -331,13 +332,15 @@ class _Replay:
     index: int
     failing: tuple[int, Any]
     tally: _Tally = dataclasses.field(default_factory=_Tally)
-    reached: bool = False  # the failing example was drawn again
-    reproduced: bool = False  # ... and failed again
+    reached: bool = False  # the failing example's index was drawn again
+    drew_otherwise: bool = False  # ... but not the failing example (not expected to happen)
+    reproduced: bool = False  # ... and it failed again
     done: bool = False  # nothing more to run: drew otherwise, or the failure did not reproduce
 
     @property
     def failing_passed(self) -> bool:
-        return self.reached and self.done and not self.reproduced
+        """The failing example ran again and passed: intermittent."""
+        return self.reached and self.done and not self.reproduced and not self.drew_otherwise
 
 
 def terminal_progress(total: int, stream: Any = None) -> Callable[[int, float], None] | None:

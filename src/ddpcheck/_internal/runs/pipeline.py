@@ -5,7 +5,7 @@ Why: run one at a time, an example's checking-process work -- admitting it, subm
 unpacking and comparing what came back -- ran while the ranks waited, a third of a random
 example's wall time at W=2 (``bench/throughput.py``). Here example k+1 is queued in the ranks'
 pipes before example k is judged (``World.submit`` queues one task), so each rank starts it as
-soon as it has answered k.
+soon as it has answered k; an example of another world size runs beside it, in its own world.
 
 Invariant: every example gets the verdict :func:`check_example` would give it, in the order the
 examples came, and nothing is judged from a process a previous example left unfit: an example
@@ -48,38 +48,50 @@ def one_behind_the_other(target: Any, items: Iterable[tuple[Any, int, Any]], *, 
     running: tuple | None = None  # (item, Launched, reference or the ScenarioError it raised)
     queued: list = []  # launched, not yet judged: abandoned if the caller stops
     options = dict(deadline=deadline, device=device, backend=backend)
+    iterator = iter(items)
+
+    def judge_running() -> Iterator[tuple[tuple[Any, int, Any], Outcome]]:
+        nonlocal running
+        if running is not None:
+            finished, running = running, None
+            yield finished[0], _judged(target, finished, options)
+            queued.remove(finished[1])
+
     try:
         with _beside_the_ranks():
-            for item in items:
+            while True:
+                if running is not None and running[1].pending.lost:
+                    # its world was replaced as the one before was judged: it runs again now,
+                    # alone, before anything else is queued behind it
+                    yield from judge_running()
+                try:
+                    item = next(iterator, None)
+                except Exception:  # the next draw failed: the example before is judged first
+                    yield from judge_running()
+                    raise
+                if item is None:
+                    break
                 _, world_size, scenario = item
                 if scenario.checkpoint_after is not None:  # its second world needs the first's
-                    if running is not None:
-                        finished, running = running, None
-                        yield finished[0], _judged(target, finished, options)
+                    yield from judge_running()
                     yield item, _alone(target, scenario, world_size, options)
                     continue
                 try:
                     launched = launch(target, scenario, world_size, **options)
-                except (ScenarioError, NothingChecked) as exc:  # refused before any world ran
-                    if running is not None:
-                        finished, running = running, None
-                        yield finished[0], _judged(target, finished, options)
+                except Exception as exc:  # refused before any world ran
+                    yield from judge_running()  # ... the example before is judged first
+                    if not isinstance(exc, (ScenarioError, NothingChecked)):
+                        raise
                     yield item, _skipped(exc)
                     continue
                 queued.append(launched)
-                if running is not None:  # judged while the ranks run the one just launched
-                    finished, running = running, None
-                    yield finished[0], _judged(target, finished, options)
-                    queued.remove(finished[1])
+                yield from judge_running()  # judged while the ranks run the one just launched
                 try:
                     reference: Any = prepare_reference(scenario)
                 except ScenarioError as exc:  # collected, then skipped: the world stays usable
                     reference = exc
                 running = (item, launched, reference)
-            if running is not None:
-                finished, running = running, None
-                yield finished[0], _judged(target, finished, options)
-                queued.remove(finished[1])
+            yield from judge_running()
     finally:
         for launched in queued:
             launched.pending.abandon()

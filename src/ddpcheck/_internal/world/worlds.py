@@ -483,7 +483,10 @@ class World:
         if not pending and kind == "refused" and all(
                 s.status in ("returned", "refused", "unfit") for s in states.values()):
             failure = self._failure(kind, [states[r] for r in range(n)], what, slot)
-            if replacing:  # every rank answered: the world can serve the next task
+            # every rank answered: the world can serve the next task -- unless one is queued,
+            # which a rank that refused early may have started while its peers still issued
+            # this task's collectives
+            if replacing or len(self._in_flight) > 1:
                 self.kill()
             raise failure
         dumps = dump_stacks(self._procs, self._stacks, sorted(pending))
@@ -543,6 +546,7 @@ class World:
 
 class _Lender(threading.local):
     lock: Any = None
+    held = False  # this thread holds the lock now
 
 
 _lender = _Lender()
@@ -554,27 +558,32 @@ def lending_waits(lock: Any) -> Iterator[None]:
     answer, when it does nothing else: a thread whose work must not interleave with this one's
     (torch's global random generator, the caller's own hooks) gets those waits (``runs.fuzz``
     draws the next example there). Also lends the waits of :func:`released`."""
-    previous, _lender.lock = _lender.lock, lock
-    lock.acquire()
+    previous = (_lender.lock, _lender.held)
+    _lender.lock, _lender.held = lock, False
     try:
+        lock.acquire()
+        _lender.held = True
         yield
     finally:
-        lock.release()
-        _lender.lock = previous
+        if _lender.held:  # not when Ctrl-C came while it was taken back (released)
+            lock.release()
+        _lender.lock, _lender.held = previous
 
 
 @contextlib.contextmanager
 def released() -> Iterator[None]:
     """Inside :func:`lending_waits`: its lock released for the block (a wait of the caller's)."""
     lock = _lender.lock
-    if lock is None:
+    if lock is None or not _lender.held:
         yield
         return
+    _lender.held = False
     lock.release()
     try:
         yield
     finally:
-        lock.acquire()
+        lock.acquire()  # a Ctrl-C here leaves it released, and lending_waits knows
+        _lender.held = True
 
 
 
