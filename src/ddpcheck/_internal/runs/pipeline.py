@@ -11,13 +11,14 @@ Invariant: every example gets the verdict :func:`check_example` would give it, i
 examples came, and nothing is judged from a process a previous example left unfit: an example
 queued in a world that was then replaced (``TaskLost``) runs again, alone, in a fresh one. A
 scenario that resumes from a checkpoint (two worlds, the second needing the first's checkpoint)
-runs alone too. The caller stops at the first failure by closing the generator: whatever is
-still in flight is abandoned with its world.
+runs alone too. The caller stops at the first failure by closing the generator: what is still
+queued is let finish and dropped (or its world killed, if it takes longer than ``DISCARD_WAIT``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Iterable, Iterator
 
 from ddpcheck._internal.runs.example import (_beside_the_ranks, check_example, judge, launch,
@@ -92,9 +93,30 @@ def one_behind_the_other(target: Any, items: Iterable[tuple[Any, int, Any]], *, 
                     reference = exc
                 running = (item, launched, reference)
             yield from judge_running()
+    except GeneratorExit:  # the caller stopped (a failure): what is queued is let finish
+        for launched in queued:
+            _discard(launched.pending)
+        raise
     finally:
         for launched in queued:
             launched.pending.abandon()
+
+
+#: Seconds an example queued behind a failure may take to finish before its world is killed
+#: instead: collecting and dropping it keeps the world for the failure's shrinking (a new world
+#: costs ~0.3 s); an example that would hang does not hold the caller up longer than this.
+DISCARD_WAIT = 2.0
+
+
+def _discard(pending: Any) -> None:
+    """Collect a queued example nobody will judge, within :data:`DISCARD_WAIT`."""
+    if pending.lost or pending.done:
+        return
+    pending.end = min(pending.end, time.monotonic() + DISCARD_WAIT)
+    try:
+        pending.collect()
+    except (WorldFailure, TaskLost):  # its world was replaced: nothing left to drop
+        pass
 
 
 def _judged(target: Any, running: tuple, options: dict) -> Outcome:

@@ -602,6 +602,11 @@ class Pending:
         self.lost = False  # the world was replaced before this task was collected
         self._done = False
 
+    @property
+    def done(self) -> bool:
+        """Collected (or abandoned) already."""
+        return self._done
+
     def start_clock(self) -> None:
         """The task before this one was collected: this one runs now, its deadline from here."""
         if self.end == math.inf:
