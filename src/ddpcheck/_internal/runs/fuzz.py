@@ -150,7 +150,7 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
                              drawn)
     count, first, failing = 0, None, None
     try:
-        # closing: a failure stops it, abandoning what is still in flight
+        # closing: a failure stops it (what is still queued is let finish and dropped)
         with lending_waits(generation.lock), contextlib.closing(one_behind_the_other(
                 target, generation.items(), deadline=deadline, device=device,
                 backend=backend)) as examples_run:
