@@ -313,13 +313,15 @@ class World:
         never ran in a fit world: its ``collect`` raises :class:`TaskLost`, and the caller runs it
         again."""
         check_deadline("deadline", deadline)
-        if self._in_flight:
-            return self._queue(fn, args, deadline, what)
-        if self._alive and any(p.exitcode is not None for p in self._procs):
+        queued = bool(self._in_flight)  # behind the running task: the world is alive and busy
+        if queued and len(self._in_flight) >= SEQUENCE_SLOTS:
+            raise RuntimeError(f"{self!r} runs one task and queues one: collect before "
+                               "submitting a third")
+        if not queued and self._alive and any(p.exitcode is not None for p in self._procs):
             # A rank died *between* tasks (gloo's teardown race can SIGABRT an idle rank, see
             # docs/platform.md): no task of ours was running, so blame none -- start afresh.
             self.kill()
-        stale = changed(self._sources) if self._alive else []
+        stale = changed(self._sources) if self._alive and not queued else []
         if stale:  # the ranks hold code that no longer exists on disk
             announce(stale)
             self.kill()
@@ -331,23 +333,13 @@ class World:
         elif self._booting is not None:  # launched: wait for the ranks to join
             self._await_start()
         self._path.update(added)
-        for path in self._stacks:
-            open(path, "w").close()
-        return self._send_task(payload, added, fn, deadline, what)
+        if not queued:
+            for path in self._stacks:
+                open(path, "w").close()
+        return self._send_task(payload, fn, deadline, what)
 
-    def _queue(self, fn: Callable[..., Any], args: tuple, deadline: float,
-               what: str | None) -> "Pending":
-        """A task behind the one running (see :meth:`submit`)."""
-        if len(self._in_flight) >= SEQUENCE_SLOTS:
-            raise RuntimeError(f"{self!r} runs one task and queues one: collect before "
-                               "submitting a third")
-        added = [p for p in sys.path if p not in self._path]
-        payload = pickle_task(fn, args, added)
-        self._path.update(added)
-        return self._send_task(payload, added, fn, deadline, what)
-
-    def _send_task(self, payload: bytes, added: list[str], fn: Callable[..., Any],
-                   deadline: float, what: str | None) -> "Pending":
+    def _send_task(self, payload: bytes, fn: Callable[..., Any], deadline: float,
+                   what: str | None) -> "Pending":
         slot = self._runs % SEQUENCE_SLOTS
         self._runs += 1
         # Empty here, before any rank starts this task: a slow rank's file must not show an
