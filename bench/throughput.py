@@ -85,7 +85,7 @@ def _ranks_alone(world_size: int, scenarios: list) -> float:
             get_world(world_size).run(run_example_packed, targets.PARALLEL, scenario)
         else:  # a reference given: none is computed
             run_in_two_worlds(targets.PARALLEL, scenario, world_size, deadline=60.0,
-                              what="ranks alone", reference=False)
+                              name="ranks alone", reference=False)
     return (time.perf_counter() - started) / len(scenarios)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from ddpcheck import targets
@@ -93,3 +94,51 @@ def test_an_example_queued_in_a_world_then_replaced_runs_again_in_a_new_one():
     result = fuzz(LEAVES_A_THREAD, examples=8, world_sizes=(2,), seed=4)
     assert not result.found and result.examples == 8, result
     assert any("new world" in note for note in result.notes), result.notes
+
+
+def test_checkpoint_examples_run_in_halves_behind_each_other_with_the_verdicts_of_one_alone(
+        monkeypatch):
+    """A scenario with ``checkpoint_after`` is queued like any other: its second half is
+    submitted once its reference is computed, before the next example is launched (which then
+    runs behind it, or beside it in the resumed world of another size) -- and every example gets
+    the verdict it gets alone: a pass, a resumed world's rank failure, a checkpoint bug's rows."""
+    from ddpcheck._internal.runs import example, pipeline
+    from ddpcheck.battery import BATTERY
+    from ddpcheck.errors import EquivalenceError
+    from tests.runs.test_checkpoint import LoadFailsOnRank1, _resumed
+
+    calls = []
+    for name in ("launch", "resume"):
+        real = getattr(pipeline, name)
+
+        def recording(launched_or_target, *args, _real=real, _name=name, **kwargs):
+            calls.append(_name if _name == "launch" else
+                         f"resume {launched_or_target.resumes}")
+            return _real(launched_or_target, *args, **kwargs)
+
+        monkeypatch.setattr(pipeline, name, recording)
+    plain = dict(BATTERY)["mlp-sgd"]
+    items = [(0, 2, _resumed(at=3)), (1, 2, plain), (2, 2, _resumed(at=None)), (3, 2, plain)]
+
+    def verdicts(target):
+        out = []
+        for _, outcome in pipeline.one_behind_the_other(target, items, deadline=60.0):
+            assert outcome.skipped is None, outcome
+            out.append(None if outcome.error is None else
+                       [(r.step, r.world_size, r.rank, r.kind) for r in outcome.error.divergences])
+        return out
+
+    assert verdicts(targets.PARALLEL) == [None] * 4
+    # each checkpoint example resumed right after its reference, before the next one launched
+    assert calls == ["launch", "resume True", "launch", "resume False"] * 2
+    # a rank of the resumed world fails (its world is replaced, and the example queued behind
+    # it runs again in a new one), as check_example reports it alone (test_checkpoint.py)
+    assert verdicts(LoadFailsOnRank1()) == [[("-", 3, 1, "rank failed")], None,
+                                            [("-", 2, 1, "rank failed")], None]
+    forgets = by_name("ForgetsScheduler").target
+    alone = []
+    for _, world_size, scenario in items[:3:2]:
+        with pytest.raises(EquivalenceError) as caught:
+            example.check_example(forgets, scenario, world_size)
+        alone.append([(r.step, r.world_size, r.rank, r.kind) for r in caught.value.divergences])
+    assert verdicts(forgets) == [alone[0], None, alone[1], None]

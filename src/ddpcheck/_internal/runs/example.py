@@ -3,9 +3,9 @@
 Invariant: :func:`check_example` refuses what is not the target's fault before any world runs (a
 target that cannot travel or be replayed, a declined scenario, a malformed batch plan, a scenario
 the oracle cannot judge), runs the example on every rank of the persistent world -- or, for a
-scenario with ``checkpoint_after``, saves in one world and resumes in another
-(:func:`run_in_two_worlds`) -- and hands what came back to :func:`verdict`, the one judgement
-spawned worlds and torchrun share: collective sequences first, then the oracle against the
+scenario with ``checkpoint_after``, saves in one world and resumes in another (:func:`launch`,
+then :func:`resume`) -- and hands what came back to :func:`verdict`, the one judgement spawned
+worlds and torchrun share: collective sequences first, then the oracle against the
 full-batch reference. It raises :class:`ddpcheck.EquivalenceError` (with its replay line) only for
 the target's fault.
 """
@@ -30,7 +30,7 @@ from ddpcheck._internal.rank.runner import run_example_packed
 from ddpcheck._internal.rank.transport import unpack
 from ddpcheck._internal.runs.replay import replay_command, verify_replayable
 from ddpcheck._internal.world import sequences
-from ddpcheck._internal.world.worlds import Pending, WorldFailure, get_world
+from ddpcheck._internal.world.worlds import Pending, TaskLost, WorldFailure, get_world
 from ddpcheck.batches import check_plans
 from ddpcheck.errors import (DdpcheckError, Divergence, EquivalenceError, InvalidArgument,
                              NothingChecked, ScenarioError)
@@ -40,7 +40,7 @@ from ddpcheck.targets import Target
 
 __all__ = ["Launched", "admit", "check_batch_plans", "check_example",
            "check_example_keeping_reference", "check_target", "judge", "launch", "note_example",
-           "prepare_reference", "run_in_two_worlds", "verdict"]
+           "prepare_reference", "resume", "run_in_two_worlds", "verdict"]
 
 #: Examples run in this process (the pytest plugin prints the total at the end of a session).
 EXAMPLES_RUN = 0
@@ -77,18 +77,14 @@ def check_example_keeping_reference(target: Target, scenario: Scenario, world_si
     ``ddpcheck._internal.oracle.compare.CHECKS`` (default: all of them). An example the target
     declines (``supports``, ``supported_features``, or a default hook that cannot serve it, found in
     the ranks) raises :class:`NothingChecked`. A scenario with ``checkpoint_after`` saves in this
-    world and resumes in the persistent world of ``resume_world_size`` (:func:`run_in_two_worlds`),
-    judged by ``compare_resumed``. ``device``/``backend``: where the ranks compute (as for
+    world and resumes in the persistent world of ``resume_world_size`` (:func:`resume`), judged
+    by ``compare_resumed``. ``device``/``backend``: where the ranks compute (as for
     ``ddpcheck.assert_equivalent``).
 
     Numbers first: the records are compared before anything the ranks report about their
     processes, so a rank left unfit (a global module hook: ``World.unfit``) is reported only
     when every number holds -- a bug in the numbers is never hidden behind it."""
     with _beside_the_ranks():  # inline, not a frame more in every traceback
-        if scenario.checkpoint_after is not None:  # save in this world, resume in another
-            return _check_in_two_worlds(target, scenario, world_size, deadline=deadline,
-                                        reference=reference, name=name, checks=checks,
-                                        device=device, backend=backend)
         checks = admit(target, scenario, world_size, checks=checks, device=device,
                        backend=backend)
         # inline, as above: a world that cannot start raises WorldStartError
@@ -102,7 +98,11 @@ def check_example_keeping_reference(target: Target, scenario: Scenario, world_si
 @dataclasses.dataclass
 class Launched:
     """An example admitted and submitted to its world's ranks (:func:`launch`), to be judged
-    by :func:`judge` once they answer."""
+    by :func:`judge` once they answer.
+
+    A scenario with ``checkpoint_after`` runs in two halves: ``pending`` is first the steps up to
+    the checkpoint in ``world``; :func:`resume` collects them (``saved``) and makes ``pending``
+    the rest, submitted to ``resumed_world``."""
 
     target: Any
     scenario: Scenario
@@ -113,6 +113,15 @@ class Launched:
     name: str | None
     device: str
     backend: str | None
+    deadline: float = DEFAULT_DEADLINE
+    #: the first half's (records, collective sequences) once resumed, or the WorldFailure or
+    #: TaskLost collecting it raised -- raised again when the example is judged
+    saved: Any = None
+    resumed_world: Any = None
+
+    @property
+    def resumes(self) -> bool:
+        return self.scenario.checkpoint_after is not None
 
 
 def admit(target: Target, scenario: Scenario, world_size: int, *, checks: Any = None,
@@ -126,7 +135,11 @@ def admit(target: Target, scenario: Scenario, world_size: int, *, checks: Any = 
     why = declines(target, scenario, world_size)
     if why is not None:  # running it would blame the target for what it never claimed
         raise NothingChecked(f"{type(target).__name__} declines this example: {why}")
-    for size in dict.fromkeys((world_size, scenario.resume_world_size or world_size)):
+    resumed_at = scenario.resume_world_size or world_size
+    if scenario.checkpoint_after is not None:
+        check_fits_machine((resumed_at,), flag="resume_world_size")
+        check_fits(device, (resumed_at,), backend)  # GPUs for the resumed world too
+    for size in dict.fromkeys((world_size, resumed_at)):
         check_batch_plans(target, scenario, size)  # a resumed world's plans too
     return checks
 
@@ -134,8 +147,9 @@ def admit(target: Target, scenario: Scenario, world_size: int, *, checks: Any = 
 def launch(target: Target, scenario: Scenario, world_size: int, *,
            deadline: float = DEFAULT_DEADLINE, name: str | None = None, checks: Any = None,
            device: str = "cpu", backend: str | None = None) -> Launched:
-    """Admit an example of one world (no ``checkpoint_after``) and submit it to the persistent
-    world's ranks -- queued behind a task still running there (``World.submit``)."""
+    """Admit an example and submit it to the persistent world's ranks -- queued behind a task
+    still running there (``World.submit``); for a scenario with ``checkpoint_after``, its steps
+    up to the checkpoint (:func:`resume` submits the rest)."""
     checks = admit(target, scenario, world_size, checks=checks, device=device, backend=backend)
     # a world that cannot start raises WorldStartError
     world = get_world(world_size, backend=backend, device=device)
@@ -144,9 +158,41 @@ def launch(target: Target, scenario: Scenario, world_size: int, *,
 
 def _submit(world: Any, target: Target, scenario: Scenario, world_size: int, deadline: float,
             name: str | None, checks: frozenset, device: str, backend: str | None) -> Launched:
-    pending = world.submit(run_example_packed, target, scenario, deadline=deadline,
-                           what=f"example {name or 'scenario'}")
-    return Launched(target, scenario, world_size, world, pending, checks, name, device, backend)
+    pending = _submit_part(world, target, scenario, deadline, name, "until checkpoint", None) \
+        if scenario.checkpoint_after is not None else \
+        world.submit(run_example_packed, target, scenario, deadline=deadline,
+                     what=f"example {name or 'scenario'}")
+    return Launched(target, scenario, world_size, world, pending, checks, name, device, backend,
+                    deadline)
+
+
+def _submit_part(world: Any, target: Any, scenario: Scenario, deadline: float,
+                 name: str | None, part: str, checkpoint: Any) -> Pending:
+    """Submit one half of a scenario with ``checkpoint_after`` (``run_example_packed``'s
+    ``part``)."""
+    when = "until its checkpoint" if part == "until checkpoint" else "resumed from its checkpoint"
+    return world.submit(run_example_packed, target, scenario, part, checkpoint,
+                        deadline=deadline, what=f"example {name or 'scenario'} {when}")
+
+
+def resume(launched: Launched) -> None:
+    """For a scenario with ``checkpoint_after``: collect the steps up to the checkpoint and submit
+    the rest to the persistent world of ``resume_world_size``, which loads rank 0's checkpoint.
+    Once; nothing for any other example. A failure collecting the first half is kept for
+    :func:`judge` (the verdict is judged in order, with the example's other evidence)."""
+    if not launched.resumes or launched.saved is not None:
+        return
+    try:
+        saved = [unpack(p) for p in launched.pending.collect()]
+    except (WorldFailure, TaskLost) as exc:
+        launched.saved = exc
+        return
+    launched.saved = ([record for record, _ in saved], launched.world.collective_sequences())
+    scenario = launched.scenario
+    launched.resumed_world = get_world(scenario.resume_world_size or launched.world_size,
+                                       backend=launched.backend, device=launched.device)
+    launched.pending = _submit_part(launched.resumed_world, launched.target, scenario,
+                                    launched.deadline, launched.name, "resumed", saved[0][1])
 
 
 def judge(launched: Launched, reference: Any) -> tuple[str, ...]:
@@ -156,9 +202,11 @@ def judge(launched: Launched, reference: Any) -> tuple[str, ...]:
     ran in a fit world."""
     world = launched.world
 
-    def collected() -> tuple[list, list, list, Any]:
-        records = [unpack(p) for p in launched.pending.collect()]
-        return records, world.collective_sequences(), [world], reference
+    def collected() -> tuple[Any, Any, list, Any]:
+        if not launched.resumes:
+            records = [unpack(p) for p in launched.pending.collect()]
+            return records, world.collective_sequences(), [world], reference
+        return (*_both_halves(launched), reference)
 
     return _judged(launched.target, launched.scenario, launched.world_size, collected,
                    launched.checks, [world], name=launched.name, device=launched.device,
@@ -200,24 +248,6 @@ def _after_the_numbers(error: EquivalenceError | None, target: Any, scenario: Sc
     elif error is None and any(used.unfit for used in worlds):
         error = verdict(target, scenario, world_size, unfit=worlds, **common)
     return error
-
-
-def _check_in_two_worlds(target: Target, scenario: Scenario, world_size: int, *,
-                         deadline: float, reference: Any, name: str | None, checks: Any,
-                         device: str, backend: str | None) -> tuple[tuple[str, ...], Any]:
-    """:func:`check_example_keeping_reference` for a scenario that saves in one world and
-    resumes in another."""
-    checks = admit(target, scenario, world_size, checks=checks, device=device, backend=backend)
-    # a world that cannot start raises WorldStartError
-    worlds = [get_world(world_size, backend=backend, device=device)]
-
-    def collected() -> tuple[Any, Any, list, Any]:
-        return run_in_two_worlds(target, scenario, world_size, deadline=deadline,
-                                 what=f"example {name or 'scenario'}", device=device,
-                                 backend=backend, reference=reference)
-
-    return _judged(target, scenario, world_size, collected, checks, worlds, name=name,
-                   device=device, backend=backend)
 
 
 @contextlib.contextmanager
@@ -406,27 +436,29 @@ def check_target(target: Any) -> None:
 
 
 def run_in_two_worlds(target: Any, scenario: Any, world_size: int, *, deadline: float,
-                      what: str, device: str = "cpu", backend: str | None = None,
+                      name: str | None = None, device: str = "cpu", backend: str | None = None,
                       reference: Any = None) -> tuple[tuple[list, list], tuple[list, list],
                                                        list, Any]:
     """``((records before, records after), (their collective sequences), the two worlds, the
-    reference)``: the steps up to the checkpoint in the world of ``world_size``, the rest in the
-    world of ``resume_world_size``; both compute on ``device`` over ``backend``
-    (``check_example``'s). The reference (when not given) is computed while the first world
-    trains."""
-    resumed_size = scenario.resume_world_size or world_size
-    check_fits_machine((resumed_size,), flag="resume_world_size")
-    check_fits(device, (resumed_size,), backend)  # GPUs for the resumed world too
+    reference)``, unjudged and not admitted: the steps up to the checkpoint in the world of
+    ``world_size``, the rest in the world of ``resume_world_size``; both compute on ``device``
+    over ``backend``. The reference (when not given) is computed while the first world trains.
+    A rank's failure raises ``WorldFailure``."""
     world = get_world(world_size, backend=backend, device=device)
-    pending = world.submit(run_example_packed, target, scenario, "until checkpoint", None,
-                           deadline=deadline, what=f"{what} until its checkpoint")
-    reference = _reference_meanwhile(pending, reference, scenario)
-    saved = [unpack(p) for p in pending.collect()]
-    sequences = world.collective_sequences()
-    checkpoint = saved[0][1]
-    resumed_world = get_world(resumed_size, backend=backend, device=device)
-    resumed = [unpack(p) for p in resumed_world.run(run_example_packed, target, scenario,
-                                                    "resumed", checkpoint, deadline=deadline,
-                                                    what=f"{what} resumed from its checkpoint")]
-    return (([record for record, _ in saved], resumed),
-            (sequences, resumed_world.collective_sequences()), [world, resumed_world], reference)
+    launched = Launched(target, scenario, world_size, world,
+                        _submit_part(world, target, scenario, deadline, name, "until checkpoint",
+                                     None), frozenset(), name, device, backend, deadline)
+    reference = _reference_meanwhile(launched.pending, reference, scenario)
+    return (*_both_halves(launched), reference)
+
+
+def _both_halves(launched: Launched) -> tuple[tuple[list, list], tuple[list, list], list]:
+    """``((records before, records after), (their collective sequences), the two worlds)`` of a
+    launched scenario with ``checkpoint_after``, resumed here if it was not yet."""
+    resume(launched)
+    if isinstance(launched.saved, BaseException):
+        raise launched.saved
+    (saved, sequences), resumed_world = launched.saved, launched.resumed_world
+    resumed = [unpack(p) for p in launched.pending.collect()]
+    return ((saved, resumed), (sequences, resumed_world.collective_sequences()),
+            [launched.world, resumed_world])

@@ -10,8 +10,10 @@ soon as it has answered k; an example of another world size runs beside it, in i
 Invariant: every example gets the verdict :func:`check_example` would give it, in the order the
 examples came, and nothing is judged from a process a previous example left unfit: an example
 queued in a world that was then replaced (``TaskLost``) runs again, alone, in a fresh one. A
-scenario that resumes from a checkpoint (two worlds, the second needing the first's checkpoint)
-runs alone too. The caller stops at the first failure by closing the generator: what is still
+scenario that resumes from a checkpoint runs in two halves, the second needing the first's
+checkpoint: its first half is queued like any example, and its second is submitted
+(``example.resume``) once its reference is computed, so the next example runs behind it (or
+beside it, in a world of another size) while it is judged. The caller stops at the first failure by closing the generator: what is still
 queued is let finish and dropped (or its world killed, if it takes longer than ``DISCARD_WAIT``).
 """
 
@@ -22,7 +24,7 @@ import time
 from typing import Any, Iterable, Iterator
 
 from ddpcheck._internal.runs.example import (_beside_the_ranks, check_example, judge, launch,
-                                             prepare_reference)
+                                             prepare_reference, resume)
 from ddpcheck._internal.world.worlds import TaskLost, WorldFailure
 from ddpcheck.errors import EquivalenceError, NothingChecked, ScenarioError
 
@@ -73,10 +75,6 @@ def one_behind_the_other(target: Any, items: Iterable[tuple[Any, int, Any]], *, 
                 if item is None:
                     break
                 _, world_size, scenario = item
-                if scenario.checkpoint_after is not None:  # its second world needs the first's
-                    yield from judge_running()
-                    yield item, _alone(target, scenario, world_size, options)
-                    continue
                 try:
                     launched = launch(target, scenario, world_size, **options)
                 except Exception as exc:  # refused before any world ran
@@ -91,6 +89,8 @@ def one_behind_the_other(target: Any, items: Iterable[tuple[Any, int, Any]], *, 
                     reference: Any = prepare_reference(scenario)
                 except ScenarioError as exc:  # collected, then skipped: the world stays usable
                     reference = exc
+                else:  # a checkpoint's second half, now: the next example queues behind it
+                    resume(launched)
                 running = (item, launched, reference)
             yield from judge_running()
     except GeneratorExit:  # the caller stopped (a failure): what is queued is let finish
