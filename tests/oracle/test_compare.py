@@ -15,13 +15,16 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ddpcheck import targets, zoo
 from ddpcheck._internal.records import RankRecord, StepRecord
 from ddpcheck.errors import InvalidArgument
 from ddpcheck.errors import EquivalenceError
-from ddpcheck._internal.oracle.compare import (CHECKS, NON_FINITE, bitwise_equal, cannot_judge, compare,
-                             validate_checks)
+from ddpcheck._internal.oracle.compare import (CHECKS, NON_FINITE, _non_finite, bitwise_equal,
+                                              cannot_judge, compare, validate_checks)
+from ddpcheck._internal.oracle.tolerances import all_close, close
 from ddpcheck._internal.oracle.reference import Reference
 from ddpcheck.scenario import Scenario
 from tests.patience import patience
@@ -444,3 +447,67 @@ def test_control_scalars_may_be_narrower_but_a_gradient_shaped_reduction_may_not
     assert rows(call((1,)), call((2,))) == []  # the norm, the flags
     assert [r.kind for r in rows(call((4,)))] == [NARROWER] * 2  # the bias, 4 elements
     assert [r.kind for r in rows(call((5,)))] == [NARROWER] * 2  # more than the allowance
+
+
+# ---------------------------------------------------------------------------------------------
+# The one-pass comparison is never more lenient than the per-tensor one
+
+_ELEMENT = st.one_of(st.floats(-1e3, 1e3, width=32), st.sampled_from([NAN, INF, -INF, 0.0, -0.0]))
+
+
+@st.composite
+def _pairs(draw):
+    """(got, ref) pairs of a few tensors: equal, nudged by about the tolerance, or unrelated."""
+    pairs = []
+    for _ in range(draw(st.integers(1, 4))):
+        dtype = draw(st.sampled_from([torch.float64, torch.float32, torch.bfloat16]))
+        ref = torch.tensor(draw(st.lists(_ELEMENT, min_size=1, max_size=6)), dtype=dtype)
+        how = draw(st.sampled_from(["same", "nudged", "other"]))
+        if how == "same":
+            got = ref.clone()
+        elif how == "nudged":
+            scale = draw(st.sampled_from([1e-9, 1e-6, 1e-3, 1e-1]))
+            got = (ref.double() * (1 + scale) + scale).to(dtype)
+        else:
+            got = torch.tensor(draw(st.lists(_ELEMENT, min_size=ref.numel(),
+                                             max_size=ref.numel())), dtype=dtype)
+        pairs.append((got, ref))
+    return pairs
+
+
+@given(pairs=_pairs(), rtol=st.sampled_from([0.0, 1e-7, 1e-4, 1e-2]),
+       atol=st.sampled_from([0.0, 1e-9, 1e-5, 1e-2]))
+@settings(deadline=None)
+def test_all_close_passes_only_what_close_passes_one_by_one(pairs, rtol, atol):
+    if all_close(pairs, rtol, atol):
+        assert all(close(got, ref, rtol, atol) for got, ref in pairs)
+        assert not any(_non_finite(got) is not None and bool((_non_finite(got)
+                                                             & torch.isfinite(ref)).any())
+                       for got, ref in pairs)
+
+
+def test_all_close_declines_what_it_cannot_compare_in_one_pass():
+    w = _t(1.0, 2.0)
+    assert all_close([(w.clone(), w), (w.float(), w.float())], 1e-7, 0.0)
+    assert not all_close([(w.float(), w)], 1e-7, 0.0)  # dtypes differ
+    assert not all_close([(w[:1], w)], 1e-7, 0.0)  # shapes differ
+    assert not all_close([(None, w)], 1e-7, 0.0)
+    ints = torch.tensor([1, 2])
+    assert not all_close([(ints + 1, ints)], 1.0, 1.0)  # integers compare exactly, one by one
+
+
+def test_a_near_miss_among_many_tensors_is_still_found():
+    """One parameter of many off by more than the tolerance: the one pass fails, and the
+    per-tensor comparison names exactly that parameter."""
+    names = [f"p{i}" for i in range(12)]
+    params = {n: _t(1.0 + i, 2.0) for i, n in enumerate(names)}
+    off = {**params, "p7": params["p7"] + 1e-3}
+    reference = Reference(initial=params, steps=[StepRecord(grads={}, params=params, buffers={},
+                                                            state={})],
+                          gradient_bytes=0, gradient_numel=0, n_dtypes=1,
+                          compute_dtype=torch.float64)
+    records = [RankRecord(rank, dict(params), [StepRecord(grads={}, params=dict(off), buffers={},
+                                                          state={})], 0.0)
+               for rank in range(2)]
+    rows = compare(records, reference, Scenario(), targets.PARALLEL, {"reference"})
+    assert [(r.step, r.rank, r.name) for r in rows] == [(0, 0, "p7"), (0, 1, "p7")]
