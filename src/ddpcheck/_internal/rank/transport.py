@@ -31,6 +31,18 @@ class Packed:
     tree: Any  # the original structure, tensors replaced by _Slot
     buffers: dict[torch.dtype, torch.Tensor]  # (total numel,) per dtype
 
+    def __getstate__(self) -> dict:
+        # each buffer as its raw bytes: a pickled tensor goes through torch.save's machinery,
+        # 20x slower for a record's two buffers (0.22 ms against 0.01 ms, both sides together)
+        return {"tree": self.tree,
+                "raw": {dtype: t.contiguous().view(torch.uint8).numpy().tobytes()
+                        for dtype, t in self.buffers.items()}}
+
+    def __setstate__(self, state: dict) -> None:
+        self.tree = state["tree"]
+        self.buffers = {dtype: torch.frombuffer(bytearray(raw), dtype=dtype) if raw
+                        else torch.empty(0, dtype=dtype) for dtype, raw in state["raw"].items()}
+
 
 def _map(x: Any, leaf: type, fn: Any) -> Any:
     """``x`` with every ``leaf`` instance inside dicts, lists, tuples and dataclasses replaced
