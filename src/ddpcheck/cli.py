@@ -51,13 +51,15 @@ EXIT_CODES = (f"exit status: {ExitCode.OK:d} checked, nothing found; {ExitCode.F
               "counterexample in the target (printed with its replay line); "
               f"{ExitCode.SETUP:d} usage or set-up error, not the target's fault; "
               f"{ExitCode.NOTHING_CHECKED:d} nothing was checked (every example skipped or "
-              f"declined); {ExitCode.INTERNAL:d} an internal error of ddpcheck")
+              f"declined); {ExitCode.INTERNAL:d} an internal error of ddpcheck; "
+              f"{ExitCode.OUTPUT_CLOSED:d} its output was closed before it ended")
 SURVEY_EXIT_CODES = (f"exit status: {ExitCode.OK:d} every cell that ran passed; "
                      f"{ExitCode.FOUND:d} some cell failed (each a proven counterexample, with its "
                      f"replay line); {ExitCode.SETUP:d} usage or set-up error, not the target's "
                      "fault (a scenario the oracle cannot judge, too); "
                      f"{ExitCode.NOTHING_CHECKED:d} no cell ran; {ExitCode.INTERNAL:d} an "
-                     "internal error of ddpcheck")
+                     f"internal error of ddpcheck; {ExitCode.OUTPUT_CLOSED:d} its output was "
+                     "closed before it ended")
 
 
 #: What a target argument may be (``resolve_target``).
@@ -104,6 +106,9 @@ def command() -> NoReturn:
     waits for it). A caller of :func:`main` (tests, scripts) keeps its interpreter."""
     try:
         status = main()
+    except BrokenPipeError:  # the reader went away (`ddpcheck targets | head`): as SIGPIPE would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to say
+        status = ExitCode.OUTPUT_CLOSED
     except SystemExit as exc:  # argparse: --help, a usage error
         status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
         if not isinstance(exc.code, (int, type(None))):
@@ -148,6 +153,8 @@ def _outcome(command: str, run: Callable[[], ExitCode]) -> ExitCode:
     except DdpcheckError as exc:
         print(f"ddpcheck {command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:  # not a bug: the reader closed our output (``command``)
+        raise
     except Exception:  # ddpcheck's own bug: say so, and never with FOUND's status
         print(f"ddpcheck {command}: internal error (a bug in ddpcheck, not a verdict on the "
               f"target; please report it):\n{traceback.format_exc()}", file=sys.stderr)

@@ -47,6 +47,10 @@ class ExitCode(enum.IntEnum):
     INTERRUPTED = 130
     #: Terminated (SIGTERM): the same clean stop.
     TERMINATED = 143
+    #: Its output was closed before it ended (``ddpcheck ... | head``): the same clean stop, with
+    #: a shell's status for a command SIGPIPE stopped (128 + 13); no verdict reached the reader,
+    #: so none is claimed.
+    OUTPUT_CLOSED = 141
 
 
 class DdpcheckError(Exception):

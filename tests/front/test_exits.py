@@ -13,6 +13,7 @@ import pytest
 
 import ddpcheck
 from ddpcheck import targets
+from ddpcheck.errors import ExitCode
 from tests.patience import patience
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -175,3 +176,22 @@ def test_the_command_leaves_nothing_holding_its_output(args):
         proc.communicate()
     assert holders == [], f"still holding the command's output after it exited: {holders}"
     assert proc.returncode in (0, 2)
+
+
+@pytest.mark.parametrize("args", [("targets",), ("check", "--world-sizes", "1", "--examples",
+                                                  "1")], ids=["targets", "check"])
+def test_a_closed_output_is_a_clean_stop_not_an_internal_error(args):
+    """`ddpcheck targets | head` closes the pipe while the command still writes: that is the
+    reader's choice, not a bug in ddpcheck (it was INTERNAL, 4, with a traceback) and no verdict
+    (the table never reached anyone): the command stops as a SIGPIPE'd one would, 141, and
+    leaves no world behind. The reading end is closed before the command starts, so the first
+    line it writes finds no reader."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        out = subprocess.run([sys.executable, "-m", "ddpcheck", *args], cwd=ROOT, stdout=write,
+                             stderr=subprocess.PIPE, text=True, timeout=patience(120))
+    finally:
+        os.close(write)
+    assert out.returncode == ExitCode.OUTPUT_CLOSED == 141, out.stderr
+    assert "internal error" not in out.stderr and "Traceback" not in out.stderr, out.stderr
