@@ -13,8 +13,9 @@ queued in a world that was then replaced (``TaskLost``) runs again, alone, in a 
 scenario that resumes from a checkpoint runs in two halves, the second needing the first's
 checkpoint: its first half is queued like any example, and its second is submitted
 (``example.resume``) once its reference is computed, so the next example runs behind it (or
-beside it, in a world of another size) while it is judged. The caller stops at the first failure by closing the generator: what is still
-queued is let finish and dropped (or its world killed, if it takes longer than ``DISCARD_WAIT``).
+beside it, in a world of another size) while it is judged. The caller stops at the first
+failure by closing the generator: what is still queued is let finish and dropped (or its world
+killed, if it takes longer than ``DISCARD_WAIT``).
 """
 
 from __future__ import annotations
