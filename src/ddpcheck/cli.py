@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import select
 import signal
 import sys
 import threading
@@ -106,7 +107,8 @@ def command() -> NoReturn:
     waits for it). A caller of :func:`main` (tests, scripts) keeps its interpreter."""
     try:
         status = main()
-    except BrokenPipeError:  # the reader went away (`ddpcheck targets | head`): as SIGPIPE would
+    except BrokenPipeError:  # our output's reader went away (`ddpcheck targets | head`; the
+        # only way here: `_outcome` lets every other broken pipe be an internal error)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to say
         status = ExitCode.OUTPUT_CLOSED
     except SystemExit as exc:  # argparse: --help, a usage error
@@ -138,6 +140,17 @@ def _stop_resource_tracker() -> None:
             pass
 
 
+def _output_closed() -> bool:
+    """Whether this process's stdout is a pipe nobody reads any more (poll reports an error on
+    it): a broken pipe to a rank process is ddpcheck's own failure, not the reader's choice."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & (select.POLLERR | select.POLLHUP) for _, event in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), no file descriptor
+        return False
+
+
 def _outcome(command: str, run: Callable[[], ExitCode]) -> ExitCode:
     """Run a command and turn whatever it raises into its exit status, one line each."""
     # torch warns at import when numpy is missing; ddpcheck does not need numpy.
@@ -153,9 +166,9 @@ def _outcome(command: str, run: Callable[[], ExitCode]) -> ExitCode:
     except DdpcheckError as exc:
         print(f"ddpcheck {command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except BrokenPipeError:  # not a bug: the reader closed our output (``command``)
-        raise
-    except Exception:  # ddpcheck's own bug: say so, and never with FOUND's status
+    except Exception as exc:  # ddpcheck's own bug: say so, and never with FOUND's status
+        if isinstance(exc, BrokenPipeError) and _output_closed():
+            raise  # not a bug: the reader closed our output (``command``)
         print(f"ddpcheck {command}: internal error (a bug in ddpcheck, not a verdict on the "
               f"target; please report it):\n{traceback.format_exc()}", file=sys.stderr)
         return ExitCode.INTERNAL

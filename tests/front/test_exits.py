@@ -195,3 +195,21 @@ def test_a_closed_output_is_a_clean_stop_not_an_internal_error(args):
         os.close(write)
     assert out.returncode == ExitCode.OUTPUT_CLOSED == 141, out.stderr
     assert "internal error" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_broken_pipe_that_is_not_the_output_is_an_internal_error(capsys, monkeypatch):
+    """A pipe to a rank process breaking is ddpcheck's failure: only a closed *output* is the
+    reader's choice (its status is 141); anything else keeps INTERNAL and its traceback."""
+    from ddpcheck import cli
+
+    def breaks():
+        raise BrokenPipeError(32, "Broken pipe (a rank's)")
+
+    assert cli._outcome("check", breaks) == ExitCode.INTERNAL
+    assert "internal error" in capsys.readouterr().err
+    read, write = os.pipe()
+    with open(write, "w") as output:
+        monkeypatch.setattr(sys, "stdout", output)
+        assert not cli._output_closed()  # someone reads it
+        os.close(read)
+        assert cli._output_closed()  # nobody does any more
