@@ -107,8 +107,8 @@ def command() -> NoReturn:
     waits for it). A caller of :func:`main` (tests, scripts) keeps its interpreter."""
     try:
         status = main()
-    except BrokenPipeError:  # our output's reader went away (`ddpcheck targets | head`; the
-        # only way here: `_outcome` lets every other broken pipe be an internal error)
+    except BrokenPipeError:  # our output's reader went away (`ddpcheck targets | head`): a
+        # print failed (`_outcome` makes any other broken pipe an internal error)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to say
         status = ExitCode.OUTPUT_CLOSED
     except SystemExit as exc:  # argparse: --help, a usage error

@@ -374,10 +374,14 @@ def _compare_maps(step: Any, world_size: int, records: list[RankRecord], get: An
 def _all_close_map(got: dict, reference: dict, rtol: float, atol: float) -> bool:
     """True only when every tensor of ``reference`` is in ``got``, close (``all_close``), and
     every None there is None here: ``_compare_maps`` would find nothing."""
-    if any((got.get(name, "missing") is None) != (ref is None) for name, ref in reference.items()):
-        return False
-    return all_close([(got.get(name), ref) for name, ref in reference.items() if ref is not None],
-                     rtol, atol)
+    pairs = []
+    for name, ref in reference.items():
+        value = got.get(name, "missing")  # missing: no tensor, so all_close says no
+        if (value is None) != (ref is None):
+            return False
+        if ref is not None:
+            pairs.append((value, ref))
+    return all_close(pairs, rtol, atol)
 
 
 def _noise(reference: Reference, step: int, *fields: str) -> Any:

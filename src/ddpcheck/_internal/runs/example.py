@@ -445,9 +445,8 @@ def run_in_two_worlds(target: Any, scenario: Any, world_size: int, *, deadline: 
     over ``backend``. The reference (when not given) is computed while the first world trains.
     A rank's failure raises ``WorldFailure``."""
     world = get_world(world_size, backend=backend, device=device)
-    launched = Launched(target, scenario, world_size, world,
-                        _submit_part(world, target, scenario, deadline, name, "until checkpoint",
-                                     None), frozenset(), name, device, backend, deadline)
+    launched = _submit(world, target, scenario, world_size, deadline, name, frozenset(), device,
+                       backend)
     reference = _reference_meanwhile(launched.pending, reference, scenario)
     return (*_both_halves(launched), reference)
 
