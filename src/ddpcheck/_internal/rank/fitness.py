@@ -30,7 +30,8 @@ registries of ``torch.nn.modules.module`` and ``torch.optim.optimizer``, ``threa
 ``torch.get_num_threads()`` / ``get_num_interop_threads()``, grad mode, the default dtype, the
 process groups (``pg_map``) and the open file descriptors -- counted again after a
 ``gc.collect()`` before anything is reported, because a group a target destroyed may still be held
-by a reference cycle. Measured with torch 2.13: torch's DistributedDataParallel, ZeroRedundancy
+by a reference cycle (what start-up created is frozen, ``serve``: the collection scans only what
+tasks created). Measured with torch 2.13: torch's DistributedDataParallel, ZeroRedundancy
 Optimizer and ``parallel.DDP``/``ShardedOptimizer`` change none of these (file descriptors stay at
 15/16/17/18 at W=1/2/3/4). Cost of a clean check: 14-26 us per task in a lone process, 20-90 us
 with W ranks sharing 2 busy cores; more than half of it is listing ``/proc/self/fd``.
