@@ -3,7 +3,7 @@ worker.
 
 ``pytest -n auto`` hands tests out one by one (``--dist load``), so the tests of one module land on
 both workers and each worker computes the module's fixtures again: the wheel build of
-tests/front/test_wheel.py, the fuzzing and the replay commands of tests/targets/test_examples.py.
+tests/front/test_wheel.py, the fuzzing of tests/targets/test_examples.py.
 In a ``-n`` run with the default ``--dist load`` the tests listed in :data:`SHARED` go to one
 worker as a unit; every other test is still handed out one at a time, in collection order. (xdist's
 own ``xdist_group`` marker does not group here: with pytest 9 the worker's renamed test ids do
@@ -18,10 +18,10 @@ import pytest
 #: Test-id prefixes -> the group that runs on one worker: tests sharing a costly module fixture.
 SHARED = {
     "tests/front/test_wheel.py::": "wheel",  # `built`: the wheel and the sdist
-    # `replays`: three fuzz runs and their replay commands
+    # `fuzzed`: three fuzz runs, for their verdicts and their replay lines
     "tests/targets/test_examples.py::test_the_seeded_bug_is_found_by_random_examples":
-        "examples-replays",
-    "tests/targets/test_examples.py::test_the_replay_line_fails_the_same_way": "examples-replays",
+        "examples-fuzzed",
+    "tests/targets/test_examples.py::test_the_replay_line_fails_the_same_way": "examples-fuzzed",
 }
 
 

@@ -1,26 +1,23 @@
 """The worked examples of docs/your-own-ddp.md: three independent data-parallel implementations
 in ``examples/``, each with a target of at most 15 lines written against ddpcheck's public API
 only. Each correct ``TARGET`` passes the battery at W=2,3; each ``BUGGY`` (one seeded bug of
-docs/bug-catalogue.md) is found by random examples, and its replay line, run as a command, fails
-the same way (the three replays run in the background while the batteries run here). The guide
-shows each target exactly as written."""
+docs/bug-catalogue.md) is found by random examples, and its replay line fails the same way (run
+by the command line's entry point in this process, on the worlds the fuzzing warmed: that the line
+also runs as a process is tests/runs/test_replay.py's and the README's). The guide shows each
+target exactly as written."""
 
 from __future__ import annotations
 
 import ast
-import os
 import pathlib
 import shlex
-import subprocess
-import sys
 
 import pytest
 
 import ddpcheck
-from ddpcheck import features
+from ddpcheck import cli, features
 from ddpcheck._internal.runs.fuzz import fuzz
 from examples import explicit_finish, reset_after_step, sync_in_backward
-from tests.patience import patience
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "your-own-ddp.md"
@@ -102,33 +99,15 @@ def test_the_guide_shows_each_target_as_written(name):
 
 
 @pytest.fixture(scope="module")
-def replays():
-    """Fuzz each BUGGY target and start its replay line as a command at once: the three replays
-    run while the batteries below run in this process."""
-    env = dict(os.environ)
-    # the replay must check with this ddpcheck and find the examples package
-    here = [str(pathlib.Path(ddpcheck.__file__).resolve().parent.parent), str(ROOT)]
-    env["PYTHONPATH"] = os.pathsep.join(here + [p for p in [env.get("PYTHONPATH")] if p])
-    started = {}
-    for name, module in EXAMPLES.items():
-        result = fuzz(module.BUGGY, examples=100, world_sizes=(2,))
-        proc = None
-        if result.error is not None:
-            argv = shlex.split(result.error.replay)
-            assert argv[:3] == ["python", "-m", "ddpcheck"], result.error.replay
-            proc = subprocess.Popen([sys.executable] + argv[1:], cwd=ROOT, env=env, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        started[name] = (result, proc)
-    yield started
-    for _, proc in started.values():
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
+def fuzzed():
+    """Each BUGGY target fuzzed once, for the two tests of its verdict and its replay line."""
+    return {name: fuzz(module.BUGGY, examples=100, world_sizes=(2,))
+            for name, module in EXAMPLES.items()}
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_the_seeded_bug_is_found_by_random_examples(name, replays):
-    result, _ = replays[name]
+def test_the_seeded_bug_is_found_by_random_examples(name, fuzzed):
+    result = fuzzed[name]
     assert result.found, f"{name}: BUGGY passed {result.examples} random examples"
     error = result.error
     assert isinstance(error, ddpcheck.EquivalenceError)
@@ -157,10 +136,14 @@ def test_the_survey_matrix_of_the_correct_target(name):
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_the_replay_line_fails_the_same_way(name, replays):
-    result, proc = replays[name]
-    assert proc is not None, f"{name}: nothing to replay"
-    out, err = proc.communicate(timeout=patience(300))
-    assert proc.returncode == 1, (proc.returncode, out, err)
+def test_the_replay_line_fails_the_same_way(name, fuzzed, capsys):
+    result = fuzzed[name]
+    assert result.error is not None, f"{name}: nothing to replay"
+    argv = shlex.split(result.error.replay)
+    assert argv[:3] == ["python", "-m", "ddpcheck"], result.error.replay
+    capsys.readouterr()
+    status = cli.main(argv[3:])
+    out = capsys.readouterr().out
+    assert status == 1, (status, out)
     header = out.splitlines()[0]  # "<Target> diverged at world size W: <kind>"
     assert header.rpartition(": ")[2] == result.error.divergences[0].kind == BUG_KIND[name], out
