@@ -25,30 +25,35 @@ def _check(name, scenario, world_size, checks):
     check_example(target, scenario, world_size, checks=checks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TARGETS)
 @given(scenario=MIXED, world_size=dst.world_sizes(min_size=2))
 def test_replicas_stay_bitwise_identical(name, scenario, world_size):
     _check(name, scenario, world_size, {"replicas"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TARGETS)
 @given(scenario=MIXED, world_size=dst.world_sizes())
 def test_replicas_match_the_full_batch_reference(name, scenario, world_size):
     _check(name, scenario, world_size, {"reference"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TARGETS)
 @given(scenario=dst.scenarios(), world_size=dst.world_sizes())
 def test_optimizer_state_matches_and_lives_where_it_should(name, scenario, world_size):
     _check(name, scenario, world_size, {"state"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TARGETS)
 @given(scenario=dst.scenarios(max_steps=2), world_size=dst.world_sizes(min_size=2))
 def test_communication_stays_within_budget(name, scenario, world_size):
     _check(name, scenario, world_size, {"budget"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TARGETS)
 @given(scenario=dst.scenarios(max_accumulation=3), world_size=dst.world_sizes())
 def test_no_sync_accumulation_equals_one_large_batch(name, scenario, world_size):

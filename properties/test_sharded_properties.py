@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import given, settings
@@ -98,6 +99,7 @@ def assert_bitwise(per_rank, expected, what):
                                        f"{(p.double() - e.double()).abs().max().item():.3g}")
 
 
+@pytest.mark.slow
 @HALF
 @given(spec=shapes, optimizer=dst.optimizers(), two=st.booleans(), rule=st.sampled_from(tuple(RULES)),
        world_size=dst.world_sizes(), steps=st.integers(1, 3))
@@ -108,6 +110,7 @@ def test_sharded_step_equals_the_local_step_on_identical_gradients(spec, optimiz
     assert_bitwise(got, plain(spec, optimizer, two, steps), f"W={world_size} rule={rule}")
 
 
+@pytest.mark.slow
 @HALF
 @given(spec=shapes, optimizer=dst.optimizers(), two=st.booleans(),
        rules=st.tuples(st.sampled_from(tuple(RULES)), st.sampled_from(tuple(RULES))),

@@ -1,11 +1,17 @@
-"""xdist scheduling for this suite: tests that share an expensive module-scoped fixture run on one
-worker.
+"""xdist scheduling for this suite: the slow tests first, and tests that share an expensive
+module-scoped fixture on one worker.
+
+The suite is CPU-bound on two cores: what decides its wall time is that both workers stay busy to
+the end. Handed out in collection order, a minute-long test drawn last leaves one worker idle
+while the other finishes it; the tests marked ``slow`` (seconds of CPU each, measured: a process
+of their own, a search, a whole battery) therefore go first, in collection order among
+themselves, and the many short ones fill in behind them.
 
 ``pytest -n auto`` hands tests out one by one (``--dist load``), so the tests of one module land on
 both workers and each worker computes the module's fixtures again: the wheel build of
 tests/front/test_wheel.py, the fuzzing of tests/targets/test_examples.py.
 In a ``-n`` run with the default ``--dist load`` the tests listed in :data:`SHARED` go to one
-worker as a unit; every other test is still handed out one at a time, in collection order. (xdist's
+worker as a unit; every other test is still handed out one at a time, in the order above. (xdist's
 own ``xdist_group`` marker does not group here: with pytest 9 the worker's renamed test ids do
 not reach the scheduler.) An explicit other ``--dist``, ``-p no:xdist`` and runs without ``-n``
 are left alone.
@@ -23,6 +29,10 @@ SHARED = {
         "examples-fuzzed",
     "tests/targets/test_examples.py::test_the_replay_line_fails_the_same_way": "examples-fuzzed",
 }
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: slow first
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)

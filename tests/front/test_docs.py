@@ -116,6 +116,7 @@ def _environment() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", _runnable_pages(), ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_the_marked_blocks_of_a_page_run_as_written(page, tmp_path):
     env = _environment()

@@ -62,6 +62,7 @@ def test_an_unwritable_trace_output_is_refused_before_any_world_runs(tmp_path):
     assert "cannot be written" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_a_target_that_declines_everything_does_not_exit_0():
     out, _ = _ddpcheck("check", "tests.front.test_exits:DECLINES_EVERYTHING", "--examples",
                        "5")
@@ -70,6 +71,7 @@ def test_a_target_that_declines_everything_does_not_exit_0():
     assert "only runs on Tuesdays" in out.stderr
 
 
+@pytest.mark.slow
 def test_replaying_a_declined_scenario_checks_nothing():
     out, _ = _ddpcheck("replay", "tests.front.test_exits:DECLINES_EVERYTHING", "--world-size",
                        "2", "--scenario", "ddpcheck.Scenario(model=ddpcheck.zoo.MLP)")
@@ -102,6 +104,7 @@ class Wide(nn.Module):  # expects 10 features; the default data has 5
 """
 
 
+@pytest.mark.slow
 def test_a_model_that_does_not_fit_its_data_is_a_setup_error_in_one_line(tmp_path):
     (tmp_path / "wide.py").write_text(WIDE_MODEL)
     out, _ = _ddpcheck("replay", "local", "--world-size", "2", "--scenario",
@@ -154,6 +157,7 @@ def _holders(pipe) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("args", [
     ("check", "local", "--world-sizes", "1", "--examples", "1"),  # a verdict: worlds ran
@@ -178,6 +182,7 @@ def test_the_command_leaves_nothing_holding_its_output(args):
     assert proc.returncode in (0, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [("targets",), ("check", "--world-sizes", "1", "--examples",
                                                   "1")], ids=["targets", "check"])
 def test_a_closed_output_is_a_clean_stop_not_an_internal_error(args):

@@ -99,6 +99,7 @@ def _shadow_site_packages(folder: pathlib.Path) -> pathlib.Path:
     return folder
 
 
+@pytest.mark.slow
 def test_an_installed_wheel_works_from_an_empty_folder(built, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,

@@ -152,6 +152,7 @@ def test_plugin_leaves_the_users_hypothesis_profile_and_torch_alone(tmp_path):
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.slow
 def test_plugin_fixtures_run_a_target_and_count_examples(tmp_path):
     from ddpcheck.battery import BATTERY
 
@@ -172,6 +173,7 @@ def test_plugin_fixtures_run_a_target_and_count_examples(tmp_path):
         in out.stdout
 
 
+@pytest.mark.slow
 def test_plugin_flags_narrow_the_features_the_fixtures_exercise(tmp_path):
     out = _pytest(tmp_path, """
         from ddpcheck import targets
@@ -201,6 +203,7 @@ def test_plugin_rejects_bad_options_naming_the_flag(tmp_path, args, message):
     assert message in out.stderr
 
 
+@pytest.mark.slow
 def test_a_random_scenario_replays_in_a_fresh_process(tmp_path):
     # The replay line must rebuild ModelSpec scenarios where ddpcheck.models was never imported.
     spec = ModelSpec(layers=(Layer("embedding", use="sample"), Layer("attention", float32=True)),

@@ -66,6 +66,7 @@ def test_by_name_rejects_unknown_mutants():
         mutants.by_name("Nope")
 
 
+@pytest.mark.slow
 def test_every_mutant_is_killed_and_the_unmutated_target_passes(capsys):
     # The battery search: every class in seconds. The shrinking search is tested below.
     status = main(["mutants", "--budget-seconds", str(CI_BUDGET), "--search", "battery"])
@@ -125,6 +126,7 @@ def test_mutants_only_rejects_unknown_names(capsys):
     assert "mutant 'NoSuchBug' is not in the catalogue" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_shrinking_search_reports_minimal_random_counterexamples(capsys):
     status = main(["mutants", "--budget-seconds", str(CI_BUDGET), "--world-sizes", "1,2",
                    "--only", "NoDivide,EveryRankStepsEverything,ZeroFillsUnused"])

@@ -260,6 +260,7 @@ def test_torch_ddp_on_an_overflowing_scenario_is_not_blamed():
     assert "lower the learning rate" in str(raised.value)
 
 
+@pytest.mark.slow
 def test_the_overflow_replay_line_exits_2_not_1():
     import subprocess
     import sys

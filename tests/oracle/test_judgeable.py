@@ -143,6 +143,7 @@ def test_the_command_line_exits_2_with_one_line(no_world, capsys, text, phrases)
     assert phrases[0] in lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["model instance", "batchnorm in train mode"])
 def test_the_installed_command_exits_2_without_a_traceback(name):
     text, phrases = next(b[1:] for b in BAD if b[0] == name)

@@ -200,6 +200,7 @@ def test_clipping_is_plain_data_and_a_feature():
             ddpcheck.Scenario(**bad)
 
 
+@pytest.mark.slow
 def test_random_scenarios_clip_a_quarter_of_the_time_and_never_when_excluded():
     from hypothesis import HealthCheck, given, settings
 

@@ -115,6 +115,7 @@ def equivalence_specs():
     return specs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_sharded_step_is_bitwise_the_plain_step_for_every_rule_and_optimizer(world_size):
     """SGD variants, Adam, AdamW x one/two interleaved groups x every rule, W=1..4 and W > #params:

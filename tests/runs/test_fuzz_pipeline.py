@@ -63,6 +63,7 @@ def test_the_examples_and_their_order_are_those_drawn_one_at_a_time(monkeypatch)
     assert drawn == ran
 
 
+@pytest.mark.slow
 def test_the_first_failure_is_drawn_again_and_shrunk():
     result = fuzz(by_name("NoDivide").target, examples=50, world_sizes=(2,), seed=1)
     assert result.found and "intermittent" not in str(result.error)
@@ -87,6 +88,7 @@ class LeavesAThread(targets.ParallelTarget):
 LEAVES_A_THREAD = LeavesAThread()
 
 
+@pytest.mark.slow
 def test_an_example_queued_in_a_world_then_replaced_runs_again_in_a_new_one():
     """Each example's world is replaced once it is judged, so the example queued behind it is
     lost every time and runs again, alone, in a new world -- never judged from the old one, and
@@ -96,6 +98,7 @@ def test_an_example_queued_in_a_world_then_replaced_runs_again_in_a_new_one():
     assert any("new world" in note for note in result.notes), result.notes
 
 
+@pytest.mark.slow
 def test_checkpoint_examples_run_in_halves_behind_each_other_with_the_verdicts_of_one_alone(
         monkeypatch):
     """A scenario with ``checkpoint_after`` is queued like any other: its second half is

@@ -52,6 +52,7 @@ def no_world(monkeypatch):
     monkeypatch.setattr(world, "get_world", refuse)
 
 
+@pytest.mark.slow
 def test_a_plain_class_target_fails_and_its_replay_line_fails_the_same_way():
     scenario = Scenario(zoo.MLP)
     target = h.MyTarget(scale_bug=True)
@@ -270,6 +271,7 @@ def test_a_target_in_an_interactive_session_is_refused_with_the_fix():
     assert "save the code in a file and run it (python check_my_ddp.py)" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_script_failure_replays_from_the_scripts_folder(tmp_path):
     """The whole path: ranks unpickle the script's class (spawn imports the script in each), the
     replay process imports the file by path, and its ranks import it by name."""

@@ -49,6 +49,7 @@ def _survey(capsys, tmp_path, *args):
     return status, captured.out + captured.err, Survey.from_dict(json.loads(path.read_text()))
 
 
+@pytest.mark.slow
 def test_parallel_passes_every_cell_and_the_json_matches_the_printed_matrix(capsys, tmp_path):
     status, out, survey = _survey(capsys, tmp_path, "parallel", "--world-sizes", "1,2",
                                   "--examples", "2")
@@ -77,6 +78,7 @@ def test_parallel_passes_every_cell_and_the_json_matches_the_printed_matrix(caps
     assert f"{n - opt_in}/{n} features" in out and "failures: none" in out
 
 
+@pytest.mark.slow
 def test_a_mutant_fails_its_rows_without_stopping_the_survey(capsys, tmp_path):
     status, out, survey = _survey(capsys, tmp_path, MUTANT, "--world-sizes", "2",
                                   "--examples", "2", "--shrink-seconds", "0.5")
@@ -104,6 +106,7 @@ def test_a_mutant_fails_its_rows_without_stopping_the_survey(capsys, tmp_path):
     print("failing feature rows:", failing)
 
 
+@pytest.mark.slow
 def test_a_declined_feature_is_declined_and_never_generated(capsys, tmp_path):
     status, out, survey = _survey(capsys, tmp_path, "tests.runs.test_survey:NO_ACCUMULATION",
                                   "--world-sizes", "2", "--examples", "2")

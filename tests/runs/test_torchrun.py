@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.world.test_devices import subprocess_env
 from tests.patience import patience
 
@@ -19,6 +21,7 @@ def _torchrun(*args: str, cwd, env=None) -> subprocess.CompletedProcess:
                           cwd=cwd, env=env)
 
 
+@pytest.mark.slow
 def test_the_builtin_target_passes_in_torchruns_world(tmp_path):
     # every process sees 8 GPUs that are not there: CPU tensors must still travel by gloo
     out = _torchrun("--world-sizes", "2", cwd=tmp_path,
@@ -28,6 +31,7 @@ def test_the_builtin_target_passes_in_torchruns_world(tmp_path):
     assert out.stdout.count("examples equivalent in the torchrun world of 2 (backend gloo)") == 1
 
 
+@pytest.mark.slow
 def test_a_mutant_fails_on_every_rank_with_one_report(tmp_path):
     out = _torchrun("ddpcheck.mutation.catalogue:NoDivide()", cwd=tmp_path)
     assert out.returncode == 1, out.stdout + out.stderr
@@ -36,6 +40,7 @@ def test_a_mutant_fails_on_every_rank_with_one_report(tmp_path):
     assert "replay: python -m ddpcheck replay" in out.stdout
 
 
+@pytest.mark.slow
 def test_world_sizes_must_contain_torchruns_size(tmp_path):
     sizes = "1,3"  # (one list stands for all: a size alone is a list of one, the same test)
     out = _torchrun("--world-sizes", sizes, cwd=tmp_path)
@@ -46,6 +51,7 @@ def test_world_sizes_must_contain_torchruns_size(tmp_path):
             in out.stdout), out.stdout
 
 
+@pytest.mark.slow
 def test_collectives_that_pair_wrongly_but_complete_are_caught_under_torchrun():
     # gloo pairs an int64 all-reduce with a float64 one of the same bytes: the numbers are
     # garbage and nothing hangs. Spawned worlds catch it from the sequence files; torchrun must

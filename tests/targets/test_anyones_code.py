@@ -103,6 +103,7 @@ NO_ACCUMULATION_NO_UNUSED = NoAccumulationNoUnused()
 
 # 12 battery scenarios at W=2 and 3; a target that declares nothing skips rank-orders-adam
 # (beyond torch DDP's contract), the hidden inner optimizer the LR schedules and the checkpoint.
+@pytest.mark.slow
 @pytest.mark.parametrize("target, count", [
     (WRAPPED, 26), (RESET_AFTER_STEP, 26), (FREES_GRADS, 26), (HIDDEN_INNER, 22),
     (WantsTheModel(), 28)], ids=["wrapped", "reset", "frees-grads", "hidden-inner", "model-kw"])
@@ -145,6 +146,7 @@ def test_the_optimizer_state_default_finds_an_inner_optimizer():
 # The vocabulary: declared, honoured, reported
 
 
+@pytest.mark.slow
 def test_declined_features_cost_no_example_of_the_budget():
     result = fuzz(NO_ACCUMULATION_NO_UNUSED, examples=200, world_sizes=(2,))
     assert not result.found, result.error

@@ -105,6 +105,7 @@ def fuzzed():
             for name, module in EXAMPLES.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_the_seeded_bug_is_found_by_random_examples(name, fuzzed):
     result = fuzzed[name]
@@ -115,6 +116,7 @@ def test_the_seeded_bug_is_found_by_random_examples(name, fuzzed):
     assert f" examples.{name}:BUGGY " in error.replay, error.replay
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_the_survey_matrix_of_the_correct_target(name):
     """The capability matrix the guide shows: every feature row passes at W=2, but exactly the

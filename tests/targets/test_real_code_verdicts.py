@@ -61,6 +61,7 @@ def test_a_target_that_owns_its_batch_plan_declares_tokens_to_be_checked_on_them
     assert ddpcheck.features.declines(declared, tokens, 2) is None
 
 
+@pytest.mark.slow
 def test_a_ddp_with_torchs_contract_passes_check_with_the_default_settings(capsys):
     # Written against the previous release's API (supports(), no supported_features): upgrading
     # ddpcheck must not turn it red.

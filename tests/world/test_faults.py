@@ -290,6 +290,7 @@ def _socket_inodes(pids: list[int]) -> set[int]:
 # The table
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_fault_is_reported_fast_and_leaves_nothing_behind(fault, world_size):
@@ -459,6 +460,7 @@ class BusyTarget(targets.ParallelDDPTarget):
         model.finish_gradient_sync()
 
 
+@pytest.mark.slow
 def test_ctrl_c_of_ddpcheck_check_leaves_no_process(tmp_path):
     spec = f"tests.world.test_faults:BusyTarget(marker={str(tmp_path / 'busy')!r})"
     status, out, left = _interrupt_when(
@@ -470,6 +472,7 @@ def test_ctrl_c_of_ddpcheck_check_leaves_no_process(tmp_path):
     assert "Traceback" not in out, out
 
 
+@pytest.mark.slow
 def test_ctrl_c_of_a_pytest_run_leaves_no_process(tmp_path):
     (tmp_path / "test_busy.py").write_text(textwrap.dedent(f"""
         from ddpcheck import check_example
@@ -488,6 +491,7 @@ def test_ctrl_c_of_a_pytest_run_leaves_no_process(tmp_path):
     assert "KeyboardInterrupt" in out, out
 
 
+@pytest.mark.slow
 def test_ctrl_c_of_a_pytest_xdist_run_leaves_no_process(tmp_path):
     (tmp_path / "test_busy.py").write_text(textwrap.dedent(f"""
         import pytest

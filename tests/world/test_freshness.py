@@ -7,11 +7,15 @@ import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
+
 from tests.patience import patience
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow
 def test_an_edited_target_module_gets_a_fresh_world(tmp_path):
     # One interpreter, as a notebook: check, edit the module on disk, reload it, check again.
     (tmp_path / "mytarget.py").write_text(textwrap.dedent("""

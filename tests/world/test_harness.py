@@ -33,6 +33,7 @@ ALL_SIZES = (1, 2, 3, 4)
 # Built-in targets
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["PARALLEL", "PARALLEL_DDP", "TORCH_DDP", "TORCH_ZERO"])
 def test_builtin_targets_pass_the_battery(name):
     report = ddpcheck.assert_equivalent(getattr(targets, name), world_sizes=ALL_SIZES)
@@ -214,6 +215,7 @@ def test_ranks_see_this_processs_environment_as_their_world_starts(monkeypatch):
         assert forking.parent_of_ranks(server) != os.getpid()
 
 
+@pytest.mark.slow
 def test_a_ranks_output_goes_to_its_log_from_its_first_line(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent("""
@@ -245,6 +247,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_no_rank_outlives_its_harness_process(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent("""
@@ -301,6 +304,7 @@ def test_scenario_repr_is_code_that_rebuilds_it():
     assert from_repr(repr(scenario)) == scenario
 
 
+@pytest.mark.slow
 def test_the_replay_line_replays(tmp_path):
     with pytest.raises(ddpcheck.EquivalenceError) as info:
         check_example(targets.LOCAL, Scenario(seed=3), 2)

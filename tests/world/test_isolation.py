@@ -272,6 +272,7 @@ def test_the_checking_process_computes_on_one_thread_and_gives_the_callers_back(
 # Start-up: a script that calls ddpcheck at import time
 
 
+@pytest.mark.slow
 def test_a_script_without_main_guard_gets_one_line_fast(tmp_path):
     script = tmp_path / "no_guard.py"
     script.write_text(textwrap.dedent("""
@@ -316,6 +317,7 @@ def _start_a_world_inside_a_rank():
 # Shutdown: SIGTERM and SIGKILL of the parent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_killing_ddpcheck_check_leaves_no_world_behind(tmp_path, sig):
     proc = subprocess.Popen(
