@@ -5,7 +5,8 @@ The suite is CPU-bound on two cores: what decides its wall time is that both wor
 the end. Handed out in collection order, a minute-long test drawn last leaves one worker idle
 while the other finishes it; the tests marked ``slow`` (seconds of CPU each, measured: a process
 of their own, a search, a whole battery) therefore go first, in collection order among
-themselves, and the many short ones fill in behind them.
+themselves, and the many short ones fill in behind them. A quick test that shares a module fixture
+with a slow one is marked too: split apart, a run without xdist would build the fixture twice.
 
 ``pytest -n auto`` hands tests out one by one (``--dist load``), so the tests of one module land on
 both workers and each worker computes the module's fixtures again: the wheel build of

@@ -137,6 +137,7 @@ def test_the_survey_matrix_of_the_correct_target(name):
     assert sum(cell.status == "ok" for cell in battery) >= 5
 
 
+@pytest.mark.slow  # (as the fixture it shares: slow and quick tests of one fixture stay together)
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_the_replay_line_fails_the_same_way(name, fuzzed, capsys):
     result = fuzzed[name]
