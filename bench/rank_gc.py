@@ -96,5 +96,6 @@ def main() -> None:
     print(f"  unfrozen / frozen: collection {c1 / c0:.0f}x, example wall {w1 / w0:.1f}x, "
           f"CPU {u1 / u0:.1f}x")
 
+
 if __name__ == "__main__":
     main()
