@@ -14,6 +14,7 @@ Targets travel to rank processes by pickle, so they are module-level classes her
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import signal
 import subprocess
@@ -215,8 +216,6 @@ def _fitness_check_seconds(n=500):
 
 
 def _collector_load():
-    import gc
-
     return gc.get_freeze_count(), len(gc.get_objects())
 
 

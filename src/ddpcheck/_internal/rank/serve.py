@@ -153,7 +153,7 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
         # What start-up imported (torch, dynamo: ~285k objects) lives as long as the rank: moved
         # out of the collector's reach, the full collection fitness runs after a task that left a
         # process group scans only what tasks created -- 140 ms per collection otherwise, twice
-        # per example (docs/figures.md: a target that creates a group per example, 12x cheaper).
+        # per example (bench/rank_gc.py: a target creating a group per example, 13x less CPU).
         gc.freeze()
         # What the process holds is read when the first task arrives: by then every rank has
         # joined, and descriptors open only during start-up (rendezvous) are closed.
