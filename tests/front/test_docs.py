@@ -1,7 +1,8 @@
-"""The docs run as written: every code block the README and docs/ mark as runnable runs, as a
-stranger would run it, in an empty folder against the installed package; the output the docs show
-is what it prints; and the front page stays a front page (short, no dated measurement log, every
-docs page in its contents list, no broken link).
+"""The docs run as written: every code block docs/ marks as runnable runs, as a stranger would
+run it, in an empty folder against the installed package (the README's, against the installed
+wheel: tests/front/test_wheel.py); the output the docs show is what it prints; and the front page
+stays a front page (short, no dated measurement log, every docs page in its contents list, no
+broken link).
 
 The markers (docs/writing-docs.md): ``<!-- run: FILE.py -->`` before a ``python`` block writes it
 as FILE.py and runs ``python FILE.py``; ``<!-- run -->`` before a ``sh`` block runs it with bash;
@@ -80,7 +81,9 @@ def _blocks(page: pathlib.Path) -> list[Block]:
 
 
 def _runnable_pages() -> list[pathlib.Path]:
-    return [page for page in PAGES if any(b.kind == "run" for b in _blocks(page))]
+    """The docs pages with blocks to run here; the README's run from the installed wheel
+    instead (tests/front/test_wheel.py), as a stranger follows it."""
+    return [page for page in PAGES[1:] if any(b.kind == "run" for b in _blocks(page))]
 
 
 def _squeeze(line: str) -> str:
