@@ -177,6 +177,20 @@ def test_a_rank_that_raises_is_reported_and_the_world_replaced():
     assert set(get_world(2).pids).isdisjoint(old_pids)
 
 
+def _unpicklable_result() -> object:
+    return lambda: None
+
+
+def test_a_result_that_cannot_travel_is_ddpchecks_failure_not_a_rank_error():
+    # (a record ddpcheck cannot send back -- once, numpy missing in the ranks -- read as a
+    # rank error became the target's verdict)
+    with pytest.raises(ddpcheck.WorldFailure) as info:
+        get_world(2).run(_unpicklable_result, deadline=patience(20))
+    assert info.value.kind == "refused"
+    assert "ddpcheck could not send this rank's result back" in str(info.value)
+    assert [s.status for s in info.value.ranks] == ["refused", "refused"]
+
+
 def test_a_rank_that_hangs_times_out_with_its_stack():
     check_example(targets.PARALLEL, Scenario(), 2)  # a warm world: start-up is not the deadline's
     started = time.monotonic()

@@ -202,8 +202,12 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
 def _send(conn: Any, message: tuple) -> None:
     try:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:  # an unpicklable result becomes a rank error, not a lost rank
-        data = pickle.dumps(("error", f"result of the task could not be pickled: {exc!r}"))
+    except Exception as exc:
+        # ddpcheck's own transport failed (a record holding what cannot travel, a dependency
+        # missing in here): an outcome of ddpcheck's, never a rank error -- which the parent
+        # would read as the target's bug -- nor a lost rank
+        data = pickle.dumps(("refused", "SetupError", "ddpcheck could not send this rank's "
+                             f"result back to the checking process: {exc!r}", True))
     conn.send_bytes(data)
 
 
