@@ -28,6 +28,8 @@ import math
 import torch
 from torch import nn
 
+from ddpcheck.errors import InvalidArgument
+
 __all__ = ["KINDS", "Layer", "ModelSpec", "SpecData", "SpecModel"]
 
 KINDS = ("linear", "reused", "transposed", "conv1d", "conv2d", "layernorm", "buffer", "attention",
@@ -53,9 +55,9 @@ class Layer:
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            raise ValueError(f"kind={self.kind!r} must be one of {KINDS}")
+            raise InvalidArgument(f"kind={self.kind!r} must be one of {KINDS}")
         if self.use not in USES:
-            raise ValueError(f"use={self.use!r} must be one of {USES}")
+            raise InvalidArgument(f"use={self.use!r} must be one of {USES}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +78,10 @@ class ModelSpec:
     def __post_init__(self):
         order = self.registration
         if order is not None and sorted(order) != list(range(len(self.layers))):
-            raise ValueError(f"registration={order!r} must be a permutation of "
+            raise InvalidArgument(f"registration={order!r} must be a permutation of "
                              f"range({len(self.layers)})")
         if self.width < 2:
-            raise ValueError(f"width={self.width!r} must be at least 2")
+            raise InvalidArgument(f"width={self.width!r} must be at least 2")
 
     def __call__(self) -> "SpecModel":
         return SpecModel(self)

@@ -39,3 +39,29 @@ def test_sharded_gradients_are_judged_as_their_owners_hold_them():
         ddpcheck.check_example(HalfOwnedZero2(), plain, 2)
     assert info.value.kinds[0] == "rank failed", str(info.value)
     assert "are owned by no rank" in str(info.value)
+
+
+class ClipsWithTheDefault(Zero2Target):
+    """Averages gradients in ``step()`` yet claims clipping with the default hook, which cannot
+    clip there."""
+
+    supported_features = Zero2Target.supported_features | {"clipping"}
+
+
+def test_a_default_hook_that_cannot_serve_the_target_declines_the_example():
+    # (it raised NotImplementedError in the ranks: a rank error, read as the target's bug)
+    with pytest.raises(ddpcheck.NothingChecked, match="averages gradients inside optimizer"):
+        ddpcheck.check_example(ClipsWithTheDefault(), BUSY, 2)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: ddpcheck.models.Layer(kind="lstm"), "kind='lstm' must be one of"),
+    (lambda: ddpcheck.models.Layer(use="often"), "use='often' must be one of"),
+    (lambda: ddpcheck.models.ModelSpec(width=1), "width=1 must be at least 2"),
+    (lambda: ddpcheck.models.ModelSpec(layers=(ddpcheck.models.Layer(),), registration=(1,)),
+     "must be a permutation"),
+    (lambda: zoo.GPTConfig(width=3, heads=2), "width must be a positive multiple of heads"),
+])
+def test_the_scenario_language_refuses_with_its_own_outcome(build, message):
+    with pytest.raises(ddpcheck.InvalidArgument, match=message):
+        build()

@@ -215,8 +215,8 @@ class Target:
         wherever every rank holds every synchronised gradient (any DDP). Override it where each
         rank holds only part of the norm, or where gradients are averaged later, in ``step()``.
         """
-        if self.gradients_synchronized_in_step:
-            raise NotImplementedError(
+        if self.gradients_synchronized_in_step:  # declined, as every default hook declines
+            raise NothingChecked(
                 f"{type(self).__name__} averages gradients inside optimizer.step(), so clipping "
                 "before it would clip each rank's own gradients; override "
                 "Target.clip_grad_norm(model, optimizer, max_norm, norm_type) to clip through "
