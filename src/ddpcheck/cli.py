@@ -192,8 +192,9 @@ def _prepare(args: argparse.Namespace) -> argparse.Namespace:
     """What every command shares, checked in this order before anything heavy loads: the device
     (a machine without the GPUs asked for is told so in seconds), the world sizes against the
     machine, then the target or rule (its import may be slow), and the output paths. The first
-    world a command needs is launched before the target loads, so its ranks boot (import torch,
-    join the group: ~2 s) while this process imports and computes the battery's references."""
+    world ``check`` and ``survey`` need is launched before the target loads, so its ranks boot
+    (import torch, join the group: ~2 s) while this process imports and computes the battery's
+    references."""
     sizes = _world_sizes_of(args)
     if getattr(args, "device", None) is not None:
         check_fits(args.device, sizes, args.backend, flag="--device")
@@ -201,7 +202,9 @@ def _prepare(args: argparse.Namespace) -> argparse.Namespace:
     if sizes and not torchrun:
         check_fits_machine(sizes, flag="--world-size" if hasattr(args, "world_size")
                            else "--world-sizes")
-    if args.command in ("check", "survey", "replay") and not torchrun:
+    # (not replay: its one example's scenario is read and judged first -- a scenario it cannot
+    # run is refused before any process starts -- and its world starts as the example needs it)
+    if args.command in ("check", "survey") and not torchrun:
         from ddpcheck._internal.world.worlds import launch_worlds  # no torch: see worlds
 
         launch_worlds(sizes[:1], device=args.device, backend=args.backend)
@@ -397,7 +400,7 @@ def _survey(args: argparse.Namespace) -> ExitCode:
 
 
 def _replay(args: argparse.Namespace) -> ExitCode:
-    from ddpcheck._internal.runs.example import check_example
+    from ddpcheck._internal.runs.example import check_example, prepare_reference
     from ddpcheck._internal.runs.replay import from_repr
 
     try:
@@ -406,9 +409,13 @@ def _replay(args: argparse.Namespace) -> ExitCode:
         raise UsageError(f"--scenario {args.scenario!r}: {exc}") from exc
     except Exception as exc:
         raise UsageError(f"--scenario could not be read: {type(exc).__name__}: {exc}") from exc
-    # a declined scenario raises NothingChecked (exit 3)
+    # Everything about the example is settled before any process starts: its reference too
+    # (which is what tells an optimizer that cannot step, or nothing to train) -- one example,
+    # so computing it while the ranks run would save little. A declined scenario raises
+    # NothingChecked (exit 3).
+    reference = prepare_reference(scenario)
     check_example(args.target, scenario, args.world_size, deadline=args.deadline,
-                  device=args.device, backend=args.backend)
+                  device=args.device, backend=args.backend, reference=reference)
     print(f"ddpcheck replay: equivalent at world size {args.world_size}")
     return ExitCode.OK
 

@@ -29,6 +29,7 @@ from ddpcheck._internal.oracle.judgeable import check_scenario
 from tests import verdict_helpers as h
 from tests.runs.test_replay import ROOT
 from tests.patience import patience
+from tests.processes import no_process_started  # noqa: F401 (a fixture)
 
 H = "tests.verdict_helpers"
 
@@ -121,18 +122,10 @@ def test_a_bad_scenario_is_a_scenario_error_naming_the_cause(text, phrases):
     assert isinstance(info.value, ddpcheck.InvalidArgument)
 
 
-@pytest.fixture
-def no_world(monkeypatch):
-    from ddpcheck._internal.world import worlds as world
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a world was started for a scenario the oracle cannot judge")
-
-    monkeypatch.setattr(world, "get_world", refuse)
 
 
 @pytest.mark.parametrize("text, phrases", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
-def test_the_command_line_exits_2_with_one_line(no_world, capsys, text, phrases):
+def test_the_command_line_exits_2_with_one_line(no_process_started, capsys, text, phrases):
     status = cli.main(["replay", "parallel", "--world-size", "2", "--scenario", text])
     captured = capsys.readouterr()
     assert status == ExitCode.SETUP, captured

@@ -29,6 +29,7 @@ from ddpcheck._internal.runs.replay import evaluate, target_spec
 from ddpcheck.scenario import Scenario
 from tests import verdict_helpers as h
 from tests.patience import patience
+from tests.processes import no_process_started  # noqa: F401 (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,15 +42,6 @@ def _table(text: str) -> list[str]:
     return lines[start:end]
 
 
-@pytest.fixture
-def no_world(monkeypatch):
-    """Fail the test if anything tries to start a world."""
-    from ddpcheck._internal.world import worlds as world
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a world was started; the refusal should come first")
-
-    monkeypatch.setattr(world, "get_world", refuse)
 
 
 @pytest.mark.slow
@@ -144,7 +136,7 @@ def _mutated():
      ["target tests.verdict_helpers.ScaledDataclass cannot be replayed", "does not evaluate"]),
     (_local_target, ["cannot be pickled", "define the class at module level"]),
 ])
-def test_an_unreplayable_target_is_refused_before_any_world(no_world, make, phrases):
+def test_an_unreplayable_target_is_refused_before_any_world(no_process_started, make, phrases):
     target = make()
     for check in (lambda: check_example(target, Scenario(), 2),
                   lambda: ddpcheck.assert_equivalent(target, world_sizes=(2,))):
@@ -242,7 +234,7 @@ def test_a_target_in_the_script_being_run_is_named_by_the_scripts_path(script_ma
     assert repr(Scenario(data=script_main.my_rule)).endswith("data=check_mine.my_rule)")
 
 
-def test_what_a_script_cannot_rebuild_is_refused_with_the_fix(script_main, no_world):
+def test_what_a_script_cannot_rebuild_is_refused_with_the_fix(script_main, no_process_started):
     changed = script_main.Doubled()
     changed.scale_bug = True
     rows = [

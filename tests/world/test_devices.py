@@ -33,6 +33,7 @@ from ddpcheck._internal.runs.fuzz import fuzz
 from ddpcheck._internal.runs.replay import replay_command
 from ddpcheck.scenario import Scenario
 from tests.patience import patience
+from tests.processes import no_process_started  # noqa: F401 (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -183,11 +184,7 @@ def test_nccl_with_more_ranks_than_gpus_is_refused_unless_gloo_is_asked_for(tmp_
 
 
 @NO_GPU
-def test_the_api_refuses_cuda_without_gpus_before_any_world_starts(monkeypatch):
-    def no_world(*args, **kwargs):
-        raise AssertionError("a world was started")
-
-    monkeypatch.setattr(world_module, "get_world", no_world)
+def test_the_api_refuses_cuda_without_gpus_before_any_world_starts(no_process_started):
     for call in (lambda: ddpcheck.assert_equivalent(targets.PARALLEL, device="cuda"),
                  lambda: check_example(targets.PARALLEL, SMALL, 1, device="cuda"),
                  lambda: ddpcheck.survey(targets.PARALLEL, device="cuda"),
