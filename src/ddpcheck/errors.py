@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DdpcheckError", "Divergence", "EquivalenceError", "ExitCode", "InvalidArgument",
-           "NothingChecked", "ScenarioError", "SetupError", "WorldStartError", "format_table"]
+__all__ = ["DdpcheckError", "Divergence", "EquivalenceError", "ExitCode", "Inconclusive",
+           "InvalidArgument", "NothingChecked", "ScenarioError", "SetupError", "WorldStartError",
+           "format_table"]
 
 
 class ExitCode(enum.IntEnum):
@@ -43,6 +44,11 @@ class ExitCode(enum.IntEnum):
     #: traceback is printed (Python's own status for an uncaught exception, 1, would read as
     #: FOUND).
     INTERNAL = 4
+    #: No verdict could be reached on an example, either way: its ranks were still working when
+    #: the wait for them ended (a machine too slow or too loaded for the deadline, or a rank
+    #: computing without end), or a hang did not recur when the example ran again. Raise the
+    #: deadline, or run where the machine is quieter.
+    INCONCLUSIVE = 5
     #: Interrupted (Ctrl-C): every rank process stopped, every world directory removed.
     INTERRUPTED = 130
     #: Terminated (SIGTERM): the same clean stop.
@@ -78,6 +84,15 @@ class ScenarioError(SetupError, InvalidArgument):
     function or optimizer fails on their own, or the model is not a per-sample function (batch
     statistics, dropout), or the reference itself diverges numerically. Raised in the parent,
     before any world runs, naming the cause."""
+
+
+class Inconclusive(DdpcheckError):
+    """An example reached no verdict, either way (``ExitCode.INCONCLUSIVE``): its ranks were still
+    working when the wait for them ended -- slowness, which is never a verdict -- or it hung once
+    and passed when run again, so no replay line could prove the hang. The message says which,
+    with the ranks' stacks."""
+
+    exit_code = ExitCode.INCONCLUSIVE
 
 
 class NothingChecked(SetupError):

@@ -167,7 +167,10 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 #: What each outcome of a failed test means, as its report says it (``ddpcheck.errors.ExitCode``).
 OUTCOMES = {ExitCode.FOUND: "a data-parallel bug in the target; its replay line reproduces it",
             ExitCode.SETUP: "usage or set-up, not the target's fault",
-            ExitCode.NOTHING_CHECKED: "nothing was checked (every example skipped or declined)"}
+            ExitCode.NOTHING_CHECKED: "nothing was checked (every example skipped or declined)",
+            ExitCode.INCONCLUSIVE: "no verdict either way: the ranks were still working when the "
+                                   "wait ended (raise --ddpcheck-deadline), or a hang did not "
+                                   "recur"}
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -199,7 +202,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: Any, config: Any)
                 counts[value] = counts.get(value, 0) + 1
     if counts:
         terminalreporter.write_line("ddpcheck outcomes of failed tests: " + "; ".join(
-            f"{n} {name} ({OUTCOMES[ExitCode[name]]})" for name, n in sorted(counts.items())))
+            f"{n} {name} ({OUTCOMES.get(ExitCode[name], '')})" for name, n in sorted(counts.items())))
 
 
 def _examples_run() -> int:

@@ -56,13 +56,14 @@ def test_outcomes_have_one_root_and_one_exit_code_each():
     expected = {ddpcheck.EquivalenceError: ExitCode.FOUND, ddpcheck.InvalidArgument: ExitCode.SETUP,
                 ddpcheck.SetupError: ExitCode.SETUP, ddpcheck.WorldStartError: ExitCode.SETUP,
                 ddpcheck.ScenarioError: ExitCode.SETUP, ddpcheck.WorldFailure: ExitCode.SETUP,
-                ddpcheck.NothingChecked: ExitCode.NOTHING_CHECKED}
+                ddpcheck.NothingChecked: ExitCode.NOTHING_CHECKED,
+                ddpcheck.Inconclusive: ExitCode.INCONCLUSIVE}
     for cls, code in expected.items():
         assert issubclass(cls, ddpcheck.DdpcheckError), cls
         assert cls.exit_code is code, cls
     assert issubclass(ddpcheck.EquivalenceError, AssertionError)  # pytest shows it as a failure
     assert issubclass(ddpcheck.InvalidArgument, ValueError)
-    assert [int(c) for c in ExitCode] == [0, 1, 2, 3, 4, 130, 143, 141]
+    assert [int(c) for c in ExitCode] == [0, 1, 2, 3, 4, 5, 130, 143, 141]
 
 
 def _printed_scenarios() -> list[str]:

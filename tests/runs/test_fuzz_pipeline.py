@@ -4,16 +4,22 @@ examples run one at a time."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import threading
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ddpcheck import targets
 from ddpcheck._internal.runs import fuzz as fuzzing
 from ddpcheck._internal.runs.fuzz import fuzz
 from ddpcheck._internal.runs.pipeline import Outcome
+from ddpcheck.errors import Inconclusive
 from ddpcheck.mutation.catalogue import by_name
+from tests.patience import patience
 
 _RUNS_IN_THIS_PROCESS = [0]
 
@@ -75,6 +81,33 @@ def test_a_failure_that_does_not_fail_again_is_reported_as_intermittent():
     result = fuzz(FAILS_ONLY_THE_FIRST_TIME, examples=5, world_sizes=(1,), seed=2)
     assert result.found and result.first_failure == 1
     assert "intermittent" in str(result.error)
+
+
+@dataclasses.dataclass(frozen=True)
+class HangsOnlyTheFirstTime(targets.ParallelTarget):
+    """Rank 1 waits for nothing (asleep, as in a deadlock) in the first example any rank of any
+    world runs -- the first to create ``marker`` -- and never again."""
+
+    marker: str = ""
+
+    def after_backward(self, model, optimizer):
+        if dist.get_rank() == 1:
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                time.sleep(3600)
+        super().after_backward(model, optimizer)
+
+
+def test_a_hang_that_does_not_recur_is_no_verdict(tmp_path):
+    target = HangsOnlyTheFirstTime(marker=str(tmp_path / "hung"))
+    with pytest.raises(Inconclusive) as info:
+        fuzz(target, examples=5, world_sizes=(2,), seed=2, deadline=patience(2))
+    assert "intermittent" not in str(info.value)
+    assert "hung once (its ranks waiting, not working), then passed" in str(info.value)
+    assert "in after_backward" in str(info.value)  # the stacks of the hang, for the record
 
 
 class LeavesAThread(targets.ParallelTarget):

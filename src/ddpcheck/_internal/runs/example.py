@@ -40,7 +40,8 @@ from ddpcheck.targets import Target
 
 __all__ = ["Launched", "admit", "check_batch_plans", "check_example",
            "check_example_keeping_reference", "check_target", "judge", "launch", "note_example",
-           "prepare_reference", "resume", "run_in_two_worlds", "verdict"]
+           "prepare_reference", "refuse_unconfirmed_hang", "resume", "run_in_two_worlds",
+           "verdict"]
 
 #: Examples run in this process (the pytest plugin prints the total at the end of a session).
 EXAMPLES_RUN = 0
@@ -225,6 +226,10 @@ def _judged(target: Any, scenario: Scenario, world_size: int,
     except WorldFailure as failure:
         if failure.kind == "refused":  # ddpcheck's own outcome, raised in the ranks
             raise _refused(failure) from None
+        if failure.kind == "slow":  # still working when the wait ended: no verdict either way
+            raise errors.Inconclusive(
+                f"{failure}\n\nno verdict on this example: slowness is not a bug; raise the "
+                "deadline (--deadline, deadline=) or run where the machine is quieter") from None
         error = verdict(target, scenario, world_size, failure=failure, **common)
     else:
         note_example()
@@ -281,6 +286,17 @@ def _reference_meanwhile(pending: Pending, reference: Any, scenario: Scenario) -
         except WorldFailure:
             pass
         raise
+
+
+def refuse_unconfirmed_hang(error: EquivalenceError) -> None:
+    """``error`` failed once and passed when its example ran again. Numbers that differ between
+    runs are still a counterexample (a race); a hang that did not recur is no verdict -- nothing
+    could prove it --: raised here as :class:`ddpcheck.Inconclusive`."""
+    if set(error.kinds) == {"rank timed out"}:
+        raise errors.Inconclusive(
+            f"{error.args[0]}\n\nno verdict: this example hung once (its ranks waiting, not "
+            "working), then passed when it ran again, so no replay line can prove a hang; run "
+            "it again, and if it hangs again it is reported") from None
 
 
 def _refused(failure: WorldFailure) -> DdpcheckError:

@@ -31,7 +31,8 @@ from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, c
                                         check_fits_machine, check_positive_number,
                                         check_world_sizes)
 from ddpcheck._internal.messages import scenario_line
-from ddpcheck._internal.runs.example import check_example, check_target, prepare_reference
+from ddpcheck._internal.runs.example import (check_example, check_target, prepare_reference,
+                                            refuse_unconfirmed_hang)
 from ddpcheck._internal.runs.replay import target_spec
 from ddpcheck.battery import BATTERY
 from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked, ScenarioError
@@ -354,6 +355,7 @@ def _feature_cell(target: Any, feature: str, world_size: int, *, examples: int,
         error = next((e for e in flaky.exceptions if isinstance(e, EquivalenceError)), None)
         if error is None:
             raise
+        refuse_unconfirmed_hang(error)  # a hang that did not recur is no verdict
         cell.intermittent = True
         return _failed(cell, error, started)
     except Unsatisfiable:

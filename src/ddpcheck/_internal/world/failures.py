@@ -18,7 +18,7 @@ class RankState:
     """What one rank did during a failed ``World.run``."""
 
     rank: int
-    status: str  # "returned" | "raised" | "exited" | "stuck" | "unfit" | "refused"
+    status: str  # "returned" | "raised" | "exited" | "stuck" | "working" | "unfit" | "refused"
     #: traceback, exit description, stack dump, what an unfit rank changed, or (refused) the
     #: ddpcheck outcome the task raised as "ExceptionName: message"
     detail: str = ""
@@ -30,6 +30,7 @@ class RankState:
             "raised": f"rank {self.rank}: raised",
             "exited": f"rank {self.rank}: process exited ({self.detail})",
             "stuck": f"rank {self.rank}: did not return in time; it was here:",
+            "working": f"rank {self.rank}: still working when the wait ended; it was here:",
             "unfit": f"rank {self.rank}: returned, but left what later code computes changed: "
                      f"{self.detail}",
             "refused": f"rank {self.rank}: ddpcheck refused the task: {self.detail}",
@@ -46,7 +47,10 @@ class WorldFailure(DdpcheckError):
     ``check_example`` turns it into the rows of an ``EquivalenceError``).
 
     ``kind`` is ``"raised"`` (a rank raised an exception), ``"exited"`` (a rank process died),
-    ``"timeout"`` (the deadline passed), ``"mismatch"`` (the ranks issued different collectives
+    ``"timeout"`` (the deadline passed with the ranks still out and waiting, on each other or on
+    anything else: hung), ``"slow"`` (they were still working -- on a CPU or waiting for one --
+    however long the wait went on: ``progress.Overtime``; ``slowness`` says how long; no verdict
+    on the target), ``"mismatch"`` (the ranks issued different collectives
     at the same index, or a rank finished with fewer: the cause, whatever happened next; reported
     as soon as the sequences show it cannot resolve), ``"contaminated"`` (every rank returned,
     but one left a change that alters what later code computes, such as a global module hook:
@@ -62,7 +66,8 @@ class WorldFailure(DdpcheckError):
 
     def __init__(self, kind: str, world_size: int, ranks: list[RankState], what: str,
                  disagreement: Any = None, collectives: str = "", *,
-                 results: list[Any] | None = None, notes: tuple[str, ...] = ()):
+                 results: list[Any] | None = None, notes: tuple[str, ...] = (),
+                 slowness: str = ""):
         self.kind = kind
         self.world_size = world_size
         self.ranks = ranks
@@ -71,6 +76,7 @@ class WorldFailure(DdpcheckError):
         self.collectives = collectives
         self.results = results
         self.notes = notes
+        self.slowness = slowness
         super().__init__(self._format())
 
     @property
@@ -86,7 +92,7 @@ class WorldFailure(DdpcheckError):
             bad = [s.rank for s in self.ranks if s.status == status]
             if bad:
                 return bad
-        stuck = [s.rank for s in self.ranks if s.status == "stuck"]
+        stuck = [s.rank for s in self.ranks if s.status in ("stuck", "working")]
         behind = [] if self.disagreement is None else self.disagreement.behind
         return [r for r in stuck if r in behind] or stuck
 
@@ -94,7 +100,9 @@ class WorldFailure(DdpcheckError):
         verdict = {
             "raised": "a rank raised",
             "exited": "a rank process exited",
-            "timeout": "the deadline passed",
+            "timeout": "the deadline passed with the ranks waiting",
+            "slow": f"not finished: {self.slowness} -- too slow for the deadline on this "
+                    "machine, not hung",
             "mismatch": "the ranks issued mismatched collectives",
             "contaminated": "a rank left a change that alters what later code computes",
             "refused": "ddpcheck refused the task in the ranks",

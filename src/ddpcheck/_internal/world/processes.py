@@ -169,6 +169,13 @@ def tail(path: str, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return -1
+
+
 def dump_stacks(procs: list[Any], stack_paths: list[str], ranks: list[int]) -> dict[int, str]:
     """Ask stuck ranks for their Python stacks (faulthandler on SIGUSR1) and read them."""
     dumps: dict[int, str] = {}
@@ -183,7 +190,15 @@ def dump_stacks(procs: list[Any], stack_paths: list[str], ranks: list[int]) -> d
     while waiting and time.monotonic() < end:
         time.sleep(0.05)
         waiting = [r for r in waiting if "most recent call first" not in read(stack_paths[r])]
-    time.sleep(0.05)  # let faulthandler finish the dump it started
+    # faulthandler writes a dump from its signal handler, thread by thread: done once the files
+    # stop growing (a rank waiting for a CPU on a loaded machine may pause halfway)
+    sizes: list[int] = []
+    while time.monotonic() < end + 2.0:
+        time.sleep(0.05)
+        now = [_size(stack_paths[r]) for r in ranks if r not in dumps]
+        if now == sizes:
+            break
+        sizes = now
     for rank in ranks:
         if rank not in dumps:
             dumps[rank] = trim_dump(read(stack_paths[rank])) or "(no stack dump arrived)"

@@ -64,7 +64,7 @@ from ddpcheck._internal.options import (DEFAULT_DEADLINE, STARTUP_DEADLINE, chec
 from ddpcheck._internal.rank.freshness import announce, changed
 from ddpcheck._internal.rank.serve import (NESTED_MARKER, SEQUENCE_SLOTS, SHUTDOWN,
                                            WORLD_DIR_ENV, rank_main, rank_name, sequence_file)
-from ddpcheck._internal.world import forking
+from ddpcheck._internal.world import forking, progress
 from ddpcheck._internal.world.failures import RankState, WorldFailure, WorldStartError
 from ddpcheck._internal.world.janitor import Janitor
 from ddpcheck._internal.world.processes import (check_main_module_importable, dump_stacks,
@@ -386,7 +386,7 @@ class World:
         self.notes, self.unfit, self._last_sequences = (), {}, []
         try:
             return self._collect(pending.what, max(pending.end - time.monotonic(), 0.0),
-                                 slot=pending.slot)
+                                 slot=pending.slot, allowed=pending.deadline)
         except WorldFailure:
             raise
         except BaseException:  # Ctrl-C: ranks are mid-task, never reuse them
@@ -399,7 +399,7 @@ class World:
                     queued.start_clock()
 
     def _collect(self, what: str, deadline: float, starting: bool = False,
-                 slot: int = 0) -> list[Any]:
+                 slot: int = 0, allowed: float | None = None) -> list[Any]:
         """Wait for one message from every rank, or fail with every rank's state.
 
         While waiting, the sequence files are watched for a collective that cannot complete
@@ -417,13 +417,24 @@ class World:
         kind: str | None = None
         left: dict[str, list[int]] = {}  # what the task left behind (and was put right) -> ranks
         replacing = False  # a rank's process cannot be put right: replace the world afterwards
+        # past the deadline: hung, or working on a slow or loaded machine? (progress)
+        # (``allowed``: the task's whole deadline, of which a queued task has ``deadline`` left)
+        overtime = progress.Overtime(deadline if allowed is None else allowed, started,
+                                     lambda ranks: self._progress(ranks, slot))
         while pending:
             limit = end if failed_at is None else min(end, failed_at + FAILURE_GRACE)
             watching = not starting and kind is None
             now = time.monotonic()
             timeout = (min(limit, next_poll) if watching else limit) - now
             if now >= limit:
-                break
+                if failed_at is not None:
+                    break
+                decided = overtime.decide(now, pending)
+                if isinstance(decided, str):
+                    kind = decided
+                    break
+                end = decided  # still working: wait on, the answers still collected meanwhile
+                continue
             waitables = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
             with released():
                 ready = _wait_any(waitables, max(timeout, 0.0))
@@ -491,14 +502,28 @@ class World:
                 self.kill()
             raise failure
         dumps = dump_stacks(self._procs, self._stacks, sorted(pending))
+        status = "working" if kind == "slow" else "stuck"
         for rank in sorted(pending):
-            states[rank] = RankState(rank, "stuck", dumps[rank], log_tail=tail(self._logs[rank]))
-        failure = self._failure(kind or "timeout", [states[r] for r in range(n)], what, slot)
+            states[rank] = RankState(rank, status, dumps[rank], log_tail=tail(self._logs[rank]))
+        failure = self._failure(kind or "timeout", [states[r] for r in range(n)], what, slot,
+                                overtime.describe(time.monotonic()) if kind == "slow" else "")
         self.kill()
         raise failure
 
-    def _failure(self, kind: str, states: list[RankState], what: str,
-                 slot: int) -> WorldFailure:
+    def _progress(self, ranks: set[int], slot: int) -> tuple[progress.Reading | None, int]:
+        """What ``ranks``' processes have done so far (``progress.read``), and how many bytes
+        of collectives all ranks have written to the slot's sequence files."""
+        reading = progress.read({r: self._procs[r].pid for r in ranks}, time.monotonic())
+        written = 0
+        for path in self._sequences[slot]:
+            try:
+                written += os.path.getsize(path)
+            except OSError:
+                pass
+        return reading, written
+
+    def _failure(self, kind: str, states: list[RankState], what: str, slot: int,
+                 slowness: str = "") -> WorldFailure:
         """The failure, with the first collective where the ranks' sequences disagree; a real
         mismatch (different collectives, or a finished rank that issued fewer) is the kind."""
         # here, not at import: it loads torch (records), and the command line launches its
@@ -514,7 +539,7 @@ class World:
             kind = next(s.status for s in states if s.status in ("raised", "exited"))
         summary = "" if disagreement is not None else sequences.agreement_summary(seqs)
         return WorldFailure(kind, self.world_size, states, what, disagreement, summary,
-                            notes=self.notes)
+                            notes=self.notes, slowness=slowness)
 
     def _hopeless(self, finished: set[int], slot: int) -> tuple | None:
         """The sequence files' texts and ``finished`` if they show a collective that can never
@@ -623,7 +648,7 @@ class Pending:
 
     def __init__(self, world: World, what: str, deadline: float, slot: int, started: bool):
         self.world, self.what, self.slot = world, what, slot
-        self._deadline = deadline
+        self.deadline = deadline  # seconds the task may take once it runs
         self.end = time.monotonic() + deadline if started else math.inf  # queued: not yet
         self.lost = False  # the world was replaced before this task was collected
         self._done = False
@@ -636,7 +661,7 @@ class Pending:
     def start_clock(self) -> None:
         """The task before this one was collected: this one runs now, its deadline from here."""
         if self.end == math.inf:
-            self.end = time.monotonic() + self._deadline
+            self.end = time.monotonic() + self.deadline
 
     def collect(self) -> list[Any]:
         """Every rank's result, rank 0 first (what :meth:`World.run` returns), or
