@@ -18,10 +18,10 @@ from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, c
                                         check_fits_machine, check_world_sizes)
 from ddpcheck._internal.oracle.judgeable import check_scenario
 from ddpcheck._internal.runs.example import (check_example, check_example_keeping_reference,
-                                             check_target)
+                                             check_target, refuse_unconfirmed_hang)
 from ddpcheck._internal.world.worlds import launch_worlds
 from ddpcheck.battery import BATTERY
-from ddpcheck.errors import InvalidArgument, NothingChecked
+from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked
 from ddpcheck.scenario import Scenario
 from ddpcheck.targets import Target
 
@@ -110,11 +110,11 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
                 report.skipped.append((name or "scenario", world_size, why))
                 continue
             started = time.perf_counter()
+            run = dict(deadline=deadline, name=name, device=device, backend=backend)
             try:
                 # the first time, the reference is computed while the ranks run the example
-                notes, references[index] = check_example_keeping_reference(
-                    target, sc, world_size, deadline=deadline, reference=references.get(index),
-                    name=name, device=device, backend=backend)
+                notes, references[index] = _confirmed(target, sc, world_size,
+                                                      references.get(index), run)
             except NothingChecked as exc:  # declined once running: a default hook cannot serve it
                 report.skipped.append((name or "scenario", world_size, str(exc)))
                 continue
@@ -126,6 +126,25 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
         raise NothingChecked(f"{type(target).__name__} declined every scenario: "
                              + "; ".join(report.skipped_lines()))
     return report
+
+
+def _confirmed(target: Target, scenario: Scenario, world_size: int, reference: Any,
+               run: dict) -> tuple[tuple[str, ...], Any]:
+    """One example; a hang is run once more before it is reported, since exit 1 promises a
+    replay line that reproduces it: one that does not recur is :class:`ddpcheck.Inconclusive`."""
+    try:
+        return check_example_keeping_reference(target, scenario, world_size,
+                                               reference=reference, **run)
+    except EquivalenceError as error:
+        if set(error.kinds) != {"rank timed out"}:
+            raise
+        try:
+            check_example_keeping_reference(target, scenario, world_size, reference=reference,
+                                            **run)
+        except EquivalenceError:
+            raise error from None  # it hung again (or failed otherwise): the first one stands
+        refuse_unconfirmed_hang(error)
+        raise
 
 
 def _within(scenario: Scenario, sizes: tuple[int, ...]) -> Scenario:

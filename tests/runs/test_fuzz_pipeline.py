@@ -13,12 +13,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import ddpcheck
 from ddpcheck import targets
 from ddpcheck._internal.runs import fuzz as fuzzing
 from ddpcheck._internal.runs.fuzz import fuzz
 from ddpcheck._internal.runs.pipeline import Outcome
 from ddpcheck.errors import Inconclusive
 from ddpcheck.mutation.catalogue import by_name
+from ddpcheck.scenario import Scenario
 from tests.patience import patience
 
 _RUNS_IN_THIS_PROCESS = [0]
@@ -89,18 +91,22 @@ class HangsOnlyTheFirstTime(targets.ParallelTarget):
     world runs -- the first to create ``marker`` -- and never again."""
 
     marker: str = ""
+    every_time: bool = False
 
     def after_backward(self, model, optimizer):
-        if dist.get_rank() == 1:
-            try:
-                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
-            except FileExistsError:
-                pass
-            else:
-                time.sleep(3600)
+        if dist.get_rank() == 1 and (self.every_time or self._first()):
+            time.sleep(3600)
         super().after_backward(model, optimizer)
 
+    def _first(self) -> bool:
+        try:
+            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return False
+        return True
 
+
+@pytest.mark.slow
 def test_a_hang_that_does_not_recur_is_no_verdict(tmp_path):
     target = HangsOnlyTheFirstTime(marker=str(tmp_path / "hung"))
     with pytest.raises(Inconclusive) as info:
@@ -108,6 +114,17 @@ def test_a_hang_that_does_not_recur_is_no_verdict(tmp_path):
     assert "intermittent" not in str(info.value)
     assert "hung once (its ranks waiting, not working), then passed" in str(info.value)
     assert "in after_backward" in str(info.value)  # the stacks of the hang, for the record
+
+
+@pytest.mark.slow
+def test_assert_equivalent_reports_a_hang_only_once_it_hung_twice(tmp_path):
+    once = HangsOnlyTheFirstTime(marker=str(tmp_path / "hung"))
+    with pytest.raises(Inconclusive, match="hung once"):
+        ddpcheck.assert_equivalent(once, Scenario(), world_sizes=(2,), deadline=patience(2))
+    always = HangsOnlyTheFirstTime(every_time=True)
+    with pytest.raises(ddpcheck.EquivalenceError) as info:
+        ddpcheck.assert_equivalent(always, Scenario(), world_sizes=(2,), deadline=patience(2))
+    assert info.value.kinds == ["rank timed out"]
 
 
 class LeavesAThread(targets.ParallelTarget):

@@ -79,6 +79,7 @@ def loaded(hogs: int) -> Iterator[None]:
             proc.wait()
 
 
+@pytest.mark.slow
 def test_a_rank_starved_past_its_deadline_is_waited_for_not_judged():
     deadline = 2.0  # the rank's work alone (1.5 s of CPU) fits; a quarter of a CPU does not
     check_example(targets.PARALLEL, Scenario(), 2)  # a warm world: start-up is not the deadline's
@@ -90,6 +91,7 @@ def test_a_rank_starved_past_its_deadline_is_waited_for_not_judged():
     assert took > deadline, f"{took:.1f} s: the load did not starve the rank; nothing was tested"
 
 
+@pytest.mark.slow
 def test_a_rank_that_computes_without_end_is_no_verdict():
     check_example(targets.PARALLEL, Scenario(), 2)
     started = time.monotonic()
