@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ddpcheck
-from ddpcheck import zoo
+from ddpcheck import targets, zoo
 from ddpcheck.mutation.broken_loop import EngineTarget, Zero2Target
 from ddpcheck.scenario import Scenario
 from tests.targets.own_loop import HalfOwnedZero2, HandLoopTarget
@@ -65,3 +65,21 @@ def test_a_default_hook_that_cannot_serve_the_target_declines_the_example():
 def test_the_scenario_language_refuses_with_its_own_outcome(build, message):
     with pytest.raises(ddpcheck.InvalidArgument, match=message):
         build()
+
+
+class ShardedWithoutOwners(targets.ParallelTarget):
+    """Declares sharded gradients, keeps the default owners, and its optimizer names none."""
+
+    sharded_gradients = True
+
+    def make_optimizer(self, params, optimizer_cls, **kwargs):
+        return optimizer_cls(params, **kwargs)
+
+    def after_backward(self, model, optimizer):
+        model.finish_gradient_sync()
+
+
+def test_a_default_hook_the_target_set_up_wrong_is_its_set_up_not_a_verdict():
+    # (a TypeError in the ranks: a rank error, read as the target's bug)
+    with pytest.raises(ddpcheck.InvalidArgument, match="declares sharded_gradients, but SGD has"):
+        ddpcheck.check_example(ShardedWithoutOwners(), Scenario(zoo.Tied, steps=1), 2)

@@ -20,14 +20,16 @@ import os
 
 import torch.distributed as dist
 
+from ddpcheck.errors import SetupError
+
 __all__ = ["installed_version", "join_existing_group"]
 
 
 def join_existing_group() -> None:
     """Describe the existing default group in the launcher's environment variables."""
     if not dist.is_initialized():
-        raise RuntimeError("a framework target runs inside a ddpcheck world, whose process "
-                           "group is initialised before any target runs")
+        raise SetupError("a framework target runs inside a ddpcheck world, whose process "
+                         "group is initialised before any target runs")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),

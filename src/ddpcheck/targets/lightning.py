@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ddpcheck import features
+from ddpcheck.errors import NothingChecked
 from ddpcheck.features import FEATURES
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.protocol import Target
@@ -77,8 +78,8 @@ class LightningTarget(Target):
         join_existing_group()
         accumulation = max(len(step) for step in run.batches)
         if any(len(step) != accumulation for step in run.batches):
-            raise ValueError("LightningTarget needs the same number of micro-batches every step "
-                             "(Trainer(accumulate_grad_batches=...) is one number)")
+            raise NothingChecked("LightningTarget needs the same number of micro-batches every "
+                                 "step (Trainer(accumulate_grad_batches=...) is one number)")
         net = _module(pl, module, run, accumulation, self.manual)
         automatic = not self.manual and run.max_grad_norm is not None
         trainer = pl.Trainer(

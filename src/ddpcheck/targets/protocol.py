@@ -239,7 +239,7 @@ class Target:
         ranks = getattr(optimizer, "_param_to_rank", None)
         if ranks is not None:
             return int(ranks[param])
-        raise TypeError(f"{type(self).__name__} declares sharded_gradients, but "
+        raise InvalidArgument(f"{type(self).__name__} declares sharded_gradients, but "
                         f"{type(optimizer).__name__} has no owner_of(param) or _param_to_rank; "
                         "override Target.gradient_owner(optimizer, param) or "
                         "Target.gradient_shards(model, optimizer)")
@@ -336,7 +336,7 @@ class Target:
             return inner[0].state
         state = getattr(optimizer, "state", None)
         if state is None:
-            raise TypeError(
+            raise InvalidArgument(
                 f"{type(self).__name__}.optimizer_state: {type(optimizer).__name__} has no "
                 "`state` and wraps no single torch.optim.Optimizer; override "
                 "Target.optimizer_state(optimizer) to return {parameter: state dict} held on "
@@ -456,7 +456,7 @@ def _rebound(params: Any, names: dict, now: dict) -> Any:
 def _method(model: Any, name: str, field: str) -> Any:
     method = getattr(model, name, None)
     if not callable(method):
-        raise AttributeError(f"Target.from_wrappers({field}={name!r}): the wrapped model "
+        raise InvalidArgument(f"Target.from_wrappers({field}={name!r}): the wrapped model "
                              f"{type(model).__name__} has no method {name!r}")
     return method
 
