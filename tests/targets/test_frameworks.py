@@ -79,6 +79,20 @@ def test_the_frameworks_train_language_models_under_autocast(name, module):
     ddpcheck.check_example(targets.BUILTIN[name], TOKENS, 2)
 
 
+def test_a_token_scenario_is_judged_or_declined_by_every_configuration_never_a_crash():
+    # (LightningTarget(static_graph=True) read a GPTConfig's layer count as a list of layers:
+    # exit 4 as soon as a token scenario was drawn)
+    configured = [entry.target for entry in targets.READY_MADE] + [
+        targets.LightningTarget(manual=True, static_graph=True),
+        targets.LightningTarget(static_graph=True)]
+    plain = Scenario(zoo.GPTConfig(layers=1), data=zoo.token_data, loss="token_cross_entropy")
+    for target in configured:
+        for scenario in (TOKENS, plain):
+            for world_size in (1, 2, 3):
+                why = ddpcheck.features.declines(target, scenario, world_size)
+                assert why is None or isinstance(why, str), (target, why)
+
+
 def test_zero_with_parameters_as_bucket_view_gets_a_channels_last_conv_wrong():
     scenario = Scenario(zoo.ChannelsLastConv, global_batch=6, steps=1)
     ddpcheck.check_example(targets.TORCH_ZERO, scenario, 2)

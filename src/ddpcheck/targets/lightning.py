@@ -38,6 +38,7 @@ import torch.distributed as dist
 from ddpcheck import features
 from ddpcheck.errors import NothingChecked
 from ddpcheck.features import FEATURES
+from ddpcheck.models import ModelSpec
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.protocol import Target
 
@@ -101,9 +102,9 @@ class LightningTarget(Target):
 def _usage_varies(scenario: Any) -> bool:
     """Whether which parameters get gradients depends on the samples (a layer some samples
     skip): some rank or step then uses another set."""
-    layers = getattr(scenario.model, "layers", None)
-    if layers is not None and any(layer.use == "sample" for layer in layers):
-        return True
+    if isinstance(scenario.model, ModelSpec) and any(layer.use == "sample"
+                                                     for layer in scenario.model.layers):
+        return True  # (a zoo model's `layers` may be a count: GPTConfig's)
     return any("unused-on-some-ranks" in features.of(scenario, world_size)
                for world_size in (2, 3, 4))
 
