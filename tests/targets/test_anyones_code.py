@@ -138,7 +138,8 @@ def test_the_optimizer_state_default_finds_an_inner_optimizer():
     class Opaque:
         pass
 
-    with pytest.raises(TypeError, match="override Target.optimizer_state.*shards_optimizer_state"):
+    with pytest.raises(ddpcheck.InvalidArgument,
+                       match="override Target.optimizer_state.*shards_optimizer_state"):
         ddpcheck.Target().optimizer_state(Opaque())
 
 
