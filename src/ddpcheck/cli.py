@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import re
 import select
 import signal
 import sys
@@ -40,7 +41,7 @@ from ddpcheck._internal.devices import (BACKENDS, DEVICES, check_fits, local_wor
                                        under_torchrun)
 from ddpcheck._internal.scripts import load
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine,
-                                        parse_features, parse_world_sizes)
+                                        did_you_mean, parse_features, parse_world_sizes)
 from ddpcheck.errors import (DdpcheckError, EquivalenceError, ExitCode, InvalidArgument,
                              NothingChecked)
 
@@ -243,6 +244,11 @@ def resolve_target(spec: str) -> Any:
         raise UsageError(f"target {spec!r} drives {missing.framework}, which is not installed "
                          "here; pip install 'ddpcheck[frameworks]' (or the package alone, at "
                          "the version in constraints.txt)")
+    if ":" not in spec:  # a built-in name, mistyped
+        names = [*BUILTIN, *(e.name for e in READY_MADE)]
+        raise UsageError(f"target {spec!r} is not a built-in target{did_you_mean(spec, names)} "
+                         f"(`ddpcheck targets` lists them: {', '.join(dict.fromkeys(names))}), "
+                         "nor MODULE:NAME or path/to/FILE.py:NAME for your own")
     return _resolve(spec, "target")
 
 
@@ -276,7 +282,11 @@ def _resolve(spec: str, what: str) -> Any:
     try:
         return evaluate_in(module, expr)
     except Exception as exc:
-        raise UsageError(f"{what} {spec!r}: {expr!r} is not defined in {module_name} "
+        hint = ""
+        missing = re.match(r"name '(\w+)' is not defined", str(exc))
+        if isinstance(exc, NameError) and missing:
+            hint = did_you_mean(missing.group(1), [n for n in vars(module) if n[:1] != "_"])
+        raise UsageError(f"{what} {spec!r}: {expr!r} is not defined in {module_name}{hint} "
                          f"({type(exc).__name__}: {exc})") from exc
 
 

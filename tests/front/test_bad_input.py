@@ -166,7 +166,15 @@ def test_assert_equivalent_target_errors(target, message):
 
 
 CLI_ROWS = [
-    (["check", "nocolon"], "target 'nocolon' must look like MODULE:NAME"),
+    (["check", "nocolon"], "target 'nocolon' is not a built-in target (`ddpcheck targets` lists "
+                           "them: parallel, "),
+    (["check", "accelerat"], "target 'accelerat' is not a built-in target (did you mean "
+                             "'accelerate'?)"),
+    (["check", "torch_fdsp"], "(did you mean 'torch_fsdp'?)"),
+    (["check", "ddpcheck.targets:PARALEL"], "'PARALEL' is not defined in ddpcheck.targets (did "
+                                            "you mean 'PARALLEL'?)"),
+    (["check", "--without", "acumulation"], "'acumulation' is not a feature (did you mean "
+                                            "'accumulation'?)"),
     (["check", "no_such_module_xyz:T"], "cannot import 'no_such_module_xyz'"),
     (["check", "ddpcheck.targets:NOPE"], "'NOPE' is not defined in ddpcheck.targets"),
     (["check", "ddpcheck.targets:Target"], "target=Target is a class; pass an instance"),
@@ -196,7 +204,7 @@ CLI_ROWS = [
     (["replay", "parallel", "--world-size", "2", "--scenario", "ddpcheck.Scenario(steps=0)"],
      "--scenario 'ddpcheck.Scenario(steps=0)': steps=0 must be an integer >= 1"),
     (["replay", "nocolon", "--world-size", "2", "--scenario", "ddpcheck.Scenario()"],
-     "target 'nocolon' must look like MODULE:NAME or path/to/FILE.py:NAME"),
+     "nor MODULE:NAME or path/to/FILE.py:NAME for your own"),
     (["check", "no_such_file.py:T"], "target 'no_such_file.py:T': 'no_such_file.py' is not a file"),
     (["fuzz-rule", "no/such_rules.py:greedy"], "rule 'no/such_rules.py:greedy': "
                                                "'no/such_rules.py' is not a file"),

@@ -9,6 +9,7 @@ hanging half a world. Imports no torch: the pytest plugin and ``ddpcheck --help`
 
 from __future__ import annotations
 
+import difflib
 import numbers
 import os
 from typing import Any, Iterable
@@ -16,9 +17,9 @@ from typing import Any, Iterable
 from ddpcheck.errors import InvalidArgument
 
 __all__ = ["BEYOND_TORCH", "DEFAULT_DEADLINE", "DEFAULT_FEATURES", "DEFAULT_WORLD_SIZES",
-           "FEATURES", "MAX_RANKS_PER_CORE", "OPT_IN",
-           "STARTUP_DEADLINE", "check_deadline", "check_fits_machine", "check_positive_number",
-           "check_process_group", "check_world_size", "check_world_sizes", "parse_features",
+           "FEATURES", "MAX_RANKS_PER_CORE", "OPT_IN", "STARTUP_DEADLINE", "check_deadline",
+           "check_fits_machine", "check_positive_number", "check_process_group",
+           "check_world_size", "check_world_sizes", "did_you_mean", "parse_features",
            "parse_world_sizes"]
 
 #: World sizes checked when none are given: 1 (the wrapper is a no-op), 2 (the cheapest world
@@ -181,6 +182,13 @@ def parse_features(text: str | Iterable[str], flag: str = "--without") -> frozen
     unknown = [n for n in names if n not in FEATURES]
     if unknown:
         raise InvalidArgument(f"{flag}: {', '.join(map(repr, unknown))} "
-                              f"{'is not a feature' if len(unknown) == 1 else 'are not features'};"
-                              f" known: {', '.join(FEATURES)}")
+                              f"{'is not a feature' if len(unknown) == 1 else 'are not features'}"
+                              f"{did_you_mean(unknown[0], FEATURES)}; known: {', '.join(FEATURES)}")
     return frozenset(names)
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` to a mistyped ``name``, or ``""``
+    (``difflib``'s ratio, as Python's own NameError suggestions)."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
