@@ -15,9 +15,14 @@ the oracle or a real bug in a target; either way it must be looked at.
 
 ``--strategies`` draws exactly what ``ddpcheck check`` draws after its battery -- ``ddpcheck.fuzz``
 with ``ddpcheck.strategies``: every layer kind (attention, embeddings, tied heads...), SGD/Adam/
-AdamW, accumulation, float64 and float32, clipping, orders, checkpoints -- in chunks of 500 with a
-new seed each, over ``local`` at W=1 and the correct targets at W=2-4, until ``--examples`` ran.
-A false alarm stops that target's chunk and is printed shrunk, with its replay line.
+AdamW, accumulation, float64 and float32 (a third of it under bfloat16 or float16 autocast, or
+FSDP2's bfloat16 ``param_dtype``), clipping, orders, checkpoints -- in chunks of 500 with a new
+seed each, over ``local`` at W=1 and ``parallel``, ``torch_ddp``, ``torch_zero`` and
+``torch_fsdp`` at W=1-4 (W=3, and W above a small global batch, included), until ``--examples``
+ran. A false alarm stops that target's chunk and is printed shrunk, with its replay line. It
+counts what the oracle could not judge: examples declined because the reference is chaotic
+(its own rounding spread as large as a bug, ``oracle.tolerances.noise_verdict``) and how many
+references computed their noise variants at all (a comparison beyond the fixed tolerance).
 
 ``--whole-step`` makes every scenario use at least one feature of the whole training step --
 gradient clipping (2- or inf-norm), per-rank registration orders, a checkpoint resumed at this
@@ -57,6 +62,8 @@ from ddpcheck import batches, targets, zoo  # noqa: E402
 from ddpcheck import strategies as dst  # noqa: E402
 from ddpcheck.features import FEATURES, declines, of  # noqa: E402
 from ddpcheck import check_example
+from ddpcheck._internal.oracle.compare import CHAOTIC  # noqa: E402
+from ddpcheck._internal.oracle.reference import noise_computed  # noqa: E402
 from ddpcheck._internal.runs.example import prepare_reference  # noqa: E402
 from ddpcheck.scenario import Scenario  # noqa: E402
 from ddpcheck._internal.world.worlds import shutdown_worlds  # noqa: E402
@@ -165,9 +172,12 @@ def _plain(rng: random.Random, optimizer: type, kwargs: dict) -> dict:
 
 
 #: (name, target, world sizes) of the --strategies soak: no synchronisation is correct at W=1.
-STRATEGY_TARGETS = [("local", targets.LOCAL, (1,)), ("parallel", targets.PARALLEL, (2, 3, 4)),
-                    ("torch_ddp", targets.TORCH_DDP, (2, 3, 4)),
-                    ("torch_zero", targets.TORCH_ZERO, (2, 3, 4))]
+STRATEGY_TARGETS = [("local", targets.LOCAL, (1,)), ("parallel", targets.PARALLEL, (1, 2, 3, 4)),
+                    ("torch_ddp", targets.TORCH_DDP, (1, 2, 3, 4)),
+                    ("torch_zero", targets.TORCH_ZERO, (1, 2, 3, 4)),
+                    ("torch_fsdp", targets.TORCH_FSDP, (1, 2, 3, 4))]
+#: The features whose examples the --strategies soak counts: the dtypes and precision policies.
+COUNTED = ("float64", "float32", "autocast", "param-dtype", "accumulation", "uneven-batches")
 
 
 def strategies_soak(examples: int, seed: int, chunk: int = 500,
@@ -175,7 +185,9 @@ def strategies_soak(examples: int, seed: int, chunk: int = 500,
     """``ddpcheck.fuzz`` -- check's random examples -- over STRATEGY_TARGETS in turn."""
     started = time.perf_counter()
     ran: collections.Counter = collections.Counter()
-    found, declined, rounds = [], 0, 0
+    used: collections.Counter = collections.Counter()
+    found, declined, chaotic, unjudgeable, rounds = [], 0, 0, 0, 0
+    noise_before = noise_computed()
     try:
         while sum(ran.values()) < examples:
             if max_seconds and time.perf_counter() - started > max_seconds:
@@ -187,19 +199,34 @@ def strategies_soak(examples: int, seed: int, chunk: int = 500,
             result = ddpcheck.fuzz(target, examples=chunk, world_sizes=sizes, seed=chunk_seed,
                                    dtypes=("float64", "float32"), deadline=120.0)
             ran[name] += result.examples
-            declined += sum(result.declined.values())
+            used.update({f: n for f, n in result.feature_counts.items() if f in COUNTED})
+            for why, n in result.declined.items():
+                if not why.startswith("unjudgeable: "):
+                    declined += n
+                elif CHAOTIC in why:
+                    chaotic += n
+                    print(f"  declined, chaotic ({name}): {why[:600]}", flush=True)
+                else:
+                    unjudgeable += n
             if result.found:
                 found.append(result.error)
                 print(f"FALSE ALARM {name} (seed {chunk_seed}), after {result.first_failure} "
                       f"examples:\n{result.error}\n", flush=True)
-            print(f"  {sum(ran.values())} examples, {len(found)} false alarms, "
+            print(f"  {sum(ran.values())} examples, {len(found)} false alarms, {chaotic} "
+                  f"chaotic, noise computed {noise_computed() - noise_before} times, "
                   f"{time.perf_counter() - started:.0f} s", flush=True)
     finally:
         shutdown_worlds()
     seconds = time.perf_counter() - started
-    print(f"strategies soak: {sum(ran.values())} examples "
+    total = sum(ran.values())
+    print(f"strategies soak: {total} examples "
           f"({', '.join(f'{n} {c}' for n, c in ran.items())}) in {rounds} chunks of {chunk}; "
-          f"{declined} declined or unjudgeable; {len(found)} false alarms; {seconds:.1f} s")
+          f"examples using: {', '.join(f'{f} {used[f]}' for f in COUNTED)}; "
+          f"{declined} drawn and declined by the target; {unjudgeable} unjudgeable (the "
+          f"reference non-finite); {chaotic} declined as chaotic "
+          f"({100 * chaotic / max(total + chaotic, 1):.2f} % of the examples judged or declined);"
+          f" noise variants computed for {noise_computed() - noise_before} references; "
+          f"{len(found)} false alarms; {seconds:.1f} s")
     return 1 if found else 0
 
 
@@ -219,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                              "the parallel_strided target unless --targets is given")
     parser.add_argument("--strategies", action="store_true",
                         help="check's own random examples (ddpcheck.fuzz) over local at W=1 and "
-                             "the correct targets at W=2-4, in chunks of 500")
+                             "the correct targets (torch_fsdp included) at W=1-4, in chunks of "
+                             "500; counts the examples declined as chaotic")
     parser.add_argument("--tokens", action="store_true",
                         help="every scenario a language model on tokens (bf16 policies "
                              "included); adds torch_fsdp unless --targets is given")
