@@ -26,6 +26,7 @@ from ddpcheck._internal.oracle.reference import Variant, _train, reference_run
 from ddpcheck._internal.oracle.tolerances import noise_verdict
 from ddpcheck._internal.records import RankRecord
 from ddpcheck._internal.runs.example import check_example
+from ddpcheck._internal.runs.pipeline import Outcome, one_behind_the_other
 from ddpcheck.errors import EquivalenceError, ExitCode, ScenarioError
 from ddpcheck.models import Layer, ModelSpec, SpecData
 from ddpcheck.scenario import Scenario
@@ -72,7 +73,8 @@ def _declined_or_passed(target, scenario, world_size) -> str:
     try:
         check_example(target, scenario, world_size, deadline=patience(60))
     except ScenarioError as declined:
-        assert declined.exit_code == ExitCode.SETUP and "chaotic" in str(declined), declined
+        assert declined.exit_code == ExitCode.SETUP, declined
+        assert f"({CHAOTIC} at step" in str(declined), declined
         return "declined"
     return "passed"
 
@@ -128,6 +130,19 @@ def test_adam_sign_noise_in_float32_is_declined_as_chaotic_not_a_divergence():
     bug from it, so the example cannot be judged (exit 2, never 1)."""
     assert _declined_or_passed(targets.PARALLEL, shifted("float32", global_batch=6), 3) == \
         "declined"
+
+
+@pytest.mark.slow
+def test_among_random_examples_a_chaotic_one_is_skipped_as_unjudgeable_not_a_verdict():
+    """What ``fuzz`` (``ddpcheck check``'s random examples) is handed for each example: the
+    chaotic one is skipped as unjudgeable -- counted among the declined, not among the examples,
+    never a failure -- and the next one runs and is judged."""
+    items = [(1, 3, shifted("float32", global_batch=6)), (2, 3, shifted(seed=1))]
+    outcomes = [outcome for _, outcome in
+                one_behind_the_other(targets.PARALLEL, items, deadline=patience(60))]
+    assert outcomes[0].error is None and outcomes[0].unjudgeable, outcomes[0]
+    assert "reference chaotic at step 0" in outcomes[0].skipped, outcomes[0].skipped
+    assert outcomes[1] == Outcome(), outcomes[1]
 
 
 @pytest.mark.slow

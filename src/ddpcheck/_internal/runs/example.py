@@ -340,7 +340,8 @@ def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = 
                "it -- lower the learning rate or the number of steps")
         raise ScenarioError(
             f"the oracle cannot judge {scenario!r} at world size {world_size}: {first.detail} "
-            f"(step {first.step}, {first.name}); {why}. Steps before it were judged and held.")
+            f"({first.kind} at step {first.step}, {first.name}); {why}. Steps before it were "
+            "judged and held.")
     # The replay line is built only on failure: the passing path is the hot one.
     return EquivalenceError(divergences, scenario=scenario, world_size=world_size, target=target,
                             replay=replay_command(target, scenario, world_size, device=device,
