@@ -79,14 +79,12 @@ def _declined_or_passed(target, scenario, world_size) -> str:
     return "passed"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("target", [targets.TORCH_DDP, targets.PARALLEL],
                          ids=["torch_ddp", "parallel"])
 def test_the_layernorm_example_of_issue_37_is_no_divergence_at_w3(target):
     assert _declined_or_passed(target, LAYERNORM, 3) == "passed"
 
 
-@pytest.mark.slow
 def test_a_bug_beside_the_layernorm_example_is_still_reported():
     """The example computes in float32 (its LayerNorm), so its tolerance is float32's: an error
     on a well-conditioned gradient at the step where ``l1.conv.bias`` is noise must exceed that
@@ -101,7 +99,6 @@ def test_a_bug_beside_the_layernorm_example_is_still_reported():
     assert all(d.target_fault and d.name.startswith("head.bias") for d in rows), found.value
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("target", [targets.TORCH_DDP, targets.PARALLEL],
                          ids=["torch_ddp", "parallel"])
 def test_one_sample_at_w3_scaled_by_3_and_divided_back_is_no_divergence_in_float64(target):
@@ -112,7 +109,6 @@ def test_one_sample_at_w3_scaled_by_3_and_divided_back_is_no_divergence_in_float
         "passed"] * 3
 
 
-@pytest.mark.slow
 def test_a_1e6_error_beside_the_float64_noise_is_still_reported():
     with pytest.raises(EquivalenceError) as found:
         check_example(OffBy(name="out.bias", error=1e-6, step=1), shifted(), 3,
@@ -123,7 +119,6 @@ def test_a_1e6_error_beside_the_float64_noise_is_still_reported():
     assert all(d.target_fault for d in rows)
 
 
-@pytest.mark.slow
 def test_adam_sign_noise_in_float32_is_declined_as_chaotic_not_a_divergence():
     """float32 Adam at its default eps on the shifted softmax: the bias's update is +-lr by the
     sign of rounding noise, on the ranks and in the reference alike -- no tolerance could tell a
@@ -132,7 +127,6 @@ def test_adam_sign_noise_in_float32_is_declined_as_chaotic_not_a_divergence():
         "declined"
 
 
-@pytest.mark.slow
 def test_among_random_examples_a_chaotic_one_is_skipped_as_unjudgeable_not_a_verdict():
     """What ``fuzz`` (``ddpcheck check``'s random examples) is handed for each example: the
     chaotic one is skipped as unjudgeable -- counted among the declined, not among the examples,
@@ -145,7 +139,6 @@ def test_among_random_examples_a_chaotic_one_is_skipped_as_unjudgeable_not_a_ver
     assert outcomes[1] == Outcome(), outcomes[1]
 
 
-@pytest.mark.slow
 def test_a_bug_at_the_chaotic_step_outranks_the_chaos():
     with pytest.raises(EquivalenceError) as found:
         check_example(OffBy(name="out.bias", error=1e-2, step=0), shifted("float32"), 3,
