@@ -20,9 +20,10 @@ FSDP2's bfloat16 ``param_dtype``), clipping, orders, checkpoints -- in chunks of
 seed each, over ``local`` at W=1 and ``parallel``, ``torch_ddp``, ``torch_zero`` and
 ``torch_fsdp`` at W=1-4 (W=3, and W above a small global batch, included), until ``--examples``
 ran. A false alarm stops that target's chunk and is printed shrunk, with its replay line. It
-counts what the oracle could not judge: examples declined because the reference is chaotic
-(its own rounding spread as large as a bug, ``oracle.tolerances.noise_verdict``) and how many
-references computed their noise variants at all (a comparison beyond the fixed tolerance).
+counts, where ``fuzz`` runs each example, the dtypes, precision policies and world sizes; the
+examples declined because the reference is chaotic (its own rounding spread as large as a bug,
+``oracle.tolerances.noise_verdict``); and the examples whose judgement computed the reference's
+noise variants at all (a comparison beyond the fixed tolerance), printing each.
 
 ``--whole-step`` makes every scenario use at least one feature of the whole training step --
 gradient clipping (2- or inf-norm), per-rank registration orders, a checkpoint resumed at this
@@ -176,18 +177,66 @@ STRATEGY_TARGETS = [("local", targets.LOCAL, (1,)), ("parallel", targets.PARALLE
                     ("torch_ddp", targets.TORCH_DDP, (1, 2, 3, 4)),
                     ("torch_zero", targets.TORCH_ZERO, (1, 2, 3, 4)),
                     ("torch_fsdp", targets.TORCH_FSDP, (1, 2, 3, 4))]
-#: The features whose examples the --strategies soak counts: the dtypes and precision policies.
-COUNTED = ("float64", "float32", "autocast", "param-dtype", "accumulation", "uneven-batches")
+
+
+class _Tally:
+    """What the --strategies soak counts of every example ``fuzz`` runs, seen where ``fuzz``
+    runs them (``runs.pipeline.one_behind_the_other``, wrapped by :meth:`watching`): dtypes and
+    precision policies, world sizes above the global batch, the examples declined as chaotic, and
+    those whose judgement computed the reference's noise variants (printed)."""
+
+    def __init__(self):
+        self.counts: collections.Counter = collections.Counter()
+        self.noise = noise_computed()
+
+    def watching(self, run, name: str):
+        def wrapped(target, items, **kwargs):
+            for item, outcome in run(target, items, **kwargs):
+                self.see(name, item, outcome)
+                yield item, outcome
+        return wrapped
+
+    def see(self, name: str, item: tuple, outcome) -> None:
+        _, world_size, sc = item
+        if outcome.skipped is not None:
+            chaotic = outcome.unjudgeable and CHAOTIC in outcome.skipped
+            self.counts["chaotic" if chaotic else "skipped"] += 1
+            if chaotic:
+                print(f"  declined, chaotic ({name}): {outcome.skipped[:600]}", flush=True)
+        else:
+            self.counts["ran"] += 1
+            self.counts[sc.dtype] += 1
+            policy = sc.autocast or sc.param_dtype
+            if policy is not None:
+                kind = "autocast" if sc.autocast is not None else "param_dtype"
+                self.counts[f"{kind} {str(policy).replace('torch.', '')}"] += 1
+            self.counts[f"W={world_size}"] += 1
+            if world_size > sc.global_batch:
+                self.counts["W > batch"] += 1
+        if noise_computed() > self.noise:
+            self.noise = noise_computed()
+            self.counts["noise"] += 1
+            verdict = ("a false alarm" if outcome.error is not None else "skipped"
+                       if outcome.skipped is not None else "passed")
+            print(f"  noise variants computed ({name}, W={world_size}, {verdict}): {sc!r}",
+                  flush=True)
+
+
+#: What the --strategies soak's summary lists, in this order.
+COUNTED = ("float64", "float32", "autocast bfloat16", "autocast float16", "param_dtype bfloat16",
+           "W=1", "W=2", "W=3", "W=4", "W > batch")
 
 
 def strategies_soak(examples: int, seed: int, chunk: int = 500,
                     max_seconds: float | None = None) -> int:
     """``ddpcheck.fuzz`` -- check's random examples -- over STRATEGY_TARGETS in turn."""
+    from ddpcheck._internal.runs import fuzz as fuzzing
+
     started = time.perf_counter()
     ran: collections.Counter = collections.Counter()
-    used: collections.Counter = collections.Counter()
-    found, declined, chaotic, unjudgeable, rounds = [], 0, 0, 0, 0
-    noise_before = noise_computed()
+    tally = _Tally()
+    found, declined, rounds = [], 0, 0
+    pipeline = fuzzing.one_behind_the_other
     try:
         while sum(ran.values()) < examples:
             if max_seconds and time.perf_counter() - started > max_seconds:
@@ -196,36 +245,32 @@ def strategies_soak(examples: int, seed: int, chunk: int = 500,
             name, target, sizes = STRATEGY_TARGETS[rounds % len(STRATEGY_TARGETS)]
             chunk_seed = seed * 1_000_003 + rounds
             rounds += 1
+            fuzzing.one_behind_the_other = tally.watching(pipeline, name)
             result = ddpcheck.fuzz(target, examples=chunk, world_sizes=sizes, seed=chunk_seed,
                                    dtypes=("float64", "float32"), deadline=120.0)
             ran[name] += result.examples
-            used.update({f: n for f, n in result.feature_counts.items() if f in COUNTED})
-            for why, n in result.declined.items():
-                if not why.startswith("unjudgeable: "):
-                    declined += n
-                elif CHAOTIC in why:
-                    chaotic += n
-                    print(f"  declined, chaotic ({name}): {why[:600]}", flush=True)
-                else:
-                    unjudgeable += n
+            declined += sum(n for why, n in result.declined.items()
+                            if not why.startswith("unjudgeable: "))
             if result.found:
                 found.append(result.error)
                 print(f"FALSE ALARM {name} (seed {chunk_seed}), after {result.first_failure} "
                       f"examples:\n{result.error}\n", flush=True)
-            print(f"  {sum(ran.values())} examples, {len(found)} false alarms, {chaotic} "
-                  f"chaotic, noise computed {noise_computed() - noise_before} times, "
-                  f"{time.perf_counter() - started:.0f} s", flush=True)
+            print(f"  {sum(ran.values())} examples, {len(found)} false alarms, "
+                  f"{tally.counts['chaotic']} declined as chaotic, noise computed for "
+                  f"{tally.counts['noise']}, {time.perf_counter() - started:.0f} s", flush=True)
     finally:
+        fuzzing.one_behind_the_other = pipeline
         shutdown_worlds()
     seconds = time.perf_counter() - started
-    total = sum(ran.values())
+    total, counts = sum(ran.values()), tally.counts
+    chaotic = counts["chaotic"]
     print(f"strategies soak: {total} examples "
           f"({', '.join(f'{n} {c}' for n, c in ran.items())}) in {rounds} chunks of {chunk}; "
-          f"examples using: {', '.join(f'{f} {used[f]}' for f in COUNTED)}; "
-          f"{declined} drawn and declined by the target; {unjudgeable} unjudgeable (the "
-          f"reference non-finite); {chaotic} declined as chaotic "
-          f"({100 * chaotic / max(total + chaotic, 1):.2f} % of the examples judged or declined);"
-          f" noise variants computed for {noise_computed() - noise_before} references; "
+          f"{', '.join(f'{f} {counts[f]}' for f in COUNTED)}; "
+          f"{declined} drawn and declined by the target; {counts['skipped']} unjudgeable or "
+          f"declined in the ranks, {chaotic} of them as chaotic "
+          f"({100 * chaotic / max(total + counts['skipped'], 1):.2f} % of the examples run); "
+          f"the reference's noise variants computed for {counts['noise']} examples; "
           f"{len(found)} false alarms; {seconds:.1f} s")
     return 1 if found else 0
 

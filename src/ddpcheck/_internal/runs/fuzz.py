@@ -49,8 +49,6 @@ class FuzzResult:
     features: set[str] = dataclasses.field(default_factory=set)
     #: What examples left in the rank processes and ddpcheck put right (never a verdict).
     notes: dict[str, None] = dataclasses.field(default_factory=dict)
-    #: Per feature, how many of the examples that ran (until a failure) exercised it.
-    feature_counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def found(self) -> bool:
@@ -105,7 +103,6 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     give_up_after = max(GIVE_UP_AFTER_DECLINED, 2 * examples)
     declined: dict[str, int] = {}
     exercised: set[str] = set()
-    counts: dict[str, int] = {}
     notes: dict[str, None] = {}
 
     # Built once, not per example: Hypothesis validates a strategy the first time it draws
@@ -170,9 +167,7 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
                 if outcome.error is not None:
                     first, failing = count, (index, world_size, scenario, outcome.error)
                     break
-                for feature in features.of(scenario, world_size):
-                    exercised.add(feature)
-                    counts[feature] = counts.get(feature, 0) + 1
+                exercised.update(features.of(scenario, world_size))
                 notes.update(dict.fromkeys(outcome.notes))
     finally:
         generation.stop()
@@ -180,11 +175,11 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
         declined[why] = declined.get(why, 0) + n
     if failing is None:
         return FuzzResult(count, None, time.perf_counter() - started, None, declined,
-                          exercised, notes, counts)
+                          exercised, notes)
     index, world_size, scenario, error = failing
     if not shrink:
         return FuzzResult(count, first, time.perf_counter() - started, error, declined,
-                          exercised, notes, counts)
+                          exercised, notes)
 
     # 2. The failure shrunk: Hypothesis draws again, the same examples in the same order (the
     # same seed, and every example before the failing one passes as it did while drawn above),
@@ -229,7 +224,7 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
         run_hypothesis(shrinking, [Phase.generate, Phase.target, Phase.shrink])
     except EquivalenceError as shrunk:
         return FuzzResult(count, first, time.perf_counter() - started, shrunk, declined,
-                          exercised, notes, counts)
+                          exercised, notes)
     except FlakyFailure as flaky:
         # A shrinking step failed, then passed when Hypothesis replayed it: a race (e.g. a
         # gradient read before its all-reduce finished). Still a counterexample.
@@ -237,13 +232,13 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
         if shrunk is None:
             raise
         return FuzzResult(count, first, time.perf_counter() - started,
-                          _intermittent(shrunk), declined, exercised, notes, counts)
+                          _intermittent(shrunk), declined, exercised, notes)
     # The failing example passed when run again (or Hypothesis drew otherwise): report it as
     # found, unshrunk.
     if replay.reached and replay.failing_passed:
         error = _intermittent(error)
     return FuzzResult(count, first, time.perf_counter() - started, error, declined, exercised,
-                      notes, counts)
+                      notes)
 
 
 def _intermittent(error: EquivalenceError) -> EquivalenceError:
