@@ -15,9 +15,15 @@ the oracle or a real bug in a target; either way it must be looked at.
 
 ``--strategies`` draws exactly what ``ddpcheck check`` draws after its battery -- ``ddpcheck.fuzz``
 with ``ddpcheck.strategies``: every layer kind (attention, embeddings, tied heads...), SGD/Adam/
-AdamW, accumulation, float64 and float32, clipping, orders, checkpoints -- in chunks of 500 with a
-new seed each, over ``local`` at W=1 and the correct targets at W=2-4, until ``--examples`` ran.
-A false alarm stops that target's chunk and is printed shrunk, with its replay line.
+AdamW, accumulation, float64 and float32 (a third of it under bfloat16 or float16 autocast, or
+FSDP2's bfloat16 ``param_dtype``), clipping, orders, checkpoints -- in chunks of 500 with a new
+seed each, over ``local`` at W=1 and ``parallel``, ``torch_ddp``, ``torch_zero`` and
+``torch_fsdp`` at W=1-4 (W=3, and W above a small global batch, included), until ``--examples``
+ran. A false alarm stops that target's chunk and is printed shrunk, with its replay line. It
+counts, where ``fuzz`` runs each example, the dtypes, precision policies and world sizes; the
+examples declined because the reference is chaotic (its own rounding spread as large as a bug,
+``oracle.tolerances.noise_verdict``); and the examples whose judgement computed the reference's
+noise variants at all (a comparison beyond the fixed tolerance), printing each.
 
 ``--whole-step`` makes every scenario use at least one feature of the whole training step --
 gradient clipping (2- or inf-norm), per-rank registration orders, a checkpoint resumed at this
@@ -57,6 +63,8 @@ from ddpcheck import batches, targets, zoo  # noqa: E402
 from ddpcheck import strategies as dst  # noqa: E402
 from ddpcheck.features import FEATURES, declines, of  # noqa: E402
 from ddpcheck import check_example
+from ddpcheck._internal.oracle.compare import CHAOTIC  # noqa: E402
+from ddpcheck._internal.oracle.reference import noise_computed  # noqa: E402
 from ddpcheck._internal.runs.example import prepare_reference  # noqa: E402
 from ddpcheck.scenario import Scenario  # noqa: E402
 from ddpcheck._internal.world.worlds import shutdown_worlds  # noqa: E402
@@ -165,17 +173,70 @@ def _plain(rng: random.Random, optimizer: type, kwargs: dict) -> dict:
 
 
 #: (name, target, world sizes) of the --strategies soak: no synchronisation is correct at W=1.
-STRATEGY_TARGETS = [("local", targets.LOCAL, (1,)), ("parallel", targets.PARALLEL, (2, 3, 4)),
-                    ("torch_ddp", targets.TORCH_DDP, (2, 3, 4)),
-                    ("torch_zero", targets.TORCH_ZERO, (2, 3, 4))]
+STRATEGY_TARGETS = [("local", targets.LOCAL, (1,)), ("parallel", targets.PARALLEL, (1, 2, 3, 4)),
+                    ("torch_ddp", targets.TORCH_DDP, (1, 2, 3, 4)),
+                    ("torch_zero", targets.TORCH_ZERO, (1, 2, 3, 4)),
+                    ("torch_fsdp", targets.TORCH_FSDP, (1, 2, 3, 4))]
+
+
+class _Tally:
+    """What the --strategies soak counts of every example ``fuzz`` runs, seen where ``fuzz``
+    runs them (``runs.pipeline.one_behind_the_other``, wrapped by :meth:`watching`): dtypes and
+    precision policies, world sizes above the global batch, the examples declined as chaotic, and
+    those whose judgement computed the reference's noise variants (printed)."""
+
+    def __init__(self):
+        self.counts: collections.Counter = collections.Counter()
+        self.noise = noise_computed()
+
+    def watching(self, run, name: str):
+        def wrapped(target, items, **kwargs):
+            for item, outcome in run(target, items, **kwargs):
+                self.see(name, item, outcome)
+                yield item, outcome
+        return wrapped
+
+    def see(self, name: str, item: tuple, outcome) -> None:
+        _, world_size, sc = item
+        if outcome.skipped is not None:
+            chaotic = outcome.unjudgeable and CHAOTIC in outcome.skipped
+            self.counts["chaotic" if chaotic else "skipped"] += 1
+            if chaotic:
+                print(f"  declined, chaotic ({name}): {outcome.skipped[:600]}", flush=True)
+        else:
+            self.counts["ran"] += 1
+            self.counts[sc.dtype] += 1
+            policy = sc.autocast or sc.param_dtype
+            if policy is not None:
+                kind = "autocast" if sc.autocast is not None else "param_dtype"
+                self.counts[f"{kind} {str(policy).replace('torch.', '')}"] += 1
+            self.counts[f"W={world_size}"] += 1
+            if world_size > sc.global_batch:
+                self.counts["W > batch"] += 1
+        if noise_computed() > self.noise:
+            self.noise = noise_computed()
+            self.counts["noise"] += 1
+            verdict = ("a false alarm" if outcome.error is not None else "skipped"
+                       if outcome.skipped is not None else "passed")
+            print(f"  noise variants computed ({name}, W={world_size}, {verdict}): {sc!r}",
+                  flush=True)
+
+
+#: What the --strategies soak's summary lists, in this order.
+COUNTED = ("float64", "float32", "autocast bfloat16", "autocast float16", "param_dtype bfloat16",
+           "W=1", "W=2", "W=3", "W=4", "W > batch")
 
 
 def strategies_soak(examples: int, seed: int, chunk: int = 500,
                     max_seconds: float | None = None) -> int:
     """``ddpcheck.fuzz`` -- check's random examples -- over STRATEGY_TARGETS in turn."""
+    from ddpcheck._internal.runs import fuzz as fuzzing
+
     started = time.perf_counter()
     ran: collections.Counter = collections.Counter()
+    tally = _Tally()
     found, declined, rounds = [], 0, 0
+    pipeline = fuzzing.one_behind_the_other
     try:
         while sum(ran.values()) < examples:
             if max_seconds and time.perf_counter() - started > max_seconds:
@@ -184,22 +245,33 @@ def strategies_soak(examples: int, seed: int, chunk: int = 500,
             name, target, sizes = STRATEGY_TARGETS[rounds % len(STRATEGY_TARGETS)]
             chunk_seed = seed * 1_000_003 + rounds
             rounds += 1
+            fuzzing.one_behind_the_other = tally.watching(pipeline, name)
             result = ddpcheck.fuzz(target, examples=chunk, world_sizes=sizes, seed=chunk_seed,
                                    dtypes=("float64", "float32"), deadline=120.0)
             ran[name] += result.examples
-            declined += sum(result.declined.values())
+            declined += sum(n for why, n in result.declined.items()
+                            if not why.startswith("unjudgeable: "))
             if result.found:
                 found.append(result.error)
                 print(f"FALSE ALARM {name} (seed {chunk_seed}), after {result.first_failure} "
                       f"examples:\n{result.error}\n", flush=True)
             print(f"  {sum(ran.values())} examples, {len(found)} false alarms, "
-                  f"{time.perf_counter() - started:.0f} s", flush=True)
+                  f"{tally.counts['chaotic']} declined as chaotic, noise computed for "
+                  f"{tally.counts['noise']}, {time.perf_counter() - started:.0f} s", flush=True)
     finally:
+        fuzzing.one_behind_the_other = pipeline
         shutdown_worlds()
     seconds = time.perf_counter() - started
-    print(f"strategies soak: {sum(ran.values())} examples "
+    total, counts = sum(ran.values()), tally.counts
+    chaotic = counts["chaotic"]
+    print(f"strategies soak: {total} examples "
           f"({', '.join(f'{n} {c}' for n, c in ran.items())}) in {rounds} chunks of {chunk}; "
-          f"{declined} declined or unjudgeable; {len(found)} false alarms; {seconds:.1f} s")
+          f"{', '.join(f'{f} {counts[f]}' for f in COUNTED)}; "
+          f"{declined} drawn and declined by the target; {counts['skipped']} unjudgeable or "
+          f"declined in the ranks, {chaotic} of them as chaotic "
+          f"({100 * chaotic / max(total + counts['skipped'], 1):.2f} % of the examples run); "
+          f"the reference's noise variants computed for {counts['noise']} examples; "
+          f"{len(found)} false alarms; {seconds:.1f} s")
     return 1 if found else 0
 
 
@@ -219,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                              "the parallel_strided target unless --targets is given")
     parser.add_argument("--strategies", action="store_true",
                         help="check's own random examples (ddpcheck.fuzz) over local at W=1 and "
-                             "the correct targets at W=2-4, in chunks of 500")
+                             "the correct targets (torch_fsdp included) at W=1-4, in chunks of "
+                             "500; counts the examples declined as chaotic")
     parser.add_argument("--tokens", action="store_true",
                         help="every scenario a language model on tokens (bf16 policies "
                              "included); adds torch_fsdp unless --targets is given")

@@ -7,9 +7,10 @@ Invariant: :func:`compare` returns one of three verdicts, never a mix --
 
 * no divergence: after every step, 1-5 below hold;
 * divergences that are all the target's fault (``Divergence.target_fault``): the target has a bug;
-* divergences that are all *not* the target's fault, kind :data:`NON_FINITE`: the reference itself
-  went non-finite at some step k (6 below), 1-5 hold before k, and nothing from k on is judged.
-  :func:`cannot_judge` tells this verdict apart.
+* divergences that are all *not* the target's fault, kind :data:`NON_FINITE` or :data:`CHAOTIC`:
+  the reference itself went non-finite at some step k (6 below), or cannot pin down an element at
+  step k (7 below), 1-5 hold before k, and nothing from k on is judged. :func:`cannot_judge`
+  tells this verdict apart; a row that is the target's fault at step k outranks them.
 
 1. every rank's parameters, buffers and gradients are **bitwise identical** to rank 0's (replicas
    are exact after an all-reduce or a broadcast from an owner -- no tolerance). Bitwise means the
@@ -38,7 +39,14 @@ Invariant: :func:`compare` returns one of three verdicts, never a mix --
    are ordinary values, compared like any other), the scenario diverges numerically and the
    ranks cannot be judged from step k on, whatever they hold and whichever checks were asked
    for: the rows name step k and every reference tensor that went non-finite there, with
-   ``target_fault=False``.
+   ``target_fault=False``;
+7. where a rank is beyond the tolerance, the reference is asked what it cannot pin down
+   (``Reference.noise``: its spread over equally valid ways to compute the run) and each element's
+   allowance widened by ``NOISE_FACTOR`` times it; where that widening exceeds both the tolerance
+   and ``RESOLUTION`` of the largest value of its kind at that step (every gradient, every
+   parameter...) at an element beyond the tolerance, the reference is chaotic there
+   (``tolerances.noise_verdict``): no bug of the size ddpcheck promises to catch could be told
+   apart, so the row is :data:`CHAOTIC` with ``target_fault=False``.
 
 Checks 3 and 4 catch bugs that change no number: every rank stepping every parameter, or a second
 average of gradients that are already identical. :func:`validate_checks` turns a user's ``checks``
@@ -57,15 +65,17 @@ from ddpcheck._internal.oracle.budget import check_budget, check_reduce_dtypes
 from ddpcheck._internal.oracle.reference import Reference, reference_run
 from ddpcheck._internal.oracle.sample_weights import check_sample_weights
 from ddpcheck._internal.oracle.shards import compare_shards
-from ddpcheck._internal.oracle.tolerances import (NOISE_FACTOR, TOLERANCES, all_close, close,
-                                                  close_within_noise, scaled_atol, tolerance)
+from ddpcheck._internal.oracle.tolerances import (NOISE_FACTOR, RESOLUTION, TOLERANCES,
+                                                  all_close, close, noise_verdict, scaled_atol,
+                                                  tolerance)
 from ddpcheck._internal.oracle.window import check_window
 from ddpcheck._internal.records import RankRecord, StepRecord
 from ddpcheck.errors import Divergence, InvalidArgument
 from ddpcheck.scenario import Scenario
 
-__all__ = ["CHECKS", "NON_FINITE", "TOLERANCES", "Reference", "bitwise_equal", "cannot_judge",
-           "compare", "reference_run", "scaled_atol", "tolerance", "validate_checks"]
+__all__ = ["CHAOTIC", "CHECKS", "NON_FINITE", "TOLERANCES", "Reference", "bitwise_equal",
+           "cannot_judge", "compare", "reference_run", "scaled_atol", "tolerance",
+           "validate_checks"]
 
 #: The oracle's checks, each selectable on its own (one property per invariant).
 CHECKS = frozenset({"replicas", "reference", "state", "budget"})
@@ -74,6 +84,15 @@ CHECKS = frozenset({"replicas", "reference", "state", "budget"})
 #: reference is finite, not the target's fault (``target_fault=False``) when the reference holds
 #: them itself.
 NON_FINITE = "non-finite values"
+
+#: The kind of a row that says the reference cannot pin an element down (``target_fault=False``):
+#: its own rounding spread there is as large as the bugs ddpcheck promises to catch
+#: (``tolerances.noise_verdict``), so nothing from that step on is judged.
+CHAOTIC = "reference chaotic"
+
+#: What ``Reference.noise`` varies, as the details say it.
+_VARIANTS = ("over other summation orders, losses scaled by W and divided back, and "
+             "rounding-level perturbations of the gradients")
 
 
 def validate_checks(checks: Any) -> frozenset:
@@ -109,6 +128,13 @@ def cannot_judge(divergences: list[Divergence]) -> bool:
     return bool(divergences) and not any(d.target_fault for d in divergences)
 
 
+def _one_verdict(rows: list[Divergence]) -> list[Divergence]:
+    """The rows the target is at fault for when there are any (a bug beside a chaotic element is
+    still a bug), else all of them (none, or rows saying what cannot be judged)."""
+    faults = [row for row in rows if row.target_fault]
+    return faults or rows
+
+
 # ---------------------------------------------------------------------------------------------
 # Comparisons
 
@@ -138,7 +164,7 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
                          _noise(reference, earlier_steps - 1, "params", "buffers")
                          if earlier_steps else None)
     if out:
-        return out
+        return _one_verdict(out)
     for step, ref in enumerate(reference.steps):
         plans = [r.steps[step].batch_plan for r in records]
         if against_ref and None not in plans:  # the objective first: it explains any number
@@ -174,8 +200,8 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
             found += check_budget(step, world_size, records, reference,
                                    getattr(target, "flattened_broadcasts", False),
                                    getattr(target, "reduces_every_micro_batch", False))
-        if found:
-            return out + found  # later steps only repeat the damage
+        if found:  # later steps only repeat the damage (or inherit the chaos)
+            return out + _one_verdict(found)
     return out
 
 
@@ -258,8 +284,10 @@ def _against_reference(step: Any, world_size: int, rank: int, name: str, what: s
                        got: torch.Tensor, ref: Any, rtol: float, atol: float,
                        label: str | None = None, noise: Any = None) -> Divergence | None:
     """One rank's tensor against the reference's: None when it matches within tolerance, or
-    within the reference's own rounding spread there (``noise()``: a tensor or None, asked only
-    when the tolerance alone is exceeded; ``Reference.noise``).
+    within the reference's own rounding spread there (``noise()``: ``(spread, scale)``, asked
+    only when the tolerance alone is exceeded -- the spread a tensor or None, ``Reference.noise``;
+    the scale the largest magnitude of the reference's tensors of this kind at this step, what
+    ``tolerances.noise_verdict`` measures a bug against).
 
     ``what`` names the tensor in details; ``label`` in a :data:`NON_FINITE` row's name column
     (default ``name``: a gradient's is ``NAME.grad``, since the kind does not say)."""
@@ -278,17 +306,42 @@ def _against_reference(step: Any, world_size: int, rank: int, name: str, what: s
     if got.dtype != ref.dtype:
         return Divergence(step, world_size, rank, name, kind,
                           detail=f"{_brief(got)} on rank {rank}, {_brief(ref)} in the reference")
-    spread = noise() if noise is not None else None
-    if spread is not None and close_within_noise(got, ref, rtol, atol, spread):
-        return None
+    spread, scale = noise() if noise is not None else (None, 0.0)
+    if spread is not None and spread.shape == ref.shape:
+        verdict, where = noise_verdict(got, ref, rtol, atol, spread, scale)
+        if verdict == "close":
+            return None
+        if verdict == "chaotic":
+            return _chaotic_row(step, world_size, rank, label or name, what, got, ref, rtol,
+                                atol, spread, where, scale)
+    else:
+        spread, where = None, None
     row = Divergence.of(step, world_size, rank, name, kind, got, ref, ("rank", rank),
                         ("reference", None), rtol, scaled_atol(ref, rtol, atol))
     if spread is not None:
         row = dataclasses.replace(row, detail=f"{row.detail}\n(the reference's own rounding "
-                                              "over other summation orders is at most "
-                                              f"{float(spread.max()):.3g} here; the tolerance "
-                                              f"allows {NOISE_FACTOR:g}x that on top)")
+                                              f"{_VARIANTS} is at most "
+                                              f"{float(spread[where].max()):.3g} where it differs; "
+                                              f"the tolerance allows {NOISE_FACTOR:g}x that on "
+                                              "top)")
     return row
+
+
+def _chaotic_row(step: Any, world_size: int, rank: int, label: str, what: str,
+                 got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float,
+                 spread: torch.Tensor, where: torch.Tensor, scale: float) -> Divergence:
+    """The row (not the target's fault) for elements the reference cannot pin down."""
+    diff = (got.double() - ref.double()).abs()[where]
+    allowed = scaled_atol(ref, rtol, atol) + rtol * ref.double().abs()[where]
+    return Divergence(
+        step, world_size, rank, label, CHAOTIC, float(diff.max()), None, target_fault=False,
+        detail=f"the reference's own rounding ({_VARIANTS}) moves {what} {_when(step)} by up "
+               f"to {float(spread[where].max()):.3g} ({_count(where)}); rank {rank} differs by "
+               f"{float(diff.max()):.3g}. {NOISE_FACTOR:g}x that spread exceeds both the "
+               f"tolerance there ({float(allowed.max()):.3g}) and {RESOLUTION:g} of the largest "
+               f"value of its kind at this step ({RESOLUTION * scale:.3g}): no bug of the size "
+               "ddpcheck promises to catch could be told apart from rounding there (not the "
+               "target's fault)")
 
 
 def _replica_row(step: Any, world_size: int, rank: int, name: str, kind: str,
@@ -345,6 +398,7 @@ def _compare_maps(step: Any, world_size: int, records: list[RankRecord], get: An
     else:
         ranks = range(world_size)
     rtol, atol = tol
+    largest = _Largest(reference.values())
     for rank in ranks:
         if _all_close_map(maps[rank], reference, rtol, atol):
             continue  # the usual case, in one pass: every row below would be None
@@ -365,7 +419,7 @@ def _compare_maps(step: Any, world_size: int, records: list[RankRecord], get: An
                                          f"reference differs ({kind})", got, ref, rtol, atol,
                                          f"{name}.grad" if kind == "gradient" else name,
                                          None if noise is None else
-                                         lambda n=name: noise(n))
+                                         lambda n=name: (noise(n), largest()))
                 if row is not None:
                     out.append(row)
     return out
@@ -382,6 +436,21 @@ def _all_close_map(got: dict, reference: dict, rtol: float, atol: float) -> bool
         if ref is not None:
             pairs.append((value, ref))
     return all_close(pairs, rtol, atol)
+
+
+class _Largest:
+    """The largest finite magnitude among some tensors (others ignored), computed on the first
+    call: what a bug is measured against where the reference's rounding spread is wide."""
+
+    def __init__(self, values: Any):
+        self._values, self._found = values, None
+
+    def __call__(self) -> float:
+        if self._found is None:
+            self._found = max((float(v.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
+                               for v in self._values if torch.is_tensor(v)
+                               and v.is_floating_point() and v.numel()), default=0.0)
+        return self._found
 
 
 def _noise(reference: Reference, step: int, *fields: str) -> Any:
@@ -442,7 +511,9 @@ def _compare_state(step: int, world_size: int, records: list[RankRecord], ref: S
                                          f"optimizer state {key!r} of {name}",
                                          "optimizer state differs", got, ref_value, rtol, atol,
                                          noise=None if noise is None else
-                                         lambda n=f"{name}[{key!r}]": noise(n))
+                                         lambda n=f"{name}[{key!r}]", k=key: (
+                                             noise(n), _Largest(s.get(k) for s in
+                                                                ref.state.values())()))
                 if row is not None:
                     out.append(row)
     extra = {n for r in records for n in r.steps[step].state} - set(ref.state)

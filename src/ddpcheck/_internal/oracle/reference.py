@@ -9,16 +9,22 @@ the budgets a target's communication is held to are derived from the same model.
 ``checkpoint_after`` trains uninterrupted, except that the gradients are dropped after that step, as
 a run resumed from a checkpoint has none.
 
-What the reference cannot pin down (:meth:`Reference.noise`): the same run with each step's
-gradient summed in other, equally valid orders -- the global batch accumulated in 2, 3, 4 and 5
-micro-batches, as data-parallel ranks and accumulation split it -- differs from it by rounding.
-Where the scenario is ill-conditioned that rounding is not small: a gradient that is zero in
-exact arithmetic (an attention key bias: softmax ignores a shift shared by every logit) carries
-~1e-16 of sign-flipping noise, and Adam's first step, ``lr * g / (|g| + eps)``, has a sensitivity
-of ``lr / eps`` there, turning it into ~1e-9 parameter differences in float64 -- more than any
-fixed float64 tolerance. The oracle widens its tolerance element by element by a multiple of this
-spread (``ddpcheck._internal.oracle.compare``); the variants are trained only when a comparison
-would otherwise fail, so passing examples never pay for them.
+What the reference cannot pin down (:meth:`Reference.noise`): the same run computed in other,
+equally valid ways -- :data:`NOISE_VARIANTS`: the global batch accumulated in 2, 3, 4 and 5
+micro-batches (the summation orders accumulation and shards introduce); emulated worlds of 3 and 5
+ranks, each shard's loss scaled by ``W/T`` and the gradient divided back by W or multiplied by
+``1/W`` (the rounding data-parallel code introduces even when the batch cannot be re-split: one
+sample at W=3 is its loss scaled by 3 and its gradient divided by 3, a rounding at every float32
+layer its backward crosses); and the gradients perturbed at rounding level, in each parameter's
+own dtype, before every optimizer step -- differs from it by rounding. Where the scenario is
+ill-conditioned that rounding is not small: a gradient that is zero in exact arithmetic (an
+attention key bias: softmax ignores a shift shared by every logit) carries ~1e-16 of
+sign-flipping noise, and Adam's first step, ``lr * g / (|g| + eps)``, has a sensitivity of
+``lr / eps`` there, turning it into ~1e-9 parameter differences in float64 -- more than any fixed
+float64 tolerance. The oracle widens its tolerance element by element by a multiple of this
+spread, or declines the example where the spread is as large as the bugs it promises to catch
+(``ddpcheck._internal.oracle.tolerances``, ``ddpcheck._internal.oracle.compare``); the variants
+are trained only when a comparison would otherwise fail, so passing examples never pay for them.
 """
 
 from __future__ import annotations
@@ -34,17 +40,48 @@ from ddpcheck._internal.records import (StepRecord, gradients, initial_state, sc
 from ddpcheck._internal.training import Loop, make_scheduler, train
 from ddpcheck.scenario import Scenario, build_model, global_batch, make_param_groups
 
-__all__ = ["NOISE_SPLITS", "Noise", "Reference", "reference_run"]
+__all__ = ["NOISE_VARIANTS", "Noise", "Reference", "Variant", "noise_computed", "reference_run"]
 
-#: The other ways :meth:`Reference.noise` sums each step's gradient: the global batch accumulated
-#: in this many micro-batches.
-NOISE_SPLITS = (2, 3, 4, 5)
+#: References of this process whose :meth:`Reference.noise` was computed -- a comparison beyond
+#: the tolerance asked for it (``bench/soak.py`` reports how often; see :func:`noise_computed`).
+_NOISE_COMPUTED = [0]
+
+
+def noise_computed() -> int:
+    """How many references of this process have computed their noise variants so far."""
+    return _NOISE_COMPUTED[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One equally valid way to compute the reference's run: each step's global batch accumulated
+    in ``split`` contiguous micro-batches (as ``torch.tensor_split`` cuts them; empty ones
+    skipped), each micro-batch's summed loss scaled by ``world / T`` (``world`` for a summed
+    objective), and after the last backward every gradient divided by ``world`` --
+    multiplied by ``1 / world`` when ``reciprocal``, as torch's DDP reducer does -- then, when
+    ``perturb`` is a seed, each element moved by a random fraction in [-1, 1] of its dtype's
+    rounding unit (``finfo.eps / 2``), drawn from that seed and the step."""
+
+    split: int = 1
+    world: int = 1
+    reciprocal: bool = False
+    perturb: int | None = None
+
+
+#: The other ways :meth:`Reference.noise` computes the run (see the module docstring): the batch
+#: summed in other orders (accumulation at W=1), worlds of 3 and 5 ranks -- non-powers of two,
+#: whose scaling rounds (shards scaled ``W/T``, averaged by a division or, in torch's DDP, by a
+#: multiplication by ``1/W``; with fewer samples than ranks, the empty ranks add zeros, exactly)
+#: -- and the gradients perturbed at rounding level.
+NOISE_VARIANTS = (Variant(2), Variant(3), Variant(4), Variant(5),
+                  Variant(3, world=3), Variant(6, world=3, reciprocal=True),
+                  Variant(5, world=5, reciprocal=True), Variant(perturb=0))
 
 
 @dataclasses.dataclass
 class Noise:
     """Per tensor of one step, the largest elementwise difference between the reference and its
-    variants (:data:`NOISE_SPLITS`): gradients, parameters, buffers, optimizer state (keyed as
+    variants (:data:`NOISE_VARIANTS`): gradients, parameters, buffers, optimizer state (keyed as
     ``name[key]``)."""
 
     grads: dict[str, torch.Tensor]
@@ -89,9 +126,10 @@ class Reference:
         if self.scenario is None:
             return None
         if not self.noise_cache:
+            _NOISE_COMPUTED[0] += 1
             # the whole run again (this reference may be a part of it), then the variants
-            mine = _train(self.scenario, 1)[0]
-            variants = [_train(self.scenario, split)[0] for split in NOISE_SPLITS]
+            mine = _train(self.scenario)[0]
+            variants = [_train(self.scenario, variant)[0] for variant in NOISE_VARIANTS]
             for index, record in enumerate(mine):
                 others = [v[index] for v in variants]
                 self.noise_cache[index] = Noise(
@@ -112,7 +150,7 @@ def _drop_gradients(model: torch.nn.Module) -> None:
 def reference_run(scenario: Scenario) -> Reference:
     """Train the scenario in this process on the whole batch: the plain optimizer, rank 0's
     initial weights, one backward per step of the global objective."""
-    steps, model, initial = _train(scenario, 1)
+    steps, model, initial = _train(scenario)
     trainable = [p for p in model.parameters() if p.requires_grad]
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     # a float64 layer fed by a float32 one inherits float32 rounding; autocast and param_dtype
@@ -135,9 +173,10 @@ def reference_run(scenario: Scenario) -> Reference:
                      scenario=scenario)
 
 
-def _train(scenario: Scenario, split: int) -> tuple[list[StepRecord], torch.nn.Module, dict]:
-    """The reference's run, each step's global batch accumulated in ``split`` micro-batches
-    (1: one backward of the whole batch), each scaled by the whole batch's term count."""
+def _train(scenario: Scenario, variant: Variant = Variant()
+           ) -> tuple[list[StepRecord], torch.nn.Module, dict]:
+    """The reference's run, computed as ``variant`` says (the default: one backward of the whole
+    batch, each term scaled by the whole batch's term count)."""
     model = build_model(scenario, scenario.seed)
     names = {p: n for n, p in model.named_parameters()}
     initial = initial_state(model)
@@ -150,9 +189,11 @@ def _train(scenario: Scenario, split: int) -> tuple[list[StepRecord], torch.nn.M
     def batches(step: int) -> list:
         x, y = global_batch(scenario, step)
         terms[step] = tokens(scenario, y)
-        scale = 1.0 / count(scenario, y) if scenario.reduction == "mean" else 1.0
-        return [(xs, ys, scale) for xs, ys in zip(torch.tensor_split(x, split),
-                                                   torch.tensor_split(y, split)) if len(xs)]
+        scale = (variant.world / count(scenario, y) if scenario.reduction == "mean"
+                 else float(variant.world))
+        grads["step"] = step
+        return [(xs, ys, scale) for xs, ys in zip(torch.tensor_split(x, variant.split),
+                                                   torch.tensor_split(y, variant.split)) if len(xs)]
 
     def record(step: int) -> None:
         steps.append(snapshot(model, names, optimizer.state, grads=grads["now"],
@@ -161,11 +202,36 @@ def _train(scenario: Scenario, split: int) -> tuple[list[StepRecord], torch.nn.M
 
     train(scenario, model, optimizer, Loop(
         batches=batches,
+        after_backward=lambda: _average_and_perturb(model, variant, grads["step"]),
         before_optimizer_step=lambda step: grads.__setitem__("now", gradients(model)),
         after_step=record,
         end_step=lambda step: _drop_gradients(model) if step == scenario.checkpoint_after
         else None, emulates_param_dtype=True), scheduler=scheduler)
     return steps, model, initial
+
+
+def _average_and_perturb(model: torch.nn.Module, variant: Variant, step: int) -> None:
+    """After the last backward of ``step``: the gradients averaged over the variant's world
+    (where data-parallel code averages them: before clipping), then perturbed."""
+    if variant.world == 1 and variant.perturb is None:
+        return
+    generator = None
+    if variant.perturb is not None:
+        generator = torch.Generator().manual_seed(variant.perturb * 1_000_003 + step)
+    with torch.no_grad():
+        for p in model.parameters():
+            g = p.grad
+            if g is None or not g.is_floating_point():
+                continue
+            if variant.world != 1:
+                if variant.reciprocal:
+                    g.mul_(1.0 / variant.world)
+                else:
+                    g.div_(variant.world)
+            if generator is not None and g.layout == torch.strided:
+                unit = torch.finfo(g.dtype).eps / 2
+                u = torch.rand(g.shape, generator=generator, dtype=torch.float64) * 2 - 1
+                g.add_((g.double() * (u * unit)).to(g.dtype))
 
 
 def _flat_state(state: dict) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["NOISE_FACTOR", "TOLERANCES", "close", "close_within_noise", "scaled_atol",
+__all__ = ["NOISE_FACTOR", "RESOLUTION", "TOLERANCES", "close", "noise_verdict", "scaled_atol",
            "tolerance"]
 
 
@@ -89,22 +89,45 @@ def all_close(pairs: list[tuple[Any, Any]], rtol: float, atol: float) -> bool:
 
 
 #: How far beyond the tolerance an element may be, in multiples of what the reference itself
-#: cannot pin down there (``Reference.noise``: its spread over equally valid summation orders).
-#: Two rounding realisations can differ by twice either's distance from a third, and four
-#: variants may miss the widest one; measured worst share over the soak: docs/tolerances.md.
+#: cannot pin down there (``Reference.noise``: its spread over equally valid ways to compute it).
+#: Two rounding realisations can differ by twice either's distance from a third, and the
+#: variants may miss the widest one; measured over the soak (docs/figures.md).
 NOISE_FACTOR = 4.0
 
+#: The smallest error ddpcheck promises to tell from rounding wherever its tolerance is looser,
+#: as a fraction of the largest value of its kind at that step (every gradient, every parameter,
+#: every optimizer-state entry under one key): real data-parallel bugs move numbers by >= 1e-3
+#: of their scale (docs/platform.md) -- a division by W missing or repeated, a sample or a shard
+#: dropped, a shard stepped twice. See :func:`noise_verdict` for where the reference cannot.
+RESOLUTION = 1e-3
 
-def close_within_noise(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float,
-                       spread: torch.Tensor) -> bool:
-    """:func:`close`, with each element's allowance widened by ``NOISE_FACTOR * spread``: where
-    the reference is ill-conditioned (Adam on a gradient that is zero in exact arithmetic), a
-    correct target's rounding differs from it by as much as the reference's own variants do."""
-    if got.shape != ref.shape or got.dtype != ref.dtype or spread.shape != ref.shape:
-        return False
+
+def noise_verdict(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float,
+                  spread: torch.Tensor, scale: float) -> tuple[str, torch.Tensor]:
+    """Where :func:`close` fails, the verdict once each element's allowance is widened by
+    ``NOISE_FACTOR * spread`` (the reference's rounding spread there, ``Reference.noise``): where
+    the reference is ill-conditioned (Adam on a gradient that is zero in exact arithmetic, a
+    gradient through a float32 LayerNorm that barely depends on its input), a correct target's
+    rounding differs from it by as much as the reference's own variants do.
+
+    ``scale``: the largest magnitude among the reference's values of this kind at this step. An
+    element beyond its tolerance is *chaotic* where the widening exceeds both its tolerance and
+    :data:`RESOLUTION` of ``scale``: there the reference's own rounding is as large as the bugs
+    ddpcheck promises to catch, so none could be told apart, and the element cannot be judged
+    (an O(lr) Adam step whose sign is rounding: float32 with the default ``eps``).
+
+    Returns ``("differs", mask)`` when elements that are not chaotic are beyond even their
+    widened allowance (``mask``); else ``("chaotic", mask)`` when some are chaotic; else
+    ``("close", mask)``, ``mask`` the elements the widening explained."""
     reference = ref.double()
-    allowed = (scaled_atol(ref, rtol, atol) + rtol * reference.abs()
-               + NOISE_FACTOR * spread.double())
-    same = ((got.double() - reference).abs() <= allowed) | (got.isnan() & ref.isnan())
-    return bool(same.all())
-
+    diff = (got.double() - reference).abs()
+    fixed = scaled_atol(ref, rtol, atol) + rtol * reference.abs()
+    widening = NOISE_FACTOR * spread.double()
+    beyond = ~(diff <= fixed) & ~(got.isnan() & ref.isnan())  # NaN against a number is beyond
+    chaotic = beyond & (widening > torch.clamp(fixed, min=RESOLUTION * scale))
+    differs = beyond & ~(diff <= fixed + widening) & ~chaotic
+    if bool(differs.any()):
+        return "differs", differs
+    if bool(chaotic.any()):
+        return "chaotic", chaotic
+    return "close", beyond

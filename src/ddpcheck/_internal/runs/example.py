@@ -22,7 +22,7 @@ import torch
 from ddpcheck import errors
 from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import DEFAULT_DEADLINE, check_fits_machine, parse_features
-from ddpcheck._internal.oracle.compare import (cannot_judge, compare, compare_resumed,
+from ddpcheck._internal.oracle.compare import (CHAOTIC, cannot_judge, compare, compare_resumed,
                                                validate_checks)
 from ddpcheck._internal.oracle.judgeable import check_scenario, explain_reference_failure
 from ddpcheck._internal.oracle.reference import reference_run
@@ -322,7 +322,8 @@ def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = 
     or ``unfit`` (the worlds of an example whose numbers held but whose ranks left a change that
     alters later computations, ``World.unfit``).
     Raises :class:`ddpcheck.ScenarioError` when the oracle cannot judge the example (the
-    reference itself went non-finite): that is nobody's bug, so never an EquivalenceError.
+    reference itself went non-finite, or is chaotic): that is nobody's bug, so never an
+    EquivalenceError.
     ``device``/``backend`` (the run's) go into the replay line.
     """
     resumed = scenario.checkpoint_after is not None
@@ -348,11 +349,15 @@ def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = 
         return None
     if cannot_judge(divergences):
         first = divergences[0]
+        why = ("the full-batch reference is chaotic there, so no rank can be judged from this "
+               "step on (another seed, or SGD, may judge cleanly)"
+               if first.kind == CHAOTIC else
+               "the full-batch reference itself diverges numerically, so no target could match "
+               "it -- lower the learning rate or the number of steps")
         raise ScenarioError(
             f"the oracle cannot judge {scenario!r} at world size {world_size}: {first.detail} "
-            f"(step {first.step}, {first.name}); the full-batch reference itself diverges "
-            "numerically, so no target could match it -- lower the learning rate or the number "
-            "of steps. Steps before it were judged and held.")
+            f"({first.kind} at step {first.step}, {first.name}); {why}. Steps before it were "
+            "judged and held.")
     # The replay line is built only on failure: the passing path is the hot one.
     return EquivalenceError(divergences, scenario=scenario, world_size=world_size, target=target,
                             replay=replay_command(target, scenario, world_size, device=device,
