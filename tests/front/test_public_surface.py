@@ -56,7 +56,8 @@ def test_outcomes_have_one_root_and_one_exit_code_each():
     expected = {ddpcheck.EquivalenceError: ExitCode.FOUND, ddpcheck.InvalidArgument: ExitCode.SETUP,
                 ddpcheck.SetupError: ExitCode.SETUP, ddpcheck.WorldStartError: ExitCode.SETUP,
                 ddpcheck.ScenarioError: ExitCode.SETUP, ddpcheck.WorldFailure: ExitCode.SETUP,
-                ddpcheck.NothingChecked: ExitCode.NOTHING_CHECKED}
+                ddpcheck.NothingChecked: ExitCode.NOTHING_CHECKED,
+                ddpcheck.InternalError: ExitCode.INTERNAL}
     for cls, code in expected.items():
         assert issubclass(cls, ddpcheck.DdpcheckError), cls
         assert cls.exit_code is code, cls
