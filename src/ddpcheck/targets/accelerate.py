@@ -35,14 +35,17 @@ import torch
 
 from ddpcheck.features import FEATURES
 from ddpcheck.targets.environment import join_existing_group
+from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.protocol import Target
 
 __all__ = ["AccelerateTarget"]
 
 
 @dataclasses.dataclass(frozen=True)
-class AccelerateTarget(Target):
+class AccelerateTarget(FrameworkTarget):
     """accelerate's ``Accelerator`` over torch DDP (see the module docstring)."""
+
+    requires = (("accelerate", "1.0.0"),)  # the oldest release tried (docs/frameworks.md)
 
     split_batches: bool = True
     accumulation: int = 1  # the scenario's micro-batches per step, set by configure()

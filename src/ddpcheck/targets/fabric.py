@@ -24,14 +24,17 @@ import torch.distributed as dist
 
 from ddpcheck.features import FEATURES
 from ddpcheck.targets.environment import join_existing_group
+from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.protocol import Target
 
 __all__ = ["FabricTarget"]
 
 
 @dataclasses.dataclass(frozen=True)
-class FabricTarget(Target):
+class FabricTarget(FrameworkTarget):
     """Lightning Fabric over torch DDP (see the module docstring)."""
+
+    requires = (("lightning", "2.4.0"),)  # the oldest release tried (docs/frameworks.md)
 
     # Declined: per-rank registration orders (torch DDP underneath requires one order), and
     # checkpoints (Fabric saves through fabric.save/fabric.load, not the default hooks).

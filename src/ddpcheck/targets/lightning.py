@@ -38,14 +38,17 @@ import torch.distributed as dist
 from ddpcheck import features
 from ddpcheck.features import FEATURES
 from ddpcheck.targets.environment import join_existing_group
+from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.protocol import Target
 
 __all__ = ["LightningTarget"]
 
 
 @dataclasses.dataclass(frozen=True)
-class LightningTarget(Target):
+class LightningTarget(FrameworkTarget):
     """Lightning's ``Trainer.fit`` with ``DDPStrategy`` (see the module docstring)."""
+
+    requires = (("lightning", "2.4.0"),)  # the oldest release tried (docs/frameworks.md)
 
     manual: bool = False  # manual optimization instead of automatic
     static_graph: bool = False  # DDPStrategy(static_graph=True)

@@ -113,6 +113,10 @@ class Target:
     #: ``configure``). Opt-in: scenarios with a ``param_dtype`` are declined otherwise
     #: (``ddpcheck.features.OPT_IN``); ``Scenario.autocast`` needs nothing of the target.
     applies_param_dtype: bool = False
+    #: The releases the target needs, ``(distribution, oldest supported release)`` pairs (the
+    #: DeepSpeed targets: ``(("deepspeed", "0.19.0"),)``): checked in the checking process before
+    #: any world runs; a missing or older release is a ``SetupError`` naming both.
+    requires: tuple[tuple[str, str], ...] = ()
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Target":
         # Record the constructor call: a failure's replay line rebuilds a plain-class target as

@@ -19,7 +19,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ddpcheck import errors
 from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import DEFAULT_DEADLINE, check_fits_machine, parse_features
 from ddpcheck._internal.oracle.compare import (cannot_judge, compare, compare_resumed,
@@ -32,11 +31,12 @@ from ddpcheck._internal.runs.replay import replay_command, verify_replayable
 from ddpcheck._internal.world import sequences
 from ddpcheck._internal.world.worlds import Pending, TaskLost, WorldFailure, get_world
 from ddpcheck.batches import check_plans
-from ddpcheck.errors import (DdpcheckError, Divergence, EquivalenceError, InvalidArgument,
-                             NothingChecked, ScenarioError)
+from ddpcheck.errors import (Divergence, EquivalenceError, InvalidArgument, NothingChecked,
+                             ScenarioError)
 from ddpcheck.features import declines
 from ddpcheck.scenario import Scenario
 from ddpcheck.targets import Target
+from ddpcheck.targets.framework import check_requirements
 
 __all__ = ["Launched", "admit", "check_batch_plans", "check_example",
            "check_example_keeping_reference", "check_target", "judge", "launch", "note_example",
@@ -224,7 +224,7 @@ def _judged(target: Any, scenario: Scenario, world_size: int,
         records, texts, worlds, reference = collected()
     except WorldFailure as failure:
         if failure.kind == "refused":  # ddpcheck's own outcome, raised in the ranks
-            raise _refused(failure) from None
+            raise failure.refusal() from None
         error = verdict(target, scenario, world_size, failure=failure, **common)
     else:
         note_example()
@@ -281,16 +281,6 @@ def _reference_meanwhile(pending: Pending, reference: Any, scenario: Scenario) -
         except WorldFailure:
             pass
         raise
-
-
-def _refused(failure: WorldFailure) -> DdpcheckError:
-    """The outcome ddpcheck's own code raised in the ranks (the first rank's), rebuilt here."""
-    state = next(s for s in failure.ranks if s.status == "refused")
-    name, _, message = state.detail.partition(": ")
-    cls = getattr(errors, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, DdpcheckError)):
-        cls = errors.SetupError
-    return cls(message)
 
 
 def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = None,
@@ -433,6 +423,7 @@ def check_target(target: Any) -> None:
             "script you run, and give it functions defined with def at module level (not a "
             "lambda, not a function defined inside another)") from exc
     verify_replayable(target, pickled)  # a failure's replay line must rebuild exactly this target
+    check_requirements(target)  # a framework release older than the target supports: exit 2
 
 
 def run_in_two_worlds(target: Any, scenario: Any, world_size: int, *, deadline: float,
