@@ -56,6 +56,9 @@ class AccelerateTarget(FrameworkTarget):
     # not the default hooks' state dicts).
     supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint"}
 
+    def warm_up(self) -> None:
+        import accelerate  # noqa: F401  (seconds in a rank: once per process, here)
+
     def configure(self, scenario: Any) -> "Target":
         return dataclasses.replace(self, accumulation=scenario.accumulation)
 

@@ -15,7 +15,9 @@ never call it). ZeRO keeps each gradient in its owner's flat partition: the harn
 whole with ``deepspeed.utils.safe_get_full_grad`` and the optimizer state with
 ``safe_get_full_optimizer_state`` (both collective, outside the recorded collectives). ``teardown``
 drops DeepSpeed's cached process groups (ddpcheck destroys the groups an example created, and the
-next example's engine must build its own). Supports DeepSpeed 0.19.0
+next example's engine must build its own). ``warm_up`` imports DeepSpeed and builds the C++ op its
+CPU comm backend loads (minutes the first time), once per rank process, outside any example's
+deadline, after removing a lock a killed build left (``extensions``). Supports DeepSpeed 0.19.0
 and later (``requires``; 0.19.0 and 0.19.8 tried); the glue adapts to what 0.19.0 lacks.
 
 Declined, with DeepSpeed's documented behaviour where it applies: float64 (ZeRO steps float32
@@ -40,6 +42,7 @@ from the parameters' device, so it should run unchanged under ``--device cuda``.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 from typing import Any, ContextManager
 
@@ -47,8 +50,10 @@ import contextlib
 
 import torch
 
+from ddpcheck._internal.devices import this_rank
 from ddpcheck.features import FEATURES
 from ddpcheck.targets.environment import join_existing_group
+from ddpcheck.targets.extensions import build_directory, remove_stale_lock
 from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.protocol import Target
 
@@ -115,6 +120,24 @@ class DeepSpeedTarget(FrameworkTarget):
     def configure(self, scenario: Any) -> "Target":
         return dataclasses.replace(self, accumulation=scenario.accumulation,
                                    gamma=scenario.lr_decay)
+
+    def warm_up(self) -> None:
+        # Importing DeepSpeed (3-13 s measured in a rank here) and building the C++ op its comm
+        # backend loads on CPU (``build_shm_op``: 100-190 s the first time after an install, on
+        # a loaded 2-core machine; milliseconds once built): both once per process, here.
+        _choose_accelerator(this_rank().type)
+        from deepspeed.accelerator import get_accelerator
+
+        # by its full name: ``deepspeed.comm`` has an attribute ``torch``, the torch module
+        comm = importlib.import_module("deepspeed.comm.torch")
+        build = getattr(comm, "build_shm_op", None)  # what TorchBackend() calls (0.19.0-0.19.8)
+        if build is None:
+            return
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        folder = None if builder is None else build_directory(builder.NAME)
+        if folder is not None:
+            remove_stale_lock(folder)  # a killed build's: the build would wait for it forever
+        build()
 
     def setup(self, module: Any, params: Any, optimizer_cls: type,
               **kwargs: Any) -> tuple[Any, Any]:

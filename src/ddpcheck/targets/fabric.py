@@ -40,6 +40,9 @@ class FabricTarget(FrameworkTarget):
     # checkpoints (Fabric saves through fabric.save/fabric.load, not the default hooks).
     supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint"}
 
+    def warm_up(self) -> None:
+        import lightning.fabric  # noqa: F401  (seconds in a rank: once per process, here)
+
     def setup(self, module: Any, params: Any, optimizer_cls: type,
               **kwargs: Any) -> tuple[Any, Any]:
         from lightning.fabric import Fabric

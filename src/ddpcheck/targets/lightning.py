@@ -57,6 +57,9 @@ class LightningTarget(FrameworkTarget):
     # resumes from its own .ckpt files, which this loop does not drive).
     supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint"}
 
+    def warm_up(self) -> None:
+        import lightning.pytorch  # noqa: F401  (seconds in a rank: once per process, here)
+
     def supports(self, scenario: Any) -> str | None:
         if self.static_graph and scenario.accumulation > 1:
             return ("accumulation with static_graph: torch 2.13's DDP(static_graph=True) raises "

@@ -47,8 +47,8 @@ from ddpcheck.errors import NothingChecked
 from ddpcheck.scenario import Scenario, build_model, global_batch, make_param_groups
 
 __all__ = ["StepRecords", "checkpoint_from_bytes", "checkpoint_to_bytes", "fit_owned_loop",
-           "make_optimizer", "rank_seed", "run_example", "run_example_packed", "setup",
-           "target_loop", "target_scheduler"]
+           "make_optimizer", "rank_seed", "run_example", "run_example_packed", "run_warm_up",
+           "setup", "target_loop", "target_scheduler"]
 
 #: Seed offset between ranks when each rank initialises its own weights differently.
 _RANK_SEED_STRIDE = 7919
@@ -322,6 +322,13 @@ def run_example_packed(target: Any, scenario: Scenario, part: str = "whole",
     (``ddpcheck._internal.rank.transport.unpack`` restores the record)."""
     with _glue_failures(target):
         return pack(run_example(target, scenario, part=part, checkpoint=checkpoint))
+
+
+def run_warm_up(target: Any) -> None:
+    """``target.warm_up()``, a task of its own: what a framework does once per process
+    (``Target.warm_up``), outside any example's deadline."""
+    with _glue_failures(target):
+        target.warm_up()
 
 
 @contextlib.contextmanager

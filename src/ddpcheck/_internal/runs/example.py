@@ -28,6 +28,7 @@ from ddpcheck._internal.oracle.reference import reference_run
 from ddpcheck._internal.rank.runner import run_example_packed
 from ddpcheck._internal.rank.transport import unpack
 from ddpcheck._internal.runs.replay import replay_command, verify_replayable
+from ddpcheck._internal.runs.warmup import warm_up
 from ddpcheck._internal.world import sequences
 from ddpcheck._internal.world.worlds import Pending, TaskLost, WorldFailure, get_world
 from ddpcheck.batches import check_plans
@@ -158,6 +159,7 @@ def launch(target: Target, scenario: Scenario, world_size: int, *,
 
 def _submit(world: Any, target: Target, scenario: Scenario, world_size: int, deadline: float,
             name: str | None, checks: frozenset, device: str, backend: str | None) -> Launched:
+    warm_up(world, target)  # once per rank process, outside the example's deadline
     pending = _submit_part(world, target, scenario, deadline, name, "until checkpoint", None) \
         if scenario.checkpoint_after is not None else \
         world.submit(run_example_packed, target, scenario, deadline=deadline,
@@ -191,6 +193,7 @@ def resume(launched: Launched) -> None:
     scenario = launched.scenario
     launched.resumed_world = get_world(scenario.resume_world_size or launched.world_size,
                                        backend=launched.backend, device=launched.device)
+    warm_up(launched.resumed_world, launched.target)
     launched.pending = _submit_part(launched.resumed_world, launched.target, scenario,
                                     launched.deadline, launched.name, "resumed", saved[0][1])
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ddpcheck._internal.devices import (backend_for, enter_rank, local_world_size, this_rank,
                                        under_torchrun)
 from ddpcheck._internal.rank import recorder
-from ddpcheck._internal.rank.runner import run_example_packed
+from ddpcheck._internal.rank.runner import run_example_packed, run_warm_up
 from ddpcheck._internal.rank.transport import unpack
 from ddpcheck._internal.runs.example import check_batch_plans, check_target, verdict
 from ddpcheck._internal.world.failures import RankState, WorldFailure
@@ -178,6 +178,7 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
         dist.barrier()
         return 2
     recorder.install()
+    run_warm_up(target)  # a framework's once-per-process set-up, before any example
     examples = 0
     with tempfile.TemporaryDirectory(prefix="ddpcheck-torchrun-") as folder:
         sequence_path = os.path.join(folder, f"rank{rank}.collectives")
