@@ -45,7 +45,7 @@ __all__ = ["AccelerateTarget"]
 class AccelerateTarget(FrameworkTarget):
     """accelerate's ``Accelerator`` over torch DDP (see the module docstring)."""
 
-    requires = (("accelerate", "1.0.0"),)  # the oldest release tried (docs/frameworks.md)
+    requires = (("accelerate", "0.30.0"),)  # the oldest release tried (docs/frameworks.md)
 
     split_batches: bool = True
     accumulation: int = 1  # the scenario's micro-batches per step, set by configure()

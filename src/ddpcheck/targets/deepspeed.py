@@ -122,9 +122,9 @@ class DeepSpeedTarget(FrameworkTarget):
                                    gamma=scenario.lr_decay)
 
     def warm_up(self) -> None:
-        # Importing DeepSpeed (3-13 s measured in a rank here) and building the C++ op its comm
-        # backend loads on CPU (``build_shm_op``: 100-190 s the first time after an install, on
-        # a loaded 2-core machine; milliseconds once built): both once per process, here.
+        # Importing DeepSpeed (3-13 s here) and building the C++ op its comm backend loads on
+        # CPU (``build_shm_op``: 100-285 s the first time after an install on 2 loaded cores,
+        # under a second once built; bench/deepspeed_op_build.py): both once per process, here.
         _choose_accelerator(this_rank().type)
         from deepspeed.accelerator import get_accelerator
 

@@ -1,7 +1,7 @@
 """torch's JIT-built C++ extensions, as a framework target meets them: a lock a killed build left.
 
 Frameworks build C++ ops on first use through ``torch.utils.cpp_extension.load`` (DeepSpeed's
-shared-memory op on its CPU accelerator: 100-190 s on a loaded 2-core machine). Builds of one
+shared-memory op on its CPU accelerator: 100-285 s on 2 loaded cores). Builds of one
 extension in several processes take turns through torch's ``FileBaton``: a file named ``lock`` in
 the extension's build directory, created with ``O_CREAT | O_EXCL`` and held open by the building
 process until it removes it; every other process polls, without a deadline, until the file is

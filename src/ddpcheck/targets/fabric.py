@@ -34,7 +34,7 @@ __all__ = ["FabricTarget"]
 class FabricTarget(FrameworkTarget):
     """Lightning Fabric over torch DDP (see the module docstring)."""
 
-    requires = (("lightning", "2.4.0"),)  # the oldest release tried (docs/frameworks.md)
+    requires = (("lightning", "2.0.9"),)  # the oldest release tried (docs/frameworks.md)
 
     # Declined: per-rank registration orders (torch DDP underneath requires one order), and
     # checkpoints (Fabric saves through fabric.save/fabric.load, not the default hooks).

@@ -48,7 +48,7 @@ __all__ = ["LightningTarget"]
 class LightningTarget(FrameworkTarget):
     """Lightning's ``Trainer.fit`` with ``DDPStrategy`` (see the module docstring)."""
 
-    requires = (("lightning", "2.4.0"),)  # the oldest release tried (docs/frameworks.md)
+    requires = (("lightning", "2.0.9"),)  # the oldest release tried (docs/frameworks.md)
 
     manual: bool = False  # manual optimization instead of automatic
     static_graph: bool = False  # DDPStrategy(static_graph=True)
