@@ -167,7 +167,8 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 #: What each outcome of a failed test means, as its report says it (``ddpcheck.errors.ExitCode``).
 OUTCOMES = {ExitCode.FOUND: "a data-parallel bug in the target; its replay line reproduces it",
             ExitCode.SETUP: "usage or set-up, not the target's fault",
-            ExitCode.NOTHING_CHECKED: "nothing was checked (every example skipped or declined)"}
+            ExitCode.NOTHING_CHECKED: "nothing was checked (every example skipped or declined)",
+            ExitCode.INTERNAL: "ddpcheck's own code failed, not a verdict on the target"}
 
 
 @pytest.hookimpl(hookwrapper=True)

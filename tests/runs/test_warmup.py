@@ -4,7 +4,8 @@ not even one running in another world meanwhile (``runs.pipeline``); its failure
 ``SetupError``, never a verdict. Issue 37: DeepSpeed's first C++ op build ran inside the first
 example's deadline: "rank timed out", exit 1, on correct code.
 
-Every test starts from no world alive: a rank process warms up once for the life of the process."""
+Every test starts from no world alive: a rank process warms up once for the life of the process.
+Each costs ~7-10 s of CPU (fresh worlds, examples): marked slow."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ddpcheck.scenario import Scenario
 from tests.patience import patience
 
 SCENARIO = Scenario(zoo.MLP, global_batch=4, steps=1)
+pytestmark = pytest.mark.slow
 
 #: Logs of the warm-ups this rank process ran (a rank imports this module).
 _WARMED: set[str] = set()

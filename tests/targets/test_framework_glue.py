@@ -72,6 +72,7 @@ def test_an_older_release_is_refused_before_any_world_runs(fake_deepspeed, monke
     assert "deepspeed 0.18.9 is installed here" in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # a fresh world, an example and a check: ~7 s of CPU
 def test_a_glue_failure_is_internal_never_a_verdict(fake_deepspeed, capsys):
     fake_deepspeed("0.19.8")  # a release the target supports, without deepspeed.initialize
     with pytest.raises(ddpcheck.InternalError) as info:
@@ -86,6 +87,7 @@ def test_a_glue_failure_is_internal_never_a_verdict(fake_deepspeed, capsys):
     assert "has no attribute 'initialize'" in out.err and "diverged" not in out.out
 
 
+@pytest.mark.slow  # a fresh world and an example: ~6 s of CPU
 def test_an_exception_inside_the_framework_stays_its_failure(fake_deepspeed):
     fake_deepspeed("0.19.8", "def initialize(**kwargs):\n"
                              "    raise RuntimeError('the engine failed to partition')\n")

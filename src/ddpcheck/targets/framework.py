@@ -25,12 +25,12 @@ may be a real bug. A :class:`DdpcheckError` the glue raises on purpose (a declin
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import traceback
 from typing import Any
 
 from ddpcheck.errors import DdpcheckError, InternalError, SetupError
-from ddpcheck.targets.environment import installed_version
 from ddpcheck.targets.protocol import Target
 
 __all__ = ["FrameworkTarget", "check_requirements", "raised_in_glue"]
@@ -47,7 +47,7 @@ def check_requirements(target: Any) -> None:
     from torch.torch_version import TorchVersion  # torch's comparison of release strings
 
     for distribution, minimum in getattr(target, "requires", ()) or ():
-        release = installed_version(distribution)
+        release = _release(distribution)
         if release is None:
             raise SetupError(f"{type(target).__name__} drives {distribution}, which is not "
                              f"installed here; it supports {distribution} {minimum} and later")
@@ -60,6 +60,15 @@ def check_requirements(target: Any) -> None:
                 f"{type(target).__name__} supports {distribution} {minimum} and later; "
                 f"{distribution} {release} is installed here, which its glue does not support "
                 f"(docs/frameworks.md says why); install {distribution}>={minimum}")
+
+
+def _release(distribution: str) -> str | None:
+    """The installed release of ``distribution`` (by its metadata: its import name may differ,
+    ``pytorch-lightning`` is ``pytorch_lightning``); None when it is not installed."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def raised_in_glue(exc: BaseException) -> bool:
@@ -101,7 +110,7 @@ class FrameworkTarget(Target):
         if isinstance(exc, DdpcheckError) or not raised_in_glue(exc):
             return None
         origin = _first_raised(exc)
-        releases = ", ".join(f"{name} {installed_version(name) or 'not installed'} (supported: "
+        releases = ", ".join(f"{name} {_release(name) or 'not installed'} (supported: "
                              f"{minimum} and later)" for name, minimum in self.requires)
         return InternalError(
             f"ddpcheck's glue code for {type(self).__name__} failed under {releases}: "
