@@ -19,8 +19,8 @@ from typing import Any
 
 from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
 from ddpcheck.errors import (DdpcheckError, Divergence, EquivalenceError, ExitCode, Inconclusive,
-                             InvalidArgument, NothingChecked, ScenarioError, SetupError,
-                             WorldStartError)
+                             InternalError, InvalidArgument, NothingChecked, ScenarioError,
+                             SetupError, WorldStartError)
 
 __version__ = "0.1.0"
 
@@ -45,9 +45,9 @@ _LAZY = {
 _MODULES = ("batches", "battery", "features", "models", "strategies", "targets", "zoo")
 
 __all__ = sorted(["DEFAULT_DEADLINE", "DEFAULT_WORLD_SIZES", "DdpcheckError", "Divergence",
-                  "EquivalenceError", "ExitCode", "Inconclusive", "InvalidArgument", "NothingChecked",
-                  "ScenarioError", "SetupError", "WorldStartError", "__version__", *_LAZY,
-                  *_MODULES])
+                  "EquivalenceError", "ExitCode", "Inconclusive", "InternalError",
+                  "InvalidArgument", "NothingChecked", "ScenarioError", "SetupError",
+                  "WorldStartError", "__version__", *_LAZY, *_MODULES])
 
 
 def __getattr__(name: str) -> Any:

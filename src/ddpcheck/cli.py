@@ -466,8 +466,10 @@ def _targets(args: argparse.Namespace) -> ExitCode:
 
     for entry in READY_MADE:
         version = entry.version
-        where = (f"{entry.framework} {version}" if version is not None else
-                 f"{entry.framework} not installed: pip install 'ddpcheck[frameworks]'")
+        minimum = dict(entry.target.requires).get(entry.framework)
+        floor = "" if minimum is None else f", supported from {minimum}"
+        where = (f"{entry.framework} {version}{floor}" if version is not None else
+                 f"{entry.framework} not installed{floor}: pip install 'ddpcheck[frameworks]'")
         print(f"{entry.name}  ({where})\n    {entry.summary}")
         for feature, why in entry.declines.items():
             print(f"    declines {feature}: {why}")

@@ -4,7 +4,8 @@ One rule: :class:`EquivalenceError` (:attr:`ExitCode.FOUND`) means the target ha
 replay line proves it. Everything that is *not* the target's fault is a :class:`SetupError`
 (:attr:`ExitCode.SETUP`) -- a world that cannot start, a scenario the oracle cannot judge -- or
 :class:`NothingChecked` (:attr:`ExitCode.NOTHING_CHECKED`), or a usage mistake,
-:class:`InvalidArgument` (:attr:`ExitCode.SETUP` too). All of them derive from
+:class:`InvalidArgument` (:attr:`ExitCode.SETUP` too), or ddpcheck's own glue failing,
+:class:`InternalError` (:attr:`ExitCode.INTERNAL`). All of them derive from
 :class:`DdpcheckError`, and each carries its ``exit_code``: the command line, the pytest plugin and
 the docs read the meaning from here, never from a bare integer.
 
@@ -24,8 +25,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["DdpcheckError", "Divergence", "EquivalenceError", "ExitCode", "Inconclusive",
-           "InvalidArgument", "NothingChecked", "ScenarioError", "SetupError", "WorldStartError",
-           "format_table"]
+           "InternalError", "InvalidArgument", "NothingChecked", "ScenarioError", "SetupError",
+           "WorldStartError", "format_table"]
 
 
 class ExitCode(enum.IntEnum):
@@ -99,6 +100,14 @@ class NothingChecked(SetupError):
     """Every example was skipped or declined: passing it would be a silent no-op."""
 
     exit_code = ExitCode.NOTHING_CHECKED
+
+
+class InternalError(DdpcheckError):
+    """ddpcheck's own code failed where it can tell -- the glue of a ready-made framework target,
+    inside a rank -- so it is never reported as the target's failure; the message carries the
+    traceback and the framework's release (:attr:`ExitCode.INTERNAL`)."""
+
+    exit_code = ExitCode.INTERNAL
 
 
 #: Rows shown in an EquivalenceError message; the rest are counted.

@@ -168,6 +168,7 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 OUTCOMES = {ExitCode.FOUND: "a data-parallel bug in the target; its replay line reproduces it",
             ExitCode.SETUP: "usage or set-up, not the target's fault",
             ExitCode.NOTHING_CHECKED: "nothing was checked (every example skipped or declined)",
+            ExitCode.INTERNAL: "ddpcheck's own code failed, not a verdict on the target",
             ExitCode.INCONCLUSIVE: "no verdict either way: the ranks were still working when the "
                                    "wait ended (raise --ddpcheck-deadline), or a hang did not "
                                    "recur"}

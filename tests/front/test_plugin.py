@@ -19,6 +19,9 @@ def test_a_failed_test_says_which_outcome_it_was(tmp_path):
         def test_nothing():
             raise ddpcheck.NothingChecked("every example was declined")
 
+        def test_internal():
+            raise ddpcheck.InternalError("ddpcheck's glue code for DeepSpeedTarget failed")
+
         def test_plain():
             assert 1 == 2
     """))
@@ -29,6 +32,7 @@ def test_a_failed_test_says_which_outcome_it_was(tmp_path):
     assert done.returncode == 1, out
     assert "ExitCode.SETUP: usage or set-up, not the target's fault" in out, out
     assert "ExitCode.NOTHING_CHECKED: nothing was checked" in out, out
-    assert ("ddpcheck outcomes of failed tests: 1 NOTHING_CHECKED (nothing was checked (every "
-            "example skipped or declined)); 1 SETUP (usage or set-up, not the target's fault)"
-            in out), out
+    assert "ExitCode.INTERNAL: ddpcheck's own code failed, not a verdict" in out, out
+    assert ("ddpcheck outcomes of failed tests: 1 INTERNAL (ddpcheck's own code failed, not a "
+            "verdict on the target); 1 NOTHING_CHECKED (nothing was checked (every example "
+            "skipped or declined)); 1 SETUP (usage or set-up, not the target's fault)" in out), out

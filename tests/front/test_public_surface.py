@@ -57,6 +57,7 @@ def test_outcomes_have_one_root_and_one_exit_code_each():
                 ddpcheck.SetupError: ExitCode.SETUP, ddpcheck.WorldStartError: ExitCode.SETUP,
                 ddpcheck.ScenarioError: ExitCode.SETUP, ddpcheck.WorldFailure: ExitCode.SETUP,
                 ddpcheck.NothingChecked: ExitCode.NOTHING_CHECKED,
+                ddpcheck.InternalError: ExitCode.INTERNAL,
                 ddpcheck.Inconclusive: ExitCode.INCONCLUSIVE}
     for cls, code in expected.items():
         assert issubclass(cls, ddpcheck.DdpcheckError), cls

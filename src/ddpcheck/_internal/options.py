@@ -17,8 +17,8 @@ from typing import Any, Iterable
 from ddpcheck.errors import InvalidArgument
 
 __all__ = ["BEYOND_TORCH", "DEFAULT_DEADLINE", "DEFAULT_FEATURES", "DEFAULT_WORLD_SIZES",
-           "FEATURES", "MAX_RANKS_PER_CORE", "OPT_IN", "STARTUP_DEADLINE", "check_deadline",
-           "check_fits_machine", "check_positive_number", "check_process_group",
+           "FEATURES", "MAX_RANKS_PER_CORE", "OPT_IN", "STARTUP_DEADLINE", "WARM_UP_DEADLINE",
+           "check_deadline", "check_fits_machine", "check_positive_number", "check_process_group",
            "check_world_size", "check_world_sizes", "did_you_mean", "parse_features",
            "parse_world_sizes"]
 
@@ -30,6 +30,9 @@ DEFAULT_DEADLINE = 60.0
 #: Seconds a freshly spawned world may take to import torch and rendezvous (W=8 took 11.4 s on
 #: our 2-core machines; see docs/platform.md).
 STARTUP_DEADLINE = 120.0
+#: Seconds a target's once-per-process set-up (``Target.warm_up``) may take in a world's ranks:
+#: DeepSpeed's first C++ op build took up to ~285 s here (2 loaded cores), 155-189 s in issue 37.
+WARM_UP_DEADLINE = 900.0
 #: More rank processes than this per core are refused: they would mostly wait for each other.
 MAX_RANKS_PER_CORE = 16
 

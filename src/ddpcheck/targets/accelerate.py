@@ -35,14 +35,17 @@ import torch
 
 from ddpcheck.features import FEATURES
 from ddpcheck.targets.environment import join_existing_group
+from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.protocol import Target
 
 __all__ = ["AccelerateTarget"]
 
 
 @dataclasses.dataclass(frozen=True)
-class AccelerateTarget(Target):
+class AccelerateTarget(FrameworkTarget):
     """accelerate's ``Accelerator`` over torch DDP (see the module docstring)."""
+
+    requires = (("accelerate", "0.30.0"),)  # the oldest release tried (docs/frameworks.md)
 
     split_batches: bool = True
     accumulation: int = 1  # the scenario's micro-batches per step, set by configure()
@@ -52,6 +55,9 @@ class AccelerateTarget(Target):
     # checkpoints (accelerate saves through save_state/load_state, its own directory format,
     # not the default hooks' state dicts).
     supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint"}
+
+    def warm_up(self) -> None:
+        import accelerate  # noqa: F401  (seconds in a rank: once per process, here)
 
     def configure(self, scenario: Any) -> "Target":
         return dataclasses.replace(self, accumulation=scenario.accumulation)

@@ -15,7 +15,10 @@ never call it). ZeRO keeps each gradient in its owner's flat partition: the harn
 whole with ``deepspeed.utils.safe_get_full_grad`` and the optimizer state with
 ``safe_get_full_optimizer_state`` (both collective, outside the recorded collectives). ``teardown``
 drops DeepSpeed's cached process groups (ddpcheck destroys the groups an example created, and the
-next example's engine must build its own).
+next example's engine must build its own). ``warm_up`` imports DeepSpeed and builds the C++ op its
+CPU comm backend loads (minutes the first time), once per rank process, outside any example's
+deadline, after removing a lock a killed build left (``extensions``). Supports DeepSpeed 0.19.0
+and later (``requires``; 0.19.0 and 0.19.8 tried); the glue adapts to what 0.19.0 lacks.
 
 Declined, with DeepSpeed's documented behaviour where it applies: float64 (ZeRO steps float32
 master copies of the parameters), clipping (``gradient_clipping`` clips inside ``engine.step()``,
@@ -39,6 +42,7 @@ from the parameters' device, so it should run unchanged under ``--device cuda``.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 from typing import Any, ContextManager
 
@@ -46,8 +50,11 @@ import contextlib
 
 import torch
 
+from ddpcheck._internal.devices import this_rank
 from ddpcheck.features import FEATURES
 from ddpcheck.targets.environment import join_existing_group
+from ddpcheck.targets.extensions import build_directory, remove_stale_lock
+from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.protocol import Target
 
 __all__ = ["DeepSpeedTarget"]
@@ -55,10 +62,13 @@ __all__ = ["DeepSpeedTarget"]
 
 class _Engine:
     """What the loop steps: ``step()`` is ``engine.step()`` (gated at DeepSpeed's boundary),
-    ``zero_grad()`` nothing (the engine zeroes at the boundary)."""
+    ``zero_grad()`` nothing (the engine zeroes at the boundary). Holds the unwrapped ``module``
+    for the hooks: nothing is set on the engine, whose ``__getattr__`` recursed without end on
+    an attribute set there (0.19.0: it re-enters ``getattr`` for any name ``dir()`` lists)."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, module: Any):
         self.engine = engine
+        self.module = module
 
     @property
     def param_groups(self) -> Any:
@@ -85,13 +95,16 @@ class _Schedule:
 
 
 @dataclasses.dataclass(frozen=True)
-class DeepSpeedTarget(Target):
+class DeepSpeedTarget(FrameworkTarget):
     """DeepSpeed's engine with ZeRO ``stage`` 1 or 2 (see the module docstring)."""
 
     stage: int = 2
     accumulation: int = 1  # set by configure()
     gamma: float | None = None  # the scenario's lr_decay, set by configure()
 
+    # 0.18.9 raises in engine.step() under torch 2.13, with or without ddpcheck
+    # (bench/deepspeed_step_018.py); 0.19.0 and 0.19.8 were tried and pass
+    requires = (("deepspeed", "0.19.0"),)
     steps_every_micro_batch = True
     sharded_gradients = True
     supported_features = frozenset(FEATURES) - {"float64", "clipping", "unused-everywhere",
@@ -108,11 +121,28 @@ class DeepSpeedTarget(Target):
         return dataclasses.replace(self, accumulation=scenario.accumulation,
                                    gamma=scenario.lr_decay)
 
+    def warm_up(self) -> None:
+        # Importing DeepSpeed (3-13 s here) and building the C++ op its comm backend loads on
+        # CPU (``build_shm_op``: 100-285 s the first time after an install on 2 loaded cores,
+        # under a second once built; bench/deepspeed_op_build.py): both once per process, here.
+        _choose_accelerator(this_rank().type)
+        from deepspeed.accelerator import get_accelerator
+
+        # by its full name: ``deepspeed.comm`` has an attribute ``torch``, the torch module
+        comm = importlib.import_module("deepspeed.comm.torch")
+        build = getattr(comm, "build_shm_op", None)  # what TorchBackend() calls (0.19.0-0.19.8)
+        if build is None:
+            return
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        folder = None if builder is None else build_directory(builder.NAME)
+        if folder is not None:
+            remove_stale_lock(folder)  # a killed build's: the build would wait for it forever
+        build()
+
     def setup(self, module: Any, params: Any, optimizer_cls: type,
               **kwargs: Any) -> tuple[Any, Any]:
         join_existing_group()
-        if next(module.parameters()).device.type == "cpu":
-            os.environ["DS_ACCELERATOR"] = "cpu"
+        _choose_accelerator(next(module.parameters()).device.type)
         import deepspeed
 
         optimizer = optimizer_cls(params, **kwargs)
@@ -127,8 +157,7 @@ class DeepSpeedTarget(Target):
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
                                                lr_scheduler=schedule, config=config,
                                                dist_init_required=False)
-        engine.ddpcheck_module = module
-        return engine, _Engine(engine)
+        return engine, _Engine(engine, module)
 
     def make_scheduler(self, optimizer: Any, gamma: float) -> Any:
         return _Schedule(optimizer.engine)
@@ -154,7 +183,7 @@ class DeepSpeedTarget(Target):
                        if torch.is_tensor(v) and v.dim() > 0})
         steps = {k: v for state in inner.state.values() for k, v in state.items()
                  if not (torch.is_tensor(v) and v.dim() > 0)}
-        module = optimizer.engine.ddpcheck_module
+        module = optimizer.module
         held = {}
         for _, p in module.named_parameters():  # one order on every rank: these are collective
             if not p.requires_grad:
@@ -169,4 +198,29 @@ class DeepSpeedTarget(Target):
     def teardown(self, model: Any, optimizer: Any) -> None:
         from deepspeed.utils import groups
 
-        groups._release_process_group_references(None)
+        release = getattr(groups, "_release_process_group_references", None)
+        if release is not None:  # 0.19.8
+            release(None)
+            return
+        # 0.19.0 has no such function: the caches it resets, those this release has
+        for name in _CACHED_GROUPS:
+            if isinstance(getattr(groups, name, None), dict):
+                getattr(groups, name).clear()
+            elif hasattr(groups, name):
+                setattr(groups, name, None)
+
+
+#: What ``deepspeed.utils.groups._release_process_group_references(None)`` resets (0.19.8): the
+#: groups ZeRO caches at module level, every one of which ddpcheck destroys after an example.
+_CACHED_GROUPS = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS",
+                  "_EXPERT_DATA_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP_RANKS",
+                  "_ALL_TO_ALL_GROUP", "_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP",
+                  "_TENSOR_MODEL_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP",
+                  "mesh_device", "mpu")
+
+
+def _choose_accelerator(device_type: str) -> None:
+    """DeepSpeed's CPU accelerator for a CPU world (before DeepSpeed is imported: it chooses
+    once)."""
+    if device_type == "cpu":
+        os.environ["DS_ACCELERATOR"] = "cpu"

@@ -24,18 +24,24 @@ import torch.distributed as dist
 
 from ddpcheck.features import FEATURES
 from ddpcheck.targets.environment import join_existing_group
+from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.protocol import Target
 
 __all__ = ["FabricTarget"]
 
 
 @dataclasses.dataclass(frozen=True)
-class FabricTarget(Target):
+class FabricTarget(FrameworkTarget):
     """Lightning Fabric over torch DDP (see the module docstring)."""
+
+    requires = (("lightning", "2.0.9"),)  # the oldest release tried (docs/frameworks.md)
 
     # Declined: per-rank registration orders (torch DDP underneath requires one order), and
     # checkpoints (Fabric saves through fabric.save/fabric.load, not the default hooks).
     supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint"}
+
+    def warm_up(self) -> None:
+        import lightning.fabric  # noqa: F401  (seconds in a rank: once per process, here)
 
     def setup(self, module: Any, params: Any, optimizer_cls: type,
               **kwargs: Any) -> tuple[Any, Any]:

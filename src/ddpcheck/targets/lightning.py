@@ -40,14 +40,17 @@ from ddpcheck.errors import NothingChecked
 from ddpcheck.features import FEATURES
 from ddpcheck.models import ModelSpec
 from ddpcheck.targets.environment import join_existing_group
+from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.protocol import Target
 
 __all__ = ["LightningTarget"]
 
 
 @dataclasses.dataclass(frozen=True)
-class LightningTarget(Target):
+class LightningTarget(FrameworkTarget):
     """Lightning's ``Trainer.fit`` with ``DDPStrategy`` (see the module docstring)."""
+
+    requires = (("lightning", "2.0.9"),)  # the oldest release tried (docs/frameworks.md)
 
     manual: bool = False  # manual optimization instead of automatic
     static_graph: bool = False  # DDPStrategy(static_graph=True)
@@ -55,6 +58,9 @@ class LightningTarget(Target):
     # Declined: per-rank registration orders (torch DDP underneath), checkpoints (the Trainer
     # resumes from its own .ckpt files, which this loop does not drive).
     supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint"}
+
+    def warm_up(self) -> None:
+        import lightning.pytorch  # noqa: F401  (seconds in a rank: once per process, here)
 
     def supports(self, scenario: Any) -> str | None:
         if self.static_graph and scenario.accumulation > 1:

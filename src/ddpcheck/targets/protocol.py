@@ -29,6 +29,9 @@ of an importable module. The runner calls, per example and per rank::
         target.after_step(model, optimizer)
     target.teardown(model, optimizer)
 
+and, once per rank process before its first example of the target's class,
+``target.warm_up()`` (a framework's imports and JIT builds, outside any example's deadline).
+
 A target that owns the whole loop (Lightning's ``Trainer.fit``) defines ``fit(module, run)``
 instead: it trains on ``run.batches`` and calls ``run.started(...)`` once model and optimizer are
 built and ``run.record(...)`` after every optimizer step (``ddpcheck._internal.training.FitRun``).
@@ -113,6 +116,10 @@ class Target:
     #: ``configure``). Opt-in: scenarios with a ``param_dtype`` are declined otherwise
     #: (``ddpcheck.features.OPT_IN``); ``Scenario.autocast`` needs nothing of the target.
     applies_param_dtype: bool = False
+    #: The releases the target needs, ``(distribution, oldest supported release)`` pairs (the
+    #: DeepSpeed targets: ``(("deepspeed", "0.19.0"),)``): checked in the checking process before
+    #: any world runs; a missing or older release is a ``SetupError`` naming both.
+    requires: tuple[tuple[str, str], ...] = ()
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Target":
         # Record the constructor call: a failure's replay line rebuilds a plain-class target as
@@ -205,6 +212,13 @@ class Target:
         """Called once per example on every rank, after its last step (and checkpoint): reset
         per-example framework state -- singletons (accelerate's ``AcceleratorState``), meshes,
         groups -- so the next example in this process starts clean. Default: nothing."""
+
+    def warm_up(self) -> None:
+        """Set-up a framework does once per process -- importing it, JIT-building its C++ ops --
+        done here, in every rank, before the first example of this target's class runs there: a
+        task of its own, under a deadline of its own (``WARM_UP_DEADLINE``, minutes), so that no
+        example's deadline pays for it. Issues no collective. A failure is a ``SetupError`` (exit
+        2), never a verdict. Default: nothing."""
 
     def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float,
                        norm_type: float) -> Any:

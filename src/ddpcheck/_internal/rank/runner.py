@@ -25,9 +25,11 @@ and the remaining steps, with the LR scheduler loaded rather than restarted.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import time
-from typing import Any
+import traceback
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -45,8 +47,8 @@ from ddpcheck.errors import NothingChecked
 from ddpcheck.scenario import Scenario, build_model, global_batch, make_param_groups
 
 __all__ = ["StepRecords", "checkpoint_from_bytes", "checkpoint_to_bytes", "fit_owned_loop",
-           "make_optimizer", "rank_seed", "run_example", "run_example_packed", "setup",
-           "target_loop", "target_scheduler"]
+           "make_optimizer", "rank_seed", "run_example", "run_example_packed", "run_warm_up",
+           "setup", "target_loop", "target_scheduler"]
 
 #: Seed offset between ranks when each rank initialises its own weights differently.
 _RANK_SEED_STRIDE = 7919
@@ -83,6 +85,7 @@ def run_example(target: Any, scenario: Scenario, *, part: str = "whole",
     names = {p: n for n, p in module.named_parameters()}  # after wrap: FSDP2 replaces them
     scheduler = target_scheduler(target, optimizer, scenario)
     records = StepRecords(target, module, names, plans)
+    failed = True
     try:
         steps_run = range(scenario.steps)
         if part == "until checkpoint":
@@ -106,15 +109,24 @@ def run_example(target: Any, scenario: Scenario, *, part: str = "whole",
         if part == "until checkpoint":
             saved = target.save_checkpoint(module, model, optimizer, scheduler)
             result = result, checkpoint_to_bytes(saved, type(target).__name__) if rank == 0 else None
+        failed = False
     finally:  # per-example framework state (singletons, meshes, groups), even after a failure
-        _teardown(target, model, optimizer)
+        _teardown(target, model, optimizer, failed)
     return result
 
 
-def _teardown(target: Any, model: Any, optimizer: Any) -> None:
+def _teardown(target: Any, model: Any, optimizer: Any, failed: bool) -> None:
+    """``target.teardown``; after the example ``failed``, a teardown that raises too is printed
+    to the rank's log and the example's own exception goes on: it came first."""
     teardown = getattr(target, "teardown", None)  # duck-typed targets may have none
-    if callable(teardown):
+    if not callable(teardown):
+        return
+    try:
         teardown(model, optimizer)
+    except Exception:
+        if not failed:
+            raise
+        traceback.print_exc()
 
 
 class StepRecords:
@@ -218,10 +230,12 @@ def fit_owned_loop(target: Any, module: Any, scenario: Scenario, rank: int, worl
                  grad_norm_type=scenario.grad_norm_type, set_to_none=scenario.set_to_none,
                  batches=[loop.batches(step) for step in range(scenario.steps)],
                  started=at_start, record=at_step)
+    failed = True
     try:
         target.fit(module, run)
+        failed = False
     finally:
-        _teardown(target, *(model_seen[0] if model_seen else (None, None)))
+        _teardown(target, *(model_seen[0] if model_seen else (None, None)), failed)
     if len(records.steps) != scenario.steps:
         raise RuntimeError(f"{type(target).__name__}.fit recorded {len(records.steps)} of the "
                            f"scenario's {scenario.steps} step(s): call run.record after every "
@@ -306,4 +320,27 @@ def run_example_packed(target: Any, scenario: Scenario, part: str = "whole",
                        checkpoint: Any = None) -> Any:
     """:func:`run_example`, its tensors packed for a fast trip to the parent
     (``ddpcheck._internal.rank.transport.unpack`` restores the record)."""
-    return pack(run_example(target, scenario, part=part, checkpoint=checkpoint))
+    with _glue_failures(target):
+        return pack(run_example(target, scenario, part=part, checkpoint=checkpoint))
+
+
+def run_warm_up(target: Any) -> None:
+    """``target.warm_up()``, a task of its own: what a framework does once per process
+    (``Target.warm_up``), outside any example's deadline."""
+    with _glue_failures(target):
+        target.warm_up()
+
+
+@contextlib.contextmanager
+def _glue_failures(target: Any) -> Iterator[None]:
+    """An exception that ddpcheck's own glue raised (``FrameworkTarget.glue_failure`` says which,
+    ``ddpcheck.targets.framework``) leaves the block as that outcome, an ``InternalError`` that
+    ``serve`` answers as "refused" -- never as the target's failure."""
+    try:
+        yield
+    except Exception as exc:
+        judge = getattr(target, "glue_failure", None)
+        own = judge(exc) if callable(judge) else None
+        if own is None:
+            raise
+        raise own from None

@@ -19,7 +19,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ddpcheck import errors
 from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import DEFAULT_DEADLINE, check_fits_machine, parse_features
 from ddpcheck._internal.oracle.compare import (CHAOTIC, cannot_judge, compare, compare_resumed,
@@ -29,14 +28,16 @@ from ddpcheck._internal.oracle.reference import reference_run
 from ddpcheck._internal.rank.runner import run_example_packed
 from ddpcheck._internal.rank.transport import unpack
 from ddpcheck._internal.runs.replay import replay_command, verify_replayable
+from ddpcheck._internal.runs.warmup import warm_up
 from ddpcheck._internal.world import sequences
 from ddpcheck._internal.world.worlds import Pending, TaskLost, WorldFailure, get_world
 from ddpcheck.batches import check_plans
-from ddpcheck.errors import (DdpcheckError, Divergence, EquivalenceError, InvalidArgument,
-                             NothingChecked, ScenarioError)
+from ddpcheck.errors import (Divergence, EquivalenceError, InvalidArgument, NothingChecked,
+                             ScenarioError)
 from ddpcheck.features import declines
 from ddpcheck.scenario import Scenario
 from ddpcheck.targets import Target
+from ddpcheck.targets.framework import check_requirements
 
 __all__ = ["Launched", "admit", "check_batch_plans", "check_example",
            "check_example_keeping_reference", "check_target", "judge", "launch", "note_example",
@@ -159,6 +160,7 @@ def launch(target: Target, scenario: Scenario, world_size: int, *,
 
 def _submit(world: Any, target: Target, scenario: Scenario, world_size: int, deadline: float,
             name: str | None, checks: frozenset, device: str, backend: str | None) -> Launched:
+    warm_up(world, target)  # once per rank process, outside the example's deadline
     pending = _submit_part(world, target, scenario, deadline, name, "until checkpoint", None) \
         if scenario.checkpoint_after is not None else \
         world.submit(run_example_packed, target, scenario, deadline=deadline,
@@ -192,6 +194,7 @@ def resume(launched: Launched) -> None:
     scenario = launched.scenario
     launched.resumed_world = get_world(scenario.resume_world_size or launched.world_size,
                                        backend=launched.backend, device=launched.device)
+    warm_up(launched.resumed_world, launched.target)
     launched.pending = _submit_part(launched.resumed_world, launched.target, scenario,
                                     launched.deadline, launched.name, "resumed", saved[0][1])
 
@@ -225,7 +228,7 @@ def _judged(target: Any, scenario: Scenario, world_size: int,
         records, texts, worlds, reference = collected()
     except WorldFailure as failure:
         if failure.kind == "refused":  # ddpcheck's own outcome, raised in the ranks
-            raise _refused(failure) from None
+            raise failure.refusal() from None
         if failure.kind == "slow":  # still working when the wait ended: no verdict either way
             raise errors.Inconclusive(
                 f"{failure}\n\nno verdict on this example: slowness is not a bug; raise the "
@@ -297,16 +300,6 @@ def refuse_unconfirmed_hang(error: EquivalenceError) -> None:
             f"{error.args[0]}\n\nno verdict: this example hung once (its ranks waiting, not "
             "working), then passed when it ran again, so no replay line can prove a hang; run "
             "it again, and if it hangs again it is reported") from None
-
-
-def _refused(failure: WorldFailure) -> DdpcheckError:
-    """The outcome ddpcheck's own code raised in the ranks (the first rank's), rebuilt here."""
-    state = next(s for s in failure.ranks if s.status == "refused")
-    name, _, message = state.detail.partition(": ")
-    cls = getattr(errors, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, DdpcheckError)):
-        cls = errors.SetupError
-    return cls(message)
 
 
 def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = None,
@@ -454,6 +447,7 @@ def check_target(target: Any) -> None:
             "script you run, and give it functions defined with def at module level (not a "
             "lambda, not a function defined inside another)") from exc
     verify_replayable(target, pickled)  # a failure's replay line must rebuild exactly this target
+    check_requirements(target)  # a framework release older than the target supports: exit 2
 
 
 def run_in_two_worlds(target: Any, scenario: Any, world_size: int, *, deadline: float,

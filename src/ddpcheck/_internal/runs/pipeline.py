@@ -9,7 +9,9 @@ soon as it has answered k; an example of another world size runs beside it, in i
 
 Invariant: every example gets the verdict :func:`check_example` would give it, in the order the
 examples came, and nothing is judged from a process a previous example left unfit: an example
-queued in a world that was then replaced (``TaskLost``) runs again, alone, in a fresh one. A
+queued in a world that was then replaced (``TaskLost``) runs again, alone, in a fresh one. An
+example whose world must first warm up for the target (``runs.warmup``) waits until the one
+before is judged: nothing runs elsewhere during a warm-up. A
 scenario that resumes from a checkpoint runs in two halves, the second needing the first's
 checkpoint: its first half is queued like any example, and its second is submitted
 (``example.resume``) once its reference is computed, so the next example runs behind it (or
@@ -24,6 +26,7 @@ import dataclasses
 import time
 from typing import Any, Iterable, Iterator
 
+from ddpcheck._internal.runs import warmup
 from ddpcheck._internal.runs.example import (_beside_the_ranks, check_example, judge, launch,
                                              prepare_reference, resume)
 from ddpcheck._internal.world.worlds import TaskLost, WorldFailure
@@ -76,6 +79,11 @@ def one_behind_the_other(target: Any, items: Iterable[tuple[Any, int, Any]], *, 
                 if item is None:
                     break
                 _, world_size, scenario = item
+                if running is not None and warmup.needed(target, world_size, device=device,
+                                                          backend=backend):
+                    # its world's ranks warm up first (minutes, possibly): nothing in flight
+                    # meanwhile, whose deadline would count
+                    yield from judge_running()
                 try:
                     launched = launch(target, scenario, world_size, **options)
                 except Exception as exc:  # refused before any world ran

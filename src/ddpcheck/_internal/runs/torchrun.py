@@ -32,12 +32,12 @@ import torch.distributed as dist
 from ddpcheck._internal.devices import (backend_for, enter_rank, local_world_size, this_rank,
                                        under_torchrun)
 from ddpcheck._internal.rank import recorder
-from ddpcheck._internal.rank.runner import run_example_packed
+from ddpcheck._internal.rank.runner import run_example_packed, run_warm_up
 from ddpcheck._internal.rank.transport import unpack
 from ddpcheck._internal.runs.example import check_batch_plans, check_target, verdict
 from ddpcheck._internal.world.failures import RankState, WorldFailure
 from ddpcheck.battery import BATTERY
-from ddpcheck.errors import InvalidArgument
+from ddpcheck.errors import DdpcheckError, InvalidArgument, NothingChecked
 from ddpcheck.features import declines
 
 __all__ = ["check_in_world", "init_world", "local_world_size", "under_torchrun"]
@@ -100,6 +100,8 @@ def _run_recorded(target: Any, scenario: Any, sequence_path: str, part: str = "w
     recorder.restart_sequence()
     try:
         outcome: tuple = ("ok", run_example_packed(target, scenario, part, checkpoint))
+    except DdpcheckError as exc:  # ddpcheck's own outcome (a decline, its glue failing)
+        outcome = ("refused", f"{type(exc).__name__}: {exc}")
     except Exception:
         outcome = ("error", traceback.format_exc())
     with open(sequence_path, errors="replace") as f:
@@ -108,9 +110,15 @@ def _run_recorded(target: Any, scenario: Any, sequence_path: str, part: str = "w
 
 def _judge(gathered: list, target: Any, scenario: Any, name: str, world_size: int,
            **where: Any) -> Any:
-    """Rank 0: the EquivalenceError of one example, or None (``ddpcheck._internal.runs.example.verdict``);
-    ``where``: the run's device and backend, for the replay line."""
+    """Rank 0: the EquivalenceError of one example, or None
+    (``ddpcheck._internal.runs.example.verdict``), or the outcome ddpcheck's own code raised in
+    a rank; ``where``: the run's device and backend, for the replay line."""
     outcomes = [outcome for outcome, _ in gathered]
+    if any(kind == "refused" for kind, _ in outcomes):
+        states = [RankState(r, "refused" if kind == "refused" else "returned",
+                            text if kind == "refused" else "")
+                  for r, (kind, text) in enumerate(outcomes)]
+        return WorldFailure("refused", world_size, states, f"example {name}").refusal()
     if any(kind == "error" for kind, _ in outcomes):
         states = [RankState(r, "raised", text) if kind == "error" else RankState(r, "returned")
                   for r, (kind, text) in enumerate(outcomes)]
@@ -122,14 +130,15 @@ def _judge(gathered: list, target: Any, scenario: Any, name: str, world_size: in
 
 def _example(target: Any, scenario: Any, name: str, world_size: int, rank: int,
              sequence_path: str, **where: Any) -> Any:
-    """Rank 0: the EquivalenceError of one example, or None (other ranks: None). A scenario
+    """Rank 0: the EquivalenceError of one example, ddpcheck's own outcome raised in a rank
+    (:func:`_judge`), or None (other ranks: None). A scenario
     with ``checkpoint_after`` saves, then resumes in this same world. ``where``: the run's
     device and backend, for the replay line."""
     if scenario.checkpoint_after is None:
         gathered = _gather_to_zero(_run_recorded(target, scenario, sequence_path))
         return _judge(gathered, target, scenario, name, world_size, **where) if rank == 0 else None
     saved = _gather_to_zero(_run_recorded(target, scenario, sequence_path, "until checkpoint"))
-    failed = rank == 0 and any(kind == "error" for (kind, _), _ in saved)
+    failed = rank == 0 and any(kind != "ok" for (kind, _), _ in saved)
     if _agree(int(failed)):
         return _judge(saved, target, scenario, name, world_size, **where) if rank == 0 else None
     before = [unpack(value) for (_, value), _ in saved] if rank == 0 else None  # (record, bytes)
@@ -138,7 +147,7 @@ def _example(target: Any, scenario: Any, name: str, world_size: int, rank: int,
                                             checkpoint))
     if rank != 0:
         return None
-    if any(kind == "error" for (kind, _), _ in resumed):
+    if any(kind != "ok" for (kind, _), _ in resumed):
         return _judge(resumed, target, scenario, name, world_size, **where)
 
     return verdict(target, scenario, world_size,
@@ -151,7 +160,8 @@ def _example(target: Any, scenario: Any, name: str, world_size: int, rank: int,
 def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline: float,
                    out: Any, device: str = "cpu", backend: str | None = None) -> int:
     """Run the battery on torchrun's world; 0 all equivalent, 1 a counterexample (printed on
-    rank 0 to ``out``), 2 a usage error (``world_sizes`` not containing torchrun's size).
+    rank 0 to ``out``), 2 a usage error (``world_sizes`` not containing torchrun's size), or the
+    exit code of ddpcheck's own outcome raised in a rank (4: a framework target's glue failed).
     ``device``/``backend``: as for ``ddpcheck.assert_equivalent`` (the caller has checked that
     they fit the machine: ``_internal.devices.check_fits``)."""
     check_target(target)  # on every rank, before any collective: a refusal must not hang rank 0
@@ -168,6 +178,7 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
         dist.barrier()
         return 2
     recorder.install()
+    run_warm_up(target)  # a framework's once-per-process set-up, before any example
     examples = 0
     with tempfile.TemporaryDirectory(prefix="ddpcheck-torchrun-") as folder:
         sequence_path = os.path.join(folder, f"rank{rank}.collectives")
@@ -185,12 +196,16 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
                 error = _example(target, scenario, name, world_size, rank, sequence_path,
                                  device=device, backend=backend)
                 status = 0
-                if error is not None:
-                    say(str(error))
-                    status = 1
-                examples += 1
-                if _agree(status):
-                    return 1
+                if isinstance(error, NothingChecked):  # declined in the ranks: not checked
+                    say(f"skipped {name}: {error}")
+                else:
+                    examples += 1
+                    if error is not None:  # the target's error, or ddpcheck's own (exit 4)
+                        say(str(error))
+                        status = int(error.exit_code)
+                status = _agree(status)
+                if status:
+                    return status
         finally:
             recorder.record_to(None)
     say(f"ddpcheck check: {examples} examples equivalent in the torchrun world of {world_size} "

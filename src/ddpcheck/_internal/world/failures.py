@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ddpcheck import errors
 from ddpcheck.errors import DdpcheckError, WorldStartError  # the world raises WorldStartError
 
 __all__ = ["RankState", "WorldFailure", "WorldStartError"]
@@ -95,6 +96,16 @@ class WorldFailure(DdpcheckError):
         stuck = [s.rank for s in self.ranks if s.status in ("stuck", "working")]
         behind = [] if self.disagreement is None else self.disagreement.behind
         return [r for r in stuck if r in behind] or stuck
+
+    def refusal(self) -> DdpcheckError:
+        """For a ``"refused"`` failure: the outcome ddpcheck's own code raised in the ranks (the
+        first refusing rank's), rebuilt here -- a decline, or its glue's ``InternalError``."""
+        state = next(s for s in self.ranks if s.status == "refused")
+        name, _, message = state.detail.partition(": ")
+        cls = getattr(errors, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, DdpcheckError)):
+            cls = errors.SetupError
+        return cls(message)
 
     def _format(self) -> str:
         verdict = {
