@@ -50,3 +50,7 @@ def pytest_xdist_make_scheduler(config, log):
             return nodeid  # a unit of its own, as under --dist load
 
     return SharedFixtureScheduling(config, log)
+
+
+# Fixtures every test module may ask for by name.
+from tests.processes import no_process_started  # noqa: E402,F401 -- a fixture

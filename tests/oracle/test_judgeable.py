@@ -29,7 +29,6 @@ from ddpcheck._internal.oracle.judgeable import check_scenario
 from tests import verdict_helpers as h
 from tests.runs.test_replay import ROOT
 from tests.patience import patience
-from tests.processes import no_process_started  # noqa: F401 (a fixture)
 
 H = "tests.verdict_helpers"
 

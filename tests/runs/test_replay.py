@@ -29,7 +29,6 @@ from ddpcheck._internal.runs.replay import evaluate, target_spec
 from ddpcheck.scenario import Scenario
 from tests import verdict_helpers as h
 from tests.patience import patience
-from tests.processes import no_process_started  # noqa: F401 (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -33,7 +33,6 @@ from ddpcheck._internal.runs.fuzz import fuzz
 from ddpcheck._internal.runs.replay import replay_command
 from ddpcheck.scenario import Scenario
 from tests.patience import patience
-from tests.processes import no_process_started  # noqa: F401 (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from ddpcheck.features import FEATURES
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
-from ddpcheck.targets.protocol import Target
 
 __all__ = ["FabricTarget"]
 

@@ -41,7 +41,6 @@ from ddpcheck.features import FEATURES
 from ddpcheck.models import ModelSpec
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
-from ddpcheck.targets.protocol import Target
 
 __all__ = ["LightningTarget"]
 

@@ -32,8 +32,8 @@ from ddpcheck._internal.runs.warmup import warm_up
 from ddpcheck._internal.world import sequences
 from ddpcheck._internal.world.worlds import Pending, TaskLost, WorldFailure, get_world
 from ddpcheck.batches import check_plans
-from ddpcheck.errors import (Divergence, EquivalenceError, InvalidArgument, NothingChecked,
-                             ScenarioError)
+from ddpcheck.errors import (Divergence, EquivalenceError, Inconclusive, InvalidArgument,
+                             NothingChecked, ScenarioError)
 from ddpcheck.features import declines
 from ddpcheck.scenario import Scenario
 from ddpcheck.targets import Target
@@ -230,7 +230,7 @@ def _judged(target: Any, scenario: Scenario, world_size: int,
         if failure.kind == "refused":  # ddpcheck's own outcome, raised in the ranks
             raise failure.refusal() from None
         if failure.kind == "slow":  # still working when the wait ended: no verdict either way
-            raise errors.Inconclusive(
+            raise Inconclusive(
                 f"{failure}\n\nno verdict on this example: slowness is not a bug; raise the "
                 "deadline (--deadline, deadline=) or run where the machine is quieter") from None
         error = verdict(target, scenario, world_size, failure=failure, **common)
@@ -296,7 +296,7 @@ def refuse_unconfirmed_hang(error: EquivalenceError) -> None:
     runs are still a counterexample (a race); a hang that did not recur is no verdict -- nothing
     could prove it --: raised here as :class:`ddpcheck.Inconclusive`."""
     if set(error.kinds) == {"rank timed out"}:
-        raise errors.Inconclusive(
+        raise Inconclusive(
             f"{error.args[0]}\n\nno verdict: this example hung once (its ranks waiting, not "
             "working), then passed when it ran again, so no replay line can prove a hang; run "
             "it again, and if it hangs again it is reported") from None
