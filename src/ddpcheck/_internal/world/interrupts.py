@@ -1,0 +1,78 @@
+"""Ctrl-C held back while ddpcheck starts or stops a process, never lost.
+
+Why: a ``KeyboardInterrupt`` lands between any two bytecodes. Landing inside ``Process.start``,
+after the fork server had forked a rank but before this process learnt its pid, it left a rank
+nobody knew to kill, which held multiprocessing's resource tracker open: the command printed
+"interrupted", then waited for the tracker for as long as the rank lived. And ignoring SIGINT
+while the fork server started (so that it inherits the ignoring) lost a Ctrl-C that came then:
+the run went on to its end.
+
+:func:`held`: inside the block, SIGINT (and SIGTERM, where the command line turned it into an
+exception) is recorded instead of raised, then raised again, through the handler that was there,
+as the block ends -- so a process started inside is either started and known, or not started.
+Only the main thread runs Python's signal handlers; elsewhere the block changes nothing (a
+``KeyboardInterrupt`` cannot land in another thread).
+
+:func:`blocked_for_children`: SIGINT blocked in this thread while the block starts a process,
+which begins with it blocked too (a blocked signal stays pending, never lost; the process then
+ignores it and unblocks it: ``rank.preload``, ``rank.serve``) -- the way multiprocessing starts its
+resource tracker. Here the blocked signal stays pending until the block ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Any, Iterator
+
+__all__ = ["blocked_for_children", "held"]
+
+#: The signals :func:`held` holds back, where their handler is Python code.
+HELD = (signal.SIGINT, signal.SIGTERM)
+
+
+def _python_handler(handler: Any) -> bool:
+    return callable(handler)  # not SIG_DFL or SIG_IGN (ints), not None (set outside Python)
+
+
+@contextlib.contextmanager
+def held(deliver: bool = True) -> Iterator[None]:
+    """SIGINT and SIGTERM recorded while the block runs, then delivered to the handler that was
+    there (``deliver=False``: dropped, for a block that is the way out already)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+
+    def record(signum: int, frame: Any) -> None:
+        if signum not in arrived:
+            arrived.append(signum)
+
+    previous = {}
+    try:
+        for signum in HELD:
+            handler = signal.getsignal(signum)
+            if _python_handler(handler):
+                previous[signum] = handler
+                signal.signal(signum, record)
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if deliver:
+            for signum in arrived:
+                signal.raise_signal(signum)  # raises here what the handler raises
+
+
+@contextlib.contextmanager
+def blocked_for_children() -> Iterator[None]:
+    """SIGINT blocked in this thread while the block starts processes, which inherit the block
+    (and keep it across ``exec``); call inside :func:`held`, which takes a SIGINT that arrives
+    meanwhile as the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+

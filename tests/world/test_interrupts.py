@@ -1,0 +1,152 @@
+"""Ctrl-C held back while ddpcheck starts a process, never lost (``_internal.world.interrupts``).
+
+A signal landing inside ``Process.start`` left a rank running that no world knew; ignoring SIGINT
+while the fork server started (so that it inherits the ignoring) lost the Ctrl-C that came then.
+Each test makes the signal land exactly there -- raised from inside the start -- and checks that
+it still ends what runs, once what was started is known, and leaves nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing import forkserver
+
+import pytest
+
+from ddpcheck._internal.world import forking, interrupts
+from ddpcheck._internal.world.worlds import World
+from tests.patience import patience
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+@contextlib.contextmanager
+def _ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt here, as in a terminal (a suite started in the background
+    inherits it ignored)."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers belong to the main thread")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def test_a_held_ctrl_c_is_raised_once_the_block_has_ended():
+    ran = []
+    with _ctrl_c_raises():
+        with pytest.raises(KeyboardInterrupt):
+            with interrupts.held():
+                signal.raise_signal(signal.SIGINT)
+                ran.append("the rest of the block")
+        assert ran == ["the rest of the block"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with interrupts.held(deliver=False):  # the way out already: dropped
+            signal.raise_signal(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):  # pending while blocked, then held: not lost
+            with interrupts.held(), interrupts.blocked_for_children():
+                signal.raise_signal(signal.SIGINT)
+                ran.append("blocked")
+        assert ran[-1] == "blocked"
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.add(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_ctrl_c_while_a_rank_starts_leaves_no_rank_running(monkeypatch):
+    """The signal lands after the fork server forked a rank, before the rank got what it runs
+    (the issue's case: the rank then waited for its data for ever, holding the resource
+    tracker's pipe). The world finishes starting what it must know to kill, then the Ctrl-C
+    kills every rank."""
+    server = forking._running_pid() if forking.start_method() == "forkserver" else None
+    if server is None:
+        pytest.skip("ranks are forked from ddpcheck's fork server only where it runs")
+    forking.wait_ready(patience(60))
+    before = _children(server)
+    real = forkserver.connect_to_new_process
+    calls = []
+
+    def connect_to_new_process(fds):
+        answer = real(fds)
+        calls.append(1)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)
+        return answer
+
+    monkeypatch.setattr(forkserver, "connect_to_new_process", connect_to_new_process)
+    world = World(2)
+    with _ctrl_c_raises(), pytest.raises(KeyboardInterrupt):
+        world.start()
+    monkeypatch.undo()
+    end = time.monotonic() + patience(5)
+    while any(map(_alive, _children(server) - before)) and time.monotonic() < end:
+        time.sleep(0.05)
+    left = [pid for pid in _children(server) - before if _alive(pid)]
+    for pid in left:  # never leave one, even when failing
+        os.kill(pid, signal.SIGKILL)
+    assert calls and not left, f"ranks left running after Ctrl-C: {left}"
+    assert not world.alive and world.pids == []
+
+
+FORK_SERVER_START = """
+import os, signal, time
+from multiprocessing import forkserver
+from ddpcheck._internal.world import forking
+
+real = forkserver.ensure_running
+
+def ensure_running():
+    real()
+    signal.raise_signal(signal.SIGINT)  # Ctrl-C lands while the server starts
+
+forkserver.ensure_running = ensure_running
+try:
+    forking.start_method()
+    print("lost", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+server = forking._running_pid()
+os.kill(server, signal.SIGINT)  # a Ctrl-C to the group, while the server imports torch
+time.sleep(0.5)
+print("server", "alive" if forking._alive(server) else "dead", flush=True)
+forking.stop()
+print("stopped" if not forking._alive(server) else "left running", flush=True)
+"""
+
+
+def test_a_ctrl_c_while_the_fork_server_starts_is_not_lost():
+    """It reaches the command once the server is started and known (so it is stopped at exit),
+    and the server, importing torch, ignores it and the ones after."""
+    out = subprocess.run([sys.executable, "-c", FORK_SERVER_START], cwd=ROOT,
+                         capture_output=True, text=True, timeout=patience(60),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert out.stdout.split("\n")[:3] == ["interrupted", "server alive", "stopped"], (
+        out.stdout + out.stderr)
+    assert "KeyboardInterrupt" not in out.stderr, out.stderr  # not the server's either
+
