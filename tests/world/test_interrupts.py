@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from multiprocessing import forkserver
@@ -149,4 +150,40 @@ def test_a_ctrl_c_while_the_fork_server_starts_is_not_lost():
     assert out.stdout.split("\n")[:3] == ["interrupted", "server alive", "stopped"], (
         out.stdout + out.stderr)
     assert "KeyboardInterrupt" not in out.stderr, out.stderr  # not the server's either
+
+
+TRACKER_HELD_OPEN = """
+import os, time
+from multiprocessing import resource_tracker
+from ddpcheck import cli
+
+resource_tracker.ensure_running()
+pid = resource_tracker._resource_tracker._pid
+child = os.fork()  # holds the tracker's pipe, as a half-started rank did
+if child == 0:
+    time.sleep(120)
+    os._exit(0)
+started = time.monotonic()
+cli._stop_resource_tracker()
+print(f"{time.monotonic() - started:.2f}", flush=True)
+try:
+    os.kill(pid, 0)
+    print("tracker alive")
+except ProcessLookupError:
+    print("tracker gone")
+os.kill(child, 9)
+"""
+
+
+def test_the_exit_waits_for_the_resource_tracker_within_a_deadline():
+    """A process that still holds the tracker's pipe kept the exit waiting for as long as it
+    lived (over 10 minutes after an interrupted start): now the tracker is killed after
+    ``cli.TRACKER_DEADLINE``."""
+    from ddpcheck.cli import TRACKER_DEADLINE
+
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(TRACKER_HELD_OPEN)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=patience(60))
+    seconds, state = out.stdout.split("\n")[:2]
+    assert state == "tracker gone", out.stdout + out.stderr
+    assert TRACKER_DEADLINE <= float(seconds) < TRACKER_DEADLINE + patience(2), out.stdout
 

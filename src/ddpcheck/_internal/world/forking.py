@@ -43,6 +43,9 @@ _has_forked = False  # ... and whether it has forked a rank yet (it has finished
 _ready_path: str | None = None  # the file the server creates once it has imported torch
 _starts = 0
 
+#: Seconds :func:`stop` waits for the killed server to be reaped (it takes milliseconds).
+STOP_DEADLINE = 5.0
+
 
 def _running_pid() -> int | None:
     return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
@@ -147,8 +150,19 @@ def stop() -> None:
             return
         try:
             os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)  # our child: reaped here, not left a zombie
-        except (ProcessLookupError, ChildProcessError):
+        except ProcessLookupError:
             pass
+        _reap(pid, STOP_DEADLINE)  # our child: reaped here, not left a zombie
         _started_pid, _has_forked, _ready_path = None, False, None
 
+
+def _reap(pid: int, deadline: float) -> None:
+    """Wait for our child ``pid`` to exit, at most ``deadline`` seconds."""
+    end = time.monotonic() + deadline
+    while True:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] or time.monotonic() > end:
+                return
+        except ChildProcessError:  # reaped already
+            return
+        time.sleep(0.005)

@@ -256,10 +256,11 @@ class World:
 
     def close(self, timeout: float = 5.0) -> None:
         """Ask every rank to exit, then make sure it has (killing stragglers). A world still
-        booting is killed at once: its ranks read no message before they have joined."""
+        booting is killed at once: its ranks read no message before they have joined; and so is
+        one running tasks (Ctrl-C came meanwhile): its ranks would read it only after them."""
         if not self._alive:
             return
-        if self._booting is not None:
+        if self._booting is not None or self._in_flight:
             self.kill()
             return
         for conn in self._conns:
@@ -716,9 +717,11 @@ def shutdown_worlds() -> None:
 
 
 def _at_exit() -> None:
-    """Every world, then ddpcheck's fork server: a process that ends leaves nothing running."""
-    shutdown_worlds()
-    forking.stop()
+    """Every world, then ddpcheck's fork server: a process that ends leaves nothing running --
+    a second Ctrl-C (the first one ended the caller's script) does not stop this half-way."""
+    with interrupts.held(deliver=False):
+        shutdown_worlds()
+        forking.stop()
 
 
 atexit.register(_at_exit)
