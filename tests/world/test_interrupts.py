@@ -187,3 +187,29 @@ def test_the_exit_waits_for_the_resource_tracker_within_a_deadline():
     assert state == "tracker gone", out.stdout + out.stderr
     assert TRACKER_DEADLINE <= float(seconds) < TRACKER_DEADLINE + patience(2), out.stdout
 
+
+def _deep(depth: int) -> None:
+    if depth:
+        _deep(depth - 1)
+    raise KeyboardInterrupt
+
+
+class _Terminated(KeyboardInterrupt):
+    pass
+
+
+def _terminated() -> None:
+    raise _Terminated
+
+
+def test_an_entry_point_lets_the_same_ctrl_c_out_in_one_line():
+    """The KeyboardInterrupt (a subclass too: the command line's SIGTERM) goes on out of a
+    public entry point, naming where it landed instead of ddpcheck's frames."""
+    with pytest.raises(KeyboardInterrupt) as info:
+        interrupts.one_line(_deep)(20)
+    line = _deep.__code__.co_firstlineno + 3  # its raise
+    assert str(info.value) == f"ddpcheck._deep was interrupted (in _deep, test_interrupts.py:{line})"
+    frames = [entry.name for entry in info.traceback]
+    assert frames == ["test_an_entry_point_lets_the_same_ctrl_c_out_in_one_line", "entry_point"]
+    with pytest.raises(_Terminated):
+        interrupts.one_line(_terminated)()

@@ -17,16 +17,23 @@ Only the main thread runs Python's signal handlers; elsewhere the block changes 
 which begins with it blocked too (a blocked signal stays pending, never lost; the process then
 ignores it and unblocks it: ``rank.preload``, ``rank.serve``) -- the way multiprocessing starts its
 resource tracker. Here the blocked signal stays pending until the block ends.
+
+:func:`one_line`: what a public entry point lets out of a Ctrl-C -- the same ``KeyboardInterrupt``
+(a library never swallows it), saying in one line where it landed, without ddpcheck's frames.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import signal
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
-__all__ = ["blocked_for_children", "held"]
+__all__ = ["blocked_for_children", "held", "one_line"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 #: The signals :func:`held` holds back, where their handler is Python code.
 HELD = (signal.SIGINT, signal.SIGTERM)
@@ -76,3 +83,30 @@ def blocked_for_children() -> Iterator[None]:
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
+
+def one_line(fn: F) -> F:
+    """``fn``, a public entry point, whose ``KeyboardInterrupt`` (``Terminated`` too) comes out
+    as the same exception with one line saying where it landed instead of ddpcheck's frames --
+    dozens of them, through Hypothesis and the worlds, for a Ctrl-C that is nobody's bug. The
+    ranks of the example it interrupted were stopped on the way out; the persistent worlds stay
+    for the next call (all of them stop at exit). Any other exception passes through untouched
+    (this frame adds two lines to a script's traceback; pytest hides it)."""
+    name = f"ddpcheck.{fn.__name__}"
+
+    @functools.wraps(fn)
+    def entry_point(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # noqa: F841 -- pytest leaves this frame out of its reports
+        try:
+            return fn(*args, **kwargs)
+        except KeyboardInterrupt as exc:
+            if not exc.args:  # (an entry point inside another: the innermost one says it)
+                tb = exc.__traceback__
+                while tb is not None and tb.tb_next is not None:
+                    tb = tb.tb_next
+                where = "" if tb is None else (
+                    f" (in {tb.tb_frame.f_code.co_name}, "
+                    f"{os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno})")
+                exc.args = (f"{name} was interrupted{where}",)
+            raise exc.with_traceback(None)  # the same exception, from here
+
+    return entry_point  # type: ignore[return-value]
