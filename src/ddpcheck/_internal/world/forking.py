@@ -68,15 +68,18 @@ def start_method(warnings: str | None = None) -> str:
             multiprocessing.set_forkserver_preload([PRELOAD])
         _starts += 1  # a file of its own for a server (re)started by this call
         ready = os.path.join(util.get_temp_dir(), f"ddpcheck-forkserver-ready-{_starts}")
-        # The tracker first: starting it unblocks SIGINT in this thread (multiprocessing's way)
-        resource_tracker.ensure_running()
-        # Its output stays this process's: a process of the caller's own that the server forks
-        # prints where the caller's do; a rank's goes to its log (``preload``). It starts with
-        # SIGINT blocked, then ignores it (``preload``; the server itself ignores it only after
-        # its imports); a Ctrl-C meanwhile is this process's once the server is known.
-        with interrupts.held(), interrupts.blocked_for_children(), environment(
-                **{READY_ENV: ready}, **({"PYTHONWARNINGS": warnings} if warnings else {})):
-            forkserver.ensure_running()  # at once if it runs; restarted if it died
+        # A Ctrl-C meanwhile is this process's once the server is started and known.
+        with interrupts.held():
+            # The tracker first: starting it unblocks SIGINT in this thread (multiprocessing's
+            # way), and it must be known too (a Ctrl-C in its start left it unrecorded)
+            resource_tracker.ensure_running()
+            # Its output stays this process's: a process of the caller's own that the server
+            # forks prints where the caller's do; a rank's goes to its log (``preload``). It
+            # starts with SIGINT blocked, then ignores it (``preload``; the server itself
+            # ignores it only after its imports).
+            with interrupts.blocked_for_children(), environment(**{READY_ENV: ready}, **(
+                    {"PYTHONWARNINGS": warnings} if warnings else {})):
+                forkserver.ensure_running()  # at once if it runs; restarted if it died
             if _running_pid() != running:  # started (again) just now
                 _has_forked, _ready_path = False, ready
             _started_pid = _running_pid()
