@@ -109,8 +109,16 @@ def command() -> NoReturn:
     Ctrl-C ends it with 130 wherever it lands once this function runs (``bench/ctrl_c.py``):
     :func:`_outcome` stops the worlds; one that lands outside it (while the arguments are
     parsed, or a second one while the first stops them) is 130 here, the exit handlers stop
-    them. Once the status is decided, SIGINT and SIGTERM are ignored: every wait from there on
-    has a deadline, and a signal could only turn the status into a traceback."""
+    them; one that Python lost is raised again (``interrupts.Insistent``). Once the status is
+    decided, SIGINT and SIGTERM are ignored: every wait from there on has a deadline, and a
+    signal could only turn the status into a traceback."""
+    global _CTRL_C
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not if ignored
+        from ddpcheck._internal.world.interrupts import Insistent
+
+        _CTRL_C = Insistent()
+        signal.signal(signal.SIGINT, _CTRL_C)
     try:
         try:
             status = main()
@@ -128,6 +136,8 @@ def command() -> NoReturn:
         status = ExitCode.TERMINATED if isinstance(exc, Terminated) else ExitCode.INTERRUPTED
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
+    if _CTRL_C is not None:
+        _CTRL_C.taken()
     atexit._run_exitfuncs()
     _stop_resource_tracker()
     if interrupted is not None:
@@ -188,12 +198,26 @@ def _output_closed() -> bool:
         return False
 
 
+#: The command's SIGINT handler, while :func:`command` runs (a caller of :func:`main` keeps its
+#: own): it says whether a Ctrl-C came, whatever became of its ``KeyboardInterrupt``.
+_CTRL_C: Any = None
+
+
 def _outcome(command: str, run: Callable[[], ExitCode]) -> ExitCode:
-    """Run a command and turn whatever it raises into its exit status, one line each."""
+    """Run a command and turn whatever it raises into its exit status, one line each. After a
+    Ctrl-C, whatever the command came to is its consequence: 130."""
     # torch warns at import when numpy is missing; ddpcheck does not need numpy.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     try:
-        return run()
+        try:
+            status = run()
+        except BaseException as exc:
+            if _ctrl_c_came() and not isinstance(exc, KeyboardInterrupt):  # what a lost one
+                raise KeyboardInterrupt from exc  # left behind (an import it broke: RecursionError)
+            raise
+        if _ctrl_c_came():
+            raise KeyboardInterrupt  # lost on the way, and the command ended meanwhile
+        return status
     except EquivalenceError as exc:  # the target's bug: the table and the replay line
         print(str(exc))
         return exc.exit_code
@@ -210,6 +234,8 @@ def _outcome(command: str, run: Callable[[], ExitCode]) -> ExitCode:
               f"target; please report it):\n{traceback.format_exc()}", file=sys.stderr)
         return ExitCode.INTERNAL
     except KeyboardInterrupt as exc:
+        if _CTRL_C is not None:
+            _CTRL_C.taken()
         from ddpcheck._internal.world.interrupts import held
         from ddpcheck._internal.world.worlds import shutdown_worlds
 
@@ -217,6 +243,10 @@ def _outcome(command: str, run: Callable[[], ExitCode]) -> ExitCode:
             shutdown_worlds()
         _say_stopped(exc)
         return ExitCode.TERMINATED if isinstance(exc, Terminated) else ExitCode.INTERRUPTED
+
+
+def _ctrl_c_came() -> bool:
+    return _CTRL_C is not None and _CTRL_C.came is not None
 
 
 def _say_stopped(exc: KeyboardInterrupt) -> None:

@@ -9,6 +9,7 @@ it still ends what runs, once what was started is known, and leaves nothing.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -208,8 +209,39 @@ def test_an_entry_point_lets_the_same_ctrl_c_out_in_one_line():
     with pytest.raises(KeyboardInterrupt) as info:
         interrupts.one_line(_deep)(20)
     line = _deep.__code__.co_firstlineno + 3  # its raise
-    assert str(info.value) == f"ddpcheck._deep was interrupted (in _deep, test_interrupts.py:{line})"
+    where = f"in _deep, test_interrupts.py:{line}"
+    assert str(info.value) == f"ddpcheck._deep was interrupted ({where})"
     frames = [entry.name for entry in info.traceback]
     assert frames == ["test_an_entry_point_lets_the_same_ctrl_c_out_in_one_line", "entry_point"]
     with pytest.raises(_Terminated):
         interrupts.one_line(_terminated)()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the loss
+def test_a_ctrl_c_that_python_lost_is_raised_again():
+    """Python drops a KeyboardInterrupt raised inside a gc callback (Hypothesis keeps one): the
+    command's handler raises it again until it has been taken."""
+    insistent = interrupts.Insistent(again_after=0.2)
+
+    def lose(phase, info):
+        if phase == "start":
+            signal.raise_signal(signal.SIGINT)  # "Exception ignored in: <function lose ...>"
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers belong to the main thread")
+    previous = signal.signal(signal.SIGINT, insistent)
+    try:
+        gc.callbacks.append(lose)
+        try:
+            gc.collect()
+        finally:
+            gc.callbacks.remove(lose)
+        assert insistent.came is not None
+        with pytest.raises(KeyboardInterrupt):
+            end = time.monotonic() + patience(5)
+            while time.monotonic() < end:
+                time.sleep(0.01)
+        insistent.taken()
+        time.sleep(0.5)  # taken: no more
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -18,6 +18,10 @@ which begins with it blocked too (a blocked signal stays pending, never lost; th
 ignores it and unblocks it: ``rank.preload``, ``rank.serve``) -- the way multiprocessing starts its
 resource tracker. Here the blocked signal stays pending until the block ends.
 
+:class:`Insistent`: for a process that is ddpcheck's alone (the command line), a SIGINT handler
+that raises the ``KeyboardInterrupt`` again until someone took it: Python loses one raised inside
+a gc or weakref callback, and code catching everything swallows it or turns it into another error.
+
 :func:`one_line`: what a public entry point lets out of a Ctrl-C -- the same ``KeyboardInterrupt``
 (a library never swallows it), saying in one line where it landed, without ddpcheck's frames.
 """
@@ -29,9 +33,10 @@ import functools
 import os
 import signal
 import threading
+import time
 from typing import Any, Callable, Iterator, TypeVar
 
-__all__ = ["blocked_for_children", "held", "one_line"]
+__all__ = ["AGAIN_AFTER", "Insistent", "blocked_for_children", "held", "one_line"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -82,6 +87,48 @@ def blocked_for_children() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+#: Seconds between two deliveries of a Ctrl-C nobody has taken yet (:class:`Insistent`): longer
+#: than a ``KeyboardInterrupt`` takes to unwind through ddpcheck's clean-ups (milliseconds; a
+#: queued example let finish: at most 2 s, ``runs.pipeline``), short beside the issue's "within
+#: seconds".
+AGAIN_AFTER = 2.0
+
+
+class Insistent:
+    """A SIGINT handler that raises ``KeyboardInterrupt``, and raises it again every
+    :data:`AGAIN_AFTER` seconds until :meth:`taken` is called -- for a process that is ddpcheck's
+    alone (the command line installs it; a library takes no signal).
+
+    Why: in 3 of 54 Ctrl-Cs at random moments of ``ddpcheck check`` (``bench/ctrl_c.py``) the
+    ``KeyboardInterrupt`` was lost and the run went on to its end: Python drops an exception
+    raised inside a gc callback (Hypothesis keeps one: "Exception ignored in ... gc_callback") or
+    a weakref callback (the import system's module locks), and code that catches everything
+    swallows it or turns it into another error (an interrupted ``import numpy.linalg`` came back
+    as a ``RecursionError``). :attr:`came` says one came, whatever became of it."""
+
+    def __init__(self, again_after: float = AGAIN_AFTER):
+        self.came: float | None = None  # when the first Ctrl-C came
+        self._again_after = again_after
+        self._taken = threading.Event()
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.came is None:
+            self.came = time.monotonic()
+            threading.Thread(target=self._insist, name="ddpcheck-ctrl-c", daemon=True).start()
+        raise KeyboardInterrupt
+
+    def taken(self) -> None:
+        """The ``KeyboardInterrupt`` arrived where it is handled: no more of them."""
+        self._taken.set()
+
+    def _insist(self) -> None:
+        main = threading.main_thread().ident
+        while not self._taken.wait(self._again_after):
+            # a signal, not _thread.interrupt_main(): that one waits for the main thread to run
+            # Python code, and a wait without a timeout would never return to any
+            signal.pthread_kill(main, signal.SIGINT)
 
 
 def one_line(fn: F) -> F:
