@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator, TypeVar
 
-__all__ = ["AGAIN_AFTER", "Insistent", "blocked_for_children", "held", "one_line"]
+__all__ = ["AGAIN_AFTER", "Insistent", "blocked_for_children", "held", "insisting", "one_line"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -112,6 +112,7 @@ class Insistent:
         self.came: float | None = None  # when the first Ctrl-C came
         self._again_after = again_after
         self._taken = threading.Event()
+        self._lock = threading.Lock()  # once taken, no signal is sent any more
 
     def __call__(self, signum: int, frame: Any) -> None:
         if self.came is None:
@@ -121,14 +122,36 @@ class Insistent:
 
     def taken(self) -> None:
         """The ``KeyboardInterrupt`` arrived where it is handled: no more of them."""
-        self._taken.set()
+        with self._lock:
+            self._taken.set()
 
     def _insist(self) -> None:
         main = threading.main_thread().ident
         while not self._taken.wait(self._again_after):
-            # a signal, not _thread.interrupt_main(): that one waits for the main thread to run
-            # Python code, and a wait without a timeout would never return to any
-            signal.pthread_kill(main, signal.SIGINT)
+            with self._lock:
+                if not self._taken.is_set():
+                    # a signal, not _thread.interrupt_main(): that one waits for the main
+                    # thread to run Python code, and a wait without a timeout never returns
+                    signal.pthread_kill(main, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def insisting() -> Iterator[Insistent | None]:
+    """While the block runs, Python's default SIGINT handler is an :class:`Insistent` one: the
+    same ``KeyboardInterrupt``, raised again if it was lost. A caller's own handler, an ignored
+    SIGINT, another thread, or an :class:`Insistent` in place already (the command line's, an
+    entry point's inside another) are left as they are: then None."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield None
+        return
+    insistent = Insistent()
+    signal.signal(signal.SIGINT, insistent)
+    try:
+        yield insistent
+    finally:
+        insistent.taken()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def one_line(fn: F) -> F:
@@ -136,24 +159,40 @@ def one_line(fn: F) -> F:
     as the same exception with one line saying where it landed instead of ddpcheck's frames --
     dozens of them, through Hypothesis and the worlds, for a Ctrl-C that is nobody's bug. The
     ranks of the example it interrupted were stopped on the way out; the persistent worlds stay
-    for the next call (all of them stop at exit). Any other exception passes through untouched
-    (this frame adds two lines to a script's traceback; pytest hides it)."""
+    for the next call (all of them stop at exit). While it runs, a Ctrl-C that Python lost is
+    raised again (:func:`insisting`), and after one, whatever ``fn`` came to is the interrupt's.
+    Any other exception passes through untouched (this frame adds two lines to a script's
+    traceback; pytest hides it)."""
     name = f"ddpcheck.{fn.__name__}"
 
     @functools.wraps(fn)
     def entry_point(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841 -- pytest leaves this frame out of its reports
-        try:
-            return fn(*args, **kwargs)
-        except KeyboardInterrupt as exc:
-            if not exc.args:  # (an entry point inside another: the innermost one says it)
-                tb = exc.__traceback__
-                while tb is not None and tb.tb_next is not None:
-                    tb = tb.tb_next
-                where = "" if tb is None else (
-                    f" (in {tb.tb_frame.f_code.co_name}, "
-                    f"{os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno})")
-                exc.args = (f"{name} was interrupted{where}",)
-            raise exc.with_traceback(None)  # the same exception, from here
+        with insisting() as insistent:
+            try:
+                result = fn(*args, **kwargs)
+            except KeyboardInterrupt as exc:
+                if not exc.args:  # (an entry point inside another: the innermost one says it)
+                    exc.args = (f"{name} was interrupted{_where(exc)}",)
+                raise exc.with_traceback(None)  # the same exception, from here
+            except BaseException as exc:
+                if insistent is None or insistent.came is None:
+                    raise
+                # what a lost Ctrl-C left behind (an import it broke)
+                raise KeyboardInterrupt(f"{name} was interrupted{_where(exc)}") from exc
+            if insistent is not None and insistent.came is not None:
+                raise KeyboardInterrupt(f"{name} was interrupted")  # lost on the way
+            return result
 
     return entry_point  # type: ignore[return-value]
+
+
+def _where(exc: BaseException) -> str:
+    """`` (in FUNCTION, FILE:LINE)``: the innermost frame of ``exc``'s traceback."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return ""
+    code = tb.tb_frame.f_code
+    return f" (in {code.co_name}, {os.path.basename(code.co_filename)}:{tb.tb_lineno})"
