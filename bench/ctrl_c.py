@@ -1,17 +1,18 @@
 """Ctrl-C at a random moment: does ddpcheck end within seconds, exit 130 and leave nothing?
 
-Starts ``ddpcheck check`` (or, with ``--api``, a script calling ``ddpcheck.assert_equivalent``
-then ``ddpcheck.fuzz``) on :data:`SEEDED` -- the built-in parallel target with a seeded bug in
-scenarios the battery does not have, so a run goes through every phase: the interpreter and its
-imports, the fork server importing torch, ranks forked, the battery, random examples, shrinking
-the counterexample -- and sends SIGINT to its process group, as a terminal's Ctrl-C does, at a
-moment drawn uniformly from ``[0, window]``. The window is 0.9 times one uninterrupted run's
-length, measured first (``--window`` to give it, ``--start`` to begin it later than 0). For each run it records the exit status, the seconds
-from the signal to the exit, and whether anything is left: a process carrying the run's marker in
-its environment (every process the run starts inherits it: the fork server, multiprocessing's
-resource tracker, ranks, janitors, what targets start) still alive, or a directory left in the
-run's own ``TMPDIR`` (worlds' directories, the fork server's socket). It prints one line per run
-and a tally: exits, median and max seconds to exit, leftovers, and where the signals landed.
+Starts ``ddpcheck check`` (or, with ``--api``, a script calling ``ddpcheck.assert_equivalent`` then
+``ddpcheck.fuzz``) on :data:`SEEDED` -- the built-in parallel target with a seeded bug in scenarios
+the battery does not have, so a run goes through every phase: the interpreter and its imports, the
+fork server importing torch, ranks forked, the battery, random examples, shrinking the
+counterexample -- and sends SIGINT to its process group, as a terminal's Ctrl-C does, at a moment
+drawn uniformly from ``[0, window]``. The window is 0.9 times one uninterrupted run's length,
+measured first (``--window`` to give it, ``--start`` to begin it later than 0). For each run it
+records the exit status, the seconds from the signal to the exit, and whether anything is left: a
+process carrying the run's marker in its environment (every process the run starts inherits it: the
+fork server, multiprocessing's resource tracker, ranks, janitors, what targets start) still alive,
+or a directory left in the run's own ``TMPDIR`` (worlds' directories, the fork server's socket). It
+prints one line per run and a tally: exits, median and max seconds to exit, leftovers, and where the
+signals landed.
 
     python bench/ctrl_c.py [--runs 100] [--seed 0] [--api] [--window SECONDS] [--start SECONDS]
 
