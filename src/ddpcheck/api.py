@@ -19,7 +19,7 @@ from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, c
 from ddpcheck._internal.oracle.judgeable import check_scenario
 from ddpcheck._internal.runs import example
 from ddpcheck._internal.runs.example import check_example_keeping_reference, check_target
-from ddpcheck._internal.world.interrupts import one_line
+from ddpcheck._internal.world.interrupts import interruptible
 from ddpcheck._internal.world.worlds import launch_worlds
 from ddpcheck.battery import BATTERY
 from ddpcheck.errors import InvalidArgument, NothingChecked
@@ -63,11 +63,11 @@ class Report:
                 for (name, why), sizes in grouped.items()]
 
 
-#: One example (``runs.example.check_example``), a Ctrl-C inside it said in one line.
-check_example = one_line(example.check_example)
+#: One example (``runs.example.check_example``), as a Ctrl-C interrupts it (``interrupts``).
+check_example = interruptible(example.check_example)
 
 
-@one_line
+@interruptible
 def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
                       world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
                       deadline: float = DEFAULT_DEADLINE, without: Iterable[str] = (),

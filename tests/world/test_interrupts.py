@@ -207,14 +207,14 @@ def test_an_entry_point_lets_the_same_ctrl_c_out_in_one_line():
     """The KeyboardInterrupt (a subclass too: the command line's SIGTERM) goes on out of a
     public entry point, naming where it landed instead of ddpcheck's frames."""
     with pytest.raises(KeyboardInterrupt) as info:
-        interrupts.one_line(_deep)(20)
+        interrupts.interruptible(_deep)(20)
     line = _deep.__code__.co_firstlineno + 3  # its raise
     where = f"in _deep, test_interrupts.py:{line}"
     assert str(info.value) == f"ddpcheck._deep was interrupted ({where})"
     frames = [entry.name for entry in info.traceback]
     assert frames == ["test_an_entry_point_lets_the_same_ctrl_c_out_in_one_line", "entry_point"]
     with pytest.raises(_Terminated):
-        interrupts.one_line(_terminated)()
+        interrupts.interruptible(_terminated)()
 
 
 def test_a_ctrl_c_that_python_lost_is_raised_again(monkeypatch):
@@ -265,9 +265,9 @@ def test_an_entry_point_raises_a_lost_ctrl_c_again():
     with _ctrl_c_raises():
         started = time.monotonic()
         with pytest.raises(KeyboardInterrupt, match="^ddpcheck._loses_it was interrupted"):
-            interrupts.one_line(_loses_it)("runs on")
+            interrupts.interruptible(_loses_it)("runs on")
         assert time.monotonic() - started < interrupts.AGAIN_AFTER + patience(5)
         with pytest.raises(KeyboardInterrupt) as info:
-            interrupts.one_line(_loses_it)("raises")
+            interrupts.interruptible(_loses_it)("raises")
         assert isinstance(info.value.__cause__, RecursionError)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back

@@ -33,7 +33,7 @@ from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, c
 from ddpcheck._internal.messages import scenario_line
 from ddpcheck._internal.runs.example import check_example, check_target, prepare_reference
 from ddpcheck._internal.runs.replay import target_spec
-from ddpcheck._internal.world.interrupts import one_line
+from ddpcheck._internal.world.interrupts import interruptible
 from ddpcheck.battery import BATTERY
 from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked, ScenarioError
 
@@ -176,7 +176,7 @@ class Survey:
                    data.get("shrink_seconds", DEFAULT_SHRINK_SECONDS))
 
 
-@one_line
+@interruptible
 def survey(target: Any, *, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
            examples: int = DEFAULT_EXAMPLES, without: Iterable[str] = (),
            deadline: float = DEFAULT_DEADLINE, seed: int | None = None,

@@ -1,4 +1,5 @@
-"""Ctrl-C held back while ddpcheck starts or stops a process, never lost.
+"""Ctrl-C in the checking process: held back while a process starts, raised again if Python lost
+it, and let out of the API as the same ``KeyboardInterrupt`` in one line -- never swallowed.
 
 Why: a ``KeyboardInterrupt`` lands between any two bytecodes. Landing inside ``Process.start``,
 after the fork server had forked a rank but before this process learnt its pid, it left a rank
@@ -18,12 +19,13 @@ which begins with it blocked too (a blocked signal stays pending, never lost; th
 ignores it and unblocks it: ``rank.preload``, ``rank.serve``) -- the way multiprocessing starts its
 resource tracker. Here the blocked signal stays pending until the block ends.
 
-:class:`Insistent`: for a process that is ddpcheck's alone (the command line), a SIGINT handler
-that raises the ``KeyboardInterrupt`` again until someone took it: Python loses one raised inside
-a gc or weakref callback, and code catching everything swallows it or turns it into another error.
+:class:`Insistent`: a SIGINT handler that raises the ``KeyboardInterrupt`` again until someone
+took it: Python loses one raised inside a gc or weakref callback, and code catching everything
+swallows it or turns it into another error. The command line keeps one while it runs; a public
+entry point keeps one while it runs in place of Python's own (:func:`insisting`).
 
-:func:`one_line`: what a public entry point lets out of a Ctrl-C -- the same ``KeyboardInterrupt``
-(a library never swallows it), saying in one line where it landed, without ddpcheck's frames.
+:func:`interruptible`: a public entry point, out of which a Ctrl-C comes as the same
+``KeyboardInterrupt``, saying in one line where it landed instead of ddpcheck's frames.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator, TypeVar
 
-__all__ = ["AGAIN_AFTER", "Insistent", "blocked_for_children", "held", "insisting", "one_line"]
+__all__ = ["AGAIN_AFTER", "Insistent", "blocked_for_children", "held", "insisting", "interruptible"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -98,8 +100,9 @@ AGAIN_AFTER = 2.0
 
 class Insistent:
     """A SIGINT handler that raises ``KeyboardInterrupt``, and raises it again every
-    :data:`AGAIN_AFTER` seconds until :meth:`taken` is called -- for a process that is ddpcheck's
-    alone (the command line installs it; a library takes no signal).
+    :data:`AGAIN_AFTER` seconds until :meth:`taken` is called: the command line's while it runs,
+    a public entry point's in place of Python's own (:func:`insisting`; a library takes no
+    signal beyond that).
 
     Why: in 3 of 54 Ctrl-Cs at random moments of ``ddpcheck check`` (``bench/ctrl_c.py``) the
     ``KeyboardInterrupt`` was lost and the run went on to its end: Python drops an exception
@@ -154,7 +157,7 @@ def insisting() -> Iterator[Insistent | None]:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def one_line(fn: F) -> F:
+def interruptible(fn: F) -> F:
     """``fn``, a public entry point, whose ``KeyboardInterrupt`` (``Terminated`` too) comes out
     as the same exception with one line saying where it landed instead of ddpcheck's frames --
     dozens of them, through Hypothesis and the worlds, for a Ctrl-C that is nobody's bug. The
