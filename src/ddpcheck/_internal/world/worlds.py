@@ -594,10 +594,13 @@ def released() -> Iterator[None]:
 
 
 def _empty(paths: list[str]) -> None:
+    """Empty the files that exist, creating none: run off the main thread while a kill removes
+    the world's directory, a file created again between its emptied listing and its removal
+    left the directory behind."""
     for path in paths:
         try:
-            open(path, "w").close()
-        except OSError:  # the world was killed meanwhile, and its directory removed
+            os.truncate(path, 0)
+        except OSError:  # not written yet, or the world was killed meanwhile
             pass
 
 
