@@ -17,8 +17,10 @@ from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_deadline,
                                         check_fits_machine, check_world_sizes)
 from ddpcheck._internal.oracle.judgeable import check_scenario
-from ddpcheck._internal.runs.example import (check_example, check_example_keeping_reference,
-                                             check_target, refuse_unconfirmed_hang)
+from ddpcheck._internal.runs import example
+from ddpcheck._internal.runs.example import (check_example_keeping_reference, check_target,
+                                             refuse_unconfirmed_hang)
+from ddpcheck._internal.world.interrupts import interruptible
 from ddpcheck._internal.world.worlds import launch_worlds
 from ddpcheck.battery import BATTERY
 from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked
@@ -62,6 +64,11 @@ class Report:
                 for (name, why), sizes in grouped.items()]
 
 
+#: One example (``runs.example.check_example``), as a Ctrl-C interrupts it (``interrupts``).
+check_example = interruptible(example.check_example)
+
+
+@interruptible
 def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
                       world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
                       deadline: float = DEFAULT_DEADLINE, without: Iterable[str] = (),

@@ -105,19 +105,44 @@ def command() -> NoReturn:
     process ends without the interpreter's teardown. With torch and dynamo imported, that
     teardown -- freeing every module, of no use to a process that ends -- took 1.0-1.7 s after
     the verdict was printed on the 2-core machine (``bench/throughput.py``'s first verdict
-    waits for it). A caller of :func:`main` (tests, scripts) keeps its interpreter."""
+    waits for it). A caller of :func:`main` (tests, scripts) keeps its interpreter.
+
+    Ctrl-C ends it with 130 wherever it lands once this function runs (``bench/ctrl_c.py``):
+    :func:`_outcome` stops the worlds; one that lands outside it (while the arguments are
+    parsed, or a second one while the first stops them) is 130 here, the exit handlers stop
+    them; one that Python lost is raised again (``interrupts.Insistent``). Once the status is
+    decided, SIGINT and SIGTERM are ignored: every wait from there on has a deadline, and a
+    signal could only turn the status into a traceback."""
+    global _CTRL_C
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not if ignored
+        from ddpcheck._internal.world.interrupts import Insistent
+
+        _CTRL_C = Insistent()
+        signal.signal(signal.SIGINT, _CTRL_C)
     try:
-        status = main()
-    except BrokenPipeError:  # our output's reader went away (`ddpcheck targets | head`): a
-        # print failed (`_outcome` makes any other broken pipe an internal error)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to say
-        status = ExitCode.OUTPUT_CLOSED
-    except SystemExit as exc:  # argparse: --help, a usage error
-        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
-        if not isinstance(exc.code, (int, type(None))):
-            print(exc.code, file=sys.stderr)
+        try:
+            status = main()
+        except BrokenPipeError:  # our output's reader went away (`ddpcheck targets | head`): a
+            # print failed (`_outcome` makes any other broken pipe an internal error)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing to say
+            status = ExitCode.OUTPUT_CLOSED
+        except SystemExit as exc:  # argparse: --help, a usage error
+            status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+            if not isinstance(exc.code, (int, type(None))):
+                print(exc.code, file=sys.stderr)
+        interrupted = None
+    except KeyboardInterrupt as exc:
+        interrupted = exc
+        status = ExitCode.TERMINATED if isinstance(exc, Terminated) else ExitCode.INTERRUPTED
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    if _CTRL_C is not None:
+        _CTRL_C.taken()
     atexit._run_exitfuncs()
     _stop_resource_tracker()
+    if interrupted is not None:
+        _say_stopped(interrupted)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -126,19 +151,41 @@ def command() -> NoReturn:
     os._exit(status)
 
 
+#: Seconds multiprocessing's resource tracker gets to exit once told to (it takes milliseconds;
+#: a process still holding its pipe would keep it, and us, waiting for as long as it lives).
+TRACKER_DEADLINE = 2.0
+
+
 def _stop_resource_tracker() -> None:
     """Stop multiprocessing's resource tracker, which the worlds started and which inherited
     our stdout: left to notice our exit by itself, it held the output open a moment longer
     (a loaded machine made that visible to a caller reading to the end). The process is ours
-    alone here, so nothing else needs it; ``_stop`` is the stdlib's own way (3.8+)."""
+    alone here, so nothing else needs it; ``_stop`` is the stdlib's own way (3.8+), and it waits
+    for the tracker without a deadline: a rank half-started by a Ctrl-C (ddpcheck holds those
+    back now, ``_internal.world.interrupts``) kept it waiting for over 10 minutes. Past
+    :data:`TRACKER_DEADLINE` the tracker is killed: it has nothing of ours to clean up."""
     from multiprocessing import resource_tracker
 
-    stop = getattr(getattr(resource_tracker, "_resource_tracker", None), "_stop", None)
-    if stop is not None:
+    tracker = getattr(resource_tracker, "_resource_tracker", None)
+    stop, pid = getattr(tracker, "_stop", None), getattr(tracker, "_pid", None)
+    if stop is None or pid is None:
+        return
+    stopping = threading.Thread(target=_quietly, args=(stop,), daemon=True)
+    stopping.start()
+    stopping.join(TRACKER_DEADLINE)
+    if stopping.is_alive():
         try:
-            stop()
-        except Exception:  # noqa: S110 -- it exits by itself at EOF all the same
+            os.kill(pid, signal.SIGKILL)  # its waitpid in the thread then returns
+        except OSError:
             pass
+        stopping.join(TRACKER_DEADLINE)
+
+
+def _quietly(stop: Callable[[], Any]) -> None:
+    try:
+        stop()
+    except Exception:  # noqa: S110 -- it exits by itself at EOF all the same
+        pass
 
 
 def _output_closed() -> bool:
@@ -152,12 +199,26 @@ def _output_closed() -> bool:
         return False
 
 
+#: The command's SIGINT handler, while :func:`command` runs (a caller of :func:`main` keeps its
+#: own): it says whether a Ctrl-C came, whatever became of its ``KeyboardInterrupt``.
+_CTRL_C: Any = None
+
+
 def _outcome(command: str, run: Callable[[], ExitCode]) -> ExitCode:
-    """Run a command and turn whatever it raises into its exit status, one line each."""
+    """Run a command and turn whatever it raises into its exit status, one line each. After a
+    Ctrl-C, whatever the command came to is its consequence: 130."""
     # torch warns at import when numpy is missing; ddpcheck does not need numpy.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     try:
-        return run()
+        try:
+            status = run()
+        except BaseException as exc:
+            if _ctrl_c_came() and not isinstance(exc, KeyboardInterrupt):  # what a lost one
+                raise KeyboardInterrupt from exc  # left behind (an import it broke: RecursionError)
+            raise
+        if _ctrl_c_came():
+            raise KeyboardInterrupt  # lost on the way, and the command ended meanwhile
+        return status
     except EquivalenceError as exc:  # the target's bug: the table and the replay line
         print(str(exc))
         return exc.exit_code
@@ -174,14 +235,27 @@ def _outcome(command: str, run: Callable[[], ExitCode]) -> ExitCode:
               f"target; please report it):\n{traceback.format_exc()}", file=sys.stderr)
         return ExitCode.INTERNAL
     except KeyboardInterrupt as exc:
+        if _CTRL_C is not None:
+            _CTRL_C.taken()
+        from ddpcheck._internal.world.interrupts import held
         from ddpcheck._internal.world.worlds import shutdown_worlds
 
-        shutdown_worlds()
-        if isinstance(exc, Terminated):
-            print("ddpcheck: terminated; every rank process was stopped", file=sys.stderr)
-            return ExitCode.TERMINATED
-        print("ddpcheck: interrupted; every rank process was stopped", file=sys.stderr)
-        return ExitCode.INTERRUPTED
+        with held(deliver=False):  # a second Ctrl-C does not cut the stop short (it is bounded)
+            shutdown_worlds()
+        _say_stopped(exc)
+        return ExitCode.TERMINATED if isinstance(exc, Terminated) else ExitCode.INTERRUPTED
+
+
+def _ctrl_c_came() -> bool:
+    return _CTRL_C is not None and _CTRL_C.came is not None
+
+
+def _say_stopped(exc: KeyboardInterrupt) -> None:
+    what = "terminated" if isinstance(exc, Terminated) else "interrupted"
+    try:
+        print(f"ddpcheck: {what}; every rank process was stopped", file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # nobody reads our errors any more
+        pass
 
 
 def _terminate(signum: int, frame: Any) -> None:

@@ -291,7 +291,7 @@ def test_a_script_without_main_guard_gets_one_line_fast(tmp_path):
             'under `if __name__ == "__main__":`') in text, text
     assert out.stdout.count("the script ran") == 1, text  # the ranks' output is not shown
     assert "bootstrapping phase" not in text and "multiprocessing/spawn.py" not in text, text
-    assert len(text.splitlines()) < 25, text
+    assert len(text.splitlines()) < 27, text  # (the entry point's own frame: two lines)
     assert not _leftover_dirs(tmp_path), text
     assert elapsed < patience(60), f"took {elapsed:.1f} s"
     print(f"\nNO-MAIN-GUARD: exit {out.returncode} in {elapsed:.1f} s, "

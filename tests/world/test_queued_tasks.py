@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpcheck._internal.world.worlds import TaskLost, World, WorldFailure
+from ddpcheck._internal.world.worlds import TaskLost, World, WorldFailure, _empty
 from tests.patience import patience
 
 
@@ -80,3 +80,14 @@ def test_a_queued_task_is_lost_when_the_first_fails(world):
     with pytest.raises(TaskLost):
         second.collect()
     assert world.submit(_rank_sum, 1.0).collect() == [2.0, 2.0]  # a new world
+
+
+def test_emptying_a_worlds_sequence_files_creates_none(tmp_path):
+    """The emptying thread ran while a kill removed the world's directory: a sequence file it
+    created again after the removal's listing left the directory behind (seen once in a test
+    run: ddpcheck-w2-*/rank0.collectives, empty)."""
+    written = tmp_path / "rank1.collectives"
+    written.write_text("all_reduce\n")
+    _empty([str(tmp_path / "rank0.collectives"), str(written)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank1.collectives"]
+    assert written.read_text() == ""

@@ -14,11 +14,18 @@ from __future__ import annotations
 
 import multiprocessing.spawn
 import os
+import signal
 from typing import Any
 
 from ddpcheck._internal.rank.serve import READY_ENV, log_of
 
 __all__: list[str] = []
+
+# Ctrl-C reaches the whole foreground process group, this server included: ddpcheck decides when
+# its processes stop. The server started with SIGINT blocked (``_internal.world.interrupts``), so
+# one sent meanwhile is pending: ignored now, it is dropped; then unblocked, for every rank too.
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 try:  # never fail the server: a rank that then cannot import torch says why in its log
     import torch

@@ -107,8 +107,10 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
     except OSError:  # already a group leader
         pass
     _die_with_parent(parent_pid)
-    # Ctrl-C reaches the whole process group; the parent decides when ranks stop.
+    # Ctrl-C reaches the whole process group; the parent decides when ranks stop. A spawned rank
+    # started with SIGINT blocked (``_internal.world.interrupts``): what came since is dropped.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     # Append: the parent pointed this process's stdout/stderr at the same file while spawning
     # it, so whatever happened during spawn's start-up is already there.
     log = open(log_path, "a", buffering=1)

@@ -28,6 +28,7 @@ from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES,
                                         check_positive_number, check_world_sizes)
 from ddpcheck._internal.runs.example import check_example, refuse_unconfirmed_hang
 from ddpcheck._internal.runs.pipeline import one_behind_the_other
+from ddpcheck._internal.world.interrupts import interruptible
 from ddpcheck._internal.world.worlds import lending_waits, released
 from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked, ScenarioError
 
@@ -62,6 +63,7 @@ class FuzzResult:
 GIVE_UP_AFTER_DECLINED = 200
 
 
+@interruptible
 def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_SIZES,
          seed: int | None = None, deadline: float = DEFAULT_DEADLINE, dtypes: tuple = ("float64",),
          progress: Callable[[int, float], None] | None = None,

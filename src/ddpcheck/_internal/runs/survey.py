@@ -34,6 +34,7 @@ from ddpcheck._internal.messages import scenario_line
 from ddpcheck._internal.runs.example import (check_example, check_target, prepare_reference,
                                             refuse_unconfirmed_hang)
 from ddpcheck._internal.runs.replay import target_spec
+from ddpcheck._internal.world.interrupts import interruptible
 from ddpcheck.battery import BATTERY
 from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked, ScenarioError
 
@@ -176,6 +177,7 @@ class Survey:
                    data.get("shrink_seconds", DEFAULT_SHRINK_SECONDS))
 
 
+@interruptible
 def survey(target: Any, *, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
            examples: int = DEFAULT_EXAMPLES, without: Iterable[str] = (),
            deadline: float = DEFAULT_DEADLINE, seed: int | None = None,

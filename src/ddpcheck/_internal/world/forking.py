@@ -18,17 +18,16 @@ other module a rank runs it imports after the fork, so an edited module reaches 
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import signal
 import sys
 import threading
 import time
-from multiprocessing import forkserver, util
-from typing import Iterator
+from multiprocessing import forkserver, resource_tracker, util
 
 from ddpcheck._internal.rank.serve import READY_ENV
+from ddpcheck._internal.world import interrupts
 from ddpcheck._internal.world.failures import WorldStartError
 from ddpcheck._internal.world.processes import environment
 
@@ -43,6 +42,9 @@ _started_pid: int | None = None  # the fork server ddpcheck started, while it ru
 _has_forked = False  # ... and whether it has forked a rank yet (it has finished importing)
 _ready_path: str | None = None  # the file the server creates once it has imported torch
 _starts = 0
+
+#: Seconds :func:`stop` waits for the killed server to be reaped (it takes milliseconds).
+STOP_DEADLINE = 5.0
 
 
 def _running_pid() -> int | None:
@@ -66,29 +68,22 @@ def start_method(warnings: str | None = None) -> str:
             multiprocessing.set_forkserver_preload([PRELOAD])
         _starts += 1  # a file of its own for a server (re)started by this call
         ready = os.path.join(util.get_temp_dir(), f"ddpcheck-forkserver-ready-{_starts}")
-        # Its output stays this process's: a process of the caller's own that the server forks
-        # prints where the caller's do; a rank's goes to its log (``preload``). Ctrl-C is
-        # ignored from its first instruction (the server ignores it only after its imports).
-        with _sigint_ignored(), environment(**{READY_ENV: ready}, **(
-                {"PYTHONWARNINGS": warnings} if warnings else {})):
-            forkserver.ensure_running()  # at once if it runs; restarted if it died
-        if _running_pid() != running:  # started (again) just now
-            _has_forked, _ready_path = False, ready
-        _started_pid = _running_pid()
+        # A Ctrl-C meanwhile is this process's once the server is started and known.
+        with interrupts.held():
+            # The tracker first: starting it unblocks SIGINT in this thread (multiprocessing's
+            # way), and it must be known too (a Ctrl-C in its start left it unrecorded)
+            resource_tracker.ensure_running()
+            # Its output stays this process's: a process of the caller's own that the server
+            # forks prints where the caller's do; a rank's goes to its log (``preload``). It
+            # starts with SIGINT blocked, then ignores it (``preload``; the server itself
+            # ignores it only after its imports).
+            with interrupts.blocked_for_children(), environment(**{READY_ENV: ready}, **(
+                    {"PYTHONWARNINGS": warnings} if warnings else {})):
+                forkserver.ensure_running()  # at once if it runs; restarted if it died
+            if _running_pid() != running:  # started (again) just now
+                _has_forked, _ready_path = False, ready
+            _started_pid = _running_pid()
         return "forkserver"
-
-
-@contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """SIGINT ignored in this process while the block starts a process (which inherits that)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def wait_ready(deadline: float) -> None:
@@ -158,7 +153,19 @@ def stop() -> None:
             return
         try:
             os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)  # our child: reaped here, not left a zombie
-        except (ProcessLookupError, ChildProcessError):
+        except ProcessLookupError:
             pass
+        _reap(pid, STOP_DEADLINE)  # our child: reaped here, not left a zombie
         _started_pid, _has_forked, _ready_path = None, False, None
+
+
+def _reap(pid: int, deadline: float) -> None:
+    """Wait for our child ``pid`` to exit, at most ``deadline`` seconds."""
+    end = time.monotonic() + deadline
+    while True:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] or time.monotonic() > end:
+                return
+        except ChildProcessError:  # reaped already
+            return
+        time.sleep(0.005)

@@ -64,7 +64,7 @@ from ddpcheck._internal.options import (DEFAULT_DEADLINE, STARTUP_DEADLINE, chec
 from ddpcheck._internal.rank.freshness import announce, changed
 from ddpcheck._internal.rank.serve import (NESTED_MARKER, SEQUENCE_SLOTS, SHUTDOWN,
                                            WORLD_DIR_ENV, rank_main, rank_name, sequence_file)
-from ddpcheck._internal.world import forking, progress
+from ddpcheck._internal.world import forking, interrupts, progress
 from ddpcheck._internal.world.failures import RankState, WorldFailure, WorldStartError
 from ddpcheck._internal.world.janitor import Janitor
 from ddpcheck._internal.world.processes import (check_main_module_importable, dump_stacks,
@@ -184,10 +184,11 @@ class World:
         if method == "auto":
             method = forking.start_method(warnings)
         ctx = multiprocessing.get_context(method)
-        self._dir = tempfile.mkdtemp(prefix=f"ddpcheck-w{self.world_size}-")
+        with interrupts.held():  # a directory made is a directory known
+            self._dir = tempfile.mkdtemp(prefix=f"ddpcheck-w{self.world_size}-")
+            _LIVE.add(self)  # from here on, kill() (and shutdown_worlds) cleans up
+            self._alive = True
         self._path = set(sys.path)  # the ranks get this process's sys.path
-        _LIVE.add(self)  # from here on, kill() (and shutdown_worlds) cleans up
-        self._alive = True
         store_path = os.path.join(self._dir, "store")
         self._procs, self._conns = [], []
         self._logs = [os.path.join(self._dir, f"rank{r}.log") for r in range(self.world_size)]
@@ -200,11 +201,14 @@ class World:
                 forkserver.ensure_running()
             if method == "forkserver":  # forking before the server's imports end would block
                 forking.wait_ready(max(deadline, 1.0))
-            self._janitor = Janitor(self._dir, *forking.leftovers(method))
-            # Spawned ranks learn their world's directory from the environment, which marks
-            # them as ranks (see refuse_nested_start); forked ones from their process name.
-            with environment(PYTHONWARNINGS=warnings, **{WORLD_DIR_ENV: self._dir}):
-                self._spawn(ctx, store_path, method)
+            # Ctrl-C waits for the janitor and every rank to be started and known: one landing
+            # in a rank's start left it running unseen (``interrupts``)
+            with interrupts.held():
+                self._janitor = Janitor(self._dir, *forking.leftovers(method))
+                # Spawned ranks learn their world's directory from the environment, which marks
+                # them as ranks (see refuse_nested_start); forked ones from their process name.
+                with environment(PYTHONWARNINGS=warnings, **{WORLD_DIR_ENV: self._dir}):
+                    self._spawn(ctx, store_path, method)
         except BaseException:
             self.kill()
             raise
@@ -241,8 +245,8 @@ class World:
                       dict(os.environ) if forked else None),
                 daemon=True,
             )
-            with output_to(self._logs[rank]):
-                proc.start()
+            with output_to(self._logs[rank]), interrupts.blocked_for_children():
+                proc.start()  # spawned: SIGINT blocked until rank_main ignores it
             if forked:
                 forking.forked()
             child_end.close()
@@ -252,10 +256,11 @@ class World:
 
     def close(self, timeout: float = 5.0) -> None:
         """Ask every rank to exit, then make sure it has (killing stragglers). A world still
-        booting is killed at once: its ranks read no message before they have joined."""
+        booting is killed at once: its ranks read no message before they have joined; and so is
+        one running tasks (Ctrl-C came meanwhile): its ranks would read it only after them."""
         if not self._alive:
             return
-        if self._booting is not None:
+        if self._booting is not None or self._in_flight:
             self.kill()
             return
         for conn in self._conns:
@@ -614,10 +619,13 @@ def released() -> Iterator[None]:
 
 
 def _empty(paths: list[str]) -> None:
+    """Empty the files that exist, creating none: run off the main thread while a kill removes
+    the world's directory, a file created again between its emptied listing and its removal
+    left the directory behind."""
     for path in paths:
         try:
-            open(path, "w").close()
-        except OSError:  # the world was killed meanwhile, and its directory removed
+            os.truncate(path, 0)
+        except OSError:  # not written yet, or the world was killed meanwhile
             pass
 
 
@@ -737,9 +745,11 @@ def shutdown_worlds() -> None:
 
 
 def _at_exit() -> None:
-    """Every world, then ddpcheck's fork server: a process that ends leaves nothing running."""
-    shutdown_worlds()
-    forking.stop()
+    """Every world, then ddpcheck's fork server: a process that ends leaves nothing running --
+    a second Ctrl-C (the first one ended the caller's script) does not stop this half-way."""
+    with interrupts.held(deliver=False):
+        shutdown_worlds()
+        forking.stop()
 
 
 atexit.register(_at_exit)
