@@ -1,5 +1,5 @@
-"""What DeepSpeed does once per process on its CPU accelerator, timed: importing it, and building the
-C++ op its comm backend loads (``deepspeed.comm.torch.build_shm_op``, which ``deepspeed.initialize``
+"""What DeepSpeed does once per process on its CPU accelerator, timed: importing it, and building
+the C++ op its comm backend loads (``deepspeed.comm.torch.build_shm_op``, which ``deepspeed.initialize``
 reaches through ``init_distributed``) -- in an empty ``TORCH_EXTENSIONS_DIR`` (as after an install
 or a version switch), then again in a fresh process, with the op built. No ddpcheck involved.
 

@@ -203,7 +203,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: Any, config: Any)
                 counts[value] = counts.get(value, 0) + 1
     if counts:
         terminalreporter.write_line("ddpcheck outcomes of failed tests: " + "; ".join(
-            f"{n} {name} ({OUTCOMES.get(ExitCode[name], '')})" for name, n in sorted(counts.items())))
+            f"{n} {name} ({OUTCOMES.get(ExitCode[name], '')})"
+            for name, n in sorted(counts.items())))
 
 
 def _examples_run() -> int:

@@ -232,7 +232,8 @@ class GPTConfig:
 
     def __post_init__(self):
         if self.width < 1 or self.heads < 1 or self.width % self.heads or self.layers < 0:
-            raise InvalidArgument(f"{self!r}: width must be a positive multiple of heads, layers >= 0")
+            raise InvalidArgument(f"{self!r}: width must be a positive multiple of heads, "
+                                  "layers >= 0")
 
     def __call__(self) -> "TinyGPT":
         return TinyGPT(self)

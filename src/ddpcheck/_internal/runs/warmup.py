@@ -1,18 +1,19 @@
 """A target's once-per-process set-up, run in a world's ranks before its first example there.
 
-Why: what a framework does once per process is no part of any example -- DeepSpeed builds a C++
-op the first time it runs after an install (100-285 s measured on 2 loaded cores, 155-189 s in
-issue 37) and importing it costs seconds -- and inside the first example's deadline (60 s) it was
-"rank timed out", exit 1, on correct code; a framework whose import fails (Lightning 2.0.0 here)
-failed inside the framework's code, "rank failed", where the warm-up says set-up (exit 2). ``Target.warm_up`` holds that work; :func:`warm_up`
-runs it as a task of its own, under :data:`WARM_UP_DEADLINE`.
+Why: what a framework does once per process is no part of any example -- DeepSpeed builds a C++ op
+the first time it runs after an install (100-285 s measured on 2 loaded cores, 155-189 s in issue
+37) and importing it costs seconds -- and inside the first example's deadline (60 s) it was "rank
+timed out", exit 1, on correct code; a framework whose import fails (Lightning 2.0.0 here) failed
+inside the framework's code, "rank failed", where the warm-up says set-up (exit 2).
+``Target.warm_up`` holds that work; :func:`warm_up` runs it as a task of its own, under
+:data:`WARM_UP_DEADLINE`.
 
 Invariant: a world's ranks run a target's ``warm_up`` once per set of rank processes (a replaced
 world warms up again) and per ``warm_up`` function, before the first example of such a target is
-submitted there, while no other task is in flight -- its wait is long, and the deadline of a
-task in flight elsewhere would count meanwhile (``runs.pipeline`` judges the example before
-first: :func:`needed`). Its failure is never a verdict: the framework's exception or the deadline
-is a :class:`SetupError` (exit 2), the glue's own failure an ``InternalError`` (exit 4).
+submitted there, while no other task is in flight -- its wait is long, and the deadline of a task
+in flight elsewhere would count meanwhile (``runs.pipeline`` judges the example before first:
+:func:`needed`). Its failure is never a verdict: the framework's exception or the deadline is a
+:class:`SetupError` (exit 2), the glue's own failure an ``InternalError`` (exit 4).
 """
 
 from __future__ import annotations
