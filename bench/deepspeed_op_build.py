@@ -1,12 +1,13 @@
-"""What DeepSpeed does once per process on its CPU accelerator, timed: importing it, and building
-the C++ op its comm backend loads (``deepspeed.comm.torch.build_shm_op``, which ``deepspeed.initialize``
-reaches through ``init_distributed``) -- in an empty ``TORCH_EXTENSIONS_DIR`` (as after an install
-or a version switch), then again in a fresh process, with the op built. No ddpcheck involved.
+"""What DeepSpeed does once per process on its CPU accelerator, timed: importing it, and
+building the C++ op its comm backend loads (``deepspeed.comm.torch.build_shm_op``, which
+``deepspeed.initialize`` reaches through ``init_distributed``) -- in an empty
+``TORCH_EXTENSIONS_DIR`` (as after an install or a version switch), then again in a fresh process,
+with the op built. No ddpcheck involved.
 
     python bench/deepspeed_op_build.py        # in a venv with DeepSpeed
 
-Why it matters: ``deepspeed_zero1/2`` do this in ``Target.warm_up``, under its own deadline
-(900 s); inside the first example's deadline (60 s) it was "rank timed out" (issue 37). Prints the
+Why it matters: ``deepspeed_zero1/2`` do this in ``Target.warm_up``, under its own deadline (900
+s); inside the first example's deadline (60 s) it was "rank timed out" (issue 37). Prints the
 seconds of each phase and where torch built the op.
 """
 
