@@ -194,7 +194,8 @@ def test_plugin_flags_narrow_the_features_the_fixtures_exercise(tmp_path):
     (["--ddpcheck-world-sizes", "0"], "--ddpcheck-world-sizes='0' must list positive integers"),
     (["--ddpcheck-deadline", "-3"], "--ddpcheck-deadline='-3' must be a positive number"),
     (["--ddpcheck-world-sizes", "1000"], "lower the largest world size"),
-    (["--ddpcheck-without", "buffer"], "'buffer' is not a feature; known:"),
+    (["--ddpcheck-without", "buffer"], "'buffer' is not a feature (did you mean 'buffers'?); "
+                                       "known:"),
     (["--ddpcheck-dtypes", "float16"], "--ddpcheck-dtypes: 'float16' is not a feature"),
 ])
 def test_plugin_rejects_bad_options_naming_the_flag(tmp_path, args, message):
