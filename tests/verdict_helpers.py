@@ -60,6 +60,13 @@ class ScaledDataclass(targets.TorchDDPTarget):
     scale: float = 1.0
 
 
+@dataclasses.dataclass(frozen=True)
+class SmallBuckets(targets.ParallelTarget):
+    """A user's subclass of a ready-made target that changes one of its defaults."""
+
+    bucket_size_mb: float | None = 1.0
+
+
 class Opaque:
     """An argument whose repr is not code."""
 

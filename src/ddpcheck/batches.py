@@ -38,6 +38,7 @@ from typing import Any, Callable
 from torch.utils.data import DistributedSampler
 
 from ddpcheck._internal.objective import is_token_loss, tokens
+from ddpcheck._internal.options import named_fields
 from ddpcheck.errors import InvalidArgument
 from ddpcheck.scenario import global_batch
 
@@ -45,6 +46,7 @@ __all__ = ["BatchPlan", "DistributedSamplerBatches", "GlobalBatch", "TokenMean",
            "contiguous", "global_indices", "global_scale", "plan_for", "split", "strided"]
 
 
+@named_fields
 @dataclasses.dataclass(frozen=True)
 class GlobalBatch:
     """What a rank's ``shard_batch`` hook is told about one step's global batch."""
@@ -78,6 +80,7 @@ class GlobalBatch:
         return len(samples) if self.tokens is None else sum(self.tokens[i] for i in samples)
 
 
+@named_fields
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
     """One rank's share of a step: ``micro_batches[i]`` (sample indices; repeats count twice)
@@ -177,6 +180,7 @@ def strided(batch: GlobalBatch) -> BatchPlan:
     return BatchPlan.uniform(split(shard, batch.accumulation), global_scale(batch))
 
 
+@named_fields
 @dataclasses.dataclass(frozen=True)
 class TokenMean:
     """The plans real training loops compute: contiguous shards (the default split), and each
@@ -220,6 +224,7 @@ def _inverse(count: int) -> float:
     return 1.0 / count if count else 0.0  # an empty micro-batch: nothing to normalise
 
 
+@named_fields
 @dataclasses.dataclass(frozen=True)
 class DistributedSamplerBatches:
     """A hook that shards like a loop built on ``torch.utils.data.DistributedSampler``.

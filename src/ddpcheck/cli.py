@@ -54,13 +54,15 @@ EXIT_CODES = (f"exit status: {ExitCode.OK:d} checked, nothing found; {ExitCode.F
               f"{ExitCode.SETUP:d} usage or set-up error, not the target's fault; "
               f"{ExitCode.NOTHING_CHECKED:d} nothing was checked (every example skipped or "
               f"declined); {ExitCode.INTERNAL:d} an internal error of ddpcheck; "
+              f"{ExitCode.INCONCLUSIVE:d} inconclusive (the machine too slow to tell); "
               f"{ExitCode.OUTPUT_CLOSED:d} its output was closed before it ended")
 SURVEY_EXIT_CODES = (f"exit status: {ExitCode.OK:d} every cell that ran passed; "
                      f"{ExitCode.FOUND:d} some cell failed (each a proven counterexample, with its "
                      f"replay line); {ExitCode.SETUP:d} usage or set-up error, not the target's "
                      "fault (a scenario the oracle cannot judge, too); "
                      f"{ExitCode.NOTHING_CHECKED:d} no cell ran; {ExitCode.INTERNAL:d} an "
-                     f"internal error of ddpcheck; {ExitCode.OUTPUT_CLOSED:d} its output was "
+                     f"internal error of ddpcheck; {ExitCode.INCONCLUSIVE:d} inconclusive (the "
+                     f"machine too slow to tell); {ExitCode.OUTPUT_CLOSED:d} its output was "
                      "closed before it ended")
 
 
@@ -85,7 +87,7 @@ class Terminated(KeyboardInterrupt):
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     if args.command is None:
         parser.print_help()
         return ExitCode.SETUP
@@ -97,6 +99,31 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parse_args``, with a mistyped option answered by the command's closest one (argparse
+    only learns ``suggest_on_error`` in Python 3.14)."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands = [a.choices for a in parser._actions
+                    if isinstance(a, argparse._SubParsersAction)]
+        where = commands[0].get(args.command, parser) if commands and args.command else parser
+        options = [o for action in where._actions for o in action.option_strings]
+        flags = [u for u in unknown if u.startswith("-")]
+        hint = did_you_mean(flags[0].split("=", 1)[0], options) if flags else ""
+        where.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    return args
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argparse's parser, whose "invalid choice" names the closest choice too."""
+
+    def error(self, message: str) -> NoReturn:
+        wrong = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if wrong:
+            message += did_you_mean(wrong.group(1), re.findall(r"'([^']*)'", wrong.group(2)))
+        super().error(message)
 
 
 def command() -> NoReturn:
@@ -393,9 +420,11 @@ def _check(args: argparse.Namespace) -> ExitCode:
     if _under_torchrun(args):  # use the world torchrun built instead of spawning one
         _check_under_torchrun(args)
     without = parse_features(args.without, "--without")
-    dtypes = tuple(sorted(parse_features(args.dtypes, "--dtypes")))
-    if not dtypes or any(d not in ("float64", "float32") for d in dtypes):
-        raise UsageError(f"--dtypes={args.dtypes!r} must name float64, float32 or both")
+    dtypes = tuple(sorted({d.strip() for d in args.dtypes.split(",") if d.strip()}))
+    wrong = [d for d in dtypes if d not in ("float64", "float32")]
+    if not dtypes or wrong:
+        hint = did_you_mean(wrong[0], ("float64", "float32")) if wrong else ""
+        raise UsageError(f"--dtypes={args.dtypes!r} must name float64, float32 or both{hint}")
     started = time.perf_counter()
     sizes = ",".join(map(str, args.world_sizes)) + ("" if args.device == "cpu" else
                                                      f" on {args.device}")
@@ -645,7 +674,7 @@ def _device_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ddpcheck",
         description="Find bugs in data-parallel training code: run it in real multi-process "
                     "worlds against a single-process full-batch reference.",

@@ -28,6 +28,7 @@ import math
 import torch
 from torch import nn
 
+from ddpcheck._internal.options import named_fields
 from ddpcheck.errors import InvalidArgument
 
 __all__ = ["KINDS", "Layer", "ModelSpec", "SpecData", "SpecModel"]
@@ -38,6 +39,7 @@ USES = ("always", "sample", "never")
 OUT_FEATURES = 3
 
 
+@named_fields
 @dataclasses.dataclass(frozen=True)
 class Layer:
     """One layer of a spec: its kind, and how it is trained and used.
@@ -60,6 +62,7 @@ class Layer:
             raise InvalidArgument(f"use={self.use!r} must be one of {USES}")
 
 
+@named_fields
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """A whole model: ``layers`` run in order on a ``(B, width)`` state, then a linear head.
@@ -91,6 +94,7 @@ class ModelSpec:
         return SpecData(self.width)
 
 
+@named_fields
 @dataclasses.dataclass(frozen=True)
 class SpecData:
     """Inputs ``(B, width)`` and targets ``(B, 3)`` for a spec model of that width."""

@@ -32,6 +32,7 @@ from torch import nn
 
 from ddpcheck import zoo
 from ddpcheck._internal.objective import LOSSES, LOW_PRECISION, count, per_sample_loss
+from ddpcheck._internal.options import named_fields
 from ddpcheck.errors import InvalidArgument
 from ddpcheck._internal.scripts import MAIN_NAMES, public_module_name
 
@@ -41,6 +42,7 @@ __all__ = ["Scenario", "build_model", "global_batch", "local_micro_batches",
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
+@named_fields
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     """One training run to compare: every rank and the reference build it identically."""
@@ -179,11 +181,24 @@ def _code(value: Any) -> str:
 
 
 def _is_default(obj: Any, field: dataclasses.Field) -> bool:
-    if field.default is not dataclasses.MISSING:
-        return getattr(obj, field.name) == field.default
-    if field.default_factory is not dataclasses.MISSING:
-        return getattr(obj, field.name) == field.default_factory()
-    return False
+    """Whether ``obj``'s value of ``field`` may be left out of its code: it equals the field's
+    default in its class *and in every dataclass above it* -- a subclass that changes a
+    default (``stage: int = 1`` under a framework's 2) still names the value, or a replay line
+    would read as another configuration."""
+    value = getattr(obj, field.name)
+    for cls in type(obj).__mro__:
+        declared = getattr(cls, "__dataclass_fields__", {}).get(field.name)
+        if declared is None:
+            continue
+        if declared.default is not dataclasses.MISSING:
+            default = declared.default
+        elif declared.default_factory is not dataclasses.MISSING:
+            default = declared.default_factory()
+        else:
+            return False
+        if value != default:
+            return False
+    return True
 
 
 def import_path(obj: Any) -> str:

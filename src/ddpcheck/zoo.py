@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddpcheck._internal.objective import IGNORE_INDEX
+from ddpcheck._internal.options import named_fields
 from ddpcheck.errors import InvalidArgument
 
 __all__ = [
@@ -178,6 +179,7 @@ class MixedPrecision(nn.Module):
         return self.b(torch.tanh(self.a(x.double())).float()).to(x.dtype)
 
 
+@named_fields
 @dataclasses.dataclass(frozen=True)
 class BiasGroups:
     """Two param groups with interleaved membership: 1-D parameters (biases) in a second group
@@ -219,6 +221,7 @@ def token_data(seed: int, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor,
     return x, y
 
 
+@named_fields
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """A :class:`TinyGPT`'s shape; calling it builds one (a model factory, as ``nanoGPT``'s

@@ -189,6 +189,19 @@ CLI_ROWS = [
     (["check", "--deadline", "inf"], "deadline=inf must be finite"),
     (["check", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["chek"], "invalid choice: 'chek'"),
+    (["chek"], "(did you mean 'check'?)"),
+    (["check", "--exampels", "3"], "unrecognized arguments: --exampels (did you mean "
+                                   "'--examples'?)"),
+    (["survey", "--shrink-secs=2"], "(did you mean '--shrink-seconds'?)"),
+    (["check", "--dtypes", "float46"], "must name float64, float32 or both (did you mean "
+                                       "'float64'?)"),
+    (["check", "--device", "cdua"], "invalid choice: 'cdua' (choose from 'cpu', 'cuda') (did you "
+                                    "mean 'cuda'?)"),
+    (["replay", "parallel", "--world-size", "2", "--scenario", "ddpcheck.Scenario(acumulation=2)"],
+     "Scenario has no field 'acumulation' (did you mean 'accumulation'?)"),
+    (["replay", "parallel", "--world-size", "2", "--scenario",
+      "ddpcheck.Scenario(model=ddpcheck.models.ModelSpec(widht=3))"],
+     "ModelSpec has no field 'widht' (did you mean 'width'?)"),
     (["replay", "parallel", "--scenario", "ddpcheck.Scenario()"],
      "the following arguments are required: --world-size"),
     (["replay", "parallel", "--world-size", "2"],

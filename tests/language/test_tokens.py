@@ -115,6 +115,21 @@ def test_scenarios_refuse_unknown_losses_and_policies_outside_float32():
     assert "autocast=torch.bfloat16" in repr(scenario) and from_repr(repr(scenario)) == scenario
 
 
+@pytest.mark.parametrize("build, message", [
+    (lambda: Scenario(acumulation=2), "Scenario has no field 'acumulation' (did you mean "
+                                      "'accumulation'?)"),
+    (lambda: ddpcheck.models.Layer(knd="conv1d"), "Layer has no field 'knd' (did you mean "
+                                                  "'kind'?)"),
+    (lambda: zoo.GPTConfig(head=2), "GPTConfig has no field 'head' (did you mean 'heads'?)"),
+    (lambda: TokenMean(nothing=1), "TokenMean has no field 'nothing'; its fields: "),
+])
+def test_a_mistyped_field_names_the_closest_one(build, message):
+    with pytest.raises(InvalidArgument) as info:  # the scenario language's error, exit 2 ...
+        build()
+    assert isinstance(info.value, TypeError)  # ... and still Python's for a wrong keyword
+    assert message in str(info.value)
+
+
 def test_the_reference_weighs_tokens_and_runs_the_precision_policy():
     ref = reference_run(TOKENS)
     assert ref.steps[0].tokens == objective.tokens(TOKENS, global_batch(TOKENS, 0)[1])

@@ -25,7 +25,7 @@ import ddpcheck
 from ddpcheck import targets, zoo
 from ddpcheck import check_example
 from ddpcheck.cli import resolve_target
-from ddpcheck._internal.runs.replay import evaluate, target_spec
+from ddpcheck._internal.runs.replay import evaluate, replay_command, shell_word, target_spec
 from ddpcheck.scenario import Scenario
 from tests import verdict_helpers as h
 from tests.patience import patience
@@ -107,6 +107,25 @@ def test_a_class_without_init_still_takes_no_arguments():
 def test_a_dataclass_target_configured_by_the_scenario_round_trips():
     configured = targets.PARALLEL.configure(Scenario(bucket_size_mb=2.0))
     assert target_spec(configured) == "ddpcheck.targets:ParallelTarget(bucket_size_mb=2.0)"
+
+
+def test_a_subclass_names_the_defaults_it_changed():
+    # left out, bucket_size_mb=1.0 would read as the ready-made target's own configuration
+    assert target_spec(h.SmallBuckets()) == \
+        "tests.verdict_helpers:SmallBuckets(bucket_size_mb=1.0)"
+    assert target_spec(h.SmallBuckets(bucket_size_mb=None)) == \
+        "tests.verdict_helpers:SmallBuckets(bucket_size_mb=None)"
+
+
+def test_replay_lines_are_one_readable_shell_word_each():
+    scenario = Scenario(zoo.MLP, optimizer_kwargs={"lr": 0.01}, dtype="float32")
+    line = replay_command(targets.TORCH_DDP, scenario, 2)
+    assert line.endswith(f'--scenario "{scenario!r}"') and "'\"'\"'" not in line, line
+    echoed = subprocess.run(["bash", "-c", f"printf '%s\\n' {line.split(' ', 3)[3]}"],
+                            capture_output=True, text=True, check=True).stdout
+    assert echoed.splitlines()[-1] == repr(scenario)  # what bash hands to ddpcheck
+    for text in ["a\"b'c", "x$y'", "plain"]:
+        assert shlex.split(shell_word(text)) == [text]
 
 
 def _local_target():

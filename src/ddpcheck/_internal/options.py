@@ -9,17 +9,19 @@ hanging half a world. Imports no torch: the pytest plugin and ``ddpcheck --help`
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 import numbers
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, TypeVar
 
 from ddpcheck.errors import InvalidArgument
 
 __all__ = ["BEYOND_TORCH", "DEFAULT_DEADLINE", "DEFAULT_FEATURES", "DEFAULT_WORLD_SIZES",
            "FEATURES", "MAX_RANKS_PER_CORE", "OPT_IN", "STARTUP_DEADLINE", "WARM_UP_DEADLINE",
            "check_deadline", "check_fits_machine", "check_positive_number", "check_process_group",
-           "check_world_size", "check_world_sizes", "did_you_mean", "parse_features",
+           "check_world_size", "check_world_sizes", "did_you_mean", "named_fields", "parse_features",
            "parse_world_sizes"]
 
 #: World sizes checked when none are given: 1 (the wrapper is a no-op), 2 (the cheapest world
@@ -195,3 +197,29 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     (``difflib``'s ratio, as Python's own NameError suggestions)."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+class UnknownField(InvalidArgument, TypeError):
+    """A keyword that is no field of the class called: the scenario language's own error (exit
+    2), and still the ``TypeError`` Python raises for an unexpected keyword argument."""
+
+
+C = TypeVar("C", bound=type)
+
+
+def named_fields(cls: C) -> C:
+    """The dataclass ``cls``, whose constructor answers a mistyped keyword (``widht=3``) with the
+    closest field, as Python 3.11 does for a mistyped name but not for a keyword argument: a
+    scenario field misspelt in a replay line or a test is the first thing a user trips on."""
+    init = cls.__init__  # type: ignore[misc]
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        for name in kwargs.keys() - set(names):
+            raise UnknownField(f"{cls.__name__} has no field {name!r}{did_you_mean(name, names)}; "
+                               f"its fields: {', '.join(names)}")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls

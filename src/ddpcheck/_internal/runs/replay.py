@@ -49,7 +49,7 @@ from ddpcheck.errors import InvalidArgument
 from ddpcheck.scenario import Scenario, _code, _is_default, import_path
 from ddpcheck.targets import CONSTRUCTOR_CALL as _CALL  # metadata of a target, not its state
 
-__all__ = ["evaluate", "evaluate_in", "from_repr", "replay_command", "target_spec",
+__all__ = ["evaluate", "evaluate_in", "from_repr", "replay_command", "shell_word", "target_spec",
            "verify_replayable"]
 
 
@@ -63,8 +63,17 @@ def replay_command(target: Any, scenario: Any, world_size: int, *, device: str =
     names the device and backend only when they are not the defaults (scenarios carry neither)."""
     where = (f" --device {device}" if device != "cpu" else "") + \
         (f" --backend {backend}" if backend is not None else "")
-    return (f"python -m ddpcheck replay {shlex.quote(target_spec(target))} "
-            f"--world-size {world_size}{where} --scenario {shlex.quote(repr(scenario))}")
+    return (f"python -m ddpcheck replay {shell_word(target_spec(target))} "
+            f"--world-size {world_size}{where} --scenario {shell_word(repr(scenario))}")
+
+
+def shell_word(text: str) -> str:
+    """``text`` as one shell word a reader can still read: single quotes, as ``shlex.quote``;
+    double quotes when ``text`` holds single quotes (a dict's keys, a string argument) but
+    nothing a shell expands inside double quotes; ``shlex.quote``'s ``'"'"'`` only if both."""
+    if "'" in text and not any(c in text for c in '"$`\\!'):
+        return f'"{text}"'
+    return shlex.quote(text)
 
 
 def target_spec(target: Any, pickled: bytes | None = None) -> str:
