@@ -24,7 +24,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FRONT_PAGE_LINES = 200
+# The front page answers what a stranger asks first (what is checked, what cannot be judged, what
+# to do when it is slow, how it compares); every reference table lives in docs/.
+FRONT_PAGE_LINES = 260
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.S | re.M)
 MARKER = re.compile(r"<!--\s*(run|output)\b(.*?)-->\s*\Z", re.S)
