@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pathlib
 import sys
 from typing import Any, Callable
 
@@ -177,7 +178,10 @@ OUTCOMES = {ExitCode.FOUND: "a data-parallel bug in the target; its replay line 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: Any, call: Any) -> Any:
     """A test that failed with a ddpcheck outcome says which one (its ``ExitCode``), so a bug in
-    the target is never confused with a set-up problem; the summary counts them."""
+    the target is never confused with a set-up problem; the summary counts them. Its traceback
+    ends at the test's call into ddpcheck (:func:`hide_own_frames`)."""
+    if call.excinfo is not None:
+        hide_own_frames(call.excinfo)
     outcome = yield
     report = outcome.get_result()
     excinfo = call.excinfo
@@ -185,6 +189,57 @@ def pytest_runtest_makereport(item: Any, call: Any) -> Any:
         code = excinfo.value.exit_code
         report.user_properties.append(("ddpcheck_outcome", code.name))
         report.sections.append(("ddpcheck", f"ExitCode.{code.name}: {OUTCOMES.get(code, '')}"))
+
+
+def hide_own_frames(excinfo: Any) -> None:
+    """Give every ddpcheck module in ``excinfo``'s tracebacks (its causes and an exception
+    group's members too) pytest's ``__tracebackhide__`` (:func:`outcome_raised`), which pytest
+    reads from a frame's locals, then its module's globals: a test that failed with a ddpcheck
+    outcome then shows its own frames down to its call into ddpcheck and the outcome's message
+    (the divergence table, the replay line), not the source of the function deep inside that
+    raised it. Set here, when a test fails, rather than in each of ddpcheck's modules: every
+    module, present and future, is covered."""
+    for frame in _frames(excinfo.value, set()):
+        if _own_file(frame.f_code.co_filename):
+            frame.f_globals.setdefault("__tracebackhide__", outcome_raised)
+
+
+def outcome_raised(excinfo: Any) -> bool:
+    """``__tracebackhide__`` of ddpcheck's modules: hide the frame when the exception shown is a
+    ddpcheck outcome, but not :class:`ddpcheck.InternalError` (those frames are the evidence of
+    ddpcheck's own failure) nor an exception of the user's code passing through ddpcheck (a
+    model that raised). ``--full-trace`` shows every frame, as for pytest's own."""
+    error = getattr(excinfo, "value", None)
+    return isinstance(error, DdpcheckError) and error.exit_code is not ExitCode.INTERNAL
+
+
+def _frames(error: BaseException | None, seen: set) -> Any:
+    """The frames of ``error``'s traceback, its cause's, its context's and its members' (an
+    exception group, as Hypothesis raises for several distinct failures)."""
+    if error is None or id(error) in seen:
+        return
+    seen.add(id(error))
+    tb = error.__traceback__
+    while tb is not None:
+        yield tb.tb_frame
+        tb = tb.tb_next
+    members = getattr(error, "exceptions", ())
+    for linked in (error.__cause__, error.__context__,
+                   *(members if isinstance(members, (tuple, list)) else ())):
+        if isinstance(linked, BaseException):
+            yield from _frames(linked, seen)
+
+
+#: ddpcheck's own folder: the frames of its files are its business, not the failing test's.
+PACKAGE = pathlib.Path(__file__).resolve().parent
+
+
+@functools.lru_cache(maxsize=None)
+def _own_file(filename: str) -> bool:
+    try:
+        return PACKAGE in pathlib.Path(filename).resolve().parents
+    except (OSError, RuntimeError):
+        return False
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: Any, config: Any) -> None:

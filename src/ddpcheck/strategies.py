@@ -8,9 +8,10 @@ world size of 1, SGD, one step, no accumulation, float64.
     from hypothesis import given
     from ddpcheck import strategies as dst
 
-    @given(dst.scenarios(), dst.world_sizes())
-    def test_my_ddp(scenario, world_size):
-        ddpcheck.assert_equivalent(MY_TARGET, scenario, world_sizes=(world_size,))
+    @given(example=dst.examples(MY_TARGET, world_sizes=(1, 2)))
+    def test_my_ddp(example):
+        scenario, world_size = example
+        ddpcheck.check_example(MY_TARGET, scenario, world_size)
 """
 
 from __future__ import annotations
@@ -18,19 +19,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from hypothesis import strategies as st
 
 from ddpcheck import features
-from ddpcheck.errors import InvalidArgument
+from ddpcheck._internal.options import DEFAULT_WORLD_SIZES, check_world_sizes
+from ddpcheck.errors import InvalidArgument, NothingChecked
 from ddpcheck.models import KINDS, Layer, ModelSpec
 from ddpcheck.scenario import Scenario
 from ddpcheck.zoo import BiasGroups, GPTConfig, token_data
 
 __all__ = ["BUCKET_SIZES", "FLOAT32_ONLY", "LOW_PRECISION_EPS", "MAX_GRAD_NORMS", "bucket_sizes",
-           "exercising", "gpt_models", "layers", "models", "optimizers", "scenarios",
+           "examples", "exercising", "gpt_models", "layers", "models", "optimizers", "scenarios",
            "world_sizes"]
 
 #: Features only float32 scenarios can have: the precision policies keep float32 master weights.
@@ -325,7 +327,8 @@ def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
     of the simplest model, without clipping or checkpoint, in one registration order.
 
     ``without`` names features of ``ddpcheck.features.FEATURES`` never to generate (what a
-    target does not support): they cost no example. ``uneven-batches`` needs ``world_size`` (the
+    target does not support; :func:`examples` reads them from the target): they cost no
+    example. ``uneven-batches`` needs ``world_size`` (the
     batch is then a multiple of it); the model-derived features are honoured by the default
     model strategy (pass your own ``models`` and it is yours to honour them). ``opt_in`` names
     the features beyond torch's contract to generate too (``ddpcheck.features.OPT_IN``:
@@ -356,6 +359,57 @@ def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
         models = globals()["models"](without=without)
     return _scenarios(models, dtypes, max_batch, max_steps, max_accumulation, without,
                       world_size, resume_world_sizes, opt_in, tokens)
+
+
+def examples(target: Any, *, world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
+             dtypes: Sequence[str] = ("float64",), without: Iterable[str] = ()
+             ) -> st.SearchStrategy[tuple[Scenario, int]]:
+    """``(scenario, world_size)`` pairs that ``target`` runs, the random examples ``ddpcheck
+    check`` draws for it: a world size of ``world_sizes``, then :func:`scenarios` without the
+    features ``target`` does not support (``supported_features``, its :data:`OPT_IN
+    <ddpcheck.features.OPT_IN>` attributes) nor those of ``without`` -- at that world size, so
+    ``uneven-batches`` and ``unused-on-some-ranks`` are honoured too -- and resumed
+    checkpoints at one of ``world_sizes``. The rare pair still declined (its ``supports()``,
+    a feature only its model reveals) is filtered out. So ``check_example`` never refuses a
+    drawn pair as :class:`ddpcheck.NothingChecked` for what the target declines, as it refuses
+    a scenario of :func:`scenarios` that needs a declined feature. Raises ``NothingChecked``
+    when the target supports none of ``dtypes``. Shrinks towards the first world size and the
+    simplest scenario."""
+    sizes, per_size, excluded = _for_target(target, world_sizes, dtypes, without)
+    runs = {w: per_size[w].filter(functools.partial(_runs, target, w, excluded)) for w in sizes}
+    return _examples(st.sampled_from(sizes), runs)
+
+
+@st.composite
+def _examples(draw, sizes: st.SearchStrategy[int], runs: dict) -> tuple[Scenario, int]:
+    world_size = draw(sizes)
+    return draw(runs[world_size]), world_size
+
+
+def _runs(target: Any, world_size: int, excluded: frozenset[str], scenario: Scenario) -> bool:
+    return features.declines(target, scenario, world_size, excluded) is None
+
+
+def _for_target(target: Any, world_sizes: Any, dtypes: Sequence[str], without: Iterable[str]
+                ) -> tuple[tuple[int, ...], dict[int, st.SearchStrategy[Scenario]],
+                           frozenset[str]]:
+    """``(world sizes, {W: scenarios target runs at W}, the features without excludes)``: one
+    definition of what a target is drawn, for :func:`examples` and ``ddpcheck check``'s own
+    random examples (``runs.fuzz``), which tallies the declined draws itself. Built once per
+    call: Hypothesis validates a strategy the first time it draws from it."""
+    sizes = check_world_sizes("world_sizes", world_sizes)
+    excluded = features.parse(without, "without")
+    unsupported = features.unsupported(target, excluded)
+    opt_in = frozenset(features.OPT_IN) - unsupported  # generated only for a target that opts in
+    kept = tuple(d for d in dtypes if d not in unsupported)
+    if not kept:
+        raise NothingChecked(f"{type(target).__name__} supports none of the dtypes "
+                             f"{', '.join(dtypes)} once `without` (--without) is applied")
+    per_size = {w: scenarios(models=models(mixed_dtypes=True, without=unsupported), dtypes=kept,
+                             without=unsupported, world_size=w, resume_world_sizes=sizes,
+                             opt_in=opt_in)
+                for w in sizes}
+    return sizes, per_size, excluded
 
 
 #: The layer a model gets so that it exercises the feature (``exercising``).

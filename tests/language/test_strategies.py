@@ -96,6 +96,35 @@ def test_shrinking_reaches_small_models():
     assert scenario.optimizer is torch.optim.SGD
 
 
+class _Declining(ddpcheck.Target):
+    """Declines two features outright, one of them depending on W, and four-step scenarios."""
+
+    supported_features = ddpcheck.features.FEATURES.keys() - {"rank-orders", "uneven-batches"}
+
+    def supports(self, scenario):
+        return "four steps are too many here" if scenario.steps == 4 else None
+
+
+@FAST
+@given(dst.examples(_Declining(), world_sizes=(2, 3)))
+def test_examples_draw_only_what_the_target_runs_at_their_world_size(example):
+    scenario, world_size = example
+    assert world_size in (2, 3)
+    assert declines(_Declining(), scenario, world_size) is None
+    assert not scenario.rank_orders and scenario.global_batch % world_size == 0
+    assert scenario.steps < 4
+
+
+def test_examples_refuse_what_could_never_run():
+    class Float32Only(ddpcheck.Target):
+        supported_features = ddpcheck.features.FEATURES.keys() - {"float64"}
+
+    with pytest.raises(ddpcheck.NothingChecked, match="supports none of the dtypes float64"):
+        dst.examples(Float32Only())
+    with pytest.raises(ddpcheck.InvalidArgument, match=r"world_sizes=\(0,\) contains 0"):
+        dst.examples(targets.LOCAL, world_sizes=(0,))
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: dst.world_sizes(min_size=0), "min_size=0 must be an integer >= 1"),
     (lambda: dst.world_sizes(min_size=3, max_size=2), "Cannot have max_size=2 < min_size=3"),

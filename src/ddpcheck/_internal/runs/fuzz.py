@@ -94,25 +94,15 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     check_positive_number("deadline", deadline)
     check_fits(device, sizes, backend)  # before Hypothesis draws anything
     started = time.perf_counter()
-    excluded = features.parse(without, "without")
-    unsupported = features.unsupported(target, excluded)
-    opt_in = frozenset(features.OPT_IN) - unsupported  # generated only for a target that opts in
-    kept = tuple(d for d in dtypes if d not in unsupported)
-    if not kept:
-        raise NothingChecked(f"{type(target).__name__} supports none of the dtypes "
-                             f"{', '.join(dtypes)} once --without is applied")
-    dtypes = kept
+    # What the target runs, drawn as ddpcheck.strategies.examples draws it (declined draws are
+    # tallied here, not filtered). Built once, not per example: Hypothesis validates a strategy
+    # the first time it draws from it, which cost 17 ms per example when built inside the test.
+    sizes, scenario_strategies, excluded = dst._for_target(target, sizes, dtypes, without)
     give_up_after = max(GIVE_UP_AFTER_DECLINED, 2 * examples)
     declined: dict[str, int] = {}
     exercised: set[str] = set()
     notes: dict[str, None] = {}
 
-    # Built once, not per example: Hypothesis validates a strategy the first time it draws
-    # from it, which cost 17 ms per example when they were built inside the test.
-    scenario_strategies = {w: dst.scenarios(
-        models=dst.models(mixed_dtypes=True, without=unsupported), dtypes=dtypes,
-        without=unsupported, world_size=w, resume_world_sizes=sizes, opt_in=opt_in)
-        for w in sizes}
     world_size_strategy = st.sampled_from(sizes)
 
     def drawn(data: Any, tally: _Tally, budget: bool) -> tuple[int, Any] | None:
