@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import os
 import re
 import select
@@ -388,6 +389,7 @@ def _check_writable(path: str, flag: str) -> None:
 def _check(args: argparse.Namespace) -> ExitCode:
     import ddpcheck
     from ddpcheck import features
+    from ddpcheck._internal.runs import smaller
     from ddpcheck._internal.runs.fuzz import fuzz, terminal_progress
 
     if _under_torchrun(args):  # use the world torchrun built instead of spawning one
@@ -402,13 +404,19 @@ def _check(args: argparse.Namespace) -> ExitCode:
     # --dtypes constrain the battery too: its float64 scenarios are skipped, naming why
     battery_without = without | ({"float64", "float32"} - set(dtypes))
     run = {"deadline": args.deadline, "device": args.device, "backend": args.backend}
-    # 1. the built-in battery: representative scenarios, every world size
+    # 1. the built-in battery: representative scenarios, every world size; a failure is
+    # followed by the search for a smaller counterexample (runs.smaller)
     try:
         report = ddpcheck.assert_equivalent(args.target, world_sizes=args.world_sizes,
                                             without=battery_without, **run)
     except NothingChecked as exc:  # the random examples may still find something
         battery, declined, exercised = 0, str(exc), set()
         print(f"battery: nothing checked: {exc}")
+    except EquivalenceError as found:
+        error, what = smaller.first_verdict(args.target, found, world_sizes=args.world_sizes,
+                                            without=without, seed=args.seed,
+                                            say=functools.partial(print, flush=True), **run)
+        raise smaller.with_features(error, what, _survey_command(args)) from None
     else:
         battery, declined, exercised = report.count, "", report.features
         print(f"battery: {report}")
@@ -423,7 +431,8 @@ def _check(args: argparse.Namespace) -> ExitCode:
     if result.found:
         print(f"counterexample found after {result.first_failure} examples and shrunk "
               f"({result.examples} examples, {result.seconds:.1f} s):\n")
-        raise result.error
+        raise smaller.with_features(result.error, "the shrunk counterexample",
+                                    _survey_command(args))
     if battery + result.examples == 0:
         reasons = "; ".join(f"{why} ({n}x)" for why, n in result.declined.items())
         drawn = sum(result.declined.values())
@@ -436,6 +445,20 @@ def _check(args: argparse.Namespace) -> ExitCode:
           f"{result.examples} random examples, {features.exercised(exercised | result.features)} "
           f"(wall {time.perf_counter() - started:.1f} s, world start-up included)")
     return ExitCode.OK
+
+
+def _survey_command(args: argparse.Namespace) -> str:
+    """The ``ddpcheck survey`` that maps which features fail at which of the world sizes this
+    check ran (a verdict ends with it: ``runs.smaller.with_features``)."""
+    import shlex
+
+    survey = ["ddpcheck", "survey", args.target_spec, "--world-sizes",
+              ",".join(map(str, args.world_sizes))]
+    for flag, value in (("--without", args.without),
+                        ("--device", None if args.device == "cpu" else args.device),
+                        ("--backend", args.backend)):
+        survey += [flag, value] if value else []
+    return shlex.join(survey)
 
 
 def _check_under_torchrun(args: argparse.Namespace) -> None:
