@@ -442,9 +442,22 @@ def _check(args: argparse.Namespace) -> ExitCode:
     for note in result.notes:
         print(f"note: {note}")
     print(f"ddpcheck check {args.target_spec}: nothing found in {battery} battery and "
-          f"{result.examples} random examples, {features.exercised(exercised | result.features)} "
+          f"{result.examples} random examples ({_declined(result.declined)}), "
+          f"{features.exercised(exercised | result.features)} "
           f"(wall {time.perf_counter() - started:.1f} s, world start-up included)")
     return ExitCode.OK
+
+
+def _declined(declined: dict[str, int]) -> str:
+    """The drawn random examples not run, as the closing line counts them: those the target
+    declined (``supports``, a hook that cannot serve them), then those the oracle could not
+    judge (``fuzz`` keys them ``unjudgeable: ...``)."""
+    judged = {why: n for why, n in declined.items() if not why.startswith("unjudgeable: ")}
+    unjudgeable = sum(declined.values()) - sum(judged.values())
+    text = f"{sum(judged.values())} more drawn and declined by the target"
+    if judged:
+        text += f", most often: {max(judged, key=judged.get)}"
+    return text + (f"; {unjudgeable} the oracle could not judge" if unjudgeable else "")
 
 
 def _survey_command(args: argparse.Namespace) -> str:

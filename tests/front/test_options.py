@@ -3,11 +3,13 @@ every example run -- the built-in battery's included."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from ddpcheck import cli
 from ddpcheck._internal.world.worlds import World
 from ddpcheck.errors import ExitCode
+from ddpcheck.targets import ParallelTarget
 
 
 def _check(capsys, monkeypatch, *argv: str) -> tuple[str, list[int]]:
@@ -49,3 +51,25 @@ def test_without_constrains_the_battery_and_the_random_examples(capsys, monkeypa
     out, _ = _check(capsys, monkeypatch, "--world-sizes", "1", "--examples", "20",
                     "--without", "accumulation,checkpoint,clipping")
     assert {"accumulation", "checkpoint", "clipping"} <= _not_exercised(out), out
+
+
+@dataclasses.dataclass(frozen=True)
+class ShortRunsOnly(ParallelTarget):
+    """The parallel target, declining runs of 3 steps or more (some of those drawn)."""
+
+    def supports(self, scenario):
+        return "runs of 3 steps or more" if scenario.steps >= 3 else None
+
+
+SHORT_RUNS_ONLY = ShortRunsOnly()
+
+
+def test_the_closing_line_counts_the_drawn_examples_the_target_declined(capsys):
+    status = cli.main(["check", "tests.front.test_options:SHORT_RUNS_ONLY", "--world-sizes", "1",
+                       "--examples", "10"])
+    out = capsys.readouterr().out
+    assert status == ExitCode.OK, out
+    declined = re.search(r"and 10 random examples \((\d+) more drawn and declined by the target, "
+                         r"most often: runs of 3 steps or more\)", out.splitlines()[-1])
+    assert declined and int(declined.group(1)) > 0, out
+

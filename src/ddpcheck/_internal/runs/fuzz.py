@@ -158,10 +158,9 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
                 backend=backend)) as examples_run:
             for (index, world_size, scenario), outcome in examples_run:
                 if outcome.skipped is not None:  # unjudgeable, or declined in the ranks
-                    if outcome.unjudgeable:
-                        declined[f"unjudgeable: {outcome.skipped}"] = 1
-                    else:
-                        declined[outcome.skipped] = declined.get(outcome.skipped, 0) + 1
+                    why = (f"unjudgeable: {outcome.skipped}" if outcome.unjudgeable
+                           else outcome.skipped)
+                    declined[why] = declined.get(why, 0) + 1  # counted: the closing line does
                     continue
                 count += 1
                 if progress is not None:
