@@ -390,7 +390,7 @@ def _check(args: argparse.Namespace) -> ExitCode:
     import ddpcheck
     from ddpcheck import features
     from ddpcheck._internal.runs import smaller
-    from ddpcheck._internal.runs.fuzz import fuzz, terminal_progress
+    from ddpcheck._internal.runs.fuzz import fuzz, terminal_progress, undrawable
 
     if _under_torchrun(args):  # use the world torchrun built instead of spawning one
         _check_under_torchrun(args)
@@ -420,7 +420,12 @@ def _check(args: argparse.Namespace) -> ExitCode:
     else:
         battery, declined, exercised = report.count, "", report.features
         print(f"battery: {report}")
-    # 2. random examples, shrunk to a minimal counterexample on failure
+    # 2. random examples, shrunk to a minimal counterexample on failure -- if any can be drawn
+    cannot = undrawable(args.target, dtypes, without)
+    if cannot is not None:  # no dtype left: the battery, in the same dtypes, checked nothing
+        print(f"random examples: none can be drawn: {cannot}", flush=True)
+        raise NothingChecked(f"every battery scenario was declined (the reasons above) and no "
+                             f"random example can be drawn: {cannot}")
     print(f"fuzzing {args.target_spec} with {args.examples} random examples at world sizes "
           f"{sizes}{'' if args.seed is None else f' (seed {args.seed})'}", flush=True)
     result = fuzz(args.target, examples=args.examples, world_sizes=args.world_sizes,

@@ -6,10 +6,13 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import pytest
+
 from ddpcheck import cli
+from ddpcheck._internal.runs.fuzz import fuzz
 from ddpcheck._internal.world.worlds import World
-from ddpcheck.errors import ExitCode
-from ddpcheck.targets import ParallelTarget
+from ddpcheck.errors import ExitCode, NothingChecked
+from ddpcheck.targets import PARALLEL, ParallelTarget
 
 
 def _check(capsys, monkeypatch, *argv: str) -> tuple[str, list[int]]:
@@ -73,3 +76,14 @@ def test_the_closing_line_counts_the_drawn_examples_the_target_declined(capsys):
                          r"most often: runs of 3 steps or more\)", out.splitlines()[-1])
     assert declined and int(declined.group(1)) > 0, out
 
+
+def test_options_that_leave_nothing_to_draw_announce_no_random_examples(capsys):
+    status = cli.main(["check", "parallel", "--world-sizes", "1", "--without", "float64"])
+    out, err = capsys.readouterr()
+    assert status == ExitCode.NOTHING_CHECKED, out + err
+    assert "fuzzing" not in out, out
+    cannot = "every dtype asked for (float64) is ruled out: float64 is excluded with --without"
+    assert f"random examples: none can be drawn: {cannot}" in out, out
+    assert err.strip().endswith(f"no random example can be drawn: {cannot}"), err
+    with pytest.raises(NothingChecked, match=re.escape(cannot)):  # the API says the same
+        fuzz(PARALLEL, world_sizes=(1,), without=("float64",))

@@ -32,7 +32,7 @@ from ddpcheck._internal.world.interrupts import interruptible
 from ddpcheck._internal.world.worlds import lending_waits, released
 from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked, ScenarioError
 
-__all__ = ["FuzzResult", "fuzz", "terminal_progress"]
+__all__ = ["FuzzResult", "fuzz", "terminal_progress", "undrawable"]
 
 
 @dataclasses.dataclass
@@ -97,11 +97,10 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     excluded = features.parse(without, "without")
     unsupported = features.unsupported(target, excluded)
     opt_in = frozenset(features.OPT_IN) - unsupported  # generated only for a target that opts in
-    kept = tuple(d for d in dtypes if d not in unsupported)
-    if not kept:
-        raise NothingChecked(f"{type(target).__name__} supports none of the dtypes "
-                             f"{', '.join(dtypes)} once --without is applied")
-    dtypes = kept
+    why = undrawable(target, dtypes, excluded)
+    if why is not None:
+        raise NothingChecked(f"no random example can be drawn: {why}")
+    dtypes = tuple(d for d in dtypes if d not in unsupported)
     give_up_after = max(GIVE_UP_AFTER_DECLINED, 2 * examples)
     declined: dict[str, int] = {}
     exercised: set[str] = set()
@@ -244,6 +243,20 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
         error = _intermittent(error)
     return FuzzResult(count, first, time.perf_counter() - started, error, declined, exercised,
                       notes)
+
+
+def undrawable(target: Any, dtypes: Iterable[str], without: frozenset[str] = frozenset()
+               ) -> str | None:
+    """Why no random example can be drawn for ``target`` -- every dtype asked for is excluded
+    (``without``) or unsupported -- or None: ``ddpcheck check`` says so instead of announcing
+    random examples that cannot come."""
+    dtypes = tuple(dtypes)
+    unsupported = features.unsupported(target, without)
+    if any(d not in unsupported for d in dtypes):
+        return None
+    why = [f"{d} is excluded with --without" if d in without else
+           f"{d} is {features.why_unsupported(target, d)}" for d in dtypes]
+    return f"every dtype asked for ({', '.join(dtypes)}) is ruled out: {'; '.join(why)}"
 
 
 def _intermittent(error: EquivalenceError) -> EquivalenceError:
