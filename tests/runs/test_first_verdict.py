@@ -21,6 +21,7 @@ from ddpcheck.battery import BATTERY
 from ddpcheck.errors import Divergence, EquivalenceError, ExitCode, Inconclusive
 from ddpcheck.models import ModelSpec, SpecData
 from ddpcheck.scenario import Scenario
+from tests.patience import patience
 
 BATTERY_SCENARIO = dict(BATTERY)["sample-branch-accumulate"]
 ACCUMULATION_BUG = "ddpcheck.mutation.catalogue:SumsEachMicroBatch()"
@@ -52,6 +53,23 @@ def test_a_failure_needing_accumulation_is_shrunk_and_confirmed(monkeypatch):
     assert shrunk.accumulation == 2 and shrunk.steps == 1 and shrunk.global_batch == 1, shrunk
     assert smaller.size(shrunk, 2) < smaller.size(BATTERY_SCENARIO, 2)
     assert calls[-1] == shrunk and calls.count(shrunk) == 2  # run once more: the confirmation
+
+
+def test_a_checkpoint_that_failed_in_the_world_it_resumed_in_is_searched_there_too(monkeypatch):
+    # checkpoint-resume at W=1 resumes at W=2: a bug of several ranks fails it "at W=1"
+    resumed = dict(BATTERY)["checkpoint-resume"]
+    found = EquivalenceError([Divergence(0, 1, 0, "fc1.weight", "reference differs (gradient)")],
+                             scenario=resumed, world_size=1, target=targets.PARALLEL,
+                             replay="replay: -", name="checkpoint-resume")
+    assert smaller.searched_sizes(found) == (1, 2)
+
+    def check(target, scenario, world_size, **run):
+        if world_size == 2:
+            raise _error(scenario)
+
+    monkeypatch.setattr(smaller, "check_example", check)
+    search = smaller.smaller(targets.PARALLEL, found, world_sizes=(1, 2, 3), seconds=5.0)
+    assert search.error is not None and search.error.scenario.checkpoint_after is None, search
 
 
 def test_a_failure_that_passes_when_run_again_leaves_the_battery_verdict(monkeypatch):
@@ -86,7 +104,7 @@ def test_hangs_slowness_and_errors_in_the_search_leave_the_battery_verdict(monke
     def check(target, scenario, world_size, **run):
         raise raised(scenario)
 
-    search = _search(monkeypatch, check, examples=5, seconds=2.0)
+    search = _search(monkeypatch, check, examples=5, seconds=1.0)
     assert search.error is None and search.why.startswith(why), search.why
 
 
@@ -112,7 +130,10 @@ def _printed_scenario(out: str) -> Scenario:
 
 
 @pytest.mark.slow
-def test_check_shows_a_smaller_counterexample_than_the_battery_and_what_it_exercises(capsys):
+def test_check_shows_a_smaller_counterexample_than_the_battery_and_what_it_exercises(capsys,
+                                                                                   monkeypatch):
+    # ~2 s and 26 examples on a quiet machine; the budget scales with the machine's load
+    monkeypatch.setattr(smaller, "SECONDS", patience(smaller.SECONDS))
     status = cli.main(["check", ACCUMULATION_BUG, "--world-sizes", "2"])
     out = capsys.readouterr().out
     assert status == ExitCode.FOUND, out

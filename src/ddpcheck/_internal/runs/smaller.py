@@ -3,10 +3,11 @@
 A battery scenario is representative, not minimal (``sample-branch-accumulate``: a model with a
 sample-gated branch, three micro-batches, nesterov momentum, one-parameter buckets), and
 Hypothesis cannot shrink an example it did not draw itself. So, once one fails at W, Hypothesis
-draws scenarios at W from ``strategies.exercising`` for each feature the failing scenario
-exercises (plain scenarios first: its shrinking leans towards the first branch), stops at the
-first failure and shrinks it, within :data:`EXAMPLES` and :data:`SECONDS`; the smallest failure
-(:func:`size`) is run once more before it may replace the battery's. :func:`first_verdict`
+draws scenarios at W (and at the world size it resumed in, if another: :func:`searched_sizes`)
+from ``strategies.exercising`` for each feature the failing scenario exercises (plain scenarios
+first: its shrinking leans towards the first branch), stops at the first failure and shrinks it,
+within :data:`EXAMPLES` and :data:`SECONDS`; the smallest failure (:func:`size`) is run once more
+before it may replace the battery's. :func:`first_verdict`
 is that verdict as ``check`` prints it; :func:`with_features` ends every verdict of ``check``
 with the features its counterexample exercises.
 
@@ -38,8 +39,8 @@ from ddpcheck._internal.runs.survey import NEEDS_SEVERAL_RANKS
 from ddpcheck.errors import EquivalenceError, NothingChecked, ScenarioError
 from ddpcheck.scenario import build_model
 
-__all__ = ["EXAMPLES", "MIN_DEADLINE", "SECONDS", "Search", "first_verdict", "size", "smaller",
-           "with_features"]
+__all__ = ["EXAMPLES", "MIN_DEADLINE", "SECONDS", "Search", "first_verdict", "searched_sizes",
+           "size", "smaller", "with_features"]
 
 #: Examples Hypothesis may draw before its first failure (shrinking steps not counted).
 EXAMPLES = 60
@@ -75,19 +76,27 @@ class _Abort(BaseException):
     not an Exception, so Hypothesis neither shrinks nor replays it."""
 
 
+def searched_sizes(found: EquivalenceError) -> tuple[int, ...]:
+    """Where the search draws: the failing example's world size, then the one its checkpoint
+    resumed in, if another (``checkpoint-resume`` at W=1 fails in the resumed world of 2)."""
+    resumed = found.scenario.resume_world_size
+    return (found.world_size,) + (() if resumed in (None, found.world_size) else (resumed,))
+
+
 def smaller(target: Any, found: EquivalenceError, *, world_sizes: tuple[int, ...],
             without: frozenset[str] = frozenset(), seed: int | None = None,
             deadline: float = DEFAULT_DEADLINE, device: str = "cpu", backend: str | None = None,
             examples: int = EXAMPLES, seconds: float = SECONDS) -> Search:
-    """Look for a counterexample smaller than ``found`` (a battery failure) at its world size.
+    """Look for a counterexample smaller than ``found`` (a battery failure) at its world size
+    (:func:`searched_sizes`).
 
     ``world_sizes``: those the run allows (a drawn checkpoint may resume at one of them);
     ``without``: the features the user excluded; ``seed``: as ``ddpcheck check --seed`` (None:
     the same search every run). Whatever goes wrong in the search leaves ``found`` standing
     (``Search.why`` says what); a Ctrl-C is raised."""
-    search = _Searching(target, found.world_size, without, deadline, device, backend, seconds)
+    search = _Searching(target, without, deadline, device, backend, seconds)
     try:
-        return search.run(found.scenario, world_sizes, seed, examples)
+        return search.run(found, world_sizes, seed, examples)
     except Exception as exc:  # the search's own failure: no verdict of its own
         return search.ended(None, f"the search failed: {exception_text(exc)}")
 
@@ -97,7 +106,6 @@ class _Searching:
     """One search under way: what it runs, its budget, and what it has run."""
 
     target: Any
-    world_size: int
     without: frozenset[str]
     deadline: float
     device: str
@@ -112,21 +120,22 @@ class _Searching:
     def left(self) -> float:
         return self.seconds - (time.perf_counter() - self.started)
 
-    def check(self, scenario: Any) -> None:
-        """One example at the search's world size; a hang is waited for :data:`MIN_DEADLINE`
-        at least, and no longer than the user's deadline."""
+    def check(self, scenario: Any, world_size: int) -> None:
+        """One example; a hang is waited for :data:`MIN_DEADLINE` at least, and no longer than
+        the user's deadline."""
         self.examples += 1
-        check_example(self.target, scenario, self.world_size, device=self.device,
+        check_example(self.target, scenario, world_size, device=self.device,
                       backend=self.backend,
                       deadline=min(self.deadline, max(MIN_DEADLINE, self.left())))
 
-    def run(self, battery: Any, world_sizes: tuple[int, ...], seed: int | None,
+    def run(self, found: EquivalenceError, world_sizes: tuple[int, ...], seed: int | None,
             examples: int) -> Search:
-        world_size = self.world_size
+        battery, sizes = found.scenario, searched_sizes(found)
         unsupported = features.unsupported(self.target, self.without)
-        strategy = _strategy(battery, world_size, unsupported, world_sizes)
-        failed: dict[str, EquivalenceError] = {}  # repr -> its error: shrinking steps reuse it
-        passed: set[str] = set()
+        strategies = {w: _strategy(battery, found.world_size, w, unsupported, world_sizes)
+                      for w in sizes}
+        failed: dict[tuple[int, str], EquivalenceError] = {}  # shrinking steps reuse them
+        passed: set[tuple[int, str]] = set()
         stopped: list[str] = []
 
         @settings(max_examples=examples, deadline=None, database=None, print_blob=False,
@@ -134,18 +143,19 @@ class _Searching:
                   phases=[Phase.generate, Phase.shrink], verbosity=Verbosity.quiet)
         @given(data=st.data())
         def one(data: Any) -> None:
-            scenario = data.draw(strategy, label="scenario")
-            key = repr(scenario)
+            w = data.draw(st.sampled_from(sizes), label="world_size")
+            scenario = data.draw(strategies[w], label="scenario")
+            key = (w, repr(scenario))
             if key in failed:
                 raise failed[key]
             if self.left() <= 0:
                 raise _Abort()  # keep the smallest failure so far
             if key in passed:
                 return
-            if features.declines(self.target, scenario, world_size, self.without) is not None:
+            if features.declines(self.target, scenario, w, self.without) is not None:
                 assume(False)  # costs no example of the budget
             try:
-                self.check(scenario)
+                self.check(scenario, w)
             except EquivalenceError as error:
                 if "rank timed out" in error.kinds:
                     assume(False)  # a hang once is no verdict: the search looks elsewhere
@@ -158,7 +168,7 @@ class _Searching:
                 raise _Abort() from exc
             passed.add(key)
 
-        one = hypothesis_seed(zlib.crc32(f"{seed}:{battery!r}:{world_size}".encode()))(one)
+        one = hypothesis_seed(zlib.crc32(f"{seed}:{battery!r}:{sizes}".encode()))(one)
         try:
             one()
         except (_Abort, EquivalenceError, Unsatisfiable):
@@ -170,9 +180,9 @@ class _Searching:
             return self.ended(None, f"the search stopped: {stopped[0]}")
         if not failed:
             return self.ended(None, "no example drawn failed")
-        candidate = min(failed.values(), key=lambda e: (size(e.scenario, world_size),
-                                                        len(repr(e.scenario))))
-        if size(candidate.scenario, world_size) >= size(battery, world_size):
+        candidate = min(failed.values(), key=lambda e: (size(e.scenario, e.world_size),
+                                                        e.world_size, len(repr(e.scenario))))
+        if size(candidate.scenario, candidate.world_size) >= size(battery, found.world_size):
             return self.ended(None, f"the smallest failure found "
                                     f"({scenario_line(candidate.scenario)}) is no smaller")
         return self.confirmed(candidate)
@@ -180,7 +190,7 @@ class _Searching:
     def confirmed(self, candidate: EquivalenceError) -> Search:
         """``candidate`` run once more: its error if it fails again (not by a timeout)."""
         try:
-            self.check(candidate.scenario)
+            self.check(candidate.scenario, candidate.world_size)
         except EquivalenceError as again:
             if "rank timed out" not in again.kinds:
                 return self.ended(again)
@@ -206,8 +216,10 @@ def first_verdict(target: Any, found: EquivalenceError, *, world_sizes: tuple[in
     if set(found.kinds) == {"rank timed out"}:
         say(f"battery: {where}; a hang, so no smaller one is searched for\n")
         return found, "the battery scenario (not shrunk)"
-    say(f"battery: {where}; searching for a smaller counterexample at world size "
-        f"{found.world_size} (at most {EXAMPLES} examples, {SECONDS:g} s)")
+    sizes = searched_sizes(found)
+    say(f"battery: {where}; searching for a smaller counterexample at world size"
+        f"{'s' if len(sizes) > 1 else ''} {','.join(map(str, sizes))} (at most {EXAMPLES} "
+        f"examples, {SECONDS:g} s)")
     search = smaller(target, found, world_sizes=world_sizes, without=without, seed=seed,
                      examples=EXAMPLES, seconds=SECONDS, **run)
     ran = f"{search.examples} example{'' if search.examples == 1 else 's'}"
@@ -216,8 +228,8 @@ def first_verdict(target: Any, found: EquivalenceError, *, world_sizes: tuple[in
             "stands\n")
         return found, "the battery scenario (not shrunk)"
     say(f"smaller counterexample found and confirmed ({ran}, {search.seconds:.1f} s): "
-        f"{scenario_line(search.error.scenario)}, where {found.name} is "
-        f"{scenario_line(found.scenario)}\n")
+        f"{scenario_line(search.error.scenario)} at W={search.error.world_size}, where "
+        f"{found.name} is {scenario_line(found.scenario)} at W={found.world_size}\n")
     return search.error, "the shrunk counterexample"
 
 
@@ -236,13 +248,13 @@ def with_features(error: EquivalenceError, what: str, survey: str) -> Equivalenc
     return error
 
 
-def _strategy(battery: Any, world_size: int, unsupported: frozenset[str],
+def _strategy(battery: Any, failed_at: int, world_size: int, unsupported: frozenset[str],
               world_sizes: tuple[int, ...]) -> st.SearchStrategy:
     """Scenarios at ``world_size`` in the battery scenario's dtype: plain ones first, then ones
-    made to exercise each feature the battery scenario exercises -- but its dtype and
-    ``broadcast`` (every scenario has them), and at W=1 what one rank cannot exercise."""
+    made to exercise each feature the battery scenario exercises at ``failed_at`` -- but its
+    dtype and ``broadcast`` (every scenario has them), and at W=1 what one rank cannot."""
     dtype = battery.dtype
-    found = features.of(battery, world_size)
+    found = features.of(battery, failed_at)
     rows = [f for f in features.FEATURES if f in found and f not in (dtype, "broadcast")
             and f not in unsupported and (f not in dst.FLOAT32_ONLY or dtype == "float32")
             and not (world_size == 1 and f in NEEDS_SEVERAL_RANKS)]
