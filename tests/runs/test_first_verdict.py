@@ -90,7 +90,7 @@ def test_a_failure_no_smaller_than_the_battery_leaves_its_verdict(monkeypatch):
         raise _error(scenario)
 
     smallest = Scenario(ModelSpec(width=2), data=SpecData(2), global_batch=1, steps=1)
-    search = _search(monkeypatch, check, smallest)
+    search = _search(monkeypatch, check, smallest, seconds=1.0)
     assert search.error is None and search.why.endswith("is no smaller"), search.why
 
 
