@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import os
 import re
 import select
@@ -415,7 +416,8 @@ def _check_writable(path: str, flag: str) -> None:
 def _check(args: argparse.Namespace) -> ExitCode:
     import ddpcheck
     from ddpcheck import features
-    from ddpcheck._internal.runs.fuzz import fuzz, terminal_progress
+    from ddpcheck._internal.runs import smaller
+    from ddpcheck._internal.runs.fuzz import fuzz, terminal_progress, undrawable
 
     if _under_torchrun(args):  # use the world torchrun built instead of spawning one
         _check_under_torchrun(args)
@@ -431,17 +433,28 @@ def _check(args: argparse.Namespace) -> ExitCode:
     # --dtypes constrain the battery too: its float64 scenarios are skipped, naming why
     battery_without = without | ({"float64", "float32"} - set(dtypes))
     run = {"deadline": args.deadline, "device": args.device, "backend": args.backend}
-    # 1. the built-in battery: representative scenarios, every world size
+    # 1. the built-in battery: representative scenarios, every world size; a failure is
+    # followed by the search for a smaller counterexample (runs.smaller)
     try:
         report = ddpcheck.assert_equivalent(args.target, world_sizes=args.world_sizes,
                                             without=battery_without, **run)
     except NothingChecked as exc:  # the random examples may still find something
         battery, declined, exercised = 0, str(exc), set()
         print(f"battery: nothing checked: {exc}")
+    except EquivalenceError as found:
+        error, what = smaller.first_verdict(args.target, found, world_sizes=args.world_sizes,
+                                            without=without, seed=args.seed,
+                                            say=functools.partial(print, flush=True), **run)
+        raise smaller.with_features(error, what, _survey_command(args)) from None
     else:
         battery, declined, exercised = report.count, "", report.features
         print(f"battery: {report}")
-    # 2. random examples, shrunk to a minimal counterexample on failure
+    # 2. random examples, shrunk to a minimal counterexample on failure -- if any can be drawn
+    cannot = undrawable(args.target, dtypes, without)
+    if cannot is not None:  # no dtype left: the battery, in the same dtypes, checked nothing
+        print(f"random examples: none can be drawn: {cannot}", flush=True)
+        raise NothingChecked(f"every battery scenario was declined (the reasons above) and no "
+                             f"random example can be drawn: {cannot}")
     print(f"fuzzing {args.target_spec} with {args.examples} random examples at world sizes "
           f"{sizes}{'' if args.seed is None else f' (seed {args.seed})'}", flush=True)
     result = fuzz(args.target, examples=args.examples, world_sizes=args.world_sizes,
@@ -452,7 +465,8 @@ def _check(args: argparse.Namespace) -> ExitCode:
     if result.found:
         print(f"counterexample found after {result.first_failure} examples and shrunk "
               f"({result.examples} examples, {result.seconds:.1f} s):\n")
-        raise result.error
+        raise smaller.with_features(result.error, "the shrunk counterexample",
+                                    _survey_command(args))
     if battery + result.examples == 0:
         reasons = "; ".join(f"{why} ({n}x)" for why, n in result.declined.items())
         drawn = sum(result.declined.values())
@@ -462,9 +476,36 @@ def _check(args: argparse.Namespace) -> ExitCode:
     for note in result.notes:
         print(f"note: {note}")
     print(f"ddpcheck check {args.target_spec}: nothing found in {battery} battery and "
-          f"{result.examples} random examples, {features.exercised(exercised | result.features)} "
+          f"{result.examples} random examples ({_declined(result.declined)}), "
+          f"{features.exercised(exercised | result.features)} "
           f"(wall {time.perf_counter() - started:.1f} s, world start-up included)")
     return ExitCode.OK
+
+
+def _declined(declined: dict[str, int]) -> str:
+    """The drawn random examples not run, as the closing line counts them: those the target
+    declined (``supports``, a hook that cannot serve them), then those the oracle could not
+    judge (``fuzz`` keys them ``unjudgeable: ...``)."""
+    judged = {why: n for why, n in declined.items() if not why.startswith("unjudgeable: ")}
+    unjudgeable = sum(declined.values()) - sum(judged.values())
+    text = f"{sum(judged.values())} more drawn and declined by the target"
+    if judged:
+        text += f", most often: {max(judged, key=judged.get)}"
+    return text + (f"; {unjudgeable} the oracle could not judge" if unjudgeable else "")
+
+
+def _survey_command(args: argparse.Namespace) -> str:
+    """The ``ddpcheck survey`` that maps which features fail at which of the world sizes this
+    check ran (a verdict ends with it: ``runs.smaller.with_features``)."""
+    import shlex
+
+    survey = ["ddpcheck", "survey", args.target_spec, "--world-sizes",
+              ",".join(map(str, args.world_sizes))]
+    for flag, value in (("--without", args.without),
+                        ("--device", None if args.device == "cpu" else args.device),
+                        ("--backend", args.backend)):
+        survey += [flag, value] if value else []
+    return shlex.join(survey)
 
 
 def _check_under_torchrun(args: argparse.Namespace) -> None:

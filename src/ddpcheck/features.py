@@ -28,8 +28,8 @@ from ddpcheck.models import ModelSpec, SpecData
 from ddpcheck.scenario import Scenario, build_model, global_batch
 from ddpcheck.zoo import GPTConfig, token_data
 
-__all__ = ["BEYOND_TORCH", "DEFAULT_FEATURES", "FEATURES", "OPT_IN", "declines", "exercised", "of",
-           "owns_batch_plan", "parse", "supported_by", "unsupported", "why_unsupported"]
+__all__ = ["BEYOND_TORCH", "DEFAULT_FEATURES", "FEATURES", "OPT_IN", "declines", "exercised", "named",
+           "of", "owns_batch_plan", "parse", "supported_by", "unsupported", "why_unsupported"]
 
 def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
     """The features ``scenario`` exercises at ``world_size`` (None: those that do not depend on
@@ -161,6 +161,12 @@ def exercised(found: set[str] | frozenset[str]) -> str:
     missing = [f for f in FEATURES if f not in found]
     text = f"{len(FEATURES) - len(missing)}/{len(FEATURES)} features"
     return text + (f" (not exercised: {', '.join(missing)})" if missing else "")
+
+
+def named(found: set[str] | frozenset[str]) -> list[str]:
+    """``found`` in the order of :data:`FEATURES` (the order of reports): what a counterexample
+    exercises, as ``ddpcheck check`` and ``ddpcheck survey`` print it."""
+    return [f for f in FEATURES if f in found]
 
 
 #: (repr of a scenario, world size) -> its model-derived features; bounded.

@@ -55,6 +55,26 @@ class SeededAfterBattery(ParallelTarget):
 
 SEEDED = SeededAfterBattery()
 
+
+@dataclasses.dataclass(frozen=True)
+class FailsInTheBattery(SeededAfterBattery):
+    """NoDivide's bug in the battery's SampleBranch scenarios alone (no random scenario builds a
+    zoo model): the battery fails, then the search for a smaller counterexample runs its whole
+    budget, finding none."""
+
+    def configure(self, scenario):
+        from ddpcheck import zoo
+
+        super().configure(scenario)  # notes the seed
+        if scenario.model is zoo.SampleBranch:
+            from ddpcheck.mutation.catalogue import by_name
+
+            return by_name("NoDivide").target.configure(scenario)
+        return self
+
+
+FAILS_IN_THE_BATTERY = FailsInTheBattery()
+
 API_SCRIPT = """
 import ddpcheck
 from tests.front.test_interrupts import SEEDED
@@ -270,6 +290,19 @@ def test_ctrl_c_of_ddpcheck_check_exits_130_within_seconds(tmp_path, phase):
     assert status == ExitCode.INTERRUPTED, out
     assert out.rstrip().endswith("ddpcheck: interrupted; every rank process was stopped"), out
     assert "Traceback" not in out, out
+    assert seconds < patience(WITHIN), f"{seconds:.1f} s from the signal to the exit"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_while_check_searches_for_a_smaller_counterexample_exits_130(tmp_path):
+    cmd = [sys.executable, "-m", "ddpcheck", "check", "tests.front.test_interrupts:"
+           "FAILS_IN_THE_BATTERY", "--world-sizes", "2"]
+    status, seconds, out = _interrupt(cmd, lambda run: run.after("searching for a smaller"),
+                                      tmp_path)
+    assert status == ExitCode.INTERRUPTED, out
+    assert out.rstrip().endswith("ddpcheck: interrupted; every rank process was stopped"), out
+    assert "Traceback" not in out and "diverged" not in out, out
     assert seconds < patience(WITHIN), f"{seconds:.1f} s from the signal to the exit"
 
 

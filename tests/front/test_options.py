@@ -3,11 +3,16 @@ every example run -- the built-in battery's included."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
+import pytest
+
 from ddpcheck import cli
+from ddpcheck._internal.runs.fuzz import fuzz
 from ddpcheck._internal.world.worlds import World
-from ddpcheck.errors import ExitCode
+from ddpcheck.errors import ExitCode, NothingChecked
+from ddpcheck.targets import PARALLEL, ParallelTarget
 
 
 def _check(capsys, monkeypatch, *argv: str) -> tuple[str, list[int]]:
@@ -49,3 +54,36 @@ def test_without_constrains_the_battery_and_the_random_examples(capsys, monkeypa
     out, _ = _check(capsys, monkeypatch, "--world-sizes", "1", "--examples", "20",
                     "--without", "accumulation,checkpoint,clipping")
     assert {"accumulation", "checkpoint", "clipping"} <= _not_exercised(out), out
+
+
+@dataclasses.dataclass(frozen=True)
+class ShortRunsOnly(ParallelTarget):
+    """The parallel target, declining runs of 3 steps or more (some of those drawn)."""
+
+    def supports(self, scenario):
+        return "runs of 3 steps or more" if scenario.steps >= 3 else None
+
+
+SHORT_RUNS_ONLY = ShortRunsOnly()
+
+
+def test_the_closing_line_counts_the_drawn_examples_the_target_declined(capsys):
+    status = cli.main(["check", "tests.front.test_options:SHORT_RUNS_ONLY", "--world-sizes", "1",
+                       "--examples", "10"])
+    out = capsys.readouterr().out
+    assert status == ExitCode.OK, out
+    declined = re.search(r"and 10 random examples \((\d+) more drawn and declined by the target, "
+                         r"most often: runs of 3 steps or more\)", out.splitlines()[-1])
+    assert declined and int(declined.group(1)) > 0, out
+
+
+def test_options_that_leave_nothing_to_draw_announce_no_random_examples(capsys):
+    status = cli.main(["check", "parallel", "--world-sizes", "1", "--without", "float64"])
+    out, err = capsys.readouterr()
+    assert status == ExitCode.NOTHING_CHECKED, out + err
+    assert "fuzzing" not in out, out
+    cannot = "every dtype asked for (float64) is ruled out: float64 is excluded with --without"
+    assert f"random examples: none can be drawn: {cannot}" in out, out
+    assert err.strip().endswith(f"no random example can be drawn: {cannot}"), err
+    with pytest.raises(NothingChecked, match=re.escape(cannot)):  # the API says the same
+        fuzz(PARALLEL, world_sizes=(1,), without=("float64",))

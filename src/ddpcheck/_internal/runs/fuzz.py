@@ -32,7 +32,7 @@ from ddpcheck._internal.world.interrupts import interruptible
 from ddpcheck._internal.world.worlds import lending_waits, released
 from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked, ScenarioError
 
-__all__ = ["FuzzResult", "fuzz", "terminal_progress"]
+__all__ = ["FuzzResult", "fuzz", "terminal_progress", "undrawable"]
 
 
 @dataclasses.dataclass
@@ -94,6 +94,9 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     check_positive_number("deadline", deadline)
     check_fits(device, sizes, backend)  # before Hypothesis draws anything
     started = time.perf_counter()
+    why = undrawable(target, dtypes, features.parse(without, "without"))
+    if why is not None:
+        raise NothingChecked(f"no random example can be drawn: {why}")
     # What the target runs, drawn as ddpcheck.strategies.examples draws it (declined draws are
     # tallied here, not filtered). Built once, not per example: Hypothesis validates a strategy
     # the first time it draws from it, which cost 17 ms per example when built inside the test.
@@ -148,10 +151,9 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
                 backend=backend)) as examples_run:
             for (index, world_size, scenario), outcome in examples_run:
                 if outcome.skipped is not None:  # unjudgeable, or declined in the ranks
-                    if outcome.unjudgeable:
-                        declined[f"unjudgeable: {outcome.skipped}"] = 1
-                    else:
-                        declined[outcome.skipped] = declined.get(outcome.skipped, 0) + 1
+                    why = (f"unjudgeable: {outcome.skipped}" if outcome.unjudgeable
+                           else outcome.skipped)
+                    declined[why] = declined.get(why, 0) + 1  # counted: the closing line does
                     continue
                 count += 1
                 if progress is not None:
@@ -235,6 +237,20 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
         error = _intermittent(error)
     return FuzzResult(count, first, time.perf_counter() - started, error, declined, exercised,
                       notes)
+
+
+def undrawable(target: Any, dtypes: Iterable[str], without: frozenset[str] = frozenset()
+               ) -> str | None:
+    """Why no random example can be drawn for ``target`` -- every dtype asked for is excluded
+    (``without``) or unsupported -- or None: ``ddpcheck check`` says so instead of announcing
+    random examples that cannot come."""
+    dtypes = tuple(dtypes)
+    unsupported = features.unsupported(target, without)
+    if any(d not in unsupported for d in dtypes):
+        return None
+    why = [f"{d} is excluded with --without" if d in without else
+           f"{d} is {features.why_unsupported(target, d)}" for d in dtypes]
+    return f"every dtype asked for ({', '.join(dtypes)}) is ruled out: {'; '.join(why)}"
 
 
 def _intermittent(error: EquivalenceError) -> EquivalenceError:

@@ -128,7 +128,7 @@ class Survey:
     def common(self) -> list[str]:
         """The features every shrunk counterexample exercises: where to look first."""
         shrunk = [set(c.exercises or ()) for c in self.failures if c.section == "feature"]
-        return [f for f in features.FEATURES if shrunk and all(f in s for s in shrunk)]
+        return features.named(set.intersection(*shrunk)) if shrunk else []
 
     def failure_lines(self) -> list[str]:
         lines = []
@@ -379,8 +379,7 @@ def _failed(cell: Cell, error: Any, started: float) -> Cell:
     cell.status, cell.kind, cell.where = "fail", error.kinds[0], ", ".join(filter(None, where))
     cell.scenario, cell.summary = repr(error.scenario), scenario_line(error.scenario)
     cell.replay, cell.seconds = error.replay, time.perf_counter() - started
-    found = features.of(error.scenario, cell.world_size)
-    cell.exercises = [f for f in features.FEATURES if f in found]
+    cell.exercises = features.named(features.of(error.scenario, cell.world_size))
     return cell
 
 
