@@ -41,8 +41,8 @@ from typing import Any, Callable, NoReturn
 from ddpcheck._internal.devices import (BACKENDS, DEVICES, check_fits, local_world_size,
                                        under_torchrun)
 from ddpcheck._internal.scripts import load
-from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine,
-                                        did_you_mean, parse_features, parse_world_sizes)
+from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, SuggestingParser,
+    check_fits_machine, did_you_mean, parse_command_line, parse_features, parse_world_sizes)
 from ddpcheck.errors import (DdpcheckError, EquivalenceError, ExitCode, InvalidArgument,
                              NothingChecked)
 
@@ -88,7 +88,7 @@ class Terminated(KeyboardInterrupt):
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = _parse(parser, argv)
+    args = parse_command_line(parser, argv)
     if args.command is None:
         parser.print_help()
         return ExitCode.SETUP
@@ -100,31 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-
-
-def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """``parse_args``, with a mistyped option answered by the command's closest one (argparse
-    only learns ``suggest_on_error`` in Python 3.14)."""
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        commands = [a.choices for a in parser._actions
-                    if isinstance(a, argparse._SubParsersAction)]
-        where = commands[0].get(args.command, parser) if commands and args.command else parser
-        options = [o for action in where._actions for o in action.option_strings]
-        flags = [u for u in unknown if u.startswith("-")]
-        hint = did_you_mean(flags[0].split("=", 1)[0], options) if flags else ""
-        where.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
-    return args
-
-
-class _Parser(argparse.ArgumentParser):
-    """Argparse's parser, whose "invalid choice" names the closest choice too."""
-
-    def error(self, message: str) -> NoReturn:
-        wrong = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
-        if wrong:
-            message += did_you_mean(wrong.group(1), re.findall(r"'([^']*)'", wrong.group(2)))
-        super().error(message)
 
 
 def command() -> NoReturn:
@@ -715,7 +690,7 @@ def _device_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = SuggestingParser(
         prog="ddpcheck",
         description="Find bugs in data-parallel training code: run it in real multi-process "
                     "worlds against a single-process full-batch reference.",
