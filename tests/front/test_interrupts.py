@@ -13,9 +13,12 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import pathlib
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -226,8 +229,9 @@ def _interrupt(cmd: list[str], moment, tmp_path) -> tuple[int, float, str]:
     """Run ``cmd`` in a process group of its own; once ``moment(run)`` holds, SIGINT the group.
     Return the exit status, the seconds from the signal to the exit, the output -- after checking
     that nothing the run started is left."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    # TMPDIR short and its own: the fork server's socket lives in it, and a Unix socket's path
+    # may not exceed 107 bytes (xdist's basetemp, pytest-N/popen-gwK/test_.../, came close)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="i"))
     run = _Run(str(tmp), str(tmp_path / "seeds.log"))
     token = f"{os.getpid()}-{tmp_path.name}"
     env = {**os.environ, "TMPDIR": str(tmp), SEEDS_LOG: run.seeds_log, MARKER: token,
@@ -265,6 +269,7 @@ def _interrupt(cmd: list[str], moment, tmp_path) -> tuple[int, float, str]:
             proc.wait()
         for pid in _marked(token):  # never leave anything, even when failing
             os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 CHECK = [sys.executable, "-m", "ddpcheck", "check", "tests.front.test_interrupts:SEEDED",
