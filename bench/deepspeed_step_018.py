@@ -18,6 +18,7 @@ Exits 0 either way: it reports what DeepSpeed does.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import tempfile
 
@@ -29,7 +30,7 @@ from torch import nn
 
 def worker(rank, world_size, store_path, stage, queue):
     os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+                      LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")  # MASTER_PORT: main's
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
                             world_size=world_size)
     import deepspeed
@@ -56,6 +57,9 @@ def main():
 
     print(f"deepspeed {deepspeed.__version__}, torch {torch.__version__}")
     context = mp.get_context("spawn")
+    with socket.socket() as probe:  # a free port for DeepSpeed's env checks (the group is a file)
+        probe.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(probe.getsockname()[1])  # the spawned ranks inherit it
     for stage in (1, 2):
         queue = context.Queue()
         with tempfile.TemporaryDirectory() as folder:
