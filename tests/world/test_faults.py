@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -375,12 +376,17 @@ def test_a_real_abort_inside_a_task_is_still_reported():
     assert "rank 1: process exited (killed by signal SIGABRT)" in text
     # faulthandler wrote the crashing rank's Python stack into its log
     assert "Fatal Python error: Aborted" in text and "in step" in text, text
+    assert "(the stacks of 4 other threads left out)" in text, text
 
 
 class _AbortingSGD(torch.optim.SGD):
     def step(self, closure=None):
         super().step(closure)
         if dist.get_rank() == 1:
+            # threads alive at the crash: faulthandler dumps each, after the crashing one's
+            # header -- the report must still show the header and the crashing frames
+            for _ in range(4):
+                threading.Thread(target=threading.Event().wait, daemon=True).start()
             os.abort()
 
 

@@ -165,8 +165,40 @@ def read(path: str) -> str:
 
 
 def tail(path: str, lines: int = 30) -> str:
+    """The last ``lines`` of a rank's log; a crash's Python stack (faulthandler) whole.
+
+    A rank killed by a signal leaves faulthandler's dump as the last thing in its log, one
+    block per thread: with a few threads alive, the last lines alone would cut off the header
+    and the crashing thread's frames, the two things the report is for."""
     text = read(path).rstrip()
-    return "\n".join(text.splitlines()[-lines:])
+    crash = text.rfind("Fatal Python error:")
+    if crash < 0:
+        return "\n".join(text.splitlines()[-lines:])
+    before = text[:crash].rstrip().splitlines()[-5:]  # what the rank said just before
+    return "\n".join(before + _crashing_thread(text[crash:].splitlines()))
+
+
+def _crashing_thread(dump: list[str]) -> list[str]:
+    """faulthandler's header and the current thread's frames; other threads counted, not
+    listed; the list of extension modules left out."""
+    kept: list[str] = []
+    others = 0
+    keeping = True
+    for line in dump:
+        if line.startswith("Thread 0x"):
+            others, keeping = others + 1, False
+        elif line.startswith("Current thread 0x"):
+            keeping = True
+        elif line.startswith("Extension modules:"):
+            keeping = False
+        if keeping:
+            kept.append(line)
+    while kept and not kept[-1].strip():
+        kept.pop()
+    if others:
+        kept.append(f"(the stack{'s' if others > 1 else ''} of {others} other "
+                    f"thread{'s' if others > 1 else ''} left out)")
+    return kept
 
 
 def _size(path: str) -> int:
