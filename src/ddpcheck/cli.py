@@ -316,8 +316,8 @@ def resolve_target(spec: str) -> Any:
     missing = next((e for e in READY_MADE if e.name == spec), None)
     if missing is not None:  # a framework's target, the framework not installed
         raise UsageError(f"target {spec!r} drives {missing.framework}, which is not installed "
-                         "here; pip install 'ddpcheck[frameworks]' (or the package alone, at "
-                         "the version in constraints.txt)")
+                         f"here: {missing.install} (docs/frameworks.md lists the releases "
+                         "tried)")
     if ":" not in spec:  # a built-in name, mistyped
         names = [*BUILTIN, *(e.name for e in READY_MADE)]
         raise UsageError(f"target {spec!r} is not a built-in target{did_you_mean(spec, names)} "
@@ -540,10 +540,9 @@ def _targets(args: argparse.Namespace) -> ExitCode:
 
     for entry in READY_MADE:
         version = entry.version
-        minimum = dict(entry.target.requires).get(entry.framework)
-        floor = "" if minimum is None else f", supported from {minimum}"
+        floor = "" if entry.minimum is None else f", supported from {entry.minimum}"
         where = (f"{entry.framework} {version}{floor}" if version is not None else
-                 f"{entry.framework} not installed{floor}: pip install 'ddpcheck[frameworks]'")
+                 f"{entry.framework} not installed{floor}: {entry.install}")
         print(f"{entry.name}  ({where})\n    {entry.summary}")
         for feature, why in entry.declines.items():
             print(f"    declines {feature}: {why}")
