@@ -42,6 +42,7 @@ from ddpcheck._internal.devices import (BACKENDS, DEVICES, check_fits, local_wor
 from ddpcheck._internal.scripts import load
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine,
                                         did_you_mean, parse_features, parse_world_sizes)
+from ddpcheck._internal.terminal import ProgressLine
 from ddpcheck.errors import (DdpcheckError, EquivalenceError, ExitCode, InvalidArgument,
                              NothingChecked)
 
@@ -92,11 +93,23 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C while a command runs; a caller of main() gets its handler back.
     previous = (signal.signal(signal.SIGTERM, _terminate)
                 if threading.current_thread() is threading.main_thread() else None)
+    # The live line, from the first second on a terminal: before torch loads (_prepare)
+    args.progress = ProgressLine()
+    if args.command in ("check", "survey") and not _under_torchrun(args):
+        args.progress.show("starting worlds ...")
     try:
-        return int(_outcome(args.command, lambda: _COMMANDS[args.command](_prepare(args))))
+        return int(_outcome(args.command, lambda: _run(args)))
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> ExitCode:
+    """The command; its live line is gone before anything reports how it ended."""
+    try:
+        return _COMMANDS[args.command](_prepare(args))
+    finally:
+        args.progress.close()
 
 
 def command() -> NoReturn:
@@ -388,7 +401,8 @@ def _check_writable(path: str, flag: str) -> None:
 def _check(args: argparse.Namespace) -> ExitCode:
     import ddpcheck
     from ddpcheck import features
-    from ddpcheck._internal.runs.fuzz import fuzz, terminal_progress
+    from ddpcheck._internal.runs.fuzz import fuzz
+    from ddpcheck.battery import BATTERY
 
     if _under_torchrun(args):  # use the world torchrun built instead of spawning one
         _check_under_torchrun(args)
@@ -402,24 +416,36 @@ def _check(args: argparse.Namespace) -> ExitCode:
     # --dtypes constrain the battery too: its float64 scenarios are skipped, naming why
     battery_without = without | ({"float64", "float32"} - set(dtypes))
     run = {"deadline": args.deadline, "device": args.device, "backend": args.backend}
+    line = args.progress
+
+    def battery_done(done: int, total: int) -> None:
+        if done == 0:  # off a terminal, the one line of start-up and the battery
+            line.phase(f"battery 0/{total}", f"ddpcheck check {args.target_spec}: starting worlds "
+                       f"(world sizes {sizes}), then the battery: {len(BATTERY)} scenarios at each")
+        else:
+            line.show(f"battery {done}/{total}")
+
     # 1. the built-in battery: representative scenarios, every world size
     try:
         report = ddpcheck.assert_equivalent(args.target, world_sizes=args.world_sizes,
-                                            without=battery_without, **run)
+                                            without=battery_without, progress=battery_done, **run)
     except NothingChecked as exc:  # the random examples may still find something
         battery, declined, exercised = 0, str(exc), set()
-        print(f"battery: nothing checked: {exc}")
+        with line.paused():
+            print(f"battery: nothing checked: {exc}")
     else:
         battery, declined, exercised = report.count, "", report.features
-        print(f"battery: {report}")
+        with line.paused():
+            print(f"battery: {report}")
     # 2. random examples, shrunk to a minimal counterexample on failure
-    print(f"fuzzing {args.target_spec} with {args.examples} random examples at world sizes "
-          f"{sizes}{'' if args.seed is None else f' (seed {args.seed})'}", flush=True)
+    with line.paused():
+        print(f"fuzzing {args.target_spec} with {args.examples} random examples at world sizes "
+              f"{sizes}{'' if args.seed is None else f' (seed {args.seed})'}", flush=True)
+    line.show(f"random examples 0/{args.examples}")
     result = fuzz(args.target, examples=args.examples, world_sizes=args.world_sizes,
-                  seed=args.seed, progress=terminal_progress(args.examples), dtypes=dtypes,
-                  without=without, **run)
-    if sys.stderr.isatty():
-        sys.stderr.write("\n")
+                  seed=args.seed, dtypes=dtypes, without=without, **run,
+                  progress=lambda done, _: line.show(f"random examples {done}/{args.examples}"))
+    line.close()
     if result.found:
         print(f"counterexample found after {result.first_failure} examples and shrunk "
               f"({result.examples} examples, {result.seconds:.1f} s):\n")
@@ -462,15 +488,19 @@ def _survey(args: argparse.Namespace) -> ExitCode:
 
     sizes = ",".join(map(str, args.world_sizes))
     seed = "" if args.seed is None else f" (seed {args.seed})"
-    print(f"ddpcheck survey {args.target_spec}: the battery and {args.examples} random examples "
-          f"per feature at world sizes {sizes}{seed}\n", flush=True)
-    progress = survey.terminal_progress()
+    line = args.progress
+    with line.paused():
+        print(f"ddpcheck survey {args.target_spec}: the battery and {args.examples} random "
+              f"examples per feature at world sizes {sizes}{seed}\n", flush=True)
+
+    def cell(done: int, total: int, what: str, seconds: float) -> None:
+        line.show(f"cell {done + 1}/{total}: {what}")
+
     result = survey.survey(args.target, world_sizes=args.world_sizes, examples=args.examples,
                            without=parse_features(args.without, "--without"), seed=args.seed,
                            deadline=args.deadline, shrink_seconds=args.shrink_seconds,
-                           progress=progress, device=args.device, backend=args.backend)
-    if progress is not None:
-        sys.stderr.write("\r\033[K")
+                           progress=cell, device=args.device, backend=args.backend)
+    line.close()
     print(result, flush=True)
     if args.json:
         import json
