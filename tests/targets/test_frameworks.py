@@ -15,7 +15,6 @@ from ddpcheck import cli, targets, zoo
 from ddpcheck.errors import ExitCode
 from ddpcheck.features import FEATURES, supported_by
 from ddpcheck.scenario import Scenario
-from ddpcheck.targets.framework import install_command
 
 #: micro-batches, a schedule, clipping, Adam state, a parameter some ranks do not use
 BUSY = Scenario(zoo.SampleBranch, optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.01},
@@ -24,7 +23,8 @@ BUSY = Scenario(zoo.SampleBranch, optimizer=torch.optim.Adam, optimizer_kwargs={
 
 def _needs(module: str) -> None:
     if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not installed ({install_command(module)})")
+        entry = next(e for e in targets.READY_MADE if e.module == module)
+        pytest.skip(f"{module} is not installed ({entry.install})")
 
 
 def test_ddpcheck_targets_lists_every_ready_made_target_with_its_declines(capsys):
@@ -43,7 +43,7 @@ def test_ddpcheck_targets_lists_every_ready_made_target_with_its_declines(capsys
     # once hinted `pip install 'ddpcheck[frameworks]'`, which installs no DeepSpeed
     ("deepspeed_zero1", "drives deepspeed, which is not installed here: pip install "
                         "'deepspeed>=0.19.0'"),
-])
+], ids=["fabric", "deepspeed_zero1"])
 def test_a_framework_that_is_not_installed_is_named_with_how_to_install_it(monkeypatch, capsys,
                                                                            name, hint):
     monkeypatch.delitem(targets.BUILTIN, name, raising=False)
