@@ -9,6 +9,11 @@ while the ranks work, so the overtime rule is what keeps the verdict.
 
     python bench/loaded.py                    # 8 load processes, the issue's command
     python bench/loaded.py --deadline 0.5     # deadlines that pass under load
+    python bench/loaded.py --command "bench/throughput.py --world-sizes 2 --repeats 1"
+                                              # any command, quiet then loaded: its last lines
+
+The README's figures are best cases; docs/figures.md puts each beside its loaded twin, printed by
+``--command`` (``pytest -n auto properties/``, ``bench/throughput.py``, ``bench/first_line.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -35,11 +41,11 @@ def load(processes: int) -> Iterator[None]:
             proc.wait()
 
 
-def run(command: list[str]) -> tuple[int, float, str]:
+def run(command: list[str], lines: int = 1) -> tuple[int, float, str]:
     started = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
-    last = (done.stdout.strip().splitlines() or done.stderr.strip().splitlines() or [""])[-1]
-    return done.returncode, time.monotonic() - started, last
+    last = done.stdout.strip().splitlines() or done.stderr.strip().splitlines() or [""]
+    return done.returncode, time.monotonic() - started, "\n     ".join(last[-lines:])
 
 
 def main() -> None:
@@ -49,11 +55,19 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=30)
     parser.add_argument("--world-sizes", default="2,3")
     parser.add_argument("--deadline", type=float, default=None)
+    parser.add_argument("--command", default=None,
+                        help="run this instead (a leading FILE.py or -m runs with this Python); "
+                             "its last 3 lines are shown")
     args = parser.parse_args()
     command = [sys.executable, "-m", "ddpcheck", "check", "--examples", str(args.examples),
                "--world-sizes", args.world_sizes]
     if args.deadline is not None:
         command += ["--deadline", str(args.deadline)]
+    lines = 1
+    if args.command is not None:
+        command, lines = shlex.split(args.command), 3
+        if command[0].endswith(".py") or command[0] == "-m":
+            command.insert(0, sys.executable)
     print(f"{' '.join(command[1:])}  ({os.cpu_count()} cores; load: {args.processes} CPU-bound "
           "processes, a session each)")
     print(f"{'run':>3}  {'load':>6}  {'exit':>4}  {'wall s':>7}  {'loadavg':>7}  last line")
@@ -61,11 +75,11 @@ def main() -> None:
     for index in range(args.runs):
         for loaded in (False, True):
             with load(args.processes if loaded else 0):
-                status, wall, last = run(command)
+                status, wall, last = run(command, lines)
                 average = os.getloadavg()[0]
             statuses.append(status)
             print(f"{index:>3}  {'loaded' if loaded else 'quiet':>6}  {status:>4}  {wall:7.1f}  "
-                  f"{average:7.1f}  {last[:90]}", flush=True)
+                  f"{average:7.1f}  {last if lines > 1 else last[:90]}", flush=True)
     print(f"exit statuses: {sorted(set(statuses))} (0 wanted everywhere)")
     sys.exit(0 if set(statuses) == {0} else 1)
 

@@ -32,7 +32,8 @@ PLACES = [
     ("runs", ["ddpcheck._internal.runs", "ddpcheck._internal.runs.*"]),
     ("self-test", ["ddpcheck.mutation", "ddpcheck.mutation.*"]),
     ("front", ["ddpcheck", "ddpcheck.__main__", "ddpcheck.api", "ddpcheck.cli",
-               "ddpcheck.pytest_plugin", "ddpcheck._internal"]),
+               "ddpcheck.pytest_plugin", "ddpcheck._internal", "ddpcheck._internal.grammar",
+               "ddpcheck._internal.terminal"]),
 ]
 
 #: The places each place may import (its own included). The oracle judges records and never

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ddpcheck import features
 from ddpcheck._internal.devices import check_fits
@@ -72,7 +72,8 @@ check_example = interruptible(example.check_example)
 def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
                       world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
                       deadline: float = DEFAULT_DEADLINE, without: Iterable[str] = (),
-                      device: str = "cpu", backend: str | None = None) -> Report:
+                      device: str = "cpu", backend: str | None = None,
+                      progress: Callable[[int, int], None] | None = None) -> Report:
     """Check ``target`` against the oracle on ``scenario`` (default: the built-in battery).
 
     ``device="cuda"`` runs every rank on its GPU (rank r on cuda:r, NCCL; ``backend="gloo"``
@@ -88,6 +89,9 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
     an EquivalenceError: :class:`ddpcheck.ScenarioError` (a scenario the oracle cannot judge),
     :class:`ddpcheck.WorldStartError`, :class:`ddpcheck.NothingChecked` (every example skipped or
     declined: passing would be a silent no-op), :class:`ddpcheck.InvalidArgument`.
+
+    ``progress(done, total)`` is called before the first example (``done`` 0) and after each
+    (scenario, world size), run or skipped: how ``ddpcheck check`` keeps its live line moving.
     """
     check_target(target)
     sizes = check_world_sizes("world_sizes", world_sizes)
@@ -104,6 +108,16 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
                               "the built-in battery)")
     report = Report()
     references: dict[int, Any] = {}  # battery index -> its reference, shared by every size
+    total, done = len(named) * len(sizes), 0
+
+    def one_more() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    if progress is not None:
+        progress(0, total)
     # World by world, smallest first, the next one booting while this one runs its examples:
     # the first verdicts come from the world that is up first, and no world waits idle.
     launch_worlds(sizes[:1], device=device, backend=backend)
@@ -115,6 +129,7 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
             why = features.declines(target, sc, world_size, excluded)
             if why is not None:
                 report.skipped.append((name or "scenario", world_size, why))
+                one_more()
                 continue
             started = time.perf_counter()
             run = dict(deadline=deadline, name=name, device=device, backend=backend)
@@ -124,11 +139,13 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
                                                       references.get(index), run)
             except NothingChecked as exc:  # declined once running: a default hook cannot serve it
                 report.skipped.append((name or "scenario", world_size, str(exc)))
+                one_more()
                 continue
             report.examples.append((name or "scenario", world_size,
                                     time.perf_counter() - started))
             report.features |= features.of(sc, world_size)
             report.notes.update(dict.fromkeys(notes))
+            one_more()
     if not report.examples:
         raise NothingChecked(f"{type(target).__name__} declined every scenario: "
                              + "; ".join(report.skipped_lines()))

@@ -1,4 +1,5 @@
-"""The ``ddpcheck`` command line: its grammar, and one path from options to an exit status.
+"""The ``ddpcheck`` command line: one path from options to an exit status (the grammar:
+``_internal.grammar``).
 
 Every command goes the same way (:func:`main`): parse; validate what the commands share before
 anything heavy loads (:func:`_prepare`: the device and GPUs asked for, the world sizes against the
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import functools
 import os
 import re
 import select
@@ -38,40 +38,18 @@ import traceback
 import warnings
 from typing import Any, Callable, NoReturn
 
-from ddpcheck._internal.devices import (BACKENDS, DEVICES, check_fits, local_world_size,
-                                       under_torchrun)
+from ddpcheck._internal.devices import check_fits, local_world_size, under_torchrun
 from ddpcheck._internal.scripts import load
-from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, SuggestingParser,
-    check_fits_machine, did_you_mean, parse_command_line, parse_features, parse_world_sizes)
+from ddpcheck._internal.grammar import (EXIT_CODES, SURVEY_EXIT_CODES, build_parser,
+                                        parse_command_line)
+from ddpcheck._internal.options import (DEFAULT_WORLD_SIZES, check_fits_machine, did_you_mean,
+                                        parse_features)
+from ddpcheck._internal.terminal import ProgressLine
 from ddpcheck.errors import (DdpcheckError, EquivalenceError, ExitCode, InvalidArgument,
                              NothingChecked)
 
 __all__ = ["EXIT_CODES", "SURVEY_EXIT_CODES", "UsageError", "build_parser", "command", "main",
            "resolve_target"]
-
-#: The exit statuses, as ``--help`` states them (``ddpcheck.errors.ExitCode``).
-EXIT_CODES = (f"exit status: {ExitCode.OK:d} checked, nothing found; {ExitCode.FOUND:d} a "
-              "counterexample in the target (printed with its replay line); "
-              f"{ExitCode.SETUP:d} usage or set-up error, not the target's fault; "
-              f"{ExitCode.NOTHING_CHECKED:d} nothing was checked (every example skipped or "
-              f"declined); {ExitCode.INTERNAL:d} an internal error of ddpcheck; "
-              f"{ExitCode.INCONCLUSIVE:d} inconclusive (the machine too slow to tell); "
-              f"{ExitCode.OUTPUT_CLOSED:d} its output was closed before it ended")
-SURVEY_EXIT_CODES = (f"exit status: {ExitCode.OK:d} every cell that ran passed; "
-                     f"{ExitCode.FOUND:d} some cell failed (each a proven counterexample, with its "
-                     f"replay line); {ExitCode.SETUP:d} usage or set-up error, not the target's "
-                     "fault (a scenario the oracle cannot judge, too); "
-                     f"{ExitCode.NOTHING_CHECKED:d} no cell ran; {ExitCode.INTERNAL:d} an "
-                     f"internal error of ddpcheck; {ExitCode.INCONCLUSIVE:d} inconclusive (the "
-                     f"machine too slow to tell); {ExitCode.OUTPUT_CLOSED:d} its output was "
-                     "closed before it ended")
-
-
-#: What a target argument may be (``resolve_target``).
-TARGET_HELP = ("a built-in name (parallel, torch_ddp, ...), MODULE:EXPR (mypkg.checks:MY_TARGET), "
-               "or path/to/FILE.py:EXPR, a script imported as a module "
-               "(check_my_ddp.py:MyTarget())")
-
 
 class UsageError(InvalidArgument):
     """A command-line mistake: printed without a traceback, exit status 2."""
@@ -95,11 +73,23 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C while a command runs; a caller of main() gets its handler back.
     previous = (signal.signal(signal.SIGTERM, _terminate)
                 if threading.current_thread() is threading.main_thread() else None)
+    # The live line, from the first second on a terminal: before torch loads (_prepare)
+    args.progress = ProgressLine()
+    if args.command in ("check", "survey") and not _under_torchrun(args):
+        args.progress.show("starting worlds ...")
     try:
-        return int(_outcome(args.command, lambda: _COMMANDS[args.command](_prepare(args))))
+        return int(_outcome(args.command, lambda: _run(args)))
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> ExitCode:
+    """The command; its live line is gone before anything reports how it ended."""
+    try:
+        return _COMMANDS[args.command](_prepare(args))
+    finally:
+        args.progress.close()
 
 
 def command() -> NoReturn:
@@ -319,8 +309,8 @@ def resolve_target(spec: str) -> Any:
     missing = next((e for e in READY_MADE if e.name == spec), None)
     if missing is not None:  # a framework's target, the framework not installed
         raise UsageError(f"target {spec!r} drives {missing.framework}, which is not installed "
-                         "here; pip install 'ddpcheck[frameworks]' (or the package alone, at "
-                         "the version in constraints.txt)")
+                         f"here: {missing.install} (docs/frameworks.md lists the releases "
+                         "tried)")
     if ":" not in spec:  # a built-in name, mistyped
         names = [*BUILTIN, *(e.name for e in READY_MADE)]
         raise UsageError(f"target {spec!r} is not a built-in target{did_you_mean(spec, names)} "
@@ -392,7 +382,8 @@ def _check(args: argparse.Namespace) -> ExitCode:
     import ddpcheck
     from ddpcheck import features
     from ddpcheck._internal.runs import smaller
-    from ddpcheck._internal.runs.fuzz import fuzz, terminal_progress, undrawable
+    from ddpcheck._internal.runs.fuzz import fuzz, undrawable
+    from ddpcheck.battery import BATTERY
 
     if _under_torchrun(args):  # use the world torchrun built instead of spawning one
         _check_under_torchrun(args)
@@ -408,35 +399,48 @@ def _check(args: argparse.Namespace) -> ExitCode:
     # --dtypes constrain the battery too: its float64 scenarios are skipped, naming why
     battery_without = without | ({"float64", "float32"} - set(dtypes))
     run = {"deadline": args.deadline, "device": args.device, "backend": args.backend}
+    line = args.progress
+
+    def battery_done(done: int, total: int) -> None:
+        if done == 0:  # off a terminal, the one line of start-up and the battery
+            line.phase(f"battery 0/{total}", f"ddpcheck check {args.target_spec}: starting worlds "
+                       f"(world sizes {sizes}), then the battery: {len(BATTERY)} scenarios at each")
+        else:
+            line.show(f"battery {done}/{total}")
+
+    def say(text: str) -> None:
+        with line.paused():
+            print(text, flush=True)
+
     # 1. the built-in battery: representative scenarios, every world size; a failure is
     # followed by the search for a smaller counterexample (runs.smaller)
     try:
         report = ddpcheck.assert_equivalent(args.target, world_sizes=args.world_sizes,
-                                            without=battery_without, **run)
+                                            without=battery_without, progress=battery_done, **run)
     except NothingChecked as exc:  # the random examples may still find something
         battery, declined, exercised = 0, str(exc), set()
-        print(f"battery: nothing checked: {exc}")
+        say(f"battery: nothing checked: {exc}")
     except EquivalenceError as found:
+        line.show("searching for a smaller counterexample")
         error, what = smaller.first_verdict(args.target, found, world_sizes=args.world_sizes,
-                                            without=without, seed=args.seed,
-                                            say=functools.partial(print, flush=True), **run)
+                                            without=without, seed=args.seed, say=say, **run)
         raise smaller.with_features(error, what, _survey_command(args)) from None
     else:
         battery, declined, exercised = report.count, "", report.features
-        print(f"battery: {report}")
+        say(f"battery: {report}")
     # 2. random examples, shrunk to a minimal counterexample on failure -- if any can be drawn
     cannot = undrawable(args.target, dtypes, without)
     if cannot is not None:  # no dtype left: the battery, in the same dtypes, checked nothing
-        print(f"random examples: none can be drawn: {cannot}", flush=True)
+        say(f"random examples: none can be drawn: {cannot}")
         raise NothingChecked(f"every battery scenario was declined (the reasons above) and no "
                              f"random example can be drawn: {cannot}")
-    print(f"fuzzing {args.target_spec} with {args.examples} random examples at world sizes "
-          f"{sizes}{'' if args.seed is None else f' (seed {args.seed})'}", flush=True)
+    say(f"fuzzing {args.target_spec} with {args.examples} random examples at world sizes "
+        f"{sizes}{'' if args.seed is None else f' (seed {args.seed})'}")
+    line.show(f"random examples 0/{args.examples}")
     result = fuzz(args.target, examples=args.examples, world_sizes=args.world_sizes,
-                  seed=args.seed, progress=terminal_progress(args.examples), dtypes=dtypes,
-                  without=without, **run)
-    if sys.stderr.isatty():
-        sys.stderr.write("\n")
+                  seed=args.seed, dtypes=dtypes, without=without, **run,
+                  progress=lambda done, _: line.show(f"random examples {done}/{args.examples}"))
+    line.close()
     if result.found:
         print(f"counterexample found after {result.first_failure} examples and shrunk "
               f"({result.examples} examples, {result.seconds:.1f} s):\n")
@@ -507,15 +511,19 @@ def _survey(args: argparse.Namespace) -> ExitCode:
 
     sizes = ",".join(map(str, args.world_sizes))
     seed = "" if args.seed is None else f" (seed {args.seed})"
-    print(f"ddpcheck survey {args.target_spec}: the battery and {args.examples} random examples "
-          f"per feature at world sizes {sizes}{seed}\n", flush=True)
-    progress = survey.terminal_progress()
+    line = args.progress
+    with line.paused():
+        print(f"ddpcheck survey {args.target_spec}: the battery and {args.examples} random "
+              f"examples per feature at world sizes {sizes}{seed}\n", flush=True)
+
+    def cell(done: int, total: int, what: str, seconds: float) -> None:
+        line.show(f"cell {done + 1}/{total}: {what}")
+
     result = survey.survey(args.target, world_sizes=args.world_sizes, examples=args.examples,
                            without=parse_features(args.without, "--without"), seed=args.seed,
                            deadline=args.deadline, shrink_seconds=args.shrink_seconds,
-                           progress=progress, device=args.device, backend=args.backend)
-    if progress is not None:
-        sys.stderr.write("\r\033[K")
+                           progress=cell, device=args.device, backend=args.backend)
+    line.close()
     print(result, flush=True)
     if args.json:
         import json
@@ -585,10 +593,9 @@ def _targets(args: argparse.Namespace) -> ExitCode:
 
     for entry in READY_MADE:
         version = entry.version
-        minimum = dict(entry.target.requires).get(entry.framework)
-        floor = "" if minimum is None else f", supported from {minimum}"
+        floor = "" if entry.minimum is None else f", supported from {entry.minimum}"
         where = (f"{entry.framework} {version}{floor}" if version is not None else
-                 f"{entry.framework} not installed{floor}: pip install 'ddpcheck[frameworks]'")
+                 f"{entry.framework} not installed{floor}: {entry.install}")
         print(f"{entry.name}  ({where})\n    {entry.summary}")
         for feature, why in entry.declines.items():
             print(f"    declines {feature}: {why}")
@@ -634,166 +641,6 @@ def _fuzz_rule(args: argparse.Namespace) -> ExitCode:
 _COMMANDS: dict[str, Callable[[argparse.Namespace], ExitCode]] = {
     "check": _check, "survey": _survey, "replay": _replay, "trace": _trace,
     "mutants": _mutants, "fuzz-rule": _fuzz_rule, "targets": _targets}
-
-
-# ---------------------------------------------------------------------------------------------
-# The grammar: every subcommand, flag, default and help text
-
-
-def _world_sizes(text: str) -> tuple[int, ...]:
-    try:
-        return parse_world_sizes(text)
-    except InvalidArgument as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _positive(kind: type) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-        return value
-    return parse
-
-
-def _target_options(parser: argparse.ArgumentParser, *, examples: int, what: str,
-                    world_sizes: str) -> None:
-    """The options ``check`` and ``survey`` share."""
-    parser.add_argument("target", nargs="?", default="parallel", metavar="MODULE:TARGET",
-                        help=f"{TARGET_HELP}; default parallel")
-    parser.add_argument("--world-sizes", type=_world_sizes, default=None,
-                        help=f"comma-separated world sizes ({world_sizes})")
-    parser.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
-                        help="seconds one example may take before it counts as hung (default 60)")
-    parser.add_argument("--examples", type=_positive(int), default=examples,
-                        help=f"{what} (default {examples})")
-    parser.add_argument("--seed", type=int, default=None,
-                        help="seed of the random examples (default: the same examples every run)")
-    parser.add_argument("--without", default="", metavar="FEATURE[,FEATURE...]",
-                        help="features never to exercise, on top of the target's "
-                             "supported_features (e.g. accumulation,buffers; see "
-                             "ddpcheck.features)")
-    _device_options(parser)
-
-
-def _device_options(parser: argparse.ArgumentParser) -> None:
-    """Where the ranks compute; the reference always runs on the CPU (``_internal.devices``)."""
-    parser.add_argument("--device", choices=DEVICES, default="cpu",
-                        help="cpu (default), or cuda: rank r on GPU r, NCCL, TF32 off; refused "
-                             "without a GPU, or with more ranks than GPUs unless --backend gloo")
-    parser.add_argument("--backend", choices=BACKENDS, default=None,
-                        help="the process-group backend (default: gloo on cpu, nccl on cuda); "
-                             "gloo with --device cuda lets ranks share GPUs")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = SuggestingParser(
-        prog="ddpcheck",
-        description="Find bugs in data-parallel training code: run it in real multi-process "
-                    "worlds against a single-process full-batch reference.",
-        epilog=EXIT_CODES)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    check = sub.add_parser("check", help="check a target (default: the built-in parallel target)",
-                           description="Run the built-in battery of scenarios against a target "
-                                       "at every world size, then random examples shrunk by "
-                                       "Hypothesis.", epilog=EXIT_CODES)
-    _target_options(check, examples=100, what="random examples to run after the built-in battery",
-                    world_sizes="default 1,2,3,4; under torchrun, torchrun's world size")
-    check.add_argument("--dtypes", default="float64", metavar="DTYPE[,DTYPE...]",
-                       help="dtypes of the random examples: float64 (default), float32 or both")
-
-    survey = sub.add_parser(
-        "survey", help="run everything, stopping nowhere, and print the capability matrix",
-        description="The battery at every world size, then random examples exercising each "
-                    "feature of ddpcheck.features at each world size (a cell stops at its first "
-                    "failure, shrunk by Hypothesis): the feature x world-size matrix, every "
-                    "failure with its replay line, the battery table.", epilog=SURVEY_EXIT_CODES)
-    _target_options(survey, examples=8, what="random examples per feature and world size",
-                    world_sizes="default 1,2,3,4")
-    survey.add_argument("--shrink-seconds", type=_positive(float), default=3.0,
-                        help="seconds to shrink each failing cell's counterexample (default 3)")
-    survey.add_argument("--json", default=None, metavar="PATH",
-                        help="also write the survey (every cell) as JSON to PATH")
-
-    replay = sub.add_parser("replay", help="run one example again (the line a failure prints)",
-                            epilog=EXIT_CODES)
-    replay.add_argument("target", metavar="MODULE:TARGET", help=TARGET_HELP)
-    replay.add_argument("--world-size", type=_positive(int), required=True)
-    replay.add_argument("--scenario", required=True, help="the scenario's repr, as printed")
-    replay.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE)
-    _device_options(replay)
-
-    trace = sub.add_parser("trace", help="record every collective of one step as a Chrome/"
-                                         "Perfetto trace",
-                           description="Run one steady-state training step of a model with "
-                                       "several gradient buckets on every rank and write its "
-                                       "collectives and phases in Chrome trace format (open in "
-                                       "https://ui.perfetto.dev or chrome://tracing). Exit 0, "
-                                       "or 2 on a usage or set-up error.")
-    trace.add_argument("target", nargs="?", default="parallel", metavar="MODULE:TARGET",
-                       help=f"{TARGET_HELP}; default parallel")
-    trace.add_argument("--world-size", type=_positive(int), default=2,
-                       help="ranks to trace (default 2)")
-    trace.add_argument("-o", "--output", default="trace.json",
-                       help="where to write the JSON (default trace.json)")
-    trace.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE)
-
-    sub.add_parser("targets", help="list the ready-made targets: framework, installed version, "
-                                   "what each declines and why",
-                   description="List every ready-made target ddpcheck check accepts by name: "
-                               "what it drives, its framework and installed version (a "
-                               "framework's target is usable only where it is installed), and "
-                               "each feature it declines with the reason. Exit 0.")
-
-    mutants = sub.add_parser(
-        "mutants", help="run the built-in mutant catalogue and print which bugs were caught",
-        description="Search each mutant of ddpcheck.mutation.catalogue (the parallel target with "
-                    "one seeded bug from the bug catalogue) for a counterexample, after checking "
-                    "that the unmutated parallel target passes the same search. Exit 0 if every "
-                    "mutant is killed and the unmutated target passes, 1 otherwise, 2 on a usage "
-                    "error.")
-    mutants.add_argument("--budget-seconds", type=_positive(float), default=10.0,
-                         help="search time per mutant, world start-up excluded (default 10)")
-    mutants.add_argument("--world-sizes", type=_world_sizes, default=DEFAULT_WORLD_SIZES,
-                         help="comma-separated world sizes (default 1,2,3,4)")
-    mutants.add_argument("--only", default=None, metavar="NAME[,NAME...]",
-                         help="run only these mutants (names as in the table)")
-    mutants.add_argument("--search", choices=("shrinking", "battery"), default="shrinking",
-                         help="shrinking: random examples shrunk by Hypothesis, then the battery "
-                              "(default); battery: the built-in battery only (fastest)")
-    mutants.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
-                         help="seconds one example may take before it counts as hung (default 60)")
-
-    rule = sub.add_parser(
-        "fuzz-rule", help="check a sharding rule's invariants and equivalence, report its balance",
-        description="Call the rule on parameter lists drawn by Hypothesis (1-300 parameters shaped "
-                    "like real models', mixed dtypes, world sizes 1-8, often more ranks than "
-                    "parameters) and on fixed GPT-like lists, each call with a deadline, in a "
-                    "separate process (right length, integer owners in range, same answer twice, "
-                    "returns in time), then on every rank of real worlds of 2-4 processes (same "
-                    "answer everywhere); a violation is shrunk to the smallest parameter list "
-                    "that shows it. Then check ShardedOptimizer under the rule against the "
-                    "battery, and print the optimizer-state balance (max / ideal bytes) on "
-                    "GPT-like parameters. Exit 0 if the rule holds, 1 with the violations (the "
-                    "rule raised, hung, crashed its process, answered wrongly, or ShardedOptimizer "
-                    "under it is not equivalent), 2 on a usage or set-up error.")
-    rule.add_argument("rule", metavar="MODULE:RULE",
-                      help="a function rule(params, world_size) -> owners, such as "
-                           "parallel.sharding:greedy or my_rules.py:balanced")
-    rule.add_argument("--world-sizes", type=_world_sizes, default=DEFAULT_WORLD_SIZES,
-                      help="world sizes of the equivalence check (default 1,2,3,4)")
-    rule.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
-                      help="seconds one call of the rule, or one equivalence example, may take "
-                           "before it counts as hung (default 60)")
-    rule.add_argument("--examples", type=_positive(int), default=200,
-                      help="parameter lists Hypothesis draws (default 200)")
-    rule.add_argument("--seed", type=int, default=None,
-                      help="seed of the drawn lists (default: the same lists every run)")
-    return parser
 
 
 if __name__ == "__main__":

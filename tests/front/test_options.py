@@ -25,8 +25,13 @@ def _check(capsys, monkeypatch, *argv: str) -> tuple[str, list[int]]:
 
     monkeypatch.setattr(World, "start", recording)
     status = cli.main(["check", "local", *argv])
-    out = capsys.readouterr().out
-    assert status == ExitCode.OK, out
+    out, err = capsys.readouterr()
+    assert status == ExitCode.OK, out + err
+    # off a terminal, a line per phase: this one before the battery, none per example (the
+    # random examples' is "fuzzing ..." on stdout; tests/front/test_progress.py, the terminal)
+    sizes = argv[argv.index("--world-sizes") + 1]
+    assert err == (f"ddpcheck check local: starting worlds (world sizes {sizes}), then the "
+                   "battery: 15 scenarios at each\n"), err
     return out, started
 
 

@@ -23,7 +23,8 @@ BUSY = Scenario(zoo.SampleBranch, optimizer=torch.optim.Adam, optimizer_kwargs={
 
 def _needs(module: str) -> None:
     if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not installed (pip install 'ddpcheck[frameworks]')")
+        entry = next(e for e in targets.READY_MADE if e.module == module)
+        pytest.skip(f"{module} is not installed ({entry.install})")
 
 
 def test_ddpcheck_targets_lists_every_ready_made_target_with_its_declines(capsys):
@@ -37,11 +38,18 @@ def test_ddpcheck_targets_lists_every_ready_made_target_with_its_declines(capsys
         assert set(entry.declines) == set(FEATURES) - supported_by(entry.target), entry.name
 
 
-def test_a_framework_that_is_not_installed_is_named_with_how_to_install_it(monkeypatch, capsys):
-    monkeypatch.delitem(targets.BUILTIN, "fabric", raising=False)
-    status = cli.main(["check", "fabric", "--examples", "1"])
+@pytest.mark.parametrize("name, hint", [
+    ("fabric", "drives lightning, which is not installed here: pip install 'lightning>=2.0.9'"),
+    # once hinted `pip install 'ddpcheck[frameworks]'`, which installs no DeepSpeed
+    ("deepspeed_zero1", "drives deepspeed, which is not installed here: pip install "
+                        "'deepspeed>=0.19.0'"),
+], ids=["fabric", "deepspeed_zero1"])
+def test_a_framework_that_is_not_installed_is_named_with_how_to_install_it(monkeypatch, capsys,
+                                                                           name, hint):
+    monkeypatch.delitem(targets.BUILTIN, name, raising=False)
+    status = cli.main(["check", name, "--examples", "1"])
     assert status == ExitCode.SETUP
-    assert "drives lightning, which is not installed here" in capsys.readouterr().err
+    assert hint in capsys.readouterr().err
 
 
 def test_accelerate_as_its_docs_drive_it():

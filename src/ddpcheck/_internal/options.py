@@ -9,14 +9,12 @@ hanging half a world. Imports no torch: the pytest plugin and ``ddpcheck --help`
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import functools
 import numbers
 import os
-import re
-from typing import Any, Iterable, NoReturn, TypeVar
+from typing import Any, Iterable, TypeVar
 
 from ddpcheck.errors import InvalidArgument
 
@@ -24,7 +22,7 @@ __all__ = ["BEYOND_TORCH", "DEFAULT_DEADLINE", "DEFAULT_FEATURES", "DEFAULT_WORL
            "FEATURES", "MAX_RANKS_PER_CORE", "OPT_IN", "STARTUP_DEADLINE", "WARM_UP_DEADLINE",
            "check_deadline", "check_fits_machine", "check_positive_number", "check_process_group",
            "check_world_size", "check_world_sizes", "did_you_mean", "named_fields",
-           "parse_command_line", "parse_features", "parse_world_sizes", "SuggestingParser"]
+           "parse_features", "parse_world_sizes"]
 
 #: World sizes checked when none are given: 1 (the wrapper is a no-op), 2 (the cheapest world
 #: where replicas can disagree), 3 (divisor and ordering bugs 2 hides), 4.
@@ -225,29 +223,3 @@ def named_fields(cls: C) -> C:
 
     cls.__init__ = __init__  # type: ignore[misc]
     return cls
-
-
-def parse_command_line(parser: argparse.ArgumentParser,
-                       argv: list[str] | None) -> argparse.Namespace:
-    """``parse_args``, with a mistyped option answered by the command's closest one (argparse
-    only learns ``suggest_on_error`` in Python 3.14)."""
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        commands = [a.choices for a in parser._actions
-                    if isinstance(a, argparse._SubParsersAction)]
-        where = commands[0].get(args.command, parser) if commands and args.command else parser
-        options = [o for action in where._actions for o in action.option_strings]
-        flags = [u for u in unknown if u.startswith("-")]
-        hint = did_you_mean(flags[0].split("=", 1)[0], options) if flags else ""
-        where.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
-    return args
-
-
-class SuggestingParser(argparse.ArgumentParser):
-    """Argparse's parser, whose "invalid choice" names the closest choice too."""
-
-    def error(self, message: str) -> NoReturn:
-        wrong = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
-        if wrong:
-            message += did_you_mean(wrong.group(1), re.findall(r"'([^']*)'", wrong.group(2)))
-        super().error(message)

@@ -27,6 +27,7 @@ from ddpcheck.targets.accelerate import AccelerateTarget
 from ddpcheck.targets.deepspeed import DeepSpeedTarget
 from ddpcheck.targets.environment import installed_version
 from ddpcheck.targets.fabric import FabricTarget
+from ddpcheck.targets.framework import install_command
 from ddpcheck.targets.fsdp import (broadcast_from, fsdp_cannot_run, fully_shard_options,
                                    gradient_sync_off, shard_leaves)
 from ddpcheck.targets.lightning import LightningTarget
@@ -279,6 +280,16 @@ class ReadyMade:
     def version(self) -> str | None:
         """The framework's installed version; None when it is not installed."""
         return installed_version(self.framework, self.module)
+
+    @property
+    def minimum(self) -> str | None:
+        """The oldest release of its framework it supports (``Target.requires``), if any."""
+        return dict(getattr(self.target, "requires", ()) or ()).get(self.framework)
+
+    @property
+    def install(self) -> str:
+        """The pip command that installs its framework at a supported release."""
+        return install_command(self.framework, self.minimum)
 
 
 _TORCH_DDP_ORDER = ("torch DDP requires \"the exact same parameter registration order\" on "

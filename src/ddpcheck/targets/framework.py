@@ -33,7 +33,7 @@ from typing import Any
 from ddpcheck.errors import DdpcheckError, InternalError, SetupError
 from ddpcheck.targets.protocol import Target
 
-__all__ = ["FrameworkTarget", "check_requirements", "raised_in_glue"]
+__all__ = ["FrameworkTarget", "check_requirements", "install_command", "raised_in_glue"]
 
 #: This package's folder: ddpcheck's glue for the frameworks lives here.
 _GLUE = os.path.dirname(os.path.realpath(__file__))
@@ -50,7 +50,8 @@ def check_requirements(target: Any) -> None:
         release = _release(distribution)
         if release is None:
             raise SetupError(f"{type(target).__name__} drives {distribution}, which is not "
-                             f"installed here; it supports {distribution} {minimum} and later")
+                             f"installed here; it supports {distribution} {minimum} and later: "
+                             f"{install_command(distribution, minimum)}")
         try:
             older = TorchVersion(release) < minimum
         except Exception:  # not a release number (a local build): let it run, as pip would
@@ -59,7 +60,15 @@ def check_requirements(target: Any) -> None:
             raise SetupError(
                 f"{type(target).__name__} supports {distribution} {minimum} and later; "
                 f"{distribution} {release} is installed here, which its glue does not support "
-                f"(docs/frameworks.md says why); install {distribution}>={minimum}")
+                f"(docs/frameworks.md says why): {install_command(distribution, minimum)}")
+
+
+def install_command(distribution: str, minimum: str | None = None) -> str:
+    """The pip command that installs ``distribution`` at a release the glue supports: the
+    distribution itself, never an extra of ddpcheck, which is on no index and leaves out
+    DeepSpeed (tests/front/test_install_commands.py resolves every hint)."""
+    floor = "" if minimum is None else f">={minimum}"
+    return f"pip install '{distribution}{floor}'"
 
 
 def _release(distribution: str) -> str | None:

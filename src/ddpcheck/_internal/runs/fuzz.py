@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import queue
-import sys
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
@@ -32,7 +31,7 @@ from ddpcheck._internal.world.interrupts import interruptible
 from ddpcheck._internal.world.worlds import lending_waits, released
 from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked, ScenarioError
 
-__all__ = ["FuzzResult", "fuzz", "terminal_progress", "undrawable"]
+__all__ = ["FuzzResult", "fuzz", "undrawable"]
 
 
 @dataclasses.dataclass
@@ -354,16 +353,3 @@ class _Replay:
     def failing_passed(self) -> bool:
         """The failing example ran again and passed: intermittent."""
         return self.reached and self.done and not self.reproduced and not self.drew_otherwise
-
-
-def terminal_progress(total: int, stream: Any = None) -> Callable[[int, float], None] | None:
-    """A live one-line progress report, only when ``stream`` is a terminal."""
-    stream = stream or sys.stderr
-    if not stream.isatty():
-        return None
-
-    def show(done: int, seconds: float) -> None:
-        stream.write(f"\r  {done}/{total} examples, {seconds:.1f} s ")
-        stream.flush()
-
-    return show

@@ -13,7 +13,6 @@ stops it and propagates unchanged (exit 2); a random example the oracle cannot j
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 import zlib
 from typing import Any, Callable, Iterable
@@ -38,8 +37,7 @@ from ddpcheck._internal.world.interrupts import interruptible
 from ddpcheck.battery import BATTERY
 from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked, ScenarioError
 
-__all__ = ["DEFAULT_EXAMPLES", "DEFAULT_SHRINK_SECONDS", "Cell", "Survey", "survey",
-           "terminal_progress"]
+__all__ = ["DEFAULT_EXAMPLES", "DEFAULT_SHRINK_SECONDS", "Cell", "Survey", "survey"]
 
 #: Random examples per (feature, world size) cell.
 DEFAULT_EXAMPLES = 8
@@ -223,19 +221,6 @@ def survey(target: Any, *, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
             cells.append(cell)
     return Survey(target_spec(target), sizes, examples, cells, exercised,
                   time.perf_counter() - started, seed, shrink_seconds)
-
-
-def terminal_progress(stream: Any = None) -> Callable[[int, int, str, float], None] | None:
-    """A live one-line progress report, only when ``stream`` (stderr) is a terminal."""
-    stream = stream or sys.stderr
-    if not stream.isatty():
-        return None
-
-    def show(done: int, total: int, what: str, seconds: float) -> None:
-        stream.write(f"\r\033[K  cell {done + 1}/{total}: {what}, {seconds:.1f} s")
-        stream.flush()
-
-    return show
 
 
 # ---------------------------------------------------------------------------------------------
