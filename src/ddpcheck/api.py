@@ -13,17 +13,15 @@ import time
 from typing import Any, Callable, Iterable
 
 from ddpcheck import features
-from ddpcheck._internal.devices import check_fits
-from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_deadline,
-                                        check_fits_machine, check_world_sizes)
-from ddpcheck._internal.oracle.judgeable import check_scenario
+from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_world_size
 from ddpcheck._internal.runs import example
-from ddpcheck._internal.runs.example import (check_example_keeping_reference, check_target,
+from ddpcheck._internal.runs.admission import Request, admit
+from ddpcheck._internal.runs.example import (check_example_keeping_reference,
                                              refuse_unconfirmed_hang)
 from ddpcheck._internal.world.interrupts import interruptible
 from ddpcheck._internal.world.worlds import launch_worlds
 from ddpcheck.battery import BATTERY
-from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked
+from ddpcheck.errors import EquivalenceError, NothingChecked
 from ddpcheck.scenario import Scenario
 from ddpcheck.targets import Target
 
@@ -64,15 +62,26 @@ class Report:
                 for (name, why), sizes in grouped.items()]
 
 
-#: One example (``runs.example.check_example``), as a Ctrl-C interrupts it (``interrupts``).
-check_example = interruptible(example.check_example)
+@interruptible
+def check_example(target: Target, scenario: Scenario, world_size: int, *,
+                  deadline: float = DEFAULT_DEADLINE, reference: Any = None,
+                  name: str | None = None, checks: Any = None, device: str = "cpu",
+                  backend: str | None = None) -> tuple[str, ...]:
+    """One example (``runs.example.check_example``), admitted first (``runs.admission``);
+    returns what it left in the rank processes and ddpcheck put right: never a verdict."""
+    check_world_size("world_size", world_size)
+    request = admit(target, scenario=scenario, world_sizes=(world_size,), deadline=deadline,
+                    device=device, backend=backend)
+    return example.check_example(request.target, request.scenario, world_size,
+                                 reference=reference, name=name, checks=checks, **request.run)
 
 
 @interruptible
 def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
                       world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
                       deadline: float = DEFAULT_DEADLINE, without: Iterable[str] = (),
-                      device: str = "cpu", backend: str | None = None,
+                      dtypes: Iterable[str] | None = None, device: str = "cpu",
+                      backend: str | None = None,
                       progress: Callable[[int, int], None] | None = None) -> Report:
     """Check ``target`` against the oracle on ``scenario`` (default: the built-in battery).
 
@@ -82,7 +91,10 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
 
     A scenario that needs a feature the target does not support (``Target.supported_features``)
     or that ``without`` excludes (names from ``ddpcheck.features.FEATURES``) is skipped at that
-    world size, naming the feature.
+    world size, naming the feature; ``dtypes`` (``"float64"``, ``"float32"``; default: both)
+    keeps only the scenarios in those dtypes. The arguments are admitted as at every door
+    (``ddpcheck._internal.runs.admission``: the same rules, defaults and messages as the command
+    line's).
 
     Raises :class:`ddpcheck.EquivalenceError` on the first divergence, with a table and a replay
     command; returns a :class:`Report` when every example holds. Not the target's fault, so never
@@ -93,19 +105,17 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
     ``progress(done, total)`` is called before the first example (``done`` 0) and after each
     (scenario, world size), run or skipped: how ``ddpcheck check`` keeps its live line moving.
     """
-    check_target(target)
-    sizes = check_world_sizes("world_sizes", world_sizes)
-    check_fits_machine(sizes, flag="world_sizes")
-    check_fits(device, sizes, backend)
-    check_deadline("deadline", deadline)
-    excluded = features.parse(without, "without")
-    if scenario is None:
-        named = BATTERY
-    elif isinstance(scenario, Scenario):
-        named = [(None, scenario)]
-    else:
-        raise InvalidArgument(f"scenario={scenario!r} must be a ddpcheck.Scenario (or None for "
-                              "the built-in battery)")
+    request = admit(target, scenario=scenario, world_sizes=world_sizes, deadline=deadline,
+                    without=without, dtypes=dtypes, device=device, backend=backend)
+    return run_battery(request, progress)
+
+
+def run_battery(request: Request, progress: Callable[[int, int], None] | None = None) -> Report:
+    """:func:`assert_equivalent` of an admitted request (the command line's and the pytest
+    plugin's path: their doors admitted it)."""
+    target, scenario, sizes = request.target, request.scenario, request.world_sizes
+    device, backend, excluded = request.device, request.backend, request.battery_without
+    named = BATTERY if scenario is None else [(None, scenario)]
     report = Report()
     references: dict[int, Any] = {}  # battery index -> its reference, shared by every size
     total, done = len(named) * len(sizes), 0
@@ -125,14 +135,13 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
         launch_worlds(sizes[at + 1:at + 2], device=device, backend=backend)
         for index, (name, given) in enumerate(named):
             sc = _within(given, sizes) if scenario is None else given
-            check_scenario(sc)  # the user's model and data first: their errors read best here
             why = features.declines(target, sc, world_size, excluded)
             if why is not None:
                 report.skipped.append((name or "scenario", world_size, why))
                 one_more()
                 continue
             started = time.perf_counter()
-            run = dict(deadline=deadline, name=name, device=device, backend=backend)
+            run = dict(request.run, name=name)
             try:
                 # the first time, the reference is computed while the ranks run the example
                 notes, references[index] = _confirmed(target, sc, world_size,

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import os
-import re
 import select
 import signal
 import sys
@@ -38,12 +38,10 @@ import traceback
 import warnings
 from typing import Any, Callable, NoReturn
 
-from ddpcheck._internal.devices import check_fits, local_world_size, under_torchrun
-from ddpcheck._internal.scripts import load
+from ddpcheck._internal.devices import local_world_size, under_torchrun
 from ddpcheck._internal.grammar import (EXIT_CODES, SURVEY_EXIT_CODES, build_parser,
                                         parse_command_line)
-from ddpcheck._internal.options import (DEFAULT_WORLD_SIZES, check_fits_machine, did_you_mean,
-                                        parse_features)
+from ddpcheck._internal.options import DEFAULT_WORLD_SIZES
 from ddpcheck._internal.terminal import ProgressLine
 from ddpcheck.errors import (DdpcheckError, EquivalenceError, ExitCode, InvalidArgument,
                              NothingChecked)
@@ -257,43 +255,47 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> argparse.Namespace:
-    """What every command shares, checked in this order before anything heavy loads: the device
-    (a machine without the GPUs asked for is told so in seconds), the world sizes against the
-    machine, then the target or rule (its import may be slow), and the output paths. The first
-    world ``check`` and ``survey`` need is launched before the target loads, so its ranks boot
-    (import torch, join the group: ~2 s) while this process imports and computes the battery's
-    references."""
-    sizes = _world_sizes_of(args)
-    if getattr(args, "device", None) is not None:
-        check_fits(args.device, sizes, args.backend, flag="--device")
-    torchrun = _under_torchrun(args)
-    if sizes and not torchrun:
-        check_fits_machine(sizes, flag="--world-size" if hasattr(args, "world_size")
-                           else "--world-sizes")
-    # (not replay: its one example's scenario is read and judged first -- a scenario it cannot
-    # run is refused before any process starts -- and its world starts as the example needs it)
-    if args.command in ("check", "survey") and not torchrun:
-        from ddpcheck._internal.world.worlds import launch_worlds  # no torch: see worlds
+    """The command's request, admitted (``runs.admission``, as at every door, cheapest check
+    first: the device, the world sizes against the machine, the deadline, features, dtypes, the
+    scenario, then the target or rule, whose import may be slow), and the output paths -- all
+    before any process starts. The first world ``check`` and ``survey`` need then boots (import
+    torch, join the group: ~2 s) while this process computes the battery's references."""
+    from ddpcheck._internal.runs import admission
 
-        launch_worlds(sizes[:1], device=args.device, backend=args.backend)
-    if isinstance(getattr(args, "target", None), str):
-        args.target_spec, args.target = args.target, resolve_target(args.target)
+    if args.command == "targets":
+        return args
+    torchrun = _under_torchrun(args)
+    spelling = admission.COMMAND_LINE
+    if torchrun:  # torchrun's world is the one; --world-sizes must contain it (check_in_world)
+        args.sizes_asked = args.world_sizes is not None
+        sizes: Any = args.world_sizes if args.sizes_asked else (local_world_size(),)
+    elif getattr(args, "world_size", None) is not None:
+        sizes = (args.world_size,)
+        spelling = dataclasses.replace(spelling, world_sizes="--world-size")
+    else:  # `--world-sizes=` is refused as empty, not read as the default
+        sizes = getattr(args, "world_sizes", None)
+        sizes = DEFAULT_WORLD_SIZES if sizes is None else sizes
+    target = getattr(args, "target", admission.NO_TARGET)
+    args.request = admission.admit(
+        target, scenario=getattr(args, "scenario", None), world_sizes=sizes,
+        deadline=args.deadline, without=getattr(args, "without", ""),
+        dtypes=getattr(args, "dtypes", None), device=getattr(args, "device", "cpu"),
+        backend=getattr(args, "backend", None), spelling=spelling, fits_machine=not torchrun)
+    if target is not admission.NO_TARGET:
+        args.target_spec, args.target = target, args.request.target
+    if hasattr(args, "world_sizes"):
+        args.world_sizes = args.request.world_sizes
     if getattr(args, "rule", None) is not None:
-        args.rule_spec, args.rule = args.rule, _resolve_rule(args.rule)
+        args.rule_spec, args.rule = args.rule, admission.resolve_rule(args.rule)
     for flag in ("json", "output"):
         if getattr(args, flag, None):
             _check_writable(getattr(args, flag), "-o" if flag == "output" else f"--{flag}")
+    if args.command in ("check", "survey") and not torchrun:
+        from ddpcheck._internal.world.worlds import launch_worlds
+
+        launch_worlds(args.request.world_sizes[:1], device=args.request.device,
+                      backend=args.request.backend)
     return args
-
-
-def _world_sizes_of(args: argparse.Namespace) -> tuple[int, ...]:
-    if _under_torchrun(args):
-        return (local_world_size(),)
-    if getattr(args, "world_size", None) is not None:
-        return (args.world_size,)
-    if getattr(args, "world_sizes", None) is None and hasattr(args, "world_sizes"):
-        args.world_sizes = DEFAULT_WORLD_SIZES
-    return tuple(getattr(args, "world_sizes", None) or ())
 
 
 def _under_torchrun(args: argparse.Namespace) -> bool:
@@ -301,60 +303,11 @@ def _under_torchrun(args: argparse.Namespace) -> bool:
 
 
 def resolve_target(spec: str) -> Any:
-    """``parallel`` / ``MODULE:ATTR`` / ``MODULE:EXPR`` -> a target instance."""
-    from ddpcheck.targets import BUILTIN, READY_MADE
+    """``parallel`` / ``MODULE:ATTR`` / ``MODULE:EXPR`` -> a target instance
+    (``runs.admission.resolve_target``)."""
+    from ddpcheck._internal.runs.admission import resolve_target as resolve
 
-    if spec in BUILTIN:
-        return BUILTIN[spec]
-    missing = next((e for e in READY_MADE if e.name == spec), None)
-    if missing is not None:  # a framework's target, the framework not installed
-        raise UsageError(f"target {spec!r} drives {missing.framework}, which is not installed "
-                         f"here: {missing.install} (docs/frameworks.md lists the releases "
-                         "tried)")
-    if ":" not in spec:  # a built-in name, mistyped
-        names = [*BUILTIN, *(e.name for e in READY_MADE)]
-        raise UsageError(f"target {spec!r} is not a built-in target{did_you_mean(spec, names)} "
-                         f"(`ddpcheck targets` lists them: {', '.join(dict.fromkeys(names))}), "
-                         "nor MODULE:NAME or path/to/FILE.py:NAME for your own")
-    return _resolve(spec, "target")
-
-
-def _resolve_rule(spec: str) -> Any:
-    rule = _resolve(spec, "rule")
-    if not callable(rule):
-        raise UsageError(f"rule {spec!r} is a {type(rule).__name__}, not a function "
-                         "rule(params, world_size) -> owners")
-    return rule
-
-
-def _resolve(spec: str, what: str) -> Any:
-    if ":" not in spec:
-        raise UsageError(f"{what} {spec!r} must look like MODULE:NAME or path/to/FILE.py:NAME "
-                         f"(for example mypkg.checks:MY_{what.upper()} or "
-                         f"check_my_ddp.py:MY_{what.upper()})")
-    module_name, expr = spec.split(":", 1)
-    sys.path.insert(0, os.getcwd())  # like `python -m`, modules in the current directory count
-    try:  # a FILE.py is imported under its own name: its `if __name__ == "__main__":` stays shut
-        module = load(module_name)
-    except InvalidArgument as exc:  # not a file, or a name that cannot be its module's
-        raise UsageError(f"{what} {spec!r}: {exc}") from None
-    except Exception as exc:  # ImportError, and whatever the module raises while importing
-        where = ""
-        if isinstance(exc, SyntaxError) and exc.filename:
-            where = f" ({exc.filename}, line {exc.lineno})"
-        raise UsageError(f"cannot import {module_name!r} for {what} {spec!r}: "
-                         f"{type(exc).__name__}: {exc}{where}") from None
-    from ddpcheck._internal.runs.replay import evaluate_in  # as replay lines are verified
-
-    try:
-        return evaluate_in(module, expr)
-    except Exception as exc:
-        hint = ""
-        missing = re.match(r"name '(\w+)' is not defined", str(exc))
-        if isinstance(exc, NameError) and missing:
-            hint = did_you_mean(missing.group(1), [n for n in vars(module) if n[:1] != "_"])
-        raise UsageError(f"{what} {spec!r}: {expr!r} is not defined in {module_name}{hint} "
-                         f"({type(exc).__name__}: {exc})") from exc
+    return resolve(spec)
 
 
 def _check_writable(path: str, flag: str) -> None:
@@ -379,26 +332,19 @@ def _check_writable(path: str, flag: str) -> None:
 
 
 def _check(args: argparse.Namespace) -> ExitCode:
-    import ddpcheck
     from ddpcheck import features
     from ddpcheck._internal.runs import smaller
-    from ddpcheck._internal.runs.fuzz import fuzz, undrawable
+    from ddpcheck._internal.runs.fuzz import fuzz_admitted, undrawable
+    from ddpcheck.api import run_battery
     from ddpcheck.battery import BATTERY
 
     if _under_torchrun(args):  # use the world torchrun built instead of spawning one
         _check_under_torchrun(args)
-    without = parse_features(args.without, "--without")
-    dtypes = tuple(sorted({d.strip() for d in args.dtypes.split(",") if d.strip()}))
-    wrong = [d for d in dtypes if d not in ("float64", "float32")]
-    if not dtypes or wrong:
-        hint = did_you_mean(wrong[0], ("float64", "float32")) if wrong else ""
-        raise UsageError(f"--dtypes={args.dtypes!r} must name float64, float32 or both{hint}")
+    request = args.request
+    without, dtypes, run = request.without, request.random_dtypes, request.run
     started = time.perf_counter()
     sizes = ",".join(map(str, args.world_sizes)) + ("" if args.device == "cpu" else
                                                      f" on {args.device}")
-    # --dtypes constrain the battery too: its float64 scenarios are skipped, naming why
-    battery_without = without | ({"float64", "float32"} - set(dtypes))
-    run = {"deadline": args.deadline, "device": args.device, "backend": args.backend}
     line = args.progress
 
     def battery_done(done: int, total: int) -> None:
@@ -415,8 +361,7 @@ def _check(args: argparse.Namespace) -> ExitCode:
     # 1. the built-in battery: representative scenarios, every world size; a failure is
     # followed by the search for a smaller counterexample (runs.smaller)
     try:
-        report = ddpcheck.assert_equivalent(args.target, world_sizes=args.world_sizes,
-                                            without=battery_without, progress=battery_done, **run)
+        report = run_battery(request, progress=battery_done)
     except NothingChecked as exc:  # the random examples may still find something
         battery, declined, exercised = 0, str(exc), set()
         say(f"battery: nothing checked: {exc}")
@@ -437,9 +382,9 @@ def _check(args: argparse.Namespace) -> ExitCode:
     say(f"fuzzing {args.target_spec} with {args.examples} random examples at world sizes "
         f"{sizes}{'' if args.seed is None else f' (seed {args.seed})'}")
     line.show(f"random examples 0/{args.examples}")
-    result = fuzz(args.target, examples=args.examples, world_sizes=args.world_sizes,
-                  seed=args.seed, dtypes=dtypes, without=without, **run,
-                  progress=lambda done, _: line.show(f"random examples {done}/{args.examples}"))
+    result = fuzz_admitted(request, examples=args.examples, seed=args.seed,
+                           progress=lambda done, _: line.show(
+                               f"random examples {done}/{args.examples}"))
     line.close()
     if result.found:
         print(f"counterexample found after {result.first_failure} examples and shrunk "
@@ -496,9 +441,11 @@ def _check_under_torchrun(args: argparse.Namespace) -> None:
         # deterministic. Say so rather than ignore --examples/--seed silently.
         print("ddpcheck check under torchrun: the built-in battery only; --examples and "
               "--seed apply to spawned worlds", file=sys.stderr, flush=True)
-    status = check_in_world(args.target, deadline=args.deadline, out=sys.stdout,
-                            world_sizes=args.world_sizes, device=args.device,
-                            backend=args.backend)
+    request = args.request
+    status = check_in_world(request.target, deadline=request.deadline, out=sys.stdout,
+                            world_sizes=request.world_sizes if args.sizes_asked else None,
+                            without=request.battery_without, device=request.device,
+                            backend=request.backend)
     sys.stdout.flush()
     sys.stderr.flush()
     # Every rank has the same status. os._exit skips gloo's teardown, which races with its
@@ -519,10 +466,8 @@ def _survey(args: argparse.Namespace) -> ExitCode:
     def cell(done: int, total: int, what: str, seconds: float) -> None:
         line.show(f"cell {done + 1}/{total}: {what}")
 
-    result = survey.survey(args.target, world_sizes=args.world_sizes, examples=args.examples,
-                           without=parse_features(args.without, "--without"), seed=args.seed,
-                           deadline=args.deadline, shrink_seconds=args.shrink_seconds,
-                           progress=cell, device=args.device, backend=args.backend)
+    result = survey.survey_admitted(args.request, examples=args.examples, seed=args.seed,
+                                    shrink_seconds=args.shrink_seconds, progress=cell)
     line.close()
     print(result, flush=True)
     if args.json:
@@ -538,21 +483,15 @@ def _survey(args: argparse.Namespace) -> ExitCode:
 
 def _replay(args: argparse.Namespace) -> ExitCode:
     from ddpcheck._internal.runs.example import check_example, prepare_reference
-    from ddpcheck._internal.runs.replay import from_repr
 
-    try:
-        scenario = from_repr(args.scenario)
-    except InvalidArgument as exc:  # e.g. Scenario(steps=0): say which flag held it
-        raise UsageError(f"--scenario {args.scenario!r}: {exc}") from exc
-    except Exception as exc:
-        raise UsageError(f"--scenario could not be read: {type(exc).__name__}: {exc}") from exc
-    # Everything about the example is settled before any process starts: its reference too
-    # (which is what tells an optimizer that cannot step, or nothing to train) -- one example,
-    # so computing it while the ranks run would save little. A declined scenario raises
-    # NothingChecked (exit 3).
-    reference = prepare_reference(scenario)
-    check_example(args.target, scenario, args.world_size, deadline=args.deadline,
-                  device=args.device, backend=args.backend, reference=reference)
+    # Everything about the example is settled before any process starts: the scenario was read
+    # and judged with the request (_prepare), its reference is computed now (which is what tells
+    # an optimizer that cannot step, or nothing to train) -- one example, so computing it while
+    # the ranks run would save little. A declined scenario raises NothingChecked (exit 3).
+    request = args.request
+    reference = prepare_reference(request.scenario)
+    check_example(request.target, request.scenario, args.world_size, reference=reference,
+                  **request.run)
     print(f"ddpcheck replay: equivalent at world size {args.world_size}")
     return ExitCode.OK
 
@@ -569,7 +508,8 @@ def _trace(args: argparse.Namespace) -> ExitCode:
 
     try:
         traces = get_world(args.world_size).run(record_step, args.target, TRACE_SCENARIO,
-                                                deadline=args.deadline, what="ddpcheck trace")
+                                                deadline=args.request.deadline,
+                                                what="ddpcheck trace")
     except WorldFailure as exc:
         raise UsageError(f"the traced step did not complete on every rank:\n{exc}") from exc
     with open(args.output, "w") as f:
@@ -609,7 +549,7 @@ def _mutants(args: argparse.Namespace) -> ExitCode:
     from ddpcheck.mutation.score import run_mutants
 
     return run_mutants(args.only, budget_seconds=args.budget_seconds, search_name=args.search,
-                       world_sizes=args.world_sizes, deadline=args.deadline)
+                       world_sizes=args.world_sizes, deadline=args.request.deadline)
 
 
 def _fuzz_rule(args: argparse.Namespace) -> ExitCode:
@@ -618,17 +558,18 @@ def _fuzz_rule(args: argparse.Namespace) -> ExitCode:
     from ddpcheck.targets import ParallelTarget
 
     prefix = f"ddpcheck fuzz-rule {args.rule_spec}"
+    deadline = args.request.deadline
     # a world that cannot start, or fails while no call of the rule runs, is a SetupError: exit 2
     report = rules.check_rule(args.rule, examples=args.examples, seed=args.seed,
-                              deadline=args.deadline)
+                              deadline=deadline)
     for v in report.violations:
         print(f"{prefix}: {v.message}")
     if report.violations:
         return ExitCode.FOUND
-    print(f"{prefix}: {report.summary(args.deadline, args.seed)}")
+    print(f"{prefix}: {report.summary(deadline, args.seed)}")
     try:
         result = ddpcheck.assert_equivalent(ParallelTarget(sharding_rule=args.rule),
-                                            world_sizes=args.world_sizes, deadline=args.deadline)
+                                            world_sizes=args.world_sizes, deadline=deadline)
     except EquivalenceError as exc:
         print(f"{prefix}: ShardedOptimizer under the rule is not equivalent:\n{exc}")
         return ExitCode.FOUND

@@ -17,9 +17,7 @@ from typing import Any, Callable
 
 import pytest
 
-from ddpcheck._internal.devices import check_fits
-from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine,
-                                        parse_features, parse_world_sizes)
+from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
 from ddpcheck.errors import DdpcheckError, ExitCode, InvalidArgument
 
 # ---------------------------------------------------------------------------------------------
@@ -56,7 +54,7 @@ class Options:
 
     def __init__(self, world_sizes: tuple[int, ...], deadline: float, workers: int,
                  given: bool = False, without: frozenset[str] = frozenset(),
-                 device: str = "cpu", backend: str | None = None):
+                 device: str = "cpu", backend: str | None = None, request: Any = None):
         self.world_sizes = world_sizes
         self.deadline = deadline
         self.workers = workers
@@ -64,6 +62,7 @@ class Options:
         self.without = without  # features never exercised (--ddpcheck-without/-dtypes)
         self.device = device  # where the ranks compute (--ddpcheck-device)
         self.backend = backend  # None: the device's own (--ddpcheck-backend)
+        self.request = request  # the options as admitted (runs.admission.Request)
 
     def header(self) -> str:
         sizes = ",".join(map(str, self.world_sizes))
@@ -80,7 +79,10 @@ EXAMPLES = pytest.StashKey[int]()
 
 
 def resolve_options(config: Any) -> Options:
-    """Every cross-option rule in one place; raises pytest.UsageError naming the flags."""
+    """The --ddpcheck-* options, admitted as every door's (``runs.admission``); raises
+    pytest.UsageError naming the flag."""
+    from ddpcheck._internal.runs.admission import PYTEST, admit
+
     raw = config.getoption("ddpcheck_world_sizes")
     raw_deadline = config.getoption("ddpcheck_deadline")
     raw_without = config.getoption("ddpcheck_without")
@@ -88,34 +90,21 @@ def resolve_options(config: Any) -> Options:
     device = config.getoption("ddpcheck_device") or "cpu"
     backend = config.getoption("ddpcheck_backend")
     workers = _xdist_workers(config)
+    deadline = DEFAULT_DEADLINE if raw_deadline is None else raw_deadline
     try:
-        without = parse_features(raw_without or "", "--ddpcheck-without")
-        if raw_dtypes:
-            dtypes = parse_features(raw_dtypes, "--ddpcheck-dtypes")
-            if not dtypes or not dtypes <= {"float64", "float32"}:
-                raise InvalidArgument(f"--ddpcheck-dtypes={raw_dtypes!r} must name float64, "
-                                      "float32 or both")
-            without |= {"float64", "float32"} - dtypes
-        sizes = (parse_world_sizes(raw, "--ddpcheck-world-sizes") if raw
-                 else DEFAULT_WORLD_SIZES)
-        # Only when asked for: the plugin loads in every pytest run, ddpcheck's or not.
-        if raw:
-            check_fits_machine(sizes, workers=workers, flag="--ddpcheck-world-sizes")
-        # imports torch only for cuda, to ask about the GPUs
-        check_fits(device, sizes, backend, flag="--ddpcheck-device")
+        # the machine's limit only for world sizes asked for: the plugin loads in every pytest
+        # run, ddpcheck's or not (torch is imported only for cuda, to ask about the GPUs)
+        request = admit(world_sizes=DEFAULT_WORLD_SIZES if raw is None else raw,
+                        deadline=deadline, without=raw_without or "", dtypes=raw_dtypes,
+                        device=device, backend=backend, spelling=PYTEST, workers=workers,
+                        fits_machine=raw is not None)
     except InvalidArgument as exc:
         raise pytest.UsageError(str(exc)) from None
-    try:
-        deadline = float(raw_deadline) if raw_deadline is not None else DEFAULT_DEADLINE
-    except ValueError:
-        deadline = -1.0
-    if not 0 < deadline < float("inf"):
-        raise pytest.UsageError(f"--ddpcheck-deadline={raw_deadline!r} must be a positive "
-                                "number of seconds (finite: every wait has a deadline)")
     given = any(v is not None for v in (raw, raw_deadline, raw_without, raw_dtypes,
                                         config.getoption("ddpcheck_device"), backend))
-    return Options(sizes, deadline, workers, given=given, without=frozenset(without),
-                   device=device, backend=backend)
+    return Options(request.world_sizes, request.deadline, workers, given=given,
+                   without=request.battery_without, device=device, backend=backend,
+                   request=request)
 
 
 def _xdist_workers(config: Any) -> int:
@@ -293,6 +282,7 @@ def ddpcheck_run(ddpcheck_options: Options) -> Callable[..., Any]:
     def run(target: Any, scenario: Any = None, world_sizes: Any = None) -> Any:
         import ddpcheck
 
+        # a door of its own: the target and scenario are admitted there
         return ddpcheck.assert_equivalent(
             target, scenario, world_sizes=world_sizes or ddpcheck_options.world_sizes,
             deadline=ddpcheck_options.deadline, without=ddpcheck_options.without,

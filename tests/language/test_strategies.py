@@ -220,12 +220,14 @@ def test_plugin_flags_narrow_the_features_the_fixtures_exercise(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--ddpcheck-world-sizes", "2,x"], "--ddpcheck-world-sizes='2,x' must be comma-separated"),
-    (["--ddpcheck-world-sizes", "0"], "--ddpcheck-world-sizes='0' must list positive integers"),
+    (["--ddpcheck-world-sizes", "0"], "--ddpcheck-world-sizes='0' contains 0; every world size "
+                                      "must be a positive integer"),
     (["--ddpcheck-deadline", "-3"], "--ddpcheck-deadline='-3' must be a positive number"),
     (["--ddpcheck-world-sizes", "1000"], "lower the largest world size"),
     (["--ddpcheck-without", "buffer"], "'buffer' is not a feature (did you mean 'buffers'?); "
                                        "known:"),
-    (["--ddpcheck-dtypes", "float16"], "--ddpcheck-dtypes: 'float16' is not a feature"),
+    (["--ddpcheck-dtypes", "float16"], "--ddpcheck-dtypes='float16' must name float64, float32 "
+                                       "or both (did you mean 'float64'?)"),
 ])
 def test_plugin_rejects_bad_options_naming_the_flag(tmp_path, args, message):
     out = _pytest(tmp_path, "def test_nothing():\n    pass\n", *args)

@@ -13,9 +13,8 @@ import re
 from typing import Any, Callable, NoReturn
 
 from ddpcheck._internal.devices import BACKENDS, DEVICES
-from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, did_you_mean,
-                                        parse_world_sizes)
-from ddpcheck.errors import ExitCode, InvalidArgument
+from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, did_you_mean
+from ddpcheck.errors import ExitCode
 
 __all__ = ["EXIT_CODES", "SURVEY_EXIT_CODES", "TARGET_HELP", "SuggestingParser", "build_parser",
            "parse_command_line"]
@@ -70,13 +69,6 @@ class SuggestingParser(argparse.ArgumentParser):
         super().error(message)
 
 
-def _world_sizes(text: str) -> tuple[int, ...]:
-    try:
-        return parse_world_sizes(text)
-    except InvalidArgument as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _positive(kind: type) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         try:
@@ -94,9 +86,9 @@ def _target_options(parser: argparse.ArgumentParser, *, examples: int, what: str
     """The options ``check`` and ``survey`` share."""
     parser.add_argument("target", nargs="?", default="parallel", metavar="MODULE:TARGET",
                         help=f"{TARGET_HELP}; default parallel")
-    parser.add_argument("--world-sizes", type=_world_sizes, default=None,
+    parser.add_argument("--world-sizes", default=None,
                         help=f"comma-separated world sizes ({world_sizes})")
-    parser.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
+    parser.add_argument("--deadline", default=DEFAULT_DEADLINE,
                         help="seconds one example may take before it counts as hung (default 60)")
     parser.add_argument("--examples", type=_positive(int), default=examples,
                         help=f"{what} (default {examples})")
@@ -133,8 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                                        "Hypothesis.", epilog=EXIT_CODES)
     _target_options(check, examples=100, what="random examples to run after the built-in battery",
                     world_sizes="default 1,2,3,4; under torchrun, torchrun's world size")
-    check.add_argument("--dtypes", default="float64", metavar="DTYPE[,DTYPE...]",
-                       help="dtypes of the random examples: float64 (default), float32 or both")
+    check.add_argument("--dtypes", default=None, metavar="DTYPE[,DTYPE...]",
+                       help="float64, float32 or both: the dtypes of the battery scenarios and "
+                            "random examples (default: the whole battery, float64 random "
+                            "examples)")
 
     survey = sub.add_parser(
         "survey", help="run everything, stopping nowhere, and print the capability matrix",
@@ -154,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("target", metavar="MODULE:TARGET", help=TARGET_HELP)
     replay.add_argument("--world-size", type=_positive(int), required=True)
     replay.add_argument("--scenario", required=True, help="the scenario's repr, as printed")
-    replay.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE)
+    replay.add_argument("--deadline", default=DEFAULT_DEADLINE)
     _device_options(replay)
 
     trace = sub.add_parser("trace", help="record every collective of one step as a Chrome/"
@@ -170,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ranks to trace (default 2)")
     trace.add_argument("-o", "--output", default="trace.json",
                        help="where to write the JSON (default trace.json)")
-    trace.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE)
+    trace.add_argument("--deadline", default=DEFAULT_DEADLINE)
 
     sub.add_parser("targets", help="list the ready-made targets: framework, installed version, "
                                    "what each declines and why",
@@ -188,14 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "error.")
     mutants.add_argument("--budget-seconds", type=_positive(float), default=10.0,
                          help="search time per mutant, world start-up excluded (default 10)")
-    mutants.add_argument("--world-sizes", type=_world_sizes, default=DEFAULT_WORLD_SIZES,
+    mutants.add_argument("--world-sizes", default=DEFAULT_WORLD_SIZES,
                          help="comma-separated world sizes (default 1,2,3,4)")
     mutants.add_argument("--only", default=None, metavar="NAME[,NAME...]",
                          help="run only these mutants (names as in the table)")
     mutants.add_argument("--search", choices=("shrinking", "battery"), default="shrinking",
                          help="shrinking: random examples shrunk by Hypothesis, then the battery "
                               "(default); battery: the built-in battery only (fastest)")
-    mutants.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
+    mutants.add_argument("--deadline", default=DEFAULT_DEADLINE,
                          help="seconds one example may take before it counts as hung (default 60)")
 
     rule = sub.add_parser(
@@ -214,9 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     rule.add_argument("rule", metavar="MODULE:RULE",
                       help="a function rule(params, world_size) -> owners, such as "
                            "parallel.sharding:greedy or my_rules.py:balanced")
-    rule.add_argument("--world-sizes", type=_world_sizes, default=DEFAULT_WORLD_SIZES,
+    rule.add_argument("--world-sizes", default=DEFAULT_WORLD_SIZES,
                       help="world sizes of the equivalence check (default 1,2,3,4)")
-    rule.add_argument("--deadline", type=_positive(float), default=DEFAULT_DEADLINE,
+    rule.add_argument("--deadline", default=DEFAULT_DEADLINE,
                       help="seconds one call of the rule, or one equivalence example, may take "
                            "before it counts as hung (default 60)")
     rule.add_argument("--examples", type=_positive(int), default=200,

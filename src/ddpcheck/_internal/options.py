@@ -46,9 +46,7 @@ def parse_world_sizes(text: str, flag: str = "--world-sizes") -> tuple[int, ...]
     except ValueError:
         raise InvalidArgument(f"{flag}={text!r} must be comma-separated integers, such as "
                               "1,2,3,4") from None
-    if not sizes or any(s < 1 for s in sizes):
-        raise InvalidArgument(f"{flag}={text!r} must list positive integers")
-    return tuple(dict.fromkeys(sizes))
+    return check_world_sizes(flag, sizes, shown=text)  # then the rules every door shares
 
 
 def check_fits_machine(world_sizes: tuple[int, ...], *, workers: int = 1,
@@ -82,34 +80,40 @@ def check_world_size(name: str, value: Any) -> int:
     return int(value)
 
 
-def check_world_sizes(name: str, values: Any) -> tuple[int, ...]:
+def check_world_sizes(name: str, values: Any, shown: Any = None) -> tuple[int, ...]:
+    """World sizes as a tuple of distinct positive integers, in the order given; ``shown``: the
+    value as the user wrote it, for the message (the text of a command-line flag)."""
+    shown = values if shown is None else shown
     if _is_int(values):
         values = (values,)
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise InvalidArgument(f"{name}={values!r} must be a sequence of positive integers, "
+        raise InvalidArgument(f"{name}={shown!r} must be a sequence of positive integers, "
                               "such as (1, 2, 3, 4)")
     values = tuple(values)
     if not values:
-        raise InvalidArgument(f"{name}={values!r} is empty; give at least one world size")
+        raise InvalidArgument(f"{name}={shown!r} is empty; give at least one world size")
     for v in values:
         if not _is_int(v) or v < 1:
-            raise InvalidArgument(f"{name}={values!r} contains {v!r}; every world size must be a "
+            raise InvalidArgument(f"{name}={shown!r} contains {v!r}; every world size must be a "
                                   "positive integer")
     return tuple(dict.fromkeys(int(v) for v in values))
 
 
-def check_positive_number(name: str, value: Any) -> float:
+def check_positive_number(name: str, value: Any, shown: Any = None) -> float:
+    """A positive number; ``shown``: the value as the user wrote it, for the message."""
+    shown = value if shown is None else shown
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
-        raise InvalidArgument(f"{name}={value!r} must be a positive number")
+        raise InvalidArgument(f"{name}={shown!r} must be a positive number")
     return float(value)
 
 
-def check_deadline(name: str, value: Any) -> float:
+def check_deadline(name: str, value: Any, shown: Any = None) -> float:
     """Seconds to wait: positive and finite (every wait has a deadline)."""
-    seconds = check_positive_number(name, value)
+    seconds = check_positive_number(name, value, shown)
     if seconds == float("inf"):
-        raise InvalidArgument(f"{name}={value!r} must be finite: every wait has a deadline; "
-                              "use a large number of seconds, such as 3600")
+        raise InvalidArgument(f"{name}={value if shown is None else shown!r} must be finite: "
+                              "every wait has a deadline; use a large number of seconds, such "
+                              "as 3600")
     return seconds
 
 

@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import pickle
 from typing import Any, Callable, Iterator
 
 import torch
 
 from ddpcheck._internal.devices import check_fits
-from ddpcheck._internal.options import DEFAULT_DEADLINE, check_fits_machine, parse_features
+from ddpcheck._internal.options import DEFAULT_DEADLINE, check_fits_machine
 from ddpcheck._internal.oracle.compare import (CHAOTIC, cannot_judge, compare, compare_resumed,
                                                validate_checks)
 from ddpcheck._internal.oracle.judgeable import check_scenario, explain_reference_failure
 from ddpcheck._internal.oracle.reference import reference_run
 from ddpcheck._internal.rank.runner import run_example_packed
 from ddpcheck._internal.rank.transport import unpack
-from ddpcheck._internal.runs.replay import replay_command, verify_replayable
+from ddpcheck._internal.runs.replay import replay_command
 from ddpcheck._internal.runs.warmup import warm_up
 from ddpcheck._internal.world import sequences
 from ddpcheck._internal.world.worlds import Pending, TaskLost, WorldFailure, get_world
@@ -37,10 +36,9 @@ from ddpcheck.errors import (Divergence, EquivalenceError, Inconclusive, Invalid
 from ddpcheck.features import declines
 from ddpcheck.scenario import Scenario
 from ddpcheck.targets import Target
-from ddpcheck.targets.framework import check_requirements
 
 __all__ = ["Launched", "admit", "check_batch_plans", "check_example",
-           "check_example_keeping_reference", "check_target", "judge", "launch", "note_example",
+           "check_example_keeping_reference", "judge", "launch", "note_example",
            "prepare_reference", "refuse_unconfirmed_hang", "resume", "run_in_two_worlds",
            "verdict"]
 
@@ -128,11 +126,11 @@ class Launched:
 
 def admit(target: Target, scenario: Scenario, world_size: int, *, checks: Any = None,
           device: str = "cpu", backend: str | None = None) -> frozenset:
-    """Everything refused before any world runs (see the module's invariant); the checks to
-    run."""
+    """What this scenario adds to its run's admission (``runs.admission``: the target, the
+    world sizes, the device were checked there), refused before any world runs; the checks to
+    run. A drawn scenario is new input, judged here; a given one was judged at the door (a
+    cache hit)."""
     checks = validate_checks(checks)  # a typo must not turn every check off
-    check_fits(device, (world_size,), backend)  # no GPU, too few for NCCL: before spawning
-    check_target(target)  # cached: a pickle and a dict look-up once the target is verified
     check_scenario(scenario)  # the user's model and data first: their errors read best here
     why = declines(target, scenario, world_size)
     if why is not None:  # running it would blame the target for what it never claimed
@@ -421,33 +419,6 @@ def check_batch_plans(target: Any, scenario: Scenario, world_size: int) -> None:
     if getattr(type(configured), "shard_batch", Target.shard_batch) is not Target.shard_batch:
         check_plans(configured.shard_batch, scenario, world_size,
                     f"{type(configured).__name__}.shard_batch")
-
-
-def check_target(target: Any) -> None:
-    """Refuse, before any world runs, a target the ranks could not use or a failure could not
-    replay; name what is wrong and how to fix it."""
-    if isinstance(target, type):
-        raise InvalidArgument(f"target={target.__qualname__} is a class; pass an instance, "
-                              f"such as {target.__qualname__}()")
-    missing = [m for m in ("configure", "supports", "wrap", "make_optimizer", "before_step",
-                           "after_backward", "after_step", "no_sync", "optimizer_state")
-               if not callable(getattr(target, m, None))]
-    if missing:
-        raise InvalidArgument(f"target={target!r} lacks {missing}; subclass ddpcheck.Target")
-    supported = getattr(target, "supported_features", None)
-    if supported is not None:  # a typo would silently decline nothing
-
-        parse_features(supported, f"{type(target).__name__}.supported_features")
-    try:
-        pickled = pickle.dumps(target)
-    except Exception as exc:
-        raise InvalidArgument(
-            f"target={target!r} cannot be pickled ({exc}); targets travel to every rank by "
-            "pickle, so define the class at module level of an importable module or of the "
-            "script you run, and give it functions defined with def at module level (not a "
-            "lambda, not a function defined inside another)") from exc
-    verify_replayable(target, pickled)  # a failure's replay line must rebuild exactly this target
-    check_requirements(target)  # a framework release older than the target supports: exit 2
 
 
 def run_in_two_worlds(target: Any, scenario: Any, world_size: int, *, deadline: float,

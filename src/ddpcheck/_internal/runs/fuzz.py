@@ -22,16 +22,16 @@ from hypothesis.errors import FlakyFailure, Unsatisfiable
 
 from ddpcheck import features
 from ddpcheck import strategies as dst
-from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES,
-                                        check_positive_number, check_world_sizes)
+                                        check_positive_number)
+from ddpcheck._internal.runs.admission import Request, admit
 from ddpcheck._internal.runs.example import check_example, refuse_unconfirmed_hang
 from ddpcheck._internal.runs.pipeline import one_behind_the_other
 from ddpcheck._internal.world.interrupts import interruptible
 from ddpcheck._internal.world.worlds import lending_waits, released
 from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked, ScenarioError
 
-__all__ = ["FuzzResult", "fuzz", "undrawable"]
+__all__ = ["FuzzResult", "fuzz", "fuzz_admitted", "undrawable"]
 
 
 @dataclasses.dataclass
@@ -64,7 +64,8 @@ GIVE_UP_AFTER_DECLINED = 200
 
 @interruptible
 def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_SIZES,
-         seed: int | None = None, deadline: float = DEFAULT_DEADLINE, dtypes: tuple = ("float64",),
+         seed: int | None = None, deadline: float = DEFAULT_DEADLINE,
+         dtypes: Iterable[str] | None = None,
          progress: Callable[[int, float], None] | None = None,
          time_budget: float | None = None, without: Iterable[str] = (), device: str = "cpu",
          backend: str | None = None, shrink: bool = True) -> FuzzResult:
@@ -72,10 +73,11 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
 
     ``seed`` makes the run reproducible (default: derandomized, the same every time);
     ``time_budget`` (seconds) stops generating new examples once spent (shrinking still runs).
-    Features the target does not support (``Target.supported_features``) or ``without`` excludes
-    are not generated; the rare drawn example that still needs one is rejected (``assume``), so
-    it costs no example of the budget -- until :data:`GIVE_UP_AFTER_DECLINED` (or twice
-    ``examples``) were, with none run.
+    ``dtypes``: the dtypes drawn (default float64, as on the command line:
+    ``runs.admission``). Features the target does not support (``Target.supported_features``)
+    or ``without`` excludes are not generated; the rare drawn example that still needs one is
+    rejected (``assume``), so it costs no example of the budget -- until
+    :data:`GIVE_UP_AFTER_DECLINED` (or twice ``examples``) were, with none run.
     ``device``/``backend``: where the ranks compute (as for ``ddpcheck.assert_equivalent``).
     ``shrink=False`` reports the first failure as drawn, without running it again, for a
     caller that needs the verdict, not a minimal counterexample: a failure that kills the world (a
@@ -87,13 +89,25 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     Hypothesis run, which draws the same examples and runs from the failing one on -- it is
     reported as intermittent if it passes there.
     """
+    request = admit(target, world_sizes=world_sizes, deadline=deadline, without=without,
+                    dtypes=dtypes, device=device, backend=backend)
+    return fuzz_admitted(request, examples=examples, seed=seed, progress=progress,
+                         time_budget=time_budget, shrink=shrink)
+
+
+def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = None,
+                  progress: Callable[[int, float], None] | None = None,
+                  time_budget: float | None = None, shrink: bool = True) -> FuzzResult:
+    """:func:`fuzz` of an admitted request (``runs.admission``): the command line's path."""
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
         raise InvalidArgument(f"examples={examples!r} must be a positive integer")
-    sizes = check_world_sizes("world_sizes", world_sizes)
-    check_positive_number("deadline", deadline)
-    check_fits(device, sizes, backend)  # before Hypothesis draws anything
+    if time_budget is not None:
+        check_positive_number("time_budget", time_budget)
+    target, sizes, deadline = request.target, request.world_sizes, request.deadline
+    device, backend, without = request.device, request.backend, request.without
+    dtypes = request.random_dtypes
     started = time.perf_counter()
-    why = undrawable(target, dtypes, features.parse(without, "without"))
+    why = undrawable(target, dtypes, without)
     if why is not None:
         raise NothingChecked(f"no random example can be drawn: {why}")
     # What the target runs, drawn as ddpcheck.strategies.examples draws it (declined draws are

@@ -25,19 +25,19 @@ from hypothesis.errors import FlakyFailure, Unsatisfiable
 
 from ddpcheck import features
 from ddpcheck import strategies as dst
-from ddpcheck._internal.devices import check_fits
-from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_deadline,
-                                        check_fits_machine, check_positive_number,
-                                        check_world_sizes)
+from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES,
+                                        check_positive_number)
 from ddpcheck._internal.messages import scenario_line
-from ddpcheck._internal.runs.example import (check_example, check_target, prepare_reference,
-                                            refuse_unconfirmed_hang)
+from ddpcheck._internal.runs.admission import Request, admit
+from ddpcheck._internal.runs.example import (check_example, prepare_reference,
+                                             refuse_unconfirmed_hang)
 from ddpcheck._internal.runs.replay import target_spec
 from ddpcheck._internal.world.interrupts import interruptible
 from ddpcheck.battery import BATTERY
 from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked, ScenarioError
 
-__all__ = ["DEFAULT_EXAMPLES", "DEFAULT_SHRINK_SECONDS", "Cell", "Survey", "survey"]
+__all__ = ["DEFAULT_EXAMPLES", "DEFAULT_SHRINK_SECONDS", "Cell", "Survey", "survey",
+           "survey_admitted"]
 
 #: Random examples per (feature, world size) cell.
 DEFAULT_EXAMPLES = 8
@@ -191,16 +191,21 @@ def survey(target: Any, *, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
     Raises what is not the target's fault (:class:`ddpcheck.InvalidArgument`,
     :class:`ddpcheck.SetupError` and its subclasses) instead of recording it.
     """
-    check_target(target)
-    sizes = check_world_sizes("world_sizes", world_sizes)
-    check_fits_machine(sizes, flag="world_sizes")
-    check_fits(device, sizes, backend)  # no GPU, or too few for NCCL: before any world starts
-    check_deadline("deadline", deadline)
-    run = {"deadline": deadline, "device": device, "backend": backend}  # every check_example's
+    request = admit(target, world_sizes=world_sizes, deadline=deadline, without=without,
+                    device=device, backend=backend)
+    return survey_admitted(request, examples=examples, seed=seed, shrink_seconds=shrink_seconds,
+                           progress=progress)
+
+
+def survey_admitted(request: Request, *, examples: int = DEFAULT_EXAMPLES,
+                    seed: int | None = None, shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
+                    progress: Callable[[int, int, str, float], None] | None = None) -> Survey:
+    """:func:`survey` of an admitted request (``runs.admission``): the command line's path."""
     check_positive_number("shrink_seconds", shrink_seconds)
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
         raise InvalidArgument(f"examples={examples!r} must be a positive integer")
-    excluded = features.parse(without, "without")
+    target, sizes, excluded, run = (request.target, request.world_sizes,
+                                    request.battery_without, request.run)
     unsupported = features.unsupported(target, excluded)
     started = time.perf_counter()
     exercised: set[str] = set()

@@ -34,7 +34,7 @@ from ddpcheck._internal.devices import (backend_for, enter_rank, local_world_siz
 from ddpcheck._internal.rank import recorder
 from ddpcheck._internal.rank.runner import run_example_packed, run_warm_up
 from ddpcheck._internal.rank.transport import unpack
-from ddpcheck._internal.runs.example import check_batch_plans, check_target, verdict
+from ddpcheck._internal.runs.example import check_batch_plans, verdict
 from ddpcheck._internal.world.failures import RankState, WorldFailure
 from ddpcheck.battery import BATTERY
 from ddpcheck.errors import DdpcheckError, InvalidArgument, NothingChecked
@@ -158,13 +158,14 @@ def _example(target: Any, scenario: Any, name: str, world_size: int, rank: int,
 
 
 def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline: float,
-                   out: Any, device: str = "cpu", backend: str | None = None) -> int:
+                   out: Any, without: frozenset[str] = frozenset(), device: str = "cpu",
+                   backend: str | None = None) -> int:
     """Run the battery on torchrun's world; 0 all equivalent, 1 a counterexample (printed on
     rank 0 to ``out``), 2 a usage error (``world_sizes`` not containing torchrun's size), or the
     exit code of ddpcheck's own outcome raised in a rank (4: a framework target's glue failed).
-    ``device``/``backend``: as for ``ddpcheck.assert_equivalent`` (the caller has checked that
-    they fit the machine: ``_internal.devices.check_fits``)."""
-    check_target(target)  # on every rank, before any collective: a refusal must not hang rank 0
+    ``without``, ``device``/``backend``: as for ``ddpcheck.assert_equivalent``. Every rank's
+    process admitted the same request (``runs.admission``) before any collective: a refusal
+    must not hang rank 0."""
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     say = (lambda text: print(text, file=out, flush=True)) if rank == 0 else (lambda text: None)
@@ -185,7 +186,7 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
         recorder.record_to(sequence_path)
         try:
             for name, scenario in BATTERY:
-                if declines(target, scenario, world_size) is not None:
+                if declines(target, scenario, world_size, without) is not None:
                     continue
                 if scenario.resume_world_size not in (None, world_size):
                     say(f"skipped {name}: it resumes its checkpoint at world size "
