@@ -98,6 +98,19 @@ def test_a_key_the_scenario_or_the_harness_sets_is_refused_by_name(tmp_path, cap
     assert "'max_grad_norm' is the scenario's" in capsys.readouterr().err
 
 
+def test_a_precision_the_environment_imposes_is_refused(monkeypatch):
+    # TrainingArguments takes ACCELERATE_MIXED_PRECISION as its precision unless bf16/fp16 say
+    # otherwise (checked in the ranks, which inherit the environment: here, without a world)
+    from ddpcheck.targets.hf_trainer import _check_environment
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    with pytest.raises(ddpcheck.InvalidArgument, match="ACCELERATE_MIXED_PRECISION='bf16'"):
+        _check_environment(EVEN)
+    _check_environment(Scenario(zoo.MLP, dtype="float32", autocast=torch.bfloat16))
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    _check_environment(EVEN)
+
+
 def test_a_name_or_value_trainingarguments_rejects_is_a_usage_error():
     _needs_transformers()
     with pytest.raises(ddpcheck.InvalidArgument, match="'gradient_acumulation_steps' is no "

@@ -41,7 +41,9 @@ loader, no checkpoints, no reporting), so those keys are accepted only with the 
 sets. Every other key reaches ``TrainingArguments`` as given -- ``average_tokens_across_devices``,
 ``ddp_find_unused_parameters``, ``ddp_bucket_cap_mb``, ``seed``, logging. A refused key is an
 :class:`InvalidArgument` when the target is built (exit 2), naming it; a value
-``TrainingArguments`` itself rejects is one too, from the ranks.
+``TrainingArguments`` itself rejects is one too, from the ranks, and so is an
+``ACCELERATE_MIXED_PRECISION`` in the environment, which ``TrainingArguments`` takes as its
+precision, where the scenario has no autocast.
 
 Imports transformers only inside the hooks (and to check the key names of given arguments).
 """
@@ -210,6 +212,7 @@ class HfTrainerTarget(FrameworkTarget):
             raise NothingChecked("HfTrainerTarget needs the same number of micro-batches every "
                                  "step (TrainingArguments(gradient_accumulation_steps=...) is "
                                  "one number)")
+        _check_environment(run.scenario)
         device = next(module.parameters()).device
         folder = tempfile.mkdtemp(prefix="ddpcheck-hf-trainer-")
         try:
@@ -284,6 +287,18 @@ def _given(training_args: Any) -> dict:
                               + ". Leave these keys out (docs/frameworks.md, hf_trainer: who "
                                 "sets what)")
     return given
+
+
+def _check_environment(scenario: Any) -> None:
+    """Refuse a precision the environment imposes on a scenario without autocast:
+    ``TrainingArguments`` takes ``ACCELERATE_MIXED_PRECISION`` as its mixed precision unless
+    ``bf16``/``fp16`` say otherwise (transformers 5; 4.57.6 even wrote it there itself:
+    ``bench/hf_mixed_precision_env.py``). Every rank decides alike, before any collective."""
+    imposed = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if imposed not in ("", "no") and scenario.autocast is None:
+        raise InvalidArgument(f"the environment sets ACCELERATE_MIXED_PRECISION={imposed!r}, "
+                              "which TrainingArguments takes as its mixed precision, against "
+                              "the scenario's (no autocast): unset it for ddpcheck")
 
 
 def _check_trainer_class(cls: Any) -> None:
