@@ -92,7 +92,7 @@ def test_a_key_the_scenario_or_the_harness_sets_is_refused_by_name(tmp_path, cap
     assert "'report_to'" not in str(info.value) and "'seed'" not in str(info.value)
     HfTrainerTarget(training_args={"save_strategy": "no", "report_to": "none", "seed": 3})
     assert not set(SCENARIO_KEYS) & set(HARNESS_KEYS)
-    # from the command line: exit 2, the key named, no world started
+    # from the command line: exit 2, the key named, before any example runs
     spec = "ddpcheck.targets:HfTrainerTarget(training_args={'max_grad_norm': 0.5})"
     assert cli.main(["check", spec, "--examples", "1"]) == ExitCode.SETUP
     assert "'max_grad_norm' is the scenario's" in capsys.readouterr().err

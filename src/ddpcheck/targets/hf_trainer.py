@@ -18,7 +18,7 @@ kept), and ``on_step_end`` -- after the step and the scheduler, but also after t
 **The loss conventions.** ``ScenarioCausalLM.forward(input_ids, labels, **kwargs)`` returns
 ``{"loss", "logits"}``; the Trainer sees ``**kwargs`` (``model_accepts_loss_kwargs``), counts the
 non-padding labels of the step's micro-batches (``labels.ne(-100)``), sums the count over the ranks
-(``average_tokens_across_devices``, its default since transformers 5) and passes it as
+(``average_tokens_across_devices``, True by default) and passes it as
 ``num_items_in_batch``: the loss is the sum of the micro-batch's terms divided by it (the current
 convention, ``fixed_cross_entropy``'s ``reduction="sum"``), which the Trainer multiplies by the
 world size against DDP's average and does not divide by the accumulation. Without
@@ -132,7 +132,7 @@ HARNESS_KEYS: dict[str, tuple[tuple, str]] = {
     "activation_checkpointing": ((None, False), _MODEL),
     "gradient_checkpointing": ((None, False), _MODEL),
     "use_liger_kernel": ((False,), _MODEL),
-    "torch_compile": ((False,), "compiling changes the rounding the reference is held to"),
+    "torch_compile": ((False,), "not tried with this target"),
     "dataloader_drop_last": ((), _LOADER),
     "dataloader_num_workers": ((), _LOADER),
     "dataloader_pin_memory": ((), _LOADER),
