@@ -6,6 +6,7 @@ throw-away venv, then ``ddpcheck check`` there, printing its exit status and tim
         "--dtypes float64,float32 --examples 20 --world-sizes 2"
     python bench/framework_releases.py lightning 2.0.0 2.4.0 --pip "setuptools<81" --once
     python bench/framework_releases.py deepspeed 0.19.0 --workdir /tmp/fw --keep   # reuse venvs
+    python bench/framework_releases.py transformers 5.0.0 --pip "accelerate==1.15.0" --once
 
 Per release: ``python -m venv``, then torch at the version ``constraints.txt`` pins (a local CPU
 build here; never unpinned), the framework at that release, and this checkout of ddpcheck (not
@@ -32,7 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: The ready-made targets that drive each framework.
 TARGETS = {"deepspeed": ["deepspeed_zero1"], "accelerate": ["accelerate"],
-           "lightning": ["lightning", "fabric"]}
+           "lightning": ["lightning", "fabric"], "transformers": ["hf_trainer"]}
 
 
 def torch_pin() -> str:
@@ -78,7 +79,8 @@ def check(bin_dir: str, target: str, args: list[str], extensions: str) -> tuple[
     first = next((line for line in lines if line.startswith(("ddpcheck", "DeepSpeedTarget",
                                                              "AccelerateTarget",
                                                              "LightningTarget",
-                                                             "FabricTarget"))),
+                                                             "FabricTarget",
+                                                             "HfTrainerTarget"))),
                  lines[-1] if lines else "")
     return done.returncode, seconds, first
 

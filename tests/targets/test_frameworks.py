@@ -1,7 +1,7 @@
 """The ready-made targets of production stacks (accelerate, Lightning Fabric, Lightning's Trainer,
-torch's ZeRO and FSDP2 options): each checked on one busy scenario in a shared world of 2 --
-frameworks are slow to import (3-5 s per rank), so these tests are few -- plus what
-``ddpcheck targets`` lists. A framework that is not installed skips its test, saying so."""
+transformers' Trainer -- more in test_hf_trainer.py --, torch's ZeRO and FSDP2 options): each
+checked on one busy scenario in a shared world of 2 -- frameworks are slow to import (3-5 s per
+rank), so these tests are few -- plus what ``ddpcheck targets`` lists. A framework that is not installed skips its test, saying so."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_ddpcheck_targets_lists_every_ready_made_target_with_its_declines(capsys
     assert cli.main(["targets"]) == ExitCode.OK
     out = capsys.readouterr().out
     for name in ("torch_zero", "torch_zero_bucket_view", "torch_fsdp", "accelerate", "fabric",
-                 "lightning"):
+                 "lightning", "hf_trainer"):
         assert f"\n{name}  (" in f"\n{out}", out
     assert "declines mixed-dtypes: ZeroRedundancyOptimizer rejects" in out
     for entry in targets.READY_MADE:  # every declined feature has its reason, and only those
@@ -81,7 +81,8 @@ TOKENS = Scenario(zoo.TinyGPT, data=zoo.token_data, loss="token_cross_entropy", 
 
 
 @pytest.mark.parametrize("name,module", [("accelerate", "accelerate"), ("fabric", "lightning"),
-                                         ("lightning", "lightning")])
+                                         ("lightning", "lightning"),
+                                         ("hf_trainer", "transformers")])
 def test_the_frameworks_train_language_models_under_autocast(name, module):
     _needs(module)
     ddpcheck.check_example(targets.BUILTIN[name], TOKENS, 2)

@@ -2,9 +2,8 @@
 
 ``protocol`` says what a target is -- every hook the runner calls, and its default
 (:class:`Target`, re-exported here with :class:`WrapperTarget`); ``fsdp`` how the FSDP2 target
-sets torch's FSDP2 up; ``accelerate``, ``fabric``, ``lightning``, ``deepspeed`` drive those
-frameworks (each
-imported only when its target runs; ``environment`` joins them to the existing process group).
+sets torch's FSDP2 up; ``accelerate``, ``fabric``, ``lightning``, ``deepspeed``, ``hf_trainer``
+drive those frameworks (each imported only when its target runs; ``environment`` joins them to the existing process group).
 This module holds the built-ins: ``parallel`` (ours), torch's DDP, ZeRO and FSDP2, a broken one,
 the frameworks', each a frozen dataclass whose replay line is its fields, :data:`READY_MADE`
 (what ``ddpcheck targets`` lists: each one's framework, version and what it declines, and why)
@@ -30,14 +29,16 @@ from ddpcheck.targets.fabric import FabricTarget
 from ddpcheck.targets.framework import install_command
 from ddpcheck.targets.fsdp import (broadcast_from, fsdp_cannot_run, fully_shard_options,
                                    gradient_sync_off, shard_leaves)
+from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.protocol import CONSTRUCTOR_CALL, Target, WrapperTarget
 from parallel import DDP, ShardedOptimizer
 
-__all__ = ["ACCELERATE", "DEEPSPEED_ZERO1", "DEEPSPEED_ZERO2", "FABRIC", "LIGHTNING", "LOCAL",
-           "PARALLEL", "PARALLEL_DDP", "TORCH_DDP", "TORCH_FSDP", "TORCH_ZERO",
+__all__ = ["ACCELERATE", "DEEPSPEED_ZERO1", "DEEPSPEED_ZERO2", "FABRIC", "HF_TRAINER", "LIGHTNING",
+           "LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP", "TORCH_FSDP", "TORCH_ZERO",
            "TORCH_ZERO_BUCKET_VIEW", "BUILTIN", "CONSTRUCTOR_CALL", "READY_MADE",
-           "AccelerateTarget", "DeepSpeedTarget", "FabricTarget", "LightningTarget", "LocalTarget",
+           "AccelerateTarget", "DeepSpeedTarget", "FabricTarget", "HfTrainerTarget",
+           "LightningTarget", "LocalTarget",
            "ParallelDDPTarget", "ParallelTarget", "ReadyMade", "Target", "TorchDDPTarget",
            "TorchFSDPTarget", "TorchZeroTarget", "WrapperTarget"]
 
@@ -260,6 +261,7 @@ FABRIC = FabricTarget()
 LIGHTNING = LightningTarget()
 DEEPSPEED_ZERO1 = DeepSpeedTarget(stage=1)
 DEEPSPEED_ZERO2 = DeepSpeedTarget(stage=2)
+HF_TRAINER = HfTrainerTarget()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,6 +354,17 @@ READY_MADE = (
                "checkpoint": f"{_OWN_CHECKPOINTS} (the Trainer's .ckpt files)", **_NO_PARAM_DTYPE},
               "infinity-norm clipping in automatic optimization (gradient_clip_val clips the "
               "2-norm)"),
+    ReadyMade("hf_trainer", HF_TRAINER, "transformers", "transformers",
+              "transformers' Trainer.train over DDP, its own loop: the scenario's model as a "
+              "causal LM taking num_items_in_batch; HfTrainerTarget(training_args={...} or "
+              "'args.json', loss_kwargs=False)",
+              {"rank-orders": _TORCH_DDP_ORDER,
+               "checkpoint": f"{_OWN_CHECKPOINTS} (the Trainer's checkpoint folders)",
+               "grads-kept": "the Trainer clears gradients with model.zero_grad(), which sets "
+                             "them to None, after every step",
+               **_NO_PARAM_DTYPE},
+              "reduction='sum' (the Trainer normalises to a mean), clipping a norm other than "
+              "the 2-norm, float16 autocast"),
 )
 
 _DEEPSPEED = {

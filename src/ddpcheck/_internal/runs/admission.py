@@ -32,7 +32,7 @@ from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, c
                                         check_fits_machine, check_world_sizes, did_you_mean,
                                         parse_features, parse_world_sizes)
 from ddpcheck._internal.scripts import load
-from ddpcheck.errors import InvalidArgument
+from ddpcheck.errors import DdpcheckError, InvalidArgument
 
 if TYPE_CHECKING:
     from ddpcheck.scenario import Scenario
@@ -276,6 +276,8 @@ def _resolve(spec: str, what: str) -> Any:
 
     try:
         return evaluate_in(module, expr)
+    except DdpcheckError:  # the target refusing its own arguments says what is wrong: as is
+        raise
     except Exception as exc:
         hint = ""
         missing = re.match(r"name '(\w+)' is not defined", str(exc))

@@ -1,0 +1,434 @@
+"""The ``hf_trainer`` target: Hugging Face transformers' ``Trainer`` owns the loop (``Target.fit``).
+
+Per example and rank: the scenario's model wrapped as a causal LM (:class:`ScenarioCausalLM`),
+``TrainingArguments`` built from the scenario and the user's own arguments (:func:`arguments`), and
+a ``Trainer`` subclass whose ``get_train_dataloader`` yields this rank's micro-batches in order
+(``ddpcheck._internal.training.FitRun``: each rank fed its own, as ddpcheck's batch rule cuts the
+global batch; accelerate does not prepare the loader, so it neither shards nor samples it). The
+Trainer gets the scenario's optimizer and LR schedule through ``Trainer(optimizers=(optimizer,
+scheduler))`` -- an ``ExponentialLR``, or a constant ``LambdaLR`` where the scenario has none,
+since the Trainer would otherwise build its default linear decay -- wraps the model in torch DDP
+through accelerate (``find_unused_parameters=True``, its default for a model that is no
+``PreTrainedModel``), accumulates under ``no_sync``, clips with ``accelerator.clip_grad_norm_`` and
+steps. A callback reports to ddpcheck: ``on_train_begin`` (model wrapped, optimizer prepared:
+``run.started``), ``on_pre_optimizer_step`` (the clipped gradients ``optimizer.step()`` receives:
+kept), and ``on_step_end`` -- after the step and the scheduler, but also after the Trainer's
+``model.zero_grad()`` -- where the kept gradients are put back for ``run.record`` and cleared again.
+
+**The loss conventions.** ``ScenarioCausalLM.forward(input_ids, labels, **kwargs)`` returns
+``{"loss", "logits"}``; the Trainer sees ``**kwargs`` (``model_accepts_loss_kwargs``), counts the
+non-padding labels of the step's micro-batches (``labels.ne(-100)``), sums the count over the ranks
+(``average_tokens_across_devices``, True by default) and passes it as
+``num_items_in_batch``: the loss is the sum of the micro-batch's terms divided by it (the current
+convention, ``fixed_cross_entropy``'s ``reduction="sum"``), which the Trainer multiplies by the
+world size against DDP's average and does not divide by the accumulation. Without
+``**kwargs`` (``HfTrainerTarget(loss_kwargs=False)``: :class:`ScenarioCausalLMWithoutLossKwargs`)
+the Trainer passes nothing, the loss is the mean over the micro-batch's own terms (the older
+convention, the ``reduction="mean"`` of HF's models), and the Trainer divides it by the
+accumulation steps -- right only when every micro-batch holds as many terms
+(huggingface/transformers #34191). The terms are the scenario's (``ddpcheck._internal.objective``):
+a token's cross-entropy (labels already the next tokens, so the model shifts nothing and declares
+no ``loss_type``, and the Trainer counts ``labels`` as they are), or a sample's squared error
+summed over its outputs -- the Trainer counts each label element as an item, so a per-sample loss
+is multiplied by the elements per sample. The loss is computed outside autocast, in at least
+float32, as the reference computes it (and HF's ``ForCausalLMLoss`` upcasts ``logits.float()``).
+
+**Who sets what** (:data:`SCENARIO_KEYS`, :data:`HARNESS_KEYS`): the scenario owns the batch, the
+accumulation, the steps, the optimizer and its schedule, the clipping, the precision and the
+loss, so ``TrainingArguments`` keys that set them are refused whatever their value (the scenario's
+value changes from example to example); the harness fixes how the run is driven (its world, its
+loader, no checkpoints, no reporting), so those keys are accepted only with the value ddpcheck
+sets. Every other key reaches ``TrainingArguments`` as given -- ``average_tokens_across_devices``,
+``ddp_find_unused_parameters``, ``ddp_bucket_cap_mb``, ``seed``, logging. A refused key is an
+:class:`InvalidArgument` when the target is built (exit 2), naming it; a value
+``TrainingArguments`` itself rejects is one too, from the ranks, and so is an
+``ACCELERATE_MIXED_PRECISION`` in the environment, which ``TrainingArguments`` takes as its
+precision, where the scenario has no autocast.
+
+Imports transformers only inside the hooks (and to check the key names of given arguments).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+from typing import Any, Mapping
+
+import torch
+
+from ddpcheck._internal import objective
+from ddpcheck.errors import InvalidArgument, NothingChecked
+from ddpcheck.features import FEATURES
+from ddpcheck.targets.environment import join_existing_group
+from ddpcheck.targets.framework import FrameworkTarget
+
+__all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "HfTrainerTarget", "ScenarioCausalLM",
+           "ScenarioCausalLMWithoutLossKwargs", "arguments"]
+
+_OPTIMIZER = ("optimizer and optimizer_kwargs (and param_groups): the Trainer gets the "
+              "scenario's optimizer through Trainer(optimizers=...)")
+_SCHEDULE = ("lr_decay: the Trainer gets the scenario's schedule through Trainer(optimizers=...)"
+             " -- an ExponentialLR, or a constant rate")
+_BATCH = "global_batch: each rank trains its own micro-batches of it, as ddpcheck cuts them"
+
+#: ``TrainingArguments`` keys the scenario sets, example by example: key -> what sets it. Given
+#: in the user's arguments, any value is refused.
+SCENARIO_KEYS: dict[str, str] = {
+    "gradient_accumulation_steps": "accumulation",
+    "max_steps": "steps",
+    "num_train_epochs": "steps (max_steps)",
+    "per_device_train_batch_size": _BATCH,
+    "auto_find_batch_size": _BATCH,
+    "max_grad_norm": "max_grad_norm (0 where the scenario does not clip)",
+    "bf16": "autocast=torch.bfloat16",
+    "fp16": "autocast=torch.float16 (declined)",
+    "learning_rate": _OPTIMIZER,
+    "weight_decay": _OPTIMIZER,
+    "adam_beta1": _OPTIMIZER,
+    "adam_beta2": _OPTIMIZER,
+    "adam_epsilon": _OPTIMIZER,
+    "optim": _OPTIMIZER,
+    "optim_args": _OPTIMIZER,
+    "optim_target_modules": _OPTIMIZER,
+    "lr_scheduler_type": _SCHEDULE,
+    "lr_scheduler_kwargs": _SCHEDULE,
+    "warmup_steps": _SCHEDULE,
+    "warmup_ratio": _SCHEDULE,
+    "label_smoothing_factor": "loss: the objective is the scenario's",
+    "neftune_noise_alpha": "loss: noise in the embeddings changes the objective",
+}
+
+_LOADER = ("ddpcheck feeds each rank its micro-batches through a loader of its own, which the "
+           "Trainer does not build")
+_WORLD = "ddpcheck's world: the process group exists, on the world's device"
+_MODEL = "the scenario's model is no PreTrainedModel, which this needs"
+
+#: ``TrainingArguments`` keys ddpcheck's harness fixes: key -> (the values accepted: what the
+#: target sets or what changes nothing, why). ``()``: none is accepted.
+HARNESS_KEYS: dict[str, tuple[tuple, str]] = {
+    "use_cpu": ((), _WORLD),
+    "ddp_backend": ((), _WORLD),
+    "ddp_timeout": ((), _WORLD),
+    "local_rank": ((), _WORLD),
+    "deepspeed": ((None,), "this target checks the Trainer over DDP (DeepSpeed has targets of "
+                           "its own: deepspeed_zero1, deepspeed_zero2)"),
+    "fsdp": ((None, "", []), "this target checks the Trainer over DDP"),
+    "fsdp_config": ((None,), "this target checks the Trainer over DDP"),
+    "parallelism_config": ((None,), "this target checks the Trainer over DDP"),
+    "save_strategy": (("no",), "checkpoints are declined: the target sets save_strategy='no'"),
+    "load_best_model_at_end": ((False,), "checkpoints and evaluation are declined"),
+    "eval_strategy": (("no",), "no evaluation set: the target sets eval_strategy='no'"),
+    "eval_on_start": ((False,), "no evaluation set"),
+    "report_to": (("none", [], ["none"], None), "reports leave the machine: the target sets "
+                                                "report_to='none'"),
+    "push_to_hub": ((False,), "nothing is saved"),
+    "full_determinism": ((False,), "torch.use_deterministic_algorithms(True) would outlive the "
+                                   "example in ddpcheck's persistent ranks"),
+    "activation_checkpointing": ((None, False), _MODEL),
+    "gradient_checkpointing": ((None, False), _MODEL),
+    "use_liger_kernel": ((False,), _MODEL),
+    "torch_compile": ((False,), "not tried with this target"),
+    "dataloader_drop_last": ((), _LOADER),
+    "dataloader_num_workers": ((), _LOADER),
+    "dataloader_pin_memory": ((), _LOADER),
+    "dataloader_persistent_workers": ((), _LOADER),
+    "dataloader_prefetch_factor": ((), _LOADER),
+    "dataloader_multiprocessing_context": ((), _LOADER),
+    "dataloader_in_order": ((), _LOADER),
+    "train_sampling_strategy": ((), _LOADER),
+    "group_by_length": ((), _LOADER),
+    "length_column_name": ((), _LOADER),
+    "data_seed": ((), _LOADER),
+    "remove_unused_columns": ((), _LOADER),
+}
+#: ``accelerator_config`` fields about the data loader, which accelerate does not prepare here.
+_LOADER_CONFIG = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")
+
+
+@dataclasses.dataclass(frozen=True)
+class HfTrainerTarget(FrameworkTarget):
+    """transformers' ``Trainer`` over torch DDP, owning the loop (see the module docstring).
+
+    ``training_args``: the user's ``TrainingArguments``, as a dict of keyword arguments or the
+    path of a JSON file holding one (HF's ``HfArgumentParser.parse_json_file`` format); the keys
+    the scenario or ddpcheck sets are refused (:data:`SCENARIO_KEYS`, :data:`HARNESS_KEYS`).
+    ``loss_kwargs``: the model's forward takes ``**kwargs``, so the Trainer passes
+    ``num_items_in_batch`` (False: the older convention, a mean per micro-batch).
+    ``trainer_class``: your own subclass of ``transformers.Trainer`` (its ``compute_loss``, its
+    ``training_step``), trained as the Trainer is; None: ``transformers.Trainer``.
+    """
+
+    # the oldest release tried (docs/frameworks.md); the Trainer needs accelerate, from 1.1.0
+    requires = (("transformers", "5.0.0"), ("accelerate", "1.1.0"))
+
+    training_args: Any = None
+    loss_kwargs: bool = True
+    trainer_class: Any = None
+
+    # Declined: per-rank registration orders (torch DDP underneath requires one order);
+    # checkpoints (the Trainer resumes from its own checkpoint folders, which this loop does not
+    # drive); gradients kept zeroed (the Trainer clears them with model.zero_grad(), which sets
+    # them to None, after every step).
+    supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint", "grads-kept"}
+
+    def __post_init__(self):
+        object.__setattr__(self, "_given", _given(self.training_args))
+        if self.trainer_class is not None:
+            _check_trainer_class(self.trainer_class)
+
+    def warm_up(self) -> None:
+        from transformers import Trainer  # noqa: F401  (seconds in a rank: once per process)
+
+    def supports(self, scenario: Any) -> str | None:
+        if scenario.reduction != "mean":
+            return ("reduction='sum': the Trainer normalises the loss to a mean (by "
+                    "num_items_in_batch, or per micro-batch); a summed objective has no "
+                    "TrainingArguments")
+        if scenario.max_grad_norm is not None and scenario.grad_norm_type != 2.0:
+            return (f"clipping the {scenario.grad_norm_type}-norm: the Trainer clips the 2-norm "
+                    "(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))")
+        if scenario.autocast is torch.float16:
+            return ("autocast float16: TrainingArguments(fp16=True) runs no autocast on the CPU "
+                    "(accelerate's native AMP for fp16 needs a GPU) and adds a GradScaler that "
+                    "may skip steps on a GPU, which the reference does not")
+        return None
+
+    def model_for(self, net: torch.nn.Module, scenario: Any) -> torch.nn.Module:
+        """The model the Trainer trains: the scenario's ``net`` as a causal LM."""
+        cls = ScenarioCausalLM if self.loss_kwargs else ScenarioCausalLMWithoutLossKwargs
+        return cls(net, scenario)
+
+    def fit(self, module: Any, run: Any) -> None:
+        from transformers import Trainer, TrainerCallback, TrainingArguments
+
+        join_existing_group()
+        accumulation = max(len(step) for step in run.batches)
+        if any(len(step) != accumulation for step in run.batches):
+            raise NothingChecked("HfTrainerTarget needs the same number of micro-batches every "
+                                 "step (TrainingArguments(gradient_accumulation_steps=...) is "
+                                 "one number)")
+        _check_environment(run.scenario)
+        device = next(module.parameters()).device
+        folder = tempfile.mkdtemp(prefix="ddpcheck-hf-trainer-")
+        try:
+            kwargs = arguments(self._given, run.scenario, run.steps, accumulation, device,
+                               folder)
+            try:
+                args = TrainingArguments(**kwargs)
+            except (TypeError, ValueError) as exc:
+                raise InvalidArgument(f"TrainingArguments({_shown(self._given)}) as ddpcheck "
+                                      f"completed it raised {type(exc).__name__}: {exc}") from exc
+            optimizer = run.optimizer(run.params, **run.optimizer_kwargs)
+            scheduler = (torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+                         if run.gamma is None else
+                         torch.optim.lr_scheduler.ExponentialLR(optimizer, run.gamma))
+            recorder = _recorder(TrainerCallback, run, module,
+                                 None if run.gamma is None else scheduler)
+            recorder.trainer = _trainer(self.trainer_class or Trainer, _loader(run))(
+                model=self.model_for(module, run.scenario), args=args,
+                optimizers=(optimizer, scheduler), callbacks=[recorder])
+            recorder.trainer.train()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def teardown(self, model: Any, optimizer: Any) -> None:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+def _given(training_args: Any) -> dict:
+    """The user's arguments as a dict, checked: a refused key is an :class:`InvalidArgument`
+    naming every one (see the module docstring)."""
+    if training_args is None:
+        return {}
+    if isinstance(training_args, (str, os.PathLike)):
+        try:
+            with open(training_args) as f:
+                given = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(f"HfTrainerTarget(training_args={str(training_args)!r}): "
+                                  f"cannot read a JSON object of TrainingArguments from it "
+                                  f"({exc})") from None
+        where = f"the JSON file {str(training_args)!r}"
+    elif isinstance(training_args, Mapping):
+        given, where = dict(training_args), "training_args"
+    else:
+        raise InvalidArgument(f"HfTrainerTarget(training_args={training_args!r}) must be a dict "
+                              "of TrainingArguments keyword arguments or the path of a JSON "
+                              "file holding one")
+    if not isinstance(given, dict) or not all(isinstance(k, str) for k in given):
+        raise InvalidArgument(f"{where} must hold an object of TrainingArguments keyword "
+                              "arguments")
+    problems = []
+    for key, value in given.items():
+        if key in SCENARIO_KEYS:
+            problems.append(f"{key!r} is the scenario's (set from Scenario.{SCENARIO_KEYS[key]}, "
+                            "example by example)")
+        elif key in HARNESS_KEYS and not any(_same(value, ok) for ok in HARNESS_KEYS[key][0]):
+            accepted, why = HARNESS_KEYS[key]
+            problems.append(f"{key!r}={value!r} contradicts the run ddpcheck drives ({why})"
+                            + (f"; only {accepted[0]!r} is accepted" if accepted else ""))
+        elif key == "accelerator_config" and isinstance(value, Mapping):
+            problems += [f"'accelerator_config.{name}' contradicts the run ddpcheck drives "
+                         f"({_LOADER})" for name in _LOADER_CONFIG if name in value]
+    fields = _fields()
+    if fields is not None:
+        problems += [f"{key!r} is no TrainingArguments field"
+                     for key in sorted(set(given) - set(SCENARIO_KEYS) - fields)]
+    if problems:
+        raise InvalidArgument(f"HfTrainerTarget: {where} cannot be used: " + "; ".join(problems)
+                              + ". Leave these keys out (docs/frameworks.md, hf_trainer: who "
+                                "sets what)")
+    return given
+
+
+def _check_environment(scenario: Any) -> None:
+    """Refuse a precision the environment imposes on a scenario without autocast:
+    ``TrainingArguments`` takes ``ACCELERATE_MIXED_PRECISION`` as its mixed precision unless
+    ``bf16``/``fp16`` say otherwise (transformers 5; 4.57.6 even wrote it there itself:
+    ``bench/hf_mixed_precision_env.py``). Every rank decides alike, before any collective."""
+    imposed = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if imposed not in ("", "no") and scenario.autocast is None:
+        raise InvalidArgument(f"the environment sets ACCELERATE_MIXED_PRECISION={imposed!r}, "
+                              "which TrainingArguments takes as its mixed precision, against "
+                              "the scenario's (no autocast): unset it for ddpcheck")
+
+
+def _check_trainer_class(cls: Any) -> None:
+    from transformers import Trainer  # the class given was built on it: imported already
+
+    if not (isinstance(cls, type) and issubclass(cls, Trainer)):
+        raise InvalidArgument(f"HfTrainerTarget(trainer_class={cls!r}) must be a subclass of "
+                              "transformers.Trainer (or None for the Trainer itself)")
+
+
+def _same(value: Any, accepted: Any) -> bool:
+    return type(value) is type(accepted) and value == accepted or (value is accepted)
+
+
+def _fields() -> set[str] | None:
+    """The names ``TrainingArguments`` takes; None when transformers is not installed
+    (``Target.requires`` then refuses the target before it runs)."""
+    try:
+        from transformers import TrainingArguments
+    except ImportError:
+        return None
+    return {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+
+
+def _shown(given: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in given.items())
+
+
+def arguments(given: dict, scenario: Any, steps: int, accumulation: int, device: torch.device,
+              folder: str) -> dict:
+    """The ``TrainingArguments`` keyword arguments of one run: the user's ``given`` ones, and
+    what the scenario and ddpcheck's harness set (see the module docstring)."""
+    return {
+        "output_dir": folder, "disable_tqdm": True, "logging_strategy": "no", **given,
+        # the scenario's
+        "gradient_accumulation_steps": accumulation, "max_steps": steps,
+        "max_grad_norm": scenario.max_grad_norm or 0.0,
+        "bf16": scenario.autocast is torch.bfloat16, "fp16": False,
+        # the harness's
+        "use_cpu": device.type == "cpu", "save_strategy": "no", "eval_strategy": "no",
+        "report_to": "none", "dataloader_pin_memory": False,
+    }
+
+
+class ScenarioCausalLM(torch.nn.Module):
+    """The scenario's model as the Trainer trains a causal LM: ``forward(input_ids, labels,
+    **kwargs)`` returns ``{"loss": ..., "logits": ...}``; the loss is the sum of the micro-batch's
+    terms over ``num_items_in_batch`` when the Trainer passes it, else their mean (the module
+    docstring). ``model``: the scenario's module, whose parameters keep their objects."""
+
+    def __init__(self, net: torch.nn.Module, scenario: Any):
+        super().__init__()
+        self.model = net
+        self.scenario = scenario
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                **kwargs: Any) -> dict:
+        return self.outputs(input_ids, labels, kwargs.get("num_items_in_batch"))
+
+    def outputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None,
+                num_items_in_batch: Any) -> dict:
+        logits = self.model(input_ids)
+        if labels is None:
+            return {"logits": logits}
+        with torch.autocast(logits.device.type, enabled=False):  # the loss in >= float32
+            summed = objective.summed(self.scenario, logits, labels)
+            if num_items_in_batch is None:  # the older convention: this micro-batch's mean
+                return {"loss": summed / objective.count(self.scenario, labels),
+                        "logits": logits}
+            # the Trainer counted label elements: a per-sample term holds one per output
+            per_term = 1 if objective.is_token_loss(self.scenario) else math.prod(labels.shape[1:])
+            return {"loss": summed * per_term / num_items_in_batch, "logits": logits}
+
+
+class ScenarioCausalLMWithoutLossKwargs(ScenarioCausalLM):
+    """The older convention: a forward without ``**kwargs``, so the Trainer passes no
+    ``num_items_in_batch`` and divides the per-micro-batch mean by the accumulation steps."""
+
+    def forward(self, input_ids: torch.Tensor,
+                labels: torch.Tensor | None = None) -> dict:  # type: ignore[override]
+        return self.outputs(input_ids, labels, None)
+
+
+def _loader(run: Any) -> list:
+    """This rank's micro-batches, in order, as the Trainer's batches."""
+    return [{"input_ids": x, "labels": y} for step in run.batches for x, y, _ in step]
+
+
+def _trainer(trainer_cls: type, batches: list) -> type:
+    """The ``Trainer`` subclass that trains on ``batches`` (classes made here: transformers is
+    imported only when the target runs)."""
+
+    class Trainer(trainer_cls):
+        def get_train_dataloader(self):
+            return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
+
+    return Trainer
+
+
+def _recorder(callback_cls: type, run: Any, module: Any, scheduler: Any) -> Any:
+    """The callback through which ddpcheck records the Trainer's run (the module docstring)."""
+
+    class Recorder(callback_cls):
+        def __init__(self):
+            self.trainer: Any = None  # set once the Trainer is built
+            self.kept: list = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            run.started(self.trainer.model_wrapped, self.trainer.optimizer)
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            # clipped, synchronised: what optimizer.step() receives
+            self.kept = [(p, None if p.grad is None else p.grad.detach().clone())
+                         for p in module.parameters()]
+
+        def on_step_end(self, args, state, control, **kwargs):
+            with _gradients_back(self.kept):
+                run.record(self.trainer.model_wrapped, self.trainer.optimizer, scheduler)
+            self.kept = []
+
+    return Recorder()
+
+
+@contextlib.contextmanager
+def _gradients_back(kept: list):
+    """The kept gradients in ``.grad`` for the block, then cleared as the Trainer left them."""
+    for p, grad in kept:
+        p.grad = grad
+    try:
+        yield
+    finally:
+        for p, _ in kept:
+            p.grad = None

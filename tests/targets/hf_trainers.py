@@ -1,0 +1,34 @@
+"""Trainer subclasses the hf_trainer tests hand to ``HfTrainerTarget(trainer_class=...)``: one
+that looks, inside the rank, at what the user's TrainingArguments did to the DDP model the Trainer
+built; one with a seeded bug. Imports transformers: imported only where it is installed (the rank
+processes import it by this module's name when they unpickle the target)."""
+
+from __future__ import annotations
+
+from transformers import Trainer
+
+#: the bucket size the observing test gives as ``TrainingArguments(ddp_bucket_cap_mb=...)``
+BUCKET_MB = 3
+
+
+class ObservingTrainer(Trainer):
+    """Fails the rank unless the DDP model it trains buckets gradients in :data:`BUCKET_MB`
+    megabytes: the user's ``ddp_bucket_cap_mb`` reached torch's DDP through the Trainer."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        got = getattr(model, "bucket_bytes_cap", None)
+        assert got == BUCKET_MB * 2**20, (
+            f"the Trainer's {type(model).__name__} buckets {got} bytes, not the "
+            f"ddp_bucket_cap_mb={BUCKET_MB} given")
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+class PerMicroBatchLoss(Trainer):
+    """A seeded bug (huggingface/transformers #34191's): a ``compute_loss`` that drops
+    ``num_items_in_batch``, so each micro-batch's loss is the mean over its own tokens, divided by
+    the accumulation steps (DDP averages over the ranks) -- right only where every micro-batch on
+    every rank holds as many tokens."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch=None)
+        return loss / self.args.gradient_accumulation_steps
