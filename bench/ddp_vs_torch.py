@@ -144,10 +144,10 @@ def step_time(repetitions: int, device: str = "cpu") -> None:
 
 
 def overlap(device: str = "cpu") -> None:
-    from ddpcheck.scenario import Scenario
-    from ddpcheck.targets import PARALLEL_DDP
     from ddpcheck._internal.runs.trace import record_step
     from ddpcheck._internal.world.worlds import get_world
+    from ddpcheck.scenario import Scenario
+    from ddpcheck.targets import PARALLEL_DDP
 
     scenario = Scenario(model=BenchMLP, data=bench_data, dtype="float32", global_batch=2 * BATCH,
                         steps=1)

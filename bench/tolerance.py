@@ -28,10 +28,10 @@ from hypothesis import strategies as st  # noqa: E402
 
 from ddpcheck import strategies as dst  # noqa: E402
 from ddpcheck import targets  # noqa: E402
-from ddpcheck.features import declines  # noqa: E402
 from ddpcheck._internal.oracle.compare import reference_run, scaled_atol, tolerance  # noqa: E402
 from ddpcheck._internal.rank.runner import run_example  # noqa: E402
 from ddpcheck._internal.world.worlds import get_world, shutdown_worlds  # noqa: E402
+from ddpcheck.features import declines  # noqa: E402
 
 TARGETS = (targets.PARALLEL, targets.TORCH_DDP)
 PRECISION_TARGETS = (targets.PARALLEL, targets.TORCH_DDP, targets.TORCH_FSDP)

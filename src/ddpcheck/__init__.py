@@ -18,9 +18,19 @@ import importlib
 from typing import Any
 
 from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
-from ddpcheck.errors import (DdpcheckError, Divergence, EquivalenceError, ExitCode, Inconclusive,
-                             InternalError, InvalidArgument, NothingChecked, ScenarioError,
-                             SetupError, WorldStartError)
+from ddpcheck.errors import (
+    DdpcheckError,
+    Divergence,
+    EquivalenceError,
+    ExitCode,
+    Inconclusive,
+    InternalError,
+    InvalidArgument,
+    NothingChecked,
+    ScenarioError,
+    SetupError,
+    WorldStartError,
+)
 
 __version__ = "0.1.0"
 

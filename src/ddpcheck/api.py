@@ -14,12 +14,20 @@ from typing import Any, Callable, Iterable
 
 from ddpcheck import features
 from ddpcheck._internal.devices import check_fits
-from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_deadline,
-                                        check_fits_machine, check_world_sizes)
+from ddpcheck._internal.options import (
+    DEFAULT_DEADLINE,
+    DEFAULT_WORLD_SIZES,
+    check_deadline,
+    check_fits_machine,
+    check_world_sizes,
+)
 from ddpcheck._internal.oracle.judgeable import check_scenario
 from ddpcheck._internal.runs import example
-from ddpcheck._internal.runs.example import (check_example_keeping_reference, check_target,
-                                             refuse_unconfirmed_hang)
+from ddpcheck._internal.runs.example import (
+    check_example_keeping_reference,
+    check_target,
+    refuse_unconfirmed_hang,
+)
 from ddpcheck._internal.world.interrupts import interruptible
 from ddpcheck._internal.world.worlds import launch_worlds
 from ddpcheck.battery import BATTERY

@@ -39,14 +39,27 @@ import warnings
 from typing import Any, Callable, NoReturn
 
 from ddpcheck._internal.devices import check_fits, local_world_size, under_torchrun
+from ddpcheck._internal.grammar import (
+    EXIT_CODES,
+    SURVEY_EXIT_CODES,
+    build_parser,
+    parse_command_line,
+)
+from ddpcheck._internal.options import (
+    DEFAULT_WORLD_SIZES,
+    check_fits_machine,
+    did_you_mean,
+    parse_features,
+)
 from ddpcheck._internal.scripts import load
-from ddpcheck._internal.grammar import (EXIT_CODES, SURVEY_EXIT_CODES, build_parser,
-                                        parse_command_line)
-from ddpcheck._internal.options import (DEFAULT_WORLD_SIZES, check_fits_machine, did_you_mean,
-                                        parse_features)
 from ddpcheck._internal.terminal import ProgressLine
-from ddpcheck.errors import (DdpcheckError, EquivalenceError, ExitCode, InvalidArgument,
-                             NothingChecked)
+from ddpcheck.errors import (
+    DdpcheckError,
+    EquivalenceError,
+    ExitCode,
+    InvalidArgument,
+    NothingChecked,
+)
 
 __all__ = ["EXIT_CODES", "SURVEY_EXIT_CODES", "UsageError", "build_parser", "command", "main",
            "resolve_target"]

@@ -18,8 +18,13 @@ from typing import Any, Callable
 import pytest
 
 from ddpcheck._internal.devices import check_fits
-from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_fits_machine,
-                                        parse_features, parse_world_sizes)
+from ddpcheck._internal.options import (
+    DEFAULT_DEADLINE,
+    DEFAULT_WORLD_SIZES,
+    check_fits_machine,
+    parse_features,
+    parse_world_sizes,
+)
 from ddpcheck.errors import DdpcheckError, ExitCode, InvalidArgument
 
 # ---------------------------------------------------------------------------------------------

@@ -33,8 +33,8 @@ from torch import nn
 from ddpcheck import zoo
 from ddpcheck._internal.objective import LOSSES, LOW_PRECISION, count, per_sample_loss
 from ddpcheck._internal.options import named_fields
-from ddpcheck.errors import InvalidArgument
 from ddpcheck._internal.scripts import MAIN_NAMES, public_module_name
+from ddpcheck.errors import InvalidArgument
 
 __all__ = ["Scenario", "build_model", "global_batch", "local_micro_batches",
            "per_sample_loss"]

@@ -21,8 +21,8 @@ from torch import nn
 
 import ddpcheck
 from ddpcheck import cli, targets
-from ddpcheck.errors import ExitCode
 from ddpcheck._internal.world.worlds import get_world
+from ddpcheck.errors import ExitCode
 from parallel import DDP, InvalidArgument, ShardedOptimizer
 from tests.patience import patience
 

@@ -13,13 +13,12 @@ from hypothesis import HealthCheck, find, given, settings
 from hypothesis.errors import NoSuchExample
 
 import ddpcheck
+from ddpcheck import check_example, targets
 from ddpcheck import strategies as dst
-from ddpcheck import targets
-from ddpcheck import check_example
 from ddpcheck._internal.objective import check_output
+from ddpcheck._internal.runs.replay import from_repr
 from ddpcheck.features import declines
 from ddpcheck.models import Layer, ModelSpec
-from ddpcheck._internal.runs.replay import from_repr
 from ddpcheck.scenario import build_model
 from tests.patience import patience
 

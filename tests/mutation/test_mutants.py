@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from ddpcheck.mutation import catalogue as mutants
 from ddpcheck.cli import main
+from ddpcheck.mutation import catalogue as mutants
 from ddpcheck.targets import ParallelDDPTarget, TorchFSDPTarget
 
 #: Seconds per mutant in CI: a ceiling, not the expected cost -- every kill takes at most 8

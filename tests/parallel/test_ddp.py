@@ -11,7 +11,6 @@ are.
 from __future__ import annotations
 
 import contextlib
-
 import math
 
 import pytest

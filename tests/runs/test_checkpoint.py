@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 import ddpcheck
 from ddpcheck import features
 from ddpcheck import strategies as dst
+from ddpcheck._internal.runs.replay import from_repr
 from ddpcheck.battery import BATTERY
 from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked
 from ddpcheck.mutation import catalogue
-from ddpcheck._internal.runs.replay import from_repr
 from ddpcheck.targets import PARALLEL, TORCH_DDP, TORCH_ZERO, ParallelTarget
 
 RESUME = dict(BATTERY)["checkpoint-resume"]  # Adam, two param groups, ExponentialLR, 3 steps

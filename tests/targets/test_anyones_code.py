@@ -4,7 +4,6 @@ and generators that produce what they claim."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings

@@ -21,16 +21,15 @@ import torch
 import torch.distributed as dist
 
 import ddpcheck
-from ddpcheck import targets
+from ddpcheck import check_example, targets
 from ddpcheck._internal import devices
-from ddpcheck._internal.world import worlds as world_module
 from ddpcheck._internal.devices import backend_for, check_fits
 from ddpcheck._internal.rank.runner import run_example_packed
 from ddpcheck._internal.rank.transport import unpack
-from ddpcheck._internal.world.worlds import World, get_world
-from ddpcheck import check_example
 from ddpcheck._internal.runs.fuzz import fuzz
 from ddpcheck._internal.runs.replay import replay_command
+from ddpcheck._internal.world import worlds as world_module
+from ddpcheck._internal.world.worlds import World, get_world
 from ddpcheck.scenario import Scenario
 from tests.patience import patience
 

@@ -30,10 +30,9 @@ import torch
 import torch.distributed as dist
 
 import ddpcheck
-from ddpcheck import targets
-from ddpcheck import check_example
-from ddpcheck.scenario import Scenario
+from ddpcheck import check_example, targets
 from ddpcheck._internal.world.worlds import get_world
+from ddpcheck.scenario import Scenario
 from tests.patience import patience
 
 DEADLINE = 3.0

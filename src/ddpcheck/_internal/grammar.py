@@ -13,8 +13,12 @@ import re
 from typing import Any, Callable, NoReturn
 
 from ddpcheck._internal.devices import BACKENDS, DEVICES
-from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, did_you_mean,
-                                        parse_world_sizes)
+from ddpcheck._internal.options import (
+    DEFAULT_DEADLINE,
+    DEFAULT_WORLD_SIZES,
+    did_you_mean,
+    parse_world_sizes,
+)
 from ddpcheck.errors import ExitCode, InvalidArgument
 
 __all__ = ["EXIT_CODES", "SURVEY_EXIT_CODES", "TARGET_HELP", "SuggestingParser", "build_parser",

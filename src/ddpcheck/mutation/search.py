@@ -22,9 +22,14 @@ import importlib
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, STARTUP_DEADLINE,
-                                        check_positive_number, check_world_sizes)
 from ddpcheck._internal.messages import scenario_line as brief
+from ddpcheck._internal.options import (
+    DEFAULT_DEADLINE,
+    DEFAULT_WORLD_SIZES,
+    STARTUP_DEADLINE,
+    check_positive_number,
+    check_world_sizes,
+)
 from ddpcheck._internal.runs.example import check_example, prepare_reference
 from ddpcheck._internal.runs.fuzz import fuzz
 from ddpcheck._internal.world.worlds import get_world

@@ -28,8 +28,13 @@ from ddpcheck.targets.deepspeed import DeepSpeedTarget
 from ddpcheck.targets.environment import installed_version
 from ddpcheck.targets.fabric import FabricTarget
 from ddpcheck.targets.framework import install_command
-from ddpcheck.targets.fsdp import (broadcast_from, fsdp_cannot_run, fully_shard_options,
-                                   gradient_sync_off, shard_leaves)
+from ddpcheck.targets.fsdp import (
+    broadcast_from,
+    fsdp_cannot_run,
+    fully_shard_options,
+    gradient_sync_off,
+    shard_leaves,
+)
 from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.protocol import CONSTRUCTOR_CALL, Target, WrapperTarget
 from parallel import DDP, ShardedOptimizer

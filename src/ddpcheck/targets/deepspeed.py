@@ -41,12 +41,11 @@ from the parameters' device, so it should run unchanged under ``--device cuda``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
 from typing import Any, ContextManager
-
-import contextlib
 
 import torch
 

@@ -65,9 +65,16 @@ from ddpcheck._internal.oracle.budget import check_budget, check_reduce_dtypes
 from ddpcheck._internal.oracle.reference import Reference, reference_run
 from ddpcheck._internal.oracle.sample_weights import check_sample_weights
 from ddpcheck._internal.oracle.shards import compare_shards
-from ddpcheck._internal.oracle.tolerances import (NOISE_FACTOR, RESOLUTION, TOLERANCES,
-                                                  all_close, close, noise_verdict, scaled_atol,
-                                                  tolerance)
+from ddpcheck._internal.oracle.tolerances import (
+    NOISE_FACTOR,
+    RESOLUTION,
+    TOLERANCES,
+    all_close,
+    close,
+    noise_verdict,
+    scaled_atol,
+    tolerance,
+)
 from ddpcheck._internal.oracle.window import check_window
 from ddpcheck._internal.records import RankRecord, StepRecord
 from ddpcheck.errors import Divergence, InvalidArgument

@@ -41,8 +41,15 @@ import torch
 from torch import nn
 
 from ddpcheck._internal import objective
-from ddpcheck._internal.messages import (active_modules, brief, code_name, describe_value,
-                                         exception_text, needs_arguments, short_name)
+from ddpcheck._internal.messages import (
+    active_modules,
+    brief,
+    code_name,
+    describe_value,
+    exception_text,
+    needs_arguments,
+    short_name,
+)
 from ddpcheck._internal.oracle.tolerances import TOLERANCES
 from ddpcheck.errors import ScenarioError
 from ddpcheck.models import ModelSpec

@@ -35,8 +35,13 @@ from typing import Any
 import torch
 
 from ddpcheck._internal.objective import count, tokens
-from ddpcheck._internal.records import (StepRecord, gradients, initial_state, schedule_state,
-                                        snapshot)
+from ddpcheck._internal.records import (
+    StepRecord,
+    gradients,
+    initial_state,
+    schedule_state,
+    snapshot,
+)
 from ddpcheck._internal.training import Loop, make_scheduler, train
 from ddpcheck.scenario import Scenario, build_model, global_batch, make_param_groups
 

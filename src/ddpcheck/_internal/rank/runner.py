@@ -39,8 +39,13 @@ from ddpcheck._internal.rank import recorder
 from ddpcheck._internal.rank.orders import ORDER_SEED_STRIDE, permute_registration
 from ddpcheck._internal.rank.owned import owned_gradients
 from ddpcheck._internal.rank.transport import pack
-from ddpcheck._internal.records import (RankRecord, gradients, initial_state, schedule_state,
-                                        snapshot)
+from ddpcheck._internal.records import (
+    RankRecord,
+    gradients,
+    initial_state,
+    schedule_state,
+    snapshot,
+)
 from ddpcheck._internal.training import FitRun, Loop, make_scheduler, optimizer_kwargs, train
 from ddpcheck.batches import BatchPlan, contiguous, global_indices, plan_for
 from ddpcheck.errors import NothingChecked

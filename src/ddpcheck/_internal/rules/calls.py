@@ -23,13 +23,16 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, Phase, Verbosity, given
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
-from hypothesis import settings
 from hypothesis import strategies as st
 
-from ddpcheck._internal.rules.params import (ParamSpec, describe, param_lists_strategy,
-                                             parameter_lists)
+from ddpcheck._internal.rules.params import (
+    ParamSpec,
+    describe,
+    param_lists_strategy,
+    parameter_lists,
+)
 
 __all__ = ["BALANCE_WORLD_SIZES", "HARD_FLOOR", "HARD_GRACE", "HARD_REFRESH", "KINDS",
            "MAX_WORLD_SIZE", "answers_in_rank", "brief_owners", "hang_text", "rule_name",

@@ -29,11 +29,26 @@ from typing import Any, Callable, Sequence
 import hypothesis
 
 from ddpcheck._internal.options import DEFAULT_DEADLINE
-from ddpcheck._internal.rules.calls import (HARD_FLOOR, HARD_GRACE, HARD_REFRESH, KINDS,
-                                            MAX_WORLD_SIZE, answers_in_rank, brief_owners,
-                                            hang_text, rule_name, search_in_rank)
-from ddpcheck._internal.rules.params import (DTYPES, ParamSpec, balance, describe, gpt_like,
-                                             parameter_lists)
+from ddpcheck._internal.rules.calls import (
+    HARD_FLOOR,
+    HARD_GRACE,
+    HARD_REFRESH,
+    KINDS,
+    MAX_WORLD_SIZE,
+    answers_in_rank,
+    brief_owners,
+    hang_text,
+    rule_name,
+    search_in_rank,
+)
+from ddpcheck._internal.rules.params import (
+    DTYPES,
+    ParamSpec,
+    balance,
+    describe,
+    gpt_like,
+    parameter_lists,
+)
 from ddpcheck._internal.world.processes import read
 from ddpcheck._internal.world.worlds import WorldFailure, get_world
 from ddpcheck.errors import SetupError

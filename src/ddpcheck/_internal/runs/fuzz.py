@@ -14,17 +14,20 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
-from hypothesis import HealthCheck, Phase, assume, given
+from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import seed as hypothesis_seed
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyFailure, Unsatisfiable
 
 from ddpcheck import features
 from ddpcheck import strategies as dst
 from ddpcheck._internal.devices import check_fits
-from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES,
-                                        check_positive_number, check_world_sizes)
+from ddpcheck._internal.options import (
+    DEFAULT_DEADLINE,
+    DEFAULT_WORLD_SIZES,
+    check_positive_number,
+    check_world_sizes,
+)
 from ddpcheck._internal.runs.example import check_example, refuse_unconfirmed_hang
 from ddpcheck._internal.runs.pipeline import one_behind_the_other
 from ddpcheck._internal.world.interrupts import interruptible

@@ -27,8 +27,14 @@ import time
 from typing import Any, Iterable, Iterator
 
 from ddpcheck._internal.runs import warmup
-from ddpcheck._internal.runs.example import (_beside_the_ranks, check_example, judge, launch,
-                                             prepare_reference, resume)
+from ddpcheck._internal.runs.example import (
+    _beside_the_ranks,
+    check_example,
+    judge,
+    launch,
+    prepare_reference,
+    resume,
+)
 from ddpcheck._internal.world.worlds import TaskLost, WorldFailure
 from ddpcheck.errors import EquivalenceError, NothingChecked, ScenarioError
 

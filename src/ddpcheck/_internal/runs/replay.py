@@ -43,8 +43,13 @@ import sys
 import types
 from typing import Any
 
-from ddpcheck._internal.scripts import MAIN_NAMES, load, main_script, module_spec, \
-    public_module_name
+from ddpcheck._internal.scripts import (
+    MAIN_NAMES,
+    load,
+    main_script,
+    module_spec,
+    public_module_name,
+)
 from ddpcheck.errors import InvalidArgument
 from ddpcheck.scenario import Scenario, _code, _is_default, import_path
 from ddpcheck.targets import CONSTRUCTOR_CALL as _CALL  # metadata of a target, not its state

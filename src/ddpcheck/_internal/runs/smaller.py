@@ -24,9 +24,8 @@ import time
 import zlib
 from typing import Any, Callable
 
-from hypothesis import HealthCheck, Phase, Verbosity, assume, given
+from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
 from hypothesis import seed as hypothesis_seed
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyFailure, Unsatisfiable
 

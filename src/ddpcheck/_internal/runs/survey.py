@@ -17,21 +17,29 @@ import time
 import zlib
 from typing import Any, Callable, Iterable
 
-from hypothesis import HealthCheck, Phase, Verbosity, assume, given
+from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
 from hypothesis import seed as hypothesis_seed
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyFailure, Unsatisfiable
 
 from ddpcheck import features
 from ddpcheck import strategies as dst
 from ddpcheck._internal.devices import check_fits
-from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_deadline,
-                                        check_fits_machine, check_positive_number,
-                                        check_world_sizes)
 from ddpcheck._internal.messages import scenario_line
-from ddpcheck._internal.runs.example import (check_example, check_target, prepare_reference,
-                                            refuse_unconfirmed_hang)
+from ddpcheck._internal.options import (
+    DEFAULT_DEADLINE,
+    DEFAULT_WORLD_SIZES,
+    check_deadline,
+    check_fits_machine,
+    check_positive_number,
+    check_world_sizes,
+)
+from ddpcheck._internal.runs.example import (
+    check_example,
+    check_target,
+    prepare_reference,
+    refuse_unconfirmed_hang,
+)
 from ddpcheck._internal.runs.replay import target_spec
 from ddpcheck._internal.world.interrupts import interruptible
 from ddpcheck.battery import BATTERY

@@ -29,8 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpcheck._internal.devices import (backend_for, enter_rank, local_world_size, this_rank,
-                                       under_torchrun)
+from ddpcheck._internal.devices import (
+    backend_for,
+    enter_rank,
+    local_world_size,
+    this_rank,
+    under_torchrun,
+)
 from ddpcheck._internal.rank import recorder
 from ddpcheck._internal.rank.runner import run_example_packed, run_warm_up
 from ddpcheck._internal.rank.transport import unpack

@@ -44,6 +44,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import math
+
 # Plain multiprocessing, not torch.multiprocessing: results travel as pickled bytes, so torch's
 # shared-memory tensor reductions would only add file-descriptor traffic.
 import multiprocessing
@@ -59,18 +60,38 @@ from multiprocessing.connection import wait as _wait_any
 from typing import Any, Callable, Iterable, Iterator
 
 from ddpcheck._internal.devices import backend_for, check_device, check_fits
-from ddpcheck._internal.options import (DEFAULT_DEADLINE, STARTUP_DEADLINE, check_deadline,
-                                        check_world_size)
+from ddpcheck._internal.options import (
+    DEFAULT_DEADLINE,
+    STARTUP_DEADLINE,
+    check_deadline,
+    check_world_size,
+)
 from ddpcheck._internal.rank.freshness import announce, changed
-from ddpcheck._internal.rank.serve import (NESTED_MARKER, SEQUENCE_SLOTS, SHUTDOWN,
-                                           WORLD_DIR_ENV, rank_main, rank_name, sequence_file)
+from ddpcheck._internal.rank.serve import (
+    NESTED_MARKER,
+    SEQUENCE_SLOTS,
+    SHUTDOWN,
+    WORLD_DIR_ENV,
+    rank_main,
+    rank_name,
+    sequence_file,
+)
 from ddpcheck._internal.world import forking, interrupts, progress
 from ddpcheck._internal.world.failures import RankState, WorldFailure, WorldStartError
 from ddpcheck._internal.world.janitor import Janitor
-from ddpcheck._internal.world.processes import (check_main_module_importable, dump_stacks,
-                                                environment, exit_description, kill_group,
-                                                output_to, pickle_task, read, receive,
-                                                refuse_nested_start, tail)
+from ddpcheck._internal.world.processes import (
+    check_main_module_importable,
+    dump_stacks,
+    environment,
+    exit_description,
+    kill_group,
+    output_to,
+    pickle_task,
+    read,
+    receive,
+    refuse_nested_start,
+    tail,
+)
 from ddpcheck.errors import InvalidArgument
 
 __all__ = ["Pending", "RankState", "TaskLost", "World", "WorldFailure", "WorldStartError",
