@@ -8,7 +8,8 @@ No collective happens here.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist

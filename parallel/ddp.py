@@ -49,7 +49,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -402,7 +403,7 @@ class DDP(nn.Module):
                     "and assign parameters before wrapping the module")
 
 
-def _call_weakly(ddp: "DDP") -> Any:
+def _call_weakly(ddp: DDP) -> Any:
     """A post-accumulate-grad hook calling ``ddp._on_grad_ready`` while ``ddp`` is alive."""
     ref = weakref.ref(ddp)
 

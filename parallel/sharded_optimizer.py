@@ -30,7 +30,8 @@ from __future__ import annotations
 import ctypes
 import io
 import zlib
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist

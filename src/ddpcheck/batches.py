@@ -33,7 +33,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch.utils.data import DistributedSampler
 
@@ -106,7 +107,7 @@ class BatchPlan:
         object.__setattr__(self, "scales", scales)
 
     @classmethod
-    def uniform(cls, micro_batches: Any, scale: float) -> "BatchPlan":
+    def uniform(cls, micro_batches: Any, scale: float) -> BatchPlan:
         """Every micro-batch scaled by the same ``scale``."""
         micro = tuple(micro_batches)
         return cls(micro, (scale,) * len(micro))

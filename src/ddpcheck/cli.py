@@ -36,7 +36,8 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 from ddpcheck._internal.devices import check_fits, local_world_size, under_torchrun
 from ddpcheck._internal.grammar import (

@@ -133,8 +133,8 @@ class Divergence:
 
     @classmethod
     def of(cls, step: Any, world_size: int, rank: int | None, name: str, kind: str,
-           got: "torch.Tensor", expected: "torch.Tensor", got_label: tuple, expected_label: tuple,
-           rtol: float = 0.0, atol: float = 0.0) -> "Divergence":
+           got: torch.Tensor, expected: torch.Tensor, got_label: tuple, expected_label: tuple,
+           rtol: float = 0.0, atol: float = 0.0) -> Divergence:
         """A divergence between two tensors, with assert_close's statistics as the detail."""
         import torch  # here: the plugin and the command line's --help import this module
 
@@ -149,8 +149,8 @@ class Divergence:
             message = "(differs only where assert_close is more lenient than the oracle)"
         except AssertionError as exc:
             message = str(exc)
-        who = "rank {}".format(got_label[1]) if got_label[0] == "rank" else got_label[0]
-        than = ("rank {}".format(expected_label[1]) if expected_label[0] == "rank"
+        who = f"rank {got_label[1]}" if got_label[0] == "rank" else got_label[0]
+        than = (f"rank {expected_label[1]}" if expected_label[0] == "rank"
                 else expected_label[0])
         return cls(step, world_size, rank, name, kind, max_abs, max_rel,
                    f"{who} vs {than}: {message}")

@@ -86,11 +86,11 @@ class ModelSpec:
         if self.width < 2:
             raise InvalidArgument(f"width={self.width!r} must be at least 2")
 
-    def __call__(self) -> "SpecModel":
+    def __call__(self) -> SpecModel:
         return SpecModel(self)
 
     @property
-    def data(self) -> "SpecData":
+    def data(self) -> SpecData:
         return SpecData(self.width)
 
 

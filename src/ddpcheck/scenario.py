@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

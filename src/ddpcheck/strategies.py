@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from hypothesis import strategies as st

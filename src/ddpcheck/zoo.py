@@ -238,7 +238,7 @@ class GPTConfig:
             raise InvalidArgument(f"{self!r}: width must be a positive multiple of heads, "
                                   "layers >= 0")
 
-    def __call__(self) -> "TinyGPT":
+    def __call__(self) -> TinyGPT:
         return TinyGPT(self)
 
 

@@ -14,7 +14,8 @@ import difflib
 import functools
 import numbers
 import os
-from typing import Any, Iterable, TypeVar
+from collections.abc import Iterable
+from typing import Any, TypeVar
 
 from ddpcheck.errors import InvalidArgument
 

@@ -12,7 +12,8 @@ it (``StepRecord.shards``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

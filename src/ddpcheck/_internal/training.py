@@ -26,7 +26,9 @@ import dataclasses
 import functools
 import inspect
 import time
-from typing import Any, Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -50,10 +52,10 @@ class Loop:
 
     #: step -> micro-batches ``(x, y, scale)``: scale multiplies the summed terms of the loss
     batches: Callable[[int], list[tuple[torch.Tensor, torch.Tensor, float]]]
-    no_sync: Callable[[], ContextManager[Any]] = contextlib.nullcontext  # all but the last
+    no_sync: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext  # all but the last
     #: ``(index, count) ->`` the context of micro-batch ``index`` of ``count`` (None: ``no_sync``
     #: around all but the last)
-    micro_batch: Callable[[int, int], ContextManager[Any]] | None = None
+    micro_batch: Callable[[int, int], AbstractContextManager[Any]] | None = None
     backward: Callable[[Any], None] = _backward  # ``loss ->`` back-propagate it
     #: optimizer.step(), the schedule and zero_grad after every micro-batch; the framework gates
     steps_every_micro_batch: bool = False
@@ -189,7 +191,7 @@ def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop, *, schedul
         loop.end_step(step)
 
 
-def _micro_batch(loop: Loop, index: int, count: int) -> ContextManager[Any]:
+def _micro_batch(loop: Loop, index: int, count: int) -> AbstractContextManager[Any]:
     if loop.micro_batch is not None:
         return loop.micro_batch(index, count)
     return contextlib.nullcontext() if index == count - 1 else loop.no_sync()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist

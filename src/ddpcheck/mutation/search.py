@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from ddpcheck._internal.messages import scenario_line as brief
 from ddpcheck._internal.options import (

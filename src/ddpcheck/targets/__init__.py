@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -53,7 +54,7 @@ class _Bucketed(Target):
 
     bucket_size_mb: float | None = None
 
-    def configure(self, scenario: Any) -> "Target":
+    def configure(self, scenario: Any) -> Target:
         hint = getattr(scenario, "bucket_size_mb", None)
         if hint is None or self.bucket_size_mb is not None:
             return self
@@ -74,7 +75,7 @@ class ParallelDDPTarget(_Bucketed):
     def after_backward(self, model: Any, optimizer: Any) -> None:
         model.finish_gradient_sync()
 
-    def no_sync(self, model: Any) -> ContextManager[Any]:
+    def no_sync(self, model: Any) -> AbstractContextManager[Any]:
         return model.no_sync()
 
     def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float,
@@ -120,7 +121,7 @@ class TorchDDPTarget(_Bucketed):
         # Unused parameters are part of every battery; torch needs to be told to look for them.
         return DistributedDataParallel(module, find_unused_parameters=True, **kwargs)
 
-    def no_sync(self, model: Any) -> ContextManager[Any]:
+    def no_sync(self, model: Any) -> AbstractContextManager[Any]:
         return model.no_sync()
 
 
@@ -210,7 +211,7 @@ class TorchFSDPTarget(Target):
     supported_features = frozenset(FEATURES) - {"non-contiguous", "unused-on-some-ranks",
                                                 "checkpoint", "rank-orders"}
 
-    def configure(self, scenario: Any) -> "Target":
+    def configure(self, scenario: Any) -> Target:
         change: dict[str, Any] = {}
         if self.reshard_after_forward is None:
             change["reshard_after_forward"] = bool(scenario.seed % 2)
@@ -237,7 +238,7 @@ class TorchFSDPTarget(Target):
             cpu_offload=self.cpu_offload, param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype))
 
-    def no_sync(self, model: Any) -> ContextManager[Any]:
+    def no_sync(self, model: Any) -> AbstractContextManager[Any]:
         return gradient_sync_off(model)
 
 

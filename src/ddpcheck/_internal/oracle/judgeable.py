@@ -35,7 +35,8 @@ import contextlib
 import functools
 import inspect
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn

@@ -21,7 +21,8 @@ parameter.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ddpcheck.errors import Divergence
 

@@ -33,7 +33,8 @@ import inspect
 import os
 import sys
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed
@@ -257,7 +258,7 @@ def _tensors(obj: Any) -> list[Any]:
     return []
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _param_names(fn: Callable[..., Any]) -> tuple[str, ...]:
     try:
         return tuple(inspect.signature(fn).parameters)

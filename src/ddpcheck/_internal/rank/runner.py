@@ -29,7 +29,8 @@ import contextlib
 import io
 import time
 import traceback
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -19,7 +19,8 @@ import os
 import signal
 import time
 import traceback
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -113,7 +114,7 @@ class _Guard:
         self._saved: Any = None
         self._armed_at = -math.inf
 
-    def __enter__(self) -> "_Guard":
+    def __enter__(self) -> _Guard:
         self._saved = signal.signal(signal.SIGALRM, _on_alarm)
         return self
 

@@ -24,7 +24,8 @@ import multiprocessing
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import hypothesis
 

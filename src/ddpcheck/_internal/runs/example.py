@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import pickle
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from ddpcheck._internal.runs import warmup
 from ddpcheck._internal.runs.example import (

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import time
 import zlib
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
 from hypothesis import seed as hypothesis_seed
@@ -175,7 +176,7 @@ class Survey:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Survey":
+    def from_dict(cls, data: dict[str, Any]) -> Survey:
         names = {f.name for f in dataclasses.fields(Cell)}
         cells = [Cell(**{k: v for k, v in c.items() if k in names}) for c in data["cells"]]
         return cls(data["target"], tuple(data["world_sizes"]), data["examples"], cells,

@@ -36,7 +36,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 __all__ = ["AGAIN_AFTER", "Insistent", "blocked_for_children", "held", "insisting", "interruptible"]
 

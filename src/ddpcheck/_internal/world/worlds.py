@@ -54,10 +54,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import wait as _wait_any
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from ddpcheck._internal.devices import backend_for, check_device, check_fits
 from ddpcheck._internal.options import (
@@ -184,14 +185,14 @@ class World:
         """The world's janitor process (``ddpcheck._internal.world.janitor``), while the world lives."""
         return None if self._janitor is None else self._janitor.pid
 
-    def start(self, deadline: float = STARTUP_DEADLINE) -> "World":
+    def start(self, deadline: float = STARTUP_DEADLINE) -> World:
         """Spawn the ranks and wait until every one has joined the process group."""
         self.launch(deadline)
         if self._booting is not None:
             self._await_start()
         return self
 
-    def launch(self, deadline: float = STARTUP_DEADLINE) -> "World":
+    def launch(self, deadline: float = STARTUP_DEADLINE) -> World:
         """Spawn the ranks and return at once; the first task (or :meth:`start`) waits for them
         to join. Ranks spend ~2 s importing torch and joining the group: launched first, a
         world boots while this process imports, draws and computes references."""
@@ -330,7 +331,7 @@ class World:
         return self.submit(fn, *args, deadline=deadline, what=what).collect()
 
     def submit(self, fn: Callable[..., Any], *args: Any, deadline: float = DEFAULT_DEADLINE,
-               what: str | None = None) -> "Pending":
+               what: str | None = None) -> Pending:
         """Start ``fn(*args)`` on every rank and return at once; :meth:`Pending.collect` waits
         for the results (the deadline counts from here). Meanwhile this process is free -- the
         oracle computes its reference while the ranks train.
@@ -369,7 +370,7 @@ class World:
         return self._send_task(payload, fn, deadline, what)
 
     def _send_task(self, payload: bytes, fn: Callable[..., Any], deadline: float,
-                   what: str | None) -> "Pending":
+                   what: str | None) -> Pending:
         slot = self._runs % SEQUENCE_SLOTS
         self._runs += 1
         # Empty, before any rank starts this task: a slow rank's file must not show an earlier
@@ -406,7 +407,7 @@ class World:
     def _read_sequences(self, slot: int) -> list[str]:
         return [read(path) for path in self._sequences[slot]]
 
-    def _finish(self, pending: "Pending") -> list[Any]:
+    def _finish(self, pending: Pending) -> list[Any]:
         """Collect ``pending``, the running task, by its deadline; see :meth:`run`. The task
         queued behind it starts now: its deadline counts from here."""
         self.notes, self.unfit, self._last_sequences = (), {}, []
