@@ -20,11 +20,8 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from ddpcheck import (
-    check_example,  # noqa: E402
-    targets,
-)
-from ddpcheck import strategies as dst
+from ddpcheck import check_example, targets  # noqa: E402
+from ddpcheck import strategies as dst  # noqa: E402
 from ddpcheck._internal.oracle import judgeable as validity  # noqa: E402
 from ddpcheck._internal.oracle.compare import reference_run  # noqa: E402
 from ddpcheck._internal.world.worlds import get_world, shutdown_worlds  # noqa: E402

@@ -191,7 +191,7 @@ def _stop_resource_tracker() -> None:
 def _quietly(stop: Callable[[], Any]) -> None:
     try:
         stop()
-    except Exception:  # noqa: S110 -- it exits by itself at EOF all the same
+    except Exception:  # it exits by itself at EOF all the same
         pass
 
 

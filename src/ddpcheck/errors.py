@@ -167,8 +167,8 @@ def _sig(value: float | None) -> str:
 def format_table(divergences: list[Divergence], max_rows: int = MAX_ROWS) -> str:
     header = ["step", "W", "rank", "parameter", "kind", "max abs", "max rel"]
     rows = [d.row() for d in divergences[:max_rows]]
-    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header] + rows]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     if len(divergences) > max_rows:
         lines.append(f"... and {len(divergences) - max_rows} more")

@@ -142,7 +142,7 @@ def _declared_with_its_plan(target: Any) -> bool:
     was the batch rule (a subclass of a ready-made target overriding ``shard_batch`` does not
     declare ``tokens`` by inheriting ``FEATURES - {...}``)."""
     if "supported_features" in getattr(target, "__dict__", {}):
-        return getattr(target, "supported_features") is not None
+        return target.supported_features is not None
     mro = type(target).__mro__
     plan = next((i for i, cls in enumerate(mro) if "shard_batch" in vars(cls)), None)
     features = next((i for i, cls in enumerate(mro) if "supported_features" in vars(cls)), None)

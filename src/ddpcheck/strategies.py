@@ -469,8 +469,8 @@ def _with_layer(spec: ModelSpec, layer: Layer, index: int) -> ModelSpec:
     i = min(index, len(spec.layers))
     order = spec.registration
     if order is not None:  # the new layer is registered last
-        order = tuple(j + (j >= i) for j in order) + (i,)
-    return dataclasses.replace(spec, layers=spec.layers[:i] + (layer,) + spec.layers[i:],
+        order = (*(j + (j >= i) for j in order), i)
+    return dataclasses.replace(spec, layers=(*spec.layers[:i], layer, *spec.layers[i:]),
                                registration=order)
 
 

@@ -57,7 +57,7 @@ def test_layer_vocabulary_has_the_promised_parameter_properties():
     assert params["l5.qkv.weight"].dtype == torch.float32
     assert params["head.weight"].dtype == torch.float64
     assert "l4.scale" in dict(model.named_buffers())
-    x, y = spec.data(0, 6, torch.float64)
+    x, _ = spec.data(0, 6, torch.float64)
     model(x).pow(2).sum().backward()
     assert params["l3.fc.weight"].grad is None  # never used
     assert params["l1.table.weight"].grad is not None  # used by the embedding and the tied head

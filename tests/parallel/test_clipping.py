@@ -93,7 +93,7 @@ def _cases(kind, shapes=SHAPES):
 
 
 def _same(a, b):
-    return a is None and b is None or (a is not None and b is not None and a.dtype == b.dtype
+    return (a is None and b is None) or (a is not None and b is not None and a.dtype == b.dtype
                                        and torch.equal(a, b))
 
 
@@ -101,7 +101,7 @@ def _same(a, b):
 def test_sharded_clip_is_bitwise_torchs_on_exact_gradients_moving_one_scalar(world_size):
     cases = _cases("exact") + _cases("exact", MIXED)
     results = get_world(world_size).run(_rank_clip, cases, deadline=patience(120))
-    for n, (shapes, kind, max_norm, norm_type, rule, _) in enumerate(cases):
+    for n, (shapes, kind, max_norm, norm_type, _rule, _) in enumerate(cases):
         total, grads = torch_clip(shapes, kind, max_norm, norm_type)
         for rank, result in enumerate(r[n] for r in results):
             where = f"W={world_size} rank {rank} {cases[n][1:5]} mixed={shapes is MIXED}"

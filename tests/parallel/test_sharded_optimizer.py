@@ -90,12 +90,16 @@ def plain(spec):
     return [p.detach() for p in params]
 
 
+def _sharded(cls, rule, kwargs):
+    """What ``run`` calls to build the optimizer: a ShardedOptimizer of ``cls``."""
+    return lambda groups: ShardedOptimizer(groups, cls, sharding_rule=rule, **kwargs)
+
+
 def _rank_equivalence(specs):
     out = []
     for spec in specs:
         cls, kwargs = OPTIMIZERS[spec["opt"]]
-        params, opt, records = run(spec, lambda groups: ShardedOptimizer(
-            groups, cls, sharding_rule=RULES[spec["rule"]], **kwargs))
+        params, opt, records = run(spec, _sharded(cls, RULES[spec["rule"]], kwargs))
         stated = {id(p) for p, s in opt.state.items() if s}
         out.append(dict(params=[p.detach() for p in params],
                         owners=[opt.owner_of(p) for p in params],
@@ -153,7 +157,7 @@ def test_sharded_step_is_bitwise_the_plain_step_for_every_rule_and_optimizer(wor
                    for p, o in zip(g["params"], rule(g["params"], world_size))}
         assert owners == [by_rule[id(p)] for p in params], spec
     # the scheduler must actually change the updates, or the scheduler cases prove nothing
-    sched = [s for s in specs if s.get("sched")][0]
+    sched = next(s for s in specs if s.get("sched"))
     assert not all(torch.equal(a, b) for a, b in zip(plain(sched), plain({**sched, "sched": False})))
 
 
@@ -330,7 +334,7 @@ def test_grads_present_on_some_ranks_are_averaged_with_zeros_and_ddp_marks_skip_
         for p, q in zip(r["params"], results[0]["params"]):
             assert torch.equal(p, q), rank
     # each used param's Adam state lives on exactly one rank (its owner, i % 3 under modulo)
-    assert [[i for i in r["stated"]] for r in results] == [[0, 3], [1], []]
+    assert [list(r["stated"]) for r in results] == [[0, 3], [1], []]
 
 
 # ------------------------------------------------------------------------- groups and subgroups
@@ -461,7 +465,7 @@ def _rank_misuse():
         try:
             attempt()
             out[label] = ("no error", "")
-        except Exception as e:  # noqa: BLE001 - the test asserts on the type
+        except Exception as e:  # the test asserts on the type
             kind = "parallel.InvalidArgument" if isinstance(e, InvalidArgument) else \
                 type(e).__name__
             out[label] = (kind, str(e))

@@ -218,7 +218,7 @@ def script_main(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.delitem(sys.modules, "check_mine", raising=False)
     monkeypatch.chdir(tmp_path)
-    exec(compile(source, str(path), "exec"), vars(main))  # noqa: S102 -- our own test script
+    exec(compile(source, str(path), "exec"), vars(main))  # our own test script
     yield main
     sys.modules.pop("check_mine", None)
 

@@ -115,7 +115,7 @@ def test_fsdp2_options_resharding_and_cpu_offload():
     ddpcheck.check_example(targets.TorchFSDPTarget(reshard_after_forward=False), scenario, 2)
     ddpcheck.check_example(targets.TorchFSDPTarget(reshard_after_forward=2), scenario, 2)
     # CPU offload copies to an accelerator for compute: in a CPU world it declines, not fails
-    with pytest.raises(ddpcheck.NothingChecked, match="cpu_offload.*--device cuda"):
+    with pytest.raises(ddpcheck.NothingChecked, match=r"cpu_offload.*--device cuda"):
         ddpcheck.check_example(targets.TorchFSDPTarget(cpu_offload=True), scenario, 2)
     ddpcheck.check_example(targets.TORCH_FSDP, scenario, 2)  # the world serves the next one
 

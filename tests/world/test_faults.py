@@ -156,12 +156,10 @@ class MismatchedCollective(targets.ParallelDDPTarget):
             dist.all_reduce(torch.zeros(5, dtype=torch.float64) if odd else t)
         elif self.how == "dtype":  # same bytes on the wire, so gloo cannot tell
             dist.all_reduce(torch.zeros(4, dtype=torch.int64) if odd else t)
-        elif self.how == "count":  # the guilty rank skips a collective the others issue
-            if not odd:
-                dist.all_reduce(t)
-        elif self.how == "never-launched":  # it waits on a handle no other rank launched
-            if odd:
-                dist.all_reduce(t, async_op=True).wait()
+        elif self.how == "count" and not odd:  # the guilty rank skips one the others issue
+            dist.all_reduce(t)
+        elif self.how == "never-launched" and odd:  # it waits on a handle no other rank launched
+            dist.all_reduce(t, async_op=True).wait()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -92,7 +93,7 @@ class LeaksFile(targets.ParallelTarget):
     count: int = 1
 
     def wrap(self, module):
-        _KEEP.extend(open(os.devnull) for _ in range(self.count))
+        _KEEP.extend(open(os.devnull) for _ in range(self.count))  # noqa: SIM115 -- the leak
         return super().wrap(module)
 
 
@@ -230,7 +231,7 @@ def test_what_a_rank_imported_at_start_up_is_out_of_the_collectors_reach():
 def test_processes_a_target_starts_die_with_the_world(tmp_path):
     marker = str(tmp_path / "child")
     check_example(StartsSubprocess(marker=marker), SCENARIO, 2, deadline=patience(30))
-    pids = [int(open(f"{marker}.{r}").read()) for r in range(2)]
+    pids = [int(pathlib.Path(f"{marker}.{r}").read_text()) for r in range(2)]
     assert all(_alive(p) for p in pids)
     get_world(2).kill()  # what a failure does: every rank's process group goes
     _wait_until(lambda: not any(_alive(p) for p in pids), patience(10))

@@ -66,7 +66,7 @@ def table_widths(names: Iterable[str]) -> list[int]:
 
 def table_lines(rows: list[list[str]], widths: list[int] | None = None) -> list[str]:
     """Markdown-compatible table lines (header, rule, rows), columns padded to ``widths``."""
-    widths = widths or [max(len(r[i]) for r in [TABLE_HEADER] + rows)
+    widths = widths or [max(len(r[i]) for r in [TABLE_HEADER, *rows])
                         for i in range(len(TABLE_HEADER))]
 
     def line(cells: list[str]) -> str:
@@ -88,7 +88,7 @@ def score(mutants: Iterable[Any], budget_seconds: float, *, control: Any = None,
     todo = [(m.name, m.bug_class, m.target, False) for m in mutants]
     # several controls (a list) when the mutants seed bugs into several unmutated targets
     controls = [] if control is None else control if isinstance(control, list) else [control]
-    for i, unmutated in reversed(list(enumerate(controls))):
+    for unmutated in reversed(controls):
         label = (CONTROL if unmutated is PARALLEL else
                  f"{CONTROL[:-1]} {type(unmutated).__name__})")
         todo.insert(0, (label, "-", unmutated, True))

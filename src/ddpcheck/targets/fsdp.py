@@ -76,8 +76,7 @@ def shard_leaves(module: Any, reshard_after_forward: bool | int, **options: Any)
         own = list(child.parameters(recurse=False))
         if not own:
             continue
-        joined = [g for g in {id(owner[id(p)]): owner[id(p)] for p in own
-                              if id(p) in owner}.values()]
+        joined = list({id(owner[id(p)]): owner[id(p)] for p in own if id(p) in owner}.values())
         group = [m for g in joined for m in g] + [child]
         groups = [g for g in groups if all(g is not j for j in joined)] + [group]
         for m in group:

@@ -193,7 +193,7 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
         for kind, field in (("gradient", "grads"), ("parameter", "params"),
                             ("buffer", "buffers")):
             found += _compare_maps(step, world_size, records,
-                                   lambda r, f=field: getattr(r.steps[step], f),
+                                   lambda r, f=field, s=step: getattr(r.steps[s], f),
                                    getattr(ref, field), kind, tol, replicas, against_ref,
                                    _noise(reference, earlier_steps + step, field))
         if replicas:

@@ -90,7 +90,7 @@ def explain_reference_failure(scenario: Any, error: BaseException) -> ScenarioEr
     except ScenarioError as found:
         found.__cause__ = error
         return found
-    except Exception:  # noqa: S110 -- not reproduced part by part: the generic message below
+    except Exception:  # not reproduced part by part: the generic message below
         pass
     found = ScenarioError(
         "the single-process reference of the scenario failed, so there is nothing to compare "

@@ -29,12 +29,12 @@ signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 try:  # never fail the server: a rank that then cannot import torch says why in its log
     import torch
-    import torch.distributed  # noqa: F401
+    import torch.distributed
 
     # The first optimizer a process builds imports dynamo (what rank_main does at start-up
     # too); one tensor of one element runs no parallel region, so no thread starts.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-except Exception:  # noqa: S110 -- each rank imports again, and reports what fails
+except Exception:  # each rank imports again, and reports what fails
     pass
 
 _prepare = multiprocessing.spawn.prepare

@@ -113,10 +113,10 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     # Append: the parent pointed this process's stdout/stderr at the same file while spawning
     # it, so whatever happened during spawn's start-up is already there.
-    log = open(log_path, "a", buffering=1)
+    log = open(log_path, "a", buffering=1)  # noqa: SIM115 -- the rank's stdout for its life
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
-    stack_file = open(stack_path, "w")
+    stack_file = open(stack_path, "w")  # noqa: SIM115 -- faulthandler's, for the rank's life
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     # A rank that crashes (SIGABRT from gloo, SIGSEGV) leaves its Python stack in its log, whose
     # tail the parent reports with the exit status.

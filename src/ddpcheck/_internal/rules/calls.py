@@ -80,7 +80,7 @@ class _Progress:
         self.path = os.path.join(directory, f"rank{rank}.calling")
         self.hang_path = os.path.join(directory, f"rank{rank}.hung")
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        self.hang_file = open(self.hang_path, "w")
+        self.hang_file = open(self.hang_path, "w")  # noqa: SIM115 -- closed by close()
 
     def calling(self, where: str) -> None:
         data = ("calling\n" + where).encode()

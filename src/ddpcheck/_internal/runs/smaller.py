@@ -239,7 +239,7 @@ def with_features(error: EquivalenceError, what: str, survey: str) -> Equivalenc
     named, the ``survey`` command that says which of them fail at which world sizes."""
     try:
         found = features.named(features.of(error.scenario, error.world_size))
-    except Exception:  # noqa: BLE001 -- read once already; the verdict stands without the line
+    except Exception:  # read once already; the verdict stands without the line
         return error
     lines = [f"{what} exercises: {', '.join(found)} (what the bug needs is among them)"]
     if set(found) - {error.scenario.dtype, "broadcast"}:

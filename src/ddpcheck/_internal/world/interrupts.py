@@ -171,14 +171,14 @@ def interruptible(fn: F) -> F:
 
     @functools.wraps(fn)
     def entry_point(*args: Any, **kwargs: Any) -> Any:
-        __tracebackhide__ = True  # noqa: F841 -- pytest leaves this frame out of its reports
+        __tracebackhide__ = True  # pytest leaves this frame out of its reports
         with insisting() as insistent:
             try:
                 result = fn(*args, **kwargs)
             except KeyboardInterrupt as exc:
                 if not exc.args:  # (an entry point inside another: the innermost one says it)
                     exc.args = (f"{name} was interrupted{_where(exc)}",)
-                raise exc.with_traceback(None)  # the same exception, from here
+                raise exc.with_traceback(None)  # noqa: B904 -- the caught exception itself, from here
             except BaseException as exc:
                 if insistent is None or insistent.came is None:
                     raise
