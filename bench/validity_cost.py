@@ -1,4 +1,5 @@
-"""What scenario validity (``ddpcheck._internal.oracle.judgeable.check_scenario``) adds to each random example.
+"""What scenario validity (``ddpcheck._internal.oracle.judgeable.check_scenario``) adds to each
+random example.
 
 Draws the random scenarios ``ddpcheck check`` fuzzes with (``strategies.scenarios`` over
 mixed-dtype models), then prints, per scenario, the parent's CPU time of ``check_scenario`` and

@@ -123,7 +123,8 @@ class DDP(nn.Module):
         # per iteration (reset by _reset_iteration)
         self._step_started = False  # a synced forward ran, or a synced hook fired
         self._next_launch = 0  # buckets launch strictly in index order on every rank
-        self._used: torch.Tensor | None = None  # usage flags, reduced in flight after the last bucket
+        # usage flags, reduced in flight after the last bucket
+        self._used: torch.Tensor | None = None
         self._used_handle: Any = None
 
     # -- the training-loop surface ------------------------------------------------------------

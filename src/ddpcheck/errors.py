@@ -192,7 +192,8 @@ class EquivalenceError(DdpcheckError, AssertionError):
         self.world_size = world_size
         self.target = target
         self.replay = replay
-        self.failure = failure  # a ddpcheck._internal.world.worlds.WorldFailure, for rank failures and timeouts
+        # a ddpcheck._internal.world.worlds.WorldFailure, for rank failures and timeouts
+        self.failure = failure
         self.name = name
         super().__init__(self._format())
 

@@ -28,8 +28,9 @@ from ddpcheck.models import ModelSpec, SpecData
 from ddpcheck.scenario import Scenario, build_model, global_batch
 from ddpcheck.zoo import GPTConfig, token_data
 
-__all__ = ["BEYOND_TORCH", "DEFAULT_FEATURES", "FEATURES", "OPT_IN", "declines", "exercised", "named",
-           "of", "owns_batch_plan", "parse", "supported_by", "unsupported", "why_unsupported"]
+__all__ = ["BEYOND_TORCH", "DEFAULT_FEATURES", "FEATURES", "OPT_IN", "declines", "exercised",
+           "named", "of", "owns_batch_plan", "parse", "supported_by", "unsupported",
+           "why_unsupported"]
 
 def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
     """The features ``scenario`` exercises at ``world_size`` (None: those that do not depend on

@@ -137,7 +137,8 @@ class SpecModel(nn.Module):
                 getattr(self, f"l{i}").float()
 
     @staticmethod
-    def _run_block(layer: Layer, block: nn.Module, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _run_block(layer: Layer, block: nn.Module, h: torch.Tensor,
+                   x: torch.Tensor) -> torch.Tensor:
         """``block`` on the hidden state ``h`` (and, for an embedding, the inputs ``x``), in the
         layer's dtype, returned in ``h``'s."""
         dtype = next(block.parameters(), h).dtype if layer.float32 else h.dtype

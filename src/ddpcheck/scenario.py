@@ -96,7 +96,8 @@ class Scenario:
         if not callable(self.model):
             raise InvalidArgument(f"model={self.model!r} must be a callable returning an "
                                   "nn.Module, such as a module class")
-        if not (isinstance(self.optimizer, type) and issubclass(self.optimizer, torch.optim.Optimizer)):
+        if not (isinstance(self.optimizer, type)
+                and issubclass(self.optimizer, torch.optim.Optimizer)):
             raise InvalidArgument(f"optimizer={self.optimizer!r} must be a torch.optim.Optimizer "
                                   "subclass, such as torch.optim.SGD")
         if not isinstance(self.optimizer_kwargs, dict):
@@ -173,7 +174,9 @@ def _code(value: Any) -> str:
         return f"{import_path(type(value))}({args})"
     if isinstance(value, (list, tuple)):
         inner = ", ".join(_code(v) for v in value)
-        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+        if isinstance(value, list):
+            return f"[{inner}]"
+        return f"({inner}{',' if len(value) == 1 else ''})"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {_code(v)}" for k, v in value.items()) + "}"
     if isinstance(value, float) and math.isinf(value):  # repr() gives `inf`, which is not code

@@ -69,7 +69,8 @@ def test_a_channels_last_conv_is_drawn_as_a_non_contiguous_parameter():
     weight = dict(build_model(scenario, 0).named_parameters())["l0.conv.weight"]
     assert weight.stride() == (6, 1, 2, 2) and not weight.is_contiguous()  # kept by the cast
     assert "non-contiguous" in ddpcheck.features.of(scenario, 2)
-    assert "non-contiguous" in ddpcheck.features.of(ddpcheck.Scenario(ddpcheck.zoo.ChannelsLastConv), 2)
+    channels_last = ddpcheck.Scenario(ddpcheck.zoo.ChannelsLastConv)
+    assert "non-contiguous" in ddpcheck.features.of(channels_last, 2)
     # drawn by the default strategy, and by the non-contiguous row half the time; never `without`
     find(dst.models(), lambda m: any(layer.kind == "conv_channels_last" for layer in m.layers),
          settings=FAST)

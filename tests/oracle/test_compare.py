@@ -1,11 +1,11 @@
 """Verdicts that mean what they say: the oracle's comparisons on hand-built records.
 
-Everything here but the last test calls :func:`ddpcheck._internal.oracle.compare.compare` directly on
-``RankRecord``/``StepRecord`` objects built by hand (no worlds, no processes). The invariant under
-test (``ddpcheck._internal.oracle.compare``'s docstring): replicas are compared by their raw bits, NaN payloads
-included; NaN/inf on a rank where the reference is finite is the target's fault; NaN/inf that the
-reference produces itself make the scenario unjudgeable, which is never the target's fault; and
-every named check runs on every rank.
+Everything here but the last test calls :func:`ddpcheck._internal.oracle.compare.compare`
+directly on ``RankRecord``/``StepRecord`` objects built by hand (no worlds, no processes). The
+invariant under test (``ddpcheck._internal.oracle.compare``'s docstring): replicas are compared by
+their raw bits, NaN payloads included; NaN/inf on a rank where the reference is finite is the
+target's fault; NaN/inf that the reference produces itself make the scenario unjudgeable, which is
+never the target's fault; and every named check runs on every rank.
 """
 
 from __future__ import annotations

@@ -155,7 +155,8 @@ def _rank_clip_unaveraged(max_norm, norm_type):
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 def test_without_ddp_the_clip_averages_first_and_the_step_does_not_again(norm_type):
     world_size = 3
-    results = get_world(world_size).run(_rank_clip_unaveraged, 0.75, norm_type, deadline=patience(60))
+    results = get_world(world_size).run(_rank_clip_unaveraged, 0.75, norm_type,
+                                        deadline=patience(60))
     # the world mean of (r + 1) x g over r = 0, 1, 2 is 2g: exact
     params = make_params(SHAPES, "exact")
     for p in params:

@@ -166,7 +166,8 @@ def test_the_battery_lists_each_skipped_scenario_with_the_feature_it_needs():
 
 def test_unknown_feature_names_are_refused_with_the_vocabulary():
     with pytest.raises(ddpcheck.InvalidArgument,
-                       match=r"'acumulation' is not a feature \(did you mean 'accumulation'\?\); known:"):
+                       match=r"'acumulation' is not a feature "
+                             r"\(did you mean 'accumulation'\?\); known:"):
         features.parse("acumulation")
     with pytest.raises(ddpcheck.InvalidArgument):
         ddpcheck.assert_equivalent(targets.PARALLEL, without=("nope",))

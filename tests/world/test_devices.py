@@ -158,8 +158,8 @@ def test_torchrun_joins_over_gloo_for_cpu_tensors_when_gpus_are_visible(eight_vi
 def test_check_on_cuda_without_gpus_is_refused_in_seconds(tmp_path):
     started = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "ddpcheck", "check", "parallel", "--device",
-                          "cuda"], capture_output=True, text=True, timeout=patience(60), cwd=tmp_path,
-                         env=subprocess_env(tmp_path))
+                          "cuda"], capture_output=True, text=True, timeout=patience(60),
+                         cwd=tmp_path, env=subprocess_env(tmp_path))
     took = time.monotonic() - started
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip().splitlines() == [
@@ -173,8 +173,8 @@ def test_check_on_cuda_without_gpus_is_refused_in_seconds(tmp_path):
 def test_nccl_with_more_ranks_than_gpus_is_refused_unless_gloo_is_asked_for(tmp_path):
     command = [sys.executable, "-m", "ddpcheck", "check", "parallel", "--device", "cuda",
                "--world-sizes", "1,2"]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=patience(60), cwd=tmp_path,
-                         env=subprocess_env(tmp_path, fake_gpus=1))
+    out = subprocess.run(command, capture_output=True, text=True, timeout=patience(60),
+                         cwd=tmp_path, env=subprocess_env(tmp_path, fake_gpus=1))
     assert out.returncode == 2, out.stdout + out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "a world of 2 ranks needs 2 GPUs with NCCL" in out.stderr

@@ -208,7 +208,8 @@ FAULTS = {
         lambda guilty: MismatchedCollective(how="count", guilty=guilty), "collectives mismatched",
         ["rank {g} issued nothing at index"]),
     "waits on a handle never launched elsewhere": (
-        lambda guilty: MismatchedCollective(how="never-launched", guilty=guilty), "collectives mismatched",
+        lambda guilty: MismatchedCollective(how="never-launched", guilty=guilty),
+        "collectives mismatched",
         ["rank {g}: all_reduce SUM 4 float64", "issued nothing at index",
          "in after_backward"]),
 }
@@ -335,7 +336,8 @@ def test_an_extra_collective_is_reported_at_the_speed_of_the_evidence(world_size
     """The other ranks finish; the sequence files show rank 1 in a barrier none of them issued.
     That is reported within seconds, naming the barrier and its line, not at the deadline."""
     deadline = 60
-    check_example(targets.PARALLEL, FAULT_SCENARIO, world_size, deadline=patience(60))  # a warm world
+    # a warm world
+    check_example(targets.PARALLEL, FAULT_SCENARIO, world_size, deadline=patience(60))
     started = time.monotonic()
     with pytest.raises(ddpcheck.EquivalenceError) as info:
         check_example(ExtraBarrier(guilty=1), FAULT_SCENARIO, world_size, deadline=deadline)

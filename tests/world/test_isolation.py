@@ -331,7 +331,8 @@ def test_killing_ddpcheck_check_leaves_no_world_behind(tmp_path, sig):
         # worlds started: a world directory with a rank that joined (its sequence file exists)
         _wait_until(lambda: any(os.path.exists(os.path.join(tmp_path, d, "rank1.collectives"))
                                 and os.path.getsize(os.path.join(tmp_path, d, "rank1.collectives"))
-                                for d in _leftover_dirs(tmp_path)) or proc.poll() is not None, patience(120))
+                                for d in _leftover_dirs(tmp_path)) or proc.poll() is not None,
+                    patience(120))
         assert proc.poll() is None, proc.stdout.read()
         ranks = [pid for pid in _world_processes(tmp_path) if _is_rank(pid)]
         assert len(ranks) >= 2, ranks

@@ -41,7 +41,8 @@ MAX_RANKS_PER_CORE = 16
 
 
 def parse_world_sizes(text: str, flag: str = "--world-sizes") -> tuple[int, ...]:
-    """``"1,2,4"`` -> ``(1, 2, 4)``; anything else is an :class:`InvalidArgument` naming ``flag``."""
+    """``"1,2,4"`` -> ``(1, 2, 4)``; anything else is an :class:`InvalidArgument` naming
+    ``flag``."""
     try:
         sizes = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:

@@ -274,7 +274,8 @@ class Zero2Target(Target):
 
 @dataclasses.dataclass(frozen=True)
 class StepsInsideWindowTarget(EngineTarget):
-    """:class:`EngineTarget` whose optimizer steps inside the window (:class:`StepsEarlyOptimizer`)."""
+    """:class:`EngineTarget` whose optimizer steps inside the window
+    (:class:`StepsEarlyOptimizer`)."""
 
     optimizer_class = StepsEarlyOptimizer
 

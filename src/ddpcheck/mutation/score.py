@@ -78,7 +78,8 @@ def table_lines(rows: list[list[str]], widths: list[int] | None = None) -> list[
 
 def score(mutants: Iterable[Any], budget_seconds: float, *, control: Any = None,
           world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES, search: Search | None = None,
-          deadline: float = DEFAULT_DEADLINE, on_row: Callable[[Scored], None] | None = None) -> list[Scored]:
+          deadline: float = DEFAULT_DEADLINE,
+          on_row: Callable[[Scored], None] | None = None) -> list[Scored]:
     """Search every mutant (``ddpcheck.mutation.catalogue.Mutant``) for a counterexample within
     ``budget_seconds`` each; ``control`` (the unmutated target, or a list of them), if given, is
     searched first with

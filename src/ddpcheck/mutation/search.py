@@ -108,7 +108,8 @@ def _import(modules: tuple[str, ...]) -> None:
         importlib.import_module(name)
 
 
-def battery_search(target: Any, budget_seconds: float, *, world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
+def battery_search(target: Any, budget_seconds: float, *,
+                   world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
                    deadline: float = DEFAULT_DEADLINE) -> Outcome:
     """Battery x world sizes, in :data:`SEARCH_ORDER`, until the first divergence."""
     check_positive_number("budget_seconds", budget_seconds)

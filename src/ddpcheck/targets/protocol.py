@@ -202,13 +202,15 @@ class Target:
         return contiguous(batch)
 
     def before_step(self, model: Any, optimizer: Any) -> None:
-        """Called at the start of every step, before its first forward (``on_train_batch_start``)."""
+        """Called at the start of every step, before its first forward
+        (``on_train_batch_start``)."""
 
     def after_backward(self, model: Any, optimizer: Any) -> None:
         """Called after the last micro-batch's backward, before ``optimizer.step()``."""
 
     def after_step(self, model: Any, optimizer: Any) -> None:
-        """Called after ``optimizer.step()`` and ``zero_grad`` (where loops call ``model.reset()``)."""
+        """Called after ``optimizer.step()`` and ``zero_grad`` (where loops call
+        ``model.reset()``)."""
 
     def teardown(self, model: Any, optimizer: Any) -> None:
         """Called once per example on every rank, after its last step (and checkpoint): reset

@@ -114,7 +114,8 @@ def run_example(target: Any, scenario: Scenario, *, part: str = "whole",
         result = RankRecord(rank, initial, records.steps, time.perf_counter() - started)
         if part == "until checkpoint":
             saved = target.save_checkpoint(module, model, optimizer, scheduler)
-            result = result, checkpoint_to_bytes(saved, type(target).__name__) if rank == 0 else None
+            result = result, (checkpoint_to_bytes(saved, type(target).__name__) if rank == 0
+                              else None)
         failed = False
     finally:  # per-example framework state (singletons, meshes, groups), even after a failure
         _teardown(target, model, optimizer, failed)

@@ -230,9 +230,10 @@ def _twice(guard: _Guard, rule: Any, specs: Sequence[ParamSpec], world_size: int
     if kind != "ok":
         return kind, f"on the second call (the first answered {brief_owners(first)}), {again}"
     if again != first:
-        return "nondeterministic", (f"answered {brief_owners(first)} and then {brief_owners(again)}; a rule "
-                                    "must be a pure function of the parameters' shapes, dtypes and "
-                                    "order and of world_size")
+        return "nondeterministic", (f"answered {brief_owners(first)} and then "
+                                    f"{brief_owners(again)}; a rule must be a pure function "
+                                    "of the parameters' shapes, dtypes and order and of "
+                                    "world_size")
     return "ok", first
 
 

@@ -99,9 +99,9 @@ def _broadcast_bytes(data: bytes | None) -> bytes:
 
 def _run_recorded(target: Any, scenario: Any, sequence_path: str, part: str = "whole",
                   checkpoint: Any = None) -> tuple[tuple, str]:
-    """This rank's ``("ok", packed result)`` (its tensors on the CPU: ``ddpcheck._internal.rank.transport``;
-    the result of ``run_example(part=...)``) or ``("error", traceback)``, and its collective
-    sequence."""
+    """This rank's ``("ok", packed result)`` (its tensors on the CPU:
+    ``ddpcheck._internal.rank.transport``; the result of ``run_example(part=...)``) or
+    ``("error", traceback)``, and its collective sequence."""
     recorder.restart_sequence()
     try:
         outcome: tuple = ("ok", run_example_packed(target, scenario, part, checkpoint))

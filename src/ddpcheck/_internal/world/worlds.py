@@ -182,7 +182,8 @@ class World:
 
     @property
     def janitor_pid(self) -> int | None:
-        """The world's janitor process (``ddpcheck._internal.world.janitor``), while the world lives."""
+        """The world's janitor process (``ddpcheck._internal.world.janitor``), while the world
+        lives."""
         return None if self._janitor is None else self._janitor.pid
 
     def start(self, deadline: float = STARTUP_DEADLINE) -> World:
@@ -462,7 +463,8 @@ class World:
                     break
                 end = decided  # still working: wait on, the answers still collected meanwhile
                 continue
-            waitables = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
+            waitables = ([self._conns[r] for r in pending]
+                         + [self._procs[r].sentinel for r in pending])
             with released():
                 ready = _wait_any(waitables, max(timeout, 0.0))
             for rank in sorted(pending):
