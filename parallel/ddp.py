@@ -107,7 +107,8 @@ class DDP(nn.Module):
         self._state_order = self._agree_on_order()
         mark_positions(self._state_order)  # for ShardedOptimizer (parallel.handover)
         trainable = set(params)
-        self._params = params = [t for t in self._state_order if t in trainable]
+        self._params = params = [t for t in self._state_order
+                                 if isinstance(t, nn.Parameter) and t in trainable]
         self._broadcast_state()
         self._bucket_cap_bytes = int(bucket_size_mb * 1024 * 1024)
         self._lay_out_buckets(params)  # sets self._buckets and self._where
@@ -170,6 +171,7 @@ class DDP(nn.Module):
         self._next_launch = len(self._buckets)
         # Sync point: which parameters any rank used decides between a gradient and None.
         self._used_handle.wait()
+        assert self._used is not None  # the last bucket's launch, just above, exchanged it
         used_anywhere = self._used.tolist()
         for bucket in self._buckets:
             self._wait_and_write_back(bucket, used_anywhere)
@@ -184,7 +186,8 @@ class DDP(nn.Module):
         """
         return [[self._names.get(p, "?") for p in b.params] for b in self._buckets]
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    # every form of Module.state_dict (its overloads), passed on as called
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped module's state dict, without a wrapper prefix."""
         return self.module.state_dict(*args, **kwargs)
 
@@ -375,7 +378,7 @@ class DDP(nn.Module):
     def _mark_averaged(self) -> None:
         """Hand-over to ``ShardedOptimizer``: these gradients need no second all-reduce."""
         for p in self._params:
-            p.ddp_averaged_grad = AveragedGrad(p.grad)
+            p.ddp_averaged_grad = AveragedGrad(p.grad)  # type: ignore[attr-defined]  # its mark
 
     def _reset_iteration(self) -> None:
         """The one place per-iteration state is cleared."""
