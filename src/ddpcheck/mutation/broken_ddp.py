@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,6 +74,7 @@ class NoFinalFlushDDP(DDP):
         if self._used_handle is None:
             self._launch_usage_exchange()
         self._used_handle.wait()
+        assert self._used is not None  # exchanged with the last bucket, as in DDP
         used_anywhere = self._used.tolist()
         for bucket in self._buckets[:self._next_launch]:
             self._wait_and_write_back(bucket, used_anywhere)
@@ -153,6 +155,7 @@ class ReadinessOrderDDP(DDP):
             if bucket.state is BucketState.FILLING:
                 self._launch(bucket)
         self._used_handle.wait()
+        assert self._used is not None  # exchanged with the last bucket, as in DDP
         used_anywhere = self._used.tolist()
         for bucket in self._buckets:
             self._wait_and_write_back(bucket, used_anywhere)
@@ -188,7 +191,7 @@ class AssumesGradIsViewDDP(DDP):
     pytorch #43307: "for just 2 iterations, it wouldn't fail")."""
 
     @torch.no_grad()
-    def _fill(self, bucket):
+    def _fill(self, bucket):  # type: ignore[override]  # DDP's is static; this one needs self
         synced = self.__dict__.setdefault("_synced_buckets", set())
         if bucket.index in synced:
             return  # BUG: p.grad may be a new tensor, not the bucket's view
@@ -215,7 +218,9 @@ class MixedDtypeBucketsDDP(DDP):
     copy is made instead, precision is lost silently."""
 
     def _build_buckets(self, params, cap_bytes):
-        buckets, current, size_so_far = [], None, 0
+        buckets: list[list[Any]] = []
+        current: list[Any] | None = None
+        size_so_far = 0
         for p in reversed(params):  # BUG: no (dtype, device) key, one open bucket for all
             size = p.numel() * p.element_size()
             if current is None or (size_so_far + size > cap_bytes and current):
@@ -287,7 +292,9 @@ class BroadcastsFromLastRankDDP(DDP):
 
     def _broadcast_source(self):
         # BUG: the group's last rank, not rank 0
-        return dist.get_global_rank(self.process_group or dist.group.WORLD, self.world_size - 1)
+        last = self.world_size - 1
+        return last if self.process_group is None else dist.get_global_rank(self.process_group,
+                                                                              last)
 
 
 class NoInitialBroadcastDDP(DDP):
@@ -369,7 +376,8 @@ class ReducesLastMicroBatchOnlyDDP(DDP):
 
     def __init__(self, module, bucket_size_mb=25.0, process_group=None):
         super().__init__(module, bucket_size_mb, process_group)
-        self._this_backward = {}  # param -> its gradient from the synchronised backward
+        # param -> its gradient from the synchronised backward
+        self._this_backward: dict[Any, torch.Tensor] = {}
 
         def tensor_hook(p, grad):
             if not self._sync_enabled:
@@ -381,7 +389,7 @@ class ReducesLastMicroBatchOnlyDDP(DDP):
             p.register_hook(functools.partial(tensor_hook, p))
 
     @torch.no_grad()
-    def _fill(self, bucket):
+    def _fill(self, bucket):  # type: ignore[override]  # DDP's is static; this one needs self
         for p, view in zip(bucket.params, bucket.views):
             grad = self._this_backward.pop(p, None)
             if grad is None:
@@ -414,7 +422,8 @@ class LastMicroBatchAfterReduceDDP(DDP):
 
     def __init__(self, module, bucket_size_mb=25.0, process_group=None):
         super().__init__(module, bucket_size_mb, process_group)
-        self._last_micro_batch = {}  # param -> its gradient from the synchronised backward
+        # param -> its gradient from the synchronised backward
+        self._last_micro_batch: dict[Any, torch.Tensor] = {}
 
         def tensor_hook(p, grad):
             if not self._sync_enabled:

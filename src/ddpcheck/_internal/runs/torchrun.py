@@ -47,8 +47,8 @@ from ddpcheck.features import declines
 
 __all__ = ["check_in_world", "init_world", "local_world_size", "under_torchrun"]
 
-def _gather_to_zero(obj: Any) -> list[Any] | None:
-    """Every rank's ``obj`` on rank 0 (None elsewhere), by pickle.
+def _gather_to_zero(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` on rank 0 (an empty list elsewhere), by pickle.
 
     NOTE: not ``dist.gather_object``: it decodes through numpy, which torch does not require and
     which some of our machines lack. Same two steps: sizes, then padded bytes. (``parallel``'s
@@ -66,11 +66,9 @@ def _gather_to_zero(obj: Any) -> list[Any] | None:
     padded[:data.numel()] = data
     rank0 = dist.get_rank() == 0
     received = ([torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
-                if rank0 else None)
+                if rank0 else [])
     # gather every rank's pickled record on rank 0, which holds the reference and compares
-    dist.gather(padded, received, dst=0)
-    if not rank0:
-        return None
+    dist.gather(padded, received if rank0 else None, dst=0)
     return [pickle.loads(bytes(buf[:int(n)].cpu().clone().untyped_storage()))
             for buf, n in zip(received, sizes)]
 
@@ -146,7 +144,7 @@ def _example(target: Any, scenario: Any, name: str, world_size: int, rank: int,
     failed = rank == 0 and any(kind != "ok" for (kind, _), _ in saved)
     if _agree(int(failed)):
         return _judge(saved, target, scenario, name, world_size, **where) if rank == 0 else None
-    before = [unpack(value) for (_, value), _ in saved] if rank == 0 else None  # (record, bytes)
+    before = [unpack(value) for (_, value), _ in saved]  # (record, bytes); none off rank 0
     checkpoint = _broadcast_bytes(before[0][1] if rank == 0 else None)
     resumed = _gather_to_zero(_run_recorded(target, scenario, sequence_path, "resumed",
                                             checkpoint))
@@ -229,7 +227,7 @@ def init_world(device: str, backend: str | None, deadline: float) -> str:
             raise InvalidArgument("the process group was initialised with nccl, which cannot "
                                   "carry the CPU tensors of device 'cpu'; use --device cuda")
         return dist.get_backend()
+    nccl: dict[str, Any] = {"device_id": placed} if chosen == "nccl" else {}
     dist.init_process_group(chosen, init_method="env://",
-                            timeout=datetime.timedelta(seconds=deadline),
-                            **({"device_id": placed} if chosen == "nccl" else {}))
+                            timeout=datetime.timedelta(seconds=deadline), **nccl)
     return chosen
