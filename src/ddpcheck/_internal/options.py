@@ -101,7 +101,7 @@ def check_world_sizes(name: str, values: Any) -> tuple[int, ...]:
 
 
 def check_positive_number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
         raise InvalidArgument(f"{name}={value!r} must be a positive number")
     return float(value)
 

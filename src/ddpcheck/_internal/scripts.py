@@ -133,7 +133,7 @@ def import_file(path: str) -> ModuleType:
     except BaseException:
         del sys.modules[name]
         raise
-    _FILES[name] = module.__file__
+    _FILES[name] = full  # the module's __file__: the spec's origin
     return module
 
 

@@ -176,7 +176,8 @@ def install() -> None:
     _installed = True
 
 
-def _wrap(name: str, original: Callable[..., Any], index: int, root_name: str | None):
+def _wrap(name: str, original: Callable[..., Any], index: int,
+          root_name: str | None) -> Callable[..., Any]:
     @functools.wraps(original)
     def recorded(*args: Any, **kwargs: Any) -> Any:
         tensors = _tensors(args[index] if 0 <= index < len(args) else
@@ -266,9 +267,11 @@ def _param_names(fn: Callable[..., Any]) -> tuple[str, ...]:
         return ()
 
 
-def _first_param(fn: Callable[..., Any], index: int) -> str | None:
+def _first_param(fn: Callable[..., Any], index: int) -> str:
+    """The name of ``fn``'s parameter at ``index``; "" where it has none (barrier's -1): no
+    keyword argument is called that."""
     names = _param_names(fn)
-    return names[index] if index < len(names) else None
+    return names[index] if 0 <= index < len(names) else ""
 
 
 def _positional(fn: Callable[..., Any], args: tuple, name: str) -> Any:

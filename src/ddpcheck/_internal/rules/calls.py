@@ -207,7 +207,7 @@ def _validate(answer: Any, n: int, world_size: int) -> tuple[str, Any]:
             return "not an integer", (f"returned owner {_safe_repr(owner)} (type "
                                       f"{type(owner).__name__}) for parameter {i}; owners are int "
                                       "ranks")
-        if not 0 <= owner < world_size:
+        if not 0 <= int(owner) < world_size:
             return "out of range", (f"returned owner {owner!r} for parameter {i}; owners must be "
                                     f"in [0, world_size={world_size})")
     return "ok", tuple(int(o) for o in owners)

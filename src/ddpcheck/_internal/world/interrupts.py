@@ -76,8 +76,8 @@ def held(deliver: bool = True) -> Iterator[None]:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         if deliver:
-            for signum in arrived:
-                signal.raise_signal(signum)  # raises here what the handler raises
+            for number in arrived:
+                signal.raise_signal(number)  # raises here what the handler raises
 
 
 @contextlib.contextmanager
@@ -131,6 +131,7 @@ class Insistent:
 
     def _insist(self) -> None:
         main = threading.main_thread().ident
+        assert main is not None  # the main thread has started: it runs this program
         while not self._taken.wait(self._again_after):
             with self._lock:
                 if not self._taken.is_set():
