@@ -483,7 +483,7 @@ def _declined(declined: dict[str, int]) -> str:
     unjudgeable = sum(declined.values()) - sum(judged.values())
     text = f"{sum(judged.values())} more drawn and declined by the target"
     if judged:
-        text += f", most often: {max(judged, key=judged.get)}"
+        text += f", most often: {max(judged, key=lambda why: judged[why])}"
     return text + (f"; {unjudgeable} the oracle could not judge" if unjudgeable else "")
 
 

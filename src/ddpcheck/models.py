@@ -101,7 +101,8 @@ class SpecData:
 
     width: int
 
-    def __call__(self, seed: int, batch: int, dtype: torch.dtype):
+    def __call__(self, seed: int, batch: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(batch, self.width, generator=g, dtype=torch.float64).to(dtype)
         y = torch.randn(batch, OUT_FEATURES, generator=g, dtype=torch.float64).to(dtype)
@@ -217,7 +218,8 @@ class _ConvChannelsLast(nn.Module):
     def __init__(self, w: int):
         super().__init__()
         self.conv = nn.Conv2d(2, 2, kernel_size=(3, 1), padding=(1, 0))
-        self.conv.to(memory_format=torch.channels_last)
+        # Module.to takes memory_format; torch's overloads of it leave the keyword out
+        self.conv.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
 
     def forward(self, h):
         x = torch.stack([h, h.flip(-1)], dim=1)[..., None]  # (B,2,w,1)

@@ -252,7 +252,8 @@ def global_batch(scenario: Scenario, step: int) -> tuple[torch.Tensor, torch.Ten
     return scenario.data(scenario.seed * 1_000 + step, scenario.global_batch, scenario.torch_dtype)
 
 
-def local_micro_batches(scenario: Scenario, step: int, rank: int, world_size: int):
+def local_micro_batches(scenario: Scenario, step: int, rank: int,
+                        world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's micro-batches of one step, each as ``(x, y)`` (possibly empty)."""
     x, y = global_batch(scenario, step)
     xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]

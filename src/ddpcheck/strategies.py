@@ -189,7 +189,7 @@ _POLICIES = (("autocast", "autocast", torch.bfloat16),
 
 @_built_once
 @st.composite
-def _precision(draw, without, opt_in) -> dict:
+def _precision(draw: st.DrawFn, without: frozenset[str], opt_in: frozenset[str]) -> dict:
     """A third of float32 scenarios run a precision policy (shrinking towards none): autocast in
     bfloat16 or float16 unless ``without`` excludes it, or -- about as often, for a target that
     opts in (``opt_in``) -- ``param_dtype`` bfloat16."""
@@ -285,7 +285,7 @@ MAX_GRAD_NORMS = (0.5, 2.0, 8.0)
 
 @_built_once
 @st.composite
-def _clipping(draw) -> dict:
+def _clipping(draw: st.DrawFn) -> dict:
     """A quarter of scenarios clip (shrinking towards none that does). ``sampled_from``, not
     ``integers(0, 3) == 3``: Hypothesis favours small integers, which made it ~15 %."""
     if not draw(st.sampled_from((False, False, False, True))):
@@ -296,7 +296,7 @@ def _clipping(draw) -> dict:
 
 @_built_once
 @st.composite
-def _checkpoint(draw, steps: int, resume_world_sizes: tuple[int, ...]) -> dict:
+def _checkpoint(draw: st.DrawFn, steps: int, resume_world_sizes: tuple[int, ...]) -> dict:
     """A third of multi-step scenarios save after a step and resume, at the same world size or
     one of ``resume_world_sizes`` (shrinking towards none, then the same W, then the first)."""
     # drawn whatever the steps: shrinking the steps then leaves the later choices in place
@@ -382,7 +382,8 @@ def examples(target: Any, *, world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
 
 
 @st.composite
-def _examples(draw, sizes: st.SearchStrategy[int], runs: dict) -> tuple[Scenario, int]:
+def _examples(draw: st.DrawFn, sizes: st.SearchStrategy[int],
+              runs: dict) -> tuple[Scenario, int]:
     world_size = draw(sizes)
     return draw(runs[world_size]), world_size
 

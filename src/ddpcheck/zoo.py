@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -151,7 +152,8 @@ class ChannelsLastConv(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(2, 4, kernel_size=(3, 1), padding=(1, 0))
-        self.conv.to(memory_format=torch.channels_last)
+        # Module.to takes memory_format; torch's overloads of it leave the keyword out
+        self.conv.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         self.head = nn.Linear(4 * IN_FEATURES, OUT_FEATURES)
 
     def forward(self, x):
@@ -192,7 +194,7 @@ class BiasGroups:
         params = list(model.parameters())
         matrices = [p for p in params if p.dim() > 1]
         vectors = [p for p in params if p.dim() <= 1]
-        groups = [{"params": matrices}]
+        groups: list[dict[str, Any]] = [{"params": matrices}]
         if vectors:
             groups.append({"params": vectors, "lr": self.lr, "weight_decay": self.weight_decay})
         return groups

@@ -32,7 +32,7 @@ class SkipsZeroGradOptimizer(ShardedOptimizer):
     """``zero_grad`` does nothing, so every step re-reduces the gradients of all earlier steps
     (DeepSpeed #7839; lodestone-rock/RamTorch #13)."""
 
-    def zero_grad(self, set_to_none: bool = True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         return None  # BUG
 
 
@@ -163,7 +163,7 @@ class ZeroGradOwnedOnlyOptimizer(ShardedOptimizer):
     parameters other ranks own keep last step's averaged gradient here, and DDP adds it into the
     next step's all-reduce (H4). Invisible without DDP in front, at W=1 and at step 0."""
 
-    def zero_grad(self, set_to_none: bool = True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         self._inner.zero_grad(set_to_none=set_to_none)  # BUG: only the owned parameters
 
 

@@ -92,11 +92,11 @@ def explain_reference_failure(scenario: Any, error: BaseException) -> ScenarioEr
         return found
     except Exception:  # not reproduced part by part: the generic message below
         pass
-    found = ScenarioError(
+    generic = ScenarioError(
         "the single-process reference of the scenario failed, so there is nothing to compare "
         f"against (no target was involved): {exception_text(error)}")
-    found.__cause__ = error
-    return found
+    generic.__cause__ = error
+    return generic
 
 
 @contextlib.contextmanager

@@ -225,15 +225,15 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     except FlakyFailure as flaky:
         # A shrinking step failed, then passed when Hypothesis replayed it: a race (e.g. a
         # gradient read before its all-reduce finished). Still a counterexample.
-        shrunk = next((e for e in flaky.exceptions if isinstance(e, EquivalenceError)), None)
-        if shrunk is None:
+        raced = next((e for e in flaky.exceptions if isinstance(e, EquivalenceError)), None)
+        if raced is None:
             raise
-        if replay.reproduced and set(shrunk.kinds) == {"rank timed out"}:
+        if replay.reproduced and set(raced.kinds) == {"rank timed out"}:
             # a shrinking step hung once; the example as drawn failed twice: that one stands
             return FuzzResult(count, first, time.perf_counter() - started, error, declined,
                               exercised, notes)
         return FuzzResult(count, first, time.perf_counter() - started,
-                          _intermittent(shrunk), declined, exercised, notes)
+                          _intermittent(raced), declined, exercised, notes)
     # The failing example passed when run again (or Hypothesis drew otherwise): report it as
     # found, unshrunk.
     if replay.reached and replay.failing_passed:

@@ -41,6 +41,7 @@ import re
 import shlex
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any
 
 from ddpcheck._internal.scripts import (
@@ -276,14 +277,15 @@ def _attribute_elsewhere(target: Any) -> str | None:
     return None
 
 
-def _candidates(target: Any, reasons: list[str], class_code: str | None = None):
+def _candidates(target: Any, reasons: list[str],
+                class_code: str | None = None) -> Iterator[str]:
     """Expressions (in the class's module, or wherever ``class_code`` names the class) that may
     rebuild ``target``."""
     cls = type(target)
     name = class_code or cls.__qualname__
-    seen = set()
+    seen: set[str] = set()
 
-    def once(expr: str):
+    def once(expr: str) -> list[str]:
         if expr not in seen:
             seen.add(expr)
             return [expr]

@@ -348,18 +348,18 @@ def _feature_cell(target: Any, feature: str, world_size: int, *, examples: int,
     except EquivalenceError as error:
         return _failed(cell, error, started)
     except FlakyFailure as flaky:  # failed, then passed when replayed: still a counterexample
-        error = next((e for e in flaky.exceptions if isinstance(e, EquivalenceError)), None)
-        if error is None:
+        replayed = next((e for e in flaky.exceptions if isinstance(e, EquivalenceError)), None)
+        if replayed is None:
             raise
-        refuse_unconfirmed_hang(error)  # a hang that did not recur is no verdict
+        refuse_unconfirmed_hang(replayed)  # a hang that did not recur is no verdict
         cell.intermittent = True
-        return _failed(cell, error, started)
+        return _failed(cell, replayed, started)
     except Unsatisfiable:
         pass
     if not cell.examples:  # no drawn example could run
         declined = {why: n for why, n in rejected.items() if why != "drawn without the feature"}
         cell.status = "declined" if declined else "n/a"
-        cell.reason = (max(declined, key=declined.get) if declined else
+        cell.reason = (max(declined, key=lambda why: declined[why]) if declined else
                        "none of the drawn examples exercised it")
     cell.seconds = time.perf_counter() - started
     return cell
