@@ -70,7 +70,7 @@ def exception_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-MODULE_KINDS = {
+MODULE_KINDS: dict[str, tuple[type[nn.Module], str]] = {
     "batchnorm": (nn.modules.batchnorm._BatchNorm, "using batch statistics"),
     "dropout": (nn.modules.dropout._DropoutNd, "with p > 0 in train mode"),
 }

@@ -177,7 +177,7 @@ def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop, *, schedul
         t3 = clock()
         loop.after_backward()
         if scenario.max_grad_norm is not None:
-            _clip(scenario, model, loop)
+            _clip(scenario.max_grad_norm, scenario.grad_norm_type, model, loop)
         loop.before_optimizer_step(step)
         t4 = clock()
         optimizer.step()
@@ -205,9 +205,8 @@ def _optimizer_step(scenario: Scenario, optimizer: Any, scheduler: Any) -> None:
     optimizer.zero_grad(set_to_none=scenario.set_to_none)
 
 
-def _clip(scenario: Scenario, model: Any, loop: Loop) -> None:
+def _clip(max_norm: float, norm_type: float, model: Any, loop: Loop) -> None:
     if loop.clip_grad_norm is None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), scenario.max_grad_norm,
-                                       scenario.grad_norm_type)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
     else:
-        loop.clip_grad_norm(scenario.max_grad_norm, scenario.grad_norm_type)
+        loop.clip_grad_norm(max_norm, norm_type)

@@ -117,7 +117,8 @@ class TorchDDPTarget(_Bucketed):
     supported_features = frozenset(FEATURES) - {"rank-orders"}
 
     def wrap(self, module: Any) -> Any:
-        kwargs = {} if self.bucket_size_mb is None else {"bucket_cap_mb": self.bucket_size_mb}
+        kwargs: dict[str, Any] = ({} if self.bucket_size_mb is None else
+                                  {"bucket_cap_mb": self.bucket_size_mb})
         # Unused parameters are part of every battery; torch needs to be told to look for them.
         return DistributedDataParallel(module, find_unused_parameters=True, **kwargs)
 
@@ -211,7 +212,7 @@ class TorchFSDPTarget(Target):
     supported_features = frozenset(FEATURES) - {"non-contiguous", "unused-on-some-ranks",
                                                 "checkpoint", "rank-orders"}
 
-    def configure(self, scenario: Any) -> Target:
+    def configure(self, scenario: Any) -> TorchFSDPTarget:
         change: dict[str, Any] = {}
         if self.reshard_after_forward is None:
             change["reshard_after_forward"] = bool(scenario.seed % 2)
@@ -307,7 +308,7 @@ _NO_PARAM_DTYPE = {"param-dtype": "a param_dtype policy is the target's to apply
                                   "MixedPrecisionPolicy"}
 
 #: Every ready-made target, in the order ``ddpcheck targets`` lists them.
-READY_MADE = (
+READY_MADE: tuple[ReadyMade, ...] = (
     ReadyMade("parallel", PARALLEL, "torch", "torch",
               "parallel.DDP + parallel.ShardedOptimizer (this repository)", _NO_PARAM_DTYPE),
     ReadyMade("parallel_ddp", PARALLEL_DDP, "torch", "torch",

@@ -61,7 +61,8 @@ def fully_shard_options(*, cpu_offload: bool = False, param_dtype: Any = None,
     return options
 
 
-def shard_leaves(module: Any, reshard_after_forward: bool | int, **options: Any) -> Any:
+def shard_leaves(module: Any, reshard_after_forward: bool | int | None,
+                 **options: Any) -> Any:
     """``fully_shard`` every module holding parameters of its own, then the root (which takes
     whatever parameters are left): one FSDP2 parameter group per layer, as real models do.
     Modules sharing a parameter (tied weights) are sharded together, as FSDP2 requires.

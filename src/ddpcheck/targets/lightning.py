@@ -99,8 +99,10 @@ class LightningTarget(FrameworkTarget):
             use_distributed_sampler=False, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
             callbacks=[_recorder(pl, run, accumulation)])
-        loader = torch.utils.data.DataLoader(
-            [micro for step in run.batches for micro in step], batch_size=None, shuffle=False)
+        # a list is a map-style dataset (len and getitem); torch's annotation asks for Dataset
+        loader: torch.utils.data.DataLoader[Any] = torch.utils.data.DataLoader(
+            [micro for step in run.batches for micro in step],  # type: ignore[arg-type]
+            batch_size=None, shuffle=False)
         trainer.fit(net, train_dataloaders=loader)
 
 

@@ -490,6 +490,7 @@ def _consolidate_on_rank_zero(target: Any, optimizer: Any) -> None:
     consolidate = getattr(optimizer, "consolidate_state_dict", None)
     if not callable(consolidate):
         return  # not sharded: every rank holds the whole state
+    parameters: Mapping[str, inspect.Parameter]
     try:
         parameters = inspect.signature(consolidate).parameters
     except (TypeError, ValueError):

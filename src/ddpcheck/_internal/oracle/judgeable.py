@@ -409,7 +409,8 @@ def _optimizer_class(scenario: Any) -> type:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ScenarioError(f"optimizer={cls!r} must be a torch.optim.Optimizer subclass, such "
                             "as torch.optim.SGD")
-    if _requires_closure(cls):
+    # mypy checks an optimizer's instance __hash__ against Hashable here, not the class's
+    if _requires_closure(cls):  # type: ignore[arg-type]
         raise ScenarioError(
             f"optimizer={import_path(cls)} requires a closure (its step(closure) re-evaluates "
             "the loss, like LBFGS); data-parallel training calls optimizer.step() once per step "
@@ -430,7 +431,7 @@ def _optimizer_kwargs(scenario: Any, cls: type) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _requires_closure(cls: type) -> bool:
+def _requires_closure(cls: type[torch.optim.Optimizer]) -> bool:
     try:
         parameters = inspect.signature(cls.step).parameters
     except (TypeError, ValueError):

@@ -139,7 +139,8 @@ def check_rule(rule: Callable[..., Any], *, examples: int = DEFAULT_EXAMPLES,
                 world.kill()  # the interrupted call may have left the rank in any state
             return report
         # The fixed lists first (the smallest first), so messages do not depend on the draws.
-        lists = list(parameter_lists().items()) + [(None, specs) for specs in result["sample"]]
+        lists: list[tuple[str | None, Sequence[ParamSpec]]] = list(parameter_lists().items())
+        lists += [(None, specs) for specs in result["sample"]]
         report.cross_rank_lists = len(lists)
         for world_size in rank_world_sizes:
             violation = _cross_rank(rule, name, world_size, lists, deadline, directory)

@@ -190,7 +190,7 @@ class World:
         """Spawn the ranks and wait until every one has joined the process group."""
         self.launch(deadline)
         if self._booting is not None:
-            self._await_start()
+            self._await_start(self._booting)
         return self
 
     def launch(self, deadline: float = STARTUP_DEADLINE) -> World:
@@ -231,16 +231,17 @@ class World:
                 # Spawned ranks learn their world's directory from the environment, which marks
                 # them as ranks (see refuse_nested_start); forked ones from their process name.
                 with environment(PYTHONWARNINGS=warnings, **{WORLD_DIR_ENV: self._dir}):
-                    self._spawn(ctx, store_path, method)
+                    self._spawn(ctx, store_path, method, self._dir, self._janitor)
         except BaseException:
             self.kill()
             raise
         self._booting = time.monotonic() + deadline
         return self
 
-    def _await_start(self) -> None:
-        """Wait (until the launch's deadline) for every rank to join the process group."""
-        end, self._booting = self._booting, None
+    def _await_start(self, end: float) -> None:
+        """Wait (until the launch's deadline, ``end``) for every rank to join the process
+        group."""
+        self._booting = None
         try:
             # a world launched long ago has its answers waiting: a second to read them
             self._collect("world start-up", max(end - time.monotonic(), 1.0), starting=True)
@@ -252,7 +253,8 @@ class World:
             self.kill()
             raise
 
-    def _spawn(self, ctx: Any, store_path: str, method: str) -> None:
+    def _spawn(self, ctx: Any, store_path: str, method: str, world_dir: str,
+               janitor: Janitor) -> None:
         # multiprocessing's helper processes inherit our stdout: start them before redirecting.
         resource_tracker.ensure_running()
         forked = method == "forkserver"
@@ -261,7 +263,7 @@ class World:
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=rank_main,
-                name=rank_name(rank, self.world_size, self._dir),
+                name=rank_name(rank, self.world_size, world_dir),
                 args=(rank, self.world_size, self.backend, store_path, child_end,
                       self._logs[rank], self._stacks[rank], parent_pid,
                       self._sequences[0][rank], self.device,
@@ -275,7 +277,7 @@ class World:
             child_end.close()
             self._procs.append(proc)
             self._conns.append(parent_end)
-            self._janitor.watch(proc.pid)  # the rank leads its own process group
+            janitor.watch(proc.pid)  # the rank leads its own process group
 
     def close(self, timeout: float = 5.0) -> None:
         """Ask every rank to exit, then make sure it has (killing stragglers). A world still
@@ -363,7 +365,7 @@ class World:
         if not self._alive:
             self.start()
         elif self._booting is not None:  # launched: wait for the ranks to join
-            self._await_start()
+            self._await_start(self._booting)
         self._path.update(added)
         if not queued:
             for path in self._stacks:
@@ -381,7 +383,7 @@ class World:
             emptying.result()
         else:
             _empty(self._sequences[slot])
-        pending = Pending(self, what or getattr(fn, "__qualname__", repr(fn)), deadline, slot,
+        pending = Pending(self, what or str(getattr(fn, "__qualname__", repr(fn))), deadline, slot,
                           started=not self._in_flight)
         try:
             for conn in self._conns:
