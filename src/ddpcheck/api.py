@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ddpcheck import features
@@ -108,6 +108,7 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
     check_fits(device, sizes, backend)
     check_deadline("deadline", deadline)
     excluded = features.parse(without, "without")
+    named: Sequence[tuple[str | None, Scenario]]
     if scenario is None:
         named = BATTERY
     elif isinstance(scenario, Scenario):

@@ -217,8 +217,8 @@ class TokenMean:
         if self.over == "rank":
             terms = batch.terms_of(shard)
             return BatchPlan.uniform(micro, 1.0 / terms if terms else 0.0)
-        return BatchPlan(micro, [_inverse(batch.terms_of(mb) * batch.accumulation)
-                                 for mb in micro])
+        return BatchPlan(tuple(micro), tuple(_inverse(batch.terms_of(mb) * batch.accumulation)
+                                             for mb in micro))
 
 
 def _inverse(count: int) -> float:
@@ -252,13 +252,15 @@ class DistributedSamplerBatches:
             raise InvalidArgument(f"normalize={self.normalize!r} must be 'local' or 'global'")
 
     def __call__(self, batch: GlobalBatch) -> BatchPlan:
-        sampler = DistributedSampler(batch.indices, num_replicas=batch.world_size,
-                                     rank=batch.rank, shuffle=self.shuffle, seed=self.seed,
-                                     drop_last=self.drop_last)
+        # what a sampler samples needs only len(); torch's annotation asks for a Dataset
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            batch.indices, num_replicas=batch.world_size,  # type: ignore[arg-type]
+            rank=batch.rank, shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last)
         sampler.set_epoch(batch.step)
         mine = tuple(batch.indices[i] for i in sampler)
         micro = split(mine, batch.accumulation)
-        return BatchPlan(micro, [self.scale(batch, batch.terms_of(mb)) for mb in micro])
+        return BatchPlan(tuple(micro), tuple(self.scale(batch, batch.terms_of(mb))
+                                             for mb in micro))
 
     def scale(self, batch: GlobalBatch, samples: int) -> float:
         """The scale of a micro-batch of ``samples`` terms (samples, or tokens under a token

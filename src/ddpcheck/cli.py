@@ -547,7 +547,7 @@ def _survey(args: argparse.Namespace) -> ExitCode:
     if result.exit_code == ExitCode.NOTHING_CHECKED:
         print("ddpcheck survey: nothing was checked: every cell was declined or not applicable",
               file=sys.stderr)
-    return result.exit_code
+    return ExitCode(result.exit_code)
 
 
 def _replay(args: argparse.Namespace) -> ExitCode:

@@ -212,12 +212,12 @@ def import_path(obj: Any) -> str:
     what another process imports (``ddpcheck._internal.scripts``)."""
     if obj.__module__ in MAIN_NAMES:  # the script being run, as other processes import it
         return f"{public_module_name(obj.__module__)}.{obj.__qualname__}"
-    parts = obj.__module__.split(".")
+    parts, qualname = obj.__module__.split("."), obj.__qualname__
     for i in range(1, len(parts) + 1):
         module = importlib.import_module(".".join(parts[:i]))
-        if getattr(module, obj.__qualname__, None) is obj:
-            return f"{module.__name__}.{obj.__qualname__}"
-    return f"{obj.__module__}.{obj.__qualname__}"
+        if getattr(module, qualname, None) is obj:
+            return f"{module.__name__}.{qualname}"
+    return f"{obj.__module__}.{qualname}"
 
 
 # ---------------------------------------------------------------------------------------------

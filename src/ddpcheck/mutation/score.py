@@ -120,7 +120,7 @@ def run_mutants(only: str | None, *, budget_seconds: float, search_name: str,
     print("\n".join(table_lines([], widths)), flush=True)
     started = time.perf_counter()
     chosen = search.shrinking_search if search_name == "shrinking" else search.battery_search
-    controls = []  # each family's original, in catalogue order
+    controls: list[Any] = []  # each family's original, in catalogue order
     for m in mutants:
         control = (m.control if m.control is not None else
                    TORCH_FSDP if isinstance(m.target, TorchFSDPTarget) else PARALLEL)
@@ -138,7 +138,8 @@ def run_mutants(only: str | None, *, budget_seconds: float, search_name: str,
           f"counterexample; unmutated target {'passes' if control_ok else 'FAILS'}; "
           f"wall {time.perf_counter() - started:.1f} s")
     for r in rows:
-        if r.control and r.killed:
+        found = r.outcome.counterexample  # None unless the row was killed
+        if r.control and found is not None:
             print(f"\nthe unmutated target failed, so the scores above mean nothing:\n"
-                  f"{r.outcome.counterexample.error}")
+                  f"{found.error}")
     return ExitCode.OK if killed == len(mutants) and control_ok else ExitCode.FOUND

@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing.spawn
 import os
 import signal
+from collections.abc import Mapping
 from typing import Any
 
 from ddpcheck._internal.rank.serve import READY_ENV, log_of
@@ -40,7 +41,7 @@ except Exception:  # each rank imports again, and reports what fails
 _prepare = multiprocessing.spawn.prepare
 
 
-def _prepare_into_log(data: dict[str, Any]) -> None:
+def _prepare_into_log(data: Mapping[str, Any]) -> None:
     log = log_of(data.get("name", ""))
     if log is not None:
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

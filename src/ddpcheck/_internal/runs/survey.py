@@ -214,7 +214,7 @@ def survey(target: Any, *, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
     started = time.perf_counter()
     exercised: set[str] = set()
     cells: list[Cell] = []
-    rows = [("battery", name, sc) for name, sc in BATTERY]
+    rows: list[tuple[str, str, Any]] = [("battery", name, sc) for name, sc in BATTERY]
     rows += [("feature", feature, None) for feature in features.FEATURES]
     for section, row, scenario in rows:
         for w in sizes:
