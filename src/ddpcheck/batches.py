@@ -92,7 +92,7 @@ class BatchPlan:
     micro_batches: tuple[tuple[int, ...], ...]
     scales: tuple[float, ...]
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         try:
             micro = tuple(_micro_batch(mb, m) for m, mb in
                           enumerate(_iterable(self.micro_batches, "micro_batches")))
@@ -204,7 +204,7 @@ class TokenMean:
 
     over: str = "global"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.over not in ("micro-batch", "rank", "global"):
             raise InvalidArgument(f"over={self.over!r} must be 'micro-batch', 'rank' or "
                                   "'global'")
@@ -247,7 +247,7 @@ class DistributedSamplerBatches:
     drop_last: bool = False
     normalize: str = "local"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.normalize not in ("local", "global"):
             raise InvalidArgument(f"normalize={self.normalize!r} must be 'local' or 'global'")
 

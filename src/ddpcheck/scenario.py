@@ -81,7 +81,7 @@ class Scenario:
     # accumulated and reduced in float32 (FSDP2's MixedPrecisionPolicy): the target casts
     param_dtype: torch.dtype | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_int("global_batch", self.global_batch, 1)
         _check_int("steps", self.steps, 1)
         _check_int("accumulation", self.accumulation, 1)

@@ -96,7 +96,8 @@ def layers(*, kinds: Sequence[str] = KINDS, unused: bool = True, frozen: bool = 
 
 
 @st.composite
-def _models(draw, min_layers, max_layers, kinds, unused, frozen, mixed_dtypes, tie=True):
+def _models(draw: st.DrawFn, min_layers: int, max_layers: int, kinds: tuple[str, ...],
+            unused: bool, frozen: bool, mixed_dtypes: bool, tie: bool = True) -> ModelSpec:
     drawn = tuple(draw(_layer_lists(tuple(kinds), unused, frozen, mixed_dtypes, min_layers,
                                     max_layers)))
     registration = tuple(draw(_permutations(len(drawn))))
@@ -209,10 +210,14 @@ def _low_precision(optimizer: type, kwargs: dict) -> dict:
 
 
 @st.composite
-def _scenarios(draw, model_strategy, dtypes, max_batch, max_steps, max_accumulation, without,
-               world_size, resume_world_sizes, opt_in=frozenset(), tokens=None):
+def _scenarios(draw: st.DrawFn, model_strategy: st.SearchStrategy[ModelSpec],
+               dtypes: tuple[str, ...], max_batch: int, max_steps: int, max_accumulation: int,
+               without: frozenset[str], world_size: int | None,
+               resume_world_sizes: tuple[int, ...], opt_in: frozenset[str] = frozenset(),
+               tokens: bool | None = None) -> Scenario:
     if tokens is None:  # a fifth of scenarios train a language model (shrinking towards none)
         tokens = "tokens" not in without and draw(st.sampled_from((False,) * 4 + (True,)))
+    spec: Any  # a GPTConfig (a language model) or a ModelSpec
     if tokens:
         spec, data, loss = draw(gpt_models(without=without)), token_data, "token_cross_entropy"
     else:
@@ -476,9 +481,10 @@ def _with_layer(spec: ModelSpec, layer: Layer, index: int) -> ModelSpec:
 
 
 @st.composite
-def _forced(draw, drawn, feature, world_size, even_batches, resumes):
+def _forced(draw: st.DrawFn, drawn: st.SearchStrategy[Scenario], feature: str, world_size: int,
+            even_batches: bool, resumes: tuple[int, ...]) -> Scenario:
     s = draw(drawn)
-    change = {}
+    change: dict[str, Any] = {}
     if feature == "accumulation":
         change["accumulation"] = draw(st.integers(2, 3))
     elif feature == "param-groups" and s.param_groups is None:

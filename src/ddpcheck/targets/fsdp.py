@@ -132,7 +132,8 @@ def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> 
     outside: list[str] = []
 
     class Uses(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
+        def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                               kwargs: dict[str, Any] | None = None) -> Any:
             # reading an attribute (param.dtype, .shape) computes nothing with the parameter
             reads = getattr(func, "__name__", "") == "__get__"
             for value in [] if reads else [*args, *(kwargs or {}).values()]:

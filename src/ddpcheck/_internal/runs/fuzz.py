@@ -132,7 +132,7 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
         @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
                   suppress_health_check=list(HealthCheck), print_blob=False, phases=phases)
         @given(data=st.data())
-        def one(data):
+        def one(data: st.DataObject) -> None:
             test(data)
 
         if seed is not None:

@@ -24,6 +24,7 @@ import os
 import pickle
 import tempfile
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -170,7 +171,8 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
     check_target(target)  # on every rank, before any collective: a refusal must not hang rank 0
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
-    say = (lambda text: print(text, file=out, flush=True)) if rank == 0 else (lambda text: None)
+    say: Callable[[str], None] = ((lambda text: print(text, file=out, flush=True)) if rank == 0
+                                  else (lambda text: None))
     init_world(device, backend, deadline)
     if world_sizes is not None and world_size not in world_sizes:
         say(f"ddpcheck check: error: --world-sizes={','.join(map(str, world_sizes))} does not "
