@@ -60,8 +60,11 @@ def main() -> None:
         validity._PASSED.clear()  # every fuzzed scenario is a new object: no cache hits
         checks.append(_cpu(validity.check_scenario, scenario))
         references.append(_cpu(reference_run, scenario))
-    ms = lambda values: (f"median {statistics.median(values) * 1e3:.2f} ms, "  # noqa: E731
-                         f"mean {statistics.fmean(values) * 1e3:.2f} ms")
+
+    def ms(values: list[float]) -> str:
+        return (f"median {statistics.median(values) * 1e3:.2f} ms, "
+                f"mean {statistics.fmean(values) * 1e3:.2f} ms")
+
     print(f"{len(scenarios)} random scenarios, parent CPU time per scenario:")
     print(f"  check_scenario  {ms(checks)}")
     print(f"  reference_run   {ms(references)}")
