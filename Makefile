@@ -1,7 +1,10 @@
 # Two commands do everything on a fresh machine (see README):
 #   make check   create .venv, install (the frameworks of the ready-made targets too), fuzz the
 #                built-in `parallel` target
-#   make test    create .venv, install, run the test suite
+#   make test    create .venv, install, lint, run the test suite
+# and the gate `make test` runs first:
+#   make lint    ruff check (every Python folder) and mypy (src/ddpcheck and parallel/), at the
+#                releases constraints.txt pins (pyproject.toml's dependency group `lint`)
 # and one to package:
 #   make dist    the wheel and the sdist in dist/ (`python -m build`, from a tool venv: `build` is
 #                no dependency of ddpcheck)
@@ -11,18 +14,23 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TOOLS := .venv-build
 
-.PHONY: check test bench dist clean
+.PHONY: check lint test bench dist clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[frameworks]'
+	$(BIN)/pip install --quiet -c constraints.txt --group lint
 	touch $(STAMP)
 
 check: $(STAMP)
 	$(BIN)/ddpcheck check
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/pytest -n auto -q tests properties
 
 bench: $(STAMP)
@@ -36,7 +44,7 @@ $(TOOLS)/.installed:
 dist: $(TOOLS)/.installed
 	$(TOOLS)/bin/python -m build --outdir dist .
 
-# Everything the commands above write: the venvs, and what builds leave (setuptools writes
-# build/ and the egg-info at the root or under src/ depending on the command).
+# Everything the commands above write: the venvs, the linters' caches, and what builds leave
+# (setuptools writes build/ and the egg-info at the root or under src/ depending on the command).
 clean:
-	rm -rf $(VENV) $(TOOLS) build dist *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(TOOLS) .mypy_cache .ruff_cache build dist *.egg-info src/*.egg-info

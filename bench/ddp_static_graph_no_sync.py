@@ -38,7 +38,8 @@ def worker(rank, world_size, store_path, find_unused, queue):
         for step in range(2):
             for micro in range(2):
                 with model.no_sync() if micro == 0 else contextlib.nullcontext():
-                    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step * 10 + micro))
+                    seeded = torch.Generator().manual_seed(step * 10 + micro)
+                    x = torch.randn(3, 4, generator=seeded)
                     model(x).pow(2).sum().backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -8,8 +8,8 @@ Prints (not a test, no assertion):
    -- on the same 16.8 M-parameter MLP stack, gloo, W=2, in the same world. Repetitions
    interleave the variants (rotating which goes first) and each repetition's time is the slower
    rank's; the figure is the median of per-repetition ratios (ours / torch's). Target: <= 1.0.
-2. the overlap, from a ``ddpcheck._internal.runs.trace`` recording of one parallel.DDP step: when each bucket's
-   all-reduce was launched and completed, against the end of backward.
+2. the overlap, from a ``ddpcheck._internal.runs.trace`` recording of one parallel.DDP step: when
+   each bucket's all-reduce was launched and completed, against the end of backward.
 
 Run: ``python bench/ddp_vs_torch.py [repetitions]`` (about a minute on 2 cores);
 ``python bench/ddp_vs_torch.py --profile`` prints where rank 0's parallel.DDP step spends its time.
@@ -144,10 +144,10 @@ def step_time(repetitions: int, device: str = "cpu") -> None:
 
 
 def overlap(device: str = "cpu") -> None:
-    from ddpcheck.scenario import Scenario
-    from ddpcheck.targets import PARALLEL_DDP
     from ddpcheck._internal.runs.trace import record_step
     from ddpcheck._internal.world.worlds import get_world
+    from ddpcheck.scenario import Scenario
+    from ddpcheck.targets import PARALLEL_DDP
 
     scenario = Scenario(model=BenchMLP, data=bench_data, dtype="float32", global_batch=2 * BATCH,
                         steps=1)

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         lines: list[str] = []
         started = time.perf_counter()
-        error, what = smaller.first_verdict(mutant.target, battery, world_sizes=args.world_sizes,
+        error, _ = smaller.first_verdict(mutant.target, battery, world_sizes=args.world_sizes,
                                             without=frozenset(), seed=None, say=lines.append)
         seconds = time.perf_counter() - started
         searched.append(seconds)

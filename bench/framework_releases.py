@@ -60,9 +60,9 @@ def venv(workdir: str, framework: str, release: str, extra: list[str]) -> str:
     with open(pins, "w") as f:
         f.write(torch_pin() + "\n")
     pip = [os.path.join(bin_dir, "python"), "-m", "pip", "install", "--quiet", "-c", pins]
-    subprocess.run(pip + [torch_pin()], check=True)
-    subprocess.run(pip + [f"{framework}=={release}", *extra], check=True)
-    subprocess.run(pip + [ROOT], check=True)
+    subprocess.run([*pip, torch_pin()], check=True)
+    subprocess.run([*pip, f"{framework}=={release}", *extra], check=True)
+    subprocess.run([*pip, ROOT], check=True)
     open(done, "w").close()
     return bin_dir
 

@@ -72,7 +72,8 @@ def worker(rank, world_size, store_path, micro_batches, queue):
 
     x, y = data()
     xs, ys = x.tensor_split(world_size)[rank], y.tensor_split(world_size)[rank]
-    for i, (xm, ym) in enumerate(zip(xs.tensor_split(micro_batches), ys.tensor_split(micro_batches))):
+    micro = zip(xs.tensor_split(micro_batches), ys.tensor_split(micro_batches))
+    for i, (xm, ym) in enumerate(micro):
         last = i == micro_batches - 1
         model.set_requires_gradient_sync(last)
         dist.reduce_scatter_single = counting if last else original

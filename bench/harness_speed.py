@@ -20,12 +20,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddpcheck import targets, zoo
-from ddpcheck import check_example
-from ddpcheck._internal.runs.example import prepare_reference
+from ddpcheck import check_example, targets, zoo
 from ddpcheck._internal.rank.runner import run_example
-from ddpcheck.scenario import Scenario
+from ddpcheck._internal.runs.example import prepare_reference
 from ddpcheck._internal.world.worlds import World, get_world, shutdown_worlds
+from ddpcheck.scenario import Scenario
 
 SCENARIOS = [Scenario(zoo.MLP, global_batch=8, steps=1, seed=s) for s in range(3)] + [
     Scenario(zoo.Tied, global_batch=7, steps=1, seed=3)]

@@ -25,7 +25,7 @@ import shlex
 import subprocess
 import sys
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ def gpt_shapes(vocab: int, block: int, layers: int, d: int) -> list[tuple[int, .
     for _ in range(layers):
         shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,),  # ln_1, attn
                    (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]  # ln_2, mlp
-    return shapes + [(d,), (d,)]  # ln_f
+    return [*shapes, (d,), (d,)]  # ln_f
 
 
 MODELS = {

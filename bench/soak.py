@@ -57,17 +57,15 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 import torch  # noqa: E402
 
 import ddpcheck  # noqa: E402
-from parallel import DDP, ShardedOptimizer  # noqa: E402
-
-from ddpcheck import batches, targets, zoo  # noqa: E402
+from ddpcheck import batches, check_example, targets, zoo  # noqa: E402
 from ddpcheck import strategies as dst  # noqa: E402
-from ddpcheck.features import FEATURES, declines, of  # noqa: E402
-from ddpcheck import check_example
 from ddpcheck._internal.oracle.compare import CHAOTIC  # noqa: E402
 from ddpcheck._internal.oracle.reference import noise_computed  # noqa: E402
 from ddpcheck._internal.runs.example import prepare_reference  # noqa: E402
-from ddpcheck.scenario import Scenario  # noqa: E402
 from ddpcheck._internal.world.worlds import shutdown_worlds  # noqa: E402
+from ddpcheck.features import FEATURES, declines, of  # noqa: E402
+from ddpcheck.scenario import Scenario  # noqa: E402
+from parallel import DDP, ShardedOptimizer  # noqa: E402
 
 MODELS = [zoo.MLP, zoo.Tied, zoo.SampleBranch, zoo.UnusedAndFrozen, zoo.WithBuffers,
           zoo.NonContiguous, zoo.MixedPrecision]

@@ -1,4 +1,5 @@
-"""Calibration of the oracle's tolerance table (``ddpcheck._internal.oracle.tolerances.TOLERANCES``).
+"""Calibration of the oracle's tolerance table
+(``ddpcheck._internal.oracle.tolerances.TOLERANCES``).
 
 Runs correct targets on random scenarios (``ddpcheck.strategies``) in float64 and float32 (with
 ``--precision``: float32 scenarios under a precision policy -- autocast in bfloat16 or float16, a
@@ -28,10 +29,10 @@ from hypothesis import strategies as st  # noqa: E402
 
 from ddpcheck import strategies as dst  # noqa: E402
 from ddpcheck import targets  # noqa: E402
-from ddpcheck.features import declines  # noqa: E402
 from ddpcheck._internal.oracle.compare import reference_run, scaled_atol, tolerance  # noqa: E402
 from ddpcheck._internal.rank.runner import run_example  # noqa: E402
 from ddpcheck._internal.world.worlds import get_world, shutdown_worlds  # noqa: E402
+from ddpcheck.features import declines  # noqa: E402
 
 TARGETS = (targets.PARALLEL, targets.TORCH_DDP)
 PRECISION_TARGETS = (targets.PARALLEL, targets.TORCH_DDP, targets.TORCH_FSDP)
@@ -114,7 +115,8 @@ def main() -> None:
     shutdown_worlds()
     names = ", ".join(type(t).__name__ for t in chosen)
     print(f"tolerance calibration, {args.examples} random examples of {names}, "
-          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, {time.perf_counter() - started:.0f} s")
+          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
+          f"{time.perf_counter() - started:.0f} s")
     print(f"{'dtype':>18} {'W':>2} {'examples':>9} {'worst share of tolerance used':>30}")
     for (dtype, w), value in sorted(worst.items()):
         print(f"{dtype:>18} {w:>2} {count[(dtype, w)]:>9} {value:>30.3g}")

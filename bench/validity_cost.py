@@ -1,4 +1,5 @@
-"""What scenario validity (``ddpcheck._internal.oracle.judgeable.check_scenario``) adds to each random example.
+"""What scenario validity (``ddpcheck._internal.oracle.judgeable.check_scenario``) adds to each
+random example.
 
 Draws the random scenarios ``ddpcheck check`` fuzzes with (``strategies.scenarios`` over
 mixed-dtype models), then prints, per scenario, the parent's CPU time of ``check_scenario`` and
@@ -20,9 +21,9 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from ddpcheck import strategies as dst, targets
+from ddpcheck import check_example, targets  # noqa: E402
+from ddpcheck import strategies as dst  # noqa: E402
 from ddpcheck._internal.oracle import judgeable as validity  # noqa: E402
-from ddpcheck import check_example  # noqa: E402
 from ddpcheck._internal.oracle.compare import reference_run  # noqa: E402
 from ddpcheck._internal.world.worlds import get_world, shutdown_worlds  # noqa: E402
 
@@ -59,8 +60,11 @@ def main() -> None:
         validity._PASSED.clear()  # every fuzzed scenario is a new object: no cache hits
         checks.append(_cpu(validity.check_scenario, scenario))
         references.append(_cpu(reference_run, scenario))
-    ms = lambda values: (f"median {statistics.median(values) * 1e3:.2f} ms, "  # noqa: E731
-                         f"mean {statistics.fmean(values) * 1e3:.2f} ms")
+
+    def ms(values: list[float]) -> str:
+        return (f"median {statistics.median(values) * 1e3:.2f} ms, "
+                f"mean {statistics.fmean(values) * 1e3:.2f} ms")
+
     print(f"{len(scenarios)} random scenarios, parent CPU time per scenario:")
     print(f"  check_scenario  {ms(checks)}")
     print(f"  reference_run   {ms(references)}")

@@ -8,7 +8,8 @@ No collective happens here.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ class InvalidArgument(ValueError):
 
 
 def check_positive_number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
         raise InvalidArgument(f"{name}={value!r} must be a positive number")
     return float(value)
 
@@ -184,7 +185,8 @@ def check_param_group(param_group: Any, index: int) -> dict[str, Any]:
 
 
 def probe_defaults(optimizer_cls: type, kwargs: dict[str, Any], like: Any) -> dict[str, Any]:
-    """Build ``optimizer_cls`` on an empty tensor: validates kwargs early and yields its defaults."""
+    """Build ``optimizer_cls`` on an empty tensor: validates kwargs early and yields its
+    defaults."""
     like = like[1] if isinstance(like, tuple) else like
     try:
         probe = optimizer_cls([torch.empty(0, dtype=like.dtype, device=like.device)], **kwargs)
@@ -207,8 +209,9 @@ def check_loadable(state_dict: Any, groups: list[dict[str, Any]]) -> list[dict[s
         described = (f"state_dict with keys {sorted(state_dict)}" if isinstance(state_dict, dict)
                      else f"state_dict={state_dict!r:.80}")
         raise InvalidArgument(
-            f"{described} is not an optimizer state dict; pass what ShardedOptimizer.state_dict() (after "
-            "consolidate_state_dict) or a plain optimizer's state_dict() returned")
+            f"{described} is not an optimizer state dict; pass what "
+            "ShardedOptimizer.state_dict() (after consolidate_state_dict) or a plain optimizer's "
+            "state_dict() returned")
     saved = state_dict["param_groups"]
     if len(saved) != len(groups):
         raise InvalidArgument(f"state_dict has {len(saved)} param groups, this optimizer has "

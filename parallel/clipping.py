@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,17 @@ class GlobalNormClipping:
     owner rank), ``_rank`` and ``_group``. Seams: ``_norm_shares`` (the gradients this rank
     counts) and ``_global_norm`` (their norm, combined across the group).
     """
+
+    # What the host provides, declared for the type checker only: no value here, so nothing
+    # shadows the host's own attributes and methods.
+    _owners: dict[int, int]
+    _rank: int
+    _group: dist.ProcessGroup | None
+
+    if TYPE_CHECKING:
+        def _params(self) -> list[torch.Tensor]: ...
+
+        def _average_gradients(self, params: list[torch.Tensor]) -> None: ...
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -53,7 +65,7 @@ class GlobalNormClipping:
         params = self._params()
         self._average_gradients(params)
         for p in params:  # the world mean now, on every rank: step() must not average it again
-            p.ddp_averaged_grad = AveragedGrad(p.grad)
+            p.ddp_averaged_grad = AveragedGrad(p.grad)  # type: ignore[attr-defined]  # its mark
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:  # the same answer on every rank: gradient presence is, once averaged
             return torch.tensor(0.0)

@@ -49,7 +49,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -106,7 +107,8 @@ class DDP(nn.Module):
         self._state_order = self._agree_on_order()
         mark_positions(self._state_order)  # for ShardedOptimizer (parallel.handover)
         trainable = set(params)
-        self._params = params = [t for t in self._state_order if t in trainable]
+        self._params = params = [t for t in self._state_order
+                                 if isinstance(t, nn.Parameter) and t in trainable]
         self._broadcast_state()
         self._bucket_cap_bytes = int(bucket_size_mb * 1024 * 1024)
         self._lay_out_buckets(params)  # sets self._buckets and self._where
@@ -122,7 +124,8 @@ class DDP(nn.Module):
         # per iteration (reset by _reset_iteration)
         self._step_started = False  # a synced forward ran, or a synced hook fired
         self._next_launch = 0  # buckets launch strictly in index order on every rank
-        self._used: torch.Tensor | None = None  # usage flags, reduced in flight after the last bucket
+        # usage flags, reduced in flight after the last bucket
+        self._used: torch.Tensor | None = None
         self._used_handle: Any = None
 
     # -- the training-loop surface ------------------------------------------------------------
@@ -168,6 +171,7 @@ class DDP(nn.Module):
         self._next_launch = len(self._buckets)
         # Sync point: which parameters any rank used decides between a gradient and None.
         self._used_handle.wait()
+        assert self._used is not None  # the last bucket's launch, just above, exchanged it
         used_anywhere = self._used.tolist()
         for bucket in self._buckets:
             self._wait_and_write_back(bucket, used_anywhere)
@@ -182,7 +186,8 @@ class DDP(nn.Module):
         """
         return [[self._names.get(p, "?") for p in b.params] for b in self._buckets]
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    # every form of Module.state_dict (its overloads), passed on as called
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped module's state dict, without a wrapper prefix."""
         return self.module.state_dict(*args, **kwargs)
 
@@ -373,7 +378,7 @@ class DDP(nn.Module):
     def _mark_averaged(self) -> None:
         """Hand-over to ``ShardedOptimizer``: these gradients need no second all-reduce."""
         for p in self._params:
-            p.ddp_averaged_grad = AveragedGrad(p.grad)
+            p.ddp_averaged_grad = AveragedGrad(p.grad)  # type: ignore[attr-defined]  # its mark
 
     def _reset_iteration(self) -> None:
         """The one place per-iteration state is cleared."""
@@ -402,7 +407,7 @@ class DDP(nn.Module):
                     "and assign parameters before wrapping the module")
 
 
-def _call_weakly(ddp: "DDP") -> Any:
+def _call_weakly(ddp: DDP) -> Any:
     """A post-accumulate-grad hook calling ``ddp._on_grad_ready`` while ``ddp`` is alive."""
     ref = weakref.ref(ddp)
 

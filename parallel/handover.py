@@ -54,7 +54,7 @@ def mark_positions(ordered: list[torch.Tensor]) -> None:
     """DDP's mark: ``param.ddp_position`` = the index of each parameter in rank 0's order."""
     for i, tensor in enumerate(ordered):
         if isinstance(tensor, torch.nn.Parameter):
-            tensor.ddp_position = i
+            tensor.ddp_position = i  # type: ignore[attr-defined]  # the mark is the parameter's
 
 
 def rank0_order(params: list[torch.Tensor], process_group: Any, src: int) -> list[int]:
@@ -64,8 +64,9 @@ def rank0_order(params: list[torch.Tensor], process_group: Any, src: int) -> lis
     Collective when every parameter is marked (every rank of a DDP-wrapped model): call on all
     ranks of the group. ``src`` is the group's rank 0 as a global rank.
     """
-    positions = [getattr(p, "ddp_position", None) for p in params]
-    if not params or None in positions:
+    marks = [getattr(p, "ddp_position", None) for p in params]
+    positions: list[int] = [m for m in marks if m is not None]
+    if not params or len(positions) < len(params):
         return list(range(len(params)))  # no DDP in front: the order given must be the same
     theirs = torch.tensor(positions, dtype=torch.int64, device=params[0].device)  # (params,)
     # broadcast rank 0's order of this param group (DDP's position of each parameter, one int64

@@ -30,7 +30,8 @@ from __future__ import annotations
 import ctypes
 import io
 import zlib
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,8 +100,9 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
         self._global_ranks = global_ranks  # group rank -> global rank, for src=/dst=
         # extended by add_param_group
         self._owners: dict[int, int] = {}  # id(param) -> group rank of its owner
-        self._inner: torch.optim.Optimizer | None = None  # built after the first groups are known
-        self._pending_inner_groups: list[dict[str, Any]] = []  # owned subsets until it is built
+        self._inner: torch.optim.Optimizer  # built after the first groups are known (below)
+        # the owned subsets until the inner optimizer is built; None after
+        self._pending_inner_groups: list[dict[str, Any]] | None = []
         self._scratch: dict[torch.dtype, torch.Tensor] = {}  # broadcast buffers (_scratch_for)
         # per consolidation: the full state gathered on this rank, dropped by anything that
         # changes the state (step, load_state_dict, add_param_group)
@@ -109,7 +111,7 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
 
         super().__init__(groups, defaults)  # calls self.add_param_group once per group
         self._inner = optimizer_cls(self._pending_inner_groups, **optimizer_kwargs)
-        self._pending_inner_groups = []
+        self._pending_inner_groups = None
         self.state = self._inner.state  # this rank's shard
 
     # ------------------------------------------------------------------ membership and ownership
@@ -143,7 +145,7 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
             raise
         self._record_owners(group["params"], owners)
         owned = self._owned_group(group, owners)
-        if self._inner is None:
+        if self._pending_inner_groups is not None:  # still in __init__
             self._pending_inner_groups.append(owned)
         else:
             self._inner.add_param_group(owned)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import heapq
 import numbers
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -111,7 +112,7 @@ def check_owners(answer: Any, params: Sequence[torch.Tensor], world_size: int, *
             raise InvalidArgument(
                 f"{where} returned owner {owner!r} (type {type(owner).__name__}) for parameter "
                 f"{i}; owners must be integer ranks in [0, world_size={world_size})")
-        if not 0 <= owner < world_size:
+        if not 0 <= int(owner) < world_size:
             raise InvalidArgument(
                 f"{where} returned owner {owner!r} for parameter {i}, outside "
                 f"[0, world_size={world_size}); owners are ranks of the optimizer's process group")

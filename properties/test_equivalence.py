@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import assume, given
 
-from ddpcheck import features, targets
+from ddpcheck import check_example, features, targets
 from ddpcheck import strategies as dst
-from ddpcheck import check_example
 
 TARGETS = {"PARALLEL": targets.PARALLEL, "TORCH_DDP": targets.TORCH_DDP,
            "TORCH_ZERO": targets.TORCH_ZERO}

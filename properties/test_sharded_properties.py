@@ -101,8 +101,8 @@ def assert_bitwise(per_rank, expected, what):
 
 @pytest.mark.slow
 @HALF
-@given(spec=shapes, optimizer=dst.optimizers(), two=st.booleans(), rule=st.sampled_from(tuple(RULES)),
-       world_size=dst.world_sizes(), steps=st.integers(1, 3))
+@given(spec=shapes, optimizer=dst.optimizers(), two=st.booleans(),
+       rule=st.sampled_from(tuple(RULES)), world_size=dst.world_sizes(), steps=st.integers(1, 3))
 def test_sharded_step_equals_the_local_step_on_identical_gradients(spec, optimizer, two, rule,
                                                                    world_size, steps):
     note_example()

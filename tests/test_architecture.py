@@ -116,7 +116,7 @@ def test_there_is_no_import_cycle():
         path.append(module)
         for nxt in sorted(GRAPH[module]):
             if state.get(nxt) == 1:
-                cycle = path[path.index(nxt):] + [nxt]
+                cycle = [*path[path.index(nxt):], nxt]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)
@@ -183,7 +183,7 @@ def test_code_others_copy_uses_only_the_public_surface(folder):
         for module, imported, line in _imports(f"{folder}.{path.stem}", path):
             if module.split(".")[0] == "ddpcheck" and any(
                     p.startswith("_") and not p.startswith("__")
-                    for p in module.split(".")[1:] + [imported]):
+                    for p in [*module.split(".")[1:], imported]):
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}.{imported}")
     assert not bad, bad
 
@@ -198,7 +198,7 @@ def test_no_private_name_is_imported_across_packages():
             top = module.split(".")[0]
             if top == home or top == "__future__":
                 continue
-            private = [p for p in module.split(".")[1:] + [imported]
+            private = [p for p in [*module.split(".")[1:], imported]
                        if p.startswith("_") and not p.startswith("__")]
             if private:
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}"

@@ -17,10 +17,20 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
-from ddpcheck.errors import (DdpcheckError, Divergence, EquivalenceError, ExitCode, Inconclusive,
-                             InternalError, InvalidArgument, NothingChecked, ScenarioError,
-                             SetupError, WorldStartError)
+# `name as name`: a re-export, not an unused import (PEP 484; ruff and mypy read it so).
+from ddpcheck._internal.options import DEFAULT_DEADLINE as DEFAULT_DEADLINE
+from ddpcheck._internal.options import DEFAULT_WORLD_SIZES as DEFAULT_WORLD_SIZES
+from ddpcheck.errors import DdpcheckError as DdpcheckError
+from ddpcheck.errors import Divergence as Divergence
+from ddpcheck.errors import EquivalenceError as EquivalenceError
+from ddpcheck.errors import ExitCode as ExitCode
+from ddpcheck.errors import Inconclusive as Inconclusive
+from ddpcheck.errors import InternalError as InternalError
+from ddpcheck.errors import InvalidArgument as InvalidArgument
+from ddpcheck.errors import NothingChecked as NothingChecked
+from ddpcheck.errors import ScenarioError as ScenarioError
+from ddpcheck.errors import SetupError as SetupError
+from ddpcheck.errors import WorldStartError as WorldStartError
 
 __version__ = "0.1.0"
 

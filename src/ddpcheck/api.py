@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from ddpcheck import features
 from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_world_size
 from ddpcheck._internal.runs import example
 from ddpcheck._internal.runs.admission import Request, admit
-from ddpcheck._internal.runs.example import (check_example_keeping_reference,
-                                             refuse_unconfirmed_hang)
+from ddpcheck._internal.runs.example import check_example_keeping_reference, refuse_unconfirmed_hang
 from ddpcheck._internal.world.interrupts import interruptible
 from ddpcheck._internal.world.worlds import launch_worlds
 from ddpcheck.battery import BATTERY
@@ -72,7 +72,7 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
     check_world_size("world_size", world_size)
     request = admit(target, scenario=scenario, world_sizes=(world_size,), deadline=deadline,
                     device=device, backend=backend)
-    return example.check_example(request.target, request.scenario, world_size,
+    return example.check_example(request.target, scenario, world_size,
                                  reference=reference, name=name, checks=checks, **request.run)
 
 

@@ -33,7 +33,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch.utils.data import DistributedSampler
 
@@ -91,7 +92,7 @@ class BatchPlan:
     micro_batches: tuple[tuple[int, ...], ...]
     scales: tuple[float, ...]
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         try:
             micro = tuple(_micro_batch(mb, m) for m, mb in
                           enumerate(_iterable(self.micro_batches, "micro_batches")))
@@ -106,7 +107,7 @@ class BatchPlan:
         object.__setattr__(self, "scales", scales)
 
     @classmethod
-    def uniform(cls, micro_batches: Any, scale: float) -> "BatchPlan":
+    def uniform(cls, micro_batches: Any, scale: float) -> BatchPlan:
         """Every micro-batch scaled by the same ``scale``."""
         micro = tuple(micro_batches)
         return cls(micro, (scale,) * len(micro))
@@ -203,7 +204,7 @@ class TokenMean:
 
     over: str = "global"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.over not in ("micro-batch", "rank", "global"):
             raise InvalidArgument(f"over={self.over!r} must be 'micro-batch', 'rank' or "
                                   "'global'")
@@ -216,8 +217,8 @@ class TokenMean:
         if self.over == "rank":
             terms = batch.terms_of(shard)
             return BatchPlan.uniform(micro, 1.0 / terms if terms else 0.0)
-        return BatchPlan(micro, [_inverse(batch.terms_of(mb) * batch.accumulation)
-                                 for mb in micro])
+        return BatchPlan(tuple(micro), tuple(_inverse(batch.terms_of(mb) * batch.accumulation)
+                                             for mb in micro))
 
 
 def _inverse(count: int) -> float:
@@ -246,18 +247,20 @@ class DistributedSamplerBatches:
     drop_last: bool = False
     normalize: str = "local"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.normalize not in ("local", "global"):
             raise InvalidArgument(f"normalize={self.normalize!r} must be 'local' or 'global'")
 
     def __call__(self, batch: GlobalBatch) -> BatchPlan:
-        sampler = DistributedSampler(batch.indices, num_replicas=batch.world_size,
-                                     rank=batch.rank, shuffle=self.shuffle, seed=self.seed,
-                                     drop_last=self.drop_last)
+        # what a sampler samples needs only len(); torch's annotation asks for a Dataset
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            batch.indices, num_replicas=batch.world_size,  # type: ignore[arg-type]
+            rank=batch.rank, shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last)
         sampler.set_epoch(batch.step)
         mine = tuple(batch.indices[i] for i in sampler)
         micro = split(mine, batch.accumulation)
-        return BatchPlan(micro, [self.scale(batch, batch.terms_of(mb)) for mb in micro])
+        return BatchPlan(tuple(micro), tuple(self.scale(batch, batch.terms_of(mb))
+                                             for mb in micro))
 
     def scale(self, batch: GlobalBatch, samples: int) -> float:
         """The scale of a micro-batch of ``samples`` terms (samples, or tokens under a token

@@ -36,15 +36,25 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 from ddpcheck._internal.devices import local_world_size, under_torchrun
-from ddpcheck._internal.grammar import (EXIT_CODES, SURVEY_EXIT_CODES, build_parser,
-                                        parse_command_line)
+from ddpcheck._internal.grammar import (
+    EXIT_CODES,
+    SURVEY_EXIT_CODES,
+    build_parser,
+    parse_command_line,
+)
 from ddpcheck._internal.options import DEFAULT_WORLD_SIZES
 from ddpcheck._internal.terminal import ProgressLine
-from ddpcheck.errors import (DdpcheckError, EquivalenceError, ExitCode, InvalidArgument,
-                             NothingChecked)
+from ddpcheck.errors import (
+    DdpcheckError,
+    EquivalenceError,
+    ExitCode,
+    InvalidArgument,
+    NothingChecked,
+)
 
 __all__ = ["EXIT_CODES", "SURVEY_EXIT_CODES", "UsageError", "build_parser", "command", "main",
            "resolve_target"]
@@ -175,7 +185,7 @@ def _stop_resource_tracker() -> None:
 def _quietly(stop: Callable[[], Any]) -> None:
     try:
         stop()
-    except Exception:  # noqa: S110 -- it exits by itself at EOF all the same
+    except Exception:  # it exits by itself at EOF all the same
         pass
 
 
@@ -414,7 +424,7 @@ def _declined(declined: dict[str, int]) -> str:
     unjudgeable = sum(declined.values()) - sum(judged.values())
     text = f"{sum(judged.values())} more drawn and declined by the target"
     if judged:
-        text += f", most often: {max(judged, key=judged.get)}"
+        text += f", most often: {max(judged, key=lambda why: judged[why])}"
     return text + (f"; {unjudgeable} the oracle could not judge" if unjudgeable else "")
 
 
@@ -478,7 +488,7 @@ def _survey(args: argparse.Namespace) -> ExitCode:
     if result.exit_code == ExitCode.NOTHING_CHECKED:
         print("ddpcheck survey: nothing was checked: every cell was declined or not applicable",
               file=sys.stderr)
-    return result.exit_code
+    return ExitCode(result.exit_code)
 
 
 def _replay(args: argparse.Namespace) -> ExitCode:

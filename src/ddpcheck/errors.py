@@ -133,8 +133,8 @@ class Divergence:
 
     @classmethod
     def of(cls, step: Any, world_size: int, rank: int | None, name: str, kind: str,
-           got: "torch.Tensor", expected: "torch.Tensor", got_label: tuple, expected_label: tuple,
-           rtol: float = 0.0, atol: float = 0.0) -> "Divergence":
+           got: torch.Tensor, expected: torch.Tensor, got_label: tuple, expected_label: tuple,
+           rtol: float = 0.0, atol: float = 0.0) -> Divergence:
         """A divergence between two tensors, with assert_close's statistics as the detail."""
         import torch  # here: the plugin and the command line's --help import this module
 
@@ -149,8 +149,8 @@ class Divergence:
             message = "(differs only where assert_close is more lenient than the oracle)"
         except AssertionError as exc:
             message = str(exc)
-        who = "rank {}".format(got_label[1]) if got_label[0] == "rank" else got_label[0]
-        than = ("rank {}".format(expected_label[1]) if expected_label[0] == "rank"
+        who = f"rank {got_label[1]}" if got_label[0] == "rank" else got_label[0]
+        than = (f"rank {expected_label[1]}" if expected_label[0] == "rank"
                 else expected_label[0])
         return cls(step, world_size, rank, name, kind, max_abs, max_rel,
                    f"{who} vs {than}: {message}")
@@ -167,8 +167,8 @@ def _sig(value: float | None) -> str:
 def format_table(divergences: list[Divergence], max_rows: int = MAX_ROWS) -> str:
     header = ["step", "W", "rank", "parameter", "kind", "max abs", "max rel"]
     rows = [d.row() for d in divergences[:max_rows]]
-    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header] + rows]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     if len(divergences) > max_rows:
         lines.append(f"... and {len(divergences) - max_rows} more")
@@ -192,7 +192,8 @@ class EquivalenceError(DdpcheckError, AssertionError):
         self.world_size = world_size
         self.target = target
         self.replay = replay
-        self.failure = failure  # a ddpcheck._internal.world.worlds.WorldFailure, for rank failures and timeouts
+        # a ddpcheck._internal.world.worlds.WorldFailure, for rank failures and timeouts
+        self.failure = failure
         self.name = name
         super().__init__(self._format())
 

@@ -28,8 +28,9 @@ from ddpcheck.models import ModelSpec, SpecData
 from ddpcheck.scenario import Scenario, build_model, global_batch
 from ddpcheck.zoo import GPTConfig, token_data
 
-__all__ = ["BEYOND_TORCH", "DEFAULT_FEATURES", "FEATURES", "OPT_IN", "declines", "exercised", "named",
-           "of", "owns_batch_plan", "parse", "supported_by", "unsupported", "why_unsupported"]
+__all__ = ["BEYOND_TORCH", "DEFAULT_FEATURES", "FEATURES", "OPT_IN", "declines", "exercised",
+           "named", "of", "owns_batch_plan", "parse", "supported_by", "unsupported",
+           "why_unsupported"]
 
 def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
     """The features ``scenario`` exercises at ``world_size`` (None: those that do not depend on
@@ -142,7 +143,7 @@ def _declared_with_its_plan(target: Any) -> bool:
     was the batch rule (a subclass of a ready-made target overriding ``shard_batch`` does not
     declare ``tokens`` by inheriting ``FEATURES - {...}``)."""
     if "supported_features" in getattr(target, "__dict__", {}):
-        return getattr(target, "supported_features") is not None
+        return target.supported_features is not None
     mro = type(target).__mro__
     plan = next((i for i, cls in enumerate(mro) if "shard_batch" in vars(cls)), None)
     features = next((i for i, cls in enumerate(mro) if "supported_features" in vars(cls)), None)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -55,7 +56,7 @@ class Layer:
     frozen: bool = False
     float32: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvalidArgument(f"kind={self.kind!r} must be one of {KINDS}")
         if self.use not in USES:
@@ -78,7 +79,7 @@ class ModelSpec:
     head_bias: bool = True
     tie_head: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         order = self.registration
         if order is not None and sorted(order) != list(range(len(self.layers))):
             raise InvalidArgument(f"registration={order!r} must be a permutation of "
@@ -86,11 +87,11 @@ class ModelSpec:
         if self.width < 2:
             raise InvalidArgument(f"width={self.width!r} must be at least 2")
 
-    def __call__(self) -> "SpecModel":
+    def __call__(self) -> SpecModel:
         return SpecModel(self)
 
     @property
-    def data(self) -> "SpecData":
+    def data(self) -> SpecData:
         return SpecData(self.width)
 
 
@@ -101,7 +102,8 @@ class SpecData:
 
     width: int
 
-    def __call__(self, seed: int, batch: int, dtype: torch.dtype):
+    def __call__(self, seed: int, batch: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(batch, self.width, generator=g, dtype=torch.float64).to(dtype)
         y = torch.randn(batch, OUT_FEATURES, generator=g, dtype=torch.float64).to(dtype)
@@ -137,7 +139,8 @@ class SpecModel(nn.Module):
                 getattr(self, f"l{i}").float()
 
     @staticmethod
-    def _run_block(layer: Layer, block: nn.Module, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _run_block(layer: Layer, block: nn.Module, h: torch.Tensor,
+                   x: torch.Tensor) -> torch.Tensor:
         """``block`` on the hidden state ``h`` (and, for an embedding, the inputs ``x``), in the
         layer's dtype, returned in ``h``'s."""
         dtype = next(block.parameters(), h).dtype if layer.float32 else h.dtype
@@ -145,7 +148,7 @@ class SpecModel(nn.Module):
             return block(h.to(dtype), x).to(h.dtype)  # (b, width)
         return block(h.to(dtype)).to(h.dtype)  # (b, width)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x  # (B, width)
         for i, layer in enumerate(self.spec.layers):
             if layer.use == "never":
@@ -175,7 +178,7 @@ class _Linear(nn.Module):
         self.fc = nn.Linear(w, w)
         self.repeat = repeat
 
-    def forward(self, h):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
         for _ in range(self.repeat):  # a reused module: one parameter, several uses
             h = torch.tanh(self.fc(h))
         return h
@@ -186,7 +189,7 @@ class _Transposed(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(w, w).t() / math.sqrt(w))  # strides (1, w)
 
-    def forward(self, h):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
         return torch.tanh(h @ self.weight)
 
 
@@ -195,7 +198,7 @@ class _Conv1d(nn.Module):
         super().__init__()
         self.conv = nn.Conv1d(1, 2, kernel_size=3, padding=1)
 
-    def forward(self, h):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.conv(h[:, None, :]).sum(dim=1))  # (B,1,w) -> (B,2,w) -> (B,w)
 
 
@@ -204,7 +207,7 @@ class _Conv2d(nn.Module):
         super().__init__()
         self.conv = nn.Conv2d(1, 2, kernel_size=(3, 1), padding=(1, 0))
 
-    def forward(self, h):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
         y = self.conv(h[:, None, :, None])  # (B,1,w,1) -> (B,2,w,1)
         return torch.tanh(y.sum(dim=(1, 3)))  # (B,w)
 
@@ -216,9 +219,10 @@ class _ConvChannelsLast(nn.Module):
     def __init__(self, w: int):
         super().__init__()
         self.conv = nn.Conv2d(2, 2, kernel_size=(3, 1), padding=(1, 0))
-        self.conv.to(memory_format=torch.channels_last)
+        # Module.to takes memory_format; torch's overloads of it leave the keyword out
+        self.conv.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
 
-    def forward(self, h):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = torch.stack([h, h.flip(-1)], dim=1)[..., None]  # (B,2,w,1)
         y = self.conv(x.contiguous(memory_format=torch.channels_last))  # (B,2,w,1)
         return torch.tanh(y.sum(dim=(1, 3)))  # (B,w)
@@ -229,17 +233,19 @@ class _LayerNorm(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(w)
 
-    def forward(self, h):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(h)
 
 
 class _Buffer(nn.Module):
+    scale: torch.Tensor  # a buffer (register_buffer), so typed here
+
     def __init__(self, w: int):
         super().__init__()
         self.register_buffer("scale", torch.rand(w) + 0.5)  # random: must come from rank 0
         self.fc = nn.Linear(w, w, bias=False)
 
-    def forward(self, h):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.fc(h * self.scale))
 
 
@@ -251,7 +257,7 @@ class _Attention(nn.Module):
         self.qkv = nn.Linear(w, 3 * w)
         self.proj = nn.Linear(w, w)
 
-    def forward(self, h):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
         tokens = torch.stack([h, h.flip(-1)], dim=1)  # (B, 2, w)
         q, k, v = self.qkv(tokens).chunk(3, dim=-1)  # 3 x (B, 2, w)
         att = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(h.shape[-1]), dim=-1)  # (B, 2, 2)
@@ -265,7 +271,7 @@ class _Embedding(nn.Module):
         super().__init__()
         self.table = nn.Embedding(self.VOCAB, w)
 
-    def forward(self, h, x):
+    def forward(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # The row comes from the sample's *input*, never from computed activations: a floor of
         # an activation flips when rounding differs (full batch vs shards), a false alarm.
         idx = (x[:, 0].abs() * 2).long().clamp(max=self.VOCAB - 1)  # (B,) per sample
@@ -273,7 +279,7 @@ class _Embedding(nn.Module):
 
 
 def _make_block(kind: str, w: int) -> nn.Module:
-    return {
+    makers: dict[str, Callable[[], nn.Module]] = {
         "linear": lambda: _Linear(w),
         "reused": lambda: _Linear(w, repeat=2),
         "transposed": lambda: _Transposed(w),
@@ -284,4 +290,5 @@ def _make_block(kind: str, w: int) -> nn.Module:
         "attention": lambda: _Attention(w),
         "embedding": lambda: _Embedding(w),
         "conv_channels_last": lambda: _ConvChannelsLast(w),
-    }[kind]()
+    }
+    return makers[kind]()

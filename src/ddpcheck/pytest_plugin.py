@@ -13,7 +13,8 @@ import functools
 import os
 import pathlib
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -223,7 +224,7 @@ def _frames(error: BaseException | None, seen: set) -> Any:
 PACKAGE = pathlib.Path(__file__).resolve().parent
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _own_file(filename: str) -> bool:
     try:
         return PACKAGE in pathlib.Path(filename).resolve().parents

@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,8 +34,8 @@ from torch import nn
 from ddpcheck import zoo
 from ddpcheck._internal.objective import LOSSES, LOW_PRECISION, count, per_sample_loss
 from ddpcheck._internal.options import named_fields
-from ddpcheck.errors import InvalidArgument
 from ddpcheck._internal.scripts import MAIN_NAMES, public_module_name
+from ddpcheck.errors import InvalidArgument
 
 __all__ = ["Scenario", "build_model", "global_batch", "local_micro_batches",
            "per_sample_loss"]
@@ -80,7 +81,7 @@ class Scenario:
     # accumulated and reduced in float32 (FSDP2's MixedPrecisionPolicy): the target casts
     param_dtype: torch.dtype | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_int("global_batch", self.global_batch, 1)
         _check_int("steps", self.steps, 1)
         _check_int("accumulation", self.accumulation, 1)
@@ -95,7 +96,8 @@ class Scenario:
         if not callable(self.model):
             raise InvalidArgument(f"model={self.model!r} must be a callable returning an "
                                   "nn.Module, such as a module class")
-        if not (isinstance(self.optimizer, type) and issubclass(self.optimizer, torch.optim.Optimizer)):
+        if not (isinstance(self.optimizer, type)
+                and issubclass(self.optimizer, torch.optim.Optimizer)):
             raise InvalidArgument(f"optimizer={self.optimizer!r} must be a torch.optim.Optimizer "
                                   "subclass, such as torch.optim.SGD")
         if not isinstance(self.optimizer_kwargs, dict):
@@ -172,7 +174,9 @@ def _code(value: Any) -> str:
         return f"{import_path(type(value))}({args})"
     if isinstance(value, (list, tuple)):
         inner = ", ".join(_code(v) for v in value)
-        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+        if isinstance(value, list):
+            return f"[{inner}]"
+        return f"({inner}{',' if len(value) == 1 else ''})"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {_code(v)}" for k, v in value.items()) + "}"
     if isinstance(value, float) and math.isinf(value):  # repr() gives `inf`, which is not code
@@ -208,12 +212,12 @@ def import_path(obj: Any) -> str:
     what another process imports (``ddpcheck._internal.scripts``)."""
     if obj.__module__ in MAIN_NAMES:  # the script being run, as other processes import it
         return f"{public_module_name(obj.__module__)}.{obj.__qualname__}"
-    parts = obj.__module__.split(".")
+    parts, qualname = obj.__module__.split("."), obj.__qualname__
     for i in range(1, len(parts) + 1):
         module = importlib.import_module(".".join(parts[:i]))
-        if getattr(module, obj.__qualname__, None) is obj:
-            return f"{module.__name__}.{obj.__qualname__}"
-    return f"{obj.__module__}.{obj.__qualname__}"
+        if getattr(module, qualname, None) is obj:
+            return f"{module.__name__}.{qualname}"
+    return f"{obj.__module__}.{qualname}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +252,8 @@ def global_batch(scenario: Scenario, step: int) -> tuple[torch.Tensor, torch.Ten
     return scenario.data(scenario.seed * 1_000 + step, scenario.global_batch, scenario.torch_dtype)
 
 
-def local_micro_batches(scenario: Scenario, step: int, rank: int, world_size: int):
+def local_micro_batches(scenario: Scenario, step: int, rank: int,
+                        world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's micro-batches of one step, each as ``(x, y)`` (possibly empty)."""
     x, y = global_batch(scenario, step)
     xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]

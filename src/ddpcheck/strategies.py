@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from hypothesis import strategies as st
@@ -95,7 +96,8 @@ def layers(*, kinds: Sequence[str] = KINDS, unused: bool = True, frozen: bool = 
 
 
 @st.composite
-def _models(draw, min_layers, max_layers, kinds, unused, frozen, mixed_dtypes, tie=True):
+def _models(draw: st.DrawFn, min_layers: int, max_layers: int, kinds: tuple[str, ...],
+            unused: bool, frozen: bool, mixed_dtypes: bool, tie: bool = True) -> ModelSpec:
     drawn = tuple(draw(_layer_lists(tuple(kinds), unused, frozen, mixed_dtypes, min_layers,
                                     max_layers)))
     registration = tuple(draw(_permutations(len(drawn))))
@@ -188,7 +190,7 @@ _POLICIES = (("autocast", "autocast", torch.bfloat16),
 
 @_built_once
 @st.composite
-def _precision(draw, without, opt_in) -> dict:
+def _precision(draw: st.DrawFn, without: frozenset[str], opt_in: frozenset[str]) -> dict:
     """A third of float32 scenarios run a precision policy (shrinking towards none): autocast in
     bfloat16 or float16 unless ``without`` excludes it, or -- about as often, for a target that
     opts in (``opt_in``) -- ``param_dtype`` bfloat16."""
@@ -208,10 +210,14 @@ def _low_precision(optimizer: type, kwargs: dict) -> dict:
 
 
 @st.composite
-def _scenarios(draw, model_strategy, dtypes, max_batch, max_steps, max_accumulation, without,
-               world_size, resume_world_sizes, opt_in=frozenset(), tokens=None):
+def _scenarios(draw: st.DrawFn, model_strategy: st.SearchStrategy[ModelSpec],
+               dtypes: tuple[str, ...], max_batch: int, max_steps: int, max_accumulation: int,
+               without: frozenset[str], world_size: int | None,
+               resume_world_sizes: tuple[int, ...], opt_in: frozenset[str] = frozenset(),
+               tokens: bool | None = None) -> Scenario:
     if tokens is None:  # a fifth of scenarios train a language model (shrinking towards none)
         tokens = "tokens" not in without and draw(st.sampled_from((False,) * 4 + (True,)))
+    spec: Any  # a GPTConfig (a language model) or a ModelSpec
     if tokens:
         spec, data, loss = draw(gpt_models(without=without)), token_data, "token_cross_entropy"
     else:
@@ -284,7 +290,7 @@ MAX_GRAD_NORMS = (0.5, 2.0, 8.0)
 
 @_built_once
 @st.composite
-def _clipping(draw) -> dict:
+def _clipping(draw: st.DrawFn) -> dict:
     """A quarter of scenarios clip (shrinking towards none that does). ``sampled_from``, not
     ``integers(0, 3) == 3``: Hypothesis favours small integers, which made it ~15 %."""
     if not draw(st.sampled_from((False, False, False, True))):
@@ -295,7 +301,7 @@ def _clipping(draw) -> dict:
 
 @_built_once
 @st.composite
-def _checkpoint(draw, steps: int, resume_world_sizes: tuple[int, ...]) -> dict:
+def _checkpoint(draw: st.DrawFn, steps: int, resume_world_sizes: tuple[int, ...]) -> dict:
     """A third of multi-step scenarios save after a step and resume, at the same world size or
     one of ``resume_world_sizes`` (shrinking towards none, then the same W, then the first)."""
     # drawn whatever the steps: shrinking the steps then leaves the later choices in place
@@ -381,7 +387,8 @@ def examples(target: Any, *, world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
 
 
 @st.composite
-def _examples(draw, sizes: st.SearchStrategy[int], runs: dict) -> tuple[Scenario, int]:
+def _examples(draw: st.DrawFn, sizes: st.SearchStrategy[int],
+              runs: dict) -> tuple[Scenario, int]:
     world_size = draw(sizes)
     return draw(runs[world_size]), world_size
 
@@ -468,15 +475,16 @@ def _with_layer(spec: ModelSpec, layer: Layer, index: int) -> ModelSpec:
     i = min(index, len(spec.layers))
     order = spec.registration
     if order is not None:  # the new layer is registered last
-        order = tuple(j + (j >= i) for j in order) + (i,)
-    return dataclasses.replace(spec, layers=spec.layers[:i] + (layer,) + spec.layers[i:],
+        order = (*(j + (j >= i) for j in order), i)
+    return dataclasses.replace(spec, layers=(*spec.layers[:i], layer, *spec.layers[i:]),
                                registration=order)
 
 
 @st.composite
-def _forced(draw, drawn, feature, world_size, even_batches, resumes):
+def _forced(draw: st.DrawFn, drawn: st.SearchStrategy[Scenario], feature: str, world_size: int,
+            even_batches: bool, resumes: tuple[int, ...]) -> Scenario:
     s = draw(drawn)
-    change = {}
+    change: dict[str, Any] = {}
     if feature == "accumulation":
         change["accumulation"] = draw(st.integers(2, 3))
     elif feature == "param-groups" and s.param_groups is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,19 +61,19 @@ def regression_data(seed: int, batch: int, dtype: torch.dtype) -> tuple[torch.Te
 class MLP(nn.Module):
     """Two linear layers: the plainest case."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.fc1 = nn.Linear(IN_FEATURES, 8)
         self.fc2 = nn.Linear(8, OUT_FEATURES)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
 class Tied(nn.Module):
     """``fc3`` reuses ``fc2``'s weight: one parameter, two uses, reduced once."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.fc1 = nn.Linear(IN_FEATURES, 6)
         self.fc2 = nn.Linear(6, 6)
@@ -80,7 +81,7 @@ class Tied(nn.Module):
         self.fc3.weight = self.fc2.weight
         self.out = nn.Linear(6, OUT_FEATURES)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.fc2(torch.tanh(self.fc1(x))))  # (B, 6)
         return self.out(torch.tanh(self.fc3(h)))
 
@@ -89,12 +90,12 @@ class SampleBranch(nn.Module):
     """``extra`` is used only by samples with ``x[:, 0] > 0``: some shards may have none, so the
     parameter is unused on some ranks but not in the full batch."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.body = nn.Linear(IN_FEATURES, OUT_FEATURES)
         self.extra = nn.Linear(IN_FEATURES, OUT_FEATURES)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.body(x)
         take = x[:, 0] > 0  # (B,)
         if bool(take.any()):
@@ -106,7 +107,7 @@ class UnusedAndFrozen(nn.Module):
     """A layer no sample ever uses (grad stays None everywhere), a frozen layer between trainable
     ones, and a frozen bias: each must be left alone by synchronisation and by the optimizer."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.fc1 = nn.Linear(IN_FEATURES, 6)
         self.frozen = nn.Linear(6, 6).requires_grad_(False)
@@ -114,32 +115,34 @@ class UnusedAndFrozen(nn.Module):
         self.fc2 = nn.Linear(6, OUT_FEATURES)
         self.fc2.bias.requires_grad_(False)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.tanh(self.frozen(torch.tanh(self.fc1(x)))))
 
 
 class WithBuffers(nn.Module):
     """Buffers (a random scale, an integer counter) that must start as rank 0's everywhere."""
 
-    def __init__(self):
+    scale: torch.Tensor  # a buffer (register_buffer), so typed here
+
+    def __init__(self) -> None:
         super().__init__()
         self.register_buffer("scale", torch.rand(IN_FEATURES) + 0.5)
         self.register_buffer("version", torch.randint(0, 1000, (1,)))
         self.fc = nn.Linear(IN_FEATURES, OUT_FEATURES)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(x * self.scale)
 
 
 class NonContiguous(nn.Module):
     """A weight used transposed and created as a transposed view: non-default gradient strides."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.randn(OUT_FEATURES, IN_FEATURES).t() * 0.3)  # (5, 3)
         self.proj = nn.Linear(OUT_FEATURES, OUT_FEATURES)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(torch.tanh(x @ self.w))  # (B, 5) x (5, 3) -> (B, 3)
 
 
@@ -148,13 +151,14 @@ class ChannelsLastConv(nn.Module):
     its weight ``(4, 2, 3, 1)`` has strides ``(6, 1, 2, 2)``, not the default ``(6, 3, 1, 1)``
     -- the realistic non-contiguous parameter (docs/stride-bug.md)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(2, 4, kernel_size=(3, 1), padding=(1, 0))
-        self.conv.to(memory_format=torch.channels_last)
+        # Module.to takes memory_format; torch's overloads of it leave the keyword out
+        self.conv.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         self.head = nn.Linear(4 * IN_FEATURES, OUT_FEATURES)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         image = torch.stack([x, x.flip(-1)], dim=1)[..., None]  # (B, 2, 5, 1)
         y = torch.tanh(self.conv(image.contiguous(memory_format=torch.channels_last)))
         return self.head(y.flatten(1))  # (B, 4*5) -> (B, 3)
@@ -164,7 +168,7 @@ class MixedPrecision(nn.Module):
     """A float32 layer and a float64 layer in one model: buckets and broadcasts must not mix
     dtypes. The scenario's dtype applies to the float64 half only."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.a = nn.Linear(IN_FEATURES, 6).double()
         self.b = nn.Linear(6, OUT_FEATURES).float()
@@ -175,7 +179,7 @@ class MixedPrecision(nn.Module):
         self.a.double()
         self.b.float()
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(torch.tanh(self.a(x.double())).float()).to(x.dtype)
 
 
@@ -192,7 +196,7 @@ class BiasGroups:
         params = list(model.parameters())
         matrices = [p for p in params if p.dim() > 1]
         vectors = [p for p in params if p.dim() <= 1]
-        groups = [{"params": matrices}]
+        groups: list[dict[str, Any]] = [{"params": matrices}]
         if vectors:
             groups.append({"params": vectors, "lr": self.lr, "weight_decay": self.weight_decay})
         return groups
@@ -233,12 +237,12 @@ class GPTConfig:
     layers: int = 1
     tied: bool = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.width < 1 or self.heads < 1 or self.width % self.heads or self.layers < 0:
             raise InvalidArgument(f"{self!r}: width must be a positive multiple of heads, "
                                   "layers >= 0")
 
-    def __call__(self) -> "TinyGPT":
+    def __call__(self) -> TinyGPT:
         return TinyGPT(self)
 
 
@@ -269,7 +273,7 @@ class TinyGPT(nn.Module):
         if c.tied:
             self.head.weight = self.tok.weight
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(x.shape[1], device=x.device)  # (L,)
         h = self.tok(x) + self.pos(positions)  # (B, L, width)
         for block in self.blocks:
@@ -286,7 +290,7 @@ class _Block(nn.Module):
         self.fc = nn.Linear(width, 4 * width, bias=False)
         self.proj = nn.Linear(4 * width, width, bias=False)
 
-    def forward(self, h):  # (B, L, width)
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # (B, L, width)
         h = h + self.attn(self.ln1(h))
         return h + self.proj(F.gelu(self.fc(self.ln2(h))))
 
@@ -298,7 +302,7 @@ class _CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(width, 3 * width, bias=False)
         self.out = nn.Linear(width, width, bias=False)
 
-    def forward(self, h):  # (B, L, width)
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # (B, L, width)
         b, length, width = h.shape
         d = width // self.heads
         q, k, v = (t.reshape(b, length, self.heads, d).transpose(1, 2)  # (B, heads, L, d)

@@ -97,7 +97,7 @@ def test_check_example_refuses_before_any_process(bad):
 @pytest.mark.parametrize("bad", BAD, ids=str)
 @pytest.mark.parametrize("door", CLI_DOORS)
 def test_every_command_refuses_before_any_process_with_the_api_message(door, bad, capsys):
-    (keyword, value), (flag, text), rule = BAD[bad]
+    (keyword, value), (flag, text), _ = BAD[bad]
     argv, flags = CLI_DOORS[door]
     if flag not in flags:
         pytest.skip(f"ddpcheck {door} has no {flag}")
@@ -134,7 +134,7 @@ class _Config:
 def test_the_pytest_plugin_admits_its_options_as_the_other_doors(bad):
     from ddpcheck import pytest_plugin
 
-    (keyword, value), (flag, text), rule = BAD[bad]
+    _, (flag, text), rule = BAD[bad]
     option = flag.lstrip("-").replace("-", "_")
     with none_started(), pytest.raises(pytest.UsageError) as info:
         pytest_plugin.resolve_options(_Config(**{option: text}))

@@ -21,8 +21,8 @@ from torch import nn
 
 import ddpcheck
 from ddpcheck import cli, targets
-from ddpcheck.errors import ExitCode
 from ddpcheck._internal.world.worlds import get_world
+from ddpcheck.errors import ExitCode
 from parallel import DDP, InvalidArgument, ShardedOptimizer
 from tests.patience import patience
 
@@ -37,7 +37,7 @@ def _one_arg_rule(params):
 def _attempt(fn):
     try:
         fn()
-    except Exception as e:  # noqa: BLE001 -- the table asserts on the type and text
+    except Exception as e:  # the table asserts on the type and text
         if isinstance(e, InvalidArgument):
             return "parallel.InvalidArgument", str(e)
         return type(e).__name__, str(e)

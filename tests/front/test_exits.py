@@ -30,7 +30,8 @@ DECLINES_EVERYTHING = DeclinesEverything()
 def _ddpcheck(*args: str, cwd: str = ROOT, env: dict | None = None):
     started = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "ddpcheck", *args], capture_output=True,
-                         text=True, timeout=patience(120), cwd=cwd, env={**os.environ, **(env or {})})
+                         text=True, timeout=patience(120), cwd=cwd,
+                         env={**os.environ, **(env or {})})
     return out, time.perf_counter() - started
 
 

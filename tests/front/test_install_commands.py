@@ -39,8 +39,8 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 #: Distributions a comment may make claims about (a word of prose is no distribution).
 KNOWN = ("ddpcheck", "torch", "accelerate", "lightning", "deepspeed", "numpy", "transformers")
-CLAIM = re.compile(r"\b(?P<name>%s)\b(?:\s*(?P<op>==|>=|≥)?\s*(?P<version>\d+(?:\.\d+)+))?"
-                   % "|".join(KNOWN), re.I)
+CLAIM = re.compile(rf"\b(?P<name>{'|'.join(KNOWN)})\b"
+                   r"(?:\s*(?P<op>==|>=|≥)?\s*(?P<version>\d+(?:\.\d+)+))?", re.I)
 #: What pip prints when it cannot reach an index: the registry is unreachable, not the command.
 UNREACHABLE = re.compile(r"NewConnectionError|Failed to establish|Network is unreachable|"
                          r"Temporary failure in name resolution|Connection refused|"

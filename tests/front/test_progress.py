@@ -43,7 +43,7 @@ def _screen(raw: str) -> list[str]:
         else:
             line[col:col + 1] = [token]
             col += 1
-    return lines + ["".join(line)]
+    return [*lines, "".join(line)]
 
 
 def _in_a_terminal(argv: list[str]) -> tuple[float, str, int]:
@@ -129,6 +129,6 @@ def test_the_live_line_is_lifted_for_other_output_and_erased_at_the_end(capsys):
     assert capsys.readouterr().err == ""
 
     read, write = os.pipe()  # the report through a pipe (`| tee`): its reader may print late
-    with os.fdopen(read) as reader, os.fdopen(write, "w") as writer:
+    with os.fdopen(read) as _reader, os.fdopen(write, "w") as writer:
         assert not ProgressLine(_Terminal(), report=writer).live
         assert ProgressLine(_Terminal(), report=_Terminal()).live

@@ -67,17 +67,25 @@ def test_outcomes_have_one_root_and_one_exit_code_each():
     assert [int(c) for c in ExitCode] == [0, 1, 2, 3, 4, 5, 130, 143, 141]
 
 
+def _exercising(feature: str) -> list[str]:
+    """Reprs of four random scenarios exercising ``feature``."""
+    texts = []
+
+    @settings(max_examples=4, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(data=st.data())
+    def draw(data):
+        texts.append(repr(data.draw(dst.exercising(feature, world_size=3))))
+
+    draw()
+    return texts
+
+
 def _printed_scenarios() -> list[str]:
     """Reprs of the battery and of random scenarios exercising every feature."""
     texts = [repr(scenario) for _, scenario in BATTERY]
     for feature in features.FEATURES:
-        @settings(max_examples=4, derandomize=True, database=None, deadline=None,
-                  suppress_health_check=list(HealthCheck))
-        @given(data=st.data())
-        def draw(data):
-            texts.append(repr(data.draw(dst.exercising(feature, world_size=3))))
-
-        draw()
+        texts += _exercising(feature)
     texts.append(repr(ddpcheck.Scenario(ddpcheck.zoo.MLP, max_grad_norm=0.5,
                                         grad_norm_type=math.inf)))
     return texts

@@ -14,16 +14,13 @@ import pytest
 import torch
 
 import parallel
-from ddpcheck import Scenario, zoo
-from ddpcheck._internal.rank.runner import target_loop
-from ddpcheck import check_example
-from ddpcheck.batches import (BatchPlan, DistributedSamplerBatches, GlobalBatch, contiguous,
-                              split)
-from ddpcheck.errors import EquivalenceError, InvalidArgument
+from ddpcheck import Scenario, check_example, zoo
 from ddpcheck._internal.oracle.sample_weights import check_sample_weights
+from ddpcheck._internal.rank.runner import target_loop
+from ddpcheck.batches import BatchPlan, DistributedSamplerBatches, GlobalBatch, contiguous, split
+from ddpcheck.errors import EquivalenceError, InvalidArgument
 from ddpcheck.scenario import local_micro_batches, loss_scale
 from ddpcheck.targets import PARALLEL, Target
-
 
 # ---------------------------------------------------------------------------------------------
 # Module-level hooks and targets: they travel to every rank by pickle, and replay by name.

@@ -18,15 +18,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ddpcheck
-from ddpcheck import features, strategies as dst, targets, zoo
+from ddpcheck import check_example, features, targets, zoo
+from ddpcheck import strategies as dst
+from ddpcheck._internal.oracle.reference import reference_run
 from ddpcheck._internal.rank.orders import permute_registration
 from ddpcheck._internal.rank.runner import run_example
 from ddpcheck._internal.world.worlds import get_world
-from ddpcheck import check_example
 from ddpcheck.battery import BATTERY
 from ddpcheck.models import KINDS, Layer, ModelSpec, SpecData
 from ddpcheck.mutation.catalogue import by_name
-from ddpcheck._internal.oracle.reference import reference_run
 from ddpcheck.scenario import build_model
 from parallel import DDP, ShardedOptimizer
 

@@ -13,13 +13,12 @@ from hypothesis import HealthCheck, find, given, settings
 from hypothesis.errors import NoSuchExample
 
 import ddpcheck
+from ddpcheck import check_example, targets
 from ddpcheck import strategies as dst
-from ddpcheck import targets
-from ddpcheck import check_example
 from ddpcheck._internal.objective import check_output
+from ddpcheck._internal.runs.replay import from_repr
 from ddpcheck.features import declines
 from ddpcheck.models import Layer, ModelSpec
-from ddpcheck._internal.runs.replay import from_repr
 from ddpcheck.scenario import build_model
 from tests.patience import patience
 
@@ -58,7 +57,7 @@ def test_layer_vocabulary_has_the_promised_parameter_properties():
     assert params["l5.qkv.weight"].dtype == torch.float32
     assert params["head.weight"].dtype == torch.float64
     assert "l4.scale" in dict(model.named_buffers())
-    x, y = spec.data(0, 6, torch.float64)
+    x, _ = spec.data(0, 6, torch.float64)
     model(x).pow(2).sum().backward()
     assert params["l3.fc.weight"].grad is None  # never used
     assert params["l1.table.weight"].grad is not None  # used by the embedding and the tied head
@@ -70,7 +69,8 @@ def test_a_channels_last_conv_is_drawn_as_a_non_contiguous_parameter():
     weight = dict(build_model(scenario, 0).named_parameters())["l0.conv.weight"]
     assert weight.stride() == (6, 1, 2, 2) and not weight.is_contiguous()  # kept by the cast
     assert "non-contiguous" in ddpcheck.features.of(scenario, 2)
-    assert "non-contiguous" in ddpcheck.features.of(ddpcheck.Scenario(ddpcheck.zoo.ChannelsLastConv), 2)
+    channels_last = ddpcheck.Scenario(ddpcheck.zoo.ChannelsLastConv)
+    assert "non-contiguous" in ddpcheck.features.of(channels_last, 2)
     # drawn by the default strategy, and by the non-contiguous row half the time; never `without`
     find(dst.models(), lambda m: any(layer.kind == "conv_channels_last" for layer in m.layers),
          settings=FAST)

@@ -65,7 +65,7 @@ def test_tiny_gpt_is_causal_per_sample_and_ties_its_head():
 
 
 def test_the_token_objective_is_the_sum_over_non_padding_tokens():
-    x, y = global_batch(TOKENS, 0)
+    _, y = global_batch(TOKENS, 0)
     logits = torch.randn(*y.shape, zoo.VOCAB, dtype=torch.float64)
     real = y != zoo.IGNORE_INDEX
     expected = torch.nn.functional.cross_entropy(logits[real], y[real], reduction="sum")
@@ -109,7 +109,7 @@ def test_scenarios_refuse_unknown_losses_and_policies_outside_float32():
         Scenario(loss="tokens")
     with pytest.raises(InvalidArgument, match="needs dtype='float32'"):
         Scenario(autocast=torch.bfloat16)  # autocast leaves float64 alone
-    with pytest.raises(InvalidArgument, match="must be None, torch.bfloat16 or torch.float16"):
+    with pytest.raises(InvalidArgument, match=r"must be None, torch\.bfloat16 or torch\.float16"):
         Scenario(dtype="float32", param_dtype=torch.float32)
     scenario = Scenario(dtype="float32", autocast=torch.bfloat16)
     assert "autocast=torch.bfloat16" in repr(scenario) and from_repr(repr(scenario)) == scenario

@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from ddpcheck.mutation import catalogue as mutants
 from ddpcheck.cli import main
+from ddpcheck.mutation import catalogue as mutants
 from ddpcheck.targets import ParallelDDPTarget, TorchFSDPTarget
 
 #: Seconds per mutant in CI: a ceiling, not the expected cost -- every kill takes at most 8
@@ -144,3 +144,28 @@ def test_the_shrinking_search_reports_minimal_random_counterexamples(capsys):
     assert re.search(r"\| ZeroFillsUnused .*random\[(linear\+){0,2}linear\((unused|sample)[^)]*\) "
                      r"SGD B=1 steps=1\] W=1 "
                      r"step 0: reference differs \(gradient\) l[0-2].fc.weight", out), out
+
+
+class _Scheduler:
+    def step(self):
+        pass
+
+
+class _NoScheduler(ParallelDDPTarget):
+    pass
+
+
+class _GainsScheduler(_NoScheduler):
+    scheduler_class = _Scheduler
+
+
+def test_a_piece_the_control_lacks_is_reported_not_a_crash(monkeypatch):
+    """A mutant whose class adds ``scheduler_class`` to a control without one: the addition is
+    the stale override (it mutates nothing). stale_overrides once compared the piece with the
+    control's missing one (None) and raised AttributeError on ``None.__module__``."""
+    mutant = mutants.Mutant("GainsScheduler", "Z1", "a piece the control lacks",
+                            _GainsScheduler(), control=_NoScheduler())
+    monkeypatch.setattr(mutants, "CATALOGUE", [mutant])
+    assert mutants.stale_overrides() == [
+        "mutant GainsScheduler: _GainsScheduler.scheduler_class overrides nothing in "
+        f"{__name__}._NoScheduler"]

@@ -1,11 +1,11 @@
 """Verdicts that mean what they say: the oracle's comparisons on hand-built records.
 
-Everything here but the last test calls :func:`ddpcheck._internal.oracle.compare.compare` directly on
-``RankRecord``/``StepRecord`` objects built by hand (no worlds, no processes). The invariant under
-test (``ddpcheck._internal.oracle.compare``'s docstring): replicas are compared by their raw bits, NaN payloads
-included; NaN/inf on a rank where the reference is finite is the target's fault; NaN/inf that the
-reference produces itself make the scenario unjudgeable, which is never the target's fault; and
-every named check runs on every rank.
+Everything here but the last test calls :func:`ddpcheck._internal.oracle.compare.compare`
+directly on ``RankRecord``/``StepRecord`` objects built by hand (no worlds, no processes). The
+invariant under test (``ddpcheck._internal.oracle.compare``'s docstring): replicas are compared by
+their raw bits, NaN payloads included; NaN/inf on a rank where the reference is finite is the
+target's fault; NaN/inf that the reference produces itself make the scenario unjudgeable, which is
+never the target's fault; and every named check runs on every rank.
 """
 
 from __future__ import annotations
@@ -19,13 +19,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddpcheck import targets, zoo
-from ddpcheck._internal.records import RankRecord, StepRecord
-from ddpcheck.errors import InvalidArgument
-from ddpcheck.errors import EquivalenceError
-from ddpcheck._internal.oracle.compare import (CHECKS, NON_FINITE, _non_finite, bitwise_equal,
-                                              cannot_judge, compare, validate_checks)
-from ddpcheck._internal.oracle.tolerances import all_close, close
+from ddpcheck._internal.oracle.compare import (
+    CHECKS,
+    NON_FINITE,
+    _non_finite,
+    bitwise_equal,
+    cannot_judge,
+    compare,
+    validate_checks,
+)
 from ddpcheck._internal.oracle.reference import Reference
+from ddpcheck._internal.oracle.tolerances import all_close, close
+from ddpcheck._internal.records import RankRecord, StepRecord
+from ddpcheck.errors import EquivalenceError, InvalidArgument
 from ddpcheck.scenario import Scenario
 from tests.patience import patience
 
@@ -276,8 +282,8 @@ def test_the_overflow_replay_line_exits_2_not_1():
 def test_gradients_sent_in_a_wider_dtype_are_not_called_a_double_reduction():
     """float32 gradients promoted by torch.cat into a float64 buffer: as many elements, twice
     the bytes -- its own kind, with the dtypes, not 'reduced more than once'."""
-    from ddpcheck._internal.records import Collective
     from ddpcheck._internal.oracle.budget import check_budget
+    from ddpcheck._internal.records import Collective
 
     def reduce(dtype: str, numel: int) -> Collective:
         return Collective(op="all_reduce", nbytes=numel * (8 if dtype == "float64" else 4),
@@ -304,8 +310,8 @@ def test_gradients_sent_in_a_wider_dtype_are_not_called_a_double_reduction():
 def test_control_scalars_are_not_a_double_reduction_but_a_second_gradient_is():
     """A course DDP sums float "has a gradient here" flags, one per trainable tensor: control
     traffic, within budget. The same gradients reduced twice are not."""
-    from ddpcheck._internal.records import Collective
     from ddpcheck._internal.oracle.budget import check_budget
+    from ddpcheck._internal.records import Collective
 
     def reduce(numel: int) -> Collective:
         return Collective(op="all_reduce", nbytes=numel * 8, dtypes=("float64",),

@@ -18,17 +18,16 @@ from hypothesis import HealthCheck, given, settings
 
 import ddpcheck
 from ddpcheck import cli, zoo
-from ddpcheck.errors import ExitCode
 from ddpcheck import strategies as dst
-from ddpcheck._internal.runs.example import prepare_reference
-from ddpcheck.battery import BATTERY
-from ddpcheck._internal.runs.replay import from_repr
-from ddpcheck.scenario import Scenario
 from ddpcheck._internal.oracle.judgeable import check_scenario
-
+from ddpcheck._internal.runs.example import prepare_reference
+from ddpcheck._internal.runs.replay import from_repr
+from ddpcheck.battery import BATTERY
+from ddpcheck.errors import ExitCode
+from ddpcheck.scenario import Scenario
 from tests import verdict_helpers as h
-from tests.runs.test_replay import ROOT
 from tests.patience import patience
+from tests.runs.test_replay import ROOT
 
 H = "tests.verdict_helpers"
 

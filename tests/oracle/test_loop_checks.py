@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import torch
 
+from ddpcheck import targets, zoo
 from ddpcheck._internal.oracle.budget import check_budget
 from ddpcheck._internal.oracle.compare import bitwise_equal, compare
 from ddpcheck._internal.oracle.reference import Reference
 from ddpcheck._internal.oracle.window import STEPPED_INSIDE_WINDOW, check_window
 from ddpcheck._internal.records import Collective, RankRecord, StepRecord
 from ddpcheck.scenario import Scenario
-from ddpcheck import targets, zoo
 
 
 def _t(*values) -> torch.Tensor:

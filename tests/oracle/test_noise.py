@@ -114,7 +114,7 @@ def test_a_1e6_error_beside_the_float64_noise_is_still_reported():
         check_example(OffBy(name="out.bias", error=1e-6, step=1), shifted(), 3,
                       deadline=patience(60))
     rows = found.value.divergences
-    assert [(d.step, d.name, d.kind) for d in rows][0] == (
+    assert (rows[0].step, rows[0].name, rows[0].kind) == (
         1, "out.bias", "reference differs (gradient)"), found.value
     assert all(d.target_fault for d in rows)
 

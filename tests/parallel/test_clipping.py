@@ -19,8 +19,8 @@ import torch
 import ddpcheck
 from ddpcheck import features, targets
 from ddpcheck._internal.rank import recorder as comm
-from ddpcheck._internal.world.worlds import get_world
 from ddpcheck._internal.runs.replay import from_repr
+from ddpcheck._internal.world.worlds import get_world
 from parallel import ShardedOptimizer, sharding
 from parallel.ddp import AveragedGrad
 from tests.patience import patience
@@ -93,7 +93,7 @@ def _cases(kind, shapes=SHAPES):
 
 
 def _same(a, b):
-    return a is None and b is None or (a is not None and b is not None and a.dtype == b.dtype
+    return (a is None and b is None) or (a is not None and b is not None and a.dtype == b.dtype
                                        and torch.equal(a, b))
 
 
@@ -101,7 +101,7 @@ def _same(a, b):
 def test_sharded_clip_is_bitwise_torchs_on_exact_gradients_moving_one_scalar(world_size):
     cases = _cases("exact") + _cases("exact", MIXED)
     results = get_world(world_size).run(_rank_clip, cases, deadline=patience(120))
-    for n, (shapes, kind, max_norm, norm_type, rule, _) in enumerate(cases):
+    for n, (shapes, kind, max_norm, norm_type, _rule, _) in enumerate(cases):
         total, grads = torch_clip(shapes, kind, max_norm, norm_type)
         for rank, result in enumerate(r[n] for r in results):
             where = f"W={world_size} rank {rank} {cases[n][1:5]} mixed={shapes is MIXED}"
@@ -155,7 +155,8 @@ def _rank_clip_unaveraged(max_norm, norm_type):
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 def test_without_ddp_the_clip_averages_first_and_the_step_does_not_again(norm_type):
     world_size = 3
-    results = get_world(world_size).run(_rank_clip_unaveraged, 0.75, norm_type, deadline=patience(60))
+    results = get_world(world_size).run(_rank_clip_unaveraged, 0.75, norm_type,
+                                        deadline=patience(60))
     # the world mean of (r + 1) x g over r = 0, 1, 2 is 2g: exact
     params = make_params(SHAPES, "exact")
     for p in params:

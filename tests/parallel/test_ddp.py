@@ -11,7 +11,6 @@ are.
 from __future__ import annotations
 
 import contextlib
-
 import math
 
 import pytest
@@ -498,7 +497,7 @@ def test_no_process_group_is_a_clear_error():
 
 def test_math_of_the_loss_scaling():
     """The helper's scaling: mean over ranks of scaled shard sums is the global mean."""
-    x, y = make_batch(SEED)
+    _, y = make_batch(SEED)
     out = torch.zeros_like(y)
     full = loss_fn(out, y, BATCH, 1)
     parts = [loss_fn(shard(out, r, 3), shard(y, r, 3), BATCH, 3) for r in range(3)]

@@ -90,12 +90,16 @@ def plain(spec):
     return [p.detach() for p in params]
 
 
+def _sharded(cls, rule, kwargs):
+    """What ``run`` calls to build the optimizer: a ShardedOptimizer of ``cls``."""
+    return lambda groups: ShardedOptimizer(groups, cls, sharding_rule=rule, **kwargs)
+
+
 def _rank_equivalence(specs):
     out = []
     for spec in specs:
         cls, kwargs = OPTIMIZERS[spec["opt"]]
-        params, opt, records = run(spec, lambda groups: ShardedOptimizer(
-            groups, cls, sharding_rule=RULES[spec["rule"]], **kwargs))
+        params, opt, records = run(spec, _sharded(cls, RULES[spec["rule"]], kwargs))
         stated = {id(p) for p, s in opt.state.items() if s}
         out.append(dict(params=[p.detach() for p in params],
                         owners=[opt.owner_of(p) for p in params],
@@ -153,8 +157,9 @@ def test_sharded_step_is_bitwise_the_plain_step_for_every_rule_and_optimizer(wor
                    for p, o in zip(g["params"], rule(g["params"], world_size))}
         assert owners == [by_rule[id(p)] for p in params], spec
     # the scheduler must actually change the updates, or the scheduler cases prove nothing
-    sched = [s for s in specs if s.get("sched")][0]
-    assert not all(torch.equal(a, b) for a, b in zip(plain(sched), plain({**sched, "sched": False})))
+    sched = next(s for s in specs if s.get("sched"))
+    scheduled, unscheduled = plain(sched), plain({**sched, "sched": False})
+    assert not all(torch.equal(a, b) for a, b in zip(scheduled, unscheduled))
 
 
 # ------------------------------------------------------------------------- checkpoints
@@ -238,13 +243,15 @@ def test_checkpoint_saved_at_3_resumes_at_2_and_in_a_plain_optimizer(case):
     assert sd["state"].keys() == ref_sd["state"].keys()
     for i in ref_sd["state"]:
         for key, value in ref_sd["state"][i].items():
-            assert torch.equal(torch.as_tensor(sd["state"][i][key]), torch.as_tensor(value)), (i, key)
+            assert torch.equal(torch.as_tensor(sd["state"][i][key]),
+                               torch.as_tensor(value)), (i, key)
 
     uninterrupted = plain({**spec, "steps": spec["steps"] + 2})
     # deepcopy: load_state_dict aliases the dict's tensors, and stepping would change them
     resumed_plain, _ = _plain_resume(spec, values, copy.deepcopy(sd), 2)
     other_rule = "greedy" if spec["rule"] == "modulo" else "contiguous"
-    resumed_sharded = get_world(2).run(_rank_resume, spec, values, sd, other_rule, 2, deadline=patience(120))
+    resumed_sharded = get_world(2).run(_rank_resume, spec, values, sd, other_rule, 2,
+                                       deadline=patience(120))
     from_plain = get_world(2).run(_rank_resume, spec, [p.detach() for p in ref_params], ref_sd,
                                   other_rule, 2, deadline=patience(120))
     for name, got in [("plain resume", resumed_plain)] + [
@@ -330,7 +337,7 @@ def test_grads_present_on_some_ranks_are_averaged_with_zeros_and_ddp_marks_skip_
         for p, q in zip(r["params"], results[0]["params"]):
             assert torch.equal(p, q), rank
     # each used param's Adam state lives on exactly one rank (its owner, i % 3 under modulo)
-    assert [[i for i in r["stated"]] for r in results] == [[0, 3], [1], []]
+    assert [list(r["stated"]) for r in results] == [[0, 3], [1], []]
 
 
 # ------------------------------------------------------------------------- groups and subgroups
@@ -461,7 +468,7 @@ def _rank_misuse():
         try:
             attempt()
             out[label] = ("no error", "")
-        except Exception as e:  # noqa: BLE001 - the test asserts on the type
+        except Exception as e:  # the test asserts on the type
             kind = "parallel.InvalidArgument" if isinstance(e, InvalidArgument) else \
                 type(e).__name__
             out[label] = (kind, str(e))
@@ -485,12 +492,14 @@ MISUSE = {
     "empty params": ["params=[] is empty", "model.parameters()"],
     "group without params": ["holds no parameter in any group"],
     "set of params": ["must be an ordered iterable", "set's order differs across ranks"],
-    "duplicate param": ["param group 0, parameter 6 repeats an earlier parameter", "list each tensor once"],
+    "duplicate param": ["param group 0, parameter 6 repeats an earlier parameter",
+                        "list each tensor once"],
     "bad optimizer kwargs": ["optimizer_cls=SGD rejected optimizer_kwargs={'lr': -1.0}",
                              "Invalid learning rate"],
     "rule not callable": ["sharding_rule='greedy' is not callable", "parallel.sharding.greedy"],
-    "rule wrong length": ["test_sharded_optimizer._wrong_length for param group 0", "returned 7 owners "
-                          "for 6 parameters", "exactly one owner rank per parameter"],
+    "rule wrong length": ["test_sharded_optimizer._wrong_length for param group 0",
+                          "returned 7 owners for 6 parameters",
+                          "exactly one owner rank per parameter"],
     "rule non-integer": ["_non_integer for param group 1 returned owner 0.5 (type float) for "
                          "parameter 2", "integer ranks in [0, world_size=2)"],
     "rule out of range": ["_out_of_range for param group 0 returned owner 2 for parameter 0",

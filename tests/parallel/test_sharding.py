@@ -87,8 +87,8 @@ def _rule(params, world_size):
 
 
 @pytest.mark.parametrize("answer, fragments", [
-    ([0, 1], ["tests.parallel.test_sharding._rule for param group 4 returned 2 owners for 3 parameters",
-              "exactly one owner rank per parameter"]),
+    ([0, 1], ["tests.parallel.test_sharding._rule for param group 4 returned 2 owners for 3 "
+              "parameters", "exactly one owner rank per parameter"]),
     ([0, 1.0, 0], ["returned owner 1.0 (type float) for parameter 1",
                    "integer ranks in [0, world_size=2)"]),
     ([0, True, 0], ["returned owner True (type bool) for parameter 1"]),

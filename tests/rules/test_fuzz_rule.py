@@ -101,9 +101,9 @@ def crashes_in_a_real_world(params, world_size):
                        "parameter [float32 (1,)]: raised ValueError: more ranks than parameters"),
     ("wrong_for_two", "out of range: tests.rules.test_fuzz_rule.wrong_for_two at world size 1 on 2 "
                       "parameters [float32 (1,), float32 (1,)]: returned owner 1 for parameter 1"),
-    ("garbage_second", "wrong length: tests.rules.test_fuzz_rule.garbage_second at world size 1 on 1 "
-                       "parameter [float32 (1,)]: on the second call (the first answered [0]), "
-                       "returned 'garbage', not a sequence"),
+    ("garbage_second", "wrong length: tests.rules.test_fuzz_rule.garbage_second at world size 1 "
+                       "on 1 parameter [float32 (1,)]: on the second call (the first answered "
+                       "[0]), returned 'garbage', not a sequence"),
 ])
 def test_bad_rules_are_rejected_with_their_own_message(rule, message, capsys):
     status = main(["fuzz-rule", f"tests.rules.test_fuzz_rule:{rule}", "--world-sizes", "2"])
@@ -176,9 +176,9 @@ def test_a_rule_that_kills_its_rank_is_reported_not_raised(capsys):
     status = main(["fuzz-rule", "tests.rules.test_fuzz_rule:crashes_in_a_real_world"])
     out, err = capsys.readouterr()
     assert status == 1, out + err
-    assert ("crashed: tests.rules.test_fuzz_rule.crashes_in_a_real_world in a world of 2 processes on "
-            "rank 0, on tiny (1 parameter) [float32 (4,)]: the call ended its process (exit code "
-            "3)") in out, out
+    assert ("crashed: tests.rules.test_fuzz_rule.crashes_in_a_real_world in a world of 2 "
+            "processes on rank 0, on tiny (1 parameter) [float32 (4,)]: the call ended its "
+            "process (exit code 3)") in out, out
     assert "Traceback" not in out + err
 
 
@@ -189,7 +189,8 @@ def test_a_hanging_rule_is_killed_at_the_deadline_and_named(capsys):
     seconds = time.monotonic() - started
     out, err = capsys.readouterr()
     assert status == 1, out + err
-    assert ("hangs: tests.rules.test_fuzz_rule.hangs at world size 1 on 1 parameter [float32 (1,)]: "
-            "did not return within the 3 s deadline (--deadline); it was at ") in out, out
+    assert ("hangs: tests.rules.test_fuzz_rule.hangs at world size 1 on 1 parameter "
+            "[float32 (1,)]: did not return within the 3 s deadline (--deadline); it was "
+            "at ") in out, out
     assert "test_fuzz_rule.py" in out and "in hangs" in out, out
     assert seconds < 3 + patience(6), seconds

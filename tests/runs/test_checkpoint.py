@@ -7,6 +7,7 @@ by the rows it fails with. Worlds are W <= 3 and the models tiny.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -16,18 +17,16 @@ from hypothesis import HealthCheck, given, settings
 import ddpcheck
 from ddpcheck import features
 from ddpcheck import strategies as dst
+from ddpcheck._internal.runs.replay import from_repr
 from ddpcheck.battery import BATTERY
 from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked
 from ddpcheck.mutation import catalogue
-from ddpcheck._internal.runs.replay import from_repr
 from ddpcheck.targets import PARALLEL, TORCH_DDP, TORCH_ZERO, ParallelTarget
 
 RESUME = dict(BATTERY)["checkpoint-resume"]  # Adam, two param groups, ExponentialLR, 3 steps
 
 
 def _resumed(after: int = 0, at: int | None = 3, **changes) -> ddpcheck.Scenario:
-    import dataclasses
-
     return dataclasses.replace(RESUME, checkpoint_after=after, resume_world_size=at, **changes)
 
 
@@ -47,6 +46,14 @@ def _resumed(after: int = 0, at: int | None = 3, **changes) -> ddpcheck.Scenario
 def test_bad_checkpoint_fields_are_refused_naming_the_field(fields, message):
     with pytest.raises(InvalidArgument, match=message.replace("(", r"\(")):
         ddpcheck.Scenario(**fields)
+
+
+def test_a_rank_asked_for_half_of_a_run_that_saves_nothing_says_so():
+    from ddpcheck._internal.rank.runner import _saved_at
+
+    assert _saved_at(_resumed(after=1), "resumed") == 1
+    with pytest.raises(ValueError, match=r"part='until checkpoint' needs a scenario that saves"):
+        _saved_at(ddpcheck.Scenario(), "until checkpoint")
 
 
 def test_the_replay_line_carries_the_checkpoint_fields_only_when_set():

@@ -22,10 +22,9 @@ import types
 import pytest
 
 import ddpcheck
-from ddpcheck import targets, zoo
-from ddpcheck import check_example
-from ddpcheck.cli import resolve_target
+from ddpcheck import check_example, targets, zoo
 from ddpcheck._internal.runs.replay import evaluate, replay_command, shell_word, target_spec
+from ddpcheck.cli import resolve_target
 from ddpcheck.scenario import Scenario
 from tests import verdict_helpers as h
 from tests.patience import patience
@@ -219,7 +218,7 @@ def script_main(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.delitem(sys.modules, "check_mine", raising=False)
     monkeypatch.chdir(tmp_path)
-    exec(compile(source, str(path), "exec"), vars(main))  # noqa: S102 -- our own test script
+    exec(compile(source, str(path), "exec"), vars(main))  # our own test script
     yield main
     sys.modules.pop("check_mine", None)
 

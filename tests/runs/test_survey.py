@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 import ddpcheck
 from ddpcheck import features, targets
 from ddpcheck import strategies as dst
+from ddpcheck._internal.runs.survey import Survey
 from ddpcheck.battery import BATTERY
 from ddpcheck.cli import main
-from ddpcheck._internal.runs.survey import Survey
 
 
 @dataclasses.dataclass(frozen=True)

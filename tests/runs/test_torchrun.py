@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from tests.world.test_devices import subprocess_env
 from tests.patience import patience
+from tests.world.test_devices import subprocess_env
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             "2", "-m", "ddpcheck", "check"]
@@ -17,8 +17,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 def _torchrun(*args: str, cwd, env=None) -> subprocess.CompletedProcess:
     env = env or {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(TORCHRUN + list(args), capture_output=True, text=True, timeout=patience(240),
-                          cwd=cwd, env=env)
+    return subprocess.run([*TORCHRUN, *args], capture_output=True, text=True,
+                          timeout=patience(240), cwd=cwd, env=env)
 
 
 @pytest.mark.slow

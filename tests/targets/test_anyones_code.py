@@ -4,7 +4,6 @@ and generators that produce what they claim."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -113,7 +112,7 @@ def test_real_loop_shapes_pass_the_battery(target, count):
 
 
 def test_a_loop_hook_left_out_is_the_targets_fault():
-    with pytest.raises(ddpcheck.EquivalenceError, match="forgot model.reset"):
+    with pytest.raises(ddpcheck.EquivalenceError, match=r"forgot model\.reset"):
         ddpcheck.assert_equivalent(FORGETS_RESET, world_sizes=(2,))
 
 
@@ -139,7 +138,7 @@ def test_the_optimizer_state_default_finds_an_inner_optimizer():
         pass
 
     with pytest.raises(ddpcheck.InvalidArgument,
-                       match="override Target.optimizer_state.*shards_optimizer_state"):
+                       match=r"override Target\.optimizer_state.*shards_optimizer_state"):
         ddpcheck.Target().optimizer_state(Opaque())
 
 
@@ -167,7 +166,8 @@ def test_the_battery_lists_each_skipped_scenario_with_the_feature_it_needs():
 
 def test_unknown_feature_names_are_refused_with_the_vocabulary():
     with pytest.raises(ddpcheck.InvalidArgument,
-                       match=r"'acumulation' is not a feature \(did you mean 'accumulation'\?\); known:"):
+                       match=r"'acumulation' is not a feature "
+                             r"\(did you mean 'accumulation'\?\); known:"):
         features.parse("acumulation")
     with pytest.raises(ddpcheck.InvalidArgument):
         ddpcheck.assert_equivalent(targets.PARALLEL, without=("nope",))
@@ -241,5 +241,5 @@ def test_a_misspelt_supported_feature_is_refused_not_ignored():
     class Typo(targets.ParallelTarget):
         supported_features = frozenset(features.FEATURES) - {"lr-schedul"} | {"lr-schedul"}
 
-    with pytest.raises(ddpcheck.InvalidArgument, match="Typo.supported_features: 'lr-schedul'"):
+    with pytest.raises(ddpcheck.InvalidArgument, match=r"Typo\.supported_features: 'lr-schedul'"):
         ddpcheck.assert_equivalent(Typo(), world_sizes=(1,))

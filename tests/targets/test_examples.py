@@ -27,7 +27,7 @@ EXAMPLES = {"explicit_finish": explicit_finish, "sync_in_backward": sync_in_back
 DECLINES = {"explicit_finish": {"unused-everywhere", "lr-schedule", "rank-orders", "checkpoint"},
             "sync_in_backward": {"unused-on-some-ranks", "unused-everywhere", "rank-orders"},
             "reset_after_step": {"rank-orders"}}
-BUG_KIND = {name: "reference differs (gradient)" for name in EXAMPLES}
+BUG_KIND = dict.fromkeys(EXAMPLES, "reference differs (gradient)")
 #: Top-level names that make up an example's target definition.
 TARGET_NAMES = {"TARGET", "BUGGY", "SUPPORTS"}
 
@@ -42,11 +42,11 @@ def _target_statements(tree: ast.Module) -> list[ast.stmt]:
     SUPPORTS, and classes deriving from a Target."""
     found = []
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id in TARGET_NAMES for t in node.targets):
-            found.append(node)
-        elif isinstance(node, ast.ClassDef) and any(
-                ast.unparse(base).endswith("Target") for base in node.bases):
+        assigns = isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id in TARGET_NAMES for t in node.targets)
+        derives = isinstance(node, ast.ClassDef) and any(
+            ast.unparse(base).endswith("Target") for base in node.bases)
+        if assigns or derives:
             found.append(node)
     return found
 
@@ -131,7 +131,8 @@ def test_the_survey_matrix_of_the_correct_target(name):
     rows = {cell.row: cell.status for cell in survey.cells
             if cell.section == "feature" and cell.world_size == 2}
     assert {row for row, status in rows.items() if status == "declined"} == declined, rows
-    assert {row for row, status in rows.items() if status == "ok"} == set(features.FEATURES) - declined
+    ok = {row for row, status in rows.items() if status == "ok"}
+    assert ok == set(features.FEATURES) - declined
     battery = [cell for cell in survey.cells if cell.section == "battery"]
     assert all(cell.status in ("ok", "declined") for cell in battery), str(survey)
     assert sum(cell.status == "ok" for cell in battery) >= 5

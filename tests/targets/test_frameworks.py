@@ -1,7 +1,8 @@
 """The ready-made targets of production stacks (accelerate, Lightning Fabric, Lightning's Trainer,
 transformers' Trainer -- more in test_hf_trainer.py --, torch's ZeRO and FSDP2 options): each
 checked on one busy scenario in a shared world of 2 -- frameworks are slow to import (3-5 s per
-rank), so these tests are few -- plus what ``ddpcheck targets`` lists. A framework that is not installed skips its test, saying so."""
+rank), so these tests are few -- plus what ``ddpcheck targets`` lists. A framework that is not
+installed skips its test, saying so."""
 
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def test_fsdp2_options_resharding_and_cpu_offload():
     ddpcheck.check_example(targets.TorchFSDPTarget(reshard_after_forward=False), scenario, 2)
     ddpcheck.check_example(targets.TorchFSDPTarget(reshard_after_forward=2), scenario, 2)
     # CPU offload copies to an accelerator for compute: in a CPU world it declines, not fails
-    with pytest.raises(ddpcheck.NothingChecked, match="cpu_offload.*--device cuda"):
+    with pytest.raises(ddpcheck.NothingChecked, match=r"cpu_offload.*--device cuda"):
         ddpcheck.check_example(targets.TorchFSDPTarget(cpu_offload=True), scenario, 2)
     ddpcheck.check_example(targets.TORCH_FSDP, scenario, 2)  # the world serves the next one
 

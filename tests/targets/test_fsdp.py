@@ -10,9 +10,9 @@ import torch
 
 import ddpcheck
 from ddpcheck import features, zoo
+from ddpcheck._internal.oracle.shards import LOCAL_SHARD_DIFFERS, compare_shards, shard_bounds
 from ddpcheck._internal.records import RankRecord, StepRecord
 from ddpcheck.models import Layer, ModelSpec, SpecData
-from ddpcheck._internal.oracle.shards import LOCAL_SHARD_DIFFERS, compare_shards, shard_bounds
 from ddpcheck.targets import TORCH_FSDP, TorchFSDPTarget
 
 

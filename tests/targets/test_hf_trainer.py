@@ -117,7 +117,7 @@ def test_a_name_or_value_trainingarguments_rejects_is_a_usage_error():
                                                        "TrainingArguments field"):
         HfTrainerTarget(training_args={"gradient_acumulation_steps": 2})
     # a value only TrainingArguments itself can judge: from the ranks, still exit 2
-    with pytest.raises(ddpcheck.InvalidArgument, match="logging_strategy='sometimes'.*raised"):
+    with pytest.raises(ddpcheck.InvalidArgument, match=r"logging_strategy='sometimes'.*raised"):
         ddpcheck.check_example(HfTrainerTarget(training_args={"logging_strategy": "sometimes"}),
                                EVEN, 2)
 

@@ -12,8 +12,13 @@ from ddpcheck import cli, targets
 from ddpcheck.errors import ExitCode
 from ddpcheck.features import BEYOND_TORCH, DEFAULT_FEATURES, FEATURES, supported_by
 from ddpcheck.scenario import Scenario
-from tests.targets.course_ddp import (BroadcastsWhenAttached, CourseTarget, ManagedTarget,
-                                      RecipientRankTarget, UnknownConsolidateTarget)
+from tests.targets.course_ddp import (
+    BroadcastsWhenAttached,
+    CourseTarget,
+    ManagedTarget,
+    RecipientRankTarget,
+    UnknownConsolidateTarget,
+)
 
 SCENARIO = Scenario(ddpcheck.zoo.MLP, global_batch=7, steps=2)
 

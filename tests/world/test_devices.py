@@ -21,16 +21,15 @@ import torch
 import torch.distributed as dist
 
 import ddpcheck
-from ddpcheck import targets
+from ddpcheck import check_example, targets
 from ddpcheck._internal import devices
-from ddpcheck._internal.world import worlds as world_module
 from ddpcheck._internal.devices import backend_for, check_fits
 from ddpcheck._internal.rank.runner import run_example_packed
 from ddpcheck._internal.rank.transport import unpack
-from ddpcheck._internal.world.worlds import World, get_world
-from ddpcheck import check_example
 from ddpcheck._internal.runs.fuzz import fuzz
 from ddpcheck._internal.runs.replay import replay_command
+from ddpcheck._internal.world import worlds as world_module
+from ddpcheck._internal.world.worlds import World, get_world
 from ddpcheck.scenario import Scenario
 from tests.patience import patience
 
@@ -159,8 +158,8 @@ def test_torchrun_joins_over_gloo_for_cpu_tensors_when_gpus_are_visible(eight_vi
 def test_check_on_cuda_without_gpus_is_refused_in_seconds(tmp_path):
     started = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "ddpcheck", "check", "parallel", "--device",
-                          "cuda"], capture_output=True, text=True, timeout=patience(60), cwd=tmp_path,
-                         env=subprocess_env(tmp_path))
+                          "cuda"], capture_output=True, text=True, timeout=patience(60),
+                         cwd=tmp_path, env=subprocess_env(tmp_path))
     took = time.monotonic() - started
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip().splitlines() == [
@@ -174,8 +173,8 @@ def test_check_on_cuda_without_gpus_is_refused_in_seconds(tmp_path):
 def test_nccl_with_more_ranks_than_gpus_is_refused_unless_gloo_is_asked_for(tmp_path):
     command = [sys.executable, "-m", "ddpcheck", "check", "parallel", "--device", "cuda",
                "--world-sizes", "1,2"]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=patience(60), cwd=tmp_path,
-                         env=subprocess_env(tmp_path, fake_gpus=1))
+    out = subprocess.run(command, capture_output=True, text=True, timeout=patience(60),
+                         cwd=tmp_path, env=subprocess_env(tmp_path, fake_gpus=1))
     assert out.returncode == 2, out.stdout + out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "a world of 2 ranks needs 2 GPUs with NCCL" in out.stderr

@@ -30,10 +30,9 @@ import torch
 import torch.distributed as dist
 
 import ddpcheck
-from ddpcheck import targets
-from ddpcheck import check_example
-from ddpcheck.scenario import Scenario
+from ddpcheck import check_example, targets
 from ddpcheck._internal.world.worlds import get_world
+from ddpcheck.scenario import Scenario
 from tests.patience import patience
 
 DEADLINE = 3.0
@@ -157,12 +156,10 @@ class MismatchedCollective(targets.ParallelDDPTarget):
             dist.all_reduce(torch.zeros(5, dtype=torch.float64) if odd else t)
         elif self.how == "dtype":  # same bytes on the wire, so gloo cannot tell
             dist.all_reduce(torch.zeros(4, dtype=torch.int64) if odd else t)
-        elif self.how == "count":  # the guilty rank skips a collective the others issue
-            if not odd:
-                dist.all_reduce(t)
-        elif self.how == "never-launched":  # it waits on a handle no other rank launched
-            if odd:
-                dist.all_reduce(t, async_op=True).wait()
+        elif self.how == "count" and not odd:  # the guilty rank skips one the others issue
+            dist.all_reduce(t)
+        elif self.how == "never-launched" and odd:  # it waits on a handle no other rank launched
+            dist.all_reduce(t, async_op=True).wait()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +208,8 @@ FAULTS = {
         lambda guilty: MismatchedCollective(how="count", guilty=guilty), "collectives mismatched",
         ["rank {g} issued nothing at index"]),
     "waits on a handle never launched elsewhere": (
-        lambda guilty: MismatchedCollective(how="never-launched", guilty=guilty), "collectives mismatched",
+        lambda guilty: MismatchedCollective(how="never-launched", guilty=guilty),
+        "collectives mismatched",
         ["rank {g}: all_reduce SUM 4 float64", "issued nothing at index",
          "in after_backward"]),
 }
@@ -338,7 +336,8 @@ def test_an_extra_collective_is_reported_at_the_speed_of_the_evidence(world_size
     """The other ranks finish; the sequence files show rank 1 in a barrier none of them issued.
     That is reported within seconds, naming the barrier and its line, not at the deadline."""
     deadline = 60
-    check_example(targets.PARALLEL, FAULT_SCENARIO, world_size, deadline=patience(60))  # a warm world
+    # a warm world
+    check_example(targets.PARALLEL, FAULT_SCENARIO, world_size, deadline=patience(60))
     started = time.monotonic()
     with pytest.raises(ddpcheck.EquivalenceError) as info:
         check_example(ExtraBarrier(guilty=1), FAULT_SCENARIO, world_size, deadline=deadline)

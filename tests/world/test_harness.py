@@ -335,7 +335,8 @@ def not_a_module():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"world_sizes": (0,)}, "world_sizes=(0,) contains 0; every world size must be a positive integer"),
+    ({"world_sizes": (0,)},
+     "world_sizes=(0,) contains 0; every world size must be a positive integer"),
     ({"world_sizes": (2, -1)}, "world_sizes=(2, -1) contains -1"),
     ({"world_sizes": (1.5,)}, "world_sizes=(1.5,) contains 1.5"),
     ({"world_sizes": "2"}, "world_sizes='2' must be a sequence of positive integers"),

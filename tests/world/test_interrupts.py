@@ -54,18 +54,18 @@ def _alive(pid: int) -> bool:
 def test_a_held_ctrl_c_is_raised_once_the_block_has_ended():
     ran = []
     with _ctrl_c_raises():
-        with pytest.raises(KeyboardInterrupt):
-            with interrupts.held():
-                signal.raise_signal(signal.SIGINT)
-                ran.append("the rest of the block")
+        with pytest.raises(KeyboardInterrupt), interrupts.held():
+            signal.raise_signal(signal.SIGINT)
+            ran.append("the rest of the block")
         assert ran == ["the rest of the block"]
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         with interrupts.held(deliver=False):  # the way out already: dropped
             signal.raise_signal(signal.SIGINT)
-        with pytest.raises(KeyboardInterrupt):  # pending while blocked, then held: not lost
-            with interrupts.held(), interrupts.blocked_for_children():
-                signal.raise_signal(signal.SIGINT)
-                ran.append("blocked")
+        # pending while blocked, then held: not lost
+        with pytest.raises(KeyboardInterrupt), interrupts.held(), \
+                interrupts.blocked_for_children():
+            signal.raise_signal(signal.SIGINT)
+            ran.append("blocked")
         assert ran[-1] == "blocked"
 
 
@@ -264,7 +264,7 @@ def test_an_entry_point_raises_a_lost_ctrl_c_again():
     the KeyboardInterrupt comes out all the same, and instead of what the loss left behind."""
     with _ctrl_c_raises():
         started = time.monotonic()
-        with pytest.raises(KeyboardInterrupt, match="^ddpcheck._loses_it was interrupted"):
+        with pytest.raises(KeyboardInterrupt, match=r"^ddpcheck\._loses_it was interrupted"):
             interrupts.interruptible(_loses_it)("runs on")
         assert time.monotonic() - started < interrupts.AGAIN_AFTER + patience(5)
         with pytest.raises(KeyboardInterrupt) as info:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -92,7 +93,7 @@ class LeaksFile(targets.ParallelTarget):
     count: int = 1
 
     def wrap(self, module):
-        _KEEP.extend(open(os.devnull) for _ in range(self.count))
+        _KEEP.extend(open(os.devnull) for _ in range(self.count))  # noqa: SIM115 -- the leak
         return super().wrap(module)
 
 
@@ -230,7 +231,7 @@ def test_what_a_rank_imported_at_start_up_is_out_of_the_collectors_reach():
 def test_processes_a_target_starts_die_with_the_world(tmp_path):
     marker = str(tmp_path / "child")
     check_example(StartsSubprocess(marker=marker), SCENARIO, 2, deadline=patience(30))
-    pids = [int(open(f"{marker}.{r}").read()) for r in range(2)]
+    pids = [int(pathlib.Path(f"{marker}.{r}").read_text()) for r in range(2)]
     assert all(_alive(p) for p in pids)
     get_world(2).kill()  # what a failure does: every rank's process group goes
     _wait_until(lambda: not any(_alive(p) for p in pids), patience(10))
@@ -331,7 +332,8 @@ def test_killing_ddpcheck_check_leaves_no_world_behind(tmp_path, sig):
         # worlds started: a world directory with a rank that joined (its sequence file exists)
         _wait_until(lambda: any(os.path.exists(os.path.join(tmp_path, d, "rank1.collectives"))
                                 and os.path.getsize(os.path.join(tmp_path, d, "rank1.collectives"))
-                                for d in _leftover_dirs(tmp_path)) or proc.poll() is not None, patience(120))
+                                for d in _leftover_dirs(tmp_path)) or proc.poll() is not None,
+                    patience(120))
         assert proc.poll() is None, proc.stdout.read()
         ranks = [pid for pid in _world_processes(tmp_path) if _is_rank(pid)]
         assert len(ranks) >= 2, ranks

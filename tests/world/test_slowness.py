@@ -13,7 +13,8 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch.distributed as dist

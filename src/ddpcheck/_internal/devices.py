@@ -19,7 +19,8 @@ asked about CUDA or a rank, so the CLI's parser and the pytest plugin validate w
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from ddpcheck.errors import InvalidArgument
 
@@ -119,7 +120,7 @@ def strict_precision() -> None:
     torch.set_float32_matmul_precision("highest")
 
 
-def enter_rank(device: str, index: int) -> "torch.device":
+def enter_rank(device: str, index: int) -> torch.device:
     """Bind this rank process to its device before its process group starts; once per process.
 
     ``index``: the rank, or ``LOCAL_RANK`` under torchrun; on CUDA it is taken modulo the visible
@@ -145,7 +146,7 @@ def enter_rank(device: str, index: int) -> "torch.device":
     return _rank_device
 
 
-def this_rank() -> "torch.device":
+def this_rank() -> torch.device:
     """The device this process computes on: the rank's, or the CPU (the checking process)."""
     if _rank_device is None:
         import torch

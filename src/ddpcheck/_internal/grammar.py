@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 from ddpcheck._internal.devices import BACKENDS, DEVICES
 from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, did_you_mean

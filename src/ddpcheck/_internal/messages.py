@@ -70,7 +70,7 @@ def exception_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-MODULE_KINDS = {
+MODULE_KINDS: dict[str, tuple[type[nn.Module], str]] = {
     "batchnorm": (nn.modules.batchnorm._BatchNorm, "using batch statistics"),
     "dropout": (nn.modules.dropout._DropoutNd, "with p > 0 in train mode"),
 }
@@ -110,7 +110,8 @@ def scenario_line(scenario: Any) -> str:
             ", tied)" if getattr(model, "tied", False) else ")")
     else:
         shape = "+".join(layer.kind + ("(" + ",".join(
-            f for f, on in (("sample" if layer.use == "sample" else "unused", layer.use != "always"),
+            f for f, on in (("sample" if layer.use == "sample" else "unused",
+                             layer.use != "always"),
                             ("frozen", layer.frozen), ("f32", layer.float32)) if on) + ")"
             if layer.use != "always" or layer.frozen or layer.float32 else "")
             for layer in layers) or "head"

@@ -14,7 +14,8 @@ import difflib
 import functools
 import numbers
 import os
-from typing import Any, Iterable, TypeVar
+from collections.abc import Iterable
+from typing import Any, TypeVar
 
 from ddpcheck.errors import InvalidArgument
 
@@ -40,7 +41,8 @@ MAX_RANKS_PER_CORE = 16
 
 
 def parse_world_sizes(text: str, flag: str = "--world-sizes") -> tuple[int, ...]:
-    """``"1,2,4"`` -> ``(1, 2, 4)``; anything else is an :class:`InvalidArgument` naming ``flag``."""
+    """``"1,2,4"`` -> ``(1, 2, 4)``; anything else is an :class:`InvalidArgument` naming
+    ``flag``."""
     try:
         sizes = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
@@ -102,7 +104,7 @@ def check_world_sizes(name: str, values: Any, shown: Any = None) -> tuple[int, .
 def check_positive_number(name: str, value: Any, shown: Any = None) -> float:
     """A positive number; ``shown``: the value as the user wrote it, for the message."""
     shown = value if shown is None else shown
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
         raise InvalidArgument(f"{name}={shown!r} must be a positive number")
     return float(value)
 

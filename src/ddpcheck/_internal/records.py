@@ -12,7 +12,8 @@ it (``StepRecord.shards``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -149,9 +150,10 @@ def snapshot(model: torch.nn.Module, names: dict[Any, str], state: Any,
                 held[names.get(p, "?")] = {k: gather(v.detach()).clone() if torch.is_tensor(v)
                                            else v for k, v in entries.items()}
         shards = {}
-        for n, p in model.named_parameters() if local_shard is not None else ():
-            found = local_shard(p.detach())
-            if found is not None:
-                shards[n] = (found[0], found[1].clone())
+        if local_shard is not None:
+            for n, p in model.named_parameters():
+                found = local_shard(p.detach())
+                if found is not None:
+                    shards[n] = (found[0], found[1].clone())
     return StepRecord(grads, params, buffers, held, collectives or [], shards=shards,
                       schedule=schedule or {})

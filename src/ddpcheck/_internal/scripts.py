@@ -116,7 +116,7 @@ def import_file(path: str) -> ModuleType:
     if existing is not None:
         where = getattr(existing, "__file__", None)
         if where is not None and os.path.exists(where) and os.path.samefile(where, full):
-            _FILES.setdefault(name, getattr(existing, "__file__"))
+            _FILES.setdefault(name, where)
             return existing
         raise InvalidArgument(
             f"{path!r} cannot be imported as the module {name!r}: a module of that name is "
@@ -133,7 +133,7 @@ def import_file(path: str) -> ModuleType:
     except BaseException:
         del sys.modules[name]
         raise
-    _FILES[name] = module.__file__
+    _FILES[name] = full  # the module's __file__: the spec's origin
     return module
 
 

@@ -17,7 +17,8 @@ import stat
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["ProgressLine"]
 

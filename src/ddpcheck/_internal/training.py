@@ -26,7 +26,9 @@ import dataclasses
 import functools
 import inspect
 import time
-from typing import Any, Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -50,10 +52,10 @@ class Loop:
 
     #: step -> micro-batches ``(x, y, scale)``: scale multiplies the summed terms of the loss
     batches: Callable[[int], list[tuple[torch.Tensor, torch.Tensor, float]]]
-    no_sync: Callable[[], ContextManager[Any]] = contextlib.nullcontext  # all but the last
+    no_sync: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext  # all but the last
     #: ``(index, count) ->`` the context of micro-batch ``index`` of ``count`` (None: ``no_sync``
     #: around all but the last)
-    micro_batch: Callable[[int, int], ContextManager[Any]] | None = None
+    micro_batch: Callable[[int, int], AbstractContextManager[Any]] | None = None
     backward: Callable[[Any], None] = _backward  # ``loss ->`` back-propagate it
     #: optimizer.step(), the schedule and zero_grad after every micro-batch; the framework gates
     steps_every_micro_batch: bool = False
@@ -175,7 +177,7 @@ def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop, *, schedul
         t3 = clock()
         loop.after_backward()
         if scenario.max_grad_norm is not None:
-            _clip(scenario, model, loop)
+            _clip(scenario.max_grad_norm, scenario.grad_norm_type, model, loop)
         loop.before_optimizer_step(step)
         t4 = clock()
         optimizer.step()
@@ -189,7 +191,7 @@ def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop, *, schedul
         loop.end_step(step)
 
 
-def _micro_batch(loop: Loop, index: int, count: int) -> ContextManager[Any]:
+def _micro_batch(loop: Loop, index: int, count: int) -> AbstractContextManager[Any]:
     if loop.micro_batch is not None:
         return loop.micro_batch(index, count)
     return contextlib.nullcontext() if index == count - 1 else loop.no_sync()
@@ -203,9 +205,8 @@ def _optimizer_step(scenario: Scenario, optimizer: Any, scheduler: Any) -> None:
     optimizer.zero_grad(set_to_none=scenario.set_to_none)
 
 
-def _clip(scenario: Scenario, model: Any, loop: Loop) -> None:
+def _clip(max_norm: float, norm_type: float, model: Any, loop: Loop) -> None:
     if loop.clip_grad_norm is None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), scenario.max_grad_norm,
-                                       scenario.grad_norm_type)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
     else:
-        loop.clip_grad_norm(scenario.max_grad_norm, scenario.grad_norm_type)
+        loop.clip_grad_norm(max_norm, norm_type)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from parallel import DDP
-from parallel.buckets import BucketState
+from parallel.buckets import Bucket, BucketState
 
 # =============================================================================================
 # A. Gradient scaling and averaging
@@ -25,7 +26,8 @@ class SumThenDivideDDP(DDP):
     """Pins the original's gloo path -- SUM in the collective, divide after the wait -- even on a
     backend that averages in the collective. (Not a bug; the A1/A2 mutants break its division.)"""
 
-    def __init__(self, module, bucket_size_mb=25.0, process_group=None):
+    def __init__(self, module: torch.nn.Module, bucket_size_mb: float = 25.0,
+                 process_group: Any = None) -> None:
         super().__init__(module, bucket_size_mb, process_group)
         self._average_in_collective = False
 
@@ -33,7 +35,7 @@ class SumThenDivideDDP(DDP):
 class NoDivideDDP(SumThenDivideDDP):
     """Sums but never divides by W (Arctic-Platform #119: ``dp_size`` dropped)."""
 
-    def _wait_and_average(self, bucket):
+    def _wait_and_average(self, bucket: Bucket) -> None:
         bucket.handle.wait()
         # BUG: no bucket.flat.div_(self.world_size) after the SUM
 
@@ -42,7 +44,7 @@ class DivideTwiceDDP(SumThenDivideDDP):
     """Divides by W twice (torchtitan #2323: the loss was already normalised globally and DDP
     averaged too; the catalogue's "divide on top of AVG")."""
 
-    def _wait_and_average(self, bucket):
+    def _wait_and_average(self, bucket: Bucket) -> None:
         bucket.handle.wait()
         bucket.flat.div_(self.world_size)
         bucket.flat.div_(self.world_size)  # BUG: a second division by W
@@ -52,7 +54,7 @@ class DivideByNumelDDP(SumThenDivideDDP):
     """Divides the SUM by the bucket's element count, not by W (meta-pytorch/torchcomms #287:
     gloo AVG divided by ``tensor.numel()``)."""
 
-    def _wait_and_average(self, bucket):
+    def _wait_and_average(self, bucket: Bucket) -> None:
         bucket.handle.wait()
         bucket.flat.div_(bucket.flat.numel())  # BUG: numel instead of world size
 
@@ -65,7 +67,7 @@ class NoFinalFlushDDP(DDP):
     """``finish_gradient_sync`` waits for the buckets backward launched but flushes none: a bucket
     holding a parameter unused on this step is never reduced (pytorch #128949, fairscale #223)."""
 
-    def finish_gradient_sync(self):
+    def finish_gradient_sync(self) -> None:
         if not self._sync_enabled or not self._step_started:
             return super().finish_gradient_sync()  # the original's misuse errors
         self._check_parameters_unchanged()
@@ -73,6 +75,7 @@ class NoFinalFlushDDP(DDP):
         if self._used_handle is None:
             self._launch_usage_exchange()
         self._used_handle.wait()
+        assert self._used is not None  # exchanged with the last bucket, as in DDP
         used_anywhere = self._used.tolist()
         for bucket in self._buckets[:self._next_launch]:
             self._wait_and_write_back(bucket, used_anywhere)
@@ -86,7 +89,7 @@ class DropsEarlierMicroBatchesDDP(DDP):
 
     @staticmethod
     @torch.no_grad()
-    def _fill(bucket):
+    def _fill(bucket: Bucket) -> None:
         for i, (p, view) in enumerate(zip(bucket.params, bucket.views)):
             if p.grad is None or i not in bucket.ready:  # BUG: `or i not in bucket.ready`
                 view.zero_()
@@ -99,7 +102,7 @@ class ZeroFillsUnusedDDP(DDP):
     move them where single-process training would not (pytorch #28294 / #28883)."""
 
     @torch.no_grad()
-    def _wait_and_write_back(self, bucket, used_anywhere):
+    def _wait_and_write_back(self, bucket: Bucket, used_anywhere: list[int]) -> None:
         self._wait_and_average(bucket)
         for p, view, as_grad in zip(bucket.params, bucket.views, bucket.as_grad):
             # BUG: no `continue` for parameters unused on every rank
@@ -111,7 +114,7 @@ class LocallyUnusedStaysNoneDDP(DDP):
     replica skips it in ``step()`` (pytorch #32612; detectron2 fakes zero grads for this)."""
 
     @staticmethod
-    def _write_grad(p, view, as_grad):
+    def _write_grad(p: torch.nn.Parameter, view: torch.Tensor, as_grad: bool) -> None:
         if p.grad is None:
             return  # BUG: the world's average is dropped where this rank had no gradient
         DDP._write_grad(p, view, as_grad)
@@ -122,7 +125,8 @@ class TiedListedTwiceDDP(DDP):
     a tied weight has two entries: its bucket never completes during backward and the flush
     reduces the weight twice (NVIDIA/Megatron-LM #6164, pytorch #51929)."""
 
-    def __init__(self, module, bucket_size_mb=25.0, process_group=None):
+    def __init__(self, module: torch.nn.Module, bucket_size_mb: float = 25.0,
+                 process_group: Any = None) -> None:
         super().__init__(module, bucket_size_mb, process_group)
         by_name = [p for _, p in module.named_parameters(remove_duplicate=False)
                    if p.requires_grad]  # BUG: one entry per name, not per tensor
@@ -134,7 +138,7 @@ class ReadinessOrderDDP(DDP):
     ranks whose backward differs pair different buckets in one all-reduce -- silently when the
     sizes coincide (pytorch #13496, Megatron-LM #2218, DeepSpeed #2343)."""
 
-    def _on_grad_ready(self, param):
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         if not self._sync_enabled:
             return
         self._step_started = True
@@ -145,7 +149,7 @@ class ReadinessOrderDDP(DDP):
             self._launch(bucket)  # BUG: not in index order
             self._next_launch += 1  # (counts launches, for the in-flight guard)
 
-    def finish_gradient_sync(self):
+    def finish_gradient_sync(self) -> None:
         if not self._sync_enabled or not self._step_started:
             return super().finish_gradient_sync()
         self._check_parameters_unchanged()
@@ -153,6 +157,7 @@ class ReadinessOrderDDP(DDP):
             if bucket.state is BucketState.FILLING:
                 self._launch(bucket)
         self._used_handle.wait()
+        assert self._used is not None  # exchanged with the last bucket, as in DDP
         used_anywhere = self._used.tolist()
         for bucket in self._buckets:
             self._wait_and_write_back(bucket, used_anywhere)
@@ -166,7 +171,7 @@ class ReadsBeforeWaitDDP(DDP):
     the gradients are this rank's own. A race: killed with high probability, not certainty."""
 
     @torch.no_grad()
-    def _wait_and_write_back(self, bucket, used_anywhere):
+    def _wait_and_write_back(self, bucket: Bucket, used_anywhere: list[int]) -> None:
         early = bucket.flat.clone()  # BUG: read before bucket.handle.wait()
         bucket.handle.wait()
         if not self._average_in_collective:
@@ -188,7 +193,7 @@ class AssumesGradIsViewDDP(DDP):
     pytorch #43307: "for just 2 iterations, it wouldn't fail")."""
 
     @torch.no_grad()
-    def _fill(self, bucket):
+    def _fill(self, bucket: Bucket) -> None:  # type: ignore[override]  # DDP's is static; this one needs self
         synced = self.__dict__.setdefault("_synced_buckets", set())
         if bucket.index in synced:
             return  # BUG: p.grad may be a new tensor, not the bucket's view
@@ -201,7 +206,7 @@ class ReshapeWriteBackDDP(DDP):
     gradient, so the write is lost (DeepSpeed #2489, Megatron-LM #5337)."""
 
     @staticmethod
-    def _write_grad(p, view, as_grad):
+    def _write_grad(p: torch.nn.Parameter, view: torch.Tensor, as_grad: bool) -> None:
         if not as_grad and p.grad is not None:
             p.grad.reshape(-1).copy_(view.reshape(-1))  # BUG: reshape may copy
         else:
@@ -214,8 +219,11 @@ class MixedDtypeBucketsDDP(DDP):
     fails loudly when the float32 slice is installed as a float64 parameter's ``.grad``; where a
     copy is made instead, precision is lost silently."""
 
-    def _build_buckets(self, params, cap_bytes):
-        buckets, current, size_so_far = [], None, 0
+    def _build_buckets(self, params: list[torch.nn.Parameter],
+                       cap_bytes: int) -> list[list[torch.nn.Parameter]]:
+        buckets: list[list[Any]] = []
+        current: list[Any] | None = None
+        size_so_far = 0
         for p in reversed(params):  # BUG: no (dtype, device) key, one open bucket for all
             size = p.numel() * p.element_size()
             if current is None or (size_so_far + size > cap_bytes and current):
@@ -231,7 +239,8 @@ class BucketsFrozenDDP(DDP):
     during backward and their zeros cross the wire every step (fairscale #369, DeepSpeed #4055,
     where the bucket waits forever). Killed by the communication budget."""
 
-    def __init__(self, module, bucket_size_mb=25.0, process_group=None):
+    def __init__(self, module: torch.nn.Module, bucket_size_mb: float = 25.0,
+                 process_group: Any = None) -> None:
         super().__init__(module, bucket_size_mb, process_group)
         self._params = list(module.parameters())  # BUG: frozen ones included
         self._positions = {p: i for i, p in enumerate(self._params)}
@@ -247,7 +256,7 @@ class FreesNoSyncGradsDDP(DDP):
     so only the last micro-batch reaches ``step()`` (allenai/open-instruct #1498,
     DeepSpeed #7967)."""
 
-    def _on_grad_ready(self, param):
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         if not self._sync_enabled:
             param.grad = None  # BUG: the micro-batch's gradient is dropped
             return
@@ -278,23 +287,25 @@ class SumsEachMicroBatchDDP(DDP):
 class SkipsBuffersDDP(DDP):
     """Broadcasts parameters but not buffers at construction (fairscale #68, timm #110)."""
 
-    def _initial_state(self):
+    def _initial_state(self) -> list[torch.Tensor]:
         return list(self.module.parameters())  # BUG: + list(self.module.buffers()) missing
 
 
 class BroadcastsFromLastRankDDP(DDP):
     """Broadcasts the initial state from the group's last rank, not rank 0 (pytorch #63213)."""
 
-    def _broadcast_source(self):
+    def _broadcast_source(self) -> int:
         # BUG: the group's last rank, not rank 0
-        return dist.get_global_rank(self.process_group or dist.group.WORLD, self.world_size - 1)
+        last = self.world_size - 1
+        return last if self.process_group is None else dist.get_global_rank(self.process_group,
+                                                                              last)
 
 
 class NoInitialBroadcastDDP(DDP):
     """No broadcast at construction: replicas start from their own seeds (detectron2/detr #544,
     bl0/moco #4, pytorch #36613)."""
 
-    def _broadcast_state(self):
+    def _broadcast_state(self) -> None:
         return None  # BUG
 
 
@@ -309,7 +320,7 @@ class OwnRegistrationOrderDDP(DDP):
     that registered differently all-reduces other parameters' gradients together with its
     peers': silently when the bucket sizes coincide, a mismatched collective otherwise."""
 
-    def _lay_out_buckets(self, params):
+    def _lay_out_buckets(self, params: list[torch.nn.Parameter]) -> None:
         agreed = set(params)
         mine = [p for p in self.module.parameters() if p in agreed]  # BUG: not `params`' order
         super()._lay_out_buckets(mine)
@@ -329,13 +340,13 @@ class ReducesParameterDDP(DDP):
 
     @staticmethod
     @torch.no_grad()
-    def _fill(bucket):
+    def _fill(bucket: Bucket) -> None:
         for p, view in zip(bucket.params, bucket.views):
             view.copy_(p)  # BUG: the parameter, not p.grad
 
     @staticmethod
     @torch.no_grad()
-    def _write_grad(p, view, as_grad):
+    def _write_grad(p: torch.nn.Parameter, view: torch.Tensor, as_grad: bool) -> None:
         p.copy_(view)  # BUG: the "averaged gradient" goes back into the weights; .grad stays local
 
 
@@ -350,7 +361,7 @@ class AddsIntoAliasedBufferDDP(DDP):
 
     @staticmethod
     @torch.no_grad()
-    def _fill(bucket):
+    def _fill(bucket: Bucket) -> None:
         for p, view in zip(bucket.params, bucket.views):
             if p.grad is not view:
                 view.zero_()  # the step's slot starts from zero (zero_grad zeroed an aliased one)
@@ -367,11 +378,13 @@ class ReducesLastMicroBatchOnlyDDP(DDP):
     (``_fill``) instead of letting autograd accumulate it; ``_write_grad`` adds the average to the
     local rest, as autograd adds what a tensor hook returns."""
 
-    def __init__(self, module, bucket_size_mb=25.0, process_group=None):
+    def __init__(self, module: torch.nn.Module, bucket_size_mb: float = 25.0,
+                 process_group: Any = None) -> None:
         super().__init__(module, bucket_size_mb, process_group)
-        self._this_backward = {}  # param -> its gradient from the synchronised backward
+        # param -> its gradient from the synchronised backward
+        self._this_backward: dict[Any, torch.Tensor] = {}
 
-        def tensor_hook(p, grad):
+        def tensor_hook(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
             if not self._sync_enabled:
                 return grad  # accumulation micro-batch: autograd accumulates it locally
             self._this_backward[p] = grad  # BUG: only this backward's gradient is reduced
@@ -381,7 +394,7 @@ class ReducesLastMicroBatchOnlyDDP(DDP):
             p.register_hook(functools.partial(tensor_hook, p))
 
     @torch.no_grad()
-    def _fill(self, bucket):
+    def _fill(self, bucket: Bucket) -> None:  # type: ignore[override]  # DDP's is static; this one needs self
         for p, view in zip(bucket.params, bucket.views):
             grad = self._this_backward.pop(p, None)
             if grad is None:
@@ -391,7 +404,7 @@ class ReducesLastMicroBatchOnlyDDP(DDP):
 
     @staticmethod
     @torch.no_grad()
-    def _write_grad(p, view, as_grad):
+    def _write_grad(p: torch.nn.Parameter, view: torch.Tensor, as_grad: bool) -> None:
         if p.grad is None:
             p.grad = torch.empty_like(p).copy_(view)
         else:
@@ -412,11 +425,13 @@ class LastMicroBatchAfterReduceDDP(DDP):
     bucket carries what ``.grad`` had accumulated before it; ``_wait_and_write_back`` adds it
     after the all-reduce."""
 
-    def __init__(self, module, bucket_size_mb=25.0, process_group=None):
+    def __init__(self, module: torch.nn.Module, bucket_size_mb: float = 25.0,
+                 process_group: Any = None) -> None:
         super().__init__(module, bucket_size_mb, process_group)
-        self._last_micro_batch = {}  # param -> its gradient from the synchronised backward
+        # param -> its gradient from the synchronised backward
+        self._last_micro_batch: dict[Any, torch.Tensor] = {}
 
-        def tensor_hook(p, grad):
+        def tensor_hook(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
             if not self._sync_enabled:
                 return grad  # accumulation micro-batch: into the accumulator (.grad), locally
             wide = torch.promote_types(grad.dtype, torch.float32)
@@ -427,7 +442,7 @@ class LastMicroBatchAfterReduceDDP(DDP):
             p.register_hook(functools.partial(tensor_hook, p))
 
     @torch.no_grad()
-    def _wait_and_write_back(self, bucket, used_anywhere):
+    def _wait_and_write_back(self, bucket: Bucket, used_anywhere: list[int]) -> None:
         super()._wait_and_write_back(bucket, used_anywhere)
         for p in bucket.params:
             last = self._last_micro_batch.pop(p, None)

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -154,7 +155,7 @@ class EngineTarget(Target):
             torch.optim.lr_scheduler.ExponentialLR(optimizer.optimizer, gamma), optimizer.gate)
 
     def micro_batch(self, model: Any, optimizer: Any, index: int,
-                    count: int) -> ContextManager[Any]:
+                    count: int) -> AbstractContextManager[Any]:
         optimizer.gate.open = index == count - 1  # the window ends with its last micro-batch
         model.ddpcheck_window = (index, count)
         return contextlib.nullcontext()
@@ -273,7 +274,8 @@ class Zero2Target(Target):
 
 @dataclasses.dataclass(frozen=True)
 class StepsInsideWindowTarget(EngineTarget):
-    """:class:`EngineTarget` whose optimizer steps inside the window (:class:`StepsEarlyOptimizer`)."""
+    """:class:`EngineTarget` whose optimizer steps inside the window
+    (:class:`StepsEarlyOptimizer`)."""
 
     optimizer_class = StepsEarlyOptimizer
 

@@ -8,6 +8,7 @@ docstring) with a copy that carries one bug of a class in ``docs/bug-catalogue.m
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ class AveragesAgainOptimizer(ShardedOptimizer):
     hand-written ``average_gradients``). The numbers do not change -- the average of W identical
     gradients -- so only the communication budget sees it."""
 
-    def _average_gradients(self, params):
+    def _average_gradients(self, params: list[torch.Tensor]) -> None:
         for p in params:
             self._take_ddp_mark(p)  # BUG: DDP's mark is consumed and ignored...
         super()._average_gradients(params)  # ...so every gradient is averaged a second time
@@ -32,7 +33,7 @@ class SkipsZeroGradOptimizer(ShardedOptimizer):
     """``zero_grad`` does nothing, so every step re-reduces the gradients of all earlier steps
     (DeepSpeed #7839; lodestone-rock/RamTorch #13)."""
 
-    def zero_grad(self, set_to_none: bool = True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         return None  # BUG
 
 
@@ -45,7 +46,7 @@ class LocalShardNormOptimizer(ShardedOptimizer):
     each rank scales every gradient by its own coefficient (pytorch/xla #4796: ZeRO-1 did not
     reduce the local norm across shards)."""
 
-    def _global_norm(self, shares, norm_type):
+    def _global_norm(self, shares: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         return norm_from_shares(norm_share(shares, norm_type), norm_type)  # BUG: no all-reduce
 
 
@@ -54,7 +55,7 @@ class NormCountsReplicasOptimizer(ShardedOptimizer):
     each W times: the 2-norm is sqrt(W) too large (modelscope/twinkle #290: already-synced
     gradients reduced again for the norm; LBANN/lbann #2376). An inf-norm's max is unaffected."""
 
-    def _norm_shares(self, params):
+    def _norm_shares(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         return [p.grad for p in params if p.grad is not None]  # BUG: not only the owned ones
 
 
@@ -65,7 +66,7 @@ class ClipsBeforeAveragingOptimizer(ShardedOptimizer):
     drives it without DDP."""
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         params = self._params()
         # BUG: no self._average_gradients(params) first: the gradients are this rank's own
         grads = [p.grad for p in params if p.grad is not None]
@@ -88,7 +89,7 @@ class OwnersFromReversedOrderOptimizer(ShardedOptimizer):
     reverse order, so a parameter is broadcast from a rank that did not update it
     (fairscale #122: ownership computed in two places that disagree)."""
 
-    def _record_owners(self, params, owners):
+    def _record_owners(self, params: list[torch.Tensor], owners: list[int]) -> None:
         params = list(params)[::-1]  # BUG: another ordering than the one the inner optimizer got
         super()._record_owners(params, [int(o) for o in self._rule(params, self._world_size)])
 
@@ -97,7 +98,7 @@ class BroadcastsFromWrongRankOptimizer(ShardedOptimizer):
     """Broadcasts owner ``i``'s slab from rank ``i % (W - 1)`` (the catalogue's E1 mutant;
     pytorch/xla #5936, fairscale #121)."""
 
-    def _source_of(self, owner):
+    def _source_of(self, owner: int) -> int:
         return self._global_ranks[owner % max(self._world_size - 1, 1)]  # BUG: not `owner`
 
 
@@ -105,7 +106,7 @@ class LastShardNeverBroadcastOptimizer(ShardedOptimizer):
     """The broadcast loop stops one rank short: the last rank's shard is updated there only
     (Megatron-LM #6048: trailing shards never updated)."""
 
-    def _broadcasting_owners(self):
+    def _broadcasting_owners(self) -> range:
         return range(self._world_size - 1)  # BUG: range(self._world_size)
 
 
@@ -113,7 +114,7 @@ class GroupZeroHyperparametersOptimizer(ShardedOptimizer):
     """Every inner group takes group 0's hyperparameters (pytorch #54736: interleaved groups;
     the catalogue's E4 mutant)."""
 
-    def _sync_hyperparameters(self):
+    def _sync_hyperparameters(self) -> None:
         for inner_group in self._inner.param_groups:
             inner_group.update(hyperparameters(self.param_groups[0]))  # BUG: group 0's
 
@@ -122,7 +123,7 @@ class SchedulerNeverReachesOptimizer(ShardedOptimizer):
     """Edits of ``param_groups`` (an LR scheduler) never reach the inner optimizer
     (microsoft/dp-transformers #43, pytorch #46750)."""
 
-    def _sync_hyperparameters(self):
+    def _sync_hyperparameters(self) -> None:
         pass  # BUG: the inner groups keep the hyperparameters they were built with
 
 
@@ -130,7 +131,7 @@ class EveryRankStepsEverythingOptimizer(ShardedOptimizer):
     """Every rank's inner optimizer holds every parameter (ooples/AiDotNet.Tensors #260): the
     numbers are right, the memory saving is gone. Killed by the state-placement check."""
 
-    def _owned_group(self, group, owners):
+    def _owned_group(self, group: dict[str, Any], owners: list[int]) -> dict[str, Any]:
         return {**hyperparameters(group), "params": list(group["params"])}  # BUG: not only owned
 
 
@@ -138,7 +139,7 @@ class NeverBroadcastsOptimizer(ShardedOptimizer):
     """Owners update their parameters and never send them (the catalogue's E6 "owner never
     broadcasts")."""
 
-    def _broadcast_parameters(self, params):
+    def _broadcast_parameters(self, params: list[torch.Tensor]) -> None:
         return None  # BUG
 
 
@@ -147,7 +148,7 @@ class PerParameterBroadcastOptimizer(ShardedOptimizer):
     correct numbers, W x parameters calls (fairscale OSS before its broadcast buckets). Killed by
     the broadcast budget."""
 
-    def _broadcast_parameters(self, params):
+    def _broadcast_parameters(self, params: list[torch.Tensor]) -> None:
         for p in params:
             if p.grad is not None:  # BUG: one collective per parameter
                 owner = self._owners[id(p)]
@@ -163,7 +164,7 @@ class ZeroGradOwnedOnlyOptimizer(ShardedOptimizer):
     parameters other ranks own keep last step's averaged gradient here, and DDP adds it into the
     next step's all-reduce (H4). Invisible without DDP in front, at W=1 and at step 0."""
 
-    def zero_grad(self, set_to_none: bool = True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         self._inner.zero_grad(set_to_none=set_to_none)  # BUG: only the owned parameters
 
 
@@ -177,11 +178,11 @@ class CopiedGroupsOptimizer(ShardedOptimizer):
     they work. Overrides ``add_param_group`` (where the wrapper's defaults fill a new group) and
     ``_sync_hyperparameters``."""
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.defaults = {}  # BUG: the wrapper's defaults={}; only the inner optimizer has them
         super().add_param_group(param_group)  # the inner group: a copy, defaults from kwargs
 
-    def _sync_hyperparameters(self):
+    def _sync_hyperparameters(self) -> None:
         pass  # the inner groups stay the copies made at construction
 
 

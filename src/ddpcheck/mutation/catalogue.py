@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -104,7 +104,7 @@ class _SeededOptimizerOnly(_Seeded):
     in ``clip_grad_norm_`` -- as Horovod's DistributedOptimizer does. Rank 0's initial state is
     broadcast here, as DDP's construction would."""
 
-    ddp_class = None
+    ddp_class = None  # type: ignore[assignment]  # no DDP in front (stale_overrides reads it)
     gradients_synchronized_in_step = True
     # No DDP in front: nothing tells ShardedOptimizer rank 0's order (parallel.handover), and the
     # broadcast below pairs tensors by this rank's registration order.
@@ -131,7 +131,7 @@ class _SeededOptimizerOnly(_Seeded):
 class _SeededBatches(_Seeded):
     """The unmutated ``parallel`` target with ``batches_class()`` as its batch plan."""
 
-    batches_class = None  # a class of broken_batches (set by _target)
+    batches_class: ClassVar[type]  # a class of broken_batches (set by _target)
     # declared with the plan, so token scenarios judge it too (ddpcheck.features.supported_by)
     supported_features = ParallelTarget.supported_features
 
@@ -147,7 +147,7 @@ def _target(name: str, *, ddp: type = DDP, optimizer: type = ShardedOptimizer,
             batches: type | None = None, hooks: type | None = None) -> type:
     base = (_SeededDDPOnly if ddp_only else _SeededOptimizerOnly if optimizer_only
             else _Seeded if batches is None else _SeededBatches)
-    attrs = {"__module__": __name__, "__qualname__": name}
+    attrs: dict[str, Any] = {"__module__": __name__, "__qualname__": name}
     if batches is not None:
         attrs["batches_class"] = batches
     if not optimizer_only:
@@ -167,9 +167,11 @@ _ENTRIES: list[tuple[str, str, str, dict]] = [
      {"ddp": D.DivideByNumelDDP}),
     ("LocalShardNorm", "A4", "gradients clipped by this rank's shard of the norm (no all-reduce)",
      {"optimizer": O.LocalShardNormOptimizer}),
-    ("NormCountsReplicas", "A4", "every rank adds every replicated gradient: norm sqrt(W) too large",
+    ("NormCountsReplicas", "A4",
+     "every rank adds every replicated gradient: norm sqrt(W) too large",
      {"optimizer": O.NormCountsReplicasOptimizer}),
-    ("MeanOfRankMeans", "A3", "each rank's loss is its own mean: uneven shards weigh samples unequally",
+    ("MeanOfRankMeans", "A3",
+     "each rank's loss is its own mean: uneven shards weigh samples unequally",
      {"batches": S.MeanOfRankMeans}),
     ("ClipsBeforeAveraging", "A4", "clipped by the norm of rank-local gradients, then averaged",
      {"optimizer": O.ClipsBeforeAveragingOptimizer, "optimizer_only": True}),
@@ -189,7 +191,8 @@ _ENTRIES: list[tuple[str, str, str, dict]] = [
      {"ddp": D.ReadinessOrderDDP}),
     ("ReadsBeforeWait", "B7", "bucket averages read before its all-reduce is waited on",
      {"ddp": D.ReadsBeforeWaitDDP}),
-    ("AssumesGradIsView", "B8", "after the first sync, grads assumed to be bucket views: not copied in",
+    ("AssumesGradIsView", "B8",
+     "after the first sync, grads assumed to be bucket views: not copied in",
      {"ddp": D.AssumesGradIsViewDDP}),
     ("ReshapeWriteBack", "B9", "write-back through grad.reshape(-1), lost for non-contiguous grads",
      {"ddp": D.ReshapeWriteBackDDP}),
@@ -266,12 +269,15 @@ _ENTRIES: list[tuple[str, str, str, dict]] = [
      {"ddp": D.LastMicroBatchAfterReduceDDP}),
 ]
 
-CATALOGUE: list[Mutant] = []
-for _name, _class, _description, _swap in _ENTRIES:
-    _cls = _target(_name, **_swap)
-    globals()[_name] = _cls
-    CATALOGUE.append(Mutant(_name, _class, _description, _cls()))
-del _name, _class, _description, _swap, _cls
+
+def _entry(name: str, bug_class: str, description: str, swap: dict[str, Any]) -> Mutant:
+    """The mutant of one row of :data:`_ENTRIES`, its class a name of this module (pickle)."""
+    cls = _target(name, **swap)
+    globals()[name] = cls
+    return Mutant(name, bug_class, description, cls())
+
+
+CATALOGUE: list[Mutant] = [_entry(*entry) for entry in _ENTRIES]
 
 # Family I: torch's FSDP2 (``TorchFSDPTarget``) with one seeded bug each (``broken_fsdp``).
 CATALOGUE += [
@@ -337,7 +343,8 @@ def stale_overrides() -> list[str]:
             for piece in ("optimizer_class", "scheduler_class"):
                 broken, original = (getattr(type(mutant.target), piece, None),
                                     getattr(control, piece, None))
-                if broken is not None and broken is not original:
+                # a piece the control lacks is reported above: the class attribute itself
+                if broken is not None and original is not None and broken is not original:
                     stale += _stale(mutant, broken, original)
             continue
         for broken in (type(mutant.target).ddp_class,

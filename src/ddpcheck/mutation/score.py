@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
 from ddpcheck.errors import ExitCode, InvalidArgument
@@ -65,7 +66,7 @@ def table_widths(names: Iterable[str]) -> list[int]:
 
 def table_lines(rows: list[list[str]], widths: list[int] | None = None) -> list[str]:
     """Markdown-compatible table lines (header, rule, rows), columns padded to ``widths``."""
-    widths = widths or [max(len(r[i]) for r in [TABLE_HEADER] + rows)
+    widths = widths or [max(len(r[i]) for r in [TABLE_HEADER, *rows])
                         for i in range(len(TABLE_HEADER))]
 
     def line(cells: list[str]) -> str:
@@ -77,7 +78,8 @@ def table_lines(rows: list[list[str]], widths: list[int] | None = None) -> list[
 
 def score(mutants: Iterable[Any], budget_seconds: float, *, control: Any = None,
           world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES, search: Search | None = None,
-          deadline: float = DEFAULT_DEADLINE, on_row: Callable[[Scored], None] | None = None) -> list[Scored]:
+          deadline: float = DEFAULT_DEADLINE,
+          on_row: Callable[[Scored], None] | None = None) -> list[Scored]:
     """Search every mutant (``ddpcheck.mutation.catalogue.Mutant``) for a counterexample within
     ``budget_seconds`` each; ``control`` (the unmutated target, or a list of them), if given, is
     searched first with
@@ -87,7 +89,7 @@ def score(mutants: Iterable[Any], budget_seconds: float, *, control: Any = None,
     todo = [(m.name, m.bug_class, m.target, False) for m in mutants]
     # several controls (a list) when the mutants seed bugs into several unmutated targets
     controls = [] if control is None else control if isinstance(control, list) else [control]
-    for i, unmutated in reversed(list(enumerate(controls))):
+    for unmutated in reversed(controls):
         label = (CONTROL if unmutated is PARALLEL else
                  f"{CONTROL[:-1]} {type(unmutated).__name__})")
         todo.insert(0, (label, "-", unmutated, True))
@@ -118,7 +120,7 @@ def run_mutants(only: str | None, *, budget_seconds: float, search_name: str,
     print("\n".join(table_lines([], widths)), flush=True)
     started = time.perf_counter()
     chosen = search.shrinking_search if search_name == "shrinking" else search.battery_search
-    controls = []  # each family's original, in catalogue order
+    controls: list[Any] = []  # each family's original, in catalogue order
     for m in mutants:
         control = (m.control if m.control is not None else
                    TORCH_FSDP if isinstance(m.target, TorchFSDPTarget) else PARALLEL)
@@ -136,7 +138,8 @@ def run_mutants(only: str | None, *, budget_seconds: float, search_name: str,
           f"counterexample; unmutated target {'passes' if control_ok else 'FAILS'}; "
           f"wall {time.perf_counter() - started:.1f} s")
     for r in rows:
-        if r.control and r.killed:
+        found = r.outcome.counterexample  # None unless the row was killed
+        if r.control and found is not None:
             print(f"\nthe unmutated target failed, so the scores above mean nothing:\n"
-                  f"{r.outcome.counterexample.error}")
+                  f"{found.error}")
     return ExitCode.OK if killed == len(mutants) and control_ok else ExitCode.FOUND

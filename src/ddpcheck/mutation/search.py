@@ -20,11 +20,17 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
-from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, STARTUP_DEADLINE,
-                                        check_positive_number, check_world_sizes)
 from ddpcheck._internal.messages import scenario_line as brief
+from ddpcheck._internal.options import (
+    DEFAULT_DEADLINE,
+    DEFAULT_WORLD_SIZES,
+    STARTUP_DEADLINE,
+    check_positive_number,
+    check_world_sizes,
+)
 from ddpcheck._internal.runs.example import check_example, prepare_reference
 from ddpcheck._internal.runs.fuzz import fuzz
 from ddpcheck._internal.world.worlds import get_world
@@ -102,7 +108,8 @@ def _import(modules: tuple[str, ...]) -> None:
         importlib.import_module(name)
 
 
-def battery_search(target: Any, budget_seconds: float, *, world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
+def battery_search(target: Any, budget_seconds: float, *,
+                   world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
                    deadline: float = DEFAULT_DEADLINE) -> Outcome:
     """Battery x world sizes, in :data:`SEARCH_ORDER`, until the first divergence."""
     check_positive_number("budget_seconds", budget_seconds)

@@ -1,13 +1,13 @@
 """Targets: how an implementation under test is driven inside each rank (public).
 
-``protocol`` says what a target is -- every hook the runner calls, and its default
-(:class:`Target`, re-exported here with :class:`WrapperTarget`); ``fsdp`` how the FSDP2 target
-sets torch's FSDP2 up; ``accelerate``, ``fabric``, ``lightning``, ``deepspeed``, ``hf_trainer``
-drive those frameworks (each imported only when its target runs; ``environment`` joins them to the existing process group).
-This module holds the built-ins: ``parallel`` (ours), torch's DDP, ZeRO and FSDP2, a broken one,
-the frameworks', each a frozen dataclass whose replay line is its fields, :data:`READY_MADE`
-(what ``ddpcheck targets`` lists: each one's framework, version and what it declines, and why)
-and :data:`BUILTIN`, the short names the command line accepts. Imports the scenario language and
+``protocol`` says what a target is -- every hook the runner calls, and its default (:class:`Target`,
+re-exported here with :class:`WrapperTarget`); ``fsdp`` how the FSDP2 target sets torch's FSDP2 up;
+``accelerate``, ``fabric``, ``lightning``, ``deepspeed``, ``hf_trainer`` drive those frameworks
+(each imported only when its target runs; ``environment`` joins them to the existing process group).
+This module holds the built-ins: ``parallel`` (ours), torch's DDP, ZeRO and FSDP2, a broken one, the
+frameworks', each a frozen dataclass whose replay line is its fields, :data:`READY_MADE` (what
+``ddpcheck targets`` lists: each one's framework, version and what it declines, and why) and
+:data:`BUILTIN`, the short names the command line accepts. Imports the scenario language and
 ``parallel``; nothing of ddpcheck's private packages.
 """
 
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -27,8 +28,13 @@ from ddpcheck.targets.deepspeed import DeepSpeedTarget
 from ddpcheck.targets.environment import installed_version
 from ddpcheck.targets.fabric import FabricTarget
 from ddpcheck.targets.framework import install_command
-from ddpcheck.targets.fsdp import (broadcast_from, fsdp_cannot_run, fully_shard_options,
-                                   gradient_sync_off, shard_leaves)
+from ddpcheck.targets.fsdp import (
+    broadcast_from,
+    fsdp_cannot_run,
+    fully_shard_options,
+    gradient_sync_off,
+    shard_leaves,
+)
 from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.protocol import CONSTRUCTOR_CALL, Target, WrapperTarget
@@ -49,7 +55,7 @@ class _Bucketed(Target):
 
     bucket_size_mb: float | None = None
 
-    def configure(self, scenario: Any) -> "Target":
+    def configure(self, scenario: Any) -> Target:
         hint = getattr(scenario, "bucket_size_mb", None)
         if hint is None or self.bucket_size_mb is not None:
             return self
@@ -70,7 +76,7 @@ class ParallelDDPTarget(_Bucketed):
     def after_backward(self, model: Any, optimizer: Any) -> None:
         model.finish_gradient_sync()
 
-    def no_sync(self, model: Any) -> ContextManager[Any]:
+    def no_sync(self, model: Any) -> AbstractContextManager[Any]:
         return model.no_sync()
 
     def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float,
@@ -112,11 +118,12 @@ class TorchDDPTarget(_Bucketed):
     supported_features = frozenset(FEATURES) - {"rank-orders"}
 
     def wrap(self, module: Any) -> Any:
-        kwargs = {} if self.bucket_size_mb is None else {"bucket_cap_mb": self.bucket_size_mb}
+        kwargs: dict[str, Any] = ({} if self.bucket_size_mb is None else
+                                  {"bucket_cap_mb": self.bucket_size_mb})
         # Unused parameters are part of every battery; torch needs to be told to look for them.
         return DistributedDataParallel(module, find_unused_parameters=True, **kwargs)
 
-    def no_sync(self, model: Any) -> ContextManager[Any]:
+    def no_sync(self, model: Any) -> AbstractContextManager[Any]:
         return model.no_sync()
 
 
@@ -206,7 +213,7 @@ class TorchFSDPTarget(Target):
     supported_features = frozenset(FEATURES) - {"non-contiguous", "unused-on-some-ranks",
                                                 "checkpoint", "rank-orders"}
 
-    def configure(self, scenario: Any) -> "Target":
+    def configure(self, scenario: Any) -> TorchFSDPTarget:
         change: dict[str, Any] = {}
         if self.reshard_after_forward is None:
             change["reshard_after_forward"] = bool(scenario.seed % 2)
@@ -233,7 +240,7 @@ class TorchFSDPTarget(Target):
             cpu_offload=self.cpu_offload, param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype))
 
-    def no_sync(self, model: Any) -> ContextManager[Any]:
+    def no_sync(self, model: Any) -> AbstractContextManager[Any]:
         return gradient_sync_off(model)
 
 
@@ -303,7 +310,7 @@ _NO_PARAM_DTYPE = {"param-dtype": "a param_dtype policy is the target's to apply
                                   "MixedPrecisionPolicy"}
 
 #: Every ready-made target, in the order ``ddpcheck targets`` lists them.
-READY_MADE = (
+READY_MADE: tuple[ReadyMade, ...] = (
     ReadyMade("parallel", PARALLEL, "torch", "torch",
               "parallel.DDP + parallel.ShardedOptimizer (this repository)", _NO_PARAM_DTYPE),
     ReadyMade("parallel_ddp", PARALLEL_DDP, "torch", "torch",

@@ -29,7 +29,8 @@ Imports accelerate only inside the hooks: listing or pickling the target needs n
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -59,7 +60,7 @@ class AccelerateTarget(FrameworkTarget):
     def warm_up(self) -> None:
         import accelerate  # noqa: F401  (seconds in a rank: once per process, here)
 
-    def configure(self, scenario: Any) -> "Target":
+    def configure(self, scenario: Any) -> Target:
         return dataclasses.replace(self, accumulation=scenario.accumulation)
 
     def setup(self, module: Any, params: Any, optimizer_cls: type,
@@ -83,7 +84,7 @@ class AccelerateTarget(FrameworkTarget):
         return optimizer.ddpcheck_accelerator.prepare_scheduler(inner)
 
     def micro_batch(self, model: Any, optimizer: Any, index: int,
-                    count: int) -> ContextManager[Any]:
+                    count: int) -> AbstractContextManager[Any]:
         return model.ddpcheck_accelerator.accumulate(model)
 
     def backward(self, model: Any, loss: Any) -> None:

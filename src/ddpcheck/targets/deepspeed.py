@@ -41,12 +41,12 @@ from the parameters' device, so it should run unchanged under ``--device cuda``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
-from typing import Any, ContextManager
-
-import contextlib
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -117,7 +117,7 @@ class DeepSpeedTarget(FrameworkTarget):
         # ZeRO-2 reduces each micro-batch's gradients into the partitions (it has no no_sync)
         return self.stage == 2
 
-    def configure(self, scenario: Any) -> "Target":
+    def configure(self, scenario: Any) -> Target:
         return dataclasses.replace(self, accumulation=scenario.accumulation,
                                    gamma=scenario.lr_decay)
 
@@ -163,7 +163,7 @@ class DeepSpeedTarget(FrameworkTarget):
         return _Schedule(optimizer.engine)
 
     def micro_batch(self, model: Any, optimizer: Any, index: int,
-                    count: int) -> ContextManager[Any]:
+                    count: int) -> AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
     def backward(self, model: Any, loss: Any) -> None:

@@ -21,7 +21,7 @@ import contextlib
 import fcntl
 import os
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 __all__ = ["build_directory", "held_open", "remove_stale_lock"]
 

@@ -17,7 +17,8 @@ Imports Lightning only inside the hooks: listing or pickling the target needs no
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,7 @@ class FabricTarget(FrameworkTarget):
         return torch.optim.lr_scheduler.ExponentialLR(optimizer.optimizer, gamma)
 
     def micro_batch(self, model: Any, optimizer: Any, index: int,
-                    count: int) -> ContextManager[Any]:
+                    count: int) -> AbstractContextManager[Any]:
         return model.ddpcheck_fabric.no_backward_sync(model, enabled=index < count - 1)
 
     def backward(self, model: Any, loss: Any) -> None:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,8 @@ def fully_shard_options(*, cpu_offload: bool = False, param_dtype: Any = None,
     return options
 
 
-def shard_leaves(module: Any, reshard_after_forward: bool | int, **options: Any) -> Any:
+def shard_leaves(module: Any, reshard_after_forward: bool | int | None,
+                 **options: Any) -> Any:
     """``fully_shard`` every module holding parameters of its own, then the root (which takes
     whatever parameters are left): one FSDP2 parameter group per layer, as real models do.
     Modules sharing a parameter (tied weights) are sharded together, as FSDP2 requires.
@@ -75,8 +77,7 @@ def shard_leaves(module: Any, reshard_after_forward: bool | int, **options: Any)
         own = list(child.parameters(recurse=False))
         if not own:
             continue
-        joined = [g for g in {id(owner[id(p)]): owner[id(p)] for p in own
-                              if id(p) in owner}.values()]
+        joined = list({id(owner[id(p)]): owner[id(p)] for p in own if id(p) in owner}.values())
         group = [m for g in joined for m in g] + [child]
         groups = [g for g in groups if all(g is not j for j in joined)] + [group]
         for m in group:
@@ -131,7 +132,8 @@ def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> 
     outside: list[str] = []
 
     class Uses(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
+        def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                               kwargs: dict[str, Any] | None = None) -> Any:
             # reading an attribute (param.dtype, .shape) computes nothing with the parameter
             reads = getattr(func, "__name__", "") == "__get__"
             for value in [] if reads else [*args, *(kwargs or {}).values()]:

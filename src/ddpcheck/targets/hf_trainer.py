@@ -57,7 +57,8 @@ import math
 import os
 import shutil
 import tempfile
-from typing import Any, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -176,7 +177,7 @@ class HfTrainerTarget(FrameworkTarget):
     # them to None, after every step).
     supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint", "grads-kept"}
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "_given", _given(self.training_args))
         if self.trainer_class is not None:
             _check_trainer_class(self.trainer_class)
@@ -216,12 +217,13 @@ class HfTrainerTarget(FrameworkTarget):
         device = next(module.parameters()).device
         folder = tempfile.mkdtemp(prefix="ddpcheck-hf-trainer-")
         try:
-            kwargs = arguments(self._given, run.scenario, run.steps, accumulation, device,
+            given = vars(self)["_given"]  # set by __post_init__: no field, not in the replay line
+            kwargs = arguments(given, run.scenario, run.steps, accumulation, device,
                                folder)
             try:
                 args = TrainingArguments(**kwargs)
             except (TypeError, ValueError) as exc:
-                raise InvalidArgument(f"TrainingArguments({_shown(self._given)}) as ddpcheck "
+                raise InvalidArgument(f"TrainingArguments({_shown(given)}) as ddpcheck "
                                       f"completed it raised {type(exc).__name__}: {exc}") from exc
             optimizer = run.optimizer(run.params, **run.optimizer_kwargs)
             scheduler = (torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
@@ -310,7 +312,7 @@ def _check_trainer_class(cls: Any) -> None:
 
 
 def _same(value: Any, accepted: Any) -> bool:
-    return type(value) is type(accepted) and value == accepted or (value is accepted)
+    return (type(value) is type(accepted) and value == accepted) or (value is accepted)
 
 
 def _fields() -> set[str] | None:
@@ -377,8 +379,9 @@ class ScenarioCausalLMWithoutLossKwargs(ScenarioCausalLM):
     """The older convention: a forward without ``**kwargs``, so the Trainer passes no
     ``num_items_in_batch`` and divides the per-micro-batch mean by the accumulation steps."""
 
-    def forward(self, input_ids: torch.Tensor,
-                labels: torch.Tensor | None = None) -> dict:  # type: ignore[override]
+    # no **kwargs, on purpose: what the Trainer inspects to choose the older convention
+    def forward(  # type: ignore[override]
+            self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
         return self.outputs(input_ids, labels, None)
 
 
@@ -391,9 +394,10 @@ def _trainer(trainer_cls: type, batches: list) -> type:
     """The ``Trainer`` subclass that trains on ``batches`` (classes made here: transformers is
     imported only when the target runs)."""
 
-    class Trainer(trainer_cls):
-        def get_train_dataloader(self):
-            return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
+    class Trainer(trainer_cls):  # type: ignore[misc]  # transformers' Trainer
+        def get_train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(batches,  # type: ignore[arg-type]  # a list
+                                               batch_size=None, shuffle=False)
 
     return Trainer
 
@@ -401,20 +405,21 @@ def _trainer(trainer_cls: type, batches: list) -> type:
 def _recorder(callback_cls: type, run: Any, module: Any, scheduler: Any) -> Any:
     """The callback through which ddpcheck records the Trainer's run (the module docstring)."""
 
-    class Recorder(callback_cls):
-        def __init__(self):
+    class Recorder(callback_cls):  # type: ignore[misc]  # transformers' callback
+        def __init__(self) -> None:
             self.trainer: Any = None  # set once the Trainer is built
             self.kept: list = []
 
-        def on_train_begin(self, args, state, control, **kwargs):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             run.started(self.trainer.model_wrapped, self.trainer.optimizer)
 
-        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any,
+                                  **kwargs: Any) -> None:
             # clipped, synchronised: what optimizer.step() receives
             self.kept = [(p, None if p.grad is None else p.grad.detach().clone())
                          for p in module.parameters()]
 
-        def on_step_end(self, args, state, control, **kwargs):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             with _gradients_back(self.kept):
                 run.record(self.trainer.model_wrapped, self.trainer.optimizer, scheduler)
             self.kept = []
@@ -423,7 +428,7 @@ def _recorder(callback_cls: type, run: Any, module: Any, scheduler: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _gradients_back(kept: list):
+def _gradients_back(kept: list) -> Iterator[None]:
     """The kept gradients in ``.grad`` for the block, then cleared as the Trainer left them."""
     for p, grad in kept:
         p.grad = grad

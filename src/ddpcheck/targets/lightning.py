@@ -99,8 +99,10 @@ class LightningTarget(FrameworkTarget):
             use_distributed_sampler=False, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
             callbacks=[_recorder(pl, run, accumulation)])
-        loader = torch.utils.data.DataLoader(
-            [micro for step in run.batches for micro in step], batch_size=None, shuffle=False)
+        # a list is a map-style dataset (len and getitem); torch's annotation asks for Dataset
+        loader: torch.utils.data.DataLoader[Any] = torch.utils.data.DataLoader(
+            [micro for step in run.batches for micro in step],  # type: ignore[arg-type]
+            batch_size=None, shuffle=False)
         trainer.fit(net, train_dataloaders=loader)
 
 
@@ -119,15 +121,15 @@ def _module(pl: Any, net: Any, run: Any, accumulation: int, manual: bool) -> Any
     imported only when the target runs)."""
 
     class Module(pl.LightningModule):
-        def __init__(self):
+        def __init__(self) -> None:
             super().__init__()
             self.net = net
             self.automatic_optimization = not manual
 
-        def forward(self, x):
+        def forward(self, x: torch.Tensor) -> Any:
             return self.net(x)
 
-        def training_step(self, batch, batch_idx):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
             x, y, scale = batch
             loss = run.loss(self.net, x, y, scale)
             if not manual:  # Lightning divides by accumulate_grad_batches; ours is scaled
@@ -144,14 +146,14 @@ def _module(pl: Any, net: Any, run: Any, accumulation: int, manual: bool) -> Any
                     scheduler.step()
             return None
 
-        def on_train_batch_start(self, batch, batch_idx):
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
             if manual and batch_idx % accumulation == 0:
                 self.optimizers().zero_grad(set_to_none=run.set_to_none)
 
-        def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
             optimizer.zero_grad(set_to_none=run.set_to_none)
 
-        def configure_optimizers(self):
+        def configure_optimizers(self) -> Any:
             optimizer = run.optimizer(run.params, **run.optimizer_kwargs)
             if run.gamma is None:
                 return optimizer
@@ -166,10 +168,11 @@ def _recorder(pl: Any, run: Any, accumulation: int) -> Any:
     """The callback through which ddpcheck records the Trainer's run."""
 
     class Recorder(pl.Callback):
-        def on_train_start(self, trainer, pl_module):
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             run.started(trainer.strategy.model, trainer.optimizers[0])
 
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
             if (batch_idx + 1) % accumulation:
                 return  # inside the accumulation window: no optimizer step yet
             configs = trainer.lr_scheduler_configs

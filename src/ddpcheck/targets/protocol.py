@@ -63,7 +63,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from typing import Any, ContextManager, Mapping
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -121,7 +123,7 @@ class Target:
     #: any world runs; a missing or older release is a ``SetupError`` naming both.
     requires: tuple[tuple[str, str], ...] = ()
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "Target":
+    def __new__(cls, *args: Any, **kwargs: Any) -> Target:
         # Record the constructor call: a failure's replay line rebuilds a plain-class target as
         # ``module:Cls(args...)`` (``ddpcheck._internal.runs.replay``). Kept in the instance dict,
         # so it travels with the target; unpickling calls ``__new__`` without arguments, then
@@ -132,7 +134,7 @@ class Target:
         object.__setattr__(self, CONSTRUCTOR_CALL, (args, kwargs))  # frozen dataclasses too
         return self
 
-    def configure(self, scenario: Any) -> "Target":
+    def configure(self, scenario: Any) -> Target:
         """Return the target to use for this scenario (default: itself)."""
         return self
 
@@ -174,7 +176,7 @@ class Target:
         return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma)
 
     def micro_batch(self, model: Any, optimizer: Any, index: int,
-                    count: int) -> ContextManager[Any]:
+                    count: int) -> AbstractContextManager[Any]:
         """The context of micro-batch ``index`` of ``count`` in a step: its forward and backward
         (and, with :attr:`steps_every_micro_batch`, the gated step) run inside. Default:
         :meth:`no_sync` for all but the last. Override it for accelerate's
@@ -200,13 +202,15 @@ class Target:
         return contiguous(batch)
 
     def before_step(self, model: Any, optimizer: Any) -> None:
-        """Called at the start of every step, before its first forward (``on_train_batch_start``)."""
+        """Called at the start of every step, before its first forward
+        (``on_train_batch_start``)."""
 
     def after_backward(self, model: Any, optimizer: Any) -> None:
         """Called after the last micro-batch's backward, before ``optimizer.step()``."""
 
     def after_step(self, model: Any, optimizer: Any) -> None:
-        """Called after ``optimizer.step()`` and ``zero_grad`` (where loops call ``model.reset()``)."""
+        """Called after ``optimizer.step()`` and ``zero_grad`` (where loops call
+        ``model.reset()``)."""
 
     def teardown(self, model: Any, optimizer: Any) -> None:
         """Called once per example on every rank, after its last step (and checkpoint): reset
@@ -238,7 +242,7 @@ class Target:
 
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
 
-    def no_sync(self, model: Any) -> ContextManager[Any]:
+    def no_sync(self, model: Any) -> AbstractContextManager[Any]:
         """Context for accumulation micro-batches whose gradients stay local."""
         return contextlib.nullcontext()
 
@@ -365,7 +369,7 @@ class Target:
                       inner_optimizer: str = "class", before_step: str | None = None,
                       after_step: str | None = None, supports: Any = None,
                       shards_optimizer_state: bool | None = None,
-                      shard_batch: Any = None) -> "WrapperTarget":
+                      shard_batch: Any = None) -> WrapperTarget:
         """A target for the common shapes of data-parallel code, with no class to write.
 
         ``ddp(module, **ddp_kwargs)`` wraps the model; ``finish`` names the wrapper's method to
@@ -449,7 +453,7 @@ class WrapperTarget(Target):
         if self.after_step_method is not None:
             _method(model, self.after_step_method, "after_step")()
 
-    def no_sync(self, model: Any) -> ContextManager[Any]:
+    def no_sync(self, model: Any) -> AbstractContextManager[Any]:
         if self.no_sync_method is None:
             return contextlib.nullcontext()
         return _method(model, self.no_sync_method, "no_sync")()
@@ -486,6 +490,7 @@ def _consolidate_on_rank_zero(target: Any, optimizer: Any) -> None:
     consolidate = getattr(optimizer, "consolidate_state_dict", None)
     if not callable(consolidate):
         return  # not sharded: every rank holds the whole state
+    parameters: Mapping[str, inspect.Parameter]
     try:
         parameters = inspect.signature(consolidate).parameters
     except (TypeError, ValueError):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 
 from ddpcheck._internal.oracle.reference import Reference
-from ddpcheck._internal.records import RankRecord
+from ddpcheck._internal.records import Collective, RankRecord
 from ddpcheck.errors import Divergence
 
 __all__ = ["GATHERS", "NARROWER", "REDUCTIONS", "check_budget", "check_reduce_dtypes"]
@@ -160,5 +160,5 @@ def _padding(shards: dict, reference: Reference, world_size: int) -> tuple[int, 
     return nbytes, numel
 
 
-def _numel(collective) -> int:
+def _numel(collective: Collective) -> int:
     return sum(math.prod(shape) for shape in collective.shapes)

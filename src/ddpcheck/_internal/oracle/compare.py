@@ -65,9 +65,16 @@ from ddpcheck._internal.oracle.budget import check_budget, check_reduce_dtypes
 from ddpcheck._internal.oracle.reference import Reference, reference_run
 from ddpcheck._internal.oracle.sample_weights import check_sample_weights
 from ddpcheck._internal.oracle.shards import compare_shards
-from ddpcheck._internal.oracle.tolerances import (NOISE_FACTOR, RESOLUTION, TOLERANCES,
-                                                  all_close, close, noise_verdict, scaled_atol,
-                                                  tolerance)
+from ddpcheck._internal.oracle.tolerances import (
+    NOISE_FACTOR,
+    RESOLUTION,
+    TOLERANCES,
+    all_close,
+    close,
+    noise_verdict,
+    scaled_atol,
+    tolerance,
+)
 from ddpcheck._internal.oracle.window import check_window
 from ddpcheck._internal.records import RankRecord, StepRecord
 from ddpcheck.errors import Divergence, InvalidArgument
@@ -186,7 +193,7 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
         for kind, field in (("gradient", "grads"), ("parameter", "params"),
                             ("buffer", "buffers")):
             found += _compare_maps(step, world_size, records,
-                                   lambda r, f=field: getattr(r.steps[step], f),
+                                   lambda r, f=field, s=step: getattr(r.steps[s], f),
                                    getattr(ref, field), kind, tol, replicas, against_ref,
                                    _noise(reference, earlier_steps + step, field))
         if replicas:
@@ -253,8 +260,9 @@ def _reference_non_finite(reference: Reference, world_size: int) -> list[Diverge
         if mask is not None:
             inherent[name] = mask
     for step, ref in enumerate(reference.steps):
-        tensors = [(f"gradient {name}", f"{name}.grad", ref.grads.get(name), None)
-                   for name in ref.grads]
+        # (what, label, value, NaN/inf mask it started with)
+        tensors: list[tuple[str, str, Any, torch.Tensor | None]] = [
+            (f"gradient {name}", f"{name}.grad", ref.grads.get(name), None) for name in ref.grads]
         tensors += [(f"parameter {name}", name, value, inherent.get(name))
                     for name, value in ref.params.items()]
         tensors += [(f"buffer {name}", name, value, inherent.get(name))
@@ -281,7 +289,7 @@ def _reference_non_finite(reference: Reference, world_size: int) -> list[Diverge
 
 
 def _against_reference(step: Any, world_size: int, rank: int, name: str, what: str, kind: str,
-                       got: torch.Tensor, ref: Any, rtol: float, atol: float,
+                       got: Any, ref: Any, rtol: float, atol: float,
                        label: str | None = None, noise: Any = None) -> Divergence | None:
     """One rank's tensor against the reference's: None when it matches within tolerance, or
     within the reference's own rounding spread there (``noise()``: ``(spread, scale)``, asked
@@ -443,7 +451,8 @@ class _Largest:
     call: what a bug is measured against where the reference's rounding spread is wide."""
 
     def __init__(self, values: Any):
-        self._values, self._found = values, None
+        self._values = values
+        self._found: float | None = None
 
     def __call__(self) -> float:
         if self._found is None:
@@ -568,6 +577,7 @@ def compare_resumed(parts: tuple[list, list], reference: Reference, scenario: Sc
     uninterrupted reference; rows name steps of the whole run."""
     before, after = parts
     saved_at = scenario.checkpoint_after
+    assert saved_at is not None  # only a scenario that saves a checkpoint is resumed
     rows = compare(before, dataclasses.replace(reference, steps=reference.steps[:saved_at + 1]),
                    scenario, target, checks)
     if rows:

@@ -35,14 +35,22 @@ import contextlib
 import functools
 import inspect
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from ddpcheck._internal import objective
-from ddpcheck._internal.messages import (active_modules, brief, code_name, describe_value,
-                                         exception_text, needs_arguments, short_name)
+from ddpcheck._internal.messages import (
+    active_modules,
+    brief,
+    code_name,
+    describe_value,
+    exception_text,
+    needs_arguments,
+    short_name,
+)
 from ddpcheck._internal.oracle.tolerances import TOLERANCES
 from ddpcheck.errors import ScenarioError
 from ddpcheck.models import ModelSpec
@@ -82,13 +90,13 @@ def explain_reference_failure(scenario: Any, error: BaseException) -> ScenarioEr
     except ScenarioError as found:
         found.__cause__ = error
         return found
-    except Exception:  # noqa: S110 -- not reproduced part by part: the generic message below
+    except Exception:  # not reproduced part by part: the generic message below
         pass
-    found = ScenarioError(
+    generic = ScenarioError(
         "the single-process reference of the scenario failed, so there is nothing to compare "
         f"against (no target was involved): {exception_text(error)}")
-    found.__cause__ = error
-    return found
+    generic.__cause__ = error
+    return generic
 
 
 @contextlib.contextmanager
@@ -118,7 +126,8 @@ def _probe(scenario: Any) -> None:
     if facts.random:
         raise ScenarioError(
             f"the model is random per call (dropout?): model={code_name(scenario.model)} gave "
-            f"different outputs for the same inputs on two forwards{active_modules(model, 'dropout')}; "
+            "different outputs for the same inputs on two forwards"
+            f"{active_modules(model, 'dropout')}; "
             "each rank would draw different masks, so no full-batch reference exists; put dropout "
             "in eval mode or set p=0")
     if facts.part_failure is not None or facts.mixing is not None:
@@ -126,10 +135,10 @@ def _probe(scenario: Any) -> None:
     if facts.buffers_changed:
         raise ScenarioError(
             f"the model's forward changes its buffers {facts.buffers_changed} (running "
-            f"statistics?){active_modules(model, 'batchnorm')}: each rank would update them from its own "
-            "shard and micro-batches, the reference from the whole batch, so they cannot agree; "
-            "put those layers in eval mode, use track_running_stats=False, or keep forward from "
-            "writing buffers")
+            f"statistics?){active_modules(model, 'batchnorm')}: each rank would update them from "
+            "its own shard and micro-batches, the reference from the whole batch, so they cannot "
+            "agree; put those layers in eval mode, use track_running_stats=False, or keep forward "
+            "from writing buffers")
 
 
 def _train(scenario: Any) -> None:
@@ -140,13 +149,14 @@ def _train(scenario: Any) -> None:
     try:
         groups = make_param_groups(scenario, model)
     except Exception as exc:
-        raise ScenarioError(f"param_groups={code_name(scenario.param_groups)} raised {exception_text(exc)} "
-                            "on the model") from exc
+        raise ScenarioError(f"param_groups={code_name(scenario.param_groups)} raised "
+                            f"{exception_text(exc)} on the model") from exc
     try:
         optimizer = cls(groups, **scenario.optimizer_kwargs)
     except Exception as exc:
         raise ScenarioError(f"optimizer_kwargs={scenario.optimizer_kwargs!r} were rejected by "
-                            f"{name} (with the param groups of the model): {exception_text(exc)}") from exc
+                            f"{name} (with the param groups of the model): "
+                            f"{exception_text(exc)}") from exc
     scheduler = None
     if scenario.lr_decay is not None:
         try:
@@ -195,12 +205,13 @@ def _build(scenario: Any) -> nn.Module:
     except Exception as exc:
         if needs_arguments(factory):
             raise ScenarioError(
-                f"model={code_name(factory)} cannot be called without arguments ({exception_text(exc)}): the "
-                "model factory is called as model(), so pass a class whose constructor takes no "
-                "arguments, or a module-level function such as def make_model(): return "
+                f"model={code_name(factory)} cannot be called without arguments "
+                f"({exception_text(exc)}): the model factory is called as model(), so pass a "
+                "class whose constructor takes no arguments, or a module-level function such as "
+                "def make_model(): return "
                 f"{short_name(factory)}(...)") from exc
-        raise ScenarioError(f"the model factory model={code_name(factory)} raised {exception_text(exc)} when "
-                            "called to build the model") from exc
+        raise ScenarioError(f"the model factory model={code_name(factory)} raised "
+                            f"{exception_text(exc)} when called to build the model") from exc
     if not isinstance(model, nn.Module):
         raise ScenarioError(f"model={code_name(factory)} returned {type(model).__name__}, not a "
                             "torch.nn.Module")
@@ -224,21 +235,22 @@ def _data(scenario: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if needs_arguments(data, seed, batch, dtype):
             raise ScenarioError(
                 f"data={code_name(data)} cannot be called as data(seed, batch, dtype) "
-                f"({exception_text(exc)}); the data function receives the step's seed, the global batch "
-                "size and the dtype, and returns (inputs, targets)") from exc
-        raise ScenarioError(f"the data function data={code_name(data)} raised {exception_text(exc)} when "
-                            f"called as data({seed}, {batch}, {dtype})") from exc
+                f"({exception_text(exc)}); the data function receives the step's seed, the "
+                "global batch size and the dtype, and returns (inputs, targets)") from exc
+        raise ScenarioError(f"the data function data={code_name(data)} raised "
+                            f"{exception_text(exc)} when called as "
+                            f"data({seed}, {batch}, {dtype})") from exc
     if not (isinstance(result, (tuple, list)) and len(result) == 2
             and all(torch.is_tensor(t) for t in result)):
         raise ScenarioError(
-            f"data={code_name(data)} returned {describe_value(result)}; it must return (inputs, targets), "
-            "two tensors whose first dimension is the batch")
+            f"data={code_name(data)} returned {describe_value(result)}; it must return "
+            "(inputs, targets), two tensors whose first dimension is the batch")
     x, y = result
     if x.dim() == 0 or y.dim() == 0 or x.shape[0] != batch or y.shape[0] != batch:
         raise ScenarioError(
-            f"data={code_name(data)} returned inputs of shape {tuple(x.shape)} and targets of shape "
-            f"{tuple(y.shape)} for batch={batch}; both need {batch} rows: dimension 0 is what "
-            "is split between ranks and micro-batches")
+            f"data={code_name(data)} returned inputs of shape {tuple(x.shape)} and targets of "
+            f"shape {tuple(y.shape)} for batch={batch}; both need {batch} rows: dimension 0 is "
+            "what is split between ranks and micro-batches")
     return x, y
 
 
@@ -323,8 +335,9 @@ def _refuse_batch_dependence(scenario: Any, model: nn.Module, facts: _Forwards) 
     parts = " + ".join(map(str, facts.sizes))
     if facts.part_failure is not None:
         size, exc = facts.part_failure
-        how = (f"the forward runs on the whole batch of {batch} but raises {exception_text(exc)} on a shard "
-               f"of {size} sample{'s' if size > 1 else ''} (world size 2)")
+        how = (f"the forward runs on the whole batch of {batch} but raises "
+               f"{exception_text(exc)} on a shard of {size} sample{'s' if size > 1 else ''} "
+               "(world size 2)")
     elif facts.mixing == float("inf"):
         how = (f"the two shards of world size 2 ({parts} samples) give outputs of other shapes "
                "than the whole batch")
@@ -396,7 +409,8 @@ def _optimizer_class(scenario: Any) -> type:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ScenarioError(f"optimizer={cls!r} must be a torch.optim.Optimizer subclass, such "
                             "as torch.optim.SGD")
-    if _requires_closure(cls):
+    # mypy checks an optimizer's instance __hash__ against Hashable here, not the class's
+    if _requires_closure(cls):  # type: ignore[arg-type]
         raise ScenarioError(
             f"optimizer={import_path(cls)} requires a closure (its step(closure) re-evaluates "
             "the loss, like LBFGS); data-parallel training calls optimizer.step() once per step "
@@ -417,7 +431,7 @@ def _optimizer_kwargs(scenario: Any, cls: type) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _requires_closure(cls: type) -> bool:
+def _requires_closure(cls: type[torch.optim.Optimizer]) -> bool:
     try:
         parameters = inspect.signature(cls.step).parameters
     except (TypeError, ValueError):

@@ -35,8 +35,13 @@ from typing import Any
 import torch
 
 from ddpcheck._internal.objective import count, tokens
-from ddpcheck._internal.records import (StepRecord, gradients, initial_state, schedule_state,
-                                        snapshot)
+from ddpcheck._internal.records import (
+    StepRecord,
+    gradients,
+    initial_state,
+    schedule_state,
+    snapshot,
+)
 from ddpcheck._internal.training import Loop, make_scheduler, train
 from ddpcheck.scenario import Scenario, build_model, global_batch, make_param_groups
 
@@ -132,9 +137,11 @@ class Reference:
             variants = [_train(self.scenario, variant)[0] for variant in NOISE_VARIANTS]
             for index, record in enumerate(mine):
                 others = [v[index] for v in variants]
+                grads, params, buffers = (
+                    _spread(getattr(record, f), [getattr(o, f) for o in others])
+                    for f in ("grads", "params", "buffers"))
                 self.noise_cache[index] = Noise(
-                    *(_spread(getattr(record, f), [getattr(o, f) for o in others])
-                      for f in ("grads", "params", "buffers")),
+                    grads, params, buffers,
                     _spread(_flat_state(record.state), [_flat_state(o.state) for o in others]))
         return self.noise_cache.get(step)
 

@@ -21,7 +21,8 @@ parameter.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ddpcheck.errors import Divergence
 
@@ -77,8 +78,8 @@ def check_sample_weights(step: int, world_size: int, plans: list[Any], batch_siz
             verb, losses, gets = "are", "their losses are", "gives each token"
         where = ", ".join(f"rank {r} micro-batch {m} (scale {s:.3g})" for r, m, s in held)
         name = f"sample {i}" if tokens is None else f"sample {i} ({_tokens(tokens[i])})"
-        common = dict(step=step, world_size=world_size, name=name, max_abs=error,
-                      max_rel=error / expected)
+        common: dict[str, Any] = dict(step=step, world_size=world_size, name=name, max_abs=error,
+                                      max_rel=error / expected)
         if not held:
             causes.append(Divergence(
                 rank=None, kind=kinds[0], **common,

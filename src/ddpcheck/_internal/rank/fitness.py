@@ -44,6 +44,7 @@ import gc
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -84,7 +85,7 @@ class Baseline:
     collectives: tuple[tuple[str, Any], ...]  # (name, the function torch.distributed holds)
     hooks: tuple[int, ...]  # entries per registry, in the order of _MODULE_HOOKS + _OPTIMIZER_HOOKS
     threads: int
-    thread_ids: frozenset[int]
+    thread_ids: frozenset[int | None]
     num_threads: int
     interop_threads: int
     grad_enabled: bool
@@ -157,13 +158,14 @@ def restore(base: Baseline) -> tuple[Fitness, Baseline]:
             elif after < before:
                 found.unfit.append(f"removed {before - after} "
                                    f"{what}{'s' if before - after > 1 else ''}")
-    for what, before, after, put_back in (
+    settings: tuple[tuple[str, Any, Any, Callable[[Any], Any]], ...] = (
             ("torch.get_num_threads()", base.num_threads, torch.get_num_threads(),
              torch.set_num_threads),
             ("grad mode (torch.is_grad_enabled())", base.grad_enabled, torch.is_grad_enabled(),
              torch.set_grad_enabled),
             ("torch.get_default_dtype()", base.default_dtype, torch.get_default_dtype(),
-             torch.set_default_dtype)):
+             torch.set_default_dtype))
+    for what, before, after, put_back in settings:
         if after != before:
             put_back(before)
             found.cleaned.append(f"changed {what} {before} -> {after} (set back)")

@@ -50,13 +50,12 @@ def owned_gradients(module: Any, pieces: Any) -> dict[str, torch.Tensor | None]:
             if not found or all(piece is None for _, piece in found):
                 out[name] = None
                 continue
-            flat = None
+            first = next(piece for _, piece in found if piece is not None)
+            flat = torch.zeros(param.numel(), dtype=first.dtype, device=first.device)
             covered = torch.zeros(param.numel(), dtype=torch.bool)
             for offset, piece in found:
                 if piece is None:
                     continue
-                if flat is None:
-                    flat = torch.zeros(param.numel(), dtype=piece.dtype, device=piece.device)
                 stop = offset + piece.numel()
                 if offset < 0 or stop > param.numel():
                     raise ValueError(f"Target.gradient_shards: the piece [{offset}:{stop}] of "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing.spawn
 import os
 import signal
+from collections.abc import Mapping
 from typing import Any
 
 from ddpcheck._internal.rank.serve import READY_ENV, log_of
@@ -29,18 +30,18 @@ signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 try:  # never fail the server: a rank that then cannot import torch says why in its log
     import torch
-    import torch.distributed  # noqa: F401
+    import torch.distributed
 
     # The first optimizer a process builds imports dynamo (what rank_main does at start-up
     # too); one tensor of one element runs no parallel region, so no thread starts.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-except Exception:  # noqa: S110 -- each rank imports again, and reports what fails
+except Exception:  # each rank imports again, and reports what fails
     pass
 
 _prepare = multiprocessing.spawn.prepare
 
 
-def _prepare_into_log(data: dict[str, Any]) -> None:
+def _prepare_into_log(data: Mapping[str, Any]) -> None:
     log = log_of(data.get("name", ""))
     if log is not None:
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

@@ -33,7 +33,8 @@ import inspect
 import os
 import sys
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed
@@ -175,7 +176,8 @@ def install() -> None:
     _installed = True
 
 
-def _wrap(name: str, original: Callable[..., Any], index: int, root_name: str | None):
+def _wrap(name: str, original: Callable[..., Any], index: int,
+          root_name: str | None) -> Callable[..., Any]:
     @functools.wraps(original)
     def recorded(*args: Any, **kwargs: Any) -> Any:
         tensors = _tensors(args[index] if 0 <= index < len(args) else
@@ -257,7 +259,7 @@ def _tensors(obj: Any) -> list[Any]:
     return []
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _param_names(fn: Callable[..., Any]) -> tuple[str, ...]:
     try:
         return tuple(inspect.signature(fn).parameters)
@@ -265,9 +267,11 @@ def _param_names(fn: Callable[..., Any]) -> tuple[str, ...]:
         return ()
 
 
-def _first_param(fn: Callable[..., Any], index: int) -> str | None:
+def _first_param(fn: Callable[..., Any], index: int) -> str:
+    """The name of ``fn``'s parameter at ``index``; "" where it has none (barrier's -1): no
+    keyword argument is called that."""
     names = _param_names(fn)
-    return names[index] if index < len(names) else None
+    return names[index] if 0 <= index < len(names) else ""
 
 
 def _positional(fn: Callable[..., Any], args: tuple, name: str) -> Any:

@@ -29,7 +29,8 @@ import contextlib
 import io
 import time
 import traceback
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,8 +40,13 @@ from ddpcheck._internal.rank import recorder
 from ddpcheck._internal.rank.orders import ORDER_SEED_STRIDE, permute_registration
 from ddpcheck._internal.rank.owned import owned_gradients
 from ddpcheck._internal.rank.transport import pack
-from ddpcheck._internal.records import (RankRecord, gradients, initial_state, schedule_state,
-                                        snapshot)
+from ddpcheck._internal.records import (
+    RankRecord,
+    gradients,
+    initial_state,
+    schedule_state,
+    snapshot,
+)
 from ddpcheck._internal.training import FitRun, Loop, make_scheduler, optimizer_kwargs, train
 from ddpcheck.batches import BatchPlan, contiguous, global_indices, plan_for
 from ddpcheck.errors import NothingChecked
@@ -89,11 +95,11 @@ def run_example(target: Any, scenario: Scenario, *, part: str = "whole",
     try:
         steps_run = range(scenario.steps)
         if part == "until checkpoint":
-            steps_run = range(scenario.checkpoint_after + 1)
+            steps_run = range(_saved_at(scenario, part) + 1)
         elif part == "resumed":
+            steps_run = range(_saved_at(scenario, part) + 1, scenario.steps)
             target.load_checkpoint(checkpoint_from_bytes(checkpoint), module, model, optimizer,
                                    scheduler)
-            steps_run = range(scenario.checkpoint_after + 1, scenario.steps)
         # The state training starts from: once the target has built model *and* optimizer (a
         # wrapper may broadcast when its optimizer is attached), and after a resumed run's load.
         initial = records.initial()
@@ -105,14 +111,24 @@ def run_example(target: Any, scenario: Scenario, *, part: str = "whole",
             inside_window=lambda step, index: records.inside_window(index),
             after_step=lambda step: records.step(step, model, optimizer, scheduler)),
             scheduler=scheduler, steps=steps_run)
-        result = RankRecord(rank, initial, records.steps, time.perf_counter() - started)
+        record = RankRecord(rank, initial, records.steps, time.perf_counter() - started)
+        result: RankRecord | tuple[RankRecord, bytes | None] = record
         if part == "until checkpoint":
             saved = target.save_checkpoint(module, model, optimizer, scheduler)
-            result = result, checkpoint_to_bytes(saved, type(target).__name__) if rank == 0 else None
+            result = record, (checkpoint_to_bytes(saved, type(target).__name__) if rank == 0
+                              else None)
         failed = False
     finally:  # per-example framework state (singletons, meshes, groups), even after a failure
         _teardown(target, model, optimizer, failed)
     return result
+
+
+def _saved_at(scenario: Scenario, part: str) -> int:
+    """The step after which ``scenario`` saves its checkpoint, which ``part`` needs."""
+    if scenario.checkpoint_after is None:
+        raise ValueError(f"part={part!r} needs a scenario that saves a checkpoint "
+                         "(checkpoint_after=None)")
+    return scenario.checkpoint_after
 
 
 def _teardown(target: Any, model: Any, optimizer: Any, failed: bool) -> None:
@@ -205,7 +221,7 @@ def fit_owned_loop(target: Any, module: Any, scenario: Scenario, rank: int, worl
     names = {p: n for n, p in module.named_parameters()}
     records = StepRecords(target, module, names, plans)
     initial: list = []
-    model_seen: list = []
+    model_seen: list[tuple[Any, Any]] = []  # (model, optimizer) that run.started was given
 
     def at_start(model: Any, optimizer: Any) -> None:
         if initial:
@@ -235,7 +251,8 @@ def fit_owned_loop(target: Any, module: Any, scenario: Scenario, rank: int, worl
         target.fit(module, run)
         failed = False
     finally:
-        _teardown(target, *(model_seen[0] if model_seen else (None, None)), failed)
+        seen_model, seen_optimizer = model_seen[0] if model_seen else (None, None)
+        _teardown(target, seen_model, seen_optimizer, failed)
     if len(records.steps) != scenario.steps:
         raise RuntimeError(f"{type(target).__name__}.fit recorded {len(records.steps)} of the "
                            f"scenario's {scenario.steps} step(s): call run.record after every "

@@ -25,7 +25,7 @@ import pickle
 import signal
 import sys
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
 from ddpcheck._internal.options import STARTUP_DEADLINE
 from ddpcheck.errors import DdpcheckError
@@ -87,7 +87,7 @@ def serving() -> bool:
 
 def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: Any,
                log_path: str, stack_path: str, parent_pid: int,
-               sequence_path: str | None = None, device: str = "cpu",
+               sequence_path: str, device: str = "cpu",
                environ: dict[str, str] | None = None) -> None:
     """Join the process group on ``device`` (``_internal.devices``), then run tasks from the
     parent until told to stop. ``parent_pid``: the process this rank dies with (the fork
@@ -113,10 +113,10 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     # Append: the parent pointed this process's stdout/stderr at the same file while spawning
     # it, so whatever happened during spawn's start-up is already there.
-    log = open(log_path, "a", buffering=1)
+    log = open(log_path, "a", buffering=1)  # noqa: SIM115 -- the rank's stdout for its life
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
-    stack_file = open(stack_path, "w")
+    stack_file = open(stack_path, "w")  # noqa: SIM115 -- faulthandler's, for the rank's life
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     # A rank that crashes (SIGABRT from gloo, SIGSEGV) leaves its Python stack in its log, whose
     # tail the parent reports with the exit status.
@@ -137,15 +137,16 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
         # Two cores host up to W ranks: intra-op threads would only oversubscribe them.
         torch.set_num_threads(1)
         placed = enter_rank(device, rank)
+        # NCCL: create the communicator now, inside the start-up deadline (the keyword only
+        # there: torch before 2.3 has no device_id)
+        nccl: dict[str, Any] = {"device_id": placed} if backend == "nccl" else {}
         dist.init_process_group(
             backend,
             store=dist.FileStore(store_path, world_size),
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=STARTUP_DEADLINE),
-            # NCCL: create the communicator now, inside the start-up deadline (the keyword only
-            # there: torch before 2.3 has no device_id)
-            **({"device_id": placed} if backend == "nccl" else {}),
+            **nccl,
         )
         comm.install()
         # The first optimizer a process builds imports torch._dynamo (seconds); pay that here,
@@ -191,8 +192,8 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
             result = fn(*args)
             # the record goes back whatever the task left: the numbers are judged first
             fit, baseline = fitness.restore(baseline)
-            message = ("ok", result, imports.new_files(), fit.unfit, fit.notes,
-                       bool(fit.replace or fit.unfit))
+            message: tuple[Any, ...] = ("ok", result, imports.new_files(), fit.unfit, fit.notes,
+                                        bool(fit.replace or fit.unfit))
         except DdpcheckError as exc:  # ddpcheck declining the task in here: not the target's
             fit, baseline = fitness.restore(baseline)
             message = ("refused", type(exc).__name__, str(exc), bool(fit.replace or fit.unfit))
@@ -213,7 +214,7 @@ def _send(conn: Any, message: tuple) -> None:
     conn.send_bytes(data)
 
 
-def _exit(code: int, log: Any) -> None:
+def _exit(code: int, log: Any) -> NoReturn:
     """Leave without running gloo's destructors.
 
     Tearing the process group down right before exit races with gloo's worker threads (SIGABRT in

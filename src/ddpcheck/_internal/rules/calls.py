@@ -19,17 +19,21 @@ import os
 import signal
 import time
 import traceback
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, Phase, Verbosity, given
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
-from hypothesis import settings
 from hypothesis import strategies as st
 
-from ddpcheck._internal.rules.params import (ParamSpec, describe, param_lists_strategy,
-                                             parameter_lists)
+from ddpcheck._internal.rules.params import (
+    ParamSpec,
+    describe,
+    param_lists_strategy,
+    parameter_lists,
+)
 
 __all__ = ["BALANCE_WORLD_SIZES", "HARD_FLOOR", "HARD_GRACE", "HARD_REFRESH", "KINDS",
            "MAX_WORLD_SIZE", "answers_in_rank", "brief_owners", "hang_text", "rule_name",
@@ -76,7 +80,7 @@ class _Progress:
         self.path = os.path.join(directory, f"rank{rank}.calling")
         self.hang_path = os.path.join(directory, f"rank{rank}.hung")
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        self.hang_file = open(self.hang_path, "w")
+        self.hang_file = open(self.hang_path, "w")  # noqa: SIM115 -- closed by close()
 
     def calling(self, where: str) -> None:
         data = ("calling\n" + where).encode()
@@ -110,7 +114,7 @@ class _Guard:
         self._saved: Any = None
         self._armed_at = -math.inf
 
-    def __enter__(self) -> "_Guard":
+    def __enter__(self) -> _Guard:
         self._saved = signal.signal(signal.SIGALRM, _on_alarm)
         return self
 
@@ -203,7 +207,7 @@ def _validate(answer: Any, n: int, world_size: int) -> tuple[str, Any]:
             return "not an integer", (f"returned owner {_safe_repr(owner)} (type "
                                       f"{type(owner).__name__}) for parameter {i}; owners are int "
                                       "ranks")
-        if not 0 <= owner < world_size:
+        if not 0 <= int(owner) < world_size:
             return "out of range", (f"returned owner {owner!r} for parameter {i}; owners must be "
                                     f"in [0, world_size={world_size})")
     return "ok", tuple(int(o) for o in owners)
@@ -226,9 +230,10 @@ def _twice(guard: _Guard, rule: Any, specs: Sequence[ParamSpec], world_size: int
     if kind != "ok":
         return kind, f"on the second call (the first answered {brief_owners(first)}), {again}"
     if again != first:
-        return "nondeterministic", (f"answered {brief_owners(first)} and then {brief_owners(again)}; a rule "
-                                    "must be a pure function of the parameters' shapes, dtypes and "
-                                    "order and of world_size")
+        return "nondeterministic", (f"answered {brief_owners(first)} and then "
+                                    f"{brief_owners(again)}; a rule must be a pure function "
+                                    "of the parameters' shapes, dtypes and order and of "
+                                    "world_size")
     return "ok", first
 
 

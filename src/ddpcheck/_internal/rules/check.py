@@ -24,16 +24,32 @@ import multiprocessing
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import hypothesis
 
 from ddpcheck._internal.options import DEFAULT_DEADLINE
-from ddpcheck._internal.rules.calls import (HARD_FLOOR, HARD_GRACE, HARD_REFRESH, KINDS,
-                                            MAX_WORLD_SIZE, answers_in_rank, brief_owners,
-                                            hang_text, rule_name, search_in_rank)
-from ddpcheck._internal.rules.params import (DTYPES, ParamSpec, balance, describe, gpt_like,
-                                             parameter_lists)
+from ddpcheck._internal.rules.calls import (
+    HARD_FLOOR,
+    HARD_GRACE,
+    HARD_REFRESH,
+    KINDS,
+    MAX_WORLD_SIZE,
+    answers_in_rank,
+    brief_owners,
+    hang_text,
+    rule_name,
+    search_in_rank,
+)
+from ddpcheck._internal.rules.params import (
+    DTYPES,
+    ParamSpec,
+    balance,
+    describe,
+    gpt_like,
+    parameter_lists,
+)
 from ddpcheck._internal.world.processes import read
 from ddpcheck._internal.world.worlds import WorldFailure, get_world
 from ddpcheck.errors import SetupError
@@ -123,7 +139,8 @@ def check_rule(rule: Callable[..., Any], *, examples: int = DEFAULT_EXAMPLES,
                 world.kill()  # the interrupted call may have left the rank in any state
             return report
         # The fixed lists first (the smallest first), so messages do not depend on the draws.
-        lists = list(parameter_lists().items()) + [(None, specs) for specs in result["sample"]]
+        lists: list[tuple[str | None, Sequence[ParamSpec]]] = list(parameter_lists().items())
+        lists += [(None, specs) for specs in result["sample"]]
         report.cross_rank_lists = len(lists)
         for world_size in rank_world_sizes:
             violation = _cross_rank(rule, name, world_size, lists, deadline, directory)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from hypothesis import strategies as st
@@ -58,7 +59,7 @@ class ParamSpec:
 def gpt_like(layers: int = 12, width: int = 768, vocab: int = 50257, context: int = 1024
              ) -> list[ParamSpec]:
     """GPT-2-small-shaped float32 parameters, in registration order."""
-    shapes = [(vocab, width), (context, width)]
+    shapes: list[tuple[int, ...]] = [(vocab, width), (context, width)]
     for _ in range(layers):
         shapes += [(width,), (width,), (width, 3 * width), (3 * width,), (width, width), (width,),
                    (width,), (width,), (width, 4 * width), (4 * width,), (4 * width, width),

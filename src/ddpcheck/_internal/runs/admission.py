@@ -28,17 +28,24 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from ddpcheck._internal.devices import check_fits
-from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_deadline,
-                                        check_fits_machine, check_world_sizes, did_you_mean,
-                                        parse_features, parse_world_sizes)
+from ddpcheck._internal.options import (
+    DEFAULT_DEADLINE,
+    DEFAULT_WORLD_SIZES,
+    check_deadline,
+    check_fits_machine,
+    check_world_sizes,
+    did_you_mean,
+    parse_features,
+    parse_world_sizes,
+)
 from ddpcheck._internal.scripts import load
 from ddpcheck.errors import DdpcheckError, InvalidArgument
 
 if TYPE_CHECKING:
     from ddpcheck.scenario import Scenario
 
-__all__ = ["API", "COMMAND_LINE", "DTYPES", "NO_TARGET", "PYTEST", "RANDOM_DTYPES", "Request", "Spelling",
-           "admit", "check_target", "resolve_rule", "resolve_target"]
+__all__ = ["API", "COMMAND_LINE", "DTYPES", "NO_TARGET", "PYTEST", "RANDOM_DTYPES", "Request",
+           "Spelling", "admit", "check_target", "resolve_rule", "resolve_target"]
 
 #: The dtypes a run can be restricted to.
 DTYPES = ("float64", "float32")
@@ -116,12 +123,12 @@ def admit(target: Any = NO_TARGET, *, scenario: Any = None, world_sizes: Any = D
           workers: int = 1, fits_machine: bool = True) -> Request:
     """``Request`` from what a door was given, or :class:`InvalidArgument` naming the argument.
 
-    Where the door passes text (``spelling.text``): ``world_sizes`` ("1,2,3"), ``deadline``
-    ("60"), ``scenario`` (its repr, as a replay line prints it), ``target`` (a built-in name,
+    Where the door passes text (``spelling.text``): ``world_sizes`` ("1,2,3"), ``deadline`` ("60"),
+    ``scenario`` (its repr, as a replay line prints it), ``target`` (a built-in name,
     ``MODULE:EXPR`` or ``path/to/FILE.py:EXPR``); ``without`` and ``dtypes`` ("a,b") anywhere.
-    ``target=NO_TARGET`` (the default) admits the options alone. ``workers``: processes that will run worlds at once (pytest-xdist's), for the
-    machine's limit; ``fits_machine=False`` leaves that limit to the caller (the plugin checks
-    it only for world sizes a user asked for)."""
+    ``target=NO_TARGET`` (the default) admits the options alone. ``workers``: processes that will
+    run worlds at once (pytest-xdist's), for the machine's limit; ``fits_machine=False`` leaves that
+    limit to the caller (the plugin checks it only for world sizes a user asked for)."""
     text = spelling.text
     sizes = (parse_world_sizes(world_sizes, spelling.world_sizes)
              if text and isinstance(world_sizes, str)

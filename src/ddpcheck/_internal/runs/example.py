@@ -14,14 +14,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from ddpcheck._internal.devices import check_fits
 from ddpcheck._internal.options import DEFAULT_DEADLINE, check_fits_machine
-from ddpcheck._internal.oracle.compare import (CHAOTIC, cannot_judge, compare, compare_resumed,
-                                               validate_checks)
+from ddpcheck._internal.oracle.compare import (
+    CHAOTIC,
+    cannot_judge,
+    compare,
+    compare_resumed,
+    validate_checks,
+)
 from ddpcheck._internal.oracle.judgeable import check_scenario, explain_reference_failure
 from ddpcheck._internal.oracle.reference import reference_run
 from ddpcheck._internal.rank.runner import run_example_packed
@@ -31,8 +37,14 @@ from ddpcheck._internal.runs.warmup import warm_up
 from ddpcheck._internal.world import sequences
 from ddpcheck._internal.world.worlds import Pending, TaskLost, WorldFailure, get_world
 from ddpcheck.batches import check_plans
-from ddpcheck.errors import (Divergence, EquivalenceError, Inconclusive, InvalidArgument,
-                             NothingChecked, ScenarioError)
+from ddpcheck.errors import (
+    Divergence,
+    EquivalenceError,
+    Inconclusive,
+    InvalidArgument,
+    NothingChecked,
+    ScenarioError,
+)
 from ddpcheck.features import declines
 from ddpcheck.scenario import Scenario
 from ddpcheck.targets import Target

@@ -12,18 +12,17 @@ import dataclasses
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
-from hypothesis import HealthCheck, Phase, assume, given
+from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import seed as hypothesis_seed
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyFailure, Unsatisfiable
 
 from ddpcheck import features
 from ddpcheck import strategies as dst
-from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES,
-                                        check_positive_number)
+from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_positive_number
 from ddpcheck._internal.runs.admission import Request, admit
 from ddpcheck._internal.runs.example import check_example, refuse_unconfirmed_hang
 from ddpcheck._internal.runs.pipeline import one_behind_the_other
@@ -142,7 +141,7 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
         @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
                   suppress_health_check=list(HealthCheck), print_blob=False, phases=phases)
         @given(data=st.data())
-        def one(data):
+        def one(data: st.DataObject) -> None:
             test(data)
 
         if seed is not None:
@@ -235,15 +234,15 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
     except FlakyFailure as flaky:
         # A shrinking step failed, then passed when Hypothesis replayed it: a race (e.g. a
         # gradient read before its all-reduce finished). Still a counterexample.
-        shrunk = next((e for e in flaky.exceptions if isinstance(e, EquivalenceError)), None)
-        if shrunk is None:
+        raced = next((e for e in flaky.exceptions if isinstance(e, EquivalenceError)), None)
+        if raced is None:
             raise
-        if replay.reproduced and set(shrunk.kinds) == {"rank timed out"}:
+        if replay.reproduced and set(raced.kinds) == {"rank timed out"}:
             # a shrinking step hung once; the example as drawn failed twice: that one stands
             return FuzzResult(count, first, time.perf_counter() - started, error, declined,
                               exercised, notes)
         return FuzzResult(count, first, time.perf_counter() - started,
-                          _intermittent(shrunk), declined, exercised, notes)
+                          _intermittent(raced), declined, exercised, notes)
     # The failing example passed when run again (or Hypothesis drew otherwise): report it as
     # found, unshrunk.
     if replay.reached and replay.failing_passed:

@@ -24,11 +24,18 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
+from typing import Any
 
 from ddpcheck._internal.runs import warmup
-from ddpcheck._internal.runs.example import (_beside_the_ranks, check_example, judge, launch,
-                                             prepare_reference, resume)
+from ddpcheck._internal.runs.example import (
+    _beside_the_ranks,
+    check_example,
+    judge,
+    launch,
+    prepare_reference,
+    resume,
+)
 from ddpcheck._internal.world.worlds import TaskLost, WorldFailure
 from ddpcheck.errors import EquivalenceError, NothingChecked, ScenarioError
 
@@ -49,12 +56,12 @@ class Outcome:
 
 def one_behind_the_other(target: Any, items: Iterable[tuple[Any, int, Any]], *, deadline: float,
                          device: str = "cpu", backend: str | None = None
-                         ) -> Iterator[tuple[tuple[Any, int, Any], Outcome]]:
+                         ) -> Generator[tuple[tuple[Any, int, Any], Outcome], None, None]:
     """``(item, outcome)`` for every ``item = (key, world_size, scenario)`` of ``items``, in
     their order, each example queued behind the one before (see the module's invariant)."""
     running: tuple | None = None  # (item, Launched, reference or the ScenarioError it raised)
     queued: list = []  # launched, not yet judged: abandoned if the caller stops
-    options = dict(deadline=deadline, device=device, backend=backend)
+    options: dict[str, Any] = dict(deadline=deadline, device=device, backend=backend)
     iterator = iter(items)
 
     def judge_running() -> Iterator[tuple[tuple[Any, int, Any], Outcome]]:

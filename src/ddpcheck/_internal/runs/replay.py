@@ -41,10 +41,16 @@ import re
 import shlex
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any
 
-from ddpcheck._internal.scripts import MAIN_NAMES, load, main_script, module_spec, \
-    public_module_name
+from ddpcheck._internal.scripts import (
+    MAIN_NAMES,
+    load,
+    main_script,
+    module_spec,
+    public_module_name,
+)
 from ddpcheck.errors import InvalidArgument
 from ddpcheck.scenario import Scenario, _code, _is_default, import_path
 from ddpcheck.targets import CONSTRUCTOR_CALL as _CALL  # metadata of a target, not its state
@@ -131,7 +137,7 @@ def _evaluate(expr: str, namespace: dict) -> Any:
                 importlib.import_module(".".join(parts[:i]))
             except ImportError:
                 break
-    return eval(expr, _Namespace(namespace))  # noqa: S307 -- the user's code, or our replay line
+    return eval(expr, _Namespace(namespace))  # the user's code, or our replay line
 
 
 class _Namespace(dict):
@@ -271,14 +277,15 @@ def _attribute_elsewhere(target: Any) -> str | None:
     return None
 
 
-def _candidates(target: Any, reasons: list[str], class_code: str | None = None):
+def _candidates(target: Any, reasons: list[str],
+                class_code: str | None = None) -> Iterator[str]:
     """Expressions (in the class's module, or wherever ``class_code`` names the class) that may
     rebuild ``target``."""
     cls = type(target)
     name = class_code or cls.__qualname__
-    seen = set()
+    seen: set[str] = set()
 
-    def once(expr: str):
+    def once(expr: str) -> list[str]:
         if expr not in seen:
             seen.add(expr)
             return [expr]

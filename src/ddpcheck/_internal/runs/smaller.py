@@ -22,11 +22,11 @@ from __future__ import annotations
 import dataclasses
 import time
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from hypothesis import HealthCheck, Phase, Verbosity, assume, given
+from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
 from hypothesis import seed as hypothesis_seed
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyFailure, Unsatisfiable
 
@@ -239,7 +239,7 @@ def with_features(error: EquivalenceError, what: str, survey: str) -> Equivalenc
     named, the ``survey`` command that says which of them fail at which world sizes."""
     try:
         found = features.named(features.of(error.scenario, error.world_size))
-    except Exception:  # noqa: BLE001 -- read once already; the verdict stands without the line
+    except Exception:  # read once already; the verdict stands without the line
         return error
     lines = [f"{what} exercises: {', '.join(found)} (what the bug needs is among them)"]
     if set(found) - {error.scenario.dtype, "broadcast"}:

@@ -15,22 +15,24 @@ from __future__ import annotations
 import dataclasses
 import time
 import zlib
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
-from hypothesis import HealthCheck, Phase, Verbosity, assume, given
+from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
 from hypothesis import seed as hypothesis_seed
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyFailure, Unsatisfiable
 
 from ddpcheck import features
 from ddpcheck import strategies as dst
-from ddpcheck._internal.options import (DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES,
-                                        check_positive_number)
 from ddpcheck._internal.messages import scenario_line
+from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_positive_number
 from ddpcheck._internal.runs.admission import Request, admit
-from ddpcheck._internal.runs.example import (check_example, prepare_reference,
-                                             refuse_unconfirmed_hang)
+from ddpcheck._internal.runs.example import (
+    check_example,
+    prepare_reference,
+    refuse_unconfirmed_hang,
+)
 from ddpcheck._internal.runs.replay import target_spec
 from ddpcheck._internal.world.interrupts import interruptible
 from ddpcheck.battery import BATTERY
@@ -167,7 +169,7 @@ class Survey:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Survey":
+    def from_dict(cls, data: dict[str, Any]) -> Survey:
         names = {f.name for f in dataclasses.fields(Cell)}
         cells = [Cell(**{k: v for k, v in c.items() if k in names}) for c in data["cells"]]
         return cls(data["target"], tuple(data["world_sizes"]), data["examples"], cells,
@@ -210,7 +212,7 @@ def survey_admitted(request: Request, *, examples: int = DEFAULT_EXAMPLES,
     started = time.perf_counter()
     exercised: set[str] = set()
     cells: list[Cell] = []
-    rows = [("battery", name, sc) for name, sc in BATTERY]
+    rows: list[tuple[str, str, Any]] = [("battery", name, sc) for name, sc in BATTERY]
     rows += [("feature", feature, None) for feature in features.FEATURES]
     for section, row, scenario in rows:
         for w in sizes:
@@ -344,18 +346,18 @@ def _feature_cell(target: Any, feature: str, world_size: int, *, examples: int,
     except EquivalenceError as error:
         return _failed(cell, error, started)
     except FlakyFailure as flaky:  # failed, then passed when replayed: still a counterexample
-        error = next((e for e in flaky.exceptions if isinstance(e, EquivalenceError)), None)
-        if error is None:
+        replayed = next((e for e in flaky.exceptions if isinstance(e, EquivalenceError)), None)
+        if replayed is None:
             raise
-        refuse_unconfirmed_hang(error)  # a hang that did not recur is no verdict
+        refuse_unconfirmed_hang(replayed)  # a hang that did not recur is no verdict
         cell.intermittent = True
-        return _failed(cell, error, started)
+        return _failed(cell, replayed, started)
     except Unsatisfiable:
         pass
     if not cell.examples:  # no drawn example could run
         declined = {why: n for why, n in rejected.items() if why != "drawn without the feature"}
         cell.status = "declined" if declined else "n/a"
-        cell.reason = (max(declined, key=declined.get) if declined else
+        cell.reason = (max(declined, key=lambda why: declined[why]) if declined else
                        "none of the drawn examples exercised it")
     cell.seconds = time.perf_counter() - started
     return cell

@@ -24,13 +24,19 @@ import os
 import pickle
 import tempfile
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ddpcheck._internal.devices import (backend_for, enter_rank, local_world_size, this_rank,
-                                       under_torchrun)
+from ddpcheck._internal.devices import (
+    backend_for,
+    enter_rank,
+    local_world_size,
+    this_rank,
+    under_torchrun,
+)
 from ddpcheck._internal.rank import recorder
 from ddpcheck._internal.rank.runner import run_example_packed, run_warm_up
 from ddpcheck._internal.rank.transport import unpack
@@ -42,8 +48,8 @@ from ddpcheck.features import declines
 
 __all__ = ["check_in_world", "init_world", "local_world_size", "under_torchrun"]
 
-def _gather_to_zero(obj: Any) -> list[Any] | None:
-    """Every rank's ``obj`` on rank 0 (None elsewhere), by pickle.
+def _gather_to_zero(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` on rank 0 (an empty list elsewhere), by pickle.
 
     NOTE: not ``dist.gather_object``: it decodes through numpy, which torch does not require and
     which some of our machines lack. Same two steps: sizes, then padded bytes. (``parallel``'s
@@ -61,11 +67,9 @@ def _gather_to_zero(obj: Any) -> list[Any] | None:
     padded[:data.numel()] = data
     rank0 = dist.get_rank() == 0
     received = ([torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
-                if rank0 else None)
+                if rank0 else [])
     # gather every rank's pickled record on rank 0, which holds the reference and compares
-    dist.gather(padded, received, dst=0)
-    if not rank0:
-        return None
+    dist.gather(padded, received if rank0 else None, dst=0)
     return [pickle.loads(bytes(buf[:int(n)].cpu().clone().untyped_storage()))
             for buf, n in zip(received, sizes)]
 
@@ -94,9 +98,9 @@ def _broadcast_bytes(data: bytes | None) -> bytes:
 
 def _run_recorded(target: Any, scenario: Any, sequence_path: str, part: str = "whole",
                   checkpoint: Any = None) -> tuple[tuple, str]:
-    """This rank's ``("ok", packed result)`` (its tensors on the CPU: ``ddpcheck._internal.rank.transport``;
-    the result of ``run_example(part=...)``) or ``("error", traceback)``, and its collective
-    sequence."""
+    """This rank's ``("ok", packed result)`` (its tensors on the CPU:
+    ``ddpcheck._internal.rank.transport``; the result of ``run_example(part=...)``) or
+    ``("error", traceback)``, and its collective sequence."""
     recorder.restart_sequence()
     try:
         outcome: tuple = ("ok", run_example_packed(target, scenario, part, checkpoint))
@@ -141,7 +145,7 @@ def _example(target: Any, scenario: Any, name: str, world_size: int, rank: int,
     failed = rank == 0 and any(kind != "ok" for (kind, _), _ in saved)
     if _agree(int(failed)):
         return _judge(saved, target, scenario, name, world_size, **where) if rank == 0 else None
-    before = [unpack(value) for (_, value), _ in saved] if rank == 0 else None  # (record, bytes)
+    before = [unpack(value) for (_, value), _ in saved]  # (record, bytes); none off rank 0
     checkpoint = _broadcast_bytes(before[0][1] if rank == 0 else None)
     resumed = _gather_to_zero(_run_recorded(target, scenario, sequence_path, "resumed",
                                             checkpoint))
@@ -168,7 +172,8 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
     must not hang rank 0."""
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
-    say = (lambda text: print(text, file=out, flush=True)) if rank == 0 else (lambda text: None)
+    say: Callable[[str], None] = ((lambda text: print(text, file=out, flush=True)) if rank == 0
+                                  else (lambda text: None))
     init_world(device, backend, deadline)
     if world_sizes is not None and world_size not in world_sizes:
         say(f"ddpcheck check: error: --world-sizes={','.join(map(str, world_sizes))} does not "
@@ -225,7 +230,7 @@ def init_world(device: str, backend: str | None, deadline: float) -> str:
             raise InvalidArgument("the process group was initialised with nccl, which cannot "
                                   "carry the CPU tensors of device 'cpu'; use --device cuda")
         return dist.get_backend()
+    nccl: dict[str, Any] = {"device_id": placed} if chosen == "nccl" else {}
     dist.init_process_group(chosen, init_method="env://",
-                            timeout=datetime.timedelta(seconds=deadline),
-                            **({"device_id": placed} if chosen == "nccl" else {}))
+                            timeout=datetime.timedelta(seconds=deadline), **nccl)
     return chosen

@@ -44,7 +44,7 @@ class Stack(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers[:-1]:
             x = torch.relu(layer(x))  # (b, width)
         return self.layers[-1](x)

@@ -30,7 +30,7 @@ from ddpcheck.targets import Target
 __all__ = ["needed", "warm_up"]
 
 #: world -> (its ranks' pids when they warmed up, the warm_up functions they ran)
-_DONE: "weakref.WeakKeyDictionary[World, tuple[tuple[int, ...], set]]" = (
+_DONE: weakref.WeakKeyDictionary[World, tuple[tuple[int, ...], set]] = (
     weakref.WeakKeyDictionary())
 
 

@@ -135,7 +135,8 @@ class WorldFailure(DdpcheckError):
             del seen[(state.status, state.detail)]
             text = state.describe()
             if len(ranks) > 1:
-                text = text.replace(f"rank {state.rank}:", f"ranks {', '.join(map(str, ranks))}:", 1)
+                text = text.replace(f"rank {state.rank}:",
+                                    f"ranks {', '.join(map(str, ranks))}:", 1)
             lines.append(text)
         return "\n".join(lines)
 

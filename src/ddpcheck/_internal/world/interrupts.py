@@ -36,7 +36,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 __all__ = ["AGAIN_AFTER", "Insistent", "blocked_for_children", "held", "insisting", "interruptible"]
 
@@ -75,8 +76,8 @@ def held(deliver: bool = True) -> Iterator[None]:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         if deliver:
-            for signum in arrived:
-                signal.raise_signal(signum)  # raises here what the handler raises
+            for number in arrived:
+                signal.raise_signal(number)  # raises here what the handler raises
 
 
 @contextlib.contextmanager
@@ -130,6 +131,7 @@ class Insistent:
 
     def _insist(self) -> None:
         main = threading.main_thread().ident
+        assert main is not None  # the main thread has started: it runs this program
         while not self._taken.wait(self._again_after):
             with self._lock:
                 if not self._taken.is_set():
@@ -170,14 +172,14 @@ def interruptible(fn: F) -> F:
 
     @functools.wraps(fn)
     def entry_point(*args: Any, **kwargs: Any) -> Any:
-        __tracebackhide__ = True  # noqa: F841 -- pytest leaves this frame out of its reports
+        __tracebackhide__ = True  # pytest leaves this frame out of its reports
         with insisting() as insistent:
             try:
                 result = fn(*args, **kwargs)
             except KeyboardInterrupt as exc:
                 if not exc.args:  # (an entry point inside another: the innermost one says it)
                     exc.args = (f"{name} was interrupted{_where(exc)}",)
-                raise exc.with_traceback(None)  # the same exception, from here
+                raise exc.with_traceback(None)  # noqa: B904 -- the caught exception itself, from here
             except BaseException as exc:
                 if insistent is None or insistent.came is None:
                     raise

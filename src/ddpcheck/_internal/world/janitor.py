@@ -40,7 +40,8 @@ class Janitor:
     """Parent side: start the janitor of ``world_dir``; tell it each rank's process group."""
 
     def __init__(self, world_dir: str, *also: str):
-        read_end, self._write_end = os.pipe()
+        read_end, write_end = os.pipe()
+        self._write_end: int | None = write_end  # None once released
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", os.path.abspath(__file__), str(read_end), world_dir,
@@ -50,7 +51,7 @@ class Janitor:
                 pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, start_new_session=True)
         except BaseException:
-            os.close(self._write_end)
+            os.close(write_end)
             raise
         finally:
             os.close(read_end)

@@ -13,7 +13,8 @@ import pickle
 import signal
 import sys
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from ddpcheck._internal.rank.serve import NESTED_MARKER, WORLD_DIR_ENV, world_dir_of
 from ddpcheck._internal.world.failures import WorldStartError

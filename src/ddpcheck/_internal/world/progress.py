@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["ACTIVE", "MOST_DEADLINES", "OBSERVE", "Overtime", "Reading", "read"]
 
@@ -43,7 +43,7 @@ class Reading:
     cpu: dict[int, float]
     busy: dict[int, float]
 
-    def activity(self, earlier: "Reading") -> float:
+    def activity(self, earlier: Reading) -> float:
         """CPU-seconds per second (on a CPU or waiting for one) of these ranks since
         ``earlier``, summed over the ranks both readings hold."""
         elapsed = self.at - earlier.at

@@ -22,7 +22,7 @@ from __future__ import annotations
 import ast
 import collections
 import dataclasses
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from ddpcheck._internal.records import Collective
 

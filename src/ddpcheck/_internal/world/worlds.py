@@ -44,6 +44,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import math
+
 # Plain multiprocessing, not torch.multiprocessing: results travel as pickled bytes, so torch's
 # shared-memory tensor reductions would only add file-descriptor traffic.
 import multiprocessing
@@ -53,24 +54,45 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import wait as _wait_any
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from ddpcheck._internal.devices import backend_for, check_device, check_fits
-from ddpcheck._internal.options import (DEFAULT_DEADLINE, STARTUP_DEADLINE, check_deadline,
-                                        check_world_size)
+from ddpcheck._internal.options import (
+    DEFAULT_DEADLINE,
+    STARTUP_DEADLINE,
+    check_deadline,
+    check_world_size,
+)
 from ddpcheck._internal.rank.freshness import announce, changed
-from ddpcheck._internal.rank.serve import (NESTED_MARKER, SEQUENCE_SLOTS, SHUTDOWN,
-                                           WORLD_DIR_ENV, rank_main, rank_name, sequence_file)
+from ddpcheck._internal.rank.serve import (
+    NESTED_MARKER,
+    SEQUENCE_SLOTS,
+    SHUTDOWN,
+    WORLD_DIR_ENV,
+    rank_main,
+    rank_name,
+    sequence_file,
+)
 from ddpcheck._internal.world import forking, interrupts, progress
 from ddpcheck._internal.world.failures import RankState, WorldFailure, WorldStartError
 from ddpcheck._internal.world.janitor import Janitor
-from ddpcheck._internal.world.processes import (check_main_module_importable, dump_stacks,
-                                                environment, exit_description, kill_group,
-                                                output_to, pickle_task, read, receive,
-                                                refuse_nested_start, tail)
+from ddpcheck._internal.world.processes import (
+    check_main_module_importable,
+    dump_stacks,
+    environment,
+    exit_description,
+    kill_group,
+    output_to,
+    pickle_task,
+    read,
+    receive,
+    refuse_nested_start,
+    tail,
+)
 from ddpcheck.errors import InvalidArgument
 
 __all__ = ["Pending", "RankState", "TaskLost", "World", "WorldFailure", "WorldStartError",
@@ -160,17 +182,18 @@ class World:
 
     @property
     def janitor_pid(self) -> int | None:
-        """The world's janitor process (``ddpcheck._internal.world.janitor``), while the world lives."""
+        """The world's janitor process (``ddpcheck._internal.world.janitor``), while the world
+        lives."""
         return None if self._janitor is None else self._janitor.pid
 
-    def start(self, deadline: float = STARTUP_DEADLINE) -> "World":
+    def start(self, deadline: float = STARTUP_DEADLINE) -> World:
         """Spawn the ranks and wait until every one has joined the process group."""
         self.launch(deadline)
         if self._booting is not None:
-            self._await_start()
+            self._await_start(self._booting)
         return self
 
-    def launch(self, deadline: float = STARTUP_DEADLINE) -> "World":
+    def launch(self, deadline: float = STARTUP_DEADLINE) -> World:
         """Spawn the ranks and return at once; the first task (or :meth:`start`) waits for them
         to join. Ranks spend ~2 s importing torch and joining the group: launched first, a
         world boots while this process imports, draws and computes references."""
@@ -208,16 +231,17 @@ class World:
                 # Spawned ranks learn their world's directory from the environment, which marks
                 # them as ranks (see refuse_nested_start); forked ones from their process name.
                 with environment(PYTHONWARNINGS=warnings, **{WORLD_DIR_ENV: self._dir}):
-                    self._spawn(ctx, store_path, method)
+                    self._spawn(ctx, store_path, method, self._dir, self._janitor)
         except BaseException:
             self.kill()
             raise
         self._booting = time.monotonic() + deadline
         return self
 
-    def _await_start(self) -> None:
-        """Wait (until the launch's deadline) for every rank to join the process group."""
-        end, self._booting = self._booting, None
+    def _await_start(self, end: float) -> None:
+        """Wait (until the launch's deadline, ``end``) for every rank to join the process
+        group."""
+        self._booting = None
         try:
             # a world launched long ago has its answers waiting: a second to read them
             self._collect("world start-up", max(end - time.monotonic(), 1.0), starting=True)
@@ -229,7 +253,8 @@ class World:
             self.kill()
             raise
 
-    def _spawn(self, ctx: Any, store_path: str, method: str) -> None:
+    def _spawn(self, ctx: Any, store_path: str, method: str, world_dir: str,
+               janitor: Janitor) -> None:
         # multiprocessing's helper processes inherit our stdout: start them before redirecting.
         resource_tracker.ensure_running()
         forked = method == "forkserver"
@@ -238,7 +263,7 @@ class World:
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=rank_main,
-                name=rank_name(rank, self.world_size, self._dir),
+                name=rank_name(rank, self.world_size, world_dir),
                 args=(rank, self.world_size, self.backend, store_path, child_end,
                       self._logs[rank], self._stacks[rank], parent_pid,
                       self._sequences[0][rank], self.device,
@@ -252,7 +277,7 @@ class World:
             child_end.close()
             self._procs.append(proc)
             self._conns.append(parent_end)
-            self._janitor.watch(proc.pid)  # the rank leads its own process group
+            janitor.watch(proc.pid)  # the rank leads its own process group
 
     def close(self, timeout: float = 5.0) -> None:
         """Ask every rank to exit, then make sure it has (killing stragglers). A world still
@@ -309,7 +334,7 @@ class World:
         return self.submit(fn, *args, deadline=deadline, what=what).collect()
 
     def submit(self, fn: Callable[..., Any], *args: Any, deadline: float = DEFAULT_DEADLINE,
-               what: str | None = None) -> "Pending":
+               what: str | None = None) -> Pending:
         """Start ``fn(*args)`` on every rank and return at once; :meth:`Pending.collect` waits
         for the results (the deadline counts from here). Meanwhile this process is free -- the
         oracle computes its reference while the ranks train.
@@ -340,7 +365,7 @@ class World:
         if not self._alive:
             self.start()
         elif self._booting is not None:  # launched: wait for the ranks to join
-            self._await_start()
+            self._await_start(self._booting)
         self._path.update(added)
         if not queued:
             for path in self._stacks:
@@ -348,7 +373,7 @@ class World:
         return self._send_task(payload, fn, deadline, what)
 
     def _send_task(self, payload: bytes, fn: Callable[..., Any], deadline: float,
-                   what: str | None) -> "Pending":
+                   what: str | None) -> Pending:
         slot = self._runs % SEQUENCE_SLOTS
         self._runs += 1
         # Empty, before any rank starts this task: a slow rank's file must not show an earlier
@@ -358,7 +383,7 @@ class World:
             emptying.result()
         else:
             _empty(self._sequences[slot])
-        pending = Pending(self, what or getattr(fn, "__qualname__", repr(fn)), deadline, slot,
+        pending = Pending(self, what or str(getattr(fn, "__qualname__", repr(fn))), deadline, slot,
                           started=not self._in_flight)
         try:
             for conn in self._conns:
@@ -385,7 +410,7 @@ class World:
     def _read_sequences(self, slot: int) -> list[str]:
         return [read(path) for path in self._sequences[slot]]
 
-    def _finish(self, pending: "Pending") -> list[Any]:
+    def _finish(self, pending: Pending) -> list[Any]:
         """Collect ``pending``, the running task, by its deadline; see :meth:`run`. The task
         queued behind it starts now: its deadline counts from here."""
         self.notes, self.unfit, self._last_sequences = (), {}, []
@@ -440,7 +465,8 @@ class World:
                     break
                 end = decided  # still working: wait on, the answers still collected meanwhile
                 continue
-            waitables = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
+            waitables = ([self._conns[r] for r in pending]
+                         + [self._procs[r].sentinel for r in pending])
             with released():
                 ready = _wait_any(waitables, max(timeout, 0.0))
             for rank in sorted(pending):
