@@ -21,7 +21,7 @@ from ddpcheck.errors import InvalidArgument
 
 __all__ = ["BEYOND_TORCH", "DEFAULT_DEADLINE", "DEFAULT_FEATURES", "DEFAULT_WORLD_SIZES",
            "FEATURES", "MAX_RANKS_PER_CORE", "OPT_IN", "STARTUP_DEADLINE", "WARM_UP_DEADLINE",
-           "check_deadline", "check_fits_machine", "check_positive_number", "check_process_group",
+           "check_deadline", "check_fits_machine", "check_positive_number",
            "check_world_size", "check_world_sizes", "did_you_mean", "named_fields",
            "parse_features", "parse_world_sizes"]
 
@@ -117,20 +117,6 @@ def check_deadline(name: str, value: Any, shown: Any = None) -> float:
                               "every wait has a deadline; use a large number of seconds, such "
                               "as 3600")
     return seconds
-
-
-def check_process_group(name: str, value: Any) -> None:
-    """None (the default group) or a ``torch.distributed`` process group."""
-    if value is None:
-        return
-    import torch.distributed as dist  # here, not at import: the pytest plugin must not load torch
-
-    # new_group() hands ranks outside the group a sentinel; the callers say "not a member".
-    if value is dist.GroupMember.NON_GROUP_MEMBER:
-        return
-    if not isinstance(value, dist.ProcessGroup):
-        raise InvalidArgument(f"{name}={value!r} must be a torch.distributed ProcessGroup, such "
-                              "as dist.new_group(ranks), or None for the default group")
 
 
 # ---------------------------------------------------------------------------------------------

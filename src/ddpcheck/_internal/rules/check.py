@@ -55,7 +55,7 @@ from ddpcheck._internal.world.worlds import WorldFailure, get_world
 from ddpcheck.errors import SetupError
 
 __all__ = ["DTYPES", "KINDS", "MAX_WORLD_SIZE", "ParamSpec", "RuleReport", "SetupError",
-           "Violation", "balance", "check_rule", "gpt_like", "parameter_lists", "rule_violations"]
+           "Violation", "balance", "check_rule", "gpt_like", "parameter_lists"]
 
 #: World sizes of the cross-rank check (real processes).
 RANK_WORLD_SIZES = (2, 3, 4)
@@ -151,11 +151,6 @@ def check_rule(rule: Callable[..., Any], *, examples: int = DEFAULT_EXAMPLES,
         return report
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def rule_violations(rule: Callable[..., Any], **kwargs: Any) -> list[Violation]:
-    """The violations of :func:`check_rule` alone."""
-    return check_rule(rule, **kwargs).violations
 
 
 def _run(world: Any, fn: Callable[..., Any], args: tuple, limit: float, budget: float,
