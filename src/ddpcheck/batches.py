@@ -252,10 +252,12 @@ class DistributedSamplerBatches:
             raise InvalidArgument(f"normalize={self.normalize!r} must be 'local' or 'global'")
 
     def __call__(self, batch: GlobalBatch) -> BatchPlan:
-        # what a sampler samples needs only len(); torch's annotation asks for a Dataset
+        # a sampler needs only len() of what it samples, here the indices; torch's annotation
+        # asks for a Dataset
+        dataset: Any = batch.indices
         sampler: DistributedSampler[Any] = DistributedSampler(
-            batch.indices, num_replicas=batch.world_size,  # type: ignore[arg-type]
-            rank=batch.rank, shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last)
+            dataset, num_replicas=batch.world_size, rank=batch.rank, shuffle=self.shuffle,
+            seed=self.seed, drop_last=self.drop_last)
         sampler.set_epoch(batch.step)
         mine = tuple(batch.indices[i] for i in sampler)
         micro = split(mine, batch.accumulation)
