@@ -80,8 +80,8 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
 def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
                       world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
                       deadline: float = DEFAULT_DEADLINE, without: Iterable[str] = (),
-                      dtypes: Iterable[str] | None = None, device: str = "cpu",
-                      backend: str | None = None,
+                      dtypes: Iterable[str] | None = None, only: Iterable[str] = (),
+                      device: str = "cpu", backend: str | None = None,
                       progress: Callable[[int, int], None] | None = None) -> Report:
     """Check ``target`` against the oracle on ``scenario`` (default: the built-in battery).
 
@@ -92,7 +92,8 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
     A scenario that needs a feature the target does not support (``Target.supported_features``)
     or that ``without`` excludes (names from ``ddpcheck.features.FEATURES``) is skipped at that
     world size, naming the feature; ``dtypes`` (``"float64"``, ``"float32"``; default: both)
-    keeps only the scenarios in those dtypes. The arguments are admitted as at every door
+    keeps only the scenarios in those dtypes, ``only`` (feature names) those that exercise one
+    of them. The arguments are admitted as at every door
     (``ddpcheck._internal.runs.admission``: the same rules, defaults and messages as the command
     line's).
 
@@ -106,7 +107,7 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
     (scenario, world size), run or skipped: how ``ddpcheck check`` keeps its live line moving.
     """
     request = admit(target, scenario=scenario, world_sizes=world_sizes, deadline=deadline,
-                    without=without, dtypes=dtypes, device=device, backend=backend)
+                    without=without, dtypes=dtypes, device=device, backend=backend, only=only)
     return run_battery(request, progress)
 
 
@@ -136,6 +137,8 @@ def run_battery(request: Request, progress: Callable[[int, int], None] | None = 
         for index, (name, given) in enumerate(named):
             sc = _within(given, sizes) if scenario is None else given
             why = features.declines(target, sc, world_size, excluded)
+            if why is None and request.only and not features.of(sc, world_size) & request.only:
+                why = f"exercises none of only={','.join(sorted(request.only))}"
             if why is not None:
                 report.skipped.append((name or "scenario", world_size, why))
                 one_more()

@@ -290,7 +290,8 @@ def _prepare(args: argparse.Namespace) -> argparse.Namespace:
         target, scenario=getattr(args, "scenario", None), world_sizes=sizes,
         deadline=args.deadline, without=getattr(args, "without", ""),
         dtypes=getattr(args, "dtypes", None), device=getattr(args, "device", "cpu"),
-        backend=getattr(args, "backend", None), spelling=spelling, fits_machine=not torchrun)
+        backend=getattr(args, "backend", None), only=getattr(args, "only", ""),
+        spelling=spelling, fits_machine=not torchrun)
     if target is not admission.NO_TARGET:
         args.target_spec, args.target = target, args.request.target
     if hasattr(args, "world_sizes"):
@@ -454,7 +455,8 @@ def _check_under_torchrun(args: argparse.Namespace) -> None:
     request = args.request
     status = check_in_world(request.target, deadline=request.deadline, out=sys.stdout,
                             world_sizes=request.world_sizes if args.sizes_asked else None,
-                            without=request.battery_without, device=request.device,
+                            without=request.battery_without, only=request.only,
+                            device=request.device,
                             backend=request.backend)
     sys.stdout.flush()
     sys.stderr.flush()

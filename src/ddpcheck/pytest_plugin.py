@@ -38,6 +38,9 @@ def pytest_addoption(parser: Any) -> None:
                     help="Features the ddpcheck fixtures never exercise (see ddpcheck.features)")
     group.addoption("--ddpcheck-dtypes", action="store", default=None, metavar="DTYPE,...",
                     help="Dtypes the ddpcheck fixtures exercise: float64, float32 or both")
+    group.addoption("--ddpcheck-only", action="store", default=None, metavar="FEATURE,...",
+                    help="Features the ddpcheck fixtures focus on: only examples that exercise "
+                         "one of them")
     group.addoption("--ddpcheck-device", action="store", default=None, metavar="DEVICE",
                     help="Where the fixtures' ranks compute: cpu (default) or cuda (rank r on "
                          "GPU r, NCCL)")
@@ -88,6 +91,7 @@ def resolve_options(config: Any) -> Options:
     raw_deadline = config.getoption("ddpcheck_deadline")
     raw_without = config.getoption("ddpcheck_without")
     raw_dtypes = config.getoption("ddpcheck_dtypes")
+    raw_only = config.getoption("ddpcheck_only")
     device = config.getoption("ddpcheck_device") or "cpu"
     backend = config.getoption("ddpcheck_backend")
     workers = _xdist_workers(config)
@@ -97,11 +101,12 @@ def resolve_options(config: Any) -> Options:
         # run, ddpcheck's or not (torch is imported only for cuda, to ask about the GPUs)
         request = admit(world_sizes=DEFAULT_WORLD_SIZES if raw is None else raw,
                         deadline=deadline, without=raw_without or "", dtypes=raw_dtypes,
-                        device=device, backend=backend, spelling=PYTEST, workers=workers,
+                        only=raw_only or "", device=device, backend=backend, spelling=PYTEST,
+                        workers=workers,
                         fits_machine=raw is not None)
     except InvalidArgument as exc:
         raise pytest.UsageError(str(exc)) from None
-    given = any(v is not None for v in (raw, raw_deadline, raw_without, raw_dtypes,
+    given = any(v is not None for v in (raw, raw_deadline, raw_without, raw_dtypes, raw_only,
                                         config.getoption("ddpcheck_device"), backend))
     return Options(request.world_sizes, request.deadline, workers, given=given,
                    without=request.battery_without, device=device, backend=backend,
@@ -287,7 +292,8 @@ def ddpcheck_run(ddpcheck_options: Options) -> Callable[..., Any]:
         return ddpcheck.assert_equivalent(
             target, scenario, world_sizes=world_sizes or ddpcheck_options.world_sizes,
             deadline=ddpcheck_options.deadline, without=ddpcheck_options.without,
-            device=ddpcheck_options.device, backend=ddpcheck_options.backend)
+            only=ddpcheck_options.request.only, device=ddpcheck_options.device,
+            backend=ddpcheck_options.backend)
 
     return run
 

@@ -32,9 +32,9 @@ from ddpcheck.models import KINDS, Layer, ModelSpec
 from ddpcheck.scenario import Scenario
 from ddpcheck.zoo import BiasGroups, GPTConfig, token_data
 
-__all__ = ["BUCKET_SIZES", "FLOAT32_ONLY", "LOW_PRECISION_EPS", "MAX_GRAD_NORMS", "bucket_sizes",
-           "examples", "exercising", "gpt_models", "layers", "models", "optimizers", "scenarios",
-           "world_sizes"]
+__all__ = ["BUCKET_SIZES", "FLOAT32_ONLY", "LOW_PRECISION_EPS", "MAX_GRAD_NORMS",
+           "NEEDS_SEVERAL_RANKS", "bucket_sizes", "can_exercise", "examples", "exercising",
+           "gpt_models", "layers", "models", "optimizers", "scenarios", "world_sizes"]
 
 #: Features only float32 scenarios can have: the precision policies keep float32 master weights.
 FLOAT32_ONLY = ("float32", "autocast", "param-dtype")
@@ -368,8 +368,8 @@ def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
 
 
 def examples(target: Any, *, world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
-             dtypes: Sequence[str] = ("float64",), without: Iterable[str] = ()
-             ) -> st.SearchStrategy[tuple[Scenario, int]]:
+             dtypes: Sequence[str] = ("float64",), without: Iterable[str] = (),
+             only: Iterable[str] = ()) -> st.SearchStrategy[tuple[Scenario, int]]:
     """``(scenario, world_size)`` pairs that ``target`` runs, the random examples ``ddpcheck
     check`` draws for it: a world size of ``world_sizes``, then :func:`scenarios` without the
     features ``target`` does not support (``supported_features``, its :data:`OPT_IN
@@ -379,10 +379,13 @@ def examples(target: Any, *, world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
     a feature only its model reveals) is filtered out. So ``check_example`` never refuses a
     drawn pair as :class:`ddpcheck.NothingChecked` for what the target declines, as it refuses
     a scenario of :func:`scenarios` that needs a declined feature. Raises ``NothingChecked``
-    when the target supports none of ``dtypes``. Shrinks towards the first world size and the
+    when the target supports none of ``dtypes``. ``only``: every pair exercises one of these
+    features (as ``ddpcheck check --only``). Shrinks towards the first world size and the
     simplest scenario."""
-    sizes, per_size, excluded = _for_target(target, world_sizes, dtypes, without)
-    runs = {w: per_size[w].filter(functools.partial(_runs, target, w, excluded)) for w in sizes}
+    focus = features.parse(only, "only")
+    sizes, per_size, excluded = _for_target(target, world_sizes, dtypes, without, focus)
+    runs = {w: per_size[w].filter(functools.partial(_runs, target, w, excluded, focus))
+            for w in sizes}
     return _examples(st.sampled_from(sizes), runs)
 
 
@@ -393,30 +396,63 @@ def _examples(draw: st.DrawFn, sizes: st.SearchStrategy[int],
     return draw(runs[world_size]), world_size
 
 
-def _runs(target: Any, world_size: int, excluded: frozenset[str], scenario: Scenario) -> bool:
-    return features.declines(target, scenario, world_size, excluded) is None
+def _runs(target: Any, world_size: int, excluded: frozenset[str], focus: frozenset[str],
+          scenario: Scenario) -> bool:
+    return (features.declines(target, scenario, world_size, excluded) is None
+            and (not focus or bool(features.of(scenario, world_size) & focus)))
 
 
-def _for_target(target: Any, world_sizes: Any, dtypes: Sequence[str], without: Iterable[str]
+def _for_target(target: Any, world_sizes: Any, dtypes: Sequence[str], without: Iterable[str],
+                only: Iterable[str] = ()
                 ) -> tuple[tuple[int, ...], dict[int, st.SearchStrategy[Scenario]],
                            frozenset[str]]:
     """``(world sizes, {W: scenarios target runs at W}, the features without excludes)``: one
     definition of what a target is drawn, for :func:`examples` and ``ddpcheck check``'s own
     random examples (``runs.fuzz``), which tallies the declined draws itself. Built once per
-    call: Hypothesis validates a strategy the first time it draws from it."""
+    call: Hypothesis validates a strategy the first time it draws from it. ``only``: drawn to
+    exercise one of these features (:func:`exercising`), at the world sizes where one can be."""
     sizes = check_world_sizes("world_sizes", world_sizes)
     excluded = features.parse(without, "without")
+    focus = features.parse(only, "only")
     unsupported = features.unsupported(target, excluded)
     opt_in = frozenset(features.OPT_IN) - unsupported  # generated only for a target that opts in
     kept = tuple(d for d in dtypes if d not in unsupported)
     if not kept:
         raise NothingChecked(f"{type(target).__name__} supports none of the dtypes "
                              f"{', '.join(dtypes)} once `without` (--without) is applied")
+    if focus:
+        per_size = {w: st.one_of([exercising(f, world_size=w, dtypes=_dtypes_exercising(f, kept),
+                                             without=unsupported, resume_world_sizes=sizes,
+                                             opt_in=opt_in)
+                                  for f in sorted(focus) if can_exercise(f, w)])
+                    for w in sizes if any(can_exercise(f, w) for f in focus)}
+        if not per_size:
+            raise NothingChecked(f"no world size of {sizes} can exercise "
+                                 f"{', '.join(sorted(focus))} (one rank holds every sample)")
+        return tuple(per_size), per_size, excluded
     per_size = {w: scenarios(models=models(mixed_dtypes=True, without=unsupported), dtypes=kept,
                              without=unsupported, world_size=w, resume_world_sizes=sizes,
                              opt_in=opt_in)
                 for w in sizes}
     return sizes, per_size, excluded
+
+
+#: Features no example at W=1 can exercise: one rank holds every sample.
+NEEDS_SEVERAL_RANKS = ("unused-on-some-ranks", "uneven-batches")
+
+
+def can_exercise(feature: str, world_size: int) -> bool:
+    """Whether an example at ``world_size`` can exercise ``feature``."""
+    return not (world_size == 1 and feature in NEEDS_SEVERAL_RANKS)
+
+
+def _dtypes_exercising(feature: str, dtypes: Sequence[str]) -> tuple[str, ...]:
+    """The dtypes :func:`exercising` draws ``feature`` in, of those allowed."""
+    if feature in FLOAT32_ONLY:
+        return ("float32",)
+    if feature in ("float64", "float32"):
+        return (feature,)
+    return tuple(dtypes)
 
 
 #: The layer a model gets so that it exercises the feature (``exercising``).

@@ -33,6 +33,8 @@ BAD = {
     "a dtype ddpcheck does not draw": (("dtypes", ("float16",)), ("--dtypes", "float16"),
                                        "must name float64, float32 or both (did you mean "
                                        "'float64'?)"),
+    "a mistyped focus": (("only", ("acumulation",)), ("--only", "acumulation"),
+                         "'acumulation' is not a feature (did you mean 'accumulation'?)"),
 }
 
 #: The API's doors, each with what it takes besides the bad argument (a survey maps every
@@ -46,8 +48,9 @@ NOT_TAKEN = {("survey", "dtypes")}
 
 #: The command line's doors and the flags each has.
 CLI_DOORS = {
-    "check": (["check", "parallel"], {"--world-sizes", "--deadline", "--without", "--dtypes"}),
-    "survey": (["survey", "parallel"], {"--world-sizes", "--deadline", "--without"}),
+    "check": (["check", "parallel"], {"--world-sizes", "--deadline", "--without", "--dtypes",
+                                      "--only"}),
+    "survey": (["survey", "parallel"], {"--world-sizes", "--deadline", "--without", "--only"}),
     "replay": (["replay", "parallel", "--world-size", "2", "--scenario",
                 "ddpcheck.Scenario(steps=1)"], {"--deadline"}),
     "trace": (["trace", "parallel"], {"--deadline"}),

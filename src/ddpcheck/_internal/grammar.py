@@ -99,6 +99,10 @@ def _target_options(parser: argparse.ArgumentParser, *, examples: int, what: str
                         help="features never to exercise, on top of the target's "
                              "supported_features (e.g. accumulation,buffers; see "
                              "ddpcheck.features)")
+    parser.add_argument("--only", default="", metavar="FEATURE[,FEATURE...]",
+                        help="check only examples that exercise one of these features (e.g. "
+                             "autocast; see ddpcheck.features): the battery scenarios that do, "
+                             "random examples drawn to")
     _device_options(parser)
 
 

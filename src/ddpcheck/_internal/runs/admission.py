@@ -64,6 +64,7 @@ class Spelling:
     without: str = "without"
     dtypes: str = "dtypes"
     device: str = "device"
+    only: str = "only"
     #: the door passes text (a command line's flags): numbers, lists, a scenario's repr and a
     #: target's name are read from it; in Python, a string where a number belongs is refused
     text: bool = False
@@ -71,9 +72,10 @@ class Spelling:
 
 API = Spelling()
 COMMAND_LINE = Spelling("MODULE:TARGET", "--scenario", "--world-sizes", "--deadline",
-                        "--without", "--dtypes", "--device", text=True)
+                        "--without", "--dtypes", "--device", "--only", text=True)
 PYTEST = Spelling("target", "scenario", "--ddpcheck-world-sizes", "--ddpcheck-deadline",
-                  "--ddpcheck-without", "--ddpcheck-dtypes", "--ddpcheck-device", text=True)
+                  "--ddpcheck-without", "--ddpcheck-dtypes", "--ddpcheck-device",
+                  "--ddpcheck-only", text=True)
 
 #: ``admit``'s target when a door admits its options alone (the pytest plugin for its session,
 #: ``ddpcheck mutants``, ``ddpcheck fuzz-rule``): None is a target, and a wrong one.
@@ -94,6 +96,8 @@ class Request:
     device: str = "cpu"
     backend: str | None = None
     scenario: Scenario | None = None
+    #: features every example must exercise one of (none: no focus)
+    only: frozenset[str] = frozenset()
 
     @property
     def run(self) -> dict[str, Any]:
@@ -119,8 +123,8 @@ class Request:
 
 def admit(target: Any = NO_TARGET, *, scenario: Any = None, world_sizes: Any = DEFAULT_WORLD_SIZES,
           deadline: Any = DEFAULT_DEADLINE, without: Any = (), dtypes: Any = None,
-          device: str = "cpu", backend: str | None = None, spelling: Spelling = API,
-          workers: int = 1, fits_machine: bool = True) -> Request:
+          device: str = "cpu", backend: str | None = None, only: Any = (),
+          spelling: Spelling = API, workers: int = 1, fits_machine: bool = True) -> Request:
     """``Request`` from what a door was given, or :class:`InvalidArgument` naming the argument.
 
     Where the door passes text (``spelling.text``): ``world_sizes`` ("1,2,3"), ``deadline`` ("60"),
@@ -140,6 +144,13 @@ def admit(target: Any = NO_TARGET, *, scenario: Any = None, world_sizes: Any = D
                              shown=deadline)
     excluded = parse_features(without, spelling.without)
     named = _dtypes(dtypes, spelling.dtypes)
+    focus = parse_features(only, spelling.only)
+    for feature in sorted(focus & excluded):
+        raise InvalidArgument(f"{spelling.only}: {feature!r} is also in {spelling.without}; "
+                              "an example cannot both exercise it and not")
+    for feature in sorted(focus & {"float64", "float32"} - set(named or DTYPES)):
+        raise InvalidArgument(f"{spelling.only}: {feature!r} is not among {spelling.dtypes}="
+                              f"{','.join(named or ())}")
     if scenario is not None:
         scenario = _scenario(scenario, spelling.scenario, text)
     if target is NO_TARGET:
@@ -148,7 +159,19 @@ def admit(target: Any = NO_TARGET, *, scenario: Any = None, world_sizes: Any = D
         if text and isinstance(target, str):
             target = resolve_target(target)
         check_target(target)
-    return Request(target, sizes, seconds, excluded, named, device, backend, scenario)
+        _check_focus(target, focus, excluded, spelling.only)
+    return Request(target, sizes, seconds, excluded, named, device, backend, scenario, focus)
+
+
+def _check_focus(target: Any, focus: frozenset[str], excluded: frozenset[str],
+                 name: str) -> None:
+    """A feature to focus on that the target does not support would leave nothing to draw:
+    refused, naming why, instead of a run that checks nothing."""
+    from ddpcheck import features
+
+    for feature in sorted(focus & features.unsupported(target, excluded)):
+        raise InvalidArgument(f"{name}: {type(target).__name__} does not support {feature!r} "
+                              f"({features.why_unsupported(target, feature)})")
 
 
 def _number(value: Any) -> Any:

@@ -67,21 +67,22 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
          dtypes: Iterable[str] | None = None,
          progress: Callable[[int, float], None] | None = None,
          time_budget: float | None = None, without: Iterable[str] = (), device: str = "cpu",
-         backend: str | None = None, shrink: bool = True) -> FuzzResult:
+         backend: str | None = None, shrink: bool = True, only: Iterable[str] = ()
+         ) -> FuzzResult:
     """Run up to ``examples`` random examples of ``target``; shrink the first failure.
 
     ``seed`` makes the run reproducible (default: derandomized, the same every time);
     ``time_budget`` (seconds) stops generating new examples once spent (shrinking still runs).
-    ``dtypes``: the dtypes drawn (default float64, as on the command line:
-    ``runs.admission``). Features the target does not support (``Target.supported_features``)
-    or ``without`` excludes are not generated; the rare drawn example that still needs one is
-    rejected (``assume``), so it costs no example of the budget -- until
-    :data:`GIVE_UP_AFTER_DECLINED` (or twice ``examples``) were, with none run.
+    ``dtypes``: the dtypes drawn (default float64, as on the command line: ``runs.admission``);
+    ``only``: every example exercises one of these features. Features the target does not support
+    (``Target.supported_features``) or ``without`` excludes are not generated; the rare drawn
+    example that still needs one is rejected (``assume``), so it costs no example of the budget --
+    until :data:`GIVE_UP_AFTER_DECLINED` (or twice ``examples``) were, with none run.
     ``device``/``backend``: where the ranks compute (as for ``ddpcheck.assert_equivalent``).
-    ``shrink=False`` reports the first failure as drawn, without running it again, for a
-    caller that needs the verdict, not a minimal counterexample: a failure that kills the world (a
-    rank raised, hung or mismatched collectives) costs a new world and, for a mismatch, the
-    seconds that prove it per shrinking step -- ~30 steps for a collective mismatch at W=2.
+    ``shrink=False`` reports the first failure as drawn, without running it again, for a caller that
+    needs the verdict, not a minimal counterexample: a failure that kills the world (a rank raised,
+    hung or mismatched collectives) costs a new world and, for a mismatch, the seconds that prove it
+    per shrinking step -- ~30 steps for a collective mismatch at W=2.
 
     How (``docs/architecture.md``): the examples run one behind the other while Hypothesis
     draws in a thread of its own (``runs.pipeline``); the first failure is shrunk by a second
@@ -89,7 +90,7 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     reported as intermittent if it passes there.
     """
     request = admit(target, world_sizes=world_sizes, deadline=deadline, without=without,
-                    dtypes=dtypes, device=device, backend=backend)
+                    dtypes=dtypes, device=device, backend=backend, only=only)
     return fuzz_admitted(request, examples=examples, seed=seed, progress=progress,
                          time_budget=time_budget, shrink=shrink)
 
@@ -112,7 +113,8 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
     # What the target runs, drawn as ddpcheck.strategies.examples draws it (declined draws are
     # tallied here, not filtered). Built once, not per example: Hypothesis validates a strategy
     # the first time it draws from it, which cost 17 ms per example when built inside the test.
-    sizes, scenario_strategies, excluded = dst._for_target(target, sizes, dtypes, without)
+    focus = request.only
+    sizes, scenario_strategies, excluded = dst._for_target(target, sizes, dtypes, without, focus)
     give_up_after = max(GIVE_UP_AFTER_DECLINED, 2 * examples)
     declined: dict[str, int] = {}
     exercised: set[str] = set()
@@ -130,7 +132,7 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
             return None  # nothing this target runs is being drawn: the rest pass unjudged
         if budget and time_budget is not None and time.perf_counter() - started > time_budget:
             return None  # out of time: remaining examples pass without running
-        why = features.declines(target, scenario, world_size, excluded)
+        why = _declines(target, scenario, world_size, excluded, focus)
         if why is not None:
             tally.declined[why] = tally.declined.get(why, 0) + 1
             assume(False)  # not generated, in effect
@@ -209,7 +211,7 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
             scenario = data.draw(scenario_strategies[world_size], label="scenario")
             if replay.done:
                 return
-            if features.declines(target, scenario, world_size, excluded) is not None:
+            if _declines(target, scenario, world_size, excluded, focus) is not None:
                 assume(False)
         count += 1
         try:
@@ -249,6 +251,16 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
         error = _intermittent(error)
     return FuzzResult(count, first, time.perf_counter() - started, error, declined, exercised,
                       notes)
+
+
+def _declines(target: Any, scenario: Any, world_size: int, excluded: frozenset[str],
+              focus: frozenset[str]) -> str | None:
+    """Why a drawn example is not run: the target declines it, or it was drawn without any of
+    the features to focus on (one a model or the data decide, such as unused-on-some-ranks)."""
+    why = features.declines(target, scenario, world_size, excluded)
+    if why is None and focus and not features.of(scenario, world_size) & focus:
+        return f"drawn without any of only={','.join(sorted(focus))}"
+    return why
 
 
 def undrawable(target: Any, dtypes: Iterable[str], without: frozenset[str] = frozenset()

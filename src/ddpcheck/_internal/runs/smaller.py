@@ -35,7 +35,6 @@ from ddpcheck import strategies as dst
 from ddpcheck._internal.messages import exception_text, scenario_line
 from ddpcheck._internal.options import DEFAULT_DEADLINE
 from ddpcheck._internal.runs.example import check_example
-from ddpcheck._internal.runs.survey import NEEDS_SEVERAL_RANKS
 from ddpcheck.errors import EquivalenceError, NothingChecked, ScenarioError
 from ddpcheck.scenario import build_model
 
@@ -257,7 +256,7 @@ def _strategy(battery: Any, failed_at: int, world_size: int, unsupported: frozen
     found = features.of(battery, failed_at)
     rows = [f for f in features.FEATURES if f in found and f not in (dtype, "broadcast")
             and f not in unsupported and (f not in dst.FLOAT32_ONLY or dtype == "float32")
-            and not (world_size == 1 and f in NEEDS_SEVERAL_RANKS)]
+            and dst.can_exercise(f, world_size)]
     opt_in = frozenset(features.OPT_IN) - unsupported
     return st.one_of([dst.exercising(f, world_size=world_size, dtypes=(dtype,),
                                      without=unsupported, resume_world_sizes=world_sizes,

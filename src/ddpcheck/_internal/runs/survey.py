@@ -45,8 +45,6 @@ __all__ = ["DEFAULT_EXAMPLES", "DEFAULT_SHRINK_SECONDS", "Cell", "Survey", "surv
 DEFAULT_EXAMPLES = 8
 #: Seconds Hypothesis may spend shrinking one failing cell's counterexample.
 DEFAULT_SHRINK_SECONDS = 3.0
-#: Features no example can exercise at W=1, where one rank holds every sample.
-NEEDS_SEVERAL_RANKS = ("unused-on-some-ranks", "uneven-batches")
 
 
 @dataclasses.dataclass
@@ -183,18 +181,21 @@ def survey(target: Any, *, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
            deadline: float = DEFAULT_DEADLINE, seed: int | None = None,
            shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
            progress: Callable[[int, int, str, float], None] | None = None,
-           device: str = "cpu", backend: str | None = None) -> Survey:  # as assert_equivalent's
+           device: str = "cpu", backend: str | None = None,
+           only: Iterable[str] = ()) -> Survey:  # as assert_equivalent's
     """Run the battery at every world size and ``examples`` random examples per (feature, world
     size), stopping nowhere; return the :class:`Survey` (``print`` it for the matrix).
 
-    ``without`` names features never to exercise (on top of ``target.supported_features``);
-    their cells are declined. ``seed`` changes which random examples are drawn (default: the
-    same every run). ``progress(done, total, what, seconds)`` is called before every cell.
+    ``without`` names features never to exercise (on top of ``target.supported_features``); their
+    cells are declined; ``only`` keeps the rows that exercise one of these features (the battery
+    scenarios that do, and those features' cells). ``seed`` changes which random examples are drawn
+    (default: the same every run). ``progress(done, total, what, seconds)`` is called before every
+    cell.
     Raises what is not the target's fault (:class:`ddpcheck.InvalidArgument`,
     :class:`ddpcheck.SetupError` and its subclasses) instead of recording it.
     """
     request = admit(target, world_sizes=world_sizes, deadline=deadline, without=without,
-                    device=device, backend=backend)
+                    device=device, backend=backend, only=only)
     return survey_admitted(request, examples=examples, seed=seed, shrink_seconds=shrink_seconds,
                            progress=progress)
 
@@ -212,8 +213,11 @@ def survey_admitted(request: Request, *, examples: int = DEFAULT_EXAMPLES,
     started = time.perf_counter()
     exercised: set[str] = set()
     cells: list[Cell] = []
-    rows: list[tuple[str, str, Any]] = [("battery", name, sc) for name, sc in BATTERY]
-    rows += [("feature", feature, None) for feature in features.FEATURES]
+    focus = request.only  # only the rows that exercise one of these, when given
+    rows: list[tuple[str, str, Any]] = [("battery", name, sc) for name, sc in BATTERY
+                                        if not focus or features.of(sc) & focus]
+    rows += [("feature", feature, None) for feature in features.FEATURES
+             if not focus or feature in focus]
     for section, row, scenario in rows:
         for w in sizes:
             if progress is not None:
@@ -268,7 +272,7 @@ def _feature_cell(target: Any, feature: str, world_size: int, *, examples: int,
                   excluded: frozenset[str], unsupported: frozenset[str], run: dict,
                   seed: int | None, shrink_seconds: float, exercised: set[str]) -> Cell:
     cell = Cell("feature", feature, world_size, "ok")
-    if world_size == 1 and feature in NEEDS_SEVERAL_RANKS:
+    if not dst.can_exercise(feature, world_size):
         cell.status, cell.reason = "n/a", "one rank holds every sample: no example can exercise it"
         return cell
     dtypes = ("float32",) if feature in dst.FLOAT32_ONLY else \

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpcheck import features
 from ddpcheck._internal.devices import (
     backend_for,
     enter_rank,
@@ -162,13 +163,14 @@ def _example(target: Any, scenario: Any, name: str, world_size: int, rank: int,
 
 
 def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline: float,
-                   out: Any, without: frozenset[str] = frozenset(), device: str = "cpu",
+                   out: Any, without: frozenset[str] = frozenset(),
+                   only: frozenset[str] = frozenset(), device: str = "cpu",
                    backend: str | None = None) -> int:
     """Run the battery on torchrun's world; 0 all equivalent, 1 a counterexample (printed on
     rank 0 to ``out``), 2 a usage error (``world_sizes`` not containing torchrun's size), or the
     exit code of ddpcheck's own outcome raised in a rank (4: a framework target's glue failed).
-    ``without``, ``device``/``backend``: as for ``ddpcheck.assert_equivalent``. Every rank's
-    process admitted the same request (``runs.admission``) before any collective: a refusal
+    ``without``, ``only``, ``device``/``backend``: as for ``ddpcheck.assert_equivalent``. Every
+    rank's process admitted the same request (``runs.admission``) before any collective: a refusal
     must not hang rank 0."""
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
@@ -192,6 +194,8 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
         try:
             for name, scenario in BATTERY:
                 if declines(target, scenario, world_size, without) is not None:
+                    continue
+                if only and not features.of(scenario, world_size) & only:
                     continue
                 if scenario.resume_world_size not in (None, world_size):
                     say(f"skipped {name}: it resumes its checkpoint at world size "
