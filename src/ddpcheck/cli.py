@@ -546,6 +546,7 @@ def _targets(args: argparse.Namespace) -> ExitCode:
     for entry in READY_MADE:
         version = entry.version
         floor = "" if entry.minimum is None else f", supported from {entry.minimum}"
+        floor += f", tested with {', '.join(entry.tested)}" if entry.tested else ""
         where = (f"{entry.framework} {version}{floor}" if version is not None else
                  f"{entry.framework} not installed{floor}: {entry.install}")
         print(f"{entry.name}  ({where})\n    {entry.summary}")

@@ -7,6 +7,7 @@ installed skips its test, saying so."""
 from __future__ import annotations
 
 import importlib.util
+import pathlib
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ from ddpcheck.scenario import Scenario
 #: micro-batches, a schedule, clipping, Adam state, a parameter some ranks do not use
 BUSY = Scenario(zoo.SampleBranch, optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.01},
                 lr_decay=0.5, global_batch=7, steps=2, accumulation=3, max_grad_norm=1.0)
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 
 
 def _needs(module: str) -> None:
@@ -37,6 +40,20 @@ def test_ddpcheck_targets_lists_every_ready_made_target_with_its_declines(capsys
     assert "declines mixed-dtypes: ZeroRedundancyOptimizer rejects" in out
     for entry in targets.READY_MADE:  # every declined feature has its reason, and only those
         assert set(entry.declines) == set(FEATURES) - supported_by(entry.target), entry.name
+
+
+@pytest.mark.parametrize("framework", sorted(targets.TESTED))
+def test_the_releases_listed_as_tested_run_from_the_floor_to_the_pin(framework, capsys):
+    """``ddpcheck targets`` says which releases were tried: the oldest is the floor every
+    ready-made target of that framework states, the newest the pin every install uses."""
+    tested = targets.TESTED[framework]
+    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    assert tested[-1] == pins[framework], (framework, tested, pins.get(framework))
+    entries = [e for e in targets.READY_MADE if e.framework == framework]
+    assert entries and all(e.minimum in (None, tested[0]) for e in entries), framework
+    assert cli.main(["targets"]) == ExitCode.OK
+    assert f"tested with {', '.join(tested)}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name, hint", [

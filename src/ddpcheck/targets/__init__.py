@@ -42,7 +42,7 @@ from parallel import DDP, ShardedOptimizer
 
 __all__ = ["ACCELERATE", "DEEPSPEED_ZERO1", "DEEPSPEED_ZERO2", "FABRIC", "HF_TRAINER", "LIGHTNING",
            "LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP", "TORCH_FSDP", "TORCH_ZERO",
-           "TORCH_ZERO_BUCKET_VIEW", "BUILTIN", "CONSTRUCTOR_CALL", "READY_MADE",
+           "TORCH_ZERO_BUCKET_VIEW", "BUILTIN", "TESTED", "CONSTRUCTOR_CALL", "READY_MADE",
            "AccelerateTarget", "DeepSpeedTarget", "FabricTarget", "HfTrainerTarget",
            "LightningTarget", "LocalTarget",
            "ParallelDDPTarget", "ParallelTarget", "ReadyMade", "Target", "TorchDDPTarget",
@@ -299,6 +299,23 @@ class ReadyMade:
     def install(self) -> str:
         """The pip command that installs its framework at a supported release."""
         return install_command(self.framework, self.minimum)
+
+    @property
+    def tested(self) -> tuple[str, ...]:
+        """The releases of its framework its targets were run against and passed."""
+        return TESTED.get(self.framework, ())
+
+
+#: The releases of each framework the ready-made targets were run against and passed
+#: (``bench/framework_releases.py``; docs/frameworks.md, "Releases tried"): the oldest is the
+#: floor ``Target.requires`` states, the newest the pin of constraints.txt.
+TESTED: dict[str, tuple[str, ...]] = {
+    "torch": ("2.13.0",),
+    "accelerate": ("0.30.0", "0.30.1", "1.0.0", "1.15.0"),
+    "lightning": ("2.0.9", "2.4.0", "2.6.6"),
+    "transformers": ("5.0.0", "5.25.0"),
+    "deepspeed": ("0.19.0", "0.19.8"),
+}
 
 
 _TORCH_DDP_ORDER = ("torch DDP requires \"the exact same parameter registration order\" on "
