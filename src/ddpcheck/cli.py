@@ -290,7 +290,8 @@ def _prepare(args: argparse.Namespace) -> argparse.Namespace:
         target, scenario=getattr(args, "scenario", None), world_sizes=sizes,
         deadline=args.deadline, without=getattr(args, "without", ""),
         dtypes=getattr(args, "dtypes", None), device=getattr(args, "device", "cpu"),
-        backend=getattr(args, "backend", None), only=getattr(args, "only", ""),
+        backend=getattr(args, "backend", None),
+        only=args.only if args.command in ("check", "survey") else "",  # mutants': names
         spelling=spelling, fits_machine=not torchrun)
     if target is not admission.NO_TARGET:
         args.target_spec, args.target = target, args.request.target
