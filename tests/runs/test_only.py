@@ -55,7 +55,9 @@ def test_random_examples_focused_on_accumulation_find_an_accumulation_bug():
     (lambda: ddpcheck.fuzz(targets.PARALLEL, only=("autocast",), without=("autocast",)),
      "only: 'autocast' is also in without"),
     (lambda: ddpcheck.fuzz(targets.PARALLEL, only=("float32",), dtypes=("float64",)),
-     "only: 'float32' is not among dtypes=float64"),
+     "only: 'float32' needs float32, not among dtypes=float64"),
+    (lambda: ddpcheck.fuzz(targets.PARALLEL, only=("autocast",), dtypes=("float64",)),
+     "only: 'autocast' needs float32, not among dtypes=float64"),
 ])
 def test_a_focus_nothing_can_serve_is_refused_before_any_process(call, message):
     with none_started(), pytest.raises(ddpcheck.InvalidArgument, match=message):

@@ -113,12 +113,9 @@ class Request:
 
     @property
     def random_dtypes(self) -> tuple[str, ...]:
+        """The dtypes random examples are drawn in."""
         return self.dtypes if self.dtypes is not None else RANDOM_DTYPES
 
-    def but(self, **changes: Any) -> Request:
-        """The same request with ``changes`` (already admitted values: a door's own narrowing,
-        such as one world size of the sizes asked for)."""
-        return dataclasses.replace(self, **changes)
 
 
 def admit(target: Any = NO_TARGET, *, scenario: Any = None, world_sizes: Any = DEFAULT_WORLD_SIZES,
@@ -148,9 +145,11 @@ def admit(target: Any = NO_TARGET, *, scenario: Any = None, world_sizes: Any = D
     for feature in sorted(focus & excluded):
         raise InvalidArgument(f"{spelling.only}: {feature!r} is also in {spelling.without}; "
                               "an example cannot both exercise it and not")
-    for feature in sorted(focus & {"float64", "float32"} - set(named or DTYPES)):
-        raise InvalidArgument(f"{spelling.only}: {feature!r} is not among {spelling.dtypes}="
-                              f"{','.join(named or ())}")
+    for feature in sorted(focus):
+        needs = _dtype_needed(feature)
+        if named is not None and needs is not None and needs not in named:
+            raise InvalidArgument(f"{spelling.only}: {feature!r} needs {needs}, not among "
+                                  f"{spelling.dtypes}={','.join(named)}")
     if scenario is not None:
         scenario = _scenario(scenario, spelling.scenario, text)
     if target is NO_TARGET:
@@ -161,6 +160,15 @@ def admit(target: Any = NO_TARGET, *, scenario: Any = None, world_sizes: Any = D
         check_target(target)
         _check_focus(target, focus, excluded, spelling.only)
     return Request(target, sizes, seconds, excluded, named, device, backend, scenario, focus)
+
+
+def _dtype_needed(feature: str) -> str | None:
+    """The dtype an example exercising ``feature`` is in, where only one can."""
+    if feature in ("float64", "float32"):
+        return feature
+    from ddpcheck.strategies import FLOAT32_ONLY  # the precision policies: float32 masters
+
+    return "float32" if feature in FLOAT32_ONLY else None
 
 
 def _check_focus(target: Any, focus: frozenset[str], excluded: frozenset[str],
