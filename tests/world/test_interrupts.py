@@ -17,6 +17,7 @@ import sys
 import textwrap
 import threading
 import time
+import traceback
 from multiprocessing import forkserver
 
 import pytest
@@ -271,3 +272,22 @@ def test_an_entry_point_raises_a_lost_ctrl_c_again():
             interrupts.interruptible(_loses_it)("raises")
         assert isinstance(info.value.__cause__, RecursionError)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
+
+
+def test_a_ctrl_c_raised_again_while_the_first_is_handled_reads_as_one_interruption():
+    """On a slow machine the insistent handler may raise its second KeyboardInterrupt while the
+    clean-up of the first still runs: a script's traceback then shows one, not two chained."""
+
+    @interrupts.interruptible
+    def cleaning_up_slowly() -> None:
+        try:
+            raise KeyboardInterrupt
+        finally:
+            raise KeyboardInterrupt  # the second, raised while the first is handled
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        cleaning_up_slowly()
+    shown = "".join(traceback.format_exception(info.value))
+    assert "During handling of the above exception" not in shown, shown
+    assert shown.count("Traceback (most recent call last)") == 1, shown
+    assert "cleaning_up_slowly was interrupted (in cleaning_up_slowly" in shown, shown

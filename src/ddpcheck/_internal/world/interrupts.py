@@ -179,7 +179,10 @@ def interruptible(fn: F) -> F:
             except KeyboardInterrupt as exc:
                 if not exc.args:  # (an entry point inside another: the innermost one says it)
                     exc.args = (f"{name} was interrupted{_where(exc)}",)
-                raise exc.with_traceback(None)  # noqa: B904 -- the caught exception itself, from here
+                # the caught exception itself, from here; a Ctrl-C raised again while the first
+                # was being handled (Insistent, on a slow machine) is the same interruption:
+                # its context, the first one, is not shown as a second traceback
+                raise exc.with_traceback(None) from None
             except BaseException as exc:
                 if insistent is None or insistent.came is None:
                     raise
