@@ -136,9 +136,7 @@ def run_battery(request: Request, progress: Callable[[int, int], None] | None = 
         launch_worlds(sizes[at + 1:at + 2], device=device, backend=backend)
         for index, (name, given) in enumerate(named):
             sc = _within(given, sizes) if scenario is None else given
-            why = features.declines(target, sc, world_size, excluded)
-            if why is None and request.only and not features.of(sc, world_size) & request.only:
-                why = f"exercises none of only={','.join(sorted(request.only))}"
+            why = features.declines(target, sc, world_size, excluded, request.only)
             if why is not None:
                 report.skipped.append((name or "scenario", world_size, why))
                 one_more()

@@ -74,9 +74,11 @@ def _fields(scenario: Scenario) -> set[str]:
 
 
 def declines(target: Any, scenario: Scenario, world_size: int | None = None,
-             without: frozenset[str] = frozenset()) -> str | None:
+             without: frozenset[str] = frozenset(),
+             only: frozenset[str] = frozenset()) -> str | None:
     """Why ``target`` does not run ``scenario`` -- a feature it does not support, a feature the
-    user excluded (``without``), or its own ``supports()`` reason -- or None when it does."""
+    user excluded (``without``), its own ``supports()`` reason, or none of the features to focus
+    on (``only``, ``--only``) -- or None when it does."""
     needed = of(scenario, world_size)
     missing = sorted(needed - supported_by(target))
     opted_out = [f"{f} (opt-in: {type(target).__name__}.{OPT_IN[f]} is not set)"
@@ -101,7 +103,10 @@ def declines(target: Any, scenario: Scenario, world_size: int | None = None,
                                                                "load_checkpoint")):
         return ("checkpoint: the target has no save_checkpoint / load_checkpoint hooks "
                 "(subclass ddpcheck.Target for the defaults)")
-    return target.supports(scenario)
+    why = target.supports(scenario)
+    if why is None and only and not needed & only:
+        return f"exercises none of only={','.join(sorted(only))}"
+    return why
 
 
 def why_unsupported(target: Any, feature: str) -> str:

@@ -398,8 +398,7 @@ def _examples(draw: st.DrawFn, sizes: st.SearchStrategy[int],
 
 def _runs(target: Any, world_size: int, excluded: frozenset[str], focus: frozenset[str],
           scenario: Scenario) -> bool:
-    return (features.declines(target, scenario, world_size, excluded) is None
-            and (not focus or bool(features.of(scenario, world_size) & focus)))
+    return features.declines(target, scenario, world_size, excluded, focus) is None
 
 
 def _for_target(target: Any, world_sizes: Any, dtypes: Sequence[str], without: Iterable[str],

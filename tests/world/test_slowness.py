@@ -162,8 +162,9 @@ def test_overtime_without_the_kernels_word_keeps_the_deadline():
 
 def test_the_kernel_tells_a_working_process_from_a_waiting_one():
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                            start_new_session=True)
+    # waits on a pipe nobody writes to until it is killed below
+    idle = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE, start_new_session=True)
     try:
         time.sleep(patience(0.5))  # both past their start-up
         groups = {0: busy.pid, 1: idle.pid}

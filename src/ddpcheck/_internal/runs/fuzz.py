@@ -132,7 +132,7 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
             return None  # nothing this target runs is being drawn: the rest pass unjudged
         if budget and time_budget is not None and time.perf_counter() - started > time_budget:
             return None  # out of time: remaining examples pass without running
-        why = _declines(target, scenario, world_size, excluded, focus)
+        why = features.declines(target, scenario, world_size, excluded, focus)
         if why is not None:
             tally.declined[why] = tally.declined.get(why, 0) + 1
             assume(False)  # not generated, in effect
@@ -211,7 +211,7 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
             scenario = data.draw(scenario_strategies[world_size], label="scenario")
             if replay.done:
                 return
-            if _declines(target, scenario, world_size, excluded, focus) is not None:
+            if features.declines(target, scenario, world_size, excluded, focus) is not None:
                 assume(False)
         count += 1
         try:
@@ -251,16 +251,6 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
         error = _intermittent(error)
     return FuzzResult(count, first, time.perf_counter() - started, error, declined, exercised,
                       notes)
-
-
-def _declines(target: Any, scenario: Any, world_size: int, excluded: frozenset[str],
-              focus: frozenset[str]) -> str | None:
-    """Why a drawn example is not run: the target declines it, or it was drawn without any of
-    the features to focus on (one a model or the data decide, such as unused-on-some-ranks)."""
-    why = features.declines(target, scenario, world_size, excluded)
-    if why is None and focus and not features.of(scenario, world_size) & focus:
-        return f"drawn without any of only={','.join(sorted(focus))}"
-    return why
 
 
 def undrawable(target: Any, dtypes: Iterable[str], without: frozenset[str] = frozenset()

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpcheck import features
 from ddpcheck._internal.devices import (
     backend_for,
     enter_rank,
@@ -193,9 +192,7 @@ def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline
         recorder.record_to(sequence_path)
         try:
             for name, scenario in BATTERY:
-                if declines(target, scenario, world_size, without) is not None:
-                    continue
-                if only and not features.of(scenario, world_size) & only:
+                if declines(target, scenario, world_size, without, only) is not None:
                     continue
                 if scenario.resume_world_size not in (None, world_size):
                     say(f"skipped {name}: it resumes its checkpoint at world size "
