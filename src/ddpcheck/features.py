@@ -103,10 +103,9 @@ def declines(target: Any, scenario: Scenario, world_size: int | None = None,
                                                                "load_checkpoint")):
         return ("checkpoint: the target has no save_checkpoint / load_checkpoint hooks "
                 "(subclass ddpcheck.Target for the defaults)")
-    why = target.supports(scenario)
-    if why is None and only and not needed & only:
+    if only and not needed & only:
         return f"exercises none of only={','.join(sorted(only))}"
-    return why
+    return target.supports(scenario)
 
 
 def why_unsupported(target: Any, feature: str) -> str:
