@@ -37,8 +37,9 @@ from ddpcheck.targets.fsdp import (
 )
 from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
+from ddpcheck.targets.option_space import options
 from ddpcheck.targets.protocol import CONSTRUCTOR_CALL, Target, WrapperTarget
-from parallel import DDP, ShardedOptimizer
+from parallel import DDP, ShardedOptimizer, sharding
 
 __all__ = ["ACCELERATE", "DEEPSPEED_ZERO1", "DEEPSPEED_ZERO2", "FABRIC", "HF_TRAINER", "LIGHTNING",
            "LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP", "TORCH_FSDP", "TORCH_ZERO",
@@ -49,11 +50,20 @@ __all__ = ["ACCELERATE", "DEEPSPEED_ZERO1", "DEEPSPEED_ZERO2", "FABRIC", "HF_TRA
            "TorchFSDPTarget", "TorchZeroTarget", "WrapperTarget"]
 
 
+#: The bucket sizes (MB) drawn for a bucketing wrapper's option (``strategies.BUCKET_SIZES``).
+BUCKET_SIZES = (1e-6, 2e-4, 1e6)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Bucketed(Target):
     """A target whose wrapper buckets gradients; takes the scenario's bucket size hint."""
 
     bucket_size_mb: float | None = None
+
+    def config_space(self) -> Any:
+        """The bucket size: one parameter per bucket, a few, one bucket for everything
+        (``ddpcheck.strategies.BUCKET_SIZES``)."""
+        return options(fields={"bucket_size_mb": BUCKET_SIZES})
 
     def configure(self, scenario: Any) -> Target:
         hint = getattr(scenario, "bucket_size_mb", None)
@@ -94,6 +104,11 @@ class ParallelTarget(ParallelDDPTarget):
     sharding_rule: Any = None  # None: the ShardedOptimizer's default (sharding.modulo)
     shards_optimizer_state = True
     flattened_broadcasts = True
+
+    def config_space(self) -> Any:
+        """The bucket size and the rule that assigns each parameter its owner."""
+        return options(fields={"bucket_size_mb": BUCKET_SIZES,
+                               "sharding_rule": (sharding.greedy, sharding.contiguous)})
 
     def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
         if self.sharding_rule is not None:
@@ -212,6 +227,13 @@ class TorchFSDPTarget(Target):
     # in registration order, which torch requires to be the same on every rank (as DDP does).
     supported_features = frozenset(FEATURES) - {"non-contiguous", "unused-on-some-ranks",
                                                 "checkpoint", "rank-orders"}
+
+    def config_space(self) -> Any:
+        """``reshard_after_forward`` set (None takes it from the seed): re-gather in backward,
+        or keep the unsharded parameters from forward to backward. Not the dtypes:
+        a ``param_dtype`` or ``reduce_dtype`` set here overrides the scenario's precision, which
+        the oracle reports as it must; not ``cpu_offload``: declined in CPU worlds."""
+        return options(fields={"reshard_after_forward": (True, False)})
 
     def configure(self, scenario: Any) -> TorchFSDPTarget:
         change: dict[str, Any] = {}

@@ -21,7 +21,7 @@ Two documented behaviours the target meets the way a user must:
   batches are split ("the training dataloader batch size was multiplied by num_processes, so we
   need to do num_processes steps per training step"); ddpcheck's batch is the global batch split
   across ranks, so the target sets ``split_batches=True`` (``split_batches=False`` is kept as an
-  option: it fails the LR schedule at W > 1, as documented).
+  option, which declines scenarios with an LR schedule: the schedule differs by design).
 
 Imports accelerate only inside the hooks: listing or pickling the target needs no accelerate.
 """
@@ -37,6 +37,7 @@ import torch
 from ddpcheck.features import FEATURES
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
+from ddpcheck.targets.option_space import options
 from ddpcheck.targets.protocol import Target
 
 __all__ = ["AccelerateTarget"]
@@ -56,6 +57,18 @@ class AccelerateTarget(FrameworkTarget):
     # checkpoints (accelerate saves through save_state/load_state, its own directory format,
     # not the default hooks' state dicts).
     supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint"}
+
+    def config_space(self) -> Any:
+        """``split_batches=False`` (accelerate's default); ``Accelerator`` keyword arguments
+        join here as ``config=`` keys (``ddpcheck.targets.option_space``)."""
+        return options(fields={"split_batches": (False,)})
+
+    def supports(self, scenario: Any) -> str | None:
+        if not self.split_batches and scenario.lr_decay is not None:
+            return ("an LR schedule with split_batches=False: AcceleratedScheduler then steps "
+                    "the schedule num_processes times per optimizer step, by design (the "
+                    "batch is taken to be per process), where the reference steps it once")
+        return None
 
     def warm_up(self) -> None:
         import accelerate  # noqa: F401  (seconds in a rank: once per process, here)

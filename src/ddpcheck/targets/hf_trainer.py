@@ -67,6 +67,7 @@ from ddpcheck.errors import InvalidArgument, NothingChecked
 from ddpcheck.features import FEATURES
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
+from ddpcheck.targets.option_space import options
 
 __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "HfTrainerTarget", "ScenarioCausalLM",
            "ScenarioCausalLMWithoutLossKwargs", "arguments"]
@@ -181,6 +182,15 @@ class HfTrainerTarget(FrameworkTarget):
         object.__setattr__(self, "_given", _given(self.training_args))
         if self.trainer_class is not None:
             _check_trainer_class(self.trainer_class)
+
+    def config_space(self) -> Any:
+        """``TrainingArguments`` keys that change how the Trainer runs DDP but not what it
+        computes: counting the input tokens seen (a gather of counts every step), a smaller DDP
+        bucket. Not ``average_tokens_across_devices=False`` nor ``loss_kwargs=False``: each is
+        documented to weigh tokens otherwise (the module docstring), which would fail every
+        run; name them to check them. Drawn keys join the user's own ``training_args``."""
+        return options(training_args={"include_num_input_tokens_seen": (True,),
+                                      "ddp_bucket_cap_mb": (1,)})
 
     def warm_up(self) -> None:
         from transformers import Trainer  # noqa: F401  (seconds in a rank: once per process)

@@ -41,6 +41,7 @@ from ddpcheck.features import FEATURES
 from ddpcheck.models import ModelSpec
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
+from ddpcheck.targets.option_space import options
 
 __all__ = ["LightningTarget"]
 
@@ -57,6 +58,11 @@ class LightningTarget(FrameworkTarget):
     # Declined: per-rank registration orders (torch DDP underneath), checkpoints (the Trainer
     # resumes from its own .ckpt files, which this loop does not drive).
     supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint"}
+
+    def config_space(self) -> Any:
+        """Manual optimization, a static graph, both (``ddpcheck.targets.option_space``; the
+        Trainer's own keyword arguments join here as ``config=`` keys)."""
+        return options(fields={"manual": (True,), "static_graph": (True,)})
 
     def warm_up(self) -> None:
         import lightning.pytorch  # noqa: F401  (seconds in a rank: once per process, here)

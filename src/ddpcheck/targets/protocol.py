@@ -138,6 +138,14 @@ class Target:
         """Return the target to use for this scenario (default: itself)."""
         return self
 
+    def config_space(self) -> Any:
+        """The options ``--fuzz-config`` draws beside each scenario: a Hypothesis strategy of
+        keyword arguments for ``dataclasses.replace(self, **drawn)`` -- the target's own fields
+        that bear on equivalence, each key optional and drawn only with a non-default value
+        (``ddpcheck.targets.option_space.options`` builds one) -- or None: nothing to fuzz, and
+        ``fuzz_config=True`` is refused. Default: None."""
+        return None
+
     def supports(self, scenario: Any) -> str | None:
         """None when the target can run ``scenario``; otherwise why not (the example is skipped
         and the reason reported). Called in the parent process, before any rank runs."""

@@ -65,6 +65,7 @@ class Spelling:
     dtypes: str = "dtypes"
     device: str = "device"
     only: str = "only"
+    fuzz_config: str = "fuzz_config=True"
     #: the door passes text (a command line's flags): numbers, lists, a scenario's repr and a
     #: target's name are read from it; in Python, a string where a number belongs is refused
     text: bool = False
@@ -72,10 +73,11 @@ class Spelling:
 
 API = Spelling()
 COMMAND_LINE = Spelling("MODULE:TARGET", "--scenario", "--world-sizes", "--deadline",
-                        "--without", "--dtypes", "--device", "--only", text=True)
+                        "--without", "--dtypes", "--device", "--only", "--fuzz-config",
+                        text=True)
 PYTEST = Spelling("target", "scenario", "--ddpcheck-world-sizes", "--ddpcheck-deadline",
                   "--ddpcheck-without", "--ddpcheck-dtypes", "--ddpcheck-device",
-                  "--ddpcheck-only", text=True)
+                  "--ddpcheck-only", "--ddpcheck-fuzz-config", text=True)
 
 #: ``admit``'s target when a door admits its options alone (the pytest plugin for its session,
 #: ``ddpcheck mutants``, ``ddpcheck fuzz-rule``): None is a target, and a wrong one.
@@ -98,6 +100,8 @@ class Request:
     scenario: Scenario | None = None
     #: features every example must exercise one of (none: no focus)
     only: frozenset[str] = frozenset()
+    #: every random example draws a configuration of the target too (``Target.config_space``)
+    fuzz_config: bool = False
 
     @property
     def run(self) -> dict[str, Any]:
@@ -121,7 +125,8 @@ class Request:
 def admit(target: Any = NO_TARGET, *, scenario: Any = None, world_sizes: Any = DEFAULT_WORLD_SIZES,
           deadline: Any = DEFAULT_DEADLINE, without: Any = (), dtypes: Any = None,
           device: str = "cpu", backend: str | None = None, only: Any = (),
-          spelling: Spelling = API, workers: int = 1, fits_machine: bool = True) -> Request:
+          spelling: Spelling = API, workers: int = 1, fits_machine: bool = True,
+          fuzz_config: bool = False) -> Request:
     """``Request`` from what a door was given, or :class:`InvalidArgument` naming the argument.
 
     Where the door passes text (``spelling.text``): ``world_sizes`` ("1,2,3"), ``deadline`` ("60"),
@@ -129,7 +134,8 @@ def admit(target: Any = NO_TARGET, *, scenario: Any = None, world_sizes: Any = D
     ``MODULE:EXPR`` or ``path/to/FILE.py:EXPR``); ``without`` and ``dtypes`` ("a,b") anywhere.
     ``target=NO_TARGET`` (the default) admits the options alone. ``workers``: processes that will
     run worlds at once (pytest-xdist's), for the machine's limit; ``fits_machine=False`` leaves that
-    limit to the caller (the plugin checks it only for world sizes a user asked for)."""
+    limit to the caller (the plugin checks it only for world sizes a user asked for).
+    ``fuzz_config``: a target with no options to fuzz (``Target.config_space`` None) is refused."""
     text = spelling.text
     sizes = (parse_world_sizes(world_sizes, spelling.world_sizes)
              if text and isinstance(world_sizes, str)
@@ -159,7 +165,22 @@ def admit(target: Any = NO_TARGET, *, scenario: Any = None, world_sizes: Any = D
             target = resolve_target(target)
         check_target(target)
         _check_focus(target, focus, excluded, spelling.only)
-    return Request(target, sizes, seconds, excluded, named, device, backend, scenario, focus)
+        if fuzz_config:
+            _check_config_space(target, spelling.fuzz_config)
+    return Request(target, sizes, seconds, excluded, named, device, backend, scenario, focus,
+                   bool(fuzz_config))
+
+
+def _check_config_space(target: Any, name: str) -> None:
+    """Refuse fuzzing the options of a target that declares none, before any process starts."""
+    from ddpcheck.targets.option_space import space_of
+
+    if space_of(target) is None:
+        cls = type(target).__name__
+        raise InvalidArgument(
+            f"{name}: {cls} has no options to fuzz ({cls}.config_space() returns None); "
+            f"define config_space() returning ddpcheck.targets.option_space.options(fields="
+            "{...}) to draw its options, or check it without it")
 
 
 def _dtype_needed(feature: str) -> str | None:

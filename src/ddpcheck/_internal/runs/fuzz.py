@@ -26,9 +26,11 @@ from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, ch
 from ddpcheck._internal.runs.admission import Request, admit
 from ddpcheck._internal.runs.example import check_example, refuse_unconfirmed_hang
 from ddpcheck._internal.runs.pipeline import one_behind_the_other
+from ddpcheck._internal.runs.replay import target_spec
 from ddpcheck._internal.world.interrupts import interruptible
 from ddpcheck._internal.world.worlds import lending_waits, released
 from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked, ScenarioError
+from ddpcheck.targets.option_space import described, space_of, vary
 
 __all__ = ["FuzzResult", "fuzz", "fuzz_admitted", "undrawable"]
 
@@ -67,8 +69,8 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
          dtypes: Iterable[str] | None = None,
          progress: Callable[[int, float], None] | None = None,
          time_budget: float | None = None, without: Iterable[str] = (), device: str = "cpu",
-         backend: str | None = None, shrink: bool = True, only: Iterable[str] = ()
-         ) -> FuzzResult:
+         backend: str | None = None, shrink: bool = True, only: Iterable[str] = (),
+         fuzz_config: bool = False) -> FuzzResult:
     """Run up to ``examples`` random examples of ``target``; shrink the first failure.
 
     ``seed`` makes the run reproducible (default: derandomized, the same every time);
@@ -83,6 +85,10 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     needs the verdict, not a minimal counterexample: a failure that kills the world (a rank raised,
     hung or mismatched collectives) costs a new world and, for a mismatch, the seconds that prove it
     per shrinking step -- ~30 steps for a collective mismatch at W=2.
+    ``fuzz_config=True``: every example draws a configuration of the target too
+    (``Target.config_space``, ``ddpcheck.targets.option_space``), in the same Hypothesis draw, so
+    a failure shrinks to the fewest options, then the simplest scenario; its verdict names the
+    options and its replay line builds the configured target. Refused for a target with none.
 
     How (``docs/architecture.md``): the examples run one behind the other while Hypothesis
     draws in a thread of its own (``runs.pipeline``); the first failure is shrunk by a second
@@ -90,7 +96,8 @@ def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_S
     reported as intermittent if it passes there.
     """
     request = admit(target, world_sizes=world_sizes, deadline=deadline, without=without,
-                    dtypes=dtypes, device=device, backend=backend, only=only)
+                    dtypes=dtypes, device=device, backend=backend, only=only,
+                    fuzz_config=fuzz_config)
     return fuzz_admitted(request, examples=examples, seed=seed, progress=progress,
                          time_budget=time_budget, shrink=shrink)
 
@@ -121,23 +128,39 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
     notes: dict[str, None] = {}
 
     world_size_strategy = st.sampled_from(sizes)
+    space = space_of(target) if request.fuzz_config else None
+    variants: dict[str, Any] = {}  # repr of the options drawn -> the target they configure
 
-    def drawn(data: Any, tally: _Tally, budget: bool) -> tuple[int, Any] | None:
+    def configured(data: Any) -> Any:
+        """The target of the next example: a configuration drawn (``fuzz_config``), first,
+        so shrinking leaves out options before it simplifies the scenario."""
+        if space is None:
+            return target
+        chosen = data.draw(space, label="configuration")
+        key = repr(chosen)
+        if key not in variants:
+            variant = vary(target, chosen)
+            target_spec(variant)  # its replay line must build it: refused now, not on failure
+            variants[key] = variant
+        return variants[key]
+
+    def drawn(data: Any, tally: _Tally, budget: bool) -> tuple[int, Any, Any] | None:
         """The next example Hypothesis draws, or None where it passes unrun: nothing this
         target runs is being drawn, or (``budget``) the time is out. A declined draw is
         rejected (``assume``): it costs no example of the budget."""
+        variant = configured(data)
         world_size = data.draw(world_size_strategy, label="world_size")
         scenario = data.draw(scenario_strategies[world_size], label="scenario")
         if tally.drawn == 0 and sum(tally.declined.values()) >= give_up_after:
             return None  # nothing this target runs is being drawn: the rest pass unjudged
         if budget and time_budget is not None and time.perf_counter() - started > time_budget:
             return None  # out of time: remaining examples pass without running
-        why = features.declines(target, scenario, world_size, excluded, focus)
+        why = features.declines(variant, scenario, world_size, excluded, focus)
         if why is not None:
             tally.declined[why] = tally.declined.get(why, 0) + 1
             assume(False)  # not generated, in effect
         tally.drawn += 1
-        return world_size, scenario
+        return world_size, scenario, variant
 
     def run_hypothesis(test: Callable[[Any], None], phases: list) -> None:
         @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
@@ -160,10 +183,11 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
     count, first, failing = 0, None, None
     try:
         # closing: a failure stops it (what is still queued is let finish and dropped)
+        items = (((index, variant), w, sc) for index, w, sc, variant in generation.items())
         with lending_waits(generation.lock), contextlib.closing(one_behind_the_other(
-                target, generation.items(), deadline=deadline, device=device,
-                backend=backend)) as examples_run:
-            for (index, world_size, scenario), outcome in examples_run:
+                target, items, deadline=deadline, device=device, backend=backend,
+                target_of=lambda key: key[1])) as examples_run:
+            for ((index, variant), world_size, scenario), outcome in examples_run:
                 if outcome.skipped is not None:  # unjudgeable, or declined in the ranks
                     why = (f"unjudgeable: {outcome.skipped}" if outcome.unjudgeable
                            else outcome.skipped)
@@ -173,7 +197,8 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
                 if progress is not None:
                     progress(count, time.perf_counter() - started)
                 if outcome.error is not None:
-                    first, failing = count, (index, world_size, scenario, outcome.error)
+                    first = count
+                    failing = (index, world_size, scenario, variant, outcome.error)
                     break
                 exercised.update(features.of(scenario, world_size))
                 notes.update(dict.fromkeys(outcome.notes))
@@ -184,15 +209,19 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
     if failing is None:
         return FuzzResult(count, None, time.perf_counter() - started, None, declined,
                           exercised, notes)
-    index, world_size, scenario, error = failing
+    index, world_size, scenario, variant, error = failing
+
+    def named(found: EquivalenceError) -> EquivalenceError:
+        return found if space is None else _with_configuration(found, target)
+
     if not shrink:
-        return FuzzResult(count, first, time.perf_counter() - started, error, declined,
+        return FuzzResult(count, first, time.perf_counter() - started, named(error), declined,
                           exercised, notes)
 
     # 2. The failure shrunk: Hypothesis draws again, the same examples in the same order (the
     # same seed, and every example before the failing one passes as it did while drawn above),
     # now running the failing one and every shrinking step.
-    replay = _Replay(index, (world_size, scenario))
+    replay = _Replay(index, (world_size, scenario, variant))
 
     def shrinking(data: Any) -> None:
         nonlocal count
@@ -205,17 +234,18 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
             if item != replay.failing:  # Hypothesis drew otherwise: keep the failure as found
                 replay.done = replay.drew_otherwise = True
                 return
-            world_size, scenario = item
+            world_size, scenario, variant = item
         else:  # a shrinking step (drawn even when done: a choice sequence draws the same)
+            variant = configured(data)
             world_size = data.draw(world_size_strategy, label="world_size")
             scenario = data.draw(scenario_strategies[world_size], label="scenario")
             if replay.done:
                 return
-            if features.declines(target, scenario, world_size, excluded, focus) is not None:
+            if features.declines(variant, scenario, world_size, excluded, focus) is not None:
                 assume(False)
         count += 1
         try:
-            left = check_example(target, scenario, world_size, deadline=deadline,
+            left = check_example(variant, scenario, world_size, deadline=deadline,
                                  device=device, backend=backend)
         except EquivalenceError:
             replay.reproduced = replay.reproduced or the_failing_one
@@ -231,7 +261,7 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
     try:
         run_hypothesis(shrinking, [Phase.generate, Phase.target, Phase.shrink])
     except EquivalenceError as shrunk:
-        return FuzzResult(count, first, time.perf_counter() - started, shrunk, declined,
+        return FuzzResult(count, first, time.perf_counter() - started, named(shrunk), declined,
                           exercised, notes)
     except FlakyFailure as flaky:
         # A shrinking step failed, then passed when Hypothesis replayed it: a race (e.g. a
@@ -241,16 +271,16 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
             raise
         if replay.reproduced and set(raced.kinds) == {"rank timed out"}:
             # a shrinking step hung once; the example as drawn failed twice: that one stands
-            return FuzzResult(count, first, time.perf_counter() - started, error, declined,
-                              exercised, notes)
+            return FuzzResult(count, first, time.perf_counter() - started, named(error),
+                              declined, exercised, notes)
         return FuzzResult(count, first, time.perf_counter() - started,
-                          _intermittent(raced), declined, exercised, notes)
+                          named(_intermittent(raced)), declined, exercised, notes)
     # The failing example passed when run again (or Hypothesis drew otherwise): report it as
     # found, unshrunk.
     if replay.reached and replay.failing_passed:
         error = _intermittent(error)
-    return FuzzResult(count, first, time.perf_counter() - started, error, declined, exercised,
-                      notes)
+    return FuzzResult(count, first, time.perf_counter() - started, named(error), declined,
+                      exercised, notes)
 
 
 def undrawable(target: Any, dtypes: Iterable[str], without: frozenset[str] = frozenset()
@@ -265,6 +295,13 @@ def undrawable(target: Any, dtypes: Iterable[str], without: frozenset[str] = fro
     why = [f"{d} is excluded with --without" if d in without else
            f"{d} is {features.why_unsupported(target, d)}" for d in dtypes]
     return f"every dtype asked for ({', '.join(dtypes)}) is ruled out: {'; '.join(why)}"
+
+
+def _with_configuration(error: EquivalenceError, base: Any) -> EquivalenceError:
+    """``error``, its verdict naming the options drawn (``fuzz_config``) against ``base``."""
+    error.args = (f"{error.args[0]}\n\nconfiguration (drawn by fuzz_config): "
+                  f"{described(base, error.target)}",)
+    return error
 
 
 def _intermittent(error: EquivalenceError) -> EquivalenceError:
@@ -302,8 +339,9 @@ class _Generation:
         self._thread = threading.Thread(target=self._produce, name="ddpcheck-draws",
                                         daemon=True)
 
-    def items(self) -> Iterator[tuple[int, int, Any]]:
-        """``(index, world_size, scenario)``, index counting from 1, until Hypothesis is done."""
+    def items(self) -> Iterator[tuple[int, int, Any, Any]]:
+        """``(index, world_size, scenario, target)``, index counting from 1, until Hypothesis
+        is done (the target: a configuration drawn, or the one given)."""
         self._thread.start()
         while True:
             with released():
@@ -357,7 +395,7 @@ class _Replay:
     drawn) and how far the run has got."""
 
     index: int
-    failing: tuple[int, Any]
+    failing: tuple[int, Any, Any]
     tally: _Tally = dataclasses.field(default_factory=_Tally)
     reached: bool = False  # the failing example's index was drawn again
     drew_otherwise: bool = False  # ... but not the failing example (not expected to happen)

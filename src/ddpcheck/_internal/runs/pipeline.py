@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
 from ddpcheck._internal.runs import warmup
@@ -55,20 +55,25 @@ class Outcome:
 
 
 def one_behind_the_other(target: Any, items: Iterable[tuple[Any, int, Any]], *, deadline: float,
-                         device: str = "cpu", backend: str | None = None
+                         device: str = "cpu", backend: str | None = None,
+                         target_of: Callable[[Any], Any] | None = None
                          ) -> Generator[tuple[tuple[Any, int, Any], Outcome], None, None]:
     """``(item, outcome)`` for every ``item = (key, world_size, scenario)`` of ``items``, in
-    their order, each example queued behind the one before (see the module's invariant)."""
+    their order, each example queued behind the one before (see the module's invariant).
+    ``target_of(key)``: the target an item runs, where items vary it (``--fuzz-config``)."""
     running: tuple | None = None  # (item, Launched, reference or the ScenarioError it raised)
     queued: list = []  # launched, not yet judged: abandoned if the caller stops
     options: dict[str, Any] = dict(deadline=deadline, device=device, backend=backend)
     iterator = iter(items)
 
+    def of(item: tuple[Any, int, Any]) -> Any:
+        return target if target_of is None else target_of(item[0])
+
     def judge_running() -> Iterator[tuple[tuple[Any, int, Any], Outcome]]:
         nonlocal running
         if running is not None:
             finished, running = running, None
-            yield finished[0], _judged(target, finished, options)
+            yield finished[0], _judged(of(finished[0]), finished, options)
             queued.remove(finished[1])
 
     try:
@@ -86,13 +91,13 @@ def one_behind_the_other(target: Any, items: Iterable[tuple[Any, int, Any]], *, 
                 if item is None:
                     break
                 _, world_size, scenario = item
-                if running is not None and warmup.needed(target, world_size, device=device,
+                if running is not None and warmup.needed(of(item), world_size, device=device,
                                                           backend=backend):
                     # its world's ranks warm up first (minutes, possibly): nothing in flight
                     # meanwhile, whose deadline would count
                     yield from judge_running()
                 try:
-                    launched = launch(target, scenario, world_size, **options)
+                    launched = launch(of(item), scenario, world_size, **options)
                 except Exception as exc:  # refused before any world ran
                     yield from judge_running()  # ... the example before is judged first
                     if not isinstance(exc, (ScenarioError, NothingChecked)):

@@ -1,0 +1,180 @@
+"""A target's option space: the configurations ``--fuzz-config`` draws beside each scenario.
+
+Why: a framework's bug often lives behind one option (accelerate's ``sync_each_batch``,
+Lightning's manual optimization with a static graph), and a check of the default configuration
+never reaches it. ``Target.config_space()`` returns a Hypothesis strategy of keyword arguments for
+``dataclasses.replace(target, **drawn)`` -- the target's own dataclass fields that bear on
+equivalence -- or None (nothing to fuzz; ``--fuzz-config`` is then refused, exit 2). With
+``fuzz_config=True`` every random example draws one configuration together with its scenario, in
+one Hypothesis draw, so a failure shrinks in both: towards the fewest options differing from the
+target as given, then towards the simplest scenario.
+
+The rules a space keeps (:func:`options` keeps them for you):
+
+* every key is optional, and drawn only with a value that differs from the field's default:
+  Hypothesis shrinks towards leaving keys out, i.e. towards the framework's defaults, so a shrunk
+  failure names the fewest options that matter;
+* values are plain data whose ``repr`` evaluates back (numbers, strings, booleans, module-level
+  functions): the failing variant's replay line is its fields, ``MODULE:Cls(field=value)``;
+* a dict-valued field -- ``config`` (the framework's own keyword arguments or ds_config dict,
+  ``docs/frameworks.md``), ``training_args`` -- is one more entry: its keys are drawn the same
+  way and merged over the dict the target already holds (a key the target holds stays as given);
+  each of its keys counts as one option, named ``field.key``.
+
+The extension point: a target's ``config`` keys are one more argument of :func:`options`::
+
+    def config_space(self):
+        return options(fields={"static_graph": (True,)},
+                       config={"accumulate_grad_batches": ..., "strategy": ("ddp_spawn",)})
+
+(``config`` exists once the configuration convention is merged; until then only fields are
+drawn). Only options under which the framework's *documented* behaviour is the reference's belong
+in a ready-made target's space: one documented to differ (accelerate's ``split_batches=False``
+schedule, transformers' per-micro-batch loss with ``loss_kwargs=False``) would fail a correct
+framework on every run; check those by naming the variant (``ddpcheck check
+'ddpcheck.targets:HfTrainerTarget(loss_kwargs=False)'``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from hypothesis import strategies as st
+
+from ddpcheck.errors import InvalidArgument
+
+__all__ = ["Values", "described", "differences", "options", "single_options", "space_of",
+           "vary"]
+
+#: How :func:`options` takes a key's values: a strategy, or the values to sample from (shrinking
+#: towards the first).
+Values = st.SearchStrategy[Any] | Sequence[Any]
+
+
+def _strategy(values: Values, where: str) -> st.SearchStrategy[Any]:
+    if isinstance(values, st.SearchStrategy):
+        return values
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+        raise InvalidArgument(f"options({where}=...) must be a SearchStrategy or a non-empty "
+                              f"sequence of values, not {values!r}")
+    return st.sampled_from(tuple(values))
+
+
+def options(*, fields: Mapping[str, Values] | None = None,
+            config: Mapping[str, Values] | None = None,
+            **dicts: Mapping[str, Values]) -> st.SearchStrategy[dict[str, Any]]:
+    """The strategy of a target's options (see the module docstring): ``fields`` -- field name
+    to its non-default values -- each drawn or left out; ``config`` (and any other dict-valued
+    field given by name, e.g. ``training_args={...}``) -- key to its values -- drawn as a dict of
+    optional keys, left out when it holds none."""
+    optional: dict[str, st.SearchStrategy[Any]] = {
+        name: _strategy(values, name) for name, values in (fields or {}).items()}
+    for name, keys in {**({"config": config} if config else {}), **dicts}.items():
+        if name in optional:
+            raise InvalidArgument(f"options: {name!r} is given as a field and as a dict")
+        optional[name] = _optional_keys(
+            {key: _strategy(values, f"{name}.{key}") for key, values in keys.items()})
+    return _optional_keys(optional)
+
+
+#: A key left out (the first branch of each key's ``one_of``: what shrinking moves towards).
+_ABSENT = object()
+
+
+def _optional_keys(strategies: Mapping[str, st.SearchStrategy[Any]]
+                   ) -> st.SearchStrategy[dict[str, Any]]:
+    """Dicts of some of ``strategies``' keys. Each key is ``one_of(absent, its values)``, not
+    ``fixed_dictionaries(optional=...)``: Hypothesis 6.170 does not shrink an optional key of
+    those away (tests/runs/test_fuzz_config.py), and this shrinks each towards absent; an empty
+    dict value is left out too."""
+    return st.fixed_dictionaries(
+        {key: st.one_of(st.just(_ABSENT), values) for key, values in strategies.items()}
+    ).map(_present)
+
+
+def _present(drawn: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in drawn.items()
+            if v is not _ABSENT and not (isinstance(v, dict) and not v)}
+
+
+def space_of(target: Any) -> st.SearchStrategy[dict[str, Any]] | None:
+    """``target.config_space()``, checked: None, or a strategy (anything else is refused)."""
+    method = getattr(target, "config_space", None)
+    space = method() if callable(method) else None
+    if space is not None and not isinstance(space, st.SearchStrategy):
+        raise InvalidArgument(f"{type(target).__name__}.config_space() returned {space!r}; it "
+                              "must return a hypothesis SearchStrategy of dicts (e.g. "
+                              "ddpcheck.targets.option_space.options(...)) or None")
+    return space
+
+
+def vary(target: Any, drawn: Mapping[str, Any]) -> Any:
+    """``target`` with the drawn options: ``dataclasses.replace``, a dict-valued field merged
+    (the target's own keys win); ``target`` itself when nothing was drawn."""
+    if not drawn:
+        return target
+    name = type(target).__name__
+    if not dataclasses.is_dataclass(target):
+        raise InvalidArgument(f"{name}.config_space() drew {dict(drawn)!r}, but {name} is no "
+                              "dataclass: the drawn options are applied by dataclasses.replace")
+    fields = {f.name for f in dataclasses.fields(target) if f.init}
+    change: dict[str, Any] = {}
+    for key, value in drawn.items():
+        if key not in fields:
+            raise InvalidArgument(f"{name}.config_space() drew {key!r}, which is no field of "
+                                  f"{name} (its fields: {', '.join(sorted(fields))})")
+        own = getattr(target, key)
+        if isinstance(value, Mapping) and own is not None:
+            if not isinstance(own, Mapping):
+                raise InvalidArgument(
+                    f"{name}({key}={own!r}): the drawn {key} options are merged over a dict, "
+                    f"and this is none; give {key} as a dict to fuzz its options")
+            value = {**value, **own}
+        change[key] = value
+    try:
+        return dataclasses.replace(target, **change)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"{name}.config_space() drew {dict(drawn)!r}, which {name} "
+                              f"refuses: {exc}") from exc
+
+
+def differences(base: Any, variant: Any) -> list[tuple[str, Any]]:
+    """The options ``variant`` holds that differ from ``base``'s: ``(name, value)``, a
+    dict-valued field's keys as ``field.key`` (the module docstring), in field order."""
+    if variant is base or not (dataclasses.is_dataclass(base) and dataclasses.is_dataclass(
+            variant)) or type(base) is not type(variant):
+        return []
+    found: list[tuple[str, Any]] = []
+    for field in dataclasses.fields(variant):
+        if not field.init:
+            continue
+        mine, theirs = getattr(variant, field.name), getattr(base, field.name)
+        if isinstance(mine, Mapping) and (theirs is None or isinstance(theirs, Mapping)):
+            theirs = theirs or {}
+            found += [(f"{field.name}.{k}", v) for k, v in mine.items()
+                      if k not in theirs or theirs[k] != v]
+        elif mine != theirs:
+            found.append((field.name, mine))
+    return found
+
+
+def described(base: Any, variant: Any) -> str:
+    """``"with static_graph=True, manual=True"``, or ``"with the target as given"``."""
+    found = differences(base, variant)
+    if not found:
+        return "with the target as given (no option drawn)"
+    return "with " + ", ".join(f"{name}={value!r}" for name, value in found)
+
+
+def single_options(drawn: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``drawn`` split into one option each: ``{field: value}``, and ``{field: {key: value}}``
+    per key of a dict-valued field."""
+    singles: list[dict[str, Any]] = []
+    for key, value in drawn.items():
+        if isinstance(value, Mapping):
+            singles += [{key: {k: v}} for k, v in value.items()]
+        else:
+            singles.append({key: value})
+    return singles
