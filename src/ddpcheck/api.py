@@ -82,7 +82,8 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
                       deadline: float = DEFAULT_DEADLINE, without: Iterable[str] = (),
                       dtypes: Iterable[str] | None = None, only: Iterable[str] = (),
                       device: str = "cpu", backend: str | None = None,
-                      progress: Callable[[int, int], None] | None = None) -> Report:
+                      progress: Callable[[int, int], None] | None = None,
+                      fuzz_config: bool = False) -> Report:
     """Check ``target`` against the oracle on ``scenario`` (default: the built-in battery).
 
     ``device="cuda"`` runs every rank on its GPU (rank r on cuda:r, NCCL; ``backend="gloo"``
@@ -105,10 +106,47 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
 
     ``progress(done, total)`` is called before the first example (``done`` 0) and after each
     (scenario, world size), run or skipped: how ``ddpcheck check`` keeps its live line moving.
+
+    ``fuzz_config=True``: then again under each single option the target's ``config_space()``
+    draws (``ddpcheck.targets.option_space``; refused for a target with none), each verdict
+    naming its option and its replay line building it (``fuzz`` draws whole configurations).
     """
     request = admit(target, scenario=scenario, world_sizes=world_sizes, deadline=deadline,
-                    without=without, dtypes=dtypes, device=device, backend=backend, only=only)
+                    without=without, dtypes=dtypes, device=device, backend=backend, only=only,
+                    fuzz_config=fuzz_config)
+    if request.fuzz_config:
+        return _under_each_option(request, progress)
     return run_battery(request, progress)
+
+
+def _under_each_option(request: Request, progress: Callable[[int, int], None] | None) -> Report:
+    """:func:`run_battery` of the target as given, then of it with each single option its space
+    draws, in turn; the examples named ``name [option]``. The first divergence is raised."""
+    from ddpcheck._internal.runs.admission import check_target
+    from ddpcheck.targets.option_space import described, drawn_options, label, space_of, vary
+
+    target, merged = request.target, Report()
+    for single in [{}, *drawn_options(space_of(target))]:
+        variant = vary(target, single)
+        check_target(variant)  # its replay line must build it, before any of it runs
+        tag = f" [{label(single)}]" if single else ""
+        try:
+            report = run_battery(dataclasses.replace(request, target=variant), progress)
+        except NothingChecked as exc:
+            merged.skipped.append((f"every scenario{tag}", 0, str(exc)))
+            continue
+        except EquivalenceError as error:
+            error.args = (f"{error.args[0]}\n\nconfiguration (fuzz_config): "
+                          f"{described(target, variant)}",)
+            raise
+        merged.examples += [(name + tag, w, s) for name, w, s in report.examples]
+        merged.skipped += [(name + tag, w, why) for name, w, why in report.skipped]
+        merged.features |= report.features
+        merged.notes.update(report.notes)
+    if not merged.examples:
+        raise NothingChecked(f"{type(target).__name__} declined every scenario under every "
+                             "option: " + "; ".join(merged.skipped_lines()))
+    return merged
 
 
 def run_battery(request: Request, progress: Callable[[int, int], None] | None = None) -> Report:

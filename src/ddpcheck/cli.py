@@ -292,7 +292,8 @@ def _prepare(args: argparse.Namespace) -> argparse.Namespace:
         dtypes=getattr(args, "dtypes", None), device=getattr(args, "device", "cpu"),
         backend=getattr(args, "backend", None),
         only=args.only if args.command in ("check", "survey") else "",  # mutants': names
-        spelling=spelling, fits_machine=not torchrun)
+        spelling=spelling, fits_machine=not torchrun,
+        fuzz_config=getattr(args, "fuzz_config", False))
     if target is not admission.NO_TARGET:
         args.target_spec, args.target = target, args.request.target
     if hasattr(args, "world_sizes"):
@@ -391,8 +392,10 @@ def _check(args: argparse.Namespace) -> ExitCode:
         say(f"random examples: none can be drawn: {cannot}")
         raise NothingChecked(f"every battery scenario was declined (the reasons above) and no "
                              f"random example can be drawn: {cannot}")
+    options = (", each with a configuration of its options drawn (--fuzz-config)"
+               if request.fuzz_config else "")
     say(f"fuzzing {args.target_spec} with {args.examples} random examples at world sizes "
-        f"{sizes}{'' if args.seed is None else f' (seed {args.seed})'}")
+        f"{sizes}{'' if args.seed is None else f' (seed {args.seed})'}{options}")
     line.show(f"random examples 0/{args.examples}")
     result = fuzz_admitted(request, examples=args.examples, seed=args.seed,
                            progress=lambda done, _: line.show(
@@ -441,7 +444,8 @@ def _survey_command(args: argparse.Namespace) -> str:
                         ("--device", None if args.device == "cpu" else args.device),
                         ("--backend", args.backend)):
         survey += [flag, value] if value else []
-    return shlex.join(survey)
+    return shlex.join(survey + (["--fuzz-config"] if getattr(args, "fuzz_config", False)
+                                else []))
 
 
 def _check_under_torchrun(args: argparse.Namespace) -> None:
@@ -451,8 +455,8 @@ def _check_under_torchrun(args: argparse.Namespace) -> None:
     if os.environ.get("RANK") == "0":
         # Random examples would need every rank to draw the same ones; the battery is
         # deterministic. Say so rather than ignore --examples/--seed silently.
-        print("ddpcheck check under torchrun: the built-in battery only; --examples and "
-              "--seed apply to spawned worlds", file=sys.stderr, flush=True)
+        print("ddpcheck check under torchrun: the built-in battery only; --examples, "
+              "--seed and --fuzz-config apply to spawned worlds", file=sys.stderr, flush=True)
     request = args.request
     status = check_in_world(request.target, deadline=request.deadline, out=sys.stdout,
                             world_sizes=request.world_sizes if args.sizes_asked else None,
@@ -473,7 +477,9 @@ def _survey(args: argparse.Namespace) -> ExitCode:
     seed = "" if args.seed is None else f" (seed {args.seed})"
     line = args.progress
     with line.paused():
-        print(f"ddpcheck survey {args.target_spec}: the battery and {args.examples} random "
+        what = ("each option its config_space() draws x each feature: " if args.fuzz_config else
+                "the battery and ")
+        print(f"ddpcheck survey {args.target_spec}: {what}{args.examples} random "
               f"examples per feature at world sizes {sizes}{seed}\n", flush=True)
 
     def cell(done: int, total: int, what: str, seconds: float) -> None:

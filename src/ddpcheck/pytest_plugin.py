@@ -47,6 +47,9 @@ def pytest_addoption(parser: Any) -> None:
     group.addoption("--ddpcheck-backend", action="store", default=None, metavar="BACKEND",
                     help="Backend of the fixtures' worlds: gloo or nccl (default: gloo on cpu, "
                          "nccl on cuda)")
+    group.addoption("--ddpcheck-fuzz-config", action="store_true", default=False,
+                    help="ddpcheck_run checks the target under each option its "
+                         "config_space() draws too (refused for a target with none)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,11 +106,13 @@ def resolve_options(config: Any) -> Options:
                         deadline=deadline, without=raw_without or "", dtypes=raw_dtypes,
                         only=raw_only or "", device=device, backend=backend, spelling=PYTEST,
                         workers=workers,
-                        fits_machine=raw is not None)
+                        fits_machine=raw is not None,
+                        fuzz_config=bool(config.getoption("ddpcheck_fuzz_config")))
     except InvalidArgument as exc:
         raise pytest.UsageError(str(exc)) from None
     given = any(v is not None for v in (raw, raw_deadline, raw_without, raw_dtypes, raw_only,
-                                        config.getoption("ddpcheck_device"), backend))
+                                        config.getoption("ddpcheck_device"), backend)) or \
+        request.fuzz_config
     return Options(request.world_sizes, request.deadline, workers, given=given,
                    without=request.battery_without, device=device, backend=backend,
                    request=request)
@@ -283,7 +288,7 @@ def ddpcheck_world(ddpcheck_options: Options) -> Callable[[int], Any]:
 @pytest.fixture(scope="session")
 def ddpcheck_run(ddpcheck_options: Options) -> Callable[..., Any]:
     """``ddpcheck_run(target, scenario=None, world_sizes=None)``: ``assert_equivalent`` with the
-    session's world sizes, deadline, excluded features and device."""
+    session's world sizes, deadline, excluded features, device and ``--ddpcheck-fuzz-config``."""
 
     def run(target: Any, scenario: Any = None, world_sizes: Any = None) -> Any:
         import ddpcheck
@@ -293,7 +298,7 @@ def ddpcheck_run(ddpcheck_options: Options) -> Callable[..., Any]:
             target, scenario, world_sizes=world_sizes or ddpcheck_options.world_sizes,
             deadline=ddpcheck_options.deadline, without=ddpcheck_options.without,
             only=ddpcheck_options.request.only, device=ddpcheck_options.device,
-            backend=ddpcheck_options.backend)
+            backend=ddpcheck_options.backend, fuzz_config=ddpcheck_options.request.fuzz_config)
 
     return run
 

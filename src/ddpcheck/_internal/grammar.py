@@ -103,6 +103,11 @@ def _target_options(parser: argparse.ArgumentParser, *, examples: int, what: str
                         help="check only examples that exercise one of these features (e.g. "
                              "autocast; see ddpcheck.features): the battery scenarios that do, "
                              "random examples drawn to")
+    parser.add_argument("--fuzz-config", action="store_true",
+                        help="draw the target's options with every random example (its "
+                             "config_space(): e.g. lightning's manual and static_graph), "
+                             "shrunk to the fewest that fail; survey: the option x feature "
+                             "matrix")
     _device_options(parser)
 
 

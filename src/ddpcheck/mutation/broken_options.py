@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, cast
 
 from ddpcheck.mutation.broken_ddp import LastMicroBatchAfterReduceDDP
 from ddpcheck.targets import (
@@ -92,7 +92,7 @@ def _skips_first_iteration(state: dict, bucket: Any) -> Any:
         done: Any = torch.futures.Future()
         done.set_result(bucket.buffer())
         return done
-    return default_hooks.allreduce_hook(None, bucket)
+    return default_hooks.allreduce_hook(cast(Any, None), bucket)  # None: the default group
 
 
 # DDP refuses a hook whose annotations are not its own classes, and this module's are strings
@@ -116,14 +116,15 @@ def _per_micro_batch_trainer() -> type:
     counts the input tokens seen (made here: transformers is imported only in the ranks)."""
     from transformers import Trainer
 
-    class PerMicroBatchWhenCounting(Trainer):  # type: ignore[misc]  # transformers' Trainer
+    class PerMicroBatchWhenCounting(Trainer):
         def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
                          num_items_in_batch: Any = None) -> Any:
             if self.args.include_num_input_tokens_seen in (False, "no", None):  # the default
                 return super().compute_loss(model, inputs, return_outputs,
                                             num_items_in_batch=num_items_in_batch)
             # BUG: each micro-batch's mean over its own tokens, over the accumulation steps
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch=None)
+            loss: Any = super().compute_loss(model, inputs, return_outputs,
+                                             num_items_in_batch=None)
             return loss / self.args.gradient_accumulation_steps
 
     return PerMicroBatchWhenCounting

@@ -45,8 +45,8 @@ from hypothesis import strategies as st
 
 from ddpcheck.errors import InvalidArgument
 
-__all__ = ["Values", "described", "differences", "options", "single_options", "space_of",
-           "vary"]
+__all__ = ["DRAWS", "Values", "described", "differences", "drawn_options", "label", "options",
+           "single_options", "space_of", "vary"]
 
 #: How :func:`options` takes a key's values: a strategy, or the values to sample from (shrinking
 #: towards the first).
@@ -133,8 +133,9 @@ def vary(target: Any, drawn: Mapping[str, Any]) -> Any:
                     f"and this is none; give {key} as a dict to fuzz its options")
             value = {**value, **own}
         change[key] = value
+    instance: Any = target  # a dataclass, as checked above
     try:
-        return dataclasses.replace(target, **change)
+        return dataclasses.replace(instance, **change)
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(f"{name}.config_space() drew {dict(drawn)!r}, which {name} "
                               f"refuses: {exc}") from exc
@@ -165,7 +166,7 @@ def described(base: Any, variant: Any) -> str:
     found = differences(base, variant)
     if not found:
         return "with the target as given (no option drawn)"
-    return "with " + ", ".join(f"{name}={value!r}" for name, value in found)
+    return "with " + ", ".join(f"{name}={_shown(value)}" for name, value in found)
 
 
 def single_options(drawn: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -178,3 +179,58 @@ def single_options(drawn: Mapping[str, Any]) -> list[dict[str, Any]]:
         else:
             singles.append({key: value})
     return singles
+
+
+#: Configurations drawn to list a space's single options (no process runs: drawing is cheap).
+DRAWS = 200
+
+
+def drawn_options(space: st.SearchStrategy[dict[str, Any]] | None, *, draws: int = DRAWS,
+                  seed: int | None = None) -> list[dict[str, Any]]:
+    """Every single option (:func:`single_options`) ``draws`` configurations of ``space`` hold,
+    each once, ordered by name then value: the rows of ``survey(fuzz_config=True)`` and what
+    ``assert_equivalent(fuzz_config=True)`` runs the battery under. The same every call unless
+    ``seed`` is given; none for no space."""
+    if space is None:
+        return []
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hypothesis_seed
+
+    seen: dict[str, dict[str, Any]] = {}
+
+    @settings(max_examples=draws, database=None, derandomize=seed is None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(space)
+    def collect(chosen: dict[str, Any]) -> None:
+        for single in single_options(chosen):
+            seen.setdefault(repr(single), single)
+
+    if seed is not None:
+        collect = hypothesis_seed(seed)(collect)
+    collect()
+    return [seen[key] for key in sorted(seen, key=lambda k: _order(seen[k], k))]
+
+
+def _order(single: Mapping[str, Any], text: str) -> tuple[str, float, str]:
+    """By name, then numbers by value, then anything else by its repr."""
+    ((key, value),) = single.items()
+    if isinstance(value, Mapping):
+        ((inner, value),) = value.items()
+        key = f"{key}.{inner}"
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return key, float(value) if number else float("inf"), text
+
+
+def label(single: Mapping[str, Any]) -> str:
+    """One option as a row label: ``static_graph=True``, ``config.strategy='ddp'``."""
+    ((key, value),) = single.items()
+    if isinstance(value, Mapping):
+        ((inner, value),) = value.items()
+        key = f"{key}.{inner}"
+    return f"{key}={_shown(value)}"
+
+
+def _shown(value: Any) -> str:
+    """A value as a reader names it: a function or class by its name, else its repr."""
+    name = getattr(value, "__qualname__", None)
+    return name if isinstance(name, str) and callable(value) else repr(value)

@@ -182,7 +182,7 @@ def survey(target: Any, *, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
            shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
            progress: Callable[[int, int, str, float], None] | None = None,
            device: str = "cpu", backend: str | None = None,
-           only: Iterable[str] = ()) -> Survey:  # as assert_equivalent's
+           only: Iterable[str] = (), fuzz_config: bool = False) -> Any:  # as assert_equivalent's
     """Run the battery at every world size and ``examples`` random examples per (feature, world
     size), stopping nowhere; return the :class:`Survey` (``print`` it for the matrix).
 
@@ -193,20 +193,27 @@ def survey(target: Any, *, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
     cell.
     Raises what is not the target's fault (:class:`ddpcheck.InvalidArgument`,
     :class:`ddpcheck.SetupError` and its subclasses) instead of recording it.
+    ``fuzz_config=True``: the option x feature matrix instead (``runs.option_survey``: an
+    ``OptionSurvey``), refused for a target with no ``config_space()``.
     """
     request = admit(target, world_sizes=world_sizes, deadline=deadline, without=without,
-                    device=device, backend=backend, only=only)
+                    device=device, backend=backend, only=only, fuzz_config=fuzz_config)
     return survey_admitted(request, examples=examples, seed=seed, shrink_seconds=shrink_seconds,
                            progress=progress)
 
 
 def survey_admitted(request: Request, *, examples: int = DEFAULT_EXAMPLES,
                     seed: int | None = None, shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
-                    progress: Callable[[int, int, str, float], None] | None = None) -> Survey:
+                    progress: Callable[[int, int, str, float], None] | None = None) -> Any:
     """:func:`survey` of an admitted request (``runs.admission``): the command line's path."""
     check_positive_number("shrink_seconds", shrink_seconds)
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
         raise InvalidArgument(f"examples={examples!r} must be a positive integer")
+    if request.fuzz_config:
+        from ddpcheck._internal.runs.option_survey import option_survey
+
+        return option_survey(request, examples=examples, seed=seed,
+                             shrink_seconds=shrink_seconds, progress=progress)
     target, sizes, excluded, run = (request.target, request.world_sizes,
                                     request.battery_without, request.run)
     unsupported = features.unsupported(target, excluded)
