@@ -50,10 +50,19 @@ from ddpcheck.mutation import broken_ddp as D
 from ddpcheck.mutation import broken_fsdp as F
 from ddpcheck.mutation import broken_loop as L
 from ddpcheck.mutation import broken_optimizer as O
-from ddpcheck.targets import ParallelDDPTarget, ParallelTarget, Target, TorchFSDPTarget
+from ddpcheck.mutation import broken_options as P
+from ddpcheck.targets import (
+    ACCELERATE,
+    HF_TRAINER,
+    LIGHTNING,
+    ParallelDDPTarget,
+    ParallelTarget,
+    Target,
+    TorchFSDPTarget,
+)
 from parallel import DDP, ShardedOptimizer
 
-__all__ = ["CATALOGUE", "Mutant", "by_name", "stale_overrides"]
+__all__ = ["CATALOGUE", "OPTION_CATALOGUE", "Mutant", "by_name", "stale_overrides"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +324,27 @@ CATALOGUE += [
     Mutant("ReducesTwiceZero2", "C3",
            "ZeRO-2: every gradient all-reduced, then reduced to its owner again",
            L.ReducesTwiceZero2Target(), ZERO2_CONTROL),
+]
+
+
+# Behind an option (``broken_options``): each a framework target (or parallel_ddp with a bf16
+# option) whose bug only a configuration its config_space() draws reaches, with the unmutated
+# target as its control. Not in CATALOGUE: ``ddpcheck mutants`` checks each target as given, which
+# misses them by construction; ``search.shrinking_search(..., fuzz_config=True)`` kills them
+# (tests/mutation/test_option_mutants.py). Their frameworks must be installed.
+OPTION_CATALOGUE: list[Mutant] = [
+    Mutant("StepsInsideWindowUnlessSplit", "C2",
+           "accelerate, split_batches=False: the prepared optimizer steps inside the window",
+           P.StepsInsideWindowUnlessSplit(), ACCELERATE),
+    Mutant("SkipsFirstReduceStaticManual", "B12",
+           "Lightning, manual=True with static_graph=True: the first all-reduce is skipped",
+           P.SkipsFirstReduceStaticManual(), LIGHTNING),
+    Mutant("PerMicroBatchLossCountingTokens", "J1",
+           "Trainer, include_num_input_tokens_seen: the loss normalised per micro-batch",
+           P.PerMicroBatchLossCountingTokens(), HF_TRAINER),
+    Mutant("LastMicroBatchAfterReduceBf16", "J4",
+           "bf16=True: the last micro-batch's gradient added after the reduction",
+           P.LastMicroBatchAfterReduceBf16(), P.Bf16PathTarget()),
 ]
 
 

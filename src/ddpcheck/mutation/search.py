@@ -134,15 +134,17 @@ def battery_search(target: Any, budget_seconds: float, *,
 
 def shrinking_search(target: Any, budget_seconds: float, *, world_sizes: Any = DEFAULT_WORLD_SIZES,
                      deadline: float = DEFAULT_DEADLINE, fuzz_share: float = 0.5,
-                     examples: int = 200) -> Outcome:
+                     examples: int = 200, fuzz_config: bool = False) -> Outcome:
     """Up to ``examples`` random examples first, for a
     *shrunk* counterexample, within ``fuzz_share`` of the budget; if they find none, the
-    built-in battery (not shrunk, but aimed at every bug class) gets the rest."""
+    built-in battery (not shrunk, but aimed at every bug class) gets the rest.
+    ``fuzz_config``: the random examples draw the target's options too (the mutants behind an
+    option, ``catalogue.OPTION_CATALOGUE``)."""
     check_positive_number("budget_seconds", budget_seconds)
     started = time.perf_counter()
     share = budget_seconds * fuzz_share
     result = fuzz(target, examples=examples, world_sizes=world_sizes, deadline=deadline,
-                  time_budget=None if share == float("inf") else share)
+                  time_budget=None if share == float("inf") else share, fuzz_config=fuzz_config)
     if result.found:
         err = result.error
         found = Counterexample(f"random[{brief(err.scenario)}]", err.scenario, err.world_size,

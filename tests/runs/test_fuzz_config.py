@@ -1,0 +1,160 @@
+"""``--fuzz-config``: every random example draws the target's options with its scenario.
+
+What it must do: draw every option a target's ``config_space()`` holds, shrinking a failure to the
+fewest options that differ from the target as given (then the scenario); name them in the verdict
+and build them in the replay line, which reproduces the failure; refuse, with exit 2 and before
+any process starts, a target with no options; and print the option x feature matrix for
+``survey --fuzz-config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+from hypothesis import find, settings
+from hypothesis import strategies as st
+
+import ddpcheck
+from ddpcheck import cli, targets
+from ddpcheck._internal.runs.fuzz import fuzz
+from ddpcheck._internal.runs.option_survey import AS_GIVEN
+from ddpcheck._internal.runs.replay import evaluate, from_repr, target_spec
+from ddpcheck._internal.runs.survey import survey
+from ddpcheck.errors import ExitCode, InvalidArgument
+from ddpcheck.mutation.broken_options import Bf16PathTarget, LastMicroBatchAfterReduceBf16
+from ddpcheck.targets.option_space import (
+    described,
+    differences,
+    drawn_options,
+    label,
+    options,
+    space_of,
+    vary,
+)
+from parallel import sharding
+
+
+def test_the_draw_covers_every_option_and_shrinks_them_away():
+    space = space_of(targets.PARALLEL)
+    assert [label(o) for o in drawn_options(space)] == [
+        "bucket_size_mb=1e-06", "bucket_size_mb=0.0002", "bucket_size_mb=1000000.0",
+        "sharding_rule=contiguous", "sharding_rule=greedy"]
+    # a failure needing one option shrinks to that option alone, whatever else was drawn with it
+    needs_greedy = find(st.tuples(space, st.integers(0, 9)),
+                        lambda t: t[0].get("sharding_rule") is sharding.greedy and t[1] > 2,
+                        settings=settings(database=None))
+    assert needs_greedy == ({"sharding_rule": sharding.greedy}, 3)
+    # a dict-valued field: each of its keys is one option, merged over the target's own
+    space = options(fields={"manual": (True,)}, training_args={"a": (1,), "b": (2,)})
+    assert [label(o) for o in drawn_options(space)] == [
+        "manual=True", "training_args.a=1", "training_args.b=2"]
+    given = targets.HfTrainerTarget(training_args={"seed": 3})
+    variant = vary(given, {"training_args": {"ddp_bucket_cap_mb": 1, "seed": 4}})
+    assert variant.training_args == {"ddp_bucket_cap_mb": 1, "seed": 3}  # the user's key stays
+    assert differences(given, variant) == [("training_args.ddp_bucket_cap_mb", 1)]
+    assert vary(targets.LIGHTNING, {}) is targets.LIGHTNING
+
+
+def test_every_ready_made_option_builds_a_replayable_target():
+    for entry in targets.READY_MADE:
+        for single in drawn_options(space_of(entry.target)):
+            variant = vary(entry.target, single)
+            assert evaluate(target_spec(variant)) == variant, (entry.name, single)
+
+
+def test_a_shrunk_failure_holds_the_fewest_options_and_its_replay_line_reruns_it(capsys):
+    mutant = LastMicroBatchAfterReduceBf16()
+    plain = fuzz(mutant, examples=30, world_sizes=(2,))
+    assert not plain.found  # the bug is behind bf16=True, which the target as given never sets
+    result = fuzz(mutant, examples=30, world_sizes=(2,), fuzz_config=True)
+    assert result.found, result
+    error = result.error
+    # bucket_size_mb is drawn as often as bf16, and shrunk away: only the option the bug needs
+    assert differences(mutant, error.target) == [("bf16", True)]
+    assert "configuration (drawn by fuzz_config): with bf16=True" in str(error)
+    assert "LastMicroBatchAfterReduceBf16(bf16=True)" in error.replay
+    # the replay line re-runs the failure: the configured target, the scenario, the world size
+    spec = error.replay.split()[4].strip("'\"")
+    scenario = error.replay.split("--scenario ", 1)[1].strip("'\"")
+    status = cli.main(["replay", spec, "--world-size", str(error.world_size),
+                       "--scenario", scenario])
+    assert status == ExitCode.FOUND, capsys.readouterr()
+    with pytest.raises(ddpcheck.EquivalenceError):
+        ddpcheck.check_example(evaluate(spec), from_repr(scenario), error.world_size)
+    # the control, with the same option space, passes
+    assert not fuzz(Bf16PathTarget(), examples=30, world_sizes=(2,), fuzz_config=True).found
+
+
+def test_a_target_with_no_options_is_refused_before_any_process(no_process_started, capsys):
+    assert cli.main(["check", "local", "--fuzz-config", "--world-sizes", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--fuzz-config: LocalTarget has no options to fuzz" in err, err
+    with pytest.raises(InvalidArgument, match=r"fuzz_config=True: LocalTarget has no options"):
+        fuzz(targets.LOCAL, examples=1, world_sizes=(2,), fuzz_config=True)
+    with pytest.raises(InvalidArgument, match=r"fuzz_config=True: LocalTarget"):
+        ddpcheck.assert_equivalent(targets.LOCAL, world_sizes=(2,), fuzz_config=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrawsAField(targets.ParallelDDPTarget):
+    """A space naming a field the target does not have: refused, naming it."""
+
+    def config_space(self):
+        return options(fields={"no_such_field": (1,)})
+
+
+DRAWS_A_FIELD = DrawsAField()
+
+
+def test_a_space_drawing_what_the_target_lacks_is_refused_naming_it():
+    with pytest.raises(InvalidArgument, match=r"drew 'no_such_field', which is no field"):
+        fuzz(DRAWS_A_FIELD, examples=2, world_sizes=(1,), fuzz_config=True)
+
+
+def test_the_command_line_flag_names_the_options_of_a_failure(capsys):
+    spec = "ddpcheck.mutation.broken_options:LastMicroBatchAfterReduceBf16()"
+    status = cli.main(["check", spec, "--fuzz-config", "--examples", "30", "--world-sizes", "2"])
+    out = capsys.readouterr()
+    assert status == ExitCode.FOUND, out
+    text = out.out + out.err
+    assert "each with a configuration of its options drawn (--fuzz-config)" in text
+    assert "configuration (drawn by fuzz_config): with bf16=True" in text
+    assert "survey" in text and "--fuzz-config" in text  # the survey it suggests keeps the flag
+
+
+def test_survey_prints_the_option_by_feature_matrix(tmp_path, capsys):
+    path = tmp_path / "survey.json"
+    status = cli.main(["survey", "ddpcheck.mutation.broken_options:LastMicroBatchAfterReduceBf16()",
+                       "--fuzz-config", "--world-sizes", "2", "--examples", "3",
+                       "--only", "accumulation,frozen", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert status == ExitCode.FOUND, out
+    matrix = out.split("\n\nfailures")[0].splitlines()
+    assert re.split(r"\s{2,}", matrix[2]) == ["option", "accumulation", "frozen"], out
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line) for line in matrix[4:])}
+    assert rows[AS_GIVEN] == ["ok 3", "ok 3"], out
+    assert rows["bf16=True"] == ["FAIL", "FAIL"], out
+    assert rows["bucket_size_mb=1e-06"] == ["ok 3", "ok 3"], out
+    assert "bf16=True x accumulation: replicas differ" in out, out
+    data = json.loads(path.read_text())
+    assert data["options"][0] == AS_GIVEN and data["exit_code"] == 1
+    result = survey(Bf16PathTarget(), world_sizes=(2,), examples=2, only=("frozen",),
+                    fuzz_config=True)
+    assert result.exit_code == 0 and {c.status for c in result.cells} == {"ok"}, result
+
+
+def test_assert_equivalent_runs_the_battery_under_each_option():
+    report = ddpcheck.assert_equivalent(targets.TORCH_FSDP, world_sizes=(2,), only=("frozen",),
+                                        fuzz_config=True)
+    names = {name for name, _, _ in report.examples}
+    assert any(name.endswith("[reshard_after_forward=True]") for name in names), names
+    assert any("[" not in name for name in names), names
+    with pytest.raises(ddpcheck.EquivalenceError, match="with bf16=True"):
+        ddpcheck.assert_equivalent(LastMicroBatchAfterReduceBf16(), world_sizes=(2,),
+                                   only=("frozen",), fuzz_config=True)
+    assert described(targets.LIGHTNING, targets.LightningTarget(static_graph=True,
+                                                                manual=True)) == \
+        "with manual=True, static_graph=True"
