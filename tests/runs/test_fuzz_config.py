@@ -12,6 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from hypothesis import find, settings
@@ -35,6 +38,7 @@ from ddpcheck.targets.option_space import (
     vary,
 )
 from parallel import sharding
+from tests.patience import patience
 
 
 def test_the_draw_covers_every_option_and_shrinks_them_away():
@@ -65,6 +69,7 @@ def test_every_ready_made_option_builds_a_replayable_target():
             assert evaluate(target_spec(variant)) == variant, (entry.name, single)
 
 
+@pytest.mark.slow
 def test_a_shrunk_failure_holds_the_fewest_options_and_its_replay_line_reruns_it(capsys):
     mutant = LastMicroBatchAfterReduceBf16()
     plain = fuzz(mutant, examples=30, world_sizes=(2,))
@@ -114,6 +119,7 @@ def test_a_space_drawing_what_the_target_lacks_is_refused_naming_it():
         fuzz(DRAWS_A_FIELD, examples=2, world_sizes=(1,), fuzz_config=True)
 
 
+@pytest.mark.slow
 def test_the_command_line_flag_names_the_options_of_a_failure(capsys):
     spec = "ddpcheck.mutation.broken_options:LastMicroBatchAfterReduceBf16()"
     status = cli.main(["check", spec, "--fuzz-config", "--examples", "30", "--world-sizes", "2"])
@@ -125,6 +131,7 @@ def test_the_command_line_flag_names_the_options_of_a_failure(capsys):
     assert "survey" in text and "--fuzz-config" in text  # the survey it suggests keeps the flag
 
 
+@pytest.mark.slow
 def test_survey_prints_the_option_by_feature_matrix(tmp_path, capsys):
     path = tmp_path / "survey.json"
     status = cli.main(["survey", "ddpcheck.mutation.broken_options:LastMicroBatchAfterReduceBf16()",
@@ -146,6 +153,7 @@ def test_survey_prints_the_option_by_feature_matrix(tmp_path, capsys):
     assert result.exit_code == 0 and {c.status for c in result.cells} == {"ok"}, result
 
 
+@pytest.mark.slow
 def test_assert_equivalent_runs_the_battery_under_each_option():
     report = ddpcheck.assert_equivalent(targets.TORCH_FSDP, world_sizes=(2,), only=("frozen",),
                                         fuzz_config=True)
@@ -158,3 +166,26 @@ def test_assert_equivalent_runs_the_battery_under_each_option():
     assert described(targets.LIGHTNING, targets.LightningTarget(static_graph=True,
                                                                 manual=True)) == \
         "with manual=True, static_graph=True"
+
+
+@pytest.mark.slow
+def test_the_pytest_plugin_flag_reaches_ddpcheck_run(tmp_path):
+    (tmp_path / "test_user.py").write_text(textwrap.dedent("""
+        from ddpcheck import targets
+        from ddpcheck.mutation.broken_options import LastMicroBatchAfterReduceBf16
+
+        def test_behind_an_option(ddpcheck_run):
+            ddpcheck_run(LastMicroBatchAfterReduceBf16())
+
+        def test_no_options(ddpcheck_run):
+            ddpcheck_run(targets.LOCAL)
+    """))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+                           "test_user.py", "--ddpcheck-fuzz-config", "--ddpcheck-world-sizes",
+                           "2", "--ddpcheck-only", "frozen"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=patience(300))
+    out = done.stdout
+    assert done.returncode == 1, out
+    assert "configuration (fuzz_config): with bf16=True" in out, out
+    assert "fuzz_config=True: LocalTarget has no options to fuzz" in out, out
+    assert "1 FOUND" in out and "1 SETUP" in out, out

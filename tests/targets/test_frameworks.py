@@ -6,6 +6,8 @@ installed skips its test, saying so."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
 import pathlib
 
@@ -70,12 +72,25 @@ def test_a_framework_that_is_not_installed_is_named_with_how_to_install_it(monke
     assert hint in capsys.readouterr().err
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitBatchesFalseRunsSchedules(targets.AccelerateTarget):
+    """``split_batches=False`` without its decline: what the decline spares a correct run."""
+
+    def supports(self, scenario):
+        return None
+
+
 def test_accelerate_as_its_docs_drive_it():
     _needs("accelerate")
     ddpcheck.check_example(targets.ACCELERATE, BUSY, 2)
-    # its documented default: the prepared scheduler steps num_processes times per step
+    # its documented default: the prepared scheduler steps num_processes times per step -- so
+    # split_batches=False (an option --fuzz-config draws) declines scenarios with a schedule
+    unsplit = targets.AccelerateTarget(split_batches=False)
+    with pytest.raises(ddpcheck.NothingChecked, match="num_processes times per optimizer step"):
+        ddpcheck.check_example(unsplit, BUSY, 2)
+    ddpcheck.check_example(unsplit, dataclasses.replace(BUSY, lr_decay=None), 2)
     with pytest.raises(ddpcheck.EquivalenceError) as info:
-        ddpcheck.check_example(targets.AccelerateTarget(split_batches=False), BUSY, 2)
+        ddpcheck.check_example(SplitBatchesFalseRunsSchedules(split_batches=False), BUSY, 2)
     assert info.value.kinds[0] == "LR schedule differs", str(info.value)
 
 
