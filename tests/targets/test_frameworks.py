@@ -7,7 +7,6 @@ installed skips its test, saying so."""
 from __future__ import annotations
 
 import dataclasses
-
 import importlib.util
 import pathlib
 
