@@ -24,36 +24,43 @@ The rules a space keeps (:func:`options` keeps them for you):
 The extension point: a target's ``config`` keys are one more argument of :func:`options`::
 
     def config_space(self):
-        return options(fields={"static_graph": (True,)},
-                       config={"accumulate_grad_batches": ..., "strategy": ("ddp_spawn",)})
+        return options(fields={"manual": (True,)},
+                       config={"strategy": ({"name": "ddp", "gradient_as_bucket_view": True},),
+                               "sync_batchnorm": (True,)})
 
 (``config`` exists once the configuration convention is merged; until then only fields are
-drawn). Only options under which the framework's *documented* behaviour is the reference's belong
-in a ready-made target's space: one documented to differ (accelerate's ``split_batches=False``
-schedule, transformers' per-micro-batch loss with ``loss_kwargs=False``) would fail a correct
-framework on every run; check those by naming the variant (``ddpcheck check
-'ddpcheck.targets:HfTrainerTarget(loss_kwargs=False)'``).
+drawn; a key the scenario owns -- batch, accumulation, precision, clipping -- is refused there, so
+it does not belong here). Only options under which the framework's *documented* behaviour is the
+reference's belong in a ready-made target's space: one documented to differ (transformers'
+per-micro-batch loss with ``loss_kwargs=False``, per-rank token counts with
+``average_tokens_across_devices=False``) would fail a correct framework on every run -- check
+those by naming the variant (``ddpcheck check 'ddpcheck.targets:HfTrainerTarget(loss_kwargs=
+False)'``) -- unless the target declines what the option changes by design (accelerate's
+``split_batches=False`` declines LR schedules). Imports hypothesis only when a space is built:
+the ranks import this module with the targets, and draw nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-from hypothesis import strategies as st
+from typing import TYPE_CHECKING, Any
 
 from ddpcheck.errors import InvalidArgument
 
-__all__ = ["DRAWS", "Values", "described", "differences", "drawn_options", "label", "options",
+if TYPE_CHECKING:
+    from hypothesis import strategies as st
+
+    #: How :func:`options` takes a key's values: a strategy, or the values to sample from
+    #: (shrinking towards the first).
+    Values = st.SearchStrategy[Any] | Sequence[Any]
+
+__all__ = ["DRAWS", "described", "differences", "drawn_options", "label", "options",
            "single_options", "space_of", "vary"]
 
-#: How :func:`options` takes a key's values: a strategy, or the values to sample from (shrinking
-#: towards the first).
-Values = st.SearchStrategy[Any] | Sequence[Any]
-
-
 def _strategy(values: Values, where: str) -> st.SearchStrategy[Any]:
+    from hypothesis import strategies as st
+
     if isinstance(values, st.SearchStrategy):
         return values
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
@@ -89,6 +96,8 @@ def _optional_keys(strategies: Mapping[str, st.SearchStrategy[Any]]
     ``fixed_dictionaries(optional=...)``: Hypothesis 6.170 does not shrink an optional key of
     those away (tests/runs/test_fuzz_config.py), and this shrinks each towards absent; an empty
     dict value is left out too."""
+    from hypothesis import strategies as st
+
     return st.fixed_dictionaries(
         {key: st.one_of(st.just(_ABSENT), values) for key, values in strategies.items()}
     ).map(_present)
@@ -101,6 +110,8 @@ def _present(drawn: dict[str, Any]) -> dict[str, Any]:
 
 def space_of(target: Any) -> st.SearchStrategy[dict[str, Any]] | None:
     """``target.config_space()``, checked: None, or a strategy (anything else is refused)."""
+    from hypothesis import strategies as st
+
     method = getattr(target, "config_space", None)
     space = method() if callable(method) else None
     if space is not None and not isinstance(space, st.SearchStrategy):
