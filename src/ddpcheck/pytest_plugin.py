@@ -76,8 +76,9 @@ class Options:
         without = f", without {','.join(sorted(self.without))}" if self.without else ""
         where = "" if self.device == "cpu" and self.backend is None else \
             f", device {self.device}{f' over {self.backend}' if self.backend else ''}"
-        return (f"ddpcheck: world sizes {sizes}, deadline {self.deadline:g} s{without}{where}, "
-                f"{self.workers} worker process(es) each keeping its own worlds")
+        options = ", options fuzzed" if getattr(self.request, "fuzz_config", False) else ""
+        return (f"ddpcheck: world sizes {sizes}, deadline {self.deadline:g} s{without}{where}"
+                f"{options}, {self.workers} worker process(es) each keeping its own worlds")
 
 
 #: Where the plugin keeps its state on the pytest config (``config.stash``, not attributes).
