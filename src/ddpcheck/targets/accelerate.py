@@ -60,8 +60,8 @@ from ddpcheck.targets import ddp_options
 from ddpcheck.targets.configuration import (
     build,
     described,
-    keywords_of,
     has,
+    keywords_of,
     load_config,
     reconcile,
 )
@@ -144,9 +144,7 @@ class AccelerateTarget(FrameworkTarget):
         # not the default hooks' state dicts); unused parameters, where the user's DDP options
         # do not look for them (ddp_options).
         ddp = self._ddp
-        unused = (ddp_options.UNUSED if not (ddp["find_unused_parameters"] or ddp["static_graph"])
-                  else frozenset())
-        return frozenset(FEATURES) - {"rank-orders", "checkpoint"} - unused
+        return frozenset(FEATURES) - {"rank-orders", "checkpoint"} - ddp_options.declined(ddp)
 
     def supports(self, scenario: Any) -> str | None:
         given = vars(self)["_given"]

@@ -22,10 +22,19 @@ from typing import Any
 from ddpcheck import features
 from ddpcheck.models import ModelSpec
 
-__all__ = ["UNUSED", "cannot_run", "usage_varies"]
+__all__ = ["UNUSED", "cannot_run", "declined", "usage_varies"]
 
 #: The features a DDP without ``find_unused_parameters`` cannot train.
 UNUSED = frozenset({"unused-everywhere", "unused-on-some-ranks"})
+
+
+def declined(options: dict[str, bool]) -> frozenset[str]:
+    """The features DDP with ``options`` (``find_unused_parameters``, ``static_graph``) cannot
+    train whatever the scenario: unused parameters, unless it looks for them or the graph is
+    static (the module docstring)."""
+    if options["find_unused_parameters"] or options["static_graph"]:
+        return frozenset()
+    return UNUSED
 
 
 def usage_varies(scenario: Any) -> bool:
