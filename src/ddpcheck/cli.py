@@ -292,9 +292,12 @@ def _prepare(args: argparse.Namespace) -> argparse.Namespace:
         dtypes=getattr(args, "dtypes", None), device=getattr(args, "device", "cpu"),
         backend=getattr(args, "backend", None),
         only=args.only if args.command in ("check", "survey") else "",  # mutants': names
-        spelling=spelling, fits_machine=not torchrun)
+        spelling=spelling, fits_machine=not torchrun, config=getattr(args, "config", None))
     if target is not admission.NO_TARGET:
         args.target_spec, args.target = target, args.request.target
+        args.target_word = target  # the argument alone (target_spec says --config too)
+        if getattr(args, "config", None) is not None:
+            args.target_spec = f"{target} --config {args.config}"
     if hasattr(args, "world_sizes"):
         args.world_sizes = args.request.world_sizes
     if getattr(args, "rule", None) is not None:
@@ -435,9 +438,9 @@ def _survey_command(args: argparse.Namespace) -> str:
     check ran (a verdict ends with it: ``runs.smaller.with_features``)."""
     import shlex
 
-    survey = ["ddpcheck", "survey", args.target_spec, "--world-sizes",
+    survey = ["ddpcheck", "survey", args.target_word, "--world-sizes",
               ",".join(map(str, args.world_sizes))]
-    for flag, value in (("--without", args.without),
+    for flag, value in (("--config", args.config), ("--without", args.without),
                         ("--device", None if args.device == "cpu" else args.device),
                         ("--backend", args.backend)):
         survey += [flag, value] if value else []

@@ -47,6 +47,10 @@ def pytest_addoption(parser: Any) -> None:
     group.addoption("--ddpcheck-backend", action="store", default=None, metavar="BACKEND",
                     help="Backend of the fixtures' worlds: gloo or nccl (default: gloo on cpu, "
                          "nccl on cuda)")
+    group.addoption("--ddpcheck-config", action="store", default=None, metavar="FILE",
+                    help="The framework's own configuration for the ready-made framework "
+                         "target a test passes to ddpcheck_run: a JSON file, or MODULE:NAME "
+                         "naming a dict (docs/frameworks.md, \"Your own configuration\")")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,7 +62,8 @@ class Options:
 
     def __init__(self, world_sizes: tuple[int, ...], deadline: float, workers: int,
                  given: bool = False, without: frozenset[str] = frozenset(),
-                 device: str = "cpu", backend: str | None = None, request: Any = None):
+                 device: str = "cpu", backend: str | None = None, request: Any = None,
+                 config: str | None = None):
         self.world_sizes = world_sizes
         self.deadline = deadline
         self.workers = workers
@@ -67,6 +72,7 @@ class Options:
         self.device = device  # where the ranks compute (--ddpcheck-device)
         self.backend = backend  # None: the device's own (--ddpcheck-backend)
         self.request = request  # the options as admitted (runs.admission.Request)
+        self.config = config  # --ddpcheck-config: ddpcheck_run's framework target built with it
 
     def header(self) -> str:
         sizes = ",".join(map(str, self.world_sizes))
@@ -85,7 +91,7 @@ EXAMPLES = pytest.StashKey[int]()
 def resolve_options(config: Any) -> Options:
     """The --ddpcheck-* options, admitted as every door's (``runs.admission``); raises
     pytest.UsageError naming the flag."""
-    from ddpcheck._internal.runs.admission import PYTEST, admit
+    from ddpcheck._internal.runs.admission import PYTEST, admit, config_value
 
     raw = config.getoption("ddpcheck_world_sizes")
     raw_deadline = config.getoption("ddpcheck_deadline")
@@ -94,6 +100,7 @@ def resolve_options(config: Any) -> Options:
     raw_only = config.getoption("ddpcheck_only")
     device = config.getoption("ddpcheck_device") or "cpu"
     backend = config.getoption("ddpcheck_backend")
+    framework_config = config.getoption("ddpcheck_config")
     workers = _xdist_workers(config)
     deadline = DEFAULT_DEADLINE if raw_deadline is None else raw_deadline
     try:
@@ -104,13 +111,16 @@ def resolve_options(config: Any) -> Options:
                         only=raw_only or "", device=device, backend=backend, spelling=PYTEST,
                         workers=workers,
                         fits_machine=raw is not None)
+        if framework_config is not None:  # read now: a wrong file is the session's usage error
+            config_value(framework_config, flag="--ddpcheck-config")
     except InvalidArgument as exc:
         raise pytest.UsageError(str(exc)) from None
     given = any(v is not None for v in (raw, raw_deadline, raw_without, raw_dtypes, raw_only,
-                                        config.getoption("ddpcheck_device"), backend))
+                                        config.getoption("ddpcheck_device"), backend,
+                                        framework_config))
     return Options(request.world_sizes, request.deadline, workers, given=given,
                    without=request.battery_without, device=device, backend=backend,
-                   request=request)
+                   request=request, config=framework_config)
 
 
 def _xdist_workers(config: Any) -> int:
@@ -283,11 +293,16 @@ def ddpcheck_world(ddpcheck_options: Options) -> Callable[[int], Any]:
 @pytest.fixture(scope="session")
 def ddpcheck_run(ddpcheck_options: Options) -> Callable[..., Any]:
     """``ddpcheck_run(target, scenario=None, world_sizes=None)``: ``assert_equivalent`` with the
-    session's world sizes, deadline, excluded features and device."""
+    session's world sizes, deadline, excluded features and device; a ready-made framework
+    target built with ``--ddpcheck-config`` where it is given."""
 
     def run(target: Any, scenario: Any = None, world_sizes: Any = None) -> Any:
         import ddpcheck
 
+        if ddpcheck_options.config is not None:
+            from ddpcheck._internal.runs.admission import configured
+
+            target = configured(target, ddpcheck_options.config, flag="--ddpcheck-config")
         # a door of its own: the target and scenario are admitted there
         return ddpcheck.assert_equivalent(
             target, scenario, world_sizes=world_sizes or ddpcheck_options.world_sizes,

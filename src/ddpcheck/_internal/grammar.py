@@ -42,6 +42,15 @@ SURVEY_EXIT_CODES = (f"exit status: {ExitCode.OK:d} every cell that ran passed; 
 TARGET_HELP = ("a built-in name (parallel, torch_ddp, ...), MODULE:EXPR (mypkg.checks:MY_TARGET), "
                "or path/to/FILE.py:EXPR, a script imported as a module "
                "(check_my_ddp.py:MyTarget())")
+#: What ``--config`` takes (``runs.admission.configured``).
+CONFIG_HELP = ("the framework's own configuration for a ready-made framework target (accelerate, "
+               "lightning, fabric, hf_trainer, ...): a JSON file of its keyword arguments, or "
+               "MODULE:NAME / path/to/FILE.py:NAME naming a dict; keys the scenario or ddpcheck "
+               "sets are refused (docs/frameworks.md, \"Your own configuration\")")
+
+
+def _config_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, metavar="FILE", help=CONFIG_HELP)
 
 
 def parse_command_line(parser: argparse.ArgumentParser,
@@ -99,6 +108,7 @@ def _target_options(parser: argparse.ArgumentParser, *, examples: int, what: str
                         help="features never to exercise, on top of the target's "
                              "supported_features (e.g. accumulation,buffers; see "
                              "ddpcheck.features)")
+    _config_option(parser)
     parser.add_argument("--only", default="", metavar="FEATURE[,FEATURE...]",
                         help="check only examples that exercise one of these features (e.g. "
                              "autocast; see ddpcheck.features): the battery scenarios that do, "
@@ -154,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--world-size", type=_positive(int), required=True)
     replay.add_argument("--scenario", required=True, help="the scenario's repr, as printed")
     replay.add_argument("--deadline", default=DEFAULT_DEADLINE)
+    _config_option(replay)
     _device_options(replay)
 
     trace = sub.add_parser("trace", help="record every collective of one step as a Chrome/"
@@ -170,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("-o", "--output", default="trace.json",
                        help="where to write the JSON (default trace.json)")
     trace.add_argument("--deadline", default=DEFAULT_DEADLINE)
+    _config_option(trace)
 
     sub.add_parser("targets", help="list the ready-made targets: framework, installed version, "
                                    "what each declines and why",

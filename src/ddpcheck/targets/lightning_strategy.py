@@ -67,7 +67,7 @@ def make(value: Any, *, registry: Any, ddp_cls: type, where: str) -> Any:
                                   f"{exc}") from None
     if not isinstance(value, ddp_cls) or _lightnings(type(value)) is not ddp_cls:
         raise InvalidArgument(f"{where}: 'strategy' is a {type(value).__name__}; this target "
-                              f"checks Lightning over torch DDP (a {ddp_cls.__module__}."
+                              f"checks torch DDP (a {ddp_cls.__module__}."
                               f"{ddp_cls.__name__}, or a name such as 'ddp')")
     return copy.deepcopy(value)
 

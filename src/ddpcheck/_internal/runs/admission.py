@@ -25,6 +25,7 @@ import os
 import pickle
 import re
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ddpcheck._internal.devices import check_fits
@@ -45,7 +46,8 @@ if TYPE_CHECKING:
     from ddpcheck.scenario import Scenario
 
 __all__ = ["API", "COMMAND_LINE", "DTYPES", "NO_TARGET", "PYTEST", "RANDOM_DTYPES", "Request",
-           "Spelling", "admit", "check_target", "resolve_rule", "resolve_target"]
+           "Spelling", "admit", "check_target", "config_value", "configured", "resolve_rule",
+           "resolve_target"]
 
 #: The dtypes a run can be restricted to.
 DTYPES = ("float64", "float32")
@@ -68,14 +70,16 @@ class Spelling:
     #: the door passes text (a command line's flags): numbers, lists, a scenario's repr and a
     #: target's name are read from it; in Python, a string where a number belongs is refused
     text: bool = False
+    config: str = "config"
 
 
 API = Spelling()
 COMMAND_LINE = Spelling("MODULE:TARGET", "--scenario", "--world-sizes", "--deadline",
-                        "--without", "--dtypes", "--device", "--only", text=True)
+                        "--without", "--dtypes", "--device", "--only", text=True,
+                        config="--config")
 PYTEST = Spelling("target", "scenario", "--ddpcheck-world-sizes", "--ddpcheck-deadline",
                   "--ddpcheck-without", "--ddpcheck-dtypes", "--ddpcheck-device",
-                  "--ddpcheck-only", text=True)
+                  "--ddpcheck-only", text=True, config="--ddpcheck-config")
 
 #: ``admit``'s target when a door admits its options alone (the pytest plugin for its session,
 #: ``ddpcheck mutants``, ``ddpcheck fuzz-rule``): None is a target, and a wrong one.
@@ -121,7 +125,8 @@ class Request:
 def admit(target: Any = NO_TARGET, *, scenario: Any = None, world_sizes: Any = DEFAULT_WORLD_SIZES,
           deadline: Any = DEFAULT_DEADLINE, without: Any = (), dtypes: Any = None,
           device: str = "cpu", backend: str | None = None, only: Any = (),
-          spelling: Spelling = API, workers: int = 1, fits_machine: bool = True) -> Request:
+          spelling: Spelling = API, workers: int = 1, fits_machine: bool = True,
+          config: str | None = None) -> Request:
     """``Request`` from what a door was given, or :class:`InvalidArgument` naming the argument.
 
     Where the door passes text (``spelling.text``): ``world_sizes`` ("1,2,3"), ``deadline`` ("60"),
@@ -129,7 +134,9 @@ def admit(target: Any = NO_TARGET, *, scenario: Any = None, world_sizes: Any = D
     ``MODULE:EXPR`` or ``path/to/FILE.py:EXPR``); ``without`` and ``dtypes`` ("a,b") anywhere.
     ``target=NO_TARGET`` (the default) admits the options alone. ``workers``: processes that will
     run worlds at once (pytest-xdist's), for the machine's limit; ``fits_machine=False`` leaves that
-    limit to the caller (the plugin checks it only for world sizes a user asked for)."""
+    limit to the caller (the plugin checks it only for world sizes a user asked for).
+    ``config``: a framework configuration given apart from the target (``--config FILE``:
+    :func:`configured`)."""
     text = spelling.text
     sizes = (parse_world_sizes(world_sizes, spelling.world_sizes)
              if text and isinstance(world_sizes, str)
@@ -156,7 +163,9 @@ def admit(target: Any = NO_TARGET, *, scenario: Any = None, world_sizes: Any = D
         target = None
     else:
         if text and isinstance(target, str):
-            target = resolve_target(target)
+            target = resolve_target(target, config, flag=spelling.config)
+        elif config is not None:
+            target = configured(target, config, flag=spelling.config)
         check_target(target)
         _check_focus(target, focus, excluded, spelling.only)
     return Request(target, sizes, seconds, excluded, named, device, backend, scenario, focus)
@@ -263,9 +272,58 @@ def check_target(target: Any) -> None:
 # Names to objects: a target or a sharding rule given as text
 
 
-def resolve_target(spec: str) -> Any:
+def resolve_target(spec: str, config: str | None = None, *, flag: str = "--config") -> Any:
     """``parallel`` / ``MODULE:ATTR`` / ``MODULE:EXPR`` / ``path/to/FILE.py:EXPR`` -> a target
-    instance."""
+    instance; with ``config`` (``--config FILE``), that target built with it
+    (:func:`configured`)."""
+    target = _resolve_target(spec)
+    return target if config is None else configured(target, config, flag=flag, shown=spec)
+
+
+def configured(target: Any, config: str, *, flag: str = "--config",
+               shown: str | None = None) -> Any:
+    """``target`` -- a ready-made framework target, without a configuration -- built with
+    ``config=`` (``dataclasses.replace``): ``config`` is the path of a JSON file, which the
+    target reads, or ``MODULE:NAME`` / ``path/to/FILE.py:NAME`` naming a dict (so that plugin
+    objects can be objects). Refused, naming why, for any other target, or one that has a
+    configuration already (docs/frameworks.md, "Your own configuration")."""
+    from ddpcheck.targets import READY_MADE
+
+    shown = shown or type(target).__name__
+    if not _configurable(target):
+        names = [e.name for e in READY_MADE if _configurable(e.target)]
+        raise InvalidArgument(f"{flag} {config!r}: {shown} takes no configuration; {flag} "
+                              f"configures a ready-made framework target ({', '.join(names)})")
+    if getattr(target, "config", None) is not None or \
+            getattr(target, "training_args", None) is not None:
+        raise InvalidArgument(f"{flag} {config!r}: {shown} has a configuration already "
+                              f"(config=...); give it one way, {flag} or the expression's "
+                              "config=")
+    return dataclasses.replace(target, config=config_value(config, flag=flag))
+
+
+def config_value(config: str, *, flag: str = "--config") -> Any:
+    """What ``--config`` gives a target's ``config``: the dict ``MODULE:NAME`` names, or the path
+    of a JSON file as it is (the target reads it, checked here: an object, readable)."""
+    from ddpcheck.targets.configuration import load_config
+
+    if ":" in config and not os.path.exists(config):  # MODULE:NAME, not a file
+        value = _resolve(config, "config")
+        if not isinstance(value, Mapping):
+            raise InvalidArgument(f"{flag} {config!r} is a {type(value).__name__}, not a dict "
+                                  "of the framework's keyword arguments")
+        return value
+    load_config(config, target=flag)
+    return config
+
+
+def _configurable(target: Any) -> bool:
+    """A target instance with a ``config`` field: a ready-made framework target's class."""
+    return (dataclasses.is_dataclass(target) and not isinstance(target, type)
+            and any(f.name == "config" for f in dataclasses.fields(target)))
+
+
+def _resolve_target(spec: str) -> Any:
     from ddpcheck.targets import BUILTIN, READY_MADE
 
     if spec in BUILTIN:
