@@ -264,6 +264,7 @@ def test_the_command_line_runs_a_configured_framework_green(tmp_path, capsys):
     assert "ddpcheck check fabric --config" in out and "nothing found" in out, out
 
 
+@pytest.mark.slow  # a pytest of its own, and its worlds
 def test_the_pytest_plugin_builds_the_framework_target_with_its_config(tmp_path):
     _needs("accelerate")
     (tmp_path / "accelerate.json").write_text(json.dumps({"gradient_accumulation_plugin": {

@@ -380,7 +380,7 @@ READY_MADE: tuple[ReadyMade, ...] = (
               "2-norm)"),
     ReadyMade("hf_trainer", HF_TRAINER, "transformers", "transformers",
               "transformers' Trainer.train over DDP, its own loop: the scenario's model as a "
-              "causal LM taking num_items_in_batch; HfTrainerTarget(training_args={...} or "
+              "causal LM taking num_items_in_batch; HfTrainerTarget(config={...} or "
               "'args.json', loss_kwargs=False)",
               {"rank-orders": _TORCH_DDP_ORDER,
                "checkpoint": f"{_OWN_CHECKPOINTS} (the Trainer's checkpoint folders)",

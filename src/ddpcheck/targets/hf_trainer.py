@@ -44,6 +44,11 @@ sets. Every other key reaches ``TrainingArguments`` as given -- ``average_tokens
 ``TrainingArguments`` itself rejects is one too, from the ranks, and so is an
 ``ACCELERATE_MIXED_PRECISION`` in the environment, which ``TrainingArguments`` takes as its
 precision, where the scenario has no autocast.
+This is the rule of every framework target's ``config``
+(``ddpcheck.targets.configuration``; docs/frameworks.md, "Your own configuration")::
+
+    HfTrainerTarget(config={"ddp_bucket_cap_mb": 5, "average_tokens_across_devices": True})
+    # ddpcheck check hf_trainer --config args.json  (the same, as a JSON file)
 
 Imports transformers only inside the hooks (and to check the key names of given arguments).
 """
