@@ -75,7 +75,8 @@ def test_reconcile_names_every_refused_key_dotted_with_what_owns_it():
         num_steps: int | None = None
         sync_each_batch: bool = False
 
-    scenario_keys = {"steps": "steps", "zero.stage": "the stage", "plugin.num_steps": "accumulation"}
+    scenario_keys = {"steps": "steps", "zero.stage": "the stage",
+                     "plugin.num_steps": "accumulation"}
     harness_keys = {"save": (("no",), "no checkpoints"), "world": ((), "ddpcheck's world")}
     ok = {"seed": 3, "save": "no", "zero": {"other": 1}, "plugin": Plugin(sync_each_batch=True)}
     reconcile(ok, target="T", scenario_keys=scenario_keys, harness_keys=harness_keys)
@@ -269,8 +270,7 @@ def test_the_pytest_plugin_builds_the_framework_target_with_its_config(tmp_path)
     _needs("accelerate")
     (tmp_path / "accelerate.json").write_text(json.dumps({"gradient_accumulation_plugin": {
         "sync_each_batch": True}}))
-    (tmp_path / "test_user.py").write_text(textwrap.dedent(f"""
-        import torch
+    (tmp_path / "test_user.py").write_text(textwrap.dedent("""
         from ddpcheck import targets, zoo
         from ddpcheck.scenario import Scenario
 
