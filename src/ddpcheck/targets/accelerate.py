@@ -47,6 +47,7 @@ Imports accelerate only inside the hooks (and, given a config, to check it where
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
@@ -158,7 +159,13 @@ class AccelerateTarget(FrameworkTarget):
         import accelerate  # noqa: F401  (seconds in a rank: once per process, here)
 
     def configure(self, scenario: Any) -> Target:
-        return dataclasses.replace(self, accumulation=scenario.accumulation)
+        # a copy, not dataclasses.replace: the config was read and checked when the target was
+        # built, and is not read again in the rank (its file may be elsewhere)
+        if scenario.accumulation == self.accumulation:
+            return self
+        configured = copy.copy(self)
+        object.__setattr__(configured, "accumulation", scenario.accumulation)
+        return configured
 
     def setup(self, module: Any, params: Any, optimizer_cls: type,
               **kwargs: Any) -> tuple[Any, Any]:

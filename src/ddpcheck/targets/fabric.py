@@ -139,7 +139,7 @@ def _check(given: dict[str, Any], where: str) -> dict[str, bool] | None:
         strategy = lightning_strategy.make(given["strategy"], registry=STRATEGY_REGISTRY,
                                            ddp_cls=DDPStrategy, where=where)
         view["strategy"] = lightning_strategy.view(strategy, where)
-        ddp = lightning_strategy.ddp_options(strategy)
+        ddp = lightning_strategy.options_of(strategy)
     reconcile(view, target=where, scenario_keys=SCENARIO_KEYS, harness_keys=HARNESS_KEYS,
               known=keywords_of(Fabric), known_as="Fabric keyword argument")
     return ddp

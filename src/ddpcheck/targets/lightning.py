@@ -197,7 +197,7 @@ def _check(given: dict[str, Any], where: str) -> dict[str, bool] | None:
         strategy = lightning_strategy.make(given["strategy"], registry=StrategyRegistry,
                                            ddp_cls=DDPStrategy, where=where)
         view["strategy"] = lightning_strategy.view(strategy, where)
-        ddp = lightning_strategy.ddp_options(strategy)
+        ddp = lightning_strategy.options_of(strategy)
     reconcile(view, target=where, scenario_keys=SCENARIO_KEYS, harness_keys=HARNESS_KEYS,
               known=keywords_of(pl.Trainer), known_as="Trainer keyword argument")
     return ddp

@@ -24,7 +24,7 @@ from ddpcheck._internal.options import did_you_mean
 from ddpcheck.errors import InvalidArgument
 from ddpcheck.targets.configuration import keywords_of
 
-__all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "ddp_options", "make", "view"]
+__all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "make", "options_of", "view"]
 
 _WORLD = "ddpcheck's world: the process group exists, on the world's device"
 #: ``DistributedDataParallel`` keywords a strategy passes that the scenario sets (refused).
@@ -94,7 +94,7 @@ def view(strategy: Any, where: str) -> dict[str, Any]:
     return {"start_method": getattr(strategy, "_start_method", "popen"), **kwargs}
 
 
-def ddp_options(strategy: Any) -> dict[str, bool]:
+def options_of(strategy: Any) -> dict[str, bool]:
     """The DDP options of ``strategy`` that decide what it can train (``ddp_options``)."""
     kwargs = getattr(strategy, "_ddp_kwargs", {})
     return {"find_unused_parameters": bool(kwargs.get("find_unused_parameters", False)),
