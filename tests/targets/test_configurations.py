@@ -177,6 +177,12 @@ def test_a_lightning_strategy_reaches_the_ddp_model():
     with pytest.raises(ddpcheck.EquivalenceError) as info:
         ddpcheck.check_example(UNCONFIGURED_LIGHTNING, ONE_PER_STEP, 2)
     assert "not the strategy given" in str(info.value), str(info.value)
+    # a value only the Trainer can judge: from the ranks, still the configuration's (exit 2)
+    with pytest.raises(ddpcheck.InvalidArgument, match=r"Trainer\(\.\.\.\) with the "
+                                                       r"configuration.*raised Misconfiguration"
+                                                       r"Exception: .*val_check_interval"):
+        ddpcheck.check_example(targets.LightningTarget(config={"val_check_interval": -1}),
+                               ONE_PER_STEP, 2)
     # manual optimization stays the target's field, beside the Trainer's configuration
     manual = targets.LightningTarget(manual=True, config={"strategy": {
         "name": "ddp_find_unused_parameters_true", "gradient_as_bucket_view": True}})

@@ -364,16 +364,19 @@ READY_MADE: tuple[ReadyMade, ...] = (
               "no synchronisation at all: must fail for W > 1", _NO_PARAM_DTYPE),
     ReadyMade("accelerate", ACCELERATE, "accelerate", "accelerate",
               "Accelerator: prepare, accumulate, backward, clip_grad_norm_, the prepared "
-              "scheduler", {"rank-orders": _TORCH_DDP_ORDER,
+              "scheduler; AccelerateTarget(config={...} or 'accelerate.json'): your own "
+              "Accelerator arguments", {"rank-orders": _TORCH_DDP_ORDER,
                             "checkpoint": f"{_OWN_CHECKPOINTS} (save_state/load_state)",
                             **_NO_PARAM_DTYPE}),
     ReadyMade("fabric", FABRIC, "lightning", "lightning",
-              "Lightning Fabric DDP: setup, no_backward_sync, backward, clip_gradients",
+              "Lightning Fabric DDP: setup, no_backward_sync, backward, clip_gradients; "
+              "FabricTarget(config={...}): your own Fabric arguments and strategy",
               {"rank-orders": _TORCH_DDP_ORDER,
                "checkpoint": f"{_OWN_CHECKPOINTS} (fabric.save/fabric.load)", **_NO_PARAM_DTYPE}),
     ReadyMade("lightning", LIGHTNING, "lightning", "lightning",
               "Lightning Trainer.fit with DDPStrategy, automatic optimization (its own loop; "
-              "LightningTarget(manual=True), LightningTarget(static_graph=True))",
+              "LightningTarget(manual=True), LightningTarget(static_graph=True), "
+              "LightningTarget(config={...}): your own Trainer arguments and strategy)",
               {"rank-orders": _TORCH_DDP_ORDER,
                "checkpoint": f"{_OWN_CHECKPOINTS} (the Trainer's .ckpt files)", **_NO_PARAM_DTYPE},
               "infinity-norm clipping in automatic optimization (gradient_clip_val clips the "

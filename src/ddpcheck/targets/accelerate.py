@@ -60,6 +60,7 @@ from ddpcheck.features import FEATURES
 from ddpcheck.targets import ddp_options
 from ddpcheck.targets.configuration import (
     build,
+    construct,
     described,
     has,
     keywords_of,
@@ -172,7 +173,10 @@ class AccelerateTarget(FrameworkTarget):
         from accelerate import Accelerator
 
         join_existing_group()
-        accelerator = Accelerator(**self.accelerator_kwargs(next(module.parameters()).device))
+        options = self.accelerator_kwargs(next(module.parameters()).device)
+        accelerator = (construct(Accelerator, options, target=described("AccelerateTarget",
+                                                                         self.config))
+                       if vars(self)["_given"] else Accelerator(**options))
         model, optimizer = accelerator.prepare(module, optimizer_cls(params, **kwargs))
         # the hooks below get the model or the optimizer: both carry this example's Accelerator
         model.ddpcheck_accelerator = optimizer.ddpcheck_accelerator = accelerator
@@ -261,10 +265,11 @@ def _check(given: dict[str, Any], where: str) -> None:
 def _handler(value: Any, where: str) -> Any:
     """One of ``kwargs_handlers``: the object, or built from its JSON form (``"class"``: the name
     of one of ``accelerate.utils``' handlers)."""
-    if not isinstance(value, Mapping):
-        return value
     import accelerate.utils
     from accelerate.utils import KwargsHandler
+
+    if not isinstance(value, Mapping):
+        return build(value, KwargsHandler, target=where, key="kwargs_handlers")
 
     name = value.get("class")
     cls = getattr(accelerate.utils, name, None) if isinstance(name, str) else None

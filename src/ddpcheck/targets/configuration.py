@@ -33,7 +33,7 @@ from typing import Any
 from ddpcheck._internal.options import did_you_mean
 from ddpcheck.errors import InvalidArgument
 
-__all__ = ["RULE", "build", "described", "has", "keywords_of", "load_config", "lookup",
+__all__ = ["RULE", "build", "construct", "described", "has", "keywords_of", "load_config", "lookup",
            "reconcile", "same"]
 
 #: Where the rule is documented, as every refusal says.
@@ -152,10 +152,13 @@ def same(value: Any, accepted: Any) -> bool:
 
 
 def build(value: Any, factory: Callable[..., Any], *, target: str, key: str) -> Any:
-    """The object ``key`` wants: ``value`` itself, or ``factory(**value)`` for its JSON form (a
-    dict of keyword arguments); a keyword ``factory`` rejects is an :class:`InvalidArgument`
-    naming the key."""
+    """The object ``key`` wants: ``value`` itself (an instance of ``factory``, where it is a
+    class), or ``factory(**value)`` for its JSON form (a dict of keyword arguments); anything
+    else, and a keyword ``factory`` rejects, is an :class:`InvalidArgument` naming the key."""
     if not isinstance(value, Mapping):
+        if isinstance(factory, type) and not isinstance(value, factory):
+            raise InvalidArgument(f"{target}: {key!r}={_brief(value)} must be a "
+                                  f"{factory.__qualname__} or the dict of its keyword arguments")
         return value
     try:
         return factory(**value)
@@ -163,6 +166,19 @@ def build(value: Any, factory: Callable[..., Any], *, target: str, key: str) -> 
         name = getattr(factory, "__qualname__", repr(factory))
         raise InvalidArgument(f"{target}: {key!r}={_brief(value)} cannot build {name}: "
                               f"{type(exc).__name__}: {exc}") from None
+
+
+def construct(factory: Callable[..., Any], kwargs: Mapping[str, Any], *, target: str,
+              errors: tuple[type[BaseException], ...] = (TypeError, ValueError)) -> Any:
+    """``factory(**kwargs)`` in a rank, the user's configuration among ``kwargs``: a value the
+    framework itself rejects (``errors``) is the configuration's problem, an
+    :class:`InvalidArgument` naming it (exit 2), not the framework's failure."""
+    try:
+        return factory(**kwargs)
+    except errors as exc:
+        name = getattr(factory, "__qualname__", repr(factory))
+        raise InvalidArgument(f"{target}: {name}(...) with the configuration, as ddpcheck "
+                              f"completed it, raised {type(exc).__name__}: {exc}") from exc
 
 
 def keywords_of(callable_: Any, *, without: Collection[str] = ()) -> frozenset[str] | None:

@@ -38,7 +38,13 @@ import torch.distributed as dist
 
 from ddpcheck.features import FEATURES
 from ddpcheck.targets import ddp_options, lightning_strategy
-from ddpcheck.targets.configuration import described, keywords_of, load_config, reconcile
+from ddpcheck.targets.configuration import (
+    construct,
+    described,
+    keywords_of,
+    load_config,
+    reconcile,
+)
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
 
@@ -94,6 +100,7 @@ class FabricTarget(FrameworkTarget):
               **kwargs: Any) -> tuple[Any, Any]:
         from lightning.fabric import Fabric
         from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
 
         join_existing_group()
         given = vars(self)["_given"]
@@ -101,9 +108,12 @@ class FabricTarget(FrameworkTarget):
                     lightning_strategy.make(given["strategy"], registry=STRATEGY_REGISTRY,
                                             ddp_cls=DDPStrategy,
                                             where=described("FabricTarget", self.config)))
-        fabric = Fabric(**{**given, "accelerator": "cpu" if next(module.parameters()).device.type
-                           == "cpu" else "cuda", "devices": dist.get_world_size(),
-                           "num_nodes": 1, "strategy": strategy})
+        options = {**given, "accelerator": "cpu" if next(module.parameters()).device.type
+                   == "cpu" else "cuda", "devices": dist.get_world_size(), "num_nodes": 1,
+                   "strategy": strategy}
+        fabric = (Fabric(**options) if not given else construct(
+            Fabric, options, target=described("FabricTarget", self.config),
+            errors=(TypeError, ValueError, MisconfigurationException)))
         fabric.launch()  # the processes and the group exist: sets up the strategy only
         model, optimizer = fabric.setup(module, optimizer_cls(params, **kwargs))
         model.ddpcheck_fabric = fabric

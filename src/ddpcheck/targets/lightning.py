@@ -54,7 +54,13 @@ import torch.distributed as dist
 from ddpcheck.errors import InvalidArgument, NothingChecked
 from ddpcheck.features import FEATURES
 from ddpcheck.targets import ddp_options, lightning_strategy
-from ddpcheck.targets.configuration import described, keywords_of, load_config, reconcile
+from ddpcheck.targets.configuration import (
+    construct,
+    described,
+    keywords_of,
+    load_config,
+    reconcile,
+)
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
 
@@ -141,6 +147,7 @@ class LightningTarget(FrameworkTarget):
 
     def fit(self, module: Any, run: Any) -> None:
         import lightning.pytorch as pl
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
 
         join_existing_group()
         accumulation = max(len(step) for step in run.batches)
@@ -151,7 +158,7 @@ class LightningTarget(FrameworkTarget):
         automatic = not self.manual and run.max_grad_norm is not None
         given = vars(self)["_given"]
         callbacks = given.get("callbacks") or []
-        trainer = pl.Trainer(**{
+        kwargs = {
             "enable_progress_bar": False, "enable_model_summary": False,
             "num_sanity_val_steps": 0, **given,
             # the scenario's
@@ -164,7 +171,10 @@ class LightningTarget(FrameworkTarget):
             "devices": dist.get_world_size(), "num_nodes": 1, "strategy": self._strategy(),
             "use_distributed_sampler": False, "logger": False, "enable_checkpointing": False,
             "callbacks": [*(callbacks if isinstance(callbacks, list) else [callbacks]),
-                          _recorder(pl, run, accumulation)]})
+                          _recorder(pl, run, accumulation)]}
+        trainer = (pl.Trainer(**kwargs) if not given else construct(
+            pl.Trainer, kwargs, target=described("LightningTarget", self.config),
+            errors=(TypeError, ValueError, MisconfigurationException)))
         # a list is a map-style dataset (len and getitem); torch's annotation asks for Dataset
         loader: torch.utils.data.DataLoader[Any] = torch.utils.data.DataLoader(
             [micro for step in run.batches for micro in step],  # type: ignore[arg-type]
