@@ -35,12 +35,10 @@ torch's DDP cannot train under its options is declined: ``ddp_options``), ``data
 class's name under ``"class"``::
 
     AccelerateTarget(config={
-        "gradient_accumulation_plugin": {"num_steps": ..., "sync_each_batch": True},  # no num_steps
-        "kwargs_handlers": [{"class": "DistributedDataParallelKwargs", "static_graph": True,
-                             "gradient_as_bucket_view": True}]})
+        "gradient_accumulation_plugin": {"sync_each_batch": True},  # num_steps: the scenario's
+        "kwargs_handlers": [{"class": "DistributedDataParallelKwargs",
+                             "find_unused_parameters": True, "gradient_as_bucket_view": True}]})
     # ddpcheck check accelerate --config accelerate.json  (the same, as a JSON file)
-
-(without the ``num_steps`` key: the scenario sets it.)
 
 Imports accelerate only inside the hooks (and, given a config, to check it where it is built).
 """
