@@ -40,8 +40,9 @@ from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.protocol import CONSTRUCTOR_CALL, Target, WrapperTarget
 from parallel import DDP, ShardedOptimizer
 
-__all__ = ["ACCELERATE", "DEEPSPEED_ZERO1", "DEEPSPEED_ZERO2", "FABRIC", "HF_TRAINER", "LIGHTNING",
-           "LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP", "TORCH_FSDP", "TORCH_ZERO",
+__all__ = ["ACCELERATE", "DEEPSPEED", "DEEPSPEED_ZERO1", "DEEPSPEED_ZERO2", "FABRIC",
+           "HF_TRAINER", "LIGHTNING", "LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP",
+           "TORCH_FSDP", "TORCH_ZERO",
            "TORCH_ZERO_BUCKET_VIEW", "BUILTIN", "TESTED", "CONSTRUCTOR_CALL", "READY_MADE",
            "AccelerateTarget", "DeepSpeedTarget", "FabricTarget", "HfTrainerTarget",
            "LightningTarget", "LocalTarget",
@@ -266,6 +267,7 @@ LOCAL = LocalTarget()
 ACCELERATE = AccelerateTarget()
 FABRIC = FabricTarget()
 LIGHTNING = LightningTarget()
+DEEPSPEED = DeepSpeedTarget()  # the stage of its config (DeepSpeedTarget(config=...)), else 2
 DEEPSPEED_ZERO1 = DeepSpeedTarget(stage=1)
 DEEPSPEED_ZERO2 = DeepSpeedTarget(stage=2)
 HF_TRAINER = HfTrainerTarget()
@@ -410,8 +412,13 @@ _DEEPSPEED = {
     "checkpoint": f"{_OWN_CHECKPOINTS} (engine.save_checkpoint)",
     "rank-orders": "ZeRO partitions parameters in registration order, which must be the same "
                    "on every rank",
-    **_NO_PARAM_DTYPE}
+    "param-dtype": "DeepSpeed's bf16 mode reduces and accumulates gradients in bfloat16 unless "
+                   "the config sets communication_data_type and data_types.grad_accum_dtype to "
+                   "'fp32' (DeepSpeedTarget(config=...)); with both, it applies the policy"}
 READY_MADE += (
+    ReadyMade("deepspeed", DEEPSPEED, "deepspeed", "deepspeed",
+              "DeepSpeed's engine at the ZeRO stage of your config (default 2): "
+              "DeepSpeedTarget(config={...} or 'ds_config.json')", _DEEPSPEED),
     ReadyMade("deepspeed_zero1", DEEPSPEED_ZERO1, "deepspeed", "deepspeed",
               "DeepSpeed's engine, ZeRO stage 1, CPU accelerator over gloo (float32: "
               "ddpcheck check deepspeed_zero1 --dtypes float32)", _DEEPSPEED),
