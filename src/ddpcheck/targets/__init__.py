@@ -14,6 +14,7 @@ frameworks', each a frozen dataclass whose replay line is its fields, :data:`REA
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 from contextlib import AbstractContextManager
 from typing import Any
@@ -21,16 +22,19 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpcheck.errors import NothingChecked
+from ddpcheck.errors import InvalidArgument, NothingChecked
 from ddpcheck.features import FEATURES
 from ddpcheck.targets.accelerate import AccelerateTarget
+from ddpcheck.targets.configuration import load_config, reconcile
 from ddpcheck.targets.deepspeed import DeepSpeedTarget
 from ddpcheck.targets.environment import installed_version
 from ddpcheck.targets.fabric import FabricTarget
 from ddpcheck.targets.framework import install_command
 from ddpcheck.targets.fsdp import (
     broadcast_from,
+    config_options,
     fsdp_cannot_run,
+    fsdp_config,
     fully_shard_options,
     gradient_sync_off,
     shard_leaves,
@@ -47,7 +51,8 @@ __all__ = ["ACCELERATE", "DEEPSPEED", "DEEPSPEED_ZERO1", "DEEPSPEED_ZERO2", "FAB
            "AccelerateTarget", "DeepSpeedTarget", "FabricTarget", "HfTrainerTarget",
            "LightningTarget", "LocalTarget",
            "ParallelDDPTarget", "ParallelTarget", "ReadyMade", "Target", "TorchDDPTarget",
-           "TorchFSDPTarget", "TorchZeroTarget", "WrapperTarget"]
+           "TorchFSDPTarget", "TorchZeroTarget", "WrapperTarget", "ZERO_HARNESS_KEYS",
+           "ZERO_SCENARIO_KEYS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +144,36 @@ class TorchZeroTarget(TorchDDPTarget):
     must (docs/stride-bug.md)."""
 
     parameters_as_bucket_view: bool = False
+    #: your ``ZeroRedundancyOptimizer`` keyword arguments (a dict, or the path of a JSON file
+    #: holding one): ``parameters_as_bucket_view``; the scenario's and the harness's refused
+    #: (:data:`ZERO_SCENARIO_KEYS`, :data:`ZERO_HARNESS_KEYS`)
+    config: Any = None
 
     shards_optimizer_state = True
+
+    def __post_init__(self) -> None:
+        given = load_config(self.config, target="TorchZeroTarget")
+        if given:
+            # every keyword ZeroRedundancyOptimizer does not name goes to the optimizer class
+            # (its **defaults): the scenario's optimizer_kwargs -- unless it is a typo of one
+            extra = {k: "optimizer_kwargs: ZeroRedundancyOptimizer passes it to the optimizer"
+                     for k in given if k not in _ZERO_OPTIONS
+                     and not difflib.get_close_matches(k, _ZERO_OPTIONS, n=1, cutoff=0.6)}
+            reconcile(given, target="TorchZeroTarget",
+                      scenario_keys={**ZERO_SCENARIO_KEYS, **extra},
+                      harness_keys=ZERO_HARNESS_KEYS, known=_ZERO_OPTIONS)
+        if ("parameters_as_bucket_view" in given
+                and given["parameters_as_bucket_view"] != self.parameters_as_bucket_view
+                and self.parameters_as_bucket_view):
+            raise InvalidArgument("TorchZeroTarget(parameters_as_bucket_view=True) and the "
+                                  "config's 'parameters_as_bucket_view' disagree: give one")
+        object.__setattr__(self, "_given", given)  # derived, not a field: config rebuilds it
+
+    @property
+    def bucket_view(self) -> bool:
+        """ZeRO's ``parameters_as_bucket_view``: the field's, or the config's."""
+        return bool(vars(self)["_given"].get("parameters_as_bucket_view",
+                                             self.parameters_as_bucket_view))
 
     # ZeroRedundancyOptimizer rejects parameters of several dtypes. Not rank-orders either: torch
     # DDP in front refuses them (above), and ZeRO's own partition (largest first, ties in list
@@ -163,7 +196,7 @@ class TorchZeroTarget(TorchDDPTarget):
             first = dict(first)
             optimizer = ZeroRedundancyOptimizer(
                 first.pop("params"), optimizer_class=optimizer_cls,
-                parameters_as_bucket_view=self.parameters_as_bucket_view, **{**kwargs, **first})
+                parameters_as_bucket_view=self.bucket_view, **{**kwargs, **first})
             for group in rest:  # a later group falls back to the kwargs, not to group 0's values
                 optimizer.add_param_group({**kwargs, **group})
             return optimizer
@@ -174,7 +207,7 @@ class TorchZeroTarget(TorchDDPTarget):
         # So ZeRO broadcasts one parameter at a time, and this target does not promise flattened
         # broadcasts.
         return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_cls,
-                                       parameters_as_bucket_view=self.parameters_as_bucket_view,
+                                       parameters_as_bucket_view=self.bucket_view,
                                        **kwargs)
 
 
@@ -204,6 +237,12 @@ class TorchFSDPTarget(Target):
     cpu_offload: bool = False
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    #: your ``fully_shard`` keyword arguments (a dict, or the path of a JSON file holding one):
+    #: ``reshard_after_forward``, ``mp_policy`` and ``offload_policy`` as dicts of their keyword
+    #: arguments (``MixedPrecisionPolicy``'s ``output_dtype``, ``CPUOffloadPolicy``'s
+    #: ``pin_memory``), ``shard_placement_fn``; the scenario's and the harness's refused
+    #: (``ddpcheck.targets.fsdp.FSDP_SCENARIO_KEYS``, ``FSDP_HARNESS_KEYS``)
+    config: Any = None
     applies_param_dtype = True
 
     # Declined, and what supports() declines besides: see ddpcheck.targets.fsdp (found by trying).
@@ -214,9 +253,19 @@ class TorchFSDPTarget(Target):
     supported_features = frozenset(FEATURES) - {"non-contiguous", "unused-on-some-ranks",
                                                 "checkpoint", "rank-orders"}
 
+    def __post_init__(self) -> None:
+        given = fsdp_config(self.config)  # no FSDP import without a config (the ready-made)
+        for key, field, unset in (("reshard_after_forward", "reshard_after_forward", None),
+                                  ("offload_policy", "cpu_offload", False)):
+            if key in given and getattr(self, field) != unset:
+                raise InvalidArgument(f"TorchFSDPTarget({field}={getattr(self, field)!r}) and "
+                                      f"the config's {key!r} both set it: give one")
+        object.__setattr__(self, "_given", given)  # derived, not a field: config rebuilds it
+
     def configure(self, scenario: Any) -> TorchFSDPTarget:
         change: dict[str, Any] = {}
-        if self.reshard_after_forward is None:
+        given = vars(self)["_given"]
+        if self.reshard_after_forward is None and "reshard_after_forward" not in given:
             change["reshard_after_forward"] = bool(scenario.seed % 2)
         policy = getattr(scenario, "param_dtype", None)
         if policy is not None and self.param_dtype is None:
@@ -229,7 +278,9 @@ class TorchFSDPTarget(Target):
         return fsdp_cannot_run(scenario)
 
     def wrap(self, module: Any) -> Any:
-        if self.cpu_offload and next(module.parameters()).device.type == "cpu":
+        given = vars(self)["_given"]
+        if ((self.cpu_offload or given.get("offload_policy") is not None)
+                and next(module.parameters()).device.type == "cpu"):
             # every rank decides alike, before any collective: a decline, not a rank failure
             raise NothingChecked(
                 "cpu_offload: FSDP2's CPUOffloadPolicy keeps parameters on the CPU and copies "
@@ -237,12 +288,32 @@ class TorchFSDPTarget(Target):
                 "'Cannot access accelerator device when none is available' (run it with "
                 "--device cuda)")
         broadcast_from(module, 0)
+        if given:
+            return shard_leaves(module, given.get("reshard_after_forward",
+                                                  self.reshard_after_forward),
+                                **config_options(given, self.param_dtype, self.reduce_dtype))
         return shard_leaves(module, self.reshard_after_forward, **fully_shard_options(
             cpu_offload=self.cpu_offload, param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype))
 
     def no_sync(self, model: Any) -> AbstractContextManager[Any]:
         return gradient_sync_off(model)
+
+
+#: ``ZeroRedundancyOptimizer``'s own keywords (torch 2.13), besides the optimizer's defaults.
+_ZERO_OPTIONS = ("params", "optimizer_class", "process_group", "parameters_as_bucket_view",
+                 "overlap_with_ddp")
+#: ``ZeroRedundancyOptimizer`` keywords the scenario sets: refused whatever their value.
+ZERO_SCENARIO_KEYS: dict[str, str] = {
+    "params": "model and param_groups: ZeRO shards the model's parameters",
+    "optimizer_class": "optimizer",
+}
+#: ``ZeroRedundancyOptimizer`` keywords ddpcheck's harness fixes: key -> (accepted, why).
+ZERO_HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "process_group": ((None,), "ddpcheck's world: ZeRO shards over it"),
+    "overlap_with_ddp": ((False,), "not tried with this target: it needs a functional optimizer "
+                                   "and ZeRO's DDP communication hook registered on the model"),
+}
 
 
 def _numpy_available() -> bool:
