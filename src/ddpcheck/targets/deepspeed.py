@@ -388,8 +388,10 @@ def _check_parses(config: dict[str, Any]) -> None:
     try:
         DeepSpeedConfig(dict(config))
     except (ValueError, TypeError, KeyError, AssertionError) as exc:
+        lines = [line.strip() for line in str(exc).splitlines()
+                 if line.strip() and not line.strip().startswith("For further information")]
         raise InvalidArgument(f"DeepSpeed rejects the config as ddpcheck completed it: "
-                              f"{type(exc).__name__}: {exc}") from None
+                              f"{type(exc).__name__}: {'; '.join(lines)}") from None
 
 
 def cast_inputs(module: Any, dtype: torch.dtype) -> None:
