@@ -238,9 +238,9 @@ class TorchFSDPTarget(Target):
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     #: your ``fully_shard`` keyword arguments (a dict, or the path of a JSON file holding one):
-    #: ``reshard_after_forward``, ``mp_policy`` and ``offload_policy`` as dicts of their keyword
-    #: arguments (``MixedPrecisionPolicy``'s ``output_dtype``, ``CPUOffloadPolicy``'s
-    #: ``pin_memory``), ``shard_placement_fn``; the scenario's and the harness's refused
+    #: ``reshard_after_forward``, ``shard_placement_fn``, ``offload_policy`` as a dict of
+    #: ``CPUOffloadPolicy``'s keyword arguments; ``mp_policy``'s fields are the scenario's
+    #: (``param_dtype``) or the harness's, refused like every such key
     #: (``ddpcheck.targets.fsdp.FSDP_SCENARIO_KEYS``, ``FSDP_HARNESS_KEYS``)
     config: Any = None
     applies_param_dtype = True
