@@ -469,9 +469,9 @@ _DEEPSPEED = {
     "clipping": "gradient_clipping clips inside engine.step(), after gradients are recorded",
     "unused-everywhere": "ZeRO's flat partitions give an unused parameter a zero gradient and "
                          "step it (torch leaves it untouched)",
-    "unused-on-some-ranks": "the ranks' gradient all-reduces stop pairing (buckets of different "
-                            "sizes), though ignore_unused_parameters is documented to ignore "
-                            "them",
+    "unused-on-some-ranks": "DeepSpeed's bug (bench/deepspeed_unused_parameter.py): each rank "
+                            "all-reduces only the gradients it produced and gloo aborts, though "
+                            "ignore_unused_parameters is documented to ignore them",
     "non-contiguous": "deepspeed.initialize raises broadcasting a non-contiguous parameter "
                       "('self.stride(-1) must be 1 to view Float as Byte')",
     "param-groups": "safe_get_full_optimizer_state raises 'exp_avg not found in optimizer "

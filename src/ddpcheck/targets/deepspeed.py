@@ -1,4 +1,11 @@
-"""The ``deepspeed_zero1`` / ``deepspeed_zero2`` targets: DeepSpeed's engine with ZeRO stage 1 or 2.
+"""The ``deepspeed``, ``deepspeed_zero1`` and ``deepspeed_zero2`` targets: DeepSpeed's engine with
+ZeRO stage 1 or 2 -- ``deepspeed`` at the stage of your config (2 where it names none), the others
+at theirs -- and your own DeepSpeed config::
+
+    from ddpcheck.targets import DeepSpeedTarget
+    target = DeepSpeedTarget(config="ds_config.json")  # or the dict deepspeed.initialize takes
+    # command line: ddpcheck check deepspeed --config ds_config.json --dtypes float32
+    # or: ddpcheck check 'ddpcheck.targets.deepspeed:DeepSpeedTarget(config="ds_config.json")'
 
 Runs on CPU worlds: DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``) falls back to gloo when
 oneCCL's bindings are absent, and ``deepspeed.initialize(..., dist_init_required=False)`` finds the
@@ -20,14 +27,39 @@ CPU comm backend loads (minutes the first time), once per rank process, outside 
 deadline, after removing a lock a killed build left (``extensions``). Supports DeepSpeed 0.19.0
 and later (``requires``; 0.19.0 and 0.19.8 tried); the glue adapts to what 0.19.0 lacks.
 
+**Who sets what** (:data:`SCENARIO_KEYS`, :data:`HARNESS_KEYS`; docs/frameworks.md, "Your own
+configuration"): the scenario owns the batch (``train_batch_size``,
+``train_micro_batch_size_per_gpu``), ``gradient_accumulation_steps``, ``gradient_clipping``,
+``optimizer``, ``scheduler`` and the precision (``bf16.enabled``, ``fp16``, ``torch_autocast``,
+``data_types.param_dtype``): refused whatever their value. The harness fixes
+``zero_allow_untested_optimizer`` (true: the scenario's optimizer is the client optimizer),
+``communication_data_type`` and ``data_types.grad_accum_dtype`` ("fp32" or absent: ddpcheck promises
+float32 reductions), ``bf16.bf16_master_weights_and_grads`` and ``bf16_optimizer_states`` (false),
+no ZeRO-Offload, and ``zero_optimization.stage`` (1 or 2, the target's). Every other key reaches
+the engine as given (``contiguous_gradients``, ``overlap_comm``, ``reduce_bucket_size``,
+``allgather_bucket_size``, ``reduce_scatter``, ``round_robin_gradients``, ``prescale_gradients``,
+...); a config DeepSpeed's own parser rejects is exit 2 as well, from the ranks.
+
+**bf16** is the scenario's ``param_dtype=torch.bfloat16`` policy: float32 master weights, forward
+and backward on bfloat16 copies. ``configure`` enables ``bf16`` for such a scenario, casting the
+inputs of every module holding parameters (bf16 mode casts none), and the harness reads the float32
+masters (``safe_get_full_fp32_param``) as the parameters. DeepSpeed's own default under bf16 is to
+reduce (``DeepSpeedEngine.communication_data_type``) and accumulate (``get_data_types``) gradients
+in bfloat16, which the policy does not promise: the target applies the policy
+(``applies_param_dtype``) only where the config sets ``communication_data_type`` and
+``data_types.grad_accum_dtype`` to "fp32", and declines it otherwise, naming both keys
+(:func:`precision_decline`). float16 is declined (fp16 mode's loss scaler skips steps).
+
 Declined, with DeepSpeed's documented behaviour where it applies: float64 (ZeRO steps float32
 master copies of the parameters), clipping (``gradient_clipping`` clips inside ``engine.step()``,
 after the point where gradients are recorded -- and its default is 1.0, so the target sets 0.0),
 parameters no rank uses (ZeRO's flat partitions give them a zero gradient and step them),
-parameters some ranks do not use (the ranks' gradient all-reduces stop pairing: ranks issue
-buckets of different sizes, though ``ignore_unused_parameters`` is documented as "unused
-parameters are ignored and training continues"), non-contiguous parameters (``initialize``
-raises broadcasting them: "self.stride(-1) must be 1 to view Float as Byte"), several param
+parameters some ranks do not use (DeepSpeed's bug, confirmed without ddpcheck by
+``bench/deepspeed_unused_parameter.py``: each rank all-reduces only the gradients it produced, 58
+elements against 49 in ``reduce_ipg_grads``, and gloo aborts, though ``ignore_unused_parameters``
+is documented as "unused parameters are ignored and training continues"), non-contiguous
+parameters (``initialize`` raises broadcasting them: "self.stride(-1) must be 1 to view Float as
+Byte"), several param
 groups (``safe_get_full_optimizer_state`` raises "exp_avg not found in optimizer state
 fragment" for a parameter of the second group, ZeRO-1 at W=2: its state cannot be read per
 parameter), buffers (the engine broadcasts parameters only: ``_broadcast_model`` walks
