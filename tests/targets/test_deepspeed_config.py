@@ -59,6 +59,16 @@ def test_the_config_reaches_the_engine_inside_the_rank(tmp_path):
         (False, "torch.float32")}
 
 
+def test_a_frozen_parameter_under_bf16_is_its_bfloat16_copy_widened():
+    # no optimizer holds it, so it has no float32 master: found by a random example (the harness
+    # read None for its parameter); the shrunk counterexample, now equivalent
+    frozen = Scenario(ddpcheck.models.ModelSpec(layers=(ddpcheck.models.Layer(frozen=True),),
+                                                width=2),
+                      data=ddpcheck.models.SpecData(width=2), global_batch=1, steps=1,
+                      dtype="float32", param_dtype=torch.bfloat16)
+    ddpcheck.check_example(DeepSpeedTarget(config=BF16), frozen, 2)
+
+
 def test_a_check_with_the_config_passes_on_random_examples(tmp_path, capsys):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(BF16))

@@ -297,7 +297,9 @@ class DeepSpeedTarget(FrameworkTarget):
             return super().full_tensor(tensor)
         from deepspeed.utils import safe_get_full_fp32_param
 
-        return safe_get_full_fp32_param(param)
+        master = safe_get_full_fp32_param(param)
+        # a frozen parameter has no master (no optimizer holds it): its bfloat16 copy, widened
+        return tensor.float() if master is None else master
 
     def make_scheduler(self, optimizer: Any, gamma: float) -> Any:
         return _Schedule(optimizer.engine)
