@@ -138,6 +138,10 @@ class TorchZeroTarget(TorchDDPTarget):
     """torch DDP with ``ZeroRedundancyOptimizer``, built in the order torch's ZeRO documentation
     shows (DDP first, ZeRO over ``ddp.parameters()``).
 
+    ``config``: your ``ZeroRedundancyOptimizer`` keyword arguments, a dict or a JSON file
+    (``TorchZeroTarget(config={"parameters_as_bucket_view": True})``; docs/frameworks.md, "Your
+    own configuration").
+
     ``parameters_as_bucket_view``: ZeRO's option of that name (``torch_zero_bucket_view``). With
     it, torch 2.13 computes wrong gradients for a parameter whose strides change after DDP
     wrapped it -- a non-contiguous or ``channels_last`` weight -- and this target fails, as it
@@ -214,6 +218,10 @@ class TorchZeroTarget(TorchDDPTarget):
 @dataclasses.dataclass(frozen=True)
 class TorchFSDPTarget(Target):
     """torch's FSDP2 with the plain optimizer over the sharded (DTensor) parameters.
+
+    ``config``: your ``fully_shard`` keyword arguments, a dict or a JSON file
+    (``TorchFSDPTarget(config={"reshard_after_forward": False})``; docs/frameworks.md, "Your own
+    configuration"); the scenario's and the harness's keys refused (``ddpcheck.targets.fsdp``).
 
     ``reshard_after_forward``: FSDP2's option of that name; None (the default) takes it from the
     scenario's seed -- True for odd seeds, False for even ones -- so random examples exercise
@@ -409,7 +417,8 @@ READY_MADE: tuple[ReadyMade, ...] = (
               "torch DistributedDataParallel(find_unused_parameters=True)",
               {"rank-orders": _TORCH_DDP_ORDER, **_NO_PARAM_DTYPE}),
     ReadyMade("torch_zero", TORCH_ZERO, "torch", "torch",
-              "torch DDP + ZeroRedundancyOptimizer", {
+              "torch DDP + ZeroRedundancyOptimizer; TorchZeroTarget(config={its keyword "
+              "arguments} or 'zero.json')", {
                   "rank-orders": _TORCH_DDP_ORDER,
                   "mixed-dtypes": "ZeroRedundancyOptimizer rejects parameters of several dtypes",
                   **_NO_PARAM_DTYPE},
@@ -422,7 +431,8 @@ READY_MADE: tuple[ReadyMade, ...] = (
                   **_NO_PARAM_DTYPE}),
     ReadyMade("torch_fsdp", TORCH_FSDP, "torch", "torch",
               "torch FSDP2 (fully_shard per layer); TorchFSDPTarget(reshard_after_forward=int|"
-              "False, cpu_offload=True) for its options (cpu_offload needs --device cuda)", {
+              "False, cpu_offload=True) for its options (cpu_offload needs --device cuda), "
+              "TorchFSDPTarget(config={fully_shard keyword arguments} or 'fsdp.json')", {
                   "non-contiguous": "fully_shard raises on non-contiguous parameters",
                   "unused-on-some-ranks": "FSDP2 all-gathers a layer in its forward: a layer "
                                           "some ranks skip leaves the collectives unpaired",
