@@ -7,7 +7,7 @@ them alike), the medians of:
   harness without persistent worlds pays per example (in this process, torch already imported);
   the issue's baseline;
 - fork-per-example: the same with the ranks forked from ddpcheck's fork server, which imported
-  torch once (``_internal.world.forking``; how ddpcheck starts its worlds now): a harness
+  torch once (``_world.forking``; how ddpcheck starts its worlds now): a harness
   without persistent worlds could do that too, so the ratio against it is printed as well;
 - first verdict: `ddpcheck check --world-sizes W --examples 1 --seed S` as a whole process
   (interpreter, imports, world start-up, the built-in battery, one random example);
@@ -33,8 +33,8 @@ import time
 
 import ddpcheck
 from ddpcheck import targets
-from ddpcheck._internal.runs.example import check_example
-from ddpcheck._internal.world.worlds import World, shutdown_worlds
+from ddpcheck._runs.example import check_example
+from ddpcheck._world.worlds import World, shutdown_worlds
 from ddpcheck.battery import BATTERY
 
 
@@ -43,7 +43,7 @@ def _fresh_world_example(world_size: int, start_method: str) -> float:
     started = time.perf_counter()
     world = World(world_size, start_method=start_method).start()
     try:
-        from ddpcheck._internal.rank.runner import run_example_packed
+        from ddpcheck._rank.runner import run_example_packed
 
         _, scenario = BATTERY[0]
         world.run(run_example_packed, targets.PARALLEL, scenario)
@@ -55,7 +55,7 @@ def _fresh_world_example(world_size: int, start_method: str) -> float:
 def _drawn(world_size: int, examples: int, seed: int) -> list:
     """The scenarios ``fuzz(PARALLEL)`` runs at ``world_size`` with ``seed``: captured while it
     runs them, so Hypothesis draws exactly what it draws for ``ddpcheck check``."""
-    from ddpcheck._internal.runs import fuzz as fuzzing
+    from ddpcheck._runs import fuzz as fuzzing
 
     drawn, run = [], fuzzing.one_behind_the_other
 
@@ -75,9 +75,9 @@ def _drawn(world_size: int, examples: int, seed: int) -> list:
 def _ranks_alone(world_size: int, scenarios: list) -> float:
     """Seconds per example for the ranks alone to run ``scenarios`` back to back (a resumed one
     in both its worlds), nothing judged in between."""
-    from ddpcheck._internal.rank.runner import run_example_packed
-    from ddpcheck._internal.runs.example import run_in_two_worlds
-    from ddpcheck._internal.world.worlds import get_world
+    from ddpcheck._rank.runner import run_example_packed
+    from ddpcheck._runs.example import run_in_two_worlds
+    from ddpcheck._world.worlds import get_world
 
     started = time.perf_counter()
     for scenario in scenarios:

@@ -115,7 +115,7 @@ def test_a_ctrl_c_while_the_arguments_are_parsed_exits_130():
 def test_a_second_ctrl_c_while_the_worlds_stop_changes_nothing():
     """The first stops the command; a second, while its worlds are being stopped, neither cuts
     that short nor turns the exit into a traceback."""
-    out = _command("from ddpcheck._internal.world import worlds\n"
+    out = _command("from ddpcheck._world import worlds\n"
                    "def interrupted(args):\n"
                    "    raise KeyboardInterrupt\n"
                    "cli._COMMANDS['targets'] = interrupted\n"
@@ -145,7 +145,7 @@ def test_a_ctrl_c_that_was_lost_is_raised_again():
     """Python loses a KeyboardInterrupt raised in a gc or weakref callback, and code catching
     everything swallows it: the command raises it again (``interrupts.AGAIN_AFTER``) rather
     than run on to its end."""
-    from ddpcheck._internal.world.interrupts import AGAIN_AFTER
+    from ddpcheck._world.interrupts import AGAIN_AFTER
 
     started = time.monotonic()
     out = _command(LOSES_IT.format(then="    import time\n    time.sleep(600)\n    return 0"))

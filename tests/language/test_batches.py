@@ -15,8 +15,8 @@ import torch
 
 import parallel
 from ddpcheck import Scenario, check_example, zoo
-from ddpcheck._internal.oracle.sample_weights import check_sample_weights
-from ddpcheck._internal.rank.runner import target_loop
+from ddpcheck._oracle.sample_weights import check_sample_weights
+from ddpcheck._rank.runner import target_loop
 from ddpcheck.batches import BatchPlan, DistributedSamplerBatches, GlobalBatch, contiguous, split
 from ddpcheck.errors import EquivalenceError, InvalidArgument
 from ddpcheck.scenario import local_micro_batches, loss_scale

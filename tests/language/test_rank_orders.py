@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 import ddpcheck
 from ddpcheck import check_example, features, targets, zoo
 from ddpcheck import strategies as dst
-from ddpcheck._internal.oracle.reference import reference_run
-from ddpcheck._internal.rank.orders import permute_registration
-from ddpcheck._internal.rank.runner import run_example
-from ddpcheck._internal.world.worlds import get_world
+from ddpcheck._oracle.reference import reference_run
+from ddpcheck._rank.orders import permute_registration
+from ddpcheck._rank.runner import run_example
+from ddpcheck._world.worlds import get_world
 from ddpcheck.battery import BATTERY
 from ddpcheck.models import KINDS, Layer, ModelSpec, SpecData
 from ddpcheck.mutation.catalogue import by_name

@@ -15,8 +15,8 @@ from hypothesis.errors import NoSuchExample
 import ddpcheck
 from ddpcheck import check_example, targets
 from ddpcheck import strategies as dst
-from ddpcheck._internal.objective import check_output
-from ddpcheck._internal.runs.replay import from_repr
+from ddpcheck._language.objective import check_output
+from ddpcheck._runs.replay import from_repr
 from ddpcheck.features import declines
 from ddpcheck.models import Layer, ModelSpec
 from ddpcheck.scenario import build_model

@@ -22,14 +22,14 @@ import torch.distributed as dist
 
 import ddpcheck
 from ddpcheck import check_example, targets
-from ddpcheck._internal import devices
-from ddpcheck._internal.devices import backend_for, check_fits
-from ddpcheck._internal.rank.runner import run_example_packed
-from ddpcheck._internal.rank.transport import unpack
-from ddpcheck._internal.runs.fuzz import fuzz
-from ddpcheck._internal.runs.replay import replay_command
-from ddpcheck._internal.world import worlds as world_module
-from ddpcheck._internal.world.worlds import World, get_world
+from ddpcheck._base import devices
+from ddpcheck._base.devices import backend_for, check_fits
+from ddpcheck._rank.runner import run_example_packed
+from ddpcheck._rank.transport import unpack
+from ddpcheck._runs.fuzz import fuzz
+from ddpcheck._runs.replay import replay_command
+from ddpcheck._world import worlds as world_module
+from ddpcheck._world.worlds import World, get_world
 from ddpcheck.scenario import Scenario
 from tests.patience import patience
 
@@ -132,7 +132,7 @@ def test_worlds_are_kept_per_device(monkeypatch):
 
 def test_torchrun_joins_over_gloo_for_cpu_tensors_when_gpus_are_visible(eight_visible_gpus,
                                                                        monkeypatch):
-    from ddpcheck._internal.runs import torchrun
+    from ddpcheck._runs import torchrun
 
     joined = []
     monkeypatch.setattr(devices, "_rank_device", None)  # restored: this process is no rank

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpcheck._internal.world.worlds import TaskLost, World, WorldFailure, _empty
+from ddpcheck._world.worlds import TaskLost, World, WorldFailure, _empty
 from tests.patience import patience
 
 

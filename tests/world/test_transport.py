@@ -8,9 +8,9 @@ import pickle
 import pytest
 import torch
 
-from ddpcheck._internal.oracle.compare import bitwise_equal
-from ddpcheck._internal.rank.transport import pack, unpack
-from ddpcheck._internal.records import StepRecord
+from ddpcheck._language.records import StepRecord
+from ddpcheck._oracle.compare import bitwise_equal
+from ddpcheck._rank.transport import pack, unpack
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16,

@@ -42,8 +42,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from ddpcheck.errors import InvalidArgument
-from ddpcheck.features import FEATURES
+from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._language.features import FEATURES
 from ddpcheck.mutation import broken_batches as S
 from ddpcheck.mutation import broken_checkpoint as K
 from ddpcheck.mutation import broken_ddp as D

@@ -23,20 +23,20 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ddpcheck._internal.messages import scenario_line as brief
-from ddpcheck._internal.options import (
+from ddpcheck._base.errors import EquivalenceError
+from ddpcheck._base.options import (
     DEFAULT_DEADLINE,
     DEFAULT_WORLD_SIZES,
     STARTUP_DEADLINE,
     check_positive_number,
     check_world_sizes,
 )
-from ddpcheck._internal.runs.example import check_example, prepare_reference
-from ddpcheck._internal.runs.fuzz import fuzz
-from ddpcheck._internal.world.worlds import get_world
-from ddpcheck.battery import BATTERY
-from ddpcheck.errors import EquivalenceError
-from ddpcheck.features import declines
+from ddpcheck._language.battery import BATTERY
+from ddpcheck._language.features import declines
+from ddpcheck._language.messages import scenario_line as brief
+from ddpcheck._runs.example import check_example, prepare_reference
+from ddpcheck._runs.fuzz import fuzz
+from ddpcheck._world.worlds import get_world
 
 __all__ = ["Counterexample", "Outcome", "Search", "battery_search", "brief", "shrinking_search",
            "warm_up"]
@@ -98,7 +98,7 @@ def warm_up(world_sizes: Iterable[int], modules: Iterable[str] = ()) -> None:
         _reference(name, scenario)
     for w in world_sizes:
         # a fresh world's first example would otherwise pay for importing the harness
-        get_world(w).run(_import, ("ddpcheck._internal.rank.runner", *modules),
+        get_world(w).run(_import, ("ddpcheck._rank.runner", *modules),
                          deadline=STARTUP_DEADLINE, what="warm-up")
 
 

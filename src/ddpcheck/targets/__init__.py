@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpcheck.errors import NothingChecked
-from ddpcheck.features import FEATURES
+from ddpcheck._base.errors import NothingChecked
+from ddpcheck._language.features import FEATURES
 from ddpcheck.targets.accelerate import AccelerateTarget
 from ddpcheck.targets.deepspeed import DeepSpeedTarget
 from ddpcheck.targets.environment import installed_version

@@ -50,8 +50,8 @@ from typing import Any
 
 import torch
 
-from ddpcheck._internal.devices import this_rank
-from ddpcheck.features import FEATURES
+from ddpcheck._base.devices import this_rank
+from ddpcheck._language.features import FEATURES
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.extensions import build_directory, remove_stale_lock
 from ddpcheck.targets.framework import FrameworkTarget

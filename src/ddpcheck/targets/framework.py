@@ -30,7 +30,7 @@ import os
 import traceback
 from typing import Any
 
-from ddpcheck.errors import DdpcheckError, InternalError, SetupError
+from ddpcheck._base.errors import DdpcheckError, InternalError, SetupError
 from ddpcheck.targets.protocol import Target
 
 __all__ = ["FrameworkTarget", "check_requirements", "install_command", "raised_in_glue"]

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from ddpcheck.scenario import build_model, local_micro_batches
+from ddpcheck._language.scenario import build_model, local_micro_batches
 
 __all__ = ["broadcast_from", "fsdp_cannot_run", "fully_shard_options", "gradient_sync_off",
            "shard_leaves"]

@@ -34,7 +34,7 @@ and, once per rank process before its first example of the target's class,
 
 A target that owns the whole loop (Lightning's ``Trainer.fit``) defines ``fit(module, run)``
 instead: it trains on ``run.batches`` and calls ``run.started(...)`` once model and optimizer are
-built and ``run.record(...)`` after every optimizer step (``ddpcheck._internal.training.FitRun``).
+built and ``run.record(...)`` after every optimizer step (``ddpcheck._language.training.FitRun``).
 Hooks and frameworks: ``docs/frameworks.md``.
 
 In scenarios with ``checkpoint_after`` the run stops after that step with
@@ -45,7 +45,7 @@ rank 0's answer) and a fresh run -- at ``resume_world_size`` -- builds everythin
 and reads ``target.optimizer_state(optimizer)`` to check that optimizer state matches the
 reference and -- when ``shards_optimizer_state`` is true -- that each parameter's state lives on
 exactly one rank. ``flattened_broadcasts`` opts into the broadcast budget
-(``ddpcheck._internal.oracle.budget``). Parameters, gradients and optimizer state a rank holds only
+(``ddpcheck._oracle.budget``). Parameters, gradients and optimizer state a rank holds only
 a shard of (FSDP2's DTensors, your own ZeRO-3) are read whole through ``target.full_tensor`` and
 their shards through ``target.local_shard`` (both DTensor-aware by default). ``make_optimizer`` gets
 the wrapped model only if its signature names a ``model`` parameter. ``shard_batch``
@@ -70,9 +70,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpcheck._internal.training import optimizer_kwargs
-from ddpcheck.batches import BatchPlan, GlobalBatch, contiguous
-from ddpcheck.errors import InvalidArgument, NothingChecked
+from ddpcheck._base.errors import InvalidArgument, NothingChecked
+from ddpcheck._language.batches import BatchPlan, GlobalBatch, contiguous
+from ddpcheck._language.training import optimizer_kwargs
 
 __all__ = ["CONSTRUCTOR_CALL", "Target", "WrapperTarget"]
 
@@ -125,7 +125,7 @@ class Target:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Target:
         # Record the constructor call: a failure's replay line rebuilds a plain-class target as
-        # ``module:Cls(args...)`` (``ddpcheck._internal.runs.replay``). Kept in the instance dict,
+        # ``module:Cls(args...)`` (``ddpcheck._runs.replay``). Kept in the instance dict,
         # so it travels with the target; unpickling calls ``__new__`` without arguments, then
         # restores it.
         if (args or kwargs) and cls.__init__ is object.__init__:
@@ -289,7 +289,7 @@ class Target:
         ``rank`` of ``torch.chunk(full, W, dim)`` (FSDP2's ``Shard(dim)``; dim None: a replicated
         copy of the whole); None when the parameter is not sharded this way. The harness checks
         the local tensor against that slice of :meth:`full_tensor`
-        (``ddpcheck._internal.oracle.shards``).
+        (``ddpcheck._oracle.shards``).
 
         Default: a DTensor on a one-dimensional mesh with a ``Shard(dim)`` or ``Replicate``
         placement; anything else is not checked."""
