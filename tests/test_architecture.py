@@ -90,7 +90,7 @@ def _place(module: str) -> str:
     """The floor of a ddpcheck module: its folder (the package's top is ``ddpcheck``)."""
     parts = module.split(".")
     path = MODULES[module]
-    folder = parts[1] if len(parts) > 2 or path.name == "__init__.py" and len(parts) == 2 \
+    folder = parts[1] if len(parts) > 2 or (path.name == "__init__.py" and len(parts) == 2) \
         else "ddpcheck"
     if folder not in MAY_IMPORT:
         raise AssertionError(f"{module}: its folder {folder} is no floor of "

@@ -16,8 +16,8 @@ Only the main thread runs Python's signal handlers; elsewhere the block changes 
 
 :func:`blocked_for_children`: SIGINT blocked in this thread while the block starts a process,
 which begins with it blocked too (a blocked signal stays pending, never lost; the process then
-ignores it and unblocks it: ``_rank.preload``, ``_rank.serve``) -- the way multiprocessing starts its
-resource tracker. Here the blocked signal stays pending until the block ends.
+ignores it and unblocks it: ``_rank.preload``, ``_rank.serve``) -- the way multiprocessing starts
+its resource tracker. Here the blocked signal stays pending until the block ends.
 
 :class:`Insistent`: a SIGINT handler that raises the ``KeyboardInterrupt`` again until someone
 took it: Python loses one raised inside a gc or weakref callback, and code catching everything
