@@ -303,7 +303,7 @@ def test_a_language_model_counterexample_has_its_one_line_summary():
 def test_a_language_models_usage_is_read_without_a_backward_and_agrees(scenario, world_size):
     """``features`` says a TinyGPT on its token data leaves no parameter without a gradient on
     any rank, with no backward; the backward per rank shard says the same."""
-    from ddpcheck.features import _usage
+    from ddpcheck._language.features import _usage
     from ddpcheck.scenario import build_model
 
     assert not features.of(scenario, world_size) & {"unused-on-some-ranks", "unused-everywhere"}

@@ -36,7 +36,7 @@ from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._base.options import named_fields
 from ddpcheck._base.scripts import MAIN_NAMES, public_module_name
 from ddpcheck._language import zoo
-from ddpcheck._language.objective import LOSSES, LOW_PRECISION, count, per_sample_loss
+from ddpcheck._language.objective import LOSSES, LOW_PRECISION, per_sample_loss
 
 __all__ = ["Scenario", "build_model", "global_batch", "local_micro_batches",
            "per_sample_loss"]
@@ -273,10 +273,3 @@ def local_micro_batches(scenario: Scenario, step: int, rank: int,
     xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
     return list(zip(torch.tensor_split(xs, scenario.accumulation),
                     torch.tensor_split(ys, scenario.accumulation)))
-
-
-def loss_scale(scenario: Scenario, world_size: int, step: int = 0) -> float:
-    """Multiplier of a rank's summed losses at ``step`` (see the module docstring)."""
-    if scenario.reduction == "sum":
-        return world_size
-    return world_size / count(scenario, global_batch(scenario, step)[1])
