@@ -123,7 +123,7 @@ def _rank_profile(steps: int) -> str:
 
 
 def step_time(repetitions: int, device: str = "cpu") -> None:
-    from ddpcheck._world.worlds import get_world
+    from ddpcheck._world.registry import get_world
 
     world = get_world(2, device=device)
     per_rank = world.run(_rank_time, repetitions, deadline=600)
@@ -145,7 +145,7 @@ def step_time(repetitions: int, device: str = "cpu") -> None:
 
 def overlap(device: str = "cpu") -> None:
     from ddpcheck._runs.trace import record_step
-    from ddpcheck._world.worlds import get_world
+    from ddpcheck._world.registry import get_world
     from ddpcheck.scenario import Scenario
     from ddpcheck.targets import PARALLEL_DDP
 
@@ -191,7 +191,7 @@ if __name__ == "__main__":
               f"(NCCL, one rank per GPU) and this machine has {gpus}")
         sys.exit(0)
     if "--profile" in args:
-        from ddpcheck._world.worlds import get_world
+        from ddpcheck._world.registry import get_world
 
         print(get_world(2, device=device).run(_rank_profile, 20, deadline=600)[0])
     else:

@@ -25,7 +25,7 @@ import torch
 from ddpcheck import targets
 from ddpcheck._runs import example
 from ddpcheck._runs.fuzz import fuzz
-from ddpcheck._world.worlds import get_world
+from ddpcheck._world.registry import get_world
 
 
 def _cpu_seconds(pid: int) -> float:

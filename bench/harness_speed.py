@@ -23,7 +23,8 @@ import torch.distributed as dist
 from ddpcheck import check_example, targets, zoo
 from ddpcheck._rank.runner import run_example
 from ddpcheck._runs.example import prepare_reference
-from ddpcheck._world.worlds import World, get_world, shutdown_worlds
+from ddpcheck._world.registry import get_world, shutdown_worlds
+from ddpcheck._world.worlds import World
 from ddpcheck.scenario import Scenario
 
 SCENARIOS = [Scenario(zoo.MLP, global_batch=8, steps=1, seed=s) for s in range(3)] + [

@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     from ddpcheck._rank.runner import run_example_packed
-    from ddpcheck._world.worlds import get_world, shutdown_worlds
+    from ddpcheck._world.registry import get_world, shutdown_worlds
 
     world = get_world(2)
     world.run(run_example_packed, MakesAGroup(), Scenario())  # warm: the target imported

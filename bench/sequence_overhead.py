@@ -23,7 +23,8 @@ from ddpcheck import check_example, targets  # noqa: E402
 from ddpcheck._rank import recorder as comm  # noqa: E402
 from ddpcheck._runs import example as api  # noqa: E402
 from ddpcheck._runs.example import prepare_reference  # noqa: E402
-from ddpcheck._world.worlds import World, get_world, shutdown_worlds  # noqa: E402
+from ddpcheck._world.registry import get_world, shutdown_worlds  # noqa: E402
+from ddpcheck._world.worlds import World  # noqa: E402
 from ddpcheck.scenario import Scenario  # noqa: E402
 
 

@@ -34,7 +34,8 @@ import time
 import ddpcheck
 from ddpcheck import targets
 from ddpcheck._runs.example import check_example
-from ddpcheck._world.worlds import World, shutdown_worlds
+from ddpcheck._world.registry import shutdown_worlds
+from ddpcheck._world.worlds import World
 from ddpcheck.battery import BATTERY
 
 
@@ -77,7 +78,7 @@ def _ranks_alone(world_size: int, scenarios: list) -> float:
     in both its worlds), nothing judged in between."""
     from ddpcheck._rank.runner import run_example_packed
     from ddpcheck._runs.example import run_in_two_worlds
-    from ddpcheck._world.worlds import get_world
+    from ddpcheck._world.registry import get_world
 
     started = time.perf_counter()
     for scenario in scenarios:

@@ -31,7 +31,7 @@ from ddpcheck import strategies as dst  # noqa: E402
 from ddpcheck import targets  # noqa: E402
 from ddpcheck._oracle.compare import reference_run, scaled_atol, tolerance  # noqa: E402
 from ddpcheck._rank.runner import run_example  # noqa: E402
-from ddpcheck._world.worlds import get_world, shutdown_worlds  # noqa: E402
+from ddpcheck._world.registry import get_world, shutdown_worlds  # noqa: E402
 from ddpcheck.features import declines  # noqa: E402
 
 TARGETS = (targets.PARALLEL, targets.TORCH_DDP)

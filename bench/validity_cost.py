@@ -25,7 +25,7 @@ from ddpcheck import check_example, targets  # noqa: E402
 from ddpcheck import strategies as dst  # noqa: E402
 from ddpcheck._oracle import judgeable as validity  # noqa: E402
 from ddpcheck._oracle.compare import reference_run  # noqa: E402
-from ddpcheck._world.worlds import get_world, shutdown_worlds  # noqa: E402
+from ddpcheck._world.registry import get_world, shutdown_worlds  # noqa: E402
 
 
 def _scenarios(n: int) -> list:

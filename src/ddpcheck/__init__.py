@@ -48,8 +48,8 @@ _LAZY = {
     "assert_equivalent": "ddpcheck.api",
     "check_example": "ddpcheck.api",
     "fuzz": "ddpcheck._runs.fuzz",
-    "get_world": "ddpcheck._world.worlds",
-    "shutdown_worlds": "ddpcheck._world.worlds",
+    "get_world": "ddpcheck._world.registry",
+    "shutdown_worlds": "ddpcheck._world.registry",
     "survey": "ddpcheck._runs.survey",
 }
 #: The public modules, imported on first use as attributes (``ddpcheck.zoo.MLP``): what a

@@ -22,7 +22,7 @@ from ddpcheck._runs import example
 from ddpcheck._runs.admission import Request, admit
 from ddpcheck._runs.example import check_example_keeping_reference, refuse_unconfirmed_hang
 from ddpcheck._world.interrupts import interruptible
-from ddpcheck._world.worlds import launch_worlds
+from ddpcheck._world.registry import launch_worlds
 from ddpcheck.targets import Target
 
 __all__ = ["Report", "assert_equivalent", "check_example"]

@@ -239,7 +239,7 @@ def _outcome(command: str, run: Callable[[], ExitCode]) -> ExitCode:
         if _CTRL_C is not None:
             _CTRL_C.taken()
         from ddpcheck._world.interrupts import held
-        from ddpcheck._world.worlds import shutdown_worlds
+        from ddpcheck._world.registry import shutdown_worlds
 
         with held(deliver=False):  # a second Ctrl-C does not cut the stop short (it is bounded)
             shutdown_worlds()
@@ -303,7 +303,7 @@ def _prepare(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, flag, None):
             _check_writable(getattr(args, flag), "-o" if flag == "output" else f"--{flag}")
     if args.command in ("check", "survey") and not torchrun:
-        from ddpcheck._world.worlds import launch_worlds
+        from ddpcheck._world.registry import launch_worlds
 
         launch_worlds(args.request.world_sizes[:1], device=args.request.device,
                       backend=args.request.backend)
@@ -513,7 +513,8 @@ def _trace(args: argparse.Namespace) -> ExitCode:
     import json
 
     from ddpcheck._runs.trace import TRACE_SCENARIO, chrome_trace, overlap, record_step
-    from ddpcheck._world.worlds import WorldFailure, get_world
+    from ddpcheck._world.registry import get_world
+    from ddpcheck._world.worlds import WorldFailure
 
     if callable(getattr(args.target, "fit", None)):
         raise UsageError(f"{args.target_spec} owns its training loop (Target.fit); ddpcheck "

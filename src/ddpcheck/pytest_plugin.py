@@ -143,9 +143,9 @@ def pytest_report_header(config: Any) -> str | None:
 def pytest_sessionfinish(session: Any, exitstatus: Any) -> None:
     """Stop this process's worlds, and hand the example count to the xdist controller."""
     examples = _examples_run()
-    world = sys.modules.get("ddpcheck._world.worlds")
-    if world is not None:
-        world.shutdown_worlds()
+    registry = sys.modules.get("ddpcheck._world.registry")
+    if registry is not None:
+        registry.shutdown_worlds()
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker
         workeroutput["ddpcheck_examples"] = examples
@@ -303,6 +303,6 @@ def ddpcheck_run(ddpcheck_options: Options) -> Callable[..., Any]:
 
 
 def get_world(world_size: int, device: str = "cpu", backend: str | None = None) -> Any:
-    from ddpcheck._world.worlds import get_world as _get_world
+    from ddpcheck._world.registry import get_world as _get_world
 
     return _get_world(world_size, device=device, backend=backend)

@@ -23,7 +23,7 @@ from ddpcheck import strategies as dst
 from ddpcheck._oracle.reference import reference_run
 from ddpcheck._rank.orders import permute_registration
 from ddpcheck._rank.runner import run_example
-from ddpcheck._world.worlds import get_world
+from ddpcheck._world.registry import get_world
 from ddpcheck.battery import BATTERY
 from ddpcheck.models import KINDS, Layer, ModelSpec, SpecData
 from ddpcheck.mutation.catalogue import by_name

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ddpcheck._rank import recorder as comm
-from ddpcheck._world.worlds import get_world
+from ddpcheck._world.registry import get_world
 from parallel import InvalidArgument, ShardedOptimizer, sharding
 from parallel.ddp import AveragedGrad
 from tests.patience import patience

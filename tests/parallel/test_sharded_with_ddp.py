@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ddpcheck._rank import recorder as comm
-from ddpcheck._world.worlds import get_world
+from ddpcheck._world.registry import get_world
 from parallel import DDP, ShardedOptimizer, sharding
 from tests.patience import patience
 

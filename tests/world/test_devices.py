@@ -29,7 +29,8 @@ from ddpcheck._rank.transport import unpack
 from ddpcheck._runs.fuzz import fuzz
 from ddpcheck._runs.replay import replay_command
 from ddpcheck._world import worlds as world_module
-from ddpcheck._world.worlds import World, get_world
+from ddpcheck._world.registry import get_world
+from ddpcheck._world.worlds import World
 from ddpcheck.scenario import Scenario
 from tests.patience import patience
 

@@ -32,7 +32,7 @@ import ddpcheck
 from ddpcheck import check_example, targets, zoo
 from ddpcheck._rank import serve as rank_module
 from ddpcheck._rank.fitness import FD_HEADROOM
-from ddpcheck._world.worlds import get_world
+from ddpcheck._world.registry import get_world
 from ddpcheck.mutation import catalogue as mutants
 from ddpcheck.scenario import Scenario
 from tests.patience import patience

@@ -1,7 +1,8 @@
 """The oracle: the comparisons of every rank against each other and the full-batch reference.
 
 The reference itself is ``ddpcheck._oracle.reference``; the communication budget (check 4)
-is ``ddpcheck._oracle.budget``.
+is ``ddpcheck._oracle.budget``; how one tensor is judged and its difference said is
+``ddpcheck._oracle.rows``.
 
 Invariant: :func:`compare` returns one of three verdicts, never a mix --
 
@@ -66,15 +67,23 @@ from ddpcheck._language.records import RankRecord, StepRecord
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._oracle.budget import check_budget, check_reduce_dtypes
 from ddpcheck._oracle.reference import Reference, reference_run
+from ddpcheck._oracle.rows import (
+    CHAOTIC,
+    NON_FINITE,
+    Largest,
+    bitwise_equal,
+    brief,
+    count_of,
+    non_finite,
+    reference_row,
+    replica_row,
+    when,
+)
 from ddpcheck._oracle.sample_weights import check_sample_weights
 from ddpcheck._oracle.shards import compare_shards
 from ddpcheck._oracle.tolerances import (
-    NOISE_FACTOR,
-    RESOLUTION,
     TOLERANCES,
     all_close,
-    close,
-    noise_verdict,
     scaled_atol,
     tolerance,
 )
@@ -86,20 +95,6 @@ __all__ = ["CHAOTIC", "CHECKS", "NON_FINITE", "TOLERANCES", "Reference", "bitwis
 
 #: The oracle's checks, each selectable on its own (one property per invariant).
 CHECKS = frozenset({"replicas", "reference", "state", "budget"})
-
-#: The kind of a divergence about NaN/inf: the target's fault when a rank holds them where the
-#: reference is finite, not the target's fault (``target_fault=False``) when the reference holds
-#: them itself.
-NON_FINITE = "non-finite values"
-
-#: The kind of a row that says the reference cannot pin an element down (``target_fault=False``):
-#: its own rounding spread there is as large as the bugs ddpcheck promises to catch
-#: (``tolerances.noise_verdict``), so nothing from that step on is judged.
-CHAOTIC = "reference chaotic"
-
-#: What ``Reference.noise`` varies, as the details say it.
-_VARIANTS = ("over other summation orders, losses scaled by W and divided back, and "
-             "rounding-level perturbations of the gradients")
 
 
 def validate_checks(checks: Any) -> frozenset:
@@ -212,51 +207,12 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
     return out
 
 
-def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same shape, same dtype and the same bits in every element: NaN payloads and the sign of
-    zero included (``torch.equal`` calls NaN unequal to itself and -0.0 equal to 0.0)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return torch.equal(_bits(a), _bits(b))
-
-
-_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s raw bits as integers of the same width (complex: per real and imaginary part);
-    integer and bool tensors as they are."""
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    if t.is_floating_point():
-        same_width = _INT_OF_WIDTH.get(t.element_size())
-        if same_width is not None:
-            return t.view(same_width)
-    return t
-
-
-def _non_finite(t: Any) -> torch.Tensor | None:
-    """The mask of ``t``'s NaN/inf elements, or None when it has none (or is not a float)."""
-    if not torch.is_tensor(t) or not (t.is_floating_point() or t.is_complex()):
-        return None
-    mask = ~torch.isfinite(t)
-    return mask if bool(mask.any()) else None
-
-
-def _when(step: Any) -> str:
-    return "at initialisation" if step == "init" else f"at step {step}"
-
-
-def _count(mask: torch.Tensor) -> str:
-    return f"{int(mask.sum())} of {mask.numel()} elements"
-
-
 def _reference_non_finite(reference: Reference, world_size: int) -> list[Divergence]:
     """Rows (``target_fault=False``) for the first step at which the reference holds NaN/inf
     that it did not hold from initialisation; empty when it stays finite."""
     inherent = {}  # NaN/inf the reference starts with are values, not numerical divergence
     for name, value in reference.initial.items():
-        mask = _non_finite(value)
+        mask = non_finite(value)
         if mask is not None:
             inherent[name] = mask
     for step, ref in enumerate(reference.steps):
@@ -271,7 +227,7 @@ def _reference_non_finite(reference: Reference, world_size: int) -> list[Diverge
                     for name, state in ref.state.items() for key, value in state.items()]
         rows = []
         for what, label, value, before in tensors:
-            mask = _non_finite(value)
+            mask = non_finite(value)
             if mask is not None and before is not None and before.shape == mask.shape:
                 mask = mask & ~before
                 if not bool(mask.any()):
@@ -279,95 +235,13 @@ def _reference_non_finite(reference: Reference, world_size: int) -> list[Diverge
             if mask is not None:
                 rows.append(Divergence(
                     step, world_size, None, label, NON_FINITE, target_fault=False,
-                    detail=f"the reference itself produced NaN/inf {_when(step)} in {what} "
-                           f"({_count(mask)}): the scenario diverges numerically, so no rank can "
+                    detail=f"the reference itself produced NaN/inf {when(step)} in {what} "
+                           f"({count_of(mask)}): the scenario diverges numerically, so no rank can "
                            "be judged from this step on (not the target's fault); lower the "
                            "learning rate or the number of steps"))
         if rows:
             return rows
     return []
-
-
-def _against_reference(step: Any, world_size: int, rank: int, name: str, what: str, kind: str,
-                       got: Any, ref: Any, rtol: float, atol: float,
-                       label: str | None = None, noise: Any = None) -> Divergence | None:
-    """One rank's tensor against the reference's: None when it matches within tolerance, or
-    within the reference's own rounding spread there (``noise()``: ``(spread, scale)``, asked
-    only when the tolerance alone is exceeded -- the spread a tensor or None, ``Reference.noise``;
-    the scale the largest magnitude of the reference's tensors of this kind at this step, what
-    ``tolerances.noise_verdict`` measures a bug against).
-
-    ``what`` names the tensor in details; ``label`` in a :data:`NON_FINITE` row's name column
-    (default ``name``: a gradient's is ``NAME.grad``, since the kind does not say)."""
-    if not torch.is_tensor(ref) or not torch.is_tensor(got) or got.shape != ref.shape:
-        return Divergence(step, world_size, rank, name, kind,
-                          detail=f"{_brief(got)} on rank {rank}, {_brief(ref)} in the reference")
-    mask = _non_finite(got)
-    if mask is not None:
-        mask = mask & torch.isfinite(ref)
-        if bool(mask.any()):
-            return Divergence(step, world_size, rank, label or name, NON_FINITE,
-                              detail=f"rank {rank} has NaN/inf in {what} {_when(step)} where the "
-                                     f"reference is finite ({_count(mask)})")
-    if close(got, ref, rtol, atol):
-        return None
-    if got.dtype != ref.dtype:
-        return Divergence(step, world_size, rank, name, kind,
-                          detail=f"{_brief(got)} on rank {rank}, {_brief(ref)} in the reference")
-    spread, scale = noise() if noise is not None else (None, 0.0)
-    if spread is not None and spread.shape == ref.shape:
-        verdict, where = noise_verdict(got, ref, rtol, atol, spread, scale)
-        if verdict == "close":
-            return None
-        if verdict == "chaotic":
-            return _chaotic_row(step, world_size, rank, label or name, what, got, ref, rtol,
-                                atol, spread, where, scale)
-    else:
-        spread, where = None, None
-    row = Divergence.of(step, world_size, rank, name, kind, got, ref, ("rank", rank),
-                        ("reference", None), rtol, scaled_atol(ref, rtol, atol))
-    if spread is not None:
-        row = dataclasses.replace(row, detail=f"{row.detail}\n(the reference's own rounding "
-                                              f"{_VARIANTS} is at most "
-                                              f"{float(spread[where].max()):.3g} where it differs; "
-                                              f"the tolerance allows {NOISE_FACTOR:g}x that on "
-                                              "top)")
-    return row
-
-
-def _chaotic_row(step: Any, world_size: int, rank: int, label: str, what: str,
-                 got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float,
-                 spread: torch.Tensor, where: torch.Tensor, scale: float) -> Divergence:
-    """The row (not the target's fault) for elements the reference cannot pin down."""
-    diff = (got.double() - ref.double()).abs()[where]
-    allowed = scaled_atol(ref, rtol, atol) + rtol * ref.double().abs()[where]
-    return Divergence(
-        step, world_size, rank, label, CHAOTIC, float(diff.max()), None, target_fault=False,
-        detail=f"the reference's own rounding ({_VARIANTS}) moves {what} {_when(step)} by up "
-               f"to {float(spread[where].max()):.3g} ({_count(where)}); rank {rank} differs by "
-               f"{float(diff.max()):.3g}. {NOISE_FACTOR:g}x that spread exceeds both the "
-               f"tolerance there ({float(allowed.max()):.3g}) and {RESOLUTION:g} of the largest "
-               f"value of its kind at this step ({RESOLUTION * scale:.3g}): no bug of the size "
-               "ddpcheck promises to catch could be told apart from rounding there (not the "
-               "target's fault)")
-
-
-def _replica_row(step: Any, world_size: int, rank: int, name: str, kind: str,
-                 value: torch.Tensor, other: torch.Tensor) -> Divergence:
-    """Why rank ``rank``'s ``other`` is not bitwise rank 0's ``value``."""
-    if other.shape != value.shape or other.dtype != value.dtype:
-        return Divergence(step, world_size, rank, name, kind,
-                          detail=f"{_brief(other)} on rank {rank}, {_brief(value)} on rank 0")
-    if value.is_floating_point() or value.is_complex():
-        same_number = (value == other) | (value.isnan() & other.isnan())
-        if bool(same_number.all()):
-            differ = _bits(value) != _bits(other)
-            return Divergence(step, world_size, rank, name, kind,
-                              detail=f"rank {rank} vs rank 0: equal as numbers, but "
-                                     f"{_count(differ)} differ in their bits (a NaN payload or "
-                                     "the sign of a zero); replicas must be bitwise copies")
-    return Divergence.of(step, world_size, rank, name, kind, other, value, ("rank", rank),
-                         ("rank", 0))
 
 
 def _compare_maps(step: Any, world_size: int, records: list[RankRecord], get: Any,
@@ -394,7 +268,7 @@ def _compare_maps(step: Any, world_size: int, records: list[RankRecord], get: An
                                       detail=f"None on rank {0 if value is None else rank} only"))
                 replicas_differ = True
             elif value is not None and not bitwise_equal(value, other):
-                out.append(_replica_row(step, world_size, rank, name,
+                out.append(replica_row(step, world_size, rank, name,
                                         f"replicas differ ({kind})", value, other))
                 replicas_differ = True
     # 2. against the reference, every rank; rank 0 stands for all only when check 1 ran and
@@ -406,7 +280,7 @@ def _compare_maps(step: Any, world_size: int, records: list[RankRecord], get: An
     else:
         ranks = range(world_size)
     rtol, atol = tol
-    largest = _Largest(reference.values())
+    largest = Largest(reference.values())
     for rank in ranks:
         if _all_close_map(maps[rank], reference, rtol, atol):
             continue  # the usual case, in one pass: every row below would be None
@@ -423,7 +297,7 @@ def _compare_maps(step: Any, world_size: int, records: list[RankRecord], get: An
                                       ("None in the reference" if ref is None else
                                        "a value in the reference")))
             elif got is not None:
-                row = _against_reference(step, world_size, rank, name, f"{kind} {name}",
+                row = reference_row(step, world_size, rank, name, f"{kind} {name}",
                                          f"reference differs ({kind})", got, ref, rtol, atol,
                                          f"{name}.grad" if kind == "gradient" else name,
                                          None if noise is None else
@@ -444,22 +318,6 @@ def _all_close_map(got: dict, reference: dict, rtol: float, atol: float) -> bool
         if ref is not None:
             pairs.append((value, ref))
     return all_close(pairs, rtol, atol)
-
-
-class _Largest:
-    """The largest finite magnitude among some tensors (others ignored), computed on the first
-    call: what a bug is measured against where the reference's rounding spread is wide."""
-
-    def __init__(self, values: Any):
-        self._values = values
-        self._found: float | None = None
-
-    def __call__(self) -> float:
-        if self._found is None:
-            self._found = max((float(v.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
-                               for v in self._values if torch.is_tensor(v)
-                               and v.is_floating_point() and v.numel()), default=0.0)
-        return self._found
 
 
 def _noise(reference: Reference, step: int, *fields: str) -> Any:
@@ -511,17 +369,17 @@ def _compare_state(step: int, world_size: int, records: list[RankRecord], ref: S
                     if torch.is_tensor(got) or got != ref_value:
                         out.append(Divergence(step, world_size, rank, f"{name}[{key!r}]",
                                               "optimizer state differs",
-                                              detail=f"{_brief(got)} != reference "
-                                                     f"{_brief(ref_value)}"))
+                                              detail=f"{brief(got)} != reference "
+                                                     f"{brief(ref_value)}"))
                     continue
                 if tensors_close:
                     continue
-                row = _against_reference(step, world_size, rank, f"{name}[{key!r}]",
+                row = reference_row(step, world_size, rank, f"{name}[{key!r}]",
                                          f"optimizer state {key!r} of {name}",
                                          "optimizer state differs", got, ref_value, rtol, atol,
                                          noise=None if noise is None else
                                          lambda n=f"{name}[{key!r}]", k=key: (
-                                             noise(n), _Largest(s.get(k) for s in
+                                             noise(n), Largest(s.get(k) for s in
                                                                 ref.state.values())()))
                 if row is not None:
                     out.append(row)
@@ -531,12 +389,6 @@ def _compare_state(step: int, world_size: int, records: list[RankRecord], ref: S
                               detail="a rank holds state for a parameter the reference optimizer "
                                      "never stepped (was its gradient zero-filled?)"))
     return out
-
-
-def _brief(value: Any) -> str:
-    if torch.is_tensor(value):
-        return f"tensor{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
-    return repr(value)
 
 
 def compare_schedule(step: int, world_size: int, records: list[RankRecord], ref: StepRecord,

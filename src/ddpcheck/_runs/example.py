@@ -46,7 +46,8 @@ from ddpcheck._rank.transport import unpack
 from ddpcheck._runs.replay import replay_command
 from ddpcheck._runs.warmup import warm_up
 from ddpcheck._world import sequences
-from ddpcheck._world.worlds import Pending, TaskLost, WorldFailure, get_world
+from ddpcheck._world.registry import get_world
+from ddpcheck._world.worlds import Pending, TaskLost, WorldFailure
 from ddpcheck.targets import Target
 
 __all__ = ["Launched", "admit", "check_batch_plans", "check_example",

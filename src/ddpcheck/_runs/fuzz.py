@@ -28,7 +28,7 @@ from ddpcheck._runs.admission import Request, admit
 from ddpcheck._runs.example import check_example, refuse_unconfirmed_hang
 from ddpcheck._runs.pipeline import one_behind_the_other
 from ddpcheck._world.interrupts import interruptible
-from ddpcheck._world.worlds import lending_waits, released
+from ddpcheck._world.lending import lending_waits, released
 
 __all__ = ["FuzzResult", "fuzz", "fuzz_admitted", "undrawable"]
 
@@ -291,7 +291,7 @@ class _Generation:
 
     def __init__(self, run: Callable[[Callable[[Any], None]], None],
                  drawn: Callable[[Any, _Tally, bool], Any]):
-        #: held by the caller except while it waits (``worlds.lending_waits``), taken here for
+        #: held by the caller except while it waits (``lending.lending_waits``), taken here for
         #: each draw: drawing builds models from torch's global random generator (and asks the
         #: target's ``supports``), which must not interleave with the caller's own
         self.lock = threading.Lock()

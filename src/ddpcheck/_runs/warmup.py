@@ -24,7 +24,8 @@ from typing import Any
 from ddpcheck._base.errors import SetupError
 from ddpcheck._base.options import WARM_UP_DEADLINE
 from ddpcheck._rank.runner import run_warm_up
-from ddpcheck._world.worlds import World, WorldFailure, get_world
+from ddpcheck._world.registry import get_world
+from ddpcheck._world.worlds import World, WorldFailure
 from ddpcheck.targets import Target
 
 __all__ = ["needed", "warm_up"]

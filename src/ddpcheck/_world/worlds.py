@@ -41,8 +41,6 @@ such evidence still wait for the deadline.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import math
 
 # Plain multiprocessing, not torch.multiprocessing: results travel as pickled bytes, so torch's
@@ -52,9 +50,8 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import wait as _wait_any
@@ -81,6 +78,7 @@ from ddpcheck._rank.serve import (
 from ddpcheck._world import forking, interrupts, progress
 from ddpcheck._world.failures import RankState, WorldFailure, WorldStartError
 from ddpcheck._world.janitor import Janitor
+from ddpcheck._world.lending import released
 from ddpcheck._world.processes import (
     check_main_module_importable,
     dump_stacks,
@@ -96,7 +94,7 @@ from ddpcheck._world.processes import (
 )
 
 __all__ = ["Pending", "RankState", "TaskLost", "World", "WorldFailure", "WorldStartError",
-           "get_world", "launch_worlds", "lending_waits", "released", "shutdown_worlds"]
+           ]
 
 #: Once one rank has failed, how long the others get to finish before they are presumed stuck
 #: waiting for it in a collective.
@@ -112,7 +110,7 @@ EVIDENCE_GRACE = 2.0
 _NUMPY_WARNING = "ignore:Failed to initialize NumPy"
 
 
-def _rank_warnings() -> str:
+def rank_warnings() -> str:
     """``PYTHONWARNINGS`` for ranks and the fork server: torch warns at import when numpy is
     missing; they ignore it."""
     return ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), _NUMPY_WARNING]))
@@ -202,14 +200,14 @@ class World:
         check_fits(self.device, (self.world_size,), self.backend)  # no GPU: one line, no spawn
         refuse_nested_start()
         check_main_module_importable()
-        warnings = _rank_warnings()
+        warnings = rank_warnings()
         method = self.start_method
         if method == "auto":
             method = forking.start_method(warnings)
         ctx = multiprocessing.get_context(method)
         with interrupts.held():  # a directory made is a directory known
             self._dir = tempfile.mkdtemp(prefix=f"ddpcheck-w{self.world_size}-")
-            _LIVE.add(self)  # from here on, kill() (and shutdown_worlds) cleans up
+            LIVE_WORLDS.add(self)  # from here on, kill() (and shutdown_worlds) cleans up
             self._alive = True
         self._path = set(sys.path)  # the ranks get this process's sys.path
         store_path = os.path.join(self._dir, "store")
@@ -320,7 +318,7 @@ class World:
         self._sources = {}
         self._alive = False
         self._booting = None
-        _LIVE.discard(self)
+        LIVE_WORLDS.discard(self)
 
     # -- running work ------------------------------------------------------------------------
 
@@ -601,49 +599,6 @@ class World:
                 f"device={self.device!r}, {state})")
 
 
-class _Lender(threading.local):
-    lock: Any = None
-    held = False  # this thread holds the lock now
-
-
-_lender = _Lender()
-
-
-@contextlib.contextmanager
-def lending_waits(lock: Any) -> Iterator[None]:
-    """While the block runs, this thread holds ``lock`` -- except while it waits for ranks to
-    answer, when it does nothing else: a thread whose work must not interleave with this one's
-    (torch's global random generator, the caller's own hooks) gets those waits (``_runs.fuzz``
-    draws the next example there). Also lends the waits of :func:`released`."""
-    previous = (_lender.lock, _lender.held)
-    _lender.lock, _lender.held = lock, False
-    try:
-        lock.acquire()
-        _lender.held = True
-        yield
-    finally:
-        if _lender.held:  # not when Ctrl-C came while it was taken back (released)
-            lock.release()
-        _lender.lock, _lender.held = previous
-
-
-@contextlib.contextmanager
-def released() -> Iterator[None]:
-    """Inside :func:`lending_waits`: its lock released for the block (a wait of the caller's)."""
-    lock = _lender.lock
-    if lock is None or not _lender.held:
-        yield
-        return
-    _lender.held = False
-    lock.release()
-    try:
-        yield
-    finally:
-        lock.acquire()  # a Ctrl-C here leaves it released, and lending_waits knows
-        _lender.held = True
-
-
-
 def _empty(paths: list[str]) -> None:
     """Empty the files that exist, creating none: run off the main thread while a kill removes
     the world's directory, a file created again between its emptied listing and its removal
@@ -670,6 +625,10 @@ def _empty_later(paths: list[str]) -> Future | None:
     except RuntimeError:
         _empty(paths)
         return None
+
+
+#: Every world started and not yet closed or killed (``registry.shutdown_worlds`` stops them).
+LIVE_WORLDS: set[World] = set()
 
 
 class TaskLost(Exception):
@@ -718,64 +677,3 @@ class Pending:
             self._done = True
             if not self.lost:
                 self.world.kill()
-
-
-# ---------------------------------------------------------------------------------------------
-# Registry of persistent worlds (one per world size, backend, device and start method)
-
-_WORLDS: dict[tuple, World] = {}
-_LIVE: set[World] = set()
-_LOCK = threading.Lock()
-
-
-def get_world(world_size: int, *, backend: str | None = None, device: str = "cpu",
-              start_method: str = "auto") -> World:
-    """The persistent world of this size on ``device`` ("cpu" or "cuda"), spawned on first use
-    and after a failure; a CUDA world is never handed out for CPU examples, nor the reverse."""
-    return _registered(world_size, backend, device, start_method).start()
-
-
-def launch_worlds(world_sizes: Iterable[int], *, backend: str | None = None,
-                  device: str = "cpu") -> None:
-    """Launch the persistent worlds of these sizes that are not running yet, without waiting:
-    they boot side by side, while this process goes on (``World.launch``). While ddpcheck's fork
-    server is still importing torch (``forking``), launching is starting it: a world forks its
-    ranks in milliseconds when it is first used."""
-    refuse_nested_start()  # before the fork server: a rank must not start one
-    if forking.start_method(_rank_warnings()) == "forkserver" and forking.booting():
-        return
-    for world_size in world_sizes:
-        _registered(world_size, backend, device, "auto").launch()
-
-
-def _registered(world_size: int, backend: str | None, device: str, start_method: str) -> World:
-    """The registry's world of this key, a new (unstarted) one when it has none alive."""
-    check_world_size("world_size", world_size)
-    refuse_nested_start()
-    key = (world_size, backend_for(device, backend), device, start_method)
-    with _LOCK:
-        world = _WORLDS.get(key)
-        if world is None or not world.alive:
-            world = World(world_size, backend=key[1], device=device, start_method=start_method)
-            _WORLDS[key] = world
-    return world
-
-
-def shutdown_worlds() -> None:
-    """Stop every world this process started. Runs at interpreter exit too."""
-    with _LOCK:
-        worlds = list(_LIVE)
-        _WORLDS.clear()
-    for world in worlds:
-        world.close()
-
-
-def _at_exit() -> None:
-    """Every world, then ddpcheck's fork server: a process that ends leaves nothing running --
-    a second Ctrl-C (the first one ended the caller's script) does not stop this half-way."""
-    with interrupts.held(deliver=False):
-        shutdown_worlds()
-        forking.stop()
-
-
-atexit.register(_at_exit)

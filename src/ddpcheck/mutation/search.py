@@ -36,7 +36,7 @@ from ddpcheck._language.features import declines
 from ddpcheck._language.messages import scenario_line as brief
 from ddpcheck._runs.example import check_example, prepare_reference
 from ddpcheck._runs.fuzz import fuzz
-from ddpcheck._world.worlds import get_world
+from ddpcheck._world.registry import get_world
 
 __all__ = ["Counterexample", "Outcome", "Search", "battery_search", "brief", "shrinking_search",
            "warm_up"]
