@@ -142,6 +142,15 @@ def test_the_floors_are_the_folders():
     assert folders | {"ddpcheck"} == set(MAY_IMPORT), sorted(folders ^ set(MAY_IMPORT))
 
 
+def test_the_tests_mirror_the_floors():
+    # A change and its tests sit side by side: tests/<floor> for each floor (tests/front for the
+    # doors at the top and _front), tests/parallel for parallel/, and no test folder for none.
+    expected = {f.lstrip("_") for f in MAY_IMPORT if f not in ("ddpcheck", "_front")}
+    expected |= {"front", "parallel"}
+    folders = {p.name for p in (ROOT / "tests").iterdir() if (p / "__init__.py").exists()}
+    assert folders == expected, sorted(folders ^ expected)
+
+
 def test_the_floors_stand_one_above_the_other():
     # No two floors may import each other, even through a third: the map itself has no cycle, so
     # every arrow of the drawing runs down.

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from tests.base.test_devices import subprocess_env
 from tests.patience import patience
-from tests.world.test_devices import subprocess_env
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             "2", "-m", "ddpcheck", "check"]

@@ -4,7 +4,7 @@ On a machine without GPUs the CUDA side is simulated (``torch.cuda.is_available`
 ``device_count`` -> 8): no code path may then choose NCCL for CPU tensors. What needs a real GPU
 is skipped here and runs unchanged on a GPU machine (``GPU`` marks below).
 
-Helpers defined here travel to rank processes by pickle (``tests.world.test_devices.X``).
+Helpers defined here travel to rank processes by pickle (``tests.base.test_devices.X``).
 """
 
 from __future__ import annotations
