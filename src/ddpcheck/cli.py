@@ -513,8 +513,8 @@ def _trace(args: argparse.Namespace) -> ExitCode:
     import json
 
     from ddpcheck._runs.trace import TRACE_SCENARIO, chrome_trace, overlap, record_step
+    from ddpcheck._world.failures import WorldFailure
     from ddpcheck._world.registry import get_world
-    from ddpcheck._world.worlds import WorldFailure
 
     if callable(getattr(args.target, "fit", None)):
         raise UsageError(f"{args.target_spec} owns its training loop (Target.fit); ddpcheck "

@@ -1,11 +1,11 @@
 """The world, seen from inside a rank process: join the group, then serve tasks until told to stop.
 
-Invariant: a rank answers every task with exactly one message -- ``("ok", result, files, unfit,
-notes, replace)``: the result, the user files imported (``freshness``), and what the task left
-behind (``fitness.restore``: changes to later computations, what was put right, whether the
-process must be replaced); ``("refused", exception name, message, replace)`` when ddpcheck's own
-code raised one of its outcomes (a default hook declining the example); or ``("error",
-traceback)`` -- and never runs two tasks at once; it
+Invariant: a rank answers every task with exactly one message (``answers``) -- ``Returned``:
+the result, the user files imported (``freshness``), and what the task left behind
+(``fitness.restore``: changes to later computations, what was put right, whether the process
+must be replaced); ``Refused`` when ddpcheck's own code raised one of its outcomes (a default
+hook declining the example); or ``Raised``, with the traceback -- and never runs two tasks at
+once; it
 leads its own session and process group (so the parent can kill whatever a target started in it),
 dies with its parent (``PR_SET_PDEATHSIG``), ignores Ctrl-C (the parent decides when ranks stop),
 and leaves with ``os._exit`` (see :func:`_exit`).
@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 
 from ddpcheck._base.errors import DdpcheckError
 from ddpcheck._base.options import STARTUP_DEADLINE
+from ddpcheck._rank.answers import Answer, Raised, Refused, Returned
 
 __all__ = ["NESTED_MARKER", "READY_ENV", "SEQUENCE_SLOTS", "SHUTDOWN", "WORLD_DIR_ENV", "log_of",
            "rank_main", "rank_name", "sequence_file", "serving", "world_dir_of"]
@@ -163,9 +164,9 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
         baseline = None
         sequence_slot = 0
         imports = ImportTracker()
-        _send(conn, ("ok", os.getpid(), imports.new_files()))
+        _send(conn, Returned(os.getpid(), imports.new_files()))
     except BaseException:
-        _send(conn, ("error", traceback.format_exc()))
+        _send(conn, Raised(traceback.format_exc()))
         _exit(1, log)
     _serving = True
     while True:
@@ -192,25 +193,25 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
             result = fn(*args)
             # the record goes back whatever the task left: the numbers are judged first
             fit, baseline = fitness.restore(baseline)
-            message: tuple[Any, ...] = ("ok", result, imports.new_files(), fit.unfit, fit.notes,
-                                        bool(fit.replace or fit.unfit))
+            message: Answer = Returned(result, imports.new_files(), tuple(fit.unfit),
+                                       tuple(fit.notes), bool(fit.replace or fit.unfit))
         except DdpcheckError as exc:  # ddpcheck declining the task in here: not the target's
             fit, baseline = fitness.restore(baseline)
-            message = ("refused", type(exc).__name__, str(exc), bool(fit.replace or fit.unfit))
+            message = Refused(type(exc).__name__, str(exc), bool(fit.replace or fit.unfit))
         except BaseException:  # report everything, SystemExit included, then keep serving
-            message = ("error", traceback.format_exc())
+            message = Raised(traceback.format_exc())
         _send(conn, message)
 
 
-def _send(conn: Any, message: tuple) -> None:
+def _send(conn: Any, message: Answer) -> None:
     try:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
         # ddpcheck's own transport failed (a record holding what cannot travel, a dependency
         # missing in here): an outcome of ddpcheck's, never a rank error -- which the parent
         # would read as the target's bug -- nor a lost rank
-        data = pickle.dumps(("refused", "SetupError", "ddpcheck could not send this rank's "
-                             f"result back to the checking process: {exc!r}", True))
+        data = pickle.dumps(Refused("SetupError", "ddpcheck could not send this rank's result "
+                                    f"back to the checking process: {exc!r}", replace=True))
     conn.send_bytes(data)
 
 

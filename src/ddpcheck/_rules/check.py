@@ -51,9 +51,9 @@ from ddpcheck._rules.params import (
     gpt_like,
     parameter_lists,
 )
+from ddpcheck._world.failures import WorldFailure
 from ddpcheck._world.processes import read
 from ddpcheck._world.registry import get_world
-from ddpcheck._world.worlds import WorldFailure
 
 __all__ = ["DTYPES", "KINDS", "MAX_WORLD_SIZE", "ParamSpec", "RuleReport", "SetupError",
            "Violation", "balance", "check_rule", "gpt_like", "parameter_lists"]

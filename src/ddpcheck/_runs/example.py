@@ -46,8 +46,9 @@ from ddpcheck._rank.transport import unpack
 from ddpcheck._runs.replay import replay_command
 from ddpcheck._runs.warmup import warm_up
 from ddpcheck._world import sequences
+from ddpcheck._world.failures import Failure, Status, WorldFailure
 from ddpcheck._world.registry import get_world
-from ddpcheck._world.worlds import Pending, TaskLost, WorldFailure
+from ddpcheck._world.worlds import Pending, TaskLost
 from ddpcheck.targets import Target
 
 __all__ = ["Launched", "admit", "check_batch_plans", "check_example",
@@ -238,9 +239,9 @@ def _judged(target: Any, scenario: Scenario, world_size: int,
     try:
         records, texts, worlds, reference = collected()
     except WorldFailure as failure:
-        if failure.kind == "refused":  # ddpcheck's own outcome, raised in the ranks
+        if failure.kind == Failure.REFUSED:  # ddpcheck's own outcome, raised in the ranks
             raise failure.refusal() from None
-        if failure.kind == "slow":  # still working when the wait ended: no verdict either way
+        if failure.kind == Failure.SLOW:  # still working when the wait ended: no verdict at all
             raise Inconclusive(
                 f"{failure}\n\nno verdict on this example: slowness is not a bug; raise the "
                 "deadline (--deadline, deadline=) or run where the machine is quieter") from None
@@ -382,21 +383,21 @@ def prepare_reference(scenario: Scenario) -> Any:
         raise explain_reference_failure(scenario, exc) from exc
 
 
-def _failure_rows(failure: Any) -> list[Divergence]:
-    kind = {"timeout": "rank timed out", "mismatch": "collectives mismatched"}.get(
+def _failure_rows(failure: WorldFailure) -> list[Divergence]:
+    kind = {Failure.TIMEOUT: "rank timed out", Failure.MISMATCH: "collectives mismatched"}.get(
         failure.kind, "rank failed")
     rows = []
     for state in failure.ranks:
         if state.rank in failure.guilty:
-            if failure.kind == "mismatch":
+            if failure.kind == Failure.MISMATCH:
                 detail = _at_disagreement(failure.disagreement, state.rank)
             elif state.detail.strip():
                 detail = state.detail.strip().splitlines()[-1]
             else:
-                detail = state.status
+                detail = str(state.status)
             rows.append(Divergence("-", failure.world_size, state.rank, "-", kind,
-                                   detail=detail if state.status != "stuck" or
-                                   failure.kind == "mismatch" else "stuck"))
+                                   detail=detail if state.status != Status.STUCK or
+                                   failure.kind == Failure.MISMATCH else "stuck"))
     return rows
 
 

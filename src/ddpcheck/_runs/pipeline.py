@@ -37,7 +37,8 @@ from ddpcheck._runs.example import (
     prepare_reference,
     resume,
 )
-from ddpcheck._world.worlds import TaskLost, WorldFailure
+from ddpcheck._world.failures import WorldFailure
+from ddpcheck._world.worlds import TaskLost
 
 __all__ = ["Outcome", "one_behind_the_other"]
 

@@ -44,7 +44,7 @@ from ddpcheck._rank import recorder
 from ddpcheck._rank.runner import run_example_packed, run_warm_up
 from ddpcheck._rank.transport import unpack
 from ddpcheck._runs.example import check_batch_plans, verdict
-from ddpcheck._world.failures import RankState, WorldFailure
+from ddpcheck._world.failures import Failure, RankState, Status, WorldFailure
 
 __all__ = ["check_in_world", "init_world", "local_world_size", "under_torchrun"]
 
@@ -119,14 +119,14 @@ def _judge(gathered: list, target: Any, scenario: Any, name: str, world_size: in
     a rank; ``where``: the run's device and backend, for the replay line."""
     outcomes = [outcome for outcome, _ in gathered]
     if any(kind == "refused" for kind, _ in outcomes):
-        states = [RankState(r, "refused" if kind == "refused" else "returned",
+        states = [RankState(r, Status.REFUSED if kind == "refused" else Status.RETURNED,
                             text if kind == "refused" else "")
                   for r, (kind, text) in enumerate(outcomes)]
-        return WorldFailure("refused", world_size, states, f"example {name}").refusal()
+        return WorldFailure(Failure.REFUSED, world_size, states, f"example {name}").refusal()
     if any(kind == "error" for kind, _ in outcomes):
-        states = [RankState(r, "raised", text) if kind == "error" else RankState(r, "returned")
-                  for r, (kind, text) in enumerate(outcomes)]
-        failure = WorldFailure("raised", world_size, states, f"example {name}")
+        states = [RankState(r, Status.RAISED, text) if kind == "error"
+                  else RankState(r, Status.RETURNED) for r, (kind, text) in enumerate(outcomes)]
+        failure = WorldFailure(Failure.RAISED, world_size, states, f"example {name}")
         return verdict(target, scenario, world_size, failure=failure, name=name, **where)
     return verdict(target, scenario, world_size, records=[unpack(value) for _, value in outcomes],
                    sequences=[sequence for _, sequence in gathered], name=name, **where)

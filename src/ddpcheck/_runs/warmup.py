@@ -24,8 +24,9 @@ from typing import Any
 from ddpcheck._base.errors import SetupError
 from ddpcheck._base.options import WARM_UP_DEADLINE
 from ddpcheck._rank.runner import run_warm_up
+from ddpcheck._world.failures import Failure, WorldFailure
 from ddpcheck._world.registry import get_world
-from ddpcheck._world.worlds import World, WorldFailure
+from ddpcheck._world.worlds import World
 from ddpcheck.targets import Target
 
 __all__ = ["needed", "warm_up"]
@@ -45,7 +46,7 @@ def warm_up(world: World, target: Any) -> None:
     try:
         world.run(run_warm_up, target, deadline=WARM_UP_DEADLINE, what=f"{name}.warm_up")
     except WorldFailure as failure:
-        if failure.kind == "refused":  # the glue's InternalError, or a decline
+        if failure.kind == Failure.REFUSED:  # the glue's InternalError, or a decline
             raise failure.refusal() from None
         raise SetupError(
             f"{name}.warm_up -- what its framework does once per rank process, such as building "

@@ -6,12 +6,42 @@ Plain data, built by the parent (``worlds``) and read by the front ends; no proc
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 from ddpcheck._base import errors
 from ddpcheck._base.errors import DdpcheckError, WorldStartError  # the world raises WorldStartError
 
-__all__ = ["RankState", "WorldFailure", "WorldStartError"]
+__all__ = ["Failure", "RankState", "Status", "WorldFailure", "WorldStartError"]
+
+
+class Status(str, enum.Enum):
+    """What one rank did during a failed ``World.run`` (a ``str``: ``"raised"`` compares equal,
+    as it did before these had a type)."""
+
+    RETURNED = "returned"
+    RAISED = "raised"
+    EXITED = "exited"  # the process died
+    STUCK = "stuck"  # out past the deadline, waiting
+    WORKING = "working"  # out past the deadline, still computing (a slow machine)
+    UNFIT = "unfit"  # returned, but left what later code computes changed
+    REFUSED = "refused"  # ddpcheck's own outcome, raised in the rank
+
+    __str__ = str.__str__  # "raised" in messages, not "Status.RAISED"
+
+
+class Failure(str, enum.Enum):
+    """Why a ``World.run`` did not complete: :attr:`WorldFailure.kind` (a ``str`` too)."""
+
+    RAISED = "raised"
+    EXITED = "exited"
+    TIMEOUT = "timeout"
+    SLOW = "slow"
+    MISMATCH = "mismatch"
+    CONTAMINATED = "contaminated"
+    REFUSED = "refused"
+
+    __str__ = str.__str__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +49,7 @@ class RankState:
     """What one rank did during a failed ``World.run``."""
 
     rank: int
-    status: str  # "returned" | "raised" | "exited" | "stuck" | "working" | "unfit" | "refused"
+    status: Status
     #: traceback, exit description, stack dump, what an unfit rank changed, or (refused) the
     #: ddpcheck outcome the task raised as "ExceptionName: message"
     detail: str = ""
@@ -65,11 +95,11 @@ class WorldFailure(DdpcheckError):
     ddpcheck put right (``World.notes``).
     """
 
-    def __init__(self, kind: str, world_size: int, ranks: list[RankState], what: str,
+    def __init__(self, kind: Failure | str, world_size: int, ranks: list[RankState], what: str,
                  disagreement: Any = None, collectives: str = "", *,
                  results: list[Any] | None = None, notes: tuple[str, ...] = (),
                  slowness: str = ""):
-        self.kind = kind
+        self.kind = Failure(kind)
         self.world_size = world_size
         self.ranks = ranks
         self.what = what

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._rank.answers import Answer
 from ddpcheck._rank.serve import NESTED_MARKER, WORLD_DIR_ENV, world_dir_of
 from ddpcheck._world.failures import WorldStartError
 
@@ -137,7 +138,8 @@ def pickle_task(fn: Callable[..., Any], args: tuple, paths: list[str] | None = N
     return pickle.dumps((paths or [], task), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def receive(conn: Any) -> tuple | None:
+def receive(conn: Any) -> Answer | None:
+    """The rank's answer waiting on ``conn``; None when the rank is gone without one."""
     try:
         if not conn.poll(0):
             return None

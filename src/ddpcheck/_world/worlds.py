@@ -65,6 +65,7 @@ from ddpcheck._base.options import (
     check_deadline,
     check_world_size,
 )
+from ddpcheck._rank.answers import Refused, Returned
 from ddpcheck._rank.freshness import announce, changed
 from ddpcheck._rank.serve import (
     NESTED_MARKER,
@@ -76,7 +77,7 @@ from ddpcheck._rank.serve import (
     sequence_file,
 )
 from ddpcheck._world import forking, interrupts, progress
-from ddpcheck._world.failures import RankState, WorldFailure, WorldStartError
+from ddpcheck._world.failures import Failure, RankState, Status, WorldFailure, WorldStartError
 from ddpcheck._world.janitor import Janitor
 from ddpcheck._world.lending import released
 from ddpcheck._world.processes import (
@@ -93,8 +94,7 @@ from ddpcheck._world.processes import (
     tail,
 )
 
-__all__ = ["Pending", "RankState", "TaskLost", "World", "WorldFailure", "WorldStartError",
-           ]
+__all__ = ["Pending", "TaskLost", "World"]
 
 #: Once one rank has failed, how long the others get to finish before they are presumed stuck
 #: waiting for it in a collective.
@@ -442,7 +442,7 @@ class World:
         evidence: tuple | None = None  # what the sequence files last showed, and since when
         evidence_since = 0.0
         failed_at: float | None = None
-        kind: str | None = None
+        kind: Failure | None = None
         left: dict[str, list[int]] = {}  # what the task left behind (and was put right) -> ranks
         replacing = False  # a rank's process cannot be put right: replace the world afterwards
         # past the deadline: hung, or working on a slow or loaded machine? (progress)
@@ -459,7 +459,7 @@ class World:
                     break
                 decided = overtime.decide(now, pending)
                 if isinstance(decided, str):
-                    kind = decided
+                    kind = Failure(decided)
                     break
                 end = decided  # still working: wait on, the answers still collected meanwhile
                 continue
@@ -475,27 +475,28 @@ class World:
                         proc.join(1.0)
                         if starting:
                             self._refuse_if_nested()
-                        states[rank] = RankState(rank, "exited", exit_description(proc.exitcode),
+                        states[rank] = RankState(rank, Status.EXITED,
+                                                 exit_description(proc.exitcode),
                                                  log_tail=tail(self._logs[rank]))
-                        kind = kind or "exited"
-                    elif message[0] == "ok":  # unfit or not, the result is in: judge it first
-                        results[rank] = message[1]
-                        self._sources.update(message[2])
-                        unfit, notes, replace = message[3:] if len(message) > 3 else ([], [], 0)
-                        replacing = replacing or replace
-                        for note in notes:
+                        kind = kind or Failure.EXITED
+                    elif isinstance(message, Returned):  # unfit or not: judge the result first
+                        results[rank] = message.result
+                        self._sources.update(message.files)
+                        replacing = replacing or message.replace
+                        for note in message.notes:
                             left.setdefault(note, []).append(rank)
-                        states[rank] = (RankState(rank, "unfit", "; ".join(unfit),
+                        states[rank] = (RankState(rank, Status.UNFIT, "; ".join(message.unfit),
                                                   log_tail=tail(self._logs[rank]))
-                                        if unfit else RankState(rank, "returned"))
-                    elif message[0] == "refused":  # ddpcheck's own outcome, raised in the rank
-                        states[rank] = RankState(rank, "refused", f"{message[1]}: {message[2]}")
-                        replacing = replacing or message[3]
-                        kind = kind or "refused"
+                                        if message.unfit else RankState(rank, Status.RETURNED))
+                    elif isinstance(message, Refused):  # ddpcheck's own outcome, in the rank
+                        states[rank] = RankState(rank, Status.REFUSED,
+                                                 f"{message.outcome}: {message.message}")
+                        replacing = replacing or message.replace
+                        kind = kind or Failure.REFUSED
                     else:
-                        states[rank] = RankState(rank, "raised", message[1],
+                        states[rank] = RankState(rank, Status.RAISED, message.traceback,
                                                  log_tail=tail(self._logs[rank]))
-                        kind = kind or "raised"
+                        kind = kind or Failure.RAISED
                     pending.discard(rank)
                     if kind is not None and failed_at is None:
                         failed_at = time.monotonic()
@@ -506,7 +507,7 @@ class World:
                 if seen is None or seen != evidence:
                     evidence, evidence_since = seen, now
                 elif now - evidence_since >= EVIDENCE_GRACE:
-                    kind = "mismatch"  # unchanged for the grace: the pending ranks are stuck
+                    kind = Failure.MISMATCH  # unchanged for the grace: the pending ranks are stuck
                     break
         self.notes = tuple(f"{note} (rank{'s' if len(ranks) > 1 else ''} "
                            f"{', '.join(map(str, sorted(ranks)))})" for note, ranks in left.items())
@@ -514,15 +515,16 @@ class World:
             self.notes += ("a new world for the next task: this one's processes could not be put "
                            "back as they started",)
         self._last_sequences = self._read_sequences(slot)  # before a kill removes the files
-        self.unfit = {r: s.detail for r, s in states.items() if s.status == "unfit"}
+        self.unfit = {r: s.detail for r, s in states.items() if s.status == Status.UNFIT}
         if not pending and kind is None:  # done: the caller judges the results, then `unfit`
             if replacing:
                 self.kill()
             elif not starting:  # read: the slot's next task finds its files empty
                 self._emptying[slot] = _empty_later(self._sequences[slot])
             return results
-        if not pending and kind == "refused" and all(
-                s.status in ("returned", "refused", "unfit") for s in states.values()):
+        if not pending and kind == Failure.REFUSED and all(
+                s.status in (Status.RETURNED, Status.REFUSED, Status.UNFIT)
+                for s in states.values()):
             failure = self._failure(kind, [states[r] for r in range(n)], what, slot)
             # every rank answered: the world can serve the next task -- unless one is queued,
             # which a rank that refused early may have started while its peers still issued
@@ -531,11 +533,12 @@ class World:
                 self.kill()
             raise failure
         dumps = dump_stacks(self._procs, self._stacks, sorted(pending))
-        status = "working" if kind == "slow" else "stuck"
+        status = Status.WORKING if kind == Failure.SLOW else Status.STUCK
         for rank in sorted(pending):
             states[rank] = RankState(rank, status, dumps[rank], log_tail=tail(self._logs[rank]))
-        failure = self._failure(kind or "timeout", [states[r] for r in range(n)], what, slot,
-                                overtime.describe(time.monotonic()) if kind == "slow" else "")
+        failure = self._failure(kind or Failure.TIMEOUT, [states[r] for r in range(n)], what,
+                                slot, overtime.describe(time.monotonic())
+                                if kind == Failure.SLOW else "")
         self.kill()
         raise failure
 
@@ -551,7 +554,7 @@ class World:
                 pass
         return reading, written
 
-    def _failure(self, kind: str, states: list[RankState], what: str, slot: int,
+    def _failure(self, kind: Failure, states: list[RankState], what: str, slot: int,
                  slowness: str = "") -> WorldFailure:
         """The failure, with the first collective where the ranks' sequences disagree; a real
         mismatch (different collectives, or a finished rank that issued fewer) is the kind."""
@@ -560,12 +563,14 @@ class World:
         from ddpcheck._world import sequences
 
         seqs = [sequences.parse(text) for text in self._read_sequences(slot)]
-        finished = [s.rank for s in states if s.status in ("returned", "unfit")]
+        finished = [s.rank for s in states if s.status in (Status.RETURNED, Status.UNFIT)]
         disagreement = sequences.diagnose(seqs, finished)
         if disagreement is not None and disagreement.mismatched:
-            kind = "mismatch"
-        if kind == "refused" and any(s.status in ("raised", "exited") for s in states):
-            kind = next(s.status for s in states if s.status in ("raised", "exited"))
+            kind = Failure.MISMATCH
+        if kind == Failure.REFUSED and any(s.status in (Status.RAISED, Status.EXITED)
+                                           for s in states):
+            kind = next(Failure(s.status) for s in states
+                        if s.status in (Status.RAISED, Status.EXITED))
         summary = "" if disagreement is not None else sequences.agreement_summary(seqs)
         return WorldFailure(kind, self.world_size, states, what, disagreement, summary,
                             notes=self.notes, slowness=slowness)
