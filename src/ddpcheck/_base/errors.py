@@ -192,7 +192,7 @@ class EquivalenceError(DdpcheckError, AssertionError):
         self.world_size = world_size
         self.target = target
         self.replay = replay
-        # a ddpcheck._world.worlds.WorldFailure, for rank failures and timeouts
+        # a ddpcheck._world.failures.WorldFailure, for rank failures and timeouts
         self.failure = failure
         self.name = name
         super().__init__(self._format())
