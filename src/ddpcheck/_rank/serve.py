@@ -1,6 +1,6 @@
 """The world, seen from inside a rank process: join the group, then serve tasks until told to stop.
 
-Invariant: a rank answers every task with exactly one message (``answers``) -- ``Returned``:
+Invariant: a rank answers every task with exactly one message (``boundary``) -- ``Returned``:
 the result, the user files imported (``freshness``), and what the task left behind
 (``fitness.restore``: changes to later computations, what was put right, whether the process
 must be replaced); ``Refused`` when ddpcheck's own code raised one of its outcomes (a default
@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 
 from ddpcheck._base.errors import DdpcheckError
 from ddpcheck._base.options import STARTUP_DEADLINE
-from ddpcheck._rank.answers import Answer, Raised, Refused, Returned
+from ddpcheck._rank.boundary import Answer, Launch, Raised, Refused, Returned
 
 __all__ = ["NESTED_MARKER", "READY_ENV", "SEQUENCE_SLOTS", "SHUTDOWN", "WORLD_DIR_ENV", "log_of",
            "rank_main", "rank_name", "sequence_file", "serving", "world_dir_of"]
@@ -86,19 +86,15 @@ def serving() -> bool:
     return _serving
 
 
-def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: Any,
-               log_path: str, stack_path: str, parent_pid: int,
-               sequence_path: str, device: str = "cpu",
-               environ: dict[str, str] | None = None) -> None:
-    """Join the process group on ``device`` (``_base.devices``), then run tasks from the
-    parent until told to stop. ``parent_pid``: the process this rank dies with (the fork
-    server, for a forked rank). ``environ``: the parent's environment as it launched the world,
-    for a rank forked from a server that started with an older one (it sets ``WORLD_DIR_ENV``,
-    and whatever the user set since: ``NCCL_*``, ``CUDA_VISIBLE_DEVICES``, ...)."""
+def rank_main(launch: Launch, conn: Any) -> None:
+    """Join the process group on ``launch.device`` (``_base.devices``), then run tasks from the
+    parent, arriving on ``conn``, until told to stop. A forked rank takes ``launch.environ``, the
+    parent's environment as it launched the world (it sets ``WORLD_DIR_ENV``, and whatever the
+    user set since: ``NCCL_*``, ``CUDA_VISIBLE_DEVICES``, ...)."""
     global _serving
-    if environ is not None:  # forked: the fork server's environment, not the parent's
+    if launch.environ is not None:  # forked: the fork server's environment, not the parent's
         os.environ.clear()
-        os.environ.update(environ)
+        os.environ.update(launch.environ)
         numpy = sys.modules.get("numpy")  # ... and its numpy random state, the same in every rank
         if numpy is not None:
             numpy.random.seed()  # fresh entropy, as a spawned rank's
@@ -107,17 +103,17 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
         os.setsid()
     except OSError:  # already a group leader
         pass
-    _die_with_parent(parent_pid)
+    _die_with_parent(launch.parent_pid)
     # Ctrl-C reaches the whole process group; the parent decides when ranks stop. A spawned rank
     # started with SIGINT blocked (``_world.interrupts``): what came since is dropped.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     # Append: the parent pointed this process's stdout/stderr at the same file while spawning
     # it, so whatever happened during spawn's start-up is already there.
-    log = open(log_path, "a", buffering=1)  # noqa: SIM115 -- the rank's stdout for its life
+    log = open(launch.log_path, "a", buffering=1)  # noqa: SIM115 -- the rank's stdout for its life
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
-    stack_file = open(stack_path, "w")  # noqa: SIM115 -- faulthandler's, for the rank's life
+    stack_file = open(launch.stack_path, "w")  # noqa: SIM115 -- faulthandler's, for the rank's life
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     # A rank that crashes (SIGABRT from gloo, SIGSEGV) leaves its Python stack in its log, whose
     # tail the parent reports with the exit status.
@@ -137,15 +133,15 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
 
         # Two cores host up to W ranks: intra-op threads would only oversubscribe them.
         torch.set_num_threads(1)
-        placed = enter_rank(device, rank)
+        placed = enter_rank(launch.device, launch.rank)
         # NCCL: create the communicator now, inside the start-up deadline (the keyword only
         # there: torch before 2.3 has no device_id)
-        nccl: dict[str, Any] = {"device_id": placed} if backend == "nccl" else {}
+        nccl: dict[str, Any] = {"device_id": placed} if launch.backend == "nccl" else {}
         dist.init_process_group(
-            backend,
-            store=dist.FileStore(store_path, world_size),
-            rank=rank,
-            world_size=world_size,
+            launch.backend,
+            store=dist.FileStore(launch.store_path, launch.world_size),
+            rank=launch.rank,
+            world_size=launch.world_size,
             timeout=datetime.timedelta(seconds=STARTUP_DEADLINE),
             **nccl,
         )
@@ -153,7 +149,7 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
         # The first optimizer a process builds imports torch._dynamo (seconds); pay that here,
         # inside the start-up deadline, not inside the first example's.
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-        comm.record_to(sequence_path)
+        comm.record_to(launch.sequence_path)
         # What start-up imported (torch, dynamo: ~285k objects) lives as long as the rank: moved
         # out of the collector's reach, the full collection fitness runs after a task that left a
         # process group scans only what tasks created -- 140 ms per collection otherwise, twice
@@ -184,7 +180,7 @@ def rank_main(rank: int, world_size: int, backend: str, store_path: str, conn: A
             paths, task = pickle.loads(payload[:-1])
             slot = payload[-1]
             if slot != sequence_slot:
-                comm.record_to(sequence_file(sequence_path, slot))
+                comm.record_to(sequence_file(launch.sequence_path, slot))
                 sequence_slot = slot
             else:
                 comm.restart_sequence()

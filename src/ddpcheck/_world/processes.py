@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ddpcheck._base.errors import InvalidArgument
-from ddpcheck._rank.answers import Answer
+from ddpcheck._rank.boundary import Answer
 from ddpcheck._rank.serve import NESTED_MARKER, WORLD_DIR_ENV, world_dir_of
 from ddpcheck._world.failures import WorldStartError
 

@@ -65,7 +65,7 @@ from ddpcheck._base.options import (
     check_deadline,
     check_world_size,
 )
-from ddpcheck._rank.answers import Refused, Returned
+from ddpcheck._rank.boundary import Launch, Refused, Returned
 from ddpcheck._rank.freshness import announce, changed
 from ddpcheck._rank.serve import (
     NESTED_MARKER,
@@ -262,10 +262,9 @@ class World:
             proc = ctx.Process(
                 target=rank_main,
                 name=rank_name(rank, self.world_size, world_dir),
-                args=(rank, self.world_size, self.backend, store_path, child_end,
-                      self._logs[rank], self._stacks[rank], parent_pid,
-                      self._sequences[0][rank], self.device,
-                      dict(os.environ) if forked else None),
+                args=(Launch(rank, self.world_size, self.backend, store_path, self._logs[rank],
+                             self._stacks[rank], parent_pid, self._sequences[0][rank],
+                             self.device, dict(os.environ) if forked else None), child_end),
                 daemon=True,
             )
             with output_to(self._logs[rank]), interrupts.blocked_for_children():

@@ -1,5 +1,7 @@
-"""What a rank sends back for each task, one message per task: the parent reads which it is by
-its type, not by a string in a tuple's first slot, and the fields say what each part means.
+"""What crosses the boundary between a rank process and its parent, as types whose fields say
+what each part means: the :class:`Launch` a rank starts from, and the answer it sends back for
+each task -- the parent reads which answer it is by its type, not by a string in a tuple's first
+slot.
 
 A rank answers with :class:`Returned` (the task's result, and what the task left behind),
 :class:`Refused` (ddpcheck's own code in the rank raised one of its outcomes: a decline, or the
@@ -12,7 +14,25 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["Answer", "Raised", "Refused", "Returned"]
+__all__ = ["Answer", "Launch", "Raised", "Refused", "Returned"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """What a rank process starts from (``serve.rank_main``), pickled to it by the parent."""
+
+    rank: int
+    world_size: int
+    backend: str
+    store_path: str  # the FileStore the ranks rendezvous through
+    log_path: str  # the rank's stdout and stderr, whose tail a failure reports
+    stack_path: str  # where faulthandler dumps its stacks on SIGUSR1 (a hang's diagnosis)
+    parent_pid: int  # the process the rank dies with (the fork server, for a forked rank)
+    sequence_path: str  # the collective sequence file of task slot 0 (``recorder``)
+    device: str = "cpu"
+    #: the parent's environment as it launched the world, for a rank forked from a server that
+    #: started with an older one; None: spawned, the environment is the parent's already
+    environ: dict[str, str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
