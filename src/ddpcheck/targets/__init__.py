@@ -37,13 +37,13 @@ from ddpcheck.targets.fsdp import (
 )
 from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
-from ddpcheck.targets.protocol import CONSTRUCTOR_CALL, Target, WrapperTarget
+from ddpcheck.targets.protocol import CONSTRUCTOR_CALL, FitRun, Target, WrapperTarget
 from parallel import DDP, ShardedOptimizer
 
 __all__ = ["ACCELERATE", "DEEPSPEED_ZERO1", "DEEPSPEED_ZERO2", "FABRIC", "HF_TRAINER", "LIGHTNING",
            "LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP", "TORCH_FSDP", "TORCH_ZERO",
            "TORCH_ZERO_BUCKET_VIEW", "BUILTIN", "TESTED", "CONSTRUCTOR_CALL", "READY_MADE",
-           "AccelerateTarget", "DeepSpeedTarget", "FabricTarget", "HfTrainerTarget",
+           "AccelerateTarget", "DeepSpeedTarget", "FabricTarget", "FitRun", "HfTrainerTarget",
            "LightningTarget", "LocalTarget",
            "ParallelDDPTarget", "ParallelTarget", "ReadyMade", "Target", "TorchDDPTarget",
            "TorchFSDPTarget", "TorchZeroTarget", "WrapperTarget"]

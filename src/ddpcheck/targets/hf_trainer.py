@@ -3,7 +3,7 @@
 Per example and rank: the scenario's model wrapped as a causal LM (:class:`ScenarioCausalLM`),
 ``TrainingArguments`` built from the scenario and the user's own arguments (:func:`arguments`), and
 a ``Trainer`` subclass whose ``get_train_dataloader`` yields this rank's micro-batches in order
-(``ddpcheck._language.training.FitRun``: each rank fed its own, as ddpcheck's batch rule cuts the
+(``ddpcheck.targets.FitRun``: each rank fed its own, as ddpcheck's batch rule cuts the
 global batch; accelerate does not prepare the loader, so it neither shards nor samples it). The
 Trainer gets the scenario's optimizer and LR schedule through ``Trainer(optimizers=(optimizer,
 scheduler))`` -- an ``ExponentialLR``, or a constant ``LambdaLR`` where the scenario has none,

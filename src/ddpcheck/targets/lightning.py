@@ -1,6 +1,6 @@
 """The ``lightning`` target: Lightning's ``Trainer.fit`` owns the loop (``Target.fit``).
 
-ddpcheck hands the target this rank's micro-batches (``ddpcheck._language.training.FitRun``); the
+ddpcheck hands the target this rank's micro-batches (``ddpcheck.targets.FitRun``); the
 target wraps the scenario's model in a ``LightningModule`` whose ``training_step`` returns the
 micro-batch loss and whose ``configure_optimizers`` builds the scenario's optimizer and
 ``ExponentialLR`` (``interval="step"``), and runs ``Trainer(accelerator="cpu", devices=W,

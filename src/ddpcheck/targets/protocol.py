@@ -34,7 +34,7 @@ and, once per rank process before its first example of the target's class,
 
 A target that owns the whole loop (Lightning's ``Trainer.fit``) defines ``fit(module, run)``
 instead: it trains on ``run.batches`` and calls ``run.started(...)`` once model and optimizer are
-built and ``run.record(...)`` after every optimizer step (``ddpcheck._language.training.FitRun``).
+built and ``run.record(...)`` after every optimizer step (``ddpcheck.targets.FitRun``).
 Hooks and frameworks: ``docs/frameworks.md``.
 
 In scenarios with ``checkpoint_after`` the run stops after that step with
@@ -72,9 +72,12 @@ import torch.distributed as dist
 
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language.batches import BatchPlan, GlobalBatch, contiguous
-from ddpcheck._language.training import optimizer_kwargs
+from ddpcheck._language.training import (
+    FitRun,  # what Target.fit gets: part of the protocol
+    optimizer_kwargs,
+)
 
-__all__ = ["CONSTRUCTOR_CALL", "Target", "WrapperTarget"]
+__all__ = ["CONSTRUCTOR_CALL", "FitRun", "Target", "WrapperTarget"]
 
 #: Instance attribute holding ``(args, kwargs)`` of the call that built a target.
 CONSTRUCTOR_CALL = "_ddpcheck_call"
