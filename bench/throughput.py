@@ -74,19 +74,19 @@ def _drawn(world_size: int, examples: int, seed: int) -> list:
 
 
 def _ranks_alone(world_size: int, scenarios: list) -> float:
-    """Seconds per example for the ranks alone to run ``scenarios`` back to back (a resumed one
-    in both its worlds), nothing judged in between."""
+    """Seconds per example for the ranks alone to run ``scenarios`` back to back, nothing judged
+    in between -- but a resumed one (a few in a hundred), which runs as a whole example: its two
+    halves in their two worlds, then judged."""
+    from ddpcheck import check_example
     from ddpcheck._rank.runner import run_example_packed
-    from ddpcheck._runs.example import run_in_two_worlds
     from ddpcheck._world.registry import get_world
 
     started = time.perf_counter()
     for scenario in scenarios:
         if scenario.checkpoint_after is None:
             get_world(world_size).run(run_example_packed, targets.PARALLEL, scenario)
-        else:  # a reference given: none is computed
-            run_in_two_worlds(targets.PARALLEL, scenario, world_size, deadline=60.0,
-                              name="ranks alone", reference=False)
+        else:
+            check_example(targets.PARALLEL, scenario, world_size)
     return (time.perf_counter() - started) / len(scenarios)
 
 

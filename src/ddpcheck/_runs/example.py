@@ -53,7 +53,7 @@ from ddpcheck.targets import Target
 
 __all__ = ["Launched", "admit", "check_batch_plans", "check_example",
            "check_example_keeping_reference", "judge", "launch", "note_example",
-           "prepare_reference", "refuse_unconfirmed_hang", "resume", "run_in_two_worlds",
+           "prepare_reference", "refuse_unconfirmed_hang", "resume",
            "verdict"]
 
 #: Examples run in this process (the pytest plugin prints the total at the end of a session).
@@ -434,21 +434,6 @@ def check_batch_plans(target: Any, scenario: Scenario, world_size: int) -> None:
         check_plans(configured.shard_batch, scenario, world_size,
                     f"{type(configured).__name__}.shard_batch")
 
-
-def run_in_two_worlds(target: Any, scenario: Any, world_size: int, *, deadline: float,
-                      name: str | None = None, device: str = "cpu", backend: str | None = None,
-                      reference: Any = None) -> tuple[tuple[list, list], tuple[list, list],
-                                                       list, Any]:
-    """``((records before, records after), (their collective sequences), the two worlds, the
-    reference)``, unjudged and not admitted: the steps up to the checkpoint in the world of
-    ``world_size``, the rest in the world of ``resume_world_size``; both compute on ``device``
-    over ``backend``. The reference (when not given) is computed while the first world trains.
-    A rank's failure raises ``WorldFailure``."""
-    world = get_world(world_size, backend=backend, device=device)
-    launched = _submit(world, target, scenario, world_size, deadline, name, frozenset(), device,
-                       backend)
-    reference = _reference_meanwhile(launched.pending, reference, scenario)
-    return (*_both_halves(launched), reference)
 
 
 def _both_halves(launched: Launched) -> tuple[tuple[list, list], tuple[list, list], list]:
