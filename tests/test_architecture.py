@@ -18,15 +18,17 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = {"ddpcheck": ROOT / "src" / "ddpcheck", "parallel": ROOT / "parallel"}
 
 #: The floors, from the ground up: folder -> the floors it may import (its own included). The
-#: oracle judges records and never touches a process; the rank never reaches back to the parent;
-#: the world spawns the rank. The package's top (``ddpcheck``) and ``_front`` are the front doors.
+#: targets stand on the scenario language; the rank runs a target's hooks and the oracle reads
+#: its promises, so both stand on the targets; the oracle judges records and never touches a
+#: process; the rank never reaches back to the parent; the world spawns the rank. The package's
+#: top (``ddpcheck``) and ``_front`` are the front doors.
 MAY_IMPORT = {
     "_base": {"_base"},
     "_language": {"_base", "_language"},
     "targets": {"_base", "_language", "targets"},
-    "_rank": {"_base", "_language", "_rank"},
-    "_world": {"_base", "_language", "_rank", "_world"},
-    "_oracle": {"_base", "_language", "_oracle"},
+    "_rank": {"_base", "_language", "targets", "_rank"},
+    "_world": {"_base", "_language", "targets", "_rank", "_world"},
+    "_oracle": {"_base", "_language", "targets", "_oracle"},
     "_rules": {"_base", "_world", "_rules"},
     "_runs": {"_base", "_language", "targets", "_rank", "_world", "_oracle", "_runs"},
     "mutation": {"_base", "_language", "targets", "_rank", "_world", "_oracle", "_runs",

@@ -88,6 +88,7 @@ from ddpcheck._oracle.tolerances import (
     tolerance,
 )
 from ddpcheck._oracle.window import check_window
+from ddpcheck.targets.protocol import Target
 
 __all__ = ["CHAOTIC", "CHECKS", "NON_FINITE", "TOLERANCES", "Reference", "bitwise_equal",
            "cannot_judge", "compare", "reference_run", "scaled_atol", "tolerance",
@@ -142,7 +143,7 @@ def _one_verdict(rows: list[Divergence]) -> list[Divergence]:
 
 
 def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
-            target: Any, checks: frozenset = CHECKS, *, earlier_steps: int = 0,
+            target: Target, checks: frozenset = CHECKS, *, earlier_steps: int = 0,
             earlier_world_size: int = 1) -> list[Divergence]:
     """Every divergence of the ranks from each other and from the reference (empty: all good).
 
@@ -424,7 +425,7 @@ def compare_schedule(step: int, world_size: int, records: list[RankRecord], ref:
 
 
 def compare_resumed(parts: tuple[list, list], reference: Reference, scenario: Scenario,
-                    target: Any, checks: frozenset = CHECKS) -> list[Divergence]:
+                    target: Target, checks: frozenset = CHECKS) -> list[Divergence]:
     """Every divergence of the two parts (``(records before, records after)``) from the
     uninterrupted reference; rows name steps of the whole run."""
     before, after = parts

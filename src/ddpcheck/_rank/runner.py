@@ -29,7 +29,7 @@ import contextlib
 import io
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -51,6 +51,7 @@ from ddpcheck._rank import recorder
 from ddpcheck._rank.orders import ORDER_SEED_STRIDE, permute_registration
 from ddpcheck._rank.owned import owned_gradients
 from ddpcheck._rank.transport import pack
+from ddpcheck.targets.protocol import OwnsLoop, Target
 
 __all__ = ["StepRecords", "checkpoint_from_bytes", "checkpoint_to_bytes", "fit_owned_loop",
            "make_optimizer", "rank_seed", "run_example", "run_example_packed", "run_warm_up",
@@ -64,7 +65,7 @@ def rank_seed(scenario: Scenario, rank: int) -> int:
     return scenario.seed + (_RANK_SEED_STRIDE * rank if scenario.rank_seeds else 0)
 
 
-def run_example(target: Any, scenario: Scenario, *, part: str = "whole",
+def run_example(target: Target, scenario: Scenario, *, part: str = "whole",
                 checkpoint: Any = None) -> Any:
     """Train ``scenario`` under ``target`` on this rank. Collective: runs on every rank.
 
@@ -81,12 +82,13 @@ def run_example(target: Any, scenario: Scenario, *, part: str = "whole",
     if scenario.rank_orders:  # the reference keeps the canonical order; the oracle pairs by name
         permute_registration(module, scenario.seed + ORDER_SEED_STRIDE * (rank + 1))
     plans: dict[int, BatchPlan] = {}
-    if callable(getattr(target, "fit", None)):  # the target owns the loop (Lightning's Trainer)
+    if isinstance(target, OwnsLoop) and callable(target.fit):  # Lightning's Trainer, say
         if part != "whole":
             raise NothingChecked(f"checkpoint: {type(target).__name__} owns its training loop "
                                  "(Target.fit), which has no checkpoint round trip; leave "
                                  "'checkpoint' out of its supported_features")
-        return fit_owned_loop(target, module, scenario, rank, world_size, plans, started)
+        return fit_owned_loop(target, target.fit, module, scenario, rank, world_size, plans,
+                              started)
     model, optimizer = setup(target, module, make_param_groups(scenario, module), scenario)
     names = {p: n for n, p in module.named_parameters()}  # after wrap: FSDP2 replaces them
     scheduler = target_scheduler(target, optimizer, scenario)
@@ -131,7 +133,7 @@ def _saved_at(scenario: Scenario, part: str) -> int:
     return scenario.checkpoint_after
 
 
-def _teardown(target: Any, model: Any, optimizer: Any, failed: bool) -> None:
+def _teardown(target: Target, model: Any, optimizer: Any, failed: bool) -> None:
     """``target.teardown``; after the example ``failed``, a teardown that raises too is printed
     to the rank's log and the example's own exception goes on: it came first."""
     teardown = getattr(target, "teardown", None)  # duck-typed targets may have none
@@ -150,7 +152,7 @@ class StepRecords:
     ``optimizer.step()`` receives them (after it, for ``gradients_synchronized_in_step``; from
     their owners, for ``sharded_gradients``), then everything else after the step."""
 
-    def __init__(self, target: Any, module: Any, names: dict, plans: dict):
+    def __init__(self, target: Target, module: Any, names: dict, plans: dict):
         self.target, self.module, self.names, self.plans = target, module, names, plans
         self.in_step = getattr(target, "gradients_synchronized_in_step", False)
         self.sharded = getattr(target, "sharded_gradients", False)
@@ -193,7 +195,7 @@ class StepRecords:
         self.steps[-1].window, self.window = self.window, []
 
 
-def setup(target: Any, module: Any, params: list, scenario: Scenario) -> tuple[Any, Any]:
+def setup(target: Target, module: Any, params: list, scenario: Scenario) -> tuple[Any, Any]:
     """``(model, optimizer)`` from ``target.setup`` (a duck-typed target without one: ``wrap``
     then :func:`make_optimizer`)."""
     build = getattr(target, "setup", None)
@@ -203,7 +205,7 @@ def setup(target: Any, module: Any, params: list, scenario: Scenario) -> tuple[A
     return model, make_optimizer(target, model, params, scenario)
 
 
-def target_scheduler(target: Any, optimizer: Any, scenario: Scenario) -> Any:
+def target_scheduler(target: Target, optimizer: Any, scenario: Scenario) -> Any:
     """The scenario's LR schedule as the target builds it (``Target.make_scheduler``)."""
     if scenario.lr_decay is None:
         return None
@@ -213,8 +215,9 @@ def target_scheduler(target: Any, optimizer: Any, scenario: Scenario) -> Any:
     return build(optimizer, scenario.lr_decay)
 
 
-def fit_owned_loop(target: Any, module: Any, scenario: Scenario, rank: int, world_size: int,
-                   plans: dict, started: float) -> RankRecord:
+def fit_owned_loop(target: Target, fit: Callable[[Any, FitRun], None], module: Any,
+                   scenario: Scenario, rank: int, world_size: int, plans: dict,
+                   started: float) -> RankRecord:
     """Run a target that owns its loop (``Target.fit(module, run)``) on this rank's batches,
     recording when it calls ``run.started`` and ``run.record`` (``training.FitRun``)."""
     loop = target_loop(target, None, None, scenario, rank, world_size, plans=plans)
@@ -248,7 +251,7 @@ def fit_owned_loop(target: Any, module: Any, scenario: Scenario, rank: int, worl
                  started=at_start, record=at_step)
     failed = True
     try:
-        target.fit(module, run)
+        fit(module, run)
         failed = False
     finally:
         seen_model, seen_optimizer = model_seen[0] if model_seen else (None, None)
@@ -277,7 +280,7 @@ def checkpoint_from_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def target_loop(target: Any, model: Any, optimizer: Any, scenario: Scenario, rank: int,
+def target_loop(target: Target, model: Any, optimizer: Any, scenario: Scenario, rank: int,
                 world_size: int, plans: dict | None = None, **hooks: Any) -> Loop:
     """The loop of one rank: the micro-batches its target plans, the target's hooks where a real
     training loop calls them (``hooks`` add to them: ``before_step`` runs before the target's
@@ -326,14 +329,14 @@ def _select(x: Any, y: Any, indices: tuple[int, ...]) -> tuple[Any, Any]:
     return x.index_select(0, at), y.index_select(0, at)
 
 
-def make_optimizer(target: Any, model: Any, params: list, scenario: Scenario) -> Any:
+def make_optimizer(target: Target, model: Any, params: list, scenario: Scenario) -> Any:
     """``target.make_optimizer``, given the wrapped model when it takes a ``model`` keyword
     (``ddpcheck._language.training.optimizer_kwargs``)."""
     return target.make_optimizer(params, scenario.optimizer,
                                  **optimizer_kwargs(target, model, scenario.optimizer_kwargs))
 
 
-def run_example_packed(target: Any, scenario: Scenario, part: str = "whole",
+def run_example_packed(target: Target, scenario: Scenario, part: str = "whole",
                        checkpoint: Any = None) -> Any:
     """:func:`run_example`, its tensors packed for a fast trip to the parent
     (``ddpcheck._rank.transport.unpack`` restores the record)."""
@@ -341,7 +344,7 @@ def run_example_packed(target: Any, scenario: Scenario, part: str = "whole",
         return pack(run_example(target, scenario, part=part, checkpoint=checkpoint))
 
 
-def run_warm_up(target: Any) -> None:
+def run_warm_up(target: Target) -> None:
     """``target.warm_up()``, a task of its own: what a framework does once per process
     (``Target.warm_up``), outside any example's deadline."""
     with _glue_failures(target):
@@ -349,7 +352,7 @@ def run_warm_up(target: Any) -> None:
 
 
 @contextlib.contextmanager
-def _glue_failures(target: Any) -> Iterator[None]:
+def _glue_failures(target: Target) -> Iterator[None]:
     """An exception that ddpcheck's own glue raised (``FrameworkTarget.glue_failure`` says which,
     ``ddpcheck.targets.framework``) leaves the block as that outcome, an ``InternalError`` that
     ``serve`` answers as "refused" -- never as the target's failure."""

@@ -37,6 +37,7 @@ from ddpcheck._language.messages import scenario_line as brief
 from ddpcheck._runs.example import check_example, prepare_reference
 from ddpcheck._runs.fuzz import fuzz
 from ddpcheck._world.registry import get_world
+from ddpcheck.targets.protocol import Target
 
 __all__ = ["Counterexample", "Outcome", "Search", "battery_search", "brief", "shrinking_search",
            "warm_up"]
@@ -108,7 +109,7 @@ def _import(modules: tuple[str, ...]) -> None:
         importlib.import_module(name)
 
 
-def battery_search(target: Any, budget_seconds: float, *,
+def battery_search(target: Target, budget_seconds: float, *,
                    world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
                    deadline: float = DEFAULT_DEADLINE) -> Outcome:
     """Battery x world sizes, in :data:`SEARCH_ORDER`, until the first divergence."""
@@ -132,8 +133,9 @@ def battery_search(target: Any, budget_seconds: float, *,
     return Outcome(None, examples, time.perf_counter() - started, exhausted=True)
 
 
-def shrinking_search(target: Any, budget_seconds: float, *, world_sizes: Any = DEFAULT_WORLD_SIZES,
-                     deadline: float = DEFAULT_DEADLINE, fuzz_share: float = 0.5,
+def shrinking_search(target: Target, budget_seconds: float, *,
+                     world_sizes: Any = DEFAULT_WORLD_SIZES, deadline: float = DEFAULT_DEADLINE,
+                     fuzz_share: float = 0.5,
                      examples: int = 200) -> Outcome:
     """Up to ``examples`` random examples first, for a
     *shrunk* counterexample, within ``fuzz_share`` of the budget; if they find none, the

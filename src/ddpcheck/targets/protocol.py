@@ -65,7 +65,7 @@ import dataclasses
 import inspect
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -77,10 +77,18 @@ from ddpcheck._language.training import (
     optimizer_kwargs,
 )
 
-__all__ = ["CONSTRUCTOR_CALL", "FitRun", "Target", "WrapperTarget"]
+__all__ = ["CONSTRUCTOR_CALL", "FitRun", "OwnsLoop", "Target", "WrapperTarget"]
 
 #: Instance attribute holding ``(args, kwargs)`` of the call that built a target.
 CONSTRUCTOR_CALL = "_ddpcheck_call"
+
+
+@runtime_checkable
+class OwnsLoop(Protocol):
+    """A target that owns the whole training loop (Lightning's ``Trainer.fit``): ddpcheck hands it
+    the module and a :class:`FitRun` instead of driving the loop through the hooks below."""
+
+    def fit(self, module: Any, run: FitRun) -> None: ...
 
 
 class Target:
@@ -487,7 +495,7 @@ def _method(model: Any, name: str, field: str) -> Any:
 _RECIPIENT_KEYWORDS = ("to", "recipient_rank")
 
 
-def _consolidate_on_rank_zero(target: Any, optimizer: Any) -> None:
+def _consolidate_on_rank_zero(target: Target, optimizer: Any) -> None:
     """Gather a sharded optimizer's whole state on rank 0, asking it by the keyword it takes.
     Collective; every rank decides the same way, so a decline leaves no collective unpaired."""
     consolidate = getattr(optimizer, "consolidate_state_dict", None)
