@@ -28,7 +28,7 @@ from ddpcheck._rank.runner import run_example_packed
 from ddpcheck._rank.transport import unpack
 from ddpcheck._runs.fuzz import fuzz
 from ddpcheck._runs.replay import replay_command
-from ddpcheck._world import worlds as world_module
+from ddpcheck._world import registry
 from ddpcheck._world.registry import get_world
 from ddpcheck._world.worlds import World
 from ddpcheck.scenario import Scenario
@@ -120,7 +120,7 @@ def test_worlds_are_kept_per_device(monkeypatch):
         self._alive = True  # no process: this test is about which world is handed out
         return self
 
-    monkeypatch.setattr(world_module, "_WORLDS", {})
+    monkeypatch.setattr(registry, "_WORLDS", {})
     monkeypatch.setattr(World, "start", pretend_to_start)
     cpu = get_world(2)
     assert get_world(2) is cpu and cpu.backend == "gloo"

@@ -23,13 +23,13 @@ from ddpcheck._language.records import RankRecord, StepRecord
 from ddpcheck._oracle.compare import (
     CHECKS,
     NON_FINITE,
-    _non_finite,
     bitwise_equal,
     cannot_judge,
     compare,
     validate_checks,
 )
 from ddpcheck._oracle.reference import Reference
+from ddpcheck._oracle.rows import non_finite
 from ddpcheck._oracle.tolerances import all_close, close
 from ddpcheck.errors import EquivalenceError, InvalidArgument
 from ddpcheck.scenario import Scenario
@@ -488,7 +488,7 @@ def _pairs(draw):
 def test_all_close_passes_only_what_close_passes_one_by_one(pairs, rtol, atol):
     if all_close(pairs, rtol, atol):
         assert all(close(got, ref, rtol, atol) for got, ref in pairs)
-        assert not any(_non_finite(got) is not None and bool((_non_finite(got)
+        assert not any(non_finite(got) is not None and bool((non_finite(got)
                                                              & torch.isfinite(ref)).any())
                        for got, ref in pairs)
 

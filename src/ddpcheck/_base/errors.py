@@ -217,3 +217,10 @@ class EquivalenceError(DdpcheckError, AssertionError):
             lines += ["", str(self.failure)]
         lines += ["", f"replay: {self.replay}"]
         return "\n".join(lines)
+
+
+# Tracebacks and pickles name a class by its module: these are ddpcheck.errors's, where users
+# import and catch them, wherever the floors keep them.
+for _name in __all__:
+    if isinstance(globals()[_name], type):
+        globals()[_name].__module__ = "ddpcheck.errors"
