@@ -70,7 +70,9 @@ from ddpcheck._oracle.reference import Reference, reference_run
 from ddpcheck._oracle.rows import (
     CHAOTIC,
     NON_FINITE,
+    At,
     Largest,
+    Named,
     bitwise_equal,
     brief,
     count_of,
@@ -269,7 +271,7 @@ def _compare_maps(step: Any, world_size: int, records: list[RankRecord], get: An
                                       detail=f"None on rank {0 if value is None else rank} only"))
                 replicas_differ = True
             elif value is not None and not bitwise_equal(value, other):
-                out.append(replica_row(step, world_size, rank, name,
+                out.append(replica_row(At(step, world_size, rank), name,
                                         f"replicas differ ({kind})", value, other))
                 replicas_differ = True
     # 2. against the reference, every rank; rank 0 stands for all only when check 1 ran and
@@ -298,11 +300,12 @@ def _compare_maps(step: Any, world_size: int, records: list[RankRecord], get: An
                                       ("None in the reference" if ref is None else
                                        "a value in the reference")))
             elif got is not None:
-                row = reference_row(step, world_size, rank, name, f"{kind} {name}",
-                                         f"reference differs ({kind})", got, ref, rtol, atol,
-                                         f"{name}.grad" if kind == "gradient" else name,
-                                         None if noise is None else
-                                         lambda n=name: (noise(n), largest()))
+                label = f"{name}.grad" if kind == "gradient" else name
+                row = reference_row(At(step, world_size, rank),
+                                    Named(name, f"{kind} {name}", label),
+                                    f"reference differs ({kind})", got, ref, tol,
+                                    None if noise is None else
+                                    lambda n=name: (noise(n), largest()))
                 if row is not None:
                     out.append(row)
     return out
@@ -375,10 +378,11 @@ def _compare_state(step: int, world_size: int, records: list[RankRecord], ref: S
                     continue
                 if tensors_close:
                     continue
-                row = reference_row(step, world_size, rank, f"{name}[{key!r}]",
-                                         f"optimizer state {key!r} of {name}",
-                                         "optimizer state differs", got, ref_value, rtol, atol,
-                                         noise=None if noise is None else
+                where = f"{name}[{key!r}]"
+                row = reference_row(At(step, world_size, rank),
+                                    Named(where, f"optimizer state {key!r} of {name}", where),
+                                    "optimizer state differs", got, ref_value, tol,
+                                    noise=None if noise is None else
                                          lambda n=f"{name}[{key!r}]", k=key: (
                                              noise(n), Largest(s.get(k) for s in
                                                                 ref.state.values())()))

@@ -21,9 +21,8 @@ from ddpcheck._oracle.tolerances import (
     scaled_atol,
 )
 
-__all__ = ["CHAOTIC", "NON_FINITE", "Largest", "reference_row", "bitwise_equal", "brief",
-           "chaotic_row", "count_of", "non_finite", "replica_row",
-           "when"]
+__all__ = ["CHAOTIC", "NON_FINITE", "At", "Largest", "Named", "bitwise_equal", "brief",
+           "chaotic_row", "count_of", "non_finite", "reference_row", "replica_row", "when"]
 
 
 #: The kind of a divergence about NaN/inf: the target's fault when a rank holds them where the
@@ -41,6 +40,26 @@ CHAOTIC = "reference chaotic"
 #: What ``Reference.noise`` varies, as the details say it.
 _VARIANTS = ("over other summation orders, losses scaled by W and divided back, and "
              "rounding-level perturbations of the gradients")
+
+
+@dataclasses.dataclass(frozen=True)
+class At:
+    """Where a row stands: the step (``"init"`` before the first), the world size, the rank."""
+
+    step: Any
+    world_size: int
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Named:
+    """How a row names a tensor: ``name`` in its name column, ``what`` in its details (``"optimizer
+    state 'exp_avg' of w"``), ``label`` in a :data:`NON_FINITE` or :data:`CHAOTIC` row's name
+    column (a gradient's is ``NAME.grad``, since those kinds do not say which tensor it is)."""
+
+    name: str
+    what: str
+    label: str
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -82,17 +101,18 @@ def count_of(mask: torch.Tensor) -> str:
     return f"{int(mask.sum())} of {mask.numel()} elements"
 
 
-def reference_row(step: Any, world_size: int, rank: int, name: str, what: str, kind: str,
-                       got: Any, ref: Any, rtol: float, atol: float,
-                       label: str | None = None, noise: Any = None) -> Divergence | None:
+def reference_row(at: At, named: Named, kind: str, got: Any, ref: Any,
+                  tol: tuple[float, float], noise: Any = None) -> Divergence | None:
     """One rank's tensor against the reference's: None when it matches within tolerance, or
     within the reference's own rounding spread there (``noise()``: ``(spread, scale)``, asked
     only when the tolerance alone is exceeded -- the spread a tensor or None, ``Reference.noise``;
     the scale the largest magnitude of the reference's tensors of this kind at this step, what
     ``tolerances.noise_verdict`` measures a bug against).
 
-    ``what`` names the tensor in details; ``label`` in a :data:`NON_FINITE` row's name column
-    (default ``name``: a gradient's is ``NAME.grad``, since the kind does not say)."""
+    ``tol``: ``(rtol, atol)``."""
+    step, world_size, rank = at.step, at.world_size, at.rank
+    name, what, label = named.name, named.what, named.label
+    rtol, atol = tol
     if not torch.is_tensor(ref) or not torch.is_tensor(got) or got.shape != ref.shape:
         return Divergence(step, world_size, rank, name, kind,
                           detail=f"{brief(got)} on rank {rank}, {brief(ref)} in the reference")
@@ -100,7 +120,7 @@ def reference_row(step: Any, world_size: int, rank: int, name: str, what: str, k
     if mask is not None:
         mask = mask & torch.isfinite(ref)
         if bool(mask.any()):
-            return Divergence(step, world_size, rank, label or name, NON_FINITE,
+            return Divergence(step, world_size, rank, label, NON_FINITE,
                               detail=f"rank {rank} has NaN/inf in {what} {when(step)} where the "
                                      f"reference is finite ({count_of(mask)})")
     if close(got, ref, rtol, atol):
@@ -114,8 +134,7 @@ def reference_row(step: Any, world_size: int, rank: int, name: str, what: str, k
         if verdict == "close":
             return None
         if verdict == "chaotic":
-            return chaotic_row(step, world_size, rank, label or name, what, got, ref, rtol,
-                                atol, spread, where, scale)
+            return chaotic_row(at, named, got, ref, tol, (spread, where, scale))
     else:
         spread, where = None, None
     row = Divergence.of(step, world_size, rank, name, kind, got, ref, ("rank", rank),
@@ -129,10 +148,13 @@ def reference_row(step: Any, world_size: int, rank: int, name: str, what: str, k
     return row
 
 
-def chaotic_row(step: Any, world_size: int, rank: int, label: str, what: str,
-                 got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float,
-                 spread: torch.Tensor, where: torch.Tensor, scale: float) -> Divergence:
-    """The row (not the target's fault) for elements the reference cannot pin down."""
+def chaotic_row(at: At, named: Named, got: torch.Tensor, ref: torch.Tensor,
+                tol: tuple[float, float],
+                noise: tuple[torch.Tensor, torch.Tensor, float]) -> Divergence:
+    """The row (not the target's fault) for elements the reference cannot pin down; ``noise``:
+    the reference's spread, where it is chaotic, and the scale a bug is measured against."""
+    step, world_size, rank, label, what = at.step, at.world_size, at.rank, named.label, named.what
+    (rtol, atol), (spread, where, scale) = tol, noise
     diff = (got.double() - ref.double()).abs()[where]
     allowed = scaled_atol(ref, rtol, atol) + rtol * ref.double().abs()[where]
     return Divergence(
@@ -146,9 +168,10 @@ def chaotic_row(step: Any, world_size: int, rank: int, label: str, what: str,
                "target's fault)")
 
 
-def replica_row(step: Any, world_size: int, rank: int, name: str, kind: str,
-                 value: torch.Tensor, other: torch.Tensor) -> Divergence:
-    """Why rank ``rank``'s ``other`` is not bitwise rank 0's ``value``."""
+def replica_row(at: At, name: str, kind: str, value: torch.Tensor,
+                other: torch.Tensor) -> Divergence:
+    """Why rank ``at.rank``'s ``other`` is not bitwise rank 0's ``value``."""
+    step, world_size, rank = at.step, at.world_size, at.rank
     if other.shape != value.shape or other.dtype != value.dtype:
         return Divergence(step, world_size, rank, name, kind,
                           detail=f"{brief(other)} on rank {rank}, {brief(value)} on rank 0")
