@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
-from ddpcheck.errors import DdpcheckError, ExitCode, InvalidArgument
+from ddpcheck._base.errors import DdpcheckError, ExitCode, InvalidArgument
+from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
 
 # ---------------------------------------------------------------------------------------------
 # Options
@@ -66,7 +66,7 @@ class Options:
         self.without = without  # features never exercised (--ddpcheck-without/-dtypes)
         self.device = device  # where the ranks compute (--ddpcheck-device)
         self.backend = backend  # None: the device's own (--ddpcheck-backend)
-        self.request = request  # the options as admitted (runs.admission.Request)
+        self.request = request  # the options as admitted (_runs.admission.Request)
 
     def header(self) -> str:
         sizes = ",".join(map(str, self.world_sizes))
@@ -83,9 +83,9 @@ EXAMPLES = pytest.StashKey[int]()
 
 
 def resolve_options(config: Any) -> Options:
-    """The --ddpcheck-* options, admitted as every door's (``runs.admission``); raises
+    """The --ddpcheck-* options, admitted as every door's (``_runs.admission``); raises
     pytest.UsageError naming the flag."""
-    from ddpcheck._internal.runs.admission import PYTEST, admit
+    from ddpcheck._runs.admission import PYTEST, admit
 
     raw = config.getoption("ddpcheck_world_sizes")
     raw_deadline = config.getoption("ddpcheck_deadline")
@@ -143,9 +143,9 @@ def pytest_report_header(config: Any) -> str | None:
 def pytest_sessionfinish(session: Any, exitstatus: Any) -> None:
     """Stop this process's worlds, and hand the example count to the xdist controller."""
     examples = _examples_run()
-    world = sys.modules.get("ddpcheck._internal.world.worlds")
-    if world is not None:
-        world.shutdown_worlds()
+    registry = sys.modules.get("ddpcheck._world.registry")
+    if registry is not None:
+        registry.shutdown_worlds()
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker
         workeroutput["ddpcheck_examples"] = examples
@@ -258,7 +258,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: Any, config: Any)
 
 
 def _examples_run() -> int:
-    api = sys.modules.get("ddpcheck._internal.runs.example")
+    api = sys.modules.get("ddpcheck._runs.example")
     return getattr(api, "EXAMPLES_RUN", 0) if api is not None else 0
 
 
@@ -303,6 +303,6 @@ def ddpcheck_run(ddpcheck_options: Options) -> Callable[..., Any]:
 
 
 def get_world(world_size: int, device: str = "cpu", backend: str | None = None) -> Any:
-    from ddpcheck._internal.world.worlds import get_world as _get_world
+    from ddpcheck._world.registry import get_world as _get_world
 
     return _get_world(world_size, device=device, backend=backend)

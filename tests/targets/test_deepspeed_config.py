@@ -17,7 +17,7 @@ import torch
 
 import ddpcheck
 from ddpcheck import cli, targets, zoo
-from ddpcheck._internal.runs.replay import evaluate, target_spec
+from ddpcheck._runs.replay import evaluate, target_spec
 from ddpcheck.errors import ExitCode
 from ddpcheck.scenario import Scenario
 from ddpcheck.targets.deepspeed import HARNESS_KEYS, SCENARIO_KEYS, DeepSpeedTarget

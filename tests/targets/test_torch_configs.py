@@ -16,7 +16,7 @@ import torch
 
 import ddpcheck
 from ddpcheck import cli, zoo
-from ddpcheck._internal.runs.replay import evaluate, target_spec
+from ddpcheck._runs.replay import evaluate, target_spec
 from ddpcheck.errors import ExitCode
 from ddpcheck.scenario import Scenario
 from ddpcheck.targets import TorchFSDPTarget, TorchZeroTarget

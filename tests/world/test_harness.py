@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 import ddpcheck
 from ddpcheck import check_example, targets, zoo
-from ddpcheck._internal.runs.replay import from_repr
-from ddpcheck._internal.world import forking
-from ddpcheck._internal.world.worlds import get_world
+from ddpcheck._runs.replay import from_repr
+from ddpcheck._world import forking
+from ddpcheck._world.registry import get_world
 from ddpcheck.scenario import Scenario
 from tests.patience import patience
 
@@ -236,7 +236,7 @@ def test_a_ranks_output_goes_to_its_log_from_its_first_line(tmp_path):
         import os
         print("imported as", __name__, flush=True)
         if __name__ == "__main__":
-            from ddpcheck._internal.world.worlds import get_world
+            from ddpcheck._world.registry import get_world
             world = get_world(2)
             for rank in range(2):
                 print(rank, open(os.path.join(world._dir, f"rank{rank}.log")).read().strip())
@@ -267,7 +267,7 @@ def test_no_rank_outlives_its_harness_process(tmp_path):
     script.write_text(textwrap.dedent("""
         import ddpcheck
         from ddpcheck import targets
-        from ddpcheck._internal.world.worlds import get_world
+        from ddpcheck._world.registry import get_world
         if __name__ == "__main__":
             ddpcheck.assert_equivalent(targets.PARALLEL, world_sizes=(2,))
             print(" ".join(map(str, get_world(2).pids)), flush=True)
@@ -287,7 +287,7 @@ def test_ranks_die_with_a_killed_harness(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent("""
         import time
-        from ddpcheck._internal.world.worlds import get_world
+        from ddpcheck._world.registry import get_world
         if __name__ == "__main__":
             print(" ".join(map(str, get_world(2).pids)), flush=True)
             time.sleep(600)

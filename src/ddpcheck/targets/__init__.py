@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpcheck.errors import InvalidArgument, NothingChecked
-from ddpcheck.features import FEATURES
+from ddpcheck._base.errors import InvalidArgument, NothingChecked
+from ddpcheck._language.features import FEATURES
 from ddpcheck.targets.accelerate import AccelerateTarget
 from ddpcheck.targets.configuration import load_config, reconcile
 from ddpcheck.targets.deepspeed import DeepSpeedTarget
@@ -41,14 +41,14 @@ from ddpcheck.targets.fsdp import (
 )
 from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
-from ddpcheck.targets.protocol import CONSTRUCTOR_CALL, Target, WrapperTarget
+from ddpcheck.targets.protocol import CONSTRUCTOR_CALL, FitRun, Target, WrapperTarget
 from parallel import DDP, ShardedOptimizer
 
 __all__ = ["ACCELERATE", "DEEPSPEED", "DEEPSPEED_ZERO1", "DEEPSPEED_ZERO2", "FABRIC",
            "HF_TRAINER", "LIGHTNING", "LOCAL", "PARALLEL", "PARALLEL_DDP", "TORCH_DDP",
            "TORCH_FSDP", "TORCH_ZERO",
            "TORCH_ZERO_BUCKET_VIEW", "BUILTIN", "TESTED", "CONSTRUCTOR_CALL", "READY_MADE",
-           "AccelerateTarget", "DeepSpeedTarget", "FabricTarget", "HfTrainerTarget",
+           "AccelerateTarget", "DeepSpeedTarget", "FabricTarget", "FitRun", "HfTrainerTarget",
            "LightningTarget", "LocalTarget",
            "ParallelDDPTarget", "ParallelTarget", "ReadyMade", "Target", "TorchDDPTarget",
            "TorchFSDPTarget", "TorchZeroTarget", "WrapperTarget", "ZERO_HARNESS_KEYS",

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ddpcheck.features import FEATURES
+from ddpcheck._language.features import FEATURES
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.protocol import Target

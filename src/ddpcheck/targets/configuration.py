@@ -23,8 +23,8 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ddpcheck._internal.options import did_you_mean
-from ddpcheck.errors import InvalidArgument
+from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._base.options import did_you_mean
 
 __all__ = ["load_config", "reconcile"]
 

@@ -83,9 +83,9 @@ from typing import Any
 
 import torch
 
-from ddpcheck._internal.devices import this_rank
-from ddpcheck.errors import InvalidArgument
-from ddpcheck.features import FEATURES
+from ddpcheck._base.devices import this_rank
+from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._language.features import FEATURES
 from ddpcheck.targets.configuration import load_config, reconcile
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.extensions import build_directory, remove_stale_lock
@@ -432,7 +432,7 @@ def cast_inputs(module: Any, dtype: torch.dtype) -> None:
     """Cast the floating-point inputs of ``module`` and of every module holding parameters of
     its own to ``dtype``: bf16 mode holds the parameters in bfloat16 and casts no input
     (``fp16.auto_cast`` is fp16's), so a real model takes bfloat16 activations; the reference's
-    ``param_dtype`` policy casts the same inputs (``ddpcheck._internal.objective``)."""
+    ``param_dtype`` policy casts the same inputs (``ddpcheck._language.objective``)."""
     def cast(_: Any, args: tuple) -> tuple:
         return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a
                      for a in args)

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from ddpcheck.errors import InvalidArgument
-from ddpcheck.scenario import build_model, local_micro_batches
+from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._language.scenario import build_model, local_micro_batches
 from ddpcheck.targets.configuration import load_config, reconcile
 
 __all__ = ["FSDP_HARNESS_KEYS", "FSDP_SCENARIO_KEYS", "broadcast_from", "fsdp_cannot_run",

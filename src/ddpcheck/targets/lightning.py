@@ -1,6 +1,6 @@
 """The ``lightning`` target: Lightning's ``Trainer.fit`` owns the loop (``Target.fit``).
 
-ddpcheck hands the target this rank's micro-batches (``ddpcheck._internal.training.FitRun``); the
+ddpcheck hands the target this rank's micro-batches (``ddpcheck.targets.FitRun``); the
 target wraps the scenario's model in a ``LightningModule`` whose ``training_step`` returns the
 micro-batch loss and whose ``configure_optimizers`` builds the scenario's optimizer and
 ``ExponentialLR`` (``interval="step"``), and runs ``Trainer(accelerator="cpu", devices=W,
@@ -35,10 +35,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpcheck import features
-from ddpcheck.errors import NothingChecked
-from ddpcheck.features import FEATURES
-from ddpcheck.models import ModelSpec
+from ddpcheck._base.errors import NothingChecked
+from ddpcheck._language import features
+from ddpcheck._language.features import FEATURES
+from ddpcheck._language.models import ModelSpec
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
 
