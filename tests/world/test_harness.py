@@ -42,8 +42,10 @@ def test_builtin_targets_pass_the_battery(name):
     assert report.count + len(report.skipped) == len(BATTERY) * len(ALL_SIZES)
     # torch's DDP declines per-rank registration orders; ZeRO also rejects mixed dtypes, and
     # checkpoints where its consolidate_state_dict cannot run (it needs numpy)
-    declined = {"TORCH_ZERO": ["mixed-dtypes-sum (W=1,2,3,4): needs mixed-dtypes (not in "
-                               "TorchZeroTarget.supported_features)"],
+    # (each with the reason its class declares: Target.declined_features)
+    declined = {"TORCH_ZERO": ["mixed-dtypes-sum (W=1,2,3,4): needs mixed-dtypes (TorchZeroTarget "
+                               "declines it: ZeroRedundancyOptimizer rejects parameters of "
+                               "several dtypes)"],
                 "TORCH_DDP": []}.get(name)
     cls = type(getattr(targets, name)).__name__
     # bfloat16 parameters are the target's to apply: opt-in, and none of these opts in
@@ -52,7 +54,8 @@ def test_builtin_targets_pass_the_battery(name):
     if declined is not None:
         no_numpy = name == "TORCH_ZERO" and importlib.util.find_spec("numpy") is None
         assert sorted(report.skipped_lines()) == sorted(declined + opt_in + [
-            f"rank-orders-adam (W=1,2,3,4): needs rank-orders (not in {cls}.supported_features)"]
+            f"rank-orders-adam (W=1,2,3,4): needs rank-orders ({cls} declines it: torch DDP "
+            'requires "the exact same parameter registration order" on every process)']
             + ["checkpoint-resume (W=1,2,3,4): checkpoint: ZeroRedundancyOptimizer."
                "consolidate_state_dict decodes every rank's shard through numpy (torch 2.13), "
                "which is not installed here"] * no_numpy)

@@ -112,6 +112,9 @@ def why_unsupported(target: Any, feature: str) -> str:
     """Why ``target`` is not checked on ``feature`` (in :func:`supported_by`'s terms)."""
     where = f"not in {type(target).__name__}.supported_features"
     declared = getattr(target, "supported_features", None)
+    reason = (getattr(target, "declined_features", None) or {}).get(feature)
+    if reason is not None and declared is not None and feature not in declared:
+        return f"{type(target).__name__} declines it: {reason}"
     if feature == "tokens" and (declared is None or "tokens" in declared):
         return (f"{where}: its own shard_batch may weigh samples only; declare 'tokens' with it "
                 "once it weighs tokens")

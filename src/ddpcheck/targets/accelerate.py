@@ -29,15 +29,16 @@ Imports accelerate only inside the hooks: listing or pickling the target needs n
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from ddpcheck._language.features import FEATURES
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.protocol import Target
+from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
 __all__ = ["AccelerateTarget"]
 
@@ -52,10 +53,10 @@ class AccelerateTarget(FrameworkTarget):
     accumulation: int = 1  # the scenario's micro-batches per step, set by configure()
 
     steps_every_micro_batch = True
-    # Declined: per-rank registration orders (torch DDP underneath requires one order), and
-    # checkpoints (accelerate saves through save_state/load_state, its own directory format,
-    # not the default hooks' state dicts).
-    supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint"}
+    declined_features: ClassVar[Mapping[str, str]] = {
+        "rank-orders": TORCH_DDP_ORDER,
+        "checkpoint": f"{OWN_CHECKPOINTS} (save_state/load_state, its own directory format)",
+        "param-dtype": NO_PARAM_DTYPE}
 
     def warm_up(self) -> None:
         import accelerate  # noqa: F401  (seconds in a rank: once per process, here)

@@ -79,18 +79,18 @@ import importlib
 import os
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ddpcheck._base.devices import this_rank
 from ddpcheck._base.errors import InvalidArgument
-from ddpcheck._language.features import FEATURES
 from ddpcheck.targets.configuration import load_config, reconcile
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.extensions import build_directory, remove_stale_lock
 from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.protocol import Target
+from ddpcheck.targets.reasons import OWN_CHECKPOINTS
 
 __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "DeepSpeedTarget", "engine_config",
            "precision_decline"]
@@ -199,10 +199,32 @@ class DeepSpeedTarget(FrameworkTarget):
     requires = (("deepspeed", "0.19.0"),)
     steps_every_micro_batch = True
     sharded_gradients = True
-    supported_features = frozenset(FEATURES) - {"float64", "clipping", "unused-everywhere",
-                                                "unused-on-some-ranks", "non-contiguous",
-                                                "param-groups", "buffers", "mixed-dtypes",
-                                                "checkpoint", "rank-orders"}
+    declined_features: ClassVar[Mapping[str, str]] = {
+        "float64": "ZeRO steps float32 master copies of the parameters",
+        "clipping": "gradient_clipping clips inside engine.step(), after gradients are recorded",
+        "unused-everywhere": "ZeRO's flat partitions give an unused parameter a zero gradient "
+                             "and step it (torch leaves it untouched)",
+        "unused-on-some-ranks": "DeepSpeed's bug (bench/deepspeed_unused_parameter.py): each "
+                                "rank all-reduces only the gradients it produced and gloo "
+                                "aborts, though ignore_unused_parameters is documented to "
+                                "ignore them",
+        "non-contiguous": "deepspeed.initialize raises broadcasting a non-contiguous parameter "
+                          "('self.stride(-1) must be 1 to view Float as Byte')",
+        "param-groups": "safe_get_full_optimizer_state raises 'exp_avg not found in optimizer "
+                        "state fragment' for a second group's parameter: its state cannot be "
+                        "read",
+        "buffers": "the engine broadcasts parameters only (_broadcast_model walks "
+                   "named_parameters()): buffers initialised differently per rank stay "
+                   "different",
+        "mixed-dtypes": "ddpcheck's mixed dtypes are float32 layers in a float64 model, and "
+                        "float64 is declined",
+        "checkpoint": f"{OWN_CHECKPOINTS} (engine.save_checkpoint)",
+        "rank-orders": "ZeRO partitions parameters in registration order, which must be the "
+                       "same on every rank",
+        "param-dtype": "DeepSpeed's bf16 mode reduces and accumulates gradients in bfloat16 "
+                       "unless the config sets communication_data_type and "
+                       "data_types.grad_accum_dtype to 'fp32' (DeepSpeedTarget(config=...)); "
+                       "with both, it applies the policy"}
 
     def __post_init__(self) -> None:
         given = load_config(self.config, target="DeepSpeedTarget")

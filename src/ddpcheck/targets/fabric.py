@@ -17,15 +17,16 @@ Imports Lightning only inside the hooks: listing or pickling the target needs no
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from ddpcheck._language.features import FEATURES
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
+from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
 __all__ = ["FabricTarget"]
 
@@ -36,9 +37,10 @@ class FabricTarget(FrameworkTarget):
 
     requires = (("lightning", "2.0.9"),)  # the oldest release tried (docs/frameworks.md)
 
-    # Declined: per-rank registration orders (torch DDP underneath requires one order), and
-    # checkpoints (Fabric saves through fabric.save/fabric.load, not the default hooks).
-    supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint"}
+    declined_features: ClassVar[Mapping[str, str]] = {
+        "rank-orders": TORCH_DDP_ORDER,
+        "checkpoint": f"{OWN_CHECKPOINTS} (fabric.save/fabric.load)",
+        "param-dtype": NO_PARAM_DTYPE}
 
     def warm_up(self) -> None:
         import lightning.fabric  # noqa: F401  (seconds in a rank: once per process, here)

@@ -58,15 +58,15 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language import objective
-from ddpcheck._language.features import FEATURES
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
+from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
 __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "HfTrainerTarget", "ScenarioCausalLM",
            "ScenarioCausalLMWithoutLossKwargs", "arguments"]
@@ -171,11 +171,13 @@ class HfTrainerTarget(FrameworkTarget):
     loss_kwargs: bool = True
     trainer_class: Any = None
 
-    # Declined: per-rank registration orders (torch DDP underneath requires one order);
-    # checkpoints (the Trainer resumes from its own checkpoint folders, which this loop does not
-    # drive); gradients kept zeroed (the Trainer clears them with model.zero_grad(), which sets
-    # them to None, after every step).
-    supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint", "grads-kept"}
+    declined_features: ClassVar[Mapping[str, str]] = {
+        "rank-orders": TORCH_DDP_ORDER,
+        "checkpoint": f"{OWN_CHECKPOINTS} (the Trainer's checkpoint folders, which this loop "
+                      "does not drive)",
+        "grads-kept": "the Trainer clears gradients with model.zero_grad(), which sets them to "
+                      "None, after every step",
+        "param-dtype": NO_PARAM_DTYPE}
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_given", _given(self.training_args))

@@ -30,17 +30,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from ddpcheck._base.errors import NothingChecked
 from ddpcheck._language import features
-from ddpcheck._language.features import FEATURES
 from ddpcheck._language.models import ModelSpec
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
+from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
 __all__ = ["LightningTarget"]
 
@@ -54,9 +55,11 @@ class LightningTarget(FrameworkTarget):
     manual: bool = False  # manual optimization instead of automatic
     static_graph: bool = False  # DDPStrategy(static_graph=True)
 
-    # Declined: per-rank registration orders (torch DDP underneath), checkpoints (the Trainer
-    # resumes from its own .ckpt files, which this loop does not drive).
-    supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint"}
+    declined_features: ClassVar[Mapping[str, str]] = {
+        "rank-orders": TORCH_DDP_ORDER,
+        "checkpoint": f"{OWN_CHECKPOINTS} (the Trainer's .ckpt files, which this loop does not "
+                      "drive)",
+        "param-dtype": NO_PARAM_DTYPE}
 
     def warm_up(self) -> None:
         import lightning.pytorch  # noqa: F401  (seconds in a rank: once per process, here)

@@ -65,13 +65,15 @@ import dataclasses
 import inspect
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, runtime_checkable
+from types import MappingProxyType
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language.batches import BatchPlan, GlobalBatch, contiguous
+from ddpcheck._language.features import FEATURES, OPT_IN
 from ddpcheck._language.training import (
     FitRun,  # what Target.fit gets: part of the protocol
     optimizer_kwargs,
@@ -106,6 +108,28 @@ class Target:
     #: written for per-sample losses is not judged on token losses unless it says it weighs them.
     #: Scenarios needing another are not generated, and battery scenarios are skipped naming it.
     supported_features: frozenset[str] | None = None
+    #: The features this target declines, each with why (``{feature: reason}``): declaring them
+    #: declares every other feature supported -- a class sets this or ``supported_features``, not
+    #: both (:meth:`__init_subclass__` derives one from the other). ``ddpcheck targets`` prints
+    #: the reasons, and an example declined for one of them quotes it. An opt-in feature
+    #: (``ddpcheck.features.OPT_IN``) listed here stays governed by its flag: the reason is why
+    #: the flag is unset.
+    declined_features: ClassVar[Mapping[str, str]] = MappingProxyType({})
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        declined = cls.__dict__.get("declined_features")
+        if declined is None:
+            return
+        if "supported_features" in cls.__dict__:
+            raise TypeError(f"{cls.__name__} declares both supported_features and "
+                            "declined_features: declare one (the other follows from it)")
+        unknown = sorted(set(declined) - set(FEATURES))
+        if unknown:
+            raise TypeError(f"{cls.__name__}.declined_features names {unknown}, which are not "
+                            f"features (ddpcheck.features.FEATURES)")
+        cls.declined_features = MappingProxyType(dict(declined))
+        cls.supported_features = frozenset(FEATURES) - (set(declined) - set(OPT_IN))
     #: True when the optimizer itself averages gradients inside ``step()`` (ZeRO-2 style, no
     #: wrapper in front): gradients are then recorded after the step, not before it.
     gradients_synchronized_in_step: bool = False
