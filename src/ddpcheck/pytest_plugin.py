@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
-from ddpcheck.errors import DdpcheckError, ExitCode, InvalidArgument
+from ddpcheck._base.errors import DdpcheckError, ExitCode, InvalidArgument
+from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
 
 # ---------------------------------------------------------------------------------------------
 # Options
@@ -89,9 +89,9 @@ EXAMPLES = pytest.StashKey[int]()
 
 
 def resolve_options(config: Any) -> Options:
-    """The --ddpcheck-* options, admitted as every door's (``runs.admission``); raises
+    """The --ddpcheck-* options, admitted as every door's (``_runs.admission``); raises
     pytest.UsageError naming the flag."""
-    from ddpcheck._internal.runs.admission import PYTEST, admit, config_value
+    from ddpcheck._runs.admission import PYTEST, admit, config_value
 
     raw = config.getoption("ddpcheck_world_sizes")
     raw_deadline = config.getoption("ddpcheck_deadline")
@@ -153,9 +153,9 @@ def pytest_report_header(config: Any) -> str | None:
 def pytest_sessionfinish(session: Any, exitstatus: Any) -> None:
     """Stop this process's worlds, and hand the example count to the xdist controller."""
     examples = _examples_run()
-    world = sys.modules.get("ddpcheck._internal.world.worlds")
-    if world is not None:
-        world.shutdown_worlds()
+    registry = sys.modules.get("ddpcheck._world.registry")
+    if registry is not None:
+        registry.shutdown_worlds()
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker
         workeroutput["ddpcheck_examples"] = examples
@@ -268,7 +268,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: Any, config: Any)
 
 
 def _examples_run() -> int:
-    api = sys.modules.get("ddpcheck._internal.runs.example")
+    api = sys.modules.get("ddpcheck._runs.example")
     return getattr(api, "EXAMPLES_RUN", 0) if api is not None else 0
 
 
@@ -300,7 +300,7 @@ def ddpcheck_run(ddpcheck_options: Options) -> Callable[..., Any]:
         import ddpcheck
 
         if ddpcheck_options.config is not None:
-            from ddpcheck._internal.runs.admission import configured
+            from ddpcheck._runs.admission import configured
 
             target = configured(target, ddpcheck_options.config, flag="--ddpcheck-config")
         # a door of its own: the target and scenario are admitted there
@@ -318,6 +318,6 @@ def ddpcheck_run(ddpcheck_options: Options) -> Callable[..., Any]:
 
 
 def get_world(world_size: int, device: str = "cpu", backend: str | None = None) -> Any:
-    from ddpcheck._internal.world.worlds import get_world as _get_world
+    from ddpcheck._world.registry import get_world as _get_world
 
     return _get_world(world_size, device=device, backend=backend)

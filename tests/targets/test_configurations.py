@@ -20,7 +20,7 @@ import torch
 
 import ddpcheck
 from ddpcheck import cli, targets, zoo
-from ddpcheck._internal.runs.replay import evaluate, target_spec
+from ddpcheck._runs.replay import evaluate, target_spec
 from ddpcheck.errors import ExitCode
 from ddpcheck.scenario import Scenario
 from ddpcheck.targets.configuration import load_config, reconcile
@@ -217,7 +217,7 @@ def test_a_configured_target_is_rebuilt_by_its_replay_line(tmp_path):
         rebuilt = evaluate(spec)
         assert rebuilt == target and vars(rebuilt) == vars(target), spec
     # what --config builds: the ready-made target with config=, replayed without --config
-    from ddpcheck._internal.runs.admission import resolve_target
+    from ddpcheck._runs.admission import resolve_target
 
     built = resolve_target("accelerate", path)
     assert built == targets.AccelerateTarget(config=path)

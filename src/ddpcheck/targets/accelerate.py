@@ -49,12 +49,11 @@ import copy
 import dataclasses
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from ddpcheck.errors import InvalidArgument
-from ddpcheck.features import FEATURES
+from ddpcheck._base.errors import InvalidArgument
 from ddpcheck.targets import ddp_options
 from ddpcheck.targets.configuration import (
     build,
@@ -67,7 +66,8 @@ from ddpcheck.targets.configuration import (
 )
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
-from ddpcheck.targets.protocol import Target
+from ddpcheck.targets.protocol import Target, supported_but
+from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
 __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "AccelerateTarget"]
 
@@ -121,6 +121,11 @@ class AccelerateTarget(FrameworkTarget):
 
     steps_every_micro_batch = True
 
+    declined_features: ClassVar[Mapping[str, str]] = {
+        "rank-orders": TORCH_DDP_ORDER,
+        "checkpoint": f"{OWN_CHECKPOINTS} (save_state/load_state, its own directory format)",
+        "param-dtype": NO_PARAM_DTYPE}
+
     def __post_init__(self) -> None:
         where = described("AccelerateTarget", self.config)
         given = load_config(self.config, target=where)
@@ -139,12 +144,10 @@ class AccelerateTarget(FrameworkTarget):
 
     @property
     def supported_features(self) -> frozenset[str]:  # type: ignore[override]
-        # Declined: per-rank registration orders (torch DDP underneath requires one order), and
-        # checkpoints (accelerate saves through save_state/load_state, its own directory format,
-        # not the default hooks' state dicts); unused parameters, where the user's DDP options
-        # do not look for them (ddp_options).
+        # declined_features, and unused parameters where the user's DDP options do not look
+        # for them (ddp_options)
         ddp = self._ddp
-        return frozenset(FEATURES) - {"rank-orders", "checkpoint"} - ddp_options.declined(ddp)
+        return supported_but(self.declined_features) - ddp_options.declined(ddp)
 
     def supports(self, scenario: Any) -> str | None:
         given = vars(self)["_given"]

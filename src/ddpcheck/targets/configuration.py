@@ -30,8 +30,8 @@ import os
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from ddpcheck._internal.options import did_you_mean
-from ddpcheck.errors import InvalidArgument
+from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._base.options import did_you_mean
 
 __all__ = ["RULE", "build", "construct", "described", "has", "keywords_of", "load_config", "lookup",
            "reconcile", "same"]

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddpcheck import features
-from ddpcheck.models import ModelSpec
+from ddpcheck._language import features
+from ddpcheck._language.models import ModelSpec
 
 __all__ = ["UNUSED", "cannot_run", "declined", "usage_varies"]
 

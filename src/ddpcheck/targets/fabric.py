@@ -30,13 +30,13 @@ listing or pickling the target needs no Lightning.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from ddpcheck.features import FEATURES
 from ddpcheck.targets import ddp_options, lightning_strategy
 from ddpcheck.targets.configuration import (
     construct,
@@ -47,6 +47,8 @@ from ddpcheck.targets.configuration import (
 )
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
+from ddpcheck.targets.protocol import supported_but
+from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
 __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "FabricTarget"]
 
@@ -73,6 +75,11 @@ class FabricTarget(FrameworkTarget):
 
     config: Any = None  # Fabric(**config): the module docstring
 
+    declined_features: ClassVar[Mapping[str, str]] = {
+        "rank-orders": TORCH_DDP_ORDER,
+        "checkpoint": f"{OWN_CHECKPOINTS} (fabric.save/fabric.load)",
+        "param-dtype": NO_PARAM_DTYPE}
+
     def __post_init__(self) -> None:
         where = described("FabricTarget", self.config)
         given = load_config(self.config, target=where)
@@ -83,11 +90,10 @@ class FabricTarget(FrameworkTarget):
 
     @property
     def supported_features(self) -> frozenset[str]:  # type: ignore[override]
-        # Declined: per-rank registration orders (torch DDP underneath requires one order), and
-        # checkpoints (Fabric saves through fabric.save/fabric.load, not the default hooks);
-        # unused parameters, where the strategy's DDP does not look for them (ddp_options).
+        # declined_features, and unused parameters where the user's DDP options do not look
+        # for them (ddp_options)
         ddp = vars(self)["_ddp"]
-        return frozenset(FEATURES) - {"rank-orders", "checkpoint"} - ddp_options.declined(ddp)
+        return supported_but(self.declined_features) - ddp_options.declined(ddp)
 
     def supports(self, scenario: Any) -> str | None:
         return ddp_options.cannot_run(scenario, **vars(self)["_ddp"],

@@ -3,7 +3,7 @@
 Per example and rank: the scenario's model wrapped as a causal LM (:class:`ScenarioCausalLM`),
 ``TrainingArguments`` built from the scenario and the user's own arguments (:func:`arguments`), and
 a ``Trainer`` subclass whose ``get_train_dataloader`` yields this rank's micro-batches in order
-(``ddpcheck._internal.training.FitRun``: each rank fed its own, as ddpcheck's batch rule cuts the
+(``ddpcheck.targets.FitRun``: each rank fed its own, as ddpcheck's batch rule cuts the
 global batch; accelerate does not prepare the loader, so it neither shards nor samples it). The
 Trainer gets the scenario's optimizer and LR schedule through ``Trainer(optimizers=(optimizer,
 scheduler))`` -- an ``ExponentialLR``, or a constant ``LambdaLR`` where the scenario has none,
@@ -26,7 +26,7 @@ world size against DDP's average and does not divide by the accumulation. Withou
 the Trainer passes nothing, the loss is the mean over the micro-batch's own terms (the older
 convention, the ``reduction="mean"`` of HF's models), and the Trainer divides it by the
 accumulation steps -- right only when every micro-batch holds as many terms
-(huggingface/transformers #34191). The terms are the scenario's (``ddpcheck._internal.objective``):
+(huggingface/transformers #34191). The terms are the scenario's (``ddpcheck._language.objective``):
 a token's cross-entropy (labels already the next tokens, so the model shifts nothing and declares
 no ``loss_type``, and the Trainer counts ``labels`` as they are), or a sample's squared error
 summed over its outputs -- the Trainer counts each label element as an item, so a per-sample loss
@@ -61,17 +61,17 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
 
 import torch
 
-from ddpcheck._internal import objective
-from ddpcheck.errors import InvalidArgument, NothingChecked
-from ddpcheck.features import FEATURES
+from ddpcheck._base.errors import InvalidArgument, NothingChecked
+from ddpcheck._language import objective
 from ddpcheck.targets.configuration import described, load_config, reconcile
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
+from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
 __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "HfTrainerTarget", "ScenarioCausalLM",
            "ScenarioCausalLMWithoutLossKwargs", "arguments"]
@@ -179,11 +179,13 @@ class HfTrainerTarget(FrameworkTarget):
     trainer_class: Any = None
     config: Any = None
 
-    # Declined: per-rank registration orders (torch DDP underneath requires one order);
-    # checkpoints (the Trainer resumes from its own checkpoint folders, which this loop does not
-    # drive); gradients kept zeroed (the Trainer clears them with model.zero_grad(), which sets
-    # them to None, after every step).
-    supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint", "grads-kept"}
+    declined_features: ClassVar[Mapping[str, str]] = {
+        "rank-orders": TORCH_DDP_ORDER,
+        "checkpoint": f"{OWN_CHECKPOINTS} (the Trainer's checkpoint folders, which this loop "
+                      "does not drive)",
+        "grads-kept": "the Trainer clears gradients with model.zero_grad(), which sets them to "
+                      "None, after every step",
+        "param-dtype": NO_PARAM_DTYPE}
 
     def __post_init__(self) -> None:
         if self.config is not None and self.training_args is not None:

@@ -1,6 +1,6 @@
 """The ``lightning`` target: Lightning's ``Trainer.fit`` owns the loop (``Target.fit``).
 
-ddpcheck hands the target this rank's micro-batches (``ddpcheck._internal.training.FitRun``); the
+ddpcheck hands the target this rank's micro-batches (``ddpcheck.targets.FitRun``); the
 target wraps the scenario's model in a ``LightningModule`` whose ``training_step`` returns the
 micro-batch loss and whose ``configure_optimizers`` builds the scenario's optimizer and
 ``ExponentialLR`` (``interval="step"``), and runs ``Trainer(accelerator="cpu", devices=W,
@@ -46,13 +46,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from ddpcheck.errors import InvalidArgument, NothingChecked
-from ddpcheck.features import FEATURES
+from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck.targets import ddp_options, lightning_strategy
 from ddpcheck.targets.configuration import (
     construct,
@@ -63,6 +63,8 @@ from ddpcheck.targets.configuration import (
 )
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
+from ddpcheck.targets.protocol import supported_but
+from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
 __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "LightningTarget"]
 
@@ -107,6 +109,12 @@ class LightningTarget(FrameworkTarget):
     static_graph: bool = False  # DDPStrategy(static_graph=True)
     config: Any = None  # Trainer(**config): the module docstring
 
+    declined_features: ClassVar[Mapping[str, str]] = {
+        "rank-orders": TORCH_DDP_ORDER,
+        "checkpoint": f"{OWN_CHECKPOINTS} (the Trainer's .ckpt files, which this loop does not "
+                      "drive)",
+        "param-dtype": NO_PARAM_DTYPE}
+
     def __post_init__(self) -> None:
         where = described("LightningTarget", self.config)
         given = load_config(self.config, target=where)
@@ -122,11 +130,10 @@ class LightningTarget(FrameworkTarget):
 
     @property
     def supported_features(self) -> frozenset[str]:  # type: ignore[override]
-        # Declined: per-rank registration orders (torch DDP underneath), checkpoints (the Trainer
-        # resumes from its own .ckpt files, which this loop does not drive); unused parameters,
-        # where the strategy's DDP does not look for them (ddp_options).
+        # declined_features, and unused parameters where the user's DDP options do not look
+        # for them (ddp_options)
         ddp = vars(self)["_ddp"]
-        return frozenset(FEATURES) - {"rank-orders", "checkpoint"} - ddp_options.declined(ddp)
+        return supported_but(self.declined_features) - ddp_options.declined(ddp)
 
     def warm_up(self) -> None:
         import lightning.pytorch  # noqa: F401  (seconds in a rank: once per process, here)

@@ -20,8 +20,8 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from ddpcheck._internal.options import did_you_mean
-from ddpcheck.errors import InvalidArgument
+from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._base.options import did_you_mean
 from ddpcheck.targets.configuration import keywords_of
 
 __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "make", "options_of", "view"]
