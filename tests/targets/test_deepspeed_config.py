@@ -142,8 +142,8 @@ def test_the_config_is_read_from_a_json_file_and_replayed(tmp_path):
     (tmp_path / "broken.json").write_text('{"zero_optimization": {"stage": 2,}}')
     with pytest.raises(ddpcheck.InvalidArgument, match=r"broken.json.*not valid JSON \(line 1"):
         DeepSpeedTarget(config=str(tmp_path / "broken.json"))
-    with pytest.raises(ddpcheck.InvalidArgument, match=r"missing\.json.*cannot read"):
+    with pytest.raises(ddpcheck.InvalidArgument, match=r"missing\.json.*cannot be read"):
         DeepSpeedTarget(config=str(tmp_path / "missing.json"))
     (tmp_path / "list.json").write_text("[1, 2]")
-    with pytest.raises(ddpcheck.InvalidArgument, match="one JSON object"):
+    with pytest.raises(ddpcheck.InvalidArgument, match="must hold an object"):
         DeepSpeedTarget(config=str(tmp_path / "list.json"))

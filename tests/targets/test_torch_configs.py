@@ -67,7 +67,7 @@ def test_refused_keys_are_named_when_the_target_is_built(capsys):
     for part in ("'mp_policy.param_dtype' is the scenario's",
                  "'mp_policy.output_dtype' is the scenario's", "'ignored_params'={1} contradicts",
                  "'mp_policy.cast_forward_inputs'=False contradicts",
-                 "'reshard_after_froward' is no option of the framework (did you mean "
+                 "'reshard_after_froward' is no keyword argument (did you mean "
                  "'reshard_after_forward'?)"):
         assert part in message, message
     assert "'mesh'" not in message  # None: what the target sets
