@@ -8,7 +8,7 @@ Prints (not a test, no assertion):
    -- on the same 16.8 M-parameter MLP stack, gloo, W=2, in the same world. Repetitions
    interleave the variants (rotating which goes first) and each repetition's time is the slower
    rank's; the figure is the median of per-repetition ratios (ours / torch's). Target: <= 1.0.
-2. the overlap, from a ``ddpcheck._internal.runs.trace`` recording of one parallel.DDP step: when
+2. the overlap, from a ``ddpcheck._runs.trace`` recording of one parallel.DDP step: when
    each bucket's all-reduce was launched and completed, against the end of backward.
 
 Run: ``python bench/ddp_vs_torch.py [repetitions]`` (about a minute on 2 cores);
@@ -50,7 +50,7 @@ def bench_data(seed: int, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor,
 def _variants():
     from torch.nn.parallel import DistributedDataParallel
 
-    from ddpcheck._internal.devices import to_rank_device
+    from ddpcheck._base.devices import to_rank_device
     from parallel import DDP
 
     def build(wrap):
@@ -80,7 +80,7 @@ def _step(name: str, model, optimizer, x, y) -> None:
 def _rank_time(repetitions: int, warmup: int = 3) -> dict[str, list[float]]:
     import torch.distributed as dist
 
-    from ddpcheck._internal.devices import to_rank_device
+    from ddpcheck._base.devices import to_rank_device
 
     variants = _variants()
     names = list(variants)
@@ -106,7 +106,7 @@ def _rank_profile(steps: int) -> str:
 
     import torch.distributed as dist
 
-    from ddpcheck._internal.devices import to_rank_device
+    from ddpcheck._base.devices import to_rank_device
 
     model, optimizer = _variants()["parallel.DDP"]
     x, y = to_rank_device([bench_data(dist.get_rank(), BATCH, torch.float32)])[0]
@@ -123,7 +123,7 @@ def _rank_profile(steps: int) -> str:
 
 
 def step_time(repetitions: int, device: str = "cpu") -> None:
-    from ddpcheck._internal.world.worlds import get_world
+    from ddpcheck._world.registry import get_world
 
     world = get_world(2, device=device)
     per_rank = world.run(_rank_time, repetitions, deadline=600)
@@ -144,8 +144,8 @@ def step_time(repetitions: int, device: str = "cpu") -> None:
 
 
 def overlap(device: str = "cpu") -> None:
-    from ddpcheck._internal.runs.trace import record_step
-    from ddpcheck._internal.world.worlds import get_world
+    from ddpcheck._runs.trace import record_step
+    from ddpcheck._world.registry import get_world
     from ddpcheck.scenario import Scenario
     from ddpcheck.targets import PARALLEL_DDP
 
@@ -191,7 +191,7 @@ if __name__ == "__main__":
               f"(NCCL, one rank per GPU) and this machine has {gpus}")
         sys.exit(0)
     if "--profile" in args:
-        from ddpcheck._internal.world.worlds import get_world
+        from ddpcheck._world.registry import get_world
 
         print(get_world(2, device=device).run(_rank_profile, 20, deadline=600)[0])
     else:

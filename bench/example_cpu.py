@@ -23,9 +23,9 @@ import time
 import torch
 
 from ddpcheck import targets
-from ddpcheck._internal.runs import example
-from ddpcheck._internal.runs.fuzz import fuzz
-from ddpcheck._internal.world.worlds import get_world
+from ddpcheck._runs import example
+from ddpcheck._runs.fuzz import fuzz
+from ddpcheck._world.registry import get_world
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -1,5 +1,5 @@
 """The first verdict of ``ddpcheck check`` on the mutant catalogue: the battery, then the search
-for a smaller counterexample (``runs.smaller``) -- what it finds, in how many examples and seconds.
+for a smaller counterexample (``_runs.smaller``) -- what it finds, in how many examples and seconds.
 
 Per mutant (the catalogue's, or ``--only``): ``assert_equivalent`` at ``--world-sizes`` (check's
 battery, world sizes in order) until it fails, then ``smaller.first_verdict`` as check runs it.
@@ -22,9 +22,9 @@ import warnings
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import ddpcheck  # noqa: E402
-from ddpcheck._internal.messages import scenario_line  # noqa: E402
-from ddpcheck._internal.options import parse_world_sizes  # noqa: E402
-from ddpcheck._internal.runs import smaller  # noqa: E402
+from ddpcheck._base.options import parse_world_sizes  # noqa: E402
+from ddpcheck._language.messages import scenario_line  # noqa: E402
+from ddpcheck._runs import smaller  # noqa: E402
 from ddpcheck.errors import EquivalenceError  # noqa: E402
 from ddpcheck.mutation.catalogue import CATALOGUE  # noqa: E402
 

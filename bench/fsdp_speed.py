@@ -19,8 +19,8 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 import torch  # noqa: E402
 
 from ddpcheck import check_example, targets, zoo  # noqa: E402
-from ddpcheck._internal.runs.example import prepare_reference  # noqa: E402
-from ddpcheck._internal.world.worlds import shutdown_worlds  # noqa: E402
+from ddpcheck._runs.example import prepare_reference  # noqa: E402
+from ddpcheck._world.registry import shutdown_worlds  # noqa: E402
 from ddpcheck.scenario import Scenario  # noqa: E402
 
 SCENARIOS = [Scenario(zoo.MLP, global_batch=8, steps=1, seed=s) for s in range(3)] + [

@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 
 from ddpcheck import check_example, targets, zoo
-from ddpcheck._internal.rank.runner import run_example
-from ddpcheck._internal.runs.example import prepare_reference
-from ddpcheck._internal.world.worlds import World, get_world, shutdown_worlds
+from ddpcheck._rank.runner import run_example
+from ddpcheck._runs.example import prepare_reference
+from ddpcheck._world.registry import get_world, shutdown_worlds
+from ddpcheck._world.worlds import World
 from ddpcheck.scenario import Scenario
 
 SCENARIOS = [Scenario(zoo.MLP, global_batch=8, steps=1, seed=s) for s in range(3)] + [
@@ -63,7 +64,7 @@ def _collectives_of_one_example(world_size: int, scenario: Scenario) -> list[tup
 
 
 def _run_and_log(target, scenario):
-    from ddpcheck._internal.rank import recorder as comm
+    from ddpcheck._rank import recorder as comm
 
     comm.reset()
     run_example(target, scenario)

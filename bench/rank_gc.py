@@ -1,8 +1,8 @@
 """What the collector costs a rank: its start-up objects frozen (``gc.freeze()`` at the end of
-``rank.serve``'s start-up, as ranks run now) against the same rank with them unfrozen.
+``_rank.serve``'s start-up, as ranks run now) against the same rank with them unfrozen.
 
 A task that leaves a process group behind (frameworks create their own groups; hand-written ZeRO
-does) makes the fitness check run a full ``gc.collect()`` (``rank.fitness``), which, unfrozen,
+does) makes the fitness check run a full ``gc.collect()`` (``_rank.fitness``), which, unfrozen,
 walks the ~285k objects torch and dynamo imported. Prints, side by side in one persistent W=2
 world, interleaved: one full collection in a rank, and the wall and CPU per example of a target
 that creates one process group per example (machine CPU, every process).
@@ -52,7 +52,7 @@ def _machine_cpu() -> float:
 
 
 def _per_example(world, n: int) -> tuple[float, float]:
-    from ddpcheck._internal.rank.runner import run_example_packed
+    from ddpcheck._rank.runner import run_example_packed
 
     scenario = Scenario()
     cpu, wall = _machine_cpu(), time.perf_counter()
@@ -66,8 +66,8 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from ddpcheck._internal.rank.runner import run_example_packed
-    from ddpcheck._internal.world.worlds import get_world, shutdown_worlds
+    from ddpcheck._rank.runner import run_example_packed
+    from ddpcheck._world.registry import get_world, shutdown_worlds
 
     world = get_world(2)
     world.run(run_example_packed, MakesAGroup(), Scenario())  # warm: the target imported

@@ -20,10 +20,11 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 import torch.distributed as dist  # noqa: E402
 
 from ddpcheck import check_example, targets  # noqa: E402
-from ddpcheck._internal.rank import recorder as comm  # noqa: E402
-from ddpcheck._internal.runs import example as api  # noqa: E402
-from ddpcheck._internal.runs.example import prepare_reference  # noqa: E402
-from ddpcheck._internal.world.worlds import World, get_world, shutdown_worlds  # noqa: E402
+from ddpcheck._rank import recorder as comm  # noqa: E402
+from ddpcheck._runs import example as api  # noqa: E402
+from ddpcheck._runs.example import prepare_reference  # noqa: E402
+from ddpcheck._world.registry import get_world, shutdown_worlds  # noqa: E402
+from ddpcheck._world.worlds import World  # noqa: E402
 from ddpcheck.scenario import Scenario  # noqa: E402
 
 

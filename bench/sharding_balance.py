@@ -102,7 +102,7 @@ def _rank_time(shapes: list[tuple[int, ...]], repetitions: int) -> dict[str, lis
 
 
 def step_time(repetitions: int = 15) -> None:
-    from ddpcheck._internal.world.worlds import get_world
+    from ddpcheck._world.registry import get_world
 
     shapes = MODELS["gpt-char (10.7M)"]
     times = get_world(2).run(_rank_time, shapes, repetitions, deadline=600)[0]

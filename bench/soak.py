@@ -22,7 +22,7 @@ seed each, over ``local`` at W=1 and ``parallel``, ``torch_ddp``, ``torch_zero``
 ran. A false alarm stops that target's chunk and is printed shrunk, with its replay line. It
 counts, where ``fuzz`` runs each example, the dtypes, precision policies and world sizes; the
 examples declined because the reference is chaotic (its own rounding spread as large as a bug,
-``oracle.tolerances.noise_verdict``); and the examples whose judgement computed the reference's
+``_oracle.tolerances.noise_verdict``); and the examples whose judgement computed the reference's
 noise variants at all (a comparison beyond the fixed tolerance), printing each.
 
 ``--whole-step`` makes every scenario use at least one feature of the whole training step --
@@ -59,10 +59,10 @@ import torch  # noqa: E402
 import ddpcheck  # noqa: E402
 from ddpcheck import batches, check_example, targets, zoo  # noqa: E402
 from ddpcheck import strategies as dst  # noqa: E402
-from ddpcheck._internal.oracle.compare import CHAOTIC  # noqa: E402
-from ddpcheck._internal.oracle.reference import noise_computed  # noqa: E402
-from ddpcheck._internal.runs.example import prepare_reference  # noqa: E402
-from ddpcheck._internal.world.worlds import shutdown_worlds  # noqa: E402
+from ddpcheck._oracle.compare import CHAOTIC  # noqa: E402
+from ddpcheck._oracle.reference import noise_computed  # noqa: E402
+from ddpcheck._runs.example import prepare_reference  # noqa: E402
+from ddpcheck._world.registry import shutdown_worlds  # noqa: E402
 from ddpcheck.features import FEATURES, declines, of  # noqa: E402
 from ddpcheck.scenario import Scenario  # noqa: E402
 from parallel import DDP, ShardedOptimizer  # noqa: E402
@@ -179,7 +179,7 @@ STRATEGY_TARGETS = [("local", targets.LOCAL, (1,)), ("parallel", targets.PARALLE
 
 class _Tally:
     """What the --strategies soak counts of every example ``fuzz`` runs, seen where ``fuzz``
-    runs them (``runs.pipeline.one_behind_the_other``, wrapped by :meth:`watching`): dtypes and
+    runs them (``_runs.pipeline.one_behind_the_other``, wrapped by :meth:`watching`): dtypes and
     precision policies, world sizes above the global batch, the examples declined as chaotic, and
     those whose judgement computed the reference's noise variants (printed)."""
 
@@ -228,7 +228,7 @@ COUNTED = ("float64", "float32", "autocast bfloat16", "autocast float16", "param
 def strategies_soak(examples: int, seed: int, chunk: int = 500,
                     max_seconds: float | None = None) -> int:
     """``ddpcheck.fuzz`` -- check's random examples -- over STRATEGY_TARGETS in turn."""
-    from ddpcheck._internal.runs import fuzz as fuzzing
+    from ddpcheck._runs import fuzz as fuzzing
 
     started = time.perf_counter()
     ran: collections.Counter = collections.Counter()

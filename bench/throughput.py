@@ -7,7 +7,7 @@ them alike), the medians of:
   harness without persistent worlds pays per example (in this process, torch already imported);
   the issue's baseline;
 - fork-per-example: the same with the ranks forked from ddpcheck's fork server, which imported
-  torch once (``_internal.world.forking``; how ddpcheck starts its worlds now): a harness
+  torch once (``_world.forking``; how ddpcheck starts its worlds now): a harness
   without persistent worlds could do that too, so the ratio against it is printed as well;
 - first verdict: `ddpcheck check --world-sizes W --examples 1 --seed S` as a whole process
   (interpreter, imports, world start-up, the built-in battery, one random example);
@@ -33,8 +33,9 @@ import time
 
 import ddpcheck
 from ddpcheck import targets
-from ddpcheck._internal.runs.example import check_example
-from ddpcheck._internal.world.worlds import World, shutdown_worlds
+from ddpcheck._runs.example import check_example
+from ddpcheck._world.registry import shutdown_worlds
+from ddpcheck._world.worlds import World
 from ddpcheck.battery import BATTERY
 
 
@@ -43,7 +44,7 @@ def _fresh_world_example(world_size: int, start_method: str) -> float:
     started = time.perf_counter()
     world = World(world_size, start_method=start_method).start()
     try:
-        from ddpcheck._internal.rank.runner import run_example_packed
+        from ddpcheck._rank.runner import run_example_packed
 
         _, scenario = BATTERY[0]
         world.run(run_example_packed, targets.PARALLEL, scenario)
@@ -55,7 +56,7 @@ def _fresh_world_example(world_size: int, start_method: str) -> float:
 def _drawn(world_size: int, examples: int, seed: int) -> list:
     """The scenarios ``fuzz(PARALLEL)`` runs at ``world_size`` with ``seed``: captured while it
     runs them, so Hypothesis draws exactly what it draws for ``ddpcheck check``."""
-    from ddpcheck._internal.runs import fuzz as fuzzing
+    from ddpcheck._runs import fuzz as fuzzing
 
     drawn, run = [], fuzzing.one_behind_the_other
 
@@ -73,19 +74,19 @@ def _drawn(world_size: int, examples: int, seed: int) -> list:
 
 
 def _ranks_alone(world_size: int, scenarios: list) -> float:
-    """Seconds per example for the ranks alone to run ``scenarios`` back to back (a resumed one
-    in both its worlds), nothing judged in between."""
-    from ddpcheck._internal.rank.runner import run_example_packed
-    from ddpcheck._internal.runs.example import run_in_two_worlds
-    from ddpcheck._internal.world.worlds import get_world
+    """Seconds per example for the ranks alone to run ``scenarios`` back to back, nothing judged
+    in between -- but a resumed one (a few in a hundred), which runs as a whole example: its two
+    halves in their two worlds, then judged."""
+    from ddpcheck import check_example
+    from ddpcheck._rank.runner import run_example_packed
+    from ddpcheck._world.registry import get_world
 
     started = time.perf_counter()
     for scenario in scenarios:
         if scenario.checkpoint_after is None:
             get_world(world_size).run(run_example_packed, targets.PARALLEL, scenario)
-        else:  # a reference given: none is computed
-            run_in_two_worlds(targets.PARALLEL, scenario, world_size, deadline=60.0,
-                              name="ranks alone", reference=False)
+        else:
+            check_example(targets.PARALLEL, scenario, world_size)
     return (time.perf_counter() - started) / len(scenarios)
 
 

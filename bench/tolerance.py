@@ -1,5 +1,5 @@
 """Calibration of the oracle's tolerance table
-(``ddpcheck._internal.oracle.tolerances.TOLERANCES``).
+(``ddpcheck._oracle.tolerances.TOLERANCES``).
 
 Runs correct targets on random scenarios (``ddpcheck.strategies``) in float64 and float32 (with
 ``--precision``: float32 scenarios under a precision policy -- autocast in bfloat16 or float16, a
@@ -29,9 +29,9 @@ from hypothesis import strategies as st  # noqa: E402
 
 from ddpcheck import strategies as dst  # noqa: E402
 from ddpcheck import targets  # noqa: E402
-from ddpcheck._internal.oracle.compare import reference_run, scaled_atol, tolerance  # noqa: E402
-from ddpcheck._internal.rank.runner import run_example  # noqa: E402
-from ddpcheck._internal.world.worlds import get_world, shutdown_worlds  # noqa: E402
+from ddpcheck._oracle.compare import reference_run, scaled_atol, tolerance  # noqa: E402
+from ddpcheck._rank.runner import run_example  # noqa: E402
+from ddpcheck._world.registry import get_world, shutdown_worlds  # noqa: E402
 from ddpcheck.features import declines  # noqa: E402
 
 TARGETS = (targets.PARALLEL, targets.TORCH_DDP)

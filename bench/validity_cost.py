@@ -1,4 +1,4 @@
-"""What scenario validity (``ddpcheck._internal.oracle.judgeable.check_scenario``) adds to each
+"""What scenario validity (``ddpcheck._oracle.judgeable.check_scenario``) adds to each
 random example.
 
 Draws the random scenarios ``ddpcheck check`` fuzzes with (``strategies.scenarios`` over
@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from ddpcheck import check_example, targets  # noqa: E402
 from ddpcheck import strategies as dst  # noqa: E402
-from ddpcheck._internal.oracle import judgeable as validity  # noqa: E402
-from ddpcheck._internal.oracle.compare import reference_run  # noqa: E402
-from ddpcheck._internal.world.worlds import get_world, shutdown_worlds  # noqa: E402
+from ddpcheck._oracle import judgeable as validity  # noqa: E402
+from ddpcheck._oracle.compare import reference_run  # noqa: E402
+from ddpcheck._world.registry import get_world, shutdown_worlds  # noqa: E402
 
 
 def _scenarios(n: int) -> list:

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddpcheck import strategies as dst
-from ddpcheck._internal.runs.example import note_example
-from ddpcheck._internal.world.worlds import get_world
+from ddpcheck._runs.example import note_example
+from ddpcheck._world.registry import get_world
 from parallel import ShardedOptimizer, sharding
 
 RULES = {"modulo": sharding.modulo, "contiguous": sharding.contiguous, "greedy": sharding.greedy}

@@ -55,7 +55,7 @@ def _command_line(pid: int) -> str:
 def none_started() -> Iterator[None]:
     """Fail if the block leaves a process below this one that was not there before it, with no
     persistent world alive as it starts (a world the block used would have to start)."""
-    from ddpcheck._internal.world.worlds import shutdown_worlds
+    from ddpcheck._world.registry import shutdown_worlds
 
     shutdown_worlds()
     before = descendants()

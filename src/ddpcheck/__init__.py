@@ -9,7 +9,8 @@ reachable from a fresh ``import ddpcheck``. Names that need torch (and the publi
 ``batches``, ``battery``, ``features``, ``models``, ``strategies``, ``targets``, ``zoo``) load on
 first use, so ``import ddpcheck.pytest_plugin`` (loaded by every pytest run) and the command
 line's ``--help`` do not import torch; the outcomes and defaults below import nothing heavy.
-Everything under ``ddpcheck._internal`` is private: no stability promise.
+Every folder whose name starts with an underscore (``ddpcheck._runs``, ...) is private: no
+stability promise.
 """
 
 from __future__ import annotations
@@ -17,38 +18,39 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from ddpcheck._base.errors import DdpcheckError as DdpcheckError
+from ddpcheck._base.errors import Divergence as Divergence
+from ddpcheck._base.errors import EquivalenceError as EquivalenceError
+from ddpcheck._base.errors import ExitCode as ExitCode
+from ddpcheck._base.errors import Inconclusive as Inconclusive
+from ddpcheck._base.errors import InternalError as InternalError
+from ddpcheck._base.errors import InvalidArgument as InvalidArgument
+from ddpcheck._base.errors import NothingChecked as NothingChecked
+from ddpcheck._base.errors import ScenarioError as ScenarioError
+from ddpcheck._base.errors import SetupError as SetupError
+from ddpcheck._base.errors import WorldStartError as WorldStartError
+
 # `name as name`: a re-export, not an unused import (PEP 484; ruff and mypy read it so).
-from ddpcheck._internal.options import DEFAULT_DEADLINE as DEFAULT_DEADLINE
-from ddpcheck._internal.options import DEFAULT_WORLD_SIZES as DEFAULT_WORLD_SIZES
-from ddpcheck.errors import DdpcheckError as DdpcheckError
-from ddpcheck.errors import Divergence as Divergence
-from ddpcheck.errors import EquivalenceError as EquivalenceError
-from ddpcheck.errors import ExitCode as ExitCode
-from ddpcheck.errors import Inconclusive as Inconclusive
-from ddpcheck.errors import InternalError as InternalError
-from ddpcheck.errors import InvalidArgument as InvalidArgument
-from ddpcheck.errors import NothingChecked as NothingChecked
-from ddpcheck.errors import ScenarioError as ScenarioError
-from ddpcheck.errors import SetupError as SetupError
-from ddpcheck.errors import WorldStartError as WorldStartError
+from ddpcheck._base.options import DEFAULT_DEADLINE as DEFAULT_DEADLINE
+from ddpcheck._base.options import DEFAULT_WORLD_SIZES as DEFAULT_WORLD_SIZES
 
 __version__ = "0.1.0"
 
 #: Public names that load on first use, and the module each comes from.
 _LAZY = {
-    "FuzzResult": "ddpcheck._internal.runs.fuzz",
+    "FuzzResult": "ddpcheck._runs.fuzz",
     "Report": "ddpcheck.api",
     "Scenario": "ddpcheck.scenario",
-    "Survey": "ddpcheck._internal.runs.survey",
+    "Survey": "ddpcheck._runs.survey",
     "Target": "ddpcheck.targets",
-    "World": "ddpcheck._internal.world.worlds",
-    "WorldFailure": "ddpcheck._internal.world.failures",
+    "World": "ddpcheck._world.worlds",
+    "WorldFailure": "ddpcheck._world.failures",
     "assert_equivalent": "ddpcheck.api",
     "check_example": "ddpcheck.api",
-    "fuzz": "ddpcheck._internal.runs.fuzz",
-    "get_world": "ddpcheck._internal.world.worlds",
-    "shutdown_worlds": "ddpcheck._internal.world.worlds",
-    "survey": "ddpcheck._internal.runs.survey",
+    "fuzz": "ddpcheck._runs.fuzz",
+    "get_world": "ddpcheck._world.registry",
+    "shutdown_worlds": "ddpcheck._world.registry",
+    "survey": "ddpcheck._runs.survey",
 }
 #: The public modules, imported on first use as attributes (``ddpcheck.zoo.MLP``): what a
 #: printed scenario or replay line names evaluates after ``import ddpcheck, torch`` alone.

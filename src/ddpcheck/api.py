@@ -13,16 +13,16 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ddpcheck import features
-from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_world_size
-from ddpcheck._internal.runs import example
-from ddpcheck._internal.runs.admission import Request, admit
-from ddpcheck._internal.runs.example import check_example_keeping_reference, refuse_unconfirmed_hang
-from ddpcheck._internal.world.interrupts import interruptible
-from ddpcheck._internal.world.worlds import launch_worlds
-from ddpcheck.battery import BATTERY
-from ddpcheck.errors import EquivalenceError, NothingChecked
-from ddpcheck.scenario import Scenario
+from ddpcheck._base.errors import EquivalenceError, NothingChecked
+from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_world_size
+from ddpcheck._language import features
+from ddpcheck._language.battery import BATTERY
+from ddpcheck._language.scenario import Scenario
+from ddpcheck._runs import example
+from ddpcheck._runs.admission import Request, admit
+from ddpcheck._runs.example import check_example_keeping_reference, refuse_unconfirmed_hang
+from ddpcheck._world.interrupts import interruptible
+from ddpcheck._world.registry import launch_worlds
 from ddpcheck.targets import Target
 
 __all__ = ["Report", "assert_equivalent", "check_example"]
@@ -67,7 +67,7 @@ def check_example(target: Target, scenario: Scenario, world_size: int, *,
                   deadline: float = DEFAULT_DEADLINE, reference: Any = None,
                   name: str | None = None, checks: Any = None, device: str = "cpu",
                   backend: str | None = None) -> tuple[str, ...]:
-    """One example (``runs.example.check_example``), admitted first (``runs.admission``);
+    """One example (``_runs.example.check_example``), admitted first (``_runs.admission``);
     returns what it left in the rank processes and ddpcheck put right: never a verdict."""
     check_world_size("world_size", world_size)
     request = admit(target, scenario=scenario, world_sizes=(world_size,), deadline=deadline,
@@ -88,14 +88,14 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
 
     ``device="cuda"`` runs every rank on its GPU (rank r on cuda:r, NCCL; ``backend="gloo"``
     lets ranks share GPUs); the reference stays the CPU run. Refused before any world starts
-    when the machine cannot run it (``ddpcheck._internal.devices.check_fits``).
+    when the machine cannot run it (``ddpcheck._base.devices.check_fits``).
 
     A scenario that needs a feature the target does not support (``Target.supported_features``)
     or that ``without`` excludes (names from ``ddpcheck.features.FEATURES``) is skipped at that
     world size, naming the feature; ``dtypes`` (``"float64"``, ``"float32"``; default: both)
     keeps only the scenarios in those dtypes, ``only`` (feature names) those that exercise one
     of them. The arguments are admitted as at every door
-    (``ddpcheck._internal.runs.admission``: the same rules, defaults and messages as the command
+    (``ddpcheck._runs.admission``: the same rules, defaults and messages as the command
     line's).
 
     Raises :class:`ddpcheck.EquivalenceError` on the first divergence, with a table and a replay
@@ -122,7 +122,7 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
 def _under_each_option(request: Request, progress: Callable[[int, int], None] | None) -> Report:
     """:func:`run_battery` of the target as given, then of it with each single option its space
     draws, in turn; the examples named ``name [option]``. The first divergence is raised."""
-    from ddpcheck._internal.runs.admission import check_target
+    from ddpcheck._runs.admission import check_target
     from ddpcheck.targets.option_space import described, drawn_options, label, space_of, vary
 
     target, merged = request.target, Report()

@@ -1,5 +1,5 @@
 """The ``ddpcheck`` command line: one path from options to an exit status (the grammar:
-``_internal.grammar``).
+``_front.grammar``).
 
 Every command goes the same way (:func:`main`): parse; validate what the commands share before
 anything heavy loads (:func:`_prepare`: the device and GPUs asked for, the world sizes against the
@@ -39,22 +39,22 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from ddpcheck._internal.devices import local_world_size, under_torchrun
-from ddpcheck._internal.grammar import (
-    EXIT_CODES,
-    SURVEY_EXIT_CODES,
-    build_parser,
-    parse_command_line,
-)
-from ddpcheck._internal.options import DEFAULT_WORLD_SIZES
-from ddpcheck._internal.terminal import ProgressLine
-from ddpcheck.errors import (
+from ddpcheck._base.devices import local_world_size, under_torchrun
+from ddpcheck._base.errors import (
     DdpcheckError,
     EquivalenceError,
     ExitCode,
     InvalidArgument,
     NothingChecked,
 )
+from ddpcheck._base.options import DEFAULT_WORLD_SIZES
+from ddpcheck._front.grammar import (
+    EXIT_CODES,
+    SURVEY_EXIT_CODES,
+    build_parser,
+    parse_command_line,
+)
+from ddpcheck._front.terminal import ProgressLine
 
 __all__ = ["EXIT_CODES", "SURVEY_EXIT_CODES", "UsageError", "build_parser", "command", "main",
            "resolve_target"]
@@ -117,7 +117,7 @@ def command() -> NoReturn:
     global _CTRL_C
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not if ignored
-        from ddpcheck._internal.world.interrupts import Insistent
+        from ddpcheck._world.interrupts import Insistent
 
         _CTRL_C = Insistent()
         signal.signal(signal.SIGINT, _CTRL_C)
@@ -163,7 +163,7 @@ def _stop_resource_tracker() -> None:
     (a loaded machine made that visible to a caller reading to the end). The process is ours
     alone here, so nothing else needs it; ``_stop`` is the stdlib's own way (3.8+), and it waits
     for the tracker without a deadline: a rank half-started by a Ctrl-C (ddpcheck holds those
-    back now, ``_internal.world.interrupts``) kept it waiting for over 10 minutes. Past
+    back now, ``_world.interrupts``) kept it waiting for over 10 minutes. Past
     :data:`TRACKER_DEADLINE` the tracker is killed: it has nothing of ours to clean up."""
     from multiprocessing import resource_tracker
 
@@ -238,8 +238,8 @@ def _outcome(command: str, run: Callable[[], ExitCode]) -> ExitCode:
     except KeyboardInterrupt as exc:
         if _CTRL_C is not None:
             _CTRL_C.taken()
-        from ddpcheck._internal.world.interrupts import held
-        from ddpcheck._internal.world.worlds import shutdown_worlds
+        from ddpcheck._world.interrupts import held
+        from ddpcheck._world.registry import shutdown_worlds
 
         with held(deliver=False):  # a second Ctrl-C does not cut the stop short (it is bounded)
             shutdown_worlds()
@@ -265,12 +265,12 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> argparse.Namespace:
-    """The command's request, admitted (``runs.admission``, as at every door, cheapest check
+    """The command's request, admitted (``_runs.admission``, as at every door, cheapest check
     first: the device, the world sizes against the machine, the deadline, features, dtypes, the
     scenario, then the target or rule, whose import may be slow), and the output paths -- all
     before any process starts. The first world ``check`` and ``survey`` need then boots (import
     torch, join the group: ~2 s) while this process computes the battery's references."""
-    from ddpcheck._internal.runs import admission
+    from ddpcheck._runs import admission
 
     if args.command == "targets":
         return args
@@ -293,9 +293,12 @@ def _prepare(args: argparse.Namespace) -> argparse.Namespace:
         backend=getattr(args, "backend", None),
         only=args.only if args.command in ("check", "survey") else "",  # mutants': names
         spelling=spelling, fits_machine=not torchrun,
-        fuzz_config=getattr(args, "fuzz_config", False))
+        fuzz_config=getattr(args, "fuzz_config", False), config=getattr(args, "config", None))
     if target is not admission.NO_TARGET:
         args.target_spec, args.target = target, args.request.target
+        args.target_word = target  # the argument alone (target_spec says --config too)
+        if getattr(args, "config", None) is not None:
+            args.target_spec = f"{target} --config {args.config}"
     if hasattr(args, "world_sizes"):
         args.world_sizes = args.request.world_sizes
     if getattr(args, "rule", None) is not None:
@@ -304,7 +307,7 @@ def _prepare(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, flag, None):
             _check_writable(getattr(args, flag), "-o" if flag == "output" else f"--{flag}")
     if args.command in ("check", "survey") and not torchrun:
-        from ddpcheck._internal.world.worlds import launch_worlds
+        from ddpcheck._world.registry import launch_worlds
 
         launch_worlds(args.request.world_sizes[:1], device=args.request.device,
                       backend=args.request.backend)
@@ -317,8 +320,8 @@ def _under_torchrun(args: argparse.Namespace) -> bool:
 
 def resolve_target(spec: str) -> Any:
     """``parallel`` / ``MODULE:ATTR`` / ``MODULE:EXPR`` -> a target instance
-    (``runs.admission.resolve_target``)."""
-    from ddpcheck._internal.runs.admission import resolve_target as resolve
+    (``_runs.admission.resolve_target``)."""
+    from ddpcheck._runs.admission import resolve_target as resolve
 
     return resolve(spec)
 
@@ -345,11 +348,11 @@ def _check_writable(path: str, flag: str) -> None:
 
 
 def _check(args: argparse.Namespace) -> ExitCode:
-    from ddpcheck import features
-    from ddpcheck._internal.runs import smaller
-    from ddpcheck._internal.runs.fuzz import fuzz_admitted, undrawable
+    from ddpcheck._language import features
+    from ddpcheck._language.battery import BATTERY
+    from ddpcheck._runs import smaller
+    from ddpcheck._runs.fuzz import fuzz_admitted, undrawable
     from ddpcheck.api import run_battery
-    from ddpcheck.battery import BATTERY
 
     if _under_torchrun(args):  # use the world torchrun built instead of spawning one
         _check_under_torchrun(args)
@@ -372,7 +375,7 @@ def _check(args: argparse.Namespace) -> ExitCode:
             print(text, flush=True)
 
     # 1. the built-in battery: representative scenarios, every world size; a failure is
-    # followed by the search for a smaller counterexample (runs.smaller)
+    # followed by the search for a smaller counterexample (_runs.smaller)
     try:
         report = run_battery(request, progress=battery_done)
     except NothingChecked as exc:  # the random examples may still find something
@@ -435,12 +438,12 @@ def _declined(declined: dict[str, int]) -> str:
 
 def _survey_command(args: argparse.Namespace) -> str:
     """The ``ddpcheck survey`` that maps which features fail at which of the world sizes this
-    check ran (a verdict ends with it: ``runs.smaller.with_features``)."""
+    check ran (a verdict ends with it: ``_runs.smaller.with_features``)."""
     import shlex
 
-    survey = ["ddpcheck", "survey", args.target_spec, "--world-sizes",
+    survey = ["ddpcheck", "survey", args.target_word, "--world-sizes",
               ",".join(map(str, args.world_sizes))]
-    for flag, value in (("--without", args.without),
+    for flag, value in (("--config", args.config), ("--without", args.without),
                         ("--device", None if args.device == "cpu" else args.device),
                         ("--backend", args.backend)):
         survey += [flag, value] if value else []
@@ -450,7 +453,7 @@ def _survey_command(args: argparse.Namespace) -> str:
 
 def _check_under_torchrun(args: argparse.Namespace) -> None:
     """Every rank of torchrun's world runs the battery; every rank exits with the verdict."""
-    from ddpcheck._internal.runs.torchrun import check_in_world
+    from ddpcheck._runs.torchrun import check_in_world
 
     if os.environ.get("RANK") == "0":
         # Random examples would need every rank to draw the same ones; the battery is
@@ -471,7 +474,7 @@ def _check_under_torchrun(args: argparse.Namespace) -> None:
 
 
 def _survey(args: argparse.Namespace) -> ExitCode:
-    from ddpcheck._internal.runs import survey
+    from ddpcheck._runs import survey
 
     sizes = ",".join(map(str, args.world_sizes))
     seed = "" if args.seed is None else f" (seed {args.seed})"
@@ -501,7 +504,7 @@ def _survey(args: argparse.Namespace) -> ExitCode:
 
 
 def _replay(args: argparse.Namespace) -> ExitCode:
-    from ddpcheck._internal.runs.example import check_example, prepare_reference
+    from ddpcheck._runs.example import check_example, prepare_reference
 
     # Everything about the example is settled before any process starts: the scenario was read
     # and judged with the request (_prepare), its reference is computed now (which is what tells
@@ -518,8 +521,9 @@ def _replay(args: argparse.Namespace) -> ExitCode:
 def _trace(args: argparse.Namespace) -> ExitCode:
     import json
 
-    from ddpcheck._internal.runs.trace import TRACE_SCENARIO, chrome_trace, overlap, record_step
-    from ddpcheck._internal.world.worlds import WorldFailure, get_world
+    from ddpcheck._runs.trace import TRACE_SCENARIO, chrome_trace, overlap, record_step
+    from ddpcheck._world.failures import WorldFailure
+    from ddpcheck._world.registry import get_world
 
     if callable(getattr(args.target, "fit", None)):
         raise UsageError(f"{args.target_spec} owns its training loop (Target.fit); ddpcheck "
@@ -574,7 +578,7 @@ def _mutants(args: argparse.Namespace) -> ExitCode:
 
 def _fuzz_rule(args: argparse.Namespace) -> ExitCode:
     import ddpcheck
-    from ddpcheck._internal.rules import check as rules
+    from ddpcheck._rules import check as rules
     from ddpcheck.targets import ParallelTarget
 
     prefix = f"ddpcheck fuzz-rule {args.rule_spec}"

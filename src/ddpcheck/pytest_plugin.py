@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
-from ddpcheck.errors import DdpcheckError, ExitCode, InvalidArgument
+from ddpcheck._base.errors import DdpcheckError, ExitCode, InvalidArgument
+from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
 
 # ---------------------------------------------------------------------------------------------
 # Options
@@ -50,6 +50,10 @@ def pytest_addoption(parser: Any) -> None:
     group.addoption("--ddpcheck-fuzz-config", action="store_true", default=False,
                     help="ddpcheck_run checks the target under each option its "
                          "config_space() draws too (refused for a target with none)")
+    group.addoption("--ddpcheck-config", action="store", default=None, metavar="FILE",
+                    help="The framework's own configuration for the ready-made framework "
+                         "target a test passes to ddpcheck_run: a JSON file, or MODULE:NAME "
+                         "naming a dict (docs/frameworks.md, \"Your own configuration\")")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,7 +65,8 @@ class Options:
 
     def __init__(self, world_sizes: tuple[int, ...], deadline: float, workers: int,
                  given: bool = False, without: frozenset[str] = frozenset(),
-                 device: str = "cpu", backend: str | None = None, request: Any = None):
+                 device: str = "cpu", backend: str | None = None, request: Any = None,
+                 config: str | None = None):
         self.world_sizes = world_sizes
         self.deadline = deadline
         self.workers = workers
@@ -70,6 +75,7 @@ class Options:
         self.device = device  # where the ranks compute (--ddpcheck-device)
         self.backend = backend  # None: the device's own (--ddpcheck-backend)
         self.request = request  # the options as admitted (runs.admission.Request)
+        self.config = config  # --ddpcheck-config: ddpcheck_run's framework target built with it
 
     def header(self) -> str:
         sizes = ",".join(map(str, self.world_sizes))
@@ -87,9 +93,9 @@ EXAMPLES = pytest.StashKey[int]()
 
 
 def resolve_options(config: Any) -> Options:
-    """The --ddpcheck-* options, admitted as every door's (``runs.admission``); raises
+    """The --ddpcheck-* options, admitted as every door's (``_runs.admission``); raises
     pytest.UsageError naming the flag."""
-    from ddpcheck._internal.runs.admission import PYTEST, admit
+    from ddpcheck._runs.admission import PYTEST, admit, config_value
 
     raw = config.getoption("ddpcheck_world_sizes")
     raw_deadline = config.getoption("ddpcheck_deadline")
@@ -98,6 +104,7 @@ def resolve_options(config: Any) -> Options:
     raw_only = config.getoption("ddpcheck_only")
     device = config.getoption("ddpcheck_device") or "cpu"
     backend = config.getoption("ddpcheck_backend")
+    framework_config = config.getoption("ddpcheck_config")
     workers = _xdist_workers(config)
     deadline = DEFAULT_DEADLINE if raw_deadline is None else raw_deadline
     try:
@@ -109,14 +116,16 @@ def resolve_options(config: Any) -> Options:
                         workers=workers,
                         fits_machine=raw is not None,
                         fuzz_config=bool(config.getoption("ddpcheck_fuzz_config")))
+        if framework_config is not None:  # read now: a wrong file is the session's usage error
+            config_value(framework_config, flag="--ddpcheck-config")
     except InvalidArgument as exc:
         raise pytest.UsageError(str(exc)) from None
     given = any(v is not None for v in (raw, raw_deadline, raw_without, raw_dtypes, raw_only,
-                                        config.getoption("ddpcheck_device"), backend)) or \
-        request.fuzz_config
+                                        config.getoption("ddpcheck_device"), backend,
+                                        framework_config)) or request.fuzz_config
     return Options(request.world_sizes, request.deadline, workers, given=given,
                    without=request.battery_without, device=device, backend=backend,
-                   request=request)
+                   request=request, config=framework_config)
 
 
 def _xdist_workers(config: Any) -> int:
@@ -149,9 +158,9 @@ def pytest_report_header(config: Any) -> str | None:
 def pytest_sessionfinish(session: Any, exitstatus: Any) -> None:
     """Stop this process's worlds, and hand the example count to the xdist controller."""
     examples = _examples_run()
-    world = sys.modules.get("ddpcheck._internal.world.worlds")
-    if world is not None:
-        world.shutdown_worlds()
+    registry = sys.modules.get("ddpcheck._world.registry")
+    if registry is not None:
+        registry.shutdown_worlds()
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker
         workeroutput["ddpcheck_examples"] = examples
@@ -264,7 +273,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: Any, config: Any)
 
 
 def _examples_run() -> int:
-    api = sys.modules.get("ddpcheck._internal.runs.example")
+    api = sys.modules.get("ddpcheck._runs.example")
     return getattr(api, "EXAMPLES_RUN", 0) if api is not None else 0
 
 
@@ -289,11 +298,16 @@ def ddpcheck_world(ddpcheck_options: Options) -> Callable[[int], Any]:
 @pytest.fixture(scope="session")
 def ddpcheck_run(ddpcheck_options: Options) -> Callable[..., Any]:
     """``ddpcheck_run(target, scenario=None, world_sizes=None)``: ``assert_equivalent`` with the
-    session's world sizes, deadline, excluded features, device and ``--ddpcheck-fuzz-config``."""
+    session's world sizes, deadline, excluded features, device and ``--ddpcheck-fuzz-config``;
+    a ready-made framework target built with ``--ddpcheck-config`` where it is given."""
 
     def run(target: Any, scenario: Any = None, world_sizes: Any = None) -> Any:
         import ddpcheck
 
+        if ddpcheck_options.config is not None:
+            from ddpcheck._runs.admission import configured
+
+            target = configured(target, ddpcheck_options.config, flag="--ddpcheck-config")
         # a door of its own: the target and scenario are admitted there
         return ddpcheck.assert_equivalent(
             target, scenario, world_sizes=world_sizes or ddpcheck_options.world_sizes,
@@ -309,6 +323,6 @@ def ddpcheck_run(ddpcheck_options: Options) -> Callable[..., Any]:
 
 
 def get_world(world_size: int, device: str = "cpu", backend: str | None = None) -> Any:
-    from ddpcheck._internal.world.worlds import get_world as _get_world
+    from ddpcheck._world.registry import get_world as _get_world
 
     return _get_world(world_size, device=device, backend=backend)

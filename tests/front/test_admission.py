@@ -1,4 +1,4 @@
-"""One admission step for every front door (``ddpcheck._internal.runs.admission``).
+"""One admission step for every front door (``ddpcheck._runs.admission``).
 
 Each door -- the API's four functions, the command line's six commands, the pytest plugin and a
 ``ddpcheck check`` under torchrun -- refuses a bad input before any process starts (observed in
@@ -14,7 +14,7 @@ import pytest
 
 import ddpcheck
 from ddpcheck import cli, targets
-from ddpcheck._internal.runs import admission
+from ddpcheck._runs import admission
 from ddpcheck.scenario import Scenario
 from tests.processes import none_started
 

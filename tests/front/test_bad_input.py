@@ -21,7 +21,7 @@ from torch import nn
 
 import ddpcheck
 from ddpcheck import cli, targets
-from ddpcheck._internal.world.worlds import get_world
+from ddpcheck._world.registry import get_world
 from ddpcheck.errors import ExitCode
 from parallel import DDP, InvalidArgument, ShardedOptimizer
 from tests.patience import patience

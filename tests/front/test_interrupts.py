@@ -115,16 +115,16 @@ def test_a_ctrl_c_while_the_arguments_are_parsed_exits_130():
 def test_a_second_ctrl_c_while_the_worlds_stop_changes_nothing():
     """The first stops the command; a second, while its worlds are being stopped, neither cuts
     that short nor turns the exit into a traceback."""
-    out = _command("from ddpcheck._internal.world import worlds\n"
+    out = _command("from ddpcheck._world import registry\n"
                    "def interrupted(args):\n"
                    "    raise KeyboardInterrupt\n"
                    "cli._COMMANDS['targets'] = interrupted\n"
-                   "real = worlds.shutdown_worlds\n"
+                   "real = registry.shutdown_worlds\n"
                    "def shutdown_worlds():\n"
                    "    signal.raise_signal(signal.SIGINT)\n"
                    "    real()\n"
                    "    print('stopped', flush=True)\n"
-                   "worlds.shutdown_worlds = shutdown_worlds\n"
+                   "registry.shutdown_worlds = shutdown_worlds\n"
                    "sys.argv = ['ddpcheck', 'targets']")
     assert out.returncode == 130, out.stderr
     assert out.stdout.split() == ["stopped"] * 2, out.stdout  # then again at exit: a no-op
@@ -145,7 +145,7 @@ def test_a_ctrl_c_that_was_lost_is_raised_again():
     """Python loses a KeyboardInterrupt raised in a gc or weakref callback, and code catching
     everything swallows it: the command raises it again (``interrupts.AGAIN_AFTER``) rather
     than run on to its end."""
-    from ddpcheck._internal.world.interrupts import AGAIN_AFTER
+    from ddpcheck._world.interrupts import AGAIN_AFTER
 
     started = time.monotonic()
     out = _command(LOSES_IT.format(then="    import time\n    time.sleep(600)\n    return 0"))

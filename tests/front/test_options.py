@@ -9,8 +9,8 @@ import re
 import pytest
 
 from ddpcheck import cli
-from ddpcheck._internal.runs.fuzz import fuzz
-from ddpcheck._internal.world.worlds import World
+from ddpcheck._runs.fuzz import fuzz
+from ddpcheck._world.worlds import World
 from ddpcheck.errors import ExitCode, NothingChecked
 from ddpcheck.targets import PARALLEL, ParallelTarget
 

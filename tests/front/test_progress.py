@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from ddpcheck._internal.terminal import ProgressLine
+from ddpcheck._front.terminal import ProgressLine
 from ddpcheck.errors import ExitCode
 from tests.patience import patience
 

@@ -106,7 +106,7 @@ def test_printed_scenarios_evaluate_after_importing_ddpcheck_and_torch_alone():
 
 
 def test_replay_lines_name_only_what_a_fresh_interpreter_can_import():
-    from ddpcheck._internal.runs.replay import replay_command
+    from ddpcheck._runs.replay import replay_command
 
     scenario = ddpcheck.Scenario(ddpcheck.zoo.MLP, max_grad_norm=1.0, grad_norm_type=math.inf)
     line = replay_command(ddpcheck.targets.TORCH_DDP, scenario, 2)

@@ -15,11 +15,11 @@ import torch
 
 import parallel
 from ddpcheck import Scenario, check_example, zoo
-from ddpcheck._internal.oracle.sample_weights import check_sample_weights
-from ddpcheck._internal.rank.runner import target_loop
+from ddpcheck._oracle.sample_weights import check_sample_weights
+from ddpcheck._rank.runner import target_loop
 from ddpcheck.batches import BatchPlan, DistributedSamplerBatches, GlobalBatch, contiguous, split
 from ddpcheck.errors import EquivalenceError, InvalidArgument
-from ddpcheck.scenario import local_micro_batches, loss_scale
+from ddpcheck.scenario import local_micro_batches
 from ddpcheck.targets import PARALLEL, Target
 
 # ---------------------------------------------------------------------------------------------
@@ -101,7 +101,8 @@ def test_the_default_plan_is_the_scenario_batch_rule_bit_for_bit(reduction):
                     want = local_micro_batches(scenario, 0, rank, world_size)
                     assert len(got) == len(want)
                     for (x, y, scale), (wx, wy) in zip(got, want):
-                        assert scale == loss_scale(scenario, world_size)
+                        # each rank's summed losses times W/B average over the global batch
+                        assert scale == (world_size if reduction == 'sum' else world_size / size)
                         # the same views of the same storage: the same numbers, bit for bit
                         assert x.shape == wx.shape and torch.equal(x, wx) and torch.equal(y, wy)
                         assert x.stride() == wx.stride()

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 import ddpcheck
 from ddpcheck import features, targets, zoo
 from ddpcheck import strategies as dst
-from ddpcheck._internal import objective
-from ddpcheck._internal.oracle.reference import reference_run
-from ddpcheck._internal.oracle.sample_weights import check_sample_weights
-from ddpcheck._internal.runs.replay import from_repr
+from ddpcheck._language import objective
+from ddpcheck._oracle.reference import reference_run
+from ddpcheck._oracle.sample_weights import check_sample_weights
+from ddpcheck._runs.replay import from_repr
 from ddpcheck.batches import GlobalBatch, TokenMean, contiguous, global_indices
 from ddpcheck.errors import InvalidArgument
 from ddpcheck.scenario import Scenario, global_batch
@@ -93,7 +93,7 @@ class PerTokenScore(torch.nn.Module):
 
 
 def test_the_probe_names_a_model_or_data_that_does_not_fit_the_token_loss():
-    from ddpcheck._internal.runs.example import prepare_reference
+    from ddpcheck._runs.example import prepare_reference
 
     with pytest.raises(ddpcheck.ScenarioError, match=r"needs logits of shape \(8, 8\) \+"):
         prepare_reference(Scenario(PerTokenScore, data=zoo.token_data,
@@ -286,7 +286,7 @@ def test_correct_targets_pass_token_examples(target, world_size, precision):
 def test_a_language_model_counterexample_has_its_one_line_summary():
     """The mutants' table names a shrunk token scenario by its blocks and policy (a GPTConfig's
     ``layers`` is a count, not a ModelSpec's tuple of layers)."""
-    from ddpcheck._internal.messages import scenario_line
+    from ddpcheck._language.messages import scenario_line
 
     scenario = Scenario(zoo.GPTConfig(layers=2), data=zoo.token_data, loss="token_cross_entropy",
                         dtype="float32", autocast=torch.bfloat16, global_batch=3, steps=1)
@@ -303,7 +303,7 @@ def test_a_language_model_counterexample_has_its_one_line_summary():
 def test_a_language_models_usage_is_read_without_a_backward_and_agrees(scenario, world_size):
     """``features`` says a TinyGPT on its token data leaves no parameter without a gradient on
     any rank, with no backward; the backward per rank shard says the same."""
-    from ddpcheck.features import _usage
+    from ddpcheck._language.features import _usage
     from ddpcheck.scenario import build_model
 
     assert not features.of(scenario, world_size) & {"unused-on-some-ranks", "unused-everywhere"}

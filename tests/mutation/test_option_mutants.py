@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 
 from ddpcheck import targets
-from ddpcheck._internal.runs.fuzz import fuzz
+from ddpcheck._runs.fuzz import fuzz
 from ddpcheck.mutation import catalogue
 from ddpcheck.mutation.score import score
 from ddpcheck.mutation.search import shrinking_search
@@ -22,7 +22,7 @@ EXAMPLES = 40
 #: What each mutant's shrunk counterexample must hold: the options its bug is behind, no more.
 NEEDS = {"StepsInsideWindowUnlessSplit": [("split_batches", False)],
          "SkipsFirstReduceStaticManual": [("manual", True), ("static_graph", True)],
-         "PerMicroBatchLossCountingTokens": [("training_args.include_num_input_tokens_seen",
+         "PerMicroBatchLossCountingTokens": [("config.include_num_input_tokens_seen",
                                               True)],
          "LastMicroBatchAfterReduceBf16": [("bf16", True)]}
 

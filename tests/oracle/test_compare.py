@@ -1,8 +1,8 @@
 """Verdicts that mean what they say: the oracle's comparisons on hand-built records.
 
-Everything here but the last test calls :func:`ddpcheck._internal.oracle.compare.compare`
+Everything here but the last test calls :func:`ddpcheck._oracle.compare.compare`
 directly on ``RankRecord``/``StepRecord`` objects built by hand (no worlds, no processes). The
-invariant under test (``ddpcheck._internal.oracle.compare``'s docstring): replicas are compared by
+invariant under test (``ddpcheck._oracle.compare``'s docstring): replicas are compared by
 their raw bits, NaN payloads included; NaN/inf on a rank where the reference is finite is the
 target's fault; NaN/inf that the reference produces itself make the scenario unjudgeable, which is
 never the target's fault; and every named check runs on every rank.
@@ -19,18 +19,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddpcheck import targets, zoo
-from ddpcheck._internal.oracle.compare import (
+from ddpcheck._language.records import RankRecord, StepRecord
+from ddpcheck._oracle.compare import (
     CHECKS,
     NON_FINITE,
-    _non_finite,
     bitwise_equal,
     cannot_judge,
     compare,
     validate_checks,
 )
-from ddpcheck._internal.oracle.reference import Reference
-from ddpcheck._internal.oracle.tolerances import all_close, close
-from ddpcheck._internal.records import RankRecord, StepRecord
+from ddpcheck._oracle.reference import Reference
+from ddpcheck._oracle.rows import non_finite
+from ddpcheck._oracle.tolerances import all_close, close
 from ddpcheck.errors import EquivalenceError, InvalidArgument
 from ddpcheck.scenario import Scenario
 from tests.patience import patience
@@ -282,8 +282,8 @@ def test_the_overflow_replay_line_exits_2_not_1():
 def test_gradients_sent_in_a_wider_dtype_are_not_called_a_double_reduction():
     """float32 gradients promoted by torch.cat into a float64 buffer: as many elements, twice
     the bytes -- its own kind, with the dtypes, not 'reduced more than once'."""
-    from ddpcheck._internal.oracle.budget import check_budget
-    from ddpcheck._internal.records import Collective
+    from ddpcheck._language.records import Collective
+    from ddpcheck._oracle.budget import check_budget
 
     def reduce(dtype: str, numel: int) -> Collective:
         return Collective(op="all_reduce", nbytes=numel * (8 if dtype == "float64" else 4),
@@ -310,8 +310,8 @@ def test_gradients_sent_in_a_wider_dtype_are_not_called_a_double_reduction():
 def test_control_scalars_are_not_a_double_reduction_but_a_second_gradient_is():
     """A course DDP sums float "has a gradient here" flags, one per trainable tensor: control
     traffic, within budget. The same gradients reduced twice are not."""
-    from ddpcheck._internal.oracle.budget import check_budget
-    from ddpcheck._internal.records import Collective
+    from ddpcheck._language.records import Collective
+    from ddpcheck._oracle.budget import check_budget
 
     def reduce(numel: int) -> Collective:
         return Collective(op="all_reduce", nbytes=numel * 8, dtypes=("float64",),
@@ -352,14 +352,14 @@ class ShiftedSoftmax(torch.nn.Module):
 def _accumulated_in_three(scenario):
     """What a correct target records at W=1 with three micro-batches: the reference's own run,
     its gradients summed in another order."""
-    from ddpcheck._internal.oracle.reference import Variant, _train
+    from ddpcheck._oracle.reference import Variant, _train
 
     steps, _, initial = _train(scenario, Variant(3))
     return [RankRecord(0, initial, steps, 0.0)]
 
 
 def test_rounding_noise_adam_amplifies_is_not_a_divergence():
-    from ddpcheck._internal.oracle.reference import reference_run
+    from ddpcheck._oracle.reference import reference_run
 
     for seed in range(3):
         scenario = Scenario(model=ShiftedSoftmax, optimizer=torch.optim.Adam,
@@ -376,7 +376,7 @@ def test_rounding_noise_adam_amplifies_is_not_a_divergence():
 
 
 def test_the_noise_floor_hides_no_bug_beside_the_noise():
-    from ddpcheck._internal.oracle.reference import reference_run
+    from ddpcheck._oracle.reference import reference_run
 
     scenario = Scenario(model=ShiftedSoftmax, optimizer=torch.optim.Adam,
                         optimizer_kwargs={"lr": 0.1}, global_batch=12, steps=3, accumulation=3)
@@ -393,8 +393,8 @@ def test_a_reduction_narrower_than_the_gradients_is_named_before_the_numbers():
     """float32 gradients reduce-scattered in bfloat16 (a param_dtype policy without
     reduce_dtype): its own kind, naming the dtype, first among the rows; parameters gathered in
     bfloat16 are the policy, not a reduction."""
-    from ddpcheck._internal.oracle.budget import NARROWER, check_reduce_dtypes
-    from ddpcheck._internal.records import Collective
+    from ddpcheck._language.records import Collective
+    from ddpcheck._oracle.budget import NARROWER, check_reduce_dtypes
 
     def call(op: str, dtype: str) -> Collective:
         return Collective(op=op, nbytes=16, dtypes=(dtype,), shapes=((8,),), root=None,
@@ -432,8 +432,8 @@ def test_control_scalars_may_be_narrower_but_a_gradient_shaped_reduction_may_not
     """A float64 model: its norm and a flag per trainable tensor reduced in float32 are control
     traffic (DeepSpeed reduces its norm in a float32 tensor); one small gradient reduced in
     float32 is a narrowing, however few its elements."""
-    from ddpcheck._internal.oracle.budget import NARROWER, check_reduce_dtypes
-    from ddpcheck._internal.records import Collective
+    from ddpcheck._language.records import Collective
+    from ddpcheck._oracle.budget import NARROWER, check_reduce_dtypes
 
     def call(shape: tuple) -> Collective:
         return Collective(op="all_reduce", nbytes=4 * max(1, math.prod(shape)),
@@ -488,7 +488,7 @@ def _pairs(draw):
 def test_all_close_passes_only_what_close_passes_one_by_one(pairs, rtol, atol):
     if all_close(pairs, rtol, atol):
         assert all(close(got, ref, rtol, atol) for got, ref in pairs)
-        assert not any(_non_finite(got) is not None and bool((_non_finite(got)
+        assert not any(non_finite(got) is not None and bool((non_finite(got)
                                                              & torch.isfinite(ref)).any())
                        for got, ref in pairs)
 

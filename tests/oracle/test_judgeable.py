@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 import ddpcheck
 from ddpcheck import cli, zoo
 from ddpcheck import strategies as dst
-from ddpcheck._internal.oracle.judgeable import check_scenario
-from ddpcheck._internal.runs.example import prepare_reference
-from ddpcheck._internal.runs.replay import from_repr
+from ddpcheck._oracle.judgeable import check_scenario
+from ddpcheck._runs.example import prepare_reference
+from ddpcheck._runs.replay import from_repr
 from ddpcheck.battery import BATTERY
 from ddpcheck.errors import ExitCode
 from ddpcheck.scenario import Scenario
@@ -161,7 +161,7 @@ def test_every_generated_scenario_passes(scenario):
 
 
 def test_the_probe_leaves_the_random_state_alone_and_runs_once_per_scenario(monkeypatch):
-    from ddpcheck._internal.oracle import judgeable as validity
+    from ddpcheck._oracle import judgeable as validity
 
     scenario = Scenario(zoo.MLP, seed=3)
     torch.manual_seed(123)

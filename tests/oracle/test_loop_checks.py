@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 
 from ddpcheck import targets, zoo
-from ddpcheck._internal.oracle.budget import check_budget
-from ddpcheck._internal.oracle.compare import bitwise_equal, compare
-from ddpcheck._internal.oracle.reference import Reference
-from ddpcheck._internal.oracle.window import STEPPED_INSIDE_WINDOW, check_window
-from ddpcheck._internal.records import Collective, RankRecord, StepRecord
+from ddpcheck._language.records import Collective, RankRecord, StepRecord
+from ddpcheck._oracle.budget import check_budget
+from ddpcheck._oracle.compare import bitwise_equal, compare
+from ddpcheck._oracle.reference import Reference
+from ddpcheck._oracle.window import STEPPED_INSIDE_WINDOW, check_window
 from ddpcheck.scenario import Scenario
 
 

@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from ddpcheck import targets
-from ddpcheck._internal.oracle import reference as reference_module
-from ddpcheck._internal.oracle.compare import CHAOTIC, compare
-from ddpcheck._internal.oracle.reference import Variant, _train, reference_run
-from ddpcheck._internal.oracle.tolerances import noise_verdict
-from ddpcheck._internal.records import RankRecord
-from ddpcheck._internal.runs.example import check_example
-from ddpcheck._internal.runs.pipeline import Outcome, one_behind_the_other
+from ddpcheck._language.records import RankRecord
+from ddpcheck._oracle import reference as reference_module
+from ddpcheck._oracle.compare import CHAOTIC, compare
+from ddpcheck._oracle.reference import Variant, _train, reference_run
+from ddpcheck._oracle.tolerances import noise_verdict
+from ddpcheck._runs.example import check_example
+from ddpcheck._runs.pipeline import Outcome, one_behind_the_other
 from ddpcheck.errors import EquivalenceError, ExitCode, ScenarioError
 from ddpcheck.models import Layer, ModelSpec, SpecData
 from ddpcheck.scenario import Scenario

@@ -18,9 +18,9 @@ import torch
 
 import ddpcheck
 from ddpcheck import features, targets
-from ddpcheck._internal.rank import recorder as comm
-from ddpcheck._internal.runs.replay import from_repr
-from ddpcheck._internal.world.worlds import get_world
+from ddpcheck._rank import recorder as comm
+from ddpcheck._runs.replay import from_repr
+from ddpcheck._world.registry import get_world
 from parallel import ShardedOptimizer, sharding
 from parallel.ddp import AveragedGrad
 from tests.patience import patience

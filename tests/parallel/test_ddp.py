@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpcheck._internal.world.worlds import get_world
+from ddpcheck._world.registry import get_world
 from parallel import DDP, InvalidArgument
 
 WORLD_SIZES = (1, 2, 3, 4)

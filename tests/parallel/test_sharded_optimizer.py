@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpcheck._internal.rank import recorder as comm
-from ddpcheck._internal.world.worlds import get_world
+from ddpcheck._rank import recorder as comm
+from ddpcheck._world.registry import get_world
 from parallel import InvalidArgument, ShardedOptimizer, sharding
 from parallel.ddp import AveragedGrad
 from tests.patience import patience

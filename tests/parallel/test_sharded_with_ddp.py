@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from ddpcheck._internal.rank import recorder as comm
-from ddpcheck._internal.world.worlds import get_world
+from ddpcheck._rank import recorder as comm
+from ddpcheck._world.registry import get_world
 from parallel import DDP, ShardedOptimizer, sharding
 from tests.patience import patience
 

@@ -19,7 +19,7 @@ import types
 import pytest
 import torch.distributed as dist
 
-from ddpcheck._internal.world.worlds import get_world
+from ddpcheck._world.registry import get_world
 from ddpcheck.cli import main
 from tests.patience import patience
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 import ddpcheck
 from ddpcheck import features
 from ddpcheck import strategies as dst
-from ddpcheck._internal.runs.replay import from_repr
+from ddpcheck._runs.replay import from_repr
 from ddpcheck.battery import BATTERY
 from ddpcheck.errors import EquivalenceError, InvalidArgument, NothingChecked
 from ddpcheck.mutation import catalogue
@@ -49,7 +49,7 @@ def test_bad_checkpoint_fields_are_refused_naming_the_field(fields, message):
 
 
 def test_a_rank_asked_for_half_of_a_run_that_saves_nothing_says_so():
-    from ddpcheck._internal.rank.runner import _saved_at
+    from ddpcheck._rank.runner import _saved_at
 
     assert _saved_at(_resumed(after=1), "resumed") == 1
     with pytest.raises(ValueError, match=r"part='until checkpoint' needs a scenario that saves"):

@@ -1,5 +1,5 @@
 """The first verdict is minimal: a battery failure in ``ddpcheck check`` is followed by a search
-for a smaller counterexample at its world size (``runs.smaller``), and every verdict ends with
+for a smaller counterexample at its world size (``_runs.smaller``), and every verdict ends with
 the features its counterexample exercises.
 
 The search's refusals run on a stand-in for ``check_example`` (no world): a failure that passes
@@ -15,8 +15,8 @@ import re
 import pytest
 
 from ddpcheck import cli, targets
-from ddpcheck._internal.runs import smaller
-from ddpcheck._internal.runs.replay import from_repr
+from ddpcheck._runs import smaller
+from ddpcheck._runs.replay import from_repr
 from ddpcheck.battery import BATTERY
 from ddpcheck.errors import Divergence, EquivalenceError, ExitCode, Inconclusive
 from ddpcheck.models import ModelSpec, SpecData

@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 
 import ddpcheck
 from ddpcheck import cli, targets
-from ddpcheck._internal.runs.fuzz import fuzz
-from ddpcheck._internal.runs.option_survey import AS_GIVEN
-from ddpcheck._internal.runs.replay import evaluate, from_repr, target_spec
-from ddpcheck._internal.runs.survey import survey
+from ddpcheck._runs.fuzz import fuzz
+from ddpcheck._runs.option_survey import AS_GIVEN
+from ddpcheck._runs.replay import evaluate, from_repr, target_spec
+from ddpcheck._runs.survey import survey
 from ddpcheck.errors import ExitCode, InvalidArgument
 from ddpcheck.mutation.broken_options import Bf16PathTarget, LastMicroBatchAfterReduceBf16
 from ddpcheck.targets.option_space import (

@@ -1,4 +1,4 @@
-"""``fuzz`` runs its random examples one behind the other (``runs.pipeline``) and shrinks the
+"""``fuzz`` runs its random examples one behind the other (``_runs.pipeline``) and shrinks the
 first failure in a second Hypothesis run that draws the same examples: the verdicts are those of
 examples run one at a time."""
 
@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 import ddpcheck
 from ddpcheck import targets
-from ddpcheck._internal.runs import fuzz as fuzzing
-from ddpcheck._internal.runs.fuzz import fuzz
-from ddpcheck._internal.runs.pipeline import Outcome
+from ddpcheck._runs import fuzz as fuzzing
+from ddpcheck._runs.fuzz import fuzz
+from ddpcheck._runs.pipeline import Outcome
 from ddpcheck.errors import Inconclusive
 from ddpcheck.mutation.catalogue import by_name
 from ddpcheck.scenario import Scenario
@@ -155,7 +155,7 @@ def test_checkpoint_examples_run_in_halves_behind_each_other_with_the_verdicts_o
     submitted once its reference is computed, before the next example is launched (which then
     runs behind it, or beside it in the resumed world of another size) -- and every example gets
     the verdict it gets alone: a pass, a resumed world's rank failure, a checkpoint bug's rows."""
-    from ddpcheck._internal.runs import example, pipeline
+    from ddpcheck._runs import example, pipeline
     from ddpcheck.battery import BATTERY
     from ddpcheck.errors import EquivalenceError
     from tests.runs.test_checkpoint import LoadFailsOnRank1, _resumed

@@ -1,6 +1,6 @@
 """Focus (``--only``, ``only=``): every example checked exercises one of the features named --
 the battery scenarios that do, random examples drawn to -- and a focus nothing can serve is
-refused at the door (``runs.admission``), before any process starts."""
+refused at the door (``_runs.admission``), before any process starts."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ import pytest
 
 import ddpcheck
 from ddpcheck import check_example, targets, zoo
-from ddpcheck._internal.runs.replay import evaluate, replay_command, shell_word, target_spec
+from ddpcheck._runs.replay import evaluate, replay_command, shell_word, target_spec
 from ddpcheck.cli import resolve_target
 from ddpcheck.scenario import Scenario
 from tests import verdict_helpers as h

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import ddpcheck
 from ddpcheck import features, targets
 from ddpcheck import strategies as dst
-from ddpcheck._internal.runs.survey import Survey
+from ddpcheck._runs.survey import Survey
 from ddpcheck.battery import BATTERY
 from ddpcheck.cli import main
 
@@ -144,4 +144,4 @@ def test_nothing_ran_is_exit_3_and_the_help_states_the_exit_codes(capsys, tmp_pa
         main(["survey", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "0 every cell that ran passed; 1 some cell failed" in text and "3 no cell ran" in text
-    assert ddpcheck.survey.__module__ == "ddpcheck._internal.runs.survey"
+    assert ddpcheck.survey.__module__ == "ddpcheck._runs.survey"

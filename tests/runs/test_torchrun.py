@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from tests.base.test_devices import subprocess_env
 from tests.patience import patience
-from tests.world.test_devices import subprocess_env
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             "2", "-m", "ddpcheck", "check"]
@@ -55,7 +55,7 @@ def test_world_sizes_must_contain_torchruns_size(tmp_path):
 def test_collectives_that_pair_wrongly_but_complete_are_caught_under_torchrun():
     # gloo pairs an int64 all-reduce with a float64 one of the same bytes: the numbers are
     # garbage and nothing hangs. Spawned worlds catch it from the sequence files; torchrun must
-    # reach the same verdict through the same judge (ddpcheck._internal.runs.example.verdict).
+    # reach the same verdict through the same judge (ddpcheck._runs.example.verdict).
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = _torchrun('tests.world.test_faults:MismatchedCollective(how="dtype")', cwd=root)
     assert out.returncode == 1, out.stdout + out.stderr

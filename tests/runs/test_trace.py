@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from ddpcheck import cli
-from ddpcheck._internal.runs.trace import TRACE_SCENARIO, chrome_trace, overlap, record_step
-from ddpcheck._internal.world.worlds import get_world
+from ddpcheck._runs.trace import TRACE_SCENARIO, chrome_trace, overlap, record_step
+from ddpcheck._world.registry import get_world
 from ddpcheck.errors import ExitCode
 from ddpcheck.targets import PARALLEL, PARALLEL_DDP
 from tests.patience import patience

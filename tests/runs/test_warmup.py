@@ -1,6 +1,6 @@
 """A target's once-per-process set-up (``Target.warm_up``) runs in every rank before the first
 example there, once per rank process, as a task of its own: no example's deadline pays for it,
-not even one running in another world meanwhile (``runs.pipeline``); its failure is a
+not even one running in another world meanwhile (``_runs.pipeline``); its failure is a
 ``SetupError``, never a verdict. Issue 37: DeepSpeed's first C++ op build ran inside the first
 example's deadline: "rank timed out", exit 1, on correct code.
 
@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 import ddpcheck
 from ddpcheck import targets, zoo
-from ddpcheck._internal.runs import warmup
-from ddpcheck._internal.runs.pipeline import one_behind_the_other
+from ddpcheck._runs import warmup
+from ddpcheck._runs.pipeline import one_behind_the_other
 from ddpcheck.scenario import Scenario
 from tests.patience import patience
 

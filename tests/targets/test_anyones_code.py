@@ -13,7 +13,7 @@ import ddpcheck
 import parallel
 from ddpcheck import features, targets
 from ddpcheck import strategies as dst
-from ddpcheck._internal.runs.fuzz import fuzz
+from ddpcheck._runs.fuzz import fuzz
 from tests.patience import patience
 
 # ---------------------------------------------------------------------------------------------
@@ -117,7 +117,7 @@ def test_a_loop_hook_left_out_is_the_targets_fault():
 
 
 def test_factory_targets_replay_by_their_module_name():
-    from ddpcheck._internal.runs.replay import target_spec
+    from ddpcheck._runs.replay import target_spec
 
     assert target_spec(RESET_AFTER_STEP) == "tests.targets.test_anyones_code:RESET_AFTER_STEP"
 
@@ -180,7 +180,7 @@ def test_unknown_feature_names_are_refused_with_the_vocabulary():
 def _unused_on_some_ranks(scenario, world_size) -> bool:
     """As the ranks see it: some trainable parameter has a gradient on one rank's shard of step
     0 and None on another's (independent of ddpcheck.features)."""
-    from ddpcheck._internal.objective import summed
+    from ddpcheck._language.objective import summed
     from ddpcheck.scenario import build_model, global_batch
 
     model = build_model(scenario, scenario.seed)

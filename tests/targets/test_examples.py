@@ -16,7 +16,7 @@ import pytest
 
 import ddpcheck
 from ddpcheck import cli, features
-from ddpcheck._internal.runs.fuzz import fuzz
+from ddpcheck._runs.fuzz import fuzz
 from examples import explicit_finish, reset_after_step, sync_in_backward
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -10,8 +10,8 @@ import torch
 
 import ddpcheck
 from ddpcheck import features, zoo
-from ddpcheck._internal.oracle.shards import LOCAL_SHARD_DIFFERS, compare_shards, shard_bounds
-from ddpcheck._internal.records import RankRecord, StepRecord
+from ddpcheck._language.records import RankRecord, StepRecord
+from ddpcheck._oracle.shards import LOCAL_SHARD_DIFFERS, compare_shards, shard_bounds
 from ddpcheck.models import Layer, ModelSpec, SpecData
 from ddpcheck.targets import TORCH_FSDP, TorchFSDPTarget
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 import ddpcheck
 from ddpcheck import check_example, targets
-from ddpcheck._internal.world.worlds import get_world
+from ddpcheck._world.registry import get_world
 from ddpcheck.scenario import Scenario
 from tests.patience import patience
 

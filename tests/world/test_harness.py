@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 import ddpcheck
 from ddpcheck import check_example, targets, zoo
-from ddpcheck._internal.runs.replay import from_repr
-from ddpcheck._internal.world import forking
-from ddpcheck._internal.world.worlds import get_world
+from ddpcheck._runs.replay import from_repr
+from ddpcheck._world import forking
+from ddpcheck._world.registry import get_world
 from ddpcheck.scenario import Scenario
 from tests.patience import patience
 
@@ -42,8 +42,10 @@ def test_builtin_targets_pass_the_battery(name):
     assert report.count + len(report.skipped) == len(BATTERY) * len(ALL_SIZES)
     # torch's DDP declines per-rank registration orders; ZeRO also rejects mixed dtypes, and
     # checkpoints where its consolidate_state_dict cannot run (it needs numpy)
-    declined = {"TORCH_ZERO": ["mixed-dtypes-sum (W=1,2,3,4): needs mixed-dtypes (not in "
-                               "TorchZeroTarget.supported_features)"],
+    # (each with the reason its class declares: Target.declined_features)
+    declined = {"TORCH_ZERO": ["mixed-dtypes-sum (W=1,2,3,4): needs mixed-dtypes (TorchZeroTarget "
+                               "declines it: ZeroRedundancyOptimizer rejects parameters of "
+                               "several dtypes)"],
                 "TORCH_DDP": []}.get(name)
     cls = type(getattr(targets, name)).__name__
     # bfloat16 parameters are the target's to apply: opt-in, and none of these opts in
@@ -52,7 +54,8 @@ def test_builtin_targets_pass_the_battery(name):
     if declined is not None:
         no_numpy = name == "TORCH_ZERO" and importlib.util.find_spec("numpy") is None
         assert sorted(report.skipped_lines()) == sorted(declined + opt_in + [
-            f"rank-orders-adam (W=1,2,3,4): needs rank-orders (not in {cls}.supported_features)"]
+            f"rank-orders-adam (W=1,2,3,4): needs rank-orders ({cls} declines it: torch DDP "
+            'requires "the exact same parameter registration order" on every process)']
             + ["checkpoint-resume (W=1,2,3,4): checkpoint: ZeroRedundancyOptimizer."
                "consolidate_state_dict decodes every rank's shard through numpy (torch 2.13), "
                "which is not installed here"] * no_numpy)
@@ -236,7 +239,7 @@ def test_a_ranks_output_goes_to_its_log_from_its_first_line(tmp_path):
         import os
         print("imported as", __name__, flush=True)
         if __name__ == "__main__":
-            from ddpcheck._internal.world.worlds import get_world
+            from ddpcheck._world.registry import get_world
             world = get_world(2)
             for rank in range(2):
                 print(rank, open(os.path.join(world._dir, f"rank{rank}.log")).read().strip())
@@ -267,7 +270,7 @@ def test_no_rank_outlives_its_harness_process(tmp_path):
     script.write_text(textwrap.dedent("""
         import ddpcheck
         from ddpcheck import targets
-        from ddpcheck._internal.world.worlds import get_world
+        from ddpcheck._world.registry import get_world
         if __name__ == "__main__":
             ddpcheck.assert_equivalent(targets.PARALLEL, world_sizes=(2,))
             print(" ".join(map(str, get_world(2).pids)), flush=True)
@@ -287,7 +290,7 @@ def test_ranks_die_with_a_killed_harness(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent("""
         import time
-        from ddpcheck._internal.world.worlds import get_world
+        from ddpcheck._world.registry import get_world
         if __name__ == "__main__":
             print(" ".join(map(str, get_world(2).pids)), flush=True)
             time.sleep(600)

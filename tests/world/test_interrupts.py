@@ -1,4 +1,4 @@
-"""Ctrl-C held back while ddpcheck starts a process, never lost (``_internal.world.interrupts``).
+"""Ctrl-C held back while ddpcheck starts a process, never lost (``_world.interrupts``).
 
 A signal landing inside ``Process.start`` left a rank running that no world knew; ignoring SIGINT
 while the fork server started (so that it inherits the ignoring) lost the Ctrl-C that came then.
@@ -22,8 +22,8 @@ from multiprocessing import forkserver
 
 import pytest
 
-from ddpcheck._internal.world import forking, interrupts
-from ddpcheck._internal.world.worlds import World
+from ddpcheck._world import forking, interrupts
+from ddpcheck._world.worlds import World
 from tests.patience import patience
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -120,7 +120,7 @@ def test_a_ctrl_c_while_a_rank_starts_leaves_no_rank_running(monkeypatch):
 FORK_SERVER_START = """
 import os, signal, time
 from multiprocessing import forkserver
-from ddpcheck._internal.world import forking
+from ddpcheck._world import forking
 
 real = forkserver.ensure_running
 

@@ -1,5 +1,5 @@
-"""Isolation between examples, start-up and shutdown hygiene (``ddpcheck._internal.rank.fitness``,
-``ddpcheck._internal.world.janitor``, ``world._refuse_nested_start``).
+"""Isolation between examples, start-up and shutdown hygiene (``ddpcheck._rank.fitness``,
+``ddpcheck._world.janitor``, ``world._refuse_nested_start``).
 
 What a target leaves in its rank processes is put right (process groups destroyed, settings set
 back) or answered with a fresh world, and noted -- never blamed, except a change that alters what
@@ -30,9 +30,9 @@ import torch.distributed as dist
 
 import ddpcheck
 from ddpcheck import check_example, targets, zoo
-from ddpcheck._internal.rank import serve as rank_module
-from ddpcheck._internal.rank.fitness import FD_HEADROOM
-from ddpcheck._internal.world.worlds import get_world
+from ddpcheck._rank import serve as rank_module
+from ddpcheck._rank.fitness import FD_HEADROOM
+from ddpcheck._world.registry import get_world
 from ddpcheck.mutation import catalogue as mutants
 from ddpcheck.scenario import Scenario
 from tests.patience import patience
@@ -111,7 +111,7 @@ class StartsSubprocess(targets.ParallelTarget):
 
 
 def _fd_count():
-    from ddpcheck._internal.rank import fitness
+    from ddpcheck._rank import fitness
 
     return fitness.baseline().fds
 
@@ -206,7 +206,7 @@ def test_the_fitness_check_is_cheap():
 
 
 def _fitness_check_seconds(n=500):
-    from ddpcheck._internal.rank import fitness, recorder
+    from ddpcheck._rank import fitness, recorder
 
     base = fitness.baseline(tuple(recorder.wrapped()))
     started = time.perf_counter()
@@ -429,7 +429,7 @@ def _reduce_scatter_list_bytes():
     import torch
     import torch.distributed as dist
 
-    from ddpcheck._internal.rank import recorder
+    from ddpcheck._rank import recorder
 
     recorder.reset()
     world = dist.get_world_size()

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpcheck._internal.world.worlds import TaskLost, World, WorldFailure, _empty
+from ddpcheck._world.failures import WorldFailure
+from ddpcheck._world.worlds import TaskLost, World, _empty
 from tests.patience import patience
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import ddpcheck
 from ddpcheck import check_example, targets
-from ddpcheck._internal.world import progress
+from ddpcheck._world import progress
 from ddpcheck.scenario import Scenario
 from tests.patience import patience
 

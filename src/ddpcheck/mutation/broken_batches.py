@@ -14,7 +14,13 @@ import dataclasses
 
 import torch
 
-from ddpcheck.batches import BatchPlan, DistributedSamplerBatches, GlobalBatch, TokenMean, split
+from ddpcheck._language.batches import (
+    BatchPlan,
+    DistributedSamplerBatches,
+    GlobalBatch,
+    TokenMean,
+    split,
+)
 
 __all__ = ["FlooredShards", "MeanOfRankMeans", "MicroBatchTokenMean", "PaddingSampler",
            "RankTokenMean", "SamplerSeededPerRank", "SkipsEmptyShard"]

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpcheck.features import FEATURES
+from ddpcheck._language.features import FEATURES
 from ddpcheck.targets import Target
 from ddpcheck.targets.fsdp import broadcast_from
 

@@ -31,12 +31,12 @@ from typing import Any, cast
 
 from ddpcheck.mutation.broken_ddp import LastMicroBatchAfterReduceDDP
 from ddpcheck.targets import (
-    BUCKET_SIZES,
     AccelerateTarget,
     HfTrainerTarget,
     LightningTarget,
     ParallelDDPTarget,
 )
+from ddpcheck.targets.builtin import BUCKET_SIZES
 from ddpcheck.targets.option_space import options
 from parallel import DDP
 
@@ -132,7 +132,7 @@ def _per_micro_batch_trainer() -> type:
 
 @dataclasses.dataclass(frozen=True)
 class PerMicroBatchLossCountingTokens(HfTrainerTarget):
-    """J1 behind ``training_args={"include_num_input_tokens_seen": True}``: the Trainer's loss is
+    """J1 behind ``config={"include_num_input_tokens_seen": True}``: the Trainer's loss is
     each micro-batch's token mean divided by the accumulation steps, not the sum over the step's
     token count (huggingface/transformers #34191, in the path that counts tokens)."""
 

@@ -42,8 +42,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from ddpcheck.errors import InvalidArgument
-from ddpcheck.features import FEATURES
+from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._language.features import FEATURES
 from ddpcheck.mutation import broken_batches as S
 from ddpcheck.mutation import broken_checkpoint as K
 from ddpcheck.mutation import broken_ddp as D
@@ -72,7 +72,7 @@ class Mutant:
     name: str  # the target class's name, e.g. "NoDivide"
     bug_class: str  # catalogue id, e.g. "A1"
     description: str  # one line
-    target: Any
+    target: Target
     #: the unmutated target it must be told apart from (None: ``parallel``)
     control: Any = None
 
@@ -377,7 +377,7 @@ def stale_overrides() -> list[str]:
                 if broken is not None and original is not None and broken is not original:
                     stale += _stale(mutant, broken, original)
             continue
-        for broken in (type(mutant.target).ddp_class,
+        for broken in (getattr(type(mutant.target), "ddp_class", None),
                        getattr(type(mutant.target), "optimizer_class", ShardedOptimizer)):
             if broken is None:  # no DDP in front
                 continue

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ddpcheck._internal.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
-from ddpcheck.errors import ExitCode, InvalidArgument
+from ddpcheck._base.errors import ExitCode, InvalidArgument
+from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
 from ddpcheck.mutation import catalogue, search
 from ddpcheck.mutation.search import Outcome, Search, shrinking_search, warm_up
 from ddpcheck.targets import PARALLEL, TORCH_FSDP, TorchFSDPTarget

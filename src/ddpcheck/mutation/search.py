@@ -23,20 +23,21 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ddpcheck._internal.messages import scenario_line as brief
-from ddpcheck._internal.options import (
+from ddpcheck._base.errors import EquivalenceError
+from ddpcheck._base.options import (
     DEFAULT_DEADLINE,
     DEFAULT_WORLD_SIZES,
     STARTUP_DEADLINE,
     check_positive_number,
     check_world_sizes,
 )
-from ddpcheck._internal.runs.example import check_example, prepare_reference
-from ddpcheck._internal.runs.fuzz import fuzz
-from ddpcheck._internal.world.worlds import get_world
-from ddpcheck.battery import BATTERY
-from ddpcheck.errors import EquivalenceError
-from ddpcheck.features import declines
+from ddpcheck._language.battery import BATTERY
+from ddpcheck._language.features import declines
+from ddpcheck._language.messages import scenario_line as brief
+from ddpcheck._runs.example import check_example, prepare_reference
+from ddpcheck._runs.fuzz import fuzz
+from ddpcheck._world.registry import get_world
+from ddpcheck.targets.protocol import Target
 
 __all__ = ["Counterexample", "Outcome", "Search", "battery_search", "brief", "shrinking_search",
            "warm_up"]
@@ -98,7 +99,7 @@ def warm_up(world_sizes: Iterable[int], modules: Iterable[str] = ()) -> None:
         _reference(name, scenario)
     for w in world_sizes:
         # a fresh world's first example would otherwise pay for importing the harness
-        get_world(w).run(_import, ("ddpcheck._internal.rank.runner", *modules),
+        get_world(w).run(_import, ("ddpcheck._rank.runner", *modules),
                          deadline=STARTUP_DEADLINE, what="warm-up")
 
 
@@ -108,7 +109,7 @@ def _import(modules: tuple[str, ...]) -> None:
         importlib.import_module(name)
 
 
-def battery_search(target: Any, budget_seconds: float, *,
+def battery_search(target: Target, budget_seconds: float, *,
                    world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
                    deadline: float = DEFAULT_DEADLINE) -> Outcome:
     """Battery x world sizes, in :data:`SEARCH_ORDER`, until the first divergence."""
@@ -132,9 +133,10 @@ def battery_search(target: Any, budget_seconds: float, *,
     return Outcome(None, examples, time.perf_counter() - started, exhausted=True)
 
 
-def shrinking_search(target: Any, budget_seconds: float, *, world_sizes: Any = DEFAULT_WORLD_SIZES,
-                     deadline: float = DEFAULT_DEADLINE, fuzz_share: float = 0.5,
-                     examples: int = 200, fuzz_config: bool = False) -> Outcome:
+def shrinking_search(target: Target, budget_seconds: float, *,
+                     world_sizes: Any = DEFAULT_WORLD_SIZES, deadline: float = DEFAULT_DEADLINE,
+                     fuzz_share: float = 0.5, examples: int = 200,
+                     fuzz_config: bool = False) -> Outcome:
     """Up to ``examples`` random examples first, for a
     *shrunk* counterexample, within ``fuzz_share`` of the budget; if they find none, the
     built-in battery (not shrunk, but aimed at every bug class) gets the rest.

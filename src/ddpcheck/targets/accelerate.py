@@ -23,24 +23,91 @@ Two documented behaviours the target meets the way a user must:
   across ranks, so the target sets ``split_batches=True`` (``split_batches=False`` is kept as an
   option, which declines scenarios with an LR schedule: the schedule differs by design).
 
-Imports accelerate only inside the hooks: listing or pickling the target needs no accelerate.
+**Your own configuration** (``config``: the keyword arguments of ``Accelerator(**config)``, a
+dict or the path of a JSON file holding one; the rule: ``ddpcheck.targets.configuration``). The
+scenario's keys (:data:`SCENARIO_KEYS`: the accumulation, the precision) are refused; the
+harness's (:data:`HARNESS_KEYS`: the world, the batch split, DDP as the backend) are accepted only
+with ddpcheck's value; everything else reaches the ``Accelerator`` -- a
+``GradientAccumulationPlugin`` (its ``num_steps`` the scenario's), ``kwargs_handlers`` (a
+``DistributedDataParallelKwargs`` replaces the target's ``find_unused_parameters=True``, and what
+torch's DDP cannot train under its options is declined: ``ddp_options``), ``dataloader_config``,
+``rng_types``. In JSON an object is the dict of its keyword arguments, a handler one with its
+class's name under ``"class"``::
+
+    AccelerateTarget(config={
+        "gradient_accumulation_plugin": {"sync_each_batch": True},  # num_steps: the scenario's
+        "kwargs_handlers": [{"class": "DistributedDataParallelKwargs",
+                             "find_unused_parameters": True, "gradient_as_bucket_view": True}]})
+    # ddpcheck check accelerate --config accelerate.json  (the same, as a JSON file)
+
+Imports accelerate only inside the hooks (and, given a config, to check it where it is built).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from ddpcheck.features import FEATURES
+from ddpcheck._base.errors import InvalidArgument
+from ddpcheck.targets import ddp_options
+from ddpcheck.targets.configuration import (
+    build,
+    construct,
+    described,
+    has,
+    keywords_of,
+    load_config,
+    reconcile,
+)
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.option_space import options
-from ddpcheck.targets.protocol import Target
+from ddpcheck.targets.protocol import Target, supported_but
+from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
-__all__ = ["AccelerateTarget"]
+__all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "AccelerateTarget"]
+
+_PRECISION = "autocast (and dtype): ddpcheck's loop runs the scenario's autocast"
+#: ``Accelerator`` keys the scenario sets, example by example: key -> what sets it (refused).
+#: A handler in ``kwargs_handlers`` is named by its class.
+SCENARIO_KEYS: dict[str, str] = {
+    "gradient_accumulation_steps": "accumulation",
+    "gradient_accumulation_plugin.num_steps": "accumulation",
+    "mixed_precision": _PRECISION,
+    "kwargs_handlers.AutocastKwargs": _PRECISION,
+    "kwargs_handlers.GradScalerKwargs": "autocast (a float16 scaler skips steps the reference "
+                                        "takes)",
+    **{f"kwargs_handlers.{recipe}": _PRECISION for recipe in (
+        "FP8RecipeKwargs", "AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs")},
+}
+_WORLD = "ddpcheck's world: the process group exists, on the world's device"
+_DDP = "this target checks accelerate over torch DDP (DeepSpeed has targets of its own)"
+_SPLIT = ("ddpcheck's batch is the global batch split across the ranks, so the prepared scheduler "
+          "steps once per step only with split_batches=True; AccelerateTarget(split_batches="
+          "False) keeps accelerate's other behaviour")
+#: ``Accelerator`` keys ddpcheck's harness fixes: key -> (the values accepted, why).
+HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "cpu": ((), _WORLD),
+    "kwargs_handlers.InitProcessGroupKwargs": ((), _WORLD),
+    "split_batches": ((True,), _SPLIT),
+    "dataloader_config.split_batches": ((True,), _SPLIT),
+    "step_scheduler_with_optimizer": ((True,), "the scheduler steps with the optimizer, once per "
+                                               "step, as the scenario's schedule"),
+    "deepspeed_plugin": ((None,), _DDP),
+    "deepspeed_plugins": ((None,), _DDP),
+    "fsdp_plugin": ((None,), _DDP),
+    "torch_tp_plugin": ((None,), _DDP),
+    "megatron_lm_plugin": ((None,), _DDP),
+    "parallelism_config": ((None,), _DDP),
+    "dynamo_backend": ((None, "no", "NO"), "torch.compile is not tried with this target"),
+    "dynamo_plugin": ((None,), "torch.compile is not tried with this target"),
+    "log_with": ((None, []), "the target starts no tracker (it never calls init_trackers)"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,46 +118,111 @@ class AccelerateTarget(FrameworkTarget):
 
     split_batches: bool = True
     accumulation: int = 1  # the scenario's micro-batches per step, set by configure()
+    config: Any = None  # Accelerator(**config): the module docstring
 
     steps_every_micro_batch = True
-    # Declined: per-rank registration orders (torch DDP underneath requires one order), and
-    # checkpoints (accelerate saves through save_state/load_state, its own directory format,
-    # not the default hooks' state dicts).
-    supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint"}
 
-    def config_space(self) -> Any:
-        """``split_batches=False`` (accelerate's default); ``Accelerator`` keyword arguments
-        join here as ``config=`` keys (``ddpcheck.targets.option_space``)."""
-        return options(fields={"split_batches": (False,)})
+    declined_features: ClassVar[Mapping[str, str]] = {
+        "rank-orders": TORCH_DDP_ORDER,
+        "checkpoint": f"{OWN_CHECKPOINTS} (save_state/load_state, its own directory format)",
+        "param-dtype": NO_PARAM_DTYPE}
+
+    def __post_init__(self) -> None:
+        where = described("AccelerateTarget", self.config)
+        given = load_config(self.config, target=where)
+        if given:  # checked, and its objects built once, here: before any process starts
+            _check(given, where)
+        object.__setattr__(self, "_given", given)
+
+    @property
+    def _ddp(self) -> dict[str, bool]:
+        """The torch DDP options the ``Accelerator`` will pass (``ddp_options``)."""
+        handler = _ddp_handler(vars(self)["_given"])
+        if handler is None:
+            return {"find_unused_parameters": True, "static_graph": False}
+        return {name: bool(_option(handler, name))
+                for name in ("find_unused_parameters", "static_graph")}
+
+    @property
+    def supported_features(self) -> frozenset[str]:  # type: ignore[override]
+        # declined_features, and unused parameters where the user's DDP options do not look
+        # for them (ddp_options)
+        ddp = self._ddp
+        return supported_but(self.declined_features) - ddp_options.declined(ddp)
 
     def supports(self, scenario: Any) -> str | None:
         if not self.split_batches and scenario.lr_decay is not None:
             return ("an LR schedule with split_batches=False: AcceleratedScheduler then steps "
                     "the schedule num_processes times per optimizer step, by design (the "
                     "batch is taken to be per process), where the reference steps it once")
-        return None
+        given = vars(self)["_given"]
+        sync_each_batch = bool(_option(given.get("gradient_accumulation_plugin") or {},
+                                       "sync_each_batch"))
+        return ddp_options.cannot_run(scenario, **self._ddp,
+                                      no_sync_accumulation=not sync_each_batch,
+                                      where=" (the config's DistributedDataParallelKwargs)")
+
+    def config_space(self) -> Any:
+        """``split_batches=False`` (accelerate's default); ``Accelerator`` keyword arguments
+        join here as ``config=`` keys (``ddpcheck.targets.option_space``)."""
+        return options(fields={"split_batches": (False,)})
 
     def warm_up(self) -> None:
         import accelerate  # noqa: F401  (seconds in a rank: once per process, here)
 
     def configure(self, scenario: Any) -> Target:
-        return dataclasses.replace(self, accumulation=scenario.accumulation)
+        # a copy, not dataclasses.replace: the config was read and checked when the target was
+        # built, and is not read again in the rank (its file may be elsewhere)
+        if scenario.accumulation == self.accumulation:
+            return self
+        configured = copy.copy(self)
+        object.__setattr__(configured, "accumulation", scenario.accumulation)
+        return configured
 
     def setup(self, module: Any, params: Any, optimizer_cls: type,
               **kwargs: Any) -> tuple[Any, Any]:
         from accelerate import Accelerator
-        from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs
 
         join_existing_group()
-        accelerator = Accelerator(
-            cpu=next(module.parameters()).device.type == "cpu",
-            gradient_accumulation_steps=self.accumulation,
-            dataloader_config=DataLoaderConfiguration(split_batches=self.split_batches),
-            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+        options = self.accelerator_kwargs(next(module.parameters()).device)
+        accelerator = (construct(Accelerator, options, target=described("AccelerateTarget",
+                                                                         self.config))
+                       if vars(self)["_given"] else Accelerator(**options))
         model, optimizer = accelerator.prepare(module, optimizer_cls(params, **kwargs))
         # the hooks below get the model or the optimizer: both carry this example's Accelerator
         model.ddpcheck_accelerator = optimizer.ddpcheck_accelerator = accelerator
         return model, optimizer
+
+    def accelerator_kwargs(self, device: torch.device) -> dict[str, Any]:
+        """``Accelerator``'s keyword arguments in a rank: the user's config, its objects built
+        afresh, and what the scenario and the harness set."""
+        from accelerate.utils import (
+            DataLoaderConfiguration,
+            DistributedDataParallelKwargs,
+            GradientAccumulationPlugin,
+        )
+
+        given = vars(self)["_given"]
+        where = described("AccelerateTarget", self.config)
+        kwargs = dict(given, cpu=device.type == "cpu")
+        plugin = given.get("gradient_accumulation_plugin")
+        if plugin is None:
+            kwargs["gradient_accumulation_steps"] = self.accumulation
+        else:
+            plugin = build(plugin, GradientAccumulationPlugin, target=where,
+                           key="gradient_accumulation_plugin")
+            kwargs["gradient_accumulation_plugin"] = dataclasses.replace(
+                plugin, num_steps=self.accumulation)
+        loader = build(given.get("dataloader_config") or {}, DataLoaderConfiguration,
+                       target=where, key="dataloader_config")
+        if not has(given, "dataloader_config.split_batches"):
+            loader = dataclasses.replace(loader, split_batches=self.split_batches)
+        kwargs["dataloader_config"] = loader
+        handlers = [_handler(h, where) for h in given.get("kwargs_handlers") or ()]
+        if not any(isinstance(h, DistributedDataParallelKwargs) for h in handlers):
+            handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
+        kwargs["kwargs_handlers"] = handlers
+        return kwargs
 
     def make_scheduler(self, optimizer: Any, gamma: float) -> Any:
         inner = torch.optim.lr_scheduler.ExponentialLR(optimizer.optimizer, gamma)
@@ -116,3 +248,61 @@ class AccelerateTarget(FrameworkTarget):
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
 
+
+
+def _check(given: dict[str, Any], where: str) -> None:
+    """Refuse what the rule refuses (``configuration.reconcile``), and a JSON form that builds no
+    object, naming the key; skipped without accelerate (``Target.requires`` refuses the target
+    before it runs)."""
+    try:
+        from accelerate import Accelerator
+        from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
+    except ImportError:
+        return
+    handlers = given.get("kwargs_handlers") or []
+    if not isinstance(handlers, (list, tuple)):
+        raise InvalidArgument(f"{where}: 'kwargs_handlers' must be a list of handlers (in "
+                              "JSON, objects naming their class: {\"class\": "
+                              "\"DistributedDataParallelKwargs\", ...})")
+    view = dict(given)
+    view["kwargs_handlers"] = {type(h).__name__: h for h in (_handler(h, where) for h in handlers)}
+    for key, factory in (("gradient_accumulation_plugin", GradientAccumulationPlugin),
+                         ("dataloader_config", DataLoaderConfiguration)):
+        build(given.get(key) or {}, factory, target=where, key=key)  # its keywords checked
+    reconcile(view, target=where, scenario_keys=SCENARIO_KEYS, harness_keys=HARNESS_KEYS,
+              known=keywords_of(Accelerator), known_as="Accelerator keyword argument")
+
+
+def _handler(value: Any, where: str) -> Any:
+    """One of ``kwargs_handlers``: the object, or built from its JSON form (``"class"``: the name
+    of one of ``accelerate.utils``' handlers)."""
+    import accelerate.utils
+    from accelerate.utils import KwargsHandler
+
+    if not isinstance(value, Mapping):
+        return build(value, KwargsHandler, target=where, key="kwargs_handlers")
+
+    name = value.get("class")
+    cls = getattr(accelerate.utils, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, KwargsHandler)):
+        names = sorted(n for n in dir(accelerate.utils) if n.endswith(("Kwargs", "KwargsHandler")))
+        raise InvalidArgument(f"{where}: a handler of 'kwargs_handlers' given as a dict names "
+                              f"its class under \"class\" (one of {', '.join(names)}), not "
+                              f"{name!r}")
+    kwargs = {k: v for k, v in value.items() if k != "class"}
+    return build(kwargs, cls, target=where, key=f"kwargs_handlers.{name}")
+
+
+def _ddp_handler(given: dict[str, Any]) -> Any:
+    """The config's ``DistributedDataParallelKwargs`` (an object or its JSON form), or None."""
+    for handler in given.get("kwargs_handlers") or ():
+        name = handler.get("class") if isinstance(handler, Mapping) else type(handler).__name__
+        if name == "DistributedDataParallelKwargs":
+            return handler
+    return None
+
+
+def _option(obj: Any, name: str) -> Any:
+    """A field of a handler or plugin, given as an object or as its JSON form (absent: False,
+    the default of the flags read here)."""
+    return obj.get(name, False) if isinstance(obj, Mapping) else getattr(obj, name, False)

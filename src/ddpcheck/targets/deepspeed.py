@@ -1,4 +1,11 @@
-"""The ``deepspeed_zero1`` / ``deepspeed_zero2`` targets: DeepSpeed's engine with ZeRO stage 1 or 2.
+"""The ``deepspeed``, ``deepspeed_zero1`` and ``deepspeed_zero2`` targets: DeepSpeed's engine with
+ZeRO stage 1 or 2 -- ``deepspeed`` at the stage of your config (2 where it names none), the others
+at theirs -- and your own DeepSpeed config::
+
+    from ddpcheck.targets import DeepSpeedTarget
+    target = DeepSpeedTarget(config="ds_config.json")  # or the dict deepspeed.initialize takes
+    # command line: ddpcheck check deepspeed --config ds_config.json --dtypes float32
+    # or: ddpcheck check 'ddpcheck.targets.deepspeed:DeepSpeedTarget(config="ds_config.json")'
 
 Runs on CPU worlds: DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``) falls back to gloo when
 oneCCL's bindings are absent, and ``deepspeed.initialize(..., dist_init_required=False)`` finds the
@@ -20,14 +27,39 @@ CPU comm backend loads (minutes the first time), once per rank process, outside 
 deadline, after removing a lock a killed build left (``extensions``). Supports DeepSpeed 0.19.0
 and later (``requires``; 0.19.0 and 0.19.8 tried); the glue adapts to what 0.19.0 lacks.
 
+**Who sets what** (:data:`SCENARIO_KEYS`, :data:`HARNESS_KEYS`; docs/frameworks.md, "Your own
+configuration"): the scenario owns the batch (``train_batch_size``,
+``train_micro_batch_size_per_gpu``), ``gradient_accumulation_steps``, ``gradient_clipping``,
+``optimizer``, ``scheduler`` and the precision (``bf16.enabled``, ``fp16``, ``torch_autocast``,
+``data_types.param_dtype``): refused whatever their value. The harness fixes
+``zero_allow_untested_optimizer`` (true: the scenario's optimizer is the client optimizer),
+``communication_data_type`` and ``data_types.grad_accum_dtype`` ("fp32" or absent: ddpcheck promises
+float32 reductions), ``bf16.bf16_master_weights_and_grads`` and ``bf16_optimizer_states`` (false),
+no ZeRO-Offload, and ``zero_optimization.stage`` (1 or 2, the target's). Every other key reaches
+the engine as given (``contiguous_gradients``, ``overlap_comm``, ``reduce_bucket_size``,
+``allgather_bucket_size``, ``reduce_scatter``, ``round_robin_gradients``, ``prescale_gradients``,
+...); a config DeepSpeed's own parser rejects is exit 2 as well, from the ranks.
+
+**bf16** is the scenario's ``param_dtype=torch.bfloat16`` policy: float32 master weights, forward
+and backward on bfloat16 copies. ``configure`` enables ``bf16`` for such a scenario, casting the
+inputs of every module holding parameters (bf16 mode casts none), and the harness reads the float32
+masters (``safe_get_full_fp32_param``) as the parameters. DeepSpeed's own default under bf16 is to
+reduce (``DeepSpeedEngine.communication_data_type``) and accumulate (``get_data_types``) gradients
+in bfloat16, which the policy does not promise: the target applies the policy
+(``applies_param_dtype``) only where the config sets ``communication_data_type`` and
+``data_types.grad_accum_dtype`` to "fp32", and declines it otherwise, naming both keys
+(:func:`precision_decline`). float16 is declined (fp16 mode's loss scaler skips steps).
+
 Declined, with DeepSpeed's documented behaviour where it applies: float64 (ZeRO steps float32
 master copies of the parameters), clipping (``gradient_clipping`` clips inside ``engine.step()``,
 after the point where gradients are recorded -- and its default is 1.0, so the target sets 0.0),
 parameters no rank uses (ZeRO's flat partitions give them a zero gradient and step them),
-parameters some ranks do not use (the ranks' gradient all-reduces stop pairing: ranks issue
-buckets of different sizes, though ``ignore_unused_parameters`` is documented as "unused
-parameters are ignored and training continues"), non-contiguous parameters (``initialize``
-raises broadcasting them: "self.stride(-1) must be 1 to view Float as Byte"), several param
+parameters some ranks do not use (DeepSpeed's bug, confirmed without ddpcheck by
+``bench/deepspeed_unused_parameter.py``: each rank all-reduces only the gradients it produced, 58
+elements against 49 in ``reduce_ipg_grads``, and gloo aborts, though ``ignore_unused_parameters``
+is documented as "unused parameters are ignored and training continues"), non-contiguous
+parameters (``initialize`` raises broadcasting them: "self.stride(-1) must be 1 to view Float as
+Byte"), several param
 groups (``safe_get_full_optimizer_state`` raises "exp_avg not found in optimizer state
 fragment" for a parameter of the second group, ZeRO-1 at W=2: its state cannot be read per
 parameter), buffers (the engine broadcasts parameters only: ``_broadcast_model`` walks
@@ -45,19 +77,70 @@ import contextlib
 import dataclasses
 import importlib
 import os
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from ddpcheck._internal.devices import this_rank
-from ddpcheck.features import FEATURES
+from ddpcheck._base.devices import this_rank
+from ddpcheck._base.errors import InvalidArgument
+from ddpcheck.targets.configuration import load_config, reconcile
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.extensions import build_directory, remove_stale_lock
 from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.protocol import Target
+from ddpcheck.targets.reasons import OWN_CHECKPOINTS
 
-__all__ = ["DeepSpeedTarget"]
+__all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "DeepSpeedTarget", "engine_config",
+           "precision_decline"]
+
+_BATCH = "global_batch: each rank trains its own micro-batches of it, as ddpcheck cuts them"
+_PARAM_DTYPE = "param_dtype: bf16 is enabled where it is torch.bfloat16"
+
+#: ds_config keys the scenario sets, example by example: key (dotted: nested) -> the scenario
+#: field that sets it. Given in the config, any value is refused (docs/frameworks.md, "Your own
+#: configuration").
+SCENARIO_KEYS: dict[str, str] = {
+    "train_batch_size": _BATCH,
+    "train_micro_batch_size_per_gpu": _BATCH,
+    "gradient_accumulation_steps": "accumulation",
+    "gradient_clipping": "max_grad_norm: clipping is declined, and the target sets 0.0",
+    "optimizer": "optimizer and optimizer_kwargs: the engine's client optimizer",
+    "scheduler": "lr_decay: the engine gets an ExponentialLR",
+    "bf16.enabled": _PARAM_DTYPE,
+    "bfloat16": _PARAM_DTYPE + " (bfloat16 is bf16's older name)",
+    "fp16": "param_dtype: float16 is declined, DeepSpeed's fp16 mode skips steps that overflow",
+    "data_types.param_dtype": _PARAM_DTYPE,
+    "torch_autocast": "autocast: the loop runs every forward under torch.autocast",
+    "amp": "autocast",
+}
+
+_FLOAT32 = ("ddpcheck promises gradients reduced and accumulated in float32 (the param_dtype "
+            "policy's promise, and float32's)")
+_MASTER = "the param_dtype policy keeps float32 master weights and gradients"
+
+#: ds_config keys ddpcheck's harness fixes: key -> (the values accepted, why); ``()``: none.
+HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "zero_allow_untested_optimizer": ((True,), "the scenario's optimizer is the engine's client "
+                                               "optimizer"),
+    "communication_data_type": ((None, "fp32"), _FLOAT32),
+    "data_types.grad_accum_dtype": ((None, "fp32"), _FLOAT32),
+    "bf16.bf16_master_weights_and_grads": ((False,), _MASTER),
+    "bf16.bf16_optimizer_states": ((False,), _MASTER),
+    "zero_optimization.offload_optimizer": ((None,), "ZeRO-Offload steps DeepSpeed's CPU "
+                                                     "optimizer, not the scenario's"),
+    "zero_optimization.cpu_offload": ((None, False), "ZeRO-Offload steps DeepSpeed's CPU "
+                                                     "optimizer, not the scenario's"),
+    "dataloader_drop_last": ((), "ddpcheck feeds each rank its micro-batches itself; the "
+                                 "engine builds no loader"),
+}
+
+#: The float32 keys DeepSpeed's bf16 mode needs to honour the param_dtype policy: key -> what
+#: DeepSpeed does without it (0.19.8: ``DeepSpeedEngine.communication_data_type`` falls back to
+#: bfloat16 under bf16, ``get_data_types`` accumulates in the model's dtype).
+_BF16_NEEDS = {"communication_data_type": "reduces gradients in bfloat16",
+               "data_types.grad_accum_dtype": "accumulates gradients in bfloat16"}
 
 
 class _Engine:
@@ -96,30 +179,97 @@ class _Schedule:
 
 @dataclasses.dataclass(frozen=True)
 class DeepSpeedTarget(FrameworkTarget):
-    """DeepSpeed's engine with ZeRO ``stage`` 1 or 2 (see the module docstring)."""
+    """DeepSpeed's engine with ZeRO ``stage`` 1 or 2 (see the module docstring).
 
-    stage: int = 2
+    ``stage``: 1 or 2 (``deepspeed_zero1``, ``deepspeed_zero2``); None (``deepspeed``): the
+    config's ``zero_optimization.stage``, 2 where it names none. ``config``: your DeepSpeed
+    configuration -- the dict ``deepspeed.initialize(config=...)`` takes, or the path of your
+    ds_config.json -- with the keys the scenario or ddpcheck sets refused (:data:`SCENARIO_KEYS`,
+    :data:`HARNESS_KEYS`) and every other reaching the engine as given.
+    """
+
+    stage: int | None = None
     accumulation: int = 1  # set by configure()
     gamma: float | None = None  # the scenario's lr_decay, set by configure()
+    config: Any = None
+    bf16: bool = False  # the scenario's param_dtype is bfloat16: set by configure()
 
     # 0.18.9 raises in engine.step() under torch 2.13, with or without ddpcheck
     # (bench/deepspeed_step_018.py); 0.19.0 and 0.19.8 were tried and pass
     requires = (("deepspeed", "0.19.0"),)
     steps_every_micro_batch = True
     sharded_gradients = True
-    supported_features = frozenset(FEATURES) - {"float64", "clipping", "unused-everywhere",
-                                                "unused-on-some-ranks", "non-contiguous",
-                                                "param-groups", "buffers", "mixed-dtypes",
-                                                "checkpoint", "rank-orders"}
+    declined_features: ClassVar[Mapping[str, str]] = {
+        "float64": "ZeRO steps float32 master copies of the parameters",
+        "clipping": "gradient_clipping clips inside engine.step(), after gradients are recorded",
+        "unused-everywhere": "ZeRO's flat partitions give an unused parameter a zero gradient "
+                             "and step it (torch leaves it untouched)",
+        "unused-on-some-ranks": "DeepSpeed's bug (bench/deepspeed_unused_parameter.py): each "
+                                "rank all-reduces only the gradients it produced and gloo "
+                                "aborts, though ignore_unused_parameters is documented to "
+                                "ignore them",
+        "non-contiguous": "deepspeed.initialize raises broadcasting a non-contiguous parameter "
+                          "('self.stride(-1) must be 1 to view Float as Byte')",
+        "param-groups": "safe_get_full_optimizer_state raises 'exp_avg not found in optimizer "
+                        "state fragment' for a second group's parameter: its state cannot be "
+                        "read",
+        "buffers": "the engine broadcasts parameters only (_broadcast_model walks "
+                   "named_parameters()): buffers initialised differently per rank stay "
+                   "different",
+        "mixed-dtypes": "ddpcheck's mixed dtypes are float32 layers in a float64 model, and "
+                        "float64 is declined",
+        "checkpoint": f"{OWN_CHECKPOINTS} (engine.save_checkpoint)",
+        "rank-orders": "ZeRO partitions parameters in registration order, which must be the "
+                       "same on every rank",
+        "param-dtype": "DeepSpeed's bf16 mode reduces and accumulates gradients in bfloat16 "
+                       "unless the config sets communication_data_type and "
+                       "data_types.grad_accum_dtype to 'fp32' (DeepSpeedTarget(config=...)); "
+                       "with both, it applies the policy"}
+
+    def __post_init__(self) -> None:
+        given = load_config(self.config, target="DeepSpeedTarget")
+        zero = given.get("zero_optimization", {})
+        if not isinstance(zero, Mapping):
+            raise InvalidArgument(f"DeepSpeedTarget: the config's 'zero_optimization'={zero!r} "
+                                  "must be an object ({\"stage\": 1 or 2, ...})")
+        reconcile(given, target="DeepSpeedTarget", scenario_keys=SCENARIO_KEYS,
+                  harness_keys=HARNESS_KEYS)
+        stage = zero.get("stage", 2 if self.stage is None else self.stage)
+        if self.stage is not None and stage != self.stage:
+            raise InvalidArgument(f"DeepSpeedTarget(stage={self.stage}): the config's "
+                                  f"'zero_optimization.stage'={stage!r} contradicts it; leave "
+                                  "the key out, or use the 'deepspeed' target, whose stage is "
+                                  "the config's")
+        if isinstance(stage, bool) or stage not in (1, 2):
+            raise InvalidArgument(f"DeepSpeedTarget: 'zero_optimization.stage'={stage!r}: this "
+                                  "target checks ZeRO stages 1 and 2 (stage 0 and ZeRO-3 are "
+                                  "not tried)")
+        # derived, not fields: not in the replay line, which rebuilds them from config
+        object.__setattr__(self, "_given", given)
+        object.__setattr__(self, "_stage", stage)
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage the engine runs: ``stage``, else the config's, else 2."""
+        return int(vars(self)["_stage"])
 
     @property
     def reduces_every_micro_batch(self) -> bool:  # type: ignore[override]
         # ZeRO-2 reduces each micro-batch's gradients into the partitions (it has no no_sync)
-        return self.stage == 2
+        return self.zero_stage == 2
+
+    @property
+    def applies_param_dtype(self) -> bool:  # type: ignore[override]
+        # bf16 mode with float32 reductions and accumulation is the param_dtype policy
+        return not _float32_gaps(vars(self)["_given"])
+
+    def supports(self, scenario: Any) -> str | None:
+        return precision_decline(vars(self)["_given"], scenario)
 
     def configure(self, scenario: Any) -> Target:
         return dataclasses.replace(self, accumulation=scenario.accumulation,
-                                   gamma=scenario.lr_decay)
+                                   gamma=scenario.lr_decay,
+                                   bf16=getattr(scenario, "param_dtype", None) is torch.bfloat16)
 
     def warm_up(self) -> None:
         # Importing DeepSpeed (3-13 s here) and building the C++ op its comm backend loads on
@@ -148,16 +298,30 @@ class DeepSpeedTarget(FrameworkTarget):
         optimizer = optimizer_cls(params, **kwargs)
         schedule = (None if self.gamma is None else
                     torch.optim.lr_scheduler.ExponentialLR(optimizer, self.gamma))
-        config = {"train_micro_batch_size_per_gpu": 1,
-                  "gradient_accumulation_steps": self.accumulation,
-                  "zero_optimization": {"stage": self.stage},
-                  "zero_allow_untested_optimizer": True,
-                  "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0
-                  "steps_per_print": 2**31}
+        given = vars(self)["_given"]
+        config = engine_config(given, self.zero_stage, self.accumulation, self.bf16)
+        if given:  # the user's keys: ddpcheck's own config needs no parsing first
+            _check_parses(config)
+        if self.bf16:
+            cast_inputs(module, torch.bfloat16)
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
                                                lr_scheduler=schedule, config=config,
                                                dist_init_required=False)
+        if self.bf16:
+            _MASTERS.update({_address(p): p for p in module.parameters()})
         return engine, _Engine(engine, module)
+
+    def full_tensor(self, tensor: Any) -> Any:
+        # bf16 mode: the module holds bfloat16 copies; the float32 master weights are the
+        # parameters the param_dtype policy trains (collective, as the harness calls it)
+        param = _MASTERS.get(_address(tensor)) if _MASTERS else None
+        if param is None:
+            return super().full_tensor(tensor)
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        master = safe_get_full_fp32_param(param)
+        # a frozen parameter has no master (no optimizer holds it): its bfloat16 copy, widened
+        return tensor.float() if master is None else master
 
     def make_scheduler(self, optimizer: Any, gamma: float) -> Any:
         return _Schedule(optimizer.engine)
@@ -198,6 +362,8 @@ class DeepSpeedTarget(FrameworkTarget):
     def teardown(self, model: Any, optimizer: Any) -> None:
         from deepspeed.utils import groups
 
+        _MASTERS.clear()
+
         release = getattr(groups, "_release_process_group_references", None)
         if release is not None:  # 0.19.8
             release(None)
@@ -217,6 +383,95 @@ _CACHED_GROUPS = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS",
                   "_ALL_TO_ALL_GROUP", "_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP",
                   "_TENSOR_MODEL_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP",
                   "mesh_device", "mpu")
+
+
+def _float32_gaps(given: Mapping[str, Any]) -> list[str]:
+    """The keys of :data:`_BF16_NEEDS` the config does not set to "fp32"."""
+    missing = []
+    for key in _BF16_NEEDS:
+        node: Any = given
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if node != "fp32":
+            missing.append(key)
+    return missing
+
+
+def precision_decline(given: Mapping[str, Any], scenario: Any) -> str | None:
+    """Why the engine cannot run the scenario's precision policy with this config (None: it
+    can). A ``param_dtype`` policy is DeepSpeed's bf16 mode: float32 master weights, forward and
+    backward on bfloat16 copies -- and gradients reduced and accumulated in float32 only where
+    the config says so; DeepSpeed's own default is bfloat16 for both. float16 is declined."""
+    policy = getattr(scenario, "param_dtype", None)
+    if policy is None:
+        return None
+    if policy is not torch.bfloat16:
+        return (f"param_dtype={policy}: DeepSpeed's fp16 mode scales the loss and skips steps "
+                "that overflow (its loss scaler), which the reference does not")
+    gaps = _float32_gaps(given)
+    if not gaps:
+        return None
+    return ("param_dtype=torch.bfloat16 is DeepSpeed's bf16 mode, which "
+            + " and ".join(f"{_BF16_NEEDS[k]} unless the config sets {k!r} to \"fp32\""
+                           for k in gaps)
+            + "; ddpcheck's param_dtype policy promises float32 for both: add "
+            + ", ".join(repr(k) for k in gaps) + " = \"fp32\" to the config to check it")
+
+
+def engine_config(given: Mapping[str, Any], stage: int, accumulation: int,
+                  bf16: bool) -> dict[str, Any]:
+    """The config ``deepspeed.initialize`` gets: the user's ``given`` keys, and what the scenario
+    and ddpcheck's harness set (see :data:`SCENARIO_KEYS`, :data:`HARNESS_KEYS`)."""
+    config = {"steps_per_print": 2**31, **given,
+              # the scenario's
+              "train_micro_batch_size_per_gpu": 1,  # a placeholder: the engine loads no data
+              "gradient_accumulation_steps": accumulation,
+              "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0
+              # the harness's
+              "zero_optimization": {**given.get("zero_optimization", {}), "stage": stage},
+              "zero_allow_untested_optimizer": True}
+    if bf16:
+        config["bf16"] = {**given.get("bf16", {}), "enabled": True}
+    return config
+
+
+def _check_parses(config: dict[str, Any]) -> None:
+    """Refuse a config DeepSpeed's own parser rejects (a mistyped ``zero_optimization`` key, a
+    value of the wrong type) as the user's error, exit 2 -- before ``initialize``, whose
+    failures stay DeepSpeed's."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    try:
+        DeepSpeedConfig(dict(config))
+    except (ValueError, TypeError, KeyError, AssertionError) as exc:
+        lines = [line.strip() for line in str(exc).splitlines()
+                 if line.strip() and not line.strip().startswith("For further information")]
+        raise InvalidArgument(f"DeepSpeed rejects the config as ddpcheck completed it: "
+                              f"{type(exc).__name__}: {'; '.join(lines)}") from None
+
+
+def cast_inputs(module: Any, dtype: torch.dtype) -> None:
+    """Cast the floating-point inputs of ``module`` and of every module holding parameters of
+    its own to ``dtype``: bf16 mode holds the parameters in bfloat16 and casts no input
+    (``fp16.auto_cast`` is fp16's), so a real model takes bfloat16 activations; the reference's
+    ``param_dtype`` policy casts the same inputs (``ddpcheck._language.objective``)."""
+    def cast(_: Any, args: tuple) -> tuple:
+        return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a
+                     for a in args)
+
+    for m in module.modules():
+        if m is module or any(True for _ in m.parameters(recurse=False)):
+            m.register_forward_pre_hook(cast)
+
+
+#: This rank's bfloat16 parameters by address, in bf16 mode: their float32 masters are read
+#: through ``safe_get_full_fp32_param`` (``DeepSpeedTarget.full_tensor``); cleared by teardown.
+_MASTERS: dict[tuple, Any] = {}
+
+
+def _address(tensor: Any) -> tuple:
+    # a parameter and its .detach() share storage, offset, shape and strides
+    return (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
 
 
 def _choose_accelerator(device_type: str) -> None:

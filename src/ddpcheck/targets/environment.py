@@ -20,7 +20,7 @@ import os
 
 import torch.distributed as dist
 
-from ddpcheck.errors import SetupError
+from ddpcheck._base.errors import SetupError
 
 __all__ = ["installed_version", "join_existing_group"]
 

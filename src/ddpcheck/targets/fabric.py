@@ -11,23 +11,60 @@ plain ``ExponentialLR`` on the optimizer Fabric wrapped (Fabric does not wrap sc
 keeps no per-process singleton; the process groups its strategy creates are destroyed after the
 example by ddpcheck's hygiene check, and noted.
 
-Imports Lightning only inside the hooks: listing or pickling the target needs no Lightning.
+**Your own configuration** (``config``: the keyword arguments of ``Fabric(**config)``, a dict or
+the path of a JSON file holding one; the rule: ``ddpcheck.targets.configuration``). ``precision``
+is the scenario's (refused); ``accelerator``, ``devices``, ``num_nodes`` and ``plugins`` the
+harness's (:data:`HARNESS_KEYS`); everything else reaches ``Fabric`` -- above all ``strategy``, a
+``lightning.fabric.strategies.DDPStrategy``, a name or its JSON form (``lightning_strategy``),
+which replaces the target's ``DDPStrategy(find_unused_parameters=True)``; what torch's DDP cannot
+train under its options is declined (``ddp_options``)::
+
+    FabricTarget(config={"strategy": {"name": "ddp", "find_unused_parameters": True,
+                                      "gradient_as_bucket_view": True}})
+    # ddpcheck check fabric --config fabric.json  (the same, as a JSON file)
+
+Imports Lightning only inside the hooks (and, given a config, to check it where it is built):
+listing or pickling the target needs no Lightning.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from ddpcheck.features import FEATURES
+from ddpcheck.targets import ddp_options, lightning_strategy
+from ddpcheck.targets.configuration import (
+    construct,
+    described,
+    keywords_of,
+    load_config,
+    reconcile,
+)
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
+from ddpcheck.targets.protocol import supported_but
+from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
-__all__ = ["FabricTarget"]
+__all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "FabricTarget"]
+
+#: ``Fabric`` keys the scenario sets, example by example: key -> what sets it (refused).
+SCENARIO_KEYS: dict[str, str] = {"precision": "autocast (and dtype)",
+                                  **lightning_strategy.SCENARIO_KEYS}
+_WORLD = "ddpcheck's world: the process group exists, on the world's device"
+#: ``Fabric`` keys ddpcheck's harness fixes: key -> (the values accepted, why).
+HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "accelerator": ((), _WORLD),
+    "devices": ((), _WORLD),
+    "num_nodes": ((1,), _WORLD),
+    "plugins": ((None, []), "precision plugins are the scenario's, the cluster environment the "
+                            "world's"),
+    **lightning_strategy.HARNESS_KEYS,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,9 +73,31 @@ class FabricTarget(FrameworkTarget):
 
     requires = (("lightning", "2.0.9"),)  # the oldest release tried (docs/frameworks.md)
 
-    # Declined: per-rank registration orders (torch DDP underneath requires one order), and
-    # checkpoints (Fabric saves through fabric.save/fabric.load, not the default hooks).
-    supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint"}
+    config: Any = None  # Fabric(**config): the module docstring
+
+    declined_features: ClassVar[Mapping[str, str]] = {
+        "rank-orders": TORCH_DDP_ORDER,
+        "checkpoint": f"{OWN_CHECKPOINTS} (fabric.save/fabric.load)",
+        "param-dtype": NO_PARAM_DTYPE}
+
+    def __post_init__(self) -> None:
+        where = described("FabricTarget", self.config)
+        given = load_config(self.config, target=where)
+        ddp = (_check(given, where) if given else None) or {"find_unused_parameters": True,
+                                                             "static_graph": False}
+        object.__setattr__(self, "_given", given)
+        object.__setattr__(self, "_ddp", ddp)
+
+    @property
+    def supported_features(self) -> frozenset[str]:  # type: ignore[override]
+        # declined_features, and unused parameters where the user's DDP options do not look
+        # for them (ddp_options)
+        ddp = vars(self)["_ddp"]
+        return supported_but(self.declined_features) - ddp_options.declined(ddp)
+
+    def supports(self, scenario: Any) -> str | None:
+        return ddp_options.cannot_run(scenario, **vars(self)["_ddp"],
+                                      where=" (the config's strategy)")
 
     def warm_up(self) -> None:
         import lightning.fabric  # noqa: F401  (seconds in a rank: once per process, here)
@@ -46,12 +105,21 @@ class FabricTarget(FrameworkTarget):
     def setup(self, module: Any, params: Any, optimizer_cls: type,
               **kwargs: Any) -> tuple[Any, Any]:
         from lightning.fabric import Fabric
-        from lightning.fabric.strategies import DDPStrategy
+        from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
 
         join_existing_group()
-        fabric = Fabric(accelerator="cpu" if next(module.parameters()).device.type == "cpu"
-                        else "cuda", devices=dist.get_world_size(), num_nodes=1,
-                        strategy=DDPStrategy(find_unused_parameters=True))
+        given = vars(self)["_given"]
+        strategy = (DDPStrategy(find_unused_parameters=True) if "strategy" not in given else
+                    lightning_strategy.make(given["strategy"], registry=STRATEGY_REGISTRY,
+                                            ddp_cls=DDPStrategy,
+                                            where=described("FabricTarget", self.config)))
+        options = {**given, "accelerator": "cpu" if next(module.parameters()).device.type
+                   == "cpu" else "cuda", "devices": dist.get_world_size(), "num_nodes": 1,
+                   "strategy": strategy}
+        fabric = (Fabric(**options) if not given else construct(
+            Fabric, options, target=described("FabricTarget", self.config),
+            errors=(TypeError, ValueError, MisconfigurationException)))
         fabric.launch()  # the processes and the group exist: sets up the strategy only
         model, optimizer = fabric.setup(module, optimizer_cls(params, **kwargs))
         model.ddpcheck_fabric = fabric
@@ -71,3 +139,23 @@ class FabricTarget(FrameworkTarget):
                        norm_type: float) -> Any:
         return model.ddpcheck_fabric.clip_gradients(model, optimizer, max_norm=max_norm,
                                                     norm_type=norm_type)
+
+
+def _check(given: dict[str, Any], where: str) -> dict[str, bool] | None:
+    """Refuse what the rule refuses (``configuration.reconcile``), naming the keys, and return
+    the DDP options of the config's strategy (None: it names none); skipped without Lightning
+    (``Target.requires`` refuses the target before it runs)."""
+    try:
+        from lightning.fabric import Fabric
+        from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+    except ImportError:
+        return None
+    view, ddp = dict(given), None
+    if "strategy" in given:
+        strategy = lightning_strategy.make(given["strategy"], registry=STRATEGY_REGISTRY,
+                                           ddp_cls=DDPStrategy, where=where)
+        view["strategy"] = lightning_strategy.view(strategy, where)
+        ddp = lightning_strategy.options_of(strategy)
+    reconcile(view, target=where, scenario_keys=SCENARIO_KEYS, harness_keys=HARNESS_KEYS,
+              known=keywords_of(Fabric), known_as="Fabric keyword argument")
+    return ddp

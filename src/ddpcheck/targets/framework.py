@@ -28,9 +28,8 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import traceback
-from typing import Any
 
-from ddpcheck.errors import DdpcheckError, InternalError, SetupError
+from ddpcheck._base.errors import DdpcheckError, InternalError, SetupError
 from ddpcheck.targets.protocol import Target
 
 __all__ = ["FrameworkTarget", "check_requirements", "install_command", "raised_in_glue"]
@@ -41,7 +40,7 @@ _GLUE = os.path.dirname(os.path.realpath(__file__))
 _ATTRIBUTE_HOOKS = ("__getattr__", "__getattribute__", "__setattr__")
 
 
-def check_requirements(target: Any) -> None:
+def check_requirements(target: Target) -> None:
     """Refuse a target whose :attr:`Target.requires` names a distribution that is missing or older
     than the release given (:class:`SetupError`, naming both)."""
     from torch.torch_version import TorchVersion  # torch's comparison of release strings

@@ -28,10 +28,84 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from ddpcheck.scenario import build_model, local_micro_batches
+from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._language.scenario import build_model, local_micro_batches
+from ddpcheck.targets.configuration import load_config, reconcile
 
-__all__ = ["broadcast_from", "fsdp_cannot_run", "fully_shard_options", "gradient_sync_off",
-           "shard_leaves"]
+__all__ = ["FSDP_HARNESS_KEYS", "FSDP_SCENARIO_KEYS", "broadcast_from", "fsdp_cannot_run",
+           "fsdp_config", "fully_shard_options", "gradient_sync_off", "shard_leaves"]
+
+_POLICY = ("param_dtype: under it the target sets MixedPrecisionPolicy(param_dtype=it, "
+           "reduce_dtype=torch.float32), and no cast without it")
+#: ``fully_shard`` keywords (dotted: a field of its ``mp_policy``) the scenario sets: refused.
+FSDP_SCENARIO_KEYS: dict[str, str] = {
+    "mp_policy.param_dtype": _POLICY,
+    "mp_policy.reduce_dtype": _POLICY,
+    # a float64 scenario's output cast to float32 trains at float32 precision: not a
+    # data-parallel bug, so not a verdict
+    "mp_policy.output_dtype": "dtype and param_dtype: the output keeps the forward's dtype",
+}
+_MESH = "ddpcheck's world: the target shards over a one-dimensional mesh of it"
+#: ``fully_shard`` keywords ddpcheck's harness fixes: key -> (the values accepted, why).
+FSDP_HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "mesh": ((None,), _MESH),
+    "dp_mesh_dims": ((None,), _MESH),
+    "ignored_params": ((None,), "every parameter is sharded and checked"),
+    "mp_policy.cast_forward_inputs": ((True,), "the reference casts every sharded module's "
+                                               "inputs under the param_dtype policy, as FSDP2 "
+                                               "does by default"),
+}
+
+
+def fsdp_config(config: Any) -> dict[str, Any]:
+    """``TorchFSDPTarget(config=...)`` read and checked: ``fully_shard``'s keyword arguments,
+    ``mp_policy`` and ``offload_policy`` as dicts of their keyword arguments (or the objects);
+    the keys the scenario or the harness sets refused (:data:`FSDP_SCENARIO_KEYS`,
+    :data:`FSDP_HARNESS_KEYS`), and any key ``fully_shard`` does not take."""
+    given = load_config(config, target="TorchFSDPTarget")
+    if not given:
+        return given
+    import inspect
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy  # see shard_leaves
+
+    policy = given.get("mp_policy")
+    if isinstance(policy, MixedPrecisionPolicy):  # the object: checked by its fields
+        given["mp_policy"] = {f: getattr(policy, f) for f in (
+            "param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+            if getattr(policy, f) != getattr(MixedPrecisionPolicy(), f)}
+    for key, kind in (("mp_policy", MixedPrecisionPolicy), ("offload_policy", OffloadPolicy)):
+        value = given.get(key)
+        if value is not None and not isinstance(value, (dict, kind)):
+            raise InvalidArgument(f"TorchFSDPTarget: the config's {key!r}={value!r} must be a "
+                                  f"dict of {kind.__name__} keyword arguments or the object")
+    known = set(inspect.signature(fully_shard_signature()).parameters) - {"module"}
+    reconcile(given, target="TorchFSDPTarget", scenario_keys=FSDP_SCENARIO_KEYS,
+              harness_keys=FSDP_HARNESS_KEYS, known=known)
+    return given
+
+
+def fully_shard_signature() -> Any:
+    from torch.distributed.fsdp import fully_shard  # see shard_leaves
+
+    return fully_shard
+
+
+def config_options(given: dict[str, Any], param_dtype: Any, reduce_dtype: Any) -> dict[str, Any]:
+    """``fully_shard`` keywords from a checked config (:func:`fsdp_config`) and the scenario's
+    policy: the objects built from their dicts (``offload_policy``: ``CPUOffloadPolicy``'s
+    keyword arguments)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy  # see shard_leaves
+
+    options = {k: v for k, v in given.items() if k != "reshard_after_forward"}
+    # a policy given as the object was made a dict of its fields by fsdp_config
+    options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                reduce_dtype=reduce_dtype,
+                                                **(options.pop("mp_policy", None) or {}))
+    offload = options.get("offload_policy")
+    if isinstance(offload, dict):
+        options["offload_policy"] = CPUOffloadPolicy(**offload)
+    return options
 
 
 def broadcast_from(module: Any, src: int) -> None:

@@ -3,7 +3,7 @@
 Per example and rank: the scenario's model wrapped as a causal LM (:class:`ScenarioCausalLM`),
 ``TrainingArguments`` built from the scenario and the user's own arguments (:func:`arguments`), and
 a ``Trainer`` subclass whose ``get_train_dataloader`` yields this rank's micro-batches in order
-(``ddpcheck._internal.training.FitRun``: each rank fed its own, as ddpcheck's batch rule cuts the
+(``ddpcheck.targets.FitRun``: each rank fed its own, as ddpcheck's batch rule cuts the
 global batch; accelerate does not prepare the loader, so it neither shards nor samples it). The
 Trainer gets the scenario's optimizer and LR schedule through ``Trainer(optimizers=(optimizer,
 scheduler))`` -- an ``ExponentialLR``, or a constant ``LambdaLR`` where the scenario has none,
@@ -26,7 +26,7 @@ world size against DDP's average and does not divide by the accumulation. Withou
 the Trainer passes nothing, the loss is the mean over the micro-batch's own terms (the older
 convention, the ``reduction="mean"`` of HF's models), and the Trainer divides it by the
 accumulation steps -- right only when every micro-batch holds as many terms
-(huggingface/transformers #34191). The terms are the scenario's (``ddpcheck._internal.objective``):
+(huggingface/transformers #34191). The terms are the scenario's (``ddpcheck._language.objective``):
 a token's cross-entropy (labels already the next tokens, so the model shifts nothing and declares
 no ``loss_type``, and the Trainer counts ``labels`` as they are), or a sample's squared error
 summed over its outputs -- the Trainer counts each label element as an item, so a per-sample loss
@@ -44,6 +44,11 @@ sets. Every other key reaches ``TrainingArguments`` as given -- ``average_tokens
 ``TrainingArguments`` itself rejects is one too, from the ranks, and so is an
 ``ACCELERATE_MIXED_PRECISION`` in the environment, which ``TrainingArguments`` takes as its
 precision, where the scenario has no autocast.
+This is the rule of every framework target's ``config``
+(``ddpcheck.targets.configuration``; docs/frameworks.md, "Your own configuration")::
+
+    HfTrainerTarget(config={"ddp_bucket_cap_mb": 5, "average_tokens_across_devices": True})
+    # ddpcheck check hf_trainer --config args.json  (the same, as a JSON file)
 
 Imports transformers only inside the hooks (and to check the key names of given arguments).
 """
@@ -52,22 +57,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from ddpcheck._internal import objective
-from ddpcheck.errors import InvalidArgument, NothingChecked
-from ddpcheck.features import FEATURES
+from ddpcheck._base.errors import InvalidArgument, NothingChecked
+from ddpcheck._language import objective
+from ddpcheck.targets.configuration import described, load_config, reconcile
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.option_space import options
+from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
 __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "HfTrainerTarget", "ScenarioCausalLM",
            "ScenarioCausalLMWithoutLossKwargs", "arguments"]
@@ -147,18 +152,20 @@ HARNESS_KEYS: dict[str, tuple[tuple, str]] = {
     "length_column_name": ((), _LOADER),
     "data_seed": ((), _LOADER),
     "remove_unused_columns": ((), _LOADER),
+    # ``accelerator_config`` fields about the data loader, which accelerate does not prepare here
+    **{f"accelerator_config.{name}": ((), _LOADER) for name in (
+        "split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")},
 }
-#: ``accelerator_config`` fields about the data loader, which accelerate does not prepare here.
-_LOADER_CONFIG = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")
 
 
 @dataclasses.dataclass(frozen=True)
 class HfTrainerTarget(FrameworkTarget):
     """transformers' ``Trainer`` over torch DDP, owning the loop (see the module docstring).
 
-    ``training_args``: the user's ``TrainingArguments``, as a dict of keyword arguments or the
-    path of a JSON file holding one (HF's ``HfArgumentParser.parse_json_file`` format); the keys
-    the scenario or ddpcheck sets are refused (:data:`SCENARIO_KEYS`, :data:`HARNESS_KEYS`).
+    ``config``: the user's ``TrainingArguments``, as a dict of keyword arguments or the path of
+    a JSON file holding one (HF's ``HfArgumentParser.parse_json_file`` format); the keys the
+    scenario or ddpcheck sets are refused (:data:`SCENARIO_KEYS`, :data:`HARNESS_KEYS`; the rule
+    of ``ddpcheck.targets.configuration``). ``training_args``: its older spelling (not both).
     ``loss_kwargs``: the model's forward takes ``**kwargs``, so the Trainer passes
     ``num_items_in_batch`` (False: the older convention, a mean per micro-batch).
     ``trainer_class``: your own subclass of ``transformers.Trainer`` (its ``compute_loss``, its
@@ -168,18 +175,29 @@ class HfTrainerTarget(FrameworkTarget):
     # the oldest release tried (docs/frameworks.md); the Trainer needs accelerate, from 1.1.0
     requires = (("transformers", "5.0.0"), ("accelerate", "1.1.0"))
 
-    training_args: Any = None
+    training_args: Any = None  # the older spelling of ``config``
     loss_kwargs: bool = True
     trainer_class: Any = None
+    config: Any = None
 
-    # Declined: per-rank registration orders (torch DDP underneath requires one order);
-    # checkpoints (the Trainer resumes from its own checkpoint folders, which this loop does not
-    # drive); gradients kept zeroed (the Trainer clears them with model.zero_grad(), which sets
-    # them to None, after every step).
-    supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint", "grads-kept"}
+    declined_features: ClassVar[Mapping[str, str]] = {
+        "rank-orders": TORCH_DDP_ORDER,
+        "checkpoint": f"{OWN_CHECKPOINTS} (the Trainer's checkpoint folders, which this loop "
+                      "does not drive)",
+        "grads-kept": "the Trainer clears gradients with model.zero_grad(), which sets them to "
+                      "None, after every step",
+        "param-dtype": NO_PARAM_DTYPE}
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_given", _given(self.training_args))
+        if self.config is not None and self.training_args is not None:
+            raise InvalidArgument("HfTrainerTarget: config= and training_args= are one field "
+                                  "(training_args is its older spelling): give one of them")
+        config = self.training_args if self.config is None else self.config
+        where = described("HfTrainerTarget", config)
+        given = load_config(config, target=where)
+        reconcile(given, target=where, scenario_keys=SCENARIO_KEYS, harness_keys=HARNESS_KEYS,
+                  known=_fields(), known_as="TrainingArguments field")
+        object.__setattr__(self, "_given", given)
         if self.trainer_class is not None:
             _check_trainer_class(self.trainer_class)
 
@@ -188,9 +206,11 @@ class HfTrainerTarget(FrameworkTarget):
         computes: counting the input tokens seen (a gather of counts every step), a smaller DDP
         bucket. Not ``average_tokens_across_devices=False`` nor ``loss_kwargs=False``: each is
         documented to weigh tokens otherwise (the module docstring), which would fail every
-        run; name them to check them. Drawn keys join the user's own ``training_args``."""
-        return options(training_args={"include_num_input_tokens_seen": (True,),
-                                      "ddp_bucket_cap_mb": (1,)})
+        run; name them to check them. Drawn keys join the user's own ``config`` (or
+        ``training_args``, its older spelling, where that is the one given)."""
+        field = "training_args" if self.training_args is not None else "config"
+        return options(**{field: {"include_num_input_tokens_seen": (True,),
+                                  "ddp_bucket_cap_mb": (1,)}})
 
     def warm_up(self) -> None:
         from transformers import Trainer  # noqa: F401  (seconds in a rank: once per process)
@@ -255,52 +275,6 @@ class HfTrainerTarget(FrameworkTarget):
         GradientState._reset_state()
 
 
-def _given(training_args: Any) -> dict:
-    """The user's arguments as a dict, checked: a refused key is an :class:`InvalidArgument`
-    naming every one (see the module docstring)."""
-    if training_args is None:
-        return {}
-    if isinstance(training_args, (str, os.PathLike)):
-        try:
-            with open(training_args) as f:
-                given = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise InvalidArgument(f"HfTrainerTarget(training_args={str(training_args)!r}): "
-                                  f"cannot read a JSON object of TrainingArguments from it "
-                                  f"({exc})") from None
-        where = f"the JSON file {str(training_args)!r}"
-    elif isinstance(training_args, Mapping):
-        given, where = dict(training_args), "training_args"
-    else:
-        raise InvalidArgument(f"HfTrainerTarget(training_args={training_args!r}) must be a dict "
-                              "of TrainingArguments keyword arguments or the path of a JSON "
-                              "file holding one")
-    if not isinstance(given, dict) or not all(isinstance(k, str) for k in given):
-        raise InvalidArgument(f"{where} must hold an object of TrainingArguments keyword "
-                              "arguments")
-    problems = []
-    for key, value in given.items():
-        if key in SCENARIO_KEYS:
-            problems.append(f"{key!r} is the scenario's (set from Scenario.{SCENARIO_KEYS[key]}, "
-                            "example by example)")
-        elif key in HARNESS_KEYS and not any(_same(value, ok) for ok in HARNESS_KEYS[key][0]):
-            accepted, why = HARNESS_KEYS[key]
-            problems.append(f"{key!r}={value!r} contradicts the run ddpcheck drives ({why})"
-                            + (f"; only {accepted[0]!r} is accepted" if accepted else ""))
-        elif key == "accelerator_config" and isinstance(value, Mapping):
-            problems += [f"'accelerator_config.{name}' contradicts the run ddpcheck drives "
-                         f"({_LOADER})" for name in _LOADER_CONFIG if name in value]
-    fields = _fields()
-    if fields is not None:
-        problems += [f"{key!r} is no TrainingArguments field"
-                     for key in sorted(set(given) - set(SCENARIO_KEYS) - fields)]
-    if problems:
-        raise InvalidArgument(f"HfTrainerTarget: {where} cannot be used: " + "; ".join(problems)
-                              + ". Leave these keys out (docs/frameworks.md, hf_trainer: who "
-                                "sets what)")
-    return given
-
-
 def _check_environment(scenario: Any) -> None:
     """Refuse a precision the environment imposes on a scenario without autocast:
     ``TrainingArguments`` takes ``ACCELERATE_MIXED_PRECISION`` as its mixed precision unless
@@ -319,10 +293,6 @@ def _check_trainer_class(cls: Any) -> None:
     if not (isinstance(cls, type) and issubclass(cls, Trainer)):
         raise InvalidArgument(f"HfTrainerTarget(trainer_class={cls!r}) must be a subclass of "
                               "transformers.Trainer (or None for the Trainer itself)")
-
-
-def _same(value: Any, accepted: Any) -> bool:
-    return (type(value) is type(accepted) and value == accepted) or (value is accepted)
 
 
 def _fields() -> set[str] | None:

@@ -1,6 +1,6 @@
 """The ``lightning`` target: Lightning's ``Trainer.fit`` owns the loop (``Target.fit``).
 
-ddpcheck hands the target this rank's micro-batches (``ddpcheck._internal.training.FitRun``); the
+ddpcheck hands the target this rank's micro-batches (``ddpcheck.targets.FitRun``); the
 target wraps the scenario's model in a ``LightningModule`` whose ``training_step`` returns the
 micro-batch loss and whose ``configure_optimizers`` builds the scenario's optimizer and
 ``ExponentialLR`` (``interval="step"``), and runs ``Trainer(accelerator="cpu", devices=W,
@@ -23,27 +23,81 @@ by ``accumulate_grad_batches`` (ddpcheck's are already scaled, so ``training_ste
 back), and ``gradient_clip_val`` clips the 2-norm only (infinity-norm clipping is declined in
 automatic optimization; manual optimization clips through ``torch.nn.utils.clip_grad_norm_``).
 
-Imports Lightning only inside :meth:`LightningTarget.fit`.
+**Your own configuration** (``config``: the keyword arguments of ``Trainer(**config)``, a dict or
+the path of a JSON file holding one; the rule: ``ddpcheck.targets.configuration``). The
+scenario's keys (:data:`SCENARIO_KEYS`: steps and epochs, ``accumulate_grad_batches``,
+``gradient_clip_val``/``_algorithm``, ``precision``) are refused; the harness's
+(:data:`HARNESS_KEYS`: the world, the loader, no logger, no checkpoints) are accepted only with
+ddpcheck's value; everything else reaches the ``Trainer`` -- above all ``strategy``, an object, a
+name or its JSON form (``lightning_strategy``), which replaces the target's
+``DDPStrategy(find_unused_parameters=True)``; what torch's DDP cannot train under its options is
+declined (``ddp_options``). Manual optimization stays the ``manual`` field (it is the module's,
+not the Trainer's)::
+
+    LightningTarget(config={"strategy": {"name": "ddp", "static_graph": True,
+                                         "gradient_as_bucket_view": True}})
+    # ddpcheck check lightning --config lightning.json  (the same, as a JSON file)
+
+Imports Lightning only inside :meth:`LightningTarget.fit` (and, given a config, to check it where
+it is built).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from ddpcheck import features
-from ddpcheck.errors import NothingChecked
-from ddpcheck.features import FEATURES
-from ddpcheck.models import ModelSpec
+from ddpcheck._base.errors import InvalidArgument, NothingChecked
+from ddpcheck.targets import ddp_options, lightning_strategy
+from ddpcheck.targets.configuration import (
+    construct,
+    described,
+    keywords_of,
+    load_config,
+    reconcile,
+)
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.option_space import options
+from ddpcheck.targets.protocol import supported_but
+from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
-__all__ = ["LightningTarget"]
+__all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "LightningTarget"]
+
+_STEPS = "steps: the target sets max_steps, one epoch over this rank's micro-batches"
+#: ``Trainer`` keys the scenario sets, example by example: key -> what sets it (refused).
+SCENARIO_KEYS: dict[str, str] = {
+    **dict.fromkeys(("max_steps", "min_steps", "max_epochs", "min_epochs", "max_time",
+                     "fast_dev_run", "limit_train_batches", "overfit_batches"), _STEPS),
+    "accumulate_grad_batches": "accumulation",
+    "gradient_clip_val": "max_grad_norm",
+    "gradient_clip_algorithm": "max_grad_norm and grad_norm_type",
+    "precision": "autocast (and dtype)",
+    **lightning_strategy.SCENARIO_KEYS,
+}
+_WORLD = "ddpcheck's world: the process group exists, on the world's device"
+#: ``Trainer`` keys ddpcheck's harness fixes: key -> (the values accepted, why).
+HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "accelerator": ((), _WORLD),
+    "devices": ((), _WORLD),
+    "num_nodes": ((1,), _WORLD),
+    "plugins": ((None, []), "precision plugins are the scenario's, the cluster environment the "
+                            "world's"),
+    "use_distributed_sampler": ((False,), "ddpcheck feeds each rank its own micro-batches"),
+    "enable_checkpointing": ((False,), "checkpoints are declined: the target sets "
+                                       "enable_checkpointing=False"),
+    "logger": ((False,), "a logger writes files: the target sets logger=False"),
+    "deterministic": ((None, False), "torch.use_deterministic_algorithms(True) would outlive the "
+                                     "example in ddpcheck's persistent ranks"),
+    "sync_batchnorm": ((False,), "not tried with this target (it replaces the model's BatchNorm "
+                                 "layers)"),
+    **lightning_strategy.HARNESS_KEYS,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +108,33 @@ class LightningTarget(FrameworkTarget):
 
     manual: bool = False  # manual optimization instead of automatic
     static_graph: bool = False  # DDPStrategy(static_graph=True)
+    config: Any = None  # Trainer(**config): the module docstring
 
-    # Declined: per-rank registration orders (torch DDP underneath), checkpoints (the Trainer
-    # resumes from its own .ckpt files, which this loop does not drive).
-    supported_features = frozenset(FEATURES) - {"rank-orders", "checkpoint"}
+    declined_features: ClassVar[Mapping[str, str]] = {
+        "rank-orders": TORCH_DDP_ORDER,
+        "checkpoint": f"{OWN_CHECKPOINTS} (the Trainer's .ckpt files, which this loop does not "
+                      "drive)",
+        "param-dtype": NO_PARAM_DTYPE}
+
+    def __post_init__(self) -> None:
+        where = described("LightningTarget", self.config)
+        given = load_config(self.config, target=where)
+        ddp = {"find_unused_parameters": True, "static_graph": self.static_graph}
+        if "strategy" in given and self.static_graph:
+            raise InvalidArgument(f"{where}: static_graph=True and a 'strategy' both set the "
+                                  "strategy; give static_graph in the strategy "
+                                  "({\"name\": \"ddp\", \"static_graph\": true})")
+        if given:  # checked here, before any process starts
+            ddp = _check(given, where) or ddp
+        object.__setattr__(self, "_given", given)
+        object.__setattr__(self, "_ddp", ddp)
+
+    @property
+    def supported_features(self) -> frozenset[str]:  # type: ignore[override]
+        # declined_features, and unused parameters where the user's DDP options do not look
+        # for them (ddp_options)
+        ddp = vars(self)["_ddp"]
+        return supported_but(self.declined_features) - ddp_options.declined(ddp)
 
     def config_space(self) -> Any:
         """Manual optimization, a static graph, both (``ddpcheck.targets.option_space``; the
@@ -68,14 +145,12 @@ class LightningTarget(FrameworkTarget):
         import lightning.pytorch  # noqa: F401  (seconds in a rank: once per process, here)
 
     def supports(self, scenario: Any) -> str | None:
-        if self.static_graph and scenario.accumulation > 1:
-            return ("accumulation with static_graph: torch 2.13's DDP(static_graph=True) raises "
-                    "'expect_autograd_hooks_ INTERNAL ASSERT FAILED' under no_sync(), which "
-                    "Lightning uses to accumulate (bench/ddp_static_graph_no_sync.py)")
-        if self.static_graph and _usage_varies(scenario):
-            return ("parameter usage that depends on the data, with static_graph: torch's DDP "
-                    "docs require that \"the set of used and unused parameters will not change "
-                    "during the whole training loop\"")
+        ddp = vars(self)["_ddp"]
+        cannot = ddp_options.cannot_run(scenario, **ddp,
+                                        where="" if "strategy" not in vars(self)["_given"]
+                                        else " (the config's strategy)")
+        if cannot is not None:
+            return cannot
         if (not self.manual and scenario.max_grad_norm is not None
                 and math.isinf(scenario.grad_norm_type)):
             return ("clipping: Trainer(gradient_clip_val=...) clips the 2-norm only "
@@ -85,7 +160,7 @@ class LightningTarget(FrameworkTarget):
 
     def fit(self, module: Any, run: Any) -> None:
         import lightning.pytorch as pl
-        from lightning.pytorch.strategies import DDPStrategy
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
 
         join_existing_group()
         accumulation = max(len(step) for step in run.batches)
@@ -94,32 +169,61 @@ class LightningTarget(FrameworkTarget):
                                  "step (Trainer(accumulate_grad_batches=...) is one number)")
         net = _module(pl, module, run, accumulation, self.manual)
         automatic = not self.manual and run.max_grad_norm is not None
-        trainer = pl.Trainer(
-            accelerator="cpu" if next(module.parameters()).device.type == "cpu" else "cuda",
-            devices=dist.get_world_size(), num_nodes=1,
-            strategy=DDPStrategy(find_unused_parameters=True, static_graph=self.static_graph),
-            max_steps=run.steps, max_epochs=1,
-            accumulate_grad_batches=1 if self.manual else accumulation,
-            gradient_clip_val=run.max_grad_norm if automatic else None,
-            gradient_clip_algorithm="norm" if automatic else None,
-            use_distributed_sampler=False, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-            callbacks=[_recorder(pl, run, accumulation)])
+        given = vars(self)["_given"]
+        callbacks = given.get("callbacks") or []
+        kwargs = {
+            "enable_progress_bar": False, "enable_model_summary": False,
+            "num_sanity_val_steps": 0, **given,
+            # the scenario's
+            "max_steps": run.steps, "max_epochs": 1,
+            "accumulate_grad_batches": 1 if self.manual else accumulation,
+            "gradient_clip_val": run.max_grad_norm if automatic else None,
+            "gradient_clip_algorithm": "norm" if automatic else None,
+            # the harness's
+            "accelerator": "cpu" if next(module.parameters()).device.type == "cpu" else "cuda",
+            "devices": dist.get_world_size(), "num_nodes": 1, "strategy": self._strategy(),
+            "use_distributed_sampler": False, "logger": False, "enable_checkpointing": False,
+            "callbacks": [*(callbacks if isinstance(callbacks, list) else [callbacks]),
+                          _recorder(pl, run, accumulation)]}
+        trainer = (pl.Trainer(**kwargs) if not given else construct(
+            pl.Trainer, kwargs, target=described("LightningTarget", self.config),
+            errors=(TypeError, ValueError, MisconfigurationException)))
         # a list is a map-style dataset (len and getitem); torch's annotation asks for Dataset
         loader: torch.utils.data.DataLoader[Any] = torch.utils.data.DataLoader(
             [micro for step in run.batches for micro in step],  # type: ignore[arg-type]
             batch_size=None, shuffle=False)
         trainer.fit(net, train_dataloaders=loader)
 
+    def _strategy(self) -> Any:
+        """This run's strategy: the config's, built afresh, or the target's own."""
+        from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
-def _usage_varies(scenario: Any) -> bool:
-    """Whether which parameters get gradients depends on the samples (a layer some samples
-    skip): some rank or step then uses another set."""
-    if isinstance(scenario.model, ModelSpec) and any(layer.use == "sample"
-                                                     for layer in scenario.model.layers):
-        return True  # (a zoo model's `layers` may be a count: GPTConfig's)
-    return any("unused-on-some-ranks" in features.of(scenario, world_size)
-               for world_size in (2, 3, 4))
+        given = vars(self)["_given"]
+        if "strategy" not in given:
+            return DDPStrategy(find_unused_parameters=True, static_graph=self.static_graph)
+        return lightning_strategy.make(given["strategy"], registry=StrategyRegistry,
+                                       ddp_cls=DDPStrategy,
+                                       where=described("LightningTarget", self.config))
+
+
+def _check(given: dict[str, Any], where: str) -> dict[str, bool] | None:
+    """Refuse what the rule refuses (``configuration.reconcile``), naming the keys, and return
+    the DDP options of the config's strategy (None: it names none); skipped without Lightning
+    (``Target.requires`` refuses the target before it runs)."""
+    try:
+        import lightning.pytorch as pl
+        from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+    except ImportError:
+        return None
+    view, ddp = dict(given), None
+    if "strategy" in given:
+        strategy = lightning_strategy.make(given["strategy"], registry=StrategyRegistry,
+                                           ddp_cls=DDPStrategy, where=where)
+        view["strategy"] = lightning_strategy.view(strategy, where)
+        ddp = lightning_strategy.options_of(strategy)
+    reconcile(view, target=where, scenario_keys=SCENARIO_KEYS, harness_keys=HARNESS_KEYS,
+              known=keywords_of(pl.Trainer), known_as="Trainer keyword argument")
+    return ddp
 
 
 def _module(pl: Any, net: Any, run: Any, accumulation: int, manual: bool) -> Any:

@@ -46,7 +46,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ddpcheck.errors import InvalidArgument
+from ddpcheck._base.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from hypothesis import strategies as st

@@ -34,7 +34,7 @@ and, once per rank process before its first example of the target's class,
 
 A target that owns the whole loop (Lightning's ``Trainer.fit``) defines ``fit(module, run)``
 instead: it trains on ``run.batches`` and calls ``run.started(...)`` once model and optimizer are
-built and ``run.record(...)`` after every optimizer step (``ddpcheck._internal.training.FitRun``).
+built and ``run.record(...)`` after every optimizer step (``ddpcheck.targets.FitRun``).
 Hooks and frameworks: ``docs/frameworks.md``.
 
 In scenarios with ``checkpoint_after`` the run stops after that step with
@@ -45,7 +45,7 @@ rank 0's answer) and a fresh run -- at ``resume_world_size`` -- builds everythin
 and reads ``target.optimizer_state(optimizer)`` to check that optimizer state matches the
 reference and -- when ``shards_optimizer_state`` is true -- that each parameter's state lives on
 exactly one rank. ``flattened_broadcasts`` opts into the broadcast budget
-(``ddpcheck._internal.oracle.budget``). Parameters, gradients and optimizer state a rank holds only
+(``ddpcheck._oracle.budget``). Parameters, gradients and optimizer state a rank holds only
 a shard of (FSDP2's DTensors, your own ZeRO-3) are read whole through ``target.full_tensor`` and
 their shards through ``target.local_shard`` (both DTensor-aware by default). ``make_optimizer`` gets
 the wrapped model only if its signature names a ``model`` parameter. ``shard_batch``
@@ -65,19 +65,38 @@ import dataclasses
 import inspect
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-from ddpcheck._internal.training import optimizer_kwargs
-from ddpcheck.batches import BatchPlan, GlobalBatch, contiguous
-from ddpcheck.errors import InvalidArgument, NothingChecked
+from ddpcheck._base.errors import InvalidArgument, NothingChecked
+from ddpcheck._language.batches import BatchPlan, GlobalBatch, contiguous
+from ddpcheck._language.features import FEATURES, OPT_IN
+from ddpcheck._language.training import (
+    FitRun,  # what Target.fit gets: part of the protocol
+    optimizer_kwargs,
+)
 
-__all__ = ["CONSTRUCTOR_CALL", "Target", "WrapperTarget"]
+__all__ = ["CONSTRUCTOR_CALL", "FitRun", "OwnsLoop", "Target", "WrapperTarget", "supported_but"]
 
 #: Instance attribute holding ``(args, kwargs)`` of the call that built a target.
 CONSTRUCTOR_CALL = "_ddpcheck_call"
+
+
+def supported_but(declined: Mapping[str, str]) -> frozenset[str]:
+    """Every feature but those ``declined`` (``Target.declined_features``); an opt-in feature
+    among them stays governed by its flag (``ddpcheck.features.OPT_IN``)."""
+    return frozenset(FEATURES) - (set(declined) - set(OPT_IN))
+
+
+@runtime_checkable
+class OwnsLoop(Protocol):
+    """A target that owns the whole training loop (Lightning's ``Trainer.fit``): ddpcheck hands it
+    the module and a :class:`FitRun` instead of driving the loop through the hooks below."""
+
+    def fit(self, module: Any, run: FitRun) -> None: ...
 
 
 class Target:
@@ -95,6 +114,30 @@ class Target:
     #: written for per-sample losses is not judged on token losses unless it says it weighs them.
     #: Scenarios needing another are not generated, and battery scenarios are skipped naming it.
     supported_features: frozenset[str] | None = None
+    #: The features this target declines, each with why (``{feature: reason}``): declaring them
+    #: declares every other feature supported -- a class sets this or ``supported_features``, not
+    #: both (:meth:`__init_subclass__` derives one from the other). ``ddpcheck targets`` prints
+    #: the reasons, and an example declined for one of them quotes it. An opt-in feature
+    #: (``ddpcheck.features.OPT_IN``) listed here stays governed by its flag: the reason is why
+    #: the flag is unset.
+    declined_features: ClassVar[Mapping[str, str]] = MappingProxyType({})
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        declined = cls.__dict__.get("declined_features")
+        if declined is None:
+            return
+        own = cls.__dict__.get("supported_features")
+        if own is not None and not isinstance(own, property):
+            raise TypeError(f"{cls.__name__} declares both supported_features and "
+                            "declined_features: declare one (the other follows from it)")
+        unknown = sorted(set(declined) - set(FEATURES))
+        if unknown:
+            raise TypeError(f"{cls.__name__}.declined_features names {unknown}, which are not "
+                            f"features (ddpcheck.features.FEATURES)")
+        cls.declined_features = MappingProxyType(dict(declined))
+        if own is None:  # a property computes it per instance, from supported_but()
+            cls.supported_features = supported_but(declined)
     #: True when the optimizer itself averages gradients inside ``step()`` (ZeRO-2 style, no
     #: wrapper in front): gradients are then recorded after the step, not before it.
     gradients_synchronized_in_step: bool = False
@@ -125,7 +168,7 @@ class Target:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Target:
         # Record the constructor call: a failure's replay line rebuilds a plain-class target as
-        # ``module:Cls(args...)`` (``ddpcheck._internal.runs.replay``). Kept in the instance dict,
+        # ``module:Cls(args...)`` (``ddpcheck._runs.replay``). Kept in the instance dict,
         # so it travels with the target; unpickling calls ``__new__`` without arguments, then
         # restores it.
         if (args or kwargs) and cls.__init__ is object.__init__:
@@ -297,7 +340,7 @@ class Target:
         ``rank`` of ``torch.chunk(full, W, dim)`` (FSDP2's ``Shard(dim)``; dim None: a replicated
         copy of the whole); None when the parameter is not sharded this way. The harness checks
         the local tensor against that slice of :meth:`full_tensor`
-        (``ddpcheck._internal.oracle.shards``).
+        (``ddpcheck._oracle.shards``).
 
         Default: a DTensor on a one-dimensional mesh with a ``Shard(dim)`` or ``Replicate``
         placement; anything else is not checked."""
@@ -492,7 +535,7 @@ def _method(model: Any, name: str, field: str) -> Any:
 _RECIPIENT_KEYWORDS = ("to", "recipient_rank")
 
 
-def _consolidate_on_rank_zero(target: Any, optimizer: Any) -> None:
+def _consolidate_on_rank_zero(target: Target, optimizer: Any) -> None:
     """Gather a sharded optimizer's whole state on rank 0, asking it by the keyword it takes.
     Collective; every rank decides the same way, so a decline leaves no collective unpaired."""
     consolidate = getattr(optimizer, "consolidate_state_dict", None)

@@ -1,0 +1,217 @@
+"""What a user can pass, and how it is checked: defaults, argument validators, world-size text
+and the names of the capability vocabulary.
+
+One place for the numbers a user can change and for every misuse message -- each names the
+argument, the value and the rule -- so the API, the command line and the pytest plugin cannot
+drift apart, and a bad argument fails before the first process spawn or collective instead of
+hanging half a world. Imports no torch: the pytest plugin and ``ddpcheck --help`` load it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import numbers
+import os
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+from ddpcheck._base.errors import InvalidArgument
+
+__all__ = ["BEYOND_TORCH", "DEFAULT_DEADLINE", "DEFAULT_FEATURES", "DEFAULT_WORLD_SIZES",
+           "FEATURES", "MAX_RANKS_PER_CORE", "OPT_IN", "STARTUP_DEADLINE", "WARM_UP_DEADLINE",
+           "check_deadline", "check_fits_machine", "check_positive_number",
+           "check_world_size", "check_world_sizes", "did_you_mean", "named_fields",
+           "parse_features", "parse_world_sizes"]
+
+#: World sizes checked when none are given: 1 (the wrapper is a no-op), 2 (the cheapest world
+#: where replicas can disagree), 3 (divisor and ordering bugs 2 hides), 4.
+DEFAULT_WORLD_SIZES = (1, 2, 3, 4)
+#: Seconds one example may take before its world is declared hung.
+DEFAULT_DEADLINE = 60.0
+#: Seconds a freshly spawned world may take to import torch and rendezvous (W=8 took 11.4 s on
+#: our 2-core machines; see docs/platform.md).
+STARTUP_DEADLINE = 120.0
+#: Seconds a target's once-per-process set-up (``Target.warm_up``) may take in a world's ranks:
+#: DeepSpeed's first C++ op build took up to ~285 s here (2 loaded cores), 155-189 s in issue 37.
+WARM_UP_DEADLINE = 900.0
+#: More rank processes than this per core are refused: they would mostly wait for each other.
+MAX_RANKS_PER_CORE = 16
+
+
+def parse_world_sizes(text: str, flag: str = "--world-sizes") -> tuple[int, ...]:
+    """``"1,2,4"`` -> ``(1, 2, 4)``; anything else is an :class:`InvalidArgument` naming
+    ``flag``."""
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise InvalidArgument(f"{flag}={text!r} must be comma-separated integers, such as "
+                              "1,2,3,4") from None
+    return check_world_sizes(flag, sizes, shown=text)  # then the rules every door shares
+
+
+def check_fits_machine(world_sizes: tuple[int, ...], *, workers: int = 1,
+                       flag: str = "--world-sizes") -> None:
+    """Refuse worlds that cannot fit this machine: ``workers`` processes each keep a world of the
+    largest size alive, and more than :data:`MAX_RANKS_PER_CORE` ranks per core would spend the
+    deadline waiting for each other (and a 64-rank world needs ~10 GB just to import torch)."""
+    cores = os.cpu_count() or 1
+    ranks = workers * max(world_sizes)
+    if ranks > MAX_RANKS_PER_CORE * cores:
+        who = f"{workers} workers with " if workers > 1 else ""
+        raise InvalidArgument(
+            f"{who}{flag} up to {max(world_sizes)} would start {ranks} rank processes on "
+            f"{cores} core(s) (at most {MAX_RANKS_PER_CORE} per core); lower the largest world "
+            "size" + (" or the number of workers" if workers > 1 else ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument validators
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_world_size(name: str, value: Any) -> int:
+    if not _is_int(value):
+        raise InvalidArgument(f"{name}={value!r} must be a positive integer (a number of ranks)")
+    if value < 1:
+        raise InvalidArgument(f"{name}={value!r} must be at least 1")
+    return int(value)
+
+
+def check_world_sizes(name: str, values: Any, shown: Any = None) -> tuple[int, ...]:
+    """World sizes as a tuple of distinct positive integers, in the order given; ``shown``: the
+    value as the user wrote it, for the message (the text of a command-line flag)."""
+    shown = values if shown is None else shown
+    if _is_int(values):
+        values = (values,)
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidArgument(f"{name}={shown!r} must be a sequence of positive integers, "
+                              "such as (1, 2, 3, 4)")
+    values = tuple(values)
+    if not values:
+        raise InvalidArgument(f"{name}={shown!r} is empty; give at least one world size")
+    for v in values:
+        if not _is_int(v) or v < 1:
+            raise InvalidArgument(f"{name}={shown!r} contains {v!r}; every world size must be a "
+                                  "positive integer")
+    return tuple(dict.fromkeys(int(v) for v in values))
+
+
+def check_positive_number(name: str, value: Any, shown: Any = None) -> float:
+    """A positive number; ``shown``: the value as the user wrote it, for the message."""
+    shown = value if shown is None else shown
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
+        raise InvalidArgument(f"{name}={shown!r} must be a positive number")
+    return float(value)
+
+
+def check_deadline(name: str, value: Any, shown: Any = None) -> float:
+    """Seconds to wait: positive and finite (every wait has a deadline)."""
+    seconds = check_positive_number(name, value, shown)
+    if seconds == float("inf"):
+        raise InvalidArgument(f"{name}={value if shown is None else shown!r} must be finite: "
+                              "every wait has a deadline; use a large number of seconds, such "
+                              "as 3600")
+    return seconds
+
+
+# ---------------------------------------------------------------------------------------------
+# The capability vocabulary's names (``ddpcheck.features`` says what each scenario exercises)
+
+
+#: Every feature a scenario can exercise, with what it means (the order of reports).
+FEATURES: dict[str, str] = {
+    "float64": "float64 scenarios",
+    "float32": "float32 scenarios (calibrated tolerance)",
+    "accumulation": "several micro-batches per step, all but the last under no_sync()",
+    "unused-on-some-ranks": "a trainable parameter with a gradient on some ranks but None on "
+                            "others (its layer is used by some samples only)",
+    "unused-everywhere": "a trainable parameter no rank uses in a step (its grad stays None)",
+    "frozen": "parameters with requires_grad=False",
+    "tied": "one parameter used twice in a step (tied or reused weights)",
+    "buffers": "buffers, which must start as rank 0's",
+    "mixed-dtypes": "float32 and float64 parameters in one model",
+    "non-contiguous": "a parameter created non-contiguous (a transposed view)",
+    "param-groups": "several param groups with their own hyperparameters",
+    "lr-schedule": "an LR schedule stepped after every optimizer step",
+    "clipping": "the synchronised gradients clipped to a global norm before every step "
+                "(max_grad_norm, grad_norm_type)",
+    "uneven-batches": "a global batch not divisible by W (some ranks get fewer, or no, samples)",
+    "broadcast": "ranks initialised differently: the target must broadcast rank 0's state",
+    "grads-kept": "zero_grad(set_to_none=False): gradients kept (zeroed) between steps",
+    "rank-orders": "each rank registers parameters and buffers in its own order (same names and "
+                   "shapes)",
+    "checkpoint": "a checkpoint saved after a step and the run resumed from it, possibly at "
+                  "another world size (save_checkpoint / load_checkpoint)",
+    "tokens": "a language model trained on padded token sequences: the loss is the mean (or "
+              "sum) over the global batch's non-padding tokens (loss='token_cross_entropy')",
+    "autocast": "the forward under torch.autocast in bfloat16 or float16 (float32 parameters)",
+    "param-dtype": "float32 master weights, forward and backward in bfloat16 or float16, "
+                   "gradients accumulated and reduced in float32 (FSDP2's MixedPrecisionPolicy); "
+                   "opt-in",
+}
+
+#: Features beyond torch's own contract, by the target attribute that opts in to each: a target
+#: supports one only when that attribute is true, whatever its ``supported_features`` say (so
+#: ``FEATURES.keys() - {...}`` never opts in by accident). A ``param_dtype`` policy is the
+#: target's to apply (FSDP2's ``MixedPrecisionPolicy``); one that does not would train in float32
+#: and be blamed for it.
+OPT_IN: dict[str, str] = {"param-dtype": "applies_param_dtype"}
+
+
+#: Features beyond the contract of torch's own DistributedDataParallel, which requires "the exact
+#: same parameter registration order" on every process: checked only on targets that declare
+#: them in ``supported_features``, so that a new default never turns a correct target red.
+BEYOND_TORCH = frozenset({"rank-orders"})
+#: What a target that declares nothing (``supported_features = None``) and sets no
+#: :data:`OPT_IN` attribute is checked on.
+DEFAULT_FEATURES = frozenset(FEATURES) - BEYOND_TORCH - OPT_IN.keys()
+
+
+def parse_features(text: str | Iterable[str], flag: str = "--without") -> frozenset[str]:
+    """``"accumulation,buffers"`` (or an iterable of names) -> a validated set of features."""
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text)]
+    names = [n for n in names if n]
+    unknown = [n for n in names if n not in FEATURES]
+    if unknown:
+        raise InvalidArgument(f"{flag}: {', '.join(map(repr, unknown))} "
+                              f"{'is not a feature' if len(unknown) == 1 else 'are not features'}"
+                              f"{did_you_mean(unknown[0], FEATURES)}; known: {', '.join(FEATURES)}")
+    return frozenset(names)
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` to a mistyped ``name``, or ``""``
+    (``difflib``'s ratio, as Python's own NameError suggestions)."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+class UnknownField(InvalidArgument, TypeError):
+    """A keyword that is no field of the class called: the scenario language's own error (exit
+    2), and still the ``TypeError`` Python raises for an unexpected keyword argument."""
+
+
+C = TypeVar("C", bound=type)
+
+
+def named_fields(cls: C) -> C:
+    """The dataclass ``cls``, whose constructor answers a mistyped keyword (``widht=3``) with the
+    closest field, as Python 3.11 does for a mistyped name but not for a keyword argument: a
+    scenario field misspelt in a replay line or a test is the first thing a user trips on."""
+    init = cls.__init__  # type: ignore[misc]
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        for name in kwargs.keys() - set(names):
+            raise UnknownField(f"{cls.__name__} has no field {name!r}{did_you_mean(name, names)}; "
+                               f"its fields: {', '.join(names)}")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls

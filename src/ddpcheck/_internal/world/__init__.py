@@ -1,9 +1,0 @@
-"""The parent's side of a world: spawn W rank processes, hand them tasks, wait with deadlines.
-
-``worlds`` holds :class:`~ddpcheck._internal.world.worlds.World` and the registry of persistent
-worlds; ``processes`` the process plumbing; ``failures`` what a failed run reports; ``sequences``
-the diagnosis of collective sequences (the first collective where ranks disagree); ``janitor``
-the process that cleans up when the parent dies. Imports the rank package only to spawn it
-(``rank.serve``) and to read what ranks send (``rank.transport``, ``rank.freshness``); never
-the oracle.
-"""

@@ -1,0 +1,89 @@
+"""The built-in battery: representative scenarios ``assert_equivalent`` runs when given none.
+
+Each one aims at bug classes of the catalogue (docs/bug-catalogue.md): tied weights (B4),
+unused and frozen parameters (B1, B3, B11), buffers and rank-0 initialisation (D1, D2), several
+param groups with a schedule (E4, E5), accumulation (B2, C1-C3), tiny and large buckets (B1, B6),
+non-contiguous gradients (B9), mixed dtypes (B10), uneven and tiny batches (A3, E2), gradient
+clipping (A4), per-rank registration orders (G1), SGD for scale bugs (A1, A2), Adam/AdamW for
+state bugs (E3, E7), a checkpoint resumed at W=2 -- the same world at W=2, another elsewhere
+(E7, E8) -- and a language model on padded tokens, in float64 and under the two bfloat16
+precision policies (J1-J4: token means per micro-batch or per rank, reductions in a narrower
+dtype, accumulators).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddpcheck._language import zoo
+from ddpcheck._language.models import Layer, ModelSpec, SpecData
+from ddpcheck._language.scenario import Scenario
+
+__all__ = ["BATTERY"]
+
+_SGD_MOMENTUM = {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}
+
+#: (name, scenario) pairs, cheapest first.
+BATTERY: list[tuple[str, Scenario]] = [
+    ("mlp-sgd", Scenario(zoo.MLP, global_batch=8, steps=2)),
+    # bfloat16 parameters with float32 master weights and reductions: only targets that apply
+    # param_dtype (FSDP2) run it -- the others decline it at no cost, hence so early: it is where
+    # a bfloat16 reduction shows, as "communication in a narrower dtype" (J3)
+    ("tokens-param-dtype-bf16", Scenario(zoo.TinyGPT, data=zoo.token_data,
+                                         loss="token_cross_entropy", optimizer=torch.optim.AdamW,
+                                         optimizer_kwargs={"lr": 0.01, "eps": 0.1},
+                                         global_batch=7, steps=2, accumulation=2,
+                                         dtype="float32", seed=12, param_dtype=torch.bfloat16)),
+    ("tied-sgd-momentum", Scenario(zoo.Tied, optimizer_kwargs=_SGD_MOMENTUM, global_batch=7,
+                                   steps=3, seed=1)),
+    ("unused-frozen-adamw", Scenario(zoo.UnusedAndFrozen, optimizer=torch.optim.AdamW,
+                                     optimizer_kwargs={"lr": 0.01, "weight_decay": 0.1},
+                                     global_batch=9, steps=3, seed=2)),
+    ("sample-branch-accumulate", Scenario(zoo.SampleBranch, optimizer_kwargs=_SGD_MOMENTUM,
+                                          global_batch=11, steps=2, accumulation=3, seed=3,
+                                          bucket_size_mb=1e-6)),
+    # a schedule and micro-batches together: a framework that gates optimizer.step() and the
+    # scheduler after every micro-batch must let neither act inside the window (C2)
+    ("schedule-accumulate", Scenario(zoo.MLP, optimizer_kwargs={"lr": 0.1}, lr_decay=0.5,
+                                     global_batch=8, steps=2, accumulation=2, seed=10)),
+    ("buffers-groups-schedule", Scenario(zoo.WithBuffers, optimizer=torch.optim.Adam,
+                                         optimizer_kwargs={"lr": 0.02},
+                                         param_groups=zoo.BiasGroups(lr=0.05, weight_decay=0.0),
+                                         lr_decay=0.5, global_batch=6, steps=3, seed=4)),
+    ("non-contiguous-one-bucket", Scenario(zoo.NonContiguous, optimizer_kwargs={"lr": 0.1},
+                                           global_batch=5, steps=2, seed=5,
+                                           bucket_size_mb=1000.0, set_to_none=False)),
+    # 157-byte buckets: [b.bias, b.weight] (float32), [a.bias], [a.weight] (float64) -- several
+    # buckets (B1), and one that would mix both dtypes if buckets ignored dtype (B10)
+    ("mixed-dtypes-sum", Scenario(zoo.MixedPrecision, optimizer_kwargs={"lr": 0.05},
+                                  global_batch=8, steps=2, reduction="sum", seed=6,
+                                  bucket_size_mb=1.5e-4)),
+    ("tiny-batch", Scenario(zoo.SampleBranch, optimizer=torch.optim.Adam,
+                            optimizer_kwargs={"lr": 0.01}, global_batch=3, steps=2, seed=7)),
+    # gradient 2-norms 1.6, 3.9, 2.9: step 0 is not clipped, the later steps are
+    ("clip-sgd-momentum", Scenario(zoo.MLP, optimizer_kwargs=_SGD_MOMENTUM, global_batch=10,
+                                   steps=3, seed=8, max_grad_norm=2.0)),
+    # same-shaped tensors (4x4 weights, 4-vectors) that every rank registers in its own order,
+    # one bucket per dtype: pairing them by this rank's position mixes them up silently (G1)
+    ("rank-orders-adam", Scenario(ModelSpec(layers=(Layer(), Layer(kind="buffer"), Layer())),
+                                  data=SpecData(4), optimizer=torch.optim.Adam,
+                                  optimizer_kwargs={"lr": 0.01}, global_batch=6, steps=2,
+                                  seed=9, rank_orders=True)),
+    # saved after step 0, resumed at W=2: Adam moments and step counts on every rank, a
+    # scheduler's count, two param groups; resharded onto another world at W != 2
+    ("checkpoint-resume", Scenario(zoo.MLP, optimizer=torch.optim.Adam,
+                                   optimizer_kwargs={"lr": 0.02},
+                                   param_groups=zoo.BiasGroups(lr=0.05, weight_decay=0.0),
+                                   lr_decay=0.5, global_batch=6, steps=3, seed=9,
+                                   checkpoint_after=0, resume_world_size=2)),
+    # 7 sequences of 1-8 tokens in 2 micro-batches: micro-batches and ranks hold different token
+    # counts at every W, so a token mean per micro-batch or per rank misweighs tokens (J1, J2)
+    ("tokens-accumulate", Scenario(zoo.TinyGPT, data=zoo.token_data, loss="token_cross_entropy",
+                                   optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 0.01},
+                                   global_batch=7, steps=2, accumulation=2, seed=10)),
+    # bfloat16 autocast, every target's (the loop's precision policy, not the wrapper's)
+    ("tokens-autocast-bf16", Scenario(zoo.TinyGPT, data=zoo.token_data,
+                                      loss="token_cross_entropy", optimizer_kwargs={"lr": 0.1},
+                                      global_batch=7, steps=2, accumulation=2, dtype="float32",
+                                      seed=11, autocast=torch.bfloat16)),
+]

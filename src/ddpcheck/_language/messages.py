@@ -1,0 +1,142 @@
+"""How scenario problems are named in messages: values, exceptions and the model's modules.
+
+Kept apart from ``ddpcheck._oracle.judgeable`` so the checks there read as checks. Every
+function returns one short line (long reprs are cut), so a refusal message stays one readable
+sentence.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpcheck._language.scenario import _code
+
+__all__ = ["MODULE_KINDS", "active_modules", "brief", "code_name", "describe_value",
+           "exception_text", "is_active", "kind_of", "needs_arguments", "scenario_line",
+           "short_name"]
+
+
+def needs_arguments(function: Any, *args: Any) -> bool:
+    """True when ``function(*args)`` does not even bind to its signature."""
+    try:
+        inspect.signature(function).bind(*args)
+    except TypeError:
+        return True
+    except ValueError:  # no signature to read
+        return False
+    return False
+
+
+def code_name(value: Any) -> str:
+    try:
+        return _code(value)
+    except Exception:
+        return brief(value)
+
+
+def short_name(value: Any) -> str:
+    return getattr(value, "__qualname__", None) or type(value).__qualname__
+
+
+def brief(value: Any) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def describe_value(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        kinds = ", ".join(kind_of(v) for v in value[:4]) + (", ..." if len(value) > 4 else "")
+        return f"a {type(value).__name__} of {len(value)} ({kinds})"
+    if isinstance(value, dict):
+        keys = ", ".join(repr(k) for k in list(value)[:4]) + (", ..." if len(value) > 4 else "")
+        return f"a dict with keys {keys}"
+    return kind_of(value)
+
+
+def kind_of(value: Any) -> str:
+    if torch.is_tensor(value):
+        return f"tensor{tuple(value.shape)}"
+    return type(value).__name__
+
+
+def exception_text(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+MODULE_KINDS: dict[str, tuple[type[nn.Module], str]] = {
+    "batchnorm": (nn.modules.batchnorm._BatchNorm, "using batch statistics"),
+    "dropout": (nn.modules.dropout._DropoutNd, "with p > 0 in train mode"),
+}
+
+
+def is_active(module: nn.Module) -> bool:
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):  # eval mode without running stats
+        return module.training or not module.track_running_stats  # uses batch statistics too
+    return module.training and getattr(module, "p", 0) > 0
+
+
+def active_modules(model: nn.Module, kind: str, hint: bool = False) -> str:
+    """`` (found: bn (BatchNorm1d), ...)`` for the model's modules of ``kind`` that are active."""
+    cls, how = MODULE_KINDS[kind]
+    found = [f"{n or 'the model'} ({type(m).__name__})" for n, m in model.named_modules()
+             if isinstance(m, cls) and is_active(m)]
+    if not found:
+        return ""
+    more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+    text = f"{', '.join(found[:3])}{more} {how}"
+    if hint and kind == "batchnorm":
+        return (f" (the model has {text}: batch statistics depend on the batch, so the oracle "
+                "cannot judge it; use eval mode, GroupNorm/LayerNorm, or SyncBatchNorm in your own "
+                "test)")
+    return f" (found: {text})"
+
+
+def scenario_line(scenario: Any) -> str:
+    """A one-line summary of a (usually shrunk) scenario for tables, such as
+    ``linear(unused)+buffer SGD B=3 steps=1 acc=2``."""
+    model = scenario.model
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        shape = getattr(model, "__qualname__", type(model).__name__)
+    elif isinstance(layers, int):  # a language model's config (zoo.GPTConfig): its blocks
+        shape = f"gpt({layers} block{'' if layers == 1 else 's'}" + (
+            ", tied)" if getattr(model, "tied", False) else ")")
+    else:
+        shape = "+".join(layer.kind + ("(" + ",".join(
+            f for f, on in (("sample" if layer.use == "sample" else "unused",
+                             layer.use != "always"),
+                            ("frozen", layer.frozen), ("f32", layer.float32)) if on) + ")"
+            if layer.use != "always" or layer.frozen or layer.float32 else "")
+            for layer in layers) or "head"
+    opt = scenario.optimizer.__name__
+    extra = [f"B={scenario.global_batch}", f"steps={scenario.steps}"]
+    if scenario.accumulation > 1:
+        extra.append(f"acc={scenario.accumulation}")
+    if scenario.param_groups is not None:
+        extra.append("2 groups")
+    if scenario.lr_decay is not None:
+        extra.append("lr decay")
+    if scenario.dtype != "float64":
+        extra.append(scenario.dtype)
+    for policy in ("autocast", "param_dtype"):
+        dtype = getattr(scenario, policy, None)
+        if dtype is not None:
+            extra.append(f"{policy}={str(dtype).replace('torch.', '')}")
+    if scenario.reduction != "mean":
+        extra.append(scenario.reduction)
+    if not scenario.set_to_none:
+        extra.append("grads kept")
+    if getattr(scenario, "max_grad_norm", None) is not None:
+        kind = "" if scenario.grad_norm_type == 2.0 else f" {scenario.grad_norm_type:g}-norm"
+        extra.append(f"clip={scenario.max_grad_norm:g}{kind}")
+    if getattr(scenario, "checkpoint_after", None) is not None:
+        at = scenario.resume_world_size
+        extra.append(f"ckpt@{scenario.checkpoint_after}" + ("" if at is None else f"->W={at}"))
+    return f"{shape} {opt} {' '.join(extra)}"

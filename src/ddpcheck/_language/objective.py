@@ -1,0 +1,155 @@
+"""The scenario's objective: what one micro-batch back-propagates, in one place.
+
+Every party computes the objective through this module -- the ranks and the single-process
+reference (``ddpcheck._language.training``), the oracle's validity probe
+(``ddpcheck._oracle.judgeable``), the feature inspection (``ddpcheck.features``) and
+the batch plans (``ddpcheck.batches``, which weigh its *terms*) -- so none of them can train a
+different loss than the others.
+
+``Scenario.loss`` names the terms of the objective:
+
+* ``"squared_error"`` (the default): one term per sample, its squared error summed over the
+  outputs (the model returns a tensor shaped like the targets);
+* ``"token_cross_entropy"``: one term per non-padding target token (:data:`IGNORE_INDEX` marks
+  padding), its cross-entropy against the model's logits ``(B, L, V)`` for targets ``(B, L)``.
+
+Invariant: the full-batch objective is the mean of the global batch's T terms
+(``reduction="mean"``: their sum divided by T -- B for squared error, the number of non-padding
+tokens for tokens) or their sum. A micro-batch back-propagates :func:`micro_batch_loss`, the *sum*
+of its terms, times the scale its batch plan gives it: normalisation lives in the plan
+(``ddpcheck.batches``), where real training loops get it wrong, and the oracle checks it per term.
+
+The precision policy, the same on every party: ``Scenario.autocast`` runs the forward under
+``torch.autocast`` as the user's loop would (every target runs it); ``Scenario.param_dtype``
+keeps float32 master weights and runs forward and backward on copies cast to ``param_dtype``,
+with gradients accumulated and reduced in float32 -- a target implements it (FSDP2's
+``MixedPrecisionPolicy``), and the reference emulates it here (``emulate=True``): every module
+holding parameters of its own sees them, and its floating-point inputs, cast, as FSDP2 casts them
+per sharded module. The loss itself is computed in at least float32, outside autocast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+__all__ = ["IGNORE_INDEX", "LOSSES", "LOW_PRECISION", "check_output", "count", "forward",
+           "is_token_loss", "micro_batch_loss", "per_sample_loss", "summed", "terms", "tokens"]
+
+#: The scenario losses, with what each term is.
+LOSSES: dict[str, str] = {
+    "squared_error": "one term per sample: its squared error summed over the outputs",
+    "token_cross_entropy": "one term per non-padding target token: its cross-entropy",
+}
+#: The target token that marks padding: no term of the objective (``torch``'s default).
+IGNORE_INDEX = -100
+#: The dtypes of the precision policies (``Scenario.autocast``, ``Scenario.param_dtype``).
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def is_token_loss(scenario: Any) -> bool:
+    return getattr(scenario, "loss", "squared_error") == "token_cross_entropy"
+
+
+# ---------------------------------------------------------------------------------------------
+# The terms of the objective
+
+
+def terms(scenario: Any, y: torch.Tensor) -> torch.Tensor | None:
+    """Each sample's number of terms, ``(B,)`` int64 -- its non-padding target tokens -- or
+    None for a per-sample loss (one term each)."""
+    if not is_token_loss(scenario):
+        return None
+    return (y != IGNORE_INDEX).flatten(1).sum(dim=1)
+
+
+def tokens(scenario: Any, y: torch.Tensor) -> tuple[int, ...] | None:
+    """:func:`terms` as plain integers (what ``ddpcheck.batches.GlobalBatch.tokens`` holds)."""
+    found = terms(scenario, y)
+    return None if found is None else tuple(found.tolist())
+
+
+def count(scenario: Any, y: torch.Tensor) -> int:
+    """T, the number of terms of the batch ``y``: the mean objective divides their sum by it."""
+    found = terms(scenario, y)
+    return y.shape[0] if found is None else int(found.sum())
+
+
+def per_sample_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Squared error per sample, ``(b,)``, accumulated in the output's dtype."""
+    return ((out - y) ** 2).flatten(1).sum(dim=1)
+
+
+def summed(scenario: Any, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The sum of the terms of the samples ``(out, y)``: a scalar (0 for no sample)."""
+    if not is_token_loss(scenario):
+        return per_sample_loss(out, y).sum()
+    wide = torch.promote_types(out.dtype, torch.float32)  # bf16 logits: the loss in float32
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]).to(wide), y.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def check_output(scenario: Any, out: torch.Tensor, y: torch.Tensor) -> str | None:
+    """Why the loss cannot take the model's output ``out`` for targets ``y`` (None: it can)."""
+    if not is_token_loss(scenario):
+        if out.shape != y.shape:
+            return (f"the model's forward returned shape {tuple(out.shape)} for targets of shape "
+                    f"{tuple(y.shape)}; they must match (the loss is the squared error of each "
+                    "sample)")
+        return None
+    if y.is_floating_point() or y.is_complex():
+        return (f"loss='token_cross_entropy' needs integer target tokens, but the targets are "
+                f"{str(y.dtype).replace('torch.', '')}")
+    if out.dim() != y.dim() + 1 or out.shape[:-1] != y.shape:
+        return (f"the model's forward returned shape {tuple(out.shape)} for target tokens of "
+                f"shape {tuple(y.shape)}; loss='token_cross_entropy' needs logits of shape "
+                f"{tuple(y.shape)} + (vocabulary,)")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward under the scenario's precision policy
+
+
+def forward(scenario: Any, model: Any, x: torch.Tensor, *, emulate: bool = False) -> Any:
+    """``model(x)`` as the scenario computes it: under its ``autocast``; with ``emulate`` (the
+    reference) also under its ``param_dtype`` policy, which a rank's target implements itself."""
+    dtype = getattr(scenario, "autocast", None)
+    context = (torch.autocast(x.device.type, dtype=dtype) if dtype is not None
+               else contextlib.nullcontext())
+    with context:
+        param_dtype = getattr(scenario, "param_dtype", None)
+        if emulate and param_dtype is not None:
+            return _cast_forward(model, x, param_dtype)
+        return model(x)
+
+
+def micro_batch_loss(scenario: Any, model: Any, x: torch.Tensor, y: torch.Tensor, *,
+                     emulate: bool = False) -> torch.Tensor:
+    """The summed terms of one micro-batch ``(x, y)`` (what its plan's scale multiplies)."""
+    return summed(scenario, forward(scenario, model, x, emulate=emulate), y)
+
+
+def _cast_forward(model: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype) -> Any:
+    """``model(x)`` on copies of its parameters cast to ``dtype``, which the gradients go back
+    through to the master weights (in their dtype); every module holding parameters of its own
+    gets its floating-point inputs cast too (FSDP2's ``cast_forward_inputs``, per sharded
+    module: ``ddpcheck.targets.fsdp.shard_leaves`` shards exactly those, and the root)."""
+    owners = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    hooks = [m.register_forward_pre_hook(lambda _, args: _cast_inputs(args, dtype))
+             for m in [model, *owners]]
+    try:
+        cast = {name: p.to(dtype) for name, p in model.named_parameters()}
+        return functional_call(model, cast, (x,))
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _cast_inputs(args: tuple, dtype: torch.dtype) -> tuple:
+    return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a
+                 for a in args)

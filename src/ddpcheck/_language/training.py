@@ -1,0 +1,212 @@
+"""The one training loop: the ranks, the trace and the single-process reference all train here.
+
+Invariant: :func:`train` runs ``scenario.steps`` steps of the scenario's objective (or the part
+``steps`` of them a run resumed from a checkpoint trains) -- per step,
+the micro-batches ``loop.batches(step)``, each ``(x, y, scale)`` inside ``loop.micro_batch(index,
+count)`` (default: all but the last under ``loop.no_sync()``) back-propagating its
+:func:`micro_batch_loss` (the summed terms of the scenario's objective,
+``ddpcheck._language.objective``) times its ``scale`` through ``loop.backward`` -- and, in a loop
+that ``steps_every_micro_batch`` (accelerate's and DeepSpeed's idiom: the framework gates),
+calling ``optimizer.step()``, the LR schedule and ``zero_grad`` after every micro-batch but the
+last too, then ``loop.inside_window(step, index)`` (where callers check nothing moved); then
+``loop.after_backward()``, when the scenario clips (``max_grad_norm``) the clipping of the now
+synchronised gradients, ``loop.before_optimizer_step(step)`` (gradients are final here),
+``optimizer.step()``, the LR schedule, ``loop.after_step(step)`` (where callers snapshot),
+``zero_grad`` (on the given optimizer: a sharded optimizer's own ``zero_grad`` is what runs) and
+``loop.end_step(step)``. Because the runner (every rank of a world),
+``ddpcheck._runs.trace`` (timed) and the oracle's reference (one process, the whole batch)
+share it, what the trace draws and what the reference computes are exactly the steps the oracle
+checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from ddpcheck._language import objective
+from ddpcheck._language.scenario import Scenario
+
+__all__ = ["FitRun", "Loop", "make_scheduler", "micro_batch_loss", "optimizer_kwargs", "train"]
+
+
+def _nothing(*_: Any) -> None:
+    return None
+
+
+def _backward(loss: Any) -> None:
+    loss.backward()
+
+
+@dataclasses.dataclass
+class Loop:
+    """What differs between the callers of :func:`train`; the defaults are a plain process."""
+
+    #: step -> micro-batches ``(x, y, scale)``: scale multiplies the summed terms of the loss
+    batches: Callable[[int], list[tuple[torch.Tensor, torch.Tensor, float]]]
+    no_sync: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext  # all but the last
+    #: ``(index, count) ->`` the context of micro-batch ``index`` of ``count`` (None: ``no_sync``
+    #: around all but the last)
+    micro_batch: Callable[[int, int], AbstractContextManager[Any]] | None = None
+    backward: Callable[[Any], None] = _backward  # ``loss ->`` back-propagate it
+    #: optimizer.step(), the schedule and zero_grad after every micro-batch; the framework gates
+    steps_every_micro_batch: bool = False
+    inside_window: Callable[[int, int], None] = _nothing  # (step, index) after such a step
+    after_backward: Callable[[], None] = _nothing
+    #: ``(max_norm, norm_type) ->`` clip the synchronised gradients; only called when the
+    #: scenario clips. None: ``torch.nn.utils.clip_grad_norm_`` over the model's parameters.
+    clip_grad_norm: Callable[[float, float], Any] | None = None
+    before_step: Callable[[int], None] = _nothing  # after the batches are drawn, before forward
+    before_optimizer_step: Callable[[int], None] = _nothing  # after after_backward
+    after_step: Callable[[int], None] = _nothing  # after optimizer.step and the schedule
+    end_step: Callable[[int], None] = _nothing  # after zero_grad
+    #: When a list, (phase, start, end) ``time.perf_counter()`` spans are appended to it.
+    phases: list[tuple[str, float, float]] | None = None
+    #: True for the single-process reference: it runs the scenario's ``param_dtype`` policy
+    #: itself, which in a rank is the target's to implement.
+    emulates_param_dtype: bool = False
+
+
+def micro_batch_loss(scenario: Scenario, model: Any, x: torch.Tensor, y: torch.Tensor,
+                     scale: float, *, emulate: bool = False) -> torch.Tensor:
+    """The loss one micro-batch back-propagates: the sum of its terms of the scenario's
+    objective, under its precision policy (``emulate``: the reference's ``param_dtype``), times
+    ``scale`` (its batch plan's)."""
+    return objective.micro_batch_loss(scenario, model, x, y, emulate=emulate) * scale
+
+
+@dataclasses.dataclass
+class FitRun:
+    """What a target that owns the whole training loop (``Target.fit(module, run)``: Lightning's
+    ``Trainer.fit``) is given, to train the scenario as the reference does.
+
+    ``batches[step]`` are this rank's micro-batches ``(x, y, scale)`` of that step, in order: the
+    loss of one is :meth:`loss` (the summed terms of the scenario's objective, under its precision
+    policy, times ``scale``), and the step's
+    gradient is the sum over its micro-batches. ``params``: what the optimizer gets (parameters,
+    or param groups); ``optimizer(params, **optimizer_kwargs)``; ``gamma``: an ``ExponentialLR``
+    stepped once per optimizer step (None: no schedule); ``max_grad_norm``/``grad_norm_type``:
+    clip the synchronised gradients before each step (None: no clipping); ``set_to_none``: how
+    ``zero_grad`` clears. The target calls :attr:`started` once, when model and optimizer are
+    built and before the first forward (the initial state is recorded then), and :attr:`record`
+    after every optimizer step, once the LR schedule stepped and before ``zero_grad``."""
+
+    scenario: Scenario
+    module: Any
+    params: Any
+    optimizer: type
+    optimizer_kwargs: dict
+    gamma: float | None
+    max_grad_norm: float | None
+    grad_norm_type: float
+    set_to_none: bool
+    batches: list
+    #: ``(model, optimizer) ->`` call once, model and optimizer built, before the first forward
+    started: Callable[[Any, Any], None]
+    #: ``(model, optimizer, scheduler) ->`` call after every optimizer step (and its schedule)
+    record: Callable[[Any, Any, Any], None]
+
+    @property
+    def steps(self) -> int:
+        return len(self.batches)
+
+    def loss(self, model: Any, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+        """One micro-batch's loss through ``model``, as the reference computes it."""
+        return micro_batch_loss(self.scenario, model, x, y, scale)
+
+
+def optimizer_kwargs(target: Any, model: Any, kwargs: dict) -> dict:
+    """``kwargs`` for ``target.make_optimizer``, with the wrapped ``model`` added when its
+    signature names a ``model`` parameter (a sharded optimizer that must know its DDP); older
+    targets' signatures are left as they are."""
+    if _takes_model(type(target).make_optimizer):
+        return {**kwargs, "model": model}
+    return dict(kwargs)
+
+
+@functools.lru_cache(maxsize=256)
+def _takes_model(method: Any) -> bool:
+    """Cached: every rank asks it for every example."""
+    try:
+        return "model" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def make_scheduler(scenario: Scenario, optimizer: Any) -> Any:
+    """The scenario's LR schedule on ``optimizer`` (None without ``lr_decay``)."""
+    return (torch.optim.lr_scheduler.ExponentialLR(optimizer, scenario.lr_decay)
+            if scenario.lr_decay is not None else None)
+
+
+def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop, *, scheduler: Any = None,
+          steps: range | None = None) -> None:
+    """Train ``model`` with ``optimizer`` on the scenario's steps, as ``loop`` says.
+
+    ``scheduler``: the LR schedule to step (None: :func:`make_scheduler`'s), given by callers
+    that record or checkpoint it; ``steps``: a part of the run (default all of it), so that a
+    run resumed from a checkpoint continues at the step after it."""
+    if scheduler is None:
+        scheduler = make_scheduler(scenario, optimizer)
+    clock = time.perf_counter
+    for step in range(scenario.steps) if steps is None else steps:
+        micro_batches = loop.batches(step)
+        loop.before_step(step)
+        for i, (x, y, scale) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with _micro_batch(loop, i, len(micro_batches)):
+                t0 = clock()
+                loss = micro_batch_loss(scenario, model, x, y, scale,
+                                        emulate=loop.emulates_param_dtype)
+                t1 = clock()
+                loop.backward(loss)
+                t2 = clock()
+                if loop.steps_every_micro_batch and not last:  # the framework must not act yet
+                    _optimizer_step(scenario, optimizer, scheduler)
+                    loop.inside_window(step, i)
+            if loop.phases is not None:
+                loop.phases += [("forward", t0, t1), ("backward", t1, t2)]
+        t3 = clock()
+        loop.after_backward()
+        if scenario.max_grad_norm is not None:
+            _clip(scenario.max_grad_norm, scenario.grad_norm_type, model, loop)
+        loop.before_optimizer_step(step)
+        t4 = clock()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        t5 = clock()
+        if loop.phases is not None:
+            loop.phases += [("after_backward", t3, t4), ("optimizer.step", t4, t5)]
+        loop.after_step(step)
+        optimizer.zero_grad(set_to_none=scenario.set_to_none)
+        loop.end_step(step)
+
+
+def _micro_batch(loop: Loop, index: int, count: int) -> AbstractContextManager[Any]:
+    if loop.micro_batch is not None:
+        return loop.micro_batch(index, count)
+    return contextlib.nullcontext() if index == count - 1 else loop.no_sync()
+
+
+def _optimizer_step(scenario: Scenario, optimizer: Any, scheduler: Any) -> None:
+    """What a loop that steps after every micro-batch calls inside an accumulation window."""
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=scenario.set_to_none)
+
+
+def _clip(max_norm: float, norm_type: float, model: Any, loop: Loop) -> None:
+    if loop.clip_grad_norm is None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    else:
+        loop.clip_grad_norm(max_norm, norm_type)

@@ -1,0 +1,259 @@
+"""The single-process full-batch reference every target is held to.
+
+Invariant: :func:`reference_run` trains the scenario in this process through the same loop as the
+ranks (``ddpcheck._language.training``), on the whole global batch, with the plain optimizer and
+rank 0's initial weights: one backward of the global objective per step (the scenario's loss and
+precision policy, ``ddpcheck._language.objective``, its ``param_dtype`` policy emulated here as a
+rank's target implements it). What it records is what a correct data-parallel target must reproduce;
+the budgets a target's communication is held to are derived from the same model. A scenario with
+``checkpoint_after`` trains uninterrupted, except that the gradients are dropped after that step, as
+a run resumed from a checkpoint has none.
+
+What the reference cannot pin down (:meth:`Reference.noise`): the same run computed in other,
+equally valid ways -- :data:`NOISE_VARIANTS`: the global batch accumulated in 2, 3, 4 and 5
+micro-batches (the summation orders accumulation and shards introduce); emulated worlds of 3 and 5
+ranks, each shard's loss scaled by ``W/T`` and the gradient divided back by W or multiplied by
+``1/W`` (the rounding data-parallel code introduces even when the batch cannot be re-split: one
+sample at W=3 is its loss scaled by 3 and its gradient divided by 3, a rounding at every float32
+layer its backward crosses); and the gradients perturbed at rounding level, in each parameter's
+own dtype, before every optimizer step -- differs from it by rounding. Where the scenario is
+ill-conditioned that rounding is not small: a gradient that is zero in exact arithmetic (an
+attention key bias: softmax ignores a shift shared by every logit) carries ~1e-16 of
+sign-flipping noise, and Adam's first step, ``lr * g / (|g| + eps)``, has a sensitivity of
+``lr / eps`` there, turning it into ~1e-9 parameter differences in float64 -- more than any fixed
+float64 tolerance. The oracle widens its tolerance element by element by a multiple of this
+spread, or declines the example where the spread is as large as the bugs it promises to catch
+(``ddpcheck._oracle.tolerances``, ``ddpcheck._oracle.compare``); the variants
+are trained only when a comparison would otherwise fail, so passing examples never pay for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ddpcheck._language.objective import count, tokens
+from ddpcheck._language.records import (
+    StepRecord,
+    gradients,
+    initial_state,
+    schedule_state,
+    snapshot,
+)
+from ddpcheck._language.scenario import Scenario, build_model, global_batch, make_param_groups
+from ddpcheck._language.training import Loop, make_scheduler, train
+
+__all__ = ["NOISE_VARIANTS", "Noise", "Reference", "Variant", "noise_computed", "reference_run"]
+
+#: References of this process whose :meth:`Reference.noise` was computed -- a comparison beyond
+#: the tolerance asked for it (``bench/soak.py`` reports how often; see :func:`noise_computed`).
+_NOISE_COMPUTED = [0]
+
+
+def noise_computed() -> int:
+    """How many references of this process have computed their noise variants so far."""
+    return _NOISE_COMPUTED[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One equally valid way to compute the reference's run: each step's global batch accumulated
+    in ``split`` contiguous micro-batches (as ``torch.tensor_split`` cuts them; empty ones
+    skipped), each micro-batch's summed loss scaled by ``world / T`` (``world`` for a summed
+    objective), and after the last backward every gradient divided by ``world`` --
+    multiplied by ``1 / world`` when ``reciprocal``, as torch's DDP reducer does -- then, when
+    ``perturb`` is a seed, each element moved by a random fraction in [-1, 1] of its dtype's
+    rounding unit (``finfo.eps / 2``), drawn from that seed and the step."""
+
+    split: int = 1
+    world: int = 1
+    reciprocal: bool = False
+    perturb: int | None = None
+
+
+#: The other ways :meth:`Reference.noise` computes the run (see the module docstring): the batch
+#: summed in other orders (accumulation at W=1), worlds of 3 and 5 ranks -- non-powers of two,
+#: whose scaling rounds (shards scaled ``W/T``, averaged by a division or, in torch's DDP, by a
+#: multiplication by ``1/W``; with fewer samples than ranks, the empty ranks add zeros, exactly)
+#: -- and the gradients perturbed at rounding level.
+NOISE_VARIANTS = (Variant(2), Variant(3), Variant(4), Variant(5),
+                  Variant(3, world=3), Variant(6, world=3, reciprocal=True),
+                  Variant(5, world=5, reciprocal=True), Variant(perturb=0))
+
+
+@dataclasses.dataclass
+class Noise:
+    """Per tensor of one step, the largest elementwise difference between the reference and its
+    variants (:data:`NOISE_VARIANTS`): gradients, parameters, buffers, optimizer state (keyed as
+    ``name[key]``)."""
+
+    grads: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    state: dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass
+class Reference:
+    initial: dict[str, torch.Tensor]  # parameters and buffers before the first step
+    steps: list[StepRecord]
+    gradient_bytes: int  # bytes of all trainable parameters' gradients: the all-reduce budget
+    gradient_numel: int  # their elements: more bytes than this in as many elements is widening
+    n_dtypes: int  # parameter dtypes: the broadcast budget is W x n_dtypes
+    #: the least precise dtype the model computes in -- its parameters', the scenario's autocast
+    #: or param_dtype: it sets the tolerance
+    compute_dtype: torch.dtype
+    #: Scalars a target may all-reduce per step besides the gradients when the scenario clips: a
+    #: sharded global norm (one per parameter dtype at most); 0 without clipping.
+    norm_scalars: int = 0
+    #: Trainable parameter tensors: the budget allows a scalar per tensor for control traffic
+    #: (which parameters have a gradient on each rank, per-tensor norms) in any float dtype.
+    trainable_tensors: int = 0
+    #: Trainable parameters by name: ``(shape, bytes per element)`` -- the padding a target that
+    #: shards them along dim 0 (FSDP2) may reduce-scatter on top of their bytes (``budget``).
+    trainable_shapes: dict = dataclasses.field(default_factory=dict)
+    #: Bytes of all parameters: what a ZeRO-style re-gather of updated parameters may all-gather.
+    parameter_bytes: int = 0
+    #: The scenario, to train the variants of :meth:`noise` on demand (None: no noise floor).
+    scenario: Any = None
+    #: step -> its :class:`Noise`, filled on first use; shared by the parts a resumed run's
+    #: judgement slices this reference into (``dataclasses.replace`` keeps the same dict).
+    noise_cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    #: the narrowest gradient dtype: a gradient all-reduced or reduce-scattered in a narrower one
+    #: was sent narrower than promised (``ddpcheck._oracle.budget``)
+    gradient_dtype: torch.dtype | None = None
+
+    def noise(self, step: int) -> Noise | None:
+        """What the reference cannot pin down after ``step`` (0-based, of the whole run): see
+        the module docstring. None without a scenario."""
+        if self.scenario is None:
+            return None
+        if not self.noise_cache:
+            _NOISE_COMPUTED[0] += 1
+            # the whole run again (this reference may be a part of it), then the variants
+            mine = _train(self.scenario)[0]
+            variants = [_train(self.scenario, variant)[0] for variant in NOISE_VARIANTS]
+            for index, record in enumerate(mine):
+                others = [v[index] for v in variants]
+                grads, params, buffers = (
+                    _spread(getattr(record, f), [getattr(o, f) for o in others])
+                    for f in ("grads", "params", "buffers"))
+                self.noise_cache[index] = Noise(
+                    grads, params, buffers,
+                    _spread(_flat_state(record.state), [_flat_state(o.state) for o in others]))
+        return self.noise_cache.get(step)
+
+
+def _drop_gradients(model: torch.nn.Module) -> None:
+    """A checkpoint carries no gradients: a resumed run starts with none, even where the
+    scenario keeps them (``set_to_none=False``) -- and an optimizer skips a parameter whose
+    gradient is None but steps (decays, moves with momentum) one whose gradient is zero."""
+    for p in model.parameters():
+        p.grad = None
+
+
+def reference_run(scenario: Scenario) -> Reference:
+    """Train the scenario in this process on the whole batch: the plain optimizer, rank 0's
+    initial weights, one backward per step of the global objective."""
+    steps, model, initial = _train(scenario)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    # a float64 layer fed by a float32 one inherits float32 rounding; autocast and param_dtype
+    # compute in theirs
+    computed = dtypes | {d for d in (scenario.autocast, scenario.param_dtype) if d is not None}
+    return Reference(initial, steps,
+                     gradient_bytes=sum(p.numel() * p.element_size() for p in trainable),
+                     gradient_numel=sum(p.numel() for p in trainable),
+                     n_dtypes=len(dtypes) or 1,
+                     norm_scalars=(len(dtypes) or 1) if scenario.max_grad_norm is not None else 0,
+                     trainable_tensors=len(trainable),
+                     trainable_shapes={n: (tuple(p.shape), p.element_size())
+                                       for n, p in model.named_parameters() if p.requires_grad},
+                     parameter_bytes=sum(p.numel() * p.element_size()
+                                         for p in model.parameters()),
+                     compute_dtype=max(computed, key=lambda d: torch.finfo(d).eps,
+                                       default=scenario.torch_dtype),
+                     gradient_dtype=min((p.dtype for p in trainable if p.is_floating_point()),
+                                        key=lambda d: torch.finfo(d).bits, default=None),
+                     scenario=scenario)
+
+
+def _train(scenario: Scenario, variant: Variant = Variant()
+           ) -> tuple[list[StepRecord], torch.nn.Module, dict]:
+    """The reference's run, computed as ``variant`` says (the default: one backward of the whole
+    batch, each term scaled by the whole batch's term count)."""
+    model = build_model(scenario, scenario.seed)
+    names = {p: n for n, p in model.named_parameters()}
+    initial = initial_state(model)
+    optimizer = scenario.optimizer(make_param_groups(scenario, model), **scenario.optimizer_kwargs)
+    scheduler = make_scheduler(scenario, optimizer)
+    steps: list[StepRecord] = []
+    grads: dict = {}
+    terms: dict = {}
+
+    def batches(step: int) -> list:
+        x, y = global_batch(scenario, step)
+        terms[step] = tokens(scenario, y)
+        scale = (variant.world / count(scenario, y) if scenario.reduction == "mean"
+                 else float(variant.world))
+        grads["step"] = step
+        return [(xs, ys, scale) for xs, ys in zip(torch.tensor_split(x, variant.split),
+                                                   torch.tensor_split(y, variant.split)) if len(xs)]
+
+    def record(step: int) -> None:
+        steps.append(snapshot(model, names, optimizer.state, grads=grads["now"],
+                              schedule=schedule_state(optimizer, scheduler)))
+        steps[-1].tokens = terms[step]
+
+    train(scenario, model, optimizer, Loop(
+        batches=batches,
+        after_backward=lambda: _average_and_perturb(model, variant, grads["step"]),
+        before_optimizer_step=lambda step: grads.__setitem__("now", gradients(model)),
+        after_step=record,
+        end_step=lambda step: _drop_gradients(model) if step == scenario.checkpoint_after
+        else None, emulates_param_dtype=True), scheduler=scheduler)
+    return steps, model, initial
+
+
+def _average_and_perturb(model: torch.nn.Module, variant: Variant, step: int) -> None:
+    """After the last backward of ``step``: the gradients averaged over the variant's world
+    (where data-parallel code averages them: before clipping), then perturbed."""
+    if variant.world == 1 and variant.perturb is None:
+        return
+    generator = None
+    if variant.perturb is not None:
+        generator = torch.Generator().manual_seed(variant.perturb * 1_000_003 + step)
+    with torch.no_grad():
+        for p in model.parameters():
+            g = p.grad
+            if g is None or not g.is_floating_point():
+                continue
+            if variant.world != 1:
+                if variant.reciprocal:
+                    g.mul_(1.0 / variant.world)
+                else:
+                    g.div_(variant.world)
+            if generator is not None and g.layout == torch.strided:
+                unit = torch.finfo(g.dtype).eps / 2
+                u = torch.rand(g.shape, generator=generator, dtype=torch.float64) * 2 - 1
+                g.add_((g.double() * (u * unit)).to(g.dtype))
+
+
+def _flat_state(state: dict) -> dict[str, Any]:
+    return {f"{name}[{key!r}]": value for name, held in state.items()
+            for key, value in held.items()}
+
+
+def _spread(mine: dict, others: list[dict]) -> dict[str, torch.Tensor]:
+    """name -> the largest elementwise |other - mine| over ``others`` (float tensors only)."""
+    out = {}
+    for name, value in mine.items():
+        if not torch.is_tensor(value) or not value.is_floating_point():
+            continue
+        diffs = [(o[name].double() - value.double()).abs() for o in others
+                 if torch.is_tensor(o.get(name)) and o[name].shape == value.shape]
+        if diffs:
+            out[name] = torch.stack(diffs).amax(dim=0).nan_to_num(0.0, 0.0, 0.0)
+    return out

@@ -1,0 +1,366 @@
+"""One equivalence example, executed inside every rank of a world.
+
+Invariant: :func:`run_example` is deterministic given (target, scenario, rank, world size): every
+rank builds the same model (from a rank-dependent seed when ``scenario.rank_seeds``, so the
+target's broadcast from rank 0 is exercised; registered in a rank-dependent order when
+``scenario.rank_orders``, so pairing tensors by position is caught), takes the micro-batches of
+each global batch that its target's ``shard_batch`` plans (``ddpcheck.batches``; by default
+``scenario``'s batch rule), trains through the one loop (``ddpcheck._language.training``) and
+records after every step what the oracle compares -- gradients as ``optimizer.step()`` receives them
+(after ``after_backward``; after the step instead for a target whose optimizer synchronises
+gradients itself, ``Target.gradients_synchronized_in_step``), parameters, buffers and the optimizer
+state this rank holds after the step, every collective it issued through ``torch.distributed``, and
+the step's batch plan (the oracle checks that the plans weigh every sample as the reference does).
+
+The target's hooks run where a real training loop runs them: ``before_step`` before the step's
+first forward, ``no_sync`` around every micro-batch but the last, ``after_backward`` after the last
+backward, ``clip_grad_norm`` when the scenario clips, then ``optimizer.step()``,
+``optimizer.zero_grad()`` (the target's optimizer's own) and ``after_step``.
+
+A scenario with ``checkpoint_after`` runs in two parts (``run_example``'s ``part``): the steps up
+to it, then ``save_checkpoint`` (collective; rank 0's answer leaves as ``torch.save`` bytes); and,
+in a fresh run -- possibly at another world size -- everything built anew, ``load_checkpoint``,
+and the remaining steps, with the LR scheduler loaded rather than restarted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpcheck._base.devices import to_rank_device
+from ddpcheck._base.errors import NothingChecked
+from ddpcheck._language.batches import BatchPlan, contiguous, global_indices, plan_for
+from ddpcheck._language.records import (
+    RankRecord,
+    gradients,
+    initial_state,
+    schedule_state,
+    snapshot,
+)
+from ddpcheck._language.scenario import Scenario, build_model, global_batch, make_param_groups
+from ddpcheck._language.training import FitRun, Loop, make_scheduler, optimizer_kwargs, train
+from ddpcheck._rank import recorder
+from ddpcheck._rank.orders import ORDER_SEED_STRIDE, permute_registration
+from ddpcheck._rank.owned import owned_gradients
+from ddpcheck._rank.transport import pack
+from ddpcheck.targets.protocol import OwnsLoop, Target
+
+__all__ = ["StepRecords", "checkpoint_from_bytes", "checkpoint_to_bytes", "fit_owned_loop",
+           "make_optimizer", "rank_seed", "run_example", "run_example_packed", "run_warm_up",
+           "setup", "target_loop", "target_scheduler"]
+
+#: Seed offset between ranks when each rank initialises its own weights differently.
+_RANK_SEED_STRIDE = 7919
+
+
+def rank_seed(scenario: Scenario, rank: int) -> int:
+    return scenario.seed + (_RANK_SEED_STRIDE * rank if scenario.rank_seeds else 0)
+
+
+def run_example(target: Target, scenario: Scenario, *, part: str = "whole",
+                checkpoint: Any = None) -> Any:
+    """Train ``scenario`` under ``target`` on this rank. Collective: runs on every rank.
+
+    ``part``: ``"whole"`` (the record), ``"until checkpoint"`` (steps ``0..checkpoint_after``;
+    ``(record, checkpoint)``, the checkpoint as ``torch.save`` bytes on rank 0, None elsewhere)
+    or ``"resumed"`` (a fresh run that loads ``checkpoint`` and trains the steps after it)."""
+    if part not in ("whole", "until checkpoint", "resumed"):
+        raise ValueError(f"part={part!r} must be 'whole', 'until checkpoint' or 'resumed'")
+    started = time.perf_counter()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    target = target.configure(scenario)
+    # on the rank's device (a CUDA world's), parameters and buffers, before the target wraps it
+    module = to_rank_device(build_model(scenario, rank_seed(scenario, rank)))
+    if scenario.rank_orders:  # the reference keeps the canonical order; the oracle pairs by name
+        permute_registration(module, scenario.seed + ORDER_SEED_STRIDE * (rank + 1))
+    plans: dict[int, BatchPlan] = {}
+    if isinstance(target, OwnsLoop) and callable(target.fit):  # Lightning's Trainer, say
+        if part != "whole":
+            raise NothingChecked(f"checkpoint: {type(target).__name__} owns its training loop "
+                                 "(Target.fit), which has no checkpoint round trip; leave "
+                                 "'checkpoint' out of its supported_features")
+        return fit_owned_loop(target, target.fit, module, scenario, rank, world_size, plans,
+                              started)
+    model, optimizer = setup(target, module, make_param_groups(scenario, module), scenario)
+    names = {p: n for n, p in module.named_parameters()}  # after wrap: FSDP2 replaces them
+    scheduler = target_scheduler(target, optimizer, scenario)
+    records = StepRecords(target, module, names, plans)
+    failed = True
+    try:
+        steps_run = range(scenario.steps)
+        if part == "until checkpoint":
+            steps_run = range(_saved_at(scenario, part) + 1)
+        elif part == "resumed":
+            steps_run = range(_saved_at(scenario, part) + 1, scenario.steps)
+            target.load_checkpoint(checkpoint_from_bytes(checkpoint), module, model, optimizer,
+                                   scheduler)
+        # The state training starts from: once the target has built model *and* optimizer (a
+        # wrapper may broadcast when its optimizer is attached), and after a resumed run's load.
+        initial = records.initial()
+
+        train(scenario, model, optimizer, target_loop(
+            target, model, optimizer, scenario, rank, world_size, plans=plans,
+            before_step=lambda step: recorder.reset(),
+            before_optimizer_step=lambda step: records.gradients(model, optimizer),
+            inside_window=lambda step, index: records.inside_window(index),
+            after_step=lambda step: records.step(step, model, optimizer, scheduler)),
+            scheduler=scheduler, steps=steps_run)
+        record = RankRecord(rank, initial, records.steps, time.perf_counter() - started)
+        result: RankRecord | tuple[RankRecord, bytes | None] = record
+        if part == "until checkpoint":
+            saved = target.save_checkpoint(module, model, optimizer, scheduler)
+            result = record, (checkpoint_to_bytes(saved, type(target).__name__) if rank == 0
+                              else None)
+        failed = False
+    finally:  # per-example framework state (singletons, meshes, groups), even after a failure
+        _teardown(target, model, optimizer, failed)
+    return result
+
+
+def _saved_at(scenario: Scenario, part: str) -> int:
+    """The step after which ``scenario`` saves its checkpoint, which ``part`` needs."""
+    if scenario.checkpoint_after is None:
+        raise ValueError(f"part={part!r} needs a scenario that saves a checkpoint "
+                         "(checkpoint_after=None)")
+    return scenario.checkpoint_after
+
+
+def _teardown(target: Target, model: Any, optimizer: Any, failed: bool) -> None:
+    """``target.teardown``; after the example ``failed``, a teardown that raises too is printed
+    to the rank's log and the example's own exception goes on: it came first."""
+    teardown = getattr(target, "teardown", None)  # duck-typed targets may have none
+    if not callable(teardown):
+        return
+    try:
+        teardown(model, optimizer)
+    except Exception:
+        if not failed:
+            raise
+        traceback.print_exc()
+
+
+class StepRecords:
+    """What one rank records of a run, step after step, as its target holds it: gradients as
+    ``optimizer.step()`` receives them (after it, for ``gradients_synchronized_in_step``; from
+    their owners, for ``sharded_gradients``), then everything else after the step."""
+
+    def __init__(self, target: Target, module: Any, names: dict, plans: dict):
+        self.target, self.module, self.names, self.plans = target, module, names, plans
+        self.in_step = getattr(target, "gradients_synchronized_in_step", False)
+        self.sharded = getattr(target, "sharded_gradients", False)
+        self.steps: list = []
+        self.grads: Any = None
+        self.window: list = []
+
+    def initial(self) -> dict:
+        with recorder.paused():  # the harness's own gathers of sharded tensors aren't the target's
+            return initial_state(self.module, self.target.full_tensor)
+
+    def _gradients(self, model: Any, optimizer: Any) -> dict:
+        with recorder.paused():
+            if self.sharded:
+                params = [p for _, p in self.module.named_parameters()]
+                return owned_gradients(self.module, self.target.gradient_shards(
+                    model, optimizer, params))
+            return gradients(self.module, self.target.full_tensor)
+
+    def gradients(self, model: Any, optimizer: Any) -> None:
+        if not self.in_step:
+            self.grads = self._gradients(model, optimizer)
+
+    def inside_window(self, index: int) -> None:
+        """After a gated step inside an accumulation window: the parameters, which must not
+        have moved (``ddpcheck._oracle.window``)."""
+        with recorder.paused(), torch.no_grad():
+            self.window.append((index, {n: self.target.full_tensor(p.detach()).clone()
+                                        for n, p in self.module.named_parameters()}))
+
+    def step(self, step: int, model: Any, optimizer: Any, scheduler: Any) -> None:
+        collectives = recorder.records()
+        grads = self._gradients(model, optimizer) if self.in_step else self.grads
+        with recorder.paused():
+            self.steps.append(snapshot(
+                self.module, self.names, self.target.optimizer_state(optimizer), collectives,
+                grads=grads, gather=self.target.full_tensor, local_shard=self.target.local_shard,
+                schedule=schedule_state(optimizer, scheduler)))
+        self.steps[-1].batch_plan = self.plans[step]
+        self.steps[-1].window, self.window = self.window, []
+
+
+def setup(target: Target, module: Any, params: list, scenario: Scenario) -> tuple[Any, Any]:
+    """``(model, optimizer)`` from ``target.setup`` (a duck-typed target without one: ``wrap``
+    then :func:`make_optimizer`)."""
+    build = getattr(target, "setup", None)
+    if callable(build):
+        return build(module, params, scenario.optimizer, **scenario.optimizer_kwargs)
+    model = target.wrap(module)
+    return model, make_optimizer(target, model, params, scenario)
+
+
+def target_scheduler(target: Target, optimizer: Any, scenario: Scenario) -> Any:
+    """The scenario's LR schedule as the target builds it (``Target.make_scheduler``)."""
+    if scenario.lr_decay is None:
+        return None
+    build = getattr(target, "make_scheduler", None)
+    if not callable(build):
+        return make_scheduler(scenario, optimizer)
+    return build(optimizer, scenario.lr_decay)
+
+
+def fit_owned_loop(target: Target, fit: Callable[[Any, FitRun], None], module: Any,
+                   scenario: Scenario, rank: int, world_size: int, plans: dict,
+                   started: float) -> RankRecord:
+    """Run a target that owns its loop (``Target.fit(module, run)``) on this rank's batches,
+    recording when it calls ``run.started`` and ``run.record`` (``training.FitRun``)."""
+    loop = target_loop(target, None, None, scenario, rank, world_size, plans=plans)
+    names = {p: n for n, p in module.named_parameters()}
+    records = StepRecords(target, module, names, plans)
+    initial: list = []
+    model_seen: list[tuple[Any, Any]] = []  # (model, optimizer) that run.started was given
+
+    def at_start(model: Any, optimizer: Any) -> None:
+        if initial:
+            raise RuntimeError(f"{type(target).__name__}.fit called run.started twice")
+        initial.append(records.initial())
+        model_seen.append((model, optimizer))
+        recorder.reset()
+
+    def at_step(model: Any, optimizer: Any, scheduler: Any) -> None:
+        step = len(records.steps)
+        if not initial or step >= scenario.steps:
+            raise RuntimeError(f"{type(target).__name__}.fit called run.record "
+                               + ("before run.started" if not initial else
+                                  f"more often than the scenario's {scenario.steps} step(s)"))
+        records.gradients(model, optimizer)
+        records.step(step, model, optimizer, scheduler)
+        recorder.reset()
+
+    run = FitRun(scenario=scenario, module=module, params=make_param_groups(scenario, module),
+                 optimizer=scenario.optimizer, optimizer_kwargs=dict(scenario.optimizer_kwargs),
+                 gamma=scenario.lr_decay, max_grad_norm=scenario.max_grad_norm,
+                 grad_norm_type=scenario.grad_norm_type, set_to_none=scenario.set_to_none,
+                 batches=[loop.batches(step) for step in range(scenario.steps)],
+                 started=at_start, record=at_step)
+    failed = True
+    try:
+        fit(module, run)
+        failed = False
+    finally:
+        seen_model, seen_optimizer = model_seen[0] if model_seen else (None, None)
+        _teardown(target, seen_model, seen_optimizer, failed)
+    if len(records.steps) != scenario.steps:
+        raise RuntimeError(f"{type(target).__name__}.fit recorded {len(records.steps)} of the "
+                           f"scenario's {scenario.steps} step(s): call run.record after every "
+                           "optimizer step")
+    return RankRecord(rank, initial[0], records.steps, time.perf_counter() - started)
+
+
+def checkpoint_to_bytes(checkpoint: Any, who: str) -> bytes:
+    """Rank 0's checkpoint as bytes: a copy taken now (a state dict aliases live tensors), and
+    what a real checkpoint goes through on its way to a file."""
+    if checkpoint is None:
+        raise TypeError(f"{who}.save_checkpoint(module, model, optimizer, scheduler) returned "
+                        "None on rank 0; it must return the checkpoint there")
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    return buffer.getvalue()
+
+
+def checkpoint_from_bytes(data: bytes) -> Any:
+    # weights_only=False: the bytes are rank 0's own checkpoint of this example, which may hold
+    # more than tensors and numbers (whatever the target's save_checkpoint returned)
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def target_loop(target: Target, model: Any, optimizer: Any, scenario: Scenario, rank: int,
+                world_size: int, plans: dict | None = None, **hooks: Any) -> Loop:
+    """The loop of one rank: the micro-batches its target plans, the target's hooks where a real
+    training loop calls them (``hooks`` add to them: ``before_step`` runs before the target's
+    own); each step's plan is stored in ``plans`` when given."""
+    first = hooks.pop("before_step", None)
+    who = f"{type(target).__name__}.shard_batch"
+    hook = getattr(target, "shard_batch", contiguous)  # a duck-typed target: the batch rule
+
+    def batches(step: int) -> list:
+        x, y = global_batch(scenario, step)
+        plan = plan_for(hook, global_indices(scenario, step, rank, world_size, y), who)
+        if plans is not None:
+            plans[step] = plan
+        return to_rank_device([(*_select(x, y, indices), scale)
+                               for indices, scale in zip(plan.micro_batches, plan.scales)])
+
+    def before_step(step: int) -> None:
+        if first is not None:
+            first(step)
+        target.before_step(model, optimizer)
+
+    micro_batch = getattr(target, "micro_batch", None)  # duck-typed targets: no_sync
+    backward = getattr(target, "backward", None)
+    return Loop(
+        batches=batches,
+        no_sync=lambda: target.no_sync(model),
+        micro_batch=None if micro_batch is None else
+        lambda index, count: micro_batch(model, optimizer, index, count),
+        backward=(lambda loss: loss.backward()) if backward is None else
+        lambda loss: backward(model, loss),
+        steps_every_micro_batch=getattr(target, "steps_every_micro_batch", False),
+        after_backward=lambda: target.after_backward(model, optimizer),
+        clip_grad_norm=lambda max_norm, norm_type: target.clip_grad_norm(model, optimizer,
+                                                                         max_norm, norm_type),
+        before_step=before_step,
+        end_step=lambda step: target.after_step(model, optimizer), **hooks)
+
+
+def _select(x: Any, y: Any, indices: tuple[int, ...]) -> tuple[Any, Any]:
+    """The samples ``indices`` of ``(x, y)``: a view for a contiguous run (what ``tensor_split``
+    gives, so the default plan computes bit for bit as before), else a gathered copy."""
+    start = indices[0] if indices else 0
+    if indices == tuple(range(start, start + len(indices))):
+        return x[start:start + len(indices)], y[start:start + len(indices)]
+    at = torch.tensor(indices, dtype=torch.long)
+    return x.index_select(0, at), y.index_select(0, at)
+
+
+def make_optimizer(target: Target, model: Any, params: list, scenario: Scenario) -> Any:
+    """``target.make_optimizer``, given the wrapped model when it takes a ``model`` keyword
+    (``ddpcheck._language.training.optimizer_kwargs``)."""
+    return target.make_optimizer(params, scenario.optimizer,
+                                 **optimizer_kwargs(target, model, scenario.optimizer_kwargs))
+
+
+def run_example_packed(target: Target, scenario: Scenario, part: str = "whole",
+                       checkpoint: Any = None) -> Any:
+    """:func:`run_example`, its tensors packed for a fast trip to the parent
+    (``ddpcheck._rank.transport.unpack`` restores the record)."""
+    with _glue_failures(target):
+        return pack(run_example(target, scenario, part=part, checkpoint=checkpoint))
+
+
+def run_warm_up(target: Target) -> None:
+    """``target.warm_up()``, a task of its own: what a framework does once per process
+    (``Target.warm_up``), outside any example's deadline."""
+    with _glue_failures(target):
+        target.warm_up()
+
+
+@contextlib.contextmanager
+def _glue_failures(target: Target) -> Iterator[None]:
+    """An exception that ddpcheck's own glue raised (``FrameworkTarget.glue_failure`` says which,
+    ``ddpcheck.targets.framework``) leaves the block as that outcome, an ``InternalError`` that
+    ``serve`` answers as "refused" -- never as the target's failure."""
+    try:
+        yield
+    except Exception as exc:
+        judge = getattr(target, "glue_failure", None)
+        own = judge(exc) if callable(judge) else None
+        if own is None:
+            raise
+        raise own from None

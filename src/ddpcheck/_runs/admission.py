@@ -1,0 +1,405 @@
+"""One admission step for every front door: what a caller passes becomes one validated
+:class:`Request` before any process starts, and nothing below re-checks it.
+
+The doors -- ``assert_equivalent``, ``check_example``, ``fuzz``, ``survey``, the command line's
+commands, the pytest plugin, torchrun -- differ in what they run, not in what they accept: an
+argument is refused by one rule with one message, naming it as the door spells it (``world_sizes=``
+in Python, ``--world-sizes`` on the command line, ``--ddpcheck-world-sizes`` in pytest;
+:class:`Spelling`). Cheap checks come first, so a mistyped flag is answered before a slow import
+(this module imports no torch; the scenario and the target load it): the device, the world sizes
+(against the machine too), the deadline, the features and dtypes, the scenario (parsed and judged),
+and last the target (resolved, checked, its framework release).
+
+One set of defaults, the same at every door: world sizes 1,2,3,4 (1: the wrapper is a no-op; 2: the
+cheapest world where replicas can disagree; 3: divisor and ordering bugs 2 hides), a 60 s deadline,
+the CPU over gloo, and ``dtypes`` unset -- the battery runs whole (its float32 scenario too:
+``python check_my_ddp.py`` and ``ddpcheck check`` run the same battery) and random examples are
+float64, whose rounding is 2^29 times finer than float32's, so a small bug is not lost in it.
+Naming dtypes restricts both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import re
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ddpcheck._base.devices import check_fits
+from ddpcheck._base.errors import DdpcheckError, InvalidArgument
+from ddpcheck._base.options import (
+    DEFAULT_DEADLINE,
+    DEFAULT_WORLD_SIZES,
+    check_deadline,
+    check_fits_machine,
+    check_world_sizes,
+    did_you_mean,
+    parse_features,
+    parse_world_sizes,
+)
+from ddpcheck._base.scripts import load
+
+if TYPE_CHECKING:
+    from ddpcheck._language.scenario import Scenario
+
+__all__ = ["API", "COMMAND_LINE", "DTYPES", "NO_TARGET", "PYTEST", "RANDOM_DTYPES", "Request",
+           "Spelling", "admit", "check_target", "config_value", "configured", "resolve_rule",
+           "resolve_target"]
+
+#: The dtypes a run can be restricted to.
+DTYPES = ("float64", "float32")
+#: The dtypes of random examples when none are named (see the module's docstring).
+RANDOM_DTYPES = ("float64",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spelling:
+    """How a door names each argument in its messages."""
+
+    target: str = "target"
+    scenario: str = "scenario"
+    world_sizes: str = "world_sizes"
+    deadline: str = "deadline"
+    without: str = "without"
+    dtypes: str = "dtypes"
+    device: str = "device"
+    only: str = "only"
+    fuzz_config: str = "fuzz_config=True"
+    #: the door passes text (a command line's flags): numbers, lists, a scenario's repr and a
+    #: target's name are read from it; in Python, a string where a number belongs is refused
+    text: bool = False
+    config: str = "config"
+
+
+API = Spelling()
+COMMAND_LINE = Spelling("MODULE:TARGET", "--scenario", "--world-sizes", "--deadline",
+                        "--without", "--dtypes", "--device", "--only", "--fuzz-config",
+                        text=True, config="--config")
+PYTEST = Spelling("target", "scenario", "--ddpcheck-world-sizes", "--ddpcheck-deadline",
+                  "--ddpcheck-without", "--ddpcheck-dtypes", "--ddpcheck-device",
+                  "--ddpcheck-only", "--ddpcheck-fuzz-config", text=True,
+                  config="--ddpcheck-config")
+
+#: ``admit``'s target when a door admits its options alone (the pytest plugin for its session,
+#: ``ddpcheck mutants``, ``ddpcheck fuzz-rule``): None is a target, and a wrong one.
+NO_TARGET: Any = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A run, admitted: every field checked, defaults filled in. ``target`` is None where a door
+    admits its options before it knows the target (the pytest plugin, for the session)."""
+
+    target: Any
+    world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES
+    deadline: float = DEFAULT_DEADLINE
+    without: frozenset[str] = frozenset()
+    #: the dtypes named, or None: the battery whole and random examples in RANDOM_DTYPES
+    dtypes: tuple[str, ...] | None = None
+    device: str = "cpu"
+    backend: str | None = None
+    scenario: Scenario | None = None
+    #: features every example must exercise one of (none: no focus)
+    only: frozenset[str] = frozenset()
+    #: every random example draws a configuration of the target too (``Target.config_space``)
+    fuzz_config: bool = False
+
+    @property
+    def run(self) -> dict[str, Any]:
+        """What every example of the run is given (``_runs.example.check_example``'s keywords)."""
+        return {"deadline": self.deadline, "device": self.device, "backend": self.backend}
+
+    @property
+    def battery_without(self) -> frozenset[str]:
+        """Features the battery leaves out: ``without``, and the dtypes not named."""
+        if self.dtypes is None:
+            return self.without
+        return self.without | (frozenset(DTYPES) - set(self.dtypes))
+
+    @property
+    def random_dtypes(self) -> tuple[str, ...]:
+        """The dtypes random examples are drawn in."""
+        return self.dtypes if self.dtypes is not None else RANDOM_DTYPES
+
+
+
+def admit(target: Any = NO_TARGET, *, scenario: Any = None, world_sizes: Any = DEFAULT_WORLD_SIZES,
+          deadline: Any = DEFAULT_DEADLINE, without: Any = (), dtypes: Any = None,
+          device: str = "cpu", backend: str | None = None, only: Any = (),
+          spelling: Spelling = API, workers: int = 1, fits_machine: bool = True,
+          fuzz_config: bool = False, config: str | None = None) -> Request:
+    """``Request`` from what a door was given, or :class:`InvalidArgument` naming the argument.
+
+    Where the door passes text (``spelling.text``): ``world_sizes`` ("1,2,3"), ``deadline`` ("60"),
+    ``scenario`` (its repr, as a replay line prints it), ``target`` (a built-in name,
+    ``MODULE:EXPR`` or ``path/to/FILE.py:EXPR``); ``without`` and ``dtypes`` ("a,b") anywhere.
+    ``target=NO_TARGET`` (the default) admits the options alone. ``workers``: processes that will
+    run worlds at once (pytest-xdist's), for the machine's limit; ``fits_machine=False`` leaves that
+    limit to the caller (the plugin checks it only for world sizes a user asked for).
+    ``fuzz_config``: a target with no options to fuzz (``Target.config_space`` None) is refused.
+    ``config``: a framework configuration given apart from the target (``--config FILE``:
+    :func:`configured`)."""
+    text = spelling.text
+    sizes = (parse_world_sizes(world_sizes, spelling.world_sizes)
+             if text and isinstance(world_sizes, str)
+             else check_world_sizes(spelling.world_sizes, world_sizes))
+    if fits_machine:
+        check_fits_machine(sizes, workers=workers, flag=spelling.world_sizes)
+    check_fits(device, sizes, backend, flag=spelling.device)
+    seconds = check_deadline(spelling.deadline, _number(deadline) if text else deadline,
+                             shown=deadline)
+    excluded = parse_features(without, spelling.without)
+    named = _dtypes(dtypes, spelling.dtypes)
+    focus = parse_features(only, spelling.only)
+    for feature in sorted(focus & excluded):
+        raise InvalidArgument(f"{spelling.only}: {feature!r} is also in {spelling.without}; "
+                              "an example cannot both exercise it and not")
+    for feature in sorted(focus):
+        needs = _dtype_needed(feature)
+        if named is not None and needs is not None and needs not in named:
+            raise InvalidArgument(f"{spelling.only}: {feature!r} needs {needs}, not among "
+                                  f"{spelling.dtypes}={','.join(named)}")
+    if scenario is not None:
+        scenario = _scenario(scenario, spelling.scenario, text)
+    if target is NO_TARGET:
+        target = None
+    else:
+        if text and isinstance(target, str):
+            target = resolve_target(target, config, flag=spelling.config)
+        elif config is not None:
+            target = configured(target, config, flag=spelling.config)
+        check_target(target)
+        _check_focus(target, focus, excluded, spelling.only)
+        if fuzz_config:
+            _check_config_space(target, spelling.fuzz_config)
+    return Request(target, sizes, seconds, excluded, named, device, backend, scenario, focus,
+                   bool(fuzz_config))
+
+
+def _check_config_space(target: Any, name: str) -> None:
+    """Refuse fuzzing the options of a target that declares none, before any process starts."""
+    from ddpcheck.targets.option_space import space_of
+
+    if space_of(target) is None:
+        cls = type(target).__name__
+        raise InvalidArgument(
+            f"{name}: {cls} has no options to fuzz ({cls}.config_space() returns None); "
+            f"define config_space() returning ddpcheck.targets.option_space.options(fields="
+            "{...}) to draw its options, or check it without it")
+
+
+def _dtype_needed(feature: str) -> str | None:
+    """The dtype an example exercising ``feature`` is in, where only one can."""
+    if feature in ("float64", "float32"):
+        return feature
+    from ddpcheck._language.strategies import (
+        FLOAT32_ONLY,  # the precision policies: float32 masters
+    )
+
+    return "float32" if feature in FLOAT32_ONLY else None
+
+
+def _check_focus(target: Any, focus: frozenset[str], excluded: frozenset[str],
+                 name: str) -> None:
+    """A feature to focus on that the target does not support would leave nothing to draw:
+    refused, naming why, instead of a run that checks nothing."""
+    from ddpcheck._language import features
+
+    for feature in sorted(focus & features.unsupported(target, excluded)):
+        raise InvalidArgument(f"{name}: {type(target).__name__} does not support {feature!r} "
+                              f"({features.why_unsupported(target, feature)})")
+
+
+def _number(value: Any) -> Any:
+    """A flag's text as a number, or as it was (refused as not one, shown as written)."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _dtypes(dtypes: Any, name: str) -> tuple[str, ...] | None:
+    if dtypes is None:
+        return None
+    given = dtypes.split(",") if isinstance(dtypes, str) else list(dtypes)
+    named = tuple(sorted({str(d).strip() for d in given if str(d).strip()}))
+    wrong = [d for d in named if d not in DTYPES]
+    if not named or wrong:
+        hint = did_you_mean(wrong[0], DTYPES) if wrong else ""
+        raise InvalidArgument(f"{name}={dtypes!r} must name float64, float32 or both{hint}")
+    return named
+
+
+def _scenario(scenario: Any, name: str, text: bool) -> Scenario:
+    """The scenario, read from its repr where given as text, and judged: one the oracle cannot
+    judge (``ScenarioError``) or the target's model cannot build is refused here."""
+    from ddpcheck._language.scenario import Scenario
+    from ddpcheck._oracle.judgeable import check_scenario
+    from ddpcheck._runs.replay import from_repr
+
+    if text and isinstance(scenario, str):
+        written = scenario
+        try:
+            scenario = from_repr(written)
+        except InvalidArgument as exc:  # e.g. Scenario(steps=0): say which argument held it
+            raise InvalidArgument(f"{name} {written!r}: {exc}") from exc
+        except Exception as exc:
+            raise InvalidArgument(f"{name} could not be read: {type(exc).__name__}: "
+                                  f"{exc}") from exc
+    if not isinstance(scenario, Scenario):
+        raise InvalidArgument(f"{name}={scenario!r} must be a ddpcheck.Scenario (or None for "
+                              "the built-in battery)")
+    from ddpcheck._runs.example import _beside_the_ranks
+
+    with _beside_the_ranks():  # as every computation of this process beside the ranks
+        check_scenario(scenario)
+    return scenario
+
+
+def check_target(target: Any) -> None:
+    """Refuse, before any world runs, a target the ranks could not use or a failure could not
+    replay; name what is wrong and how to fix it."""
+    from ddpcheck._runs.replay import verify_replayable
+    from ddpcheck.targets.framework import check_requirements
+
+    if isinstance(target, type):
+        raise InvalidArgument(f"target={target.__qualname__} is a class; pass an instance, "
+                              f"such as {target.__qualname__}()")
+    missing = [m for m in ("configure", "supports", "wrap", "make_optimizer", "before_step",
+                           "after_backward", "after_step", "no_sync", "optimizer_state")
+               if not callable(getattr(target, m, None))]
+    if missing:
+        raise InvalidArgument(f"target={target!r} lacks {missing}; subclass ddpcheck.Target")
+    supported = getattr(target, "supported_features", None)
+    if supported is not None:  # a typo would silently decline nothing
+        parse_features(supported, f"{type(target).__name__}.supported_features")
+    try:
+        pickled = pickle.dumps(target)
+    except Exception as exc:
+        raise InvalidArgument(
+            f"target={target!r} cannot be pickled ({exc}); targets travel to every rank by "
+            "pickle, so define the class at module level of an importable module or of the "
+            "script you run, and give it functions defined with def at module level (not a "
+            "lambda, not a function defined inside another)") from exc
+    verify_replayable(target, pickled)  # a failure's replay line must rebuild exactly this target
+    check_requirements(target)  # a framework release older than the target supports: exit 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Names to objects: a target or a sharding rule given as text
+
+
+def resolve_target(spec: str, config: str | None = None, *, flag: str = "--config") -> Any:
+    """``parallel`` / ``MODULE:ATTR`` / ``MODULE:EXPR`` / ``path/to/FILE.py:EXPR`` -> a target
+    instance; with ``config`` (``--config FILE``), that target built with it
+    (:func:`configured`)."""
+    target = _resolve_target(spec)
+    return target if config is None else configured(target, config, flag=flag, shown=spec)
+
+
+def configured(target: Any, config: str, *, flag: str = "--config",
+               shown: str | None = None) -> Any:
+    """``target`` -- a ready-made framework target, without a configuration -- built with
+    ``config=`` (``dataclasses.replace``): ``config`` is the path of a JSON file, which the
+    target reads, or ``MODULE:NAME`` / ``path/to/FILE.py:NAME`` naming a dict (so that plugin
+    objects can be objects). Refused, naming why, for any other target, or one that has a
+    configuration already (docs/frameworks.md, "Your own configuration")."""
+    from ddpcheck.targets import READY_MADE
+
+    shown = shown or type(target).__name__
+    if not _configurable(target):
+        names = [e.name for e in READY_MADE if _configurable(e.target)]
+        raise InvalidArgument(f"{flag} {config!r}: {shown} takes no configuration; {flag} "
+                              f"configures a ready-made framework target ({', '.join(names)})")
+    if getattr(target, "config", None) is not None or \
+            getattr(target, "training_args", None) is not None:
+        raise InvalidArgument(f"{flag} {config!r}: {shown} has a configuration already "
+                              f"(config=...); give it one way, {flag} or the expression's "
+                              "config=")
+    return dataclasses.replace(target, config=config_value(config, flag=flag))
+
+
+def config_value(config: str, *, flag: str = "--config") -> Any:
+    """What ``--config`` gives a target's ``config``: the dict ``MODULE:NAME`` names, or the path
+    of a JSON file as it is (the target reads it, checked here: an object, readable)."""
+    from ddpcheck.targets.configuration import load_config
+
+    if ":" in config and not os.path.exists(config):  # MODULE:NAME, not a file
+        value = _resolve(config, "config")
+        if not isinstance(value, Mapping):
+            raise InvalidArgument(f"{flag} {config!r} is a {type(value).__name__}, not a dict "
+                                  "of the framework's keyword arguments")
+        return value
+    load_config(config, target=flag)
+    return config
+
+
+def _configurable(target: Any) -> bool:
+    """A target instance with a ``config`` field: a ready-made framework target's class."""
+    return (dataclasses.is_dataclass(target) and not isinstance(target, type)
+            and any(f.name == "config" for f in dataclasses.fields(target)))
+
+
+def _resolve_target(spec: str) -> Any:
+    from ddpcheck.targets import BUILTIN, READY_MADE
+
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    missing = next((e for e in READY_MADE if e.name == spec), None)
+    if missing is not None:  # a framework's target, the framework not installed
+        raise InvalidArgument(f"target {spec!r} drives {missing.framework}, which is not "
+                              f"installed here: {missing.install} (docs/frameworks.md lists the "
+                              "releases tried)")
+    if ":" not in spec:  # a built-in name, mistyped
+        names = [*BUILTIN, *(e.name for e in READY_MADE)]
+        raise InvalidArgument(f"target {spec!r} is not a built-in target"
+                              f"{did_you_mean(spec, names)} (`ddpcheck targets` lists them: "
+                              f"{', '.join(dict.fromkeys(names))}), nor MODULE:NAME or "
+                              "path/to/FILE.py:NAME for your own")
+    return _resolve(spec, "target")
+
+
+def resolve_rule(spec: str) -> Any:
+    """``MODULE:NAME`` / ``path/to/FILE.py:NAME`` -> a sharding rule (a function)."""
+    rule = _resolve(spec, "rule")
+    if not callable(rule):
+        raise InvalidArgument(f"rule {spec!r} is a {type(rule).__name__}, not a function "
+                              "rule(params, world_size) -> owners")
+    return rule
+
+
+def _resolve(spec: str, what: str) -> Any:
+    if ":" not in spec:
+        raise InvalidArgument(f"{what} {spec!r} must look like MODULE:NAME or "
+                              f"path/to/FILE.py:NAME (for example mypkg.checks:MY_{what.upper()} "
+                              f"or check_my_ddp.py:MY_{what.upper()})")
+    module_name, expr = spec.split(":", 1)
+    sys.path.insert(0, os.getcwd())  # like `python -m`, modules in the current directory count
+    try:  # a FILE.py is imported under its own name: its `if __name__ == "__main__":` stays shut
+        module = load(module_name)
+    except InvalidArgument as exc:  # not a file, or a name that cannot be its module's
+        raise InvalidArgument(f"{what} {spec!r}: {exc}") from None
+    except Exception as exc:  # ImportError, and whatever the module raises while importing
+        where = ""
+        if isinstance(exc, SyntaxError) and exc.filename:
+            where = f" ({exc.filename}, line {exc.lineno})"
+        raise InvalidArgument(f"cannot import {module_name!r} for {what} {spec!r}: "
+                              f"{type(exc).__name__}: {exc}{where}") from None
+    from ddpcheck._runs.replay import evaluate_in  # as replay lines are verified
+
+    try:
+        return evaluate_in(module, expr)
+    except DdpcheckError:  # the target refusing its own arguments says what is wrong: as is
+        raise
+    except Exception as exc:
+        hint = ""
+        missing = re.match(r"name '(\w+)' is not defined", str(exc))
+        if isinstance(exc, NameError) and missing:
+            hint = did_you_mean(missing.group(1), [n for n in vars(module) if n[:1] != "_"])
+        raise InvalidArgument(f"{what} {spec!r}: {expr!r} is not defined in {module_name}"
+                              f"{hint} ({type(exc).__name__}: {exc})") from exc

@@ -1,0 +1,173 @@
+"""Examples one behind the other: while the ranks run the next example, this process judges the
+last one and computes the next one's reference.
+
+Why: run one at a time, an example's checking-process work -- admitting it, submitting it,
+unpacking and comparing what came back -- ran while the ranks waited, a third of a random
+example's wall time at W=2 (``bench/throughput.py``). Here example k+1 is queued in the ranks'
+pipes before example k is judged (``World.submit`` queues one task), so each rank starts it as
+soon as it has answered k; an example of another world size runs beside it, in its own world.
+
+Invariant: every example gets the verdict :func:`check_example` would give it, in the order the
+examples came, and nothing is judged from a process a previous example left unfit: an example
+queued in a world that was then replaced (``TaskLost``) runs again, alone, in a fresh one. An
+example whose world must first warm up for the target (``_runs.warmup``) waits until the one
+before is judged: nothing runs elsewhere during a warm-up. A
+scenario that resumes from a checkpoint runs in two halves, the second needing the first's
+checkpoint: its first half is queued like any example, and its second is submitted
+(``example.resume``) once its reference is computed, so the next example runs behind it (or
+beside it, in a world of another size) while it is judged. The caller stops at the first
+failure by closing the generator: what is still queued is let finish and dropped (or its world
+killed, if it takes longer than ``DISCARD_WAIT``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Generator, Iterable, Iterator
+from typing import Any
+
+from ddpcheck._base.errors import EquivalenceError, NothingChecked, ScenarioError
+from ddpcheck._runs import warmup
+from ddpcheck._runs.example import (
+    _beside_the_ranks,
+    check_example,
+    judge,
+    launch,
+    prepare_reference,
+    resume,
+)
+from ddpcheck._world.failures import WorldFailure
+from ddpcheck._world.worlds import TaskLost
+
+__all__ = ["Outcome", "one_behind_the_other"]
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one example came to: its notes (``World.notes``), the target's error, or why it was
+    not checked (``skipped``: the oracle cannot judge it, or the target declined it in the
+    ranks)."""
+
+    notes: tuple[str, ...] = ()
+    error: EquivalenceError | None = None
+    skipped: str | None = None
+    unjudgeable: bool = False
+
+
+def one_behind_the_other(target: Any, items: Iterable[tuple[Any, int, Any]], *, deadline: float,
+                         device: str = "cpu", backend: str | None = None,
+                         target_of: Callable[[Any], Any] | None = None
+                         ) -> Generator[tuple[tuple[Any, int, Any], Outcome], None, None]:
+    """``(item, outcome)`` for every ``item = (key, world_size, scenario)`` of ``items``, in
+    their order, each example queued behind the one before (see the module's invariant).
+    ``target_of(key)``: the target an item runs, where items vary it (``--fuzz-config``)."""
+    running: tuple | None = None  # (item, Launched, reference or the ScenarioError it raised)
+    queued: list = []  # launched, not yet judged: abandoned if the caller stops
+    options: dict[str, Any] = dict(deadline=deadline, device=device, backend=backend)
+    iterator = iter(items)
+
+    def of(item: tuple[Any, int, Any]) -> Any:
+        return target if target_of is None else target_of(item[0])
+
+    def judge_running() -> Iterator[tuple[tuple[Any, int, Any], Outcome]]:
+        nonlocal running
+        if running is not None:
+            finished, running = running, None
+            yield finished[0], _judged(of(finished[0]), finished, options)
+            queued.remove(finished[1])
+
+    try:
+        with _beside_the_ranks():
+            while True:
+                if running is not None and running[1].pending.lost:
+                    # its world was replaced as the one before was judged: it runs again now,
+                    # alone, before anything else is queued behind it
+                    yield from judge_running()
+                try:
+                    item = next(iterator, None)
+                except Exception:  # the next draw failed: the example before is judged first
+                    yield from judge_running()
+                    raise
+                if item is None:
+                    break
+                _, world_size, scenario = item
+                if running is not None and warmup.needed(of(item), world_size, device=device,
+                                                          backend=backend):
+                    # its world's ranks warm up first (minutes, possibly): nothing in flight
+                    # meanwhile, whose deadline would count
+                    yield from judge_running()
+                try:
+                    launched = launch(of(item), scenario, world_size, **options)
+                except Exception as exc:  # refused before any world ran
+                    yield from judge_running()  # ... the example before is judged first
+                    if not isinstance(exc, (ScenarioError, NothingChecked)):
+                        raise
+                    yield item, _skipped(exc)
+                    continue
+                queued.append(launched)
+                yield from judge_running()  # judged while the ranks run the one just launched
+                try:
+                    reference: Any = prepare_reference(scenario)
+                except ScenarioError as exc:  # collected, then skipped: the world stays usable
+                    reference = exc
+                else:  # a checkpoint's second half, now: the next example queues behind it
+                    resume(launched)
+                running = (item, launched, reference)
+            yield from judge_running()
+    except GeneratorExit:  # the caller stopped (a failure): what is queued is let finish
+        for launched in queued:
+            _discard(launched.pending)
+        raise
+    finally:
+        for launched in queued:
+            launched.pending.abandon()
+
+
+#: Seconds an example queued behind a failure may take to finish before its world is killed
+#: instead: collecting and dropping it keeps the world for the failure's shrinking (a new world
+#: costs ~0.3 s); an example that would hang does not hold the caller up longer than this.
+DISCARD_WAIT = 2.0
+
+
+def _discard(pending: Any) -> None:
+    """Collect a queued example nobody will judge, within :data:`DISCARD_WAIT`."""
+    if pending.lost or pending.done:
+        return
+    pending.end = min(pending.end, time.monotonic() + DISCARD_WAIT)
+    try:
+        pending.collect()
+    except (WorldFailure, TaskLost):  # its world was replaced: nothing left to drop
+        pass
+
+
+def _judged(target: Any, running: tuple, options: dict) -> Outcome:
+    item, launched, reference = running
+    if isinstance(reference, ScenarioError):
+        try:
+            launched.pending.collect()
+        except (WorldFailure, TaskLost):
+            pass
+        return _skipped(reference)
+    try:
+        return Outcome(notes=judge(launched, reference))
+    except TaskLost:  # its world was replaced before it ran there: again, alone, in a new one
+        _, world_size, scenario = item
+        return _alone(target, scenario, world_size, options)
+    except EquivalenceError as error:
+        return Outcome(error=error)
+    except (ScenarioError, NothingChecked) as exc:
+        return _skipped(exc)
+
+
+def _alone(target: Any, scenario: Any, world_size: int, options: dict) -> Outcome:
+    try:
+        return Outcome(notes=check_example(target, scenario, world_size, **options))
+    except EquivalenceError as error:
+        return Outcome(error=error)
+    except (ScenarioError, NothingChecked) as exc:
+        return _skipped(exc)
+
+
+def _skipped(exc: Exception) -> Outcome:
+    return Outcome(skipped=str(exc), unjudgeable=isinstance(exc, ScenarioError))

@@ -1,0 +1,263 @@
+"""A smaller counterexample for a battery failure: the first verdict ``ddpcheck check`` shows.
+
+A battery scenario is representative, not minimal (``sample-branch-accumulate``: a model with a
+sample-gated branch, three micro-batches, nesterov momentum, one-parameter buckets), and
+Hypothesis cannot shrink an example it did not draw itself. So, once one fails at W, Hypothesis
+draws scenarios at W (and at the world size it resumed in, if another: :func:`searched_sizes`)
+from ``strategies.exercising`` for each feature the failing scenario exercises (plain scenarios
+first: its shrinking leans towards the first branch), stops at the first failure and shrinks it,
+within :data:`EXAMPLES` and :data:`SECONDS`; the smallest failure (:func:`size`) is run once more
+before it may replace the battery's. :func:`first_verdict`
+is that verdict as ``check`` prints it; :func:`with_features` ends every verdict of ``check``
+with the features its counterexample exercises.
+
+Invariant: nothing here becomes a verdict unless it failed twice with an equivalence error that
+is not a timeout, and is smaller than the battery scenario. A search that cannot go on (a slow
+machine, a world that cannot start, its own error) leaves the battery's verdict standing, and so
+does a failure that passes when run again. A Ctrl-C is never caught.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+from hypothesis.errors import FlakyFailure, Unsatisfiable
+
+from ddpcheck._base.errors import EquivalenceError, NothingChecked, ScenarioError
+from ddpcheck._base.options import DEFAULT_DEADLINE
+from ddpcheck._language import features
+from ddpcheck._language import strategies as dst
+from ddpcheck._language.messages import exception_text, scenario_line
+from ddpcheck._language.scenario import build_model
+from ddpcheck._runs.example import check_example
+
+__all__ = ["EXAMPLES", "MIN_DEADLINE", "SECONDS", "Search", "first_verdict", "searched_sizes",
+           "size", "smaller", "with_features"]
+
+#: Examples Hypothesis may draw before its first failure (shrinking steps not counted).
+EXAMPLES = 60
+#: Seconds the search may take, shrinking included; a shrink cut short keeps the smallest
+#: failure so far. The confirming run and an example in flight come on top.
+SECONDS = 15.0
+#: Seconds one example of the search may always take (a hang is waited for this long at least,
+#: however little of the budget is left; a working rank is never called hung: ``_world.progress``).
+MIN_DEADLINE = 15.0
+
+
+@dataclasses.dataclass
+class Search:
+    """How the search for a smaller counterexample ended."""
+
+    #: the smaller counterexample, failed twice; None: the battery's verdict stands
+    error: EquivalenceError | None
+    examples: int  # examples run, shrinking and the confirming run included
+    seconds: float
+    why: str = ""  # error None: why the battery's verdict stands
+
+
+def size(scenario: Any, world_size: int) -> int:
+    """How much a reader holds in mind to follow an example: its parameter tensors, samples,
+    steps, micro-batches per step and the features it exercises at ``world_size``."""
+    tensors = len(list(build_model(scenario, scenario.seed).parameters()))
+    return (tensors + scenario.global_batch + scenario.steps + scenario.accumulation
+            + len(features.of(scenario, world_size)))
+
+
+class _Abort(BaseException):
+    """Ends the Hypothesis run from inside (the budget is spent, or the search cannot go on):
+    not an Exception, so Hypothesis neither shrinks nor replays it."""
+
+
+def searched_sizes(found: EquivalenceError) -> tuple[int, ...]:
+    """Where the search draws: the failing example's world size, then the one its checkpoint
+    resumed in, if another (``checkpoint-resume`` at W=1 fails in the resumed world of 2)."""
+    resumed = found.scenario.resume_world_size
+    return (found.world_size,) + (() if resumed in (None, found.world_size) else (resumed,))
+
+
+def smaller(target: Any, found: EquivalenceError, *, world_sizes: tuple[int, ...],
+            without: frozenset[str] = frozenset(), seed: int | None = None,
+            deadline: float = DEFAULT_DEADLINE, device: str = "cpu", backend: str | None = None,
+            examples: int = EXAMPLES, seconds: float = SECONDS) -> Search:
+    """Look for a counterexample smaller than ``found`` (a battery failure) at its world size
+    (:func:`searched_sizes`).
+
+    ``world_sizes``: those the run allows (a drawn checkpoint may resume at one of them);
+    ``without``: the features the user excluded; ``seed``: as ``ddpcheck check --seed`` (None:
+    the same search every run). Whatever goes wrong in the search leaves ``found`` standing
+    (``Search.why`` says what); a Ctrl-C is raised."""
+    search = _Searching(target, without, deadline, device, backend, seconds)
+    try:
+        return search.run(found, world_sizes, seed, examples)
+    except Exception as exc:  # the search's own failure: no verdict of its own
+        return search.ended(None, f"the search failed: {exception_text(exc)}")
+
+
+@dataclasses.dataclass
+class _Searching:
+    """One search under way: what it runs, its budget, and what it has run."""
+
+    target: Any
+    without: frozenset[str]
+    deadline: float
+    device: str
+    backend: str | None
+    seconds: float
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    examples: int = 0
+
+    def ended(self, error: EquivalenceError | None, why: str = "") -> Search:
+        return Search(error, self.examples, time.perf_counter() - self.started, why)
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.started)
+
+    def check(self, scenario: Any, world_size: int) -> None:
+        """One example; a hang is waited for :data:`MIN_DEADLINE` at least, and no longer than
+        the user's deadline."""
+        self.examples += 1
+        check_example(self.target, scenario, world_size, device=self.device,
+                      backend=self.backend,
+                      deadline=min(self.deadline, max(MIN_DEADLINE, self.left())))
+
+    def run(self, found: EquivalenceError, world_sizes: tuple[int, ...], seed: int | None,
+            examples: int) -> Search:
+        battery, sizes = found.scenario, searched_sizes(found)
+        unsupported = features.unsupported(self.target, self.without)
+        strategies = {w: _strategy(battery, found.world_size, w, unsupported, world_sizes)
+                      for w in sizes}
+        failed: dict[tuple[int, str], EquivalenceError] = {}  # shrinking steps reuse them
+        passed: set[tuple[int, str]] = set()
+        stopped: list[str] = []
+
+        @settings(max_examples=examples, deadline=None, database=None, print_blob=False,
+                  report_multiple_bugs=False, suppress_health_check=list(HealthCheck),
+                  phases=[Phase.generate, Phase.shrink], verbosity=Verbosity.quiet)
+        @given(data=st.data())
+        def one(data: Any) -> None:
+            w = data.draw(st.sampled_from(sizes), label="world_size")
+            scenario = data.draw(strategies[w], label="scenario")
+            key = (w, repr(scenario))
+            if key in failed:
+                raise failed[key]
+            if self.left() <= 0:
+                raise _Abort()  # keep the smallest failure so far
+            if key in passed:
+                return
+            if features.declines(self.target, scenario, w, self.without) is not None:
+                assume(False)  # costs no example of the budget
+            try:
+                self.check(scenario, w)
+            except EquivalenceError as error:
+                if "rank timed out" in error.kinds:
+                    assume(False)  # a hang once is no verdict: the search looks elsewhere
+                failed[key] = error
+                raise
+            except (ScenarioError, NothingChecked):  # nobody's bug: not a failure
+                assume(False)
+            except Exception as exc:  # slow machine, a world that cannot start, ddpcheck's own
+                stopped.append(exception_text(exc))
+                raise _Abort() from exc
+            passed.add(key)
+
+        one = hypothesis_seed(zlib.crc32(f"{seed}:{battery!r}:{sizes}".encode()))(one)
+        try:
+            one()
+        except (_Abort, EquivalenceError, Unsatisfiable):
+            pass
+        except FlakyFailure:
+            return self.ended(None, "a failure of the search passed when Hypothesis ran it "
+                                    "again (a race?)")
+        if stopped:
+            return self.ended(None, f"the search stopped: {stopped[0]}")
+        if not failed:
+            return self.ended(None, "no example drawn failed")
+        candidate = min(failed.values(), key=lambda e: (size(e.scenario, e.world_size),
+                                                        e.world_size, len(repr(e.scenario))))
+        if size(candidate.scenario, candidate.world_size) >= size(battery, found.world_size):
+            return self.ended(None, f"the smallest failure found "
+                                    f"({scenario_line(candidate.scenario)}) is no smaller")
+        return self.confirmed(candidate)
+
+    def confirmed(self, candidate: EquivalenceError) -> Search:
+        """``candidate`` run once more: its error if it fails again (not by a timeout)."""
+        try:
+            self.check(candidate.scenario, candidate.world_size)
+        except EquivalenceError as again:
+            if "rank timed out" not in again.kinds:
+                return self.ended(again)
+            why = "it hung when run again"
+        except (ScenarioError, NothingChecked) as exc:  # not expected: it ran once
+            why = f"it could not run again: {exception_text(exc)}"
+        except Exception as exc:  # slow machine, a world that cannot start, ddpcheck's own
+            why = f"running it again stopped: {exception_text(exc)}"
+        else:
+            why = "it passed when run again (a race?)"
+        return self.ended(None, f"a smaller example failed ({scenario_line(candidate.scenario)}),"
+                                f" but {why}")
+
+
+def first_verdict(target: Any, found: EquivalenceError, *, world_sizes: tuple[int, ...],
+                  without: frozenset[str], seed: int | None, say: Callable[[str], Any],
+                  **run: Any) -> tuple[EquivalenceError, str]:
+    """``ddpcheck check``'s verdict on a battery failure: the smaller counterexample
+    :func:`smaller` confirmed, else ``found``; and what to call it. ``say`` prints each line of
+    the way (``run``: the deadline, device and backend). A battery scenario that hung is not
+    searched: a hang in the search is no verdict, and each would cost it a deadline."""
+    where = f"{found.name} failed at world size {found.world_size} ({found.kinds[0]})"
+    if set(found.kinds) == {"rank timed out"}:
+        say(f"battery: {where}; a hang, so no smaller one is searched for\n")
+        return found, "the battery scenario (not shrunk)"
+    sizes = searched_sizes(found)
+    say(f"battery: {where}; searching for a smaller counterexample at world size"
+        f"{'s' if len(sizes) > 1 else ''} {','.join(map(str, sizes))} (at most {EXAMPLES} "
+        f"examples, {SECONDS:g} s)")
+    search = smaller(target, found, world_sizes=world_sizes, without=without, seed=seed,
+                     examples=EXAMPLES, seconds=SECONDS, **run)
+    ran = f"{search.examples} example{'' if search.examples == 1 else 's'}"
+    if search.error is None:
+        say(f"none found ({ran}, {search.seconds:.1f} s): {search.why}; the battery scenario "
+            "stands\n")
+        return found, "the battery scenario (not shrunk)"
+    say(f"smaller counterexample found and confirmed ({ran}, {search.seconds:.1f} s): "
+        f"{scenario_line(search.error.scenario)} at W={search.error.world_size}, where "
+        f"{found.name} is {scenario_line(found.scenario)} at W={found.world_size}\n")
+    return search.error, "the shrunk counterexample"
+
+
+def with_features(error: EquivalenceError, what: str, survey: str) -> EquivalenceError:
+    """``error``, its verdict ending with the features ``what`` exercises (what the bug needs
+    is among them) and, where more than its dtype and the broadcast every example has are
+    named, the ``survey`` command that says which of them fail at which world sizes."""
+    try:
+        found = features.named(features.of(error.scenario, error.world_size))
+    except Exception:  # read once already; the verdict stands without the line
+        return error
+    lines = [f"{what} exercises: {', '.join(found)} (what the bug needs is among them)"]
+    if set(found) - {error.scenario.dtype, "broadcast"}:
+        lines.append(f"which of them fail, at which world sizes: {survey}")
+    error.args = (f"{error.args[0]}\n\n" + "\n".join(lines),)
+    return error
+
+
+def _strategy(battery: Any, failed_at: int, world_size: int, unsupported: frozenset[str],
+              world_sizes: tuple[int, ...]) -> st.SearchStrategy:
+    """Scenarios at ``world_size`` in the battery scenario's dtype: plain ones first, then ones
+    made to exercise each feature the battery scenario exercises at ``failed_at`` -- but its
+    dtype and ``broadcast`` (every scenario has them), and at W=1 what one rank cannot."""
+    dtype = battery.dtype
+    found = features.of(battery, failed_at)
+    rows = [f for f in features.FEATURES if f in found and f not in (dtype, "broadcast")
+            and f not in unsupported and (f not in dst.FLOAT32_ONLY or dtype == "float32")
+            and dst.can_exercise(f, world_size)]
+    opt_in = frozenset(features.OPT_IN) - unsupported
+    return st.one_of([dst.exercising(f, world_size=world_size, dtypes=(dtype,),
+                                     without=unsupported, resume_world_sizes=world_sizes,
+                                     opt_in=opt_in) for f in (dtype, *rows)])

@@ -1,0 +1,405 @@
+"""``survey``: a target's capability matrix -- every feature at every world size, nothing skipped.
+
+``ddpcheck check`` is the fail-fast gate; a survey stops nowhere. The built-in battery runs at
+every world size (each (scenario, W) passes, FAILS with its first divergence kind, or is declined);
+then each (feature of ``ddpcheck.features.FEATURES``, W) cell runs up to ``examples`` random
+examples drawn to exercise it (``ddpcheck.strategies.exercising``) and stops at its first failure,
+shrunk by Hypothesis for at most ``shrink_seconds`` to a minimal counterexample and replay line.
+
+Invariant: a failing example stops only its own cell, never the survey. What is not the target's
+fault (a battery scenario the oracle cannot judge, a world that cannot start, a harness error)
+stops it and propagates unchanged (exit 2); a random example the oracle cannot judge is rejected.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+from hypothesis.errors import FlakyFailure, Unsatisfiable
+
+from ddpcheck._base.errors import EquivalenceError, InvalidArgument, NothingChecked, ScenarioError
+from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_positive_number
+from ddpcheck._language import features
+from ddpcheck._language import strategies as dst
+from ddpcheck._language.battery import BATTERY
+from ddpcheck._language.messages import scenario_line
+from ddpcheck._runs.admission import Request, admit
+from ddpcheck._runs.example import (
+    check_example,
+    prepare_reference,
+    refuse_unconfirmed_hang,
+)
+from ddpcheck._runs.replay import target_spec
+from ddpcheck._world.interrupts import interruptible
+
+__all__ = ["DEFAULT_EXAMPLES", "DEFAULT_SHRINK_SECONDS", "Cell", "Survey", "survey",
+           "survey_admitted"]
+
+#: Random examples per (feature, world size) cell.
+DEFAULT_EXAMPLES = 8
+#: Seconds Hypothesis may spend shrinking one failing cell's counterexample.
+DEFAULT_SHRINK_SECONDS = 3.0
+
+
+@dataclasses.dataclass
+class Cell:
+    """One (row, world size) of a survey: a feature's random examples, or one battery scenario."""
+
+    section: str  # "feature" or "battery"
+    row: str  # the feature (ddpcheck.features.FEATURES) or the battery scenario's name
+    world_size: int
+    status: str  # "ok", "fail", "declined", or "n/a" (no example can exercise it at this W)
+    examples: int = 0  # examples run in this cell, shrinking included
+    kind: str | None = None  # fail: the first divergence's kind
+    reason: str | None = None  # declined / n/a: why
+    where: str | None = None  # fail: where it diverged first ("step 0, rank 1, l0.fc.weight")
+    scenario: str | None = None  # fail: the (shrunk) failing scenario, as code
+    summary: str | None = None  # fail: the same scenario in one line
+    replay: str | None = None  # fail: the shell command that runs it again
+    first_failure: int | None = None  # fail: how many examples ran until the first failure
+    exercises: list[str] | None = None  # fail: the features the failing scenario exercises
+    intermittent: bool = False  # fail: it passed when replayed (a race or other nondeterminism)
+    seconds: float = 0.0
+
+    @property
+    def label(self) -> str:
+        """As printed: ``ok N`` / ``passes``, ``FAIL <kind>`` / ``FAILS <kind>``, ``declined``,
+        ``-``."""
+        battery = self.section == "battery"
+        if self.status == "ok":
+            return "passes" if battery else f"ok {self.examples}"
+        if self.status == "fail":
+            return f"{'FAILS' if battery else 'FAIL'} {self.kind}"
+        return "declined" if self.status == "declined" else "-"
+
+
+@dataclasses.dataclass
+class Survey:
+    """What :func:`survey` found: one :class:`Cell` per (row, world size), battery then features.
+
+    ``features`` are those the examples that ran exercised; ``exit_code`` is the command line's
+    (0 every cell that ran passed, 1 some cell failed, 3 no cell ran)."""
+
+    target: str  # the target's replay spec, e.g. "ddpcheck.targets:PARALLEL"
+    world_sizes: tuple[int, ...]
+    examples: int  # random examples asked per feature cell
+    cells: list[Cell]
+    features: set[str]
+    seconds: float
+    seed: int | None = None
+    shrink_seconds: float = DEFAULT_SHRINK_SECONDS
+
+    def section(self, name: str) -> list[Cell]:
+        return [c for c in self.cells if c.section == name]
+
+    def cell(self, row: str, world_size: int) -> Cell:
+        return next(c for c in self.cells if c.row == row and c.world_size == world_size)
+
+    @property
+    def failures(self) -> list[Cell]:
+        return [c for c in self.cells if c.status == "fail"]
+
+    def counts(self, section: str) -> dict[str, int]:
+        statuses = [c.status for c in self.section(section)]
+        return {s: statuses.count(s) for s in ("ok", "fail", "declined", "n/a")}
+
+    @property
+    def exit_code(self) -> int:
+        if self.failures:
+            return 1
+        return 0 if any(c.status == "ok" for c in self.cells) else 3
+
+    def matrix(self) -> str:
+        """Feature rows x world-size columns, then why cells are ``-`` or declined."""
+        return _grid("feature", self.section("feature"), self.world_sizes)
+
+    def battery_table(self) -> str:
+        return _grid("battery", self.section("battery"), self.world_sizes)
+
+    @property
+    def common(self) -> list[str]:
+        """The features every shrunk counterexample exercises: where to look first."""
+        shrunk = [set(c.exercises or ()) for c in self.failures if c.section == "feature"]
+        return features.named(set.intersection(*shrunk)) if shrunk else []
+
+    def failure_lines(self) -> list[str]:
+        lines = []
+        for c in sorted(self.failures, key=lambda c: c.section != "feature"):
+            how = "shrunk" if c.section == "feature" else "battery scenario, not shrunk"
+            lines += [f"{c.row} W={c.world_size}: {c.kind} ({c.where}; example {c.first_failure} "
+                      f"failed, {how}{', intermittent' if c.intermittent else ''})",
+                      f"    scenario: {c.summary} (exercises {', '.join(c.exercises or ())})",
+                      f"    replay: {c.replay}"]
+        if self.common:
+            lines.append(f"every shrunk counterexample exercises: {', '.join(self.common)}")
+        return lines
+
+    def summary(self) -> str:
+        f, b = self.counts("feature"), self.counts("battery")
+        ran = sum(c.examples for c in self.cells)
+        return (f"survey {self.target}: features {f['ok']} ok, {f['fail']} FAIL, {f['declined']} "
+                f"declined, {f['n/a']} n/a; battery {b['ok']} pass, {b['fail']} FAIL, "
+                f"{b['declined']} declined; {ran} examples run, "
+                f"{features.exercised(self.features)}; wall {self.seconds:.1f} s")
+
+    def __str__(self) -> str:
+        failures = self.failure_lines()
+        head = ("failures (each a proven counterexample; the replay line prints its divergence "
+                "table):" if failures else "failures: none")
+        return "\n".join([self.matrix(), "", head, *failures, "", self.battery_table(), "",
+                          self.summary()])
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data for ``json``; :meth:`from_dict` reads it back."""
+        data = dataclasses.asdict(self)
+        data["world_sizes"] = list(self.world_sizes)
+        data["features"] = [f for f in features.FEATURES if f in self.features]
+        for cell, obj in zip(data["cells"], self.cells):
+            cell["label"] = obj.label
+        data["counts"] = {s: self.counts(s) for s in ("feature", "battery")}
+        data["exit_code"] = self.exit_code
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Survey:
+        names = {f.name for f in dataclasses.fields(Cell)}
+        cells = [Cell(**{k: v for k, v in c.items() if k in names}) for c in data["cells"]]
+        return cls(data["target"], tuple(data["world_sizes"]), data["examples"], cells,
+                   set(data["features"]), data["seconds"], data.get("seed"),
+                   data.get("shrink_seconds", DEFAULT_SHRINK_SECONDS))
+
+
+@interruptible
+def survey(target: Any, *, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
+           examples: int = DEFAULT_EXAMPLES, without: Iterable[str] = (),
+           deadline: float = DEFAULT_DEADLINE, seed: int | None = None,
+           shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
+           progress: Callable[[int, int, str, float], None] | None = None,
+           device: str = "cpu", backend: str | None = None,
+           only: Iterable[str] = (), fuzz_config: bool = False) -> Any:  # as assert_equivalent's
+    """Run the battery at every world size and ``examples`` random examples per (feature, world
+    size), stopping nowhere; return the :class:`Survey` (``print`` it for the matrix).
+
+    ``without`` names features never to exercise (on top of ``target.supported_features``); their
+    cells are declined; ``only`` keeps the rows that exercise one of these features (the battery
+    scenarios that do, and those features' cells). ``seed`` changes which random examples are drawn
+    (default: the same every run). ``progress(done, total, what, seconds)`` is called before every
+    cell.
+    Raises what is not the target's fault (:class:`ddpcheck.InvalidArgument`,
+    :class:`ddpcheck.SetupError` and its subclasses) instead of recording it.
+    ``fuzz_config=True``: the option x feature matrix instead (``runs.option_survey``: an
+    ``OptionSurvey``), refused for a target with no ``config_space()``.
+    """
+    request = admit(target, world_sizes=world_sizes, deadline=deadline, without=without,
+                    device=device, backend=backend, only=only, fuzz_config=fuzz_config)
+    return survey_admitted(request, examples=examples, seed=seed, shrink_seconds=shrink_seconds,
+                           progress=progress)
+
+
+def survey_admitted(request: Request, *, examples: int = DEFAULT_EXAMPLES,
+                    seed: int | None = None, shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
+                    progress: Callable[[int, int, str, float], None] | None = None) -> Any:
+    """:func:`survey` of an admitted request (``runs.admission``): the command line's path."""
+    check_positive_number("shrink_seconds", shrink_seconds)
+    if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
+        raise InvalidArgument(f"examples={examples!r} must be a positive integer")
+    if request.fuzz_config:
+        from ddpcheck._runs.option_survey import option_survey
+
+        return option_survey(request, examples=examples, seed=seed,
+                             shrink_seconds=shrink_seconds, progress=progress)
+    target, sizes, excluded, run = (request.target, request.world_sizes,
+                                    request.battery_without, request.run)
+    unsupported = features.unsupported(target, excluded)
+    started = time.perf_counter()
+    exercised: set[str] = set()
+    cells: list[Cell] = []
+    focus = request.only  # only the rows that exercise one of these, when given
+    rows: list[tuple[str, str, Any]] = [("battery", name, sc) for name, sc in BATTERY
+                                        if not focus or features.of(sc) & focus]
+    rows += [("feature", feature, None) for feature in features.FEATURES
+             if not focus or feature in focus]
+    for section, row, scenario in rows:
+        for w in sizes:
+            if progress is not None:
+                progress(len(cells), len(rows) * len(sizes), f"{row} W={w}",
+                         time.perf_counter() - started)
+            if section == "battery":
+                cell = _battery_cell(target, row, scenario, w, excluded, run, exercised)
+            else:
+                cell = _feature_cell(target, row, w, examples=examples, excluded=excluded,
+                                     unsupported=unsupported, run=run, seed=seed,
+                                     shrink_seconds=shrink_seconds, exercised=exercised)
+            cells.append(cell)
+    return Survey(target_spec(target), sizes, examples, cells, exercised,
+                  time.perf_counter() - started, seed, shrink_seconds)
+
+
+# ---------------------------------------------------------------------------------------------
+# One cell
+
+#: repr of a battery scenario -> its full-batch reference, shared by every survey in a process.
+_REFERENCES: dict[str, Any] = {}
+
+
+def _battery_cell(target: Any, name: str, scenario: Any, world_size: int,
+                  excluded: frozenset[str], run: dict, exercised: set[str]) -> Cell:
+    why = features.declines(target, scenario, world_size, excluded)
+    if why is not None:
+        return Cell("battery", name, world_size, "declined", reason=why)
+    key = repr(scenario)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = prepare_reference(scenario)
+    started = time.perf_counter()
+    try:
+        check_example(target, scenario, world_size, reference=_REFERENCES[key], name=name,
+                      **run)
+    except NothingChecked as exc:  # declined once running (a default hook cannot serve it)
+        return Cell("battery", name, world_size, "declined", reason=str(exc))
+    except EquivalenceError as error:
+        exercised |= features.of(scenario, world_size)
+        return _failed(Cell("battery", name, world_size, "fail", 1, first_failure=1), error,
+                       started)
+    exercised |= features.of(scenario, world_size)
+    return Cell("battery", name, world_size, "ok", 1, seconds=time.perf_counter() - started)
+
+
+class _Abort(BaseException):
+    """Ends a cell's Hypothesis run from inside (its shrink budget is spent, or the harness
+    failed): not an Exception, so Hypothesis neither shrinks nor replays it."""
+
+
+def _feature_cell(target: Any, feature: str, world_size: int, *, examples: int,
+                  excluded: frozenset[str], unsupported: frozenset[str], run: dict,
+                  seed: int | None, shrink_seconds: float, exercised: set[str]) -> Cell:
+    cell = Cell("feature", feature, world_size, "ok")
+    if not dst.can_exercise(feature, world_size):
+        cell.status, cell.reason = "n/a", "one rank holds every sample: no example can exercise it"
+        return cell
+    dtypes = ("float32",) if feature in dst.FLOAT32_ONLY else \
+        tuple(d for d in ("float64", "float32") if d not in unsupported)[:1]
+    if feature in unsupported or not dtypes:
+        cell.status = "declined"
+        cell.reason = ("excluded with --without" if feature in excluded else
+                       f"opt-in: {type(target).__name__}.{features.OPT_IN[feature]} is not set"
+                       if feature in features.OPT_IN else
+                       features.why_unsupported(target, feature) if dtypes else
+                       f"{type(target).__name__} supports neither float64 nor float32")
+        return cell
+    started = time.perf_counter()
+    strategy = dst.exercising(feature, world_size=world_size, dtypes=dtypes, without=unsupported)
+    failed: dict[str, EquivalenceError] = {}  # repr -> its error: replays and shrinking reuse it
+    passed: set[str] = set()
+    rejected: dict[str, int] = {}
+    shrinking_since: list[float] = []
+    crash: list[BaseException] = []
+
+    @settings(max_examples=examples, deadline=None, database=None, print_blob=False,
+              report_multiple_bugs=False, suppress_health_check=list(HealthCheck),
+              phases=[Phase.generate, Phase.shrink], verbosity=Verbosity.quiet)
+    @given(data=st.data())
+    def one(data: Any) -> None:
+        scenario = data.draw(strategy, label="scenario")  # first: the same draws every time
+        key = repr(scenario)
+        if key in failed:
+            raise failed[key]
+        if shrinking_since and time.perf_counter() - shrinking_since[0] > shrink_seconds:
+            raise _Abort()  # keep the smallest counterexample found so far
+        if key in passed:
+            return
+        why = features.declines(target, scenario, world_size, excluded)
+        found = features.of(scenario, world_size) if why is None else frozenset()
+        why = why or (None if feature in found else "drawn without the feature")
+        if why is not None:
+            rejected[why] = rejected.get(why, 0) + 1
+            if sum(rejected.values()) >= 5 * examples + 10 and not shrinking_since:
+                raise _Abort()  # Hypothesis would draw 1000 before giving up
+            assume(False)  # costs no example of the budget
+        cell.examples += 1
+        try:
+            check_example(target, scenario, world_size, **run)
+        except EquivalenceError as error:
+            exercised.update(found)
+            failed[key] = error
+            if not shrinking_since:
+                shrinking_since.append(time.perf_counter())
+                cell.first_failure = cell.examples
+            raise
+        except ScenarioError as exc:  # the oracle cannot judge it: nobody's bug, not a failure
+            cell.examples -= 1
+            rejected[f"unjudgeable: {exc}"] = 1
+            assume(False)
+        except NothingChecked as exc:  # declined once running (a default hook cannot serve it)
+            cell.examples -= 1
+            rejected[str(exc)] = rejected.get(str(exc), 0) + 1
+            assume(False)
+        except Exception as exc:  # the harness or the world, not the target: stop the survey
+            crash.append(exc)
+            raise _Abort() from exc
+        passed.add(key)
+        exercised.update(found)
+
+    one = hypothesis_seed(zlib.crc32(f"{seed}:{feature}:{world_size}".encode()))(one)
+    try:
+        one()
+    except _Abort:
+        if crash:
+            raise crash[0] from None
+        if failed:
+            return _failed(cell, min(failed.values(), key=lambda e: len(repr(e.scenario))),
+                           started)
+    except EquivalenceError as error:
+        return _failed(cell, error, started)
+    except FlakyFailure as flaky:  # failed, then passed when replayed: still a counterexample
+        replayed = next((e for e in flaky.exceptions if isinstance(e, EquivalenceError)), None)
+        if replayed is None:
+            raise
+        refuse_unconfirmed_hang(replayed)  # a hang that did not recur is no verdict
+        cell.intermittent = True
+        return _failed(cell, replayed, started)
+    except Unsatisfiable:
+        pass
+    if not cell.examples:  # no drawn example could run
+        declined = {why: n for why, n in rejected.items() if why != "drawn without the feature"}
+        cell.status = "declined" if declined else "n/a"
+        cell.reason = (max(declined, key=lambda why: declined[why]) if declined else
+                       "none of the drawn examples exercised it")
+    cell.seconds = time.perf_counter() - started
+    return cell
+
+
+def _failed(cell: Cell, error: Any, started: float) -> Cell:
+    first = error.divergences[0]
+    where = [f"step {first.step}" if first.step != "-" else "",
+             f"rank {first.rank}" if first.rank is not None else "",
+             first.name if first.name not in ("-", None) else ""]
+    cell.status, cell.kind, cell.where = "fail", error.kinds[0], ", ".join(filter(None, where))
+    cell.scenario, cell.summary = repr(error.scenario), scenario_line(error.scenario)
+    cell.replay, cell.seconds = error.replay, time.perf_counter() - started
+    cell.exercises = features.named(features.of(error.scenario, cell.world_size))
+    return cell
+
+
+def _grid(corner: str, cells: list[Cell], sizes: tuple[int, ...]) -> str:
+    """Rows x ``W=`` columns of cell labels, then one line per reason a cell is ``-`` or
+    declined (with the world sizes it applies to)."""
+    rows = list(dict.fromkeys(c.row for c in cells))
+    by = {(c.row, c.world_size): c for c in cells}
+    table = [[corner] + [f"W={w}" for w in sizes]]
+    table += [[row] + [by[row, w].label if (row, w) in by else "" for w in sizes] for row in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    notes: dict[tuple[str, str, str], list[int]] = {}
+    for c in cells:
+        if c.status in ("declined", "n/a"):
+            notes.setdefault((c.label, c.row, c.reason or ""), []).append(c.world_size)
+    for (label, row, reason), at in notes.items():
+        lines.append(f"{label}: {row} at W={','.join(map(str, at))}: {reason}")
+    return "\n".join(lines)
