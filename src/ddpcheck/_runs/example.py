@@ -118,7 +118,7 @@ class Launched:
     the checkpoint in ``world``; :func:`resume` collects them (``saved``) and makes ``pending``
     the rest, submitted to ``resumed_world``."""
 
-    target: Any
+    target: Target
     scenario: Scenario
     world_size: int
     world: Any
@@ -181,7 +181,7 @@ def _submit(world: Any, target: Target, scenario: Scenario, world_size: int, dea
                     deadline)
 
 
-def _submit_part(world: Any, target: Any, scenario: Scenario, deadline: float,
+def _submit_part(world: Any, target: Target, scenario: Scenario, deadline: float,
                  name: str | None, part: str, checkpoint: Any) -> Pending:
     """Submit one half of a scenario with ``checkpoint_after`` (``run_example_packed``'s
     ``part``)."""
@@ -229,7 +229,7 @@ def judge(launched: Launched, reference: Any) -> tuple[str, ...]:
                    backend=launched.backend)[0]
 
 
-def _judged(target: Any, scenario: Scenario, world_size: int,
+def _judged(target: Target, scenario: Scenario, world_size: int,
             collected: Callable[[], tuple[Any, Any, list, Any]], checks: frozenset,
             worlds: list, **common: Any) -> tuple[tuple[str, ...], Any]:
     """The verdict on what ``collected()`` returns -- ``(records, sequences, worlds,
@@ -256,7 +256,7 @@ def _judged(target: Any, scenario: Scenario, world_size: int,
     return tuple(dict.fromkeys(note for used in worlds for note in used.notes)), reference
 
 
-def _after_the_numbers(error: EquivalenceError | None, target: Any, scenario: Scenario,
+def _after_the_numbers(error: EquivalenceError | None, target: Target, scenario: Scenario,
                        world_size: int, worlds: list, common: dict) -> EquivalenceError | None:
     """What the worlds report once the numbers were judged: gloo's pairs after a mismatch
     that completed (the next example gets new worlds), or a rank left unfit."""
@@ -314,7 +314,7 @@ def refuse_unconfirmed_hang(error: EquivalenceError) -> None:
             "it again, and if it hangs again it is reported") from None
 
 
-def verdict(target: Any, scenario: Scenario, world_size: int, *, records: Any = None,
+def verdict(target: Target, scenario: Scenario, world_size: int, *, records: Any = None,
             sequences: Any = (), failure: Any = None, unfit: Any = (), reference: Any = None,
             checks: Any = None, name: str | None = None, device: str = "cpu",
             backend: str | None = None) -> EquivalenceError | None:
@@ -425,7 +425,7 @@ def _mismatched_collectives(texts: list[str], world_size: int) -> list[Divergenc
             for rank in disagreement.deviants]
 
 
-def check_batch_plans(target: Any, scenario: Scenario, world_size: int) -> None:
+def check_batch_plans(target: Target, scenario: Scenario, world_size: int) -> None:
     """A target's own ``shard_batch`` answers every step and rank with a valid plan -- checked
     here, before any world runs, so a malformed answer is an :class:`InvalidArgument` naming the
     rank and the step, not a rank failure (``ddpcheck.batches``). The default needs no check."""

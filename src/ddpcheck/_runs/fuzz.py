@@ -31,6 +31,7 @@ from ddpcheck._runs.replay import target_spec
 from ddpcheck._world.interrupts import interruptible
 from ddpcheck._world.lending import lending_waits, released
 from ddpcheck.targets.option_space import described, space_of, vary
+from ddpcheck.targets.protocol import Target
 
 __all__ = ["FuzzResult", "fuzz", "fuzz_admitted", "undrawable"]
 
@@ -64,7 +65,7 @@ GIVE_UP_AFTER_DECLINED = 200
 
 
 @interruptible
-def fuzz(target: Any, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_SIZES,
+def fuzz(target: Target, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_SIZES,
          seed: int | None = None, deadline: float = DEFAULT_DEADLINE,
          dtypes: Iterable[str] | None = None,
          progress: Callable[[int, float], None] | None = None,
@@ -283,7 +284,7 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
                       exercised, notes)
 
 
-def undrawable(target: Any, dtypes: Iterable[str], without: frozenset[str] = frozenset()
+def undrawable(target: Target, dtypes: Iterable[str], without: frozenset[str] = frozenset()
                ) -> str | None:
     """Why no random example can be drawn for ``target`` -- every dtype asked for is excluded
     (``without``) or unsupported -- or None: ``ddpcheck check`` says so instead of announcing

@@ -34,6 +34,7 @@ from ddpcheck._runs.admission import Request, check_target
 from ddpcheck._runs.example import check_example, refuse_unconfirmed_hang
 from ddpcheck._runs.replay import target_spec
 from ddpcheck.targets.option_space import drawn_options, label, space_of, vary
+from ddpcheck.targets.protocol import Target
 
 __all__ = ["AS_GIVEN", "OptionCell", "OptionSurvey", "option_survey"]
 
@@ -165,7 +166,7 @@ def option_survey(request: Request, *, examples: int, seed: int | None, shrink_s
                         time.perf_counter() - started)
 
 
-def _cell(target: Any, row: str, feature: str, sizes: tuple[int, ...], excluded: frozenset[str],
+def _cell(target: Target, row: str, feature: str, sizes: tuple[int, ...], excluded: frozenset[str],
           strategies: dict, *, examples: int, seed: int | None, shrink_seconds: float,
           run: dict) -> OptionCell:
     cell = OptionCell(row, feature, "ok")

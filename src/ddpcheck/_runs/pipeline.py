@@ -39,6 +39,7 @@ from ddpcheck._runs.example import (
 )
 from ddpcheck._world.failures import WorldFailure
 from ddpcheck._world.worlds import TaskLost
+from ddpcheck.targets.protocol import Target
 
 __all__ = ["Outcome", "one_behind_the_other"]
 
@@ -55,7 +56,7 @@ class Outcome:
     unjudgeable: bool = False
 
 
-def one_behind_the_other(target: Any, items: Iterable[tuple[Any, int, Any]], *, deadline: float,
+def one_behind_the_other(target: Target, items: Iterable[tuple[Any, int, Any]], *, deadline: float,
                          device: str = "cpu", backend: str | None = None,
                          target_of: Callable[[Any], Any] | None = None
                          ) -> Generator[tuple[tuple[Any, int, Any], Outcome], None, None]:
@@ -141,7 +142,7 @@ def _discard(pending: Any) -> None:
         pass
 
 
-def _judged(target: Any, running: tuple, options: dict) -> Outcome:
+def _judged(target: Target, running: tuple, options: dict) -> Outcome:
     item, launched, reference = running
     if isinstance(reference, ScenarioError):
         try:
@@ -160,7 +161,7 @@ def _judged(target: Any, running: tuple, options: dict) -> Outcome:
         return _skipped(exc)
 
 
-def _alone(target: Any, scenario: Any, world_size: int, options: dict) -> Outcome:
+def _alone(target: Target, scenario: Any, world_size: int, options: dict) -> Outcome:
     try:
         return Outcome(notes=check_example(target, scenario, world_size, **options))
     except EquivalenceError as error:

@@ -37,6 +37,7 @@ from ddpcheck._language import strategies as dst
 from ddpcheck._language.messages import exception_text, scenario_line
 from ddpcheck._language.scenario import build_model
 from ddpcheck._runs.example import check_example
+from ddpcheck.targets.protocol import Target
 
 __all__ = ["EXAMPLES", "MIN_DEADLINE", "SECONDS", "Search", "first_verdict", "searched_sizes",
            "size", "smaller", "with_features"]
@@ -82,7 +83,7 @@ def searched_sizes(found: EquivalenceError) -> tuple[int, ...]:
     return (found.world_size,) + (() if resumed in (None, found.world_size) else (resumed,))
 
 
-def smaller(target: Any, found: EquivalenceError, *, world_sizes: tuple[int, ...],
+def smaller(target: Target, found: EquivalenceError, *, world_sizes: tuple[int, ...],
             without: frozenset[str] = frozenset(), seed: int | None = None,
             deadline: float = DEFAULT_DEADLINE, device: str = "cpu", backend: str | None = None,
             examples: int = EXAMPLES, seconds: float = SECONDS) -> Search:
@@ -104,7 +105,7 @@ def smaller(target: Any, found: EquivalenceError, *, world_sizes: tuple[int, ...
 class _Searching:
     """One search under way: what it runs, its budget, and what it has run."""
 
-    target: Any
+    target: Target
     without: frozenset[str]
     deadline: float
     device: str
@@ -204,7 +205,7 @@ class _Searching:
                                 f" but {why}")
 
 
-def first_verdict(target: Any, found: EquivalenceError, *, world_sizes: tuple[int, ...],
+def first_verdict(target: Target, found: EquivalenceError, *, world_sizes: tuple[int, ...],
                   without: frozenset[str], seed: int | None, say: Callable[[str], Any],
                   **run: Any) -> tuple[EquivalenceError, str]:
     """``ddpcheck check``'s verdict on a battery failure: the smaller counterexample

@@ -37,6 +37,7 @@ from ddpcheck._runs.example import (
 )
 from ddpcheck._runs.replay import target_spec
 from ddpcheck._world.interrupts import interruptible
+from ddpcheck.targets.protocol import Target
 
 __all__ = ["DEFAULT_EXAMPLES", "DEFAULT_SHRINK_SECONDS", "Cell", "Survey", "survey",
            "survey_admitted"]
@@ -176,7 +177,7 @@ class Survey:
 
 
 @interruptible
-def survey(target: Any, *, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
+def survey(target: Target, *, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
            examples: int = DEFAULT_EXAMPLES, without: Iterable[str] = (),
            deadline: float = DEFAULT_DEADLINE, seed: int | None = None,
            shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
@@ -248,7 +249,7 @@ def survey_admitted(request: Request, *, examples: int = DEFAULT_EXAMPLES,
 _REFERENCES: dict[str, Any] = {}
 
 
-def _battery_cell(target: Any, name: str, scenario: Any, world_size: int,
+def _battery_cell(target: Target, name: str, scenario: Any, world_size: int,
                   excluded: frozenset[str], run: dict, exercised: set[str]) -> Cell:
     why = features.declines(target, scenario, world_size, excluded)
     if why is not None:
@@ -275,7 +276,7 @@ class _Abort(BaseException):
     failed): not an Exception, so Hypothesis neither shrinks nor replays it."""
 
 
-def _feature_cell(target: Any, feature: str, world_size: int, *, examples: int,
+def _feature_cell(target: Target, feature: str, world_size: int, *, examples: int,
                   excluded: frozenset[str], unsupported: frozenset[str], run: dict,
                   seed: int | None, shrink_seconds: float, exercised: set[str]) -> Cell:
     cell = Cell("feature", feature, world_size, "ok")

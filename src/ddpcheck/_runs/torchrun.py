@@ -45,6 +45,7 @@ from ddpcheck._rank.runner import run_example_packed, run_warm_up
 from ddpcheck._rank.transport import unpack
 from ddpcheck._runs.example import check_batch_plans, verdict
 from ddpcheck._world.failures import Failure, RankState, Status, WorldFailure
+from ddpcheck.targets.protocol import Target
 
 __all__ = ["check_in_world", "init_world", "local_world_size", "under_torchrun"]
 
@@ -96,7 +97,7 @@ def _broadcast_bytes(data: bytes | None) -> bytes:
     return bytes(buffer.cpu().clone().untyped_storage())
 
 
-def _run_recorded(target: Any, scenario: Any, sequence_path: str, part: str = "whole",
+def _run_recorded(target: Target, scenario: Any, sequence_path: str, part: str = "whole",
                   checkpoint: Any = None) -> tuple[tuple, str]:
     """This rank's ``("ok", packed result)`` (its tensors on the CPU:
     ``ddpcheck._rank.transport``; the result of ``run_example(part=...)``) or
@@ -112,7 +113,7 @@ def _run_recorded(target: Any, scenario: Any, sequence_path: str, part: str = "w
         return outcome, f.read()
 
 
-def _judge(gathered: list, target: Any, scenario: Any, name: str, world_size: int,
+def _judge(gathered: list, target: Target, scenario: Any, name: str, world_size: int,
            **where: Any) -> Any:
     """Rank 0: the EquivalenceError of one example, or None
     (``ddpcheck._runs.example.verdict``), or the outcome ddpcheck's own code raised in
@@ -132,7 +133,7 @@ def _judge(gathered: list, target: Any, scenario: Any, name: str, world_size: in
                    sequences=[sequence for _, sequence in gathered], name=name, **where)
 
 
-def _example(target: Any, scenario: Any, name: str, world_size: int, rank: int,
+def _example(target: Target, scenario: Any, name: str, world_size: int, rank: int,
              sequence_path: str, **where: Any) -> Any:
     """Rank 0: the EquivalenceError of one example, ddpcheck's own outcome raised in a rank
     (:func:`_judge`), or None (other ranks: None). A scenario
@@ -161,7 +162,7 @@ def _example(target: Any, scenario: Any, name: str, world_size: int, rank: int,
                    name=name, **where)
 
 
-def check_in_world(target: Any, *, world_sizes: tuple[int, ...] | None, deadline: float,
+def check_in_world(target: Target, *, world_sizes: tuple[int, ...] | None, deadline: float,
                    out: Any, without: frozenset[str] = frozenset(),
                    only: frozenset[str] = frozenset(), device: str = "cpu",
                    backend: str | None = None) -> int:

@@ -33,6 +33,7 @@ from ddpcheck._language.scenario import Scenario, build_model, make_param_groups
 from ddpcheck._language.training import train
 from ddpcheck._rank import recorder
 from ddpcheck._rank.runner import setup, target_loop
+from ddpcheck.targets.protocol import Target
 
 __all__ = ["TRACE_SCENARIO", "RankTrace", "Stack", "chrome_trace", "overlap", "record_step"]
 
@@ -69,7 +70,7 @@ class RankTrace:
     carries: list[str]  # per collective: what it carries ("" if unknown)
 
 
-def record_step(target: Any, scenario: Scenario = TRACE_SCENARIO, warmup: int = 1) -> RankTrace:
+def record_step(target: Target, scenario: Scenario = TRACE_SCENARIO, warmup: int = 1) -> RankTrace:
     """Train ``warmup + 1`` steps on this rank and return the last one's timeline.
 
     The warm-up steps allocate what the first step allocates (optimizer state, gradients), so the

@@ -36,7 +36,7 @@ _DONE: weakref.WeakKeyDictionary[World, tuple[tuple[int, ...], set]] = (
     weakref.WeakKeyDictionary())
 
 
-def warm_up(world: World, target: Any) -> None:
+def warm_up(world: World, target: Target) -> None:
     """Run ``target.warm_up()`` in every rank of ``world`` unless they ran it (see the module's
     invariant)."""
     hook = _hook(target)
@@ -58,7 +58,7 @@ def warm_up(world: World, target: Any) -> None:
     _DONE[world] = (tuple(world.pids), done | {hook})
 
 
-def needed(target: Any, world_size: int, *, device: str = "cpu",
+def needed(target: Target, world_size: int, *, device: str = "cpu",
            backend: str | None = None) -> bool:
     """Would an example of ``target`` in the persistent world of ``world_size`` wait for a
     warm-up first? Never for a target without ``warm_up``; True when its world cannot start
@@ -73,7 +73,7 @@ def needed(target: Any, world_size: int, *, device: str = "cpu",
     return not _warm(world, hook)
 
 
-def _hook(target: Any) -> Any:
+def _hook(target: Target) -> Any:
     """The target's own ``warm_up`` function; None for the default, which does nothing."""
     hook = getattr(type(target), "warm_up", None)
     return None if hook is None or hook is Target.warm_up else hook
