@@ -3,8 +3,9 @@
 #                built-in `parallel` target
 #   make test    create .venv, install, lint, run the test suite
 # and the gate `make test` runs first:
-#   make lint    ruff check (every Python folder) and mypy (src/ddpcheck and parallel/), at the
-#                releases constraints.txt pins (pyproject.toml's dependency group `lint`)
+#   make lint    ruff check and ruff format --check (every Python folder) and mypy (src/ddpcheck
+#                and parallel/), at the releases constraints.txt pins (pyproject.toml's
+#                dependency group `lint`); `ruff format .` writes what the format check wants
 # and one to package:
 #   make dist    the wheel and the sdist in dist/ (`python -m build`, from a tool venv: `build` is
 #                no dependency of ddpcheck)
@@ -28,6 +29,7 @@ check: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 test: lint

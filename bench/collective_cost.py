@@ -49,20 +49,32 @@ def _ops(world_size: int) -> dict:
 
 def _rank(rank: int, world_size: int, port: int, n: int, out) -> None:
     torch.set_num_threads(1)  # as ddpcheck's ranks run
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            init_method=f"tcp://127.0.0.1:{port}")
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}"
+    )
     rows = []
     for name, op in _ops(world_size).items():
         for _ in range(20):
             op()
         dist.barrier()
-        cpu, main, switches, wall = _process_cpu(), time.thread_time(), _switches(), \
-            time.perf_counter()
+        cpu, main, switches, wall = (
+            _process_cpu(),
+            time.thread_time(),
+            _switches(),
+            time.perf_counter(),
+        )
         for _ in range(n):
             op()
         wall = time.perf_counter() - wall
-        rows.append((name, wall / n, (_process_cpu() - cpu) / n, (time.thread_time() - main) / n,
-                     (_switches() - switches) / n))
+        rows.append(
+            (
+                name,
+                wall / n,
+                (_process_cpu() - cpu) / n,
+                (time.thread_time() - main) / n,
+                (_switches() - switches) / n,
+            )
+        )
     dist.barrier()
     cpu = _process_cpu()
     time.sleep(IDLE_SECONDS)
@@ -90,17 +102,24 @@ def main() -> None:
     parser.add_argument("--world-sizes", default="2,4")
     parser.add_argument("--ops", type=int, default=300)
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {os.cpu_count()} cores, gloo, 4 float32 elements, "
-          f"{args.ops} ops each, rank 0's figures")
-    print(f"{'W':>2}  {'op':<17} {'wall/op':>9} {'CPU/op':>9} {'main thread':>12} "
-          f"{'ctx sw/op':>10}")
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} cores, gloo, 4 float32 elements, "
+        f"{args.ops} ops each, rank 0's figures"
+    )
+    print(
+        f"{'W':>2}  {'op':<17} {'wall/op':>9} {'CPU/op':>9} {'main thread':>12} {'ctx sw/op':>10}"
+    )
     for world_size in map(int, args.world_sizes.split(",")):
         rows, idle = measure(world_size, args.ops)
         for name, wall, cpu, main_thread, switches in rows:
-            print(f"{world_size:>2}  {name:<17} {wall * 1e6:>6.0f} us {cpu * 1e6:>6.0f} us "
-                  f"{main_thread * 1e6:>9.0f} us {switches:>10.1f}")
-        print(f"{world_size:>2}  idle rank: {idle * 100:.2f} % of a core (gloo's event loop, "
-              f"{IDLE_SECONDS:.0f} s asleep)")
+            print(
+                f"{world_size:>2}  {name:<17} {wall * 1e6:>6.0f} us {cpu * 1e6:>6.0f} us "
+                f"{main_thread * 1e6:>9.0f} us {switches:>10.1f}"
+            )
+        print(
+            f"{world_size:>2}  idle rank: {idle * 100:.2f} % of a core (gloo's event loop, "
+            f"{IDLE_SECONDS:.0f} s asleep)"
+        )
 
 
 if __name__ == "__main__":

@@ -107,8 +107,15 @@ def _command(api: bool) -> list[str]:
     here = os.path.dirname(sys.executable)
     ddpcheck = os.path.join(here, "ddpcheck")
     front = [ddpcheck] if os.path.exists(ddpcheck) else [sys.executable, "-m", "ddpcheck"]
-    return [*front, "check", f"{os.path.abspath(__file__)}:SEEDED", "--world-sizes", "2",
-            "--examples", "200"]
+    return [
+        *front,
+        "check",
+        f"{os.path.abspath(__file__)}:SEEDED",
+        "--world-sizes",
+        "2",
+        "--examples",
+        "200",
+    ]
 
 
 def _marked(token: str) -> list[int]:
@@ -190,15 +197,27 @@ def one_run(api: bool, delay: float | None, number: int) -> Run:
     run_tmp = os.path.join(tmp, "tmp")
     os.mkdir(run_tmp)
     token = f"{os.getpid()}-{number}"
-    env = {**os.environ, "TMPDIR": run_tmp, SEEDS_LOG: seeds_log, MARKER: token,
-           "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(
-               __file__)), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "TMPDIR": run_tmp,
+        SEEDS_LOG: seeds_log,
+        MARKER: token,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")])
+        ),
+    }
     started = time.monotonic()
     # Ctrl-C as a terminal gives it: its own process group, SIGINT not ignored (a bench started
     # in the background ignores it, and a child would inherit that)
-    proc = subprocess.Popen(_command(api), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        _command(api),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     out = _Output(proc.stdout)
     try:
         phase, sent = "uninterrupted", started
@@ -222,8 +241,11 @@ def one_run(api: bool, delay: float | None, number: int) -> Run:
         settled = time.monotonic() - ended
         left = [_describe(pid) for pid in _marked(token)]
         # torch's compile cache (``torchinductor_USER``) is meant to stay: not ddpcheck's
-        left += [f"directory {name}" for name in os.listdir(run_tmp)
-                 if not name.startswith("torchinductor_")]
+        left += [
+            f"directory {name}"
+            for name in os.listdir(run_tmp)
+            if not name.startswith("torchinductor_")
+        ]
         # the command exits 130; a script gets the KeyboardInterrupt, and Python's exit then is
         # to kill itself with SIGINT (130 in a shell)
         expected = -signal.SIGINT if api else 130
@@ -256,13 +278,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=100, help="interrupted runs (default 100)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the moments (default 0)")
-    parser.add_argument("--api", action="store_true",
-                        help="interrupt a script calling the API, not `ddpcheck check`")
-    parser.add_argument("--window", type=float, default=None,
-                        help="seconds the moments are drawn from (default: 0.9 times one "
-                             "uninterrupted run's length, measured first)")
-    parser.add_argument("--start", type=float, default=0.0,
-                        help="draw the moments from [START, window] (default 0)")
+    parser.add_argument(
+        "--api",
+        action="store_true",
+        help="interrupt a script calling the API, not `ddpcheck check`",
+    )
+    parser.add_argument(
+        "--window",
+        type=float,
+        default=None,
+        help="seconds the moments are drawn from (default: 0.9 times one "
+        "uninterrupted run's length, measured first)",
+    )
+    parser.add_argument(
+        "--start", type=float, default=0.0, help="draw the moments from [START, window] (default 0)"
+    )
     parser.add_argument("--verbose", action="store_true", help="print every bad run's output")
     args = parser.parse_args()
     if not sys.platform.startswith("linux"):
@@ -272,10 +302,16 @@ def main() -> None:
     if window is None:
         full = one_run(args.api, None, 0)
         window = 0.9 * full.seconds  # a run's length varies: most moments fall before its end
-        print(f"{what}, uninterrupted: {_status(full.status)} in {full.seconds:.1f} s"
-              + (f"; LEFT {full.left}" if full.left else ""), flush=True)
-    print(f"{args.runs} Ctrl-Cs of {what} at moments drawn from [{args.start:g}, {window:.1f}] s "
-          f"(seed {args.seed})", flush=True)
+        print(
+            f"{what}, uninterrupted: {_status(full.status)} in {full.seconds:.1f} s"
+            + (f"; LEFT {full.left}" if full.left else ""),
+            flush=True,
+        )
+    print(
+        f"{args.runs} Ctrl-Cs of {what} at moments drawn from [{args.start:g}, {window:.1f}] s "
+        f"(seed {args.seed})",
+        flush=True,
+    )
     rng = random.Random(args.seed)
     runs: list[Run] = []
     early = 0
@@ -286,14 +322,19 @@ def main() -> None:
         run = one_run(args.api, delay, number)
         if run.phase == "ended before the signal":
             early += 1
-            print(f"  ({delay:5.2f} s: the run had ended, {_status(run.status)}; not counted)",
-                  flush=True)
+            print(
+                f"  ({delay:5.2f} s: the run had ended, {_status(run.status)}; not counted)",
+                flush=True,
+            )
             continue
         runs.append(run)
         mark = "ok " if run.good else "BAD"
-        print(f"{len(runs):4d} {mark} at {delay:5.2f} s ({run.phase}): {_status(run.status)} "
-              f"{run.seconds:.2f} s after the signal, all gone {run.settled:.2f} s after the exit"
-              + (f"; LEFT {run.left}" if run.left else ""), flush=True)
+        print(
+            f"{len(runs):4d} {mark} at {delay:5.2f} s ({run.phase}): {_status(run.status)} "
+            f"{run.seconds:.2f} s after the signal, all gone {run.settled:.2f} s after the exit"
+            + (f"; LEFT {run.left}" if run.left else ""),
+            flush=True,
+        )
         if not run.good and args.verbose:
             print("     | " + run.output.rstrip().replace("\n", "\n     | "), flush=True)
     seconds = sorted(r.seconds for r in runs if r.status is not None)
@@ -308,14 +349,20 @@ def main() -> None:
     print(f"\n{what}: {good}/{len(runs)} {ended} within {WITHIN:.0f} s with nothing left")
     print("  exits: " + ", ".join(f"{k} x{v}" for k, v in sorted(statuses.items())))
     if seconds:
-        print(f"  seconds from the signal to the exit: median {statistics.median(seconds):.2f}, "
-              f"max {max(seconds):.2f}")
-    print(f"  runs with something left {SETTLE:.0f} s after the exit: "
-          f"{sum(bool(r.left) for r in runs)}; all gone after the exit: median "
-          f"{statistics.median(r.settled for r in runs):.2f} s, max "
-          f"{max(r.settled for r in runs):.2f} s")
-    print("  where the signals landed (good / bad): " + ", ".join(
-        f"{p} {g}/{b}" for p, (g, b) in phases.items()))
+        print(
+            f"  seconds from the signal to the exit: median {statistics.median(seconds):.2f}, "
+            f"max {max(seconds):.2f}"
+        )
+    print(
+        f"  runs with something left {SETTLE:.0f} s after the exit: "
+        f"{sum(bool(r.left) for r in runs)}; all gone after the exit: median "
+        f"{statistics.median(r.settled for r in runs):.2f} s, max "
+        f"{max(r.settled for r in runs):.2f} s"
+    )
+    print(
+        "  where the signals landed (good / bad): "
+        + ", ".join(f"{p} {g}/{b}" for p, (g, b) in phases.items())
+    )
     if early:
         print(f"  ({early} runs ended before their signal, not counted)")
 

@@ -27,11 +27,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def worker(rank, world_size, store_path, find_unused, queue):
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size
+    )
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), static_graph=True,
-                find_unused_parameters=find_unused)
+    model = DDP(
+        nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)),
+        static_graph=True,
+        find_unused_parameters=find_unused,
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     outcome = "ran 2 steps of 2 micro-batches"
     try:
@@ -56,9 +60,12 @@ def run(find_unused, world_size=2):
     with tempfile.TemporaryDirectory() as folder:
         context = mp.get_context("spawn")
         queue = context.Queue()
-        procs = [context.Process(target=worker, args=(r, world_size, f"{folder}/store",
-                                                       find_unused, queue))
-                 for r in range(world_size)]
+        procs = [
+            context.Process(
+                target=worker, args=(r, world_size, f"{folder}/store", find_unused, queue)
+            )
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         outcome = queue.get(timeout=300)
@@ -70,8 +77,10 @@ def run(find_unused, world_size=2):
 
 
 def main():
-    print(f"torch {torch.__version__}; DDP(static_graph=True), no_sync() on the first of 2 "
-          "micro-batches, W=2")
+    print(
+        f"torch {torch.__version__}; DDP(static_graph=True), no_sync() on the first of 2 "
+        "micro-batches, W=2"
+    )
     for find_unused in (False, True):
         print(f"find_unused_parameters={find_unused}: {run(find_unused)}")
     return 0

@@ -43,8 +43,10 @@ class BenchMLP(nn.Module):
 
 def bench_data(seed: int, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch, WIDTH, generator=g, dtype=dtype),
-            torch.randn(batch, WIDTH, generator=g, dtype=dtype))
+    return (
+        torch.randn(batch, WIDTH, generator=g, dtype=dtype),
+        torch.randn(batch, WIDTH, generator=g, dtype=dtype),
+    )
 
 
 def _variants():
@@ -61,8 +63,9 @@ def _variants():
     return {
         "parallel.DDP": build(DDP),
         "torch DDP": build(DistributedDataParallel),
-        "torch DDP (find_unused)": build(lambda m: DistributedDataParallel(
-            m, find_unused_parameters=True)),
+        "torch DDP (find_unused)": build(
+            lambda m: DistributedDataParallel(m, find_unused_parameters=True)
+        ),
     }
 
 
@@ -87,7 +90,7 @@ def _rank_time(repetitions: int, warmup: int = 3) -> dict[str, list[float]]:
     x, y = to_rank_device([bench_data(dist.get_rank(), BATCH, torch.float32)])[0]
     times: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(warmup + repetitions):
-        order = names[rep % len(names):] + names[:rep % len(names)]  # rotate who goes first
+        order = names[rep % len(names) :] + names[: rep % len(names)]  # rotate who goes first
         for name in order:
             model, optimizer = variants[name]
             dist.barrier()  # start together: a rank's step time includes waiting for the other
@@ -128,19 +131,25 @@ def step_time(repetitions: int, device: str = "cpu") -> None:
     world = get_world(2, device=device)
     per_rank = world.run(_rank_time, repetitions, deadline=600)
     # A repetition takes as long as its slower rank.
-    times = {name: [max(r[name][i] for r in per_rank) for i in range(repetitions)]
-             for name in per_rank[0]}
+    times = {
+        name: [max(r[name][i] for r in per_rank) for i in range(repetitions)]
+        for name in per_rank[0]
+    }
     ours = times["parallel.DDP"]
     params = sum(p.numel() for p in BenchMLP().parameters())
-    print(f"Step time, MLP {DEPTH}x{WIDTH} ({params / 1e6:.1f} M parameters, "
-          f"{params * 4 / 2**20:.0f} MiB of float32 gradients), batch {BATCH} per rank, SGD, "
-          f"{world.backend} W=2 on {device}, default 25 MB buckets, {repetitions} interleaved "
-          "repetitions:")
+    print(
+        f"Step time, MLP {DEPTH}x{WIDTH} ({params / 1e6:.1f} M parameters, "
+        f"{params * 4 / 2**20:.0f} MiB of float32 gradients), batch {BATCH} per rank, SGD, "
+        f"{world.backend} W=2 on {device}, default 25 MB buckets, {repetitions} interleaved "
+        "repetitions:"
+    )
     print(f"  {'parallel.DDP':26} median {statistics.median(ours) * 1e3:7.1f} ms")
     for name in ("torch DDP", "torch DDP (find_unused)"):
         ratio = statistics.median(o / t for o, t in zip(ours, times[name]))
-        print(f"  {name:26} median {statistics.median(times[name]) * 1e3:7.1f} ms;"
-              f" ours / it = {ratio:.3f} (median ratio)")
+        print(
+            f"  {name:26} median {statistics.median(times[name]) * 1e3:7.1f} ms;"
+            f" ours / it = {ratio:.3f} (median ratio)"
+        )
 
 
 def overlap(device: str = "cpu") -> None:
@@ -149,10 +158,10 @@ def overlap(device: str = "cpu") -> None:
     from ddpcheck.scenario import Scenario
     from ddpcheck.targets import PARALLEL_DDP
 
-    scenario = Scenario(model=BenchMLP, data=bench_data, dtype="float32", global_batch=2 * BATCH,
-                        steps=1)
-    traces = get_world(2, device=device).run(record_step, PARALLEL_DDP, scenario, 2,
-                                             deadline=300)
+    scenario = Scenario(
+        model=BenchMLP, data=bench_data, dtype="float32", global_batch=2 * BATCH, steps=1
+    )
+    traces = get_world(2, device=device).run(record_step, PARALLEL_DDP, scenario, 2, deadline=300)
     print("Overlap, one traced parallel.DDP step (ms from the start of backward):")
     for t in traces:
         backward = [p for p in t.phases if p[0] == "backward"][-1]
@@ -161,13 +170,17 @@ def overlap(device: str = "cpu") -> None:
         for c, carries in zip(t.collectives, t.carries):
             if carries.startswith("bucket"):
                 label = carries.split(":")[0]
-                cells.append(f"{label} ({c.nbytes / 2**20:.1f} MiB) launched "
-                             f"{(c.launched - t0) * 1e3:.1f}, done {(c.completed - t0) * 1e3:.1f}")
+                cells.append(
+                    f"{label} ({c.nbytes / 2**20:.1f} MiB) launched "
+                    f"{(c.launched - t0) * 1e3:.1f}, done {(c.completed - t0) * 1e3:.1f}"
+                )
         print(f"  rank {t.rank}: backward ends {(backward[2] - t0) * 1e3:.1f}; " + "; ".join(cells))
         first = min(c.launched for c, k in zip(t.collectives, t.carries) if k.startswith("bucket"))
         verdict = "before" if first < backward[2] else "AFTER"
-        print(f"    first bucket's all-reduce launched {verdict} backward returned "
-              f"({(backward[2] - first) * 1e3:.1f} ms earlier)")
+        print(
+            f"    first bucket's all-reduce launched {verdict} backward returned "
+            f"({(backward[2] - first) * 1e3:.1f} ms earlier)"
+        )
 
 
 def _device(argv: list[str]) -> str:
@@ -176,7 +189,7 @@ def _device(argv: list[str]) -> str:
         return "cpu"
     at = argv.index("--device")
     device = argv[at + 1] if at + 1 < len(argv) else ""
-    del argv[at:at + 2]
+    del argv[at : at + 2]
     if device not in ("cpu", "cuda"):
         sys.exit(f"--device {device!r}: use cpu or cuda")
     return device
@@ -187,8 +200,10 @@ if __name__ == "__main__":
     device = _device(args)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "cuda" and gpus < 2:
-        print(f"ddp_vs_torch --device cuda: skipped, nothing measured: it needs 2 CUDA devices "
-              f"(NCCL, one rank per GPU) and this machine has {gpus}")
+        print(
+            f"ddp_vs_torch --device cuda: skipped, nothing measured: it needs 2 CUDA devices "
+            f"(NCCL, one rank per GPU) and this machine has {gpus}"
+        )
         sys.exit(0)
     if "--profile" in args:
         from ddpcheck._world.registry import get_world

@@ -35,8 +35,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="ops-") as folder:
         env = {**os.environ, "TORCH_EXTENSIONS_DIR": folder}
         for label in ("empty op cache", "op built"):
-            done = subprocess.run([sys.executable, "-c", _PHASES], env=env, capture_output=True,
-                                  text=True)
+            done = subprocess.run(
+                [sys.executable, "-c", _PHASES], env=env, capture_output=True, text=True
+            )
             line = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr
             print(f"{label}: {line}")
         print(f"built in {folder}: {sorted(os.listdir(folder))}")

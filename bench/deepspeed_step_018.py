@@ -29,20 +29,34 @@ from torch import nn
 
 
 def worker(rank, world_size, store_path, stage, queue):
-    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")  # MASTER_PORT: main's
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
-                            world_size=world_size)
+    os.environ.update(
+        DS_ACCELERATOR="cpu",
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+    )  # MASTER_PORT: main's
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size
+    )
     import deepspeed
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-              "gradient_clipping": 0.0, "steps_per_print": 2**31}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 2**31,
+    }
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config,
-        dist_init_required=False)
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        config=config,
+        dist_init_required=False,
+    )
     engine.backward(engine(torch.randn(3, 4)).pow(2).mean())
     try:
         engine.step()
@@ -63,8 +77,12 @@ def main():
     for stage in (1, 2):
         queue = context.Queue()
         with tempfile.TemporaryDirectory() as folder:
-            mp.start_processes(worker, args=(2, os.path.join(folder, "store"), stage, queue),
-                               nprocs=2, start_method="spawn")
+            mp.start_processes(
+                worker,
+                args=(2, os.path.join(folder, "store"), stage, queue),
+                nprocs=2,
+                start_method="spawn",
+            )
         for _ in range(2):
             stage_, rank, outcome = queue.get()
             print(f"ZeRO-{stage_} rank {rank}: engine.step() {outcome}")

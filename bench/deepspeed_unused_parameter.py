@@ -70,31 +70,56 @@ def _logged(name, report):
 
     def call(tensor, *args, **kwargs):
         if torch.is_tensor(tensor):
-            caller = " > ".join(f.name for f in traceback.extract_stack()  # ZeRO's functions
-                                if f"{os.sep}zero{os.sep}" in f.filename) or "?"
-            report(f"{name} {tensor.numel()} {str(tensor.dtype).replace('torch.', '')} "
-                   f"(in {caller})")
+            caller = (
+                " > ".join(
+                    f.name
+                    for f in traceback.extract_stack()  # ZeRO's functions
+                    if f"{os.sep}zero{os.sep}" in f.filename
+                )
+                or "?"
+            )
+            report(
+                f"{name} {tensor.numel()} {str(tensor.dtype).replace('torch.', '')} (in {caller})"
+            )
         return original(tensor, *args, **kwargs)
 
     return call
 
 
 def worker(rank, world_size, store_path, stage, folder):
-    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")  # MASTER_PORT: main's
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=DEADLINE))
+    os.environ.update(
+        DS_ACCELERATOR="cpu",
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+    )  # MASTER_PORT: main's
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_path, world_size),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=DEADLINE),
+    )
     import deepspeed
 
     torch.manual_seed(0)
     model = Branchy(use_extra=rank == 0)
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage, "ignore_unused_parameters": True},
-              "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
-              "steps_per_print": 2**31}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage, "ignore_unused_parameters": True},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 2**31,
+    }
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config,
-        dist_init_required=False)
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        config=config,
+        dist_init_required=False,
+    )
+
     def report(line):  # to a file, flushed: gloo may abort the process in the next call
         with open(os.path.join(folder, f"rank{rank}.log"), "a") as f:
             f.write(line + "\n")
@@ -113,16 +138,22 @@ def worker(rank, world_size, store_path, stage, folder):
 def main():
     import deepspeed
 
-    print(f"deepspeed {deepspeed.__version__}, torch {torch.__version__}; parameters: trunk 40 "
-          "elements, head 9, extra 9 (used on rank 0 only)")
+    print(
+        f"deepspeed {deepspeed.__version__}, torch {torch.__version__}; parameters: trunk 40 "
+        "elements, head 9, extra 9 (used on rank 0 only)"
+    )
     with socket.socket() as probe:  # a free port for DeepSpeed's env checks (the group is a file)
         probe.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(probe.getsockname()[1])  # the spawned ranks inherit it
     for stage in (1, 2):
         with tempfile.TemporaryDirectory() as folder:
-            ranks = mp.start_processes(worker, args=(2, os.path.join(folder, "store"), stage,
-                                                     folder),
-                                       nprocs=2, start_method="spawn", join=False)
+            ranks = mp.start_processes(
+                worker,
+                args=(2, os.path.join(folder, "store"), stage, folder),
+                nprocs=2,
+                start_method="spawn",
+                join=False,
+            )
             ends = time.monotonic() + DEADLINE + 90  # import and initialize included
             for process in ranks.processes:
                 process.join(timeout=max(0.0, ends - time.monotonic()))
@@ -137,8 +168,16 @@ def main():
                         lines[rank] = f.read().splitlines()
         for rank, process in enumerate(ranks.processes):
             code = process.exitcode
-            end = "" if code == 0 else f"; the process ended with exit code {code}" + (
-                {-6: " (SIGABRT: gloo aborted it)", -9: " (killed at the deadline)"}.get(code, ""))
+            end = (
+                ""
+                if code == 0
+                else f"; the process ended with exit code {code}"
+                + (
+                    {-6: " (SIGABRT: gloo aborted it)", -9: " (killed at the deadline)"}.get(
+                        code, ""
+                    )
+                )
+            )
             print(f"ZeRO-{stage} rank {rank}: {'; '.join(lines[rank])}{end}")
     return 0
 

@@ -54,15 +54,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)
     pinned = example._beside_the_ranks
-    print(f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, torch threads here by "
-          f"default {torch.get_num_threads()}; ms per example, medians of {args.repeats}")
+    print(
+        f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, torch threads here by "
+        f"default {torch.get_num_threads()}; ms per example, medians of {args.repeats}"
+    )
     for world_size in (int(w) for w in args.world_sizes.split(",")):
         fuzz(targets.PARALLEL, examples=3, world_sizes=(world_size,), seed=99)  # warm
         rows: dict[str, list] = {"one thread here": [], "default threads here": []}
         for _ in range(args.repeats):
             for arm in rows:
-                example._beside_the_ranks = (pinned if arm == "one thread here"
-                                             else contextlib.nullcontext)
+                example._beside_the_ranks = (
+                    pinned if arm == "one thread here" else contextlib.nullcontext
+                )
                 try:
                     rows[arm].append(_run(world_size, args.examples, args.seed))
                 finally:
@@ -72,10 +75,12 @@ def main(argv: list[str] | None = None) -> int:
             here = statistics.median(r[1] for r in runs)
             ranks = [statistics.median(r[2][i] for r in runs) for i in range(world_size)]
             total = here + sum(ranks)
-            print(f"W={world_size} {arm}: wall {1e3 * wall:.1f}; CPU here {1e3 * here:.1f}, "
-                  f"ranks {' '.join(f'{1e3 * c:.1f}' for c in ranks)}; all {1e3 * total:.1f} "
-                  f"-> floor {1e3 * total / os.cpu_count():.1f} ms on {os.cpu_count()} cores",
-                  flush=True)
+            print(
+                f"W={world_size} {arm}: wall {1e3 * wall:.1f}; CPU here {1e3 * here:.1f}, "
+                f"ranks {' '.join(f'{1e3 * c:.1f}' for c in ranks)}; all {1e3 * total:.1f} "
+                f"-> floor {1e3 * total / os.cpu_count():.1f} ms on {os.cpu_count()} cores",
+                flush=True,
+            )
     return 0
 
 

@@ -33,12 +33,22 @@ def main(argv: list[str] | None = None) -> int:
     counts: collections.Counter = collections.Counter()
     drawn = []
 
-    @settings(max_examples=args.examples, database=None, deadline=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
-    @given(scenario=dst.scenarios(models=dst.models(mixed_dtypes=True),
-                                  dtypes=("float64", "float32"), resume_world_sizes=(1, 2, 3),
-                                  opt_in=opt_in),
-           world_size=st.integers(2, 4))
+    @settings(
+        max_examples=args.examples,
+        database=None,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(
+        scenario=dst.scenarios(
+            models=dst.models(mixed_dtypes=True),
+            dtypes=("float64", "float32"),
+            resume_world_sizes=(1, 2, 3),
+            opt_in=opt_in,
+        ),
+        world_size=st.integers(2, 4),
+    )
     def draw(scenario, world_size):
         drawn.append(1)
         counts.update(features.of(scenario, world_size))

@@ -21,16 +21,26 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMAND = [sys.executable, "-m", "ddpcheck", "check", "parallel", "--examples", "2",
-           "--world-sizes", "2"]
+COMMAND = [
+    sys.executable,
+    "-m",
+    "ddpcheck",
+    "check",
+    "parallel",
+    "--examples",
+    "2",
+    "--world-sizes",
+    "2",
+]
 
 
 def once() -> tuple[float, float, float, int]:
     """(first output, first battery count, exit) in seconds from the start, and the status."""
     master, slave = os.openpty()
     started = time.monotonic()
-    proc = subprocess.Popen(COMMAND, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        COMMAND, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, start_new_session=True
+    )
     os.close(slave)
     first = battery = float("nan")
     seen = b""
@@ -60,8 +70,12 @@ def main() -> int:
     args = parser.parse_args()
     runs = [once() for _ in range(args.runs)]
     print(f"{' '.join(COMMAND[1:])} under a pseudo-terminal, load {os.getloadavg()[0]:.1f}:")
-    print("; ".join(f"first line {f:.2f} s, battery 1/N {b:.1f} s, exit {e:.1f} s ({s})"
-                    for f, b, e, s in runs))
+    print(
+        "; ".join(
+            f"first line {f:.2f} s, battery 1/N {b:.1f} s, exit {e:.1f} s ({s})"
+            for f, b, e, s in runs
+        )
+    )
     return 0 if all(s == 0 for *_, s in runs) else 1
 
 

@@ -51,24 +51,37 @@ def main(argv: list[str] | None = None) -> int:
             continue
         lines: list[str] = []
         started = time.perf_counter()
-        error, _ = smaller.first_verdict(mutant.target, battery, world_sizes=args.world_sizes,
-                                            without=frozenset(), seed=None, say=lines.append)
+        error, _ = smaller.first_verdict(
+            mutant.target,
+            battery,
+            world_sizes=args.world_sizes,
+            without=frozenset(),
+            seed=None,
+            say=lines.append,
+        )
         seconds = time.perf_counter() - started
         searched.append(seconds)
         ran = next((line.split("(")[1].split(" example")[0] for line in lines[1:]), "-")
         w = battery.world_size
-        shown = (f"{scenario_line(error.scenario)} W={error.world_size}: {error.kinds[0]}"
-                 if error is not battery
-                 else "battery stands: " + lines[-1].split(": ", 1)[-1].strip().removesuffix(
-                     "; the battery scenario stands"))
+        shown = (
+            f"{scenario_line(error.scenario)} W={error.world_size}: {error.kinds[0]}"
+            if error is not battery
+            else "battery stands: "
+            + lines[-1].split(": ", 1)[-1].strip().removesuffix("; the battery scenario stands")
+        )
         shrunk += error is not battery
-        print(f"| {mutant.name} | {battery.name} W={w}: {battery.kinds[0]} | "
-              f"{smaller.size(battery.scenario, w)} | {shown} | "
-              f"{smaller.size(error.scenario, w)} | {ran} | {seconds:.1f} |", flush=True)
+        print(
+            f"| {mutant.name} | {battery.name} W={w}: {battery.kinds[0]} | "
+            f"{smaller.size(battery.scenario, w)} | {shown} | "
+            f"{smaller.size(error.scenario, w)} | {ran} | {seconds:.1f} |",
+            flush=True,
+        )
     if searched:
-        print(f"\n{shrunk}/{len(searched)} battery verdicts replaced by a smaller counterexample; "
-              f"search median {statistics.median(searched):.1f} s, max {max(searched):.1f} s "
-              f"(budget {smaller.EXAMPLES} examples, {smaller.SECONDS:g} s)")
+        print(
+            f"\n{shrunk}/{len(searched)} battery verdicts replaced by a smaller counterexample; "
+            f"search median {statistics.median(searched):.1f} s, max {max(searched):.1f} s "
+            f"(budget {smaller.EXAMPLES} examples, {smaller.SECONDS:g} s)"
+        )
     return 0
 
 

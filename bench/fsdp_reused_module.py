@@ -57,8 +57,9 @@ def reference_grad():
 def worker(rank, world_size, store_path, micro_batches, queue):
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size
+    )
     torch.manual_seed(0)
     model = Net()
     fully_shard(model.fc)
@@ -92,9 +93,12 @@ def run(micro_batches, world_size=2):
     with tempfile.TemporaryDirectory() as folder:
         context = mp.get_context("spawn")
         queue = context.Queue()
-        procs = [context.Process(target=worker, args=(r, world_size, f"{folder}/store",
-                                                       micro_batches, queue))
-                 for r in range(world_size)]
+        procs = [
+            context.Process(
+                target=worker, args=(r, world_size, f"{folder}/store", micro_batches, queue)
+            )
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         calls, grad = queue.get(timeout=300)
@@ -111,8 +115,10 @@ def main():
         calls, grad = run(micro_batches)
         right = torch.allclose(grad, expected, atol=1e-6)
         wrong |= not right
-        print(f"{micro_batches} micro-batch(es): reduce-scatters in the last micro-batch "
-              f"{calls} bytes; fc.weight's gradient {'right' if right else 'WRONG'}")
+        print(
+            f"{micro_batches} micro-batch(es): reduce-scatters in the last micro-batch "
+            f"{calls} bytes; fc.weight's gradient {'right' if right else 'WRONG'}"
+        )
     return 1 if wrong else 0
 
 

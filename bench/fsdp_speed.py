@@ -24,7 +24,8 @@ from ddpcheck._world.registry import shutdown_worlds  # noqa: E402
 from ddpcheck.scenario import Scenario  # noqa: E402
 
 SCENARIOS = [Scenario(zoo.MLP, global_batch=8, steps=1, seed=s) for s in range(3)] + [
-    Scenario(zoo.Tied, global_batch=7, steps=1, seed=3)]
+    Scenario(zoo.Tied, global_batch=7, steps=1, seed=3)
+]
 TARGETS = {"torch_ddp": targets.TORCH_DDP, "torch_fsdp": targets.TORCH_FSDP}
 
 
@@ -33,8 +34,10 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=30, help="timed examples per W and target")
     args = parser.parse_args()
     references = [prepare_reference(s) for s in SCENARIOS]
-    print(f"torch_fsdp vs torch_ddp, torch {torch.__version__}, {args.examples} examples per W "
-          "and target (persistent worlds, medians)")
+    print(
+        f"torch_fsdp vs torch_ddp, torch {torch.__version__}, {args.examples} examples per W "
+        "and target (persistent worlds, medians)"
+    )
     try:
         for world_size in (2, 3, 4):
             times: dict[str, list[float]] = {name: [] for name in TARGETS}
@@ -46,9 +49,14 @@ def main() -> None:
                     if i >= len(SCENARIOS):
                         times[name].append(time.perf_counter() - t0)
             med = {name: statistics.median(t) for name, t in times.items()}
-            print(f"W={world_size}: " + ", ".join(
-                f"{name} {1 / s:.1f} examples/s ({1e3 * s:.1f} ms)" for name, s in med.items())
-                + f"; fsdp/ddp {med['torch_fsdp'] / med['torch_ddp']:.2f}x", flush=True)
+            print(
+                f"W={world_size}: "
+                + ", ".join(
+                    f"{name} {1 / s:.1f} examples/s ({1e3 * s:.1f} ms)" for name, s in med.items()
+                )
+                + f"; fsdp/ddp {med['torch_fsdp'] / med['torch_ddp']:.2f}x",
+                flush=True,
+            )
     finally:
         shutdown_worlds()
 

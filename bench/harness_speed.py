@@ -28,7 +28,8 @@ from ddpcheck._world.worlds import World
 from ddpcheck.scenario import Scenario
 
 SCENARIOS = [Scenario(zoo.MLP, global_batch=8, steps=1, seed=s) for s in range(3)] + [
-    Scenario(zoo.Tied, global_batch=7, steps=1, seed=3)]
+    Scenario(zoo.Tied, global_batch=7, steps=1, seed=3)
+]
 TARGET = targets.PARALLEL
 #: docs/platform.md: one equivalence example in an already-running world, W = 2, 3, 4.
 NOTES_MS = {2: 6.5, 3: 14.6, 4: 22.5}
@@ -36,8 +37,10 @@ NOTES_MS = {2: 6.5, 3: 14.6, 4: 22.5}
 
 def _replay_collectives(calls: list[tuple], repeats: int) -> list[float]:
     """In a rank: issue `calls` (op, shapes, dtypes, root) `repeats` times; seconds each."""
-    tensors = [[torch.zeros(s, dtype=getattr(torch, d)) for s, d in zip(shapes, dtypes)]
-               for _, shapes, dtypes, _, _ in calls]
+    tensors = [
+        [torch.zeros(s, dtype=getattr(torch, d)) for s, d in zip(shapes, dtypes)]
+        for _, shapes, dtypes, _, _ in calls
+    ]
     times = []
     for _ in range(repeats):
         dist.barrier()
@@ -49,8 +52,11 @@ def _replay_collectives(calls: list[tuple], repeats: int) -> list[float]:
             elif op == "broadcast":
                 handles.append(dist.broadcast(ts[0], src=root, async_op=is_async))
             elif op == "all_gather":
-                handles.append(dist.all_gather([torch.empty_like(ts[0])
-                                                for _ in range(dist.get_world_size())], ts[0]))
+                handles.append(
+                    dist.all_gather(
+                        [torch.empty_like(ts[0]) for _ in range(dist.get_world_size())], ts[0]
+                    )
+                )
         for h in handles:
             if h is not None:
                 h.wait()  # sync point: the replay is done when every collective is
@@ -77,10 +83,14 @@ def main() -> None:
     parser.add_argument("--spawned", type=int, default=3, help="fresh-world examples per W")
     args = parser.parse_args()
     references = [prepare_reference(s) for s in SCENARIOS]
-    print(f"harness speed, {TARGET.__class__.__name__}, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}")
-    print(f"{'W':>2} {'persistent':>12} {'spawn/example':>14} {'raw comm':>10} "
-          f"{'spawn/persist':>14} {'persist/raw':>12} {'persist/notes':>14}")
+    print(
+        f"harness speed, {TARGET.__class__.__name__}, torch {torch.__version__}, "
+        f"{time.strftime('%Y-%m-%d')}"
+    )
+    print(
+        f"{'W':>2} {'persistent':>12} {'spawn/example':>14} {'raw comm':>10} "
+        f"{'spawn/persist':>14} {'persist/raw':>12} {'persist/notes':>14}"
+    )
     for world_size in (2, 3, 4):
         get_world(world_size)  # start-up is not part of the per-example figure
         persistent, raw = [], []
@@ -100,8 +110,10 @@ def main() -> None:
             world.close()
             spawned.append(time.perf_counter() - start)
         p, s, r = (statistics.median(x) for x in (persistent, spawned, raw))
-        print(f"{world_size:>2} {p * 1e3:>10.1f}ms {s:>13.2f}s {r * 1e3:>8.2f}ms "
-              f"{s / p:>13.0f}x {p / r:>11.1f}x {p * 1e3 / NOTES_MS[world_size]:>13.2f}x")
+        print(
+            f"{world_size:>2} {p * 1e3:>10.1f}ms {s:>13.2f}s {r * 1e3:>8.2f}ms "
+            f"{s / p:>13.0f}x {p / r:>11.1f}x {p * 1e3 / NOTES_MS[world_size]:>13.2f}x"
+        )
     shutdown_worlds()
 
 

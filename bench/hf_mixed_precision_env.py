@@ -33,11 +33,13 @@ def main() -> None:
     seen = []  # the Linear's own output, inside the forward accelerate wraps in autocast
     model[0].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
     trainer.accelerator.prepare_model(model)(torch.ones(1, 2))
-    print(f"transformers {transformers.__version__}: after TrainingArguments(bf16=True), "
-          f"TrainingArguments(bf16=False) leaves ACCELERATE_MIXED_PRECISION="
-          f"{os.environ.get('ACCELERATE_MIXED_PRECISION')!r}; its Trainer's accelerator runs "
-          f"{trainer.accelerator.mixed_precision!r} mixed precision, and a float32 Linear "
-          f"computes in {seen[0]}")
+    print(
+        f"transformers {transformers.__version__}: after TrainingArguments(bf16=True), "
+        f"TrainingArguments(bf16=False) leaves ACCELERATE_MIXED_PRECISION="
+        f"{os.environ.get('ACCELERATE_MIXED_PRECISION')!r}; its Trainer's accelerator runs "
+        f"{trainer.accelerator.mixed_precision!r} mixed precision, and a float32 Linear "
+        f"computes in {seen[0]}"
+    )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,10 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def load(processes: int) -> Iterator[None]:
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-             for _ in range(processes)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+        for _ in range(processes)
+    ]
     try:
         time.sleep(1.0)  # running, and counted in the load average
         yield
@@ -55,12 +57,23 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=30)
     parser.add_argument("--world-sizes", default="2,3")
     parser.add_argument("--deadline", type=float, default=None)
-    parser.add_argument("--command", default=None,
-                        help="run this instead (a leading FILE.py or -m runs with this Python); "
-                             "its last 3 lines are shown")
+    parser.add_argument(
+        "--command",
+        default=None,
+        help="run this instead (a leading FILE.py or -m runs with this Python); "
+        "its last 3 lines are shown",
+    )
     args = parser.parse_args()
-    command = [sys.executable, "-m", "ddpcheck", "check", "--examples", str(args.examples),
-               "--world-sizes", args.world_sizes]
+    command = [
+        sys.executable,
+        "-m",
+        "ddpcheck",
+        "check",
+        "--examples",
+        str(args.examples),
+        "--world-sizes",
+        args.world_sizes,
+    ]
     if args.deadline is not None:
         command += ["--deadline", str(args.deadline)]
     lines = 1
@@ -68,8 +81,10 @@ def main() -> None:
         command, lines = shlex.split(args.command), 3
         if command[0].endswith(".py") or command[0] == "-m":
             command.insert(0, sys.executable)
-    print(f"{' '.join(command[1:])}  ({os.cpu_count()} cores; load: {args.processes} CPU-bound "
-          "processes, a session each)")
+    print(
+        f"{' '.join(command[1:])}  ({os.cpu_count()} cores; load: {args.processes} CPU-bound "
+        "processes, a session each)"
+    )
     print(f"{'run':>3}  {'load':>6}  {'exit':>4}  {'wall s':>7}  {'loadavg':>7}  last line")
     statuses = []
     for index in range(args.runs):
@@ -78,8 +93,11 @@ def main() -> None:
                 status, wall, last = run(command, lines)
                 average = os.getloadavg()[0]
             statuses.append(status)
-            print(f"{index:>3}  {'loaded' if loaded else 'quiet':>6}  {status:>4}  {wall:7.1f}  "
-                  f"{average:7.1f}  {last if lines > 1 else last[:90]}", flush=True)
+            print(
+                f"{index:>3}  {'loaded' if loaded else 'quiet':>6}  {status:>4}  {wall:7.1f}  "
+                f"{average:7.1f}  {last if lines > 1 else last[:90]}",
+                flush=True,
+            )
     print(f"exit statuses: {sorted(set(statuses))} (0 wanted everywhere)")
     sys.exit(0 if set(statuses) == {0} else 1)
 

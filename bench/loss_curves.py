@@ -44,15 +44,19 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
-    for name, cls, kwargs in [("Adam", torch.optim.Adam, {"lr": 1e-3}),
-                              ("AdamW", torch.optim.AdamW, {"lr": 1e-3}),
-                              ("SGD", torch.optim.SGD, {"lr": 0.05})]:
+    for name, cls, kwargs in [
+        ("Adam", torch.optim.Adam, {"lr": 1e-3}),
+        ("AdamW", torch.optim.AdamW, {"lr": 1e-3}),
+        ("SGD", torch.optim.SGD, {"lr": 0.05}),
+    ]:
         right = train(cls, 1.0, args.steps, **kwargs)
         wrong = train(cls, float(args.world_size), args.steps, **kwargs)
         gap = max(abs(a - b) / a for a, b in zip(right, wrong))
-        print(f"{name:5s}  averaged: final loss {right[-1]:.6f}   summed over W={args.world_size}: "
-              f"final loss {wrong[-1]:.6f}   largest relative gap over {args.steps} steps "
-              f"{gap:.1e}")
+        print(
+            f"{name:5s}  averaged: final loss {right[-1]:.6f}   summed over W={args.world_size}: "
+            f"final loss {wrong[-1]:.6f}   largest relative gap over {args.steps} steps "
+            f"{gap:.1e}"
+        )
 
 
 if __name__ == "__main__":

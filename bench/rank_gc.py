@@ -84,17 +84,25 @@ def main() -> None:
                     world.run(_freeze)
     finally:
         shutdown_worlds()
-    print(f"W=2, a target creating one process group per example, {args.examples} examples x "
-          f"{args.repeats} (medians)")
-    medians = {state: [statistics.median(r[i] for r in rows) for i in range(3)]
-               for state, rows in figures.items()}
+    print(
+        f"W=2, a target creating one process group per example, {args.examples} examples x "
+        f"{args.repeats} (medians)"
+    )
+    medians = {
+        state: [statistics.median(r[i] for r in rows) for i in range(3)]
+        for state, rows in figures.items()
+    }
     for state, (collection, wall, cpu) in medians.items():
-        print(f"  {state:<9} objects frozen {figures[state][0][3]:>7}: gc.collect() in a rank "
-              f"{collection * 1e3:7.2f} ms; per example wall {wall * 1e3:6.1f} ms, "
-              f"CPU {cpu * 1e3:6.1f} ms")
+        print(
+            f"  {state:<9} objects frozen {figures[state][0][3]:>7}: gc.collect() in a rank "
+            f"{collection * 1e3:7.2f} ms; per example wall {wall * 1e3:6.1f} ms, "
+            f"CPU {cpu * 1e3:6.1f} ms"
+        )
     (c0, w0, u0), (c1, w1, u1) = medians["frozen"], medians["unfrozen"]
-    print(f"  unfrozen / frozen: collection {c1 / c0:.0f}x, example wall {w1 / w0:.1f}x, "
-          f"CPU {u1 / u0:.1f}x")
+    print(
+        f"  unfrozen / frozen: collection {c1 / c0:.0f}x, example wall {w1 / w0:.1f}x, "
+        f"CPU {u1 / u0:.1f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,12 @@ from __future__ import annotations
 import json
 import sys
 
-PHASE_COLOURS = {"forward": "#9ecae1", "backward": "#4292c6", "after_backward": "#fdae6b",
-                 "optimizer.step": "#a1d99b"}
+PHASE_COLOURS = {
+    "forward": "#9ecae1",
+    "backward": "#4292c6",
+    "after_backward": "#fdae6b",
+    "optimizer.step": "#a1d99b",
+}
 OP_COLOURS = {"all_reduce": "#d62728", "broadcast": "#2ca02c", "all_gather": "#9467bd"}
 
 
@@ -30,8 +34,9 @@ def render(trace_path: str, png_path: str) -> None:
         trace = json.load(f)
     events = trace["traceEvents"]
     ranks = sorted({e["pid"] for e in events})
-    lanes = {r: max([e["tid"] for e in events if e["pid"] == r and e["ph"] == "X"] + [0])
-             for r in ranks}
+    lanes = {
+        r: max([e["tid"] for e in events if e["pid"] == r and e["ph"] == "X"] + [0]) for r in ranks
+    }
     rows_per_rank = {r: lanes[r] + 1 for r in ranks}
     # rank r's rows, top to bottom: phases, then collective lanes
     y_of, y, labels = {}, 0, []
@@ -52,10 +57,10 @@ def render(trace_path: str, png_path: str) -> None:
             colour = OP_COLOURS.get(e["name"].split()[0], "#7f7f7f")
             mib = e["args"]["bytes"] / 2**20
             text = e["name"].replace("all_reduce ", "") + (f" {mib:.1f} MiB" if mib >= 0.1 else "")
-        ax.broken_barh([(start, width)], (row - 0.4, 0.8), facecolors=colour,
-                       edgecolors="black", linewidth=0.4)
-        ax.text(start + width / 2, row, text, ha="center", va="center", fontsize=7,
-                clip_on=True)
+        ax.broken_barh(
+            [(start, width)], (row - 0.4, 0.8), facecolors=colour, edgecolors="black", linewidth=0.4
+        )
+        ax.text(start + width / 2, row, text, ha="center", va="center", fontsize=7, clip_on=True)
     for e in events:
         if e["ph"] == "f":  # wait() returned here
             row = y_of[(e["pid"], 0)]
@@ -63,8 +68,10 @@ def render(trace_path: str, png_path: str) -> None:
     ax.set_yticks([y_of[k] for k in y_of], labels)
     ax.set_xlabel("ms since the step started (one clock for all ranks)")
     title = trace.get("otherData", {}).get("title")
-    ax.set_title((title or "ddpcheck trace") + ": bars from launch to completion, "
-                 "| where wait() returned", fontsize=9)
+    ax.set_title(
+        (title or "ddpcheck trace") + ": bars from launch to completion, | where wait() returned",
+        fontsize=9,
+    )
     ax.grid(axis="x", linestyle=":", linewidth=0.5)
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
@@ -91,8 +98,9 @@ if __name__ == "__main__":
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "trace.json")
             record(path)
-            out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs",
-                               "trace.png")
+            out = os.path.join(
+                os.path.dirname(os.path.abspath(__file__)), "..", "docs", "trace.png"
+            )
             render(path, out)
             print(f"wrote {os.path.normpath(out)}")
     else:

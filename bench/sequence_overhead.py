@@ -74,10 +74,12 @@ def main() -> None:
     finally:
         shutdown_worlds()
     on, off = statistics.median(times[True]), statistics.median(times[False])
-    print(f"W={args.world_size}: {per_rank[0]} collectives per example per rank; "
-          f"sequence files on {on * 1e3:.2f} ms, off {off * 1e3:.2f} ms per example "
-          f"(median of {args.blocks} blocks x {args.examples}): overhead "
-          f"{100 * (on - off) / off:+.1f} %; parent-side read+compare {parent_us:.0f} us")
+    print(
+        f"W={args.world_size}: {per_rank[0]} collectives per example per rank; "
+        f"sequence files on {on * 1e3:.2f} ms, off {off * 1e3:.2f} ms per example "
+        f"(median of {args.blocks} blocks x {args.examples}): overhead "
+        f"{100 * (on - off) / off:+.1f} %; parent-side read+compare {parent_us:.0f} us"
+    )
     print("  blocks on (ms): " + " ".join(f"{t * 1e3:.1f}" for t in times[True]))
     print("  blocks off (ms): " + " ".join(f"{t * 1e3:.1f}" for t in times[False]))
 

@@ -32,8 +32,20 @@ def gpt_shapes(vocab: int, block: int, layers: int, d: int) -> list[tuple[int, .
     """nanoGPT's parameters in ``model.parameters()`` order (lm_head tied to wte, bias=True)."""
     shapes = [(vocab, d), (block, d)]
     for _ in range(layers):
-        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,),  # ln_1, attn
-                   (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]  # ln_2, mlp
+        shapes += [
+            (d,),
+            (d,),
+            (3 * d, d),
+            (3 * d,),
+            (d, d),
+            (d,),  # ln_1, attn
+            (d,),
+            (d,),
+            (4 * d, d),
+            (4 * d,),
+            (d, 4 * d),
+            (d,),
+        ]  # ln_2, mlp
     return [*shapes, (d,), (d,)]  # ln_f
 
 
@@ -60,8 +72,11 @@ def balance(world_size: int = 4) -> None:
             for p, owner in zip(params, rule(params, world_size)):
                 loads[owner] += state_bytes(p)
             cells.append(f"{rule_name} {max(loads) / ideal:.3f}")
-        print(f"  {name:18} {len(params):3} tensors, {total / 2**20:7.1f} MiB: "
-              + ", ".join(cells) + f"  (best possible >= {bound:.3f})")
+        print(
+            f"  {name:18} {len(params):3} tensors, {total / 2**20:7.1f} MiB: "
+            + ", ".join(cells)
+            + f"  (best possible >= {bound:.3f})"
+        )
 
 
 def _rank_time(shapes: list[tuple[int, ...]], repetitions: int) -> dict[str, list[float]]:
@@ -76,13 +91,25 @@ def _rank_time(shapes: list[tuple[int, ...]], repetitions: int) -> dict[str, lis
 
     ours_params, torch_params, bucket_params = replica(), replica(), replica()
     variants = {
-        "ours": (ShardedOptimizer(ours_params, torch.optim.AdamW, sharding_rule=sharding.greedy,
-                                  lr=1e-3), ours_params),
-        "torch": (ZeroRedundancyOptimizer(torch_params, optimizer_class=torch.optim.AdamW,
-                                          lr=1e-3), torch_params),
-        "torch bucket view": (ZeroRedundancyOptimizer(
-            bucket_params, optimizer_class=torch.optim.AdamW, lr=1e-3,
-            parameters_as_bucket_view=True), bucket_params),
+        "ours": (
+            ShardedOptimizer(
+                ours_params, torch.optim.AdamW, sharding_rule=sharding.greedy, lr=1e-3
+            ),
+            ours_params,
+        ),
+        "torch": (
+            ZeroRedundancyOptimizer(torch_params, optimizer_class=torch.optim.AdamW, lr=1e-3),
+            torch_params,
+        ),
+        "torch bucket view": (
+            ZeroRedundancyOptimizer(
+                bucket_params,
+                optimizer_class=torch.optim.AdamW,
+                lr=1e-3,
+                parameters_as_bucket_view=True,
+            ),
+            bucket_params,
+        ),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     for rep in range(repetitions + 2):  # the first two warm up (state allocation)
@@ -112,8 +139,10 @@ def step_time(repetitions: int = 15) -> None:
     for name in ("torch", "torch bucket view"):
         ratio = statistics.median(o / t for o, t in zip(ours, times[name]))
         label = "ZeroRedundancyOptimizer" + (" (bucket view)" if "bucket" in name else "")
-        print(f"  {label:36} median {statistics.median(times[name]) * 1e3:7.1f} ms;"
-              f" ours / it = {ratio:.2f} (median ratio)")
+        print(
+            f"  {label:36} median {statistics.median(times[name]) * 1e3:7.1f} ms;"
+            f" ours / it = {ratio:.2f} (median ratio)"
+        )
 
 
 if __name__ == "__main__":

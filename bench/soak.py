@@ -67,8 +67,15 @@ from ddpcheck.features import FEATURES, declines, of  # noqa: E402
 from ddpcheck.scenario import Scenario  # noqa: E402
 from parallel import DDP, ShardedOptimizer  # noqa: E402
 
-MODELS = [zoo.MLP, zoo.Tied, zoo.SampleBranch, zoo.UnusedAndFrozen, zoo.WithBuffers,
-          zoo.NonContiguous, zoo.MixedPrecision]
+MODELS = [
+    zoo.MLP,
+    zoo.Tied,
+    zoo.SampleBranch,
+    zoo.UnusedAndFrozen,
+    zoo.WithBuffers,
+    zoo.NonContiguous,
+    zoo.MixedPrecision,
+]
 OPTIMIZERS = [
     (torch.optim.SGD, {"lr": 0.1}),
     (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
@@ -79,11 +86,19 @@ OPTIMIZERS = [
 #: rank's own parameter order, so replicas would differ in the last bit (ParallelTarget clips in
 #: name order for that reason).
 PARALLEL_STRIDED = ddpcheck.Target.from_wrappers(
-    ddp=DDP, finish="finish_gradient_sync", optimizer=ShardedOptimizer,
-    supports=frozenset(FEATURES) - {"rank-orders"}, shard_batch=batches.strided)
-TARGETS = {"parallel": targets.PARALLEL, "torch_ddp": targets.TORCH_DDP,
-           "torch_zero": targets.TORCH_ZERO, "torch_fsdp": targets.TORCH_FSDP,
-           "parallel_strided": PARALLEL_STRIDED}
+    ddp=DDP,
+    finish="finish_gradient_sync",
+    optimizer=ShardedOptimizer,
+    supports=frozenset(FEATURES) - {"rank-orders"},
+    shard_batch=batches.strided,
+)
+TARGETS = {
+    "parallel": targets.PARALLEL,
+    "torch_ddp": targets.TORCH_DDP,
+    "torch_zero": targets.TORCH_ZERO,
+    "torch_fsdp": targets.TORCH_FSDP,
+    "parallel_strided": PARALLEL_STRIDED,
+}
 #: The features of the whole step the --whole-step soak counts examples of.
 WHOLE_STEP = ("clipping", "rank-orders", "checkpoint")
 #: ... and the precision features the --tokens soak counts.
@@ -91,11 +106,16 @@ PRECISION = ("float32", "autocast", "param-dtype", "accumulation", "uneven-batch
 DEFAULT_TARGETS = "parallel,torch_ddp,torch_zero"  # torch_fsdp on request: --targets torch_fsdp
 TOKEN_TARGETS = "parallel,torch_ddp,torch_zero,torch_fsdp"
 #: --tokens: (dtype, precision policy) of a scenario, float64 and the policies most often.
-PRECISIONS = [("float64", {}), ("float64", {}), ("float32", {}),
-              ("float32", {"autocast": torch.bfloat16}), ("float32", {"autocast": torch.bfloat16}),
-              ("float32", {"autocast": torch.float16}),
-              ("float32", {"param_dtype": torch.bfloat16}),
-              ("float32", {"param_dtype": torch.bfloat16})]
+PRECISIONS = [
+    ("float64", {}),
+    ("float64", {}),
+    ("float32", {}),
+    ("float32", {"autocast": torch.bfloat16}),
+    ("float32", {"autocast": torch.bfloat16}),
+    ("float32", {"autocast": torch.float16}),
+    ("float32", {"param_dtype": torch.bfloat16}),
+    ("float32", {"param_dtype": torch.bfloat16}),
+]
 
 
 def drawn_token_scenarios(n: int, world_size: int) -> list[Scenario]:
@@ -105,10 +125,18 @@ def drawn_token_scenarios(n: int, world_size: int) -> list[Scenario]:
 
     found: list[Scenario] = []
 
-    @settings(max_examples=n, database=None, deadline=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
-    @given(dst.exercising("tokens", world_size=world_size, dtypes=("float64", "float32"),
-                          opt_in=("param-dtype",)))
+    @settings(
+        max_examples=n,
+        database=None,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(
+        dst.exercising(
+            "tokens", world_size=world_size, dtypes=("float64", "float32"), opt_in=("param-dtype",)
+        )
+    )
     def draw(scenario):
         found.append(scenario)
 
@@ -132,9 +160,18 @@ def token_scenario(index: int, seed: int, sizes: tuple[int, ...]) -> Scenario:
     optimizer, kwargs = rng.choice(OPTIMIZERS)
     dtype, precision = rng.choice(PRECISIONS)
     plain = _plain(rng, optimizer, kwargs)
-    plain.update(model=zoo.GPTConfig(width=rng.choice([8, 12]), heads=rng.choice([1, 2, 4]),
-                                     layers=rng.randint(0, 2), tied=rng.random() < 0.7),
-                 data=zoo.token_data, loss="token_cross_entropy", dtype=dtype, **precision)
+    plain.update(
+        model=zoo.GPTConfig(
+            width=rng.choice([8, 12]),
+            heads=rng.choice([1, 2, 4]),
+            layers=rng.randint(0, 2),
+            tied=rng.random() < 0.7,
+        ),
+        data=zoo.token_data,
+        loss="token_cross_entropy",
+        dtype=dtype,
+        **precision,
+    )
     if dtype == "float32":  # the mean objective: a summed one moves fast and amplifies rounding
         plain["reduction"] = "mean"
     if precision and optimizer is not torch.optim.SGD:  # as ddpcheck.strategies draws them
@@ -161,20 +198,30 @@ def _whole_step(rng: random.Random, sizes: tuple[int, ...]) -> dict:
 
 def _plain(rng: random.Random, optimizer: type, kwargs: dict) -> dict:
     return dict(
-        model=rng.choice(MODELS), optimizer=optimizer, optimizer_kwargs=dict(kwargs),
+        model=rng.choice(MODELS),
+        optimizer=optimizer,
+        optimizer_kwargs=dict(kwargs),
         param_groups=rng.choice([None, None, zoo.BiasGroups(lr=0.02, weight_decay=0.0)]),
         lr_decay=rng.choice([None, None, 0.5]),
-        global_batch=rng.randint(1, 12), steps=rng.randint(1, 3),
-        accumulation=rng.randint(1, 3), dtype=rng.choice(["float64", "float64", "float32"]),
-        reduction=rng.choice(["mean", "mean", "sum"]), seed=rng.randint(0, 10_000),
-        bucket_size_mb=rng.choice([None, 1e-6, 1000.0]), set_to_none=rng.choice([True, False]))
+        global_batch=rng.randint(1, 12),
+        steps=rng.randint(1, 3),
+        accumulation=rng.randint(1, 3),
+        dtype=rng.choice(["float64", "float64", "float32"]),
+        reduction=rng.choice(["mean", "mean", "sum"]),
+        seed=rng.randint(0, 10_000),
+        bucket_size_mb=rng.choice([None, 1e-6, 1000.0]),
+        set_to_none=rng.choice([True, False]),
+    )
 
 
 #: (name, target, world sizes) of the --strategies soak: no synchronisation is correct at W=1.
-STRATEGY_TARGETS = [("local", targets.LOCAL, (1,)), ("parallel", targets.PARALLEL, (1, 2, 3, 4)),
-                    ("torch_ddp", targets.TORCH_DDP, (1, 2, 3, 4)),
-                    ("torch_zero", targets.TORCH_ZERO, (1, 2, 3, 4)),
-                    ("torch_fsdp", targets.TORCH_FSDP, (1, 2, 3, 4))]
+STRATEGY_TARGETS = [
+    ("local", targets.LOCAL, (1,)),
+    ("parallel", targets.PARALLEL, (1, 2, 3, 4)),
+    ("torch_ddp", targets.TORCH_DDP, (1, 2, 3, 4)),
+    ("torch_zero", targets.TORCH_ZERO, (1, 2, 3, 4)),
+    ("torch_fsdp", targets.TORCH_FSDP, (1, 2, 3, 4)),
+]
 
 
 class _Tally:
@@ -192,6 +239,7 @@ class _Tally:
             for item, outcome in run(target, items, **kwargs):
                 self.see(name, item, outcome)
                 yield item, outcome
+
         return wrapped
 
     def see(self, name: str, item: tuple, outcome) -> None:
@@ -214,19 +262,36 @@ class _Tally:
         if noise_computed() > self.noise:
             self.noise = noise_computed()
             self.counts["noise"] += 1
-            verdict = ("a false alarm" if outcome.error is not None else "skipped"
-                       if outcome.skipped is not None else "passed")
-            print(f"  noise variants computed ({name}, W={world_size}, {verdict}): {sc!r}",
-                  flush=True)
+            verdict = (
+                "a false alarm"
+                if outcome.error is not None
+                else "skipped"
+                if outcome.skipped is not None
+                else "passed"
+            )
+            print(
+                f"  noise variants computed ({name}, W={world_size}, {verdict}): {sc!r}", flush=True
+            )
 
 
 #: What the --strategies soak's summary lists, in this order.
-COUNTED = ("float64", "float32", "autocast bfloat16", "autocast float16", "param_dtype bfloat16",
-           "W=1", "W=2", "W=3", "W=4", "W > batch")
+COUNTED = (
+    "float64",
+    "float32",
+    "autocast bfloat16",
+    "autocast float16",
+    "param_dtype bfloat16",
+    "W=1",
+    "W=2",
+    "W=3",
+    "W=4",
+    "W > batch",
+)
 
 
-def strategies_soak(examples: int, seed: int, chunk: int = 500,
-                    max_seconds: float | None = None) -> int:
+def strategies_soak(
+    examples: int, seed: int, chunk: int = 500, max_seconds: float | None = None
+) -> int:
     """``ddpcheck.fuzz`` -- check's random examples -- over STRATEGY_TARGETS in turn."""
     from ddpcheck._runs import fuzz as fuzzing
 
@@ -244,32 +309,47 @@ def strategies_soak(examples: int, seed: int, chunk: int = 500,
             chunk_seed = seed * 1_000_003 + rounds
             rounds += 1
             fuzzing.one_behind_the_other = tally.watching(pipeline, name)
-            result = ddpcheck.fuzz(target, examples=chunk, world_sizes=sizes, seed=chunk_seed,
-                                   dtypes=("float64", "float32"), deadline=120.0)
+            result = ddpcheck.fuzz(
+                target,
+                examples=chunk,
+                world_sizes=sizes,
+                seed=chunk_seed,
+                dtypes=("float64", "float32"),
+                deadline=120.0,
+            )
             ran[name] += result.examples
-            declined += sum(n for why, n in result.declined.items()
-                            if not why.startswith("unjudgeable: "))
+            declined += sum(
+                n for why, n in result.declined.items() if not why.startswith("unjudgeable: ")
+            )
             if result.found:
                 found.append(result.error)
-                print(f"FALSE ALARM {name} (seed {chunk_seed}), after {result.first_failure} "
-                      f"examples:\n{result.error}\n", flush=True)
-            print(f"  {sum(ran.values())} examples, {len(found)} false alarms, "
-                  f"{tally.counts['chaotic']} declined as chaotic, noise computed for "
-                  f"{tally.counts['noise']}, {time.perf_counter() - started:.0f} s", flush=True)
+                print(
+                    f"FALSE ALARM {name} (seed {chunk_seed}), after {result.first_failure} "
+                    f"examples:\n{result.error}\n",
+                    flush=True,
+                )
+            print(
+                f"  {sum(ran.values())} examples, {len(found)} false alarms, "
+                f"{tally.counts['chaotic']} declined as chaotic, noise computed for "
+                f"{tally.counts['noise']}, {time.perf_counter() - started:.0f} s",
+                flush=True,
+            )
     finally:
         fuzzing.one_behind_the_other = pipeline
         shutdown_worlds()
     seconds = time.perf_counter() - started
     total, counts = sum(ran.values()), tally.counts
     chaotic = counts["chaotic"]
-    print(f"strategies soak: {total} examples "
-          f"({', '.join(f'{n} {c}' for n, c in ran.items())}) in {rounds} chunks of {chunk}; "
-          f"{', '.join(f'{f} {counts[f]}' for f in COUNTED)}; "
-          f"{declined} drawn and declined by the target; {counts['skipped']} unjudgeable or "
-          f"declined in the ranks, {chaotic} of them as chaotic "
-          f"({100 * chaotic / max(total + counts['skipped'], 1):.2f} % of the examples run); "
-          f"the reference's noise variants computed for {counts['noise']} examples; "
-          f"{len(found)} false alarms; {seconds:.1f} s")
+    print(
+        f"strategies soak: {total} examples "
+        f"({', '.join(f'{n} {c}' for n, c in ran.items())}) in {rounds} chunks of {chunk}; "
+        f"{', '.join(f'{f} {counts[f]}' for f in COUNTED)}; "
+        f"{declined} drawn and declined by the target; {counts['skipped']} unjudgeable or "
+        f"declined in the ranks, {chaotic} of them as chaotic "
+        f"({100 * chaotic / max(total + counts['skipped'], 1):.2f} % of the examples run); "
+        f"the reference's noise variants computed for {counts['noise']} examples; "
+        f"{len(found)} false alarms; {seconds:.1f} s"
+    )
     return 1 if found else 0
 
 
@@ -277,23 +357,38 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=10_000, help="examples to run")
     parser.add_argument("--world-sizes", default="2,3,4", help="comma-separated (default 2,3,4)")
-    parser.add_argument("--targets", default=DEFAULT_TARGETS,
-                        help=f"comma-separated names among {', '.join(TARGETS)} "
-                             f"(default {DEFAULT_TARGETS})")
+    parser.add_argument(
+        "--targets",
+        default=DEFAULT_TARGETS,
+        help=f"comma-separated names among {', '.join(TARGETS)} (default {DEFAULT_TARGETS})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="scenario stream seed")
     parser.add_argument("--deadline", type=float, default=120.0, help="seconds per example")
-    parser.add_argument("--max-seconds", type=float, default=None,
-                        help="stop early after this long and report what ran")
-    parser.add_argument("--whole-step", action="store_true",
-                        help="every scenario clips, registers per rank or checkpoints; adds "
-                             "the parallel_strided target unless --targets is given")
-    parser.add_argument("--strategies", action="store_true",
-                        help="check's own random examples (ddpcheck.fuzz) over local at W=1 and "
-                             "the correct targets (torch_fsdp included) at W=1-4, in chunks of "
-                             "500; counts the examples declined as chaotic")
-    parser.add_argument("--tokens", action="store_true",
-                        help="every scenario a language model on tokens (bf16 policies "
-                             "included); adds torch_fsdp unless --targets is given")
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="stop early after this long and report what ran",
+    )
+    parser.add_argument(
+        "--whole-step",
+        action="store_true",
+        help="every scenario clips, registers per rank or checkpoints; adds "
+        "the parallel_strided target unless --targets is given",
+    )
+    parser.add_argument(
+        "--strategies",
+        action="store_true",
+        help="check's own random examples (ddpcheck.fuzz) over local at W=1 and "
+        "the correct targets (torch_fsdp included) at W=1-4, in chunks of "
+        "500; counts the examples declined as chaotic",
+    )
+    parser.add_argument(
+        "--tokens",
+        action="store_true",
+        help="every scenario a language model on tokens (bf16 policies "
+        "included); adds torch_fsdp unless --targets is given",
+    )
     args = parser.parse_args(argv)
     if args.strategies:
         return strategies_soak(args.examples, args.seed, max_seconds=args.max_seconds)
@@ -329,8 +424,10 @@ def main(argv: list[str] | None = None) -> int:
                 reference = prepare_reference(sc)
             except Exception as exc:  # the scenario itself cannot train: say so, never hide it
                 errors.append(exc)
-                print(f"SCENARIO ERROR soak-{index}: {type(exc).__name__}: {exc}\n  {sc!r}",
-                      flush=True)
+                print(
+                    f"SCENARIO ERROR soak-{index}: {type(exc).__name__}: {exc}\n  {sc!r}",
+                    flush=True,
+                )
                 index += 1
                 continue
             for name, target in chosen.items():
@@ -341,13 +438,22 @@ def main(argv: list[str] | None = None) -> int:
                     if ran >= args.examples:
                         break
                     try:
-                        check_example(target, sc, w, deadline=args.deadline, reference=reference,
-                                      name=f"soak-{index}")
+                        check_example(
+                            target,
+                            sc,
+                            w,
+                            deadline=args.deadline,
+                            reference=reference,
+                            name=f"soak-{index}",
+                        )
                     except ddpcheck.EquivalenceError as exc:
                         divergences.append(exc)
-                        print(f"DIVERGENCE {name} W={w} soak-{index}: {exc.kinds}\n"
-                              + "\n".join(str(exc).splitlines()[:12]) + f"\n{exc.replay}\n",
-                              flush=True)
+                        print(
+                            f"DIVERGENCE {name} W={w} soak-{index}: {exc.kinds}\n"
+                            + "\n".join(str(exc).splitlines()[:12])
+                            + f"\n{exc.replay}\n",
+                            flush=True,
+                        )
                     ran += 1
                     per_target[name] += 1
                     exercised = of(sc, w)
@@ -357,17 +463,22 @@ def main(argv: list[str] | None = None) -> int:
                     if target is PARALLEL_STRIDED:
                         used["owns its batch"] += 1
                     if ran % 500 == 0:
-                        print(f"  {ran} examples, {len(divergences)} divergences, "
-                              f"{time.perf_counter() - started:.0f} s", flush=True)
+                        print(
+                            f"  {ran} examples, {len(divergences)} divergences, "
+                            f"{time.perf_counter() - started:.0f} s",
+                            flush=True,
+                        )
             index += 1
     finally:
         shutdown_worlds()
     seconds = time.perf_counter() - started
-    print(f"soak: {ran} examples ({', '.join(f'{n} {c}' for n, c in per_target.items())}) over "
-          f"{index} scenarios at world sizes {sizes}; {skipped} skipped (unsupported); "
-          f"{len(divergences)} divergences; {len(errors)} scenarios the reference could not "
-          f"train; {seconds:.1f} s "
-          f"({1e3 * seconds / max(ran, 1):.1f} ms per example, world start-up included)")
+    print(
+        f"soak: {ran} examples ({', '.join(f'{n} {c}' for n, c in per_target.items())}) over "
+        f"{index} scenarios at world sizes {sizes}; {skipped} skipped (unsupported); "
+        f"{len(divergences)} divergences; {len(errors)} scenarios the reference could not "
+        f"train; {seconds:.1f} s "
+        f"({1e3 * seconds / max(ran, 1):.1f} ms per example, world start-up included)"
+    )
     if whole_step or args.tokens:
         print("examples using: " + ", ".join(f"{f} {n}" for f, n in sorted(used.items())))
     return 1 if divergences or errors else 0

@@ -72,8 +72,12 @@ def rank_grad(rank, world_size, case):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         ddp = DDP(model)
-        ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.SGD, lr=0.1,
-                                parameters_as_bucket_view=True)
+        ZeroRedundancyOptimizer(
+            ddp.parameters(),
+            optimizer_class=torch.optim.SGD,
+            lr=0.1,
+            parameters_as_bucket_view=True,
+        )
     else:
         ddp = DDP(model, gradient_as_bucket_view=case == "contiguous_after_wrap_bucket_view")
         with torch.no_grad():
@@ -86,8 +90,9 @@ def rank_grad(rank, world_size, case):
 
 
 def worker(rank, world_size, store_path, case, queue):
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size
+    )
     grad = rank_grad(rank, world_size, case)
     if rank == 0:
         queue.put(grad.tolist())
@@ -101,8 +106,10 @@ def run(case, world_size):
     with tempfile.TemporaryDirectory() as folder:
         context = mp.get_context("spawn")
         queue = context.Queue()
-        procs = [context.Process(target=worker, args=(r, world_size, f"{folder}/store", case,
-                                                       queue)) for r in range(world_size)]
+        procs = [
+            context.Process(target=worker, args=(r, world_size, f"{folder}/store", case, queue))
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         grad = torch.tensor(queue.get(timeout=300))
@@ -113,18 +120,23 @@ def run(case, world_size):
 
 def main():
     expected = reference_grad()
-    print(f"torch {torch.__version__}; conv weight {tuple(expected.shape)}, strides "
-          f"{Net().conv.weight.stride()} (channels_last)")
+    print(
+        f"torch {torch.__version__}; conv weight {tuple(expected.shape)}, strides "
+        f"{Net().conv.weight.stride()} (channels_last)"
+    )
     wrong = False
     for case, world_size, should_hold in (
-            ("zero_bucket_view", 2, False),
-            ("contiguous_after_wrap", 1, False),
-            ("contiguous_after_wrap_bucket_view", 1, True)):
+        ("zero_bucket_view", 2, False),
+        ("contiguous_after_wrap", 1, False),
+        ("contiguous_after_wrap_bucket_view", 1, True),
+    ):
         got = run(case, world_size)
         diff = (got - expected).abs().max().item()
         holds = diff < 1e-5
-        print(f"{case:36s} W={world_size}: max |grad - reference| = {diff:.3g} "
-              f"({'right' if holds else 'WRONG'})")
+        print(
+            f"{case:36s} W={world_size}: max |grad - reference| = {diff:.3g} "
+            f"({'right' if holds else 'WRONG'})"
+        )
         wrong |= should_hold and not holds
     return 1 if wrong else 0
 

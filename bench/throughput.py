@@ -93,9 +93,23 @@ def _ranks_alone(world_size: int, scenarios: list) -> float:
 def _check(world_size: int, examples: int, seed: int) -> float:
     """Seconds of a whole `ddpcheck check` process."""
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "ddpcheck", "check", "--world-sizes",
-                           str(world_size), "--examples", str(examples), "--seed", str(seed)],
-                          capture_output=True, text=True, timeout=3600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddpcheck",
+            "check",
+            "--world-sizes",
+            str(world_size),
+            "--examples",
+            str(examples),
+            "--seed",
+            str(seed),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"ddpcheck check exited {done.returncode}:\n{done.stdout}{done.stderr}")
@@ -105,8 +119,9 @@ def _check(world_size: int, examples: int, seed: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", default="2,4")
-    parser.add_argument("--examples", type=int, default=201,
-                        help="random examples of the long run (default 201)")
+    parser.add_argument(
+        "--examples", type=int, default=201, help="random examples of the long run (default 201)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=3)
     args = parser.parse_args(argv)
@@ -114,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     # one example in this process first: torch, dynamo and the reference machinery imported
     check_example(targets.PARALLEL, BATTERY[0][1], 1)
     shutdown_worlds()
-    print(f"ddpcheck {ddpcheck.__version__}, {os.cpu_count()} cores, load "
-          f"{os.getloadavg()[0]:.1f}; {args.repeats} repeats, interleaved")
+    print(
+        f"ddpcheck {ddpcheck.__version__}, {os.cpu_count()} cores, load "
+        f"{os.getloadavg()[0]:.1f}; {args.repeats} repeats, interleaved"
+    )
     rows = []
     for world_size in sizes:
         spawned, forked, first, long, alone = [], [], [], [], []
@@ -130,17 +147,23 @@ def main(argv: list[str] | None = None) -> int:
         marginal = statistics.median((lg - fs) / (args.examples - 1) for lg, fs in zip(long, first))
         a = statistics.median(alone)
         rows.append((world_size, s, f, marginal))
-        print(f"W={world_size}: spawn-per-example {s:.2f} s; first verdict {f:.2f} s "
-              f"({f / s:.2f}x a spawned example); marginal {1e3 * marginal:.1f} ms per random "
-              f"example ({s / marginal:.0f}x cheaper than a spawn); fork-per-example {k:.2f} s "
-              f"({k / marginal:.0f}x the marginal); ranks alone {1e3 * a:.1f} ms per example "
-              f"(at most {s / a:.0f}x cheaper than a spawn; the marginal is {marginal / a:.2f}x "
-              f"it); "
-              f"{args.examples} examples {statistics.median(long):.1f} s", flush=True)
+        print(
+            f"W={world_size}: spawn-per-example {s:.2f} s; first verdict {f:.2f} s "
+            f"({f / s:.2f}x a spawned example); marginal {1e3 * marginal:.1f} ms per random "
+            f"example ({s / marginal:.0f}x cheaper than a spawn); fork-per-example {k:.2f} s "
+            f"({k / marginal:.0f}x the marginal); ranks alone {1e3 * a:.1f} ms per example "
+            f"(at most {s / a:.0f}x cheaper than a spawn; the marginal is {marginal / a:.2f}x "
+            f"it); "
+            f"{args.examples} examples {statistics.median(long):.1f} s",
+            flush=True,
+        )
     verdict = all(s / m >= 100 for _, s, _, m in rows) and all(
-        f / s <= 1.5 for w, s, f, _ in rows if w == 2)
-    print("targets (>= 100x cheaper at every W; first verdict <= 1.5x a spawn at W=2): "
-          + ("met" if verdict else "NOT met"))
+        f / s <= 1.5 for w, s, f, _ in rows if w == 2
+    )
+    print(
+        "targets (>= 100x cheaper at every W; first verdict <= 1.5x a spawn at W=2): "
+        + ("met" if verdict else "NOT met")
+    )
     return 0
 
 

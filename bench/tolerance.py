@@ -60,18 +60,27 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=150)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--where", action="store_true", help="print where each worst case was")
-    parser.add_argument("--precision", action="store_true",
-                        help="float32 scenarios under a precision policy (autocast, param_dtype)")
+    parser.add_argument(
+        "--precision",
+        action="store_true",
+        help="float32 scenarios under a precision policy (autocast, param_dtype)",
+    )
     args = parser.parse_args()
     chosen = PRECISION_TARGETS if args.precision else TARGETS
     if args.precision:  # a policy in every scenario: autocast anywhere, param_dtype on FSDP2
+
         def scenarios(world_size):
-            return st.one_of(dst.exercising("autocast", world_size=world_size),
-                             dst.exercising("param-dtype", world_size=world_size))
+            return st.one_of(
+                dst.exercising("autocast", world_size=world_size),
+                dst.exercising("param-dtype", world_size=world_size),
+            )
     else:
+
         def scenarios(world_size):
-            return dst.scenarios(models=dst.models(mixed_dtypes=True),
-                                 dtypes=("float64", "float32"))
+            return dst.scenarios(
+                models=dst.models(mixed_dtypes=True), dtypes=("float64", "float32")
+            )
+
     worst: dict[tuple[str, int], float] = collections.defaultdict(float)
     where: dict[tuple[str, int], str] = {}
     count: dict[tuple[str, int], int] = collections.Counter()
@@ -83,8 +92,12 @@ def main() -> None:
             where[key] = f"{what} of {scenario!r}"
 
     @seed(args.seed)
-    @settings(max_examples=args.examples, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=args.examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(data=st.data(), world_size=dst.world_sizes(), target=st.sampled_from(chosen))
     def measure(data, world_size, target):
         scenario = data.draw(scenarios(world_size))
@@ -102,21 +115,31 @@ def main() -> None:
                     for name, value in getattr(ref, field).items():
                         got = getattr(mine, field)[name]
                         if value is not None and got is not None:
-                            note(key, used_fraction(got, value, rtol, atol),
-                                 f"{field} {name} step {step}", scenario)
+                            note(
+                                key,
+                                used_fraction(got, value, rtol, atol),
+                                f"{field} {name} step {step}",
+                                scenario,
+                            )
                 for name, state in ref.state.items():
                     for k, value in state.items():
                         got = mine.state.get(name, {}).get(k)
                         if torch.is_tensor(value) and torch.is_tensor(got):
-                            note(key, used_fraction(got, value, rtol, atol),
-                                 f"state {name}[{k}] step {step}", scenario)
+                            note(
+                                key,
+                                used_fraction(got, value, rtol, atol),
+                                f"state {name}[{k}] step {step}",
+                                scenario,
+                            )
 
     measure()
     shutdown_worlds()
     names = ", ".join(type(t).__name__ for t in chosen)
-    print(f"tolerance calibration, {args.examples} random examples of {names}, "
-          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
-          f"{time.perf_counter() - started:.0f} s")
+    print(
+        f"tolerance calibration, {args.examples} random examples of {names}, "
+        f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
+        f"{time.perf_counter() - started:.0f} s"
+    )
     print(f"{'dtype':>18} {'W':>2} {'examples':>9} {'worst share of tolerance used':>30}")
     for (dtype, w), value in sorted(worst.items()):
         print(f"{dtype:>18} {w:>2} {count[(dtype, w)]:>9} {value:>30.3g}")

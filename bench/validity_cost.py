@@ -31,8 +31,13 @@ from ddpcheck._world.registry import get_world, shutdown_worlds  # noqa: E402
 def _scenarios(n: int) -> list:
     drawn = []
 
-    @settings(max_examples=n, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=n,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(dst.scenarios(models=dst.models(mixed_dtypes=True)))
     def draw(scenario):
         drawn.append(scenario)
@@ -62,8 +67,10 @@ def main() -> None:
         references.append(_cpu(reference_run, scenario))
 
     def ms(values: list[float]) -> str:
-        return (f"median {statistics.median(values) * 1e3:.2f} ms, "
-                f"mean {statistics.fmean(values) * 1e3:.2f} ms")
+        return (
+            f"median {statistics.median(values) * 1e3:.2f} ms, "
+            f"mean {statistics.fmean(values) * 1e3:.2f} ms"
+        )
 
     print(f"{len(scenarios)} random scenarios, parent CPU time per scenario:")
     print(f"  check_scenario  {ms(checks)}")
@@ -90,8 +97,10 @@ def main() -> None:
     print(f"{args.examples} examples at W=2 (parallel target, wall time):")
     print(f"  with check_scenario     {ms(with_check)}")
     print(f"  without check_scenario  {ms(without)}")
-    print(f"  added: {added * 1e3:.2f} ms per example (median difference), "
-          f"{added / statistics.median(without) * 100:.0f} %")
+    print(
+        f"  added: {added * 1e3:.2f} ms per example (median difference), "
+        f"{added / statistics.median(without) * 100:.0f} %"
+    )
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ class OverlapDDP(nn.Module):
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
         """Launch what is left, wait for every all-reduce, and leave the mean in ``.grad``."""
-        for param in self.order[self.launched:]:
+        for param in self.order[self.launched :]:
             self._launch(param)
         for param, buffer, work in self.pending:
             work.wait()
@@ -114,8 +114,10 @@ class Zero1:
             groups = [{"params": groups}]
         self.params = [p for group in groups for p in group["params"]]
         self.owner = {p: i % world_size for i, p in enumerate(self.params)}
-        mine = [{**group, "params": [p for p in group["params"] if self.owner[p] == rank]}
-                for group in groups]
+        mine = [
+            {**group, "params": [p for p in group["params"] if self.owner[p] == rank]}
+            for group in groups
+        ]
         mine = [group for group in mine if group["params"]]
         # W > number of parameters leaves a rank with nothing to own: no inner optimizer there
         self.inner = optimizer_cls(mine, **defaults) if mine else None
@@ -146,10 +148,16 @@ class Zero1:
 # Zero-filled unused parameters (not None); Zero1 is no torch Optimizer, so no LR scheduler;
 # tensors paired by registration position (as torch DDP does), so one order on every rank;
 # and it has no state_dict to checkpoint.
-SUPPORTS = frozenset(features.FEATURES) - features.parse("unused-everywhere,lr-schedule,"
-                                                         "rank-orders,checkpoint")
-TARGET = ddpcheck.Target.from_wrappers(ddp=OverlapDDP, finish="finish_gradient_synchronization",
-                                       optimizer=Zero1, supports=SUPPORTS)
-BUGGY = ddpcheck.Target.from_wrappers(ddp=OverlapDDP, finish="finish_gradient_synchronization",
-                                      optimizer=Zero1, optimizer_kwargs={"bug": True},
-                                      supports=SUPPORTS)
+SUPPORTS = frozenset(features.FEATURES) - features.parse(
+    "unused-everywhere,lr-schedule,rank-orders,checkpoint"
+)
+TARGET = ddpcheck.Target.from_wrappers(
+    ddp=OverlapDDP, finish="finish_gradient_synchronization", optimizer=Zero1, supports=SUPPORTS
+)
+BUGGY = ddpcheck.Target.from_wrappers(
+    ddp=OverlapDDP,
+    finish="finish_gradient_synchronization",
+    optimizer=Zero1,
+    optimizer_kwargs={"bug": True},
+    supports=SUPPORTS,
+)

@@ -90,14 +90,16 @@ class BackwardSyncDDP(nn.Module):
     @torch.no_grad()
     def _launch(self, param: nn.Parameter) -> None:
         if param.grad is None:
-            raise RuntimeError(f"parameter {self.names[param]!r} has no gradient on this rank; "
-                               "every trainable parameter must take part in every step")
+            raise RuntimeError(
+                f"parameter {self.names[param]!r} has no gradient on this rank; "
+                "every trainable parameter must take part in every step"
+            )
         buffer = param.grad if param.grad.is_contiguous() else param.grad.contiguous()
         self.pending.append((param, buffer, dist.all_reduce(buffer, async_op=True)))
 
     @torch.no_grad()
     def _finish(self) -> None:
-        for param in self.order[self.launched:]:
+        for param in self.order[self.launched :]:
             self._launch(param)  # not produced by this backward, accumulated under no_sync()
         for param, buffer, work in self.pending:
             work.wait()
@@ -111,8 +113,10 @@ class BackwardSyncDDP(nn.Module):
 # -- the ddpcheck targets: public API only ---------------------------------------------------
 # Every parameter must have a gradient on every rank, and every rank must register them in one
 # order (torch DDP's default contract: buckets pair tensors by registration position).
-SUPPORTS = frozenset(features.FEATURES) - features.parse("unused-on-some-ranks,unused-everywhere,"
-                                                         "rank-orders")
+SUPPORTS = frozenset(features.FEATURES) - features.parse(
+    "unused-on-some-ranks,unused-everywhere,rank-orders"
+)
 TARGET = ddpcheck.Target.from_wrappers(ddp=BackwardSyncDDP, finish=None, supports=SUPPORTS)
-BUGGY = ddpcheck.Target.from_wrappers(ddp=BackwardSyncDDP, ddp_kwargs={"bug": True},
-                                      finish=None, supports=SUPPORTS)
+BUGGY = ddpcheck.Target.from_wrappers(
+    ddp=BackwardSyncDDP, ddp_kwargs={"bug": True}, finish=None, supports=SUPPORTS
+)

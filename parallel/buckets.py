@@ -39,12 +39,13 @@ class Bucket:
         # The buffer the all-reduce works on, allocated once: no allocation (and no page faults)
         # per step. views[i] is params[i]'s slice, shaped like it; it becomes params[i].grad
         # after a sync when params[i] is contiguous (as_grad[i]).
-        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=self.dtype,
-                                device=params[0].device)  # (bucket numel,)
+        self.flat = torch.zeros(
+            sum(p.numel() for p in params), dtype=self.dtype, device=params[0].device
+        )  # (bucket numel,)
         self.views: list[torch.Tensor] = []
         offset = 0
         for p in params:
-            self.views.append(self.flat[offset:offset + p.numel()].view(p.shape))  # (p.shape)
+            self.views.append(self.flat[offset : offset + p.numel()].view(p.shape))  # (p.shape)
             offset += p.numel()
         self.as_grad = [p.is_contiguous() for p in params]
         # per iteration (reset by DDP._reset_iteration)

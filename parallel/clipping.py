@@ -42,6 +42,7 @@ class GlobalNormClipping:
     _group: dist.ProcessGroup | None
 
     if TYPE_CHECKING:
+
         def _params(self) -> list[torch.Tensor]: ...
 
         def _average_gradients(self, params: list[torch.Tensor]) -> None: ...
@@ -87,13 +88,17 @@ class GlobalNormClipping:
         # all-reduce one float64 scalar per rank (the sum of |g|^p over the gradients it owns, or
         # their largest |g| for inf) among all ranks, before any gradient is scaled: a rank sees
         # only its share of the norm, and every rank must scale by the same coefficient
-        dist.all_reduce(share, op=dist.ReduceOp.MAX if math.isinf(norm_type)
-                        else dist.ReduceOp.SUM, group=self._group)
+        dist.all_reduce(
+            share,
+            op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM,
+            group=self._group,
+        )
         return norm_from_shares(share, norm_type)
 
 
-def norm_share(grads: list[torch.Tensor], norm_type: float,
-               device: torch.device | None = None) -> torch.Tensor:
+def norm_share(
+    grads: list[torch.Tensor], norm_type: float, device: torch.device | None = None
+) -> torch.Tensor:
     """What ``grads`` add to a p-norm: the sum of |g|^p (max |g| for inf), a float64 scalar, from
     per-tensor norms as torch's ``clip_grad_norm_`` takes them (exact inputs: torch's bits).
     ``device``: where a rank with no gradients puts its zero (NCCL carries only CUDA tensors)."""

@@ -107,8 +107,9 @@ class DDP(nn.Module):
         self._state_order = self._agree_on_order()
         mark_positions(self._state_order)  # for ShardedOptimizer (parallel.handover)
         trainable = set(params)
-        self._params = params = [t for t in self._state_order
-                                 if isinstance(t, nn.Parameter) and t in trainable]
+        self._params = params = [
+            t for t in self._state_order if isinstance(t, nn.Parameter) and t in trainable
+        ]
         self._broadcast_state()
         self._bucket_cap_bytes = int(bucket_size_mb * 1024 * 1024)
         self._lay_out_buckets(params)  # sets self._buckets and self._where
@@ -157,16 +158,20 @@ class DDP(nn.Module):
         order, or the world hangs.
         """
         if not self._sync_enabled:
-            raise RuntimeError("finish_gradient_sync() was called inside no_sync(), where "
-                               "gradients stay local; call it after the backward that runs "
-                               "outside no_sync()")
+            raise RuntimeError(
+                "finish_gradient_sync() was called inside no_sync(), where "
+                "gradients stay local; call it after the backward that runs "
+                "outside no_sync()"
+            )
         if not self._step_started:
-            raise RuntimeError("finish_gradient_sync() was called twice, or before any forward/"
-                               "backward through the DDP wrapper; call it exactly once after "
-                               "each synchronised backward")
+            raise RuntimeError(
+                "finish_gradient_sync() was called twice, or before any forward/"
+                "backward through the DDP wrapper; call it exactly once after "
+                "each synchronised backward"
+            )
         self._check_parameters_unchanged()
         # Launch what is still filling, in index order: every rank issues the same sequence.
-        for bucket in self._buckets[self._next_launch:]:
+        for bucket in self._buckets[self._next_launch :]:
             self._launch(bucket)
         self._next_launch = len(self._buckets)
         # Sync point: which parameters any rank used decides between a gradient and None.
@@ -202,8 +207,9 @@ class DDP(nn.Module):
         Names, not positions: the registration order may differ (see ``_agree_on_order``).
         """
         tensors = [*self.module.named_parameters(), *self.module.named_buffers()]
-        signature = repr(sorted((n, tuple(t.shape), str(t.dtype), t.requires_grad)
-                                for n, t in tensors)).encode()
+        signature = repr(
+            sorted((n, tuple(t.shape), str(t.dtype), t.requires_grad) for n, t in tensors)
+        ).encode()
         digest = int.from_bytes(hashlib.sha256(signature).digest()[:7], "little")
         mine = torch.tensor([digest, len(tensors)], dtype=torch.int64, device=self._device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
@@ -217,7 +223,8 @@ class DDP(nn.Module):
             raise RuntimeError(
                 f"ranks {differ} (group ranks) wrap different parameters or buffers than rank 0 "
                 f"(names, shapes, dtypes or requires_grad differ; tensors per rank: {counts}); "
-                "build the same module on every rank")
+                "build the same module on every rank"
+            )
 
     def _agree_on_order(self) -> list[torch.Tensor]:
         """Every parameter and buffer, in the group's rank-0 registration order, on every rank.
@@ -230,8 +237,9 @@ class DDP(nn.Module):
         named = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
         ranked = sorted(named)
         position = {name: i for i, name in enumerate(ranked)}
-        order = torch.tensor([position[name] for name in named], dtype=torch.int64,
-                             device=self._device)  # (tensors,)
+        order = torch.tensor(
+            [position[name] for name in named], dtype=torch.int64, device=self._device
+        )  # (tensors,)
         # broadcast rank 0's registration order (one int64 per parameter and buffer), once, at
         # construction: every rank then pairs tensors in it, whatever order it registered them in
         dist.broadcast(order, src=self._broadcast_source(), group=self.process_group)
@@ -269,8 +277,9 @@ class DDP(nn.Module):
         # param -> (bucket index, position in bucket)
         self._where = {p: (b.index, i) for b in self._buckets for i, p in enumerate(b.params)}
 
-    def _build_buckets(self, params: list[nn.Parameter],
-                       cap_bytes: int) -> list[list[nn.Parameter]]:
+    def _build_buckets(
+        self, params: list[nn.Parameter], cap_bytes: int
+    ) -> list[list[nn.Parameter]]:
         """The parameters of each bucket, in launch order: reverse registration order (the order
         backward usually produces them), one dtype and device per bucket, at most ``cap_bytes``
         each (a larger parameter gets a bucket of its own)."""
@@ -302,12 +311,13 @@ class DDP(nn.Module):
                 f"the gradient of parameter {self._names.get(param, '?')!r} was produced twice in "
                 "one synchronised backward (a second backward() before finish_gradient_sync(), "
                 "or reentrant checkpointing); run the earlier backwards under no_sync(), or call "
-                "finish_gradient_sync() in between")
+                "finish_gradient_sync() in between"
+            )
         bucket.ready.add(position)
         # Launch every bucket that is complete, but never out of index order.
-        while (self._next_launch < len(self._buckets)
-               and len(self._buckets[self._next_launch].ready)
-               == len(self._buckets[self._next_launch].params)):
+        while self._next_launch < len(self._buckets) and len(
+            self._buckets[self._next_launch].ready
+        ) == len(self._buckets[self._next_launch].params):
             self._launch(self._buckets[self._next_launch])
             self._next_launch += 1
 
@@ -318,8 +328,7 @@ class DDP(nn.Module):
         op = dist.ReduceOp.AVG if self._average_in_collective else dist.ReduceOp.SUM
         # all-reduce bucket `bucket.index` (grads of its params) across the group as soon as its
         # last gradient is ready, so communication overlaps the rest of backward.
-        bucket.handle = dist.all_reduce(bucket.flat, op=op, group=self.process_group,
-                                        async_op=True)
+        bucket.handle = dist.all_reduce(bucket.flat, op=op, group=self.process_group, async_op=True)
         bucket.state = BucketState.IN_FLIGHT
         if bucket.index == len(self._buckets) - 1:
             self._launch_usage_exchange()
@@ -339,12 +348,14 @@ class DDP(nn.Module):
 
         Called right after the last bucket launches: every gradient of this step exists by then.
         """
-        self._used = torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32,
-                                  device=self._device)
+        self._used = torch.tensor(
+            [p.grad is not None for p in self._params], dtype=torch.int32, device=self._device
+        )
         # all-reduce the per-parameter "has a gradient here" flags (4 bytes per parameter) behind
         # the last bucket, so a parameter no rank used keeps grad=None, as in one process.
-        self._used_handle = dist.all_reduce(self._used, op=dist.ReduceOp.SUM,
-                                            group=self.process_group, async_op=True)
+        self._used_handle = dist.all_reduce(
+            self._used, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True
+        )
 
     # -- finish: waits, write-back ------------------------------------------------------------
 
@@ -395,7 +406,8 @@ class DDP(nn.Module):
             raise RuntimeError(
                 f"{what} while gradients of the last backward are still being synchronised; "
                 "call model.finish_gradient_sync() after loss.backward() and before the next "
-                "forward or optimizer.step()")
+                "forward or optimizer.step()"
+            )
 
     def _check_parameters_unchanged(self) -> None:
         """Catch parameters replaced or unfrozen after wrapping: they would never be reduced."""
@@ -404,7 +416,8 @@ class DDP(nn.Module):
                 raise RuntimeError(
                     f"parameter {name!r} requires grad but was not trainable (or did not exist) "
                     "when DDP was constructed, so it is never synchronised; set requires_grad "
-                    "and assign parameters before wrapping the module")
+                    "and assign parameters before wrapping the module"
+                )
 
 
 def _call_weakly(ddp: DDP) -> Any:

@@ -82,8 +82,14 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
             different parameters. All but the last are raised before any collective.
     """
 
-    def __init__(self, params: Iterable[Any], optimizer_cls: type, sharding_rule: Callable[..., Any]
-                 = sharding.modulo, process_group: Any = None, **optimizer_kwargs: Any):
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_cls: type,
+        sharding_rule: Callable[..., Any] = sharding.modulo,
+        process_group: Any = None,
+        **optimizer_kwargs: Any,
+    ):
         # validated before any collective, so a mistake fails the same way on every rank
         _checks.check_optimizer_cls(optimizer_cls, sharded_cls=ShardedOptimizer)
         _checks.check_sharding_rule(sharding_rule)
@@ -136,9 +142,11 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
                 raise InvalidArgument(
                     f"sharding_rule={sharding.rule_name(self._rule)} failed for param group "
                     f"{index} with TypeError: {e}; a sharding rule is called as "
-                    "rule(params, world_size) and returns one owner rank per parameter") from e
-            owners = sharding.check_owners(answer, group["params"], self._world_size,
-                                           rule=self._rule, group_index=index)
+                    "rule(params, world_size) and returns one owner rank per parameter"
+                ) from e
+            owners = sharding.check_owners(
+                answer, group["params"], self._world_size, rule=self._rule, group_index=index
+            )
             self._check_same_on_all_ranks(index, group["params"], owners)
         except BaseException:
             self.param_groups.pop()
@@ -158,8 +166,10 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
 
     def _owned_group(self, group: dict[str, Any], owners: list[int]) -> dict[str, Any]:
         """The inner optimizer's copy of ``group``: its hyperparameters, this rank's params only."""
-        return {**hyperparameters(group),
-                "params": [p for p, o in zip(group["params"], owners) if o == self._rank]}
+        return {
+            **hyperparameters(group),
+            "params": [p for p, o in zip(group["params"], owners) if o == self._rank],
+        }
 
     def owner_of(self, param: torch.Tensor) -> int:
         """The rank, within the optimizer's process group, that holds ``param``'s state."""
@@ -168,26 +178,35 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
         except (KeyError, TypeError):
             raise InvalidArgument(
                 f"param={describe(param)} is not managed by this ShardedOptimizer; pass one of "
-                "the tensors in optimizer.param_groups[i]['params']") from None
+                "the tensors in optimizer.param_groups[i]['params']"
+            ) from None
 
-    def _check_same_on_all_ranks(self, index: int, params: list[torch.Tensor],
-                                 owners: list[int]) -> None:
+    def _check_same_on_all_ranks(
+        self, index: int, params: list[torch.Tensor], owners: list[int]
+    ) -> None:
         layout = repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()
-        mine = torch.tensor([len(params), zlib.crc32(layout), zlib.crc32(repr(owners).encode())],
-                            dtype=torch.int64, device=params[0].device if params else None)
+        mine = torch.tensor(
+            [len(params), zlib.crc32(layout), zlib.crc32(repr(owners).encode())],
+            dtype=torch.int64,
+            device=params[0].device if params else None,
+        )
         everyone = [torch.empty_like(mine) for _ in range(self._world_size)]
         # all-gather 3 int64 per rank (param count, layout hash, owners hash) once per new param
         # group, so a rank passing other params or getting other owners fails here, not mis-paired
         dist.all_gather(everyone, mine, group=self._group)
-        for what, column in (("parameter counts", 0), ("parameter shapes/dtypes", 1),
-                             ("owners from the sharding rule", 2)):
+        for what, column in (
+            ("parameter counts", 0),
+            ("parameter shapes/dtypes", 1),
+            ("owners from the sharding rule", 2),
+        ):
             values = [int(t[column]) for t in everyone]
             if len(set(values)) > 1:
                 raise InvalidArgument(
                     f"param group {index} differs across ranks in its {what} (per rank: "
                     f"{values if column == 0 else [hex(v) for v in values]}); every rank must "
                     "pass the same parameters in the same order, and sharding_rule="
-                    f"{sharding.rule_name(self._rule)} must be deterministic")
+                    f"{sharding.rule_name(self._rule)} must be deterministic"
+                )
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -225,8 +244,9 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
         pending = [p for p in params if not self._take_ddp_mark(p)]
         if not pending:
             return
-        present = torch.tensor([p.grad is not None for p in pending], dtype=torch.int32,
-                               device=pending[0].device)
+        present = torch.tensor(
+            [p.grad is not None for p in pending], dtype=torch.int32, device=pending[0].device
+        )
         # all-reduce (sum) one int32 per not-yet-averaged param among all ranks, so every rank
         # builds the same gradient buffers even where only some ranks produced a gradient
         dist.all_reduce(present, group=self._group)
@@ -234,12 +254,17 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
         used = [p for p, n in zip(pending, present.tolist()) if n > 0]
         average = dist.get_backend(self._group) == "nccl"  # gloo: SUM, then divide
         for dtype_params in _by_dtype(used).values():
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                              for p in dtype_params])  # (sum of numels,)
+            flat = torch.cat(
+                [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                    for p in dtype_params
+                ]
+            )  # (sum of numels,)
             # all-reduce one flat buffer per dtype of gradients among all ranks, before the
             # inner step reads them; gloo has AVG too, but SUM-then-divide works on every build
-            dist.all_reduce(flat, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM,
-                            group=self._group)
+            dist.all_reduce(
+                flat, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, group=self._group
+            )
             if not average:
                 flat.div_(self._world_size)
             for p, view in zip(dtype_params, flat.split([p.numel() for p in dtype_params])):
@@ -314,8 +339,10 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
         self._consolidated = None
         if self._rank == to:
             state = {i: s for shard in shards for i, s in _from_bytes(shard).items()}
-            self._consolidated = {"state": dict(sorted(state.items())),
-                                  "param_groups": self._packed_groups()}
+            self._consolidated = {
+                "state": dict(sorted(state.items())),
+                "param_groups": self._packed_groups(),
+            }
 
     def _gather_bytes(self, mine: torch.Tensor, to: int) -> list[torch.Tensor]:
         """Every rank's uint8 buffer, on group rank ``to`` (an empty list elsewhere), on ``mine``'s
@@ -326,15 +353,16 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
         dist.all_gather(sizes, sizes[0].new_tensor([mine.numel()]), group=self._group)
         longest = max(int(s) for s in sizes)
         padded = mine.new_zeros(longest)
-        padded[:mine.numel()] = mine
-        received = ([mine.new_empty(longest) for _ in range(self._world_size)]
-                    if self._rank == to else None)
+        padded[: mine.numel()] = mine
+        received = (
+            [mine.new_empty(longest) for _ in range(self._world_size)] if self._rank == to else None
+        )
         # gather every rank's serialized state shard on rank `to` only, now, because the caller
         # is about to save a checkpoint there
         dist.gather(padded, received, dst=self._global_ranks[to], group=self._group)
         if received is None:
             return []
-        return [buf[:int(n)] for buf, n in zip(received, sizes)]
+        return [buf[: int(n)] for buf, n in zip(received, sizes)]
 
     def state_dict(self) -> dict[str, Any]:
         """The full state in the plain ``optimizer_cls`` layout, on the rank it was gathered on.
@@ -347,14 +375,19 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
             if self._consolidated_on is None:
                 why = "has not been consolidated since the last step() or load_state_dict()"
             else:
-                why = (f"was consolidated on rank {self._consolidated_on}, not on this rank "
-                       f"({self._rank})")
+                why = (
+                    f"was consolidated on rank {self._consolidated_on}, not on this rank "
+                    f"({self._rank})"
+                )
             raise RuntimeError(
                 f"ShardedOptimizer state {why}; each rank holds only its shard. Call "
                 f"`consolidate_state_dict(to={self._rank})` on all ranks of the group first "
-                "(a collective), then state_dict() on this rank")
-        return {"state": dict(self._consolidated["state"]),
-                "param_groups": [dict(g) for g in self._consolidated["param_groups"]]}
+                "(a collective), then state_dict() on this rank"
+            )
+        return {
+            "state": dict(self._consolidated["state"]),
+            "param_groups": [dict(g) for g in self._consolidated["param_groups"]],
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full state dict (ours, saved at any world size or rule, or a plain optimizer's).
@@ -363,11 +396,15 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
         state of the parameters it owns now, and the hyperparameters of every group.
         """
         saved_groups = _checks.check_loadable(state_dict, self.param_groups)
-        by_index = {i: p for saved, group in zip(saved_groups, self.param_groups)
-                    for i, p in zip(saved["params"], group["params"])}
+        by_index = {
+            i: p
+            for saved, group in zip(saved_groups, self.param_groups)
+            for i, p in zip(saved["params"], group["params"])
+        }
         inner_groups, inner_state, next_index = [], {}, 0
-        for saved, group, inner_group in zip(saved_groups, self.param_groups,
-                                             self._inner.param_groups):
+        for saved, group, inner_group in zip(
+            saved_groups, self.param_groups, self._inner.param_groups
+        ):
             # the full groups are updated in place, so schedulers holding them keep working
             group.update({k: v for k, v in saved.items() if k not in _MEMBERSHIP_KEYS})
             indices = []
@@ -388,8 +425,12 @@ class ShardedOptimizer(GlobalNormClipping, torch.optim.Optimizer):
         packed, start = [], 0
         for group in self.param_groups:
             n = len(group["params"])
-            packed.append({**{k: v for k, v in group.items() if k != "params"},
-                           "params": list(range(start, start + n))})
+            packed.append(
+                {
+                    **{k: v for k, v in group.items() if k != "params"},
+                    "params": list(range(start, start + n)),
+                }
+            )
             start += n
         return packed
 

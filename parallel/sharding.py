@@ -88,8 +88,9 @@ def rule_name(rule: Any) -> str:
     return f"{module}.{name}" if name and module else repr(rule)
 
 
-def check_owners(answer: Any, params: Sequence[torch.Tensor], world_size: int, *, rule: Any,
-                 group_index: int) -> list[int]:
+def check_owners(
+    answer: Any, params: Sequence[torch.Tensor], world_size: int, *, rule: Any, group_index: int
+) -> list[int]:
     """Validate a rule's answer for param group ``group_index``; return it as a list of ints.
 
     Raises :class:`InvalidArgument` naming the rule, the param group and the parameter index when
@@ -100,20 +101,25 @@ def check_owners(answer: Any, params: Sequence[torch.Tensor], world_size: int, *
     if isinstance(answer, torch.Tensor):
         answer = answer.tolist()
     if isinstance(answer, (str, bytes, dict)) or not hasattr(answer, "__iter__"):
-        raise InvalidArgument(f"{where} returned {answer!r}; a sharding rule must return a "
-                              "sequence with one owner rank per parameter")
+        raise InvalidArgument(
+            f"{where} returned {answer!r}; a sharding rule must return a "
+            "sequence with one owner rank per parameter"
+        )
     owners = list(answer)
     if len(owners) != len(params):
         raise InvalidArgument(
             f"{where} returned {len(owners)} owners for {len(params)} parameters ({owners!r}); "
-            "a sharding rule must return exactly one owner rank per parameter, in order")
+            "a sharding rule must return exactly one owner rank per parameter, in order"
+        )
     for i, owner in enumerate(owners):
         if isinstance(owner, bool) or not isinstance(owner, numbers.Integral):
             raise InvalidArgument(
                 f"{where} returned owner {owner!r} (type {type(owner).__name__}) for parameter "
-                f"{i}; owners must be integer ranks in [0, world_size={world_size})")
+                f"{i}; owners must be integer ranks in [0, world_size={world_size})"
+            )
         if not 0 <= int(owner) < world_size:
             raise InvalidArgument(
                 f"{where} returned owner {owner!r} for parameter {i}, outside "
-                f"[0, world_size={world_size}); owners are ranks of the optimizer's process group")
+                f"[0, world_size={world_size}); owners are ranks of the optimizer's process group"
+            )
     return [int(o) for o in owners]

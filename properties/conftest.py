@@ -11,8 +11,11 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-_COMMON = dict(deadline=None, print_blob=True,
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_COMMON = dict(
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 settings.register_profile("ci", max_examples=70, derandomize=True, database=None, **_COMMON)
 settings.register_profile("thorough", max_examples=1500, **_COMMON)
 settings.load_profile(os.environ.get("DDPCHECK_PROFILE", "ci"))

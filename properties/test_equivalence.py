@@ -13,8 +13,11 @@ from hypothesis import assume, given
 from ddpcheck import check_example, features, targets
 from ddpcheck import strategies as dst
 
-TARGETS = {"PARALLEL": targets.PARALLEL, "TORCH_DDP": targets.TORCH_DDP,
-           "TORCH_ZERO": targets.TORCH_ZERO}
+TARGETS = {
+    "PARALLEL": targets.PARALLEL,
+    "TORCH_DDP": targets.TORCH_DDP,
+    "TORCH_ZERO": targets.TORCH_ZERO,
+}
 MIXED = dst.scenarios(models=dst.models(mixed_dtypes=True), dtypes=("float64", "float32"))
 
 

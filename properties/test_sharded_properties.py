@@ -28,14 +28,22 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 # CI budget; the thorough profile still scales it up.
 HALF = settings(max_examples=max(10, settings.default.max_examples // 2))
 
-shapes = st.lists(st.tuples(st.lists(st.integers(1, 4), min_size=1, max_size=2).map(tuple),
-                            st.sampled_from(sorted(DTYPES))), min_size=1, max_size=7)
+shapes = st.lists(
+    st.tuples(
+        st.lists(st.integers(1, 4), min_size=1, max_size=2).map(tuple),
+        st.sampled_from(sorted(DTYPES)),
+    ),
+    min_size=1,
+    max_size=7,
+)
 
 
 def make_params(spec):
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(shape, generator=g, dtype=torch.float64).to(DTYPES[d]).requires_grad_()
-            for shape, d in spec]
+    return [
+        torch.randn(shape, generator=g, dtype=torch.float64).to(DTYPES[d]).requires_grad_()
+        for shape, d in spec
+    ]
 
 
 def grad(param, step, index):
@@ -95,16 +103,25 @@ def plain(spec, optimizer, two, steps):
 def assert_bitwise(per_rank, expected, what):
     for rank, got in enumerate(per_rank):
         for i, (p, e) in enumerate(zip(got, expected)):
-            assert torch.equal(p, e), (f"{what}: rank {rank}, parameter {i} differs by "
-                                       f"{(p.double() - e.double()).abs().max().item():.3g}")
+            assert torch.equal(p, e), (
+                f"{what}: rank {rank}, parameter {i} differs by "
+                f"{(p.double() - e.double()).abs().max().item():.3g}"
+            )
 
 
 @pytest.mark.slow
 @HALF
-@given(spec=shapes, optimizer=dst.optimizers(), two=st.booleans(),
-       rule=st.sampled_from(tuple(RULES)), world_size=dst.world_sizes(), steps=st.integers(1, 3))
-def test_sharded_step_equals_the_local_step_on_identical_gradients(spec, optimizer, two, rule,
-                                                                   world_size, steps):
+@given(
+    spec=shapes,
+    optimizer=dst.optimizers(),
+    two=st.booleans(),
+    rule=st.sampled_from(tuple(RULES)),
+    world_size=dst.world_sizes(),
+    steps=st.integers(1, 3),
+)
+def test_sharded_step_equals_the_local_step_on_identical_gradients(
+    spec, optimizer, two, rule, world_size, steps
+):
     note_example()
     got = get_world(world_size).run(_rank_sharded, spec, optimizer, two, rule, steps)
     assert_bitwise(got, plain(spec, optimizer, two, steps), f"W={world_size} rule={rule}")
@@ -112,14 +129,23 @@ def test_sharded_step_equals_the_local_step_on_identical_gradients(spec, optimiz
 
 @pytest.mark.slow
 @HALF
-@given(spec=shapes, optimizer=dst.optimizers(), two=st.booleans(),
-       rules=st.tuples(st.sampled_from(tuple(RULES)), st.sampled_from(tuple(RULES))),
-       sizes=st.tuples(dst.world_sizes(), dst.world_sizes()), steps=st.integers(1, 2))
+@given(
+    spec=shapes,
+    optimizer=dst.optimizers(),
+    two=st.booleans(),
+    rules=st.tuples(st.sampled_from(tuple(RULES)), st.sampled_from(tuple(RULES))),
+    sizes=st.tuples(dst.world_sizes(), dst.world_sizes()),
+    steps=st.integers(1, 2),
+)
 def test_checkpoint_saved_at_w_resumes_at_w_prime(spec, optimizer, two, rules, sizes, steps):
     note_example()
     saved = get_world(sizes[0]).run(_rank_save, spec, optimizer, two, rules[0], steps)
     values, state = saved[0]
-    resumed = get_world(sizes[1]).run(_rank_resume, spec, optimizer, two, rules[1], values, state,
-                                      steps, steps + 2)
-    assert_bitwise(resumed, plain(spec, optimizer, two, steps + 2),
-                   f"saved at W={sizes[0]} ({rules[0]}), resumed at W={sizes[1]} ({rules[1]})")
+    resumed = get_world(sizes[1]).run(
+        _rank_resume, spec, optimizer, two, rules[1], values, state, steps, steps + 2
+    )
+    assert_bitwise(
+        resumed,
+        plain(spec, optimizer, two, steps + 2),
+        f"saved at W={sizes[0]} ({rules[0]}), resumed at W={sizes[1]} ({rules[1]})",
+    )

@@ -26,8 +26,9 @@ import pytest
 SHARED = {
     "tests/front/test_wheel.py::": "wheel",  # `built`: the wheel and the sdist
     # `fuzzed`: three fuzz runs, for their verdicts and their replay lines
-    "tests/targets/test_examples.py::test_the_seeded_bug_is_found_by_random_examples":
-        "examples-fuzzed",
+    "tests/targets/test_examples.py::test_the_seeded_bug_is_found_by_random_examples": (
+        "examples-fuzzed"
+    ),
     "tests/targets/test_examples.py::test_the_replay_line_fails_the_same_way": "examples-fuzzed",
 }
 

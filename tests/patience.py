@@ -25,8 +25,9 @@ QUIET_IMPORT = 1.6
 @functools.cache
 def _import_factor() -> float:
     started = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, timeout=600,
-                   check=False)
+    subprocess.run(
+        [sys.executable, "-c", "import torch"], capture_output=True, timeout=600, check=False
+    )
     return max(1.0, (time.monotonic() - started) / QUIET_IMPORT)
 
 

@@ -31,15 +31,32 @@ MAY_IMPORT = {
     "_oracle": {"_base", "_language", "targets", "_oracle"},
     "_rules": {"_base", "_world", "_rules"},
     "_runs": {"_base", "_language", "targets", "_rank", "_world", "_oracle", "_runs"},
-    "mutation": {"_base", "_language", "targets", "_rank", "_world", "_oracle", "_runs",
-                 "mutation"},
-    "_front": {"_base", "_language", "targets", "_rank", "_world", "_oracle", "_rules", "_runs",
-               "mutation", "_front"},
+    "mutation": {
+        "_base",
+        "_language",
+        "targets",
+        "_rank",
+        "_world",
+        "_oracle",
+        "_runs",
+        "mutation",
+    },
+    "_front": {
+        "_base",
+        "_language",
+        "targets",
+        "_rank",
+        "_world",
+        "_oracle",
+        "_rules",
+        "_runs",
+        "mutation",
+        "_front",
+    },
 }
 MAY_IMPORT["ddpcheck"] = {*MAY_IMPORT["_front"], "ddpcheck"}
 #: Modules at the package's top that are doors (the rest there are public names).
-DOORS = {"ddpcheck", "ddpcheck.__main__", "ddpcheck.api", "ddpcheck.cli",
-         "ddpcheck.pytest_plugin"}
+DOORS = {"ddpcheck", "ddpcheck.__main__", "ddpcheck.api", "ddpcheck.cli", "ddpcheck.pytest_plugin"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -67,7 +84,7 @@ def _imports(name: str, path: pathlib.Path) -> list[tuple[str, str, int]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             for alias in node.names:
                 out.append((base, alias.name, node.lineno))
@@ -92,11 +109,16 @@ def _place(module: str) -> str:
     """The floor of a ddpcheck module: its folder (the package's top is ``ddpcheck``)."""
     parts = module.split(".")
     path = MODULES[module]
-    folder = parts[1] if len(parts) > 2 or (path.name == "__init__.py" and len(parts) == 2) \
+    folder = (
+        parts[1]
+        if len(parts) > 2 or (path.name == "__init__.py" and len(parts) == 2)
         else "ddpcheck"
+    )
     if folder not in MAY_IMPORT:
-        raise AssertionError(f"{module}: its folder {folder} is no floor of "
-                             "tests/test_architecture.py's MAY_IMPORT; give it one")
+        raise AssertionError(
+            f"{module}: its folder {folder} is no floor of "
+            "tests/test_architecture.py's MAY_IMPORT; give it one"
+        )
     return folder
 
 
@@ -109,7 +131,7 @@ def test_there_is_no_import_cycle():
         path.append(module)
         for nxt in sorted(GRAPH[module]):
             if state.get(nxt) == 1:
-                cycle = [*path[path.index(nxt):], nxt]
+                cycle = [*path[path.index(nxt) :], nxt]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)
@@ -122,10 +144,13 @@ def test_there_is_no_import_cycle():
 
 
 def test_every_import_stays_within_the_folder_rules():
-    bad = [f"{name} ({_place(name)}) imports {target} ({_place(target)})"
-           for name, targets in GRAPH.items() if name.startswith("ddpcheck")
-           for target in targets if target.startswith("ddpcheck")
-           and _place(target) not in MAY_IMPORT[_place(name)]]
+    bad = [
+        f"{name} ({_place(name)}) imports {target} ({_place(target)})"
+        for name, targets in GRAPH.items()
+        if name.startswith("ddpcheck")
+        for target in targets
+        if target.startswith("ddpcheck") and _place(target) not in MAY_IMPORT[_place(name)]
+    ]
     assert not bad, bad
 
 
@@ -133,14 +158,18 @@ def test_every_import_stays_within_the_folder_rules():
 def test_every_module_has_a_place_and_says_what_it_owns(module):
     _place(module)
     docstring = ast.get_docstring(ast.parse(MODULES[module].read_text()))
-    assert docstring and len(docstring.split()) >= 8, \
+    assert docstring and len(docstring.split()) >= 8, (
         f"{MODULES[module].relative_to(ROOT)} does not open with what it owns"
+    )
 
 
 def test_the_floors_are_the_folders():
     # Every folder of the package is a floor of the map, and the map names no folder that is gone.
-    folders = {p.name for p in PACKAGES["ddpcheck"].iterdir()
-               if p.is_dir() and (p / "__init__.py").exists()}
+    folders = {
+        p.name
+        for p in PACKAGES["ddpcheck"].iterdir()
+        if p.is_dir() and (p / "__init__.py").exists()
+    }
     assert folders | {"ddpcheck"} == set(MAY_IMPORT), sorted(folders ^ set(MAY_IMPORT))
 
 
@@ -173,33 +202,48 @@ def test_the_top_holds_the_doors_and_public_names_only():
     for module, path in MODULES.items():
         if module.startswith("ddpcheck") and _place(module) == "ddpcheck" and module not in DOORS:
             body = ast.parse(path.read_text()).body
-            code = [n for n in body if not isinstance(n, (ast.ImportFrom, ast.Import))
-                    and not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+            code = [
+                n
+                for n in body
+                if not isinstance(n, (ast.ImportFrom, ast.Import))
+                and not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+            ]
             assert not code, f"{path.relative_to(ROOT)} defines code; it belongs on a floor"
 
 
 def test_parallel_imports_nothing_from_ddpcheck():
     # parallel/ is teaching code that must be copyable out of the repository on its own.
-    bad = [f"{name} imports {module or imported} (line {line})"
-           for name, path in MODULES.items() if name.split(".")[0] == "parallel"
-           for module, imported, line in _imports(name, path)
-           if module.split(".")[0] == "ddpcheck"]
+    bad = [
+        f"{name} imports {module or imported} (line {line})"
+        for name, path in MODULES.items()
+        if name.split(".")[0] == "parallel"
+        for module, imported, line in _imports(name, path)
+        if module.split(".")[0] == "ddpcheck"
+    ]
     assert not bad, bad
 
 
 def test_only_the_targets_and_the_self_test_import_parallel():
     allowed = ("ddpcheck.targets", "ddpcheck.mutation")
-    bad = [f"{name} imports {target}" for name, targets in GRAPH.items()
-           if name.startswith("ddpcheck") and not name.startswith(allowed)
-           for target in targets if target.split(".")[0] == "parallel"]
+    bad = [
+        f"{name} imports {target}"
+        for name, targets in GRAPH.items()
+        if name.startswith("ddpcheck") and not name.startswith(allowed)
+        for target in targets
+        if target.split(".")[0] == "parallel"
+    ]
     assert not bad, bad
 
 
 def test_the_core_never_imports_the_self_test():
     # Only the self-test itself and the command line (its `mutants` command) may.
-    bad = [f"{name} imports {target}" for name, targets in GRAPH.items()
-           if not name.startswith(("ddpcheck.mutation", "ddpcheck.cli"))
-           for target in targets if target.startswith("ddpcheck.mutation")]
+    bad = [
+        f"{name} imports {target}"
+        for name, targets in GRAPH.items()
+        if not name.startswith(("ddpcheck.mutation", "ddpcheck.cli"))
+        for target in targets
+        if target.startswith("ddpcheck.mutation")
+    ]
     assert not bad, bad
 
 
@@ -210,8 +254,9 @@ def test_code_others_copy_uses_only_the_public_surface(folder):
     for path in (ROOT / folder).rglob("*.py"):
         for module, imported, line in _imports(f"{folder}.{path.stem}", path):
             if module.split(".")[0] == "ddpcheck" and any(
-                    p.startswith("_") and not p.startswith("__")
-                    for p in [*module.split(".")[1:], imported]):
+                p.startswith("_") and not p.startswith("__")
+                for p in [*module.split(".")[1:], imported]
+            ):
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}.{imported}")
     assert not bad, bad
 
@@ -226,16 +271,24 @@ def test_no_private_name_is_imported_across_packages():
             top = module.split(".")[0]
             if top == home or top == "__future__":
                 continue
-            private = [p for p in [*module.split(".")[1:], imported]
-                       if p.startswith("_") and not p.startswith("__")]
+            private = [
+                p
+                for p in [*module.split(".")[1:], imported]
+                if p.startswith("_") and not p.startswith("__")
+            ]
             if private:
-                bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}"
-                           f"{'.' + imported if imported else ''}")
+                bad.append(
+                    f"{path.relative_to(ROOT)}:{line} imports {module}"
+                    f"{'.' + imported if imported else ''}"
+                )
     assert not bad, bad
 
 
 def test_no_module_is_longer_than_a_reader_can_hold():
     # Size follows the idea, not a line cap; this only catches a module that swallowed several.
-    long = {str(p.relative_to(ROOT)): n for p in MODULES.values()
-            if (n := len(p.read_text().splitlines())) > 800}
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in MODULES.values()
+        if (n := len(p.read_text().splitlines())) > 800
+    }
     assert not long, long

@@ -56,10 +56,26 @@ _LAZY = {
 #: printed scenario or replay line names evaluates after ``import ddpcheck, torch`` alone.
 _MODULES = ("batches", "battery", "features", "models", "strategies", "targets", "zoo")
 
-__all__ = sorted(["DEFAULT_DEADLINE", "DEFAULT_WORLD_SIZES", "DdpcheckError", "Divergence",
-                  "EquivalenceError", "ExitCode", "Inconclusive", "InternalError",
-                  "InvalidArgument", "NothingChecked", "ScenarioError", "SetupError",
-                  "WorldStartError", "__version__", *_LAZY, *_MODULES])
+__all__ = sorted(
+    [
+        "DEFAULT_DEADLINE",
+        "DEFAULT_WORLD_SIZES",
+        "DdpcheckError",
+        "Divergence",
+        "EquivalenceError",
+        "ExitCode",
+        "Inconclusive",
+        "InternalError",
+        "InvalidArgument",
+        "NothingChecked",
+        "ScenarioError",
+        "SetupError",
+        "WorldStartError",
+        "__version__",
+        *_LAZY,
+        *_MODULES,
+    ]
+)
 
 
 def __getattr__(name: str) -> Any:

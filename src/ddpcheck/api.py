@@ -48,42 +48,77 @@ class Report:
     def __str__(self) -> str:
         seconds = sum(s for _, _, s in self.examples)
         sizes = sorted({w for _, w, _ in self.examples})
-        text = (f"{self.count} examples equivalent (world sizes {sizes}) in {seconds:.2f} s, "
-                f"{features.exercised(self.features)}")
-        return (text + "".join(f"\nskipped {line}" for line in self.skipped_lines())
-                + "".join(f"\nnote: {note}" for note in self.notes))
+        text = (
+            f"{self.count} examples equivalent (world sizes {sizes}) in {seconds:.2f} s, "
+            f"{features.exercised(self.features)}"
+        )
+        return (
+            text
+            + "".join(f"\nskipped {line}" for line in self.skipped_lines())
+            + "".join(f"\nnote: {note}" for note in self.notes)
+        )
 
     def skipped_lines(self) -> list[str]:
         """One line per scenario and reason, with the world sizes it was skipped at."""
         grouped: dict[tuple[str, str], list[int]] = {}
         for name, world_size, why in self.skipped:
             grouped.setdefault((name, why), []).append(world_size)
-        return [f"{name} (W={','.join(map(str, sizes))}): {why}"
-                for (name, why), sizes in grouped.items()]
+        return [
+            f"{name} (W={','.join(map(str, sizes))}): {why}"
+            for (name, why), sizes in grouped.items()
+        ]
 
 
 @interruptible
-def check_example(target: Target, scenario: Scenario, world_size: int, *,
-                  deadline: float = DEFAULT_DEADLINE, reference: Any = None,
-                  name: str | None = None, checks: Any = None, device: str = "cpu",
-                  backend: str | None = None) -> tuple[str, ...]:
+def check_example(
+    target: Target,
+    scenario: Scenario,
+    world_size: int,
+    *,
+    deadline: float = DEFAULT_DEADLINE,
+    reference: Any = None,
+    name: str | None = None,
+    checks: Any = None,
+    device: str = "cpu",
+    backend: str | None = None,
+) -> tuple[str, ...]:
     """One example (``_runs.example.check_example``), admitted first (``_runs.admission``);
     returns what it left in the rank processes and ddpcheck put right: never a verdict."""
     check_world_size("world_size", world_size)
-    request = admit(target, scenario=scenario, world_sizes=(world_size,), deadline=deadline,
-                    device=device, backend=backend)
-    return example.check_example(request.target, scenario, world_size,
-                                 reference=reference, name=name, checks=checks, **request.run)
+    request = admit(
+        target,
+        scenario=scenario,
+        world_sizes=(world_size,),
+        deadline=deadline,
+        device=device,
+        backend=backend,
+    )
+    return example.check_example(
+        request.target,
+        scenario,
+        world_size,
+        reference=reference,
+        name=name,
+        checks=checks,
+        **request.run,
+    )
 
 
 @interruptible
-def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
-                      world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
-                      deadline: float = DEFAULT_DEADLINE, without: Iterable[str] = (),
-                      dtypes: Iterable[str] | None = None, only: Iterable[str] = (),
-                      device: str = "cpu", backend: str | None = None,
-                      progress: Callable[[int, int], None] | None = None,
-                      fuzz_config: bool = False) -> Report:
+def assert_equivalent(
+    target: Target,
+    scenario: Scenario | None = None,
+    *,
+    world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
+    deadline: float = DEFAULT_DEADLINE,
+    without: Iterable[str] = (),
+    dtypes: Iterable[str] | None = None,
+    only: Iterable[str] = (),
+    device: str = "cpu",
+    backend: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    fuzz_config: bool = False,
+) -> Report:
     """Check ``target`` against the oracle on ``scenario`` (default: the built-in battery).
 
     ``device="cuda"`` runs every rank on its GPU (rank r on cuda:r, NCCL; ``backend="gloo"``
@@ -111,9 +146,18 @@ def assert_equivalent(target: Target, scenario: Scenario | None = None, *,
     draws (``ddpcheck.targets.option_space``; refused for a target with none), each verdict
     naming its option and its replay line building it (``fuzz`` draws whole configurations).
     """
-    request = admit(target, scenario=scenario, world_sizes=world_sizes, deadline=deadline,
-                    without=without, dtypes=dtypes, device=device, backend=backend, only=only,
-                    fuzz_config=fuzz_config)
+    request = admit(
+        target,
+        scenario=scenario,
+        world_sizes=world_sizes,
+        deadline=deadline,
+        without=without,
+        dtypes=dtypes,
+        device=device,
+        backend=backend,
+        only=only,
+        fuzz_config=fuzz_config,
+    )
     if request.fuzz_config:
         return _under_each_option(request, progress)
     return run_battery(request, progress)
@@ -136,16 +180,19 @@ def _under_each_option(request: Request, progress: Callable[[int, int], None] | 
             merged.skipped.append((f"every scenario{tag}", 0, str(exc)))
             continue
         except EquivalenceError as error:
-            error.args = (f"{error.args[0]}\n\nconfiguration (fuzz_config): "
-                          f"{described(target, variant)}",)
+            error.args = (
+                f"{error.args[0]}\n\nconfiguration (fuzz_config): {described(target, variant)}",
+            )
             raise
         merged.examples += [(name + tag, w, s) for name, w, s in report.examples]
         merged.skipped += [(name + tag, w, why) for name, w, why in report.skipped]
         merged.features |= report.features
         merged.notes.update(report.notes)
     if not merged.examples:
-        raise NothingChecked(f"{type(target).__name__} declined every scenario under every "
-                             "option: " + "; ".join(merged.skipped_lines()))
+        raise NothingChecked(
+            f"{type(target).__name__} declined every scenario under every "
+            "option: " + "; ".join(merged.skipped_lines())
+        )
     return merged
 
 
@@ -171,7 +218,7 @@ def run_battery(request: Request, progress: Callable[[int, int], None] | None = 
     # the first verdicts come from the world that is up first, and no world waits idle.
     launch_worlds(sizes[:1], device=device, backend=backend)
     for at, world_size in enumerate(sizes):
-        launch_worlds(sizes[at + 1:at + 2], device=device, backend=backend)
+        launch_worlds(sizes[at + 1 : at + 2], device=device, backend=backend)
         for index, (name, given) in enumerate(named):
             sc = _within(given, sizes) if scenario is None else given
             why = features.declines(target, sc, world_size, excluded, request.only)
@@ -183,36 +230,40 @@ def run_battery(request: Request, progress: Callable[[int, int], None] | None = 
             run = dict(request.run, name=name)
             try:
                 # the first time, the reference is computed while the ranks run the example
-                notes, references[index] = _confirmed(target, sc, world_size,
-                                                      references.get(index), run)
+                notes, references[index] = _confirmed(
+                    target, sc, world_size, references.get(index), run
+                )
             except NothingChecked as exc:  # declined once running: a default hook cannot serve it
                 report.skipped.append((name or "scenario", world_size, str(exc)))
                 one_more()
                 continue
-            report.examples.append((name or "scenario", world_size,
-                                    time.perf_counter() - started))
+            report.examples.append((name or "scenario", world_size, time.perf_counter() - started))
             report.features |= features.of(sc, world_size)
             report.notes.update(dict.fromkeys(notes))
             one_more()
     if not report.examples:
-        raise NothingChecked(f"{type(target).__name__} declined every scenario: "
-                             + "; ".join(report.skipped_lines()))
+        raise NothingChecked(
+            f"{type(target).__name__} declined every scenario: " + "; ".join(report.skipped_lines())
+        )
     return report
 
 
-def _confirmed(target: Target, scenario: Scenario, world_size: int, reference: Any,
-               run: dict) -> tuple[tuple[str, ...], Any]:
+def _confirmed(
+    target: Target, scenario: Scenario, world_size: int, reference: Any, run: dict
+) -> tuple[tuple[str, ...], Any]:
     """One example; a hang is run once more before it is reported, since exit 1 promises a
     replay line that reproduces it: one that does not recur is :class:`ddpcheck.Inconclusive`."""
     try:
-        return check_example_keeping_reference(target, scenario, world_size,
-                                               reference=reference, **run)
+        return check_example_keeping_reference(
+            target, scenario, world_size, reference=reference, **run
+        )
     except EquivalenceError as error:
         if set(error.kinds) != {"rank timed out"}:
             raise
         try:
-            check_example_keeping_reference(target, scenario, world_size, reference=reference,
-                                            **run)
+            check_example_keeping_reference(
+                target, scenario, world_size, reference=reference, **run
+            )
         except EquivalenceError:
             raise error from None  # it hung again (or failed otherwise): the first one stands
         refuse_unconfirmed_hang(error)
@@ -227,5 +278,3 @@ def _within(scenario: Scenario, sizes: tuple[int, ...]) -> Scenario:
     if scenario.resume_world_size is None or scenario.resume_world_size in sizes:
         return scenario
     return dataclasses.replace(scenario, resume_world_size=None)
-
-

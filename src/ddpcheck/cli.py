@@ -56,8 +56,16 @@ from ddpcheck._front.grammar import (
 )
 from ddpcheck._front.terminal import ProgressLine
 
-__all__ = ["EXIT_CODES", "SURVEY_EXIT_CODES", "UsageError", "build_parser", "command", "main",
-           "resolve_target"]
+__all__ = [
+    "EXIT_CODES",
+    "SURVEY_EXIT_CODES",
+    "UsageError",
+    "build_parser",
+    "command",
+    "main",
+    "resolve_target",
+]
+
 
 class UsageError(InvalidArgument):
     """A command-line mistake: printed without a traceback, exit status 2."""
@@ -79,8 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return ExitCode.SETUP
     # SIGTERM unwinds like Ctrl-C while a command runs; a caller of main() gets its handler back.
-    previous = (signal.signal(signal.SIGTERM, _terminate)
-                if threading.current_thread() is threading.main_thread() else None)
+    previous = (
+        signal.signal(signal.SIGTERM, _terminate)
+        if threading.current_thread() is threading.main_thread()
+        else None
+    )
     # The live line, from the first second on a terminal: before torch loads (_prepare)
     args.progress = ProgressLine()
     if args.command in ("check", "survey") and not _under_torchrun(args):
@@ -115,8 +126,10 @@ def command() -> NoReturn:
     decided, SIGINT and SIGTERM are ignored: every wait from there on has a deadline, and a
     signal could only turn the status into a traceback."""
     global _CTRL_C
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not if ignored
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ):  # not if ignored
         from ddpcheck._world.interrupts import Insistent
 
         _CTRL_C = Insistent()
@@ -232,8 +245,11 @@ def _outcome(command: str, run: Callable[[], ExitCode]) -> ExitCode:
     except Exception as exc:  # ddpcheck's own bug: say so, and never with FOUND's status
         if isinstance(exc, BrokenPipeError) and _output_closed():
             raise  # not a bug: the reader closed our output (``command``)
-        print(f"ddpcheck {command}: internal error (a bug in ddpcheck, not a verdict on the "
-              f"target; please report it):\n{traceback.format_exc()}", file=sys.stderr)
+        print(
+            f"ddpcheck {command}: internal error (a bug in ddpcheck, not a verdict on the "
+            f"target; please report it):\n{traceback.format_exc()}",
+            file=sys.stderr,
+        )
         return ExitCode.INTERNAL
     except KeyboardInterrupt as exc:
         if _CTRL_C is not None:
@@ -287,13 +303,20 @@ def _prepare(args: argparse.Namespace) -> argparse.Namespace:
         sizes = DEFAULT_WORLD_SIZES if sizes is None else sizes
     target = getattr(args, "target", admission.NO_TARGET)
     args.request = admission.admit(
-        target, scenario=getattr(args, "scenario", None), world_sizes=sizes,
-        deadline=args.deadline, without=getattr(args, "without", ""),
-        dtypes=getattr(args, "dtypes", None), device=getattr(args, "device", "cpu"),
+        target,
+        scenario=getattr(args, "scenario", None),
+        world_sizes=sizes,
+        deadline=args.deadline,
+        without=getattr(args, "without", ""),
+        dtypes=getattr(args, "dtypes", None),
+        device=getattr(args, "device", "cpu"),
         backend=getattr(args, "backend", None),
         only=args.only if args.command in ("check", "survey") else "",  # mutants': names
-        spelling=spelling, fits_machine=not torchrun,
-        fuzz_config=getattr(args, "fuzz_config", False), config=getattr(args, "config", None))
+        spelling=spelling,
+        fits_machine=not torchrun,
+        fuzz_config=getattr(args, "fuzz_config", False),
+        config=getattr(args, "config", None),
+    )
     if target is not admission.NO_TARGET:
         args.target_spec, args.target = target, args.request.target
         args.target_word = target  # the argument alone (target_spec says --config too)
@@ -309,8 +332,9 @@ def _prepare(args: argparse.Namespace) -> argparse.Namespace:
     if args.command in ("check", "survey") and not torchrun:
         from ddpcheck._world.registry import launch_worlds
 
-        launch_worlds(args.request.world_sizes[:1], device=args.request.device,
-                      backend=args.request.backend)
+        launch_worlds(
+            args.request.world_sizes[:1], device=args.request.device, backend=args.request.backend
+        )
     return args
 
 
@@ -330,15 +354,17 @@ def _check_writable(path: str, flag: str) -> None:
     """Fail before any world runs, not after: the folder exists and the file can be written."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise UsageError(f"{flag} {path!r}: the folder {folder!r} does not exist; create it or "
-                         "write elsewhere")
+        raise UsageError(
+            f"{flag} {path!r}: the folder {folder!r} does not exist; create it or write elsewhere"
+        )
     existed = os.path.exists(path)
     try:
         with open(path, "a"):
             pass
     except OSError as exc:
-        raise UsageError(f"{flag} {path!r} cannot be written ({exc.strerror}); write "
-                         "elsewhere") from None
+        raise UsageError(
+            f"{flag} {path!r} cannot be written ({exc.strerror}); write elsewhere"
+        ) from None
     if not existed:
         os.remove(path)
 
@@ -359,14 +385,18 @@ def _check(args: argparse.Namespace) -> ExitCode:
     request = args.request
     without, dtypes, run = request.without, request.random_dtypes, request.run
     started = time.perf_counter()
-    sizes = ",".join(map(str, args.world_sizes)) + ("" if args.device == "cpu" else
-                                                     f" on {args.device}")
+    sizes = ",".join(map(str, args.world_sizes)) + (
+        "" if args.device == "cpu" else f" on {args.device}"
+    )
     line = args.progress
 
     def battery_done(done: int, total: int) -> None:
         if done == 0:  # off a terminal, the one line of start-up and the battery
-            line.phase(f"battery 0/{total}", f"ddpcheck check {args.target_spec}: starting worlds "
-                       f"(world sizes {sizes}), then the battery: {len(BATTERY)} scenarios at each")
+            line.phase(
+                f"battery 0/{total}",
+                f"ddpcheck check {args.target_spec}: starting worlds "
+                f"(world sizes {sizes}), then the battery: {len(BATTERY)} scenarios at each",
+            )
         else:
             line.show(f"battery {done}/{total}")
 
@@ -383,8 +413,15 @@ def _check(args: argparse.Namespace) -> ExitCode:
         say(f"battery: nothing checked: {exc}")
     except EquivalenceError as found:
         line.show("searching for a smaller counterexample")
-        error, what = smaller.first_verdict(args.target, found, world_sizes=args.world_sizes,
-                                            without=without, seed=args.seed, say=say, **run)
+        error, what = smaller.first_verdict(
+            args.target,
+            found,
+            world_sizes=args.world_sizes,
+            without=without,
+            seed=args.seed,
+            say=say,
+            **run,
+        )
         raise smaller.with_features(error, what, _survey_command(args)) from None
     else:
         battery, declined, exercised = report.count, "", report.features
@@ -393,34 +430,50 @@ def _check(args: argparse.Namespace) -> ExitCode:
     cannot = undrawable(args.target, dtypes, without)
     if cannot is not None:  # no dtype left: the battery, in the same dtypes, checked nothing
         say(f"random examples: none can be drawn: {cannot}")
-        raise NothingChecked(f"every battery scenario was declined (the reasons above) and no "
-                             f"random example can be drawn: {cannot}")
-    options = (", each with a configuration of its options drawn (--fuzz-config)"
-               if request.fuzz_config else "")
-    say(f"fuzzing {args.target_spec} with {args.examples} random examples at world sizes "
-        f"{sizes}{'' if args.seed is None else f' (seed {args.seed})'}{options}")
+        raise NothingChecked(
+            f"every battery scenario was declined (the reasons above) and no "
+            f"random example can be drawn: {cannot}"
+        )
+    options = (
+        ", each with a configuration of its options drawn (--fuzz-config)"
+        if request.fuzz_config
+        else ""
+    )
+    say(
+        f"fuzzing {args.target_spec} with {args.examples} random examples at world sizes "
+        f"{sizes}{'' if args.seed is None else f' (seed {args.seed})'}{options}"
+    )
     line.show(f"random examples 0/{args.examples}")
-    result = fuzz_admitted(request, examples=args.examples, seed=args.seed,
-                           progress=lambda done, _: line.show(
-                               f"random examples {done}/{args.examples}"))
+    result = fuzz_admitted(
+        request,
+        examples=args.examples,
+        seed=args.seed,
+        progress=lambda done, _: line.show(f"random examples {done}/{args.examples}"),
+    )
     line.close()
     if result.found:
-        print(f"counterexample found after {result.first_failure} examples and shrunk "
-              f"({result.examples} examples, {result.seconds:.1f} s):\n")
-        raise smaller.with_features(result.error, "the shrunk counterexample",
-                                    _survey_command(args))
+        print(
+            f"counterexample found after {result.first_failure} examples and shrunk "
+            f"({result.examples} examples, {result.seconds:.1f} s):\n"
+        )
+        raise smaller.with_features(
+            result.error, "the shrunk counterexample", _survey_command(args)
+        )
     if battery + result.examples == 0:
         reasons = "; ".join(f"{why} ({n}x)" for why, n in result.declined.items())
         drawn = sum(result.declined.values())
         raise NothingChecked(
             f"{args.target_spec} declined every battery scenario ({declined}) and every one of "
-            f"the {drawn} random scenario(s) drawn ({reasons or 'no reason given'})")
+            f"the {drawn} random scenario(s) drawn ({reasons or 'no reason given'})"
+        )
     for note in result.notes:
         print(f"note: {note}")
-    print(f"ddpcheck check {args.target_spec}: nothing found in {battery} battery and "
-          f"{result.examples} random examples ({_declined(result.declined)}), "
-          f"{features.exercised(exercised | result.features)} "
-          f"(wall {time.perf_counter() - started:.1f} s, world start-up included)")
+    print(
+        f"ddpcheck check {args.target_spec}: nothing found in {battery} battery and "
+        f"{result.examples} random examples ({_declined(result.declined)}), "
+        f"{features.exercised(exercised | result.features)} "
+        f"(wall {time.perf_counter() - started:.1f} s, world start-up included)"
+    )
     return ExitCode.OK
 
 
@@ -441,14 +494,21 @@ def _survey_command(args: argparse.Namespace) -> str:
     check ran (a verdict ends with it: ``_runs.smaller.with_features``)."""
     import shlex
 
-    survey = ["ddpcheck", "survey", args.target_word, "--world-sizes",
-              ",".join(map(str, args.world_sizes))]
-    for flag, value in (("--config", args.config), ("--without", args.without),
-                        ("--device", None if args.device == "cpu" else args.device),
-                        ("--backend", args.backend)):
+    survey = [
+        "ddpcheck",
+        "survey",
+        args.target_word,
+        "--world-sizes",
+        ",".join(map(str, args.world_sizes)),
+    ]
+    for flag, value in (
+        ("--config", args.config),
+        ("--without", args.without),
+        ("--device", None if args.device == "cpu" else args.device),
+        ("--backend", args.backend),
+    ):
         survey += [flag, value] if value else []
-    return shlex.join(survey + (["--fuzz-config"] if getattr(args, "fuzz_config", False)
-                                else []))
+    return shlex.join(survey + (["--fuzz-config"] if getattr(args, "fuzz_config", False) else []))
 
 
 def _check_under_torchrun(args: argparse.Namespace) -> None:
@@ -458,14 +518,23 @@ def _check_under_torchrun(args: argparse.Namespace) -> None:
     if os.environ.get("RANK") == "0":
         # Random examples would need every rank to draw the same ones; the battery is
         # deterministic. Say so rather than ignore --examples/--seed silently.
-        print("ddpcheck check under torchrun: the built-in battery only; --examples, "
-              "--seed and --fuzz-config apply to spawned worlds", file=sys.stderr, flush=True)
+        print(
+            "ddpcheck check under torchrun: the built-in battery only; --examples, "
+            "--seed and --fuzz-config apply to spawned worlds",
+            file=sys.stderr,
+            flush=True,
+        )
     request = args.request
-    status = check_in_world(request.target, deadline=request.deadline, out=sys.stdout,
-                            world_sizes=request.world_sizes if args.sizes_asked else None,
-                            without=request.battery_without, only=request.only,
-                            device=request.device,
-                            backend=request.backend)
+    status = check_in_world(
+        request.target,
+        deadline=request.deadline,
+        out=sys.stdout,
+        world_sizes=request.world_sizes if args.sizes_asked else None,
+        without=request.battery_without,
+        only=request.only,
+        device=request.device,
+        backend=request.backend,
+    )
     sys.stdout.flush()
     sys.stderr.flush()
     # Every rank has the same status. os._exit skips gloo's teardown, which races with its
@@ -480,16 +549,27 @@ def _survey(args: argparse.Namespace) -> ExitCode:
     seed = "" if args.seed is None else f" (seed {args.seed})"
     line = args.progress
     with line.paused():
-        what = ("each option its config_space() draws x each feature: " if args.fuzz_config else
-                "the battery and ")
-        print(f"ddpcheck survey {args.target_spec}: {what}{args.examples} random "
-              f"examples per feature at world sizes {sizes}{seed}\n", flush=True)
+        what = (
+            "each option its config_space() draws x each feature: "
+            if args.fuzz_config
+            else "the battery and "
+        )
+        print(
+            f"ddpcheck survey {args.target_spec}: {what}{args.examples} random "
+            f"examples per feature at world sizes {sizes}{seed}\n",
+            flush=True,
+        )
 
     def cell(done: int, total: int, what: str, seconds: float) -> None:
         line.show(f"cell {done + 1}/{total}: {what}")
 
-    result = survey.survey_admitted(args.request, examples=args.examples, seed=args.seed,
-                                    shrink_seconds=args.shrink_seconds, progress=cell)
+    result = survey.survey_admitted(
+        args.request,
+        examples=args.examples,
+        seed=args.seed,
+        shrink_seconds=args.shrink_seconds,
+        progress=cell,
+    )
     line.close()
     print(result, flush=True)
     if args.json:
@@ -498,8 +578,10 @@ def _survey(args: argparse.Namespace) -> ExitCode:
         with open(args.json, "w") as f:
             json.dump(result.as_dict(), f, indent=2)
     if result.exit_code == ExitCode.NOTHING_CHECKED:
-        print("ddpcheck survey: nothing was checked: every cell was declined or not applicable",
-              file=sys.stderr)
+        print(
+            "ddpcheck survey: nothing was checked: every cell was declined or not applicable",
+            file=sys.stderr,
+        )
     return ExitCode(result.exit_code)
 
 
@@ -512,8 +594,9 @@ def _replay(args: argparse.Namespace) -> ExitCode:
     # the ranks run would save little. A declined scenario raises NothingChecked (exit 3).
     request = args.request
     reference = prepare_reference(request.scenario)
-    check_example(request.target, request.scenario, args.world_size, reference=reference,
-                  **request.run)
+    check_example(
+        request.target, request.scenario, args.world_size, reference=reference, **request.run
+    )
     print(f"ddpcheck replay: equivalent at world size {args.world_size}")
     return ExitCode.OK
 
@@ -526,27 +609,41 @@ def _trace(args: argparse.Namespace) -> ExitCode:
     from ddpcheck._world.registry import get_world
 
     if callable(getattr(args.target, "fit", None)):
-        raise UsageError(f"{args.target_spec} owns its training loop (Target.fit); ddpcheck "
-                         "trace times the steps of its own loop, so it cannot trace this target")
+        raise UsageError(
+            f"{args.target_spec} owns its training loop (Target.fit); ddpcheck "
+            "trace times the steps of its own loop, so it cannot trace this target"
+        )
 
     try:
-        traces = get_world(args.world_size).run(record_step, args.target, TRACE_SCENARIO,
-                                                deadline=args.request.deadline,
-                                                what="ddpcheck trace")
+        traces = get_world(args.world_size).run(
+            record_step,
+            args.target,
+            TRACE_SCENARIO,
+            deadline=args.request.deadline,
+            what="ddpcheck trace",
+        )
     except WorldFailure as exc:
         raise UsageError(f"the traced step did not complete on every rank:\n{exc}") from exc
     with open(args.output, "w") as f:
-        json.dump(chrome_trace(traces, title=f"ddpcheck trace {args.target_spec} "
-                                             f"--world-size {args.world_size}"), f)
-    print(f"ddpcheck trace {args.target_spec}: one step at world size {args.world_size} written "
-          f"to {args.output} (open it in https://ui.perfetto.dev)")
+        json.dump(
+            chrome_trace(
+                traces, title=f"ddpcheck trace {args.target_spec} --world-size {args.world_size}"
+            ),
+            f,
+        )
+    print(
+        f"ddpcheck trace {args.target_spec}: one step at world size {args.world_size} written "
+        f"to {args.output} (open it in https://ui.perfetto.dev)"
+    )
     for t in traces:
         reduced = sum(c.nbytes for c in t.collectives if c.op == "all_reduce")
         line = f"  rank {t.rank}: {len(t.collectives)} collectives, {reduced} bytes all-reduced"
         seen = overlap(t)
         if seen is not None:
-            line += (f"; first async all-reduce launched {seen[0] * 1e3:.2f} ms into a "
-                     f"{seen[1] * 1e3:.2f} ms backward")
+            line += (
+                f"; first async all-reduce launched {seen[0] * 1e3:.2f} ms into a "
+                f"{seen[1] * 1e3:.2f} ms backward"
+            )
         print(line)
     return ExitCode.OK
 
@@ -558,8 +655,11 @@ def _targets(args: argparse.Namespace) -> ExitCode:
         version = entry.version
         floor = "" if entry.minimum is None else f", supported from {entry.minimum}"
         floor += f", tested with {', '.join(entry.tested)}" if entry.tested else ""
-        where = (f"{entry.framework} {version}{floor}" if version is not None else
-                 f"{entry.framework} not installed{floor}: {entry.install}")
+        where = (
+            f"{entry.framework} {version}{floor}"
+            if version is not None
+            else f"{entry.framework} not installed{floor}: {entry.install}"
+        )
         print(f"{entry.name}  ({where})\n    {entry.summary}")
         for feature, why in entry.declines.items():
             print(f"    declines {feature}: {why}")
@@ -572,8 +672,13 @@ def _targets(args: argparse.Namespace) -> ExitCode:
 def _mutants(args: argparse.Namespace) -> ExitCode:
     from ddpcheck.mutation.score import run_mutants
 
-    return run_mutants(args.only, budget_seconds=args.budget_seconds, search_name=args.search,
-                       world_sizes=args.world_sizes, deadline=args.request.deadline)
+    return run_mutants(
+        args.only,
+        budget_seconds=args.budget_seconds,
+        search_name=args.search,
+        world_sizes=args.world_sizes,
+        deadline=args.request.deadline,
+    )
 
 
 def _fuzz_rule(args: argparse.Namespace) -> ExitCode:
@@ -584,28 +689,36 @@ def _fuzz_rule(args: argparse.Namespace) -> ExitCode:
     prefix = f"ddpcheck fuzz-rule {args.rule_spec}"
     deadline = args.request.deadline
     # a world that cannot start, or fails while no call of the rule runs, is a SetupError: exit 2
-    report = rules.check_rule(args.rule, examples=args.examples, seed=args.seed,
-                              deadline=deadline)
+    report = rules.check_rule(args.rule, examples=args.examples, seed=args.seed, deadline=deadline)
     for v in report.violations:
         print(f"{prefix}: {v.message}")
     if report.violations:
         return ExitCode.FOUND
     print(f"{prefix}: {report.summary(deadline, args.seed)}")
     try:
-        result = ddpcheck.assert_equivalent(ParallelTarget(sharding_rule=args.rule),
-                                            world_sizes=args.world_sizes, deadline=deadline)
+        result = ddpcheck.assert_equivalent(
+            ParallelTarget(sharding_rule=args.rule), world_sizes=args.world_sizes, deadline=deadline
+        )
     except EquivalenceError as exc:
         print(f"{prefix}: ShardedOptimizer under the rule is not equivalent:\n{exc}")
         return ExitCode.FOUND
     print(f"{prefix}: ShardedOptimizer equivalent: {result}")
-    print(f"{prefix}: optimizer-state balance on GPT-2-small parameters (max / ideal bytes, "
-          f"1.000 is perfect): {report.balance()}")
+    print(
+        f"{prefix}: optimizer-state balance on GPT-2-small parameters (max / ideal bytes, "
+        f"1.000 is perfect): {report.balance()}"
+    )
     return ExitCode.OK
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], ExitCode]] = {
-    "check": _check, "survey": _survey, "replay": _replay, "trace": _trace,
-    "mutants": _mutants, "fuzz-rule": _fuzz_rule, "targets": _targets}
+    "check": _check,
+    "survey": _survey,
+    "replay": _replay,
+    "trace": _trace,
+    "mutants": _mutants,
+    "fuzz-rule": _fuzz_rule,
+    "targets": _targets,
+}
 
 
 if __name__ == "__main__":

@@ -30,30 +30,71 @@ from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
 
 def pytest_addoption(parser: Any) -> None:
     group = parser.getgroup("ddpcheck", "data-parallel equivalence checks")
-    group.addoption("--ddpcheck-world-sizes", action="store", default=None, metavar="W,W,...",
-                    help="World sizes the ddpcheck fixtures use (default 1,2,3,4)")
-    group.addoption("--ddpcheck-deadline", action="store", default=None, metavar="SECONDS",
-                    help="Seconds one example may take before it counts as hung (default 60)")
-    group.addoption("--ddpcheck-without", action="store", default=None, metavar="FEATURE,...",
-                    help="Features the ddpcheck fixtures never exercise (see ddpcheck.features)")
-    group.addoption("--ddpcheck-dtypes", action="store", default=None, metavar="DTYPE,...",
-                    help="Dtypes the ddpcheck fixtures exercise: float64, float32 or both")
-    group.addoption("--ddpcheck-only", action="store", default=None, metavar="FEATURE,...",
-                    help="Features the ddpcheck fixtures focus on: only examples that exercise "
-                         "one of them")
-    group.addoption("--ddpcheck-device", action="store", default=None, metavar="DEVICE",
-                    help="Where the fixtures' ranks compute: cpu (default) or cuda (rank r on "
-                         "GPU r, NCCL)")
-    group.addoption("--ddpcheck-backend", action="store", default=None, metavar="BACKEND",
-                    help="Backend of the fixtures' worlds: gloo or nccl (default: gloo on cpu, "
-                         "nccl on cuda)")
-    group.addoption("--ddpcheck-fuzz-config", action="store_true", default=False,
-                    help="ddpcheck_run checks the target under each option its "
-                         "config_space() draws too (refused for a target with none)")
-    group.addoption("--ddpcheck-config", action="store", default=None, metavar="FILE",
-                    help="The framework's own configuration for the ready-made framework "
-                         "target a test passes to ddpcheck_run: a JSON file, or MODULE:NAME "
-                         "naming a dict (docs/frameworks.md, \"Your own configuration\")")
+    group.addoption(
+        "--ddpcheck-world-sizes",
+        action="store",
+        default=None,
+        metavar="W,W,...",
+        help="World sizes the ddpcheck fixtures use (default 1,2,3,4)",
+    )
+    group.addoption(
+        "--ddpcheck-deadline",
+        action="store",
+        default=None,
+        metavar="SECONDS",
+        help="Seconds one example may take before it counts as hung (default 60)",
+    )
+    group.addoption(
+        "--ddpcheck-without",
+        action="store",
+        default=None,
+        metavar="FEATURE,...",
+        help="Features the ddpcheck fixtures never exercise (see ddpcheck.features)",
+    )
+    group.addoption(
+        "--ddpcheck-dtypes",
+        action="store",
+        default=None,
+        metavar="DTYPE,...",
+        help="Dtypes the ddpcheck fixtures exercise: float64, float32 or both",
+    )
+    group.addoption(
+        "--ddpcheck-only",
+        action="store",
+        default=None,
+        metavar="FEATURE,...",
+        help="Features the ddpcheck fixtures focus on: only examples that exercise one of them",
+    )
+    group.addoption(
+        "--ddpcheck-device",
+        action="store",
+        default=None,
+        metavar="DEVICE",
+        help="Where the fixtures' ranks compute: cpu (default) or cuda (rank r on GPU r, NCCL)",
+    )
+    group.addoption(
+        "--ddpcheck-backend",
+        action="store",
+        default=None,
+        metavar="BACKEND",
+        help="Backend of the fixtures' worlds: gloo or nccl (default: gloo on cpu, nccl on cuda)",
+    )
+    group.addoption(
+        "--ddpcheck-fuzz-config",
+        action="store_true",
+        default=False,
+        help="ddpcheck_run checks the target under each option its "
+        "config_space() draws too (refused for a target with none)",
+    )
+    group.addoption(
+        "--ddpcheck-config",
+        action="store",
+        default=None,
+        metavar="FILE",
+        help="The framework's own configuration for the ready-made framework "
+        "target a test passes to ddpcheck_run: a JSON file, or MODULE:NAME "
+        'naming a dict (docs/frameworks.md, "Your own configuration")',
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,10 +104,18 @@ def pytest_addoption(parser: Any) -> None:
 class Options:
     """The resolved ddpcheck options of one pytest session."""
 
-    def __init__(self, world_sizes: tuple[int, ...], deadline: float, workers: int,
-                 given: bool = False, without: frozenset[str] = frozenset(),
-                 device: str = "cpu", backend: str | None = None, request: Any = None,
-                 config: str | None = None):
+    def __init__(
+        self,
+        world_sizes: tuple[int, ...],
+        deadline: float,
+        workers: int,
+        given: bool = False,
+        without: frozenset[str] = frozenset(),
+        device: str = "cpu",
+        backend: str | None = None,
+        request: Any = None,
+        config: str | None = None,
+    ):
         self.world_sizes = world_sizes
         self.deadline = deadline
         self.workers = workers
@@ -80,11 +129,16 @@ class Options:
     def header(self) -> str:
         sizes = ",".join(map(str, self.world_sizes))
         without = f", without {','.join(sorted(self.without))}" if self.without else ""
-        where = "" if self.device == "cpu" and self.backend is None else \
-            f", device {self.device}{f' over {self.backend}' if self.backend else ''}"
+        where = (
+            ""
+            if self.device == "cpu" and self.backend is None
+            else f", device {self.device}{f' over {self.backend}' if self.backend else ''}"
+        )
         options = ", options fuzzed" if getattr(self.request, "fuzz_config", False) else ""
-        return (f"ddpcheck: world sizes {sizes}, deadline {self.deadline:g} s{without}{where}"
-                f"{options}, {self.workers} worker process(es) each keeping its own worlds")
+        return (
+            f"ddpcheck: world sizes {sizes}, deadline {self.deadline:g} s{without}{where}"
+            f"{options}, {self.workers} worker process(es) each keeping its own worlds"
+        )
 
 
 #: Where the plugin keeps its state on the pytest config (``config.stash``, not attributes).
@@ -110,22 +164,50 @@ def resolve_options(config: Any) -> Options:
     try:
         # the machine's limit only for world sizes asked for: the plugin loads in every pytest
         # run, ddpcheck's or not (torch is imported only for cuda, to ask about the GPUs)
-        request = admit(world_sizes=DEFAULT_WORLD_SIZES if raw is None else raw,
-                        deadline=deadline, without=raw_without or "", dtypes=raw_dtypes,
-                        only=raw_only or "", device=device, backend=backend, spelling=PYTEST,
-                        workers=workers,
-                        fits_machine=raw is not None,
-                        fuzz_config=bool(config.getoption("ddpcheck_fuzz_config")))
+        request = admit(
+            world_sizes=DEFAULT_WORLD_SIZES if raw is None else raw,
+            deadline=deadline,
+            without=raw_without or "",
+            dtypes=raw_dtypes,
+            only=raw_only or "",
+            device=device,
+            backend=backend,
+            spelling=PYTEST,
+            workers=workers,
+            fits_machine=raw is not None,
+            fuzz_config=bool(config.getoption("ddpcheck_fuzz_config")),
+        )
         if framework_config is not None:  # read now: a wrong file is the session's usage error
             config_value(framework_config, flag="--ddpcheck-config")
     except InvalidArgument as exc:
         raise pytest.UsageError(str(exc)) from None
-    given = any(v is not None for v in (raw, raw_deadline, raw_without, raw_dtypes, raw_only,
-                                        config.getoption("ddpcheck_device"), backend,
-                                        framework_config)) or request.fuzz_config
-    return Options(request.world_sizes, request.deadline, workers, given=given,
-                   without=request.battery_without, device=device, backend=backend,
-                   request=request, config=framework_config)
+    given = (
+        any(
+            v is not None
+            for v in (
+                raw,
+                raw_deadline,
+                raw_without,
+                raw_dtypes,
+                raw_only,
+                config.getoption("ddpcheck_device"),
+                backend,
+                framework_config,
+            )
+        )
+        or request.fuzz_config
+    )
+    return Options(
+        request.world_sizes,
+        request.deadline,
+        workers,
+        given=given,
+        without=request.battery_without,
+        device=device,
+        backend=backend,
+        request=request,
+        config=framework_config,
+    )
 
 
 def _xdist_workers(config: Any) -> int:
@@ -176,13 +258,15 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 
 
 #: What each outcome of a failed test means, as its report says it (``ddpcheck.errors.ExitCode``).
-OUTCOMES = {ExitCode.FOUND: "a data-parallel bug in the target; its replay line reproduces it",
-            ExitCode.SETUP: "usage or set-up, not the target's fault",
-            ExitCode.NOTHING_CHECKED: "nothing was checked (every example skipped or declined)",
-            ExitCode.INTERNAL: "ddpcheck's own code failed, not a verdict on the target",
-            ExitCode.INCONCLUSIVE: "no verdict either way: the ranks were still working when the "
-                                   "wait ended (raise --ddpcheck-deadline), or a hang did not "
-                                   "recur"}
+OUTCOMES = {
+    ExitCode.FOUND: "a data-parallel bug in the target; its replay line reproduces it",
+    ExitCode.SETUP: "usage or set-up, not the target's fault",
+    ExitCode.NOTHING_CHECKED: "nothing was checked (every example skipped or declined)",
+    ExitCode.INTERNAL: "ddpcheck's own code failed, not a verdict on the target",
+    ExitCode.INCONCLUSIVE: "no verdict either way: the ranks were still working when the "
+    "wait ended (raise --ddpcheck-deadline), or a hang did not "
+    "recur",
+}
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -234,8 +318,11 @@ def _frames(error: BaseException | None, seen: set) -> Any:
         yield tb.tb_frame
         tb = tb.tb_next
     members = getattr(error, "exceptions", ())
-    for linked in (error.__cause__, error.__context__,
-                   *(members if isinstance(members, (tuple, list)) else ())):
+    for linked in (
+        error.__cause__,
+        error.__context__,
+        *(members if isinstance(members, (tuple, list)) else ()),
+    ):
         if isinstance(linked, BaseException):
             yield from _frames(linked, seen)
 
@@ -259,17 +346,23 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: Any, config: Any)
     if total:
         options = config.stash[OPTIONS]
         sizes = ",".join(map(str, options.world_sizes))
-        terminalreporter.write_line(f"ddpcheck: {total} data-parallel examples run (fixture world "
-                                    f"sizes {sizes}, deadline {options.deadline:g} s)")
+        terminalreporter.write_line(
+            f"ddpcheck: {total} data-parallel examples run (fixture world "
+            f"sizes {sizes}, deadline {options.deadline:g} s)"
+        )
     counts: dict[str, int] = {}
     for report in terminalreporter.stats.get("failed", []):
         for key, value in getattr(report, "user_properties", ()):
             if key == "ddpcheck_outcome":
                 counts[value] = counts.get(value, 0) + 1
     if counts:
-        terminalreporter.write_line("ddpcheck outcomes of failed tests: " + "; ".join(
-            f"{n} {name} ({OUTCOMES.get(ExitCode[name], '')})"
-            for name, n in sorted(counts.items())))
+        terminalreporter.write_line(
+            "ddpcheck outcomes of failed tests: "
+            + "; ".join(
+                f"{n} {name} ({OUTCOMES.get(ExitCode[name], '')})"
+                for name, n in sorted(counts.items())
+            )
+        )
 
 
 def _examples_run() -> int:
@@ -291,8 +384,9 @@ def ddpcheck_options(request: Any) -> Options:
 def ddpcheck_world(ddpcheck_options: Options) -> Callable[[int], Any]:
     """``ddpcheck_world(W)``: the persistent world of W ranks on the session's device (started on
     first use)."""
-    return functools.partial(get_world, device=ddpcheck_options.device,
-                             backend=ddpcheck_options.backend)
+    return functools.partial(
+        get_world, device=ddpcheck_options.device, backend=ddpcheck_options.backend
+    )
 
 
 @pytest.fixture(scope="session")
@@ -310,10 +404,16 @@ def ddpcheck_run(ddpcheck_options: Options) -> Callable[..., Any]:
             target = configured(target, ddpcheck_options.config, flag="--ddpcheck-config")
         # a door of its own: the target and scenario are admitted there
         return ddpcheck.assert_equivalent(
-            target, scenario, world_sizes=world_sizes or ddpcheck_options.world_sizes,
-            deadline=ddpcheck_options.deadline, without=ddpcheck_options.without,
-            only=ddpcheck_options.request.only, device=ddpcheck_options.device,
-            backend=ddpcheck_options.backend, fuzz_config=ddpcheck_options.request.fuzz_config)
+            target,
+            scenario,
+            world_sizes=world_sizes or ddpcheck_options.world_sizes,
+            deadline=ddpcheck_options.deadline,
+            without=ddpcheck_options.without,
+            only=ddpcheck_options.request.only,
+            device=ddpcheck_options.device,
+            backend=ddpcheck_options.backend,
+            fuzz_config=ddpcheck_options.request.fuzz_config,
+        )
 
     return run
 

@@ -82,17 +82,25 @@ def test_the_backend_follows_the_tensors_whatever_gpus_are_visible(eight_visible
     assert check_fits("cuda", (9, 12), "gloo") == "gloo"  # gloo shares GPUs
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: backend_for("cpu", "nccl"), "backend='nccl' cannot carry CPU tensors"),
-    (lambda: backend_for("cuda", "mpi"), "backend='mpi' is not a backend ddpcheck starts"),
-    (lambda: backend_for("tpu"), "device='tpu' is not a device ddpcheck runs on"),
-    (lambda: check_fits("cuda", (2, 9)), "a world of 9 ranks needs 9 GPUs with NCCL (one rank "
-                                         "per GPU: NCCL refuses two ranks on one device), and 8 "
-                                         "are visible"),
-    (lambda: World(2, device="gpu"), "device='gpu' is not a device"),
-    (lambda: ddpcheck.assert_equivalent(targets.PARALLEL, device="cuda:0"),
-     "device='cuda:0' is not a device"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: backend_for("cpu", "nccl"), "backend='nccl' cannot carry CPU tensors"),
+        (lambda: backend_for("cuda", "mpi"), "backend='mpi' is not a backend ddpcheck starts"),
+        (lambda: backend_for("tpu"), "device='tpu' is not a device ddpcheck runs on"),
+        (
+            lambda: check_fits("cuda", (2, 9)),
+            "a world of 9 ranks needs 9 GPUs with NCCL (one rank "
+            "per GPU: NCCL refuses two ranks on one device), and 8 "
+            "are visible",
+        ),
+        (lambda: World(2, device="gpu"), "device='gpu' is not a device"),
+        (
+            lambda: ddpcheck.assert_equivalent(targets.PARALLEL, device="cuda:0"),
+            "device='cuda:0' is not a device",
+        ),
+    ],
+)
 def test_what_cannot_run_is_refused_naming_why(eight_visible_gpus, call, message):
     with pytest.raises(ddpcheck.InvalidArgument) as info:
         call()
@@ -101,8 +109,13 @@ def test_what_cannot_run_is_refused_naming_why(eight_visible_gpus, call, message
 
 def _placement() -> tuple:
     """In a rank: its backend, its device, and the precision flags it runs float32 at."""
-    return (dist.get_backend(), str(devices.this_rank()), torch.backends.cuda.matmul.allow_tf32,
-            torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+    return (
+        dist.get_backend(),
+        str(devices.this_rank()),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+    )
 
 
 def test_spawned_worlds_carry_cpu_tensors_over_gloo_when_gpus_are_visible(eight_visible_gpus):
@@ -131,16 +144,20 @@ def test_worlds_are_kept_per_device(monkeypatch):
     assert get_world(2) is cpu and get_world(2, device="cuda") is cuda
 
 
-def test_torchrun_joins_over_gloo_for_cpu_tensors_when_gpus_are_visible(eight_visible_gpus,
-                                                                       monkeypatch):
+def test_torchrun_joins_over_gloo_for_cpu_tensors_when_gpus_are_visible(
+    eight_visible_gpus, monkeypatch
+):
     from ddpcheck._runs import torchrun
 
     joined = []
     monkeypatch.setattr(devices, "_rank_device", None)  # restored: this process is no rank
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "init_process_group",
-                        lambda backend, **kwargs: joined.append((backend, kwargs.get("device_id"))))
+    monkeypatch.setattr(
+        dist,
+        "init_process_group",
+        lambda backend, **kwargs: joined.append((backend, kwargs.get("device_id"))),
+    )
     assert torchrun.init_world("cpu", None, 30.0) == "gloo"
     assert joined == [("gloo", None)]
     # on CUDA, NCCL with the rank's device (the binding itself needs a real GPU: see below)
@@ -158,24 +175,45 @@ def test_torchrun_joins_over_gloo_for_cpu_tensors_when_gpus_are_visible(eight_vi
 @NO_GPU
 def test_check_on_cuda_without_gpus_is_refused_in_seconds(tmp_path):
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "ddpcheck", "check", "parallel", "--device",
-                          "cuda"], capture_output=True, text=True, timeout=patience(60),
-                         cwd=tmp_path, env=subprocess_env(tmp_path))
+    out = subprocess.run(
+        [sys.executable, "-m", "ddpcheck", "check", "parallel", "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=patience(60),
+        cwd=tmp_path,
+        env=subprocess_env(tmp_path),
+    )
     took = time.monotonic() - started
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip().splitlines() == [
         "ddpcheck check: error: --device='cuda', but torch "
         f"{torch.__version__} sees no CUDA device (torch.cuda.is_available() is False); run on "
-        "the CPU (the default) or on a machine with a GPU"]
+        "the CPU (the default) or on a machine with a GPU"
+    ]
     assert took < patience(15), f"{took:.1f} s"  # interpreter + torch import, then one line
     assert not list(tmp_path.glob("ddpcheck-*"))
 
 
 def test_nccl_with_more_ranks_than_gpus_is_refused_unless_gloo_is_asked_for(tmp_path):
-    command = [sys.executable, "-m", "ddpcheck", "check", "parallel", "--device", "cuda",
-               "--world-sizes", "1,2"]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=patience(60),
-                         cwd=tmp_path, env=subprocess_env(tmp_path, fake_gpus=1))
+    command = [
+        sys.executable,
+        "-m",
+        "ddpcheck",
+        "check",
+        "parallel",
+        "--device",
+        "cuda",
+        "--world-sizes",
+        "1,2",
+    ]
+    out = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=patience(60),
+        cwd=tmp_path,
+        env=subprocess_env(tmp_path, fake_gpus=1),
+    )
     assert out.returncode == 2, out.stdout + out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "a world of 2 ranks needs 2 GPUs with NCCL" in out.stderr
@@ -184,28 +222,47 @@ def test_nccl_with_more_ranks_than_gpus_is_refused_unless_gloo_is_asked_for(tmp_
 
 @NO_GPU
 def test_the_api_refuses_cuda_without_gpus_before_any_world_starts(no_process_started):
-    for call in (lambda: ddpcheck.assert_equivalent(targets.PARALLEL, device="cuda"),
-                 lambda: check_example(targets.PARALLEL, SMALL, 1, device="cuda"),
-                 lambda: ddpcheck.survey(targets.PARALLEL, device="cuda"),
-                 lambda: fuzz(targets.PARALLEL, device="cuda"),
-                 lambda: World(1, device="cuda").start()):  # ddpcheck.get_world's worlds too
+    for call in (
+        lambda: ddpcheck.assert_equivalent(targets.PARALLEL, device="cuda"),
+        lambda: check_example(targets.PARALLEL, SMALL, 1, device="cuda"),
+        lambda: ddpcheck.survey(targets.PARALLEL, device="cuda"),
+        lambda: fuzz(targets.PARALLEL, device="cuda"),
+        lambda: World(1, device="cuda").start(),
+    ):  # ddpcheck.get_world's worlds too
         with pytest.raises(ddpcheck.InvalidArgument, match="sees no CUDA device"):
             call()
 
 
 def _pytest(tmp_path, *args: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_it.py").write_text("def test_nothing():\n    pass\n")
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
-                           str(tmp_path / "test_it.py"), *args], capture_output=True, text=True,
-                          timeout=patience(120), cwd=tmp_path, env=subprocess_env(tmp_path))
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path / "test_it.py"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=patience(120),
+        cwd=tmp_path,
+        env=subprocess_env(tmp_path),
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--ddpcheck-device", "gpu"], "--ddpcheck-device='gpu' is not a device ddpcheck runs on"),
-    (["--ddpcheck-backend", "nccl"], "--ddpcheck-backend='nccl' cannot carry CPU tensors"),
-    pytest.param(["--ddpcheck-device", "cuda"], "--ddpcheck-device='cuda', but torch",
-                 marks=NO_GPU),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--ddpcheck-device", "gpu"], "--ddpcheck-device='gpu' is not a device ddpcheck runs on"),
+        (["--ddpcheck-backend", "nccl"], "--ddpcheck-backend='nccl' cannot carry CPU tensors"),
+        pytest.param(
+            ["--ddpcheck-device", "cuda"], "--ddpcheck-device='cuda', but torch", marks=NO_GPU
+        ),
+    ],
+)
 def test_the_plugin_validates_the_device_like_the_command_line(tmp_path, args, message):
     out = _pytest(tmp_path, *args)
     assert out.returncode == 4, out.stdout + out.stderr
@@ -251,9 +308,13 @@ def test_records_come_back_on_the_cpu_from_a_gpu_rank():
     world = get_world(1, device="cuda")
     assert world.run(_placement) == [("nccl", "cuda:0", False, False, "highest")]
     record = unpack(world.run(run_example_packed, targets.PARALLEL, Scenario())[0])
-    tensors = [*record.initial.values()] + [t for step in record.steps
-                                             for part in (step.params, step.grads, step.buffers)
-                                             for t in part.values() if t is not None]
+    tensors = [*record.initial.values()] + [
+        t
+        for step in record.steps
+        for part in (step.params, step.grads, step.buffers)
+        for t in part.values()
+        if t is not None
+    ]
     assert tensors and {t.device.type for t in tensors} == {"cpu"}
 
 
@@ -277,9 +338,25 @@ def test_a_bug_found_on_gpus_replays_on_gpus():
 
 @TWO_GPUS
 def test_torchrun_on_two_gpus_uses_nccl(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", "-m", "ddpcheck", "check", "--device", "cuda"],
-                         capture_output=True, text=True, timeout=patience(600), cwd=tmp_path,
-                         env=subprocess_env(tmp_path))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "ddpcheck",
+            "check",
+            "--device",
+            "cuda",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=patience(600),
+        cwd=tmp_path,
+        env=subprocess_env(tmp_path),
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "in the torchrun world of 2 (backend nccl, device cuda)" in out.stdout

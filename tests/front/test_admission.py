@@ -20,21 +20,37 @@ from tests.processes import none_started
 
 #: (the API's keyword and value, the command line's flag and text, the rule's words)
 BAD = {
-    "world size 0": (("world_sizes", (0,)), ("--world-sizes", "0"),
-                     "contains 0; every world size must be a positive integer"),
-    "no world size": (("world_sizes", ()), ("--world-sizes", ""),
-                      "is empty; give at least one world size"),
-    "an endless deadline": (("deadline", float("inf")), ("--deadline", "inf"),
-                            "must be finite: every wait has a deadline"),
-    "a negative deadline": (("deadline", -1), ("--deadline", "-1"),
-                            "must be a positive number"),
-    "a mistyped feature": (("without", ("acumulation",)), ("--without", "acumulation"),
-                           "'acumulation' is not a feature (did you mean 'accumulation'?)"),
-    "a dtype ddpcheck does not draw": (("dtypes", ("float16",)), ("--dtypes", "float16"),
-                                       "must name float64, float32 or both (did you mean "
-                                       "'float64'?)"),
-    "a mistyped focus": (("only", ("acumulation",)), ("--only", "acumulation"),
-                         "'acumulation' is not a feature (did you mean 'accumulation'?)"),
+    "world size 0": (
+        ("world_sizes", (0,)),
+        ("--world-sizes", "0"),
+        "contains 0; every world size must be a positive integer",
+    ),
+    "no world size": (
+        ("world_sizes", ()),
+        ("--world-sizes", ""),
+        "is empty; give at least one world size",
+    ),
+    "an endless deadline": (
+        ("deadline", float("inf")),
+        ("--deadline", "inf"),
+        "must be finite: every wait has a deadline",
+    ),
+    "a negative deadline": (("deadline", -1), ("--deadline", "-1"), "must be a positive number"),
+    "a mistyped feature": (
+        ("without", ("acumulation",)),
+        ("--without", "acumulation"),
+        "'acumulation' is not a feature (did you mean 'accumulation'?)",
+    ),
+    "a dtype ddpcheck does not draw": (
+        ("dtypes", ("float16",)),
+        ("--dtypes", "float16"),
+        "must name float64, float32 or both (did you mean 'float64'?)",
+    ),
+    "a mistyped focus": (
+        ("only", ("acumulation",)),
+        ("--only", "acumulation"),
+        "'acumulation' is not a feature (did you mean 'accumulation'?)",
+    ),
 }
 
 #: The API's doors, each with what it takes besides the bad argument (a survey maps every
@@ -48,11 +64,15 @@ NOT_TAKEN = {("survey", "dtypes")}
 
 #: The command line's doors and the flags each has.
 CLI_DOORS = {
-    "check": (["check", "parallel"], {"--world-sizes", "--deadline", "--without", "--dtypes",
-                                      "--only"}),
+    "check": (
+        ["check", "parallel"],
+        {"--world-sizes", "--deadline", "--without", "--dtypes", "--only"},
+    ),
     "survey": (["survey", "parallel"], {"--world-sizes", "--deadline", "--without", "--only"}),
-    "replay": (["replay", "parallel", "--world-size", "2", "--scenario",
-                "ddpcheck.Scenario(steps=1)"], {"--deadline"}),
+    "replay": (
+        ["replay", "parallel", "--world-size", "2", "--scenario", "ddpcheck.Scenario(steps=1)"],
+        {"--deadline"},
+    ),
     "trace": (["trace", "parallel"], {"--deadline"}),
     "mutants": (["mutants"], {"--world-sizes", "--deadline"}),
     "fuzz-rule": (["fuzz-rule", "parallel.sharding:greedy"], {"--world-sizes", "--deadline"}),
@@ -84,8 +104,9 @@ def test_every_api_door_refuses_before_any_process(door, bad):
     assert str(info.value).startswith(keyword), str(info.value)
 
 
-@pytest.mark.parametrize("bad", [b for b in BAD if BAD[b][0][0] in ("world_sizes", "deadline")],
-                         ids=str)
+@pytest.mark.parametrize(
+    "bad", [b for b in BAD if BAD[b][0][0] in ("world_sizes", "deadline")], ids=str
+)
 def test_check_example_refuses_before_any_process(bad):
     (keyword, value), _, rule = BAD[bad]
     if keyword == "world_sizes":  # check_example takes one world size
@@ -113,8 +134,10 @@ def test_every_command_refuses_before_any_process_with_the_api_message(door, bad
 
 def test_a_scenario_and_a_target_are_admitted_before_any_process(capsys):
     """replay reads and judges its scenario, and every door resolves its target, at the door."""
-    message = _cli_message(["replay", "parallel", "--world-size", "2", "--scenario",
-                            "ddpcheck.Scenario(steps=0)"], capsys)
+    message = _cli_message(
+        ["replay", "parallel", "--world-size", "2", "--scenario", "ddpcheck.Scenario(steps=0)"],
+        capsys,
+    )
     assert message.startswith("--scenario 'ddpcheck.Scenario(steps=0)'"), message
     for door in ("check", "survey", "trace"):
         assert "did you mean 'accelerate'?" in _cli_message([door, "accelerat"], capsys)
@@ -157,11 +180,16 @@ def test_one_set_of_defaults():
     """The API and the command line default alike: what each door would run."""
     api = admission.admit(targets.PARALLEL)
     parsed = cli.build_parser().parse_args(["check"])
-    command = admission.admit(parsed.target, world_sizes=parsed.world_sizes or
-                              ddpcheck.DEFAULT_WORLD_SIZES, deadline=parsed.deadline,
-                              without=parsed.without, dtypes=parsed.dtypes,
-                              device=parsed.device, backend=parsed.backend,
-                              spelling=admission.COMMAND_LINE)
+    command = admission.admit(
+        parsed.target,
+        world_sizes=parsed.world_sizes or ddpcheck.DEFAULT_WORLD_SIZES,
+        deadline=parsed.deadline,
+        without=parsed.without,
+        dtypes=parsed.dtypes,
+        device=parsed.device,
+        backend=parsed.backend,
+        spelling=admission.COMMAND_LINE,
+    )
     assert api == command
     assert api.battery_without == frozenset()  # the whole battery, float32 scenario too
     assert api.random_dtypes == ("float64",)

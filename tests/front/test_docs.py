@@ -51,7 +51,7 @@ def _blocks(page: pathlib.Path) -> list[Block]:
     blocks = []
     marked = set()
     for fence in FENCE.finditer(text):
-        before = text[:fence.start()].rstrip() + "\n"
+        before = text[: fence.start()].rstrip() + "\n"
         last = before.rstrip().rsplit("\n", 1)[-1]
         marker = MARKER.search(last)
         if marker is None:
@@ -68,17 +68,20 @@ def _blocks(page: pathlib.Path) -> list[Block]:
             if block.lang == "python":
                 assert block.file, f"{name}:{line}: a python block needs a file: <!-- run: X.py -->"
             else:
-                assert block.lang in ("sh", "bash", "shell"), \
+                assert block.lang in ("sh", "bash", "shell"), (
                     f"{name}:{line}: only python and sh blocks run, not {block.lang!r}"
+                )
                 assert block.file is None, f"{name}:{line}: a shell block takes no file name"
         else:
-            assert blocks and blocks[-1].kind == "run", \
+            assert blocks and blocks[-1].kind == "run", (
                 f"{name}:{line}: <!-- output --> must follow a run block"
+            )
         blocks.append(block)
     for number, line_text in enumerate(text.splitlines(), 1):
         if re.match(r"\s*<!--\s*(run|output)\b", line_text):
-            assert number in marked or number + 1 in marked, \
+            assert number in marked or number + 1 in marked, (
                 f"{name}:{number}: this marker is not right before a fenced block"
+            )
     return blocks
 
 
@@ -110,8 +113,10 @@ def assert_prints(shown: str, actual: str, where: str) -> None:
                 at = i + 1
                 break
         else:
-            raise AssertionError(f"{where}: the docs show\n    {wanted.strip()}\nbut the run "
-                                 f"printed (from line {at + 1} on):\n{actual}")
+            raise AssertionError(
+                f"{where}: the docs show\n    {wanted.strip()}\nbut the run "
+                f"printed (from line {at + 1} on):\n{actual}"
+            )
 
 
 def _environment() -> dict[str, str]:
@@ -136,27 +141,41 @@ def test_the_marked_blocks_of_a_page_run_as_written(page, tmp_path):
             argv = ["python", block.file]
         else:
             argv = ["bash", "-e", "-o", "pipefail", "-c", block.code]
-        done = subprocess.run(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=600)
+        done = subprocess.run(
+            argv,
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=600,
+        )
         last = done.stdout
         assert done.returncode == block.exit, (
-            f"{where}: exit status {done.returncode}, the docs say {block.exit}:\n{last}")
+            f"{where}: exit status {done.returncode}, the docs say {block.exit}:\n{last}"
+        )
 
 
 def test_the_doc_block_test_reads_the_markers_and_compares_loosely(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("<!-- run: a.py, exit 3 -->\n```python\nraise SystemExit(3)\n```\n\n"
-                    "<!-- output -->\n```\nx\n```\n\n<!-- run -->\n```sh\necho hi\n```\n"
-                    "```python\nnot run\n```\n")
+    page.write_text(
+        "<!-- run: a.py, exit 3 -->\n```python\nraise SystemExit(3)\n```\n\n"
+        "<!-- output -->\n```\nx\n```\n\n<!-- run -->\n```sh\necho hi\n```\n"
+        "```python\nnot run\n```\n"
+    )
     blocks = _blocks(page)
     page.write_text("<!-- run: a.py -->\n\nsome text\n```python\npass\n```\n")
     with pytest.raises(AssertionError, match="not right before a fenced block"):
         _blocks(page)
     assert [(b.kind, b.lang, b.file, b.exit) for b in blocks] == [
-        ("run", "python", "a.py", 3), ("output", "", None, 0), ("run", "sh", None, 0)]
+        ("run", "python", "a.py", 3),
+        ("output", "", None, 0),
+        ("run", "sh", None, 0),
+    ]
     printed = "10 examples equivalent in 9.01 s\nnoise\nstep  W  rank\n0     2  0     fc1.weight\n"
-    assert_prints("10 examples equivalent in ... s\n...\nstep W rank\n0 2 0 fc1.weight", printed,
-                  "here")
+    assert_prints(
+        "10 examples equivalent in ... s\n...\nstep W rank\n0 2 0 fc1.weight", printed, "here"
+    )
     with pytest.raises(AssertionError, match="the docs show"):
         assert_prints("step W rank\n10 examples equivalent in ... s", printed, "here")  # order
     with pytest.raises(AssertionError, match="the docs show"):
@@ -167,7 +186,8 @@ def test_the_front_page_is_short_and_no_measurement_log():
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= FRONT_PAGE_LINES, (
         f"README.md has {len(text.splitlines())} lines; the front page keeps to "
-        f"{FRONT_PAGE_LINES}: move reference material to a docs/ page (docs/writing-docs.md)")
+        f"{FRONT_PAGE_LINES}: move reference material to a docs/ page (docs/writing-docs.md)"
+    )
     dated = re.findall(r"\b20\d\d-\d\d-\d\d\b", text)
     assert not dated, f"dated measurements belong in docs/figures.md, not the README: {dated}"
 
@@ -183,8 +203,9 @@ def test_every_docs_page_is_in_the_contents_and_every_link_resolves():
     assert contents, "README.md has no <!-- contents --> list"
     listed = set(re.findall(r"\]\((docs/[^)#]+\.md)\)", contents.group(1)))
     pages = {p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")}
-    assert pages - listed == set(), f"docs pages missing from the README's contents list: " \
-                                    f"{sorted(pages - listed)}"
+    assert pages - listed == set(), (
+        f"docs pages missing from the README's contents list: {sorted(pages - listed)}"
+    )
     broken = []
     for page in PAGES:
         text = re.sub(r"`[^`\n]*`", "", FENCE.sub("", page.read_text()))  # code is no link
@@ -206,8 +227,9 @@ def test_every_docs_page_is_in_the_contents_and_every_link_resolves():
 MAINTAINERS = {"architecture.md"}
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if p.name not in MAINTAINERS],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "page", [p for p in PAGES if p.name not in MAINTAINERS], ids=lambda p: p.name
+)
 def test_a_users_page_names_only_public_names(page):
     # What a user may import is public; a private floor (ddpcheck._runs...) can move any day.
     private = re.findall(r"\bddpcheck\._(?!_)\w+[\w.]*", page.read_text())

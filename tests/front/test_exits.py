@@ -29,16 +29,24 @@ DECLINES_EVERYTHING = DeclinesEverything()
 
 def _ddpcheck(*args: str, cwd: str = ROOT, env: dict | None = None):
     started = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "ddpcheck", *args], capture_output=True,
-                         text=True, timeout=patience(120), cwd=cwd,
-                         env={**os.environ, **(env or {})})
+    out = subprocess.run(
+        [sys.executable, "-m", "ddpcheck", *args],
+        capture_output=True,
+        text=True,
+        timeout=patience(120),
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+    )
     return out, time.perf_counter() - started
 
 
-@pytest.mark.parametrize("source, message", [
-    ("raise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here"),
-    ("def broken(:\n", "SyntaxError"),
-])
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("raise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here"),
+        ("def broken(:\n", "SyntaxError"),
+    ],
+)
 def test_a_module_that_cannot_be_imported_is_a_setup_error(tmp_path, source, message):
     (tmp_path / "badmod.py").write_text(source)
     out, seconds = _ddpcheck("check", "badmod:T", cwd=str(tmp_path))
@@ -65,8 +73,7 @@ def test_an_unwritable_trace_output_is_refused_before_any_world_runs(tmp_path):
 
 @pytest.mark.slow
 def test_a_target_that_declines_everything_does_not_exit_0():
-    out, _ = _ddpcheck("check", "tests.front.test_exits:DECLINES_EVERYTHING", "--examples",
-                       "5")
+    out, _ = _ddpcheck("check", "tests.front.test_exits:DECLINES_EVERYTHING", "--examples", "5")
     assert out.returncode == 3, out.stdout + out.stderr
     assert "nothing was checked" in out.stderr
     assert "only runs on Tuesdays" in out.stderr
@@ -74,8 +81,14 @@ def test_a_target_that_declines_everything_does_not_exit_0():
 
 @pytest.mark.slow
 def test_replaying_a_declined_scenario_checks_nothing():
-    out, _ = _ddpcheck("replay", "tests.front.test_exits:DECLINES_EVERYTHING", "--world-size",
-                       "2", "--scenario", "ddpcheck.Scenario(model=ddpcheck.zoo.MLP)")
+    out, _ = _ddpcheck(
+        "replay",
+        "tests.front.test_exits:DECLINES_EVERYTHING",
+        "--world-size",
+        "2",
+        "--scenario",
+        "ddpcheck.Scenario(model=ddpcheck.zoo.MLP)",
+    )
     assert out.returncode == 3, out.stdout + out.stderr
 
 
@@ -108,16 +121,22 @@ class Wide(nn.Module):  # expects 10 features; the default data has 5
 @pytest.mark.slow
 def test_a_model_that_does_not_fit_its_data_is_a_setup_error_in_one_line(tmp_path):
     (tmp_path / "wide.py").write_text(WIDE_MODEL)
-    out, _ = _ddpcheck("replay", "local", "--world-size", "2", "--scenario",
-                       "ddpcheck.Scenario(model=wide.Wide)", cwd=str(tmp_path),
-                       env={"PYTHONPATH": str(tmp_path)})
+    out, _ = _ddpcheck(
+        "replay",
+        "local",
+        "--world-size",
+        "2",
+        "--scenario",
+        "ddpcheck.Scenario(model=wide.Wide)",
+        cwd=str(tmp_path),
+        env={"PYTHONPATH": str(tmp_path)},
+    )
     assert out.returncode == 2, out.stdout + out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "wide.Wide" in out.stderr and "(8x5 and 10x3)" in out.stderr, out.stderr
 
 
-def test_the_model_failing_while_its_features_are_read_is_a_scenario_error(tmp_path,
-                                                                           monkeypatch):
+def test_the_model_failing_while_its_features_are_read_is_a_scenario_error(tmp_path, monkeypatch):
     (tmp_path / "wide.py").write_text(WIDE_MODEL)
     monkeypatch.syspath_prepend(str(tmp_path))
     import wide
@@ -149,8 +168,8 @@ def _holders(pipe) -> list[str]:
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             if int(pid) != os.getpid() and any(
-                    os.readlink(f"/proc/{pid}/fd/{fd}") == name
-                    for fd in os.listdir(f"/proc/{pid}/fd")):
+                os.readlink(f"/proc/{pid}/fd/{fd}") == name for fd in os.listdir(f"/proc/{pid}/fd")
+            ):
                 with open(f"/proc/{pid}/cmdline") as f:
                     found.append(f.read().replace("\0", " ").strip())
         except OSError:  # gone meanwhile, or not ours to read
@@ -160,18 +179,26 @@ def _holders(pipe) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("args", [
-    ("check", "local", "--world-sizes", "1", "--examples", "1"),  # a verdict: worlds ran
-    ("check", "nosuch_module:T"),  # a set-up error while the fork server still imports torch
-], ids=["verdict", "setup-error"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("check", "local", "--world-sizes", "1", "--examples", "1"),  # a verdict: worlds ran
+        ("check", "nosuch_module:T"),  # a set-up error while the fork server still imports torch
+    ],
+    ids=["verdict", "setup-error"],
+)
 def test_the_command_leaves_nothing_holding_its_output(args):
     """When the command has exited, its output has ended too: nothing it started (the fork
     server, multiprocessing's resource tracker, ranks, janitors) still holds the pipe, so
     `ddpcheck ... | tee` and a captured run end with the verdict, not seconds later (the fork
     server used to finish its imports, then tear down torch, ~1-3 s, holding stdout; the
     resource tracker a moment more)."""
-    proc = subprocess.Popen([sys.executable, "-m", "ddpcheck", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpcheck", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         # the output is a few lines: it fits the pipe's buffer, so waiting first cannot block
         proc.wait(timeout=patience(120))
@@ -184,8 +211,11 @@ def test_the_command_leaves_nothing_holding_its_output(args):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args", [("targets",), ("check", "--world-sizes", "1", "--examples",
-                                                  "1")], ids=["targets", "check"])
+@pytest.mark.parametrize(
+    "args",
+    [("targets",), ("check", "--world-sizes", "1", "--examples", "1")],
+    ids=["targets", "check"],
+)
 def test_a_closed_output_is_a_clean_stop_not_an_internal_error(args):
     """`ddpcheck targets | head` closes the pipe while the command still writes: that is the
     reader's choice, not a bug in ddpcheck (it was INTERNAL, 4, with a traceback) and no verdict
@@ -195,8 +225,14 @@ def test_a_closed_output_is_a_clean_stop_not_an_internal_error(args):
     read, write = os.pipe()
     os.close(read)
     try:
-        out = subprocess.run([sys.executable, "-m", "ddpcheck", *args], cwd=ROOT, stdout=write,
-                             stderr=subprocess.PIPE, text=True, timeout=patience(120))
+        out = subprocess.run(
+            [sys.executable, "-m", "ddpcheck", *args],
+            cwd=ROOT,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=patience(120),
+        )
     finally:
         os.close(write)
     assert out.returncode == ExitCode.OUTPUT_CLOSED == 141, out.stderr

@@ -39,12 +39,17 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 #: Distributions a comment may make claims about (a word of prose is no distribution).
 KNOWN = ("ddpcheck", "torch", "accelerate", "lightning", "deepspeed", "numpy", "transformers")
-CLAIM = re.compile(rf"\b(?P<name>{'|'.join(KNOWN)})\b"
-                   r"(?:\s*(?P<op>==|>=|≥)?\s*(?P<version>\d+(?:\.\d+)+))?", re.I)
+CLAIM = re.compile(
+    rf"\b(?P<name>{'|'.join(KNOWN)})\b"
+    r"(?:\s*(?P<op>==|>=|≥)?\s*(?P<version>\d+(?:\.\d+)+))?",
+    re.I,
+)
 #: What pip prints when it cannot reach an index: the registry is unreachable, not the command.
-UNREACHABLE = re.compile(r"NewConnectionError|Failed to establish|Network is unreachable|"
-                         r"Temporary failure in name resolution|Connection refused|"
-                         r"ConnectTimeout|Read timed out|ProxyError")
+UNREACHABLE = re.compile(
+    r"NewConnectionError|Failed to establish|Network is unreachable|"
+    r"Temporary failure in name resolution|Connection refused|"
+    r"ConnectTimeout|Read timed out|ProxyError"
+)
 
 
 def _commands() -> list[tuple[str, str, str]]:
@@ -74,8 +79,10 @@ def _requirements(extras: str) -> list[str]:
     wanted = [e.strip() for e in extras.strip("[]").split(",") if e.strip()]
     unknown = set(wanted) - set(PYPROJECT["optional-dependencies"])
     assert not unknown, f"pyproject.toml has no extra {sorted(unknown)}"
-    return [*PYPROJECT["dependencies"],
-            *(r for e in wanted for r in PYPROJECT["optional-dependencies"][e])]
+    return [
+        *PYPROJECT["dependencies"],
+        *(r for e in wanted for r in PYPROJECT["optional-dependencies"][e]),
+    ]
 
 
 def _arguments(command: str) -> tuple[list[str], bool]:
@@ -83,8 +90,7 @@ def _arguments(command: str) -> tuple[list[str], bool]:
     requirements; and whether it names ddpcheck."""
     args, names_ddpcheck = [], False
     for word in shlex.split(command)[2:]:
-        ours = re.fullmatch(r"(?:\.|\S*ddpcheck(?:-[\w.]+-py3-none-any\.whl)?)(\[[\w,-]*\])?",
-                            word)
+        ours = re.fullmatch(r"(?:\.|\S*ddpcheck(?:-[\w.]+-py3-none-any\.whl)?)(\[[\w,-]*\])?", word)
         if word == "-e":
             continue
         if ours:
@@ -108,11 +114,28 @@ def _resolve(command: str, report: pathlib.Path) -> tuple[dict | None, str]:
     here (None and pip's output when pip cannot resolve it)."""
     args, names_ddpcheck = _arguments(command)
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet",
-         "--disable-pip-version-check", "--timeout", "20", "--retries", "1",
-         "--report", str(report), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={k: v for k, v in os.environ.items() if not k.startswith("PYTHON")})
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--timeout",
+            "20",
+            "--retries",
+            "1",
+            "--report",
+            str(report),
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if not k.startswith("PYTHON")},
+    )
     if done.returncode != 0:
         return None, done.stdout + done.stderr
     after = {}
@@ -123,8 +146,12 @@ def _resolve(command: str, report: pathlib.Path) -> tuple[dict | None, str]:
                 after[_name(word)] = importlib.metadata.version(_name(word))
             except importlib.metadata.PackageNotFoundError:
                 pass
-    after.update({_name(item["metadata"]["name"]): item["metadata"]["version"]
-                  for item in json.loads(report.read_text())["install"]})
+    after.update(
+        {
+            _name(item["metadata"]["name"]): item["metadata"]["version"]
+            for item in json.loads(report.read_text())["install"]
+        }
+    )
     if names_ddpcheck:
         after["ddpcheck"] = PYPROJECT["version"]
     if "torch" in after and after["torch"] != torch.__version__ and "torch" not in command:
@@ -152,10 +179,17 @@ def test_every_pip_install_shown_installs_what_it_says(tmp_path):
     assert any("deepspeed" in c for _, c, _ in commands), "no command installs deepspeed?"
     distinct = list(dict.fromkeys(c for _, c, _ in commands))
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two cores
-        resolved = dict(zip(distinct, pool.map(
-            lambda i: _resolve(distinct[i], tmp_path / f"{i}.json"), range(len(distinct)))))
-    unreachable = [out for installed, out in resolved.values() if installed is None
-                   and UNREACHABLE.search(out)]
+        resolved = dict(
+            zip(
+                distinct,
+                pool.map(
+                    lambda i: _resolve(distinct[i], tmp_path / f"{i}.json"), range(len(distinct))
+                ),
+            )
+        )
+    unreachable = [
+        out for installed, out in resolved.values() if installed is None and UNREACHABLE.search(out)
+    ]
     if unreachable:
         pytest.skip(f"the package registry cannot be reached: {unreachable[0][-300:]}")
     problems = []
@@ -187,11 +221,17 @@ def test_the_claims_are_read_as_written():
     assert _broken_claims("accelerate 1.15.0, Lightning>=2.0.9 on torch 2.13.0", installed) == []
     assert _broken_claims("accelerate 1.16.0 and deepspeed", installed) == [
         "says accelerate 1.16.0, resolves accelerate 1.15.0",
-        "names deepspeed, which it does not install"]
+        "names deepspeed, which it does not install",
+    ]
     assert _broken_claims("lightning ≥ 2.7", installed) == [
-        "says lightning>=2.7, resolves lightning 2.6.6"]
+        "says lightning>=2.7, resolves lightning 2.6.6"
+    ]
     assert _arguments("pip install -c constraints.txt -e '.[frameworks]'") == (
-        ["-c", "constraints.txt", *_requirements("[frameworks]")], True)
-    assert _arguments("pip install dist/ddpcheck-0.1.0-py3-none-any.whl")[0] == \
-        PYPROJECT["dependencies"]
+        ["-c", "constraints.txt", *_requirements("[frameworks]")],
+        True,
+    )
+    assert (
+        _arguments("pip install dist/ddpcheck-0.1.0-py3-none-any.whl")[0]
+        == PYPROJECT["dependencies"]
+    )
     assert _arguments("pip install 'deepspeed>=0.19.0'") == (["deepspeed>=0.19.0"], False)

@@ -96,18 +96,25 @@ if __name__ == "__main__":
 def _command(source: str) -> subprocess.CompletedProcess:
     """Run ``source`` then ``cli.command()`` in a process of its own, SIGINT raising."""
     code = f"import signal, sys\nfrom ddpcheck import cli\n{source}\ncli.command()\n"
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                           text=True, timeout=patience(60),
-                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=patience(60),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def test_a_ctrl_c_while_the_arguments_are_parsed_exits_130():
-    out = _command("real = cli.build_parser\n"
-                   "def build_parser():\n"
-                   "    signal.raise_signal(signal.SIGINT)\n"
-                   "    return real()\n"
-                   "cli.build_parser = build_parser\n"
-                   "sys.argv = ['ddpcheck', 'targets']")
+    out = _command(
+        "real = cli.build_parser\n"
+        "def build_parser():\n"
+        "    signal.raise_signal(signal.SIGINT)\n"
+        "    return real()\n"
+        "cli.build_parser = build_parser\n"
+        "sys.argv = ['ddpcheck', 'targets']"
+    )
     assert out.returncode == ExitCode.INTERRUPTED == 130, out.stderr
     assert out.stderr.strip() == "ddpcheck: interrupted; every rank process was stopped"
 
@@ -115,30 +122,34 @@ def test_a_ctrl_c_while_the_arguments_are_parsed_exits_130():
 def test_a_second_ctrl_c_while_the_worlds_stop_changes_nothing():
     """The first stops the command; a second, while its worlds are being stopped, neither cuts
     that short nor turns the exit into a traceback."""
-    out = _command("from ddpcheck._world import registry\n"
-                   "def interrupted(args):\n"
-                   "    raise KeyboardInterrupt\n"
-                   "cli._COMMANDS['targets'] = interrupted\n"
-                   "real = registry.shutdown_worlds\n"
-                   "def shutdown_worlds():\n"
-                   "    signal.raise_signal(signal.SIGINT)\n"
-                   "    real()\n"
-                   "    print('stopped', flush=True)\n"
-                   "registry.shutdown_worlds = shutdown_worlds\n"
-                   "sys.argv = ['ddpcheck', 'targets']")
+    out = _command(
+        "from ddpcheck._world import registry\n"
+        "def interrupted(args):\n"
+        "    raise KeyboardInterrupt\n"
+        "cli._COMMANDS['targets'] = interrupted\n"
+        "real = registry.shutdown_worlds\n"
+        "def shutdown_worlds():\n"
+        "    signal.raise_signal(signal.SIGINT)\n"
+        "    real()\n"
+        "    print('stopped', flush=True)\n"
+        "registry.shutdown_worlds = shutdown_worlds\n"
+        "sys.argv = ['ddpcheck', 'targets']"
+    )
     assert out.returncode == 130, out.stderr
     assert out.stdout.split() == ["stopped"] * 2, out.stdout  # then again at exit: a no-op
     assert out.stderr.strip() == "ddpcheck: interrupted; every rank process was stopped"
 
 
-LOSES_IT = ("def loses_it(args):\n"
-            "    try:\n"
-            "        signal.raise_signal(signal.SIGINT)\n"
-            "    except BaseException:  # as code catching everything, or a gc callback, does\n"
-            "        pass\n"
-            "{then}\n"
-            "cli._COMMANDS['targets'] = loses_it\n"
-            "sys.argv = ['ddpcheck', 'targets']")
+LOSES_IT = (
+    "def loses_it(args):\n"
+    "    try:\n"
+    "        signal.raise_signal(signal.SIGINT)\n"
+    "    except BaseException:  # as code catching everything, or a gc callback, does\n"
+    "        pass\n"
+    "{then}\n"
+    "cli._COMMANDS['targets'] = loses_it\n"
+    "sys.argv = ['ddpcheck', 'targets']"
+)
 
 
 def test_a_ctrl_c_that_was_lost_is_raised_again():
@@ -234,19 +245,34 @@ def _interrupt(cmd: list[str], moment, tmp_path) -> tuple[int, float, str]:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="i"))
     run = _Run(str(tmp), str(tmp_path / "seeds.log"))
     token = f"{os.getpid()}-{tmp_path.name}"
-    env = {**os.environ, "TMPDIR": str(tmp), SEEDS_LOG: run.seeds_log, MARKER: token,
-           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    reader = threading.Thread(target=lambda: run.lines.extend(
-        (time.monotonic(), line) for line in proc.stdout), daemon=True)
+    env = {
+        **os.environ,
+        "TMPDIR": str(tmp),
+        SEEDS_LOG: run.seeds_log,
+        MARKER: token,
+        "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    reader = threading.Thread(
+        target=lambda: run.lines.extend((time.monotonic(), line) for line in proc.stdout),
+        daemon=True,
+    )
     reader.start()
     try:
         end = time.monotonic() + patience(120)
         while not moment(run):
             assert proc.poll() is None, "the run ended before the moment:\n" + "".join(
-                line for _, line in run.lines)
+                line for _, line in run.lines
+            )
             assert time.monotonic() < end, "the moment never came"
             time.sleep(0.01)
         sent = time.monotonic()
@@ -272,8 +298,17 @@ def _interrupt(cmd: list[str], moment, tmp_path) -> tuple[int, float, str]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-CHECK = [sys.executable, "-m", "ddpcheck", "check", "tests.front.test_interrupts:SEEDED",
-         "--world-sizes", "2", "--examples", "200"]
+CHECK = [
+    sys.executable,
+    "-m",
+    "ddpcheck",
+    "check",
+    "tests.front.test_interrupts:SEEDED",
+    "--world-sizes",
+    "2",
+    "--examples",
+    "200",
+]
 
 MOMENTS = {
     # the fork server has just been started: this process goes on to import the target
@@ -301,10 +336,18 @@ def test_ctrl_c_of_ddpcheck_check_exits_130_within_seconds(tmp_path, phase):
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ctrl_c_while_check_searches_for_a_smaller_counterexample_exits_130(tmp_path):
-    cmd = [sys.executable, "-m", "ddpcheck", "check", "tests.front.test_interrupts:"
-           "FAILS_IN_THE_BATTERY", "--world-sizes", "2"]
-    status, seconds, out = _interrupt(cmd, lambda run: run.after("searching for a smaller"),
-                                      tmp_path)
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddpcheck",
+        "check",
+        "tests.front.test_interrupts:FAILS_IN_THE_BATTERY",
+        "--world-sizes",
+        "2",
+    ]
+    status, seconds, out = _interrupt(
+        cmd, lambda run: run.after("searching for a smaller"), tmp_path
+    )
     assert status == ExitCode.INTERRUPTED, out
     assert out.rstrip().endswith("ddpcheck: interrupted; every rank process was stopped"), out
     assert "Traceback" not in out and "diverged" not in out, out
@@ -316,10 +359,11 @@ def test_ctrl_c_while_check_searches_for_a_smaller_counterexample_exits_130(tmp_
 def test_ctrl_c_of_a_script_calling_the_api_raises_keyboard_interrupt(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(API_SCRIPT)
-    status, seconds, out = _interrupt([sys.executable, str(script)],
-                                      lambda run: run.after("fuzzing"), tmp_path)
+    status, seconds, out = _interrupt(
+        [sys.executable, str(script)], lambda run: run.after("fuzzing"), tmp_path
+    )
     assert status == -signal.SIGINT, out  # Python's exit on a KeyboardInterrupt: 130 in a shell
     # the same exception, in one line instead of ddpcheck's frames
     assert "\nKeyboardInterrupt: ddpcheck.fuzz was interrupted (in " in out, out
-    assert len(out[out.index("Traceback"):].splitlines()) <= 8, out
+    assert len(out[out.index("Traceback") :].splitlines()) <= 8, out
     assert seconds < patience(WITHIN), f"{seconds:.1f} s from the signal to the exit"

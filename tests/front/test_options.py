@@ -30,8 +30,10 @@ def _check(capsys, monkeypatch, *argv: str) -> tuple[str, list[int]]:
     # off a terminal, a line per phase: this one before the battery, none per example (the
     # random examples' is "fuzzing ..." on stdout; tests/front/test_progress.py, the terminal)
     sizes = argv[argv.index("--world-sizes") + 1]
-    assert err == (f"ddpcheck check local: starting worlds (world sizes {sizes}), then the "
-                   "battery: 15 scenarios at each\n"), err
+    assert err == (
+        f"ddpcheck check local: starting worlds (world sizes {sizes}), then the "
+        "battery: 15 scenarios at each\n"
+    ), err
     return out, started
 
 
@@ -48,16 +50,27 @@ def test_world_sizes_start_no_other_world(capsys, monkeypatch):
 
 
 def test_dtypes_constrain_the_battery_and_the_random_examples(capsys, monkeypatch):
-    out, _ = _check(capsys, monkeypatch, "--world-sizes", "1", "--examples", "20",
-                    "--dtypes", "float32")
+    out, _ = _check(
+        capsys, monkeypatch, "--world-sizes", "1", "--examples", "20", "--dtypes", "float32"
+    )
     assert "float64" in _not_exercised(out) and "float32" not in _not_exercised(out), out
-    assert ("needs float64 (a dtype not checked: --dtypes is float64 alone by default, or "
-            "--without excludes it)") in out, out
+    assert (
+        "needs float64 (a dtype not checked: --dtypes is float64 alone by default, or "
+        "--without excludes it)"
+    ) in out, out
 
 
 def test_without_constrains_the_battery_and_the_random_examples(capsys, monkeypatch):
-    out, _ = _check(capsys, monkeypatch, "--world-sizes", "1", "--examples", "20",
-                    "--without", "accumulation,checkpoint,clipping")
+    out, _ = _check(
+        capsys,
+        monkeypatch,
+        "--world-sizes",
+        "1",
+        "--examples",
+        "20",
+        "--without",
+        "accumulation,checkpoint,clipping",
+    )
     assert {"accumulation", "checkpoint", "clipping"} <= _not_exercised(out), out
 
 
@@ -73,12 +86,23 @@ SHORT_RUNS_ONLY = ShortRunsOnly()
 
 
 def test_the_closing_line_counts_the_drawn_examples_the_target_declined(capsys):
-    status = cli.main(["check", "tests.front.test_options:SHORT_RUNS_ONLY", "--world-sizes", "1",
-                       "--examples", "10"])
+    status = cli.main(
+        [
+            "check",
+            "tests.front.test_options:SHORT_RUNS_ONLY",
+            "--world-sizes",
+            "1",
+            "--examples",
+            "10",
+        ]
+    )
     out = capsys.readouterr().out
     assert status == ExitCode.OK, out
-    declined = re.search(r"and 10 random examples \((\d+) more drawn and declined by the target, "
-                         r"most often: runs of 3 steps or more\)", out.splitlines()[-1])
+    declined = re.search(
+        r"and 10 random examples \((\d+) more drawn and declined by the target, "
+        r"most often: runs of 3 steps or more\)",
+        out.splitlines()[-1],
+    )
     assert declined and int(declined.group(1)) > 0, out
 
 

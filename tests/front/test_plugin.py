@@ -14,7 +14,8 @@ from tests.patience import patience
 
 
 def test_a_failed_test_says_which_outcome_it_was(tmp_path):
-    (tmp_path / "test_user.py").write_text(textwrap.dedent("""
+    (tmp_path / "test_user.py").write_text(
+        textwrap.dedent("""
         import ddpcheck
 
         def test_setup():
@@ -28,18 +29,25 @@ def test_a_failed_test_says_which_outcome_it_was(tmp_path):
 
         def test_plain():
             assert 1 == 2
-    """))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
-                           "test_user.py"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=patience(120))
+    """)
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "test_user.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=patience(120),
+    )
     out = done.stdout
     assert done.returncode == 1, out
     assert "ExitCode.SETUP: usage or set-up, not the target's fault" in out, out
     assert "ExitCode.NOTHING_CHECKED: nothing was checked" in out, out
     assert "ExitCode.INTERNAL: ddpcheck's own code failed, not a verdict" in out, out
-    assert ("ddpcheck outcomes of failed tests: 1 INTERNAL (ddpcheck's own code failed, not a "
-            "verdict on the target); 1 NOTHING_CHECKED (nothing was checked (every example "
-            "skipped or declined)); 1 SETUP (usage or set-up, not the target's fault)" in out), out
+    assert (
+        "ddpcheck outcomes of failed tests: 1 INTERNAL (ddpcheck's own code failed, not a "
+        "verdict on the target); 1 NOTHING_CHECKED (nothing was checked (every example "
+        "skipped or declined)); 1 SETUP (usage or set-up, not the target's fault)" in out
+    ), out
 
 
 def _sections(out):
@@ -50,7 +58,8 @@ def _sections(out):
 
 @pytest.mark.slow
 def test_a_failed_tests_traceback_stops_at_its_call_into_ddpcheck(tmp_path):
-    (tmp_path / "test_user.py").write_text(textwrap.dedent("""
+    (tmp_path / "test_user.py").write_text(
+        textwrap.dedent("""
         import ddpcheck
         from ddpcheck import features, targets
 
@@ -63,19 +72,34 @@ def test_a_failed_tests_traceback_stops_at_its_call_into_ddpcheck(tmp_path):
 
         def test_internal():
             features.declines(Glue(), ddpcheck.Scenario(ddpcheck.zoo.MLP))
-    """))
+    """)
+    )
     for tb in ("auto", "short"):
-        done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
-                               f"--tb={tb}", "test_user.py"], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=patience(120))
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-p",
+                "no:cacheprovider",
+                f"--tb={tb}",
+                "test_user.py",
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=patience(120),
+        )
         sections = _sections(done.stdout)
         outcome, internal = sections["test_outcome"], sections["test_internal"]
         # the test's own line, then the outcome: no file, line or source of ddpcheck's
         assert "ddpcheck.assert_equivalent(targets.LOCAL, world_sizes=(0,))" in outcome, outcome
-        assert re.search(r"^E +ddpcheck\.errors\.InvalidArgument: world_sizes=\(0,\) contains 0",
-                         outcome, re.M), outcome
-        assert "ddpcheck/" not in outcome and "def " not in outcome.replace("def test_", ""), \
+        assert re.search(
+            r"^E +ddpcheck\.errors\.InvalidArgument: world_sizes=\(0,\) contains 0", outcome, re.M
+        ), outcome
+        assert "ddpcheck/" not in outcome and "def " not in outcome.replace("def test_", ""), (
             outcome
+        )
         # ddpcheck's own failure keeps its frames: they are the evidence
         assert "ddpcheck/_language/features.py" in internal, internal
         assert "return target.supports(scenario)" in internal, internal

@@ -41,7 +41,7 @@ def _screen(raw: str) -> list[str]:
             lines.append("".join(line))
             line, col = [], 0
         else:
-            line[col:col + 1] = [token]
+            line[col : col + 1] = [token]
             col += 1
     return [*lines, "".join(line)]
 
@@ -52,8 +52,9 @@ def _in_a_terminal(argv: list[str]) -> tuple[float, str, int]:
     wait = patience(300)  # first: the first call measures this machine, taking seconds
     master, slave = os.openpty()
     started = time.monotonic()
-    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, start_new_session=True
+    )
     os.close(slave)
     first, chunks = None, []
     deadline = started + wait
@@ -83,8 +84,19 @@ def _in_a_terminal(argv: list[str]) -> tuple[float, str, int]:
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="no pseudo-terminals here")
 def test_on_a_terminal_a_live_line_from_the_first_second_names_the_battery_progress():
-    first, raw, status = _in_a_terminal([sys.executable, "-m", "ddpcheck", "check", "parallel",
-                                         "--examples", "2", "--world-sizes", "1"])
+    first, raw, status = _in_a_terminal(
+        [
+            sys.executable,
+            "-m",
+            "ddpcheck",
+            "check",
+            "parallel",
+            "--examples",
+            "2",
+            "--world-sizes",
+            "1",
+        ]
+    )
     assert status == ExitCode.OK, raw
     assert first is not None and first < FIRST_LINE, f"first output after {first} s:\n{raw!r}"
     assert raw.startswith("\r\x1b[K  starting worlds ... ("), raw[:200]
@@ -96,8 +108,9 @@ def test_on_a_terminal_a_live_line_from_the_first_second_names_the_battery_progr
     lines = [line for line in _screen(raw) if line]
     assert lines[0].startswith("battery: 14 examples equivalent (world sizes [1])"), lines
     assert lines[-2] == "fuzzing parallel with 2 random examples at world sizes 1", lines
-    assert lines[-1].startswith("ddpcheck check parallel: nothing found in 14 battery and 2 "
-                                "random examples"), lines
+    assert lines[-1].startswith(
+        "ddpcheck check parallel: nothing found in 14 battery and 2 random examples"
+    ), lines
     assert not [line for line in lines if re.search(r"\(\d+ s\)$", line)], lines
 
 

@@ -27,8 +27,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _fresh(code: str, stdin: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          input=stdin, timeout=patience(300), cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        input=stdin,
+        timeout=patience(300),
+        cwd=ROOT,
+    )
 
 
 def test_all_is_what_the_readme_documents():
@@ -38,7 +44,8 @@ def test_all_is_what_the_readme_documents():
     documented = set(re.findall(r"`(\w+)`", block.group(1)))
     assert documented == set(ddpcheck.__all__), (
         f"documented only: {sorted(documented - set(ddpcheck.__all__))}; "
-        f"in __all__ only: {sorted(set(ddpcheck.__all__) - documented)}")
+        f"in __all__ only: {sorted(set(ddpcheck.__all__) - documented)}"
+    )
 
 
 def test_every_public_name_is_reachable_from_a_fresh_import_and_torch_loads_late():
@@ -48,17 +55,23 @@ def test_every_public_name_is_reachable_from_a_fresh_import_and_torch_loads_late
         "assert 'hypothesis' not in sys.modules, 'import ddpcheck loaded hypothesis'\n"
         "missing = [n for n in ddpcheck.__all__ if getattr(ddpcheck, n, None) is None]\n"
         "assert not missing, missing\n"
-        "assert sorted(dir(ddpcheck)) == sorted(set(dir(ddpcheck))), 'dir() repeats names'\n")
+        "assert sorted(dir(ddpcheck)) == sorted(set(dir(ddpcheck))), 'dir() repeats names'\n"
+    )
     assert done.returncode == 0, done.stderr
 
 
 def test_outcomes_have_one_root_and_one_exit_code_each():
-    expected = {ddpcheck.EquivalenceError: ExitCode.FOUND, ddpcheck.InvalidArgument: ExitCode.SETUP,
-                ddpcheck.SetupError: ExitCode.SETUP, ddpcheck.WorldStartError: ExitCode.SETUP,
-                ddpcheck.ScenarioError: ExitCode.SETUP, ddpcheck.WorldFailure: ExitCode.SETUP,
-                ddpcheck.NothingChecked: ExitCode.NOTHING_CHECKED,
-                ddpcheck.InternalError: ExitCode.INTERNAL,
-                ddpcheck.Inconclusive: ExitCode.INCONCLUSIVE}
+    expected = {
+        ddpcheck.EquivalenceError: ExitCode.FOUND,
+        ddpcheck.InvalidArgument: ExitCode.SETUP,
+        ddpcheck.SetupError: ExitCode.SETUP,
+        ddpcheck.WorldStartError: ExitCode.SETUP,
+        ddpcheck.ScenarioError: ExitCode.SETUP,
+        ddpcheck.WorldFailure: ExitCode.SETUP,
+        ddpcheck.NothingChecked: ExitCode.NOTHING_CHECKED,
+        ddpcheck.InternalError: ExitCode.INTERNAL,
+        ddpcheck.Inconclusive: ExitCode.INCONCLUSIVE,
+    }
     for cls, code in expected.items():
         assert issubclass(cls, ddpcheck.DdpcheckError), cls
         assert cls.exit_code is code, cls
@@ -71,8 +84,13 @@ def _exercising(feature: str) -> list[str]:
     """Reprs of four random scenarios exercising ``feature``."""
     texts = []
 
-    @settings(max_examples=4, derandomize=True, database=None, deadline=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=4,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(data=st.data())
     def draw(data):
         texts.append(repr(data.draw(dst.exercising(feature, world_size=3))))
@@ -86,8 +104,9 @@ def _printed_scenarios() -> list[str]:
     texts = [repr(scenario) for _, scenario in BATTERY]
     for feature in features.FEATURES:
         texts += _exercising(feature)
-    texts.append(repr(ddpcheck.Scenario(ddpcheck.zoo.MLP, max_grad_norm=0.5,
-                                        grad_norm_type=math.inf)))
+    texts.append(
+        repr(ddpcheck.Scenario(ddpcheck.zoo.MLP, max_grad_norm=0.5, grad_norm_type=math.inf))
+    )
     return texts
 
 
@@ -100,7 +119,9 @@ def test_printed_scenarios_evaluate_after_importing_ddpcheck_and_torch_alone():
         "for text in texts:\n"
         "    scenario = eval(text, {'ddpcheck': ddpcheck, 'torch': torch})\n"
         "    assert repr(scenario) == text, (repr(scenario), text)\n"
-        "print(len(texts))\n", stdin=json.dumps(texts))
+        "print(len(texts))\n",
+        stdin=json.dumps(texts),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout) == len(texts) >= 60
 

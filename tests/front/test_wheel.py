@@ -45,9 +45,11 @@ IMPORTS = textwrap.dedent("""
         print()
         print(len(public), "public modules")
 """)
-PROPERTY = ("import ddpcheck\n"
-            "def test_parallel(ddpcheck_run): ddpcheck_run(ddpcheck.targets.PARALLEL, "
-            "ddpcheck.Scenario(), world_sizes=(2,))\n")
+PROPERTY = (
+    "import ddpcheck\n"
+    "def test_parallel(ddpcheck_run): ddpcheck_run(ddpcheck.targets.PARALLEL, "
+    "ddpcheck.Scenario(), world_sizes=(2,))\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +59,25 @@ def built(tmp_path_factory) -> dict[str, pathlib.Path]:
     tree = tmp_path_factory.mktemp("tree")
     for name in SOURCES:
         if (ROOT / name).is_dir():
-            shutil.copytree(ROOT / name, tree / name,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+            shutil.copytree(
+                ROOT / name, tree / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
+            )
         else:
             shutil.copy(ROOT / name, tree / name)
     out = tree / "dist"
     done = subprocess.run(
-        [sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
-         "out = sys.argv[1]; b.build_wheel(out); b.build_sdist(out)", str(out)],
-        cwd=tree, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-c",
+            "import sys; from setuptools import build_meta as b; "
+            "out = sys.argv[1]; b.build_wheel(out); b.build_sdist(out)",
+            str(out),
+        ],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return {"wheel": next(out.glob("*.whl")), "sdist": next(out.glob("*.tar.gz"))}
 
@@ -103,30 +115,58 @@ def installed(built, tmp_path_factory) -> pathlib.Path:
     install = subprocess.run(
         # --no-compile: pip's byte-compiling of torch is two thirds of the install's CPU; the
         # first import writes what later ones use
-        [venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-         "--no-compile", "-c", ROOT / "constraints.txt", built["wheel"]],
-        capture_output=True, text=True, timeout=900)
+        [
+            venv / "bin" / "python",
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-compile",
+            "-c",
+            ROOT / "constraints.txt",
+            built["wheel"],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert install.returncode == 0, install.stdout + install.stderr
     return venv
 
 
-def _run_in(venv: pathlib.Path, folder: pathlib.Path, *argv: Any, timeout: float = 600,
-            **env_extra: str) -> subprocess.CompletedProcess:
+def _run_in(
+    venv: pathlib.Path, folder: pathlib.Path, *argv: Any, timeout: float = 600, **env_extra: str
+) -> subprocess.CompletedProcess:
     """``argv`` in ``folder`` with the venv's commands first on PATH and nothing of the checkout
     or of the developer's interpreter in the environment."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PYTHON", "PYTEST", "VIRTUAL_ENV"))}
-    env.update(PYTHONNOUSERSITE="1", PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
-               **env_extra)
-    return subprocess.run([str(a) for a in argv], cwd=folder, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PYTEST", "VIRTUAL_ENV"))
+    }
+    env.update(
+        PYTHONNOUSERSITE="1", PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", **env_extra
+    )
+    return subprocess.run(
+        [str(a) for a in argv],
+        cwd=folder,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.slow
 def test_the_install_holds_what_the_wheel_declares_and_no_more(installed, tmp_path):
-    probe = _run_in(installed, tmp_path, "python", "-c",
-                    "import importlib.util, ddpcheck; print(ddpcheck.__file__); "
-                    "print(importlib.util.find_spec('numpy') is None)")
+    probe = _run_in(
+        installed,
+        tmp_path,
+        "python",
+        "-c",
+        "import importlib.util, ddpcheck; print(ddpcheck.__file__); "
+        "print(importlib.util.find_spec('numpy') is None)",
+    )
     assert probe.returncode == 0, probe.stdout
     where, numpy_missing = probe.stdout.split()[-2:]
     assert where.startswith(str(installed)), where  # the wheel's ddpcheck, not the checkout's
@@ -153,26 +193,46 @@ def test_the_readme_runs_as_written_from_the_installed_wheel(installed, tmp_path
         done = _run_in(installed, tmp_path, *argv)
         last = done.stdout
         assert done.returncode == block.exit, (
-            f"{where}: exit status {done.returncode}, the README says {block.exit}:\n{last}")
+            f"{where}: exit status {done.returncode}, the README says {block.exit}:\n{last}"
+        )
 
 
 @pytest.mark.slow
 def test_an_installed_wheel_works_from_an_empty_folder(installed, tmp_path):
-    check = _run_in(installed, tmp_path, "ddpcheck", "check", "--examples", "5",
-                    "--world-sizes", "2")
+    check = _run_in(
+        installed, tmp_path, "ddpcheck", "check", "--examples", "5", "--world-sizes", "2"
+    )
     assert check.returncode == 0, check.stdout
     assert "nothing found" in check.stdout, check.stdout
 
     # One interpreter (torch imported once) for the plugin and for the imports of every public
     # module from the wheel, the latter a test of its own, run first.
-    purelib = _run_in(installed, tmp_path, "python", "-c",
-                      "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip()
+    purelib = _run_in(
+        installed,
+        tmp_path,
+        "python",
+        "-c",
+        "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+    ).stdout.strip()
     (tmp_path / "test_imports.py").write_text(IMPORTS.format(purelib=purelib))
     (tmp_path / "test_property.py").write_text(PROPERTY)
     # the plugin loads by its entry point's name
-    plugin = _run_in(installed, tmp_path, "python", "-m", "pytest", "-p", "ddpcheck", "-p",
-                     "no:cacheprovider", "-q", "-s", "test_imports.py", "test_property.py",
-                     PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    plugin = _run_in(
+        installed,
+        tmp_path,
+        "python",
+        "-m",
+        "pytest",
+        "-p",
+        "ddpcheck",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-s",
+        "test_imports.py",
+        "test_property.py",
+        PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
+    )
     assert plugin.returncode == 0, plugin.stdout
     assert "2 passed" in plugin.stdout, plugin.stdout
     public = re.search(r"^(\d+) public modules$", plugin.stdout, re.M)

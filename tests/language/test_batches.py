@@ -25,13 +25,14 @@ from ddpcheck.targets import PARALLEL, Target
 # ---------------------------------------------------------------------------------------------
 # Module-level hooks and targets: they travel to every rank by pickle, and replay by name.
 
+
 @dataclasses.dataclass(frozen=True)
 class StridedTwice:
     """A correct plan unlike the default: every sample on two ranks (strided), half weight each."""
 
     def __call__(self, batch: GlobalBatch) -> BatchPlan:
         w = batch.world_size
-        mine = batch.indices[batch.rank::w] + batch.indices[(batch.rank + 1) % w::w]
+        mine = batch.indices[batch.rank :: w] + batch.indices[(batch.rank + 1) % w :: w]
         scale = (w / batch.size if batch.reduction == "mean" else float(w)) / 2
         return BatchPlan.uniform(split(mine, batch.accumulation), scale)
 
@@ -71,16 +72,24 @@ def _nan_on_rank_1(batch):
 
 
 MALFORMED = {
-    "a list": (_with(Answers(([0, 1],), plan=False)),
-               r"returned tuple .* not a ddpcheck\.batches\.BatchPlan"),
-    "out of range": (_with(Answers(((0, 7),))),
-                     r"micro-batch 0 holds sample index 7, outside the global batch's 0\.\.6"),
+    "a list": (
+        _with(Answers(([0, 1],), plan=False)),
+        r"returned tuple .* not a ddpcheck\.batches\.BatchPlan",
+    ),
+    "out of range": (
+        _with(Answers(((0, 7),))),
+        r"micro-batch 0 holds sample index 7, outside the global batch's 0\.\.6",
+    ),
     "a float index": (_with(Answers(((0, 1.5),))), r"holds 1\.5 \(float\)"),
-    "a NaN scale": (_with(_nan_on_rank_1),
-                    r"step 0 for rank 1 .*scale of micro-batch 0 is nan; it must be a finite"),
+    "a NaN scale": (
+        _with(_nan_on_rank_1),
+        r"step 0 for rank 1 .*scale of micro-batch 0 is nan; it must be a finite",
+    ),
     "too few scales": (_with(Answers(((0,), (1,)))), r"2 micro-batches but 1 scales"),
-    "a crash": (_with(_raises_on_rank_1_step_1),
-                r"at step 1 for rank 1 .*raised IndexError: list index out of range"),
+    "a crash": (
+        _with(_raises_on_rank_1_step_1),
+        r"at step 1 for rank 1 .*raised IndexError: list index out of range",
+    ),
 }
 for _name, (_target, _) in MALFORMED.items():
     globals()["MALFORMED_" + _name.replace(" ", "_").upper()] = _target
@@ -88,13 +97,19 @@ for _name, (_target, _) in MALFORMED.items():
 
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_the_default_plan_is_the_scenario_batch_rule_bit_for_bit(reduction):
     for size in range(1, 14):
         for world_size in range(1, 6):
             for accumulation in (1, 2, 3):
-                scenario = Scenario(zoo.MLP, global_batch=size, accumulation=accumulation,
-                                    reduction=reduction, steps=1)
+                scenario = Scenario(
+                    zoo.MLP,
+                    global_batch=size,
+                    accumulation=accumulation,
+                    reduction=reduction,
+                    steps=1,
+                )
                 for rank in range(world_size):
                     loop = target_loop(PARALLEL, None, None, scenario, rank, world_size)
                     got = loop.batches(0)
@@ -102,7 +117,7 @@ def test_the_default_plan_is_the_scenario_batch_rule_bit_for_bit(reduction):
                     assert len(got) == len(want)
                     for (x, y, scale), (wx, wy) in zip(got, want):
                         # each rank's summed losses times W/B average over the global batch
-                        assert scale == (world_size if reduction == 'sum' else world_size / size)
+                        assert scale == (world_size if reduction == "sum" else world_size / size)
                         # the same views of the same storage: the same numbers, bit for bit
                         assert x.shape == wx.shape and torch.equal(x, wx) and torch.equal(y, wy)
                         assert x.stride() == wx.stride()
@@ -111,8 +126,12 @@ def test_the_default_plan_is_the_scenario_batch_rule_bit_for_bit(reduction):
 def test_the_default_plan_weighs_every_sample_as_the_full_batch():
     for size, world_size, accumulation in [(7, 2, 1), (3, 4, 2), (11, 3, 3), (8, 4, 1)]:
         for reduction in ("mean", "sum"):
-            plans = [contiguous(GlobalBatch(tuple(range(size)), 0, r, world_size, accumulation,
-                                            reduction)) for r in range(world_size)]
+            plans = [
+                contiguous(
+                    GlobalBatch(tuple(range(size)), 0, r, world_size, accumulation, reduction)
+                )
+                for r in range(world_size)
+            ]
             assert check_sample_weights(0, world_size, plans, size, reduction) == []
 
 
@@ -121,8 +140,11 @@ def test_the_oracle_names_dropped_duplicated_and_misweighted_samples():
     plans = [BatchPlan([[0, 1], [1]], [0.4, 0.4]), BatchPlan([[3, 4]], [0.5])]
     rows = check_sample_weights(2, 2, plans, 5, "mean")
     assert [(r.kind, r.name, r.rank) for r in rows] == [
-        ("sample duplicated", "sample 1", None), ("sample dropped", "sample 2", None),
-        ("sample misweighted", "sample 3", 1), ("sample misweighted", "sample 4", 1)]
+        ("sample duplicated", "sample 1", None),
+        ("sample dropped", "sample 2", None),
+        ("sample misweighted", "sample 3", 1),
+        ("sample misweighted", "sample 4", 1),
+    ]
     assert "rank 0 micro-batch 0 (scale 0.4), rank 0 micro-batch 1 (scale 0.4)" in rows[0].detail
     assert "gives it 1/5 = 0.2" in rows[1].detail
     assert "rank 1 scales micro-batch 0 (sample 3's) by 0.5: weight 0.25" in rows[2].detail
@@ -131,8 +153,10 @@ def test_the_oracle_names_dropped_duplicated_and_misweighted_samples():
 
 def test_a_target_with_its_own_plan_runs_it_and_passes():
     # every sample on two ranks at half weight: right, though no sample is used once
-    for scenario in (Scenario(zoo.MLP, global_batch=7, accumulation=2, steps=2),
-                     Scenario(zoo.MLP, global_batch=5, reduction="sum", steps=1)):
+    for scenario in (
+        Scenario(zoo.MLP, global_batch=7, accumulation=2, steps=2),
+        Scenario(zoo.MLP, global_batch=5, reduction="sum", steps=1),
+    ):
         for world_size in (2, 3):
             check_example(STRIDED_TWICE, scenario, world_size)
     # the sampler on batches it divides evenly: no padding, nothing dropped, local means right

@@ -22,8 +22,14 @@ from ddpcheck.batches import GlobalBatch, TokenMean, contiguous, global_indices
 from ddpcheck.errors import InvalidArgument
 from ddpcheck.scenario import Scenario, global_batch
 
-TOKENS = Scenario(zoo.TinyGPT, data=zoo.token_data, loss="token_cross_entropy", global_batch=7,
-                  accumulation=2, steps=2)
+TOKENS = Scenario(
+    zoo.TinyGPT,
+    data=zoo.token_data,
+    loss="token_cross_entropy",
+    global_batch=7,
+    accumulation=2,
+    steps=2,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,8 +102,7 @@ def test_the_probe_names_a_model_or_data_that_does_not_fit_the_token_loss():
     from ddpcheck._runs.example import prepare_reference
 
     with pytest.raises(ddpcheck.ScenarioError, match=r"needs logits of shape \(8, 8\) \+"):
-        prepare_reference(Scenario(PerTokenScore, data=zoo.token_data,
-                                   loss="token_cross_entropy"))
+        prepare_reference(Scenario(PerTokenScore, data=zoo.token_data, loss="token_cross_entropy"))
     with pytest.raises(ddpcheck.ScenarioError, match="needs integer target tokens"):
         prepare_reference(Scenario(zoo.MLP, loss="token_cross_entropy"))
     with pytest.raises(ddpcheck.ScenarioError, match="squared error of each sample"):
@@ -115,14 +120,21 @@ def test_scenarios_refuse_unknown_losses_and_policies_outside_float32():
     assert "autocast=torch.bfloat16" in repr(scenario) and from_repr(repr(scenario)) == scenario
 
 
-@pytest.mark.parametrize("build, message", [
-    (lambda: Scenario(acumulation=2), "Scenario has no field 'acumulation' (did you mean "
-                                      "'accumulation'?)"),
-    (lambda: ddpcheck.models.Layer(knd="conv1d"), "Layer has no field 'knd' (did you mean "
-                                                  "'kind'?)"),
-    (lambda: zoo.GPTConfig(head=2), "GPTConfig has no field 'head' (did you mean 'heads'?)"),
-    (lambda: TokenMean(nothing=1), "TokenMean has no field 'nothing'; its fields: "),
-])
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (
+            lambda: Scenario(acumulation=2),
+            "Scenario has no field 'acumulation' (did you mean 'accumulation'?)",
+        ),
+        (
+            lambda: ddpcheck.models.Layer(knd="conv1d"),
+            "Layer has no field 'knd' (did you mean 'kind'?)",
+        ),
+        (lambda: zoo.GPTConfig(head=2), "GPTConfig has no field 'head' (did you mean 'heads'?)"),
+        (lambda: TokenMean(nothing=1), "TokenMean has no field 'nothing'; its fields: "),
+    ],
+)
 def test_a_mistyped_field_names_the_closest_one(build, message):
     with pytest.raises(InvalidArgument) as info:  # the scenario language's error, exit 2 ...
         build()
@@ -135,8 +147,14 @@ def test_the_reference_weighs_tokens_and_runs_the_precision_policy():
     assert ref.steps[0].tokens == objective.tokens(TOKENS, global_batch(TOKENS, 0)[1])
     assert ref.compute_dtype == torch.float64 and ref.gradient_dtype == torch.float64
     for field in ("autocast", "param_dtype"):
-        policy = Scenario(zoo.TinyGPT, data=zoo.token_data, loss="token_cross_entropy",
-                          dtype="float32", steps=1, **{field: torch.bfloat16})
+        policy = Scenario(
+            zoo.TinyGPT,
+            data=zoo.token_data,
+            loss="token_cross_entropy",
+            dtype="float32",
+            steps=1,
+            **{field: torch.bfloat16},
+        )
         ref = reference_run(policy)
         assert ref.compute_dtype == torch.bfloat16 and ref.gradient_dtype == torch.float32
         assert all(g.dtype == torch.float32 for g in ref.steps[0].grads.values())  # masters
@@ -144,8 +162,13 @@ def test_the_reference_weighs_tokens_and_runs_the_precision_policy():
 
 def test_the_param_dtype_emulation_computes_in_it_and_keeps_float32_masters():
     torch.manual_seed(0)
-    scenario = Scenario(zoo.TinyGPT, data=zoo.token_data, loss="token_cross_entropy",
-                        dtype="float32", param_dtype=torch.bfloat16)
+    scenario = Scenario(
+        zoo.TinyGPT,
+        data=zoo.token_data,
+        loss="token_cross_entropy",
+        dtype="float32",
+        param_dtype=torch.bfloat16,
+    )
     model = zoo.TinyGPT()
     x, y = global_batch(scenario, 0)
     out = objective.forward(scenario, model, x, emulate=True)
@@ -185,7 +208,8 @@ def test_token_means_per_micro_batch_or_per_rank_misweigh_tokens_and_say_where()
     assert f"1/T = 1/{batch.total}" in first.detail
     batch, plans = _plans(TokenMean("rank"), TOKENS, 2)
     assert {r.kind for r in check_sample_weights(0, 2, plans, 7, "mean", batch.tokens)} == {
-        "token misweighted"}
+        "token misweighted"
+    }
     # per-sample losses: the same hooks are the per-sample means (one term per sample)
     even = Scenario(zoo.MLP, global_batch=8, accumulation=2)
     for over in ("micro-batch", "rank", "global"):
@@ -201,8 +225,14 @@ def test_token_means_per_micro_batch_or_per_rank_misweigh_tokens_and_say_where()
 
 
 def test_a_sum_of_tokens_needs_no_count():
-    summed = Scenario(zoo.TinyGPT, data=zoo.token_data, loss="token_cross_entropy",
-                      global_batch=5, reduction="sum", accumulation=2)
+    summed = Scenario(
+        zoo.TinyGPT,
+        data=zoo.token_data,
+        loss="token_cross_entropy",
+        global_batch=5,
+        reduction="sum",
+        accumulation=2,
+    )
     for over in ("micro-batch", "rank", "global"):
         batch, plans = _plans(TokenMean(over), summed, 3)
         assert check_sample_weights(0, 3, plans, 5, "sum", batch.tokens) == []
@@ -227,8 +257,13 @@ def test_features_name_tokens_and_the_precision_policies():
     assert "param-dtype" in features.supported_by(targets.TORCH_FSDP)
 
 
-@settings(max_examples=12, database=None, deadline=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=12,
+    database=None,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
 @given(data=st.data(), world_size=st.integers(1, 4))
 def test_exercising_draws_token_and_precision_scenarios(data, world_size):
     for feature in ("tokens", "autocast", "param-dtype"):
@@ -243,8 +278,13 @@ def test_exercising_draws_token_and_precision_scenarios(data, world_size):
 def test_the_random_scenarios_draw_tokens_and_opt_in_policies_only_when_asked():
     found = []
 
-    @settings(max_examples=150, database=None, deadline=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=150,
+        database=None,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(dst.scenarios(dtypes=("float32",)))
     def draw(scenario):
         found.append(features.of(scenario))
@@ -255,10 +295,17 @@ def test_the_random_scenarios_draw_tokens_and_opt_in_policies_only_when_asked():
     assert any("autocast" in f for f in found)
     assert not any("param-dtype" in f for f in found)  # opt-in
     opted: list = []
-    settings(max_examples=150, database=None, deadline=None, derandomize=True,
-             suppress_health_check=list(HealthCheck))(given(dst.scenarios(
-                 dtypes=("float32",), opt_in=("param-dtype",)))(
-                 lambda scenario: opted.append(features.of(scenario))))()
+    settings(
+        max_examples=150,
+        database=None,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )(
+        given(dst.scenarios(dtypes=("float32",), opt_in=("param-dtype",)))(
+            lambda scenario: opted.append(features.of(scenario))
+        )
+    )()
     assert sum("param-dtype" in f for f in opted) / len(opted) >= 0.03  # a target that opts in
     with pytest.raises(InvalidArgument, match="only the opt-in features"):
         dst.scenarios(opt_in=("tokens",))
@@ -271,15 +318,32 @@ def test_the_random_scenarios_draw_tokens_and_opt_in_policies_only_when_asked():
 # The built-in targets on token examples (worlds)
 
 
-@pytest.mark.parametrize("target, world_size, precision", [
-    (targets.PARALLEL, 3, {}), (targets.TORCH_DDP, 2, {"autocast": torch.bfloat16}),
-    (targets.TORCH_ZERO, 2, {}), (targets.PARALLEL_DDP, 2, {"autocast": torch.float16}),
-    (targets.LOCAL, 1, {})], ids=["parallel", "torch_ddp-bf16", "torch_zero", "parallel_ddp-fp16",
-                                  "local"])
+@pytest.mark.parametrize(
+    "target, world_size, precision",
+    [
+        (targets.PARALLEL, 3, {}),
+        (targets.TORCH_DDP, 2, {"autocast": torch.bfloat16}),
+        (targets.TORCH_ZERO, 2, {}),
+        (targets.PARALLEL_DDP, 2, {"autocast": torch.float16}),
+        (targets.LOCAL, 1, {}),
+    ],
+    ids=["parallel", "torch_ddp-bf16", "torch_zero", "parallel_ddp-fp16", "local"],
+)
 def test_correct_targets_pass_token_examples(target, world_size, precision):
-    scenario = TOKENS if not precision else Scenario(
-        zoo.TinyGPT, data=zoo.token_data, loss="token_cross_entropy", global_batch=7,
-        accumulation=2, steps=2, dtype="float32", **precision)
+    scenario = (
+        TOKENS
+        if not precision
+        else Scenario(
+            zoo.TinyGPT,
+            data=zoo.token_data,
+            loss="token_cross_entropy",
+            global_batch=7,
+            accumulation=2,
+            steps=2,
+            dtype="float32",
+            **precision,
+        )
+    )
     ddpcheck.check_example(target, scenario, world_size)  # raises EquivalenceError on a bug
 
 
@@ -288,17 +352,35 @@ def test_a_language_model_counterexample_has_its_one_line_summary():
     ``layers`` is a count, not a ModelSpec's tuple of layers)."""
     from ddpcheck._language.messages import scenario_line
 
-    scenario = Scenario(zoo.GPTConfig(layers=2), data=zoo.token_data, loss="token_cross_entropy",
-                        dtype="float32", autocast=torch.bfloat16, global_batch=3, steps=1)
-    assert scenario_line(scenario) == ("gpt(2 blocks, tied) SGD B=3 steps=1 float32 "
-                                       "autocast=bfloat16")
-    untied = Scenario(zoo.GPTConfig(layers=1, tied=False), data=zoo.token_data,
-                      loss="token_cross_entropy", global_batch=3, steps=1)
+    scenario = Scenario(
+        zoo.GPTConfig(layers=2),
+        data=zoo.token_data,
+        loss="token_cross_entropy",
+        dtype="float32",
+        autocast=torch.bfloat16,
+        global_batch=3,
+        steps=1,
+    )
+    assert scenario_line(scenario) == (
+        "gpt(2 blocks, tied) SGD B=3 steps=1 float32 autocast=bfloat16"
+    )
+    untied = Scenario(
+        zoo.GPTConfig(layers=1, tied=False),
+        data=zoo.token_data,
+        loss="token_cross_entropy",
+        global_batch=3,
+        steps=1,
+    )
     assert scenario_line(untied) == "gpt(1 block) SGD B=3 steps=1"
 
 
-@settings(max_examples=40, deadline=None, database=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=40,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
 @given(dst.exercising("tokens", world_size=4), st.integers(1, 4))
 def test_a_language_models_usage_is_read_without_a_backward_and_agrees(scenario, world_size):
     """``features`` says a TinyGPT on its token data leaves no parameter without a gradient on

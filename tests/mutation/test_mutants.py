@@ -38,20 +38,38 @@ def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
         if m.control is not None:  # the loop hooks' families: a control of broken_loop
             assert isinstance(m.target, type(m.control)) and type(m.target) is not type(m.control)
             assert type(m.target).__module__ == "ddpcheck.mutation.broken_loop"
-            broken = [type(m.target), getattr(type(m.target), "optimizer_class", None),
-                      getattr(type(m.target), "scheduler_class", None)]
-            assert any(cls is not None and cls.__doc__ and cls.__module__.endswith("broken_loop")
-                       and cls not in (type(m.control), type(m.control).optimizer_class,
-                                       getattr(type(m.control), "scheduler_class", None))
-                       for cls in broken), f"{m.name} seeds no bug"
+            broken = [
+                type(m.target),
+                getattr(type(m.target), "optimizer_class", None),
+                getattr(type(m.target), "scheduler_class", None),
+            ]
+            assert any(
+                cls is not None
+                and cls.__doc__
+                and cls.__module__.endswith("broken_loop")
+                and cls
+                not in (
+                    type(m.control),
+                    type(m.control).optimizer_class,
+                    getattr(type(m.control), "scheduler_class", None),
+                )
+                for cls in broken
+            ), f"{m.name} seeds no bug"
             continue
         assert isinstance(m.target, ParallelDDPTarget)
         assert type(m.target).__module__ == "ddpcheck.mutation.catalogue"
-        broken = [type(m.target).ddp_class, getattr(type(m.target), "optimizer_class", None),
-                  getattr(type(m.target), "batches_class", None),
-                  *type(m.target).__mro__]  # checkpoint bugs: a broken_checkpoint hooks mixin
-        assert any(cls is not None and cls.__module__.startswith("ddpcheck.mutation.broken_")
-                   and cls.__doc__ for cls in broken), f"{m.name} seeds no bug"
+        broken = [
+            type(m.target).ddp_class,
+            getattr(type(m.target), "optimizer_class", None),
+            getattr(type(m.target), "batches_class", None),
+            *type(m.target).__mro__,
+        ]  # checkpoint bugs: a broken_checkpoint hooks mixin
+        assert any(
+            cls is not None
+            and cls.__module__.startswith("ddpcheck.mutation.broken_")
+            and cls.__doc__
+            for cls in broken
+        ), f"{m.name} seeds no bug"
     assert len({m.bug_class for m in mutants.CATALOGUE}) >= 20
 
 
@@ -83,9 +101,11 @@ def test_every_mutant_is_killed_and_the_unmutated_target_passes(capsys):
         assert f"| (unmutated {name})" in row and "| passes " in row, out
     assert all("| killed " in row for row in rows[4:]), out
     # the loop hooks' mutants, each named by what only it breaks
-    for name, kind in (("StepsInsideWindow", "stepped inside accumulation window"),
-                       ("ReducesTwiceZero2", "communication over budget"),
-                       ("SkipsFirstReduce", "replicas differ")):
+    for name, kind in (
+        ("StepsInsideWindow", "stepped inside accumulation window"),
+        ("ReducesTwiceZero2", "communication over budget"),
+        ("SkipsFirstReduce", "replicas differ"),
+    ):
         row = next(r for r in rows if r.startswith(f"| {name} "))
         assert kind in row, row
     # the batch-plan mutants are named by their cause, before any number differs
@@ -106,10 +126,12 @@ def test_a_surviving_mutant_fails_the_command(capsys, monkeypatch):
     # The unmutated target stands in for a mutant the harness cannot kill.
     from ddpcheck.targets import PARALLEL
 
-    monkeypatch.setattr(mutants, "CATALOGUE",
-                        [mutants.Mutant("Unbroken", "A1", "no bug at all", PARALLEL)])
-    status = main(["mutants", "--budget-seconds", "60", "--world-sizes", "2",
-                   "--search", "battery"])
+    monkeypatch.setattr(
+        mutants, "CATALOGUE", [mutants.Mutant("Unbroken", "A1", "no bug at all", PARALLEL)]
+    )
+    status = main(
+        ["mutants", "--budget-seconds", "60", "--world-sizes", "2", "--search", "battery"]
+    )
     out = capsys.readouterr().out
     assert status == 1
     from ddpcheck.battery import BATTERY
@@ -128,22 +150,40 @@ def test_mutants_only_rejects_unknown_names(capsys):
 
 @pytest.mark.slow
 def test_the_shrinking_search_reports_minimal_random_counterexamples(capsys):
-    status = main(["mutants", "--budget-seconds", str(CI_BUDGET), "--world-sizes", "1,2",
-                   "--only", "NoDivide,EveryRankStepsEverything,ZeroFillsUnused"])
+    status = main(
+        [
+            "mutants",
+            "--budget-seconds",
+            str(CI_BUDGET),
+            "--world-sizes",
+            "1,2",
+            "--only",
+            "NoDivide,EveryRankStepsEverything,ZeroFillsUnused",
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 0, out
     # Shrunk: the smallest model (the head alone, or one unused layer), one sample, one step.
     # (Hypothesis shrinks well, not canonically: a leftover flag such as f32 may remain.)
-    assert re.search(r"\| NoDivide +\| A1 +\| killed .*random\[head \w+ B=1 steps=1\] W=2 "
-                     r"step 0: reference differs \(gradient\) head.weight", out), out
-    assert re.search(r"\| EveryRankStepsEverything .*random\[.* B=1 steps=1\] W=2 "
-                     r"step 0: optimizer state misplaced", out), out
+    assert re.search(
+        r"\| NoDivide +\| A1 +\| killed .*random\[head \w+ B=1 steps=1\] W=2 "
+        r"step 0: reference differs \(gradient\) head.weight",
+        out,
+    ), out
+    assert re.search(
+        r"\| EveryRankStepsEverything .*random\[.* B=1 steps=1\] W=2 "
+        r"step 0: optimizer state misplaced",
+        out,
+    ), out
     # (a layer used "by some samples" that the one sample skips is unused everywhere: no gradient;
     # plain linear layers before it may be left -- the shrinker deletes the list's prefix only
     # when its trials reach that far, which a change of the strategies' draws can move)
-    assert re.search(r"\| ZeroFillsUnused .*random\[(linear\+){0,2}linear\((unused|sample)[^)]*\) "
-                     r"SGD B=1 steps=1\] W=1 "
-                     r"step 0: reference differs \(gradient\) l[0-2].fc.weight", out), out
+    assert re.search(
+        r"\| ZeroFillsUnused .*random\[(linear\+){0,2}linear\((unused|sample)[^)]*\) "
+        r"SGD B=1 steps=1\] W=1 "
+        r"step 0: reference differs \(gradient\) l[0-2].fc.weight",
+        out,
+    ), out
 
 
 class _Scheduler:
@@ -163,9 +203,15 @@ def test_a_piece_the_control_lacks_is_reported_not_a_crash(monkeypatch):
     """A mutant whose class adds ``scheduler_class`` to a control without one: the addition is
     the stale override (it mutates nothing). stale_overrides once compared the piece with the
     control's missing one (None) and raised AttributeError on ``None.__module__``."""
-    mutant = mutants.Mutant("GainsScheduler", "Z1", "a piece the control lacks",
-                            _GainsScheduler(), control=_NoScheduler())
+    mutant = mutants.Mutant(
+        "GainsScheduler",
+        "Z1",
+        "a piece the control lacks",
+        _GainsScheduler(),
+        control=_NoScheduler(),
+    )
     monkeypatch.setattr(mutants, "CATALOGUE", [mutant])
     assert mutants.stale_overrides() == [
         "mutant GainsScheduler: _GainsScheduler.scheduler_class overrides nothing in "
-        f"{__name__}._NoScheduler"]
+        f"{__name__}._NoScheduler"
+    ]

@@ -20,17 +20,21 @@ from ddpcheck.targets.option_space import differences
 #: Random examples each search may run: a modest count, the same with and without options.
 EXAMPLES = 40
 #: What each mutant's shrunk counterexample must hold: the options its bug is behind, no more.
-NEEDS = {"StepsInsideWindowUnlessSplit": [("split_batches", False)],
-         "SkipsFirstReduceStaticManual": [("manual", True), ("static_graph", True)],
-         "PerMicroBatchLossCountingTokens": [("config.include_num_input_tokens_seen",
-                                              True)],
-         "LastMicroBatchAfterReduceBf16": [("bf16", True)]}
+NEEDS = {
+    "StepsInsideWindowUnlessSplit": [("split_batches", False)],
+    "SkipsFirstReduceStaticManual": [("manual", True), ("static_graph", True)],
+    "PerMicroBatchLossCountingTokens": [("config.include_num_input_tokens_seen", True)],
+    "LastMicroBatchAfterReduceBf16": [("bf16", True)],
+}
 
 
 def _needs_framework(target):
     for entry in targets.READY_MADE:
-        if isinstance(target, type(entry.target)) and entry.framework != "torch" and \
-                importlib.util.find_spec(entry.module) is None:
+        if (
+            isinstance(target, type(entry.target))
+            and entry.framework != "torch"
+            and importlib.util.find_spec(entry.module) is None
+        ):
             pytest.skip(f"{entry.module} is not installed ({entry.install})")
 
 
@@ -52,8 +56,7 @@ def test_missed_as_given_killed_with_fuzz_config(mutant):
     fuzzed = fuzz(mutant.target, examples=EXAMPLES, world_sizes=(2, 3), fuzz_config=True)
     assert fuzzed.found, fuzzed
     assert fuzzed.first_failure <= EXAMPLES
-    assert differences(mutant.target, fuzzed.error.target) == NEEDS[mutant.name], \
-        str(fuzzed.error)
+    assert differences(mutant.target, fuzzed.error.target) == NEEDS[mutant.name], str(fuzzed.error)
     control = fuzz(mutant.control, examples=EXAMPLES, world_sizes=(2, 3), fuzz_config=True)
     assert not control.found, control.error
 
@@ -61,8 +64,16 @@ def test_missed_as_given_killed_with_fuzz_config(mutant):
 @pytest.mark.slow
 def test_the_shrinking_search_scores_them_with_fuzz_config():
     mutant = catalogue.OPTION_CATALOGUE[-1]  # parallel_ddp underneath: no framework needed
-    rows = score([mutant], 60.0, control=mutant.control, world_sizes=(2,),
-                 search=lambda target, budget, **kw: shrinking_search(
-                     target, budget, fuzz_config=True, examples=EXAMPLES, **kw))
+    rows = score(
+        [mutant],
+        60.0,
+        control=mutant.control,
+        world_sizes=(2,),
+        search=lambda target, budget, **kw: shrinking_search(
+            target, budget, fuzz_config=True, examples=EXAMPLES, **kw
+        ),
+    )
     assert [(r.name, r.as_expected) for r in rows] == [
-        ("(unmutated Bf16PathTarget)", True), (mutant.name, True)], rows
+        ("(unmutated Bf16PathTarget)", True),
+        (mutant.name, True),
+    ], rows

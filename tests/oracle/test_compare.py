@@ -52,19 +52,32 @@ def _t(*values) -> torch.Tensor:
 
 
 def _step(w, grad=None, state=None, buffers=None) -> StepRecord:
-    return StepRecord(grads={"w": _t(0.5, 0.5) if grad is None else grad}, params={"w": w},
-                      buffers=buffers or {}, state=state or {})
+    return StepRecord(
+        grads={"w": _t(0.5, 0.5) if grad is None else grad},
+        params={"w": w},
+        buffers=buffers or {},
+        state=state or {},
+    )
 
 
 def _reference(steps, initial=None) -> Reference:
-    return Reference(initial={"w": _t(1.0, 2.0)} if initial is None else initial, steps=steps,
-                     gradient_bytes=16, gradient_numel=2, n_dtypes=1, compute_dtype=torch.float64)
+    return Reference(
+        initial={"w": _t(1.0, 2.0)} if initial is None else initial,
+        steps=steps,
+        gradient_bytes=16,
+        gradient_numel=2,
+        n_dtypes=1,
+        compute_dtype=torch.float64,
+    )
 
 
 def _ranks(*per_rank, initial=None) -> list[RankRecord]:
-    return [RankRecord(rank, {"w": _t(1.0, 2.0)} if initial is None else dict(initial),
-                       list(steps), 0.0)
-            for rank, steps in enumerate(per_rank)]
+    return [
+        RankRecord(
+            rank, {"w": _t(1.0, 2.0)} if initial is None else dict(initial), list(steps), 0.0
+        )
+        for rank, steps in enumerate(per_rank)
+    ]
 
 
 def _compare(records, reference, checks=CHECKS):
@@ -83,32 +96,41 @@ def test_identical_nan_replicas_pass_the_replica_check():
 
 def test_a_nan_payload_difference_between_replicas_is_still_replicas_differ():
     reference = _reference([_step(_t(1.0, 2.0))])
-    records = _ranks([_step(_t(NAN, 2.0))],
-                     [_step(torch.cat([_other_nan(), _t(2.0)]))])
+    records = _ranks([_step(_t(NAN, 2.0))], [_step(torch.cat([_other_nan(), _t(2.0)]))])
     rows = _compare(records, reference, {"replicas"})
     assert [(r.kind, r.rank, r.name, r.target_fault) for r in rows] == [
-        ("replicas differ (parameter)", 1, "w", True)]
+        ("replicas differ (parameter)", 1, "w", True)
+    ]
     assert "differ in their bits" in rows[0].detail
 
 
 def test_signed_zeros_differ_bitwise():
     reference = _reference([_step(_t(1.0, 2.0))])
-    records = _ranks([_step(_t(1.0, 2.0), grad=_t(0.0, 0.5))],
-                     [_step(_t(1.0, 2.0), grad=_t(-0.0, 0.5))])
+    records = _ranks(
+        [_step(_t(1.0, 2.0), grad=_t(0.0, 0.5))], [_step(_t(1.0, 2.0), grad=_t(-0.0, 0.5))]
+    )
     assert [r.kind for r in _compare(records, reference, {"replicas"})] == [
-        "replicas differ (gradient)"]
+        "replicas differ (gradient)"
+    ]
 
 
-@pytest.mark.parametrize("a, b, equal", [
-    (torch.tensor([1, 2]), torch.tensor([1, 2]), True),
-    (torch.tensor([True, False]), torch.tensor([True, True]), False),
-    (torch.tensor([NAN], dtype=torch.float16), torch.tensor([NAN], dtype=torch.float16), True),
-    (torch.tensor([NAN], dtype=torch.bfloat16), torch.tensor([NAN], dtype=torch.bfloat16), True),
-    (torch.tensor([complex(NAN, 1)]), torch.tensor([complex(NAN, 1)]), True),
-    (torch.tensor([1.0]), torch.tensor([1.0], dtype=torch.float64), False),  # dtype
-    (torch.tensor([1.0]), torch.tensor([[1.0]]), False),  # shape
-    (torch.tensor([INF, -INF]), torch.tensor([INF, -INF]), True),
-])
+@pytest.mark.parametrize(
+    "a, b, equal",
+    [
+        (torch.tensor([1, 2]), torch.tensor([1, 2]), True),
+        (torch.tensor([True, False]), torch.tensor([True, True]), False),
+        (torch.tensor([NAN], dtype=torch.float16), torch.tensor([NAN], dtype=torch.float16), True),
+        (
+            torch.tensor([NAN], dtype=torch.bfloat16),
+            torch.tensor([NAN], dtype=torch.bfloat16),
+            True,
+        ),
+        (torch.tensor([complex(NAN, 1)]), torch.tensor([complex(NAN, 1)]), True),
+        (torch.tensor([1.0]), torch.tensor([1.0], dtype=torch.float64), False),  # dtype
+        (torch.tensor([1.0]), torch.tensor([[1.0]]), False),  # shape
+        (torch.tensor([INF, -INF]), torch.tensor([INF, -INF]), True),
+    ],
+)
 def test_bitwise_equal(a, b, equal):
     assert bitwise_equal(a, b) is equal
 
@@ -120,7 +142,8 @@ def test_replicas_with_names_only_on_another_rank_differ():
     records = _ranks([_step(_t(1.0, 2.0))], [extra])
     rows = _compare(records, reference, {"replicas"})
     assert [(r.kind, r.rank, r.name, r.detail) for r in rows] == [
-        ("replicas differ (parameter)", 1, "v", "present on rank 1 only")]
+        ("replicas differ (parameter)", 1, "v", "present on rank 1 only")
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,12 +151,18 @@ def test_replicas_with_names_only_on_another_rank_differ():
 
 
 def test_reference_going_non_finite_cannot_be_judged_and_is_not_the_targets_fault():
-    reference = _reference([_step(_t(1.0, 2.0)),
-                            _step(_t(NAN, INF), grad=_t(INF, 0.5)),
-                            _step(_t(NAN, NAN), grad=_t(NAN, NAN))])
+    reference = _reference(
+        [
+            _step(_t(1.0, 2.0)),
+            _step(_t(NAN, INF), grad=_t(INF, 0.5)),
+            _step(_t(NAN, NAN), grad=_t(NAN, NAN)),
+        ]
+    )
     # The ranks agree with the reference at step 0, then do anything at all: not judged.
-    records = _ranks([_step(_t(1.0, 2.0)), _step(_t(5.0, 6.0)), _step(_t(NAN, 1.0))],
-                     [_step(_t(1.0, 2.0)), _step(_t(7.0, 8.0)), _step(_t(2.0, NAN))])
+    records = _ranks(
+        [_step(_t(1.0, 2.0)), _step(_t(5.0, 6.0)), _step(_t(NAN, 1.0))],
+        [_step(_t(1.0, 2.0)), _step(_t(7.0, 8.0)), _step(_t(2.0, NAN))],
+    )
     rows = _compare(records, reference)
     assert cannot_judge(rows)
     assert {r.kind for r in rows} == {NON_FINITE}
@@ -149,8 +178,9 @@ def test_reference_going_non_finite_cannot_be_judged_and_is_not_the_targets_faul
 
 def test_a_target_fault_before_the_reference_goes_non_finite_is_reported_alone():
     reference = _reference([_step(_t(1.0, 2.0)), _step(_t(NAN, NAN))])
-    records = _ranks([_step(_t(1.0, 2.5)), _step(_t(NAN, NAN))],
-                     [_step(_t(1.0, 2.5)), _step(_t(NAN, NAN))])
+    records = _ranks(
+        [_step(_t(1.0, 2.5)), _step(_t(NAN, NAN))], [_step(_t(1.0, 2.5)), _step(_t(NAN, NAN))]
+    )
     rows = _compare(records, reference)
     assert rows and all(r.target_fault for r in rows) and not cannot_judge(rows)
     assert {(r.step, r.kind) for r in rows} == {(0, "reference differs (parameter)")}
@@ -171,30 +201,41 @@ def test_rank_non_finite_where_the_reference_is_finite_is_the_targets_fault():
     records = _ranks([nan_step], [nan_step])  # bitwise identical replicas: rank 0 stands for all
     rows = _compare(records, reference)
     assert [(r.kind, r.rank, r.name, r.target_fault) for r in rows] == [
-        (NON_FINITE, 0, "w.grad", True)]
-    assert rows[0].detail == ("rank 0 has NaN/inf in gradient w at step 0 where the reference is "
-                              "finite (1 of 2 elements)")
+        (NON_FINITE, 0, "w.grad", True)
+    ]
+    assert rows[0].detail == (
+        "rank 0 has NaN/inf in gradient w at step 0 where the reference is finite (1 of 2 elements)"
+    )
     assert not cannot_judge(rows)
 
 
 def test_rank_non_finite_optimizer_state_is_the_targets_fault():
     reference = _reference([_step(_t(1.0, 2.0), state={"w": {"exp_avg": _t(0.1, 0.2)}})])
-    records = _ranks([_step(_t(1.0, 2.0), state={"w": {"exp_avg": _t(0.1, 0.2)}})],
-                     [_step(_t(1.0, 2.0), state={"w": {"exp_avg": _t(0.1, -INF)}})])
+    records = _ranks(
+        [_step(_t(1.0, 2.0), state={"w": {"exp_avg": _t(0.1, 0.2)}})],
+        [_step(_t(1.0, 2.0), state={"w": {"exp_avg": _t(0.1, -INF)}})],
+    )
     rows = _compare(records, reference, {"state"})
     assert [(r.kind, r.rank, r.name, r.target_fault) for r in rows] == [
-        (NON_FINITE, 1, "w['exp_avg']", True)]
+        (NON_FINITE, 1, "w['exp_avg']", True)
+    ]
 
 
 def test_non_finite_values_the_reference_starts_with_are_ordinary_values():
     mask = _t(0.0, -INF)  # an additive attention mask, say
     initial = {"w": _t(1.0, 2.0), "mask": mask}
     reference = _reference([_step(_t(1.0, 2.0), buffers={"mask": mask})], initial=initial)
-    good = _ranks([_step(_t(1.0, 2.0), buffers={"mask": mask})],
-                  [_step(_t(1.0, 2.0), buffers={"mask": mask.clone()})], initial=initial)
+    good = _ranks(
+        [_step(_t(1.0, 2.0), buffers={"mask": mask})],
+        [_step(_t(1.0, 2.0), buffers={"mask": mask.clone()})],
+        initial=initial,
+    )
     assert _compare(good, reference) == []
-    lost = _ranks([_step(_t(1.0, 2.0), buffers={"mask": _t(0.0, 0.0)})],
-                  [_step(_t(1.0, 2.0), buffers={"mask": _t(0.0, 0.0)})], initial=initial)
+    lost = _ranks(
+        [_step(_t(1.0, 2.0), buffers={"mask": _t(0.0, 0.0)})],
+        [_step(_t(1.0, 2.0), buffers={"mask": _t(0.0, 0.0)})],
+        initial=initial,
+    )
     assert [r.kind for r in _compare(lost, reference)] == ["reference differs (buffer)"]
 
 
@@ -202,13 +243,16 @@ def test_non_finite_values_the_reference_starts_with_are_ordinary_values():
 # Checks: validated, and each one on every rank
 
 
-@pytest.mark.parametrize("checks, says", [
-    ("replicas", "is a string"),
-    ({"replica"}, "unknown check 'replica'"),
-    (set(), "is empty"),
-    (5, "must be a set of check names"),
-    (["reference", "budgte"], "unknown check 'budgte'"),
-])
+@pytest.mark.parametrize(
+    "checks, says",
+    [
+        ("replicas", "is a string"),
+        ({"replica"}, "unknown check 'replica'"),
+        (set(), "is empty"),
+        (5, "must be a set of check names"),
+        (["reference", "budgte"], "unknown check 'budgte'"),
+    ],
+)
 def test_validate_checks_rejects(checks, says):
     with pytest.raises(InvalidArgument) as info:
         validate_checks(checks)
@@ -272,9 +316,21 @@ def test_the_overflow_replay_line_exits_2_not_1():
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "ddpcheck", "replay", "torch_ddp", "--world-size", "2",
-         "--scenario", 'ddpcheck.Scenario(model=ddpcheck.zoo.MLP, optimizer_kwargs={"lr": 1e200},'
-                       ' steps=3)'], capture_output=True, text=True, timeout=patience(120))
+        [
+            sys.executable,
+            "-m",
+            "ddpcheck",
+            "replay",
+            "torch_ddp",
+            "--world-size",
+            "2",
+            "--scenario",
+            'ddpcheck.Scenario(model=ddpcheck.zoo.MLP, optimizer_kwargs={"lr": 1e200}, steps=3)',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=patience(120),
+    )
     assert out.returncode == 2, out.stdout + out.stderr
     assert "cannot judge" in out.stderr and "Traceback" not in out.stderr
 
@@ -286,16 +342,31 @@ def test_gradients_sent_in_a_wider_dtype_are_not_called_a_double_reduction():
     from ddpcheck._oracle.budget import check_budget
 
     def reduce(dtype: str, numel: int) -> Collective:
-        return Collective(op="all_reduce", nbytes=numel * (8 if dtype == "float64" else 4),
-                          dtypes=(dtype,), shapes=((numel,),), root=None, group=None,
-                          reduce_op="SUM", async_op=True, launched=0.0)
+        return Collective(
+            op="all_reduce",
+            nbytes=numel * (8 if dtype == "float64" else 4),
+            dtypes=(dtype,),
+            shapes=((numel,),),
+            root=None,
+            group=None,
+            reduce_op="SUM",
+            async_op=True,
+            launched=0.0,
+        )
 
-    reference = Reference(initial={}, steps=[], gradient_bytes=8 * 4, gradient_numel=8,
-                          n_dtypes=1, compute_dtype=torch.float32)
+    reference = Reference(
+        initial={},
+        steps=[],
+        gradient_bytes=8 * 4,
+        gradient_numel=8,
+        n_dtypes=1,
+        compute_dtype=torch.float32,
+    )
 
     def rows(collectives):
-        records = [RankRecord(r, {}, [StepRecord({}, {}, {}, {}, collectives)], 0.0)
-                   for r in range(2)]
+        records = [
+            RankRecord(r, {}, [StepRecord({}, {}, {}, {}, collectives)], 0.0) for r in range(2)
+        ]
         return check_budget(0, 2, records, reference, False)
 
     widened = rows([reduce("float64", 8)])
@@ -314,17 +385,33 @@ def test_control_scalars_are_not_a_double_reduction_but_a_second_gradient_is():
     from ddpcheck._oracle.budget import check_budget
 
     def reduce(numel: int) -> Collective:
-        return Collective(op="all_reduce", nbytes=numel * 8, dtypes=("float64",),
-                          shapes=((numel,),), root=None, group=None, reduce_op="SUM",
-                          async_op=False, launched=0.0)
+        return Collective(
+            op="all_reduce",
+            nbytes=numel * 8,
+            dtypes=("float64",),
+            shapes=((numel,),),
+            root=None,
+            group=None,
+            reduce_op="SUM",
+            async_op=False,
+            launched=0.0,
+        )
 
     # two trainable tensors of 4 and 3 elements
-    reference = Reference(initial={}, steps=[], gradient_bytes=7 * 8, gradient_numel=7,
-                          n_dtypes=1, compute_dtype=torch.float64, trainable_tensors=2)
+    reference = Reference(
+        initial={},
+        steps=[],
+        gradient_bytes=7 * 8,
+        gradient_numel=7,
+        n_dtypes=1,
+        compute_dtype=torch.float64,
+        trainable_tensors=2,
+    )
 
     def rows(collectives):
-        records = [RankRecord(r, {}, [StepRecord({}, {}, {}, {}, collectives)], 0.0)
-                   for r in range(2)]
+        records = [
+            RankRecord(r, {}, [StepRecord({}, {}, {}, {}, collectives)], 0.0) for r in range(2)
+        ]
         return check_budget(0, 2, records, reference, False)
 
     assert rows([reduce(2), reduce(4), reduce(3)]) == []  # flags, then each gradient once
@@ -362,9 +449,15 @@ def test_rounding_noise_adam_amplifies_is_not_a_divergence():
     from ddpcheck._oracle.reference import reference_run
 
     for seed in range(3):
-        scenario = Scenario(model=ShiftedSoftmax, optimizer=torch.optim.Adam,
-                            optimizer_kwargs={"lr": 0.1}, global_batch=12, steps=3,
-                            accumulation=3, seed=seed)
+        scenario = Scenario(
+            model=ShiftedSoftmax,
+            optimizer=torch.optim.Adam,
+            optimizer_kwargs={"lr": 0.1},
+            global_batch=12,
+            steps=3,
+            accumulation=3,
+            seed=seed,
+        )
         reference = reference_run(scenario)
         records = _accumulated_in_three(scenario)
         # the fixed float64 tolerance alone calls the noise a divergence ...
@@ -378,14 +471,21 @@ def test_rounding_noise_adam_amplifies_is_not_a_divergence():
 def test_the_noise_floor_hides_no_bug_beside_the_noise():
     from ddpcheck._oracle.reference import reference_run
 
-    scenario = Scenario(model=ShiftedSoftmax, optimizer=torch.optim.Adam,
-                        optimizer_kwargs={"lr": 0.1}, global_batch=12, steps=3, accumulation=3)
+    scenario = Scenario(
+        model=ShiftedSoftmax,
+        optimizer=torch.optim.Adam,
+        optimizer_kwargs={"lr": 0.1},
+        global_batch=12,
+        steps=3,
+        accumulation=3,
+    )
     reference = reference_run(scenario)
     records = _accumulated_in_three(scenario)
     records[0].steps[1].params["out.weight"] = records[0].steps[1].params["out.weight"] * (1 + 1e-6)
     rows = compare(records, reference, scenario, targets.LOCAL)
     assert [(d.step, d.kind, d.name) for d in rows] == [
-        (1, "reference differs (parameter)", "out.weight")], rows
+        (1, "reference differs (parameter)", "out.weight")
+    ], rows
     assert "the reference's own rounding over other summation orders" in rows[0].detail
 
 
@@ -397,35 +497,72 @@ def test_a_reduction_narrower_than_the_gradients_is_named_before_the_numbers():
     from ddpcheck._oracle.budget import NARROWER, check_reduce_dtypes
 
     def call(op: str, dtype: str) -> Collective:
-        return Collective(op=op, nbytes=16, dtypes=(dtype,), shapes=((8,),), root=None,
-                          group=None, reduce_op="SUM" if "reduce" in op else None,
-                          async_op=False, launched=0.0)
+        return Collective(
+            op=op,
+            nbytes=16,
+            dtypes=(dtype,),
+            shapes=((8,),),
+            root=None,
+            group=None,
+            reduce_op="SUM" if "reduce" in op else None,
+            async_op=False,
+            launched=0.0,
+        )
 
-    reference = Reference(initial={"w": _t(1.0, 2.0).float()},
-                          steps=[_step(_t(1.0, 2.0).float(), grad=_t(0.5, 0.5).float())],
-                          gradient_bytes=8, gradient_numel=2, n_dtypes=1,
-                          compute_dtype=torch.bfloat16, gradient_dtype=torch.float32)
+    reference = Reference(
+        initial={"w": _t(1.0, 2.0).float()},
+        steps=[_step(_t(1.0, 2.0).float(), grad=_t(0.5, 0.5).float())],
+        gradient_bytes=8,
+        gradient_numel=2,
+        n_dtypes=1,
+        compute_dtype=torch.bfloat16,
+        gradient_dtype=torch.float32,
+    )
 
     def records(*collectives):
-        return [RankRecord(r, {"w": _t(1.0, 2.0).float()},
-                           [StepRecord({"w": _t(0.5, 0.5).float()}, {"w": _t(1.0, 2.0).float()},
-                                       {}, {}, list(collectives))], 0.0) for r in range(2)]
+        return [
+            RankRecord(
+                r,
+                {"w": _t(1.0, 2.0).float()},
+                [
+                    StepRecord(
+                        {"w": _t(0.5, 0.5).float()},
+                        {"w": _t(1.0, 2.0).float()},
+                        {},
+                        {},
+                        list(collectives),
+                    )
+                ],
+                0.0,
+            )
+            for r in range(2)
+        ]
 
-    narrow = records(call("all_gather_single", "bfloat16"),
-                     call("reduce_scatter_single", "bfloat16"))
+    narrow = records(
+        call("all_gather_single", "bfloat16"), call("reduce_scatter_single", "bfloat16")
+    )
     rows = check_reduce_dtypes(0, 2, narrow, reference)
     assert [(r.kind, r.rank) for r in rows] == [(NARROWER, 0), (NARROWER, 1)]
     assert "reduce_scatter_single SUM 8 bfloat16" in rows[0].detail
     assert "the gradients are float32" in rows[0].detail
-    assert check_reduce_dtypes(0, 2, records(call("all_gather_single", "bfloat16"),
-                                             call("reduce_scatter_single", "float32")),
-                               reference) == []
+    assert (
+        check_reduce_dtypes(
+            0,
+            2,
+            records(
+                call("all_gather_single", "bfloat16"), call("reduce_scatter_single", "float32")
+            ),
+            reference,
+        )
+        == []
+    )
     assert check_reduce_dtypes(0, 1, narrow, reference) == []  # W=1: nothing crossed a wire
     scenario = Scenario(zoo.MLP, dtype="float32", param_dtype=torch.bfloat16, steps=1)
     rows = compare(narrow, reference, scenario, None)
     assert rows[0].kind == NARROWER  # the cause, before any number
-    assert NARROWER not in [r.kind for r in compare(narrow, reference, scenario, None,
-                                                      {"replicas", "reference"})]
+    assert NARROWER not in [
+        r.kind for r in compare(narrow, reference, scenario, None, {"replicas", "reference"})
+    ]
 
 
 def test_control_scalars_may_be_narrower_but_a_gradient_shaped_reduction_may_not():
@@ -436,19 +573,37 @@ def test_control_scalars_may_be_narrower_but_a_gradient_shaped_reduction_may_not
     from ddpcheck._oracle.budget import NARROWER, check_reduce_dtypes
 
     def call(shape: tuple) -> Collective:
-        return Collective(op="all_reduce", nbytes=4 * max(1, math.prod(shape)),
-                          dtypes=("float32",), shapes=(shape,), root=None, group=None,
-                          reduce_op="SUM", async_op=False, launched=0.0)
+        return Collective(
+            op="all_reduce",
+            nbytes=4 * max(1, math.prod(shape)),
+            dtypes=("float32",),
+            shapes=(shape,),
+            root=None,
+            group=None,
+            reduce_op="SUM",
+            async_op=False,
+            launched=0.0,
+        )
 
     # weight (4, 3) and bias (4,): two trainable tensors of float64
-    reference = Reference(initial={}, steps=[], gradient_bytes=16 * 8, gradient_numel=16,
-                          n_dtypes=1, compute_dtype=torch.float64, gradient_dtype=torch.float64,
-                          trainable_tensors=2, norm_scalars=1,
-                          trainable_shapes={"w": ((4, 3), 8), "b": ((4,), 8)})
+    reference = Reference(
+        initial={},
+        steps=[],
+        gradient_bytes=16 * 8,
+        gradient_numel=16,
+        n_dtypes=1,
+        compute_dtype=torch.float64,
+        gradient_dtype=torch.float64,
+        trainable_tensors=2,
+        norm_scalars=1,
+        trainable_shapes={"w": ((4, 3), 8), "b": ((4,), 8)},
+    )
 
     def rows(*collectives):
-        records = [RankRecord(r, {}, [StepRecord({}, {}, {}, {}, list(collectives))], 0.0)
-                   for r in range(2)]
+        records = [
+            RankRecord(r, {}, [StepRecord({}, {}, {}, {}, list(collectives))], 0.0)
+            for r in range(2)
+        ]
         return check_reduce_dtypes(0, 2, records, reference)
 
     assert rows(call((1,)), call((2,))) == []  # the norm, the flags
@@ -476,21 +631,26 @@ def _pairs(draw):
             scale = draw(st.sampled_from([1e-9, 1e-6, 1e-3, 1e-1]))
             got = (ref.double() * (1 + scale) + scale).to(dtype)
         else:
-            got = torch.tensor(draw(st.lists(_ELEMENT, min_size=ref.numel(),
-                                             max_size=ref.numel())), dtype=dtype)
+            got = torch.tensor(
+                draw(st.lists(_ELEMENT, min_size=ref.numel(), max_size=ref.numel())), dtype=dtype
+            )
         pairs.append((got, ref))
     return pairs
 
 
-@given(pairs=_pairs(), rtol=st.sampled_from([0.0, 1e-7, 1e-4, 1e-2]),
-       atol=st.sampled_from([0.0, 1e-9, 1e-5, 1e-2]))
+@given(
+    pairs=_pairs(),
+    rtol=st.sampled_from([0.0, 1e-7, 1e-4, 1e-2]),
+    atol=st.sampled_from([0.0, 1e-9, 1e-5, 1e-2]),
+)
 @settings(deadline=None)
 def test_all_close_passes_only_what_close_passes_one_by_one(pairs, rtol, atol):
     if all_close(pairs, rtol, atol):
         assert all(close(got, ref, rtol, atol) for got, ref in pairs)
-        assert not any(non_finite(got) is not None and bool((non_finite(got)
-                                                             & torch.isfinite(ref)).any())
-                       for got, ref in pairs)
+        assert not any(
+            non_finite(got) is not None and bool((non_finite(got) & torch.isfinite(ref)).any())
+            for got, ref in pairs
+        )
 
 
 def test_all_close_declines_what_it_cannot_compare_in_one_pass():
@@ -509,12 +669,19 @@ def test_a_near_miss_among_many_tensors_is_still_found():
     names = [f"p{i}" for i in range(12)]
     params = {n: _t(1.0 + i, 2.0) for i, n in enumerate(names)}
     off = {**params, "p7": params["p7"] + 1e-3}
-    reference = Reference(initial=params, steps=[StepRecord(grads={}, params=params, buffers={},
-                                                            state={})],
-                          gradient_bytes=0, gradient_numel=0, n_dtypes=1,
-                          compute_dtype=torch.float64)
-    records = [RankRecord(rank, dict(params), [StepRecord(grads={}, params=dict(off), buffers={},
-                                                          state={})], 0.0)
-               for rank in range(2)]
+    reference = Reference(
+        initial=params,
+        steps=[StepRecord(grads={}, params=params, buffers={}, state={})],
+        gradient_bytes=0,
+        gradient_numel=0,
+        n_dtypes=1,
+        compute_dtype=torch.float64,
+    )
+    records = [
+        RankRecord(
+            rank, dict(params), [StepRecord(grads={}, params=dict(off), buffers={}, state={})], 0.0
+        )
+        for rank in range(2)
+    ]
     rows = compare(records, reference, Scenario(), targets.PARALLEL, {"reference"})
     assert [(r.step, r.rank, r.name) for r in rows] == [(0, 0, "p7"), (0, 1, "p7")]

@@ -38,18 +38,34 @@ from tests.patience import patience
 #: (torch's DDP and FSDP2 too) was 4.8e-4 from the reference on ``l1.conv.bias``'s gradient at
 #: step 1, and re-splitting one sample measured a spread of 0.
 LAYERNORM = Scenario(
-    model=ModelSpec(layers=(Layer(frozen=True, float32=True), Layer(kind="conv1d"),
-                            Layer(kind="layernorm", frozen=True, float32=True), Layer()),
-                    width=2),
-    data=SpecData(width=2), optimizer=torch.optim.Adam,
-    optimizer_kwargs={"lr": 0.01, "eps": 0.001}, global_batch=1, seed=220)
+    model=ModelSpec(
+        layers=(
+            Layer(frozen=True, float32=True),
+            Layer(kind="conv1d"),
+            Layer(kind="layernorm", frozen=True, float32=True),
+            Layer(),
+        ),
+        width=2,
+    ),
+    data=SpecData(width=2),
+    optimizer=torch.optim.Adam,
+    optimizer_kwargs={"lr": 0.01, "eps": 0.001},
+    global_batch=1,
+    seed=220,
+)
 
 
 def shifted(dtype: str = "float64", seed: int = 0, global_batch: int = 1) -> Scenario:
     """Adam on a bias softmax ignores: its gradient is rounding noise, amplified by lr/eps."""
-    return Scenario(model=ShiftedSoftmax, optimizer=torch.optim.Adam,
-                    optimizer_kwargs={"lr": 0.1}, global_batch=global_batch, steps=3, seed=seed,
-                    dtype=dtype)
+    return Scenario(
+        model=ShiftedSoftmax,
+        optimizer=torch.optim.Adam,
+        optimizer_kwargs={"lr": 0.1},
+        global_batch=global_batch,
+        steps=3,
+        seed=seed,
+        dtype=dtype,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +95,9 @@ def _declined_or_passed(target, scenario, world_size) -> str:
     return "passed"
 
 
-@pytest.mark.parametrize("target", [targets.TORCH_DDP, targets.PARALLEL],
-                         ids=["torch_ddp", "parallel"])
+@pytest.mark.parametrize(
+    "target", [targets.TORCH_DDP, targets.PARALLEL], ids=["torch_ddp", "parallel"]
+)
 def test_the_layernorm_example_of_issue_37_is_no_divergence_at_w3(target):
     assert _declined_or_passed(target, LAYERNORM, 3) == "passed"
 
@@ -91,31 +108,41 @@ def test_a_bug_beside_the_layernorm_example_is_still_reported():
     tolerance (~6e-3 on ``head.bias`` there), and is reported on that parameter alone (its
     gradient, then what the step made of it)."""
     with pytest.raises(EquivalenceError) as found:
-        check_example(OffBy(name="head.bias", error=2e-2, step=1), LAYERNORM, 3,
-                      deadline=patience(60))
+        check_example(
+            OffBy(name="head.bias", error=2e-2, step=1), LAYERNORM, 3, deadline=patience(60)
+        )
     rows = found.value.divergences
     assert (rows[0].step, rows[0].name, rows[0].kind) == (
-        1, "head.bias", "reference differs (gradient)"), found.value
+        1,
+        "head.bias",
+        "reference differs (gradient)",
+    ), found.value
     assert all(d.target_fault and d.name.startswith("head.bias") for d in rows), found.value
 
 
-@pytest.mark.parametrize("target", [targets.TORCH_DDP, targets.PARALLEL],
-                         ids=["torch_ddp", "parallel"])
+@pytest.mark.parametrize(
+    "target", [targets.TORCH_DDP, targets.PARALLEL], ids=["torch_ddp", "parallel"]
+)
 def test_one_sample_at_w3_scaled_by_3_and_divided_back_is_no_divergence_in_float64(target):
     """The same mechanism in float64: the shifted softmax's bias at W=3 with one sample was a
     divergence at every seed before the variants scaled the loss (``reference differs
     (parameter)`` on ``shift``: 1e-11 against a 1e-12 tolerance)."""
     assert [_declined_or_passed(target, shifted(seed=seed), 3) for seed in range(3)] == [
-        "passed"] * 3
+        "passed"
+    ] * 3
 
 
 def test_a_1e6_error_beside_the_float64_noise_is_still_reported():
     with pytest.raises(EquivalenceError) as found:
-        check_example(OffBy(name="out.bias", error=1e-6, step=1), shifted(), 3,
-                      deadline=patience(60))
+        check_example(
+            OffBy(name="out.bias", error=1e-6, step=1), shifted(), 3, deadline=patience(60)
+        )
     rows = found.value.divergences
     assert (rows[0].step, rows[0].name, rows[0].kind) == (
-        1, "out.bias", "reference differs (gradient)"), found.value
+        1,
+        "out.bias",
+        "reference differs (gradient)",
+    ), found.value
     assert all(d.target_fault for d in rows)
 
 
@@ -123,8 +150,9 @@ def test_adam_sign_noise_in_float32_is_declined_as_chaotic_not_a_divergence():
     """float32 Adam at its default eps on the shifted softmax: the bias's update is +-lr by the
     sign of rounding noise, on the ranks and in the reference alike -- no tolerance could tell a
     bug from it, so the example cannot be judged (exit 2, never 1)."""
-    assert _declined_or_passed(targets.PARALLEL, shifted("float32", global_batch=6), 3) == \
-        "declined"
+    assert (
+        _declined_or_passed(targets.PARALLEL, shifted("float32", global_batch=6), 3) == "declined"
+    )
 
 
 def test_among_random_examples_a_chaotic_one_is_skipped_as_unjudgeable_not_a_verdict():
@@ -132,8 +160,10 @@ def test_among_random_examples_a_chaotic_one_is_skipped_as_unjudgeable_not_a_ver
     chaotic one is skipped as unjudgeable -- counted among the declined, not among the examples,
     never a failure -- and the next one runs and is judged."""
     items = [(1, 3, shifted("float32", global_batch=6)), (2, 3, shifted(seed=1))]
-    outcomes = [outcome for _, outcome in
-                one_behind_the_other(targets.PARALLEL, items, deadline=patience(60))]
+    outcomes = [
+        outcome
+        for _, outcome in one_behind_the_other(targets.PARALLEL, items, deadline=patience(60))
+    ]
     assert outcomes[0].error is None and outcomes[0].unjudgeable, outcomes[0]
     assert "reference chaotic at step 0" in outcomes[0].skipped, outcomes[0].skipped
     assert outcomes[1] == Outcome(), outcomes[1]
@@ -141,8 +171,9 @@ def test_among_random_examples_a_chaotic_one_is_skipped_as_unjudgeable_not_a_ver
 
 def test_a_bug_at_the_chaotic_step_outranks_the_chaos():
     with pytest.raises(EquivalenceError) as found:
-        check_example(OffBy(name="out.bias", error=1e-2, step=0), shifted("float32"), 3,
-                      deadline=patience(60))
+        check_example(
+            OffBy(name="out.bias", error=1e-2, step=0), shifted("float32"), 3, deadline=patience(60)
+        )
     rows = found.value.divergences
     assert all(d.target_fault for d in rows) and rows[0].name == "out.bias", found.value
 
@@ -172,8 +203,11 @@ def test_the_perturbed_variant_moves_gradients_by_rounding_only():
             continue
         ulps = torch.finfo(value.dtype).eps * value.abs().max()
         assert float((perturbed[0].grads[name] - value).abs().max()) <= float(ulps), name
-    assert _train(LAYERNORM, Variant(perturb=0))[0][1].grads["head.weight"].equal(
-        perturbed[1].grads["head.weight"])  # seeded: the same numbers every time
+    assert (
+        _train(LAYERNORM, Variant(perturb=0))[0][1]
+        .grads["head.weight"]
+        .equal(perturbed[1].grads["head.weight"])
+    )  # seeded: the same numbers every time
 
 
 def _records_of(steps, initial) -> list[RankRecord]:
@@ -198,22 +232,27 @@ def test_the_noise_verdict_widens_declines_and_still_finds():
     spread = torch.tensor([0.0, 1e-8, 0.0], dtype=torch.float64)
     rtol, atol = 1e-9, 1e-12
     # 1e-8 of rounding spread at element 1 explains 2e-8 there: close
-    assert noise_verdict(ref + torch.tensor([0, 2e-8, 0]), ref, rtol, atol, spread, 1.0)[0] == \
-        "close"
+    assert (
+        noise_verdict(ref + torch.tensor([0, 2e-8, 0]), ref, rtol, atol, spread, 1.0)[0] == "close"
+    )
     # ... but not 1e-6 at element 0, where the reference is pinned down
-    verdict, where = noise_verdict(ref + torch.tensor([1e-6, 2e-8, 0]), ref, rtol, atol, spread,
-                                   1.0)
+    verdict, where = noise_verdict(
+        ref + torch.tensor([1e-6, 2e-8, 0]), ref, rtol, atol, spread, 1.0
+    )
     assert verdict == "differs" and where.tolist() == [True, False, False]
     # a spread of 1e-3 of the largest value of its kind (1.0) at element 1: chaotic
     wide = torch.tensor([0.0, 3e-4, 0.0], dtype=torch.float64)
     verdict, where = noise_verdict(ref + torch.tensor([0, 5e-4, 0]), ref, rtol, atol, wide, 1.0)
     assert verdict == "chaotic" and where.tolist() == [False, True, False]
     # ... unless a larger value of its kind elsewhere makes it small beside the bugs promised
-    assert noise_verdict(ref + torch.tensor([0, 5e-4, 0]), ref, rtol, atol, wide, 10.0)[0] == \
-        "close"
+    assert (
+        noise_verdict(ref + torch.tensor([0, 5e-4, 0]), ref, rtol, atol, wide, 10.0)[0] == "close"
+    )
     # a bug beside a chaotic element is still a bug
-    assert noise_verdict(ref + torch.tensor([1e-6, 5e-4, 0]), ref, rtol, atol, wide, 1.0)[0] == \
-        "differs"
+    assert (
+        noise_verdict(ref + torch.tensor([1e-6, 5e-4, 0]), ref, rtol, atol, wide, 1.0)[0]
+        == "differs"
+    )
 
 
 def test_a_chaotic_row_is_not_the_targets_fault_and_names_what_was_measured():

@@ -27,8 +27,15 @@ from tests.patience import patience
 
 F64, F32 = torch.float64, torch.float32
 # 7 parameters (more than every world size), one of them without a gradient (unused everywhere)
-SHAPES = [((4, 3), F64), ((3,), F64), ((2, 2), F64), ((1,), F64), ((6, 2), F64), ((5,), F64),
-          ((3, 3), F64)]
+SHAPES = [
+    ((4, 3), F64),
+    ((3,), F64),
+    ((2, 2), F64),
+    ((1,), F64),
+    ((6, 2), F64),
+    ((5,), F64),
+    ((3, 3), F64),
+]
 NO_GRAD = 3
 MIXED = [(shape, F32 if i % 3 == 1 else dtype) for i, (shape, dtype) in enumerate(SHAPES)]
 RULES = {"modulo": sharding.modulo, "greedy": sharding.greedy}
@@ -42,7 +49,7 @@ def exact_grad(shape, dtype, index, step=0):
     c = (0.25, 0.5, 1.0, 2.0, 3.0)[(index + step) % 5]
     signs = torch.tensor([1.0 if (i * 7 + index) % 3 else -1.0 for i in range(m * m)])
     flat = torch.zeros(numel, dtype=F64)
-    flat[:m * m] = c * signs
+    flat[: m * m] = c * signs
     return flat.to(dtype).view(shape)
 
 
@@ -88,13 +95,18 @@ MAX_NORMS = (0.75, 50.0)
 
 
 def _cases(kind, shapes=SHAPES):
-    return [(shapes, kind, max_norm, norm_type, rule, True) for max_norm in MAX_NORMS
-            for norm_type in (2.0, math.inf) for rule in RULES]
+    return [
+        (shapes, kind, max_norm, norm_type, rule, True)
+        for max_norm in MAX_NORMS
+        for norm_type in (2.0, math.inf)
+        for rule in RULES
+    ]
 
 
 def _same(a, b):
-    return (a is None and b is None) or (a is not None and b is not None and a.dtype == b.dtype
-                                       and torch.equal(a, b))
+    return (a is None and b is None) or (
+        a is not None and b is not None and a.dtype == b.dtype and torch.equal(a, b)
+    )
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -111,8 +123,7 @@ def test_sharded_clip_is_bitwise_torchs_on_exact_gradients_moving_one_scalar(wor
             # one float64 scalar per rank, and nothing else (DDP averaged the gradients)
             assert result["calls"] == [("all_reduce", 8, ("float64",), op)], where
     # the cases must clip sometimes and not others, or they prove little
-    clipped = [not torch.equal(torch_clip(*c[:4])[1][0], exact_grad((4, 3), F64, 0))
-               for c in cases]
+    clipped = [not torch.equal(torch_clip(*c[:4])[1][0], exact_grad((4, 3), F64, 0)) for c in cases]
     assert any(clipped) and not all(clipped)
 
 
@@ -148,15 +159,17 @@ def _rank_clip_unaveraged(max_norm, norm_type):
     comm.reset()
     opt.step()
     in_step = [c.op for c in comm.records()]
-    return dict(total=total, params=[p.detach().clone() for p in params], in_clip=in_clip,
-                in_step=in_step)
+    return dict(
+        total=total, params=[p.detach().clone() for p in params], in_clip=in_clip, in_step=in_step
+    )
 
 
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 def test_without_ddp_the_clip_averages_first_and_the_step_does_not_again(norm_type):
     world_size = 3
-    results = get_world(world_size).run(_rank_clip_unaveraged, 0.75, norm_type,
-                                        deadline=patience(60))
+    results = get_world(world_size).run(
+        _rank_clip_unaveraged, 0.75, norm_type, deadline=patience(60)
+    )
     # the world mean of (r + 1) x g over r = 0, 1, 2 is 2g: exact
     params = make_params(SHAPES, "exact")
     for p in params:
@@ -168,8 +181,11 @@ def test_without_ddp_the_clip_averages_first_and_the_step_does_not_again(norm_ty
         assert _same(result["total"], total)
         assert all(torch.equal(a, b) for a, b in zip(result["params"], params))
         # presence counts and the gradients, then the norm's scalar; the step only broadcasts
-        assert result["in_clip"] == [("all_reduce", ("int32",)), ("all_reduce", ("float64",)),
-                                     ("all_reduce", ("float64",))]
+        assert result["in_clip"] == [
+            ("all_reduce", ("int32",)),
+            ("all_reduce", ("float64",)),
+            ("all_reduce", ("float64",)),
+        ]
         assert set(result["in_step"]) == {"broadcast"}
 
 
@@ -194,9 +210,15 @@ def test_clipping_is_plain_data_and_a_feature():
     assert from_repr(repr(s)) == s
     assert "max_grad_norm" not in repr(ddpcheck.Scenario(ddpcheck.zoo.MLP))
     assert "clipping" in features.of(s) and "clipping" not in features.of(
-        ddpcheck.Scenario(ddpcheck.zoo.MLP))
-    for bad in (dict(max_grad_norm=0), dict(max_grad_norm=math.inf), dict(max_grad_norm=True),
-                dict(max_grad_norm=1.0, grad_norm_type=-2.0), dict(grad_norm_type=math.inf)):
+        ddpcheck.Scenario(ddpcheck.zoo.MLP)
+    )
+    for bad in (
+        dict(max_grad_norm=0),
+        dict(max_grad_norm=math.inf),
+        dict(max_grad_norm=True),
+        dict(max_grad_norm=1.0, grad_norm_type=-2.0),
+        dict(grad_norm_type=math.inf),
+    ):
         with pytest.raises(ddpcheck.InvalidArgument):
             ddpcheck.Scenario(**bad)
 
@@ -211,8 +233,13 @@ def test_random_scenarios_clip_a_quarter_of_the_time_and_never_when_excluded():
 
     # 600 draws: one fixed (derandomized) sample, so its share moves whenever the strategies
     # gain a choice (a layer kind); at 200 it ranged 12-30 % across such changes
-    @settings(max_examples=600, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=600,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(dst.scenarios(), dst.scenarios(without={"clipping"}))
     def draw(with_clipping, without_clipping):
         seen["with"].append(with_clipping.max_grad_norm is not None)
@@ -224,18 +251,34 @@ def test_random_scenarios_clip_a_quarter_of_the_time_and_never_when_excluded():
     assert not any(seen["without"])
 
 
-CLIPPING = [ddpcheck.Scenario(ddpcheck.zoo.Tied, global_batch=7, steps=3, seed=1,
-                              optimizer_kwargs={"lr": 0.1, "momentum": 0.9}, max_grad_norm=0.5),
-            ddpcheck.Scenario(ddpcheck.zoo.SampleBranch, optimizer=torch.optim.Adam,
-                              optimizer_kwargs={"lr": 0.01}, global_batch=11, accumulation=2,
-                              seed=3, max_grad_norm=0.5, grad_norm_type=math.inf),
-            ddpcheck.Scenario(ddpcheck.zoo.MixedPrecision, global_batch=8, seed=6,
-                              max_grad_norm=1.0)]
+CLIPPING = [
+    ddpcheck.Scenario(
+        ddpcheck.zoo.Tied,
+        global_batch=7,
+        steps=3,
+        seed=1,
+        optimizer_kwargs={"lr": 0.1, "momentum": 0.9},
+        max_grad_norm=0.5,
+    ),
+    ddpcheck.Scenario(
+        ddpcheck.zoo.SampleBranch,
+        optimizer=torch.optim.Adam,
+        optimizer_kwargs={"lr": 0.01},
+        global_batch=11,
+        accumulation=2,
+        seed=3,
+        max_grad_norm=0.5,
+        grad_norm_type=math.inf,
+    ),
+    ddpcheck.Scenario(ddpcheck.zoo.MixedPrecision, global_batch=8, seed=6, max_grad_norm=1.0),
+]
 
 
-@pytest.mark.parametrize("target", [targets.PARALLEL, targets.PARALLEL_DDP, targets.TORCH_DDP,
-                                    targets.TORCH_ZERO],
-                         ids=["parallel", "parallel_ddp", "torch_ddp", "torch_zero"])
+@pytest.mark.parametrize(
+    "target",
+    [targets.PARALLEL, targets.PARALLEL_DDP, targets.TORCH_DDP, targets.TORCH_ZERO],
+    ids=["parallel", "parallel_ddp", "torch_ddp", "torch_zero"],
+)
 def test_correct_targets_clip_like_the_reference(target):
     for scenario in CLIPPING:
         if features.declines(target, scenario) is None:  # torch_zero: not mixed dtypes

@@ -142,7 +142,7 @@ class RankOrderedBranches(nn.Module):
     def forward(self, x):
         rank = dist.get_rank() if dist.is_initialized() else 0
         order = list(range(4))
-        order = order[rank % 4:] + order[:rank % 4]
+        order = order[rank % 4 :] + order[: rank % 4]
         if rank % 2:
             order.reverse()
         out = 0
@@ -193,8 +193,10 @@ def shard(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 
 
 def grads_of(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    return {n: (None if p.grad is None else p.grad.detach().clone())
-            for n, p in model.named_parameters()}
+    return {
+        n: (None if p.grad is None else p.grad.detach().clone())
+        for n, p in model.named_parameters()
+    }
 
 
 def reference_grads(name: str, micro_batches: int = 1) -> dict[str, torch.Tensor | None]:
@@ -223,8 +225,11 @@ def rank_sync_once(name: str, bucket_mb: float) -> dict:
         "reference": reference_grads(name),
         "n_buckets": len(model._buckets),
         "n_trainable": sum(p.requires_grad for p in model.module.parameters()),
-        "strides": {n: tuple(p.grad.stride()) for n, p in model.module.named_parameters()
-                    if p.grad is not None},
+        "strides": {
+            n: tuple(p.grad.stride())
+            for n, p in model.module.named_parameters()
+            if p.grad is not None
+        },
         "param_strides": {n: tuple(p.stride()) for n, p in model.module.named_parameters()},
     }
 
@@ -293,8 +298,10 @@ def rank_two_steps(bucket_mb: float) -> dict:
         loss_fn(ref(xb), yb, BATCH, 1).backward()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=step % 2 == 0)
-    return {"params": {n: p.detach().clone() for n, p in model.module.named_parameters()},
-            "reference": {n: p.detach().clone() for n, p in ref.named_parameters()}}
+    return {
+        "params": {n: p.detach().clone() for n, p in model.module.named_parameters()},
+        "reference": {n: p.detach().clone() for n, p in ref.named_parameters()},
+    }
 
 
 def rank_misuse(kind: str) -> str:
@@ -345,8 +352,12 @@ def rank_mismatched_models() -> str:
 
 def rank_bad_arguments() -> list[str]:
     messages = []
-    for kwargs in ({"bucket_size_mb": 0}, {"bucket_size_mb": -1.0},
-                   {"bucket_size_mb": float("nan")}, {"bucket_size_mb": "25"}):
+    for kwargs in (
+        {"bucket_size_mb": 0},
+        {"bucket_size_mb": -1.0},
+        {"bucket_size_mb": float("nan")},
+        {"bucket_size_mb": "25"},
+    ):
         try:
             DDP(nn.Linear(2, 2), **kwargs)
         except InvalidArgument as exc:
@@ -376,7 +387,7 @@ def assert_matches_reference(got: dict, reference: dict, rank: int, rel_tol: flo
             continue
         assert g is not None, f"rank {rank}: {name} has no gradient but the reference does"
         tol = rel_tol if g.dtype == torch.float64 else max(rel_tol, 1e-5)
-        err = ((g.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-300))
+        err = (g.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-300)
         assert err <= tol, f"rank {rank}: {name} relative error {float(err):.3g} > {tol}"
 
 
@@ -388,8 +399,9 @@ def assert_replicas_identical(per_rank: list[dict]):
             if value is None:
                 assert mine is None, f"{name}: None on rank 0 but not on rank {rank}"
             else:
-                assert mine is not None and torch.equal(value, mine), \
+                assert mine is not None and torch.equal(value, mine), (
                     f"{name}: rank {rank} differs bitwise from rank 0"
+                )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,10 +27,11 @@ SHAPES = [((4, 3), F64), ((3,), F64), ((5,), F32), ((2, 2), F64), ((1,), F64), (
 FEW = [((3, 2), F64), ((2,), F32)]
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, dict(lr=0.1)),
-    "sgd_momentum_wd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.1,
-                                              weight_decay=0.01)),
-    "sgd_nesterov": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True,
-                                           weight_decay=0.01)),
+    "sgd_momentum_wd": (
+        torch.optim.SGD,
+        dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01),
+    ),
+    "sgd_nesterov": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
     "adam": (torch.optim.Adam, dict(lr=0.01)),
     "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
 }
@@ -43,8 +44,10 @@ STEPS = 3
 
 def make_params(shapes, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=g, dtype=F64).to(dtype).requires_grad_()
-            for shape, dtype in shapes]
+    return [
+        torch.randn(shape, generator=g, dtype=F64).to(dtype).requires_grad_()
+        for shape, dtype in shapes
+    ]
 
 
 def grad_for(param, step, index, scale=1):
@@ -57,13 +60,14 @@ def groups_of(spec, params):
     if spec["groups"] == "one":
         return [{"params": params}]
     # interleaved membership, different hyperparameters (biases-in-no-decay style)
-    return [{"params": params[0::2]},
-            {"params": params[1::2], "lr": OPTIMIZERS[spec["opt"]][1]["lr"] * 0.5,
-             "weight_decay": 0.0}]
+    return [
+        {"params": params[0::2]},
+        {"params": params[1::2], "lr": OPTIMIZERS[spec["opt"]][1]["lr"] * 0.5, "weight_decay": 0.0},
+    ]
 
 
 def halve(step):
-    return 0.5 ** step
+    return 0.5**step
 
 
 def run(spec, make_optimizer, rank_grad_scale=None):
@@ -101,21 +105,34 @@ def _rank_equivalence(specs):
         cls, kwargs = OPTIMIZERS[spec["opt"]]
         params, opt, records = run(spec, _sharded(cls, RULES[spec["rule"]], kwargs))
         stated = {id(p) for p, s in opt.state.items() if s}
-        out.append(dict(params=[p.detach() for p in params],
-                        owners=[opt.owner_of(p) for p in params],
-                        stated=[id(p) in stated for p in params],
-                        grads_cleared=all(p.grad is None for p in params),
-                        records=records))
+        out.append(
+            dict(
+                params=[p.detach() for p in params],
+                owners=[opt.owner_of(p) for p in params],
+                stated=[id(p) in stated for p in params],
+                grads_cleared=all(p.grad is None for p in params),
+                records=records,
+            )
+        )
     return out
 
 
 def equivalence_specs():
-    specs = [dict(opt=o, groups=g, rule=r, shapes=SHAPES, steps=STEPS)
-             for o in OPTIMIZERS for g in ("one", "two") for r in RULES]
-    specs += [dict(opt=o, groups="one", rule=r, shapes=FEW, steps=STEPS)
-              for o in ("sgd_momentum_wd", "adam") for r in RULES]
-    specs += [dict(opt=o, groups="two", rule="greedy", shapes=SHAPES, steps=STEPS, sched=True)
-              for o in ("sgd_nesterov", "adamw")]
+    specs = [
+        dict(opt=o, groups=g, rule=r, shapes=SHAPES, steps=STEPS)
+        for o in OPTIMIZERS
+        for g in ("one", "two")
+        for r in RULES
+    ]
+    specs += [
+        dict(opt=o, groups="one", rule=r, shapes=FEW, steps=STEPS)
+        for o in ("sgd_momentum_wd", "adam")
+        for r in RULES
+    ]
+    specs += [
+        dict(opt=o, groups="two", rule="greedy", shapes=SHAPES, steps=STEPS, sched=True)
+        for o in ("sgd_nesterov", "adamw")
+    ]
     return specs
 
 
@@ -150,11 +167,15 @@ def test_sharded_step_is_bitwise_the_plain_step_for_every_rule_and_optimizer(wor
                 assert len(reduces) == 1 + len(set(dtypes)), where
                 assert len(casts) == len(pairs) <= len(set(owners)) * len(set(dtypes)), where
                 assert sorted((r[3], r[2][0]) for r in casts) == sorted(pairs), where
-                assert sum(r[1] for r in casts) == sum(p.numel() * p.element_size()
-                                                       for p in expected), where
+                assert sum(r[1] for r in casts) == sum(
+                    p.numel() * p.element_size() for p in expected
+                ), where
         rule, params = RULES[spec["rule"]], make_params(spec["shapes"])
-        by_rule = {id(p): o for g in groups_of(spec, params)
-                   for p, o in zip(g["params"], rule(g["params"], world_size))}
+        by_rule = {
+            id(p): o
+            for g in groups_of(spec, params)
+            for p, o in zip(g["params"], rule(g["params"], world_size))
+        }
         assert owners == [by_rule[id(p)] for p in params], spec
     # the scheduler must actually change the updates, or the scheduler cases prove nothing
     sched = next(s for s in specs if s.get("sched"))
@@ -165,14 +186,18 @@ def test_sharded_step_is_bitwise_the_plain_step_for_every_rule_and_optimizer(wor
 # ------------------------------------------------------------------------- checkpoints
 
 
-CKPT_SPECS = [dict(opt="adam", groups="two", rule="modulo", shapes=SHAPES[:5], steps=2),
-              dict(opt="sgd_momentum_wd", groups="two", rule="greedy", shapes=SHAPES, steps=2)]
+CKPT_SPECS = [
+    dict(opt="adam", groups="two", rule="modulo", shapes=SHAPES[:5], steps=2),
+    dict(opt="sgd_momentum_wd", groups="two", rule="greedy", shapes=SHAPES, steps=2),
+]
 
 
 def _rank_save(spec, to):
     cls, kwargs = OPTIMIZERS[spec["opt"]]
-    params, opt, _ = run(spec, lambda groups: ShardedOptimizer(
-        groups, cls, sharding_rule=RULES[spec["rule"]], **kwargs))
+    params, opt, _ = run(
+        spec,
+        lambda groups: ShardedOptimizer(groups, cls, sharding_rule=RULES[spec["rule"]], **kwargs),
+    )
     errors = []
     try:
         opt.state_dict()
@@ -243,20 +268,32 @@ def test_checkpoint_saved_at_3_resumes_at_2_and_in_a_plain_optimizer(case):
     assert sd["state"].keys() == ref_sd["state"].keys()
     for i in ref_sd["state"]:
         for key, value in ref_sd["state"][i].items():
-            assert torch.equal(torch.as_tensor(sd["state"][i][key]),
-                               torch.as_tensor(value)), (i, key)
+            assert torch.equal(torch.as_tensor(sd["state"][i][key]), torch.as_tensor(value)), (
+                i,
+                key,
+            )
 
     uninterrupted = plain({**spec, "steps": spec["steps"] + 2})
     # deepcopy: load_state_dict aliases the dict's tensors, and stepping would change them
     resumed_plain, _ = _plain_resume(spec, values, copy.deepcopy(sd), 2)
     other_rule = "greedy" if spec["rule"] == "modulo" else "contiguous"
-    resumed_sharded = get_world(2).run(_rank_resume, spec, values, sd, other_rule, 2,
-                                       deadline=patience(120))
-    from_plain = get_world(2).run(_rank_resume, spec, [p.detach() for p in ref_params], ref_sd,
-                                  other_rule, 2, deadline=patience(120))
-    for name, got in [("plain resume", resumed_plain)] + [
-            (f"W=2 rank {r} resume of W=3 ckpt", g) for r, g in enumerate(resumed_sharded)] + [
-            (f"W=2 rank {r} resume of plain ckpt", g) for r, g in enumerate(from_plain)]:
+    resumed_sharded = get_world(2).run(
+        _rank_resume, spec, values, sd, other_rule, 2, deadline=patience(120)
+    )
+    from_plain = get_world(2).run(
+        _rank_resume,
+        spec,
+        [p.detach() for p in ref_params],
+        ref_sd,
+        other_rule,
+        2,
+        deadline=patience(120),
+    )
+    for name, got in (
+        [("plain resume", resumed_plain)]
+        + [(f"W=2 rank {r} resume of W=3 ckpt", g) for r, g in enumerate(resumed_sharded)]
+        + [(f"W=2 rank {r} resume of plain ckpt", g) for r, g in enumerate(from_plain)]
+    ):
         for i, (p, e) in enumerate(zip(got, uninterrupted)):
             assert torch.equal(p, e), f"{name} param {i}: {(p - e).abs().max()}"
 
@@ -266,8 +303,9 @@ def test_checkpoint_saved_at_2_resumes_at_3_bitwise():
     and the continued run still equals the uninterrupted plain run bitwise."""
     spec = CKPT_SPECS[0]
     saved = get_world(2).run(_rank_save, spec, 0, deadline=patience(120))
-    resumed = get_world(3).run(_rank_resume, spec, saved[0]["params"], saved[0]["sd"],
-                               "modulo", 2, deadline=patience(120))
+    resumed = get_world(3).run(
+        _rank_resume, spec, saved[0]["params"], saved[0]["sd"], "modulo", 2, deadline=patience(120)
+    )
     uninterrupted = plain({**spec, "steps": spec["steps"] + 2})
     for rank, got in enumerate(resumed):
         for i, (p, e) in enumerate(zip(got, uninterrupted)):
@@ -295,9 +333,11 @@ def _rank_partial_grads():
     params[3].grad = torch.full_like(params[3], float(rank + 1))
     before = [p.detach().clone() for p in params]
     opt.step()
-    out = dict(grads=[None if p.grad is None else p.grad.clone() for p in params],
-               changed=[not torch.equal(b, p) for b, p in zip(before, params)],
-               stated=sorted(i for i, p in enumerate(params) if opt.state.get(p)))
+    out = dict(
+        grads=[None if p.grad is None else p.grad.clone() for p in params],
+        changed=[not torch.equal(b, p) for b, p in zip(before, params)],
+        stated=sorted(i for i, p in enumerate(params) if opt.state.get(p)),
+    )
 
     # DDP averaged p0, p1 (marked); p2, p3 still need the optimizer's all-reduce
     for p in params:
@@ -330,8 +370,9 @@ def test_grads_present_on_some_ranks_are_averaged_with_zeros_and_ddp_marks_skip_
         assert r["changed"] == [True, True, False, True], rank
         assert 2 not in r["stated"], rank
         # only p2 (f64, 6 elements) and p3 (f32, 2) are averaged: 2 presence flags + their bytes
-        assert sorted(r["partial"]) == sorted([("all_reduce", 8), ("all_reduce", 48),
-                                               ("all_reduce", 8)]), rank
+        assert sorted(r["partial"]) == sorted(
+            [("all_reduce", 8), ("all_reduce", 48), ("all_reduce", 8)]
+        ), rank
         assert r["all_marked"] == ["broadcast"] * len(r["all_marked"]) and r["all_marked"], rank
         assert r["zeroed"] and r["cleared"], rank
         for p, q in zip(r["params"], results[0]["params"]):
@@ -359,8 +400,11 @@ def _rank_add_param_group(rule, sharded):
         opt.step()
         opt.zero_grad()
     owners_after = [opt.owner_of(p) for p in first] if sharded else []
-    return dict(params=[p.detach() for p in params], kept=owners_before == owners_after,
-                groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+    return dict(
+        params=[p.detach() for p in params],
+        kept=owners_before == owners_after,
+        groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+    )
 
 
 def test_add_param_group_keeps_earlier_owners_and_steps_like_plain():
@@ -388,10 +432,17 @@ def _in_subgroup(spec, pg):
             return str(e)
         return "no error"
     cls, kwargs = OPTIMIZERS[spec["opt"]]
-    params, opt, records = run(spec, lambda groups: ShardedOptimizer(
-        groups, cls, sharding_rule=RULES[spec["rule"]], process_group=pg, **kwargs))
-    return dict(params=[p.detach() for p in params], records=records,
-                owners=[opt.owner_of(p) for p in params])
+    params, opt, records = run(
+        spec,
+        lambda groups: ShardedOptimizer(
+            groups, cls, sharding_rule=RULES[spec["rule"]], process_group=pg, **kwargs
+        ),
+    )
+    return dict(
+        params=[p.detach() for p in params],
+        records=records,
+        owners=[opt.owner_of(p) for p in params],
+    )
 
 
 def test_process_group_excluding_rank_0_broadcasts_from_global_owner_ranks():
@@ -441,36 +492,48 @@ def _rank_misuse():
         "duplicate param": lambda: ShardedOptimizer(params + params[:1], SGD, lr=0.1),
         "bad optimizer kwargs": lambda: ShardedOptimizer(params, SGD, lr=-1.0),
         "rule not callable": lambda: ShardedOptimizer(params, SGD, sharding_rule="greedy", lr=0.1),
-        "rule wrong length": lambda: ShardedOptimizer(params, SGD, sharding_rule=_wrong_length,
-                                                      lr=0.1),
+        "rule wrong length": lambda: ShardedOptimizer(
+            params, SGD, sharding_rule=_wrong_length, lr=0.1
+        ),
         "rule non-integer": lambda: ShardedOptimizer(
-            [{"params": params[:2]}, {"params": params[2:]}], SGD, sharding_rule=_non_integer,
-            lr=0.1),
-        "rule out of range": lambda: ShardedOptimizer(params, SGD, sharding_rule=_out_of_range,
-                                                      lr=0.1),
+            [{"params": params[:2]}, {"params": params[2:]}],
+            SGD,
+            sharding_rule=_non_integer,
+            lr=0.1,
+        ),
+        "rule out of range": lambda: ShardedOptimizer(
+            params, SGD, sharding_rule=_out_of_range, lr=0.1
+        ),
         "rule differs across ranks": lambda: ShardedOptimizer(
-            params, SGD, sharding_rule=_rank_dependent, lr=0.1),
+            params, SGD, sharding_rule=_rank_dependent, lr=0.1
+        ),
         "params differ across ranks": lambda: ShardedOptimizer(
-            params if rank == 0 else params[::-1], SGD, lr=0.1),
+            params if rank == 0 else params[::-1], SGD, lr=0.1
+        ),
     }
     opt = ShardedOptimizer(params, torch.optim.Adam, lr=0.01)
-    attempts.update({
-        "owner_of a foreign tensor": lambda: opt.owner_of(torch.zeros(1)),
-        "consolidate to a non-rank": lambda: opt.consolidate_state_dict(to=2),
-        "load a non-state-dict": lambda: opt.load_state_dict({"params": []}),
-        "load other group count": lambda: opt.load_state_dict(
-            {"state": {}, "param_groups": [{"params": [0]}, {"params": [1]}]}),
-        "load other group size": lambda: opt.load_state_dict(
-            {"state": {}, "param_groups": [{"params": [0, 1]}]}),
-    })
+    attempts.update(
+        {
+            "owner_of a foreign tensor": lambda: opt.owner_of(torch.zeros(1)),
+            "consolidate to a non-rank": lambda: opt.consolidate_state_dict(to=2),
+            "load a non-state-dict": lambda: opt.load_state_dict({"params": []}),
+            "load other group count": lambda: opt.load_state_dict(
+                {"state": {}, "param_groups": [{"params": [0]}, {"params": [1]}]}
+            ),
+            "load other group size": lambda: opt.load_state_dict(
+                {"state": {}, "param_groups": [{"params": [0, 1]}]}
+            ),
+        }
+    )
     out = {}
     for label, attempt in attempts.items():
         try:
             attempt()
             out[label] = ("no error", "")
         except Exception as e:  # the test asserts on the type
-            kind = "parallel.InvalidArgument" if isinstance(e, InvalidArgument) else \
-                type(e).__name__
+            kind = (
+                "parallel.InvalidArgument" if isinstance(e, InvalidArgument) else type(e).__name__
+            )
             out[label] = (kind, str(e))
     for p in params:
         p.grad = torch.ones_like(p)
@@ -486,37 +549,59 @@ def _rank_misuse():
 
 
 MISUSE = {
-    "instance as optimizer_cls": ["optimizer_cls=<SGD instance> must be a subclass of "
-                                  "torch.optim.Optimizer", "pass its class, SGD"],
+    "instance as optimizer_cls": [
+        "optimizer_cls=<SGD instance> must be a subclass of torch.optim.Optimizer",
+        "pass its class, SGD",
+    ],
     "not an optimizer": ["optimizer_cls=<class 'dict'>", "torch.optim.AdamW"],
     "empty params": ["params=[] is empty", "model.parameters()"],
     "group without params": ["holds no parameter in any group"],
     "set of params": ["must be an ordered iterable", "set's order differs across ranks"],
-    "duplicate param": ["param group 0, parameter 6 repeats an earlier parameter",
-                        "list each tensor once"],
-    "bad optimizer kwargs": ["optimizer_cls=SGD rejected optimizer_kwargs={'lr': -1.0}",
-                             "Invalid learning rate"],
+    "duplicate param": [
+        "param group 0, parameter 6 repeats an earlier parameter",
+        "list each tensor once",
+    ],
+    "bad optimizer kwargs": [
+        "optimizer_cls=SGD rejected optimizer_kwargs={'lr': -1.0}",
+        "Invalid learning rate",
+    ],
     "rule not callable": ["sharding_rule='greedy' is not callable", "parallel.sharding.greedy"],
-    "rule wrong length": ["test_sharded_optimizer._wrong_length for param group 0",
-                          "returned 7 owners for 6 parameters",
-                          "exactly one owner rank per parameter"],
-    "rule non-integer": ["_non_integer for param group 1 returned owner 0.5 (type float) for "
-                         "parameter 2", "integer ranks in [0, world_size=2)"],
-    "rule out of range": ["_out_of_range for param group 0 returned owner 2 for parameter 0",
-                          "outside [0, world_size=2)"],
-    "rule differs across ranks": ["param group 0 differs across ranks in its owners",
-                                  "_rank_dependent must be deterministic"],
-    "params differ across ranks": ["param group 0 differs across ranks in its parameter shapes",
-                                   "same parameters in the same order"],
-    "owner_of a foreign tensor": ["param=<tensor shape=(1,) dtype=torch.float32> is not managed",
-                                  "optimizer.param_groups[i]['params']"],
+    "rule wrong length": [
+        "test_sharded_optimizer._wrong_length for param group 0",
+        "returned 7 owners for 6 parameters",
+        "exactly one owner rank per parameter",
+    ],
+    "rule non-integer": [
+        "_non_integer for param group 1 returned owner 0.5 (type float) for parameter 2",
+        "integer ranks in [0, world_size=2)",
+    ],
+    "rule out of range": [
+        "_out_of_range for param group 0 returned owner 2 for parameter 0",
+        "outside [0, world_size=2)",
+    ],
+    "rule differs across ranks": [
+        "param group 0 differs across ranks in its owners",
+        "_rank_dependent must be deterministic",
+    ],
+    "params differ across ranks": [
+        "param group 0 differs across ranks in its parameter shapes",
+        "same parameters in the same order",
+    ],
+    "owner_of a foreign tensor": [
+        "param=<tensor shape=(1,) dtype=torch.float32> is not managed",
+        "optimizer.param_groups[i]['params']",
+    ],
     "consolidate to a non-rank": ["to=2 must be a rank", "[0, 2)"],
-    "load a non-state-dict": ["keys ['params'] is not an optimizer state dict",
-                              "consolidate_state_dict"],
+    "load a non-state-dict": [
+        "keys ['params'] is not an optimizer state dict",
+        "consolidate_state_dict",
+    ],
     "load other group count": ["state_dict has 2 param groups, this optimizer has 1"],
     "load other group size": ["param group 0 has 6 parameters but the state_dict's has 2"],
-    "state_dict after a later step": ["has not been consolidated since the last step()",
-                                      "consolidate_state_dict(to="],
+    "state_dict after a later step": [
+        "has not been consolidated since the last step()",
+        "consolidate_state_dict(to=",
+    ],
 }
 
 
@@ -529,8 +614,11 @@ def misuse():
 def test_misuse_raises_a_message_naming_the_argument_and_the_fix(misuse, label):
     for rank, out in enumerate(misuse):
         kind, message = out[label]
-        expected_kind = "RuntimeError" if label == "state_dict after a later step" else \
-            "parallel.InvalidArgument"
+        expected_kind = (
+            "RuntimeError"
+            if label == "state_dict after a later step"
+            else "parallel.InvalidArgument"
+        )
         assert kind == expected_kind, (rank, label, kind, message)
         for fragment in MISUSE[label]:
             assert fragment in message, (rank, fragment, message)

@@ -33,8 +33,13 @@ class Net(nn.Module):
 
 def batches():
     g = torch.Generator().manual_seed(7)
-    return [(torch.randn(6, 4, generator=g, dtype=torch.float64),
-             torch.randn(6, 3, generator=g, dtype=torch.float64)) for _ in range(STEPS)]
+    return [
+        (
+            torch.randn(6, 4, generator=g, dtype=torch.float64),
+            torch.randn(6, 3, generator=g, dtype=torch.float64),
+        )
+        for _ in range(STEPS)
+    ]
 
 
 def train(model, opt, after_backward=lambda: None, record=False):
@@ -55,11 +60,19 @@ def train(model, opt, after_backward=lambda: None, record=False):
 def _rank_ddp_sharded(rule):
     torch.manual_seed(0)
     model = DDP(Net(), bucket_size_mb=0.0005)  # ~500 bytes: several buckets
-    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, sharding_rule=getattr(
-        sharding, rule), lr=0.01, weight_decay=0.1)
+    opt = ShardedOptimizer(
+        model.parameters(),
+        torch.optim.AdamW,
+        sharding_rule=getattr(sharding, rule),
+        lr=0.01,
+        weight_decay=0.1,
+    )
     records = train(model, opt, model.finish_gradient_sync, record=True)
-    return dict(params=[p.detach() for p in model.parameters()], records=records,
-                owners=[opt.owner_of(p) for p in model.parameters()])
+    return dict(
+        params=[p.detach() for p in model.parameters()],
+        records=records,
+        owners=[opt.owner_of(p) for p in model.parameters()],
+    )
 
 
 @pytest.mark.parametrize("world_size, rule", [(2, "greedy"), (3, "modulo")])

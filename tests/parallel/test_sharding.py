@@ -33,8 +33,9 @@ def nbytes(p):
 def test_every_rule_returns_one_valid_owner_per_param_deterministically(params, world_size):
     for rule in RULES:
         owners = rule(params, world_size)
-        assert sharding.check_owners(owners, params, world_size, rule=rule, group_index=0) \
-            == list(owners)
+        assert sharding.check_owners(owners, params, world_size, rule=rule, group_index=0) == list(
+            owners
+        )
         assert rule(list(params), world_size) == owners  # a pure function of sizes and order
 
 
@@ -64,11 +65,13 @@ def test_modulo_is_the_seed_rule_and_ties_break_towards_lower_index_and_rank():
 
 def test_greedy_balances_a_large_embedding_that_modulo_and_contiguous_do_not():
     params = [torch.empty(1000)] + [torch.empty(100) for _ in range(30)]  # 4000 bytes in total
+
     def worst(rule):
         loads = [0, 0, 0, 0]
         for p, o in zip(params, rule(params, 4)):
             loads[o] += p.numel()
         return max(loads)
+
     assert worst(sharding.greedy) == 1000
     assert worst(sharding.modulo) > 1000 and worst(sharding.contiguous) >= 1000
 
@@ -86,17 +89,31 @@ def _rule(params, world_size):
     return []
 
 
-@pytest.mark.parametrize("answer, fragments", [
-    ([0, 1], ["tests.parallel.test_sharding._rule for param group 4 returned 2 owners for 3 "
-              "parameters", "exactly one owner rank per parameter"]),
-    ([0, 1.0, 0], ["returned owner 1.0 (type float) for parameter 1",
-                   "integer ranks in [0, world_size=2)"]),
-    ([0, True, 0], ["returned owner True (type bool) for parameter 1"]),
-    ([0, 0, 2], ["returned owner 2 for parameter 2, outside [0, world_size=2)"]),
-    ([-1, 0, 0], ["returned owner -1 for parameter 0, outside [0, world_size=2)"]),
-    (None, ["returned None; a sharding rule must return a sequence with one owner rank"]),
-    ("011", ["returned '011'"]),
-])
+@pytest.mark.parametrize(
+    "answer, fragments",
+    [
+        (
+            [0, 1],
+            [
+                "tests.parallel.test_sharding._rule for param group 4 returned 2 owners for 3 "
+                "parameters",
+                "exactly one owner rank per parameter",
+            ],
+        ),
+        (
+            [0, 1.0, 0],
+            [
+                "returned owner 1.0 (type float) for parameter 1",
+                "integer ranks in [0, world_size=2)",
+            ],
+        ),
+        ([0, True, 0], ["returned owner True (type bool) for parameter 1"]),
+        ([0, 0, 2], ["returned owner 2 for parameter 2, outside [0, world_size=2)"]),
+        ([-1, 0, 0], ["returned owner -1 for parameter 0, outside [0, world_size=2)"]),
+        (None, ["returned None; a sharding rule must return a sequence with one owner rank"]),
+        ("011", ["returned '011'"]),
+    ],
+)
 def test_bad_rule_answers_name_the_rule_group_and_parameter(answer, fragments):
     params = [torch.empty(1)] * 3
     with pytest.raises(InvalidArgument) as info:
@@ -106,5 +123,6 @@ def test_bad_rule_answers_name_the_rule_group_and_parameter(answer, fragments):
 
 
 def test_a_tensor_answer_is_accepted_as_its_integers():
-    assert sharding.check_owners(torch.tensor([1, 0]), [torch.empty(1)] * 2, 2, rule=_rule,
-                                 group_index=0) == [1, 0]
+    assert sharding.check_owners(
+        torch.tensor([1, 0]), [torch.empty(1)] * 2, 2, rule=_rule, group_index=0
+    ) == [1, 0]

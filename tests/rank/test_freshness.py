@@ -18,15 +18,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.slow
 def test_an_edited_target_module_gets_a_fresh_world(tmp_path):
     # One interpreter, as a notebook: check, edit the module on disk, reload it, check again.
-    (tmp_path / "mytarget.py").write_text(textwrap.dedent("""
+    (tmp_path / "mytarget.py").write_text(
+        textwrap.dedent("""
         from ddpcheck import targets
         class T(targets.ParallelDDPTarget):
             def after_backward(self, model, optimizer):
                 model.finish_gradient_sync()
         TARGET = T()
-    """))
+    """)
+    )
     script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import importlib, os, pathlib, time
         import ddpcheck, mytarget
 
@@ -43,10 +46,16 @@ def test_an_edited_target_module_gets_a_fresh_world(tmp_path):
             except ddpcheck.EquivalenceError as err:
                 print("KINDS", err.kinds)
             print("FRESH", set(first).isdisjoint(ddpcheck.get_world(2).pids))
-    """))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=patience(300), cwd=tmp_path,
-                         env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"})
+    """)
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=patience(300),
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"},
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "FRESH True" in out.stdout
     assert "KINDS" in out.stdout  # the new (broken) code is what was judged

@@ -38,8 +38,11 @@ def _order(module):
     return ([n for n, _ in module.named_parameters()], [n for n, _ in module.named_buffers()])
 
 
-@pytest.mark.parametrize("model", [SPEC, zoo.Tied, zoo.WithBuffers, zoo.UnusedAndFrozen],
-                         ids=["spec", "tied", "buffers", "frozen"])
+@pytest.mark.parametrize(
+    "model",
+    [SPEC, zoo.Tied, zoo.WithBuffers, zoo.UnusedAndFrozen],
+    ids=["spec", "tied", "buffers", "frozen"],
+)
 def test_the_permutation_keeps_names_shapes_values_and_forward(model):
     scenario = ddpcheck.Scenario(model=model, data=getattr(model, "data", zoo.regression_data))
     canonical = build_model(scenario, 0)
@@ -117,18 +120,34 @@ def test_strategies_generate_it_only_where_allowed(data):
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("target", ["parallel", "parallel_ddp"])
 def test_parallel_passes_per_rank_orders(target, world_size):
-    for scenario in (ORDERED, dataclasses.replace(ORDERED, bucket_size_mb=1e-4, accumulation=2),
-                     ddpcheck.Scenario(zoo.Tied, param_groups=zoo.BiasGroups(), rank_orders=True,
-                                       optimizer=torch.optim.AdamW, seed=3, global_batch=7),
-                     CLIPPED):
+    for scenario in (
+        ORDERED,
+        dataclasses.replace(ORDERED, bucket_size_mb=1e-4, accumulation=2),
+        ddpcheck.Scenario(
+            zoo.Tied,
+            param_groups=zoo.BiasGroups(),
+            rank_orders=True,
+            optimizer=torch.optim.AdamW,
+            seed=3,
+            global_batch=7,
+        ),
+        CLIPPED,
+    ):
         check_example(targets.BUILTIN[target], scenario, world_size)
 
 
 #: Found by the fuzzer: clipping over model.parameters() sums the norm in each rank's order, and
 #: at W=3 the ranks' clip coefficients differed by an ulp (replicas differ by 5e-17).
-CLIPPED = ddpcheck.Scenario(ModelSpec(layers=(Layer(),), width=2), data=SpecData(2),
-                            global_batch=2, steps=1, reduction="sum", seed=57, max_grad_norm=0.5,
-                            rank_orders=True)
+CLIPPED = ddpcheck.Scenario(
+    ModelSpec(layers=(Layer(),), width=2),
+    data=SpecData(2),
+    global_batch=2,
+    steps=1,
+    reduction="sum",
+    seed=57,
+    max_grad_norm=0.5,
+    rank_orders=True,
+)
 
 
 def ddp_layout_and_owners():

@@ -83,28 +83,57 @@ def crashes_in_a_real_world(params, world_size):
     return [0] * len(params)
 
 
-@pytest.mark.parametrize("rule, message", [
-    ("out_of_range", "out of range: tests.rules.test_fuzz_rule.out_of_range at world size 1 on 2 "
-                     "parameters [float32 (1,), float32 (1,)]: returned owner 1 for parameter 1; "
-                     "owners must be in [0, world_size=1)"),
-    ("wrong_length", "wrong length: tests.rules.test_fuzz_rule.wrong_length at world size 1 on 1 "
-                     "parameter [float32 (1,)]: returned 2 owners for 1 parameter"),
-    ("float_owners", "not an integer: tests.rules.test_fuzz_rule.float_owners at world size 1 on 1 "
-                     "parameter [float32 (1,)]: returned owner 0.0 (type float) for parameter 0"),
-    ("nondeterministic", re.compile(
-        r"nondeterministic: tests\.rules\.test_fuzz_rule\.nondeterministic at world size 2 on 1 "
-        r"parameter \[float32 \(1,\)\]: answered \[(0\] and then \[1|1\] and then \[0)\]")),
-    ("rank_dependent", "rank-dependent: tests.rules.test_fuzz_rule.rank_dependent in a world of 2 "
-                       "processes on tiny (1 parameter) [float32 (4,)]: answered [0] on "
-                       "rank 0 but [1] on rank 1"),
-    ("too_few_params", "raised: tests.rules.test_fuzz_rule.too_few_params at world size 2 on 1 "
-                       "parameter [float32 (1,)]: raised ValueError: more ranks than parameters"),
-    ("wrong_for_two", "out of range: tests.rules.test_fuzz_rule.wrong_for_two at world size 1 on 2 "
-                      "parameters [float32 (1,), float32 (1,)]: returned owner 1 for parameter 1"),
-    ("garbage_second", "wrong length: tests.rules.test_fuzz_rule.garbage_second at world size 1 "
-                       "on 1 parameter [float32 (1,)]: on the second call (the first answered "
-                       "[0]), returned 'garbage', not a sequence"),
-])
+@pytest.mark.parametrize(
+    "rule, message",
+    [
+        (
+            "out_of_range",
+            "out of range: tests.rules.test_fuzz_rule.out_of_range at world size 1 on 2 "
+            "parameters [float32 (1,), float32 (1,)]: returned owner 1 for parameter 1; "
+            "owners must be in [0, world_size=1)",
+        ),
+        (
+            "wrong_length",
+            "wrong length: tests.rules.test_fuzz_rule.wrong_length at world size 1 on 1 "
+            "parameter [float32 (1,)]: returned 2 owners for 1 parameter",
+        ),
+        (
+            "float_owners",
+            "not an integer: tests.rules.test_fuzz_rule.float_owners at world size 1 on 1 "
+            "parameter [float32 (1,)]: returned owner 0.0 (type float) for parameter 0",
+        ),
+        (
+            "nondeterministic",
+            re.compile(
+                r"nondeterministic: tests\.rules\.test_fuzz_rule\.nondeterministic at world size 2 "
+                r"on 1 "
+                r"parameter \[float32 \(1,\)\]: answered \[(0\] and then \[1|1\] and then \[0)\]"
+            ),
+        ),
+        (
+            "rank_dependent",
+            "rank-dependent: tests.rules.test_fuzz_rule.rank_dependent in a world of 2 "
+            "processes on tiny (1 parameter) [float32 (4,)]: answered [0] on "
+            "rank 0 but [1] on rank 1",
+        ),
+        (
+            "too_few_params",
+            "raised: tests.rules.test_fuzz_rule.too_few_params at world size 2 on 1 "
+            "parameter [float32 (1,)]: raised ValueError: more ranks than parameters",
+        ),
+        (
+            "wrong_for_two",
+            "out of range: tests.rules.test_fuzz_rule.wrong_for_two at world size 1 on 2 "
+            "parameters [float32 (1,), float32 (1,)]: returned owner 1 for parameter 1",
+        ),
+        (
+            "garbage_second",
+            "wrong length: tests.rules.test_fuzz_rule.garbage_second at world size 1 "
+            "on 1 parameter [float32 (1,)]: on the second call (the first answered "
+            "[0]), returned 'garbage', not a sequence",
+        ),
+    ],
+)
 def test_bad_rules_are_rejected_with_their_own_message(rule, message, capsys):
     status = main(["fuzz-rule", f"tests.rules.test_fuzz_rule:{rule}", "--world-sizes", "2"])
     out, err = capsys.readouterr()
@@ -125,16 +154,20 @@ def test_the_built_in_rules_pass(rule, capsys):
     assert "invariants hold" in out and "200 drawn parameter lists" in out, out
     assert "ShardedOptimizer equivalent: " in out
     if rule == "greedy":
-        assert "max / ideal bytes, 1.000 is perfect): W=2 1.000, W=3 1.006, W=4 1.241, W=8 2.481" \
-            in out, out
+        assert (
+            "max / ideal bytes, 1.000 is perfect): W=2 1.000, W=3 1.006, W=4 1.241, W=8 2.481"
+            in out
+        ), out
 
 
 def test_fuzz_rule_usage_errors(capsys):
     assert main(["fuzz-rule", "no_colon"]) == 2
     assert "rule 'no_colon' must look like MODULE:NAME" in capsys.readouterr().err
     assert main(["fuzz-rule", "parallel.sharding:__doc__"]) == 2
-    assert ("rule 'parallel.sharding:__doc__' is a str, not a function rule(params, "
-            "world_size) -> owners") in capsys.readouterr().err
+    assert (
+        "rule 'parallel.sharding:__doc__' is a str, not a function rule(params, "
+        "world_size) -> owners"
+    ) in capsys.readouterr().err
 
 
 def test_a_rule_module_that_fails_to_import_is_a_usage_error(tmp_path, monkeypatch, capsys):
@@ -144,16 +177,20 @@ def test_a_rule_module_that_fails_to_import_is_a_usage_error(tmp_path, monkeypat
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["fuzz-rule", "fuzz_rule_broken_module:rule"]) == 2
     out, err = capsys.readouterr()
-    assert ("cannot import 'fuzz_rule_broken_module' for rule 'fuzz_rule_broken_module:rule': "
-            "ZeroDivisionError: division by zero") in err, out + err
+    assert (
+        "cannot import 'fuzz_rule_broken_module' for rule 'fuzz_rule_broken_module:rule': "
+        "ZeroDivisionError: division by zero"
+    ) in err, out + err
     assert "Traceback" not in out + err
 
 
-def test_a_directory_added_to_the_path_after_the_world_started_travels_to_its_ranks(tmp_path,
-                                                                                     monkeypatch):
+def test_a_directory_added_to_the_path_after_the_world_started_travels_to_its_ranks(
+    tmp_path, monkeypatch
+):
     world = get_world(1)  # started before the module's directory is on the path
     (tmp_path / "fuzz_rule_parent_only.py").write_text(
-        "def rule(params, world_size):\n    return [0] * len(params)\n")
+        "def rule(params, world_size):\n    return [0] * len(params)\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     from fuzz_rule_parent_only import rule
 
@@ -176,9 +213,11 @@ def test_a_rule_that_kills_its_rank_is_reported_not_raised(capsys):
     status = main(["fuzz-rule", "tests.rules.test_fuzz_rule:crashes_in_a_real_world"])
     out, err = capsys.readouterr()
     assert status == 1, out + err
-    assert ("crashed: tests.rules.test_fuzz_rule.crashes_in_a_real_world in a world of 2 "
-            "processes on rank 0, on tiny (1 parameter) [float32 (4,)]: the call ended its "
-            "process (exit code 3)") in out, out
+    assert (
+        "crashed: tests.rules.test_fuzz_rule.crashes_in_a_real_world in a world of 2 "
+        "processes on rank 0, on tiny (1 parameter) [float32 (4,)]: the call ended its "
+        "process (exit code 3)"
+    ) in out, out
     assert "Traceback" not in out + err
 
 
@@ -189,8 +228,10 @@ def test_a_hanging_rule_is_killed_at_the_deadline_and_named(capsys):
     seconds = time.monotonic() - started
     out, err = capsys.readouterr()
     assert status == 1, out + err
-    assert ("hangs: tests.rules.test_fuzz_rule.hangs at world size 1 on 1 parameter "
-            "[float32 (1,)]: did not return within the 3 s deadline (--deadline); it was "
-            "at ") in out, out
+    assert (
+        "hangs: tests.rules.test_fuzz_rule.hangs at world size 1 on 1 parameter "
+        "[float32 (1,)]: did not return within the 3 s deadline (--deadline); it was "
+        "at "
+    ) in out, out
     assert "test_fuzz_rule.py" in out and "in hangs" in out, out
     assert seconds < 3 + patience(6), seconds

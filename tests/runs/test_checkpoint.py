@@ -34,15 +34,20 @@ def _resumed(after: int = 0, at: int | None = 3, **changes) -> ddpcheck.Scenario
 # The scenario fields
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"checkpoint_after": -1}, "checkpoint_after=-1 must be an integer >= 0"),
-    ({"checkpoint_after": True}, "checkpoint_after=True must be an integer >= 0"),
-    ({"checkpoint_after": 1, "steps": 2}, "checkpoint_after=1 must be below steps - 1 = 1"),
-    ({"checkpoint_after": 0, "steps": 1}, "the resumed run must train at least one step"),
-    ({"checkpoint_after": 0, "steps": 2, "resume_world_size": 0},
-     "resume_world_size=0 must be an integer >= 1"),
-    ({"resume_world_size": 2}, "resume_world_size=2 needs checkpoint_after"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"checkpoint_after": -1}, "checkpoint_after=-1 must be an integer >= 0"),
+        ({"checkpoint_after": True}, "checkpoint_after=True must be an integer >= 0"),
+        ({"checkpoint_after": 1, "steps": 2}, "checkpoint_after=1 must be below steps - 1 = 1"),
+        ({"checkpoint_after": 0, "steps": 1}, "the resumed run must train at least one step"),
+        (
+            {"checkpoint_after": 0, "steps": 2, "resume_world_size": 0},
+            "resume_world_size=0 must be an integer >= 1",
+        ),
+        ({"resume_world_size": 2}, "resume_world_size=2 needs checkpoint_after"),
+    ],
+)
 def test_bad_checkpoint_fields_are_refused_naming_the_field(fields, message):
     with pytest.raises(InvalidArgument, match=message.replace("(", r"\(")):
         ddpcheck.Scenario(**fields)
@@ -58,7 +63,8 @@ def test_a_rank_asked_for_half_of_a_run_that_saves_nothing_says_so():
 
 def test_the_replay_line_carries_the_checkpoint_fields_only_when_set():
     assert "checkpoint" not in repr(ddpcheck.Scenario()) and "resume" not in repr(
-        ddpcheck.Scenario())
+        ddpcheck.Scenario()
+    )
     scenario = _resumed(after=1, at=3)
     assert "checkpoint_after=1, resume_world_size=3" in repr(scenario)
     assert from_repr(repr(scenario)) == scenario
@@ -76,9 +82,11 @@ def test_the_checkpoint_feature_includes_what_the_resumed_world_exercises():
 # The built-in targets resume, at the same and at another world size
 
 
-@pytest.mark.parametrize("target, world_size, resumed_at", [
-    (PARALLEL, 2, 3), (PARALLEL, 3, 2), (PARALLEL, 2, None), (TORCH_DDP, 2, 1)],
-    ids=["parallel-2-to-3", "parallel-3-to-2", "parallel-2-to-2", "torch_ddp-2-to-1"])
+@pytest.mark.parametrize(
+    "target, world_size, resumed_at",
+    [(PARALLEL, 2, 3), (PARALLEL, 3, 2), (PARALLEL, 2, None), (TORCH_DDP, 2, 1)],
+    ids=["parallel-2-to-3", "parallel-3-to-2", "parallel-2-to-2", "torch_ddp-2-to-1"],
+)
 def test_builtin_targets_resume_like_the_uninterrupted_run(target, world_size, resumed_at):
     ddpcheck.check_example(target, _resumed(at=resumed_at), world_size)
 
@@ -86,16 +94,24 @@ def test_builtin_targets_resume_like_the_uninterrupted_run(target, world_size, r
 def test_a_sharded_optimizer_resharded_onto_three_ranks_gives_each_its_own_state():
     # the sharding check runs per part: W=2 before the checkpoint, W'=3 after it; a longer run
     # with momentum (SGD) resumed after step 1 of 3
-    scenario = _resumed(after=1, at=3, optimizer=torch.optim.SGD,
-                        optimizer_kwargs={"lr": 0.1, "momentum": 0.9}, steps=3)
+    scenario = _resumed(
+        after=1,
+        at=3,
+        optimizer=torch.optim.SGD,
+        optimizer_kwargs={"lr": 0.1, "momentum": 0.9},
+        steps=3,
+    )
     ddpcheck.check_example(PARALLEL, scenario, 2)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("numpy") is not None,
-                    reason="numpy installed: ZeroRedundancyOptimizer can consolidate")
+@pytest.mark.skipif(
+    importlib.util.find_spec("numpy") is not None,
+    reason="numpy installed: ZeroRedundancyOptimizer can consolidate",
+)
 def test_torch_zero_declines_checkpoints_without_numpy_saying_why():
-    with pytest.raises(NothingChecked, match="consolidate_state_dict decodes every rank's shard "
-                                             "through numpy"):
+    with pytest.raises(
+        NothingChecked, match="consolidate_state_dict decodes every rank's shard through numpy"
+    ):
         ddpcheck.check_example(TORCH_ZERO, RESUME, 2)
 
 
@@ -126,7 +142,8 @@ def test_the_wrappers_keys_loaded_with_strict_false_load_nothing():
 def test_a_scheduler_left_out_of_the_checkpoint_restarts_its_count():
     rows = _rows("ForgetsScheduler")
     assert [(row.step, row.name, row.kind) for row in rows] == [
-        (1, "step count (last_epoch)", "LR schedule differs")] * 2
+        (1, "step count (last_epoch)", "LR schedule differs")
+    ] * 2
     assert "1 on rank 0, 2 in the reference" in rows[0].detail
     assert "closed-form schedule" in rows[0].detail
 
@@ -154,8 +171,13 @@ def test_a_failure_while_resuming_is_a_row_of_the_resumed_world():
 # The strategies draw it
 
 
-@settings(max_examples=60, deadline=None, database=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=60,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
 @given(dst.scenarios(resume_world_sizes=(2, 3)))
 def test_drawn_checkpoints_are_valid_and_resume_at_an_allowed_world_size(scenario):
     if scenario.checkpoint_after is not None:
@@ -168,10 +190,19 @@ def test_without_checkpoint_never_draws_one_and_bad_resume_sizes_are_refused():
     from hypothesis.errors import NoSuchExample
 
     with pytest.raises(NoSuchExample):
-        find(dst.scenarios(without=["checkpoint"]), lambda s: s.checkpoint_after is not None,
-             settings=settings(max_examples=200, database=None))
-    assert find(dst.scenarios(), lambda s: s.checkpoint_after is not None,
-                settings=settings(max_examples=500, database=None)).steps == 2
+        find(
+            dst.scenarios(without=["checkpoint"]),
+            lambda s: s.checkpoint_after is not None,
+            settings=settings(max_examples=200, database=None),
+        )
+    assert (
+        find(
+            dst.scenarios(),
+            lambda s: s.checkpoint_after is not None,
+            settings=settings(max_examples=500, database=None),
+        ).steps
+        == 2
+    )
     with pytest.raises(InvalidArgument, match="resume_world_sizes=\\(0,\\) must be"):
         dst.scenarios(resume_world_sizes=(0,))
 
@@ -184,9 +215,15 @@ def test_kept_gradients_do_not_survive_a_checkpoint_in_the_reference_either():
     from ddpcheck.models import Layer, ModelSpec, SpecData
 
     scenario = ddpcheck.Scenario(
-        model=ModelSpec(layers=(Layer(use="sample"),), width=2), data=SpecData(width=2),
-        global_batch=1, reduction="sum", seed=3637, set_to_none=False, checkpoint_after=0,
-        resume_world_size=2)
+        model=ModelSpec(layers=(Layer(use="sample"),), width=2),
+        data=SpecData(width=2),
+        global_batch=1,
+        reduction="sum",
+        seed=3637,
+        set_to_none=False,
+        checkpoint_after=0,
+        resume_world_size=2,
+    )
     ddpcheck.check_example(PARALLEL, scenario, 1)
 
 
@@ -197,8 +234,16 @@ def test_optimizer_state_is_loaded_by_name_when_ranks_register_in_other_orders()
     from ddpcheck import targets
     from ddpcheck.models import Layer, ModelSpec, SpecData
 
-    scenario = ddpcheck.Scenario(ModelSpec(layers=(Layer(), Layer(kind="buffer"), Layer())),
-                                 data=SpecData(4), optimizer=torch.optim.Adam,
-                                 optimizer_kwargs={"lr": 0.01}, global_batch=6, steps=3, seed=9,
-                                 rank_orders=True, checkpoint_after=0, resume_world_size=3)
+    scenario = ddpcheck.Scenario(
+        ModelSpec(layers=(Layer(), Layer(kind="buffer"), Layer())),
+        data=SpecData(4),
+        optimizer=torch.optim.Adam,
+        optimizer_kwargs={"lr": 0.01},
+        global_batch=6,
+        steps=3,
+        seed=9,
+        rank_orders=True,
+        checkpoint_after=0,
+        resume_world_size=3,
+    )
     ddpcheck.check_example(targets.PARALLEL_DDP, scenario, 2)

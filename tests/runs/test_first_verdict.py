@@ -28,15 +28,21 @@ ACCUMULATION_BUG = "ddpcheck.mutation.catalogue:SumsEachMicroBatch()"
 
 
 def _error(scenario, kind: str = "reference differs (gradient)") -> EquivalenceError:
-    return EquivalenceError([Divergence(0, 2, 0, "head.weight", kind)], scenario=scenario,
-                            world_size=2, target=targets.PARALLEL, replay="replay: -",
-                            name="sample-branch-accumulate")
+    return EquivalenceError(
+        [Divergence(0, 2, 0, "head.weight", kind)],
+        scenario=scenario,
+        world_size=2,
+        target=targets.PARALLEL,
+        replay="replay: -",
+        name="sample-branch-accumulate",
+    )
 
 
 def _search(monkeypatch, check, battery=BATTERY_SCENARIO, **budget) -> smaller.Search:
     monkeypatch.setattr(smaller, "check_example", check)
-    return smaller.smaller(targets.PARALLEL, _error(battery), world_sizes=(2,),
-                           **{"seconds": 5.0, **budget})
+    return smaller.smaller(
+        targets.PARALLEL, _error(battery), world_sizes=(2,), **{"seconds": 5.0, **budget}
+    )
 
 
 def test_a_failure_needing_accumulation_is_shrunk_and_confirmed(monkeypatch):
@@ -58,9 +64,14 @@ def test_a_failure_needing_accumulation_is_shrunk_and_confirmed(monkeypatch):
 def test_a_checkpoint_that_failed_in_the_world_it_resumed_in_is_searched_there_too(monkeypatch):
     # checkpoint-resume at W=1 resumes at W=2: a bug of several ranks fails it "at W=1"
     resumed = dict(BATTERY)["checkpoint-resume"]
-    found = EquivalenceError([Divergence(0, 1, 0, "fc1.weight", "reference differs (gradient)")],
-                             scenario=resumed, world_size=1, target=targets.PARALLEL,
-                             replay="replay: -", name="checkpoint-resume")
+    found = EquivalenceError(
+        [Divergence(0, 1, 0, "fc1.weight", "reference differs (gradient)")],
+        scenario=resumed,
+        world_size=1,
+        target=targets.PARALLEL,
+        replay="replay: -",
+        name="checkpoint-resume",
+    )
     assert smaller.searched_sizes(found) == (1, 2)
 
     def check(target, scenario, world_size, **run):
@@ -81,8 +92,9 @@ def test_a_failure_that_passes_when_run_again_leaves_the_battery_verdict(monkeyp
             raise _error(scenario)
 
     search = _search(monkeypatch, check)
-    assert search.error is None and search.why.endswith("but it passed when run again (a "
-                                                        "race?)"), search.why
+    assert search.error is None and search.why.endswith("but it passed when run again (a race?)"), (
+        search.why
+    )
 
 
 def test_a_failure_no_smaller_than_the_battery_leaves_its_verdict(monkeypatch):
@@ -94,13 +106,20 @@ def test_a_failure_no_smaller_than_the_battery_leaves_its_verdict(monkeypatch):
     assert search.error is None and search.why.endswith("is no smaller"), search.why
 
 
-@pytest.mark.parametrize("raised, why", [
-    (lambda s: _error(s, "rank timed out"), "no example drawn failed"),  # a hang: no verdict
-    (lambda s: Inconclusive("the ranks were still working"), "the search stopped: Inconclusive"),
-    (lambda s: RuntimeError("ddpcheck's own bug"), "the search stopped: RuntimeError"),
-])
-def test_hangs_slowness_and_errors_in_the_search_leave_the_battery_verdict(monkeypatch, raised,
-                                                                           why):
+@pytest.mark.parametrize(
+    "raised, why",
+    [
+        (lambda s: _error(s, "rank timed out"), "no example drawn failed"),  # a hang: no verdict
+        (
+            lambda s: Inconclusive("the ranks were still working"),
+            "the search stopped: Inconclusive",
+        ),
+        (lambda s: RuntimeError("ddpcheck's own bug"), "the search stopped: RuntimeError"),
+    ],
+)
+def test_hangs_slowness_and_errors_in_the_search_leave_the_battery_verdict(
+    monkeypatch, raised, why
+):
     def check(target, scenario, world_size, **run):
         raise raised(scenario)
 
@@ -130,15 +149,18 @@ def _printed_scenario(out: str) -> Scenario:
 
 
 @pytest.mark.slow
-def test_check_shows_a_smaller_counterexample_than_the_battery_and_what_it_exercises(capsys,
-                                                                                   monkeypatch):
+def test_check_shows_a_smaller_counterexample_than_the_battery_and_what_it_exercises(
+    capsys, monkeypatch
+):
     # ~2 s and 26 examples on a quiet machine; the budget scales with the machine's load
     monkeypatch.setattr(smaller, "SECONDS", patience(smaller.SECONDS))
     status = cli.main(["check", ACCUMULATION_BUG, "--world-sizes", "2"])
     out = capsys.readouterr().out
     assert status == ExitCode.FOUND, out
-    assert ("battery: sample-branch-accumulate failed at world size 2 (reference differs "
-            "(gradient)); searching for a smaller counterexample") in out, out
+    assert (
+        "battery: sample-branch-accumulate failed at world size 2 (reference differs "
+        "(gradient)); searching for a smaller counterexample"
+    ) in out, out
     assert "smaller counterexample found and confirmed" in out, out
     shrunk = _printed_scenario(out)
     assert smaller.size(shrunk, 2) < smaller.size(BATTERY_SCENARIO, 2), out
@@ -157,5 +179,7 @@ def test_check_keeps_the_battery_verdict_when_the_search_finds_nothing(capsys, m
     assert status == ExitCode.FOUND, out
     assert "none found (1 example, " in out and "the battery scenario stands" in out, out
     assert _printed_scenario(out) == BATTERY_SCENARIO, out
-    assert ("the battery scenario (not shrunk) exercises: float64, accumulation, uneven-batches, "
-            "broadcast (what the bug needs is among them)") in out, out
+    assert (
+        "the battery scenario (not shrunk) exercises: float64, accumulation, uneven-batches, "
+        "broadcast (what the bug needs is among them)"
+    ) in out, out

@@ -44,17 +44,26 @@ from tests.patience import patience
 def test_the_draw_covers_every_option_and_shrinks_them_away():
     space = space_of(targets.PARALLEL)
     assert [label(o) for o in drawn_options(space)] == [
-        "bucket_size_mb=1e-06", "bucket_size_mb=0.0002", "bucket_size_mb=1000000.0",
-        "sharding_rule=contiguous", "sharding_rule=greedy"]
+        "bucket_size_mb=1e-06",
+        "bucket_size_mb=0.0002",
+        "bucket_size_mb=1000000.0",
+        "sharding_rule=contiguous",
+        "sharding_rule=greedy",
+    ]
     # a failure needing one option shrinks to that option alone, whatever else was drawn with it
-    needs_greedy = find(st.tuples(space, st.integers(0, 9)),
-                        lambda t: t[0].get("sharding_rule") is sharding.greedy and t[1] > 2,
-                        settings=settings(database=None))
+    needs_greedy = find(
+        st.tuples(space, st.integers(0, 9)),
+        lambda t: t[0].get("sharding_rule") is sharding.greedy and t[1] > 2,
+        settings=settings(database=None),
+    )
     assert needs_greedy == ({"sharding_rule": sharding.greedy}, 3)
     # a dict-valued field: each of its keys is one option, merged over the target's own
     space = options(fields={"manual": (True,)}, training_args={"a": (1,), "b": (2,)})
     assert [label(o) for o in drawn_options(space)] == [
-        "manual=True", "training_args.a=1", "training_args.b=2"]
+        "manual=True",
+        "training_args.a=1",
+        "training_args.b=2",
+    ]
     given = targets.HfTrainerTarget(training_args={"seed": 3})
     variant = vary(given, {"training_args": {"ddp_bucket_cap_mb": 1, "seed": 4}})
     assert variant.training_args == {"ddp_bucket_cap_mb": 1, "seed": 3}  # the user's key stays
@@ -84,8 +93,9 @@ def test_a_shrunk_failure_holds_the_fewest_options_and_its_replay_line_reruns_it
     # the replay line re-runs the failure: the configured target, the scenario, the world size
     spec = error.replay.split()[4].strip("'\"")
     scenario = error.replay.split("--scenario ", 1)[1].strip("'\"")
-    status = cli.main(["replay", spec, "--world-size", str(error.world_size),
-                       "--scenario", scenario])
+    status = cli.main(
+        ["replay", spec, "--world-size", str(error.world_size), "--scenario", scenario]
+    )
     assert status == ExitCode.FOUND, capsys.readouterr()
     with pytest.raises(ddpcheck.EquivalenceError):
         ddpcheck.check_example(evaluate(spec), from_repr(scenario), error.world_size)
@@ -134,9 +144,21 @@ def test_the_command_line_flag_names_the_options_of_a_failure(capsys):
 @pytest.mark.slow
 def test_survey_prints_the_option_by_feature_matrix(tmp_path, capsys):
     path = tmp_path / "survey.json"
-    status = cli.main(["survey", "ddpcheck.mutation.broken_options:LastMicroBatchAfterReduceBf16()",
-                       "--fuzz-config", "--world-sizes", "2", "--examples", "3",
-                       "--only", "accumulation,frozen", "--json", str(path)])
+    status = cli.main(
+        [
+            "survey",
+            "ddpcheck.mutation.broken_options:LastMicroBatchAfterReduceBf16()",
+            "--fuzz-config",
+            "--world-sizes",
+            "2",
+            "--examples",
+            "3",
+            "--only",
+            "accumulation,frozen",
+            "--json",
+            str(path),
+        ]
+    )
     out = capsys.readouterr().out
     assert status == ExitCode.FOUND, out
     matrix = out.split("\n\nfailures")[0].splitlines()
@@ -148,29 +170,34 @@ def test_survey_prints_the_option_by_feature_matrix(tmp_path, capsys):
     assert "bf16=True x accumulation: replicas differ" in out, out
     data = json.loads(path.read_text())
     assert data["options"][0] == AS_GIVEN and data["exit_code"] == 1
-    result = survey(Bf16PathTarget(), world_sizes=(2,), examples=2, only=("frozen",),
-                    fuzz_config=True)
+    result = survey(
+        Bf16PathTarget(), world_sizes=(2,), examples=2, only=("frozen",), fuzz_config=True
+    )
     assert result.exit_code == 0 and {c.status for c in result.cells} == {"ok"}, result
 
 
 @pytest.mark.slow
 def test_assert_equivalent_runs_the_battery_under_each_option():
-    report = ddpcheck.assert_equivalent(targets.TORCH_FSDP, world_sizes=(2,), only=("frozen",),
-                                        fuzz_config=True)
+    report = ddpcheck.assert_equivalent(
+        targets.TORCH_FSDP, world_sizes=(2,), only=("frozen",), fuzz_config=True
+    )
     names = {name for name, _, _ in report.examples}
     assert any(name.endswith("[reshard_after_forward=True]") for name in names), names
     assert any("[" not in name for name in names), names
     with pytest.raises(ddpcheck.EquivalenceError, match="with bf16=True"):
-        ddpcheck.assert_equivalent(LastMicroBatchAfterReduceBf16(), world_sizes=(2,),
-                                   only=("frozen",), fuzz_config=True)
-    assert described(targets.LIGHTNING, targets.LightningTarget(static_graph=True,
-                                                                manual=True)) == \
-        "with manual=True, static_graph=True"
+        ddpcheck.assert_equivalent(
+            LastMicroBatchAfterReduceBf16(), world_sizes=(2,), only=("frozen",), fuzz_config=True
+        )
+    assert (
+        described(targets.LIGHTNING, targets.LightningTarget(static_graph=True, manual=True))
+        == "with manual=True, static_graph=True"
+    )
 
 
 @pytest.mark.slow
 def test_the_pytest_plugin_flag_reaches_ddpcheck_run(tmp_path):
-    (tmp_path / "test_user.py").write_text(textwrap.dedent("""
+    (tmp_path / "test_user.py").write_text(
+        textwrap.dedent("""
         from ddpcheck import targets
         from ddpcheck.mutation.broken_options import LastMicroBatchAfterReduceBf16
 
@@ -179,11 +206,28 @@ def test_the_pytest_plugin_flag_reaches_ddpcheck_run(tmp_path):
 
         def test_no_options(ddpcheck_run):
             ddpcheck_run(targets.LOCAL)
-    """))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
-                           "test_user.py", "--ddpcheck-fuzz-config", "--ddpcheck-world-sizes",
-                           "2", "--ddpcheck-only", "frozen"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=patience(300))
+    """)
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "test_user.py",
+            "--ddpcheck-fuzz-config",
+            "--ddpcheck-world-sizes",
+            "2",
+            "--ddpcheck-only",
+            "frozen",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=patience(300),
+    )
     out = done.stdout
     assert done.returncode == 1, out
     assert "configuration (fuzz_config): with bf16=True" in out, out

@@ -150,7 +150,8 @@ def test_an_example_queued_in_a_world_then_replaced_runs_again_in_a_new_one():
 
 @pytest.mark.slow
 def test_checkpoint_examples_run_in_halves_behind_each_other_with_the_verdicts_of_one_alone(
-        monkeypatch):
+    monkeypatch,
+):
     """A scenario with ``checkpoint_after`` is queued like any other: its second half is
     submitted once its reference is computed, before the next example is launched (which then
     runs behind it, or beside it in the resumed world of another size) -- and every example gets
@@ -165,8 +166,7 @@ def test_checkpoint_examples_run_in_halves_behind_each_other_with_the_verdicts_o
         real = getattr(pipeline, name)
 
         def recording(launched_or_target, *args, _real=real, _name=name, **kwargs):
-            calls.append(_name if _name == "launch" else
-                         f"resume {launched_or_target.resumes}")
+            calls.append(_name if _name == "launch" else f"resume {launched_or_target.resumes}")
             return _real(launched_or_target, *args, **kwargs)
 
         monkeypatch.setattr(pipeline, name, recording)
@@ -177,8 +177,11 @@ def test_checkpoint_examples_run_in_halves_behind_each_other_with_the_verdicts_o
         out = []
         for _, outcome in pipeline.one_behind_the_other(target, items, deadline=60.0):
             assert outcome.skipped is None, outcome
-            out.append(None if outcome.error is None else
-                       [(r.step, r.world_size, r.rank, r.kind) for r in outcome.error.divergences])
+            out.append(
+                None
+                if outcome.error is None
+                else [(r.step, r.world_size, r.rank, r.kind) for r in outcome.error.divergences]
+            )
         return out
 
     assert verdicts(targets.PARALLEL) == [None] * 4
@@ -186,8 +189,12 @@ def test_checkpoint_examples_run_in_halves_behind_each_other_with_the_verdicts_o
     assert calls == ["launch", "resume True", "launch", "resume False"] * 2
     # a rank of the resumed world fails (its world is replaced, and the example queued behind
     # it runs again in a new one), as check_example reports it alone (test_checkpoint.py)
-    assert verdicts(LoadFailsOnRank1()) == [[("-", 3, 1, "rank failed")], None,
-                                            [("-", 2, 1, "rank failed")], None]
+    assert verdicts(LoadFailsOnRank1()) == [
+        [("-", 3, 1, "rank failed")],
+        None,
+        [("-", 2, 1, "rank failed")],
+        None,
+    ]
     forgets = by_name("ForgetsScheduler").target
     alone = []
     for _, world_size, scenario in items[:3:2]:

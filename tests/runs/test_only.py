@@ -31,34 +31,53 @@ def test_a_feature_one_rank_cannot_exercise_is_drawn_where_it_can(example):
 
 
 def test_the_battery_keeps_the_scenarios_that_exercise_the_focus():
-    report = ddpcheck.assert_equivalent(targets.PARALLEL, world_sizes=(2,), only=("clipping",),
-                                        deadline=patience(60))
+    report = ddpcheck.assert_equivalent(
+        targets.PARALLEL, world_sizes=(2,), only=("clipping",), deadline=patience(60)
+    )
     clipping = {name for name, sc in BATTERY if "clipping" in features.of(sc, 2)}
     assert report.count >= 1 and {name for name, _, _ in report.examples} <= clipping
     skipped = {name: why for name, _, why in report.skipped}
     assert set(skipped) == {name for name, _ in BATTERY} - clipping, report.skipped
     # what the target declines says so first; the rest, that it is out of focus
-    assert all(why == "exercises none of only=clipping" or why.startswith("needs ")
-               for why in skipped.values()), report.skipped
+    assert all(
+        why == "exercises none of only=clipping" or why.startswith("needs ")
+        for why in skipped.values()
+    ), report.skipped
 
 
 def test_random_examples_focused_on_accumulation_find_an_accumulation_bug():
-    result = ddpcheck.fuzz(catalogue.by_name("SumsEachMicroBatch").target, examples=20,
-                           world_sizes=(2,), only=("accumulation",), deadline=patience(60))
+    result = ddpcheck.fuzz(
+        catalogue.by_name("SumsEachMicroBatch").target,
+        examples=20,
+        world_sizes=(2,),
+        only=("accumulation",),
+        deadline=patience(60),
+    )
     assert result.found, result
     assert "accumulation" in features.of(result.error.scenario, result.error.world_size)
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: ddpcheck.assert_equivalent(targets.TORCH_DDP, only=("rank-orders",)),
-     "only: TorchDDPTarget does not support 'rank-orders'"),
-    (lambda: ddpcheck.fuzz(targets.PARALLEL, only=("autocast",), without=("autocast",)),
-     "only: 'autocast' is also in without"),
-    (lambda: ddpcheck.fuzz(targets.PARALLEL, only=("float32",), dtypes=("float64",)),
-     "only: 'float32' needs float32, not among dtypes=float64"),
-    (lambda: ddpcheck.fuzz(targets.PARALLEL, only=("autocast",), dtypes=("float64",)),
-     "only: 'autocast' needs float32, not among dtypes=float64"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda: ddpcheck.assert_equivalent(targets.TORCH_DDP, only=("rank-orders",)),
+            "only: TorchDDPTarget does not support 'rank-orders'",
+        ),
+        (
+            lambda: ddpcheck.fuzz(targets.PARALLEL, only=("autocast",), without=("autocast",)),
+            "only: 'autocast' is also in without",
+        ),
+        (
+            lambda: ddpcheck.fuzz(targets.PARALLEL, only=("float32",), dtypes=("float64",)),
+            "only: 'float32' needs float32, not among dtypes=float64",
+        ),
+        (
+            lambda: ddpcheck.fuzz(targets.PARALLEL, only=("autocast",), dtypes=("float64",)),
+            "only: 'autocast' needs float32, not among dtypes=float64",
+        ),
+    ],
+)
 def test_a_focus_nothing_can_serve_is_refused_before_any_process(call, message):
     with none_started(), pytest.raises(ddpcheck.InvalidArgument, match=message):
         call()

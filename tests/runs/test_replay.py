@@ -40,8 +40,6 @@ def _table(text: str) -> list[str]:
     return lines[start:end]
 
 
-
-
 @pytest.mark.slow
 def test_a_plain_class_target_fails_and_its_replay_line_fails_the_same_way():
     scenario = Scenario(zoo.MLP)
@@ -65,22 +63,33 @@ def test_a_plain_class_target_fails_and_its_replay_line_fails_the_same_way():
     check_example(h.MyTarget(), scenario, 2)
 
 
-@pytest.mark.parametrize("target, spec", [
-    (h.SCALED, "tests.verdict_helpers:SCALED"),
-    (targets.PARALLEL, "ddpcheck.targets:PARALLEL"),
-    (h.MyTarget(), "tests.verdict_helpers:MyTarget()"),
-    (h.MyTarget(True), "tests.verdict_helpers:MyTarget(True)"),
-    (h.Positional(True, h.a_rule),
-     "tests.verdict_helpers:Positional(True, tests.verdict_helpers.a_rule)"),
-    (h.NoInit(), "tests.verdict_helpers:NoInit()"),
-    (h.ScaledDataclass(rule=h.a_rule, scale=2.0),
-     "tests.verdict_helpers:ScaledDataclass(rule=tests.verdict_helpers.a_rule, scale=2.0)"),
-    (targets.ParallelTarget(bucket_size_mb=1.0),
-     "ddpcheck.targets:ParallelTarget(bucket_size_mb=1.0)"),
-    # a function field: the dataclass's repr (<function greedy at 0x...>) is not code
-    (targets.ParallelTarget(sharding_rule=__import__("parallel.sharding").sharding.greedy),
-     "ddpcheck.targets:ParallelTarget(sharding_rule=parallel.sharding.greedy)"),
-])
+@pytest.mark.parametrize(
+    "target, spec",
+    [
+        (h.SCALED, "tests.verdict_helpers:SCALED"),
+        (targets.PARALLEL, "ddpcheck.targets:PARALLEL"),
+        (h.MyTarget(), "tests.verdict_helpers:MyTarget()"),
+        (h.MyTarget(True), "tests.verdict_helpers:MyTarget(True)"),
+        (
+            h.Positional(True, h.a_rule),
+            "tests.verdict_helpers:Positional(True, tests.verdict_helpers.a_rule)",
+        ),
+        (h.NoInit(), "tests.verdict_helpers:NoInit()"),
+        (
+            h.ScaledDataclass(rule=h.a_rule, scale=2.0),
+            "tests.verdict_helpers:ScaledDataclass(rule=tests.verdict_helpers.a_rule, scale=2.0)",
+        ),
+        (
+            targets.ParallelTarget(bucket_size_mb=1.0),
+            "ddpcheck.targets:ParallelTarget(bucket_size_mb=1.0)",
+        ),
+        # a function field: the dataclass's repr (<function greedy at 0x...>) is not code
+        (
+            targets.ParallelTarget(sharding_rule=__import__("parallel.sharding").sharding.greedy),
+            "ddpcheck.targets:ParallelTarget(sharding_rule=parallel.sharding.greedy)",
+        ),
+    ],
+)
 def test_targets_round_trip_through_their_spec(target, spec):
     assert target_spec(target) == spec
     for rebuilt in (evaluate(spec), resolve_target(spec)):  # the command line's evaluation
@@ -110,18 +119,23 @@ def test_a_dataclass_target_configured_by_the_scenario_round_trips():
 
 def test_a_subclass_names_the_defaults_it_changed():
     # left out, bucket_size_mb=1.0 would read as the ready-made target's own configuration
-    assert target_spec(h.SmallBuckets()) == \
-        "tests.verdict_helpers:SmallBuckets(bucket_size_mb=1.0)"
-    assert target_spec(h.SmallBuckets(bucket_size_mb=None)) == \
-        "tests.verdict_helpers:SmallBuckets(bucket_size_mb=None)"
+    assert target_spec(h.SmallBuckets()) == "tests.verdict_helpers:SmallBuckets(bucket_size_mb=1.0)"
+    assert (
+        target_spec(h.SmallBuckets(bucket_size_mb=None))
+        == "tests.verdict_helpers:SmallBuckets(bucket_size_mb=None)"
+    )
 
 
 def test_replay_lines_are_one_readable_shell_word_each():
     scenario = Scenario(zoo.MLP, optimizer_kwargs={"lr": 0.01}, dtype="float32")
     line = replay_command(targets.TORCH_DDP, scenario, 2)
     assert line.endswith(f'--scenario "{scenario!r}"') and "'\"'\"'" not in line, line
-    echoed = subprocess.run(["bash", "-c", f"printf '%s\\n' {line.split(' ', 3)[3]}"],
-                            capture_output=True, text=True, check=True).stdout
+    echoed = subprocess.run(
+        ["bash", "-c", f"printf '%s\\n' {line.split(' ', 3)[3]}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert echoed.splitlines()[-1] == repr(scenario)  # what bash hands to ddpcheck
     for text in ["a\"b'c", "x$y'", "plain"]:
         assert shlex.split(shell_word(text)) == [text]
@@ -140,23 +154,42 @@ def _mutated():
     return target
 
 
-@pytest.mark.parametrize("make, phrases", [
-    (lambda: h.MyTarget(scale_bug=h.Opaque()),
-     ["target tests.verdict_helpers.MyTarget cannot be replayed",
-      "does not evaluate (SyntaxError",
-      "assign it to a module-level name (MY_TARGET = MyTarget(...)) in tests.verdict_helpers, or "
-      "make MyTarget a dataclass whose fields hold its whole state"]),
-    (_mutated,
-     ["tests.verdict_helpers:MyTarget() builds a different target (scale_bug=True on the "
-      "target, False rebuilt)"]),
-    (lambda: h.ScaledDataclass(rule=functools.partial(h.a_rule)),  # picklable, repr not code
-     ["target tests.verdict_helpers.ScaledDataclass cannot be replayed", "does not evaluate"]),
-    (_local_target, ["cannot be pickled", "define the class at module level"]),
-])
+@pytest.mark.parametrize(
+    "make, phrases",
+    [
+        (
+            lambda: h.MyTarget(scale_bug=h.Opaque()),
+            [
+                "target tests.verdict_helpers.MyTarget cannot be replayed",
+                "does not evaluate (SyntaxError",
+                "assign it to a module-level name (MY_TARGET = MyTarget(...)) in "
+                "tests.verdict_helpers, or "
+                "make MyTarget a dataclass whose fields hold its whole state",
+            ],
+        ),
+        (
+            _mutated,
+            [
+                "tests.verdict_helpers:MyTarget() builds a different target (scale_bug=True on the "
+                "target, False rebuilt)"
+            ],
+        ),
+        (
+            lambda: h.ScaledDataclass(rule=functools.partial(h.a_rule)),  # picklable, repr not code
+            [
+                "target tests.verdict_helpers.ScaledDataclass cannot be replayed",
+                "does not evaluate",
+            ],
+        ),
+        (_local_target, ["cannot be pickled", "define the class at module level"]),
+    ],
+)
 def test_an_unreplayable_target_is_refused_before_any_world(no_process_started, make, phrases):
     target = make()
-    for check in (lambda: check_example(target, Scenario(), 2),
-                  lambda: ddpcheck.assert_equivalent(target, world_sizes=(2,))):
+    for check in (
+        lambda: check_example(target, Scenario(), 2),
+        lambda: ddpcheck.assert_equivalent(target, world_sizes=(2,)),
+    ):
         with pytest.raises(ddpcheck.InvalidArgument) as info:
             check()
         for phrase in phrases:
@@ -229,12 +262,18 @@ def test_a_target_in_the_script_being_run_is_named_by_the_scripts_path(script_ma
         (script_main.Doubled(), "check_mine.py:Doubled()"),
         (script_main.GUARDED, "check_mine.py:Doubled(bug=True)"),  # not by the guarded name
         (script_main.MINE, "check_mine.py:MINE"),
-        (script_main.Doubled(rule=script_main.my_rule),
-         "check_mine.py:Doubled(rule=check_mine.my_rule)"),
-        (targets.ParallelTarget(sharding_rule=script_main.my_rule),
-         "check_mine.py:ddpcheck.targets.ParallelTarget(sharding_rule=check_mine.my_rule)"),
-        (targets.ParallelTarget(sharding_rule=parallel_sharding.greedy),  # no script in it
-         "ddpcheck.targets:ParallelTarget(sharding_rule=parallel.sharding.greedy)"),
+        (
+            script_main.Doubled(rule=script_main.my_rule),
+            "check_mine.py:Doubled(rule=check_mine.my_rule)",
+        ),
+        (
+            targets.ParallelTarget(sharding_rule=script_main.my_rule),
+            "check_mine.py:ddpcheck.targets.ParallelTarget(sharding_rule=check_mine.my_rule)",
+        ),
+        (
+            targets.ParallelTarget(sharding_rule=parallel_sharding.greedy),  # no script in it
+            "ddpcheck.targets:ParallelTarget(sharding_rule=parallel.sharding.greedy)",
+        ),
     ]
     for target, spec in rows:
         assert target_spec(target) == spec
@@ -255,12 +294,22 @@ def test_what_a_script_cannot_rebuild_is_refused_with_the_fix(script_main, no_pr
     changed = script_main.Doubled()
     changed.scale_bug = True
     rows = [
-        (script_main.Hidden(), "its class Hidden is defined in check_mine.py under `if __name__ "
-                               "== \"__main__\":`", "define Hidden at module level"),
-        (changed, "check_mine.py:Doubled() builds a different target (scale_bug=True on the "
-                  "target, False rebuilt)", "assign it to a module-level name"),
-        (script_main.Doubled(rule=lambda params, world_size: [0] * len(params)),
-         "cannot be pickled", "functions defined with def at module level (not a lambda"),
+        (
+            script_main.Hidden(),
+            'its class Hidden is defined in check_mine.py under `if __name__ == "__main__":`',
+            "define Hidden at module level",
+        ),
+        (
+            changed,
+            "check_mine.py:Doubled() builds a different target (scale_bug=True on the "
+            "target, False rebuilt)",
+            "assign it to a module-level name",
+        ),
+        (
+            script_main.Doubled(rule=lambda params, world_size: [0] * len(params)),
+            "cannot be pickled",
+            "functions defined with def at module level (not a lambda",
+        ),
     ]
     for target, why, fix in rows:
         with pytest.raises(ddpcheck.InvalidArgument) as info:
@@ -270,13 +319,22 @@ def test_what_a_script_cannot_rebuild_is_refused_with_the_fix(script_main, no_pr
 
 def test_a_target_in_an_interactive_session_is_refused_with_the_fix():
     done = subprocess.run(
-        [sys.executable, "-c", "import ddpcheck\n"
-         "class InMain(ddpcheck.Target): pass\n"
-         "ddpcheck.check_example(InMain(), ddpcheck.Scenario(), 2)\n"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-c",
+            "import ddpcheck\n"
+            "class InMain(ddpcheck.Target): pass\n"
+            "ddpcheck.check_example(InMain(), ddpcheck.Scenario(), 2)\n",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 1, done.stderr
-    assert "ddpcheck.errors.InvalidArgument: target __main__.InMain cannot be replayed" \
-        in done.stderr, done.stderr
+    assert (
+        "ddpcheck.errors.InvalidArgument: target __main__.InMain cannot be replayed" in done.stderr
+    ), done.stderr
     assert "save the code in a file and run it (python check_my_ddp.py)" in done.stderr
 
 
@@ -286,23 +344,28 @@ def test_a_script_failure_replays_from_the_scripts_folder(tmp_path):
     replay process imports the file by path, and its ranks import it by name."""
     (tmp_path / "check_mine.py").write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": ROOT}  # the script imports tests.verdict_helpers
-    run = subprocess.run([sys.executable, "check_mine.py"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300, env=env)
+    run = subprocess.run(
+        [sys.executable, "check_mine.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert run.returncode == 1, run.stderr
     replay = next(line for line in run.stderr.splitlines() if line.startswith("replay: "))
-    assert replay.startswith("replay: python -m ddpcheck replay 'check_mine.py:Doubled(bug=True)' "
-                             "--world-size 2"), replay
-    argv = shlex.split(replay[len("replay: "):])
+    assert replay.startswith(
+        "replay: python -m ddpcheck replay 'check_mine.py:Doubled(bug=True)' --world-size 2"
+    ), replay
+    argv = shlex.split(replay[len("replay: ") :])
     argv[0] = sys.executable
-    again = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                           env=env)
+    again = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert again.returncode == 1, again.stdout + again.stderr
     assert _table(again.stdout) == _table(run.stderr)
     assert replay in again.stdout  # the replay names the script by its path again
 
 
-def test_a_file_spec_imports_the_script_as_a_module_and_replays_by_its_path(tmp_path,
-                                                                             monkeypatch):
+def test_a_file_spec_imports_the_script_as_a_module_and_replays_by_its_path(tmp_path, monkeypatch):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "check_mine.py").write_text(SCRIPT)  # its main block would start a world
     monkeypatch.setattr(sys, "path", list(sys.path))

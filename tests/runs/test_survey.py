@@ -51,8 +51,9 @@ def _survey(capsys, tmp_path, *args):
 
 @pytest.mark.slow
 def test_parallel_passes_every_cell_and_the_json_matches_the_printed_matrix(capsys, tmp_path):
-    status, out, survey = _survey(capsys, tmp_path, "parallel", "--world-sizes", "1,2",
-                                  "--examples", "2")
+    status, out, survey = _survey(
+        capsys, tmp_path, "parallel", "--world-sizes", "1,2", "--examples", "2"
+    )
     assert status == 0, out
     assert survey.exit_code == 0 and survey.world_sizes == (1, 2) and not survey.failures
     rows = survey.section("feature")
@@ -73,28 +74,36 @@ def test_parallel_passes_every_cell_and_the_json_matches_the_printed_matrix(caps
     # the JSON is the printed survey: same matrix, battery table, summary counts
     assert survey.matrix() in out and survey.battery_table() in out
     n, opt_in = len(features.FEATURES), len(features.OPT_IN)
-    assert (f"features {2 * (n - opt_in) - 2} ok, 0 FAIL, {2 * opt_in} declined, 2 n/a; "
-            f"battery {2 * len(BATTERY) - 2} pass, 0 FAIL") in out
+    assert (
+        f"features {2 * (n - opt_in) - 2} ok, 0 FAIL, {2 * opt_in} declined, 2 n/a; "
+        f"battery {2 * len(BATTERY) - 2} pass, 0 FAIL"
+    ) in out
     assert f"{n - opt_in}/{n} features" in out and "failures: none" in out
 
 
 @pytest.mark.slow
 def test_a_mutant_fails_its_rows_without_stopping_the_survey(capsys, tmp_path):
-    status, out, survey = _survey(capsys, tmp_path, MUTANT, "--world-sizes", "2",
-                                  "--examples", "2", "--shrink-seconds", "0.5")
+    status, out, survey = _survey(
+        capsys, tmp_path, MUTANT, "--world-sizes", "2", "--examples", "2", "--shrink-seconds", "0.5"
+    )
     assert status == 1, out
     cell = survey.cell("unused-everywhere", 2)
     assert cell.status == "fail" and cell.kind == "reference differs (gradient)", cell
     assert cell.label == "FAIL reference differs (gradient)" and cell.label in out
     # shrunk (to "linear(unused) SGD B=1 steps=1" given time; a loaded machine may stop earlier)
     assert "(unused" in cell.summary and "unused-everywhere" in cell.exercises, cell
-    assert cell.replay.startswith("python -m ddpcheck replay 'ddpcheck.mutation.catalogue:"
-                                  "ZeroFillsUnused()' --world-size 2 --scenario ")
+    assert cell.replay.startswith(
+        "python -m ddpcheck replay 'ddpcheck.mutation.catalogue:"
+        "ZeroFillsUnused()' --world-size 2 --scenario "
+    )
     assert cell.replay in out
     # every cell ran to a verdict: the first failure did not stop the survey (but the opt-in
     # param_dtype policy, which the mutant's parallel does not apply)
-    assert all(c.status in ("ok", "fail") for c in survey.cells
-               if c.row not in ("param-dtype", "tokens-param-dtype-bf16")), out
+    assert all(
+        c.status in ("ok", "fail")
+        for c in survey.cells
+        if c.row not in ("param-dtype", "tokens-param-dtype-bf16")
+    ), out
     assert len(survey.cells) == len(features.FEATURES) + len(BATTERY)
     assert survey.cell("unused-frozen-adamw", 2).label.startswith("FAILS reference differs")
     assert survey.cell("mlp-sgd", 2).label == "passes"
@@ -108,8 +117,15 @@ def test_a_mutant_fails_its_rows_without_stopping_the_survey(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_a_declined_feature_is_declined_and_never_generated(capsys, tmp_path):
-    status, out, survey = _survey(capsys, tmp_path, "tests.runs.test_survey:NO_ACCUMULATION",
-                                  "--world-sizes", "2", "--examples", "2")
+    status, out, survey = _survey(
+        capsys,
+        tmp_path,
+        "tests.runs.test_survey:NO_ACCUMULATION",
+        "--world-sizes",
+        "2",
+        "--examples",
+        "2",
+    )
     assert status == 0, out
     cell = survey.cell("accumulation", 2)
     assert cell.status == "declined" and cell.label == "declined" and cell.examples == 0
@@ -119,14 +135,18 @@ def test_a_declined_feature_is_declined_and_never_generated(capsys, tmp_path):
     assert "declined: accumulation at W=2: not in NoAccumulation.supported_features" in out
 
 
-@settings(max_examples=10, deadline=None, database=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=10,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
 @given(data=st.data())
 def test_exercising_draws_the_feature_and_nothing_declined(data):
     feature = data.draw(st.sampled_from([f for f in features.FEATURES if f != "accumulation"]))
     world_size = data.draw(st.integers(2, 4))
-    scenario = data.draw(dst.exercising(feature, world_size=world_size,
-                                        without={"accumulation"}))
+    scenario = data.draw(dst.exercising(feature, world_size=world_size, without={"accumulation"}))
     found = features.of(scenario, world_size)
     assert scenario.accumulation == 1 and "accumulation" not in found
     if feature != "unused-on-some-ranks":  # the one that depends on the data drawn
@@ -134,8 +154,15 @@ def test_exercising_draws_the_feature_and_nothing_declined(data):
 
 
 def test_nothing_ran_is_exit_3_and_the_help_states_the_exit_codes(capsys, tmp_path):
-    status, out, survey = _survey(capsys, tmp_path, "tests.runs.test_survey:DECLINES_EVERYTHING",
-                                  "--world-sizes", "2", "--examples", "1")
+    status, out, survey = _survey(
+        capsys,
+        tmp_path,
+        "tests.runs.test_survey:DECLINES_EVERYTHING",
+        "--world-sizes",
+        "2",
+        "--examples",
+        "1",
+    )
     assert status == 3 and survey.exit_code == 3, out
     assert {c.status for c in survey.cells} == {"declined"}
     assert "only runs on Tuesdays" in out

@@ -11,21 +11,30 @@ import pytest
 from tests.base.test_devices import subprocess_env
 from tests.patience import patience
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            "2", "-m", "ddpcheck", "check"]
+TORCHRUN = [
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--standalone",
+    "--nproc-per-node",
+    "2",
+    "-m",
+    "ddpcheck",
+    "check",
+]
 
 
 def _torchrun(*args: str, cwd, env=None) -> subprocess.CompletedProcess:
     env = env or {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([*TORCHRUN, *args], capture_output=True, text=True,
-                          timeout=patience(240), cwd=cwd, env=env)
+    return subprocess.run(
+        [*TORCHRUN, *args], capture_output=True, text=True, timeout=patience(240), cwd=cwd, env=env
+    )
 
 
 @pytest.mark.slow
 def test_the_builtin_target_passes_in_torchruns_world(tmp_path):
     # every process sees 8 GPUs that are not there: CPU tensors must still travel by gloo
-    out = _torchrun("--world-sizes", "2", cwd=tmp_path,
-                    env=subprocess_env(tmp_path, fake_gpus=8))
+    out = _torchrun("--world-sizes", "2", cwd=tmp_path, env=subprocess_env(tmp_path, fake_gpus=8))
     assert out.returncode == 0, out.stdout + out.stderr
     # printed once (rank 0), naming the world torchrun built
     assert out.stdout.count("examples equivalent in the torchrun world of 2 (backend gloo)") == 1
@@ -35,8 +44,12 @@ def test_the_builtin_target_passes_in_torchruns_world(tmp_path):
 def test_a_mutant_fails_on_every_rank_with_one_report(tmp_path):
     out = _torchrun("ddpcheck.mutation.catalogue:NoDivide()", cwd=tmp_path)
     assert out.returncode == 1, out.stdout + out.stderr
-    assert out.stdout.count("NoDivide diverged at world size 2 (mlp-sgd): reference differs "
-                            "(gradient)") == 1
+    assert (
+        out.stdout.count(
+            "NoDivide diverged at world size 2 (mlp-sgd): reference differs (gradient)"
+        )
+        == 1
+    )
     assert "replay: python -m ddpcheck replay" in out.stdout
 
 
@@ -47,8 +60,9 @@ def test_world_sizes_must_contain_torchruns_size(tmp_path):
     # every rank exits 2; torchrun itself reports any failed rank as 1 (ChildFailedError)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "exitcode  : 2" in out.stderr
-    assert (f"--world-sizes={sizes} does not contain torchrun's world size 2"
-            in out.stdout), out.stdout
+    assert f"--world-sizes={sizes} does not contain torchrun's world size 2" in out.stdout, (
+        out.stdout
+    )
 
 
 @pytest.mark.slow

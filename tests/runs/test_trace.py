@@ -28,8 +28,11 @@ def _events(traces):
 
 def test_one_process_track_per_rank(traces):
     events = _events(traces)
-    names = {e["pid"]: e["args"]["name"] for e in events
-             if e["ph"] == "M" and e["name"] == "process_name"}
+    names = {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e["ph"] == "M" and e["name"] == "process_name"
+    }
     assert names == {0: "rank 0", 1: "rank 1"}
     assert {e["pid"] for e in events} == {0, 1}
 
@@ -88,10 +91,13 @@ def test_cli_writes_a_loadable_trace(tmp_path, capsys):
     assert "first async all-reduce launched" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["trace", "no_such_module:X", "-o", "{tmp}/t.json"], "cannot import 'no_such_module'"),
-    (["trace", "-o", "{tmp}/missing/t.json"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["trace", "no_such_module:X", "-o", "{tmp}/t.json"], "cannot import 'no_such_module'"),
+        (["trace", "-o", "{tmp}/missing/t.json"], "does not exist"),
+    ],
+)
 def test_cli_usage_errors_exit_2(tmp_path, capsys, argv, message):
     argv = [a.format(tmp=tmp_path) for a in argv]
     assert cli.main(argv) == ExitCode.SETUP

@@ -37,20 +37,25 @@ class ReadingDeepSpeed(DeepSpeedTarget):
 
     report: str = ""
 
-    def setup(self, module: Any, params: Any, optimizer_cls: type,
-              **kwargs: Any) -> tuple[Any, Any]:
+    def setup(
+        self, module: Any, params: Any, optimizer_cls: type, **kwargs: Any
+    ) -> tuple[Any, Any]:
         engine, optimizer = super().setup(module, params, optimizer_cls, **kwargs)
         model_dtype, accumulation_dtype = engine.get_data_types()
-        _write(self.report, {
-            "stage": int(engine.zero_optimization_stage()),
-            "bf16": bool(engine.bfloat16_enabled()),
-            "param_dtype": str(next(module.parameters()).dtype),
-            "model_dtype": str(model_dtype),
-            "grad_accum_dtype": str(accumulation_dtype),
-            "communication_data_type": str(engine.communication_data_type),
-            "reduce_bucket_size": int(engine.zero_reduce_bucket_size()),
-            "gradient_clipping": float(engine.gradient_clipping()),
-            "optimizer": type(engine.optimizer).__name__})
+        _write(
+            self.report,
+            {
+                "stage": int(engine.zero_optimization_stage()),
+                "bf16": bool(engine.bfloat16_enabled()),
+                "param_dtype": str(next(module.parameters()).dtype),
+                "model_dtype": str(model_dtype),
+                "grad_accum_dtype": str(accumulation_dtype),
+                "communication_data_type": str(engine.communication_data_type),
+                "reduce_bucket_size": int(engine.zero_reduce_bucket_size()),
+                "gradient_clipping": float(engine.gradient_clipping()),
+                "optimizer": type(engine.optimizer).__name__,
+            },
+        )
         return engine, optimizer
 
 
@@ -63,14 +68,22 @@ class ReadingFSDP(TorchFSDPTarget):
 
     def wrap(self, module: Any) -> Any:
         model = super().wrap(module)
-        groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules()
-                  if hasattr(m, "_get_fsdp_state")]
+        groups = [
+            m._get_fsdp_state()._fsdp_param_group
+            for m in model.modules()
+            if hasattr(m, "_get_fsdp_state")
+        ]
         groups = [g for g in groups if g is not None]
         policy = model._get_fsdp_state()._mp_policy
-        _write(self.report, {
-            "output_dtype": str(policy.output_dtype), "param_dtype": str(policy.param_dtype),
-            "reduce_dtype": str(policy.reduce_dtype),
-            "keeps_gathered": [g.post_forward_mesh_info is None for g in groups]})
+        _write(
+            self.report,
+            {
+                "output_dtype": str(policy.output_dtype),
+                "param_dtype": str(policy.param_dtype),
+                "reduce_dtype": str(policy.reduce_dtype),
+                "keeps_gathered": [g.post_forward_mesh_info is None for g in groups],
+            },
+        )
         return model
 
 

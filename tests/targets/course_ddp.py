@@ -39,8 +39,7 @@ class CourseDDP(nn.Module):
         self.weights_bug = weights_bug
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor, dist.get_global_rank(group, 0) if group else 0,
-                               group=group)
+                dist.broadcast(tensor, dist.get_global_rank(group, 0) if group else 0, group=group)
 
     def forward(self, *args: Any) -> Any:
         return self.module(*args)
@@ -116,9 +115,11 @@ class ManagedTarget(ddpcheck.Target):
 
 def _fairscale_style(base: type) -> type:
     """``base`` with fairscale OSS's spelling: ``consolidate_state_dict(recipient_rank=0)``."""
+
     class OSSLike(base):
         def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
             super().consolidate_state_dict(to=recipient_rank)
+
     return OSSLike
 
 

@@ -19,7 +19,8 @@ class ObservingTrainer(Trainer):
         got = getattr(model, "bucket_bytes_cap", None)
         assert got == BUCKET_MB * 2**20, (
             f"the Trainer's {type(model).__name__} buckets {got} bytes, not the "
-            f"ddp_bucket_cap_mb={BUCKET_MB} given")
+            f"ddp_bucket_cap_mb={BUCKET_MB} given"
+        )
         return super().training_step(model, inputs, num_items_in_batch)
 
 

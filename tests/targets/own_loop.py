@@ -27,8 +27,11 @@ class HandLoopTarget(Target):
     def fit(self, module: Any, run: Any) -> None:
         model = DistributedDataParallel(module, find_unused_parameters=True)
         optimizer = run.optimizer(run.params, **run.optimizer_kwargs)
-        scheduler = (None if run.gamma is None else
-                     torch.optim.lr_scheduler.ExponentialLR(optimizer, run.gamma))
+        scheduler = (
+            None
+            if run.gamma is None
+            else torch.optim.lr_scheduler.ExponentialLR(optimizer, run.gamma)
+        )
         run.started(model, optimizer)
         for step, micro_batches in enumerate(run.batches):
             for i, (x, y, scale) in enumerate(micro_batches):
@@ -36,8 +39,9 @@ class HandLoopTarget(Target):
                 with contextlib.nullcontext() if last else model.no_sync():
                     run.loss(model, x, y, scale).backward()
             if run.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_grad_norm,
-                                               run.grad_norm_type)
+                torch.nn.utils.clip_grad_norm_(
+                    model.parameters(), run.max_grad_norm, run.grad_norm_type
+                )
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
@@ -51,6 +55,8 @@ class HalfOwnedZero2(Zero2Target):
     """Declares only the first half of each owned gradient: the rest is owned by no rank."""
 
     def gradient_shards(self, model: Any, optimizer: Any, params: Any) -> Any:
-        return [(p, 0, None if piece is None else piece[:max(1, piece.numel() // 2)])
-                for p, _, piece in super().gradient_shards(model, optimizer, params)
-                if p.numel() > 1]
+        return [
+            (p, 0, None if piece is None else piece[: max(1, piece.numel() // 2)])
+            for p, _, piece in super().gradient_shards(model, optimizer, params)
+            if p.numel() > 1
+        ]

@@ -66,17 +66,23 @@ class HiddenInner:
         self._sharded.zero_grad(set_to_none=set_to_none)
 
 
-WRAPPED = ddpcheck.Target.from_wrappers(ddp=parallel.DDP, finish="finish_gradient_sync",
-                                        optimizer=parallel.ShardedOptimizer)
-RESET_AFTER_STEP = ddpcheck.Target.from_wrappers(ddp=NeedsReset, finish="finish_gradient_sync",
-                                                 after_step="reset")
+WRAPPED = ddpcheck.Target.from_wrappers(
+    ddp=parallel.DDP, finish="finish_gradient_sync", optimizer=parallel.ShardedOptimizer
+)
+RESET_AFTER_STEP = ddpcheck.Target.from_wrappers(
+    ddp=NeedsReset, finish="finish_gradient_sync", after_step="reset"
+)
 FORGETS_RESET = ddpcheck.Target.from_wrappers(ddp=NeedsReset, finish="finish_gradient_sync")
-FREES_GRADS = ddpcheck.Target.from_wrappers(ddp=parallel.DDP, finish="finish_gradient_sync",
-                                            optimizer=FreesGradsInStep)
+FREES_GRADS = ddpcheck.Target.from_wrappers(
+    ddp=parallel.DDP, finish="finish_gradient_sync", optimizer=FreesGradsInStep
+)
 # Not a torch Optimizer, so no torch LR scheduler can drive it: it declines LR schedules.
 HIDDEN_INNER = ddpcheck.Target.from_wrappers(
-    ddp=parallel.DDP, finish="finish_gradient_sync", optimizer=HiddenInner,
-    supports=frozenset(features.FEATURES) - {"lr-schedule"})
+    ddp=parallel.DDP,
+    finish="finish_gradient_sync",
+    optimizer=HiddenInner,
+    supports=frozenset(features.FEATURES) - {"lr-schedule"},
+)
 
 
 class WantsTheModel(targets.ParallelDDPTarget):
@@ -90,7 +96,10 @@ class WantsTheModel(targets.ParallelDDPTarget):
 
 class NoAccumulationNoUnused(targets.ParallelTarget):
     supported_features = frozenset(features.FEATURES) - {
-        "accumulation", "unused-on-some-ranks", "unused-everywhere"}
+        "accumulation",
+        "unused-on-some-ranks",
+        "unused-everywhere",
+    }
 
 
 NO_ACCUMULATION_NO_UNUSED = NoAccumulationNoUnused()
@@ -103,9 +112,17 @@ NO_ACCUMULATION_NO_UNUSED = NoAccumulationNoUnused()
 # 12 battery scenarios at W=2 and 3; a target that declares nothing skips rank-orders-adam
 # (beyond torch DDP's contract), the hidden inner optimizer the LR schedules and the checkpoint.
 @pytest.mark.slow
-@pytest.mark.parametrize("target, count", [
-    (WRAPPED, 26), (RESET_AFTER_STEP, 26), (FREES_GRADS, 26), (HIDDEN_INNER, 22),
-    (WantsTheModel(), 28)], ids=["wrapped", "reset", "frees-grads", "hidden-inner", "model-kw"])
+@pytest.mark.parametrize(
+    "target, count",
+    [
+        (WRAPPED, 26),
+        (RESET_AFTER_STEP, 26),
+        (FREES_GRADS, 26),
+        (HIDDEN_INNER, 22),
+        (WantsTheModel(), 28),
+    ],
+    ids=["wrapped", "reset", "frees-grads", "hidden-inner", "model-kw"],
+)
 def test_real_loop_shapes_pass_the_battery(target, count):
     report = ddpcheck.assert_equivalent(target, world_sizes=(2, 3))
     assert report.count == count, report
@@ -137,8 +154,9 @@ def test_the_optimizer_state_default_finds_an_inner_optimizer():
     class Opaque:
         pass
 
-    with pytest.raises(ddpcheck.InvalidArgument,
-                       match=r"override Target\.optimizer_state.*shards_optimizer_state"):
+    with pytest.raises(
+        ddpcheck.InvalidArgument, match=r"override Target\.optimizer_state.*shards_optimizer_state"
+    ):
         ddpcheck.Target().optimizer_state(Opaque())
 
 
@@ -157,17 +175,21 @@ def test_declined_features_cost_no_example_of_the_budget():
 def test_the_battery_lists_each_skipped_scenario_with_the_feature_it_needs():
     report = ddpcheck.assert_equivalent(NO_ACCUMULATION_NO_UNUSED, world_sizes=(2,))
     lines = report.skipped_lines()
-    assert any(line.startswith("sample-branch-accumulate (W=2): needs accumulation")
-               for line in lines), lines
-    assert any(line.startswith("unused-frozen-adamw (W=2): needs unused-everywhere")
-               for line in lines), lines
+    assert any(
+        line.startswith("sample-branch-accumulate (W=2): needs accumulation") for line in lines
+    ), lines
+    assert any(
+        line.startswith("unused-frozen-adamw (W=2): needs unused-everywhere") for line in lines
+    ), lines
     assert "features" in str(report)
 
 
 def test_unknown_feature_names_are_refused_with_the_vocabulary():
-    with pytest.raises(ddpcheck.InvalidArgument,
-                       match=r"'acumulation' is not a feature "
-                             r"\(did you mean 'accumulation'\?\); known:"):
+    with pytest.raises(
+        ddpcheck.InvalidArgument,
+        match=r"'acumulation' is not a feature "
+        r"\(did you mean 'accumulation'\?\); known:",
+    ):
         features.parse("acumulation")
     with pytest.raises(ddpcheck.InvalidArgument):
         ddpcheck.assert_equivalent(targets.PARALLEL, without=("nope",))
@@ -197,11 +219,18 @@ RATES: dict[str, int] = {}
 SHARDED: list[bool] = []
 
 
-@settings(max_examples=200, deadline=None, database=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
-@given(dst.scenarios(models=dst.models(mixed_dtypes=True), dtypes=("float64", "float32")),
-       # as a target that opts in to nothing sees them
-       st.integers(2, 4))
+@settings(
+    max_examples=200,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
+@given(
+    dst.scenarios(models=dst.models(mixed_dtypes=True), dtypes=("float64", "float32")),
+    # as a target that opts in to nothing sees them
+    st.integers(2, 4),
+)
 def _draw(scenario, world_size):
     for name in features.of(scenario, world_size):
         RATES[name] = RATES.get(name, 0) + 1
@@ -213,8 +242,9 @@ def test_every_feature_is_generated_at_a_useful_rate():
     SHARDED.clear()
     _draw()
     # (opt-in features are drawn only for a target that opts in: tests/language/test_tokens.py)
-    shares = {name: RATES.get(name, 0) / 200 for name in features.FEATURES
-              if name not in features.OPT_IN}
+    shares = {
+        name: RATES.get(name, 0) / 200 for name in features.FEATURES if name not in features.OPT_IN
+    }
     # "broadcast" is every scenario; the rarest on purpose-built random models is a layer whose
     # samples all skip it on one rank but not another: it must still be common.
     assert all(share >= 0.05 for share in shares.values()), shares
@@ -231,8 +261,9 @@ def test_a_ddp_without_unused_parameter_handling_is_caught_by_random_examples_al
     # Found is the claim, not how small: shrinking a collective mismatch respawns the world at
     # every step (~30 respawns, 90% of this test's time); shrinking is held to its minimal
     # counterexamples by tests/mutation/test_mutants.py.
-    result = fuzz(NoFinalFlush(), examples=200, world_sizes=(2,), deadline=patience(20),
-                  shrink=False)
+    result = fuzz(
+        NoFinalFlush(), examples=200, world_sizes=(2,), deadline=patience(20), shrink=False
+    )
     assert result.found
     assert result.first_failure <= 200
 

@@ -20,8 +20,9 @@ class NoOrders(ddpcheck.Target):
 
 def test_declining_a_feature_supports_every_other():
     assert NoOrders.supported_features == frozenset(FEATURES) - {"rank-orders"}
-    assert dict(NoOrders.declined_features) == {"rank-orders": "my wrapper pairs tensors by "
-                                                               "position"}
+    assert dict(NoOrders.declined_features) == {
+        "rank-orders": "my wrapper pairs tensors by position"
+    }
 
 
 def test_a_declined_example_quotes_the_reason():
@@ -39,8 +40,11 @@ def test_an_opt_in_feature_stays_governed_by_its_flag():
 
 def test_one_declaration_only_and_only_features():
     with pytest.raises(TypeError, match="both supported_features and declined_features"):
-        type("Both", (ddpcheck.Target,), {"supported_features": frozenset(),
-                                          "declined_features": {"rank-orders": "x"}})
+        type(
+            "Both",
+            (ddpcheck.Target,),
+            {"supported_features": frozenset(), "declined_features": {"rank-orders": "x"}},
+        )
     with pytest.raises(TypeError, match=r"names \['rank-order'\], which are not features"):
         type("Typo", (ddpcheck.Target,), {"declined_features": {"rank-order": "x"}})
 

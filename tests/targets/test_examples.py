@@ -21,12 +21,17 @@ from examples import explicit_finish, reset_after_step, sync_in_backward
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "your-own-ddp.md"
-EXAMPLES = {"explicit_finish": explicit_finish, "sync_in_backward": sync_in_backward,
-            "reset_after_step": reset_after_step}
+EXAMPLES = {
+    "explicit_finish": explicit_finish,
+    "sync_in_backward": sync_in_backward,
+    "reset_after_step": reset_after_step,
+}
 #: What each declines (the guide explains why), and the first divergence its seeded bug shows.
-DECLINES = {"explicit_finish": {"unused-everywhere", "lr-schedule", "rank-orders", "checkpoint"},
-            "sync_in_backward": {"unused-on-some-ranks", "unused-everywhere", "rank-orders"},
-            "reset_after_step": {"rank-orders"}}
+DECLINES = {
+    "explicit_finish": {"unused-everywhere", "lr-schedule", "rank-orders", "checkpoint"},
+    "sync_in_backward": {"unused-on-some-ranks", "unused-everywhere", "rank-orders"},
+    "reset_after_step": {"rank-orders"},
+}
 BUG_KIND = dict.fromkeys(EXAMPLES, "reference differs (gradient)")
 #: Top-level names that make up an example's target definition.
 TARGET_NAMES = {"TARGET", "BUGGY", "SUPPORTS"}
@@ -43,9 +48,11 @@ def _target_statements(tree: ast.Module) -> list[ast.stmt]:
     found = []
     for node in tree.body:
         assigns = isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id in TARGET_NAMES for t in node.targets)
+            isinstance(t, ast.Name) and t.id in TARGET_NAMES for t in node.targets
+        )
         derives = isinstance(node, ast.ClassDef) and any(
-            ast.unparse(base).endswith("Target") for base in node.bases)
+            ast.unparse(base).endswith("Target") for base in node.bases
+        )
         if assigns or derives:
             found.append(node)
     return found
@@ -58,8 +65,13 @@ def _first_line(node: ast.stmt) -> int:
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_the_target_takes_at_most_15_lines(name):
     statements = _target_statements(_tree(name))
-    defined = {t.id for node in statements if isinstance(node, ast.Assign)
-               for t in node.targets if isinstance(t, ast.Name)}
+    defined = {
+        t.id
+        for node in statements
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
     assert {"TARGET", "BUGGY"} <= defined, defined
     lines = sum(node.end_lineno - _first_line(node) + 1 for node in statements)
     assert lines <= 15, f"{name}: the target definition takes {lines} lines"
@@ -74,15 +86,21 @@ def test_imports_only_ddpchecks_public_api(name):
             modules = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             modules, names = [node.module or ""], [alias.name for alias in node.names]
-        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-              and node.value.id == "ddpcheck" and node.attr.startswith("_")):
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "ddpcheck"
+            and node.attr.startswith("_")
+        ):
             private.append(f"ddpcheck.{node.attr}")
         for module in modules:
             parts = module.split(".")
             if parts[0] == "parallel":
                 private.append(module)  # independent implementations: not ours in disguise
-            if parts[0] == "ddpcheck" and (any(p.startswith("_") for p in parts)
-                                           or module in ("ddpcheck.models", "ddpcheck.zoo")):
+            if parts[0] == "ddpcheck" and (
+                any(p.startswith("_") for p in parts)
+                or module in ("ddpcheck.models", "ddpcheck.zoo")
+            ):
                 private.append(module)
             if parts[0] == "ddpcheck":
                 private += [f"{module}.{n}" for n in names if n.startswith("_")]
@@ -94,15 +112,17 @@ def test_the_guide_shows_each_target_as_written(name):
     source = (ROOT / "examples" / f"{name}.py").read_text().splitlines()
     guide = GUIDE.read_text()
     for node in _target_statements(_tree(name)):
-        block = "\n".join(source[_first_line(node) - 1:node.end_lineno])
+        block = "\n".join(source[_first_line(node) - 1 : node.end_lineno])
         assert block in guide, f"docs/your-own-ddp.md does not show {name}'s\n{block}"
 
 
 @pytest.fixture(scope="module")
 def fuzzed():
     """Each BUGGY target fuzzed once, for the two tests of its verdict and its replay line."""
-    return {name: fuzz(module.BUGGY, examples=100, world_sizes=(2,))
-            for name, module in EXAMPLES.items()}
+    return {
+        name: fuzz(module.BUGGY, examples=100, world_sizes=(2,))
+        for name, module in EXAMPLES.items()
+    }
 
 
 @pytest.mark.slow
@@ -128,8 +148,11 @@ def test_the_survey_matrix_of_the_correct_target(name):
     declined |= set(features.FEATURES) - features.supported_by(target)  # opt-in: param-dtype
     survey = ddpcheck.survey(target, world_sizes=(2,), examples=3)
     assert survey.exit_code == 0, str(survey)
-    rows = {cell.row: cell.status for cell in survey.cells
-            if cell.section == "feature" and cell.world_size == 2}
+    rows = {
+        cell.row: cell.status
+        for cell in survey.cells
+        if cell.section == "feature" and cell.world_size == 2
+    }
     assert {row for row, status in rows.items() if status == "declined"} == declined, rows
     ok = {row for row, status in rows.items() if status == "ok"}
     assert ok == set(features.FEATURES) - declined

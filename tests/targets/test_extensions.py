@@ -18,15 +18,18 @@ from tests.patience import patience
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc (Linux)")
 
 #: What torch's FileBaton.try_acquire does, then waits to be killed mid-"build".
-_BUILDER = ("import os, sys, time\n"
-            "fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL)\n"
-            "print('holding', flush=True)\n"
-            "time.sleep(600)\n")
+_BUILDER = (
+    "import os, sys, time\n"
+    "fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL)\n"
+    "print('holding', flush=True)\n"
+    "time.sleep(600)\n"
+)
 
 
 def _builder(lock: str) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, "-c", _BUILDER, lock], stdout=subprocess.PIPE,
-                               text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", _BUILDER, lock], stdout=subprocess.PIPE, text=True
+    )
     assert process.stdout.readline().strip() == "holding"
     return process
 

@@ -30,7 +30,7 @@ CHECK = ["check", SPEC, "--dtypes", "float32", "--examples", "1", "--world-sizes
 #: What ``DeepSpeedTarget.warm_up`` imports, present in every fake: the set-up passes.
 _WARM_UP_API = {
     "accelerator.py": "def get_accelerator():\n    return _Cpu()\n\n\nclass _Cpu:\n"
-                      "    def create_op_builder(self, name):\n        return None\n",
+    "    def create_op_builder(self, name):\n        return None\n",
     "comm/__init__.py": "",
     "comm/torch.py": "def build_shm_op():\n    return None\n",
 }
@@ -48,8 +48,9 @@ def fake_deepspeed(tmp_path, monkeypatch):
             (package / name).write_text(source)
         info = tmp_path / f"deepspeed-{release}.dist-info"
         info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: deepspeed\n"
-                                       f"Version: {release}\n")
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {release}\n"
+        )
         monkeypatch.syspath_prepend(str(tmp_path))
 
     yield make
@@ -89,8 +90,10 @@ def test_a_glue_failure_is_internal_never_a_verdict(fake_deepspeed, capsys):
 
 @pytest.mark.slow  # a fresh world and an example: ~6 s of CPU
 def test_an_exception_inside_the_framework_stays_its_failure(fake_deepspeed):
-    fake_deepspeed("0.19.8", "def initialize(**kwargs):\n"
-                             "    raise RuntimeError('the engine failed to partition')\n")
+    fake_deepspeed(
+        "0.19.8",
+        "def initialize(**kwargs):\n    raise RuntimeError('the engine failed to partition')\n",
+    )
     with pytest.raises(ddpcheck.EquivalenceError) as info:
         ddpcheck.check_example(targets.DEEPSPEED_ZERO1, SCENARIO, 2)
     assert info.value.kinds == ["rank failed"], str(info.value)
@@ -98,6 +101,7 @@ def test_an_exception_inside_the_framework_stays_its_failure(fake_deepspeed):
 
 
 # -- which exceptions are the glue's, on exceptions raised here (no world) --------------------
+
 
 class _Model:
     """A prepared model whose framework object raises inside its own code."""

@@ -20,8 +20,16 @@ from ddpcheck.features import FEATURES, supported_by
 from ddpcheck.scenario import Scenario
 
 #: micro-batches, a schedule, clipping, Adam state, a parameter some ranks do not use
-BUSY = Scenario(zoo.SampleBranch, optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.01},
-                lr_decay=0.5, global_batch=7, steps=2, accumulation=3, max_grad_norm=1.0)
+BUSY = Scenario(
+    zoo.SampleBranch,
+    optimizer=torch.optim.Adam,
+    optimizer_kwargs={"lr": 0.01},
+    lr_decay=0.5,
+    global_batch=7,
+    steps=2,
+    accumulation=3,
+    max_grad_norm=1.0,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 
@@ -35,8 +43,15 @@ def _needs(module: str) -> None:
 def test_ddpcheck_targets_lists_every_ready_made_target_with_its_declines(capsys):
     assert cli.main(["targets"]) == ExitCode.OK
     out = capsys.readouterr().out
-    for name in ("torch_zero", "torch_zero_bucket_view", "torch_fsdp", "accelerate", "fabric",
-                 "lightning", "hf_trainer"):
+    for name in (
+        "torch_zero",
+        "torch_zero_bucket_view",
+        "torch_fsdp",
+        "accelerate",
+        "fabric",
+        "lightning",
+        "hf_trainer",
+    ):
         assert f"\n{name}  (" in f"\n{out}", out
     assert "declines mixed-dtypes: ZeroRedundancyOptimizer rejects" in out
     for entry in targets.READY_MADE:  # every declined feature has its reason, and only those
@@ -48,8 +63,11 @@ def test_the_releases_listed_as_tested_run_from_the_floor_to_the_pin(framework, 
     """``ddpcheck targets`` says which releases were tried: the oldest is the floor every
     ready-made target of that framework states, the newest the pin every install uses."""
     tested = targets.TESTED[framework]
-    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
-                if "==" in line and not line.startswith("#"))
+    pins = dict(
+        line.split("==")
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    )
     assert tested[-1] == pins[framework], (framework, tested, pins.get(framework))
     entries = [e for e in targets.READY_MADE if e.framework == framework]
     assert entries and all(e.minimum in (None, tested[0]) for e in entries), framework
@@ -57,14 +75,21 @@ def test_the_releases_listed_as_tested_run_from_the_floor_to_the_pin(framework, 
     assert f"tested with {', '.join(tested)}" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name, hint", [
-    ("fabric", "drives lightning, which is not installed here: pip install 'lightning>=2.0.9'"),
-    # once hinted `pip install 'ddpcheck[frameworks]'`, which installs no DeepSpeed
-    ("deepspeed_zero1", "drives deepspeed, which is not installed here: pip install "
-                        "'deepspeed>=0.19.0'"),
-], ids=["fabric", "deepspeed_zero1"])
-def test_a_framework_that_is_not_installed_is_named_with_how_to_install_it(monkeypatch, capsys,
-                                                                           name, hint):
+@pytest.mark.parametrize(
+    "name, hint",
+    [
+        ("fabric", "drives lightning, which is not installed here: pip install 'lightning>=2.0.9'"),
+        # once hinted `pip install 'ddpcheck[frameworks]'`, which installs no DeepSpeed
+        (
+            "deepspeed_zero1",
+            "drives deepspeed, which is not installed here: pip install 'deepspeed>=0.19.0'",
+        ),
+    ],
+    ids=["fabric", "deepspeed_zero1"],
+)
+def test_a_framework_that_is_not_installed_is_named_with_how_to_install_it(
+    monkeypatch, capsys, name, hint
+):
     monkeypatch.delitem(targets.BUILTIN, name, raising=False)
     status = cli.main(["check", name, "--examples", "1"])
     assert status == ExitCode.SETUP
@@ -101,20 +126,43 @@ def test_lightning_fabric():
 def test_lightnings_trainer_owns_the_loop_automatic_and_manual():
     _needs("lightning")
     ddpcheck.check_example(targets.LIGHTNING, BUSY, 2)
-    ddpcheck.check_example(targets.LightningTarget(manual=True),
-                           Scenario(zoo.Tied, global_batch=5, steps=2, accumulation=2,
-                                    max_grad_norm=1.0, grad_norm_type=float("inf")), 2)
+    ddpcheck.check_example(
+        targets.LightningTarget(manual=True),
+        Scenario(
+            zoo.Tied,
+            global_batch=5,
+            steps=2,
+            accumulation=2,
+            max_grad_norm=1.0,
+            grad_norm_type=float("inf"),
+        ),
+        2,
+    )
 
 
 #: a language model on padded tokens, accumulated, under bfloat16 autocast
-TOKENS = Scenario(zoo.TinyGPT, data=zoo.token_data, loss="token_cross_entropy", dtype="float32",
-                  autocast=torch.bfloat16, optimizer=torch.optim.AdamW, global_batch=7, steps=2,
-                  accumulation=2)
+TOKENS = Scenario(
+    zoo.TinyGPT,
+    data=zoo.token_data,
+    loss="token_cross_entropy",
+    dtype="float32",
+    autocast=torch.bfloat16,
+    optimizer=torch.optim.AdamW,
+    global_batch=7,
+    steps=2,
+    accumulation=2,
+)
 
 
-@pytest.mark.parametrize("name,module", [("accelerate", "accelerate"), ("fabric", "lightning"),
-                                         ("lightning", "lightning"),
-                                         ("hf_trainer", "transformers")])
+@pytest.mark.parametrize(
+    "name,module",
+    [
+        ("accelerate", "accelerate"),
+        ("fabric", "lightning"),
+        ("lightning", "lightning"),
+        ("hf_trainer", "transformers"),
+    ],
+)
 def test_the_frameworks_train_language_models_under_autocast(name, module):
     _needs(module)
     ddpcheck.check_example(targets.BUILTIN[name], TOKENS, 2)
@@ -125,7 +173,8 @@ def test_a_token_scenario_is_judged_or_declined_by_every_configuration_never_a_c
     # exit 4 as soon as a token scenario was drawn)
     configured = [entry.target for entry in targets.READY_MADE] + [
         targets.LightningTarget(manual=True, static_graph=True),
-        targets.LightningTarget(static_graph=True)]
+        targets.LightningTarget(static_graph=True),
+    ]
     plain = Scenario(zoo.GPTConfig(layers=1), data=zoo.token_data, loss="token_cross_entropy")
     for target in configured:
         for scenario in (TOKENS, plain):
@@ -155,9 +204,16 @@ def test_fsdp2_options_resharding_and_cpu_offload():
 
 def test_deepspeed_zero_1_and_2_on_its_cpu_accelerator_over_gloo():
     _needs("deepspeed")
-    scenario = Scenario(zoo.Tied, dtype="float32", optimizer=torch.optim.Adam,
-                        optimizer_kwargs={"lr": 0.01, "eps": 1e-3}, lr_decay=0.5,
-                        global_batch=7, steps=2, accumulation=2)
+    scenario = Scenario(
+        zoo.Tied,
+        dtype="float32",
+        optimizer=torch.optim.Adam,
+        optimizer_kwargs={"lr": 0.01, "eps": 1e-3},
+        lr_decay=0.5,
+        global_batch=7,
+        steps=2,
+        accumulation=2,
+    )
     ddpcheck.check_example(targets.DEEPSPEED_ZERO1, scenario, 2)
     # ZeRO-2 reduces every micro-batch by design (declared): within its budget
     ddpcheck.check_example(targets.DEEPSPEED_ZERO2, scenario, 2)

@@ -31,11 +31,18 @@ class CorruptShardOnRank1(TorchFSDPTarget):
 
 
 @pytest.mark.parametrize("world_size, model, reshard", [(2, zoo.MLP, False), (3, zoo.Tied, True)])
-def test_torch_fsdp_matches_the_reference_with_accumulation_and_clipping(world_size, model,
-                                                                         reshard):
-    scenario = ddpcheck.Scenario(model=model, global_batch=7, steps=2, accumulation=2,
-                                 max_grad_norm=0.05, optimizer=torch.optim.AdamW,
-                                 optimizer_kwargs={"lr": 0.01})
+def test_torch_fsdp_matches_the_reference_with_accumulation_and_clipping(
+    world_size, model, reshard
+):
+    scenario = ddpcheck.Scenario(
+        model=model,
+        global_batch=7,
+        steps=2,
+        accumulation=2,
+        max_grad_norm=0.05,
+        optimizer=torch.optim.AdamW,
+        optimizer_kwargs={"lr": 0.01},
+    )
     target = TorchFSDPTarget(reshard_after_forward=reshard)
     assert features.declines(target, scenario, world_size) is None
     ddpcheck.check_example(target, scenario, world_size)  # raises EquivalenceError on a bug
@@ -80,8 +87,10 @@ def _record(rank, whole, local, dim=0):
 def test_compare_shards_follows_torch_chunk_and_names_the_slice():
     whole = torch.arange(10.0).reshape(5, 2)
     assert [shard_bounds(5, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
-    good = [_record(r, whole, whole[s:e]) for r, (s, e) in
-            enumerate(shard_bounds(5, 4, r) for r in range(4))]
+    good = [
+        _record(r, whole, whole[s:e])
+        for r, (s, e) in enumerate(shard_bounds(5, 4, r) for r in range(4))
+    ]
     assert compare_shards(0, 4, good) == []
     bad = list(good)
     bad[2] = _record(2, whole, whole[2:3])  # rank 2 stepped rank 1's last row
@@ -99,11 +108,14 @@ def test_fsdp_declines_name_their_reasons():
     assert "layer 'extra' runs in micro-batch" in TORCH_FSDP.supports(branch)
     transposed = ddpcheck.Scenario(model=zoo.NonContiguous)
     assert "non-contiguous" in features.declines(TORCH_FSDP, transposed, 2)
-    tied_head = ddpcheck.Scenario(model=ModelSpec(layers=(Layer(kind="embedding"),), width=2,
-                                                  tie_head=True),
-                                  data=SpecData(width=2), global_batch=1, steps=1, seed=1)
-    assert "'l0.table.weight' is used outside its layer's forward" in TORCH_FSDP.supports(
-        tied_head)
+    tied_head = ddpcheck.Scenario(
+        model=ModelSpec(layers=(Layer(kind="embedding"),), width=2, tie_head=True),
+        data=SpecData(width=2),
+        global_batch=1,
+        steps=1,
+        seed=1,
+    )
+    assert "'l0.table.weight' is used outside its layer's forward" in TORCH_FSDP.supports(tied_head)
     assert TORCH_FSDP.supports(ddpcheck.Scenario(model=zoo.Tied)) is None  # tied within layers
 
 
@@ -111,11 +123,19 @@ def test_fsdp_declines_name_their_reasons():
 # Mixed precision: FSDP2's MixedPrecisionPolicy from the scenario's param_dtype
 
 
-BF16_PARAMS = ddpcheck.Scenario(zoo.TinyGPT, data=zoo.token_data, loss="token_cross_entropy",
-                                optimizer=torch.optim.AdamW,
-                                optimizer_kwargs={"lr": 0.01, "eps": 0.1}, global_batch=7,
-                                steps=2, accumulation=2, dtype="float32", seed=3,
-                                param_dtype=torch.bfloat16)
+BF16_PARAMS = ddpcheck.Scenario(
+    zoo.TinyGPT,
+    data=zoo.token_data,
+    loss="token_cross_entropy",
+    optimizer=torch.optim.AdamW,
+    optimizer_kwargs={"lr": 0.01, "eps": 0.1},
+    global_batch=7,
+    steps=2,
+    accumulation=2,
+    dtype="float32",
+    seed=3,
+    param_dtype=torch.bfloat16,
+)
 
 
 def test_fsdp2_applies_the_scenarios_param_dtype_and_matches_the_emulated_reference():

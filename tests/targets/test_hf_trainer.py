@@ -28,8 +28,15 @@ from ddpcheck.targets.hf_trainer import HARNESS_KEYS, SCENARIO_KEYS, HfTrainerTa
 
 #: a language model on padded tokens, accumulated: micro-batches and ranks hold different
 #: numbers of tokens, which is where the normalisation goes wrong
-TOKENS = Scenario(zoo.TinyGPT, data=zoo.token_data, loss="token_cross_entropy",
-                  optimizer=torch.optim.AdamW, global_batch=7, steps=2, accumulation=2)
+TOKENS = Scenario(
+    zoo.TinyGPT,
+    data=zoo.token_data,
+    loss="token_cross_entropy",
+    optimizer=torch.optim.AdamW,
+    global_batch=7,
+    steps=2,
+    accumulation=2,
+)
 #: per-sample losses in micro-batches of equal size on every rank: any normalisation is right
 EVEN = Scenario(zoo.MLP, global_batch=8, steps=2, accumulation=2)
 
@@ -40,25 +47,41 @@ def _needs_transformers() -> None:
         pytest.skip(f"transformers is not installed ({entry.install})")
 
 
-@settings(max_examples=4, database=None, deadline=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=4,
+    database=None,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
 @given(data=st.data())
 def test_the_trainer_trains_drawn_scenarios_as_the_reference_does(data):
     _needs_transformers()
-    scenario, world_size = data.draw(dst.examples(targets.HF_TRAINER, world_sizes=(2,),
-                                                  dtypes=("float64", "float32")))
+    scenario, world_size = data.draw(
+        dst.examples(targets.HF_TRAINER, world_sizes=(2,), dtypes=("float64", "float32"))
+    )
     ddpcheck.check_example(targets.HF_TRAINER, scenario, world_size)
-    tokens = data.draw(dst.exercising("tokens", world_size=2,
-                                      without=features.unsupported(targets.HF_TRAINER)).filter(
-        lambda s: features.declines(targets.HF_TRAINER, s, 2) is None))
+    tokens = data.draw(
+        dst.exercising(
+            "tokens", world_size=2, without=features.unsupported(targets.HF_TRAINER)
+        ).filter(lambda s: features.declines(targets.HF_TRAINER, s, 2) is None)
+    )
     ddpcheck.check_example(targets.HF_TRAINER, tokens, 2)
 
 
 def test_the_trainer_trains_a_language_model_under_bf16_and_the_loop_features():
     _needs_transformers()
     ddpcheck.check_example(targets.HF_TRAINER, TOKENS, 2)
-    busy = Scenario(zoo.SampleBranch, optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.01},
-                    lr_decay=0.5, global_batch=7, steps=2, accumulation=3, max_grad_norm=1.0)
+    busy = Scenario(
+        zoo.SampleBranch,
+        optimizer=torch.optim.Adam,
+        optimizer_kwargs={"lr": 0.01},
+        lr_decay=0.5,
+        global_batch=7,
+        steps=2,
+        accumulation=3,
+        max_grad_norm=1.0,
+    )
     ddpcheck.check_example(targets.HF_TRAINER, busy, 3)
 
 
@@ -66,8 +89,9 @@ def test_the_users_training_arguments_reach_the_trainer_inside_the_rank():
     _needs_transformers()
     from tests.targets.hf_trainers import BUCKET_MB, ObservingTrainer
 
-    given = HfTrainerTarget(training_args={"ddp_bucket_cap_mb": BUCKET_MB},
-                            trainer_class=ObservingTrainer)
+    given = HfTrainerTarget(
+        training_args={"ddp_bucket_cap_mb": BUCKET_MB}, trainer_class=ObservingTrainer
+    )
     ddpcheck.check_example(given, EVEN, 2)
     # the control: without the argument, the DDP model the Trainer built has torch's 25 MB
     with pytest.raises(ddpcheck.EquivalenceError) as info:
@@ -77,14 +101,26 @@ def test_the_users_training_arguments_reach_the_trainer_inside_the_rank():
 
 
 def test_a_key_the_scenario_or_the_harness_sets_is_refused_by_name(tmp_path, capsys):
-    with pytest.raises(ddpcheck.InvalidArgument, match=r"'gradient_accumulation_steps' is the "
-                                                       r"scenario's \(set from "
-                                                       r"Scenario\.accumulation"):
+    with pytest.raises(
+        ddpcheck.InvalidArgument,
+        match=r"'gradient_accumulation_steps' is the "
+        r"scenario's \(set from "
+        r"Scenario\.accumulation",
+    ):
         HfTrainerTarget(training_args={"gradient_accumulation_steps": 2})
     # a user's JSON file: every key named at once; what changes nothing is accepted
     path = tmp_path / "args.json"
-    path.write_text(json.dumps({"output_dir": str(tmp_path), "learning_rate": 2e-5,
-                                "save_strategy": "steps", "report_to": "none", "seed": 3}))
+    path.write_text(
+        json.dumps(
+            {
+                "output_dir": str(tmp_path),
+                "learning_rate": 2e-5,
+                "save_strategy": "steps",
+                "report_to": "none",
+                "seed": 3,
+            }
+        )
+    )
     with pytest.raises(ddpcheck.InvalidArgument) as info:
         HfTrainerTarget(training_args=str(path))
     assert "'learning_rate' is the scenario's" in str(info.value)
@@ -113,13 +149,15 @@ def test_a_precision_the_environment_imposes_is_refused(monkeypatch):
 
 def test_a_name_or_value_trainingarguments_rejects_is_a_usage_error():
     _needs_transformers()
-    with pytest.raises(ddpcheck.InvalidArgument, match="'gradient_acumulation_steps' is no "
-                                                       "TrainingArguments field"):
+    with pytest.raises(
+        ddpcheck.InvalidArgument, match="'gradient_acumulation_steps' is no TrainingArguments field"
+    ):
         HfTrainerTarget(training_args={"gradient_acumulation_steps": 2})
     # a value only TrainingArguments itself can judge: from the ranks, still exit 2
     with pytest.raises(ddpcheck.InvalidArgument, match=r"logging_strategy='sometimes'.*raised"):
-        ddpcheck.check_example(HfTrainerTarget(training_args={"logging_strategy": "sometimes"}),
-                               EVEN, 2)
+        ddpcheck.check_example(
+            HfTrainerTarget(training_args={"logging_strategy": "sometimes"}), EVEN, 2
+        )
 
 
 def test_a_loss_normalised_per_micro_batch_is_caught_where_token_counts_differ():

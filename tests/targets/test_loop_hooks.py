@@ -14,8 +14,16 @@ from ddpcheck.scenario import Scenario
 from tests.targets.own_loop import HalfOwnedZero2, HandLoopTarget
 
 #: micro-batches, a schedule, clipping, Adam state, uneven shards: every hook has work
-BUSY = Scenario(zoo.SampleBranch, optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.01},
-                lr_decay=0.5, global_batch=7, steps=2, accumulation=2, max_grad_norm=1.0)
+BUSY = Scenario(
+    zoo.SampleBranch,
+    optimizer=torch.optim.Adam,
+    optimizer_kwargs={"lr": 0.01},
+    lr_decay=0.5,
+    global_batch=7,
+    steps=2,
+    accumulation=2,
+    max_grad_norm=1.0,
+)
 
 
 def test_a_target_that_owns_its_loop_is_recorded_at_every_step_it_reports():
@@ -32,8 +40,14 @@ def test_the_engine_idiom_steps_after_every_micro_batch_and_holds():
 
 
 def test_sharded_gradients_are_judged_as_their_owners_hold_them():
-    plain = Scenario(zoo.Tied, optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.01},
-                     global_batch=5, steps=2, accumulation=2)
+    plain = Scenario(
+        zoo.Tied,
+        optimizer=torch.optim.Adam,
+        optimizer_kwargs={"lr": 0.01},
+        global_batch=5,
+        steps=2,
+        accumulation=2,
+    )
     ddpcheck.check_example(Zero2Target(), plain, 3)  # non-owners keep their local gradients
     with pytest.raises(ddpcheck.EquivalenceError) as info:
         ddpcheck.check_example(HalfOwnedZero2(), plain, 2)
@@ -54,14 +68,19 @@ def test_a_default_hook_that_cannot_serve_the_target_declines_the_example():
         ddpcheck.check_example(ClipsWithTheDefault(), BUSY, 2)
 
 
-@pytest.mark.parametrize("build, message", [
-    (lambda: ddpcheck.models.Layer(kind="lstm"), "kind='lstm' must be one of"),
-    (lambda: ddpcheck.models.Layer(use="often"), "use='often' must be one of"),
-    (lambda: ddpcheck.models.ModelSpec(width=1), "width=1 must be at least 2"),
-    (lambda: ddpcheck.models.ModelSpec(layers=(ddpcheck.models.Layer(),), registration=(1,)),
-     "must be a permutation"),
-    (lambda: zoo.GPTConfig(width=3, heads=2), "width must be a positive multiple of heads"),
-])
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: ddpcheck.models.Layer(kind="lstm"), "kind='lstm' must be one of"),
+        (lambda: ddpcheck.models.Layer(use="often"), "use='often' must be one of"),
+        (lambda: ddpcheck.models.ModelSpec(width=1), "width=1 must be at least 2"),
+        (
+            lambda: ddpcheck.models.ModelSpec(layers=(ddpcheck.models.Layer(),), registration=(1,)),
+            "must be a permutation",
+        ),
+        (lambda: zoo.GPTConfig(width=3, heads=2), "width must be a positive multiple of heads"),
+    ],
+)
 def test_the_scenario_language_refuses_with_its_own_outcome(build, message):
     with pytest.raises(ddpcheck.InvalidArgument, match=message):
         build()

@@ -23,8 +23,16 @@ from ddpcheck.targets import TorchFSDPTarget, TorchZeroTarget
 from tests.targets.config_readers import ReadingFSDP, ReadingZero, read_back
 
 #: an odd seed: without a config, the target reshards after forward (True for odd seeds)
-POLICY = Scenario(zoo.MLP, dtype="float32", optimizer=torch.optim.AdamW, global_batch=8,
-                  steps=2, accumulation=2, param_dtype=torch.bfloat16, seed=1)
+POLICY = Scenario(
+    zoo.MLP,
+    dtype="float32",
+    optimizer=torch.optim.AdamW,
+    global_batch=8,
+    steps=2,
+    accumulation=2,
+    param_dtype=torch.bfloat16,
+    seed=1,
+)
 PLAIN = Scenario(zoo.MLP, optimizer=torch.optim.Adam, global_batch=7, steps=2, accumulation=2)
 FSDP = {"reshard_after_forward": False, "mp_policy": {"cast_forward_inputs": True}}
 
@@ -44,31 +52,45 @@ def test_fully_shard_options_reach_fsdp2_inside_the_rank(tmp_path):
 
 
 def test_zero_options_reach_the_optimizer_inside_the_rank(tmp_path):
-    ddpcheck.check_example(ReadingZero(config={"parameters_as_bucket_view": True},
-                                       report=str(tmp_path)), PLAIN, 2)
+    ddpcheck.check_example(
+        ReadingZero(config={"parameters_as_bucket_view": True}, report=str(tmp_path)), PLAIN, 2
+    )
     assert [s["parameters_as_bucket_view"] for s in read_back(str(tmp_path))] == [True, True]
 
 
 def test_a_check_with_the_configs_passes_on_random_examples(tmp_path, capsys):
     path = tmp_path / "fsdp.json"
     path.write_text(json.dumps(FSDP))
-    for spec in (f"ddpcheck.targets:TorchFSDPTarget(config={str(path)!r})",
-                 "ddpcheck.targets:TorchZeroTarget(config={'parameters_as_bucket_view': False})"):
+    for spec in (
+        f"ddpcheck.targets:TorchFSDPTarget(config={str(path)!r})",
+        "ddpcheck.targets:TorchZeroTarget(config={'parameters_as_bucket_view': False})",
+    ):
         code = cli.main(["check", spec, "--examples", "6", "--world-sizes", "2", "--seed", "5"])
         assert code == ExitCode.OK, capsys.readouterr().err
 
 
 def test_refused_keys_are_named_when_the_target_is_built(capsys):
     with pytest.raises(ddpcheck.InvalidArgument) as info:
-        TorchFSDPTarget(config={"mesh": None, "ignored_params": {1}, "mp_policy": {
-            "param_dtype": "bfloat16", "output_dtype": "float32", "cast_forward_inputs": False},
-            "reshard_after_froward": 1})
+        TorchFSDPTarget(
+            config={
+                "mesh": None,
+                "ignored_params": {1},
+                "mp_policy": {
+                    "param_dtype": "bfloat16",
+                    "output_dtype": "float32",
+                    "cast_forward_inputs": False,
+                },
+                "reshard_after_froward": 1,
+            }
+        )
     message = str(info.value)
-    for part in ("'mp_policy.param_dtype' is the scenario's",
-                 "'mp_policy.output_dtype' is the scenario's", "'ignored_params'={1} contradicts",
-                 "'mp_policy.cast_forward_inputs'=False contradicts",
-                 "'reshard_after_froward' is no keyword argument (did you mean "
-                 "'reshard_after_forward'?)"):
+    for part in (
+        "'mp_policy.param_dtype' is the scenario's",
+        "'mp_policy.output_dtype' is the scenario's",
+        "'ignored_params'={1} contradicts",
+        "'mp_policy.cast_forward_inputs'=False contradicts",
+        "'reshard_after_froward' is no keyword argument (did you mean 'reshard_after_forward'?)",
+    ):
         assert part in message, message
     assert "'mesh'" not in message  # None: what the target sets
     with pytest.raises(ddpcheck.InvalidArgument, match="both set it"):
@@ -76,12 +98,21 @@ def test_refused_keys_are_named_when_the_target_is_built(capsys):
     with pytest.raises(ddpcheck.InvalidArgument, match="both set it"):
         TorchFSDPTarget(cpu_offload=True, config={"offload_policy": {"pin_memory": False}})
     with pytest.raises(ddpcheck.InvalidArgument) as info:
-        TorchZeroTarget(config={"lr": 0.1, "optimizer_class": "SGD", "overlap_with_ddp": True,
-                                "parameters_as_bucket_veiw": True})
+        TorchZeroTarget(
+            config={
+                "lr": 0.1,
+                "optimizer_class": "SGD",
+                "overlap_with_ddp": True,
+                "parameters_as_bucket_veiw": True,
+            }
+        )
     message = str(info.value)
-    for part in ("'lr' is the scenario's (set from Scenario.optimizer_kwargs",
-                 "'optimizer_class' is the scenario's", "'overlap_with_ddp'=True contradicts",
-                 "did you mean 'parameters_as_bucket_view'?"):
+    for part in (
+        "'lr' is the scenario's (set from Scenario.optimizer_kwargs",
+        "'optimizer_class' is the scenario's",
+        "'overlap_with_ddp'=True contradicts",
+        "did you mean 'parameters_as_bucket_view'?",
+    ):
         assert part in message, message
     spec = "ddpcheck.targets:TorchZeroTarget(config={'process_group': 'gloo'})"
     assert cli.main(["check", spec, "--examples", "1"]) == ExitCode.SETUP
@@ -99,11 +130,14 @@ def test_the_configs_are_read_from_json_and_replayed(tmp_path):
     path.write_text(json.dumps(FSDP))
     from_file = TorchFSDPTarget(config=str(path))
     assert vars(from_file)["_given"] == FSDP
-    for target in (from_file, TorchFSDPTarget(config=FSDP),
-                   TorchZeroTarget(config={"parameters_as_bucket_view": True})):
+    for target in (
+        from_file,
+        TorchFSDPTarget(config=FSDP),
+        TorchZeroTarget(config={"parameters_as_bucket_view": True}),
+    ):
         spec = target_spec(target)
         rebuilt = evaluate(spec)
         assert rebuilt == target and vars(rebuilt) == vars(target), spec
-    (tmp_path / "bad.json").write_text("{\n  \"reshard_after_forward\": tru\n}")
+    (tmp_path / "bad.json").write_text('{\n  "reshard_after_forward": tru\n}')
     with pytest.raises(ddpcheck.InvalidArgument, match=r"TorchFSDPTarget.*line 2"):
         TorchFSDPTarget(config=str(tmp_path / "bad.json"))

@@ -177,41 +177,63 @@ class ExtraBarrier(targets.ParallelDDPTarget):
 # (target factory, kind, what the message must show about the guilty rank)
 FAULTS = {
     "raises before a collective": (
-        RaisesBeforeCollective, "rank failed",
-        ["RuntimeError: deliberate failure on rank {g} before a collective",
-         'test_faults.py", line', "in after_backward"]),
+        RaisesBeforeCollective,
+        "rank failed",
+        [
+            "RuntimeError: deliberate failure on rank {g} before a collective",
+            'test_faults.py", line',
+            "in after_backward",
+        ],
+    ),
     "raises inside backward (hook)": (
-        RaisesInBackwardHook, "rank failed",
-        ["RuntimeError: deliberate failure in a gradient hook", "in _raise_in_hook"]),
+        RaisesInBackwardHook,
+        "rank failed",
+        ["RuntimeError: deliberate failure in a gradient hook", "in _raise_in_hook"],
+    ),
     "exits 3 after its last collective": (
-        ExitsAfterLastCollective, "rank failed",
-        ["rank {g}: process exited (exit code 3)",
-         "every rank issued the same"]),
+        ExitsAfterLastCollective,
+        "rank failed",
+        ["rank {g}: process exited (exit code 3)", "every rank issued the same"],
+    ),
     "SIGKILLed mid-collective": (
-        KilledMidCollective, "rank failed",
-        ["rank {g}: process exited (killed by signal SIGKILL)",
-         "all_reduce SUM 4194304 float32"]),
+        KilledMidCollective,
+        "rank failed",
+        ["rank {g}: process exited (killed by signal SIGKILL)", "all_reduce SUM 4194304 float32"],
+    ),
     "sleeps forever": (
-        SleepsForever, "rank timed out",
-        ["rank {g}: did not return in time; it was here:", "in _sleep_in_hook",
-         "rank {g} issued nothing at index"]),
+        SleepsForever,
+        "rank timed out",
+        [
+            "rank {g}: did not return in time; it was here:",
+            "in _sleep_in_hook",
+            "rank {g} issued nothing at index",
+        ],
+    ),
     "mismatched op": (
-        lambda guilty: MismatchedCollective(how="op", guilty=guilty), "collectives mismatched",
-        ["rank {g}: broadcast 4 float64 root=0", "all_reduce SUM 4 float64"]),
+        lambda guilty: MismatchedCollective(how="op", guilty=guilty),
+        "collectives mismatched",
+        ["rank {g}: broadcast 4 float64 root=0", "all_reduce SUM 4 float64"],
+    ),
     "mismatched shape": (
-        lambda guilty: MismatchedCollective(how="shape", guilty=guilty), "collectives mismatched",
-        ["rank {g}: all_reduce SUM 5 float64", "all_reduce SUM 4 float64"]),
+        lambda guilty: MismatchedCollective(how="shape", guilty=guilty),
+        "collectives mismatched",
+        ["rank {g}: all_reduce SUM 5 float64", "all_reduce SUM 4 float64"],
+    ),
     "mismatched dtype": (
-        lambda guilty: MismatchedCollective(how="dtype", guilty=guilty), "collectives mismatched",
-        ["rank {g}: all_reduce SUM 4 int64", "all_reduce SUM 4 float64"]),
+        lambda guilty: MismatchedCollective(how="dtype", guilty=guilty),
+        "collectives mismatched",
+        ["rank {g}: all_reduce SUM 4 int64", "all_reduce SUM 4 float64"],
+    ),
     "mismatched count": (
-        lambda guilty: MismatchedCollective(how="count", guilty=guilty), "collectives mismatched",
-        ["rank {g} issued nothing at index"]),
+        lambda guilty: MismatchedCollective(how="count", guilty=guilty),
+        "collectives mismatched",
+        ["rank {g} issued nothing at index"],
+    ),
     "waits on a handle never launched elsewhere": (
         lambda guilty: MismatchedCollective(how="never-launched", guilty=guilty),
         "collectives mismatched",
-        ["rank {g}: all_reduce SUM 4 float64", "issued nothing at index",
-         "in after_backward"]),
+        ["rank {g}: all_reduce SUM 4 float64", "issued nothing at index", "in after_backward"],
+    ),
 }
 
 
@@ -281,7 +303,7 @@ def _socket_inodes(pids: list[int]) -> set[int]:
             except OSError:
                 continue
             if link.startswith("socket:["):
-                inodes.add(int(link[len("socket:["):-1]))
+                inodes.add(int(link[len("socket:[") : -1]))
     return inodes
 
 
@@ -326,8 +348,9 @@ def test_fault_is_reported_fast_and_leaves_nothing_behind(fault, world_size):
     new_pids = get_world(world_size).pids
     assert set(new_pids).isdisjoint(old_pids)
     old_janitor, new_janitor = {old_janitor_pid}, {get_world(world_size).janitor_pid}
-    assert _descendants(os.getpid()) <= ((before_children - set(old_pids) - old_janitor)
-                                      | set(new_pids) | new_janitor)
+    assert _descendants(os.getpid()) <= (
+        (before_children - set(old_pids) - old_janitor) | set(new_pids) | new_janitor
+    )
     print(f"\nFAULT-TABLE W={world_size} {fault!r}: {err.kinds[0]} in {elapsed:.2f} s")
 
 
@@ -422,9 +445,16 @@ def _interrupt_when(cmd: list[str], ready: str, cwd: str, timeout: float = 120.0
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     # Ctrl-C as a terminal gives it: a suite started in the background (`make test &`, nohup)
     # ignores SIGINT, and a child inherits that -- Python then installs no KeyboardInterrupt
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         end = time.monotonic() + patience(timeout)
         marker = os.path.join(cwd, ready)
@@ -469,8 +499,20 @@ class BusyTarget(targets.ParallelDDPTarget):
 def test_ctrl_c_of_ddpcheck_check_leaves_no_process(tmp_path):
     spec = f"tests.world.test_faults:BusyTarget(marker={str(tmp_path / 'busy')!r})"
     status, out, left = _interrupt_when(
-        [sys.executable, "-m", "ddpcheck", "check", spec, "--world-sizes", "2",
-         "--deadline", "600"], "busy", str(tmp_path))
+        [
+            sys.executable,
+            "-m",
+            "ddpcheck",
+            "check",
+            spec,
+            "--world-sizes",
+            "2",
+            "--deadline",
+            "600",
+        ],
+        "busy",
+        str(tmp_path),
+    )
     assert not left, f"left running: {left}\n{out}"
     assert status == 130, out
     assert "interrupted; every rank process was stopped" in out
@@ -479,18 +521,22 @@ def test_ctrl_c_of_ddpcheck_check_leaves_no_process(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_of_a_pytest_run_leaves_no_process(tmp_path):
-    (tmp_path / "test_busy.py").write_text(textwrap.dedent(f"""
+    (tmp_path / "test_busy.py").write_text(
+        textwrap.dedent(f"""
         from ddpcheck import check_example
         from ddpcheck.scenario import Scenario
         from tests.world.test_faults import BusyTarget
 
         def test_busy():
-            check_example(BusyTarget(marker={str(tmp_path / 'busy')!r}), Scenario(), 2,
+            check_example(BusyTarget(marker={str(tmp_path / "busy")!r}), Scenario(), 2,
                           deadline=600)
-    """))
+    """)
+    )
     status, out, left = _interrupt_when(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_busy.py"],
-        "busy", str(tmp_path))
+        "busy",
+        str(tmp_path),
+    )
     assert not left, f"left running: {left}\n{out}"
     assert status == 2, out  # pytest's "interrupted"
     assert "KeyboardInterrupt" in out, out
@@ -498,7 +544,8 @@ def test_ctrl_c_of_a_pytest_run_leaves_no_process(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_of_a_pytest_xdist_run_leaves_no_process(tmp_path):
-    (tmp_path / "test_busy.py").write_text(textwrap.dedent(f"""
+    (tmp_path / "test_busy.py").write_text(
+        textwrap.dedent(f"""
         import pytest
         from ddpcheck import check_example
         from ddpcheck.scenario import Scenario
@@ -506,11 +553,14 @@ def test_ctrl_c_of_a_pytest_xdist_run_leaves_no_process(tmp_path):
 
         @pytest.mark.parametrize("i", [0, 1])
         def test_busy(i):
-            check_example(BusyTarget(marker={str(tmp_path / 'busy')!r} + str(i)), Scenario(), 2,
+            check_example(BusyTarget(marker={str(tmp_path / "busy")!r} + str(i)), Scenario(), 2,
                           deadline=600)
-    """))
+    """)
+    )
     status, out, left = _interrupt_when(
-        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider",
-         "test_busy.py"], "busy0", str(tmp_path))
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", "test_busy.py"],
+        "busy0",
+        str(tmp_path),
+    )
     assert not left, f"left running: {left}\n{out}"
     assert status != 0, out

@@ -43,22 +43,36 @@ def test_builtin_targets_pass_the_battery(name):
     # torch's DDP declines per-rank registration orders; ZeRO also rejects mixed dtypes, and
     # checkpoints where its consolidate_state_dict cannot run (it needs numpy)
     # (each with the reason its class declares: Target.declined_features)
-    declined = {"TORCH_ZERO": ["mixed-dtypes-sum (W=1,2,3,4): needs mixed-dtypes (TorchZeroTarget "
-                               "declines it: ZeroRedundancyOptimizer rejects parameters of "
-                               "several dtypes)"],
-                "TORCH_DDP": []}.get(name)
+    declined = {
+        "TORCH_ZERO": [
+            "mixed-dtypes-sum (W=1,2,3,4): needs mixed-dtypes (TorchZeroTarget "
+            "declines it: ZeroRedundancyOptimizer rejects parameters of "
+            "several dtypes)"
+        ],
+        "TORCH_DDP": [],
+    }.get(name)
     cls = type(getattr(targets, name)).__name__
     # bfloat16 parameters are the target's to apply: opt-in, and none of these opts in
-    opt_in = [f"tokens-param-dtype-bf16 (W=1,2,3,4): needs param-dtype (opt-in: "
-              f"{cls}.applies_param_dtype is not set)"]
+    opt_in = [
+        f"tokens-param-dtype-bf16 (W=1,2,3,4): needs param-dtype (opt-in: "
+        f"{cls}.applies_param_dtype is not set)"
+    ]
     if declined is not None:
         no_numpy = name == "TORCH_ZERO" and importlib.util.find_spec("numpy") is None
-        assert sorted(report.skipped_lines()) == sorted(declined + opt_in + [
-            f"rank-orders-adam (W=1,2,3,4): needs rank-orders ({cls} declines it: torch DDP "
-            'requires "the exact same parameter registration order" on every process)']
-            + ["checkpoint-resume (W=1,2,3,4): checkpoint: ZeroRedundancyOptimizer."
-               "consolidate_state_dict decodes every rank's shard through numpy (torch 2.13), "
-               "which is not installed here"] * no_numpy)
+        assert sorted(report.skipped_lines()) == sorted(
+            declined
+            + opt_in
+            + [
+                f"rank-orders-adam (W=1,2,3,4): needs rank-orders ({cls} declines it: torch DDP "
+                'requires "the exact same parameter registration order" on every process)'
+            ]
+            + [
+                "checkpoint-resume (W=1,2,3,4): checkpoint: ZeroRedundancyOptimizer."
+                "consolidate_state_dict decodes every rank's shard through numpy (torch 2.13), "
+                "which is not installed here"
+            ]
+            * no_numpy
+        )
     else:
         assert report.skipped_lines() == opt_in
 
@@ -132,11 +146,14 @@ class _BroadcastingSGD(torch.optim.SGD):
                 dist.broadcast(p.data, src=0)
 
 
-@pytest.mark.parametrize("target, kind", [
-    (AveragesTwice(), "communication over budget"),
-    (EveryRankStepsEverything(), "optimizer state misplaced"),
-    (BroadcastsEachParameter(), "communication over budget"),
-])
+@pytest.mark.parametrize(
+    "target, kind",
+    [
+        (AveragesTwice(), "communication over budget"),
+        (EveryRankStepsEverything(), "optimizer state misplaced"),
+        (BroadcastsEachParameter(), "communication over budget"),
+    ],
+)
 def test_bugs_that_change_no_number_are_still_caught(target, kind):
     scenario = Scenario(zoo.MLP, optimizer_kwargs={"lr": 0.1, "momentum": 0.9})
     with pytest.raises(ddpcheck.EquivalenceError) as info:
@@ -202,7 +219,7 @@ def test_a_rank_that_hangs_times_out_with_its_stack():
     assert time.monotonic() - started < patience(3) + patience(5)
     err = info.value
     assert "rank timed out" in err.kinds
-    assert "test_harness.py\", line" in str(err) and "in after_backward" in str(err)
+    assert 'test_harness.py", line' in str(err) and "in after_backward" in str(err)
     check_example(targets.PARALLEL, Scenario(), 2)
 
 
@@ -235,7 +252,8 @@ def test_ranks_see_this_processs_environment_as_their_world_starts(monkeypatch):
 @pytest.mark.slow
 def test_a_ranks_output_goes_to_its_log_from_its_first_line(tmp_path):
     script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os
         print("imported as", __name__, flush=True)
         if __name__ == "__main__":
@@ -243,12 +261,21 @@ def test_a_ranks_output_goes_to_its_log_from_its_first_line(tmp_path):
             world = get_world(2)
             for rank in range(2):
                 print(rank, open(os.path.join(world._dir, f"rank{rank}.log")).read().strip())
-    """))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=patience(120), cwd=tmp_path)
+    """)
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=patience(120),
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["imported as __main__", "0 imported as __mp_main__",
-                                       "1 imported as __mp_main__"], out.stdout + out.stderr
+    assert out.stdout.splitlines() == [
+        "imported as __main__",
+        "0 imported as __mp_main__",
+        "1 imported as __mp_main__",
+    ], out.stdout + out.stderr
 
 
 def _alive(pid: int) -> bool:
@@ -267,16 +294,23 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_no_rank_outlives_its_harness_process(tmp_path):
     script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import ddpcheck
         from ddpcheck import targets
         from ddpcheck._world.registry import get_world
         if __name__ == "__main__":
             ddpcheck.assert_equivalent(targets.PARALLEL, world_sizes=(2,))
             print(" ".join(map(str, get_world(2).pids)), flush=True)
-    """))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=patience(120), cwd=tmp_path)
+    """)
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=patience(120),
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == 2
@@ -288,15 +322,18 @@ def test_no_rank_outlives_its_harness_process(tmp_path):
 
 def test_ranks_die_with_a_killed_harness(tmp_path):
     script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import time
         from ddpcheck._world.registry import get_world
         if __name__ == "__main__":
             print(" ".join(map(str, get_world(2).pids)), flush=True)
             time.sleep(600)
-    """))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            cwd=tmp_path)
+    """)
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2
@@ -315,9 +352,14 @@ def test_ranks_die_with_a_killed_harness(tmp_path):
 
 
 def test_scenario_repr_is_code_that_rebuilds_it():
-    scenario = Scenario(zoo.WithBuffers, optimizer=torch.optim.Adam,
-                        optimizer_kwargs={"lr": 0.02, "betas": (0.8, 0.9)},
-                        param_groups=zoo.BiasGroups(lr=0.5), lr_decay=0.5, global_batch=5)
+    scenario = Scenario(
+        zoo.WithBuffers,
+        optimizer=torch.optim.Adam,
+        optimizer_kwargs={"lr": 0.02, "betas": (0.8, 0.9)},
+        param_groups=zoo.BiasGroups(lr=0.5),
+        lr_decay=0.5,
+        global_batch=5,
+    )
     assert from_repr(repr(scenario)) == scenario
 
 
@@ -327,8 +369,14 @@ def test_the_replay_line_replays(tmp_path):
         check_example(targets.LOCAL, Scenario(seed=3), 2)
     command = info.value.replay
     assert command.startswith("python -m ddpcheck replay ")
-    out = subprocess.run(command.replace("python", sys.executable, 1), shell=True,
-                         capture_output=True, text=True, timeout=patience(120), cwd=tmp_path)
+    out = subprocess.run(
+        command.replace("python", sys.executable, 1),
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=patience(120),
+        cwd=tmp_path,
+    )
     assert out.returncode == 1, out.stderr
     assert "replicas differ (initial state)" in out.stdout
 
@@ -337,21 +385,30 @@ def not_a_module():
     return 42
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"world_sizes": (0,)},
-     "world_sizes=(0,) contains 0; every world size must be a positive integer"),
-    ({"world_sizes": (2, -1)}, "world_sizes=(2, -1) contains -1"),
-    ({"world_sizes": (1.5,)}, "world_sizes=(1.5,) contains 1.5"),
-    ({"world_sizes": "2"}, "world_sizes='2' must be a sequence of positive integers"),
-    ({"world_sizes": ()}, "world_sizes=() is empty"),
-    ({"deadline": 0}, "deadline=0 must be a positive number"),
-    ({"scenario": "mlp"}, "scenario='mlp' must be a ddpcheck.Scenario"),
-    ({"scenario": Scenario(not_a_module)},
-     "model=tests.world.test_harness.not_a_module returned int, not a torch.nn.Module"),
-    ({"scenario": Scenario(optimizer_kwargs={"lr": 0.1, "momentum_typo": 0.9})},
-     "optimizer_kwargs={'lr': 0.1, 'momentum_typo': 0.9} were rejected by torch.optim.SGD"),
-    ({"scenario": Scenario(optimizer_kwargs={"lr": -1.0})}, "Invalid learning rate: -1.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"world_sizes": (0,)},
+            "world_sizes=(0,) contains 0; every world size must be a positive integer",
+        ),
+        ({"world_sizes": (2, -1)}, "world_sizes=(2, -1) contains -1"),
+        ({"world_sizes": (1.5,)}, "world_sizes=(1.5,) contains 1.5"),
+        ({"world_sizes": "2"}, "world_sizes='2' must be a sequence of positive integers"),
+        ({"world_sizes": ()}, "world_sizes=() is empty"),
+        ({"deadline": 0}, "deadline=0 must be a positive number"),
+        ({"scenario": "mlp"}, "scenario='mlp' must be a ddpcheck.Scenario"),
+        (
+            {"scenario": Scenario(not_a_module)},
+            "model=tests.world.test_harness.not_a_module returned int, not a torch.nn.Module",
+        ),
+        (
+            {"scenario": Scenario(optimizer_kwargs={"lr": 0.1, "momentum_typo": 0.9})},
+            "optimizer_kwargs={'lr': 0.1, 'momentum_typo': 0.9} were rejected by torch.optim.SGD",
+        ),
+        ({"scenario": Scenario(optimizer_kwargs={"lr": -1.0})}, "Invalid learning rate: -1.0"),
+    ],
+)
 def test_bad_arguments_are_clear_errors(kwargs, message):
     with pytest.raises(ddpcheck.InvalidArgument) as info:
         ddpcheck.assert_equivalent(targets.PARALLEL, **{"world_sizes": (1,), **kwargs})
@@ -359,8 +416,11 @@ def test_bad_arguments_are_clear_errors(kwargs, message):
 
 
 def test_bad_targets_are_clear_errors():
-    with pytest.raises(ddpcheck.InvalidArgument, match=r"is a class; pass an instance, such as "
-                                                        r"ParallelTarget\(\)"):
+    with pytest.raises(
+        ddpcheck.InvalidArgument,
+        match=r"is a class; pass an instance, such as "
+        r"ParallelTarget\(\)",
+    ):
         ddpcheck.assert_equivalent(targets.ParallelTarget, world_sizes=(1,))
 
     class Local(ddpcheck.Target):
@@ -372,13 +432,16 @@ def test_bad_targets_are_clear_errors():
         ddpcheck.assert_equivalent(object(), world_sizes=(1,))
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("global_batch", 0, "global_batch=0 must be an integer >= 1"),
-    ("steps", 1.5, "steps=1.5 must be an integer >= 1"),
-    ("dtype", "float16", "dtype='float16' must be one of ['float32', 'float64']"),
-    ("optimizer", "sgd", "optimizer='sgd' must be a torch.optim.Optimizer subclass"),
-    ("reduction", "max", "reduction='max' must be 'mean' or 'sum'"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("global_batch", 0, "global_batch=0 must be an integer >= 1"),
+        ("steps", 1.5, "steps=1.5 must be an integer >= 1"),
+        ("dtype", "float16", "dtype='float16' must be one of ['float32', 'float64']"),
+        ("optimizer", "sgd", "optimizer='sgd' must be a torch.optim.Optimizer subclass"),
+        ("reduction", "max", "reduction='max' must be 'mean' or 'sum'"),
+    ],
+)
 def test_bad_scenarios_are_clear_errors(field, value, message):
     with pytest.raises(ddpcheck.InvalidArgument) as info:
         Scenario(**{field: value})
@@ -388,8 +451,9 @@ def test_bad_scenarios_are_clear_errors(field, value, message):
 def test_a_fork_server_that_never_gets_ready_is_a_start_error(monkeypatch, tmp_path):
     # forking before the server's imports end would block without a deadline: wait_ready bounds it
     # a process that waits for input it never gets: alive until killed, no sleep
-    stuck = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                             stdin=subprocess.PIPE)
+    stuck = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
     try:
         monkeypatch.setattr(forking, "_started_pid", stuck.pid)
         monkeypatch.setattr(forking, "_has_forked", False)

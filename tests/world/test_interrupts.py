@@ -63,8 +63,7 @@ def test_a_held_ctrl_c_is_raised_once_the_block_has_ended():
         with interrupts.held(deliver=False):  # the way out already: dropped
             signal.raise_signal(signal.SIGINT)
         # pending while blocked, then held: not lost
-        with pytest.raises(KeyboardInterrupt), interrupts.held(), \
-                interrupts.blocked_for_children():
+        with pytest.raises(KeyboardInterrupt), interrupts.held(), interrupts.blocked_for_children():
             signal.raise_signal(signal.SIGINT)
             ran.append("blocked")
         assert ran[-1] == "blocked"
@@ -146,11 +145,17 @@ print("stopped" if not forking._alive(server) else "left running", flush=True)
 def test_a_ctrl_c_while_the_fork_server_starts_is_not_lost():
     """It reaches the command once the server is started and known (so it is stopped at exit),
     and the server, importing torch, ignores it and the ones after."""
-    out = subprocess.run([sys.executable, "-c", FORK_SERVER_START], cwd=ROOT,
-                         capture_output=True, text=True, timeout=patience(60),
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    out = subprocess.run(
+        [sys.executable, "-c", FORK_SERVER_START],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=patience(60),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert out.stdout.split("\n")[:3] == ["interrupted", "server alive", "stopped"], (
-        out.stdout + out.stderr)
+        out.stdout + out.stderr
+    )
     assert "KeyboardInterrupt" not in out.stderr, out.stderr  # not the server's either
 
 
@@ -183,8 +188,13 @@ def test_the_exit_waits_for_the_resource_tracker_within_a_deadline():
     ``cli.TRACKER_DEADLINE``."""
     from ddpcheck.cli import TRACKER_DEADLINE
 
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(TRACKER_HELD_OPEN)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=patience(60))
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(TRACKER_HELD_OPEN)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=patience(60),
+    )
     seconds, state = out.stdout.split("\n")[:2]
     assert state == "tracker gone", out.stdout + out.stderr
     assert TRACKER_DEADLINE <= float(seconds) < TRACKER_DEADLINE + patience(2), out.stdout

@@ -120,12 +120,21 @@ def _fd_count():
 #: framework lives in its process, never a verdict (case -> target, note, a new world?).
 LEFTOVERS = {
     "destroyed default group": (DestroysDefaultGroup, "destroyed the default process group", True),
-    "new_group per example": (NewGroupPerExample, "created 1 process group(s) and left them "
-                                                  "(destroyed after the example)", False),
-    "set_num_threads": (ChangesThreadCount, "changed torch.get_num_threads() 1 -> 2 (set back)",
-                        False),
-    "thread left running": (LeavesThreadRunning, "left 1 thread(s) running (leftover-worker)",
-                            True),
+    "new_group per example": (
+        NewGroupPerExample,
+        "created 1 process group(s) and left them (destroyed after the example)",
+        False,
+    ),
+    "set_num_threads": (
+        ChangesThreadCount,
+        "changed torch.get_num_threads() 1 -> 2 (set back)",
+        False,
+    ),
+    "thread left running": (
+        LeavesThreadRunning,
+        "left 1 thread(s) running (leftover-worker)",
+        True,
+    ),
 }
 
 
@@ -150,8 +159,9 @@ def test_descriptors_kept_open_are_noted_and_a_world_that_holds_too_many_is_repl
     fds = get_world(2).run(_fd_count)[0]
     old_pids = get_world(2).pids
     notes = check_example(LeaksFile(), SCENARIO, 2, deadline=patience(30))
-    assert any(n.startswith(f"file descriptors {fds} -> {fds + 1}, kept open by a library")
-               for n in notes), notes
+    assert any(
+        n.startswith(f"file descriptors {fds} -> {fds + 1}, kept open by a library") for n in notes
+    ), notes
     assert get_world(2).pids == old_pids
     notes = check_example(LeaksFile(count=FD_HEADROOM + 1), SCENARIO, 2, deadline=patience(30))
     assert any(f"more than {FD_HEADROOM} kept open" in n for n in notes), notes
@@ -168,8 +178,10 @@ def test_a_global_hook_left_behind_is_blamed_only_after_the_numbers_held():
     err, text = info.value, str(info.value)
     assert err.kinds == ["rank left unfit"], text
     assert [d.rank for d in err.divergences] == [0, 1], text
-    assert "registered 1 global forward hook: every later model or step in this process would " \
-           "run it (the numbers of this example held)" in text, text
+    assert (
+        "registered 1 global forward hook: every later model or step in this process would "
+        "run it (the numbers of this example held)" in text
+    ), text
     check_example(targets.PARALLEL, SCENARIO, 2)  # in a fresh world
     assert set(get_world(2).pids).isdisjoint(old_pids)
 
@@ -179,8 +191,7 @@ def test_numbers_are_judged_before_what_the_ranks_left_behind():
     # verdict, whatever else the target left: the global hook must not hide it.
     with pytest.raises(ddpcheck.EquivalenceError) as info:
         check_example(HookAndAveragesWeights(), SCENARIO, 2, deadline=patience(30))
-    assert info.value.kinds[0].startswith(("replicas differ", "reference differs")), \
-        str(info.value)
+    assert info.value.kinds[0].startswith(("replicas differ", "reference differs")), str(info.value)
     assert "rank left unfit" not in info.value.kinds, str(info.value)
 
 
@@ -260,8 +271,9 @@ def test_the_checking_process_computes_on_one_thread_and_gives_the_callers_back(
             check_example(target, Scenario(model=RecordsThreads, steps=2), 2, deadline=patience(30))
         else:
             with pytest.raises(ddpcheck.EquivalenceError):
-                check_example(target, Scenario(model=RecordsThreads, steps=2), 2,
-                              deadline=patience(30))
+                check_example(
+                    target, Scenario(model=RecordsThreads, steps=2), 2, deadline=patience(30)
+                )
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
@@ -275,21 +287,31 @@ def test_the_checking_process_computes_on_one_thread_and_gives_the_callers_back(
 @pytest.mark.slow
 def test_a_script_without_main_guard_gets_one_line_fast(tmp_path):
     script = tmp_path / "no_guard.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import ddpcheck
         from ddpcheck import targets
         print("the script ran", flush=True)
         ddpcheck.assert_equivalent(targets.PARALLEL, world_sizes=(2,))
-    """))
+    """)
+    )
     started = time.monotonic()
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=patience(120), cwd=tmp_path, env=_env(tmp_path))
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=patience(120),
+        cwd=tmp_path,
+        env=_env(tmp_path),
+    )
     elapsed = time.monotonic() - started
     text = out.stdout + out.stderr
     assert out.returncode != 0, text
-    assert ("WorldStartError: " + str(script) + " calls ddpcheck when it is imported, and every "
-            "rank process re-imports the main module (multiprocessing's spawn); put that call "
-            'under `if __name__ == "__main__":`') in text, text
+    assert (
+        "WorldStartError: " + str(script) + " calls ddpcheck when it is imported, and every "
+        "rank process re-imports the main module (multiprocessing's spawn); put that call "
+        'under `if __name__ == "__main__":`'
+    ) in text, text
     assert out.stdout.count("the script ran") == 1, text  # the ranks' output is not shown
     assert "bootstrapping phase" not in text and "multiprocessing/spawn.py" not in text, text
     # Python's traceback of the script's call, ddpcheck's frames down to the world's start (the
@@ -299,14 +321,21 @@ def test_a_script_without_main_guard_gets_one_line_fast(tmp_path):
     assert len(frames) <= 11 and not any("multiprocessing" in f for f in frames), text
     assert not _leftover_dirs(tmp_path), text
     assert elapsed < patience(60), f"took {elapsed:.1f} s"
-    print(f"\nNO-MAIN-GUARD: exit {out.returncode} in {elapsed:.1f} s, "
-          f"{len(text.splitlines())} lines")
+    print(
+        f"\nNO-MAIN-GUARD: exit {out.returncode} in {elapsed:.1f} s, {len(text.splitlines())} lines"
+    )
 
 
 def test_a_world_cannot_be_started_inside_a_rank():
     results = get_world(2).run(_start_a_world_inside_a_rank)
-    assert results == ["WorldStartError: a ddpcheck world cannot be started from inside a "
-                       "ddpcheck rank process (a target or task called ddpcheck)"] * 2
+    assert (
+        results
+        == [
+            "WorldStartError: a ddpcheck world cannot be started from inside a "
+            "ddpcheck rank process (a target or task called ddpcheck)"
+        ]
+        * 2
+    )
 
 
 def _start_a_world_inside_a_rank():
@@ -326,22 +355,35 @@ def _start_a_world_inside_a_rank():
 def test_killing_ddpcheck_check_leaves_no_world_behind(tmp_path, sig):
     proc = subprocess.Popen(
         [sys.executable, "-m", "ddpcheck", "check", "--world-sizes", "2", "--examples", "1000"],
-        cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True)
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         # worlds started: a world directory with a rank that joined (its sequence file exists)
-        _wait_until(lambda: any(os.path.exists(os.path.join(tmp_path, d, "rank1.collectives"))
-                                and os.path.getsize(os.path.join(tmp_path, d, "rank1.collectives"))
-                                for d in _leftover_dirs(tmp_path)) or proc.poll() is not None,
-                    patience(120))
+        _wait_until(
+            lambda: (
+                any(
+                    os.path.exists(os.path.join(tmp_path, d, "rank1.collectives"))
+                    and os.path.getsize(os.path.join(tmp_path, d, "rank1.collectives"))
+                    for d in _leftover_dirs(tmp_path)
+                )
+                or proc.poll() is not None
+            ),
+            patience(120),
+        )
         assert proc.poll() is None, proc.stdout.read()
         ranks = [pid for pid in _world_processes(tmp_path) if _is_rank(pid)]
         assert len(ranks) >= 2, ranks
         started = time.monotonic()
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=patience(30))
-        _wait_until(lambda: not _leftover_dirs(tmp_path) and not _world_processes(tmp_path),
-                    patience(10))
+        _wait_until(
+            lambda: not _leftover_dirs(tmp_path) and not _world_processes(tmp_path), patience(10)
+        )
         elapsed = time.monotonic() - started
         assert not _leftover_dirs(tmp_path), (_leftover_dirs(tmp_path), out)
         assert not _world_processes(tmp_path), out
@@ -363,9 +405,13 @@ def test_killing_ddpcheck_check_leaves_no_world_behind(tmp_path, sig):
 
 
 def _env(tmp_path) -> dict:
-    return {**os.environ, "TMPDIR": str(tmp_path),
-            "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT,
-                                           os.environ.get("PYTHONPATH", "")])}
+    return {
+        **os.environ,
+        "TMPDIR": str(tmp_path),
+        "PYTHONPATH": os.pathsep.join(
+            [os.path.join(ROOT, "src"), ROOT, os.environ.get("PYTHONPATH", "")]
+        ),
+    }
 
 
 def _leftover_dirs(tmp_path) -> list[str]:
@@ -392,8 +438,10 @@ def _world_processes(tmp_path) -> list[int]:
                 state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != "Z" and (any(needle in environ for needle in needles) or
-                             (b"janitor.py" in cmdline and str(tmp_path).encode() in cmdline)):
+        if state != "Z" and (
+            any(needle in environ for needle in needles)
+            or (b"janitor.py" in cmdline and str(tmp_path).encode() in cmdline)
+        ):
             found.append(int(entry))
     return found
 

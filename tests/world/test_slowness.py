@@ -69,9 +69,17 @@ class ComputesForeverOnRankOne(targets.ParallelTarget):
 def loaded(hogs: int) -> Iterator[None]:
     """``hogs`` CPU-bound processes on :data:`STARVED_CPU`, each in a session of its own (as
     other users' jobs are: the kernel shares a CPU between sessions, not processes)."""
-    procs = [subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, "
-                               f"{{{STARVED_CPU}}})\nwhile True: pass"], start_new_session=True)
-             for _ in range(hogs)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"import os; os.sched_setaffinity(0, {{{STARVED_CPU}}})\nwhile True: pass",
+            ],
+            start_new_session=True,
+        )
+        for _ in range(hogs)
+    ]
     try:
         yield
     finally:
@@ -129,28 +137,39 @@ class _Script:
 
 
 def test_overtime_waits_while_ranks_work_and_calls_a_hang_when_they_wait():
-    working = progress.Overtime(10.0, 0.0, _Script(
-        (_reading(10, r0=5.0, r1=5.0), 7), (_reading(12, r0=5.0, r1=7.0), 7),
-        (_reading(14, r0=5.0, r1=7.0), 7)))
+    working = progress.Overtime(
+        10.0,
+        0.0,
+        _Script(
+            (_reading(10, r0=5.0, r1=5.0), 7),
+            (_reading(12, r0=5.0, r1=7.0), 7),
+            (_reading(14, r0=5.0, r1=7.0), 7),
+        ),
+    )
     assert working.decide(10.0, {0, 1}) == 10.0 + progress.OBSERVE  # first, a look
     assert working.decide(12.0, {0, 1}) == 12.0 + progress.OBSERVE  # rank 1 worked: wait on
     assert working.decide(14.0, {0, 1}) == "timeout"  # then nobody moved: hung
-    issuing = progress.Overtime(10.0, 0.0, _Script(
-        (_reading(10, r0=1.0), 3), (_reading(12, r0=1.0), 4)))
+    issuing = progress.Overtime(
+        10.0, 0.0, _Script((_reading(10, r0=1.0), 3), (_reading(12, r0=1.0), 4))
+    )
     issuing.decide(10.0, {0})
     assert issuing.decide(12.0, {0}) == 14.0  # idle CPU, yet a collective went out: progress
 
 
 def test_overtime_ends_a_wait_that_a_whole_deadline_of_cpu_did_not_finish():
-    overtime = progress.Overtime(3.0, 0.0, _Script(
-        (_reading(3, r0=1.0), 0), (_reading(5, r0=2.9), 0), (_reading(7, r0=4.1), 0)))
+    overtime = progress.Overtime(
+        3.0,
+        0.0,
+        _Script((_reading(3, r0=1.0), 0), (_reading(5, r0=2.9), 0), (_reading(7, r0=4.1), 0)),
+    )
     overtime.decide(3.0, {0})
     assert overtime.decide(5.0, {0}) == 7.0  # 1.9 s of CPU since the deadline
     assert overtime.decide(7.0, {0}) == "slow"  # 3.1 s: more than the deadline again
     assert "the busiest rank used 3.1 s of CPU" in overtime.describe(7.0)
     # starved: a twentieth of a CPU, waiting for one the rest of the time
-    starved = progress.Overtime(1.0, 0.0, _Script(*[(_reading(t, waited=0.95 * t, r0=0.05 * t), 0)
-                                                    for t in range(1, 11)]))
+    starved = progress.Overtime(
+        1.0, 0.0, _Script(*[(_reading(t, waited=0.95 * t, r0=0.05 * t), 0) for t in range(1, 11)])
+    )
     decisions = [starved.decide(float(t), {0}) for t in range(1, 11)]
     assert decisions[:-1] == [t + progress.OBSERVE for t in range(1, 10)]
     assert progress.MOST_DEADLINES == 10 and decisions[-1] == "slow"  # 10 deadlines in all
@@ -163,8 +182,11 @@ def test_overtime_without_the_kernels_word_keeps_the_deadline():
 def test_the_kernel_tells_a_working_process_from_a_waiting_one():
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
     # waits on a pipe nobody writes to until it is killed below
-    idle = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                            stdin=subprocess.PIPE, start_new_session=True)
+    idle = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         time.sleep(patience(0.5))  # both past their start-up
         groups = {0: busy.pid, 1: idle.pid}

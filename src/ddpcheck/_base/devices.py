@@ -27,9 +27,19 @@ from ddpcheck._base.errors import InvalidArgument
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BACKENDS", "DEVICES", "backend_for", "check_device", "check_fits", "enter_rank",
-           "local_world_size", "under_torchrun",
-           "strict_precision", "this_rank", "to_rank_device"]
+__all__ = [
+    "BACKENDS",
+    "DEVICES",
+    "backend_for",
+    "check_device",
+    "check_fits",
+    "enter_rank",
+    "local_world_size",
+    "under_torchrun",
+    "strict_precision",
+    "this_rank",
+    "to_rank_device",
+]
 
 #: Devices a world can compute on ("cuda": rank r on cuda:r, or cuda:LOCAL_RANK under torchrun).
 DEVICES = ("cpu", "cuda")
@@ -55,8 +65,10 @@ def local_world_size() -> int:
 
 def check_device(device: Any, name: str = "device") -> str:
     if device not in DEVICES:
-        raise InvalidArgument(f"{name}={device!r} is not a device ddpcheck runs on; use 'cpu' "
-                              "(the default) or 'cuda' (rank r on cuda:r)")
+        raise InvalidArgument(
+            f"{name}={device!r} is not a device ddpcheck runs on; use 'cpu' "
+            "(the default) or 'cuda' (rank r on cuda:r)"
+        )
     return device
 
 
@@ -68,16 +80,21 @@ def backend_for(device: str, requested: str | None = None, *, name: str = "backe
     if requested is None:
         return "nccl" if device == "cuda" else "gloo"
     if requested not in BACKENDS:
-        raise InvalidArgument(f"{name}={requested!r} is not a backend ddpcheck starts; use "
-                              f"{' or '.join(map(repr, BACKENDS))} (or leave it out)")
+        raise InvalidArgument(
+            f"{name}={requested!r} is not a backend ddpcheck starts; use "
+            f"{' or '.join(map(repr, BACKENDS))} (or leave it out)"
+        )
     if requested == "nccl" and device == "cpu":
-        raise InvalidArgument(f"{name}='nccl' cannot carry CPU tensors; use it with device "
-                              "'cuda', or gloo (the default) on the CPU")
+        raise InvalidArgument(
+            f"{name}='nccl' cannot carry CPU tensors; use it with device "
+            "'cuda', or gloo (the default) on the CPU"
+        )
     return requested
 
 
-def check_fits(device: str, world_sizes: Iterable[int], backend: str | None = None, *,
-               flag: str = "device") -> str:
+def check_fits(
+    device: str, world_sizes: Iterable[int], backend: str | None = None, *, flag: str = "device"
+) -> str:
     """The backend for ``device``; :class:`InvalidArgument` when this machine cannot run every
     world of ``world_sizes`` there: no CUDA device, a torch without NCCL, or more ranks than GPUs
     with NCCL (it refuses two ranks on one GPU; gloo shares them). Costs nothing on the CPU.
@@ -88,22 +105,26 @@ def check_fits(device: str, world_sizes: Iterable[int], backend: str | None = No
     import torch
 
     if not torch.cuda.is_available():
-        raise InvalidArgument(f"{flag}={device!r}, but torch {torch.__version__} sees no CUDA "
-                              "device (torch.cuda.is_available() is False); run on the CPU "
-                              "(the default) or on a machine with a GPU")
+        raise InvalidArgument(
+            f"{flag}={device!r}, but torch {torch.__version__} sees no CUDA "
+            "device (torch.cuda.is_available() is False); run on the CPU "
+            "(the default) or on a machine with a GPU"
+        )
     if chosen == "nccl":
         import torch.distributed as dist
 
         count = torch.cuda.device_count()
         largest = max(world_sizes, default=1)
         if not dist.is_nccl_available():
-            raise InvalidArgument(f"{flag}={device!r}: this torch was built without NCCL; ask "
-                                  "for the gloo backend")
+            raise InvalidArgument(
+                f"{flag}={device!r}: this torch was built without NCCL; ask for the gloo backend"
+            )
         if largest > count:
             raise InvalidArgument(
                 f"{flag}={device!r}: a world of {largest} ranks needs {largest} GPUs with NCCL "
                 f"(one rank per GPU: NCCL refuses two ranks on one device), and {count} are "
-                f"visible; use world sizes up to {count}, or the gloo backend to share GPUs")
+                f"visible; use world sizes up to {count}, or the gloo backend to share GPUs"
+            )
     return chosen
 
 
@@ -162,6 +183,8 @@ def to_rank_device(value: Any) -> Any:
     if device is None or device.type == "cpu":
         return value
     if isinstance(value, list):
-        return [tuple(t.to(device) if hasattr(t, "to") else t for t in item)  # not the scale
-                for item in value]
+        return [
+            tuple(t.to(device) if hasattr(t, "to") else t for t in item)  # not the scale
+            for item in value
+        ]
     return value.to(device)

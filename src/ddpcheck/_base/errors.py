@@ -24,9 +24,20 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DdpcheckError", "Divergence", "EquivalenceError", "ExitCode", "Inconclusive",
-           "InternalError", "InvalidArgument", "NothingChecked", "ScenarioError", "SetupError",
-           "WorldStartError", "format_table"]
+__all__ = [
+    "DdpcheckError",
+    "Divergence",
+    "EquivalenceError",
+    "ExitCode",
+    "Inconclusive",
+    "InternalError",
+    "InvalidArgument",
+    "NothingChecked",
+    "ScenarioError",
+    "SetupError",
+    "WorldStartError",
+    "format_table",
+]
 
 
 class ExitCode(enum.IntEnum):
@@ -132,9 +143,20 @@ class Divergence:
     target_fault: bool = True
 
     @classmethod
-    def of(cls, step: Any, world_size: int, rank: int | None, name: str, kind: str,
-           got: torch.Tensor, expected: torch.Tensor, got_label: tuple, expected_label: tuple,
-           rtol: float = 0.0, atol: float = 0.0) -> Divergence:
+    def of(
+        cls,
+        step: Any,
+        world_size: int,
+        rank: int | None,
+        name: str,
+        kind: str,
+        got: torch.Tensor,
+        expected: torch.Tensor,
+        got_label: tuple,
+        expected_label: tuple,
+        rtol: float = 0.0,
+        atol: float = 0.0,
+    ) -> Divergence:
         """A divergence between two tensors, with assert_close's statistics as the detail."""
         import torch  # here: the plugin and the command line's --help import this module
 
@@ -144,20 +166,28 @@ class Divergence:
         max_abs = float(diff[finite].max()) if finite.any() else float("inf")
         max_rel = float(rel[finite].max()) if finite.any() else float("inf")
         try:
-            torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, equal_nan=True,
-                                       check_dtype=False)
+            torch.testing.assert_close(
+                got, expected, rtol=rtol, atol=atol, equal_nan=True, check_dtype=False
+            )
             message = "(differs only where assert_close is more lenient than the oracle)"
         except AssertionError as exc:
             message = str(exc)
         who = f"rank {got_label[1]}" if got_label[0] == "rank" else got_label[0]
-        than = (f"rank {expected_label[1]}" if expected_label[0] == "rank"
-                else expected_label[0])
-        return cls(step, world_size, rank, name, kind, max_abs, max_rel,
-                   f"{who} vs {than}: {message}")
+        than = f"rank {expected_label[1]}" if expected_label[0] == "rank" else expected_label[0]
+        return cls(
+            step, world_size, rank, name, kind, max_abs, max_rel, f"{who} vs {than}: {message}"
+        )
 
     def row(self) -> list[str]:
-        return [str(self.step), str(self.world_size), "-" if self.rank is None else str(self.rank),
-                self.name, self.kind, _sig(self.max_abs), _sig(self.max_rel)]
+        return [
+            str(self.step),
+            str(self.world_size),
+            "-" if self.rank is None else str(self.rank),
+            self.name,
+            self.kind,
+            _sig(self.max_abs),
+            _sig(self.max_rel),
+        ]
 
 
 def _sig(value: float | None) -> str:
@@ -185,8 +215,17 @@ class EquivalenceError(DdpcheckError, AssertionError):
 
     exit_code = ExitCode.FOUND
 
-    def __init__(self, divergences: list[Divergence], *, scenario: Any, world_size: int,
-                 target: Any, replay: str, failure: Any = None, name: str | None = None):
+    def __init__(
+        self,
+        divergences: list[Divergence],
+        *,
+        scenario: Any,
+        world_size: int,
+        target: Any,
+        replay: str,
+        failure: Any = None,
+        name: str | None = None,
+    ):
         self.divergences = divergences
         self.scenario = scenario
         self.world_size = world_size
@@ -204,11 +243,13 @@ class EquivalenceError(DdpcheckError, AssertionError):
     def _format(self) -> str:
         first = self.divergences[0]
         label = f" ({self.name})" if self.name else ""
-        lines = [f"{type(self.target).__name__} diverged at world size {self.world_size}"
-                 f"{label}: {first.kind}",
-                 f"scenario: {self.scenario!r}",
-                 "",
-                 format_table(self.divergences)]
+        lines = [
+            f"{type(self.target).__name__} diverged at world size {self.world_size}"
+            f"{label}: {first.kind}",
+            f"scenario: {self.scenario!r}",
+            "",
+            format_table(self.divergences),
+        ]
         details = [d for d in self.divergences if d.detail][:1]
         for d in details:
             where = f"step {d.step}, rank {'-' if d.rank is None else d.rank}, {d.name!r}"

@@ -19,11 +19,26 @@ from typing import Any, TypeVar
 
 from ddpcheck._base.errors import InvalidArgument
 
-__all__ = ["BEYOND_TORCH", "DEFAULT_DEADLINE", "DEFAULT_FEATURES", "DEFAULT_WORLD_SIZES",
-           "FEATURES", "MAX_RANKS_PER_CORE", "OPT_IN", "STARTUP_DEADLINE", "WARM_UP_DEADLINE",
-           "check_deadline", "check_fits_machine", "check_positive_number",
-           "check_world_size", "check_world_sizes", "did_you_mean", "named_fields",
-           "parse_features", "parse_world_sizes"]
+__all__ = [
+    "BEYOND_TORCH",
+    "DEFAULT_DEADLINE",
+    "DEFAULT_FEATURES",
+    "DEFAULT_WORLD_SIZES",
+    "FEATURES",
+    "MAX_RANKS_PER_CORE",
+    "OPT_IN",
+    "STARTUP_DEADLINE",
+    "WARM_UP_DEADLINE",
+    "check_deadline",
+    "check_fits_machine",
+    "check_positive_number",
+    "check_world_size",
+    "check_world_sizes",
+    "did_you_mean",
+    "named_fields",
+    "parse_features",
+    "parse_world_sizes",
+]
 
 #: World sizes checked when none are given: 1 (the wrapper is a no-op), 2 (the cheapest world
 #: where replicas can disagree), 3 (divisor and ordering bugs 2 hides), 4.
@@ -46,13 +61,15 @@ def parse_world_sizes(text: str, flag: str = "--world-sizes") -> tuple[int, ...]
     try:
         sizes = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise InvalidArgument(f"{flag}={text!r} must be comma-separated integers, such as "
-                              "1,2,3,4") from None
+        raise InvalidArgument(
+            f"{flag}={text!r} must be comma-separated integers, such as 1,2,3,4"
+        ) from None
     return check_world_sizes(flag, sizes, shown=text)  # then the rules every door shares
 
 
-def check_fits_machine(world_sizes: tuple[int, ...], *, workers: int = 1,
-                       flag: str = "--world-sizes") -> None:
+def check_fits_machine(
+    world_sizes: tuple[int, ...], *, workers: int = 1, flag: str = "--world-sizes"
+) -> None:
     """Refuse worlds that cannot fit this machine: ``workers`` processes each keep a world of the
     largest size alive, and more than :data:`MAX_RANKS_PER_CORE` ranks per core would spend the
     deadline waiting for each other (and a 64-rank world needs ~10 GB just to import torch)."""
@@ -63,7 +80,8 @@ def check_fits_machine(world_sizes: tuple[int, ...], *, workers: int = 1,
         raise InvalidArgument(
             f"{who}{flag} up to {max(world_sizes)} would start {ranks} rank processes on "
             f"{cores} core(s) (at most {MAX_RANKS_PER_CORE} per core); lower the largest world "
-            "size" + (" or the number of workers" if workers > 1 else ""))
+            "size" + (" or the number of workers" if workers > 1 else "")
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,15 +107,17 @@ def check_world_sizes(name: str, values: Any, shown: Any = None) -> tuple[int, .
     if _is_int(values):
         values = (values,)
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise InvalidArgument(f"{name}={shown!r} must be a sequence of positive integers, "
-                              "such as (1, 2, 3, 4)")
+        raise InvalidArgument(
+            f"{name}={shown!r} must be a sequence of positive integers, such as (1, 2, 3, 4)"
+        )
     values = tuple(values)
     if not values:
         raise InvalidArgument(f"{name}={shown!r} is empty; give at least one world size")
     for v in values:
         if not _is_int(v) or v < 1:
-            raise InvalidArgument(f"{name}={shown!r} contains {v!r}; every world size must be a "
-                                  "positive integer")
+            raise InvalidArgument(
+                f"{name}={shown!r} contains {v!r}; every world size must be a positive integer"
+            )
     return tuple(dict.fromkeys(int(v) for v in values))
 
 
@@ -113,9 +133,11 @@ def check_deadline(name: str, value: Any, shown: Any = None) -> float:
     """Seconds to wait: positive and finite (every wait has a deadline)."""
     seconds = check_positive_number(name, value, shown)
     if seconds == float("inf"):
-        raise InvalidArgument(f"{name}={value if shown is None else shown!r} must be finite: "
-                              "every wait has a deadline; use a large number of seconds, such "
-                              "as 3600")
+        raise InvalidArgument(
+            f"{name}={value if shown is None else shown!r} must be finite: "
+            "every wait has a deadline; use a large number of seconds, such "
+            "as 3600"
+        )
     return seconds
 
 
@@ -129,7 +151,7 @@ FEATURES: dict[str, str] = {
     "float32": "float32 scenarios (calibrated tolerance)",
     "accumulation": "several micro-batches per step, all but the last under no_sync()",
     "unused-on-some-ranks": "a trainable parameter with a gradient on some ranks but None on "
-                            "others (its layer is used by some samples only)",
+    "others (its layer is used by some samples only)",
     "unused-everywhere": "a trainable parameter no rank uses in a step (its grad stays None)",
     "frozen": "parameters with requires_grad=False",
     "tied": "one parameter used twice in a step (tied or reused weights)",
@@ -139,20 +161,20 @@ FEATURES: dict[str, str] = {
     "param-groups": "several param groups with their own hyperparameters",
     "lr-schedule": "an LR schedule stepped after every optimizer step",
     "clipping": "the synchronised gradients clipped to a global norm before every step "
-                "(max_grad_norm, grad_norm_type)",
+    "(max_grad_norm, grad_norm_type)",
     "uneven-batches": "a global batch not divisible by W (some ranks get fewer, or no, samples)",
     "broadcast": "ranks initialised differently: the target must broadcast rank 0's state",
     "grads-kept": "zero_grad(set_to_none=False): gradients kept (zeroed) between steps",
     "rank-orders": "each rank registers parameters and buffers in its own order (same names and "
-                   "shapes)",
+    "shapes)",
     "checkpoint": "a checkpoint saved after a step and the run resumed from it, possibly at "
-                  "another world size (save_checkpoint / load_checkpoint)",
+    "another world size (save_checkpoint / load_checkpoint)",
     "tokens": "a language model trained on padded token sequences: the loss is the mean (or "
-              "sum) over the global batch's non-padding tokens (loss='token_cross_entropy')",
+    "sum) over the global batch's non-padding tokens (loss='token_cross_entropy')",
     "autocast": "the forward under torch.autocast in bfloat16 or float16 (float32 parameters)",
     "param-dtype": "float32 master weights, forward and backward in bfloat16 or float16, "
-                   "gradients accumulated and reduced in float32 (FSDP2's MixedPrecisionPolicy); "
-                   "opt-in",
+    "gradients accumulated and reduced in float32 (FSDP2's MixedPrecisionPolicy); "
+    "opt-in",
 }
 
 #: Features beyond torch's own contract, by the target attribute that opts in to each: a target
@@ -178,9 +200,11 @@ def parse_features(text: str | Iterable[str], flag: str = "--without") -> frozen
     names = [n for n in names if n]
     unknown = [n for n in names if n not in FEATURES]
     if unknown:
-        raise InvalidArgument(f"{flag}: {', '.join(map(repr, unknown))} "
-                              f"{'is not a feature' if len(unknown) == 1 else 'are not features'}"
-                              f"{did_you_mean(unknown[0], FEATURES)}; known: {', '.join(FEATURES)}")
+        raise InvalidArgument(
+            f"{flag}: {', '.join(map(repr, unknown))} "
+            f"{'is not a feature' if len(unknown) == 1 else 'are not features'}"
+            f"{did_you_mean(unknown[0], FEATURES)}; known: {', '.join(FEATURES)}"
+        )
     return frozenset(names)
 
 
@@ -209,8 +233,10 @@ def named_fields(cls: C) -> C:
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         for name in kwargs.keys() - set(names):
-            raise UnknownField(f"{cls.__name__} has no field {name!r}{did_you_mean(name, names)}; "
-                               f"its fields: {', '.join(names)}")
+            raise UnknownField(
+                f"{cls.__name__} has no field {name!r}{did_you_mean(name, names)}; "
+                f"its fields: {', '.join(names)}"
+            )
         init(self, *args, **kwargs)
 
     cls.__init__ = __init__  # type: ignore[misc]

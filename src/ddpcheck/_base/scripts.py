@@ -29,8 +29,16 @@ from types import ModuleType
 
 from ddpcheck._base.errors import InvalidArgument
 
-__all__ = ["MAIN_NAMES", "Script", "import_file", "is_file_spec", "load", "main_script",
-           "module_spec", "public_module_name"]
+__all__ = [
+    "MAIN_NAMES",
+    "Script",
+    "import_file",
+    "is_file_spec",
+    "load",
+    "main_script",
+    "module_spec",
+    "public_module_name",
+]
 
 #: Module names of the script being run: ``__main__`` here, ``__mp_main__`` in spawned ranks.
 MAIN_NAMES = ("__main__", "__mp_main__")
@@ -111,7 +119,8 @@ def import_file(path: str) -> ModuleType:
     if name is None:
         raise InvalidArgument(
             f"{path!r} cannot be imported as a module: {os.path.basename(full)[:-3]!r} is not a "
-            "Python name; rename the file with letters, digits and underscores only")
+            "Python name; rename the file with letters, digits and underscores only"
+        )
     existing = sys.modules.get(name)
     if existing is not None:
         where = getattr(existing, "__file__", None)
@@ -120,7 +129,8 @@ def import_file(path: str) -> ModuleType:
             return existing
         raise InvalidArgument(
             f"{path!r} cannot be imported as the module {name!r}: a module of that name is "
-            f"already imported (from {where or 'no file'}); rename the file")
+            f"already imported (from {where or 'no file'}); rename the file"
+        )
     folder = os.path.dirname(full)
     if folder not in sys.path:
         sys.path.insert(0, folder)

@@ -38,7 +38,8 @@ class ProgressLine:
         # Not live where the report goes through a pipe (`ddpcheck check | tee log`): what reads
         # it may print to this terminal after the line is drawn again, onto the same row.
         self.live = _is_terminal(self.stream) and not _is_pipe(
-            report if report is not None else sys.stdout)
+            report if report is not None else sys.stdout
+        )
         self.started = time.monotonic() if started is None else started
         self._text = ""
         self._shown = False  # the live line is on the screen
@@ -54,8 +55,9 @@ class ProgressLine:
             self._text = text
             self._draw()
         if self._ticker is None:
-            self._ticker = threading.Thread(target=self._tick, name="ddpcheck-progress",
-                                            daemon=True)
+            self._ticker = threading.Thread(
+                target=self._tick, name="ddpcheck-progress", daemon=True
+            )
             self._ticker.start()
 
     def phase(self, text: str, line: str) -> None:
@@ -97,7 +99,7 @@ class ProgressLine:
         if not self.live or not self._text or self._closed.is_set():
             return
         text = f"  {self._text} ({time.monotonic() - self.started:.0f} s)"
-        self._shown = self._write(_ERASE + text[:_width(self.stream) - 1]) or self._shown
+        self._shown = self._write(_ERASE + text[: _width(self.stream) - 1]) or self._shown
 
     def _erase(self) -> None:
         if self._shown:

@@ -43,8 +43,19 @@ from ddpcheck._base.options import named_fields
 from ddpcheck._language.objective import is_token_loss, tokens
 from ddpcheck._language.scenario import global_batch
 
-__all__ = ["BatchPlan", "DistributedSamplerBatches", "GlobalBatch", "TokenMean", "check_plans",
-           "contiguous", "global_indices", "global_scale", "plan_for", "split", "strided"]
+__all__ = [
+    "BatchPlan",
+    "DistributedSamplerBatches",
+    "GlobalBatch",
+    "TokenMean",
+    "check_plans",
+    "contiguous",
+    "global_indices",
+    "global_scale",
+    "plan_for",
+    "split",
+    "strided",
+]
 
 
 @named_fields
@@ -94,15 +105,21 @@ class BatchPlan:
 
     def __post_init__(self) -> None:
         try:
-            micro = tuple(_micro_batch(mb, m) for m, mb in
-                          enumerate(_iterable(self.micro_batches, "micro_batches")))
+            micro = tuple(
+                _micro_batch(mb, m)
+                for m, mb in enumerate(_iterable(self.micro_batches, "micro_batches"))
+            )
         except TypeError as exc:
-            raise InvalidArgument(f"BatchPlan: micro_batches must be a sequence of sequences of "
-                                  f"sample indices ({exc})") from None
+            raise InvalidArgument(
+                f"BatchPlan: micro_batches must be a sequence of sequences of "
+                f"sample indices ({exc})"
+            ) from None
         scales = tuple(_scale(s, m) for m, s in enumerate(_iterable(self.scales, "scales")))
         if len(scales) != len(micro):
-            raise InvalidArgument(f"BatchPlan: {len(micro)} micro-batches but {len(scales)} "
-                                  "scales; give one scale per micro-batch")
+            raise InvalidArgument(
+                f"BatchPlan: {len(micro)} micro-batches but {len(scales)} "
+                "scales; give one scale per micro-batch"
+            )
         object.__setattr__(self, "micro_batches", micro)
         object.__setattr__(self, "scales", scales)
 
@@ -127,13 +144,16 @@ def _micro_batch(value: Any, m: int) -> tuple[int, ...]:
 
 def _index(value: Any, micro_batch: int) -> int:
     if isinstance(value, bool):
-        raise InvalidArgument(f"BatchPlan: micro-batch {micro_batch} holds {value!r}, not a "
-                              "sample index")
+        raise InvalidArgument(
+            f"BatchPlan: micro-batch {micro_batch} holds {value!r}, not a sample index"
+        )
     try:
         return operator.index(value)
     except TypeError:
-        raise InvalidArgument(f"BatchPlan: micro-batch {micro_batch} holds {value!r} "
-                              f"({type(value).__name__}), not an integer sample index") from None
+        raise InvalidArgument(
+            f"BatchPlan: micro-batch {micro_batch} holds {value!r} "
+            f"({type(value).__name__}), not an integer sample index"
+        ) from None
 
 
 def _scale(value: Any, micro_batch: int) -> float:
@@ -144,8 +164,10 @@ def _scale(value: Any, micro_batch: int) -> float:
     except Exception:  # a tensor of several elements, an object float() refuses
         number = None
     if number is None or not math.isfinite(number):
-        raise InvalidArgument(f"BatchPlan: the scale of micro-batch {micro_batch} is {value!r}; "
-                              "it must be a finite number (use 0.0 for an empty micro-batch)")
+        raise InvalidArgument(
+            f"BatchPlan: the scale of micro-batch {micro_batch} is {value!r}; "
+            "it must be a finite number (use 0.0 for an empty micro-batch)"
+        )
     return number
 
 
@@ -177,7 +199,7 @@ def strided(batch: GlobalBatch) -> BatchPlan:
     """Every W-th sample from this rank's index on -- ``DistributedSampler(shuffle=False)``'s
     order without its padding -- each weighted as in the full batch (W/T, or W for "sum"): a
     correct plan whose shards are not contiguous (the soak's batch-owning target uses it)."""
-    shard = batch.indices[batch.rank::batch.world_size]
+    shard = batch.indices[batch.rank :: batch.world_size]
     return BatchPlan.uniform(split(shard, batch.accumulation), global_scale(batch))
 
 
@@ -206,8 +228,7 @@ class TokenMean:
 
     def __post_init__(self) -> None:
         if self.over not in ("micro-batch", "rank", "global"):
-            raise InvalidArgument(f"over={self.over!r} must be 'micro-batch', 'rank' or "
-                                  "'global'")
+            raise InvalidArgument(f"over={self.over!r} must be 'micro-batch', 'rank' or 'global'")
 
     def __call__(self, batch: GlobalBatch) -> BatchPlan:
         shard = split(batch.indices, batch.world_size)[batch.rank]
@@ -217,8 +238,9 @@ class TokenMean:
         if self.over == "rank":
             terms = batch.terms_of(shard)
             return BatchPlan.uniform(micro, 1.0 / terms if terms else 0.0)
-        return BatchPlan(tuple(micro), tuple(_inverse(batch.terms_of(mb) * batch.accumulation)
-                                             for mb in micro))
+        return BatchPlan(
+            tuple(micro), tuple(_inverse(batch.terms_of(mb) * batch.accumulation) for mb in micro)
+        )
 
 
 def _inverse(count: int) -> float:
@@ -256,13 +278,17 @@ class DistributedSamplerBatches:
         # asks for a Dataset
         dataset: Any = batch.indices
         sampler: DistributedSampler[Any] = DistributedSampler(
-            dataset, num_replicas=batch.world_size, rank=batch.rank, shuffle=self.shuffle,
-            seed=self.seed, drop_last=self.drop_last)
+            dataset,
+            num_replicas=batch.world_size,
+            rank=batch.rank,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            drop_last=self.drop_last,
+        )
         sampler.set_epoch(batch.step)
         mine = tuple(batch.indices[i] for i in sampler)
         micro = split(mine, batch.accumulation)
-        return BatchPlan(tuple(micro), tuple(self.scale(batch, batch.terms_of(mb))
-                                             for mb in micro))
+        return BatchPlan(tuple(micro), tuple(self.scale(batch, batch.terms_of(mb)) for mb in micro))
 
     def scale(self, batch: GlobalBatch, samples: int) -> float:
         """The scale of a micro-batch of ``samples`` terms (samples, or tokens under a token
@@ -274,34 +300,48 @@ class DistributedSamplerBatches:
         return _inverse(samples * batch.accumulation)
 
 
-def plan_for(hook: Callable[[GlobalBatch], Any], batch: GlobalBatch,
-             who: str = "Target.shard_batch") -> BatchPlan:
+def plan_for(
+    hook: Callable[[GlobalBatch], Any], batch: GlobalBatch, who: str = "Target.shard_batch"
+) -> BatchPlan:
     """``hook(batch)``, checked: an :class:`InvalidArgument` naming the rank and the step when the
     hook raises or its answer is not a plan of this batch's samples."""
+
     def where() -> str:  # built on failure only: this runs every step of every rank
-        return f"{who} at step {batch.step} for rank {batch.rank} (W={batch.world_size}, " \
-               f"B={batch.size})"
+        return (
+            f"{who} at step {batch.step} for rank {batch.rank} (W={batch.world_size}, "
+            f"B={batch.size})"
+        )
 
     try:
         plan = hook(batch)
     except InvalidArgument as exc:
         raise InvalidArgument(f"{where()}: {exc}") from exc
     except Exception as exc:
-        raise InvalidArgument(f"{where()} raised {type(exc).__name__}: {exc}; the hook must "
-                              "return a ddpcheck.batches.BatchPlan for any global batch") from exc
+        raise InvalidArgument(
+            f"{where()} raised {type(exc).__name__}: {exc}; the hook must "
+            "return a ddpcheck.batches.BatchPlan for any global batch"
+        ) from exc
     if not isinstance(plan, BatchPlan):
-        raise InvalidArgument(f"{where()} returned {type(plan).__name__} {plan!r:.80}, not a "
-                              "ddpcheck.batches.BatchPlan(micro_batches, scales)")
+        raise InvalidArgument(
+            f"{where()} returned {type(plan).__name__} {plan!r:.80}, not a "
+            "ddpcheck.batches.BatchPlan(micro_batches, scales)"
+        )
     for m, micro_batch in enumerate(plan.micro_batches):
         bad = [i for i in micro_batch if not 0 <= i < batch.size]
         if bad:
-            raise InvalidArgument(f"{where()}: micro-batch {m} holds sample index {bad[0]}, "
-                                  f"outside the global batch's 0..{batch.size - 1}")
+            raise InvalidArgument(
+                f"{where()}: micro-batch {m} holds sample index {bad[0]}, "
+                f"outside the global batch's 0..{batch.size - 1}"
+            )
     return plan
 
 
-def check_plans(hook: Callable[[GlobalBatch], Any], scenario: Any, world_size: int,
-                who: str = "Target.shard_batch") -> None:
+def check_plans(
+    hook: Callable[[GlobalBatch], Any],
+    scenario: Any,
+    world_size: int,
+    who: str = "Target.shard_batch",
+) -> None:
     """Call the hook for every step and rank of ``scenario`` here, before any world runs, so a
     malformed answer is a setup error (see the module docstring), not a rank failure."""
     for step in range(scenario.steps):
@@ -310,8 +350,9 @@ def check_plans(hook: Callable[[GlobalBatch], Any], scenario: Any, world_size: i
             plan_for(hook, dataclasses.replace(batch, rank=rank), who)
 
 
-def global_indices(scenario: Any, step: int, rank: int, world_size: int,
-                   targets: Any = None) -> GlobalBatch:
+def global_indices(
+    scenario: Any, step: int, rank: int, world_size: int, targets: Any = None
+) -> GlobalBatch:
     """The :class:`GlobalBatch` a rank's hook receives at ``step`` of ``scenario``; ``targets``:
     the step's global targets when the caller has drawn them (a token loss counts their tokens;
     otherwise they are drawn here)."""
@@ -320,5 +361,12 @@ def global_indices(scenario: Any, step: int, rank: int, world_size: int,
         if targets is None:
             targets = global_batch(scenario, step)[1]
         counts = tokens(scenario, targets)
-    return GlobalBatch(tuple(range(scenario.global_batch)), step, rank, world_size,
-                       scenario.accumulation, scenario.reduction, counts)
+    return GlobalBatch(
+        tuple(range(scenario.global_batch)),
+        step,
+        rank,
+        world_size,
+        scenario.accumulation,
+        scenario.reduction,
+        counts,
+    )

@@ -28,9 +28,22 @@ from ddpcheck._language.models import ModelSpec, SpecData
 from ddpcheck._language.scenario import Scenario, build_model, global_batch
 from ddpcheck._language.zoo import GPTConfig, token_data
 
-__all__ = ["BEYOND_TORCH", "DEFAULT_FEATURES", "FEATURES", "OPT_IN", "declines", "exercised",
-           "named", "of", "owns_batch_plan", "parse", "supported_by", "unsupported",
-           "why_unsupported"]
+__all__ = [
+    "BEYOND_TORCH",
+    "DEFAULT_FEATURES",
+    "FEATURES",
+    "OPT_IN",
+    "declines",
+    "exercised",
+    "named",
+    "of",
+    "owns_batch_plan",
+    "parse",
+    "supported_by",
+    "unsupported",
+    "why_unsupported",
+]
+
 
 def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
     """The features ``scenario`` exercises at ``world_size`` (None: those that do not depend on
@@ -73,16 +86,23 @@ def _fields(scenario: Scenario) -> set[str]:
     return found
 
 
-def declines(target: Any, scenario: Scenario, world_size: int | None = None,
-             without: frozenset[str] = frozenset(),
-             only: frozenset[str] = frozenset()) -> str | None:
+def declines(
+    target: Any,
+    scenario: Scenario,
+    world_size: int | None = None,
+    without: frozenset[str] = frozenset(),
+    only: frozenset[str] = frozenset(),
+) -> str | None:
     """Why ``target`` does not run ``scenario`` -- a feature it does not support, a feature the
     user excluded (``without``), its own ``supports()`` reason, or none of the features to focus
     on (``only``, ``--only``) -- or None when it does."""
     needed = of(scenario, world_size)
     missing = sorted(needed - supported_by(target))
-    opted_out = [f"{f} (opt-in: {type(target).__name__}.{OPT_IN[f]} is not set)"
-                 for f in missing if f in OPT_IN]
+    opted_out = [
+        f"{f} (opt-in: {type(target).__name__}.{OPT_IN[f]} is not set)"
+        for f in missing
+        if f in OPT_IN
+    ]
     if opted_out:
         return f"needs {', '.join(opted_out)}"
     if missing:
@@ -96,13 +116,17 @@ def declines(target: Any, scenario: Scenario, world_size: int | None = None,
         if others:
             return f"needs {', '.join(others)} (excluded with --without)"
         if dtypes:  # ddpcheck check runs float64 alone unless --dtypes adds float32
-            return (f"needs {', '.join(dtypes)} (a dtype not checked: --dtypes is float64 alone "
-                    "by default, or --without excludes it)")
+            return (
+                f"needs {', '.join(dtypes)} (a dtype not checked: --dtypes is float64 alone "
+                "by default, or --without excludes it)"
+            )
     if scenario.checkpoint_after is not None and not all(
-            callable(getattr(target, hook, None)) for hook in ("save_checkpoint",
-                                                               "load_checkpoint")):
-        return ("checkpoint: the target has no save_checkpoint / load_checkpoint hooks "
-                "(subclass ddpcheck.Target for the defaults)")
+        callable(getattr(target, hook, None)) for hook in ("save_checkpoint", "load_checkpoint")
+    ):
+        return (
+            "checkpoint: the target has no save_checkpoint / load_checkpoint hooks "
+            "(subclass ddpcheck.Target for the defaults)"
+        )
     if only and not needed & only:
         return f"exercises none of only={','.join(sorted(only))}"
     return target.supports(scenario)
@@ -116,8 +140,10 @@ def why_unsupported(target: Any, feature: str) -> str:
     if reason is not None and declared is not None and feature not in declared:
         return f"{type(target).__name__} declines it: {reason}"
     if feature == "tokens" and (declared is None or "tokens" in declared):
-        return (f"{where}: its own shard_batch may weigh samples only; declare 'tokens' with it "
-                "once it weighs tokens")
+        return (
+            f"{where}: its own shard_batch may weigh samples only; declare 'tokens' with it "
+            "once it weighs tokens"
+        )
     if declared is None:
         return f"{where}: beyond torch DDP's contract, checked only when declared"
     return where
@@ -154,8 +180,12 @@ def _declared_with_its_plan(target: Any) -> bool:
     mro = type(target).__mro__
     plan = next((i for i, cls in enumerate(mro) if "shard_batch" in vars(cls)), None)
     features = next((i for i, cls in enumerate(mro) if "supported_features" in vars(cls)), None)
-    return (plan is not None and features is not None and features <= plan
-            and mro[features].__dict__["supported_features"] is not None)
+    return (
+        plan is not None
+        and features is not None
+        and features <= plan
+        and mro[features].__dict__["supported_features"] is not None
+    )
 
 
 def unsupported(target: Any, without: frozenset[str] = frozenset()) -> frozenset[str]:
@@ -195,7 +225,8 @@ def _model_features(scenario: Scenario, world_size: int) -> frozenset[str]:
             raise ScenarioError(
                 f"the scenario's model or data failed while ddpcheck read which features it "
                 f"exercises (model={code_name(scenario.model)}, data={code_name(scenario.data)}, "
-                f"the batches of {world_size} rank(s)): {exception_text(exc)}") from exc
+                f"the batches of {world_size} rank(s)): {exception_text(exc)}"
+            ) from exc
         _CACHE[key] = found
     return found
 
@@ -216,8 +247,9 @@ def _inspect(scenario: Scenario, world_size: int) -> frozenset[str]:
         found.add("non-contiguous")
     spec = scenario.model
     if isinstance(spec, ModelSpec):
-        tied_head = spec.tie_head and any(layer.kind == "embedding" and not layer.float32
-                                          for layer in spec.layers)
+        tied_head = spec.tie_head and any(
+            layer.kind == "embedding" and not layer.float32 for layer in spec.layers
+        )
         if tied_head or any(layer.kind == "reused" for layer in spec.layers):
             found.add("tied")  # used twice in forward, registered once
         if isinstance(scenario.data, SpecData) and scenario.data.width == spec.width:
@@ -238,10 +270,19 @@ def _spec_usage(scenario: Scenario, spec: ModelSpec, world_size: int) -> set[str
     runs on the samples whose input feature ``index % width`` is positive, ``"never"`` on none,
     ``"always"`` on all (as the head, and a tied embedding, which the head uses); a frozen layer
     has nothing to use. ``tests/language/test_strategies.py`` holds the two to the same answer."""
-    tied = next((i for i, layer in enumerate(spec.layers)
-                 if spec.tie_head and layer.kind == "embedding" and not layer.float32), None)
-    gated = [(i, layer.use) for i, layer in enumerate(spec.layers)
-             if not layer.frozen and layer.use != "always" and i != tied]
+    tied = next(
+        (
+            i
+            for i, layer in enumerate(spec.layers)
+            if spec.tie_head and layer.kind == "embedding" and not layer.float32
+        ),
+        None,
+    )
+    gated = [
+        (i, layer.use)
+        for i, layer in enumerate(spec.layers)
+        if not layer.frozen and layer.use != "always" and i != tied
+    ]
     found: set[str] = set()
     if any(use == "never" for _, use in gated):
         found.add("unused-everywhere")

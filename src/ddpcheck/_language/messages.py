@@ -15,9 +15,19 @@ from torch import nn
 
 from ddpcheck._language.scenario import _code
 
-__all__ = ["MODULE_KINDS", "active_modules", "brief", "code_name", "describe_value",
-           "exception_text", "is_active", "kind_of", "needs_arguments", "scenario_line",
-           "short_name"]
+__all__ = [
+    "MODULE_KINDS",
+    "active_modules",
+    "brief",
+    "code_name",
+    "describe_value",
+    "exception_text",
+    "is_active",
+    "kind_of",
+    "needs_arguments",
+    "scenario_line",
+    "short_name",
+]
 
 
 def needs_arguments(function: Any, *args: Any) -> bool:
@@ -85,16 +95,21 @@ def is_active(module: nn.Module) -> bool:
 def active_modules(model: nn.Module, kind: str, hint: bool = False) -> str:
     """`` (found: bn (BatchNorm1d), ...)`` for the model's modules of ``kind`` that are active."""
     cls, how = MODULE_KINDS[kind]
-    found = [f"{n or 'the model'} ({type(m).__name__})" for n, m in model.named_modules()
-             if isinstance(m, cls) and is_active(m)]
+    found = [
+        f"{n or 'the model'} ({type(m).__name__})"
+        for n, m in model.named_modules()
+        if isinstance(m, cls) and is_active(m)
+    ]
     if not found:
         return ""
     more = f" and {len(found) - 3} more" if len(found) > 3 else ""
     text = f"{', '.join(found[:3])}{more} {how}"
     if hint and kind == "batchnorm":
-        return (f" (the model has {text}: batch statistics depend on the batch, so the oracle "
-                "cannot judge it; use eval mode, GroupNorm/LayerNorm, or SyncBatchNorm in your own "
-                "test)")
+        return (
+            f" (the model has {text}: batch statistics depend on the batch, so the oracle "
+            "cannot judge it; use eval mode, GroupNorm/LayerNorm, or SyncBatchNorm in your own "
+            "test)"
+        )
     return f" (found: {text})"
 
 
@@ -107,14 +122,34 @@ def scenario_line(scenario: Any) -> str:
         shape = getattr(model, "__qualname__", type(model).__name__)
     elif isinstance(layers, int):  # a language model's config (zoo.GPTConfig): its blocks
         shape = f"gpt({layers} block{'' if layers == 1 else 's'}" + (
-            ", tied)" if getattr(model, "tied", False) else ")")
+            ", tied)" if getattr(model, "tied", False) else ")"
+        )
     else:
-        shape = "+".join(layer.kind + ("(" + ",".join(
-            f for f, on in (("sample" if layer.use == "sample" else "unused",
-                             layer.use != "always"),
-                            ("frozen", layer.frozen), ("f32", layer.float32)) if on) + ")"
-            if layer.use != "always" or layer.frozen or layer.float32 else "")
-            for layer in layers) or "head"
+        shape = (
+            "+".join(
+                layer.kind
+                + (
+                    "("
+                    + ",".join(
+                        f
+                        for f, on in (
+                            (
+                                "sample" if layer.use == "sample" else "unused",
+                                layer.use != "always",
+                            ),
+                            ("frozen", layer.frozen),
+                            ("f32", layer.float32),
+                        )
+                        if on
+                    )
+                    + ")"
+                    if layer.use != "always" or layer.frozen or layer.float32
+                    else ""
+                )
+                for layer in layers
+            )
+            or "head"
+        )
     opt = scenario.optimizer.__name__
     extra = [f"B={scenario.global_batch}", f"steps={scenario.steps}"]
     if scenario.accumulation > 1:

@@ -34,8 +34,18 @@ from ddpcheck._base.options import named_fields
 
 __all__ = ["KINDS", "Layer", "ModelSpec", "SpecData", "SpecModel"]
 
-KINDS = ("linear", "reused", "transposed", "conv1d", "conv2d", "layernorm", "buffer", "attention",
-         "embedding", "conv_channels_last")
+KINDS = (
+    "linear",
+    "reused",
+    "transposed",
+    "conv1d",
+    "conv2d",
+    "layernorm",
+    "buffer",
+    "attention",
+    "embedding",
+    "conv_channels_last",
+)
 USES = ("always", "sample", "never")
 OUT_FEATURES = 3
 
@@ -82,8 +92,9 @@ class ModelSpec:
     def __post_init__(self) -> None:
         order = self.registration
         if order is not None and sorted(order) != list(range(len(self.layers))):
-            raise InvalidArgument(f"registration={order!r} must be a permutation of "
-                             f"range({len(self.layers)})")
+            raise InvalidArgument(
+                f"registration={order!r} must be a permutation of range({len(self.layers)})"
+            )
         if self.width < 2:
             raise InvalidArgument(f"width={self.width!r} must be at least 2")
 
@@ -102,8 +113,9 @@ class SpecData:
 
     width: int
 
-    def __call__(self, seed: int, batch: int,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, seed: int, batch: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(batch, self.width, generator=g, dtype=torch.float64).to(dtype)
         y = torch.randn(batch, OUT_FEATURES, generator=g, dtype=torch.float64).to(dtype)
@@ -139,8 +151,9 @@ class SpecModel(nn.Module):
                 getattr(self, f"l{i}").float()
 
     @staticmethod
-    def _run_block(layer: Layer, block: nn.Module, h: torch.Tensor,
-                   x: torch.Tensor) -> torch.Tensor:
+    def _run_block(
+        layer: Layer, block: nn.Module, h: torch.Tensor, x: torch.Tensor
+    ) -> torch.Tensor:
         """``block`` on the hidden state ``h`` (and, for an embedding, the inputs ``x``), in the
         layer's dtype, returned in ``h``'s."""
         dtype = next(block.parameters(), h).dtype if layer.float32 else h.dtype

@@ -37,8 +37,20 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-__all__ = ["IGNORE_INDEX", "LOSSES", "LOW_PRECISION", "check_output", "count", "forward",
-           "is_token_loss", "micro_batch_loss", "per_sample_loss", "summed", "terms", "tokens"]
+__all__ = [
+    "IGNORE_INDEX",
+    "LOSSES",
+    "LOW_PRECISION",
+    "check_output",
+    "count",
+    "forward",
+    "is_token_loss",
+    "micro_batch_loss",
+    "per_sample_loss",
+    "summed",
+    "terms",
+    "tokens",
+]
 
 #: The scenario losses, with what each term is.
 LOSSES: dict[str, str] = {
@@ -89,25 +101,35 @@ def summed(scenario: Any, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if not is_token_loss(scenario):
         return per_sample_loss(out, y).sum()
     wide = torch.promote_types(out.dtype, torch.float32)  # bf16 logits: the loss in float32
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]).to(wide), y.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(
+        out.reshape(-1, out.shape[-1]).to(wide),
+        y.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
 
 
 def check_output(scenario: Any, out: torch.Tensor, y: torch.Tensor) -> str | None:
     """Why the loss cannot take the model's output ``out`` for targets ``y`` (None: it can)."""
     if not is_token_loss(scenario):
         if out.shape != y.shape:
-            return (f"the model's forward returned shape {tuple(out.shape)} for targets of shape "
-                    f"{tuple(y.shape)}; they must match (the loss is the squared error of each "
-                    "sample)")
+            return (
+                f"the model's forward returned shape {tuple(out.shape)} for targets of shape "
+                f"{tuple(y.shape)}; they must match (the loss is the squared error of each "
+                "sample)"
+            )
         return None
     if y.is_floating_point() or y.is_complex():
-        return (f"loss='token_cross_entropy' needs integer target tokens, but the targets are "
-                f"{str(y.dtype).replace('torch.', '')}")
+        return (
+            f"loss='token_cross_entropy' needs integer target tokens, but the targets are "
+            f"{str(y.dtype).replace('torch.', '')}"
+        )
     if out.dim() != y.dim() + 1 or out.shape[:-1] != y.shape:
-        return (f"the model's forward returned shape {tuple(out.shape)} for target tokens of "
-                f"shape {tuple(y.shape)}; loss='token_cross_entropy' needs logits of shape "
-                f"{tuple(y.shape)} + (vocabulary,)")
+        return (
+            f"the model's forward returned shape {tuple(out.shape)} for target tokens of "
+            f"shape {tuple(y.shape)}; loss='token_cross_entropy' needs logits of shape "
+            f"{tuple(y.shape)} + (vocabulary,)"
+        )
     return None
 
 
@@ -119,8 +141,11 @@ def forward(scenario: Any, model: Any, x: torch.Tensor, *, emulate: bool = False
     """``model(x)`` as the scenario computes it: under its ``autocast``; with ``emulate`` (the
     reference) also under its ``param_dtype`` policy, which a rank's target implements itself."""
     dtype = getattr(scenario, "autocast", None)
-    context = (torch.autocast(x.device.type, dtype=dtype) if dtype is not None
-               else contextlib.nullcontext())
+    context = (
+        torch.autocast(x.device.type, dtype=dtype)
+        if dtype is not None
+        else contextlib.nullcontext()
+    )
     with context:
         param_dtype = getattr(scenario, "param_dtype", None)
         if emulate and param_dtype is not None:
@@ -128,8 +153,9 @@ def forward(scenario: Any, model: Any, x: torch.Tensor, *, emulate: bool = False
         return model(x)
 
 
-def micro_batch_loss(scenario: Any, model: Any, x: torch.Tensor, y: torch.Tensor, *,
-                     emulate: bool = False) -> torch.Tensor:
+def micro_batch_loss(
+    scenario: Any, model: Any, x: torch.Tensor, y: torch.Tensor, *, emulate: bool = False
+) -> torch.Tensor:
     """The summed terms of one micro-batch ``(x, y)`` (what its plan's scale multiplies)."""
     return summed(scenario, forward(scenario, model, x, emulate=emulate), y)
 
@@ -140,8 +166,10 @@ def _cast_forward(model: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype) -
     gets its floating-point inputs cast too (FSDP2's ``cast_forward_inputs``, per sharded
     module: ``ddpcheck.targets.fsdp.shard_leaves`` shards exactly those, and the root)."""
     owners = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
-    hooks = [m.register_forward_pre_hook(lambda _, args: _cast_inputs(args, dtype))
-             for m in [model, *owners]]
+    hooks = [
+        m.register_forward_pre_hook(lambda _, args: _cast_inputs(args, dtype))
+        for m in [model, *owners]
+    ]
     try:
         cast = {name: p.to(dtype) for name, p in model.named_parameters()}
         return functional_call(model, cast, (x,))
@@ -151,5 +179,4 @@ def _cast_forward(model: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype) -
 
 
 def _cast_inputs(args: tuple, dtype: torch.dtype) -> tuple:
-    return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a
-                 for a in args)
+    return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)

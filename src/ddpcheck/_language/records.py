@@ -17,8 +17,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["Collective", "RankRecord", "StepRecord", "gradients", "initial_state", "schedule_state",
-           "snapshot"]
+__all__ = [
+    "Collective",
+    "RankRecord",
+    "StepRecord",
+    "gradients",
+    "initial_state",
+    "schedule_state",
+    "snapshot",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +48,14 @@ class Collective:
     def signature(self) -> tuple:
         """What every rank of the group must agree on for the collective to pair correctly."""
         shapes = self.shapes if self.op in ("all_reduce", "broadcast", "reduce") else ()
-        return (self.op, self.dtypes if shapes else (), shapes, self.root, self.group,
-                self.reduce_op)
+        return (
+            self.op,
+            self.dtypes if shapes else (),
+            shapes,
+            self.root,
+            self.group,
+            self.reduce_op,
+        )
 
     def brief(self) -> str:
         parts = [self.op]
@@ -59,7 +72,6 @@ class Collective:
         if self.site:
             parts.append(f"(at {self.site})")
         return " ".join(parts)
-
 
 
 def _whole(tensor: Any) -> Any:
@@ -101,20 +113,26 @@ class RankRecord:
     seconds: float
 
 
-def initial_state(module: torch.nn.Module,
-                  gather: Callable[[Any], Any] = _whole) -> dict[str, torch.Tensor]:
+def initial_state(
+    module: torch.nn.Module, gather: Callable[[Any], Any] = _whole
+) -> dict[str, torch.Tensor]:
     """Copies of the parameters and buffers, by name (the state every replica must start from)."""
     with torch.no_grad():
-        return {**{n: gather(p.detach()).clone() for n, p in module.named_parameters()},
-                **{n: gather(b.detach()).clone() for n, b in module.named_buffers()}}
+        return {
+            **{n: gather(p.detach()).clone() for n, p in module.named_parameters()},
+            **{n: gather(b.detach()).clone() for n, b in module.named_buffers()},
+        }
 
 
-def gradients(model: torch.nn.Module,
-              gather: Callable[[Any], Any] = _whole) -> dict[str, torch.Tensor | None]:
+def gradients(
+    model: torch.nn.Module, gather: Callable[[Any], Any] = _whole
+) -> dict[str, torch.Tensor | None]:
     """Copies of the gradients, by name (None where there is none)."""
     with torch.no_grad():
-        return {n: None if p.grad is None else gather(p.grad.detach()).clone()
-                for n, p in model.named_parameters()}
+        return {
+            n: None if p.grad is None else gather(p.grad.detach()).clone()
+            for n, p in model.named_parameters()
+        }
 
 
 def schedule_state(optimizer: Any, scheduler: Any) -> dict[str, Any]:
@@ -124,17 +142,22 @@ def schedule_state(optimizer: Any, scheduler: Any) -> dict[str, Any]:
         return {}
     # state_dict() is what every scheduler, and a framework's wrapper of one, passes through
     # (accelerate's AcceleratedScheduler has no last_epoch attribute of its own)
-    return {"step count (last_epoch)": scheduler.state_dict().get("last_epoch"),
-            **{f"lr of param group {i}": group["lr"]
-               for i, group in enumerate(optimizer.param_groups)}}
+    return {
+        "step count (last_epoch)": scheduler.state_dict().get("last_epoch"),
+        **{f"lr of param group {i}": group["lr"] for i, group in enumerate(optimizer.param_groups)},
+    }
 
 
-def snapshot(model: torch.nn.Module, names: dict[Any, str], state: Any,
-             collectives: list | None = None,
-             grads: dict[str, torch.Tensor | None] | None = None,
-             gather: Callable[[Any], Any] = _whole,
-             local_shard: Callable[[Any], Any] | None = None,
-             schedule: dict[str, Any] | None = None) -> StepRecord:
+def snapshot(
+    model: torch.nn.Module,
+    names: dict[Any, str],
+    state: Any,
+    collectives: list | None = None,
+    grads: dict[str, torch.Tensor | None] | None = None,
+    gather: Callable[[Any], Any] = _whole,
+    local_shard: Callable[[Any], Any] | None = None,
+    schedule: dict[str, Any] | None = None,
+) -> StepRecord:
     """Copies of everything the oracle compares; ``state`` maps parameter -> state dict;
     ``grads``, when given, are the gradients recorded earlier (before the optimizer step);
     ``gather`` makes a sharded tensor whole, ``local_shard`` says which shard of a parameter
@@ -147,13 +170,16 @@ def snapshot(model: torch.nn.Module, names: dict[Any, str], state: Any,
         held = {}
         for p, entries in state.items():
             if entries:
-                held[names.get(p, "?")] = {k: gather(v.detach()).clone() if torch.is_tensor(v)
-                                           else v for k, v in entries.items()}
+                held[names.get(p, "?")] = {
+                    k: gather(v.detach()).clone() if torch.is_tensor(v) else v
+                    for k, v in entries.items()
+                }
         shards = {}
         if local_shard is not None:
             for n, p in model.named_parameters():
                 found = local_shard(p.detach())
                 if found is not None:
                     shards[n] = (found[0], found[1].clone())
-    return StepRecord(grads, params, buffers, held, collectives or [], shards=shards,
-                      schedule=schedule or {})
+    return StepRecord(
+        grads, params, buffers, held, collectives or [], shards=shards, schedule=schedule or {}
+    )

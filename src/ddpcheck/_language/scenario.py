@@ -38,8 +38,7 @@ from ddpcheck._base.scripts import MAIN_NAMES, public_module_name
 from ddpcheck._language import zoo
 from ddpcheck._language.objective import LOSSES, LOW_PRECISION, per_sample_loss
 
-__all__ = ["Scenario", "build_model", "global_batch", "local_micro_batches",
-           "per_sample_loss"]
+__all__ = ["Scenario", "build_model", "global_batch", "local_micro_batches", "per_sample_loss"]
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -95,12 +94,17 @@ class Scenario:
             raise InvalidArgument(f"loss={self.loss!r} must be one of {sorted(LOSSES)}")
         _check_precision(self.autocast, self.param_dtype, self.dtype)
         if not callable(self.model):
-            raise InvalidArgument(f"model={self.model!r} must be a callable returning an "
-                                  "nn.Module, such as a module class")
-        if not (isinstance(self.optimizer, type)
-                and issubclass(self.optimizer, torch.optim.Optimizer)):
-            raise InvalidArgument(f"optimizer={self.optimizer!r} must be a torch.optim.Optimizer "
-                                  "subclass, such as torch.optim.SGD")
+            raise InvalidArgument(
+                f"model={self.model!r} must be a callable returning an "
+                "nn.Module, such as a module class"
+            )
+        if not (
+            isinstance(self.optimizer, type) and issubclass(self.optimizer, torch.optim.Optimizer)
+        ):
+            raise InvalidArgument(
+                f"optimizer={self.optimizer!r} must be a torch.optim.Optimizer "
+                "subclass, such as torch.optim.SGD"
+            )
         if not isinstance(self.optimizer_kwargs, dict):
             raise InvalidArgument(f"optimizer_kwargs={self.optimizer_kwargs!r} must be a dict")
         if self.lr_decay is not None and not 0 < self.lr_decay <= 1:
@@ -115,8 +119,11 @@ class Scenario:
         return _DTYPES[self.dtype]
 
     def __repr__(self) -> str:
-        fields = [f"{f.name}={_code(getattr(self, f.name))}" for f in dataclasses.fields(self)
-                  if f.name == "model" or not _is_default(self, f)]
+        fields = [
+            f"{f.name}={_code(getattr(self, f.name))}"
+            for f in dataclasses.fields(self)
+            if f.name == "model" or not _is_default(self, f)
+        ]
         return f"ddpcheck.Scenario({', '.join(fields)})"
 
 
@@ -130,14 +137,17 @@ def _check_clipping(max_norm: Any, norm_type: Any) -> None:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
     if max_norm is not None and not (positive(max_norm) and math.isfinite(max_norm)):
-        raise InvalidArgument(f"max_grad_norm={max_norm!r} must be None or a positive finite "
-                              "number")
+        raise InvalidArgument(
+            f"max_grad_norm={max_norm!r} must be None or a positive finite number"
+        )
     if not positive(norm_type):
-        raise InvalidArgument(f"grad_norm_type={norm_type!r} must be a positive number, such as "
-                              "2.0 or math.inf")
+        raise InvalidArgument(
+            f"grad_norm_type={norm_type!r} must be a positive number, such as 2.0 or math.inf"
+        )
     if max_norm is None and norm_type != 2.0:  # a norm that is never clipped is a mistake
-        raise InvalidArgument(f"grad_norm_type={norm_type!r} needs max_grad_norm (no clipping "
-                              "without it)")
+        raise InvalidArgument(
+            f"grad_norm_type={norm_type!r} needs max_grad_norm (no clipping without it)"
+        )
 
 
 def _check_precision(autocast: Any, param_dtype: Any, dtype: str) -> None:
@@ -145,24 +155,29 @@ def _check_precision(autocast: Any, param_dtype: Any, dtype: str) -> None:
         if value is None:
             continue
         if value not in LOW_PRECISION:
-            raise InvalidArgument(f"{name}={value!r} must be None, torch.bfloat16 or "
-                                  "torch.float16")
+            raise InvalidArgument(f"{name}={value!r} must be None, torch.bfloat16 or torch.float16")
         if dtype != "float32":  # autocast leaves float64 alone; mixed precision keeps fp32 masters
-            raise InvalidArgument(f"{name}={value} needs dtype='float32' (the master weights of "
-                                  f"mixed precision), not dtype={dtype!r}")
+            raise InvalidArgument(
+                f"{name}={value} needs dtype='float32' (the master weights of "
+                f"mixed precision), not dtype={dtype!r}"
+            )
 
 
 def _check_checkpoint(after: Any, resume_world_size: Any, steps: int) -> None:
     if after is not None:
         _check_int("checkpoint_after", after, 0)
         if after >= steps - 1:  # a checkpoint after the last step resumes nothing
-            raise InvalidArgument(f"checkpoint_after={after!r} must be below steps - 1 = "
-                                  f"{steps - 1}: the resumed run must train at least one step")
+            raise InvalidArgument(
+                f"checkpoint_after={after!r} must be below steps - 1 = "
+                f"{steps - 1}: the resumed run must train at least one step"
+            )
     if resume_world_size is not None:
         _check_int("resume_world_size", resume_world_size, 1)
         if after is None:
-            raise InvalidArgument(f"resume_world_size={resume_world_size!r} needs "
-                                  "checkpoint_after (there is no resume without a checkpoint)")
+            raise InvalidArgument(
+                f"resume_world_size={resume_world_size!r} needs "
+                "checkpoint_after (there is no resume without a checkpoint)"
+            )
 
 
 def _code(value: Any) -> str:
@@ -170,8 +185,11 @@ def _code(value: Any) -> str:
     if isinstance(value, type) or (callable(value) and hasattr(value, "__qualname__")):
         return import_path(value)
     if dataclasses.is_dataclass(value):
-        args = ", ".join(f"{f.name}={_code(getattr(value, f.name))}"
-                         for f in dataclasses.fields(value) if not _is_default(value, f))
+        args = ", ".join(
+            f"{f.name}={_code(getattr(value, f.name))}"
+            for f in dataclasses.fields(value)
+            if not _is_default(value, f)
+        )
         return f"{import_path(type(value))}({args})"
     if isinstance(value, (list, tuple)):
         inner = ", ".join(_code(v) for v in value)
@@ -246,8 +264,9 @@ def build_model(scenario: Scenario, seed: int) -> nn.Module:
     torch.random.default_generator.manual_seed(seed)
     model = scenario.model()
     if not isinstance(model, nn.Module):
-        raise InvalidArgument(f"model={_code(scenario.model)} returned {type(model).__name__}, "
-                              "not a torch.nn.Module")
+        raise InvalidArgument(
+            f"model={_code(scenario.model)} returned {type(model).__name__}, not a torch.nn.Module"
+        )
     model = model.to(scenario.torch_dtype)
     restore = getattr(model, "restore_dtypes", None)
     if callable(restore):  # a model that mixes dtypes on purpose sets its exceptions back
@@ -266,10 +285,15 @@ def global_batch(scenario: Scenario, step: int) -> tuple[torch.Tensor, torch.Ten
     return scenario.data(scenario.seed * 1_000 + step, scenario.global_batch, scenario.torch_dtype)
 
 
-def local_micro_batches(scenario: Scenario, step: int, rank: int,
-                        world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def local_micro_batches(
+    scenario: Scenario, step: int, rank: int, world_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's micro-batches of one step, each as ``(x, y)`` (possibly empty)."""
     x, y = global_batch(scenario, step)
     xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
-    return list(zip(torch.tensor_split(xs, scenario.accumulation),
-                    torch.tensor_split(ys, scenario.accumulation)))
+    return list(
+        zip(
+            torch.tensor_split(xs, scenario.accumulation),
+            torch.tensor_split(ys, scenario.accumulation),
+        )
+    )

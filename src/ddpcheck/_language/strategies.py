@@ -32,9 +32,23 @@ from ddpcheck._language.models import KINDS, Layer, ModelSpec
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.zoo import BiasGroups, GPTConfig, token_data
 
-__all__ = ["BUCKET_SIZES", "FLOAT32_ONLY", "LOW_PRECISION_EPS", "MAX_GRAD_NORMS",
-           "NEEDS_SEVERAL_RANKS", "bucket_sizes", "can_exercise", "examples", "exercising",
-           "gpt_models", "layers", "models", "optimizers", "scenarios", "world_sizes"]
+__all__ = [
+    "BUCKET_SIZES",
+    "FLOAT32_ONLY",
+    "LOW_PRECISION_EPS",
+    "MAX_GRAD_NORMS",
+    "NEEDS_SEVERAL_RANKS",
+    "bucket_sizes",
+    "can_exercise",
+    "examples",
+    "exercising",
+    "gpt_models",
+    "layers",
+    "models",
+    "optimizers",
+    "scenarios",
+    "world_sizes",
+]
 
 #: Features only float32 scenarios can have: the precision policies keep float32 master weights.
 FLOAT32_ONLY = ("float32", "autocast", "param-dtype")
@@ -77,8 +91,9 @@ def bucket_sizes() -> st.SearchStrategy[float | None]:
     return st.sampled_from(BUCKET_SIZES)
 
 
-def layers(*, kinds: Sequence[str] = KINDS, unused: bool = True, frozen: bool = True,
-           float32: bool = False) -> st.SearchStrategy[Layer]:
+def layers(
+    *, kinds: Sequence[str] = KINDS, unused: bool = True, frozen: bool = True, float32: bool = False
+) -> st.SearchStrategy[Layer]:
     """One :class:`ddpcheck.models.Layer` of the given ``kinds``; ``unused`` allows layers used
     by some samples only or never, ``frozen`` frozen layers, ``float32`` float32 layers in a
     float64 model. Shrinks towards an always-used, trainable ``linear`` (or the first kind)."""
@@ -96,10 +111,19 @@ def layers(*, kinds: Sequence[str] = KINDS, unused: bool = True, frozen: bool = 
 
 
 @st.composite
-def _models(draw: st.DrawFn, min_layers: int, max_layers: int, kinds: tuple[str, ...],
-            unused: bool, frozen: bool, mixed_dtypes: bool, tie: bool = True) -> ModelSpec:
-    drawn = tuple(draw(_layer_lists(tuple(kinds), unused, frozen, mixed_dtypes, min_layers,
-                                    max_layers)))
+def _models(
+    draw: st.DrawFn,
+    min_layers: int,
+    max_layers: int,
+    kinds: tuple[str, ...],
+    unused: bool,
+    frozen: bool,
+    mixed_dtypes: bool,
+    tie: bool = True,
+) -> ModelSpec:
+    drawn = tuple(
+        draw(_layer_lists(tuple(kinds), unused, frozen, mixed_dtypes, min_layers, max_layers))
+    )
     registration = tuple(draw(_permutations(len(drawn))))
     return ModelSpec(
         layers=drawn,
@@ -111,10 +135,14 @@ def _models(draw: st.DrawFn, min_layers: int, max_layers: int, kinds: tuple[str,
 
 
 @_built_once
-def _layer_lists(kinds: tuple, unused: bool, frozen: bool, float32: bool, min_size: int,
-                 max_size: int) -> st.SearchStrategy[list[Layer]]:
-    return st.lists(layers(kinds=kinds, unused=unused, frozen=frozen, float32=float32),
-                    min_size=min_size, max_size=max_size)
+def _layer_lists(
+    kinds: tuple, unused: bool, frozen: bool, float32: bool, min_size: int, max_size: int
+) -> st.SearchStrategy[list[Layer]]:
+    return st.lists(
+        layers(kinds=kinds, unused=unused, frozen=frozen, float32=float32),
+        min_size=min_size,
+        max_size=max_size,
+    )
 
 
 @_built_once
@@ -122,9 +150,16 @@ def _permutations(n: int) -> st.SearchStrategy[list[int]]:
     return st.permutations(range(n))
 
 
-def models(*, min_layers: int = 0, max_layers: int = 5, kinds: Sequence[str] = KINDS,
-           unused: bool = True, frozen: bool = True, mixed_dtypes: bool = False,
-           without: Iterable[str] = ()) -> st.SearchStrategy[ModelSpec]:
+def models(
+    *,
+    min_layers: int = 0,
+    max_layers: int = 5,
+    kinds: Sequence[str] = KINDS,
+    unused: bool = True,
+    frozen: bool = True,
+    mixed_dtypes: bool = False,
+    without: Iterable[str] = (),
+) -> st.SearchStrategy[ModelSpec]:
     """Random architectures as :class:`ddpcheck.models.ModelSpec`: ``min_layers`` to
     ``max_layers`` layers on a hidden state of width 2-6 and a linear head (so 1 to ~25
     parameter tensors -- fewer and more than W), registered in a random order independent of
@@ -137,15 +172,24 @@ def models(*, min_layers: int = 0, max_layers: int = 5, kinds: Sequence[str] = K
     (``non-contiguous``), float32 layers (``mixed-dtypes``)."""
     _check_range("min_layers", min_layers, "max_layers", max_layers, 0)
     without = features.parse(without, "without")
-    dropped = {"tied": ("reused",), "buffers": ("buffer",),
-               "non-contiguous": ("transposed", "conv_channels_last")}
-    kinds = tuple(k for k in kinds
-                  if not any(k in dropped.get(f, ()) for f in without))
+    dropped = {
+        "tied": ("reused",),
+        "buffers": ("buffer",),
+        "non-contiguous": ("transposed", "conv_channels_last"),
+    }
+    kinds = tuple(k for k in kinds if not any(k in dropped.get(f, ()) for f in without))
     if not kinds:
         raise InvalidArgument(f"without={sorted(without)!r} leaves no layer kind to draw")
     unused = unused and not without & {"unused-on-some-ranks", "unused-everywhere"}
-    return _models(min_layers, max_layers, kinds, unused, frozen and "frozen" not in without,
-                   mixed_dtypes and "mixed-dtypes" not in without, "tied" not in without)
+    return _models(
+        min_layers,
+        max_layers,
+        kinds,
+        unused,
+        frozen and "frozen" not in without,
+        mixed_dtypes and "mixed-dtypes" not in without,
+        "tied" not in without,
+    )
 
 
 @_built_once
@@ -153,14 +197,24 @@ def optimizers() -> st.SearchStrategy[tuple[type, dict]]:
     """``(optimizer_cls, kwargs)``: SGD (plain, momentum, nesterov, weight decay), Adam, AdamW.
     Shrinks towards plain SGD (the optimizer that shows constant-scale bugs)."""
     sgd = st.builds(
-        lambda momentum, nesterov, weight_decay: (torch.optim.SGD, {
-            "lr": 0.1, **({"momentum": momentum} if momentum else {}),
-            **({"nesterov": True} if nesterov and momentum else {}),
-            **({"weight_decay": weight_decay} if weight_decay else {})}),
-        st.sampled_from((0.0, 0.9)), st.booleans(), st.sampled_from((0.0, 0.01)))
-    adam = st.builds(lambda cls, wd: (cls, {"lr": 0.01, **({"weight_decay": wd} if wd else {})}),
-                     st.sampled_from((torch.optim.Adam, torch.optim.AdamW)),
-                     st.sampled_from((0.0, 0.1)))
+        lambda momentum, nesterov, weight_decay: (
+            torch.optim.SGD,
+            {
+                "lr": 0.1,
+                **({"momentum": momentum} if momentum else {}),
+                **({"nesterov": True} if nesterov and momentum else {}),
+                **({"weight_decay": weight_decay} if weight_decay else {}),
+            },
+        ),
+        st.sampled_from((0.0, 0.9)),
+        st.booleans(),
+        st.sampled_from((0.0, 0.01)),
+    )
+    adam = st.builds(
+        lambda cls, wd: (cls, {"lr": 0.01, **({"weight_decay": wd} if wd else {})}),
+        st.sampled_from((torch.optim.Adam, torch.optim.AdamW)),
+        st.sampled_from((0.0, 0.1)),
+    )
     return st.one_of(sgd, adam)
 
 
@@ -174,18 +228,24 @@ def gpt_models(*, without: Iterable[str] = ()) -> st.SearchStrategy[GPTConfig]:
 
 @_built_once
 def _gpt_models(without: frozenset[str]) -> st.SearchStrategy[GPTConfig]:
-    return st.builds(GPTConfig, width=st.sampled_from((8, 12)), heads=st.sampled_from((1, 2, 4)),
-                     layers=st.integers(0, 2),
-                     tied=st.just(False) if "tied" in without else st.booleans())
+    return st.builds(
+        GPTConfig,
+        width=st.sampled_from((8, 12)),
+        heads=st.sampled_from((1, 2, 4)),
+        layers=st.integers(0, 2),
+        tied=st.just(False) if "tied" in without else st.booleans(),
+    )
 
 
 #: The precision policies a float32 scenario may draw: (feature, field, dtype), param_dtype
 #: twice -- Hypothesis favours the first choices, and an opted-in target should see it as often as
 #: autocast (bench/feature_rates.py --opt-in param-dtype).
-_POLICIES = (("autocast", "autocast", torch.bfloat16),
-             ("param-dtype", "param_dtype", torch.bfloat16),
-             ("autocast", "autocast", torch.float16),
-             ("param-dtype", "param_dtype", torch.bfloat16))
+_POLICIES = (
+    ("autocast", "autocast", torch.bfloat16),
+    ("param-dtype", "param_dtype", torch.bfloat16),
+    ("autocast", "autocast", torch.float16),
+    ("param-dtype", "param_dtype", torch.bfloat16),
+)
 
 
 @_built_once
@@ -194,8 +254,11 @@ def _precision(draw: st.DrawFn, without: frozenset[str], opt_in: frozenset[str])
     """A third of float32 scenarios run a precision policy (shrinking towards none): autocast in
     bfloat16 or float16 unless ``without`` excludes it, or -- about as often, for a target that
     opts in (``opt_in``) -- ``param_dtype`` bfloat16."""
-    allowed = [(field, dtype) for feature, field, dtype in _POLICIES
-               if feature not in without and (feature not in features.OPT_IN or feature in opt_in)]
+    allowed = [
+        (field, dtype)
+        for feature, field, dtype in _POLICIES
+        if feature not in without and (feature not in features.OPT_IN or feature in opt_in)
+    ]
     if not allowed or not draw(st.sampled_from((False, False, True))):
         return {}
     field, dtype = draw(st.sampled_from(allowed))
@@ -210,11 +273,19 @@ def _low_precision(optimizer: type, kwargs: dict) -> dict:
 
 
 @st.composite
-def _scenarios(draw: st.DrawFn, model_strategy: st.SearchStrategy[ModelSpec],
-               dtypes: tuple[str, ...], max_batch: int, max_steps: int, max_accumulation: int,
-               without: frozenset[str], world_size: int | None,
-               resume_world_sizes: tuple[int, ...], opt_in: frozenset[str] = frozenset(),
-               tokens: bool | None = None) -> Scenario:
+def _scenarios(
+    draw: st.DrawFn,
+    model_strategy: st.SearchStrategy[ModelSpec],
+    dtypes: tuple[str, ...],
+    max_batch: int,
+    max_steps: int,
+    max_accumulation: int,
+    without: frozenset[str],
+    world_size: int | None,
+    resume_world_sizes: tuple[int, ...],
+    opt_in: frozenset[str] = frozenset(),
+    tokens: bool | None = None,
+) -> Scenario:
     if tokens is None:  # a fifth of scenarios train a language model (shrinking towards none)
         tokens = "tokens" not in without and draw(st.sampled_from((False,) * 4 + (True,)))
     spec: Any  # a GPTConfig (a language model) or a ModelSpec
@@ -243,8 +314,9 @@ def _scenarios(draw: st.DrawFn, model_strategy: st.SearchStrategy[ModelSpec],
         batch = world_size * draw(st.integers(1, max(1, max_batch // world_size)))
     else:
         batch = draw(st.integers(1, max_batch))
-    precision = (draw(_precision(frozenset(without), frozenset(opt_in)))
-                 if dtype == "float32" else {})
+    precision = (
+        draw(_precision(frozenset(without), frozenset(opt_in))) if dtype == "float32" else {}
+    )
     if precision:
         kwargs = _low_precision(optimizer, kwargs)
     return Scenario(
@@ -267,15 +339,18 @@ def _scenarios(draw: st.DrawFn, model_strategy: st.SearchStrategy[ModelSpec],
         rank_seeds="broadcast" not in without,
         **({} if "clipping" in without else draw(_clipping())),
         rank_orders=False if "rank-orders" in without else draw(_rank_orders()),
-        **({} if "checkpoint" in without
-           else draw(_checkpoint(steps, tuple(resume_world_sizes)))),
+        **({} if "checkpoint" in without else draw(_checkpoint(steps, tuple(resume_world_sizes)))),
     )
 
 
 @_built_once
 def _param_groups() -> st.SearchStrategy[BiasGroups | None]:
-    return st.one_of(st.none(), st.builds(BiasGroups, lr=st.sampled_from((0.05, 0.2)),
-                                          weight_decay=st.sampled_from((0.0, 0.05))))
+    return st.one_of(
+        st.none(),
+        st.builds(
+            BiasGroups, lr=st.sampled_from((0.05, 0.2)), weight_decay=st.sampled_from((0.0, 0.05))
+        ),
+    )
 
 
 def _rank_orders() -> st.SearchStrategy[bool]:
@@ -295,8 +370,10 @@ def _clipping(draw: st.DrawFn) -> dict:
     ``integers(0, 3) == 3``: Hypothesis favours small integers, which made it ~15 %."""
     if not draw(st.sampled_from((False, False, False, True))):
         return {}
-    return {"max_grad_norm": draw(st.sampled_from(MAX_GRAD_NORMS)),
-            "grad_norm_type": draw(st.sampled_from((2.0, math.inf)))}
+    return {
+        "max_grad_norm": draw(st.sampled_from(MAX_GRAD_NORMS)),
+        "grad_norm_type": draw(st.sampled_from((2.0, math.inf))),
+    }
 
 
 @_built_once
@@ -307,17 +384,25 @@ def _checkpoint(draw: st.DrawFn, steps: int, resume_world_sizes: tuple[int, ...]
     # drawn whatever the steps: shrinking the steps then leaves the later choices in place
     if not draw(st.sampled_from((False, False, True))) or steps < 2:
         return {}
-    return {"checkpoint_after": draw(st.integers(0, steps - 2)),
-            "resume_world_size": draw(st.one_of(st.none(), st.sampled_from(resume_world_sizes)))}
+    return {
+        "checkpoint_after": draw(st.integers(0, steps - 2)),
+        "resume_world_size": draw(st.one_of(st.none(), st.sampled_from(resume_world_sizes))),
+    }
 
 
-def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
-              dtypes: Sequence[str] = ("float64",), max_batch: int = 12, max_steps: int = 4,
-              max_accumulation: int = 3, without: Iterable[str] = (),
-              world_size: int | None = None,
-              resume_world_sizes: Sequence[int] = (1, 2, 3),
-              opt_in: Iterable[str] = (), _tokens: bool | None = None
-              ) -> st.SearchStrategy[Scenario]:
+def scenarios(
+    *,
+    models: st.SearchStrategy[ModelSpec] | None = None,
+    dtypes: Sequence[str] = ("float64",),
+    max_batch: int = 12,
+    max_steps: int = 4,
+    max_accumulation: int = 3,
+    without: Iterable[str] = (),
+    world_size: int | None = None,
+    resume_world_sizes: Sequence[int] = (1, 2, 3),
+    opt_in: Iterable[str] = (),
+    _tokens: bool | None = None,
+) -> st.SearchStrategy[Scenario]:
     """Whole training runs: a model (default: :func:`models`; in a fifth of them a language model
     of :func:`gpt_models` on padded token sequences, ``loss="token_cross_entropy"``), an optimizer
     with optional
@@ -344,32 +429,55 @@ def scenarios(*, models: st.SearchStrategy[ModelSpec] | None = None,
     without = features.parse(without, "without")
     opt_in = features.parse(opt_in, "opt_in")
     if opt_in - features.OPT_IN.keys():
-        raise InvalidArgument(f"opt_in={sorted(opt_in)!r} may name only the opt-in features "
-                              f"{sorted(features.OPT_IN)}")
+        raise InvalidArgument(
+            f"opt_in={sorted(opt_in)!r} may name only the opt-in features {sorted(features.OPT_IN)}"
+        )
     dtypes = tuple(d for d in dtypes if d not in without)
     if not dtypes or any(d not in ("float64", "float32") for d in dtypes):
-        raise InvalidArgument(f"dtypes={dtypes!r} must be a non-empty subset of "
-                              "('float64', 'float32') once `without` is applied")
+        raise InvalidArgument(
+            f"dtypes={dtypes!r} must be a non-empty subset of "
+            "('float64', 'float32') once `without` is applied"
+        )
     _check_range("1", 1, "max_batch", max_batch, 1)
     _check_range("1", 1, "max_steps", max_steps, 1)
     _check_range("1", 1, "max_accumulation", max_accumulation, 1)
     resume_world_sizes = tuple(resume_world_sizes)
-    if not resume_world_sizes or any(isinstance(w, bool) or not isinstance(w, int) or w < 1
-                                     for w in resume_world_sizes):
-        raise InvalidArgument(f"resume_world_sizes={resume_world_sizes!r} must be a non-empty "
-                              "sequence of positive integers")
+    if not resume_world_sizes or any(
+        isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in resume_world_sizes
+    ):
+        raise InvalidArgument(
+            f"resume_world_sizes={resume_world_sizes!r} must be a non-empty "
+            "sequence of positive integers"
+        )
     if models is not None and not isinstance(models, st.SearchStrategy):
-        raise InvalidArgument(f"Expected a SearchStrategy, such as ddpcheck.strategies.models(), "
-                              f"but got models={models!r} (type={type(models).__name__})")
+        raise InvalidArgument(
+            f"Expected a SearchStrategy, such as ddpcheck.strategies.models(), "
+            f"but got models={models!r} (type={type(models).__name__})"
+        )
     if models is None:
         models = globals()["models"](without=without)
-    return _scenarios(models, dtypes, max_batch, max_steps, max_accumulation, without,
-                      world_size, resume_world_sizes, opt_in, tokens)
+    return _scenarios(
+        models,
+        dtypes,
+        max_batch,
+        max_steps,
+        max_accumulation,
+        without,
+        world_size,
+        resume_world_sizes,
+        opt_in,
+        tokens,
+    )
 
 
-def examples(target: Any, *, world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
-             dtypes: Sequence[str] = ("float64",), without: Iterable[str] = (),
-             only: Iterable[str] = ()) -> st.SearchStrategy[tuple[Scenario, int]]:
+def examples(
+    target: Any,
+    *,
+    world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
+    dtypes: Sequence[str] = ("float64",),
+    without: Iterable[str] = (),
+    only: Iterable[str] = (),
+) -> st.SearchStrategy[tuple[Scenario, int]]:
     """``(scenario, world_size)`` pairs that ``target`` runs, the random examples ``ddpcheck
     check`` draws for it: a world size of ``world_sizes``, then :func:`scenarios` without the
     features ``target`` does not support (``supported_features``, its :data:`OPT_IN
@@ -384,27 +492,35 @@ def examples(target: Any, *, world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
     simplest scenario."""
     focus = features.parse(only, "only")
     sizes, per_size, excluded = _for_target(target, world_sizes, dtypes, without, focus)
-    runs = {w: per_size[w].filter(functools.partial(_runs, target, w, excluded, focus))
-            for w in sizes}
+    runs = {
+        w: per_size[w].filter(functools.partial(_runs, target, w, excluded, focus)) for w in sizes
+    }
     return _examples(st.sampled_from(sizes), runs)
 
 
 @st.composite
-def _examples(draw: st.DrawFn, sizes: st.SearchStrategy[int],
-              runs: dict) -> tuple[Scenario, int]:
+def _examples(draw: st.DrawFn, sizes: st.SearchStrategy[int], runs: dict) -> tuple[Scenario, int]:
     world_size = draw(sizes)
     return draw(runs[world_size]), world_size
 
 
-def _runs(target: Any, world_size: int, excluded: frozenset[str], focus: frozenset[str],
-          scenario: Scenario) -> bool:
+def _runs(
+    target: Any,
+    world_size: int,
+    excluded: frozenset[str],
+    focus: frozenset[str],
+    scenario: Scenario,
+) -> bool:
     return features.declines(target, scenario, world_size, excluded, focus) is None
 
 
-def _for_target(target: Any, world_sizes: Any, dtypes: Sequence[str], without: Iterable[str],
-                only: Iterable[str] = ()
-                ) -> tuple[tuple[int, ...], dict[int, st.SearchStrategy[Scenario]],
-                           frozenset[str]]:
+def _for_target(
+    target: Any,
+    world_sizes: Any,
+    dtypes: Sequence[str],
+    without: Iterable[str],
+    only: Iterable[str] = (),
+) -> tuple[tuple[int, ...], dict[int, st.SearchStrategy[Scenario]], frozenset[str]]:
     """``(world sizes, {W: scenarios target runs at W}, the features without excludes)``: one
     definition of what a target is drawn, for :func:`examples` and ``ddpcheck check``'s own
     random examples (``_runs.fuzz``), which tallies the declined draws itself. Built once per
@@ -417,22 +533,46 @@ def _for_target(target: Any, world_sizes: Any, dtypes: Sequence[str], without: I
     opt_in = frozenset(features.OPT_IN) - unsupported  # generated only for a target that opts in
     kept = tuple(d for d in dtypes if d not in unsupported)
     if not kept:
-        raise NothingChecked(f"{type(target).__name__} supports none of the dtypes "
-                             f"{', '.join(dtypes)} once `without` (--without) is applied")
+        raise NothingChecked(
+            f"{type(target).__name__} supports none of the dtypes "
+            f"{', '.join(dtypes)} once `without` (--without) is applied"
+        )
     if focus:
-        per_size = {w: st.one_of([exercising(f, world_size=w, dtypes=_dtypes_exercising(f, kept),
-                                             without=unsupported, resume_world_sizes=sizes,
-                                             opt_in=opt_in)
-                                  for f in sorted(focus) if can_exercise(f, w)])
-                    for w in sizes if any(can_exercise(f, w) for f in focus)}
+        per_size = {
+            w: st.one_of(
+                [
+                    exercising(
+                        f,
+                        world_size=w,
+                        dtypes=_dtypes_exercising(f, kept),
+                        without=unsupported,
+                        resume_world_sizes=sizes,
+                        opt_in=opt_in,
+                    )
+                    for f in sorted(focus)
+                    if can_exercise(f, w)
+                ]
+            )
+            for w in sizes
+            if any(can_exercise(f, w) for f in focus)
+        }
         if not per_size:
-            raise NothingChecked(f"no world size of {sizes} can exercise "
-                                 f"{', '.join(sorted(focus))} (one rank holds every sample)")
+            raise NothingChecked(
+                f"no world size of {sizes} can exercise "
+                f"{', '.join(sorted(focus))} (one rank holds every sample)"
+            )
         return tuple(per_size), per_size, excluded
-    per_size = {w: scenarios(models=models(mixed_dtypes=True, without=unsupported), dtypes=kept,
-                             without=unsupported, world_size=w, resume_world_sizes=sizes,
-                             opt_in=opt_in)
-                for w in sizes}
+    per_size = {
+        w: scenarios(
+            models=models(mixed_dtypes=True, without=unsupported),
+            dtypes=kept,
+            without=unsupported,
+            world_size=w,
+            resume_world_sizes=sizes,
+            opt_in=opt_in,
+        )
+        for w in sizes
+    }
     return sizes, per_size, excluded
 
 
@@ -455,16 +595,26 @@ def _dtypes_exercising(feature: str, dtypes: Sequence[str]) -> tuple[str, ...]:
 
 
 #: The layer a model gets so that it exercises the feature (``exercising``).
-_LAYERS = {"unused-everywhere": Layer(use="never"), "unused-on-some-ranks": Layer(use="sample"),
-           "frozen": Layer(frozen=True), "tied": Layer(kind="reused"),
-           "buffers": Layer(kind="buffer"), "mixed-dtypes": Layer(float32=True),
-           "non-contiguous": (Layer(kind="transposed"), Layer(kind="conv_channels_last"))}
+_LAYERS = {
+    "unused-everywhere": Layer(use="never"),
+    "unused-on-some-ranks": Layer(use="sample"),
+    "frozen": Layer(frozen=True),
+    "tied": Layer(kind="reused"),
+    "buffers": Layer(kind="buffer"),
+    "mixed-dtypes": Layer(float32=True),
+    "non-contiguous": (Layer(kind="transposed"), Layer(kind="conv_channels_last")),
+}
 
 
-def exercising(feature: str, *, world_size: int, dtypes: Sequence[str] | None = None,
-               without: Iterable[str] = (),
-               resume_world_sizes: Sequence[int] | None = None,
-               opt_in: Iterable[str] = ()) -> st.SearchStrategy[Scenario]:
+def exercising(
+    feature: str,
+    *,
+    world_size: int,
+    dtypes: Sequence[str] | None = None,
+    without: Iterable[str] = (),
+    resume_world_sizes: Sequence[int] | None = None,
+    opt_in: Iterable[str] = (),
+) -> st.SearchStrategy[Scenario]:
     """:func:`scenarios` made to exercise ``feature`` (of ``ddpcheck.features.FEATURES``) at
     ``world_size``: the model gets the layer that produces it (a never-used, sample-gated, frozen,
     reused, buffer, float32 or transposed layer), or the scenario the field (micro-batches, param
@@ -485,8 +635,9 @@ def exercising(feature: str, *, world_size: int, dtypes: Sequence[str] | None = 
     without = features.parse(without, "without")
     _check_range("1", 1, "world_size", world_size, 1)
     if feature not in features.FEATURES or feature in without:
-        raise InvalidArgument(f"feature={feature!r} must be one of ddpcheck.features.FEATURES "
-                              "and not in `without`")
+        raise InvalidArgument(
+            f"feature={feature!r} must be one of ddpcheck.features.FEATURES and not in `without`"
+        )
     if dtypes is None:
         dtypes = ("float32",) if feature in FLOAT32_ONLY else ("float64",)
     if feature in FLOAT32_ONLY and tuple(dtypes) != ("float32",):
@@ -496,13 +647,22 @@ def exercising(feature: str, *, world_size: int, dtypes: Sequence[str] | None = 
     model = models(mixed_dtypes=True, without=without)
     if feature in _LAYERS:
         layer = _LAYERS[feature]
-        model = st.builds(_with_layer, model, st.sampled_from(layer) if isinstance(layer, tuple)
-                          else st.just(layer), st.integers(0, 5))
+        model = st.builds(
+            _with_layer,
+            model,
+            st.sampled_from(layer) if isinstance(layer, tuple) else st.just(layer),
+            st.integers(0, 5),
+        )
     resumes = tuple(resume_world_sizes or range(1, world_size + 1))
-    drawn = scenarios(models=model, dtypes=dtypes, without=without, world_size=world_size,
-                      resume_world_sizes=resumes, opt_in=opt_in,
-                      _tokens=True if feature == "tokens" else False if feature in _LAYERS
-                      else None)
+    drawn = scenarios(
+        models=model,
+        dtypes=dtypes,
+        without=without,
+        world_size=world_size,
+        resume_world_sizes=resumes,
+        opt_in=opt_in,
+        _tokens=True if feature == "tokens" else False if feature in _LAYERS else None,
+    )
     return _forced(drawn, feature, world_size, "uneven-batches" in without, resumes)
 
 
@@ -511,13 +671,20 @@ def _with_layer(spec: ModelSpec, layer: Layer, index: int) -> ModelSpec:
     order = spec.registration
     if order is not None:  # the new layer is registered last
         order = (*(j + (j >= i) for j in order), i)
-    return dataclasses.replace(spec, layers=(*spec.layers[:i], layer, *spec.layers[i:]),
-                               registration=order)
+    return dataclasses.replace(
+        spec, layers=(*spec.layers[:i], layer, *spec.layers[i:]), registration=order
+    )
 
 
 @st.composite
-def _forced(draw: st.DrawFn, drawn: st.SearchStrategy[Scenario], feature: str, world_size: int,
-            even_batches: bool, resumes: tuple[int, ...]) -> Scenario:
+def _forced(
+    draw: st.DrawFn,
+    drawn: st.SearchStrategy[Scenario],
+    feature: str,
+    world_size: int,
+    even_batches: bool,
+    resumes: tuple[int, ...],
+) -> Scenario:
     s = draw(drawn)
     change: dict[str, Any] = {}
     if feature == "accumulation":
@@ -548,6 +715,9 @@ def _forced(draw: st.DrawFn, drawn: st.SearchStrategy[Scenario], feature: str, w
         change["autocast"] = None
         change["optimizer_kwargs"] = _low_precision(s.optimizer, s.optimizer_kwargs)
     elif feature == "unused-on-some-ranks":  # few samples per rank: some rank skips the layer
-        change["global_batch"] = (world_size * draw(st.integers(1, 2)) if even_batches
-                                  else draw(st.integers(1, 2 * world_size)))
+        change["global_batch"] = (
+            world_size * draw(st.integers(1, 2))
+            if even_batches
+            else draw(st.integers(1, 2 * world_size))
+        )
     return dataclasses.replace(s, **change) if change else s

@@ -75,8 +75,15 @@ class Loop:
     emulates_param_dtype: bool = False
 
 
-def micro_batch_loss(scenario: Scenario, model: Any, x: torch.Tensor, y: torch.Tensor,
-                     scale: float, *, emulate: bool = False) -> torch.Tensor:
+def micro_batch_loss(
+    scenario: Scenario,
+    model: Any,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    scale: float,
+    *,
+    emulate: bool = False,
+) -> torch.Tensor:
     """The loss one micro-batch back-propagates: the sum of its terms of the scenario's
     objective, under its precision policy (``emulate``: the reference's ``param_dtype``), times
     ``scale`` (its batch plan's)."""
@@ -143,12 +150,22 @@ def _takes_model(method: Any) -> bool:
 
 def make_scheduler(scenario: Scenario, optimizer: Any) -> Any:
     """The scenario's LR schedule on ``optimizer`` (None without ``lr_decay``)."""
-    return (torch.optim.lr_scheduler.ExponentialLR(optimizer, scenario.lr_decay)
-            if scenario.lr_decay is not None else None)
+    return (
+        torch.optim.lr_scheduler.ExponentialLR(optimizer, scenario.lr_decay)
+        if scenario.lr_decay is not None
+        else None
+    )
 
 
-def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop, *, scheduler: Any = None,
-          steps: range | None = None) -> None:
+def train(
+    scenario: Scenario,
+    model: Any,
+    optimizer: Any,
+    loop: Loop,
+    *,
+    scheduler: Any = None,
+    steps: range | None = None,
+) -> None:
     """Train ``model`` with ``optimizer`` on the scenario's steps, as ``loop`` says.
 
     ``scheduler``: the LR schedule to step (None: :func:`make_scheduler`'s), given by callers
@@ -164,8 +181,9 @@ def train(scenario: Scenario, model: Any, optimizer: Any, loop: Loop, *, schedul
             last = i == len(micro_batches) - 1
             with _micro_batch(loop, i, len(micro_batches)):
                 t0 = clock()
-                loss = micro_batch_loss(scenario, model, x, y, scale,
-                                        emulate=loop.emulates_param_dtype)
+                loss = micro_batch_loss(
+                    scenario, model, x, y, scale, emulate=loop.emulates_param_dtype
+                )
                 t1 = clock()
                 loop.backward(loss)
                 t2 = clock()

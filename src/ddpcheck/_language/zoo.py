@@ -239,8 +239,9 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.width < 1 or self.heads < 1 or self.width % self.heads or self.layers < 0:
-            raise InvalidArgument(f"{self!r}: width must be a positive multiple of heads, "
-                                  "layers >= 0")
+            raise InvalidArgument(
+                f"{self!r}: width must be a positive multiple of heads, layers >= 0"
+            )
 
     def __call__(self) -> TinyGPT:
         return TinyGPT(self)
@@ -305,8 +306,10 @@ class _CausalSelfAttention(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # (B, L, width)
         b, length, width = h.shape
         d = width // self.heads
-        q, k, v = (t.reshape(b, length, self.heads, d).transpose(1, 2)  # (B, heads, L, d)
-                   for t in self.qkv(h).split(width, dim=-1))
+        q, k, v = (
+            t.reshape(b, length, self.heads, d).transpose(1, 2)  # (B, heads, L, d)
+            for t in self.qkv(h).split(width, dim=-1)
+        )
         att = q @ k.transpose(-2, -1) / math.sqrt(d)  # (B, heads, L, L)
         causal = torch.ones(length, length, dtype=torch.bool, device=h.device).tril()
         att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)

@@ -37,12 +37,19 @@ from ddpcheck._oracle.reference import Reference
 __all__ = ["GATHERS", "NARROWER", "REDUCTIONS", "check_budget", "check_reduce_dtypes"]
 
 NARROWER = "communication in a narrower dtype"
-_BITS = {"float64": 64, "float32": 32, "bfloat16": 16, "float16": 16, "float8_e4m3fn": 8,
-         "float8_e5m2": 8}
+_BITS = {
+    "float64": 64,
+    "float32": 32,
+    "bfloat16": 16,
+    "float16": 16,
+    "float8_e4m3fn": 8,
+    "float8_e5m2": 8,
+}
 
 
-def check_reduce_dtypes(step: int, world_size: int, records: list[RankRecord],
-                        reference: Reference) -> list[Divergence]:
+def check_reduce_dtypes(
+    step: int, world_size: int, records: list[RankRecord], reference: Reference
+) -> list[Divergence]:
     """Rows for ranks that reduced floating-point tensors in a dtype narrower than the
     narrowest gradient of the reference (see the module docstring); one per rank."""
     promised = reference.gradient_dtype
@@ -56,22 +63,40 @@ def check_reduce_dtypes(step: int, world_size: int, records: list[RankRecord],
     gradient_shapes = {shape for shape, _ in reference.trainable_shapes.values()} - control
     out = []
     for record in records:
-        narrow = [c for c in record.steps[step].collectives if c.op in REDUCTIONS
-                  and any(_BITS.get(d, 64) < _BITS.get(want, 64) for d in c.dtypes)]
-        if any(tuple(shape) in gradient_shapes for c in narrow for shape in c.shapes) or \
-                sum(_numel(c) for c in narrow) > allowance:
+        narrow = [
+            c
+            for c in record.steps[step].collectives
+            if c.op in REDUCTIONS and any(_BITS.get(d, 64) < _BITS.get(want, 64) for d in c.dtypes)
+        ]
+        if (
+            any(tuple(shape) in gradient_shapes for c in narrow for shape in c.shapes)
+            or sum(_numel(c) for c in narrow) > allowance
+        ):
             first, dtypes = narrow[0], sorted({d for c in narrow for d in c.dtypes})
-            out.append(Divergence(step, world_size, record.rank, "(all gradients)", NARROWER,
-                                  detail=f"{len(narrow)} reduction(s) in {'/'.join(dtypes)}, "
-                                         f"first {first.brief()}; the gradients are {want}, "
-                                         f"and reductions were promised in {want} (rounding "
-                                         "every sum to the narrower dtype changes the numbers)"))
+            out.append(
+                Divergence(
+                    step,
+                    world_size,
+                    record.rank,
+                    "(all gradients)",
+                    NARROWER,
+                    detail=f"{len(narrow)} reduction(s) in {'/'.join(dtypes)}, "
+                    f"first {first.brief()}; the gradients are {want}, "
+                    f"and reductions were promised in {want} (rounding "
+                    "every sum to the narrower dtype changes the numbers)",
+                )
+            )
     return out
 
 
-def check_budget(step: int, world_size: int, records: list[RankRecord], reference: Reference,
-                  flattened_broadcasts: bool,
-                  reduces_every_micro_batch: bool = False) -> list[Divergence]:
+def check_budget(
+    step: int,
+    world_size: int,
+    records: list[RankRecord],
+    reference: Reference,
+    flattened_broadcasts: bool,
+    reduces_every_micro_batch: bool = False,
+) -> list[Divergence]:
     if world_size == 1:
         return []
     n_dtypes, grad_bytes = reference.n_dtypes, reference.gradient_bytes
@@ -82,8 +107,10 @@ def check_budget(step: int, world_size: int, records: list[RankRecord], referenc
     extra = reference.trainable_tensors + reference.norm_scalars
     budget_bytes = grad_bytes + 8 * extra
     budget_numel = reference.gradient_numel + extra
-    norm = (f" (+ up to {extra} control scalar(s): one per trainable tensor"
-            f"{', and the norm for clipping' if reference.norm_scalars else ''})")
+    norm = (
+        f" (+ up to {extra} control scalar(s): one per trainable tensor"
+        f"{', and the norm for clipping' if reference.norm_scalars else ''})"
+    )
     out = []
     for record in records:
         calls = record.steps[step].collectives
@@ -102,44 +129,73 @@ def check_budget(step: int, world_size: int, records: list[RankRecord], referenc
             # no more elements than the gradients have, but more bytes: they travelled wider
             # (float32 gradients promoted by torch.cat into a float64 bucket, say)
             widened = sorted({d for c in reductions for d in c.dtypes})
-            out.append(Divergence(step, world_size, record.rank, "(all gradients)",
-                                  "communication in a wider dtype",
-                                  detail=f"all-reduced {elements} elements as {reduced} bytes "
-                                         f"({'/'.join(widened)}); the gradients are "
-                                         f"{reference.gradient_numel} elements in {grad_bytes} "
-                                         f"bytes{norm}, so some were sent in a wider dtype than "
-                                         "their own (promoted in a mixed-dtype bucket?)"))
+            out.append(
+                Divergence(
+                    step,
+                    world_size,
+                    record.rank,
+                    "(all gradients)",
+                    "communication in a wider dtype",
+                    detail=f"all-reduced {elements} elements as {reduced} bytes "
+                    f"({'/'.join(widened)}); the gradients are "
+                    f"{reference.gradient_numel} elements in {grad_bytes} "
+                    f"bytes{norm}, so some were sent in a wider dtype than "
+                    "their own (promoted in a mixed-dtype bucket?)",
+                )
+            )
         elif reduced > budget_bytes + padding:
             how = "/".join(sorted({c.op for c in reductions}))
             pad = f" (+ {padding} bytes of dim-0 shard padding)" if padding else ""
-            out.append(Divergence(step, world_size, record.rank, "(all gradients)",
-                                  "communication over budget",
-                                  detail=f"reduced {reduced} bytes in one step ({how}); the "
-                                         f"gradients are {grad_bytes} bytes{pad}{norm} (ratio "
-                                         f"{reduced / max(grad_bytes, 1):.3g}), so some were "
-                                         "reduced more than once"))
+            out.append(
+                Divergence(
+                    step,
+                    world_size,
+                    record.rank,
+                    "(all gradients)",
+                    "communication over budget",
+                    detail=f"reduced {reduced} bytes in one step ({how}); the "
+                    f"gradients are {grad_bytes} bytes{pad}{norm} (ratio "
+                    f"{reduced / max(grad_bytes, 1):.3g}), so some were "
+                    "reduced more than once",
+                )
+            )
         gathered = sum(c.nbytes for c in floating if c.op in GATHERS)
         if not record.steps[step].shards and gathered > reference.parameter_bytes:
-            out.append(Divergence(step, world_size, record.rank, "(all parameters)",
-                                  "communication over budget",
-                                  detail=f"contributed {gathered} bytes to all-gathers in one "
-                                         f"step; the parameters are {reference.parameter_bytes} "
-                                         "bytes, all a re-gather of updated parameters needs "
-                                         "(a gradient gathered to be reduced locally?)"))
+            out.append(
+                Divergence(
+                    step,
+                    world_size,
+                    record.rank,
+                    "(all parameters)",
+                    "communication over budget",
+                    detail=f"contributed {gathered} bytes to all-gathers in one "
+                    f"step; the parameters are {reference.parameter_bytes} "
+                    "bytes, all a re-gather of updated parameters needs "
+                    "(a gradient gathered to be reduced locally?)",
+                )
+            )
         broadcasts = [c for c in floating if c.op == "broadcast"]
         if flattened_broadcasts and len(broadcasts) > world_size * n_dtypes:
-            out.append(Divergence(step, world_size, record.rank, "(all parameters)",
-                                  "communication over budget",
-                                  detail=f"{len(broadcasts)} broadcasts in one step; at most "
-                                         f"{world_size} owners x {n_dtypes} dtypes = "
-                                         f"{world_size * n_dtypes} are needed (one flattened "
-                                         "broadcast per owner and dtype)"))
+            out.append(
+                Divergence(
+                    step,
+                    world_size,
+                    record.rank,
+                    "(all parameters)",
+                    "communication over budget",
+                    detail=f"{len(broadcasts)} broadcasts in one step; at most "
+                    f"{world_size} owners x {n_dtypes} dtypes = "
+                    f"{world_size * n_dtypes} are needed (one flattened "
+                    "broadcast per owner and dtype)",
+                )
+            )
     return out
 
 
 #: Collectives that reduce: each counted by its input, which holds the whole gradient it reduces.
-REDUCTIONS = frozenset({"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-                        "reduce_scatter_single"})
+REDUCTIONS = frozenset(
+    {"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single"}
+)
 #: Collectives that gather: each counted by what this rank contributes.
 GATHERS = frozenset({"all_gather", "all_gather_into_tensor", "all_gather_single"})
 

@@ -92,9 +92,20 @@ from ddpcheck._oracle.tolerances import (
 from ddpcheck._oracle.window import check_window
 from ddpcheck.targets.protocol import Target
 
-__all__ = ["CHAOTIC", "CHECKS", "NON_FINITE", "TOLERANCES", "Reference", "bitwise_equal",
-           "cannot_judge", "compare", "reference_run", "scaled_atol", "tolerance",
-           "validate_checks"]
+__all__ = [
+    "CHAOTIC",
+    "CHECKS",
+    "NON_FINITE",
+    "TOLERANCES",
+    "Reference",
+    "bitwise_equal",
+    "cannot_judge",
+    "compare",
+    "reference_run",
+    "scaled_atol",
+    "tolerance",
+    "validate_checks",
+]
 
 #: The oracle's checks, each selectable on its own (one property per invariant).
 CHECKS = frozenset({"replicas", "reference", "state", "budget"})
@@ -111,20 +122,27 @@ def validate_checks(checks: Any) -> frozenset:
         return CHECKS
     if isinstance(checks, (str, bytes)):
         hint = f", such as {{{checks!r}}}" if checks in CHECKS else ""
-        raise InvalidArgument(f"checks={checks!r} is a string; pass a set of check names{hint} "
-                              f"from {valid}, or None for all of them")
+        raise InvalidArgument(
+            f"checks={checks!r} is a string; pass a set of check names{hint} "
+            f"from {valid}, or None for all of them"
+        )
     try:
         names = frozenset(checks)
     except TypeError:
-        raise InvalidArgument(f"checks={checks!r} must be a set of check names from {valid}, "
-                              "or None for all of them") from None
+        raise InvalidArgument(
+            f"checks={checks!r} must be a set of check names from {valid}, or None for all of them"
+        ) from None
     unknown = sorted((n for n in names if n not in CHECKS), key=repr)
     if unknown:
-        raise InvalidArgument(f"checks={checks!r} contains unknown check "
-                              f"{', '.join(repr(n) for n in unknown)}; the checks are {valid}")
+        raise InvalidArgument(
+            f"checks={checks!r} contains unknown check "
+            f"{', '.join(repr(n) for n in unknown)}; the checks are {valid}"
+        )
     if not names:
-        raise InvalidArgument(f"checks={checks!r} is empty, so nothing would be checked; name "
-                              f"at least one of {valid}, or pass None for all of them")
+        raise InvalidArgument(
+            f"checks={checks!r} is empty, so nothing would be checked; name "
+            f"at least one of {valid}, or pass None for all of them"
+        )
     return names
 
 
@@ -144,9 +162,16 @@ def _one_verdict(rows: list[Divergence]) -> list[Divergence]:
 # Comparisons
 
 
-def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
-            target: Target, checks: frozenset = CHECKS, *, earlier_steps: int = 0,
-            earlier_world_size: int = 1) -> list[Divergence]:
+def compare(
+    records: list[RankRecord],
+    reference: Reference,
+    scenario: Scenario,
+    target: Target,
+    checks: frozenset = CHECKS,
+    *,
+    earlier_steps: int = 0,
+    earlier_world_size: int = 1,
+) -> list[Divergence]:
     """Every divergence of the ranks from each other and from the reference (empty: all good).
 
     ``checks`` selects a subset of :data:`CHECKS`. The rows are all the target's fault, or all
@@ -161,20 +186,30 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
     out: list[Divergence] = []
     # Start: all replicas hold rank 0's initialisation.
     # (after a resume, the state loaded is the reference's after the step before it)
-    out += _compare_maps("init", world_size, records, lambda r: r.initial, reference.initial,
-                         "initial state",
-                         tolerance(reference.compute_dtype, earlier_world_size if earlier_steps
-                                   else 1, max(earlier_steps - 1, 0)),
-                         replicas, against_ref,
-                         _noise(reference, earlier_steps - 1, "params", "buffers")
-                         if earlier_steps else None)
+    out += _compare_maps(
+        "init",
+        world_size,
+        records,
+        lambda r: r.initial,
+        reference.initial,
+        "initial state",
+        tolerance(
+            reference.compute_dtype,
+            earlier_world_size if earlier_steps else 1,
+            max(earlier_steps - 1, 0),
+        ),
+        replicas,
+        against_ref,
+        _noise(reference, earlier_steps - 1, "params", "buffers") if earlier_steps else None,
+    )
     if out:
         return _one_verdict(out)
     for step, ref in enumerate(reference.steps):
         plans = [r.steps[step].batch_plan for r in records]
         if against_ref and None not in plans:  # the objective first: it explains any number
-            wrong = check_sample_weights(step, world_size, plans, scenario.global_batch,
-                                         scenario.reduction, ref.tokens)
+            wrong = check_sample_weights(
+                step, world_size, plans, scenario.global_batch, scenario.reduction, ref.tokens
+            )
             if wrong:
                 return out + wrong
         if unjudgeable and unjudgeable[0].step == step:
@@ -183,28 +218,48 @@ def compare(records: list[RankRecord], reference: Reference, scenario: Scenario,
             moved = check_window(step, world_size, records, bitwise_equal)
             if moved:
                 return out + moved
-        tol = tolerance(reference.compute_dtype, max(world_size, earlier_world_size),
-                        earlier_steps + step)
+        tol = tolerance(
+            reference.compute_dtype, max(world_size, earlier_world_size), earlier_steps + step
+        )
         # a reduction narrower than promised first: it explains the numbers it rounded
-        found = check_reduce_dtypes(step, world_size, records, reference) \
-            if "budget" in checks else []
-        for kind, field in (("gradient", "grads"), ("parameter", "params"),
-                            ("buffer", "buffers")):
-            found += _compare_maps(step, world_size, records,
-                                   lambda r, f=field, s=step: getattr(r.steps[s], f),
-                                   getattr(ref, field), kind, tol, replicas, against_ref,
-                                   _noise(reference, earlier_steps + step, field))
+        found = (
+            check_reduce_dtypes(step, world_size, records, reference) if "budget" in checks else []
+        )
+        for kind, field in (("gradient", "grads"), ("parameter", "params"), ("buffer", "buffers")):
+            found += _compare_maps(
+                step,
+                world_size,
+                records,
+                lambda r, f=field, s=step: getattr(r.steps[s], f),
+                getattr(ref, field),
+                kind,
+                tol,
+                replicas,
+                against_ref,
+                _noise(reference, earlier_steps + step, field),
+            )
         if replicas:
             found += compare_shards(step, world_size, records)
         if "state" in checks:
-            found += _compare_state(step, world_size, records, ref, tol,
-                                    getattr(target, "shards_optimizer_state", False),
-                                    _noise(reference, earlier_steps + step, "state"))
+            found += _compare_state(
+                step,
+                world_size,
+                records,
+                ref,
+                tol,
+                getattr(target, "shards_optimizer_state", False),
+                _noise(reference, earlier_steps + step, "state"),
+            )
             found += compare_schedule(step, world_size, records, ref, tol, earlier_steps > 0)
         if "budget" in checks:
-            found += check_budget(step, world_size, records, reference,
-                                   getattr(target, "flattened_broadcasts", False),
-                                   getattr(target, "reduces_every_micro_batch", False))
+            found += check_budget(
+                step,
+                world_size,
+                records,
+                reference,
+                getattr(target, "flattened_broadcasts", False),
+                getattr(target, "reduces_every_micro_batch", False),
+            )
         if found:  # later steps only repeat the damage (or inherit the chaos)
             return out + _one_verdict(found)
     return out
@@ -221,13 +276,21 @@ def _reference_non_finite(reference: Reference, world_size: int) -> list[Diverge
     for step, ref in enumerate(reference.steps):
         # (what, label, value, NaN/inf mask it started with)
         tensors: list[tuple[str, str, Any, torch.Tensor | None]] = [
-            (f"gradient {name}", f"{name}.grad", ref.grads.get(name), None) for name in ref.grads]
-        tensors += [(f"parameter {name}", name, value, inherent.get(name))
-                    for name, value in ref.params.items()]
-        tensors += [(f"buffer {name}", name, value, inherent.get(name))
-                    for name, value in ref.buffers.items()]
-        tensors += [(f"optimizer state {key!r} of {name}", f"{name}[{key!r}]", value, None)
-                    for name, state in ref.state.items() for key, value in state.items()]
+            (f"gradient {name}", f"{name}.grad", ref.grads.get(name), None) for name in ref.grads
+        ]
+        tensors += [
+            (f"parameter {name}", name, value, inherent.get(name))
+            for name, value in ref.params.items()
+        ]
+        tensors += [
+            (f"buffer {name}", name, value, inherent.get(name))
+            for name, value in ref.buffers.items()
+        ]
+        tensors += [
+            (f"optimizer state {key!r} of {name}", f"{name}[{key!r}]", value, None)
+            for name, state in ref.state.items()
+            for key, value in state.items()
+        ]
         rows = []
         for what, label, value, before in tensors:
             mask = non_finite(value)
@@ -236,20 +299,37 @@ def _reference_non_finite(reference: Reference, world_size: int) -> list[Diverge
                 if not bool(mask.any()):
                     continue
             if mask is not None:
-                rows.append(Divergence(
-                    step, world_size, None, label, NON_FINITE, target_fault=False,
-                    detail=f"the reference itself produced NaN/inf {when(step)} in {what} "
-                           f"({count_of(mask)}): the scenario diverges numerically, so no rank can "
-                           "be judged from this step on (not the target's fault); lower the "
-                           "learning rate or the number of steps"))
+                rows.append(
+                    Divergence(
+                        step,
+                        world_size,
+                        None,
+                        label,
+                        NON_FINITE,
+                        target_fault=False,
+                        detail=f"the reference itself produced NaN/inf {when(step)} in {what} "
+                        f"({count_of(mask)}): the scenario diverges numerically, so no rank can "
+                        "be judged from this step on (not the target's fault); lower the "
+                        "learning rate or the number of steps",
+                    )
+                )
         if rows:
             return rows
     return []
 
 
-def _compare_maps(step: Any, world_size: int, records: list[RankRecord], get: Any,
-                  reference: dict, kind: str, tol: tuple[float, float], replicas: bool = True,
-                  against_reference: bool = True, noise: Any = None) -> list[Divergence]:
+def _compare_maps(
+    step: Any,
+    world_size: int,
+    records: list[RankRecord],
+    get: Any,
+    reference: dict,
+    kind: str,
+    tol: tuple[float, float],
+    replicas: bool = True,
+    against_reference: bool = True,
+    noise: Any = None,
+) -> list[Divergence]:
     """Replicas bitwise, then every rank against ``reference`` (a name -> tensor map) within
     ``tol``; ``noise(name)``: the reference's rounding spread of that tensor, or None."""
     out = []
@@ -260,19 +340,37 @@ def _compare_maps(step: Any, world_size: int, records: list[RankRecord], get: An
         names = list(maps[0]) + [n for n in maps[rank] if n not in maps[0]]
         for name in names:
             if name not in maps[0] or name not in maps[rank]:
-                out.append(Divergence(step, world_size, rank, name, f"replicas differ ({kind})",
-                                      detail=f"present on rank {0 if name in maps[0] else rank} "
-                                             "only"))
+                out.append(
+                    Divergence(
+                        step,
+                        world_size,
+                        rank,
+                        name,
+                        f"replicas differ ({kind})",
+                        detail=f"present on rank {0 if name in maps[0] else rank} only",
+                    )
+                )
                 replicas_differ = True
                 continue
             value, other = maps[0][name], maps[rank][name]
             if (value is None) != (other is None):
-                out.append(Divergence(step, world_size, rank, name, f"replicas differ ({kind})",
-                                      detail=f"None on rank {0 if value is None else rank} only"))
+                out.append(
+                    Divergence(
+                        step,
+                        world_size,
+                        rank,
+                        name,
+                        f"replicas differ ({kind})",
+                        detail=f"None on rank {0 if value is None else rank} only",
+                    )
+                )
                 replicas_differ = True
             elif value is not None and not bitwise_equal(value, other):
-                out.append(replica_row(At(step, world_size, rank), name,
-                                        f"replicas differ ({kind})", value, other))
+                out.append(
+                    replica_row(
+                        At(step, world_size, rank), name, f"replicas differ ({kind})", value, other
+                    )
+                )
                 replicas_differ = True
     # 2. against the reference, every rank; rank 0 stands for all only when check 1 ran and
     # found the others bitwise identical to it (then they would get exactly its verdict)
@@ -290,22 +388,39 @@ def _compare_maps(step: Any, world_size: int, records: list[RankRecord], get: An
         for name, ref in reference.items():
             got = maps[rank].get(name, "missing")
             if isinstance(got, str):
-                out.append(Divergence(step, world_size, rank, name, f"{kind} missing",
-                                      detail="present in the reference, absent on the rank"))
+                out.append(
+                    Divergence(
+                        step,
+                        world_size,
+                        rank,
+                        name,
+                        f"{kind} missing",
+                        detail="present in the reference, absent on the rank",
+                    )
+                )
             elif (got is None) != (ref is None):
-                out.append(Divergence(step, world_size, rank, name,
-                                      f"reference differs ({kind})",
-                                      detail=("None on the rank, " if got is None else
-                                              "a value on the rank, ") +
-                                      ("None in the reference" if ref is None else
-                                       "a value in the reference")))
+                out.append(
+                    Divergence(
+                        step,
+                        world_size,
+                        rank,
+                        name,
+                        f"reference differs ({kind})",
+                        detail=("None on the rank, " if got is None else "a value on the rank, ")
+                        + ("None in the reference" if ref is None else "a value in the reference"),
+                    )
+                )
             elif got is not None:
                 label = f"{name}.grad" if kind == "gradient" else name
-                row = reference_row(At(step, world_size, rank),
-                                    Named(name, f"{kind} {name}", label),
-                                    f"reference differs ({kind})", got, ref, tol,
-                                    None if noise is None else
-                                    lambda n=name: (noise(n), largest()))
+                row = reference_row(
+                    At(step, world_size, rank),
+                    Named(name, f"{kind} {name}", label),
+                    f"reference differs ({kind})",
+                    got,
+                    ref,
+                    tol,
+                    None if noise is None else lambda n=name: (noise(n), largest()),
+                )
                 if row is not None:
                     out.append(row)
     return out
@@ -327,6 +442,7 @@ def _all_close_map(got: dict, reference: dict, rtol: float, atol: float) -> bool
 def _noise(reference: Reference, step: int, *fields: str) -> Any:
     """``name -> the reference's rounding spread of that tensor after step`` (or None), looked
     up in ``fields`` of ``reference.noise(step)``; the noise is computed on the first call."""
+
     def lookup(name: str) -> Any:
         noise = reference.noise(step) if hasattr(reference, "noise") else None
         if noise is None:
@@ -336,68 +452,133 @@ def _noise(reference: Reference, step: int, *fields: str) -> Any:
             if found is not None:
                 return found
         return None
+
     return lookup
 
 
-def _compare_state(step: int, world_size: int, records: list[RankRecord], ref: StepRecord,
-                   tol: tuple[float, float], shards_state: bool,
-                   noise: Any = None) -> list[Divergence]:
+def _compare_state(
+    step: int,
+    world_size: int,
+    records: list[RankRecord],
+    ref: StepRecord,
+    tol: tuple[float, float],
+    shards_state: bool,
+    noise: Any = None,
+) -> list[Divergence]:
     out = []
     rtol, atol = tol
     # the usual case, in one pass: every tensor below is close, so no row compares one
-    tensors_close = all_close([(r.steps[step].state[name].get(key), value)
-                               for name, ref_state in ref.state.items()
-                               for r in records if name in r.steps[step].state
-                               for key, value in ref_state.items() if torch.is_tensor(value)],
-                              rtol, atol)
+    tensors_close = all_close(
+        [
+            (r.steps[step].state[name].get(key), value)
+            for name, ref_state in ref.state.items()
+            for r in records
+            if name in r.steps[step].state
+            for key, value in ref_state.items()
+            if torch.is_tensor(value)
+        ],
+        rtol,
+        atol,
+    )
     for name, ref_state in ref.state.items():
         holders = [r.rank for r in records if name in r.steps[step].state]
         if not holders:
-            out.append(Divergence(step, world_size, None, name, "optimizer state missing",
-                                  detail="no rank holds state for this parameter; the reference "
-                                         f"has {sorted(ref_state)}"))
+            out.append(
+                Divergence(
+                    step,
+                    world_size,
+                    None,
+                    name,
+                    "optimizer state missing",
+                    detail="no rank holds state for this parameter; the reference "
+                    f"has {sorted(ref_state)}",
+                )
+            )
             continue
         if shards_state and len(holders) != 1:
-            out.append(Divergence(step, world_size, None, name, "optimizer state misplaced",
-                                  detail=f"held by ranks {holders}; a sharded optimizer keeps "
-                                         "each parameter's state on exactly one rank"))
+            out.append(
+                Divergence(
+                    step,
+                    world_size,
+                    None,
+                    name,
+                    "optimizer state misplaced",
+                    detail=f"held by ranks {holders}; a sharded optimizer keeps "
+                    "each parameter's state on exactly one rank",
+                )
+            )
         if not shards_state and len(holders) != world_size:
             missing = sorted(set(range(world_size)) - set(holders))
-            out.append(Divergence(step, world_size, missing[0], name, "optimizer state missing",
-                                  detail=f"ranks {missing} hold no state for it"))
+            out.append(
+                Divergence(
+                    step,
+                    world_size,
+                    missing[0],
+                    name,
+                    "optimizer state missing",
+                    detail=f"ranks {missing} hold no state for it",
+                )
+            )
         for rank in holders:
             state = records[rank].steps[step].state[name]
             for key, ref_value in ref_state.items():
                 got = state.get(key)
                 if not torch.is_tensor(ref_value):
                     if torch.is_tensor(got) or got != ref_value:
-                        out.append(Divergence(step, world_size, rank, f"{name}[{key!r}]",
-                                              "optimizer state differs",
-                                              detail=f"{brief(got)} != reference "
-                                                     f"{brief(ref_value)}"))
+                        out.append(
+                            Divergence(
+                                step,
+                                world_size,
+                                rank,
+                                f"{name}[{key!r}]",
+                                "optimizer state differs",
+                                detail=f"{brief(got)} != reference {brief(ref_value)}",
+                            )
+                        )
                     continue
                 if tensors_close:
                     continue
                 where = f"{name}[{key!r}]"
-                row = reference_row(At(step, world_size, rank),
-                                    Named(where, f"optimizer state {key!r} of {name}", where),
-                                    "optimizer state differs", got, ref_value, tol,
-                                    noise=None if noise is None else
-                                         lambda n=f"{name}[{key!r}]", k=key: (
-                                             noise(n), Largest(s.get(k) for s in
-                                                                ref.state.values())()))
+                row = reference_row(
+                    At(step, world_size, rank),
+                    Named(where, f"optimizer state {key!r} of {name}", where),
+                    "optimizer state differs",
+                    got,
+                    ref_value,
+                    tol,
+                    noise=None
+                    if noise is None
+                    else lambda n=f"{name}[{key!r}]", k=key: (
+                        noise(n),
+                        Largest(s.get(k) for s in ref.state.values())(),
+                    ),
+                )
                 if row is not None:
                     out.append(row)
     extra = {n for r in records for n in r.steps[step].state} - set(ref.state)
     for name in sorted(extra):
-        out.append(Divergence(step, world_size, None, name, "optimizer state differs",
-                              detail="a rank holds state for a parameter the reference optimizer "
-                                     "never stepped (was its gradient zero-filled?)"))
+        out.append(
+            Divergence(
+                step,
+                world_size,
+                None,
+                name,
+                "optimizer state differs",
+                detail="a rank holds state for a parameter the reference optimizer "
+                "never stepped (was its gradient zero-filled?)",
+            )
+        )
     return out
 
 
-def compare_schedule(step: int, world_size: int, records: list[RankRecord], ref: StepRecord,
-                     tol: tuple[float, float], resumed: bool) -> list[Divergence]:
+def compare_schedule(
+    step: int,
+    world_size: int,
+    records: list[RankRecord],
+    ref: StepRecord,
+    tol: tuple[float, float],
+    resumed: bool,
+) -> list[Divergence]:
     """Rows for ranks whose schedule after ``step`` differs from the reference's; ``resumed``:
     the ranks loaded a checkpoint (the details then name the likely cause)."""
     rtol, atol = tol
@@ -407,20 +588,30 @@ def compare_schedule(step: int, world_size: int, records: list[RankRecord], ref:
         for key, expected in ref.schedule.items():
             got = held.get(key)
             if key.startswith("lr "):
-                same = isinstance(got, (int, float)) and math.isclose(got, expected, rel_tol=rtol,
-                                                                      abs_tol=atol)
+                same = isinstance(got, (int, float)) and math.isclose(
+                    got, expected, rel_tol=rtol, abs_tol=atol
+                )
             else:
                 same = got == expected
             if same:
                 continue
             why = ""
             if resumed and not key.startswith("lr "):
-                why = ("; the resumed run's scheduler did not get the saved state (ExponentialLR "
-                       "continues from the optimizer's lr, but its count restarted: a closed-form "
-                       "schedule such as StepLR or cosine would jump back)")
-            out.append(Divergence(step, world_size, record.rank, key, "LR schedule differs",
-                                  detail=f"{got!r} on rank {record.rank}, {expected!r} in the "
-                                         f"reference{why}"))
+                why = (
+                    "; the resumed run's scheduler did not get the saved state (ExponentialLR "
+                    "continues from the optimizer's lr, but its count restarted: a closed-form "
+                    "schedule such as StepLR or cosine would jump back)"
+                )
+            out.append(
+                Divergence(
+                    step,
+                    world_size,
+                    record.rank,
+                    key,
+                    "LR schedule differs",
+                    detail=f"{got!r} on rank {record.rank}, {expected!r} in the reference{why}",
+                )
+            )
     return out
 
 
@@ -428,30 +619,51 @@ def compare_schedule(step: int, world_size: int, records: list[RankRecord], ref:
 # A run resumed from a checkpoint
 
 
-def compare_resumed(parts: tuple[list, list], reference: Reference, scenario: Scenario,
-                    target: Target, checks: frozenset = CHECKS) -> list[Divergence]:
+def compare_resumed(
+    parts: tuple[list, list],
+    reference: Reference,
+    scenario: Scenario,
+    target: Target,
+    checks: frozenset = CHECKS,
+) -> list[Divergence]:
     """Every divergence of the two parts (``(records before, records after)``) from the
     uninterrupted reference; rows name steps of the whole run."""
     before, after = parts
     saved_at = scenario.checkpoint_after
     assert saved_at is not None  # only a scenario that saves a checkpoint is resumed
-    rows = compare(before, dataclasses.replace(reference, steps=reference.steps[:saved_at + 1]),
-                   scenario, target, checks)
+    rows = compare(
+        before,
+        dataclasses.replace(reference, steps=reference.steps[: saved_at + 1]),
+        scenario,
+        target,
+        checks,
+    )
     if rows:
         return rows
     last = reference.steps[saved_at]
-    rest = dataclasses.replace(reference, initial={**last.params, **last.buffers},
-                               steps=reference.steps[saved_at + 1:])
-    rows = compare(after, rest, scenario, target, checks, earlier_steps=saved_at + 1,
-                   earlier_world_size=len(before))
+    rest = dataclasses.replace(
+        reference, initial={**last.params, **last.buffers}, steps=reference.steps[saved_at + 1 :]
+    )
+    rows = compare(
+        after,
+        rest,
+        scenario,
+        target,
+        checks,
+        earlier_steps=saved_at + 1,
+        earlier_world_size=len(before),
+    )
     return [_renumbered(row, saved_at + 1) for row in rows]
 
 
 def _renumbered(row: Divergence, offset: int) -> Divergence:
     if row.step == "init":
         return dataclasses.replace(
-            row, step="resume", detail=f"after load_checkpoint (the state saved after step "
-                                       f"{offset - 1}): {row.detail}".rstrip(": "))
+            row,
+            step="resume",
+            detail=f"after load_checkpoint (the state saved after step "
+            f"{offset - 1}): {row.detail}".rstrip(": "),
+        )
     if isinstance(row.step, int):
         return dataclasses.replace(row, step=row.step + offset)
     return row

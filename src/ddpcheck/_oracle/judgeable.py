@@ -94,7 +94,8 @@ def explain_reference_failure(scenario: Any, error: BaseException) -> ScenarioEr
         pass
     generic = ScenarioError(
         "the single-process reference of the scenario failed, so there is nothing to compare "
-        f"against (no target was involved): {exception_text(error)}")
+        f"against (no target was involved): {exception_text(error)}"
+    )
     generic.__cause__ = error
     return generic
 
@@ -129,7 +130,8 @@ def _probe(scenario: Any) -> None:
             "different outputs for the same inputs on two forwards"
             f"{active_modules(model, 'dropout')}; "
             "each rank would draw different masks, so no full-batch reference exists; put dropout "
-            "in eval mode or set p=0")
+            "in eval mode or set p=0"
+        )
     if facts.part_failure is not None or facts.mixing is not None:
         _refuse_batch_dependence(scenario, model, facts)
     if facts.buffers_changed:
@@ -138,7 +140,8 @@ def _probe(scenario: Any) -> None:
             f"statistics?){active_modules(model, 'batchnorm')}: each rank would update them from "
             "its own shard and micro-batches, the reference from the whole batch, so they cannot "
             "agree; put those layers in eval mode, use track_running_stats=False, or keep forward "
-            "from writing buffers")
+            "from writing buffers"
+        )
 
 
 def _train(scenario: Any) -> None:
@@ -149,21 +152,27 @@ def _train(scenario: Any) -> None:
     try:
         groups = make_param_groups(scenario, model)
     except Exception as exc:
-        raise ScenarioError(f"param_groups={code_name(scenario.param_groups)} raised "
-                            f"{exception_text(exc)} on the model") from exc
+        raise ScenarioError(
+            f"param_groups={code_name(scenario.param_groups)} raised "
+            f"{exception_text(exc)} on the model"
+        ) from exc
     try:
         optimizer = cls(groups, **scenario.optimizer_kwargs)
     except Exception as exc:
-        raise ScenarioError(f"optimizer_kwargs={scenario.optimizer_kwargs!r} were rejected by "
-                            f"{name} (with the param groups of the model): "
-                            f"{exception_text(exc)}") from exc
+        raise ScenarioError(
+            f"optimizer_kwargs={scenario.optimizer_kwargs!r} were rejected by "
+            f"{name} (with the param groups of the model): "
+            f"{exception_text(exc)}"
+        ) from exc
     scheduler = None
     if scenario.lr_decay is not None:
         try:
             scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, scenario.lr_decay)
         except Exception as exc:
-            raise ScenarioError(f"lr_decay={scenario.lr_decay!r} (an ExponentialLR schedule) "
-                                f"cannot drive {name}: {exception_text(exc)}") from exc
+            raise ScenarioError(
+                f"lr_decay={scenario.lr_decay!r} (an ExponentialLR schedule) "
+                f"cannot drive {name}: {exception_text(exc)}"
+            ) from exc
     for step in range(scenario.steps):
         x, y = _data(scenario, step)
         out = _forward(scenario, model, x, y)
@@ -174,13 +183,16 @@ def _train(scenario: Any) -> None:
             raise ScenarioError(
                 f"{name}.step() with optimizer_kwargs={scenario.optimizer_kwargs!r} raised "
                 f"{exception_text(exc)} at step {step} (a step on the model's gradients, without a "
-                "closure)") from exc
+                "closure)"
+            ) from exc
         if scheduler is not None:
             try:
                 scheduler.step()
             except Exception as exc:
-                raise ScenarioError(f"lr_decay={scenario.lr_decay!r}: the ExponentialLR "
-                                    f"schedule of {name} raised {exception_text(exc)}") from exc
+                raise ScenarioError(
+                    f"lr_decay={scenario.lr_decay!r}: the ExponentialLR "
+                    f"schedule of {name} raised {exception_text(exc)}"
+                ) from exc
         optimizer.zero_grad(set_to_none=scenario.set_to_none)
 
 
@@ -195,10 +207,13 @@ def _build(scenario: Any) -> nn.Module:
             f"model={brief(factory)} is a module instance, not a factory: every rank and the "
             "reference build their own model by calling model(), so pass a class whose "
             "constructor takes no arguments, or a module-level function returning a new module "
-            f"(def make_model(): return {type(factory).__qualname__}(...))")
+            f"(def make_model(): return {type(factory).__qualname__}(...))"
+        )
     if not callable(factory):
-        raise ScenarioError(f"model={brief(factory)} is not callable; pass a class or a "
-                            "module-level function returning an nn.Module")
+        raise ScenarioError(
+            f"model={brief(factory)} is not callable; pass a class or a "
+            "module-level function returning an nn.Module"
+        )
     torch.random.default_generator.manual_seed(scenario.seed)
     try:
         model = factory()
@@ -209,20 +224,26 @@ def _build(scenario: Any) -> nn.Module:
                 f"({exception_text(exc)}): the model factory is called as model(), so pass a "
                 "class whose constructor takes no arguments, or a module-level function such as "
                 "def make_model(): return "
-                f"{short_name(factory)}(...)") from exc
-        raise ScenarioError(f"the model factory model={code_name(factory)} raised "
-                            f"{exception_text(exc)} when called to build the model") from exc
+                f"{short_name(factory)}(...)"
+            ) from exc
+        raise ScenarioError(
+            f"the model factory model={code_name(factory)} raised "
+            f"{exception_text(exc)} when called to build the model"
+        ) from exc
     if not isinstance(model, nn.Module):
-        raise ScenarioError(f"model={code_name(factory)} returned {type(model).__name__}, not a "
-                            "torch.nn.Module")
+        raise ScenarioError(
+            f"model={code_name(factory)} returned {type(model).__name__}, not a torch.nn.Module"
+        )
     try:
         model = model.to(scenario.torch_dtype)
         restore = getattr(model, "restore_dtypes", None)
         if callable(restore):
             restore()
     except Exception as exc:
-        raise ScenarioError(f"the model from model={code_name(factory)} could not be cast to "
-                            f"dtype={scenario.dtype!r}: {exception_text(exc)}") from exc
+        raise ScenarioError(
+            f"the model from model={code_name(factory)} could not be cast to "
+            f"dtype={scenario.dtype!r}: {exception_text(exc)}"
+        ) from exc
     return model
 
 
@@ -236,21 +257,29 @@ def _data(scenario: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
             raise ScenarioError(
                 f"data={code_name(data)} cannot be called as data(seed, batch, dtype) "
                 f"({exception_text(exc)}); the data function receives the step's seed, the "
-                "global batch size and the dtype, and returns (inputs, targets)") from exc
-        raise ScenarioError(f"the data function data={code_name(data)} raised "
-                            f"{exception_text(exc)} when called as "
-                            f"data({seed}, {batch}, {dtype})") from exc
-    if not (isinstance(result, (tuple, list)) and len(result) == 2
-            and all(torch.is_tensor(t) for t in result)):
+                "global batch size and the dtype, and returns (inputs, targets)"
+            ) from exc
+        raise ScenarioError(
+            f"the data function data={code_name(data)} raised "
+            f"{exception_text(exc)} when called as "
+            f"data({seed}, {batch}, {dtype})"
+        ) from exc
+    if not (
+        isinstance(result, (tuple, list))
+        and len(result) == 2
+        and all(torch.is_tensor(t) for t in result)
+    ):
         raise ScenarioError(
             f"data={code_name(data)} returned {describe_value(result)}; it must return "
-            "(inputs, targets), two tensors whose first dimension is the batch")
+            "(inputs, targets), two tensors whose first dimension is the batch"
+        )
     x, y = result
     if x.dim() == 0 or y.dim() == 0 or x.shape[0] != batch or y.shape[0] != batch:
         raise ScenarioError(
             f"data={code_name(data)} returned inputs of shape {tuple(x.shape)} and targets of "
             f"shape {tuple(y.shape)} for batch={batch}; both need {batch} rows: dimension 0 is "
-            "what is split between ranks and micro-batches")
+            "what is split between ranks and micro-batches"
+        )
     return x, y
 
 
@@ -274,7 +303,8 @@ def _forward(scenario: Any, model: nn.Module, x: torch.Tensor, y: torch.Tensor) 
             f"the model's forward returned {describe_value(out)}, not one tensor: the loss "
             f"({scenario.loss}) takes one output tensor and the targets, so make forward return "
             "only the prediction (for instance a wrapper module whose forward returns its first "
-            "output)")
+            "output)"
+        )
     wrong = objective.check_output(scenario, out, y)
     if wrong is not None:
         raise ScenarioError(f"{wrong} (data={code_name(scenario.data)})")
@@ -292,8 +322,11 @@ class _Forwards:
         self.buffers_changed = [n for n, b, before in buffers if not _equal(b, before)]
         rtol, atol = _tolerance(model, out)
         reference = out.double()
-        floor = atol + rtol * float(reference.abs().nan_to_num(0.0, 0.0, 0.0).max()) \
-            if reference.numel() else atol
+        floor = (
+            atol + rtol * float(reference.abs().nan_to_num(0.0, 0.0, 0.0).max())
+            if reference.numel()
+            else atol
+        )
         self.sizes: list[int] = []
         self.part_failure: tuple[int, Exception] | None = None
         self.mixing: float | None = None
@@ -308,8 +341,15 @@ class _Forwards:
             self.random = not _close(model(x), reference, rtol, floor)
         _restore(buffers)
 
-    def _parts(self, model: nn.Module, parts: list, buffers: list, reference: torch.Tensor,
-               rtol: float, floor: float) -> None:
+    def _parts(
+        self,
+        model: nn.Module,
+        parts: list,
+        buffers: list,
+        reference: torch.Tensor,
+        rtol: float,
+        floor: float,
+    ) -> None:
         outputs = []
         for part in parts:
             _restore(buffers)
@@ -319,8 +359,9 @@ class _Forwards:
             except Exception as exc:
                 self.part_failure = (part.shape[0], exc)
                 return
-        if not all(torch.is_tensor(o) and o.dim() and o.shape[0] == n
-                   for o, n in zip(outputs, self.sizes)):
+        if not all(
+            torch.is_tensor(o) and o.dim() and o.shape[0] == n for o, n in zip(outputs, self.sizes)
+        ):
             self.mixing = float("inf")
             return
         joined = torch.cat([o.double() for o in outputs])
@@ -335,25 +376,33 @@ def _refuse_batch_dependence(scenario: Any, model: nn.Module, facts: _Forwards) 
     parts = " + ".join(map(str, facts.sizes))
     if facts.part_failure is not None:
         size, exc = facts.part_failure
-        how = (f"the forward runs on the whole batch of {batch} but raises "
-               f"{exception_text(exc)} on a shard of {size} sample{'s' if size > 1 else ''} "
-               "(world size 2)")
+        how = (
+            f"the forward runs on the whole batch of {batch} but raises "
+            f"{exception_text(exc)} on a shard of {size} sample{'s' if size > 1 else ''} "
+            "(world size 2)"
+        )
     elif facts.mixing == float("inf"):
-        how = (f"the two shards of world size 2 ({parts} samples) give outputs of other shapes "
-               "than the whole batch")
+        how = (
+            f"the two shards of world size 2 ({parts} samples) give outputs of other shapes "
+            "than the whole batch"
+        )
     else:
-        how = (f"forwards on the whole batch of {batch} and on the two shards of world size 2 "
-               f"({parts} samples) differ by up to {facts.mixing:.3g}")
+        how = (
+            f"forwards on the whole batch of {batch} and on the two shards of world size 2 "
+            f"({parts} samples) differ by up to {facts.mixing:.3g}"
+        )
     found = active_modules(model, "batchnorm")
     if facts.part_failure is not None and not found:
         raise ScenarioError(
             f"the model cannot run on shards of the batch: {how}; ranks see shards and "
-            "micro-batches of the batch, so make forward work on any number of samples")
+            "micro-batches of the batch, so make forward work on any number of samples"
+        )
     raise ScenarioError(
         "the output of a sample depends on the other samples of its batch (batch statistics, "
         f"e.g. BatchNorm in train mode){found}: {how}; data-parallel shards see different "
         "batches, so no full-batch reference exists; use eval mode, GroupNorm/LayerNorm, or "
-        "SyncBatchNorm in your own test")
+        "SyncBatchNorm in your own test"
+    )
 
 
 def _tolerance(model: nn.Module, out: torch.Tensor) -> tuple[float, float]:
@@ -369,13 +418,16 @@ def _tolerance(model: nn.Module, out: torch.Tensor) -> tuple[float, float]:
 def _close(got: Any, reference: torch.Tensor, rtol: float, floor: float) -> bool:
     if not torch.is_tensor(got) or got.shape != reference.shape:
         return False
-    return bool(torch.allclose(got.detach().double(), reference, rtol=rtol, atol=floor,
-                               equal_nan=True))
+    return bool(
+        torch.allclose(got.detach().double(), reference, rtol=rtol, atol=floor, equal_nan=True)
+    )
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and bool(torch.equal(a, b) or (
-        a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)))
+    return a.shape == b.shape and bool(
+        torch.equal(a, b)
+        or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
+    )
 
 
 def _restore(buffers: list) -> None:
@@ -388,34 +440,40 @@ def _restore(buffers: list) -> None:
 # Backward and the optimizer
 
 
-def _backward(scenario: Any, model: nn.Module, out: torch.Tensor, y: torch.Tensor,
-              step: int) -> None:
+def _backward(
+    scenario: Any, model: nn.Module, out: torch.Tensor, y: torch.Tensor, step: int
+) -> None:
     """Back-propagate the loss as the reference does."""
     if not out.requires_grad:
         trainable = sum(p.requires_grad for p in model.parameters())
         raise ScenarioError(
             f"the output of model={code_name(scenario.model)} does not depend on any trainable "
             f"parameter ({trainable} of its parameters require grad): there is no gradient to "
-            "synchronise; leave some parameters trainable and used by forward")
+            "synchronise; leave some parameters trainable and used by forward"
+        )
     try:
         objective.summed(scenario, out, y).backward()
     except Exception as exc:
-        raise ScenarioError(f"the backward of the loss through model={code_name(scenario.model)} "
-                            f"raised {exception_text(exc)} at step {step}") from exc
+        raise ScenarioError(
+            f"the backward of the loss through model={code_name(scenario.model)} "
+            f"raised {exception_text(exc)} at step {step}"
+        ) from exc
 
 
 def _optimizer_class(scenario: Any) -> type:
     cls = scenario.optimizer
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ScenarioError(f"optimizer={cls!r} must be a torch.optim.Optimizer subclass, such "
-                            "as torch.optim.SGD")
+        raise ScenarioError(
+            f"optimizer={cls!r} must be a torch.optim.Optimizer subclass, such as torch.optim.SGD"
+        )
     # mypy checks an optimizer's instance __hash__ against Hashable here, not the class's
     if _requires_closure(cls):  # type: ignore[arg-type]
         raise ScenarioError(
             f"optimizer={import_path(cls)} requires a closure (its step(closure) re-evaluates "
             "the loss, like LBFGS); data-parallel training calls optimizer.step() once per step "
             "without one, and so does ddpcheck; use a first-order optimizer such as "
-            "torch.optim.SGD, Adam or AdamW")
+            "torch.optim.SGD, Adam or AdamW"
+        )
     return cls
 
 
@@ -426,8 +484,10 @@ def _optimizer_kwargs(scenario: Any, cls: type) -> None:
     try:
         cls([dummy], **scenario.optimizer_kwargs)
     except Exception as exc:
-        raise ScenarioError(f"optimizer_kwargs={scenario.optimizer_kwargs!r} were rejected by "
-                            f"{import_path(cls)}: {exception_text(exc)}") from exc
+        raise ScenarioError(
+            f"optimizer_kwargs={scenario.optimizer_kwargs!r} were rejected by "
+            f"{import_path(cls)}: {exception_text(exc)}"
+        ) from exc
 
 
 @functools.lru_cache(maxsize=64)

@@ -78,9 +78,16 @@ class Variant:
 #: whose scaling rounds (shards scaled ``W/T``, averaged by a division or, in torch's DDP, by a
 #: multiplication by ``1/W``; with fewer samples than ranks, the empty ranks add zeros, exactly)
 #: -- and the gradients perturbed at rounding level.
-NOISE_VARIANTS = (Variant(2), Variant(3), Variant(4), Variant(5),
-                  Variant(3, world=3), Variant(6, world=3, reciprocal=True),
-                  Variant(5, world=5, reciprocal=True), Variant(perturb=0))
+NOISE_VARIANTS = (
+    Variant(2),
+    Variant(3),
+    Variant(4),
+    Variant(5),
+    Variant(3, world=3),
+    Variant(6, world=3, reciprocal=True),
+    Variant(5, world=5, reciprocal=True),
+    Variant(perturb=0),
+)
 
 
 @dataclasses.dataclass
@@ -139,10 +146,14 @@ class Reference:
                 others = [v[index] for v in variants]
                 grads, params, buffers = (
                     _spread(getattr(record, f), [getattr(o, f) for o in others])
-                    for f in ("grads", "params", "buffers"))
+                    for f in ("grads", "params", "buffers")
+                )
                 self.noise_cache[index] = Noise(
-                    grads, params, buffers,
-                    _spread(_flat_state(record.state), [_flat_state(o.state) for o in others]))
+                    grads,
+                    params,
+                    buffers,
+                    _spread(_flat_state(record.state), [_flat_state(o.state) for o in others]),
+                )
         return self.noise_cache.get(step)
 
 
@@ -163,25 +174,33 @@ def reference_run(scenario: Scenario) -> Reference:
     # a float64 layer fed by a float32 one inherits float32 rounding; autocast and param_dtype
     # compute in theirs
     computed = dtypes | {d for d in (scenario.autocast, scenario.param_dtype) if d is not None}
-    return Reference(initial, steps,
-                     gradient_bytes=sum(p.numel() * p.element_size() for p in trainable),
-                     gradient_numel=sum(p.numel() for p in trainable),
-                     n_dtypes=len(dtypes) or 1,
-                     norm_scalars=(len(dtypes) or 1) if scenario.max_grad_norm is not None else 0,
-                     trainable_tensors=len(trainable),
-                     trainable_shapes={n: (tuple(p.shape), p.element_size())
-                                       for n, p in model.named_parameters() if p.requires_grad},
-                     parameter_bytes=sum(p.numel() * p.element_size()
-                                         for p in model.parameters()),
-                     compute_dtype=max(computed, key=lambda d: torch.finfo(d).eps,
-                                       default=scenario.torch_dtype),
-                     gradient_dtype=min((p.dtype for p in trainable if p.is_floating_point()),
-                                        key=lambda d: torch.finfo(d).bits, default=None),
-                     scenario=scenario)
+    return Reference(
+        initial,
+        steps,
+        gradient_bytes=sum(p.numel() * p.element_size() for p in trainable),
+        gradient_numel=sum(p.numel() for p in trainable),
+        n_dtypes=len(dtypes) or 1,
+        norm_scalars=(len(dtypes) or 1) if scenario.max_grad_norm is not None else 0,
+        trainable_tensors=len(trainable),
+        trainable_shapes={
+            n: (tuple(p.shape), p.element_size())
+            for n, p in model.named_parameters()
+            if p.requires_grad
+        },
+        parameter_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        compute_dtype=max(computed, key=lambda d: torch.finfo(d).eps, default=scenario.torch_dtype),
+        gradient_dtype=min(
+            (p.dtype for p in trainable if p.is_floating_point()),
+            key=lambda d: torch.finfo(d).bits,
+            default=None,
+        ),
+        scenario=scenario,
+    )
 
 
-def _train(scenario: Scenario, variant: Variant = Variant()
-           ) -> tuple[list[StepRecord], torch.nn.Module, dict]:
+def _train(
+    scenario: Scenario, variant: Variant = Variant()
+) -> tuple[list[StepRecord], torch.nn.Module, dict]:
     """The reference's run, computed as ``variant`` says (the default: one backward of the whole
     batch, each term scaled by the whole batch's term count)."""
     model = build_model(scenario, scenario.seed)
@@ -196,24 +215,48 @@ def _train(scenario: Scenario, variant: Variant = Variant()
     def batches(step: int) -> list:
         x, y = global_batch(scenario, step)
         terms[step] = tokens(scenario, y)
-        scale = (variant.world / count(scenario, y) if scenario.reduction == "mean"
-                 else float(variant.world))
+        scale = (
+            variant.world / count(scenario, y)
+            if scenario.reduction == "mean"
+            else float(variant.world)
+        )
         grads["step"] = step
-        return [(xs, ys, scale) for xs, ys in zip(torch.tensor_split(x, variant.split),
-                                                   torch.tensor_split(y, variant.split)) if len(xs)]
+        return [
+            (xs, ys, scale)
+            for xs, ys in zip(
+                torch.tensor_split(x, variant.split), torch.tensor_split(y, variant.split)
+            )
+            if len(xs)
+        ]
 
     def record(step: int) -> None:
-        steps.append(snapshot(model, names, optimizer.state, grads=grads["now"],
-                              schedule=schedule_state(optimizer, scheduler)))
+        steps.append(
+            snapshot(
+                model,
+                names,
+                optimizer.state,
+                grads=grads["now"],
+                schedule=schedule_state(optimizer, scheduler),
+            )
+        )
         steps[-1].tokens = terms[step]
 
-    train(scenario, model, optimizer, Loop(
-        batches=batches,
-        after_backward=lambda: _average_and_perturb(model, variant, grads["step"]),
-        before_optimizer_step=lambda step: grads.__setitem__("now", gradients(model)),
-        after_step=record,
-        end_step=lambda step: _drop_gradients(model) if step == scenario.checkpoint_after
-        else None, emulates_param_dtype=True), scheduler=scheduler)
+    train(
+        scenario,
+        model,
+        optimizer,
+        Loop(
+            batches=batches,
+            after_backward=lambda: _average_and_perturb(model, variant, grads["step"]),
+            before_optimizer_step=lambda step: grads.__setitem__("now", gradients(model)),
+            after_step=record,
+            end_step=lambda step: (
+                _drop_gradients(model) if step == scenario.checkpoint_after else None
+            ),
+            emulates_param_dtype=True,
+        ),
+        scheduler=scheduler,
+    )
     return steps, model, initial
 
 
@@ -242,8 +285,9 @@ def _average_and_perturb(model: torch.nn.Module, variant: Variant, step: int) ->
 
 
 def _flat_state(state: dict) -> dict[str, Any]:
-    return {f"{name}[{key!r}]": value for name, held in state.items()
-            for key, value in held.items()}
+    return {
+        f"{name}[{key!r}]": value for name, held in state.items() for key, value in held.items()
+    }
 
 
 def _spread(mine: dict, others: list[dict]) -> dict[str, torch.Tensor]:
@@ -252,8 +296,11 @@ def _spread(mine: dict, others: list[dict]) -> dict[str, torch.Tensor]:
     for name, value in mine.items():
         if not torch.is_tensor(value) or not value.is_floating_point():
             continue
-        diffs = [(o[name].double() - value.double()).abs() for o in others
-                 if torch.is_tensor(o.get(name)) and o[name].shape == value.shape]
+        diffs = [
+            (o[name].double() - value.double()).abs()
+            for o in others
+            if torch.is_tensor(o.get(name)) and o[name].shape == value.shape
+        ]
         if diffs:
             out[name] = torch.stack(diffs).amax(dim=0).nan_to_num(0.0, 0.0, 0.0)
     return out

@@ -21,8 +21,21 @@ from ddpcheck._oracle.tolerances import (
     scaled_atol,
 )
 
-__all__ = ["CHAOTIC", "NON_FINITE", "At", "Largest", "Named", "bitwise_equal", "brief",
-           "chaotic_row", "count_of", "non_finite", "reference_row", "replica_row", "when"]
+__all__ = [
+    "CHAOTIC",
+    "NON_FINITE",
+    "At",
+    "Largest",
+    "Named",
+    "bitwise_equal",
+    "brief",
+    "chaotic_row",
+    "count_of",
+    "non_finite",
+    "reference_row",
+    "replica_row",
+    "when",
+]
 
 
 #: The kind of a divergence about NaN/inf: the target's fault when a rank holds them where the
@@ -38,8 +51,10 @@ CHAOTIC = "reference chaotic"
 
 
 #: What ``Reference.noise`` varies, as the details say it.
-_VARIANTS = ("over other summation orders, losses scaled by W and divided back, and "
-             "rounding-level perturbations of the gradients")
+_VARIANTS = (
+    "over other summation orders, losses scaled by W and divided back, and "
+    "rounding-level perturbations of the gradients"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +116,9 @@ def count_of(mask: torch.Tensor) -> str:
     return f"{int(mask.sum())} of {mask.numel()} elements"
 
 
-def reference_row(at: At, named: Named, kind: str, got: Any, ref: Any,
-                  tol: tuple[float, float], noise: Any = None) -> Divergence | None:
+def reference_row(
+    at: At, named: Named, kind: str, got: Any, ref: Any, tol: tuple[float, float], noise: Any = None
+) -> Divergence | None:
     """One rank's tensor against the reference's: None when it matches within tolerance, or
     within the reference's own rounding spread there (``noise()``: ``(spread, scale)``, asked
     only when the tolerance alone is exceeded -- the spread a tensor or None, ``Reference.noise``;
@@ -114,20 +130,38 @@ def reference_row(at: At, named: Named, kind: str, got: Any, ref: Any,
     name, what, label = named.name, named.what, named.label
     rtol, atol = tol
     if not torch.is_tensor(ref) or not torch.is_tensor(got) or got.shape != ref.shape:
-        return Divergence(step, world_size, rank, name, kind,
-                          detail=f"{brief(got)} on rank {rank}, {brief(ref)} in the reference")
+        return Divergence(
+            step,
+            world_size,
+            rank,
+            name,
+            kind,
+            detail=f"{brief(got)} on rank {rank}, {brief(ref)} in the reference",
+        )
     mask = non_finite(got)
     if mask is not None:
         mask = mask & torch.isfinite(ref)
         if bool(mask.any()):
-            return Divergence(step, world_size, rank, label, NON_FINITE,
-                              detail=f"rank {rank} has NaN/inf in {what} {when(step)} where the "
-                                     f"reference is finite ({count_of(mask)})")
+            return Divergence(
+                step,
+                world_size,
+                rank,
+                label,
+                NON_FINITE,
+                detail=f"rank {rank} has NaN/inf in {what} {when(step)} where the "
+                f"reference is finite ({count_of(mask)})",
+            )
     if close(got, ref, rtol, atol):
         return None
     if got.dtype != ref.dtype:
-        return Divergence(step, world_size, rank, name, kind,
-                          detail=f"{brief(got)} on rank {rank}, {brief(ref)} in the reference")
+        return Divergence(
+            step,
+            world_size,
+            rank,
+            name,
+            kind,
+            detail=f"{brief(got)} on rank {rank}, {brief(ref)} in the reference",
+        )
     spread, scale = noise() if noise is not None else (None, 0.0)
     if spread is not None and spread.shape == ref.shape:
         verdict, where = noise_verdict(got, ref, rtol, atol, spread, scale)
@@ -137,20 +171,39 @@ def reference_row(at: At, named: Named, kind: str, got: Any, ref: Any,
             return chaotic_row(at, named, got, ref, tol, (spread, where, scale))
     else:
         spread, where = None, None
-    row = Divergence.of(step, world_size, rank, name, kind, got, ref, ("rank", rank),
-                        ("reference", None), rtol, scaled_atol(ref, rtol, atol))
+    row = Divergence.of(
+        step,
+        world_size,
+        rank,
+        name,
+        kind,
+        got,
+        ref,
+        ("rank", rank),
+        ("reference", None),
+        rtol,
+        scaled_atol(ref, rtol, atol),
+    )
     if spread is not None:
-        row = dataclasses.replace(row, detail=f"{row.detail}\n(the reference's own rounding "
-                                              f"{_VARIANTS} is at most "
-                                              f"{float(spread[where].max()):.3g} where it differs; "
-                                              f"the tolerance allows {NOISE_FACTOR:g}x that on "
-                                              "top)")
+        row = dataclasses.replace(
+            row,
+            detail=f"{row.detail}\n(the reference's own rounding "
+            f"{_VARIANTS} is at most "
+            f"{float(spread[where].max()):.3g} where it differs; "
+            f"the tolerance allows {NOISE_FACTOR:g}x that on "
+            "top)",
+        )
     return row
 
 
-def chaotic_row(at: At, named: Named, got: torch.Tensor, ref: torch.Tensor,
-                tol: tuple[float, float],
-                noise: tuple[torch.Tensor, torch.Tensor, float]) -> Divergence:
+def chaotic_row(
+    at: At,
+    named: Named,
+    got: torch.Tensor,
+    ref: torch.Tensor,
+    tol: tuple[float, float],
+    noise: tuple[torch.Tensor, torch.Tensor, float],
+) -> Divergence:
     """The row (not the target's fault) for elements the reference cannot pin down; ``noise``:
     the reference's spread, where it is chaotic, and the scale a bug is measured against."""
     step, world_size, rank, label, what = at.step, at.world_size, at.rank, named.label, named.what
@@ -158,33 +211,55 @@ def chaotic_row(at: At, named: Named, got: torch.Tensor, ref: torch.Tensor,
     diff = (got.double() - ref.double()).abs()[where]
     allowed = scaled_atol(ref, rtol, atol) + rtol * ref.double().abs()[where]
     return Divergence(
-        step, world_size, rank, label, CHAOTIC, float(diff.max()), None, target_fault=False,
+        step,
+        world_size,
+        rank,
+        label,
+        CHAOTIC,
+        float(diff.max()),
+        None,
+        target_fault=False,
         detail=f"the reference's own rounding ({_VARIANTS}) moves {what} {when(step)} by up "
-               f"to {float(spread[where].max()):.3g} ({count_of(where)}); rank {rank} differs by "
-               f"{float(diff.max()):.3g}. {NOISE_FACTOR:g}x that spread exceeds both the "
-               f"tolerance there ({float(allowed.max()):.3g}) and {RESOLUTION:g} of the largest "
-               f"value of its kind at this step ({RESOLUTION * scale:.3g}): no bug of the size "
-               "ddpcheck promises to catch could be told apart from rounding there (not the "
-               "target's fault)")
+        f"to {float(spread[where].max()):.3g} ({count_of(where)}); rank {rank} differs by "
+        f"{float(diff.max()):.3g}. {NOISE_FACTOR:g}x that spread exceeds both the "
+        f"tolerance there ({float(allowed.max()):.3g}) and {RESOLUTION:g} of the largest "
+        f"value of its kind at this step ({RESOLUTION * scale:.3g}): no bug of the size "
+        "ddpcheck promises to catch could be told apart from rounding there (not the "
+        "target's fault)",
+    )
 
 
-def replica_row(at: At, name: str, kind: str, value: torch.Tensor,
-                other: torch.Tensor) -> Divergence:
+def replica_row(
+    at: At, name: str, kind: str, value: torch.Tensor, other: torch.Tensor
+) -> Divergence:
     """Why rank ``at.rank``'s ``other`` is not bitwise rank 0's ``value``."""
     step, world_size, rank = at.step, at.world_size, at.rank
     if other.shape != value.shape or other.dtype != value.dtype:
-        return Divergence(step, world_size, rank, name, kind,
-                          detail=f"{brief(other)} on rank {rank}, {brief(value)} on rank 0")
+        return Divergence(
+            step,
+            world_size,
+            rank,
+            name,
+            kind,
+            detail=f"{brief(other)} on rank {rank}, {brief(value)} on rank 0",
+        )
     if value.is_floating_point() or value.is_complex():
         same_number = (value == other) | (value.isnan() & other.isnan())
         if bool(same_number.all()):
             differ = _bits(value) != _bits(other)
-            return Divergence(step, world_size, rank, name, kind,
-                              detail=f"rank {rank} vs rank 0: equal as numbers, but "
-                                     f"{count_of(differ)} differ in their bits (a NaN payload or "
-                                     "the sign of a zero); replicas must be bitwise copies")
-    return Divergence.of(step, world_size, rank, name, kind, other, value, ("rank", rank),
-                         ("rank", 0))
+            return Divergence(
+                step,
+                world_size,
+                rank,
+                name,
+                kind,
+                detail=f"rank {rank} vs rank 0: equal as numbers, but "
+                f"{count_of(differ)} differ in their bits (a NaN payload or "
+                "the sign of a zero); replicas must be bitwise copies",
+            )
+    return Divergence.of(
+        step, world_size, rank, name, kind, other, value, ("rank", rank), ("rank", 0)
+    )
 
 
 class Largest:
@@ -197,9 +272,14 @@ class Largest:
 
     def __call__(self) -> float:
         if self._found is None:
-            self._found = max((float(v.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
-                               for v in self._values if torch.is_tensor(v)
-                               and v.is_floating_point() and v.numel()), default=0.0)
+            self._found = max(
+                (
+                    float(v.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
+                    for v in self._values
+                    if torch.is_tensor(v) and v.is_floating_point() and v.numel()
+                ),
+                default=0.0,
+            )
         return self._found
 
 
@@ -207,4 +287,3 @@ def brief(value: Any) -> str:
     if torch.is_tensor(value):
         return f"tensor{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
     return repr(value)
-

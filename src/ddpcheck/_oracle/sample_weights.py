@@ -26,8 +26,16 @@ from typing import Any
 
 from ddpcheck._base.errors import Divergence
 
-__all__ = ["DROPPED", "DUPLICATED", "MISWEIGHTED", "RTOL", "TOKEN_DROPPED", "TOKEN_DUPLICATED",
-           "TOKEN_MISWEIGHTED", "check_sample_weights"]
+__all__ = [
+    "DROPPED",
+    "DUPLICATED",
+    "MISWEIGHTED",
+    "RTOL",
+    "TOKEN_DROPPED",
+    "TOKEN_DUPLICATED",
+    "TOKEN_MISWEIGHTED",
+    "check_sample_weights",
+]
 
 DROPPED = "sample dropped"
 DUPLICATED = "sample duplicated"
@@ -42,9 +50,14 @@ TOKEN_MISWEIGHTED = "token misweighted"
 RTOL = 1e-6
 
 
-def check_sample_weights(step: int, world_size: int, plans: list[Any], batch_size: int,
-                         reduction: str,
-                         tokens: Sequence[int] | None = None) -> list[Divergence]:
+def check_sample_weights(
+    step: int,
+    world_size: int,
+    plans: list[Any],
+    batch_size: int,
+    reduction: str,
+    tokens: Sequence[int] | None = None,
+) -> list[Divergence]:
     """Rows for every sample the ranks' ``plans`` (one per rank, in rank order) weigh otherwise
     than the full-batch objective does (see the module's invariant); empty when they all agree.
     ``tokens``: each sample's non-padding tokens under a token loss (None: a per-sample loss)."""
@@ -60,8 +73,11 @@ def check_sample_weights(step: int, world_size: int, plans: list[Any], batch_siz
         objective = f"1/{batch_size} = {expected:.3g}" if reduction == "mean" else "1"
     else:
         kinds = (TOKEN_DROPPED, TOKEN_DUPLICATED, TOKEN_MISWEIGHTED)
-        objective = (f"1/T = 1/{total} = {expected:.3g} (T: the global batch's non-padding "
-                     "tokens)" if reduction == "mean" else "1")
+        objective = (
+            f"1/T = 1/{total} = {expected:.3g} (T: the global batch's non-padding tokens)"
+            if reduction == "mean"
+            else "1"
+        )
     causes, misweighted = [], []
     for i, held in enumerate(holders):
         if tokens is not None and not tokens[i]:
@@ -71,35 +87,56 @@ def check_sample_weights(step: int, world_size: int, plans: list[Any], batch_siz
         if error <= RTOL * expected:
             continue
         if tokens is None:
-            what, whose, verb, losses, gets = (f"sample {i}", f"sample {i}'s", "is",
-                                               "its loss is", "gives it")
+            what, whose, verb, losses, gets = (
+                f"sample {i}",
+                f"sample {i}'s",
+                "is",
+                "its loss is",
+                "gives it",
+            )
         else:
             what = whose = f"the {_tokens(tokens[i])} of sample {i}"
             verb, losses, gets = "are", "their losses are", "gives each token"
         where = ", ".join(f"rank {r} micro-batch {m} (scale {s:.3g})" for r, m, s in held)
         name = f"sample {i}" if tokens is None else f"sample {i} ({_tokens(tokens[i])})"
-        common: dict[str, Any] = dict(step=step, world_size=world_size, name=name, max_abs=error,
-                                      max_rel=error / expected)
+        common: dict[str, Any] = dict(
+            step=step, world_size=world_size, name=name, max_abs=error, max_rel=error / expected
+        )
         if not held:
-            causes.append(Divergence(
-                rank=None, kind=kinds[0], **common,
-                detail=f"{what} of the global batch (B={batch_size}) {verb} in no rank's "
-                       f"micro-batches: {losses} never back-propagated (weight 0; the full-batch "
-                       f"objective, reduction={reduction!r}, {gets} {objective})"))
+            causes.append(
+                Divergence(
+                    rank=None,
+                    kind=kinds[0],
+                    **common,
+                    detail=f"{what} of the global batch (B={batch_size}) {verb} in no rank's "
+                    f"micro-batches: {losses} never back-propagated (weight 0; the full-batch "
+                    f"objective, reduction={reduction!r}, {gets} {objective})",
+                )
+            )
         elif len(held) > 1:
-            causes.append(Divergence(
-                rank=None, kind=kinds[1], **common,
-                detail=f"{what} {verb} used {len(held)} times: "
-                       f"{where}; weight {weight:.3g} (1/W times the sum of those scales) where "
-                       f"the full-batch objective, reduction={reduction!r}, {gets} {objective}"))
+            causes.append(
+                Divergence(
+                    rank=None,
+                    kind=kinds[1],
+                    **common,
+                    detail=f"{what} {verb} used {len(held)} times: "
+                    f"{where}; weight {weight:.3g} (1/W times the sum of those scales) where "
+                    f"the full-batch objective, reduction={reduction!r}, {gets} {objective}",
+                )
+            )
         else:
             rank, m, scale = held[0]
-            misweighted.append(Divergence(
-                rank=rank, kind=kinds[2], **common,
-                detail=f"rank {rank} scales micro-batch {m} ({whose}) by {scale:.3g}: "
-                       f"weight {weight:.3g} after the average over W={world_size}, where the "
-                       f"full-batch objective, reduction={reduction!r}, {gets} {objective} (a "
-                       f"scale of {expected * world_size:.3g})"))
+            misweighted.append(
+                Divergence(
+                    rank=rank,
+                    kind=kinds[2],
+                    **common,
+                    detail=f"rank {rank} scales micro-batch {m} ({whose}) by {scale:.3g}: "
+                    f"weight {weight:.3g} after the average over W={world_size}, where the "
+                    f"full-batch objective, reduction={reduction!r}, {gets} {objective} (a "
+                    f"scale of {expected * world_size:.3g})",
+                )
+            )
     return causes + misweighted
 
 

@@ -53,18 +53,37 @@ def compare_shards(step: int, world_size: int, records: list[RankRecord]) -> lis
                 where = f"[{start}:{stop}] along dim {dim} of {tuple(whole.shape)}"
                 expected = whole.narrow(dim, start, stop - start)
             if local.shape != expected.shape or local.dtype != expected.dtype:
-                out.append(Divergence(
-                    step, world_size, record.rank, name, LOCAL_SHARD_DIFFERS,
-                    detail=f"rank {record.rank} holds a {tuple(local.shape)} "
-                           f"{str(local.dtype).replace('torch.', '')} shard; its slice is "
-                           f"{where}, {tuple(expected.shape)}"))
+                out.append(
+                    Divergence(
+                        step,
+                        world_size,
+                        record.rank,
+                        name,
+                        LOCAL_SHARD_DIFFERS,
+                        detail=f"rank {record.rank} holds a {tuple(local.shape)} "
+                        f"{str(local.dtype).replace('torch.', '')} shard; its slice is "
+                        f"{where}, {tuple(expected.shape)}",
+                    )
+                )
             elif not torch.equal(_bits(local), _bits(expected)):
-                row = Divergence.of(step, world_size, record.rank, name, LOCAL_SHARD_DIFFERS,
-                                    local, expected, ("rank", record.rank),
-                                    ("its slice of the gathered parameter", None))
-                out.append(dataclasses.replace(
-                    row, detail=f"rank {record.rank}'s local shard is not slice {where} of the "
-                                f"gathered parameter: {row.detail}"))
+                row = Divergence.of(
+                    step,
+                    world_size,
+                    record.rank,
+                    name,
+                    LOCAL_SHARD_DIFFERS,
+                    local,
+                    expected,
+                    ("rank", record.rank),
+                    ("its slice of the gathered parameter", None),
+                )
+                out.append(
+                    dataclasses.replace(
+                        row,
+                        detail=f"rank {record.rank}'s local shard is not slice {where} of the "
+                        f"gathered parameter: {row.detail}",
+                    )
+                )
     return out
 
 

@@ -12,8 +12,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["NOISE_FACTOR", "RESOLUTION", "TOLERANCES", "close", "noise_verdict", "scaled_atol",
-           "tolerance"]
+__all__ = [
+    "NOISE_FACTOR",
+    "RESOLUTION",
+    "TOLERANCES",
+    "close",
+    "noise_verdict",
+    "scaled_atol",
+    "tolerance",
+]
 
 
 # {dtype: (rtol, atol)} for a rank against the full-batch reference, per step of training.
@@ -63,8 +70,9 @@ def close(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float) -> boo
         return False
     if not got.is_floating_point():
         return torch.equal(got, ref)
-    return bool(torch.allclose(got, ref, rtol=rtol, atol=scaled_atol(ref, rtol, atol),
-                               equal_nan=True))
+    return bool(
+        torch.allclose(got, ref, rtol=rtol, atol=scaled_atol(ref, rtol, atol), equal_nan=True)
+    )
 
 
 def all_close(pairs: list[tuple[Any, Any]], rtol: float, atol: float) -> bool:
@@ -77,15 +85,25 @@ def all_close(pairs: list[tuple[Any, Any]], rtol: float, atol: float) -> bool:
     reference is finite are never close, so a pass also means none."""
     groups: dict[torch.dtype, tuple[list, list]] = {}
     for got, ref in pairs:
-        if not (torch.is_tensor(got) and torch.is_tensor(ref) and ref.is_floating_point()
-                and got.dtype == ref.dtype and got.shape == ref.shape):
+        if not (
+            torch.is_tensor(got)
+            and torch.is_tensor(ref)
+            and ref.is_floating_point()
+            and got.dtype == ref.dtype
+            and got.shape == ref.shape
+        ):
             return False
         mine, theirs = groups.setdefault(ref.dtype, ([], []))
         mine.append(got.reshape(-1))
         theirs.append(ref.reshape(-1))
-    return all(bool(torch.isclose(torch.cat(mine), torch.cat(theirs), rtol=rtol, atol=atol,
-                                  equal_nan=True).all())
-               for mine, theirs in groups.values())
+    return all(
+        bool(
+            torch.isclose(
+                torch.cat(mine), torch.cat(theirs), rtol=rtol, atol=atol, equal_nan=True
+            ).all()
+        )
+        for mine, theirs in groups.values()
+    )
 
 
 #: How far beyond the tolerance an element may be, in multiples of what the reference itself
@@ -102,8 +120,14 @@ NOISE_FACTOR = 4.0
 RESOLUTION = 1e-3
 
 
-def noise_verdict(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float,
-                  spread: torch.Tensor, scale: float) -> tuple[str, torch.Tensor]:
+def noise_verdict(
+    got: torch.Tensor,
+    ref: torch.Tensor,
+    rtol: float,
+    atol: float,
+    spread: torch.Tensor,
+    scale: float,
+) -> tuple[str, torch.Tensor]:
     """Where :func:`close` fails, the verdict once each element's allowance is widened by
     ``NOISE_FACTOR * spread`` (the reference's rounding spread there, ``Reference.noise``): where
     the reference is ill-conditioned (Adam on a gradient that is zero in exact arithmetic, a

@@ -26,8 +26,9 @@ __all__ = ["STEPPED_INSIDE_WINDOW", "check_window"]
 STEPPED_INSIDE_WINDOW = "stepped inside accumulation window"
 
 
-def check_window(step: int, world_size: int, records: list[RankRecord],
-                 bitwise_equal: Any) -> list[Divergence]:
+def check_window(
+    step: int, world_size: int, records: list[RankRecord], bitwise_equal: Any
+) -> list[Divergence]:
     """Rows for each rank whose parameters moved inside step ``step``'s accumulation window
     (the first micro-batch and parameter where they did)."""
     out = []
@@ -35,16 +36,26 @@ def check_window(step: int, world_size: int, records: list[RankRecord],
         taken = record.steps[step]
         before = record.steps[step - 1].params if step > 0 else record.initial
         for index, params in taken.window:
-            moved = [name for name, value in params.items()
-                     if name in before and not bitwise_equal(value, before[name])]
+            moved = [
+                name
+                for name, value in params.items()
+                if name in before and not bitwise_equal(value, before[name])
+            ]
             if moved:
                 name = moved[0]
                 delta = (params[name].double() - before[name].double()).abs().max().item()
-                out.append(Divergence(
-                    step, world_size, record.rank, name, STEPPED_INSIDE_WINDOW,
-                    detail=f"{len(moved)} parameter(s) moved (max |change| {delta:.3g} in "
-                           f"{name!r}) by the optimizer.step() after micro-batch {index}, "
-                           "before the window's last micro-batch: the framework must gate "
-                           "step(), the LR schedule and zero_grad() until the window ends"))
+                out.append(
+                    Divergence(
+                        step,
+                        world_size,
+                        record.rank,
+                        name,
+                        STEPPED_INSIDE_WINDOW,
+                        detail=f"{len(moved)} parameter(s) moved (max |change| {delta:.3g} in "
+                        f"{name!r}) by the optimizer.step() after micro-batch {index}, "
+                        "before the window's last micro-batch: the framework must gate "
+                        "step(), the LR schedule and zero_grad() until the window ends",
+                    )
+                )
                 break
     return out

@@ -147,39 +147,60 @@ def restore(base: Baseline) -> tuple[Fitness, Baseline]:
     for name, fn in base.collectives:
         if getattr(dist, name, None) is not fn:
             setattr(dist, name, fn)
-            found.cleaned.append(f"replaced torch.distributed.{name} (its calls went "
-                                 "unrecorded; the recorder's wrapper is back)")
+            found.cleaned.append(
+                f"replaced torch.distributed.{name} (its calls went "
+                "unrecorded; the recorder's wrapper is back)"
+            )
     now = _hook_counts()
     if now != base.hooks:
         for (_, what), before, after in zip(_MODULE_HOOKS + _OPTIMIZER_HOOKS, base.hooks, now):
             if after > before:
-                found.unfit.append(f"registered {after - before} "
-                                   f"{what}{'s' if after - before > 1 else ''}")
+                found.unfit.append(
+                    f"registered {after - before} {what}{'s' if after - before > 1 else ''}"
+                )
             elif after < before:
-                found.unfit.append(f"removed {before - after} "
-                                   f"{what}{'s' if before - after > 1 else ''}")
+                found.unfit.append(
+                    f"removed {before - after} {what}{'s' if before - after > 1 else ''}"
+                )
     settings: tuple[tuple[str, Any, Any, Callable[[Any], Any]], ...] = (
-            ("torch.get_num_threads()", base.num_threads, torch.get_num_threads(),
-             torch.set_num_threads),
-            ("grad mode (torch.is_grad_enabled())", base.grad_enabled, torch.is_grad_enabled(),
-             torch.set_grad_enabled),
-            ("torch.get_default_dtype()", base.default_dtype, torch.get_default_dtype(),
-             torch.set_default_dtype))
+        (
+            "torch.get_num_threads()",
+            base.num_threads,
+            torch.get_num_threads(),
+            torch.set_num_threads,
+        ),
+        (
+            "grad mode (torch.is_grad_enabled())",
+            base.grad_enabled,
+            torch.is_grad_enabled(),
+            torch.set_grad_enabled,
+        ),
+        (
+            "torch.get_default_dtype()",
+            base.default_dtype,
+            torch.get_default_dtype(),
+            torch.set_default_dtype,
+        ),
+    )
     for what, before, after, put_back in settings:
         if after != before:
             put_back(before)
             found.cleaned.append(f"changed {what} {before} -> {after} (set back)")
     interop = torch.get_num_interop_threads()
     if interop != base.interop_threads:
-        found.replace.append(f"changed torch.get_num_interop_threads() {base.interop_threads} "
-                             f"-> {interop}")
+        found.replace.append(
+            f"changed torch.get_num_interop_threads() {base.interop_threads} -> {interop}"
+        )
     return found, _leftovers(base, found)
 
 
 def _leftovers(base: Baseline, found: Fitness) -> Baseline:
     """Process groups the task created (destroyed here), then threads and descriptors."""
-    if len(_groups()) > len(base.groups) or _fd_count() > base.fds or \
-            threading.active_count() > base.threads:
+    if (
+        len(_groups()) > len(base.groups)
+        or _fd_count() > base.fds
+        or threading.active_count() > base.threads
+    ):
         # A destroyed group (or a closed-over file, a finished thread) may still wait in a
         # reference cycle -- a wrapper's hooks refer to the wrapper -- for the collector.
         gc.collect()
@@ -187,22 +208,28 @@ def _leftovers(base: Baseline, found: Fitness) -> Baseline:
     if created and _default_group() is not None:
         for g in created:
             dist.destroy_process_group(g)
-        found.cleaned.append(f"created {len(created)} process group(s) and left them "
-                             "(destroyed after the example)")
+        found.cleaned.append(
+            f"created {len(created)} process group(s) and left them (destroyed after the example)"
+        )
         created.clear()  # the last references: a group's sockets close when it is freed
         gc.collect()
     threads = threading.active_count()
     if threads > base.threads:
-        found.replace.append(f"left {threads - base.threads} thread(s) running "
-                             f"({_new_thread_names(base)})")
+        found.replace.append(
+            f"left {threads - base.threads} thread(s) running ({_new_thread_names(base)})"
+        )
     fds = _settled_fd_count(base.fds)
     if fds > base.start_fds + FD_HEADROOM:
-        found.replace.append(f"file descriptors {base.start_fds} -> {fds} since the world "
-                             f"started (more than {FD_HEADROOM} kept open)")
+        found.replace.append(
+            f"file descriptors {base.start_fds} -> {fds} since the world "
+            f"started (more than {FD_HEADROOM} kept open)"
+        )
     elif fds > base.fds and not found.replace:
-        found.cleaned.append(f"file descriptors {base.fds} -> {fds}, kept open by a library "
-                             f"(accepted up to {base.start_fds + FD_HEADROOM}; a new world past "
-                             "that)")
+        found.cleaned.append(
+            f"file descriptors {base.fds} -> {fds}, kept open by a library "
+            f"(accepted up to {base.start_fds + FD_HEADROOM}; a new world past "
+            "that)"
+        )
         return dataclasses.replace(base, fds=fds)
     return base
 
@@ -221,8 +248,9 @@ def _groups() -> list[Any]:
 
 
 def _hook_counts() -> tuple[int, ...]:
-    return (tuple(len(getattr(module_hooks, name, ())) for name, _ in _MODULE_HOOKS)
-            + tuple(len(getattr(optimizer_hooks, name, ())) for name, _ in _OPTIMIZER_HOOKS))
+    return tuple(len(getattr(module_hooks, name, ())) for name, _ in _MODULE_HOOKS) + tuple(
+        len(getattr(optimizer_hooks, name, ())) for name, _ in _OPTIMIZER_HOOKS
+    )
 
 
 def _settled_fd_count(expected: int) -> int:

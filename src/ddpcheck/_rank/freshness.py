@@ -78,5 +78,8 @@ def announce(paths: list[str]) -> None:
             _ANNOUNCED.add(key)
             fresh.append(os.path.relpath(path))
     if fresh:
-        print(f"ddpcheck: {', '.join(fresh)} changed since the ranks imported it; starting fresh "
-              "worlds", file=sys.stderr)
+        print(
+            f"ddpcheck: {', '.join(fresh)} changed since the ranks imported it; starting fresh "
+            "worlds",
+            file=sys.stderr,
+        )

@@ -26,8 +26,13 @@ __all__ = ["ORDER_SEED_STRIDE", "permute_registration"]
 ORDER_SEED_STRIDE = 104_729
 
 #: Containers whose ``forward`` -- or their users' -- iterates children by registration order.
-_ORDERED_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList,
-                       nn.ParameterDict)
+_ORDERED_CONTAINERS = (
+    nn.Sequential,
+    nn.ModuleList,
+    nn.ModuleDict,
+    nn.ParameterList,
+    nn.ParameterDict,
+)
 
 
 def permute_registration(module: nn.Module, seed: int) -> None:
@@ -64,5 +69,7 @@ def _refill(registered: dict, items: list) -> None:
 
 
 def _names(module: nn.Module) -> tuple[frozenset[str], frozenset[str]]:
-    return (frozenset(n for n, _ in module.named_parameters()),
-            frozenset(n for n, _ in module.named_buffers()))
+    return (
+        frozenset(n for n, _ in module.named_parameters()),
+        frozenset(n for n, _ in module.named_buffers()),
+    )

@@ -33,10 +33,13 @@ def owned_gradients(module: Any, pieces: Any) -> dict[str, torch.Tensor | None]:
     for param, offset, piece in pieces:
         name = names.get(id(param))
         if name is None:
-            raise ValueError("Target.gradient_shards returned a tensor that is not a parameter "
-                             "of the model (return (parameter, offset, piece) triples)")
-        mine.append((name, int(offset),
-                     None if piece is None else piece.detach().reshape(-1).clone()))
+            raise ValueError(
+                "Target.gradient_shards returned a tensor that is not a parameter "
+                "of the model (return (parameter, offset, piece) triples)"
+            )
+        mine.append(
+            (name, int(offset), None if piece is None else piece.detach().reshape(-1).clone())
+        )
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     held: dict[str, list] = {}
@@ -58,15 +61,19 @@ def owned_gradients(module: Any, pieces: Any) -> dict[str, torch.Tensor | None]:
                     continue
                 stop = offset + piece.numel()
                 if offset < 0 or stop > param.numel():
-                    raise ValueError(f"Target.gradient_shards: the piece [{offset}:{stop}] of "
-                                     f"{name!r}'s gradient lies outside its {param.numel()} "
-                                     "elements")
+                    raise ValueError(
+                        f"Target.gradient_shards: the piece [{offset}:{stop}] of "
+                        f"{name!r}'s gradient lies outside its {param.numel()} "
+                        "elements"
+                    )
                 fresh = ~covered[offset:stop]
                 flat[offset:stop][fresh] = piece[fresh.to(piece.device)]
                 covered[offset:stop] = True
             if not bool(covered.all()):
                 missing = int((~covered).sum())
-                raise ValueError(f"Target.gradient_shards: {missing} of the {param.numel()} "
-                                 f"elements of {name!r}'s gradient are owned by no rank")
+                raise ValueError(
+                    f"Target.gradient_shards: {missing} of the {param.numel()} "
+                    f"elements of {name!r}'s gradient are owned by no rank"
+                )
             out[name] = flat.reshape(param.shape)
     return out

@@ -42,8 +42,7 @@ import torch.distributed as dist
 
 from ddpcheck._language.records import Collective
 
-__all__ = ["Collective", "install", "paused", "record_to", "records", "reset",
-           "restart_sequence"]
+__all__ = ["Collective", "install", "paused", "record_to", "records", "reset", "restart_sequence"]
 
 # op name -> (positional index of the tensor argument(s), name of the root argument or None)
 _OPS: dict[str, tuple[int, str | None]] = {
@@ -176,12 +175,14 @@ def install() -> None:
     _installed = True
 
 
-def _wrap(name: str, original: Callable[..., Any], index: int,
-          root_name: str | None) -> Callable[..., Any]:
+def _wrap(
+    name: str, original: Callable[..., Any], index: int, root_name: str | None
+) -> Callable[..., Any]:
     @functools.wraps(original)
     def recorded(*args: Any, **kwargs: Any) -> Any:
-        tensors = _tensors(args[index] if 0 <= index < len(args) else
-                           kwargs.get(_first_param(original, index)))
+        tensors = _tensors(
+            args[index] if 0 <= index < len(args) else kwargs.get(_first_param(original, index))
+        )
         group = kwargs.get("group")
         if group is None and name != "barrier":
             group = _positional(original, args, "group")
@@ -189,8 +190,13 @@ def _wrap(name: str, original: Callable[..., Any], index: int,
         if root_name and root is None:
             root = _positional(original, args, root_name)
         reduce_op = kwargs.get("op") if "op" in kwargs else _positional(original, args, "op")
-        if reduce_op is None and name in ("all_reduce", "reduce", "reduce_scatter",
-                                          "reduce_scatter_tensor", "reduce_scatter_single"):
+        if reduce_op is None and name in (
+            "all_reduce",
+            "reduce",
+            "reduce_scatter",
+            "reduce_scatter_tensor",
+            "reduce_scatter_single",
+        ):
             reduce_op = dist.ReduceOp.SUM
         record = Collective(
             op=name,

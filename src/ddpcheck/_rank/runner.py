@@ -53,9 +53,20 @@ from ddpcheck._rank.owned import owned_gradients
 from ddpcheck._rank.transport import pack
 from ddpcheck.targets.protocol import OwnsLoop, Target
 
-__all__ = ["StepRecords", "checkpoint_from_bytes", "checkpoint_to_bytes", "fit_owned_loop",
-           "make_optimizer", "rank_seed", "run_example", "run_example_packed", "run_warm_up",
-           "setup", "target_loop", "target_scheduler"]
+__all__ = [
+    "StepRecords",
+    "checkpoint_from_bytes",
+    "checkpoint_to_bytes",
+    "fit_owned_loop",
+    "make_optimizer",
+    "rank_seed",
+    "run_example",
+    "run_example_packed",
+    "run_warm_up",
+    "setup",
+    "target_loop",
+    "target_scheduler",
+]
 
 #: Seed offset between ranks when each rank initialises its own weights differently.
 _RANK_SEED_STRIDE = 7919
@@ -65,8 +76,9 @@ def rank_seed(scenario: Scenario, rank: int) -> int:
     return scenario.seed + (_RANK_SEED_STRIDE * rank if scenario.rank_seeds else 0)
 
 
-def run_example(target: Target, scenario: Scenario, *, part: str = "whole",
-                checkpoint: Any = None) -> Any:
+def run_example(
+    target: Target, scenario: Scenario, *, part: str = "whole", checkpoint: Any = None
+) -> Any:
     """Train ``scenario`` under ``target`` on this rank. Collective: runs on every rank.
 
     ``part``: ``"whole"`` (the record), ``"until checkpoint"`` (steps ``0..checkpoint_after``;
@@ -84,11 +96,14 @@ def run_example(target: Target, scenario: Scenario, *, part: str = "whole",
     plans: dict[int, BatchPlan] = {}
     if isinstance(target, OwnsLoop) and callable(target.fit):  # Lightning's Trainer, say
         if part != "whole":
-            raise NothingChecked(f"checkpoint: {type(target).__name__} owns its training loop "
-                                 "(Target.fit), which has no checkpoint round trip; leave "
-                                 "'checkpoint' out of its supported_features")
-        return fit_owned_loop(target, target.fit, module, scenario, rank, world_size, plans,
-                              started)
+            raise NothingChecked(
+                f"checkpoint: {type(target).__name__} owns its training loop "
+                "(Target.fit), which has no checkpoint round trip; leave "
+                "'checkpoint' out of its supported_features"
+            )
+        return fit_owned_loop(
+            target, target.fit, module, scenario, rank, world_size, plans, started
+        )
     model, optimizer = setup(target, module, make_param_groups(scenario, module), scenario)
     names = {p: n for n, p in module.named_parameters()}  # after wrap: FSDP2 replaces them
     scheduler = target_scheduler(target, optimizer, scenario)
@@ -100,25 +115,41 @@ def run_example(target: Target, scenario: Scenario, *, part: str = "whole",
             steps_run = range(_saved_at(scenario, part) + 1)
         elif part == "resumed":
             steps_run = range(_saved_at(scenario, part) + 1, scenario.steps)
-            target.load_checkpoint(checkpoint_from_bytes(checkpoint), module, model, optimizer,
-                                   scheduler)
+            target.load_checkpoint(
+                checkpoint_from_bytes(checkpoint), module, model, optimizer, scheduler
+            )
         # The state training starts from: once the target has built model *and* optimizer (a
         # wrapper may broadcast when its optimizer is attached), and after a resumed run's load.
         initial = records.initial()
 
-        train(scenario, model, optimizer, target_loop(
-            target, model, optimizer, scenario, rank, world_size, plans=plans,
-            before_step=lambda step: recorder.reset(),
-            before_optimizer_step=lambda step: records.gradients(model, optimizer),
-            inside_window=lambda step, index: records.inside_window(index),
-            after_step=lambda step: records.step(step, model, optimizer, scheduler)),
-            scheduler=scheduler, steps=steps_run)
+        train(
+            scenario,
+            model,
+            optimizer,
+            target_loop(
+                target,
+                model,
+                optimizer,
+                scenario,
+                rank,
+                world_size,
+                plans=plans,
+                before_step=lambda step: recorder.reset(),
+                before_optimizer_step=lambda step: records.gradients(model, optimizer),
+                inside_window=lambda step, index: records.inside_window(index),
+                after_step=lambda step: records.step(step, model, optimizer, scheduler),
+            ),
+            scheduler=scheduler,
+            steps=steps_run,
+        )
         record = RankRecord(rank, initial, records.steps, time.perf_counter() - started)
         result: RankRecord | tuple[RankRecord, bytes | None] = record
         if part == "until checkpoint":
             saved = target.save_checkpoint(module, model, optimizer, scheduler)
-            result = record, (checkpoint_to_bytes(saved, type(target).__name__) if rank == 0
-                              else None)
+            result = (
+                record,
+                (checkpoint_to_bytes(saved, type(target).__name__) if rank == 0 else None),
+            )
         failed = False
     finally:  # per-example framework state (singletons, meshes, groups), even after a failure
         _teardown(target, model, optimizer, failed)
@@ -128,8 +159,9 @@ def run_example(target: Target, scenario: Scenario, *, part: str = "whole",
 def _saved_at(scenario: Scenario, part: str) -> int:
     """The step after which ``scenario`` saves its checkpoint, which ``part`` needs."""
     if scenario.checkpoint_after is None:
-        raise ValueError(f"part={part!r} needs a scenario that saves a checkpoint "
-                         "(checkpoint_after=None)")
+        raise ValueError(
+            f"part={part!r} needs a scenario that saves a checkpoint (checkpoint_after=None)"
+        )
     return scenario.checkpoint_after
 
 
@@ -168,8 +200,9 @@ class StepRecords:
         with recorder.paused():
             if self.sharded:
                 params = [p for _, p in self.module.named_parameters()]
-                return owned_gradients(self.module, self.target.gradient_shards(
-                    model, optimizer, params))
+                return owned_gradients(
+                    self.module, self.target.gradient_shards(model, optimizer, params)
+                )
             return gradients(self.module, self.target.full_tensor)
 
     def gradients(self, model: Any, optimizer: Any) -> None:
@@ -180,17 +213,32 @@ class StepRecords:
         """After a gated step inside an accumulation window: the parameters, which must not
         have moved (``ddpcheck._oracle.window``)."""
         with recorder.paused(), torch.no_grad():
-            self.window.append((index, {n: self.target.full_tensor(p.detach()).clone()
-                                        for n, p in self.module.named_parameters()}))
+            self.window.append(
+                (
+                    index,
+                    {
+                        n: self.target.full_tensor(p.detach()).clone()
+                        for n, p in self.module.named_parameters()
+                    },
+                )
+            )
 
     def step(self, step: int, model: Any, optimizer: Any, scheduler: Any) -> None:
         collectives = recorder.records()
         grads = self._gradients(model, optimizer) if self.in_step else self.grads
         with recorder.paused():
-            self.steps.append(snapshot(
-                self.module, self.names, self.target.optimizer_state(optimizer), collectives,
-                grads=grads, gather=self.target.full_tensor, local_shard=self.target.local_shard,
-                schedule=schedule_state(optimizer, scheduler)))
+            self.steps.append(
+                snapshot(
+                    self.module,
+                    self.names,
+                    self.target.optimizer_state(optimizer),
+                    collectives,
+                    grads=grads,
+                    gather=self.target.full_tensor,
+                    local_shard=self.target.local_shard,
+                    schedule=schedule_state(optimizer, scheduler),
+                )
+            )
         self.steps[-1].batch_plan = self.plans[step]
         self.steps[-1].window, self.window = self.window, []
 
@@ -215,9 +263,16 @@ def target_scheduler(target: Target, optimizer: Any, scenario: Scenario) -> Any:
     return build(optimizer, scenario.lr_decay)
 
 
-def fit_owned_loop(target: Target, fit: Callable[[Any, FitRun], None], module: Any,
-                   scenario: Scenario, rank: int, world_size: int, plans: dict,
-                   started: float) -> RankRecord:
+def fit_owned_loop(
+    target: Target,
+    fit: Callable[[Any, FitRun], None],
+    module: Any,
+    scenario: Scenario,
+    rank: int,
+    world_size: int,
+    plans: dict,
+    started: float,
+) -> RankRecord:
     """Run a target that owns its loop (``Target.fit(module, run)``) on this rank's batches,
     recording when it calls ``run.started`` and ``run.record`` (``training.FitRun``)."""
     loop = target_loop(target, None, None, scenario, rank, world_size, plans=plans)
@@ -236,19 +291,32 @@ def fit_owned_loop(target: Target, fit: Callable[[Any, FitRun], None], module: A
     def at_step(model: Any, optimizer: Any, scheduler: Any) -> None:
         step = len(records.steps)
         if not initial or step >= scenario.steps:
-            raise RuntimeError(f"{type(target).__name__}.fit called run.record "
-                               + ("before run.started" if not initial else
-                                  f"more often than the scenario's {scenario.steps} step(s)"))
+            raise RuntimeError(
+                f"{type(target).__name__}.fit called run.record "
+                + (
+                    "before run.started"
+                    if not initial
+                    else f"more often than the scenario's {scenario.steps} step(s)"
+                )
+            )
         records.gradients(model, optimizer)
         records.step(step, model, optimizer, scheduler)
         recorder.reset()
 
-    run = FitRun(scenario=scenario, module=module, params=make_param_groups(scenario, module),
-                 optimizer=scenario.optimizer, optimizer_kwargs=dict(scenario.optimizer_kwargs),
-                 gamma=scenario.lr_decay, max_grad_norm=scenario.max_grad_norm,
-                 grad_norm_type=scenario.grad_norm_type, set_to_none=scenario.set_to_none,
-                 batches=[loop.batches(step) for step in range(scenario.steps)],
-                 started=at_start, record=at_step)
+    run = FitRun(
+        scenario=scenario,
+        module=module,
+        params=make_param_groups(scenario, module),
+        optimizer=scenario.optimizer,
+        optimizer_kwargs=dict(scenario.optimizer_kwargs),
+        gamma=scenario.lr_decay,
+        max_grad_norm=scenario.max_grad_norm,
+        grad_norm_type=scenario.grad_norm_type,
+        set_to_none=scenario.set_to_none,
+        batches=[loop.batches(step) for step in range(scenario.steps)],
+        started=at_start,
+        record=at_step,
+    )
     failed = True
     try:
         fit(module, run)
@@ -257,9 +325,11 @@ def fit_owned_loop(target: Target, fit: Callable[[Any, FitRun], None], module: A
         seen_model, seen_optimizer = model_seen[0] if model_seen else (None, None)
         _teardown(target, seen_model, seen_optimizer, failed)
     if len(records.steps) != scenario.steps:
-        raise RuntimeError(f"{type(target).__name__}.fit recorded {len(records.steps)} of the "
-                           f"scenario's {scenario.steps} step(s): call run.record after every "
-                           "optimizer step")
+        raise RuntimeError(
+            f"{type(target).__name__}.fit recorded {len(records.steps)} of the "
+            f"scenario's {scenario.steps} step(s): call run.record after every "
+            "optimizer step"
+        )
     return RankRecord(rank, initial[0], records.steps, time.perf_counter() - started)
 
 
@@ -267,8 +337,10 @@ def checkpoint_to_bytes(checkpoint: Any, who: str) -> bytes:
     """Rank 0's checkpoint as bytes: a copy taken now (a state dict aliases live tensors), and
     what a real checkpoint goes through on its way to a file."""
     if checkpoint is None:
-        raise TypeError(f"{who}.save_checkpoint(module, model, optimizer, scheduler) returned "
-                        "None on rank 0; it must return the checkpoint there")
+        raise TypeError(
+            f"{who}.save_checkpoint(module, model, optimizer, scheduler) returned "
+            "None on rank 0; it must return the checkpoint there"
+        )
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
     return buffer.getvalue()
@@ -280,8 +352,16 @@ def checkpoint_from_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def target_loop(target: Target, model: Any, optimizer: Any, scenario: Scenario, rank: int,
-                world_size: int, plans: dict | None = None, **hooks: Any) -> Loop:
+def target_loop(
+    target: Target,
+    model: Any,
+    optimizer: Any,
+    scenario: Scenario,
+    rank: int,
+    world_size: int,
+    plans: dict | None = None,
+    **hooks: Any,
+) -> Loop:
     """The loop of one rank: the micro-batches its target plans, the target's hooks where a real
     training loop calls them (``hooks`` add to them: ``before_step`` runs before the target's
     own); each step's plan is stored in ``plans`` when given."""
@@ -294,8 +374,12 @@ def target_loop(target: Target, model: Any, optimizer: Any, scenario: Scenario, 
         plan = plan_for(hook, global_indices(scenario, step, rank, world_size, y), who)
         if plans is not None:
             plans[step] = plan
-        return to_rank_device([(*_select(x, y, indices), scale)
-                               for indices, scale in zip(plan.micro_batches, plan.scales)])
+        return to_rank_device(
+            [
+                (*_select(x, y, indices), scale)
+                for indices, scale in zip(plan.micro_batches, plan.scales)
+            ]
+        )
 
     def before_step(step: int) -> None:
         if first is not None:
@@ -307,16 +391,21 @@ def target_loop(target: Target, model: Any, optimizer: Any, scenario: Scenario, 
     return Loop(
         batches=batches,
         no_sync=lambda: target.no_sync(model),
-        micro_batch=None if micro_batch is None else
-        lambda index, count: micro_batch(model, optimizer, index, count),
-        backward=(lambda loss: loss.backward()) if backward is None else
-        lambda loss: backward(model, loss),
+        micro_batch=None
+        if micro_batch is None
+        else lambda index, count: micro_batch(model, optimizer, index, count),
+        backward=(lambda loss: loss.backward())
+        if backward is None
+        else lambda loss: backward(model, loss),
         steps_every_micro_batch=getattr(target, "steps_every_micro_batch", False),
         after_backward=lambda: target.after_backward(model, optimizer),
-        clip_grad_norm=lambda max_norm, norm_type: target.clip_grad_norm(model, optimizer,
-                                                                         max_norm, norm_type),
+        clip_grad_norm=lambda max_norm, norm_type: target.clip_grad_norm(
+            model, optimizer, max_norm, norm_type
+        ),
         before_step=before_step,
-        end_step=lambda step: target.after_step(model, optimizer), **hooks)
+        end_step=lambda step: target.after_step(model, optimizer),
+        **hooks,
+    )
 
 
 def _select(x: Any, y: Any, indices: tuple[int, ...]) -> tuple[Any, Any]:
@@ -324,7 +413,7 @@ def _select(x: Any, y: Any, indices: tuple[int, ...]) -> tuple[Any, Any]:
     gives, so the default plan computes bit for bit as before), else a gathered copy."""
     start = indices[0] if indices else 0
     if indices == tuple(range(start, start + len(indices))):
-        return x[start:start + len(indices)], y[start:start + len(indices)]
+        return x[start : start + len(indices)], y[start : start + len(indices)]
     at = torch.tensor(indices, dtype=torch.long)
     return x.index_select(0, at), y.index_select(0, at)
 
@@ -332,12 +421,14 @@ def _select(x: Any, y: Any, indices: tuple[int, ...]) -> tuple[Any, Any]:
 def make_optimizer(target: Target, model: Any, params: list, scenario: Scenario) -> Any:
     """``target.make_optimizer``, given the wrapped model when it takes a ``model`` keyword
     (``ddpcheck._language.training.optimizer_kwargs``)."""
-    return target.make_optimizer(params, scenario.optimizer,
-                                 **optimizer_kwargs(target, model, scenario.optimizer_kwargs))
+    return target.make_optimizer(
+        params, scenario.optimizer, **optimizer_kwargs(target, model, scenario.optimizer_kwargs)
+    )
 
 
-def run_example_packed(target: Target, scenario: Scenario, part: str = "whole",
-                       checkpoint: Any = None) -> Any:
+def run_example_packed(
+    target: Target, scenario: Scenario, part: str = "whole", checkpoint: Any = None
+) -> Any:
     """:func:`run_example`, its tensors packed for a fast trip to the parent
     (``ddpcheck._rank.transport.unpack`` restores the record)."""
     with _glue_failures(target):

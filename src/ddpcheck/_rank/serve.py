@@ -31,8 +31,19 @@ from ddpcheck._base.errors import DdpcheckError
 from ddpcheck._base.options import STARTUP_DEADLINE
 from ddpcheck._rank.boundary import Answer, Launch, Raised, Refused, Returned
 
-__all__ = ["NESTED_MARKER", "READY_ENV", "SEQUENCE_SLOTS", "SHUTDOWN", "WORLD_DIR_ENV", "log_of",
-           "rank_main", "rank_name", "sequence_file", "serving", "world_dir_of"]
+__all__ = [
+    "NESTED_MARKER",
+    "READY_ENV",
+    "SEQUENCE_SLOTS",
+    "SHUTDOWN",
+    "WORLD_DIR_ENV",
+    "log_of",
+    "rank_main",
+    "rank_name",
+    "sequence_file",
+    "serving",
+    "world_dir_of",
+]
 
 #: The message that tells a rank to exit.
 SHUTDOWN = b""
@@ -77,7 +88,7 @@ def log_of(name: str) -> str | None:
     world_dir = world_dir_of(name)
     if world_dir is None:
         return None
-    rank = name[len(_NAME_PREFIX):].partition("-of-")[0]
+    rank = name[len(_NAME_PREFIX) :].partition("-of-")[0]
     return os.path.join(world_dir, f"rank{rank}.log") if rank.isdigit() else None
 
 
@@ -189,8 +200,13 @@ def rank_main(launch: Launch, conn: Any) -> None:
             result = fn(*args)
             # the record goes back whatever the task left: the numbers are judged first
             fit, baseline = fitness.restore(baseline)
-            message: Answer = Returned(result, imports.new_files(), tuple(fit.unfit),
-                                       tuple(fit.notes), bool(fit.replace or fit.unfit))
+            message: Answer = Returned(
+                result,
+                imports.new_files(),
+                tuple(fit.unfit),
+                tuple(fit.notes),
+                bool(fit.replace or fit.unfit),
+            )
         except DdpcheckError as exc:  # ddpcheck declining the task in here: not the target's
             fit, baseline = fitness.restore(baseline)
             message = Refused(type(exc).__name__, str(exc), bool(fit.replace or fit.unfit))
@@ -206,8 +222,13 @@ def _send(conn: Any, message: Answer) -> None:
         # ddpcheck's own transport failed (a record holding what cannot travel, a dependency
         # missing in here): an outcome of ddpcheck's, never a rank error -- which the parent
         # would read as the target's bug -- nor a lost rank
-        data = pickle.dumps(Refused("SetupError", "ddpcheck could not send this rank's result "
-                                    f"back to the checking process: {exc!r}", replace=True))
+        data = pickle.dumps(
+            Refused(
+                "SetupError",
+                f"ddpcheck could not send this rank's result back to the checking process: {exc!r}",
+                replace=True,
+            )
+        )
     conn.send_bytes(data)
 
 

@@ -35,13 +35,31 @@ from ddpcheck._rules.params import (
     parameter_lists,
 )
 
-__all__ = ["BALANCE_WORLD_SIZES", "HARD_FLOOR", "HARD_GRACE", "HARD_REFRESH", "KINDS",
-           "MAX_WORLD_SIZE", "answers_in_rank", "brief_owners", "hang_text", "rule_name",
-           "search_in_rank"]
+__all__ = [
+    "BALANCE_WORLD_SIZES",
+    "HARD_FLOOR",
+    "HARD_GRACE",
+    "HARD_REFRESH",
+    "KINDS",
+    "MAX_WORLD_SIZE",
+    "answers_in_rank",
+    "brief_owners",
+    "hang_text",
+    "rule_name",
+    "search_in_rank",
+]
 
 #: Violation kinds, in the order they are reported.
-KINDS = ("raised", "hangs", "crashed", "wrong length", "not an integer", "out of range",
-         "nondeterministic", "rank-dependent")
+KINDS = (
+    "raised",
+    "hangs",
+    "crashed",
+    "wrong length",
+    "not an integer",
+    "out of range",
+    "nondeterministic",
+    "rank-dependent",
+)
 #: World sizes of the pure checks (drawn; several exceed the length of many lists).
 MAX_WORLD_SIZE = 8
 #: World sizes of the balance report on GPT-like parameters.
@@ -127,13 +145,16 @@ class _Guard:
     def _arm(self) -> None:
         now = time.monotonic()
         if now - self._armed_at > HARD_REFRESH:
-            faulthandler.dump_traceback_later(max(self.limit + HARD_GRACE, HARD_FLOOR)
-                                              + HARD_REFRESH, exit=True,
-                                              file=self.progress.hang_file)
+            faulthandler.dump_traceback_later(
+                max(self.limit + HARD_GRACE, HARD_FLOOR) + HARD_REFRESH,
+                exit=True,
+                file=self.progress.hang_file,
+            )
             self._armed_at = now
 
-    def call(self, rule: Any, params: list[torch.Tensor], world_size: int, where: str
-             ) -> tuple[str, Any]:
+    def call(
+        self, rule: Any, params: list[torch.Tensor], world_size: int, where: str
+    ) -> tuple[str, Any]:
         """``("ok", owners)``, or ``(kind, detail)``: ``raised``, ``hangs`` or the kind of an
         invalid answer (validated inside the deadline too: the answer is the rule's object)."""
         if time.monotonic() > self.ends:
@@ -192,34 +213,46 @@ def _validate(answer: Any, n: int, world_size: int) -> tuple[str, Any]:
         if isinstance(answer, torch.Tensor):
             answer = answer.tolist()
         if isinstance(answer, (str, bytes, dict)) or not hasattr(answer, "__len__"):
-            return "wrong length", (f"returned {_safe_repr(answer)}, not a sequence; a rule "
-                                    "returns one owner rank per parameter")
+            return "wrong length", (
+                f"returned {_safe_repr(answer)}, not a sequence; a rule "
+                "returns one owner rank per parameter"
+            )
         owners = list(answer)
     except Exception as exc:
-        return "wrong length", (f"returned {_safe_repr(answer)}, which cannot be read as a "
-                                f"sequence ({type(exc).__name__}: {_short(str(exc), 100)})")
+        return "wrong length", (
+            f"returned {_safe_repr(answer)}, which cannot be read as a "
+            f"sequence ({type(exc).__name__}: {_short(str(exc), 100)})"
+        )
     if len(owners) != n:
-        return "wrong length", (f"returned {len(owners)} owner{'' if len(owners) == 1 else 's'} "
-                                f"for {n} parameter{'' if n == 1 else 's'}; a rule returns exactly "
-                                "one owner rank per parameter, in order")
+        return "wrong length", (
+            f"returned {len(owners)} owner{'' if len(owners) == 1 else 's'} "
+            f"for {n} parameter{'' if n == 1 else 's'}; a rule returns exactly "
+            "one owner rank per parameter, in order"
+        )
     for i, owner in enumerate(owners):
         if isinstance(owner, bool) or not isinstance(owner, numbers.Integral):
-            return "not an integer", (f"returned owner {_safe_repr(owner)} (type "
-                                      f"{type(owner).__name__}) for parameter {i}; owners are int "
-                                      "ranks")
+            return "not an integer", (
+                f"returned owner {_safe_repr(owner)} (type "
+                f"{type(owner).__name__}) for parameter {i}; owners are int "
+                "ranks"
+            )
         if not 0 <= int(owner) < world_size:
-            return "out of range", (f"returned owner {owner!r} for parameter {i}; owners must be "
-                                    f"in [0, world_size={world_size})")
+            return "out of range", (
+                f"returned owner {owner!r} for parameter {i}; owners must be "
+                f"in [0, world_size={world_size})"
+            )
     return "ok", tuple(int(o) for o in owners)
 
 
-def _answer(guard: _Guard, rule: Any, params: list[torch.Tensor], world_size: int, where: str,
-            call: str) -> tuple[str, Any]:
+def _answer(
+    guard: _Guard, rule: Any, params: list[torch.Tensor], world_size: int, where: str, call: str
+) -> tuple[str, Any]:
     return guard.call(rule, params, world_size, f"{call}\n{where}")
 
 
-def _twice(guard: _Guard, rule: Any, specs: Sequence[ParamSpec], world_size: int, where: str
-           ) -> tuple[str, Any]:
+def _twice(
+    guard: _Guard, rule: Any, specs: Sequence[ParamSpec], world_size: int, where: str
+) -> tuple[str, Any]:
     """Call the rule twice on one input: ``("ok", owners)``, or ``(kind, detail)`` of its first
     violation."""
     params = [s.tensor() for s in specs]
@@ -230,10 +263,12 @@ def _twice(guard: _Guard, rule: Any, specs: Sequence[ParamSpec], world_size: int
     if kind != "ok":
         return kind, f"on the second call (the first answered {brief_owners(first)}), {again}"
     if again != first:
-        return "nondeterministic", (f"answered {brief_owners(first)} and then "
-                                    f"{brief_owners(again)}; a rule must be a pure function "
-                                    "of the parameters' shapes, dtypes and order and of "
-                                    "world_size")
+        return "nondeterministic", (
+            f"answered {brief_owners(first)} and then "
+            f"{brief_owners(again)}; a rule must be a pure function "
+            "of the parameters' shapes, dtypes and order and of "
+            "world_size"
+        )
     return "ok", first
 
 
@@ -245,12 +280,15 @@ def _where(world_size: int, specs: Sequence[ParamSpec], name: str | None = None)
 # The pure checks: one task in a world of one rank
 
 
-_FOUND = {kind: type(f"RuleViolation_{kind.replace(' ', '_').replace('-', '_')}", (Exception,), {})
-          for kind in KINDS}
+_FOUND = {
+    kind: type(f"RuleViolation_{kind.replace(' ', '_').replace('-', '_')}", (Exception,), {})
+    for kind in KINDS
+}
 
 
-def search_in_rank(rule: Any, examples: int, seed: int | None, limit: float, directory: str,
-                    budget: float) -> dict[str, Any]:
+def search_in_rank(
+    rule: Any, examples: int, seed: int | None, limit: float, directory: str, budget: float
+) -> dict[str, Any]:
     """Hypothesis search, then the named lists; the smallest violation of each kind found, and on
     success the owners on GPT-like parameters for the balance report."""
     name = rule_name(rule)
@@ -258,8 +296,13 @@ def search_in_rank(rule: Any, examples: int, seed: int | None, limit: float, dir
     tried: list[tuple[ParamSpec, ...]] = []
     gpt_owners: dict[int, list[int]] = {}
 
-    def note(kind: str, detail: str, specs: Sequence[ParamSpec], world_size: int,
-             list_name: str | None = None) -> None:
+    def note(
+        kind: str,
+        detail: str,
+        specs: Sequence[ParamSpec],
+        world_size: int,
+        list_name: str | None = None,
+    ) -> None:
         # Fewest parameters, then smallest world; among equals the latest, which Hypothesis's
         # shrinker found simpler than the ones before it.
         key = (len(specs), world_size)
@@ -268,10 +311,17 @@ def search_in_rank(rule: Any, examples: int, seed: int | None, limit: float, dir
 
     with _Guard(limit, _Progress(directory, 0), budget) as guard:
         # Explicit settings, no database: the user's Hypothesis profile and examples do not apply.
-        @settings(max_examples=examples, derandomize=seed is None, database=None, deadline=None,
-                  phases=(Phase.generate, Phase.shrink), verbosity=Verbosity.quiet,
-                  report_multiple_bugs=True, print_blob=False,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=examples,
+            derandomize=seed is None,
+            database=None,
+            deadline=None,
+            phases=(Phase.generate, Phase.shrink),
+            verbosity=Verbosity.quiet,
+            report_multiple_bugs=True,
+            print_blob=False,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(specs=param_lists_strategy(), world_size=st.integers(1, MAX_WORLD_SIZE))
         def one(specs: tuple[ParamSpec, ...], world_size: int) -> None:
             if not found:
@@ -295,8 +345,9 @@ def search_in_rank(rule: Any, examples: int, seed: int | None, limit: float, dir
             if not found:
                 for list_name, specs in parameter_lists().items():
                     for world_size in range(1, MAX_WORLD_SIZE + 1):
-                        kind, answer = _twice(guard, rule, specs, world_size,
-                                              _where(world_size, specs, list_name))
+                        kind, answer = _twice(
+                            guard, rule, specs, world_size, _where(world_size, specs, list_name)
+                        )
                         if kind != "ok":
                             note(kind, answer, specs, world_size, list_name)
                             raise _Stop()
@@ -304,9 +355,13 @@ def search_in_rank(rule: Any, examples: int, seed: int | None, limit: float, dir
                             gpt_owners[world_size] = list(answer)
         except _Stop:
             pass
-    return {"found": {kind: message for kind, (_, message) in found.items()},
-            "examples": len(tried), "budget_reached": guard.out_of_time,
-            "sample": _sample(tried), "gpt_owners": gpt_owners}
+    return {
+        "found": {kind: message for kind, (_, message) in found.items()},
+        "examples": len(tried),
+        "budget_reached": guard.out_of_time,
+        "sample": _sample(tried),
+        "gpt_owners": gpt_owners,
+    }
 
 
 def _sample(tried: list[tuple[ParamSpec, ...]], count: int = 24) -> list[tuple[ParamSpec, ...]]:
@@ -323,8 +378,13 @@ def _sample(tried: list[tuple[ParamSpec, ...]], count: int = 24) -> list[tuple[P
 # The cross-rank check: one task in each world of 2..4 ranks
 
 
-def answers_in_rank(rule: Any, lists: list[tuple[str | None, Sequence[ParamSpec]]], limit: float,
-                     directory: str, budget: float) -> list[tuple[str, Any]]:
+def answers_in_rank(
+    rule: Any,
+    lists: list[tuple[str | None, Sequence[ParamSpec]]],
+    limit: float,
+    directory: str,
+    budget: float,
+) -> list[tuple[str, Any]]:
     """Inside a rank: this rank's answer (or failure) on each list at the world's size; stops at
     the first hang (the other ranks' answers on later lists would not be compared anyway)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -333,9 +393,15 @@ def answers_in_rank(rule: Any, lists: list[tuple[str | None, Sequence[ParamSpec]
         for list_name, specs in lists:
             params = [s.tensor() for s in specs]
             try:
-                answer = _answer(guard, rule, params, world_size,
-                                 f"in a world of {world_size} processes on rank {rank}, on "
-                                 f"{describe(specs, list_name)}", "the call")
+                answer = _answer(
+                    guard,
+                    rule,
+                    params,
+                    world_size,
+                    f"in a world of {world_size} processes on rank {rank}, on "
+                    f"{describe(specs, list_name)}",
+                    "the call",
+                )
             except _Stop:  # out of time: compare what every rank got through
                 break
             answers.append(answer)

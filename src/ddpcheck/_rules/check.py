@@ -16,7 +16,6 @@ When a world fails while no call of the rule was running, nothing was decided ab
 is a set-up error (``ddpcheck.SetupError``), not a verdict.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -55,8 +54,19 @@ from ddpcheck._world.failures import WorldFailure
 from ddpcheck._world.processes import read
 from ddpcheck._world.registry import get_world
 
-__all__ = ["DTYPES", "KINDS", "MAX_WORLD_SIZE", "ParamSpec", "RuleReport", "SetupError",
-           "Violation", "balance", "check_rule", "gpt_like", "parameter_lists"]
+__all__ = [
+    "DTYPES",
+    "KINDS",
+    "MAX_WORLD_SIZE",
+    "ParamSpec",
+    "RuleReport",
+    "SetupError",
+    "Violation",
+    "balance",
+    "check_rule",
+    "gpt_like",
+    "parameter_lists",
+]
 
 #: World sizes of the cross-rank check (real processes).
 RANK_WORLD_SIZES = (2, 3, 4)
@@ -93,29 +103,39 @@ class RuleReport:
 
     def summary(self, deadline: float, seed: int | None) -> str:
         """What held, on how many parameter lists (when there is no violation)."""
-        budget = (f" (the {SEARCH_BUDGET:g} s search budget ran out first)"
-                  if self.budget_reached else "")
-        return (f"invariants hold (length, integer owners in range, deterministic, returns "
-                f"within {deadline:g} s, same on every rank): {self.examples} drawn parameter "
-                f"lists at world sizes 1-{MAX_WORLD_SIZE}{budget}"
-                f"{'' if seed is None else f' (seed {seed})'}, "
-                f"{len(parameter_lists())} fixed ones, {self.cross_rank_lists} across the ranks "
-                f"of worlds of {', '.join(map(str, RANK_WORLD_SIZES))} processes")
+        budget = (
+            f" (the {SEARCH_BUDGET:g} s search budget ran out first)" if self.budget_reached else ""
+        )
+        return (
+            f"invariants hold (length, integer owners in range, deterministic, returns "
+            f"within {deadline:g} s, same on every rank): {self.examples} drawn parameter "
+            f"lists at world sizes 1-{MAX_WORLD_SIZE}{budget}"
+            f"{'' if seed is None else f' (seed {seed})'}, "
+            f"{len(parameter_lists())} fixed ones, {self.cross_rank_lists} across the ranks "
+            f"of worlds of {', '.join(map(str, RANK_WORLD_SIZES))} processes"
+        )
 
     def balance(self) -> str:
         """The optimizer-state balance on GPT-2-small parameters at each world size."""
         params = gpt_like()
-        return ", ".join(f"W={w} {balance(owners, params, w):.3f}"
-                         for w, owners in sorted(self.gpt_owners.items()))
+        return ", ".join(
+            f"W={w} {balance(owners, params, w):.3f}"
+            for w, owners in sorted(self.gpt_owners.items())
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # The parent's side
 
 
-def check_rule(rule: Callable[..., Any], *, examples: int = DEFAULT_EXAMPLES,
-               seed: int | None = None, deadline: float = DEFAULT_DEADLINE,
-               rank_world_sizes: Sequence[int] = RANK_WORLD_SIZES) -> RuleReport:
+def check_rule(
+    rule: Callable[..., Any],
+    *,
+    examples: int = DEFAULT_EXAMPLES,
+    seed: int | None = None,
+    deadline: float = DEFAULT_DEADLINE,
+    rank_world_sizes: Sequence[int] = RANK_WORLD_SIZES,
+) -> RuleReport:
     """Every invariant ``rule`` breaks, each on the smallest input found (empty: none).
 
     ``deadline`` bounds each call of the rule (seconds). The rule travels to the rank processes
@@ -126,15 +146,24 @@ def check_rule(rule: Callable[..., Any], *, examples: int = DEFAULT_EXAMPLES,
     directory = tempfile.mkdtemp(prefix="ddpcheck-fuzz-rule-")
     try:
         world = get_world(1)
-        ran = _run(world, search_in_rank, (rule, examples, seed, deadline, directory,
-                                            SEARCH_BUDGET), deadline, SEARCH_BUDGET, directory,
-                   name, "the search in a world of 1 process")
+        ran = _run(
+            world,
+            search_in_rank,
+            (rule, examples, seed, deadline, directory, SEARCH_BUDGET),
+            deadline,
+            SEARCH_BUDGET,
+            directory,
+            name,
+            "the search in a world of 1 process",
+        )
         if isinstance(ran, Violation):
             return RuleReport([ran])
         result = ran[0]
-        report = RuleReport([Violation(k, result["found"][k]) for k in KINDS
-                             if k in result["found"]],
-                            result["examples"], result["budget_reached"])
+        report = RuleReport(
+            [Violation(k, result["found"][k]) for k in KINDS if k in result["found"]],
+            result["examples"],
+            result["budget_reached"],
+        )
         if report.violations:
             if "hangs" in result["found"]:
                 world.kill()  # the interrupted call may have left the rank in any state
@@ -154,8 +183,16 @@ def check_rule(rule: Callable[..., Any], *, examples: int = DEFAULT_EXAMPLES,
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _run(world: Any, fn: Callable[..., Any], args: tuple, limit: float, budget: float,
-         directory: str, name: str, what: str) -> list[Any] | Violation:
+def _run(
+    world: Any,
+    fn: Callable[..., Any],
+    args: tuple,
+    limit: float,
+    budget: float,
+    directory: str,
+    name: str,
+    what: str,
+) -> list[Any] | Violation:
     """``world.run`` with a backstop deadline past the task's own limits. A failure while a rank
     was calling the rule is the rule's violation (``hangs`` or ``crashed``); any other failure is a
     :class:`SetupError`."""
@@ -169,34 +206,52 @@ def _run(world: Any, fn: Callable[..., Any], args: tuple, limit: float, budget: 
             calling = read(os.path.join(directory, f"rank{state.rank}.calling"))
             if state.status == "returned" or not calling.startswith("calling\n"):
                 continue
-            call, where = calling[len("calling\n"):].split("\n", 1)
+            call, where = calling[len("calling\n") :].split("\n", 1)
             stack = _trim_stack(read(os.path.join(directory, f"rank{state.rank}.hung")))
             if stack or state.status == "stuck":
                 kind = "hangs"
-                detail = (f"{call} {hang_text(limit)} (not even on the alarm signal: stuck in C "
-                          f"code?), so its process was killed; it was here:\n"
-                          f"{_indent(stack or _trim_stack(state.detail))}")
+                detail = (
+                    f"{call} {hang_text(limit)} (not even on the alarm signal: stuck in C "
+                    f"code?), so its process was killed; it was here:\n"
+                    f"{_indent(stack or _trim_stack(state.detail))}"
+                )
             else:
                 kind = "crashed"
-                detail = (f"{call} ended its process ({state.detail or state.status}); a rule "
-                          "must return, not exit or crash the interpreter")
+                detail = (
+                    f"{call} ended its process ({state.detail or state.status}); a rule "
+                    "must return, not exit or crash the interpreter"
+                )
                 if state.log_tail:
                     detail += f"; last output:\n{_indent(state.log_tail)}"
             return Violation(kind, f"{kind}: {name} {where}: {detail}")
-        raise SetupError(f"fuzz-rule could not finish {what}, and no call of the rule was running "
-                         f"when it failed, so nothing was decided about the rule:\n"
-                         f"{failure}") from None
+        raise SetupError(
+            f"fuzz-rule could not finish {what}, and no call of the rule was running "
+            f"when it failed, so nothing was decided about the rule:\n"
+            f"{failure}"
+        ) from None
 
 
-def _cross_rank(rule: Any, name: str, world_size: int,
-                lists: list[tuple[str | None, Sequence[ParamSpec]]], deadline: float,
-                directory: str) -> Violation | None:
+def _cross_rank(
+    rule: Any,
+    name: str,
+    world_size: int,
+    lists: list[tuple[str | None, Sequence[ParamSpec]]],
+    deadline: float,
+    directory: str,
+) -> Violation | None:
     """Every rank of a world of ``world_size`` answers each list; the first disagreement, or the
     first failure common to every rank, if any."""
     world = get_world(world_size)
-    answers = _run(world, answers_in_rank, (rule, lists, deadline, directory, CROSS_BUDGET),
-                   deadline, CROSS_BUDGET, directory, name,
-                   f"the cross-rank check in a world of {world_size} processes")
+    answers = _run(
+        world,
+        answers_in_rank,
+        (rule, lists, deadline, directory, CROSS_BUDGET),
+        deadline,
+        CROSS_BUDGET,
+        directory,
+        name,
+        f"the cross-rank check in a world of {world_size} processes",
+    )
     if isinstance(answers, Violation):
         return answers
     if any(answer[0] == "hangs" for mine in answers for answer in mine):
@@ -211,7 +266,8 @@ def _cross_rank(rule: Any, name: str, world_size: int,
                     f"rank-dependent: {name} {where}: answered {shown(first)} on rank 0 but "
                     f"{shown(mine[i])} on rank {rank}; every rank must compute the same owners "
                     "without communicating (do not read the rank, a random generator or the "
-                    "clock)")
+                    "clock)",
+                )
         if first[0] != "ok":  # the same failure on every rank, only inside a real world
             return Violation(first[0], f"{first[0]}: {name} {where}: on every rank, {first[1]}")
     return None
@@ -225,11 +281,17 @@ def shown(answer: tuple[str, Any]) -> str:
 def _trim_stack(dump: str) -> str:
     """A faulthandler dump without its header and the frames below the rule (ddpcheck's,
     Hypothesis's, multiprocessing's)."""
-    below = (f'File "{_HERE}', 'File "<string>"',
-             f'File "{os.path.dirname(os.path.abspath(hypothesis.__file__))}',
-             f'File "{os.path.dirname(os.path.abspath(multiprocessing.__file__))}')
-    return "\n".join(line for line in dump.strip().splitlines()
-                     if not line.lstrip().startswith(below) and not line.startswith("Timeout ("))
+    below = (
+        f'File "{_HERE}',
+        'File "<string>"',
+        f'File "{os.path.dirname(os.path.abspath(hypothesis.__file__))}',
+        f'File "{os.path.dirname(os.path.abspath(multiprocessing.__file__))}',
+    )
+    return "\n".join(
+        line
+        for line in dump.strip().splitlines()
+        if not line.lstrip().startswith(below) and not line.startswith("Timeout (")
+    )
 
 
 def _indent(text: str, prefix: str = "    ") -> str:

@@ -15,8 +15,16 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
-__all__ = ["DTYPES", "MAX_PARAMS", "ParamSpec", "balance", "describe", "gpt_like",
-           "param_lists_strategy", "parameter_lists"]
+__all__ = [
+    "DTYPES",
+    "MAX_PARAMS",
+    "ParamSpec",
+    "balance",
+    "describe",
+    "gpt_like",
+    "param_lists_strategy",
+    "parameter_lists",
+]
 
 #: Dtypes of the drawn parameters.
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -49,21 +57,34 @@ class ParamSpec:
         return self.numel > META_ABOVE
 
     def tensor(self) -> torch.Tensor:
-        return torch.zeros(self.shape, dtype=getattr(torch, self.dtype),
-                           device="meta" if self.meta else "cpu")
+        return torch.zeros(
+            self.shape, dtype=getattr(torch, self.dtype), device="meta" if self.meta else "cpu"
+        )
 
     def describe(self) -> str:
         return f"{self.dtype} {self.shape}{' meta' if self.meta else ''}"
 
 
-def gpt_like(layers: int = 12, width: int = 768, vocab: int = 50257, context: int = 1024
-             ) -> list[ParamSpec]:
+def gpt_like(
+    layers: int = 12, width: int = 768, vocab: int = 50257, context: int = 1024
+) -> list[ParamSpec]:
     """GPT-2-small-shaped float32 parameters, in registration order."""
     shapes: list[tuple[int, ...]] = [(vocab, width), (context, width)]
     for _ in range(layers):
-        shapes += [(width,), (width,), (width, 3 * width), (3 * width,), (width, width), (width,),
-                   (width,), (width,), (width, 4 * width), (4 * width,), (4 * width, width),
-                   (width,)]
+        shapes += [
+            (width,),
+            (width,),
+            (width, 3 * width),
+            (3 * width,),
+            (width, width),
+            (width,),
+            (width,),
+            (width,),
+            (width, 4 * width),
+            (4 * width,),
+            (4 * width, width),
+            (width,),
+        ]
     shapes += [(width,), (width,)]
     return [ParamSpec("float32", s) for s in shapes]
 
@@ -73,8 +94,12 @@ def parameter_lists() -> dict[str, list[ParamSpec]]:
     f32, f64 = "float32", "float64"
     return {
         "tiny": [ParamSpec(f32, (4,))],
-        "mlp": [ParamSpec(f32, (8, 5)), ParamSpec(f32, (8,)), ParamSpec(f32, (3, 8)),
-                ParamSpec(f32, (3,))],
+        "mlp": [
+            ParamSpec(f32, (8, 5)),
+            ParamSpec(f32, (8,)),
+            ParamSpec(f32, (3, 8)),
+            ParamSpec(f32, (3,)),
+        ],
         "mixed dtypes": [ParamSpec(f64, (6, 5)), ParamSpec(f64, (6,)), ParamSpec(f32, (3, 6))],
         "equal sizes": [ParamSpec(f32, (7,)) for _ in range(5)],
         "gpt-like": gpt_like(),
@@ -90,8 +115,10 @@ def describe(specs: Sequence[ParamSpec], name: str | None = None, limit: int = 1
             runs[-1][0] += 1
         else:
             runs.append([1, spec])
-    items = [f"{n} x {spec.describe()}" if n > 2 else ", ".join([spec.describe()] * n)
-             for n, spec in runs[:limit]]
+    items = [
+        f"{n} x {spec.describe()}" if n > 2 else ", ".join([spec.describe()] * n)
+        for n, spec in runs[:limit]
+    ]
     if len(runs) > limit:
         items.append(f"... {sum(n for n, _ in runs[limit:])} more")
     count = f"{len(specs)} parameter{'' if len(specs) == 1 else 's'}"
@@ -109,8 +136,12 @@ def param_lists_strategy() -> Any:
     dim = st.one_of(st.integers(1, 64), st.integers(1, 4096))
     vector = st.tuples(dim)
     matrix = st.tuples(dim, dim)
-    conv = st.builds(lambda o, i, k: (o, i, k, k), st.integers(1, 512), st.integers(1, 512),
-                     st.sampled_from((1, 3, 5, 7)))
+    conv = st.builds(
+        lambda o, i, k: (o, i, k, k),
+        st.integers(1, 512),
+        st.integers(1, 512),
+        st.sampled_from((1, 3, 5, 7)),
+    )
     embedding = st.tuples(st.integers(1000, 262144), st.integers(64, 8192))
     shape = st.one_of(vector, matrix, vector, matrix, conv, embedding, st.just(()), st.just((0,)))
     param = st.builds(ParamSpec, dtype, shape)

@@ -45,9 +45,22 @@ from ddpcheck._base.scripts import load
 if TYPE_CHECKING:
     from ddpcheck._language.scenario import Scenario
 
-__all__ = ["API", "COMMAND_LINE", "DTYPES", "NO_TARGET", "PYTEST", "RANDOM_DTYPES", "Request",
-           "Spelling", "admit", "check_target", "config_value", "configured", "resolve_rule",
-           "resolve_target"]
+__all__ = [
+    "API",
+    "COMMAND_LINE",
+    "DTYPES",
+    "NO_TARGET",
+    "PYTEST",
+    "RANDOM_DTYPES",
+    "Request",
+    "Spelling",
+    "admit",
+    "check_target",
+    "config_value",
+    "configured",
+    "resolve_rule",
+    "resolve_target",
+]
 
 #: The dtypes a run can be restricted to.
 DTYPES = ("float64", "float32")
@@ -75,13 +88,32 @@ class Spelling:
 
 
 API = Spelling()
-COMMAND_LINE = Spelling("MODULE:TARGET", "--scenario", "--world-sizes", "--deadline",
-                        "--without", "--dtypes", "--device", "--only", "--fuzz-config",
-                        text=True, config="--config")
-PYTEST = Spelling("target", "scenario", "--ddpcheck-world-sizes", "--ddpcheck-deadline",
-                  "--ddpcheck-without", "--ddpcheck-dtypes", "--ddpcheck-device",
-                  "--ddpcheck-only", "--ddpcheck-fuzz-config", text=True,
-                  config="--ddpcheck-config")
+COMMAND_LINE = Spelling(
+    "MODULE:TARGET",
+    "--scenario",
+    "--world-sizes",
+    "--deadline",
+    "--without",
+    "--dtypes",
+    "--device",
+    "--only",
+    "--fuzz-config",
+    text=True,
+    config="--config",
+)
+PYTEST = Spelling(
+    "target",
+    "scenario",
+    "--ddpcheck-world-sizes",
+    "--ddpcheck-deadline",
+    "--ddpcheck-without",
+    "--ddpcheck-dtypes",
+    "--ddpcheck-device",
+    "--ddpcheck-only",
+    "--ddpcheck-fuzz-config",
+    text=True,
+    config="--ddpcheck-config",
+)
 
 #: ``admit``'s target when a door admits its options alone (the pytest plugin for its session,
 #: ``ddpcheck mutants``, ``ddpcheck fuzz-rule``): None is a target, and a wrong one.
@@ -125,12 +157,23 @@ class Request:
         return self.dtypes if self.dtypes is not None else RANDOM_DTYPES
 
 
-
-def admit(target: Any = NO_TARGET, *, scenario: Any = None, world_sizes: Any = DEFAULT_WORLD_SIZES,
-          deadline: Any = DEFAULT_DEADLINE, without: Any = (), dtypes: Any = None,
-          device: str = "cpu", backend: str | None = None, only: Any = (),
-          spelling: Spelling = API, workers: int = 1, fits_machine: bool = True,
-          fuzz_config: bool = False, config: str | None = None) -> Request:
+def admit(
+    target: Any = NO_TARGET,
+    *,
+    scenario: Any = None,
+    world_sizes: Any = DEFAULT_WORLD_SIZES,
+    deadline: Any = DEFAULT_DEADLINE,
+    without: Any = (),
+    dtypes: Any = None,
+    device: str = "cpu",
+    backend: str | None = None,
+    only: Any = (),
+    spelling: Spelling = API,
+    workers: int = 1,
+    fits_machine: bool = True,
+    fuzz_config: bool = False,
+    config: str | None = None,
+) -> Request:
     """``Request`` from what a door was given, or :class:`InvalidArgument` naming the argument.
 
     Where the door passes text (``spelling.text``): ``world_sizes`` ("1,2,3"), ``deadline`` ("60"),
@@ -143,25 +186,32 @@ def admit(target: Any = NO_TARGET, *, scenario: Any = None, world_sizes: Any = D
     ``config``: a framework configuration given apart from the target (``--config FILE``:
     :func:`configured`)."""
     text = spelling.text
-    sizes = (parse_world_sizes(world_sizes, spelling.world_sizes)
-             if text and isinstance(world_sizes, str)
-             else check_world_sizes(spelling.world_sizes, world_sizes))
+    sizes = (
+        parse_world_sizes(world_sizes, spelling.world_sizes)
+        if text and isinstance(world_sizes, str)
+        else check_world_sizes(spelling.world_sizes, world_sizes)
+    )
     if fits_machine:
         check_fits_machine(sizes, workers=workers, flag=spelling.world_sizes)
     check_fits(device, sizes, backend, flag=spelling.device)
-    seconds = check_deadline(spelling.deadline, _number(deadline) if text else deadline,
-                             shown=deadline)
+    seconds = check_deadline(
+        spelling.deadline, _number(deadline) if text else deadline, shown=deadline
+    )
     excluded = parse_features(without, spelling.without)
     named = _dtypes(dtypes, spelling.dtypes)
     focus = parse_features(only, spelling.only)
     for feature in sorted(focus & excluded):
-        raise InvalidArgument(f"{spelling.only}: {feature!r} is also in {spelling.without}; "
-                              "an example cannot both exercise it and not")
+        raise InvalidArgument(
+            f"{spelling.only}: {feature!r} is also in {spelling.without}; "
+            "an example cannot both exercise it and not"
+        )
     for feature in sorted(focus):
         needs = _dtype_needed(feature)
         if named is not None and needs is not None and needs not in named:
-            raise InvalidArgument(f"{spelling.only}: {feature!r} needs {needs}, not among "
-                                  f"{spelling.dtypes}={','.join(named)}")
+            raise InvalidArgument(
+                f"{spelling.only}: {feature!r} needs {needs}, not among "
+                f"{spelling.dtypes}={','.join(named)}"
+            )
     if scenario is not None:
         scenario = _scenario(scenario, spelling.scenario, text)
     if target is NO_TARGET:
@@ -175,8 +225,9 @@ def admit(target: Any = NO_TARGET, *, scenario: Any = None, world_sizes: Any = D
         _check_focus(target, focus, excluded, spelling.only)
         if fuzz_config:
             _check_config_space(target, spelling.fuzz_config)
-    return Request(target, sizes, seconds, excluded, named, device, backend, scenario, focus,
-                   bool(fuzz_config))
+    return Request(
+        target, sizes, seconds, excluded, named, device, backend, scenario, focus, bool(fuzz_config)
+    )
 
 
 def _check_config_space(target: Any, name: str) -> None:
@@ -188,7 +239,8 @@ def _check_config_space(target: Any, name: str) -> None:
         raise InvalidArgument(
             f"{name}: {cls} has no options to fuzz ({cls}.config_space() returns None); "
             f"define config_space() returning ddpcheck.targets.option_space.options(fields="
-            "{...}) to draw its options, or check it without it")
+            "{...}) to draw its options, or check it without it"
+        )
 
 
 def _dtype_needed(feature: str) -> str | None:
@@ -202,15 +254,16 @@ def _dtype_needed(feature: str) -> str | None:
     return "float32" if feature in FLOAT32_ONLY else None
 
 
-def _check_focus(target: Any, focus: frozenset[str], excluded: frozenset[str],
-                 name: str) -> None:
+def _check_focus(target: Any, focus: frozenset[str], excluded: frozenset[str], name: str) -> None:
     """A feature to focus on that the target does not support would leave nothing to draw:
     refused, naming why, instead of a run that checks nothing."""
     from ddpcheck._language import features
 
     for feature in sorted(focus & features.unsupported(target, excluded)):
-        raise InvalidArgument(f"{name}: {type(target).__name__} does not support {feature!r} "
-                              f"({features.why_unsupported(target, feature)})")
+        raise InvalidArgument(
+            f"{name}: {type(target).__name__} does not support {feature!r} "
+            f"({features.why_unsupported(target, feature)})"
+        )
 
 
 def _number(value: Any) -> Any:
@@ -249,11 +302,11 @@ def _scenario(scenario: Any, name: str, text: bool) -> Scenario:
         except InvalidArgument as exc:  # e.g. Scenario(steps=0): say which argument held it
             raise InvalidArgument(f"{name} {written!r}: {exc}") from exc
         except Exception as exc:
-            raise InvalidArgument(f"{name} could not be read: {type(exc).__name__}: "
-                                  f"{exc}") from exc
+            raise InvalidArgument(f"{name} could not be read: {type(exc).__name__}: {exc}") from exc
     if not isinstance(scenario, Scenario):
-        raise InvalidArgument(f"{name}={scenario!r} must be a ddpcheck.Scenario (or None for "
-                              "the built-in battery)")
+        raise InvalidArgument(
+            f"{name}={scenario!r} must be a ddpcheck.Scenario (or None for the built-in battery)"
+        )
     from ddpcheck._runs.example import _beside_the_ranks
 
     with _beside_the_ranks():  # as every computation of this process beside the ranks
@@ -268,11 +321,25 @@ def check_target(target: Any) -> None:
     from ddpcheck.targets.framework import check_requirements
 
     if isinstance(target, type):
-        raise InvalidArgument(f"target={target.__qualname__} is a class; pass an instance, "
-                              f"such as {target.__qualname__}()")
-    missing = [m for m in ("configure", "supports", "wrap", "make_optimizer", "before_step",
-                           "after_backward", "after_step", "no_sync", "optimizer_state")
-               if not callable(getattr(target, m, None))]
+        raise InvalidArgument(
+            f"target={target.__qualname__} is a class; pass an instance, "
+            f"such as {target.__qualname__}()"
+        )
+    missing = [
+        m
+        for m in (
+            "configure",
+            "supports",
+            "wrap",
+            "make_optimizer",
+            "before_step",
+            "after_backward",
+            "after_step",
+            "no_sync",
+            "optimizer_state",
+        )
+        if not callable(getattr(target, m, None))
+    ]
     if missing:
         raise InvalidArgument(f"target={target!r} lacks {missing}; subclass ddpcheck.Target")
     supported = getattr(target, "supported_features", None)
@@ -285,7 +352,8 @@ def check_target(target: Any) -> None:
             f"target={target!r} cannot be pickled ({exc}); targets travel to every rank by "
             "pickle, so define the class at module level of an importable module or of the "
             "script you run, and give it functions defined with def at module level (not a "
-            "lambda, not a function defined inside another)") from exc
+            "lambda, not a function defined inside another)"
+        ) from exc
     verify_replayable(target, pickled)  # a failure's replay line must rebuild exactly this target
     check_requirements(target)  # a framework release older than the target supports: exit 2
 
@@ -302,8 +370,9 @@ def resolve_target(spec: str, config: str | None = None, *, flag: str = "--confi
     return target if config is None else configured(target, config, flag=flag, shown=spec)
 
 
-def configured(target: Any, config: str, *, flag: str = "--config",
-               shown: str | None = None) -> Any:
+def configured(
+    target: Any, config: str, *, flag: str = "--config", shown: str | None = None
+) -> Any:
     """``target`` -- a ready-made framework target, without a configuration -- built with
     ``config=`` (``dataclasses.replace``): ``config`` is the path of a JSON file, which the
     target reads, or ``MODULE:NAME`` / ``path/to/FILE.py:NAME`` naming a dict (so that plugin
@@ -314,13 +383,19 @@ def configured(target: Any, config: str, *, flag: str = "--config",
     shown = shown or type(target).__name__
     if not _configurable(target):
         names = [e.name for e in READY_MADE if _configurable(e.target)]
-        raise InvalidArgument(f"{flag} {config!r}: {shown} takes no configuration; {flag} "
-                              f"configures a ready-made framework target ({', '.join(names)})")
-    if getattr(target, "config", None) is not None or \
-            getattr(target, "training_args", None) is not None:
-        raise InvalidArgument(f"{flag} {config!r}: {shown} has a configuration already "
-                              f"(config=...); give it one way, {flag} or the expression's "
-                              "config=")
+        raise InvalidArgument(
+            f"{flag} {config!r}: {shown} takes no configuration; {flag} "
+            f"configures a ready-made framework target ({', '.join(names)})"
+        )
+    if (
+        getattr(target, "config", None) is not None
+        or getattr(target, "training_args", None) is not None
+    ):
+        raise InvalidArgument(
+            f"{flag} {config!r}: {shown} has a configuration already "
+            f"(config=...); give it one way, {flag} or the expression's "
+            "config="
+        )
     return dataclasses.replace(target, config=config_value(config, flag=flag))
 
 
@@ -332,8 +407,10 @@ def config_value(config: str, *, flag: str = "--config") -> Any:
     if ":" in config and not os.path.exists(config):  # MODULE:NAME, not a file
         value = _resolve(config, "config")
         if not isinstance(value, Mapping):
-            raise InvalidArgument(f"{flag} {config!r} is a {type(value).__name__}, not a dict "
-                                  "of the framework's keyword arguments")
+            raise InvalidArgument(
+                f"{flag} {config!r} is a {type(value).__name__}, not a dict "
+                "of the framework's keyword arguments"
+            )
         return value
     load_config(config, target=flag)
     return config
@@ -341,8 +418,11 @@ def config_value(config: str, *, flag: str = "--config") -> Any:
 
 def _configurable(target: Any) -> bool:
     """A target instance with a ``config`` field: a ready-made framework target's class."""
-    return (dataclasses.is_dataclass(target) and not isinstance(target, type)
-            and any(f.name == "config" for f in dataclasses.fields(target)))
+    return (
+        dataclasses.is_dataclass(target)
+        and not isinstance(target, type)
+        and any(f.name == "config" for f in dataclasses.fields(target))
+    )
 
 
 def _resolve_target(spec: str) -> Any:
@@ -352,15 +432,19 @@ def _resolve_target(spec: str) -> Any:
         return BUILTIN[spec]
     missing = next((e for e in READY_MADE if e.name == spec), None)
     if missing is not None:  # a framework's target, the framework not installed
-        raise InvalidArgument(f"target {spec!r} drives {missing.framework}, which is not "
-                              f"installed here: {missing.install} (docs/frameworks.md lists the "
-                              "releases tried)")
+        raise InvalidArgument(
+            f"target {spec!r} drives {missing.framework}, which is not "
+            f"installed here: {missing.install} (docs/frameworks.md lists the "
+            "releases tried)"
+        )
     if ":" not in spec:  # a built-in name, mistyped
         names = [*BUILTIN, *(e.name for e in READY_MADE)]
-        raise InvalidArgument(f"target {spec!r} is not a built-in target"
-                              f"{did_you_mean(spec, names)} (`ddpcheck targets` lists them: "
-                              f"{', '.join(dict.fromkeys(names))}), nor MODULE:NAME or "
-                              "path/to/FILE.py:NAME for your own")
+        raise InvalidArgument(
+            f"target {spec!r} is not a built-in target"
+            f"{did_you_mean(spec, names)} (`ddpcheck targets` lists them: "
+            f"{', '.join(dict.fromkeys(names))}), nor MODULE:NAME or "
+            "path/to/FILE.py:NAME for your own"
+        )
     return _resolve(spec, "target")
 
 
@@ -368,16 +452,20 @@ def resolve_rule(spec: str) -> Any:
     """``MODULE:NAME`` / ``path/to/FILE.py:NAME`` -> a sharding rule (a function)."""
     rule = _resolve(spec, "rule")
     if not callable(rule):
-        raise InvalidArgument(f"rule {spec!r} is a {type(rule).__name__}, not a function "
-                              "rule(params, world_size) -> owners")
+        raise InvalidArgument(
+            f"rule {spec!r} is a {type(rule).__name__}, not a function "
+            "rule(params, world_size) -> owners"
+        )
     return rule
 
 
 def _resolve(spec: str, what: str) -> Any:
     if ":" not in spec:
-        raise InvalidArgument(f"{what} {spec!r} must look like MODULE:NAME or "
-                              f"path/to/FILE.py:NAME (for example mypkg.checks:MY_{what.upper()} "
-                              f"or check_my_ddp.py:MY_{what.upper()})")
+        raise InvalidArgument(
+            f"{what} {spec!r} must look like MODULE:NAME or "
+            f"path/to/FILE.py:NAME (for example mypkg.checks:MY_{what.upper()} "
+            f"or check_my_ddp.py:MY_{what.upper()})"
+        )
     module_name, expr = spec.split(":", 1)
     sys.path.insert(0, os.getcwd())  # like `python -m`, modules in the current directory count
     try:  # a FILE.py is imported under its own name: its `if __name__ == "__main__":` stays shut
@@ -388,8 +476,9 @@ def _resolve(spec: str, what: str) -> Any:
         where = ""
         if isinstance(exc, SyntaxError) and exc.filename:
             where = f" ({exc.filename}, line {exc.lineno})"
-        raise InvalidArgument(f"cannot import {module_name!r} for {what} {spec!r}: "
-                              f"{type(exc).__name__}: {exc}{where}") from None
+        raise InvalidArgument(
+            f"cannot import {module_name!r} for {what} {spec!r}: {type(exc).__name__}: {exc}{where}"
+        ) from None
     from ddpcheck._runs.replay import evaluate_in  # as replay lines are verified
 
     try:
@@ -401,5 +490,7 @@ def _resolve(spec: str, what: str) -> Any:
         missing = re.match(r"name '(\w+)' is not defined", str(exc))
         if isinstance(exc, NameError) and missing:
             hint = did_you_mean(missing.group(1), [n for n in vars(module) if n[:1] != "_"])
-        raise InvalidArgument(f"{what} {spec!r}: {expr!r} is not defined in {module_name}"
-                              f"{hint} ({type(exc).__name__}: {exc})") from exc
+        raise InvalidArgument(
+            f"{what} {spec!r}: {expr!r} is not defined in {module_name}"
+            f"{hint} ({type(exc).__name__}: {exc})"
+        ) from exc

@@ -51,10 +51,20 @@ from ddpcheck._world.registry import get_world
 from ddpcheck._world.worlds import Pending, TaskLost
 from ddpcheck.targets import Target
 
-__all__ = ["Launched", "admit", "check_batch_plans", "check_example",
-           "check_example_keeping_reference", "judge", "launch", "note_example",
-           "prepare_reference", "refuse_unconfirmed_hang", "resume",
-           "verdict"]
+__all__ = [
+    "Launched",
+    "admit",
+    "check_batch_plans",
+    "check_example",
+    "check_example_keeping_reference",
+    "judge",
+    "launch",
+    "note_example",
+    "prepare_reference",
+    "refuse_unconfirmed_hang",
+    "resume",
+    "verdict",
+]
 
 #: Examples run in this process (the pytest plugin prints the total at the end of a session).
 EXAMPLES_RUN = 0
@@ -66,22 +76,45 @@ def note_example() -> None:
     EXAMPLES_RUN += 1
 
 
-def check_example(target: Target, scenario: Scenario, world_size: int, *,
-                  deadline: float = DEFAULT_DEADLINE, reference: Any = None,
-                  name: str | None = None, checks: Any = None, device: str = "cpu",
-                  backend: str | None = None) -> tuple[str, ...]:
+def check_example(
+    target: Target,
+    scenario: Scenario,
+    world_size: int,
+    *,
+    deadline: float = DEFAULT_DEADLINE,
+    reference: Any = None,
+    name: str | None = None,
+    checks: Any = None,
+    device: str = "cpu",
+    backend: str | None = None,
+) -> tuple[str, ...]:
     """One example (see :func:`check_example_keeping_reference`); returns what it left in the
     rank processes and ddpcheck put right (``World.notes``): never a verdict."""
     return check_example_keeping_reference(
-        target, scenario, world_size, deadline=deadline, reference=reference, name=name,
-        checks=checks, device=device, backend=backend)[0]
+        target,
+        scenario,
+        world_size,
+        deadline=deadline,
+        reference=reference,
+        name=name,
+        checks=checks,
+        device=device,
+        backend=backend,
+    )[0]
 
 
-def check_example_keeping_reference(target: Target, scenario: Scenario, world_size: int, *,
-                                    deadline: float = DEFAULT_DEADLINE, reference: Any = None,
-                                    name: str | None = None, checks: Any = None,
-                                    device: str = "cpu", backend: str | None = None
-                                    ) -> tuple[tuple[str, ...], Any]:
+def check_example_keeping_reference(
+    target: Target,
+    scenario: Scenario,
+    world_size: int,
+    *,
+    deadline: float = DEFAULT_DEADLINE,
+    reference: Any = None,
+    name: str | None = None,
+    checks: Any = None,
+    device: str = "cpu",
+    backend: str | None = None,
+) -> tuple[tuple[str, ...], Any]:
     """One example: run on every rank of the persistent world, compare, raise on divergence.
 
     Returns the notes of what the example left behind in the rank processes and ddpcheck put
@@ -99,12 +132,12 @@ def check_example_keeping_reference(target: Target, scenario: Scenario, world_si
     processes, so a rank left unfit (a global module hook: ``World.unfit``) is reported only
     when every number holds -- a bug in the numbers is never hidden behind it."""
     with _beside_the_ranks():  # inline, not a frame more in every traceback
-        checks = admit(target, scenario, world_size, checks=checks, device=device,
-                       backend=backend)
+        checks = admit(target, scenario, world_size, checks=checks, device=device, backend=backend)
         # inline, as above: a world that cannot start raises WorldStartError
         world = get_world(world_size, backend=backend, device=device)
-        launched = _submit(world, target, scenario, world_size, deadline, name, checks, device,
-                           backend)
+        launched = _submit(
+            world, target, scenario, world_size, deadline, name, checks, device, backend
+        )
         reference = _reference_meanwhile(launched.pending, reference, scenario)
         return judge(launched, reference), reference
 
@@ -138,8 +171,15 @@ class Launched:
         return self.scenario.checkpoint_after is not None
 
 
-def admit(target: Target, scenario: Scenario, world_size: int, *, checks: Any = None,
-          device: str = "cpu", backend: str | None = None) -> frozenset:
+def admit(
+    target: Target,
+    scenario: Scenario,
+    world_size: int,
+    *,
+    checks: Any = None,
+    device: str = "cpu",
+    backend: str | None = None,
+) -> frozenset:
     """What this scenario adds to its run's admission (``_runs.admission``: the target, the
     world sizes, the device were checked there), refused before any world runs; the checks to
     run. A drawn scenario is new input, judged here; a given one was judged at the door (a
@@ -158,9 +198,17 @@ def admit(target: Target, scenario: Scenario, world_size: int, *, checks: Any = 
     return checks
 
 
-def launch(target: Target, scenario: Scenario, world_size: int, *,
-           deadline: float = DEFAULT_DEADLINE, name: str | None = None, checks: Any = None,
-           device: str = "cpu", backend: str | None = None) -> Launched:
+def launch(
+    target: Target,
+    scenario: Scenario,
+    world_size: int,
+    *,
+    deadline: float = DEFAULT_DEADLINE,
+    name: str | None = None,
+    checks: Any = None,
+    device: str = "cpu",
+    backend: str | None = None,
+) -> Launched:
     """Admit an example and submit it to the persistent world's ranks -- queued behind a task
     still running there (``World.submit``); for a scenario with ``checkpoint_after``, its steps
     up to the checkpoint (:func:`resume` submits the rest)."""
@@ -170,24 +218,55 @@ def launch(target: Target, scenario: Scenario, world_size: int, *,
     return _submit(world, target, scenario, world_size, deadline, name, checks, device, backend)
 
 
-def _submit(world: Any, target: Target, scenario: Scenario, world_size: int, deadline: float,
-            name: str | None, checks: frozenset, device: str, backend: str | None) -> Launched:
+def _submit(
+    world: Any,
+    target: Target,
+    scenario: Scenario,
+    world_size: int,
+    deadline: float,
+    name: str | None,
+    checks: frozenset,
+    device: str,
+    backend: str | None,
+) -> Launched:
     warm_up(world, target)  # once per rank process, outside the example's deadline
-    pending = _submit_part(world, target, scenario, deadline, name, "until checkpoint", None) \
-        if scenario.checkpoint_after is not None else \
-        world.submit(run_example_packed, target, scenario, deadline=deadline,
-                     what=f"example {name or 'scenario'}")
-    return Launched(target, scenario, world_size, world, pending, checks, name, device, backend,
-                    deadline)
+    pending = (
+        _submit_part(world, target, scenario, deadline, name, "until checkpoint", None)
+        if scenario.checkpoint_after is not None
+        else world.submit(
+            run_example_packed,
+            target,
+            scenario,
+            deadline=deadline,
+            what=f"example {name or 'scenario'}",
+        )
+    )
+    return Launched(
+        target, scenario, world_size, world, pending, checks, name, device, backend, deadline
+    )
 
 
-def _submit_part(world: Any, target: Target, scenario: Scenario, deadline: float,
-                 name: str | None, part: str, checkpoint: Any) -> Pending:
+def _submit_part(
+    world: Any,
+    target: Target,
+    scenario: Scenario,
+    deadline: float,
+    name: str | None,
+    part: str,
+    checkpoint: Any,
+) -> Pending:
     """Submit one half of a scenario with ``checkpoint_after`` (``run_example_packed``'s
     ``part``)."""
     when = "until its checkpoint" if part == "until checkpoint" else "resumed from its checkpoint"
-    return world.submit(run_example_packed, target, scenario, part, checkpoint,
-                        deadline=deadline, what=f"example {name or 'scenario'} {when}")
+    return world.submit(
+        run_example_packed,
+        target,
+        scenario,
+        part,
+        checkpoint,
+        deadline=deadline,
+        what=f"example {name or 'scenario'} {when}",
+    )
 
 
 def resume(launched: Launched) -> None:
@@ -204,11 +283,21 @@ def resume(launched: Launched) -> None:
         return
     launched.saved = ([record for record, _ in saved], launched.world.collective_sequences())
     scenario = launched.scenario
-    launched.resumed_world = get_world(scenario.resume_world_size or launched.world_size,
-                                       backend=launched.backend, device=launched.device)
+    launched.resumed_world = get_world(
+        scenario.resume_world_size or launched.world_size,
+        backend=launched.backend,
+        device=launched.device,
+    )
     warm_up(launched.resumed_world, launched.target)
-    launched.pending = _submit_part(launched.resumed_world, launched.target, scenario,
-                                    launched.deadline, launched.name, "resumed", saved[0][1])
+    launched.pending = _submit_part(
+        launched.resumed_world,
+        launched.target,
+        scenario,
+        launched.deadline,
+        launched.name,
+        "resumed",
+        saved[0][1],
+    )
 
 
 def judge(launched: Launched, reference: Any) -> tuple[str, ...]:
@@ -224,14 +313,28 @@ def judge(launched: Launched, reference: Any) -> tuple[str, ...]:
             return records, world.collective_sequences(), [world], reference
         return (*_both_halves(launched), reference)
 
-    return _judged(launched.target, launched.scenario, launched.world_size, collected,
-                   launched.checks, [world], name=launched.name, device=launched.device,
-                   backend=launched.backend)[0]
+    return _judged(
+        launched.target,
+        launched.scenario,
+        launched.world_size,
+        collected,
+        launched.checks,
+        [world],
+        name=launched.name,
+        device=launched.device,
+        backend=launched.backend,
+    )[0]
 
 
-def _judged(target: Target, scenario: Scenario, world_size: int,
-            collected: Callable[[], tuple[Any, Any, list, Any]], checks: frozenset,
-            worlds: list, **common: Any) -> tuple[tuple[str, ...], Any]:
+def _judged(
+    target: Target,
+    scenario: Scenario,
+    world_size: int,
+    collected: Callable[[], tuple[Any, Any, list, Any]],
+    checks: frozenset,
+    worlds: list,
+    **common: Any,
+) -> tuple[tuple[str, ...], Any]:
     """The verdict on what ``collected()`` returns -- ``(records, sequences, worlds,
     reference)`` -- or on the ``WorldFailure`` it raises: raise the target's error, else
     return the worlds' notes and the reference."""
@@ -244,20 +347,35 @@ def _judged(target: Target, scenario: Scenario, world_size: int,
         if failure.kind == Failure.SLOW:  # still working when the wait ended: no verdict at all
             raise Inconclusive(
                 f"{failure}\n\nno verdict on this example: slowness is not a bug; raise the "
-                "deadline (--deadline, deadline=) or run where the machine is quieter") from None
+                "deadline (--deadline, deadline=) or run where the machine is quieter"
+            ) from None
         error = verdict(target, scenario, world_size, failure=failure, **common)
     else:
         note_example()
-        error = verdict(target, scenario, world_size, records=records, sequences=texts,
-                        reference=reference, checks=checks, **common)
+        error = verdict(
+            target,
+            scenario,
+            world_size,
+            records=records,
+            sequences=texts,
+            reference=reference,
+            checks=checks,
+            **common,
+        )
         error = _after_the_numbers(error, target, scenario, world_size, worlds, common)
     if error is not None:
         raise error
     return tuple(dict.fromkeys(note for used in worlds for note in used.notes)), reference
 
 
-def _after_the_numbers(error: EquivalenceError | None, target: Target, scenario: Scenario,
-                       world_size: int, worlds: list, common: dict) -> EquivalenceError | None:
+def _after_the_numbers(
+    error: EquivalenceError | None,
+    target: Target,
+    scenario: Scenario,
+    world_size: int,
+    worlds: list,
+    common: dict,
+) -> EquivalenceError | None:
     """What the worlds report once the numbers were judged: gloo's pairs after a mismatch
     that completed (the next example gets new worlds), or a rank left unfit."""
     if error is not None and "collectives mismatched" in error.kinds:
@@ -311,13 +429,25 @@ def refuse_unconfirmed_hang(error: EquivalenceError) -> None:
         raise Inconclusive(
             f"{error.args[0]}\n\nno verdict: this example hung once (its ranks waiting, not "
             "working), then passed when it ran again, so no replay line can prove a hang; run "
-            "it again, and if it hangs again it is reported") from None
+            "it again, and if it hangs again it is reported"
+        ) from None
 
 
-def verdict(target: Target, scenario: Scenario, world_size: int, *, records: Any = None,
-            sequences: Any = (), failure: Any = None, unfit: Any = (), reference: Any = None,
-            checks: Any = None, name: str | None = None, device: str = "cpu",
-            backend: str | None = None) -> EquivalenceError | None:
+def verdict(
+    target: Target,
+    scenario: Scenario,
+    world_size: int,
+    *,
+    records: Any = None,
+    sequences: Any = (),
+    failure: Any = None,
+    unfit: Any = (),
+    reference: Any = None,
+    checks: Any = None,
+    name: str | None = None,
+    device: str = "cpu",
+    backend: str | None = None,
+) -> EquivalenceError | None:
     """The one judgement of an example, for spawned worlds and torchrun alike: None when it holds.
 
     Give either ``failure`` (a ``WorldFailure``: a rank raised, died, hung or mismatched), or
@@ -335,39 +465,61 @@ def verdict(target: Target, scenario: Scenario, world_size: int, *, records: Any
     if failure is not None:
         divergences = _failure_rows(failure)
     elif unfit:
-        divergences = [Divergence("-", used.world_size, rank, "-", "rank left unfit",
-                                  detail=f"{changed}: every later model or step in this process "
-                                         "would run it (the numbers of this example held)")
-                       for used in unfit for rank, changed in sorted(used.unfit.items())]
+        divergences = [
+            Divergence(
+                "-",
+                used.world_size,
+                rank,
+                "-",
+                "rank left unfit",
+                detail=f"{changed}: every later model or step in this process "
+                "would run it (the numbers of this example held)",
+            )
+            for used in unfit
+            for rank, changed in sorted(used.unfit.items())
+        ]
     else:
         # a resumed example: (before, after) records and sequences, at W and resume_world_size
-        parts = zip(sequences, (len(part) for part in records)) if resumed else [
-            (sequences, world_size)]
-        divergences = [row for texts, size in parts
-                       for row in _mismatched_collectives(list(texts), size)]
+        parts = (
+            zip(sequences, (len(part) for part in records))
+            if resumed
+            else [(sequences, world_size)]
+        )
+        divergences = [
+            row for texts, size in parts for row in _mismatched_collectives(list(texts), size)
+        ]
         if not divergences:
             if reference is None:
                 reference = prepare_reference(scenario)
             divergences = (compare_resumed if resumed else compare)(
-                records, reference, scenario, target.configure(scenario), checks)
+                records, reference, scenario, target.configure(scenario), checks
+            )
     if not divergences:
         return None
     if cannot_judge(divergences):
         first = divergences[0]
-        why = ("the full-batch reference is chaotic there, so no rank can be judged from this "
-               "step on (another seed, or SGD, may judge cleanly)"
-               if first.kind == CHAOTIC else
-               "the full-batch reference itself diverges numerically, so no target could match "
-               "it -- lower the learning rate or the number of steps")
+        why = (
+            "the full-batch reference is chaotic there, so no rank can be judged from this "
+            "step on (another seed, or SGD, may judge cleanly)"
+            if first.kind == CHAOTIC
+            else "the full-batch reference itself diverges numerically, so no target could match "
+            "it -- lower the learning rate or the number of steps"
+        )
         raise ScenarioError(
             f"the oracle cannot judge {scenario!r} at world size {world_size}: {first.detail} "
             f"({first.kind} at step {first.step}, {first.name}); {why}. Steps before it were "
-            "judged and held.")
+            "judged and held."
+        )
     # The replay line is built only on failure: the passing path is the hot one.
-    return EquivalenceError(divergences, scenario=scenario, world_size=world_size, target=target,
-                            replay=replay_command(target, scenario, world_size, device=device,
-                                                  backend=backend),
-                            failure=failure, name=name)
+    return EquivalenceError(
+        divergences,
+        scenario=scenario,
+        world_size=world_size,
+        target=target,
+        replay=replay_command(target, scenario, world_size, device=device, backend=backend),
+        failure=failure,
+        name=name,
+    )
 
 
 def prepare_reference(scenario: Scenario) -> Any:
@@ -385,7 +537,8 @@ def prepare_reference(scenario: Scenario) -> Any:
 
 def _failure_rows(failure: WorldFailure) -> list[Divergence]:
     kind = {Failure.TIMEOUT: "rank timed out", Failure.MISMATCH: "collectives mismatched"}.get(
-        failure.kind, "rank failed")
+        failure.kind, "rank failed"
+    )
     rows = []
     for state in failure.ranks:
         if state.rank in failure.guilty:
@@ -395,9 +548,18 @@ def _failure_rows(failure: WorldFailure) -> list[Divergence]:
                 detail = state.detail.strip().splitlines()[-1]
             else:
                 detail = str(state.status)
-            rows.append(Divergence("-", failure.world_size, state.rank, "-", kind,
-                                   detail=detail if state.status != Status.STUCK or
-                                   failure.kind == Failure.MISMATCH else "stuck"))
+            rows.append(
+                Divergence(
+                    "-",
+                    failure.world_size,
+                    state.rank,
+                    "-",
+                    kind,
+                    detail=detail
+                    if state.status != Status.STUCK or failure.kind == Failure.MISMATCH
+                    else "stuck",
+                )
+            )
     return rows
 
 
@@ -415,14 +577,23 @@ def _mismatched_collectives(texts: list[str], world_size: int) -> list[Divergenc
     costs a few file reads per example."""
     if not texts or sequences.same_texts(texts):
         return []
-    disagreement = sequences.diagnose([sequences.parse(t) for t in texts],
-                                      finished=range(world_size))
+    disagreement = sequences.diagnose(
+        [sequences.parse(t) for t in texts], finished=range(world_size)
+    )
     if disagreement is None:  # different texts, same signatures (e.g. all_gather shapes)
         return []
     where = disagreement.describe()
-    return [Divergence("-", world_size, rank, "-", "collectives mismatched",
-                       detail=f"rank {rank} {_at_disagreement(disagreement, rank)}\n{where}")
-            for rank in disagreement.deviants]
+    return [
+        Divergence(
+            "-",
+            world_size,
+            rank,
+            "-",
+            "collectives mismatched",
+            detail=f"rank {rank} {_at_disagreement(disagreement, rank)}\n{where}",
+        )
+        for rank in disagreement.deviants
+    ]
 
 
 def check_batch_plans(target: Target, scenario: Scenario, world_size: int) -> None:
@@ -431,9 +602,9 @@ def check_batch_plans(target: Target, scenario: Scenario, world_size: int) -> No
     rank and the step, not a rank failure (``ddpcheck.batches``). The default needs no check."""
     configured = target.configure(scenario)
     if getattr(type(configured), "shard_batch", Target.shard_batch) is not Target.shard_batch:
-        check_plans(configured.shard_batch, scenario, world_size,
-                    f"{type(configured).__name__}.shard_batch")
-
+        check_plans(
+            configured.shard_batch, scenario, world_size, f"{type(configured).__name__}.shard_batch"
+        )
 
 
 def _both_halves(launched: Launched) -> tuple[tuple[list, list], tuple[list, list], list]:
@@ -444,5 +615,8 @@ def _both_halves(launched: Launched) -> tuple[tuple[list, list], tuple[list, lis
         raise launched.saved
     (saved, sequences), resumed_world = launched.saved, launched.resumed_world
     resumed = [unpack(p) for p in launched.pending.collect()]
-    return ((saved, resumed), (sequences, resumed_world.collective_sequences()),
-            [launched.world, resumed_world])
+    return (
+        (saved, resumed),
+        (sequences, resumed_world.collective_sequences()),
+        [launched.world, resumed_world],
+    )

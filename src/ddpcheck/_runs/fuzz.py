@@ -65,13 +65,23 @@ GIVE_UP_AFTER_DECLINED = 200
 
 
 @interruptible
-def fuzz(target: Target, *, examples: int = 100, world_sizes: Any = DEFAULT_WORLD_SIZES,
-         seed: int | None = None, deadline: float = DEFAULT_DEADLINE,
-         dtypes: Iterable[str] | None = None,
-         progress: Callable[[int, float], None] | None = None,
-         time_budget: float | None = None, without: Iterable[str] = (), device: str = "cpu",
-         backend: str | None = None, shrink: bool = True, only: Iterable[str] = (),
-         fuzz_config: bool = False) -> FuzzResult:
+def fuzz(
+    target: Target,
+    *,
+    examples: int = 100,
+    world_sizes: Any = DEFAULT_WORLD_SIZES,
+    seed: int | None = None,
+    deadline: float = DEFAULT_DEADLINE,
+    dtypes: Iterable[str] | None = None,
+    progress: Callable[[int, float], None] | None = None,
+    time_budget: float | None = None,
+    without: Iterable[str] = (),
+    device: str = "cpu",
+    backend: str | None = None,
+    shrink: bool = True,
+    only: Iterable[str] = (),
+    fuzz_config: bool = False,
+) -> FuzzResult:
     """Run up to ``examples`` random examples of ``target``; shrink the first failure.
 
     ``seed`` makes the run reproducible (default: derandomized, the same every time);
@@ -96,16 +106,36 @@ def fuzz(target: Target, *, examples: int = 100, world_sizes: Any = DEFAULT_WORL
     Hypothesis run, which draws the same examples and runs from the failing one on -- it is
     reported as intermittent if it passes there.
     """
-    request = admit(target, world_sizes=world_sizes, deadline=deadline, without=without,
-                    dtypes=dtypes, device=device, backend=backend, only=only,
-                    fuzz_config=fuzz_config)
-    return fuzz_admitted(request, examples=examples, seed=seed, progress=progress,
-                         time_budget=time_budget, shrink=shrink)
+    request = admit(
+        target,
+        world_sizes=world_sizes,
+        deadline=deadline,
+        without=without,
+        dtypes=dtypes,
+        device=device,
+        backend=backend,
+        only=only,
+        fuzz_config=fuzz_config,
+    )
+    return fuzz_admitted(
+        request,
+        examples=examples,
+        seed=seed,
+        progress=progress,
+        time_budget=time_budget,
+        shrink=shrink,
+    )
 
 
-def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = None,
-                  progress: Callable[[int, float], None] | None = None,
-                  time_budget: float | None = None, shrink: bool = True) -> FuzzResult:
+def fuzz_admitted(
+    request: Request,
+    *,
+    examples: int = 100,
+    seed: int | None = None,
+    progress: Callable[[int, float], None] | None = None,
+    time_budget: float | None = None,
+    shrink: bool = True,
+) -> FuzzResult:
     """:func:`fuzz` of an admitted request (``_runs.admission``): the command line's path."""
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
         raise InvalidArgument(f"examples={examples!r} must be a positive integer")
@@ -164,8 +194,15 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
         return world_size, scenario, variant
 
     def run_hypothesis(test: Callable[[Any], None], phases: list) -> None:
-        @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
-                  suppress_health_check=list(HealthCheck), print_blob=False, phases=phases)
+        @settings(
+            max_examples=examples,
+            deadline=None,
+            database=None,
+            derandomize=seed is None,
+            suppress_health_check=list(HealthCheck),
+            print_blob=False,
+            phases=phases,
+        )
         @given(data=st.data())
         def one(data: st.DataObject) -> None:
             test(data)
@@ -179,19 +216,33 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
 
     # 1. Hypothesis draws in a thread of its own, a little ahead; the examples run one behind
     # the other (_runs.pipeline) until the first failure.
-    generation = _Generation(lambda test: run_hypothesis(test, [Phase.generate, Phase.target]),
-                             drawn)
+    generation = _Generation(
+        lambda test: run_hypothesis(test, [Phase.generate, Phase.target]), drawn
+    )
     count, first, failing = 0, None, None
     try:
         # closing: a failure stops it (what is still queued is let finish and dropped)
         items = (((index, variant), w, sc) for index, w, sc, variant in generation.items())
-        with lending_waits(generation.lock), contextlib.closing(one_behind_the_other(
-                target, items, deadline=deadline, device=device, backend=backend,
-                target_of=lambda key: key[1])) as examples_run:
+        with (
+            lending_waits(generation.lock),
+            contextlib.closing(
+                one_behind_the_other(
+                    target,
+                    items,
+                    deadline=deadline,
+                    device=device,
+                    backend=backend,
+                    target_of=lambda key: key[1],
+                )
+            ) as examples_run,
+        ):
             for ((index, variant), world_size, scenario), outcome in examples_run:
                 if outcome.skipped is not None:  # unjudgeable, or declined in the ranks
-                    why = (f"unjudgeable: {outcome.skipped}" if outcome.unjudgeable
-                           else outcome.skipped)
+                    why = (
+                        f"unjudgeable: {outcome.skipped}"
+                        if outcome.unjudgeable
+                        else outcome.skipped
+                    )
                     declined[why] = declined.get(why, 0) + 1  # counted: the closing line does
                     continue
                 count += 1
@@ -208,16 +259,18 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
     for why, n in generation.tally.declined.items():
         declined[why] = declined.get(why, 0) + n
     if failing is None:
-        return FuzzResult(count, None, time.perf_counter() - started, None, declined,
-                          exercised, notes)
+        return FuzzResult(
+            count, None, time.perf_counter() - started, None, declined, exercised, notes
+        )
     index, world_size, scenario, variant, error = failing
 
     def named(found: EquivalenceError) -> EquivalenceError:
         return found if space is None else _with_configuration(found, target)
 
     if not shrink:
-        return FuzzResult(count, first, time.perf_counter() - started, named(error), declined,
-                          exercised, notes)
+        return FuzzResult(
+            count, first, time.perf_counter() - started, named(error), declined, exercised, notes
+        )
 
     # 2. The failure shrunk: Hypothesis draws again, the same examples in the same order (the
     # same seed, and every example before the failing one passes as it did while drawn above),
@@ -246,8 +299,9 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
                 assume(False)
         count += 1
         try:
-            left = check_example(variant, scenario, world_size, deadline=deadline,
-                                 device=device, backend=backend)
+            left = check_example(
+                variant, scenario, world_size, deadline=deadline, device=device, backend=backend
+            )
         except EquivalenceError:
             replay.reproduced = replay.reproduced or the_failing_one
             raise
@@ -262,8 +316,9 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
     try:
         run_hypothesis(shrinking, [Phase.generate, Phase.target, Phase.shrink])
     except EquivalenceError as shrunk:
-        return FuzzResult(count, first, time.perf_counter() - started, named(shrunk), declined,
-                          exercised, notes)
+        return FuzzResult(
+            count, first, time.perf_counter() - started, named(shrunk), declined, exercised, notes
+        )
     except FlakyFailure as flaky:
         # A shrinking step failed, then passed when Hypothesis replayed it: a race (e.g. a
         # gradient read before its all-reduce finished). Still a counterexample.
@@ -272,20 +327,36 @@ def fuzz_admitted(request: Request, *, examples: int = 100, seed: int | None = N
             raise
         if replay.reproduced and set(raced.kinds) == {"rank timed out"}:
             # a shrinking step hung once; the example as drawn failed twice: that one stands
-            return FuzzResult(count, first, time.perf_counter() - started, named(error),
-                              declined, exercised, notes)
-        return FuzzResult(count, first, time.perf_counter() - started,
-                          named(_intermittent(raced)), declined, exercised, notes)
+            return FuzzResult(
+                count,
+                first,
+                time.perf_counter() - started,
+                named(error),
+                declined,
+                exercised,
+                notes,
+            )
+        return FuzzResult(
+            count,
+            first,
+            time.perf_counter() - started,
+            named(_intermittent(raced)),
+            declined,
+            exercised,
+            notes,
+        )
     # The failing example passed when run again (or Hypothesis drew otherwise): report it as
     # found, unshrunk.
     if replay.reached and replay.failing_passed:
         error = _intermittent(error)
-    return FuzzResult(count, first, time.perf_counter() - started, named(error), declined,
-                      exercised, notes)
+    return FuzzResult(
+        count, first, time.perf_counter() - started, named(error), declined, exercised, notes
+    )
 
 
-def undrawable(target: Target, dtypes: Iterable[str], without: frozenset[str] = frozenset()
-               ) -> str | None:
+def undrawable(
+    target: Target, dtypes: Iterable[str], without: frozenset[str] = frozenset()
+) -> str | None:
     """Why no random example can be drawn for ``target`` -- every dtype asked for is excluded
     (``without``) or unsupported -- or None: ``ddpcheck check`` says so instead of announcing
     random examples that cannot come."""
@@ -293,22 +364,29 @@ def undrawable(target: Target, dtypes: Iterable[str], without: frozenset[str] = 
     unsupported = features.unsupported(target, without)
     if any(d not in unsupported for d in dtypes):
         return None
-    why = [f"{d} is excluded with --without" if d in without else
-           f"{d} is {features.why_unsupported(target, d)}" for d in dtypes]
+    why = [
+        f"{d} is excluded with --without"
+        if d in without
+        else f"{d} is {features.why_unsupported(target, d)}"
+        for d in dtypes
+    ]
     return f"every dtype asked for ({', '.join(dtypes)}) is ruled out: {'; '.join(why)}"
 
 
 def _with_configuration(error: EquivalenceError, base: Any) -> EquivalenceError:
     """``error``, its verdict naming the options drawn (``fuzz_config``) against ``base``."""
-    error.args = (f"{error.args[0]}\n\nconfiguration (drawn by fuzz_config): "
-                  f"{described(base, error.target)}",)
+    error.args = (
+        f"{error.args[0]}\n\nconfiguration (drawn by fuzz_config): {described(base, error.target)}",
+    )
     return error
 
 
 def _intermittent(error: EquivalenceError) -> EquivalenceError:
     refuse_unconfirmed_hang(error)
-    error.args = (f"{error.args[0]}\n\nintermittent: this example failed, then passed when "
-                  "replayed -- a race or other nondeterminism in the target",)
+    error.args = (
+        f"{error.args[0]}\n\nintermittent: this example failed, then passed when "
+        "replayed -- a race or other nondeterminism in the target",
+    )
     return error
 
 
@@ -327,8 +405,11 @@ class _Generation:
     function only draws (``drawn``): what Hypothesis draws next depends on nothing an example
     does when run, so a second run with the same seed draws the same examples (``_Replay``)."""
 
-    def __init__(self, run: Callable[[Callable[[Any], None]], None],
-                 drawn: Callable[[Any, _Tally, bool], Any]):
+    def __init__(
+        self,
+        run: Callable[[Callable[[Any], None]], None],
+        drawn: Callable[[Any, _Tally, bool], Any],
+    ):
         #: held by the caller except while it waits (``lending.lending_waits``), taken here for
         #: each draw: drawing builds models from torch's global random generator (and asks the
         #: target's ``supports``), which must not interleave with the caller's own
@@ -337,8 +418,7 @@ class _Generation:
         self._run, self._drawn = run, drawn
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._produce, name="ddpcheck-draws",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._produce, name="ddpcheck-draws", daemon=True)
 
     def items(self) -> Iterator[tuple[int, int, Any, Any]]:
         """``(index, world_size, scenario, target)``, index counting from 1, until Hypothesis

@@ -62,7 +62,8 @@ class OptionCell:
     @property
     def label(self) -> str:
         return {"ok": f"ok {self.examples}", "fail": "FAIL", "declined": "declined"}.get(
-            self.status, "-")
+            self.status, "-"
+        )
 
 
 @dataclasses.dataclass
@@ -90,8 +91,10 @@ class OptionSurvey:
         columns = list(dict.fromkeys(c.feature for c in self.cells))
         by = {(c.option, c.feature): c for c in self.cells}
         table = [["option", *columns]]
-        table += [[row, *(by[row, f].label if (row, f) in by else "" for f in columns)]
-                  for row in self.options]
+        table += [
+            [row, *(by[row, f].label if (row, f) in by else "" for f in columns)]
+            for row in self.options
+        ]
         widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -99,30 +102,40 @@ class OptionSurvey:
         for c in self.cells:
             if c.status in ("declined", "n/a"):
                 notes.setdefault((c.label, c.feature, c.reason or ""), []).append(c.option)
-        lines += [f"{cell} {feature} under {', '.join(rows)}: {why}"
-                  for (cell, feature, why), rows in notes.items()]
+        lines += [
+            f"{cell} {feature} under {', '.join(rows)}: {why}"
+            for (cell, feature, why), rows in notes.items()
+        ]
         return "\n".join(lines)
 
     def failure_lines(self) -> list[str]:
         lines = []
         for c in self.failures:
-            lines += [f"{c.option} x {c.feature}: {c.kind} at W={c.world_size} (example "
-                      f"{c.first_failure} failed, shrunk"
-                      f"{', intermittent' if c.intermittent else ''})",
-                      f"    scenario: {c.summary}", f"    replay: {c.replay}"]
+            lines += [
+                f"{c.option} x {c.feature}: {c.kind} at W={c.world_size} (example "
+                f"{c.first_failure} failed, shrunk"
+                f"{', intermittent' if c.intermittent else ''})",
+                f"    scenario: {c.summary}",
+                f"    replay: {c.replay}",
+            ]
         return lines
 
     def summary(self) -> str:
         counts = {s: sum(c.status == s for c in self.cells) for s in ("ok", "fail", "declined")}
-        return (f"survey {self.target} --fuzz-config: {len(self.options)} rows (the target as "
-                f"given and {len(self.options) - 1} options) x features: {counts['ok']} ok, "
-                f"{counts['fail']} FAIL, {counts['declined']} declined; "
-                f"{sum(c.examples for c in self.cells)} examples run; wall {self.seconds:.1f} s")
+        return (
+            f"survey {self.target} --fuzz-config: {len(self.options)} rows (the target as "
+            f"given and {len(self.options) - 1} options) x features: {counts['ok']} ok, "
+            f"{counts['fail']} FAIL, {counts['declined']} declined; "
+            f"{sum(c.examples for c in self.cells)} examples run; wall {self.seconds:.1f} s"
+        )
 
     def __str__(self) -> str:
         failures = self.failure_lines()
-        head = ("failures (each a proven counterexample; the replay line builds the option):"
-                if failures else "failures: none")
+        head = (
+            "failures (each a proven counterexample; the replay line builds the option):"
+            if failures
+            else "failures: none"
+        )
         return "\n".join([self.matrix(), "", head, *failures, "", self.summary()])
 
     def as_dict(self) -> dict[str, Any]:
@@ -139,9 +152,14 @@ class _Abort(BaseException):
     failed): not an Exception, so Hypothesis neither shrinks nor replays it."""
 
 
-def option_survey(request: Request, *, examples: int, seed: int | None, shrink_seconds: float,
-                  progress: Callable[[int, int, str, float], None] | None = None
-                  ) -> OptionSurvey:
+def option_survey(
+    request: Request,
+    *,
+    examples: int,
+    seed: int | None,
+    shrink_seconds: float,
+    progress: Callable[[int, int, str, float], None] | None = None,
+) -> OptionSurvey:
     """The option x feature matrix of an admitted request (``fuzz_config``; the module
     docstring)."""
     target, sizes, excluded = request.target, request.world_sizes, request.battery_without
@@ -157,37 +175,77 @@ def option_survey(request: Request, *, examples: int, seed: int | None, shrink_s
     for row, variant in rows:
         for feature in columns:
             if progress is not None:
-                progress(len(cells), len(rows) * len(columns), f"{row} x {feature}",
-                         time.perf_counter() - started)
-            cells.append(_cell(variant, row, feature, sizes, excluded, strategies,
-                               examples=examples, seed=seed, shrink_seconds=shrink_seconds,
-                               run=request.run))
-    return OptionSurvey(target_spec(target), sizes, examples, [r for r, _ in rows], cells,
-                        time.perf_counter() - started)
+                progress(
+                    len(cells),
+                    len(rows) * len(columns),
+                    f"{row} x {feature}",
+                    time.perf_counter() - started,
+                )
+            cells.append(
+                _cell(
+                    variant,
+                    row,
+                    feature,
+                    sizes,
+                    excluded,
+                    strategies,
+                    examples=examples,
+                    seed=seed,
+                    shrink_seconds=shrink_seconds,
+                    run=request.run,
+                )
+            )
+    return OptionSurvey(
+        target_spec(target),
+        sizes,
+        examples,
+        [r for r, _ in rows],
+        cells,
+        time.perf_counter() - started,
+    )
 
 
-def _cell(target: Target, row: str, feature: str, sizes: tuple[int, ...], excluded: frozenset[str],
-          strategies: dict, *, examples: int, seed: int | None, shrink_seconds: float,
-          run: dict) -> OptionCell:
+def _cell(
+    target: Target,
+    row: str,
+    feature: str,
+    sizes: tuple[int, ...],
+    excluded: frozenset[str],
+    strategies: dict,
+    *,
+    examples: int,
+    seed: int | None,
+    shrink_seconds: float,
+    run: dict,
+) -> OptionCell:
     cell = OptionCell(row, feature, "ok")
     unsupported = features.unsupported(target, excluded)
     at = tuple(w for w in sizes if dst.can_exercise(feature, w))
-    dtypes = ("float32",) if feature in dst.FLOAT32_ONLY else \
-        tuple(d for d in ("float64", "float32") if d not in unsupported)[:1]
+    dtypes = (
+        ("float32",)
+        if feature in dst.FLOAT32_ONLY
+        else tuple(d for d in ("float64", "float32") if d not in unsupported)[:1]
+    )
     if not at:
         cell.status, cell.reason = "n/a", "one rank holds every sample: no example can exercise it"
         return cell
     if feature in unsupported or not dtypes:
         cell.status = "declined"
-        cell.reason = ("excluded with --without" if feature in excluded else
-                       f"opt-in: {type(target).__name__}.{features.OPT_IN[feature]} is not set"
-                       if feature in features.OPT_IN else features.why_unsupported(target, feature)
-                       if dtypes else "supports neither float64 nor float32")
+        cell.reason = (
+            "excluded with --without"
+            if feature in excluded
+            else f"opt-in: {type(target).__name__}.{features.OPT_IN[feature]} is not set"
+            if feature in features.OPT_IN
+            else features.why_unsupported(target, feature)
+            if dtypes
+            else "supports neither float64 nor float32"
+        )
         return cell
     for w in at:
         if (feature, w) not in strategies:
-            strategies[feature, w] = dst.exercising(feature, world_size=w, dtypes=dtypes,
-                                                    without=unsupported)
+            strategies[feature, w] = dst.exercising(
+                feature, world_size=w, dtypes=dtypes, without=unsupported
+            )
     started = time.perf_counter()
     failed: dict[str, EquivalenceError] = {}
     passed: set[str] = set()
@@ -196,9 +254,16 @@ def _cell(target: Target, row: str, feature: str, sizes: tuple[int, ...], exclud
     crash: list[BaseException] = []
     world_sizes = st.sampled_from(at)
 
-    @settings(max_examples=examples, deadline=None, database=None, print_blob=False,
-              report_multiple_bugs=False, suppress_health_check=list(HealthCheck),
-              phases=[Phase.generate, Phase.shrink], verbosity=Verbosity.quiet)
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        print_blob=False,
+        report_multiple_bugs=False,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.generate, Phase.shrink],
+        verbosity=Verbosity.quiet,
+    )
     @given(data=st.data())
     def one(data: Any) -> None:
         w = data.draw(world_sizes, label="world_size")
@@ -243,8 +308,7 @@ def _cell(target: Target, row: str, feature: str, sizes: tuple[int, ...], exclud
         if crash:
             raise crash[0] from None
         if failed:
-            return _failed(cell, min(failed.values(), key=lambda e: len(repr(e.scenario))),
-                           started)
+            return _failed(cell, min(failed.values(), key=lambda e: len(repr(e.scenario))), started)
     except EquivalenceError as error:
         return _failed(cell, error, started)
     except FlakyFailure as flaky:
@@ -259,8 +323,11 @@ def _cell(target: Target, row: str, feature: str, sizes: tuple[int, ...], exclud
     if not cell.examples:
         declined = {why: n for why, n in rejected.items() if why != "drawn without the feature"}
         cell.status = "declined" if declined else "n/a"
-        cell.reason = (max(declined, key=lambda why: declined[why]) if declined else
-                       "none of the drawn examples exercised it")
+        cell.reason = (
+            max(declined, key=lambda why: declined[why])
+            if declined
+            else "none of the drawn examples exercised it"
+        )
     cell.seconds = time.perf_counter() - started
     return cell
 

@@ -56,10 +56,15 @@ class Outcome:
     unjudgeable: bool = False
 
 
-def one_behind_the_other(target: Target, items: Iterable[tuple[Any, int, Any]], *, deadline: float,
-                         device: str = "cpu", backend: str | None = None,
-                         target_of: Callable[[Any], Any] | None = None
-                         ) -> Generator[tuple[tuple[Any, int, Any], Outcome], None, None]:
+def one_behind_the_other(
+    target: Target,
+    items: Iterable[tuple[Any, int, Any]],
+    *,
+    deadline: float,
+    device: str = "cpu",
+    backend: str | None = None,
+    target_of: Callable[[Any], Any] | None = None,
+) -> Generator[tuple[tuple[Any, int, Any], Outcome], None, None]:
     """``(item, outcome)`` for every ``item = (key, world_size, scenario)`` of ``items``, in
     their order, each example queued behind the one before (see the module's invariant).
     ``target_of(key)``: the target an item runs, where items vary it (``--fuzz-config``)."""
@@ -93,8 +98,9 @@ def one_behind_the_other(target: Target, items: Iterable[tuple[Any, int, Any]], 
                 if item is None:
                     break
                 _, world_size, scenario = item
-                if running is not None and warmup.needed(of(item), world_size, device=device,
-                                                          backend=backend):
+                if running is not None and warmup.needed(
+                    of(item), world_size, device=device, backend=backend
+                ):
                     # its world's ranks warm up first (minutes, possibly): nothing in flight
                     # meanwhile, whose deadline would count
                     yield from judge_running()

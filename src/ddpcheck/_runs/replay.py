@@ -55,22 +55,33 @@ from ddpcheck._base.scripts import (
 from ddpcheck._language.scenario import Scenario, _code, _is_default, import_path
 from ddpcheck.targets import CONSTRUCTOR_CALL as _CALL  # metadata of a target, not its state
 
-__all__ = ["evaluate", "evaluate_in", "from_repr", "replay_command", "shell_word", "target_spec",
-           "verify_replayable"]
+__all__ = [
+    "evaluate",
+    "evaluate_in",
+    "from_repr",
+    "replay_command",
+    "shell_word",
+    "target_spec",
+    "verify_replayable",
+]
 
 
 _VERIFIED: dict[tuple[int, type, bytes], str] = {}  # (id, class, pickle) -> verified spec
 _MAX_CACHED = 256
 
 
-def replay_command(target: Any, scenario: Any, world_size: int, *, device: str = "cpu",
-                   backend: str | None = None) -> str:
+def replay_command(
+    target: Any, scenario: Any, world_size: int, *, device: str = "cpu", backend: str | None = None
+) -> str:
     """The shell command that runs this one example again (the target's spec is verified); it
     names the device and backend only when they are not the defaults (scenarios carry neither)."""
-    where = (f" --device {device}" if device != "cpu" else "") + \
-        (f" --backend {backend}" if backend is not None else "")
-    return (f"python -m ddpcheck replay {shell_word(target_spec(target))} "
-            f"--world-size {world_size}{where} --scenario {shell_word(repr(scenario))}")
+    where = (f" --device {device}" if device != "cpu" else "") + (
+        f" --backend {backend}" if backend is not None else ""
+    )
+    return (
+        f"python -m ddpcheck replay {shell_word(target_spec(target))} "
+        f"--world-size {world_size}{where} --scenario {shell_word(repr(scenario))}"
+    )
 
 
 def shell_word(text: str) -> str:
@@ -88,7 +99,10 @@ def target_spec(target: Any, pickled: bytes | None = None) -> str:
     target's pickle, when the caller has it already (the check's hot path pickles once)."""
     try:
         key: tuple[int, type, bytes] | None = (
-            id(target), type(target), pickled if pickled is not None else pickle.dumps(target))
+            id(target),
+            type(target),
+            pickled if pickled is not None else pickle.dumps(target),
+        )
     except Exception:  # unpicklable: the caller's pickle check says so; nothing to cache
         key = None
     spec = _VERIFIED.get(key) if key is not None else None
@@ -166,15 +180,21 @@ def _is_module(value: Any) -> bool:
 def _find_spec(target: Any) -> str:
     cls = type(target)
     if "<locals>" in cls.__qualname__:
-        raise _refusal(target, f"its class {cls.__qualname__} is defined inside a function",
-                       f"define {cls.__name__} at module level")
+        raise _refusal(
+            target,
+            f"its class {cls.__qualname__} is defined inside a function",
+            f"define {cls.__name__} at module level",
+        )
     if cls.__module__ in MAIN_NAMES or _ScriptPickler.mentions_script(target):
         return _spec_in_script(target)
     module_name = cls.__module__
     module = sys.modules.get(module_name)
     if module is None:
-        raise _refusal(target, f"its module {module_name!r} is not imported",
-                       "define the class in an importable module")
+        raise _refusal(
+            target,
+            f"its module {module_name!r} is not imported",
+            "define the class in an importable module",
+        )
     prefix = module_spec(module_name) or module_name  # a file imported by path: by its path
     for attr, value in list(vars(module).items()):
         if value is target:
@@ -186,8 +206,11 @@ def _find_spec(target: Any) -> str:
     spec = _first_rebuilding(target, prefix, module, _candidates(target, reasons), reasons)
     if spec is not None:
         return spec
-    raise _refusal(target, "; ".join(dict.fromkeys(reasons)) or "no way to rebuild it was found",
-                   _fix(target, prefix))
+    raise _refusal(
+        target,
+        "; ".join(dict.fromkeys(reasons)) or "no way to rebuild it was found",
+        _fix(target, prefix),
+    )
 
 
 def _spec_in_script(target: Any) -> str:
@@ -197,23 +220,30 @@ def _spec_in_script(target: Any) -> str:
     script = main_script()
     if script is None:
         raise _refusal(
-            target, f"its class {cls.__qualname__} (or something it holds) is defined in "
+            target,
+            f"its class {cls.__qualname__} (or something it holds) is defined in "
             "__main__ of a session no other process can import (an interactive interpreter, "
             "python -c, a script read from standard input)",
             "save the code in a file and run it (python check_my_ddp.py), or define it in an "
-            "importable module")
+            "importable module",
+        )
     try:
         module = load(script.spec)
     except Exception as exc:
-        raise _refusal(target, f"importing {script.spec} as the module {script.name} failed "
-                               f"({type(exc).__name__}: {_one_line(exc)})",
-                       "make the script importable: its work under "
-                       "`if __name__ == \"__main__\":`") from None
+        raise _refusal(
+            target,
+            f"importing {script.spec} as the module {script.name} failed "
+            f"({type(exc).__name__}: {_one_line(exc)})",
+            'make the script importable: its work under `if __name__ == "__main__":`',
+        ) from None
     if cls.__module__ in MAIN_NAMES and not _defines(module, cls.__qualname__):
-        raise _refusal(target, f"its class {cls.__qualname__} is defined in {script.spec} under "
-                               "`if __name__ == \"__main__\":`, so importing the script (what "
-                               "a replay does) does not define it",
-                       f"define {cls.__qualname__} at module level, above that block")
+        raise _refusal(
+            target,
+            f"its class {cls.__qualname__} is defined in {script.spec} under "
+            '`if __name__ == "__main__":`, so importing the script (what '
+            "a replay does) does not define it",
+            f"define {cls.__qualname__} at module level, above that block",
+        )
     main = sys.modules["__main__"]
     names = [attr for attr, value in list(vars(main).items()) if value is target]
     reasons: list[str] = []
@@ -222,8 +252,11 @@ def _spec_in_script(target: Any) -> str:
     spec = _first_rebuilding(target, script.spec, module, exprs, reasons)
     if spec is not None:
         return spec
-    raise _refusal(target, "; ".join(dict.fromkeys(reasons)) or "no way to rebuild it was found",
-                   _fix(target, script.spec))
+    raise _refusal(
+        target,
+        "; ".join(dict.fromkeys(reasons)) or "no way to rebuild it was found",
+        _fix(target, script.spec),
+    )
 
 
 def _defines(module: Any, qualname: str) -> bool:
@@ -235,16 +268,18 @@ def _defines(module: Any, qualname: str) -> bool:
     return True
 
 
-def _first_rebuilding(target: Any, prefix: str, module: Any, exprs: Any,
-                      reasons: list[str]) -> str | None:
+def _first_rebuilding(
+    target: Any, prefix: str, module: Any, exprs: Any, reasons: list[str]
+) -> str | None:
     """The first ``prefix:expr`` whose evaluation in ``module`` rebuilds ``target``; what each
     other candidate did is added to ``reasons``."""
     for expr in exprs:
         try:
             rebuilt = evaluate_in(module, expr)
         except Exception as exc:
-            reasons.append(f"{prefix}:{expr} does not evaluate ({type(exc).__name__}: "
-                           f"{_one_line(exc)})")
+            reasons.append(
+                f"{prefix}:{expr} does not evaluate ({type(exc).__name__}: {_one_line(exc)})"
+            )
             continue
         why = _differs(target, rebuilt)
         if why is None:
@@ -256,12 +291,16 @@ def _first_rebuilding(target: Any, prefix: str, module: Any, exprs: Any,
 def _fix(target: Any, where: str) -> str:
     name = type(target).__qualname__
     if dataclasses.is_dataclass(target):
-        return ("give its fields values written as code (numbers, strings, module-level "
-                f"functions and classes), or assign it to a module-level name (MY_TARGET = "
-                f"{name}(...)) in {where}")
-    return (f"build it with arguments written as code and do not change it afterwards, assign "
-            f"it to a module-level name (MY_TARGET = {name}(...)) in {where}, or make {name} a "
-            "dataclass whose fields hold its whole state")
+        return (
+            "give its fields values written as code (numbers, strings, module-level "
+            f"functions and classes), or assign it to a module-level name (MY_TARGET = "
+            f"{name}(...)) in {where}"
+        )
+    return (
+        f"build it with arguments written as code and do not change it afterwards, assign "
+        f"it to a module-level name (MY_TARGET = {name}(...)) in {where}, or make {name} a "
+        "dataclass whose fields hold its whole state"
+    )
 
 
 def _attribute_elsewhere(target: Any) -> str | None:
@@ -277,8 +316,7 @@ def _attribute_elsewhere(target: Any) -> str | None:
     return None
 
 
-def _candidates(target: Any, reasons: list[str],
-                class_code: str | None = None) -> Iterator[str]:
+def _candidates(target: Any, reasons: list[str], class_code: str | None = None) -> Iterator[str]:
     """Expressions (in the class's module, or wherever ``class_code`` names the class) that may
     rebuild ``target``."""
     cls = type(target)
@@ -293,13 +331,16 @@ def _candidates(target: Any, reasons: list[str],
 
     if dataclasses.is_dataclass(target):
         try:
-            fields = [f"{f.name}={_code(getattr(target, f.name))}"
-                      for f in dataclasses.fields(target)
-                      if f.init and not _is_default(target, f)]
+            fields = [
+                f"{f.name}={_code(getattr(target, f.name))}"
+                for f in dataclasses.fields(target)
+                if f.init and not _is_default(target, f)
+            ]
             yield from once(f"{name}({', '.join(fields)})")
         except Exception as exc:  # a field that cannot be compared or written as code
-            reasons.append(f"its fields cannot be written as code ({type(exc).__name__}: "
-                           f"{_one_line(exc)})")
+            reasons.append(
+                f"its fields cannot be written as code ({type(exc).__name__}: {_one_line(exc)})"
+            )
         yield from once(repr(target))
     call = _recorded_call(target)
     if call is not None:
@@ -308,8 +349,10 @@ def _candidates(target: Any, reasons: list[str],
             text = [_code(a) for a in args] + [f"{k}={_code(v)}" for k, v in kwargs.items()]
             yield from once(f"{name}({', '.join(text)})")
         except Exception as exc:
-            reasons.append(f"the arguments it was built with cannot be written as code "
-                           f"({type(exc).__name__}: {_one_line(exc)})")
+            reasons.append(
+                f"the arguments it was built with cannot be written as code "
+                f"({type(exc).__name__}: {_one_line(exc)})"
+            )
     elif not dataclasses.is_dataclass(target):
         yield from once(f"{name}()")
 
@@ -334,8 +377,10 @@ def _state(obj: Any) -> dict | None:
 def _differs(target: Any, rebuilt: Any) -> str | None:
     """None when ``rebuilt`` is the same target; otherwise what differs."""
     if not _same_class(type(rebuilt), type(target)):
-        return f"a {type(rebuilt).__module__}.{type(rebuilt).__qualname__}, not a " \
-               f"{type(target).__module__}.{type(target).__qualname__}"
+        return (
+            f"a {type(rebuilt).__module__}.{type(rebuilt).__qualname__}, not a "
+            f"{type(target).__module__}.{type(target).__qualname__}"
+        )
     mine, theirs = _state(target), _state(rebuilt)
     if mine is None or theirs is None:
         return None if _same(target, rebuilt) else "their pickles differ"
@@ -355,9 +400,11 @@ def _differs(target: Any, rebuilt: Any) -> str | None:
 
 def _same_class(a: type, b: type) -> bool:
     """One class, or the script's class seen from ``__main__`` and from the imported file."""
-    return a is b or (a.__qualname__ == b.__qualname__
-                      and public_module_name(a.__module__) == public_module_name(b.__module__)
-                      and (a.__module__ in MAIN_NAMES) != (b.__module__ in MAIN_NAMES))
+    return a is b or (
+        a.__qualname__ == b.__qualname__
+        and public_module_name(a.__module__) == public_module_name(b.__module__)
+        and (a.__module__ in MAIN_NAMES) != (b.__module__ in MAIN_NAMES)
+    )
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -432,4 +479,5 @@ def _refusal(target: Any, why: str, fix: str) -> InvalidArgument:
     return InvalidArgument(
         f"target {cls.__module__}.{cls.__qualname__} cannot be replayed: {why}. A failure's "
         "replay line must rebuild exactly this target in a fresh process, and none can; to make "
-        f"it replayable, {fix}")
+        f"it replayable, {fix}"
+    )

@@ -39,8 +39,17 @@ from ddpcheck._language.scenario import build_model
 from ddpcheck._runs.example import check_example
 from ddpcheck.targets.protocol import Target
 
-__all__ = ["EXAMPLES", "MIN_DEADLINE", "SECONDS", "Search", "first_verdict", "searched_sizes",
-           "size", "smaller", "with_features"]
+__all__ = [
+    "EXAMPLES",
+    "MIN_DEADLINE",
+    "SECONDS",
+    "Search",
+    "first_verdict",
+    "searched_sizes",
+    "size",
+    "smaller",
+    "with_features",
+]
 
 #: Examples Hypothesis may draw before its first failure (shrinking steps not counted).
 EXAMPLES = 60
@@ -67,8 +76,13 @@ def size(scenario: Any, world_size: int) -> int:
     """How much a reader holds in mind to follow an example: its parameter tensors, samples,
     steps, micro-batches per step and the features it exercises at ``world_size``."""
     tensors = len(list(build_model(scenario, scenario.seed).parameters()))
-    return (tensors + scenario.global_batch + scenario.steps + scenario.accumulation
-            + len(features.of(scenario, world_size)))
+    return (
+        tensors
+        + scenario.global_batch
+        + scenario.steps
+        + scenario.accumulation
+        + len(features.of(scenario, world_size))
+    )
 
 
 class _Abort(BaseException):
@@ -83,10 +97,19 @@ def searched_sizes(found: EquivalenceError) -> tuple[int, ...]:
     return (found.world_size,) + (() if resumed in (None, found.world_size) else (resumed,))
 
 
-def smaller(target: Target, found: EquivalenceError, *, world_sizes: tuple[int, ...],
-            without: frozenset[str] = frozenset(), seed: int | None = None,
-            deadline: float = DEFAULT_DEADLINE, device: str = "cpu", backend: str | None = None,
-            examples: int = EXAMPLES, seconds: float = SECONDS) -> Search:
+def smaller(
+    target: Target,
+    found: EquivalenceError,
+    *,
+    world_sizes: tuple[int, ...],
+    without: frozenset[str] = frozenset(),
+    seed: int | None = None,
+    deadline: float = DEFAULT_DEADLINE,
+    device: str = "cpu",
+    backend: str | None = None,
+    examples: int = EXAMPLES,
+    seconds: float = SECONDS,
+) -> Search:
     """Look for a counterexample smaller than ``found`` (a battery failure) at its world size
     (:func:`searched_sizes`).
 
@@ -124,23 +147,37 @@ class _Searching:
         """One example; a hang is waited for :data:`MIN_DEADLINE` at least, and no longer than
         the user's deadline."""
         self.examples += 1
-        check_example(self.target, scenario, world_size, device=self.device,
-                      backend=self.backend,
-                      deadline=min(self.deadline, max(MIN_DEADLINE, self.left())))
+        check_example(
+            self.target,
+            scenario,
+            world_size,
+            device=self.device,
+            backend=self.backend,
+            deadline=min(self.deadline, max(MIN_DEADLINE, self.left())),
+        )
 
-    def run(self, found: EquivalenceError, world_sizes: tuple[int, ...], seed: int | None,
-            examples: int) -> Search:
+    def run(
+        self, found: EquivalenceError, world_sizes: tuple[int, ...], seed: int | None, examples: int
+    ) -> Search:
         battery, sizes = found.scenario, searched_sizes(found)
         unsupported = features.unsupported(self.target, self.without)
-        strategies = {w: _strategy(battery, found.world_size, w, unsupported, world_sizes)
-                      for w in sizes}
+        strategies = {
+            w: _strategy(battery, found.world_size, w, unsupported, world_sizes) for w in sizes
+        }
         failed: dict[tuple[int, str], EquivalenceError] = {}  # shrinking steps reuse them
         passed: set[tuple[int, str]] = set()
         stopped: list[str] = []
 
-        @settings(max_examples=examples, deadline=None, database=None, print_blob=False,
-                  report_multiple_bugs=False, suppress_health_check=list(HealthCheck),
-                  phases=[Phase.generate, Phase.shrink], verbosity=Verbosity.quiet)
+        @settings(
+            max_examples=examples,
+            deadline=None,
+            database=None,
+            print_blob=False,
+            report_multiple_bugs=False,
+            suppress_health_check=list(HealthCheck),
+            phases=[Phase.generate, Phase.shrink],
+            verbosity=Verbosity.quiet,
+        )
         @given(data=st.data())
         def one(data: Any) -> None:
             w = data.draw(st.sampled_from(sizes), label="world_size")
@@ -174,17 +211,22 @@ class _Searching:
         except (_Abort, EquivalenceError, Unsatisfiable):
             pass
         except FlakyFailure:
-            return self.ended(None, "a failure of the search passed when Hypothesis ran it "
-                                    "again (a race?)")
+            return self.ended(
+                None, "a failure of the search passed when Hypothesis ran it again (a race?)"
+            )
         if stopped:
             return self.ended(None, f"the search stopped: {stopped[0]}")
         if not failed:
             return self.ended(None, "no example drawn failed")
-        candidate = min(failed.values(), key=lambda e: (size(e.scenario, e.world_size),
-                                                        e.world_size, len(repr(e.scenario))))
+        candidate = min(
+            failed.values(),
+            key=lambda e: (size(e.scenario, e.world_size), e.world_size, len(repr(e.scenario))),
+        )
         if size(candidate.scenario, candidate.world_size) >= size(battery, found.world_size):
-            return self.ended(None, f"the smallest failure found "
-                                    f"({scenario_line(candidate.scenario)}) is no smaller")
+            return self.ended(
+                None,
+                f"the smallest failure found ({scenario_line(candidate.scenario)}) is no smaller",
+            )
         return self.confirmed(candidate)
 
     def confirmed(self, candidate: EquivalenceError) -> Search:
@@ -201,13 +243,21 @@ class _Searching:
             why = f"running it again stopped: {exception_text(exc)}"
         else:
             why = "it passed when run again (a race?)"
-        return self.ended(None, f"a smaller example failed ({scenario_line(candidate.scenario)}),"
-                                f" but {why}")
+        return self.ended(
+            None, f"a smaller example failed ({scenario_line(candidate.scenario)}), but {why}"
+        )
 
 
-def first_verdict(target: Target, found: EquivalenceError, *, world_sizes: tuple[int, ...],
-                  without: frozenset[str], seed: int | None, say: Callable[[str], Any],
-                  **run: Any) -> tuple[EquivalenceError, str]:
+def first_verdict(
+    target: Target,
+    found: EquivalenceError,
+    *,
+    world_sizes: tuple[int, ...],
+    without: frozenset[str],
+    seed: int | None,
+    say: Callable[[str], Any],
+    **run: Any,
+) -> tuple[EquivalenceError, str]:
     """``ddpcheck check``'s verdict on a battery failure: the smaller counterexample
     :func:`smaller` confirmed, else ``found``; and what to call it. ``say`` prints each line of
     the way (``run``: the deadline, device and backend). A battery scenario that hung is not
@@ -217,19 +267,33 @@ def first_verdict(target: Target, found: EquivalenceError, *, world_sizes: tuple
         say(f"battery: {where}; a hang, so no smaller one is searched for\n")
         return found, "the battery scenario (not shrunk)"
     sizes = searched_sizes(found)
-    say(f"battery: {where}; searching for a smaller counterexample at world size"
+    say(
+        f"battery: {where}; searching for a smaller counterexample at world size"
         f"{'s' if len(sizes) > 1 else ''} {','.join(map(str, sizes))} (at most {EXAMPLES} "
-        f"examples, {SECONDS:g} s)")
-    search = smaller(target, found, world_sizes=world_sizes, without=without, seed=seed,
-                     examples=EXAMPLES, seconds=SECONDS, **run)
+        f"examples, {SECONDS:g} s)"
+    )
+    search = smaller(
+        target,
+        found,
+        world_sizes=world_sizes,
+        without=without,
+        seed=seed,
+        examples=EXAMPLES,
+        seconds=SECONDS,
+        **run,
+    )
     ran = f"{search.examples} example{'' if search.examples == 1 else 's'}"
     if search.error is None:
-        say(f"none found ({ran}, {search.seconds:.1f} s): {search.why}; the battery scenario "
-            "stands\n")
+        say(
+            f"none found ({ran}, {search.seconds:.1f} s): {search.why}; the battery scenario "
+            "stands\n"
+        )
         return found, "the battery scenario (not shrunk)"
-    say(f"smaller counterexample found and confirmed ({ran}, {search.seconds:.1f} s): "
+    say(
+        f"smaller counterexample found and confirmed ({ran}, {search.seconds:.1f} s): "
         f"{scenario_line(search.error.scenario)} at W={search.error.world_size}, where "
-        f"{found.name} is {scenario_line(found.scenario)} at W={found.world_size}\n")
+        f"{found.name} is {scenario_line(found.scenario)} at W={found.world_size}\n"
+    )
     return search.error, "the shrunk counterexample"
 
 
@@ -248,17 +312,38 @@ def with_features(error: EquivalenceError, what: str, survey: str) -> Equivalenc
     return error
 
 
-def _strategy(battery: Any, failed_at: int, world_size: int, unsupported: frozenset[str],
-              world_sizes: tuple[int, ...]) -> st.SearchStrategy:
+def _strategy(
+    battery: Any,
+    failed_at: int,
+    world_size: int,
+    unsupported: frozenset[str],
+    world_sizes: tuple[int, ...],
+) -> st.SearchStrategy:
     """Scenarios at ``world_size`` in the battery scenario's dtype: plain ones first, then ones
     made to exercise each feature the battery scenario exercises at ``failed_at`` -- but its
     dtype and ``broadcast`` (every scenario has them), and at W=1 what one rank cannot."""
     dtype = battery.dtype
     found = features.of(battery, failed_at)
-    rows = [f for f in features.FEATURES if f in found and f not in (dtype, "broadcast")
-            and f not in unsupported and (f not in dst.FLOAT32_ONLY or dtype == "float32")
-            and dst.can_exercise(f, world_size)]
+    rows = [
+        f
+        for f in features.FEATURES
+        if f in found
+        and f not in (dtype, "broadcast")
+        and f not in unsupported
+        and (f not in dst.FLOAT32_ONLY or dtype == "float32")
+        and dst.can_exercise(f, world_size)
+    ]
     opt_in = frozenset(features.OPT_IN) - unsupported
-    return st.one_of([dst.exercising(f, world_size=world_size, dtypes=(dtype,),
-                                     without=unsupported, resume_world_sizes=world_sizes,
-                                     opt_in=opt_in) for f in (dtype, *rows)])
+    return st.one_of(
+        [
+            dst.exercising(
+                f,
+                world_size=world_size,
+                dtypes=(dtype,),
+                without=unsupported,
+                resume_world_sizes=world_sizes,
+                opt_in=opt_in,
+            )
+            for f in (dtype, *rows)
+        ]
+    )

@@ -10,6 +10,7 @@ Invariant: a failing example stops only its own cell, never the survey. What is 
 fault (a battery scenario the oracle cannot judge, a world that cannot start, a harness error)
 stops it and propagates unchanged (exit 2); a random example the oracle cannot judge is rejected.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,14 @@ from ddpcheck._runs.replay import target_spec
 from ddpcheck._world.interrupts import interruptible
 from ddpcheck.targets.protocol import Target
 
-__all__ = ["DEFAULT_EXAMPLES", "DEFAULT_SHRINK_SECONDS", "Cell", "Survey", "survey",
-           "survey_admitted"]
+__all__ = [
+    "DEFAULT_EXAMPLES",
+    "DEFAULT_SHRINK_SECONDS",
+    "Cell",
+    "Survey",
+    "survey",
+    "survey_admitted",
+]
 
 #: Random examples per (feature, world size) cell.
 DEFAULT_EXAMPLES = 8
@@ -133,10 +140,12 @@ class Survey:
         lines = []
         for c in sorted(self.failures, key=lambda c: c.section != "feature"):
             how = "shrunk" if c.section == "feature" else "battery scenario, not shrunk"
-            lines += [f"{c.row} W={c.world_size}: {c.kind} ({c.where}; example {c.first_failure} "
-                      f"failed, {how}{', intermittent' if c.intermittent else ''})",
-                      f"    scenario: {c.summary} (exercises {', '.join(c.exercises or ())})",
-                      f"    replay: {c.replay}"]
+            lines += [
+                f"{c.row} W={c.world_size}: {c.kind} ({c.where}; example {c.first_failure} "
+                f"failed, {how}{', intermittent' if c.intermittent else ''})",
+                f"    scenario: {c.summary} (exercises {', '.join(c.exercises or ())})",
+                f"    replay: {c.replay}",
+            ]
         if self.common:
             lines.append(f"every shrunk counterexample exercises: {', '.join(self.common)}")
         return lines
@@ -144,17 +153,23 @@ class Survey:
     def summary(self) -> str:
         f, b = self.counts("feature"), self.counts("battery")
         ran = sum(c.examples for c in self.cells)
-        return (f"survey {self.target}: features {f['ok']} ok, {f['fail']} FAIL, {f['declined']} "
-                f"declined, {f['n/a']} n/a; battery {b['ok']} pass, {b['fail']} FAIL, "
-                f"{b['declined']} declined; {ran} examples run, "
-                f"{features.exercised(self.features)}; wall {self.seconds:.1f} s")
+        return (
+            f"survey {self.target}: features {f['ok']} ok, {f['fail']} FAIL, {f['declined']} "
+            f"declined, {f['n/a']} n/a; battery {b['ok']} pass, {b['fail']} FAIL, "
+            f"{b['declined']} declined; {ran} examples run, "
+            f"{features.exercised(self.features)}; wall {self.seconds:.1f} s"
+        )
 
     def __str__(self) -> str:
         failures = self.failure_lines()
-        head = ("failures (each a proven counterexample; the replay line prints its divergence "
-                "table):" if failures else "failures: none")
-        return "\n".join([self.matrix(), "", head, *failures, "", self.battery_table(), "",
-                          self.summary()])
+        head = (
+            "failures (each a proven counterexample; the replay line prints its divergence table):"
+            if failures
+            else "failures: none"
+        )
+        return "\n".join(
+            [self.matrix(), "", head, *failures, "", self.battery_table(), "", self.summary()]
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for ``json``; :meth:`from_dict` reads it back."""
@@ -171,19 +186,34 @@ class Survey:
     def from_dict(cls, data: dict[str, Any]) -> Survey:
         names = {f.name for f in dataclasses.fields(Cell)}
         cells = [Cell(**{k: v for k, v in c.items() if k in names}) for c in data["cells"]]
-        return cls(data["target"], tuple(data["world_sizes"]), data["examples"], cells,
-                   set(data["features"]), data["seconds"], data.get("seed"),
-                   data.get("shrink_seconds", DEFAULT_SHRINK_SECONDS))
+        return cls(
+            data["target"],
+            tuple(data["world_sizes"]),
+            data["examples"],
+            cells,
+            set(data["features"]),
+            data["seconds"],
+            data.get("seed"),
+            data.get("shrink_seconds", DEFAULT_SHRINK_SECONDS),
+        )
 
 
 @interruptible
-def survey(target: Target, *, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
-           examples: int = DEFAULT_EXAMPLES, without: Iterable[str] = (),
-           deadline: float = DEFAULT_DEADLINE, seed: int | None = None,
-           shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
-           progress: Callable[[int, int, str, float], None] | None = None,
-           device: str = "cpu", backend: str | None = None,
-           only: Iterable[str] = (), fuzz_config: bool = False) -> Any:  # as assert_equivalent's
+def survey(
+    target: Target,
+    *,
+    world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
+    examples: int = DEFAULT_EXAMPLES,
+    without: Iterable[str] = (),
+    deadline: float = DEFAULT_DEADLINE,
+    seed: int | None = None,
+    shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
+    progress: Callable[[int, int, str, float], None] | None = None,
+    device: str = "cpu",
+    backend: str | None = None,
+    only: Iterable[str] = (),
+    fuzz_config: bool = False,
+) -> Any:  # as assert_equivalent's
     """Run the battery at every world size and ``examples`` random examples per (feature, world
     size), stopping nowhere; return the :class:`Survey` (``print`` it for the matrix).
 
@@ -197,15 +227,29 @@ def survey(target: Target, *, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
     ``fuzz_config=True``: the option x feature matrix instead (``runs.option_survey``: an
     ``OptionSurvey``), refused for a target with no ``config_space()``.
     """
-    request = admit(target, world_sizes=world_sizes, deadline=deadline, without=without,
-                    device=device, backend=backend, only=only, fuzz_config=fuzz_config)
-    return survey_admitted(request, examples=examples, seed=seed, shrink_seconds=shrink_seconds,
-                           progress=progress)
+    request = admit(
+        target,
+        world_sizes=world_sizes,
+        deadline=deadline,
+        without=without,
+        device=device,
+        backend=backend,
+        only=only,
+        fuzz_config=fuzz_config,
+    )
+    return survey_admitted(
+        request, examples=examples, seed=seed, shrink_seconds=shrink_seconds, progress=progress
+    )
 
 
-def survey_admitted(request: Request, *, examples: int = DEFAULT_EXAMPLES,
-                    seed: int | None = None, shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
-                    progress: Callable[[int, int, str, float], None] | None = None) -> Any:
+def survey_admitted(
+    request: Request,
+    *,
+    examples: int = DEFAULT_EXAMPLES,
+    seed: int | None = None,
+    shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
+    progress: Callable[[int, int, str, float], None] | None = None,
+) -> Any:
     """:func:`survey` of an admitted request (``runs.admission``): the command line's path."""
     check_positive_number("shrink_seconds", shrink_seconds)
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
@@ -213,33 +257,61 @@ def survey_admitted(request: Request, *, examples: int = DEFAULT_EXAMPLES,
     if request.fuzz_config:
         from ddpcheck._runs.option_survey import option_survey
 
-        return option_survey(request, examples=examples, seed=seed,
-                             shrink_seconds=shrink_seconds, progress=progress)
-    target, sizes, excluded, run = (request.target, request.world_sizes,
-                                    request.battery_without, request.run)
+        return option_survey(
+            request, examples=examples, seed=seed, shrink_seconds=shrink_seconds, progress=progress
+        )
+    target, sizes, excluded, run = (
+        request.target,
+        request.world_sizes,
+        request.battery_without,
+        request.run,
+    )
     unsupported = features.unsupported(target, excluded)
     started = time.perf_counter()
     exercised: set[str] = set()
     cells: list[Cell] = []
     focus = request.only  # only the rows that exercise one of these, when given
-    rows: list[tuple[str, str, Any]] = [("battery", name, sc) for name, sc in BATTERY
-                                        if not focus or features.of(sc) & focus]
-    rows += [("feature", feature, None) for feature in features.FEATURES
-             if not focus or feature in focus]
+    rows: list[tuple[str, str, Any]] = [
+        ("battery", name, sc) for name, sc in BATTERY if not focus or features.of(sc) & focus
+    ]
+    rows += [
+        ("feature", feature, None) for feature in features.FEATURES if not focus or feature in focus
+    ]
     for section, row, scenario in rows:
         for w in sizes:
             if progress is not None:
-                progress(len(cells), len(rows) * len(sizes), f"{row} W={w}",
-                         time.perf_counter() - started)
+                progress(
+                    len(cells),
+                    len(rows) * len(sizes),
+                    f"{row} W={w}",
+                    time.perf_counter() - started,
+                )
             if section == "battery":
                 cell = _battery_cell(target, row, scenario, w, excluded, run, exercised)
             else:
-                cell = _feature_cell(target, row, w, examples=examples, excluded=excluded,
-                                     unsupported=unsupported, run=run, seed=seed,
-                                     shrink_seconds=shrink_seconds, exercised=exercised)
+                cell = _feature_cell(
+                    target,
+                    row,
+                    w,
+                    examples=examples,
+                    excluded=excluded,
+                    unsupported=unsupported,
+                    run=run,
+                    seed=seed,
+                    shrink_seconds=shrink_seconds,
+                    exercised=exercised,
+                )
             cells.append(cell)
-    return Survey(target_spec(target), sizes, examples, cells, exercised,
-                  time.perf_counter() - started, seed, shrink_seconds)
+    return Survey(
+        target_spec(target),
+        sizes,
+        examples,
+        cells,
+        exercised,
+        time.perf_counter() - started,
+        seed,
+        shrink_seconds,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,8 +321,15 @@ def survey_admitted(request: Request, *, examples: int = DEFAULT_EXAMPLES,
 _REFERENCES: dict[str, Any] = {}
 
 
-def _battery_cell(target: Target, name: str, scenario: Any, world_size: int,
-                  excluded: frozenset[str], run: dict, exercised: set[str]) -> Cell:
+def _battery_cell(
+    target: Target,
+    name: str,
+    scenario: Any,
+    world_size: int,
+    excluded: frozenset[str],
+    run: dict,
+    exercised: set[str],
+) -> Cell:
     why = features.declines(target, scenario, world_size, excluded)
     if why is not None:
         return Cell("battery", name, world_size, "declined", reason=why)
@@ -259,14 +338,14 @@ def _battery_cell(target: Target, name: str, scenario: Any, world_size: int,
         _REFERENCES[key] = prepare_reference(scenario)
     started = time.perf_counter()
     try:
-        check_example(target, scenario, world_size, reference=_REFERENCES[key], name=name,
-                      **run)
+        check_example(target, scenario, world_size, reference=_REFERENCES[key], name=name, **run)
     except NothingChecked as exc:  # declined once running (a default hook cannot serve it)
         return Cell("battery", name, world_size, "declined", reason=str(exc))
     except EquivalenceError as error:
         exercised |= features.of(scenario, world_size)
-        return _failed(Cell("battery", name, world_size, "fail", 1, first_failure=1), error,
-                       started)
+        return _failed(
+            Cell("battery", name, world_size, "fail", 1, first_failure=1), error, started
+        )
     exercised |= features.of(scenario, world_size)
     return Cell("battery", name, world_size, "ok", 1, seconds=time.perf_counter() - started)
 
@@ -276,22 +355,39 @@ class _Abort(BaseException):
     failed): not an Exception, so Hypothesis neither shrinks nor replays it."""
 
 
-def _feature_cell(target: Target, feature: str, world_size: int, *, examples: int,
-                  excluded: frozenset[str], unsupported: frozenset[str], run: dict,
-                  seed: int | None, shrink_seconds: float, exercised: set[str]) -> Cell:
+def _feature_cell(
+    target: Target,
+    feature: str,
+    world_size: int,
+    *,
+    examples: int,
+    excluded: frozenset[str],
+    unsupported: frozenset[str],
+    run: dict,
+    seed: int | None,
+    shrink_seconds: float,
+    exercised: set[str],
+) -> Cell:
     cell = Cell("feature", feature, world_size, "ok")
     if not dst.can_exercise(feature, world_size):
         cell.status, cell.reason = "n/a", "one rank holds every sample: no example can exercise it"
         return cell
-    dtypes = ("float32",) if feature in dst.FLOAT32_ONLY else \
-        tuple(d for d in ("float64", "float32") if d not in unsupported)[:1]
+    dtypes = (
+        ("float32",)
+        if feature in dst.FLOAT32_ONLY
+        else tuple(d for d in ("float64", "float32") if d not in unsupported)[:1]
+    )
     if feature in unsupported or not dtypes:
         cell.status = "declined"
-        cell.reason = ("excluded with --without" if feature in excluded else
-                       f"opt-in: {type(target).__name__}.{features.OPT_IN[feature]} is not set"
-                       if feature in features.OPT_IN else
-                       features.why_unsupported(target, feature) if dtypes else
-                       f"{type(target).__name__} supports neither float64 nor float32")
+        cell.reason = (
+            "excluded with --without"
+            if feature in excluded
+            else f"opt-in: {type(target).__name__}.{features.OPT_IN[feature]} is not set"
+            if feature in features.OPT_IN
+            else features.why_unsupported(target, feature)
+            if dtypes
+            else f"{type(target).__name__} supports neither float64 nor float32"
+        )
         return cell
     started = time.perf_counter()
     strategy = dst.exercising(feature, world_size=world_size, dtypes=dtypes, without=unsupported)
@@ -301,9 +397,16 @@ def _feature_cell(target: Target, feature: str, world_size: int, *, examples: in
     shrinking_since: list[float] = []
     crash: list[BaseException] = []
 
-    @settings(max_examples=examples, deadline=None, database=None, print_blob=False,
-              report_multiple_bugs=False, suppress_health_check=list(HealthCheck),
-              phases=[Phase.generate, Phase.shrink], verbosity=Verbosity.quiet)
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        print_blob=False,
+        report_multiple_bugs=False,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.generate, Phase.shrink],
+        verbosity=Verbosity.quiet,
+    )
     @given(data=st.data())
     def one(data: Any) -> None:
         scenario = data.draw(strategy, label="scenario")  # first: the same draws every time
@@ -353,8 +456,7 @@ def _feature_cell(target: Target, feature: str, world_size: int, *, examples: in
         if crash:
             raise crash[0] from None
         if failed:
-            return _failed(cell, min(failed.values(), key=lambda e: len(repr(e.scenario))),
-                           started)
+            return _failed(cell, min(failed.values(), key=lambda e: len(repr(e.scenario))), started)
     except EquivalenceError as error:
         return _failed(cell, error, started)
     except FlakyFailure as flaky:  # failed, then passed when replayed: still a counterexample
@@ -369,17 +471,22 @@ def _feature_cell(target: Target, feature: str, world_size: int, *, examples: in
     if not cell.examples:  # no drawn example could run
         declined = {why: n for why, n in rejected.items() if why != "drawn without the feature"}
         cell.status = "declined" if declined else "n/a"
-        cell.reason = (max(declined, key=lambda why: declined[why]) if declined else
-                       "none of the drawn examples exercised it")
+        cell.reason = (
+            max(declined, key=lambda why: declined[why])
+            if declined
+            else "none of the drawn examples exercised it"
+        )
     cell.seconds = time.perf_counter() - started
     return cell
 
 
 def _failed(cell: Cell, error: Any, started: float) -> Cell:
     first = error.divergences[0]
-    where = [f"step {first.step}" if first.step != "-" else "",
-             f"rank {first.rank}" if first.rank is not None else "",
-             first.name if first.name not in ("-", None) else ""]
+    where = [
+        f"step {first.step}" if first.step != "-" else "",
+        f"rank {first.rank}" if first.rank is not None else "",
+        first.name if first.name not in ("-", None) else "",
+    ]
     cell.status, cell.kind, cell.where = "fail", error.kinds[0], ", ".join(filter(None, where))
     cell.scenario, cell.summary = repr(error.scenario), scenario_line(error.scenario)
     cell.replay, cell.seconds = error.replay, time.perf_counter() - started

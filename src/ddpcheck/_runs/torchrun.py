@@ -49,6 +49,7 @@ from ddpcheck.targets.protocol import Target
 
 __all__ = ["check_in_world", "init_world", "local_world_size", "under_torchrun"]
 
+
 def _gather_to_zero(obj: Any) -> list[Any]:
     """Every rank's ``obj`` on rank 0 (an empty list elsewhere), by pickle.
 
@@ -59,20 +60,22 @@ def _gather_to_zero(obj: Any) -> list[Any]:
     """
     device = this_rank()
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device)
-             for _ in range(dist.get_world_size())]
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
     # all-gather one int64 per rank (its record's byte count), so rank 0 can size the buffers
     dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
     longest = max(int(s) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[:data.numel()] = data
+    padded[: data.numel()] = data
     rank0 = dist.get_rank() == 0
-    received = ([torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
-                if rank0 else [])
+    received = (
+        [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes] if rank0 else []
+    )
     # gather every rank's pickled record on rank 0, which holds the reference and compares
     dist.gather(padded, received if rank0 else None, dst=0)
-    return [pickle.loads(bytes(buf[:int(n)].cpu().clone().untyped_storage()))
-            for buf, n in zip(received, sizes)]
+    return [
+        pickle.loads(bytes(buf[: int(n)].cpu().clone().untyped_storage()))
+        for buf, n in zip(received, sizes)
+    ]
 
 
 def _agree(status: int) -> int:
@@ -90,15 +93,19 @@ def _broadcast_bytes(data: bytes | None) -> bytes:
     size = torch.tensor([0 if data is None else len(data)], dtype=torch.int64, device=device)
     # broadcast the checkpoint's byte count from rank 0, so every rank can size the buffer
     dist.broadcast(size, src=0)
-    buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-              if data is not None else torch.empty(int(size), dtype=torch.uint8, device=device))
+    buffer = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        if data is not None
+        else torch.empty(int(size), dtype=torch.uint8, device=device)
+    )
     # broadcast rank 0's checkpoint to every rank: what a file on shared storage would carry
     dist.broadcast(buffer, src=0)
     return bytes(buffer.cpu().clone().untyped_storage())
 
 
-def _run_recorded(target: Target, scenario: Any, sequence_path: str, part: str = "whole",
-                  checkpoint: Any = None) -> tuple[tuple, str]:
+def _run_recorded(
+    target: Target, scenario: Any, sequence_path: str, part: str = "whole", checkpoint: Any = None
+) -> tuple[tuple, str]:
     """This rank's ``("ok", packed result)`` (its tensors on the CPU:
     ``ddpcheck._rank.transport``; the result of ``run_example(part=...)``) or
     ``("error", traceback)``, and its collective sequence."""
@@ -113,28 +120,50 @@ def _run_recorded(target: Target, scenario: Any, sequence_path: str, part: str =
         return outcome, f.read()
 
 
-def _judge(gathered: list, target: Target, scenario: Any, name: str, world_size: int,
-           **where: Any) -> Any:
+def _judge(
+    gathered: list, target: Target, scenario: Any, name: str, world_size: int, **where: Any
+) -> Any:
     """Rank 0: the EquivalenceError of one example, or None
     (``ddpcheck._runs.example.verdict``), or the outcome ddpcheck's own code raised in
     a rank; ``where``: the run's device and backend, for the replay line."""
     outcomes = [outcome for outcome, _ in gathered]
     if any(kind == "refused" for kind, _ in outcomes):
-        states = [RankState(r, Status.REFUSED if kind == "refused" else Status.RETURNED,
-                            text if kind == "refused" else "")
-                  for r, (kind, text) in enumerate(outcomes)]
+        states = [
+            RankState(
+                r,
+                Status.REFUSED if kind == "refused" else Status.RETURNED,
+                text if kind == "refused" else "",
+            )
+            for r, (kind, text) in enumerate(outcomes)
+        ]
         return WorldFailure(Failure.REFUSED, world_size, states, f"example {name}").refusal()
     if any(kind == "error" for kind, _ in outcomes):
-        states = [RankState(r, Status.RAISED, text) if kind == "error"
-                  else RankState(r, Status.RETURNED) for r, (kind, text) in enumerate(outcomes)]
+        states = [
+            RankState(r, Status.RAISED, text) if kind == "error" else RankState(r, Status.RETURNED)
+            for r, (kind, text) in enumerate(outcomes)
+        ]
         failure = WorldFailure(Failure.RAISED, world_size, states, f"example {name}")
         return verdict(target, scenario, world_size, failure=failure, name=name, **where)
-    return verdict(target, scenario, world_size, records=[unpack(value) for _, value in outcomes],
-                   sequences=[sequence for _, sequence in gathered], name=name, **where)
+    return verdict(
+        target,
+        scenario,
+        world_size,
+        records=[unpack(value) for _, value in outcomes],
+        sequences=[sequence for _, sequence in gathered],
+        name=name,
+        **where,
+    )
 
 
-def _example(target: Target, scenario: Any, name: str, world_size: int, rank: int,
-             sequence_path: str, **where: Any) -> Any:
+def _example(
+    target: Target,
+    scenario: Any,
+    name: str,
+    world_size: int,
+    rank: int,
+    sequence_path: str,
+    **where: Any,
+) -> Any:
     """Rank 0: the EquivalenceError of one example, ddpcheck's own outcome raised in a rank
     (:func:`_judge`), or None (other ranks: None). A scenario
     with ``checkpoint_after`` saves, then resumes in this same world. ``where``: the run's
@@ -148,24 +177,34 @@ def _example(target: Target, scenario: Any, name: str, world_size: int, rank: in
         return _judge(saved, target, scenario, name, world_size, **where) if rank == 0 else None
     before = [unpack(value) for (_, value), _ in saved]  # (record, bytes); none off rank 0
     checkpoint = _broadcast_bytes(before[0][1] if rank == 0 else None)
-    resumed = _gather_to_zero(_run_recorded(target, scenario, sequence_path, "resumed",
-                                            checkpoint))
+    resumed = _gather_to_zero(_run_recorded(target, scenario, sequence_path, "resumed", checkpoint))
     if rank != 0:
         return None
     if any(kind != "ok" for (kind, _), _ in resumed):
         return _judge(resumed, target, scenario, name, world_size, **where)
 
-    return verdict(target, scenario, world_size,
-                   records=([record for record, _ in before],
-                            [unpack(value) for (_, value), _ in resumed]),
-                   sequences=([text for _, text in saved], [text for _, text in resumed]),
-                   name=name, **where)
+    return verdict(
+        target,
+        scenario,
+        world_size,
+        records=([record for record, _ in before], [unpack(value) for (_, value), _ in resumed]),
+        sequences=([text for _, text in saved], [text for _, text in resumed]),
+        name=name,
+        **where,
+    )
 
 
-def check_in_world(target: Target, *, world_sizes: tuple[int, ...] | None, deadline: float,
-                   out: Any, without: frozenset[str] = frozenset(),
-                   only: frozenset[str] = frozenset(), device: str = "cpu",
-                   backend: str | None = None) -> int:
+def check_in_world(
+    target: Target,
+    *,
+    world_sizes: tuple[int, ...] | None,
+    deadline: float,
+    out: Any,
+    without: frozenset[str] = frozenset(),
+    only: frozenset[str] = frozenset(),
+    device: str = "cpu",
+    backend: str | None = None,
+) -> int:
     """Run the battery on torchrun's world; 0 all equivalent, 1 a counterexample (printed on
     rank 0 to ``out``), 2 a usage error (``world_sizes`` not containing torchrun's size), or the
     exit code of ddpcheck's own outcome raised in a rank (4: a framework target's glue failed).
@@ -174,13 +213,16 @@ def check_in_world(target: Target, *, world_sizes: tuple[int, ...] | None, deadl
     must not hang rank 0."""
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
-    say: Callable[[str], None] = ((lambda text: print(text, file=out, flush=True)) if rank == 0
-                                  else (lambda text: None))
+    say: Callable[[str], None] = (
+        (lambda text: print(text, file=out, flush=True)) if rank == 0 else (lambda text: None)
+    )
     init_world(device, backend, deadline)
     if world_sizes is not None and world_size not in world_sizes:
-        say(f"ddpcheck check: error: --world-sizes={','.join(map(str, world_sizes))} does not "
+        say(
+            f"ddpcheck check: error: --world-sizes={','.join(map(str, world_sizes))} does not "
             f"contain torchrun's world size {world_size}; under torchrun the world is the one "
-            "torchrun built (drop --world-sizes, or pass --nproc-per-node to match)")
+            "torchrun built (drop --world-sizes, or pass --nproc-per-node to match)"
+        )
         # barrier: torchrun stops every rank as soon as one exits with an error, so no rank
         # leaves before rank 0 has printed why
         dist.barrier()
@@ -196,13 +238,23 @@ def check_in_world(target: Target, *, world_sizes: tuple[int, ...] | None, deadl
                 if declines(target, scenario, world_size, without, only) is not None:
                     continue
                 if scenario.resume_world_size not in (None, world_size):
-                    say(f"skipped {name}: it resumes its checkpoint at world size "
-                        f"{scenario.resume_world_size}, and torchrun's world is {world_size}")
+                    say(
+                        f"skipped {name}: it resumes its checkpoint at world size "
+                        f"{scenario.resume_world_size}, and torchrun's world is {world_size}"
+                    )
                     continue
                 # every rank, before any collective: a malformed plan must not hang rank 0
                 check_batch_plans(target, scenario, world_size)
-                error = _example(target, scenario, name, world_size, rank, sequence_path,
-                                 device=device, backend=backend)
+                error = _example(
+                    target,
+                    scenario,
+                    name,
+                    world_size,
+                    rank,
+                    sequence_path,
+                    device=device,
+                    backend=backend,
+                )
                 status = 0
                 if isinstance(error, NothingChecked):  # declined in the ranks: not checked
                     say(f"skipped {name}: {error}")
@@ -216,8 +268,10 @@ def check_in_world(target: Target, *, world_sizes: tuple[int, ...] | None, deadl
                     return status
         finally:
             recorder.record_to(None)
-    say(f"ddpcheck check: {examples} examples equivalent in the torchrun world of {world_size} "
-        f"(backend {dist.get_backend()}{', device cuda' if device == 'cuda' else ''})")
+    say(
+        f"ddpcheck check: {examples} examples equivalent in the torchrun world of {world_size} "
+        f"(backend {dist.get_backend()}{', device cuda' if device == 'cuda' else ''})"
+    )
     return 0
 
 
@@ -229,10 +283,13 @@ def init_world(device: str, backend: str | None, deadline: float) -> str:
     placed = enter_rank(device, int(os.environ["LOCAL_RANK"]))
     if dist.is_initialized():
         if dist.get_backend() == "nccl" and device == "cpu":
-            raise InvalidArgument("the process group was initialised with nccl, which cannot "
-                                  "carry the CPU tensors of device 'cpu'; use --device cuda")
+            raise InvalidArgument(
+                "the process group was initialised with nccl, which cannot "
+                "carry the CPU tensors of device 'cpu'; use --device cuda"
+            )
         return dist.get_backend()
     nccl: dict[str, Any] = {"device_id": placed} if chosen == "nccl" else {}
-    dist.init_process_group(chosen, init_method="env://",
-                            timeout=datetime.timedelta(seconds=deadline), **nccl)
+    dist.init_process_group(
+        chosen, init_method="env://", timeout=datetime.timedelta(seconds=deadline), **nccl
+    )
     return chosen

@@ -53,13 +53,16 @@ class Stack(nn.Module):
 
 def stack_data(seed: int, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch, 256, generator=g, dtype=dtype),
-            torch.randn(batch, 256, generator=g, dtype=dtype))
+    return (
+        torch.randn(batch, 256, generator=g, dtype=dtype),
+        torch.randn(batch, 256, generator=g, dtype=dtype),
+    )
 
 
 #: The step ``ddpcheck trace`` records: several buckets, so overlap with backward is visible.
-TRACE_SCENARIO = Scenario(model=Stack, data=stack_data, dtype="float32", global_batch=64,
-                          steps=1, bucket_size_mb=1.0)
+TRACE_SCENARIO = Scenario(
+    model=Stack, data=stack_data, dtype="float32", global_batch=64, steps=1, bucket_size_mb=1.0
+)
 
 
 @dataclasses.dataclass
@@ -89,9 +92,21 @@ def record_step(target: Target, scenario: Scenario = TRACE_SCENARIO, warmup: int
         recorder.reset()
         phases.clear()
 
-    train(scenario, model, optimizer, target_loop(target, model, optimizer, scenario, rank,
-                                                  world_size, before_step=start_step,
-                                                  phases=phases))
+    train(
+        scenario,
+        model,
+        optimizer,
+        target_loop(
+            target,
+            model,
+            optimizer,
+            scenario,
+            rank,
+            world_size,
+            before_step=start_step,
+            phases=phases,
+        ),
+    )
     records = recorder.records()
     return RankTrace(rank, phases, records, _carries(model, module, records))
 
@@ -107,9 +122,15 @@ def _carries(model: Any, module: nn.Module, records: list[recorder.Collective]) 
     out, next_bucket = [], 0
     for c in records:
         label = ""
-        if (not label and next_bucket < len(buckets) and c.op == "all_reduce" and c.async_op
-                and c.dtypes and c.dtypes[0].startswith(("float", "bfloat"))
-                and c.nbytes == buckets[next_bucket][0]):
+        if (
+            not label
+            and next_bucket < len(buckets)
+            and c.op == "all_reduce"
+            and c.async_op
+            and c.dtypes
+            and c.dtypes[0].startswith(("float", "bfloat"))
+            and c.nbytes == buckets[next_bucket][0]
+        ):
             label = buckets[next_bucket][1]
             next_bucket += 1
         out.append(label)
@@ -128,8 +149,10 @@ def overlap(trace: RankTrace) -> tuple[float, float] | None:
 
 def chrome_trace(traces: list[RankTrace], title: str = "") -> dict[str, Any]:
     """The Chrome trace format (JSON object form) of one step on every rank; times in µs."""
-    origin = min([p[1] for t in traces for p in t.phases]
-                 + [c.launched for t in traces for c in t.collectives])
+    origin = min(
+        [p[1] for t in traces for p in t.phases]
+        + [c.launched for t in traces for c in t.collectives]
+    )
 
     def us(seconds: float) -> float:
         return round((seconds - origin) * 1e6, 3)
@@ -138,29 +161,55 @@ def chrome_trace(traces: list[RankTrace], title: str = "") -> dict[str, Any]:
     flow_id = 0
     for t in traces:
         pid = t.rank
-        events.append({"ph": "M", "name": "process_name", "pid": pid,
-                       "args": {"name": f"rank {t.rank}"}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": pid,
-                       "args": {"sort_index": t.rank}})
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 0,
-                       "args": {"name": "step"}})
+        events.append(
+            {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"rank {t.rank}"}}
+        )
+        events.append(
+            {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": t.rank}}
+        )
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "step"}}
+        )
         for name, start, end in t.phases:
-            events.append({"ph": "X", "name": name, "cat": "phase", "pid": pid, "tid": 0,
-                           "ts": us(start), "dur": max(us(end) - us(start), 0.001)})
+            events.append(
+                {
+                    "ph": "X",
+                    "name": name,
+                    "cat": "phase",
+                    "pid": pid,
+                    "tid": 0,
+                    "ts": us(start),
+                    "dur": max(us(end) - us(start), 0.001),
+                }
+            )
         lanes: list[float] = []  # per lane: when its last collective completed
         for c, carries in zip(t.collectives, t.carries):
             end = c.completed if c.completed is not None else c.launched
             lane = next((i for i, free in enumerate(lanes) if free <= c.launched), len(lanes))
             if lane == len(lanes):
                 lanes.append(end)
-                events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": lane + 1,
-                               "args": {"name": f"collectives {lane}" if lane else "collectives"}})
+                events.append(
+                    {
+                        "ph": "M",
+                        "name": "thread_name",
+                        "pid": pid,
+                        "tid": lane + 1,
+                        "args": {"name": f"collectives {lane}" if lane else "collectives"},
+                    }
+                )
             lanes[lane] = end
-            args = {"bytes": c.nbytes, "dtype": "/".join(sorted(set(c.dtypes))),
-                    "shapes": [list(s) for s in c.shapes], "async": c.async_op,
-                    "carries": carries or "(unknown)"}
-            for key, value in (("reduce_op", c.reduce_op), ("root", c.root),
-                               ("group", list(c.group) if c.group is not None else None)):
+            args = {
+                "bytes": c.nbytes,
+                "dtype": "/".join(sorted(set(c.dtypes))),
+                "shapes": [list(s) for s in c.shapes],
+                "async": c.async_op,
+                "carries": carries or "(unknown)",
+            }
+            for key, value in (
+                ("reduce_op", c.reduce_op),
+                ("root", c.root),
+                ("group", list(c.group) if c.group is not None else None),
+            ):
                 if value is not None:
                     args[key] = value
             if c.waited is not None:
@@ -168,14 +217,45 @@ def chrome_trace(traces: list[RankTrace], title: str = "") -> dict[str, Any]:
             if c.completed is None:
                 args["completed"] = "never waited for"
             name = c.op + (f" {carries.split(':')[0]}" if carries.startswith("bucket") else "")
-            events.append({"ph": "X", "name": name, "cat": "collective", "pid": pid,
-                           "tid": lane + 1, "ts": us(c.launched),
-                           "dur": max(us(end) - us(c.launched), 0.001), "args": args})
+            events.append(
+                {
+                    "ph": "X",
+                    "name": name,
+                    "cat": "collective",
+                    "pid": pid,
+                    "tid": lane + 1,
+                    "ts": us(c.launched),
+                    "dur": max(us(end) - us(c.launched), 0.001),
+                    "args": args,
+                }
+            )
             if c.async_op and c.waited is not None:
                 flow_id += 1
-                events.append({"ph": "s", "name": "wait", "cat": "flow", "id": flow_id,
-                               "pid": pid, "tid": lane + 1, "ts": us(c.launched)})
-                events.append({"ph": "f", "bp": "e", "name": "wait", "cat": "flow",
-                               "id": flow_id, "pid": pid, "tid": 0, "ts": us(c.waited)})
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"title": title, "clock": "perf_counter (CLOCK_MONOTONIC)"}}
+                events.append(
+                    {
+                        "ph": "s",
+                        "name": "wait",
+                        "cat": "flow",
+                        "id": flow_id,
+                        "pid": pid,
+                        "tid": lane + 1,
+                        "ts": us(c.launched),
+                    }
+                )
+                events.append(
+                    {
+                        "ph": "f",
+                        "bp": "e",
+                        "name": "wait",
+                        "cat": "flow",
+                        "id": flow_id,
+                        "pid": pid,
+                        "tid": 0,
+                        "ts": us(c.waited),
+                    }
+                )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"title": title, "clock": "perf_counter (CLOCK_MONOTONIC)"},
+    }

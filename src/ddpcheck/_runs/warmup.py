@@ -32,8 +32,7 @@ from ddpcheck.targets import Target
 __all__ = ["needed", "warm_up"]
 
 #: world -> (its ranks' pids when they warmed up, the warm_up functions they ran)
-_DONE: weakref.WeakKeyDictionary[World, tuple[tuple[int, ...], set]] = (
-    weakref.WeakKeyDictionary())
+_DONE: weakref.WeakKeyDictionary[World, tuple[tuple[int, ...], set]] = weakref.WeakKeyDictionary()
 
 
 def warm_up(world: World, target: Target) -> None:
@@ -51,15 +50,17 @@ def warm_up(world: World, target: Target) -> None:
         raise SetupError(
             f"{name}.warm_up -- what its framework does once per rank process, such as building "
             f"its C++ ops -- failed; nothing was checked. A failure there is the set-up's, never "
-            f"a verdict on the target.\n{failure}") from None
+            f"a verdict on the target.\n{failure}"
+        ) from None
     pids, done = _DONE.get(world, ((), set()))
     if pids != tuple(world.pids):  # replaced since: what its old ranks ran is gone
         done = set()
     _DONE[world] = (tuple(world.pids), done | {hook})
 
 
-def needed(target: Target, world_size: int, *, device: str = "cpu",
-           backend: str | None = None) -> bool:
+def needed(
+    target: Target, world_size: int, *, device: str = "cpu", backend: str | None = None
+) -> bool:
     """Would an example of ``target`` in the persistent world of ``world_size`` wait for a
     warm-up first? Never for a target without ``warm_up``; True when its world cannot start
     (launching it says why)."""

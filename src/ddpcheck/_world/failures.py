@@ -63,7 +63,7 @@ class RankState:
             "stuck": f"rank {self.rank}: did not return in time; it was here:",
             "working": f"rank {self.rank}: still working when the wait ended; it was here:",
             "unfit": f"rank {self.rank}: returned, but left what later code computes changed: "
-                     f"{self.detail}",
+            f"{self.detail}",
             "refused": f"rank {self.rank}: ddpcheck refused the task: {self.detail}",
         }[self.status]
         body = "" if self.status in ("returned", "exited", "unfit", "refused") else self.detail
@@ -95,10 +95,19 @@ class WorldFailure(DdpcheckError):
     ddpcheck put right (``World.notes``).
     """
 
-    def __init__(self, kind: Failure | str, world_size: int, ranks: list[RankState], what: str,
-                 disagreement: Any = None, collectives: str = "", *,
-                 results: list[Any] | None = None, notes: tuple[str, ...] = (),
-                 slowness: str = ""):
+    def __init__(
+        self,
+        kind: Failure | str,
+        world_size: int,
+        ranks: list[RankState],
+        what: str,
+        disagreement: Any = None,
+        collectives: str = "",
+        *,
+        results: list[Any] | None = None,
+        notes: tuple[str, ...] = (),
+        slowness: str = "",
+    ):
         self.kind = Failure(kind)
         self.world_size = world_size
         self.ranks = ranks
@@ -118,8 +127,9 @@ class WorldFailure(DdpcheckError):
         nothing where the others did)."""
         if self.kind == "mismatch" and self.disagreement is not None:
             return self.disagreement.deviants
-        for status in ("exited", "raised", "refused") + (("unfit",) if self.kind == "contaminated"
-                                                         else ()):
+        for status in ("exited", "raised", "refused") + (
+            ("unfit",) if self.kind == "contaminated" else ()
+        ):
             bad = [s.rank for s in self.ranks if s.status == status]
             if bad:
                 return bad
@@ -143,13 +153,15 @@ class WorldFailure(DdpcheckError):
             "exited": "a rank process exited",
             "timeout": "the deadline passed with the ranks waiting",
             "slow": f"not finished: {self.slowness} -- too slow for the deadline on this "
-                    "machine, not hung",
+            "machine, not hung",
             "mismatch": "the ranks issued mismatched collectives",
             "contaminated": "a rank left a change that alters what later code computes",
             "refused": "ddpcheck refused the task in the ranks",
         }[self.kind]
-        lines = [f"{self.what} failed in a world of {self.world_size}: {verdict} "
-                 f"(guilty rank(s): {', '.join(map(str, self.guilty))})"]
+        lines = [
+            f"{self.what} failed in a world of {self.world_size}: {verdict} "
+            f"(guilty rank(s): {', '.join(map(str, self.guilty))})"
+        ]
         if self.disagreement is not None:
             lines.append(self.disagreement.describe())
         elif self.collectives:
@@ -165,12 +177,12 @@ class WorldFailure(DdpcheckError):
             del seen[(state.status, state.detail)]
             text = state.describe()
             if len(ranks) > 1:
-                text = text.replace(f"rank {state.rank}:",
-                                    f"ranks {', '.join(map(str, ranks))}:", 1)
+                text = text.replace(
+                    f"rank {state.rank}:", f"ranks {', '.join(map(str, ranks))}:", 1
+                )
             lines.append(text)
         return "\n".join(lines)
 
 
 def _indent(text: str, prefix: str = "    ") -> str:
     return "\n".join(prefix + line for line in text.rstrip().splitlines())
-

@@ -31,8 +31,16 @@ from ddpcheck._world import interrupts
 from ddpcheck._world.failures import WorldStartError
 from ddpcheck._world.processes import environment
 
-__all__ = ["PRELOAD", "booting", "forked", "leftovers", "parent_of_ranks", "start_method",
-           "stop", "wait_ready"]
+__all__ = [
+    "PRELOAD",
+    "booting",
+    "forked",
+    "leftovers",
+    "parent_of_ranks",
+    "start_method",
+    "stop",
+    "wait_ready",
+]
 
 #: The module the fork server imports before it forks any rank.
 PRELOAD = "ddpcheck._rank.preload"
@@ -57,8 +65,10 @@ def start_method(warnings: str | None = None) -> str:
     to be had: not Linux (macOS has the start method, but forking after torch's import is why
     CPython spawns there), or a fork server someone else started in this process."""
     global _started_pid, _has_forked, _ready_path, _starts
-    if not sys.platform.startswith("linux") or \
-            "forkserver" not in multiprocessing.get_all_start_methods():
+    if (
+        not sys.platform.startswith("linux")
+        or "forkserver" not in multiprocessing.get_all_start_methods()
+    ):
         return "spawn"
     with _LOCK:
         running = _running_pid()
@@ -77,8 +87,12 @@ def start_method(warnings: str | None = None) -> str:
             # forks prints where the caller's do; a rank's goes to its log (``preload``). It
             # starts with SIGINT blocked, then ignores it (``preload``; the server itself
             # ignores it only after its imports).
-            with interrupts.blocked_for_children(), environment(**{READY_ENV: ready}, **(
-                    {"PYTHONWARNINGS": warnings} if warnings else {})):
+            with (
+                interrupts.blocked_for_children(),
+                environment(
+                    **{READY_ENV: ready}, **({"PYTHONWARNINGS": warnings} if warnings else {})
+                ),
+            ):
                 forkserver.ensure_running()  # at once if it runs; restarted if it died
             if _running_pid() != running:  # started (again) just now
                 _has_forked, _ready_path = False, ready
@@ -95,11 +109,14 @@ def wait_ready(deadline: float) -> None:
     end = time.monotonic() + deadline
     while not os.path.exists(_ready_path):
         if not _alive(_started_pid):
-            raise WorldStartError("ddpcheck's fork server exited while importing torch; its "
-                                  "output is above")
+            raise WorldStartError(
+                "ddpcheck's fork server exited while importing torch; its output is above"
+            )
         if time.monotonic() > end:
-            raise WorldStartError(f"ddpcheck's fork server did not import torch within "
-                                  f"{deadline:.0f} s; nothing was checked")
+            raise WorldStartError(
+                f"ddpcheck's fork server did not import torch within "
+                f"{deadline:.0f} s; nothing was checked"
+            )
         time.sleep(0.01)
 
 
@@ -114,8 +131,11 @@ def _alive(pid: int | None) -> bool:
 def booting() -> bool:
     """True from the start of ddpcheck's fork server until it has imported torch (or forked a
     rank): forking waits for those imports (~2.5 s), so a world launched now would block."""
-    return _started_pid is not None and not _has_forked and not (
-        _ready_path is not None and os.path.exists(_ready_path))
+    return (
+        _started_pid is not None
+        and not _has_forked
+        and not (_ready_path is not None and os.path.exists(_ready_path))
+    )
 
 
 def forked() -> None:

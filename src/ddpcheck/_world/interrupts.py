@@ -146,8 +146,10 @@ def insisting() -> Iterator[Insistent | None]:
     same ``KeyboardInterrupt``, raised again if it was lost. A caller's own handler, an ignored
     SIGINT, another thread, or an :class:`Insistent` in place already (the command line's, an
     entry point's inside another) are left as they are: then None."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         yield None
         return
     insistent = Insistent()

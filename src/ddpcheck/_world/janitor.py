@@ -44,12 +44,23 @@ class Janitor:
         self._write_end: int | None = write_end  # None once released
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", os.path.abspath(__file__), str(read_end), world_dir,
-                 *also],
+                [
+                    sys.executable,
+                    "-I",
+                    "-S",
+                    os.path.abspath(__file__),
+                    str(read_end),
+                    world_dir,
+                    *also,
+                ],
                 # No stdio of ours: a caller reading our stdout/stderr to EOF must not wait for
                 # the janitor.
-                pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, start_new_session=True)
+                pass_fds=(read_end,),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         except BaseException:
             os.close(write_end)
             raise

@@ -21,9 +21,20 @@ from ddpcheck._rank.boundary import Answer
 from ddpcheck._rank.serve import NESTED_MARKER, WORLD_DIR_ENV, world_dir_of
 from ddpcheck._world.failures import WorldStartError
 
-__all__ = ["check_main_module_importable", "dump_stacks", "environment", "exit_description",
-           "kill_group", "output_to", "pickle_task", "read", "receive", "refuse_nested_start",
-           "tail", "trim_dump"]
+__all__ = [
+    "check_main_module_importable",
+    "dump_stacks",
+    "environment",
+    "exit_description",
+    "kill_group",
+    "output_to",
+    "pickle_task",
+    "read",
+    "receive",
+    "refuse_nested_start",
+    "tail",
+    "trim_dump",
+]
 
 
 def trim_dump(dump: str) -> str:
@@ -107,8 +118,10 @@ def refuse_nested_start() -> None:
             open(os.path.join(world_dir, NESTED_MARKER), "a").close()
         finally:
             os._exit(3)
-    raise WorldStartError("a ddpcheck world cannot be started from inside a ddpcheck rank "
-                          "process (a target or task called ddpcheck)")
+    raise WorldStartError(
+        "a ddpcheck world cannot be started from inside a ddpcheck rank "
+        "process (a target or task called ddpcheck)"
+    )
 
 
 def check_main_module_importable() -> None:
@@ -120,7 +133,8 @@ def check_main_module_importable() -> None:
         raise WorldStartError(
             f"the main module {path!r} is not a file, so spawned ranks cannot import it; run "
             "your code from a file or with `python -m`, and define targets in an importable "
-            "module")
+            "module"
+        )
 
 
 def pickle_task(fn: Callable[..., Any], args: tuple, paths: list[str] | None = None) -> bytes:
@@ -134,7 +148,8 @@ def pickle_task(fn: Callable[..., Any], args: tuple, paths: list[str] | None = N
             f"cannot send {fn!r} with its arguments to the rank processes: {exc}. Everything a "
             "world runs travels by pickle, so functions, targets and model factories must be "
             "defined at module level of an importable module (not inside a function, not a "
-            "lambda, not in __main__ of an interactive session)") from exc
+            "lambda, not in __main__ of an interactive session)"
+        ) from exc
     return pickle.dumps((paths or [], task), protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -199,8 +214,10 @@ def _crashing_thread(dump: list[str]) -> list[str]:
     while kept and not kept[-1].strip():
         kept.pop()
     if others:
-        kept.append(f"(the stack{'s' if others > 1 else ''} of {others} other "
-                    f"thread{'s' if others > 1 else ''} left out)")
+        kept.append(
+            f"(the stack{'s' if others > 1 else ''} of {others} other "
+            f"thread{'s' if others > 1 else ''} left out)"
+        )
     return kept
 
 

@@ -128,8 +128,12 @@ class Overtime:
     Where the kernel says nothing (:func:`read` is None) the deadline alone decides.
     """
 
-    def __init__(self, deadline: float, started: float,
-                 measure: Callable[[set[int]], tuple[Reading | None, int]]):
+    def __init__(
+        self,
+        deadline: float,
+        started: float,
+        measure: Callable[[set[int]], tuple[Reading | None, int]],
+    ):
         self.deadline, self.started = deadline, started
         self._measure = measure  # pending ranks -> (a reading, collectives issued so far)
         self._first: Reading | None = None  # at the deadline
@@ -160,6 +164,8 @@ class Overtime:
 
     def describe(self, now: float) -> str:
         """How long the wait went on and what the ranks did meanwhile (a ``"slow"`` end)."""
-        return (f"its ranks were still working {now - self.started:.0f} s after it started (the "
-                f"deadline: {self.deadline:g} s; the busiest rank used {self.worked():.1f} s of "
-                "CPU after it passed)")
+        return (
+            f"its ranks were still working {now - self.started:.0f} s after it started (the "
+            f"deadline: {self.deadline:g} s; the busiest rank used {self.worked():.1f} s of "
+            "CPU after it passed)"
+        )

@@ -22,15 +22,17 @@ _WORLDS: dict[tuple, World] = {}
 _LOCK = threading.Lock()
 
 
-def get_world(world_size: int, *, backend: str | None = None, device: str = "cpu",
-              start_method: str = "auto") -> World:
+def get_world(
+    world_size: int, *, backend: str | None = None, device: str = "cpu", start_method: str = "auto"
+) -> World:
     """The persistent world of this size on ``device`` ("cpu" or "cuda"), spawned on first use
     and after a failure; a CUDA world is never handed out for CPU examples, nor the reverse."""
     return _registered(world_size, backend, device, start_method).start()
 
 
-def launch_worlds(world_sizes: Iterable[int], *, backend: str | None = None,
-                  device: str = "cpu") -> None:
+def launch_worlds(
+    world_sizes: Iterable[int], *, backend: str | None = None, device: str = "cpu"
+) -> None:
     """Launch the persistent worlds of these sizes that are not running yet, without waiting:
     they boot side by side, while this process goes on (``World.launch``). While ddpcheck's fork
     server is still importing torch (``forking``), launching is starting it: a world forks its

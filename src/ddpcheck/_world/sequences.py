@@ -38,10 +38,20 @@ def parse(text: str) -> list[Collective]:
             op, dtypes, shapes, root, group, reduce_op, *site = ast.literal_eval(line)
         except (ValueError, SyntaxError, TypeError):
             continue
-        out.append(Collective(op=op, nbytes=0, dtypes=tuple(dtypes),
-                              shapes=tuple(tuple(s) for s in shapes), root=root,
-                              group=None if group is None else tuple(group), reduce_op=reduce_op,
-                              async_op=False, launched=0.0, site=site[0] if site else ""))
+        out.append(
+            Collective(
+                op=op,
+                nbytes=0,
+                dtypes=tuple(dtypes),
+                shapes=tuple(tuple(s) for s in shapes),
+                root=root,
+                group=None if group is None else tuple(group),
+                reduce_op=reduce_op,
+                async_op=False,
+                launched=0.0,
+                site=site[0] if site else "",
+            )
+        )
     return out
 
 
@@ -89,15 +99,18 @@ class Disagreement:
         lines = [f"first collective where {verdict}: index {self.index} on {where}"]
         for rank, entry in sorted(self.entries.items()):
             if entry is None:
-                lines.append(f"    rank {rank} issued nothing at index {self.index} "
-                             f"(it issued {self.lengths[rank]} collectives on {where})")
+                lines.append(
+                    f"    rank {rank} issued nothing at index {self.index} "
+                    f"(it issued {self.lengths[rank]} collectives on {where})"
+                )
             else:
                 lines.append(f"    rank {rank}: {entry.brief()}")
         return "\n".join(lines)
 
 
-def diagnose(sequences: Sequence[Sequence[Collective]],
-             finished: Iterable[int] = ()) -> Disagreement | None:
+def diagnose(
+    sequences: Sequence[Sequence[Collective]], finished: Iterable[int] = ()
+) -> Disagreement | None:
     """The first disagreement between the ranks' sequences (rank r's at ``sequences[r]``)."""
     world = len(sequences)
     by_group: dict[tuple[int, ...] | None, dict[int, list[Collective]]] = {None: {}}
@@ -116,8 +129,9 @@ def diagnose(sequences: Sequence[Sequence[Collective]],
         for i in range(longest):
             entries = {r: s[i] if i < len(s) else None for r, s in seqs.items()}
             if len({None if c is None else c.signature() for c in entries.values()}) > 1:
-                found.append(Disagreement(i, group, entries, {r: len(s) for r, s in seqs.items()},
-                                          done))
+                found.append(
+                    Disagreement(i, group, entries, {r: len(s) for r, s in seqs.items()}, done)
+                )
                 break
     if not found:
         return None
@@ -131,5 +145,7 @@ def agreement_summary(sequences: Sequence[Sequence[Collective]]) -> str:
     if not any(lengths):
         return "no rank issued a collective through torch.distributed's Python API"
     longest = max(range(len(sequences)), key=lambda r: lengths[r])
-    return (f"every rank issued the same {lengths[longest]} collectives; the last was "
-            f"index {lengths[longest] - 1}: {sequences[longest][-1].brief()}")
+    return (
+        f"every rank issued the same {lengths[longest]} collectives; the last was "
+        f"index {lengths[longest] - 1}: {sequences[longest][-1].brief()}"
+    )

@@ -127,14 +127,21 @@ class World:
     default group. Not thread-safe: one ``run`` at a time.
     """
 
-    def __init__(self, world_size: int, *, backend: str | None = None, device: str = "cpu",
-                 start_method: str = "auto"):
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        backend: str | None = None,
+        device: str = "cpu",
+        start_method: str = "auto",
+    ):
         check_world_size("world_size", world_size)
         if start_method not in ("auto", "spawn", "forkserver"):
             raise InvalidArgument(
                 f"start_method={start_method!r} is not supported; use 'auto' (ddpcheck's fork "
                 "server where it can run one, else spawn: _world.forking), 'spawn' or "
-                "'forkserver' (fork is unsafe once torch has started threads)")
+                "'forkserver' (fork is unsafe once torch has started threads)"
+            )
         self.world_size = world_size
         self.device = check_device(device)  # every rank computes there (_base.devices)
         self.backend = backend_for(device, backend)
@@ -214,8 +221,13 @@ class World:
         self._procs, self._conns = [], []
         self._logs = [os.path.join(self._dir, f"rank{r}.log") for r in range(self.world_size)]
         self._stacks = [os.path.join(self._dir, f"rank{r}.stack") for r in range(self.world_size)]
-        self._sequences = [[sequence_file(os.path.join(self._dir, f"rank{r}.collectives"), slot)
-                            for r in range(self.world_size)] for slot in range(SEQUENCE_SLOTS)]
+        self._sequences = [
+            [
+                sequence_file(os.path.join(self._dir, f"rank{r}.collectives"), slot)
+                for r in range(self.world_size)
+            ]
+            for slot in range(SEQUENCE_SLOTS)
+        ]
         self._emptying = [None] * SEQUENCE_SLOTS  # a killed world's files are gone with it
         try:
             if self.start_method == "forkserver":  # asked for: whoever's server it is
@@ -245,14 +257,17 @@ class World:
             self._collect("world start-up", max(end - time.monotonic(), 1.0), starting=True)
         except WorldFailure as failure:  # not the target's fault: the environment's
             self.kill()
-            raise WorldStartError(f"could not start a world of {self.world_size} ranks; "
-                                  f"nothing was checked.\n{failure}") from None
+            raise WorldStartError(
+                f"could not start a world of {self.world_size} ranks; "
+                f"nothing was checked.\n{failure}"
+            ) from None
         except BaseException:
             self.kill()
             raise
 
-    def _spawn(self, ctx: Any, store_path: str, method: str, world_dir: str,
-               janitor: Janitor) -> None:
+    def _spawn(
+        self, ctx: Any, store_path: str, method: str, world_dir: str, janitor: Janitor
+    ) -> None:
         # multiprocessing's helper processes inherit our stdout: start them before redirecting.
         resource_tracker.ensure_running()
         forked = method == "forkserver"
@@ -262,9 +277,21 @@ class World:
             proc = ctx.Process(
                 target=rank_main,
                 name=rank_name(rank, self.world_size, world_dir),
-                args=(Launch(rank, self.world_size, self.backend, store_path, self._logs[rank],
-                             self._stacks[rank], parent_pid, self._sequences[0][rank],
-                             self.device, dict(os.environ) if forked else None), child_end),
+                args=(
+                    Launch(
+                        rank,
+                        self.world_size,
+                        self.backend,
+                        store_path,
+                        self._logs[rank],
+                        self._stacks[rank],
+                        parent_pid,
+                        self._sequences[0][rank],
+                        self.device,
+                        dict(os.environ) if forked else None,
+                    ),
+                    child_end,
+                ),
                 daemon=True,
             )
             with output_to(self._logs[rank]), interrupts.blocked_for_children():
@@ -321,8 +348,13 @@ class World:
 
     # -- running work ------------------------------------------------------------------------
 
-    def run(self, fn: Callable[..., Any], *args: Any, deadline: float = DEFAULT_DEADLINE,
-            what: str | None = None) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        deadline: float = DEFAULT_DEADLINE,
+        what: str | None = None,
+    ) -> list[Any]:
         """Run ``fn(*args)`` on every rank; return the per-rank results, rank 0 first.
 
         ``fn`` and ``args`` travel by pickle, so ``fn`` must be defined at module level of an
@@ -330,8 +362,13 @@ class World:
         """
         return self.submit(fn, *args, deadline=deadline, what=what).collect()
 
-    def submit(self, fn: Callable[..., Any], *args: Any, deadline: float = DEFAULT_DEADLINE,
-               what: str | None = None) -> Pending:
+    def submit(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        deadline: float = DEFAULT_DEADLINE,
+        what: str | None = None,
+    ) -> Pending:
         """Start ``fn(*args)`` on every rank and return at once; :meth:`Pending.collect` waits
         for the results (the deadline counts from here). Meanwhile this process is free -- the
         oracle computes its reference while the ranks train.
@@ -346,8 +383,9 @@ class World:
         check_deadline("deadline", deadline)
         queued = bool(self._in_flight)  # behind the running task: the world is alive and busy
         if queued and len(self._in_flight) >= SEQUENCE_SLOTS:
-            raise RuntimeError(f"{self!r} runs one task and queues one: collect before "
-                               "submitting a third")
+            raise RuntimeError(
+                f"{self!r} runs one task and queues one: collect before submitting a third"
+            )
         if not queued and self._alive and any(p.exitcode is not None for p in self._procs):
             # A rank died *between* tasks (gloo's teardown race can SIGABRT an idle rank, see
             # docs/platform.md): no task of ours was running, so blame none -- start afresh.
@@ -369,8 +407,9 @@ class World:
                 open(path, "w").close()
         return self._send_task(payload, fn, deadline, what)
 
-    def _send_task(self, payload: bytes, fn: Callable[..., Any], deadline: float,
-                   what: str | None) -> Pending:
+    def _send_task(
+        self, payload: bytes, fn: Callable[..., Any], deadline: float, what: str | None
+    ) -> Pending:
         slot = self._runs % SEQUENCE_SLOTS
         self._runs += 1
         # Empty, before any rank starts this task: a slow rank's file must not show an earlier
@@ -380,8 +419,13 @@ class World:
             emptying.result()
         else:
             _empty(self._sequences[slot])
-        pending = Pending(self, what or str(getattr(fn, "__qualname__", repr(fn))), deadline, slot,
-                          started=not self._in_flight)
+        pending = Pending(
+            self,
+            what or str(getattr(fn, "__qualname__", repr(fn))),
+            deadline,
+            slot,
+            started=not self._in_flight,
+        )
         try:
             for conn in self._conns:
                 conn.send_bytes(payload + slot.to_bytes(1, "little"))
@@ -412,8 +456,12 @@ class World:
         queued behind it starts now: its deadline counts from here."""
         self.notes, self.unfit, self._last_sequences = (), {}, []
         try:
-            return self._collect(pending.what, max(pending.end - time.monotonic(), 0.0),
-                                 slot=pending.slot, allowed=pending.deadline)
+            return self._collect(
+                pending.what,
+                max(pending.end - time.monotonic(), 0.0),
+                slot=pending.slot,
+                allowed=pending.deadline,
+            )
         except WorldFailure:
             raise
         except BaseException:  # Ctrl-C: ranks are mid-task, never reuse them
@@ -425,8 +473,14 @@ class World:
                 for queued in self._in_flight:
                     queued.start_clock()
 
-    def _collect(self, what: str, deadline: float, starting: bool = False,
-                 slot: int = 0, allowed: float | None = None) -> list[Any]:
+    def _collect(
+        self,
+        what: str,
+        deadline: float,
+        starting: bool = False,
+        slot: int = 0,
+        allowed: float | None = None,
+    ) -> list[Any]:
         """Wait for one message from every rank, or fail with every rank's state.
 
         While waiting, the sequence files are watched for a collective that cannot complete
@@ -446,8 +500,11 @@ class World:
         replacing = False  # a rank's process cannot be put right: replace the world afterwards
         # past the deadline: hung, or working on a slow or loaded machine? (progress)
         # (``allowed``: the task's whole deadline, of which a queued task has ``deadline`` left)
-        overtime = progress.Overtime(deadline if allowed is None else allowed, started,
-                                     lambda ranks: self._progress(ranks, slot))
+        overtime = progress.Overtime(
+            deadline if allowed is None else allowed,
+            started,
+            lambda ranks: self._progress(ranks, slot),
+        )
         while pending:
             limit = end if failed_at is None else min(end, failed_at + FAILURE_GRACE)
             watching = not starting and kind is None
@@ -462,8 +519,9 @@ class World:
                     break
                 end = decided  # still working: wait on, the answers still collected meanwhile
                 continue
-            waitables = ([self._conns[r] for r in pending]
-                         + [self._procs[r].sentinel for r in pending])
+            waitables = [self._conns[r] for r in pending] + [
+                self._procs[r].sentinel for r in pending
+            ]
             with released():
                 ready = _wait_any(waitables, max(timeout, 0.0))
             for rank in sorted(pending):
@@ -474,9 +532,12 @@ class World:
                         proc.join(1.0)
                         if starting:
                             self._refuse_if_nested()
-                        states[rank] = RankState(rank, Status.EXITED,
-                                                 exit_description(proc.exitcode),
-                                                 log_tail=tail(self._logs[rank]))
+                        states[rank] = RankState(
+                            rank,
+                            Status.EXITED,
+                            exit_description(proc.exitcode),
+                            log_tail=tail(self._logs[rank]),
+                        )
                         kind = kind or Failure.EXITED
                     elif isinstance(message, Returned):  # unfit or not: judge the result first
                         results[rank] = message.result
@@ -484,17 +545,26 @@ class World:
                         replacing = replacing or message.replace
                         for note in message.notes:
                             left.setdefault(note, []).append(rank)
-                        states[rank] = (RankState(rank, Status.UNFIT, "; ".join(message.unfit),
-                                                  log_tail=tail(self._logs[rank]))
-                                        if message.unfit else RankState(rank, Status.RETURNED))
+                        states[rank] = (
+                            RankState(
+                                rank,
+                                Status.UNFIT,
+                                "; ".join(message.unfit),
+                                log_tail=tail(self._logs[rank]),
+                            )
+                            if message.unfit
+                            else RankState(rank, Status.RETURNED)
+                        )
                     elif isinstance(message, Refused):  # ddpcheck's own outcome, in the rank
-                        states[rank] = RankState(rank, Status.REFUSED,
-                                                 f"{message.outcome}: {message.message}")
+                        states[rank] = RankState(
+                            rank, Status.REFUSED, f"{message.outcome}: {message.message}"
+                        )
                         replacing = replacing or message.replace
                         kind = kind or Failure.REFUSED
                     else:
-                        states[rank] = RankState(rank, Status.RAISED, message.traceback,
-                                                 log_tail=tail(self._logs[rank]))
+                        states[rank] = RankState(
+                            rank, Status.RAISED, message.traceback, log_tail=tail(self._logs[rank])
+                        )
                         kind = kind or Failure.RAISED
                     pending.discard(rank)
                     if kind is not None and failed_at is None:
@@ -508,11 +578,15 @@ class World:
                 elif now - evidence_since >= EVIDENCE_GRACE:
                     kind = Failure.MISMATCH  # unchanged for the grace: the pending ranks are stuck
                     break
-        self.notes = tuple(f"{note} (rank{'s' if len(ranks) > 1 else ''} "
-                           f"{', '.join(map(str, sorted(ranks)))})" for note, ranks in left.items())
+        self.notes = tuple(
+            f"{note} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))})"
+            for note, ranks in left.items()
+        )
         if replacing:
-            self.notes += ("a new world for the next task: this one's processes could not be put "
-                           "back as they started",)
+            self.notes += (
+                "a new world for the next task: this one's processes could not be put "
+                "back as they started",
+            )
         self._last_sequences = self._read_sequences(slot)  # before a kill removes the files
         self.unfit = {r: s.detail for r, s in states.items() if s.status == Status.UNFIT}
         if not pending and kind is None:  # done: the caller judges the results, then `unfit`
@@ -521,9 +595,13 @@ class World:
             elif not starting:  # read: the slot's next task finds its files empty
                 self._emptying[slot] = _empty_later(self._sequences[slot])
             return results
-        if not pending and kind == Failure.REFUSED and all(
-                s.status in (Status.RETURNED, Status.REFUSED, Status.UNFIT)
-                for s in states.values()):
+        if (
+            not pending
+            and kind == Failure.REFUSED
+            and all(
+                s.status in (Status.RETURNED, Status.REFUSED, Status.UNFIT) for s in states.values()
+            )
+        ):
             failure = self._failure(kind, [states[r] for r in range(n)], what, slot)
             # every rank answered: the world can serve the next task -- unless one is queued,
             # which a rank that refused early may have started while its peers still issued
@@ -535,9 +613,13 @@ class World:
         status = Status.WORKING if kind == Failure.SLOW else Status.STUCK
         for rank in sorted(pending):
             states[rank] = RankState(rank, status, dumps[rank], log_tail=tail(self._logs[rank]))
-        failure = self._failure(kind or Failure.TIMEOUT, [states[r] for r in range(n)], what,
-                                slot, overtime.describe(time.monotonic())
-                                if kind == Failure.SLOW else "")
+        failure = self._failure(
+            kind or Failure.TIMEOUT,
+            [states[r] for r in range(n)],
+            what,
+            slot,
+            overtime.describe(time.monotonic()) if kind == Failure.SLOW else "",
+        )
         self.kill()
         raise failure
 
@@ -553,8 +635,9 @@ class World:
                 pass
         return reading, written
 
-    def _failure(self, kind: Failure, states: list[RankState], what: str, slot: int,
-                 slowness: str = "") -> WorldFailure:
+    def _failure(
+        self, kind: Failure, states: list[RankState], what: str, slot: int, slowness: str = ""
+    ) -> WorldFailure:
         """The failure, with the first collective where the ranks' sequences disagree; a real
         mismatch (different collectives, or a finished rank that issued fewer) is the kind."""
         # here, not at import: it loads torch (records), and the command line launches its
@@ -566,13 +649,23 @@ class World:
         disagreement = sequences.diagnose(seqs, finished)
         if disagreement is not None and disagreement.mismatched:
             kind = Failure.MISMATCH
-        if kind == Failure.REFUSED and any(s.status in (Status.RAISED, Status.EXITED)
-                                           for s in states):
-            kind = next(Failure(s.status) for s in states
-                        if s.status in (Status.RAISED, Status.EXITED))
+        if kind == Failure.REFUSED and any(
+            s.status in (Status.RAISED, Status.EXITED) for s in states
+        ):
+            kind = next(
+                Failure(s.status) for s in states if s.status in (Status.RAISED, Status.EXITED)
+            )
         summary = "" if disagreement is not None else sequences.agreement_summary(seqs)
-        return WorldFailure(kind, self.world_size, states, what, disagreement, summary,
-                            notes=self.notes, slowness=slowness)
+        return WorldFailure(
+            kind,
+            self.world_size,
+            states,
+            what,
+            disagreement,
+            summary,
+            notes=self.notes,
+            slowness=slowness,
+        )
 
     def _hopeless(self, finished: set[int], slot: int) -> tuple | None:
         """The sequence files' texts and ``finished`` if they show a collective that can never
@@ -595,12 +688,15 @@ class World:
             raise WorldStartError(
                 f"{main} calls ddpcheck when it is imported, and every rank process re-imports "
                 "the main module (multiprocessing's spawn); put that call under "
-                "`if __name__ == \"__main__\":`")
+                '`if __name__ == "__main__":`'
+            )
 
     def __repr__(self) -> str:
         state = "alive" if self._alive else "stopped"
-        return (f"World(world_size={self.world_size}, backend={self.backend!r}, "
-                f"device={self.device!r}, {state})")
+        return (
+            f"World(world_size={self.world_size}, backend={self.backend!r}, "
+            f"device={self.device!r}, {state})"
+        )
 
 
 def _empty(paths: list[str]) -> None:
@@ -667,8 +763,10 @@ class Pending:
         if self._done:
             raise RuntimeError(f"{self.what} was collected already")
         if not self.lost and self.world._in_flight[:1] != [self]:
-            raise RuntimeError(f"{self.what} collected out of order: collect tasks in the "
-                               "order they were submitted")
+            raise RuntimeError(
+                f"{self.what} collected out of order: collect tasks in the "
+                "order they were submitted"
+            )
         self._done = True
         if self.lost:
             raise TaskLost(f"{self.what}: its world was replaced before it was collected")

@@ -22,8 +22,15 @@ from ddpcheck._language.batches import (
     split,
 )
 
-__all__ = ["FlooredShards", "MeanOfRankMeans", "MicroBatchTokenMean", "PaddingSampler",
-           "RankTokenMean", "SamplerSeededPerRank", "SkipsEmptyShard"]
+__all__ = [
+    "FlooredShards",
+    "MeanOfRankMeans",
+    "MicroBatchTokenMean",
+    "PaddingSampler",
+    "RankTokenMean",
+    "SamplerSeededPerRank",
+    "SkipsEmptyShard",
+]
 
 
 def _scale(batch: GlobalBatch) -> float:
@@ -37,7 +44,7 @@ class FlooredShards:
 
     def __call__(self, batch: GlobalBatch) -> BatchPlan:
         per_rank = batch.size // batch.world_size  # BUG: floors away the remainder
-        shard = batch.indices[batch.rank * per_rank:(batch.rank + 1) * per_rank]
+        shard = batch.indices[batch.rank * per_rank : (batch.rank + 1) * per_rank]
         return BatchPlan.uniform(split(shard, batch.accumulation), _scale(batch))
 
 
@@ -73,8 +80,9 @@ class SamplerSeededPerRank:
 
     def __call__(self, batch: GlobalBatch) -> BatchPlan:
         generator = torch.Generator().manual_seed(1000 * batch.step + batch.rank)  # BUG: + rank
-        order = tuple(batch.indices[int(i)] for i in torch.randperm(batch.size,
-                                                                    generator=generator))
+        order = tuple(
+            batch.indices[int(i)] for i in torch.randperm(batch.size, generator=generator)
+        )
         shard = split(order, batch.world_size)[batch.rank]
         return BatchPlan.uniform(split(shard, batch.accumulation), _scale(batch))
 

@@ -24,12 +24,15 @@ class SavesWrappedModelHooks:
         optimizer.consolidate_state_dict(to=0)
         if dist.get_rank() != 0:
             return None
-        return {"model": torch.nn.Module.state_dict(model),  # BUG: the wrapper's keys
-                "optimizer": optimizer.state_dict(),
-                "scheduler": None if scheduler is None else scheduler.state_dict()}
+        return {
+            "model": torch.nn.Module.state_dict(model),  # BUG: the wrapper's keys
+            "optimizer": optimizer.state_dict(),
+            "scheduler": None if scheduler is None else scheduler.state_dict(),
+        }
 
-    def load_checkpoint(self, checkpoint: Any, module: Any, model: Any, optimizer: Any,
-                        scheduler: Any) -> None:
+    def load_checkpoint(
+        self, checkpoint: Any, module: Any, model: Any, optimizer: Any, scheduler: Any
+    ) -> None:
         module.load_state_dict(checkpoint["model"], strict=False)  # BUG: every key ignored
         optimizer.load_state_dict(checkpoint["optimizer"])
         if scheduler is not None:
@@ -49,7 +52,8 @@ class ForgetsSchedulerHooks:
             return None
         return {"model": module.state_dict(), "optimizer": optimizer.state_dict()}  # BUG
 
-    def load_checkpoint(self, checkpoint: Any, module: Any, model: Any, optimizer: Any,
-                        scheduler: Any) -> None:
+    def load_checkpoint(
+        self, checkpoint: Any, module: Any, model: Any, optimizer: Any, scheduler: Any
+    ) -> None:
         module.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])  # BUG: the scheduler keeps count 0

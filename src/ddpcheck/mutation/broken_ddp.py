@@ -26,8 +26,9 @@ class SumThenDivideDDP(DDP):
     """Pins the original's gloo path -- SUM in the collective, divide after the wait -- even on a
     backend that averages in the collective. (Not a bug; the A1/A2 mutants break its division.)"""
 
-    def __init__(self, module: torch.nn.Module, bucket_size_mb: float = 25.0,
-                 process_group: Any = None) -> None:
+    def __init__(
+        self, module: torch.nn.Module, bucket_size_mb: float = 25.0, process_group: Any = None
+    ) -> None:
         super().__init__(module, bucket_size_mb, process_group)
         self._average_in_collective = False
 
@@ -77,7 +78,7 @@ class NoFinalFlushDDP(DDP):
         self._used_handle.wait()
         assert self._used is not None  # exchanged with the last bucket, as in DDP
         used_anywhere = self._used.tolist()
-        for bucket in self._buckets[:self._next_launch]:
+        for bucket in self._buckets[: self._next_launch]:
             self._wait_and_write_back(bucket, used_anywhere)
         self._mark_averaged()
         self._reset_iteration()
@@ -125,11 +126,13 @@ class TiedListedTwiceDDP(DDP):
     a tied weight has two entries: its bucket never completes during backward and the flush
     reduces the weight twice (NVIDIA/Megatron-LM #6164, pytorch #51929)."""
 
-    def __init__(self, module: torch.nn.Module, bucket_size_mb: float = 25.0,
-                 process_group: Any = None) -> None:
+    def __init__(
+        self, module: torch.nn.Module, bucket_size_mb: float = 25.0, process_group: Any = None
+    ) -> None:
         super().__init__(module, bucket_size_mb, process_group)
-        by_name = [p for _, p in module.named_parameters(remove_duplicate=False)
-                   if p.requires_grad]  # BUG: one entry per name, not per tensor
+        by_name = [
+            p for _, p in module.named_parameters(remove_duplicate=False) if p.requires_grad
+        ]  # BUG: one entry per name, not per tensor
         self._lay_out_buckets(by_name)
 
 
@@ -219,8 +222,9 @@ class MixedDtypeBucketsDDP(DDP):
     fails loudly when the float32 slice is installed as a float64 parameter's ``.grad``; where a
     copy is made instead, precision is lost silently."""
 
-    def _build_buckets(self, params: list[torch.nn.Parameter],
-                       cap_bytes: int) -> list[list[torch.nn.Parameter]]:
+    def _build_buckets(
+        self, params: list[torch.nn.Parameter], cap_bytes: int
+    ) -> list[list[torch.nn.Parameter]]:
         buckets: list[list[Any]] = []
         current: list[Any] | None = None
         size_so_far = 0
@@ -239,8 +243,9 @@ class BucketsFrozenDDP(DDP):
     during backward and their zeros cross the wire every step (fairscale #369, DeepSpeed #4055,
     where the bucket waits forever). Killed by the communication budget."""
 
-    def __init__(self, module: torch.nn.Module, bucket_size_mb: float = 25.0,
-                 process_group: Any = None) -> None:
+    def __init__(
+        self, module: torch.nn.Module, bucket_size_mb: float = 25.0, process_group: Any = None
+    ) -> None:
         super().__init__(module, bucket_size_mb, process_group)
         self._params = list(module.parameters())  # BUG: frozen ones included
         self._positions = {p: i for i, p in enumerate(self._params)}
@@ -297,8 +302,9 @@ class BroadcastsFromLastRankDDP(DDP):
     def _broadcast_source(self) -> int:
         # BUG: the group's last rank, not rank 0
         last = self.world_size - 1
-        return last if self.process_group is None else dist.get_global_rank(self.process_group,
-                                                                              last)
+        return (
+            last if self.process_group is None else dist.get_global_rank(self.process_group, last)
+        )
 
 
 class NoInitialBroadcastDDP(DDP):
@@ -378,8 +384,9 @@ class ReducesLastMicroBatchOnlyDDP(DDP):
     (``_fill``) instead of letting autograd accumulate it; ``_write_grad`` adds the average to the
     local rest, as autograd adds what a tensor hook returns."""
 
-    def __init__(self, module: torch.nn.Module, bucket_size_mb: float = 25.0,
-                 process_group: Any = None) -> None:
+    def __init__(
+        self, module: torch.nn.Module, bucket_size_mb: float = 25.0, process_group: Any = None
+    ) -> None:
         super().__init__(module, bucket_size_mb, process_group)
         # param -> its gradient from the synchronised backward
         self._this_backward: dict[Any, torch.Tensor] = {}
@@ -425,8 +432,9 @@ class LastMicroBatchAfterReduceDDP(DDP):
     bucket carries what ``.grad`` had accumulated before it; ``_wait_and_write_back`` adds it
     after the all-reduce."""
 
-    def __init__(self, module: torch.nn.Module, bucket_size_mb: float = 25.0,
-                 process_group: Any = None) -> None:
+    def __init__(
+        self, module: torch.nn.Module, bucket_size_mb: float = 25.0, process_group: Any = None
+    ) -> None:
         super().__init__(module, bucket_size_mb, process_group)
         # param -> its gradient from the synchronised backward
         self._last_micro_batch: dict[Any, torch.Tensor] = {}

@@ -18,8 +18,13 @@ import torch.distributed as dist
 from ddpcheck.targets import TorchFSDPTarget
 from ddpcheck.targets.fsdp import broadcast_from, fully_shard_options, shard_leaves
 
-__all__ = ["BroadcastsFromLastRankFSDP", "NoGradientDivideFSDP", "NeighbourGradientShardFSDP",
-           "ReducesInParamDtypeFSDP", "StaleUnshardedParamsFSDP"]
+__all__ = [
+    "BroadcastsFromLastRankFSDP",
+    "NoGradientDivideFSDP",
+    "NeighbourGradientShardFSDP",
+    "ReducesInParamDtypeFSDP",
+    "StaleUnshardedParamsFSDP",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +34,15 @@ class BroadcastsFromLastRankFSDP(TorchFSDPTarget):
 
     def wrap(self, module: Any) -> Any:
         broadcast_from(module, dist.get_world_size() - 1)
-        return shard_leaves(module, self.reshard_after_forward, **fully_shard_options(
-            cpu_offload=self.cpu_offload, param_dtype=self.param_dtype,
-            reduce_dtype=self.reduce_dtype))
+        return shard_leaves(
+            module,
+            self.reshard_after_forward,
+            **fully_shard_options(
+                cpu_offload=self.cpu_offload,
+                param_dtype=self.param_dtype,
+                reduce_dtype=self.reduce_dtype,
+            ),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +87,9 @@ class StaleUnshardedParamsFSDP(TorchFSDPTarget):
     model holds unsharded parameters gathered *before* it, and the next forward uses those
     stale values: the updated shards are never re-gathered."""
 
-    def make_optimizer(self, params: Any, optimizer_cls: type, model: Any = None,
-                       **kwargs: Any) -> Any:
+    def make_optimizer(
+        self, params: Any, optimizer_cls: type, model: Any = None, **kwargs: Any
+    ) -> Any:
         from torch.distributed.fsdp import FSDPModule
 
         optimizer = optimizer_cls(params, **kwargs)

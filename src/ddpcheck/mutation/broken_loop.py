@@ -34,11 +34,22 @@ from ddpcheck._language.features import FEATURES
 from ddpcheck.targets import Target
 from ddpcheck.targets.fsdp import broadcast_from
 
-__all__ = ["EngineTarget", "Gate", "GatedOptimizer", "GatedScheduler",
-           "ReducesTwiceZero2Optimizer", "ReducesTwiceZero2Target",
-           "SchedulerPerMicroBatchTarget", "SkipsFirstReduceTarget", "StepsEarlyOptimizer",
-           "StepsInsideWindowTarget", "StepsPerMicroBatchScheduler", "Zero2Optimizer",
-           "Zero2Target", "average_gradients"]
+__all__ = [
+    "EngineTarget",
+    "Gate",
+    "GatedOptimizer",
+    "GatedScheduler",
+    "ReducesTwiceZero2Optimizer",
+    "ReducesTwiceZero2Target",
+    "SchedulerPerMicroBatchTarget",
+    "SkipsFirstReduceTarget",
+    "StepsEarlyOptimizer",
+    "StepsInsideWindowTarget",
+    "StepsPerMicroBatchScheduler",
+    "Zero2Optimizer",
+    "Zero2Target",
+    "average_gradients",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,10 +163,12 @@ class EngineTarget(Target):
 
     def make_scheduler(self, optimizer: Any, gamma: float) -> Any:
         return self.scheduler_class(
-            torch.optim.lr_scheduler.ExponentialLR(optimizer.optimizer, gamma), optimizer.gate)
+            torch.optim.lr_scheduler.ExponentialLR(optimizer.optimizer, gamma), optimizer.gate
+        )
 
-    def micro_batch(self, model: Any, optimizer: Any, index: int,
-                    count: int) -> AbstractContextManager[Any]:
+    def micro_batch(
+        self, model: Any, optimizer: Any, index: int, count: int
+    ) -> AbstractContextManager[Any]:
         optimizer.gate.open = index == count - 1  # the window ends with its last micro-batch
         model.ddpcheck_window = (index, count)
         return contextlib.nullcontext()

@@ -202,5 +202,7 @@ class ConsolidatesOwnShardOptimizer(ShardedOptimizer):
         self._consolidated = None
         if self._rank == to:  # BUG: no gather; only this rank's own shard
             state = {index[id(p)]: s for p, s in self._inner.state.items() if s}
-            self._consolidated = {"state": dict(sorted(state.items())),
-                                  "param_groups": self._packed_groups()}
+            self._consolidated = {
+                "state": dict(sorted(state.items())),
+                "param_groups": self._packed_groups(),
+            }

@@ -40,8 +40,13 @@ from ddpcheck.targets.builtin import BUCKET_SIZES
 from ddpcheck.targets.option_space import options
 from parallel import DDP
 
-__all__ = ["Bf16PathTarget", "LastMicroBatchAfterReduceBf16", "PerMicroBatchLossCountingTokens",
-           "SkipsFirstReduceStaticManual", "StepsInsideWindowUnlessSplit"]
+__all__ = [
+    "Bf16PathTarget",
+    "LastMicroBatchAfterReduceBf16",
+    "PerMicroBatchLossCountingTokens",
+    "SkipsFirstReduceStaticManual",
+    "StepsInsideWindowUnlessSplit",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +55,16 @@ class StepsInsideWindowUnlessSplit(AccelerateTarget):
     optimizer while ``sync_gradients`` is False -- inside the accumulation window, on a partial
     gradient (accelerate #2790: with ``sync_each_batch`` every batch became a step)."""
 
-    def setup(self, module: Any, params: Any, optimizer_cls: type,
-              **kwargs: Any) -> tuple[Any, Any]:
+    def setup(
+        self, module: Any, params: Any, optimizer_cls: type, **kwargs: Any
+    ) -> tuple[Any, Any]:
         model, optimizer = super().setup(module, params, optimizer_cls, **kwargs)
         if not self.split_batches:
-            accelerator, inner, gated = optimizer.ddpcheck_accelerator, optimizer.optimizer, \
-                optimizer.step
+            accelerator, inner, gated = (
+                optimizer.ddpcheck_accelerator,
+                optimizer.optimizer,
+                optimizer.step,
+            )
 
             def step(*args: Any, **kwargs: Any) -> Any:
                 if not accelerator.sync_gradients:
@@ -106,8 +115,7 @@ class SkipsFirstReduceStaticManual(LightningTarget):
     reduction off instead)."""
 
     def fit(self, module: Any, run: Any) -> None:
-        super().fit(module, _SkipsFirstReduce(run) if self.manual and self.static_graph
-                    else run)
+        super().fit(module, _SkipsFirstReduce(run) if self.manual and self.static_graph else run)
 
 
 @functools.cache
@@ -117,14 +125,19 @@ def _per_micro_batch_trainer() -> type:
     from transformers import Trainer
 
     class PerMicroBatchWhenCounting(Trainer):
-        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
-                         num_items_in_batch: Any = None) -> Any:
+        def compute_loss(
+            self,
+            model: Any,
+            inputs: Any,
+            return_outputs: bool = False,
+            num_items_in_batch: Any = None,
+        ) -> Any:
             if self.args.include_num_input_tokens_seen in (False, "no", None):  # the default
-                return super().compute_loss(model, inputs, return_outputs,
-                                            num_items_in_batch=num_items_in_batch)
+                return super().compute_loss(
+                    model, inputs, return_outputs, num_items_in_batch=num_items_in_batch
+                )
             # BUG: each micro-batch's mean over its own tokens, over the accumulation steps
-            loss: Any = super().compute_loss(model, inputs, return_outputs,
-                                             num_items_in_batch=None)
+            loss: Any = super().compute_loss(model, inputs, return_outputs, num_items_in_batch=None)
             return loss / self.args.gradient_accumulation_steps
 
     return PerMicroBatchWhenCounting
@@ -137,8 +150,9 @@ class PerMicroBatchLossCountingTokens(HfTrainerTarget):
     token count (huggingface/transformers #34191, in the path that counts tokens)."""
 
     def fit(self, module: Any, run: Any) -> None:
-        HfTrainerTarget.fit(dataclasses.replace(self, trainer_class=_per_micro_batch_trainer()),
-                            module, run)
+        HfTrainerTarget.fit(
+            dataclasses.replace(self, trainer_class=_per_micro_batch_trainer()), module, run
+        )
 
 
 @dataclasses.dataclass(frozen=True)

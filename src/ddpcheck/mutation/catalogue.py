@@ -32,7 +32,6 @@ Classes of the catalogue without a mutant here, and why:
   overriding a seam.
 """
 
-
 from __future__ import annotations
 
 import contextlib
@@ -151,11 +150,26 @@ class _SeededBatches(_Seeded):
 # =============================================================================================
 # The targets, and the catalogue
 
-def _target(name: str, *, ddp: type = DDP, optimizer: type = ShardedOptimizer,
-            ddp_only: bool = False, optimizer_only: bool = False,
-            batches: type | None = None, hooks: type | None = None) -> type:
-    base = (_SeededDDPOnly if ddp_only else _SeededOptimizerOnly if optimizer_only
-            else _Seeded if batches is None else _SeededBatches)
+
+def _target(
+    name: str,
+    *,
+    ddp: type = DDP,
+    optimizer: type = ShardedOptimizer,
+    ddp_only: bool = False,
+    optimizer_only: bool = False,
+    batches: type | None = None,
+    hooks: type | None = None,
+) -> type:
+    base = (
+        _SeededDDPOnly
+        if ddp_only
+        else _SeededOptimizerOnly
+        if optimizer_only
+        else _Seeded
+        if batches is None
+        else _SeededBatches
+    )
     attrs: dict[str, Any] = {"__module__": __name__, "__qualname__": name}
     if batches is not None:
         attrs["batches_class"] = batches
@@ -170,112 +184,283 @@ def _target(name: str, *, ddp: type = DDP, optimizer: type = ShardedOptimizer,
 _ENTRIES: list[tuple[str, str, str, dict]] = [
     ("NoDivide", "A1", "gloo SUM without the /W", {"ddp": D.NoDivideDDP}),
     ("DivideTwice", "A1", "gradients divided by W twice", {"ddp": D.DivideTwiceDDP}),
-    ("AveragesAgain", "A1", "ShardedOptimizer averages gradients DDP already averaged",
-     {"optimizer": O.AveragesAgainOptimizer}),
-    ("DivideByNumel", "A2", "gloo SUM divided by the bucket's numel instead of W",
-     {"ddp": D.DivideByNumelDDP}),
-    ("LocalShardNorm", "A4", "gradients clipped by this rank's shard of the norm (no all-reduce)",
-     {"optimizer": O.LocalShardNormOptimizer}),
-    ("NormCountsReplicas", "A4",
-     "every rank adds every replicated gradient: norm sqrt(W) too large",
-     {"optimizer": O.NormCountsReplicasOptimizer}),
-    ("MeanOfRankMeans", "A3",
-     "each rank's loss is its own mean: uneven shards weigh samples unequally",
-     {"batches": S.MeanOfRankMeans}),
-    ("ClipsBeforeAveraging", "A4", "clipped by the norm of rank-local gradients, then averaged",
-     {"optimizer": O.ClipsBeforeAveragingOptimizer, "optimizer_only": True}),
-    ("NoFinalFlush", "B1", "finish_gradient_sync never flushes incomplete buckets",
-     {"ddp": D.NoFinalFlushDDP}),
-    ("DropsEarlierMicroBatches", "B2",
-     "no_sync grads of params unused in the last micro-batch are dropped",
-     {"ddp": D.DropsEarlierMicroBatchesDDP}),
-    ("ZeroFillsUnused", "B3", "globally unused params get zero grads (not None)",
-     {"ddp": D.ZeroFillsUnusedDDP}),
-    ("LocallyUnusedStaysNone", "B3",
-     "a param unused here but used elsewhere keeps grad=None (DDP + plain optimizer)",
-     {"ddp": D.LocallyUnusedStaysNoneDDP, "ddp_only": True}),
-    ("TiedListedTwice", "B4", "buckets by name: a tied weight is reduced twice",
-     {"ddp": D.TiedListedTwiceDDP}),
-    ("ReadinessOrder", "B6", "buckets launched in this rank's readiness order",
-     {"ddp": D.ReadinessOrderDDP}),
-    ("ReadsBeforeWait", "B7", "bucket averages read before its all-reduce is waited on",
-     {"ddp": D.ReadsBeforeWaitDDP}),
-    ("AssumesGradIsView", "B8",
-     "after the first sync, grads assumed to be bucket views: not copied in",
-     {"ddp": D.AssumesGradIsViewDDP}),
-    ("ReshapeWriteBack", "B9", "write-back through grad.reshape(-1), lost for non-contiguous grads",
-     {"ddp": D.ReshapeWriteBackDDP}),
-    ("MixedDtypeBuckets", "B10", "float64 grads put in a float32 bucket (buckets ignore dtype)",
-     {"ddp": D.MixedDtypeBucketsDDP}),
-    ("BucketsFrozen", "B11", "frozen params bucketed: their zeros are all-reduced every step",
-     {"ddp": D.BucketsFrozenDDP}),
-    ("FreesNoSyncGrads", "C1", "no_sync micro-batch grads freed: only the last micro-batch counts",
-     {"ddp": D.FreesNoSyncGradsDDP}),
-    ("SkipsZeroGrad", "C1", "zero_grad does nothing: grads accumulate across steps",
-     {"optimizer": O.SkipsZeroGradOptimizer}),
-    ("SumsEachMicroBatch", "C3", "every micro-batch all-reduced with SUM, then averaged again",
-     {"ddp": D.SumsEachMicroBatchDDP}),
+    (
+        "AveragesAgain",
+        "A1",
+        "ShardedOptimizer averages gradients DDP already averaged",
+        {"optimizer": O.AveragesAgainOptimizer},
+    ),
+    (
+        "DivideByNumel",
+        "A2",
+        "gloo SUM divided by the bucket's numel instead of W",
+        {"ddp": D.DivideByNumelDDP},
+    ),
+    (
+        "LocalShardNorm",
+        "A4",
+        "gradients clipped by this rank's shard of the norm (no all-reduce)",
+        {"optimizer": O.LocalShardNormOptimizer},
+    ),
+    (
+        "NormCountsReplicas",
+        "A4",
+        "every rank adds every replicated gradient: norm sqrt(W) too large",
+        {"optimizer": O.NormCountsReplicasOptimizer},
+    ),
+    (
+        "MeanOfRankMeans",
+        "A3",
+        "each rank's loss is its own mean: uneven shards weigh samples unequally",
+        {"batches": S.MeanOfRankMeans},
+    ),
+    (
+        "ClipsBeforeAveraging",
+        "A4",
+        "clipped by the norm of rank-local gradients, then averaged",
+        {"optimizer": O.ClipsBeforeAveragingOptimizer, "optimizer_only": True},
+    ),
+    (
+        "NoFinalFlush",
+        "B1",
+        "finish_gradient_sync never flushes incomplete buckets",
+        {"ddp": D.NoFinalFlushDDP},
+    ),
+    (
+        "DropsEarlierMicroBatches",
+        "B2",
+        "no_sync grads of params unused in the last micro-batch are dropped",
+        {"ddp": D.DropsEarlierMicroBatchesDDP},
+    ),
+    (
+        "ZeroFillsUnused",
+        "B3",
+        "globally unused params get zero grads (not None)",
+        {"ddp": D.ZeroFillsUnusedDDP},
+    ),
+    (
+        "LocallyUnusedStaysNone",
+        "B3",
+        "a param unused here but used elsewhere keeps grad=None (DDP + plain optimizer)",
+        {"ddp": D.LocallyUnusedStaysNoneDDP, "ddp_only": True},
+    ),
+    (
+        "TiedListedTwice",
+        "B4",
+        "buckets by name: a tied weight is reduced twice",
+        {"ddp": D.TiedListedTwiceDDP},
+    ),
+    (
+        "ReadinessOrder",
+        "B6",
+        "buckets launched in this rank's readiness order",
+        {"ddp": D.ReadinessOrderDDP},
+    ),
+    (
+        "ReadsBeforeWait",
+        "B7",
+        "bucket averages read before its all-reduce is waited on",
+        {"ddp": D.ReadsBeforeWaitDDP},
+    ),
+    (
+        "AssumesGradIsView",
+        "B8",
+        "after the first sync, grads assumed to be bucket views: not copied in",
+        {"ddp": D.AssumesGradIsViewDDP},
+    ),
+    (
+        "ReshapeWriteBack",
+        "B9",
+        "write-back through grad.reshape(-1), lost for non-contiguous grads",
+        {"ddp": D.ReshapeWriteBackDDP},
+    ),
+    (
+        "MixedDtypeBuckets",
+        "B10",
+        "float64 grads put in a float32 bucket (buckets ignore dtype)",
+        {"ddp": D.MixedDtypeBucketsDDP},
+    ),
+    (
+        "BucketsFrozen",
+        "B11",
+        "frozen params bucketed: their zeros are all-reduced every step",
+        {"ddp": D.BucketsFrozenDDP},
+    ),
+    (
+        "FreesNoSyncGrads",
+        "C1",
+        "no_sync micro-batch grads freed: only the last micro-batch counts",
+        {"ddp": D.FreesNoSyncGradsDDP},
+    ),
+    (
+        "SkipsZeroGrad",
+        "C1",
+        "zero_grad does nothing: grads accumulate across steps",
+        {"optimizer": O.SkipsZeroGradOptimizer},
+    ),
+    (
+        "SumsEachMicroBatch",
+        "C3",
+        "every micro-batch all-reduced with SUM, then averaged again",
+        {"ddp": D.SumsEachMicroBatchDDP},
+    ),
     ("SkipsBuffers", "D1", "buffers not broadcast at construction", {"ddp": D.SkipsBuffersDDP}),
-    ("BroadcastsFromLastRank", "D2", "initial state broadcast from the last rank, not rank 0",
-     {"ddp": D.BroadcastsFromLastRankDDP}),
-    ("NoInitialBroadcast", "D2", "no broadcast of the initial state at construction",
-     {"ddp": D.NoInitialBroadcastDDP}),
-    ("OwnersFromReversedOrder", "E1", "broadcast owners computed over a different param order",
-     {"optimizer": O.OwnersFromReversedOrderOptimizer}),
-    ("BroadcastsFromWrongRank", "E1", "owner i's slab broadcast from rank i % (W-1)",
-     {"optimizer": O.BroadcastsFromWrongRankOptimizer}),
-    ("LastShardNeverBroadcast", "E2", "the last rank's shard is never broadcast",
-     {"optimizer": O.LastShardNeverBroadcastOptimizer}),
-    ("GroupZeroHyperparameters", "E4", "every param group stepped with group 0's hyperparameters",
-     {"optimizer": O.GroupZeroHyperparametersOptimizer}),
-    ("SchedulerNeverReaches", "E5", "LR scheduler edits never reach the inner optimizer",
-     {"optimizer": O.SchedulerNeverReachesOptimizer}),
-    ("EveryRankStepsEverything", "E6", "every rank keeps state for and steps every param",
-     {"optimizer": O.EveryRankStepsEverythingOptimizer}),
-    ("NeverBroadcasts", "E6", "owners never broadcast their updated params",
-     {"optimizer": O.NeverBroadcastsOptimizer}),
-    ("PerParameterBroadcast", "E6", "one broadcast per param instead of per (owner, dtype)",
-     {"optimizer": O.PerParameterBroadcastOptimizer}),
-    ("SamplerSeededPerRank", "F1", "samples shuffled with a per-rank seed: overlaps and gaps",
-     {"batches": S.SamplerSeededPerRank}),
-    ("FlooredShards", "F2", "every rank takes B // W samples: the remainder is never trained on",
-     {"batches": S.FlooredShards}),
-    ("PaddingSampler", "F2", "DistributedSampler(drop_last=False) pads uneven batches with repeats",
-     {"batches": S.PaddingSampler}),
-    ("SkipsEmptyShard", "F3", "a rank with no samples (B < W) skips forward and backward",
-     {"batches": S.SkipsEmptyShard}),
-    ("OwnRegistrationOrder", "G1",
-     "gradient buckets laid out in this rank's registration order, not rank 0's",
-     {"ddp": D.OwnRegistrationOrderDDP}),
-    ("ReducesParameter", "H1", "post-accumulate hook reduces the parameter it gets, not its grad",
-     {"ddp": D.ReducesParameterDDP}),
-    ("AddsIntoAliasedBuffer", "H2",
-     "fill adds into the bucket buffer that .grad aliases: kept grads count twice",
-     {"ddp": D.AddsIntoAliasedBufferDDP}),
-    ("ReducesLastMicroBatchOnly", "H3",
-     "per-tensor register_hook reduction: earlier micro-batches stay local",
-     {"ddp": D.ReducesLastMicroBatchOnlyDDP}),
-    ("ZeroGradOwnedOnly", "H4", "zero_grad clears only the owned params: stale grads re-reduced",
-     {"optimizer": O.ZeroGradOwnedOnlyOptimizer}),
-    ("ConsolidatesOwnShard", "E7",
-     "consolidate_state_dict gathers nothing: the checkpoint holds one shard's state",
-     {"optimizer": O.ConsolidatesOwnShardOptimizer}),
-    ("ForgetsScheduler", "E7", "the LR scheduler's state is not checkpointed: its count restarts",
-     {"hooks": K.ForgetsSchedulerHooks}),
-    ("SavesWrappedModel", "E8",
-     "the wrapper's module.x keys saved, loaded with strict=False: no weight loads",
-     {"hooks": K.SavesWrappedModelHooks}),
-    ("CopiedGroups", "H5", "defaults={} wrapper, inner built from copied groups, never synced",
-     {"optimizer": O.CopiedGroupsOptimizer}),
-    ("MicroBatchTokenMean", "J1",
-     "each micro-batch's loss is its own token mean: accumulation weighs tokens unequally",
-     {"batches": S.MicroBatchTokenMean}),
-    ("RankTokenMean", "J2",
-     "each rank's loss is its own token mean, averaged by DDP: ranks' token counts differ",
-     {"batches": S.RankTokenMean}),
-    ("LastMicroBatchAfterReduce", "J4",
-     "fp32 accumulator all-reduced before the last micro-batch is added: it stays local",
-     {"ddp": D.LastMicroBatchAfterReduceDDP}),
+    (
+        "BroadcastsFromLastRank",
+        "D2",
+        "initial state broadcast from the last rank, not rank 0",
+        {"ddp": D.BroadcastsFromLastRankDDP},
+    ),
+    (
+        "NoInitialBroadcast",
+        "D2",
+        "no broadcast of the initial state at construction",
+        {"ddp": D.NoInitialBroadcastDDP},
+    ),
+    (
+        "OwnersFromReversedOrder",
+        "E1",
+        "broadcast owners computed over a different param order",
+        {"optimizer": O.OwnersFromReversedOrderOptimizer},
+    ),
+    (
+        "BroadcastsFromWrongRank",
+        "E1",
+        "owner i's slab broadcast from rank i % (W-1)",
+        {"optimizer": O.BroadcastsFromWrongRankOptimizer},
+    ),
+    (
+        "LastShardNeverBroadcast",
+        "E2",
+        "the last rank's shard is never broadcast",
+        {"optimizer": O.LastShardNeverBroadcastOptimizer},
+    ),
+    (
+        "GroupZeroHyperparameters",
+        "E4",
+        "every param group stepped with group 0's hyperparameters",
+        {"optimizer": O.GroupZeroHyperparametersOptimizer},
+    ),
+    (
+        "SchedulerNeverReaches",
+        "E5",
+        "LR scheduler edits never reach the inner optimizer",
+        {"optimizer": O.SchedulerNeverReachesOptimizer},
+    ),
+    (
+        "EveryRankStepsEverything",
+        "E6",
+        "every rank keeps state for and steps every param",
+        {"optimizer": O.EveryRankStepsEverythingOptimizer},
+    ),
+    (
+        "NeverBroadcasts",
+        "E6",
+        "owners never broadcast their updated params",
+        {"optimizer": O.NeverBroadcastsOptimizer},
+    ),
+    (
+        "PerParameterBroadcast",
+        "E6",
+        "one broadcast per param instead of per (owner, dtype)",
+        {"optimizer": O.PerParameterBroadcastOptimizer},
+    ),
+    (
+        "SamplerSeededPerRank",
+        "F1",
+        "samples shuffled with a per-rank seed: overlaps and gaps",
+        {"batches": S.SamplerSeededPerRank},
+    ),
+    (
+        "FlooredShards",
+        "F2",
+        "every rank takes B // W samples: the remainder is never trained on",
+        {"batches": S.FlooredShards},
+    ),
+    (
+        "PaddingSampler",
+        "F2",
+        "DistributedSampler(drop_last=False) pads uneven batches with repeats",
+        {"batches": S.PaddingSampler},
+    ),
+    (
+        "SkipsEmptyShard",
+        "F3",
+        "a rank with no samples (B < W) skips forward and backward",
+        {"batches": S.SkipsEmptyShard},
+    ),
+    (
+        "OwnRegistrationOrder",
+        "G1",
+        "gradient buckets laid out in this rank's registration order, not rank 0's",
+        {"ddp": D.OwnRegistrationOrderDDP},
+    ),
+    (
+        "ReducesParameter",
+        "H1",
+        "post-accumulate hook reduces the parameter it gets, not its grad",
+        {"ddp": D.ReducesParameterDDP},
+    ),
+    (
+        "AddsIntoAliasedBuffer",
+        "H2",
+        "fill adds into the bucket buffer that .grad aliases: kept grads count twice",
+        {"ddp": D.AddsIntoAliasedBufferDDP},
+    ),
+    (
+        "ReducesLastMicroBatchOnly",
+        "H3",
+        "per-tensor register_hook reduction: earlier micro-batches stay local",
+        {"ddp": D.ReducesLastMicroBatchOnlyDDP},
+    ),
+    (
+        "ZeroGradOwnedOnly",
+        "H4",
+        "zero_grad clears only the owned params: stale grads re-reduced",
+        {"optimizer": O.ZeroGradOwnedOnlyOptimizer},
+    ),
+    (
+        "ConsolidatesOwnShard",
+        "E7",
+        "consolidate_state_dict gathers nothing: the checkpoint holds one shard's state",
+        {"optimizer": O.ConsolidatesOwnShardOptimizer},
+    ),
+    (
+        "ForgetsScheduler",
+        "E7",
+        "the LR scheduler's state is not checkpointed: its count restarts",
+        {"hooks": K.ForgetsSchedulerHooks},
+    ),
+    (
+        "SavesWrappedModel",
+        "E8",
+        "the wrapper's module.x keys saved, loaded with strict=False: no weight loads",
+        {"hooks": K.SavesWrappedModelHooks},
+    ),
+    (
+        "CopiedGroups",
+        "H5",
+        "defaults={} wrapper, inner built from copied groups, never synced",
+        {"optimizer": O.CopiedGroupsOptimizer},
+    ),
+    (
+        "MicroBatchTokenMean",
+        "J1",
+        "each micro-batch's loss is its own token mean: accumulation weighs tokens unequally",
+        {"batches": S.MicroBatchTokenMean},
+    ),
+    (
+        "RankTokenMean",
+        "J2",
+        "each rank's loss is its own token mean, averaged by DDP: ranks' token counts differ",
+        {"batches": S.RankTokenMean},
+    ),
+    (
+        "LastMicroBatchAfterReduce",
+        "J4",
+        "fp32 accumulator all-reduced before the last micro-batch is added: it stays local",
+        {"ddp": D.LastMicroBatchAfterReduceDDP},
+    ),
 ]
 
 
@@ -290,20 +475,36 @@ CATALOGUE: list[Mutant] = [_entry(*entry) for entry in _ENTRIES]
 
 # Family I: torch's FSDP2 (``TorchFSDPTarget``) with one seeded bug each (``broken_fsdp``).
 CATALOGUE += [
-    Mutant("BroadcastsFromLastRankFSDP", "I1",
-           "FSDP2: initial state broadcast from the last rank before sharding",
-           F.BroadcastsFromLastRankFSDP()),
-    Mutant("NoGradientDivideFSDP", "I2",
-           "FSDP2: gradients reduce-scattered with SUM, divide factor 1", F.NoGradientDivideFSDP()),
-    Mutant("NeighbourGradientShardFSDP", "I3",
-           "FSDP2: each local shard stepped with the next rank's gradient slice",
-           F.NeighbourGradientShardFSDP()),
-    Mutant("StaleUnshardedParamsFSDP", "I4",
-           "FSDP2: unshard() before optimizer.step: the next forward uses stale parameters",
-           F.StaleUnshardedParamsFSDP()),
-    Mutant("ReducesInParamDtypeFSDP", "J3",
-           "FSDP2: MixedPrecisionPolicy without reduce_dtype: gradients reduced in bfloat16",
-           F.ReducesInParamDtypeFSDP()),
+    Mutant(
+        "BroadcastsFromLastRankFSDP",
+        "I1",
+        "FSDP2: initial state broadcast from the last rank before sharding",
+        F.BroadcastsFromLastRankFSDP(),
+    ),
+    Mutant(
+        "NoGradientDivideFSDP",
+        "I2",
+        "FSDP2: gradients reduce-scattered with SUM, divide factor 1",
+        F.NoGradientDivideFSDP(),
+    ),
+    Mutant(
+        "NeighbourGradientShardFSDP",
+        "I3",
+        "FSDP2: each local shard stepped with the next rank's gradient slice",
+        F.NeighbourGradientShardFSDP(),
+    ),
+    Mutant(
+        "StaleUnshardedParamsFSDP",
+        "I4",
+        "FSDP2: unshard() before optimizer.step: the next forward uses stale parameters",
+        F.StaleUnshardedParamsFSDP(),
+    ),
+    Mutant(
+        "ReducesInParamDtypeFSDP",
+        "J3",
+        "FSDP2: MixedPrecisionPolicy without reduce_dtype: gradients reduced in bfloat16",
+        F.ReducesInParamDtypeFSDP(),
+    ),
 ]
 
 
@@ -312,18 +513,34 @@ CATALOGUE += [
 LOOP_CONTROL = L.EngineTarget()
 ZERO2_CONTROL = L.Zero2Target()
 CATALOGUE += [
-    Mutant("SkipsFirstReduce", "B12",
-           "backward wrapper skips the reduce after a step's first micro-batch, even the only one",
-           L.SkipsFirstReduceTarget(), LOOP_CONTROL),
-    Mutant("StepsInsideWindow", "C2",
-           "the framework's gated optimizer steps inside the accumulation window",
-           L.StepsInsideWindowTarget(), LOOP_CONTROL),
-    Mutant("SchedulerPerMicroBatch", "C2",
-           "the framework's gated LR scheduler steps after every micro-batch",
-           L.SchedulerPerMicroBatchTarget(), LOOP_CONTROL),
-    Mutant("ReducesTwiceZero2", "C3",
-           "ZeRO-2: every gradient all-reduced, then reduced to its owner again",
-           L.ReducesTwiceZero2Target(), ZERO2_CONTROL),
+    Mutant(
+        "SkipsFirstReduce",
+        "B12",
+        "backward wrapper skips the reduce after a step's first micro-batch, even the only one",
+        L.SkipsFirstReduceTarget(),
+        LOOP_CONTROL,
+    ),
+    Mutant(
+        "StepsInsideWindow",
+        "C2",
+        "the framework's gated optimizer steps inside the accumulation window",
+        L.StepsInsideWindowTarget(),
+        LOOP_CONTROL,
+    ),
+    Mutant(
+        "SchedulerPerMicroBatch",
+        "C2",
+        "the framework's gated LR scheduler steps after every micro-batch",
+        L.SchedulerPerMicroBatchTarget(),
+        LOOP_CONTROL,
+    ),
+    Mutant(
+        "ReducesTwiceZero2",
+        "C3",
+        "ZeRO-2: every gradient all-reduced, then reduced to its owner again",
+        L.ReducesTwiceZero2Target(),
+        ZERO2_CONTROL,
+    ),
 ]
 
 
@@ -333,18 +550,34 @@ CATALOGUE += [
 # misses them by construction; ``search.shrinking_search(..., fuzz_config=True)`` kills them
 # (tests/mutation/test_option_mutants.py). Their frameworks must be installed.
 OPTION_CATALOGUE: list[Mutant] = [
-    Mutant("StepsInsideWindowUnlessSplit", "C2",
-           "accelerate, split_batches=False: the prepared optimizer steps inside the window",
-           P.StepsInsideWindowUnlessSplit(), ACCELERATE),
-    Mutant("SkipsFirstReduceStaticManual", "B12",
-           "Lightning, manual=True with static_graph=True: the first all-reduce is skipped",
-           P.SkipsFirstReduceStaticManual(), LIGHTNING),
-    Mutant("PerMicroBatchLossCountingTokens", "J1",
-           "Trainer, include_num_input_tokens_seen: the loss normalised per micro-batch",
-           P.PerMicroBatchLossCountingTokens(), HF_TRAINER),
-    Mutant("LastMicroBatchAfterReduceBf16", "J4",
-           "bf16=True: the last micro-batch's gradient added after the reduction",
-           P.LastMicroBatchAfterReduceBf16(), P.Bf16PathTarget()),
+    Mutant(
+        "StepsInsideWindowUnlessSplit",
+        "C2",
+        "accelerate, split_batches=False: the prepared optimizer steps inside the window",
+        P.StepsInsideWindowUnlessSplit(),
+        ACCELERATE,
+    ),
+    Mutant(
+        "SkipsFirstReduceStaticManual",
+        "B12",
+        "Lightning, manual=True with static_graph=True: the first all-reduce is skipped",
+        P.SkipsFirstReduceStaticManual(),
+        LIGHTNING,
+    ),
+    Mutant(
+        "PerMicroBatchLossCountingTokens",
+        "J1",
+        "Trainer, include_num_input_tokens_seen: the loss normalised per micro-batch",
+        P.PerMicroBatchLossCountingTokens(),
+        HF_TRAINER,
+    ),
+    Mutant(
+        "LastMicroBatchAfterReduceBf16",
+        "J4",
+        "bf16=True: the last micro-batch's gradient added after the reduction",
+        P.LastMicroBatchAfterReduceBf16(),
+        P.Bf16PathTarget(),
+    ),
 ]
 
 
@@ -354,8 +587,9 @@ def by_name(name: str) -> Mutant:
         if mutant.name.lower() == name.lower():
             return mutant
 
-    raise InvalidArgument(f"mutant {name!r} is not in the catalogue; known: "
-                          f"{', '.join(m.name for m in CATALOGUE)}")
+    raise InvalidArgument(
+        f"mutant {name!r} is not in the catalogue; known: {', '.join(m.name for m in CATALOGUE)}"
+    )
 
 
 def stale_overrides() -> list[str]:
@@ -371,14 +605,18 @@ def stale_overrides() -> list[str]:
             control = type(mutant.control)
             stale += _stale(mutant, type(mutant.target), control)
             for piece in ("optimizer_class", "scheduler_class"):
-                broken, original = (getattr(type(mutant.target), piece, None),
-                                    getattr(control, piece, None))
+                broken, original = (
+                    getattr(type(mutant.target), piece, None),
+                    getattr(control, piece, None),
+                )
                 # a piece the control lacks is reported above: the class attribute itself
                 if broken is not None and original is not None and broken is not original:
                     stale += _stale(mutant, broken, original)
             continue
-        for broken in (getattr(type(mutant.target), "ddp_class", None),
-                       getattr(type(mutant.target), "optimizer_class", ShardedOptimizer)):
+        for broken in (
+            getattr(type(mutant.target), "ddp_class", None),
+            getattr(type(mutant.target), "optimizer_class", ShardedOptimizer),
+        ):
             if broken is None:  # no DDP in front
                 continue
             original = DDP if issubclass(broken, DDP) else ShardedOptimizer
@@ -390,7 +628,9 @@ def stale_overrides() -> list[str]:
 
 
 def _stale(mutant: Mutant, broken: type, original: type) -> list[str]:
-    return [f"mutant {mutant.name}: {broken.__qualname__}.{name} overrides nothing in "
-            f"{original.__module__}.{original.__qualname__}"
-            for name, value in vars(broken).items()
-            if callable(value) and not name.startswith("__") and not hasattr(original, name)]
+    return [
+        f"mutant {mutant.name}: {broken.__qualname__}.{name} overrides nothing in "
+        f"{original.__module__}.{original.__qualname__}"
+        for name, value in vars(broken).items()
+        if callable(value) and not name.startswith("__") and not hasattr(original, name)
+    ]

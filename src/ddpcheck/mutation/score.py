@@ -20,11 +20,19 @@ from ddpcheck.mutation import catalogue, search
 from ddpcheck.mutation.search import Outcome, Search, shrinking_search, warm_up
 from ddpcheck.targets import PARALLEL, TORCH_FSDP, TorchFSDPTarget
 
-__all__ = ["CONTROL", "TABLE_HEADER", "Scored", "run_mutants", "score", "table_lines",
-           "table_widths"]
+__all__ = [
+    "CONTROL",
+    "TABLE_HEADER",
+    "Scored",
+    "run_mutants",
+    "score",
+    "table_lines",
+    "table_widths",
+]
 
 #: The control row's name.
 CONTROL = "(unmutated)"
+
 
 @dataclasses.dataclass
 class Scored:
@@ -60,26 +68,42 @@ TABLE_HEADER = ["mutant", "class", "killed?", "examples", "seconds", "counterexa
 
 def table_widths(names: Iterable[str]) -> list[int]:
     """Column widths that fit every row before the rows exist (the table prints as it goes)."""
-    return [max(len(CONTROL), *(len(n) for n in names)), len("class"), len("SURVIVED (budget)"),
-            len("examples"), len("seconds"), len("counterexample")]
+    return [
+        max(len(CONTROL), *(len(n) for n in names)),
+        len("class"),
+        len("SURVIVED (budget)"),
+        len("examples"),
+        len("seconds"),
+        len("counterexample"),
+    ]
 
 
 def table_lines(rows: list[list[str]], widths: list[int] | None = None) -> list[str]:
     """Markdown-compatible table lines (header, rule, rows), columns padded to ``widths``."""
-    widths = widths or [max(len(r[i]) for r in [TABLE_HEADER, *rows])
-                        for i in range(len(TABLE_HEADER))]
+    widths = widths or [
+        max(len(r[i]) for r in [TABLE_HEADER, *rows]) for i in range(len(TABLE_HEADER))
+    ]
 
     def line(cells: list[str]) -> str:
         return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
 
-    return [line(TABLE_HEADER), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
-            *[line(r) for r in rows]]
+    return [
+        line(TABLE_HEADER),
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+        *[line(r) for r in rows],
+    ]
 
 
-def score(mutants: Iterable[Any], budget_seconds: float, *, control: Any = None,
-          world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES, search: Search | None = None,
-          deadline: float = DEFAULT_DEADLINE,
-          on_row: Callable[[Scored], None] | None = None) -> list[Scored]:
+def score(
+    mutants: Iterable[Any],
+    budget_seconds: float,
+    *,
+    control: Any = None,
+    world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
+    search: Search | None = None,
+    deadline: float = DEFAULT_DEADLINE,
+    on_row: Callable[[Scored], None] | None = None,
+) -> list[Scored]:
     """Search every mutant (``ddpcheck.mutation.catalogue.Mutant``) for a counterexample within
     ``budget_seconds`` each; ``control`` (the unmutated target, or a list of them), if given, is
     searched first with
@@ -90,8 +114,7 @@ def score(mutants: Iterable[Any], budget_seconds: float, *, control: Any = None,
     # several controls (a list) when the mutants seed bugs into several unmutated targets
     controls = [] if control is None else control if isinstance(control, list) else [control]
     for unmutated in reversed(controls):
-        label = (CONTROL if unmutated is PARALLEL else
-                 f"{CONTROL[:-1]} {type(unmutated).__name__})")
+        label = CONTROL if unmutated is PARALLEL else f"{CONTROL[:-1]} {type(unmutated).__name__})"
         todo.insert(0, (label, "-", unmutated, True))
     for name, bug_class, target, is_control in todo:
         budget = float("inf") if is_control else budget_seconds
@@ -105,8 +128,14 @@ def score(mutants: Iterable[Any], budget_seconds: float, *, control: Any = None,
     return out
 
 
-def run_mutants(only: str | None, *, budget_seconds: float, search_name: str,
-                world_sizes: tuple[int, ...], deadline: float) -> ExitCode:
+def run_mutants(
+    only: str | None,
+    *,
+    budget_seconds: float,
+    search_name: str,
+    world_sizes: tuple[int, ...],
+    deadline: float,
+) -> ExitCode:
     """Print the mutant table as it goes; 0 when every mutant is killed and the control passes."""
     mutants = catalogue.CATALOGUE
     if only is not None:
@@ -114,32 +143,49 @@ def run_mutants(only: str | None, *, budget_seconds: float, search_name: str,
         if not mutants:
             raise InvalidArgument(f"--only={only!r} names no mutant")
     widths = table_widths(m.name for m in mutants)
-    print(f"ddpcheck mutants: {len(mutants)} mutants, {budget_seconds:g} s each, "
-          f"{search_name} search, world sizes {','.join(map(str, world_sizes))} "
-          "(starting worlds...)", flush=True)
+    print(
+        f"ddpcheck mutants: {len(mutants)} mutants, {budget_seconds:g} s each, "
+        f"{search_name} search, world sizes {','.join(map(str, world_sizes))} "
+        "(starting worlds...)",
+        flush=True,
+    )
     print("\n".join(table_lines([], widths)), flush=True)
     started = time.perf_counter()
     chosen = search.shrinking_search if search_name == "shrinking" else search.battery_search
     controls: list[Any] = []  # each family's original, in catalogue order
     for m in mutants:
-        control = (m.control if m.control is not None else
-                   TORCH_FSDP if isinstance(m.target, TorchFSDPTarget) else PARALLEL)
+        control = (
+            m.control
+            if m.control is not None
+            else TORCH_FSDP
+            if isinstance(m.target, TorchFSDPTarget)
+            else PARALLEL
+        )
         if all(control is not c for c in controls):
             controls.append(control)
-    rows = score(mutants, budget_seconds, control=controls, search=chosen,
-                 world_sizes=world_sizes, deadline=deadline,
-                 on_row=lambda r: print(table_lines([r.row()], widths)[2], flush=True))
+    rows = score(
+        mutants,
+        budget_seconds,
+        control=controls,
+        search=chosen,
+        world_sizes=world_sizes,
+        deadline=deadline,
+        on_row=lambda r: print(table_lines([r.row()], widths)[2], flush=True),
+    )
     killed = sum(r.killed for r in rows if not r.control)
     control_ok = all(r.as_expected for r in rows if r.control)
     seconds = sorted(r.outcome.seconds for r in rows if not r.control and r.killed)
     median = seconds[len(seconds) // 2] if seconds else float("nan")
-    print(f"\nkilled {killed}/{len(mutants)} "
-          f"({100 * killed / max(len(mutants), 1):.0f} %); median {median:.2f} s to the first "
-          f"counterexample; unmutated target {'passes' if control_ok else 'FAILS'}; "
-          f"wall {time.perf_counter() - started:.1f} s")
+    print(
+        f"\nkilled {killed}/{len(mutants)} "
+        f"({100 * killed / max(len(mutants), 1):.0f} %); median {median:.2f} s to the first "
+        f"counterexample; unmutated target {'passes' if control_ok else 'FAILS'}; "
+        f"wall {time.perf_counter() - started:.1f} s"
+    )
     for r in rows:
         found = r.outcome.counterexample  # None unless the row was killed
         if r.control and found is not None:
-            print(f"\nthe unmutated target failed, so the scores above mean nothing:\n"
-                  f"{found.error}")
+            print(
+                f"\nthe unmutated target failed, so the scores above mean nothing:\n{found.error}"
+            )
     return ExitCode.OK if killed == len(mutants) and control_ok else ExitCode.FOUND

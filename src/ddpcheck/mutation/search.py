@@ -39,8 +39,15 @@ from ddpcheck._runs.fuzz import fuzz
 from ddpcheck._world.registry import get_world
 from ddpcheck.targets.protocol import Target
 
-__all__ = ["Counterexample", "Outcome", "Search", "battery_search", "brief", "shrinking_search",
-           "warm_up"]
+__all__ = [
+    "Counterexample",
+    "Outcome",
+    "Search",
+    "battery_search",
+    "brief",
+    "shrinking_search",
+    "warm_up",
+]
 
 #: Seconds an example may always take, however little budget is left. A healthy example takes
 #: milliseconds, but a loaded 2-core machine stretches that by orders of magnitude, and a timeout
@@ -99,8 +106,9 @@ def warm_up(world_sizes: Iterable[int], modules: Iterable[str] = ()) -> None:
         _reference(name, scenario)
     for w in world_sizes:
         # a fresh world's first example would otherwise pay for importing the harness
-        get_world(w).run(_import, ("ddpcheck._rank.runner", *modules),
-                         deadline=STARTUP_DEADLINE, what="warm-up")
+        get_world(w).run(
+            _import, ("ddpcheck._rank.runner", *modules), deadline=STARTUP_DEADLINE, what="warm-up"
+        )
 
 
 def _import(modules: tuple[str, ...]) -> None:
@@ -109,9 +117,13 @@ def _import(modules: tuple[str, ...]) -> None:
         importlib.import_module(name)
 
 
-def battery_search(target: Target, budget_seconds: float, *,
-                   world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
-                   deadline: float = DEFAULT_DEADLINE) -> Outcome:
+def battery_search(
+    target: Target,
+    budget_seconds: float,
+    *,
+    world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
+    deadline: float = DEFAULT_DEADLINE,
+) -> Outcome:
     """Battery x world sizes, in :data:`SEARCH_ORDER`, until the first divergence."""
     check_positive_number("budget_seconds", budget_seconds)
     sizes = check_world_sizes("world_sizes", world_sizes)
@@ -125,18 +137,30 @@ def battery_search(target: Target, budget_seconds: float, *,
             continue
         examples += 1
         try:
-            check_example(target, scenario, w, reference=_reference(name, scenario), name=name,
-                          deadline=min(deadline, max(MIN_DEADLINE, budget_seconds - spent)))
+            check_example(
+                target,
+                scenario,
+                w,
+                reference=_reference(name, scenario),
+                name=name,
+                deadline=min(deadline, max(MIN_DEADLINE, budget_seconds - spent)),
+            )
         except EquivalenceError as err:
             found = Counterexample(name, scenario, w, err.kinds[0], err)
             return Outcome(found, examples, time.perf_counter() - started, exhausted=False)
     return Outcome(None, examples, time.perf_counter() - started, exhausted=True)
 
 
-def shrinking_search(target: Target, budget_seconds: float, *,
-                     world_sizes: Any = DEFAULT_WORLD_SIZES, deadline: float = DEFAULT_DEADLINE,
-                     fuzz_share: float = 0.5, examples: int = 200,
-                     fuzz_config: bool = False) -> Outcome:
+def shrinking_search(
+    target: Target,
+    budget_seconds: float,
+    *,
+    world_sizes: Any = DEFAULT_WORLD_SIZES,
+    deadline: float = DEFAULT_DEADLINE,
+    fuzz_share: float = 0.5,
+    examples: int = 200,
+    fuzz_config: bool = False,
+) -> Outcome:
     """Up to ``examples`` random examples first, for a
     *shrunk* counterexample, within ``fuzz_share`` of the budget; if they find none, the
     built-in battery (not shrunk, but aimed at every bug class) gets the rest.
@@ -145,16 +169,31 @@ def shrinking_search(target: Target, budget_seconds: float, *,
     check_positive_number("budget_seconds", budget_seconds)
     started = time.perf_counter()
     share = budget_seconds * fuzz_share
-    result = fuzz(target, examples=examples, world_sizes=world_sizes, deadline=deadline,
-                  time_budget=None if share == float("inf") else share, fuzz_config=fuzz_config)
+    result = fuzz(
+        target,
+        examples=examples,
+        world_sizes=world_sizes,
+        deadline=deadline,
+        time_budget=None if share == float("inf") else share,
+        fuzz_config=fuzz_config,
+    )
     if result.found:
         err = result.error
-        found = Counterexample(f"random[{brief(err.scenario)}]", err.scenario, err.world_size,
-                               err.kinds[0], err)
-        return Outcome(found, result.first_failure or result.examples,
-                       time.perf_counter() - started, exhausted=False)
-    rest = battery_search(target, max(budget_seconds - (time.perf_counter() - started), 1e-3),
-                          world_sizes=world_sizes, deadline=deadline)
+        found = Counterexample(
+            f"random[{brief(err.scenario)}]", err.scenario, err.world_size, err.kinds[0], err
+        )
+        return Outcome(
+            found,
+            result.first_failure or result.examples,
+            time.perf_counter() - started,
+            exhausted=False,
+        )
+    rest = battery_search(
+        target,
+        max(budget_seconds - (time.perf_counter() - started), 1e-3),
+        world_sizes=world_sizes,
+        deadline=deadline,
+    )
     rest.examples += result.examples
     rest.seconds = time.perf_counter() - started
     return rest

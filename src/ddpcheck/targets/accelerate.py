@@ -81,23 +81,29 @@ SCENARIO_KEYS: dict[str, str] = {
     "mixed_precision": _PRECISION,
     "kwargs_handlers.AutocastKwargs": _PRECISION,
     "kwargs_handlers.GradScalerKwargs": "autocast (a float16 scaler skips steps the reference "
-                                        "takes)",
-    **{f"kwargs_handlers.{recipe}": _PRECISION for recipe in (
-        "FP8RecipeKwargs", "AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs")},
+    "takes)",
+    **{
+        f"kwargs_handlers.{recipe}": _PRECISION
+        for recipe in ("FP8RecipeKwargs", "AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs")
+    },
 }
 _WORLD = "ddpcheck's world: the process group exists, on the world's device"
 _DDP = "this target checks accelerate over torch DDP (DeepSpeed has targets of its own)"
-_SPLIT = ("ddpcheck's batch is the global batch split across the ranks, so the prepared scheduler "
-          "steps once per step only with split_batches=True; AccelerateTarget(split_batches="
-          "False) keeps accelerate's other behaviour")
+_SPLIT = (
+    "ddpcheck's batch is the global batch split across the ranks, so the prepared scheduler "
+    "steps once per step only with split_batches=True; AccelerateTarget(split_batches="
+    "False) keeps accelerate's other behaviour"
+)
 #: ``Accelerator`` keys ddpcheck's harness fixes: key -> (the values accepted, why).
 HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "cpu": ((), _WORLD),
     "kwargs_handlers.InitProcessGroupKwargs": ((), _WORLD),
     "split_batches": ((True,), _SPLIT),
     "dataloader_config.split_batches": ((True,), _SPLIT),
-    "step_scheduler_with_optimizer": ((True,), "the scheduler steps with the optimizer, once per "
-                                               "step, as the scenario's schedule"),
+    "step_scheduler_with_optimizer": (
+        (True,),
+        "the scheduler steps with the optimizer, once per step, as the scenario's schedule",
+    ),
     "deepspeed_plugin": ((None,), _DDP),
     "deepspeed_plugins": ((None,), _DDP),
     "fsdp_plugin": ((None,), _DDP),
@@ -125,7 +131,8 @@ class AccelerateTarget(FrameworkTarget):
     declined_features: ClassVar[Mapping[str, str]] = {
         "rank-orders": TORCH_DDP_ORDER,
         "checkpoint": f"{OWN_CHECKPOINTS} (save_state/load_state, its own directory format)",
-        "param-dtype": NO_PARAM_DTYPE}
+        "param-dtype": NO_PARAM_DTYPE,
+    }
 
     def __post_init__(self) -> None:
         where = described("AccelerateTarget", self.config)
@@ -140,8 +147,10 @@ class AccelerateTarget(FrameworkTarget):
         handler = _ddp_handler(vars(self)["_given"])
         if handler is None:
             return {"find_unused_parameters": True, "static_graph": False}
-        return {name: bool(_option(handler, name))
-                for name in ("find_unused_parameters", "static_graph")}
+        return {
+            name: bool(_option(handler, name))
+            for name in ("find_unused_parameters", "static_graph")
+        }
 
     @property
     def supported_features(self) -> frozenset[str]:  # type: ignore[override]
@@ -152,15 +161,21 @@ class AccelerateTarget(FrameworkTarget):
 
     def supports(self, scenario: Any) -> str | None:
         if not self.split_batches and scenario.lr_decay is not None:
-            return ("an LR schedule with split_batches=False: AcceleratedScheduler then steps "
-                    "the schedule num_processes times per optimizer step, by design (the "
-                    "batch is taken to be per process), where the reference steps it once")
+            return (
+                "an LR schedule with split_batches=False: AcceleratedScheduler then steps "
+                "the schedule num_processes times per optimizer step, by design (the "
+                "batch is taken to be per process), where the reference steps it once"
+            )
         given = vars(self)["_given"]
-        sync_each_batch = bool(_option(given.get("gradient_accumulation_plugin") or {},
-                                       "sync_each_batch"))
-        return ddp_options.cannot_run(scenario, **self._ddp,
-                                      no_sync_accumulation=not sync_each_batch,
-                                      where=" (the config's DistributedDataParallelKwargs)")
+        sync_each_batch = bool(
+            _option(given.get("gradient_accumulation_plugin") or {}, "sync_each_batch")
+        )
+        return ddp_options.cannot_run(
+            scenario,
+            **self._ddp,
+            no_sync_accumulation=not sync_each_batch,
+            where=" (the config's DistributedDataParallelKwargs)",
+        )
 
     def config_space(self) -> Any:
         """``split_batches=False`` (accelerate's default); ``Accelerator`` keyword arguments
@@ -179,15 +194,18 @@ class AccelerateTarget(FrameworkTarget):
         object.__setattr__(configured, "accumulation", scenario.accumulation)
         return configured
 
-    def setup(self, module: Any, params: Any, optimizer_cls: type,
-              **kwargs: Any) -> tuple[Any, Any]:
+    def setup(
+        self, module: Any, params: Any, optimizer_cls: type, **kwargs: Any
+    ) -> tuple[Any, Any]:
         from accelerate import Accelerator
 
         join_existing_group()
         options = self.accelerator_kwargs(next(module.parameters()).device)
-        accelerator = (construct(Accelerator, options, target=described("AccelerateTarget",
-                                                                         self.config))
-                       if vars(self)["_given"] else Accelerator(**options))
+        accelerator = (
+            construct(Accelerator, options, target=described("AccelerateTarget", self.config))
+            if vars(self)["_given"]
+            else Accelerator(**options)
+        )
         model, optimizer = accelerator.prepare(module, optimizer_cls(params, **kwargs))
         # the hooks below get the model or the optimizer: both carry this example's Accelerator
         model.ddpcheck_accelerator = optimizer.ddpcheck_accelerator = accelerator
@@ -209,12 +227,18 @@ class AccelerateTarget(FrameworkTarget):
         if plugin is None:
             kwargs["gradient_accumulation_steps"] = self.accumulation
         else:
-            plugin = build(plugin, GradientAccumulationPlugin, target=where,
-                           key="gradient_accumulation_plugin")
+            plugin = build(
+                plugin, GradientAccumulationPlugin, target=where, key="gradient_accumulation_plugin"
+            )
             kwargs["gradient_accumulation_plugin"] = dataclasses.replace(
-                plugin, num_steps=self.accumulation)
-        loader = build(given.get("dataloader_config") or {}, DataLoaderConfiguration,
-                       target=where, key="dataloader_config")
+                plugin, num_steps=self.accumulation
+            )
+        loader = build(
+            given.get("dataloader_config") or {},
+            DataLoaderConfiguration,
+            target=where,
+            key="dataloader_config",
+        )
         if not has(given, "dataloader_config.split_batches"):
             loader = dataclasses.replace(loader, split_batches=self.split_batches)
         kwargs["dataloader_config"] = loader
@@ -228,8 +252,9 @@ class AccelerateTarget(FrameworkTarget):
         inner = torch.optim.lr_scheduler.ExponentialLR(optimizer.optimizer, gamma)
         return optimizer.ddpcheck_accelerator.prepare_scheduler(inner)
 
-    def micro_batch(self, model: Any, optimizer: Any, index: int,
-                    count: int) -> AbstractContextManager[Any]:
+    def micro_batch(
+        self, model: Any, optimizer: Any, index: int, count: int
+    ) -> AbstractContextManager[Any]:
         return model.ddpcheck_accelerator.accumulate(model)
 
     def backward(self, model: Any, loss: Any) -> None:
@@ -237,17 +262,14 @@ class AccelerateTarget(FrameworkTarget):
         # accelerate divides by gradient_accumulation_steps; ddpcheck's loss is already scaled
         accelerator.backward(loss * accelerator.gradient_accumulation_steps)
 
-    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float,
-                       norm_type: float) -> Any:
-        return model.ddpcheck_accelerator.clip_grad_norm_(model.parameters(), max_norm,
-                                                          norm_type)
+    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float, norm_type: float) -> Any:
+        return model.ddpcheck_accelerator.clip_grad_norm_(model.parameters(), max_norm, norm_type)
 
     def teardown(self, model: Any, optimizer: Any) -> None:
         from accelerate.state import AcceleratorState, GradientState
 
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
-
 
 
 def _check(given: dict[str, Any], where: str) -> None:
@@ -261,16 +283,26 @@ def _check(given: dict[str, Any], where: str) -> None:
         return
     handlers = given.get("kwargs_handlers") or []
     if not isinstance(handlers, (list, tuple)):
-        raise InvalidArgument(f"{where}: 'kwargs_handlers' must be a list of handlers (in "
-                              "JSON, objects naming their class: {\"class\": "
-                              "\"DistributedDataParallelKwargs\", ...})")
+        raise InvalidArgument(
+            f"{where}: 'kwargs_handlers' must be a list of handlers (in "
+            'JSON, objects naming their class: {"class": '
+            '"DistributedDataParallelKwargs", ...})'
+        )
     view = dict(given)
     view["kwargs_handlers"] = {type(h).__name__: h for h in (_handler(h, where) for h in handlers)}
-    for key, factory in (("gradient_accumulation_plugin", GradientAccumulationPlugin),
-                         ("dataloader_config", DataLoaderConfiguration)):
+    for key, factory in (
+        ("gradient_accumulation_plugin", GradientAccumulationPlugin),
+        ("dataloader_config", DataLoaderConfiguration),
+    ):
         build(given.get(key) or {}, factory, target=where, key=key)  # its keywords checked
-    reconcile(view, target=where, scenario_keys=SCENARIO_KEYS, harness_keys=HARNESS_KEYS,
-              known=keywords_of(Accelerator), known_as="Accelerator keyword argument")
+    reconcile(
+        view,
+        target=where,
+        scenario_keys=SCENARIO_KEYS,
+        harness_keys=HARNESS_KEYS,
+        known=keywords_of(Accelerator),
+        known_as="Accelerator keyword argument",
+    )
 
 
 def _handler(value: Any, where: str) -> Any:
@@ -286,9 +318,11 @@ def _handler(value: Any, where: str) -> Any:
     cls = getattr(accelerate.utils, name, None) if isinstance(name, str) else None
     if not (isinstance(cls, type) and issubclass(cls, KwargsHandler)):
         names = sorted(n for n in dir(accelerate.utils) if n.endswith(("Kwargs", "KwargsHandler")))
-        raise InvalidArgument(f"{where}: a handler of 'kwargs_handlers' given as a dict names "
-                              f"its class under \"class\" (one of {', '.join(names)}), not "
-                              f"{name!r}")
+        raise InvalidArgument(
+            f"{where}: a handler of 'kwargs_handlers' given as a dict names "
+            f'its class under "class" (one of {", ".join(names)}), not '
+            f"{name!r}"
+        )
     kwargs = {k: v for k, v in value.items() if k != "class"}
     return build(kwargs, cls, target=where, key=f"kwargs_handlers.{name}")
 

@@ -31,8 +31,16 @@ from ddpcheck.targets.protocol import Target
 from ddpcheck.targets.reasons import NO_PARAM_DTYPE, TORCH_DDP_ORDER
 from parallel import DDP, ShardedOptimizer, sharding
 
-__all__ = ["LocalTarget", "ParallelDDPTarget", "ParallelTarget", "TorchDDPTarget",
-           "TorchFSDPTarget", "TorchZeroTarget", "ZERO_HARNESS_KEYS", "ZERO_SCENARIO_KEYS"]
+__all__ = [
+    "LocalTarget",
+    "ParallelDDPTarget",
+    "ParallelTarget",
+    "TorchDDPTarget",
+    "TorchFSDPTarget",
+    "TorchZeroTarget",
+    "ZERO_HARNESS_KEYS",
+    "ZERO_SCENARIO_KEYS",
+]
 
 
 #: The bucket sizes (MB) drawn for a bucketing wrapper's option (``strategies.BUCKET_SIZES``).
@@ -75,8 +83,7 @@ class ParallelDDPTarget(_Bucketed):
     def no_sync(self, model: Any) -> AbstractContextManager[Any]:
         return model.no_sync()
 
-    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float,
-                       norm_type: float) -> Any:
+    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float, norm_type: float) -> Any:
         # in name order, not this rank's registration order: the norm sums per-parameter norms
         # in list order, and ranks that registered differently would round it differently
         params = [p for _, p in sorted(model.module.named_parameters())]
@@ -93,16 +100,19 @@ class ParallelTarget(ParallelDDPTarget):
 
     def config_space(self) -> Any:
         """The bucket size and the rule that assigns each parameter its owner."""
-        return options(fields={"bucket_size_mb": BUCKET_SIZES,
-                               "sharding_rule": (sharding.greedy, sharding.contiguous)})
+        return options(
+            fields={
+                "bucket_size_mb": BUCKET_SIZES,
+                "sharding_rule": (sharding.greedy, sharding.contiguous),
+            }
+        )
 
     def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
         if self.sharding_rule is not None:
             kwargs["sharding_rule"] = self.sharding_rule
         return ShardedOptimizer(params, optimizer_cls, **kwargs)
 
-    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float,
-                       norm_type: float) -> Any:
+    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float, norm_type: float) -> Any:
         # the global norm from each rank's owned shard: one scalar all-reduced, not W full norms
         return optimizer.clip_grad_norm_(max_norm, norm_type)
 
@@ -115,12 +125,15 @@ class TorchDDPTarget(_Bucketed):
     # 2.13, W=2) its construction check raises "params[0] in this process with sizes [8] appears
     # not to match sizes of the same param in process 0" -- and where the shapes happen to line
     # up, nothing would stop it pairing different tensors.
-    declined_features: ClassVar[Mapping[str, str]] = {"rank-orders": TORCH_DDP_ORDER,
-                                                      "param-dtype": NO_PARAM_DTYPE}
+    declined_features: ClassVar[Mapping[str, str]] = {
+        "rank-orders": TORCH_DDP_ORDER,
+        "param-dtype": NO_PARAM_DTYPE,
+    }
 
     def wrap(self, module: Any) -> Any:
-        kwargs: dict[str, Any] = ({} if self.bucket_size_mb is None else
-                                  {"bucket_cap_mb": self.bucket_size_mb})
+        kwargs: dict[str, Any] = (
+            {} if self.bucket_size_mb is None else {"bucket_cap_mb": self.bucket_size_mb}
+        )
         # Unused parameters are part of every battery; torch needs to be told to look for them.
         return DistributedDataParallel(module, find_unused_parameters=True, **kwargs)
 
@@ -155,36 +168,51 @@ class TorchZeroTarget(TorchDDPTarget):
         if given:
             # every keyword ZeroRedundancyOptimizer does not name goes to the optimizer class
             # (its **defaults): the scenario's optimizer_kwargs -- unless it is a typo of one
-            extra = {k: "optimizer_kwargs: ZeroRedundancyOptimizer passes it to the optimizer"
-                     for k in given if k not in _ZERO_OPTIONS
-                     and not difflib.get_close_matches(k, _ZERO_OPTIONS, n=1, cutoff=0.6)}
-            reconcile(given, target="TorchZeroTarget",
-                      scenario_keys={**ZERO_SCENARIO_KEYS, **extra},
-                      harness_keys=ZERO_HARNESS_KEYS, known=_ZERO_OPTIONS)
-        if ("parameters_as_bucket_view" in given
-                and given["parameters_as_bucket_view"] != self.parameters_as_bucket_view
-                and self.parameters_as_bucket_view):
-            raise InvalidArgument("TorchZeroTarget(parameters_as_bucket_view=True) and the "
-                                  "config's 'parameters_as_bucket_view' disagree: give one")
+            extra = {
+                k: "optimizer_kwargs: ZeroRedundancyOptimizer passes it to the optimizer"
+                for k in given
+                if k not in _ZERO_OPTIONS
+                and not difflib.get_close_matches(k, _ZERO_OPTIONS, n=1, cutoff=0.6)
+            }
+            reconcile(
+                given,
+                target="TorchZeroTarget",
+                scenario_keys={**ZERO_SCENARIO_KEYS, **extra},
+                harness_keys=ZERO_HARNESS_KEYS,
+                known=_ZERO_OPTIONS,
+            )
+        if (
+            "parameters_as_bucket_view" in given
+            and given["parameters_as_bucket_view"] != self.parameters_as_bucket_view
+            and self.parameters_as_bucket_view
+        ):
+            raise InvalidArgument(
+                "TorchZeroTarget(parameters_as_bucket_view=True) and the "
+                "config's 'parameters_as_bucket_view' disagree: give one"
+            )
         object.__setattr__(self, "_given", given)  # derived, not a field: config rebuilds it
 
     @property
     def bucket_view(self) -> bool:
         """ZeRO's ``parameters_as_bucket_view``: the field's, or the config's."""
-        return bool(vars(self)["_given"].get("parameters_as_bucket_view",
-                                             self.parameters_as_bucket_view))
+        return bool(
+            vars(self)["_given"].get("parameters_as_bucket_view", self.parameters_as_bucket_view)
+        )
 
     declined_features: ClassVar[Mapping[str, str]] = {
         "mixed-dtypes": "ZeroRedundancyOptimizer rejects parameters of several dtypes",
         # torch DDP in front refuses them, and ZeRO's own partition (largest first, ties in list
         # order) would give equal-sized parameters different owners on different ranks
         "rank-orders": TORCH_DDP_ORDER,
-        "param-dtype": NO_PARAM_DTYPE}
+        "param-dtype": NO_PARAM_DTYPE,
+    }
 
     def supports(self, scenario: Any) -> str | None:
         if getattr(scenario, "checkpoint_after", None) is not None and not _numpy_available():
-            return ("checkpoint: ZeroRedundancyOptimizer.consolidate_state_dict decodes every "
-                    "rank's shard through numpy (torch 2.13), which is not installed here")
+            return (
+                "checkpoint: ZeroRedundancyOptimizer.consolidate_state_dict decodes every "
+                "rank's shard through numpy (torch 2.13), which is not installed here"
+            )
         return None
 
     def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
@@ -196,8 +224,11 @@ class TorchZeroTarget(TorchDDPTarget):
             first, *rest = params
             first = dict(first)
             optimizer = ZeroRedundancyOptimizer(
-                first.pop("params"), optimizer_class=optimizer_cls,
-                parameters_as_bucket_view=self.bucket_view, **{**kwargs, **first})
+                first.pop("params"),
+                optimizer_class=optimizer_cls,
+                parameters_as_bucket_view=self.bucket_view,
+                **{**kwargs, **first},
+            )
             for group in rest:  # a later group falls back to the kwargs, not to group 0's values
                 optimizer.add_param_group({**kwargs, **group})
             return optimizer
@@ -207,9 +238,12 @@ class TorchZeroTarget(TorchDDPTarget):
         # (found by the battery's non-contiguous scenario; ZeRO alone is fine; docs/stride-bug.md).
         # So ZeRO broadcasts one parameter at a time, and this target does not promise flattened
         # broadcasts.
-        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_cls,
-                                       parameters_as_bucket_view=self.bucket_view,
-                                       **kwargs)
+        return ZeroRedundancyOptimizer(
+            params,
+            optimizer_class=optimizer_cls,
+            parameters_as_bucket_view=self.bucket_view,
+            **kwargs,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,19 +288,24 @@ class TorchFSDPTarget(Target):
     declined_features: ClassVar[Mapping[str, str]] = {
         "non-contiguous": "fully_shard raises on non-contiguous parameters",
         "unused-on-some-ranks": "FSDP2 all-gathers a layer in its forward: a layer some ranks "
-                                "skip leaves the collectives unpaired",
+        "skip leaves the collectives unpaired",
         "checkpoint": "FSDP2's sharded state dicts (DTensor shards) resume through "
-                      "torch.distributed.checkpoint, not the default hooks' rank-0 state_dict",
+        "torch.distributed.checkpoint, not the default hooks' rank-0 state_dict",
         "rank-orders": "fully_shard packs each module's parameters into its all-gather buffer in "
-                       "registration order, which must be the same on every rank"}
+        "registration order, which must be the same on every rank",
+    }
 
     def __post_init__(self) -> None:
         given = fsdp_config(self.config)  # no FSDP import without a config (the ready-made)
-        for key, field, unset in (("reshard_after_forward", "reshard_after_forward", None),
-                                  ("offload_policy", "cpu_offload", False)):
+        for key, field, unset in (
+            ("reshard_after_forward", "reshard_after_forward", None),
+            ("offload_policy", "cpu_offload", False),
+        ):
             if key in given and getattr(self, field) != unset:
-                raise InvalidArgument(f"TorchFSDPTarget({field}={getattr(self, field)!r}) and "
-                                      f"the config's {key!r} both set it: give one")
+                raise InvalidArgument(
+                    f"TorchFSDPTarget({field}={getattr(self, field)!r}) and "
+                    f"the config's {key!r} both set it: give one"
+                )
         object.__setattr__(self, "_given", given)  # derived, not a field: config rebuilds it
 
     def config_space(self) -> Any:
@@ -293,30 +332,45 @@ class TorchFSDPTarget(Target):
 
     def wrap(self, module: Any) -> Any:
         given = vars(self)["_given"]
-        if ((self.cpu_offload or given.get("offload_policy") is not None)
-                and next(module.parameters()).device.type == "cpu"):
+        if (self.cpu_offload or given.get("offload_policy") is not None) and next(
+            module.parameters()
+        ).device.type == "cpu":
             # every rank decides alike, before any collective: a decline, not a rank failure
             raise NothingChecked(
                 "cpu_offload: FSDP2's CPUOffloadPolicy keeps parameters on the CPU and copies "
                 "them to the accelerator for each forward; in a CPU world torch 2.13 raises "
                 "'Cannot access accelerator device when none is available' (run it with "
-                "--device cuda)")
+                "--device cuda)"
+            )
         broadcast_from(module, 0)
         if given:
-            return shard_leaves(module, given.get("reshard_after_forward",
-                                                  self.reshard_after_forward),
-                                **config_options(given, self.param_dtype, self.reduce_dtype))
-        return shard_leaves(module, self.reshard_after_forward, **fully_shard_options(
-            cpu_offload=self.cpu_offload, param_dtype=self.param_dtype,
-            reduce_dtype=self.reduce_dtype))
+            return shard_leaves(
+                module,
+                given.get("reshard_after_forward", self.reshard_after_forward),
+                **config_options(given, self.param_dtype, self.reduce_dtype),
+            )
+        return shard_leaves(
+            module,
+            self.reshard_after_forward,
+            **fully_shard_options(
+                cpu_offload=self.cpu_offload,
+                param_dtype=self.param_dtype,
+                reduce_dtype=self.reduce_dtype,
+            ),
+        )
 
     def no_sync(self, model: Any) -> AbstractContextManager[Any]:
         return gradient_sync_off(model)
 
 
 #: ``ZeroRedundancyOptimizer``'s own keywords (torch 2.13), besides the optimizer's defaults.
-_ZERO_OPTIONS = ("params", "optimizer_class", "process_group", "parameters_as_bucket_view",
-                 "overlap_with_ddp")
+_ZERO_OPTIONS = (
+    "params",
+    "optimizer_class",
+    "process_group",
+    "parameters_as_bucket_view",
+    "overlap_with_ddp",
+)
 #: ``ZeroRedundancyOptimizer`` keywords the scenario sets: refused whatever their value.
 ZERO_SCENARIO_KEYS: dict[str, str] = {
     "params": "model and param_groups: ZeRO shards the model's parameters",
@@ -325,8 +379,11 @@ ZERO_SCENARIO_KEYS: dict[str, str] = {
 #: ``ZeroRedundancyOptimizer`` keywords ddpcheck's harness fixes: key -> (accepted, why).
 ZERO_HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "process_group": ((None,), "ddpcheck's world: ZeRO shards over it"),
-    "overlap_with_ddp": ((False,), "not tried with this target: it needs a functional optimizer "
-                                   "and ZeRO's DDP communication hook registered on the model"),
+    "overlap_with_ddp": (
+        (False,),
+        "not tried with this target: it needs a functional optimizer "
+        "and ZeRO's DDP communication hook registered on the model",
+    ),
 }
 
 
@@ -344,6 +401,12 @@ class LocalTarget(Target):
 
 # Replay lines and pickles name these by the package users import them from (ddpcheck.targets:
 # PARALLEL, as before the built-ins had a module of their own).
-for _cls in (ParallelDDPTarget, ParallelTarget, TorchDDPTarget, TorchZeroTarget, TorchFSDPTarget,
-             LocalTarget):
+for _cls in (
+    ParallelDDPTarget,
+    ParallelTarget,
+    TorchDDPTarget,
+    TorchZeroTarget,
+    TorchFSDPTarget,
+    LocalTarget,
+):
     _cls.__module__ = "ddpcheck.targets"

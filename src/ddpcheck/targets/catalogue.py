@@ -25,9 +25,26 @@ from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.protocol import Target
 
-__all__ = ["ACCELERATE", "BUILTIN", "DEEPSPEED", "DEEPSPEED_ZERO1", "DEEPSPEED_ZERO2", "FABRIC",
-           "HF_TRAINER", "LIGHTNING", "LOCAL", "PARALLEL", "PARALLEL_DDP", "READY_MADE", "TESTED",
-           "TORCH_DDP", "TORCH_FSDP", "TORCH_ZERO", "TORCH_ZERO_BUCKET_VIEW", "ReadyMade"]
+__all__ = [
+    "ACCELERATE",
+    "BUILTIN",
+    "DEEPSPEED",
+    "DEEPSPEED_ZERO1",
+    "DEEPSPEED_ZERO2",
+    "FABRIC",
+    "HF_TRAINER",
+    "LIGHTNING",
+    "LOCAL",
+    "PARALLEL",
+    "PARALLEL_DDP",
+    "READY_MADE",
+    "TESTED",
+    "TORCH_DDP",
+    "TORCH_FSDP",
+    "TORCH_ZERO",
+    "TORCH_ZERO_BUCKET_VIEW",
+    "ReadyMade",
+]
 
 PARALLEL = ParallelTarget()
 PARALLEL_DDP = ParallelDDPTarget()
@@ -62,8 +79,11 @@ class ReadyMade:
         """feature -> why the target declines it: every feature it is not checked on, with the
         reason its class declares (``Target.declined_features``)."""
         reasons = self.target.declined_features
-        return {feature: reasons.get(feature) or why_unsupported(self.target, feature)
-                for feature in FEATURES if feature not in supported_by(self.target)}
+        return {
+            feature: reasons.get(feature) or why_unsupported(self.target, feature)
+            for feature in FEATURES
+            if feature not in supported_by(self.target)
+        }
 
     @property
     def version(self) -> str | None:
@@ -99,59 +119,119 @@ TESTED: dict[str, tuple[str, ...]] = {
 
 #: Every ready-made target, in the order ``ddpcheck targets`` lists them.
 READY_MADE: tuple[ReadyMade, ...] = (
-    ReadyMade("parallel", PARALLEL, "torch", "torch",
-              "parallel.DDP + parallel.ShardedOptimizer (this repository)"),
-    ReadyMade("parallel_ddp", PARALLEL_DDP, "torch", "torch",
-              "parallel.DDP + the plain optimizer"),
-    ReadyMade("torch_ddp", TORCH_DDP, "torch", "torch",
-              "torch DistributedDataParallel(find_unused_parameters=True)"),
-    ReadyMade("torch_zero", TORCH_ZERO, "torch", "torch",
-              "torch DDP + ZeroRedundancyOptimizer; TorchZeroTarget(config={its keyword "
-              "arguments} or 'zero.json')",
-              "checkpoints where numpy is missing (consolidate_state_dict decodes through it)"),
-    ReadyMade("torch_zero_bucket_view", TORCH_ZERO_BUCKET_VIEW, "torch", "torch",
-              "torch DDP + ZeroRedundancyOptimizer(parameters_as_bucket_view=True): fails on "
-              "torch 2.13 (docs/stride-bug.md)"),
-    ReadyMade("torch_fsdp", TORCH_FSDP, "torch", "torch",
-              "torch FSDP2 (fully_shard per layer); TorchFSDPTarget(reshard_after_forward=int|"
-              "False, cpu_offload=True) for its options (cpu_offload needs --device cuda), "
-              "TorchFSDPTarget(config={fully_shard keyword arguments} or 'fsdp.json')",
-              "a layer skipped by some ranks' micro-batches, a weight used outside its layer, "
-              "infinity-norm clipping with an empty shard, a layer called twice per forward "
-              "with accumulation (reduce-scattered twice: bench/fsdp_reused_module.py)"),
-    ReadyMade("local", LOCAL, "torch", "torch",
-              "no synchronisation at all: must fail for W > 1"),
-    ReadyMade("accelerate", ACCELERATE, "accelerate", "accelerate",
-              "Accelerator: prepare, accumulate, backward, clip_grad_norm_, the prepared "
-              "scheduler; AccelerateTarget(config={...} or 'accelerate.json'): your own "
-              "Accelerator arguments"),
-    ReadyMade("fabric", FABRIC, "lightning", "lightning",
-              "Lightning Fabric DDP: setup, no_backward_sync, backward, clip_gradients; "
-              "FabricTarget(config={...}): your own Fabric arguments and strategy"),
-    ReadyMade("lightning", LIGHTNING, "lightning", "lightning",
-              "Lightning Trainer.fit with DDPStrategy, automatic optimization (its own loop; "
-              "LightningTarget(manual=True), LightningTarget(static_graph=True), "
-              "LightningTarget(config={...}): your own Trainer arguments and strategy)",
-              "infinity-norm clipping in automatic optimization (gradient_clip_val clips the "
-              "2-norm)"),
-    ReadyMade("hf_trainer", HF_TRAINER, "transformers", "transformers",
-              "transformers' Trainer.train over DDP, its own loop: the scenario's model as a "
-              "causal LM taking num_items_in_batch; HfTrainerTarget(config={...} or "
-              "'args.json', loss_kwargs=False)",
-              "reduction='sum' (the Trainer normalises to a mean), clipping a norm other than "
-              "the 2-norm, float16 autocast"),
-    ReadyMade("deepspeed", DEEPSPEED, "deepspeed", "deepspeed",
-              "DeepSpeed's engine at the ZeRO stage of your config (default 2): "
-              "DeepSpeedTarget(config={...} or 'ds_config.json')"),
-    ReadyMade("deepspeed_zero1", DEEPSPEED_ZERO1, "deepspeed", "deepspeed",
-              "DeepSpeed's engine, ZeRO stage 1, CPU accelerator over gloo (float32: "
-              "ddpcheck check deepspeed_zero1 --dtypes float32)"),
-    ReadyMade("deepspeed_zero2", DEEPSPEED_ZERO2, "deepspeed", "deepspeed",
-              "DeepSpeed's engine, ZeRO stage 2: gradients partitioned, reduced every "
-              "micro-batch (float32: --dtypes float32)"),
+    ReadyMade(
+        "parallel",
+        PARALLEL,
+        "torch",
+        "torch",
+        "parallel.DDP + parallel.ShardedOptimizer (this repository)",
+    ),
+    ReadyMade("parallel_ddp", PARALLEL_DDP, "torch", "torch", "parallel.DDP + the plain optimizer"),
+    ReadyMade(
+        "torch_ddp",
+        TORCH_DDP,
+        "torch",
+        "torch",
+        "torch DistributedDataParallel(find_unused_parameters=True)",
+    ),
+    ReadyMade(
+        "torch_zero",
+        TORCH_ZERO,
+        "torch",
+        "torch",
+        "torch DDP + ZeroRedundancyOptimizer; TorchZeroTarget(config={its keyword "
+        "arguments} or 'zero.json')",
+        "checkpoints where numpy is missing (consolidate_state_dict decodes through it)",
+    ),
+    ReadyMade(
+        "torch_zero_bucket_view",
+        TORCH_ZERO_BUCKET_VIEW,
+        "torch",
+        "torch",
+        "torch DDP + ZeroRedundancyOptimizer(parameters_as_bucket_view=True): fails on "
+        "torch 2.13 (docs/stride-bug.md)",
+    ),
+    ReadyMade(
+        "torch_fsdp",
+        TORCH_FSDP,
+        "torch",
+        "torch",
+        "torch FSDP2 (fully_shard per layer); TorchFSDPTarget(reshard_after_forward=int|"
+        "False, cpu_offload=True) for its options (cpu_offload needs --device cuda), "
+        "TorchFSDPTarget(config={fully_shard keyword arguments} or 'fsdp.json')",
+        "a layer skipped by some ranks' micro-batches, a weight used outside its layer, "
+        "infinity-norm clipping with an empty shard, a layer called twice per forward "
+        "with accumulation (reduce-scattered twice: bench/fsdp_reused_module.py)",
+    ),
+    ReadyMade("local", LOCAL, "torch", "torch", "no synchronisation at all: must fail for W > 1"),
+    ReadyMade(
+        "accelerate",
+        ACCELERATE,
+        "accelerate",
+        "accelerate",
+        "Accelerator: prepare, accumulate, backward, clip_grad_norm_, the prepared "
+        "scheduler; AccelerateTarget(config={...} or 'accelerate.json'): your own "
+        "Accelerator arguments",
+    ),
+    ReadyMade(
+        "fabric",
+        FABRIC,
+        "lightning",
+        "lightning",
+        "Lightning Fabric DDP: setup, no_backward_sync, backward, clip_gradients; "
+        "FabricTarget(config={...}): your own Fabric arguments and strategy",
+    ),
+    ReadyMade(
+        "lightning",
+        LIGHTNING,
+        "lightning",
+        "lightning",
+        "Lightning Trainer.fit with DDPStrategy, automatic optimization (its own loop; "
+        "LightningTarget(manual=True), LightningTarget(static_graph=True), "
+        "LightningTarget(config={...}): your own Trainer arguments and strategy)",
+        "infinity-norm clipping in automatic optimization (gradient_clip_val clips the 2-norm)",
+    ),
+    ReadyMade(
+        "hf_trainer",
+        HF_TRAINER,
+        "transformers",
+        "transformers",
+        "transformers' Trainer.train over DDP, its own loop: the scenario's model as a "
+        "causal LM taking num_items_in_batch; HfTrainerTarget(config={...} or "
+        "'args.json', loss_kwargs=False)",
+        "reduction='sum' (the Trainer normalises to a mean), clipping a norm other than "
+        "the 2-norm, float16 autocast",
+    ),
+    ReadyMade(
+        "deepspeed",
+        DEEPSPEED,
+        "deepspeed",
+        "deepspeed",
+        "DeepSpeed's engine at the ZeRO stage of your config (default 2): "
+        "DeepSpeedTarget(config={...} or 'ds_config.json')",
+    ),
+    ReadyMade(
+        "deepspeed_zero1",
+        DEEPSPEED_ZERO1,
+        "deepspeed",
+        "deepspeed",
+        "DeepSpeed's engine, ZeRO stage 1, CPU accelerator over gloo (float32: "
+        "ddpcheck check deepspeed_zero1 --dtypes float32)",
+    ),
+    ReadyMade(
+        "deepspeed_zero2",
+        DEEPSPEED_ZERO2,
+        "deepspeed",
+        "deepspeed",
+        "DeepSpeed's engine, ZeRO stage 2: gradients partitioned, reduced every "
+        "micro-batch (float32: --dtypes float32)",
+    ),
 )
 
 #: Built-in targets by the short names the command line accepts: a framework's only where it is
 #: installed.
-BUILTIN = {entry.name: entry.target for entry in READY_MADE
-           if entry.framework == "torch" or entry.version is not None}
+BUILTIN = {
+    entry.name: entry.target
+    for entry in READY_MADE
+    if entry.framework == "torch" or entry.version is not None
+}

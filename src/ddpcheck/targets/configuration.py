@@ -33,11 +33,21 @@ from typing import Any
 from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._base.options import did_you_mean
 
-__all__ = ["RULE", "build", "construct", "described", "has", "keywords_of", "load_config", "lookup",
-           "reconcile", "same"]
+__all__ = [
+    "RULE",
+    "build",
+    "construct",
+    "described",
+    "has",
+    "keywords_of",
+    "load_config",
+    "lookup",
+    "reconcile",
+    "same",
+]
 
 #: Where the rule is documented, as every refusal says.
-RULE = "docs/frameworks.md, \"Your own configuration\""
+RULE = 'docs/frameworks.md, "Your own configuration"'
 
 _ABSENT = object()
 
@@ -58,28 +68,44 @@ def load_config(config: Any, *, target: str) -> dict[str, Any]:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except OSError as exc:
-            raise InvalidArgument(f"{where} cannot be read ({exc.strerror or exc}); config= "
-                                  "takes a dict or the path of a JSON file holding one") from None
+            raise InvalidArgument(
+                f"{where} cannot be read ({exc.strerror or exc}); config= "
+                "takes a dict or the path of a JSON file holding one"
+            ) from None
         try:
             given = json.loads(text)
         except ValueError as exc:
             line = getattr(exc, "lineno", None)
-            raise InvalidArgument(f"{where} is not valid JSON"
-                                  + (f" (line {line}: {exc.msg})"  # type: ignore[attr-defined]
-                                     if line is not None else f" ({exc})")) from None
+            raise InvalidArgument(
+                f"{where} is not valid JSON"
+                + (
+                    f" (line {line}: {exc.msg})"  # type: ignore[attr-defined]
+                    if line is not None
+                    else f" ({exc})"
+                )
+            ) from None
     else:
-        raise InvalidArgument(f"{target}(config={config!r}) must be a dict of the framework's "
-                              "keyword arguments or the path of a JSON file holding one")
+        raise InvalidArgument(
+            f"{target}(config={config!r}) must be a dict of the framework's "
+            "keyword arguments or the path of a JSON file holding one"
+        )
     if not isinstance(given, dict) or not all(isinstance(k, str) for k in given):
-        raise InvalidArgument(f"{where} must hold an object of keyword arguments (names to "
-                              f"values), not {type(given).__name__}")
+        raise InvalidArgument(
+            f"{where} must hold an object of keyword arguments (names to "
+            f"values), not {type(given).__name__}"
+        )
     return given
 
 
-def reconcile(given: Mapping[str, Any], *, target: str, scenario_keys: Mapping[str, str],
-              harness_keys: Mapping[str, tuple[tuple[Any, ...], str]],
-              known: Collection[str] | None = None,
-              known_as: str = "keyword argument") -> None:
+def reconcile(
+    given: Mapping[str, Any],
+    *,
+    target: str,
+    scenario_keys: Mapping[str, str],
+    harness_keys: Mapping[str, tuple[tuple[Any, ...], str]],
+    known: Collection[str] | None = None,
+    known_as: str = "keyword argument",
+) -> None:
     """Refuse what of ``given`` ddpcheck cannot honour (the module docstring), naming every key
     at once: a key of ``scenario_keys`` (key -> what of the scenario sets it), whatever its
     value; a key of ``harness_keys`` (key -> (the values accepted, why)) with another value; and,
@@ -88,21 +114,28 @@ def reconcile(given: Mapping[str, Any], *, target: str, scenario_keys: Mapping[s
     problems = []
     for key, owner in scenario_keys.items():
         if lookup(given, key) is not _ABSENT:
-            problems.append(f"{key!r} is the scenario's (set from Scenario.{owner}, example by "
-                            "example)")
+            problems.append(
+                f"{key!r} is the scenario's (set from Scenario.{owner}, example by example)"
+            )
     for key, (accepted, why) in harness_keys.items():
         value = lookup(given, key)
         if value is not _ABSENT and not any(same(value, ok) for ok in accepted):
-            problems.append(f"{key!r}={_brief(value)} contradicts the run ddpcheck drives ({why})"
-                            + (f"; only {accepted[0]!r} is accepted" if accepted else ""))
+            problems.append(
+                f"{key!r}={_brief(value)} contradicts the run ddpcheck drives ({why})"
+                + (f"; only {accepted[0]!r} is accepted" if accepted else "")
+            )
     if known is not None:
         owned = {k.split(".", 1)[0] for k in (*scenario_keys, *harness_keys)}
         names = sorted(set(known) | owned)
-        problems += [f"{key!r} is no {known_as}{did_you_mean(key, names)}"
-                     for key in given if key not in known and key not in owned]
+        problems += [
+            f"{key!r} is no {known_as}{did_you_mean(key, names)}"
+            for key in given
+            if key not in known and key not in owned
+        ]
     if problems:
-        raise InvalidArgument(f"{target} cannot be used: " + "; ".join(problems)
-                              + f". Leave these keys out ({RULE})")
+        raise InvalidArgument(
+            f"{target} cannot be used: " + "; ".join(problems) + f". Leave these keys out ({RULE})"
+        )
 
 
 def has(given: Mapping[str, Any], key: str) -> bool:
@@ -157,19 +190,27 @@ def build(value: Any, factory: Callable[..., Any], *, target: str, key: str) -> 
     else, and a keyword ``factory`` rejects, is an :class:`InvalidArgument` naming the key."""
     if not isinstance(value, Mapping):
         if isinstance(factory, type) and not isinstance(value, factory):
-            raise InvalidArgument(f"{target}: {key!r}={_brief(value)} must be a "
-                                  f"{factory.__qualname__} or the dict of its keyword arguments")
+            raise InvalidArgument(
+                f"{target}: {key!r}={_brief(value)} must be a "
+                f"{factory.__qualname__} or the dict of its keyword arguments"
+            )
         return value
     try:
         return factory(**value)
     except (TypeError, ValueError) as exc:
         name = getattr(factory, "__qualname__", repr(factory))
-        raise InvalidArgument(f"{target}: {key!r}={_brief(value)} cannot build {name}: "
-                              f"{type(exc).__name__}: {exc}") from None
+        raise InvalidArgument(
+            f"{target}: {key!r}={_brief(value)} cannot build {name}: {type(exc).__name__}: {exc}"
+        ) from None
 
 
-def construct(factory: Callable[..., Any], kwargs: Mapping[str, Any], *, target: str,
-              errors: tuple[type[BaseException], ...] = (TypeError, ValueError)) -> Any:
+def construct(
+    factory: Callable[..., Any],
+    kwargs: Mapping[str, Any],
+    *,
+    target: str,
+    errors: tuple[type[BaseException], ...] = (TypeError, ValueError),
+) -> Any:
     """``factory(**kwargs)`` in a rank, the user's configuration among ``kwargs``: a value the
     framework itself rejects (``errors``) is the configuration's problem, an
     :class:`InvalidArgument` naming it (exit 2), not the framework's failure."""
@@ -177,8 +218,10 @@ def construct(factory: Callable[..., Any], kwargs: Mapping[str, Any], *, target:
         return factory(**kwargs)
     except errors as exc:
         name = getattr(factory, "__qualname__", repr(factory))
-        raise InvalidArgument(f"{target}: {name}(...) with the configuration, as ddpcheck "
-                              f"completed it, raised {type(exc).__name__}: {exc}") from exc
+        raise InvalidArgument(
+            f"{target}: {name}(...) with the configuration, as ddpcheck "
+            f"completed it, raised {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def keywords_of(callable_: Any, *, without: Collection[str] = ()) -> frozenset[str] | None:
@@ -187,8 +230,9 @@ def keywords_of(callable_: Any, *, without: Collection[str] = ()) -> frozenset[s
     parameters = inspect.signature(callable_).parameters.values()
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
         return None
-    return frozenset(p.name for p in parameters
-                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) - set(without)
+    return frozenset(
+        p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ) - set(without)
 
 
 def described(name: str, config: Any) -> str:

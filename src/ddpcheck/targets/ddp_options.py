@@ -40,28 +40,42 @@ def declined(options: dict[str, bool]) -> frozenset[str]:
 def usage_varies(scenario: Any) -> bool:
     """Whether which parameters get gradients depends on the samples (a layer some samples
     skip): some rank or step then uses another set."""
-    if isinstance(scenario.model, ModelSpec) and any(layer.use == "sample"
-                                                     for layer in scenario.model.layers):
+    if isinstance(scenario.model, ModelSpec) and any(
+        layer.use == "sample" for layer in scenario.model.layers
+    ):
         return True  # (a zoo model's `layers` may be a count: GPTConfig's)
-    return any("unused-on-some-ranks" in features.of(scenario, world_size)
-               for world_size in (2, 3, 4))
+    return any(
+        "unused-on-some-ranks" in features.of(scenario, world_size) for world_size in (2, 3, 4)
+    )
 
 
-def cannot_run(scenario: Any, *, find_unused_parameters: bool, static_graph: bool,
-               no_sync_accumulation: bool = True, where: str = "") -> str | None:
+def cannot_run(
+    scenario: Any,
+    *,
+    find_unused_parameters: bool,
+    static_graph: bool,
+    no_sync_accumulation: bool = True,
+    where: str = "",
+) -> str | None:
     """Why torch DDP with these options cannot train ``scenario`` (the module docstring), or None.
     ``no_sync_accumulation``: the framework accumulates under ``no_sync()``; ``where``: how the
     user set the options, for the reason."""
     if static_graph and no_sync_accumulation and scenario.accumulation > 1:
-        return (f"accumulation with static_graph{where}: torch 2.13's DDP(static_graph=True) "
-                "raises 'expect_autograd_hooks_ INTERNAL ASSERT FAILED' under no_sync(), which "
-                "the framework accumulates under (bench/ddp_static_graph_no_sync.py)")
+        return (
+            f"accumulation with static_graph{where}: torch 2.13's DDP(static_graph=True) "
+            "raises 'expect_autograd_hooks_ INTERNAL ASSERT FAILED' under no_sync(), which "
+            "the framework accumulates under (bench/ddp_static_graph_no_sync.py)"
+        )
     if static_graph and usage_varies(scenario):
-        return (f"parameter usage that depends on the data, with static_graph{where}: torch's "
-                "DDP docs require that \"the set of used and unused parameters will not change "
-                "during the whole training loop\"")
+        return (
+            f"parameter usage that depends on the data, with static_graph{where}: torch's "
+            'DDP docs require that "the set of used and unused parameters will not change '
+            'during the whole training loop"'
+        )
     if not find_unused_parameters and usage_varies(scenario):
-        return (f"parameter usage that depends on the data, with find_unused_parameters=False"
-                f"{where}: torch's DDP raises 'Expected to have finished reduction in the prior "
-                "iteration' once a parameter gets no gradient")
+        return (
+            f"parameter usage that depends on the data, with find_unused_parameters=False"
+            f"{where}: torch's DDP raises 'Expected to have finished reduction in the prior "
+            "iteration' once a parameter gets no gradient"
+        )
     return None

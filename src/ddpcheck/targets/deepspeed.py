@@ -92,8 +92,7 @@ from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.protocol import Target
 from ddpcheck.targets.reasons import OWN_CHECKPOINTS
 
-__all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "DeepSpeedTarget", "engine_config",
-           "precision_decline"]
+__all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "DeepSpeedTarget", "engine_config", "precision_decline"]
 
 _BATCH = "global_batch: each rank trains its own micro-batches of it, as ddpcheck cuts them"
 _PARAM_DTYPE = "param_dtype: bf16 is enabled where it is torch.bfloat16"
@@ -116,31 +115,43 @@ SCENARIO_KEYS: dict[str, str] = {
     "amp": "autocast",
 }
 
-_FLOAT32 = ("ddpcheck promises gradients reduced and accumulated in float32 (the param_dtype "
-            "policy's promise, and float32's)")
+_FLOAT32 = (
+    "ddpcheck promises gradients reduced and accumulated in float32 (the param_dtype "
+    "policy's promise, and float32's)"
+)
 _MASTER = "the param_dtype policy keeps float32 master weights and gradients"
 
 #: ds_config keys ddpcheck's harness fixes: key -> (the values accepted, why); ``()``: none.
 HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "zero_allow_untested_optimizer": ((True,), "the scenario's optimizer is the engine's client "
-                                               "optimizer"),
+    "zero_allow_untested_optimizer": (
+        (True,),
+        "the scenario's optimizer is the engine's client optimizer",
+    ),
     "communication_data_type": ((None, "fp32"), _FLOAT32),
     "data_types.grad_accum_dtype": ((None, "fp32"), _FLOAT32),
     "bf16.bf16_master_weights_and_grads": ((False,), _MASTER),
     "bf16.bf16_optimizer_states": ((False,), _MASTER),
-    "zero_optimization.offload_optimizer": ((None,), "ZeRO-Offload steps DeepSpeed's CPU "
-                                                     "optimizer, not the scenario's"),
-    "zero_optimization.cpu_offload": ((None, False), "ZeRO-Offload steps DeepSpeed's CPU "
-                                                     "optimizer, not the scenario's"),
-    "dataloader_drop_last": ((), "ddpcheck feeds each rank its micro-batches itself; the "
-                                 "engine builds no loader"),
+    "zero_optimization.offload_optimizer": (
+        (None,),
+        "ZeRO-Offload steps DeepSpeed's CPU optimizer, not the scenario's",
+    ),
+    "zero_optimization.cpu_offload": (
+        (None, False),
+        "ZeRO-Offload steps DeepSpeed's CPU optimizer, not the scenario's",
+    ),
+    "dataloader_drop_last": (
+        (),
+        "ddpcheck feeds each rank its micro-batches itself; the engine builds no loader",
+    ),
 }
 
 #: The float32 keys DeepSpeed's bf16 mode needs to honour the param_dtype policy: key -> what
 #: DeepSpeed does without it (0.19.8: ``DeepSpeedEngine.communication_data_type`` falls back to
 #: bfloat16 under bf16, ``get_data_types`` accumulates in the model's dtype).
-_BF16_NEEDS = {"communication_data_type": "reduces gradients in bfloat16",
-               "data_types.grad_accum_dtype": "accumulates gradients in bfloat16"}
+_BF16_NEEDS = {
+    "communication_data_type": "reduces gradients in bfloat16",
+    "data_types.grad_accum_dtype": "accumulates gradients in bfloat16",
+}
 
 
 class _Engine:
@@ -203,47 +214,55 @@ class DeepSpeedTarget(FrameworkTarget):
         "float64": "ZeRO steps float32 master copies of the parameters",
         "clipping": "gradient_clipping clips inside engine.step(), after gradients are recorded",
         "unused-everywhere": "ZeRO's flat partitions give an unused parameter a zero gradient "
-                             "and step it (torch leaves it untouched)",
+        "and step it (torch leaves it untouched)",
         "unused-on-some-ranks": "DeepSpeed's bug (bench/deepspeed_unused_parameter.py): each "
-                                "rank all-reduces only the gradients it produced and gloo "
-                                "aborts, though ignore_unused_parameters is documented to "
-                                "ignore them",
+        "rank all-reduces only the gradients it produced and gloo "
+        "aborts, though ignore_unused_parameters is documented to "
+        "ignore them",
         "non-contiguous": "deepspeed.initialize raises broadcasting a non-contiguous parameter "
-                          "('self.stride(-1) must be 1 to view Float as Byte')",
+        "('self.stride(-1) must be 1 to view Float as Byte')",
         "param-groups": "safe_get_full_optimizer_state raises 'exp_avg not found in optimizer "
-                        "state fragment' for a second group's parameter: its state cannot be "
-                        "read",
+        "state fragment' for a second group's parameter: its state cannot be "
+        "read",
         "buffers": "the engine broadcasts parameters only (_broadcast_model walks "
-                   "named_parameters()): buffers initialised differently per rank stay "
-                   "different",
+        "named_parameters()): buffers initialised differently per rank stay "
+        "different",
         "mixed-dtypes": "ddpcheck's mixed dtypes are float32 layers in a float64 model, and "
-                        "float64 is declined",
+        "float64 is declined",
         "checkpoint": f"{OWN_CHECKPOINTS} (engine.save_checkpoint)",
         "rank-orders": "ZeRO partitions parameters in registration order, which must be the "
-                       "same on every rank",
+        "same on every rank",
         "param-dtype": "DeepSpeed's bf16 mode reduces and accumulates gradients in bfloat16 "
-                       "unless the config sets communication_data_type and "
-                       "data_types.grad_accum_dtype to 'fp32' (DeepSpeedTarget(config=...)); "
-                       "with both, it applies the policy"}
+        "unless the config sets communication_data_type and "
+        "data_types.grad_accum_dtype to 'fp32' (DeepSpeedTarget(config=...)); "
+        "with both, it applies the policy",
+    }
 
     def __post_init__(self) -> None:
         given = load_config(self.config, target="DeepSpeedTarget")
         zero = given.get("zero_optimization", {})
         if not isinstance(zero, Mapping):
-            raise InvalidArgument(f"DeepSpeedTarget: the config's 'zero_optimization'={zero!r} "
-                                  "must be an object ({\"stage\": 1 or 2, ...})")
-        reconcile(given, target="DeepSpeedTarget", scenario_keys=SCENARIO_KEYS,
-                  harness_keys=HARNESS_KEYS)
+            raise InvalidArgument(
+                f"DeepSpeedTarget: the config's 'zero_optimization'={zero!r} "
+                'must be an object ({"stage": 1 or 2, ...})'
+            )
+        reconcile(
+            given, target="DeepSpeedTarget", scenario_keys=SCENARIO_KEYS, harness_keys=HARNESS_KEYS
+        )
         stage = zero.get("stage", 2 if self.stage is None else self.stage)
         if self.stage is not None and stage != self.stage:
-            raise InvalidArgument(f"DeepSpeedTarget(stage={self.stage}): the config's "
-                                  f"'zero_optimization.stage'={stage!r} contradicts it; leave "
-                                  "the key out, or use the 'deepspeed' target, whose stage is "
-                                  "the config's")
+            raise InvalidArgument(
+                f"DeepSpeedTarget(stage={self.stage}): the config's "
+                f"'zero_optimization.stage'={stage!r} contradicts it; leave "
+                "the key out, or use the 'deepspeed' target, whose stage is "
+                "the config's"
+            )
         if isinstance(stage, bool) or stage not in (1, 2):
-            raise InvalidArgument(f"DeepSpeedTarget: 'zero_optimization.stage'={stage!r}: this "
-                                  "target checks ZeRO stages 1 and 2 (stage 0 and ZeRO-3 are "
-                                  "not tried)")
+            raise InvalidArgument(
+                f"DeepSpeedTarget: 'zero_optimization.stage'={stage!r}: this "
+                "target checks ZeRO stages 1 and 2 (stage 0 and ZeRO-3 are "
+                "not tried)"
+            )
         # derived, not fields: not in the replay line, which rebuilds them from config
         object.__setattr__(self, "_given", given)
         object.__setattr__(self, "_stage", stage)
@@ -267,9 +286,12 @@ class DeepSpeedTarget(FrameworkTarget):
         return precision_decline(vars(self)["_given"], scenario)
 
     def configure(self, scenario: Any) -> Target:
-        return dataclasses.replace(self, accumulation=scenario.accumulation,
-                                   gamma=scenario.lr_decay,
-                                   bf16=getattr(scenario, "param_dtype", None) is torch.bfloat16)
+        return dataclasses.replace(
+            self,
+            accumulation=scenario.accumulation,
+            gamma=scenario.lr_decay,
+            bf16=getattr(scenario, "param_dtype", None) is torch.bfloat16,
+        )
 
     def warm_up(self) -> None:
         # Importing DeepSpeed (3-13 s here) and building the C++ op its comm backend loads on
@@ -289,24 +311,32 @@ class DeepSpeedTarget(FrameworkTarget):
             remove_stale_lock(folder)  # a killed build's: the build would wait for it forever
         build()
 
-    def setup(self, module: Any, params: Any, optimizer_cls: type,
-              **kwargs: Any) -> tuple[Any, Any]:
+    def setup(
+        self, module: Any, params: Any, optimizer_cls: type, **kwargs: Any
+    ) -> tuple[Any, Any]:
         join_existing_group()
         _choose_accelerator(next(module.parameters()).device.type)
         import deepspeed
 
         optimizer = optimizer_cls(params, **kwargs)
-        schedule = (None if self.gamma is None else
-                    torch.optim.lr_scheduler.ExponentialLR(optimizer, self.gamma))
+        schedule = (
+            None
+            if self.gamma is None
+            else torch.optim.lr_scheduler.ExponentialLR(optimizer, self.gamma)
+        )
         given = vars(self)["_given"]
         config = engine_config(given, self.zero_stage, self.accumulation, self.bf16)
         if given:  # the user's keys: ddpcheck's own config needs no parsing first
             _check_parses(config)
         if self.bf16:
             cast_inputs(module, torch.bfloat16)
-        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
-                                               lr_scheduler=schedule, config=config,
-                                               dist_init_required=False)
+        engine, _, _, _ = deepspeed.initialize(
+            model=module,
+            optimizer=optimizer,
+            lr_scheduler=schedule,
+            config=config,
+            dist_init_required=False,
+        )
         if self.bf16:
             _MASTERS.update({_address(p): p for p in module.parameters()})
         return engine, _Engine(engine, module)
@@ -326,8 +356,9 @@ class DeepSpeedTarget(FrameworkTarget):
     def make_scheduler(self, optimizer: Any, gamma: float) -> Any:
         return _Schedule(optimizer.engine)
 
-    def micro_batch(self, model: Any, optimizer: Any, index: int,
-                    count: int) -> AbstractContextManager[Any]:
+    def micro_batch(
+        self, model: Any, optimizer: Any, index: int, count: int
+    ) -> AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
     def backward(self, model: Any, loss: Any) -> None:
@@ -336,17 +367,30 @@ class DeepSpeedTarget(FrameworkTarget):
     def gradient_shards(self, model: Any, optimizer: Any, params: Any) -> Any:
         from deepspeed.utils import safe_get_full_grad
 
-        return [(p, 0, None if (g := safe_get_full_grad(p)) is None else g.reshape(-1))
-                for p in params if p.requires_grad]
+        return [
+            (p, 0, None if (g := safe_get_full_grad(p)) is None else g.reshape(-1))
+            for p in params
+            if p.requires_grad
+        ]
 
     def optimizer_state(self, optimizer: Any) -> Any:
         from deepspeed.utils import safe_get_full_optimizer_state
 
         inner = optimizer.engine.optimizer.optimizer  # the client optimizer, on flat partitions
-        keys = sorted({k for state in inner.state.values() for k, v in state.items()
-                       if torch.is_tensor(v) and v.dim() > 0})
-        steps = {k: v for state in inner.state.values() for k, v in state.items()
-                 if not (torch.is_tensor(v) and v.dim() > 0)}
+        keys = sorted(
+            {
+                k
+                for state in inner.state.values()
+                for k, v in state.items()
+                if torch.is_tensor(v) and v.dim() > 0
+            }
+        )
+        steps = {
+            k: v
+            for state in inner.state.values()
+            for k, v in state.items()
+            if not (torch.is_tensor(v) and v.dim() > 0)
+        }
         module = optimizer.module
         held = {}
         for _, p in module.named_parameters():  # one order on every rank: these are collective
@@ -355,8 +399,10 @@ class DeepSpeedTarget(FrameworkTarget):
             state = {k: safe_get_full_optimizer_state(p, k) for k in keys}
             state = {k: v for k, v in state.items() if v is not None}
             if state:
-                held[p] = {**{k: v.clone() if torch.is_tensor(v) else v
-                              for k, v in steps.items()}, **state}
+                held[p] = {
+                    **{k: v.clone() if torch.is_tensor(v) else v for k, v in steps.items()},
+                    **state,
+                }
         return held
 
     def teardown(self, model: Any, optimizer: Any) -> None:
@@ -378,11 +424,20 @@ class DeepSpeedTarget(FrameworkTarget):
 
 #: What ``deepspeed.utils.groups._release_process_group_references(None)`` resets (0.19.8): the
 #: groups ZeRO caches at module level, every one of which ddpcheck destroys after an example.
-_CACHED_GROUPS = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS",
-                  "_EXPERT_DATA_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP_RANKS",
-                  "_ALL_TO_ALL_GROUP", "_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP",
-                  "_TENSOR_MODEL_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP",
-                  "mesh_device", "mpu")
+_CACHED_GROUPS = (
+    "_EXPERT_PARALLEL_GROUP",
+    "_EXPERT_PARALLEL_GROUP_RANKS",
+    "_EXPERT_DATA_PARALLEL_GROUP",
+    "_EXPERT_DATA_PARALLEL_GROUP_RANKS",
+    "_ALL_TO_ALL_GROUP",
+    "_WORLD_GROUP",
+    "_ZERO_PARAM_INTRA_PARALLEL_GROUP",
+    "_TENSOR_MODEL_PARALLEL_GROUP",
+    "_MODEL_PARALLEL_GROUP",
+    "_DATA_PARALLEL_GROUP",
+    "mesh_device",
+    "mpu",
+)
 
 
 def _float32_gaps(given: Mapping[str, Any]) -> list[str]:
@@ -406,30 +461,38 @@ def precision_decline(given: Mapping[str, Any], scenario: Any) -> str | None:
     if policy is None:
         return None
     if policy is not torch.bfloat16:
-        return (f"param_dtype={policy}: DeepSpeed's fp16 mode scales the loss and skips steps "
-                "that overflow (its loss scaler), which the reference does not")
+        return (
+            f"param_dtype={policy}: DeepSpeed's fp16 mode scales the loss and skips steps "
+            "that overflow (its loss scaler), which the reference does not"
+        )
     gaps = _float32_gaps(given)
     if not gaps:
         return None
-    return ("param_dtype=torch.bfloat16 is DeepSpeed's bf16 mode, which "
-            + " and ".join(f"{_BF16_NEEDS[k]} unless the config sets {k!r} to \"fp32\""
-                           for k in gaps)
-            + "; ddpcheck's param_dtype policy promises float32 for both: add "
-            + ", ".join(repr(k) for k in gaps) + " = \"fp32\" to the config to check it")
+    return (
+        "param_dtype=torch.bfloat16 is DeepSpeed's bf16 mode, which "
+        + " and ".join(f'{_BF16_NEEDS[k]} unless the config sets {k!r} to "fp32"' for k in gaps)
+        + "; ddpcheck's param_dtype policy promises float32 for both: add "
+        + ", ".join(repr(k) for k in gaps)
+        + ' = "fp32" to the config to check it'
+    )
 
 
-def engine_config(given: Mapping[str, Any], stage: int, accumulation: int,
-                  bf16: bool) -> dict[str, Any]:
+def engine_config(
+    given: Mapping[str, Any], stage: int, accumulation: int, bf16: bool
+) -> dict[str, Any]:
     """The config ``deepspeed.initialize`` gets: the user's ``given`` keys, and what the scenario
     and ddpcheck's harness set (see :data:`SCENARIO_KEYS`, :data:`HARNESS_KEYS`)."""
-    config = {"steps_per_print": 2**31, **given,
-              # the scenario's
-              "train_micro_batch_size_per_gpu": 1,  # a placeholder: the engine loads no data
-              "gradient_accumulation_steps": accumulation,
-              "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0
-              # the harness's
-              "zero_optimization": {**given.get("zero_optimization", {}), "stage": stage},
-              "zero_allow_untested_optimizer": True}
+    config = {
+        "steps_per_print": 2**31,
+        **given,
+        # the scenario's
+        "train_micro_batch_size_per_gpu": 1,  # a placeholder: the engine loads no data
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0
+        # the harness's
+        "zero_optimization": {**given.get("zero_optimization", {}), "stage": stage},
+        "zero_allow_untested_optimizer": True,
+    }
     if bf16:
         config["bf16"] = {**given.get("bf16", {}), "enabled": True}
     return config
@@ -444,10 +507,15 @@ def _check_parses(config: dict[str, Any]) -> None:
     try:
         DeepSpeedConfig(dict(config))
     except (ValueError, TypeError, KeyError, AssertionError) as exc:
-        lines = [line.strip() for line in str(exc).splitlines()
-                 if line.strip() and not line.strip().startswith("For further information")]
-        raise InvalidArgument(f"DeepSpeed rejects the config as ddpcheck completed it: "
-                              f"{type(exc).__name__}: {'; '.join(lines)}") from None
+        lines = [
+            line.strip()
+            for line in str(exc).splitlines()
+            if line.strip() and not line.strip().startswith("For further information")
+        ]
+        raise InvalidArgument(
+            f"DeepSpeed rejects the config as ddpcheck completed it: "
+            f"{type(exc).__name__}: {'; '.join(lines)}"
+        ) from None
 
 
 def cast_inputs(module: Any, dtype: torch.dtype) -> None:
@@ -455,9 +523,11 @@ def cast_inputs(module: Any, dtype: torch.dtype) -> None:
     its own to ``dtype``: bf16 mode holds the parameters in bfloat16 and casts no input
     (``fp16.auto_cast`` is fp16's), so a real model takes bfloat16 activations; the reference's
     ``param_dtype`` policy casts the same inputs (``ddpcheck._language.objective``)."""
+
     def cast(_: Any, args: tuple) -> tuple:
-        return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a
-                     for a in args)
+        return tuple(
+            a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args
+        )
 
     for m in module.modules():
         if m is module or any(True for _ in m.parameters(recurse=False)):

@@ -28,17 +28,25 @@ __all__ = ["installed_version", "join_existing_group"]
 def join_existing_group() -> None:
     """Describe the existing default group in the launcher's environment variables."""
     if not dist.is_initialized():
-        raise SetupError("a framework target runs inside a ddpcheck world, whose process "
-                         "group is initialised before any target runs")
+        raise SetupError(
+            "a framework target runs inside a ddpcheck world, whose process "
+            "group is initialised before any target runs"
+        )
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    os.environ.update({
-        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world_size), "NODE_RANK": "0", "GROUP_RANK": "0",
-        # read by frameworks that would rendezvous; the group exists, so no port is opened
-        "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        "MASTER_PORT": os.environ.get("MASTER_PORT", "29500"),
-        "OMP_NUM_THREADS": "1",
-    })
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "NODE_RANK": "0",
+            "GROUP_RANK": "0",
+            # read by frameworks that would rendezvous; the group exists, so no port is opened
+            "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            "MASTER_PORT": os.environ.get("MASTER_PORT", "29500"),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
 
 
 def installed_version(distribution: str, module: str | None = None) -> str | None:

@@ -53,16 +53,20 @@ from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_
 __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "FabricTarget"]
 
 #: ``Fabric`` keys the scenario sets, example by example: key -> what sets it (refused).
-SCENARIO_KEYS: dict[str, str] = {"precision": "autocast (and dtype)",
-                                  **lightning_strategy.SCENARIO_KEYS}
+SCENARIO_KEYS: dict[str, str] = {
+    "precision": "autocast (and dtype)",
+    **lightning_strategy.SCENARIO_KEYS,
+}
 _WORLD = "ddpcheck's world: the process group exists, on the world's device"
 #: ``Fabric`` keys ddpcheck's harness fixes: key -> (the values accepted, why).
 HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "accelerator": ((), _WORLD),
     "devices": ((), _WORLD),
     "num_nodes": ((1,), _WORLD),
-    "plugins": ((None, []), "precision plugins are the scenario's, the cluster environment the "
-                            "world's"),
+    "plugins": (
+        (None, []),
+        "precision plugins are the scenario's, the cluster environment the world's",
+    ),
     **lightning_strategy.HARNESS_KEYS,
 }
 
@@ -78,13 +82,16 @@ class FabricTarget(FrameworkTarget):
     declined_features: ClassVar[Mapping[str, str]] = {
         "rank-orders": TORCH_DDP_ORDER,
         "checkpoint": f"{OWN_CHECKPOINTS} (fabric.save/fabric.load)",
-        "param-dtype": NO_PARAM_DTYPE}
+        "param-dtype": NO_PARAM_DTYPE,
+    }
 
     def __post_init__(self) -> None:
         where = described("FabricTarget", self.config)
         given = load_config(self.config, target=where)
-        ddp = (_check(given, where) if given else None) or {"find_unused_parameters": True,
-                                                             "static_graph": False}
+        ddp = (_check(given, where) if given else None) or {
+            "find_unused_parameters": True,
+            "static_graph": False,
+        }
         object.__setattr__(self, "_given", given)
         object.__setattr__(self, "_ddp", ddp)
 
@@ -96,30 +103,49 @@ class FabricTarget(FrameworkTarget):
         return supported_but(self.declined_features) - ddp_options.declined(ddp)
 
     def supports(self, scenario: Any) -> str | None:
-        return ddp_options.cannot_run(scenario, **vars(self)["_ddp"],
-                                      where=" (the config's strategy)")
+        return ddp_options.cannot_run(
+            scenario, **vars(self)["_ddp"], where=" (the config's strategy)"
+        )
 
     def warm_up(self) -> None:
         import lightning.fabric  # noqa: F401  (seconds in a rank: once per process, here)
 
-    def setup(self, module: Any, params: Any, optimizer_cls: type,
-              **kwargs: Any) -> tuple[Any, Any]:
+    def setup(
+        self, module: Any, params: Any, optimizer_cls: type, **kwargs: Any
+    ) -> tuple[Any, Any]:
         from lightning.fabric import Fabric
         from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
         from lightning.fabric.utilities.exceptions import MisconfigurationException
 
         join_existing_group()
         given = vars(self)["_given"]
-        strategy = (DDPStrategy(find_unused_parameters=True) if "strategy" not in given else
-                    lightning_strategy.make(given["strategy"], registry=STRATEGY_REGISTRY,
-                                            ddp_cls=DDPStrategy,
-                                            where=described("FabricTarget", self.config)))
-        options = {**given, "accelerator": "cpu" if next(module.parameters()).device.type
-                   == "cpu" else "cuda", "devices": dist.get_world_size(), "num_nodes": 1,
-                   "strategy": strategy}
-        fabric = (Fabric(**options) if not given else construct(
-            Fabric, options, target=described("FabricTarget", self.config),
-            errors=(TypeError, ValueError, MisconfigurationException)))
+        strategy = (
+            DDPStrategy(find_unused_parameters=True)
+            if "strategy" not in given
+            else lightning_strategy.make(
+                given["strategy"],
+                registry=STRATEGY_REGISTRY,
+                ddp_cls=DDPStrategy,
+                where=described("FabricTarget", self.config),
+            )
+        )
+        options = {
+            **given,
+            "accelerator": "cpu" if next(module.parameters()).device.type == "cpu" else "cuda",
+            "devices": dist.get_world_size(),
+            "num_nodes": 1,
+            "strategy": strategy,
+        }
+        fabric = (
+            Fabric(**options)
+            if not given
+            else construct(
+                Fabric,
+                options,
+                target=described("FabricTarget", self.config),
+                errors=(TypeError, ValueError, MisconfigurationException),
+            )
+        )
         fabric.launch()  # the processes and the group exist: sets up the strategy only
         model, optimizer = fabric.setup(module, optimizer_cls(params, **kwargs))
         model.ddpcheck_fabric = fabric
@@ -128,17 +154,18 @@ class FabricTarget(FrameworkTarget):
     def make_scheduler(self, optimizer: Any, gamma: float) -> Any:
         return torch.optim.lr_scheduler.ExponentialLR(optimizer.optimizer, gamma)
 
-    def micro_batch(self, model: Any, optimizer: Any, index: int,
-                    count: int) -> AbstractContextManager[Any]:
+    def micro_batch(
+        self, model: Any, optimizer: Any, index: int, count: int
+    ) -> AbstractContextManager[Any]:
         return model.ddpcheck_fabric.no_backward_sync(model, enabled=index < count - 1)
 
     def backward(self, model: Any, loss: Any) -> None:
         model.ddpcheck_fabric.backward(loss, model=model)
 
-    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float,
-                       norm_type: float) -> Any:
-        return model.ddpcheck_fabric.clip_gradients(model, optimizer, max_norm=max_norm,
-                                                    norm_type=norm_type)
+    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float, norm_type: float) -> Any:
+        return model.ddpcheck_fabric.clip_gradients(
+            model, optimizer, max_norm=max_norm, norm_type=norm_type
+        )
 
 
 def _check(given: dict[str, Any], where: str) -> dict[str, bool] | None:
@@ -152,10 +179,17 @@ def _check(given: dict[str, Any], where: str) -> dict[str, bool] | None:
         return None
     view, ddp = dict(given), None
     if "strategy" in given:
-        strategy = lightning_strategy.make(given["strategy"], registry=STRATEGY_REGISTRY,
-                                           ddp_cls=DDPStrategy, where=where)
+        strategy = lightning_strategy.make(
+            given["strategy"], registry=STRATEGY_REGISTRY, ddp_cls=DDPStrategy, where=where
+        )
         view["strategy"] = lightning_strategy.view(strategy, where)
         ddp = lightning_strategy.options_of(strategy)
-    reconcile(view, target=where, scenario_keys=SCENARIO_KEYS, harness_keys=HARNESS_KEYS,
-              known=keywords_of(Fabric), known_as="Fabric keyword argument")
+    reconcile(
+        view,
+        target=where,
+        scenario_keys=SCENARIO_KEYS,
+        harness_keys=HARNESS_KEYS,
+        known=keywords_of(Fabric),
+        known_as="Fabric keyword argument",
+    )
     return ddp

@@ -48,9 +48,11 @@ def check_requirements(target: Target) -> None:
     for distribution, minimum in getattr(target, "requires", ()) or ():
         release = _release(distribution)
         if release is None:
-            raise SetupError(f"{type(target).__name__} drives {distribution}, which is not "
-                             f"installed here; it supports {distribution} {minimum} and later: "
-                             f"{install_command(distribution, minimum)}")
+            raise SetupError(
+                f"{type(target).__name__} drives {distribution}, which is not "
+                f"installed here; it supports {distribution} {minimum} and later: "
+                f"{install_command(distribution, minimum)}"
+            )
         try:
             older = TorchVersion(release) < minimum
         except Exception:  # not a release number (a local build): let it run, as pip would
@@ -59,7 +61,8 @@ def check_requirements(target: Target) -> None:
             raise SetupError(
                 f"{type(target).__name__} supports {distribution} {minimum} and later; "
                 f"{distribution} {release} is installed here, which its glue does not support "
-                f"(docs/frameworks.md says why): {install_command(distribution, minimum)}")
+                f"(docs/frameworks.md says why): {install_command(distribution, minimum)}"
+            )
 
 
 def install_command(distribution: str, minimum: str | None = None) -> str:
@@ -82,8 +85,10 @@ def _release(distribution: str) -> str | None:
 def raised_in_glue(exc: BaseException) -> bool:
     """True when ``exc`` started in ddpcheck's glue code (see the module docstring)."""
     origin = _first_raised(exc)
-    frames = [(frame.f_code.co_filename, frame.f_code.co_name)
-              for frame, _ in traceback.walk_tb(origin.__traceback__)]
+    frames = [
+        (frame.f_code.co_filename, frame.f_code.co_name)
+        for frame, _ in traceback.walk_tb(origin.__traceback__)
+    ]
     glue = [i for i, (path, _) in enumerate(frames) if _in_glue(path)]
     if not glue:
         return False
@@ -118,13 +123,16 @@ class FrameworkTarget(Target):
         if isinstance(exc, DdpcheckError) or not raised_in_glue(exc):
             return None
         origin = _first_raised(exc)
-        releases = ", ".join(f"{name} {_release(name) or 'not installed'} (supported: "
-                             f"{minimum} and later)" for name, minimum in self.requires)
+        releases = ", ".join(
+            f"{name} {_release(name) or 'not installed'} (supported: {minimum} and later)"
+            for name, minimum in self.requires
+        )
         return InternalError(
             f"ddpcheck's glue code for {type(self).__name__} failed under {releases}: "
             f"{type(origin).__name__}: {_short(origin)} -- a bug in ddpcheck, not a verdict on "
             "the framework; please report it with this traceback:\n"
-            + "".join(traceback.format_exception(exc)).rstrip())
+            + "".join(traceback.format_exception(exc)).rstrip()
+        )
 
 
 def _short(exc: BaseException, limit: int = 300) -> str:

@@ -32,11 +32,21 @@ from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._language.scenario import build_model, local_micro_batches
 from ddpcheck.targets.configuration import load_config, reconcile
 
-__all__ = ["FSDP_HARNESS_KEYS", "FSDP_SCENARIO_KEYS", "broadcast_from", "fsdp_cannot_run",
-           "fsdp_config", "fully_shard_options", "gradient_sync_off", "shard_leaves"]
+__all__ = [
+    "FSDP_HARNESS_KEYS",
+    "FSDP_SCENARIO_KEYS",
+    "broadcast_from",
+    "fsdp_cannot_run",
+    "fsdp_config",
+    "fully_shard_options",
+    "gradient_sync_off",
+    "shard_leaves",
+]
 
-_POLICY = ("param_dtype: under it the target sets MixedPrecisionPolicy(param_dtype=it, "
-           "reduce_dtype=torch.float32), and no cast without it")
+_POLICY = (
+    "param_dtype: under it the target sets MixedPrecisionPolicy(param_dtype=it, "
+    "reduce_dtype=torch.float32), and no cast without it"
+)
 #: ``fully_shard`` keywords (dotted: a field of its ``mp_policy``) the scenario sets: refused.
 FSDP_SCENARIO_KEYS: dict[str, str] = {
     "mp_policy.param_dtype": _POLICY,
@@ -51,9 +61,12 @@ FSDP_HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "mesh": ((None,), _MESH),
     "dp_mesh_dims": ((None,), _MESH),
     "ignored_params": ((None,), "every parameter is sharded and checked"),
-    "mp_policy.cast_forward_inputs": ((True,), "the reference casts every sharded module's "
-                                               "inputs under the param_dtype policy, as FSDP2 "
-                                               "does by default"),
+    "mp_policy.cast_forward_inputs": (
+        (True,),
+        "the reference casts every sharded module's "
+        "inputs under the param_dtype policy, as FSDP2 "
+        "does by default",
+    ),
 }
 
 
@@ -71,17 +84,26 @@ def fsdp_config(config: Any) -> dict[str, Any]:
 
     policy = given.get("mp_policy")
     if isinstance(policy, MixedPrecisionPolicy):  # the object: checked by its fields
-        given["mp_policy"] = {f: getattr(policy, f) for f in (
-            "param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
-            if getattr(policy, f) != getattr(MixedPrecisionPolicy(), f)}
+        given["mp_policy"] = {
+            f: getattr(policy, f)
+            for f in ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+            if getattr(policy, f) != getattr(MixedPrecisionPolicy(), f)
+        }
     for key, kind in (("mp_policy", MixedPrecisionPolicy), ("offload_policy", OffloadPolicy)):
         value = given.get(key)
         if value is not None and not isinstance(value, (dict, kind)):
-            raise InvalidArgument(f"TorchFSDPTarget: the config's {key!r}={value!r} must be a "
-                                  f"dict of {kind.__name__} keyword arguments or the object")
+            raise InvalidArgument(
+                f"TorchFSDPTarget: the config's {key!r}={value!r} must be a "
+                f"dict of {kind.__name__} keyword arguments or the object"
+            )
     known = set(inspect.signature(fully_shard_signature()).parameters) - {"module"}
-    reconcile(given, target="TorchFSDPTarget", scenario_keys=FSDP_SCENARIO_KEYS,
-              harness_keys=FSDP_HARNESS_KEYS, known=known)
+    reconcile(
+        given,
+        target="TorchFSDPTarget",
+        scenario_keys=FSDP_SCENARIO_KEYS,
+        harness_keys=FSDP_HARNESS_KEYS,
+        known=known,
+    )
     return given
 
 
@@ -99,9 +121,9 @@ def config_options(given: dict[str, Any], param_dtype: Any, reduce_dtype: Any) -
 
     options = {k: v for k, v in given.items() if k != "reshard_after_forward"}
     # a policy given as the object was made a dict of its fields by fsdp_config
-    options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,
-                                                reduce_dtype=reduce_dtype,
-                                                **(options.pop("mp_policy", None) or {}))
+    options["mp_policy"] = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, **(options.pop("mp_policy", None) or {})
+    )
     offload = options.get("offload_policy")
     if isinstance(offload, dict):
         options["offload_policy"] = CPUOffloadPolicy(**offload)
@@ -118,8 +140,9 @@ def broadcast_from(module: Any, src: int) -> None:
             tensor.copy_(buffer)
 
 
-def fully_shard_options(*, cpu_offload: bool = False, param_dtype: Any = None,
-                        reduce_dtype: Any = None) -> dict[str, Any]:
+def fully_shard_options(
+    *, cpu_offload: bool = False, param_dtype: Any = None, reduce_dtype: Any = None
+) -> dict[str, Any]:
     """``fully_shard`` keywords for the FSDP2 target's options: ``offload_policy``, and a
     ``MixedPrecisionPolicy`` when either dtype is set (none: FSDP2's defaults, no casts)."""
     options: dict[str, Any] = {}
@@ -130,13 +153,13 @@ def fully_shard_options(*, cpu_offload: bool = False, param_dtype: Any = None,
     if param_dtype is not None or reduce_dtype is not None:
         from torch.distributed.fsdp import MixedPrecisionPolicy  # see shard_leaves
 
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,
-                                                    reduce_dtype=reduce_dtype)
+        options["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype
+        )
     return options
 
 
-def shard_leaves(module: Any, reshard_after_forward: bool | int | None,
-                 **options: Any) -> Any:
+def shard_leaves(module: Any, reshard_after_forward: bool | int | None, **options: Any) -> Any:
     """``fully_shard`` every module holding parameters of its own, then the root (which takes
     whatever parameters are left): one FSDP2 parameter group per layer, as real models do.
     Modules sharing a parameter (tied weights) are sharded together, as FSDP2 requires.
@@ -158,8 +181,11 @@ def shard_leaves(module: Any, reshard_after_forward: bool | int | None,
             for p in m.parameters(recurse=False):
                 owner[id(p)] = group
     for group in groups:
-        fully_shard(group if len(group) > 1 else group[0],
-                    reshard_after_forward=reshard_after_forward, **options)
+        fully_shard(
+            group if len(group) > 1 else group[0],
+            reshard_after_forward=reshard_after_forward,
+            **options,
+        )
     return fully_shard(module, reshard_after_forward=reshard_after_forward, **options)
 
 
@@ -192,10 +218,12 @@ def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> 
     if scenario.max_grad_norm is not None and math.isinf(scenario.grad_norm_type):
         for name, p in model.named_parameters():
             if p.requires_grad and (p.dim() == 0 or p.shape[0] < max(world_sizes)):
-                return (f"parameter {name!r} has {p.shape[0] if p.dim() else 0} rows, so some "
-                        f"rank holds an empty shard of it at W={max(world_sizes)}, and torch "
-                        "2.13's clip_grad_norm_ with norm_type=inf raises on an empty DTensor "
-                        "shard (_foreach_norm: the infinity norm has no identity)")
+                return (
+                    f"parameter {name!r} has {p.shape[0] if p.dim() else 0} rows, so some "
+                    f"rank holds an empty shard of it at W={max(world_sizes)}, and torch "
+                    "2.13's clip_grad_norm_ with norm_type=inf raises on an empty DTensor "
+                    "shard (_foreach_norm: the infinity norm has no identity)"
+                )
     owners: dict[int, list[Any]] = {}  # id(parameter) -> the modules holding it (tied: several)
     for m in model.modules():
         for p in m.parameters(recurse=False):
@@ -206,8 +234,13 @@ def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> 
     outside: list[str] = []
 
     class Uses(TorchFunctionMode):
-        def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                               kwargs: dict[str, Any] | None = None) -> Any:
+        def __torch_function__(
+            self,
+            func: Any,
+            types: Any,
+            args: tuple[Any, ...] = (),
+            kwargs: dict[str, Any] | None = None,
+        ) -> Any:
             # reading an attribute (param.dtype, .shape) computes nothing with the parameter
             reads = getattr(func, "__name__", "") == "__get__"
             for value in [] if reads else [*args, *(kwargs or {}).values()]:
@@ -240,27 +273,33 @@ def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> 
                             with Uses():
                                 model(x)
                             if outside:
-                                return (f"parameter {outside[0]!r} is used outside its layer's "
-                                        "forward (a weight tied by reading it in another "
-                                        "module); FSDP2 holds it whole only inside that forward")
+                                return (
+                                    f"parameter {outside[0]!r} is used outside its layer's "
+                                    "forward (a weight tied by reading it in another "
+                                    "module); FSDP2 holds it whole only inside that forward"
+                                )
                             twice = sorted({n for n in called if called.count(n) > 1})
                             if twice and scenario.accumulation > 1:
-                                return (f"layer {twice[0]!r} runs more than once per forward, "
-                                        "with accumulation: FSDP2 (torch 2.13) then reduce-"
-                                        "scatters its gradient once per call in the window's "
-                                        "last micro-batch -- the right numbers, its bytes twice "
-                                        "on the wire, which the communication budget reports "
-                                        "(bench/fsdp_reused_module.py)")
+                                return (
+                                    f"layer {twice[0]!r} runs more than once per forward, "
+                                    "with accumulation: FSDP2 (torch 2.13) then reduce-"
+                                    "scatters its gradient once per call in the window's "
+                                    "last micro-batch -- the right numbers, its bytes twice "
+                                    "on the wire, which the communication budget reports "
+                                    "(bench/fsdp_reused_module.py)"
+                                )
                             uses.append(frozenset(called))
                         seen.append(uses)
                     for rank, uses in enumerate(seen[1:], 1):
                         for i, (here, there) in enumerate(zip(seen[0], uses)):
                             if here != there:
                                 layer = sorted(here ^ there)[0]
-                                return (f"layer {layer!r} runs in micro-batch {i} of step {step} "
-                                        f"on one of ranks 0 and {rank} only (W={world_size}); "
-                                        "FSDP2 all-gathers a layer's parameters in its forward, "
-                                        "so the ranks' collectives would not pair")
+                                return (
+                                    f"layer {layer!r} runs in micro-batch {i} of step {step} "
+                                    f"on one of ranks 0 and {rank} only (W={world_size}); "
+                                    "FSDP2 all-gathers a layer's parameters in its forward, "
+                                    "so the ranks' collectives would not pair"
+                                )
     finally:
         for hook in hooks:
             hook.remove()

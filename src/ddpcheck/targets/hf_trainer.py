@@ -74,13 +74,23 @@ from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.option_space import options
 from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
-__all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "HfTrainerTarget", "ScenarioCausalLM",
-           "ScenarioCausalLMWithoutLossKwargs", "arguments"]
+__all__ = [
+    "HARNESS_KEYS",
+    "SCENARIO_KEYS",
+    "HfTrainerTarget",
+    "ScenarioCausalLM",
+    "ScenarioCausalLMWithoutLossKwargs",
+    "arguments",
+]
 
-_OPTIMIZER = ("optimizer and optimizer_kwargs (and param_groups): the Trainer gets the "
-              "scenario's optimizer through Trainer(optimizers=...)")
-_SCHEDULE = ("lr_decay: the Trainer gets the scenario's schedule through Trainer(optimizers=...)"
-             " -- an ExponentialLR, or a constant rate")
+_OPTIMIZER = (
+    "optimizer and optimizer_kwargs (and param_groups): the Trainer gets the "
+    "scenario's optimizer through Trainer(optimizers=...)"
+)
+_SCHEDULE = (
+    "lr_decay: the Trainer gets the scenario's schedule through Trainer(optimizers=...)"
+    " -- an ExponentialLR, or a constant rate"
+)
 _BATCH = "global_batch: each rank trains its own micro-batches of it, as ddpcheck cuts them"
 
 #: ``TrainingArguments`` keys the scenario sets, example by example: key -> what sets it. Given
@@ -110,8 +120,10 @@ SCENARIO_KEYS: dict[str, str] = {
     "neftune_noise_alpha": "loss: noise in the embeddings changes the objective",
 }
 
-_LOADER = ("ddpcheck feeds each rank its micro-batches through a loader of its own, which the "
-           "Trainer does not build")
+_LOADER = (
+    "ddpcheck feeds each rank its micro-batches through a loader of its own, which the "
+    "Trainer does not build"
+)
 _WORLD = "ddpcheck's world: the process group exists, on the world's device"
 _MODEL = "the scenario's model is no PreTrainedModel, which this needs"
 
@@ -122,8 +134,11 @@ HARNESS_KEYS: dict[str, tuple[tuple, str]] = {
     "ddp_backend": ((), _WORLD),
     "ddp_timeout": ((), _WORLD),
     "local_rank": ((), _WORLD),
-    "deepspeed": ((None,), "this target checks the Trainer over DDP (DeepSpeed has targets of "
-                           "its own: deepspeed_zero1, deepspeed_zero2)"),
+    "deepspeed": (
+        (None,),
+        "this target checks the Trainer over DDP (DeepSpeed has targets of "
+        "its own: deepspeed_zero1, deepspeed_zero2)",
+    ),
     "fsdp": ((None, "", []), "this target checks the Trainer over DDP"),
     "fsdp_config": ((None,), "this target checks the Trainer over DDP"),
     "parallelism_config": ((None,), "this target checks the Trainer over DDP"),
@@ -131,11 +146,16 @@ HARNESS_KEYS: dict[str, tuple[tuple, str]] = {
     "load_best_model_at_end": ((False,), "checkpoints and evaluation are declined"),
     "eval_strategy": (("no",), "no evaluation set: the target sets eval_strategy='no'"),
     "eval_on_start": ((False,), "no evaluation set"),
-    "report_to": (("none", [], ["none"], None), "reports leave the machine: the target sets "
-                                                "report_to='none'"),
+    "report_to": (
+        ("none", [], ["none"], None),
+        "reports leave the machine: the target sets report_to='none'",
+    ),
     "push_to_hub": ((False,), "nothing is saved"),
-    "full_determinism": ((False,), "torch.use_deterministic_algorithms(True) would outlive the "
-                                   "example in ddpcheck's persistent ranks"),
+    "full_determinism": (
+        (False,),
+        "torch.use_deterministic_algorithms(True) would outlive the "
+        "example in ddpcheck's persistent ranks",
+    ),
     "activation_checkpointing": ((None, False), _MODEL),
     "gradient_checkpointing": ((None, False), _MODEL),
     "use_liger_kernel": ((False,), _MODEL),
@@ -153,8 +173,10 @@ HARNESS_KEYS: dict[str, tuple[tuple, str]] = {
     "data_seed": ((), _LOADER),
     "remove_unused_columns": ((), _LOADER),
     # ``accelerator_config`` fields about the data loader, which accelerate does not prepare here
-    **{f"accelerator_config.{name}": ((), _LOADER) for name in (
-        "split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")},
+    **{
+        f"accelerator_config.{name}": ((), _LOADER)
+        for name in ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")
+    },
 }
 
 
@@ -183,20 +205,29 @@ class HfTrainerTarget(FrameworkTarget):
     declined_features: ClassVar[Mapping[str, str]] = {
         "rank-orders": TORCH_DDP_ORDER,
         "checkpoint": f"{OWN_CHECKPOINTS} (the Trainer's checkpoint folders, which this loop "
-                      "does not drive)",
+        "does not drive)",
         "grads-kept": "the Trainer clears gradients with model.zero_grad(), which sets them to "
-                      "None, after every step",
-        "param-dtype": NO_PARAM_DTYPE}
+        "None, after every step",
+        "param-dtype": NO_PARAM_DTYPE,
+    }
 
     def __post_init__(self) -> None:
         if self.config is not None and self.training_args is not None:
-            raise InvalidArgument("HfTrainerTarget: config= and training_args= are one field "
-                                  "(training_args is its older spelling): give one of them")
+            raise InvalidArgument(
+                "HfTrainerTarget: config= and training_args= are one field "
+                "(training_args is its older spelling): give one of them"
+            )
         config = self.training_args if self.config is None else self.config
         where = described("HfTrainerTarget", config)
         given = load_config(config, target=where)
-        reconcile(given, target=where, scenario_keys=SCENARIO_KEYS, harness_keys=HARNESS_KEYS,
-                  known=_fields(), known_as="TrainingArguments field")
+        reconcile(
+            given,
+            target=where,
+            scenario_keys=SCENARIO_KEYS,
+            harness_keys=HARNESS_KEYS,
+            known=_fields(),
+            known_as="TrainingArguments field",
+        )
         object.__setattr__(self, "_given", given)
         if self.trainer_class is not None:
             _check_trainer_class(self.trainer_class)
@@ -209,24 +240,31 @@ class HfTrainerTarget(FrameworkTarget):
         run; name them to check them. Drawn keys join the user's own ``config`` (or
         ``training_args``, its older spelling, where that is the one given)."""
         field = "training_args" if self.training_args is not None else "config"
-        return options(**{field: {"include_num_input_tokens_seen": (True,),
-                                  "ddp_bucket_cap_mb": (1,)}})
+        return options(
+            **{field: {"include_num_input_tokens_seen": (True,), "ddp_bucket_cap_mb": (1,)}}
+        )
 
     def warm_up(self) -> None:
         from transformers import Trainer  # noqa: F401  (seconds in a rank: once per process)
 
     def supports(self, scenario: Any) -> str | None:
         if scenario.reduction != "mean":
-            return ("reduction='sum': the Trainer normalises the loss to a mean (by "
-                    "num_items_in_batch, or per micro-batch); a summed objective has no "
-                    "TrainingArguments")
+            return (
+                "reduction='sum': the Trainer normalises the loss to a mean (by "
+                "num_items_in_batch, or per micro-batch); a summed objective has no "
+                "TrainingArguments"
+            )
         if scenario.max_grad_norm is not None and scenario.grad_norm_type != 2.0:
-            return (f"clipping the {scenario.grad_norm_type}-norm: the Trainer clips the 2-norm "
-                    "(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))")
+            return (
+                f"clipping the {scenario.grad_norm_type}-norm: the Trainer clips the 2-norm "
+                "(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))"
+            )
         if scenario.autocast is torch.float16:
-            return ("autocast float16: TrainingArguments(fp16=True) runs no autocast on the CPU "
-                    "(accelerate's native AMP for fp16 needs a GPU) and adds a GradScaler that "
-                    "may skip steps on a GPU, which the reference does not")
+            return (
+                "autocast float16: TrainingArguments(fp16=True) runs no autocast on the CPU "
+                "(accelerate's native AMP for fp16 needs a GPU) and adds a GradScaler that "
+                "may skip steps on a GPU, which the reference does not"
+            )
         return None
 
     def model_for(self, net: torch.nn.Module, scenario: Any) -> torch.nn.Module:
@@ -240,30 +278,39 @@ class HfTrainerTarget(FrameworkTarget):
         join_existing_group()
         accumulation = max(len(step) for step in run.batches)
         if any(len(step) != accumulation for step in run.batches):
-            raise NothingChecked("HfTrainerTarget needs the same number of micro-batches every "
-                                 "step (TrainingArguments(gradient_accumulation_steps=...) is "
-                                 "one number)")
+            raise NothingChecked(
+                "HfTrainerTarget needs the same number of micro-batches every "
+                "step (TrainingArguments(gradient_accumulation_steps=...) is "
+                "one number)"
+            )
         _check_environment(run.scenario)
         device = next(module.parameters()).device
         folder = tempfile.mkdtemp(prefix="ddpcheck-hf-trainer-")
         try:
             given = vars(self)["_given"]  # set by __post_init__: no field, not in the replay line
-            kwargs = arguments(given, run.scenario, run.steps, accumulation, device,
-                               folder)
+            kwargs = arguments(given, run.scenario, run.steps, accumulation, device, folder)
             try:
                 args = TrainingArguments(**kwargs)
             except (TypeError, ValueError) as exc:
-                raise InvalidArgument(f"TrainingArguments({_shown(given)}) as ddpcheck "
-                                      f"completed it raised {type(exc).__name__}: {exc}") from exc
+                raise InvalidArgument(
+                    f"TrainingArguments({_shown(given)}) as ddpcheck "
+                    f"completed it raised {type(exc).__name__}: {exc}"
+                ) from exc
             optimizer = run.optimizer(run.params, **run.optimizer_kwargs)
-            scheduler = (torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-                         if run.gamma is None else
-                         torch.optim.lr_scheduler.ExponentialLR(optimizer, run.gamma))
-            recorder = _recorder(TrainerCallback, run, module,
-                                 None if run.gamma is None else scheduler)
+            scheduler = (
+                torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+                if run.gamma is None
+                else torch.optim.lr_scheduler.ExponentialLR(optimizer, run.gamma)
+            )
+            recorder = _recorder(
+                TrainerCallback, run, module, None if run.gamma is None else scheduler
+            )
             recorder.trainer = _trainer(self.trainer_class or Trainer, _loader(run))(
-                model=self.model_for(module, run.scenario), args=args,
-                optimizers=(optimizer, scheduler), callbacks=[recorder])
+                model=self.model_for(module, run.scenario),
+                args=args,
+                optimizers=(optimizer, scheduler),
+                callbacks=[recorder],
+            )
             recorder.trainer.train()
         finally:
             shutil.rmtree(folder, ignore_errors=True)
@@ -282,17 +329,21 @@ def _check_environment(scenario: Any) -> None:
     ``bench/hf_mixed_precision_env.py``). Every rank decides alike, before any collective."""
     imposed = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if imposed not in ("", "no") and scenario.autocast is None:
-        raise InvalidArgument(f"the environment sets ACCELERATE_MIXED_PRECISION={imposed!r}, "
-                              "which TrainingArguments takes as its mixed precision, against "
-                              "the scenario's (no autocast): unset it for ddpcheck")
+        raise InvalidArgument(
+            f"the environment sets ACCELERATE_MIXED_PRECISION={imposed!r}, "
+            "which TrainingArguments takes as its mixed precision, against "
+            "the scenario's (no autocast): unset it for ddpcheck"
+        )
 
 
 def _check_trainer_class(cls: Any) -> None:
     from transformers import Trainer  # the class given was built on it: imported already
 
     if not (isinstance(cls, type) and issubclass(cls, Trainer)):
-        raise InvalidArgument(f"HfTrainerTarget(trainer_class={cls!r}) must be a subclass of "
-                              "transformers.Trainer (or None for the Trainer itself)")
+        raise InvalidArgument(
+            f"HfTrainerTarget(trainer_class={cls!r}) must be a subclass of "
+            "transformers.Trainer (or None for the Trainer itself)"
+        )
 
 
 def _fields() -> set[str] | None:
@@ -309,19 +360,28 @@ def _shown(given: dict) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in given.items())
 
 
-def arguments(given: dict, scenario: Any, steps: int, accumulation: int, device: torch.device,
-              folder: str) -> dict:
+def arguments(
+    given: dict, scenario: Any, steps: int, accumulation: int, device: torch.device, folder: str
+) -> dict:
     """The ``TrainingArguments`` keyword arguments of one run: the user's ``given`` ones, and
     what the scenario and ddpcheck's harness set (see the module docstring)."""
     return {
-        "output_dir": folder, "disable_tqdm": True, "logging_strategy": "no", **given,
+        "output_dir": folder,
+        "disable_tqdm": True,
+        "logging_strategy": "no",
+        **given,
         # the scenario's
-        "gradient_accumulation_steps": accumulation, "max_steps": steps,
+        "gradient_accumulation_steps": accumulation,
+        "max_steps": steps,
         "max_grad_norm": scenario.max_grad_norm or 0.0,
-        "bf16": scenario.autocast is torch.bfloat16, "fp16": False,
+        "bf16": scenario.autocast is torch.bfloat16,
+        "fp16": False,
         # the harness's
-        "use_cpu": device.type == "cpu", "save_strategy": "no", "eval_strategy": "no",
-        "report_to": "none", "dataloader_pin_memory": False,
+        "use_cpu": device.type == "cpu",
+        "save_strategy": "no",
+        "eval_strategy": "no",
+        "report_to": "none",
+        "dataloader_pin_memory": False,
     }
 
 
@@ -336,20 +396,21 @@ class ScenarioCausalLM(torch.nn.Module):
         self.model = net
         self.scenario = scenario
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                **kwargs: Any) -> dict:
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any
+    ) -> dict:
         return self.outputs(input_ids, labels, kwargs.get("num_items_in_batch"))
 
-    def outputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None,
-                num_items_in_batch: Any) -> dict:
+    def outputs(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None, num_items_in_batch: Any
+    ) -> dict:
         logits = self.model(input_ids)
         if labels is None:
             return {"logits": logits}
         with torch.autocast(logits.device.type, enabled=False):  # the loss in >= float32
             summed = objective.summed(self.scenario, logits, labels)
             if num_items_in_batch is None:  # the older convention: this micro-batch's mean
-                return {"loss": summed / objective.count(self.scenario, labels),
-                        "logits": logits}
+                return {"loss": summed / objective.count(self.scenario, labels), "logits": logits}
             # the Trainer counted label elements: a per-sample term holds one per output
             per_term = 1 if objective.is_token_loss(self.scenario) else math.prod(labels.shape[1:])
             return {"loss": summed * per_term / num_items_in_batch, "logits": logits}
@@ -361,7 +422,8 @@ class ScenarioCausalLMWithoutLossKwargs(ScenarioCausalLM):
 
     # no **kwargs, on purpose: what the Trainer inspects to choose the older convention
     def forward(  # type: ignore[override]
-            self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> dict:
         return self.outputs(input_ids, labels, None)
 
 
@@ -376,8 +438,11 @@ def _trainer(trainer_cls: type, batches: list) -> type:
 
     class Trainer(trainer_cls):  # type: ignore[misc]  # transformers' Trainer
         def get_train_dataloader(self) -> Any:
-            return torch.utils.data.DataLoader(batches,  # type: ignore[arg-type]  # a list
-                                               batch_size=None, shuffle=False)
+            return torch.utils.data.DataLoader(
+                batches,  # type: ignore[arg-type]  # a list
+                batch_size=None,
+                shuffle=False,
+            )
 
     return Trainer
 
@@ -393,11 +458,12 @@ def _recorder(callback_cls: type, run: Any, module: Any, scheduler: Any) -> Any:
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             run.started(self.trainer.model_wrapped, self.trainer.optimizer)
 
-        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any,
-                                  **kwargs: Any) -> None:
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             # clipped, synchronised: what optimizer.step() receives
-            self.kept = [(p, None if p.grad is None else p.grad.detach().clone())
-                         for p in module.parameters()]
+            self.kept = [
+                (p, None if p.grad is None else p.grad.detach().clone())
+                for p in module.parameters()
+            ]
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             with _gradients_back(self.kept):

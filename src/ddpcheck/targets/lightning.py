@@ -72,8 +72,19 @@ __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "LightningTarget"]
 _STEPS = "steps: the target sets max_steps, one epoch over this rank's micro-batches"
 #: ``Trainer`` keys the scenario sets, example by example: key -> what sets it (refused).
 SCENARIO_KEYS: dict[str, str] = {
-    **dict.fromkeys(("max_steps", "min_steps", "max_epochs", "min_epochs", "max_time",
-                     "fast_dev_run", "limit_train_batches", "overfit_batches"), _STEPS),
+    **dict.fromkeys(
+        (
+            "max_steps",
+            "min_steps",
+            "max_epochs",
+            "min_epochs",
+            "max_time",
+            "fast_dev_run",
+            "limit_train_batches",
+            "overfit_batches",
+        ),
+        _STEPS,
+    ),
     "accumulate_grad_batches": "accumulation",
     "gradient_clip_val": "max_grad_norm",
     "gradient_clip_algorithm": "max_grad_norm and grad_norm_type",
@@ -86,16 +97,25 @@ HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "accelerator": ((), _WORLD),
     "devices": ((), _WORLD),
     "num_nodes": ((1,), _WORLD),
-    "plugins": ((None, []), "precision plugins are the scenario's, the cluster environment the "
-                            "world's"),
+    "plugins": (
+        (None, []),
+        "precision plugins are the scenario's, the cluster environment the world's",
+    ),
     "use_distributed_sampler": ((False,), "ddpcheck feeds each rank its own micro-batches"),
-    "enable_checkpointing": ((False,), "checkpoints are declined: the target sets "
-                                       "enable_checkpointing=False"),
+    "enable_checkpointing": (
+        (False,),
+        "checkpoints are declined: the target sets enable_checkpointing=False",
+    ),
     "logger": ((False,), "a logger writes files: the target sets logger=False"),
-    "deterministic": ((None, False), "torch.use_deterministic_algorithms(True) would outlive the "
-                                     "example in ddpcheck's persistent ranks"),
-    "sync_batchnorm": ((False,), "not tried with this target (it replaces the model's BatchNorm "
-                                 "layers)"),
+    "deterministic": (
+        (None, False),
+        "torch.use_deterministic_algorithms(True) would outlive the "
+        "example in ddpcheck's persistent ranks",
+    ),
+    "sync_batchnorm": (
+        (False,),
+        "not tried with this target (it replaces the model's BatchNorm layers)",
+    ),
     **lightning_strategy.HARNESS_KEYS,
 }
 
@@ -113,17 +133,20 @@ class LightningTarget(FrameworkTarget):
     declined_features: ClassVar[Mapping[str, str]] = {
         "rank-orders": TORCH_DDP_ORDER,
         "checkpoint": f"{OWN_CHECKPOINTS} (the Trainer's .ckpt files, which this loop does not "
-                      "drive)",
-        "param-dtype": NO_PARAM_DTYPE}
+        "drive)",
+        "param-dtype": NO_PARAM_DTYPE,
+    }
 
     def __post_init__(self) -> None:
         where = described("LightningTarget", self.config)
         given = load_config(self.config, target=where)
         ddp = {"find_unused_parameters": True, "static_graph": self.static_graph}
         if "strategy" in given and self.static_graph:
-            raise InvalidArgument(f"{where}: static_graph=True and a 'strategy' both set the "
-                                  "strategy; give static_graph in the strategy "
-                                  "({\"name\": \"ddp\", \"static_graph\": true})")
+            raise InvalidArgument(
+                f"{where}: static_graph=True and a 'strategy' both set the "
+                "strategy; give static_graph in the strategy "
+                '({"name": "ddp", "static_graph": true})'
+            )
         if given:  # checked here, before any process starts
             ddp = _check(given, where) or ddp
         object.__setattr__(self, "_given", given)
@@ -146,16 +169,23 @@ class LightningTarget(FrameworkTarget):
 
     def supports(self, scenario: Any) -> str | None:
         ddp = vars(self)["_ddp"]
-        cannot = ddp_options.cannot_run(scenario, **ddp,
-                                        where="" if "strategy" not in vars(self)["_given"]
-                                        else " (the config's strategy)")
+        cannot = ddp_options.cannot_run(
+            scenario,
+            **ddp,
+            where="" if "strategy" not in vars(self)["_given"] else " (the config's strategy)",
+        )
         if cannot is not None:
             return cannot
-        if (not self.manual and scenario.max_grad_norm is not None
-                and math.isinf(scenario.grad_norm_type)):
-            return ("clipping: Trainer(gradient_clip_val=...) clips the 2-norm only "
-                    "(gradient_clip_algorithm 'norm' or 'value'); infinity-norm clipping needs "
-                    "manual optimization (LightningTarget(manual=True))")
+        if (
+            not self.manual
+            and scenario.max_grad_norm is not None
+            and math.isinf(scenario.grad_norm_type)
+        ):
+            return (
+                "clipping: Trainer(gradient_clip_val=...) clips the 2-norm only "
+                "(gradient_clip_algorithm 'norm' or 'value'); infinity-norm clipping needs "
+                "manual optimization (LightningTarget(manual=True))"
+            )
         return None
 
     def fit(self, module: Any, run: Any) -> None:
@@ -165,33 +195,54 @@ class LightningTarget(FrameworkTarget):
         join_existing_group()
         accumulation = max(len(step) for step in run.batches)
         if any(len(step) != accumulation for step in run.batches):
-            raise NothingChecked("LightningTarget needs the same number of micro-batches every "
-                                 "step (Trainer(accumulate_grad_batches=...) is one number)")
+            raise NothingChecked(
+                "LightningTarget needs the same number of micro-batches every "
+                "step (Trainer(accumulate_grad_batches=...) is one number)"
+            )
         net = _module(pl, module, run, accumulation, self.manual)
         automatic = not self.manual and run.max_grad_norm is not None
         given = vars(self)["_given"]
         callbacks = given.get("callbacks") or []
         kwargs = {
-            "enable_progress_bar": False, "enable_model_summary": False,
-            "num_sanity_val_steps": 0, **given,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "num_sanity_val_steps": 0,
+            **given,
             # the scenario's
-            "max_steps": run.steps, "max_epochs": 1,
+            "max_steps": run.steps,
+            "max_epochs": 1,
             "accumulate_grad_batches": 1 if self.manual else accumulation,
             "gradient_clip_val": run.max_grad_norm if automatic else None,
             "gradient_clip_algorithm": "norm" if automatic else None,
             # the harness's
             "accelerator": "cpu" if next(module.parameters()).device.type == "cpu" else "cuda",
-            "devices": dist.get_world_size(), "num_nodes": 1, "strategy": self._strategy(),
-            "use_distributed_sampler": False, "logger": False, "enable_checkpointing": False,
-            "callbacks": [*(callbacks if isinstance(callbacks, list) else [callbacks]),
-                          _recorder(pl, run, accumulation)]}
-        trainer = (pl.Trainer(**kwargs) if not given else construct(
-            pl.Trainer, kwargs, target=described("LightningTarget", self.config),
-            errors=(TypeError, ValueError, MisconfigurationException)))
+            "devices": dist.get_world_size(),
+            "num_nodes": 1,
+            "strategy": self._strategy(),
+            "use_distributed_sampler": False,
+            "logger": False,
+            "enable_checkpointing": False,
+            "callbacks": [
+                *(callbacks if isinstance(callbacks, list) else [callbacks]),
+                _recorder(pl, run, accumulation),
+            ],
+        }
+        trainer = (
+            pl.Trainer(**kwargs)
+            if not given
+            else construct(
+                pl.Trainer,
+                kwargs,
+                target=described("LightningTarget", self.config),
+                errors=(TypeError, ValueError, MisconfigurationException),
+            )
+        )
         # a list is a map-style dataset (len and getitem); torch's annotation asks for Dataset
         loader: torch.utils.data.DataLoader[Any] = torch.utils.data.DataLoader(
             [micro for step in run.batches for micro in step],  # type: ignore[arg-type]
-            batch_size=None, shuffle=False)
+            batch_size=None,
+            shuffle=False,
+        )
         trainer.fit(net, train_dataloaders=loader)
 
     def _strategy(self) -> Any:
@@ -201,9 +252,12 @@ class LightningTarget(FrameworkTarget):
         given = vars(self)["_given"]
         if "strategy" not in given:
             return DDPStrategy(find_unused_parameters=True, static_graph=self.static_graph)
-        return lightning_strategy.make(given["strategy"], registry=StrategyRegistry,
-                                       ddp_cls=DDPStrategy,
-                                       where=described("LightningTarget", self.config))
+        return lightning_strategy.make(
+            given["strategy"],
+            registry=StrategyRegistry,
+            ddp_cls=DDPStrategy,
+            where=described("LightningTarget", self.config),
+        )
 
 
 def _check(given: dict[str, Any], where: str) -> dict[str, bool] | None:
@@ -217,12 +271,19 @@ def _check(given: dict[str, Any], where: str) -> dict[str, bool] | None:
         return None
     view, ddp = dict(given), None
     if "strategy" in given:
-        strategy = lightning_strategy.make(given["strategy"], registry=StrategyRegistry,
-                                           ddp_cls=DDPStrategy, where=where)
+        strategy = lightning_strategy.make(
+            given["strategy"], registry=StrategyRegistry, ddp_cls=DDPStrategy, where=where
+        )
         view["strategy"] = lightning_strategy.view(strategy, where)
         ddp = lightning_strategy.options_of(strategy)
-    reconcile(view, target=where, scenario_keys=SCENARIO_KEYS, harness_keys=HARNESS_KEYS,
-              known=keywords_of(pl.Trainer), known_as="Trainer keyword argument")
+    reconcile(
+        view,
+        target=where,
+        scenario_keys=SCENARIO_KEYS,
+        harness_keys=HARNESS_KEYS,
+        known=keywords_of(pl.Trainer),
+        known_as="Trainer keyword argument",
+    )
     return ddp
 
 
@@ -248,8 +309,9 @@ def _module(pl: Any, net: Any, run: Any, accumulation: int, manual: bool) -> Any
             if (batch_idx + 1) % accumulation == 0:
                 optimizer = self.optimizers()
                 if run.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(self.parameters(), run.max_grad_norm,
-                                                   run.grad_norm_type)
+                    torch.nn.utils.clip_grad_norm_(
+                        self.parameters(), run.max_grad_norm, run.grad_norm_type
+                    )
                 optimizer.step()
                 scheduler = self.lr_schedulers()
                 if scheduler is not None:
@@ -268,8 +330,10 @@ def _module(pl: Any, net: Any, run: Any, accumulation: int, manual: bool) -> Any
             if run.gamma is None:
                 return optimizer
             schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, run.gamma)
-            return {"optimizer": optimizer,
-                    "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {"scheduler": schedule, "interval": "step"},
+            }
 
     return Module()
 
@@ -281,12 +345,16 @@ def _recorder(pl: Any, run: Any, accumulation: int) -> Any:
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             run.started(trainer.strategy.model, trainer.optimizers[0])
 
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
-                               batch_idx: int) -> None:
+        def on_train_batch_end(
+            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
             if (batch_idx + 1) % accumulation:
                 return  # inside the accumulation window: no optimizer step yet
             configs = trainer.lr_scheduler_configs
-            run.record(trainer.strategy.model, trainer.optimizers[0],
-                       configs[0].scheduler if configs else None)
+            run.record(
+                trainer.strategy.model,
+                trainer.optimizers[0],
+                configs[0].scheduler if configs else None,
+            )
 
     return Recorder()

@@ -30,12 +30,15 @@ _WORLD = "ddpcheck's world: the process group exists, on the world's device"
 #: ``DistributedDataParallel`` keywords a strategy passes that the scenario sets (refused).
 SCENARIO_KEYS: dict[str, str] = {
     "strategy.mixed_precision": "autocast and dtype (DDP's mixed_precision casts what the "
-                                "scenario keeps)",
+    "scenario keeps)",
 }
 #: What of a strategy ddpcheck's harness fixes: key -> (the values accepted, why).
 HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "strategy.start_method": (("popen",), "ddpcheck started the processes: the strategy joins "
-                                          "them ('popen', the name 'ddp'), it starts none"),
+    "strategy.start_method": (
+        ("popen",),
+        "ddpcheck started the processes: the strategy joins "
+        "them ('popen', the name 'ddp'), it starts none",
+    ),
     "strategy.device_ids": ((), _WORLD),
     "strategy.output_device": ((), _WORLD),
     "strategy.process_group": ((), _WORLD),
@@ -51,24 +54,32 @@ def make(value: Any, *, registry: Any, ddp_cls: type, where: str) -> Any:
         name = value if isinstance(value, str) else value.get("name", "ddp")
         if name not in registry:
             names = [n for n, e in registry.items() if e["strategy"] is ddp_cls]
-            raise InvalidArgument(f"{where}: 'strategy' {name!r} is no strategy Lightning "
-                                  f"registers{did_you_mean(str(name), names)} (this target "
-                                  f"takes a DDP one: {', '.join(sorted(names))})")
+            raise InvalidArgument(
+                f"{where}: 'strategy' {name!r} is no strategy Lightning "
+                f"registers{did_you_mean(str(name), names)} (this target "
+                f"takes a DDP one: {', '.join(sorted(names))})"
+            )
         entry = registry[name]
         if entry["strategy"] is not ddp_cls:
-            raise InvalidArgument(f"{where}: 'strategy' {name!r} is {entry['strategy'].__name__}"
-                                  f"; this target checks torch DDP (a "
-                                  f"{ddp_cls.__name__}, such as 'ddp')")
+            raise InvalidArgument(
+                f"{where}: 'strategy' {name!r} is {entry['strategy'].__name__}"
+                f"; this target checks torch DDP (a "
+                f"{ddp_cls.__name__}, such as 'ddp')"
+            )
         try:
             return entry["strategy"](**{**entry["init_params"], **kwargs})
         except (TypeError, ValueError) as exc:
-            raise InvalidArgument(f"{where}: 'strategy'={value!r} cannot build "
-                                  f"{entry['strategy'].__name__}: {type(exc).__name__}: "
-                                  f"{exc}") from None
+            raise InvalidArgument(
+                f"{where}: 'strategy'={value!r} cannot build "
+                f"{entry['strategy'].__name__}: {type(exc).__name__}: "
+                f"{exc}"
+            ) from None
     if not isinstance(value, ddp_cls) or _lightnings(type(value)) is not ddp_cls:
-        raise InvalidArgument(f"{where}: 'strategy' is a {type(value).__name__}; this target "
-                              f"checks torch DDP (a {ddp_cls.__module__}."
-                              f"{ddp_cls.__name__}, or a name such as 'ddp')")
+        raise InvalidArgument(
+            f"{where}: 'strategy' is a {type(value).__name__}; this target "
+            f"checks torch DDP (a {ddp_cls.__module__}."
+            f"{ddp_cls.__name__}, or a name such as 'ddp')"
+        )
     return copy.deepcopy(value)
 
 
@@ -76,8 +87,14 @@ def _lightnings(cls: type) -> type | None:
     """The first of ``cls``'s classes that is Lightning's own: a user's subclass of
     ``DDPStrategy`` is a DDP strategy, Lightning's ``DeepSpeedStrategy`` (a subclass too) is
     not."""
-    return next((c for c in cls.__mro__
-                 if c.__module__.split(".")[0] in ("lightning", "pytorch_lightning")), None)
+    return next(
+        (
+            c
+            for c in cls.__mro__
+            if c.__module__.split(".")[0] in ("lightning", "pytorch_lightning")
+        ),
+        None,
+    )
 
 
 def view(strategy: Any, where: str) -> dict[str, Any]:
@@ -89,13 +106,17 @@ def view(strategy: Any, where: str) -> dict[str, Any]:
     known = keywords_of(DistributedDataParallel, without=("module",)) or frozenset(kwargs)
     wrong = [f"{key!r}{did_you_mean(key, known)}" for key in kwargs if key not in known]
     if wrong:
-        raise InvalidArgument(f"{where}: the strategy passes {', '.join(wrong)} to torch's "
-                              "DistributedDataParallel, which takes no such keyword argument")
+        raise InvalidArgument(
+            f"{where}: the strategy passes {', '.join(wrong)} to torch's "
+            "DistributedDataParallel, which takes no such keyword argument"
+        )
     return {"start_method": getattr(strategy, "_start_method", "popen"), **kwargs}
 
 
 def options_of(strategy: Any) -> dict[str, bool]:
     """The DDP options of ``strategy`` that decide what it can train (``ddp_options``)."""
     kwargs = getattr(strategy, "_ddp_kwargs", {})
-    return {"find_unused_parameters": bool(kwargs.get("find_unused_parameters", False)),
-            "static_graph": bool(kwargs.get("static_graph", False))}
+    return {
+        "find_unused_parameters": bool(kwargs.get("find_unused_parameters", False)),
+        "static_graph": bool(kwargs.get("static_graph", False)),
+    }

@@ -55,8 +55,18 @@ if TYPE_CHECKING:
     #: (shrinking towards the first).
     Values = st.SearchStrategy[Any] | Sequence[Any]
 
-__all__ = ["DRAWS", "described", "differences", "drawn_options", "label", "options",
-           "single_options", "space_of", "vary"]
+__all__ = [
+    "DRAWS",
+    "described",
+    "differences",
+    "drawn_options",
+    "label",
+    "options",
+    "single_options",
+    "space_of",
+    "vary",
+]
+
 
 def _strategy(values: Values, where: str) -> st.SearchStrategy[Any]:
     from hypothesis import strategies as st
@@ -64,25 +74,32 @@ def _strategy(values: Values, where: str) -> st.SearchStrategy[Any]:
     if isinstance(values, st.SearchStrategy):
         return values
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
-        raise InvalidArgument(f"options({where}=...) must be a SearchStrategy or a non-empty "
-                              f"sequence of values, not {values!r}")
+        raise InvalidArgument(
+            f"options({where}=...) must be a SearchStrategy or a non-empty "
+            f"sequence of values, not {values!r}"
+        )
     return st.sampled_from(tuple(values))
 
 
-def options(*, fields: Mapping[str, Values] | None = None,
-            config: Mapping[str, Values] | None = None,
-            **dicts: Mapping[str, Values]) -> st.SearchStrategy[dict[str, Any]]:
+def options(
+    *,
+    fields: Mapping[str, Values] | None = None,
+    config: Mapping[str, Values] | None = None,
+    **dicts: Mapping[str, Values],
+) -> st.SearchStrategy[dict[str, Any]]:
     """The strategy of a target's options (see the module docstring): ``fields`` -- field name
     to its non-default values -- each drawn or left out; ``config`` (and any other dict-valued
     field given by name, e.g. ``training_args={...}``) -- key to its values -- drawn as a dict of
     optional keys, left out when it holds none."""
     optional: dict[str, st.SearchStrategy[Any]] = {
-        name: _strategy(values, name) for name, values in (fields or {}).items()}
+        name: _strategy(values, name) for name, values in (fields or {}).items()
+    }
     for name, keys in {**({"config": config} if config else {}), **dicts}.items():
         if name in optional:
             raise InvalidArgument(f"options: {name!r} is given as a field and as a dict")
         optional[name] = _optional_keys(
-            {key: _strategy(values, f"{name}.{key}") for key, values in keys.items()})
+            {key: _strategy(values, f"{name}.{key}") for key, values in keys.items()}
+        )
     return _optional_keys(optional)
 
 
@@ -90,8 +107,9 @@ def options(*, fields: Mapping[str, Values] | None = None,
 _ABSENT = object()
 
 
-def _optional_keys(strategies: Mapping[str, st.SearchStrategy[Any]]
-                   ) -> st.SearchStrategy[dict[str, Any]]:
+def _optional_keys(
+    strategies: Mapping[str, st.SearchStrategy[Any]],
+) -> st.SearchStrategy[dict[str, Any]]:
     """Dicts of some of ``strategies``' keys. Each key is ``one_of(absent, its values)``, not
     ``fixed_dictionaries(optional=...)``: Hypothesis 6.170 does not shrink an optional key of
     those away (tests/runs/test_fuzz_config.py), and this shrinks each towards absent; an empty
@@ -104,8 +122,9 @@ def _optional_keys(strategies: Mapping[str, st.SearchStrategy[Any]]
 
 
 def _present(drawn: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in drawn.items()
-            if v is not _ABSENT and not (isinstance(v, dict) and not v)}
+    return {
+        k: v for k, v in drawn.items() if v is not _ABSENT and not (isinstance(v, dict) and not v)
+    }
 
 
 def space_of(target: Any) -> st.SearchStrategy[dict[str, Any]] | None:
@@ -115,9 +134,11 @@ def space_of(target: Any) -> st.SearchStrategy[dict[str, Any]] | None:
     method = getattr(target, "config_space", None)
     space = method() if callable(method) else None
     if space is not None and not isinstance(space, st.SearchStrategy):
-        raise InvalidArgument(f"{type(target).__name__}.config_space() returned {space!r}; it "
-                              "must return a hypothesis SearchStrategy of dicts (e.g. "
-                              "ddpcheck.targets.option_space.options(...)) or None")
+        raise InvalidArgument(
+            f"{type(target).__name__}.config_space() returned {space!r}; it "
+            "must return a hypothesis SearchStrategy of dicts (e.g. "
+            "ddpcheck.targets.option_space.options(...)) or None"
+        )
     return space
 
 
@@ -128,35 +149,44 @@ def vary(target: Any, drawn: Mapping[str, Any]) -> Any:
         return target
     name = type(target).__name__
     if not dataclasses.is_dataclass(target):
-        raise InvalidArgument(f"{name}.config_space() drew {dict(drawn)!r}, but {name} is no "
-                              "dataclass: the drawn options are applied by dataclasses.replace")
+        raise InvalidArgument(
+            f"{name}.config_space() drew {dict(drawn)!r}, but {name} is no "
+            "dataclass: the drawn options are applied by dataclasses.replace"
+        )
     fields = {f.name for f in dataclasses.fields(target) if f.init}
     change: dict[str, Any] = {}
     for key, value in drawn.items():
         if key not in fields:
-            raise InvalidArgument(f"{name}.config_space() drew {key!r}, which is no field of "
-                                  f"{name} (its fields: {', '.join(sorted(fields))})")
+            raise InvalidArgument(
+                f"{name}.config_space() drew {key!r}, which is no field of "
+                f"{name} (its fields: {', '.join(sorted(fields))})"
+            )
         own = getattr(target, key)
         if isinstance(value, Mapping) and own is not None:
             if not isinstance(own, Mapping):
                 raise InvalidArgument(
                     f"{name}({key}={own!r}): the drawn {key} options are merged over a dict, "
-                    f"and this is none; give {key} as a dict to fuzz its options")
+                    f"and this is none; give {key} as a dict to fuzz its options"
+                )
             value = {**value, **own}
         change[key] = value
     instance: Any = target  # a dataclass, as checked above
     try:
         return dataclasses.replace(instance, **change)
     except (TypeError, ValueError) as exc:
-        raise InvalidArgument(f"{name}.config_space() drew {dict(drawn)!r}, which {name} "
-                              f"refuses: {exc}") from exc
+        raise InvalidArgument(
+            f"{name}.config_space() drew {dict(drawn)!r}, which {name} refuses: {exc}"
+        ) from exc
 
 
 def differences(base: Any, variant: Any) -> list[tuple[str, Any]]:
     """The options ``variant`` holds that differ from ``base``'s: ``(name, value)``, a
     dict-valued field's keys as ``field.key`` (the module docstring), in field order."""
-    if variant is base or not (dataclasses.is_dataclass(base) and dataclasses.is_dataclass(
-            variant)) or type(base) is not type(variant):
+    if (
+        variant is base
+        or not (dataclasses.is_dataclass(base) and dataclasses.is_dataclass(variant))
+        or type(base) is not type(variant)
+    ):
         return []
     found: list[tuple[str, Any]] = []
     for field in dataclasses.fields(variant):
@@ -165,8 +195,11 @@ def differences(base: Any, variant: Any) -> list[tuple[str, Any]]:
         mine, theirs = getattr(variant, field.name), getattr(base, field.name)
         if isinstance(mine, Mapping) and (theirs is None or isinstance(theirs, Mapping)):
             theirs = theirs or {}
-            found += [(f"{field.name}.{k}", v) for k, v in mine.items()
-                      if k not in theirs or theirs[k] != v]
+            found += [
+                (f"{field.name}.{k}", v)
+                for k, v in mine.items()
+                if k not in theirs or theirs[k] != v
+            ]
         elif mine != theirs:
             found.append((field.name, mine))
     return found
@@ -196,8 +229,9 @@ def single_options(drawn: Mapping[str, Any]) -> list[dict[str, Any]]:
 DRAWS = 200
 
 
-def drawn_options(space: st.SearchStrategy[dict[str, Any]] | None, *, draws: int = DRAWS,
-                  seed: int | None = None) -> list[dict[str, Any]]:
+def drawn_options(
+    space: st.SearchStrategy[dict[str, Any]] | None, *, draws: int = DRAWS, seed: int | None = None
+) -> list[dict[str, Any]]:
     """Every single option (:func:`single_options`) ``draws`` configurations of ``space`` hold,
     each once, ordered by name then value: the rows of ``survey(fuzz_config=True)`` and what
     ``assert_equivalent(fuzz_config=True)`` runs the battery under. The same every call unless
@@ -209,8 +243,13 @@ def drawn_options(space: st.SearchStrategy[dict[str, Any]] | None, *, draws: int
 
     seen: dict[str, dict[str, Any]] = {}
 
-    @settings(max_examples=draws, database=None, derandomize=seed is None,
-              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=draws,
+        database=None,
+        derandomize=seed is None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(space)
     def collect(chosen: dict[str, Any]) -> None:
         for single in single_options(chosen):

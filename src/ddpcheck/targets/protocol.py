@@ -129,15 +129,20 @@ class Target:
             return
         own = cls.__dict__.get("supported_features")
         if own is not None and not isinstance(own, property):
-            raise TypeError(f"{cls.__name__} declares both supported_features and "
-                            "declined_features: declare one (the other follows from it)")
+            raise TypeError(
+                f"{cls.__name__} declares both supported_features and "
+                "declined_features: declare one (the other follows from it)"
+            )
         unknown = sorted(set(declined) - set(FEATURES))
         if unknown:
-            raise TypeError(f"{cls.__name__}.declined_features names {unknown}, which are not "
-                            f"features (ddpcheck.features.FEATURES)")
+            raise TypeError(
+                f"{cls.__name__}.declined_features names {unknown}, which are not "
+                f"features (ddpcheck.features.FEATURES)"
+            )
         cls.declined_features = MappingProxyType(dict(declined))
         if own is None:  # a property computes it per instance, from supported_but()
             cls.supported_features = supported_but(declined)
+
     #: True when the optimizer itself averages gradients inside ``step()`` (ZeRO-2 style, no
     #: wrapper in front): gradients are then recorded after the step, not before it.
     gradients_synchronized_in_step: bool = False
@@ -200,8 +205,9 @@ class Target:
     def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
         return optimizer_cls(params, **kwargs)
 
-    def setup(self, module: Any, params: Any, optimizer_cls: type,
-              **kwargs: Any) -> tuple[Any, Any]:
+    def setup(
+        self, module: Any, params: Any, optimizer_cls: type, **kwargs: Any
+    ) -> tuple[Any, Any]:
         """``(model, optimizer)``, for frameworks that build both at once (accelerate's
         ``prepare``, DeepSpeed's ``initialize``, Fabric's ``setup``). The initial state is
         recorded after it. ``params``: the module's parameters or param groups, as built before
@@ -211,8 +217,9 @@ class Target:
         names = {id(p): n for n, p in module.named_parameters()}
         model = self.wrap(module)
         params = _rebound(params, names, dict(module.named_parameters()))
-        return model, self.make_optimizer(params, optimizer_cls,
-                                          **optimizer_kwargs(self, model, kwargs))
+        return model, self.make_optimizer(
+            params, optimizer_cls, **optimizer_kwargs(self, model, kwargs)
+        )
 
     def make_scheduler(self, optimizer: Any, gamma: float) -> Any:
         """The scenario's LR schedule over ``optimizer``: ``ExponentialLR(gamma)``, stepped once
@@ -222,12 +229,14 @@ class Target:
         ``torch.optim.Optimizer``, over the one it wraps as ``.optimizer``."""
         inner = getattr(optimizer, "optimizer", None)
         if not isinstance(optimizer, torch.optim.Optimizer) and isinstance(
-                inner, torch.optim.Optimizer):
+            inner, torch.optim.Optimizer
+        ):
             optimizer = inner
         return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma)
 
-    def micro_batch(self, model: Any, optimizer: Any, index: int,
-                    count: int) -> AbstractContextManager[Any]:
+    def micro_batch(
+        self, model: Any, optimizer: Any, index: int, count: int
+    ) -> AbstractContextManager[Any]:
         """The context of micro-batch ``index`` of ``count`` in a step: its forward and backward
         (and, with :attr:`steps_every_micro_batch`, the gated step) run inside. Default:
         :meth:`no_sync` for all but the last. Override it for accelerate's
@@ -275,8 +284,7 @@ class Target:
         example's deadline pays for it. Issues no collective. A failure is a ``SetupError`` (exit
         2), never a verdict. Default: nothing."""
 
-    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float,
-                       norm_type: float) -> Any:
+    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float, norm_type: float) -> Any:
         """Clip the synchronised gradients to a global norm; called after ``after_backward`` in
         scenarios that clip (``Scenario.max_grad_norm``).
 
@@ -289,7 +297,8 @@ class Target:
                 f"{type(self).__name__} averages gradients inside optimizer.step(), so clipping "
                 "before it would clip each rank's own gradients; override "
                 "Target.clip_grad_norm(model, optimizer, max_norm, norm_type) to clip through "
-                "the optimizer, or leave 'clipping' out of supported_features")
+                "the optimizer, or leave 'clipping' out of supported_features"
+            )
 
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
 
@@ -308,10 +317,12 @@ class Target:
         ranks = getattr(optimizer, "_param_to_rank", None)
         if ranks is not None:
             return int(ranks[param])
-        raise InvalidArgument(f"{type(self).__name__} declares sharded_gradients, but "
-                        f"{type(optimizer).__name__} has no owner_of(param) or _param_to_rank; "
-                        "override Target.gradient_owner(optimizer, param) or "
-                        "Target.gradient_shards(model, optimizer)")
+        raise InvalidArgument(
+            f"{type(self).__name__} declares sharded_gradients, but "
+            f"{type(optimizer).__name__} has no owner_of(param) or _param_to_rank; "
+            "override Target.gradient_owner(optimizer, param) or "
+            "Target.gradient_shards(model, optimizer)"
+        )
 
     def gradient_shards(self, model: Any, optimizer: Any, params: Any) -> Any:
         """The synchronised gradient pieces this rank owns, for a target with
@@ -322,8 +333,11 @@ class Target:
         whose gradients are recorded. Default: for each parameter this rank owns
         (:meth:`gradient_owner`), its ``.grad`` whole."""
         rank = dist.get_rank()
-        return [(p, 0, None if p.grad is None else p.grad.detach().reshape(-1))
-                for p in params if self.gradient_owner(optimizer, p) == rank]
+        return [
+            (p, 0, None if p.grad is None else p.grad.detach().reshape(-1))
+            for p in params
+            if self.gradient_owner(optimizer, p) == rank
+        ]
 
     def full_tensor(self, tensor: Any) -> Any:
         """The whole of a parameter, gradient or optimizer-state tensor this rank may hold only
@@ -345,8 +359,11 @@ class Target:
         Default: a DTensor on a one-dimensional mesh with a ``Shard(dim)`` or ``Replicate``
         placement; anything else is not checked."""
         placements = getattr(tensor, "placements", None)
-        if placements is None or len(placements) != 1 or not callable(
-                getattr(tensor, "to_local", None)):
+        if (
+            placements is None
+            or len(placements) != 1
+            or not callable(getattr(tensor, "to_local", None))
+        ):
             return None
         (placement,) = placements
         if placement.is_replicate():
@@ -371,12 +388,16 @@ class Target:
         _consolidate_on_rank_zero(self, optimizer)
         if dist.get_rank() != 0:
             return None
-        return {"model": module.state_dict(), "optimizer": optimizer.state_dict(),
-                "optimizer_names": _names_by_group(module, optimizer),
-                "scheduler": None if scheduler is None else scheduler.state_dict()}
+        return {
+            "model": module.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "optimizer_names": _names_by_group(module, optimizer),
+            "scheduler": None if scheduler is None else scheduler.state_dict(),
+        }
 
-    def load_checkpoint(self, checkpoint: Any, module: Any, model: Any, optimizer: Any,
-                        scheduler: Any) -> None:
+    def load_checkpoint(
+        self, checkpoint: Any, module: Any, model: Any, optimizer: Any, scheduler: Any
+    ) -> None:
         """Load what rank 0's ``save_checkpoint`` returned, on every rank of the resumed run
         (its world size may differ), after the model is wrapped and the optimizer and
         scheduler are built, before the step after the checkpoint.
@@ -387,9 +408,13 @@ class Target:
         state is paired with parameters by name, since ranks may register them in other orders)
         and the scheduler."""
         module.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(_in_this_rank_order(
-            checkpoint["optimizer"], checkpoint.get("optimizer_names"),
-            _names_by_group(module, optimizer)))
+        optimizer.load_state_dict(
+            _in_this_rank_order(
+                checkpoint["optimizer"],
+                checkpoint.get("optimizer_names"),
+                _names_by_group(module, optimizer),
+            )
+        )
         if scheduler is not None:
             scheduler.load_state_dict(checkpoint["scheduler"])
 
@@ -399,8 +424,11 @@ class Target:
         Default: the state of the one ``torch.optim.Optimizer`` the optimizer wraps, if it holds
         one in an attribute (ZeroRedundancyOptimizer's ``.optim``, a ZeRO-1 wrapper's inner
         optimizer), else its own ``state``. Override it when neither is right."""
-        inner = [v for v in vars(optimizer).values()
-                 if isinstance(v, torch.optim.Optimizer) and v is not optimizer]
+        inner = [
+            v
+            for v in vars(optimizer).values()
+            if isinstance(v, torch.optim.Optimizer) and v is not optimizer
+        ]
         if len(inner) == 1:
             return inner[0].state
         state = getattr(optimizer, "state", None)
@@ -410,17 +438,26 @@ class Target:
                 "`state` and wraps no single torch.optim.Optimizer; override "
                 "Target.optimizer_state(optimizer) to return {parameter: state dict} held on "
                 "this rank, and set shards_optimizer_state = True if each rank holds only its "
-                "shard")
+                "shard"
+            )
         return state
 
     @staticmethod
-    def from_wrappers(*, ddp: Any = None, ddp_kwargs: dict | None = None,
-                      finish: str | None = None, no_sync: str | None = "no_sync",
-                      optimizer: Any = None, optimizer_kwargs: dict | None = None,
-                      inner_optimizer: str = "class", before_step: str | None = None,
-                      after_step: str | None = None, supports: Any = None,
-                      shards_optimizer_state: bool | None = None,
-                      shard_batch: Any = None) -> WrapperTarget:
+    def from_wrappers(
+        *,
+        ddp: Any = None,
+        ddp_kwargs: dict | None = None,
+        finish: str | None = None,
+        no_sync: str | None = "no_sync",
+        optimizer: Any = None,
+        optimizer_kwargs: dict | None = None,
+        inner_optimizer: str = "class",
+        before_step: str | None = None,
+        after_step: str | None = None,
+        supports: Any = None,
+        shards_optimizer_state: bool | None = None,
+        shard_batch: Any = None,
+    ) -> WrapperTarget:
         """A target for the common shapes of data-parallel code, with no class to write.
 
         ``ddp(module, **ddp_kwargs)`` wraps the model; ``finish`` names the wrapper's method to
@@ -442,17 +479,26 @@ class Target:
         its command-line name.
         """
         if shard_batch is not None and not callable(shard_batch):
-            raise InvalidArgument(f"Target.from_wrappers(shard_batch={shard_batch!r}) must be a "
-                                  "callable (GlobalBatch) -> BatchPlan, or None")
+            raise InvalidArgument(
+                f"Target.from_wrappers(shard_batch={shard_batch!r}) must be a "
+                "callable (GlobalBatch) -> BatchPlan, or None"
+            )
         return WrapperTarget(
-            ddp=ddp, ddp_kwargs=dict(ddp_kwargs or {}), finish=finish, no_sync_method=no_sync,
-            optimizer=optimizer, optimizer_kwargs=dict(optimizer_kwargs or {}),
-            inner_optimizer=inner_optimizer, before_step_method=before_step,
+            ddp=ddp,
+            ddp_kwargs=dict(ddp_kwargs or {}),
+            finish=finish,
+            no_sync_method=no_sync,
+            optimizer=optimizer,
+            optimizer_kwargs=dict(optimizer_kwargs or {}),
+            inner_optimizer=inner_optimizer,
+            before_step_method=before_step,
             after_step_method=after_step,
             supported_features=None if supports is None else frozenset(supports),
-            shards_optimizer_state=(optimizer is not None if shards_optimizer_state is None
-                                    else shards_optimizer_state),
-            batch_sharding=shard_batch)
+            shards_optimizer_state=(
+                optimizer is not None if shards_optimizer_state is None else shards_optimizer_state
+            ),
+            batch_sharding=shard_batch,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,8 +535,9 @@ class WrapperTarget(Target):
             return self.optimizer(params, optimizer_cls, **kwargs, **self.optimizer_kwargs)
         if self.inner_optimizer == "instance":
             return self.optimizer(optimizer_cls(params, **kwargs), **self.optimizer_kwargs)
-        return self.optimizer(params, **{self.inner_optimizer: optimizer_cls}, **kwargs,
-                              **self.optimizer_kwargs)
+        return self.optimizer(
+            params, **{self.inner_optimizer: optimizer_cls}, **kwargs, **self.optimizer_kwargs
+        )
 
     def before_step(self, model: Any, optimizer: Any) -> None:
         if self.before_step_method is not None:
@@ -513,6 +560,7 @@ class WrapperTarget(Target):
 def _rebound(params: Any, names: dict, now: dict) -> Any:
     """``params`` (parameters, or param groups) with each parameter replaced by the one the
     module now registers under its name; unchanged where it registers the same objects."""
+
     def one(p: Any) -> Any:
         return now.get(names.get(id(p)), p)
 
@@ -525,8 +573,10 @@ def _rebound(params: Any, names: dict, now: dict) -> Any:
 def _method(model: Any, name: str, field: str) -> Any:
     method = getattr(model, name, None)
     if not callable(method):
-        raise InvalidArgument(f"Target.from_wrappers({field}={name!r}): the wrapped model "
-                             f"{type(model).__name__} has no method {name!r}")
+        raise InvalidArgument(
+            f"Target.from_wrappers({field}={name!r}): the wrapped model "
+            f"{type(model).__name__} has no method {name!r}"
+        )
     return method
 
 
@@ -554,7 +604,8 @@ def _consolidate_on_rank_zero(target: Target, optimizer: Any) -> None:
         f"checkpoint: {type(target).__name__} keeps the default save_checkpoint, which cannot "
         f"tell how {type(optimizer).__name__}.consolidate_state_dict gathers the state on rank 0 "
         f"(it takes none of {', '.join(_RECIPIENT_KEYWORDS)}); override "
-        "Target.save_checkpoint, or leave 'checkpoint' out of supported_features")
+        "Target.save_checkpoint, or leave 'checkpoint' out of supported_features"
+    )
 
 
 def _names_by_group(module: Any, optimizer: Any) -> list[list[str]] | None:
@@ -575,8 +626,11 @@ def _in_this_rank_order(saved: dict, saved_names: Any, mine: Any) -> dict:
     if saved_names is None or mine is None or saved_names == mine or not isinstance(saved, dict):
         return saved
     groups = saved.get("param_groups")
-    if groups is None or len(groups) != len(mine) or any(
-            sorted(a) != sorted(b) for a, b in zip(saved_names, mine)):
+    if (
+        groups is None
+        or len(groups) != len(mine)
+        or any(sorted(a) != sorted(b) for a, b in zip(saved_names, mine))
+    ):
         return saved
     reordered = []
     for group, names, my_names in zip(groups, saved_names, mine):
