@@ -41,9 +41,7 @@ from ddpcheck.targets import ddp_options, lightning_strategy
 from ddpcheck.targets.configuration import (
     construct,
     described,
-    keywords_of,
     load_config,
-    reconcile,
 )
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
@@ -169,27 +167,18 @@ class FabricTarget(FrameworkTarget):
 
 
 def _check(given: dict[str, Any], where: str) -> dict[str, bool] | None:
-    """Refuse what the rule refuses (``configuration.reconcile``), naming the keys, and return
-    the DDP options of the config's strategy (None: it names none); skipped without Lightning
-    (``Target.requires`` refuses the target before it runs)."""
+    """``lightning_strategy.checked`` for this target's keyword arguments; skipped without
+    Lightning (``Target.requires`` refuses the target before it runs)."""
     try:
         from lightning.fabric import Fabric
         from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
     except ImportError:
         return None
-    view, ddp = dict(given), None
-    if "strategy" in given:
-        strategy = lightning_strategy.make(
-            given["strategy"], registry=STRATEGY_REGISTRY, ddp_cls=DDPStrategy, where=where
-        )
-        view["strategy"] = lightning_strategy.view(strategy, where)
-        ddp = lightning_strategy.options_of(strategy)
-    reconcile(
-        view,
-        target=where,
-        scenario_keys=SCENARIO_KEYS,
-        harness_keys=HARNESS_KEYS,
-        known=keywords_of(Fabric),
-        known_as="Fabric keyword argument",
+    return lightning_strategy.checked(
+        given,
+        where,
+        owner=Fabric,
+        registry=STRATEGY_REGISTRY,
+        ddp_cls=DDPStrategy,
+        keys=(SCENARIO_KEYS, HARNESS_KEYS),
     )
-    return ddp

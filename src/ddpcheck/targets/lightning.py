@@ -57,9 +57,7 @@ from ddpcheck.targets import ddp_options, lightning_strategy
 from ddpcheck.targets.configuration import (
     construct,
     described,
-    keywords_of,
     load_config,
-    reconcile,
 )
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
@@ -261,30 +259,21 @@ class LightningTarget(FrameworkTarget):
 
 
 def _check(given: dict[str, Any], where: str) -> dict[str, bool] | None:
-    """Refuse what the rule refuses (``configuration.reconcile``), naming the keys, and return
-    the DDP options of the config's strategy (None: it names none); skipped without Lightning
-    (``Target.requires`` refuses the target before it runs)."""
+    """``lightning_strategy.checked`` for this target's keyword arguments; skipped without
+    Lightning (``Target.requires`` refuses the target before it runs)."""
     try:
         import lightning.pytorch as pl
         from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
     except ImportError:
         return None
-    view, ddp = dict(given), None
-    if "strategy" in given:
-        strategy = lightning_strategy.make(
-            given["strategy"], registry=StrategyRegistry, ddp_cls=DDPStrategy, where=where
-        )
-        view["strategy"] = lightning_strategy.view(strategy, where)
-        ddp = lightning_strategy.options_of(strategy)
-    reconcile(
-        view,
-        target=where,
-        scenario_keys=SCENARIO_KEYS,
-        harness_keys=HARNESS_KEYS,
-        known=keywords_of(pl.Trainer),
-        known_as="Trainer keyword argument",
+    return lightning_strategy.checked(
+        given,
+        where,
+        owner=pl.Trainer,
+        registry=StrategyRegistry,
+        ddp_cls=DDPStrategy,
+        keys=(SCENARIO_KEYS, HARNESS_KEYS),
     )
-    return ddp
 
 
 def _module(pl: Any, net: Any, run: Any, accumulation: int, manual: bool) -> Any:

@@ -22,9 +22,9 @@ from typing import Any
 
 from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._base.options import did_you_mean
-from ddpcheck.targets.configuration import keywords_of
+from ddpcheck.targets.configuration import keywords_of, reconcile
 
-__all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "make", "options_of", "view"]
+__all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "checked", "make", "options_of", "view"]
 
 _WORLD = "ddpcheck's world: the process group exists, on the world's device"
 #: ``DistributedDataParallel`` keywords a strategy passes that the scenario sets (refused).
@@ -120,3 +120,32 @@ def options_of(strategy: Any) -> dict[str, bool]:
         "find_unused_parameters": bool(kwargs.get("find_unused_parameters", False)),
         "static_graph": bool(kwargs.get("static_graph", False)),
     }
+
+
+def checked(
+    given: dict[str, Any],
+    where: str,
+    *,
+    owner: type,
+    registry: Any,
+    ddp_cls: type,
+    keys: tuple[Mapping[str, str], Mapping[str, tuple[tuple[Any, ...], str]]],
+) -> dict[str, bool] | None:
+    """Refuse what the rule refuses (``configuration.reconcile``) in a Trainer's or Fabric's
+    (``owner``'s) keyword arguments, naming the keys, the strategy built to be read; the DDP
+    options of the config's strategy, None where it names none. ``keys``: the target's
+    ``(SCENARIO_KEYS, HARNESS_KEYS)``."""
+    shown, ddp = dict(given), None
+    if "strategy" in given:
+        strategy = make(given["strategy"], registry=registry, ddp_cls=ddp_cls, where=where)
+        shown["strategy"] = view(strategy, where)
+        ddp = options_of(strategy)
+    reconcile(
+        shown,
+        target=where,
+        scenario_keys=keys[0],
+        harness_keys=keys[1],
+        known=keywords_of(owner),
+        known_as=f"{owner.__name__} keyword argument",
+    )
+    return ddp
