@@ -1,0 +1,108 @@
+"""The framework targets' option spaces draw the framework's own configuration (``config``).
+
+What they must do: every configuration a space draws builds (a drawn option the target refuses
+would end a ``--fuzz-config`` run with exit 2, or worse, be read as the framework's failure); the
+spaces hold the ``config`` keys that bear on equivalence; and each key shrinks towards absent
+(the framework's default), a nested one to the fewest of its own keys.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, find, given, settings
+
+from ddpcheck import targets
+from ddpcheck.targets.option_space import drawn_options, label, space_of, vary
+
+#: target -> the ``config`` keys its space must draw
+CONFIG_KEYS = {
+    "accelerate": ("gradient_accumulation_plugin", "kwargs_handlers"),
+    "lightning": ("strategy",),
+    "fabric": ("strategy",),
+    "deepspeed": ("zero_optimization",),
+    "deepspeed_zero1": ("zero_optimization",),
+    "deepspeed_zero2": ("zero_optimization",),
+    "hf_trainer": ("include_num_input_tokens_seen", "ddp_bucket_cap_mb"),
+}
+TARGETS = {
+    "accelerate": targets.ACCELERATE,
+    "lightning": targets.LIGHTNING,
+    "fabric": targets.FABRIC,
+    "deepspeed": targets.DEEPSPEED,
+    "deepspeed_zero1": targets.DEEPSPEED_ZERO1,
+    "deepspeed_zero2": targets.DEEPSPEED_ZERO2,
+    "hf_trainer": targets.HF_TRAINER,
+    "torch_fsdp": targets.TORCH_FSDP,
+}
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_every_drawn_configuration_builds(name: str) -> None:
+    target = TARGETS[name]
+    space = space_of(target)
+    assert space is not None
+
+    @settings(
+        max_examples=80,
+        database=None,
+        deadline=None,  # the first build imports the framework
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(space)
+    def builds(drawn: dict) -> None:
+        variant = vary(target, drawn)  # InvalidArgument, were it refused, fails the test
+        assert type(variant) is type(target)
+
+    builds()
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_KEYS))
+def test_the_space_draws_the_config_keys(name: str) -> None:
+    labels = {label(single).split("=")[0] for single in drawn_options(space_of(TARGETS[name]))}
+    for key in CONFIG_KEYS[name]:
+        assert f"config.{key}" in labels, labels
+
+
+def _config(drawn: dict) -> dict:
+    return drawn.get("config") or {}
+
+
+def test_a_config_key_shrinks_to_absent_and_a_nested_one_to_its_fewest_keys() -> None:
+    # everything but the key the predicate needs is left out, inside the key too
+    assert find(
+        space_of(targets.FABRIC), lambda d: _config(d).get("strategy", {}).get("static_graph")
+    ) == {
+        "config": {
+            "strategy": {"name": "ddp", "find_unused_parameters": True, "static_graph": True}
+        }
+    }
+    assert find(
+        space_of(targets.DEEPSPEED_ZERO2),
+        lambda d: "reduce_bucket_size" in _config(d).get("zero_optimization", {}),
+    ) == {"config": {"zero_optimization": {"reduce_bucket_size": 64}}}
+    (handler,) = find(space_of(targets.ACCELERATE), lambda d: "kwargs_handlers" in _config(d))[
+        "config"
+    ]["kwargs_handlers"]
+    base = {"class": "DistributedDataParallelKwargs", "find_unused_parameters": True}
+    assert len(handler) == 3 and base.items() <= handler.items(), handler  # one option drawn
+    assert find(space_of(targets.ACCELERATE), lambda d: "config" in d) == {
+        "config": {"gradient_accumulation_plugin": {"sync_each_batch": True}}
+    }
+
+
+def test_lightning_draws_the_strategy_or_the_field_never_both() -> None:
+    # static_graph=True and a config strategy together are refused (LightningTarget)
+    given_field = targets.LightningTarget(static_graph=True)
+    assert not any("config" in single for single in drawn_options(space_of(given_field), draws=50))
+    assert all(
+        "static_graph" not in single for single in drawn_options(space_of(targets.LIGHTNING))
+    )
+
+
+def test_a_users_own_strategy_or_zero_optimization_is_kept() -> None:
+    own = targets.FabricTarget(config={"strategy": {"name": "ddp", "static_graph": True}})
+    variant = vary(own, {"config": {"strategy": {"name": "ddp", "gradient_as_bucket_view": True}}})
+    assert variant.config["strategy"] == {"name": "ddp", "static_graph": True}
+    zero = targets.DeepSpeedTarget(stage=2, config={"zero_optimization": {"overlap_comm": True}})
+    assert space_of(zero) is None
