@@ -22,7 +22,11 @@ CONFIG_KEYS = {
     "deepspeed": ("zero_optimization",),
     "deepspeed_zero1": ("zero_optimization",),
     "deepspeed_zero2": ("zero_optimization",),
-    "hf_trainer": ("include_num_input_tokens_seen", "ddp_bucket_cap_mb"),
+    "hf_trainer": (
+        "include_num_input_tokens_seen",
+        "ddp_bucket_cap_mb",
+        "ddp_find_unused_parameters",
+    ),
 }
 TARGETS = {
     "accelerate": targets.ACCELERATE,
