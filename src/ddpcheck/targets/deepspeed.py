@@ -286,11 +286,13 @@ class DeepSpeedTarget(FrameworkTarget):
     def config_space(self) -> Any:
         """``zero_optimization`` keys as one ``config=`` key (``ddpcheck.targets.option_space``):
         communication overlapped with backward, gradients not copied into a contiguous buffer,
-        an all-reduce instead of the reduce-scatter, gradients partitioned round-robin, and
-        reduce and all-gather buckets of 64 or 4096 elements -- several buckets, where the
-        default 5e8 holds every parameter of ddpcheck's models in one. Not the stage: the
-        target's (``deepspeed_zero1``, ``deepspeed_zero2``); not offload: declined (the
-        harness's)."""
+        an all-reduce instead of the reduce-scatter, and reduce and all-gather buckets of 64 or
+        4096 elements -- several buckets, where the default 5e8 holds every parameter of
+        ddpcheck's models in one. Not the stage: the target's (``deepspeed_zero1``,
+        ``deepspeed_zero2``); not offload: declined (the harness's). Not
+        ``round_robin_gradients`` (meant for CPU offload): under it 0.19.8's
+        ``safe_get_full_grad``, through which the target reads the gradients, raises ("The size
+        of tensor a (40) must match the size of tensor b (8)") on a GPTConfig(layers=0) model."""
         if "zero_optimization" in vars(self)["_given"]:
             return None  # the user's own zero_optimization is kept whole, and nothing is left
         buckets = (64, 4096)
@@ -301,7 +303,6 @@ class DeepSpeedTarget(FrameworkTarget):
                         "overlap_comm": (True,),
                         "contiguous_gradients": (False,),
                         "reduce_scatter": (False,),
-                        "round_robin_gradients": (True,),
                         "reduce_bucket_size": buckets,
                         "allgather_bucket_size": buckets,
                     }
