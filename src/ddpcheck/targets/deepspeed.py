@@ -292,7 +292,9 @@ class DeepSpeedTarget(FrameworkTarget):
         ``deepspeed_zero2``); not offload: declined (the harness's). Not
         ``round_robin_gradients`` (meant for CPU offload): under it 0.19.8's
         ``safe_get_full_grad``, through which the target reads the gradients, raises ("The size
-        of tensor a (40) must match the size of tensor b (8)") on a GPTConfig(layers=0) model."""
+        of tensor a (40) must match the size of tensor b (8)"): DeepSpeed's bug, its
+        ``get_full_hp_grad`` looks a gradient up by the parameter's index in its group, and
+        round-robin partitioning stores the gradients reordered."""
         if "zero_optimization" in vars(self)["_given"]:
             return None  # the user's own zero_optimization is kept whole, and nothing is left
         buckets = (64, 4096)
