@@ -8,8 +8,11 @@ spaces hold the ``config`` keys that bear on equivalence; and each key shrinks t
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import HealthCheck, find, given, settings
+from hypothesis.strategies import SearchStrategy
 
 from ddpcheck import targets
 from ddpcheck.targets.option_space import drawn_options, label, space_of, vary
@@ -68,6 +71,12 @@ def test_the_space_draws_the_config_keys(name: str) -> None:
         assert f"config.{key}" in labels, labels
 
 
+def _space(target: object) -> SearchStrategy[dict[str, Any]]:
+    space = space_of(target)
+    assert space is not None, target
+    return space
+
+
 def _config(drawn: dict) -> dict:
     return drawn.get("config") or {}
 
@@ -75,22 +84,22 @@ def _config(drawn: dict) -> dict:
 def test_a_config_key_shrinks_to_absent_and_a_nested_one_to_its_fewest_keys() -> None:
     # everything but the key the predicate needs is left out, inside the key too
     assert find(
-        space_of(targets.FABRIC), lambda d: _config(d).get("strategy", {}).get("static_graph")
+        _space(targets.FABRIC), lambda d: _config(d).get("strategy", {}).get("static_graph")
     ) == {
         "config": {
             "strategy": {"name": "ddp", "find_unused_parameters": True, "static_graph": True}
         }
     }
     assert find(
-        space_of(targets.DEEPSPEED_ZERO2),
+        _space(targets.DEEPSPEED_ZERO2),
         lambda d: "reduce_bucket_size" in _config(d).get("zero_optimization", {}),
     ) == {"config": {"zero_optimization": {"reduce_bucket_size": 64}}}
-    (handler,) = find(space_of(targets.ACCELERATE), lambda d: "kwargs_handlers" in _config(d))[
+    (handler,) = find(_space(targets.ACCELERATE), lambda d: "kwargs_handlers" in _config(d))[
         "config"
     ]["kwargs_handlers"]
     base = {"class": "DistributedDataParallelKwargs", "find_unused_parameters": True}
     assert len(handler) == 3 and base.items() <= handler.items(), handler  # one option drawn
-    assert find(space_of(targets.ACCELERATE), lambda d: "config" in d) == {
+    assert find(_space(targets.ACCELERATE), lambda d: "config" in d) == {
         "config": {"gradient_accumulation_plugin": {"sync_each_batch": True}}
     }
 
