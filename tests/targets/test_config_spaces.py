@@ -122,3 +122,11 @@ def test_a_users_own_strategy_or_zero_optimization_is_kept() -> None:
     assert variant.config["strategy"] == {"name": "ddp", "static_graph": True}
     zero = targets.DeepSpeedTarget(stage=2, config={"zero_optimization": {"overlap_comm": True}})
     assert space_of(zero) is None
+
+
+def test_hf_trainer_honours_ddp_find_unused_parameters_false() -> None:
+    # torch DDP without find_unused_parameters raises on an unused parameter: declined, as for
+    # accelerate's and Lightning's own DDP options (ddp_options), never read as the Trainer's bug
+    drawn = targets.HfTrainerTarget(config={"ddp_find_unused_parameters": False})
+    assert not drawn.supported_features & {"unused-everywhere", "unused-on-some-ranks"}
+    assert {"unused-everywhere", "unused-on-some-ranks"} <= targets.HF_TRAINER.supported_features
