@@ -25,6 +25,7 @@ CONFIG_KEYS = {
     "deepspeed": ("zero_optimization",),
     "deepspeed_zero1": ("zero_optimization",),
     "deepspeed_zero2": ("zero_optimization",),
+    "torch_fsdp": ("shard_placement_fn",),
     "hf_trainer": (
         "include_num_input_tokens_seen",
         "ddp_bucket_cap_mb",
