@@ -66,7 +66,7 @@ from ddpcheck.targets.configuration import (
 )
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
-from ddpcheck.targets.option_space import options
+from ddpcheck.targets.option_space import nested, options
 from ddpcheck.targets.protocol import Target, supported_but
 from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
@@ -178,9 +178,26 @@ class AccelerateTarget(FrameworkTarget):
         )
 
     def config_space(self) -> Any:
-        """``split_batches=False`` (accelerate's default); ``Accelerator`` keyword arguments
-        join here as ``config=`` keys (``ddpcheck.targets.option_space``)."""
-        return options(fields={"split_batches": (False,)})
+        """``split_batches=False`` (accelerate's default), and ``Accelerator`` keyword arguments
+        as ``config=`` keys (``ddpcheck.targets.option_space``): ``sync_each_batch`` (gradients
+        reduced every micro-batch, not under ``no_sync``), and torch DDP's options through a
+        ``DistributedDataParallelKwargs`` -- the target's ``find_unused_parameters=True`` unless
+        ``False`` is drawn; what DDP cannot train under them is declined (``ddp_options``)."""
+        ddp = nested(
+            {
+                "find_unused_parameters": (False,),
+                "gradient_as_bucket_view": (True,),
+                "static_graph": (True,),
+            },
+            base={"class": "DistributedDataParallelKwargs", "find_unused_parameters": True},
+        )
+        return options(
+            fields={"split_batches": (False,)},
+            config={
+                "gradient_accumulation_plugin": ({"sync_each_batch": True},),
+                "kwargs_handlers": ddp.map(lambda handler: [handler] if handler else {}),
+            },
+        )
 
     def warm_up(self) -> None:
         import accelerate  # noqa: F401  (seconds in a rank: once per process, here)

@@ -312,8 +312,14 @@ class TorchFSDPTarget(Target):
         """``reshard_after_forward`` set (None takes it from the seed): re-gather in backward,
         or keep the unsharded parameters from forward to backward. Not the dtypes:
         a ``param_dtype`` or ``reduce_dtype`` set here overrides the scenario's precision, which
-        the oracle reports as it must; not ``cpu_offload``: declined in CPU worlds."""
-        return options(fields={"reshard_after_forward": (True, False)})
+        the oracle reports as it must; not ``cpu_offload``: declined in CPU worlds. And
+        ``config.shard_placement_fn``: each parameter sharded along its last dimension."""
+        from ddpcheck.targets.fsdp import shard_last_dim
+
+        return options(
+            fields={"reshard_after_forward": (True, False)},
+            config={"shard_placement_fn": (shard_last_dim,)},
+        )
 
     def configure(self, scenario: Any) -> TorchFSDPTarget:
         change: dict[str, Any] = {}

@@ -89,6 +89,7 @@ from ddpcheck.targets.configuration import load_config, reconcile
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.extensions import build_directory, remove_stale_lock
 from ddpcheck.targets.framework import FrameworkTarget
+from ddpcheck.targets.option_space import nested, options
 from ddpcheck.targets.protocol import Target
 from ddpcheck.targets.reasons import OWN_CHECKPOINTS
 
@@ -281,6 +282,35 @@ class DeepSpeedTarget(FrameworkTarget):
     def applies_param_dtype(self) -> bool:  # type: ignore[override]
         # bf16 mode with float32 reductions and accumulation is the param_dtype policy
         return not _float32_gaps(vars(self)["_given"])
+
+    def config_space(self) -> Any:
+        """``zero_optimization`` keys as one ``config=`` key (``ddpcheck.targets.option_space``):
+        communication overlapped with backward, gradients not copied into a contiguous buffer,
+        an all-reduce instead of the reduce-scatter, and reduce and all-gather buckets of 64 or
+        4096 elements -- several buckets, where the default 5e8 holds every parameter of
+        ddpcheck's models in one. Not the stage: the target's (``deepspeed_zero1``,
+        ``deepspeed_zero2``); not offload: declined (the harness's). Not
+        ``round_robin_gradients`` (meant for CPU offload): under it 0.19.8's
+        ``safe_get_full_grad``, through which the target reads the gradients, raises ("The size
+        of tensor a (40) must match the size of tensor b (8)"): DeepSpeed's bug, its
+        ``get_full_hp_grad`` looks a gradient up by the parameter's index in its group, and
+        round-robin partitioning stores the gradients reordered."""
+        if "zero_optimization" in vars(self)["_given"]:
+            return None  # the user's own zero_optimization is kept whole, and nothing is left
+        buckets = (64, 4096)
+        return options(
+            config={
+                "zero_optimization": nested(
+                    {
+                        "overlap_comm": (True,),
+                        "contiguous_gradients": (False,),
+                        "reduce_scatter": (False,),
+                        "reduce_bucket_size": buckets,
+                        "allgather_bucket_size": buckets,
+                    }
+                )
+            }
+        )
 
     def supports(self, scenario: Any) -> str | None:
         return precision_decline(vars(self)["_given"], scenario)

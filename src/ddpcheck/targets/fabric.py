@@ -45,6 +45,7 @@ from ddpcheck.targets.configuration import (
 )
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
+from ddpcheck.targets.option_space import options
 from ddpcheck.targets.protocol import supported_but
 from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
@@ -104,6 +105,12 @@ class FabricTarget(FrameworkTarget):
         return ddp_options.cannot_run(
             scenario, **vars(self)["_ddp"], where=" (the config's strategy)"
         )
+
+    def config_space(self) -> Any:
+        """``Fabric``'s ``strategy`` as a ``config=`` key: torch DDP's ``static_graph``,
+        ``gradient_as_bucket_view``, ``find_unused_parameters=False``
+        (``lightning_strategy.space``; ``ddpcheck.targets.option_space``)."""
+        return options(config={"strategy": lightning_strategy.space()})
 
     def warm_up(self) -> None:
         import lightning.fabric  # noqa: F401  (seconds in a rank: once per process, here)

@@ -40,6 +40,7 @@ __all__ = [
     "fsdp_config",
     "fully_shard_options",
     "gradient_sync_off",
+    "shard_last_dim",
     "shard_leaves",
 ]
 
@@ -68,6 +69,19 @@ FSDP_HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
         "does by default",
     ),
 }
+
+
+def shard_last_dim(param: Any) -> Any:
+    """A ``fully_shard(shard_placement_fn=...)`` that shards each parameter along its last
+    dimension (``Shard(0)`` is the default) where the world divides it, else along the first:
+    torch 2.13 raises "FSDP does not support uneven sharding on dim 1" (documented: uneven
+    sharding is only on dim 0). What ``TorchFSDPTarget.config_space`` draws, a module-level
+    function so the replay line names it."""
+    from torch.distributed.tensor import Shard
+
+    last = param.ndim - 1
+    even = last > 0 and param.shape[last] % dist.get_world_size() == 0
+    return Shard(last if even else 0)
 
 
 def fsdp_config(config: Any) -> dict[str, Any]:

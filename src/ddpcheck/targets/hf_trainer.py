@@ -68,10 +68,12 @@ import torch
 
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language import objective
+from ddpcheck.targets import ddp_options
 from ddpcheck.targets.configuration import described, load_config, reconcile
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.option_space import options
+from ddpcheck.targets.protocol import supported_but
 from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
 __all__ = [
@@ -239,15 +241,43 @@ class HfTrainerTarget(FrameworkTarget):
         documented to weigh tokens otherwise (the module docstring), which would fail every
         run; name them to check them. Drawn keys join the user's own ``config`` (or
         ``training_args``, its older spelling, where that is the one given)."""
+        # ddp_find_unused_parameters=False: torch DDP's own option (what it cannot train is
+        # declined, ddp_options). Not ddp_broadcast_buffers=False: each rank then keeps its own
+        # buffers (BatchNorm's running statistics), and replicas differ by torch's design.
         field = "training_args" if self.training_args is not None else "config"
         return options(
-            **{field: {"include_num_input_tokens_seen": (True,), "ddp_bucket_cap_mb": (1,)}}
+            **{
+                field: {
+                    "include_num_input_tokens_seen": (True,),
+                    "ddp_bucket_cap_mb": (1,),
+                    "ddp_find_unused_parameters": (False,),
+                }
+            }
         )
+
+    @property
+    def _ddp(self) -> dict[str, bool]:
+        """The torch DDP options the Trainer passes (``ddp_options``): it looks for unused
+        parameters unless ``ddp_find_unused_parameters`` says otherwise (None: it does, for a
+        model that is no gradient-checkpointed ``PreTrainedModel``)."""
+        find = vars(self)["_given"].get("ddp_find_unused_parameters")
+        return {"find_unused_parameters": find is None or bool(find), "static_graph": False}
+
+    @property
+    def supported_features(self) -> frozenset[str]:  # type: ignore[override]
+        # declined_features, and unused parameters where the user's DDP options do not look
+        # for them (ddp_options)
+        return supported_but(self.declined_features) - ddp_options.declined(self._ddp)
 
     def warm_up(self) -> None:
         from transformers import Trainer  # noqa: F401  (seconds in a rank: once per process)
 
     def supports(self, scenario: Any) -> str | None:
+        cannot = ddp_options.cannot_run(
+            scenario, **self._ddp, where=" (the config's ddp_find_unused_parameters)"
+        )
+        if cannot is not None:
+            return cannot
         if scenario.reduction != "mean":
             return (
                 "reduction='sum': the Trainer normalises the loss to a mean (by "

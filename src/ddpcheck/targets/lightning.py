@@ -158,9 +158,21 @@ class LightningTarget(FrameworkTarget):
         return supported_but(self.declined_features) - ddp_options.declined(ddp)
 
     def config_space(self) -> Any:
-        """Manual optimization, a static graph, both (``ddpcheck.targets.option_space``; the
-        Trainer's own keyword arguments join here as ``config=`` keys)."""
-        return options(fields={"manual": (True,), "static_graph": (True,)})
+        """Manual optimization and a static graph (the fields), or manual optimization and the
+        ``Trainer``'s ``strategy`` as a ``config=`` key: torch DDP's ``static_graph``,
+        ``gradient_as_bucket_view``, ``find_unused_parameters=False``
+        (``lightning_strategy.space``; ``ddpcheck.targets.option_space``). One or the other:
+        the ``static_graph`` field and a strategy together are refused. Shrinks towards the
+        fields; with the field set, or a strategy in the config, the strategy is not drawn."""
+        from hypothesis import strategies as st
+
+        fields = options(fields={"manual": (True,), "static_graph": (True,)})
+        if self.static_graph or "strategy" in vars(self)["_given"]:
+            return fields
+        strategy = options(
+            fields={"manual": (True,)}, config={"strategy": lightning_strategy.space()}
+        )
+        return st.one_of(fields, strategy)
 
     def warm_up(self) -> None:
         import lightning.pytorch  # noqa: F401  (seconds in a rank: once per process, here)

@@ -24,7 +24,7 @@ from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._base.options import did_you_mean
 from ddpcheck.targets.configuration import keywords_of, reconcile
 
-__all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "checked", "make", "options_of", "view"]
+__all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "checked", "make", "options_of", "space", "view"]
 
 _WORLD = "ddpcheck's world: the process group exists, on the world's device"
 #: ``DistributedDataParallel`` keywords a strategy passes that the scenario sets (refused).
@@ -44,6 +44,19 @@ HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "strategy.process_group": ((), _WORLD),
     "strategy.device_mesh": ((), _WORLD),
 }
+
+
+def space(*, static_graph: bool = True) -> Any:
+    """The values ``config_space()`` draws for ``strategy``: the JSON form of the targets' own
+    ``DDPStrategy(find_unused_parameters=True)`` with torch DDP's options drawn over it
+    (``static_graph`` left out where the target's field sets it); what DDP cannot train under
+    them is declined (``ddp_options``). Imports hypothesis: only where a space is built."""
+    from ddpcheck.targets.option_space import nested
+
+    keys: dict[str, Any] = {"find_unused_parameters": (False,), "gradient_as_bucket_view": (True,)}
+    if static_graph:
+        keys["static_graph"] = (True,)
+    return nested(keys, base={"name": "ddp", "find_unused_parameters": True})
 
 
 def make(value: Any, *, registry: Any, ddp_cls: type, where: str) -> Any:

@@ -61,6 +61,7 @@ __all__ = [
     "differences",
     "drawn_options",
     "label",
+    "nested",
     "options",
     "single_options",
     "space_of",
@@ -101,6 +102,17 @@ def options(
             {key: _strategy(values, f"{name}.{key}") for key, values in keys.items()}
         )
     return _optional_keys(optional)
+
+
+def nested(
+    keys: Mapping[str, Values], *, base: Mapping[str, Any] | None = None
+) -> st.SearchStrategy[dict[str, Any]]:
+    """The values of one ``config`` key that is itself a dict (a strategy's keyword arguments,
+    ``zero_optimization``): its ``keys`` each drawn or left out, merged over ``base`` (what the
+    target passes without the key) when any is drawn, and ``{}`` -- the key left out -- when none
+    is, so the key shrinks towards absent like every other."""
+    inner = _optional_keys({key: _strategy(values, key) for key, values in keys.items()})
+    return inner.map(lambda drawn: {**(base or {}), **drawn} if drawn else {})
 
 
 #: A key left out (the first branch of each key's ``one_of``: what shrinking moves towards).
