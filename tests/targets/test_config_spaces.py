@@ -131,3 +131,29 @@ def test_hf_trainer_honours_ddp_find_unused_parameters_false() -> None:
     drawn = targets.HfTrainerTarget(config={"ddp_find_unused_parameters": False})
     assert not drawn.supported_features & {"unused-everywhere", "unused-on-some-ranks"}
     assert {"unused-everywhere", "unused-on-some-ranks"} <= targets.HF_TRAINER.supported_features
+
+
+def test_configurations_draws_configured_targets_for_a_users_own_given_test() -> None:
+    from hypothesis import strategies as st
+
+    import ddpcheck
+    from ddpcheck.targets.option_space import configurations
+
+    base = targets.PARALLEL
+    assert find(configurations(base), lambda variant: True) is base  # shrinks to the target
+    assert find(configurations(base), lambda v: v.bucket_size_mb != base.bucket_size_mb)
+
+    seen = []
+
+    @settings(max_examples=3, deadline=None, database=None)
+    @given(st.data())
+    def check(data: Any) -> None:
+        variant = data.draw(configurations(base))
+        scenario, world_size = data.draw(ddpcheck.strategies.examples(variant, world_sizes=[2]))
+        ddpcheck.check_example(variant, scenario, world_size)
+        seen.append(variant)
+
+    check()
+    assert len(seen) == 3
+    with pytest.raises(ddpcheck.InvalidArgument, match=r"LocalTarget has no options to draw"):
+        configurations(targets.LOCAL)

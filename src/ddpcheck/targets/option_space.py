@@ -28,9 +28,8 @@ The extension point: a target's ``config`` keys are one more argument of :func:`
                        config={"strategy": ({"name": "ddp", "gradient_as_bucket_view": True},),
                                "sync_batchnorm": (True,)})
 
-(``config`` exists once the configuration convention is merged; until then only fields are
-drawn; a key the scenario owns -- batch, accumulation, precision, clipping -- is refused there, so
-it does not belong here). Only options under which the framework's *documented* behaviour is the
+(A key the scenario owns -- batch, accumulation, precision, clipping -- is refused in ``config``,
+so it does not belong here.) Only options under which the framework's *documented* behaviour is the
 reference's belong in a ready-made target's space: one documented to differ (transformers'
 per-micro-batch loss with ``loss_kwargs=False``, per-rank token counts with
 ``average_tokens_across_devices=False``) would fail a correct framework on every run -- check
@@ -43,6 +42,7 @@ the ranks import this module with the targets, and draw nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DRAWS",
+    "configurations",
     "described",
     "differences",
     "drawn_options",
@@ -189,6 +190,22 @@ def vary(target: Any, drawn: Mapping[str, Any]) -> Any:
         raise InvalidArgument(
             f"{name}.config_space() drew {dict(drawn)!r}, which {name} refuses: {exc}"
         ) from exc
+
+
+def configurations(target: Any) -> st.SearchStrategy[Any]:
+    """Configured copies of ``target``, what ``fuzz_config=True`` draws beside each scenario:
+    ``vary(target, drawn)`` for each draw of its ``config_space()``, shrinking towards ``target``
+    itself. For your own ``@given`` test, with :func:`ddpcheck.strategies.examples` drawn against
+    the configured copy (``st.data()``: what it declines depends on the configuration). Refused
+    when the target has no options to draw."""
+    space = space_of(target)
+    if space is None:
+        raise InvalidArgument(
+            f"{type(target).__name__} has no options to draw ({type(target).__name__}"
+            ".config_space() returns None): define config_space() returning "
+            "ddpcheck.targets.option_space.options(fields={...})"
+        )
+    return space.map(functools.partial(vary, target))
 
 
 def differences(base: Any, variant: Any) -> list[tuple[str, Any]]:
