@@ -64,6 +64,11 @@ def test_random_examples_focused_on_accumulation_find_an_accumulation_bug():
             lambda: ddpcheck.assert_equivalent(targets.TORCH_DDP, only=("rank-orders",)),
             "only: TorchDDPTarget does not support 'rank-orders'",
         ),
+        (  # an opt-in feature whose flag the target leaves unset: its class's own reason
+            lambda: ddpcheck.fuzz(targets.TORCH_DDP, only=("param-dtype",), dtypes=("float32",)),
+            r"only: TorchDDPTarget does not support 'param-dtype' \(TorchDDPTarget declines it: "
+            "a param_dtype policy is the target's to apply",
+        ),
         (
             lambda: ddpcheck.fuzz(targets.PARALLEL, only=("autocast",), without=("autocast",)),
             "only: 'autocast' is also in without",

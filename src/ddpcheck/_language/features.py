@@ -137,7 +137,7 @@ def why_unsupported(target: Any, feature: str) -> str:
     where = f"not in {type(target).__name__}.supported_features"
     declared = getattr(target, "supported_features", None)
     reason = (getattr(target, "declined_features", None) or {}).get(feature)
-    if reason is not None and declared is not None and feature not in declared:
+    if reason is not None:  # declined with a reason (an opt-in feature: its flag unset)
         return f"{type(target).__name__} declines it: {reason}"
     if feature == "tokens" and (declared is None or "tokens" in declared):
         return (
