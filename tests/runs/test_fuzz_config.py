@@ -233,3 +233,15 @@ def test_the_pytest_plugin_flag_reaches_ddpcheck_run(tmp_path):
     assert "configuration (fuzz_config): with bf16=True" in out, out
     assert "fuzz_config=True: LocalTarget has no options to fuzz" in out, out
     assert "1 FOUND" in out and "1 SETUP" in out, out
+
+
+def test_a_feature_declined_under_every_row_says_so_once():
+    from ddpcheck._runs.option_survey import OptionCell, OptionSurvey
+
+    rows = [AS_GIVEN, "manual=True", "static_graph=True"]
+    cells = [OptionCell(row, "checkpoint", "declined", reason="its own format") for row in rows]
+    cells += [OptionCell(row, "frozen", "ok", examples=2) for row in rows[:2]]
+    cells.append(OptionCell(rows[2], "frozen", "declined", reason="the graph"))
+    matrix = OptionSurvey("T", (2,), 2, rows, cells, 1.0).matrix()
+    assert "declined checkpoint under every row: its own format" in matrix, matrix
+    assert "declined frozen under static_graph=True: the graph" in matrix, matrix

@@ -72,6 +72,16 @@ def test_the_space_draws_the_config_keys(name: str) -> None:
         assert f"config.{key}" in labels, labels
 
 
+def test_an_option_drawn_with_its_keys_in_another_order_is_one_row() -> None:
+    # accelerate's DistributedDataParallelKwargs came out as two rows of the survey, its keys
+    # in two orders
+    singles = drawn_options(space_of(targets.ACCELERATE), draws=120)
+    handlers = [s["config"]["kwargs_handlers"][0] for s in singles if "kwargs_handlers" in str(s)]
+    assert handlers
+    as_sets = [frozenset(h.items()) for h in handlers]
+    assert len(as_sets) == len(set(as_sets)), handlers
+
+
 def _space(target: object) -> SearchStrategy[dict[str, Any]]:
     space = space_of(target)
     assert space is not None, target

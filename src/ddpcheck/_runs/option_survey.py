@@ -103,7 +103,8 @@ class OptionSurvey:
             if c.status in ("declined", "n/a"):
                 notes.setdefault((c.label, c.feature, c.reason or ""), []).append(c.option)
         lines += [
-            f"{cell} {feature} under {', '.join(rows)}: {why}"
+            f"{cell} {feature} under "
+            f"{'every row' if len(rows) == len(self.options) else ', '.join(rows)}: {why}"
             for (cell, feature, why), rows in notes.items()
         ]
         return "\n".join(lines)

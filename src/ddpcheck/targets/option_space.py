@@ -282,12 +282,22 @@ def drawn_options(
     @given(space)
     def collect(chosen: dict[str, Any]) -> None:
         for single in single_options(chosen):
-            seen.setdefault(repr(single), single)
+            seen.setdefault(repr(_canonical(single)), single)
 
     if seed is not None:
         collect = hypothesis_seed(seed)(collect)
     collect()
     return [seen[key] for key in sorted(seen, key=lambda k: _order(seen[k], k))]
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` with every dict's keys sorted: one option drawn with its keys in another order
+    (a nested strategy's keyword arguments) is the same option, one row of the survey."""
+    if isinstance(value, Mapping):
+        return sorted((str(k), _canonical(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    return value
 
 
 def _order(single: Mapping[str, Any], text: str) -> tuple[str, float, str]:
