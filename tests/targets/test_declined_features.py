@@ -54,3 +54,29 @@ def test_every_ready_made_decline_has_its_own_reason(entry):
     # a reason the class wrote, not the generic "not in ...supported_features"
     for feature, why in entry.declines.items():
         assert "supported_features" not in why, (entry.name, feature, why)
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        targets.AccelerateTarget(
+            config={
+                "kwargs_handlers": [
+                    {"class": "DistributedDataParallelKwargs", "find_unused_parameters": False}
+                ]
+            }
+        ),
+        targets.FabricTarget(config={"strategy": {"name": "ddp", "find_unused_parameters": False}}),
+        targets.LightningTarget(
+            config={"strategy": {"name": "ddp", "find_unused_parameters": False}}
+        ),
+        targets.HfTrainerTarget(config={"ddp_find_unused_parameters": False}),
+    ],
+    ids=lambda t: type(t).__name__,
+)
+def test_a_feature_your_ddp_options_rule_out_is_declined_with_torchs_reason(target):
+    # (it said "not in AccelerateTarget.supported_features")
+    assert {"unused-everywhere", "unused-on-some-ranks"}.isdisjoint(target.supported_features)
+    why = ddpcheck.features.why_unsupported(target, "unused-everywhere")
+    assert "find_unused_parameters=False" in why and "Expected to have finished" in why, why
+    assert "unused-everywhere" in type(target)().supported_features  # the default looks for them

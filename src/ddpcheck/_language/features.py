@@ -136,7 +136,9 @@ def why_unsupported(target: Any, feature: str) -> str:
     """Why ``target`` is not checked on ``feature`` (in :func:`supported_by`'s terms)."""
     where = f"not in {type(target).__name__}.supported_features"
     declared = getattr(target, "supported_features", None)
-    reason = (getattr(target, "declined_features", None) or {}).get(feature)
+    own = getattr(target, "declined_reason", None)  # Target's; a duck-typed target's table
+    reason = own(feature) if callable(own) else None
+    reason = reason or (getattr(target, "declined_features", None) or {}).get(feature)
     if reason is not None:  # declined with a reason (an opt-in feature: its flag unset)
         return f"{type(target).__name__} declines it: {reason}"
     if feature == "tokens" and (declared is None or "tokens" in declared):

@@ -65,9 +65,8 @@ from ddpcheck.targets.configuration import (
     reconcile,
 )
 from ddpcheck.targets.environment import join_existing_group
-from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.option_space import nested, options
-from ddpcheck.targets.protocol import Target, supported_but
+from ddpcheck.targets.protocol import Target
 from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
 __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "AccelerateTarget"]
@@ -117,7 +116,7 @@ HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class AccelerateTarget(FrameworkTarget):
+class AccelerateTarget(ddp_options.TorchDDPFramework):
     """accelerate's ``Accelerator`` over torch DDP (see the module docstring)."""
 
     requires = (("accelerate", "0.30.0"),)  # the oldest release tried (docs/frameworks.md)
@@ -140,24 +139,7 @@ class AccelerateTarget(FrameworkTarget):
         if given:  # checked, and its objects built once, here: before any process starts
             _check(given, where)
         object.__setattr__(self, "_given", given)
-
-    @property
-    def _ddp(self) -> dict[str, bool]:
-        """The torch DDP options the ``Accelerator`` will pass (``ddp_options``)."""
-        handler = _ddp_handler(vars(self)["_given"])
-        if handler is None:
-            return {"find_unused_parameters": True, "static_graph": False}
-        return {
-            name: bool(_option(handler, name))
-            for name in ("find_unused_parameters", "static_graph")
-        }
-
-    @property
-    def supported_features(self) -> frozenset[str]:  # type: ignore[override]
-        # declined_features, and unused parameters where the user's DDP options do not look
-        # for them (ddp_options)
-        ddp = self._ddp
-        return supported_but(self.declined_features) - ddp_options.declined(ddp)
+        object.__setattr__(self, "_ddp", _torch_ddp(given))
 
     def supports(self, scenario: Any) -> str | None:
         if not self.split_batches and scenario.lr_decay is not None:
@@ -172,7 +154,7 @@ class AccelerateTarget(FrameworkTarget):
         )
         return ddp_options.cannot_run(
             scenario,
-            **self._ddp,
+            **self.torch_ddp(),
             no_sync_accumulation=not sync_each_batch,
             where=" (the config's DistributedDataParallelKwargs)",
         )
@@ -342,6 +324,16 @@ def _handler(value: Any, where: str) -> Any:
         )
     kwargs = {k: v for k, v in value.items() if k != "class"}
     return build(kwargs, cls, target=where, key=f"kwargs_handlers.{name}")
+
+
+def _torch_ddp(given: dict[str, Any]) -> dict[str, bool]:
+    """The torch DDP options the ``Accelerator`` will pass (``ddp_options``)."""
+    handler = _ddp_handler(given)
+    if handler is None:
+        return {"find_unused_parameters": True, "static_graph": False}
+    return {
+        name: bool(_option(handler, name)) for name in ("find_unused_parameters", "static_graph")
+    }
 
 
 def _ddp_handler(given: dict[str, Any]) -> Any:

@@ -21,8 +21,10 @@ from typing import Any
 
 from ddpcheck._language import features
 from ddpcheck._language.models import ModelSpec
+from ddpcheck.targets.framework import FrameworkTarget
+from ddpcheck.targets.protocol import supported_but
 
-__all__ = ["UNUSED", "cannot_run", "declined", "usage_varies"]
+__all__ = ["UNUSED", "TorchDDPFramework", "cannot_run", "declined", "usage_varies"]
 
 #: The features a DDP without ``find_unused_parameters`` cannot train.
 UNUSED = frozenset({"unused-everywhere", "unused-on-some-ranks"})
@@ -35,6 +37,32 @@ def declined(options: dict[str, bool]) -> frozenset[str]:
     if options["find_unused_parameters"] or options["static_graph"]:
         return frozenset()
     return UNUSED
+
+
+class TorchDDPFramework(FrameworkTarget):
+    """A framework target that trains through torch DDP with options its user may set: the
+    features those options cannot train are declined, each with torch's reason, beside its
+    class's ``declined_features``. A subclass's ``__post_init__`` stores the options as ``_ddp``
+    (``find_unused_parameters``, ``static_graph``), read from its user's configuration, or it
+    overrides :meth:`torch_ddp`."""
+
+    def torch_ddp(self) -> dict[str, bool]:
+        """The options the framework will pass to torch's ``DistributedDataParallel``."""
+        options: dict[str, bool] = vars(self)["_ddp"]
+        return options
+
+    @property
+    def supported_features(self) -> frozenset[str]:  # type: ignore[override]
+        return supported_but(self.declined_features) - declined(self.torch_ddp())
+
+    def declined_reason(self, feature: str) -> str | None:
+        if feature in declined(self.torch_ddp()):
+            return (
+                "your configuration sets torch DDP's find_unused_parameters=False, and DDP raises "
+                "'Expected to have finished reduction in the prior iteration' once a parameter "
+                "gets no gradient"
+            )
+        return super().declined_reason(feature)
 
 
 def usage_varies(scenario: Any) -> bool:

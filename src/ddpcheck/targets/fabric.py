@@ -44,9 +44,7 @@ from ddpcheck.targets.configuration import (
     load_config,
 )
 from ddpcheck.targets.environment import join_existing_group
-from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.option_space import options
-from ddpcheck.targets.protocol import supported_but
 from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
 __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "FabricTarget"]
@@ -71,7 +69,7 @@ HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class FabricTarget(FrameworkTarget):
+class FabricTarget(ddp_options.TorchDDPFramework):
     """Lightning Fabric over torch DDP (see the module docstring)."""
 
     requires = (("lightning", "2.0.9"),)  # the oldest release tried (docs/frameworks.md)
@@ -94,16 +92,9 @@ class FabricTarget(FrameworkTarget):
         object.__setattr__(self, "_given", given)
         object.__setattr__(self, "_ddp", ddp)
 
-    @property
-    def supported_features(self) -> frozenset[str]:  # type: ignore[override]
-        # declined_features, and unused parameters where the user's DDP options do not look
-        # for them (ddp_options)
-        ddp = vars(self)["_ddp"]
-        return supported_but(self.declined_features) - ddp_options.declined(ddp)
-
     def supports(self, scenario: Any) -> str | None:
         return ddp_options.cannot_run(
-            scenario, **vars(self)["_ddp"], where=" (the config's strategy)"
+            scenario, **self.torch_ddp(), where=" (the config's strategy)"
         )
 
     def config_space(self) -> Any:

@@ -71,9 +71,7 @@ from ddpcheck._language import objective
 from ddpcheck.targets import ddp_options
 from ddpcheck.targets.configuration import described, load_config, reconcile
 from ddpcheck.targets.environment import join_existing_group
-from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.option_space import options
-from ddpcheck.targets.protocol import supported_but
 from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
 __all__ = [
@@ -183,7 +181,7 @@ HARNESS_KEYS: dict[str, tuple[tuple, str]] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class HfTrainerTarget(FrameworkTarget):
+class HfTrainerTarget(ddp_options.TorchDDPFramework):
     """transformers' ``Trainer`` over torch DDP, owning the loop (see the module docstring).
 
     ``config``: the user's ``TrainingArguments``, as a dict of keyword arguments or the path of
@@ -255,26 +253,19 @@ class HfTrainerTarget(FrameworkTarget):
             }
         )
 
-    @property
-    def _ddp(self) -> dict[str, bool]:
+    def torch_ddp(self) -> dict[str, bool]:
         """The torch DDP options the Trainer passes (``ddp_options``): it looks for unused
         parameters unless ``ddp_find_unused_parameters`` says otherwise (None: it does, for a
         model that is no gradient-checkpointed ``PreTrainedModel``)."""
         find = vars(self)["_given"].get("ddp_find_unused_parameters")
         return {"find_unused_parameters": find is None or bool(find), "static_graph": False}
 
-    @property
-    def supported_features(self) -> frozenset[str]:  # type: ignore[override]
-        # declined_features, and unused parameters where the user's DDP options do not look
-        # for them (ddp_options)
-        return supported_but(self.declined_features) - ddp_options.declined(self._ddp)
-
     def warm_up(self) -> None:
         from transformers import Trainer  # noqa: F401  (seconds in a rank: once per process)
 
     def supports(self, scenario: Any) -> str | None:
         cannot = ddp_options.cannot_run(
-            scenario, **self._ddp, where=" (the config's ddp_find_unused_parameters)"
+            scenario, **self.torch_ddp(), where=" (the config's ddp_find_unused_parameters)"
         )
         if cannot is not None:
             return cannot

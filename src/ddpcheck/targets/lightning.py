@@ -60,9 +60,7 @@ from ddpcheck.targets.configuration import (
     load_config,
 )
 from ddpcheck.targets.environment import join_existing_group
-from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.option_space import options
-from ddpcheck.targets.protocol import supported_but
 from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
 __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "LightningTarget"]
@@ -119,7 +117,7 @@ HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class LightningTarget(FrameworkTarget):
+class LightningTarget(ddp_options.TorchDDPFramework):
     """Lightning's ``Trainer.fit`` with ``DDPStrategy`` (see the module docstring)."""
 
     requires = (("lightning", "2.0.9"),)  # the oldest release tried (docs/frameworks.md)
@@ -150,13 +148,6 @@ class LightningTarget(FrameworkTarget):
         object.__setattr__(self, "_given", given)
         object.__setattr__(self, "_ddp", ddp)
 
-    @property
-    def supported_features(self) -> frozenset[str]:  # type: ignore[override]
-        # declined_features, and unused parameters where the user's DDP options do not look
-        # for them (ddp_options)
-        ddp = vars(self)["_ddp"]
-        return supported_but(self.declined_features) - ddp_options.declined(ddp)
-
     def config_space(self) -> Any:
         """Manual optimization and a static graph (the fields), or manual optimization and the
         ``Trainer``'s ``strategy`` as a ``config=`` key: torch DDP's ``static_graph``,
@@ -178,7 +169,7 @@ class LightningTarget(FrameworkTarget):
         import lightning.pytorch  # noqa: F401  (seconds in a rank: once per process, here)
 
     def supports(self, scenario: Any) -> str | None:
-        ddp = vars(self)["_ddp"]
+        ddp = self.torch_ddp()
         cannot = ddp_options.cannot_run(
             scenario,
             **ddp,

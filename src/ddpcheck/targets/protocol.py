@@ -140,8 +140,8 @@ class Target:
                 f"features (ddpcheck.features.FEATURES)"
             )
         cls.declined_features = MappingProxyType(dict(declined))
-        if own is None:  # a property computes it per instance, from supported_but()
-            cls.supported_features = supported_but(declined)
+        if own is None and not isinstance(getattr(cls, "supported_features", None), property):
+            cls.supported_features = supported_but(declined)  # (a property: per instance)
 
     #: True when the optimizer itself averages gradients inside ``step()`` (ZeRO-2 style, no
     #: wrapper in front): gradients are then recorded after the step, not before it.
@@ -193,6 +193,11 @@ class Target:
         (``ddpcheck.targets.option_space.options`` builds one) -- or None: nothing to fuzz, and
         ``fuzz_config=True`` is refused. Default: None."""
         return None
+
+    def declined_reason(self, feature: str) -> str | None:
+        """Why this target declines ``feature``, quoted wherever a scenario needing it is not
+        run; None for no reason of its own. Default: its class's ``declined_features``."""
+        return self.declined_features.get(feature)
 
     def supports(self, scenario: Any) -> str | None:
         """None when the target can run ``scenario``; otherwise why not (the example is skipped
