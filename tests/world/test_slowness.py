@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -201,3 +203,32 @@ def test_the_kernel_tells_a_working_process_from_a_waiting_one():
     only = {r: dataclasses.replace(second, busy={r: second.busy[r]}) for r in (0, 1)}
     assert only[0].activity(first) > 0.8  # on a CPU or waiting for one, all the time
     assert only[1].activity(first) < 0.05  # asleep
+
+
+def test_a_hangs_stack_dump_that_arrives_late_on_a_loaded_machine_is_still_read(tmp_path):
+    # a rank off the CPU when asked for its stacks dumps them once it runs again: a stopped
+    # process, continued after 3 s, stands for one starved that long (the wait was 2 s flat)
+    from ddpcheck._world.processes import dump_stacks
+
+    path = tmp_path / "stacks"
+    code = (
+        "import faulthandler, signal, sys, time\n"
+        f"f = open({str(path)!r}, 'w')\n"
+        "faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)\n"
+        "def waiting_for_its_peers():\n"
+        "    print('ready', flush=True); time.sleep(60)\n"
+        "waiting_for_its_peers()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    resume = threading.Timer(3.0, os.kill, (proc.pid, signal.SIGCONT))
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        os.kill(proc.pid, signal.SIGSTOP)
+        resume.start()
+        dumps = dump_stacks([proc], [str(path)], [0], deadline=60.0)
+        assert "in waiting_for_its_peers" in dumps[0], dumps
+    finally:
+        if resume.ident is not None:
+            resume.join()  # continued before it is killed
+        proc.kill()
+        proc.wait()

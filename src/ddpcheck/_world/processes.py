@@ -228,8 +228,14 @@ def _size(path: str) -> int:
         return -1
 
 
-def dump_stacks(procs: list[Any], stack_paths: list[str], ranks: list[int]) -> dict[int, str]:
-    """Ask stuck ranks for their Python stacks (faulthandler on SIGUSR1) and read them."""
+def dump_stacks(
+    procs: list[Any], stack_paths: list[str], ranks: list[int], deadline: float = 20.0
+) -> dict[int, str]:
+    """Ask stuck ranks for their Python stacks (faulthandler on SIGUSR1) and read them.
+
+    A dump arrives once its rank is next on a CPU: milliseconds, but seconds on a loaded
+    machine. So the wait is a tenth of the ``deadline`` the ranks had (itself scaled to the
+    machine), at least 2 s; it ends as soon as every dump is in."""
     dumps: dict[int, str] = {}
     for rank in ranks:
         proc = procs[rank]
@@ -237,7 +243,7 @@ def dump_stacks(procs: list[Any], stack_paths: list[str], ranks: list[int]) -> d
             os.kill(proc.pid, signal.SIGUSR1)
         except ProcessLookupError:
             dumps[rank] = f"(process gone: {exit_description(proc.exitcode)})"
-    end = time.monotonic() + 2.0
+    end = time.monotonic() + max(2.0, deadline / 10)
     waiting = [r for r in ranks if r not in dumps]
     while waiting and time.monotonic() < end:
         time.sleep(0.05)

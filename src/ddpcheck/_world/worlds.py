@@ -609,7 +609,9 @@ class World:
             if replacing or len(self._in_flight) > 1:
                 self.kill()
             raise failure
-        dumps = dump_stacks(self._procs, self._stacks, sorted(pending))
+        dumps = dump_stacks(
+            self._procs, self._stacks, sorted(pending), deadline if allowed is None else allowed
+        )
         status = Status.WORKING if kind == Failure.SLOW else Status.STUCK
         for rank in sorted(pending):
             states[rank] = RankState(rank, status, dumps[rank], log_tail=tail(self._logs[rank]))
