@@ -123,6 +123,17 @@ def test_a_check_with_the_config_passes_on_random_examples(tmp_path, capsys):
     assert code == ExitCode.OK, capsys.readouterr().err
 
 
+def test_round_robin_gradients_is_read_by_the_partitions_real_layout():
+    # DeepSpeed's safe_get_full_grad / _fp32_param / _optimizer_state read the wrong pieces under
+    # the option (bench/deepspeed_round_robin_gradients.py): the target reads the partitions
+    # itself there -- gradients, Adam's state, and (bf16) the float32 masters
+    rr = {"round_robin_gradients": True}
+    ddpcheck.check_example(DeepSpeedTarget(stage=1, config={"zero_optimization": rr}), PLAIN, 2)
+    ddpcheck.check_example(DeepSpeedTarget(stage=2, config={"zero_optimization": rr}), PLAIN, 3)
+    bf16 = {**BF16, "zero_optimization": {**BF16["zero_optimization"], **rr}}
+    ddpcheck.check_example(DeepSpeedTarget(config=bf16), POLICY, 2)
+
+
 def test_bf16_without_float32_reductions_is_declined_naming_the_keys():
     half = {"data_types": {"grad_accum_dtype": "fp32"}}
     for config in (None, half):

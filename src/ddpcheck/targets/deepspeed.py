@@ -20,7 +20,13 @@ ZeRO-2 reduces every micro-batch's gradients (it cannot accumulate locally; Deep
 (``Target.steps_every_micro_batch``; the loop's ``zero_grad`` is a no-op, as DeepSpeed's users
 never call it). ZeRO keeps each gradient in its owner's flat partition: the harness reads them
 whole with ``deepspeed.utils.safe_get_full_grad`` and the optimizer state with
-``safe_get_full_optimizer_state`` (both collective, outside the recorded collectives). ``teardown``
+``safe_get_full_optimizer_state`` (both collective, outside the recorded collectives). Under
+``zero_optimization.round_robin_gradients`` those two and ``safe_get_full_fp32_param`` read the
+wrong piece of the partitions -- DeepSpeed's bug, confirmed without ddpcheck by
+``bench/deepspeed_round_robin_gradients.py``; training itself is right, bitwise the weights of
+the same run without the option -- so there the hooks read the flat partitions by the layout
+DeepSpeed really flattened them in (:class:`_Layout`): each rank its own pieces of the gradients,
+the masters and optimizer state assembled as DeepSpeed's own reads do. ``teardown``
 drops DeepSpeed's cached process groups (ddpcheck destroys the groups an example created, and the
 next example's engine must build its own). ``warm_up`` imports DeepSpeed and builds the C++ op its
 CPU comm backend loads (minutes the first time), once per rank process, outside any example's
@@ -82,6 +88,7 @@ from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
 from ddpcheck._base.devices import this_rank
 from ddpcheck._base.errors import InvalidArgument
@@ -288,13 +295,10 @@ class DeepSpeedTarget(FrameworkTarget):
         communication overlapped with backward, gradients not copied into a contiguous buffer,
         an all-reduce instead of the reduce-scatter, and reduce and all-gather buckets of 64 or
         4096 elements -- several buckets, where the default 5e8 holds every parameter of
-        ddpcheck's models in one. Not the stage: the target's (``deepspeed_zero1``,
-        ``deepspeed_zero2``); not offload: declined (the harness's). Not
-        ``round_robin_gradients`` (meant for CPU offload): under it 0.19.8's
-        ``safe_get_full_grad``, through which the target reads the gradients, raises ("The size
-        of tensor a (40) must match the size of tensor b (8)"): DeepSpeed's bug, its
-        ``get_full_hp_grad`` looks a gradient up by the parameter's index in its group, and
-        round-robin partitioning stores the gradients reordered."""
+        ddpcheck's models in one -- and ``round_robin_gradients`` (meant for CPU offload), under
+        which the target reads the partitions itself (see the module docstring). Not the stage:
+        the target's (``deepspeed_zero1``, ``deepspeed_zero2``); not offload: declined (the
+        harness's)."""
         if "zero_optimization" in vars(self)["_given"]:
             return None  # the user's own zero_optimization is kept whole, and nothing is left
         buckets = (64, 4096)
@@ -304,6 +308,7 @@ class DeepSpeedTarget(FrameworkTarget):
                     {
                         "overlap_comm": (True,),
                         "contiguous_gradients": (False,),
+                        "round_robin_gradients": (True,),
                         "reduce_scatter": (False,),
                         "reduce_bucket_size": buckets,
                         "allgather_bucket_size": buckets,
@@ -369,6 +374,9 @@ class DeepSpeedTarget(FrameworkTarget):
         )
         if self.bf16:
             _MASTERS.update({_address(p): p for p in module.parameters()})
+        _LAYOUT.clear()  # this example's engine only
+        if getattr(engine.optimizer, "round_robin_gradients", False):  # ZeRO's, not BF16_Optimizer
+            _LAYOUT.append(_Layout(engine.optimizer))
         return engine, _Engine(engine, module)
 
     def full_tensor(self, tensor: Any) -> Any:
@@ -379,7 +387,11 @@ class DeepSpeedTarget(FrameworkTarget):
             return super().full_tensor(tensor)
         from deepspeed.utils import safe_get_full_fp32_param
 
-        master = safe_get_full_fp32_param(param)
+        if _LAYOUT and _LAYOUT[0].holds(param):
+            layout = _LAYOUT[0]
+            master = layout.whole(param, lambda i: layout.zero.single_partition_of_fp32_groups[i])
+        else:
+            master = safe_get_full_fp32_param(param)
         # a frozen parameter has no master (no optimizer holds it): its bfloat16 copy, widened
         return tensor.float() if master is None else master
 
@@ -397,6 +409,14 @@ class DeepSpeedTarget(FrameworkTarget):
     def gradient_shards(self, model: Any, optimizer: Any, params: Any) -> Any:
         from deepspeed.utils import safe_get_full_grad
 
+        layout = _LAYOUT[0] if _LAYOUT else None
+        if layout is not None:  # round_robin_gradients: this rank's pieces, by the real layout
+            trained = [p for p in params if p.requires_grad]
+            return layout.gradient_pieces([p for p in trained if layout.holds(p)]) + [
+                (p, 0, None if (g := safe_get_full_grad(p)) is None else g.reshape(-1))
+                for p in trained
+                if not layout.holds(p)  # no optimizer holds it: its .grad, or None
+            ]
         return [
             (p, 0, None if (g := safe_get_full_grad(p)) is None else g.reshape(-1))
             for p in params
@@ -426,7 +446,10 @@ class DeepSpeedTarget(FrameworkTarget):
         for _, p in module.named_parameters():  # one order on every rank: these are collective
             if not p.requires_grad:
                 continue
-            state = {k: safe_get_full_optimizer_state(p, k) for k in keys}
+            if _LAYOUT and _LAYOUT[0].holds(p):  # round_robin_gradients: by the real layout
+                state = {k: _LAYOUT[0].whole(p, _flat_state(inner, _LAYOUT[0], k)) for k in keys}
+            else:
+                state = {k: safe_get_full_optimizer_state(p, k) for k in keys}
             state = {k: v for k, v in state.items() if v is not None}
             if state:
                 held[p] = {
@@ -439,6 +462,7 @@ class DeepSpeedTarget(FrameworkTarget):
         from deepspeed.utils import groups
 
         _MASTERS.clear()
+        _LAYOUT.clear()
 
         release = getattr(groups, "_release_process_group_references", None)
         if release is not None:  # 0.19.8
@@ -567,6 +591,105 @@ def cast_inputs(module: Any, dtype: torch.dtype) -> None:
 #: This rank's bfloat16 parameters by address, in bf16 mode: their float32 masters are read
 #: through ``safe_get_full_fp32_param`` (``DeepSpeedTarget.full_tensor``); cleared by teardown.
 _MASTERS: dict[tuple, Any] = {}
+
+
+#: The ZeRO optimizer's layout, where ``round_robin_gradients`` is on (set by ``setup``, cleared
+#: by teardown): DeepSpeed's ``safe_get_full_*`` read the wrong pieces there (see
+#: :class:`_Layout`), so the hooks read the flat partitions themselves.
+_LAYOUT: list[_Layout] = []
+
+
+class _Layout:
+    """Where ZeRO-1/2 keeps each parameter in its group's flat buffer, as the buffer really holds
+    them: ``round_robin_gradients`` flattens each group reordered (``round_robin_bit16_groups``,
+    with ``round_robin_bit16_offsets`` where alignment pads it), while the ``_hp_mapping`` behind
+    ``safe_get_full_grad``, ``safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state``
+    places parameters in their original order when nothing is padded (0.19.8:
+    ``_link_all_hp_params`` passes no offsets then): those raise a size mismatch or return
+    another parameter's values (bench/deepspeed_round_robin_gradients.py). Rank ``r`` owns
+    elements ``[r * partition_size, (r + 1) * partition_size)`` of each flat group: its
+    gradients (``averaged_gradients``), fp32 masters (``single_partition_of_fp32_groups``) and
+    the optimizer's state on them."""
+
+    def __init__(self, zero: Any):
+        self.zero = zero
+        self.places: dict[int, tuple[int, int]] = {}  # id(param) -> (group, offset in its flat)
+        offsets = getattr(zero, "round_robin_bit16_offsets", None)
+        for i, group in enumerate(zero.round_robin_bit16_groups):
+            place = 0
+            for index, param in enumerate(group):
+                place = place if offsets is None else int(offsets[i][index])
+                self.places[id(param)] = (i, place)
+                place += param.numel()
+
+    def holds(self, param: Any) -> bool:
+        return id(param) in self.places
+
+    def _owned(self, param: Any) -> tuple[int, int, int] | None:
+        """This rank's piece of ``param``: (offset in the parameter, offset in this rank's
+        partition, length), or None."""
+        i, place = self.places[id(param)]
+        size = int(self.zero.partition_size[i])
+        start = dist.get_rank(group=self.zero.real_dp_process_group[i]) * size
+        low, high = max(place, start), min(place + param.numel(), start + size)
+        return None if low >= high else (low - place, low - start, high - low)
+
+    def _partition(self, i: int, flat: Any) -> Any:
+        if flat is None or flat.numel() != int(self.zero.partition_size[i]):
+            raise RuntimeError(
+                f"DeepSpeed's ZeRO partition of param group {i} holds "
+                f"{None if flat is None else flat.numel()} elements, not the "
+                f"{int(self.zero.partition_size[i])} of its partition_size"
+            )
+        return flat
+
+    def gradient_pieces(self, params: Any) -> list[tuple[Any, int, Any]]:
+        """This rank's ``(parameter, offset, flat piece)`` of each gradient (no collective)."""
+        flats: dict[int, Any] = {}
+        pieces = []
+        for param in params:
+            owned = self._owned(param)
+            if owned is None:
+                continue
+            i = self.places[id(param)][0]
+            if i not in flats:
+                grads = self.zero.averaged_gradients.get(i)
+                if grads is None:  # DeepSpeed's own message, as safe_get_full_grad raises it
+                    raise ValueError(
+                        "Gradients are only available immediately after backward and before "
+                        "engine step"
+                    )
+                flats[i] = self._partition(i, torch.cat([g.reshape(-1) for g in grads]))
+            offset, start, length = owned
+            pieces.append((param, offset, flats[i][start : start + length]))
+        return pieces
+
+    def whole(self, param: Any, flat_of: Any) -> Any:
+        """``param``'s float32 values in the flat partitions ``flat_of(group)`` (None: nothing
+        held there) on every rank, as DeepSpeed's ``get_full_hp_param`` assembles them: each
+        rank puts its piece into zeros and the group all-reduces (collective)."""
+        i = self.places[id(param)][0]
+        flat = flat_of(i)
+        if flat is None:
+            return None
+        buffer = torch.zeros(param.numel(), dtype=torch.float32, device=flat.device)
+        owned = self._owned(param)
+        if owned is not None:
+            offset, start, length = owned
+            buffer[offset : offset + length] = self._partition(i, flat)[start : start + length]
+        dist.all_reduce(buffer, group=self.zero.real_dp_process_group[i])
+        return buffer.reshape(param.shape)
+
+
+def _flat_state(inner: Any, layout: _Layout, key: str) -> Any:
+    """Group -> the optimizer's ``key`` state on this rank's flat fp32 partition, or None."""
+
+    def flat_of(i: int) -> Any:
+        state = inner.state.get(layout.zero.single_partition_of_fp32_groups[i], {})
+        value = state.get(key)
+        return value if torch.is_tensor(value) and value.dim() > 0 else None
+
+    return flat_of
 
 
 def _address(tensor: Any) -> tuple:
