@@ -1,9 +1,9 @@
 """Does one TrainingArguments(bf16=True) leave bfloat16 on for the next TrainingArguments in the
-same process? Standalone (no ddpcheck): transformers 4.57.6 writes ``ACCELERATE_MIXED_PRECISION``
-into ``os.environ`` in ``TrainingArguments.__post_init__`` and reads it back as the default of the
-next one, so a second ``Trainer`` built with ``bf16=False`` -- a sweep, or ddpcheck's next example
-in a persistent rank -- still trains under bfloat16 autocast; transformers 5 reads the variable
-but never writes it.
+same process? Standalone (no ddpcheck): transformers 4.x (4.46.3 and 4.57.6 tried) writes
+``ACCELERATE_MIXED_PRECISION`` into ``os.environ`` in ``TrainingArguments.__post_init__`` and reads
+it back as the default of the next one, so a second ``Trainer`` built with ``bf16=False`` -- a
+sweep, or ddpcheck's next example in a persistent rank -- still trains under bfloat16 autocast;
+transformers 5 reads the variable but never writes it.
 
     python bench/hf_mixed_precision_env.py      # with the transformers release to try installed
 

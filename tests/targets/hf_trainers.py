@@ -1,9 +1,12 @@
 """Trainer subclasses the hf_trainer tests hand to ``HfTrainerTarget(trainer_class=...)``: one
 that looks, inside the rank, at what the user's TrainingArguments did to the DDP model the Trainer
-built; one with a seeded bug. Imports transformers: imported only where it is installed (the rank
+built; one with a seeded bug; one that writes its precision into the environment as older
+releases did. Imports transformers: imported only where it is installed (the rank
 processes import it by this module's name when they unpickle the target)."""
 
 from __future__ import annotations
+
+import os
 
 from transformers import Trainer
 
@@ -33,3 +36,15 @@ class PerMicroBatchLoss(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch=None)
         return loss / self.args.gradient_accumulation_steps
+
+
+class WritesPrecisionToEnvironment(Trainer):
+    """What ``TrainingArguments`` of transformers 4.45 to 4.57 does, in a release that no longer
+    does it: ``bf16=True`` writes ``ACCELERATE_MIXED_PRECISION=bf16`` into ``os.environ``, where
+    the next ``TrainingArguments`` of the process takes it as its own precision
+    (bench/hf_mixed_precision_env.py)."""
+
+    def __init__(self, *args, **kwargs):
+        if kwargs["args"].bf16:
+            os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16"
+        super().__init__(*args, **kwargs)

@@ -147,6 +147,38 @@ def test_a_precision_the_environment_imposes_is_refused(monkeypatch):
     _check_environment(EVEN)
 
 
+def test_the_glue_speaks_to_the_older_releases_too(tmp_path):
+    # transformers 4.46 passes num_items_in_batch only to a forward whose ** is named
+    # loss_kwargs (later releases: any **), and 4.x defaults average_tokens_across_devices to
+    # False (each rank's own token count): the target sets True unless the user gives it
+    _needs_transformers()
+    import inspect
+
+    from ddpcheck.targets.hf_trainer import ScenarioCausalLM, arguments
+
+    kind = inspect.signature(ScenarioCausalLM.forward).parameters["loss_kwargs"].kind
+    assert kind is inspect.Parameter.VAR_KEYWORD
+    cpu = torch.device("cpu")
+    assert arguments({}, EVEN, 2, 2, cpu, str(tmp_path))["average_tokens_across_devices"]
+    given = {"average_tokens_across_devices": False}
+    assert not arguments(given, EVEN, 2, 2, cpu, str(tmp_path))["average_tokens_across_devices"]
+
+
+def test_an_examples_precision_does_not_leak_into_the_next_through_the_environment():
+    # transformers 4.45-4.57's TrainingArguments(bf16=True) writes ACCELERATE_MIXED_PRECISION=bf16
+    # into os.environ; the target restores it after the example, so the next example of the
+    # persistent rank (no autocast) neither trains under bfloat16 nor is refused for it
+    _needs_transformers()
+    from tests.targets.hf_trainers import WritesPrecisionToEnvironment
+
+    writes = HfTrainerTarget(trainer_class=WritesPrecisionToEnvironment)
+    bf16 = Scenario(
+        zoo.MLP, dtype="float32", autocast=torch.bfloat16, global_batch=8, steps=2, accumulation=2
+    )
+    ddpcheck.check_example(writes, bf16, 2)
+    ddpcheck.check_example(writes, EVEN, 2)
+
+
 def test_a_name_or_value_trainingarguments_rejects_is_a_usage_error():
     _needs_transformers()
     with pytest.raises(

@@ -15,17 +15,19 @@ steps. A callback reports to ddpcheck: ``on_train_begin`` (model wrapped, optimi
 kept), and ``on_step_end`` -- after the step and the scheduler, but also after the Trainer's
 ``model.zero_grad()`` -- where the kept gradients are put back for ``run.record`` and cleared again.
 
-**The loss conventions.** ``ScenarioCausalLM.forward(input_ids, labels, **kwargs)`` returns
-``{"loss", "logits"}``; the Trainer sees ``**kwargs`` (``model_accepts_loss_kwargs``), counts the
-non-padding labels of the step's micro-batches (``labels.ne(-100)``), sums the count over the ranks
-(``average_tokens_across_devices``, True by default) and passes it as
-``num_items_in_batch``: the loss is the sum of the micro-batch's terms divided by it (the current
-convention, ``fixed_cross_entropy``'s ``reduction="sum"``), which the Trainer multiplies by the
-world size against DDP's average and does not divide by the accumulation. Without
-``**kwargs`` (``HfTrainerTarget(loss_kwargs=False)``: :class:`ScenarioCausalLMWithoutLossKwargs`)
-the Trainer passes nothing, the loss is the mean over the micro-batch's own terms (the older
-convention, the ``reduction="mean"`` of HF's models), and the Trainer divides it by the
-accumulation steps -- right only when every micro-batch holds as many terms
+**The loss conventions.** ``ScenarioCausalLM.forward(input_ids, labels, **loss_kwargs)`` returns
+``{"loss", "logits"}``; the Trainer sees ``**loss_kwargs`` (``model_accepts_loss_kwargs``; 4.46
+looks for that name), counts the non-padding labels of the step's micro-batches
+(``labels.ne(-100)``), sums the count over the ranks (``average_tokens_across_devices``: True
+unless the user's arguments say otherwise -- transformers 5's default, which the target sets for
+4.x, whose default is False) and passes it as ``num_items_in_batch``: the loss is the sum of the
+micro-batch's terms divided by it (the current convention, ``fixed_cross_entropy``'s
+``reduction="sum"``), which the Trainer multiplies by the world size against DDP's average and
+does not divide by the accumulation. Without ``**loss_kwargs``
+(``HfTrainerTarget(loss_kwargs=False)``: :class:`ScenarioCausalLMWithoutLossKwargs`) the Trainer
+passes nothing, the loss is the mean over the micro-batch's own terms (the older convention, the
+``reduction="mean"`` of HF's models, and transformers 4.45's only one), and the Trainer divides it
+by the accumulation steps -- right only when every micro-batch holds as many terms
 (huggingface/transformers #34191). The terms are the scenario's (``ddpcheck._language.objective``):
 a token's cross-entropy (labels already the next tokens, so the model shifts nothing and declares
 no ``loss_type``, and the Trainer counts ``labels`` as they are), or a sample's squared error
@@ -43,7 +45,8 @@ sets. Every other key reaches ``TrainingArguments`` as given -- ``average_tokens
 :class:`InvalidArgument` when the target is built (exit 2), naming it; a value
 ``TrainingArguments`` itself rejects is one too, from the ranks, and so is an
 ``ACCELERATE_MIXED_PRECISION`` in the environment, which ``TrainingArguments`` takes as its
-precision, where the scenario has no autocast.
+precision, where the scenario has no autocast. The ``ACCELERATE_*`` variables ``TrainingArguments``
+itself writes there (transformers 4.x: its precision) are put back after each example.
 This is the rule of every framework target's ``config``
 (``ddpcheck.targets.configuration``; docs/frameworks.md, "Your own configuration")::
 
@@ -59,7 +62,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
@@ -188,14 +190,15 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
     a JSON file holding one (HF's ``HfArgumentParser.parse_json_file`` format); the keys the
     scenario or ddpcheck sets are refused (:data:`SCENARIO_KEYS`, :data:`HARNESS_KEYS`; the rule
     of ``ddpcheck.targets.configuration``). ``training_args``: its older spelling (not both).
-    ``loss_kwargs``: the model's forward takes ``**kwargs``, so the Trainer passes
+    ``loss_kwargs``: the model's forward takes ``**loss_kwargs``, so the Trainer passes
     ``num_items_in_batch`` (False: the older convention, a mean per micro-batch).
     ``trainer_class``: your own subclass of ``transformers.Trainer`` (its ``compute_loss``, its
     ``training_step``), trained as the Trainer is; None: ``transformers.Trainer``.
     """
 
-    # the oldest release tried (docs/frameworks.md); the Trainer needs accelerate, from 1.1.0
-    requires = (("transformers", "5.0.0"), ("accelerate", "1.1.0"))
+    # the oldest release tried and passing (docs/frameworks.md; the older ones are wrong on their
+    # own: bench/hf_token_weights.py); the Trainer needs accelerate, from 1.1.0
+    requires = (("transformers", "4.46.3"), ("accelerate", "1.1.0"))
 
     training_args: Any = None  # the older spelling of ``config``
     loss_kwargs: bool = True
@@ -239,6 +242,8 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
         documented to weigh tokens otherwise (the module docstring), which would fail every
         run; name them to check them. Drawn keys join the user's own ``config`` (or
         ``training_args``, its older spelling, where that is the one given)."""
+        # include_num_input_tokens_seen=True raises at W > 1 on 4.46.3 (fixed in 4.47.0:
+        # bench/hf_token_weights.py --tokens-seen): kept, transformers' bug to report there.
         # ddp_find_unused_parameters=False: torch DDP's own option (what it cannot train is
         # declined, ddp_options). Not ddp_broadcast_buffers=False: each rank then keeps its own
         # buffers (BatchNorm's running statistics), and replicas differ by torch's design.
@@ -306,8 +311,14 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
             )
         _check_environment(run.scenario)
         device = next(module.parameters()).device
-        folder = tempfile.mkdtemp(prefix="ddpcheck-hf-trainer-")
-        try:
+        # transformers 4.x's TrainingArguments writes its precision into os.environ, where the
+        # next example's would take it back (_accelerate_environment_kept)
+        with (
+            _accelerate_environment_kept(),
+            tempfile.TemporaryDirectory(
+                prefix="ddpcheck-hf-trainer-", ignore_cleanup_errors=True
+            ) as folder,
+        ):
             given = vars(self)["_given"]  # set by __post_init__: no field, not in the replay line
             kwargs = arguments(given, run.scenario, run.steps, accumulation, device, folder)
             try:
@@ -333,8 +344,6 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
                 callbacks=[recorder],
             )
             recorder.trainer.train()
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
 
     def teardown(self, model: Any, optimizer: Any) -> None:
         from accelerate.state import AcceleratorState, GradientState
@@ -346,8 +355,9 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
 def _check_environment(scenario: Any) -> None:
     """Refuse a precision the environment imposes on a scenario without autocast:
     ``TrainingArguments`` takes ``ACCELERATE_MIXED_PRECISION`` as its mixed precision unless
-    ``bf16``/``fp16`` say otherwise (transformers 5; 4.57.6 even wrote it there itself:
-    ``bench/hf_mixed_precision_env.py``). Every rank decides alike, before any collective."""
+    ``bf16``/``fp16`` say otherwise (transformers 4.x also writes it there itself, which
+    :func:`_accelerate_environment_kept` undoes). Every rank decides alike, before any
+    collective."""
     imposed = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if imposed not in ("", "no") and scenario.autocast is None:
         raise InvalidArgument(
@@ -355,6 +365,24 @@ def _check_environment(scenario: Any) -> None:
             "which TrainingArguments takes as its mixed precision, against "
             "the scenario's (no autocast): unset it for ddpcheck"
         )
+
+
+@contextlib.contextmanager
+def _accelerate_environment_kept() -> Iterator[None]:
+    """The ``ACCELERATE_*`` variables of ``os.environ`` as they were before the block: from
+    transformers 4.45 to 4.57, ``TrainingArguments.__post_init__`` writes
+    ``ACCELERATE_MIXED_PRECISION`` there (``bf16`` for ``bf16=True``) and the next
+    ``TrainingArguments`` reads it back as its own default, so an example under bfloat16 would
+    leave its precision to the next example of the persistent rank
+    (``bench/hf_mixed_precision_env.py``, no ddpcheck)."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if k.startswith("ACCELERATE_")]:
+            if key not in before:
+                del os.environ[key]
+        os.environ.update(before)
 
 
 def _check_trainer_class(cls: Any) -> None:
@@ -377,6 +405,9 @@ def _fields() -> set[str] | None:
     return {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
 
 
+_AVERAGE_TOKENS = "average_tokens_across_devices"
+
+
 def _shown(given: dict) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in given.items())
 
@@ -386,10 +417,13 @@ def arguments(
 ) -> dict:
     """The ``TrainingArguments`` keyword arguments of one run: the user's ``given`` ones, and
     what the scenario and ddpcheck's harness set (see the module docstring)."""
+    fields = _fields() or set()
     return {
         "output_dir": folder,
         "disable_tqdm": True,
         "logging_strategy": "no",
+        # transformers 4.x defaults it to False (each rank's own token count), 5 to True
+        **({"average_tokens_across_devices": True} if _AVERAGE_TOKENS in fields else {}),
         **given,
         # the scenario's
         "gradient_accumulation_steps": accumulation,
@@ -408,19 +442,22 @@ def arguments(
 
 class ScenarioCausalLM(torch.nn.Module):
     """The scenario's model as the Trainer trains a causal LM: ``forward(input_ids, labels,
-    **kwargs)`` returns ``{"loss": ..., "logits": ...}``; the loss is the sum of the micro-batch's
-    terms over ``num_items_in_batch`` when the Trainer passes it, else their mean (the module
-    docstring). ``model``: the scenario's module, whose parameters keep their objects."""
+    **loss_kwargs)`` returns ``{"loss": ..., "logits": ...}``; the loss is the sum of the
+    micro-batch's terms over ``num_items_in_batch`` when the Trainer passes it, else their mean
+    (the module docstring). ``model``: the scenario's module, whose parameters keep their
+    objects."""
 
     def __init__(self, net: torch.nn.Module, scenario: Any):
         super().__init__()
         self.model = net
         self.scenario = scenario
 
+    # ``**loss_kwargs`` by that name: transformers 4.46 looks for it (later releases for any
+    # ``**``), to pass ``num_items_in_batch``
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **loss_kwargs: Any
     ) -> dict:
-        return self.outputs(input_ids, labels, kwargs.get("num_items_in_batch"))
+        return self.outputs(input_ids, labels, loss_kwargs.get("num_items_in_batch"))
 
     def outputs(
         self, input_ids: torch.Tensor, labels: torch.Tensor | None, num_items_in_batch: Any
@@ -438,10 +475,10 @@ class ScenarioCausalLM(torch.nn.Module):
 
 
 class ScenarioCausalLMWithoutLossKwargs(ScenarioCausalLM):
-    """The older convention: a forward without ``**kwargs``, so the Trainer passes no
+    """The older convention: a forward without ``**loss_kwargs``, so the Trainer passes no
     ``num_items_in_batch`` and divides the per-micro-batch mean by the accumulation steps."""
 
-    # no **kwargs, on purpose: what the Trainer inspects to choose the older convention
+    # no **loss_kwargs, on purpose: what the Trainer inspects to choose the older convention
     def forward(  # type: ignore[override]
         self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
     ) -> dict:
