@@ -111,9 +111,10 @@ def test_a_hang_that_does_not_recur_is_no_verdict(tmp_path):
     target = HangsOnlyTheFirstTime(marker=str(tmp_path / "hung"))
     with pytest.raises(Inconclusive) as info:
         fuzz(target, examples=5, world_sizes=(2,), seed=2, deadline=patience(2))
-    assert "intermittent" not in str(info.value)
-    assert "hung once (its ranks waiting, not working), then passed" in str(info.value)
-    assert "in after_backward" in str(info.value)  # the stacks of the hang, for the record
+    text = str(info.value)
+    assert "intermittent" not in text, text
+    assert "hung once (its ranks waiting, not working), then passed" in text, text
+    assert "in after_backward" in text, text  # the stacks of the hang, for the record
 
 
 @pytest.mark.slow

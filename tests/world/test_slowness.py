@@ -217,7 +217,9 @@ def test_a_hangs_stack_dump_that_arrives_late_on_a_loaded_machine_is_still_read(
         "faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)\n"
         "def waiting_for_its_peers():\n"
         "    print('ready', flush=True); time.sleep(60)\n"
-        "waiting_for_its_peers()\n"
+        "def rank_main():\n"  # a rank's task loop, below every frame a dump is read for
+        "    waiting_for_its_peers()\n"
+        "rank_main()\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     resume = threading.Timer(3.0, os.kill, (proc.pid, signal.SIGCONT))
@@ -230,5 +232,41 @@ def test_a_hangs_stack_dump_that_arrives_late_on_a_loaded_machine_is_still_read(
     finally:
         if resume.ident is not None:
             resume.join()  # continued before it is killed
+        proc.kill()
+        proc.wait()
+
+
+def test_a_stack_dump_preempted_halfway_is_read_whole(tmp_path):
+    # faulthandler writes thread by thread; on a loaded machine it may pause between two blocks
+    # for longer than a quiet machine's gap -- the main thread's frames came after the pause
+    from ddpcheck._world.processes import dump_stacks
+
+    path = tmp_path / "stacks"
+    path.write_text("")
+    ignores = (
+        "import signal, time; signal.signal(signal.SIGUSR1, signal.SIG_IGN); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", ignores], stdout=subprocess.PIPE, text=True)
+    first = 'Thread 0x01 (most recent call first):\n  File "threading.py", line 1 in wait\n'
+    main = (
+        "Current thread 0x02 (most recent call first):\n"
+        '  File "t.py", line 9 in after_backward\n  File "serve.py", line 3 in rank_main\n'
+    )
+
+    def faulthandler_preempted() -> None:
+        path.write_text(first)
+        time.sleep(1.0)
+        path.write_text(first + main)
+
+    writer = threading.Thread(target=faulthandler_preempted)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        writer.start()
+        dumps = dump_stacks([proc], [str(path)], [0], deadline=60.0)
+        assert "in after_backward" in dumps[0], dumps
+    finally:
+        if writer.ident is not None:
+            writer.join()
         proc.kill()
         proc.wait()

@@ -228,14 +228,21 @@ def _size(path: str) -> int:
         return -1
 
 
+def _whole(dump: str) -> bool:
+    """The dump holds the main thread's frames down to the rank's task loop."""
+    return "most recent call first" in dump and "in rank_main" in dump
+
+
 def dump_stacks(
     procs: list[Any], stack_paths: list[str], ranks: list[int], deadline: float = 20.0
 ) -> dict[int, str]:
     """Ask stuck ranks for their Python stacks (faulthandler on SIGUSR1) and read them.
 
     A dump arrives once its rank is next on a CPU: milliseconds, but seconds on a loaded
-    machine. So the wait is a tenth of the ``deadline`` the ranks had (itself scaled to the
-    machine), at least 2 s; it ends as soon as every dump is in."""
+    machine, where faulthandler may also be preempted halfway through it, thread by thread. So a
+    dump is awaited until it holds the main thread's task loop (``rank_main``, below the frames
+    a diagnosis is for), then until it stops growing; for a tenth of the ``deadline`` the ranks
+    had (itself scaled to the machine), at least 5 s, ending as soon as every dump is in."""
     dumps: dict[int, str] = {}
     for rank in ranks:
         proc = procs[rank]
@@ -243,16 +250,15 @@ def dump_stacks(
             os.kill(proc.pid, signal.SIGUSR1)
         except ProcessLookupError:
             dumps[rank] = f"(process gone: {exit_description(proc.exitcode)})"
-    end = time.monotonic() + max(2.0, deadline / 10)
+    end = time.monotonic() + max(5.0, deadline / 10)
     waiting = [r for r in ranks if r not in dumps]
     while waiting and time.monotonic() < end:
         time.sleep(0.05)
-        waiting = [r for r in waiting if "most recent call first" not in read(stack_paths[r])]
-    # faulthandler writes a dump from its signal handler, thread by thread: done once the files
-    # stop growing (a rank waiting for a CPU on a loaded machine may pause halfway)
+        waiting = [r for r in waiting if not _whole(read(stack_paths[r]))]
+    # the other threads' blocks may still be on their way: done once the files stop growing
     sizes: list[int] = []
     while time.monotonic() < end + 2.0:
-        time.sleep(0.05)
+        time.sleep(0.2)
         now = [_size(stack_paths[r]) for r in ranks if r not in dumps]
         if now == sizes:
             break
