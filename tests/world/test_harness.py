@@ -223,6 +223,25 @@ def test_a_rank_that_hangs_times_out_with_its_stack():
     check_example(targets.PARALLEL, Scenario(), 2)
 
 
+class ResetsSignalsAsLightningDoes(targets.ParallelDDPTarget):
+    """Lightning's ``Trainer`` puts every signal back, at the end of ``fit``, to what Python's
+    ``signal.getsignal`` said before it -- ``SIG_DFL`` where faulthandler had installed its own."""
+
+    def after_step(self, model, optimizer):
+        for signum in (signal.SIGUSR1, signal.SIGABRT, signal.SIGSEGV):
+            signal.signal(signum, signal.getsignal(signum) or signal.SIG_DFL)
+        return super().after_step(model, optimizer)
+
+
+def test_a_hang_after_a_library_reset_the_signal_handlers_still_shows_its_stack():
+    # (after a Lightning example in the same world, a hang's SIGUSR1 killed the ranks:
+    # "(no stack dump arrived)")
+    check_example(ResetsSignalsAsLightningDoes(), Scenario(), 2)
+    with pytest.raises(ddpcheck.EquivalenceError) as info:
+        check_example(HangsOnRankZero(), Scenario(), 2, deadline=patience(3))
+    assert "in after_backward" in str(info.value), str(info.value)
+
+
 def test_worlds_persist_across_examples():
     pids = get_world(3).pids
     for seed in range(10):

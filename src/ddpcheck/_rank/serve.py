@@ -97,6 +97,20 @@ def serving() -> bool:
     return _serving
 
 
+def _install_dumps(stack_file: Any, log: Any) -> None:
+    """faulthandler's handlers, installed afresh: SIGUSR1 dumps every thread's stack to
+    ``stack_file`` (a hang's diagnosis), and a crash (SIGABRT from gloo, SIGSEGV) leaves its
+    Python stack in ``log``, whose tail the parent reports with the exit status. Afresh before
+    every task, because a library may put the signal handlers back as Python's ``signal`` module
+    saw them, which is blind to faulthandler's: Lightning's ``Trainer`` resets every signal to
+    ``SIG_DFL`` at the end of ``fit``, after which a hang's SIGUSR1 killed the rank instead of
+    dumping its stacks. (Both calls keep an installed handler as it is, hence the undoing.)"""
+    faulthandler.unregister(signal.SIGUSR1)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.disable()
+    faulthandler.enable(file=log, all_threads=True)
+
+
 def rank_main(launch: Launch, conn: Any) -> None:
     """Join the process group on ``launch.device`` (``_base.devices``), then run tasks from the
     parent, arriving on ``conn``, until told to stop. A forked rank takes ``launch.environ``, the
@@ -125,10 +139,7 @@ def rank_main(launch: Launch, conn: Any) -> None:
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     stack_file = open(launch.stack_path, "w")  # noqa: SIM115 -- faulthandler's, for the rank's life
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    # A rank that crashes (SIGABRT from gloo, SIGSEGV) leaves its Python stack in its log, whose
-    # tail the parent reports with the exit status.
-    faulthandler.enable(file=log, all_threads=True)
+    _install_dumps(stack_file, log)
 
     import warnings
 
@@ -188,6 +199,7 @@ def rank_main(launch: Launch, conn: Any) -> None:
         try:
             # the pickled task, then one byte: the slot of its sequence file (a task queued
             # behind another writes the other one; _world.worlds.SEQUENCE_SLOTS)
+            _install_dumps(stack_file, log)  # whatever the last task's libraries did to them
             paths, task = pickle.loads(payload[:-1])
             slot = payload[-1]
             if slot != sequence_slot:
