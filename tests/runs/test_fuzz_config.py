@@ -71,6 +71,19 @@ def test_the_draw_covers_every_option_and_shrinks_them_away():
     assert vary(targets.LIGHTNING, {}) is targets.LIGHTNING
 
 
+def test_a_config_given_as_a_json_file_is_fuzzed_too(tmp_path):
+    # (--config FILE with --fuzz-config refused: "merged over a dict, and this is none")
+    path = tmp_path / "fabric.json"
+    path.write_text('{"strategy": {"name": "ddp", "find_unused_parameters": true}}')
+    given = targets.FabricTarget(config=str(path))
+    variant = vary(given, {"config": {"strategy": {"name": "ddp"}, "num_nodes": 1}})
+    assert variant.config == {  # the file's contents, its keys kept: no file in the replay line
+        "strategy": {"name": "ddp", "find_unused_parameters": True},
+        "num_nodes": 1,
+    }
+    assert differences(given, variant) == [("config.num_nodes", 1)]
+
+
 def test_every_ready_made_option_builds_a_replayable_target():
     for entry in targets.READY_MADE:
         for single in drawn_options(space_of(entry.target)):

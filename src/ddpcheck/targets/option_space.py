@@ -43,10 +43,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ddpcheck._base.errors import InvalidArgument
+from ddpcheck.targets.configuration import load_config
 
 if TYPE_CHECKING:
     from hypothesis import strategies as st
@@ -175,6 +177,10 @@ def vary(target: Any, drawn: Mapping[str, Any]) -> Any:
                 f"{name} (its fields: {', '.join(sorted(fields))})"
             )
         own = getattr(target, key)
+        if isinstance(value, Mapping) and isinstance(own, (str, os.PathLike)):
+            # a JSON file of the dict (config="ds_config.json", --config): the variant holds
+            # its contents, so its replay line needs no file
+            own = load_config(own, target=f"{name}({key}={own!r})")
         if isinstance(value, Mapping) and own is not None:
             if not isinstance(own, Mapping):
                 raise InvalidArgument(
@@ -222,6 +228,8 @@ def differences(base: Any, variant: Any) -> list[tuple[str, Any]]:
         if not field.init:
             continue
         mine, theirs = getattr(variant, field.name), getattr(base, field.name)
+        if isinstance(mine, Mapping) and isinstance(theirs, (str, os.PathLike)):
+            theirs = load_config(theirs, target=type(base).__name__)  # as vary() read it
         if isinstance(mine, Mapping) and (theirs is None or isinstance(theirs, Mapping)):
             theirs = theirs or {}
             found += [
