@@ -501,7 +501,13 @@ def _numpy_draw() -> float:
 
 
 def test_every_rank_draws_its_own_numpy_randomness():
-    # forked from one server, ranks would share its numpy state; spawned ones never did
+    # forked from one server, ranks would share its numpy state; spawned ones never did. A
+    # fresh world: the shared one may have run a target that seeded numpy alike on every rank
+    # (transformers' Trainer calls set_seed(42): every rank then draws 0.3745401188473625)
     pytest.importorskip("numpy")
-    draws = get_world(3).run(_numpy_draw)
+    world = ddpcheck.World(3).start()
+    try:
+        draws = world.run(_numpy_draw)
+    finally:
+        world.close()
     assert len(set(draws)) == 3, draws
