@@ -216,7 +216,7 @@ def test_a_hangs_stack_dump_that_arrives_late_on_a_loaded_machine_is_still_read(
         f"f = open({str(path)!r}, 'w')\n"
         "faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)\n"
         "def waiting_for_its_peers():\n"
-        "    print('ready', flush=True); time.sleep(60)\n"
+        "    print('ready', flush=True); signal.pause()\n"
         "def rank_main():\n"  # a rank's task loop, below every frame a dump is read for
         "    waiting_for_its_peers()\n"
         "rank_main()\n"
@@ -245,7 +245,7 @@ def test_a_stack_dump_preempted_halfway_is_read_whole(tmp_path):
     path.write_text("")
     ignores = (
         "import signal, time; signal.signal(signal.SIGUSR1, signal.SIG_IGN); "
-        "print('ready', flush=True); time.sleep(60)"
+        "print('ready', flush=True); signal.pause()"
     )
     proc = subprocess.Popen([sys.executable, "-c", ignores], stdout=subprocess.PIPE, text=True)
     first = 'Thread 0x01 (most recent call first):\n  File "threading.py", line 1 in wait\n'
