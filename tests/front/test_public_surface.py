@@ -60,6 +60,19 @@ def test_every_public_name_is_reachable_from_a_fresh_import_and_torch_loads_late
     assert done.returncode == 0, done.stderr
 
 
+def test_the_ready_made_targets_import_no_framework_until_one_runs():
+    # every rank imports ddpcheck.targets; HF_TRAINER's construction once imported transformers
+    # (and accelerate through it): ~1 s of CPU in every rank of every world, every CLI run
+    done = _fresh(
+        "import sys, ddpcheck, ddpcheck.targets, ddpcheck.cli\n"
+        "ddpcheck.targets.HfTrainerTarget(config={}).supported_features\n"
+        "frameworks = ('transformers', 'accelerate', 'lightning', 'deepspeed')\n"
+        "loaded = [m for m in frameworks if m in sys.modules]\n"
+        "assert not loaded, f'importing the targets loaded {loaded}'\n"
+    )
+    assert done.returncode == 0, done.stderr
+
+
 def test_outcomes_have_one_root_and_one_exit_code_each():
     expected = {
         ddpcheck.EquivalenceError: ExitCode.FOUND,

@@ -228,7 +228,10 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
             target=where,
             scenario_keys=SCENARIO_KEYS,
             harness_keys=HARNESS_KEYS,
-            known=_fields(),
+            # only a given key needs transformers' field names: the ready-made HF_TRAINER is
+            # built wherever ddpcheck.targets is imported (every rank), and transformers costs
+            # ~1 s to import
+            known=_fields() if given else None,
             known_as="TrainingArguments field",
         )
         object.__setattr__(self, "_given", given)
