@@ -210,6 +210,64 @@ def test_the_perturbed_variant_moves_gradients_by_rounding_only():
     )  # seeded: the same numbers every time
 
 
+#: The map's one failing cell (docs/frameworks.md), shrunk by ``ddpcheck check deepspeed --config
+#: {"communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "fp32"}} --fuzz-config
+#: --only param-dtype --dtypes float32``: a width-2 LayerNorm, whose input gradient is zero in
+#: exact arithmetic, under bfloat16 compute. DeepSpeed's bf16 mode builds its float32 masters from
+#: the module it cast to bfloat16; that rounding moved one weight's bfloat16 copy by an ulp after
+#: step 0 and flipped the sign of every gradient behind the LayerNorm at step 1 (reference
+#: differs, 1.44 relative), although the run is bitwise the reference's once the reference's
+#: masters start rounded too.
+ROUNDED = Scenario(
+    model=ModelSpec(
+        layers=(Layer(kind="embedding"), Layer(), Layer(), Layer(), Layer(kind="layernorm")),
+        width=2,
+        tie_head=True,
+    ),
+    data=SpecData(width=2),
+    global_batch=1,
+    dtype="float32",
+    param_dtype=torch.bfloat16,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundedMastersFSDP(targets.TorchFSDPTarget):
+    """FSDP2 under the param_dtype policy, its float32 master weights started from their
+    bfloat16 copies as DeepSpeed's bf16 mode starts them (no DeepSpeed needed here)."""
+
+    def wrap(self, module):
+        model = super().wrap(module)
+        with torch.no_grad():
+            for p in model.parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                local.copy_(local.to(torch.bfloat16))
+        return model
+
+
+def test_under_param_dtype_the_variants_start_masters_from_their_low_precision_copies():
+    assert reference_module.noise_variants(LAYERNORM) == reference_module.NOISE_VARIANTS
+    assert Variant(rounded_masters=True) in reference_module.noise_variants(ROUNDED)
+    mine = _train(ROUNDED)[0]
+    rounded = _train(ROUNDED, Variant(rounded_masters=True))[0]
+    bias = "l3.fc.bias"
+    assert torch.equal(rounded[0].grads[bias], mine[0].grads[bias])  # same bfloat16 copies
+    assert float((rounded[1].grads[bias] - mine[1].grads[bias]).abs().max()) > 1e-2
+
+
+def test_masters_started_from_their_bfloat16_copies_are_no_divergence(monkeypatch):
+    """Without the variant, the sign flip is a divergence (exit 1), for DeepSpeed and for this
+    FSDP2 alike; with it, the example is declined as chaotic. (FSDP2 declines the tied head,
+    which the example does not need.)"""
+    untied = dataclasses.replace(
+        ROUNDED, model=dataclasses.replace(ROUNDED.model, tie_head=False), seed=23
+    )
+    assert _declined_or_passed(RoundedMastersFSDP(), untied, 2) == "declined"
+    monkeypatch.setattr(reference_module, "PARAM_DTYPE_VARIANTS", ())
+    with pytest.raises(EquivalenceError, match=r"reference differs \(gradient\)"):
+        check_example(RoundedMastersFSDP(), untied, 2, deadline=patience(60))
+
+
 def _records_of(steps, initial) -> list[RankRecord]:
     return [RankRecord(0, initial, steps, 0.0)]
 

@@ -45,7 +45,16 @@ from ddpcheck._language.records import (
 from ddpcheck._language.scenario import Scenario, build_model, global_batch, make_param_groups
 from ddpcheck._language.training import Loop, make_scheduler, train
 
-__all__ = ["NOISE_VARIANTS", "Noise", "Reference", "Variant", "noise_computed", "reference_run"]
+__all__ = [
+    "NOISE_VARIANTS",
+    "PARAM_DTYPE_VARIANTS",
+    "Noise",
+    "Reference",
+    "Variant",
+    "noise_computed",
+    "noise_variants",
+    "reference_run",
+]
 
 #: References of this process whose :meth:`Reference.noise` was computed -- a comparison beyond
 #: the tolerance asked for it (``bench/soak.py`` reports how often; see :func:`noise_computed`).
@@ -65,12 +74,18 @@ class Variant:
     objective), and after the last backward every gradient divided by ``world`` --
     multiplied by ``1 / world`` when ``reciprocal``, as torch's DDP reducer does -- then, when
     ``perturb`` is a seed, each element moved by a random fraction in [-1, 1] of its dtype's
-    rounding unit (``finfo.eps / 2``), drawn from that seed and the step."""
+    rounding unit (``finfo.eps / 2``), drawn from that seed and the step. ``rounded_masters``:
+    under a ``param_dtype`` policy, the float32 master weights start from their ``param_dtype``
+    copies, as DeepSpeed's bf16 mode builds them (it casts the module, then copies the cast
+    parameters into float32 masters): the policy does not say which, and a forward on
+    low-precision copies turns that rounding into an ulp of difference wherever a weight lies
+    near a rounding boundary."""
 
     split: int = 1
     world: int = 1
     reciprocal: bool = False
     perturb: int | None = None
+    rounded_masters: bool = False
 
 
 #: The other ways :meth:`Reference.noise` computes the run (see the module docstring): the batch
@@ -88,6 +103,8 @@ NOISE_VARIANTS = (
     Variant(5, world=5, reciprocal=True),
     Variant(perturb=0),
 )
+#: Added to :data:`NOISE_VARIANTS` under a ``param_dtype`` policy.
+PARAM_DTYPE_VARIANTS = (Variant(rounded_masters=True),)
 
 
 @dataclasses.dataclass
@@ -141,7 +158,9 @@ class Reference:
             _NOISE_COMPUTED[0] += 1
             # the whole run again (this reference may be a part of it), then the variants
             mine = _train(self.scenario)[0]
-            variants = [_train(self.scenario, variant)[0] for variant in NOISE_VARIANTS]
+            variants = [
+                _train(self.scenario, variant)[0] for variant in noise_variants(self.scenario)
+            ]
             for index, record in enumerate(mine):
                 others = [v[index] for v in variants]
                 grads, params, buffers = (
@@ -155,6 +174,13 @@ class Reference:
                     _spread(_flat_state(record.state), [_flat_state(o.state) for o in others]),
                 )
         return self.noise_cache.get(step)
+
+
+def noise_variants(scenario: Scenario) -> tuple[Variant, ...]:
+    """The variants :meth:`Reference.noise` trains for ``scenario``."""
+    if getattr(scenario, "param_dtype", None) is None:
+        return NOISE_VARIANTS
+    return NOISE_VARIANTS + PARAM_DTYPE_VARIANTS
 
 
 def _drop_gradients(model: torch.nn.Module) -> None:
@@ -204,6 +230,11 @@ def _train(
     """The reference's run, computed as ``variant`` says (the default: one backward of the whole
     batch, each term scaled by the whole batch's term count)."""
     model = build_model(scenario, scenario.seed)
+    if variant.rounded_masters and scenario.param_dtype is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.copy_(p.to(scenario.param_dtype))
     names = {p: n for n, p in model.named_parameters()}
     initial = initial_state(model)
     optimizer = scenario.optimizer(make_param_groups(scenario, model), **scenario.optimizer_kwargs)

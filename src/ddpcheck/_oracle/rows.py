@@ -52,8 +52,9 @@ CHAOTIC = "reference chaotic"
 
 #: What ``Reference.noise`` varies, as the details say it.
 _VARIANTS = (
-    "over other summation orders, losses scaled by W and divided back, and "
-    "rounding-level perturbations of the gradients"
+    "over other summation orders, losses scaled by W and divided back, "
+    "rounding-level perturbations of the gradients, and under param_dtype float32 masters "
+    "started from their low-precision copies"
 )
 
 

@@ -54,7 +54,10 @@ reduce (``DeepSpeedEngine.communication_data_type``) and accumulate (``get_data_
 in bfloat16, which the policy does not promise: the target applies the policy
 (``applies_param_dtype``) only where the config sets ``communication_data_type`` and
 ``data_types.grad_accum_dtype`` to "fp32", and declines it otherwise, naming both keys
-(:func:`precision_decline`). float16 is declined (fp16 mode's loss scaler skips steps).
+(:func:`precision_decline`). float16 is declined (fp16 mode's loss scaler skips steps). Its
+masters start from the bfloat16 cast of the weights, not from the weights
+(bench/deepspeed_bf16_masters.py): the reference's noise includes that start
+(``PARAM_DTYPE_VARIANTS``), which an ill-conditioned scenario turns into more than rounding.
 
 Declined, with DeepSpeed's documented behaviour where it applies: float64 (ZeRO steps float32
 master copies of the parameters), clipping (``gradient_clipping`` clips inside ``engine.step()``,
