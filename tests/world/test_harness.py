@@ -500,10 +500,27 @@ def _numpy_draw() -> float:
     return float(numpy.random.random())
 
 
+def _seed_everything() -> None:
+    """What transformers' ``set_seed(42)`` does in every rank of a Trainer example."""
+    import random
+
+    import numpy
+
+    random.seed(42)
+    numpy.random.seed(42)
+    torch.manual_seed(42)
+
+
+def _draws() -> tuple[float, float, float]:
+    import random
+
+    import numpy
+
+    return float(numpy.random.random()), random.random(), float(torch.rand(()))
+
+
 def test_every_rank_draws_its_own_numpy_randomness():
-    # forked from one server, ranks would share its numpy state; spawned ones never did. A
-    # fresh world: the shared one may have run a target that seeded numpy alike on every rank
-    # (transformers' Trainer calls set_seed(42): every rank then draws 0.3745401188473625)
+    # forked from one server, ranks would share its numpy state; spawned ones never did
     pytest.importorskip("numpy")
     world = ddpcheck.World(3).start()
     try:
@@ -511,3 +528,19 @@ def test_every_rank_draws_its_own_numpy_randomness():
     finally:
         world.close()
     assert len(set(draws)) == 3, draws
+
+
+def test_a_task_that_seeds_the_global_generators_leaves_later_tasks_a_new_ranks_randomness():
+    # transformers' Trainer calls set_seed(42) on every rank: every later example of the world
+    # drew numpy's 0.3745401188473625 on every rank, where its replay line's fresh world would not
+    pytest.importorskip("numpy")
+    world = get_world(3)
+    before = world.run(_draws)
+    world.run(_seed_everything)
+    after, again = world.run(_draws), world.run(_draws)
+    for draws in (after, again):
+        assert len({d[0] for d in draws}) == 3 and len({d[1] for d in draws}) == 3, draws
+        assert 0.3745401188473625 not in {d[0] for d in draws}, draws
+    # torch's generator: the rank's start-up state, alike on every rank as in a fresh world
+    assert {d[2] for d in before} == {d[2] for d in after} == {d[2] for d in again}, (before, after)
+    assert len({d[2] for d in after}) == 1, after

@@ -10,7 +10,12 @@ sorts what changed since the rank's :func:`baseline` into three piles:
 * **put right** (noted in the report, the world kept): process groups the example created are
   destroyed; ``torch.get_num_threads()``, grad mode and the default dtype are set back; a
   ``torch.distributed`` collective the target replaced gets the recorder's wrapper back (its own
-  calls went unrecorded: noted);
+  calls went unrecorded: noted). Put right without a note, since drawing random numbers is what
+  targets do: the global random states -- torch's CPU generator back to the rank's start-up
+  state, numpy's and ``random``'s reseeded from fresh entropy, as a new rank's are. A target
+  that seeds them (transformers' ``Trainer`` calls ``set_seed(42)`` on every rank) would
+  otherwise hand every later example of the world ranks that draw alike, which its replay line,
+  in a fresh world, would not reproduce;
 * **cannot be put right** (noted, the world replaced before the next task): a destroyed or
   replaced default process group, Python threads still running, a changed inter-op thread count
   (torch refuses to change it once used), and more than :data:`FD_HEADROOM` open file
@@ -42,6 +47,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import random
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -91,6 +98,7 @@ class Baseline:
     grad_enabled: bool
     default_dtype: Any
     groups: frozenset[int]  # id() of every process group in pg_map
+    torch_rng: Any  # torch's CPU generator state (torch.random.get_rng_state())
     #: open file descriptors accepted so far: the start-up count, raised to each new high-water
     #: mark up to :data:`FD_HEADROOM` above it (libraries keep descriptors open for good)
     fds: int
@@ -128,6 +136,7 @@ def baseline(collective_names: tuple[str, ...] = ()) -> Baseline:
         grad_enabled=torch.is_grad_enabled(),
         default_dtype=torch.get_default_dtype(),
         groups=frozenset(id(g) for g in _groups()),
+        torch_rng=torch.random.get_rng_state(),
         fds=(fds := _fd_count()),
         start_fds=fds,
     )
@@ -186,12 +195,22 @@ def restore(base: Baseline) -> tuple[Fitness, Baseline]:
         if after != before:
             put_back(before)
             found.cleaned.append(f"changed {what} {before} -> {after} (set back)")
+    _fresh_randomness(base)
     interop = torch.get_num_interop_threads()
     if interop != base.interop_threads:
         found.replace.append(
             f"changed torch.get_num_interop_threads() {base.interop_threads} -> {interop}"
         )
     return found, _leftovers(base, found)
+
+
+def _fresh_randomness(base: Baseline) -> None:
+    """The global random states as a new rank holds them (see the module docstring)."""
+    torch.random.set_rng_state(base.torch_rng)
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
 
 
 def _leftovers(base: Baseline, found: Fitness) -> Baseline:
