@@ -15,8 +15,10 @@ micro-batches (the summation orders accumulation and shards introduce); emulated
 ranks, each shard's loss scaled by ``W/T`` and the gradient divided back by W or multiplied by
 ``1/W`` (the rounding data-parallel code introduces even when the batch cannot be re-split: one
 sample at W=3 is its loss scaled by 3 and its gradient divided by 3, a rounding at every float32
-layer its backward crosses); and the gradients perturbed at rounding level, in each parameter's
-own dtype, before every optimizer step -- differs from it by rounding. Where the scenario is
+layer its backward crosses); the gradients perturbed at rounding level, in each parameter's
+own dtype, before every optimizer step; and under a ``param_dtype`` policy
+(:data:`PARAM_DTYPE_VARIANTS`) the float32 masters started from their ``param_dtype`` copies, as
+DeepSpeed's bf16 mode starts them -- differs from it by rounding. Where the scenario is
 ill-conditioned that rounding is not small: a gradient that is zero in exact arithmetic (an
 attention key bias: softmax ignores a shift shared by every logit) carries ~1e-16 of
 sign-flipping noise, and Adam's first step, ``lr * g / (|g| + eps)``, has a sensitivity of
