@@ -165,6 +165,9 @@ def command() -> NoReturn:
     os._exit(status)
 
 
+#: Seconds between the survey's progress lines off a terminal (on one, its live line says it).
+SURVEY_HEARTBEAT = 60.0
+
 #: Seconds multiprocessing's resource tracker gets to exit once told to (it takes milliseconds;
 #: a process still holding its pipe would keep it, and us, waiting for as long as it lives).
 TRACKER_DEADLINE = 2.0
@@ -560,8 +563,17 @@ def _survey(args: argparse.Namespace) -> ExitCode:
             flush=True,
         )
 
+    said = [time.monotonic()]
+
     def cell(done: int, total: int, what: str, seconds: float) -> None:
-        line.show(f"cell {done + 1}/{total}: {what}")
+        # Off a terminal (a log, CI) a line now and then: a survey of a slow framework runs for
+        # an hour, and until its matrix prints nothing else says how far it got.
+        text = f"cell {done + 1}/{total}: {what}"
+        if line.live or time.monotonic() - said[0] < SURVEY_HEARTBEAT:
+            line.show(text)
+            return
+        said[0] = time.monotonic()
+        line.phase(text, f"ddpcheck survey: {text} ({seconds:.0f} s)")
 
     result = survey.survey_admitted(
         args.request,

@@ -155,7 +155,8 @@ def test_the_command_line_flag_names_the_options_of_a_failure(capsys):
 
 
 @pytest.mark.slow
-def test_survey_prints_the_option_by_feature_matrix(tmp_path, capsys):
+def test_survey_prints_the_option_by_feature_matrix(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "SURVEY_HEARTBEAT", 0.0)
     path = tmp_path / "survey.json"
     status = cli.main(
         [
@@ -172,8 +173,12 @@ def test_survey_prints_the_option_by_feature_matrix(tmp_path, capsys):
             str(path),
         ]
     )
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert status == ExitCode.FOUND, out
+    # off a terminal, a progress line at most every SURVEY_HEARTBEAT seconds (0 here: each cell)
+    assert f"ddpcheck survey: cell 2/10: {AS_GIVEN} x frozen (" in captured.err, captured.err
+    assert "ddpcheck survey: cell 4/10: bf16=True x frozen (" in captured.err
     matrix = out.split("\n\nfailures")[0].splitlines()
     assert re.split(r"\s{2,}", matrix[2]) == ["option", "accumulation", "frozen"], out
     rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line) for line in matrix[4:])}
