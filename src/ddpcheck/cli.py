@@ -563,16 +563,17 @@ def _survey(args: argparse.Namespace) -> ExitCode:
             flush=True,
         )
 
-    said = [time.monotonic()]
+    said = time.monotonic()
 
     def cell(done: int, total: int, what: str, seconds: float) -> None:
         # Off a terminal (a log, CI) a line now and then: a survey of a slow framework runs for
         # an hour, and until its matrix prints nothing else says how far it got.
+        nonlocal said
         text = f"cell {done + 1}/{total}: {what}"
-        if line.live or time.monotonic() - said[0] < SURVEY_HEARTBEAT:
+        if line.live or time.monotonic() - said < SURVEY_HEARTBEAT:
             line.show(text)
             return
-        said[0] = time.monotonic()
+        said = time.monotonic()
         line.phase(text, f"ddpcheck survey: {text} ({seconds:.0f} s)")
 
     result = survey.survey_admitted(
