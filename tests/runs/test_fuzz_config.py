@@ -33,6 +33,7 @@ from ddpcheck.targets.option_space import (
     differences,
     drawn_options,
     label,
+    nested,
     options,
     space_of,
     vary,
@@ -69,6 +70,31 @@ def test_the_draw_covers_every_option_and_shrinks_them_away():
     assert variant.training_args == {"ddp_bucket_cap_mb": 1, "seed": 3}  # the user's key stays
     assert differences(given, variant) == [("training_args.ddp_bucket_cap_mb", 1)]
     assert vary(targets.LIGHTNING, {}) is targets.LIGHTNING
+
+
+def test_a_large_nested_option_is_surveyed_a_key_per_row_over_its_base():
+    # DeepSpeed's six zero_optimization keys were surveyed as the 103 combinations drawn
+    keys = {
+        "gradient_as_bucket_view": (True,),
+        "static_graph": (True,),
+        "broadcast_buffers": (False,),
+        "bucket_cap_mb": (1,),
+    }
+    large = options(config={"strategy": nested(keys, base={"name": "ddp"})})
+    rows = [o["config"]["strategy"] for o in drawn_options(large)]
+    assert sorted(sorted(row.items()) for row in rows) == sorted(
+        sorted({"name": "ddp", key: value}.items()) for key, (value,) in keys.items()
+    )
+    # three keys or fewer: the combinations drawn, all 7 of them
+    small = options(config={"strategy": nested(dict(list(keys.items())[:3]))})
+    assert len(drawn_options(small)) == 7
+    # the target is handed plain dicts whatever the draw held
+    drawn = find(large, lambda d: len(str(d)) > 60, settings=settings(database=None))
+    variant = vary(targets.FabricTarget(), drawn)
+    assert type(variant.config["strategy"]) is dict, variant.config
+    # and the surveyed rows of DeepSpeed's space: one per key and value
+    ds_rows = drawn_options(space_of(targets.DEEPSPEED_ZERO2))
+    assert len(ds_rows) == 8, [label(o) for o in ds_rows]
 
 
 def test_a_config_given_as_a_json_file_is_fuzzed_too(tmp_path):

@@ -115,7 +115,51 @@ def nested(
     target passes without the key) when any is drawn, and ``{}`` -- the key left out -- when none
     is, so the key shrinks towards absent like every other."""
     inner = _optional_keys({key: _strategy(values, key) for key, values in keys.items()})
-    return inner.map(lambda drawn: {**(base or {}), **drawn} if drawn else {})
+    return inner.map(functools.partial(_Nested.over, dict(base or {}), len(keys)))
+
+
+#: The most keys a :func:`nested` option may hold and still be surveyed as the combinations of
+#: its keys drawn (at most 7 rows, torch DDP's three options in a strategy: combinations are where
+#: the costly bugs live). A larger one is surveyed a key per row, over its base: DeepSpeed's six
+#: ``zero_optimization`` keys drew 103 combinations, about 2,000 cells, hours of a survey. Its
+#: combinations are still drawn, by ``--fuzz-config``.
+COMBINED_KEYS = 3
+
+
+class _Nested(dict):  # type: ignore[type-arg]
+    """A drawn :func:`nested` value that remembers its base and how many keys its space holds,
+    so :func:`single_options` can split a large one a key per row. Only the drawing sees it:
+    :func:`vary` hands the target plain dicts (a framework's config parser need not know it)."""
+
+    base: dict[str, Any]
+    size: int
+
+    @classmethod
+    def over(cls, base: dict[str, Any], size: int, drawn: dict[str, Any]) -> dict[str, Any]:
+        if not drawn:
+            return {}
+        value = cls({**base, **drawn})
+        value.base, value.size = base, size
+        return value
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Itself, or a key per row over its base when its space is large."""
+        if self.size <= COMBINED_KEYS:
+            return [dict(self)]
+        return [
+            {**self.base, key: value}
+            for key, value in self.items()
+            if key not in self.base or self.base[key] != value
+        ]
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every :class:`_Nested` inside it a plain dict."""
+    if isinstance(value, Mapping):
+        return {key: _plain(inner) for key, inner in value.items()}
+    if isinstance(value, list):
+        return [_plain(inner) for inner in value]
+    return value
 
 
 #: A key left out (the first branch of each key's ``one_of``: what shrinking moves towards).
@@ -188,7 +232,7 @@ def vary(target: Any, drawn: Mapping[str, Any]) -> Any:
                     f"and this is none; give {key} as a dict to fuzz its options"
                 )
             value = {**value, **own}
-        change[key] = value
+        change[key] = _plain(value)
     instance: Any = target  # a dataclass, as checked above
     try:
         return dataclasses.replace(instance, **change)
@@ -251,14 +295,17 @@ def described(base: Any, variant: Any) -> str:
 
 
 def single_options(drawn: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """``drawn`` split into one option each: ``{field: value}``, and ``{field: {key: value}}``
-    per key of a dict-valued field."""
+    """``drawn`` split into one option each: ``{field: value}``, ``{field: {key: value}}`` per
+    key of a dict-valued field, and per key of a :func:`nested` value larger than
+    :data:`COMBINED_KEYS` (over its base)."""
     singles: list[dict[str, Any]] = []
     for key, value in drawn.items():
-        if isinstance(value, Mapping):
-            singles += [{key: {k: v}} for k, v in value.items()]
-        else:
+        if not isinstance(value, Mapping):
             singles.append({key: value})
+            continue
+        for inner, option in value.items():
+            rows = option.rows() if isinstance(option, _Nested) else [_plain(option)]
+            singles += [{key: {inner: row}} for row in rows]
     return singles
 
 
