@@ -119,6 +119,25 @@ def test_fsdp_declines_name_their_reasons():
     assert TORCH_FSDP.supports(ddpcheck.Scenario(model=zoo.Tied)) is None  # tied within layers
 
 
+def test_a_scenario_asked_again_is_not_judged_again(monkeypatch):
+    # asked at the draw, again at admission, and at every world size of the battery
+    from ddpcheck.targets import fsdp
+
+    judged = []
+    real = fsdp._cannot_run
+    monkeypatch.setattr(fsdp, "_cannot_run", lambda *a: judged.append(a) or real(*a))
+    branch = ddpcheck.Scenario(model=zoo.SampleBranch, global_batch=11, accumulation=3, seed=3)
+    why = TORCH_FSDP.supports(branch)
+    assert TORCH_FSDP.supports(branch) == why and len(judged) == 1
+    equal = dataclasses.replace(branch)  # an equal scenario, another object: judged afresh
+    assert TORCH_FSDP.supports(equal) == why and len(judged) == 2
+    for seed in range(40):  # the oldest answers are let go
+        TORCH_FSDP.supports(ddpcheck.Scenario(seed=seed))
+    assert len(fsdp._ANSWERS) == fsdp._KEPT_ANSWERS
+    TORCH_FSDP.supports(branch)
+    assert len(judged) == 43
+
+
 # ---------------------------------------------------------------------------------------------
 # Mixed precision: FSDP2's MixedPrecisionPolicy from the scenario's param_dtype
 

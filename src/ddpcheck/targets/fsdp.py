@@ -19,6 +19,7 @@ sharded together (:func:`shard_leaves`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 from collections.abc import Iterator
@@ -214,7 +215,31 @@ def gradient_sync_off(model: Any) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
+#: The last answers of :func:`fsdp_cannot_run`, by the scenario's identity (a Scenario holds
+#: dicts: it has no hash), each holding its scenario so the id is not reused: a drawn scenario is
+#: asked at the draw and again at admission, a battery scenario at every world size, and each
+#: answer costs forwards of every rank's micro-batches (~10-50 ms).
+_ANSWERS: collections.OrderedDict[tuple[int, tuple[int, ...]], tuple[Any, str | None]] = (
+    collections.OrderedDict()
+)
+_KEPT_ANSWERS = 32
+
+
 def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> str | None:
+    """Why FSDP2 cannot run ``scenario`` (:func:`_cannot_run`), remembered for the last few
+    scenarios asked."""
+    key = (id(scenario), tuple(world_sizes))
+    kept = _ANSWERS.get(key)
+    if kept is not None and kept[0] is scenario:
+        return kept[1]
+    why = _cannot_run(scenario, tuple(world_sizes))
+    _ANSWERS[key] = (scenario, why)
+    while len(_ANSWERS) > _KEPT_ANSWERS:
+        _ANSWERS.popitem(last=False)
+    return why
+
+
+def _cannot_run(scenario: Any, world_sizes: tuple[int, ...]) -> str | None:
     """Why FSDP2 cannot run ``scenario``, read from forwards of every rank's micro-batches on
     the initial weights (as ``ddpcheck.features`` reads parameter usage); None when it can:
 
