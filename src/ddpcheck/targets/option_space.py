@@ -126,7 +126,7 @@ def nested(
 COMBINED_KEYS = 3
 
 
-class _Nested(dict):  # type: ignore[type-arg]
+class _Nested(dict):
     """A drawn :func:`nested` value that remembers its base and how many keys its space holds,
     so :func:`single_options` can split a large one a key per row. Only the drawing sees it:
     :func:`vary` hands the target plain dicts (a framework's config parser need not know it)."""
