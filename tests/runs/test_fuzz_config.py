@@ -85,6 +85,11 @@ def test_a_large_nested_option_is_surveyed_a_key_per_row_over_its_base():
     assert sorted(sorted(row.items()) for row in rows) == sorted(
         sorted({"name": "ddp", key: value}.items()) for key, (value,) in keys.items()
     )
+    # ... and so is a field drawn by nested() itself, each row over its base
+    field = options(fields={"strategy": nested(keys, base={"name": "ddp"})})
+    assert sorted(sorted(o["strategy"].items()) for o in drawn_options(field)) == sorted(
+        sorted(row.items()) for row in rows
+    )
     # three keys or fewer: the combinations drawn, all 7 of them
     small = options(config={"strategy": nested(dict(list(keys.items())[:3]))})
     assert len(drawn_options(small)) == 7

@@ -300,6 +300,9 @@ def single_options(drawn: Mapping[str, Any]) -> list[dict[str, Any]]:
     :data:`COMBINED_KEYS` (over its base)."""
     singles: list[dict[str, Any]] = []
     for key, value in drawn.items():
+        if isinstance(value, _Nested):  # a field drawn by nested() itself
+            singles += [{key: row} for row in value.rows()]
+            continue
         if not isinstance(value, Mapping):
             singles.append({key: value})
             continue
@@ -357,21 +360,25 @@ def _canonical(value: Any) -> Any:
 
 def _order(single: Mapping[str, Any], text: str) -> tuple[str, float, str]:
     """By name, then numbers by value, then anything else by its repr."""
-    ((key, value),) = single.items()
-    if isinstance(value, Mapping):
-        ((inner, value),) = value.items()
-        key = f"{key}.{inner}"
+    key, value = _named(single)
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     return key, float(value) if number else float("inf"), text
 
 
 def label(single: Mapping[str, Any]) -> str:
     """One option as a row label: ``static_graph=True``, ``config.strategy='ddp'``."""
+    key, value = _named(single)
+    return f"{key}={_shown(value)}"
+
+
+def _named(single: Mapping[str, Any]) -> tuple[str, Any]:
+    """One option's name and value: ``field``, or ``field.key`` for one key of a dict-valued
+    field (a field drawn whole by :func:`nested` keeps its name: its value is the dict)."""
     ((key, value),) = single.items()
-    if isinstance(value, Mapping):
+    if isinstance(value, Mapping) and len(value) == 1:
         ((inner, value),) = value.items()
         key = f"{key}.{inner}"
-    return f"{key}={_shown(value)}"
+    return key, value
 
 
 def _shown(value: Any) -> str:
