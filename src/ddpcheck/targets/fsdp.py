@@ -228,11 +228,12 @@ _KEPT_ANSWERS = 32
 def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> str | None:
     """Why FSDP2 cannot run ``scenario`` (:func:`_cannot_run`), remembered for the last few
     scenarios asked."""
-    key = (id(scenario), tuple(world_sizes))
+    sizes = tuple(world_sizes)
+    key = (id(scenario), sizes)
     kept = _ANSWERS.get(key)
     if kept is not None and kept[0] is scenario:
         return kept[1]
-    why = _cannot_run(scenario, tuple(world_sizes))
+    why = _cannot_run(scenario, sizes)
     _ANSWERS[key] = (scenario, why)
     while len(_ANSWERS) > _KEPT_ANSWERS:
         _ANSWERS.popitem(last=False)
