@@ -12,7 +12,7 @@ from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._runs import example
 from ddpcheck._runs.admission import admit
-from ddpcheck._runs.equivalence import Report, run_battery
+from ddpcheck._runs.equivalence import Report, assert_admitted
 from ddpcheck._world.interrupts import interruptible
 from ddpcheck.targets import Target
 
@@ -108,4 +108,4 @@ def assert_equivalent(
         only=only,
         fuzz_config=fuzz_config,
     )
-    return run_battery(request, progress)
+    return assert_admitted(request, progress)

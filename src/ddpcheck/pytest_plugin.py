@@ -391,7 +391,7 @@ def ddpcheck_run(ddpcheck_options: Session) -> Callable[..., Report]:
     sizes where given) against them."""
 
     from ddpcheck._runs.admission import API, admit_target
-    from ddpcheck._runs.equivalence import run_battery
+    from ddpcheck._runs.equivalence import assert_admitted
     from ddpcheck._world.interrupts import interruptible
 
     # Python values, named as assert_equivalent names them; the configuration by its flag
@@ -408,7 +408,7 @@ def ddpcheck_run(ddpcheck_options: Session) -> Callable[..., Report]:
             world_sizes=world_sizes or None,
             spelling=spelling,
         )
-        return run_battery(request)
+        return assert_admitted(request)
 
     return ddpcheck_run
 

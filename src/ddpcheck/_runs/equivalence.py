@@ -30,7 +30,7 @@ from ddpcheck._world.registry import launch_worlds
 from ddpcheck.targets.option_space import described, drawn_options, label, space_of, vary
 from ddpcheck.targets.protocol import Target
 
-__all__ = ["Report", "run_battery"]
+__all__ = ["Report", "assert_admitted", "run_battery"]
 
 
 @dataclasses.dataclass
@@ -74,14 +74,15 @@ class Report:
         ]
 
 
-def run_battery(request: Request, progress: Callable[[int, int], None] | None = None) -> Report:
-    """The battery (or ``request.scenario``) at every world size of an admitted request; with
-    ``fuzz_config``, then again under each single option its space draws
-    (:func:`_under_each_option`). ``progress(done, total)`` before the first example and after
-    each (scenario, world size)."""
+def assert_admitted(request: Request, progress: Callable[[int, int], None] | None = None) -> Report:
+    """``assert_equivalent`` of an admitted request (the API's and the pytest plugin's): the
+    battery (or ``request.scenario``) at every world size; with ``fuzz_config``, then again under
+    each single option its space draws (:func:`_under_each_option`; ``ddpcheck check`` draws
+    whole configurations in its random examples instead, so its battery is :func:`run_battery`).
+    ``progress(done, total)`` before the first example and after each (scenario, world size)."""
     if request.fuzz_config:
         return _under_each_option(request, progress)
-    return _as_given(request, progress)
+    return run_battery(request, progress)
 
 
 def _under_each_option(request: Request, progress: Callable[[int, int], None] | None) -> Report:
@@ -93,7 +94,7 @@ def _under_each_option(request: Request, progress: Callable[[int, int], None] | 
         check_target(variant)  # its replay line must build it, before any of it runs
         tag = f" [{label(single)}]" if single else ""
         try:
-            report = _as_given(dataclasses.replace(request, target=variant), progress)
+            report = run_battery(dataclasses.replace(request, target=variant), progress)
         except NothingChecked as exc:
             merged.skipped.append((f"every scenario{tag}", 0, str(exc)))
             continue
@@ -114,8 +115,9 @@ def _under_each_option(request: Request, progress: Callable[[int, int], None] | 
     return merged
 
 
-def _as_given(request: Request, progress: Callable[[int, int], None] | None) -> Report:
-    """The battery of the request's target, at every world size."""
+def run_battery(request: Request, progress: Callable[[int, int], None] | None = None) -> Report:
+    """The battery (or ``request.scenario``) of the request's target as given, at every world
+    size."""
     target, scenario, sizes = request.target, request.scenario, request.world_sizes
     device, backend, excluded = request.device, request.backend, request.battery_without
     named = BATTERY if scenario is None else [(None, scenario)]
