@@ -6,10 +6,10 @@ request to the run below (``_runs.equivalence``, ``_runs.example``). Door functi
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_world_size
 from ddpcheck._language.scenario import Scenario
+from ddpcheck._oracle.reference import Reference
 from ddpcheck._runs import example
 from ddpcheck._runs.admission import admit
 from ddpcheck._runs.equivalence import Report, assert_admitted
@@ -26,9 +26,9 @@ def check_example(
     world_size: int,
     *,
     deadline: float = DEFAULT_DEADLINE,
-    reference: Any = None,
+    reference: Reference | None = None,
     name: str | None = None,
-    checks: Any = None,
+    checks: Iterable[str] | None = None,
     device: str = "cpu",
     backend: str | None = None,
 ) -> tuple[str, ...]:

@@ -14,7 +14,8 @@ import functools
 import os
 import pathlib
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable, Iterator
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -36,7 +37,7 @@ if TYPE_CHECKING:  # the plugin imports neither torch nor Hypothesis when it loa
 # period; several phrases all end with periods.
 
 
-def pytest_addoption(parser: Any) -> None:
+def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("ddpcheck", "data-parallel equivalence checks")
     group.addoption(
         "--ddpcheck-world-sizes",
@@ -203,20 +204,20 @@ def resolve_options(config: pytest.Config) -> Session:
     return Session(request, workers, given)
 
 
-def _xdist_workers(config: Any) -> int:
+def _xdist_workers(config: pytest.Config) -> int:
     numprocesses = getattr(config.option, "numprocesses", None)
     if isinstance(numprocesses, int) and numprocesses > 0:
         return numprocesses
     return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
 
 
-def pytest_configure(config: Any) -> None:
+def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "ddpcheck: a test that runs data-parallel examples")
     config.stash[OPTIONS] = resolve_options(config)
     config.stash[EXAMPLES] = 0
 
 
-def pytest_report_header(config: Any) -> str | None:
+def pytest_report_header(config: pytest.Config) -> str | None:
     """Only when ddpcheck was asked for (an option) or the run is verbose: the plugin loads in
     every pytest run of every project that has ddpcheck installed. A run that used the fixtures
     gets the same line in its summary (:func:`pytest_terminal_summary`)."""
@@ -230,7 +231,7 @@ def pytest_report_header(config: Any) -> str | None:
 # Session hooks
 
 
-def pytest_sessionfinish(session: Any, exitstatus: Any) -> None:
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitCode) -> None:
     """Stop this process's worlds, and hand the example count to the xdist controller."""
     examples = _examples_run()
     registry = sys.modules.get("ddpcheck._world.registry")
@@ -263,7 +264,9 @@ OUTCOMES = {
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: Any, call: Any) -> Any:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
     """A test that failed with a ddpcheck outcome says which one (its ``ExitCode``), so a bug in
     the target is never confused with a set-up problem; the summary counts them. Its traceback
     ends at the test's call into ddpcheck (:func:`hide_own_frames`)."""
@@ -278,7 +281,7 @@ def pytest_runtest_makereport(item: Any, call: Any) -> Any:
         report.sections.append(("ddpcheck", f"ExitCode.{code.name}: {OUTCOMES.get(code, '')}"))
 
 
-def hide_own_frames(excinfo: Any) -> None:
+def hide_own_frames(excinfo: pytest.ExceptionInfo[BaseException]) -> None:
     """Give every ddpcheck module in ``excinfo``'s tracebacks (its causes and an exception
     group's members too) pytest's ``__tracebackhide__`` (:func:`outcome_raised`), which pytest
     reads from a frame's locals, then its module's globals: a test that failed with a ddpcheck
@@ -291,7 +294,7 @@ def hide_own_frames(excinfo: Any) -> None:
             frame.f_globals.setdefault("__tracebackhide__", outcome_raised)
 
 
-def outcome_raised(excinfo: Any) -> bool:
+def outcome_raised(excinfo: object) -> bool:
     """``__tracebackhide__`` of ddpcheck's modules: hide the frame when the exception shown is a
     ddpcheck outcome, but not :class:`ddpcheck.InternalError` (those frames are the evidence of
     ddpcheck's own failure) nor an exception of the user's code passing through ddpcheck (a
@@ -300,7 +303,7 @@ def outcome_raised(excinfo: Any) -> bool:
     return isinstance(error, DdpcheckError) and error.exit_code is not ExitCode.INTERNAL
 
 
-def _frames(error: BaseException | None, seen: set) -> Any:
+def _frames(error: BaseException | None, seen: set[int]) -> Iterator[FrameType]:
     """The frames of ``error``'s traceback, its cause's, its context's and its members' (an
     exception group, as Hypothesis raises for several distinct failures)."""
     if error is None or id(error) in seen:
@@ -332,7 +335,9 @@ def _own_file(filename: str) -> bool:
         return False
 
 
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: Any, config: Any) -> None:
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
+) -> None:
     if getattr(config, "workerinput", None) is not None:
         return
     total = config.stash[EXAMPLES]

@@ -278,7 +278,7 @@ def resume(launched: Launched) -> None:
     )
 
 
-def judge(launched: Launched, reference: Any) -> tuple[str, ...]:
+def judge(launched: Launched, reference: Reference) -> tuple[str, ...]:
     """Collect a launched example and judge it against ``reference``: raise the target's
     :class:`EquivalenceError`, or return the notes of what it left behind (``World.notes``).
     ``TaskLost`` (a queued example whose world was replaced first) passes through: it never
@@ -380,7 +380,9 @@ def _beside_the_ranks() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _reference_meanwhile(pending: Pending, reference: Any, scenario: Scenario) -> Any:
+def _reference_meanwhile(
+    pending: Pending, reference: Reference | None, scenario: Scenario
+) -> Reference:
     """The reference, computed while the ranks train (it is needed only to judge them): one
     example costs the slower of the two, not their sum. A scenario the reference cannot train
     lets the ranks finish first, so the world stays usable."""
@@ -500,7 +502,7 @@ def verdict(
     )
 
 
-def prepare_reference(scenario: Scenario) -> Any:
+def prepare_reference(scenario: Scenario) -> Reference:
     """The full-batch reference; user mistakes in the scenario surface here, once, as a
     :class:`ScenarioError` naming the cause (``ddpcheck._oracle.judgeable``), before any
     world runs."""

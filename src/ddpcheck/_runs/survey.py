@@ -17,7 +17,7 @@ import dataclasses
 import time
 import zlib
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ddpcheck._base.errors import EquivalenceError, InvalidArgument, NothingChecked
 from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_positive_number
@@ -36,6 +36,9 @@ from ddpcheck._runs.example import (
 )
 from ddpcheck._runs.replay import target_spec
 from ddpcheck._world.interrupts import interruptible
+
+if TYPE_CHECKING:
+    from ddpcheck._runs.option_survey import OptionSurvey
 from ddpcheck.targets.protocol import Target
 
 __all__ = [
@@ -211,7 +214,7 @@ def survey(
     backend: str | None = None,
     only: Iterable[str] = (),
     fuzz_config: bool = False,
-) -> Any:  # as assert_equivalent's
+) -> Survey | OptionSurvey:
     """Run the battery at every world size and ``examples`` random examples per (feature, world
     size), stopping nowhere; return the :class:`Survey` (``print`` it for the matrix).
 
@@ -247,7 +250,7 @@ def survey_admitted(
     seed: int | None = None,
     shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
     progress: Callable[[int, int, str, float], None] | None = None,
-) -> Any:
+) -> Survey | OptionSurvey:
     """:func:`survey` of an admitted request (``runs.admission``): the command line's path."""
     check_positive_number("shrink_seconds", shrink_seconds)
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
@@ -492,7 +495,7 @@ def ended(
     return cell
 
 
-def _failed(cell: Cell, error: Any, started: float) -> Cell:
+def _failed(cell: Cell, error: EquivalenceError, started: float) -> Cell:
     first = error.divergences[0]
     where = [
         f"step {first.step}" if first.step != "-" else "",
