@@ -48,7 +48,7 @@ from ddpcheck._runs.replay import replay_command
 from ddpcheck._runs.warmup import warm_up
 from ddpcheck._world import sequences
 from ddpcheck._world.failures import Failure, Status, WorldFailure
-from ddpcheck._world.registry import get_world
+from ddpcheck._world.registry import world_of
 from ddpcheck._world.worlds import Pending, TaskLost, World
 from ddpcheck.targets import Target
 
@@ -123,7 +123,7 @@ def check_example_keeping_reference(
     with _beside_the_ranks():  # inline, not a frame more in every traceback
         checked = admit(target, scenario, world_size, run, checks=checks)
         # inline, as above: a world that cannot start raises WorldStartError
-        world = get_world(world_size, backend=run.backend, device=run.device)
+        world = world_of(world_size, backend=run.backend, device=run.device)
         launched = _submit(world, target, scenario, world_size, run, name, checked)
         reference = _reference_meanwhile(launched.pending, reference, scenario)
         return judge(launched, reference), reference
@@ -196,7 +196,7 @@ def launch(
     up to the checkpoint (:func:`resume` submits the rest)."""
     checked = admit(target, scenario, world_size, run, checks=checks)
     # a world that cannot start raises WorldStartError
-    world = get_world(world_size, backend=run.backend, device=run.device)
+    world = world_of(world_size, backend=run.backend, device=run.device)
     return _submit(world, target, scenario, world_size, run, name, checked)
 
 
@@ -261,7 +261,7 @@ def resume(launched: Launched) -> None:
         return
     launched.saved = ([record for record, _ in saved], launched.world.collective_sequences())
     scenario = launched.scenario
-    launched.resumed_world = get_world(
+    launched.resumed_world = world_of(
         scenario.resume_world_size or launched.world_size,
         backend=launched.run.backend,
         device=launched.run.device,

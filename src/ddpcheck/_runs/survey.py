@@ -4,7 +4,8 @@
 every world size (each (scenario, W) passes, FAILS with its first divergence kind, or is declined);
 then each (feature of ``ddpcheck.features.FEATURES``, W) cell runs up to ``examples`` random
 examples drawn to exercise it (``ddpcheck.strategies.exercising``) and stops at its first failure,
-shrunk by Hypothesis for at most ``shrink_seconds`` to a minimal counterexample and replay line.
+shrunk by Hypothesis for at most ``shrink_seconds`` to a minimal counterexample and replay line:
+each cell is a search of the engine (``_runs.engine.search``, :func:`cell_plan`).
 
 Invariant: a failing example stops only its own cell, never the survey. What is not the target's
 fault (a battery scenario the oracle cannot judge, a world that cannot start, a harness error)
