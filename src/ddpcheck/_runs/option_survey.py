@@ -6,8 +6,8 @@ columns: the features of ``ddpcheck.features.FEATURES``. Each cell runs up to ``
 examples of that row's target drawn to exercise that column's feature, at a world size drawn
 among those asked (where one can exercise it), and stops at its first failure, shrunk by
 Hypothesis for at most ``shrink_seconds`` -- the feature cells of ``_runs.survey`` (the same
-engine search and plan, ``survey.cell_plan``), one world-size column folded into the draw. The battery is not run here (``survey`` without
-``--fuzz-config`` runs it for the target as given).
+engine search and plan, ``survey.cell_plan``), one world-size column folded into the draw. The
+battery is not run here (``survey`` without ``--fuzz-config`` runs it for the target as given).
 
 Invariant: as ``runs.survey``'s -- a failing example stops only its own cell; what is not the
 target's fault (a world that cannot start, a harness error) stops the survey and propagates.
