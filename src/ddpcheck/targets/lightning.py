@@ -299,15 +299,7 @@ def _module(pl: Any, net: Any, run: Any, accumulation: int, manual: bool) -> Any
                 return loss * accumulation
             self.manual_backward(loss)
             if (batch_idx + 1) % accumulation == 0:
-                optimizer = self.optimizers()
-                if run.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(
-                        self.parameters(), run.max_grad_norm, run.grad_norm_type
-                    )
-                optimizer.step()
-                scheduler = self.lr_schedulers()
-                if scheduler is not None:
-                    scheduler.step()
+                _manual_step(self, run)
             return None
 
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -328,6 +320,18 @@ def _module(pl: Any, net: Any, run: Any, accumulation: int, manual: bool) -> Any
             }
 
     return Module()
+
+
+def _manual_step(module: Any, run: Any) -> None:
+    """The step that ends an accumulation window under manual optimization: clip, step the
+    optimizer, then the schedule."""
+    optimizer = module.optimizers()
+    if run.max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(module.parameters(), run.max_grad_norm, run.grad_norm_type)
+    optimizer.step()
+    scheduler = module.lr_schedulers()
+    if scheduler is not None:
+        scheduler.step()
 
 
 def _recorder(pl: Any, run: Any, accumulation: int) -> Any:
