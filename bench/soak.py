@@ -61,8 +61,8 @@ from ddpcheck import batches, check_example, targets, zoo  # noqa: E402
 from ddpcheck import strategies as dst  # noqa: E402
 from ddpcheck._oracle.compare import CHAOTIC  # noqa: E402
 from ddpcheck._oracle.reference import noise_computed  # noqa: E402
-from ddpcheck._runs.admission import Settings  # noqa: E402
 from ddpcheck._runs.example import prepare_reference  # noqa: E402
+from ddpcheck._runs.settings import Settings  # noqa: E402
 from ddpcheck._world.registry import shutdown_worlds  # noqa: E402
 from ddpcheck.features import FEATURES, declines, of  # noqa: E402
 from ddpcheck.scenario import Scenario  # noqa: E402

@@ -25,9 +25,9 @@ from ddpcheck._oracle import reference as reference_module
 from ddpcheck._oracle.compare import CHAOTIC, compare
 from ddpcheck._oracle.reference import Variant, _train, reference_run
 from ddpcheck._oracle.tolerances import noise_verdict
-from ddpcheck._runs.admission import Settings
 from ddpcheck._runs.example import check_example
 from ddpcheck._runs.pipeline import Outcome, one_behind_the_other
+from ddpcheck._runs.settings import Settings
 from ddpcheck.errors import EquivalenceError, ExitCode, ScenarioError
 from ddpcheck.models import Layer, ModelSpec, SpecData
 from ddpcheck.scenario import Scenario

@@ -17,9 +17,9 @@ from ddpcheck._base.errors import (
     WorldStartError,
 )
 from ddpcheck._runs import engine
-from ddpcheck._runs.admission import Settings
 from ddpcheck._runs.engine import Draws, Example, Plan, search, search_pipelined
 from ddpcheck._runs.pipeline import Outcome
+from ddpcheck._runs.settings import Settings
 from ddpcheck.scenario import Scenario
 from ddpcheck.targets import PARALLEL
 

@@ -16,9 +16,9 @@ import torch.distributed as dist
 import ddpcheck
 from ddpcheck import targets
 from ddpcheck._runs import engine
-from ddpcheck._runs.admission import Settings
 from ddpcheck._runs.fuzz import fuzz
 from ddpcheck._runs.pipeline import Outcome
+from ddpcheck._runs.settings import Settings
 from ddpcheck.errors import Inconclusive
 from ddpcheck.mutation.catalogue import by_name
 from ddpcheck.scenario import Scenario

@@ -19,8 +19,8 @@ import torch.distributed as dist
 import ddpcheck
 from ddpcheck import targets, zoo
 from ddpcheck._runs import warmup
-from ddpcheck._runs.admission import Settings
 from ddpcheck._runs.pipeline import one_behind_the_other
+from ddpcheck._runs.settings import Settings
 from ddpcheck.scenario import Scenario
 from tests.patience import patience
 

@@ -41,6 +41,7 @@ from ddpcheck._base.options import (
     parse_world_sizes,
 )
 from ddpcheck._base.scripts import load
+from ddpcheck._runs.settings import Settings
 
 if TYPE_CHECKING:
     from ddpcheck._language.scenario import Scenario
@@ -48,13 +49,11 @@ if TYPE_CHECKING:
 __all__ = [
     "API",
     "COMMAND_LINE",
-    "DEFAULT_SETTINGS",
     "DTYPES",
     "NO_TARGET",
     "PYTEST",
     "RANDOM_DTYPES",
     "Request",
-    "Settings",
     "Spelling",
     "admit",
     "admit_target",
@@ -121,22 +120,6 @@ PYTEST = Spelling(
 #: ``admit``'s target when a door admits its options alone (the pytest plugin for its session,
 #: ``ddpcheck mutants``, ``ddpcheck fuzz-rule``): None is a target, and a wrong one.
 NO_TARGET: Any = object()
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """How every example of a run runs: how long it may take before it counts as hung, and
-    where its ranks compute. Admitted once at the door (:func:`admit`); everything below takes
-    it as it is."""
-
-    deadline: float = DEFAULT_DEADLINE
-    device: str = "cpu"
-    #: None: the device's own (gloo on the CPU, NCCL on CUDA)
-    backend: str | None = None
-
-
-#: Every door's defaults: a 60 s deadline, the CPU over gloo.
-DEFAULT_SETTINGS = Settings()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,9 +43,9 @@ from hypothesis.errors import FlakyFailure, Unsatisfiable
 from ddpcheck._base.errors import EquivalenceError, NothingChecked, ScenarioError
 from ddpcheck._language import features
 from ddpcheck._language.messages import exception_text
-from ddpcheck._runs.admission import Settings
 from ddpcheck._runs.example import check_example
 from ddpcheck._runs.pipeline import Outcome, one_behind_the_other
+from ddpcheck._runs.settings import Settings
 from ddpcheck._world.lending import lending_waits, released
 from ddpcheck.targets.protocol import Target
 
@@ -113,7 +113,7 @@ class Plan:
 
     #: examples Hypothesis may run before its first failure (shrinking steps not counted)
     examples: int
-    #: Hypothesis's seed; None: derandomized (the same examples every run)
+    #: Hypothesis's seed; None: :data:`UNSEEDED` (the same examples every run)
     seed: int | None
     #: runs one example; returns what it left in the rank processes (``World.notes``)
     check: Callable[[Example], tuple[str, ...]]
@@ -173,6 +173,10 @@ def skipped_reason(outcome: Outcome) -> str:
     return f"unjudgeable: {outcome.skipped}" if outcome.unjudgeable else str(outcome.skipped)
 
 
+#: The Hypothesis seed of a search given none (``ddpcheck check`` without ``--seed``).
+UNSEEDED = 0
+
+
 def hypothesis_run(
     test: Callable[[st.DataObject], None],
     *,
@@ -181,13 +185,15 @@ def hypothesis_run(
     phases: tuple[Phase, ...] = (Phase.generate, Phase.shrink),
 ) -> None:
     """The one place a Hypothesis search runs: ``test`` on up to ``examples`` draws. The user's
-    Hypothesis profile is left alone (every setting that matters is given here)."""
+    Hypothesis profile is left alone (every setting that matters is given here). ``seed`` None
+    is :data:`UNSEEDED`: the same examples every run -- not Hypothesis's ``derandomize``, whose
+    seed is a digest of the test function's source, so that rewording this module would change
+    which examples every unseeded ``ddpcheck check`` draws."""
 
     @settings(
         max_examples=examples,
         deadline=None,
         database=None,
-        derandomize=seed is None,
         print_blob=False,
         report_multiple_bugs=False,
         suppress_health_check=list(HealthCheck),
@@ -198,8 +204,7 @@ def hypothesis_run(
     def one(data: st.DataObject) -> None:
         test(data)
 
-    if seed is not None:
-        one = hypothesis_seed(seed)(one)
+    one = hypothesis_seed(UNSEEDED if seed is None else seed)(one)
     one()
 
 

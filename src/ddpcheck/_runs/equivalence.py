@@ -24,8 +24,9 @@ from ddpcheck._language import features
 from ddpcheck._language.battery import BATTERY
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._oracle.reference import Reference
-from ddpcheck._runs.admission import Request, Settings, check_target
+from ddpcheck._runs.admission import Request, check_target
 from ddpcheck._runs.example import check_example_keeping_reference, refuse_unconfirmed_hang
+from ddpcheck._runs.settings import Settings
 from ddpcheck._world.registry import launch_worlds
 from ddpcheck.targets.option_space import described, drawn_options, label, space_of, vary
 from ddpcheck.targets.protocol import Target

@@ -43,8 +43,8 @@ from ddpcheck._oracle.judgeable import check_scenario, explain_reference_failure
 from ddpcheck._oracle.reference import Reference, reference_run
 from ddpcheck._rank.runner import run_example_packed
 from ddpcheck._rank.transport import unpack
-from ddpcheck._runs.admission import DEFAULT_SETTINGS, Settings
 from ddpcheck._runs.replay import replay_command
+from ddpcheck._runs.settings import DEFAULT_SETTINGS, Settings
 from ddpcheck._runs.warmup import warm_up
 from ddpcheck._world import sequences
 from ddpcheck._world.failures import Failure, Status, WorldFailure

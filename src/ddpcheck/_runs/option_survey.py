@@ -6,7 +6,7 @@ columns: the features of ``ddpcheck.features.FEATURES``. Each cell runs up to ``
 examples of that row's target drawn to exercise that column's feature, at a world size drawn
 among those asked (where one can exercise it), and stops at its first failure, shrunk by
 Hypothesis for at most ``shrink_seconds`` -- the feature cells of ``_runs.survey`` (the same
-engine search and plan, ``survey.cell_plan``), one world-size column folded into the draw. The
+engine search and plan, ``cells.cell_plan``), one world-size column folded into the draw. The
 battery is not run here (``survey`` without ``--fuzz-config`` runs it for the target as given).
 
 Invariant: as ``runs.survey``'s -- a failing example stops only its own cell; what is not the
@@ -27,16 +27,11 @@ from ddpcheck._language import features
 from ddpcheck._language import strategies as dst
 from ddpcheck._language.messages import scenario_line
 from ddpcheck._language.scenario import Scenario
-from ddpcheck._runs.admission import Request, Settings, check_target
+from ddpcheck._runs.admission import Request, check_target
+from ddpcheck._runs.cells import NO_EXAMPLE_CAN, cell_plan, declined_cell, ended, feature_dtypes
 from ddpcheck._runs.engine import Draws, search
 from ddpcheck._runs.replay import target_spec
-from ddpcheck._runs.survey import (
-    NO_EXAMPLE_CAN,
-    cell_plan,
-    declined_cell,
-    ended,
-    feature_dtypes,
-)
+from ddpcheck._runs.settings import Settings
 from ddpcheck.targets.option_space import drawn_options, label, space_of, vary
 from ddpcheck.targets.protocol import Target
 

@@ -31,7 +31,6 @@ from ddpcheck._base.errors import EquivalenceError, NothingChecked, ScenarioErro
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._oracle.reference import Reference
 from ddpcheck._runs import warmup
-from ddpcheck._runs.admission import Settings
 from ddpcheck._runs.example import (
     Launched,
     _beside_the_ranks,
@@ -41,6 +40,7 @@ from ddpcheck._runs.example import (
     prepare_reference,
     resume,
 )
+from ddpcheck._runs.settings import Settings
 from ddpcheck._world.failures import WorldFailure
 from ddpcheck._world.worlds import Pending, TaskLost
 from ddpcheck.targets.protocol import Target

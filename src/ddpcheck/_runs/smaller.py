@@ -31,9 +31,9 @@ from ddpcheck._language import features
 from ddpcheck._language import strategies as dst
 from ddpcheck._language.messages import exception_text, scenario_line
 from ddpcheck._language.scenario import Scenario, build_model
-from ddpcheck._runs.admission import DEFAULT_SETTINGS, Settings
 from ddpcheck._runs.engine import Draws, Example, Plan, outcome_of, search
 from ddpcheck._runs.example import check_example
+from ddpcheck._runs.settings import DEFAULT_SETTINGS, Settings
 from ddpcheck.targets.protocol import Target
 
 __all__ = [

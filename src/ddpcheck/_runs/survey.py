@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import zlib
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from ddpcheck._base.errors import EquivalenceError, InvalidArgument, NothingChecked
 from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_positive_number
@@ -28,14 +27,15 @@ from ddpcheck._language.battery import BATTERY
 from ddpcheck._language.messages import scenario_line
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._oracle.reference import Reference
-from ddpcheck._runs.admission import Request, Settings, admit
-from ddpcheck._runs.engine import Draws, Example, Found, Plan, search, settings_check
+from ddpcheck._runs.admission import Request, admit
+from ddpcheck._runs.cells import NO_EXAMPLE_CAN, cell_plan, declined_cell, ended, feature_dtypes
+from ddpcheck._runs.engine import Draws, search
 from ddpcheck._runs.example import (
     check_example,
     prepare_reference,
-    refuse_unconfirmed_hang,
 )
 from ddpcheck._runs.replay import target_spec
+from ddpcheck._runs.settings import Settings
 from ddpcheck._world.interrupts import interruptible
 
 if TYPE_CHECKING:
@@ -391,109 +391,6 @@ def _feature_cell(
     exercised |= found.features
     cell.examples = found.examples
     return ended(cell, found, started, _failed)
-
-
-#: Why a cell at W=1 is ``-``: a feature only several ranks show.
-NO_EXAMPLE_CAN = "one rank holds every sample: no example can exercise it"
-
-
-def feature_dtypes(feature: str, unsupported: frozenset[str]) -> tuple[str, ...]:
-    """The dtype a cell's examples are drawn in: float32 for the precision features, else the
-    finest the target supports (none: the cell is declined)."""
-    if feature in dst.FLOAT32_ONLY:
-        return ("float32",)
-    return tuple(d for d in ("float64", "float32") if d not in unsupported)[:1]
-
-
-def declined_cell(
-    target: Target,
-    feature: str,
-    excluded: frozenset[str],
-    unsupported: frozenset[str],
-    dtypes: tuple[str, ...],
-) -> str | None:
-    """Why a cell of ``feature`` runs nothing for ``target``, or None."""
-    if feature not in unsupported and dtypes:
-        return None
-    if feature in excluded:
-        return "excluded with --without"
-    if feature in features.OPT_IN:
-        return f"opt-in: {type(target).__name__}.{features.OPT_IN[feature]} is not set"
-    if dtypes:
-        return features.why_unsupported(target, feature)
-    return f"{type(target).__name__} supports neither float64 nor float32"
-
-
-def cell_plan(
-    target: Target,
-    feature: str,
-    excluded: frozenset[str],
-    run: Settings,
-    examples: int,
-    shrink_seconds: float,
-    seed_text: str,
-) -> Plan:
-    """How a cell searches: up to ``examples`` examples that exercise ``feature``, stopping at
-    the first failure, shrunk for at most ``shrink_seconds``, its seed from ``seed_text``."""
-
-    def accept(example: Example) -> str | None:
-        why = features.declines(example.target, example.scenario, example.world_size, excluded)
-        if why is None and feature not in features.of(example.scenario, example.world_size):
-            why = DRAWN_WITHOUT
-        return why
-
-    return Plan(
-        examples=examples,
-        seed=zlib.crc32(seed_text.encode()),
-        check=settings_check(run),
-        accept=accept,
-        give_up_after=5 * examples + 10,  # Hypothesis would draw 1,000 before giving up
-        shrink_seconds=shrink_seconds,
-    )
-
-
-#: A drawn example that does not exercise its cell's feature: passed over, not declined.
-DRAWN_WITHOUT = "drawn without the feature"
-
-
-class SurveyCell(Protocol):
-    """What :func:`ended` fills in, in a survey's cell and an option survey's alike."""
-
-    examples: int
-    status: str
-    reason: str | None
-    intermittent: bool
-    first_failure: int | None
-    seconds: float
-
-
-CellT = TypeVar("CellT", bound=SurveyCell)
-
-
-def ended(
-    cell: CellT,
-    found: Found,
-    started: float,
-    failed: Callable[[CellT, EquivalenceError, float], CellT],
-) -> CellT:
-    """The cell as its search ended: failed (its first or shrunk failure), or ok, or -- no
-    example ran -- declined with the most frequent reason, or n/a."""
-    if found.error is not None:
-        if found.flaky:
-            refuse_unconfirmed_hang(found.error)  # a hang that did not recur is no verdict
-            cell.intermittent = True
-        cell.first_failure = found.first_failure
-        return failed(cell, found.error, started)
-    if not cell.examples:  # no drawn example could run
-        declined = {why: n for why, n in found.declined.items() if why != DRAWN_WITHOUT}
-        cell.status = "declined" if declined else "n/a"
-        cell.reason = (
-            max(declined, key=lambda why: declined[why])
-            if declined
-            else "none of the drawn examples exercised it"
-        )
-    cell.seconds = time.perf_counter() - started
-    return cell
 
 
 def _failed(cell: Cell, error: EquivalenceError, started: float) -> Cell:
