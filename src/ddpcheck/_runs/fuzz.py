@@ -73,7 +73,7 @@ def fuzz(
 ) -> FuzzResult:
     """Run up to ``examples`` random examples of ``target``; shrink the first failure.
 
-    ``seed`` makes the run reproducible (default: derandomized, the same every time);
+    ``seed`` makes the run reproducible (default: the same examples every time);
     ``time_budget`` (seconds) stops generating new examples once spent (shrinking still runs).
     ``dtypes``: the dtypes drawn (default float64, as on the command line: ``_runs.admission``);
     ``only``: every example exercises one of these features. Features the target does not support
