@@ -18,13 +18,47 @@ TOOLS := .venv-build
 .PHONY: check lint test bench dist clean
 
 # --no-compile: byte-compiling every installed module (torch's thousands) was two thirds of the
-# install's CPU (50 s against 19 s on the 2-core machine); the first import of a module writes its
-# .pyc, so only what runs is compiled, once.
+# install's CPU (50 s against 19 s on the 2-core machine). But a module's first import writes its
+# .pyc only where bytecode is written: under PYTHONDONTWRITEBYTECODE=1 (our machines' and CI's
+# environment) nothing ever was, and every process -- pytest's workers, each command and its fork
+# server -- compiled torch and the rest again (8.3 s of CPU to import torch and dynamo against
+# 3.9 s compiled; reading .pyc files still works under that variable). So the install then imports
+# what those processes import, once, with bytecode written (-I: that variable and the current
+# folder ignored): .pyc files for the 2,900 of the venv's 11,700 modules that run, at the
+# interpreter's own optimization level, and none in src/ or the repository (ddpcheck is not
+# imported). 17 s of CPU, against 37 s for `compileall -j 0` of all of site-packages (a quarter of
+# it transformers' per-model files no test imports) and 11 s for exactly the files the warm-up
+# writes; figures in docs/figures.md. A module it misses is compiled at import, as before.
+define WARM_UP
+import importlib, sys
+
+def warm(name):
+    try:
+        return importlib.import_module(name)
+    except Exception as error:  # left to compile at import, as before
+        print(f"bytecode warm-up: {name}: {error!r}", file=sys.stderr)
+
+torch = warm("torch")
+if torch:  # a rank's first optimizer imports dynamo
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+for name in [
+    "torch.distributed", "torch.nn.parallel", "torch.distributed.optim",
+    "torch.distributed.fsdp", "torch.distributed.algorithms.ddp_comm_hooks",
+    "numpy", "hypothesis", "pytest", "xdist.plugin", "xdist.remote", "execnet",
+    "lightning", "accelerate", "transformers.trainer",
+]:
+    warm(name)
+for plugin in getattr(warm("_pytest.config"), "default_plugins", ()):  # every pytest loads them
+    warm(f"_pytest.{plugin}")
+endef
+
+$(STAMP): export WARM_UP := $(WARM_UP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet --no-compile -c constraints.txt -e '.[frameworks]'
 	$(BIN)/pip install --quiet --no-compile -c constraints.txt --group lint
+	$(BIN)/python -I -c "$$WARM_UP"
 	touch $(STAMP)
 
 check: $(STAMP)
