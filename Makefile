@@ -18,17 +18,20 @@ TOOLS := .venv-build
 .PHONY: check lint test bench dist clean
 
 # --no-compile: byte-compiling every installed module (torch's thousands) was two thirds of the
-# install's CPU (50 s against 19 s on the 2-core machine). But a module's first import writes its
-# .pyc only where bytecode is written: under PYTHONDONTWRITEBYTECODE=1 (our machines' and CI's
-# environment) nothing ever was, and every process -- pytest's workers, each command and its fork
-# server -- compiled torch and the rest again (8.3 s of CPU to import torch and dynamo against
-# 3.9 s compiled; reading .pyc files still works under that variable). So the install then imports
-# what those processes import, once, with bytecode written (-I: that variable and the current
-# folder ignored): .pyc files for the 2,900 of the venv's 11,700 modules that run, at the
-# interpreter's own optimization level, and none in src/ or the repository (ddpcheck is not
-# imported). 17 s of CPU, against 37 s for `compileall -j 0` of all of site-packages (a quarter of
-# it transformers' per-model files no test imports) and 11 s for exactly the files the warm-up
-# writes; figures in docs/figures.md. A module it misses is compiled at import, as before.
+# install's CPU (50 s against 19 s on the 2-core machine). Yet under PYTHONDONTWRITEBYTECODE=1 (our
+# machines' and CI's environment) no import writes a .pyc either, so every process -- pytest's
+# workers, each command and its fork server -- compiled torch and the rest again (reading .pyc
+# files still works under that variable). The install therefore imports, once and with bytecode
+# written (-I ignores that variable and the current folder), what those processes import: .pyc
+# files for the ~2,900 of the venv's 11,700 modules that run, at the interpreter's own
+# optimization level, none in src/ or the repository (ddpcheck is not imported); a module it
+# misses compiles at import, as before. Measured 2026-12-07 on clean clones, the machine loaded
+# (load 3-12), CPU seconds: this warm-up 13-19 s, where `compileall -j 0` of all of site-packages
+# took 40-43 s and of the 38 packages the tests import 40-45 s (a quarter of the source is
+# transformers' per-model files); the whole install 30-38 s -> 41-48 s; after it, `import torch,
+# hypothesis, pytest` 4.6 -> 2.3 s, a fork server's torch and dynamo 8.8 -> 3.7 s, a pytest
+# worker's collection 17.7 -> 10.8 s, `ddpcheck check parallel --examples 2 --world-sizes 2`
+# 17.6 -> 8.2 s (wall figures in docs/figures.md).
 define WARM_UP
 import importlib, sys
 
