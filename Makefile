@@ -18,13 +18,50 @@ TOOLS := .venv-build
 .PHONY: check lint test bench dist clean
 
 # --no-compile: byte-compiling every installed module (torch's thousands) was two thirds of the
-# install's CPU (50 s against 19 s on the 2-core machine); the first import of a module writes its
-# .pyc, so only what runs is compiled, once.
+# install's CPU (50 s against 19 s on the 2-core machine). Yet under PYTHONDONTWRITEBYTECODE=1 (our
+# machines' and CI's environment) no import writes a .pyc either, so every process -- pytest's
+# workers, each command and its fork server -- compiled torch and the rest again (reading .pyc
+# files still works under that variable). The install therefore imports, once and with bytecode
+# written (-I ignores that variable and the current folder), what those processes import: .pyc
+# files for the ~2,900 of the venv's 11,700 modules that run, at the interpreter's own
+# optimization level, none in src/ or the repository (ddpcheck is not imported); a module it
+# misses compiles at import, as before. Measured 2026-12-07 on clean clones, the machine loaded
+# (load 3-12), CPU seconds: this warm-up 13-19 s, where `compileall -j 0` of all of site-packages
+# took 40-43 s and of the 38 packages the tests import 40-45 s (a quarter of the source is
+# transformers' per-model files); the whole install 30-38 s -> 41-48 s; after it, `import torch,
+# hypothesis, pytest` 4.6 -> 2.3 s, a fork server's torch and dynamo 8.8 -> 3.7 s, a pytest
+# worker's collection 17.7 -> 10.8 s, `ddpcheck check parallel --examples 2 --world-sizes 2`
+# 17.6 -> 8.2 s (wall figures in docs/figures.md).
+define WARM_UP
+import importlib, sys
+
+def warm(name):
+    try:
+        return importlib.import_module(name)
+    except Exception as error:  # left to compile at import, as before
+        print(f"bytecode warm-up: {name}: {error!r}", file=sys.stderr)
+
+torch = warm("torch")
+if torch:  # a rank's first optimizer imports dynamo
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+for name in [
+    "torch.distributed", "torch.nn.parallel", "torch.distributed.optim",
+    "torch.distributed.fsdp", "torch.distributed.algorithms.ddp_comm_hooks",
+    "numpy", "hypothesis", "pytest", "xdist.plugin", "xdist.remote", "execnet",
+    "lightning", "accelerate", "transformers.trainer",
+]:
+    warm(name)
+for plugin in getattr(warm("_pytest.config"), "default_plugins", ()):  # every pytest loads them
+    warm(f"_pytest.{plugin}")
+endef
+
+$(STAMP): export WARM_UP := $(WARM_UP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet --no-compile -c constraints.txt -e '.[frameworks]'
 	$(BIN)/pip install --quiet --no-compile -c constraints.txt --group lint
+	$(BIN)/python -I -c "$$WARM_UP"
 	touch $(STAMP)
 
 check: $(STAMP)
