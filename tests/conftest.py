@@ -33,6 +33,12 @@ SHARED = {
         "examples-fuzzed"
     ),
     "tests/targets/test_examples.py::test_the_replay_line_fails_the_same_way": "examples-fuzzed",
+    # one task in a world answering many parametrized tests: once, not once per worker
+    "tests/front/test_bad_input.py::test_parallel_argument_errors_name_the_argument": (
+        "parallel-answers"
+    ),
+    "tests/parallel/test_sharded_optimizer.py::test_misuse_raises_a_message_naming": "misuse",
+    "tests/runs/test_trace.py::": "traces",  # `traces`: one traced step at W=2
 }
 
 
