@@ -3,10 +3,12 @@
 Each function validates its arguments, then returns a strategy; arguments are keyword-only.
 Everything drawn is plain, picklable data whose ``repr`` is code (a failing example prints as a
 line that rebuilds it), and shrinks towards the simplest case: fewer and plainer layers, one
-world size of 1, SGD, one step, no accumulation, float64.
+world size of 1, SGD, one step, no accumulation, float64. The strategies here take feature
+sets, never a target: ``examples(target)``, which reads what a target supports, lives beside
+the targets (``ddpcheck.targets.support``); ``ddpcheck.strategies`` hands on both.
 
     from hypothesis import given
-    from ddpcheck._language import strategies as dst
+    from ddpcheck import strategies as dst
 
     @given(example=dst.examples(MY_TARGET, world_sizes=(1, 2)))
     def test_my_ddp(example):
@@ -19,14 +21,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from hypothesis import strategies as st
 
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
-from ddpcheck._base.options import DEFAULT_WORLD_SIZES, check_world_sizes
+from ddpcheck._base.options import check_world_sizes
 from ddpcheck._language import features
 from ddpcheck._language.models import KINDS, Layer, ModelSpec
 from ddpcheck._language.scenario import Scenario
@@ -40,7 +42,6 @@ __all__ = [
     "NEEDS_SEVERAL_RANKS",
     "bucket_sizes",
     "can_exercise",
-    "examples",
     "exercising",
     "gpt_models",
     "layers",
@@ -418,7 +419,7 @@ def scenarios(
     of the simplest model, without clipping or checkpoint, in one registration order.
 
     ``without`` names features of ``ddpcheck.features.FEATURES`` never to generate (what a
-    target does not support; :func:`examples` reads them from the target): they cost no
+    target does not support; ``examples`` reads them from the target): they cost no
     example. ``uneven-batches`` needs ``world_size`` (the
     batch is then a multiple of it); the model-derived features are honoured by the default
     model strategy (pass your own ``models`` and it is yours to honour them). ``opt_in`` names
@@ -470,71 +471,34 @@ def scenarios(
     )
 
 
-def examples(
-    target: Any,
-    *,
-    world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
-    dtypes: Sequence[str] = ("float64",),
-    without: Iterable[str] = (),
-    only: Iterable[str] = (),
-) -> st.SearchStrategy[tuple[Scenario, int]]:
-    """``(scenario, world_size)`` pairs that ``target`` runs, the random examples ``ddpcheck
-    check`` draws for it: a world size of ``world_sizes``, then :func:`scenarios` without the
-    features ``target`` does not support (``supported_features``, its :data:`OPT_IN
-    <ddpcheck.features.OPT_IN>` attributes) nor those of ``without`` -- at that world size, so
-    ``uneven-batches`` and ``unused-on-some-ranks`` are honoured too -- and resumed
-    checkpoints at one of ``world_sizes``. The rare pair still declined (its ``supports()``,
-    a feature only its model reveals) is filtered out. So ``check_example`` never refuses a
-    drawn pair as :class:`ddpcheck.NothingChecked` for what the target declines, as it refuses
-    a scenario of :func:`scenarios` that needs a declined feature. Raises ``NothingChecked``
-    when the target supports none of ``dtypes``. ``only``: every pair exercises one of these
-    features (as ``ddpcheck check --only``). Shrinks towards the first world size and the
-    simplest scenario."""
-    focus = features.parse(only, "only")
-    sizes, per_size, excluded = _for_target(target, world_sizes, dtypes, without, focus)
-    runs = {
-        w: per_size[w].filter(functools.partial(_runs, target, w, excluded, focus)) for w in sizes
-    }
-    return _examples(st.sampled_from(sizes), runs)
-
-
 @st.composite
-def _examples(draw: st.DrawFn, sizes: st.SearchStrategy[int], runs: dict) -> tuple[Scenario, int]:
+def paired(
+    draw: st.DrawFn, sizes: st.SearchStrategy[int], runs: Mapping[int, st.SearchStrategy[Scenario]]
+) -> tuple[Scenario, int]:
+    """``(scenario, world_size)``: a world size of ``sizes``, then a scenario of its strategy in
+    ``runs`` (``ddpcheck.strategies.examples`` draws a target's examples so)."""
     world_size = draw(sizes)
     return draw(runs[world_size]), world_size
 
 
-def _runs(
-    target: Any,
-    world_size: int,
-    excluded: frozenset[str],
-    focus: frozenset[str],
-    scenario: Scenario,
-) -> bool:
-    return features.declines(target, scenario, world_size, excluded, focus) is None
-
-
-def _for_target(
-    target: Any,
-    world_sizes: Any,
+def per_world_size(
+    sizes: tuple[int, ...],
     dtypes: Sequence[str],
-    without: Iterable[str],
-    only: Iterable[str] = (),
-) -> tuple[tuple[int, ...], dict[int, st.SearchStrategy[Scenario]], frozenset[str]]:
-    """``(world sizes, {W: scenarios target runs at W}, the features without excludes)``: one
-    definition of what a target is drawn, for :func:`examples` and ``ddpcheck check``'s own
-    random examples (``_runs.fuzz``), which tallies the declined draws itself. Built once per
-    call: Hypothesis validates a strategy the first time it draws from it. ``only``: drawn to
-    exercise one of these features (:func:`exercising`), at the world sizes where one can be."""
-    sizes = check_world_sizes("world_sizes", world_sizes)
-    excluded = features.parse(without, "without")
-    focus = features.parse(only, "only")
-    unsupported = features.unsupported(target, excluded)
+    unsupported: frozenset[str],
+    focus: frozenset[str],
+    who: str,
+) -> dict[int, st.SearchStrategy[Scenario]]:
+    """``{W: the scenarios drawn at W}`` for a target checked on none of ``unsupported`` (the
+    features it does not support, and those the user excluded), named ``who``: :func:`scenarios`
+    at each of ``sizes``, or -- with ``focus`` (``--only``) -- :func:`exercising` one of those
+    features, at the world sizes where one can be. Built once per call: Hypothesis validates a
+    strategy the first time it draws from it. Raises ``NothingChecked`` when nothing can be
+    drawn."""
     opt_in = frozenset(features.OPT_IN) - unsupported  # generated only for a target that opts in
     kept = tuple(d for d in dtypes if d not in unsupported)
     if not kept:
         raise NothingChecked(
-            f"{type(target).__name__} supports none of the dtypes "
+            f"{who} supports none of the dtypes "
             f"{', '.join(dtypes)} once `without` (--without) is applied"
         )
     if focus:
@@ -561,8 +525,8 @@ def _for_target(
                 f"no world size of {sizes} can exercise "
                 f"{', '.join(sorted(focus))} (one rank holds every sample)"
             )
-        return tuple(per_size), per_size, excluded
-    per_size = {
+        return per_size
+    return {
         w: scenarios(
             models=models(mixed_dtypes=True, without=unsupported),
             dtypes=kept,
@@ -573,7 +537,24 @@ def _for_target(
         )
         for w in sizes
     }
-    return sizes, per_size, excluded
+
+
+def _for_target(
+    target: Any,
+    world_sizes: Any,
+    dtypes: Sequence[str],
+    without: Iterable[str],
+    only: Iterable[str] = (),
+) -> tuple[tuple[int, ...], dict[int, st.SearchStrategy[Scenario]], frozenset[str]]:
+    """TEMPORARY: moved to ``ddpcheck.targets.support.example_strategies``; ``_runs.fuzz``
+    switches in the one-engine change, then this goes (with ``features.unsupported``)."""
+    sizes = check_world_sizes("world_sizes", world_sizes)
+    excluded = features.parse(without, "without")
+    focus = features.parse(only, "only")
+    per_size = per_world_size(
+        sizes, dtypes, features.unsupported(target, excluded), focus, type(target).__name__
+    )
+    return tuple(per_size), per_size, excluded
 
 
 #: Features no example at W=1 can exercise: one rank holds every sample.

@@ -32,12 +32,12 @@ from ddpcheck._base.options import (
     check_world_sizes,
 )
 from ddpcheck._language.battery import BATTERY
-from ddpcheck._language.features import declines
 from ddpcheck._language.messages import scenario_line as brief
 from ddpcheck._runs.example import check_example, prepare_reference
 from ddpcheck._runs.fuzz import fuzz
 from ddpcheck._world.registry import get_world
 from ddpcheck.targets.protocol import Target
+from ddpcheck.targets.support import declines
 
 __all__ = [
     "Counterexample",
