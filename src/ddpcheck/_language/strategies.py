@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 import torch
 from hypothesis import strategies as st
@@ -289,15 +288,17 @@ def _scenarios(
 ) -> Scenario:
     if tokens is None:  # a fifth of scenarios train a language model (shrinking towards none)
         tokens = "tokens" not in without and draw(st.sampled_from((False,) * 4 + (True,)))
-    spec: Any  # a GPTConfig (a language model) or a ModelSpec
+    spec: GPTConfig | ModelSpec  # a language model, or layers on a hidden state
+    mixed = False  # float32 layers in a float64 model
     if tokens:
         spec, data, loss = draw(gpt_models(without=without)), token_data, "token_cross_entropy"
     else:
-        spec = draw(model_strategy)
-        data, loss = spec.data, "squared_error"
+        spec = layered = draw(model_strategy)
+        data, loss = layered.data, "squared_error"
+        mixed = any(layer.float32 for layer in layered.layers)
     optimizer, kwargs = draw(optimizers())
     dtype = draw(st.sampled_from(dtypes))
-    float32 = dtype == "float32" or (not tokens and any(layer.float32 for layer in spec.layers))
+    float32 = dtype == "float32" or mixed
     if float32 and optimizer is not torch.optim.SGD:
         # Adam divides by sqrt(v) + eps: on a gradient that is zero in exact arithmetic (a key
         # bias under softmax, say) float32 rounding noise of ~1e-9 becomes an O(lr) update with
@@ -540,8 +541,8 @@ def per_world_size(
 
 
 def _for_target(
-    target: Any,
-    world_sizes: Any,
+    target: object,
+    world_sizes: Iterable[int],
     dtypes: Sequence[str],
     without: Iterable[str],
     only: Iterable[str] = (),
@@ -667,38 +668,55 @@ def _forced(
     resumes: tuple[int, ...],
 ) -> Scenario:
     s = draw(drawn)
-    change: dict[str, Any] = {}
+    # keyword arguments are evaluated in order: the draws are those of one change at a time
     if feature == "accumulation":
-        change["accumulation"] = draw(st.integers(2, 3))
-    elif feature == "param-groups" and s.param_groups is None:
-        change["param_groups"] = BiasGroups()
-    elif feature == "lr-schedule":
-        change["lr_decay"] = 0.5
-    elif feature == "grads-kept":
-        change["set_to_none"] = False
-    elif feature == "rank-orders":
-        change["rank_orders"] = True
-    elif feature == "clipping" and s.max_grad_norm is None:
-        change["max_grad_norm"] = draw(st.sampled_from(MAX_GRAD_NORMS))
-        change["grad_norm_type"] = draw(st.sampled_from((2.0, math.inf)))
-    elif feature == "checkpoint" and s.checkpoint_after is None:
-        change["steps"] = max(s.steps, 2)
-        change["checkpoint_after"] = draw(st.integers(0, change["steps"] - 2))
-        change["resume_world_size"] = draw(st.one_of(st.none(), st.sampled_from(resumes)))
-    elif feature == "uneven-batches" and world_size > 1 and s.global_batch % world_size == 0:
-        change["global_batch"] = s.global_batch - 1  # >= W - 1 >= 1, and not a multiple of W
-    elif feature == "autocast" and s.autocast is None:
-        change["autocast"] = draw(st.sampled_from((torch.bfloat16, torch.float16)))
-        change["param_dtype"] = None
-        change["optimizer_kwargs"] = _low_precision(s.optimizer, s.optimizer_kwargs)
-    elif feature == "param-dtype" and s.param_dtype is None:
-        change["param_dtype"] = torch.bfloat16
-        change["autocast"] = None
-        change["optimizer_kwargs"] = _low_precision(s.optimizer, s.optimizer_kwargs)
-    elif feature == "unused-on-some-ranks":  # few samples per rank: some rank skips the layer
-        change["global_batch"] = (
-            world_size * draw(st.integers(1, 2))
-            if even_batches
-            else draw(st.integers(1, 2 * world_size))
+        return dataclasses.replace(s, accumulation=draw(st.integers(2, 3)))
+    if feature == "param-groups" and s.param_groups is None:
+        return dataclasses.replace(s, param_groups=BiasGroups())
+    if feature == "lr-schedule":
+        return dataclasses.replace(s, lr_decay=0.5)
+    if feature == "grads-kept":
+        return dataclasses.replace(s, set_to_none=False)
+    if feature == "rank-orders":
+        return dataclasses.replace(s, rank_orders=True)
+    if feature == "clipping" and s.max_grad_norm is None:
+        return dataclasses.replace(
+            s,
+            max_grad_norm=draw(st.sampled_from(MAX_GRAD_NORMS)),
+            grad_norm_type=draw(st.sampled_from((2.0, math.inf))),
         )
-    return dataclasses.replace(s, **change) if change else s
+    if feature == "checkpoint" and s.checkpoint_after is None:
+        steps = max(s.steps, 2)
+        return dataclasses.replace(
+            s,
+            steps=steps,
+            checkpoint_after=draw(st.integers(0, steps - 2)),
+            resume_world_size=draw(st.one_of(st.none(), st.sampled_from(resumes))),
+        )
+    if feature == "uneven-batches" and world_size > 1 and s.global_batch % world_size == 0:
+        # >= W - 1 >= 1, and not a multiple of W
+        return dataclasses.replace(s, global_batch=s.global_batch - 1)
+    if feature == "autocast" and s.autocast is None:
+        return dataclasses.replace(
+            s,
+            autocast=draw(st.sampled_from((torch.bfloat16, torch.float16))),
+            param_dtype=None,
+            optimizer_kwargs=_low_precision(s.optimizer, s.optimizer_kwargs),
+        )
+    if feature == "param-dtype" and s.param_dtype is None:
+        return dataclasses.replace(
+            s,
+            param_dtype=torch.bfloat16,
+            autocast=None,
+            optimizer_kwargs=_low_precision(s.optimizer, s.optimizer_kwargs),
+        )
+    if feature == "unused-on-some-ranks":  # few samples per rank: some rank skips the layer
+        return dataclasses.replace(
+            s,
+            global_batch=(
+                world_size * draw(st.integers(1, 2))
+                if even_batches
+                else draw(st.integers(1, 2 * world_size))
+            ),
+        )
+    return s

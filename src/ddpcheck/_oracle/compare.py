@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, SupportsFloat
 
 import torch
 
@@ -588,8 +588,10 @@ def compare_schedule(
         for key, expected in ref.schedule.items():
             got = held.get(key)
             if key.startswith("lr "):
-                same = isinstance(got, (int, float)) and math.isclose(
-                    got, expected, rel_tol=rtol, abs_tol=atol
+                same = (
+                    isinstance(got, (int, float))
+                    and isinstance(expected, SupportsFloat)
+                    and math.isclose(got, expected, rel_tol=rtol, abs_tol=atol)
                 )
             else:
                 same = got == expected

@@ -237,7 +237,7 @@ def _train(
             for p in model.parameters():
                 if p.is_floating_point():
                     p.copy_(p.to(scenario.param_dtype))
-    names = {p: n for n, p in model.named_parameters()}
+    names: dict[torch.Tensor, str] = {p: n for n, p in model.named_parameters()}
     initial = initial_state(model)
     optimizer = scenario.optimizer(make_param_groups(scenario, model), **scenario.optimizer_kwargs)
     scheduler = make_scheduler(scenario, optimizer)
