@@ -28,7 +28,7 @@ import inspect
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Any, Protocol, TypeAlias
 
 import torch
 from torch import nn
@@ -40,12 +40,18 @@ __all__ = [
     "FitRun",
     "Loop",
     "OptimizerLike",
+    "Params",
     "SchedulerLike",
     "make_scheduler",
     "micro_batch_loss",
     "optimizer_kwargs",
     "train",
 ]
+
+
+#: What an optimizer is built over: the module's parameters, or its param groups
+#: (``Scenario.param_groups``), each a dict of its own options as torch's are.
+Params: TypeAlias = list[torch.Tensor] | list[dict[str, Any]]
 
 
 class OptimizerLike(Protocol):
@@ -145,7 +151,7 @@ class FitRun:
 
     scenario: Scenario
     module: nn.Module
-    params: list[nn.Parameter] | list[dict[str, object]]
+    params: Params
     optimizer: type[torch.optim.Optimizer]
     optimizer_kwargs: dict
     gamma: float | None
