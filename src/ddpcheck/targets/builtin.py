@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
-import os
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -20,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.training import OptimizerLike, Params
-from ddpcheck.targets.configuration import load_config, reconcile
+from ddpcheck.targets.configuration import Config, load_config, reconcile
 from ddpcheck.targets.fsdp import (
     broadcast_from,
     config_options,
@@ -174,7 +173,7 @@ class TorchZeroTarget(TorchDDPTarget):
     #: your ``ZeroRedundancyOptimizer`` keyword arguments (a dict, or the path of a JSON file
     #: holding one): ``parameters_as_bucket_view``; the scenario's and the harness's refused
     #: (:data:`ZERO_SCENARIO_KEYS`, :data:`ZERO_HARNESS_KEYS`)
-    config: Mapping[str, object] | str | os.PathLike[str] | None = None
+    config: Config = None
 
     shards_optimizer_state = True
 
@@ -298,7 +297,7 @@ class TorchFSDPTarget(Target):
     #: ``CPUOffloadPolicy``'s keyword arguments; ``mp_policy``'s fields are the scenario's
     #: (``param_dtype``) or the harness's, refused like every such key
     #: (``ddpcheck.targets.fsdp.FSDP_SCENARIO_KEYS``, ``FSDP_HARNESS_KEYS``)
-    config: Mapping[str, object] | str | os.PathLike[str] | None = None
+    config: Config = None
     applies_param_dtype = True
 
     # Found by trying; what supports() declines besides: see ddpcheck.targets.fsdp.

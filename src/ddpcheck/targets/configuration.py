@@ -28,7 +28,7 @@ import inspect
 import json
 import os
 from collections.abc import Callable, Collection, Mapping
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeAlias, TypeVar
 
 from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._base.options import did_you_mean
@@ -38,8 +38,13 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+#: A target's ``config=``: the framework's keyword arguments as a dict, or the path of a JSON file
+#: holding one (None: none given).
+Config: TypeAlias = "Mapping[str, object] | str | os.PathLike[str] | None"
+
 __all__ = [
     "RULE",
+    "Config",
     "build",
     "construct",
     "described",
