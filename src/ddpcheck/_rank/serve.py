@@ -19,13 +19,15 @@ from __future__ import annotations
 import ctypes
 import datetime
 import faulthandler
+import functools
 import gc
 import os
 import pickle
 import signal
 import sys
 import traceback
-from typing import Any, NoReturn
+from multiprocessing.connection import Connection
+from typing import NoReturn, TextIO
 
 from ddpcheck._base.errors import DdpcheckError
 from ddpcheck._base.options import STARTUP_DEADLINE
@@ -97,7 +99,7 @@ def serving() -> bool:
     return _serving
 
 
-def _install_dumps(stack_file: Any, log: Any) -> None:
+def _install_dumps(stack_file: TextIO, log: TextIO) -> None:
     """faulthandler's handlers, installed afresh: SIGUSR1 dumps every thread's stack to
     ``stack_file`` (a hang's diagnosis), and a crash (SIGABRT from gloo, SIGSEGV) leaves its
     Python stack in ``log``, whose tail the parent reports with the exit status. Afresh before
@@ -111,7 +113,7 @@ def _install_dumps(stack_file: Any, log: Any) -> None:
     faulthandler.enable(file=log, all_threads=True)
 
 
-def rank_main(launch: Launch, conn: Any) -> None:
+def rank_main(launch: Launch, conn: Connection) -> None:
     """Join the process group on ``launch.device`` (``_base.devices``), then run tasks from the
     parent, arriving on ``conn``, until told to stop. A forked rank takes ``launch.environ``, the
     parent's environment as it launched the world (it sets ``WORLD_DIR_ENV``, and whatever the
@@ -156,17 +158,20 @@ def rank_main(launch: Launch, conn: Any) -> None:
         # Two cores host up to W ranks: intra-op threads would only oversubscribe them.
         torch.set_num_threads(1)
         placed = enter_rank(launch.device, launch.rank)
-        # NCCL: create the communicator now, inside the start-up deadline (the keyword only
-        # there: torch before 2.3 has no device_id)
-        nccl: dict[str, Any] = {"device_id": placed} if launch.backend == "nccl" else {}
-        dist.init_process_group(
+        init = functools.partial(
+            dist.init_process_group,
             launch.backend,
             store=dist.FileStore(launch.store_path, launch.world_size),
             rank=launch.rank,
             world_size=launch.world_size,
             timeout=datetime.timedelta(seconds=STARTUP_DEADLINE),
-            **nccl,
         )
+        # NCCL: create the communicator now, inside the start-up deadline (the keyword only
+        # there: torch before 2.3 has no device_id)
+        if launch.backend == "nccl":
+            init(device_id=placed)
+        else:
+            init()
         comm.install()
         # The first optimizer a process builds imports torch._dynamo (seconds); pay that here,
         # inside the start-up deadline, not inside the first example's.
@@ -227,7 +232,7 @@ def rank_main(launch: Launch, conn: Any) -> None:
         _send(conn, message)
 
 
-def _send(conn: Any, message: Answer) -> None:
+def _send(conn: Connection, message: Answer) -> None:
     try:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
@@ -244,7 +249,7 @@ def _send(conn: Any, message: Answer) -> None:
     conn.send_bytes(data)
 
 
-def _exit(code: int, log: Any) -> NoReturn:
+def _exit(code: int, log: TextIO) -> NoReturn:
     """Leave without running gloo's destructors.
 
     Tearing the process group down right before exit races with gloo's worker threads (SIGABRT in
