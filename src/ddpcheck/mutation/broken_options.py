@@ -139,7 +139,7 @@ def _per_micro_batch_trainer() -> type:
     counts the input tokens seen (made here: transformers is imported only in the ranks)."""
     from transformers import Trainer
 
-    # Trainer is Any to mypy (pyproject.toml skips transformers)
+    # mypy reads Trainer untyped (pyproject.toml skips transformers)
     class PerMicroBatchWhenCounting(Trainer):  # type: ignore[misc]
         def compute_loss(
             self,

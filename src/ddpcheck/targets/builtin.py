@@ -80,7 +80,7 @@ class ParallelDDPTarget(_Bucketed):
     # is not applied.
     declined_features: ClassVar[Mapping[str, str]] = {"param-dtype": NO_PARAM_DTYPE}
 
-    def wrap(self, module: nn.Module) -> DDP:
+    def wrap(self, module: nn.Module) -> nn.Module:
         return DDP(module, bucket_size_mb=self.bucket_size_mb or 25.0)
 
     def after_backward(self, model: nn.Module, optimizer: OptimizerLike) -> None:
@@ -143,7 +143,7 @@ class TorchDDPTarget(_Bucketed):
         "param-dtype": NO_PARAM_DTYPE,
     }
 
-    def wrap(self, module: nn.Module) -> DistributedDataParallel:
+    def wrap(self, module: nn.Module) -> nn.Module:
         # Unused parameters are part of every battery; torch needs to be told to look for them.
         if self.bucket_size_mb is None:
             return DistributedDataParallel(module, find_unused_parameters=True)
