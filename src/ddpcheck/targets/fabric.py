@@ -183,8 +183,8 @@ _FABRIC = "ddpcheck_fabric"
 
 def _part(wrapped: object, name: str) -> Any:
     """What ``wrapped`` holds as ``name``: the example's ``Fabric`` (hung on the model by
-    setup), or the optimizer Fabric's wrapper holds. Any: Lightning types Fabric's methods with
-    its private wrapper classes (``_FabricModule``), which ddpcheck does not import."""
+    setup), or the optimizer Fabric's wrapper holds. Untyped: Lightning types Fabric's methods
+    with its private wrapper classes (``_FabricModule``), which ddpcheck does not import."""
     return getattr(wrapped, name)
 
 
