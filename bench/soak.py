@@ -61,6 +61,7 @@ from ddpcheck import batches, check_example, targets, zoo  # noqa: E402
 from ddpcheck import strategies as dst  # noqa: E402
 from ddpcheck._oracle.compare import CHAOTIC  # noqa: E402
 from ddpcheck._oracle.reference import noise_computed  # noqa: E402
+from ddpcheck._runs.admission import Settings  # noqa: E402
 from ddpcheck._runs.example import prepare_reference  # noqa: E402
 from ddpcheck._world.registry import shutdown_worlds  # noqa: E402
 from ddpcheck.features import FEATURES, declines, of  # noqa: E402
@@ -226,7 +227,7 @@ STRATEGY_TARGETS = [
 
 class _Tally:
     """What the --strategies soak counts of every example ``fuzz`` runs, seen where ``fuzz``
-    runs them (``_runs.pipeline.one_behind_the_other``, wrapped by :meth:`watching`): dtypes and
+    runs them (``_runs.engine.one_behind_the_other``, wrapped by :meth:`watching`): dtypes and
     precision policies, world sizes above the global batch, the examples declined as chaotic, and
     those whose judgement computed the reference's noise variants (printed)."""
 
@@ -235,8 +236,8 @@ class _Tally:
         self.noise = noise_computed()
 
     def watching(self, run, name: str):
-        def wrapped(target, items, **kwargs):
-            for item, outcome in run(target, items, **kwargs):
+        def wrapped(items, settings, **kwargs):
+            for item, outcome in run(items, settings, **kwargs):
                 self.see(name, item, outcome)
                 yield item, outcome
 
@@ -293,13 +294,13 @@ def strategies_soak(
     examples: int, seed: int, chunk: int = 500, max_seconds: float | None = None
 ) -> int:
     """``ddpcheck.fuzz`` -- check's random examples -- over STRATEGY_TARGETS in turn."""
-    from ddpcheck._runs import fuzz as fuzzing
+    from ddpcheck._runs import engine
 
     started = time.perf_counter()
     ran: collections.Counter = collections.Counter()
     tally = _Tally()
     found, declined, rounds = [], 0, 0
-    pipeline = fuzzing.one_behind_the_other
+    pipeline = engine.one_behind_the_other
     try:
         while sum(ran.values()) < examples:
             if max_seconds and time.perf_counter() - started > max_seconds:
@@ -308,7 +309,7 @@ def strategies_soak(
             name, target, sizes = STRATEGY_TARGETS[rounds % len(STRATEGY_TARGETS)]
             chunk_seed = seed * 1_000_003 + rounds
             rounds += 1
-            fuzzing.one_behind_the_other = tally.watching(pipeline, name)
+            engine.one_behind_the_other = tally.watching(pipeline, name)
             result = ddpcheck.fuzz(
                 target,
                 examples=chunk,
@@ -335,7 +336,7 @@ def strategies_soak(
                 flush=True,
             )
     finally:
-        fuzzing.one_behind_the_other = pipeline
+        engine.one_behind_the_other = pipeline
         shutdown_worlds()
     seconds = time.perf_counter() - started
     total, counts = sum(ran.values()), tally.counts
@@ -442,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
                             target,
                             sc,
                             w,
-                            deadline=args.deadline,
+                            Settings(deadline=args.deadline),
                             reference=reference,
                             name=f"soak-{index}",
                         )

@@ -56,20 +56,20 @@ def _fresh_world_example(world_size: int, start_method: str) -> float:
 def _drawn(world_size: int, examples: int, seed: int) -> list:
     """The scenarios ``fuzz(PARALLEL)`` runs at ``world_size`` with ``seed``: captured while it
     runs them, so Hypothesis draws exactly what it draws for ``ddpcheck check``."""
-    from ddpcheck._runs import fuzz as fuzzing
+    from ddpcheck._runs import engine, fuzz
 
-    drawn, run = [], fuzzing.one_behind_the_other
+    drawn, run = [], engine.one_behind_the_other
 
-    def capture(target, items, **kwargs):
-        for item, outcome in run(target, items, **kwargs):
+    def capture(items, settings, **kwargs):
+        for item, outcome in run(items, settings, **kwargs):
             drawn.append(item[2])
             yield item, outcome
 
-    fuzzing.one_behind_the_other = capture
+    engine.one_behind_the_other = capture
     try:
-        fuzzing.fuzz(targets.PARALLEL, examples=examples, world_sizes=(world_size,), seed=seed)
+        fuzz.fuzz(targets.PARALLEL, examples=examples, world_sizes=(world_size,), seed=seed)
     finally:
-        fuzzing.one_behind_the_other = run
+        engine.one_behind_the_other = run
     return drawn
 
 

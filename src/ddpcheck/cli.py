@@ -37,7 +37,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ddpcheck._base.devices import local_world_size, under_torchrun
 from ddpcheck._base.errors import (
@@ -55,6 +55,10 @@ from ddpcheck._front.grammar import (
     parse_command_line,
 )
 from ddpcheck._front.terminal import ProgressLine
+
+if TYPE_CHECKING:
+    from ddpcheck._runs.admission import Request
+    from ddpcheck.targets.protocol import Target
 
 __all__ = [
     "EXIT_CODES",
@@ -93,22 +97,22 @@ def main(argv: list[str] | None = None) -> int:
         else None
     )
     # The live line, from the first second on a terminal: before torch loads (_prepare)
-    args.progress = ProgressLine()
+    progress = ProgressLine()
     if args.command in ("check", "survey") and not _under_torchrun(args):
-        args.progress.show("starting worlds ...")
+        progress.show("starting worlds ...")
     try:
-        return int(_outcome(args.command, lambda: _run(args)))
+        return int(_outcome(args.command, lambda: _run(args, progress)))
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _run(args: argparse.Namespace) -> ExitCode:
+def _run(args: argparse.Namespace, progress: ProgressLine) -> ExitCode:
     """The command; its live line is gone before anything reports how it ended."""
     try:
-        return _COMMANDS[args.command](_prepare(args))
+        return _COMMANDS[args.command](_prepare(args, progress))
     finally:
-        args.progress.close()
+        progress.close()
 
 
 def command() -> NoReturn:
@@ -283,7 +287,34 @@ def _terminate(signum: int, frame: Any) -> None:
     raise Terminated()
 
 
-def _prepare(args: argparse.Namespace) -> argparse.Namespace:
+@dataclasses.dataclass(frozen=True)
+class Invocation:
+    """A command as admitted (:func:`_prepare`): the arguments as parsed (read, never written),
+    the request its options became (``_runs.admission.Request``: what every layer below takes),
+    the target and rule as the command line named them, and the live line."""
+
+    args: argparse.Namespace
+    progress: ProgressLine
+    request: Request
+    #: the target as named (``--config FILE`` included), for the closing lines
+    target_spec: str = ""
+    #: the target's argument alone (the survey command a verdict ends with)
+    target_word: str = ""
+    rule: Callable[..., object] | None = None
+    rule_spec: str = ""
+    #: under torchrun: whether --world-sizes was given (its world must be among them)
+    sizes_asked: bool = False
+
+    @property
+    def world_sizes(self) -> tuple[int, ...]:
+        return self.request.world_sizes
+
+    @property
+    def target(self) -> Target:
+        return self.request.target
+
+
+def _prepare(args: argparse.Namespace, progress: ProgressLine) -> Invocation:
     """The command's request, admitted (``_runs.admission``, as at every door, cheapest check
     first: the device, the world sizes against the machine, the deadline, features, dtypes, the
     scenario, then the target or rule, whose import may be slow), and the output paths -- all
@@ -292,20 +323,20 @@ def _prepare(args: argparse.Namespace) -> argparse.Namespace:
     from ddpcheck._runs import admission
 
     if args.command == "targets":
-        return args
+        return Invocation(args, progress, admission.admit())
     torchrun = _under_torchrun(args)
     spelling = admission.COMMAND_LINE
+    sizes_asked = getattr(args, "world_sizes", None) is not None
     if torchrun:  # torchrun's world is the one; --world-sizes must contain it (check_in_world)
-        args.sizes_asked = args.world_sizes is not None
-        sizes: Any = args.world_sizes if args.sizes_asked else (local_world_size(),)
+        sizes: str | tuple[int, ...] = args.world_sizes if sizes_asked else (local_world_size(),)
     elif getattr(args, "world_size", None) is not None:
         sizes = (args.world_size,)
         spelling = dataclasses.replace(spelling, world_sizes="--world-size")
     else:  # `--world-sizes=` is refused as empty, not read as the default
-        sizes = getattr(args, "world_sizes", None)
-        sizes = DEFAULT_WORLD_SIZES if sizes is None else sizes
+        sizes = args.world_sizes if sizes_asked else DEFAULT_WORLD_SIZES
     target = getattr(args, "target", admission.NO_TARGET)
-    args.request = admission.admit(
+    config = getattr(args, "config", None)
+    request = admission.admit(
         target,
         scenario=getattr(args, "scenario", None),
         world_sizes=sizes,
@@ -318,27 +349,28 @@ def _prepare(args: argparse.Namespace) -> argparse.Namespace:
         spelling=spelling,
         fits_machine=not torchrun,
         fuzz_config=getattr(args, "fuzz_config", False),
-        config=getattr(args, "config", None),
+        config=config,
     )
-    if target is not admission.NO_TARGET:
-        args.target_spec, args.target = target, args.request.target
-        args.target_word = target  # the argument alone (target_spec says --config too)
-        if getattr(args, "config", None) is not None:
-            args.target_spec = f"{target} --config {args.config}"
-    if hasattr(args, "world_sizes"):
-        args.world_sizes = args.request.world_sizes
-    if getattr(args, "rule", None) is not None:
-        args.rule_spec, args.rule = args.rule, admission.resolve_rule(args.rule)
+    named = target if isinstance(target, str) else ""
+    rule_spec = getattr(args, "rule", None)
+    rule = None if rule_spec is None else admission.resolve_rule(rule_spec)
     for flag in ("json", "output"):
         if getattr(args, flag, None):
             _check_writable(getattr(args, flag), "-o" if flag == "output" else f"--{flag}")
     if args.command in ("check", "survey") and not torchrun:
         from ddpcheck._world.registry import launch_worlds
 
-        launch_worlds(
-            args.request.world_sizes[:1], device=args.request.device, backend=args.request.backend
-        )
-    return args
+        launch_worlds(request.world_sizes[:1], device=request.device, backend=request.backend)
+    return Invocation(
+        args,
+        progress,
+        request,
+        target_spec=named if config is None else f"{named} --config {config}",
+        target_word=named,
+        rule=rule,
+        rule_spec=rule_spec or "",
+        sizes_asked=sizes_asked,
+    )
 
 
 def _under_torchrun(args: argparse.Namespace) -> bool:
@@ -376,28 +408,28 @@ def _check_writable(path: str, flag: str) -> None:
 # The commands: each prints its report and returns its exit status (or raises an outcome)
 
 
-def _check(args: argparse.Namespace) -> ExitCode:
+def _check(call: Invocation) -> ExitCode:
     from ddpcheck._language import features
     from ddpcheck._language.battery import BATTERY
     from ddpcheck._runs import smaller
+    from ddpcheck._runs.equivalence import run_battery
     from ddpcheck._runs.fuzz import fuzz_admitted, undrawable
-    from ddpcheck.api import run_battery
 
-    if _under_torchrun(args):  # use the world torchrun built instead of spawning one
-        _check_under_torchrun(args)
-    request = args.request
-    without, dtypes, run = request.without, request.random_dtypes, request.run
+    if _under_torchrun(call.args):  # use the world torchrun built instead of spawning one
+        _check_under_torchrun(call)
+    request = call.request
+    without, dtypes = request.without, request.random_dtypes
     started = time.perf_counter()
-    sizes = ",".join(map(str, args.world_sizes)) + (
-        "" if args.device == "cpu" else f" on {args.device}"
+    sizes = ",".join(map(str, call.world_sizes)) + (
+        "" if call.args.device == "cpu" else f" on {call.args.device}"
     )
-    line = args.progress
+    line = call.progress
 
     def battery_done(done: int, total: int) -> None:
         if done == 0:  # off a terminal, the one line of start-up and the battery
             line.phase(
                 f"battery 0/{total}",
-                f"ddpcheck check {args.target_spec}: starting worlds "
+                f"ddpcheck check {call.target_spec}: starting worlds "
                 f"(world sizes {sizes}), then the battery: {len(BATTERY)} scenarios at each",
             )
         else:
@@ -417,20 +449,20 @@ def _check(args: argparse.Namespace) -> ExitCode:
     except EquivalenceError as found:
         line.show("searching for a smaller counterexample")
         error, what = smaller.first_verdict(
-            args.target,
+            call.target,
             found,
-            world_sizes=args.world_sizes,
+            world_sizes=call.world_sizes,
             without=without,
-            seed=args.seed,
+            seed=call.args.seed,
             say=say,
-            **run,
+            run=request.run,
         )
-        raise smaller.with_features(error, what, _survey_command(args)) from None
+        raise smaller.with_features(error, what, _survey_command(call)) from None
     else:
         battery, declined, exercised = report.count, "", report.features
         say(f"battery: {report}")
     # 2. random examples, shrunk to a minimal counterexample on failure -- if any can be drawn
-    cannot = undrawable(args.target, dtypes, without)
+    cannot = undrawable(call.target, dtypes, without)
     if cannot is not None:  # no dtype left: the battery, in the same dtypes, checked nothing
         say(f"random examples: none can be drawn: {cannot}")
         raise NothingChecked(
@@ -443,36 +475,36 @@ def _check(args: argparse.Namespace) -> ExitCode:
         else ""
     )
     say(
-        f"fuzzing {args.target_spec} with {args.examples} random examples at world sizes "
-        f"{sizes}{'' if args.seed is None else f' (seed {args.seed})'}{options}"
+        f"fuzzing {call.target_spec} with {call.args.examples} random examples at world sizes "
+        f"{sizes}{'' if call.args.seed is None else f' (seed {call.args.seed})'}{options}"
     )
-    line.show(f"random examples 0/{args.examples}")
+    line.show(f"random examples 0/{call.args.examples}")
     result = fuzz_admitted(
         request,
-        examples=args.examples,
-        seed=args.seed,
-        progress=lambda done, _: line.show(f"random examples {done}/{args.examples}"),
+        examples=call.args.examples,
+        seed=call.args.seed,
+        progress=lambda done, _: line.show(f"random examples {done}/{call.args.examples}"),
     )
     line.close()
-    if result.found:
+    if result.error is not None:
         print(
             f"counterexample found after {result.first_failure} examples and shrunk "
             f"({result.examples} examples, {result.seconds:.1f} s):\n"
         )
         raise smaller.with_features(
-            result.error, "the shrunk counterexample", _survey_command(args)
+            result.error, "the shrunk counterexample", _survey_command(call)
         )
     if battery + result.examples == 0:
         reasons = "; ".join(f"{why} ({n}x)" for why, n in result.declined.items())
         drawn = sum(result.declined.values())
         raise NothingChecked(
-            f"{args.target_spec} declined every battery scenario ({declined}) and every one of "
+            f"{call.target_spec} declined every battery scenario ({declined}) and every one of "
             f"the {drawn} random scenario(s) drawn ({reasons or 'no reason given'})"
         )
     for note in result.notes:
         print(f"note: {note}")
     print(
-        f"ddpcheck check {args.target_spec}: nothing found in {battery} battery and "
+        f"ddpcheck check {call.target_spec}: nothing found in {battery} battery and "
         f"{result.examples} random examples ({_declined(result.declined)}), "
         f"{features.exercised(exercised | result.features)} "
         f"(wall {time.perf_counter() - started:.1f} s, world start-up included)"
@@ -492,7 +524,7 @@ def _declined(declined: dict[str, int]) -> str:
     return text + (f"; {unjudgeable} the oracle could not judge" if unjudgeable else "")
 
 
-def _survey_command(args: argparse.Namespace) -> str:
+def _survey_command(call: Invocation) -> str:
     """The ``ddpcheck survey`` that maps which features fail at which of the world sizes this
     check ran (a verdict ends with it: ``_runs.smaller.with_features``)."""
     import shlex
@@ -500,21 +532,23 @@ def _survey_command(args: argparse.Namespace) -> str:
     survey = [
         "ddpcheck",
         "survey",
-        args.target_word,
+        call.target_word,
         "--world-sizes",
-        ",".join(map(str, args.world_sizes)),
+        ",".join(map(str, call.world_sizes)),
     ]
     for flag, value in (
-        ("--config", args.config),
-        ("--without", args.without),
-        ("--device", None if args.device == "cpu" else args.device),
-        ("--backend", args.backend),
+        ("--config", call.args.config),
+        ("--without", call.args.without),
+        ("--device", None if call.args.device == "cpu" else call.args.device),
+        ("--backend", call.args.backend),
     ):
         survey += [flag, value] if value else []
-    return shlex.join(survey + (["--fuzz-config"] if getattr(args, "fuzz_config", False) else []))
+    return shlex.join(
+        survey + (["--fuzz-config"] if getattr(call.args, "fuzz_config", False) else [])
+    )
 
 
-def _check_under_torchrun(args: argparse.Namespace) -> None:
+def _check_under_torchrun(call: Invocation) -> None:
     """Every rank of torchrun's world runs the battery; every rank exits with the verdict."""
     from ddpcheck._runs.torchrun import check_in_world
 
@@ -527,12 +561,12 @@ def _check_under_torchrun(args: argparse.Namespace) -> None:
             file=sys.stderr,
             flush=True,
         )
-    request = args.request
+    request = call.request
     status = check_in_world(
         request.target,
         deadline=request.deadline,
         out=sys.stdout,
-        world_sizes=request.world_sizes if args.sizes_asked else None,
+        world_sizes=request.world_sizes if call.sizes_asked else None,
         without=request.battery_without,
         only=request.only,
         device=request.device,
@@ -545,20 +579,20 @@ def _check_under_torchrun(args: argparse.Namespace) -> None:
     os._exit(status)
 
 
-def _survey(args: argparse.Namespace) -> ExitCode:
+def _survey(call: Invocation) -> ExitCode:
     from ddpcheck._runs import survey
 
-    sizes = ",".join(map(str, args.world_sizes))
-    seed = "" if args.seed is None else f" (seed {args.seed})"
-    line = args.progress
+    sizes = ",".join(map(str, call.world_sizes))
+    seed = "" if call.args.seed is None else f" (seed {call.args.seed})"
+    line = call.progress
     with line.paused():
         what = (
             "each option its config_space() draws x each feature: "
-            if args.fuzz_config
+            if call.args.fuzz_config
             else "the battery and "
         )
         print(
-            f"ddpcheck survey {args.target_spec}: {what}{args.examples} random "
+            f"ddpcheck survey {call.target_spec}: {what}{call.args.examples} random "
             f"examples per feature at world sizes {sizes}{seed}\n",
             flush=True,
         )
@@ -577,18 +611,18 @@ def _survey(args: argparse.Namespace) -> ExitCode:
         line.phase(text, f"ddpcheck survey: {text} ({seconds:.0f} s)")
 
     result = survey.survey_admitted(
-        args.request,
-        examples=args.examples,
-        seed=args.seed,
-        shrink_seconds=args.shrink_seconds,
+        call.request,
+        examples=call.args.examples,
+        seed=call.args.seed,
+        shrink_seconds=call.args.shrink_seconds,
         progress=cell,
     )
     line.close()
     print(result, flush=True)
-    if args.json:
+    if call.args.json:
         import json
 
-        with open(args.json, "w") as f:
+        with open(call.args.json, "w") as f:
             json.dump(result.as_dict(), f, indent=2)
     if result.exit_code == ExitCode.NOTHING_CHECKED:
         print(
@@ -598,55 +632,55 @@ def _survey(args: argparse.Namespace) -> ExitCode:
     return ExitCode(result.exit_code)
 
 
-def _replay(args: argparse.Namespace) -> ExitCode:
+def _replay(call: Invocation) -> ExitCode:
     from ddpcheck._runs.example import check_example, prepare_reference
 
     # Everything about the example is settled before any process starts: the scenario was read
     # and judged with the request (_prepare), its reference is computed now (which is what tells
     # an optimizer that cannot step, or nothing to train) -- one example, so computing it while
     # the ranks run would save little. A declined scenario raises NothingChecked (exit 3).
-    request = args.request
-    reference = prepare_reference(request.scenario)
-    check_example(
-        request.target, request.scenario, args.world_size, reference=reference, **request.run
-    )
-    print(f"ddpcheck replay: equivalent at world size {args.world_size}")
+    request, scenario = call.request, call.request.scenario
+    assert scenario is not None  # replay's --scenario is required (_front.grammar)
+    reference = prepare_reference(scenario)
+    check_example(request.target, scenario, call.args.world_size, request.run, reference=reference)
+    print(f"ddpcheck replay: equivalent at world size {call.args.world_size}")
     return ExitCode.OK
 
 
-def _trace(args: argparse.Namespace) -> ExitCode:
+def _trace(call: Invocation) -> ExitCode:
     import json
 
     from ddpcheck._runs.trace import TRACE_SCENARIO, chrome_trace, overlap, record_step
     from ddpcheck._world.failures import WorldFailure
     from ddpcheck._world.registry import get_world
 
-    if callable(getattr(args.target, "fit", None)):
+    if callable(getattr(call.target, "fit", None)):
         raise UsageError(
-            f"{args.target_spec} owns its training loop (Target.fit); ddpcheck "
+            f"{call.target_spec} owns its training loop (Target.fit); ddpcheck "
             "trace times the steps of its own loop, so it cannot trace this target"
         )
 
     try:
-        traces = get_world(args.world_size).run(
+        traces = get_world(call.args.world_size).run(
             record_step,
-            args.target,
+            call.target,
             TRACE_SCENARIO,
-            deadline=args.request.deadline,
+            deadline=call.request.deadline,
             what="ddpcheck trace",
         )
     except WorldFailure as exc:
         raise UsageError(f"the traced step did not complete on every rank:\n{exc}") from exc
-    with open(args.output, "w") as f:
+    with open(call.args.output, "w") as f:
         json.dump(
             chrome_trace(
-                traces, title=f"ddpcheck trace {args.target_spec} --world-size {args.world_size}"
+                traces,
+                title=f"ddpcheck trace {call.target_spec} --world-size {call.args.world_size}",
             ),
             f,
         )
     print(
-        f"ddpcheck trace {args.target_spec}: one step at world size {args.world_size} written "
-        f"to {args.output} (open it in https://ui.perfetto.dev)"
+        f"ddpcheck trace {call.target_spec}: one step at world size {call.args.world_size} written "
+        f"to {call.args.output} (open it in https://ui.perfetto.dev)"
     )
     for t in traces:
         reduced = sum(c.nbytes for c in t.collectives if c.op == "all_reduce")
@@ -661,7 +695,7 @@ def _trace(args: argparse.Namespace) -> ExitCode:
     return ExitCode.OK
 
 
-def _targets(args: argparse.Namespace) -> ExitCode:
+def _targets(call: Invocation) -> ExitCode:
     from ddpcheck.targets import READY_MADE
 
     for entry in READY_MADE:
@@ -682,35 +716,38 @@ def _targets(args: argparse.Namespace) -> ExitCode:
     return ExitCode.OK
 
 
-def _mutants(args: argparse.Namespace) -> ExitCode:
+def _mutants(call: Invocation) -> ExitCode:
     from ddpcheck.mutation.score import run_mutants
 
     return run_mutants(
-        args.only,
-        budget_seconds=args.budget_seconds,
-        search_name=args.search,
-        world_sizes=args.world_sizes,
-        deadline=args.request.deadline,
+        call.args.only,
+        budget_seconds=call.args.budget_seconds,
+        search_name=call.args.search,
+        world_sizes=call.world_sizes,
+        deadline=call.request.deadline,
     )
 
 
-def _fuzz_rule(args: argparse.Namespace) -> ExitCode:
+def _fuzz_rule(call: Invocation) -> ExitCode:
     import ddpcheck
     from ddpcheck._rules import check as rules
     from ddpcheck.targets import ParallelTarget
 
-    prefix = f"ddpcheck fuzz-rule {args.rule_spec}"
-    deadline = args.request.deadline
+    assert call.rule is not None  # fuzz-rule's RULE is required (_front.grammar)
+    prefix = f"ddpcheck fuzz-rule {call.rule_spec}"
+    deadline = call.request.deadline
     # a world that cannot start, or fails while no call of the rule runs, is a SetupError: exit 2
-    report = rules.check_rule(args.rule, examples=args.examples, seed=args.seed, deadline=deadline)
+    report = rules.check_rule(
+        call.rule, examples=call.args.examples, seed=call.args.seed, deadline=deadline
+    )
     for v in report.violations:
         print(f"{prefix}: {v.message}")
     if report.violations:
         return ExitCode.FOUND
-    print(f"{prefix}: {report.summary(deadline, args.seed)}")
+    print(f"{prefix}: {report.summary(deadline, call.args.seed)}")
     try:
         result = ddpcheck.assert_equivalent(
-            ParallelTarget(sharding_rule=args.rule), world_sizes=args.world_sizes, deadline=deadline
+            ParallelTarget(sharding_rule=call.rule), world_sizes=call.world_sizes, deadline=deadline
         )
     except EquivalenceError as exc:
         print(f"{prefix}: ShardedOptimizer under the rule is not equivalent:\n{exc}")
@@ -723,7 +760,7 @@ def _fuzz_rule(args: argparse.Namespace) -> ExitCode:
     return ExitCode.OK
 
 
-_COMMANDS: dict[str, Callable[[argparse.Namespace], ExitCode]] = {
+_COMMANDS: dict[str, Callable[[Invocation], ExitCode]] = {
     "check": _check,
     "survey": _survey,
     "replay": _replay,

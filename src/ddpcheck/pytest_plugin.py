@@ -9,17 +9,26 @@ controller prints the total number of examples run.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import pathlib
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Generator, Iterable, Iterator
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from ddpcheck._base.errors import DdpcheckError, ExitCode, InvalidArgument
 from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
+
+if TYPE_CHECKING:  # the plugin imports neither torch nor Hypothesis when it loads
+    from ddpcheck._language.scenario import Scenario
+    from ddpcheck._runs.admission import Request
+    from ddpcheck._runs.equivalence import Report
+    from ddpcheck._world.worlds import World
+    from ddpcheck.targets.protocol import Target
 
 # ---------------------------------------------------------------------------------------------
 # Options
@@ -28,7 +37,7 @@ from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
 # period; several phrases all end with periods.
 
 
-def pytest_addoption(parser: Any) -> None:
+def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("ddpcheck", "data-parallel equivalence checks")
     group.addoption(
         "--ddpcheck-world-sizes",
@@ -101,30 +110,42 @@ def pytest_addoption(parser: Any) -> None:
 # Configuration
 
 
-class Options:
-    """The resolved ddpcheck options of one pytest session."""
+@dataclasses.dataclass(frozen=True)
+class Session:
+    """One pytest session's ddpcheck: its --ddpcheck-* options as admitted once
+    (``_runs.admission.Request``, no target yet: each ``ddpcheck_run`` admits its own), and how
+    the session runs them."""
 
-    def __init__(
-        self,
-        world_sizes: tuple[int, ...],
-        deadline: float,
-        workers: int,
-        given: bool = False,
-        without: frozenset[str] = frozenset(),
-        device: str = "cpu",
-        backend: str | None = None,
-        request: Any = None,
-        config: str | None = None,
-    ):
-        self.world_sizes = world_sizes
-        self.deadline = deadline
-        self.workers = workers
-        self.given = given  # a --ddpcheck-* option was on the command line
-        self.without = without  # features never exercised (--ddpcheck-without/-dtypes)
-        self.device = device  # where the ranks compute (--ddpcheck-device)
-        self.backend = backend  # None: the device's own (--ddpcheck-backend)
-        self.request = request  # the options as admitted (runs.admission.Request)
-        self.config = config  # --ddpcheck-config: ddpcheck_run's framework target built with it
+    request: Request
+    workers: int  # processes running worlds at once (pytest-xdist's)
+    given: bool = False  # a --ddpcheck-* option was on the command line
+
+    @property
+    def world_sizes(self) -> tuple[int, ...]:
+        return self.request.world_sizes
+
+    @property
+    def deadline(self) -> float:
+        return self.request.deadline
+
+    @property
+    def without(self) -> frozenset[str]:
+        """Features never exercised: --ddpcheck-without, and the dtypes --ddpcheck-dtypes
+        leaves out."""
+        return self.request.battery_without
+
+    @property
+    def device(self) -> str:
+        return self.request.device
+
+    @property
+    def backend(self) -> str | None:
+        return self.request.backend
+
+    @property
+    def config(self) -> str | None:
+        """--ddpcheck-config: ``ddpcheck_run``'s framework target is built with it."""
+        return self.request.config
 
     def header(self) -> str:
         sizes = ",".join(map(str, self.world_sizes))
@@ -134,7 +155,7 @@ class Options:
             if self.device == "cpu" and self.backend is None
             else f", device {self.device}{f' over {self.backend}' if self.backend else ''}"
         )
-        options = ", options fuzzed" if getattr(self.request, "fuzz_config", False) else ""
+        options = ", options fuzzed" if self.request.fuzz_config else ""
         return (
             f"ddpcheck: world sizes {sizes}, deadline {self.deadline:g} s{without}{where}"
             f"{options}, {self.workers} worker process(es) each keeping its own worlds"
@@ -142,88 +163,61 @@ class Options:
 
 
 #: Where the plugin keeps its state on the pytest config (``config.stash``, not attributes).
-OPTIONS = pytest.StashKey[Options]()
+OPTIONS = pytest.StashKey[Session]()
 EXAMPLES = pytest.StashKey[int]()
 
 
-def resolve_options(config: Any) -> Options:
-    """The --ddpcheck-* options, admitted as every door's (``_runs.admission``); raises
-    pytest.UsageError naming the flag."""
+def resolve_options(config: pytest.Config) -> Session:
+    """The --ddpcheck-* options, admitted as every door's (``_runs.admission``), once for the
+    session; raises pytest.UsageError naming the flag."""
     from ddpcheck._runs.admission import PYTEST, admit, config_value
 
-    raw = config.getoption("ddpcheck_world_sizes")
-    raw_deadline = config.getoption("ddpcheck_deadline")
-    raw_without = config.getoption("ddpcheck_without")
-    raw_dtypes = config.getoption("ddpcheck_dtypes")
-    raw_only = config.getoption("ddpcheck_only")
-    device = config.getoption("ddpcheck_device") or "cpu"
-    backend = config.getoption("ddpcheck_backend")
-    framework_config = config.getoption("ddpcheck_config")
+    raw = {
+        name: config.getoption(f"ddpcheck_{name}")
+        for name in ("world_sizes", "deadline", "without", "dtypes", "only", "device")
+    }
+    raw["backend"] = config.getoption("ddpcheck_backend")
+    raw["config"] = framework_config = config.getoption("ddpcheck_config")
     workers = _xdist_workers(config)
-    deadline = DEFAULT_DEADLINE if raw_deadline is None else raw_deadline
     try:
         # the machine's limit only for world sizes asked for: the plugin loads in every pytest
         # run, ddpcheck's or not (torch is imported only for cuda, to ask about the GPUs)
         request = admit(
-            world_sizes=DEFAULT_WORLD_SIZES if raw is None else raw,
-            deadline=deadline,
-            without=raw_without or "",
-            dtypes=raw_dtypes,
-            only=raw_only or "",
-            device=device,
-            backend=backend,
+            world_sizes=DEFAULT_WORLD_SIZES if raw["world_sizes"] is None else raw["world_sizes"],
+            deadline=DEFAULT_DEADLINE if raw["deadline"] is None else raw["deadline"],
+            without=raw["without"] or "",
+            dtypes=raw["dtypes"],
+            only=raw["only"] or "",
+            device=raw["device"] or "cpu",
+            backend=raw["backend"],
             spelling=PYTEST,
             workers=workers,
-            fits_machine=raw is not None,
+            fits_machine=raw["world_sizes"] is not None,
             fuzz_config=bool(config.getoption("ddpcheck_fuzz_config")),
+            config=framework_config,
         )
         if framework_config is not None:  # read now: a wrong file is the session's usage error
             config_value(framework_config, flag="--ddpcheck-config")
     except InvalidArgument as exc:
         raise pytest.UsageError(str(exc)) from None
-    given = (
-        any(
-            v is not None
-            for v in (
-                raw,
-                raw_deadline,
-                raw_without,
-                raw_dtypes,
-                raw_only,
-                config.getoption("ddpcheck_device"),
-                backend,
-                framework_config,
-            )
-        )
-        or request.fuzz_config
-    )
-    return Options(
-        request.world_sizes,
-        request.deadline,
-        workers,
-        given=given,
-        without=request.battery_without,
-        device=device,
-        backend=backend,
-        request=request,
-        config=framework_config,
-    )
+    given = any(v is not None for v in raw.values()) or request.fuzz_config
+    return Session(request, workers, given)
 
 
-def _xdist_workers(config: Any) -> int:
+def _xdist_workers(config: pytest.Config) -> int:
     numprocesses = getattr(config.option, "numprocesses", None)
     if isinstance(numprocesses, int) and numprocesses > 0:
         return numprocesses
     return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
 
 
-def pytest_configure(config: Any) -> None:
+def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "ddpcheck: a test that runs data-parallel examples")
     config.stash[OPTIONS] = resolve_options(config)
     config.stash[EXAMPLES] = 0
 
 
-def pytest_report_header(config: Any) -> str | None:
+def pytest_report_header(config: pytest.Config) -> str | None:
     """Only when ddpcheck was asked for (an option) or the run is verbose: the plugin loads in
     every pytest run of every project that has ddpcheck installed. A run that used the fixtures
     gets the same line in its summary (:func:`pytest_terminal_summary`)."""
@@ -237,7 +231,7 @@ def pytest_report_header(config: Any) -> str | None:
 # Session hooks
 
 
-def pytest_sessionfinish(session: Any, exitstatus: Any) -> None:
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitCode) -> None:
     """Stop this process's worlds, and hand the example count to the xdist controller."""
     examples = _examples_run()
     registry = sys.modules.get("ddpcheck._world.registry")
@@ -270,7 +264,9 @@ OUTCOMES = {
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: Any, call: Any) -> Any:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
     """A test that failed with a ddpcheck outcome says which one (its ``ExitCode``), so a bug in
     the target is never confused with a set-up problem; the summary counts them. Its traceback
     ends at the test's call into ddpcheck (:func:`hide_own_frames`)."""
@@ -285,7 +281,7 @@ def pytest_runtest_makereport(item: Any, call: Any) -> Any:
         report.sections.append(("ddpcheck", f"ExitCode.{code.name}: {OUTCOMES.get(code, '')}"))
 
 
-def hide_own_frames(excinfo: Any) -> None:
+def hide_own_frames(excinfo: pytest.ExceptionInfo[BaseException]) -> None:
     """Give every ddpcheck module in ``excinfo``'s tracebacks (its causes and an exception
     group's members too) pytest's ``__tracebackhide__`` (:func:`outcome_raised`), which pytest
     reads from a frame's locals, then its module's globals: a test that failed with a ddpcheck
@@ -298,7 +294,7 @@ def hide_own_frames(excinfo: Any) -> None:
             frame.f_globals.setdefault("__tracebackhide__", outcome_raised)
 
 
-def outcome_raised(excinfo: Any) -> bool:
+def outcome_raised(excinfo: object) -> bool:
     """``__tracebackhide__`` of ddpcheck's modules: hide the frame when the exception shown is a
     ddpcheck outcome, but not :class:`ddpcheck.InternalError` (those frames are the evidence of
     ddpcheck's own failure) nor an exception of the user's code passing through ddpcheck (a
@@ -307,7 +303,7 @@ def outcome_raised(excinfo: Any) -> bool:
     return isinstance(error, DdpcheckError) and error.exit_code is not ExitCode.INTERNAL
 
 
-def _frames(error: BaseException | None, seen: set) -> Any:
+def _frames(error: BaseException | None, seen: set[int]) -> Iterator[FrameType]:
     """The frames of ``error``'s traceback, its cause's, its context's and its members' (an
     exception group, as Hypothesis raises for several distinct failures)."""
     if error is None or id(error) in seen:
@@ -339,7 +335,9 @@ def _own_file(filename: str) -> bool:
         return False
 
 
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: Any, config: Any) -> None:
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
+) -> None:
     if getattr(config, "workerinput", None) is not None:
         return
     total = config.stash[EXAMPLES]
@@ -375,13 +373,13 @@ def _examples_run() -> int:
 
 
 @pytest.fixture(scope="session")
-def ddpcheck_options(request: Any) -> Options:
+def ddpcheck_options(request: pytest.FixtureRequest) -> Session:
     """The resolved --ddpcheck-* options."""
     return request.config.stash[OPTIONS]
 
 
 @pytest.fixture(scope="session")
-def ddpcheck_world(ddpcheck_options: Options) -> Callable[[int], Any]:
+def ddpcheck_world(ddpcheck_options: Session) -> Callable[[int], World]:
     """``ddpcheck_world(W)``: the persistent world of W ranks on the session's device (started on
     first use)."""
     return functools.partial(
@@ -390,39 +388,41 @@ def ddpcheck_world(ddpcheck_options: Options) -> Callable[[int], Any]:
 
 
 @pytest.fixture(scope="session")
-def ddpcheck_run(ddpcheck_options: Options) -> Callable[..., Any]:
+def ddpcheck_run(ddpcheck_options: Session) -> Callable[..., Report]:
     """``ddpcheck_run(target, scenario=None, world_sizes=None)``: ``assert_equivalent`` with the
     session's world sizes, deadline, excluded features, device and ``--ddpcheck-fuzz-config``;
-    a ready-made framework target built with ``--ddpcheck-config`` where it is given."""
+    a ready-made framework target built with ``--ddpcheck-config`` where it is given. The
+    session's options were admitted once; each call admits its target (and scenario, and world
+    sizes where given) against them."""
 
-    def run(target: Any, scenario: Any = None, world_sizes: Any = None) -> Any:
-        import ddpcheck
+    from ddpcheck._runs.admission import API, admit_target
+    from ddpcheck._runs.equivalence import assert_admitted
+    from ddpcheck._world.interrupts import interruptible
 
-        if ddpcheck_options.config is not None:
-            from ddpcheck._runs.admission import configured
+    # Python values, named as assert_equivalent names them; the configuration by its flag
+    spelling = dataclasses.replace(API, config="--ddpcheck-config")
 
-            target = configured(target, ddpcheck_options.config, flag="--ddpcheck-config")
-        # a door of its own: the target and scenario are admitted there
-        return ddpcheck.assert_equivalent(
+    @interruptible
+    def ddpcheck_run(
+        target: Target, scenario: Scenario | None = None, world_sizes: Iterable[int] | None = None
+    ) -> Report:
+        request = admit_target(
+            ddpcheck_options.request,
             target,
-            scenario,
-            world_sizes=world_sizes or ddpcheck_options.world_sizes,
-            deadline=ddpcheck_options.deadline,
-            without=ddpcheck_options.without,
-            only=ddpcheck_options.request.only,
-            device=ddpcheck_options.device,
-            backend=ddpcheck_options.backend,
-            fuzz_config=ddpcheck_options.request.fuzz_config,
+            scenario=scenario,
+            world_sizes=world_sizes or None,
+            spelling=spelling,
         )
+        return assert_admitted(request)
 
-    return run
+    return ddpcheck_run
 
 
 # ---------------------------------------------------------------------------------------------
 # Plain functions behind the fixtures
 
 
-def get_world(world_size: int, device: str = "cpu", backend: str | None = None) -> Any:
+def get_world(world_size: int, device: str = "cpu", backend: str | None = None) -> World:
     from ddpcheck._world.registry import get_world as _get_world
 
     return _get_world(world_size, device=device, backend=backend)

@@ -25,6 +25,7 @@ from ddpcheck._oracle import reference as reference_module
 from ddpcheck._oracle.compare import CHAOTIC, compare
 from ddpcheck._oracle.reference import Variant, _train, reference_run
 from ddpcheck._oracle.tolerances import noise_verdict
+from ddpcheck._runs.admission import Settings
 from ddpcheck._runs.example import check_example
 from ddpcheck._runs.pipeline import Outcome, one_behind_the_other
 from ddpcheck.errors import EquivalenceError, ExitCode, ScenarioError
@@ -87,7 +88,7 @@ class OffBy(targets.TorchDDPTarget):
 
 def _declined_or_passed(target, scenario, world_size) -> str:
     try:
-        check_example(target, scenario, world_size, deadline=patience(60))
+        check_example(target, scenario, world_size, Settings(deadline=patience(60)))
     except ScenarioError as declined:
         assert declined.exit_code == ExitCode.SETUP, declined
         assert f"({CHAOTIC} at step" in str(declined), declined
@@ -109,7 +110,10 @@ def test_a_bug_beside_the_layernorm_example_is_still_reported():
     gradient, then what the step made of it)."""
     with pytest.raises(EquivalenceError) as found:
         check_example(
-            OffBy(name="head.bias", error=2e-2, step=1), LAYERNORM, 3, deadline=patience(60)
+            OffBy(name="head.bias", error=2e-2, step=1),
+            LAYERNORM,
+            3,
+            Settings(deadline=patience(60)),
         )
     rows = found.value.divergences
     assert (rows[0].step, rows[0].name, rows[0].kind) == (
@@ -135,7 +139,10 @@ def test_one_sample_at_w3_scaled_by_3_and_divided_back_is_no_divergence_in_float
 def test_a_1e6_error_beside_the_float64_noise_is_still_reported():
     with pytest.raises(EquivalenceError) as found:
         check_example(
-            OffBy(name="out.bias", error=1e-6, step=1), shifted(), 3, deadline=patience(60)
+            OffBy(name="out.bias", error=1e-6, step=1),
+            shifted(),
+            3,
+            Settings(deadline=patience(60)),
         )
     rows = found.value.divergences
     assert (rows[0].step, rows[0].name, rows[0].kind) == (
@@ -162,7 +169,9 @@ def test_among_random_examples_a_chaotic_one_is_skipped_as_unjudgeable_not_a_ver
     items = [(1, 3, shifted("float32", global_batch=6)), (2, 3, shifted(seed=1))]
     outcomes = [
         outcome
-        for _, outcome in one_behind_the_other(targets.PARALLEL, items, deadline=patience(60))
+        for _, outcome in one_behind_the_other(
+            items, Settings(deadline=patience(60)), target_of=lambda _: targets.PARALLEL
+        )
     ]
     assert outcomes[0].error is None and outcomes[0].unjudgeable, outcomes[0]
     assert "reference chaotic at step 0" in outcomes[0].skipped, outcomes[0].skipped
@@ -172,7 +181,10 @@ def test_among_random_examples_a_chaotic_one_is_skipped_as_unjudgeable_not_a_ver
 def test_a_bug_at_the_chaotic_step_outranks_the_chaos():
     with pytest.raises(EquivalenceError) as found:
         check_example(
-            OffBy(name="out.bias", error=1e-2, step=0), shifted("float32"), 3, deadline=patience(60)
+            OffBy(name="out.bias", error=1e-2, step=0),
+            shifted("float32"),
+            3,
+            Settings(deadline=patience(60)),
         )
     rows = found.value.divergences
     assert all(d.target_fault for d in rows) and rows[0].name == "out.bias", found.value
@@ -265,7 +277,7 @@ def test_masters_started_from_their_bfloat16_copies_are_no_divergence(monkeypatc
     assert _declined_or_passed(RoundedMastersFSDP(), untied, 2) == "declined"
     monkeypatch.setattr(reference_module, "PARAM_DTYPE_VARIANTS", ())
     with pytest.raises(EquivalenceError, match=r"reference differs \(gradient\)"):
-        check_example(RoundedMastersFSDP(), untied, 2, deadline=patience(60))
+        check_example(RoundedMastersFSDP(), untied, 2, Settings(deadline=patience(60)))
 
 
 def _records_of(steps, initial) -> list[RankRecord]:

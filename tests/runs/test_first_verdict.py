@@ -48,10 +48,11 @@ def _search(monkeypatch, check, battery=BATTERY_SCENARIO, **budget) -> smaller.S
 def test_a_failure_needing_accumulation_is_shrunk_and_confirmed(monkeypatch):
     calls = []
 
-    def check(target, scenario, world_size, **run):
+    def check(target, scenario, world_size, *settings, **run):
         calls.append(scenario)
         if scenario.accumulation > 1:
             raise _error(scenario)
+        return ()  # the notes of a pass
 
     search = _search(monkeypatch, check)
     assert search.error is not None, search.why
@@ -74,9 +75,10 @@ def test_a_checkpoint_that_failed_in_the_world_it_resumed_in_is_searched_there_t
     )
     assert smaller.searched_sizes(found) == (1, 2)
 
-    def check(target, scenario, world_size, **run):
+    def check(target, scenario, world_size, *settings, **run):
         if world_size == 2:
             raise _error(scenario)
+        return ()  # the notes of a pass
 
     monkeypatch.setattr(smaller, "check_example", check)
     search = smaller.smaller(targets.PARALLEL, found, world_sizes=(1, 2, 3), seconds=5.0)
@@ -86,10 +88,11 @@ def test_a_checkpoint_that_failed_in_the_world_it_resumed_in_is_searched_there_t
 def test_a_failure_that_passes_when_run_again_leaves_the_battery_verdict(monkeypatch):
     seen: set[str] = set()
 
-    def check(target, scenario, world_size, **run):  # fails the first time only: a race
+    def check(target, scenario, world_size, *settings, **run):  # fails the first time only: a race
         if repr(scenario) not in seen:
             seen.add(repr(scenario))
             raise _error(scenario)
+        return ()  # the notes of a pass
 
     search = _search(monkeypatch, check)
     assert search.error is None and search.why.endswith("but it passed when run again (a race?)"), (
@@ -98,7 +101,7 @@ def test_a_failure_that_passes_when_run_again_leaves_the_battery_verdict(monkeyp
 
 
 def test_a_failure_no_smaller_than_the_battery_leaves_its_verdict(monkeypatch):
-    def check(target, scenario, world_size, **run):
+    def check(target, scenario, world_size, *settings, **run):
         raise _error(scenario)
 
     smallest = Scenario(ModelSpec(width=2), data=SpecData(2), global_batch=1, steps=1)
@@ -120,7 +123,7 @@ def test_a_failure_no_smaller_than_the_battery_leaves_its_verdict(monkeypatch):
 def test_hangs_slowness_and_errors_in_the_search_leave_the_battery_verdict(
     monkeypatch, raised, why
 ):
-    def check(target, scenario, world_size, **run):
+    def check(target, scenario, world_size, *settings, **run):
         raise raised(scenario)
 
     search = _search(monkeypatch, check, examples=5, seconds=1.0)
@@ -137,7 +140,7 @@ def test_a_search_that_fails_itself_leaves_the_battery_verdict(monkeypatch):
 
 
 def test_a_ctrl_c_in_the_search_is_raised(monkeypatch):
-    def check(target, scenario, world_size, **run):
+    def check(target, scenario, world_size, *settings, **run):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 import ddpcheck
 from ddpcheck import targets
-from ddpcheck._runs import fuzz as fuzzing
+from ddpcheck._runs import engine
+from ddpcheck._runs.admission import Settings
 from ddpcheck._runs.fuzz import fuzz
 from ddpcheck._runs.pipeline import Outcome
 from ddpcheck.errors import Inconclusive
@@ -49,24 +50,24 @@ def test_the_examples_and_their_order_are_those_drawn_one_at_a_time(monkeypatch)
     """Every scenario Hypothesis draws runs, once, in the order drawn: the same list a run
     that judged each example before drawing the next (seeded) gets."""
     ran = []
-    run = fuzzing.one_behind_the_other
+    run = engine.one_behind_the_other
 
-    def recording(target, items, **kwargs):
-        for item, outcome in run(target, items, **kwargs):
+    def recording(items, settings, **kwargs):
+        for item, outcome in run(items, settings, **kwargs):
             ran.append(item[1:])
             yield item, outcome
 
-    monkeypatch.setattr(fuzzing, "one_behind_the_other", recording)
+    monkeypatch.setattr(engine, "one_behind_the_other", recording)
     result = fuzz(targets.PARALLEL, examples=12, world_sizes=(2, 3), seed=5)
     assert not result.found and result.examples == len(ran) == 12
     drawn = []
 
-    def drawing(target, items, **kwargs):  # what the drawing thread hands over, nothing run
+    def drawing(items, settings, **kwargs):  # what the drawing thread hands over, nothing run
         for item in items:
             drawn.append(item[1:])
             yield item, Outcome()
 
-    monkeypatch.setattr(fuzzing, "one_behind_the_other", drawing)
+    monkeypatch.setattr(engine, "one_behind_the_other", drawing)
     fuzz(targets.PARALLEL, examples=12, world_sizes=(2, 3), seed=5)
     assert drawn == ran
 
@@ -176,7 +177,9 @@ def test_checkpoint_examples_run_in_halves_behind_each_other_with_the_verdicts_o
 
     def verdicts(target):
         out = []
-        for _, outcome in pipeline.one_behind_the_other(target, items, deadline=60.0):
+        for _, outcome in pipeline.one_behind_the_other(
+            items, Settings(deadline=60.0), target_of=lambda _: target
+        ):
             assert outcome.skipped is None, outcome
             out.append(
                 None

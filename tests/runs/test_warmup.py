@@ -19,6 +19,7 @@ import torch.distributed as dist
 import ddpcheck
 from ddpcheck import targets, zoo
 from ddpcheck._runs import warmup
+from ddpcheck._runs.admission import Settings
 from ddpcheck._runs.pipeline import one_behind_the_other
 from ddpcheck.scenario import Scenario
 from tests.patience import patience
@@ -87,7 +88,12 @@ def test_no_examples_deadline_pays_for_a_warm_up_even_one_in_another_world(tmp_p
     # the first example's world warms up, then the second's -- while the first would be in
     # flight, had it not been judged first
     items = [(0, 1, SCENARIO), (1, 2, SCENARIO), (2, 2, dataclasses.replace(SCENARIO, seed=1))]
-    outcomes = [outcome for _, outcome in one_behind_the_other(target, items, deadline=deadline)]
+    outcomes = [
+        outcome
+        for _, outcome in one_behind_the_other(
+            items, Settings(deadline=deadline), target_of=lambda _: target
+        )
+    ]
     assert [o.error for o in outcomes] == [None] * 3, [str(o.error) for o in outcomes]
     assert [o.skipped for o in outcomes] == [None] * 3
     assert len(_pids(tmp_path / "warmed")) == 3  # one rank at W=1, two at W=2

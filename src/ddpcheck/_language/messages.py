@@ -116,7 +116,13 @@ def active_modules(model: nn.Module, kind: str, hint: bool = False) -> str:
 def scenario_line(scenario: Scenario) -> str:
     """A one-line summary of a (usually shrunk) scenario for tables, such as
     ``linear(unused)+buffer SGD B=3 steps=1 acc=2``."""
-    model = scenario.model
+    shape, opt = _shape(scenario.model), scenario.optimizer.__name__
+    return f"{shape} {opt} {' '.join(_settings(scenario))}"
+
+
+def _shape(model: object) -> str:
+    """How :func:`scenario_line` names a model: its layers and what is unusual about each, a
+    language model's blocks, or its class's name."""
     layers = getattr(model, "layers", None)
     if layers is None:
         shape = getattr(model, "__qualname__", type(model).__name__)
@@ -150,7 +156,12 @@ def scenario_line(scenario: Scenario) -> str:
             )
             or "head"
         )
-    opt = scenario.optimizer.__name__
+    return shape
+
+
+def _settings(scenario: Scenario) -> list[str]:
+    """The batch, the steps and every setting :func:`scenario_line` shows that is not the
+    default, in its order."""
     extra = [f"B={scenario.global_batch}", f"steps={scenario.steps}"]
     if scenario.accumulation > 1:
         extra.append(f"acc={scenario.accumulation}")
@@ -174,4 +185,4 @@ def scenario_line(scenario: Scenario) -> str:
     if getattr(scenario, "checkpoint_after", None) is not None:
         at = scenario.resume_world_size
         extra.append(f"ckpt@{scenario.checkpoint_after}" + ("" if at is None else f"->W={at}"))
-    return f"{shape} {opt} {' '.join(extra)}"
+    return extra

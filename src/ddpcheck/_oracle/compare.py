@@ -226,48 +226,64 @@ def compare(
         tol = tolerance(
             reference.compute_dtype, max(world_size, earlier_world_size), earlier_steps + step
         )
-        # a reduction narrower than promised first: it explains the numbers it rounded
-        found = (
-            check_reduce_dtypes(step, world_size, records, reference) if "budget" in checks else []
-        )
-        for kind, field in (("gradient", "grads"), ("parameter", "params"), ("buffer", "buffers")):
-            found += _compare_maps(
-                step,
-                world_size,
-                records,
-                functools.partial(_field, field, step),
-                getattr(ref, field),
-                kind,
-                tol,
-                replicas,
-                against_ref,
-                _noise(reference, earlier_steps + step, field),
-            )
-        if replicas:
-            found += compare_shards(step, world_size, records)
-        if "state" in checks:
-            found += _compare_state(
-                step,
-                world_size,
-                records,
-                ref,
-                tol,
-                getattr(target, "shards_optimizer_state", False),
-                _noise(reference, earlier_steps + step, "state"),
-            )
-            found += compare_schedule(step, world_size, records, ref, tol, earlier_steps > 0)
-        if "budget" in checks:
-            found += check_budget(
-                step,
-                world_size,
-                records,
-                reference,
-                getattr(target, "flattened_broadcasts", False),
-                getattr(target, "reduces_every_micro_batch", False),
-            )
+        found = _compare_step(step, records, reference, target, checks, tol, earlier_steps)
         if found:  # later steps only repeat the damage (or inherit the chaos)
             return out + _one_verdict(found)
     return out
+
+
+def _compare_step(
+    step: int,
+    records: list[RankRecord],
+    reference: Reference,
+    target: Target,
+    checks: frozenset,
+    tol: tuple[float, float],
+    earlier_steps: int,
+) -> list[Divergence]:
+    """One step's numbers (``compare``, once the objective and the window were found right):
+    gradients, parameters and buffers, the shards, the optimizer state and the schedule, the
+    communication budget."""
+    world_size, ref = len(records), reference.steps[step]
+    replicas, against_ref = "replicas" in checks, "reference" in checks
+    # a reduction narrower than promised first: it explains the numbers it rounded
+    found = check_reduce_dtypes(step, world_size, records, reference) if "budget" in checks else []
+    for kind, field in (("gradient", "grads"), ("parameter", "params"), ("buffer", "buffers")):
+        found += _compare_maps(
+            step,
+            world_size,
+            records,
+            functools.partial(_field, field, step),
+            getattr(ref, field),
+            kind,
+            tol,
+            replicas,
+            against_ref,
+            _noise(reference, earlier_steps + step, field),
+        )
+    if replicas:
+        found += compare_shards(step, world_size, records)
+    if "state" in checks:
+        found += _compare_state(
+            step,
+            world_size,
+            records,
+            ref,
+            tol,
+            getattr(target, "shards_optimizer_state", False),
+            _noise(reference, earlier_steps + step, "state"),
+        )
+        found += compare_schedule(step, world_size, records, ref, tol, earlier_steps > 0)
+    if "budget" in checks:
+        found += check_budget(
+            step,
+            world_size,
+            records,
+            reference,
+            getattr(target, "flattened_broadcasts", False),
+            getattr(target, "reduces_every_micro_batch", False),
+        )
+    return found
 
 
 def _reference_non_finite(reference: Reference, world_size: int) -> list[Divergence]:
@@ -337,51 +353,14 @@ def _compare_maps(
 ) -> list[Divergence]:
     """Replicas bitwise, then every rank against ``reference`` (a name -> tensor map) within
     ``tol``; ``noise(name)``: the reference's rounding spread of that tensor, or None."""
-    out = []
     maps = [get(r) for r in records]
     # 1. replicas against rank 0, bitwise
-    replicas_differ = False
-    for rank in range(1, world_size) if replicas else ():
-        names = list(maps[0]) + [n for n in maps[rank] if n not in maps[0]]
-        for name in names:
-            if name not in maps[0] or name not in maps[rank]:
-                out.append(
-                    Divergence(
-                        step,
-                        world_size,
-                        rank,
-                        name,
-                        f"replicas differ ({kind})",
-                        detail=f"present on rank {0 if name in maps[0] else rank} only",
-                    )
-                )
-                replicas_differ = True
-                continue
-            value, other = maps[0][name], maps[rank][name]
-            if (value is None) != (other is None):
-                out.append(
-                    Divergence(
-                        step,
-                        world_size,
-                        rank,
-                        name,
-                        f"replicas differ ({kind})",
-                        detail=f"None on rank {0 if value is None else rank} only",
-                    )
-                )
-                replicas_differ = True
-            elif value is not None and other is not None and not bitwise_equal(value, other):
-                out.append(
-                    replica_row(
-                        At(step, world_size, rank), name, f"replicas differ ({kind})", value, other
-                    )
-                )
-                replicas_differ = True
+    out = _replica_rows(step, world_size, maps, kind) if replicas else []
     # 2. against the reference, every rank; rank 0 stands for all only when check 1 ran and
     # found the others bitwise identical to it (then they would get exactly its verdict)
     if not against_reference:
         ranks: Iterable[int] = ()
-    elif replicas and not replicas_differ:
+    elif replicas and not out:
         ranks = range(1)
     else:
         ranks = range(world_size)
@@ -390,44 +369,110 @@ def _compare_maps(
     for rank in ranks:
         if _all_close_map(maps[rank], reference, rtol, atol):
             continue  # the usual case, in one pass: every row below would be None
-        for name, ref in reference.items():
-            got = maps[rank].get(name, "missing")
-            if isinstance(got, str):
-                out.append(
-                    Divergence(
-                        step,
-                        world_size,
-                        rank,
-                        name,
-                        f"{kind} missing",
-                        detail="present in the reference, absent on the rank",
-                    )
+        out += _reference_rows(
+            At(step, world_size, rank), maps[rank], reference, kind, tol, noise, largest
+        )
+    return out
+
+
+def _replica_rows(
+    step: int | str, world_size: int, maps: list[Mapping[str, torch.Tensor | None]], kind: str
+) -> list[Divergence]:
+    """Every rank's tensors (``maps``, by rank) against rank 0's, bitwise."""
+    out = []
+    for rank in range(1, world_size):
+        at = At(step, world_size, rank)
+        names = list(maps[0]) + [n for n in maps[rank] if n not in maps[0]]
+        for name in names:
+            row = _replica_row(at, name, maps[0], maps[rank], kind)
+            if row is not None:
+                out.append(row)
+    return out
+
+
+def _replica_row(
+    at: At,
+    name: str,
+    first: Mapping[str, torch.Tensor | None],
+    mine: Mapping[str, torch.Tensor | None],
+    kind: str,
+) -> Divergence | None:
+    """Rank ``at.rank``'s tensor ``name`` (in ``mine``) against rank 0's (in ``first``)."""
+    step, world_size, rank = at.step, at.world_size, at.rank
+    if name not in first or name not in mine:
+        return Divergence(
+            step,
+            world_size,
+            rank,
+            name,
+            f"replicas differ ({kind})",
+            detail=f"present on rank {0 if name in first else rank} only",
+        )
+    value, other = first[name], mine[name]
+    if (value is None) != (other is None):
+        return Divergence(
+            step,
+            world_size,
+            rank,
+            name,
+            f"replicas differ ({kind})",
+            detail=f"None on rank {0 if value is None else rank} only",
+        )
+    if value is not None and other is not None and not bitwise_equal(value, other):
+        return replica_row(at, name, f"replicas differ ({kind})", value, other)
+    return None
+
+
+def _reference_rows(
+    at: At,
+    got_map: Mapping[str, torch.Tensor | None],
+    reference: Mapping[str, torch.Tensor | None],
+    kind: str,
+    tol: tuple[float, float],
+    noise: Noisy | None,
+    largest: Largest,
+) -> list[Divergence]:
+    """Rank ``at.rank``'s tensors (``got_map``) against the reference's, name by name."""
+    step, world_size, rank = at.step, at.world_size, at.rank
+    out = []
+    for name, ref in reference.items():
+        got = got_map.get(name, "missing")
+        if isinstance(got, str):
+            out.append(
+                Divergence(
+                    step,
+                    world_size,
+                    rank,
+                    name,
+                    f"{kind} missing",
+                    detail="present in the reference, absent on the rank",
                 )
-            elif (got is None) != (ref is None):
-                out.append(
-                    Divergence(
-                        step,
-                        world_size,
-                        rank,
-                        name,
-                        f"reference differs ({kind})",
-                        detail=("None on the rank, " if got is None else "a value on the rank, ")
-                        + ("None in the reference" if ref is None else "a value in the reference"),
-                    )
-                )
-            elif got is not None:
-                label = f"{name}.grad" if kind == "gradient" else name
-                row = reference_row(
-                    At(step, world_size, rank),
-                    Named(name, f"{kind} {name}", label),
+            )
+        elif (got is None) != (ref is None):
+            out.append(
+                Divergence(
+                    step,
+                    world_size,
+                    rank,
+                    name,
                     f"reference differs ({kind})",
-                    got,
-                    ref,
-                    tol,
-                    None if noise is None else functools.partial(_scaled, noise, name, largest),
+                    detail=("None on the rank, " if got is None else "a value on the rank, ")
+                    + ("None in the reference" if ref is None else "a value in the reference"),
                 )
-                if row is not None:
-                    out.append(row)
+            )
+        elif got is not None:
+            label = f"{name}.grad" if kind == "gradient" else name
+            row = reference_row(
+                at,
+                Named(name, f"{kind} {name}", label),
+                f"reference differs ({kind})",
+                got,
+                ref,
+                tol,
+                None if noise is None else functools.partial(_scaled, noise, name, largest),
+            )
+            if row is not None:
+                out.append(row)
     return out
 
 

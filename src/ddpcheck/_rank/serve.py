@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import datetime
 import faulthandler
-import functools
 import gc
 import os
 import pickle
@@ -27,11 +26,14 @@ import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
-from typing import NoReturn, TextIO
+from typing import TYPE_CHECKING, NoReturn, TextIO, TypedDict
 
 from ddpcheck._base.errors import DdpcheckError
 from ddpcheck._base.options import STARTUP_DEADLINE
 from ddpcheck._rank.boundary import Answer, Launch, Raised, Refused, Returned
+
+if TYPE_CHECKING:  # a rank imports torch once its log is set up (rank_main)
+    import torch
 
 __all__ = [
     "NESTED_MARKER",
@@ -46,6 +48,13 @@ __all__ = [
     "serving",
     "world_dir_of",
 ]
+
+
+class _NcclOptions(TypedDict, total=False):
+    """``init_process_group``'s keywords for NCCL only."""
+
+    device_id: torch.device
+
 
 #: The message that tells a rank to exit.
 SHUTDOWN = b""
@@ -158,20 +167,17 @@ def rank_main(launch: Launch, conn: Connection) -> None:
         # Two cores host up to W ranks: intra-op threads would only oversubscribe them.
         torch.set_num_threads(1)
         placed = enter_rank(launch.device, launch.rank)
-        init = functools.partial(
-            dist.init_process_group,
+        # NCCL: create the communicator now, inside the start-up deadline (the keyword only
+        # there: torch before 2.3 has no device_id)
+        nccl: _NcclOptions = {"device_id": placed} if launch.backend == "nccl" else {}
+        dist.init_process_group(
             launch.backend,
             store=dist.FileStore(launch.store_path, launch.world_size),
             rank=launch.rank,
             world_size=launch.world_size,
             timeout=datetime.timedelta(seconds=STARTUP_DEADLINE),
+            **nccl,
         )
-        # NCCL: create the communicator now, inside the start-up deadline (the keyword only
-        # there: torch before 2.3 has no device_id)
-        if launch.backend == "nccl":
-            init(device_id=placed)
-        else:
-            init()
         comm.install()
         # The first optimizer a process builds imports torch._dynamo (seconds); pay that here,
         # inside the start-up deadline, not inside the first example's.

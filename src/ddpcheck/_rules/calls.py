@@ -319,23 +319,12 @@ def search_in_rank(
 ) -> SearchResult:
     """Hypothesis search, then the named lists; the smallest violation of each kind found, and on
     success the owners on GPT-like parameters for the balance report."""
-    name = rule_name(rule)
-    found: dict[str, tuple[tuple, str]] = {}
+    # `one` below reads these names: its source is what Hypothesis derives the derandomized
+    # seed from (function_digest), so it stays as it was
+    smallest = _Smallest(rule_name(rule))
+    found, note = smallest.found, smallest.note
     tried: list[tuple[ParamSpec, ...]] = []
     gpt_owners: dict[int, list[int]] = {}
-
-    def note(
-        kind: str,
-        detail: str,
-        specs: Sequence[ParamSpec],
-        world_size: int,
-        list_name: str | None = None,
-    ) -> None:
-        # Fewest parameters, then smallest world; among equals the latest, which Hypothesis's
-        # shrinker found simpler than the ones before it.
-        key = (len(specs), world_size)
-        if kind not in found or key <= found[kind][0]:
-            found[kind] = (key, f"{kind}: {name} {_where(world_size, specs, list_name)}: {detail}")
 
     with _Guard(limit, _Progress(directory, 0), budget) as guard:
         # Explicit settings, no database: the user's Hypothesis profile and examples do not apply.
@@ -355,7 +344,7 @@ def search_in_rank(
             if not found:
                 tried.append(specs)
             kind, detail = _twice(guard, rule, specs, world_size, _where(world_size, specs))
-            if isinstance(detail, tuple):  # "ok": the owners
+            if kind == "ok":
                 return
             note(kind, detail, specs, world_size)
             if kind == "hangs":
@@ -371,16 +360,7 @@ def search_in_rank(
                 if not found:
                     raise
             if not found:
-                for list_name, specs in parameter_lists().items():
-                    for world_size in range(1, MAX_WORLD_SIZE + 1):
-                        kind, answer = _twice(
-                            guard, rule, specs, world_size, _where(world_size, specs, list_name)
-                        )
-                        if not isinstance(answer, tuple):  # not "ok": its detail
-                            note(kind, answer, specs, world_size, list_name)
-                            raise _Stop()
-                        if list_name == "gpt-like" and world_size in BALANCE_WORLD_SIZES:
-                            gpt_owners[world_size] = list(answer)
+                _named_lists(guard, rule, smallest, gpt_owners)
         except _Stop:
             pass
     return {
@@ -390,6 +370,47 @@ def search_in_rank(
         "sample": _sample(tried),
         "gpt_owners": gpt_owners,
     }
+
+
+class _Smallest:
+    """The smallest violation of each kind noted: ``found`` maps a kind to its key (parameters,
+    world size) and its message."""
+
+    def __init__(self, name: str):
+        self.name = name  # the rule's (rule_name)
+        self.found: dict[str, tuple[tuple, str]] = {}
+
+    def note(
+        self,
+        kind: str,
+        detail: tuple[int, ...] | str,  # a violation's detail (typed as _twice answers it)
+        specs: Sequence[ParamSpec],
+        world_size: int,
+        list_name: str | None = None,
+    ) -> None:
+        # Fewest parameters, then smallest world; among equals the latest, which Hypothesis's
+        # shrinker found simpler than the ones before it.
+        key = (len(specs), world_size)
+        if kind not in self.found or key <= self.found[kind][0]:
+            where = _where(world_size, specs, list_name)
+            self.found[kind] = (key, f"{kind}: {self.name} {where}: {detail}")
+
+
+def _named_lists(
+    guard: _Guard, rule: Rule, smallest: _Smallest, gpt_owners: dict[int, list[int]]
+) -> None:
+    """The rule on every named parameter list at every world size: its first violation noted
+    (then :class:`_Stop`), and the owners on the GPT-like lists kept for the balance report."""
+    for list_name, specs in parameter_lists().items():
+        for world_size in range(1, MAX_WORLD_SIZE + 1):
+            kind, answer = _twice(
+                guard, rule, specs, world_size, _where(world_size, specs, list_name)
+            )
+            if not isinstance(answer, tuple):  # not "ok": its detail
+                smallest.note(kind, answer, specs, world_size, list_name)
+                raise _Stop()
+            if list_name == "gpt-like" and world_size in BALANCE_WORLD_SIZES:
+                gpt_owners[world_size] = list(answer)
 
 
 def _sample(tried: list[tuple[ParamSpec, ...]], count: int = 24) -> list[tuple[ParamSpec, ...]]:

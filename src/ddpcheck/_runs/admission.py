@@ -48,13 +48,16 @@ if TYPE_CHECKING:
 __all__ = [
     "API",
     "COMMAND_LINE",
+    "DEFAULT_SETTINGS",
     "DTYPES",
     "NO_TARGET",
     "PYTEST",
     "RANDOM_DTYPES",
     "Request",
+    "Settings",
     "Spelling",
     "admit",
+    "admit_target",
     "check_target",
     "config_value",
     "configured",
@@ -121,6 +124,22 @@ NO_TARGET: Any = object()
 
 
 @dataclasses.dataclass(frozen=True)
+class Settings:
+    """How every example of a run runs: how long it may take before it counts as hung, and
+    where its ranks compute. Admitted once at the door (:func:`admit`); everything below takes
+    it as it is."""
+
+    deadline: float = DEFAULT_DEADLINE
+    device: str = "cpu"
+    #: None: the device's own (gloo on the CPU, NCCL on CUDA)
+    backend: str | None = None
+
+
+#: Every door's defaults: a 60 s deadline, the CPU over gloo.
+DEFAULT_SETTINGS = Settings()
+
+
+@dataclasses.dataclass(frozen=True)
 class Request:
     """A run, admitted: every field checked, defaults filled in. ``target`` is None where a door
     admits its options before it knows the target (the pytest plugin, for the session)."""
@@ -138,11 +157,14 @@ class Request:
     only: frozenset[str] = frozenset()
     #: every random example draws a configuration of the target too (``Target.config_space``)
     fuzz_config: bool = False
+    #: a framework configuration given apart from the target (``--config FILE``), applied to
+    #: the target when it is admitted (:func:`configured`)
+    config: str | None = None
 
     @property
-    def run(self) -> dict[str, Any]:
-        """What every example of the run is given (``_runs.example.check_example``'s keywords)."""
-        return {"deadline": self.deadline, "device": self.device, "backend": self.backend}
+    def run(self) -> Settings:
+        """What every example of the run is given (``_runs.example.check_example``'s)."""
+        return Settings(self.deadline, self.device, self.backend)
 
     @property
     def battery_without(self) -> frozenset[str]:
@@ -214,20 +236,62 @@ def admit(
             )
     if scenario is not None:
         scenario = _scenario(scenario, spelling.scenario, text)
-    if target is NO_TARGET:
-        target = None
-    else:
-        if text and isinstance(target, str):
-            target = resolve_target(target, config, flag=spelling.config)
-        elif config is not None:
-            target = configured(target, config, flag=spelling.config)
-        check_target(target)
-        _check_focus(target, focus, excluded, spelling.only)
-        if fuzz_config:
-            _check_config_space(target, spelling.fuzz_config)
-    return Request(
-        target, sizes, seconds, excluded, named, device, backend, scenario, focus, bool(fuzz_config)
+    options = Request(
+        None,
+        sizes,
+        seconds,
+        excluded,
+        named,
+        device,
+        backend,
+        scenario,
+        focus,
+        bool(fuzz_config),
+        config,
     )
+    if target is NO_TARGET:
+        return options
+    return dataclasses.replace(options, target=_target(target, options, spelling))
+
+
+def admit_target(
+    request: Request,
+    target: Any,
+    *,
+    scenario: Any = None,
+    world_sizes: Any = None,
+    spelling: Spelling = API,
+) -> Request:
+    """``request`` -- its options admitted without a target (the pytest plugin's session) --
+    with ``target``, and where given a scenario and other world sizes, admitted by the rules of
+    :func:`admit`: the options are not admitted again."""
+    sizes = request.world_sizes
+    if world_sizes is not None:
+        sizes = check_world_sizes(spelling.world_sizes, world_sizes)
+        check_fits_machine(sizes, flag=spelling.world_sizes)
+        check_fits(request.device, sizes, request.backend, flag=spelling.device)
+    if scenario is not None:
+        scenario = _scenario(scenario, spelling.scenario, spelling.text)
+    return dataclasses.replace(
+        request,
+        target=_target(target, request, spelling),
+        scenario=scenario,
+        world_sizes=sizes,
+    )
+
+
+def _target(target: Any, options: Request, spelling: Spelling) -> Any:
+    """The target, resolved where named as text, configured (``config``), and checked against
+    the admitted options: it must travel and replay, and serve what they focus on."""
+    if spelling.text and isinstance(target, str):
+        target = resolve_target(target, options.config, flag=spelling.config)
+    elif options.config is not None:
+        target = configured(target, options.config, flag=spelling.config)
+    check_target(target)
+    _check_focus(target, options.only, options.without, spelling.only)
+    if options.fuzz_config:
+        _check_config_space(target, spelling.fuzz_config)
+    return target
 
 
 def _check_config_space(target: Any, name: str) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from ddpcheck._base.errors import (
     NothingChecked,
     ScenarioError,
 )
-from ddpcheck._base.options import DEFAULT_DEADLINE, check_fits_machine
+from ddpcheck._base.options import check_fits_machine
 from ddpcheck._language.batches import check_plans
 from ddpcheck._language.features import declines
 from ddpcheck._language.scenario import Scenario
@@ -40,15 +40,16 @@ from ddpcheck._oracle.compare import (
     validate_checks,
 )
 from ddpcheck._oracle.judgeable import check_scenario, explain_reference_failure
-from ddpcheck._oracle.reference import reference_run
+from ddpcheck._oracle.reference import Reference, reference_run
 from ddpcheck._rank.runner import run_example_packed
 from ddpcheck._rank.transport import unpack
+from ddpcheck._runs.admission import DEFAULT_SETTINGS, Settings
 from ddpcheck._runs.replay import replay_command
 from ddpcheck._runs.warmup import warm_up
 from ddpcheck._world import sequences
 from ddpcheck._world.failures import Failure, Status, WorldFailure
-from ddpcheck._world.registry import get_world
-from ddpcheck._world.worlds import Pending, TaskLost
+from ddpcheck._world.registry import world_of
+from ddpcheck._world.worlds import Pending, TaskLost, World
 from ddpcheck.targets import Target
 
 __all__ = [
@@ -80,26 +81,16 @@ def check_example(
     target: Target,
     scenario: Scenario,
     world_size: int,
+    run: Settings = DEFAULT_SETTINGS,
     *,
-    deadline: float = DEFAULT_DEADLINE,
-    reference: Any = None,
+    reference: Reference | None = None,
     name: str | None = None,
-    checks: Any = None,
-    device: str = "cpu",
-    backend: str | None = None,
+    checks: Iterable[str] | None = None,
 ) -> tuple[str, ...]:
     """One example (see :func:`check_example_keeping_reference`); returns what it left in the
     rank processes and ddpcheck put right (``World.notes``): never a verdict."""
     return check_example_keeping_reference(
-        target,
-        scenario,
-        world_size,
-        deadline=deadline,
-        reference=reference,
-        name=name,
-        checks=checks,
-        device=device,
-        backend=backend,
+        target, scenario, world_size, run, reference=reference, name=name, checks=checks
     )[0]
 
 
@@ -107,14 +98,12 @@ def check_example_keeping_reference(
     target: Target,
     scenario: Scenario,
     world_size: int,
+    run: Settings = DEFAULT_SETTINGS,
     *,
-    deadline: float = DEFAULT_DEADLINE,
-    reference: Any = None,
+    reference: Reference | None = None,
     name: str | None = None,
-    checks: Any = None,
-    device: str = "cpu",
-    backend: str | None = None,
-) -> tuple[tuple[str, ...], Any]:
+    checks: Iterable[str] | None = None,
+) -> tuple[tuple[str, ...], Reference]:
     """One example: run on every rank of the persistent world, compare, raise on divergence.
 
     Returns the notes of what the example left behind in the rank processes and ddpcheck put
@@ -125,19 +114,17 @@ def check_example_keeping_reference(
     declines (``supports``, ``supported_features``, or a default hook that cannot serve it, found in
     the ranks) raises :class:`NothingChecked`. A scenario with ``checkpoint_after`` saves in this
     world and resumes in the persistent world of ``resume_world_size`` (:func:`resume`), judged
-    by ``compare_resumed``. ``device``/``backend``: where the ranks compute (as for
-    ``ddpcheck.assert_equivalent``).
+    by ``compare_resumed``. ``run``: the run's deadline and where the ranks compute, as admitted
+    (``_runs.admission.Settings``).
 
     Numbers first: the records are compared before anything the ranks report about their
     processes, so a rank left unfit (a global module hook: ``World.unfit``) is reported only
     when every number holds -- a bug in the numbers is never hidden behind it."""
     with _beside_the_ranks():  # inline, not a frame more in every traceback
-        checks = admit(target, scenario, world_size, checks=checks, device=device, backend=backend)
+        checked = admit(target, scenario, world_size, run, checks=checks)
         # inline, as above: a world that cannot start raises WorldStartError
-        world = get_world(world_size, backend=backend, device=device)
-        launched = _submit(
-            world, target, scenario, world_size, deadline, name, checks, device, backend
-        )
+        world = world_of(world_size, backend=run.backend, device=run.device)
+        launched = _submit(world, target, scenario, world_size, run, name, checked)
         reference = _reference_meanwhile(launched.pending, reference, scenario)
         return judge(launched, reference), reference
 
@@ -154,17 +141,15 @@ class Launched:
     target: Target
     scenario: Scenario
     world_size: int
-    world: Any
+    world: World
     pending: Pending
-    checks: frozenset
+    checks: frozenset[str]
     name: str | None
-    device: str
-    backend: str | None
-    deadline: float = DEFAULT_DEADLINE
+    run: Settings
     #: the first half's (records, collective sequences) once resumed, or the WorldFailure or
     #: TaskLost collecting it raised -- raised again when the example is judged
     saved: Any = None
-    resumed_world: Any = None
+    resumed_world: World | None = None
 
     @property
     def resumes(self) -> bool:
@@ -175,11 +160,10 @@ def admit(
     target: Target,
     scenario: Scenario,
     world_size: int,
+    run: Settings,
     *,
-    checks: Any = None,
-    device: str = "cpu",
-    backend: str | None = None,
-) -> frozenset:
+    checks: Iterable[str] | None = None,
+) -> frozenset[str]:
     """What this scenario adds to its run's admission (``_runs.admission``: the target, the
     world sizes, the device were checked there), refused before any world runs; the checks to
     run. A drawn scenario is new input, judged here; a given one was judged at the door (a
@@ -192,7 +176,7 @@ def admit(
     resumed_at = scenario.resume_world_size or world_size
     if scenario.checkpoint_after is not None:
         check_fits_machine((resumed_at,), flag="resume_world_size")
-        check_fits(device, (resumed_at,), backend)  # GPUs for the resumed world too
+        check_fits(run.device, (resumed_at,), run.backend)  # GPUs for the resumed world too
     for size in dict.fromkeys((world_size, resumed_at)):
         check_batch_plans(target, scenario, size)  # a resumed world's plans too
     return checks
@@ -202,48 +186,42 @@ def launch(
     target: Target,
     scenario: Scenario,
     world_size: int,
+    run: Settings,
     *,
-    deadline: float = DEFAULT_DEADLINE,
     name: str | None = None,
-    checks: Any = None,
-    device: str = "cpu",
-    backend: str | None = None,
+    checks: Iterable[str] | None = None,
 ) -> Launched:
     """Admit an example and submit it to the persistent world's ranks -- queued behind a task
     still running there (``World.submit``); for a scenario with ``checkpoint_after``, its steps
     up to the checkpoint (:func:`resume` submits the rest)."""
-    checks = admit(target, scenario, world_size, checks=checks, device=device, backend=backend)
+    checked = admit(target, scenario, world_size, run, checks=checks)
     # a world that cannot start raises WorldStartError
-    world = get_world(world_size, backend=backend, device=device)
-    return _submit(world, target, scenario, world_size, deadline, name, checks, device, backend)
+    world = world_of(world_size, backend=run.backend, device=run.device)
+    return _submit(world, target, scenario, world_size, run, name, checked)
 
 
 def _submit(
-    world: Any,
+    world: World,
     target: Target,
     scenario: Scenario,
     world_size: int,
-    deadline: float,
+    run: Settings,
     name: str | None,
-    checks: frozenset,
-    device: str,
-    backend: str | None,
+    checks: frozenset[str],
 ) -> Launched:
     warm_up(world, target)  # once per rank process, outside the example's deadline
     pending = (
-        _submit_part(world, target, scenario, deadline, name, "until checkpoint", None)
+        _submit_part(world, target, scenario, run.deadline, name, "until checkpoint", None)
         if scenario.checkpoint_after is not None
         else world.submit(
             run_example_packed,
             target,
             scenario,
-            deadline=deadline,
+            deadline=run.deadline,
             what=f"example {name or 'scenario'}",
         )
     )
-    return Launched(
-        target, scenario, world_size, world, pending, checks, name, device, backend, deadline
-    )
+    return Launched(target, scenario, world_size, world, pending, checks, name, run)
 
 
 def _submit_part(
@@ -283,24 +261,24 @@ def resume(launched: Launched) -> None:
         return
     launched.saved = ([record for record, _ in saved], launched.world.collective_sequences())
     scenario = launched.scenario
-    launched.resumed_world = get_world(
+    launched.resumed_world = world_of(
         scenario.resume_world_size or launched.world_size,
-        backend=launched.backend,
-        device=launched.device,
+        backend=launched.run.backend,
+        device=launched.run.device,
     )
     warm_up(launched.resumed_world, launched.target)
     launched.pending = _submit_part(
         launched.resumed_world,
         launched.target,
         scenario,
-        launched.deadline,
+        launched.run.deadline,
         launched.name,
         "resumed",
         saved[0][1],
     )
 
 
-def judge(launched: Launched, reference: Any) -> tuple[str, ...]:
+def judge(launched: Launched, reference: Reference) -> tuple[str, ...]:
     """Collect a launched example and judge it against ``reference``: raise the target's
     :class:`EquivalenceError`, or return the notes of what it left behind (``World.notes``).
     ``TaskLost`` (a queued example whose world was replaced first) passes through: it never
@@ -321,8 +299,8 @@ def judge(launched: Launched, reference: Any) -> tuple[str, ...]:
         launched.checks,
         [world],
         name=launched.name,
-        device=launched.device,
-        backend=launched.backend,
+        device=launched.run.device,
+        backend=launched.run.backend,
     )[0]
 
 
@@ -402,7 +380,9 @@ def _beside_the_ranks() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _reference_meanwhile(pending: Pending, reference: Any, scenario: Scenario) -> Any:
+def _reference_meanwhile(
+    pending: Pending, reference: Reference | None, scenario: Scenario
+) -> Reference:
     """The reference, computed while the ranks train (it is needed only to judge them): one
     example costs the slower of the two, not their sum. A scenario the reference cannot train
     lets the ranks finish first, so the world stays usable."""
@@ -522,7 +502,7 @@ def verdict(
     )
 
 
-def prepare_reference(scenario: Scenario) -> Any:
+def prepare_reference(scenario: Scenario) -> Reference:
     """The full-batch reference; user mistakes in the scenario surface here, once, as a
     :class:`ScenarioError` naming the cause (``ddpcheck._oracle.judgeable``), before any
     world runs."""
@@ -614,6 +594,7 @@ def _both_halves(launched: Launched) -> tuple[tuple[list, list], tuple[list, lis
     if isinstance(launched.saved, BaseException):
         raise launched.saved
     (saved, sequences), resumed_world = launched.saved, launched.resumed_world
+    assert resumed_world is not None  # resume() chose it
     resumed = [unpack(p) for p in launched.pending.collect()]
     return (
         (saved, resumed),

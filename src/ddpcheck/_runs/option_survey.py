@@ -5,9 +5,9 @@ Rows: the target as given, then each single option its ``config_space()`` draws
 columns: the features of ``ddpcheck.features.FEATURES``. Each cell runs up to ``examples`` random
 examples of that row's target drawn to exercise that column's feature, at a world size drawn
 among those asked (where one can exercise it), and stops at its first failure, shrunk by
-Hypothesis for at most ``shrink_seconds`` -- as the feature cells of ``runs.survey`` do, one
-world-size column folded into the draw. The battery is not run here (``survey`` without
-``--fuzz-config`` runs it for the target as given).
+Hypothesis for at most ``shrink_seconds`` -- the feature cells of ``_runs.survey`` (the same
+engine search and plan, ``survey.cell_plan``), one world-size column folded into the draw. The
+battery is not run here (``survey`` without ``--fuzz-config`` runs it for the target as given).
 
 Invariant: as ``runs.survey``'s -- a failing example stops only its own cell; what is not the
 target's fault (a world that cannot start, a harness error) stops the survey and propagates.
@@ -17,22 +17,26 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import zlib
 from collections.abc import Callable
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
-from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
-from hypothesis.errors import FlakyFailure, Unsatisfiable
 
-from ddpcheck._base.errors import EquivalenceError, NothingChecked, ScenarioError
+from ddpcheck._base.errors import EquivalenceError
 from ddpcheck._language import features
 from ddpcheck._language import strategies as dst
 from ddpcheck._language.messages import scenario_line
-from ddpcheck._runs.admission import Request, check_target
-from ddpcheck._runs.example import check_example, refuse_unconfirmed_hang
+from ddpcheck._language.scenario import Scenario
+from ddpcheck._runs.admission import Request, Settings, check_target
+from ddpcheck._runs.engine import Draws, search
 from ddpcheck._runs.replay import target_spec
+from ddpcheck._runs.survey import (
+    NO_EXAMPLE_CAN,
+    cell_plan,
+    declined_cell,
+    ended,
+    feature_dtypes,
+)
 from ddpcheck.targets.option_space import drawn_options, label, space_of, vary
 from ddpcheck.targets.protocol import Target
 
@@ -148,11 +152,6 @@ class OptionSurvey:
         return data
 
 
-class _Abort(BaseException):
-    """Ends a cell's Hypothesis run from inside (its shrink budget is spent, or the harness
-    failed): not an Exception, so Hypothesis neither shrinks nor replays it."""
-
-
 def option_survey(
     request: Request,
     *,
@@ -165,13 +164,15 @@ def option_survey(
     docstring)."""
     target, sizes, excluded = request.target, request.world_sizes, request.battery_without
     started = time.perf_counter()
-    rows: list[tuple[str, Any]] = [(AS_GIVEN, target)]
+    rows: list[tuple[str, Target]] = [(AS_GIVEN, target)]
     for single in drawn_options(space_of(target), seed=seed):
         variant = vary(target, single)
         check_target(variant)  # its replay line must build it, before any of it runs
         rows.append((label(single), variant))
     columns = [f for f in features.FEATURES if not request.only or f in request.only]
-    strategies: dict[tuple[str, int], Any] = {}  # built once: Hypothesis validates on first use
+    strategies: dict[
+        tuple[str, int], st.SearchStrategy[Scenario]
+    ] = {}  # built once: Hypothesis validates on first use
     cells: list[OptionCell] = []
     for row, variant in rows:
         for feature in columns:
@@ -212,35 +213,23 @@ def _cell(
     feature: str,
     sizes: tuple[int, ...],
     excluded: frozenset[str],
-    strategies: dict,
+    strategies: dict[tuple[str, int], st.SearchStrategy[Scenario]],
     *,
     examples: int,
     seed: int | None,
     shrink_seconds: float,
-    run: dict,
+    run: Settings,
 ) -> OptionCell:
     cell = OptionCell(row, feature, "ok")
     unsupported = features.unsupported(target, excluded)
     at = tuple(w for w in sizes if dst.can_exercise(feature, w))
-    dtypes = (
-        ("float32",)
-        if feature in dst.FLOAT32_ONLY
-        else tuple(d for d in ("float64", "float32") if d not in unsupported)[:1]
-    )
+    dtypes = feature_dtypes(feature, unsupported)
     if not at:
-        cell.status, cell.reason = "n/a", "one rank holds every sample: no example can exercise it"
+        cell.status, cell.reason = "n/a", NO_EXAMPLE_CAN
         return cell
-    if feature in unsupported or not dtypes:
-        cell.status = "declined"
-        cell.reason = (
-            "excluded with --without"
-            if feature in excluded
-            else f"opt-in: {type(target).__name__}.{features.OPT_IN[feature]} is not set"
-            if feature in features.OPT_IN
-            else features.why_unsupported(target, feature)
-            if dtypes
-            else "supports neither float64 nor float32"
-        )
+    why = declined_cell(target, feature, excluded, unsupported, dtypes)
+    if why is not None:
+        cell.status, cell.reason = "declined", why
         return cell
     for w in at:
         if (feature, w) not in strategies:
@@ -248,89 +237,14 @@ def _cell(
                 feature, world_size=w, dtypes=dtypes, without=unsupported
             )
     started = time.perf_counter()
-    failed: dict[str, EquivalenceError] = {}
-    passed: set[str] = set()
-    rejected: dict[str, int] = {}
-    shrinking_since: list[float] = []
-    crash: list[BaseException] = []
-    world_sizes = st.sampled_from(at)
-
-    @settings(
-        max_examples=examples,
-        deadline=None,
-        database=None,
-        print_blob=False,
-        report_multiple_bugs=False,
-        suppress_health_check=list(HealthCheck),
-        phases=[Phase.generate, Phase.shrink],
-        verbosity=Verbosity.quiet,
+    found = search(
+        Draws(target, {w: strategies[feature, w] for w in at}),
+        cell_plan(
+            target, feature, excluded, run, examples, shrink_seconds, f"{seed}:{row}:{feature}"
+        ),
     )
-    @given(data=st.data())
-    def one(data: Any) -> None:
-        w = data.draw(world_sizes, label="world_size")
-        scenario = data.draw(strategies[feature, w], label="scenario")
-        key = f"{w}:{scenario!r}"
-        if key in failed:
-            raise failed[key]
-        if shrinking_since and time.perf_counter() - shrinking_since[0] > shrink_seconds:
-            raise _Abort()
-        if key in passed:
-            return
-        why = features.declines(target, scenario, w, excluded)
-        found = features.of(scenario, w) if why is None else frozenset()
-        why = why or (None if feature in found else "drawn without the feature")
-        if why is not None:
-            rejected[why] = rejected.get(why, 0) + 1
-            if sum(rejected.values()) >= 5 * examples + 10 and not shrinking_since:
-                raise _Abort()
-            assume(False)
-        cell.examples += 1
-        try:
-            check_example(target, scenario, w, **run)
-        except EquivalenceError as error:
-            failed[key] = error
-            if not shrinking_since:
-                shrinking_since.append(time.perf_counter())
-                cell.first_failure = cell.examples
-            raise
-        except (ScenarioError, NothingChecked) as exc:  # nobody's bug: not a failure
-            cell.examples -= 1
-            rejected[str(exc)] = rejected.get(str(exc), 0) + 1
-            assume(False)
-        except Exception as exc:  # the harness or the world: stop the survey
-            crash.append(exc)
-            raise _Abort() from exc
-        passed.add(key)
-
-    one = hypothesis_seed(zlib.crc32(f"{seed}:{row}:{feature}".encode()))(one)
-    try:
-        one()
-    except _Abort:
-        if crash:
-            raise crash[0] from None
-        if failed:
-            return _failed(cell, min(failed.values(), key=lambda e: len(repr(e.scenario))), started)
-    except EquivalenceError as error:
-        return _failed(cell, error, started)
-    except FlakyFailure as flaky:
-        replayed = next((e for e in flaky.exceptions if isinstance(e, EquivalenceError)), None)
-        if replayed is None:
-            raise
-        refuse_unconfirmed_hang(replayed)
-        cell.intermittent = True
-        return _failed(cell, replayed, started)
-    except Unsatisfiable:
-        pass
-    if not cell.examples:
-        declined = {why: n for why, n in rejected.items() if why != "drawn without the feature"}
-        cell.status = "declined" if declined else "n/a"
-        cell.reason = (
-            max(declined, key=lambda why: declined[why])
-            if declined
-            else "none of the drawn examples exercised it"
-        )
-    cell.seconds = time.perf_counter() - started
-    return cell
+    cell.examples = found.examples
+    return ended(cell, found, started, _failed)
 
 
 def _failed(cell: OptionCell, error: EquivalenceError, started: float) -> OptionCell:

@@ -25,11 +25,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import Any
+from typing import TypeVar
 
 from ddpcheck._base.errors import EquivalenceError, NothingChecked, ScenarioError
+from ddpcheck._language.scenario import Scenario
+from ddpcheck._oracle.reference import Reference
 from ddpcheck._runs import warmup
+from ddpcheck._runs.admission import Settings
 from ddpcheck._runs.example import (
+    Launched,
     _beside_the_ranks,
     check_example,
     judge,
@@ -38,10 +42,17 @@ from ddpcheck._runs.example import (
     resume,
 )
 from ddpcheck._world.failures import WorldFailure
-from ddpcheck._world.worlds import TaskLost
+from ddpcheck._world.worlds import Pending, TaskLost
 from ddpcheck.targets.protocol import Target
 
 __all__ = ["Outcome", "one_behind_the_other"]
+
+K = TypeVar("K")
+#: ``(key, world_size, scenario)``: one example to run, and the caller's key for it
+Item = tuple[K, int, Scenario]
+#: the example being run: its item, how it was launched, and its reference (or the
+#: ScenarioError computing it raised: collected, then skipped)
+_Running = tuple[Item[K], Launched, "Reference | ScenarioError"]
 
 
 @dataclasses.dataclass
@@ -57,30 +68,26 @@ class Outcome:
 
 
 def one_behind_the_other(
-    target: Target,
-    items: Iterable[tuple[Any, int, Any]],
+    items: Iterable[Item[K]],
+    run: Settings,
     *,
-    deadline: float,
-    device: str = "cpu",
-    backend: str | None = None,
-    target_of: Callable[[Any], Any] | None = None,
-) -> Generator[tuple[tuple[Any, int, Any], Outcome], None, None]:
+    target_of: Callable[[K], Target],
+) -> Generator[tuple[Item[K], Outcome], None, None]:
     """``(item, outcome)`` for every ``item = (key, world_size, scenario)`` of ``items``, in
-    their order, each example queued behind the one before (see the module's invariant).
-    ``target_of(key)``: the target an item runs, where items vary it (``--fuzz-config``)."""
-    running: tuple | None = None  # (item, Launched, reference or the ScenarioError it raised)
-    queued: list = []  # launched, not yet judged: abandoned if the caller stops
-    options: dict[str, Any] = dict(deadline=deadline, device=device, backend=backend)
+    their order, each example queued behind the one before (see the module's invariant), under
+    the run's settings. ``target_of(key)``: the target an item runs."""
+    running: _Running[K] | None = None
+    queued: list[Launched] = []  # launched, not yet judged: abandoned if the caller stops
     iterator = iter(items)
 
-    def of(item: tuple[Any, int, Any]) -> Any:
-        return target if target_of is None else target_of(item[0])
+    def of(item: Item[K]) -> Target:
+        return target_of(item[0])
 
-    def judge_running() -> Iterator[tuple[tuple[Any, int, Any], Outcome]]:
+    def judge_running() -> Iterator[tuple[Item[K], Outcome]]:
         nonlocal running
         if running is not None:
             finished, running = running, None
-            yield finished[0], _judged(of(finished[0]), finished, options)
+            yield finished[0], _judged(of(finished[0]), finished, run)
             queued.remove(finished[1])
 
     try:
@@ -99,13 +106,13 @@ def one_behind_the_other(
                     break
                 _, world_size, scenario = item
                 if running is not None and warmup.needed(
-                    of(item), world_size, device=device, backend=backend
+                    of(item), world_size, device=run.device, backend=run.backend
                 ):
                     # its world's ranks warm up first (minutes, possibly): nothing in flight
                     # meanwhile, whose deadline would count
                     yield from judge_running()
                 try:
-                    launched = launch(of(item), scenario, world_size, **options)
+                    launched = launch(of(item), scenario, world_size, run)
                 except Exception as exc:  # refused before any world ran
                     yield from judge_running()  # ... the example before is judged first
                     if not isinstance(exc, (ScenarioError, NothingChecked)):
@@ -115,7 +122,7 @@ def one_behind_the_other(
                 queued.append(launched)
                 yield from judge_running()  # judged while the ranks run the one just launched
                 try:
-                    reference: Any = prepare_reference(scenario)
+                    reference: Reference | ScenarioError = prepare_reference(scenario)
                 except ScenarioError as exc:  # collected, then skipped: the world stays usable
                     reference = exc
                 else:  # a checkpoint's second half, now: the next example queues behind it
@@ -137,7 +144,7 @@ def one_behind_the_other(
 DISCARD_WAIT = 2.0
 
 
-def _discard(pending: Any) -> None:
+def _discard(pending: Pending) -> None:
     """Collect a queued example nobody will judge, within :data:`DISCARD_WAIT`."""
     if pending.lost or pending.done:
         return
@@ -148,7 +155,7 @@ def _discard(pending: Any) -> None:
         pass
 
 
-def _judged(target: Target, running: tuple, options: dict) -> Outcome:
+def _judged(target: Target, running: _Running[K], run: Settings) -> Outcome:
     item, launched, reference = running
     if isinstance(reference, ScenarioError):
         try:
@@ -160,16 +167,16 @@ def _judged(target: Target, running: tuple, options: dict) -> Outcome:
         return Outcome(notes=judge(launched, reference))
     except TaskLost:  # its world was replaced before it ran there: again, alone, in a new one
         _, world_size, scenario = item
-        return _alone(target, scenario, world_size, options)
+        return _alone(target, scenario, world_size, run)
     except EquivalenceError as error:
         return Outcome(error=error)
     except (ScenarioError, NothingChecked) as exc:
         return _skipped(exc)
 
 
-def _alone(target: Target, scenario: Any, world_size: int, options: dict) -> Outcome:
+def _alone(target: Target, scenario: Scenario, world_size: int, run: Settings) -> Outcome:
     try:
-        return Outcome(notes=check_example(target, scenario, world_size, **options))
+        return Outcome(notes=check_example(target, scenario, world_size, run))
     except EquivalenceError as error:
         return Outcome(error=error)
     except (ScenarioError, NothingChecked) as exc:

@@ -23,19 +23,16 @@ import dataclasses
 import time
 import zlib
 from collections.abc import Callable
-from typing import Any
 
-from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
-from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
-from hypothesis.errors import FlakyFailure, Unsatisfiable
 
-from ddpcheck._base.errors import EquivalenceError, NothingChecked, ScenarioError
-from ddpcheck._base.options import DEFAULT_DEADLINE
+from ddpcheck._base.errors import EquivalenceError
 from ddpcheck._language import features
 from ddpcheck._language import strategies as dst
 from ddpcheck._language.messages import exception_text, scenario_line
-from ddpcheck._language.scenario import build_model
+from ddpcheck._language.scenario import Scenario, build_model
+from ddpcheck._runs.admission import DEFAULT_SETTINGS, Settings
+from ddpcheck._runs.engine import Draws, Example, Plan, outcome_of, search
 from ddpcheck._runs.example import check_example
 from ddpcheck.targets.protocol import Target
 
@@ -72,7 +69,7 @@ class Search:
     why: str = ""  # error None: why the battery's verdict stands
 
 
-def size(scenario: Any, world_size: int) -> int:
+def size(scenario: Scenario, world_size: int) -> int:
     """How much a reader holds in mind to follow an example: its parameter tensors, samples,
     steps, micro-batches per step and the features it exercises at ``world_size``."""
     tensors = len(list(build_model(scenario, scenario.seed).parameters()))
@@ -83,11 +80,6 @@ def size(scenario: Any, world_size: int) -> int:
         + scenario.accumulation
         + len(features.of(scenario, world_size))
     )
-
-
-class _Abort(BaseException):
-    """Ends the Hypothesis run from inside (the budget is spent, or the search cannot go on):
-    not an Exception, so Hypothesis neither shrinks nor replays it."""
 
 
 def searched_sizes(found: EquivalenceError) -> tuple[int, ...]:
@@ -104,24 +96,23 @@ def smaller(
     world_sizes: tuple[int, ...],
     without: frozenset[str] = frozenset(),
     seed: int | None = None,
-    deadline: float = DEFAULT_DEADLINE,
-    device: str = "cpu",
-    backend: str | None = None,
+    run: Settings = DEFAULT_SETTINGS,
     examples: int = EXAMPLES,
     seconds: float = SECONDS,
 ) -> Search:
     """Look for a counterexample smaller than ``found`` (a battery failure) at its world size
-    (:func:`searched_sizes`).
+    (:func:`searched_sizes`), with the engine (``_runs.engine.search``): a hang is passed over,
+    anything not the target's fault stops the search, and the budget counts from its start.
 
     ``world_sizes``: those the run allows (a drawn checkpoint may resume at one of them);
     ``without``: the features the user excluded; ``seed``: as ``ddpcheck check --seed`` (None:
     the same search every run). Whatever goes wrong in the search leaves ``found`` standing
     (``Search.why`` says what); a Ctrl-C is raised."""
-    search = _Searching(target, without, deadline, device, backend, seconds)
+    searching = _Searching(target, run, seconds)
     try:
-        return search.run(found, world_sizes, seed, examples)
+        return searching.run(found, world_sizes, without, seed, examples)
     except Exception as exc:  # the search's own failure: no verdict of its own
-        return search.ended(None, f"the search failed: {exception_text(exc)}")
+        return searching.ended(None, f"the search failed: {exception_text(exc)}")
 
 
 @dataclasses.dataclass
@@ -129,10 +120,7 @@ class _Searching:
     """One search under way: what it runs, its budget, and what it has run."""
 
     target: Target
-    without: frozenset[str]
-    deadline: float
-    device: str
-    backend: str | None
+    settings: Settings
     seconds: float
     started: float = dataclasses.field(default_factory=time.perf_counter)
     examples: int = 0
@@ -143,83 +131,52 @@ class _Searching:
     def left(self) -> float:
         return self.seconds - (time.perf_counter() - self.started)
 
-    def check(self, scenario: Any, world_size: int) -> None:
+    def check(self, example: Example) -> tuple[str, ...]:
         """One example; a hang is waited for :data:`MIN_DEADLINE` at least, and no longer than
         the user's deadline."""
         self.examples += 1
-        check_example(
-            self.target,
-            scenario,
-            world_size,
-            device=self.device,
-            backend=self.backend,
-            deadline=min(self.deadline, max(MIN_DEADLINE, self.left())),
+        deadline = min(self.settings.deadline, max(MIN_DEADLINE, self.left()))
+        return check_example(
+            example.target,
+            example.scenario,
+            example.world_size,
+            dataclasses.replace(self.settings, deadline=deadline),
         )
 
     def run(
-        self, found: EquivalenceError, world_sizes: tuple[int, ...], seed: int | None, examples: int
+        self,
+        found: EquivalenceError,
+        world_sizes: tuple[int, ...],
+        without: frozenset[str],
+        seed: int | None,
+        examples: int,
     ) -> Search:
         battery, sizes = found.scenario, searched_sizes(found)
-        unsupported = features.unsupported(self.target, self.without)
-        strategies = {
-            w: _strategy(battery, found.world_size, w, unsupported, world_sizes) for w in sizes
-        }
-        failed: dict[tuple[int, str], EquivalenceError] = {}  # shrinking steps reuse them
-        passed: set[tuple[int, str]] = set()
-        stopped: list[str] = []
-
-        @settings(
-            max_examples=examples,
-            deadline=None,
-            database=None,
-            print_blob=False,
-            report_multiple_bugs=False,
-            suppress_health_check=list(HealthCheck),
-            phases=[Phase.generate, Phase.shrink],
-            verbosity=Verbosity.quiet,
+        unsupported = features.unsupported(self.target, without)
+        draws = Draws(
+            self.target,
+            {w: _strategy(battery, found.world_size, w, unsupported, world_sizes) for w in sizes},
         )
-        @given(data=st.data())
-        def one(data: Any) -> None:
-            w = data.draw(st.sampled_from(sizes), label="world_size")
-            scenario = data.draw(strategies[w], label="scenario")
-            key = (w, repr(scenario))
-            if key in failed:
-                raise failed[key]
-            if self.left() <= 0:
-                raise _Abort()  # keep the smallest failure so far
-            if key in passed:
-                return
-            if features.declines(self.target, scenario, w, self.without) is not None:
-                assume(False)  # costs no example of the budget
-            try:
-                self.check(scenario, w)
-            except EquivalenceError as error:
-                if "rank timed out" in error.kinds:
-                    assume(False)  # a hang once is no verdict: the search looks elsewhere
-                failed[key] = error
-                raise
-            except (ScenarioError, NothingChecked):  # nobody's bug: not a failure
-                assume(False)
-            except Exception as exc:  # slow machine, a world that cannot start, ddpcheck's own
-                stopped.append(exception_text(exc))
-                raise _Abort() from exc
-            passed.add(key)
-
-        one = hypothesis_seed(zlib.crc32(f"{seed}:{battery!r}:{sizes}".encode()))(one)
-        try:
-            one()
-        except (_Abort, EquivalenceError, Unsatisfiable):
-            pass
-        except FlakyFailure:
+        plan = Plan(
+            examples=examples,
+            seed=zlib.crc32(f"{seed}:{battery!r}:{sizes}".encode()),
+            check=self.check,
+            accept=lambda e: features.declines(e.target, e.scenario, e.world_size, without),
+            seconds=self.seconds,
+            hangs=False,  # a hang once is no verdict: the search looks elsewhere
+            crash="stop",  # slow machine, a world that cannot start, ddpcheck's own
+        )
+        searched = search(draws, plan)
+        if searched.stopped is not None:
+            return self.ended(None, f"the search stopped: {searched.stopped}")
+        if searched.flaky:
             return self.ended(
                 None, "a failure of the search passed when Hypothesis ran it again (a race?)"
             )
-        if stopped:
-            return self.ended(None, f"the search stopped: {stopped[0]}")
-        if not failed:
+        if not searched.failures:
             return self.ended(None, "no example drawn failed")
         candidate = min(
-            failed.values(),
+            searched.failures.values(),
             key=lambda e: (size(e.scenario, e.world_size), e.world_size, len(repr(e.scenario))),
         )
         if size(candidate.scenario, candidate.world_size) >= size(battery, found.world_size):
@@ -231,16 +188,21 @@ class _Searching:
 
     def confirmed(self, candidate: EquivalenceError) -> Search:
         """``candidate`` run once more: its error if it fails again (not by a timeout)."""
+        outcome, why = None, ""
         try:
-            self.check(candidate.scenario, candidate.world_size)
-        except EquivalenceError as again:
-            if "rank timed out" not in again.kinds:
-                return self.ended(again)
-            why = "it hung when run again"
-        except (ScenarioError, NothingChecked) as exc:  # not expected: it ran once
-            why = f"it could not run again: {exception_text(exc)}"
+            outcome = outcome_of(
+                self.check, Example(self.target, candidate.world_size, candidate.scenario)
+            )
         except Exception as exc:  # slow machine, a world that cannot start, ddpcheck's own
             why = f"running it again stopped: {exception_text(exc)}"
+        if outcome is None:
+            pass
+        elif outcome.error is not None and "rank timed out" not in outcome.error.kinds:
+            return self.ended(outcome.error)
+        elif outcome.error is not None:
+            why = "it hung when run again"
+        elif outcome.skipped is not None:  # not expected: it ran once
+            why = f"it could not run again: {outcome.skipped}"
         else:
             why = "it passed when run again (a race?)"
         return self.ended(
@@ -255,8 +217,8 @@ def first_verdict(
     world_sizes: tuple[int, ...],
     without: frozenset[str],
     seed: int | None,
-    say: Callable[[str], Any],
-    **run: Any,
+    say: Callable[[str], object],
+    run: Settings,
 ) -> tuple[EquivalenceError, str]:
     """``ddpcheck check``'s verdict on a battery failure: the smaller counterexample
     :func:`smaller` confirmed, else ``found``; and what to call it. ``say`` prints each line of
@@ -278,9 +240,9 @@ def first_verdict(
         world_sizes=world_sizes,
         without=without,
         seed=seed,
+        run=run,
         examples=EXAMPLES,
         seconds=SECONDS,
-        **run,
     )
     ran = f"{search.examples} example{'' if search.examples == 1 else 's'}"
     if search.error is None:
@@ -313,7 +275,7 @@ def with_features(error: EquivalenceError, what: str, survey: str) -> Equivalenc
 
 
 def _strategy(
-    battery: Any,
+    battery: Scenario,
     failed_at: int,
     world_size: int,
     unsupported: frozenset[str],

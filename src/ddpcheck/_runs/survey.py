@@ -4,7 +4,8 @@
 every world size (each (scenario, W) passes, FAILS with its first divergence kind, or is declined);
 then each (feature of ``ddpcheck.features.FEATURES``, W) cell runs up to ``examples`` random
 examples drawn to exercise it (``ddpcheck.strategies.exercising``) and stops at its first failure,
-shrunk by Hypothesis for at most ``shrink_seconds`` to a minimal counterexample and replay line.
+shrunk by Hypothesis for at most ``shrink_seconds`` to a minimal counterexample and replay line:
+each cell is a search of the engine (``_runs.engine.search``, :func:`cell_plan`).
 
 Invariant: a failing example stops only its own cell, never the survey. What is not the target's
 fault (a battery scenario the oracle cannot judge, a world that cannot start, a harness error)
@@ -17,20 +18,18 @@ import dataclasses
 import time
 import zlib
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
-from hypothesis import seed as hypothesis_seed
-from hypothesis import strategies as st
-from hypothesis.errors import FlakyFailure, Unsatisfiable
-
-from ddpcheck._base.errors import EquivalenceError, InvalidArgument, NothingChecked, ScenarioError
+from ddpcheck._base.errors import EquivalenceError, InvalidArgument, NothingChecked
 from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_positive_number
 from ddpcheck._language import features
 from ddpcheck._language import strategies as dst
 from ddpcheck._language.battery import BATTERY
 from ddpcheck._language.messages import scenario_line
-from ddpcheck._runs.admission import Request, admit
+from ddpcheck._language.scenario import Scenario
+from ddpcheck._oracle.reference import Reference
+from ddpcheck._runs.admission import Request, Settings, admit
+from ddpcheck._runs.engine import Draws, Example, Found, Plan, search, settings_check
 from ddpcheck._runs.example import (
     check_example,
     prepare_reference,
@@ -38,6 +37,9 @@ from ddpcheck._runs.example import (
 )
 from ddpcheck._runs.replay import target_spec
 from ddpcheck._world.interrupts import interruptible
+
+if TYPE_CHECKING:
+    from ddpcheck._runs.option_survey import OptionSurvey
 from ddpcheck.targets.protocol import Target
 
 __all__ = [
@@ -213,7 +215,7 @@ def survey(
     backend: str | None = None,
     only: Iterable[str] = (),
     fuzz_config: bool = False,
-) -> Any:  # as assert_equivalent's
+) -> Survey | OptionSurvey:
     """Run the battery at every world size and ``examples`` random examples per (feature, world
     size), stopping nowhere; return the :class:`Survey` (``print`` it for the matrix).
 
@@ -249,7 +251,7 @@ def survey_admitted(
     seed: int | None = None,
     shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
     progress: Callable[[int, int, str, float], None] | None = None,
-) -> Any:
+) -> Survey | OptionSurvey:
     """:func:`survey` of an admitted request (``runs.admission``): the command line's path."""
     check_positive_number("shrink_seconds", shrink_seconds)
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
@@ -271,13 +273,13 @@ def survey_admitted(
     exercised: set[str] = set()
     cells: list[Cell] = []
     focus = request.only  # only the rows that exercise one of these, when given
-    rows: list[tuple[str, str, Any]] = [
+    rows: list[tuple[str, str, Scenario | None]] = [
         ("battery", name, sc) for name, sc in BATTERY if not focus or features.of(sc) & focus
     ]
     rows += [
         ("feature", feature, None) for feature in features.FEATURES if not focus or feature in focus
     ]
-    for section, row, scenario in rows:
+    for _, row, scenario in rows:
         for w in sizes:
             if progress is not None:
                 progress(
@@ -286,7 +288,7 @@ def survey_admitted(
                     f"{row} W={w}",
                     time.perf_counter() - started,
                 )
-            if section == "battery":
+            if scenario is not None:  # a battery row
                 cell = _battery_cell(target, row, scenario, w, excluded, run, exercised)
             else:
                 cell = _feature_cell(
@@ -318,16 +320,16 @@ def survey_admitted(
 # One cell
 
 #: repr of a battery scenario -> its full-batch reference, shared by every survey in a process.
-_REFERENCES: dict[str, Any] = {}
+_REFERENCES: dict[str, Reference] = {}
 
 
 def _battery_cell(
     target: Target,
     name: str,
-    scenario: Any,
+    scenario: Scenario,
     world_size: int,
     excluded: frozenset[str],
-    run: dict,
+    run: Settings,
     exercised: set[str],
 ) -> Cell:
     why = features.declines(target, scenario, world_size, excluded)
@@ -338,7 +340,7 @@ def _battery_cell(
         _REFERENCES[key] = prepare_reference(scenario)
     started = time.perf_counter()
     try:
-        check_example(target, scenario, world_size, reference=_REFERENCES[key], name=name, **run)
+        check_example(target, scenario, world_size, run, reference=_REFERENCES[key], name=name)
     except NothingChecked as exc:  # declined once running (a default hook cannot serve it)
         return Cell("battery", name, world_size, "declined", reason=str(exc))
     except EquivalenceError as error:
@@ -350,11 +352,6 @@ def _battery_cell(
     return Cell("battery", name, world_size, "ok", 1, seconds=time.perf_counter() - started)
 
 
-class _Abort(BaseException):
-    """Ends a cell's Hypothesis run from inside (its shrink budget is spent, or the harness
-    failed): not an Exception, so Hypothesis neither shrinks nor replays it."""
-
-
 def _feature_cell(
     target: Target,
     feature: str,
@@ -363,113 +360,132 @@ def _feature_cell(
     examples: int,
     excluded: frozenset[str],
     unsupported: frozenset[str],
-    run: dict,
+    run: Settings,
     seed: int | None,
     shrink_seconds: float,
     exercised: set[str],
 ) -> Cell:
     cell = Cell("feature", feature, world_size, "ok")
     if not dst.can_exercise(feature, world_size):
-        cell.status, cell.reason = "n/a", "one rank holds every sample: no example can exercise it"
+        cell.status, cell.reason = "n/a", NO_EXAMPLE_CAN
         return cell
-    dtypes = (
-        ("float32",)
-        if feature in dst.FLOAT32_ONLY
-        else tuple(d for d in ("float64", "float32") if d not in unsupported)[:1]
-    )
-    if feature in unsupported or not dtypes:
-        cell.status = "declined"
-        cell.reason = (
-            "excluded with --without"
-            if feature in excluded
-            else f"opt-in: {type(target).__name__}.{features.OPT_IN[feature]} is not set"
-            if feature in features.OPT_IN
-            else features.why_unsupported(target, feature)
-            if dtypes
-            else f"{type(target).__name__} supports neither float64 nor float32"
-        )
+    dtypes = feature_dtypes(feature, unsupported)
+    why = declined_cell(target, feature, excluded, unsupported, dtypes)
+    if why is not None:
+        cell.status, cell.reason = "declined", why
         return cell
     started = time.perf_counter()
     strategy = dst.exercising(feature, world_size=world_size, dtypes=dtypes, without=unsupported)
-    failed: dict[str, EquivalenceError] = {}  # repr -> its error: replays and shrinking reuse it
-    passed: set[str] = set()
-    rejected: dict[str, int] = {}
-    shrinking_since: list[float] = []
-    crash: list[BaseException] = []
-
-    @settings(
-        max_examples=examples,
-        deadline=None,
-        database=None,
-        print_blob=False,
-        report_multiple_bugs=False,
-        suppress_health_check=list(HealthCheck),
-        phases=[Phase.generate, Phase.shrink],
-        verbosity=Verbosity.quiet,
+    found = search(
+        Draws(target, {world_size: strategy}),
+        cell_plan(
+            target,
+            feature,
+            excluded,
+            run,
+            examples,
+            shrink_seconds,
+            f"{seed}:{feature}:{world_size}",
+        ),
     )
-    @given(data=st.data())
-    def one(data: Any) -> None:
-        scenario = data.draw(strategy, label="scenario")  # first: the same draws every time
-        key = repr(scenario)
-        if key in failed:
-            raise failed[key]
-        if shrinking_since and time.perf_counter() - shrinking_since[0] > shrink_seconds:
-            raise _Abort()  # keep the smallest counterexample found so far
-        if key in passed:
-            return
-        why = features.declines(target, scenario, world_size, excluded)
-        found = features.of(scenario, world_size) if why is None else frozenset()
-        why = why or (None if feature in found else "drawn without the feature")
-        if why is not None:
-            rejected[why] = rejected.get(why, 0) + 1
-            if sum(rejected.values()) >= 5 * examples + 10 and not shrinking_since:
-                raise _Abort()  # Hypothesis would draw 1000 before giving up
-            assume(False)  # costs no example of the budget
-        cell.examples += 1
-        try:
-            check_example(target, scenario, world_size, **run)
-        except EquivalenceError as error:
-            exercised.update(found)
-            failed[key] = error
-            if not shrinking_since:
-                shrinking_since.append(time.perf_counter())
-                cell.first_failure = cell.examples
-            raise
-        except ScenarioError as exc:  # the oracle cannot judge it: nobody's bug, not a failure
-            cell.examples -= 1
-            rejected[f"unjudgeable: {exc}"] = 1
-            assume(False)
-        except NothingChecked as exc:  # declined once running (a default hook cannot serve it)
-            cell.examples -= 1
-            rejected[str(exc)] = rejected.get(str(exc), 0) + 1
-            assume(False)
-        except Exception as exc:  # the harness or the world, not the target: stop the survey
-            crash.append(exc)
-            raise _Abort() from exc
-        passed.add(key)
-        exercised.update(found)
+    exercised |= found.features
+    cell.examples = found.examples
+    return ended(cell, found, started, _failed)
 
-    one = hypothesis_seed(zlib.crc32(f"{seed}:{feature}:{world_size}".encode()))(one)
-    try:
-        one()
-    except _Abort:
-        if crash:
-            raise crash[0] from None
-        if failed:
-            return _failed(cell, min(failed.values(), key=lambda e: len(repr(e.scenario))), started)
-    except EquivalenceError as error:
-        return _failed(cell, error, started)
-    except FlakyFailure as flaky:  # failed, then passed when replayed: still a counterexample
-        replayed = next((e for e in flaky.exceptions if isinstance(e, EquivalenceError)), None)
-        if replayed is None:
-            raise
-        refuse_unconfirmed_hang(replayed)  # a hang that did not recur is no verdict
-        cell.intermittent = True
-        return _failed(cell, replayed, started)
-    except Unsatisfiable:
-        pass
+
+#: Why a cell at W=1 is ``-``: a feature only several ranks show.
+NO_EXAMPLE_CAN = "one rank holds every sample: no example can exercise it"
+
+
+def feature_dtypes(feature: str, unsupported: frozenset[str]) -> tuple[str, ...]:
+    """The dtype a cell's examples are drawn in: float32 for the precision features, else the
+    finest the target supports (none: the cell is declined)."""
+    if feature in dst.FLOAT32_ONLY:
+        return ("float32",)
+    return tuple(d for d in ("float64", "float32") if d not in unsupported)[:1]
+
+
+def declined_cell(
+    target: Target,
+    feature: str,
+    excluded: frozenset[str],
+    unsupported: frozenset[str],
+    dtypes: tuple[str, ...],
+) -> str | None:
+    """Why a cell of ``feature`` runs nothing for ``target``, or None."""
+    if feature not in unsupported and dtypes:
+        return None
+    if feature in excluded:
+        return "excluded with --without"
+    if feature in features.OPT_IN:
+        return f"opt-in: {type(target).__name__}.{features.OPT_IN[feature]} is not set"
+    if dtypes:
+        return features.why_unsupported(target, feature)
+    return f"{type(target).__name__} supports neither float64 nor float32"
+
+
+def cell_plan(
+    target: Target,
+    feature: str,
+    excluded: frozenset[str],
+    run: Settings,
+    examples: int,
+    shrink_seconds: float,
+    seed_text: str,
+) -> Plan:
+    """How a cell searches: up to ``examples`` examples that exercise ``feature``, stopping at
+    the first failure, shrunk for at most ``shrink_seconds``, its seed from ``seed_text``."""
+
+    def accept(example: Example) -> str | None:
+        why = features.declines(example.target, example.scenario, example.world_size, excluded)
+        if why is None and feature not in features.of(example.scenario, example.world_size):
+            why = DRAWN_WITHOUT
+        return why
+
+    return Plan(
+        examples=examples,
+        seed=zlib.crc32(seed_text.encode()),
+        check=settings_check(run),
+        accept=accept,
+        give_up_after=5 * examples + 10,  # Hypothesis would draw 1,000 before giving up
+        shrink_seconds=shrink_seconds,
+    )
+
+
+#: A drawn example that does not exercise its cell's feature: passed over, not declined.
+DRAWN_WITHOUT = "drawn without the feature"
+
+
+class SurveyCell(Protocol):
+    """What :func:`ended` fills in, in a survey's cell and an option survey's alike."""
+
+    examples: int
+    status: str
+    reason: str | None
+    intermittent: bool
+    first_failure: int | None
+    seconds: float
+
+
+CellT = TypeVar("CellT", bound=SurveyCell)
+
+
+def ended(
+    cell: CellT,
+    found: Found,
+    started: float,
+    failed: Callable[[CellT, EquivalenceError, float], CellT],
+) -> CellT:
+    """The cell as its search ended: failed (its first or shrunk failure), or ok, or -- no
+    example ran -- declined with the most frequent reason, or n/a."""
+    if found.error is not None:
+        if found.flaky:
+            refuse_unconfirmed_hang(found.error)  # a hang that did not recur is no verdict
+            cell.intermittent = True
+        cell.first_failure = found.first_failure
+        return failed(cell, found.error, started)
     if not cell.examples:  # no drawn example could run
-        declined = {why: n for why, n in rejected.items() if why != "drawn without the feature"}
+        declined = {why: n for why, n in found.declined.items() if why != DRAWN_WITHOUT}
         cell.status = "declined" if declined else "n/a"
         cell.reason = (
             max(declined, key=lambda why: declined[why])
@@ -480,7 +496,7 @@ def _feature_cell(
     return cell
 
 
-def _failed(cell: Cell, error: Any, started: float) -> Cell:
+def _failed(cell: Cell, error: EquivalenceError, started: float) -> Cell:
     first = error.divergences[0]
     where = [
         f"step {first.step}" if first.step != "-" else "",

@@ -25,7 +25,7 @@ import pickle
 import tempfile
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from ddpcheck._base.devices import (
 from ddpcheck._base.errors import DdpcheckError, InvalidArgument, NothingChecked
 from ddpcheck._language.battery import BATTERY
 from ddpcheck._language.features import declines
+from ddpcheck._language.scenario import Scenario
 from ddpcheck._rank import recorder
 from ddpcheck._rank.runner import run_example_packed, run_warm_up
 from ddpcheck._rank.transport import unpack
@@ -49,8 +50,10 @@ from ddpcheck.targets.protocol import Target
 
 __all__ = ["check_in_world", "init_world", "local_world_size", "under_torchrun"]
 
+T = TypeVar("T")
 
-def _gather_to_zero(obj: Any) -> list[Any]:
+
+def _gather_to_zero(obj: T) -> list[T]:
     """Every rank's ``obj`` on rank 0 (an empty list elsewhere), by pickle.
 
     NOTE: not ``dist.gather_object``: it decodes through numpy, which torch does not require and
@@ -104,8 +107,12 @@ def _broadcast_bytes(data: bytes | None) -> bytes:
 
 
 def _run_recorded(
-    target: Target, scenario: Any, sequence_path: str, part: str = "whole", checkpoint: Any = None
-) -> tuple[tuple, str]:
+    target: Target,
+    scenario: Scenario,
+    sequence_path: str,
+    part: str = "whole",
+    checkpoint: bytes | None = None,
+) -> tuple[tuple[str, Any], str]:
     """This rank's ``("ok", packed result)`` (its tensors on the CPU:
     ``ddpcheck._rank.transport``; the result of ``run_example(part=...)``) or
     ``("error", traceback)``, and its collective sequence."""
@@ -121,8 +128,13 @@ def _run_recorded(
 
 
 def _judge(
-    gathered: list, target: Target, scenario: Any, name: str, world_size: int, **where: Any
-) -> Any:
+    gathered: list[tuple[tuple[str, Any], str]],
+    target: Target,
+    scenario: Scenario,
+    name: str,
+    world_size: int,
+    **where: Any,
+) -> DdpcheckError | None:
     """Rank 0: the EquivalenceError of one example, or None
     (``ddpcheck._runs.example.verdict``), or the outcome ddpcheck's own code raised in
     a rank; ``where``: the run's device and backend, for the replay line."""
@@ -157,13 +169,13 @@ def _judge(
 
 def _example(
     target: Target,
-    scenario: Any,
+    scenario: Scenario,
     name: str,
     world_size: int,
     rank: int,
     sequence_path: str,
     **where: Any,
-) -> Any:
+) -> DdpcheckError | None:
     """Rank 0: the EquivalenceError of one example, ddpcheck's own outcome raised in a rank
     (:func:`_judge`), or None (other ranks: None). A scenario
     with ``checkpoint_after`` saves, then resumes in this same world. ``where``: the run's
@@ -199,7 +211,7 @@ def check_in_world(
     *,
     world_sizes: tuple[int, ...] | None,
     deadline: float,
-    out: Any,
+    out: TextIO,
     without: frozenset[str] = frozenset(),
     only: frozenset[str] = frozenset(),
     device: str = "cpu",

@@ -25,7 +25,7 @@ from ddpcheck._base.errors import SetupError
 from ddpcheck._base.options import WARM_UP_DEADLINE
 from ddpcheck._rank.runner import run_warm_up
 from ddpcheck._world.failures import Failure, WorldFailure
-from ddpcheck._world.registry import get_world
+from ddpcheck._world.registry import world_of
 from ddpcheck._world.worlds import World
 from ddpcheck.targets import Target
 
@@ -68,7 +68,7 @@ def needed(
     if hook is None:
         return False
     try:
-        world = get_world(world_size, backend=backend, device=device)
+        world = world_of(world_size, backend=backend, device=device)
     except Exception:
         return True
     return not _warm(world, hook)

@@ -15,7 +15,7 @@ from ddpcheck._world import forking, interrupts
 from ddpcheck._world.processes import refuse_nested_start
 from ddpcheck._world.worlds import LIVE_WORLDS, World, rank_warnings
 
-__all__ = ["get_world", "launch_worlds", "shutdown_worlds"]
+__all__ = ["get_world", "launch_worlds", "shutdown_worlds", "world_of"]
 
 
 _WORLDS: dict[tuple, World] = {}
@@ -26,7 +26,18 @@ def get_world(
     world_size: int, *, backend: str | None = None, device: str = "cpu", start_method: str = "auto"
 ) -> World:
     """The persistent world of this size on ``device`` ("cpu" or "cuda"), spawned on first use
-    and after a failure; a CUDA world is never handed out for CPU examples, nor the reverse."""
+    and after a failure; a CUDA world is never handed out for CPU examples, nor the reverse.
+    A door of its own (``ddpcheck.get_world``, the ``ddpcheck_world`` fixture): ``world_size``
+    is checked here; a run admitted at another door takes :func:`world_of`."""
+    check_world_size("world_size", world_size)
+    return world_of(world_size, backend=backend, device=device, start_method=start_method)
+
+
+def world_of(
+    world_size: int, *, backend: str | None = None, device: str = "cpu", start_method: str = "auto"
+) -> World:
+    """:func:`get_world` for a world size a door admitted (``_runs.admission``): not checked
+    again."""
     return _registered(world_size, backend, device, start_method).start()
 
 
@@ -46,7 +57,6 @@ def launch_worlds(
 
 def _registered(world_size: int, backend: str | None, device: str, start_method: str) -> World:
     """The registry's world of this key, a new (unstarted) one when it has none alive."""
-    check_world_size("world_size", world_size)
     refuse_nested_start()
     key = (world_size, backend_for(device, backend), device, start_method)
     with _LOCK:

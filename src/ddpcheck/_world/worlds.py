@@ -32,9 +32,9 @@ parent (``PR_SET_PDEATHSIG``). The command line turns SIGTERM into an orderly st
 users get no handler (the janitor makes one unnecessary, and a library should not take a signal).
 
 Hang diagnosis at the speed of the evidence: while a task runs, the parent re-reads the sequence
-files every :data:`POLL_INTERVAL`; once they show a collective that can never complete (ranks
+files every ``collection.POLL_INTERVAL``; once they show a collective that can never complete (ranks
 issued different collectives at one index, or one that a rank which already returned never
-issued) and the evidence stays unchanged for :data:`EVIDENCE_GRACE`, the task fails as a
+issued) and the evidence stays unchanged for ``collection.EVIDENCE_GRACE``, the task fails as a
 ``"mismatch"`` naming the collective and its call site, long before the deadline. Hangs without
 such evidence still wait for the deadline.
 """
@@ -54,7 +54,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing import forkserver, resource_tracker
-from multiprocessing.connection import wait as _wait_any
 from typing import Any
 
 from ddpcheck._base.devices import backend_for, check_device, check_fits
@@ -65,10 +64,9 @@ from ddpcheck._base.options import (
     check_deadline,
     check_world_size,
 )
-from ddpcheck._rank.boundary import Launch, Refused, Returned
+from ddpcheck._rank.boundary import Launch
 from ddpcheck._rank.freshness import announce, changed
 from ddpcheck._rank.serve import (
-    NESTED_MARKER,
     SEQUENCE_SLOTS,
     SHUTDOWN,
     WORLD_DIR_ENV,
@@ -76,36 +74,20 @@ from ddpcheck._rank.serve import (
     rank_name,
     sequence_file,
 )
-from ddpcheck._world import forking, interrupts, progress
-from ddpcheck._world.failures import Failure, RankState, Status, WorldFailure, WorldStartError
+from ddpcheck._world import forking, interrupts
+from ddpcheck._world.collection import Collection
+from ddpcheck._world.failures import WorldFailure, WorldStartError
 from ddpcheck._world.janitor import Janitor
-from ddpcheck._world.lending import released
 from ddpcheck._world.processes import (
     check_main_module_importable,
-    dump_stacks,
     environment,
-    exit_description,
     kill_group,
     output_to,
     pickle_task,
-    read,
-    receive,
     refuse_nested_start,
-    tail,
 )
 
 __all__ = ["Pending", "TaskLost", "World"]
-
-#: Once one rank has failed, how long the others get to finish before they are presumed stuck
-#: waiting for it in a collective.
-FAILURE_GRACE = 2.0
-#: Seconds between two readings of the sequence files while a task runs (the first reading comes
-#: this long after the task started, so a healthy example, ~10 ms, never pays for one).
-POLL_INTERVAL = 0.3
-#: Seconds the sequence files must keep showing the same collective that cannot complete, with no
-#: rank returning meanwhile, before the task is failed as a mismatch: long enough for a rank that
-#: only looks stuck to move on, far shorter than any deadline.
-EVIDENCE_GRACE = 2.0
 
 _NUMPY_WARNING = "ignore:Failed to initialize NumPy"
 
@@ -254,7 +236,9 @@ class World:
         self._booting = None
         try:
             # a world launched long ago has its answers waiting: a second to read them
-            self._collect("world start-up", max(end - time.monotonic(), 1.0), starting=True)
+            Collection(
+                self, "world start-up", max(end - time.monotonic(), 1.0), starting=True
+            ).collect()
         except WorldFailure as failure:  # not the target's fault: the environment's
             self.kill()
             raise WorldStartError(
@@ -413,7 +397,7 @@ class World:
         slot = self._runs % SEQUENCE_SLOTS
         self._runs += 1
         # Empty, before any rank starts this task: a slow rank's file must not show an earlier
-        # task's collectives to the evidence polling in _collect.
+        # task's collectives to the evidence polling (``collection``).
         emptying, self._emptying[slot] = self._emptying[slot], None
         if emptying is not None:
             emptying.result()
@@ -448,20 +432,23 @@ class World:
         last task, read when it ended (the world may since have been replaced)."""
         return list(self._last_sequences)
 
-    def _read_sequences(self, slot: int) -> list[str]:
-        return [read(path) for path in self._sequences[slot]]
+    def _empty_slot_later(self, slot: int) -> None:
+        """The slot's task was read (``collection``): its files are emptied off this thread, so
+        that the slot's next task finds them empty."""
+        self._emptying[slot] = _empty_later(self._sequences[slot])
 
     def _finish(self, pending: Pending) -> list[Any]:
         """Collect ``pending``, the running task, by its deadline; see :meth:`run`. The task
         queued behind it starts now: its deadline counts from here."""
         self.notes, self.unfit, self._last_sequences = (), {}, []
         try:
-            return self._collect(
+            return Collection(
+                self,
                 pending.what,
                 max(pending.end - time.monotonic(), 0.0),
                 slot=pending.slot,
                 allowed=pending.deadline,
-            )
+            ).collect()
         except WorldFailure:
             raise
         except BaseException:  # Ctrl-C: ranks are mid-task, never reuse them
@@ -472,226 +459,6 @@ class World:
                 self._in_flight.pop(0)
                 for queued in self._in_flight:
                     queued.start_clock()
-
-    def _collect(
-        self,
-        what: str,
-        deadline: float,
-        starting: bool = False,
-        slot: int = 0,
-        allowed: float | None = None,
-    ) -> list[Any]:
-        """Wait for one message from every rank, or fail with every rank's state.
-
-        While waiting, the sequence files are watched for a collective that cannot complete
-        (:meth:`_hopeless`); start-up issues no collectives, so it is not watched."""
-        n = self.world_size
-        results: list[Any] = [None] * n
-        states: dict[int, RankState] = {}
-        pending = set(range(n))
-        started = time.monotonic()
-        end = started + deadline
-        next_poll = started + POLL_INTERVAL
-        evidence: tuple | None = None  # what the sequence files last showed, and since when
-        evidence_since = 0.0
-        failed_at: float | None = None
-        kind: Failure | None = None
-        left: dict[str, list[int]] = {}  # what the task left behind (and was put right) -> ranks
-        replacing = False  # a rank's process cannot be put right: replace the world afterwards
-        # past the deadline: hung, or working on a slow or loaded machine? (progress)
-        # (``allowed``: the task's whole deadline, of which a queued task has ``deadline`` left)
-        overtime = progress.Overtime(
-            deadline if allowed is None else allowed,
-            started,
-            lambda ranks: self._progress(ranks, slot),
-        )
-        while pending:
-            limit = end if failed_at is None else min(end, failed_at + FAILURE_GRACE)
-            watching = not starting and kind is None
-            now = time.monotonic()
-            timeout = (min(limit, next_poll) if watching else limit) - now
-            if now >= limit:
-                if failed_at is not None:
-                    break
-                decided = overtime.decide(now, pending)
-                if isinstance(decided, str):
-                    kind = Failure(decided)
-                    break
-                end = decided  # still working: wait on, the answers still collected meanwhile
-                continue
-            waitables = [self._conns[r] for r in pending] + [
-                self._procs[r].sentinel for r in pending
-            ]
-            with released():
-                ready = _wait_any(waitables, max(timeout, 0.0))
-            for rank in sorted(pending):
-                conn, proc = self._conns[rank], self._procs[rank]
-                if conn in ready or proc.sentinel in ready:
-                    message = receive(conn)
-                    if message is None:  # the process died without answering
-                        proc.join(1.0)
-                        if starting:
-                            self._refuse_if_nested()
-                        states[rank] = RankState(
-                            rank,
-                            Status.EXITED,
-                            exit_description(proc.exitcode),
-                            log_tail=tail(self._logs[rank]),
-                        )
-                        kind = kind or Failure.EXITED
-                    elif isinstance(message, Returned):  # unfit or not: judge the result first
-                        results[rank] = message.result
-                        self._sources.update(message.files)
-                        replacing = replacing or message.replace
-                        for note in message.notes:
-                            left.setdefault(note, []).append(rank)
-                        states[rank] = (
-                            RankState(
-                                rank,
-                                Status.UNFIT,
-                                "; ".join(message.unfit),
-                                log_tail=tail(self._logs[rank]),
-                            )
-                            if message.unfit
-                            else RankState(rank, Status.RETURNED)
-                        )
-                    elif isinstance(message, Refused):  # ddpcheck's own outcome, in the rank
-                        states[rank] = RankState(
-                            rank, Status.REFUSED, f"{message.outcome}: {message.message}"
-                        )
-                        replacing = replacing or message.replace
-                        kind = kind or Failure.REFUSED
-                    else:
-                        states[rank] = RankState(
-                            rank, Status.RAISED, message.traceback, log_tail=tail(self._logs[rank])
-                        )
-                        kind = kind or Failure.RAISED
-                    pending.discard(rank)
-                    if kind is not None and failed_at is None:
-                        failed_at = time.monotonic()
-            now = time.monotonic()
-            if pending and watching and kind is None and now >= next_poll:
-                next_poll = now + POLL_INTERVAL
-                seen = self._hopeless(set(range(n)) - pending, slot)
-                if seen is None or seen != evidence:
-                    evidence, evidence_since = seen, now
-                elif now - evidence_since >= EVIDENCE_GRACE:
-                    kind = Failure.MISMATCH  # unchanged for the grace: the pending ranks are stuck
-                    break
-        self.notes = tuple(
-            f"{note} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))})"
-            for note, ranks in left.items()
-        )
-        if replacing:
-            self.notes += (
-                "a new world for the next task: this one's processes could not be put "
-                "back as they started",
-            )
-        self._last_sequences = self._read_sequences(slot)  # before a kill removes the files
-        self.unfit = {r: s.detail for r, s in states.items() if s.status == Status.UNFIT}
-        if not pending and kind is None:  # done: the caller judges the results, then `unfit`
-            if replacing:
-                self.kill()
-            elif not starting:  # read: the slot's next task finds its files empty
-                self._emptying[slot] = _empty_later(self._sequences[slot])
-            return results
-        if (
-            not pending
-            and kind == Failure.REFUSED
-            and all(
-                s.status in (Status.RETURNED, Status.REFUSED, Status.UNFIT) for s in states.values()
-            )
-        ):
-            failure = self._failure(kind, [states[r] for r in range(n)], what, slot)
-            # every rank answered: the world can serve the next task -- unless one is queued,
-            # which a rank that refused early may have started while its peers still issued
-            # this task's collectives
-            if replacing or len(self._in_flight) > 1:
-                self.kill()
-            raise failure
-        dumps = dump_stacks(
-            self._procs, self._stacks, sorted(pending), deadline if allowed is None else allowed
-        )
-        status = Status.WORKING if kind == Failure.SLOW else Status.STUCK
-        for rank in sorted(pending):
-            states[rank] = RankState(rank, status, dumps[rank], log_tail=tail(self._logs[rank]))
-        failure = self._failure(
-            kind or Failure.TIMEOUT,
-            [states[r] for r in range(n)],
-            what,
-            slot,
-            overtime.describe(time.monotonic()) if kind == Failure.SLOW else "",
-        )
-        self.kill()
-        raise failure
-
-    def _progress(self, ranks: set[int], slot: int) -> tuple[progress.Reading | None, int]:
-        """What ``ranks``' processes have done so far (``progress.read``), and how many bytes
-        of collectives all ranks have written to the slot's sequence files."""
-        reading = progress.read({r: self._procs[r].pid for r in ranks}, time.monotonic())
-        written = 0
-        for path in self._sequences[slot]:
-            try:
-                written += os.path.getsize(path)
-            except OSError:
-                pass
-        return reading, written
-
-    def _failure(
-        self, kind: Failure, states: list[RankState], what: str, slot: int, slowness: str = ""
-    ) -> WorldFailure:
-        """The failure, with the first collective where the ranks' sequences disagree; a real
-        mismatch (different collectives, or a finished rank that issued fewer) is the kind."""
-        # here, not at import: it loads torch (records), and the command line launches its
-        # worlds before importing torch, so the ranks boot while it imports (bench/throughput)
-        from ddpcheck._world import sequences
-
-        seqs = [sequences.parse(text) for text in self._read_sequences(slot)]
-        finished = [s.rank for s in states if s.status in (Status.RETURNED, Status.UNFIT)]
-        disagreement = sequences.diagnose(seqs, finished)
-        if disagreement is not None and disagreement.mismatched:
-            kind = Failure.MISMATCH
-        if kind == Failure.REFUSED and any(
-            s.status in (Status.RAISED, Status.EXITED) for s in states
-        ):
-            kind = next(
-                Failure(s.status) for s in states if s.status in (Status.RAISED, Status.EXITED)
-            )
-        summary = "" if disagreement is not None else sequences.agreement_summary(seqs)
-        return WorldFailure(
-            kind,
-            self.world_size,
-            states,
-            what,
-            disagreement,
-            summary,
-            notes=self.notes,
-            slowness=slowness,
-        )
-
-    def _hopeless(self, finished: set[int], slot: int) -> tuple | None:
-        """The sequence files' texts and ``finished`` if they show a collective that can never
-        complete (``sequences.Disagreement.mismatched``: different collectives at one index, or
-        one that a finished rank never issued), else None. Identical files are never parsed."""
-        texts = self._read_sequences(slot)
-        from ddpcheck._world import sequences  # (see _failure)
-
-        if sequences.same_texts(texts):
-            return None
-        disagreement = sequences.diagnose([sequences.parse(t) for t in texts], finished)
-        if disagreement is None or not disagreement.mismatched:
-            return None
-        return tuple(texts), frozenset(finished)
-
-    def _refuse_if_nested(self) -> None:
-        """A rank left because re-importing the main module started a world: say so, once."""
-        if self._dir is not None and os.path.exists(os.path.join(self._dir, NESTED_MARKER)):
-            main = getattr(sys.modules.get("__main__"), "__file__", None) or "the main module"
-            raise WorldStartError(
-                f"{main} calls ddpcheck when it is imported, and every rank process re-imports "
-                "the main module (multiprocessing's spawn); put that call under "
-                '`if __name__ == "__main__":`'
-            )
 
     def __repr__(self) -> str:
         state = "alive" if self._alive else "stopped"

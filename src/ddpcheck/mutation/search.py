@@ -34,6 +34,7 @@ from ddpcheck._language.battery import BATTERY
 from ddpcheck._language.messages import scenario_line as brief
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._oracle.reference import Reference
+from ddpcheck._runs.admission import Settings
 from ddpcheck._runs.example import check_example, prepare_reference
 from ddpcheck._runs.fuzz import fuzz
 from ddpcheck._world.registry import get_world
@@ -142,9 +143,9 @@ def battery_search(
                 target,
                 scenario,
                 w,
+                Settings(deadline=min(deadline, max(MIN_DEADLINE, budget_seconds - spent))),
                 reference=_reference(name, scenario),
                 name=name,
-                deadline=min(deadline, max(MIN_DEADLINE, budget_seconds - spent)),
             )
         except EquivalenceError as err:
             found = Counterexample(name, scenario, w, err.kinds[0], err)
@@ -178,8 +179,8 @@ def shrinking_search(
         time_budget=None if share == float("inf") else share,
         fuzz_config=fuzz_config,
     )
-    if result.found:
-        err = result.error
+    err = result.error
+    if err is not None:
         found = Counterexample(
             f"random[{brief(err.scenario)}]", err.scenario, err.world_size, err.kinds[0], err
         )

@@ -272,6 +272,21 @@ def _cannot_run(scenario: Scenario, world_sizes: tuple[int, ...]) -> str | None:
       gradient once per call then (``bench/fsdp_reused_module.py``), twice the budget.
     """
     model = build_model(scenario, scenario.seed)
+    why = _empty_shard(scenario, model, world_sizes)
+    if why is not None:
+        return why
+    forwards = _Forwards(model)
+    with forwards.hooked(), torch.no_grad():
+        for world_size in world_sizes:
+            for step in range(scenario.steps):
+                why = _step_cannot_run(forwards, scenario, step, world_size)
+                if why is not None:
+                    return why
+    return None
+
+
+def _empty_shard(scenario: Scenario, model: nn.Module, world_sizes: tuple[int, ...]) -> str | None:
+    """Infinity-norm clipping where some rank holds an empty shard of a parameter."""
     if scenario.max_grad_norm is not None and math.isinf(scenario.grad_norm_type):
         for name, p in model.named_parameters():
             if p.requires_grad and (p.dim() == 0 or p.shape[0] < max(world_sizes)):
@@ -281,85 +296,131 @@ def _cannot_run(scenario: Scenario, world_sizes: tuple[int, ...]) -> str | None:
                     "2.13's clip_grad_norm_ with norm_type=inf raises on an empty DTensor "
                     "shard (_foreach_norm: the infinity norm has no identity)"
                 )
-    owners: dict[
-        int, list[nn.Module]
-    ] = {}  # id(parameter) -> the modules holding it (tied: several)
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(m)
-    names = {id(p): n for n, p in model.named_parameters()}
-    active: list[nn.Module] = []  # the layers whose forward is running
-    called: list[str] = []
-    outside: list[str] = []
+    return None
 
-    class Uses(TorchFunctionMode):
-        def __torch_function__(
-            self,
-            func: Callable[..., object],
-            types: object,
-            args: tuple[object, ...] = (),
-            kwargs: dict[str, object] | None = None,
-        ) -> object:
-            # reading an attribute (param.dtype, .shape) computes nothing with the parameter
-            reads = getattr(func, "__name__", "") == "__get__"
-            for value in [] if reads else [*args, *(kwargs or {}).values()]:
-                holders = owners.get(id(value))
-                if holders is not None and not any(h is m for h in holders for m in active):
-                    outside.append(names[id(value)])
-            return func(*args, **(kwargs or {}))
 
-    def enter(module: nn.Module, _: object, name: str) -> None:
-        called.append(name)
-        active.append(module)
+class _Forwards:
+    """Forwards of ``model`` watched: which layers (modules holding parameters of their own) ran
+    in the last one, in order (``called``), and the parameters used outside the forward of every
+    layer holding them (``outside``, never cleared: the first one ends the search)."""
 
-    def leave(*_: object) -> None:
-        active.pop()
+    def __init__(self, model: nn.Module):
+        self.model = model
+        # id(parameter) -> the modules holding it (tied: several)
+        self.owners: dict[int, list[nn.Module]] = {}
+        for m in model.modules():
+            for p in m.parameters(recurse=False):
+                self.owners.setdefault(id(p), []).append(m)
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.active: list[nn.Module] = []  # the layers whose forward is running
+        self.called: list[str] = []
+        self.outside: list[str] = []
 
-    hooks = []
-    for name, m in model.named_modules():
-        if any(True for _ in m.parameters(False)):
-            hooks.append(m.register_forward_pre_hook(lambda m, a, name=name: enter(m, a, name)))
-            hooks.append(m.register_forward_hook(leave))
-    try:
-        with torch.no_grad():
-            for world_size in world_sizes:
-                for step in range(scenario.steps):
-                    seen = []
-                    for rank in range(world_size):
-                        uses = []
-                        for x, _ in local_micro_batches(scenario, step, rank, world_size):
-                            called.clear()
-                            with Uses():
-                                model(x)
-                            if outside:
-                                return (
-                                    f"parameter {outside[0]!r} is used outside its layer's "
-                                    "forward (a weight tied by reading it in another "
-                                    "module); FSDP2 holds it whole only inside that forward"
-                                )
-                            twice = sorted({n for n in called if called.count(n) > 1})
-                            if twice and scenario.accumulation > 1:
-                                return (
-                                    f"layer {twice[0]!r} runs more than once per forward, "
-                                    "with accumulation: FSDP2 (torch 2.13) then reduce-"
-                                    "scatters its gradient once per call in the window's "
-                                    "last micro-batch -- the right numbers, its bytes twice "
-                                    "on the wire, which the communication budget reports "
-                                    "(bench/fsdp_reused_module.py)"
-                                )
-                            uses.append(frozenset(called))
-                        seen.append(uses)
-                    for rank, uses in enumerate(seen[1:], 1):
-                        for i, (here, there) in enumerate(zip(seen[0], uses)):
-                            if here != there:
-                                layer = sorted(here ^ there)[0]
-                                return (
-                                    f"layer {layer!r} runs in micro-batch {i} of step {step} "
-                                    f"on one of ranks 0 and {rank} only (W={world_size}); "
-                                    "FSDP2 all-gathers a layer's parameters in its forward, "
-                                    "so the ranks' collectives would not pair"
-                                )
-    finally:
-        for hook in hooks:
-            hook.remove()
+    @contextlib.contextmanager
+    def hooked(self) -> Iterator[None]:
+        """Every layer's forward hooked (entered and left) while the block runs."""
+        hooks = []
+        for name, m in self.model.named_modules():
+            if any(True for _ in m.parameters(False)):
+                hooks.append(
+                    m.register_forward_pre_hook(lambda m, a, name=name: self._enter(m, a, name))
+                )
+                hooks.append(m.register_forward_hook(self._leave))
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _enter(self, module: nn.Module, _: object, name: str) -> None:
+        self.called.append(name)
+        self.active.append(module)
+
+    def _leave(self, *_: object) -> None:
+        self.active.pop()
+
+    def forward(self, x: torch.Tensor) -> None:
+        """One forward of ``x``, its layers and parameter uses watched."""
+        self.called.clear()
+        with _Uses(self):
+            self.model(x)
+
+
+class _Uses(TorchFunctionMode):
+    """Every parameter a torch function computes with, outside the forward of each layer holding
+    it, appended to ``forwards.outside``."""
+
+    def __init__(self, forwards: _Forwards):
+        super().__init__()
+        self.forwards = forwards
+
+    def __torch_function__(
+        self,
+        func: Callable[..., object],
+        types: object,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
+        f = self.forwards
+        # reading an attribute (param.dtype, .shape) computes nothing with the parameter
+        reads = getattr(func, "__name__", "") == "__get__"
+        for value in [] if reads else [*args, *(kwargs or {}).values()]:
+            holders = f.owners.get(id(value))
+            if holders is not None and not any(h is m for h in holders for m in f.active):
+                f.outside.append(f.names[id(value)])
+        return func(*args, **(kwargs or {}))
+
+
+def _step_cannot_run(
+    forwards: _Forwards, scenario: Scenario, step: int, world_size: int
+) -> str | None:
+    """Why FSDP2 cannot run one step at ``world_size``, from every rank's micro-batches."""
+    seen = []
+    for rank in range(world_size):
+        uses = []
+        for x, _ in local_micro_batches(scenario, step, rank, world_size):
+            forwards.forward(x)
+            why = _forward_cannot_run(forwards, scenario)
+            if why is not None:
+                return why
+            uses.append(frozenset(forwards.called))
+        seen.append(uses)
+    return _unpaired(seen, step, world_size)
+
+
+def _forward_cannot_run(forwards: _Forwards, scenario: Scenario) -> str | None:
+    """A parameter used outside its layer's forward, or a layer run twice with accumulation."""
+    if forwards.outside:
+        return (
+            f"parameter {forwards.outside[0]!r} is used outside its layer's "
+            "forward (a weight tied by reading it in another "
+            "module); FSDP2 holds it whole only inside that forward"
+        )
+    called = forwards.called
+    twice = sorted({n for n in called if called.count(n) > 1})
+    if twice and scenario.accumulation > 1:
+        return (
+            f"layer {twice[0]!r} runs more than once per forward, "
+            "with accumulation: FSDP2 (torch 2.13) then reduce-"
+            "scatters its gradient once per call in the window's "
+            "last micro-batch -- the right numbers, its bytes twice "
+            "on the wire, which the communication budget reports "
+            "(bench/fsdp_reused_module.py)"
+        )
+    return None
+
+
+def _unpaired(seen: list[list[frozenset[str]]], step: int, world_size: int) -> str | None:
+    """A layer whose forward runs in one rank's micro-batch but not in rank 0's at the same
+    point (``seen``: per rank, per micro-batch, the layers that ran)."""
+    for rank, uses in enumerate(seen[1:], 1):
+        for i, (here, there) in enumerate(zip(seen[0], uses)):
+            if here != there:
+                layer = sorted(here ^ there)[0]
+                return (
+                    f"layer {layer!r} runs in micro-batch {i} of step {step} "
+                    f"on one of ranks 0 and {rank} only (W={world_size}); "
+                    "FSDP2 all-gathers a layer's parameters in its forward, "
+                    "so the ranks' collectives would not pair"
+                )
     return None

@@ -319,15 +319,7 @@ def _module(
                 return loss * accumulation
             self.manual_backward(loss)
             if (batch_idx + 1) % accumulation == 0:
-                optimizer = self.optimizers()
-                if run.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(
-                        self.parameters(), run.max_grad_norm, run.grad_norm_type
-                    )
-                optimizer.step()
-                scheduler = self.lr_schedulers()
-                if scheduler is not None:
-                    scheduler.step()
+                _manual_step(self, run)
             return None
 
         def on_train_batch_start(self, batch: MicroBatch, batch_idx: int) -> None:
@@ -350,6 +342,22 @@ def _module(
             }
 
     return Module()
+
+
+def _manual_step(module: LightningModule, run: FitRun) -> None:
+    """The step that ends an accumulation window under manual optimization: clip, step the
+    optimizer, then the schedule (one of each: configure_optimizers returns them)."""
+    optimizer = module.optimizers()
+    if isinstance(optimizer, list):
+        raise TypeError("LightningTarget's module configures one optimizer, not a list")
+    if run.max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(module.parameters(), run.max_grad_norm, run.grad_norm_type)
+    optimizer.step()
+    scheduler = module.lr_schedulers()
+    if isinstance(scheduler, list):
+        raise TypeError("LightningTarget's module configures one LR schedule, not a list")
+    if scheduler is not None:
+        scheduler.step()
 
 
 def _recorder(pl: Any, run: FitRun, accumulation: int) -> object:  # pl: as _module's
