@@ -213,7 +213,7 @@ def _submit(
     pending = (
         _submit_part(world, target, scenario, run.deadline, name, "until checkpoint", None)
         if scenario.checkpoint_after is not None
-        else world.submit(
+        else world.enqueue(
             run_example_packed,
             target,
             scenario,
@@ -236,7 +236,7 @@ def _submit_part(
     """Submit one half of a scenario with ``checkpoint_after`` (``run_example_packed``'s
     ``part``)."""
     when = "until its checkpoint" if part == "until checkpoint" else "resumed from its checkpoint"
-    return world.submit(
+    return world.enqueue(
         run_example_packed,
         target,
         scenario,

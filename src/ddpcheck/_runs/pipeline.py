@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from ddpcheck._base.errors import EquivalenceError, NothingChecked, ScenarioError
 from ddpcheck._language.scenario import Scenario
@@ -76,66 +76,78 @@ def one_behind_the_other(
     """``(item, outcome)`` for every ``item = (key, world_size, scenario)`` of ``items``, in
     their order, each example queued behind the one before (see the module's invariant), under
     the run's settings. ``target_of(key)``: the target an item runs."""
-    running: _Running[K] | None = None
-    queued: list[Launched] = []  # launched, not yet judged: abandoned if the caller stops
+    line: _Line[K] = _Line(run, target_of)
     iterator = iter(items)
-
-    def of(item: Item[K]) -> Target:
-        return target_of(item[0])
-
-    def judge_running() -> Iterator[tuple[Item[K], Outcome]]:
-        nonlocal running
-        if running is not None:
-            finished, running = running, None
-            yield finished[0], _judged(of(finished[0]), finished, run)
-            queued.remove(finished[1])
-
     try:
         with _beside_the_ranks():
             while True:
-                if running is not None and running[1].pending.lost:
+                if line.running is not None and line.running[1].pending.lost:
                     # its world was replaced as the one before was judged: it runs again now,
                     # alone, before anything else is queued behind it
-                    yield from judge_running()
+                    yield from line.judge_running()
                 try:
                     item = next(iterator, None)
                 except Exception:  # the next draw failed: the example before is judged first
-                    yield from judge_running()
+                    yield from line.judge_running()
                     raise
                 if item is None:
                     break
-                _, world_size, scenario = item
-                if running is not None and warmup.needed(
-                    of(item), world_size, device=run.device, backend=run.backend
-                ):
-                    # its world's ranks warm up first (minutes, possibly): nothing in flight
-                    # meanwhile, whose deadline would count
-                    yield from judge_running()
-                try:
-                    launched = launch(of(item), scenario, world_size, run)
-                except Exception as exc:  # refused before any world ran
-                    yield from judge_running()  # ... the example before is judged first
-                    if not isinstance(exc, (ScenarioError, NothingChecked)):
-                        raise
-                    yield item, _skipped(exc)
-                    continue
-                queued.append(launched)
-                yield from judge_running()  # judged while the ranks run the one just launched
-                try:
-                    reference: Reference | ScenarioError = prepare_reference(scenario)
-                except ScenarioError as exc:  # collected, then skipped: the world stays usable
-                    reference = exc
-                else:  # a checkpoint's second half, now: the next example queues behind it
-                    resume(launched)
-                running = (item, launched, reference)
-            yield from judge_running()
+                yield from line.add(item)
+            yield from line.judge_running()
     except GeneratorExit:  # the caller stopped (a failure): what is queued is let finish
-        for launched in queued:
+        for launched in line.queued:
             _discard(launched.pending)
         raise
     finally:
-        for launched in queued:
+        for launched in line.queued:
             launched.pending.abandon()
+
+
+class _Line(Generic[K]):
+    """The examples in flight: the one running (launched, its reference computed), and those
+    launched and not yet judged -- abandoned if the caller stops."""
+
+    def __init__(self, run: Settings, target_of: Callable[[K], Target]):
+        self.run, self.target_of = run, target_of
+        self.running: _Running[K] | None = None
+        self.queued: list[Launched] = []
+
+    def of(self, item: Item[K]) -> Target:
+        return self.target_of(item[0])
+
+    def judge_running(self) -> Iterator[tuple[Item[K], Outcome]]:
+        if self.running is not None:
+            finished, self.running = self.running, None
+            yield finished[0], _judged(self.of(finished[0]), finished, self.run)
+            self.queued.remove(finished[1])
+
+    def add(self, item: Item[K]) -> Iterator[tuple[Item[K], Outcome]]:
+        """Launch ``item`` behind the one running, then judge that one while it runs."""
+        _, world_size, scenario = item
+        run = self.run
+        if self.running is not None and warmup.needed(
+            self.of(item), world_size, device=run.device, backend=run.backend
+        ):
+            # its world's ranks warm up first (minutes, possibly): nothing in flight
+            # meanwhile, whose deadline would count
+            yield from self.judge_running()
+        try:
+            launched = launch(self.of(item), scenario, world_size, run)
+        except Exception as exc:  # refused before any world ran
+            yield from self.judge_running()  # ... the example before is judged first
+            if not isinstance(exc, (ScenarioError, NothingChecked)):
+                raise
+            yield item, _skipped(exc)
+            return
+        self.queued.append(launched)
+        yield from self.judge_running()  # judged while the ranks run the one just launched
+        try:
+            reference: Reference | ScenarioError = prepare_reference(scenario)
+        except ScenarioError as exc:  # collected, then skipped: the world stays usable
+            reference = exc
+        else:  # a checkpoint's second half, now: the next example queues behind it
+            resume(launched)
+        self.running = (item, launched, reference)
 
 
 #: Seconds an example queued behind a failure may take to finish before its world is killed

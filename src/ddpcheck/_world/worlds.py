@@ -363,8 +363,20 @@ class World:
         moment the first was collected. Collect in submission order. If the world is replaced
         before the queued task was collected (the first failed, or left its processes unfit), it
         never ran in a fit world: its ``collect`` raises :class:`TaskLost`, and the caller runs it
-        again."""
+        again. A door of its own (``ddpcheck.get_world(W).submit``): ``deadline`` is checked
+        here; a run admitted at another door takes :meth:`enqueue`."""
         check_deadline("deadline", deadline)
+        return self.enqueue(fn, *args, deadline=deadline, what=what)
+
+    def enqueue(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        deadline: float,
+        what: str | None = None,
+    ) -> Pending:
+        """:meth:`submit` for a task whose deadline a door admitted (``_runs.admission``): not
+        checked again."""
         queued = bool(self._in_flight)  # behind the running task: the world is alive and busy
         if queued and len(self._in_flight) >= SEQUENCE_SLOTS:
             raise RuntimeError(
