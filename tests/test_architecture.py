@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -55,6 +56,11 @@ MAY_IMPORT = {
     },
 }
 MAY_IMPORT["ddpcheck"] = {*MAY_IMPORT["_front"], "ddpcheck"}
+#: The most lines of ``src/ddpcheck`` that may name ``Any`` (``typing.Any``, or the word in a
+#: comment). Every other value has a real type -- ``Target``, ``Scenario``, ``torch.Tensor``,
+#: ``nn.Module``, the protocols of ``_language.training``, ``object`` for what is only passed on;
+#: ``Any`` is for a user's duck-typed object or an untyped framework, where they enter.
+ANY_LINES_LIMIT = 250
 #: Modules at the package's top that are doors (the rest there are public names).
 DOORS = {"ddpcheck", "ddpcheck.__main__", "ddpcheck.api", "ddpcheck.cli", "ddpcheck.pytest_plugin"}
 
@@ -292,3 +298,18 @@ def test_no_module_is_longer_than_a_reader_can_hold():
         if (n := len(p.read_text().splitlines())) > 800
     }
     assert not long, long
+
+
+def test_few_lines_name_any():
+    # A hidden dependency or an unchecked value shows as Any: each new one must be worth a line.
+    counts = {
+        str(path.relative_to(ROOT)): n
+        for path in PACKAGES["ddpcheck"].rglob("*.py")
+        if (n := sum(bool(re.search(r"\bAny\b", line)) for line in path.read_text().splitlines()))
+    }
+    total = sum(counts.values())
+    worst = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:10]
+    assert total <= ANY_LINES_LIMIT, (
+        f"{total} lines of src/ddpcheck name Any (at most {ANY_LINES_LIMIT}); the most: "
+        + ", ".join(f"{path} {n}" for path, n in worst)
+    )

@@ -20,12 +20,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar, overload
 
 from ddpcheck._base.errors import InvalidArgument
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
     import torch
+
+    #: A rank's micro-batches: ``(x, y, scale)`` each.
+    MicroBatches: TypeAlias = list[tuple[torch.Tensor, torch.Tensor, float]]
+
+M = TypeVar("M", bound="torch.nn.Module")
 
 __all__ = [
     "BACKENDS",
@@ -46,7 +53,8 @@ DEVICES = ("cpu", "cuda")
 #: Backends a caller may ask for by name (None: the one :func:`backend_for` picks).
 BACKENDS = ("gloo", "nccl")
 
-_rank_device: Any = None  # this process's device once enter_rank ran (a rank); else the CPU
+#: This process's device once enter_rank ran (a rank); else (None) the CPU.
+_rank_device: torch.device | None = None
 
 
 #: What torchrun (torch.distributed.run) sets in the environment of every process it starts.
@@ -63,8 +71,8 @@ def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
 
-def check_device(device: Any, name: str = "device") -> str:
-    if device not in DEVICES:
+def check_device(device: object, name: str = "device") -> str:
+    if not isinstance(device, str) or device not in DEVICES:
         raise InvalidArgument(
             f"{name}={device!r} is not a device ddpcheck runs on; use 'cpu' "
             "(the default) or 'cuda' (rank r on cuda:r)"
@@ -176,15 +184,22 @@ def this_rank() -> torch.device:
     return _rank_device
 
 
-def to_rank_device(value: Any) -> Any:
+@overload
+def to_rank_device(value: M) -> M: ...
+@overload
+def to_rank_device(value: torch.Tensor) -> torch.Tensor: ...
+@overload
+def to_rank_device(value: MicroBatches) -> MicroBatches: ...
+
+
+def to_rank_device(
+    value: torch.nn.Module | torch.Tensor | MicroBatches,
+) -> torch.nn.Module | torch.Tensor | MicroBatches:
     """``value`` (a module, a tensor, or a list of ``(x, y, scale)`` micro-batches: their tensors)
     on this rank's device; itself, untouched, on the CPU (the hot path of every CPU example)."""
     device = _rank_device
     if device is None or device.type == "cpu":
         return value
     if isinstance(value, list):
-        return [
-            tuple(t.to(device) if hasattr(t, "to") else t for t in item)  # not the scale
-            for item in value
-        ]
+        return [(x.to(device), y.to(device), scale) for x, y, scale in value]  # not the scale
     return value.to(device)

@@ -129,7 +129,7 @@ MAX_ROWS = 12
 class Divergence:
     """One thing that differs: where (step, world size, rank, parameter), what, and how much."""
 
-    step: Any  # int, or "init" before the first step
+    step: int | str  # int, or "init" before the first step ("-": no one step)
     world_size: int
     rank: int | None  # None: not one rank's fault (e.g. state held by several ranks)
     name: str
@@ -145,7 +145,7 @@ class Divergence:
     @classmethod
     def of(
         cls,
-        step: Any,
+        step: int | str,
         world_size: int,
         rank: int | None,
         name: str,
@@ -223,7 +223,7 @@ class EquivalenceError(DdpcheckError, AssertionError):
         world_size: int,
         target: Any,
         replay: str,
-        failure: Any = None,
+        failure: object = None,
         name: str | None = None,
     ):
         self.divergences = divergences

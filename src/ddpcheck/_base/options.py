@@ -15,7 +15,7 @@ import functools
 import numbers
 import os
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import TypeGuard, TypeVar
 
 from ddpcheck._base.errors import InvalidArgument
 
@@ -88,11 +88,11 @@ def check_fits_machine(
 # Argument validators
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> TypeGuard[numbers.Integral]:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_world_size(name: str, value: Any) -> int:
+def check_world_size(name: str, value: object) -> int:
     if not _is_int(value):
         raise InvalidArgument(f"{name}={value!r} must be a positive integer (a number of ranks)")
     if value < 1:
@@ -100,7 +100,7 @@ def check_world_size(name: str, value: Any) -> int:
     return int(value)
 
 
-def check_world_sizes(name: str, values: Any, shown: Any = None) -> tuple[int, ...]:
+def check_world_sizes(name: str, values: object, shown: object = None) -> tuple[int, ...]:
     """World sizes as a tuple of distinct positive integers, in the order given; ``shown``: the
     value as the user wrote it, for the message (the text of a command-line flag)."""
     shown = values if shown is None else shown
@@ -121,7 +121,7 @@ def check_world_sizes(name: str, values: Any, shown: Any = None) -> tuple[int, .
     return tuple(dict.fromkeys(int(v) for v in values))
 
 
-def check_positive_number(name: str, value: Any, shown: Any = None) -> float:
+def check_positive_number(name: str, value: object, shown: object = None) -> float:
     """A positive number; ``shown``: the value as the user wrote it, for the message."""
     shown = value if shown is None else shown
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
@@ -129,7 +129,7 @@ def check_positive_number(name: str, value: Any, shown: Any = None) -> float:
     return float(value)
 
 
-def check_deadline(name: str, value: Any, shown: Any = None) -> float:
+def check_deadline(name: str, value: object, shown: object = None) -> float:
     """Seconds to wait: positive and finite (every wait has a deadline)."""
     seconds = check_positive_number(name, value, shown)
     if seconds == float("inf"):
@@ -231,7 +231,7 @@ def named_fields(cls: C) -> C:
     names = [f.name for f in dataclasses.fields(cls) if f.init]
 
     @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: object, *args: object, **kwargs: object) -> None:
         for name in kwargs.keys() - set(names):
             raise UnknownField(
                 f"{cls.__name__} has no field {name!r}{did_you_mean(name, names)}; "

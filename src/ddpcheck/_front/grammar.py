@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import NoReturn, TypeVar
 
 from ddpcheck._base.devices import BACKENDS, DEVICES
 from ddpcheck._base.errors import ExitCode
@@ -93,8 +93,11 @@ class SuggestingParser(argparse.ArgumentParser):
         super().error(message)
 
 
-def _positive(kind: type) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
+N = TypeVar("N", int, float)
+
+
+def _positive(kind: type[N]) -> Callable[[str], N]:
+    def parse(text: str) -> N:
         try:
             value = kind(text)
         except ValueError:

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TextIO
 
 __all__ = ["ProgressLine"]
 
@@ -33,7 +33,12 @@ class ProgressLine:
     on a terminal; :meth:`phase` also says it in one line off a terminal; output of any other
     kind goes inside :meth:`paused`, which lifts the line off while it is written."""
 
-    def __init__(self, stream: Any = None, started: float | None = None, report: Any = None):
+    def __init__(
+        self,
+        stream: TextIO | None = None,
+        started: float | None = None,
+        report: TextIO | None = None,
+    ):
         self.stream = stream if stream is not None else sys.stderr
         # Not live where the report goes through a pipe (`ddpcheck check | tee log`): what reads
         # it may print to this terminal after the line is drawn again, onto the same row.
@@ -117,14 +122,14 @@ class ProgressLine:
             return False
 
 
-def _is_terminal(stream: Any) -> bool:
+def _is_terminal(stream: TextIO) -> bool:
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # no such method, or closed
         return False
 
 
-def _is_pipe(stream: Any) -> bool:
+def _is_pipe(stream: TextIO) -> bool:
     try:
         mode = os.fstat(stream.fileno()).st_mode
     except (AttributeError, OSError, ValueError):  # no file behind it
@@ -132,7 +137,7 @@ def _is_pipe(stream: Any) -> bool:
     return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
 
 
-def _width(stream: Any) -> int:
+def _width(stream: TextIO) -> int:
     """The terminal's columns: a longer line would wrap, and ``\\r`` rewrites only its last row."""
     try:
         columns = os.get_terminal_size(stream.fileno()).columns

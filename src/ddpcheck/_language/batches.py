@@ -33,15 +33,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import SupportsFloat, SupportsIndex, cast
 
-from torch.utils.data import DistributedSampler
+import torch
+from torch.utils.data import Dataset, DistributedSampler
 
 from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._base.options import named_fields
 from ddpcheck._language.objective import is_token_loss, tokens
-from ddpcheck._language.scenario import global_batch
+from ddpcheck._language.scenario import Scenario, global_batch
 
 __all__ = [
     "BatchPlan",
@@ -87,7 +88,7 @@ class GlobalBatch:
         """T, the terms of the whole global batch: ``"mean"`` divides their sum by it."""
         return self.size if self.tokens is None else sum(self.tokens)
 
-    def terms_of(self, samples: Any) -> int:
+    def terms_of(self, samples: Sequence[int]) -> int:
         """The terms the samples ``samples`` (indices) hold together."""
         return len(samples) if self.tokens is None else sum(self.tokens[i] for i in samples)
 
@@ -124,30 +125,34 @@ class BatchPlan:
         object.__setattr__(self, "scales", scales)
 
     @classmethod
-    def uniform(cls, micro_batches: Any, scale: float) -> BatchPlan:
+    def uniform(cls, micro_batches: Iterable[tuple[int, ...]], scale: float) -> BatchPlan:
         """Every micro-batch scaled by the same ``scale``."""
         micro = tuple(micro_batches)
         return cls(micro, (scale,) * len(micro))
 
 
-def _iterable(value: Any, name: str) -> Any:
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+def _iterable(value: object, name: str) -> Iterable[object]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise InvalidArgument(f"BatchPlan: {name}={value!r} must be a sequence")
     return value
 
 
-def _micro_batch(value: Any, m: int) -> tuple[int, ...]:
+def _micro_batch(value: object, m: int) -> tuple[int, ...]:
     if type(value) is tuple and all(type(i) is int for i in value):
         return value  # already what a plan holds (the default plan's case: a rank's hot path)
+    if not isinstance(value, Iterable):
+        raise TypeError(f"'{type(value).__name__}' object is not iterable")
     return tuple(_index(i, m) for i in value)
 
 
-def _index(value: Any, micro_batch: int) -> int:
+def _index(value: object, micro_batch: int) -> int:
     if isinstance(value, bool):
         raise InvalidArgument(
             f"BatchPlan: micro-batch {micro_batch} holds {value!r}, not a sample index"
         )
     try:
+        if not isinstance(value, SupportsIndex):
+            raise TypeError
         return operator.index(value)
     except TypeError:
         raise InvalidArgument(
@@ -156,11 +161,16 @@ def _index(value: Any, micro_batch: int) -> int:
         ) from None
 
 
-def _scale(value: Any, micro_batch: int) -> float:
+def _scale(value: object, micro_batch: int) -> float:
     if type(value) is float and math.isfinite(value):
         return value
     try:
-        number = None if isinstance(value, (bool, str, bytes)) else float(value)
+        number = (
+            float(value)
+            if isinstance(value, (SupportsFloat, SupportsIndex))
+            and not isinstance(value, (bool, str, bytes))
+            else None
+        )
     except Exception:  # a tensor of several elements, an object float() refuses
         number = None
     if number is None or not math.isfinite(number):
@@ -276,9 +286,8 @@ class DistributedSamplerBatches:
     def __call__(self, batch: GlobalBatch) -> BatchPlan:
         # a sampler needs only len() of what it samples, here the indices; torch's annotation
         # asks for a Dataset
-        dataset: Any = batch.indices
-        sampler: DistributedSampler[Any] = DistributedSampler(
-            dataset,
+        sampler: DistributedSampler[int] = DistributedSampler(
+            cast("Dataset[int]", batch.indices),
             num_replicas=batch.world_size,
             rank=batch.rank,
             shuffle=self.shuffle,
@@ -301,7 +310,7 @@ class DistributedSamplerBatches:
 
 
 def plan_for(
-    hook: Callable[[GlobalBatch], Any], batch: GlobalBatch, who: str = "Target.shard_batch"
+    hook: Callable[[GlobalBatch], object], batch: GlobalBatch, who: str = "Target.shard_batch"
 ) -> BatchPlan:
     """``hook(batch)``, checked: an :class:`InvalidArgument` naming the rank and the step when the
     hook raises or its answer is not a plan of this batch's samples."""
@@ -337,8 +346,8 @@ def plan_for(
 
 
 def check_plans(
-    hook: Callable[[GlobalBatch], Any],
-    scenario: Any,
+    hook: Callable[[GlobalBatch], object],
+    scenario: Scenario,
     world_size: int,
     who: str = "Target.shard_batch",
 ) -> None:
@@ -351,7 +360,11 @@ def check_plans(
 
 
 def global_indices(
-    scenario: Any, step: int, rank: int, world_size: int, targets: Any = None
+    scenario: Scenario,
+    step: int,
+    rank: int,
+    world_size: int,
+    targets: torch.Tensor | None = None,
 ) -> GlobalBatch:
     """The :class:`GlobalBatch` a rank's hook receives at ``step`` of ``scenario``; ``targets``:
     the step's global targets when the caller has drawn them (a token loss counts their tokens;

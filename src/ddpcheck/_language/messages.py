@@ -8,12 +8,12 @@ sentence.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from ddpcheck._language.scenario import _code
+from ddpcheck._language.scenario import Scenario, _code
 
 __all__ = [
     "MODULE_KINDS",
@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 
-def needs_arguments(function: Any, *args: Any) -> bool:
+def needs_arguments(function: Callable[..., object], *args: object) -> bool:
     """True when ``function(*args)`` does not even bind to its signature."""
     try:
         inspect.signature(function).bind(*args)
@@ -41,23 +41,23 @@ def needs_arguments(function: Any, *args: Any) -> bool:
     return False
 
 
-def code_name(value: Any) -> str:
+def code_name(value: object) -> str:
     try:
         return _code(value)
     except Exception:
         return brief(value)
 
 
-def short_name(value: Any) -> str:
+def short_name(value: object) -> str:
     return getattr(value, "__qualname__", None) or type(value).__qualname__
 
 
-def brief(value: Any) -> str:
+def brief(value: object) -> str:
     text = " ".join(repr(value).split())
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def describe_value(value: Any) -> str:
+def describe_value(value: object) -> str:
     if isinstance(value, (tuple, list)):
         kinds = ", ".join(kind_of(v) for v in value[:4]) + (", ..." if len(value) > 4 else "")
         return f"a {type(value).__name__} of {len(value)} ({kinds})"
@@ -67,7 +67,7 @@ def describe_value(value: Any) -> str:
     return kind_of(value)
 
 
-def kind_of(value: Any) -> str:
+def kind_of(value: object) -> str:
     if torch.is_tensor(value):
         return f"tensor{tuple(value.shape)}"
     return type(value).__name__
@@ -113,14 +113,14 @@ def active_modules(model: nn.Module, kind: str, hint: bool = False) -> str:
     return f" (found: {text})"
 
 
-def scenario_line(scenario: Any) -> str:
+def scenario_line(scenario: Scenario) -> str:
     """A one-line summary of a (usually shrunk) scenario for tables, such as
     ``linear(unused)+buffer SGD B=3 steps=1 acc=2``."""
     shape, opt = _shape(scenario.model), scenario.optimizer.__name__
     return f"{shape} {opt} {' '.join(_settings(scenario))}"
 
 
-def _shape(model: Any) -> str:
+def _shape(model: object) -> str:
     """How :func:`scenario_line` names a model: its layers and what is unusual about each, a
     language model's blocks, or its class's name."""
     layers = getattr(model, "layers", None)
@@ -159,7 +159,7 @@ def _shape(model: Any) -> str:
     return shape
 
 
-def _settings(scenario: Any) -> list[str]:
+def _settings(scenario: Scenario) -> list[str]:
     """The batch, the steps and every setting :func:`scenario_line` shows that is not the
     default, in its order."""
     extra = [f"B={scenario.global_batch}", f"steps={scenario.steps}"]

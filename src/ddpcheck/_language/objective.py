@@ -31,7 +31,6 @@ per sharded module. The loss itself is computed in at least float32, outside aut
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +62,7 @@ IGNORE_INDEX = -100
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def is_token_loss(scenario: Any) -> bool:
+def is_token_loss(scenario: object) -> bool:
     return getattr(scenario, "loss", "squared_error") == "token_cross_entropy"
 
 
@@ -71,7 +70,7 @@ def is_token_loss(scenario: Any) -> bool:
 # The terms of the objective
 
 
-def terms(scenario: Any, y: torch.Tensor) -> torch.Tensor | None:
+def terms(scenario: object, y: torch.Tensor) -> torch.Tensor | None:
     """Each sample's number of terms, ``(B,)`` int64 -- its non-padding target tokens -- or
     None for a per-sample loss (one term each)."""
     if not is_token_loss(scenario):
@@ -79,13 +78,13 @@ def terms(scenario: Any, y: torch.Tensor) -> torch.Tensor | None:
     return (y != IGNORE_INDEX).flatten(1).sum(dim=1)
 
 
-def tokens(scenario: Any, y: torch.Tensor) -> tuple[int, ...] | None:
+def tokens(scenario: object, y: torch.Tensor) -> tuple[int, ...] | None:
     """:func:`terms` as plain integers (what ``ddpcheck.batches.GlobalBatch.tokens`` holds)."""
     found = terms(scenario, y)
     return None if found is None else tuple(found.tolist())
 
 
-def count(scenario: Any, y: torch.Tensor) -> int:
+def count(scenario: object, y: torch.Tensor) -> int:
     """T, the number of terms of the batch ``y``: the mean objective divides their sum by it."""
     found = terms(scenario, y)
     return y.shape[0] if found is None else int(found.sum())
@@ -96,7 +95,7 @@ def per_sample_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out - y) ** 2).flatten(1).sum(dim=1)
 
 
-def summed(scenario: Any, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def summed(scenario: object, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The sum of the terms of the samples ``(out, y)``: a scalar (0 for no sample)."""
     if not is_token_loss(scenario):
         return per_sample_loss(out, y).sum()
@@ -109,7 +108,7 @@ def summed(scenario: Any, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     )
 
 
-def check_output(scenario: Any, out: torch.Tensor, y: torch.Tensor) -> str | None:
+def check_output(scenario: object, out: torch.Tensor, y: torch.Tensor) -> str | None:
     """Why the loss cannot take the model's output ``out`` for targets ``y`` (None: it can)."""
     if not is_token_loss(scenario):
         if out.shape != y.shape:
@@ -137,7 +136,9 @@ def check_output(scenario: Any, out: torch.Tensor, y: torch.Tensor) -> str | Non
 # The forward under the scenario's precision policy
 
 
-def forward(scenario: Any, model: Any, x: torch.Tensor, *, emulate: bool = False) -> Any:
+def forward(
+    scenario: object, model: torch.nn.Module, x: torch.Tensor, *, emulate: bool = False
+) -> torch.Tensor:
     """``model(x)`` as the scenario computes it: under its ``autocast``; with ``emulate`` (the
     reference) also under its ``param_dtype`` policy, which a rank's target implements itself."""
     dtype = getattr(scenario, "autocast", None)
@@ -154,13 +155,18 @@ def forward(scenario: Any, model: Any, x: torch.Tensor, *, emulate: bool = False
 
 
 def micro_batch_loss(
-    scenario: Any, model: Any, x: torch.Tensor, y: torch.Tensor, *, emulate: bool = False
+    scenario: object,
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    emulate: bool = False,
 ) -> torch.Tensor:
     """The summed terms of one micro-batch ``(x, y)`` (what its plan's scale multiplies)."""
     return summed(scenario, forward(scenario, model, x, emulate=emulate), y)
 
 
-def _cast_forward(model: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype) -> Any:
+def _cast_forward(model: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``model(x)`` on copies of its parameters cast to ``dtype``, which the gradients go back
     through to the master weights (in their dtype); every module holding parameters of its own
     gets its floating-point inputs cast too (FSDP2's ``cast_forward_inputs``, per sharded

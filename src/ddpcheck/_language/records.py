@@ -12,10 +12,12 @@ it (``StepRecord.shards``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
 
 import torch
+
+from ddpcheck._language.batches import BatchPlan
+from ddpcheck._language.training import OptimizerLike, SchedulerLike
 
 __all__ = [
     "Collective",
@@ -74,7 +76,11 @@ class Collective:
         return " ".join(parts)
 
 
-def _whole(tensor: Any) -> Any:
+#: A tensor a rank may hold only a shard of -> the whole of it (``Target.full_tensor``).
+Gather = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
@@ -85,16 +91,16 @@ class StepRecord:
     grads: dict[str, torch.Tensor | None]
     params: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
-    state: dict[str, dict[str, Any]]  # optimizer state held here, by parameter name
+    state: dict[str, dict[str, object]]  # optimizer state held here, by parameter name
     collectives: list[Collective] = dataclasses.field(default_factory=list)
     #: the rank's ``ddpcheck.batches.BatchPlan`` of the step (None in the reference)
-    batch_plan: Any = None
+    batch_plan: BatchPlan | None = None
     #: parameter name -> (dim, this rank's local shard) for parameters sharded over the world:
     #: the shard must be chunk ``rank`` of ``torch.chunk(params[name], W, dim)`` (dim None: the
     #: whole); see ``Target.local_shard`` and ``ddpcheck._oracle.shards``
     shards: dict[str, tuple[int | None, torch.Tensor]] = dataclasses.field(default_factory=dict)
     #: the LR schedule after the step (``schedule_state``; empty without one)
-    schedule: dict[str, Any] = dataclasses.field(default_factory=dict)
+    schedule: dict[str, object] = dataclasses.field(default_factory=dict)
     #: a target that ``steps_every_micro_batch``: the parameters after each gated step inside
     #: the accumulation window, ``(micro-batch index, {name: parameter})`` -- each must still be
     #: the parameters the step started from (``ddpcheck._oracle.window``)
@@ -113,9 +119,7 @@ class RankRecord:
     seconds: float
 
 
-def initial_state(
-    module: torch.nn.Module, gather: Callable[[Any], Any] = _whole
-) -> dict[str, torch.Tensor]:
+def initial_state(module: torch.nn.Module, gather: Gather = _whole) -> dict[str, torch.Tensor]:
     """Copies of the parameters and buffers, by name (the state every replica must start from)."""
     with torch.no_grad():
         return {
@@ -124,9 +128,7 @@ def initial_state(
         }
 
 
-def gradients(
-    model: torch.nn.Module, gather: Callable[[Any], Any] = _whole
-) -> dict[str, torch.Tensor | None]:
+def gradients(model: torch.nn.Module, gather: Gather = _whole) -> dict[str, torch.Tensor | None]:
     """Copies of the gradients, by name (None where there is none)."""
     with torch.no_grad():
         return {
@@ -135,7 +137,7 @@ def gradients(
         }
 
 
-def schedule_state(optimizer: Any, scheduler: Any) -> dict[str, Any]:
+def schedule_state(optimizer: OptimizerLike, scheduler: SchedulerLike | None) -> dict[str, object]:
     """The scheduler's step count and every group's lr (empty without a scheduler): a schedule
     that restarts its count after a resume is a bug even where the lr happens to continue."""
     if scheduler is None:
@@ -150,13 +152,13 @@ def schedule_state(optimizer: Any, scheduler: Any) -> dict[str, Any]:
 
 def snapshot(
     model: torch.nn.Module,
-    names: dict[Any, str],
-    state: Any,
+    names: Mapping[torch.Tensor, str],
+    state: Mapping[torch.Tensor, Mapping[str, object]],
     collectives: list | None = None,
     grads: dict[str, torch.Tensor | None] | None = None,
-    gather: Callable[[Any], Any] = _whole,
-    local_shard: Callable[[Any], Any] | None = None,
-    schedule: dict[str, Any] | None = None,
+    gather: Gather = _whole,
+    local_shard: Callable[[torch.Tensor], tuple[int | None, torch.Tensor] | None] | None = None,
+    schedule: dict[str, object] | None = None,
 ) -> StepRecord:
     """Copies of everything the oracle compares; ``state`` maps parameter -> state dict;
     ``grads``, when given, are the gradients recorded earlier (before the optimizer step);

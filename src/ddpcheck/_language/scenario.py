@@ -27,7 +27,6 @@ import importlib
 import importlib.util
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -127,13 +126,13 @@ class Scenario:
         return f"ddpcheck.Scenario({', '.join(fields)})"
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
+def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidArgument(f"{name}={value!r} must be an integer >= {minimum}")
 
 
-def _check_clipping(max_norm: Any, norm_type: Any) -> None:
-    def positive(value: Any) -> bool:
+def _check_clipping(max_norm: float | None, norm_type: float) -> None:
+    def positive(value: object) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
     if max_norm is not None and not (positive(max_norm) and math.isfinite(max_norm)):
@@ -150,7 +149,9 @@ def _check_clipping(max_norm: Any, norm_type: Any) -> None:
         )
 
 
-def _check_precision(autocast: Any, param_dtype: Any, dtype: str) -> None:
+def _check_precision(
+    autocast: torch.dtype | None, param_dtype: torch.dtype | None, dtype: str
+) -> None:
     for name, value in (("autocast", autocast), ("param_dtype", param_dtype)):
         if value is None:
             continue
@@ -163,7 +164,7 @@ def _check_precision(autocast: Any, param_dtype: Any, dtype: str) -> None:
             )
 
 
-def _check_checkpoint(after: Any, resume_world_size: Any, steps: int) -> None:
+def _check_checkpoint(after: int | None, resume_world_size: int | None, steps: int) -> None:
     if after is not None:
         _check_int("checkpoint_after", after, 0)
         if after >= steps - 1:  # a checkpoint after the last step resumes nothing
@@ -180,7 +181,7 @@ def _check_checkpoint(after: Any, resume_world_size: Any, steps: int) -> None:
             )
 
 
-def _code(value: Any) -> str:
+def _code(value: object) -> str:
     """Python source that evaluates to ``value`` (classes and functions by their import path)."""
     if isinstance(value, type) or (callable(value) and hasattr(value, "__qualname__")):
         return import_path(value)
@@ -203,7 +204,7 @@ def _code(value: Any) -> str:
     return repr(value)
 
 
-def _is_default(obj: Any, field: dataclasses.Field) -> bool:
+def _is_default(obj: object, field: dataclasses.Field) -> bool:
     """Whether ``obj``'s value of ``field`` may be left out of its code: it equals the field's
     default in its class *and in every dataclass above it* -- a subclass that changes a
     default (``stage: int = 1`` under a framework's 2) still names the value, or a replay line
@@ -234,7 +235,7 @@ def _public_name(module: str) -> str | None:
     return public if importlib.util.find_spec(public) is not None else None
 
 
-def import_path(obj: Any) -> str:
+def import_path(obj: type | Callable[..., object]) -> str:
     """The shortest ``package.name`` that reaches ``obj`` (torch.optim.Adam, not
     torch.optim.adam.Adam: submodules are not always attributes of their package); what the
     script being run defines is named by the script's module (``check_my_ddp.my_data``), which is

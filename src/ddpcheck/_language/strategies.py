@@ -3,10 +3,12 @@
 Each function validates its arguments, then returns a strategy; arguments are keyword-only.
 Everything drawn is plain, picklable data whose ``repr`` is code (a failing example prints as a
 line that rebuilds it), and shrinks towards the simplest case: fewer and plainer layers, one
-world size of 1, SGD, one step, no accumulation, float64.
+world size of 1, SGD, one step, no accumulation, float64. The strategies here take feature
+sets, never a target: ``examples(target)``, which reads what a target supports, lives beside
+the targets (``ddpcheck.targets.support``); ``ddpcheck.strategies`` hands on both.
 
     from hypothesis import given
-    from ddpcheck._language import strategies as dst
+    from ddpcheck import strategies as dst
 
     @given(example=dst.examples(MY_TARGET, world_sizes=(1, 2)))
     def test_my_ddp(example):
@@ -19,14 +21,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from hypothesis import strategies as st
 
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
-from ddpcheck._base.options import DEFAULT_WORLD_SIZES, check_world_sizes
+from ddpcheck._base.options import check_world_sizes
 from ddpcheck._language import features
 from ddpcheck._language.models import KINDS, Layer, ModelSpec
 from ddpcheck._language.scenario import Scenario
@@ -40,7 +41,6 @@ __all__ = [
     "NEEDS_SEVERAL_RANKS",
     "bucket_sizes",
     "can_exercise",
-    "examples",
     "exercising",
     "gpt_models",
     "layers",
@@ -288,15 +288,17 @@ def _scenarios(
 ) -> Scenario:
     if tokens is None:  # a fifth of scenarios train a language model (shrinking towards none)
         tokens = "tokens" not in without and draw(st.sampled_from((False,) * 4 + (True,)))
-    spec: Any  # a GPTConfig (a language model) or a ModelSpec
+    spec: GPTConfig | ModelSpec  # a language model, or layers on a hidden state
+    mixed = False  # float32 layers in a float64 model
     if tokens:
         spec, data, loss = draw(gpt_models(without=without)), token_data, "token_cross_entropy"
     else:
-        spec = draw(model_strategy)
-        data, loss = spec.data, "squared_error"
+        spec = layered = draw(model_strategy)
+        data, loss = layered.data, "squared_error"
+        mixed = any(layer.float32 for layer in layered.layers)
     optimizer, kwargs = draw(optimizers())
     dtype = draw(st.sampled_from(dtypes))
-    float32 = dtype == "float32" or (not tokens and any(layer.float32 for layer in spec.layers))
+    float32 = dtype == "float32" or mixed
     if float32 and optimizer is not torch.optim.SGD:
         # Adam divides by sqrt(v) + eps: on a gradient that is zero in exact arithmetic (a key
         # bias under softmax, say) float32 rounding noise of ~1e-9 becomes an O(lr) update with
@@ -418,7 +420,7 @@ def scenarios(
     of the simplest model, without clipping or checkpoint, in one registration order.
 
     ``without`` names features of ``ddpcheck.features.FEATURES`` never to generate (what a
-    target does not support; :func:`examples` reads them from the target): they cost no
+    target does not support; ``examples`` reads them from the target): they cost no
     example. ``uneven-batches`` needs ``world_size`` (the
     batch is then a multiple of it); the model-derived features are honoured by the default
     model strategy (pass your own ``models`` and it is yours to honour them). ``opt_in`` names
@@ -470,71 +472,34 @@ def scenarios(
     )
 
 
-def examples(
-    target: Any,
-    *,
-    world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
-    dtypes: Sequence[str] = ("float64",),
-    without: Iterable[str] = (),
-    only: Iterable[str] = (),
-) -> st.SearchStrategy[tuple[Scenario, int]]:
-    """``(scenario, world_size)`` pairs that ``target`` runs, the random examples ``ddpcheck
-    check`` draws for it: a world size of ``world_sizes``, then :func:`scenarios` without the
-    features ``target`` does not support (``supported_features``, its :data:`OPT_IN
-    <ddpcheck.features.OPT_IN>` attributes) nor those of ``without`` -- at that world size, so
-    ``uneven-batches`` and ``unused-on-some-ranks`` are honoured too -- and resumed
-    checkpoints at one of ``world_sizes``. The rare pair still declined (its ``supports()``,
-    a feature only its model reveals) is filtered out. So ``check_example`` never refuses a
-    drawn pair as :class:`ddpcheck.NothingChecked` for what the target declines, as it refuses
-    a scenario of :func:`scenarios` that needs a declined feature. Raises ``NothingChecked``
-    when the target supports none of ``dtypes``. ``only``: every pair exercises one of these
-    features (as ``ddpcheck check --only``). Shrinks towards the first world size and the
-    simplest scenario."""
-    focus = features.parse(only, "only")
-    sizes, per_size, excluded = _for_target(target, world_sizes, dtypes, without, focus)
-    runs = {
-        w: per_size[w].filter(functools.partial(_runs, target, w, excluded, focus)) for w in sizes
-    }
-    return _examples(st.sampled_from(sizes), runs)
-
-
 @st.composite
-def _examples(draw: st.DrawFn, sizes: st.SearchStrategy[int], runs: dict) -> tuple[Scenario, int]:
+def paired(
+    draw: st.DrawFn, sizes: st.SearchStrategy[int], runs: Mapping[int, st.SearchStrategy[Scenario]]
+) -> tuple[Scenario, int]:
+    """``(scenario, world_size)``: a world size of ``sizes``, then a scenario of its strategy in
+    ``runs`` (``ddpcheck.strategies.examples`` draws a target's examples so)."""
     world_size = draw(sizes)
     return draw(runs[world_size]), world_size
 
 
-def _runs(
-    target: Any,
-    world_size: int,
-    excluded: frozenset[str],
-    focus: frozenset[str],
-    scenario: Scenario,
-) -> bool:
-    return features.declines(target, scenario, world_size, excluded, focus) is None
-
-
-def _for_target(
-    target: Any,
-    world_sizes: Any,
+def per_world_size(
+    sizes: tuple[int, ...],
     dtypes: Sequence[str],
-    without: Iterable[str],
-    only: Iterable[str] = (),
-) -> tuple[tuple[int, ...], dict[int, st.SearchStrategy[Scenario]], frozenset[str]]:
-    """``(world sizes, {W: scenarios target runs at W}, the features without excludes)``: one
-    definition of what a target is drawn, for :func:`examples` and ``ddpcheck check``'s own
-    random examples (``_runs.fuzz``), which tallies the declined draws itself. Built once per
-    call: Hypothesis validates a strategy the first time it draws from it. ``only``: drawn to
-    exercise one of these features (:func:`exercising`), at the world sizes where one can be."""
-    sizes = check_world_sizes("world_sizes", world_sizes)
-    excluded = features.parse(without, "without")
-    focus = features.parse(only, "only")
-    unsupported = features.unsupported(target, excluded)
+    unsupported: frozenset[str],
+    focus: frozenset[str],
+    who: str,
+) -> dict[int, st.SearchStrategy[Scenario]]:
+    """``{W: the scenarios drawn at W}`` for a target checked on none of ``unsupported`` (the
+    features it does not support, and those the user excluded), named ``who``: :func:`scenarios`
+    at each of ``sizes``, or -- with ``focus`` (``--only``) -- :func:`exercising` one of those
+    features, at the world sizes where one can be. Built once per call: Hypothesis validates a
+    strategy the first time it draws from it. Raises ``NothingChecked`` when nothing can be
+    drawn."""
     opt_in = frozenset(features.OPT_IN) - unsupported  # generated only for a target that opts in
     kept = tuple(d for d in dtypes if d not in unsupported)
     if not kept:
         raise NothingChecked(
-            f"{type(target).__name__} supports none of the dtypes "
+            f"{who} supports none of the dtypes "
             f"{', '.join(dtypes)} once `without` (--without) is applied"
         )
     if focus:
@@ -561,8 +526,8 @@ def _for_target(
                 f"no world size of {sizes} can exercise "
                 f"{', '.join(sorted(focus))} (one rank holds every sample)"
             )
-        return tuple(per_size), per_size, excluded
-    per_size = {
+        return per_size
+    return {
         w: scenarios(
             models=models(mixed_dtypes=True, without=unsupported),
             dtypes=kept,
@@ -573,7 +538,24 @@ def _for_target(
         )
         for w in sizes
     }
-    return sizes, per_size, excluded
+
+
+def _for_target(
+    target: object,
+    world_sizes: Iterable[int],
+    dtypes: Sequence[str],
+    without: Iterable[str],
+    only: Iterable[str] = (),
+) -> tuple[tuple[int, ...], dict[int, st.SearchStrategy[Scenario]], frozenset[str]]:
+    """TEMPORARY: moved to ``ddpcheck.targets.support.example_strategies``; ``_runs.fuzz``
+    switches in the one-engine change, then this goes (with ``features.unsupported``)."""
+    sizes = check_world_sizes("world_sizes", world_sizes)
+    excluded = features.parse(without, "without")
+    focus = features.parse(only, "only")
+    per_size = per_world_size(
+        sizes, dtypes, features.unsupported(target, excluded), focus, type(target).__name__
+    )
+    return tuple(per_size), per_size, excluded
 
 
 #: Features no example at W=1 can exercise: one rank holds every sample.
@@ -686,38 +668,55 @@ def _forced(
     resumes: tuple[int, ...],
 ) -> Scenario:
     s = draw(drawn)
-    change: dict[str, Any] = {}
+    # keyword arguments are evaluated in order: the draws are those of one change at a time
     if feature == "accumulation":
-        change["accumulation"] = draw(st.integers(2, 3))
-    elif feature == "param-groups" and s.param_groups is None:
-        change["param_groups"] = BiasGroups()
-    elif feature == "lr-schedule":
-        change["lr_decay"] = 0.5
-    elif feature == "grads-kept":
-        change["set_to_none"] = False
-    elif feature == "rank-orders":
-        change["rank_orders"] = True
-    elif feature == "clipping" and s.max_grad_norm is None:
-        change["max_grad_norm"] = draw(st.sampled_from(MAX_GRAD_NORMS))
-        change["grad_norm_type"] = draw(st.sampled_from((2.0, math.inf)))
-    elif feature == "checkpoint" and s.checkpoint_after is None:
-        change["steps"] = max(s.steps, 2)
-        change["checkpoint_after"] = draw(st.integers(0, change["steps"] - 2))
-        change["resume_world_size"] = draw(st.one_of(st.none(), st.sampled_from(resumes)))
-    elif feature == "uneven-batches" and world_size > 1 and s.global_batch % world_size == 0:
-        change["global_batch"] = s.global_batch - 1  # >= W - 1 >= 1, and not a multiple of W
-    elif feature == "autocast" and s.autocast is None:
-        change["autocast"] = draw(st.sampled_from((torch.bfloat16, torch.float16)))
-        change["param_dtype"] = None
-        change["optimizer_kwargs"] = _low_precision(s.optimizer, s.optimizer_kwargs)
-    elif feature == "param-dtype" and s.param_dtype is None:
-        change["param_dtype"] = torch.bfloat16
-        change["autocast"] = None
-        change["optimizer_kwargs"] = _low_precision(s.optimizer, s.optimizer_kwargs)
-    elif feature == "unused-on-some-ranks":  # few samples per rank: some rank skips the layer
-        change["global_batch"] = (
-            world_size * draw(st.integers(1, 2))
-            if even_batches
-            else draw(st.integers(1, 2 * world_size))
+        return dataclasses.replace(s, accumulation=draw(st.integers(2, 3)))
+    if feature == "param-groups" and s.param_groups is None:
+        return dataclasses.replace(s, param_groups=BiasGroups())
+    if feature == "lr-schedule":
+        return dataclasses.replace(s, lr_decay=0.5)
+    if feature == "grads-kept":
+        return dataclasses.replace(s, set_to_none=False)
+    if feature == "rank-orders":
+        return dataclasses.replace(s, rank_orders=True)
+    if feature == "clipping" and s.max_grad_norm is None:
+        return dataclasses.replace(
+            s,
+            max_grad_norm=draw(st.sampled_from(MAX_GRAD_NORMS)),
+            grad_norm_type=draw(st.sampled_from((2.0, math.inf))),
         )
-    return dataclasses.replace(s, **change) if change else s
+    if feature == "checkpoint" and s.checkpoint_after is None:
+        steps = max(s.steps, 2)
+        return dataclasses.replace(
+            s,
+            steps=steps,
+            checkpoint_after=draw(st.integers(0, steps - 2)),
+            resume_world_size=draw(st.one_of(st.none(), st.sampled_from(resumes))),
+        )
+    if feature == "uneven-batches" and world_size > 1 and s.global_batch % world_size == 0:
+        # >= W - 1 >= 1, and not a multiple of W
+        return dataclasses.replace(s, global_batch=s.global_batch - 1)
+    if feature == "autocast" and s.autocast is None:
+        return dataclasses.replace(
+            s,
+            autocast=draw(st.sampled_from((torch.bfloat16, torch.float16))),
+            param_dtype=None,
+            optimizer_kwargs=_low_precision(s.optimizer, s.optimizer_kwargs),
+        )
+    if feature == "param-dtype" and s.param_dtype is None:
+        return dataclasses.replace(
+            s,
+            param_dtype=torch.bfloat16,
+            autocast=None,
+            optimizer_kwargs=_low_precision(s.optimizer, s.optimizer_kwargs),
+        )
+    if feature == "unused-on-some-ranks":  # few samples per rank: some rank skips the layer
+        return dataclasses.replace(
+            s,
+            global_batch=(
+                world_size * draw(st.integers(1, 2))
+                if even_batches
+                else draw(st.integers(1, 2 * world_size))
+            ),
+        )
+    return s

@@ -26,23 +26,66 @@ import dataclasses
 import functools
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Protocol, TypeAlias
 
 import torch
+from torch import nn
 
 from ddpcheck._language import objective
 from ddpcheck._language.scenario import Scenario
 
-__all__ = ["FitRun", "Loop", "make_scheduler", "micro_batch_loss", "optimizer_kwargs", "train"]
+__all__ = [
+    "FitRun",
+    "Loop",
+    "OptimizerLike",
+    "Params",
+    "SchedulerLike",
+    "make_scheduler",
+    "micro_batch_loss",
+    "optimizer_kwargs",
+    "train",
+]
 
 
-def _nothing(*_: Any) -> None:
+#: What an optimizer is built over: the module's parameters, or its param groups
+#: (``Scenario.param_groups``), each a dict of its own options as torch's are.
+Params: TypeAlias = list[torch.Tensor] | list[dict[str, Any]]
+
+
+class OptimizerLike(Protocol):
+    """An optimizer as the loop drives it and a record reads it: a ``torch.optim.Optimizer``,
+    or a framework's own that is none (DeepSpeed's ZeRO optimizer, a gate around one)."""
+
+    @property
+    def param_groups(self) -> Sequence[Mapping[str, object]]: ...
+
+    def step(self) -> object: ...
+
+    def zero_grad(self, set_to_none: bool = ...) -> None: ...
+
+    def state_dict(self) -> Mapping[str, object]: ...
+
+    def load_state_dict(self, state_dict: dict[str, object], /) -> None: ...
+
+
+class SchedulerLike(Protocol):
+    """An LR schedule as the loop steps it and a record or a checkpoint reads it: torch's, or a
+    framework's wrapper of one (accelerate's ``AcceleratedScheduler``)."""
+
+    def step(self) -> None: ...
+
+    def state_dict(self) -> Mapping[str, object]: ...
+
+    def load_state_dict(self, state_dict: dict[str, object], /) -> None: ...
+
+
+def _nothing(*_: object) -> None:
     return None
 
 
-def _backward(loss: Any) -> None:
+def _backward(loss: torch.Tensor) -> None:
     loss.backward()
 
 
@@ -52,18 +95,18 @@ class Loop:
 
     #: step -> micro-batches ``(x, y, scale)``: scale multiplies the summed terms of the loss
     batches: Callable[[int], list[tuple[torch.Tensor, torch.Tensor, float]]]
-    no_sync: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext  # all but the last
+    no_sync: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext  # all but last
     #: ``(index, count) ->`` the context of micro-batch ``index`` of ``count`` (None: ``no_sync``
     #: around all but the last)
-    micro_batch: Callable[[int, int], AbstractContextManager[Any]] | None = None
-    backward: Callable[[Any], None] = _backward  # ``loss ->`` back-propagate it
+    micro_batch: Callable[[int, int], AbstractContextManager[object]] | None = None
+    backward: Callable[[torch.Tensor], None] = _backward  # ``loss ->`` back-propagate it
     #: optimizer.step(), the schedule and zero_grad after every micro-batch; the framework gates
     steps_every_micro_batch: bool = False
     inside_window: Callable[[int, int], None] = _nothing  # (step, index) after such a step
     after_backward: Callable[[], None] = _nothing
     #: ``(max_norm, norm_type) ->`` clip the synchronised gradients; only called when the
     #: scenario clips. None: ``torch.nn.utils.clip_grad_norm_`` over the model's parameters.
-    clip_grad_norm: Callable[[float, float], Any] | None = None
+    clip_grad_norm: Callable[[float, float], object] | None = None
     before_step: Callable[[int], None] = _nothing  # after the batches are drawn, before forward
     before_optimizer_step: Callable[[int], None] = _nothing  # after after_backward
     after_step: Callable[[int], None] = _nothing  # after optimizer.step and the schedule
@@ -77,7 +120,7 @@ class Loop:
 
 def micro_batch_loss(
     scenario: Scenario,
-    model: Any,
+    model: nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
     scale: float,
@@ -107,9 +150,9 @@ class FitRun:
     after every optimizer step, once the LR schedule stepped and before ``zero_grad``."""
 
     scenario: Scenario
-    module: Any
-    params: Any
-    optimizer: type
+    module: nn.Module
+    params: Params
+    optimizer: type[torch.optim.Optimizer]
     optimizer_kwargs: dict
     gamma: float | None
     max_grad_norm: float | None
@@ -117,53 +160,60 @@ class FitRun:
     set_to_none: bool
     batches: list
     #: ``(model, optimizer) ->`` call once, model and optimizer built, before the first forward
-    started: Callable[[Any, Any], None]
+    started: Callable[[nn.Module, OptimizerLike], None]
     #: ``(model, optimizer, scheduler) ->`` call after every optimizer step (and its schedule)
-    record: Callable[[Any, Any, Any], None]
+    record: Callable[[nn.Module, OptimizerLike, SchedulerLike | None], None]
 
     @property
     def steps(self) -> int:
         return len(self.batches)
 
-    def loss(self, model: Any, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+    def loss(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """One micro-batch's loss through ``model``, as the reference computes it."""
         return micro_batch_loss(self.scenario, model, x, y, scale)
 
 
-def optimizer_kwargs(target: Any, model: Any, kwargs: dict) -> dict:
+def optimizer_kwargs(target: object, model: nn.Module, kwargs: dict) -> dict:
     """``kwargs`` for ``target.make_optimizer``, with the wrapped ``model`` added when its
     signature names a ``model`` parameter (a sharded optimizer that must know its DDP); older
     targets' signatures are left as they are."""
-    if _takes_model(type(target).make_optimizer):
+    if _takes_model(getattr(type(target), "make_optimizer", None)):
         return {**kwargs, "model": model}
     return dict(kwargs)
 
 
 @functools.lru_cache(maxsize=256)
-def _takes_model(method: Any) -> bool:
+def _takes_model(method: Callable[..., object] | None) -> bool:
     """Cached: every rank asks it for every example."""
+    if method is None:
+        return False
     try:
         return "model" in inspect.signature(method).parameters
     except (TypeError, ValueError):
         return False
 
 
-def make_scheduler(scenario: Scenario, optimizer: Any) -> Any:
-    """The scenario's LR schedule on ``optimizer`` (None without ``lr_decay``)."""
-    return (
-        torch.optim.lr_scheduler.ExponentialLR(optimizer, scenario.lr_decay)
-        if scenario.lr_decay is not None
-        else None
-    )
+def make_scheduler(
+    scenario: Scenario, optimizer: OptimizerLike
+) -> torch.optim.lr_scheduler.ExponentialLR | None:
+    """The scenario's LR schedule on ``optimizer`` (None without ``lr_decay``), which must then
+    be a ``torch.optim.Optimizer`` (torch's ``TypeError`` otherwise)."""
+    if scenario.lr_decay is None:
+        return None
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")  # as torch says it
+    return torch.optim.lr_scheduler.ExponentialLR(optimizer, scenario.lr_decay)
 
 
 def train(
     scenario: Scenario,
-    model: Any,
-    optimizer: Any,
+    model: nn.Module,
+    optimizer: OptimizerLike,
     loop: Loop,
     *,
-    scheduler: Any = None,
+    scheduler: SchedulerLike | None = None,
     steps: range | None = None,
 ) -> None:
     """Train ``model`` with ``optimizer`` on the scenario's steps, as ``loop`` says.
@@ -209,13 +259,15 @@ def train(
         loop.end_step(step)
 
 
-def _micro_batch(loop: Loop, index: int, count: int) -> AbstractContextManager[Any]:
+def _micro_batch(loop: Loop, index: int, count: int) -> AbstractContextManager[object]:
     if loop.micro_batch is not None:
         return loop.micro_batch(index, count)
     return contextlib.nullcontext() if index == count - 1 else loop.no_sync()
 
 
-def _optimizer_step(scenario: Scenario, optimizer: Any, scheduler: Any) -> None:
+def _optimizer_step(
+    scenario: Scenario, optimizer: OptimizerLike, scheduler: SchedulerLike | None
+) -> None:
     """What a loop that steps after every micro-batch calls inside an accumulation window."""
     optimizer.step()
     if scheduler is not None:
@@ -223,7 +275,7 @@ def _optimizer_step(scenario: Scenario, optimizer: Any, scheduler: Any) -> None:
     optimizer.zero_grad(set_to_none=scenario.set_to_none)
 
 
-def _clip(max_norm: float, norm_type: float, model: Any, loop: Loop) -> None:
+def _clip(max_norm: float, norm_type: float, model: nn.Module, loop: Loop) -> None:
     if loop.clip_grad_norm is None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
     else:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -196,7 +195,7 @@ class BiasGroups:
         params = list(model.parameters())
         matrices = [p for p in params if p.dim() > 1]
         vectors = [p for p in params if p.dim() <= 1]
-        groups: list[dict[str, Any]] = [{"params": matrices}]
+        groups: list[dict[str, object]] = [{"params": matrices}]
         if vectors:
             groups.append({"params": vectors, "lr": self.lr, "weight_decay": self.weight_decay})
         return groups

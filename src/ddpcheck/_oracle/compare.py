@@ -57,8 +57,10 @@ into a subset of :data:`CHECKS`, rejecting strings, typos and the empty set.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import SupportsFloat
 
 import torch
 
@@ -111,7 +113,7 @@ __all__ = [
 CHECKS = frozenset({"replicas", "reference", "state", "budget"})
 
 
-def validate_checks(checks: Any) -> frozenset:
+def validate_checks(checks: object) -> frozenset:
     """``checks`` as a non-empty subset of :data:`CHECKS` (``None``: all of them).
 
     Raises :class:`InvalidArgument` for a string (``"replicas"`` would otherwise be read as a set
@@ -127,6 +129,8 @@ def validate_checks(checks: Any) -> frozenset:
             f"from {valid}, or None for all of them"
         )
     try:
+        if not isinstance(checks, Iterable):
+            raise TypeError
         names = frozenset(checks)
     except TypeError:
         raise InvalidArgument(
@@ -205,8 +209,9 @@ def compare(
     if out:
         return _one_verdict(out)
     for step, ref in enumerate(reference.steps):
-        plans = [r.steps[step].batch_plan for r in records]
-        if against_ref and None not in plans:  # the objective first: it explains any number
+        plans = [p for r in records if (p := r.steps[step].batch_plan) is not None]
+        # the objective first: it explains any number
+        if against_ref and len(plans) == len(records):
             wrong = check_sample_weights(
                 step, world_size, plans, scenario.global_batch, scenario.reduction, ref.tokens
             )
@@ -248,7 +253,7 @@ def _compare_step(
             step,
             world_size,
             records,
-            lambda r, f=field, s=step: getattr(r.steps[s], f),
+            functools.partial(_field, field, step),
             getattr(ref, field),
             kind,
             tol,
@@ -291,7 +296,7 @@ def _reference_non_finite(reference: Reference, world_size: int) -> list[Diverge
             inherent[name] = mask
     for step, ref in enumerate(reference.steps):
         # (what, label, value, NaN/inf mask it started with)
-        tensors: list[tuple[str, str, Any, torch.Tensor | None]] = [
+        tensors: list[tuple[str, str, object, torch.Tensor | None]] = [
             (f"gradient {name}", f"{name}.grad", ref.grads.get(name), None) for name in ref.grads
         ]
         tensors += [
@@ -308,8 +313,8 @@ def _reference_non_finite(reference: Reference, world_size: int) -> list[Diverge
             for key, value in state.items()
         ]
         rows = []
-        for what, label, value, before in tensors:
-            mask = non_finite(value)
+        for what, label, held, before in tensors:
+            mask = non_finite(held)
             if mask is not None and before is not None and before.shape == mask.shape:
                 mask = mask & ~before
                 if not bool(mask.any()):
@@ -335,16 +340,16 @@ def _reference_non_finite(reference: Reference, world_size: int) -> list[Diverge
 
 
 def _compare_maps(
-    step: Any,
+    step: int | str,
     world_size: int,
     records: list[RankRecord],
-    get: Any,
-    reference: dict,
+    get: Callable[[RankRecord], Mapping[str, torch.Tensor | None]],
+    reference: Mapping[str, torch.Tensor | None],
     kind: str,
     tol: tuple[float, float],
     replicas: bool = True,
     against_reference: bool = True,
-    noise: Any = None,
+    noise: Noisy | None = None,
 ) -> list[Divergence]:
     """Replicas bitwise, then every rank against ``reference`` (a name -> tensor map) within
     ``tol``; ``noise(name)``: the reference's rounding spread of that tensor, or None."""
@@ -354,7 +359,7 @@ def _compare_maps(
     # 2. against the reference, every rank; rank 0 stands for all only when check 1 ran and
     # found the others bitwise identical to it (then they would get exactly its verdict)
     if not against_reference:
-        ranks: Any = ()
+        ranks: Iterable[int] = ()
     elif replicas and not out:
         ranks = range(1)
     else:
@@ -370,7 +375,9 @@ def _compare_maps(
     return out
 
 
-def _replica_rows(step: Any, world_size: int, maps: list[dict], kind: str) -> list[Divergence]:
+def _replica_rows(
+    step: int | str, world_size: int, maps: list[Mapping[str, torch.Tensor | None]], kind: str
+) -> list[Divergence]:
     """Every rank's tensors (``maps``, by rank) against rank 0's, bitwise."""
     out = []
     for rank in range(1, world_size):
@@ -383,7 +390,13 @@ def _replica_rows(step: Any, world_size: int, maps: list[dict], kind: str) -> li
     return out
 
 
-def _replica_row(at: At, name: str, first: dict, mine: dict, kind: str) -> Divergence | None:
+def _replica_row(
+    at: At,
+    name: str,
+    first: Mapping[str, torch.Tensor | None],
+    mine: Mapping[str, torch.Tensor | None],
+    kind: str,
+) -> Divergence | None:
     """Rank ``at.rank``'s tensor ``name`` (in ``mine``) against rank 0's (in ``first``)."""
     step, world_size, rank = at.step, at.world_size, at.rank
     if name not in first or name not in mine:
@@ -405,18 +418,18 @@ def _replica_row(at: At, name: str, first: dict, mine: dict, kind: str) -> Diver
             f"replicas differ ({kind})",
             detail=f"None on rank {0 if value is None else rank} only",
         )
-    if value is not None and not bitwise_equal(value, other):
+    if value is not None and other is not None and not bitwise_equal(value, other):
         return replica_row(at, name, f"replicas differ ({kind})", value, other)
     return None
 
 
 def _reference_rows(
     at: At,
-    got_map: dict,
-    reference: dict,
+    got_map: Mapping[str, torch.Tensor | None],
+    reference: Mapping[str, torch.Tensor | None],
     kind: str,
     tol: tuple[float, float],
-    noise: Any,
+    noise: Noisy | None,
     largest: Largest,
 ) -> list[Divergence]:
     """Rank ``at.rank``'s tensors (``got_map``) against the reference's, name by name."""
@@ -456,14 +469,19 @@ def _reference_rows(
                 got,
                 ref,
                 tol,
-                None if noise is None else lambda n=name: (noise(n), largest()),
+                None if noise is None else functools.partial(_scaled, noise, name, largest),
             )
             if row is not None:
                 out.append(row)
     return out
 
 
-def _all_close_map(got: dict, reference: dict, rtol: float, atol: float) -> bool:
+def _all_close_map(
+    got: Mapping[str, torch.Tensor | None],
+    reference: Mapping[str, torch.Tensor | None],
+    rtol: float,
+    atol: float,
+) -> bool:
     """True only when every tensor of ``reference`` is in ``got``, close (``all_close``), and
     every None there is None here: ``_compare_maps`` would find nothing."""
     pairs = []
@@ -476,11 +494,33 @@ def _all_close_map(got: dict, reference: dict, rtol: float, atol: float) -> bool
     return all_close(pairs, rtol, atol)
 
 
-def _noise(reference: Reference, step: int, *fields: str) -> Any:
+#: name -> the reference's rounding spread of that tensor (None: none known).
+Noisy = Callable[[str], "torch.Tensor | None"]
+
+
+def _field(field: str, step: int, record: RankRecord) -> Mapping[str, torch.Tensor | None]:
+    """A rank's map of ``field`` (grads, params, buffers) after ``step``."""
+    found: Mapping[str, torch.Tensor | None] = getattr(record.steps[step], field)
+    return found
+
+
+def _scaled(
+    noise: Noisy, name: str, largest: Callable[[], float]
+) -> tuple[torch.Tensor | None, float]:
+    """What ``reference_row`` asks once the tolerance is exceeded: ``(spread, scale)``."""
+    return noise(name), largest()
+
+
+def _largest_state(ref: StepRecord, key: str) -> Largest:
+    """The largest magnitude of the reference's ``key`` optimizer state, over its parameters."""
+    return Largest(s.get(key) for s in ref.state.values())
+
+
+def _noise(reference: Reference, step: int, *fields: str) -> Noisy:
     """``name -> the reference's rounding spread of that tensor after step`` (or None), looked
     up in ``fields`` of ``reference.noise(step)``; the noise is computed on the first call."""
 
-    def lookup(name: str) -> Any:
+    def lookup(name: str) -> torch.Tensor | None:
         noise = reference.noise(step) if hasattr(reference, "noise") else None
         if noise is None:
             return None
@@ -500,7 +540,7 @@ def _compare_state(
     ref: StepRecord,
     tol: tuple[float, float],
     shards_state: bool,
-    noise: Any = None,
+    noise: Noisy | None = None,
 ) -> list[Divergence]:
     out = []
     rtol, atol = tol
@@ -585,10 +625,7 @@ def _compare_state(
                     tol,
                     noise=None
                     if noise is None
-                    else lambda n=f"{name}[{key!r}]", k=key: (
-                        noise(n),
-                        Largest(s.get(k) for s in ref.state.values())(),
-                    ),
+                    else functools.partial(_scaled, noise, where, _largest_state(ref, key)),
                 )
                 if row is not None:
                     out.append(row)
@@ -625,8 +662,10 @@ def compare_schedule(
         for key, expected in ref.schedule.items():
             got = held.get(key)
             if key.startswith("lr "):
-                same = isinstance(got, (int, float)) and math.isclose(
-                    got, expected, rel_tol=rtol, abs_tol=atol
+                same = (
+                    isinstance(got, (int, float))
+                    and isinstance(expected, SupportsFloat)
+                    and math.isclose(got, expected, rel_tol=rtol, abs_tol=atol)
                 )
             else:
                 same = got == expected

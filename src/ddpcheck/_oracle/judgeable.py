@@ -36,7 +36,6 @@ import functools
 import inspect
 import weakref
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn
@@ -53,7 +52,7 @@ from ddpcheck._language.messages import (
     short_name,
 )
 from ddpcheck._language.models import ModelSpec
-from ddpcheck._language.scenario import import_path, make_param_groups
+from ddpcheck._language.scenario import Scenario, import_path, make_param_groups
 from ddpcheck._oracle.tolerances import TOLERANCES
 
 __all__ = ["check_scenario", "explain_reference_failure"]
@@ -62,7 +61,7 @@ _PASSED: dict[int, weakref.ref] = {}  # id(scenario) -> the scenario, for scenar
 _MAX_PASSED = 1024
 
 
-def check_scenario(scenario: Any) -> None:
+def check_scenario(scenario: Scenario) -> None:
     """Raise :class:`ScenarioError` when the oracle cannot judge ``scenario`` (see the module
     docstring); return None when it can. Leaves the global CPU random state as it was."""
     seen = _PASSED.get(id(scenario))
@@ -79,7 +78,7 @@ def check_scenario(scenario: Any) -> None:
     _PASSED[id(scenario)] = ref
 
 
-def explain_reference_failure(scenario: Any, error: BaseException) -> ScenarioError:
+def explain_reference_failure(scenario: Scenario, error: BaseException) -> ScenarioError:
     """The :class:`ScenarioError` for a reference run of ``scenario`` that raised ``error``:
     the reference's steps are replayed with the model, the data function, the backward,
     ``param_groups``, the optimizer and its schedule each in its own ``try`` block, so the
@@ -110,7 +109,7 @@ def _random_state_kept() -> Iterator[None]:
         generator.set_state(state)
 
 
-def _probe(scenario: Any) -> None:
+def _probe(scenario: Scenario) -> None:
     cls = _optimizer_class(scenario)
     model = _build(scenario)
     x, y = _data(scenario, 0)
@@ -144,7 +143,7 @@ def _probe(scenario: Any) -> None:
         )
 
 
-def _train(scenario: Any) -> None:
+def _train(scenario: Scenario) -> None:
     """The reference's training loop (``oracle.reference_run``), each part labelled."""
     cls = _optimizer_class(scenario)
     name = import_path(cls)
@@ -200,7 +199,7 @@ def _train(scenario: Any) -> None:
 # The model factory and the data function
 
 
-def _build(scenario: Any) -> nn.Module:
+def _build(scenario: Scenario) -> nn.Module:
     factory = scenario.model
     if isinstance(factory, nn.Module):
         raise ScenarioError(
@@ -247,7 +246,7 @@ def _build(scenario: Any) -> nn.Module:
     return model
 
 
-def _data(scenario: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _data(scenario: Scenario, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     data, batch, dtype = scenario.data, scenario.global_batch, scenario.torch_dtype
     seed = scenario.seed * 1_000 + step  # as scenario.global_batch draws the step's batch
     try:
@@ -287,7 +286,9 @@ def _data(scenario: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 # The forward: one tensor like the targets, deterministic, per sample, no buffer writes
 
 
-def _forward(scenario: Any, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _forward(
+    scenario: Scenario, model: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
     """The model's output on ``x``: one tensor the scenario's loss takes with ``y``."""
     try:
         out = model(x)
@@ -316,7 +317,7 @@ class _Forwards:
     per-sample function. Buffers are put back before every forward, so each fact is seen on its
     own."""
 
-    def __init__(self, scenario: Any, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    def __init__(self, scenario: Scenario, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
         buffers = [(n, b, b.detach().clone()) for n, b in model.named_buffers()]
         out = _forward(scenario, model, x, y)
         self.buffers_changed = [n for n, b, before in buffers if not _equal(b, before)]
@@ -371,7 +372,7 @@ class _Forwards:
             self.mixing = float((joined - reference).abs().nan_to_num(float("inf")).max())
 
 
-def _refuse_batch_dependence(scenario: Any, model: nn.Module, facts: _Forwards) -> None:
+def _refuse_batch_dependence(scenario: Scenario, model: nn.Module, facts: _Forwards) -> None:
     batch = scenario.global_batch
     parts = " + ".join(map(str, facts.sizes))
     if facts.part_failure is not None:
@@ -415,7 +416,7 @@ def _tolerance(model: nn.Module, out: torch.Tensor) -> tuple[float, float]:
     return TOLERANCES.get(least, TOLERANCES[torch.float32])
 
 
-def _close(got: Any, reference: torch.Tensor, rtol: float, floor: float) -> bool:
+def _close(got: object, reference: torch.Tensor, rtol: float, floor: float) -> bool:
     if not torch.is_tensor(got) or got.shape != reference.shape:
         return False
     return bool(
@@ -441,7 +442,7 @@ def _restore(buffers: list) -> None:
 
 
 def _backward(
-    scenario: Any, model: nn.Module, out: torch.Tensor, y: torch.Tensor, step: int
+    scenario: Scenario, model: nn.Module, out: torch.Tensor, y: torch.Tensor, step: int
 ) -> None:
     """Back-propagate the loss as the reference does."""
     if not out.requires_grad:
@@ -460,7 +461,7 @@ def _backward(
         ) from exc
 
 
-def _optimizer_class(scenario: Any) -> type:
+def _optimizer_class(scenario: Scenario) -> type[torch.optim.Optimizer]:
     cls = scenario.optimizer
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ScenarioError(
@@ -477,7 +478,7 @@ def _optimizer_class(scenario: Any) -> type:
     return cls
 
 
-def _optimizer_kwargs(scenario: Any, cls: type) -> None:
+def _optimizer_kwargs(scenario: Scenario, cls: type) -> None:
     """Build the optimizer with the scenario's kwargs on a dummy parameter (2-D: torch.optim.Muon
     takes matrices only)."""
     dummy = torch.zeros(2, 2, dtype=scenario.torch_dtype, requires_grad=True)

@@ -32,7 +32,6 @@ are trained only when a comparison would otherwise fail, so passing examples nev
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 
@@ -143,7 +142,7 @@ class Reference:
     #: Bytes of all parameters: what a ZeRO-style re-gather of updated parameters may all-gather.
     parameter_bytes: int = 0
     #: The scenario, to train the variants of :meth:`noise` on demand (None: no noise floor).
-    scenario: Any = None
+    scenario: Scenario | None = None
     #: step -> its :class:`Noise`, filled on first use; shared by the parts a resumed run's
     #: judgement slices this reference into (``dataclasses.replace`` keeps the same dict).
     noise_cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -237,7 +236,7 @@ def _train(
             for p in model.parameters():
                 if p.is_floating_point():
                     p.copy_(p.to(scenario.param_dtype))
-    names = {p: n for n, p in model.named_parameters()}
+    names: dict[torch.Tensor, str] = {p: n for n, p in model.named_parameters()}
     initial = initial_state(model)
     optimizer = scenario.optimizer(make_param_groups(scenario, model), **scenario.optimizer_kwargs)
     scheduler = make_scheduler(scenario, optimizer)
@@ -317,7 +316,7 @@ def _average_and_perturb(model: torch.nn.Module, variant: Variant, step: int) ->
                 g.add_((g.double() * (u * unit)).to(g.dtype))
 
 
-def _flat_state(state: dict) -> dict[str, Any]:
+def _flat_state(state: dict) -> dict[str, object]:
     return {
         f"{name}[{key!r}]": value for name, held in state.items() for key, value in held.items()
     }

@@ -8,7 +8,7 @@ that cannot pin the element down as :data:`CHAOTIC`). ``compare`` walks the reco
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -62,7 +62,7 @@ _VARIANTS = (
 class At:
     """Where a row stands: the step (``"init"`` before the first), the world size, the rank."""
 
-    step: Any
+    step: int | str
     world_size: int
     rank: int
 
@@ -101,7 +101,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def non_finite(t: Any) -> torch.Tensor | None:
+def non_finite(t: object) -> torch.Tensor | None:
     """The mask of ``t``'s NaN/inf elements, or None when it has none (or is not a float)."""
     if not torch.is_tensor(t) or not (t.is_floating_point() or t.is_complex()):
         return None
@@ -109,7 +109,7 @@ def non_finite(t: Any) -> torch.Tensor | None:
     return mask if bool(mask.any()) else None
 
 
-def when(step: Any) -> str:
+def when(step: int | str) -> str:
     return "at initialisation" if step == "init" else f"at step {step}"
 
 
@@ -118,7 +118,13 @@ def count_of(mask: torch.Tensor) -> str:
 
 
 def reference_row(
-    at: At, named: Named, kind: str, got: Any, ref: Any, tol: tuple[float, float], noise: Any = None
+    at: At,
+    named: Named,
+    kind: str,
+    got: object,
+    ref: object,
+    tol: tuple[float, float],
+    noise: Callable[[], tuple[torch.Tensor | None, float]] | None = None,
 ) -> Divergence | None:
     """One rank's tensor against the reference's: None when it matches within tolerance, or
     within the reference's own rounding spread there (``noise()``: ``(spread, scale)``, asked
@@ -267,7 +273,7 @@ class Largest:
     """The largest finite magnitude among some tensors (others ignored), computed on the first
     call: what a bug is measured against where the reference's rounding spread is wide."""
 
-    def __init__(self, values: Any):
+    def __init__(self, values: Iterable[object]):
         self._values = values
         self._found: float | None = None
 
@@ -284,7 +290,7 @@ class Largest:
         return self._found
 
 
-def brief(value: Any) -> str:
+def brief(value: object) -> str:
     if torch.is_tensor(value):
         return f"tensor{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
     return repr(value)

@@ -21,10 +21,11 @@ parameter.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from typing import Any
 
 from ddpcheck._base.errors import Divergence
+from ddpcheck._language.batches import BatchPlan
 
 __all__ = [
     "DROPPED",
@@ -53,7 +54,7 @@ RTOL = 1e-6
 def check_sample_weights(
     step: int,
     world_size: int,
-    plans: list[Any],
+    plans: list[BatchPlan],
     batch_size: int,
     reduction: str,
     tokens: Sequence[int] | None = None,
@@ -99,15 +100,19 @@ def check_sample_weights(
             verb, losses, gets = "are", "their losses are", "gives each token"
         where = ", ".join(f"rank {r} micro-batch {m} (scale {s:.3g})" for r, m, s in held)
         name = f"sample {i}" if tokens is None else f"sample {i} ({_tokens(tokens[i])})"
-        common: dict[str, Any] = dict(
-            step=step, world_size=world_size, name=name, max_abs=error, max_rel=error / expected
+        row = functools.partial(
+            Divergence,
+            step=step,
+            world_size=world_size,
+            name=name,
+            max_abs=error,
+            max_rel=error / expected,
         )
         if not held:
             causes.append(
-                Divergence(
+                row(
                     rank=None,
                     kind=kinds[0],
-                    **common,
                     detail=f"{what} of the global batch (B={batch_size}) {verb} in no rank's "
                     f"micro-batches: {losses} never back-propagated (weight 0; the full-batch "
                     f"objective, reduction={reduction!r}, {gets} {objective})",
@@ -115,10 +120,9 @@ def check_sample_weights(
             )
         elif len(held) > 1:
             causes.append(
-                Divergence(
+                row(
                     rank=None,
                     kind=kinds[1],
-                    **common,
                     detail=f"{what} {verb} used {len(held)} times: "
                     f"{where}; weight {weight:.3g} (1/W times the sum of those scales) where "
                     f"the full-batch objective, reduction={reduction!r}, {gets} {objective}",
@@ -127,10 +131,9 @@ def check_sample_weights(
         else:
             rank, m, scale = held[0]
             misweighted.append(
-                Divergence(
+                row(
                     rank=rank,
                     kind=kinds[2],
-                    **common,
                     detail=f"rank {rank} scales micro-batch {m} ({whose}) by {scale:.3g}: "
                     f"weight {weight:.3g} after the average over W={world_size}, where the "
                     f"full-batch objective, reduction={reduction!r}, {gets} {objective} (a "

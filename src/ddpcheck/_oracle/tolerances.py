@@ -8,7 +8,7 @@ and step -- far below what real bugs produce (``bench/tolerance.py`` measures th
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Iterable
 
 import torch
 
@@ -75,7 +75,7 @@ def close(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float) -> boo
     )
 
 
-def all_close(pairs: list[tuple[Any, Any]], rtol: float, atol: float) -> bool:
+def all_close(pairs: Iterable[tuple[object, object]], rtol: float, atol: float) -> bool:
     """True only when :func:`close` holds for every ``(got, ref)`` pair -- floating tensors of one
     shape and dtype each -- in one pass per dtype instead of one per tensor (the comparisons were
     a fifth of a random example's cost in the checking process); False means "look at each".

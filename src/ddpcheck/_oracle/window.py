@@ -15,10 +15,14 @@ the step (after the previous step, or initially).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ddpcheck._base.errors import Divergence
 from ddpcheck._language.records import RankRecord
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["STEPPED_INSIDE_WINDOW", "check_window"]
 
@@ -27,7 +31,10 @@ STEPPED_INSIDE_WINDOW = "stepped inside accumulation window"
 
 
 def check_window(
-    step: int, world_size: int, records: list[RankRecord], bitwise_equal: Any
+    step: int,
+    world_size: int,
+    records: list[RankRecord],
+    bitwise_equal: Callable[[torch.Tensor, torch.Tensor], bool],
 ) -> list[Divergence]:
     """Rows for each rank whose parameters moved inside step ``step``'s accumulation window
     (the first micro-batch and parameter where they did)."""

@@ -12,7 +12,6 @@ across the pipe (``serve``); the parent's side is ``ddpcheck._world.worlds``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 __all__ = ["Answer", "Launch", "Raised", "Refused", "Returned"]
 
@@ -40,7 +39,7 @@ class Returned:
     """The task returned: its ``result`` (at start-up, the rank's pid), the user files it
     imported (``freshness``), and what it left behind (``fitness.restore``)."""
 
-    result: Any
+    result: object
     files: dict[str, int] = dataclasses.field(default_factory=dict)  # path -> mtime (ns)
     #: changes to what later code computes, which could not be put right: the rank is unfit
     unfit: tuple[str, ...] = ()

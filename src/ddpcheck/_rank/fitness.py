@@ -52,7 +52,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,8 @@ import torch.nn.modules.module as module_hooks
 import torch.optim.optimizer as optimizer_hooks
 
 __all__ = ["Baseline", "FD_HEADROOM", "Fitness", "baseline", "restore"]
+
+T = TypeVar("T")
 
 #: Open file descriptors a rank may gain over its start-up count before it is replaced. Libraries
 #: keep some open for good, in amounts that depend on the model: FSDP2 with an int
@@ -88,17 +90,17 @@ _OPTIMIZER_HOOKS = (
 class Baseline:
     """What a fit rank process looks like (see the module docstring)."""
 
-    default_group: Any
-    collectives: tuple[tuple[str, Any], ...]  # (name, the function torch.distributed holds)
+    default_group: dist.ProcessGroup | None
+    collectives: tuple[tuple[str, object], ...]  # (name, the function torch.distributed holds)
     hooks: tuple[int, ...]  # entries per registry, in the order of _MODULE_HOOKS + _OPTIMIZER_HOOKS
     threads: int
     thread_ids: frozenset[int | None]
     num_threads: int
     interop_threads: int
     grad_enabled: bool
-    default_dtype: Any
+    default_dtype: torch.dtype
     groups: frozenset[int]  # id() of every process group in pg_map
-    torch_rng: Any  # torch's CPU generator state (torch.random.get_rng_state())
+    torch_rng: torch.Tensor  # torch's CPU generator state (torch.random.get_rng_state())
     #: open file descriptors accepted so far: the start-up count, raised to each new high-water
     #: mark up to :data:`FD_HEADROOM` above it (libraries keep descriptors open for good)
     fds: int
@@ -171,30 +173,27 @@ def restore(base: Baseline) -> tuple[Fitness, Baseline]:
                 found.unfit.append(
                     f"removed {before - after} {what}{'s' if before - after > 1 else ''}"
                 )
-    settings: tuple[tuple[str, Any, Any, Callable[[Any], Any]], ...] = (
-        (
-            "torch.get_num_threads()",
-            base.num_threads,
-            torch.get_num_threads(),
-            torch.set_num_threads,
-        ),
-        (
-            "grad mode (torch.is_grad_enabled())",
-            base.grad_enabled,
-            torch.is_grad_enabled(),
-            torch.set_grad_enabled,
-        ),
-        (
-            "torch.get_default_dtype()",
-            base.default_dtype,
-            torch.get_default_dtype(),
-            torch.set_default_dtype,
-        ),
+    _set_back(
+        found,
+        "torch.get_num_threads()",
+        base.num_threads,
+        torch.get_num_threads(),
+        torch.set_num_threads,
     )
-    for what, before, after, put_back in settings:
-        if after != before:
-            put_back(before)
-            found.cleaned.append(f"changed {what} {before} -> {after} (set back)")
+    _set_back(
+        found,
+        "grad mode (torch.is_grad_enabled())",
+        base.grad_enabled,
+        torch.is_grad_enabled(),
+        torch.set_grad_enabled,
+    )
+    _set_back(
+        found,
+        "torch.get_default_dtype()",
+        base.default_dtype,
+        torch.get_default_dtype(),
+        torch.set_default_dtype,
+    )
     _fresh_randomness(base)
     interop = torch.get_num_interop_threads()
     if interop != base.interop_threads:
@@ -202,6 +201,15 @@ def restore(base: Baseline) -> tuple[Fitness, Baseline]:
             f"changed torch.get_num_interop_threads() {base.interop_threads} -> {interop}"
         )
     return found, _leftovers(base, found)
+
+
+def _set_back(
+    found: Fitness, what: str, before: T, after: T, put_back: Callable[[T], object]
+) -> None:
+    """A setting the task changed, set back to ``before``."""
+    if after != before:
+        put_back(before)
+        found.cleaned.append(f"changed {what} {before} -> {after} (set back)")
 
 
 def _fresh_randomness(base: Baseline) -> None:
@@ -255,13 +263,13 @@ def _leftovers(base: Baseline, found: Fitness) -> Baseline:
     return base
 
 
-def _default_group() -> Any:
+def _default_group() -> dist.ProcessGroup | None:
     if not dist.is_initialized():
         return None
     return dist.distributed_c10d._get_default_group()
 
 
-def _groups() -> list[Any]:
+def _groups() -> list[dist.ProcessGroup]:
     try:
         return list(dist.distributed_c10d._world.pg_map)
     except Exception:  # the default group is gone, or torch moved its bookkeeping

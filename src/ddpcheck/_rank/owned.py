@@ -17,19 +17,25 @@ everywhere). A parameter covered only in part is the target's declaration failin
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+#: One rank's piece of a gradient: (parameter name, offset in its flattened gradient, piece).
+Piece = tuple[str, int, torch.Tensor | None]
 
 __all__ = ["owned_gradients"]
 
 
-def owned_gradients(module: Any, pieces: Any) -> dict[str, torch.Tensor | None]:
+def owned_gradients(
+    module: nn.Module, pieces: Iterable[tuple[torch.Tensor, int, torch.Tensor | None]]
+) -> dict[str, torch.Tensor | None]:
     """Every parameter's gradient as its owners hold it (see the module's invariant);
     ``pieces``: this rank's ``(parameter, offset, flat piece or None)`` triples."""
     names = {id(p): n for n, p in module.named_parameters()}
-    mine = []
+    mine: list[Piece] = []
     for param, offset, piece in pieces:
         name = names.get(id(param))
         if name is None:
@@ -40,7 +46,7 @@ def owned_gradients(module: Any, pieces: Any) -> dict[str, torch.Tensor | None]:
         mine.append(
             (name, int(offset), None if piece is None else piece.detach().reshape(-1).clone())
         )
-    everyone: list[Any] = [None] * dist.get_world_size()
+    everyone: list[list[Piece]] = [[] for _ in range(dist.get_world_size())]  # all replaced
     dist.all_gather_object(everyone, mine)
     held: dict[str, list] = {}
     for rank_pieces in everyone:

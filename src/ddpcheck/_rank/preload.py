@@ -16,7 +16,6 @@ import multiprocessing.spawn
 import os
 import signal
 from collections.abc import Mapping
-from typing import Any
 
 from ddpcheck._rank.serve import READY_ENV, log_of
 
@@ -41,8 +40,9 @@ except Exception:  # each rank imports again, and reports what fails
 _prepare = multiprocessing.spawn.prepare
 
 
-def _prepare_into_log(data: Mapping[str, Any]) -> None:
-    log = log_of(data.get("name", ""))
+def _prepare_into_log(data: Mapping[str, object]) -> None:
+    name = data.get("name", "")
+    log = log_of(name) if isinstance(name, str) else None
     if log is not None:
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(fd, 1)

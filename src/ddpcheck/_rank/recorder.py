@@ -34,7 +34,9 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from datetime import timedelta
+from types import CodeType, FrameType, ModuleType
+from typing import SupportsIndex, SupportsInt, cast
 
 import torch
 import torch.distributed
@@ -96,7 +98,7 @@ def sequence_line(c: Collective) -> bytes:
 
 
 # code object -> its display file name, or None for frames to skip (torch.distributed, this module)
-_SITE_FILES: dict[Any, str | None] = {}
+_SITE_FILES: dict[CodeType, str | None] = {}
 
 
 def call_site(depth: int = 2) -> str:
@@ -105,7 +107,7 @@ def call_site(depth: int = 2) -> str:
 
     File names are shown relative to the current directory when they are under it."""
     try:
-        frame: Any = sys._getframe(depth)
+        frame: FrameType | None = sys._getframe(depth)
     except ValueError:
         return ""
     while frame is not None:
@@ -176,10 +178,10 @@ def install() -> None:
 
 
 def _wrap(
-    name: str, original: Callable[..., Any], index: int, root_name: str | None
-) -> Callable[..., Any]:
+    name: str, original: Callable[..., object], index: int, root_name: str | None
+) -> Callable[..., object]:
     @functools.wraps(original)
-    def recorded(*args: Any, **kwargs: Any) -> Any:
+    def recorded(*args: object, **kwargs: object) -> object:
         tensors = _tensors(
             args[index] if 0 <= index < len(args) else kwargs.get(_first_param(original, index))
         )
@@ -203,7 +205,7 @@ def _wrap(
             nbytes=sum(t.numel() * t.element_size() for t in tensors),
             dtypes=tuple(str(t.dtype).replace("torch.", "") for t in tensors),
             shapes=tuple(tuple(t.shape) for t in tensors),
-            root=int(root) if root is not None else None,
+            root=int(root) if isinstance(root, (SupportsInt, SupportsIndex)) else None,
             group=_group_ranks(dist, group),
             reduce_op=_op_name(reduce_op),
             async_op=bool(kwargs.get("async_op", _positional(original, args, "async_op") or False)),
@@ -216,7 +218,7 @@ def _wrap(
             os.write(_sequence_fd, sequence_line(record))
         result = original(*args, **kwargs)
         if record.async_op and result is not None:
-            return _RecordedWork(result, record)
+            return _RecordedWork(cast(dist.Work, result), record)  # an async op's Work
         _finish(record, completed=time.perf_counter())
         return result
 
@@ -235,7 +237,7 @@ def _finish(entry: Collective, completed: float, waited: float | None = None) ->
 class _RecordedWork:
     """The ``Work`` of an async collective, timing its completion and its ``wait()``."""
 
-    def __init__(self, work: Any, entry: Collective):
+    def __init__(self, work: dist.Work, entry: Collective):
         self._work = work
         self._entry = entry
         self._done_at: float | None = None
@@ -244,20 +246,20 @@ class _RecordedWork:
         except Exception:  # no future on this backend: completion is taken at wait()
             pass
 
-    def _on_done(self, _future: Any) -> None:
+    def _on_done(self, _future: object) -> None:
         self._done_at = time.perf_counter()
 
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._work.wait(*args, **kwargs)
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        result = self._work.wait() if timeout is None else self._work.wait(timeout)
         now = time.perf_counter()
         _finish(self._entry, completed=min(self._done_at or now, now), waited=now)
         return result
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return getattr(self._work, name)
 
 
-def _tensors(obj: Any) -> list[Any]:
+def _tensors(obj: object) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (list, tuple)):
@@ -266,21 +268,21 @@ def _tensors(obj: Any) -> list[Any]:
 
 
 @functools.cache
-def _param_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+def _param_names(fn: Callable[..., object]) -> tuple[str, ...]:
     try:
         return tuple(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return ()
 
 
-def _first_param(fn: Callable[..., Any], index: int) -> str:
+def _first_param(fn: Callable[..., object], index: int) -> str:
     """The name of ``fn``'s parameter at ``index``; "" where it has none (barrier's -1): no
     keyword argument is called that."""
     names = _param_names(fn)
     return names[index] if 0 <= index < len(names) else ""
 
 
-def _positional(fn: Callable[..., Any], args: tuple, name: str) -> Any:
+def _positional(fn: Callable[..., object], args: tuple, name: str) -> object:
     names = _param_names(fn)
     if name in names:
         i = names.index(name)
@@ -289,7 +291,7 @@ def _positional(fn: Callable[..., Any], args: tuple, name: str) -> Any:
     return None
 
 
-def _group_ranks(dist: Any, group: Any) -> tuple[int, ...] | None:
+def _group_ranks(dist: ModuleType, group: object) -> tuple[int, ...] | None:
     if group is None or group is dist.group.WORLD:
         return None
     try:
@@ -298,7 +300,7 @@ def _group_ranks(dist: Any, group: Any) -> tuple[int, ...] | None:
         return ()
 
 
-def _op_name(op: Any) -> str | None:
+def _op_name(op: object) -> str | None:
     if op is None:
         return None
     text = str(op)

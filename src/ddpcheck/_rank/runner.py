@@ -34,23 +34,34 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ddpcheck._base.devices import to_rank_device
 from ddpcheck._base.errors import NothingChecked
 from ddpcheck._language.batches import BatchPlan, contiguous, global_indices, plan_for
 from ddpcheck._language.records import (
     RankRecord,
+    StepRecord,
     gradients,
     initial_state,
     schedule_state,
     snapshot,
 )
 from ddpcheck._language.scenario import Scenario, build_model, global_batch, make_param_groups
-from ddpcheck._language.training import FitRun, Loop, make_scheduler, optimizer_kwargs, train
+from ddpcheck._language.training import (
+    FitRun,
+    Loop,
+    OptimizerLike,
+    Params,
+    SchedulerLike,
+    make_scheduler,
+    optimizer_kwargs,
+    train,
+)
 from ddpcheck._rank import recorder
 from ddpcheck._rank.orders import ORDER_SEED_STRIDE, permute_registration
 from ddpcheck._rank.owned import owned_gradients
-from ddpcheck._rank.transport import pack
+from ddpcheck._rank.transport import Packed, pack
 from ddpcheck.targets.protocol import OwnsLoop, Target
 
 __all__ = [
@@ -63,6 +74,7 @@ __all__ = [
     "run_example",
     "run_example_packed",
     "run_warm_up",
+    "rank_batches",
     "setup",
     "target_loop",
     "target_scheduler",
@@ -77,8 +89,8 @@ def rank_seed(scenario: Scenario, rank: int) -> int:
 
 
 def run_example(
-    target: Target, scenario: Scenario, *, part: str = "whole", checkpoint: Any = None
-) -> Any:
+    target: Target, scenario: Scenario, *, part: str = "whole", checkpoint: bytes | None = None
+) -> RankRecord | tuple[RankRecord, bytes | None]:
     """Train ``scenario`` under ``target`` on this rank. Collective: runs on every rank.
 
     ``part``: ``"whole"`` (the record), ``"until checkpoint"`` (steps ``0..checkpoint_after``;
@@ -105,7 +117,8 @@ def run_example(
             target, target.fit, module, scenario, rank, world_size, plans, started
         )
     model, optimizer = setup(target, module, make_param_groups(scenario, module), scenario)
-    names = {p: n for n, p in module.named_parameters()}  # after wrap: FSDP2 replaces them
+    # after wrap: FSDP2 replaces them
+    names: dict[torch.Tensor, str] = {p: n for n, p in module.named_parameters()}
     scheduler = target_scheduler(target, optimizer, scenario)
     records = StepRecords(target, module, names, plans)
     failed = True
@@ -115,6 +128,8 @@ def run_example(
             steps_run = range(_saved_at(scenario, part) + 1)
         elif part == "resumed":
             steps_run = range(_saved_at(scenario, part) + 1, scenario.steps)
+            if checkpoint is None:
+                raise ValueError("part='resumed' needs the checkpoint rank 0 saved")
             target.load_checkpoint(
                 checkpoint_from_bytes(checkpoint), module, model, optimizer, scheduler
             )
@@ -165,7 +180,9 @@ def _saved_at(scenario: Scenario, part: str) -> int:
     return scenario.checkpoint_after
 
 
-def _teardown(target: Target, model: Any, optimizer: Any, failed: bool) -> None:
+def _teardown(
+    target: Target, model: nn.Module | None, optimizer: OptimizerLike | None, failed: bool
+) -> None:
     """``target.teardown``; after the example ``failed``, a teardown that raises too is printed
     to the rank's log and the example's own exception goes on: it came first."""
     teardown = getattr(target, "teardown", None)  # duck-typed targets may have none
@@ -184,28 +201,36 @@ class StepRecords:
     ``optimizer.step()`` receives them (after it, for ``gradients_synchronized_in_step``; from
     their owners, for ``sharded_gradients``), then everything else after the step."""
 
-    def __init__(self, target: Target, module: Any, names: dict, plans: dict):
+    def __init__(
+        self,
+        target: Target,
+        module: nn.Module,
+        names: dict[torch.Tensor, str],
+        plans: dict[int, BatchPlan],
+    ):
         self.target, self.module, self.names, self.plans = target, module, names, plans
         self.in_step = getattr(target, "gradients_synchronized_in_step", False)
         self.sharded = getattr(target, "sharded_gradients", False)
-        self.steps: list = []
-        self.grads: Any = None
-        self.window: list = []
+        self.steps: list[StepRecord] = []
+        self.grads: dict[str, torch.Tensor | None] | None = None
+        self.window: list[tuple[int, dict[str, torch.Tensor]]] = []
 
     def initial(self) -> dict:
         with recorder.paused():  # the harness's own gathers of sharded tensors aren't the target's
             return initial_state(self.module, self.target.full_tensor)
 
-    def _gradients(self, model: Any, optimizer: Any) -> dict:
+    def _gradients(
+        self, model: nn.Module, optimizer: OptimizerLike
+    ) -> dict[str, torch.Tensor | None]:
         with recorder.paused():
             if self.sharded:
-                params = [p for _, p in self.module.named_parameters()]
+                params: list[torch.Tensor] = [p for _, p in self.module.named_parameters()]
                 return owned_gradients(
                     self.module, self.target.gradient_shards(model, optimizer, params)
                 )
             return gradients(self.module, self.target.full_tensor)
 
-    def gradients(self, model: Any, optimizer: Any) -> None:
+    def gradients(self, model: nn.Module, optimizer: OptimizerLike) -> None:
         if not self.in_step:
             self.grads = self._gradients(model, optimizer)
 
@@ -223,7 +248,13 @@ class StepRecords:
                 )
             )
 
-    def step(self, step: int, model: Any, optimizer: Any, scheduler: Any) -> None:
+    def step(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: OptimizerLike,
+        scheduler: SchedulerLike | None,
+    ) -> None:
         collectives = recorder.records()
         grads = self._gradients(model, optimizer) if self.in_step else self.grads
         with recorder.paused():
@@ -243,7 +274,9 @@ class StepRecords:
         self.steps[-1].window, self.window = self.window, []
 
 
-def setup(target: Target, module: Any, params: list, scenario: Scenario) -> tuple[Any, Any]:
+def setup(
+    target: Target, module: nn.Module, params: Params, scenario: Scenario
+) -> tuple[nn.Module, OptimizerLike]:
     """``(model, optimizer)`` from ``target.setup`` (a duck-typed target without one: ``wrap``
     then :func:`make_optimizer`)."""
     build = getattr(target, "setup", None)
@@ -253,7 +286,9 @@ def setup(target: Target, module: Any, params: list, scenario: Scenario) -> tupl
     return model, make_optimizer(target, model, params, scenario)
 
 
-def target_scheduler(target: Target, optimizer: Any, scenario: Scenario) -> Any:
+def target_scheduler(
+    target: Target, optimizer: OptimizerLike, scenario: Scenario
+) -> SchedulerLike | None:
     """The scenario's LR schedule as the target builds it (``Target.make_scheduler``)."""
     if scenario.lr_decay is None:
         return None
@@ -265,30 +300,33 @@ def target_scheduler(target: Target, optimizer: Any, scenario: Scenario) -> Any:
 
 def fit_owned_loop(
     target: Target,
-    fit: Callable[[Any, FitRun], None],
-    module: Any,
+    fit: Callable[[nn.Module, FitRun], None],
+    module: nn.Module,
     scenario: Scenario,
     rank: int,
     world_size: int,
-    plans: dict,
+    plans: dict[int, BatchPlan],
     started: float,
 ) -> RankRecord:
     """Run a target that owns its loop (``Target.fit(module, run)``) on this rank's batches,
     recording when it calls ``run.started`` and ``run.record`` (``training.FitRun``)."""
-    loop = target_loop(target, None, None, scenario, rank, world_size, plans=plans)
-    names = {p: n for n, p in module.named_parameters()}
+    batches = rank_batches(target, scenario, rank, world_size, plans)
+    names: dict[torch.Tensor, str] = {p: n for n, p in module.named_parameters()}
     records = StepRecords(target, module, names, plans)
     initial: list = []
-    model_seen: list[tuple[Any, Any]] = []  # (model, optimizer) that run.started was given
+    # (model, optimizer) that run.started was given
+    model_seen: list[tuple[nn.Module, OptimizerLike]] = []
 
-    def at_start(model: Any, optimizer: Any) -> None:
+    def at_start(model: nn.Module, optimizer: OptimizerLike) -> None:
         if initial:
             raise RuntimeError(f"{type(target).__name__}.fit called run.started twice")
         initial.append(records.initial())
         model_seen.append((model, optimizer))
         recorder.reset()
 
-    def at_step(model: Any, optimizer: Any, scheduler: Any) -> None:
+    def at_step(
+        model: nn.Module, optimizer: OptimizerLike, scheduler: SchedulerLike | None
+    ) -> None:
         step = len(records.steps)
         if not initial or step >= scenario.steps:
             raise RuntimeError(
@@ -313,7 +351,7 @@ def fit_owned_loop(
         max_grad_norm=scenario.max_grad_norm,
         grad_norm_type=scenario.grad_norm_type,
         set_to_none=scenario.set_to_none,
-        batches=[loop.batches(step) for step in range(scenario.steps)],
+        batches=[batches(step) for step in range(scenario.steps)],
         started=at_start,
         record=at_step,
     )
@@ -322,8 +360,10 @@ def fit_owned_loop(
         fit(module, run)
         failed = False
     finally:
-        seen_model, seen_optimizer = model_seen[0] if model_seen else (None, None)
-        _teardown(target, seen_model, seen_optimizer, failed)
+        if model_seen:
+            _teardown(target, *model_seen[0], failed)
+        else:
+            _teardown(target, None, None, failed)
     if len(records.steps) != scenario.steps:
         raise RuntimeError(
             f"{type(target).__name__}.fit recorded {len(records.steps)} of the "
@@ -333,7 +373,7 @@ def fit_owned_loop(
     return RankRecord(rank, initial[0], records.steps, time.perf_counter() - started)
 
 
-def checkpoint_to_bytes(checkpoint: Any, who: str) -> bytes:
+def checkpoint_to_bytes(checkpoint: object, who: str) -> bytes:
     """Rank 0's checkpoint as bytes: a copy taken now (a state dict aliases live tensors), and
     what a real checkpoint goes through on its way to a file."""
     if checkpoint is None:
@@ -346,30 +386,25 @@ def checkpoint_to_bytes(checkpoint: Any, who: str) -> bytes:
     return buffer.getvalue()
 
 
-def checkpoint_from_bytes(data: bytes) -> Any:
+def checkpoint_from_bytes(data: bytes) -> object:
     # weights_only=False: the bytes are rank 0's own checkpoint of this example, which may hold
     # more than tensors and numbers (whatever the target's save_checkpoint returned)
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def target_loop(
+def rank_batches(
     target: Target,
-    model: Any,
-    optimizer: Any,
     scenario: Scenario,
     rank: int,
     world_size: int,
-    plans: dict | None = None,
-    **hooks: Any,
-) -> Loop:
-    """The loop of one rank: the micro-batches its target plans, the target's hooks where a real
-    training loop calls them (``hooks`` add to them: ``before_step`` runs before the target's
-    own); each step's plan is stored in ``plans`` when given."""
-    first = hooks.pop("before_step", None)
+    plans: dict[int, BatchPlan] | None = None,
+) -> Callable[[int], list[tuple[torch.Tensor, torch.Tensor, float]]]:
+    """step -> this rank's micro-batches ``(x, y, scale)``, as its target plans them; each
+    step's plan is stored in ``plans`` when given."""
     who = f"{type(target).__name__}.shard_batch"
     hook = getattr(target, "shard_batch", contiguous)  # a duck-typed target: the batch rule
 
-    def batches(step: int) -> list:
+    def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
         x, y = global_batch(scenario, step)
         plan = plan_for(hook, global_indices(scenario, step, rank, world_size, y), who)
         if plans is not None:
@@ -380,6 +415,26 @@ def target_loop(
                 for indices, scale in zip(plan.micro_batches, plan.scales)
             ]
         )
+
+    return batches
+
+
+def target_loop(
+    target: Target,
+    model: nn.Module,
+    optimizer: OptimizerLike,
+    scenario: Scenario,
+    rank: int,
+    world_size: int,
+    plans: dict[int, BatchPlan] | None = None,
+    **hooks: Any,  # more of Loop's fields, each of its own type
+) -> Loop:
+    """The loop of one rank: the micro-batches its target plans (:func:`rank_batches`), the
+    target's hooks where a real training loop calls them (``hooks`` add to them:
+    ``before_step`` runs before the target's own); each step's plan is stored in ``plans`` when
+    given."""
+    first = hooks.pop("before_step", None)
+    batches = rank_batches(target, scenario, rank, world_size, plans)
 
     def before_step(step: int) -> None:
         if first is not None:
@@ -408,7 +463,9 @@ def target_loop(
     )
 
 
-def _select(x: Any, y: Any, indices: tuple[int, ...]) -> tuple[Any, Any]:
+def _select(
+    x: torch.Tensor, y: torch.Tensor, indices: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The samples ``indices`` of ``(x, y)``: a view for a contiguous run (what ``tensor_split``
     gives, so the default plan computes bit for bit as before), else a gathered copy."""
     start = indices[0] if indices else 0
@@ -418,7 +475,9 @@ def _select(x: Any, y: Any, indices: tuple[int, ...]) -> tuple[Any, Any]:
     return x.index_select(0, at), y.index_select(0, at)
 
 
-def make_optimizer(target: Target, model: Any, params: list, scenario: Scenario) -> Any:
+def make_optimizer(
+    target: Target, model: nn.Module, params: Params, scenario: Scenario
+) -> OptimizerLike:
     """``target.make_optimizer``, given the wrapped model when it takes a ``model`` keyword
     (``ddpcheck._language.training.optimizer_kwargs``)."""
     return target.make_optimizer(
@@ -427,8 +486,8 @@ def make_optimizer(target: Target, model: Any, params: list, scenario: Scenario)
 
 
 def run_example_packed(
-    target: Target, scenario: Scenario, part: str = "whole", checkpoint: Any = None
-) -> Any:
+    target: Target, scenario: Scenario, part: str = "whole", checkpoint: bytes | None = None
+) -> Packed[RankRecord | tuple[RankRecord, bytes | None]]:
     """:func:`run_example`, its tensors packed for a fast trip to the parent
     (``ddpcheck._rank.transport.unpack`` restores the record)."""
     with _glue_failures(target):

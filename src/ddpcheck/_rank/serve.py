@@ -25,11 +25,15 @@ import pickle
 import signal
 import sys
 import traceback
-from typing import Any, NoReturn
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, NoReturn, TextIO, TypedDict
 
 from ddpcheck._base.errors import DdpcheckError
 from ddpcheck._base.options import STARTUP_DEADLINE
 from ddpcheck._rank.boundary import Answer, Launch, Raised, Refused, Returned
+
+if TYPE_CHECKING:  # a rank imports torch once its log is set up (rank_main)
+    import torch
 
 __all__ = [
     "NESTED_MARKER",
@@ -44,6 +48,13 @@ __all__ = [
     "serving",
     "world_dir_of",
 ]
+
+
+class _NcclOptions(TypedDict, total=False):
+    """``init_process_group``'s keywords for NCCL only."""
+
+    device_id: torch.device
+
 
 #: The message that tells a rank to exit.
 SHUTDOWN = b""
@@ -97,7 +108,7 @@ def serving() -> bool:
     return _serving
 
 
-def _install_dumps(stack_file: Any, log: Any) -> None:
+def _install_dumps(stack_file: TextIO, log: TextIO) -> None:
     """faulthandler's handlers, installed afresh: SIGUSR1 dumps every thread's stack to
     ``stack_file`` (a hang's diagnosis), and a crash (SIGABRT from gloo, SIGSEGV) leaves its
     Python stack in ``log``, whose tail the parent reports with the exit status. Afresh before
@@ -111,7 +122,7 @@ def _install_dumps(stack_file: Any, log: Any) -> None:
     faulthandler.enable(file=log, all_threads=True)
 
 
-def rank_main(launch: Launch, conn: Any) -> None:
+def rank_main(launch: Launch, conn: Connection) -> None:
     """Join the process group on ``launch.device`` (``_base.devices``), then run tasks from the
     parent, arriving on ``conn``, until told to stop. A forked rank takes ``launch.environ``, the
     parent's environment as it launched the world (it sets ``WORLD_DIR_ENV``, and whatever the
@@ -158,7 +169,7 @@ def rank_main(launch: Launch, conn: Any) -> None:
         placed = enter_rank(launch.device, launch.rank)
         # NCCL: create the communicator now, inside the start-up deadline (the keyword only
         # there: torch before 2.3 has no device_id)
-        nccl: dict[str, Any] = {"device_id": placed} if launch.backend == "nccl" else {}
+        nccl: _NcclOptions = {"device_id": placed} if launch.backend == "nccl" else {}
         dist.init_process_group(
             launch.backend,
             store=dist.FileStore(launch.store_path, launch.world_size),
@@ -227,7 +238,7 @@ def rank_main(launch: Launch, conn: Any) -> None:
         _send(conn, message)
 
 
-def _send(conn: Any, message: Answer) -> None:
+def _send(conn: Connection, message: Answer) -> None:
     try:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
@@ -244,7 +255,7 @@ def _send(conn: Any, message: Answer) -> None:
     conn.send_bytes(data)
 
 
-def _exit(code: int, log: Any) -> NoReturn:
+def _exit(code: int, log: TextIO) -> NoReturn:
     """Leave without running gloo's destructors.
 
     Tearing the process group down right before exit races with gloo's worker threads (SIGABRT in

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Generic, TypeVar, cast
 
 import torch
 
@@ -27,9 +28,15 @@ class _Slot:
     shape: tuple[int, ...]
 
 
+T = TypeVar("T")
+L = TypeVar("L")
+
+
 @dataclasses.dataclass
-class Packed:
-    tree: Any  # the original structure, tensors replaced by _Slot
+class Packed(Generic[T]):
+    """A ``T`` packed by :func:`pack`; :func:`unpack` gives it back."""
+
+    tree: object  # the original structure, tensors replaced by _Slot
     buffers: dict[torch.dtype, torch.Tensor]  # (total numel,) per dtype
 
     def __getstate__(self) -> dict:
@@ -58,7 +65,7 @@ def _raw_bytes(t: torch.Tensor) -> bytes:
     return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
 
 
-def _map(x: Any, leaf: type, fn: Any) -> Any:
+def _map(x: object, leaf: type[L], fn: Callable[[L], object]) -> object:
     """``x`` with every ``leaf`` instance inside dicts, lists, tuples and dataclasses replaced
     by ``fn(leaf)``."""
     if isinstance(x, leaf):
@@ -92,7 +99,7 @@ def _init_fields(cls: type) -> tuple[str, ...] | None:
         return names
 
 
-def pack(obj: Any) -> Packed:
+def pack(obj: T) -> Packed[T]:
     chunks: dict[torch.dtype, list[torch.Tensor]] = {}
     sizes: dict[torch.dtype, int] = {}
 
@@ -107,11 +114,11 @@ def pack(obj: Any) -> Packed:
     return Packed(tree, {dtype: torch.cat(parts) for dtype, parts in chunks.items()})
 
 
-def unpack(packed: Packed) -> Any:
+def unpack(packed: Packed[T]) -> T:
     def tensor(s: _Slot) -> torch.Tensor:
         numel = 1
         for d in s.shape:
             numel *= d
         return packed.buffers[s.dtype][s.offset : s.offset + numel].view(s.shape)
 
-    return _map(packed.tree, _Slot, tensor)
+    return cast(T, _map(packed.tree, _Slot, tensor))  # the structure pack was given

@@ -19,8 +19,9 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence, Sized
+from types import FrameType
+from typing import TypeAlias, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -36,12 +37,15 @@ from ddpcheck._rules.params import (
 )
 
 __all__ = [
+    "Answer",
     "BALANCE_WORLD_SIZES",
     "HARD_FLOOR",
     "HARD_GRACE",
     "HARD_REFRESH",
     "KINDS",
     "MAX_WORLD_SIZE",
+    "Rule",
+    "SearchResult",
     "answers_in_rank",
     "brief_owners",
     "hang_text",
@@ -87,7 +91,25 @@ class _Stop(BaseException):
     """Ends the Hypothesis search at once (a hang is not shrunk: each attempt costs a deadline)."""
 
 
-def _on_alarm(signum: int, frame: Any) -> None:
+#: A sharding rule: ``(parameters, world_size) ->`` one owner rank per parameter -- what the
+#: user's rule returns is checked (:func:`_validate`), so any value.
+Rule: TypeAlias = Callable[[list[torch.Tensor], int], object]
+#: One call of the rule: ``("ok", owners)``, or ``(kind, detail)`` of what went wrong (the
+#: payload is a tuple exactly when the kind is "ok").
+Answer: TypeAlias = tuple[str, "tuple[int, ...] | str"]
+
+
+class SearchResult(TypedDict):
+    """What :func:`search_in_rank` answers."""
+
+    found: dict[str, str]  # kind -> the message of its smallest violation
+    examples: int
+    budget_reached: bool
+    sample: list[tuple[ParamSpec, ...]]
+    gpt_owners: dict[int, list[int]]
+
+
+def _on_alarm(signum: int, frame: FrameType | None) -> None:
     raise _Hung()
 
 
@@ -129,14 +151,14 @@ class _Guard:
         self.progress = progress
         self.ends = time.monotonic() + budget
         self.out_of_time = False
-        self._saved: Any = None
+        self._saved: Callable[[int, FrameType | None], object] | int | None = None
         self._armed_at = -math.inf
 
     def __enter__(self) -> _Guard:
         self._saved = signal.signal(signal.SIGALRM, _on_alarm)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
         faulthandler.cancel_dump_traceback_later()
         signal.signal(signal.SIGALRM, self._saved)
@@ -152,9 +174,7 @@ class _Guard:
             )
             self._armed_at = now
 
-    def call(
-        self, rule: Any, params: list[torch.Tensor], world_size: int, where: str
-    ) -> tuple[str, Any]:
+    def call(self, rule: Rule, params: list[torch.Tensor], world_size: int, where: str) -> Answer:
         """``("ok", owners)``, or ``(kind, detail)``: ``raised``, ``hangs`` or the kind of an
         invalid answer (validated inside the deadline too: the answer is the rule's object)."""
         if time.monotonic() > self.ends:
@@ -200,24 +220,24 @@ def _short(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _safe_repr(value: Any) -> str:
+def _safe_repr(value: object) -> str:
     try:
         return _short(repr(value), 120)
     except Exception:
         return f"<{type(value).__name__} whose repr raised>"
 
 
-def _validate(answer: Any, n: int, world_size: int) -> tuple[str, Any]:
+def _validate(answer: object, n: int, world_size: int) -> Answer:
     """``("ok", owners tuple)`` or ``(kind, detail)`` for an answer of the rule."""
     try:
         if isinstance(answer, torch.Tensor):
             answer = answer.tolist()
-        if isinstance(answer, (str, bytes, dict)) or not hasattr(answer, "__len__"):
+        if isinstance(answer, (str, bytes, dict)) or not isinstance(answer, Sized):
             return "wrong length", (
                 f"returned {_safe_repr(answer)}, not a sequence; a rule "
                 "returns one owner rank per parameter"
             )
-        owners = list(answer)
+        owners = _listed(answer)
     except Exception as exc:
         return "wrong length", (
             f"returned {_safe_repr(answer)}, which cannot be read as a "
@@ -229,6 +249,7 @@ def _validate(answer: Any, n: int, world_size: int) -> tuple[str, Any]:
             f"for {n} parameter{'' if n == 1 else 's'}; a rule returns exactly "
             "one owner rank per parameter, in order"
         )
+    ranks: list[int] = []
     for i, owner in enumerate(owners):
         if isinstance(owner, bool) or not isinstance(owner, numbers.Integral):
             return "not an integer", (
@@ -241,26 +262,33 @@ def _validate(answer: Any, n: int, world_size: int) -> tuple[str, Any]:
                 f"returned owner {owner!r} for parameter {i}; owners must be "
                 f"in [0, world_size={world_size})"
             )
-    return "ok", tuple(int(o) for o in owners)
+        ranks.append(int(owner))
+    return "ok", tuple(ranks)
+
+
+def _listed(value: Sized) -> list[object]:
+    if not isinstance(value, Iterable):
+        raise TypeError(f"'{type(value).__name__}' object is not iterable")
+    return list(value)
 
 
 def _answer(
-    guard: _Guard, rule: Any, params: list[torch.Tensor], world_size: int, where: str, call: str
-) -> tuple[str, Any]:
+    guard: _Guard, rule: Rule, params: list[torch.Tensor], world_size: int, where: str, call: str
+) -> Answer:
     return guard.call(rule, params, world_size, f"{call}\n{where}")
 
 
 def _twice(
-    guard: _Guard, rule: Any, specs: Sequence[ParamSpec], world_size: int, where: str
-) -> tuple[str, Any]:
+    guard: _Guard, rule: Rule, specs: Sequence[ParamSpec], world_size: int, where: str
+) -> Answer:
     """Call the rule twice on one input: ``("ok", owners)``, or ``(kind, detail)`` of its first
     violation."""
     params = [s.tensor() for s in specs]
     kind, first = _answer(guard, rule, params, world_size, where, "the first call")
-    if kind != "ok":
+    if not isinstance(first, tuple):  # not "ok": its detail
         return kind, first
     kind, again = _answer(guard, rule, params, world_size, where, "the second call")
-    if kind != "ok":
+    if not isinstance(again, tuple):  # not "ok": its detail
         return kind, f"on the second call (the first answered {brief_owners(first)}), {again}"
     if again != first:
         return "nondeterministic", (
@@ -287,8 +315,8 @@ _FOUND = {
 
 
 def search_in_rank(
-    rule: Any, examples: int, seed: int | None, limit: float, directory: str, budget: float
-) -> dict[str, Any]:
+    rule: Rule, examples: int, seed: int | None, limit: float, directory: str, budget: float
+) -> SearchResult:
     """Hypothesis search, then the named lists; the smallest violation of each kind found, and on
     success the owners on GPT-like parameters for the balance report."""
     # `one` below reads these names: its source is what Hypothesis derives the derandomized
@@ -355,7 +383,7 @@ class _Smallest:
     def note(
         self,
         kind: str,
-        detail: str,
+        detail: tuple[int, ...] | str,  # a violation's detail (typed as _twice answers it)
         specs: Sequence[ParamSpec],
         world_size: int,
         list_name: str | None = None,
@@ -369,7 +397,7 @@ class _Smallest:
 
 
 def _named_lists(
-    guard: _Guard, rule: Any, smallest: _Smallest, gpt_owners: dict[int, list[int]]
+    guard: _Guard, rule: Rule, smallest: _Smallest, gpt_owners: dict[int, list[int]]
 ) -> None:
     """The rule on every named parameter list at every world size: its first violation noted
     (then :class:`_Stop`), and the owners on the GPT-like lists kept for the balance report."""
@@ -378,7 +406,7 @@ def _named_lists(
             kind, answer = _twice(
                 guard, rule, specs, world_size, _where(world_size, specs, list_name)
             )
-            if kind != "ok":
+            if not isinstance(answer, tuple):  # not "ok": its detail
                 smallest.note(kind, answer, specs, world_size, list_name)
                 raise _Stop()
             if list_name == "gpt-like" and world_size in BALANCE_WORLD_SIZES:
@@ -400,16 +428,16 @@ def _sample(tried: list[tuple[ParamSpec, ...]], count: int = 24) -> list[tuple[P
 
 
 def answers_in_rank(
-    rule: Any,
+    rule: Rule,
     lists: list[tuple[str | None, Sequence[ParamSpec]]],
     limit: float,
     directory: str,
     budget: float,
-) -> list[tuple[str, Any]]:
+) -> list[Answer]:
     """Inside a rank: this rank's answer (or failure) on each list at the world's size; stops at
     the first hang (the other ranks' answers on later lists would not be compared anyway)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    answers: list[tuple[str, Any]] = []
+    answers: list[Answer] = []
     with _Guard(limit, _Progress(directory, rank), budget) as guard:
         for list_name, specs in lists:
             params = [s.tensor() for s in specs]
@@ -431,7 +459,7 @@ def answers_in_rank(
     return answers
 
 
-def rule_name(rule: Any) -> str:
+def rule_name(rule: object) -> str:
     """How messages name a rule: ``module.qualname`` when it has one, else its repr."""
     name = getattr(rule, "__qualname__", None) or getattr(rule, "__name__", None)
     module = getattr(rule, "__module__", None)

@@ -24,7 +24,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 import hypothesis
 
@@ -36,6 +36,8 @@ from ddpcheck._rules.calls import (
     HARD_REFRESH,
     KINDS,
     MAX_WORLD_SIZE,
+    Answer,
+    Rule,
     answers_in_rank,
     brief_owners,
     hang_text,
@@ -53,6 +55,11 @@ from ddpcheck._rules.params import (
 from ddpcheck._world.failures import WorldFailure
 from ddpcheck._world.processes import read
 from ddpcheck._world.registry import get_world
+
+if TYPE_CHECKING:
+    from ddpcheck._world.worlds import World
+
+R = TypeVar("R")
 
 __all__ = [
     "DTYPES",
@@ -129,7 +136,7 @@ class RuleReport:
 
 
 def check_rule(
-    rule: Callable[..., Any],
+    rule: Rule,
     *,
     examples: int = DEFAULT_EXAMPLES,
     seed: int | None = None,
@@ -184,15 +191,15 @@ def check_rule(
 
 
 def _run(
-    world: Any,
-    fn: Callable[..., Any],
+    world: World,
+    fn: Callable[..., R],
     args: tuple,
     limit: float,
     budget: float,
     directory: str,
     name: str,
     what: str,
-) -> list[Any] | Violation:
+) -> list[R] | Violation:
     """``world.run`` with a backstop deadline past the task's own limits. A failure while a rank
     was calling the rule is the rule's violation (``hangs`` or ``crashed``); any other failure is a
     :class:`SetupError`."""
@@ -232,7 +239,7 @@ def _run(
 
 
 def _cross_rank(
-    rule: Any,
+    rule: Rule,
     name: str,
     world_size: int,
     lists: list[tuple[str | None, Sequence[ParamSpec]]],
@@ -273,9 +280,9 @@ def _cross_rank(
     return None
 
 
-def shown(answer: tuple[str, Any]) -> str:
+def shown(answer: Answer) -> str:
     status, value = answer
-    return brief_owners(value) if status == "ok" else f"({status}: {value})"
+    return brief_owners(value) if isinstance(value, tuple) else f"({status}: {value})"
 
 
 def _trim_stack(dump: str) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from hypothesis import strategies as st
@@ -125,7 +124,7 @@ def describe(specs: Sequence[ParamSpec], name: str | None = None, limit: int = 1
     return f"{name + ' (' + count + ')' if name else count} [{', '.join(items)}]"
 
 
-def param_lists_strategy() -> Any:
+def param_lists_strategy() -> st.SearchStrategy[tuple[ParamSpec, ...]]:
     """Hypothesis strategy for parameter lists shaped like real models'.
 
     Small lists are drawn often (a third of the lengths are 1..3, a third 1..16); half the lists
@@ -147,7 +146,7 @@ def param_lists_strategy() -> Any:
     param = st.builds(ParamSpec, dtype, shape)
 
     @st.composite
-    def lists(draw: Any) -> tuple[ParamSpec, ...]:
+    def lists(draw: st.DrawFn) -> tuple[ParamSpec, ...]:
         n = draw(st.one_of(st.integers(1, 3), st.integers(1, 16), st.integers(1, MAX_PARAMS)))
         if draw(st.booleans()):  # layers: [embedding] + block * k, cut to n
             head = draw(st.lists(st.builds(ParamSpec, dtype, embedding), max_size=1))

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ddpcheck._base import errors
 from ddpcheck._base.errors import DdpcheckError, WorldStartError  # the world raises WorldStartError
+
+if TYPE_CHECKING:
+    from ddpcheck._world.sequences import Disagreement
 
 __all__ = ["Failure", "RankState", "Status", "WorldFailure", "WorldStartError"]
 
@@ -101,10 +104,10 @@ class WorldFailure(DdpcheckError):
         world_size: int,
         ranks: list[RankState],
         what: str,
-        disagreement: Any = None,
+        disagreement: Disagreement | None = None,
         collectives: str = "",
         *,
-        results: list[Any] | None = None,
+        results: list[object] | None = None,
         notes: tuple[str, ...] = (),
         slowness: str = "",
     ):

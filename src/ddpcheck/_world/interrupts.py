@@ -37,17 +37,18 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from types import FrameType
+from typing import TypeVar
 
 __all__ = ["AGAIN_AFTER", "Insistent", "blocked_for_children", "held", "insisting", "interruptible"]
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])
 
 #: The signals :func:`held` holds back, where their handler is Python code.
 HELD = (signal.SIGINT, signal.SIGTERM)
 
 
-def _python_handler(handler: Any) -> bool:
+def _python_handler(handler: object) -> bool:
     return callable(handler)  # not SIG_DFL or SIG_IGN (ints), not None (set outside Python)
 
 
@@ -60,7 +61,7 @@ def held(deliver: bool = True) -> Iterator[None]:
         return
     arrived: list[int] = []
 
-    def record(signum: int, frame: Any) -> None:
+    def record(signum: int, frame: FrameType | None) -> None:
         if signum not in arrived:
             arrived.append(signum)
 
@@ -118,7 +119,7 @@ class Insistent:
         self._taken = threading.Event()
         self._lock = threading.Lock()  # once taken, no signal is sent any more
 
-    def __call__(self, signum: int, frame: Any) -> None:
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
         if self.came is None:
             self.came = time.monotonic()
             threading.Thread(target=self._insist, name="ddpcheck-ctrl-c", daemon=True).start()
@@ -168,12 +169,12 @@ def interruptible(fn: F) -> F:
     ranks of the example it interrupted were stopped on the way out; the persistent worlds stay
     for the next call (all of them stop at exit). While it runs, a Ctrl-C that Python lost is
     raised again (:func:`insisting`), and after one, whatever ``fn`` came to is the interrupt's.
-    Any other exception passes through untouched (this frame adds two lines to a script's
+    Every other exception passes through untouched (this frame adds two lines to a script's
     traceback; pytest hides it)."""
     name = f"ddpcheck.{fn.__name__}"
 
     @functools.wraps(fn)
-    def entry_point(*args: Any, **kwargs: Any) -> Any:
+    def entry_point(*args: object, **kwargs: object) -> object:
         __tracebackhide__ = True  # pytest leaves this frame out of its reports
         with insisting() as insistent:
             try:

@@ -27,7 +27,6 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
 
 __all__ = ["Janitor"]
 
@@ -120,7 +119,7 @@ def _serve(fd: int, directories: list[str]) -> int:
     return 0
 
 
-def _kill_group(pgid: int) -> Any:
+def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

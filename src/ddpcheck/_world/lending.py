@@ -7,13 +7,12 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 __all__ = ["lending_waits", "released"]
 
 
 class _Lender(threading.local):
-    lock: Any = None
+    lock: threading.Lock | None = None
     held = False  # this thread holds the lock now
 
 
@@ -21,7 +20,7 @@ _lender = _Lender()
 
 
 @contextlib.contextmanager
-def lending_waits(lock: Any) -> Iterator[None]:
+def lending_waits(lock: threading.Lock) -> Iterator[None]:
     """While the block runs, this thread holds ``lock`` -- except while it waits for ranks to
     answer, when it does nothing else: a thread whose work must not interleave with this one's
     (torch's global random generator, the caller's own hooks) gets those waits (``_runs.fuzz``

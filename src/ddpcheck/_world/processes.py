@@ -13,8 +13,9 @@ import pickle
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._rank.boundary import Answer
@@ -49,7 +50,7 @@ def trim_dump(dump: str) -> str:
     return "\n".join(kept)
 
 
-def kill_group(proc: Any) -> None:
+def kill_group(proc: BaseProcess) -> None:
     """SIGKILL the process group ``proc`` leads (itself and whatever it started), and ``proc``
     itself in case it died or was killed before it could lead one."""
     if proc.pid is None:
@@ -137,7 +138,7 @@ def check_main_module_importable() -> None:
         )
 
 
-def pickle_task(fn: Callable[..., Any], args: tuple, paths: list[str] | None = None) -> bytes:
+def pickle_task(fn: Callable[..., object], args: tuple, paths: list[str] | None = None) -> bytes:
     """The message a rank runs: ``(paths, pickled (fn, args))``. ``paths``: ``sys.path`` entries
     this process gained since the rank was spawned (a script's folder, the working directory),
     put first in the rank's path *before* the task is unpickled, so it finds their modules."""
@@ -153,7 +154,7 @@ def pickle_task(fn: Callable[..., Any], args: tuple, paths: list[str] | None = N
     return pickle.dumps((paths or [], task), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def receive(conn: Any) -> Answer | None:
+def receive(conn: Connection) -> Answer | None:
     """The rank's answer waiting on ``conn``; None when the rank is gone without one."""
     try:
         if not conn.poll(0):
@@ -234,7 +235,7 @@ def _whole(dump: str) -> bool:
 
 
 def dump_stacks(
-    procs: list[Any], stack_paths: list[str], ranks: list[int], deadline: float = 20.0
+    procs: Sequence[BaseProcess], stack_paths: list[str], ranks: list[int], deadline: float = 20.0
 ) -> dict[int, str]:
     """Ask stuck ranks for their Python stacks (faulthandler on SIGUSR1) and read them.
 
@@ -247,6 +248,8 @@ def dump_stacks(
     for rank in ranks:
         proc = procs[rank]
         try:
+            if proc.pid is None:  # never started: nothing to ask
+                raise ProcessLookupError
             os.kill(proc.pid, signal.SIGUSR1)
         except ProcessLookupError:
             dumps[rank] = f"(process gone: {exit_description(proc.exitcode)})"

@@ -7,10 +7,18 @@ mixins override the hooks of ``ddpcheck.targets.Target`` (both, named in each do
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from ddpcheck._language.training import OptimizerLike, SchedulerLike
+from parallel import ShardedOptimizer
+
+#: What these hooks save on rank 0: each part's state dict (the scheduler's None without one).
+Saved = Mapping[str, dict[str, object]]
 
 
 class SavesWrappedModelHooks:
@@ -20,8 +28,14 @@ class SavesWrappedModelHooks:
     module.x" error silenced with ``strict=False`` instead of saving ``model.module``.
     Overrides ``save_checkpoint`` and ``load_checkpoint``."""
 
-    def save_checkpoint(self, module: Any, model: Any, optimizer: Any, scheduler: Any) -> Any:
-        optimizer.consolidate_state_dict(to=0)
+    def save_checkpoint(
+        self,
+        module: nn.Module,
+        model: nn.Module,
+        optimizer: OptimizerLike,
+        scheduler: SchedulerLike | None,
+    ) -> object:
+        cast(ShardedOptimizer, optimizer).consolidate_state_dict(to=0)  # the parallel target's
         if dist.get_rank() != 0:
             return None
         return {
@@ -31,7 +45,12 @@ class SavesWrappedModelHooks:
         }
 
     def load_checkpoint(
-        self, checkpoint: Any, module: Any, model: Any, optimizer: Any, scheduler: Any
+        self,
+        checkpoint: Saved,
+        module: nn.Module,
+        model: nn.Module,
+        optimizer: OptimizerLike,
+        scheduler: SchedulerLike | None,
     ) -> None:
         module.load_state_dict(checkpoint["model"], strict=False)  # BUG: every key ignored
         optimizer.load_state_dict(checkpoint["optimizer"])
@@ -46,14 +65,25 @@ class ForgetsSchedulerHooks:
     dropped Adam's step from checkpoints the same way). Overrides ``save_checkpoint`` and
     ``load_checkpoint``."""
 
-    def save_checkpoint(self, module: Any, model: Any, optimizer: Any, scheduler: Any) -> Any:
-        optimizer.consolidate_state_dict(to=0)
+    def save_checkpoint(
+        self,
+        module: nn.Module,
+        model: nn.Module,
+        optimizer: OptimizerLike,
+        scheduler: SchedulerLike | None,
+    ) -> object:
+        cast(ShardedOptimizer, optimizer).consolidate_state_dict(to=0)  # the parallel target's
         if dist.get_rank() != 0:
             return None
         return {"model": module.state_dict(), "optimizer": optimizer.state_dict()}  # BUG
 
     def load_checkpoint(
-        self, checkpoint: Any, module: Any, model: Any, optimizer: Any, scheduler: Any
+        self,
+        checkpoint: Saved,
+        module: nn.Module,
+        model: nn.Module,
+        optimizer: OptimizerLike,
+        scheduler: SchedulerLike | None,
     ) -> None:
         module.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])  # BUG: the scheduler keeps count 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,10 @@ class SumThenDivideDDP(DDP):
     backend that averages in the collective. (Not a bug; the A1/A2 mutants break its division.)"""
 
     def __init__(
-        self, module: torch.nn.Module, bucket_size_mb: float = 25.0, process_group: Any = None
+        self,
+        module: torch.nn.Module,
+        bucket_size_mb: float = 25.0,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(module, bucket_size_mb, process_group)
         self._average_in_collective = False
@@ -127,7 +129,10 @@ class TiedListedTwiceDDP(DDP):
     reduces the weight twice (NVIDIA/Megatron-LM #6164, pytorch #51929)."""
 
     def __init__(
-        self, module: torch.nn.Module, bucket_size_mb: float = 25.0, process_group: Any = None
+        self,
+        module: torch.nn.Module,
+        bucket_size_mb: float = 25.0,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(module, bucket_size_mb, process_group)
         by_name = [
@@ -225,8 +230,8 @@ class MixedDtypeBucketsDDP(DDP):
     def _build_buckets(
         self, params: list[torch.nn.Parameter], cap_bytes: int
     ) -> list[list[torch.nn.Parameter]]:
-        buckets: list[list[Any]] = []
-        current: list[Any] | None = None
+        buckets: list[list[torch.nn.Parameter]] = []
+        current: list[torch.nn.Parameter] | None = None
         size_so_far = 0
         for p in reversed(params):  # BUG: no (dtype, device) key, one open bucket for all
             size = p.numel() * p.element_size()
@@ -244,7 +249,10 @@ class BucketsFrozenDDP(DDP):
     where the bucket waits forever). Killed by the communication budget."""
 
     def __init__(
-        self, module: torch.nn.Module, bucket_size_mb: float = 25.0, process_group: Any = None
+        self,
+        module: torch.nn.Module,
+        bucket_size_mb: float = 25.0,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(module, bucket_size_mb, process_group)
         self._params = list(module.parameters())  # BUG: frozen ones included
@@ -385,11 +393,14 @@ class ReducesLastMicroBatchOnlyDDP(DDP):
     local rest, as autograd adds what a tensor hook returns."""
 
     def __init__(
-        self, module: torch.nn.Module, bucket_size_mb: float = 25.0, process_group: Any = None
+        self,
+        module: torch.nn.Module,
+        bucket_size_mb: float = 25.0,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(module, bucket_size_mb, process_group)
         # param -> its gradient from the synchronised backward
-        self._this_backward: dict[Any, torch.Tensor] = {}
+        self._this_backward: dict[torch.Tensor, torch.Tensor] = {}
 
         def tensor_hook(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
             if not self._sync_enabled:
@@ -433,11 +444,14 @@ class LastMicroBatchAfterReduceDDP(DDP):
     after the all-reduce."""
 
     def __init__(
-        self, module: torch.nn.Module, bucket_size_mb: float = 25.0, process_group: Any = None
+        self,
+        module: torch.nn.Module,
+        bucket_size_mb: float = 25.0,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(module, bucket_size_mb, process_group)
         # param -> its gradient from the synchronised backward
-        self._last_micro_batch: dict[Any, torch.Tensor] = {}
+        self._last_micro_batch: dict[torch.Tensor, torch.Tensor] = {}
 
         def tensor_hook(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
             if not self._sync_enabled:

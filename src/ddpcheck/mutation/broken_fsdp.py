@@ -14,7 +14,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from ddpcheck._language.scenario import Scenario
+from ddpcheck._language.training import OptimizerLike, Params
 from ddpcheck.targets import TorchFSDPTarget
 from ddpcheck.targets.fsdp import broadcast_from, fully_shard_options, shard_leaves
 
@@ -32,7 +35,7 @@ class BroadcastsFromLastRankFSDP(TorchFSDPTarget):
     """I1 (``wrap``): the initial state is broadcast from the last rank, not rank 0, before
     sharding -- every replica agrees, on the wrong initialisation."""
 
-    def wrap(self, module: Any) -> Any:
+    def wrap(self, module: nn.Module) -> nn.Module:
         broadcast_from(module, dist.get_world_size() - 1)
         return shard_leaves(
             module,
@@ -50,7 +53,7 @@ class NoGradientDivideFSDP(TorchFSDPTarget):
     """I2 (``wrap``): gradients reduce-scattered with SUM and no division -- a gradient divide
     factor of 1 (``FSDPModule.set_gradient_divide_factor(1.0)``) instead of W."""
 
-    def wrap(self, module: Any) -> Any:
+    def wrap(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import FSDPModule
 
         model = super().wrap(module)
@@ -66,14 +69,17 @@ class NeighbourGradientShardFSDP(TorchFSDPTarget):
     the gradient (its neighbour's shard, where the shapes agree), as an off-by-one in a
     hand-written reduce-scatter's output offsets would."""
 
-    def after_backward(self, model: Any, optimizer: Any) -> None:
+    def after_backward(self, model: nn.Module, optimizer: OptimizerLike) -> None:
+        from torch.distributed.tensor import DTensor
+
         rank, world_size = dist.get_rank(), dist.get_world_size()
         with torch.no_grad():
             for p in model.parameters():
-                if p.grad is None or p.grad.dim() == 0:
+                grad = p.grad  # FSDP2's: a DTensor
+                if not isinstance(grad, DTensor) or grad.dim() == 0:
                     continue
-                local = p.grad.to_local()
-                whole = p.grad.full_tensor()  # a collective: every rank, same order
+                local = grad.to_local()
+                whole = grad.full_tensor()  # a collective: every rank, same order
                 chunks = torch.chunk(whole, world_size, dim=0)
                 neighbour = (rank + 1) % world_size
                 if neighbour < len(chunks) and chunks[neighbour].shape == local.shape:
@@ -88,14 +94,21 @@ class StaleUnshardedParamsFSDP(TorchFSDPTarget):
     stale values: the updated shards are never re-gathered."""
 
     def make_optimizer(
-        self, params: Any, optimizer_cls: type, model: Any = None, **kwargs: Any
-    ) -> Any:
+        self,
+        params: Params,
+        optimizer_cls: type[torch.optim.Optimizer],
+        model: nn.Module | None = None,
+        **kwargs: Any,  # the scenario's options, for its optimizer class
+    ) -> OptimizerLike:
         from torch.distributed.fsdp import FSDPModule
 
+        if model is None:  # the harness passes it: the signature names it
+            raise TypeError(f"{type(self).__name__}.make_optimizer needs the wrapped model")
+        wrapped = model
         optimizer = optimizer_cls(params, **kwargs)
 
-        def unshard_before_step(*_: Any) -> None:
-            for m in model.modules():
+        def unshard_before_step(*_: object) -> None:
+            for m in wrapped.modules():
                 if isinstance(m, FSDPModule):
                     m.unshard()
 
@@ -111,7 +124,7 @@ class ReducesInParamDtypeFSDP(TorchFSDPTarget):
     precision with FSDP2; FSDP1's ``MixedPrecision(param_dtype=...)`` did the same). Numbers move
     by bfloat16 rounding only; the dtype of the reduce-scatter shows it."""
 
-    def configure(self, scenario: Any) -> Any:
+    def configure(self, scenario: Scenario) -> TorchFSDPTarget:
         configured = super().configure(scenario)
         # BUG: reduce_dtype left to FSDP2's default, param_dtype
         return dataclasses.replace(configured, reduce_dtype=configured.param_dtype)

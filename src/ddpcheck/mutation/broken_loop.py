@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ddpcheck._language.features import FEATURES
+from ddpcheck._language.training import OptimizerLike, Params, SchedulerLike
 from ddpcheck.targets import Target
 from ddpcheck.targets.fsdp import broadcast_from
 
@@ -66,15 +69,15 @@ class Gate:
 class GatedOptimizer:
     """``step()`` and ``zero_grad()`` act only when the gate is open (``AcceleratedOptimizer``)."""
 
-    def __init__(self, optimizer: Any, gate: Gate):
+    def __init__(self, optimizer: torch.optim.Optimizer, gate: Gate):
         self.optimizer, self.gate = optimizer, gate
 
     @property
-    def param_groups(self) -> Any:
+    def param_groups(self) -> Sequence[Mapping[str, object]]:
         return self.optimizer.param_groups
 
     @property
-    def state(self) -> Any:
+    def state(self) -> Mapping[torch.Tensor, Mapping[str, object]]:
         return self.optimizer.state
 
     def step(self) -> None:
@@ -85,27 +88,27 @@ class GatedOptimizer:
         if self.gate.open:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self) -> Any:
+    def state_dict(self) -> Mapping[str, object]:
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state: Any) -> None:
+    def load_state_dict(self, state: dict[str, object]) -> None:
         self.optimizer.load_state_dict(state)
 
 
 class GatedScheduler:
     """``step()`` acts only when the gate is open (``AcceleratedScheduler``)."""
 
-    def __init__(self, scheduler: Any, gate: Gate):
+    def __init__(self, scheduler: SchedulerLike, gate: Gate):
         self.scheduler, self.gate = scheduler, gate
 
     def step(self) -> None:
         if self.gate.open:
             self.scheduler.step()
 
-    def state_dict(self) -> Any:
+    def state_dict(self) -> Mapping[str, object]:
         return self.scheduler.state_dict()
 
-    def load_state_dict(self, state: Any) -> None:
+    def load_state_dict(self, state: dict[str, object]) -> None:
         self.scheduler.load_state_dict(state)
 
 
@@ -125,7 +128,7 @@ class StepsPerMicroBatchScheduler(GatedScheduler):
         self.scheduler.step()
 
 
-def average_gradients(model: Any) -> None:
+def average_gradients(model: nn.Module) -> None:
     """All-reduce and average every trainable gradient (zeros where this rank has none; None
     kept where no rank has one: a flag per tensor first, integers)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -154,33 +157,45 @@ class EngineTarget(Target):
     optimizer_class = GatedOptimizer
     scheduler_class = GatedScheduler
 
-    def wrap(self, module: Any) -> Any:
+    def wrap(self, module: nn.Module) -> nn.Module:
         broadcast_from(module, 0)
         return module
 
-    def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
+    def make_optimizer(
+        self,
+        params: Params,
+        optimizer_cls: type[torch.optim.Optimizer],
+        **kwargs: Any,  # the scenario's options, for its optimizer class
+    ) -> GatedOptimizer:
         return self.optimizer_class(optimizer_cls(params, **kwargs), Gate())
 
-    def make_scheduler(self, optimizer: Any, gamma: float) -> Any:
+    def make_scheduler(self, optimizer: OptimizerLike, gamma: float) -> GatedScheduler:
+        gated = cast(GatedOptimizer, optimizer)  # the optimizer make_optimizer returned
         return self.scheduler_class(
-            torch.optim.lr_scheduler.ExponentialLR(optimizer.optimizer, gamma), optimizer.gate
+            torch.optim.lr_scheduler.ExponentialLR(gated.optimizer, gamma), gated.gate
         )
 
     def micro_batch(
-        self, model: Any, optimizer: Any, index: int, count: int
-    ) -> AbstractContextManager[Any]:
-        optimizer.gate.open = index == count - 1  # the window ends with its last micro-batch
-        model.ddpcheck_window = (index, count)
+        self, model: nn.Module, optimizer: OptimizerLike, index: int, count: int
+    ) -> AbstractContextManager[object]:
+        # the window ends with its last micro-batch
+        cast(GatedOptimizer, optimizer).gate.open = index == count - 1
+        setattr(model, _WINDOW, (index, count))
         return contextlib.nullcontext()
 
     def reduces_after(self, index: int, count: int) -> bool:
         """Whether the backward of micro-batch ``index`` of ``count`` ends the window."""
         return index == count - 1
 
-    def backward(self, model: Any, loss: Any) -> None:
+    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
         loss.backward()
-        if self.reduces_after(*model.ddpcheck_window):
+        index, count = getattr(model, _WINDOW)
+        if self.reduces_after(index, count):
             average_gradients(model)
+
+
+#: The attribute of the model holding ``(index, count)`` of the micro-batch being trained.
+_WINDOW = "ddpcheck_window"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,20 +218,25 @@ class Zero2Optimizer:
     the owned parameters with the inner optimizer -- the only rank with their state -- and
     broadcasts each parameter from its owner. The other ranks keep their local gradients."""
 
-    def __init__(self, params: Any, optimizer_cls: type, **kwargs: Any):
+    def __init__(
+        self,
+        params: Params,
+        optimizer_cls: type[torch.optim.Optimizer],
+        **kwargs: Any,  # the scenario's options, for its optimizer class
+    ):
         self.optimizer = optimizer_cls(params, **kwargs)
         self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
         world_size = dist.get_world_size()
         self.owners = {p: i % world_size for i, p in enumerate(self.params)}
 
     @property
-    def param_groups(self) -> Any:
+    def param_groups(self) -> Sequence[Mapping[str, object]]:
         return self.optimizer.param_groups
 
-    def owner_of(self, param: Any) -> int:
+    def owner_of(self, param: torch.Tensor) -> int:
         return self.owners[param]
 
-    def reduce(self, gradient: Any, owner: int) -> None:
+    def reduce(self, gradient: torch.Tensor, owner: int) -> None:
         """Sum ``gradient`` into the owner's copy (the seam the mutant overrides)."""
         dist.reduce(gradient, dst=owner)
 
@@ -248,13 +268,19 @@ class Zero2Optimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    def state_dict(self) -> Mapping[str, object]:
+        raise NotImplementedError("Zero2Target declines checkpoints")
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        raise NotImplementedError("Zero2Target declines checkpoints")
+
 
 class ReducesTwiceZero2Optimizer(Zero2Optimizer):
     """C3: each gradient is all-reduced (averaged on every rank) and then reduced to its owner
     again: the owner divides W equal averages back to the same numbers, but every gradient
     crossed the wire twice."""
 
-    def reduce(self, gradient: Any, owner: int) -> None:
+    def reduce(self, gradient: torch.Tensor, owner: int) -> None:
         dist.all_reduce(gradient)
         gradient /= dist.get_world_size()
         dist.reduce(gradient, dst=owner)
@@ -273,11 +299,16 @@ class Zero2Target(Target):
     # owners follow the optimizer's order, so every rank must register in one order.
     supported_features = frozenset(FEATURES) - {"clipping", "checkpoint", "rank-orders"}
 
-    def wrap(self, module: Any) -> Any:
+    def wrap(self, module: nn.Module) -> nn.Module:
         broadcast_from(module, 0)
         return module
 
-    def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
+    def make_optimizer(
+        self,
+        params: Params,
+        optimizer_cls: type[torch.optim.Optimizer],
+        **kwargs: Any,  # the scenario's options, for its optimizer class
+    ) -> Zero2Optimizer:
         return self.optimizer_class(params, optimizer_cls, **kwargs)
 
 

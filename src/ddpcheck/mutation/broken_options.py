@@ -27,8 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpcheck._language.training import FitRun, OptimizerLike, Params
 from ddpcheck.mutation.broken_ddp import LastMicroBatchAfterReduceDDP
 from ddpcheck.targets import (
     AccelerateTarget,
@@ -39,6 +44,12 @@ from ddpcheck.targets import (
 from ddpcheck.targets.builtin import BUCKET_SIZES
 from ddpcheck.targets.option_space import options
 from parallel import DDP
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from ddpcheck.targets.protocol import ConfigSpace
 
 __all__ = [
     "Bf16PathTarget",
@@ -56,52 +67,56 @@ class StepsInsideWindowUnlessSplit(AccelerateTarget):
     gradient (accelerate #2790: with ``sync_each_batch`` every batch became a step)."""
 
     def setup(
-        self, module: Any, params: Any, optimizer_cls: type, **kwargs: Any
-    ) -> tuple[Any, Any]:
+        self,
+        module: nn.Module,
+        params: Params,
+        optimizer_cls: type[torch.optim.Optimizer],
+        **kwargs: Any,  # the scenario's options, for its optimizer class
+    ) -> tuple[nn.Module, OptimizerLike]:
         model, optimizer = super().setup(module, params, optimizer_cls, **kwargs)
         if not self.split_batches:
+            prepared: AcceleratedOptimizer = optimizer
             accelerator, inner, gated = (
-                optimizer.ddpcheck_accelerator,
-                optimizer.optimizer,
-                optimizer.step,
+                prepared.ddpcheck_accelerator,
+                prepared.optimizer,
+                prepared.step,
             )
 
-            def step(*args: Any, **kwargs: Any) -> Any:
+            def step(*args: object, **kwargs: object) -> object:
                 if not accelerator.sync_gradients:
                     inner.step()  # BUG: the gate is ignored inside the window
                 return gated(*args, **kwargs)
 
-            optimizer.step = step
+            prepared.step = step
         return model, optimizer
 
 
-class _SkipsFirstReduce:
-    """A ``FitRun`` that registers, on the DDP model the Trainer built, a communication hook
-    returning the first iteration's buckets unreduced: each rank steps on its own gradient once,
-    then the replicas drift apart."""
+def _skips_first_reduce(run: FitRun) -> FitRun:
+    """``run``, whose ``started`` registers, on the DDP model the Trainer built, a communication
+    hook returning the first iteration's buckets unreduced: each rank steps on its own gradient
+    once, then the replicas drift apart."""
 
-    def __init__(self, run: Any):
-        self._run = run
+    def started(model: nn.Module, optimizer: OptimizerLike) -> None:
+        ddp = cast(DistributedDataParallel, model)  # what Lightning's DDP strategy built
+        ddp.register_comm_hook({"first": True}, _skips_first_iteration)
+        run.started(model, optimizer)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._run, name)
-
-    def started(self, model: Any, optimizer: Any) -> None:
-        model.register_comm_hook({"first": True}, _skips_first_iteration)
-        self._run.started(model, optimizer)
+    return dataclasses.replace(run, started=started)
 
 
-def _skips_first_iteration(state: dict, bucket: Any) -> Any:
+def _skips_first_iteration(
+    state: dict, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP's communication hook: torch's all-reduce (averaged), but not in the first iteration."""
-    import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     if state["first"]:  # BUG: the first iteration's buckets are returned as they are
         state["first"] = not bucket.is_last()
-        done: Any = torch.futures.Future()
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(bucket.buffer())
         return done
-    return default_hooks.allreduce_hook(cast(Any, None), bucket)  # None: the default group
+    # None: the default group (the hook's annotation asks for a group)
+    return default_hooks.allreduce_hook(cast("dist.ProcessGroup", None), bucket)
 
 
 # DDP refuses a hook whose annotations are not its own classes, and this module's are strings
@@ -114,8 +129,8 @@ class SkipsFirstReduceStaticManual(LightningTarget):
     all-reduce is skipped (a guard for "the static graph is being recorded" that switches the
     reduction off instead)."""
 
-    def fit(self, module: Any, run: Any) -> None:
-        super().fit(module, _SkipsFirstReduce(run) if self.manual and self.static_graph else run)
+    def fit(self, module: nn.Module, run: FitRun) -> None:
+        super().fit(module, _skips_first_reduce(run) if self.manual and self.static_graph else run)
 
 
 @functools.cache
@@ -124,21 +139,23 @@ def _per_micro_batch_trainer() -> type:
     counts the input tokens seen (made here: transformers is imported only in the ranks)."""
     from transformers import Trainer
 
-    # Trainer is Any to mypy (pyproject.toml skips transformers)
+    # mypy reads Trainer untyped (pyproject.toml skips transformers)
     class PerMicroBatchWhenCounting(Trainer):  # type: ignore[misc]
         def compute_loss(
             self,
-            model: Any,
-            inputs: Any,
+            model: nn.Module,
+            inputs: dict[str, torch.Tensor],
             return_outputs: bool = False,
-            num_items_in_batch: Any = None,
-        ) -> Any:
+            num_items_in_batch: torch.Tensor | int | None = None,
+        ) -> torch.Tensor | tuple[torch.Tensor, object]:
             if self.args.include_num_input_tokens_seen in (False, "no", None):  # the default
                 return super().compute_loss(
                     model, inputs, return_outputs, num_items_in_batch=num_items_in_batch
                 )
             # BUG: each micro-batch's mean over its own tokens, over the accumulation steps
-            loss: Any = super().compute_loss(model, inputs, return_outputs, num_items_in_batch=None)
+            loss: torch.Tensor = super().compute_loss(
+                model, inputs, return_outputs, num_items_in_batch=None
+            )
             return loss / self.args.gradient_accumulation_steps
 
     return PerMicroBatchWhenCounting
@@ -150,7 +167,7 @@ class PerMicroBatchLossCountingTokens(HfTrainerTarget):
     each micro-batch's token mean divided by the accumulation steps, not the sum over the step's
     token count (huggingface/transformers #34191, in the path that counts tokens)."""
 
-    def fit(self, module: Any, run: Any) -> None:
+    def fit(self, module: nn.Module, run: FitRun) -> None:
         HfTrainerTarget.fit(
             dataclasses.replace(self, trainer_class=_per_micro_batch_trainer()), module, run
         )
@@ -165,15 +182,15 @@ class Bf16PathTarget(ParallelDDPTarget):
 
     bf16: bool = False
 
-    def config_space(self) -> Any:
+    def config_space(self) -> ConfigSpace:
         return options(fields={"bucket_size_mb": BUCKET_SIZES, "bf16": (True,)})
 
-    def wrap(self, module: Any) -> Any:
+    def wrap(self, module: nn.Module) -> DDP:
         ddp = self.bf16_ddp_class if self.bf16 else DDP
         return ddp(module, bucket_size_mb=self.bucket_size_mb or 25.0)
 
     @property
-    def bf16_ddp_class(self) -> type:
+    def bf16_ddp_class(self) -> type[DDP]:
         return DDP
 
 
@@ -183,5 +200,5 @@ class LastMicroBatchAfterReduceBf16(Bf16PathTarget):
     gradient is added to it, which stays local (DeepSpeed #7985)."""
 
     @property
-    def bf16_ddp_class(self) -> type:
+    def bf16_ddp_class(self) -> type[DDP]:
         return LastMicroBatchAfterReduceDDP

@@ -36,13 +36,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._language.batches import BatchPlan, GlobalBatch
 from ddpcheck._language.features import FEATURES
+from ddpcheck._language.training import OptimizerLike, Params
 from ddpcheck.mutation import broken_batches as S
 from ddpcheck.mutation import broken_checkpoint as K
 from ddpcheck.mutation import broken_ddp as D
@@ -73,7 +77,7 @@ class Mutant:
     description: str  # one line
     target: Target
     #: the unmutated target it must be told apart from (None: ``parallel``)
-    control: Any = None
+    control: Target | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,10 +91,15 @@ class _Seeded(ParallelTarget):
     ddp_class = DDP
     optimizer_class = ShardedOptimizer
 
-    def wrap(self, module: Any) -> Any:
+    def wrap(self, module: nn.Module) -> nn.Module:
         return self.ddp_class(module, bucket_size_mb=self.bucket_size_mb or 25.0)
 
-    def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
+    def make_optimizer(
+        self,
+        params: Params,
+        optimizer_cls: type[torch.optim.Optimizer],
+        **kwargs: Any,  # the scenario's options, for its optimizer class
+    ) -> ShardedOptimizer:
         if self.sharding_rule is not None:
             kwargs["sharding_rule"] = self.sharding_rule
         return self.optimizer_class(params, optimizer_cls, **kwargs)
@@ -102,7 +111,7 @@ class _SeededDDPOnly(ParallelDDPTarget):
 
     ddp_class = DDP
 
-    def wrap(self, module: Any) -> Any:
+    def wrap(self, module: nn.Module) -> nn.Module:
         return self.ddp_class(module, bucket_size_mb=self.bucket_size_mb or 25.0)
 
 
@@ -118,7 +127,7 @@ class _SeededOptimizerOnly(_Seeded):
     # broadcast below pairs tensors by this rank's registration order.
     supported_features = frozenset(FEATURES) - {"rank-orders"}
 
-    def wrap(self, module: Any) -> Any:
+    def wrap(self, module: nn.Module) -> nn.Module:
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
                 buffer = tensor.detach().contiguous()
@@ -128,10 +137,10 @@ class _SeededOptimizerOnly(_Seeded):
                 tensor.copy_(buffer)
         return module
 
-    def after_backward(self, model: Any, optimizer: Any) -> None:
+    def after_backward(self, model: nn.Module, optimizer: OptimizerLike) -> None:
         pass  # nothing to finish: the optimizer averages
 
-    def no_sync(self, model: Any) -> Any:
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[object]:
         return contextlib.nullcontext()  # gradients accumulate locally until the optimizer's
 
 
@@ -143,7 +152,7 @@ class _SeededBatches(_Seeded):
     # declared with the plan, so token scenarios judge it too (ddpcheck.features.supported_by)
     supported_features = ParallelTarget.supported_features
 
-    def shard_batch(self, batch: Any) -> Any:
+    def shard_batch(self, batch: GlobalBatch) -> BatchPlan:
         return self.batches_class()(batch)
 
 
@@ -170,7 +179,7 @@ def _target(
         if batches is None
         else _SeededBatches
     )
-    attrs: dict[str, Any] = {"__module__": __name__, "__qualname__": name}
+    attrs: dict[str, object] = {"__module__": __name__, "__qualname__": name}
     if batches is not None:
         attrs["batches_class"] = batches
     if not optimizer_only:
@@ -464,7 +473,7 @@ _ENTRIES: list[tuple[str, str, str, dict]] = [
 ]
 
 
-def _entry(name: str, bug_class: str, description: str, swap: dict[str, Any]) -> Mutant:
+def _entry(name: str, bug_class: str, description: str, swap: dict) -> Mutant:
     """The mutant of one row of :data:`_ENTRIES`, its class a name of this module (pickle)."""
     cls = _target(name, **swap)
     globals()[name] = cls

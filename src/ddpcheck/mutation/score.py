@@ -12,13 +12,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 from ddpcheck._base.errors import ExitCode, InvalidArgument
 from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
 from ddpcheck.mutation import catalogue, search
 from ddpcheck.mutation.search import Outcome, Search, shrinking_search, warm_up
-from ddpcheck.targets import PARALLEL, TORCH_FSDP, TorchFSDPTarget
+from ddpcheck.targets import PARALLEL, TORCH_FSDP, Target, TorchFSDPTarget
 
 __all__ = [
     "CONTROL",
@@ -95,10 +94,10 @@ def table_lines(rows: list[list[str]], widths: list[int] | None = None) -> list[
 
 
 def score(
-    mutants: Iterable[Any],
+    mutants: Iterable[catalogue.Mutant],
     budget_seconds: float,
     *,
-    control: Any = None,
+    control: Target | list[Target] | None = None,
     world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
     search: Search | None = None,
     deadline: float = DEFAULT_DEADLINE,
@@ -152,7 +151,7 @@ def run_mutants(
     print("\n".join(table_lines([], widths)), flush=True)
     started = time.perf_counter()
     chosen = search.shrinking_search if search_name == "shrinking" else search.battery_search
-    controls: list[Any] = []  # each family's original, in catalogue order
+    controls: list[Target] = []  # each family's original, in catalogue order
     for m in mutants:
         control = (
             m.control

@@ -21,7 +21,6 @@ import dataclasses
 import importlib
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 from ddpcheck._base.errors import EquivalenceError
 from ddpcheck._base.options import (
@@ -32,13 +31,15 @@ from ddpcheck._base.options import (
     check_world_sizes,
 )
 from ddpcheck._language.battery import BATTERY
-from ddpcheck._language.features import declines
 from ddpcheck._language.messages import scenario_line as brief
+from ddpcheck._language.scenario import Scenario
+from ddpcheck._oracle.reference import Reference
 from ddpcheck._runs.example import check_example, prepare_reference
 from ddpcheck._runs.fuzz import fuzz
 from ddpcheck._runs.settings import Settings
 from ddpcheck._world.registry import get_world
 from ddpcheck.targets.protocol import Target
+from ddpcheck.targets.support import declines
 
 __all__ = [
     "Counterexample",
@@ -63,10 +64,10 @@ class Counterexample:
     """The first failing example a search found."""
 
     name: str  # scenario name (battery) or a short description
-    scenario: Any
+    scenario: Scenario
     world_size: int
     kind: str  # the first divergence's kind, e.g. "reference differs (gradient)"
-    error: Any  # the ddpcheck.EquivalenceError, with its table and replay line
+    error: EquivalenceError  # with its table and replay line
 
     def one_line(self) -> str:
         first = self.error.divergences[0]
@@ -85,16 +86,16 @@ class Outcome:
 
 Search = Callable[..., Outcome]
 
-_REFERENCES: dict[str, Any] = {}
+_REFERENCES: dict[str, Reference] = {}
 
 
-def _reference(name: str, scenario: Any) -> Any:
+def _reference(name: str, scenario: Scenario) -> Reference:
     if name not in _REFERENCES:
         _REFERENCES[name] = prepare_reference(scenario)
     return _REFERENCES[name]
 
 
-def _battery_examples(world_sizes: Sequence[int]) -> list[tuple[str, Any, int]]:
+def _battery_examples(world_sizes: Sequence[int]) -> list[tuple[str, Scenario, int]]:
     ordered = [w for w in SEARCH_ORDER if w in world_sizes]
     ordered += [w for w in world_sizes if w not in ordered]
     return [(name, scenario, w) for w in ordered for name, scenario in BATTERY]
@@ -156,7 +157,7 @@ def shrinking_search(
     target: Target,
     budget_seconds: float,
     *,
-    world_sizes: Any = DEFAULT_WORLD_SIZES,
+    world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
     deadline: float = DEFAULT_DEADLINE,
     fuzz_share: float = 0.5,
     examples: int = 200,

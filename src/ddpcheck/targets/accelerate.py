@@ -47,15 +47,19 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch import nn
 
 from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._language.scenario import Scenario
+from ddpcheck._language.training import OptimizerLike, Params, SchedulerLike
 from ddpcheck.targets import ddp_options
 from ddpcheck.targets.configuration import (
+    Config,
     build,
     construct,
     described,
@@ -68,6 +72,13 @@ from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.option_space import nested, options
 from ddpcheck.targets.protocol import Target
 from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
+
+if TYPE_CHECKING:  # accelerate ships no type information: mypy reads these names untyped
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.utils import KwargsHandler
+
+    from ddpcheck.targets.protocol import ConfigSpace
 
 __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "AccelerateTarget"]
 
@@ -94,7 +105,7 @@ _SPLIT = (
     "False) keeps accelerate's other behaviour"
 )
 #: ``Accelerator`` keys ddpcheck's harness fixes: key -> (the values accepted, why).
-HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+HARNESS_KEYS: dict[str, tuple[tuple[object, ...], str]] = {
     "cpu": ((), _WORLD),
     "kwargs_handlers.InitProcessGroupKwargs": ((), _WORLD),
     "split_batches": ((True,), _SPLIT),
@@ -123,7 +134,7 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
 
     split_batches: bool = True
     accumulation: int = 1  # the scenario's micro-batches per step, set by configure()
-    config: Any = None  # Accelerator(**config): the module docstring
+    config: Config = None  # Accelerator(**config): the module docstring
 
     steps_every_micro_batch = True
 
@@ -141,7 +152,7 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
         object.__setattr__(self, "_given", given)
         object.__setattr__(self, "_ddp", _torch_ddp(given))
 
-    def supports(self, scenario: Any) -> str | None:
+    def supports(self, scenario: Scenario) -> str | None:
         if not self.split_batches and scenario.lr_decay is not None:
             return (
                 "an LR schedule with split_batches=False: AcceleratedScheduler then steps "
@@ -159,7 +170,7 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
             where=" (the config's DistributedDataParallelKwargs)",
         )
 
-    def config_space(self) -> Any:
+    def config_space(self) -> ConfigSpace:
         """``split_batches=False`` (accelerate's default), and ``Accelerator`` keyword arguments
         as ``config=`` keys (``ddpcheck.targets.option_space``): ``sync_each_batch`` (gradients
         reduced every micro-batch, not under ``no_sync``), and torch DDP's options through a
@@ -184,7 +195,7 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
     def warm_up(self) -> None:
         import accelerate  # noqa: F401  (seconds in a rank: once per process, here)
 
-    def configure(self, scenario: Any) -> Target:
+    def configure(self, scenario: Scenario) -> Target:
         # a copy, not dataclasses.replace: the config was read and checked when the target was
         # built, and is not read again in the rank (its file may be elsewhere)
         if scenario.accumulation == self.accumulation:
@@ -194,8 +205,12 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
         return configured
 
     def setup(
-        self, module: Any, params: Any, optimizer_cls: type, **kwargs: Any
-    ) -> tuple[Any, Any]:
+        self,
+        module: nn.Module,
+        params: Params,
+        optimizer_cls: type[torch.optim.Optimizer],
+        **kwargs: Any,  # the scenario's options, for its optimizer class
+    ) -> tuple[nn.Module, OptimizerLike]:
         from accelerate import Accelerator
 
         join_existing_group()
@@ -207,10 +222,11 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
         )
         model, optimizer = accelerator.prepare(module, optimizer_cls(params, **kwargs))
         # the hooks below get the model or the optimizer: both carry this example's Accelerator
-        model.ddpcheck_accelerator = optimizer.ddpcheck_accelerator = accelerator
+        setattr(model, _ACCELERATOR, accelerator)
+        setattr(optimizer, _ACCELERATOR, accelerator)
         return model, optimizer
 
-    def accelerator_kwargs(self, device: torch.device) -> dict[str, Any]:
+    def accelerator_kwargs(self, device: torch.device) -> dict[str, object]:
         """``Accelerator``'s keyword arguments in a rank: the user's config, its objects built
         afresh, and what the scenario and the harness set."""
         from accelerate.utils import (
@@ -241,37 +257,54 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
         if not has(given, "dataloader_config.split_batches"):
             loader = dataclasses.replace(loader, split_batches=self.split_batches)
         kwargs["dataloader_config"] = loader
-        handlers = [_handler(h, where) for h in given.get("kwargs_handlers") or ()]
+        handlers = [_handler(h, where) for h in _listed(given.get("kwargs_handlers"))]
         if not any(isinstance(h, DistributedDataParallelKwargs) for h in handlers):
             handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
         kwargs["kwargs_handlers"] = handlers
         return kwargs
 
-    def make_scheduler(self, optimizer: Any, gamma: float) -> Any:
-        inner = torch.optim.lr_scheduler.ExponentialLR(optimizer.optimizer, gamma)
-        return optimizer.ddpcheck_accelerator.prepare_scheduler(inner)
+    def make_scheduler(self, optimizer: OptimizerLike, gamma: float) -> SchedulerLike:
+        prepared: AcceleratedOptimizer = optimizer  # what setup's prepare returned
+        inner = torch.optim.lr_scheduler.ExponentialLR(prepared.optimizer, gamma)
+        return _accelerator(prepared).prepare_scheduler(inner)
 
     def micro_batch(
-        self, model: Any, optimizer: Any, index: int, count: int
-    ) -> AbstractContextManager[Any]:
-        return model.ddpcheck_accelerator.accumulate(model)
+        self, model: nn.Module, optimizer: OptimizerLike, index: int, count: int
+    ) -> AbstractContextManager[object]:
+        return _accelerator(model).accumulate(model)
 
-    def backward(self, model: Any, loss: Any) -> None:
-        accelerator = model.ddpcheck_accelerator
+    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
+        accelerator = _accelerator(model)
         # accelerate divides by gradient_accumulation_steps; ddpcheck's loss is already scaled
         accelerator.backward(loss * accelerator.gradient_accumulation_steps)
 
-    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float, norm_type: float) -> Any:
-        return model.ddpcheck_accelerator.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    def clip_grad_norm(
+        self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float
+    ) -> object:
+        return _accelerator(model).clip_grad_norm_(model.parameters(), max_norm, norm_type)
 
-    def teardown(self, model: Any, optimizer: Any) -> None:
+    def teardown(self, model: nn.Module, optimizer: OptimizerLike) -> None:
         from accelerate.state import AcceleratorState, GradientState
 
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
 
 
-def _check(given: dict[str, Any], where: str) -> None:
+#: The attribute of the prepared model and optimizer that holds the example's ``Accelerator``.
+_ACCELERATOR = "ddpcheck_accelerator"
+
+
+def _accelerator(prepared: object) -> Accelerator:
+    """The example's ``Accelerator``, which setup hung on the prepared model and optimizer."""
+    return getattr(prepared, _ACCELERATOR)
+
+
+def _listed(value: object) -> Sequence[object]:
+    """The config's ``kwargs_handlers``: a list (or tuple) of handlers, else none."""
+    return value if isinstance(value, (list, tuple)) else ()
+
+
+def _check(given: dict[str, object], where: str) -> None:
     """Refuse what the rule refuses (``configuration.reconcile``), and a JSON form that builds no
     object, naming the key; skipped without accelerate (``Target.requires`` refuses the target
     before it runs)."""
@@ -304,7 +337,7 @@ def _check(given: dict[str, Any], where: str) -> None:
     )
 
 
-def _handler(value: Any, where: str) -> Any:
+def _handler(value: object, where: str) -> KwargsHandler:
     """One of ``kwargs_handlers``: the object, or built from its JSON form (``"class"``: the name
     of one of ``accelerate.utils``' handlers)."""
     import accelerate.utils
@@ -326,7 +359,7 @@ def _handler(value: Any, where: str) -> Any:
     return build(kwargs, cls, target=where, key=f"kwargs_handlers.{name}")
 
 
-def _torch_ddp(given: dict[str, Any]) -> dict[str, bool]:
+def _torch_ddp(given: Mapping[str, object]) -> dict[str, bool]:
     """The torch DDP options the ``Accelerator`` will pass (``ddp_options``)."""
     handler = _ddp_handler(given)
     if handler is None:
@@ -336,16 +369,16 @@ def _torch_ddp(given: dict[str, Any]) -> dict[str, bool]:
     }
 
 
-def _ddp_handler(given: dict[str, Any]) -> Any:
+def _ddp_handler(given: Mapping[str, object]) -> object:
     """The config's ``DistributedDataParallelKwargs`` (an object or its JSON form), or None."""
-    for handler in given.get("kwargs_handlers") or ():
+    for handler in _listed(given.get("kwargs_handlers")):
         name = handler.get("class") if isinstance(handler, Mapping) else type(handler).__name__
         if name == "DistributedDataParallelKwargs":
             return handler
     return None
 
 
-def _option(obj: Any, name: str) -> Any:
+def _option(obj: object, name: str) -> object:
     """A field of a handler or plugin, given as an object or as its JSON form (absent: False,
     the default of the flags read here)."""
     return obj.get(name, False) if isinstance(obj, Mapping) else getattr(obj, name, False)

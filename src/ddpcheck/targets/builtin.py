@@ -8,15 +8,18 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
-from ddpcheck.targets.configuration import load_config, reconcile
+from ddpcheck._language.scenario import Scenario
+from ddpcheck._language.training import OptimizerLike, Params
+from ddpcheck.targets.configuration import Config, load_config, reconcile
 from ddpcheck.targets.fsdp import (
     broadcast_from,
     config_options,
@@ -30,6 +33,9 @@ from ddpcheck.targets.option_space import options
 from ddpcheck.targets.protocol import Target
 from ddpcheck.targets.reasons import NO_PARAM_DTYPE, TORCH_DDP_ORDER
 from parallel import DDP, ShardedOptimizer, sharding
+
+if TYPE_CHECKING:
+    from ddpcheck.targets.protocol import ConfigSpace
 
 __all__ = [
     "LocalTarget",
@@ -53,12 +59,12 @@ class _Bucketed(Target):
 
     bucket_size_mb: float | None = None
 
-    def config_space(self) -> Any:
+    def config_space(self) -> ConfigSpace:
         """The bucket size: one parameter per bucket, a few, one bucket for everything
         (``ddpcheck.strategies.BUCKET_SIZES``)."""
         return options(fields={"bucket_size_mb": BUCKET_SIZES})
 
-    def configure(self, scenario: Any) -> Target:
+    def configure(self, scenario: Scenario) -> Target:
         hint = getattr(scenario, "bucket_size_mb", None)
         if hint is None or self.bucket_size_mb is not None:
             return self
@@ -74,19 +80,21 @@ class ParallelDDPTarget(_Bucketed):
     # is not applied.
     declined_features: ClassVar[Mapping[str, str]] = {"param-dtype": NO_PARAM_DTYPE}
 
-    def wrap(self, module: Any) -> Any:
+    def wrap(self, module: nn.Module) -> nn.Module:
         return DDP(module, bucket_size_mb=self.bucket_size_mb or 25.0)
 
-    def after_backward(self, model: Any, optimizer: Any) -> None:
-        model.finish_gradient_sync()
+    def after_backward(self, model: nn.Module, optimizer: OptimizerLike) -> None:
+        cast(DDP, model).finish_gradient_sync()  # the model wrap returned
 
-    def no_sync(self, model: Any) -> AbstractContextManager[Any]:
-        return model.no_sync()
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[object]:
+        return cast(DDP, model).no_sync()
 
-    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float, norm_type: float) -> Any:
+    def clip_grad_norm(
+        self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float
+    ) -> object:
         # in name order, not this rank's registration order: the norm sums per-parameter norms
         # in list order, and ranks that registered differently would round it differently
-        params = [p for _, p in sorted(model.module.named_parameters())]
+        params = [p for _, p in sorted(cast(DDP, model).module.named_parameters())]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
 
@@ -94,11 +102,12 @@ class ParallelDDPTarget(_Bucketed):
 class ParallelTarget(ParallelDDPTarget):
     """``parallel.DDP`` with ``parallel.ShardedOptimizer`` (the built-in ``parallel`` target)."""
 
-    sharding_rule: Any = None  # None: the ShardedOptimizer's default (sharding.modulo)
+    #: None: the ShardedOptimizer's default (sharding.modulo)
+    sharding_rule: Callable[..., object] | None = None  # the optimizer checks what it answers
     shards_optimizer_state = True
     flattened_broadcasts = True
 
-    def config_space(self) -> Any:
+    def config_space(self) -> ConfigSpace:
         """The bucket size and the rule that assigns each parameter its owner."""
         return options(
             fields={
@@ -107,14 +116,18 @@ class ParallelTarget(ParallelDDPTarget):
             }
         )
 
-    def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
+    def make_optimizer(
+        self, params: Params, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
+    ) -> ShardedOptimizer:
         if self.sharding_rule is not None:
             kwargs["sharding_rule"] = self.sharding_rule
         return ShardedOptimizer(params, optimizer_cls, **kwargs)
 
-    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float, norm_type: float) -> Any:
+    def clip_grad_norm(
+        self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float
+    ) -> object:
         # the global norm from each rank's owned shard: one scalar all-reduced, not W full norms
-        return optimizer.clip_grad_norm_(max_norm, norm_type)
+        return cast(ShardedOptimizer, optimizer).clip_grad_norm_(max_norm, norm_type)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,15 +143,16 @@ class TorchDDPTarget(_Bucketed):
         "param-dtype": NO_PARAM_DTYPE,
     }
 
-    def wrap(self, module: Any) -> Any:
-        kwargs: dict[str, Any] = (
-            {} if self.bucket_size_mb is None else {"bucket_cap_mb": self.bucket_size_mb}
-        )
+    def wrap(self, module: nn.Module) -> nn.Module:
         # Unused parameters are part of every battery; torch needs to be told to look for them.
-        return DistributedDataParallel(module, find_unused_parameters=True, **kwargs)
+        if self.bucket_size_mb is None:
+            return DistributedDataParallel(module, find_unused_parameters=True)
+        return DistributedDataParallel(
+            module, find_unused_parameters=True, bucket_cap_mb=self.bucket_size_mb
+        )
 
-    def no_sync(self, model: Any) -> AbstractContextManager[Any]:
-        return model.no_sync()
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[object]:
+        return cast(DistributedDataParallel, model).no_sync()  # the model wrap returned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +173,7 @@ class TorchZeroTarget(TorchDDPTarget):
     #: your ``ZeroRedundancyOptimizer`` keyword arguments (a dict, or the path of a JSON file
     #: holding one): ``parameters_as_bucket_view``; the scenario's and the harness's refused
     #: (:data:`ZERO_SCENARIO_KEYS`, :data:`ZERO_HARNESS_KEYS`)
-    config: Any = None
+    config: Config = None
 
     shards_optimizer_state = True
 
@@ -207,7 +221,7 @@ class TorchZeroTarget(TorchDDPTarget):
         "param-dtype": NO_PARAM_DTYPE,
     }
 
-    def supports(self, scenario: Any) -> str | None:
+    def supports(self, scenario: Scenario) -> str | None:
         if getattr(scenario, "checkpoint_after", None) is not None and not _numpy_available():
             return (
                 "checkpoint: ZeroRedundancyOptimizer.consolidate_state_dict decodes every "
@@ -215,13 +229,15 @@ class TorchZeroTarget(TorchDDPTarget):
             )
         return None
 
-    def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
+    def make_optimizer(
+        self, params: Params, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
+    ) -> OptimizerLike:
         # here: importing torch.distributed.optim costs 0.6 s after torch, for ZeRO targets only
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        params = list(params)
-        if params and isinstance(params[0], dict):
-            first, *rest = params
+        groups = [group for group in params if isinstance(group, dict)]
+        if groups:
+            first, *rest = groups
             first = dict(first)
             optimizer = ZeroRedundancyOptimizer(
                 first.pop("params"),
@@ -281,7 +297,7 @@ class TorchFSDPTarget(Target):
     #: ``CPUOffloadPolicy``'s keyword arguments; ``mp_policy``'s fields are the scenario's
     #: (``param_dtype``) or the harness's, refused like every such key
     #: (``ddpcheck.targets.fsdp.FSDP_SCENARIO_KEYS``, ``FSDP_HARNESS_KEYS``)
-    config: Any = None
+    config: Config = None
     applies_param_dtype = True
 
     # Found by trying; what supports() declines besides: see ddpcheck.targets.fsdp.
@@ -308,7 +324,7 @@ class TorchFSDPTarget(Target):
                 )
         object.__setattr__(self, "_given", given)  # derived, not a field: config rebuilds it
 
-    def config_space(self) -> Any:
+    def config_space(self) -> ConfigSpace:
         """``reshard_after_forward`` set (None takes it from the seed): re-gather in backward,
         or keep the unsharded parameters from forward to backward. Not the dtypes:
         a ``param_dtype`` or ``reduce_dtype`` set here overrides the scenario's precision, which
@@ -321,22 +337,37 @@ class TorchFSDPTarget(Target):
             config={"shard_placement_fn": (shard_last_dim,)},
         )
 
-    def configure(self, scenario: Any) -> TorchFSDPTarget:
-        change: dict[str, Any] = {}
+    def configure(self, scenario: Scenario) -> TorchFSDPTarget:
         given = vars(self)["_given"]
-        if self.reshard_after_forward is None and "reshard_after_forward" not in given:
-            change["reshard_after_forward"] = bool(scenario.seed % 2)
+        reshard, param_dtype, reduce_dtype = (
+            self.reshard_after_forward,
+            self.param_dtype,
+            self.reduce_dtype,
+        )
+        if reshard is None and "reshard_after_forward" not in given:
+            reshard = bool(scenario.seed % 2)
         policy = getattr(scenario, "param_dtype", None)
-        if policy is not None and self.param_dtype is None:
-            change["param_dtype"] = policy
-        if policy is not None and self.reduce_dtype is None:
-            change["reduce_dtype"] = torch.float32
-        return dataclasses.replace(self, **change) if change else self
+        if policy is not None and param_dtype is None:
+            param_dtype = policy
+        if policy is not None and reduce_dtype is None:
+            reduce_dtype = torch.float32
+        if (reshard, param_dtype, reduce_dtype) == (
+            self.reshard_after_forward,
+            self.param_dtype,
+            self.reduce_dtype,
+        ):
+            return self
+        return dataclasses.replace(
+            self,
+            reshard_after_forward=reshard,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+        )
 
-    def supports(self, scenario: Any) -> str | None:
+    def supports(self, scenario: Scenario) -> str | None:
         return fsdp_cannot_run(scenario)
 
-    def wrap(self, module: Any) -> Any:
+    def wrap(self, module: nn.Module) -> nn.Module:
         given = vars(self)["_given"]
         if (self.cpu_offload or given.get("offload_policy") is not None) and next(
             module.parameters()
@@ -365,7 +396,7 @@ class TorchFSDPTarget(Target):
             ),
         )
 
-    def no_sync(self, model: Any) -> AbstractContextManager[Any]:
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[object]:
         return gradient_sync_off(model)
 
 
@@ -383,7 +414,7 @@ ZERO_SCENARIO_KEYS: dict[str, str] = {
     "optimizer_class": "optimizer",
 }
 #: ``ZeroRedundancyOptimizer`` keywords ddpcheck's harness fixes: key -> (accepted, why).
-ZERO_HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+ZERO_HARNESS_KEYS: dict[str, tuple[tuple[object, ...], str]] = {
     "process_group": ((None,), "ddpcheck's world: ZeRO shards over it"),
     "overlap_with_ddp": (
         (False,),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ddpcheck._language.features import FEATURES, supported_by, why_unsupported
+from ddpcheck._language.features import FEATURES
 from ddpcheck.targets.accelerate import AccelerateTarget
 from ddpcheck.targets.builtin import (
     LocalTarget,
@@ -24,6 +24,7 @@ from ddpcheck.targets.framework import install_command
 from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.protocol import Target
+from ddpcheck.targets.support import supported_by, why_unsupported
 
 __all__ = [
     "ACCELERATE",

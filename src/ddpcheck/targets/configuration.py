@@ -28,13 +28,23 @@ import inspect
 import json
 import os
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias, TypeVar
 
 from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._base.options import did_you_mean
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T")
+
+#: A target's ``config=``: the framework's keyword arguments as a dict, or the path of a JSON file
+#: holding one (None: none given).
+Config: TypeAlias = "Mapping[str, object] | str | os.PathLike[str] | None"
+
 __all__ = [
     "RULE",
+    "Config",
     "build",
     "construct",
     "described",
@@ -52,7 +62,7 @@ RULE = 'docs/frameworks.md, "Your own configuration"'
 _ABSENT = object()
 
 
-def load_config(config: Any, *, target: str) -> dict[str, Any]:
+def load_config(config: object, *, target: str) -> dict[str, object]:
     """``config`` as a dict: None -> ``{}``; a mapping -> a copy; a path (``str`` or
     ``os.PathLike``) -> the JSON object in that file. :class:`InvalidArgument` naming ``target``
     and the file for a missing or unreadable file, invalid JSON (with its line) or a value that is
@@ -98,11 +108,11 @@ def load_config(config: Any, *, target: str) -> dict[str, Any]:
 
 
 def reconcile(
-    given: Mapping[str, Any],
+    given: Mapping[str, object],
     *,
     target: str,
     scenario_keys: Mapping[str, str],
-    harness_keys: Mapping[str, tuple[tuple[Any, ...], str]],
+    harness_keys: Mapping[str, tuple[tuple[object, ...], str]],
     known: Collection[str] | None = None,
     known_as: str = "keyword argument",
 ) -> None:
@@ -138,12 +148,12 @@ def reconcile(
         )
 
 
-def has(given: Mapping[str, Any], key: str) -> bool:
+def has(given: Mapping[str, object], key: str) -> bool:
     """Whether ``given`` sets the dotted ``key`` (:func:`lookup`)."""
     return lookup(given, key) is not _ABSENT
 
 
-def lookup(given: Any, key: str) -> Any:
+def lookup(given: object, key: str) -> object:
     """The value of the dotted ``key`` in ``given``, or ``_ABSENT``: a nested mapping's key, or a
     nested dataclass object's field whose value differs from its default (the module
     docstring)."""
@@ -160,7 +170,7 @@ def lookup(given: Any, key: str) -> Any:
     return value
 
 
-def _set_field(obj: Any, name: str) -> Any:
+def _set_field(obj: DataclassInstance, name: str) -> object:
     field = next((f for f in dataclasses.fields(obj) if f.name == name), None)
     if field is None:
         return _ABSENT
@@ -174,7 +184,7 @@ def _set_field(obj: Any, name: str) -> Any:
     return _ABSENT if same(value, default) else value
 
 
-def same(value: Any, accepted: Any) -> bool:
+def same(value: object, accepted: object) -> bool:
     """``value`` is ``accepted``: equal and of the same type (``1`` is not ``True``)."""
     if value is accepted:
         return True
@@ -184,12 +194,12 @@ def same(value: Any, accepted: Any) -> bool:
         return False
 
 
-def build(value: Any, factory: Callable[..., Any], *, target: str, key: str) -> Any:
-    """The object ``key`` wants: ``value`` itself (an instance of ``factory``, where it is a
-    class), or ``factory(**value)`` for its JSON form (a dict of keyword arguments); anything
-    else, and a keyword ``factory`` rejects, is an :class:`InvalidArgument` naming the key."""
+def build(value: object, factory: type[T], *, target: str, key: str) -> T:
+    """The object ``key`` wants: ``value`` itself (an instance of the class ``factory``), or
+    ``factory(**value)`` for its JSON form (a dict of keyword arguments); anything else, and a
+    keyword ``factory`` rejects, is an :class:`InvalidArgument` naming the key."""
     if not isinstance(value, Mapping):
-        if isinstance(factory, type) and not isinstance(value, factory):
+        if not isinstance(value, factory):
             raise InvalidArgument(
                 f"{target}: {key!r}={_brief(value)} must be a "
                 f"{factory.__qualname__} or the dict of its keyword arguments"
@@ -205,12 +215,12 @@ def build(value: Any, factory: Callable[..., Any], *, target: str, key: str) -> 
 
 
 def construct(
-    factory: Callable[..., Any],
-    kwargs: Mapping[str, Any],
+    factory: Callable[..., T],
+    kwargs: Mapping[str, object],
     *,
     target: str,
     errors: tuple[type[BaseException], ...] = (TypeError, ValueError),
-) -> Any:
+) -> T:
     """``factory(**kwargs)`` in a rank, the user's configuration among ``kwargs``: a value the
     framework itself rejects (``errors``) is the configuration's problem, an
     :class:`InvalidArgument` naming it (exit 2), not the framework's failure."""
@@ -224,7 +234,9 @@ def construct(
         ) from exc
 
 
-def keywords_of(callable_: Any, *, without: Collection[str] = ()) -> frozenset[str] | None:
+def keywords_of(
+    callable_: Callable[..., object], *, without: Collection[str] = ()
+) -> frozenset[str] | None:
     """The keyword names ``callable_`` (a class: its ``__init__``) takes, or None when it takes
     any (``**kwargs``): the names :func:`reconcile` calls known."""
     parameters = inspect.signature(callable_).parameters.values()
@@ -235,7 +247,7 @@ def keywords_of(callable_: Any, *, without: Collection[str] = ()) -> frozenset[s
     ) - set(without)
 
 
-def described(name: str, config: Any) -> str:
+def described(name: str, config: object) -> str:
     """How messages name a target's configuration: ``AccelerateTarget(config='acc.json')`` for a
     file, ``AccelerateTarget(config={...})`` for a dict."""
     if isinstance(config, (str, os.PathLike)):
@@ -243,6 +255,6 @@ def described(name: str, config: Any) -> str:
     return f"{name}(config={{...}})"
 
 
-def _brief(value: Any, limit: int = 120) -> str:
+def _brief(value: object, limit: int = 120) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."

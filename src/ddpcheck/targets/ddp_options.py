@@ -17,10 +17,9 @@ are declined, never run into its errors and reported as the framework's bug.
 
 from __future__ import annotations
 
-from typing import Any
-
 from ddpcheck._language import features
 from ddpcheck._language.models import ModelSpec
+from ddpcheck._language.scenario import Scenario
 from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.protocol import supported_but
 
@@ -65,7 +64,7 @@ class TorchDDPFramework(FrameworkTarget):
         return super().declined_reason(feature)
 
 
-def usage_varies(scenario: Any) -> bool:
+def usage_varies(scenario: Scenario) -> bool:
     """Whether which parameters get gradients depends on the samples (a layer some samples
     skip): some rank or step then uses another set."""
     if isinstance(scenario.model, ModelSpec) and any(
@@ -78,7 +77,7 @@ def usage_varies(scenario: Any) -> bool:
 
 
 def cannot_run(
-    scenario: Any,
+    scenario: Scenario,
     *,
     find_unused_parameters: bool,
     static_graph: bool,

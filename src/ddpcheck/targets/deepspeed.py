@@ -86,22 +86,31 @@ import contextlib
 import dataclasses
 import importlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ddpcheck._base.devices import this_rank
 from ddpcheck._base.errors import InvalidArgument
-from ddpcheck.targets.configuration import load_config, reconcile
+from ddpcheck._language.scenario import Scenario
+from ddpcheck._language.training import OptimizerLike, Params, SchedulerLike
+from ddpcheck.targets.configuration import Config, load_config, reconcile
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.extensions import build_directory, remove_stale_lock
 from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.option_space import nested, options
 from ddpcheck.targets.protocol import Target
 from ddpcheck.targets.reasons import OWN_CHECKPOINTS
+
+if TYPE_CHECKING:  # DeepSpeed ships no type information: mypy reads these names untyped
+    from deepspeed import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from ddpcheck.targets.protocol import ConfigSpace
 
 __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "DeepSpeedTarget", "engine_config", "precision_decline"]
 
@@ -133,7 +142,7 @@ _FLOAT32 = (
 _MASTER = "the param_dtype policy keeps float32 master weights and gradients"
 
 #: ds_config keys ddpcheck's harness fixes: key -> (the values accepted, why); ``()``: none.
-HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+HARNESS_KEYS: dict[str, tuple[tuple[object, ...], str]] = {
     "zero_allow_untested_optimizer": (
         (True,),
         "the scenario's optimizer is the engine's client optimizer",
@@ -171,13 +180,14 @@ class _Engine:
     for the hooks: nothing is set on the engine, whose ``__getattr__`` recursed without end on
     an attribute set there (0.19.0: it re-enters ``getattr`` for any name ``dir()`` lists)."""
 
-    def __init__(self, engine: Any, module: Any):
+    def __init__(self, engine: DeepSpeedEngine, module: nn.Module):
         self.engine = engine
         self.module = module
 
     @property
-    def param_groups(self) -> Any:
-        return self.engine.optimizer.param_groups
+    def param_groups(self) -> Sequence[Mapping[str, object]]:
+        groups: Sequence[Mapping[str, object]] = self.engine.optimizer.param_groups
+        return groups
 
     def step(self) -> None:
         self.engine.step()
@@ -185,18 +195,28 @@ class _Engine:
     def zero_grad(self, set_to_none: bool = True) -> None:
         pass
 
+    def state_dict(self) -> Mapping[str, object]:
+        raise NotImplementedError(f"DeepSpeedTarget: {OWN_CHECKPOINTS} (engine.save_checkpoint)")
+
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:
+        raise NotImplementedError(f"DeepSpeedTarget: {OWN_CHECKPOINTS} (engine.load_checkpoint)")
+
 
 class _Schedule:
     """The engine's LR scheduler: DeepSpeed steps it at the boundary, inside ``engine.step()``."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: DeepSpeedEngine):
         self.engine = engine
 
     def step(self) -> None:
         pass
 
-    def state_dict(self) -> Any:
-        return self.engine.lr_scheduler.state_dict()
+    def state_dict(self) -> Mapping[str, object]:
+        state: Mapping[str, object] = self.engine.lr_scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:
+        raise NotImplementedError(f"DeepSpeedTarget: {OWN_CHECKPOINTS} (engine.load_checkpoint)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +233,7 @@ class DeepSpeedTarget(FrameworkTarget):
     stage: int | None = None
     accumulation: int = 1  # set by configure()
     gamma: float | None = None  # the scenario's lr_decay, set by configure()
-    config: Any = None
+    config: Config = None
     bf16: bool = False  # the scenario's param_dtype is bfloat16: set by configure()
 
     # 0.18.9 raises in engine.step() under torch 2.13, with or without ddpcheck
@@ -293,7 +313,7 @@ class DeepSpeedTarget(FrameworkTarget):
         # bf16 mode with float32 reductions and accumulation is the param_dtype policy
         return not _float32_gaps(vars(self)["_given"])
 
-    def config_space(self) -> Any:
+    def config_space(self) -> ConfigSpace:
         """``zero_optimization`` keys as one ``config=`` key (``ddpcheck.targets.option_space``):
         communication overlapped with backward, gradients not copied into a contiguous buffer,
         an all-reduce instead of the reduce-scatter, and reduce and all-gather buckets of 64 or
@@ -320,10 +340,10 @@ class DeepSpeedTarget(FrameworkTarget):
             }
         )
 
-    def supports(self, scenario: Any) -> str | None:
+    def supports(self, scenario: Scenario) -> str | None:
         return precision_decline(vars(self)["_given"], scenario)
 
-    def configure(self, scenario: Any) -> Target:
+    def configure(self, scenario: Scenario) -> Target:
         return dataclasses.replace(
             self,
             accumulation=scenario.accumulation,
@@ -350,8 +370,12 @@ class DeepSpeedTarget(FrameworkTarget):
         build()
 
     def setup(
-        self, module: Any, params: Any, optimizer_cls: type, **kwargs: Any
-    ) -> tuple[Any, Any]:
+        self,
+        module: nn.Module,
+        params: Params,
+        optimizer_cls: type[torch.optim.Optimizer],
+        **kwargs: Any,  # the scenario's options, for its optimizer class
+    ) -> tuple[nn.Module, OptimizerLike]:
         join_existing_group()
         _choose_accelerator(next(module.parameters()).device.type)
         import deepspeed
@@ -382,7 +406,7 @@ class DeepSpeedTarget(FrameworkTarget):
             _LAYOUT.append(_Layout(engine.optimizer))
         return engine, _Engine(engine, module)
 
-    def full_tensor(self, tensor: Any) -> Any:
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         # bf16 mode: the module holds bfloat16 copies; the float32 master weights are the
         # parameters the param_dtype policy trains (collective, as the harness calls it)
         param = _MASTERS.get(_address(tensor)) if _MASTERS else None
@@ -398,24 +422,30 @@ class DeepSpeedTarget(FrameworkTarget):
         # a frozen parameter has no master (no optimizer holds it): its bfloat16 copy, widened
         return tensor.float() if master is None else master
 
-    def make_scheduler(self, optimizer: Any, gamma: float) -> Any:
-        return _Schedule(optimizer.engine)
+    def make_scheduler(self, optimizer: OptimizerLike, gamma: float) -> SchedulerLike:
+        return _Schedule(cast(_Engine, optimizer).engine)  # the optimizer setup returned
 
     def micro_batch(
-        self, model: Any, optimizer: Any, index: int, count: int
-    ) -> AbstractContextManager[Any]:
+        self, model: nn.Module, optimizer: OptimizerLike, index: int, count: int
+    ) -> AbstractContextManager[object]:
         return contextlib.nullcontext()
 
-    def backward(self, model: Any, loss: Any) -> None:
-        model.backward(loss, scale_wrt_gas=False)
+    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
+        engine: DeepSpeedEngine = model  # the model setup returned
+        engine.backward(loss, scale_wrt_gas=False)
 
-    def gradient_shards(self, model: Any, optimizer: Any, params: Any) -> Any:
+    def gradient_shards(
+        self, model: nn.Module, optimizer: OptimizerLike, params: list[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
         from deepspeed.utils import safe_get_full_grad
 
         layout = _LAYOUT[0] if _LAYOUT else None
         if layout is not None:  # round_robin_gradients: this rank's pieces, by the real layout
             trained = [p for p in params if p.requires_grad]
-            return layout.gradient_pieces([p for p in trained if layout.holds(p)]) + [
+            pieces: list[tuple[torch.Tensor, int, torch.Tensor | None]] = [
+                *layout.gradient_pieces([p for p in trained if layout.holds(p)])
+            ]
+            return pieces + [
                 (p, 0, None if (g := safe_get_full_grad(p)) is None else g.reshape(-1))
                 for p in trained
                 if not layout.holds(p)  # no optimizer holds it: its .grad, or None
@@ -426,10 +456,13 @@ class DeepSpeedTarget(FrameworkTarget):
             if p.requires_grad
         ]
 
-    def optimizer_state(self, optimizer: Any) -> Any:
+    def optimizer_state(
+        self, optimizer: OptimizerLike
+    ) -> Mapping[torch.Tensor, Mapping[str, object]]:
         from deepspeed.utils import safe_get_full_optimizer_state
 
-        inner = optimizer.engine.optimizer.optimizer  # the client optimizer, on flat partitions
+        engine = cast(_Engine, optimizer)  # the optimizer setup returned
+        inner = engine.engine.optimizer.optimizer  # the client optimizer, on flat partitions
         keys = sorted(
             {
                 k
@@ -444,8 +477,8 @@ class DeepSpeedTarget(FrameworkTarget):
             for k, v in state.items()
             if not (torch.is_tensor(v) and v.dim() > 0)
         }
-        module = optimizer.module
-        held = {}
+        module = engine.module
+        held: dict[torch.Tensor, dict[str, object]] = {}
         for _, p in module.named_parameters():  # one order on every rank: these are collective
             if not p.requires_grad:
                 continue
@@ -461,7 +494,7 @@ class DeepSpeedTarget(FrameworkTarget):
                 }
         return held
 
-    def teardown(self, model: Any, optimizer: Any) -> None:
+    def teardown(self, model: nn.Module, optimizer: OptimizerLike) -> None:
         from deepspeed.utils import groups
 
         _MASTERS.clear()
@@ -497,11 +530,11 @@ _CACHED_GROUPS = (
 )
 
 
-def _float32_gaps(given: Mapping[str, Any]) -> list[str]:
+def _float32_gaps(given: Mapping[str, object]) -> list[str]:
     """The keys of :data:`_BF16_NEEDS` the config does not set to "fp32"."""
     missing = []
     for key in _BF16_NEEDS:
-        node: Any = given
+        node: object = given
         for part in key.split("."):
             node = node.get(part) if isinstance(node, Mapping) else None
         if node != "fp32":
@@ -509,7 +542,7 @@ def _float32_gaps(given: Mapping[str, Any]) -> list[str]:
     return missing
 
 
-def precision_decline(given: Mapping[str, Any], scenario: Any) -> str | None:
+def precision_decline(given: Mapping[str, object], scenario: Scenario) -> str | None:
     """Why the engine cannot run the scenario's precision policy with this config (None: it
     can). A ``param_dtype`` policy is DeepSpeed's bf16 mode: float32 master weights, forward and
     backward on bfloat16 copies -- and gradients reduced and accumulated in float32 only where
@@ -535,11 +568,11 @@ def precision_decline(given: Mapping[str, Any], scenario: Any) -> str | None:
 
 
 def engine_config(
-    given: Mapping[str, Any], stage: int, accumulation: int, bf16: bool
-) -> dict[str, Any]:
+    given: Mapping[str, object], stage: int, accumulation: int, bf16: bool
+) -> dict[str, object]:
     """The config ``deepspeed.initialize`` gets: the user's ``given`` keys, and what the scenario
     and ddpcheck's harness set (see :data:`SCENARIO_KEYS`, :data:`HARNESS_KEYS`)."""
-    config = {
+    config: dict[str, object] = {
         "steps_per_print": 2**31,
         **given,
         # the scenario's
@@ -547,15 +580,23 @@ def engine_config(
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0
         # the harness's
-        "zero_optimization": {**given.get("zero_optimization", {}), "stage": stage},
+        "zero_optimization": {**_section(given, "zero_optimization"), "stage": stage},
         "zero_allow_untested_optimizer": True,
     }
     if bf16:
-        config["bf16"] = {**given.get("bf16", {}), "enabled": True}
+        config["bf16"] = {**_section(given, "bf16"), "enabled": True}
     return config
 
 
-def _check_parses(config: dict[str, Any]) -> None:
+def _section(given: Mapping[str, object], key: str) -> Mapping[str, object]:
+    """The config's object ``key`` (``{}`` where it has none)."""
+    value = given.get(key, {})
+    if not isinstance(value, Mapping):
+        raise InvalidArgument(f"DeepSpeedTarget: the config's {key!r}={value!r} must be an object")
+    return value
+
+
+def _check_parses(config: dict[str, object]) -> None:
     """Refuse a config DeepSpeed's own parser rejects (a mistyped ``zero_optimization`` key, a
     value of the wrong type) as the user's error, exit 2 -- before ``initialize``, whose
     failures stay DeepSpeed's."""
@@ -575,13 +616,13 @@ def _check_parses(config: dict[str, Any]) -> None:
         ) from None
 
 
-def cast_inputs(module: Any, dtype: torch.dtype) -> None:
+def cast_inputs(module: nn.Module, dtype: torch.dtype) -> None:
     """Cast the floating-point inputs of ``module`` and of every module holding parameters of
     its own to ``dtype``: bf16 mode holds the parameters in bfloat16 and casts no input
     (``fp16.auto_cast`` is fp16's), so a real model takes bfloat16 activations; the reference's
     ``param_dtype`` policy casts the same inputs (``ddpcheck._language.objective``)."""
 
-    def cast(_: Any, args: tuple) -> tuple:
+    def cast(_: nn.Module, args: tuple) -> tuple:
         return tuple(
             a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args
         )
@@ -593,7 +634,7 @@ def cast_inputs(module: Any, dtype: torch.dtype) -> None:
 
 #: This rank's bfloat16 parameters by address, in bf16 mode: their float32 masters are read
 #: through ``safe_get_full_fp32_param`` (``DeepSpeedTarget.full_tensor``); cleared by teardown.
-_MASTERS: dict[tuple, Any] = {}
+_MASTERS: dict[tuple, torch.Tensor] = {}
 
 
 #: The ZeRO optimizer's layout, where ``round_robin_gradients`` is on (set by ``setup``, cleared
@@ -614,7 +655,7 @@ class _Layout:
     gradients (``averaged_gradients``), fp32 masters (``single_partition_of_fp32_groups``) and
     the optimizer's state on them."""
 
-    def __init__(self, zero: Any):
+    def __init__(self, zero: DeepSpeedZeroOptimizer):
         self.zero = zero
         self.places: dict[int, tuple[int, int]] = {}  # id(param) -> (group, offset in its flat)
         offsets = getattr(zero, "round_robin_bit16_offsets", None)
@@ -625,10 +666,10 @@ class _Layout:
                 self.places[id(param)] = (i, place)
                 place += param.numel()
 
-    def holds(self, param: Any) -> bool:
+    def holds(self, param: torch.Tensor) -> bool:
         return id(param) in self.places
 
-    def _owned(self, param: Any) -> tuple[int, int, int] | None:
+    def _owned(self, param: torch.Tensor) -> tuple[int, int, int] | None:
         """This rank's piece of ``param``: (offset in the parameter, offset in this rank's
         partition, length), or None."""
         i, place = self.places[id(param)]
@@ -637,7 +678,7 @@ class _Layout:
         low, high = max(place, start), min(place + param.numel(), start + size)
         return None if low >= high else (low - place, low - start, high - low)
 
-    def _partition(self, i: int, flat: Any) -> Any:
+    def _partition(self, i: int, flat: torch.Tensor | None) -> torch.Tensor:
         if flat is None or flat.numel() != int(self.zero.partition_size[i]):
             raise RuntimeError(
                 f"DeepSpeed's ZeRO partition of param group {i} holds "
@@ -646,9 +687,11 @@ class _Layout:
             )
         return flat
 
-    def gradient_pieces(self, params: Any) -> list[tuple[Any, int, Any]]:
+    def gradient_pieces(
+        self, params: list[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
         """This rank's ``(parameter, offset, flat piece)`` of each gradient (no collective)."""
-        flats: dict[int, Any] = {}
+        flats: dict[int, torch.Tensor] = {}
         pieces = []
         for param in params:
             owned = self._owned(param)
@@ -667,7 +710,9 @@ class _Layout:
             pieces.append((param, offset, flats[i][start : start + length]))
         return pieces
 
-    def whole(self, param: Any, flat_of: Any) -> Any:
+    def whole(
+        self, param: torch.Tensor, flat_of: Callable[[int], torch.Tensor | None]
+    ) -> torch.Tensor | None:
         """``param``'s float32 values in the flat partitions ``flat_of(group)`` (None: nothing
         held there) on every rank, as DeepSpeed's ``get_full_hp_param`` assembles them: each
         rank puts its piece into zeros and the group all-reduces (collective)."""
@@ -684,10 +729,12 @@ class _Layout:
         return buffer.reshape(param.shape)
 
 
-def _flat_state(inner: Any, layout: _Layout, key: str) -> Any:
+def _flat_state(
+    inner: torch.optim.Optimizer, layout: _Layout, key: str
+) -> Callable[[int], torch.Tensor | None]:
     """Group -> the optimizer's ``key`` state on this rank's flat fp32 partition, or None."""
 
-    def flat_of(i: int) -> Any:
+    def flat_of(i: int) -> torch.Tensor | None:
         state = inner.state.get(layout.zero.single_partition_of_fp32_groups[i], {})
         value = state.get(key)
         return value if torch.is_tensor(value) and value.dim() > 0 else None
@@ -695,7 +742,7 @@ def _flat_state(inner: Any, layout: _Layout, key: str) -> Any:
     return flat_of
 
 
-def _address(tensor: Any) -> tuple:
+def _address(tensor: torch.Tensor) -> tuple:
     # a parameter and its .detach() share storage, offset, shape and strides
     return (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
 

@@ -32,13 +32,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from ddpcheck._language.scenario import Scenario
+from ddpcheck._language.training import OptimizerLike, Params, SchedulerLike
 from ddpcheck.targets import ddp_options, lightning_strategy
 from ddpcheck.targets.configuration import (
+    Config,
     construct,
     described,
     load_config,
@@ -46,6 +50,9 @@ from ddpcheck.targets.configuration import (
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.option_space import options
 from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
+
+if TYPE_CHECKING:
+    from ddpcheck.targets.protocol import ConfigSpace
 
 __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "FabricTarget"]
 
@@ -56,7 +63,7 @@ SCENARIO_KEYS: dict[str, str] = {
 }
 _WORLD = "ddpcheck's world: the process group exists, on the world's device"
 #: ``Fabric`` keys ddpcheck's harness fixes: key -> (the values accepted, why).
-HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+HARNESS_KEYS: dict[str, tuple[tuple[object, ...], str]] = {
     "accelerator": ((), _WORLD),
     "devices": ((), _WORLD),
     "num_nodes": ((1,), _WORLD),
@@ -74,7 +81,7 @@ class FabricTarget(ddp_options.TorchDDPFramework):
 
     requires = (("lightning", "2.0.9"),)  # the oldest release tried (docs/frameworks.md)
 
-    config: Any = None  # Fabric(**config): the module docstring
+    config: Config = None  # Fabric(**config): the module docstring
 
     declined_features: ClassVar[Mapping[str, str]] = {
         "rank-orders": TORCH_DDP_ORDER,
@@ -92,12 +99,12 @@ class FabricTarget(ddp_options.TorchDDPFramework):
         object.__setattr__(self, "_given", given)
         object.__setattr__(self, "_ddp", ddp)
 
-    def supports(self, scenario: Any) -> str | None:
+    def supports(self, scenario: Scenario) -> str | None:
         return ddp_options.cannot_run(
             scenario, **self.torch_ddp(), where=" (the config's strategy)"
         )
 
-    def config_space(self) -> Any:
+    def config_space(self) -> ConfigSpace:
         """``Fabric``'s ``strategy`` as a ``config=`` key: torch DDP's ``static_graph``,
         ``gradient_as_bucket_view``, ``find_unused_parameters=False``
         (``lightning_strategy.space``; ``ddpcheck.targets.option_space``)."""
@@ -107,8 +114,12 @@ class FabricTarget(ddp_options.TorchDDPFramework):
         import lightning.fabric  # noqa: F401  (seconds in a rank: once per process, here)
 
     def setup(
-        self, module: Any, params: Any, optimizer_cls: type, **kwargs: Any
-    ) -> tuple[Any, Any]:
+        self,
+        module: nn.Module,
+        params: Params,
+        optimizer_cls: type[torch.optim.Optimizer],
+        **kwargs: Any,  # the scenario's options, for its optimizer class
+    ) -> tuple[nn.Module, OptimizerLike]:
         from lightning.fabric import Fabric
         from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
         from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -144,27 +155,40 @@ class FabricTarget(ddp_options.TorchDDPFramework):
         )
         fabric.launch()  # the processes and the group exist: sets up the strategy only
         model, optimizer = fabric.setup(module, optimizer_cls(params, **kwargs))
-        model.ddpcheck_fabric = fabric
+        setattr(model, _FABRIC, fabric)
         return model, optimizer
 
-    def make_scheduler(self, optimizer: Any, gamma: float) -> Any:
-        return torch.optim.lr_scheduler.ExponentialLR(optimizer.optimizer, gamma)
+    def make_scheduler(self, optimizer: OptimizerLike, gamma: float) -> SchedulerLike:
+        return torch.optim.lr_scheduler.ExponentialLR(_part(optimizer, "optimizer"), gamma)
 
     def micro_batch(
-        self, model: Any, optimizer: Any, index: int, count: int
-    ) -> AbstractContextManager[Any]:
-        return model.ddpcheck_fabric.no_backward_sync(model, enabled=index < count - 1)
+        self, model: nn.Module, optimizer: OptimizerLike, index: int, count: int
+    ) -> AbstractContextManager[object]:
+        return _part(model, _FABRIC).no_backward_sync(model, enabled=index < count - 1)
 
-    def backward(self, model: Any, loss: Any) -> None:
-        model.ddpcheck_fabric.backward(loss, model=model)
+    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
+        _part(model, _FABRIC).backward(loss, model=model)
 
-    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float, norm_type: float) -> Any:
-        return model.ddpcheck_fabric.clip_gradients(
+    def clip_grad_norm(
+        self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float
+    ) -> object:
+        return _part(model, _FABRIC).clip_gradients(
             model, optimizer, max_norm=max_norm, norm_type=norm_type
         )
 
 
-def _check(given: dict[str, Any], where: str) -> dict[str, bool] | None:
+#: The attribute of the model setup returned that holds the example's ``Fabric``.
+_FABRIC = "ddpcheck_fabric"
+
+
+def _part(wrapped: object, name: str) -> Any:
+    """What ``wrapped`` holds as ``name``: the example's ``Fabric`` (hung on the model by
+    setup), or the optimizer Fabric's wrapper holds. Untyped: Lightning types Fabric's methods
+    with its private wrapper classes (``_FabricModule``), which ddpcheck does not import."""
+    return getattr(wrapped, name)
+
+
+def _check(given: dict[str, object], where: str) -> dict[str, bool] | None:
     """``lightning_strategy.checked`` for this target's keyword arguments; skipped without
     Lightning (``Target.requires`` refuses the target before it runs)."""
     try:

@@ -22,16 +22,21 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ddpcheck._base.errors import InvalidArgument
-from ddpcheck._language.scenario import build_model, local_micro_batches
+from ddpcheck._language.scenario import Scenario, build_model, local_micro_batches
 from ddpcheck.targets.configuration import load_config, reconcile
+
+if TYPE_CHECKING:  # torch.distributed.fsdp and .tensor load when an FSDP2 target runs
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import Shard
 
 __all__ = [
     "FSDP_HARNESS_KEYS",
@@ -59,7 +64,7 @@ FSDP_SCENARIO_KEYS: dict[str, str] = {
 }
 _MESH = "ddpcheck's world: the target shards over a one-dimensional mesh of it"
 #: ``fully_shard`` keywords ddpcheck's harness fixes: key -> (the values accepted, why).
-FSDP_HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+FSDP_HARNESS_KEYS: dict[str, tuple[tuple[object, ...], str]] = {
     "mesh": ((None,), _MESH),
     "dp_mesh_dims": ((None,), _MESH),
     "ignored_params": ((None,), "every parameter is sharded and checked"),
@@ -72,7 +77,7 @@ FSDP_HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
-def shard_last_dim(param: Any) -> Any:
+def shard_last_dim(param: torch.Tensor) -> Shard:
     """A ``fully_shard(shard_placement_fn=...)`` that shards each parameter along its last
     dimension (``Shard(0)`` is the default) where the world divides it, else along the first:
     torch 2.13 raises "FSDP does not support uneven sharding on dim 1" (documented: uneven
@@ -85,7 +90,7 @@ def shard_last_dim(param: Any) -> Any:
     return Shard(last if even else 0)
 
 
-def fsdp_config(config: Any) -> dict[str, Any]:
+def fsdp_config(config: object) -> dict[str, object]:
     """``TorchFSDPTarget(config=...)`` read and checked: ``fully_shard``'s keyword arguments,
     ``mp_policy`` and ``offload_policy`` as dicts of their keyword arguments (or the objects);
     the keys the scenario or the harness sets refused (:data:`FSDP_SCENARIO_KEYS`,
@@ -122,22 +127,25 @@ def fsdp_config(config: Any) -> dict[str, Any]:
     return given
 
 
-def fully_shard_signature() -> Any:
+def fully_shard_signature() -> Callable[..., object]:
     from torch.distributed.fsdp import fully_shard  # see shard_leaves
 
     return fully_shard
 
 
-def config_options(given: dict[str, Any], param_dtype: Any, reduce_dtype: Any) -> dict[str, Any]:
+def config_options(
+    given: dict[str, object], param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
+) -> dict[str, object]:
     """``fully_shard`` keywords from a checked config (:func:`fsdp_config`) and the scenario's
     policy: the objects built from their dicts (``offload_policy``: ``CPUOffloadPolicy``'s
     keyword arguments)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy  # see shard_leaves
 
     options = {k: v for k, v in given.items() if k != "reshard_after_forward"}
-    # a policy given as the object was made a dict of its fields by fsdp_config
+    policy = options.pop("mp_policy", None) or {}
+    assert isinstance(policy, dict), policy  # fsdp_config made the object a dict of its fields
     options["mp_policy"] = MixedPrecisionPolicy(
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, **(options.pop("mp_policy", None) or {})
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, **policy
     )
     offload = options.get("offload_policy")
     if isinstance(offload, dict):
@@ -145,7 +153,7 @@ def config_options(given: dict[str, Any], param_dtype: Any, reduce_dtype: Any) -
     return options
 
 
-def broadcast_from(module: Any, src: int) -> None:
+def broadcast_from(module: nn.Module, src: int) -> None:
     """Copy rank ``src``'s parameters and buffers to every rank (FSDP2 does not broadcast; the
     scenarios initialise ranks differently on purpose). Collective: every rank calls it."""
     with torch.no_grad():
@@ -156,11 +164,14 @@ def broadcast_from(module: Any, src: int) -> None:
 
 
 def fully_shard_options(
-    *, cpu_offload: bool = False, param_dtype: Any = None, reduce_dtype: Any = None
-) -> dict[str, Any]:
+    *,
+    cpu_offload: bool = False,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> dict[str, object]:
     """``fully_shard`` keywords for the FSDP2 target's options: ``offload_policy``, and a
     ``MixedPrecisionPolicy`` when either dtype is set (none: FSDP2's defaults, no casts)."""
-    options: dict[str, Any] = {}
+    options: dict[str, object] = {}
     if cpu_offload:
         from torch.distributed.fsdp import CPUOffloadPolicy  # see shard_leaves
 
@@ -174,7 +185,11 @@ def fully_shard_options(
     return options
 
 
-def shard_leaves(module: Any, reshard_after_forward: bool | int | None, **options: Any) -> Any:
+def shard_leaves(
+    module: nn.Module,
+    reshard_after_forward: bool | int | None,
+    **options: Any,  # fully_shard's keywords, each of its own type
+) -> nn.Module:
     """``fully_shard`` every module holding parameters of its own, then the root (which takes
     whatever parameters are left): one FSDP2 parameter group per layer, as real models do.
     Modules sharing a parameter (tied weights) are sharded together, as FSDP2 requires.
@@ -183,8 +198,8 @@ def shard_leaves(module: Any, reshard_after_forward: bool | int | None, **option
     # here: importing torch.distributed.fsdp costs 0.5 s after torch, for FSDP2 targets only
     from torch.distributed.fsdp import fully_shard
 
-    groups: list[list[Any]] = []  # modules that must share one fully_shard call
-    owner: dict[int, list[Any]] = {}  # id(parameter) -> its group
+    groups: list[list[nn.Module]] = []  # modules that must share one fully_shard call
+    owner: dict[int, list[nn.Module]] = {}  # id(parameter) -> its group
     for child in list(module.modules())[1:]:
         own = list(child.parameters(recurse=False))
         if not own:
@@ -201,31 +216,33 @@ def shard_leaves(module: Any, reshard_after_forward: bool | int | None, **option
             reshard_after_forward=reshard_after_forward,
             **options,
         )
-    return fully_shard(module, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(module, reshard_after_forward=reshard_after_forward, **options)
+    return module  # an FSDPModule now: fully_shard swaps its class in place and returns it
 
 
 @contextlib.contextmanager
-def gradient_sync_off(model: Any) -> Iterator[None]:
+def gradient_sync_off(model: nn.Module) -> Iterator[None]:
     """FSDP2's accumulation: no reduce-scatter for these micro-batches (the unsharded gradients
     accumulate locally), and back on for the last one, which reduces the sum."""
-    model.set_requires_gradient_sync(False)
+    sharded = cast("FSDPModule", model)  # the root fully_shard returned
+    sharded.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        sharded.set_requires_gradient_sync(True)
 
 
 #: The last answers of :func:`fsdp_cannot_run`, by the scenario's identity (a Scenario holds
 #: dicts: it has no hash), each holding its scenario so the id is not reused: a drawn scenario is
 #: asked at the draw and again at admission, a battery scenario at every world size, and each
 #: answer costs forwards of every rank's micro-batches (~10-50 ms).
-_ANSWERS: collections.OrderedDict[tuple[int, tuple[int, ...]], tuple[Any, str | None]] = (
+_ANSWERS: collections.OrderedDict[tuple[int, tuple[int, ...]], tuple[Scenario, str | None]] = (
     collections.OrderedDict()
 )
 _KEPT_ANSWERS = 32
 
 
-def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> str | None:
+def fsdp_cannot_run(scenario: Scenario, world_sizes: tuple[int, ...] = (2, 3, 4)) -> str | None:
     """Why FSDP2 cannot run ``scenario`` (:func:`_cannot_run`), remembered for the last few
     scenarios asked."""
     sizes = tuple(world_sizes)
@@ -240,7 +257,7 @@ def fsdp_cannot_run(scenario: Any, world_sizes: tuple[int, ...] = (2, 3, 4)) -> 
     return why
 
 
-def _cannot_run(scenario: Any, world_sizes: tuple[int, ...]) -> str | None:
+def _cannot_run(scenario: Scenario, world_sizes: tuple[int, ...]) -> str | None:
     """Why FSDP2 cannot run ``scenario``, read from forwards of every rank's micro-batches on
     the initial weights (as ``ddpcheck.features`` reads parameter usage); None when it can:
 
@@ -268,7 +285,7 @@ def _cannot_run(scenario: Any, world_sizes: tuple[int, ...]) -> str | None:
     return None
 
 
-def _empty_shard(scenario: Any, model: Any, world_sizes: tuple[int, ...]) -> str | None:
+def _empty_shard(scenario: Scenario, model: nn.Module, world_sizes: tuple[int, ...]) -> str | None:
     """Infinity-norm clipping where some rank holds an empty shard of a parameter."""
     if scenario.max_grad_norm is not None and math.isinf(scenario.grad_norm_type):
         for name, p in model.named_parameters():
@@ -287,15 +304,15 @@ class _Forwards:
     in the last one, in order (``called``), and the parameters used outside the forward of every
     layer holding them (``outside``, never cleared: the first one ends the search)."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: nn.Module):
         self.model = model
         # id(parameter) -> the modules holding it (tied: several)
-        self.owners: dict[int, list[Any]] = {}
+        self.owners: dict[int, list[nn.Module]] = {}
         for m in model.modules():
             for p in m.parameters(recurse=False):
                 self.owners.setdefault(id(p), []).append(m)
         self.names = {id(p): n for n, p in model.named_parameters()}
-        self.active: list[Any] = []  # the layers whose forward is running
+        self.active: list[nn.Module] = []  # the layers whose forward is running
         self.called: list[str] = []
         self.outside: list[str] = []
 
@@ -315,14 +332,14 @@ class _Forwards:
             for hook in hooks:
                 hook.remove()
 
-    def _enter(self, module: Any, _: Any, name: str) -> None:
+    def _enter(self, module: nn.Module, _: object, name: str) -> None:
         self.called.append(name)
         self.active.append(module)
 
-    def _leave(self, *_: Any) -> None:
+    def _leave(self, *_: object) -> None:
         self.active.pop()
 
-    def forward(self, x: Any) -> None:
+    def forward(self, x: torch.Tensor) -> None:
         """One forward of ``x``, its layers and parameter uses watched."""
         self.called.clear()
         with _Uses(self):
@@ -339,11 +356,11 @@ class _Uses(TorchFunctionMode):
 
     def __torch_function__(
         self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
+        func: Callable[..., object],
+        types: object,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
         f = self.forwards
         # reading an attribute (param.dtype, .shape) computes nothing with the parameter
         reads = getattr(func, "__name__", "") == "__get__"
@@ -354,7 +371,9 @@ class _Uses(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step_cannot_run(forwards: _Forwards, scenario: Any, step: int, world_size: int) -> str | None:
+def _step_cannot_run(
+    forwards: _Forwards, scenario: Scenario, step: int, world_size: int
+) -> str | None:
     """Why FSDP2 cannot run one step at ``world_size``, from every rank's micro-batches."""
     seen = []
     for rank in range(world_size):
@@ -369,7 +388,7 @@ def _step_cannot_run(forwards: _Forwards, scenario: Any, step: int, world_size: 
     return _unpaired(seen, step, world_size)
 
 
-def _forward_cannot_run(forwards: _Forwards, scenario: Any) -> str | None:
+def _forward_cannot_run(forwards: _Forwards, scenario: Scenario) -> str | None:
     """A parameter used outside its layer's forward, or a layer run twice with accumulation."""
     if forwards.outside:
         return (

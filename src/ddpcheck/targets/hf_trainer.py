@@ -64,17 +64,29 @@ import math
 import os
 import tempfile
 from collections.abc import Iterator, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
+from torch import nn
 
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language import objective
+from ddpcheck._language.scenario import Scenario
+from ddpcheck._language.training import FitRun, OptimizerLike, SchedulerLike
 from ddpcheck.targets import ddp_options
-from ddpcheck.targets.configuration import described, load_config, reconcile
+from ddpcheck.targets.configuration import Config, described, load_config, reconcile
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.option_space import options
 from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
+
+if TYPE_CHECKING:  # mypy skips transformers (pyproject.toml): it reads these names untyped
+    from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState
+    from transformers import TrainingArguments as Arguments
+
+    from ddpcheck.targets.protocol import ConfigSpace
+
+#: A batch as the Trainer takes it from ddpcheck: a micro-batch's tokens and labels.
+Batch = dict[str, torch.Tensor]
 
 __all__ = [
     "HARNESS_KEYS",
@@ -200,10 +212,10 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
     # own: bench/hf_token_weights.py); the Trainer needs accelerate, from 1.1.0
     requires = (("transformers", "4.46.3"), ("accelerate", "1.1.0"))
 
-    training_args: Any = None  # the older spelling of ``config``
+    training_args: Config = None  # the older spelling of ``config``
     loss_kwargs: bool = True
-    trainer_class: Any = None
-    config: Any = None
+    trainer_class: type | None = None
+    config: Config = None
 
     declined_features: ClassVar[Mapping[str, str]] = {
         "rank-orders": TORCH_DDP_ORDER,
@@ -238,7 +250,7 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
         if self.trainer_class is not None:
             _check_trainer_class(self.trainer_class)
 
-    def config_space(self) -> Any:
+    def config_space(self) -> ConfigSpace:
         """``TrainingArguments`` keys that change how the Trainer runs DDP but not what it
         computes: counting the input tokens seen (a gather of counts every step), a smaller DDP
         bucket. Not ``average_tokens_across_devices=False`` nor ``loss_kwargs=False``: each is
@@ -271,7 +283,7 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
     def warm_up(self) -> None:
         from transformers import Trainer  # noqa: F401  (seconds in a rank: once per process)
 
-    def supports(self, scenario: Any) -> str | None:
+    def supports(self, scenario: Scenario) -> str | None:
         cannot = ddp_options.cannot_run(
             scenario, **self.torch_ddp(), where=" (the config's ddp_find_unused_parameters)"
         )
@@ -296,12 +308,12 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
             )
         return None
 
-    def model_for(self, net: torch.nn.Module, scenario: Any) -> torch.nn.Module:
+    def model_for(self, net: torch.nn.Module, scenario: Scenario) -> torch.nn.Module:
         """The model the Trainer trains: the scenario's ``net`` as a causal LM."""
         cls = ScenarioCausalLM if self.loss_kwargs else ScenarioCausalLMWithoutLossKwargs
         return cls(net, scenario)
 
-    def fit(self, module: Any, run: Any) -> None:
+    def fit(self, module: nn.Module, run: FitRun) -> None:
         from transformers import Trainer, TrainerCallback, TrainingArguments
 
         join_existing_group()
@@ -348,14 +360,14 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
             )
             recorder.trainer.train()
 
-    def teardown(self, model: Any, optimizer: Any) -> None:
+    def teardown(self, model: nn.Module, optimizer: OptimizerLike) -> None:
         from accelerate.state import AcceleratorState, GradientState
 
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
 
 
-def _check_environment(scenario: Any) -> None:
+def _check_environment(scenario: Scenario) -> None:
     """Refuse a precision the environment imposes on a scenario without autocast:
     ``TrainingArguments`` takes ``ACCELERATE_MIXED_PRECISION`` as its mixed precision unless
     ``bf16``/``fp16`` say otherwise (transformers 4.x also writes it there itself, which
@@ -388,7 +400,7 @@ def _accelerate_environment_kept() -> Iterator[None]:
         os.environ.update(before)
 
 
-def _check_trainer_class(cls: Any) -> None:
+def _check_trainer_class(cls: object) -> None:
     from transformers import Trainer  # the class given was built on it: imported already
 
     if not (isinstance(cls, type) and issubclass(cls, Trainer)):
@@ -416,7 +428,12 @@ def _shown(given: dict) -> str:
 
 
 def arguments(
-    given: dict, scenario: Any, steps: int, accumulation: int, device: torch.device, folder: str
+    given: dict,
+    scenario: Scenario,
+    steps: int,
+    accumulation: int,
+    device: torch.device,
+    folder: str,
 ) -> dict:
     """The ``TrainingArguments`` keyword arguments of one run: the user's ``given`` ones, and
     what the scenario and ddpcheck's harness set (see the module docstring)."""
@@ -450,7 +467,7 @@ class ScenarioCausalLM(torch.nn.Module):
     (the module docstring). ``model``: the scenario's module, whose parameters keep their
     objects."""
 
-    def __init__(self, net: torch.nn.Module, scenario: Any):
+    def __init__(self, net: torch.nn.Module, scenario: Scenario):
         super().__init__()
         self.model = net
         self.scenario = scenario
@@ -458,12 +475,18 @@ class ScenarioCausalLM(torch.nn.Module):
     # ``**loss_kwargs`` by that name: transformers 4.46 looks for it (later releases for any
     # ``**``), to pass ``num_items_in_batch``
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **loss_kwargs: Any
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        **loss_kwargs: torch.Tensor | int,
     ) -> dict:
         return self.outputs(input_ids, labels, loss_kwargs.get("num_items_in_batch"))
 
     def outputs(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None, num_items_in_batch: Any
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None,
+        num_items_in_batch: torch.Tensor | int | None,
     ) -> dict:
         logits = self.model(input_ids)
         if labels is None:
@@ -488,17 +511,17 @@ class ScenarioCausalLMWithoutLossKwargs(ScenarioCausalLM):
         return self.outputs(input_ids, labels, None)
 
 
-def _loader(run: Any) -> list:
+def _loader(run: FitRun) -> list[Batch]:
     """This rank's micro-batches, in order, as the Trainer's batches."""
     return [{"input_ids": x, "labels": y} for step in run.batches for x, y, _ in step]
 
 
-def _trainer(trainer_cls: type, batches: list) -> type:
+def _trainer(trainer_cls: type, batches: list[Batch]) -> type:
     """The ``Trainer`` subclass that trains on ``batches`` (classes made here: transformers is
     imported only when the target runs)."""
 
     class Trainer(trainer_cls):  # type: ignore[misc]  # transformers' Trainer
-        def get_train_dataloader(self) -> Any:
+        def get_train_dataloader(self) -> torch.utils.data.DataLoader[Batch]:
             return torch.utils.data.DataLoader(
                 batches,  # type: ignore[arg-type]  # a list
                 batch_size=None,
@@ -508,25 +531,33 @@ def _trainer(trainer_cls: type, batches: list) -> type:
     return Trainer
 
 
-def _recorder(callback_cls: type, run: Any, module: Any, scheduler: Any) -> Any:
+def _recorder(
+    callback_cls: type, run: FitRun, module: nn.Module, scheduler: SchedulerLike | None
+) -> TrainerCallback:
     """The callback through which ddpcheck records the Trainer's run (the module docstring)."""
 
     class Recorder(callback_cls):  # type: ignore[misc]  # transformers' callback
         def __init__(self) -> None:
-            self.trainer: Any = None  # set once the Trainer is built
+            self.trainer: Trainer = None  # set once the Trainer is built
             self.kept: list = []
 
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        def on_train_begin(
+            self, args: Arguments, state: TrainerState, control: TrainerControl, **kwargs: object
+        ) -> None:
             run.started(self.trainer.model_wrapped, self.trainer.optimizer)
 
-        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        def on_pre_optimizer_step(
+            self, args: Arguments, state: TrainerState, control: TrainerControl, **kwargs: object
+        ) -> None:
             # clipped, synchronised: what optimizer.step() receives
             self.kept = [
                 (p, None if p.grad is None else p.grad.detach().clone())
                 for p in module.parameters()
             ]
 
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        def on_step_end(
+            self, args: Arguments, state: TrainerState, control: TrainerControl, **kwargs: object
+        ) -> None:
             with _gradients_back(self.kept):
                 run.record(self.trainer.model_wrapped, self.trainer.optimizer, scheduler)
             self.kept = []

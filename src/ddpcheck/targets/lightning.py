@@ -47,14 +47,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
+from ddpcheck._language.scenario import Scenario
+from ddpcheck._language.training import FitRun
 from ddpcheck.targets import ddp_options, lightning_strategy
 from ddpcheck.targets.configuration import (
+    Config,
     construct,
     described,
     load_config,
@@ -62,6 +66,15 @@ from ddpcheck.targets.configuration import (
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.option_space import options
 from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from ddpcheck.targets.protocol import ConfigSpace
+
+#: One micro-batch as the loop feeds it: ``(x, y, scale)``.
+MicroBatch = tuple[torch.Tensor, torch.Tensor, float]
 
 __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "LightningTarget"]
 
@@ -89,7 +102,7 @@ SCENARIO_KEYS: dict[str, str] = {
 }
 _WORLD = "ddpcheck's world: the process group exists, on the world's device"
 #: ``Trainer`` keys ddpcheck's harness fixes: key -> (the values accepted, why).
-HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+HARNESS_KEYS: dict[str, tuple[tuple[object, ...], str]] = {
     "accelerator": ((), _WORLD),
     "devices": ((), _WORLD),
     "num_nodes": ((1,), _WORLD),
@@ -124,7 +137,7 @@ class LightningTarget(ddp_options.TorchDDPFramework):
 
     manual: bool = False  # manual optimization instead of automatic
     static_graph: bool = False  # DDPStrategy(static_graph=True)
-    config: Any = None  # Trainer(**config): the module docstring
+    config: Config = None  # Trainer(**config): the module docstring
 
     declined_features: ClassVar[Mapping[str, str]] = {
         "rank-orders": TORCH_DDP_ORDER,
@@ -148,7 +161,7 @@ class LightningTarget(ddp_options.TorchDDPFramework):
         object.__setattr__(self, "_given", given)
         object.__setattr__(self, "_ddp", ddp)
 
-    def config_space(self) -> Any:
+    def config_space(self) -> ConfigSpace:
         """Manual optimization and a static graph (the fields), or manual optimization and the
         ``Trainer``'s ``strategy`` as a ``config=`` key: torch DDP's ``static_graph``,
         ``gradient_as_bucket_view``, ``find_unused_parameters=False``
@@ -168,7 +181,7 @@ class LightningTarget(ddp_options.TorchDDPFramework):
     def warm_up(self) -> None:
         import lightning.pytorch  # noqa: F401  (seconds in a rank: once per process, here)
 
-    def supports(self, scenario: Any) -> str | None:
+    def supports(self, scenario: Scenario) -> str | None:
         ddp = self.torch_ddp()
         cannot = ddp_options.cannot_run(
             scenario,
@@ -189,7 +202,7 @@ class LightningTarget(ddp_options.TorchDDPFramework):
             )
         return None
 
-    def fit(self, module: Any, run: Any) -> None:
+    def fit(self, module: nn.Module, run: FitRun) -> None:
         import lightning.pytorch as pl
         from lightning.fabric.utilities.exceptions import MisconfigurationException
 
@@ -239,14 +252,14 @@ class LightningTarget(ddp_options.TorchDDPFramework):
             )
         )
         # a list is a map-style dataset (len and getitem); torch's annotation asks for Dataset
-        loader: torch.utils.data.DataLoader[Any] = torch.utils.data.DataLoader(
+        loader: torch.utils.data.DataLoader[MicroBatch] = torch.utils.data.DataLoader(
             [micro for step in run.batches for micro in step],  # type: ignore[arg-type]
             batch_size=None,
             shuffle=False,
         )
         trainer.fit(net, train_dataloaders=loader)
 
-    def _strategy(self) -> Any:
+    def _strategy(self) -> DDPStrategy:
         """This run's strategy: the config's, built afresh, or the target's own."""
         from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
@@ -261,7 +274,7 @@ class LightningTarget(ddp_options.TorchDDPFramework):
         )
 
 
-def _check(given: dict[str, Any], where: str) -> dict[str, bool] | None:
+def _check(given: dict[str, object], where: str) -> dict[str, bool] | None:
     """``lightning_strategy.checked`` for this target's keyword arguments; skipped without
     Lightning (``Target.requires`` refuses the target before it runs)."""
     try:
@@ -279,7 +292,13 @@ def _check(given: dict[str, Any], where: str) -> dict[str, bool] | None:
     )
 
 
-def _module(pl: Any, net: Any, run: Any, accumulation: int, manual: bool) -> Any:
+def _module(
+    pl: Any,  # lightning.pytorch, imported by fit: its classes are subclassed here
+    net: nn.Module,
+    run: FitRun,
+    accumulation: int,
+    manual: bool,
+) -> LightningModule:
     """The ``LightningModule`` around the scenario's model (classes made here: Lightning is
     imported only when the target runs)."""
 
@@ -289,10 +308,11 @@ def _module(pl: Any, net: Any, run: Any, accumulation: int, manual: bool) -> Any
             self.net = net
             self.automatic_optimization = not manual
 
-        def forward(self, x: torch.Tensor) -> Any:
-            return self.net(x)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.net(x)
+            return out
 
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
+        def training_step(self, batch: MicroBatch, batch_idx: int) -> torch.Tensor | None:
             x, y, scale = batch
             loss = run.loss(self.net, x, y, scale)
             if not manual:  # Lightning divides by accumulate_grad_batches; ours is scaled
@@ -302,14 +322,16 @@ def _module(pl: Any, net: Any, run: Any, accumulation: int, manual: bool) -> Any
                 _manual_step(self, run)
             return None
 
-        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_start(self, batch: MicroBatch, batch_idx: int) -> None:
             if manual and batch_idx % accumulation == 0:
                 self.optimizers().zero_grad(set_to_none=run.set_to_none)
 
-        def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        def optimizer_zero_grad(
+            self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer
+        ) -> None:
             optimizer.zero_grad(set_to_none=run.set_to_none)
 
-        def configure_optimizers(self) -> Any:
+        def configure_optimizers(self) -> torch.optim.Optimizer | dict[str, object]:
             optimizer = run.optimizer(run.params, **run.optimizer_kwargs)
             if run.gamma is None:
                 return optimizer
@@ -322,35 +344,52 @@ def _module(pl: Any, net: Any, run: Any, accumulation: int, manual: bool) -> Any
     return Module()
 
 
-def _manual_step(module: Any, run: Any) -> None:
+def _manual_step(module: LightningModule, run: FitRun) -> None:
     """The step that ends an accumulation window under manual optimization: clip, step the
-    optimizer, then the schedule."""
+    optimizer, then the schedule (one of each: configure_optimizers returns them)."""
     optimizer = module.optimizers()
+    if isinstance(optimizer, list):
+        raise TypeError("LightningTarget's module configures one optimizer, not a list")
     if run.max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(module.parameters(), run.max_grad_norm, run.grad_norm_type)
     optimizer.step()
     scheduler = module.lr_schedulers()
+    if isinstance(scheduler, list):
+        raise TypeError("LightningTarget's module configures one LR schedule, not a list")
     if scheduler is not None:
         scheduler.step()
 
 
-def _recorder(pl: Any, run: Any, accumulation: int) -> Any:
+def _recorder(pl: Any, run: FitRun, accumulation: int) -> object:  # pl: as _module's
     """The callback through which ddpcheck records the Trainer's run."""
 
     class Recorder(pl.Callback):
-        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            run.started(trainer.strategy.model, trainer.optimizers[0])
+        def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            run.started(_model(trainer), trainer.optimizers[0])
 
         def on_train_batch_end(
-            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+            self,
+            trainer: Trainer,
+            pl_module: LightningModule,
+            outputs: object,
+            batch: MicroBatch,
+            batch_idx: int,
         ) -> None:
             if (batch_idx + 1) % accumulation:
                 return  # inside the accumulation window: no optimizer step yet
             configs = trainer.lr_scheduler_configs
             run.record(
-                trainer.strategy.model,
+                _model(trainer),
                 trainer.optimizers[0],
                 configs[0].scheduler if configs else None,
             )
 
     return Recorder()
+
+
+def _model(trainer: Trainer) -> nn.Module:
+    """The model the Trainer's strategy trains (wrapped by it: torch DDP)."""
+    model = trainer.strategy.model
+    if model is None:
+        raise RuntimeError("Lightning's strategy holds no model inside Trainer.fit")
+    return model

@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._base.options import did_you_mean
 from ddpcheck.targets.configuration import keywords_of, reconcile
+
+if TYPE_CHECKING:
+    from hypothesis.strategies import SearchStrategy
+
+S = TypeVar("S")
 
 __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "checked", "make", "options_of", "space", "view"]
 
@@ -33,7 +38,7 @@ SCENARIO_KEYS: dict[str, str] = {
     "scenario keeps)",
 }
 #: What of a strategy ddpcheck's harness fixes: key -> (the values accepted, why).
-HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+HARNESS_KEYS: dict[str, tuple[tuple[object, ...], str]] = {
     "strategy.start_method": (
         ("popen",),
         "ddpcheck started the processes: the strategy joins "
@@ -46,20 +51,23 @@ HARNESS_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
-def space(*, static_graph: bool = True) -> Any:
+def space(*, static_graph: bool = True) -> SearchStrategy[dict[str, object]]:
     """The values ``config_space()`` draws for ``strategy``: the JSON form of the targets' own
     ``DDPStrategy(find_unused_parameters=True)`` with torch DDP's options drawn over it
     (``static_graph`` left out where the target's field sets it); what DDP cannot train under
     them is declined (``ddp_options``). Imports hypothesis: only where a space is built."""
     from ddpcheck.targets.option_space import nested
 
-    keys: dict[str, Any] = {"find_unused_parameters": (False,), "gradient_as_bucket_view": (True,)}
+    keys: dict[str, tuple[object, ...]] = {
+        "find_unused_parameters": (False,),
+        "gradient_as_bucket_view": (True,),
+    }
     if static_graph:
         keys["static_graph"] = (True,)
     return nested(keys, base={"name": "ddp", "find_unused_parameters": True})
 
 
-def make(value: Any, *, registry: Any, ddp_cls: type, where: str) -> Any:
+def make(value: object, *, registry: Mapping[str, dict], ddp_cls: type[S], where: str) -> S:
     """A fresh strategy object from ``value`` (an object, a registry name, or its JSON form),
     refused -- naming why -- where it is no ``ddp_cls``."""
     if isinstance(value, (str, Mapping)):
@@ -110,7 +118,7 @@ def _lightnings(cls: type) -> type | None:
     )
 
 
-def view(strategy: Any, where: str) -> dict[str, Any]:
+def view(strategy: object, where: str) -> dict[str, object]:
     """What the rule judges of a built ``strategy``: its ``start_method`` and the keyword
     arguments it passes to ``DistributedDataParallel``, which must be torch's."""
     from torch.nn.parallel import DistributedDataParallel
@@ -126,7 +134,7 @@ def view(strategy: Any, where: str) -> dict[str, Any]:
     return {"start_method": getattr(strategy, "_start_method", "popen"), **kwargs}
 
 
-def options_of(strategy: Any) -> dict[str, bool]:
+def options_of(strategy: object) -> dict[str, bool]:
     """The DDP options of ``strategy`` that decide what it can train (``ddp_options``)."""
     kwargs = getattr(strategy, "_ddp_kwargs", {})
     return {
@@ -136,13 +144,13 @@ def options_of(strategy: Any) -> dict[str, bool]:
 
 
 def checked(
-    given: dict[str, Any],
+    given: dict[str, object],
     where: str,
     *,
     owner: type,
-    registry: Any,
-    ddp_cls: type,
-    keys: tuple[Mapping[str, str], Mapping[str, tuple[tuple[Any, ...], str]]],
+    registry: Mapping[str, dict],
+    ddp_cls: type[object],
+    keys: tuple[Mapping[str, str], Mapping[str, tuple[tuple[object, ...], str]]],
 ) -> dict[str, bool] | None:
     """Refuse what the rule refuses (``configuration.reconcile``) in a Trainer's or Fabric's
     (``owner``'s) keyword arguments, naming the keys, the strategy built to be read; the DDP

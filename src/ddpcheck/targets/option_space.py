@@ -45,7 +45,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 from ddpcheck._base.errors import InvalidArgument
 from ddpcheck.targets.configuration import load_config
@@ -53,9 +53,11 @@ from ddpcheck.targets.configuration import load_config
 if TYPE_CHECKING:
     from hypothesis import strategies as st
 
+    from ddpcheck.targets.protocol import Target
+
     #: How :func:`options` takes a key's values: a strategy, or the values to sample from
     #: (shrinking towards the first).
-    Values = st.SearchStrategy[Any] | Sequence[Any]
+    Values = st.SearchStrategy[object] | Sequence[object]
 
 __all__ = [
     "DRAWS",
@@ -72,7 +74,7 @@ __all__ = [
 ]
 
 
-def _strategy(values: Values, where: str) -> st.SearchStrategy[Any]:
+def _strategy(values: Values, where: str) -> st.SearchStrategy[object]:
     from hypothesis import strategies as st
 
     if isinstance(values, st.SearchStrategy):
@@ -90,12 +92,12 @@ def options(
     fields: Mapping[str, Values] | None = None,
     config: Mapping[str, Values] | None = None,
     **dicts: Mapping[str, Values],
-) -> st.SearchStrategy[dict[str, Any]]:
+) -> st.SearchStrategy[dict[str, object]]:
     """The strategy of a target's options (see the module docstring): ``fields`` -- field name
     to its non-default values -- each drawn or left out; ``config`` (and any other dict-valued
     field given by name, e.g. ``training_args={...}``) -- key to its values -- drawn as a dict of
     optional keys, left out when it holds none."""
-    optional: dict[str, st.SearchStrategy[Any]] = {
+    optional: dict[str, st.SearchStrategy[object]] = {
         name: _strategy(values, name) for name, values in (fields or {}).items()
     }
     for name, keys in {**({"config": config} if config else {}), **dicts}.items():
@@ -108,8 +110,8 @@ def options(
 
 
 def nested(
-    keys: Mapping[str, Values], *, base: Mapping[str, Any] | None = None
-) -> st.SearchStrategy[dict[str, Any]]:
+    keys: Mapping[str, Values], *, base: Mapping[str, object] | None = None
+) -> st.SearchStrategy[dict[str, object]]:
     """The values of one ``config`` key that is itself a dict (a strategy's keyword arguments,
     ``zero_optimization``): its ``keys`` each drawn or left out, merged over ``base`` (what the
     target passes without the key) when any is drawn, and ``{}`` -- the key left out -- when none
@@ -131,18 +133,20 @@ class _Nested(dict):
     so :func:`single_options` can split a large one a key per row. Only the drawing sees it:
     :func:`vary` hands the target plain dicts (a framework's config parser need not know it)."""
 
-    base: dict[str, Any]
+    base: dict[str, object]
     size: int
 
     @classmethod
-    def over(cls, base: dict[str, Any], size: int, drawn: dict[str, Any]) -> dict[str, Any]:
+    def over(
+        cls, base: dict[str, object], size: int, drawn: dict[str, object]
+    ) -> dict[str, object]:
         if not drawn:
             return {}
         value = cls({**base, **drawn})
         value.base, value.size = base, size
         return value
 
-    def rows(self) -> list[dict[str, Any]]:
+    def rows(self) -> list[dict[str, object]]:
         """Itself, or a key per row over its base when its space is large."""
         if self.size <= COMBINED_KEYS:
             return [dict(self)]
@@ -153,7 +157,7 @@ class _Nested(dict):
         ]
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     """``value`` with every :class:`_Nested` inside it a plain dict."""
     if isinstance(value, Mapping):
         return {key: _plain(inner) for key, inner in value.items()}
@@ -167,8 +171,8 @@ _ABSENT = object()
 
 
 def _optional_keys(
-    strategies: Mapping[str, st.SearchStrategy[Any]],
-) -> st.SearchStrategy[dict[str, Any]]:
+    strategies: Mapping[str, st.SearchStrategy[object]],
+) -> st.SearchStrategy[dict[str, object]]:
     """Dicts of some of ``strategies``' keys. Each key is ``one_of(absent, its values)``, not
     ``fixed_dictionaries(optional=...)``: Hypothesis 6.170 does not shrink an optional key of
     those away (tests/runs/test_fuzz_config.py), and this shrinks each towards absent; an empty
@@ -180,13 +184,13 @@ def _optional_keys(
     ).map(_present)
 
 
-def _present(drawn: dict[str, Any]) -> dict[str, Any]:
+def _present(drawn: dict[str, object]) -> dict[str, object]:
     return {
         k: v for k, v in drawn.items() if v is not _ABSENT and not (isinstance(v, dict) and not v)
     }
 
 
-def space_of(target: Any) -> st.SearchStrategy[dict[str, Any]] | None:
+def space_of(target: object) -> st.SearchStrategy[dict[str, object]] | None:
     """``target.config_space()``, checked: None, or a strategy (anything else is refused)."""
     from hypothesis import strategies as st
 
@@ -201,19 +205,20 @@ def space_of(target: Any) -> st.SearchStrategy[dict[str, Any]] | None:
     return space
 
 
-def vary(target: Any, drawn: Mapping[str, Any]) -> Any:
+def vary(target: Target, drawn: Mapping[str, object]) -> Target:
     """``target`` with the drawn options: ``dataclasses.replace``, a dict-valued field merged
     (the target's own keys win); ``target`` itself when nothing was drawn."""
     if not drawn:
         return target
     name = type(target).__name__
-    if not dataclasses.is_dataclass(target):
+    instance: object = target  # a Target, and the dataclass replace() needs
+    if not dataclasses.is_dataclass(instance) or isinstance(instance, type):
         raise InvalidArgument(
             f"{name}.config_space() drew {dict(drawn)!r}, but {name} is no "
             "dataclass: the drawn options are applied by dataclasses.replace"
         )
-    fields = {f.name for f in dataclasses.fields(target) if f.init}
-    change: dict[str, Any] = {}
+    fields = {f.name for f in dataclasses.fields(instance) if f.init}
+    change: dict[str, object] = {}
     for key, value in drawn.items():
         if key not in fields:
             raise InvalidArgument(
@@ -233,16 +238,16 @@ def vary(target: Any, drawn: Mapping[str, Any]) -> Any:
                 )
             value = {**value, **own}
         change[key] = _plain(value)
-    instance: Any = target  # a dataclass, as checked above
     try:
-        return dataclasses.replace(instance, **change)
+        varied = dataclasses.replace(instance, **change)
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(
             f"{name}.config_space() drew {dict(drawn)!r}, which {name} refuses: {exc}"
         ) from exc
+    return cast("Target", varied)  # replace() keeps the class
 
 
-def configurations(target: Any) -> st.SearchStrategy[Any]:
+def configurations(target: Target) -> st.SearchStrategy[Target]:
     """Configured copies of ``target``, what ``fuzz_config=True`` draws beside each scenario:
     ``vary(target, drawn)`` for each draw of its ``config_space()``, shrinking towards ``target``
     itself. For your own ``@given`` test, with :func:`ddpcheck.strategies.examples` drawn against
@@ -258,7 +263,7 @@ def configurations(target: Any) -> st.SearchStrategy[Any]:
     return space.map(functools.partial(vary, target))
 
 
-def differences(base: Any, variant: Any) -> list[tuple[str, Any]]:
+def differences(base: object, variant: object) -> list[tuple[str, object]]:
     """The options ``variant`` holds that differ from ``base``'s: ``(name, value)``, a
     dict-valued field's keys as ``field.key`` (the module docstring), in field order."""
     if (
@@ -267,7 +272,7 @@ def differences(base: Any, variant: Any) -> list[tuple[str, Any]]:
         or type(base) is not type(variant)
     ):
         return []
-    found: list[tuple[str, Any]] = []
+    found: list[tuple[str, object]] = []
     for field in dataclasses.fields(variant):
         if not field.init:
             continue
@@ -286,7 +291,7 @@ def differences(base: Any, variant: Any) -> list[tuple[str, Any]]:
     return found
 
 
-def described(base: Any, variant: Any) -> str:
+def described(base: object, variant: object) -> str:
     """``"with static_graph=True, manual=True"``, or ``"with the target as given"``."""
     found = differences(base, variant)
     if not found:
@@ -294,11 +299,11 @@ def described(base: Any, variant: Any) -> str:
     return "with " + ", ".join(f"{name}={_shown(value)}" for name, value in found)
 
 
-def single_options(drawn: Mapping[str, Any]) -> list[dict[str, Any]]:
+def single_options(drawn: Mapping[str, object]) -> list[dict[str, object]]:
     """``drawn`` split into one option each: ``{field: value}``, ``{field: {key: value}}`` per
     key of a dict-valued field, and per key of a :func:`nested` value larger than
     :data:`COMBINED_KEYS` (over its base)."""
-    singles: list[dict[str, Any]] = []
+    singles: list[dict[str, object]] = []
     for key, value in drawn.items():
         if isinstance(value, _Nested):  # a field drawn by nested() itself
             singles += [{key: row} for row in value.rows()]
@@ -317,8 +322,11 @@ DRAWS = 200
 
 
 def drawn_options(
-    space: st.SearchStrategy[dict[str, Any]] | None, *, draws: int = DRAWS, seed: int | None = None
-) -> list[dict[str, Any]]:
+    space: st.SearchStrategy[dict[str, object]] | None,
+    *,
+    draws: int = DRAWS,
+    seed: int | None = None,
+) -> list[dict[str, object]]:
     """Every single option (:func:`single_options`) ``draws`` configurations of ``space`` hold,
     each once, ordered by name then value: the rows of ``survey(fuzz_config=True)`` and what
     ``assert_equivalent(fuzz_config=True)`` runs the battery under. The same every call unless
@@ -328,7 +336,7 @@ def drawn_options(
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hypothesis_seed
 
-    seen: dict[str, dict[str, Any]] = {}
+    seen: dict[str, dict[str, object]] = {}
 
     @settings(
         max_examples=draws,
@@ -338,7 +346,7 @@ def drawn_options(
         suppress_health_check=list(HealthCheck),
     )
     @given(space)
-    def collect(chosen: dict[str, Any]) -> None:
+    def collect(chosen: dict[str, object]) -> None:
         for single in single_options(chosen):
             seen.setdefault(repr(_canonical(single)), single)
 
@@ -348,7 +356,7 @@ def drawn_options(
     return [seen[key] for key in sorted(seen, key=lambda k: _order(seen[k], k))]
 
 
-def _canonical(value: Any) -> Any:
+def _canonical(value: object) -> object:
     """``value`` with every dict's keys sorted: one option drawn with its keys in another order
     (a nested strategy's keyword arguments) is the same option, one row of the survey."""
     if isinstance(value, Mapping):
@@ -358,20 +366,21 @@ def _canonical(value: Any) -> Any:
     return value
 
 
-def _order(single: Mapping[str, Any], text: str) -> tuple[str, float, str]:
+def _order(single: Mapping[str, object], text: str) -> tuple[str, float, str]:
     """By name, then numbers by value, then anything else by its repr."""
     key, value = _named(single)
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return key, float(value) if number else float("inf"), text
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return key, float(value), text
+    return key, float("inf"), text
 
 
-def label(single: Mapping[str, Any]) -> str:
+def label(single: Mapping[str, object]) -> str:
     """One option as a row label: ``static_graph=True``, ``config.strategy='ddp'``."""
     key, value = _named(single)
     return f"{key}={_shown(value)}"
 
 
-def _named(single: Mapping[str, Any]) -> tuple[str, Any]:
+def _named(single: Mapping[str, object]) -> tuple[str, object]:
     """One option's name and value: ``field``, or ``field.key`` for one key of a dict-valued
     field (a field drawn whole by :func:`nested` keeps its name: its value is the dict)."""
     ((key, value),) = single.items()
@@ -381,7 +390,7 @@ def _named(single: Mapping[str, Any]) -> tuple[str, Any]:
     return key, value
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     """A value as a reader names it: a function or class by its name, else its repr."""
     name = getattr(value, "__qualname__", None)
     return name if isinstance(name, str) and callable(value) else repr(value)

@@ -63,21 +63,34 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from types import MappingProxyType
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language.batches import BatchPlan, GlobalBatch, contiguous
 from ddpcheck._language.features import FEATURES, OPT_IN
+from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.training import (
     FitRun,  # what Target.fit gets: part of the protocol
+    OptimizerLike,
+    Params,
+    SchedulerLike,
     optimizer_kwargs,
 )
+
+if TYPE_CHECKING:  # hypothesis loads only when a configuration space is built
+    from typing import TypeAlias
+
+    from hypothesis.strategies import SearchStrategy
+
+    #: What ``Target.config_space`` returns: a strategy of options, or None (nothing to fuzz).
+    ConfigSpace: TypeAlias = SearchStrategy[dict[str, object]] | None
 
 __all__ = ["CONSTRUCTOR_CALL", "FitRun", "OwnsLoop", "Target", "WrapperTarget", "supported_but"]
 
@@ -96,7 +109,7 @@ class OwnsLoop(Protocol):
     """A target that owns the whole training loop (Lightning's ``Trainer.fit``): ddpcheck hands it
     the module and a :class:`FitRun` instead of driving the loop through the hooks below."""
 
-    def fit(self, module: Any, run: FitRun) -> None: ...
+    def fit(self, module: nn.Module, run: FitRun) -> None: ...
 
 
 class Target:
@@ -122,7 +135,7 @@ class Target:
     #: the flag is unset.
     declined_features: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         declined = cls.__dict__.get("declined_features")
         if declined is None:
@@ -171,7 +184,7 @@ class Target:
     #: any world runs; a missing or older release is a ``SetupError`` naming both.
     requires: tuple[tuple[str, str], ...] = ()
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Target:
+    def __new__(cls, *args: object, **kwargs: object) -> Target:
         # Record the constructor call: a failure's replay line rebuilds a plain-class target as
         # ``module:Cls(args...)`` (``ddpcheck._runs.replay``). Kept in the instance dict,
         # so it travels with the target; unpickling calls ``__new__`` without arguments, then
@@ -182,11 +195,11 @@ class Target:
         object.__setattr__(self, CONSTRUCTOR_CALL, (args, kwargs))  # frozen dataclasses too
         return self
 
-    def configure(self, scenario: Any) -> Target:
+    def configure(self, scenario: Scenario) -> Target:
         """Return the target to use for this scenario (default: itself)."""
         return self
 
-    def config_space(self) -> Any:
+    def config_space(self) -> ConfigSpace:
         """The options ``--fuzz-config`` draws beside each scenario: a Hypothesis strategy of
         keyword arguments for ``dataclasses.replace(self, **drawn)`` -- the target's own fields
         that bear on equivalence, each key optional and drawn only with a non-default value
@@ -199,20 +212,26 @@ class Target:
         run; None for no reason of its own. Default: its class's ``declined_features``."""
         return self.declined_features.get(feature)
 
-    def supports(self, scenario: Any) -> str | None:
+    def supports(self, scenario: Scenario) -> str | None:
         """None when the target can run ``scenario``; otherwise why not (the example is skipped
         and the reason reported). Called in the parent process, before any rank runs."""
         return None
 
-    def wrap(self, module: Any) -> Any:
+    def wrap(self, module: nn.Module) -> nn.Module:
         return module
 
-    def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
+    def make_optimizer(
+        self, params: Params, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
+    ) -> OptimizerLike:
         return optimizer_cls(params, **kwargs)
 
     def setup(
-        self, module: Any, params: Any, optimizer_cls: type, **kwargs: Any
-    ) -> tuple[Any, Any]:
+        self,
+        module: nn.Module,
+        params: Params,
+        optimizer_cls: type[torch.optim.Optimizer],
+        **kwargs: Any,  # the scenario's options, for its optimizer class
+    ) -> tuple[nn.Module, OptimizerLike]:
         """``(model, optimizer)``, for frameworks that build both at once (accelerate's
         ``prepare``, DeepSpeed's ``initialize``, Fabric's ``setup``). The initial state is
         recorded after it. ``params``: the module's parameters or param groups, as built before
@@ -226,29 +245,31 @@ class Target:
             params, optimizer_cls, **optimizer_kwargs(self, model, kwargs)
         )
 
-    def make_scheduler(self, optimizer: Any, gamma: float) -> Any:
+    def make_scheduler(self, optimizer: OptimizerLike, gamma: float) -> SchedulerLike:
         """The scenario's LR schedule over ``optimizer``: ``ExponentialLR(gamma)``, stepped once
         per optimizer step (only scenarios with ``lr_decay`` have one). Override it to return a
         framework's prepared scheduler (accelerate's ``prepare_scheduler``); it needs ``step()``
         and ``state_dict()``. Default: over ``optimizer`` -- or, when that is no
         ``torch.optim.Optimizer``, over the one it wraps as ``.optimizer``."""
-        inner = getattr(optimizer, "optimizer", None)
-        if not isinstance(optimizer, torch.optim.Optimizer) and isinstance(
-            inner, torch.optim.Optimizer
-        ):
-            optimizer = inner
-        return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma)
+        inner = (
+            optimizer
+            if isinstance(optimizer, torch.optim.Optimizer)
+            else getattr(optimizer, "optimizer", None)
+        )
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")  # as torch says
+        return torch.optim.lr_scheduler.ExponentialLR(inner, gamma)
 
     def micro_batch(
-        self, model: Any, optimizer: Any, index: int, count: int
-    ) -> AbstractContextManager[Any]:
+        self, model: nn.Module, optimizer: OptimizerLike, index: int, count: int
+    ) -> AbstractContextManager[object]:
         """The context of micro-batch ``index`` of ``count`` in a step: its forward and backward
         (and, with :attr:`steps_every_micro_batch`, the gated step) run inside. Default:
         :meth:`no_sync` for all but the last. Override it for accelerate's
         ``accumulate(model)`` or Fabric's ``no_backward_sync(model, enabled=not last)``."""
         return self.no_sync(model) if index < count - 1 else contextlib.nullcontext()
 
-    def backward(self, model: Any, loss: Any) -> None:
+    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
         """Back-propagate one micro-batch's loss. Default: ``loss.backward()``; override it for
         ``accelerator.backward(loss)``, ``fabric.backward(loss)``, ``engine.backward(loss)``."""
         loss.backward()
@@ -266,18 +287,18 @@ class Target:
         ``ddpcheck.batches.DistributedSamplerBatches`` runs torch's ``DistributedSampler``."""
         return contiguous(batch)
 
-    def before_step(self, model: Any, optimizer: Any) -> None:
+    def before_step(self, model: nn.Module, optimizer: OptimizerLike) -> None:
         """Called at the start of every step, before its first forward
         (``on_train_batch_start``)."""
 
-    def after_backward(self, model: Any, optimizer: Any) -> None:
+    def after_backward(self, model: nn.Module, optimizer: OptimizerLike) -> None:
         """Called after the last micro-batch's backward, before ``optimizer.step()``."""
 
-    def after_step(self, model: Any, optimizer: Any) -> None:
+    def after_step(self, model: nn.Module, optimizer: OptimizerLike) -> None:
         """Called after ``optimizer.step()`` and ``zero_grad`` (where loops call
         ``model.reset()``)."""
 
-    def teardown(self, model: Any, optimizer: Any) -> None:
+    def teardown(self, model: nn.Module, optimizer: OptimizerLike) -> None:
         """Called once per example on every rank, after its last step (and checkpoint): reset
         per-example framework state -- singletons (accelerate's ``AcceleratorState``), meshes,
         groups -- so the next example in this process starts clean. Default: nothing."""
@@ -289,7 +310,9 @@ class Target:
         example's deadline pays for it. Issues no collective. A failure is a ``SetupError`` (exit
         2), never a verdict. Default: nothing."""
 
-    def clip_grad_norm(self, model: Any, optimizer: Any, max_norm: float, norm_type: float) -> Any:
+    def clip_grad_norm(
+        self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float
+    ) -> object:
         """Clip the synchronised gradients to a global norm; called after ``after_backward`` in
         scenarios that clip (``Scenario.max_grad_norm``).
 
@@ -307,11 +330,11 @@ class Target:
 
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
 
-    def no_sync(self, model: Any) -> AbstractContextManager[Any]:
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[object]:
         """Context for accumulation micro-batches whose gradients stay local."""
         return contextlib.nullcontext()
 
-    def gradient_owner(self, optimizer: Any, param: Any) -> int:
+    def gradient_owner(self, optimizer: OptimizerLike, param: torch.Tensor) -> int:
         """The rank that holds ``param``'s synchronised gradient, for a target with
         :attr:`sharded_gradients` that keeps the default :meth:`gradient_shards`. Default: the
         optimizer's ``owner_of(param)`` (``parallel.ShardedOptimizer``), else the rank torch's
@@ -329,7 +352,9 @@ class Target:
             "Target.gradient_shards(model, optimizer)"
         )
 
-    def gradient_shards(self, model: Any, optimizer: Any, params: Any) -> Any:
+    def gradient_shards(
+        self, model: nn.Module, optimizer: OptimizerLike, params: list[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
         """The synchronised gradient pieces this rank owns, for a target with
         :attr:`sharded_gradients`: ``(parameter, offset, piece)`` triples, ``piece`` the elements
         ``[offset, offset + piece.numel())`` of the parameter's flattened gradient (a flat shard,
@@ -344,7 +369,7 @@ class Target:
             if self.gradient_owner(optimizer, p) == rank
         ]
 
-    def full_tensor(self, tensor: Any) -> Any:
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         """The whole of a parameter, gradient or optimizer-state tensor this rank may hold only
         a shard of. Collective: every rank calls it for the same tensors in the same order, and
         the harness's own calls are not counted against the step's communication.
@@ -354,7 +379,7 @@ class Target:
         full = getattr(tensor, "full_tensor", None)
         return full() if callable(full) else tensor
 
-    def local_shard(self, tensor: Any) -> tuple[int | None, Any] | None:
+    def local_shard(self, tensor: torch.Tensor) -> tuple[int | None, torch.Tensor] | None:
         """``(dim, local tensor)`` of a parameter sharded over the world: the rank holds chunk
         ``rank`` of ``torch.chunk(full, W, dim)`` (FSDP2's ``Shard(dim)``; dim None: a replicated
         copy of the whole); None when the parameter is not sharded this way. The harness checks
@@ -364,20 +389,23 @@ class Target:
         Default: a DTensor on a one-dimensional mesh with a ``Shard(dim)`` or ``Replicate``
         placement; anything else is not checked."""
         placements = getattr(tensor, "placements", None)
-        if (
-            placements is None
-            or len(placements) != 1
-            or not callable(getattr(tensor, "to_local", None))
-        ):
+        to_local = getattr(tensor, "to_local", None)
+        if placements is None or len(placements) != 1 or not callable(to_local):
             return None
         (placement,) = placements
         if placement.is_replicate():
-            return None, tensor.to_local()
+            return None, to_local()
         if placement.is_shard():
-            return placement.dim, tensor.to_local()
+            return placement.dim, to_local()
         return None  # Partial, or a placement this check does not know
 
-    def save_checkpoint(self, module: Any, model: Any, optimizer: Any, scheduler: Any) -> Any:
+    def save_checkpoint(
+        self,
+        module: nn.Module,
+        model: nn.Module,
+        optimizer: OptimizerLike,
+        scheduler: SchedulerLike | None,
+    ) -> object:
         """The checkpoint of a run, returned on rank 0 (scenarios with ``checkpoint_after``).
         Collective: called on every rank after the step ``checkpoint_after``.
 
@@ -401,7 +429,12 @@ class Target:
         }
 
     def load_checkpoint(
-        self, checkpoint: Any, module: Any, model: Any, optimizer: Any, scheduler: Any
+        self,
+        checkpoint: Any,  # what this target's save_checkpoint returned on rank 0
+        module: nn.Module,
+        model: nn.Module,
+        optimizer: OptimizerLike,
+        scheduler: SchedulerLike | None,
     ) -> None:
         """Load what rank 0's ``save_checkpoint`` returned, on every rank of the resumed run
         (its world size may differ), after the model is wrapped and the optimizer and
@@ -423,7 +456,9 @@ class Target:
         if scheduler is not None:
             scheduler.load_state_dict(checkpoint["scheduler"])
 
-    def optimizer_state(self, optimizer: Any) -> Mapping[Any, dict]:
+    def optimizer_state(
+        self, optimizer: OptimizerLike
+    ) -> Mapping[torch.Tensor, Mapping[str, object]]:
         """The optimizer state this rank holds, keyed by parameter tensor.
 
         Default: the state of the one ``torch.optim.Optimizer`` the optimizer wraps, if it holds
@@ -450,18 +485,18 @@ class Target:
     @staticmethod
     def from_wrappers(
         *,
-        ddp: Any = None,
+        ddp: Callable[..., nn.Module] | None = None,
         ddp_kwargs: dict | None = None,
         finish: str | None = None,
         no_sync: str | None = "no_sync",
-        optimizer: Any = None,
+        optimizer: Callable[..., OptimizerLike] | None = None,
         optimizer_kwargs: dict | None = None,
         inner_optimizer: str = "class",
         before_step: str | None = None,
         after_step: str | None = None,
-        supports: Any = None,
+        supports: Iterable[str] | None = None,
         shards_optimizer_state: bool | None = None,
-        shard_batch: Any = None,
+        shard_batch: Callable[[GlobalBatch], BatchPlan] | None = None,
     ) -> WrapperTarget:
         """A target for the common shapes of data-parallel code, with no class to write.
 
@@ -510,20 +545,20 @@ class Target:
 class WrapperTarget(Target):
     """A target assembled by :meth:`Target.from_wrappers` (see there for the fields)."""
 
-    ddp: Any = None
+    ddp: Callable[..., nn.Module] | None = None
     ddp_kwargs: dict = dataclasses.field(default_factory=dict)
     finish: str | None = None
     no_sync_method: str | None = "no_sync"
-    optimizer: Any = None
+    optimizer: Callable[..., OptimizerLike] | None = None
     optimizer_kwargs: dict = dataclasses.field(default_factory=dict)
     inner_optimizer: str = "class"
     before_step_method: str | None = None
     after_step_method: str | None = None
     supported_features: frozenset[str] | None = None
     shards_optimizer_state: bool = False
-    batch_sharding: Any = None  # from_wrappers(shard_batch=...)
+    batch_sharding: Callable[[GlobalBatch], BatchPlan] | None = None  # from_wrappers(shard_batch)
 
-    def wrap(self, module: Any) -> Any:
+    def wrap(self, module: nn.Module) -> nn.Module:
         return module if self.ddp is None else self.ddp(module, **self.ddp_kwargs)
 
     @property
@@ -533,7 +568,9 @@ class WrapperTarget(Target):
     def shard_batch(self, batch: GlobalBatch) -> BatchPlan:
         return contiguous(batch) if self.batch_sharding is None else self.batch_sharding(batch)
 
-    def make_optimizer(self, params: Any, optimizer_cls: type, **kwargs: Any) -> Any:
+    def make_optimizer(
+        self, params: Params, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
+    ) -> OptimizerLike:
         if self.optimizer is None:
             return optimizer_cls(params, **kwargs)
         if self.inner_optimizer == "class":
@@ -544,38 +581,41 @@ class WrapperTarget(Target):
             params, **{self.inner_optimizer: optimizer_cls}, **kwargs, **self.optimizer_kwargs
         )
 
-    def before_step(self, model: Any, optimizer: Any) -> None:
+    def before_step(self, model: nn.Module, optimizer: OptimizerLike) -> None:
         if self.before_step_method is not None:
             _method(model, self.before_step_method, "before_step")()
 
-    def after_backward(self, model: Any, optimizer: Any) -> None:
+    def after_backward(self, model: nn.Module, optimizer: OptimizerLike) -> None:
         if self.finish is not None:
             _method(model, self.finish, "finish")()
 
-    def after_step(self, model: Any, optimizer: Any) -> None:
+    def after_step(self, model: nn.Module, optimizer: OptimizerLike) -> None:
         if self.after_step_method is not None:
             _method(model, self.after_step_method, "after_step")()
 
-    def no_sync(self, model: Any) -> AbstractContextManager[Any]:
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[object]:
         if self.no_sync_method is None:
             return contextlib.nullcontext()
         return _method(model, self.no_sync_method, "no_sync")()
 
 
-def _rebound(params: Any, names: dict, now: dict) -> Any:
+def _rebound(params: Params, names: dict[int, str], now: dict[str, nn.Parameter]) -> Params:
     """``params`` (parameters, or param groups) with each parameter replaced by the one the
     module now registers under its name; unchanged where it registers the same objects."""
 
-    def one(p: Any) -> Any:
-        return now.get(names.get(id(p)), p)
+    def one(p: torch.Tensor) -> torch.Tensor:
+        name = names.get(id(p))
+        return p if name is None else now.get(name, p)
 
-    params = list(params)
-    if params and isinstance(params[0], dict):
-        return [{**group, "params": [one(p) for p in group["params"]]} for group in params]
-    return [one(p) for p in params]
+    items = list(params)
+    if items and isinstance(items[0], dict):
+        return [
+            {**g, "params": [one(p) for p in g["params"]]} for g in items if isinstance(g, dict)
+        ]
+    return [one(p) for p in items if isinstance(p, torch.Tensor)]
 
 
-def _method(model: Any, name: str, field: str) -> Any:
+def _method(model: nn.Module, name: str, field: str) -> Callable[[], Any]:
     method = getattr(model, name, None)
     if not callable(method):
         raise InvalidArgument(
@@ -590,7 +630,7 @@ def _method(model: Any, name: str, field: str) -> Any:
 _RECIPIENT_KEYWORDS = ("to", "recipient_rank")
 
 
-def _consolidate_on_rank_zero(target: Target, optimizer: Any) -> None:
+def _consolidate_on_rank_zero(target: Target, optimizer: OptimizerLike) -> None:
     """Gather a sharded optimizer's whole state on rank 0, asking it by the keyword it takes.
     Collective; every rank decides the same way, so a decline leaves no collective unpaired."""
     consolidate = getattr(optimizer, "consolidate_state_dict", None)
@@ -613,17 +653,27 @@ def _consolidate_on_rank_zero(target: Target, optimizer: Any) -> None:
     )
 
 
-def _names_by_group(module: Any, optimizer: Any) -> list[list[str]] | None:
+def _names_by_group(module: nn.Module, optimizer: OptimizerLike) -> list[list[str]] | None:
     """Each param group's parameter names, in the order the optimizer lists them; None when it
     has no plain ``param_groups`` or lists a parameter the module does not name."""
     named = {id(p): n for n, p in module.named_parameters()}
     try:
-        return [[named[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+        return [
+            [named[id(p)] for p in _iterated(group["params"])] for group in optimizer.param_groups
+        ]
     except (AttributeError, KeyError, TypeError):
         return None
 
 
-def _in_this_rank_order(saved: dict, saved_names: Any, mine: Any) -> dict:
+def _iterated(value: object) -> Iterable[object]:
+    if not isinstance(value, Iterable):
+        raise TypeError(f"'{type(value).__name__}' object is not iterable")
+    return value
+
+
+def _in_this_rank_order(
+    saved: dict, saved_names: list[list[str]] | None, mine: list[list[str]] | None
+) -> dict:
     """``saved`` (an optimizer ``state_dict``: state by position) with each group's positions
     put in this rank's parameter order. ``load_state_dict`` pairs positions with parameters, and
     a rank may register its parameters in another order than rank 0 (``Scenario.rank_orders``);

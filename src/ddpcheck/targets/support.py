@@ -1,0 +1,208 @@
+"""Which features a target is checked on, and whether it runs a scenario.
+
+The scenario language says what a scenario exercises (``ddpcheck.features.of``); what a target
+supports is the target's business, so the decisions that read a target -- its
+``supported_features``, its opt-in flags, its own batch plan, its ``supports()`` -- live here,
+beside the protocol they read (``Target``), and the language below stays free of targets. A
+duck-typed target (no ``Target`` base) is read with the same defaults, attribute by attribute.
+``ddpcheck.features`` and ``ddpcheck.strategies`` hand these names on to users.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from ddpcheck._base.options import DEFAULT_WORLD_SIZES, check_world_sizes
+from ddpcheck._language.features import BEYOND_TORCH, FEATURES, OPT_IN, of, parse
+from ddpcheck._language.scenario import Scenario
+from ddpcheck.targets.protocol import Target
+
+if TYPE_CHECKING:  # hypothesis loads only when examples are drawn: never in a rank
+    from hypothesis import strategies as st
+
+__all__ = [
+    "declines",
+    "example_strategies",
+    "examples",
+    "owns_batch_plan",
+    "supported_by",
+    "unsupported",
+    "why_unsupported",
+]
+
+
+def declines(
+    target: Target,
+    scenario: Scenario,
+    world_size: int | None = None,
+    without: frozenset[str] = frozenset(),
+    only: frozenset[str] = frozenset(),
+) -> str | None:
+    """Why ``target`` does not run ``scenario`` -- a feature it does not support, a feature the
+    user excluded (``without``), its own ``supports()`` reason, or none of the features to focus
+    on (``only``, ``--only``) -- or None when it does."""
+    needed = of(scenario, world_size)
+    missing = sorted(needed - supported_by(target))
+    opted_out = [
+        f"{f} (opt-in: {type(target).__name__}.{OPT_IN[f]} is not set)"
+        for f in missing
+        if f in OPT_IN
+    ]
+    if opted_out:
+        return f"needs {', '.join(opted_out)}"
+    if missing:
+        reasons: dict[str, list[str]] = {}  # features sharing a reason are named together
+        for feature in missing:
+            reasons.setdefault(why_unsupported(target, feature), []).append(feature)
+        return "needs " + "; ".join(f"{', '.join(fs)} ({why})" for why, fs in reasons.items())
+    if without:
+        dtypes = sorted(needed & without & {"float64", "float32"})
+        others = sorted(needed & without - {"float64", "float32"})
+        if others:
+            return f"needs {', '.join(others)} (excluded with --without)"
+        if dtypes:  # ddpcheck check runs float64 alone unless --dtypes adds float32
+            return (
+                f"needs {', '.join(dtypes)} (a dtype not checked: --dtypes is float64 alone "
+                "by default, or --without excludes it)"
+            )
+    if scenario.checkpoint_after is not None and not all(
+        callable(getattr(target, hook, None)) for hook in ("save_checkpoint", "load_checkpoint")
+    ):
+        return (
+            "checkpoint: the target has no save_checkpoint / load_checkpoint hooks "
+            "(subclass ddpcheck.Target for the defaults)"
+        )
+    if only and not needed & only:
+        return f"exercises none of only={','.join(sorted(only))}"
+    return target.supports(scenario)
+
+
+def why_unsupported(target: Target, feature: str) -> str:
+    """Why ``target`` is not checked on ``feature`` (in :func:`supported_by`'s terms)."""
+    where = f"not in {type(target).__name__}.supported_features"
+    declared = getattr(target, "supported_features", None)
+    own = getattr(target, "declined_reason", None)  # Target's; a duck-typed target's table
+    reason = own(feature) if callable(own) else None
+    reason = reason or (getattr(target, "declined_features", None) or {}).get(feature)
+    if reason is not None:  # declined with a reason (an opt-in feature: its flag unset)
+        return f"{type(target).__name__} declines it: {reason}"
+    if feature == "tokens" and (declared is None or "tokens" in declared):
+        return (
+            f"{where}: its own shard_batch may weigh samples only; declare 'tokens' with it "
+            "once it weighs tokens"
+        )
+    if declared is None:
+        return f"{where}: beyond torch DDP's contract, checked only when declared"
+    return where
+
+
+def supported_by(target: Target) -> frozenset[str]:
+    """The features ``target`` is checked on: its ``supported_features``, or -- when it declares
+    nothing -- ``ddpcheck.features.DEFAULT_FEATURES``, everything within torch DDP's own contract
+    (features beyond it, ``BEYOND_TORCH``, are opt-in, and ``tokens`` is when the target owns its
+    batch plan); less the ``OPT_IN`` features whose attribute it does not set, whatever it
+    declares."""
+    declared = getattr(target, "supported_features", None)
+    found = frozenset(FEATURES) - BEYOND_TORCH if declared is None else frozenset(declared)
+    if owns_batch_plan(target) and not _declared_with_its_plan(target):
+        found -= {"tokens"}  # its plan may weigh samples only: a token loss must be declared
+    return found - {f for f, flag in OPT_IN.items() if not getattr(target, flag, False)}
+
+
+def owns_batch_plan(target: Target) -> bool:
+    """True when ``target`` plans its own micro-batches: ``Target.owns_batch_plan`` where it
+    has one, else (a duck-typed target) whether it has a ``shard_batch`` at all."""
+    owns = getattr(target, "owns_batch_plan", None)
+    return bool(owns) if owns is not None else callable(getattr(target, "shard_batch", None))
+
+
+def _declared_with_its_plan(target: Target) -> bool:
+    """Whether ``supported_features`` was declared where the batch plan was written -- on the
+    instance (``Target.from_wrappers(supports=..., shard_batch=...)``), or on the class that
+    defines ``shard_batch`` or a subclass of it -- and not inherited from a base whose plan
+    was the batch rule (a subclass of a ready-made target overriding ``shard_batch`` does not
+    declare ``tokens`` by inheriting ``FEATURES - {...}``)."""
+    if "supported_features" in getattr(target, "__dict__", {}):
+        return target.supported_features is not None
+    mro = type(target).__mro__
+    plan = next((i for i, cls in enumerate(mro) if "shard_batch" in vars(cls)), None)
+    features = next((i for i, cls in enumerate(mro) if "supported_features" in vars(cls)), None)
+    return (
+        plan is not None
+        and features is not None
+        and features <= plan
+        and mro[features].__dict__["supported_features"] is not None
+    )
+
+
+def unsupported(target: Target, without: frozenset[str] = frozenset()) -> frozenset[str]:
+    """The features never to generate for ``target``: those it is not checked on, and
+    ``without`` (what the user excluded)."""
+    return (frozenset(FEATURES) - supported_by(target)) | without
+
+
+def examples(
+    target: Target,
+    *,
+    world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
+    dtypes: Sequence[str] = ("float64",),
+    without: Iterable[str] = (),
+    only: Iterable[str] = (),
+) -> st.SearchStrategy[tuple[Scenario, int]]:
+    """``(scenario, world_size)`` pairs that ``target`` runs, the random examples ``ddpcheck
+    check`` draws for it: a world size of ``world_sizes``, then ``ddpcheck.strategies.scenarios``
+    without the features ``target`` does not support (``supported_features``, its ``OPT_IN``
+    attributes) nor those of ``without`` -- at that world size, so ``uneven-batches`` and
+    ``unused-on-some-ranks`` are honoured too -- and resumed checkpoints at one of
+    ``world_sizes``. The rare pair still declined (its ``supports()``, a feature only its model
+    reveals) is filtered out. So ``check_example`` never refuses a drawn pair as
+    :class:`ddpcheck.NothingChecked` for what the target declines, as it refuses a scenario of
+    ``scenarios`` that needs a declined feature. Raises ``NothingChecked`` when the target
+    supports none of ``dtypes``. ``only``: every pair exercises one of these features (as
+    ``ddpcheck check --only``). Shrinks towards the first world size and the simplest
+    scenario."""
+    from hypothesis import strategies as st
+
+    from ddpcheck._language import strategies as dst
+
+    focus = parse(only, "only")
+    sizes, per_size, excluded = example_strategies(target, world_sizes, dtypes, without, focus)
+    runs = {
+        w: per_size[w].filter(functools.partial(_runs, target, w, excluded, focus)) for w in sizes
+    }
+    return dst.paired(st.sampled_from(sizes), runs)
+
+
+def _runs(
+    target: Target,
+    world_size: int,
+    excluded: frozenset[str],
+    focus: frozenset[str],
+    scenario: Scenario,
+) -> bool:
+    return declines(target, scenario, world_size, excluded, focus) is None
+
+
+def example_strategies(
+    target: Target,
+    world_sizes: Iterable[int],
+    dtypes: Sequence[str],
+    without: Iterable[str],
+    only: Iterable[str] = (),
+) -> tuple[tuple[int, ...], dict[int, st.SearchStrategy[Scenario]], frozenset[str]]:
+    """``(world sizes, {W: scenarios target runs at W}, the features without excludes)``: one
+    definition of what a target is drawn, for :func:`examples` and ``ddpcheck check``'s own
+    random examples (``_runs.fuzz``), which tallies the declined draws itself. ``only``: drawn
+    to exercise one of these features, at the world sizes where one can be
+    (``ddpcheck.strategies.per_world_size`` builds the strategies from the feature sets)."""
+    from ddpcheck._language import strategies as dst
+
+    sizes = check_world_sizes("world_sizes", world_sizes)
+    excluded = parse(without, "without")
+    focus = parse(only, "only")
+    per_size = dst.per_world_size(
+        sizes, dtypes, unsupported(target, excluded), focus, type(target).__name__
+    )
+    return tuple(per_size), per_size, excluded
