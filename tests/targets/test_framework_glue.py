@@ -65,7 +65,7 @@ def test_an_older_release_is_refused_before_any_world_runs(fake_deepspeed, monke
     def no_world(*args, **kwargs):
         raise AssertionError("a world was asked for")
 
-    monkeypatch.setattr("ddpcheck._runs.example.get_world", no_world)
+    monkeypatch.setattr("ddpcheck._runs.example.world_of", no_world)
     with pytest.raises(ddpcheck.SetupError, match=r"deepspeed 0\.19\.0 and later.*0\.18\.9"):
         ddpcheck.check_example(targets.DEEPSPEED_ZERO1, SCENARIO, 2)
     assert cli.main(CHECK) == ExitCode.SETUP

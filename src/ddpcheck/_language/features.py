@@ -16,8 +16,6 @@ weights -- what every rank of a world would see at step 0 -- cached per scenario
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ddpcheck._base.errors import ScenarioError
@@ -80,127 +78,6 @@ def _fields(scenario: Scenario) -> set[str]:
     if scenario.param_dtype is not None:
         found.add("param-dtype")
     return found
-
-
-# ---------------------------------------------------------------------------------------------
-# TEMPORARY, down to `unsupported`: moved to ddpcheck.targets.support (typed with Target; the
-# scenario language reads no target). Duplicated only for the callers in _runs/ and api.py, which
-# switch in the one-engine change; then this section goes. Not in __all__: ddpcheck.features
-# hands on the targets.support versions.
-
-
-def declines(
-    target: Any,
-    scenario: Scenario,
-    world_size: int | None = None,
-    without: frozenset[str] = frozenset(),
-    only: frozenset[str] = frozenset(),
-) -> str | None:
-    """Why ``target`` does not run ``scenario`` -- a feature it does not support, a feature the
-    user excluded (``without``), its own ``supports()`` reason, or none of the features to focus
-    on (``only``, ``--only``) -- or None when it does."""
-    needed = of(scenario, world_size)
-    missing = sorted(needed - supported_by(target))
-    opted_out = [
-        f"{f} (opt-in: {type(target).__name__}.{OPT_IN[f]} is not set)"
-        for f in missing
-        if f in OPT_IN
-    ]
-    if opted_out:
-        return f"needs {', '.join(opted_out)}"
-    if missing:
-        reasons: dict[str, list[str]] = {}  # features sharing a reason are named together
-        for feature in missing:
-            reasons.setdefault(why_unsupported(target, feature), []).append(feature)
-        return "needs " + "; ".join(f"{', '.join(fs)} ({why})" for why, fs in reasons.items())
-    if without:
-        dtypes = sorted(needed & without & {"float64", "float32"})
-        others = sorted(needed & without - {"float64", "float32"})
-        if others:
-            return f"needs {', '.join(others)} (excluded with --without)"
-        if dtypes:  # ddpcheck check runs float64 alone unless --dtypes adds float32
-            return (
-                f"needs {', '.join(dtypes)} (a dtype not checked: --dtypes is float64 alone "
-                "by default, or --without excludes it)"
-            )
-    if scenario.checkpoint_after is not None and not all(
-        callable(getattr(target, hook, None)) for hook in ("save_checkpoint", "load_checkpoint")
-    ):
-        return (
-            "checkpoint: the target has no save_checkpoint / load_checkpoint hooks "
-            "(subclass ddpcheck.Target for the defaults)"
-        )
-    if only and not needed & only:
-        return f"exercises none of only={','.join(sorted(only))}"
-    return target.supports(scenario)
-
-
-def why_unsupported(target: Any, feature: str) -> str:
-    """Why ``target`` is not checked on ``feature`` (in :func:`supported_by`'s terms)."""
-    where = f"not in {type(target).__name__}.supported_features"
-    declared = getattr(target, "supported_features", None)
-    own = getattr(target, "declined_reason", None)  # Target's; a duck-typed target's table
-    reason = own(feature) if callable(own) else None
-    reason = reason or (getattr(target, "declined_features", None) or {}).get(feature)
-    if reason is not None:  # declined with a reason (an opt-in feature: its flag unset)
-        return f"{type(target).__name__} declines it: {reason}"
-    if feature == "tokens" and (declared is None or "tokens" in declared):
-        return (
-            f"{where}: its own shard_batch may weigh samples only; declare 'tokens' with it "
-            "once it weighs tokens"
-        )
-    if declared is None:
-        return f"{where}: beyond torch DDP's contract, checked only when declared"
-    return where
-
-
-def supported_by(target: Any) -> frozenset[str]:
-    """The features ``target`` is checked on: its ``supported_features``, or -- when it declares
-    nothing -- :data:`DEFAULT_FEATURES`, everything within torch DDP's own contract (features
-    beyond it, :data:`BEYOND_TORCH`, are opt-in, and ``tokens`` is when the target owns its
-    batch plan); less the :data:`OPT_IN` features whose attribute it does not set, whatever it
-    declares."""
-    declared = getattr(target, "supported_features", None)
-    found = frozenset(FEATURES) - BEYOND_TORCH if declared is None else frozenset(declared)
-    if owns_batch_plan(target) and not _declared_with_its_plan(target):
-        found -= {"tokens"}  # its plan may weigh samples only: a token loss must be declared
-    return found - {f for f, flag in OPT_IN.items() if not getattr(target, flag, False)}
-
-
-def owns_batch_plan(target: Any) -> bool:
-    """True when ``target`` plans its own micro-batches: ``Target.owns_batch_plan`` where it
-    has one, else (a duck-typed target) whether it has a ``shard_batch`` at all."""
-    owns = getattr(target, "owns_batch_plan", None)
-    return bool(owns) if owns is not None else callable(getattr(target, "shard_batch", None))
-
-
-def _declared_with_its_plan(target: Any) -> bool:
-    """Whether ``supported_features`` was declared where the batch plan was written -- on the
-    instance (``Target.from_wrappers(supports=..., shard_batch=...)``), or on the class that
-    defines ``shard_batch`` or a subclass of it -- and not inherited from a base whose plan
-    was the batch rule (a subclass of a ready-made target overriding ``shard_batch`` does not
-    declare ``tokens`` by inheriting ``FEATURES - {...}``)."""
-    if "supported_features" in getattr(target, "__dict__", {}):
-        return target.supported_features is not None
-    mro = type(target).__mro__
-    plan = next((i for i, cls in enumerate(mro) if "shard_batch" in vars(cls)), None)
-    features = next((i for i, cls in enumerate(mro) if "supported_features" in vars(cls)), None)
-    return (
-        plan is not None
-        and features is not None
-        and features <= plan
-        and mro[features].__dict__["supported_features"] is not None
-    )
-
-
-def unsupported(target: Any, without: frozenset[str] = frozenset()) -> frozenset[str]:
-    """The features never to generate for ``target``: those it is not checked on, and
-    ``without`` (what the user excluded)."""
-    return (frozenset(FEATURES) - supported_by(target)) | without
-
-
-# (end of the temporary section)
-# ---------------------------------------------------------------------------------------------
 
 
 def exercised(found: set[str] | frozenset[str]) -> str:

@@ -27,7 +27,6 @@ import torch
 from hypothesis import strategies as st
 
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
-from ddpcheck._base.options import check_world_sizes
 from ddpcheck._language import features
 from ddpcheck._language.models import KINDS, Layer, ModelSpec
 from ddpcheck._language.scenario import Scenario
@@ -538,24 +537,6 @@ def per_world_size(
         )
         for w in sizes
     }
-
-
-def _for_target(
-    target: object,
-    world_sizes: Iterable[int],
-    dtypes: Sequence[str],
-    without: Iterable[str],
-    only: Iterable[str] = (),
-) -> tuple[tuple[int, ...], dict[int, st.SearchStrategy[Scenario]], frozenset[str]]:
-    """TEMPORARY: moved to ``ddpcheck.targets.support.example_strategies``; ``_runs.fuzz``
-    switches in the one-engine change, then this goes (with ``features.unsupported``)."""
-    sizes = check_world_sizes("world_sizes", world_sizes)
-    excluded = features.parse(without, "without")
-    focus = features.parse(only, "only")
-    per_size = per_world_size(
-        sizes, dtypes, features.unsupported(target, excluded), focus, type(target).__name__
-    )
-    return tuple(per_size), per_size, excluded
 
 
 #: Features no example at W=1 can exercise: one rank holds every sample.

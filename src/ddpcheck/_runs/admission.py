@@ -304,12 +304,12 @@ def _dtype_needed(feature: str) -> str | None:
 def _check_focus(target: Any, focus: frozenset[str], excluded: frozenset[str], name: str) -> None:
     """A feature to focus on that the target does not support would leave nothing to draw:
     refused, naming why, instead of a run that checks nothing."""
-    from ddpcheck._language import features
+    from ddpcheck.targets import support
 
-    for feature in sorted(focus & features.unsupported(target, excluded)):
+    for feature in sorted(focus & support.unsupported(target, excluded)):
         raise InvalidArgument(
             f"{name}: {type(target).__name__} does not support {feature!r} "
-            f"({features.why_unsupported(target, feature)})"
+            f"({support.why_unsupported(target, feature)})"
         )
 
 

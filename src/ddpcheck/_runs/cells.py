@@ -17,6 +17,7 @@ from ddpcheck._language import strategies as dst
 from ddpcheck._runs.engine import Example, Found, Plan, settings_check
 from ddpcheck._runs.example import refuse_unconfirmed_hang
 from ddpcheck._runs.settings import Settings
+from ddpcheck.targets import support
 from ddpcheck.targets.protocol import Target
 
 __all__ = [
@@ -57,7 +58,7 @@ def declined_cell(
     if feature in features.OPT_IN:
         return f"opt-in: {type(target).__name__}.{features.OPT_IN[feature]} is not set"
     if dtypes:
-        return features.why_unsupported(target, feature)
+        return support.why_unsupported(target, feature)
     return f"{type(target).__name__} supports neither float64 nor float32"
 
 
@@ -74,7 +75,7 @@ def cell_plan(
     the first failure, shrunk for at most ``shrink_seconds``, its seed from ``seed_text``."""
 
     def accept(example: Example) -> str | None:
-        why = features.declines(example.target, example.scenario, example.world_size, excluded)
+        why = support.declines(example.target, example.scenario, example.world_size, excluded)
         if why is None and feature not in features.of(example.scenario, example.world_size):
             why = DRAWN_WITHOUT
         return why

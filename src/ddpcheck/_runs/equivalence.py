@@ -28,6 +28,7 @@ from ddpcheck._runs.admission import Request, check_target
 from ddpcheck._runs.example import check_example_keeping_reference, refuse_unconfirmed_hang
 from ddpcheck._runs.settings import Settings
 from ddpcheck._world.registry import launch_worlds
+from ddpcheck.targets import support
 from ddpcheck.targets.option_space import described, drawn_options, label, space_of, vary
 from ddpcheck.targets.protocol import Target
 
@@ -141,7 +142,7 @@ def run_battery(request: Request, progress: Callable[[int, int], None] | None = 
         launch_worlds(sizes[at + 1 : at + 2], device=device, backend=backend)
         for index, (name, given) in enumerate(named):
             sc = _within(given, sizes) if scenario is None else given
-            why = features.declines(target, sc, world_size, excluded, request.only)
+            why = support.declines(target, sc, world_size, excluded, request.only)
             if why is not None:
                 report.skipped.append((name or "scenario", world_size, why))
                 one_more()

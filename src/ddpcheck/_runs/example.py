@@ -30,7 +30,6 @@ from ddpcheck._base.errors import (
 )
 from ddpcheck._base.options import check_fits_machine
 from ddpcheck._language.batches import check_plans
-from ddpcheck._language.features import declines
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._oracle.compare import (
     CHAOTIC,
@@ -51,6 +50,7 @@ from ddpcheck._world.failures import Failure, Status, WorldFailure
 from ddpcheck._world.registry import world_of
 from ddpcheck._world.worlds import Pending, TaskLost, World
 from ddpcheck.targets import Target
+from ddpcheck.targets.support import declines
 
 __all__ = [
     "Launched",

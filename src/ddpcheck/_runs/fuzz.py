@@ -12,13 +12,12 @@ from collections.abc import Callable, Iterable, Mapping
 
 from ddpcheck._base.errors import EquivalenceError, InvalidArgument, NothingChecked
 from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_positive_number
-from ddpcheck._language import features
-from ddpcheck._language import strategies as dst
 from ddpcheck._runs.admission import Request, admit
 from ddpcheck._runs.engine import Draws, Plan, search_pipelined, settings_check
 from ddpcheck._runs.example import refuse_unconfirmed_hang
 from ddpcheck._runs.replay import target_spec
 from ddpcheck._world.interrupts import interruptible
+from ddpcheck.targets import support
 from ddpcheck.targets.option_space import described, space_of, vary
 from ddpcheck.targets.protocol import Target
 
@@ -139,7 +138,7 @@ def fuzz_admitted(
     # What the target runs, drawn as ddpcheck.strategies.examples draws it (declined draws are
     # tallied by the engine, not filtered).
     focus = request.only
-    sizes, scenarios, excluded = dst._for_target(
+    sizes, scenarios, excluded = support.example_strategies(
         target, request.world_sizes, dtypes, without, focus
     )
     space = space_of(target) if request.fuzz_config else None
@@ -153,7 +152,7 @@ def fuzz_admitted(
         examples=examples,
         seed=seed,
         check=settings_check(request.run),
-        accept=lambda e: features.declines(e.target, e.scenario, e.world_size, excluded, focus),
+        accept=lambda e: support.declines(e.target, e.scenario, e.world_size, excluded, focus),
         give_up_after=max(GIVE_UP_AFTER_DECLINED, 2 * examples),
     )
     found = search_pipelined(
@@ -199,13 +198,13 @@ def undrawable(
     (``without``) or unsupported -- or None: ``ddpcheck check`` says so instead of announcing
     random examples that cannot come."""
     dtypes = tuple(dtypes)
-    unsupported = features.unsupported(target, without)
+    unsupported = support.unsupported(target, without)
     if any(d not in unsupported for d in dtypes):
         return None
     why = [
         f"{d} is excluded with --without"
         if d in without
-        else f"{d} is {features.why_unsupported(target, d)}"
+        else f"{d} is {support.why_unsupported(target, d)}"
         for d in dtypes
     ]
     return f"every dtype asked for ({', '.join(dtypes)}) is ruled out: {'; '.join(why)}"

@@ -32,6 +32,7 @@ from ddpcheck._runs.cells import NO_EXAMPLE_CAN, cell_plan, declined_cell, ended
 from ddpcheck._runs.engine import Draws, search
 from ddpcheck._runs.replay import target_spec
 from ddpcheck._runs.settings import Settings
+from ddpcheck.targets import support
 from ddpcheck.targets.option_space import drawn_options, label, space_of, vary
 from ddpcheck.targets.protocol import Target
 
@@ -216,7 +217,7 @@ def _cell(
     run: Settings,
 ) -> OptionCell:
     cell = OptionCell(row, feature, "ok")
-    unsupported = features.unsupported(target, excluded)
+    unsupported = support.unsupported(target, excluded)
     at = tuple(w for w in sizes if dst.can_exercise(feature, w))
     dtypes = feature_dtypes(feature, unsupported)
     if not at:

@@ -34,6 +34,7 @@ from ddpcheck._language.scenario import Scenario, build_model
 from ddpcheck._runs.engine import Draws, Example, Plan, outcome_of, search
 from ddpcheck._runs.example import check_example
 from ddpcheck._runs.settings import DEFAULT_SETTINGS, Settings
+from ddpcheck.targets import support
 from ddpcheck.targets.protocol import Target
 
 __all__ = [
@@ -152,7 +153,7 @@ class _Searching:
         examples: int,
     ) -> Search:
         battery, sizes = found.scenario, searched_sizes(found)
-        unsupported = features.unsupported(self.target, without)
+        unsupported = support.unsupported(self.target, without)
         draws = Draws(
             self.target,
             {w: _strategy(battery, found.world_size, w, unsupported, world_sizes) for w in sizes},
@@ -161,7 +162,7 @@ class _Searching:
             examples=examples,
             seed=zlib.crc32(f"{seed}:{battery!r}:{sizes}".encode()),
             check=self.check,
-            accept=lambda e: features.declines(e.target, e.scenario, e.world_size, without),
+            accept=lambda e: support.declines(e.target, e.scenario, e.world_size, without),
             seconds=self.seconds,
             hangs=False,  # a hang once is no verdict: the search looks elsewhere
             crash="stop",  # slow machine, a world that cannot start, ddpcheck's own

@@ -40,6 +40,7 @@ from ddpcheck._world.interrupts import interruptible
 
 if TYPE_CHECKING:
     from ddpcheck._runs.option_survey import OptionSurvey
+from ddpcheck.targets import support
 from ddpcheck.targets.protocol import Target
 
 __all__ = [
@@ -268,7 +269,7 @@ def survey_admitted(
         request.battery_without,
         request.run,
     )
-    unsupported = features.unsupported(target, excluded)
+    unsupported = support.unsupported(target, excluded)
     started = time.perf_counter()
     exercised: set[str] = set()
     cells: list[Cell] = []
@@ -332,7 +333,7 @@ def _battery_cell(
     run: Settings,
     exercised: set[str],
 ) -> Cell:
-    why = features.declines(target, scenario, world_size, excluded)
+    why = support.declines(target, scenario, world_size, excluded)
     if why is not None:
         return Cell("battery", name, world_size, "declined", reason=why)
     key = repr(scenario)

@@ -39,7 +39,6 @@ from ddpcheck._base.devices import (
 )
 from ddpcheck._base.errors import DdpcheckError, InvalidArgument, NothingChecked
 from ddpcheck._language.battery import BATTERY
-from ddpcheck._language.features import declines
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._rank import recorder
 from ddpcheck._rank.runner import run_example_packed, run_warm_up
@@ -47,6 +46,7 @@ from ddpcheck._rank.transport import unpack
 from ddpcheck._runs.example import check_batch_plans, verdict
 from ddpcheck._world.failures import Failure, RankState, Status, WorldFailure
 from ddpcheck.targets.protocol import Target
+from ddpcheck.targets.support import declines
 
 __all__ = ["check_in_world", "init_world", "local_world_size", "under_torchrun"]
 
