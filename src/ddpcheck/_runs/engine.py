@@ -28,6 +28,7 @@ from the failing one on (:class:`_Replay`) -- reported as intermittent if it pas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -245,9 +246,9 @@ def search(draws: Draws, plan: Plan) -> Found:
 class _Inline:
     """The test function of :func:`search`, and what it has seen."""
 
-    def __init__(self, draws: Draws, plan: Plan, found: Found | None = None):
+    def __init__(self, draws: Draws, plan: Plan):
         self.draws, self.plan = draws, plan
-        self.found = found or Found()
+        self.found = Found()
         self.started = time.perf_counter()
         self.shrinking_since: float | None = None
         self.passed: set[str] = set()
@@ -335,7 +336,7 @@ def search_pipelined(
     run."""
     started = time.perf_counter()
     found = Found()
-    generation = _Generation(draws, plan, found, started, time_budget)
+    generation = _Generation(draws, plan, started, time_budget)
     failing = _first_failure(generation, found, settings_, progress, started)
     if failing is None or not shrink:
         found.seconds = time.perf_counter() - started
@@ -357,12 +358,15 @@ def _first_failure(
         # closing: a failure stops it (what is still queued is let finish and dropped)
         with (
             lending_waits(generation.lock),
-            _closing(
-                (
-                    ((index, example), example.world_size, example.scenario)
-                    for index, example in generation.items()
-                ),
-                settings_,
+            contextlib.closing(
+                one_behind_the_other(
+                    (
+                        ((index, example), example.world_size, example.scenario)
+                        for index, example in generation.items()
+                    ),
+                    settings_,
+                    target_of=lambda key: key[1].target,
+                )
             ) as examples_run,
         ):
             for ((index, example), _, _), outcome in examples_run:
@@ -385,20 +389,6 @@ def _first_failure(
     return failing
 
 
-class _closing:
-    """The pipeline of examples, closed when the caller stops reading it (a failure): what is
-    still queued is let finish and dropped."""
-
-    def __init__(self, items: Iterator[tuple[tuple[int, Example], int, Scenario]], run: Settings):
-        self._pipeline = one_behind_the_other(items, run, target_of=lambda key: key[1].target)
-
-    def __enter__(self) -> Iterator[tuple[tuple[tuple[int, Example], int, Scenario], Outcome]]:
-        return self._pipeline
-
-    def __exit__(self, *exc: object) -> None:
-        self._pipeline.close()
-
-
 def _shrunk(
     draws: Draws, plan: Plan, found: Found, failing: tuple[int, Example], started: float
 ) -> Found:
@@ -406,10 +396,7 @@ def _shrunk(
     same seed, and every example before the failing one passes as it did while drawn), now
     running the failing one and every shrinking step."""
     index, example = failing
-    first = found.error
-    assert first is not None
-    replay = _Replay(index, example, _Inline(draws, dataclasses.replace(plan, shrink_seconds=None)))
-    replay.inline.found = found  # shrinking steps are counted, their notes kept
+    replay = _Replay(index, example, draws, plan, found)  # shrinking steps counted in ``found``
     try:
         hypothesis_run(
             replay.test,
@@ -443,9 +430,7 @@ class _Generation:
     nothing an example does when run, so a second run with the same seed draws the same examples
     (:class:`_Replay`)."""
 
-    def __init__(
-        self, draws: Draws, plan: Plan, found: Found, started: float, time_budget: float | None
-    ):
+    def __init__(self, draws: Draws, plan: Plan, started: float, time_budget: float | None):
         #: held by the caller except while it waits (``lending.lending_waits``), taken here for
         #: each draw: drawing builds models from torch's global random generator (and asks the
         #: target's ``supports``), which must not interleave with the caller's own
@@ -538,8 +523,9 @@ class _Replay:
     """The second Hypothesis run: where the failing example is (its index among the examples
     drawn), and how far the run has got."""
 
-    def __init__(self, index: int, failing: Example, inline: _Inline):
-        self.index, self.failing, self.inline = index, failing, inline
+    def __init__(self, index: int, failing: Example, draws: Draws, plan: Plan, found: Found):
+        self.index, self.failing = index, failing
+        self.draws, self.plan, self.found = draws, plan, found
         self.drawn = 0
         self.reached = False  # the failing example's index was drawn again
         self.drew_otherwise = False  # ... but not the failing example (not expected to happen)
@@ -552,8 +538,7 @@ class _Replay:
         return self.reached and self.done and not self.reproduced and not self.drew_otherwise
 
     def test(self, data: st.DataObject) -> None:
-        inline = self.inline
-        example = inline.draws.draw(data)  # drawn even when done: a choice sequence draws the same
+        example = self.draws.draw(data)  # drawn even when done: a choice sequence draws the same
         if self.reached:  # a shrinking step
             if not self.done:
                 self._step(example)
@@ -573,24 +558,22 @@ class _Replay:
 
     def _before_the_failing_one(self, example: Example) -> bool:
         """Decided as it was while drawn: declined, or passed (it ran, or before the index)."""
-        plan = self.inline.plan
-        if plan.accept(example) is not None:
+        if self.plan.accept(example) is not None:
             assume(False)
         self.drawn += 1
         return self.drawn < self.index
 
     def _step(self, example: Example, accepted: bool = False) -> None:
-        inline = self.inline
-        if not accepted and inline.plan.accept(example) is not None:
+        if not accepted and self.plan.accept(example) is not None:
             assume(False)
-        inline.found.examples += 1
-        outcome = outcome_of(inline.plan.check, example)
+        self.found.examples += 1
+        outcome = outcome_of(self.plan.check, example)
         if outcome.skipped is not None:  # nobody's bug, not a failure
-            inline.found.examples -= 1
+            self.found.examples -= 1
             return
         if outcome.error is not None:
             raise outcome.error
-        inline.found.notes.update(dict.fromkeys(outcome.notes))
+        self.found.notes.update(dict.fromkeys(outcome.notes))
 
 
 def settings_check(run: Settings) -> Callable[[Example], tuple[str, ...]]:
