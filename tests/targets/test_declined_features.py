@@ -56,25 +56,31 @@ def test_every_ready_made_decline_has_its_own_reason(entry):
         assert "supported_features" not in why, (entry.name, feature, why)
 
 
-@pytest.mark.parametrize(
-    "target",
-    [
-        targets.AccelerateTarget(
-            config={
-                "kwargs_handlers": [
-                    {"class": "DistributedDataParallelKwargs", "find_unused_parameters": False}
-                ]
-            }
-        ),
-        targets.FabricTarget(config={"strategy": {"name": "ddp", "find_unused_parameters": False}}),
-        targets.LightningTarget(
-            config={"strategy": {"name": "ddp", "find_unused_parameters": False}}
-        ),
-        targets.HfTrainerTarget(config={"ddp_find_unused_parameters": False}),
-    ],
-    ids=lambda t: type(t).__name__,
-)
-def test_a_feature_your_ddp_options_rule_out_is_declined_with_torchs_reason(target):
+#: Built in the test, not at collection: building them imports the frameworks (lightning.fabric
+#: alone ~1.2 s of CPU), which every xdist worker would pay while collecting.
+UNUSED_OFF = {
+    "AccelerateTarget": lambda: targets.AccelerateTarget(
+        config={
+            "kwargs_handlers": [
+                {"class": "DistributedDataParallelKwargs", "find_unused_parameters": False}
+            ]
+        }
+    ),
+    "FabricTarget": lambda: targets.FabricTarget(
+        config={"strategy": {"name": "ddp", "find_unused_parameters": False}}
+    ),
+    "LightningTarget": lambda: targets.LightningTarget(
+        config={"strategy": {"name": "ddp", "find_unused_parameters": False}}
+    ),
+    "HfTrainerTarget": lambda: targets.HfTrainerTarget(
+        config={"ddp_find_unused_parameters": False}
+    ),
+}
+
+
+@pytest.mark.parametrize("name", UNUSED_OFF)
+def test_a_feature_your_ddp_options_rule_out_is_declined_with_torchs_reason(name):
+    target = UNUSED_OFF[name]()
     # (it said "not in AccelerateTarget.supported_features")
     assert {"unused-everywhere", "unused-on-some-ranks"}.isdisjoint(target.supported_features)
     why = ddpcheck.features.why_unsupported(target, "unused-everywhere")
