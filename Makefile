@@ -78,13 +78,10 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# The lint gates the suite; the bytecode warm-up runs beside it. The suite runs with Python's own
-# bytecode cache for the checkout (src/, tests/; __pycache__ is git-ignored) even where the
-# environment turns it off (PYTHONDONTWRITEBYTECODE=1 on our machines and CI): otherwise each of
-# the ~150 processes that import ddpcheck compiled it again, ~0.5 s of CPU each.
+# The lint gates the suite; the bytecode warm-up runs beside it.
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j2 lint $(WARMED)
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/pytest -n auto -q tests properties
+	$(BIN)/pytest -n auto -q tests properties
 
 bench: $(STAMP)
 	for f in bench/*.py; do $(BIN)/python $$f || exit 1; done
