@@ -38,6 +38,7 @@ __version__ = "0.1.0"
 
 #: Public names that load on first use, and the module each comes from.
 _LAZY = {
+    "Epochs": "ddpcheck.scenario",
     "FuzzResult": "ddpcheck._runs.fuzz",
     "Report": "ddpcheck.api",
     "Scenario": "ddpcheck.scenario",

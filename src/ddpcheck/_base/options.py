@@ -163,6 +163,8 @@ FEATURES: dict[str, str] = {
     "clipping": "the synchronised gradients clipped to a global norm before every step "
     "(max_grad_norm, grad_norm_type)",
     "uneven-batches": "a global batch not divisible by W (some ranks get fewer, or no, samples)",
+    "epochs": "a dataset of N samples passed over in epochs: a short last batch and a short last "
+    "accumulation window where the global batch does not divide N (Scenario.epochs)",
     "broadcast": "ranks initialised differently: the target must broadcast rank 0's state",
     "grads-kept": "zero_grad(set_to_none=False): gradients kept (zeroed) between steps",
     "rank-orders": "each rank registers parameters and buffers in its own order (same names and "

@@ -42,7 +42,7 @@ from torch.utils.data import Dataset, DistributedSampler
 from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._base.options import named_fields
 from ddpcheck._language.objective import is_token_loss, tokens
-from ddpcheck._language.scenario import Scenario, global_batch
+from ddpcheck._language.scenario import Scenario, global_batch, micro_batches_of
 
 __all__ = [
     "BatchPlan",
@@ -68,7 +68,9 @@ class GlobalBatch:
     step: int
     rank: int
     world_size: int
-    accumulation: int  # the scenario's micro-batches per step (a hook may use another number)
+    #: the step's micro-batches: the scenario's accumulation, fewer in an epoch's short last step
+    #: (a hook may use another number)
+    accumulation: int
     reduction: str  # "mean" or "sum": the full-batch objective the plan must reproduce
     #: each sample's non-padding target tokens under ``loss="token_cross_entropy"``; None for a
     #: per-sample loss (every sample one term)
@@ -370,16 +372,17 @@ def global_indices(
     the step's global targets when the caller has drawn them (a token loss counts their tokens;
     otherwise they are drawn here)."""
     counts = None
-    if is_token_loss(scenario):
-        if targets is None:
-            targets = global_batch(scenario, step)[1]
+    if targets is None and (is_token_loss(scenario) or scenario.epochs is not None):
+        targets = global_batch(scenario, step)[1]
+    if is_token_loss(scenario) and targets is not None:
         counts = tokens(scenario, targets)
+    size = scenario.global_batch if targets is None else len(targets)
     return GlobalBatch(
-        tuple(range(scenario.global_batch)),
+        tuple(range(size)),
         step,
         rank,
         world_size,
-        scenario.accumulation,
+        micro_batches_of(scenario, step),
         scenario.reduction,
         counts,
     )

@@ -17,7 +17,7 @@ import torch
 
 from ddpcheck._language import zoo
 from ddpcheck._language.models import Layer, ModelSpec, SpecData
-from ddpcheck._language.scenario import Scenario
+from ddpcheck._language.scenario import Epochs, Scenario
 
 __all__ = ["BATTERY"]
 
@@ -84,6 +84,19 @@ BATTERY: list[tuple[str, Scenario]] = [
             steps=2,
             accumulation=2,
             seed=10,
+        ),
+    ),
+    # two epochs over a dataset, two steps each: a framework's own DataLoader and epoch loop
+    # (a batch meant to be split across the ranks that is not, an epoch end that loses a step)
+    (
+        "epochs-accumulate",
+        Scenario(
+            zoo.MLP,
+            optimizer_kwargs={"lr": 0.05},
+            global_batch=24,
+            accumulation=2,
+            seed=13,
+            epochs=Epochs(samples=48, epochs=2),
         ),
     ),
     (

@@ -16,6 +16,8 @@ weights -- what every rank of a world would see at step 0 -- cached per scenario
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ddpcheck._base.errors import ScenarioError
@@ -24,7 +26,7 @@ from ddpcheck._base.options import parse_features as parse
 from ddpcheck._language import objective
 from ddpcheck._language.messages import code_name, exception_text
 from ddpcheck._language.models import ModelSpec, SpecData
-from ddpcheck._language.scenario import Scenario, build_model, global_batch
+from ddpcheck._language.scenario import Scenario, batch_size_of, build_model, global_batch
 from ddpcheck._language.zoo import GPTConfig, token_data
 
 __all__ = [
@@ -44,7 +46,9 @@ def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
     it; ``uneven-batches`` and ``unused-on-some-ranks`` need a world size), and at its
     ``resume_world_size`` when it resumes from a checkpoint in another world."""
     found = set(_fields(scenario))
-    if world_size is not None and scenario.global_batch % world_size:
+    if world_size is not None and any(
+        batch_size_of(scenario, step) % world_size for step in range(scenario.steps)
+    ):
         found.add("uneven-batches")
     resumed_at = scenario.resume_world_size
     if world_size is not None and resumed_at not in (None, world_size):
@@ -52,32 +56,26 @@ def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
     return frozenset(found | _model_features(scenario, world_size or 1))
 
 
+#: The features a scenario's fields alone show: name -> whether the scenario exercises it.
+_FIELD_FEATURES: dict[str, Callable[[Scenario], bool]] = {
+    "accumulation": lambda s: s.accumulation > 1,
+    "param-groups": lambda s: s.param_groups is not None,
+    "lr-schedule": lambda s: s.lr_decay is not None,
+    "clipping": lambda s: s.max_grad_norm is not None,
+    "broadcast": lambda s: s.rank_seeds,
+    "grads-kept": lambda s: not s.set_to_none,
+    "rank-orders": lambda s: s.rank_orders,
+    "checkpoint": lambda s: s.checkpoint_after is not None,
+    "tokens": lambda s: s.loss == "token_cross_entropy",
+    "epochs": lambda s: s.epochs is not None,
+    "autocast": lambda s: s.autocast is not None,
+    "param-dtype": lambda s: s.param_dtype is not None,
+}
+
+
 def _fields(scenario: Scenario) -> set[str]:
     """The features read from the scenario's fields alone (cheap: no model is built)."""
-    found = {scenario.dtype}
-    if scenario.accumulation > 1:
-        found.add("accumulation")
-    if scenario.param_groups is not None:
-        found.add("param-groups")
-    if scenario.lr_decay is not None:
-        found.add("lr-schedule")
-    if scenario.max_grad_norm is not None:
-        found.add("clipping")
-    if scenario.rank_seeds:
-        found.add("broadcast")
-    if not scenario.set_to_none:
-        found.add("grads-kept")
-    if scenario.rank_orders:
-        found.add("rank-orders")
-    if scenario.checkpoint_after is not None:
-        found.add("checkpoint")
-    if scenario.loss == "token_cross_entropy":
-        found.add("tokens")
-    if scenario.autocast is not None:
-        found.add("autocast")
-    if scenario.param_dtype is not None:
-        found.add("param-dtype")
-    return found
+    return {scenario.dtype} | {name for name, shows in _FIELD_FEATURES.items() if shows(scenario)}
 
 
 def exercised(found: set[str] | frozenset[str]) -> str:

@@ -159,10 +159,18 @@ def _shape(model: object) -> str:
     return shape
 
 
+def _epochs(scenario: Scenario) -> list[str]:
+    """``N=10``, and ``2 epochs`` when more than one: a scenario's dataset, if it has one."""
+    if scenario.epochs is None:
+        return []
+    many = scenario.epochs.epochs > 1
+    return [f"N={scenario.epochs.samples}"] + ([f"{scenario.epochs.epochs} epochs"] if many else [])
+
+
 def _settings(scenario: Scenario) -> list[str]:
     """The batch, the steps and every setting :func:`scenario_line` shows that is not the
     default, in its order."""
-    extra = [f"B={scenario.global_batch}", f"steps={scenario.steps}"]
+    extra = [f"B={scenario.global_batch}", f"steps={scenario.steps}", *_epochs(scenario)]
     if scenario.accumulation > 1:
         extra.append(f"acc={scenario.accumulation}")
     if scenario.param_groups is not None:

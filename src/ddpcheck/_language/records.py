@@ -109,6 +109,10 @@ class StepRecord:
     #: its non-padding tokens under a token loss -- None for a per-sample loss (one term each);
     #: the batch plans are judged per term (``ddpcheck._oracle.sample_weights``)
     tokens: tuple[int, ...] | None = None
+    #: a target running its framework's own data path (``Target.fit_epochs``): the dataset
+    #: indices of each micro-batch this rank consumed in the step, judged against the step's
+    #: samples (``ddpcheck._oracle.sample_weights.check_consumed``); None otherwise
+    consumed: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclasses.dataclass

@@ -35,9 +35,20 @@ from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._base.options import named_fields
 from ddpcheck._base.scripts import MAIN_NAMES, public_module_name
 from ddpcheck._language import zoo
+from ddpcheck._language.epochs import Epochs, step_count, step_samples, window
 from ddpcheck._language.objective import LOSSES, LOW_PRECISION, per_sample_loss
 
-__all__ = ["Scenario", "build_model", "global_batch", "local_micro_batches", "per_sample_loss"]
+__all__ = [
+    "Epochs",
+    "Scenario",
+    "batch_size_of",
+    "build_model",
+    "dataset",
+    "global_batch",
+    "local_micro_batches",
+    "micro_batches_of",
+    "per_sample_loss",
+]
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -79,11 +90,17 @@ class Scenario:
     # float32 master weights, forward and backward on copies in param_dtype, gradients
     # accumulated and reduced in float32 (FSDP2's MixedPrecisionPolicy): the target casts
     param_dtype: torch.dtype | None = None
+    # a dataset of N samples passed over in epochs (``ddpcheck._language.epochs``): steps of
+    # ``global_batch`` samples, the last of an epoch short when it does not divide N; ``steps``
+    # is then derived from it (None: a fresh full global batch every step)
+    epochs: Epochs | None = None
 
     def __post_init__(self) -> None:
         _check_int("global_batch", self.global_batch, 1)
         _check_int("steps", self.steps, 1)
         _check_int("accumulation", self.accumulation, 1)
+        if self.epochs is not None:
+            _derive_steps(self)
         _check_int("seed", self.seed, 0)
         if self.dtype not in _DTYPES:
             raise InvalidArgument(f"dtype={self.dtype!r} must be one of {sorted(_DTYPES)}")
@@ -129,6 +146,34 @@ class Scenario:
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidArgument(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+#: ``Scenario.steps``'s default: left as it is, a scenario with epochs derives its steps.
+_DEFAULT_STEPS = 2
+
+
+def _derive_steps(scenario: Scenario) -> None:
+    """``steps`` from the epoch structure (``ddpcheck._language.epochs``), refusing a given
+    count that disagrees and a global batch the accumulation does not divide."""
+    epochs = scenario.epochs
+    if not isinstance(epochs, Epochs):
+        raise InvalidArgument(
+            f"epochs={epochs!r} must be None or a ddpcheck.scenario.Epochs(samples, epochs)"
+        )
+    if scenario.global_batch % scenario.accumulation:
+        raise InvalidArgument(
+            f"global_batch={scenario.global_batch} must be a multiple of accumulation="
+            f"{scenario.accumulation} in a scenario with epochs: a window holds accumulation "
+            "micro-batches of global_batch / accumulation samples across the ranks"
+        )
+    steps = step_count(epochs, scenario.global_batch)
+    if scenario.steps not in (steps, _DEFAULT_STEPS):
+        raise InvalidArgument(
+            f"steps={scenario.steps} disagrees with the epochs: {epochs.epochs} epoch(s) of "
+            f"{epochs.samples} samples in steps of global_batch={scenario.global_batch} are "
+            f"{steps} step(s); leave steps out"
+        )
+    object.__setattr__(scenario, "steps", steps)
 
 
 def _check_clipping(max_norm: float | None, norm_type: float) -> None:
@@ -282,8 +327,36 @@ def make_param_groups(scenario: Scenario, model: nn.Module) -> list:
 
 
 def global_batch(scenario: Scenario, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole batch of one step (different data every step)."""
-    return scenario.data(scenario.seed * 1_000 + step, scenario.global_batch, scenario.torch_dtype)
+    """The whole batch of one step: different data every step, or with epochs the samples of the
+    dataset the step consumes (``ddpcheck._language.epochs``)."""
+    if scenario.epochs is None:
+        return scenario.data(
+            scenario.seed * 1_000 + step, scenario.global_batch, scenario.torch_dtype
+        )
+    x, y = dataset(scenario)
+    samples = step_samples(scenario.epochs, scenario.global_batch, step)
+    return x[samples.start : samples.stop], y[samples.start : samples.stop]
+
+
+def dataset(scenario: Scenario) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dataset of a scenario with epochs: ``samples`` samples drawn once from its data."""
+    if scenario.epochs is None:
+        raise ValueError("dataset() needs a scenario with epochs")
+    return scenario.data(scenario.seed * 1_000, scenario.epochs.samples, scenario.torch_dtype)
+
+
+def batch_size_of(scenario: Scenario, step: int) -> int:
+    """The samples of ``step``'s global batch: ``global_batch``, or fewer in an epoch's last."""
+    if scenario.epochs is None:
+        return scenario.global_batch
+    return len(step_samples(scenario.epochs, scenario.global_batch, step))
+
+
+def micro_batches_of(scenario: Scenario, step: int) -> int:
+    """The micro-batches of ``step``: the accumulation, or fewer in an epoch's short last step."""
+    if scenario.epochs is None:
+        return scenario.accumulation
+    return window(scenario.epochs, scenario.global_batch, scenario.accumulation, step)
 
 
 def local_micro_batches(
@@ -294,7 +367,7 @@ def local_micro_batches(
     xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
     return list(
         zip(
-            torch.tensor_split(xs, scenario.accumulation),
-            torch.tensor_split(ys, scenario.accumulation),
+            torch.tensor_split(xs, micro_batches_of(scenario, step)),
+            torch.tensor_split(ys, micro_batches_of(scenario, step)),
         )
     )

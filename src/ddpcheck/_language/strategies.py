@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language import features
 from ddpcheck._language.models import KINDS, Layer, ModelSpec
-from ddpcheck._language.scenario import Scenario
+from ddpcheck._language.scenario import Epochs, Scenario
 from ddpcheck._language.zoo import BiasGroups, GPTConfig, token_data
 
 __all__ = [
@@ -308,7 +308,8 @@ def _scenarios(
     # loss, attention, tied embeddings) amplifies float32 rounding exponentially step after step,
     # until no tolerance tells drift from a bug (bench/tolerance.py measured it). float64 drifts
     # by ~1e-16 and keeps every step.
-    steps = draw(st.integers(1, min(max_steps, 2) if float32 else max_steps))
+    most_steps = min(max_steps, 2) if float32 else max_steps
+    steps = draw(st.integers(1, most_steps))
     reduction = "mean" if float32 else draw(st.sampled_from(("mean", "sum")))
     groups = None if "param-groups" in without else draw(_param_groups())
     if "uneven-batches" in without and world_size is not None:  # multiples of W only
@@ -320,7 +321,9 @@ def _scenarios(
     )
     if precision:
         kwargs = _low_precision(optimizer, kwargs)
-    return Scenario(
+    # drawn in the order of Scenario's fields, as before the epochs, which come last: the draws
+    # of every earlier scenario are unchanged
+    fields = dict(
         model=spec,
         data=data,
         loss=loss,
@@ -341,6 +344,36 @@ def _scenarios(
         **({} if "clipping" in without else draw(_clipping())),
         rank_orders=False if "rank-orders" in without else draw(_rank_orders()),
         **({} if "checkpoint" in without else draw(_checkpoint(steps, tuple(resume_world_sizes)))),
+    )
+    scenario = Scenario(**fields)
+    if _EPOCHS_CLASH & without or scenario.checkpoint_after is not None:
+        return scenario
+    if not draw(st.sampled_from((False,) * 4 + (True,))):  # a fifth, shrinking towards none
+        return scenario
+    return draw(_with_epochs(scenario, most_steps))
+
+
+#: Features an epoch structure cannot do without: its last step is short (any size), and with
+#: a checkpoint its steps would have to be counted twice.
+_EPOCHS_CLASH = frozenset({"epochs", "uneven-batches"})
+
+
+@st.composite
+def _with_epochs(draw: st.DrawFn, scenario: Scenario, most_steps: int) -> Scenario:
+    """``scenario`` over a dataset (``Scenario.epochs``): the global batch rounded down to a
+    multiple of the accumulation, 1 to ``most_steps`` steps per epoch the last of which is full
+    (shrinking towards it) or holds 1 to B - 1 samples, and as many epochs as the steps allow."""
+    accumulation = scenario.accumulation
+    batch = accumulation * max(1, scenario.global_batch // accumulation)
+    per_epoch = draw(st.integers(1, most_steps))
+    last = batch if batch == 1 else draw(st.one_of(st.just(batch), st.integers(1, batch - 1)))
+    samples = (per_epoch - 1) * batch + last
+    epochs = draw(st.integers(1, max(1, most_steps // per_epoch)))
+    return dataclasses.replace(
+        scenario,
+        global_batch=batch,
+        steps=epochs * per_epoch,
+        epochs=Epochs(samples=samples, epochs=epochs),
     )
 
 
@@ -639,6 +672,22 @@ def _with_layer(spec: ModelSpec, layer: Layer, index: int) -> ModelSpec:
     )
 
 
+#: Features :func:`_forced` makes by changing the batch, the steps or the accumulation.
+_FIXED_BATCH = frozenset({"accumulation", "checkpoint", "uneven-batches", "unused-on-some-ranks"})
+
+
+@st.composite
+def _epochs_as_needed(draw: st.DrawFn, s: Scenario, feature: str) -> Scenario:
+    """``s`` with epochs for ``feature="epochs"``, without them for the features
+    :func:`_forced` makes by changing what the epochs derive (the batch, steps, accumulation)."""
+    if s.epochs is not None and feature in _FIXED_BATCH:
+        return dataclasses.replace(s, epochs=None)
+    if feature == "epochs" and s.epochs is None:
+        no_checkpoint = dataclasses.replace(s, checkpoint_after=None, resume_world_size=None)
+        return draw(_with_epochs(no_checkpoint, max(s.steps, 2)))
+    return s
+
+
 @st.composite
 def _forced(
     draw: st.DrawFn,
@@ -648,7 +697,7 @@ def _forced(
     even_batches: bool,
     resumes: tuple[int, ...],
 ) -> Scenario:
-    s = draw(drawn)
+    s = draw(_epochs_as_needed(draw(drawn), feature))
     # keyword arguments are evaluated in order: the draws are those of one change at a time
     if feature == "accumulation":
         return dataclasses.replace(s, accumulation=draw(st.integers(2, 3)))

@@ -37,7 +37,9 @@ from ddpcheck._language import objective
 from ddpcheck._language.scenario import Scenario
 
 __all__ = [
+    "EpochRun",
     "FitRun",
+    "SampleDataset",
     "Loop",
     "OptimizerLike",
     "Params",
@@ -173,6 +175,59 @@ class FitRun:
     ) -> torch.Tensor:
         """One micro-batch's loss through ``model``, as the reference computes it."""
         return micro_batch_loss(self.scenario, model, x, y, scale)
+
+
+class SampleDataset(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """A scenario's dataset as a framework's ``DataLoader`` reads it: sample ``i`` is
+    ``(x[i], y[i], i)``, so that every batch carries the indices it holds and the harness knows
+    which samples each rank consumed in each step (collated, ``batch[2]`` is their tensor)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[index], self.y[index], index
+
+
+@dataclasses.dataclass
+class EpochRun(FitRun):
+    """What a target that runs its framework's own data path (``Target.fit_epochs(module, run)``)
+    is given for a scenario with epochs: :class:`FitRun`'s model, optimizer and hooks (its
+    ``batches`` empty), the :class:`SampleDataset`, the epochs, ``global_batch`` (B, samples per
+    optimizer step across the ranks) and the ``accumulation`` (micro-batches per step, so a
+    micro-batch holds ``B / accumulation`` samples across the ranks: per device, that over W --
+    or, for a loader that splits batches across ranks, the whole of it).
+
+    The target builds its framework's ``DataLoader`` over :attr:`dataset`, loops over the epochs
+    as its documentation shows, computes each micro-batch's loss with :meth:`loss_of` (what a
+    user's loop computes: the mean of the micro-batch's terms; it also notes which samples this
+    rank consumed in the step) and calls :attr:`record` after every optimizer step. The harness
+    judges what the ranks consumed against the epoch's steps (``ddpcheck._language.epochs``), and
+    the numbers against the reference."""
+
+    dataset: SampleDataset
+    epochs: int
+    global_batch: int
+    accumulation: int
+    world_size: int
+    #: ``indices ->`` note the samples of one micro-batch this rank consumed (the harness's)
+    consumed: Callable[[list[int]], None]
+
+    @property
+    def steps(self) -> int:
+        return self.scenario.steps
+
+    def loss_of(self, model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The loss of one micro-batch ``(x, y, indices)`` as a user's loop computes it, the mean
+        of its terms of the scenario's objective (under its precision policy); notes the
+        samples as consumed in the current step."""
+        x, y, indices = batch
+        self.consumed([int(i) for i in indices])
+        summed = objective.micro_batch_loss(self.scenario, model, x, y)
+        return summed / max(objective.count(self.scenario, y), 1)
 
 
 def optimizer_kwargs(target: object, model: nn.Module, kwargs: dict) -> dict:

@@ -52,7 +52,13 @@ from ddpcheck._language.messages import (
     short_name,
 )
 from ddpcheck._language.models import ModelSpec
-from ddpcheck._language.scenario import Scenario, import_path, make_param_groups
+from ddpcheck._language.scenario import (
+    Scenario,
+    batch_size_of,
+    global_batch,
+    import_path,
+    make_param_groups,
+)
 from ddpcheck._oracle.tolerances import TOLERANCES
 
 __all__ = ["check_scenario", "explain_reference_failure"]
@@ -249,6 +255,8 @@ def _build(scenario: Scenario) -> nn.Module:
 def _data(scenario: Scenario, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     data, batch, dtype = scenario.data, scenario.global_batch, scenario.torch_dtype
     seed = scenario.seed * 1_000 + step  # as scenario.global_batch draws the step's batch
+    if scenario.epochs is not None:  # the dataset, drawn once (ddpcheck._language.epochs)
+        seed, batch = scenario.seed * 1_000, scenario.epochs.samples
     try:
         result = data(seed, batch, dtype)
     except Exception as exc:
@@ -279,6 +287,8 @@ def _data(scenario: Scenario, step: int) -> tuple[torch.Tensor, torch.Tensor]:
             f"shape {tuple(y.shape)} for batch={batch}; both need {batch} rows: dimension 0 is "
             "what is split between ranks and micro-batches"
         )
+    if scenario.epochs is not None:
+        return global_batch(scenario, step)
     return x, y
 
 
@@ -373,7 +383,7 @@ class _Forwards:
 
 
 def _refuse_batch_dependence(scenario: Scenario, model: nn.Module, facts: _Forwards) -> None:
-    batch = scenario.global_batch
+    batch = batch_size_of(scenario, 0)
     parts = " + ".join(map(str, facts.sizes))
     if facts.part_failure is not None:
         size, exc = facts.part_failure

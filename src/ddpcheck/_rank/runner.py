@@ -47,12 +47,20 @@ from ddpcheck._language.records import (
     schedule_state,
     snapshot,
 )
-from ddpcheck._language.scenario import Scenario, build_model, global_batch, make_param_groups
+from ddpcheck._language.scenario import (
+    Scenario,
+    build_model,
+    dataset,
+    global_batch,
+    make_param_groups,
+)
 from ddpcheck._language.training import (
+    EpochRun,
     FitRun,
     Loop,
     OptimizerLike,
     Params,
+    SampleDataset,
     SchedulerLike,
     make_scheduler,
     optimizer_kwargs,
@@ -68,6 +76,7 @@ __all__ = [
     "StepRecords",
     "checkpoint_from_bytes",
     "checkpoint_to_bytes",
+    "fit_data_path",
     "fit_owned_loop",
     "make_optimizer",
     "rank_seed",
@@ -106,16 +115,15 @@ def run_example(
     if scenario.rank_orders:  # the reference keeps the canonical order; the oracle pairs by name
         permute_registration(module, scenario.seed + ORDER_SEED_STRIDE * (rank + 1))
     plans: dict[int, BatchPlan] = {}
-    if isinstance(target, OwnsLoop) and callable(target.fit):  # Lightning's Trainer, say
+    owned = _owned_loop(target, scenario)
+    if owned is not None:  # Lightning's Trainer, say, or a framework's own DataLoader
         if part != "whole":
             raise NothingChecked(
                 f"checkpoint: {type(target).__name__} owns its training loop "
-                "(Target.fit), which has no checkpoint round trip; leave "
+                "(Target.fit, Target.fit_epochs), which has no checkpoint round trip; leave "
                 "'checkpoint' out of its supported_features"
             )
-        return fit_owned_loop(
-            target, target.fit, module, scenario, rank, world_size, plans, started
-        )
+        return owned(module, scenario, rank, world_size, plans, started)
     model, optimizer = setup(target, module, make_param_groups(scenario, module), scenario)
     # after wrap: FSDP2 replaces them
     names: dict[torch.Tensor, str] = {p: n for n, p in module.named_parameters()}
@@ -169,6 +177,21 @@ def run_example(
     finally:  # per-example framework state (singletons, meshes, groups), even after a failure
         _teardown(target, model, optimizer, failed)
     return result
+
+
+OwnedLoop = Callable[[nn.Module, Scenario, int, int, dict[int, BatchPlan], float], RankRecord]
+
+
+def _owned_loop(target: Target, scenario: Scenario) -> OwnedLoop | None:
+    """How ``target`` trains ``scenario`` when it owns the loop: its framework's own data path
+    for a scenario with epochs (``Target.fit_epochs``), or its own loop over the harness's
+    batches (``Target.fit``); None when the harness's loop drives its hooks."""
+    fit_epochs = getattr(target, "fit_epochs", None)
+    if scenario.epochs is not None and callable(fit_epochs):
+        return lambda *args: fit_data_path(target, fit_epochs, *args)
+    if isinstance(target, OwnsLoop) and callable(target.fit):
+        return lambda *args: fit_owned_loop(target, target.fit, *args)
+    return None
 
 
 def _saved_at(scenario: Scenario, part: str) -> int:
@@ -270,7 +293,7 @@ class StepRecords:
                     schedule=schedule_state(optimizer, scheduler),
                 )
             )
-        self.steps[-1].batch_plan = self.plans[step]
+        self.steps[-1].batch_plan = self.plans.get(step)
         self.steps[-1].window, self.window = self.window, []
 
 
@@ -298,6 +321,91 @@ def target_scheduler(
     return build(optimizer, scenario.lr_decay)
 
 
+class _OwnedRecords:
+    """What a target that owns its loop reports through ``run.started`` and ``run.record``
+    (``training.FitRun``), recorded as the harness's loop records it. ``bounded``: a call of
+    ``run.record`` beyond the scenario's steps is the target's misuse (``Target.fit``); in a
+    framework's own data path it is a step the framework took, for the oracle to judge."""
+
+    def __init__(
+        self,
+        target: Target,
+        module: nn.Module,
+        scenario: Scenario,
+        plans: dict[int, BatchPlan],
+        bounded: bool,
+    ):
+        names: dict[torch.Tensor, str] = {p: n for n, p in module.named_parameters()}
+        self.target, self.scenario, self.bounded = target, scenario, bounded
+        self.records = StepRecords(target, module, names, plans)
+        self.initial: list[dict] = []
+        #: (model, optimizer) that run.started was given
+        self.seen: list[tuple[nn.Module, OptimizerLike]] = []
+        self.consumed: list[tuple[int, ...]] = []  # this step's micro-batches, as consumed
+
+    def started(self, model: nn.Module, optimizer: OptimizerLike) -> None:
+        if self.initial:
+            raise RuntimeError(f"{type(self.target).__name__} called run.started twice")
+        self.initial.append(self.records.initial())
+        self.seen.append((model, optimizer))
+        recorder.reset()
+
+    def consume(self, indices: list[int]) -> None:
+        self.consumed.append(tuple(indices))
+
+    def record(
+        self, model: nn.Module, optimizer: OptimizerLike, scheduler: SchedulerLike | None
+    ) -> None:
+        step = len(self.records.steps)
+        if not self.initial or (self.bounded and step >= self.scenario.steps):
+            raise RuntimeError(
+                f"{type(self.target).__name__} called run.record "
+                + (
+                    "before run.started"
+                    if not self.initial
+                    else f"more often than the scenario's {self.scenario.steps} step(s)"
+                )
+            )
+        self.records.gradients(model, optimizer)
+        self.records.step(step, model, optimizer, scheduler)
+        if not self.bounded:
+            self.records.steps[-1].consumed, self.consumed = tuple(self.consumed), []
+        recorder.reset()
+
+    def fit(self, fit: Callable[[], None]) -> None:
+        """Run ``fit``, then the target's teardown (on what run.started was given)."""
+        failed = True
+        try:
+            fit()
+            failed = False
+        finally:
+            model, optimizer = self.seen[0] if self.seen else (None, None)
+            _teardown(self.target, model, optimizer, failed)
+
+    def rank_record(self, rank: int, started: float) -> RankRecord:
+        if not self.initial:
+            raise RuntimeError(f"{type(self.target).__name__} never called run.started")
+        return RankRecord(rank, self.initial[0], self.records.steps, time.perf_counter() - started)
+
+
+def _run_fields(scenario: Scenario, module: nn.Module, owned: _OwnedRecords) -> dict[str, Any]:
+    """The fields :class:`FitRun` and :class:`EpochRun` share: the scenario's model, optimizer,
+    schedule and clipping, and the harness's callbacks."""
+    return dict(
+        scenario=scenario,
+        module=module,
+        params=make_param_groups(scenario, module),
+        optimizer=scenario.optimizer,
+        optimizer_kwargs=dict(scenario.optimizer_kwargs),
+        gamma=scenario.lr_decay,
+        max_grad_norm=scenario.max_grad_norm,
+        grad_norm_type=scenario.grad_norm_type,
+        set_to_none=scenario.set_to_none,
+        started=owned.started,
+        record=owned.record,
+    )
+
+
 def fit_owned_loop(
     target: Target,
     fit: Callable[[nn.Module, FitRun], None],
@@ -311,66 +419,47 @@ def fit_owned_loop(
     """Run a target that owns its loop (``Target.fit(module, run)``) on this rank's batches,
     recording when it calls ``run.started`` and ``run.record`` (``training.FitRun``)."""
     batches = rank_batches(target, scenario, rank, world_size, plans)
-    names: dict[torch.Tensor, str] = {p: n for n, p in module.named_parameters()}
-    records = StepRecords(target, module, names, plans)
-    initial: list = []
-    # (model, optimizer) that run.started was given
-    model_seen: list[tuple[nn.Module, OptimizerLike]] = []
-
-    def at_start(model: nn.Module, optimizer: OptimizerLike) -> None:
-        if initial:
-            raise RuntimeError(f"{type(target).__name__}.fit called run.started twice")
-        initial.append(records.initial())
-        model_seen.append((model, optimizer))
-        recorder.reset()
-
-    def at_step(
-        model: nn.Module, optimizer: OptimizerLike, scheduler: SchedulerLike | None
-    ) -> None:
-        step = len(records.steps)
-        if not initial or step >= scenario.steps:
-            raise RuntimeError(
-                f"{type(target).__name__}.fit called run.record "
-                + (
-                    "before run.started"
-                    if not initial
-                    else f"more often than the scenario's {scenario.steps} step(s)"
-                )
-            )
-        records.gradients(model, optimizer)
-        records.step(step, model, optimizer, scheduler)
-        recorder.reset()
-
+    owned = _OwnedRecords(target, module, scenario, plans, bounded=True)
     run = FitRun(
-        scenario=scenario,
-        module=module,
-        params=make_param_groups(scenario, module),
-        optimizer=scenario.optimizer,
-        optimizer_kwargs=dict(scenario.optimizer_kwargs),
-        gamma=scenario.lr_decay,
-        max_grad_norm=scenario.max_grad_norm,
-        grad_norm_type=scenario.grad_norm_type,
-        set_to_none=scenario.set_to_none,
+        **_run_fields(scenario, module, owned),
         batches=[batches(step) for step in range(scenario.steps)],
-        started=at_start,
-        record=at_step,
     )
-    failed = True
-    try:
-        fit(module, run)
-        failed = False
-    finally:
-        if model_seen:
-            _teardown(target, *model_seen[0], failed)
-        else:
-            _teardown(target, None, None, failed)
-    if len(records.steps) != scenario.steps:
+    owned.fit(lambda: fit(module, run))
+    if len(owned.records.steps) != scenario.steps:
         raise RuntimeError(
-            f"{type(target).__name__}.fit recorded {len(records.steps)} of the "
+            f"{type(target).__name__}.fit recorded {len(owned.records.steps)} of the "
             f"scenario's {scenario.steps} step(s): call run.record after every "
             "optimizer step"
         )
-    return RankRecord(rank, initial[0], records.steps, time.perf_counter() - started)
+    return owned.rank_record(rank, started)
+
+
+def fit_data_path(
+    target: Target,
+    fit_epochs: Callable[[nn.Module, EpochRun], None],
+    module: nn.Module,
+    scenario: Scenario,
+    rank: int,
+    world_size: int,
+    plans: dict[int, BatchPlan],
+    started: float,
+) -> RankRecord:
+    """Run a target through its framework's own data path (``Target.fit_epochs(module, run)``)
+    over the scenario's dataset, recording what each step consumed: how many steps the
+    framework took, and which samples, is the oracle's to judge (``training.EpochRun``)."""
+    owned = _OwnedRecords(target, module, scenario, plans, bounded=False)
+    run = EpochRun(
+        **_run_fields(scenario, module, owned),
+        batches=[],
+        dataset=SampleDataset(*(to_rank_device(t) for t in dataset(scenario))),
+        epochs=scenario.epochs.epochs if scenario.epochs is not None else 1,
+        global_batch=scenario.global_batch,
+        accumulation=scenario.accumulation,
+        world_size=world_size,
+        consumed=owned.consume,
+    )
+    owned.fit(lambda: fit_epochs(module, run))
+    return owned.rank_record(rank, started)
 
 
 def checkpoint_to_bytes(checkpoint: object, who: str) -> bytes:

@@ -54,9 +54,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language.scenario import Scenario
-from ddpcheck._language.training import OptimizerLike, Params, SchedulerLike
+from ddpcheck._language.training import EpochRun, OptimizerLike, Params, SchedulerLike
 from ddpcheck.targets import ddp_options
 from ddpcheck.targets.configuration import (
     Config,
@@ -99,17 +99,10 @@ SCENARIO_KEYS: dict[str, str] = {
 }
 _WORLD = "ddpcheck's world: the process group exists, on the world's device"
 _DDP = "this target checks accelerate over torch DDP (DeepSpeed has targets of its own)"
-_SPLIT = (
-    "ddpcheck's batch is the global batch split across the ranks, so the prepared scheduler "
-    "steps once per step only with split_batches=True; AccelerateTarget(split_batches="
-    "False) keeps accelerate's other behaviour"
-)
 #: ``Accelerator`` keys ddpcheck's harness fixes: key -> (the values accepted, why).
 HARNESS_KEYS: dict[str, tuple[tuple[object, ...], str]] = {
     "cpu": ((), _WORLD),
     "kwargs_handlers.InitProcessGroupKwargs": ((), _WORLD),
-    "split_batches": ((True,), _SPLIT),
-    "dataloader_config.split_batches": ((True,), _SPLIT),
     "step_scheduler_with_optimizer": (
         (True,),
         "the scheduler steps with the optimizer, once per step, as the scenario's schedule",
@@ -153,13 +146,17 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
         object.__setattr__(self, "_ddp", _torch_ddp(given))
 
     def supports(self, scenario: Scenario) -> str | None:
-        if not self.split_batches and scenario.lr_decay is not None:
+        if not self.splits_batches() and scenario.lr_decay is not None:
             return (
                 "an LR schedule with split_batches=False: AcceleratedScheduler then steps "
                 "the schedule num_processes times per optimizer step, by design (the "
                 "batch is taken to be per process), where the reference steps it once"
             )
         given = vars(self)["_given"]
+        if scenario.epochs is not None:
+            why = _data_path_cannot_run(scenario, _even_batches(given))
+            if why is not None:
+                return why
         sync_each_batch = bool(
             _option(given.get("gradient_accumulation_plugin") or {}, "sync_each_batch")
         )
@@ -169,6 +166,18 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
             no_sync_accumulation=not sync_each_batch,
             where=" (the config's DistributedDataParallelKwargs)",
         )
+
+    def splits_batches(self) -> bool:
+        """Whether the user's configuration means batches split across the ranks -- the
+        ``split_batches`` keyword where given (accelerate has accepted and ignored it since
+        1.0: what the user meant is what their loop is written for), else the
+        ``DataLoaderConfiguration``'s, else this target's ``split_batches``."""
+        given = vars(self)["_given"]
+        if "split_batches" in given:
+            return bool(given["split_batches"])
+        if has(given, "dataloader_config.split_batches"):
+            return bool(_option(given.get("dataloader_config") or {}, "split_batches"))
+        return self.split_batches
 
     def config_space(self) -> ConfigSpace:
         """``split_batches=False`` (accelerate's default), and ``Accelerator`` keyword arguments
@@ -254,7 +263,9 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
             target=where,
             key="dataloader_config",
         )
-        if not has(given, "dataloader_config.split_batches"):
+        if not has(given, "dataloader_config.split_batches") and "split_batches" not in given:
+            # the target's option, where the user said nothing; their own keyword stays as
+            # they wrote it, whatever accelerate makes of it
             loader = dataclasses.replace(loader, split_batches=self.split_batches)
         kwargs["dataloader_config"] = loader
         handlers = [_handler(h, where) for h in _listed(given.get("kwargs_handlers"))]
@@ -262,6 +273,60 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
             handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
         kwargs["kwargs_handlers"] = handlers
         return kwargs
+
+    def fit_epochs(self, module: nn.Module, run: EpochRun) -> None:
+        """accelerate's own data path over the scenario's dataset, as its guide shows: a
+        ``DataLoader`` of the per-device batch (the global micro-batch where the configuration
+        splits batches), ``prepare(model, optimizer, dataloader)``, then for every epoch and batch
+        ``accumulate``, ``backward`` of the batch's mean loss, ``optimizer.step()``,
+        ``scheduler.step()``, ``zero_grad()`` -- accelerate decides which act and when it syncs
+        (at a window's end, and at the end of the loader)."""
+        from accelerate import Accelerator
+        from torch.utils.data import DataLoader
+
+        micro = run.global_batch // run.accumulation  # samples per micro-batch, all ranks
+        if micro % run.world_size:
+            raise NothingChecked(
+                f"AccelerateTarget declines this example: a micro-batch of {micro} samples "
+                f"across {run.world_size} ranks"
+                + (
+                    " (split_batches needs a batch size that is a round multiple of the "
+                    "number of processes)"
+                    if self.splits_batches()
+                    else " (no per-device batch size gives it)"
+                )
+            )
+        join_existing_group()
+        options = self.accelerator_kwargs(next(module.parameters()).device)
+        accelerator = (
+            construct(Accelerator, options, target=described("AccelerateTarget", self.config))
+            if vars(self)["_given"]
+            else Accelerator(**options)
+        )
+        loader = DataLoader(
+            run.dataset, batch_size=micro if self.splits_batches() else micro // run.world_size
+        )
+        model, optimizer, loader = accelerator.prepare(
+            module, run.optimizer(run.params, **run.optimizer_kwargs), loader
+        )
+        setattr(model, _ACCELERATOR, accelerator)
+        setattr(optimizer, _ACCELERATOR, accelerator)
+        scheduler = None if run.gamma is None else self.make_scheduler(optimizer, run.gamma)
+        run.started(model, optimizer)
+        for _ in range(run.epochs):
+            for batch in loader:
+                with accelerator.accumulate(model):
+                    accelerator.backward(run.loss_of(model, batch))
+                    if run.max_grad_norm is not None and accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(
+                            model.parameters(), run.max_grad_norm, run.grad_norm_type
+                        )
+                    optimizer.step()
+                    if scheduler is not None:
+                        scheduler.step()
+                    if accelerator.sync_gradients:  # the optimizer stepped
+                        run.record(model, optimizer, scheduler)
+                    optimizer.zero_grad(set_to_none=run.set_to_none)
 
     def make_scheduler(self, optimizer: OptimizerLike, gamma: float) -> SchedulerLike:
         prepared: AcceleratedOptimizer = optimizer  # what setup's prepare returned
@@ -297,6 +362,53 @@ _ACCELERATOR = "ddpcheck_accelerator"
 def _accelerator(prepared: object) -> Accelerator:
     """The example's ``Accelerator``, which setup hung on the prepared model and optimizer."""
     return getattr(prepared, _ACCELERATOR)
+
+
+_EVEN_BATCHES = (
+    "accelerate's DataLoaderConfiguration(even_batches=True), its default: \"in cases where "
+    "the total batch size across all processes does not exactly divide the dataset, samples "
+    "at the start of the dataset will be duplicated so the batch can be divided equally among "
+    'all workers"'
+)
+_SCALED_BY_ACCUMULATION = (
+    'accelerator.backward divides every loss by gradient_accumulation_steps ("Scales the '
+    "gradients in accordance to the GradientAccumulationPlugin\"), also in an epoch's last "
+    "window when it holds fewer micro-batches"
+)
+
+
+def _data_path_cannot_run(scenario: Scenario, even_batches: bool) -> str | None:
+    """Why accelerate's own data path, with the loop its guide writes (the mean loss of each
+    batch), does not train ``scenario``'s epochs as the reference does, by a documented
+    convention; None when it must."""
+    epochs = scenario.epochs
+    if epochs is None:
+        return None
+    if scenario.reduction != "mean" or scenario.loss != "squared_error":
+        return (
+            "epochs with a summed or token objective: the loop of accelerate's guide takes the "
+            "mean loss of each batch"
+        )
+    if epochs.samples % scenario.global_batch:
+        return (
+            f"an epoch of {epochs.samples} samples in steps of {scenario.global_batch}: its last "
+            "step is short, and "
+            + (
+                _EVEN_BATCHES
+                if even_batches
+                else "with even_batches=False the ranks' last batches differ in size while "
+                "the loop averages per batch"
+            )
+            + f"; and {_SCALED_BY_ACCUMULATION}"
+        )
+    return None
+
+
+def _even_batches(given: Mapping[str, object]) -> bool:
+    """The configuration's ``even_batches`` (accelerate's default: True)."""
+    if has(given, "dataloader_config.even_batches"):
+        return bool(_option(given.get("dataloader_config") or {}, "even_batches"))
+    return True
 
 
 def _listed(value: object) -> Sequence[object]:

@@ -20,6 +20,7 @@ from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.training import OptimizerLike, Params
 from ddpcheck.targets.configuration import Config, load_config, reconcile
+from ddpcheck.targets.data_path import SamplerDataPath
 from ddpcheck.targets.fsdp import (
     broadcast_from,
     config_options,
@@ -131,8 +132,9 @@ class ParallelTarget(ParallelDDPTarget):
 
 
 @dataclasses.dataclass(frozen=True)
-class TorchDDPTarget(_Bucketed):
-    """torch's ``DistributedDataParallel`` with the plain optimizer."""
+class TorchDDPTarget(_Bucketed, SamplerDataPath):
+    """torch's ``DistributedDataParallel`` with the plain optimizer; a scenario with epochs runs
+    through ``DistributedSampler`` and a ``DataLoader`` per rank (``targets.data_path``)."""
 
     # torch DDP pairs parameters and buffers by registration position: with per-rank orders (torch
     # 2.13, W=2) its construction check raises "params[0] in this process with sizes [8] appears

@@ -104,7 +104,7 @@ from ddpcheck.targets.extensions import build_directory, remove_stale_lock
 from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.option_space import nested, options
 from ddpcheck.targets.protocol import Target
-from ddpcheck.targets.reasons import OWN_CHECKPOINTS
+from ddpcheck.targets.reasons import COUNTS_ITS_WINDOW, OWN_CHECKPOINTS
 
 if TYPE_CHECKING:  # DeepSpeed ships no type information: mypy reads these names untyped
     from deepspeed import DeepSpeedEngine
@@ -261,6 +261,7 @@ class DeepSpeedTarget(FrameworkTarget):
         "mixed-dtypes": "ddpcheck's mixed dtypes are float32 layers in a float64 model, and "
         "float64 is declined",
         "checkpoint": f"{OWN_CHECKPOINTS} (engine.save_checkpoint)",
+        "epochs": COUNTS_ITS_WINDOW,
         "rank-orders": "ZeRO partitions parameters in registration order, which must be the "
         "same on every rank",
         "param-dtype": "DeepSpeed's bf16 mode reduces and accumulates gradients in bfloat16 "

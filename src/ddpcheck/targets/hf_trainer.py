@@ -77,7 +77,12 @@ from ddpcheck.targets import ddp_options
 from ddpcheck.targets.configuration import Config, described, load_config, reconcile
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.option_space import options
-from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
+from ddpcheck.targets.reasons import (
+    COUNTS_ITS_WINDOW,
+    NO_PARAM_DTYPE,
+    OWN_CHECKPOINTS,
+    TORCH_DDP_ORDER,
+)
 
 if TYPE_CHECKING:  # mypy skips transformers (pyproject.toml): it reads these names untyped
     from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState
@@ -224,6 +229,7 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
         "grads-kept": "the Trainer clears gradients with model.zero_grad(), which sets them to "
         "None, after every step",
         "param-dtype": NO_PARAM_DTYPE,
+        "epochs": COUNTS_ITS_WINDOW,
     }
 
     def __post_init__(self) -> None:

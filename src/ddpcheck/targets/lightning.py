@@ -65,7 +65,12 @@ from ddpcheck.targets.configuration import (
 )
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.option_space import options
-from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
+from ddpcheck.targets.reasons import (
+    COUNTS_ITS_WINDOW,
+    NO_PARAM_DTYPE,
+    OWN_CHECKPOINTS,
+    TORCH_DDP_ORDER,
+)
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -144,6 +149,7 @@ class LightningTarget(ddp_options.TorchDDPFramework):
         "checkpoint": f"{OWN_CHECKPOINTS} (the Trainer's .ckpt files, which this loop does not "
         "drive)",
         "param-dtype": NO_PARAM_DTYPE,
+        "epochs": COUNTS_ITS_WINDOW,
     }
 
     def __post_init__(self) -> None:

@@ -3,7 +3,7 @@ target's ``declined_features`` quotes it; ``ddpcheck targets`` prints it)."""
 
 from __future__ import annotations
 
-__all__ = ["NO_PARAM_DTYPE", "OWN_CHECKPOINTS", "TORCH_DDP_ORDER"]
+__all__ = ["COUNTS_ITS_WINDOW", "NO_PARAM_DTYPE", "OWN_CHECKPOINTS", "TORCH_DDP_ORDER"]
 
 #: rank-orders, for every target with torch DDP underneath
 TORCH_DDP_ORDER = (
@@ -11,6 +11,14 @@ TORCH_DDP_ORDER = (
 )
 #: checkpoint, for a framework that saves in its own format
 OWN_CHECKPOINTS = "saved through the framework's own checkpoint format, not the default hooks"
+#: epochs, for a framework that counts its own accumulation window and whose own DataLoader and
+#: epoch loop the target does not drive yet: fed the harness's steps, it would not step after
+#: an epoch's short last window
+COUNTS_ITS_WINDOW = (
+    "the framework counts gradient_accumulation_steps micro-batches itself, so the harness's "
+    "short last window of an epoch never reaches its optimizer step; its own DataLoader and "
+    "epoch loop are not driven by this target yet"
+)
 #: param-dtype, the opt-in precision policy (``features.OPT_IN``), for a target not applying it
 NO_PARAM_DTYPE = (
     "a param_dtype policy is the target's to apply (applies_param_dtype); "

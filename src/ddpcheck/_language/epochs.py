@@ -1,0 +1,64 @@
+"""A scenario with an epoch structure: a dataset of N samples passed over in optimizer steps of a
+global batch, with the short last batch and the short last accumulation window real loops meet.
+
+Without it a scenario draws a fresh global batch of exactly ``global_batch`` samples every step,
+split by the harness: every accumulation window full, every rank's share decided by ddpcheck.
+Training code goes wrong where a *dataset* meets a world -- a sampler that pads or drops to even
+out ranks, a short last batch, an epoch's last window of fewer micro-batches than the
+accumulation scaled as if it were full, a batch meant to be split across ranks that is not
+(docs/scenarios.md, "Epochs").
+
+Invariant (the reference of an epoch, docs/scenarios.md): one dataset of ``samples`` samples is
+drawn once (``scenario.data(seed * 1000, samples, dtype)``); each of ``epochs`` epochs walks it in
+index order in steps of ``global_batch`` samples (B; the last step of an epoch holds the
+``samples % B`` left over when B does not divide N); a step of ``s`` samples is a window of
+``ceil(s / (B / accumulation))`` micro-batches. The one-process reference trains each step on the
+full-batch objective of exactly the samples that step consumes -- each sample weighed once per
+epoch, the short last step by its own size. ``steps`` is derived: ``epochs * ceil(N / B)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._base.options import named_fields
+
+__all__ = ["Epochs", "step_count", "step_samples", "window"]
+
+
+@named_fields
+@dataclasses.dataclass(frozen=True)
+class Epochs:
+    """``epochs`` passes over a dataset of ``samples`` samples, in index order (``Scenario.epochs``;
+    the global batch and the accumulation are the scenario's)."""
+
+    samples: int
+    epochs: int = 1
+
+    def __post_init__(self) -> None:
+        for name, value in (("samples", self.samples), ("epochs", self.epochs)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"Epochs({name}={value!r}) must be an integer >= 1")
+
+    def steps_per_epoch(self, global_batch: int) -> int:
+        return math.ceil(self.samples / global_batch)
+
+
+def step_count(epochs: Epochs, global_batch: int) -> int:
+    """The optimizer steps of the whole run: ``epochs * ceil(samples / global_batch)``."""
+    return epochs.epochs * epochs.steps_per_epoch(global_batch)
+
+
+def step_samples(epochs: Epochs, global_batch: int, step: int) -> range:
+    """The dataset indices step ``step`` consumes (the module's invariant)."""
+    k = step % epochs.steps_per_epoch(global_batch)
+    return range(k * global_batch, min((k + 1) * global_batch, epochs.samples))
+
+
+def window(epochs: Epochs, global_batch: int, accumulation: int, step: int) -> int:
+    """The micro-batches of step ``step``: ``accumulation`` for a full step, fewer for an epoch's
+    short last one (each micro-batch ``global_batch / accumulation`` samples across the ranks)."""
+    size = len(step_samples(epochs, global_batch, step))
+    return math.ceil(size * accumulation / global_batch)

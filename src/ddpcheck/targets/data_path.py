@@ -1,0 +1,136 @@
+"""The data path a torch user writes: ``DistributedSampler`` and a ``DataLoader`` per rank, an
+epoch loop, accumulation windows -- for targets whose hooks the harness otherwise drives.
+
+For a scenario with epochs (``Scenario.epochs``) a target with this mixin trains through
+:meth:`SamplerDataPath.fit_epochs` instead of the harness's loop: each rank iterates its own
+``DataLoader`` over ``DistributedSampler(dataset, W, rank, shuffle=False)``, ``set_epoch`` every
+epoch, in windows of ``accumulation`` micro-batches (an epoch's last window may hold fewer), all but
+the window's last under the target's ``no_sync``, each loss normalised over the samples of the
+whole window on every rank (their count all-reduced: the normalisation that is right whatever
+the split, as ``num_items_in_batch`` is), then the target's ``after_backward``, the clipping, the
+optimizer's and the schedule's step, ``zero_grad`` and ``after_step`` -- the harness's order.
+
+What torch documents for a dataset W does not divide is another weighting than the reference's,
+so the target declines those examples in the rank (:class:`NothingChecked`, quoting it):
+``drop_last=False`` pads with repeated samples, ``drop_last=True`` drops the tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ddpcheck._base.errors import NothingChecked
+from ddpcheck._language.training import EpochRun, OptimizerLike, SchedulerLike
+from ddpcheck.targets.protocol import Target
+
+__all__ = ["SAMPLER_PADS", "SamplerDataPath"]
+
+#: torch's documentation of ``DistributedSampler(drop_last=...)``, quoted by the declines.
+SAMPLER_PADS = (
+    'DistributedSampler(drop_last=False), its default: "the sampler will add extra indices to '
+    'make the data evenly divisible across the replicas" (samples repeated); with '
+    'drop_last=True it "will drop the tail of the data to make it evenly divisible"'
+)
+
+
+class SamplerDataPath(Target):
+    """The mixin: ``fit_epochs`` over the target's own hooks (see the module docstring)."""
+
+    #: ``DistributedSampler(drop_last=...)``: torch's default
+    sampler_drop_last: bool = False
+
+    def fit_epochs(self, module: nn.Module, run: EpochRun) -> None:
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        self.check_epochs(run, world_size)
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            run.dataset,
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=False,
+            drop_last=self.sampler_drop_last,
+        )
+        loader = DataLoader(
+            run.dataset, batch_size=self.per_device_batch(run, world_size), sampler=sampler
+        )
+        model, optimizer = self.setup(module, run.params, run.optimizer, **run.optimizer_kwargs)
+        scheduler = None
+        if run.gamma is not None:
+            scheduler = self.make_scheduler(optimizer, run.gamma)
+        run.started(model, optimizer)
+        for epoch in range(run.epochs):
+            sampler.set_epoch(epoch)
+            for window in self.windows(iter(loader), run.accumulation):
+                self.train_window(model, optimizer, run, window)
+                self.step(model, optimizer, scheduler, run)
+
+    def check_epochs(self, run: EpochRun, world_size: int) -> None:
+        """Decline (in the rank, where W is known) what the sampler weighs by its own
+        convention, and a micro-batch no per-device batch size gives."""
+        micro = run.global_batch // run.accumulation
+        why = None
+        if micro % world_size:
+            why = f"a micro-batch of {micro} samples across {world_size} ranks (no per-device batch size)"
+        elif len(run.dataset) % world_size:
+            why = f"{len(run.dataset)} samples over {world_size} ranks: {SAMPLER_PADS}"
+        if why is not None:
+            raise NothingChecked(f"{type(self).__name__} declines this example: {why}")
+
+    def per_device_batch(self, run: EpochRun, world_size: int) -> int:
+        """The ``DataLoader``'s batch size: the global micro-batch over W."""
+        return run.global_batch // run.accumulation // world_size
+
+    def windows(
+        self, batches: Iterator[Sequence[torch.Tensor]], accumulation: int
+    ) -> Iterator[list[Sequence[torch.Tensor]]]:
+        """The epoch's accumulation windows: ``accumulation`` micro-batches, the last fewer."""
+        while window := list(itertools.islice(batches, accumulation)):
+            yield window
+
+    def window_total(self, window: list[Sequence[torch.Tensor]]) -> int:
+        """The samples of the whole window on every rank (all-reduced)."""
+        count = torch.tensor([sum(len(batch[2]) for batch in window)], dtype=torch.int64)
+        dist.all_reduce(count)
+        return int(count.item())
+
+    def train_window(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerLike,
+        run: EpochRun,
+        window: list[Sequence[torch.Tensor]],
+    ) -> None:
+        """Forward and backward of every micro-batch of the window, each loss normalised over the
+        window's samples on every rank (DDP averages over W: hence the W)."""
+        self.before_step(model, optimizer)
+        total = self.window_total(window)
+        for i, batch in enumerate(window):
+            last = i == len(window) - 1
+            with contextlib.nullcontext() if last else self.no_sync(model):
+                scale = len(batch[2]) * run.world_size / total
+                (run.loss_of(model, batch) * scale).backward()
+        self.after_backward(model, optimizer)
+
+    def step(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerLike,
+        scheduler: SchedulerLike | None,
+        run: EpochRun,
+    ) -> None:
+        """Clip, step the optimizer and the schedule, record, clear: the harness's order."""
+        if run.max_grad_norm is not None:
+            self.clip_grad_norm(model, optimizer, run.max_grad_norm, run.grad_norm_type)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        run.record(model, optimizer, scheduler)
+        optimizer.zero_grad(set_to_none=run.set_to_none)
+        self.after_step(model, optimizer)
