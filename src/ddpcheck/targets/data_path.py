@@ -77,7 +77,7 @@ class SamplerDataPath(Target):
         micro = run.global_batch // run.accumulation
         why = None
         if micro % world_size:
-            why = f"a micro-batch of {micro} samples across {world_size} ranks (no per-device batch size)"
+            why = f"a micro-batch of {micro} samples over {world_size} ranks (no per-device size)"
         elif len(run.dataset) % world_size:
             why = f"{len(run.dataset)} samples over {world_size} ranks: {SAMPLER_PADS}"
         if why is not None:
