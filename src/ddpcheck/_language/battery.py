@@ -99,6 +99,19 @@ BATTERY: list[tuple[str, Scenario]] = [
             epochs=Epochs(samples=48, epochs=2),
         ),
     ),
+    # 50 samples in steps of 24: the epoch ends with 2 samples in a window of one micro-batch,
+    # which W=3 and W=4 do not divide (a sampler pads, or drops, to even out the ranks)
+    (
+        "epochs-short-last",
+        Scenario(
+            zoo.MLP,
+            optimizer_kwargs={"lr": 0.05},
+            global_batch=24,
+            accumulation=2,
+            seed=14,
+            epochs=Epochs(samples=50),
+        ),
+    ),
     (
         "buffers-groups-schedule",
         Scenario(

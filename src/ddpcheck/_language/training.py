@@ -220,6 +220,11 @@ class EpochRun(FitRun):
     def steps(self) -> int:
         return self.scenario.steps
 
+    def terms_of(self, batch: Sequence[torch.Tensor]) -> int:
+        """The terms of the objective a micro-batch ``(x, y, indices)`` holds: its samples, or
+        its non-padding tokens under a token loss."""
+        return objective.count(self.scenario, batch[1])
+
     def loss_of(self, model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
         """The loss of one micro-batch ``(x, y, indices)`` as a user's loop computes it, the mean
         of its terms of the scenario's objective (under its precision policy); notes the

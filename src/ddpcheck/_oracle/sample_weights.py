@@ -179,9 +179,10 @@ def check_consumed(
                 name=f"sample {foreign[0]}",
                 detail=f"rank(s) {_ranks(where)} consumed {len(foreign)} sample(s) "
                 f"({_indices(foreign)}) that the reference trains in another step: step {step} "
-                f"of the epoch holds {span} of the dataset (global batch B = per-device batch "
-                f"x W x accumulation); the ranks together took "
-                f"{sum(len(h) for h in holders.values())} sample(s) in this step",
+                f"holds {span} of the dataset, and the ranks together took "
+                f"{sum(len(h) for h in holders.values())} sample(s) (a batch not split across "
+                "the ranks brings the next steps' samples; a sampler's padding repeats earlier "
+                "ones; the global batch is per-device batch x W x accumulation)",
             )
         )
     for i in expected:

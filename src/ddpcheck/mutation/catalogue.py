@@ -49,6 +49,7 @@ from ddpcheck._language.features import FEATURES
 from ddpcheck._language.training import OptimizerLike, Params
 from ddpcheck.mutation import broken_batches as S
 from ddpcheck.mutation import broken_checkpoint as K
+from ddpcheck.mutation import broken_data as B
 from ddpcheck.mutation import broken_ddp as D
 from ddpcheck.mutation import broken_fsdp as F
 from ddpcheck.mutation import broken_loop as L
@@ -58,6 +59,7 @@ from ddpcheck.targets import (
     ACCELERATE,
     HF_TRAINER,
     LIGHTNING,
+    TORCH_DDP,
     ParallelDDPTarget,
     ParallelTarget,
     Target,
@@ -549,6 +551,56 @@ CATALOGUE += [
         "ZeRO-2: every gradient all-reduced, then reduced to its owner again",
         L.ReducesTwiceZero2Target(),
         ZERO2_CONTROL,
+    ),
+]
+
+
+# The data path (``broken_data``): torch's DDP driving its own DistributedSampler and DataLoader
+# over a scenario's epochs, with the unmutated torch_ddp as the control. Only scenarios with
+# epochs reach the seeded method.
+DATA_CONTROL = TORCH_DDP
+CATALOGUE += [
+    Mutant(
+        "SeedPerRank",
+        "F1",
+        "each rank's sampler shuffles with its own seed: samples overlap and go missing",
+        B.SeedPerRankTarget(),
+        DATA_CONTROL,
+    ),
+    Mutant(
+        "PadsCounted",
+        "F2",
+        "DistributedSampler's padding of a dataset W does not divide trains as real samples",
+        B.PadsCountedTarget(),
+        DATA_CONTROL,
+    ),
+    Mutant(
+        "ShortWindowAsFull",
+        "F4",
+        "an epoch's short last window normalised as if it held every micro-batch",
+        B.ShortWindowAsFullTarget(),
+        DATA_CONTROL,
+    ),
+    Mutant(
+        "IgnoresSplit",
+        "F5",
+        "a batch meant to be split across the ranks loaded whole by each of them",
+        B.IgnoresSplitTarget(),
+        DATA_CONTROL,
+    ),
+    Mutant(
+        "DividesBatchTwice",
+        "F5",
+        "the per-device batch divided by W twice: each step trains too few samples",
+        B.DividesBatchTwiceTarget(),
+        DATA_CONTROL,
+    ),
+    Mutant(
+        "LastMicroBatchUnreduced",
+        "C1",
+        "an epoch's short last window never syncs: its step runs on local gradients",
+        B.LastMicroBatchUnreducedTarget(),
+        DATA_CONTROL,
     ),
 ]
 

@@ -94,9 +94,9 @@ class SamplerDataPath(Target):
         while window := list(itertools.islice(batches, accumulation)):
             yield window
 
-    def window_total(self, window: list[Sequence[torch.Tensor]]) -> int:
-        """The samples of the whole window on every rank (all-reduced)."""
-        count = torch.tensor([sum(len(batch[2]) for batch in window)], dtype=torch.int64)
+    def window_total(self, window: list[Sequence[torch.Tensor]], run: EpochRun) -> int:
+        """The terms (samples, or tokens) of the whole window on every rank (all-reduced)."""
+        count = torch.tensor([sum(run.terms_of(batch) for batch in window)], dtype=torch.int64)
         dist.all_reduce(count)
         return int(count.item())
 
@@ -108,15 +108,25 @@ class SamplerDataPath(Target):
         window: list[Sequence[torch.Tensor]],
     ) -> None:
         """Forward and backward of every micro-batch of the window, each loss normalised over the
-        window's samples on every rank (DDP averages over W: hence the W)."""
+        window's terms on every rank, or summed for a summed objective (DDP averages over W:
+        hence the W)."""
         self.before_step(model, optimizer)
-        total = self.window_total(window)
+        total = self.window_total(window, run)
         for i, batch in enumerate(window):
             last = i == len(window) - 1
             with contextlib.nullcontext() if last else self.no_sync(model):
-                scale = len(batch[2]) * run.world_size / total
-                (run.loss_of(model, batch) * scale).backward()
+                self.backward_scaled(model, run, batch, total)
         self.after_backward(model, optimizer)
+
+    def backward_scaled(
+        self, model: nn.Module, run: EpochRun, batch: Sequence[torch.Tensor], total: int
+    ) -> None:
+        """Back-propagate ``batch``'s summed terms times W, over the window's ``total`` terms for
+        a mean objective (``run.loss_of`` is their mean: a user's ``loss.mean()``)."""
+        scale = float(run.terms_of(batch) * run.world_size)
+        if run.scenario.reduction == "mean":
+            scale /= max(total, 1)
+        (run.loss_of(model, batch) * scale).backward()
 
     def step(
         self,
