@@ -35,9 +35,10 @@ def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
             assert type(m.target).__module__ == "ddpcheck.mutation.broken_fsdp"
             assert type(m.target).__doc__ and type(m.target) is not TorchFSDPTarget
             continue
-        if m.control is not None:  # the loop hooks' families: a control of broken_loop
+        if m.control is not None:  # the loop hooks' and the data path's families
             assert isinstance(m.target, type(m.control)) and type(m.target) is not type(m.control)
-            assert type(m.target).__module__ == "ddpcheck.mutation.broken_loop"
+            module = type(m.target).__module__
+            assert module in ("ddpcheck.mutation.broken_loop", "ddpcheck.mutation.broken_data")
             broken = [
                 type(m.target),
                 getattr(type(m.target), "optimizer_class", None),
@@ -46,7 +47,7 @@ def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
             assert any(
                 cls is not None
                 and cls.__doc__
-                and cls.__module__.endswith("broken_loop")
+                and cls.__module__ == module
                 and cls
                 not in (
                     type(m.control),
@@ -94,12 +95,18 @@ def test_every_mutant_is_killed_and_the_unmutated_target_passes(capsys):
     assert "unmutated target passes" in out, out
     assert status == 0, out
     rows = [line for line in out.splitlines() if line.startswith("| ")][1:]
-    # a control per family: parallel's, FSDP2's for families I and J3, and the loop hooks' two
-    assert len(rows) == n + 4
+    # a control per family: parallel's, FSDP2's for families I and J3, the loop hooks' two and
+    # torch DDP's for the data path
+    controls = ("TorchFSDPTarget", "EngineTarget", "Zero2Target", "TorchDDPTarget")
+    assert len(rows) == n + 1 + len(controls)
     assert "| (unmutated)" in rows[0] and "| passes " in rows[0]
-    for row, name in zip(rows[1:4], ("TorchFSDPTarget", "EngineTarget", "Zero2Target")):
+    for row, name in zip(rows[1:], controls):
         assert f"| (unmutated {name})" in row and "| passes " in row, out
-    assert all("| killed " in row for row in rows[4:]), out
+    assert all("| killed " in row for row in rows[1 + len(controls) :]), out
+    # the data path's mutants, named by what their steps consumed where that is the bug
+    for name in ("IgnoresSplit", "DividesBatchTwice", "PadsCounted"):
+        row = next(r for r in rows if r.startswith(f"| {name} "))
+        assert re.search(r": sample (of another step|dropped|duplicated) sample \d+", row), row
     # the loop hooks' mutants, each named by what only it breaks
     for name, kind in (
         ("StepsInsideWindow", "stepped inside accumulation window"),

@@ -72,6 +72,19 @@ BATTERY: list[tuple[str, Scenario]] = [
             bucket_size_mb=1e-6,
         ),
     ),
+    # two epochs over a dataset, two steps each: a framework's own DataLoader and epoch loop
+    # (a batch meant to be split across the ranks that is not, an epoch end that loses a step)
+    (
+        "epochs-accumulate",
+        Scenario(
+            zoo.MLP,
+            optimizer_kwargs={"lr": 0.05},
+            global_batch=24,
+            accumulation=2,
+            seed=13,
+            epochs=Epochs(samples=48, epochs=2),
+        ),
+    ),
     # a schedule and micro-batches together: a framework that gates optimizer.step() and the
     # scheduler after every micro-batch must let neither act inside the window (C2)
     (
@@ -84,19 +97,6 @@ BATTERY: list[tuple[str, Scenario]] = [
             steps=2,
             accumulation=2,
             seed=10,
-        ),
-    ),
-    # two epochs over a dataset, two steps each: a framework's own DataLoader and epoch loop
-    # (a batch meant to be split across the ranks that is not, an epoch end that loses a step)
-    (
-        "epochs-accumulate",
-        Scenario(
-            zoo.MLP,
-            optimizer_kwargs={"lr": 0.05},
-            global_batch=24,
-            accumulation=2,
-            seed=13,
-            epochs=Epochs(samples=48, epochs=2),
         ),
     ),
     # 50 samples in steps of 24: the epoch ends with 2 samples in a window of one micro-batch,

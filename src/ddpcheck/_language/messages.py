@@ -160,11 +160,11 @@ def _shape(model: object) -> str:
 
 
 def _epochs(scenario: Scenario) -> list[str]:
-    """``N=10``, and ``2 epochs`` when more than one: a scenario's dataset, if it has one."""
+    """``N=10``, and ``epochs=2`` when more than one: a scenario's dataset, if it has one."""
     if scenario.epochs is None:
         return []
     many = scenario.epochs.epochs > 1
-    return [f"N={scenario.epochs.samples}"] + ([f"{scenario.epochs.epochs} epochs"] if many else [])
+    return [f"N={scenario.epochs.samples}"] + ([f"epochs={scenario.epochs.epochs}"] if many else [])
 
 
 def _settings(scenario: Scenario) -> list[str]:

@@ -1,0 +1,112 @@
+"""A framework's own data path: accelerate's ``prepare(dataloader)`` and torch's
+``DistributedSampler`` over a scenario's epochs, judged by what each step consumed and by the
+numbers; accelerate's ``split_batches`` keyword, accepted and ignored since 1.0, is caught."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+import ddpcheck
+from ddpcheck import Epochs, EquivalenceError, NothingChecked, Scenario, targets, zoo
+from ddpcheck._oracle.compare import STEPS_DIFFER
+from ddpcheck._oracle.sample_weights import FOREIGN
+from ddpcheck.targets.accelerate import AccelerateTarget
+from ddpcheck.targets.builtin import TorchDDPTarget
+from tests.patience import patience
+
+pytest.importorskip("accelerate")
+
+#: Two epochs of 8 samples in steps of 4 (two micro-batches of 2): every step full.
+FULL = Scenario(zoo.MLP, global_batch=4, accumulation=2, epochs=Epochs(samples=8, epochs=2))
+#: 10 samples in steps of 4: each epoch ends with 2 samples in a window of one micro-batch.
+SHORT = Scenario(zoo.MLP, global_batch=4, accumulation=2, epochs=Epochs(samples=10, epochs=2))
+
+
+@dataclasses.dataclass(frozen=True)
+class OneEpochOnly(TorchDDPTarget):
+    """A loop that trains the first epoch only (its epoch count read from the wrong place)."""
+
+    def fit_epochs(self, module, run):
+        run.epochs = 1
+        super().fit_epochs(module, run)
+
+
+def test_accelerates_split_batches_keyword_is_caught_by_what_the_steps_consumed():
+    # the keyword is accepted and ignored: each rank loads the whole global micro-batch
+    with pytest.raises(EquivalenceError) as caught:
+        ddpcheck.check_example(AccelerateTarget(config={"split_batches": True}), FULL, 2)
+    first = caught.value.divergences[0]
+    assert (first.kind, first.step) == (FOREIGN, 0), caught.value
+    assert "consumed 4 sample(s) (4, 5, 6, 7)" in first.detail
+    assert "the ranks together took 8 sample(s)" in first.detail
+    # through DataLoaderConfiguration the batch is split, and right; and per device, by default
+    split = AccelerateTarget(config={"dataloader_config": {"split_batches": True}})
+    assert ddpcheck.check_example(split, FULL, 2) == ()
+    assert ddpcheck.check_example(targets.ACCELERATE, FULL, 2) == ()
+
+
+def test_accelerate_declines_what_its_documented_conventions_weigh_otherwise():
+    why = targets.ACCELERATE.supports(SHORT)
+    assert "even_batches=True), its default" in why and "samples at the start" in why
+    assert "divides every loss by gradient_accumulation_steps" in why
+    uneven = AccelerateTarget(config={"dataloader_config": {"even_batches": False}})
+    assert "the ranks' last batches differ in size" in uneven.supports(SHORT)
+    summed = dataclasses.replace(FULL, reduction="sum")
+    assert "the mean loss of each batch" in targets.ACCELERATE.supports(summed)
+    assert targets.ACCELERATE.supports(FULL) is None
+
+
+def test_torch_ddp_trains_short_last_windows_through_its_own_sampler():
+    for w in (1, 2):
+        assert ddpcheck.check_example(targets.TORCH_DDP, SHORT, w) == ()
+    assert ddpcheck.check_example(targets.PARALLEL, SHORT, 3) == ()  # the harness's split
+    odd = Scenario(zoo.MLP, global_batch=2, epochs=Epochs(samples=7))
+    with pytest.raises(NothingChecked, match=r"7 samples over 2 ranks: DistributedSampler\("):
+        ddpcheck.check_example(targets.TORCH_DDP, odd, 2)
+    with pytest.raises(NothingChecked, match=r"a micro-batch of 2 samples over 3 ranks"):
+        ddpcheck.check_example(targets.TORCH_DDP, SHORT, 3)
+
+
+def test_a_data_path_that_stops_early_is_told_by_its_step_count():
+    with pytest.raises(EquivalenceError) as caught:
+        ddpcheck.check_example(OneEpochOnly(), SHORT, 2)
+    first = caught.value.divergences[0]
+    assert (first.kind, first.step, first.name) == (STEPS_DIFFER, 3, "optimizer steps")
+    assert "rank 0: 3, rank 1: 3 optimizer step(s); the reference takes 6" in first.detail
+    assert "2 epoch(s) of 10 samples in steps of the global batch B=4" in first.detail
+
+
+@pytest.mark.slow
+def test_the_command_line_exits_1_on_the_keyword_and_0_on_the_configuration(tmp_path):
+    (tmp_path / "split.json").write_text(json.dumps({"split_batches": True}))
+    (tmp_path / "loader.json").write_text(
+        json.dumps({"dataloader_config": {"split_batches": True}})
+    )
+
+    def check(config: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "ddpcheck", "check", "accelerate", "--config", config]
+        return subprocess.run(
+            [*command, "--world-sizes", "2", "--examples", "4"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=patience(240),
+        )
+
+    wrong = check("split.json")
+    assert wrong.returncode == 1, wrong.stdout + wrong.stderr
+    # the battery's epochs name the batch; a smaller counterexample may show the keyword's
+    # other consequence, AcceleratedScheduler stepping W times per step (it reads the split too)
+    assert "epochs-accumulate failed at world size 2 (sample of another step)" in wrong.stdout
+    assert re.search(
+        r"diverged at world size 2: (sample of another step|LR schedule differs)", wrong.stdout
+    )
+    assert "replay:" in wrong.stdout
+    right = check("loader.json")
+    assert right.returncode == 0, right.stdout + right.stderr
