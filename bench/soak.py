@@ -12,6 +12,7 @@ the oracle or a real bug in a target; either way it must be looked at.
     python bench/soak.py --whole-step --examples 2000            # clipping, orders, checkpoints
     python bench/soak.py --strategies --examples 20000            # check's own random examples
     python bench/soak.py --tokens --examples 2000                # language models, bf16 policies
+    python bench/soak.py --epochs --examples 2000                # epochs: the data paths
 
 ``--strategies`` draws exactly what ``ddpcheck check`` draws after its battery -- ``ddpcheck.fuzz``
 with ``ddpcheck.strategies``: every layer kind (attention, embeddings, tied heads...), SGD/Adam/
@@ -39,6 +40,12 @@ file's generator (half of them with the whole step's features too), the others d
 random strategies ``ddpcheck check`` draws from (``strategies.exercising("tokens")`` in float64
 and float32, ``param-dtype`` opted in), in Hypothesis's derandomized order.
 
+``--epochs`` makes every scenario a run over a dataset in epochs (``Scenario.epochs``: short last
+batches and windows), drawn from ``strategies.exercising("epochs")`` in float64 and float32, over
+``parallel`` and ``torch_fsdp`` (the harness's split) and ``torch_ddp``, ``torch_zero`` and
+``accelerate`` (their own ``DistributedSampler`` or ``DataLoader``); an example a data path
+declines in its ranks (a sampler's padding) counts as skipped.
+
 Each scenario is checked by every target at every world size (9 examples), sharing one reference.
 """
 
@@ -57,11 +64,11 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 import torch  # noqa: E402
 
 import ddpcheck  # noqa: E402
-from ddpcheck import batches, check_example, targets, zoo  # noqa: E402
+from ddpcheck import batches, targets, zoo  # noqa: E402
 from ddpcheck import strategies as dst  # noqa: E402
 from ddpcheck._oracle.compare import CHAOTIC  # noqa: E402
 from ddpcheck._oracle.reference import noise_computed  # noqa: E402
-from ddpcheck._runs.example import prepare_reference  # noqa: E402
+from ddpcheck._runs.example import check_example, prepare_reference  # noqa: E402
 from ddpcheck._runs.settings import Settings  # noqa: E402
 from ddpcheck._world.registry import shutdown_worlds  # noqa: E402
 from ddpcheck.features import FEATURES, declines, of  # noqa: E402
@@ -99,13 +106,15 @@ TARGETS = {
     "torch_zero": targets.TORCH_ZERO,
     "torch_fsdp": targets.TORCH_FSDP,
     "parallel_strided": PARALLEL_STRIDED,
+    "accelerate": targets.ACCELERATE,
 }
 #: The features of the whole step the --whole-step soak counts examples of.
 WHOLE_STEP = ("clipping", "rank-orders", "checkpoint")
 #: ... and the precision features the --tokens soak counts.
-PRECISION = ("float32", "autocast", "param-dtype", "accumulation", "uneven-batches")
+PRECISION = ("float32", "autocast", "param-dtype", "accumulation", "uneven-batches", "epochs")
 DEFAULT_TARGETS = "parallel,torch_ddp,torch_zero"  # torch_fsdp on request: --targets torch_fsdp
 TOKEN_TARGETS = "parallel,torch_ddp,torch_zero,torch_fsdp"
+EPOCH_TARGETS = "parallel,torch_ddp,torch_zero,torch_fsdp,accelerate"
 #: --tokens: (dtype, precision policy) of a scenario, float64 and the policies most often.
 PRECISIONS = [
     ("float64", {}),
@@ -119,8 +128,8 @@ PRECISIONS = [
 ]
 
 
-def drawn_token_scenarios(n: int, world_size: int) -> list[Scenario]:
-    """``n`` scenarios from ``strategies.exercising("tokens")`` (float64 and float32, the
+def drawn_token_scenarios(n: int, world_size: int, feature: str = "tokens") -> list[Scenario]:
+    """``n`` scenarios from ``strategies.exercising(feature)`` (float64 and float32, the
     ``param-dtype`` policy opted in), in Hypothesis's derandomized order."""
     from hypothesis import HealthCheck, given, settings
 
@@ -135,7 +144,7 @@ def drawn_token_scenarios(n: int, world_size: int) -> list[Scenario]:
     )
     @given(
         dst.exercising(
-            "tokens", world_size=world_size, dtypes=("float64", "float32"), opt_in=("param-dtype",)
+            feature, world_size=world_size, dtypes=("float64", "float32"), opt_in=("param-dtype",)
         )
     )
     def draw(scenario):
@@ -390,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
         help="every scenario a language model on tokens (bf16 policies "
         "included); adds torch_fsdp unless --targets is given",
     )
+    parser.add_argument(
+        "--epochs",
+        action="store_true",
+        help="every scenario a run over a dataset in epochs (the data paths); adds "
+        "torch_fsdp and accelerate unless --targets is given",
+    )
     args = parser.parse_args(argv)
     if args.strategies:
         return strategies_soak(args.examples, args.seed, max_seconds=args.max_seconds)
@@ -399,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         names += ",parallel_strided"
     if args.tokens and names == DEFAULT_TARGETS:
         names = TOKEN_TARGETS
+    if args.epochs and names == DEFAULT_TARGETS:
+        names = EPOCH_TARGETS
     chosen = {name: TARGETS[name] for name in names.split(",")}
     whole_step = tuple(sizes) if args.whole_step else ()
     used: collections.Counter = collections.Counter()
@@ -413,7 +430,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.max_seconds and time.perf_counter() - started > args.max_seconds:
                 print(f"stopping early: --max-seconds {args.max_seconds} reached")
                 break
-            if args.tokens and index % 2:
+            if args.epochs:
+                if not drawn:
+                    drawn.extend(drawn_token_scenarios(args.examples, max(sizes), "epochs"))
+                sc = drawn[index % len(drawn)]
+            elif args.tokens and index % 2:
                 if not drawn:
                     drawn.extend(drawn_token_scenarios(args.examples, max(sizes)))
                 sc = drawn[(index // 2) % len(drawn)]
@@ -447,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
                             reference=reference,
                             name=f"soak-{index}",
                         )
+                    except ddpcheck.NothingChecked:  # a data path declined it in its ranks
+                        skipped += 1
+                        continue
                     except ddpcheck.EquivalenceError as exc:
                         divergences.append(exc)
                         print(
@@ -480,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         f"train; {seconds:.1f} s "
         f"({1e3 * seconds / max(ran, 1):.1f} ms per example, world start-up included)"
     )
-    if whole_step or args.tokens:
+    if whole_step or args.tokens or args.epochs:
         print("examples using: " + ", ".join(f"{f} {n}" for f, n in sorted(used.items())))
     return 1 if divergences or errors else 0
 

@@ -106,7 +106,7 @@ def test_on_a_terminal_a_live_line_from_the_first_second_names_the_battery_progr
     assert "random examples 2/2" in shown, shown
     # the report as a pipe would get it, no progress left on any line of the screen
     lines = [line for line in _screen(raw) if line]
-    assert lines[0].startswith("battery: 14 examples equivalent (world sizes [1])"), lines
+    assert lines[0].startswith("battery: 16 examples equivalent (world sizes [1])"), lines
     assert lines[-2] == "fuzzing parallel with 2 random examples at world sizes 1", lines
     assert lines[-1].startswith(
         "ddpcheck check parallel: nothing found in 14 battery and 2 random examples"

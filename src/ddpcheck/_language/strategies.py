@@ -350,7 +350,7 @@ def _scenarios(
         return scenario
     if not draw(st.sampled_from((False,) * 4 + (True,))):  # a fifth, shrinking towards none
         return scenario
-    return draw(_with_epochs(scenario, most_steps))
+    return draw(_with_epochs(scenario, most_steps, world_size))
 
 
 #: Features an epoch structure cannot do without: its last step is short (any size), and with
@@ -359,12 +359,19 @@ _EPOCHS_CLASH = frozenset({"epochs", "uneven-batches"})
 
 
 @st.composite
-def _with_epochs(draw: st.DrawFn, scenario: Scenario, most_steps: int) -> Scenario:
+def _with_epochs(
+    draw: st.DrawFn, scenario: Scenario, most_steps: int, world_size: int | None
+) -> Scenario:
     """``scenario`` over a dataset (``Scenario.epochs``): the global batch rounded down to a
-    multiple of the accumulation, 1 to ``most_steps`` steps per epoch the last of which is full
-    (shrinking towards it) or holds 1 to B - 1 samples, and as many epochs as the steps allow."""
+    multiple of the accumulation -- at a known ``world_size``, in half of them a micro-batch W
+    divides, which a framework's own data path needs (a per-device batch size) -- 1 to
+    ``most_steps`` steps per epoch the last of which is full (shrinking towards it) or holds 1 to
+    B - 1 samples, and as many epochs as the steps allow."""
     accumulation = scenario.accumulation
-    batch = accumulation * max(1, scenario.global_batch // accumulation)
+    micro = max(1, scenario.global_batch // accumulation)
+    if world_size is not None and world_size > 1:
+        micro = draw(st.sampled_from((micro, world_size * max(1, micro // world_size))))
+    batch = accumulation * micro
     per_epoch = draw(st.integers(1, most_steps))
     last = batch if batch == 1 else draw(st.one_of(st.just(batch), st.integers(1, batch - 1)))
     samples = (per_epoch - 1) * batch + last
@@ -677,14 +684,14 @@ _FIXED_BATCH = frozenset({"accumulation", "checkpoint", "uneven-batches", "unuse
 
 
 @st.composite
-def _epochs_as_needed(draw: st.DrawFn, s: Scenario, feature: str) -> Scenario:
+def _epochs_as_needed(draw: st.DrawFn, s: Scenario, feature: str, world_size: int) -> Scenario:
     """``s`` with epochs for ``feature="epochs"``, without them for the features
     :func:`_forced` makes by changing what the epochs derive (the batch, steps, accumulation)."""
     if s.epochs is not None and feature in _FIXED_BATCH:
         return dataclasses.replace(s, epochs=None)
     if feature == "epochs" and s.epochs is None:
         no_checkpoint = dataclasses.replace(s, checkpoint_after=None, resume_world_size=None)
-        return draw(_with_epochs(no_checkpoint, max(s.steps, 2)))
+        return draw(_with_epochs(no_checkpoint, max(s.steps, 2), world_size))
     return s
 
 
@@ -697,7 +704,7 @@ def _forced(
     even_batches: bool,
     resumes: tuple[int, ...],
 ) -> Scenario:
-    s = draw(_epochs_as_needed(draw(drawn), feature))
+    s = draw(_epochs_as_needed(draw(drawn), feature, world_size))
     # keyword arguments are evaluated in order: the draws are those of one change at a time
     if feature == "accumulation":
         return dataclasses.replace(s, accumulation=draw(st.integers(2, 3)))

@@ -167,6 +167,15 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
             where=" (the config's DistributedDataParallelKwargs)",
         )
 
+    def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
+        """A scenario with epochs whose micro-batch ``world_size`` does not divide: no per-device
+        batch size gives it (and split_batches refuses it)."""
+        if scenario.epochs is None:
+            return None
+        return _indivisible(
+            scenario.global_batch // scenario.accumulation, world_size, self.splits_batches()
+        )
+
     def splits_batches(self) -> bool:
         """Whether the user's configuration means batches split across the ranks -- the
         ``split_batches`` keyword where given (accelerate has accepted and ignored it since
@@ -295,17 +304,9 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
         from torch.utils.data import DataLoader
 
         micro = run.global_batch // run.accumulation  # samples per micro-batch, all ranks
-        if micro % run.world_size:
-            raise NothingChecked(
-                f"AccelerateTarget declines this example: a micro-batch of {micro} samples "
-                f"across {run.world_size} ranks"
-                + (
-                    " (split_batches needs a batch size that is a round multiple of the "
-                    "number of processes)"
-                    if self.splits_batches()
-                    else " (no per-device batch size gives it)"
-                )
-            )
+        why = _indivisible(micro, run.world_size, self.splits_batches())
+        if why is not None:  # asked to run what supports_at declines
+            raise NothingChecked(f"AccelerateTarget declines this example: {why}")
         join_existing_group()
         options = self.accelerator_kwargs(next(module.parameters()).device)
         accelerator = (
@@ -412,6 +413,18 @@ def _data_path_cannot_run(scenario: Scenario, even_batches: bool) -> str | None:
             + f"; and {_SCALED_BY_ACCUMULATION}"
         )
     return None
+
+
+def _indivisible(micro: int, world_size: int, split: bool) -> str | None:
+    """Why a micro-batch of ``micro`` samples cannot be loaded at ``world_size``; None if it can."""
+    if micro % world_size == 0:
+        return None
+    why = (
+        "split_batches needs a batch size that is a round multiple of the number of processes"
+        if split
+        else "no per-device batch size gives it"
+    )
+    return f"a micro-batch of {micro} samples over {world_size} ranks ({why})"
 
 
 def _even_batches(given: Mapping[str, object]) -> bool:

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddpcheck._base.errors import NothingChecked
+from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.training import EpochRun, OptimizerLike, SchedulerLike
 from ddpcheck.targets.protocol import Target
 
@@ -71,15 +72,21 @@ class SamplerDataPath(Target):
                 self.train_window(model, optimizer, run, window)
                 self.step(model, optimizer, scheduler, run)
 
+    def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
+        """What the sampler weighs by its own convention, and a micro-batch no per-device batch
+        size gives, at ``world_size``."""
+        epochs = scenario.epochs
+        if epochs is None:
+            return None
+        return _sampler_cannot_run(
+            scenario.global_batch // scenario.accumulation, epochs.samples, world_size
+        )
+
     def check_epochs(self, run: EpochRun, world_size: int) -> None:
-        """Decline (in the rank, where W is known) what the sampler weighs by its own
-        convention, and a micro-batch no per-device batch size gives."""
-        micro = run.global_batch // run.accumulation
-        why = None
-        if micro % world_size:
-            why = f"a micro-batch of {micro} samples over {world_size} ranks (no per-device size)"
-        elif len(run.dataset) % world_size:
-            why = f"{len(run.dataset)} samples over {world_size} ranks: {SAMPLER_PADS}"
+        """The same, in the rank (a target asked to run what it declines)."""
+        why = _sampler_cannot_run(
+            run.global_batch // run.accumulation, len(run.dataset), world_size
+        )
         if why is not None:
             raise NothingChecked(f"{type(self).__name__} declines this example: {why}")
 
@@ -144,3 +151,11 @@ class SamplerDataPath(Target):
         run.record(model, optimizer, scheduler)
         optimizer.zero_grad(set_to_none=run.set_to_none)
         self.after_step(model, optimizer)
+
+
+def _sampler_cannot_run(micro: int, samples: int, world_size: int) -> str | None:
+    if micro % world_size:
+        return f"a micro-batch of {micro} samples over {world_size} ranks (no per-device size)"
+    if samples % world_size:
+        return f"{samples} samples over {world_size} ranks: {SAMPLER_PADS}"
+    return None

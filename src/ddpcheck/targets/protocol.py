@@ -217,6 +217,12 @@ class Target:
         and the reason reported). Called in the parent process, before any rank runs."""
         return None
 
+    def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
+        """Like :meth:`supports`, for what only the world size decides (a framework's data path:
+        a per-device batch size W divides, a sampler that pads a dataset W does not divide);
+        asked wherever the world size is known, before any rank runs."""
+        return None
+
     def wrap(self, module: nn.Module) -> nn.Module:
         return module
 

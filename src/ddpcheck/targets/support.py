@@ -76,7 +76,11 @@ def declines(
         )
     if only and not needed & only:
         return f"exercises none of only={','.join(sorted(only))}"
-    return target.supports(scenario)
+    why = target.supports(scenario)
+    at = getattr(target, "supports_at", None)  # duck-typed targets may have none
+    if why is None and world_size is not None and callable(at):
+        why = at(scenario, world_size)
+    return why
 
 
 def why_unsupported(target: Target, feature: str) -> str:
