@@ -42,6 +42,7 @@ from ddpcheck._oracle.judgeable import check_scenario, explain_reference_failure
 from ddpcheck._oracle.reference import Reference, reference_run
 from ddpcheck._rank.runner import run_example_packed
 from ddpcheck._rank.transport import unpack
+from ddpcheck._runs import alone
 from ddpcheck._runs.replay import replay_command
 from ddpcheck._runs.settings import DEFAULT_SETTINGS, Settings
 from ddpcheck._runs.warmup import warm_up
@@ -291,17 +292,44 @@ def judge(launched: Launched, reference: Reference) -> tuple[str, ...]:
             return records, world.collective_sequences(), [world], reference
         return (*_both_halves(launched), reference)
 
-    return _judged(
-        launched.target,
-        launched.scenario,
-        launched.world_size,
-        collected,
-        launched.checks,
-        [world],
-        name=launched.name,
-        device=launched.run.device,
-        backend=launched.run.backend,
-    )[0]
+    try:
+        return _judged(
+            launched.target,
+            launched.scenario,
+            launched.world_size,
+            collected,
+            launched.checks,
+            [world],
+            name=launched.name,
+            device=launched.run.device,
+            backend=launched.run.backend,
+        )[0]
+    except EquivalenceError as error:
+        broken = _fails_alone(launched, error)
+        if broken is None:
+            raise
+        raise broken from None
+
+
+def _fails_alone(launched: Launched, error: EquivalenceError) -> alone.TargetSetupError | None:
+    """``error``, a rank that raised, as the target's set-up error when it needs no second rank
+    (``_runs.alone``): at W=1, in a set-up hook before any collective, or -- asked here, in the
+    one-process world -- raised the same way by the same scenario at W=1. Anything else the W=1
+    run says (it passes, differs, is declined, hangs) leaves the verdict as it was."""
+    failure = error.failure
+    if not isinstance(failure, WorldFailure):
+        return None
+    direct = alone.setup_error(launched.target, launched.scenario, failure)
+    if direct is not None or failure.world_size == 1 or failure.kind != Failure.RAISED:
+        return direct
+    one = dataclasses.replace(launched.scenario, resume_world_size=None)
+    try:
+        check_example(launched.target, one, 1, launched.run, name=launched.name)
+    except alone.TargetSetupError as at_one:
+        return alone.without_data_parallelism(failure, at_one, launched.target, launched.scenario)
+    except Exception:  # passed differently, declined, hung: the verdict at W stands
+        return None
+    return None
 
 
 def _judged(

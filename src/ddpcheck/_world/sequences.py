@@ -26,7 +26,10 @@ from collections.abc import Iterable, Sequence
 
 from ddpcheck._language.records import Collective
 
-__all__ = ["Disagreement", "diagnose", "parse", "same_texts"]
+__all__ = ["NO_COLLECTIVE", "Disagreement", "diagnose", "parse", "same_texts"]
+
+#: :func:`agreement_summary` of ranks that issued none (a failure before any collective)
+NO_COLLECTIVE = "no rank issued a collective through torch.distributed's Python API"
 
 
 def parse(text: str) -> list[Collective]:
@@ -143,7 +146,7 @@ def agreement_summary(sequences: Sequence[Sequence[Collective]]) -> str:
     """One line for sequences that agree: how many collectives, and the last one."""
     lengths = [len(s) for s in sequences]
     if not any(lengths):
-        return "no rank issued a collective through torch.distributed's Python API"
+        return NO_COLLECTIVE
     longest = max(range(len(sequences)), key=lambda r: lengths[r])
     return (
         f"every rank issued the same {lengths[longest]} collectives; the last was "
