@@ -33,9 +33,13 @@ __all__ = ["TargetSetupError", "raised_in", "setup_error", "without_data_paralle
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)')
 #: ddpcheck's own code, torch's and the standard library's: never the target's frame
 _NOT_THE_TARGETS = tuple(
-    os.path.dirname(os.path.abspath(path)) + os.sep
-    for path in (os.path.dirname(__file__), torch.__file__)
-) + (os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep,)
+    os.path.abspath(folder) + os.sep
+    for folder in (
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        os.path.dirname(torch.__file__),
+        sysconfig.get_paths()["stdlib"],
+    )
+)
 #: ``_rank.runner.setup``: the frame every set-up hook (wrap, make_optimizer, setup) runs under
 _SETUP_FRAME = ("runner.py", "setup")
 
@@ -76,9 +80,7 @@ def raised_in(traceback: str) -> Raised | None:
     if not frames or not lines:
         return None
     exception = lines[-1].strip().partition(":")[0]
-    in_setup = any(
-        (os.path.basename(m["file"]), m["function"]) == _SETUP_FRAME for _, m in frames
-    )
+    in_setup = any((os.path.basename(m["file"]), m["function"]) == _SETUP_FRAME for _, m in frames)
     theirs = [(i, m) for i, m in frames if not m["file"].startswith(_NOT_THE_TARGETS)]
     at, frame = (theirs or frames[-1:])[0]
     return Raised(
