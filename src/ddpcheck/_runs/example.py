@@ -548,8 +548,14 @@ def _failure_rows(failure: WorldFailure) -> list[Divergence]:
         failure.kind, "rank failed"
     )
     rows = []
+    # a mismatch singles out no rank: every rank of the disagreement is a row, saying its side
+    named = (
+        set(failure.disagreement.entries)
+        if failure.kind == Failure.MISMATCH and failure.disagreement is not None
+        else set(failure.guilty)
+    )
     for state in failure.ranks:
-        if state.rank in failure.guilty:
+        if state.rank in named:
             if failure.kind == Failure.MISMATCH:
                 detail = _at_disagreement(failure.disagreement, state.rank)
             elif state.detail.strip():
@@ -600,7 +606,7 @@ def _mismatched_collectives(texts: list[str], world_size: int) -> list[Divergenc
             "collectives mismatched",
             detail=f"rank {rank} {_at_disagreement(disagreement, rank)}\n{where}",
         )
-        for rank in disagreement.deviants
+        for rank in sorted(disagreement.entries)  # no side singled out: each says its own
     ]
 
 
