@@ -249,6 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("target", metavar="MODULE:TARGET", help=TARGET_HELP)
     replay.add_argument("--world-size", type=_positive(int), required=True)
     replay.add_argument("--scenario", required=True, help="the scenario's repr, as printed")
+    replay.add_argument(
+        "--repeat",
+        type=_positive(int),
+        default=1,
+        metavar="N",
+        help="run the example up to N times, stopping at the first failure; N > 1 runs that "
+        f"all pass exit {ExitCode.INCONCLUSIVE:d}, not reproduced (a race), never 0",
+    )
     replay.add_argument("--deadline", default=DEFAULT_DEADLINE)
     _config_option(replay)
     _device_options(replay)
