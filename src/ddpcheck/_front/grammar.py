@@ -33,7 +33,8 @@ EXIT_CODES = (
     f"{ExitCode.SETUP:d} usage or set-up error, not the target's fault; "
     f"{ExitCode.NOTHING_CHECKED:d} nothing was checked (every example skipped or "
     f"declined); {ExitCode.INTERNAL:d} an internal error of ddpcheck; "
-    f"{ExitCode.INCONCLUSIVE:d} inconclusive (the machine too slow to tell); "
+    f"{ExitCode.INCONCLUSIVE:d} inconclusive (the machine too slow to tell, or a race "
+    "a replay's --repeat did not reproduce); "
     f"{ExitCode.OUTPUT_CLOSED:d} its output was closed before it ended"
 )
 SURVEY_EXIT_CODES = (
