@@ -12,7 +12,7 @@ import time
 import pytest
 
 import ddpcheck
-from ddpcheck import targets
+from ddpcheck import cli, targets
 from ddpcheck.errors import ExitCode
 from tests.patience import patience
 
@@ -255,3 +255,32 @@ def test_a_broken_pipe_that_is_not_the_output_is_an_internal_error(capsys, monke
         assert not cli._output_closed()  # someone reads it
         os.close(read)
         assert cli._output_closed()  # nobody does any more
+
+
+@pytest.mark.slow  # a process of its own: the command's environment is the subject
+def test_check_leaves_no_hypothesis_folder_in_the_current_folder(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "HYPOTHESIS_STORAGE_DIRECTORY"}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    work = tmp_path / "work"
+    work.mkdir()
+    out = subprocess.run(
+        [sys.executable, "-m", "ddpcheck", "check", "local", "--world-sizes=1", "--examples=2"],
+        capture_output=True,
+        text=True,
+        timeout=patience(300),
+        cwd=str(work),
+        env=env,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert list(work.iterdir()) == [], list(work.iterdir())
+    assert (tmp_path / "cache" / "ddpcheck" / "hypothesis").is_dir()
+
+
+def test_hypothesis_storage_the_user_asked_for_is_kept(monkeypatch):
+    monkeypatch.setenv("HYPOTHESIS_STORAGE_DIRECTORY", ".hypothesis")
+    cli._keep_hypothesis_out_of_the_current_folder()
+    assert os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] == ".hypothesis"
+    monkeypatch.delenv("HYPOTHESIS_STORAGE_DIRECTORY")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere")
+    cli._keep_hypothesis_out_of_the_current_folder()
+    assert os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] == "/somewhere/ddpcheck/hypothesis"
