@@ -423,6 +423,14 @@ def _check_writable(path: str, flag: str) -> None:
 # The commands: each prints its report and returns its exit status (or raises an outcome)
 
 
+def _say_notes(call: Invocation, say: Callable[[str], None]) -> None:
+    """Before the run, what a default hook means for what is checked (``targets.support``)."""
+    from ddpcheck.targets.support import checked_through_defaults
+
+    for note in checked_through_defaults(call.target, call.request.without):
+        say(f"note: {note}")
+
+
 def _check(call: Invocation) -> ExitCode:
     from ddpcheck._language import features
     from ddpcheck._language.battery import BATTERY
@@ -454,6 +462,7 @@ def _check(call: Invocation) -> ExitCode:
         with line.paused():
             print(text, flush=True)
 
+    _say_notes(call, say)
     # 1. the built-in battery: representative scenarios, every world size; a failure is
     # followed by the search for a smaller counterexample (_runs.smaller)
     try:
