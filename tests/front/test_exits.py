@@ -284,3 +284,14 @@ def test_hypothesis_storage_the_user_asked_for_is_kept(monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere")
     cli._keep_hypothesis_out_of_the_current_folder()
     assert os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] == "/somewhere/ddpcheck/hypothesis"
+
+
+def test_a_users_own_parallel_package_first_on_the_path_is_a_setup_error_naming_it(tmp_path):
+    """The wheel's top-level ``parallel`` (docs/parallel.md#the-name-parallel): a folder with its
+    own ``parallel`` package, first on ``sys.path`` under ``python -m``, is named, exit 2."""
+    (tmp_path / "parallel").mkdir()
+    (tmp_path / "parallel" / "__init__.py").write_text("MINE = True\n")
+    out, _ = _ddpcheck("targets", cwd=str(tmp_path))
+    assert out.returncode == ExitCode.SETUP, out.stdout + out.stderr
+    assert "found " + str(tmp_path / "parallel" / "__init__.py") in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
