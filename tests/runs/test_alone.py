@@ -97,3 +97,13 @@ def test_the_hook_is_the_first_frame_outside_ddpcheck_torch_and_the_standard_lib
     assert (raised.exception, raised.function, raised.line) == ("KeyError", "_launch", 80)
     assert raised.summary.startswith('  File "/home/me/mydp.py"')
     assert not raised.in_setup
+
+
+def test_a_mutant_whose_bug_raises_without_peers_is_still_killed():
+    """The mutant score counts it: ddpcheck caught the bug, as the target's set-up error."""
+    from ddpcheck.mutation.search import ALONE, battery_search
+
+    outcome = battery_search(WrapTypo(), 120.0, world_sizes=(1,))
+    found = outcome.counterexample
+    assert found is not None and found.kind == ALONE, outcome
+    assert found.one_line().endswith(f"W=1: {ALONE} (`wrap`)"), found.one_line()

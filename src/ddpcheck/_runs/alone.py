@@ -46,11 +46,20 @@ _SETUP_FRAME = ("runner.py", "setup")
 
 class TargetSetupError(SetupError):
     """The target failed without data parallelism (exit 2): what a rank raised, and where.
-    ``hook`` names the target's function that raised."""
+    ``hook`` names the target's function that raised; ``scenario`` and ``world_size`` the
+    example it was found on."""
 
-    def __init__(self, message: str, hook: str, raised: tuple[str, str, str]):
+    def __init__(
+        self,
+        message: str,
+        hook: str,
+        raised: tuple[str, str, str],
+        scenario: Scenario,
+        world_size: int,
+    ):
         super().__init__(message)
         self.hook, self.raised = hook, raised
+        self.scenario, self.world_size = scenario, world_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +145,8 @@ def setup_error(
         f"scenario: {scenario!r}\n{first.summary}",
         hook,
         first.key,
+        scenario,
+        failure.world_size,
     )
 
 
@@ -156,4 +167,6 @@ def without_data_parallelism(
         f"scenario: {scenario!r}\n{first.summary}",
         alone.hook,
         alone.raised,
+        scenario,
+        failure.world_size,
     )
