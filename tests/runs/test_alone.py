@@ -12,7 +12,10 @@ import torch.distributed as dist
 
 import ddpcheck
 from ddpcheck import cli, targets
-from ddpcheck._runs.alone import TargetSetupError, raised_in
+from ddpcheck._rank import runner
+from ddpcheck._runs.alone import TargetSetupError, raised_in, setup_error
+from ddpcheck._world.failures import Failure, RankState, Status, WorldFailure
+from ddpcheck._world.sequences import NO_COLLECTIVE
 from ddpcheck.errors import ExitCode
 from ddpcheck.scenario import Scenario
 
@@ -42,6 +45,16 @@ class RaisesWithPeers(targets.ParallelDDPTarget):
         model.finish_gradient_sync()
         if dist.get_world_size() > 1:
             raise RuntimeError("only with several ranks")
+
+
+class WrapRaisesWithPeers(ddpcheck.Target):
+    """Raises in wrap, before any collective, only with peers -- as torch DDP's constructor does
+    on parameters that differ across ranks: it needs W > 1, so it stays exit 1."""
+
+    def wrap(self, module):
+        if dist.get_world_size() > 1:
+            raise TypeError("only with several ranks, in wrap")
+        return module
 
 
 def test_a_hook_raising_at_every_world_size_is_a_setup_error_naming_the_hook():
@@ -107,3 +120,29 @@ def test_a_mutant_whose_bug_raises_without_peers_is_still_killed():
     found = outcome.counterexample
     assert found is not None and found.kind == ALONE, outcome
     assert found.one_line().endswith(f"W=1: {ALONE} (`wrap`)"), found.one_line()
+
+
+def test_a_setup_hook_raising_only_with_peers_stays_a_verdict():
+    with pytest.raises(ddpcheck.EquivalenceError) as caught:
+        ddpcheck.check_example(WrapRaisesWithPeers(), SCENARIO, 2)
+    assert caught.value.kinds[0] == "rank failed", str(caught.value)
+
+
+def _failure(world_size: int, function: str, collectives: str) -> WorldFailure:
+    trace = (
+        "Traceback (most recent call last):\n"
+        f'  File "{runner.__file__}", line 284, in setup\n    x()\n'
+        f'  File "/home/me/glue.py", line 9, in {function}\n    y()\n'
+        "TypeError: bad\n"
+    )
+    ranks = [RankState(r, Status.RAISED, trace) for r in range(world_size)]
+    return WorldFailure(Failure.RAISED, world_size, ranks, "example", None, collectives)
+
+
+def test_where_w1_cannot_run_a_setup_hook_raising_before_any_collective_is_set_up():
+    """The fallback ``_runs.example`` asks only where the example cannot run at W=1."""
+    error = setup_error(WrapTypo(), SCENARIO, _failure(2, "wrap", NO_COLLECTIVE))
+    assert error is not None and error.hook == "wrap" and error.world_size == 2
+    assert "in a set-up hook before any collective, at world size 2" in str(error)
+    after = "every rank issued the same 1 collectives; the last was index 0: broadcast"
+    assert setup_error(WrapTypo(), SCENARIO, _failure(2, "wrap", after)) is None

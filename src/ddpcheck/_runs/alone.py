@@ -8,8 +8,12 @@ target's first frame) when the evidence shows no second rank was needed:
 
 - it raised at W=1 (:func:`setup_error` on a one-process world's failure), or at W>1 and the
   same scenario at W=1 raises the same exception in the same function (``example`` runs it);
-- or every rank that raised did so in a set-up hook (``wrap``, ``make_optimizer``, ``setup``),
-  before any rank issued a collective.
+- or, where the example cannot run at W=1 (declined there), every rank that raised did so in a
+  set-up hook (``wrap``, ``make_optimizer``, ``setup``) before any rank issued a collective.
+
+A raise that needs W > 1 stays exit 1, set-up hook or not: torch DDP's constructor raises at W>1
+on parameters that differ across ranks, after collectives issued from C++ that no sequence file
+shows.
 
 What the pieces here decide is read from the ranks' tracebacks only: pure functions, no world.
 """
@@ -123,7 +127,8 @@ def setup_error(
     target: object, scenario: Scenario, failure: WorldFailure
 ) -> TargetSetupError | None:
     """``failure`` as the target's set-up error when it needs no data parallelism by itself:
-    a one-process world's, or every raise in a set-up hook before any collective."""
+    a one-process world's, or (asked only where the example cannot run at W=1) every raise in a
+    set-up hook before any collective."""
     raised = _raised(failure)
     if raised is None:
         return None

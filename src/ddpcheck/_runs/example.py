@@ -313,21 +313,24 @@ def judge(launched: Launched, reference: Reference) -> tuple[str, ...]:
 
 def _fails_alone(launched: Launched, error: EquivalenceError) -> alone.TargetSetupError | None:
     """``error``, a rank that raised, as the target's set-up error when it needs no second rank
-    (``_runs.alone``): at W=1, in a set-up hook before any collective, or -- asked here, in the
-    one-process world -- raised the same way by the same scenario at W=1. Anything else the W=1
-    run says (it passes, differs, is declined, hangs) leaves the verdict as it was."""
+    (``_runs.alone``): raised at W=1, or -- asked here, in the one-process world -- raised the
+    same way by the same scenario at W=1; where the example cannot run at W=1 (declined, not
+    admissible there), raised on every rank in a set-up hook before any collective. Anything
+    else the W=1 run says (it passes, differs, hangs) leaves the verdict as it was: a failure
+    that needs W > 1 is a data-parallel bug, set-up hook or not."""
     failure = error.failure
-    if not isinstance(failure, WorldFailure):
+    if not isinstance(failure, WorldFailure) or failure.kind != Failure.RAISED:
         return None
-    direct = alone.setup_error(launched.target, launched.scenario, failure)
-    if direct is not None or failure.world_size == 1 or failure.kind != Failure.RAISED:
-        return direct
+    if failure.world_size == 1:
+        return alone.setup_error(launched.target, launched.scenario, failure)
     one = dataclasses.replace(launched.scenario, resume_world_size=None)
     try:
         check_example(launched.target, one, 1, launched.run, name=launched.name)
     except alone.TargetSetupError as at_one:
         return alone.without_data_parallelism(failure, at_one, launched.target, launched.scenario)
-    except Exception:  # passed differently, declined, hung: the verdict at W stands
+    except (NothingChecked, InvalidArgument):  # it cannot run at W=1: the set-up hooks say
+        return alone.setup_error(launched.target, launched.scenario, failure)
+    except Exception:  # it failed otherwise, hung, or could not start: the verdict at W stands
         return None
     return None
 
