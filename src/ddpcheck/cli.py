@@ -49,6 +49,7 @@ from ddpcheck._base.errors import (
     NothingChecked,
 )
 from ddpcheck._base.options import DEFAULT_WORLD_SIZES
+from ddpcheck._front.environment import keep_hypothesis_out_of_the_current_folder
 from ddpcheck._front.grammar import (
     EXIT_CODES,
     SURVEY_EXIT_CODES,
@@ -116,19 +117,6 @@ def _run(args: argparse.Namespace, progress: ProgressLine) -> ExitCode:
         progress.close()
 
 
-def _keep_hypothesis_out_of_the_current_folder() -> None:
-    """Hypothesis keeps files in ``.hypothesis/`` of the current folder (``check`` passes
-    ``database=None``, but Hypothesis 6.13x+ caches the constants of the modules it draws near in
-    ``.hypothesis/constants/`` all the same): the ``ddpcheck`` command points Hypothesis's own
-    storage setting, ``HYPOTHESIS_STORAGE_DIRECTORY``, at ddpcheck's cache folder instead, unless
-    the user set it (set it to ``.hypothesis`` for Hypothesis's default). Only this process and
-    its children: :func:`main`'s callers, the API and the pytest plugin keep the user's
-    Hypothesis as it is."""
-    if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
-        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = os.path.join(cache, "ddpcheck", "hypothesis")
-
-
 def command() -> NoReturn:
     """The ``ddpcheck`` command (and ``python -m ddpcheck``): :func:`main`, then the exit
     handlers (every world shut down, every directory removed), the output flushed, and the
@@ -144,7 +132,7 @@ def command() -> NoReturn:
     decided, SIGINT and SIGTERM are ignored: every wait from there on has a deadline, and a
     signal could only turn the status into a traceback."""
     global _CTRL_C
-    _keep_hypothesis_out_of_the_current_folder()
+    keep_hypothesis_out_of_the_current_folder()
     if (
         threading.current_thread() is threading.main_thread()
         and signal.getsignal(signal.SIGINT) is signal.default_int_handler

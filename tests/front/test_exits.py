@@ -13,6 +13,7 @@ import pytest
 
 import ddpcheck
 from ddpcheck import cli, targets
+from ddpcheck._front.environment import keep_hypothesis_out_of_the_current_folder
 from ddpcheck.errors import ExitCode
 from tests.patience import patience
 
@@ -149,7 +150,6 @@ def test_the_model_failing_while_its_features_are_read_is_a_scenario_error(tmp_p
 
 
 def test_an_internal_error_is_never_reported_as_a_found_bug(monkeypatch, capsys):
-    from ddpcheck import cli
 
     def broken(args):
         raise RuntimeError("a bug in ddpcheck")
@@ -242,7 +242,6 @@ def test_a_closed_output_is_a_clean_stop_not_an_internal_error(args):
 def test_a_broken_pipe_that_is_not_the_output_is_an_internal_error(capsys, monkeypatch):
     """A pipe to a rank process breaking is ddpcheck's failure: only a closed *output* is the
     reader's choice (its status is 141); anything else keeps INTERNAL and its traceback."""
-    from ddpcheck import cli
 
     def breaks():
         raise BrokenPipeError(32, "Broken pipe (a rank's)")
@@ -278,11 +277,11 @@ def test_check_leaves_no_hypothesis_folder_in_the_current_folder(tmp_path):
 
 def test_hypothesis_storage_the_user_asked_for_is_kept(monkeypatch):
     monkeypatch.setenv("HYPOTHESIS_STORAGE_DIRECTORY", ".hypothesis")
-    cli._keep_hypothesis_out_of_the_current_folder()
+    keep_hypothesis_out_of_the_current_folder()
     assert os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] == ".hypothesis"
     monkeypatch.delenv("HYPOTHESIS_STORAGE_DIRECTORY")
     monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere")
-    cli._keep_hypothesis_out_of_the_current_folder()
+    keep_hypothesis_out_of_the_current_folder()
     assert os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] == "/somewhere/ddpcheck/hypothesis"
 
 
