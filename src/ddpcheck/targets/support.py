@@ -150,8 +150,12 @@ def checked_through_defaults(target: Target, without: frozenset[str] = frozenset
         or "clipping" in unsupported(target, without)
     ):
         return []
+    optimizer = getattr(target, "optimizer", None)  # Target.from_wrappers(optimizer=...)
+    who = type(target).__name__ + (
+        f" (optimizer={optimizer.__name__})" if isinstance(optimizer, type) else ""
+    )
     return [
-        f"{type(target).__name__} shards optimizer state but keeps the default clip_grad_norm "
+        f"{who} shards optimizer state but keeps the default clip_grad_norm "
         "hook: clipping is checked through torch.nn.utils.clip_grad_norm_, not your optimizer's "
         "own clipping; override Target.clip_grad_norm to check yours"
     ]
