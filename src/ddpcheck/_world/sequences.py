@@ -125,7 +125,7 @@ class Disagreement:
         by_entry: dict[tuple | None, list[int]] = collections.defaultdict(list)
         for rank in sorted(self.entries):
             by_entry[_key(self.entries[rank])].append(rank)
-        lines = []
+        lines, said = [], set()
         for ranks in by_entry.values():
             entry = self.entries[ranks[0]]
             if entry is None:
@@ -135,7 +135,9 @@ class Disagreement:
                 for r in sorted(self.entries)
                 if r not in ranks and not any(_key(c) == _key(entry) for c in self.rest.get(r, ()))
             ]
-            if never:
+            # the mirror of a line already said ("rank 0 never issued theirs") adds nothing
+            if never and (tuple(never), tuple(ranks)) not in said:
+                said.add((tuple(ranks), tuple(never)))
                 at = f" at {entry.site}" if entry.site else ""
                 lines.append(
                     f"{_ranks(never)} never issued the {entry.op} that {_ranks(ranks)} issued{at}; "
