@@ -57,7 +57,7 @@ class TargetSetupError(SetupError):
         self,
         message: str,
         hook: str,
-        raised: tuple[str, str, str],
+        raised: tuple[str, str, str, str],
         scenario: Scenario,
         world_size: int,
     ):
@@ -78,11 +78,14 @@ class Raised:
     line: int
     summary: str
     in_setup: bool
+    origin: str  # "file:line in function" of the innermost frame: where it was raised
 
     @property
-    def key(self) -> tuple[str, str, str]:
-        """What must match for two failures to be "the same way" (the line may move with W)."""
-        return (self.exception, self.file, self.function)
+    def key(self) -> tuple[str, str, str, str]:
+        """What must match for two failures to be "the same way": the exception's type, the
+        target's function it left and the line that raised it (inside a framework's ``train``,
+        the assertion that failed, not merely ``train``)."""
+        return (self.exception, self.file, self.function, self.origin)
 
 
 def raised_in(traceback: str) -> Raised | None:
@@ -96,6 +99,7 @@ def raised_in(traceback: str) -> Raised | None:
     in_setup = any((os.path.basename(m["file"]), m["function"]) == _SETUP_FRAME for _, m in frames)
     theirs = [(i, m) for i, m in frames if not m["file"].startswith(_NOT_THE_TARGETS)]
     at, frame = (theirs or frames[-1:])[0]
+    last = frames[-1][1]
     return Raised(
         exception,
         frame["file"],
@@ -103,6 +107,7 @@ def raised_in(traceback: str) -> Raised | None:
         int(frame["line"]),
         "\n".join(lines[at:]),
         in_setup,
+        f"{last['file']}:{last['line']} in {last['function']}",
     )
 
 
