@@ -44,10 +44,12 @@ from ddpcheck._base.errors import (
     DdpcheckError,
     EquivalenceError,
     ExitCode,
+    Inconclusive,
     InvalidArgument,
     NothingChecked,
 )
 from ddpcheck._base.options import DEFAULT_WORLD_SIZES
+from ddpcheck._front.environment import keep_hypothesis_out_of_the_current_folder
 from ddpcheck._front.grammar import (
     EXIT_CODES,
     SURVEY_EXIT_CODES,
@@ -130,6 +132,7 @@ def command() -> NoReturn:
     decided, SIGINT and SIGTERM are ignored: every wait from there on has a deadline, and a
     signal could only turn the status into a traceback."""
     global _CTRL_C
+    keep_hypothesis_out_of_the_current_folder()
     if (
         threading.current_thread() is threading.main_thread()
         and signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -408,6 +411,14 @@ def _check_writable(path: str, flag: str) -> None:
 # The commands: each prints its report and returns its exit status (or raises an outcome)
 
 
+def _say_notes(call: Invocation, say: Callable[[str], None]) -> None:
+    """Before the run, what a default hook means for what is checked (``targets.support``)."""
+    from ddpcheck.targets.support import checked_through_defaults
+
+    for note in checked_through_defaults(call.target, call.request.without):
+        say(f"note: {note}")
+
+
 def _check(call: Invocation) -> ExitCode:
     from ddpcheck._language import features
     from ddpcheck._language.battery import BATTERY
@@ -439,6 +450,7 @@ def _check(call: Invocation) -> ExitCode:
         with line.paused():
             print(text, flush=True)
 
+    _say_notes(call, say)
     # 1. the built-in battery: representative scenarios, every world size; a failure is
     # followed by the search for a smaller counterexample (_runs.smaller)
     try:
@@ -642,7 +654,17 @@ def _replay(call: Invocation) -> ExitCode:
     request, scenario = call.request, call.request.scenario
     assert scenario is not None  # replay's --scenario is required (_front.grammar)
     reference = prepare_reference(scenario)
-    check_example(request.target, scenario, call.args.world_size, request.run, reference=reference)
+    repeat = call.args.repeat  # a possibly racy verdict's line repeats: one pass proves nothing
+    for _ in range(repeat):  # the first failure raises: its verdict, exit 1
+        check_example(
+            request.target, scenario, call.args.world_size, request.run, reference=reference
+        )
+    if repeat > 1:
+        raise Inconclusive(
+            f"not reproduced in {repeat} runs: a race -- the example passed every time here, "
+            "where the verdict that printed this line failed once, then passed when run again; "
+            "no verdict either way (a larger --repeat, or a busier machine, may reproduce it)"
+        )
     print(f"ddpcheck replay: equivalent at world size {call.args.world_size}")
     return ExitCode.OK
 

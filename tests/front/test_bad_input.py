@@ -186,7 +186,18 @@ def test_assert_equivalent_target_errors(target, message):
 # The command line: exit status 2, the message on stderr, no traceback
 
 
+class InitRaises(ddpcheck.Target):
+    """A target whose constructor raises: the constructor's own exception is the message."""
+
+    def __init__(self):
+        raise ValueError("bucket_size_mb must be positive")
+
+
 CLI_ROWS = [
+    (
+        ["check", "tests.front.test_bad_input:InitRaises()"],
+        "InitRaises() raised ValueError: bucket_size_mb must be positive (test_bad_input.py, line ",
+    ),
     (
         ["check", "nocolon"],
         "target 'nocolon' is not a built-in target (`ddpcheck targets` lists them: parallel, ",

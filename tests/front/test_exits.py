@@ -12,7 +12,8 @@ import time
 import pytest
 
 import ddpcheck
-from ddpcheck import targets
+from ddpcheck import cli, targets
+from ddpcheck._front.environment import keep_hypothesis_out_of_the_current_folder
 from ddpcheck.errors import ExitCode
 from tests.patience import patience
 
@@ -149,7 +150,6 @@ def test_the_model_failing_while_its_features_are_read_is_a_scenario_error(tmp_p
 
 
 def test_an_internal_error_is_never_reported_as_a_found_bug(monkeypatch, capsys):
-    from ddpcheck import cli
 
     def broken(args):
         raise RuntimeError("a bug in ddpcheck")
@@ -242,7 +242,6 @@ def test_a_closed_output_is_a_clean_stop_not_an_internal_error(args):
 def test_a_broken_pipe_that_is_not_the_output_is_an_internal_error(capsys, monkeypatch):
     """A pipe to a rank process breaking is ddpcheck's failure: only a closed *output* is the
     reader's choice (its status is 141); anything else keeps INTERNAL and its traceback."""
-    from ddpcheck import cli
 
     def breaks():
         raise BrokenPipeError(32, "Broken pipe (a rank's)")
@@ -255,3 +254,43 @@ def test_a_broken_pipe_that_is_not_the_output_is_an_internal_error(capsys, monke
         assert not cli._output_closed()  # someone reads it
         os.close(read)
         assert cli._output_closed()  # nobody does any more
+
+
+@pytest.mark.slow  # a process of its own: the command's environment is the subject
+def test_check_leaves_no_hypothesis_folder_in_the_current_folder(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "HYPOTHESIS_STORAGE_DIRECTORY"}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    work = tmp_path / "work"
+    work.mkdir()
+    out = subprocess.run(
+        [sys.executable, "-m", "ddpcheck", "check", "local", "--world-sizes=1", "--examples=2"],
+        capture_output=True,
+        text=True,
+        timeout=patience(300),
+        cwd=str(work),
+        env=env,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert list(work.iterdir()) == [], list(work.iterdir())
+    assert (tmp_path / "cache" / "ddpcheck" / "hypothesis").is_dir()
+
+
+def test_hypothesis_storage_the_user_asked_for_is_kept(monkeypatch):
+    monkeypatch.setenv("HYPOTHESIS_STORAGE_DIRECTORY", ".hypothesis")
+    keep_hypothesis_out_of_the_current_folder()
+    assert os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] == ".hypothesis"
+    monkeypatch.delenv("HYPOTHESIS_STORAGE_DIRECTORY")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere")
+    keep_hypothesis_out_of_the_current_folder()
+    assert os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] == "/somewhere/ddpcheck/hypothesis"
+
+
+def test_a_users_own_parallel_package_first_on_the_path_is_a_setup_error_naming_it(tmp_path):
+    """The wheel's top-level ``parallel`` (docs/parallel.md#the-name-parallel): a folder with its
+    own ``parallel`` package, first on ``sys.path`` under ``python -m``, is named, exit 2."""
+    (tmp_path / "parallel").mkdir()
+    (tmp_path / "parallel" / "__init__.py").write_text("MINE = True\n")
+    out, _ = _ddpcheck("targets", cwd=str(tmp_path))
+    assert out.returncode == ExitCode.SETUP, out.stdout + out.stderr
+    assert "found " + str(tmp_path / "parallel" / "__init__.py") in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

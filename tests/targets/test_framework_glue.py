@@ -2,7 +2,9 @@
 refuses a framework release older than it supports before any world runs (exit 2, both releases
 named), and an exception raised in its glue code inside a rank is an ``InternalError`` (exit 4,
 the release named) -- from the API and from the command line -- while an exception raised inside
-the framework's own code stays the framework's failure (exit 1).
+the framework's own code stays the framework's failure (exit 1 when it needs a second rank;
+exit 2, the target's set-up error naming the function, when it raises without data parallelism:
+issue 50).
 
 The framework is a fake ``deepspeed`` package on ``sys.path``, with a ``dist-info`` giving its
 release: no real old release is needed. The ranks import it, so every test here starts and ends
@@ -94,10 +96,13 @@ def test_an_exception_inside_the_framework_stays_its_failure(fake_deepspeed):
         "0.19.8",
         "def initialize(**kwargs):\n    raise RuntimeError('the engine failed to partition')\n",
     )
-    with pytest.raises(ddpcheck.EquivalenceError) as info:
+    # it raises at every world size: the set-up error naming the framework's function, never
+    # ddpcheck's InternalError (not a SetupError)
+    with pytest.raises(ddpcheck.SetupError) as info:
         ddpcheck.check_example(targets.DEEPSPEED_ZERO1, SCENARIO, 2)
-    assert info.value.kinds == ["rank failed"], str(info.value)
+    assert "fails without data parallelism" in str(info.value), str(info.value)
     assert "the engine failed to partition" in str(info.value)
+    assert "`initialize`" in str(info.value), str(info.value)
 
 
 # -- which exceptions are the glue's, on exceptions raised here (no world) --------------------

@@ -47,8 +47,8 @@ class ExitCode(enum.IntEnum):
     OK = 0
     #: A counterexample in the target: the divergence table and a replay line that reproduces it.
     FOUND = 1
-    #: A usage or set-up error, never the target's fault (a bad argument, a world that cannot
-    #: start, a scenario the oracle cannot judge).
+    #: A usage or set-up error, never a data-parallel bug (a bad argument, a world that cannot
+    #: start, a scenario the oracle cannot judge, a target that fails without data parallelism).
     SETUP = 2
     #: Nothing was checked: every example was skipped or declined (never reported as OK).
     NOTHING_CHECKED = 3
@@ -58,8 +58,9 @@ class ExitCode(enum.IntEnum):
     INTERNAL = 4
     #: No verdict could be reached on an example, either way: its ranks were still working when
     #: the wait for them ended (a machine too slow or too loaded for the deadline, or a rank
-    #: computing without end), or a hang did not recur when the example ran again. Raise the
-    #: deadline, or run where the machine is quieter.
+    #: computing without end), or a hang did not recur when the example ran again, or a possibly
+    #: racy verdict's replay (``replay --repeat N``) passed all N runs. Raise the deadline, or
+    #: run where the machine is quieter.
     INCONCLUSIVE = 5
     #: Interrupted (Ctrl-C): every rank process stopped, every world directory removed.
     INTERRUPTED = 130
@@ -101,7 +102,8 @@ class ScenarioError(SetupError, InvalidArgument):
 class Inconclusive(DdpcheckError):
     """An example reached no verdict, either way (``ExitCode.INCONCLUSIVE``): its ranks were still
     working when the wait for them ended -- slowness, which is never a verdict -- or it hung once
-    and passed when run again, so no replay line could prove the hang. The message says which,
+    and passed when run again, so no replay line could prove the hang; or a possibly racy
+    verdict's replay line did not reproduce it in ``--repeat N`` runs. The message says which,
     with the ranks' stacks."""
 
     exit_code = ExitCode.INCONCLUSIVE

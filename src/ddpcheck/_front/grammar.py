@@ -33,7 +33,8 @@ EXIT_CODES = (
     f"{ExitCode.SETUP:d} usage or set-up error, not the target's fault; "
     f"{ExitCode.NOTHING_CHECKED:d} nothing was checked (every example skipped or "
     f"declined); {ExitCode.INTERNAL:d} an internal error of ddpcheck; "
-    f"{ExitCode.INCONCLUSIVE:d} inconclusive (the machine too slow to tell); "
+    f"{ExitCode.INCONCLUSIVE:d} inconclusive (the machine too slow to tell, or a race "
+    "a replay's --repeat did not reproduce); "
     f"{ExitCode.OUTPUT_CLOSED:d} its output was closed before it ended"
 )
 SURVEY_EXIT_CODES = (
@@ -249,6 +250,14 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("target", metavar="MODULE:TARGET", help=TARGET_HELP)
     replay.add_argument("--world-size", type=_positive(int), required=True)
     replay.add_argument("--scenario", required=True, help="the scenario's repr, as printed")
+    replay.add_argument(
+        "--repeat",
+        type=_positive(int),
+        default=1,
+        metavar="N",
+        help="run the example up to N times, stopping at the first failure; N > 1 runs that "
+        f"all pass exit {ExitCode.INCONCLUSIVE:d}, not reproduced (a race), never 0",
+    )
     replay.add_argument("--deadline", default=DEFAULT_DEADLINE)
     _config_option(replay)
     _device_options(replay)

@@ -25,6 +25,7 @@ import os
 import pickle
 import re
 import sys
+import traceback
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -533,11 +534,27 @@ def _resolve(spec: str, what: str) -> Any:
     except DdpcheckError:  # the target refusing its own arguments says what is wrong: as is
         raise
     except Exception as exc:
-        hint = ""
         missing = re.match(r"name '(\w+)' is not defined", str(exc))
-        if isinstance(exc, NameError) and missing:
-            hint = did_you_mean(missing.group(1), [n for n in vars(module) if n[:1] != "_"])
+        if not (isinstance(exc, NameError) and missing):  # the expression ran, and raised
+            raise InvalidArgument(
+                f"{what} {spec!r}: {expr} raised {type(exc).__name__}: {exc}{_raised_at(exc)}"
+            ) from exc
+        hint = did_you_mean(missing.group(1), [n for n in vars(module) if n[:1] != "_"])
         raise InvalidArgument(
             f"{what} {spec!r}: {expr!r} is not defined in {module_name}"
             f"{hint} ({type(exc).__name__}: {exc})"
         ) from exc
+
+
+def _raised_at(exc: BaseException) -> str:
+    """`` (file, line N, in function)`` of the frame that raised ``exc`` -- a target's
+    constructor, say -- or nothing when no frame outside ddpcheck is on its traceback."""
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith(os.path.dirname(os.path.dirname(__file__)))
+    ]
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f" ({os.path.basename(last.filename)}, line {last.lineno}, in {last.name})"

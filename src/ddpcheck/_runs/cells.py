@@ -16,6 +16,7 @@ from ddpcheck._language import features
 from ddpcheck._language import strategies as dst
 from ddpcheck._runs.engine import Example, Found, Plan, settings_check
 from ddpcheck._runs.example import refuse_unconfirmed_hang
+from ddpcheck._runs.replay import possibly_racy
 from ddpcheck._runs.settings import Settings
 from ddpcheck.targets import support
 from ddpcheck.targets.protocol import Target
@@ -119,6 +120,7 @@ def ended(
     if found.error is not None:
         if found.flaky:
             refuse_unconfirmed_hang(found.error)  # a hang that did not recur is no verdict
+            possibly_racy(found.error)  # its replay line repeats the example
             cell.intermittent = True
         cell.first_failure = found.first_failure
         return failed(cell, found.error, started)

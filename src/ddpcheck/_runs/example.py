@@ -42,6 +42,7 @@ from ddpcheck._oracle.judgeable import check_scenario, explain_reference_failure
 from ddpcheck._oracle.reference import Reference, reference_run
 from ddpcheck._rank.runner import run_example_packed
 from ddpcheck._rank.transport import unpack
+from ddpcheck._runs import alone
 from ddpcheck._runs.replay import replay_command
 from ddpcheck._runs.settings import DEFAULT_SETTINGS, Settings
 from ddpcheck._runs.warmup import warm_up
@@ -291,17 +292,47 @@ def judge(launched: Launched, reference: Reference) -> tuple[str, ...]:
             return records, world.collective_sequences(), [world], reference
         return (*_both_halves(launched), reference)
 
-    return _judged(
-        launched.target,
-        launched.scenario,
-        launched.world_size,
-        collected,
-        launched.checks,
-        [world],
-        name=launched.name,
-        device=launched.run.device,
-        backend=launched.run.backend,
-    )[0]
+    try:
+        return _judged(
+            launched.target,
+            launched.scenario,
+            launched.world_size,
+            collected,
+            launched.checks,
+            [world],
+            name=launched.name,
+            device=launched.run.device,
+            backend=launched.run.backend,
+        )[0]
+    except EquivalenceError as error:
+        broken = _fails_alone(launched, error)
+        if broken is None:
+            raise
+        raise broken from None
+
+
+def _fails_alone(launched: Launched, error: EquivalenceError) -> alone.TargetSetupError | None:
+    """``error``, a rank that raised, as the target's set-up error when it needs no second rank
+    (``_runs.alone``): raised at W=1, or -- asked here, in the one-process world -- raised the
+    same way by the same scenario at W=1; where the example cannot run at W=1 (declined, not
+    admissible there), raised on every rank in a set-up hook before any collective. Anything
+    else the W=1 run says (it passes, differs, hangs) leaves the verdict as it was: a failure
+    that needs W > 1 is a data-parallel bug, set-up hook or not."""
+    failure = error.failure
+    if not isinstance(failure, WorldFailure) or failure.kind != Failure.RAISED:
+        return None
+    if failure.world_size == 1:
+        return alone.setup_error(launched.target, launched.scenario, failure)
+    one = dataclasses.replace(launched.scenario, resume_world_size=None)
+    try:
+        check_example(launched.target, one, 1, launched.run, name=launched.name)
+    except alone.TargetSetupError as at_one:
+        return alone.without_data_parallelism(failure, at_one, launched.target, launched.scenario)
+    except (NothingChecked, InvalidArgument):  # it cannot run at W=1: the set-up hooks say
+        return alone.setup_error(launched.target, launched.scenario, failure)
+    except Exception:  # it failed otherwise, hung, or could not start: the verdict at W stands
+        return None
+    return None
 
 
 def _judged(
@@ -520,8 +551,14 @@ def _failure_rows(failure: WorldFailure) -> list[Divergence]:
         failure.kind, "rank failed"
     )
     rows = []
+    # a mismatch singles out no rank: every rank of the disagreement is a row, saying its side
+    named = (
+        set(failure.disagreement.entries)
+        if failure.kind == Failure.MISMATCH and failure.disagreement is not None
+        else set(failure.guilty)
+    )
     for state in failure.ranks:
-        if state.rank in failure.guilty:
+        if state.rank in named:
             if failure.kind == Failure.MISMATCH:
                 detail = _at_disagreement(failure.disagreement, state.rank)
             elif state.detail.strip():
@@ -572,7 +609,7 @@ def _mismatched_collectives(texts: list[str], world_size: int) -> list[Divergenc
             "collectives mismatched",
             detail=f"rank {rank} {_at_disagreement(disagreement, rank)}\n{where}",
         )
-        for rank in disagreement.deviants
+        for rank in sorted(disagreement.entries)  # no side singled out: each says its own
     ]
 
 

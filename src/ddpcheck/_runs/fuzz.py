@@ -15,7 +15,7 @@ from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_
 from ddpcheck._runs.admission import Request, admit
 from ddpcheck._runs.engine import Draws, Plan, search_pipelined, settings_check
 from ddpcheck._runs.example import refuse_unconfirmed_hang
-from ddpcheck._runs.replay import target_spec
+from ddpcheck._runs.replay import possibly_racy, target_spec
 from ddpcheck._world.interrupts import interruptible
 from ddpcheck.targets import support
 from ddpcheck.targets.option_space import described, space_of, vary
@@ -224,4 +224,4 @@ def _intermittent(error: EquivalenceError) -> EquivalenceError:
         f"{error.args[0]}\n\nintermittent: this example failed, then passed when "
         "replayed -- a race or other nondeterminism in the target",
     )
-    return error
+    return possibly_racy(error)  # its replay line repeats the example

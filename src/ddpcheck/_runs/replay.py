@@ -44,7 +44,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._base.errors import EquivalenceError, InvalidArgument
 from ddpcheck._base.scripts import (
     MAIN_NAMES,
     load,
@@ -56,9 +56,11 @@ from ddpcheck._language.scenario import Scenario, _code, _is_default, import_pat
 from ddpcheck.targets import CONSTRUCTOR_CALL as _CALL  # metadata of a target, not its state
 
 __all__ = [
+    "RACE_REPEATS",
     "evaluate",
     "evaluate_in",
     "from_repr",
+    "possibly_racy",
     "replay_command",
     "shell_word",
     "target_spec",
@@ -82,6 +84,21 @@ def replay_command(
         f"python -m ddpcheck replay {shell_word(target_spec(target))} "
         f"--world-size {world_size}{where} --scenario {shell_word(repr(scenario))}"
     )
+
+
+#: How often a replay line repeats an example whose verdict may be a race (``--repeat``): a race
+#: reproduced in 1 of 3 runs (``ReadsBeforeWait``) is missed by 20 runs with odds of 3e-4.
+RACE_REPEATS = 20
+
+
+def possibly_racy(error: EquivalenceError) -> EquivalenceError:
+    """``error``, whose example failed once and passed when run again, its replay line made to
+    repeat the example up to :data:`RACE_REPEATS` times (stopping at the first failure): a
+    replay that does not reproduce it then says so, with exit 5, never "equivalent" and 0."""
+    line = f"{error.replay} --repeat {RACE_REPEATS}"
+    error.args = (error.args[0].replace(f"replay: {error.replay}", f"replay: {line}", 1),)
+    error.replay = line
+    return error
 
 
 def shell_word(text: str) -> str:

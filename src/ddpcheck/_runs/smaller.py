@@ -33,6 +33,7 @@ from ddpcheck._language.messages import exception_text, scenario_line
 from ddpcheck._language.scenario import Scenario, build_model
 from ddpcheck._runs.engine import Draws, Example, Plan, outcome_of, search
 from ddpcheck._runs.example import check_example
+from ddpcheck._runs.replay import possibly_racy
 from ddpcheck._runs.settings import DEFAULT_SETTINGS, Settings
 from ddpcheck.targets import support
 from ddpcheck.targets.protocol import Target
@@ -68,6 +69,8 @@ class Search:
     examples: int  # examples run, shrinking and the confirming run included
     seconds: float
     why: str = ""  # error None: why the battery's verdict stands
+    #: a failure of the search passed when run again: the battery's verdict may be a race too
+    raced: bool = False
 
 
 def size(scenario: Scenario, world_size: int) -> int:
@@ -126,8 +129,8 @@ class _Searching:
     started: float = dataclasses.field(default_factory=time.perf_counter)
     examples: int = 0
 
-    def ended(self, error: EquivalenceError | None, why: str = "") -> Search:
-        return Search(error, self.examples, time.perf_counter() - self.started, why)
+    def ended(self, error: EquivalenceError | None, why: str = "", raced: bool = False) -> Search:
+        return Search(error, self.examples, time.perf_counter() - self.started, why, raced)
 
     def left(self) -> float:
         return self.seconds - (time.perf_counter() - self.started)
@@ -172,7 +175,9 @@ class _Searching:
             return self.ended(None, f"the search stopped: {searched.stopped}")
         if searched.flaky:
             return self.ended(
-                None, "a failure of the search passed when Hypothesis ran it again (a race?)"
+                None,
+                "a failure of the search passed when Hypothesis ran it again (a race?)",
+                raced=True,
             )
         if not searched.failures:
             return self.ended(None, "no example drawn failed")
@@ -207,7 +212,9 @@ class _Searching:
         else:
             why = "it passed when run again (a race?)"
         return self.ended(
-            None, f"a smaller example failed ({scenario_line(candidate.scenario)}), but {why}"
+            None,
+            f"a smaller example failed ({scenario_line(candidate.scenario)}), but {why}",
+            raced=why.endswith("(a race?)"),
         )
 
 
@@ -251,6 +258,8 @@ def first_verdict(
             f"none found ({ran}, {search.seconds:.1f} s): {search.why}; the battery scenario "
             "stands\n"
         )
+        if search.raced:  # its replay line repeats the example: a race may pass it once
+            found = possibly_racy(found)
         return found, "the battery scenario (not shrunk)"
     say(
         f"smaller counterexample found and confirmed ({ran}, {search.seconds:.1f} s): "

@@ -124,12 +124,13 @@ class WorldFailure(DdpcheckError):
 
     @property
     def guilty(self) -> list[int]:
-        """The ranks to blame: for a mismatch, those outside the majority at the first
-        disagreement; else the ranks that died, else those that raised, else (contamination)
-        those left unfit; for a pure hang, the stuck ranks the others wait for (those that issued
-        nothing where the others did)."""
-        if self.kind == "mismatch" and self.disagreement is not None:
-            return self.disagreement.deviants
+        """The ranks the evidence singles out: the ranks that died, else those that raised, else
+        (contamination) those left unfit; for a pure hang, the stuck ranks the others wait for
+        (those that issued nothing where the others did). For a mismatch, none: which side of
+        it is wrong the sequences cannot tell (the majority may be the side that skipped a
+        collective), so the message says what each side issued (``Disagreement.sides``)."""
+        if self.kind == "mismatch":
+            return []
         for status in ("exited", "raised", "refused") + (
             ("unfit",) if self.kind == "contaminated" else ()
         ):
@@ -161,10 +162,13 @@ class WorldFailure(DdpcheckError):
             "contaminated": "a rank left a change that alters what later code computes",
             "refused": "ddpcheck refused the task in the ranks",
         }[self.kind]
-        lines = [
-            f"{self.what} failed in a world of {self.world_size}: {verdict} "
-            f"(guilty rank(s): {', '.join(map(str, self.guilty))})"
-        ]
+        guilty = self.guilty
+        blame = (
+            f"guilty rank(s): {', '.join(map(str, guilty))}"
+            if guilty
+            else "no rank singled out: the evidence shows what each side issued, not which is wrong"
+        )
+        lines = [f"{self.what} failed in a world of {self.world_size}: {verdict} ({blame})"]
         if self.disagreement is not None:
             lines.append(self.disagreement.describe())
         elif self.collectives:

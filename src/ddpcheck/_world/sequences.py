@@ -26,7 +26,10 @@ from collections.abc import Iterable, Sequence
 
 from ddpcheck._language.records import Collective
 
-__all__ = ["Disagreement", "diagnose", "parse", "same_texts"]
+__all__ = ["NO_COLLECTIVE", "Disagreement", "diagnose", "parse", "same_texts"]
+
+#: :func:`agreement_summary` of ranks that issued none (a failure before any collective)
+NO_COLLECTIVE = "no rank issued a collective through torch.distributed's Python API"
 
 
 def parse(text: str) -> list[Collective]:
@@ -69,6 +72,9 @@ class Disagreement:
     entries: dict[int, Collective | None]  # member rank -> its collective there (None: nothing)
     lengths: dict[int, int]  # member rank -> collectives it issued on this group
     finished: frozenset[int]  # ranks that returned normally from the task
+    #: member rank -> what it issued on this group from ``index`` on: whether a side *never*
+    #: issued the other's collective, or issued it later
+    rest: dict[int, tuple[Collective, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def mismatched(self) -> bool:
@@ -80,7 +86,9 @@ class Disagreement:
 
     @property
     def deviants(self) -> list[int]:
-        """Ranks outside the majority at ``index`` (ties: the side of the lowest rank is right)."""
+        """Ranks outside the majority at ``index`` (ties: the side of the lowest rank is right).
+        Never evidence of guilt: in a DDP that skips a bucket's all-reduce on the ranks with no
+        gradient for it, the majority is the side that is wrong."""
         by_entry: dict[tuple | None, list[int]] = collections.defaultdict(list)
         for rank in sorted(self.entries):
             entry = self.entries[rank]
@@ -105,7 +113,60 @@ class Disagreement:
                 )
             else:
                 lines.append(f"    rank {rank}: {entry.brief()}")
+        if self.mismatched:
+            lines += [f"    {line}" for line in self.sides()]
         return "\n".join(lines)
+
+    def sides(self) -> list[str]:
+        """What the evidence shows, side by side, blaming nobody: for each collective one side
+        issued at ``index``, the ranks that never issued it from there on and where they went
+        instead ("ranks 1, 2 never issued the all_reduce that rank 0 issued at mydp.py:80 in
+        _launch; they went on to mydp.py:90 in finish")."""
+        by_entry: dict[tuple | None, list[int]] = collections.defaultdict(list)
+        for rank in sorted(self.entries):
+            by_entry[_key(self.entries[rank])].append(rank)
+        lines, said = [], set()
+        for ranks in by_entry.values():
+            entry = self.entries[ranks[0]]
+            if entry is None:
+                continue
+            never = [
+                r
+                for r in sorted(self.entries)
+                if r not in ranks and not any(_key(c) == _key(entry) for c in self.rest.get(r, ()))
+            ]
+            # the mirror of a line already said ("rank 0 never issued theirs") adds nothing
+            if never and (tuple(never), tuple(ranks)) not in said:
+                said.add((tuple(ranks), tuple(never)))
+                at = f" at {entry.site}" if entry.site else ""
+                lines.append(
+                    f"{_ranks(never)} never issued the {entry.op} that {_ranks(ranks)} issued{at}; "
+                    f"{self._went_on(never)}"
+                )
+        return lines
+
+    def _went_on(self, ranks: list[int]) -> str:
+        """Where ``ranks`` went instead, together when they went to the same place."""
+        where = {r: self._next(r) for r in ranks}
+        if len(set(where.values())) == 1:
+            return f"{'they' if len(ranks) > 1 else 'it'} {where[ranks[0]]}"
+        return ", ".join(f"rank {r} {text}" for r, text in where.items())
+
+    def _next(self, rank: int) -> str:
+        entry = self.entries[rank]
+        if entry is None:
+            done = " and returned" if rank in self.finished else ""
+            return f"issued no further collective{done}"
+        return f"went on to {entry.site or entry.brief()}"
+
+
+def _key(entry: Collective | None) -> tuple | None:
+    """A collective as two sides must agree on it: what pairs, and where it was issued."""
+    return None if entry is None else (entry.signature(), entry.site)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def diagnose(
@@ -130,7 +191,14 @@ def diagnose(
             entries = {r: s[i] if i < len(s) else None for r, s in seqs.items()}
             if len({None if c is None else c.signature() for c in entries.values()}) > 1:
                 found.append(
-                    Disagreement(i, group, entries, {r: len(s) for r, s in seqs.items()}, done)
+                    Disagreement(
+                        i,
+                        group,
+                        entries,
+                        {r: len(s) for r, s in seqs.items()},
+                        done,
+                        {r: tuple(s[i:]) for r, s in seqs.items()},
+                    )
                 )
                 break
     if not found:
@@ -143,7 +211,7 @@ def agreement_summary(sequences: Sequence[Sequence[Collective]]) -> str:
     """One line for sequences that agree: how many collectives, and the last one."""
     lengths = [len(s) for s in sequences]
     if not any(lengths):
-        return "no rank issued a collective through torch.distributed's Python API"
+        return NO_COLLECTIVE
     longest = max(range(len(sequences)), key=lambda r: lengths[r])
     return (
         f"every rank issued the same {lengths[longest]} collectives; the last was "

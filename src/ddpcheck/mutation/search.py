@@ -34,6 +34,7 @@ from ddpcheck._language.battery import BATTERY
 from ddpcheck._language.messages import scenario_line as brief
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._oracle.reference import Reference
+from ddpcheck._runs.alone import TargetSetupError
 from ddpcheck._runs.example import check_example, prepare_reference
 from ddpcheck._runs.fuzz import fuzz
 from ddpcheck._runs.settings import Settings
@@ -56,6 +57,9 @@ __all__ = [
 #: counts as a kill -- so this stays generous: it only bounds how long a hanging one is waited for.
 MIN_DEADLINE = 15.0
 #: World sizes of the battery search, in the order it tries them.
+#: The kind a mutant is killed by when its bug raises without data parallelism (exit 2 for a user)
+ALONE = "fails without data parallelism"
+
 SEARCH_ORDER = (2, 3, 4, 1)
 
 
@@ -67,9 +71,13 @@ class Counterexample:
     scenario: Scenario
     world_size: int
     kind: str  # the first divergence's kind, e.g. "reference differs (gradient)"
-    error: EquivalenceError  # with its table and replay line
+    #: with its table and replay line; or the mutant's bug fails without data parallelism
+    #: (``_runs.alone``): exit 2 for a user, still caught
+    error: EquivalenceError | TargetSetupError
 
     def one_line(self) -> str:
+        if isinstance(self.error, TargetSetupError):
+            return f"{self.name} W={self.world_size}: {self.kind} (`{self.error.hook}`)"
         first = self.error.divergences[0]
         where = "" if first.name in ("-", None) else f" {first.name}"
         step = "" if first.step == "-" else f" step {first.step}"
@@ -152,6 +160,9 @@ def battery_search(
             return Outcome(found, examples, time.perf_counter() - started, exhausted=False)
         except NothingChecked:  # declined once running (a data path's world size): no example
             examples -= 1
+        except TargetSetupError as err:  # the bug needs no second rank: caught all the same
+            found = Counterexample(name, scenario, w, ALONE, err)
+            return Outcome(found, examples, time.perf_counter() - started, exhausted=False)
     return Outcome(None, examples, time.perf_counter() - started, exhausted=True)
 
 
@@ -173,14 +184,20 @@ def shrinking_search(
     check_positive_number("budget_seconds", budget_seconds)
     started = time.perf_counter()
     share = budget_seconds * fuzz_share
-    result = fuzz(
-        target,
-        examples=examples,
-        world_sizes=world_sizes,
-        deadline=deadline,
-        time_budget=None if share == float("inf") else share,
-        fuzz_config=fuzz_config,
-    )
+    try:
+        result = fuzz(
+            target,
+            examples=examples,
+            world_sizes=world_sizes,
+            deadline=deadline,
+            time_budget=None if share == float("inf") else share,
+            fuzz_config=fuzz_config,
+        )
+    except TargetSetupError as alone:  # the bug needs no second rank: caught all the same
+        found = Counterexample(
+            f"random[{brief(alone.scenario)}]", alone.scenario, alone.world_size, ALONE, alone
+        )
+        return Outcome(found, 1, time.perf_counter() - started, exhausted=False)
     err = result.error
     if err is not None:
         found = Counterexample(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import sys
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpcheck._base.errors import InvalidArgument, NothingChecked
+from ddpcheck._base.errors import InvalidArgument, NothingChecked, SetupError
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.training import OptimizerLike, Params
 from ddpcheck.targets.configuration import Config, load_config, reconcile
@@ -33,7 +34,16 @@ from ddpcheck.targets.fsdp import (
 from ddpcheck.targets.option_space import options
 from ddpcheck.targets.protocol import Target
 from ddpcheck.targets.reasons import NO_PARAM_DTYPE, TORCH_DDP_ORDER
-from parallel import DDP, ShardedOptimizer, sharding
+
+try:
+    from parallel import DDP, ShardedOptimizer, sharding
+except ImportError as exc:  # another `parallel` first on sys.path: say so (docs/parallel.md)
+    found = getattr(sys.modules.get("parallel"), "__file__", None) or "another module"
+    raise SetupError(
+        "ddpcheck's built-in implementations are the top-level package `parallel`, but "
+        f"`import parallel` found {found} first on sys.path ({exc}); rename your `parallel`, "
+        "or run ddpcheck from another folder (docs/parallel.md#the-name-parallel)"
+    ) from None
 
 if TYPE_CHECKING:
     from ddpcheck.targets.protocol import ConfigSpace

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # hypothesis loads only when examples are drawn: never in a r
     from hypothesis import strategies as st
 
 __all__ = [
+    "checked_through_defaults",
     "declines",
     "example_strategies",
     "examples",
@@ -139,6 +140,29 @@ def _declared_with_its_plan(target: Target) -> bool:
         and features <= plan
         and mro[features].__dict__["supported_features"] is not None
     )
+
+
+def checked_through_defaults(target: Target, without: frozenset[str] = frozenset()) -> list[str]:
+    """What a default hook means for what is checked, one line each, where a user could believe
+    their own code is checked: a target that shards optimizer state but keeps the default
+    ``clip_grad_norm`` has clipping checked through torch's ``clip_grad_norm_`` over the model,
+    never through a sharded optimizer's own clipping (issue 50: a bug there went unseen)."""
+    own = getattr(type(target), "clip_grad_norm", None)
+    if (
+        not getattr(target, "shards_optimizer_state", False)
+        or own is not Target.clip_grad_norm
+        or "clipping" in unsupported(target, without)
+    ):
+        return []
+    optimizer = getattr(target, "optimizer", None)  # Target.from_wrappers(optimizer=...)
+    who = type(target).__name__ + (
+        f" (optimizer={optimizer.__name__})" if isinstance(optimizer, type) else ""
+    )
+    return [
+        f"{who} shards optimizer state but keeps the default clip_grad_norm "
+        "hook: clipping is checked through torch.nn.utils.clip_grad_norm_, not your optimizer's "
+        "own clipping; override Target.clip_grad_norm to check yours"
+    ]
 
 
 def unsupported(target: Target, without: frozenset[str] = frozenset()) -> frozenset[str]:
