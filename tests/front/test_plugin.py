@@ -102,4 +102,4 @@ def test_a_failed_tests_traceback_stops_at_its_call_into_ddpcheck(tmp_path):
         )
         # ddpcheck's own failure keeps its frames: they are the evidence
         assert "ddpcheck/targets/support.py" in internal, internal
-        assert "return target.supports(scenario)" in internal, internal
+        assert "why = target.supports(scenario)" in internal, internal

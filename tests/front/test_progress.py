@@ -109,7 +109,7 @@ def test_on_a_terminal_a_live_line_from_the_first_second_names_the_battery_progr
     assert lines[0].startswith("battery: 16 examples equivalent (world sizes [1])"), lines
     assert lines[-2] == "fuzzing parallel with 2 random examples at world sizes 1", lines
     assert lines[-1].startswith(
-        "ddpcheck check parallel: nothing found in 14 battery and 2 random examples"
+        "ddpcheck check parallel: nothing found in 16 battery and 2 random examples"
     ), lines
     assert not [line for line in lines if re.search(r"\(\d+ s\)$", line)], lines
 
