@@ -36,10 +36,10 @@ class PadsCountedTarget(TorchDDPTarget):
     """F2: the dataset is not checked against W, so ``DistributedSampler``'s padding (samples
     repeated to even out the ranks) trains as real samples (pytorch/pytorch #25162)."""
 
-    def check_epochs(self, run: EpochRun, world_size: int) -> None:
-        micro = run.global_batch // run.accumulation
+    def sampler_cannot_run(self, micro: int, samples: int, world_size: int) -> str | None:
         if micro % world_size:  # only the batch-size check is left
-            super().check_epochs(run, world_size)
+            return f"a micro-batch of {micro} samples over {world_size} ranks (no per-device size)"
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

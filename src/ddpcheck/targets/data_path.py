@@ -78,17 +78,26 @@ class SamplerDataPath(Target):
         epochs = scenario.epochs
         if epochs is None:
             return None
-        return _sampler_cannot_run(
+        return self.sampler_cannot_run(
             scenario.global_batch // scenario.accumulation, epochs.samples, world_size
         )
 
     def check_epochs(self, run: EpochRun, world_size: int) -> None:
         """The same, in the rank (a target asked to run what it declines)."""
-        why = _sampler_cannot_run(
+        why = self.sampler_cannot_run(
             run.global_batch // run.accumulation, len(run.dataset), world_size
         )
         if why is not None:
             raise NothingChecked(f"{type(self).__name__} declines this example: {why}")
+
+    def sampler_cannot_run(self, micro: int, samples: int, world_size: int) -> str | None:
+        """Why a micro-batch of ``micro`` samples over a dataset of ``samples`` cannot be loaded
+        through the sampler at ``world_size`` as the reference weighs it; None if it can."""
+        if micro % world_size:
+            return f"a micro-batch of {micro} samples over {world_size} ranks (no per-device size)"
+        if samples % world_size:
+            return f"{samples} samples over {world_size} ranks: {SAMPLER_PADS}"
+        return None
 
     def per_device_batch(self, run: EpochRun, world_size: int) -> int:
         """The ``DataLoader``'s batch size: the global micro-batch over W."""
@@ -151,11 +160,3 @@ class SamplerDataPath(Target):
         run.record(model, optimizer, scheduler)
         optimizer.zero_grad(set_to_none=run.set_to_none)
         self.after_step(model, optimizer)
-
-
-def _sampler_cannot_run(micro: int, samples: int, world_size: int) -> str | None:
-    if micro % world_size:
-        return f"a micro-batch of {micro} samples over {world_size} ranks (no per-device size)"
-    if samples % world_size:
-        return f"{samples} samples over {world_size} ranks: {SAMPLER_PADS}"
-    return None
