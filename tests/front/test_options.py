@@ -32,7 +32,7 @@ def _check(capsys, monkeypatch, *argv: str) -> tuple[str, list[int]]:
     sizes = argv[argv.index("--world-sizes") + 1]
     assert err == (
         f"ddpcheck check local: starting worlds (world sizes {sizes}), then the "
-        "battery: 15 scenarios at each\n"
+        "battery: 17 scenarios at each\n"
     ), err
     return out, started
 
