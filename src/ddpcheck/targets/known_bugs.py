@@ -1,0 +1,75 @@
+"""Upstream bugs ddpcheck knows, by release: a verdict on a release known to carry one ends with
+one line naming the upstream issue and the release that fixed it -- after the counterexample,
+never instead of the check, never a skip (the release is checked like any other, and its bug is
+exit 1 with the replay line that proves it).
+
+A bug is named only where it can explain the verdict: the installed release carries it, the
+target drives what it lives in, and the counterexample exercises every feature it needs.
+Each entry is measured by a standalone script under ``bench/`` that exits 1 on the releases that
+carry it and 0 on those that do not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+
+from ddpcheck.targets.builtin import TorchDDPTarget
+from ddpcheck.targets.protocol import Target
+
+__all__ = ["KNOWN_BUGS", "KnownBug", "known_bug_line"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownBug:
+    """One upstream bug: where it lives, which releases carry it, what a verdict needs."""
+
+    distribution: str  # the package whose releases carry it
+    fixed_in: str  # the first release without it
+    upstream: str  # the issue and the fix, as upstream names them
+    what: str  # the bug in one clause
+    needs: frozenset[str]  # the features a counterexample it explains exercises
+    targets: tuple[type, ...]  # the targets that drive the code it lives in
+    script: str  # the bench/ script that reproduces it without ddpcheck
+
+    def carried_by(self, release: str) -> bool:
+        from torch.torch_version import TorchVersion  # torch's comparison of release strings
+
+        try:
+            return bool(TorchVersion(release) < self.fixed_in)
+        except Exception:  # not a release number (a local build): say nothing
+            return False
+
+
+KNOWN_BUGS: tuple[KnownBug, ...] = (
+    KnownBug(
+        distribution="torch",
+        fixed_in="2.4.0",  # bench/ddp_no_sync_unused.py: wrong on 2.1.2 and 2.3.1, right on 2.4.1
+        upstream="pytorch#69031 (fixed by PR #124193)",
+        what="DDP(find_unused_parameters=True) never all-reduces a parameter used only inside "
+        "no_sync() by some rank",
+        needs=frozenset({"accumulation", "unused-on-some-ranks"}),
+        targets=(TorchDDPTarget,),
+        script="bench/ddp_no_sync_unused.py",
+    ),
+)
+
+
+def known_bug_line(target: Target, exercised: frozenset[str] | set[str]) -> str | None:
+    """The one line a verdict of ``target`` ends with, whose counterexample exercises
+    ``exercised``, where a known upstream bug of an installed release can explain it; None
+    elsewhere."""
+    for bug in KNOWN_BUGS:
+        if not isinstance(target, bug.targets) or not bug.needs <= set(exercised):
+            continue
+        try:
+            release = importlib.metadata.version(bug.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if bug.carried_by(release):
+            return (
+                f"known upstream bug: {bug.distribution} {release} carries {bug.upstream}: "
+                f"{bug.what}; fixed in {bug.distribution} {bug.fixed_in} ({bug.script} "
+                "reproduces it without ddpcheck)"
+            )
+    return None
