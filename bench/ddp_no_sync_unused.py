@@ -106,7 +106,8 @@ def main():
         diff = (grad - expected).abs().max().item()
         right = diff < 1e-6
         wrong |= not right
-        print(f"rank {rank}: max |b.weight.grad - expected| = {diff:.3g} ({'right' if right else 'WRONG'})")
+        verdict = "right" if right else "WRONG"
+        print(f"rank {rank}: max |b.weight.grad - expected| = {diff:.3g} ({verdict})")
     print("pytorch#69031 (fixed by PR #124193):", "present" if wrong else "absent")
     return 1 if wrong else 0
 
