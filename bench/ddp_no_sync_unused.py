@@ -10,7 +10,7 @@ model whose second layer ``b`` only rank 0's first micro-batch uses. Every rank 
 step with the same gradient for ``b``: the global batch's, averaged over the ranks (what DDP
 promises). With the bug rank 0 keeps its local gradient and rank 1 has ``None``, so the replicas
 drift apart from the first step. Fixed by PR #124193 (the unused-parameter map is carried across
-``no_sync`` micro-steps); docs/ddp-no-sync-bug.md lists the releases measured.
+``no_sync`` micro-steps); docs/torch-releases.md lists the releases measured.
 """
 
 from __future__ import annotations
