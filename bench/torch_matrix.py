@@ -37,6 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(REPO, "docs", "torch-releases.md")
 TARGETS = ("parallel", "torch_ddp", "torch_zero", "torch_fsdp")
 PYTEST = ("python", "-m", "pytest", "-n", "auto", "-p", "no:cacheprovider", "-q", "properties")
+PYTEST += ("-o", "markers=slow")  # the checkout's marker, outside its pyproject.toml
 SCRIPTS = ("ddp_no_sync_unused.py", "stride_bug.py", "fsdp2_cpu.py")
 BEGIN, END = "<!-- matrix: bench/torch_matrix.py writes these rows -->", "<!-- /matrix -->"
 HEADER = (
@@ -97,8 +98,11 @@ def stride_cell(text):
 
 
 def pytest_cell(status, text):
-    summary = re.findall(r"=+ (.*? in [\d.]+s.*?) =+", text)
-    return (summary[-1] if summary else str(status)).replace("|", "/")
+    """pytest's closing counts, and the targets of the properties that failed."""
+    summary = re.findall(r"^=*\s*(\d+ (?:failed|passed)[^\n]*? in [\d.]+s)", text, re.M)
+    cell = summary[-1] if summary else str(status)
+    failed = sorted(set(re.findall(r"^FAILED \S+\[(\w+)\]", text, re.M)))
+    return cell + (f" (failed: {', '.join(failed)})" if failed else "")
 
 
 def measure(release, python, wheel, examples, kept=None):

@@ -74,3 +74,13 @@ def test_the_verdict_keeps_its_counterexample_and_gains_one_line(torch_release, 
     assert text.startswith(before)
     added = text[len(before) :].strip().splitlines()
     assert [line for line in added if "pytorch#69031" in line] == [added[-1]]
+
+
+def test_fsdp2s_gloo_average_is_named_with_the_first_release_measured_right(torch_release):
+    torch_release("2.8.0")
+    line = known_bugs.known_bug_line(targets.TORCH_FSDP, {"float32"})
+    assert line is not None and "pytorch#162338" in line
+    assert "right again by torch 2.13.0 (the first release measured)" in line
+    assert known_bugs.known_bug_line(targets.TORCH_DDP, {"float32"}) is None
+    torch_release("2.13.0")
+    assert known_bugs.known_bug_line(targets.TORCH_FSDP, {"float32"}) is None

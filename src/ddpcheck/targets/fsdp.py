@@ -61,7 +61,7 @@ __all__ = [
 #: the release measured by bench/torch_matrix.py (docs/torch-releases.md). Below it the target is
 #: refused before any world runs (``TorchFSDPTarget.requirements``), never a verdict.
 CUDA_FLOOR = "2.4.0"
-CPU_FLOOR = "2.6.0"
+CPU_FLOOR = "2.7"
 
 
 def fsdp2() -> ModuleType:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 
-from ddpcheck.targets.builtin import TorchDDPTarget
+from ddpcheck.targets.builtin import TorchDDPTarget, TorchFSDPTarget
 from ddpcheck.targets.protocol import Target
 
 __all__ = ["KNOWN_BUGS", "KnownBug", "known_bug_line"]
@@ -31,6 +31,14 @@ class KnownBug:
     needs: frozenset[str]  # the features a counterexample it explains exercises
     targets: tuple[type, ...]  # the targets that drive the code it lives in
     script: str  # the bench/ script that reproduces it without ddpcheck
+    #: False where only the first release measured right is known, not the fix's own release
+    fix_measured: bool = True
+
+    @property
+    def fixed(self) -> str:
+        if self.fix_measured:
+            return f"fixed in {self.distribution} {self.fixed_in}"
+        return f"right again by {self.distribution} {self.fixed_in} (the first release measured)"
 
     def carried_by(self, release: str) -> bool:
         from torch.torch_version import TorchVersion  # torch's comparison of release strings
@@ -52,6 +60,20 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         targets=(TorchDDPTarget,),
         script="bench/ddp_no_sync_unused.py",
     ),
+    KnownBug(
+        distribution="torch",
+        # bench/fsdp2_cpu.py: FSDP2 first runs on the CPU in 2.7 (its floor there), with gradients
+        # twice the reference's at W=2 on 2.7.1 and 2.8.0; right on 2.13.0, the releases between
+        # not measured
+        fixed_in="2.13.0",
+        fix_measured=False,
+        upstream="pytorch#162338 (fixed by PR #171458)",
+        what="on gloo (the CPU) FSDP2's reduce-scatter sums the gradients where it promises "
+        "their mean (ReduceOp.AVG), so every gradient is W times too large",
+        needs=frozenset(),
+        targets=(TorchFSDPTarget,),
+        script="bench/fsdp2_cpu.py",
+    ),
 )
 
 
@@ -69,7 +91,6 @@ def known_bug_line(target: Target, exercised: frozenset[str] | set[str]) -> str 
         if bug.carried_by(release):
             return (
                 f"known upstream bug: {bug.distribution} {release} carries {bug.upstream}: "
-                f"{bug.what}; fixed in {bug.distribution} {bug.fixed_in} ({bug.script} "
-                "reproduces it without ddpcheck)"
+                f"{bug.what}; {bug.fixed} ({bug.script} reproduces it without ddpcheck)"
             )
     return None
