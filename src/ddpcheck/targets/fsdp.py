@@ -60,7 +60,7 @@ __all__ = [
 #: ``MixedPrecisionPolicy``); on the CPU, where 2.4 and 2.5 raise "FSDP requires CUDA for streams",
 #: the release measured by bench/torch_matrix.py (docs/torch-releases.md). Below it the target is
 #: refused before any world runs (``TorchFSDPTarget.requirements``), never a verdict.
-CUDA_FLOOR = "2.4.0"
+CUDA_FLOOR = "2.4"
 CPU_FLOOR = "2.7"
 
 
