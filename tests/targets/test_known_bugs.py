@@ -84,3 +84,16 @@ def test_fsdp2s_gloo_average_is_named_with_the_first_release_measured_right(torc
     assert known_bugs.known_bug_line(targets.TORCH_DDP, {"float32"}) is None
     torch_release("2.13.0")
     assert known_bugs.known_bug_line(targets.TORCH_FSDP, {"float32"}) is None
+
+
+def test_deepspeeds_cpu_reduction_is_named_only_behind_its_option(monkeypatch):
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        known_bugs.importlib.metadata,
+        "version",
+        lambda name: "0.19.7" if name == "deepspeed" else real(name),
+    )
+    off = targets.DeepSpeedTarget(config={"zero_optimization": {"contiguous_gradients": False}})
+    line = known_bugs.known_bug_line(off, {"float32"})
+    assert line is not None and "DeepSpeed PR #8382" in line and "fixed in deepspeed 0.19.8" in line
+    assert known_bugs.known_bug_line(targets.DEEPSPEED_ZERO1, {"float32"}) is None

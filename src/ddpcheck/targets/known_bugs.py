@@ -15,6 +15,7 @@ import dataclasses
 import importlib.metadata
 
 from ddpcheck.targets.builtin import TorchDDPTarget, TorchFSDPTarget
+from ddpcheck.targets.deepspeed import DeepSpeedTarget
 from ddpcheck.targets.protocol import Target
 
 __all__ = ["KNOWN_BUGS", "KnownBug", "known_bug_line"]
@@ -33,6 +34,8 @@ class KnownBug:
     script: str  # the bench/ script that reproduces it without ddpcheck
     #: False where only the first release measured right is known, not the fix's own release
     fix_measured: bool = True
+    #: (dotted key, value): the bug lives behind that option of the target's framework config
+    option: tuple[str, object] | None = None
 
     @property
     def fixed(self) -> str:
@@ -61,6 +64,19 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         script="bench/ddp_no_sync_unused.py",
     ),
     KnownBug(
+        distribution="deepspeed",
+        # bench/deepspeed_contiguous_gradients.py: wrong on 0.19.7, right on 0.19.8
+        fixed_in="0.19.8",
+        upstream="DeepSpeed PR #8382",
+        what="on the CPU, ZeRO's non-contiguous reduction path buckets gradients by comparing "
+        'tensor.type() with "torch.cpu.FloatTensor", which CPU tensors never report, so no '
+        "gradient is all-reduced",
+        needs=frozenset(),
+        targets=(DeepSpeedTarget,),
+        script="bench/deepspeed_contiguous_gradients.py",
+        option=("zero_optimization.contiguous_gradients", False),
+    ),
+    KnownBug(
         distribution="torch",
         # bench/fsdp2_cpu.py: FSDP2 first runs on the CPU in 2.7 (its floor there), with gradients
         # twice the reference's at W=2 on 2.7.1 and 2.8.0; right on 2.13.0, the releases between
@@ -84,6 +100,8 @@ def known_bug_line(target: Target, exercised: frozenset[str] | set[str]) -> str 
     for bug in KNOWN_BUGS:
         if not isinstance(target, bug.targets) or not bug.needs <= set(exercised):
             continue
+        if bug.option is not None and _option(target, bug.option[0]) != bug.option[1]:
+            continue
         try:
             release = importlib.metadata.version(bug.distribution)
         except importlib.metadata.PackageNotFoundError:
@@ -94,3 +112,12 @@ def known_bug_line(target: Target, exercised: frozenset[str] | set[str]) -> str 
                 f"{bug.what}; {bug.fixed} ({bug.script} reproduces it without ddpcheck)"
             )
     return None
+
+
+def _option(target: Target, dotted: str) -> object:
+    """The value the target's framework config (``config=``, as the target read it) gives the
+    dotted key; None where it gives none."""
+    node: object = getattr(target, "__dict__", {}).get("_given") or {}
+    for key in dotted.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
