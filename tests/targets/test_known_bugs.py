@@ -97,3 +97,15 @@ def test_deepspeeds_cpu_reduction_is_named_only_behind_its_option(monkeypatch):
     line = known_bugs.known_bug_line(off, {"float32"})
     assert line is not None and "DeepSpeed PR #8382" in line and "fixed in deepspeed 0.19.8" in line
     assert known_bugs.known_bug_line(targets.DEEPSPEED_ZERO1, {"float32"}) is None
+
+
+def test_transformers_accumulation_bugs_are_named_below_4_46_3(monkeypatch):
+    real = importlib.metadata.version
+    for release, named in (("4.45.2", True), ("4.46.2", True), ("4.46.3", False)):
+        monkeypatch.setattr(
+            known_bugs.importlib.metadata,
+            "version",
+            lambda name, release=release: release if name == "transformers" else real(name),
+        )
+        line = known_bugs.known_bug_line(targets.HfTrainerTarget(), {"float32", "accumulation"})
+        assert (line is not None and "#34191" in line and "4.46.3" in line) == named, release

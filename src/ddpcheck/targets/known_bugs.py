@@ -16,6 +16,7 @@ import importlib.metadata
 
 from ddpcheck.targets.builtin import TorchDDPTarget, TorchFSDPTarget
 from ddpcheck.targets.deepspeed import DeepSpeedTarget
+from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.protocol import Target
 
 __all__ = ["KNOWN_BUGS", "KnownBug", "known_bug_line"]
@@ -62,6 +63,19 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         needs=frozenset({"accumulation", "unused-on-some-ranks"}),
         targets=(TorchDDPTarget,),
         script="bench/ddp_no_sync_unused.py",
+    ),
+    KnownBug(
+        distribution="transformers",
+        # bench/hf_token_weights.py and docs/frameworks.md, "Releases tried": 4.45.2, 4.46.0 and
+        # 4.46.2 wrong, 4.46.3 right
+        fixed_in="4.46.3",
+        upstream="huggingface/transformers #34191 (4.45: a mean per micro-batch), #34242 "
+        "(4.46.0-4.46.1: each rank's own token count) and 4.46.2's no_sync on the wrong "
+        "micro-batch",
+        what="the Trainer's gradient accumulation weighs tokens by their micro-batch or rank",
+        needs=frozenset(),
+        targets=(HfTrainerTarget,),
+        script="bench/hf_token_weights.py",
     ),
     KnownBug(
         distribution="deepspeed",
