@@ -723,7 +723,8 @@ def _targets(call: Invocation) -> ExitCode:
     for entry in READY_MADE:
         version = entry.version
         floor = "" if entry.minimum is None else f", supported from {entry.minimum}"
-        floor += f", tested with {', '.join(entry.tested)}" if entry.tested else ""
+        floor += f" ({entry.minimum_on_cuda} on cuda)" if entry.minimum_on_cuda else ""
+        floor += f", tried with {', '.join(entry.tested)}" if entry.tested else ""
         where = (
             f"{entry.framework} {version}{floor}"
             if version is not None

@@ -70,9 +70,16 @@ def test_the_releases_listed_as_tested_run_from_the_floor_to_the_pin(framework, 
     )
     assert tested[-1] == pins[framework], (framework, tested, pins.get(framework))
     entries = [e for e in targets.READY_MADE if e.framework == framework]
-    assert entries and all(e.minimum in (None, tested[0]) for e in entries), framework
+    # a floor names the oldest release tried, or its series (torch 2.1: 2.1.2); a floor that
+    # depends on the device (FSDP2's torch) is measured apart (docs/torch-releases.md)
+    assert entries and all(
+        e.minimum is None
+        or tested[0] in (e.minimum, *(e.minimum + f".{n}" for n in range(10)))
+        or callable(getattr(e.target, "requirements", None))
+        for e in entries
+    ), framework
     assert cli.main(["targets"]) == ExitCode.OK
-    assert f"tested with {', '.join(tested)}" in capsys.readouterr().out
+    assert f"tried with {', '.join(tested)}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ import torch
 from ddpcheck._base.errors import ScenarioError
 from ddpcheck._base.options import BEYOND_TORCH, DEFAULT_FEATURES, FEATURES, OPT_IN
 from ddpcheck._base.options import parse_features as parse
-from ddpcheck._language import objective
+from ddpcheck._language import objective, torch_limits
 from ddpcheck._language.messages import code_name, exception_text
 from ddpcheck._language.models import ModelSpec, SpecData
 from ddpcheck._language.scenario import Scenario, batch_size_of, build_model, global_batch
@@ -79,10 +79,13 @@ def _fields(scenario: Scenario) -> set[str]:
 
 
 def exercised(found: set[str] | frozenset[str]) -> str:
-    """``"12/15 features (not exercised: float32, grads-kept, tied)"``, for reports."""
+    """``"12/15 features (not exercised: float32, grads-kept, tied)"``, for reports; then why
+    what the installed torch cannot run is never drawn (``"float16 autocast: not available on
+    torch 2.1.2"``)."""
     missing = [f for f in FEATURES if f not in found]
     text = f"{len(FEATURES) - len(missing)}/{len(FEATURES)} features"
-    return text + (f" (not exercised: {', '.join(missing)})" if missing else "")
+    text += f" (not exercised: {', '.join(missing)})" if missing else ""
+    return "; ".join([text, *torch_limits.unavailable()])  # what this torch cannot run, and why
 
 
 def named(found: set[str] | frozenset[str]) -> list[str]:

@@ -30,6 +30,7 @@ from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language import features
 from ddpcheck._language.models import KINDS, Layer, ModelSpec
 from ddpcheck._language.scenario import Epochs, Scenario
+from ddpcheck._language.torch_limits import autocast_unavailable
 from ddpcheck._language.zoo import BiasGroups, GPTConfig, token_data
 
 __all__ = [
@@ -256,12 +257,19 @@ def _precision(draw: st.DrawFn, without: frozenset[str], opt_in: frozenset[str])
     allowed = [
         (field, dtype)
         for feature, field, dtype in _POLICIES
-        if feature not in without and (feature not in features.OPT_IN or feature in opt_in)
+        if feature not in without
+        and (feature not in features.OPT_IN or feature in opt_in)
+        and (field != "autocast" or autocast_unavailable(dtype) is None)  # torch 2.1: no float16
     ]
     if not allowed or not draw(st.sampled_from((False, False, True))):
         return {}
     field, dtype = draw(st.sampled_from(allowed))
     return {field: dtype}
+
+
+def _autocast_dtypes() -> tuple[torch.dtype, ...]:
+    """The autocast dtypes the installed torch runs on the CPU (``torch_limits``)."""
+    return tuple(d for d in (torch.bfloat16, torch.float16) if autocast_unavailable(d) is None)
 
 
 def _low_precision(optimizer: type, kwargs: dict) -> dict:
@@ -736,7 +744,7 @@ def _forced(
     if feature == "autocast" and s.autocast is None:
         return dataclasses.replace(
             s,
-            autocast=draw(st.sampled_from((torch.bfloat16, torch.float16))),
+            autocast=draw(st.sampled_from(_autocast_dtypes())),
             param_dtype=None,
             optimizer_kwargs=_low_precision(s.optimizer, s.optimizer_kwargs),
         )

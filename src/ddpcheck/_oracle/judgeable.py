@@ -59,6 +59,7 @@ from ddpcheck._language.scenario import (
     import_path,
     make_param_groups,
 )
+from ddpcheck._language.torch_limits import autocast_unavailable
 from ddpcheck._oracle.tolerances import TOLERANCES
 
 __all__ = ["check_scenario", "explain_reference_failure"]
@@ -116,6 +117,9 @@ def _random_state_kept() -> Iterator[None]:
 
 
 def _probe(scenario: Scenario) -> None:
+    limit = scenario.autocast is not None and autocast_unavailable(scenario.autocast)
+    if limit:  # torch's own limit: the reference would fail, and no target is to blame
+        raise ScenarioError(f"autocast={scenario.autocast}: {limit}")
     cls = _optimizer_class(scenario)
     model = _build(scenario)
     x, y = _data(scenario, 0)

@@ -70,6 +70,7 @@ from ddpcheck._rank import recorder
 from ddpcheck._rank.orders import ORDER_SEED_STRIDE, permute_registration
 from ddpcheck._rank.owned import owned_gradients
 from ddpcheck._rank.transport import Packed, pack
+from ddpcheck.targets.framework import torch_api_missing
 from ddpcheck.targets.protocol import OwnsLoop, Target
 
 __all__ = [
@@ -594,10 +595,14 @@ def run_warm_up(target: Target) -> None:
 def _glue_failures(target: Target) -> Iterator[None]:
     """An exception that ddpcheck's own glue raised (``FrameworkTarget.glue_failure`` says which,
     ``ddpcheck.targets.framework``) leaves the block as that outcome, an ``InternalError`` that
-    ``serve`` answers as "refused" -- never as the target's failure."""
+    ``serve`` answers as "refused" -- never as the target's failure; so does an API the
+    installed torch lacks (``torch_api_missing``: a ``SetupError``), for any target."""
     try:
         yield
     except Exception as exc:
+        missing = torch_api_missing(target, exc)  # the installed torch lacks an API: exit 2
+        if missing is not None:
+            raise missing from None
         judge = getattr(target, "glue_failure", None)
         own = judge(exc) if callable(judge) else None
         if own is None:

@@ -271,7 +271,7 @@ def _target(target: Any, options: Request, spelling: Spelling) -> Any:
         target = resolve_target(target, options.config, flag=spelling.config)
     elif options.config is not None:
         target = configured(target, options.config, flag=spelling.config)
-    check_target(target)
+    check_target(target, options.device)
     _check_focus(target, options.only, options.without, spelling.only)
     if options.fuzz_config:
         _check_config_space(target, spelling.fuzz_config)
@@ -362,9 +362,10 @@ def _scenario(scenario: Any, name: str, text: bool) -> Scenario:
     return scenario
 
 
-def check_target(target: Any) -> None:
+def check_target(target: Any, device: str = "cpu") -> None:
     """Refuse, before any world runs, a target the ranks could not use or a failure could not
-    replay; name what is wrong and how to fix it."""
+    replay, or whose framework or torch is older than it supports on ``device``; name what is
+    wrong and how to fix it."""
     from ddpcheck._runs.replay import verify_replayable
     from ddpcheck.targets.framework import check_requirements
 
@@ -403,7 +404,7 @@ def check_target(target: Any) -> None:
             "lambda, not a function defined inside another)"
         ) from exc
     verify_replayable(target, pickled)  # a failure's replay line must rebuild exactly this target
-    check_requirements(target)  # a framework release older than the target supports: exit 2
+    check_requirements(target, device)  # a framework or torch older than supported: exit 2
 
 
 # ---------------------------------------------------------------------------------------------

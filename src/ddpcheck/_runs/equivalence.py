@@ -93,7 +93,7 @@ def _under_each_option(request: Request, progress: Callable[[int, int], None] | 
     target, merged = request.target, Report()
     for single in [{}, *drawn_options(space_of(target))]:
         variant = vary(target, single)
-        check_target(variant)  # its replay line must build it, before any of it runs
+        check_target(variant, request.device)  # its replay line must build it, first
         tag = f" [{label(single)}]" if single else ""
         try:
             report = run_battery(dataclasses.replace(request, target=variant), progress)

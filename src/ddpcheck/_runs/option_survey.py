@@ -163,7 +163,7 @@ def option_survey(
     rows: list[tuple[str, Target]] = [(AS_GIVEN, target)]
     for single in drawn_options(space_of(target), seed=seed):
         variant = vary(target, single)
-        check_target(variant)  # its replay line must build it, before any of it runs
+        check_target(variant, request.device)  # its replay line must build it, first
         rows.append((label(single), variant))
     columns = [f for f in features.FEATURES if not request.only or f in request.only]
     strategies: dict[

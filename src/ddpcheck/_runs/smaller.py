@@ -36,6 +36,7 @@ from ddpcheck._runs.example import check_example
 from ddpcheck._runs.replay import possibly_racy
 from ddpcheck._runs.settings import DEFAULT_SETTINGS, Settings
 from ddpcheck.targets import support
+from ddpcheck.targets.known_bugs import known_bug_line
 from ddpcheck.targets.protocol import Target
 
 __all__ = [
@@ -272,7 +273,9 @@ def first_verdict(
 def with_features(error: EquivalenceError, what: str, survey: str) -> EquivalenceError:
     """``error``, its verdict ending with the features ``what`` exercises (what the bug needs
     is among them) and, where more than its dtype and the broadcast every example has are
-    named, the ``survey`` command that says which of them fail at which world sizes."""
+    named, the ``survey`` command that says which of them fail at which world sizes; then, on a
+    release known to carry an upstream bug that can explain it, one line naming that bug and
+    the release that fixed it (``targets.known_bugs``)."""
     try:
         found = features.named(features.of(error.scenario, error.world_size))
     except Exception:  # read once already; the verdict stands without the line
@@ -280,6 +283,9 @@ def with_features(error: EquivalenceError, what: str, survey: str) -> Equivalenc
     lines = [f"{what} exercises: {', '.join(found)} (what the bug needs is among them)"]
     if set(found) - {error.scenario.dtype, "broadcast"}:
         lines.append(f"which of them fail, at which world sizes: {survey}")
+    known = known_bug_line(error.target, set(found))  # an installed release's upstream bug
+    if known is not None:
+        lines.append(known)
     error.args = (f"{error.args[0]}\n\n" + "\n".join(lines),)
     return error
 

@@ -19,7 +19,13 @@ from torch import nn
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.training import OptimizerLike, Params
 from ddpcheck.targets import TorchFSDPTarget
-from ddpcheck.targets.fsdp import broadcast_from, fully_shard_options, shard_leaves
+from ddpcheck.targets.fsdp import (
+    broadcast_from,
+    fsdp2,
+    fully_shard_options,
+    shard_leaves,
+    tensor_api,
+)
 
 __all__ = [
     "BroadcastsFromLastRankFSDP",
@@ -54,7 +60,7 @@ class NoGradientDivideFSDP(TorchFSDPTarget):
     factor of 1 (``FSDPModule.set_gradient_divide_factor(1.0)``) instead of W."""
 
     def wrap(self, module: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import FSDPModule
+        FSDPModule = fsdp2().FSDPModule
 
         model = super().wrap(module)
         for m in model.modules():
@@ -70,7 +76,7 @@ class NeighbourGradientShardFSDP(TorchFSDPTarget):
     hand-written reduce-scatter's output offsets would."""
 
     def after_backward(self, model: nn.Module, optimizer: OptimizerLike) -> None:
-        from torch.distributed.tensor import DTensor
+        DTensor = tensor_api().DTensor
 
         rank, world_size = dist.get_rank(), dist.get_world_size()
         with torch.no_grad():
@@ -100,7 +106,7 @@ class StaleUnshardedParamsFSDP(TorchFSDPTarget):
         model: nn.Module | None = None,
         **kwargs: Any,  # the scenario's options, for its optimizer class
     ) -> OptimizerLike:
-        from torch.distributed.fsdp import FSDPModule
+        FSDPModule = fsdp2().FSDPModule
 
         if model is None:  # the harness passes it: the signature names it
             raise TypeError(f"{type(self).__name__}.make_optimizer needs the wrapped model")

@@ -23,6 +23,8 @@ from ddpcheck._language.training import OptimizerLike, Params
 from ddpcheck.targets.configuration import Config, load_config, reconcile
 from ddpcheck.targets.data_path import SamplerDataPath
 from ddpcheck.targets.fsdp import (
+    CPU_FLOOR,
+    CUDA_FLOOR,
     broadcast_from,
     config_options,
     fsdp_cannot_run,
@@ -60,6 +62,10 @@ __all__ = [
 ]
 
 
+#: The oldest torch the built-in targets run on (pyproject.toml's ``torch>=2.1``:
+#: ``Tensor.register_post_accumulate_grad_hook``); FSDP2's is later (``TorchFSDPTarget``).
+TORCH_FLOOR = "2.1"
+
 #: The bucket sizes (MB) drawn for a bucketing wrapper's option (``strategies.BUCKET_SIZES``).
 BUCKET_SIZES = (1e-6, 2e-4, 1e6)
 
@@ -69,6 +75,7 @@ class _Bucketed(Target):
     """A target whose wrapper buckets gradients; takes the scenario's bucket size hint."""
 
     bucket_size_mb: float | None = None
+    requires = (("torch", TORCH_FLOOR),)
 
     def config_space(self) -> ConfigSpace:
         """The bucket size: one parameter per bucket, a few, one bucket for everything
@@ -311,6 +318,12 @@ class TorchFSDPTarget(Target):
     #: (``ddpcheck.targets.fsdp.FSDP_SCENARIO_KEYS``, ``FSDP_HARNESS_KEYS``)
     config: Config = None
     applies_param_dtype = True
+    requires = (("torch", CPU_FLOOR),)  # the CPU's, as `ddpcheck targets` lists it
+
+    def requirements(self, device: str) -> tuple[tuple[str, str], ...]:
+        """The torch whose FSDP2 runs on ``device``: CUDA from 2.4 (its older import path), the
+        CPU only later (``ddpcheck.targets.fsdp.CPU_FLOOR``, measured)."""
+        return (("torch", CUDA_FLOOR if device == "cuda" else CPU_FLOOR),)
 
     # Found by trying; what supports() declines besides: see ddpcheck.targets.fsdp.
     declined_features: ClassVar[Mapping[str, str]] = {
@@ -446,6 +459,7 @@ class LocalTarget(Target):
 
     # Every feature: with nothing to pair across ranks, any registration order will do.
     declined_features: ClassVar[Mapping[str, str]] = {"param-dtype": NO_PARAM_DTYPE}
+    requires = (("torch", TORCH_FLOOR),)
 
 
 # Replay lines and pickles name these by the package users import them from (ddpcheck.targets:

@@ -20,7 +20,7 @@ from ddpcheck.targets.builtin import (
 from ddpcheck.targets.deepspeed import DeepSpeedTarget
 from ddpcheck.targets.environment import installed_version
 from ddpcheck.targets.fabric import FabricTarget
-from ddpcheck.targets.framework import install_command
+from ddpcheck.targets.framework import install_command, requirements
 from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.protocol import Target
@@ -97,6 +97,12 @@ class ReadyMade:
         return dict(getattr(self.target, "requires", ()) or ()).get(self.framework)
 
     @property
+    def minimum_on_cuda(self) -> str | None:
+        """Its framework's floor on CUDA where it differs from the CPU's (FSDP2's torch)."""
+        on_cuda = dict(requirements(self.target, "cuda")).get(self.framework)
+        return on_cuda if on_cuda != self.minimum else None
+
+    @property
     def install(self) -> str:
         """The pip command that installs its framework at a supported release."""
         return install_command(self.framework, self.minimum)
@@ -107,14 +113,26 @@ class ReadyMade:
         return TESTED.get(self.framework, ())
 
 
-#: The releases of each framework the ready-made targets were run against and passed
-#: (``bench/framework_releases.py``; docs/frameworks.md, "Releases tried"): the oldest is the
-#: floor ``Target.requires`` states, the newest the pin of constraints.txt.
+#: The releases of each framework the ready-made targets were run against
+#: (``bench/framework_releases.py``; docs/frameworks.md, "Releases tried"; torch's by
+#: ``bench/torch_matrix.py``, docs/torch-releases.md, where a release's own bugs are verdicts):
+#: the oldest is the floor ``Target.requires`` states (FSDP2's on the CPU is later, measured by
+#: ``bench/fsdp2_cpu.py``), the newest the pin of constraints.txt.
 TESTED: dict[str, tuple[str, ...]] = {
-    "torch": ("2.13.0",),
+    "torch": ("2.1.2", "2.4.1", "2.8.0", "2.13.0"),
     "accelerate": ("0.30.0", "0.30.1", "1.0.0", "1.15.0"),
     "lightning": ("2.0.9", "2.4.0", "2.6.6"),
-    "transformers": ("4.46.3", "4.48.3", "4.51.3", "4.57.6", "5.0.0", "5.25.0"),
+    "transformers": (
+        "4.45.2",
+        "4.46.0",
+        "4.46.2",
+        "4.46.3",
+        "4.48.3",
+        "4.51.3",
+        "4.57.6",
+        "5.0.0",
+        "5.25.0",
+    ),
     "deepspeed": ("0.19.0", "0.19.8"),
 }
 

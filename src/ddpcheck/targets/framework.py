@@ -21,6 +21,12 @@ glue's attribute access entered (a lazy module's missing name; DeepSpeed 0.19.0'
 ``DeepSpeedEngine.__getattr__``, which recursed without end on an attribute the glue had set).
 Anything raised deeper, inside the framework's own code while it trains, stays the framework's: it
 may be a real bug. A :class:`DdpcheckError` the glue raises on purpose (a decline) passes as is.
+
+torch is a framework too. A target may state its torch floor in ``requires``, or per device in a
+``requirements(device)`` method (FSDP2 runs on CUDA from torch 2.4 but on the CPU only later), and
+any target, ready-made or yours, that meets an ``ImportError`` or ``AttributeError`` out of torch
+-- an API the installed release lacks (torch 2.1 has no ``fully_shard``) -- is refused with
+:class:`SetupError` (:func:`torch_api_missing`, exit 2), never a verdict.
 """
 
 from __future__ import annotations
@@ -28,11 +34,19 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import traceback
+import types
 
 from ddpcheck._base.errors import DdpcheckError, InternalError, SetupError
 from ddpcheck.targets.protocol import Target
 
-__all__ = ["FrameworkTarget", "check_requirements", "install_command", "raised_in_glue"]
+__all__ = [
+    "FrameworkTarget",
+    "check_requirements",
+    "install_command",
+    "raised_in_glue",
+    "requirements",
+    "torch_api_missing",
+]
 
 #: This package's folder: ddpcheck's glue for the frameworks lives here.
 _GLUE = os.path.dirname(os.path.realpath(__file__))
@@ -40,12 +54,21 @@ _GLUE = os.path.dirname(os.path.realpath(__file__))
 _ATTRIBUTE_HOOKS = ("__getattr__", "__getattribute__", "__setattr__")
 
 
-def check_requirements(target: Target) -> None:
-    """Refuse a target whose :attr:`Target.requires` names a distribution that is missing or older
-    than the release given (:class:`SetupError`, naming both)."""
+def requirements(target: Target, device: str = "cpu") -> tuple[tuple[str, str], ...]:
+    """What ``target`` needs on ``device`` (``"cpu"``, ``"cuda"``): its ``requirements(device)``
+    where it has one (a floor that depends on the device), else :attr:`Target.requires`."""
+    per_device = getattr(target, "requirements", None)
+    if callable(per_device):
+        return tuple(per_device(device.split(":")[0]))
+    return tuple(getattr(target, "requires", ()) or ())
+
+
+def check_requirements(target: Target, device: str = "cpu") -> None:
+    """Refuse a target whose :func:`requirements` on ``device`` name a distribution that is
+    missing or older than the release given (:class:`SetupError`, naming both)."""
     from torch.torch_version import TorchVersion  # torch's comparison of release strings
 
-    for distribution, minimum in getattr(target, "requires", ()) or ():
+    for distribution, minimum in requirements(target, device):
         release = _release(distribution)
         if release is None:
             raise SetupError(
@@ -58,11 +81,59 @@ def check_requirements(target: Target) -> None:
         except Exception:  # not a release number (a local build): let it run, as pip would
             older = False
         if older:
+            on = f" on {device.split(':')[0]}" if distribution == "torch" else ""
+            page = "torch-releases.md" if distribution == "torch" else "frameworks.md"
             raise SetupError(
-                f"{type(target).__name__} supports {distribution} {minimum} and later; "
+                f"{type(target).__name__} supports {distribution} {minimum} and later{on}; "
                 f"{distribution} {release} is installed here, which its glue does not support "
-                f"(docs/frameworks.md says why): {install_command(distribution, minimum)}"
+                f"(docs/{page} says why): {install_command(distribution, minimum)}"
             )
+
+
+def torch_api_missing(target: Target, exc: BaseException) -> SetupError | None:
+    """The outcome of ``exc``, raised in a rank running ``target``, when it is an
+    ``ImportError`` or ``AttributeError`` out of torch: the installed torch lacks an API the
+    target uses (torch 2.1.2: "cannot import name 'fully_shard' from 'torch.distributed.fsdp'").
+    That is a set-up error naming the release (and the target's torch floor, where it states
+    one), never a data-parallel bug; None for anything else."""
+    origin = _first_raised(exc)
+    if isinstance(exc, DdpcheckError) or not _out_of_torch(origin):
+        return None
+    release = _release("torch") or "(release unknown)"
+    floor = dict(requirements(target)).get("torch")
+    hint = (
+        f"it supports torch {floor} and later: {install_command('torch', floor)}"
+        if floor is not None
+        else "install the torch release its code was written for"
+    )
+    return SetupError(
+        f"{type(target).__name__} uses what torch {release} lacks -- "
+        f"{type(origin).__name__}: {_short(origin)} -- torch's API, not a data-parallel bug; "
+        f"{hint} (docs/torch-releases.md)"
+    )
+
+
+def _out_of_torch(exc: BaseException) -> bool:
+    """An ImportError of a torch module or name, an AttributeError of a torch module, or either
+    raised inside torch's own code."""
+    if not isinstance(exc, (ImportError, AttributeError)):
+        return False
+    if isinstance(exc, ImportError) and (exc.name or "").split(".")[0] == "torch":
+        return True
+    obj = getattr(exc, "obj", None)
+    if isinstance(obj, types.ModuleType) and obj.__name__.split(".")[0] == "torch":
+        return True
+    if str(exc).startswith(("module 'torch'", "module 'torch.")):
+        return True
+    frames = list(traceback.walk_tb(exc.__traceback__))
+    return bool(frames) and _in_torch(frames[-1][0].f_code.co_filename)
+
+
+def _in_torch(path: str) -> bool:
+    import torch
+
+    folder = os.path.dirname(os.path.realpath(torch.__file__))
+    return os.path.realpath(path).startswith(folder + os.sep)
 
 
 def install_command(distribution: str, minimum: str | None = None) -> str:

@@ -23,6 +23,7 @@ import collections
 import contextlib
 import math
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -39,16 +40,56 @@ if TYPE_CHECKING:  # torch.distributed.fsdp and .tensor load when an FSDP2 targe
     from torch.distributed.tensor import Shard
 
 __all__ = [
+    "CPU_FLOOR",
+    "CUDA_FLOOR",
     "FSDP_HARNESS_KEYS",
     "FSDP_SCENARIO_KEYS",
     "broadcast_from",
     "fsdp_cannot_run",
     "fsdp_config",
+    "fsdp2",
     "fully_shard_options",
     "gradient_sync_off",
     "shard_last_dim",
     "shard_leaves",
+    "tensor_api",
 ]
+
+#: The first torch release whose FSDP2 runs on each device: on CUDA, 2.4 through its older import
+#: path ``torch.distributed._composable.fsdp`` (the same ``fully_shard``, ``FSDPModule``,
+#: ``MixedPrecisionPolicy``); on the CPU, where 2.4 and 2.5 raise "FSDP requires CUDA for streams",
+#: the release measured by bench/torch_matrix.py (docs/torch-releases.md). Below it the target is
+#: refused before any world runs (``TorchFSDPTarget.requirements``), never a verdict.
+CUDA_FLOOR = "2.4"
+CPU_FLOOR = "2.7"
+
+
+def fsdp2() -> ModuleType:
+    """FSDP2's module: ``torch.distributed.fsdp`` where it exports ``fully_shard`` (torch 2.6 and
+    later), else ``torch.distributed._composable.fsdp`` (2.4, 2.5: the same API). Importing it
+    costs 0.5 s after torch, so it loads only when an FSDP2 target runs."""
+    import torch.distributed.fsdp as public
+
+    if hasattr(public, "fully_shard"):
+        return public
+    import torch.distributed._composable.fsdp as composable  # torch 2.4, 2.5
+
+    return composable
+
+
+def tensor_api() -> ModuleType:
+    """DTensor's module: ``torch.distributed.tensor`` (public from torch 2.5), else
+    ``torch.distributed._tensor`` (2.4)."""
+    try:
+        import torch.distributed.tensor as public
+
+        public.Shard  # noqa: B018  # an older torch has the package without the names
+        return public
+    except (ImportError, AttributeError):
+        import torch.distributed._tensor as private
+
+        return private
+
 
 _POLICY = (
     "param_dtype: under it the target sets MixedPrecisionPolicy(param_dtype=it, "
@@ -83,11 +124,9 @@ def shard_last_dim(param: torch.Tensor) -> Shard:
     torch 2.13 raises "FSDP does not support uneven sharding on dim 1" (documented: uneven
     sharding is only on dim 0). What ``TorchFSDPTarget.config_space`` draws, a module-level
     function so the replay line names it."""
-    from torch.distributed.tensor import Shard
-
     last = param.ndim - 1
     even = last > 0 and param.shape[last] % dist.get_world_size() == 0
-    return Shard(last if even else 0)
+    return cast("Shard", tensor_api().Shard(last if even else 0))
 
 
 def fsdp_config(config: object) -> dict[str, object]:
@@ -100,7 +139,7 @@ def fsdp_config(config: object) -> dict[str, object]:
         return given
     import inspect
 
-    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy  # see shard_leaves
+    MixedPrecisionPolicy, OffloadPolicy = fsdp2().MixedPrecisionPolicy, fsdp2().OffloadPolicy
 
     policy = given.get("mp_policy")
     if isinstance(policy, MixedPrecisionPolicy):  # the object: checked by its fields
@@ -128,9 +167,7 @@ def fsdp_config(config: object) -> dict[str, object]:
 
 
 def fully_shard_signature() -> Callable[..., object]:
-    from torch.distributed.fsdp import fully_shard  # see shard_leaves
-
-    return fully_shard
+    return cast("Callable[..., object]", fsdp2().fully_shard)
 
 
 def config_options(
@@ -139,7 +176,7 @@ def config_options(
     """``fully_shard`` keywords from a checked config (:func:`fsdp_config`) and the scenario's
     policy: the objects built from their dicts (``offload_policy``: ``CPUOffloadPolicy``'s
     keyword arguments)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy  # see shard_leaves
+    CPUOffloadPolicy, MixedPrecisionPolicy = fsdp2().CPUOffloadPolicy, fsdp2().MixedPrecisionPolicy
 
     options = {k: v for k, v in given.items() if k != "reshard_after_forward"}
     policy = options.pop("mp_policy", None) or {}
@@ -173,11 +210,11 @@ def fully_shard_options(
     ``MixedPrecisionPolicy`` when either dtype is set (none: FSDP2's defaults, no casts)."""
     options: dict[str, object] = {}
     if cpu_offload:
-        from torch.distributed.fsdp import CPUOffloadPolicy  # see shard_leaves
+        CPUOffloadPolicy = fsdp2().CPUOffloadPolicy
 
         options["offload_policy"] = CPUOffloadPolicy()
     if param_dtype is not None or reduce_dtype is not None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy  # see shard_leaves
+        MixedPrecisionPolicy = fsdp2().MixedPrecisionPolicy
 
         options["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=reduce_dtype
@@ -195,8 +232,7 @@ def shard_leaves(
     Modules sharing a parameter (tied weights) are sharded together, as FSDP2 requires.
     ``options``: more ``fully_shard`` keywords, the same for every call
     (:func:`fully_shard_options`)."""
-    # here: importing torch.distributed.fsdp costs 0.5 s after torch, for FSDP2 targets only
-    from torch.distributed.fsdp import fully_shard
+    fully_shard = fsdp2().fully_shard
 
     groups: list[list[nn.Module]] = []  # modules that must share one fully_shard call
     owner: dict[int, list[nn.Module]] = {}  # id(parameter) -> its group

@@ -1,0 +1,137 @@
+"""Upstream bugs ddpcheck knows, by release: a verdict on a release known to carry one ends with
+one line naming the upstream issue and the release that fixed it -- after the counterexample,
+never instead of the check, never a skip (the release is checked like any other, and its bug is
+exit 1 with the replay line that proves it).
+
+A bug is named only where it can explain the verdict: the installed release carries it, the
+target drives what it lives in, and the counterexample exercises every feature it needs.
+Each entry is measured by a standalone script under ``bench/`` that exits 1 on the releases that
+carry it and 0 on those that do not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+
+from ddpcheck.targets.builtin import TorchDDPTarget, TorchFSDPTarget
+from ddpcheck.targets.deepspeed import DeepSpeedTarget
+from ddpcheck.targets.hf_trainer import HfTrainerTarget
+from ddpcheck.targets.protocol import Target
+
+__all__ = ["KNOWN_BUGS", "KnownBug", "known_bug_line"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownBug:
+    """One upstream bug: where it lives, which releases carry it, what a verdict needs."""
+
+    distribution: str  # the package whose releases carry it
+    fixed_in: str  # the first release without it
+    upstream: str  # the issue and the fix, as upstream names them
+    what: str  # the bug in one clause
+    needs: frozenset[str]  # the features a counterexample it explains exercises
+    targets: tuple[type, ...]  # the targets that drive the code it lives in
+    script: str  # the bench/ script that reproduces it without ddpcheck
+    #: False where only the first release measured right is known, not the fix's own release
+    fix_measured: bool = True
+    #: (dotted key, value): the bug lives behind that option of the target's framework config
+    option: tuple[str, object] | None = None
+
+    @property
+    def fixed(self) -> str:
+        if self.fix_measured:
+            return f"fixed in {self.distribution} {self.fixed_in}"
+        return f"right again by {self.distribution} {self.fixed_in} (the first release measured)"
+
+    def carried_by(self, release: str) -> bool:
+        from torch.torch_version import TorchVersion  # torch's comparison of release strings
+
+        try:
+            return bool(TorchVersion(release) < self.fixed_in)
+        except Exception:  # not a release number (a local build): say nothing
+            return False
+
+
+KNOWN_BUGS: tuple[KnownBug, ...] = (
+    KnownBug(
+        distribution="torch",
+        fixed_in="2.4.0",  # bench/ddp_no_sync_unused.py: wrong on 2.1.2 and 2.3.1, right on 2.4.1
+        upstream="pytorch#69031 (fixed by PR #124193)",
+        what="DDP(find_unused_parameters=True) never all-reduces a parameter used only inside "
+        "no_sync() by some rank",
+        needs=frozenset({"accumulation", "unused-on-some-ranks"}),
+        targets=(TorchDDPTarget,),
+        script="bench/ddp_no_sync_unused.py",
+    ),
+    KnownBug(
+        distribution="transformers",
+        # bench/hf_token_weights.py and docs/frameworks.md, "Releases tried": 4.45.2, 4.46.0 and
+        # 4.46.2 wrong, 4.46.3 right
+        fixed_in="4.46.3",
+        upstream="huggingface/transformers #34191 (4.45: a mean per micro-batch), #34242 "
+        "(4.46.0-4.46.1: each rank's own token count) and 4.46.2's no_sync on the wrong "
+        "micro-batch",
+        what="the Trainer's gradient accumulation weighs tokens by their micro-batch or rank",
+        needs=frozenset(),
+        targets=(HfTrainerTarget,),
+        script="bench/hf_token_weights.py",
+    ),
+    KnownBug(
+        distribution="deepspeed",
+        # bench/deepspeed_contiguous_gradients.py: wrong on 0.19.7, right on 0.19.8
+        fixed_in="0.19.8",
+        upstream="DeepSpeed PR #8382",
+        what="on the CPU, ZeRO's non-contiguous reduction path buckets gradients by comparing "
+        'tensor.type() with "torch.cpu.FloatTensor", which CPU tensors never report, so no '
+        "gradient is all-reduced",
+        needs=frozenset(),
+        targets=(DeepSpeedTarget,),
+        script="bench/deepspeed_contiguous_gradients.py",
+        option=("zero_optimization.contiguous_gradients", False),
+    ),
+    KnownBug(
+        distribution="torch",
+        # bench/fsdp2_cpu.py: FSDP2 first runs on the CPU in 2.7 (its floor there), with gradients
+        # twice the reference's at W=2 on 2.7.1 and 2.8.0; right on 2.13.0, the releases between
+        # not measured
+        fixed_in="2.13.0",
+        fix_measured=False,
+        upstream="pytorch#162338 (fixed by PR #171458)",
+        what="on gloo (the CPU) FSDP2's reduce-scatter sums the gradients where it promises "
+        "their mean (ReduceOp.AVG), so every gradient is W times too large",
+        needs=frozenset(),
+        targets=(TorchFSDPTarget,),
+        script="bench/fsdp2_cpu.py",
+    ),
+)
+
+
+def known_bug_line(target: Target, exercised: frozenset[str] | set[str]) -> str | None:
+    """The one line a verdict of ``target`` ends with, whose counterexample exercises
+    ``exercised``, where a known upstream bug of an installed release can explain it; None
+    elsewhere."""
+    for bug in KNOWN_BUGS:
+        if not isinstance(target, bug.targets) or not bug.needs <= set(exercised):
+            continue
+        if bug.option is not None and _option(target, bug.option[0]) != bug.option[1]:
+            continue
+        try:
+            release = importlib.metadata.version(bug.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if bug.carried_by(release):
+            return (
+                f"known upstream bug: {bug.distribution} {release} carries {bug.upstream}: "
+                f"{bug.what}; {bug.fixed} ({bug.script} reproduces it without ddpcheck)"
+            )
+    return None
+
+
+def _option(target: Target, dotted: str) -> object:
+    """The value the target's framework config (``config=``, as the target read it) gives the
+    dotted key; None where it gives none."""
+    node: object = getattr(target, "__dict__", {}).get("_given") or {}
+    for key in dotted.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
