@@ -12,7 +12,8 @@ import ddpcheck
 from ddpcheck import features, strategies
 from ddpcheck._language.epochs import step_samples, window
 from ddpcheck._language.messages import scenario_line
-from ddpcheck._oracle.sample_weights import DROPPED, DUPLICATED, FOREIGN, check_consumed
+from ddpcheck._oracle.consumed import FOREIGN, check_consumed
+from ddpcheck._oracle.sample_weights import DROPPED, DUPLICATED
 from ddpcheck.scenario import batch_size_of, global_batch, local_micro_batches, micro_batches_of
 
 #: 10 samples in steps of 4 (two micro-batches of 2), twice: 4, 4, 2 per epoch.

@@ -111,7 +111,7 @@ def test_a_config_key_shrinks_to_absent_and_a_nested_one_to_its_fewest_keys() ->
     base = {"class": "DistributedDataParallelKwargs", "find_unused_parameters": True}
     assert len(handler) == 3 and base.items() <= handler.items(), handler  # one option drawn
     assert find(_space(targets.ACCELERATE), lambda d: "config" in d) == {
-        "config": {"gradient_accumulation_plugin": {"sync_each_batch": True}}
+        "config": {"dataloader_config": {"dispatch_batches": True}}
     }
 
 

@@ -305,13 +305,18 @@ def test_the_command_line_refuses_a_config_before_any_process_starts(
     tmp_path, capsys, no_process_started
 ):
     _needs("accelerate")
-    bad = _json(tmp_path, "bad.json", {"mixed_precision": "bf16", "split_batches": False})
+    bad = _json(
+        tmp_path, "bad.json", {"mixed_precision": "bf16", "step_scheduler_with_optimizer": False}
+    )
     good = _json(tmp_path, "good.json", {"rng_types": ["torch"]})
     (tmp_path / "mine.py").write_text("NOT_A_DICT = [1]\n")
     cases = [
         (
             ["check", "accelerate", "--config", bad],
-            ["'mixed_precision' is the scenario's", "'split_batches'=False contradicts"],
+            [
+                "'mixed_precision' is the scenario's",
+                "'step_scheduler_with_optimizer'=False contradicts",
+            ],
         ),
         (
             ["survey", "parallel", "--config", good],

@@ -15,7 +15,7 @@ import pytest
 import ddpcheck
 from ddpcheck import Epochs, EquivalenceError, NothingChecked, Scenario, targets, zoo
 from ddpcheck._oracle.compare import STEPS_DIFFER
-from ddpcheck._oracle.sample_weights import FOREIGN
+from ddpcheck._oracle.consumed import FOREIGN
 from ddpcheck.targets.accelerate import AccelerateTarget
 from ddpcheck.targets.builtin import TorchDDPTarget
 from tests.patience import patience

@@ -65,10 +65,11 @@ from typing import SupportsFloat
 import torch
 
 from ddpcheck._base.errors import Divergence, InvalidArgument
-from ddpcheck._language.epochs import step_samples
 from ddpcheck._language.records import RankRecord, StepRecord
 from ddpcheck._language.scenario import Scenario, batch_size_of
 from ddpcheck._oracle.budget import check_budget, check_reduce_dtypes
+from ddpcheck._oracle.consumed import STEPS_DIFFER as STEPS_DIFFER
+from ddpcheck._oracle.consumed import data_path_rows, step_counts
 from ddpcheck._oracle.reference import Reference, reference_run
 from ddpcheck._oracle.rows import (
     CHAOTIC,
@@ -84,7 +85,7 @@ from ddpcheck._oracle.rows import (
     replica_row,
     when,
 )
-from ddpcheck._oracle.sample_weights import check_consumed, check_sample_weights
+from ddpcheck._oracle.sample_weights import check_sample_weights
 from ddpcheck._oracle.shards import compare_shards
 from ddpcheck._oracle.tolerances import (
     TOLERANCES,
@@ -211,7 +212,7 @@ def compare(
         return _one_verdict(out)
     for step, ref in enumerate(reference.steps):
         # what a framework's own data path fed the step first: it explains any number
-        data = _data_path(step, records, scenario, reference)
+        data = data_path_rows(step, records, scenario, len(reference.steps))
         if data:
             return out + data
         plans = [p for r in records if (p := r.steps[step].batch_plan) is not None]
@@ -239,58 +240,7 @@ def compare(
         found = _compare_step(step, records, reference, target, checks, tol, earlier_steps)
         if found:  # later steps only repeat the damage (or inherit the chaos)
             return out + _one_verdict(found)
-    return out + _step_counts(len(reference.steps), records, scenario, reference)
-
-
-#: a framework's own data path took another number of optimizer steps than the epochs make
-STEPS_DIFFER = "steps differ"
-
-
-def _data_path(
-    step: int, records: list[RankRecord], scenario: Scenario, reference: Reference
-) -> list[Divergence]:
-    """Rows when the ranks' own data path (``Target.fit_epochs``) ran out of steps before
-    ``step`` or fed it other samples than the epoch's step holds; empty otherwise."""
-    short = _step_counts(step, records, scenario, reference)
-    if short or scenario.epochs is None:
-        return short
-    consumed = [r.steps[step].consumed for r in records]
-    if any(c is None for c in consumed):
-        return []
-    expected = step_samples(scenario.epochs, scenario.global_batch, step)
-    return check_consumed(step, len(records), [c for c in consumed if c is not None], expected)
-
-
-def _step_counts(
-    step: int, records: list[RankRecord], scenario: Scenario, reference: Reference
-) -> list[Divergence]:
-    """A row when some rank recorded no step ``step`` (the reference has it) or, at the end
-    (``step`` the reference's step count), recorded more steps than the reference."""
-    total = len(reference.steps)
-    wrong = [
-        r for r in records if (len(r.steps) <= step if step < total else len(r.steps) != total)
-    ]
-    if not wrong:
-        return []
-    counts = ", ".join(f"rank {r.rank}: {len(r.steps)}" for r in records)
-    epochs = scenario.epochs
-    made = (
-        ""
-        if epochs is None
-        else f" ({epochs.epochs} epoch(s) of {epochs.samples} samples in steps of the global "
-        f"batch B={scenario.global_batch})"
-    )
-    return [
-        Divergence(
-            step=min(step, total),
-            world_size=len(records),
-            rank=wrong[0].rank if len(wrong) == 1 else None,
-            name="optimizer steps",
-            kind=STEPS_DIFFER,
-            max_abs=float(abs(len(wrong[0].steps) - total)),
-            detail=f"the ranks took {counts} optimizer step(s); the reference takes {total}{made}",
-        )
-    ]
+    return out + step_counts(len(reference.steps), records, scenario, len(reference.steps))
 
 
 def _compare_step(

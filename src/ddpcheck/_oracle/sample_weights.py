@@ -30,21 +30,18 @@ from ddpcheck._language.batches import BatchPlan
 __all__ = [
     "DROPPED",
     "DUPLICATED",
-    "FOREIGN",
     "MISWEIGHTED",
     "RTOL",
     "TOKEN_DROPPED",
     "TOKEN_DUPLICATED",
     "TOKEN_MISWEIGHTED",
-    "check_consumed",
     "check_sample_weights",
 ]
 
 DROPPED = "sample dropped"
 DUPLICATED = "sample duplicated"
 MISWEIGHTED = "sample misweighted"
-#: a framework's own data path fed a step samples the reference trains in another step
-FOREIGN = "sample of another step"
+
 TOKEN_DROPPED = "token dropped"
 TOKEN_DUPLICATED = "token duplicated"
 TOKEN_MISWEIGHTED = "token misweighted"
@@ -149,67 +146,3 @@ def check_sample_weights(
 
 def _tokens(n: int) -> str:
     return f"{n} token" if n == 1 else f"{n} tokens"
-
-
-def check_consumed(
-    step: int, world_size: int, consumed: list[tuple[tuple[int, ...], ...]], expected: range
-) -> list[Divergence]:
-    """Rows for a step of a framework's own data path (``Target.fit_epochs``) whose ranks did
-    not consume exactly the step's samples ``expected`` (dataset indices;
-    ``ddpcheck._language.epochs``), each once: a sample held by no rank (``sample dropped``), by
-    several micro-batches (``sample duplicated``: a sampler's padding, say), or a sample of
-    another step (``sample of another step``: a batch not split across the ranks, a loader
-    that ran ahead). ``consumed``: each rank's micro-batches of dataset indices, in rank order.
-    How the framework weighs the samples is judged by the numbers that follow."""
-    holders: dict[int, list[tuple[int, int]]] = {}
-    for rank, micro_batches in enumerate(consumed):
-        for m, indices in enumerate(micro_batches):
-            for i in indices:
-                holders.setdefault(i, []).append((rank, m))
-    span = f"samples {expected.start}..{expected.stop - 1}" if expected else "no sample"
-    row = functools.partial(Divergence, step=step, world_size=world_size, max_abs=1.0, max_rel=1.0)
-    rows = []
-    foreign = sorted(i for i in holders if i not in expected)
-    if foreign:
-        where = sorted({r for i in foreign for r, _ in holders[i]})
-        rows.append(
-            row(
-                rank=where[0] if len(where) == 1 else None,
-                kind=FOREIGN,
-                name=f"sample {foreign[0]}",
-                detail=f"rank(s) {_ranks(where)} consumed {len(foreign)} sample(s) "
-                f"({_indices(foreign)}) that the reference trains in another step: step {step} "
-                f"holds {span} of the dataset, and the ranks together took "
-                f"{sum(len(h) for h in holders.values())} sample(s) (a batch not split across "
-                "the ranks brings the next steps' samples; a sampler's padding repeats earlier "
-                "ones; the global batch is per-device batch x W x accumulation)",
-            )
-        )
-    for i in expected:
-        held = holders.get(i, [])
-        if len(held) == 1:
-            continue
-        holding = ", ".join(f"rank {r} micro-batch {m}" for r, m in held)
-        rows.append(
-            row(
-                rank=None,
-                kind=DROPPED if not held else DUPLICATED,
-                name=f"sample {i}",
-                detail=f"sample {i} of the dataset, which step {step} must train once, is in no "
-                "rank's micro-batches: its loss is never back-propagated"
-                if not held
-                else f"sample {i} of the dataset is used {len(held)} times in step {step}: "
-                f"{holding} (padding a sampler added to even out the ranks is weighed as a real "
-                "sample)",
-            )
-        )
-    return rows
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks))
-
-
-def _indices(indices: list[int]) -> str:
-    shown = ", ".join(map(str, indices[:8]))
-    return shown + (", ..." if len(indices) > 8 else "")
