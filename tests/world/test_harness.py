@@ -67,9 +67,9 @@ def test_builtin_targets_pass_the_battery(name):
                 f"rank-orders-adam (W=1,2,3,4): needs rank-orders ({cls} declines it: torch DDP "
                 'requires "the exact same parameter registration order" on every process)'
             ]
-            # its own DistributedSampler pads 50 samples at W=3, 4: declined (Target.supports_at)
+            # its own DistributedSampler pads 26 samples at W=3, 4: declined (Target.supports_at)
             + [
-                f"epochs-short-last (W={w}): 50 samples over {w} ranks: {SAMPLER_PADS}"
+                f"epochs-short-last (W={w}): 26 samples over {w} ranks: {SAMPLER_PADS}"
                 for w in (3, 4)
             ]
             + [

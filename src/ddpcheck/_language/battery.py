@@ -72,8 +72,9 @@ BATTERY: list[tuple[str, Scenario]] = [
             bucket_size_mb=1e-6,
         ),
     ),
-    # two epochs over a dataset, two steps each: a framework's own DataLoader and epoch loop
-    # (a batch meant to be split across the ranks that is not, an epoch end that loses a step)
+    # two epochs over a dataset of two steps each: a framework's own DataLoader and epoch loop
+    # (a batch meant to be split across the ranks that is not brings the next step's samples,
+    # an epoch end that loses a step); a micro-batch of 12 samples, which every W of 1-4 divides
     (
         "epochs-accumulate",
         Scenario(
@@ -99,8 +100,8 @@ BATTERY: list[tuple[str, Scenario]] = [
             seed=10,
         ),
     ),
-    # 50 samples in steps of 24: the epoch ends with 2 samples in a window of one micro-batch,
-    # which W=3 and W=4 do not divide (a sampler pads, or drops, to even out the ranks)
+    # 26 samples in steps of 24: the epoch ends with 2 samples in a window of one micro-batch,
+    # and W=3 and W=4 do not divide the dataset (a sampler pads, or drops, to even out the ranks)
     (
         "epochs-short-last",
         Scenario(
@@ -109,7 +110,7 @@ BATTERY: list[tuple[str, Scenario]] = [
             global_batch=24,
             accumulation=2,
             seed=14,
-            epochs=Epochs(samples=50),
+            epochs=Epochs(samples=26),
         ),
     ),
     (
