@@ -375,7 +375,7 @@ def test_a_language_model_counterexample_has_its_one_line_summary():
 
 
 @settings(
-    max_examples=40,
+    max_examples=20,
     deadline=None,
     database=None,
     derandomize=True,

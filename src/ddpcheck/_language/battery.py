@@ -72,9 +72,9 @@ BATTERY: list[tuple[str, Scenario]] = [
             bucket_size_mb=1e-6,
         ),
     ),
-    # two epochs over a dataset of two steps each: a framework's own DataLoader and epoch loop
-    # (a batch meant to be split across the ranks that is not brings the next step's samples,
-    # an epoch end that loses a step); a micro-batch of 12 samples, which every W of 1-4 divides
+    # an epoch of two steps: a framework's own DataLoader (a batch meant to be split across the
+    # ranks that is not brings the next step's samples); a micro-batch of 12 samples, which
+    # every W of 1-4 divides (random examples run several epochs)
     (
         "epochs-accumulate",
         Scenario(
@@ -83,7 +83,7 @@ BATTERY: list[tuple[str, Scenario]] = [
             global_batch=24,
             accumulation=2,
             seed=13,
-            epochs=Epochs(samples=48, epochs=2),
+            epochs=Epochs(samples=48),
         ),
     ),
     # a schedule and micro-batches together: a framework that gates optimizer.step() and the
