@@ -239,20 +239,23 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
         optimizer_cls: type[torch.optim.Optimizer],
         **kwargs: Any,  # the scenario's options, for its optimizer class
     ) -> tuple[nn.Module, OptimizerLike]:
-        from accelerate import Accelerator
-
-        join_existing_group()
-        options = self.accelerator_kwargs(next(module.parameters()).device)
-        accelerator = (
-            construct(Accelerator, options, target=described("AccelerateTarget", self.config))
-            if vars(self)["_given"]
-            else Accelerator(**options)
-        )
+        accelerator = self.accelerator(module)
         model, optimizer = accelerator.prepare(module, optimizer_cls(params, **kwargs))
         # the hooks below get the model or the optimizer: both carry this example's Accelerator
         setattr(model, _ACCELERATOR, accelerator)
         setattr(optimizer, _ACCELERATOR, accelerator)
         return model, optimizer
+
+    def accelerator(self, module: nn.Module) -> Accelerator:
+        """This example's ``Accelerator``, in the existing process group, from the user's config
+        (its objects built afresh) and what the scenario and the harness set."""
+        from accelerate import Accelerator
+
+        join_existing_group()
+        options = self.accelerator_kwargs(next(module.parameters()).device)
+        if not vars(self)["_given"]:
+            return Accelerator(**options)
+        return construct(Accelerator, options, target=described("AccelerateTarget", self.config))
 
     def accelerator_kwargs(self, device: torch.device) -> dict[str, object]:
         """``Accelerator``'s keyword arguments in a rank: the user's config, its objects built
@@ -300,20 +303,13 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
         ``accumulate``, ``backward`` of the batch's mean loss, ``optimizer.step()``,
         ``scheduler.step()``, ``zero_grad()`` -- accelerate decides which act and when it syncs
         (at a window's end, and at the end of the loader)."""
-        from accelerate import Accelerator
         from torch.utils.data import DataLoader
 
         micro = run.global_batch // run.accumulation  # samples per micro-batch, all ranks
         why = _indivisible(micro, run.world_size, self.splits_batches())
         if why is not None:  # asked to run what supports_at declines
             raise NothingChecked(f"AccelerateTarget declines this example: {why}")
-        join_existing_group()
-        options = self.accelerator_kwargs(next(module.parameters()).device)
-        accelerator = (
-            construct(Accelerator, options, target=described("AccelerateTarget", self.config))
-            if vars(self)["_given"]
-            else Accelerator(**options)
-        )
+        accelerator = self.accelerator(module)
         loader = DataLoader(
             run.dataset, batch_size=micro if self.splits_batches() else micro // run.world_size
         )
