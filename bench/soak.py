@@ -423,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     ran, skipped, divergences, errors = 0, 0, [], []
+    unjudged: list[Exception] = []  # examples the oracle declined as chaotic
     per_target: dict[str, int] = collections.Counter()
     index = 0
     try:
@@ -471,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
                     except ddpcheck.NothingChecked:  # a data path declined it in its ranks
                         skipped += 1
                         continue
+                    except ddpcheck.ScenarioError as exc:  # unjudgeable (chaotic): nobody's bug
+                        unjudged.append(exc)
+                        continue
                     except ddpcheck.EquivalenceError as exc:
                         divergences.append(exc)
                         print(
@@ -500,8 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"soak: {ran} examples ({', '.join(f'{n} {c}' for n, c in per_target.items())}) over "
         f"{index} scenarios at world sizes {sizes}; {skipped} skipped (unsupported); "
-        f"{len(divergences)} divergences; {len(errors)} scenarios the reference could not "
-        f"train; {seconds:.1f} s "
+        f"{len(divergences)} divergences; {len(unjudged)} unjudgeable (reference chaotic); "
+        f"{len(errors)} scenarios the reference could not train; {seconds:.1f} s "
         f"({1e3 * seconds / max(ran, 1):.1f} ms per example, world start-up included)"
     )
     if whole_step or args.tokens or args.epochs:
