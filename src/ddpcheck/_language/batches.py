@@ -42,7 +42,12 @@ from torch.utils.data import Dataset, DistributedSampler
 from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._base.options import named_fields
 from ddpcheck._language.objective import is_token_loss, tokens
-from ddpcheck._language.scenario import Scenario, global_batch, micro_batches_of
+from ddpcheck._language.scenario import (
+    Scenario,
+    batch_size_of,
+    global_batch,
+    micro_batches_of,
+)
 
 __all__ = [
     "BatchPlan",
@@ -372,11 +377,11 @@ def global_indices(
     the step's global targets when the caller has drawn them (a token loss counts their tokens;
     otherwise they are drawn here)."""
     counts = None
-    if targets is None and (is_token_loss(scenario) or scenario.epochs is not None):
-        targets = global_batch(scenario, step)[1]
-    if is_token_loss(scenario) and targets is not None:
+    if is_token_loss(scenario):
+        if targets is None:
+            targets = global_batch(scenario, step)[1]
         counts = tokens(scenario, targets)
-    size = scenario.global_batch if targets is None else len(targets)
+    size = batch_size_of(scenario, step)  # an epoch's short last step: no draw to count it
     return GlobalBatch(
         tuple(range(size)),
         step,
