@@ -421,10 +421,10 @@ def _say_notes(call: Invocation, say: Callable[[str], None]) -> None:
 
 def _check(call: Invocation) -> ExitCode:
     from ddpcheck._language import features
-    from ddpcheck._language.battery import BATTERY
     from ddpcheck._runs import smaller
     from ddpcheck._runs.equivalence import run_battery
     from ddpcheck._runs.fuzz import fuzz_admitted, undrawable
+    from ddpcheck.targets.support import battery_for
 
     if _under_torchrun(call.args):  # use the world torchrun built instead of spawning one
         _check_under_torchrun(call)
@@ -435,13 +435,14 @@ def _check(call: Invocation) -> ExitCode:
         "" if call.args.device == "cpu" else f" on {call.args.device}"
     )
     line = call.progress
+    battery_size = len(battery_for(request.target))
 
     def battery_done(done: int, total: int) -> None:
         if done == 0:  # off a terminal, the one line of start-up and the battery
             line.phase(
                 f"battery 0/{total}",
                 f"ddpcheck check {call.target_spec}: starting worlds "
-                f"(world sizes {sizes}), then the battery: {len(BATTERY)} scenarios at each",
+                f"(world sizes {sizes}), then the battery: {battery_size} scenarios at each",
             )
         else:
             line.show(f"battery {done}/{total}")

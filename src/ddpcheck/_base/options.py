@@ -177,6 +177,8 @@ FEATURES: dict[str, str] = {
     "param-dtype": "float32 master weights, forward and backward in bfloat16 or float16, "
     "gradients accumulated and reduced in float32 (FSDP2's MixedPrecisionPolicy); "
     "opt-in",
+    "tensor-parallel": "a (dp, tp) device mesh: layers sharded over tp by a tensor-parallel plan, "
+    "the batch split over dp (Scenario.tensor_parallel); opt-in",
 }
 
 #: Features beyond torch's own contract, by the target attribute that opts in to each: a target
@@ -184,7 +186,11 @@ FEATURES: dict[str, str] = {
 #: ``FEATURES.keys() - {...}`` never opts in by accident). A ``param_dtype`` policy is the
 #: target's to apply (FSDP2's ``MixedPrecisionPolicy``); one that does not would train in float32
 #: and be blamed for it.
-OPT_IN: dict[str, str] = {"param-dtype": "applies_param_dtype"}
+OPT_IN: dict[str, str] = {
+    "param-dtype": "applies_param_dtype",
+    # the target's parallelize(module, mesh) hook applies a plan: data-parallel code has none
+    "tensor-parallel": "parallelizes",
+}
 
 
 #: Features beyond the contract of torch's own DistributedDataParallel, which requires "the exact

@@ -48,6 +48,7 @@ from ddpcheck._language.scenario import (
     global_batch,
     micro_batches_of,
 )
+from ddpcheck._language.tensor_parallel import data_coordinate
 
 __all__ = [
     "BatchPlan",
@@ -363,7 +364,8 @@ def check_plans(
     for step in range(scenario.steps):
         batch = global_indices(scenario, step, 0, world_size)
         for rank in range(world_size):
-            plan_for(hook, dataclasses.replace(batch, rank=rank), who)
+            at, _ = data_coordinate(scenario.tensor_parallel, rank, world_size)
+            plan_for(hook, dataclasses.replace(batch, rank=at), who)
 
 
 def global_indices(
@@ -375,7 +377,9 @@ def global_indices(
 ) -> GlobalBatch:
     """The :class:`GlobalBatch` a rank's hook receives at ``step`` of ``scenario``; ``targets``:
     the step's global targets when the caller has drawn them (a token loss counts their tokens;
-    otherwise they are drawn here)."""
+    otherwise they are drawn here). Under tensor parallelism the hook is told the rank's ``dp``
+    coordinate and ``dp`` (``ddpcheck._language.tensor_parallel``: the data follows the mesh)."""
+    rank, world_size = data_coordinate(scenario.tensor_parallel, rank, world_size)
     counts = None
     if is_token_loss(scenario):
         if targets is None:

@@ -18,8 +18,10 @@ import torch
 from ddpcheck._language import zoo
 from ddpcheck._language.models import Layer, ModelSpec, SpecData
 from ddpcheck._language.scenario import Epochs, Scenario
+from ddpcheck._language.sharded_models import ShardedBlock, ShardedSpec, sequence_data
+from ddpcheck._language.tensor_parallel import TensorParallel
 
-__all__ = ["BATTERY"]
+__all__ = ["BATTERY", "TENSOR_PARALLEL_BATTERY"]
 
 _SGD_MOMENTUM = {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}
 
@@ -237,6 +239,82 @@ BATTERY: list[tuple[str, Scenario]] = [
             dtype="float32",
             seed=11,
             autocast=torch.bfloat16,
+        ),
+    ),
+]
+
+
+def _attention_mlp_plan(at: str) -> tuple[tuple[str, str], ...]:
+    """Megatron's split of one attention block and one MLP block (heads and hidden features)."""
+    return (
+        *((f"{at}0.{n}", "colwise") for n in "qkv"),
+        (f"{at}0.out", "rowwise"),
+        (f"{at}1.up", "colwise"),
+        (f"{at}1.down", "rowwise"),
+    )
+
+
+#: The battery of a target that applies tensor-parallel plans (``Target.parallelizes``): sizes
+#: every degree of 1-4 divides where the plan needs whole heads, and ones it does not divide
+#: where torch shards unevenly.
+TENSOR_PARALLEL_BATTERY: list[tuple[str, Scenario]] = [
+    (
+        "tp-attention-mlp",
+        Scenario(
+            ShardedSpec(
+                blocks=(ShardedBlock("attention", 12), ShardedBlock("mlp", 12)),
+                width=4,
+                head_dim=1,
+            ),
+            data=sequence_data,
+            global_batch=6,
+            steps=2,
+            seed=21,
+            tensor_parallel=TensorParallel(
+                (
+                    ("inp", "colwise-replicate"),
+                    *_attention_mlp_plan("blocks."),
+                    ("head", "rowwise-replicate"),
+                )
+            ),
+        ),
+    ),
+    # a hidden width of 5 and a norm: uneven shards, replicated parameters, Adam's state on
+    # DTensor shards, an uneven batch and clipping of a norm over shards and replicas
+    (
+        "tp-uneven-adam-clip",
+        Scenario(
+            ShardedSpec(blocks=(ShardedBlock("mlp", 5), ShardedBlock("norm")), width=3, head_dim=1),
+            data=sequence_data,
+            optimizer=torch.optim.Adam,
+            optimizer_kwargs={"lr": 0.01},
+            global_batch=7,
+            steps=2,
+            accumulation=2,
+            seed=22,
+            max_grad_norm=0.5,
+            tensor_parallel=TensorParallel(
+                (("blocks.0.up", "colwise-dtensor"), ("blocks.0.down", "rowwise"))
+            ),
+        ),
+    ),
+    # a (dp, tp) mesh with tp=2: at W=4 two data-parallel groups of two (torch_2d), at W=2 one
+    (
+        "tp2-mesh-accumulate",
+        Scenario(
+            ShardedSpec(
+                blocks=(ShardedBlock("attention", 2), ShardedBlock("mlp", 6), ShardedBlock("norm")),
+                width=4,
+                head_dim=2,
+            ),
+            data=sequence_data,
+            optimizer_kwargs=_SGD_MOMENTUM,
+            lr_decay=0.5,
+            global_batch=9,
+            steps=2,
+            accumulation=2,
+            seed=23,
+            tensor_parallel=TensorParallel(_attention_mlp_plan("blocks."), tp=2),
         ),
     ),
 ]

@@ -20,13 +20,14 @@ from collections.abc import Callable
 
 import torch
 
-from ddpcheck._base.errors import ScenarioError
+from ddpcheck._base.errors import InvalidArgument, ScenarioError
 from ddpcheck._base.options import BEYOND_TORCH, DEFAULT_FEATURES, FEATURES, OPT_IN
 from ddpcheck._base.options import parse_features as parse
 from ddpcheck._language import objective, torch_limits
 from ddpcheck._language.messages import code_name, exception_text
 from ddpcheck._language.models import ModelSpec, SpecData
 from ddpcheck._language.scenario import Scenario, batch_size_of, build_model, global_batch
+from ddpcheck._language.tensor_parallel import mesh_shape
 from ddpcheck._language.zoo import GPTConfig, token_data
 
 __all__ = [
@@ -47,7 +48,8 @@ def of(scenario: Scenario, world_size: int | None = None) -> frozenset[str]:
     ``resume_world_size`` when it resumes from a checkpoint in another world."""
     found = set(_fields(scenario))
     if world_size is not None and any(
-        batch_size_of(scenario, step) % world_size for step in range(scenario.steps)
+        batch_size_of(scenario, step) % data_parallel(scenario, world_size)
+        for step in range(scenario.steps)
     ):
         found.add("uneven-batches")
     resumed_at = scenario.resume_world_size
@@ -67,10 +69,20 @@ _FIELD_FEATURES: dict[str, Callable[[Scenario], bool]] = {
     "rank-orders": lambda s: s.rank_orders,
     "checkpoint": lambda s: s.checkpoint_after is not None,
     "tokens": lambda s: s.loss == "token_cross_entropy",
+    "tensor-parallel": lambda s: s.tensor_parallel is not None,
     "epochs": lambda s: s.epochs is not None,
     "autocast": lambda s: s.autocast is not None,
     "param-dtype": lambda s: s.param_dtype is not None,
 }
+
+
+def data_parallel(scenario: Scenario, world_size: int) -> int:
+    """The ranks the global batch is split among: W, or the mesh's ``dp`` (tensor parallelism;
+    a world that cannot hold the mesh counts as W, and is declined elsewhere)."""
+    try:
+        return mesh_shape(scenario.tensor_parallel, world_size)[0]
+    except InvalidArgument:
+        return world_size
 
 
 def _fields(scenario: Scenario) -> set[str]:

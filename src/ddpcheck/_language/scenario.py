@@ -37,10 +37,12 @@ from ddpcheck._base.scripts import MAIN_NAMES, public_module_name
 from ddpcheck._language import zoo
 from ddpcheck._language.epochs import Epochs, step_count, step_samples, window
 from ddpcheck._language.objective import LOSSES, LOW_PRECISION, per_sample_loss
+from ddpcheck._language.tensor_parallel import TensorParallel, data_coordinate
 
 __all__ = [
     "Epochs",
     "Scenario",
+    "TensorParallel",
     "batch_size_of",
     "build_model",
     "dataset",
@@ -94,6 +96,9 @@ class Scenario:
     # ``global_batch`` samples, the last of an epoch short when it does not divide N; ``steps``
     # is then derived from it (None: a fresh full global batch every step)
     epochs: Epochs | None = None
+    # trained on a (dp, tp) device mesh with a tensor-parallel plan
+    # (``ddpcheck._language.tensor_parallel``; None: data parallelism over the whole world)
+    tensor_parallel: TensorParallel | None = None
 
     def __post_init__(self) -> None:
         _check_int("global_batch", self.global_batch, 1)
@@ -129,6 +134,13 @@ class Scenario:
             raise InvalidArgument(f"bucket_size_mb={self.bucket_size_mb!r} must be positive")
         _check_clipping(self.max_grad_norm, self.grad_norm_type)
         _check_checkpoint(self.checkpoint_after, self.resume_world_size, self.steps)
+        if self.tensor_parallel is not None and not isinstance(
+            self.tensor_parallel, TensorParallel
+        ):
+            raise InvalidArgument(
+                f"tensor_parallel={self.tensor_parallel!r} must be None or a "
+                "ddpcheck.scenario.TensorParallel(plan, tp)"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -362,7 +374,9 @@ def micro_batches_of(scenario: Scenario, step: int) -> int:
 def local_micro_batches(
     scenario: Scenario, step: int, rank: int, world_size: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's micro-batches of one step, each as ``(x, y)`` (possibly empty)."""
+    """This rank's micro-batches of one step, each as ``(x, y)`` (possibly empty); under tensor
+    parallelism, those of the rank's ``dp`` coordinate (the data follows the mesh)."""
+    rank, world_size = data_coordinate(scenario.tensor_parallel, rank, world_size)
     x, y = global_batch(scenario, step)
     xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
     return list(

@@ -29,6 +29,8 @@ from hypothesis import strategies as st
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language import features
 from ddpcheck._language.models import KINDS, Layer, ModelSpec
+from ddpcheck._language.optimizers import optimizers
+from ddpcheck._language.plans import tensor_parallel_scenarios
 from ddpcheck._language.scenario import Epochs, Scenario
 from ddpcheck._language.torch_limits import autocast_unavailable
 from ddpcheck._language.zoo import BiasGroups, GPTConfig, token_data
@@ -47,6 +49,7 @@ __all__ = [
     "models",
     "optimizers",
     "scenarios",
+    "tensor_parallel_scenarios",
     "world_sizes",
 ]
 
@@ -193,31 +196,6 @@ def models(
 
 
 @_built_once
-def optimizers() -> st.SearchStrategy[tuple[type, dict]]:
-    """``(optimizer_cls, kwargs)``: SGD (plain, momentum, nesterov, weight decay), Adam, AdamW.
-    Shrinks towards plain SGD (the optimizer that shows constant-scale bugs)."""
-    sgd = st.builds(
-        lambda momentum, nesterov, weight_decay: (
-            torch.optim.SGD,
-            {
-                "lr": 0.1,
-                **({"momentum": momentum} if momentum else {}),
-                **({"nesterov": True} if nesterov and momentum else {}),
-                **({"weight_decay": weight_decay} if weight_decay else {}),
-            },
-        ),
-        st.sampled_from((0.0, 0.9)),
-        st.booleans(),
-        st.sampled_from((0.0, 0.01)),
-    )
-    adam = st.builds(
-        lambda cls, wd: (cls, {"lr": 0.01, **({"weight_decay": wd} if wd else {})}),
-        st.sampled_from((torch.optim.Adam, torch.optim.AdamW)),
-        st.sampled_from((0.0, 0.1)),
-    )
-    return st.one_of(sgd, adam)
-
-
 def gpt_models(*, without: Iterable[str] = ()) -> st.SearchStrategy[GPTConfig]:
     """Language models (``ddpcheck.zoo.GPTConfig``, each a :class:`ddpcheck.zoo.TinyGPT`
     factory): width 8 or 12, 1, 2 or 4 heads, 0 to 2 blocks, the head tied to the token
@@ -549,6 +527,11 @@ def per_world_size(
             f"{who} supports none of the dtypes "
             f"{', '.join(dtypes)} once `without` (--without) is applied"
         )
+    if "tensor-parallel" in opt_in:  # a target with a plan hook: meshes and plans only
+        return {
+            w: tensor_parallel_scenarios(world_size=w, dtypes=kept, without=unsupported)
+            for w in sizes
+        }
     if focus:
         per_size = {
             w: st.one_of(

@@ -59,6 +59,8 @@ import torch.distributed as dist
 import torch.nn.modules.module as module_hooks
 import torch.optim.optimizer as optimizer_hooks
 
+from ddpcheck._rank import meshes
+
 __all__ = ["Baseline", "FD_HEADROOM", "Fitness", "baseline", "restore"]
 
 T = TypeVar("T")
@@ -225,15 +227,17 @@ def _fresh_randomness(base: Baseline) -> None:
 
 def _leftovers(base: Baseline, found: Fitness) -> Baseline:
     """Process groups the task created (destroyed here), then threads and descriptors."""
+    harness = meshes.harness_groups()  # the world's meshes: kept, like the default group
+    expected_fds = base.fds + meshes.opened_fds()
     if (
-        len(_groups()) > len(base.groups)
-        or _fd_count() > base.fds
+        len(_groups()) > len(base.groups | harness)
+        or _fd_count() > expected_fds
         or threading.active_count() > base.threads
     ):
         # A destroyed group (or a closed-over file, a finished thread) may still wait in a
         # reference cycle -- a wrapper's hooks refer to the wrapper -- for the collector.
         gc.collect()
-    created = [g for g in _groups() if id(g) not in base.groups]
+    created = [g for g in _groups() if id(g) not in base.groups | harness]
     if created and _default_group() is not None:
         for g in created:
             dist.destroy_process_group(g)
@@ -247,13 +251,13 @@ def _leftovers(base: Baseline, found: Fitness) -> Baseline:
         found.replace.append(
             f"left {threads - base.threads} thread(s) running ({_new_thread_names(base)})"
         )
-    fds = _settled_fd_count(base.fds)
-    if fds > base.start_fds + FD_HEADROOM:
+    fds = _settled_fd_count(expected_fds)
+    if fds > base.start_fds + meshes.opened_fds() + FD_HEADROOM:
         found.replace.append(
             f"file descriptors {base.start_fds} -> {fds} since the world "
             f"started (more than {FD_HEADROOM} kept open)"
         )
-    elif fds > base.fds and not found.replace:
+    elif fds > expected_fds and not found.replace:
         found.cleaned.append(
             f"file descriptors {base.fds} -> {fds}, kept open by a library "
             f"(accepted up to {base.start_fds + FD_HEADROOM}; a new world past "

@@ -54,6 +54,7 @@ from ddpcheck._language.scenario import (
     global_batch,
     make_param_groups,
 )
+from ddpcheck._language.tensor_parallel import mesh_shape
 from ddpcheck._language.training import (
     EpochRun,
     FitRun,
@@ -66,7 +67,7 @@ from ddpcheck._language.training import (
     optimizer_kwargs,
     train,
 )
-from ddpcheck._rank import recorder
+from ddpcheck._rank import meshes, recorder
 from ddpcheck._rank.orders import ORDER_SEED_STRIDE, permute_registration
 from ddpcheck._rank.owned import owned_gradients
 from ddpcheck._rank.transport import Packed, pack
@@ -125,6 +126,7 @@ def run_example(
                 "'checkpoint' out of its supported_features"
             )
         return owned(module, scenario, rank, world_size, plans, started)
+    module = parallelized(target, module, scenario, world_size)
     model, optimizer = setup(target, module, make_param_groups(scenario, module), scenario)
     # after wrap: FSDP2 replaces them
     names: dict[torch.Tensor, str] = {p: n for n, p in module.named_parameters()}
@@ -296,6 +298,28 @@ class StepRecords:
             )
         self.steps[-1].batch_plan = self.plans.get(step)
         self.steps[-1].window, self.window = self.window, []
+
+
+def parallelized(
+    target: Target, module: nn.Module, scenario: Scenario, world_size: int
+) -> nn.Module:
+    """``module`` with the target's tensor-parallel plan applied over the world's ``(dp, tp)``
+    mesh (``Target.parallelize``), for a scenario with ``tensor_parallel``; else ``module``."""
+    if scenario.tensor_parallel is None:
+        return module
+    dp, tp = mesh_shape(scenario.tensor_parallel, world_size)
+    parallelize = getattr(target, "parallelize", None)
+    if not callable(parallelize):
+        raise NothingChecked(
+            f"tensor-parallel: {type(target).__name__} has no parallelize(module, mesh) hook"
+        )
+    done = parallelize(module, meshes.mesh(dp, tp))
+    if not isinstance(done, nn.Module):
+        raise TypeError(
+            f"{type(target).__name__}.parallelize(module, mesh) returned "
+            f"{type(done).__name__}, not the nn.Module"
+        )
+    return done
 
 
 def setup(

@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 from ddpcheck._base.errors import EquivalenceError, NothingChecked
 from ddpcheck._language import features
-from ddpcheck._language.battery import BATTERY
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._oracle.reference import Reference
 from ddpcheck._runs.admission import Request, check_target
@@ -122,7 +121,7 @@ def run_battery(request: Request, progress: Callable[[int, int], None] | None = 
     size."""
     target, scenario, sizes = request.target, request.scenario, request.world_sizes
     device, backend, excluded = request.device, request.backend, request.battery_without
-    named = BATTERY if scenario is None else [(None, scenario)]
+    named = support.battery_for(target) if scenario is None else [(None, scenario)]
     report = Report()
     references: dict[int, Reference] = {}  # battery index -> its reference, shared by every size
     total, done = len(named) * len(sizes), 0

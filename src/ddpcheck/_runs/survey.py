@@ -23,7 +23,6 @@ from ddpcheck._base.errors import EquivalenceError, InvalidArgument, NothingChec
 from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, check_positive_number
 from ddpcheck._language import features
 from ddpcheck._language import strategies as dst
-from ddpcheck._language.battery import BATTERY
 from ddpcheck._language.messages import scenario_line
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._oracle.reference import Reference
@@ -275,7 +274,9 @@ def survey_admitted(
     cells: list[Cell] = []
     focus = request.only  # only the rows that exercise one of these, when given
     rows: list[tuple[str, str, Scenario | None]] = [
-        ("battery", name, sc) for name, sc in BATTERY if not focus or features.of(sc) & focus
+        ("battery", name, sc)
+        for name, sc in support.battery_for(target)
+        if not focus or features.of(sc) & focus
     ]
     rows += [
         ("feature", feature, None) for feature in features.FEATURES if not focus or feature in focus

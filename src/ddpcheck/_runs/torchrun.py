@@ -38,7 +38,6 @@ from ddpcheck._base.devices import (
     under_torchrun,
 )
 from ddpcheck._base.errors import DdpcheckError, InvalidArgument, NothingChecked
-from ddpcheck._language.battery import BATTERY
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._rank import recorder
 from ddpcheck._rank.runner import run_example_packed, run_warm_up
@@ -46,7 +45,7 @@ from ddpcheck._rank.transport import unpack
 from ddpcheck._runs.example import check_batch_plans, verdict
 from ddpcheck._world.failures import Failure, RankState, Status, WorldFailure
 from ddpcheck.targets.protocol import Target
-from ddpcheck.targets.support import declines
+from ddpcheck.targets.support import battery_for, declines
 
 __all__ = ["check_in_world", "init_world", "local_world_size", "under_torchrun"]
 
@@ -246,7 +245,7 @@ def check_in_world(
         sequence_path = os.path.join(folder, f"rank{rank}.collectives")
         recorder.record_to(sequence_path)
         try:
-            for name, scenario in BATTERY:
+            for name, scenario in battery_for(target):
                 if declines(target, scenario, world_size, without, only) is not None:
                     continue
                 if scenario.resume_world_size not in (None, world_size):

@@ -25,6 +25,7 @@ from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.protocol import Target
 from ddpcheck.targets.support import supported_by, why_unsupported
+from ddpcheck.targets.tensor_parallel import Torch2DTarget, TorchTPTarget
 
 __all__ = [
     "ACCELERATE",
@@ -42,6 +43,8 @@ __all__ = [
     "TESTED",
     "TORCH_DDP",
     "TORCH_FSDP",
+    "TORCH_TP",
+    "TORCH_2D",
     "TORCH_ZERO",
     "TORCH_ZERO_BUCKET_VIEW",
     "ReadyMade",
@@ -53,6 +56,8 @@ TORCH_DDP = TorchDDPTarget()
 TORCH_ZERO = TorchZeroTarget()
 TORCH_ZERO_BUCKET_VIEW = TorchZeroTarget(parameters_as_bucket_view=True)
 TORCH_FSDP = TorchFSDPTarget()
+TORCH_TP = TorchTPTarget()
+TORCH_2D = Torch2DTarget()
 LOCAL = LocalTarget()
 ACCELERATE = AccelerateTarget()
 FABRIC = FabricTarget()
@@ -181,6 +186,21 @@ READY_MADE: tuple[ReadyMade, ...] = (
         "a layer skipped by some ranks' micro-batches, a weight used outside its layer, "
         "infinity-norm clipping with an empty shard, a layer called twice per forward "
         "with accumulation (reduce-scattered twice: bench/fsdp_reused_module.py)",
+    ),
+    ReadyMade(
+        "torch_tp",
+        TORCH_TP,
+        "torch",
+        "torch",
+        "torch tensor parallelism (parallelize_module) with a plan drawn for each model, over "
+        "every rank (tp = W)",
+    ),
+    ReadyMade(
+        "torch_2d",
+        TORCH_2D,
+        "torch",
+        "torch",
+        "FSDP2 over dp x torch tensor parallelism over tp, on a (dp, tp) mesh drawn per example",
     ),
     ReadyMade("local", LOCAL, "torch", "torch", "no synchronisation at all: must fail for W > 1"),
     ReadyMade(

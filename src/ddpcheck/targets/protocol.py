@@ -88,6 +88,7 @@ if TYPE_CHECKING:  # hypothesis loads only when a configuration space is built
     from typing import TypeAlias
 
     from hypothesis.strategies import SearchStrategy
+    from torch.distributed.device_mesh import DeviceMesh
 
     #: What ``Target.config_space`` returns: a strategy of options, or None (nothing to fuzz).
     ConfigSpace: TypeAlias = SearchStrategy[dict[str, object]] | None
@@ -179,6 +180,9 @@ class Target:
     #: ``configure``). Opt-in: scenarios with a ``param_dtype`` are declined otherwise
     #: (``ddpcheck.features.OPT_IN``); ``Scenario.autocast`` needs nothing of the target.
     applies_param_dtype: bool = False
+    #: The target applies a tensor-parallel plan in :meth:`parallelize`. Opt-in: scenarios with
+    #: a ``tensor_parallel`` mesh are declined otherwise (``ddpcheck.features.OPT_IN``).
+    parallelizes: bool = False
     #: The releases the target needs, ``(distribution, oldest supported release)`` pairs (the
     #: DeepSpeed targets: ``(("deepspeed", "0.19.0"),)``): checked in the checking process before
     #: any world runs; a missing or older release is a ``SetupError`` naming both.
@@ -222,6 +226,15 @@ class Target:
         a per-device batch size W divides, a sampler that pads a dataset W does not divide);
         asked wherever the world size is known, before any rank runs."""
         return None
+
+    def parallelize(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        """Apply your tensor-parallel plan to ``module`` over ``mesh`` (a ``DeviceMesh`` with the
+        axes ``("dp", "tp")``, torch's ``init_device_mesh`` layout) and return the module, for a
+        scenario with ``tensor_parallel`` (:attr:`parallelizes` opts in). Called before
+        :meth:`wrap` (or :meth:`setup`), which then syncs over ``mesh["dp"]``; the ranks of a
+        ``tp`` group get the same samples, the harness's doing
+        (``ddpcheck._language.tensor_parallel``). Default: the module unchanged."""
+        return module
 
     def wrap(self, module: nn.Module) -> nn.Module:
         return module
@@ -392,11 +405,15 @@ class Target:
         the local tensor against that slice of :meth:`full_tensor`
         (``ddpcheck._oracle.shards``).
 
-        Default: a DTensor on a one-dimensional mesh with a ``Shard(dim)`` or ``Replicate``
-        placement; anything else is not checked."""
+        Default: a DTensor on a one-dimensional mesh of the whole world with a ``Shard(dim)`` or
+        ``Replicate`` placement; anything else (a mesh axis of a tensor-parallel world) is not
+        checked here."""
         placements = getattr(tensor, "placements", None)
         to_local = getattr(tensor, "to_local", None)
         if placements is None or len(placements) != 1 or not callable(to_local):
+            return None
+        mesh = getattr(tensor, "device_mesh", None)
+        if mesh is not None and mesh.size() != dist.get_world_size():
             return None
         (placement,) = placements
         if placement.is_replicate():

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from ddpcheck._base.options import DEFAULT_WORLD_SIZES, check_world_sizes
+from ddpcheck._language.battery import BATTERY, TENSOR_PARALLEL_BATTERY
 from ddpcheck._language.features import BEYOND_TORCH, FEATURES, OPT_IN, of, parse
 from ddpcheck._language.scenario import Scenario
 from ddpcheck.targets.protocol import Target
@@ -23,6 +24,7 @@ if TYPE_CHECKING:  # hypothesis loads only when examples are drawn: never in a r
     from hypothesis import strategies as st
 
 __all__ = [
+    "battery_for",
     "checked_through_defaults",
     "declines",
     "example_strategies",
@@ -101,6 +103,14 @@ def why_unsupported(target: Target, feature: str) -> str:
     if declared is None:
         return f"{where}: beyond torch DDP's contract, checked only when declared"
     return where
+
+
+def battery_for(target: Target) -> list[tuple[str, Scenario]]:
+    """The built-in battery ``target`` is checked on: the tensor-parallel one for a target that
+    applies plans (``Target.parallelizes``), the data-parallel one otherwise."""
+    if getattr(target, OPT_IN["tensor-parallel"], False):
+        return TENSOR_PARALLEL_BATTERY
+    return BATTERY
 
 
 def supported_by(target: Target) -> frozenset[str]:

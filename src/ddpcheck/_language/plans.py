@@ -1,0 +1,129 @@
+"""Hypothesis strategies for tensor-parallel scenarios: a mesh, a model and a plan valid for it.
+
+Drawn as data-parallel scenarios are, and shrinking the same way: towards the smallest
+tensor-parallel degree, fewer and plainer blocks, **fewer parallelized modules** (each module
+group's first choice is "nothing sharded", ``ddpcheck._language.sharded_models.plan_choices``),
+SGD, one step, float64. Sizes the degree does not divide (a hidden width of 5 over ``tp=2``,
+3 heads over 2 ranks) are drawn as often as the others: torch shards them unevenly, and a plan
+that keeps whole heads on each rank is the only valid split of attention, so 3 heads stay
+replicated where the plan would otherwise cut one in half.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from hypothesis import strategies as st
+
+from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._language.optimizers import optimizers
+from ddpcheck._language.scenario import Scenario
+from ddpcheck._language.sharded_models import (
+    BLOCK_KINDS,
+    ShardedBlock,
+    ShardedSpec,
+    plan_choices,
+    sequence_data,
+)
+from ddpcheck._language.tensor_parallel import TensorParallel
+
+__all__ = ["plans", "sharded_models", "tensor_parallel_scenarios"]
+
+#: The largest of each size drawn: small, so that an example runs in well under a second.
+MAX_BLOCKS, MAX_WIDTH, MAX_SIZE = 3, 6, 6
+
+
+def sharded_models() -> st.SearchStrategy[ShardedSpec]:
+    """Models plans apply to (``ShardedSpec``), shrinking towards one MLP block of width 2."""
+    block = st.builds(
+        ShardedBlock,
+        kind=st.sampled_from(BLOCK_KINDS),
+        size=st.integers(1, MAX_SIZE),
+        bias=st.booleans().map(lambda b: not b),  # towards biases: the classic row-wise bug
+    )
+    return st.builds(
+        ShardedSpec,
+        blocks=st.lists(block, min_size=1, max_size=MAX_BLOCKS).map(tuple),
+        width=st.integers(2, MAX_WIDTH),
+        head_dim=st.integers(1, 3),
+    )
+
+
+@st.composite
+def plans(draw: st.DrawFn, spec: ShardedSpec, tp: int) -> tuple[tuple[str, str], ...]:
+    """A plan valid for ``spec``'s model at degree ``tp``: one fragment per module group,
+    shrinking towards nothing sharded."""
+    return tuple(pair for group in plan_choices(spec, tp) for pair in draw(st.sampled_from(group)))
+
+
+def _divisors(world_size: int) -> tuple[int, ...]:
+    """The degrees a world of ``world_size`` ranks can hold, smallest first (above 1 when any)."""
+    found = tuple(d for d in range(2, world_size + 1) if world_size % d == 0)
+    return found or (1,)
+
+
+def tensor_parallel_scenarios(
+    *,
+    world_size: int,
+    dtypes: Iterable[str] = ("float64", "float32"),
+    without: Iterable[str] = (),
+    tp: int | None = None,
+    max_batch: int = 8,
+    max_steps: int = 3,
+    max_accumulation: int = 2,
+) -> st.SearchStrategy[Scenario]:
+    """Tensor-parallel scenarios at ``world_size``: a degree ``tp`` (default: drawn among the
+    divisors of W; ``tp=W`` is torch_tp's mesh), a :func:`sharded_models` model, a plan of
+    :func:`plans`, and what data-parallel scenarios draw besides -- optimizer, dtype, batch
+    (split over ``dp``), steps, accumulation, LR decay, clipping -- none of ``without``."""
+    dtypes, without = tuple(dtypes), frozenset(without)
+    if not dtypes:
+        raise InvalidArgument("dtypes must name at least one of float64, float32")
+    if tp is not None and (tp < 1 or world_size % tp):
+        raise InvalidArgument(f"tp={tp!r} must divide world_size={world_size}")
+    degrees = (tp,) if tp is not None else _divisors(world_size)
+    return _scenarios(world_size, dtypes, without, degrees, max_batch, max_steps, max_accumulation)
+
+
+@st.composite
+def _scenarios(
+    draw: st.DrawFn,
+    world_size: int,
+    dtypes: tuple[str, ...],
+    without: frozenset[str],
+    degrees: tuple[int, ...],
+    max_batch: int,
+    max_steps: int,
+    max_accumulation: int,
+) -> Scenario:
+    tp = draw(st.sampled_from(degrees))
+    spec = draw(sharded_models())
+    plan = draw(plans(spec, tp))
+    dtype = draw(st.sampled_from(dtypes))
+    optimizer, kwargs = draw(optimizers())
+    if dtype == "float32" and optimizer is not torch.optim.SGD:
+        kwargs = {**kwargs, "eps": 1e-3}  # as data-parallel float32 scenarios (strategies.py)
+    dp = world_size // tp
+    if "uneven-batches" in without:
+        batch = dp * draw(st.integers(1, max(1, max_batch // dp)))
+    else:
+        batch = draw(st.integers(1, max_batch))
+    clip = {}
+    if "clipping" not in without and draw(st.sampled_from((False, False, False, True))):
+        clip = {"max_grad_norm": draw(st.sampled_from((0.5, 2.0, 8.0)))}
+    return Scenario(
+        model=spec,
+        data=sequence_data,
+        optimizer=optimizer,
+        optimizer_kwargs=kwargs,
+        lr_decay=None if "lr-schedule" in without else draw(st.sampled_from((None, 0.5))),
+        global_batch=batch,
+        steps=draw(st.integers(1, min(max_steps, 2) if dtype == "float32" else max_steps)),
+        accumulation=1 if "accumulation" in without else draw(st.integers(1, max_accumulation)),
+        dtype=dtype,
+        seed=draw(st.integers(0, 2**16)),
+        rank_seeds="broadcast" not in without,
+        **clip,
+        tensor_parallel=TensorParallel(plan, None if tp == world_size else tp),
+    )

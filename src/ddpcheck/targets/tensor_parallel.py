@@ -1,0 +1,183 @@
+"""torch's tensor parallelism, alone (``torch_tp``) and under FSDP2 over ``dp`` (``torch_2d``).
+
+A scenario's plan (``Scenario.tensor_parallel``, ``ddpcheck._language.tensor_parallel``) names a
+style per module; :func:`torch_plan` turns it into the dict of ``ParallelStyle`` objects that
+``torch.distributed.tensor.parallel.parallelize_module`` takes -- exactly what a user writes. Each
+target broadcasts rank 0's initial weights first (the scenarios initialise ranks differently on
+purpose, and the layers a plan leaves alone stay plain tensors, replicated by nobody else), then
+applies the plan over ``mesh["tp"]``; ``torch_2d`` then shards every layer with FSDP2 over
+``mesh["dp"]`` (``fully_shard(mesh=...)``), as torchtitan composes them.
+
+What was found by trying (torch 2.13, gloo, CPU): ``ColwiseParallel()``'s default local output
+feeding ``RowwiseParallel()`` crashes when ``tp`` does not divide the hidden width
+(``DTensor.from_local`` infers the global shape from even shards); the plans ddpcheck draws use
+``ColwiseParallel(use_local_output=False)`` there (``"colwise-dtensor"``), which trains right.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+
+from ddpcheck._language.scenario import Scenario, batch_size_of, micro_batches_of
+from ddpcheck._language.tensor_parallel import mesh_problem, mesh_shape
+from ddpcheck.targets.fsdp import broadcast_from, gradient_sync_off, shard_leaves
+from ddpcheck.targets.protocol import Target
+
+if TYPE_CHECKING:  # torch.distributed.tensor loads when a tensor-parallel target runs
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+__all__ = [
+    "Torch2DTarget",
+    "TorchTPTarget",
+    "empty_micro_batch",
+    "replicate_rest",
+    "torch_plan",
+]
+
+
+def torch_plan(plan: tuple[tuple[str, str], ...]) -> dict[str, ParallelStyle]:
+    """``{module name: ParallelStyle}`` for ``parallelize_module``, from a scenario's plan."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles = {
+        "colwise": ColwiseParallel,
+        "colwise-dtensor": lambda: ColwiseParallel(use_local_output=False),
+        "rowwise": RowwiseParallel,
+        "colwise-replicate": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise-replicate": lambda: RowwiseParallel(input_layouts=Replicate()),
+    }
+    return {name: styles[style]() for name, style in plan}
+
+
+def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Every module the plan left alone, replicated over ``mesh`` as a DTensor module (its
+    inputs taken as ``Replicate``, its outputs handed on as local tensors), so that every
+    parameter is a DTensor on the ``tp`` axis: what ``clip_grad_norm_`` needs (it refuses plain
+    tensors mixed with DTensors) and what FSDP2 composes with (one mesh for every parameter).
+    torchtitan does the same with its own styles."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def inputs(_: nn.Module, args: tuple, _mesh: DeviceMesh) -> tuple:
+        return tuple(
+            DTensor.from_local(a, _mesh, [Replicate()], run_check=False)
+            if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+            else a
+            for a in args
+        )
+
+    def outputs(_: nn.Module, out: object, _mesh: DeviceMesh) -> object:
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    for child in list(module.modules()):
+        own = list(child.parameters(recurse=False))
+        if own and not any(isinstance(p, DTensor) for p in own):
+            distribute_module(child, mesh, input_fn=inputs, output_fn=outputs)
+
+
+def empty_micro_batch(scenario: Scenario, world_size: int) -> str | None:
+    """Why a rank would run a forward on an empty micro-batch (None: none would): torch 2.13's
+    DTensor never returns from reshaping some empty tensors (bench/dtensor_empty_reshape.py
+    confirms it without ddpcheck), so such a scenario hangs instead of being judged."""
+    if scenario.tensor_parallel is None:
+        return None
+    dp, _ = mesh_shape(scenario.tensor_parallel, world_size)
+    for step in range(scenario.steps):
+        size, micro = batch_size_of(scenario, step), micro_batches_of(scenario, step)
+        if size < dp * micro:
+            return (
+                f"step {step}: {size} sample(s) over dp={dp} x {micro} micro-batch(es) leave a "
+                "micro-batch empty, and torch's DTensor hangs reshaping some empty tensors "
+                "(bench/dtensor_empty_reshape.py)"
+            )
+    return None
+
+
+_DECLINED: Mapping[str, str] = {
+    "checkpoint": "tensor-parallel parameters are DTensor shards: they resume through "
+    "torch.distributed.checkpoint, not the default hooks' rank-0 state_dict",
+    "rank-orders": "the initial broadcast pairs parameters by registration order, which must "
+    "be the same on every rank",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchTPTarget(Target):
+    """torch's tensor parallelism (``parallelize_module`` with the scenario's plan) over every
+    rank of the world: a ``tp``-way mesh, ``dp = 1`` (data parallelism over ``dp`` is
+    ``torch_2d``'s). Gradients of the layers the plan shards are DTensor shards, those of the
+    layers it leaves alone whole on every rank; nothing is reduced after backward, since every
+    rank of a tensor-parallel group sees the same samples."""
+
+    parallelizes = True
+    #: the scenario's plan, set by :meth:`configure` (empty: nothing sharded)
+    plan: tuple[tuple[str, str], ...] = ()
+    declined_features: ClassVar[Mapping[str, str]] = _DECLINED
+
+    def configure(self, scenario: Scenario) -> Target:
+        tensor_parallel = scenario.tensor_parallel
+        if tensor_parallel is None or tensor_parallel.plan == self.plan:
+            return self
+        return dataclasses.replace(self, plan=tensor_parallel.plan)
+
+    def supports(self, scenario: Scenario) -> str | None:
+        if scenario.tensor_parallel is None:
+            return f"{type(self).__name__} checks tensor-parallel scenarios (a plan and a mesh)"
+        return None
+
+    def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
+        problem = mesh_problem(scenario.tensor_parallel, world_size) or empty_micro_batch(
+            scenario, world_size
+        )
+        if problem is not None:
+            return problem
+        dp, _ = mesh_shape(scenario.tensor_parallel, world_size)
+        if dp > 1:
+            return (
+                f"dp={dp}: {type(self).__name__} shards over tp only (torch_2d adds FSDP2 over dp)"
+            )
+        return None
+
+    def parallelize(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        broadcast_from(module, 0)
+        parallelize_module(module, mesh["tp"], torch_plan(self.plan))
+        replicate_rest(module, mesh["tp"])
+        return module
+
+
+@dataclasses.dataclass(frozen=True)
+class Torch2DTarget(TorchTPTarget):
+    """FSDP2 over ``dp`` x torch's tensor parallelism over ``tp``: the plan applied first, then
+    ``fully_shard(module, mesh=mesh["dp"])`` per layer and at the root, as torchtitan composes
+    them; accumulation under ``set_requires_gradient_sync(False)``."""
+
+    declined_features: ClassVar[Mapping[str, str]] = {
+        **_DECLINED,
+        "unused-on-some-ranks": "FSDP2 all-gathers a layer in its forward: a layer some ranks "
+        "skip leaves the collectives unpaired",
+    }
+
+    def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
+        return mesh_problem(scenario.tensor_parallel, world_size) or empty_micro_batch(
+            scenario, world_size
+        )
+
+    def parallelize(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        module = super().parallelize(module, mesh)
+        object.__setattr__(self, "_dp_mesh", mesh["dp"])  # the configured copy's, for wrap
+        return module
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        return shard_leaves(module, True, mesh=vars(self)["_dp_mesh"])
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[object]:
+        return gradient_sync_off(model)
