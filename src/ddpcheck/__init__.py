@@ -43,6 +43,7 @@ _LAZY = {
     "Report": "ddpcheck.api",
     "Scenario": "ddpcheck.scenario",
     "Survey": "ddpcheck._runs.survey",
+    "TensorParallel": "ddpcheck.scenario",
     "Target": "ddpcheck.targets",
     "World": "ddpcheck._world.worlds",
     "WorldFailure": "ddpcheck._world.failures",
@@ -55,7 +56,17 @@ _LAZY = {
 }
 #: The public modules, imported on first use as attributes (``ddpcheck.zoo.MLP``): what a
 #: printed scenario or replay line names evaluates after ``import ddpcheck, torch`` alone.
-_MODULES = ("batches", "battery", "features", "models", "strategies", "targets", "zoo")
+_MODULES = (
+    "batches",
+    "battery",
+    "features",
+    "models",
+    "sharded_models",
+    "strategies",
+    "targets",
+    "tensor_parallel",
+    "zoo",
+)
 
 __all__ = sorted(
     [

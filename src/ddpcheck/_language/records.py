@@ -25,6 +25,7 @@ __all__ = [
     "StepRecord",
     "gradients",
     "initial_state",
+    "placements_of",
     "schedule_state",
     "snapshot",
 ]
@@ -121,6 +122,21 @@ class RankRecord:
     initial: dict[str, torch.Tensor]  # parameters and buffers right after wrapping
     steps: list[StepRecord]
     seconds: float
+    #: each DTensor parameter's placement per mesh axis after set-up, ``{"tp": "Replicate()",
+    #: "dp": "Shard(dim=0)"}``: what the oracle names when replicas along an axis differ
+    placements: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+
+
+def placements_of(module: torch.nn.Module) -> dict[str, dict[str, str]]:
+    """Each DTensor parameter's placement per named mesh axis (plain tensors: none)."""
+    found = {}
+    for name, p in module.named_parameters():
+        mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", None)
+        if mesh is None or placements is None:
+            continue
+        axes = mesh.mesh_dim_names or tuple(f"axis {i}" for i in range(len(placements)))
+        found[name] = {axis: repr(placement) for axis, placement in zip(axes, placements)}
+    return found
 
 
 def initial_state(module: torch.nn.Module, gather: Gather = _whole) -> dict[str, torch.Tensor]:

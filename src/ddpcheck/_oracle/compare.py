@@ -70,6 +70,7 @@ from ddpcheck._language.scenario import Scenario, batch_size_of
 from ddpcheck._oracle.budget import check_budget, check_reduce_dtypes
 from ddpcheck._oracle.consumed import STEPS_DIFFER as STEPS_DIFFER
 from ddpcheck._oracle.consumed import data_path_rows, step_counts
+from ddpcheck._oracle.mesh_axes import along_axes
 from ddpcheck._oracle.reference import Reference, reference_run
 from ddpcheck._oracle.rows import (
     CHAOTIC,
@@ -211,7 +212,7 @@ def compare(
         _noise(reference, earlier_steps - 1, "params", "buffers") if earlier_steps else None,
     )
     if out:
-        return _one_verdict(out)
+        return along_axes(_one_verdict(out), records, scenario)
     for step, ref in enumerate(reference.steps):
         # what a framework's own data path fed the step first: it explains any number
         data = data_path_rows(step, records, scenario, len(reference.steps))
@@ -241,7 +242,7 @@ def compare(
         )
         found = _compare_step(step, records, reference, target, checks, tol, earlier_steps)
         if found:  # later steps only repeat the damage (or inherit the chaos)
-            return out + _one_verdict(found)
+            return out + along_axes(_one_verdict(found), records, scenario)
     return out + step_counts(len(reference.steps), records, scenario, len(reference.steps))
 
 

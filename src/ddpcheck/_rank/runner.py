@@ -44,6 +44,7 @@ from ddpcheck._language.records import (
     StepRecord,
     gradients,
     initial_state,
+    placements_of,
     schedule_state,
     snapshot,
 )
@@ -168,7 +169,9 @@ def run_example(
             scheduler=scheduler,
             steps=steps_run,
         )
-        record = RankRecord(rank, initial, records.steps, time.perf_counter() - started)
+        record = RankRecord(
+            rank, initial, records.steps, time.perf_counter() - started, placements_of(module)
+        )
         result: RankRecord | tuple[RankRecord, bytes | None] = record
         if part == "until checkpoint":
             saved = target.save_checkpoint(module, model, optimizer, scheduler)

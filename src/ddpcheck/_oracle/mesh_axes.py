@@ -1,0 +1,60 @@
+"""Replicas along a mesh axis: which axis two differing ranks share, and what was placed on it.
+
+Data-parallel replicas must be bitwise copies; under tensor parallelism so must every tensor
+placed ``Replicate`` along an axis -- a norm's weight, a row-wise layer's bias, every layer the
+plan leaves alone, replicated across the ``tp`` ranks of a group; everything, across the ``dp``
+groups. The oracle compares each rank's full tensors with rank 0's bitwise (``compare``); for a
+scenario on a mesh, :func:`along_axes` says which axis a differing rank shares with rank 0 and
+how the tensor was placed there (the ranks' ``RankRecord.placements``): ``replicas differ along
+tp (parameter)``, ``Replicate()`` along tp. A sharded tensor's full value is gathered the same way
+on every rank of a group, so a difference there names the axis too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ddpcheck._base.errors import Divergence
+from ddpcheck._language.records import RankRecord
+from ddpcheck._language.scenario import Scenario
+from ddpcheck._language.tensor_parallel import mesh_shape
+
+__all__ = ["along_axes", "shared_axis"]
+
+_REPLICAS = "replicas differ"
+
+
+def shared_axis(rank: int, other: int, tp: int) -> str:
+    """The mesh axis along which ``rank`` and ``other`` differ (row-major ``(dp, tp)``): ``"tp"``
+    when they share a ``dp`` coordinate (one tensor-parallel group), ``"dp"`` when they share a
+    ``tp`` coordinate, else ``"dp and tp"``."""
+    if rank // tp == other // tp:
+        return "tp"
+    if rank % tp == other % tp:
+        return "dp"
+    return "dp and tp"
+
+
+def along_axes(
+    found: list[Divergence], records: list[RankRecord], scenario: Scenario
+) -> list[Divergence]:
+    """``found`` with each replica row of a scenario on a mesh naming its axis and placement."""
+    if scenario.tensor_parallel is None or not any(d.kind.startswith(_REPLICAS) for d in found):
+        return found
+    _, tp = mesh_shape(scenario.tensor_parallel, len(records))
+    placements = records[0].placements if records else {}
+    return [_named(d, tp, placements) for d in found]
+
+
+def _named(d: Divergence, tp: int, placements: dict[str, dict[str, str]]) -> Divergence:
+    if not d.kind.startswith(_REPLICAS) or d.rank is None:
+        return d
+    axis = shared_axis(0, d.rank, tp)
+    placed = placements.get(d.name.split(" ")[0], {})
+    where = " and ".join(f"{placed[a]} along {a}" for a in axis.split(" and ") if a in placed)
+    detail = f"placed {where}; " if where else ""
+    return dataclasses.replace(
+        d,
+        kind=d.kind.replace(_REPLICAS, f"{_REPLICAS} along {axis}", 1),
+        detail=f"{detail}rank {d.rank} and rank 0 are replicas along {axis}: {d.detail}",
+    )
