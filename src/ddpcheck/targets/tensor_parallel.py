@@ -37,6 +37,7 @@ __all__ = [
     "Torch2DTarget",
     "TorchTPTarget",
     "empty_micro_batch",
+    "empty_shard",
     "replicate_rest",
     "torch_plan",
 ]
@@ -97,6 +98,46 @@ def empty_micro_batch(scenario: Scenario, world_size: int) -> str | None:
                 f"step {step}: {size} sample(s) over dp={dp} x {micro} micro-batch(es) leave a "
                 "micro-batch empty, and torch's DTensor hangs reshaping some empty tensors "
                 "(bench/dtensor_empty_reshape.py)"
+            )
+    return None
+
+
+def _holders(features: int, tp: int) -> int:
+    """How many of ``tp`` ranks hold a piece of ``features`` as torch shards them
+    (``torch.chunk``: ``ceil(features / tp)`` each while they last -- 5 over 4 is 2, 2, 1)."""
+    if features <= 0:
+        return 0
+    size = -(-features // tp)
+    return -(-features // size)
+
+
+def empty_shard(scenario: Scenario, world_size: int) -> str | None:
+    """Why FSDP2 over ``dp`` would hang gathering a row-wise layer (None: it would not): a
+    row-wise style leaving some ``tp`` rank none of the layer's input features gives that rank a
+    ``(out, 0)`` weight shard, which torch 2.13's ``fully_shard`` turns into ``(0, 0)``; its
+    ``full_tensor()`` then all-gathers nothing and returns while the other ranks wait for it
+    (bench/fsdp2_empty_tp_shard.py confirms it without ddpcheck). ``torch_tp`` trains such
+    plans right. The layers' widths come from the model built on the meta device."""
+    tensor_parallel = scenario.tensor_parallel
+    if tensor_parallel is None or mesh_problem(tensor_parallel, world_size) is not None:
+        return None
+    _, tp = mesh_shape(tensor_parallel, world_size)
+    rowwise = [name for name, style in tensor_parallel.plan if style.startswith("rowwise")]
+    if tp == 1 or not rowwise:
+        return None
+    try:
+        with torch.device("meta"):
+            model = scenario.model()
+        layers = {name: model.get_submodule(name) for name in rowwise}
+    except Exception:  # the example itself reports a model or a plan that does not build
+        return None
+    for name, layer in layers.items():
+        features = getattr(layer, "in_features", None)
+        if isinstance(features, int) and _holders(features, tp) < tp:
+            return (
+                f"{name}: row-wise over tp={tp} leaves {tp - _holders(features, tp)} rank(s) "
+                f"none of its {features} input feature(s), and torch's FSDP2 loses such an "
+                "empty shard's shape, so gathering it hangs (bench/fsdp2_empty_tp_shard.py)"
             )
     return None
 
@@ -168,8 +209,10 @@ class Torch2DTarget(TorchTPTarget):
     }
 
     def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
-        return mesh_problem(scenario.tensor_parallel, world_size) or empty_micro_batch(
-            scenario, world_size
+        return (
+            mesh_problem(scenario.tensor_parallel, world_size)
+            or empty_micro_batch(scenario, world_size)
+            or empty_shard(scenario, world_size)
         )
 
     def parallelize(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
