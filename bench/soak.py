@@ -13,6 +13,7 @@ the oracle or a real bug in a target; either way it must be looked at.
     python bench/soak.py --strategies --examples 20000            # check's own random examples
     python bench/soak.py --tokens --examples 2000                # language models, bf16 policies
     python bench/soak.py --epochs --examples 2000                # epochs: the data paths
+    python bench/soak.py --tensor-parallel --examples 2000       # torch_tp, torch_2d, float32
 
 ``--strategies`` draws exactly what ``ddpcheck check`` draws after its battery -- ``ddpcheck.fuzz``
 with ``ddpcheck.strategies``: every layer kind (attention, embeddings, tied heads...), SGD/Adam/
@@ -232,6 +233,11 @@ STRATEGY_TARGETS = [
     ("torch_zero", targets.TORCH_ZERO, (1, 2, 3, 4)),
     ("torch_fsdp", targets.TORCH_FSDP, (1, 2, 3, 4)),
 ]
+#: ``--tensor-parallel``: meshes of <= 4 ranks, every divisor of W drawn as the degree
+TENSOR_PARALLEL_TARGETS = [
+    ("torch_tp", targets.TORCH_TP, (1, 2, 3, 4)),
+    ("torch_2d", targets.TORCH_2D, (2, 4)),
+]
 
 
 class _Tally:
@@ -300,9 +306,16 @@ COUNTED = (
 
 
 def strategies_soak(
-    examples: int, seed: int, chunk: int = 500, max_seconds: float | None = None
+    examples: int,
+    seed: int,
+    chunk: int = 500,
+    max_seconds: float | None = None,
+    chosen: list | None = None,
+    dtypes: tuple[str, ...] = ("float64", "float32"),
 ) -> int:
-    """``ddpcheck.fuzz`` -- check's random examples -- over STRATEGY_TARGETS in turn."""
+    """``ddpcheck.fuzz`` -- check's random examples -- over ``chosen`` (default
+    STRATEGY_TARGETS) in turn, in ``dtypes``."""
+    chosen = STRATEGY_TARGETS if chosen is None else chosen
     from ddpcheck._runs import engine
 
     started = time.perf_counter()
@@ -315,7 +328,7 @@ def strategies_soak(
             if max_seconds and time.perf_counter() - started > max_seconds:
                 print(f"stopping early: --max-seconds {max_seconds} reached")
                 break
-            name, target, sizes = STRATEGY_TARGETS[rounds % len(STRATEGY_TARGETS)]
+            name, target, sizes = chosen[rounds % len(chosen)]
             chunk_seed = seed * 1_000_003 + rounds
             rounds += 1
             engine.one_behind_the_other = tally.watching(pipeline, name)
@@ -324,7 +337,7 @@ def strategies_soak(
                 examples=chunk,
                 world_sizes=sizes,
                 seed=chunk_seed,
-                dtypes=("float64", "float32"),
+                dtypes=dtypes,
                 deadline=120.0,
             )
             ran[name] += result.examples
@@ -405,7 +418,22 @@ def main(argv: list[str] | None = None) -> int:
         help="every scenario a run over a dataset in epochs (the data paths); adds "
         "torch_fsdp and accelerate unless --targets is given",
     )
+    parser.add_argument(
+        "--tensor-parallel",
+        action="store_true",
+        help="check's own random examples over torch_tp (W=1-4) and torch_2d (W=2, 4): "
+        "meshes, models and plans drawn, float32 only, in chunks of 250",
+    )
     args = parser.parse_args(argv)
+    if args.tensor_parallel:
+        return strategies_soak(
+            args.examples,
+            args.seed,
+            chunk=250,
+            max_seconds=args.max_seconds,
+            chosen=TENSOR_PARALLEL_TARGETS,
+            dtypes=("float32",),
+        )
     if args.strategies:
         return strategies_soak(args.examples, args.seed, max_seconds=args.max_seconds)
     sizes = [int(w) for w in args.world_sizes.split(",")]

@@ -3,22 +3,29 @@ loses that empty shard's shape and gathering it hangs (bench/fsdp2_empty_tp_shar
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ddpcheck._language.battery import TENSOR_PARALLEL_BATTERY
+from ddpcheck._language.sharded_models import ShardedBlock, ShardedSpec, holders
 from ddpcheck.targets.catalogue import TORCH_2D, TORCH_TP
-from ddpcheck.targets.tensor_parallel import _holders, empty_shard
+from ddpcheck.targets.tensor_parallel import empty_shard
 
 
 def test_holders_count_the_ranks_torch_chunk_feeds() -> None:
     for features in range(1, 13):
         for tp in range(1, 6):
-            assert _holders(features, tp) == len(torch.chunk(torch.empty(features), tp))
+            assert holders(features, tp) == len(torch.chunk(torch.empty(features), tp))
 
 
-def test_the_uneven_battery_scenario_is_declined_where_a_rank_holds_nothing() -> None:
-    scenario = dict(TENSOR_PARALLEL_BATTERY)["tp-uneven-adam-clip"]
+def test_a_row_wise_layer_leaving_a_rank_nothing_is_declined_under_fsdp2() -> None:
+    battery = dict(TENSOR_PARALLEL_BATTERY)["tp-uneven-adam-clip"]
+    assert all(empty_shard(battery, w) is None for w in (2, 3, 4))  # 7 feeds every rank
     # hidden width 5: tp=4 (W=4) chunks it 2, 2, 1 and nothing; tp=2 and tp=3 feed every rank
-    assert "blocks.0.down" in (TORCH_2D.supports_at(scenario, 4) or "")
-    assert empty_shard(scenario, 2) is None and empty_shard(scenario, 3) is None
-    assert TORCH_TP.supports_at(scenario, 4) is None  # without FSDP2 it trains right
+    five = dataclasses.replace(
+        battery, model=ShardedSpec(blocks=(ShardedBlock("mlp", 5), ShardedBlock("norm")), width=3)
+    )
+    assert "blocks.0.down" in (TORCH_2D.supports_at(five, 4) or "")
+    assert empty_shard(five, 2) is None and empty_shard(five, 3) is None
+    assert TORCH_TP.supports_at(five, 4) is None  # without FSDP2 it trains right

@@ -140,7 +140,8 @@ def test_drawn_plans_name_real_linears_and_shard_no_dimension_emptily(data, tp):
         linear = model.get_submodule(name)
         assert isinstance(linear, nn.Linear)
         sharded = linear.out_features if style.startswith("colwise") else linear.in_features
-        assert sharded >= tp, (name, style, sharded)
+        pieces = torch.chunk(torch.empty(sharded), tp)  # torch's shards of that dimension
+        assert len(pieces) == tp and all(p.numel() for p in pieces), (name, style, sharded)
         if style == "colwise":  # a local output feeds its row-wise partner: even shards only
             assert linear.out_features % tp == 0
 
@@ -170,3 +171,10 @@ def test_an_empty_micro_batch_is_declined_for_torchs_dtensor_hang():
     assert "leave a micro-batch empty" in why and "bench/dtensor_empty_reshape.py" in why
     assert empty_micro_batch(ALL_SHARDED, 2) is None
     assert TORCH_TP.supports_at(tiny, 2) == why
+
+
+@settings(max_examples=10, deadline=None, database=None)
+@given(scenario=ddpcheck.strategies.exercising("tensor-parallel", world_size=4))
+def test_exercising_tensor_parallel_draws_meshes(scenario):
+    assert scenario.tensor_parallel is not None
+    assert scenario.tensor_parallel.degree(4) in (2, 4)

@@ -115,6 +115,10 @@ def test_a_rank_that_computes_without_end_is_no_verdict():
     assert "rank 1: still working when the wait ended; it was here:" in text
     assert "in _spin" in text
     assert "slowness is not a bug" in text
+    # what ran, and how to run it again with more time (a random example has no other record)
+    assert f"scenario: {ONE_STEP!r}" in text
+    assert "replay with more time: python -m ddpcheck replay " in text
+    assert text.endswith("--deadline SECONDS")
     check_example(targets.PARALLEL, Scenario(), 2)  # the world was replaced
 
 

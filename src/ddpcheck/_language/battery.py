@@ -256,14 +256,15 @@ def _attention_mlp_plan(at: str) -> tuple[tuple[str, str], ...]:
 
 #: The battery of a target that applies tensor-parallel plans (``Target.parallelizes``): sizes
 #: every degree of 1-4 divides where the plan needs whole heads, and ones it does not divide
-#: where torch shards unevenly.
+#: where torch shards unevenly -- never leaving a rank an empty shard, which no plan anybody
+#: writes does (and which torch 2.13's FSDP2 hangs on: bench/fsdp2_empty_tp_shard.py).
 TENSOR_PARALLEL_BATTERY: list[tuple[str, Scenario]] = [
     (
         "tp-attention-mlp",
         Scenario(
             ShardedSpec(
                 blocks=(ShardedBlock("attention", 12), ShardedBlock("mlp", 12)),
-                width=4,
+                width=7,  # over tp=2, 3, 4: 4+3, 3+3+1, 2+2+2+1 (every rank holds some)
                 head_dim=1,
             ),
             data=sequence_data,
@@ -279,12 +280,13 @@ TENSOR_PARALLEL_BATTERY: list[tuple[str, Scenario]] = [
             ),
         ),
     ),
-    # a hidden width of 5 and a norm: uneven shards, replicated parameters, Adam's state on
-    # DTensor shards, an uneven batch and clipping of a norm over shards and replicas
+    # a hidden width of 7 and a norm: uneven shards (4+3, 3+3+1, 2+2+2+1), replicated
+    # parameters, Adam's state on DTensor shards, an uneven batch and clipping of a norm over
+    # shards and replicas
     (
         "tp-uneven-adam-clip",
         Scenario(
-            ShardedSpec(blocks=(ShardedBlock("mlp", 5), ShardedBlock("norm")), width=3, head_dim=1),
+            ShardedSpec(blocks=(ShardedBlock("mlp", 7), ShardedBlock("norm")), width=3, head_dim=1),
             data=sequence_data,
             optimizer=torch.optim.Adam,
             optimizer_kwargs={"lr": 0.01},

@@ -38,6 +38,8 @@ __all__ = [
     "ShardedModel",
     "ShardedSpec",
     "plan_choices",
+    "every_rank_holds",
+    "holders",
     "sequence_data",
 ]
 
@@ -160,6 +162,18 @@ def _block(block: ShardedBlock, width: int, head_dim: int) -> nn.Module:
     return _Norm(width)
 
 
+def holders(size: int, tp: int) -> int:
+    """How many of ``tp`` ranks hold a piece of ``size`` features as torch shards them
+    (``torch.chunk``: ``ceil(size / tp)`` each while they last -- 5 over 4 is 2, 2, 1, nothing;
+    6 over 4 is 2, 2, 2, nothing)."""
+    return 0 if size <= 0 else math.ceil(size / math.ceil(size / tp))
+
+
+def every_rank_holds(size: int, tp: int) -> bool:
+    """Whether sharding ``size`` features over ``tp`` ranks leaves no rank empty-handed."""
+    return holders(size, tp) == tp
+
+
 def _lone(
     name: str, outputs: int, inputs: int, tp: int, *styles: str
 ) -> list[tuple[tuple[str, str], ...]]:
@@ -169,9 +183,9 @@ def _lone(
     then fails in the optimizer's step)."""
     allowed = styles or ("colwise-replicate", "rowwise-replicate")
     found: list[tuple[tuple[str, str], ...]] = [()]
-    if outputs >= tp and "colwise-replicate" in allowed:
+    if every_rank_holds(outputs, tp) and "colwise-replicate" in allowed:
         found.append(((name, "colwise-replicate"),))
-    if inputs >= tp and "rowwise-replicate" in allowed:
+    if every_rank_holds(inputs, tp) and "rowwise-replicate" in allowed:
         found.append(((name, "rowwise-replicate"),))
     return found
 
@@ -188,7 +202,7 @@ def plan_choices(spec: ShardedSpec, tp: int) -> list[list[tuple[tuple[str, str],
             ups = _lone(f"{at}.up", block.size, w, tp, "colwise-replicate")
             downs = _lone(f"{at}.down", w, block.size, tp, "rowwise-replicate")
             fragments = [up + down for up in ups for down in downs]
-            if block.size >= tp:  # the pair keeps the hidden activations sharded
+            if every_rank_holds(block.size, tp):  # the pair keeps the hidden features sharded
                 even = ("colwise",) if block.size % tp == 0 else ()  # uneven: as a DTensor
                 fragments += [
                     ((f"{at}.up", up), (f"{at}.down", "rowwise"))

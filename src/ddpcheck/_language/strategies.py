@@ -636,6 +636,8 @@ def exercising(
         dtypes = ("float32",) if feature in FLOAT32_ONLY else ("float64",)
     if feature in FLOAT32_ONLY and tuple(dtypes) != ("float32",):
         raise InvalidArgument(f"feature={feature!r} needs dtypes=('float32',), not {dtypes!r}")
+    if feature == "tensor-parallel":  # a mesh, a model plans apply to, a plan
+        return tensor_parallel_scenarios(world_size=world_size, dtypes=dtypes, without=without)
     if feature in features.OPT_IN:
         opt_in = (*opt_in, feature)
     model = models(mixed_dtypes=True, without=without)

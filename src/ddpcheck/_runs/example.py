@@ -354,9 +354,17 @@ def _judged(
         if failure.kind == Failure.REFUSED:  # ddpcheck's own outcome, raised in the ranks
             raise failure.refusal() from None
         if failure.kind == Failure.SLOW:  # still working when the wait ended: no verdict at all
+            replay = replay_command(
+                target,
+                scenario,
+                world_size,
+                device=common.get("device", "cpu"),
+                backend=common.get("backend"),
+            )
             raise Inconclusive(
                 f"{failure}\n\nno verdict on this example: slowness is not a bug; raise the "
-                "deadline (--deadline, deadline=) or run where the machine is quieter"
+                "deadline (--deadline, deadline=) or run where the machine is quieter\n"
+                f"scenario: {scenario!r}\nreplay with more time: {replay} --deadline SECONDS"
             ) from None
         error = verdict(target, scenario, world_size, failure=failure, **common)
     else:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ddpcheck._language.scenario import Scenario, batch_size_of, micro_batches_of
+from ddpcheck._language.sharded_models import holders
 from ddpcheck._language.tensor_parallel import mesh_problem, mesh_shape
 from ddpcheck.targets.fsdp import broadcast_from, gradient_sync_off, shard_leaves
 from ddpcheck.targets.protocol import Target
@@ -102,15 +103,6 @@ def empty_micro_batch(scenario: Scenario, world_size: int) -> str | None:
     return None
 
 
-def _holders(features: int, tp: int) -> int:
-    """How many of ``tp`` ranks hold a piece of ``features`` as torch shards them
-    (``torch.chunk``: ``ceil(features / tp)`` each while they last -- 5 over 4 is 2, 2, 1)."""
-    if features <= 0:
-        return 0
-    size = -(-features // tp)
-    return -(-features // size)
-
-
 def empty_shard(scenario: Scenario, world_size: int) -> str | None:
     """Why FSDP2 over ``dp`` would hang gathering a row-wise layer (None: it would not): a
     row-wise style leaving some ``tp`` rank none of the layer's input features gives that rank a
@@ -133,9 +125,9 @@ def empty_shard(scenario: Scenario, world_size: int) -> str | None:
         return None
     for name, layer in layers.items():
         features = getattr(layer, "in_features", None)
-        if isinstance(features, int) and _holders(features, tp) < tp:
+        if isinstance(features, int) and holders(features, tp) < tp:
             return (
-                f"{name}: row-wise over tp={tp} leaves {tp - _holders(features, tp)} rank(s) "
+                f"{name}: row-wise over tp={tp} leaves {tp - holders(features, tp)} rank(s) "
                 f"none of its {features} input feature(s), and torch's FSDP2 loses such an "
                 "empty shard's shape, so gathering it hangs (bench/fsdp2_empty_tp_shard.py)"
             )
