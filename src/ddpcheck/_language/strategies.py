@@ -30,7 +30,7 @@ from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language import features
 from ddpcheck._language.models import KINDS, Layer, ModelSpec
 from ddpcheck._language.optimizers import optimizers
-from ddpcheck._language.plans import tensor_parallel_scenarios
+from ddpcheck._language.plans import DRAWN, tensor_parallel_scenarios
 from ddpcheck._language.scenario import Epochs, Scenario
 from ddpcheck._language.torch_limits import autocast_unavailable
 from ddpcheck._language.zoo import BiasGroups, GPTConfig, token_data
@@ -636,8 +636,8 @@ def exercising(
         dtypes = ("float32",) if feature in FLOAT32_ONLY else ("float64",)
     if feature in FLOAT32_ONLY and tuple(dtypes) != ("float32",):
         raise InvalidArgument(f"feature={feature!r} needs dtypes=('float32',), not {dtypes!r}")
-    if feature == "tensor-parallel":  # a mesh, a model plans apply to, a plan
-        return tensor_parallel_scenarios(world_size=world_size, dtypes=dtypes, without=without)
+    if feature == "tensor-parallel" or "tensor-parallel" in opt_in:  # meshes and plans only
+        return _on_a_mesh(feature, world_size, tuple(dtypes), without)
     if feature in features.OPT_IN:
         opt_in = (*opt_in, feature)
     model = models(mixed_dtypes=True, without=without)
@@ -660,6 +660,17 @@ def exercising(
         _tokens=True if feature == "tokens" else False if feature in _LAYERS else None,
     )
     return _forced(drawn, feature, world_size, "uneven-batches" in without, resumes)
+
+
+def _on_a_mesh(
+    feature: str, world_size: int, dtypes: tuple[str, ...], without: frozenset[str]
+) -> st.SearchStrategy[Scenario]:
+    """Tensor-parallel scenarios exercising ``feature`` (a target that applies plans is given
+    no others); ``NothingChecked`` for a feature they are not drawn with."""
+    if feature not in DRAWN or (world_size == 1 and feature == "uneven-batches"):
+        raise NothingChecked(f"tensor-parallel scenarios are not drawn with {feature} yet")
+    drawn = tensor_parallel_scenarios(world_size=world_size, dtypes=dtypes, without=without)
+    return drawn.filter(lambda s: feature in features.of(s, world_size))
 
 
 def _with_layer(spec: ModelSpec, layer: Layer, index: int) -> ModelSpec:

@@ -377,7 +377,17 @@ def _feature_cell(
         cell.status, cell.reason = "declined", why
         return cell
     started = time.perf_counter()
-    strategy = dst.exercising(feature, world_size=world_size, dtypes=dtypes, without=unsupported)
+    try:
+        strategy = dst.exercising(
+            feature,
+            world_size=world_size,
+            dtypes=dtypes,
+            without=unsupported,
+            opt_in=frozenset({"tensor-parallel"}) - unsupported,  # a mesh target's own kind
+        )
+    except NothingChecked as exc:  # no scenario of this target's kind has the feature
+        cell.status, cell.reason = "n/a", str(exc)
+        return cell
     found = search(
         Draws(target, {world_size: strategy}),
         cell_plan(

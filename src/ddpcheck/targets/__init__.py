@@ -37,8 +37,10 @@ from ddpcheck.targets.catalogue import (
     PARALLEL_DDP,
     READY_MADE,
     TESTED,
+    TORCH_2D,
     TORCH_DDP,
     TORCH_FSDP,
+    TORCH_TP,
     TORCH_ZERO,
     TORCH_ZERO_BUCKET_VIEW,
     ReadyMade,
@@ -48,6 +50,7 @@ from ddpcheck.targets.fabric import FabricTarget
 from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.protocol import CONSTRUCTOR_CALL, FitRun, OwnsLoop, Target, WrapperTarget
+from ddpcheck.targets.tensor_parallel import Torch2DTarget, TorchTPTarget
 
 __all__ = [
     "ACCELERATE",
@@ -75,13 +78,17 @@ __all__ = [
     "READY_MADE",
     "ReadyMade",
     "TESTED",
+    "TORCH_2D",
     "TORCH_DDP",
     "TORCH_FSDP",
+    "TORCH_TP",
     "TORCH_ZERO",
     "TORCH_ZERO_BUCKET_VIEW",
     "Target",
+    "Torch2DTarget",
     "TorchDDPTarget",
     "TorchFSDPTarget",
+    "TorchTPTarget",
     "TorchZeroTarget",
     "WrapperTarget",
     "ZERO_HARNESS_KEYS",
