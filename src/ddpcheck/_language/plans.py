@@ -109,9 +109,9 @@ def _scenarios(
         batch = dp * draw(st.integers(1, max(1, max_batch // dp)))
     else:
         batch = draw(st.integers(1, max_batch))
-    clip = {}
+    max_grad_norm = None
     if "clipping" not in without and draw(st.sampled_from((False, False, False, True))):
-        clip = {"max_grad_norm": draw(st.sampled_from((0.5, 2.0, 8.0)))}
+        max_grad_norm = draw(st.sampled_from((0.5, 2.0, 8.0)))
     return Scenario(
         model=spec,
         data=sequence_data,
@@ -124,6 +124,6 @@ def _scenarios(
         dtype=dtype,
         seed=draw(st.integers(0, 2**16)),
         rank_seeds="broadcast" not in without,
-        **clip,
+        max_grad_norm=max_grad_norm,
         tensor_parallel=TensorParallel(plan, None if tp == world_size else tp),
     )

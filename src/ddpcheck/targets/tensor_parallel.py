@@ -17,7 +17,7 @@ feeding ``RowwiseParallel()`` crashes when ``tp`` does not divide the hidden wid
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, ClassVar
 
@@ -47,7 +47,7 @@ def torch_plan(plan: tuple[tuple[str, str], ...]) -> dict[str, ParallelStyle]:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    styles = {
+    styles: dict[str, Callable[[], ParallelStyle]] = {
         "colwise": ColwiseParallel,
         "colwise-dtensor": lambda: ColwiseParallel(use_local_output=False),
         "rowwise": RowwiseParallel,
@@ -79,7 +79,14 @@ def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
     for child in list(module.modules()):
         own = list(child.parameters(recurse=False))
         if own and not any(isinstance(p, DTensor) for p in own):
-            distribute_module(child, mesh, input_fn=inputs, output_fn=outputs)
+            # torch types both hooks as returning None; what they return replaces the module's
+            # inputs and outputs (torch.distributed.tensor's distribute_module)
+            distribute_module(
+                child,
+                mesh,
+                input_fn=inputs,  # type: ignore[arg-type]
+                output_fn=outputs,  # type: ignore[arg-type]
+            )
 
 
 def empty_micro_batch(scenario: Scenario, world_size: int) -> str | None:
