@@ -55,6 +55,7 @@ from ddpcheck.mutation import broken_fsdp as F
 from ddpcheck.mutation import broken_loop as L
 from ddpcheck.mutation import broken_optimizer as O
 from ddpcheck.mutation import broken_options as P
+from ddpcheck.mutation import broken_tp as T
 from ddpcheck.targets import (
     ACCELERATE,
     HF_TRAINER,
@@ -65,6 +66,7 @@ from ddpcheck.targets import (
     Target,
     TorchFSDPTarget,
 )
+from ddpcheck.targets.catalogue import PARALLEL_TP
 from parallel import DDP, ShardedOptimizer
 
 __all__ = ["CATALOGUE", "OPTION_CATALOGUE", "Mutant", "by_name", "stale_overrides"]
@@ -605,6 +607,108 @@ CATALOGUE += [
 ]
 
 
+# Tensor parallelism (``broken_tp``): this repository's column/row layers (``parallel_tp``) with
+# one seeded bug each -- in a layer, or in one hook of the target -- against the unmutated
+# ``parallel_tp``. Only tensor-parallel scenarios reach them (``tensor_parallel_scenarios``, the
+# tensor-parallel battery).
+TP_CONTROL = PARALLEL_TP
+CATALOGUE += [
+    Mutant(name, bug_class, description, target, TP_CONTROL)
+    for name, bug_class, description, target in [
+        (
+            "RowBiasOnEveryRankTP",
+            "K1",
+            "row-parallel bias added on every rank before the all-reduce: tp times the bias",
+            T.RowBiasOnEveryRankTP(),
+        ),
+        (
+            "RowBiasGradOverTpTP",
+            "K2",
+            "row-parallel bias / tp added before the all-reduce: its gradient 1/tp of the truth",
+            T.RowBiasGradOverTpTP(),
+        ),
+        (
+            "ColumnInputGradUnreducedTP",
+            "K3",
+            "column layer's input gradient never all-reduced over tp",
+            T.ColumnInputGradUnreducedTP(),
+        ),
+        (
+            "RowOutputUnreducedTP",
+            "K4",
+            "row layer's partial outputs never all-reduced",
+            T.RowOutputUnreducedTP(),
+        ),
+        (
+            "RowOutputAveragedTP",
+            "K4",
+            "row layer's partial outputs averaged over tp instead of summed",
+            T.RowOutputAveragedTP(),
+        ),
+        (
+            "GatherReversedTP",
+            "K5",
+            "column layer's gathered output chunks concatenated in reverse rank order",
+            T.GatherReversedTP(),
+        ),
+        (
+            "ShardsScatteredReversedTP",
+            "K6",
+            "rank 0 scatters the column shards in reverse rank order",
+            T.ShardsScatteredReversedTP(),
+        ),
+        (
+            "ShardsFromOwnInitTP",
+            "K6",
+            "each rank cuts its column shard from its own initialisation, not rank 0's",
+            T.ShardsFromOwnInitTP(),
+        ),
+        (
+            "FlooredShardsTP",
+            "K7",
+            "uneven shards of size // tp features: the remainder is held by nobody",
+            T.FlooredShardsTP(),
+        ),
+        (
+            "DataNotFollowingMeshTP",
+            "K8",
+            "the batch split over the whole world: the ranks of a tp group see other samples",
+            T.DataNotFollowingMeshTP(),
+        ),
+        (
+            "NormCountsReplicasTP",
+            "K9",
+            "gradient norm all-reduced over tp with the replicated gradients: counted tp times",
+            T.NormCountsReplicasTP(),
+        ),
+        (
+            "NormNotReducedTP",
+            "K9",
+            "clip_grad_norm_ over the local shards: each rank clips by its own norm",
+            T.NormNotReducedTP(),
+        ),
+        (
+            "ReplicatedNotBroadcastTP",
+            "K10",
+            "replicated parameters never broadcast from rank 0: the replicas drift apart",
+            T.ReplicatedNotBroadcastTP(),
+        ),
+        (
+            "LossScaledByTpTP",
+            "K11",
+            "the loss divided by tp as if the tp ranks were data-parallel replicas",
+            T.LossScaledByTpTP(),
+        ),
+        (
+            "ReplicatedGradsSummedTP",
+            "K12",
+            "replicated gradients all-reduced over tp as sequence-parallel norms' are: tp times",
+            T.ReplicatedGradsSummedTP(),
+        ),
+    ]
+]
+
+
 # Behind an option (``broken_options``): each a framework target (or parallel_ddp with a bf16
 # option) whose bug only a configuration its config_space() draws reaches, with the unmutated
 # target as its control. Not in CATALOGUE: ``ddpcheck mutants`` checks each target as given, which
@@ -665,7 +769,7 @@ def stale_overrides() -> list[str]:
         if mutant.control is not None:  # broken_loop: the control's class and its pieces
             control = type(mutant.control)
             stale += _stale(mutant, type(mutant.target), control)
-            for piece in ("optimizer_class", "scheduler_class"):
+            for piece in ("optimizer_class", "scheduler_class", "column_class", "row_class"):
                 broken, original = (
                     getattr(type(mutant.target), piece, None),
                     getattr(control, piece, None),

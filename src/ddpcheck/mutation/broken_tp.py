@@ -1,0 +1,318 @@
+"""Tensor-parallel mutants: ``parallel_tp`` (``ddpcheck.targets.parallel_tp.ParallelTPTarget``
+over ``parallel.tensor_parallel``) with one seeded bug each (family K of
+``docs/bug-catalogue.md``).
+
+Each mutant overrides one method: of the column or row layer (the target then swaps that class
+in, ``column_class`` / ``row_class``; ``FlooredShardsTP`` swaps both, each with the same one
+method), or of the target itself (``shard_batch``, ``clip_grad_norm``, ``apply_plan``,
+``backward``, ``after_backward``). Each docstring names the method and says the bug. The unmutated
+``parallel_tp`` is their control, and ``catalogue.stale_overrides`` checks that every override
+still overrides a method of the class it mutates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ddpcheck._language.batches import BatchPlan, GlobalBatch, contiguous
+from ddpcheck._language.training import OptimizerLike
+from ddpcheck.targets.parallel_tp import ParallelTPTarget
+from parallel import tensor_parallel as tp
+
+__all__ = [
+    "ColumnInputGradUnreducedTP",
+    "DataNotFollowingMeshTP",
+    "FlooredShardsTP",
+    "GatherReversedTP",
+    "LossScaledByTpTP",
+    "NormCountsReplicasTP",
+    "NormNotReducedTP",
+    "ReplicatedGradsSummedTP",
+    "ReplicatedNotBroadcastTP",
+    "RowBiasGradOverTpTP",
+    "RowBiasOnEveryRankTP",
+    "RowOutputAveragedTP",
+    "RowOutputUnreducedTP",
+    "ShardsFromOwnInitTP",
+    "ShardsScatteredReversedTP",
+]
+
+
+# -- the broken layers -------------------------------------------------------------------------
+
+
+class BiasOnEveryRankRow(tp.RowParallelLinear):
+    """``forward``: the bias added by ``F.linear`` on every rank, before the all-reduce sums the
+    partial products -- it counts ``tp`` times (the classic row-parallel bias bug)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = self._scatter_in(x)
+        return self._reduce_out(F.linear(x, self.weight, self.bias))  # BUG: bias in each part
+
+
+class BiasOverTpRow(tp.RowParallelLinear):
+    """``forward``: the "fix" for the bias counted ``tp`` times -- each rank adds ``bias / tp``
+    before the all-reduce: the output is right, the bias gradient ``1 / tp`` of the truth."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = self._scatter_in(x)
+        bias = None if self.bias is None else self.bias / self.tp  # BUG: its gradient too
+        return self._reduce_out(F.linear(x, self.weight, bias))
+
+
+class OutputUnreducedRow(tp.RowParallelLinear):
+    """``_reduce_out``: the partial products are never all-reduced: each rank goes on with its
+    own part of the output."""
+
+    def _reduce_out(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial  # BUG: no all-reduce
+
+
+class OutputAveragedRow(tp.RowParallelLinear):
+    """``_reduce_out``: the partial products are averaged (all-reduced, divided by ``tp``) as
+    data-parallel gradients are, where they must be summed."""
+
+    def _reduce_out(self, partial: torch.Tensor) -> torch.Tensor:
+        return tp.reduce_from_group(partial, self.group) / self.tp  # BUG: a mean, not the sum
+
+
+class InputGradUnreducedColumn(tp.ColumnParallelLinear):
+    """``_copy_in``: the input enters as a plain tensor, so its gradient is never all-reduced:
+    each rank back-propagates only the part its own output features give."""
+
+    def _copy_in(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # BUG: no CopyToGroup, no all-reduce in backward
+
+
+class GatherReversedColumn(tp.ColumnParallelLinear):
+    """``_gather_out``: the all-gathered output chunks concatenated in reverse rank order (the
+    gathered list read back to front); its backward slices the gradient to match."""
+
+    def _gather_out(self, y: torch.Tensor) -> torch.Tensor:
+        whole = tp.gather_from_group(y, self.out_features, self.group)
+        bounds = [tp.chunk_bounds(self.out_features, self.tp, r) for r in range(self.tp)]
+        # BUG: rank tp-1's chunk first, rank 0's last
+        order = [i for start, stop in reversed(bounds) for i in range(start, stop)]
+        return whole[..., order]
+
+
+class ScatteredReversedColumn(tp.ColumnParallelLinear):
+    """``_scatter``: rank 0 builds its scatter list back to front, so rank ``r`` receives chunk
+    ``tp - 1 - r`` of the weight (the part of it that fits its own chunk's size)."""
+
+    @torch.no_grad()
+    def _scatter(self, full: torch.Tensor, dim: int) -> nn.Parameter:
+        size = full.shape[dim]
+        start, stop = self._bounds(size, self.rank)
+        shape = list(full.shape)
+        shape[dim] = math.ceil(size / self.tp)
+        mine = torch.zeros(shape, dtype=full.dtype, device=full.device)
+        pieces = None
+        if self.rank == 0:
+            pieces = []
+            for rank in reversed(range(self.tp)):  # BUG: the list in reverse rank order
+                a, b = self._bounds(size, rank)
+                piece = torch.zeros_like(mine)
+                piece.narrow(dim, 0, b - a).copy_(full.narrow(dim, a, b - a))
+                pieces.append(piece)
+        dist.scatter(mine, pieces, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return nn.Parameter(mine.narrow(dim, 0, stop - start).clone())
+
+
+class OwnInitColumn(tp.ColumnParallelLinear):
+    """``_scatter``: each rank slices its chunk out of its *own* initialisation; nothing comes
+    from rank 0, so the sharded weight is no rank's initial weight."""
+
+    @torch.no_grad()
+    def _scatter(self, full: torch.Tensor, dim: int) -> nn.Parameter:
+        start, stop = self._bounds(full.shape[dim], self.rank)
+        return nn.Parameter(full.detach().narrow(dim, start, stop - start).clone())  # BUG
+
+
+def _floored(size: int, tp_size: int, rank: int) -> tuple[int, int]:
+    chunk = size // tp_size  # BUG: size // tp per rank, the remainder held by nobody
+    return rank * chunk, (rank + 1) * chunk
+
+
+class FlooredColumn(tp.ColumnParallelLinear):
+    """``_bounds``: every rank holds ``size // tp`` features; the remainder is dropped."""
+
+    def _bounds(self, size: int, rank: int) -> tuple[int, int]:
+        return _floored(size, self.tp, rank)
+
+
+class FlooredRow(tp.RowParallelLinear):
+    """``_bounds``: every rank holds ``size // tp`` features; the remainder is dropped."""
+
+    def _bounds(self, size: int, rank: int) -> tuple[int, int]:
+        return _floored(size, self.tp, rank)
+
+
+# -- the targets -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBiasOnEveryRankTP(ParallelTPTarget):
+    """K1: the row-parallel bias added on every rank before the all-reduce
+    (``BiasOnEveryRankRow``)."""
+
+    row_class = BiasOnEveryRankRow
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBiasGradOverTpTP(ParallelTPTarget):
+    """K2: ``bias / tp`` added on every rank: the bias gradient ``1 / tp`` of the truth
+    (``BiasOverTpRow``)."""
+
+    row_class = BiasOverTpRow
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnInputGradUnreducedTP(ParallelTPTarget):
+    """K3: the column layer's input gradient never all-reduced (``InputGradUnreducedColumn``)."""
+
+    column_class = InputGradUnreducedColumn
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOutputUnreducedTP(ParallelTPTarget):
+    """K4: the row layer's partial outputs never all-reduced (``OutputUnreducedRow``)."""
+
+    row_class = OutputUnreducedRow
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOutputAveragedTP(ParallelTPTarget):
+    """K4: the row layer's partial outputs averaged instead of summed (``OutputAveragedRow``)."""
+
+    row_class = OutputAveragedRow
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherReversedTP(ParallelTPTarget):
+    """K5: a column layer's gathered output in the wrong rank order (``GatherReversedColumn``)."""
+
+    column_class = GatherReversedColumn
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardsScatteredReversedTP(ParallelTPTarget):
+    """K6: column shards scattered to the ranks in reverse order (``ScatteredReversedColumn``)."""
+
+    column_class = ScatteredReversedColumn
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardsFromOwnInitTP(ParallelTPTarget):
+    """K6: each rank's column shard cut from its own initialisation, not scattered from rank 0
+    (``OwnInitColumn``)."""
+
+    column_class = OwnInitColumn
+
+
+@dataclasses.dataclass(frozen=True)
+class FlooredShardsTP(ParallelTPTarget):
+    """K7: uneven shards of ``size // tp`` features, the remainder dropped (``FlooredColumn``,
+    ``FlooredRow``: the same ``_bounds`` in both layers, so a column/row pair stays consistent
+    and trains silently on fewer features)."""
+
+    column_class = FlooredColumn
+    row_class = FlooredRow
+
+
+@dataclasses.dataclass(frozen=True)
+class DataNotFollowingMeshTP(ParallelTPTarget):
+    """K8 (``shard_batch``): the batch split over the whole world, as if every rank were a
+    data-parallel replica -- the ranks of one ``tp`` group train on different samples (a
+    ``DistributedSampler(num_replicas=world_size, rank=global_rank)`` under tensor
+    parallelism). Every sample is still weighed once in total; the replicas can stay bitwise
+    identical (every rank-specific tensor reduced), and only the reference sees the numbers.
+
+    In the checking process (no world: the hook is also called there to validate the plan) it
+    follows the mesh, as the harness tells it; inside the ranks it reads the world's own rank."""
+
+    def shard_batch(self, batch: GlobalBatch) -> BatchPlan:
+        if dist.is_initialized():  # BUG: the world's rank and size, not the dp coordinate
+            batch = dataclasses.replace(
+                batch, rank=dist.get_rank(), world_size=dist.get_world_size()
+            )
+        return contiguous(batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class NormCountsReplicasTP(ParallelTPTarget):
+    """K9 (``clip_grad_norm``): every gradient's |g|^p all-reduced over the ``tp`` group, the
+    replicated ones too, which every rank holds whole: each counted ``tp`` times, the norm too
+    large, the clipping too strong."""
+
+    def clip_grad_norm(
+        self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float
+    ) -> object:
+        state = self._state()
+        grads = [p.grad for p in state["module"].parameters() if p.grad is not None]
+        norms = torch.stack([torch.linalg.vector_norm(g.double(), norm_type) for g in grads])
+        share = norms.max() if norm_type == math.inf else (norms**norm_type).sum()
+        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+        dist.all_reduce(share, op=op, group=state["tp_group"])  # BUG: replicas counted tp times
+        norm = share if norm_type == math.inf else share ** (1.0 / norm_type)
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coefficient.to(g.dtype))
+        return norm
+
+
+@dataclasses.dataclass(frozen=True)
+class NormNotReducedTP(ParallelTPTarget):
+    """K9 (``clip_grad_norm``): ``torch.nn.utils.clip_grad_norm_`` over the local tensors, as
+    if they were the model: each rank clips by the norm of its own shards, and the ranks scale
+    their replicated gradients by different coefficients."""
+
+    def clip_grad_norm(
+        self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float
+    ) -> object:
+        module = self._state()["module"]
+        return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, norm_type)  # BUG
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicatedNotBroadcastTP(ParallelTPTarget):
+    """K10 (``apply_plan``): the replicated parameters are never broadcast from rank 0
+    (``broadcast_replicated`` left out), so every rank keeps its own initialisation of them and
+    the replicas drift apart from step 0."""
+
+    def apply_plan(self, module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+        plan = tp.check_plan(module, self.plan)  # BUG: no broadcast_replicated(module, ...)
+        return tp.shard_linears(module, group, plan, column=self.column_class, row=self.row_class)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaledByTpTP(ParallelTPTarget):
+    """K11 (``backward``): the loss divided by ``tp`` as if the ``tp`` ranks were data-parallel
+    replicas whose gradients are summed: every gradient ``1 / tp`` of the truth."""
+
+    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
+        tp_size = dist.get_world_size(self._state()["tp_group"])
+        (loss / tp_size).backward()  # BUG: the tp ranks see the same samples: nothing to average
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicatedGradsSummedTP(ParallelTPTarget):
+    """K12 (``after_backward``): the replicated parameters' gradients all-reduced (summed) over
+    the ``tp`` group, as sequence-parallel norm weights' must be -- but here every rank already
+    holds the whole gradient: ``tp`` times the truth."""
+
+    def after_backward(self, model: nn.Module, optimizer: OptimizerLike) -> None:
+        super().after_backward(model, optimizer)
+        state = self._state()
+        sharded = {id(p) for p, _, _ in state["shards"]}
+        for p in state["module"].parameters():
+            if p.grad is not None and id(p) not in sharded:
+                dist.all_reduce(p.grad, group=state["tp_group"])  # BUG: already whole
