@@ -128,53 +128,61 @@ class ReduceFromGroup(torch.autograd.Function):
         return grad, None
 
 
-def _gather_last(local: torch.Tensor, size: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """The chunks of the last dim held by the group's ranks, all-gathered into ``size``
-    features. gloo gathers equal sizes only: each chunk travels padded to the longest."""
-    tp, longest = dist.get_world_size(group), math.ceil(size / dist.get_world_size(group))
+def _gather_last(
+    local: torch.Tensor, bounds: list[tuple[int, int]], size: int, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """The chunks of the last dim held by the group's ranks -- rank ``r`` holds features
+    ``bounds[r]`` -- all-gathered into ``size`` features. gloo gathers equal sizes only: each
+    chunk travels padded to the longest."""
+    longest = max(stop - start for start, stop in bounds)
     padded = F.pad(local.contiguous(), (0, longest - local.shape[-1]))
-    chunks = [torch.empty_like(padded) for _ in range(tp)]
+    chunks = [torch.empty_like(padded) for _ in bounds]
     # every rank's chunk of the features to every rank (padded to equal sizes)
     dist.all_gather(chunks, padded, group=group)
-    pieces = []
-    for rank, chunk in enumerate(chunks):
-        start, stop = chunk_bounds(size, tp, rank)
-        pieces.append(chunk[..., : stop - start])
-    return torch.cat(pieces, dim=-1)
-
-
-def _my_slice(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """This rank's chunk of ``x``'s last dim (no communication)."""
-    start, stop = chunk_bounds(x.shape[-1], dist.get_world_size(group), dist.get_rank(group))
-    return x[..., start:stop].contiguous()
+    whole = local.new_zeros(*local.shape[:-1], size)
+    for chunk, (start, stop) in zip(chunks, bounds):
+        whole[..., start:stop] = chunk[..., : stop - start]
+    return whole
 
 
 class GatherFromGroup(torch.autograd.Function):
-    """Forward: the sharded output features all-gathered (a column layer's replicated output).
-    Backward: each rank keeps its own slice of the output gradient (identical on every rank)."""
+    """Forward: the sharded output features all-gathered (a column layer's replicated output;
+    rank ``r`` holds features ``bounds[r]``). Backward: each rank keeps its own slice of the
+    output gradient (identical on every rank)."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, size: int, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _gather_last(local, size, group)
+    def forward(
+        ctx: Any,
+        local: torch.Tensor,
+        bounds: list[tuple[int, int]],
+        size: int,
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
+        ctx.mine = bounds[dist.get_rank(group)]
+        return _gather_last(local, bounds, size, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _my_slice(grad, ctx.group), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        start, stop = ctx.mine
+        return grad[..., start:stop].contiguous(), None, None, None
 
 
 class ScatterToGroup(torch.autograd.Function):
-    """Forward: this rank's slice of a replicated input's features (no communication).
-    Backward: the slices of the input gradient all-gathered, so every rank holds it whole."""
+    """Forward: this rank's slice of a replicated input's features, ``bounds[rank]`` (no
+    communication). Backward: the slices of the input gradient all-gathered, so every rank
+    holds it whole."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group, ctx.size = group, x.shape[-1]
-        return _my_slice(x, group)
+    def forward(
+        ctx: Any, x: torch.Tensor, bounds: list[tuple[int, int]], group: dist.ProcessGroup
+    ) -> torch.Tensor:
+        ctx.bounds, ctx.size, ctx.group = bounds, x.shape[-1], group
+        start, stop = bounds[dist.get_rank(group)]
+        return x[..., start:stop].contiguous()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather_last(grad, ctx.size, ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather_last(grad, ctx.bounds, ctx.size, ctx.group), None, None
 
 
 def copy_to_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -189,15 +197,21 @@ def reduce_from_group(partial: torch.Tensor, group: dist.ProcessGroup) -> torch.
     return out
 
 
-def gather_from_group(local: torch.Tensor, size: int, group: dist.ProcessGroup) -> torch.Tensor:
+def gather_from_group(
+    local: torch.Tensor, bounds: list[tuple[int, int]], size: int, group: dist.ProcessGroup
+) -> torch.Tensor:
     """:class:`GatherFromGroup` applied: ``size`` features all-gathered from each rank's chunk."""
-    out: torch.Tensor = GatherFromGroup.apply(local, size, group)  # type: ignore[no-untyped-call]
+    out: torch.Tensor = GatherFromGroup.apply(  # type: ignore[no-untyped-call]  # torch's
+        local, bounds, size, group
+    )
     return out
 
 
-def scatter_to_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def scatter_to_group(
+    x: torch.Tensor, bounds: list[tuple[int, int]], group: dist.ProcessGroup
+) -> torch.Tensor:
     """:class:`ScatterToGroup` applied: this rank's slice forward, all-gathered backward."""
-    out: torch.Tensor = ScatterToGroup.apply(x, group)  # type: ignore[no-untyped-call]
+    out: torch.Tensor = ScatterToGroup.apply(x, bounds, group)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -240,16 +254,16 @@ class ShardedLinear(nn.Module):
         rank passes its own ``full``; only rank 0's is read). Chunks travel padded to the
         longest: gloo scatters equal sizes only."""
         size = full.shape[dim]
-        longest = math.ceil(size / self.tp)
-        start, stop = self._bounds(size, self.rank)
+        layout = self._layout(size)
+        longest = max(b - a for a, b in layout)
+        start, stop = layout[self.rank]
         shape = list(full.shape)
         shape[dim] = longest
         mine = torch.zeros(shape, dtype=full.dtype, device=full.device)
         pieces = None
         if self.rank == 0:
             pieces = []
-            for rank in range(self.tp):
-                a, b = self._bounds(size, rank)
+            for a, b in layout:
                 piece = torch.zeros_like(mine)
                 piece.narrow(dim, 0, b - a).copy_(full.narrow(dim, a, b - a))
                 pieces.append(piece)
@@ -257,22 +271,17 @@ class ShardedLinear(nn.Module):
         dist.scatter(mine, pieces, src=dist.get_global_rank(self.group, 0), group=self.group)
         return nn.Parameter(mine.narrow(dim, 0, stop - start).clone())
 
+    def _layout(self, size: int) -> list[tuple[int, int]]:
+        """Every rank's ``[start, stop)`` of ``size`` features, in group rank order."""
+        return [self._bounds(size, rank) for rank in range(self.tp)]
+
     @torch.no_grad()
     def full(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """The whole of ``tensor`` -- this rank's chunk along ``dim`` of a sharded parameter, its
         gradient or optimizer state -- from every rank's chunk. Collective over the group."""
         size = self.out_features if dim == 0 else self.in_features
-        moved = tensor.movedim(dim, -1).contiguous()
-        longest = math.ceil(size / self.tp)
-        padded = F.pad(moved, (0, longest - moved.shape[-1]))
-        chunks = [torch.empty_like(padded) for _ in range(self.tp)]
-        # every rank's chunk to every rank, for checking (padded to equal sizes)
-        dist.all_gather(chunks, padded, group=self.group)
-        whole = moved.new_zeros(*moved.shape[:-1], size)
-        for rank, chunk in enumerate(chunks):
-            start, stop = self._bounds(size, rank)
-            whole[..., start:stop] = chunk[..., : stop - start]
-        return whole.movedim(-1, dim)
+        moved = tensor.movedim(dim, -1)
+        return _gather_last(moved, self._layout(size), size, self.group).movedim(-1, dim)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp}"
@@ -299,7 +308,7 @@ class ColumnParallelLinear(ShardedLinear):
         return copy_to_group(x, self.group)
 
     def _gather_out(self, y: torch.Tensor) -> torch.Tensor:
-        return gather_from_group(y, self.out_features, self.group)
+        return gather_from_group(y, self._layout(self.out_features), self.out_features, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(self._copy_in(x), self.weight, self.bias)
@@ -325,7 +334,7 @@ class RowParallelLinear(ShardedLinear):
         self.shard_dims = {"weight": 1}
 
     def _scatter_in(self, x: torch.Tensor) -> torch.Tensor:
-        return scatter_to_group(x, self.group)
+        return scatter_to_group(x, self._layout(self.in_features), self.group)
 
     def _reduce_out(self, partial: torch.Tensor) -> torch.Tensor:
         return reduce_from_group(partial, self.group)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddpcheck._language.batches import BatchPlan, GlobalBatch, contiguous
+from ddpcheck._language.scenario import Scenario, batch_size_of, micro_batches_of
 from ddpcheck._language.training import OptimizerLike
 from ddpcheck.targets.parallel_tp import ParallelTPTarget
 from parallel import tensor_parallel as tp
@@ -97,8 +98,8 @@ class GatherReversedColumn(tp.ColumnParallelLinear):
     gathered list read back to front); its backward slices the gradient to match."""
 
     def _gather_out(self, y: torch.Tensor) -> torch.Tensor:
-        whole = tp.gather_from_group(y, self.out_features, self.group)
-        bounds = [tp.chunk_bounds(self.out_features, self.tp, r) for r in range(self.tp)]
+        bounds = self._layout(self.out_features)
+        whole = tp.gather_from_group(y, bounds, self.out_features, self.group)
         # BUG: rank tp-1's chunk first, rank 0's last
         order = [i for start, stop in reversed(bounds) for i in range(start, stop)]
         return whole[..., order]
@@ -111,15 +112,15 @@ class ScatteredReversedColumn(tp.ColumnParallelLinear):
     @torch.no_grad()
     def _scatter(self, full: torch.Tensor, dim: int) -> nn.Parameter:
         size = full.shape[dim]
-        start, stop = self._bounds(size, self.rank)
+        layout = self._layout(size)
+        start, stop = layout[self.rank]
         shape = list(full.shape)
-        shape[dim] = math.ceil(size / self.tp)
+        shape[dim] = max(b - a for a, b in layout)
         mine = torch.zeros(shape, dtype=full.dtype, device=full.device)
         pieces = None
         if self.rank == 0:
             pieces = []
-            for rank in reversed(range(self.tp)):  # BUG: the list in reverse rank order
-                a, b = self._bounds(size, rank)
+            for a, b in reversed(layout):  # BUG: the list in reverse rank order
                 piece = torch.zeros_like(mine)
                 piece.narrow(dim, 0, b - a).copy_(full.narrow(dim, a, b - a))
                 pieces.append(piece)
@@ -230,14 +231,29 @@ class FlooredShardsTP(ParallelTPTarget):
 
 @dataclasses.dataclass(frozen=True)
 class DataNotFollowingMeshTP(ParallelTPTarget):
-    """K8 (``shard_batch``): the batch split over the whole world, as if every rank were a
-    data-parallel replica -- the ranks of one ``tp`` group train on different samples (a
-    ``DistributedSampler(num_replicas=world_size, rank=global_rank)`` under tensor
-    parallelism). Every sample is still weighed once in total; the replicas can stay bitwise
-    identical (every rank-specific tensor reduced), and only the reference sees the numbers.
+    """K8 (``shard_batch``; ``supports_at`` states its loader's precondition): the batch
+    split over the whole world, as if every rank were a data-parallel replica -- the ranks of one
+    ``tp`` group train on different samples (a ``DistributedSampler(num_replicas=world_size,
+    rank=global_rank)`` under tensor parallelism). Every sample is still weighed once in total;
+    the replicas can stay bitwise identical (every rank-specific tensor reduced), and only the
+    reference sees the numbers.
 
     In the checking process (no world: the hook is also called there to validate the plan) it
-    follows the mesh, as the harness tells it; inside the ranks it reads the world's own rank."""
+    follows the mesh, as the harness tells it; inside the ranks it reads the world's own rank.
+    Its loader hands every rank the same number of samples per micro-batch (a per-device batch
+    size, as a ``DataLoader`` over such a sampler does), so ``supports_at`` declines a batch
+    that ``W x micro-batches`` does not divide: there the ranks of a group would run different
+    numbers of forwards, and the world would hang before any number could be compared."""
+
+    def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
+        for step in range(scenario.steps):
+            size, micro = batch_size_of(scenario, step), micro_batches_of(scenario, step)
+            if size % (world_size * micro):
+                return (
+                    f"step {step}: a per-device batch over the whole world needs B={size} to be "
+                    f"a multiple of W={world_size} x {micro} micro-batch(es)"
+                )
+        return super().supports_at(scenario, world_size)
 
     def shard_batch(self, batch: GlobalBatch) -> BatchPlan:
         if dist.is_initialized():  # BUG: the world's rank and size, not the dp coordinate
