@@ -27,6 +27,7 @@ from ddpcheck.targets.parallel_tp import ParallelTPTarget
 from parallel import tensor_parallel as tp
 
 __all__ = [
+    "ENTRIES",
     "ColumnInputGradUnreducedTP",
     "DataNotFollowingMeshTP",
     "FlooredShardsTP",
@@ -332,3 +333,68 @@ class ReplicatedGradsSummedTP(ParallelTPTarget):
         for p in state["module"].parameters():
             if p.grad is not None and id(p) not in sharded:
                 dist.all_reduce(p.grad, group=state["tp_group"])  # BUG: already whole
+
+
+#: The catalogue's rows of this family: ``(mutant class name, bug class, one line)``, in
+#: catalogue order (``ddpcheck.mutation.catalogue`` builds each mutant from its class).
+ENTRIES: list[tuple[str, str, str]] = [
+    (
+        "RowBiasOnEveryRankTP",
+        "K1",
+        "row-parallel bias added on every rank before the all-reduce: tp times the bias",
+    ),
+    (
+        "RowBiasGradOverTpTP",
+        "K2",
+        "row-parallel bias / tp added before the all-reduce: its gradient 1/tp of the truth",
+    ),
+    ("ColumnInputGradUnreducedTP", "K3", "column layer's input gradient never all-reduced over tp"),
+    ("RowOutputUnreducedTP", "K4", "row layer's partial outputs never all-reduced"),
+    ("RowOutputAveragedTP", "K4", "row layer's partial outputs averaged over tp instead of summed"),
+    (
+        "GatherReversedTP",
+        "K5",
+        "column layer's gathered output chunks concatenated in reverse rank order",
+    ),
+    ("ShardsScatteredReversedTP", "K6", "rank 0 scatters the column shards in reverse rank order"),
+    (
+        "ShardsFromOwnInitTP",
+        "K6",
+        "each rank cuts its column shard from its own initialisation, not rank 0's",
+    ),
+    (
+        "FlooredShardsTP",
+        "K7",
+        "uneven shards of size // tp features: the remainder is held by nobody",
+    ),
+    (
+        "DataNotFollowingMeshTP",
+        "K8",
+        "the batch split over the whole world: the ranks of a tp group see other samples",
+    ),
+    (
+        "NormCountsReplicasTP",
+        "K9",
+        "gradient norm all-reduced over tp with the replicated gradients: counted tp times",
+    ),
+    (
+        "NormNotReducedTP",
+        "K9",
+        "clip_grad_norm_ over the local shards: each rank clips by its own norm",
+    ),
+    (
+        "ReplicatedNotBroadcastTP",
+        "K10",
+        "replicated parameters never broadcast from rank 0: the replicas drift apart",
+    ),
+    (
+        "LossScaledByTpTP",
+        "K11",
+        "the loss divided by tp as if the tp ranks were data-parallel replicas",
+    ),
+    (
+        "ReplicatedGradsSummedTP",
+        "K12",
+        "replicated gradients all-reduced over tp as sequence-parallel norms' are: tp times",
+    ),
+]
