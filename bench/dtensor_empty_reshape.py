@@ -56,9 +56,8 @@ def main() -> int:
     hung = []
     for src, dst in SHAPES:
         ok = answers(src, dst)
-        print(
-            f"Replicate DTensor {src}.reshape{dst}: {'answers' if ok else f'no answer in {WAIT:.0f} s'}"
-        )
+        verdict = "answers" if ok else f"no answer in {WAIT:.0f} s"
+        print(f"Replicate DTensor {src}.reshape{dst}: {verdict}")
         if not ok:
             hung.append((src, dst))
     if hung:
