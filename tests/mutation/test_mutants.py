@@ -19,7 +19,7 @@ from ddpcheck.targets import ParallelDDPTarget, TorchFSDPTarget
 #: examples, under a second in warm worlds on an idle machine, but a 2-core machine shared with
 #: other test runs slows examples down by 10-50x, and a mutant out of budget counts as surviving.
 CI_BUDGET = 30.0
-_CATALOGUE_CLASSES = re.compile(r"^[A-J][0-9]{1,2}$")
+_CATALOGUE_CLASSES = re.compile(r"^[A-K][0-9]{1,2}$")
 
 
 def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
@@ -35,10 +35,14 @@ def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
             assert type(m.target).__module__ == "ddpcheck.mutation.broken_fsdp"
             assert type(m.target).__doc__ and type(m.target) is not TorchFSDPTarget
             continue
-        if m.control is not None:  # the loop hooks' and the data path's families
+        if m.control is not None:  # the loop hooks', the data path's and tensor parallelism's
             assert isinstance(m.target, type(m.control)) and type(m.target) is not type(m.control)
             module = type(m.target).__module__
-            assert module in ("ddpcheck.mutation.broken_loop", "ddpcheck.mutation.broken_data")
+            assert module in (
+                "ddpcheck.mutation.broken_loop",
+                "ddpcheck.mutation.broken_data",
+                "ddpcheck.mutation.broken_tp",
+            )
             broken = [
                 type(m.target),
                 getattr(type(m.target), "optimizer_class", None),
@@ -108,9 +112,15 @@ def test_every_mutant_is_killed_and_the_unmutated_target_passes(capsys):
     assert "unmutated target passes" in out, out
     assert status == 0, out
     rows = [line for line in out.splitlines() if line.startswith("| ")][1:]
-    # a control per family: parallel's, FSDP2's for families I and J3, the loop hooks' two and
-    # torch DDP's for the data path
-    controls = ("TorchFSDPTarget", "EngineTarget", "Zero2Target", "TorchDDPTarget")
+    # a control per family: parallel's, FSDP2's for families I and J3, the loop hooks' two,
+    # torch DDP's for the data path and parallel_tp's for tensor parallelism (family K)
+    controls = (
+        "TorchFSDPTarget",
+        "EngineTarget",
+        "Zero2Target",
+        "TorchDDPTarget",
+        "ParallelTPTarget",
+    )
     assert len(rows) == n + 1 + len(controls)
     assert "| (unmutated)" in rows[0] and "| passes " in rows[0]
     for row, name in zip(rows[1:], controls):

@@ -124,7 +124,12 @@ def _shape(model: object) -> str:
     """How :func:`scenario_line` names a model: its layers and what is unusual about each, a
     language model's blocks, or its class's name."""
     layers = getattr(model, "layers", None)
-    if layers is None:
+    blocks = getattr(model, "blocks", None)
+    if layers is None and isinstance(blocks, tuple):  # a sharded model (ShardedSpec): its blocks
+        shape = "+".join(
+            ["inp", *(b.kind + ("" if b.kind == "norm" else str(b.size)) for b in blocks), "head"]
+        )
+    elif layers is None:
         shape = getattr(model, "__qualname__", type(model).__name__)
     elif isinstance(layers, int):  # a language model's config (zoo.GPTConfig): its blocks
         shape = f"gpt({layers} block{'' if layers == 1 else 's'}" + (
@@ -167,6 +172,16 @@ def _epochs(scenario: Scenario) -> list[str]:
     return [f"N={scenario.epochs.samples}"] + ([f"epochs={scenario.epochs.epochs}"] if many else [])
 
 
+#: How :func:`scenario_line` abbreviates a tensor-parallel plan's styles.
+_STYLE_ABBREVIATIONS = {
+    "colwise": "col",
+    "colwise-dtensor": "col(dt)",
+    "colwise-replicate": "col(rep)",
+    "rowwise": "row",
+    "rowwise-replicate": "row(rep)",
+}
+
+
 def _settings(scenario: Scenario) -> list[str]:
     """The batch, the steps and every setting :func:`scenario_line` shows that is not the
     default, in its order."""
@@ -193,4 +208,11 @@ def _settings(scenario: Scenario) -> list[str]:
     if getattr(scenario, "checkpoint_after", None) is not None:
         at = scenario.resume_world_size
         extra.append(f"ckpt@{scenario.checkpoint_after}" + ("" if at is None else f"->W={at}"))
+    parallel = getattr(scenario, "tensor_parallel", None)
+    if parallel is not None:  # the degree (W: the whole world) and the modules the plan shards
+        sharded = ",".join(
+            f"{name.removeprefix('blocks.')}:{_STYLE_ABBREVIATIONS.get(style, style)}"
+            for name, style in parallel.plan
+        )
+        extra.append(f"tp={'W' if parallel.tp is None else parallel.tp} [{sharded}]")
     return extra

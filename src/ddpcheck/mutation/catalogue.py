@@ -55,6 +55,7 @@ from ddpcheck.mutation import broken_fsdp as F
 from ddpcheck.mutation import broken_loop as L
 from ddpcheck.mutation import broken_optimizer as O
 from ddpcheck.mutation import broken_options as P
+from ddpcheck.mutation import broken_tp as T
 from ddpcheck.targets import (
     ACCELERATE,
     HF_TRAINER,
@@ -65,6 +66,7 @@ from ddpcheck.targets import (
     Target,
     TorchFSDPTarget,
 )
+from ddpcheck.targets.catalogue import PARALLEL_TP
 from parallel import DDP, ShardedOptimizer
 
 __all__ = ["CATALOGUE", "OPTION_CATALOGUE", "Mutant", "by_name", "stale_overrides"]
@@ -605,6 +607,17 @@ CATALOGUE += [
 ]
 
 
+# Tensor parallelism (``broken_tp``): this repository's column/row layers (``parallel_tp``) with
+# one seeded bug each -- in a layer, or in one hook of the target -- against the unmutated
+# ``parallel_tp``. Only tensor-parallel scenarios reach them (``tensor_parallel_scenarios``, the
+# tensor-parallel battery).
+TP_CONTROL = PARALLEL_TP
+CATALOGUE += [
+    Mutant(name, bug_class, description, getattr(T, name)(), TP_CONTROL)
+    for name, bug_class, description in T.ENTRIES
+]
+
+
 # Behind an option (``broken_options``): each a framework target (or parallel_ddp with a bf16
 # option) whose bug only a configuration its config_space() draws reaches, with the unmutated
 # target as its control. Not in CATALOGUE: ``ddpcheck mutants`` checks each target as given, which
@@ -665,7 +678,7 @@ def stale_overrides() -> list[str]:
         if mutant.control is not None:  # broken_loop: the control's class and its pieces
             control = type(mutant.control)
             stale += _stale(mutant, type(mutant.target), control)
-            for piece in ("optimizer_class", "scheduler_class"):
+            for piece in ("optimizer_class", "scheduler_class", "column_class", "row_class"):
                 broken, original = (
                     getattr(type(mutant.target), piece, None),
                     getattr(control, piece, None),

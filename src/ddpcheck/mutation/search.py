@@ -8,7 +8,8 @@ is set), its examples run out (``outcome.exhausted``), or ``budget_seconds`` of 
 references are paid by :func:`warm_up`, outside the budget, because they are shared by every
 target searched in this process.
 
-:func:`battery_search` walks the built-in battery (``ddpcheck.battery.BATTERY``) x world sizes,
+:func:`battery_search` walks the built-in battery (``ddpcheck.battery.BATTERY``; the
+tensor-parallel one for a target that applies plans) x world sizes,
 world size major -- W=2 first, the cheapest world where replicas can disagree, then 3 (divisor and
 ordering bugs that W=2 hides), 4, and 1 last (a bug visible at W=1 is visible at W=2 too).
 :func:`shrinking_search` (the default of ``ddpcheck mutants``) fuzzes first, for a counterexample
@@ -30,7 +31,7 @@ from ddpcheck._base.options import (
     check_positive_number,
     check_world_sizes,
 )
-from ddpcheck._language.battery import BATTERY
+from ddpcheck._language.battery import BATTERY, TENSOR_PARALLEL_BATTERY
 from ddpcheck._language.messages import scenario_line as brief
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._oracle.reference import Reference
@@ -40,7 +41,7 @@ from ddpcheck._runs.fuzz import fuzz
 from ddpcheck._runs.settings import Settings
 from ddpcheck._world.registry import get_world
 from ddpcheck.targets.protocol import Target
-from ddpcheck.targets.support import declines
+from ddpcheck.targets.support import battery_for, declines
 
 __all__ = [
     "Counterexample",
@@ -103,16 +104,20 @@ def _reference(name: str, scenario: Scenario) -> Reference:
     return _REFERENCES[name]
 
 
-def _battery_examples(world_sizes: Sequence[int]) -> list[tuple[str, Scenario, int]]:
+def _battery_examples(
+    target: Target, world_sizes: Sequence[int]
+) -> list[tuple[str, Scenario, int]]:
+    """The battery ``target`` is checked on (the tensor-parallel one for a target that applies
+    plans, ``targets.support.battery_for``) x world sizes, in search order."""
     ordered = [w for w in SEARCH_ORDER if w in world_sizes]
     ordered += [w for w in world_sizes if w not in ordered]
-    return [(name, scenario, w) for w in ordered for name, scenario in BATTERY]
+    return [(name, scenario, w) for w in ordered for name, scenario in battery_for(target)]
 
 
 def warm_up(world_sizes: Iterable[int], modules: Iterable[str] = ()) -> None:
     """Start the worlds, import ``modules`` (the targets' own) in every rank, and compute the
     battery's references: shared by every search, so paid outside the budgets."""
-    for name, scenario in BATTERY:
+    for name, scenario in [*BATTERY, *TENSOR_PARALLEL_BATTERY]:
         _reference(name, scenario)
     for w in world_sizes:
         # a fresh world's first example would otherwise pay for importing the harness
@@ -139,7 +144,7 @@ def battery_search(
     sizes = check_world_sizes("world_sizes", world_sizes)
     started = time.perf_counter()
     examples = 0
-    for name, scenario, w in _battery_examples(sizes):
+    for name, scenario, w in _battery_examples(target, sizes):
         spent = time.perf_counter() - started
         if spent >= budget_seconds:
             return Outcome(None, examples, spent, exhausted=False)

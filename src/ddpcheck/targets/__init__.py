@@ -35,6 +35,7 @@ from ddpcheck.targets.catalogue import (
     LOCAL,
     PARALLEL,
     PARALLEL_DDP,
+    PARALLEL_TP,
     READY_MADE,
     TESTED,
     TORCH_2D,
@@ -49,6 +50,7 @@ from ddpcheck.targets.deepspeed import DeepSpeedTarget
 from ddpcheck.targets.fabric import FabricTarget
 from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
+from ddpcheck.targets.parallel_tp import ParallelTPTarget
 from ddpcheck.targets.protocol import CONSTRUCTOR_CALL, FitRun, OwnsLoop, Target, WrapperTarget
 from ddpcheck.targets.tensor_parallel import Torch2DTarget, TorchTPTarget
 
@@ -73,7 +75,9 @@ __all__ = [
     "OwnsLoop",
     "PARALLEL",
     "PARALLEL_DDP",
+    "PARALLEL_TP",
     "ParallelDDPTarget",
+    "ParallelTPTarget",
     "ParallelTarget",
     "READY_MADE",
     "ReadyMade",

@@ -23,6 +23,7 @@ from ddpcheck.targets.fabric import FabricTarget
 from ddpcheck.targets.framework import install_command, requirements
 from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
+from ddpcheck.targets.parallel_tp import ParallelTPTarget
 from ddpcheck.targets.protocol import Target
 from ddpcheck.targets.support import supported_by, why_unsupported
 from ddpcheck.targets.tensor_parallel import Torch2DTarget, TorchTPTarget
@@ -39,6 +40,7 @@ __all__ = [
     "LOCAL",
     "PARALLEL",
     "PARALLEL_DDP",
+    "PARALLEL_TP",
     "READY_MADE",
     "TESTED",
     "TORCH_DDP",
@@ -52,6 +54,7 @@ __all__ = [
 
 PARALLEL = ParallelTarget()
 PARALLEL_DDP = ParallelDDPTarget()
+PARALLEL_TP = ParallelTPTarget()
 TORCH_DDP = TorchDDPTarget()
 TORCH_ZERO = TorchZeroTarget()
 TORCH_ZERO_BUCKET_VIEW = TorchZeroTarget(parameters_as_bucket_view=True)
@@ -151,6 +154,14 @@ READY_MADE: tuple[ReadyMade, ...] = (
         "parallel.DDP + parallel.ShardedOptimizer (this repository)",
     ),
     ReadyMade("parallel_ddp", PARALLEL_DDP, "torch", "torch", "parallel.DDP + the plain optimizer"),
+    ReadyMade(
+        "parallel_tp",
+        PARALLEL_TP,
+        "torch",
+        "torch",
+        "parallel.tensor_parallel (this repository's column/row layers) with a plan drawn for "
+        "each model over tp, parallel.DDP over dp",
+    ),
     ReadyMade(
         "torch_ddp",
         TORCH_DDP,

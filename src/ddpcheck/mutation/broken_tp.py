@@ -1,0 +1,400 @@
+"""Tensor-parallel mutants: ``parallel_tp`` (``ddpcheck.targets.parallel_tp.ParallelTPTarget``
+over ``parallel.tensor_parallel``) with one seeded bug each (family K of
+``docs/bug-catalogue.md``).
+
+Each mutant overrides one method: of the column or row layer (the target then swaps that class
+in, ``column_class`` / ``row_class``; ``FlooredShardsTP`` swaps both, each with the same one
+method), or of the target itself (``shard_batch``, ``clip_grad_norm``, ``apply_plan``,
+``backward``, ``after_backward``). Each docstring names the method and says the bug. The unmutated
+``parallel_tp`` is their control, and ``catalogue.stale_overrides`` checks that every override
+still overrides a method of the class it mutates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ddpcheck._language.batches import BatchPlan, GlobalBatch, contiguous
+from ddpcheck._language.scenario import Scenario, batch_size_of, micro_batches_of
+from ddpcheck._language.training import OptimizerLike
+from ddpcheck.targets.parallel_tp import ParallelTPTarget
+from parallel import tensor_parallel as tp
+
+__all__ = [
+    "ENTRIES",
+    "ColumnInputGradUnreducedTP",
+    "DataNotFollowingMeshTP",
+    "FlooredShardsTP",
+    "GatherReversedTP",
+    "LossScaledByTpTP",
+    "NormCountsReplicasTP",
+    "NormNotReducedTP",
+    "ReplicatedGradsSummedTP",
+    "ReplicatedNotBroadcastTP",
+    "RowBiasGradOverTpTP",
+    "RowBiasOnEveryRankTP",
+    "RowOutputAveragedTP",
+    "RowOutputUnreducedTP",
+    "ShardsFromOwnInitTP",
+    "ShardsScatteredReversedTP",
+]
+
+
+# -- the broken layers -------------------------------------------------------------------------
+
+
+class BiasOnEveryRankRow(tp.RowParallelLinear):
+    """``forward``: the bias added by ``F.linear`` on every rank, before the all-reduce sums the
+    partial products -- it counts ``tp`` times (the classic row-parallel bias bug)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = self._scatter_in(x)
+        return self._reduce_out(F.linear(x, self.weight, self.bias))  # BUG: bias in each part
+
+
+class BiasOverTpRow(tp.RowParallelLinear):
+    """``forward``: the "fix" for the bias counted ``tp`` times -- each rank adds ``bias / tp``
+    before the all-reduce: the output is right, the bias gradient ``1 / tp`` of the truth."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = self._scatter_in(x)
+        bias = None if self.bias is None else self.bias / self.tp  # BUG: its gradient too
+        return self._reduce_out(F.linear(x, self.weight, bias))
+
+
+class OutputUnreducedRow(tp.RowParallelLinear):
+    """``_reduce_out``: the partial products are never all-reduced: each rank goes on with its
+    own part of the output."""
+
+    def _reduce_out(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial  # BUG: no all-reduce
+
+
+class OutputAveragedRow(tp.RowParallelLinear):
+    """``_reduce_out``: the partial products are averaged (all-reduced, divided by ``tp``) as
+    data-parallel gradients are, where they must be summed."""
+
+    def _reduce_out(self, partial: torch.Tensor) -> torch.Tensor:
+        return tp.reduce_from_group(partial, self.group) / self.tp  # BUG: a mean, not the sum
+
+
+class InputGradUnreducedColumn(tp.ColumnParallelLinear):
+    """``_copy_in``: the input enters as a plain tensor, so its gradient is never all-reduced:
+    each rank back-propagates only the part its own output features give."""
+
+    def _copy_in(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # BUG: no CopyToGroup, no all-reduce in backward
+
+
+class GatherReversedColumn(tp.ColumnParallelLinear):
+    """``_gather_out``: the all-gathered output chunks concatenated in reverse rank order (the
+    gathered list read back to front); its backward slices the gradient to match."""
+
+    def _gather_out(self, y: torch.Tensor) -> torch.Tensor:
+        bounds = self._layout(self.out_features)
+        whole = tp.gather_from_group(y, bounds, self.out_features, self.group)
+        # BUG: rank tp-1's chunk first, rank 0's last
+        order = [i for start, stop in reversed(bounds) for i in range(start, stop)]
+        return whole[..., order]
+
+
+class ScatteredReversedColumn(tp.ColumnParallelLinear):
+    """``_scatter``: rank 0 builds its scatter list back to front, so rank ``r`` receives chunk
+    ``tp - 1 - r`` of the weight (the part of it that fits its own chunk's size)."""
+
+    @torch.no_grad()
+    def _scatter(self, full: torch.Tensor, dim: int) -> nn.Parameter:
+        size = full.shape[dim]
+        layout = self._layout(size)
+        start, stop = layout[self.rank]
+        shape = list(full.shape)
+        shape[dim] = max(b - a for a, b in layout)
+        mine = torch.zeros(shape, dtype=full.dtype, device=full.device)
+        pieces = None
+        if self.rank == 0:
+            pieces = []
+            for a, b in reversed(layout):  # BUG: the list in reverse rank order
+                piece = torch.zeros_like(mine)
+                piece.narrow(dim, 0, b - a).copy_(full.narrow(dim, a, b - a))
+                pieces.append(piece)
+        dist.scatter(mine, pieces, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return nn.Parameter(mine.narrow(dim, 0, stop - start).clone())
+
+
+class OwnInitColumn(tp.ColumnParallelLinear):
+    """``_scatter``: each rank slices its chunk out of its *own* initialisation; nothing comes
+    from rank 0, so the sharded weight is no rank's initial weight."""
+
+    @torch.no_grad()
+    def _scatter(self, full: torch.Tensor, dim: int) -> nn.Parameter:
+        start, stop = self._bounds(full.shape[dim], self.rank)
+        return nn.Parameter(full.detach().narrow(dim, start, stop - start).clone())  # BUG
+
+
+def _floored(size: int, tp_size: int, rank: int) -> tuple[int, int]:
+    chunk = size // tp_size  # BUG: size // tp per rank, the remainder held by nobody
+    return rank * chunk, (rank + 1) * chunk
+
+
+class FlooredColumn(tp.ColumnParallelLinear):
+    """``_bounds``: every rank holds ``size // tp`` features; the remainder is dropped."""
+
+    def _bounds(self, size: int, rank: int) -> tuple[int, int]:
+        return _floored(size, self.tp, rank)
+
+
+class FlooredRow(tp.RowParallelLinear):
+    """``_bounds``: every rank holds ``size // tp`` features; the remainder is dropped."""
+
+    def _bounds(self, size: int, rank: int) -> tuple[int, int]:
+        return _floored(size, self.tp, rank)
+
+
+# -- the targets -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBiasOnEveryRankTP(ParallelTPTarget):
+    """K1: the row-parallel bias added on every rank before the all-reduce
+    (``BiasOnEveryRankRow``)."""
+
+    row_class = BiasOnEveryRankRow
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBiasGradOverTpTP(ParallelTPTarget):
+    """K2: ``bias / tp`` added on every rank: the bias gradient ``1 / tp`` of the truth
+    (``BiasOverTpRow``)."""
+
+    row_class = BiasOverTpRow
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnInputGradUnreducedTP(ParallelTPTarget):
+    """K3: the column layer's input gradient never all-reduced (``InputGradUnreducedColumn``)."""
+
+    column_class = InputGradUnreducedColumn
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOutputUnreducedTP(ParallelTPTarget):
+    """K4: the row layer's partial outputs never all-reduced (``OutputUnreducedRow``)."""
+
+    row_class = OutputUnreducedRow
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOutputAveragedTP(ParallelTPTarget):
+    """K4: the row layer's partial outputs averaged instead of summed (``OutputAveragedRow``)."""
+
+    row_class = OutputAveragedRow
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherReversedTP(ParallelTPTarget):
+    """K5: a column layer's gathered output in the wrong rank order (``GatherReversedColumn``)."""
+
+    column_class = GatherReversedColumn
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardsScatteredReversedTP(ParallelTPTarget):
+    """K6: column shards scattered to the ranks in reverse order (``ScatteredReversedColumn``)."""
+
+    column_class = ScatteredReversedColumn
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardsFromOwnInitTP(ParallelTPTarget):
+    """K6: each rank's column shard cut from its own initialisation, not scattered from rank 0
+    (``OwnInitColumn``)."""
+
+    column_class = OwnInitColumn
+
+
+@dataclasses.dataclass(frozen=True)
+class FlooredShardsTP(ParallelTPTarget):
+    """K7: uneven shards of ``size // tp`` features, the remainder dropped (``FlooredColumn``,
+    ``FlooredRow``: the same ``_bounds`` in both layers, so a column/row pair stays consistent
+    and trains silently on fewer features)."""
+
+    column_class = FlooredColumn
+    row_class = FlooredRow
+
+
+@dataclasses.dataclass(frozen=True)
+class DataNotFollowingMeshTP(ParallelTPTarget):
+    """K8 (``shard_batch``; ``supports_at`` states its loader's precondition): the batch
+    split over the whole world, as if every rank were a data-parallel replica -- the ranks of one
+    ``tp`` group train on different samples (a ``DistributedSampler(num_replicas=world_size,
+    rank=global_rank)`` under tensor parallelism). Every sample is still weighed once in total;
+    the replicas can stay bitwise identical (every rank-specific tensor reduced), and only the
+    reference sees the numbers.
+
+    In the checking process (no world: the hook is also called there to validate the plan) it
+    follows the mesh, as the harness tells it; inside the ranks it reads the world's own rank.
+    Its loader hands every rank the same number of samples per micro-batch (a per-device batch
+    size, as a ``DataLoader`` over such a sampler does), so ``supports_at`` declines a batch
+    that ``W x micro-batches`` does not divide: there the ranks of a group would run different
+    numbers of forwards, and the world would hang before any number could be compared."""
+
+    def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
+        for step in range(scenario.steps):
+            size, micro = batch_size_of(scenario, step), micro_batches_of(scenario, step)
+            if size % (world_size * micro):
+                return (
+                    f"step {step}: a per-device batch over the whole world needs B={size} to be "
+                    f"a multiple of W={world_size} x {micro} micro-batch(es)"
+                )
+        return super().supports_at(scenario, world_size)
+
+    def shard_batch(self, batch: GlobalBatch) -> BatchPlan:
+        if dist.is_initialized():  # BUG: the world's rank and size, not the dp coordinate
+            batch = dataclasses.replace(
+                batch, rank=dist.get_rank(), world_size=dist.get_world_size()
+            )
+        return contiguous(batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class NormCountsReplicasTP(ParallelTPTarget):
+    """K9 (``clip_grad_norm``): every gradient's |g|^p all-reduced over the ``tp`` group, the
+    replicated ones too, which every rank holds whole: each counted ``tp`` times, the norm too
+    large, the clipping too strong."""
+
+    def clip_grad_norm(
+        self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float
+    ) -> object:
+        state = self._state()
+        grads = [p.grad for p in state["module"].parameters() if p.grad is not None]
+        norms = torch.stack([torch.linalg.vector_norm(g.double(), norm_type) for g in grads])
+        share = norms.max() if norm_type == math.inf else (norms**norm_type).sum()
+        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+        dist.all_reduce(share, op=op, group=state["tp_group"])  # BUG: replicas counted tp times
+        norm = share if norm_type == math.inf else share ** (1.0 / norm_type)
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coefficient.to(g.dtype))
+        return norm
+
+
+@dataclasses.dataclass(frozen=True)
+class NormNotReducedTP(ParallelTPTarget):
+    """K9 (``clip_grad_norm``): ``torch.nn.utils.clip_grad_norm_`` over the local tensors, as
+    if they were the model: each rank clips by the norm of its own shards, and the ranks scale
+    their replicated gradients by different coefficients."""
+
+    def clip_grad_norm(
+        self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float
+    ) -> object:
+        module = self._state()["module"]
+        return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, norm_type)  # BUG
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicatedNotBroadcastTP(ParallelTPTarget):
+    """K10 (``apply_plan``): the replicated parameters are never broadcast from rank 0
+    (``broadcast_replicated`` left out), so every rank keeps its own initialisation of them and
+    the replicas drift apart from step 0."""
+
+    def apply_plan(self, module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+        plan = tp.check_plan(module, self.plan)  # BUG: no broadcast_replicated(module, ...)
+        return tp.shard_linears(module, group, plan, column=self.column_class, row=self.row_class)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaledByTpTP(ParallelTPTarget):
+    """K11 (``backward``): the loss divided by ``tp`` as if the ``tp`` ranks were data-parallel
+    replicas whose gradients are summed: every gradient ``1 / tp`` of the truth."""
+
+    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
+        tp_size = dist.get_world_size(self._state()["tp_group"])
+        (loss / tp_size).backward()  # BUG: the tp ranks see the same samples: nothing to average
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicatedGradsSummedTP(ParallelTPTarget):
+    """K12 (``after_backward``): the replicated parameters' gradients all-reduced (summed) over
+    the ``tp`` group, as sequence-parallel norm weights' must be -- but here every rank already
+    holds the whole gradient: ``tp`` times the truth."""
+
+    def after_backward(self, model: nn.Module, optimizer: OptimizerLike) -> None:
+        super().after_backward(model, optimizer)
+        state = self._state()
+        sharded = {id(p) for p, _, _ in state["shards"]}
+        for p in state["module"].parameters():
+            if p.grad is not None and id(p) not in sharded:
+                dist.all_reduce(p.grad, group=state["tp_group"])  # BUG: already whole
+
+
+#: The catalogue's rows of this family: ``(mutant class name, bug class, one line)``, in
+#: catalogue order (``ddpcheck.mutation.catalogue`` builds each mutant from its class).
+ENTRIES: list[tuple[str, str, str]] = [
+    (
+        "RowBiasOnEveryRankTP",
+        "K1",
+        "row-parallel bias added on every rank before the all-reduce: tp times the bias",
+    ),
+    (
+        "RowBiasGradOverTpTP",
+        "K2",
+        "row-parallel bias / tp added before the all-reduce: its gradient 1/tp of the truth",
+    ),
+    ("ColumnInputGradUnreducedTP", "K3", "column layer's input gradient never all-reduced over tp"),
+    ("RowOutputUnreducedTP", "K4", "row layer's partial outputs never all-reduced"),
+    ("RowOutputAveragedTP", "K4", "row layer's partial outputs averaged over tp instead of summed"),
+    (
+        "GatherReversedTP",
+        "K5",
+        "column layer's gathered output chunks concatenated in reverse rank order",
+    ),
+    ("ShardsScatteredReversedTP", "K6", "rank 0 scatters the column shards in reverse rank order"),
+    (
+        "ShardsFromOwnInitTP",
+        "K6",
+        "each rank cuts its column shard from its own initialisation, not rank 0's",
+    ),
+    (
+        "FlooredShardsTP",
+        "K7",
+        "uneven shards of size // tp features: the remainder is held by nobody",
+    ),
+    (
+        "DataNotFollowingMeshTP",
+        "K8",
+        "the batch split over the whole world: the ranks of a tp group see other samples",
+    ),
+    (
+        "NormCountsReplicasTP",
+        "K9",
+        "gradient norm all-reduced over tp with the replicated gradients: counted tp times",
+    ),
+    (
+        "NormNotReducedTP",
+        "K9",
+        "clip_grad_norm_ over the local shards: each rank clips by its own norm",
+    ),
+    (
+        "ReplicatedNotBroadcastTP",
+        "K10",
+        "replicated parameters never broadcast from rank 0: the replicas drift apart",
+    ),
+    (
+        "LossScaledByTpTP",
+        "K11",
+        "the loss divided by tp as if the tp ranks were data-parallel replicas",
+    ),
+    (
+        "ReplicatedGradsSummedTP",
+        "K12",
+        "replicated gradients all-reduced over tp as sequence-parallel norms' are: tp times",
+    ),
+]

@@ -1,0 +1,189 @@
+"""``parallel_tp``: this repository's tensor-parallel layers (``parallel.tensor_parallel``) over
+``mesh["tp"]``, and ``parallel.DDP`` over ``mesh["dp"]`` when there are several data-parallel
+groups.
+
+The layers hold plain local shards, so the oracle's whole tensors come from this target's own
+gather: :meth:`ParallelTPTarget.full_tensor` all-gathers a shard (a parameter, its gradient, or
+optimizer state of its shape) over the ``tp`` group, as the layer that holds it lays its chunks
+out; every other tensor is whole on every rank already. A tensor is recognised as a shard by its
+storage: the harness hands the hooks detached views of the parameters, their gradients and the
+optimizer's state, which share their storage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpcheck._language.scenario import Scenario
+from ddpcheck._language.tensor_parallel import mesh_problem, mesh_shape
+from ddpcheck._language.training import OptimizerLike, Params
+from ddpcheck.targets.protocol import Target
+from parallel import DDP
+from parallel import tensor_parallel as tp
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["ParallelTPTarget", "empty_shard"]
+
+
+def empty_shard(scenario: Scenario, world_size: int) -> str | None:
+    """Why ``parallel.tensor_parallel`` refuses the scenario's plan at this world size (a layer
+    whose sharded features leave a rank none, as ``torch.chunk`` splits them); None when it
+    does not. The model is built on the meta device: no memory, no random numbers drawn."""
+    if scenario.tensor_parallel is None or mesh_problem(scenario.tensor_parallel, world_size):
+        return None
+    _, degree = mesh_shape(scenario.tensor_parallel, world_size)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        module = scenario.model()
+    for name, style in scenario.tensor_parallel.plan:
+        linear = module.get_submodule(name)
+        if not isinstance(linear, nn.Linear):
+            return f"the plan names {name!r}, which is not an nn.Linear"
+        kind, _ = tp.STYLES[style]
+        size = linear.out_features if kind == "column" else linear.in_features
+        start, stop = tp.chunk_bounds(size, degree, degree - 1)
+        if stop <= start:
+            return (
+                f"{name}: {size} features over tp={degree} leave the last rank none "
+                "(torch.chunk); parallel.tensor_parallel needs a feature on every rank"
+            )
+    return None
+
+
+_DECLINED: Mapping[str, str] = {
+    "checkpoint": "the default hooks save rank 0's state_dict, which holds only its shards",
+    "rank-orders": "the initial broadcast of the replicated parameters pairs them by "
+    "registration order, which must be the same on every rank",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelTPTarget(Target):
+    """``parallel.tensor_parallel.parallelize`` with the scenario's plan over ``mesh["tp"]``;
+    with ``dp > 1``, ``parallel.DDP`` over ``mesh["dp"]`` averages every gradient (shards
+    included: the ranks of a ``dp`` group hold the same shard). Clipping takes the global norm
+    (``parallel.tensor_parallel.clip_grad_norm_``).
+
+    Per rank and example (set in :meth:`parallelize`, on the configured copy the runner uses):
+    the ``tp`` group, the ``dp`` group (None at ``dp = 1``), the sharded parameters and the
+    optimizer, which :meth:`full_tensor` reads."""
+
+    parallelizes = True
+    #: the scenario's plan, set by :meth:`configure`
+    plan: tuple[tuple[str, str], ...] = ()
+    declined_features: ClassVar[Mapping[str, str]] = _DECLINED
+    #: the layer classes the plan is applied with (a mutant swaps one)
+    column_class: ClassVar[type[tp.ColumnParallelLinear]] = tp.ColumnParallelLinear
+    row_class: ClassVar[type[tp.RowParallelLinear]] = tp.RowParallelLinear
+
+    def configure(self, scenario: Scenario) -> Target:
+        tensor_parallel = scenario.tensor_parallel
+        if tensor_parallel is None or tensor_parallel.plan == self.plan:
+            return self
+        return dataclasses.replace(self, plan=tensor_parallel.plan)
+
+    def supports(self, scenario: Scenario) -> str | None:
+        if scenario.tensor_parallel is None:
+            return f"{type(self).__name__} checks tensor-parallel scenarios (a plan and a mesh)"
+        return None
+
+    def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
+        return mesh_problem(scenario.tensor_parallel, world_size) or empty_shard(
+            scenario, world_size
+        )
+
+    # -- per rank ------------------------------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        return cast(dict[str, Any], vars(self).setdefault("_rank_state", {}))
+
+    def parallelize(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        group, dp = mesh.get_group("tp"), mesh["dp"].size()
+        module = self.apply_plan(module, group)
+        state = self._state()
+        state.clear()
+        state.update(
+            tp_group=group,
+            dp_group=mesh.get_group("dp") if dp > 1 else None,
+            module=module,
+            shards=[(p, layer, dim) for _, p, layer, dim in tp.sharded_parameters(module)],
+        )
+        return module
+
+    def apply_plan(self, module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+        """The plan applied over the ``tp`` group (``parallel.tensor_parallel.parallelize``)."""
+        return tp.parallelize(
+            module, group, self.plan, column=self.column_class, row=self.row_class
+        )
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        dp_group = self._state().get("dp_group")
+        return module if dp_group is None else DDP(module, process_group=dp_group)
+
+    def make_optimizer(
+        self, params: Params, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
+    ) -> OptimizerLike:
+        optimizer = optimizer_cls(params, **kwargs)
+        self._state()["optimizer"] = optimizer
+        return optimizer
+
+    def after_backward(self, model: nn.Module, optimizer: OptimizerLike) -> None:
+        if isinstance(model, DDP):
+            model.finish_gradient_sync()
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[object]:
+        return model.no_sync() if isinstance(model, DDP) else contextlib.nullcontext()
+
+    def clip_grad_norm(
+        self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float
+    ) -> object:
+        state = self._state()
+        return tp.clip_grad_norm_(state["module"], state["tp_group"], max_norm, norm_type)
+
+    # -- what the oracle reads -----------------------------------------------------------------
+
+    def _shard_of(self, tensor: torch.Tensor) -> tuple[tp.ShardedLinear, int] | None:
+        """The layer and dim of the shard ``tensor`` views (a sharded parameter, its gradient or
+        its optimizer state); None for a tensor that is whole on every rank."""
+        if tensor.numel() == 0:
+            return None
+        for param, layer, dim in self._state().get("shards", ()):
+            for held in self._held(param):
+                if held.data_ptr() == tensor.data_ptr() and held.shape == tensor.shape:
+                    return layer, dim
+        return None
+
+    def _held(self, param: torch.Tensor) -> Iterator[torch.Tensor]:
+        yield param
+        if param.grad is not None:
+            yield param.grad
+        optimizer = self._state().get("optimizer")
+        state = getattr(optimizer, "state", {}) if optimizer is not None else {}
+        for value in state.get(param, {}).values():
+            if torch.is_tensor(value) and value.shape == param.shape:  # not Adam's step count
+                yield value
+
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        found = self._shard_of(tensor)
+        if found is None:
+            return tensor
+        layer, dim = found
+        return layer.full(tensor, dim)
+
+    def local_shard(self, tensor: torch.Tensor) -> tuple[int | None, torch.Tensor] | None:
+        """``(dim, tensor)`` for a shard of a parameter when the ``tp`` group is the whole world
+        (``dp = 1``: chunk ``rank`` of ``torch.chunk``, what the oracle's shard check reads);
+        None otherwise (with ``dp > 1`` a rank's chunk is its ``tp`` coordinate's)."""
+        found = self._shard_of(tensor)
+        if found is None or found[0].tp != dist.get_world_size():
+            return None
+        return found[1], tensor

@@ -1,0 +1,94 @@
+"""The tensor-parallel mutants (family K, ``ddpcheck.mutation.broken_tp``): each seeds one bug
+into ``parallel_tp``; the whole catalogue's test (``test_mutants.py``) kills them with the
+battery. Here: the family's shape, the one bug only the reference can see (the ranks of a
+tensor-parallel group fed different samples: replicas bitwise identical, every number wrong),
+and the shrinking search's counterexamples (small: <= 3 layers, <= 2 steps, W <= 4).
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+
+import pytest
+
+import ddpcheck
+from ddpcheck.mutation import broken_tp
+from ddpcheck.mutation import catalogue as mutants
+from ddpcheck.targets.catalogue import PARALLEL_TP
+from ddpcheck.targets.parallel_tp import ParallelTPTarget
+from tests.patience import patience
+
+FAMILY = [m for m in mutants.CATALOGUE if m.bug_class.startswith("K")]
+
+
+def _scenario(global_batch):
+    """A plan that shards every layer rank-specific data reaches: the input projection and the
+    head column-wise (gathered); the MLP between them replicated."""
+    from ddpcheck._language.sharded_models import ShardedBlock, ShardedSpec, sequence_data
+    from ddpcheck._language.tensor_parallel import TensorParallel
+
+    return ddpcheck.Scenario(
+        ShardedSpec(blocks=(ShardedBlock("mlp", 2),), width=2),
+        data=sequence_data,
+        global_batch=global_batch,
+        steps=1,
+        tensor_parallel=TensorParallel(
+            (("inp", "colwise-replicate"), ("head", "colwise-replicate"))
+        ),
+    )
+
+
+def test_the_tensor_parallel_family_seeds_one_bug_each_into_parallel_tp():
+    assert len(FAMILY) >= 12
+    assert len({m.bug_class for m in FAMILY}) >= 10
+    for m in FAMILY:
+        assert m.control is PARALLEL_TP
+        assert isinstance(m.target, ParallelTPTarget) and type(m.target) is not ParallelTPTarget
+        assert type(m.target).__module__ == broken_tp.__name__ and type(m.target).__doc__
+        assert m.target.parallelizes
+        assert pickle.loads(pickle.dumps(m.target)) == m.target
+        swapped = [
+            c
+            for c in (type(m.target).column_class, type(m.target).row_class)
+            if c not in (ParallelTPTarget.column_class, ParallelTPTarget.row_class)
+        ]
+        own = [n for n in vars(type(m.target)) if callable(getattr(ParallelTPTarget, n, None))]
+        # a layer swapped in (its class the bug), or a hook of the target overridden
+        assert swapped or own, m.name
+        for layer in swapped:
+            assert layer.__module__ == broken_tp.__name__ and layer.__doc__
+
+
+@pytest.mark.slow
+def test_tp_ranks_fed_different_samples_stay_identical_but_differ_from_the_reference():
+    # The data not following the mesh: W=2, tp=2, two samples, each rank of the one tp group
+    # trains on its own. Every rank-specific tensor is reduced (the input projection's and the
+    # head's outputs gathered, the input gradient all-reduced), so the replicas agree bitwise --
+    # a replica digest sees nothing -- and only the one-process reference shows the bug.
+    scenario = _scenario(global_batch=2)
+    ddpcheck.check_example(PARALLEL_TP, scenario, 2, deadline=patience(60))  # the control
+    with pytest.raises(ddpcheck.EquivalenceError) as caught:
+        ddpcheck.check_example(
+            broken_tp.DataNotFollowingMeshTP(), scenario, 2, deadline=patience(60)
+        )
+    kinds = {d.kind for d in caught.value.divergences}
+    assert kinds and all(k.startswith("reference differs") for k in kinds), kinds
+    assert "reference differs (gradient)" in kinds
+
+
+@pytest.mark.slow
+def test_the_shrinking_search_kills_tp_mutants_with_small_counterexamples():
+    from ddpcheck.mutation.score import score, table_lines
+
+    chosen = [mutants.by_name(n) for n in ("RowBiasOnEveryRankTP", "ReplicatedNotBroadcastTP")]
+    rows = score(chosen, patience(60), world_sizes=(1, 2))
+    out = "\n".join(table_lines([r.row() for r in rows]))
+    assert all(r.killed for r in rows), out
+    for r in rows:
+        found = r.outcome.counterexample
+        scenario = found.scenario
+        assert len(scenario.model.blocks) <= 2, out  # shrunk: inp, a block or two, head
+        assert scenario.steps <= 2 and found.world_size <= 4, out
+        assert re.search(r"random\[inp\+.*\+head .* tp=", found.one_line()), out
+    assert "replicas differ (initial state)" in rows[1].outcome.counterexample.one_line(), out
