@@ -91,4 +91,6 @@ def test_the_shrinking_search_kills_tp_mutants_with_small_counterexamples():
         assert len(scenario.model.blocks) <= 2, out  # shrunk: inp, a block or two, head
         assert scenario.steps <= 2 and found.world_size <= 4, out
         assert re.search(r"random\[inp\+.*\+head .* tp=", found.one_line()), out
-    assert "replicas differ (initial state)" in rows[1].outcome.counterexample.one_line(), out
+    assert (
+        "replicas differ along tp (initial state)" in rows[1].outcome.counterexample.one_line()
+    ), out
