@@ -25,17 +25,17 @@ from torch import nn
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.tensor_parallel import mesh_problem, mesh_shape
 from ddpcheck._language.training import OptimizerLike, Params
-from ddpcheck.targets.protocol import Target
+from ddpcheck.targets.tensor_parallel import AUTOCAST_ON_A_MESH, PlanTarget
 from parallel import DDP
 from parallel import tensor_parallel as tp
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParallelTPTarget", "empty_shard"]
+__all__ = ["ParallelTPTarget", "shard_missing"]
 
 
-def empty_shard(scenario: Scenario, world_size: int) -> str | None:
+def shard_missing(scenario: Scenario, world_size: int) -> str | None:
     """Why ``parallel.tensor_parallel`` refuses the scenario's plan at this world size (a layer
     whose sharded features leave a rank none, as ``torch.chunk`` splits them); None when it
     does not. The model is built on the meta device: no memory, no random numbers drawn."""
@@ -63,11 +63,12 @@ _DECLINED: Mapping[str, str] = {
     "checkpoint": "the default hooks save rank 0's state_dict, which holds only its shards",
     "rank-orders": "the initial broadcast of the replicated parameters pairs them by "
     "registration order, which must be the same on every rank",
+    "autocast": AUTOCAST_ON_A_MESH,
 }
 
 
 @dataclasses.dataclass(frozen=True)
-class ParallelTPTarget(Target):
+class ParallelTPTarget(PlanTarget):
     """``parallel.tensor_parallel.parallelize`` with the scenario's plan over ``mesh["tp"]``;
     with ``dp > 1``, ``parallel.DDP`` over ``mesh["dp"]`` averages every gradient (shards
     included: the ranks of a ``dp`` group hold the same shard). Clipping takes the global norm
@@ -77,27 +78,13 @@ class ParallelTPTarget(Target):
     the ``tp`` group, the ``dp`` group (None at ``dp = 1``), the sharded parameters and the
     optimizer, which :meth:`full_tensor` reads."""
 
-    parallelizes = True
-    #: the scenario's plan, set by :meth:`configure`
-    plan: tuple[tuple[str, str], ...] = ()
     declined_features: ClassVar[Mapping[str, str]] = _DECLINED
     #: the layer classes the plan is applied with (a mutant swaps one)
     column_class: ClassVar[type[tp.ColumnParallelLinear]] = tp.ColumnParallelLinear
     row_class: ClassVar[type[tp.RowParallelLinear]] = tp.RowParallelLinear
 
-    def configure(self, scenario: Scenario) -> Target:
-        tensor_parallel = scenario.tensor_parallel
-        if tensor_parallel is None or tensor_parallel.plan == self.plan:
-            return self
-        return dataclasses.replace(self, plan=tensor_parallel.plan)
-
-    def supports(self, scenario: Scenario) -> str | None:
-        if scenario.tensor_parallel is None:
-            return f"{type(self).__name__} checks tensor-parallel scenarios (a plan and a mesh)"
-        return None
-
     def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
-        return mesh_problem(scenario.tensor_parallel, world_size) or empty_shard(
+        return mesh_problem(scenario.tensor_parallel, world_size) or shard_missing(
             scenario, world_size
         )
 

@@ -35,6 +35,8 @@ if TYPE_CHECKING:  # torch.distributed.tensor loads when a tensor-parallel targe
     from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = [
+    "AUTOCAST_ON_A_MESH",
+    "PlanTarget",
     "Torch2DTarget",
     "TorchTPTarget",
     "empty_micro_batch",
@@ -134,26 +136,29 @@ def empty_shard(scenario: Scenario, world_size: int) -> str | None:
     return None
 
 
+#: Why a tensor-parallel target declines ``autocast`` (every one of them, until it is calibrated).
+AUTOCAST_ON_A_MESH = (
+    "a low-precision forward on a mesh has no calibrated tolerance yet (the sharded matmuls "
+    "round where the one-process reference does not): declined, never misjudged"
+)
+
 _DECLINED: Mapping[str, str] = {
     "checkpoint": "tensor-parallel parameters are DTensor shards: they resume through "
     "torch.distributed.checkpoint, not the default hooks' rank-0 state_dict",
     "rank-orders": "the initial broadcast pairs parameters by registration order, which must "
     "be the same on every rank",
+    "autocast": AUTOCAST_ON_A_MESH,
 }
 
 
 @dataclasses.dataclass(frozen=True)
-class TorchTPTarget(Target):
-    """torch's tensor parallelism (``parallelize_module`` with the scenario's plan) over every
-    rank of the world: a ``tp``-way mesh, ``dp = 1`` (data parallelism over ``dp`` is
-    ``torch_2d``'s). Gradients of the layers the plan shards are DTensor shards, those of the
-    layers it leaves alone whole on every rank; nothing is reduced after backward, since every
-    rank of a tensor-parallel group sees the same samples."""
+class PlanTarget(Target):
+    """A target that applies the scenario's plan (``Scenario.tensor_parallel``): it opts in to
+    tensor-parallel scenarios, checks those only, and reads the plan in :meth:`configure`."""
 
     parallelizes = True
     #: the scenario's plan, set by :meth:`configure` (empty: nothing sharded)
     plan: tuple[tuple[str, str], ...] = ()
-    declined_features: ClassVar[Mapping[str, str]] = _DECLINED
 
     def configure(self, scenario: Scenario) -> Target:
         tensor_parallel = scenario.tensor_parallel
@@ -165,6 +170,17 @@ class TorchTPTarget(Target):
         if scenario.tensor_parallel is None:
             return f"{type(self).__name__} checks tensor-parallel scenarios (a plan and a mesh)"
         return None
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchTPTarget(PlanTarget):
+    """torch's tensor parallelism (``parallelize_module`` with the scenario's plan) over every
+    rank of the world: a ``tp``-way mesh, ``dp = 1`` (data parallelism over ``dp`` is
+    ``torch_2d``'s). Gradients of the layers the plan shards are DTensor shards, those of the
+    layers it leaves alone whole on every rank; nothing is reduced after backward, since every
+    rank of a tensor-parallel group sees the same samples."""
+
+    declined_features: ClassVar[Mapping[str, str]] = _DECLINED
 
     def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
         problem = mesh_problem(scenario.tensor_parallel, world_size) or empty_micro_batch(
