@@ -76,5 +76,19 @@ def pytest_xdist_make_scheduler(config, log):
     return SharedFixtureScheduling(config, log)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread_in_the_test_process():
+    """One intra-op thread for torch in each process running tests, as ddpcheck gives itself
+    while it checks an example (``_runs.example._beside_the_ranks``) and every rank has. What the
+    tests compute here themselves -- Hypothesis draws of models, a test's own forward and
+    backward beside ddpcheck's -- shares two cores with the other workers and the ranks, and a
+    second thread of every small op spins waiting for a core: measured, the feature-rate test
+    took 7.7 s of CPU with two threads and 1.4 s with one. No test depends on this process's
+    default: the one about thread counts (tests/world/test_isolation.py) sets its own."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 # Fixtures every test module may ask for by name.
 from tests.processes import no_process_started  # noqa: E402,F401 -- a fixture
