@@ -62,7 +62,8 @@ def test_parallel_passes_every_cell_and_the_json_matches_the_printed_matrix(caps
         if c.world_size == 1 and c.row in ("unused-on-some-ranks", "uneven-batches"):
             assert c.status == "n/a" and c.label == "-", c  # one rank: not "declined"
         elif c.row in features.OPT_IN:  # beyond torch's contract: parallel does not opt in
-            assert c.status == "declined" and "applies_param_dtype is not set" in c.reason, c
+            flag = features.OPT_IN[c.row]
+            assert c.status == "declined" and f"{flag} is not set" in c.reason, c
         else:
             assert c.status == "ok" and 1 <= c.examples <= 2 and c.label == f"ok {c.examples}", c
     battery = survey.section("battery")
@@ -98,11 +99,12 @@ def test_a_mutant_fails_its_rows_without_stopping_the_survey(capsys, tmp_path):
     )
     assert cell.replay in out
     # every cell ran to a verdict: the first failure did not stop the survey (but the opt-in
-    # param_dtype policy, which the mutant's parallel does not apply)
+    # features -- the param_dtype policy, tensor-parallel plans -- which the mutant's parallel
+    # does not opt in to)
     assert all(
         c.status in ("ok", "fail")
         for c in survey.cells
-        if c.row not in ("param-dtype", "tokens-param-dtype-bf16")
+        if c.row not in (*features.OPT_IN, "tokens-param-dtype-bf16")
     ), out
     assert len(survey.cells) == len(features.FEATURES) + len(BATTERY)
     assert survey.cell("unused-frozen-adamw", 2).label.startswith("FAILS reference differs")
