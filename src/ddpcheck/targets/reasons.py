@@ -3,7 +3,14 @@ target's ``declined_features`` quotes it; ``ddpcheck targets`` prints it)."""
 
 from __future__ import annotations
 
-__all__ = ["COUNTS_ITS_WINDOW", "NO_PARAM_DTYPE", "OWN_CHECKPOINTS", "TORCH_DDP_ORDER"]
+__all__ = [
+    "COUNTS_ITS_WINDOW",
+    "NO_PARAM_DTYPE",
+    "NO_PLAN",
+    "OPT_IN_REASONS",
+    "OWN_CHECKPOINTS",
+    "TORCH_DDP_ORDER",
+]
 
 #: rank-orders, for every target with torch DDP underneath
 TORCH_DDP_ORDER = (
@@ -24,3 +31,11 @@ NO_PARAM_DTYPE = (
     "a param_dtype policy is the target's to apply (applies_param_dtype); "
     "torch_fsdp applies it through FSDP2's MixedPrecisionPolicy"
 )
+#: tensor-parallel, the opt-in mesh and plan (``features.OPT_IN``), for a target applying none
+NO_PLAN = (
+    "a tensor-parallel plan is the target's to apply (parallelizes, Target.parallelize); "
+    "torch_tp, torch_2d and parallel_tp apply one"
+)
+#: Why a target that does not set an opt-in feature's flag declines it, where its class says
+#: nothing of its own (``ddpcheck.targets.support.why_unsupported``).
+OPT_IN_REASONS = {"param-dtype": NO_PARAM_DTYPE, "tensor-parallel": NO_PLAN}

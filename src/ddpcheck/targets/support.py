@@ -19,6 +19,7 @@ from ddpcheck._language.battery import BATTERY, TENSOR_PARALLEL_BATTERY
 from ddpcheck._language.features import BEYOND_TORCH, FEATURES, OPT_IN, of, parse
 from ddpcheck._language.scenario import Scenario
 from ddpcheck.targets.protocol import Target
+from ddpcheck.targets.reasons import OPT_IN_REASONS
 
 if TYPE_CHECKING:  # hypothesis loads only when examples are drawn: never in a rank
     from hypothesis import strategies as st
@@ -93,6 +94,8 @@ def why_unsupported(target: Target, feature: str) -> str:
     own = getattr(target, "declined_reason", None)  # Target's; a duck-typed target's table
     reason = own(feature) if callable(own) else None
     reason = reason or (getattr(target, "declined_features", None) or {}).get(feature)
+    if reason is None and feature in OPT_IN and not getattr(target, OPT_IN[feature], False):
+        reason = OPT_IN_REASONS[feature]  # its flag unset: the reason every such target shares
     if reason is not None:  # declined with a reason (an opt-in feature: its flag unset)
         return f"{type(target).__name__} declines it: {reason}"
     if feature == "tokens" and (declared is None or "tokens" in declared):

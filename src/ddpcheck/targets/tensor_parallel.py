@@ -27,7 +27,13 @@ from torch import nn
 from ddpcheck._language.scenario import Scenario, batch_size_of, micro_batches_of
 from ddpcheck._language.sharded_models import holders
 from ddpcheck._language.tensor_parallel import mesh_problem, mesh_shape
-from ddpcheck.targets.fsdp import broadcast_from, gradient_sync_off, shard_leaves
+from ddpcheck.targets.fsdp import (
+    CPU_FLOOR,
+    CUDA_FLOOR,
+    broadcast_from,
+    gradient_sync_off,
+    shard_leaves,
+)
 from ddpcheck.targets.protocol import Target
 
 if TYPE_CHECKING:  # torch.distributed.tensor loads when a tensor-parallel target runs
@@ -36,6 +42,7 @@ if TYPE_CHECKING:  # torch.distributed.tensor loads when a tensor-parallel targe
 
 __all__ = [
     "AUTOCAST_ON_A_MESH",
+    "TP_FLOOR",
     "PlanTarget",
     "Torch2DTarget",
     "TorchTPTarget",
@@ -136,6 +143,10 @@ def empty_shard(scenario: Scenario, world_size: int) -> str | None:
     return None
 
 
+#: The first torch release whose public ``torch.distributed.tensor`` the tensor-parallel targets
+#: import (DTensor, ``distribute_module``, ``Replicate``): 2.5. Not yet measured on it.
+TP_FLOOR = "2.5"
+
 #: Why a tensor-parallel target declines ``autocast`` (every one of them, until it is calibrated).
 AUTOCAST_ON_A_MESH = (
     "a low-precision forward on a mesh has no calibrated tolerance yet (the sharded matmuls "
@@ -159,6 +170,9 @@ class PlanTarget(Target):
     parallelizes = True
     #: the scenario's plan, set by :meth:`configure` (empty: nothing sharded)
     plan: tuple[tuple[str, str], ...] = ()
+    #: the public ``torch.distributed.tensor`` (DTensor, ``distribute_module``, the styles'
+    #: layouts) is 2.5's; measured on 2.13 only so far (bench/torch_matrix.py has no row yet)
+    requires = (("torch", TP_FLOOR),)
 
     def configure(self, scenario: Scenario) -> Target:
         tensor_parallel = scenario.tensor_parallel
@@ -215,6 +229,7 @@ class Torch2DTarget(TorchTPTarget):
         "unused-on-some-ranks": "FSDP2 all-gathers a layer in its forward: a layer some ranks "
         "skip leaves the collectives unpaired",
     }
+    requires = (("torch", CPU_FLOOR),)  # FSDP2's on the CPU, later than TP_FLOOR
 
     def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
         return (
@@ -222,6 +237,12 @@ class Torch2DTarget(TorchTPTarget):
             or empty_micro_batch(scenario, world_size)
             or empty_shard(scenario, world_size)
         )
+
+    def requirements(self, device: str) -> tuple[tuple[str, str], ...]:
+        """The public DTensor API's release, or FSDP2's on ``device`` where that is later (the
+        CPU's: ``ddpcheck.targets.fsdp.CPU_FLOOR``)."""
+        fsdp = CUDA_FLOOR if device.startswith("cuda") else CPU_FLOOR
+        return (("torch", max(TP_FLOOR, fsdp, key=lambda r: tuple(map(int, r.split("."))))),)
 
     def parallelize(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         module = super().parallelize(module, mesh)
