@@ -82,6 +82,9 @@ class ReadyMade:
     summary: str
     #: what its ``supports()`` declines besides, scenario by scenario
     per_scenario: str = ""
+    #: the releases this one target was run against, where fewer than its framework's
+    #: (``TESTED``): a target newer than the matrix
+    tried: tuple[str, ...] | None = None
 
     @property
     def declines(self) -> dict[str, str]:
@@ -118,7 +121,7 @@ class ReadyMade:
     @property
     def tested(self) -> tuple[str, ...]:
         """The releases of its framework its targets were run against and passed."""
-        return TESTED.get(self.framework, ())
+        return TESTED.get(self.framework, ()) if self.tried is None else self.tried
 
 
 #: The releases of each framework the ready-made targets were run against
@@ -161,6 +164,7 @@ READY_MADE: tuple[ReadyMade, ...] = (
         "torch",
         "parallel.tensor_parallel (this repository's column/row layers) with a plan drawn for "
         "each model over tp, parallel.DDP over dp",
+        tried=("2.13.0",),  # bench/torch_matrix.py has no tensor-parallel row yet
     ),
     ReadyMade(
         "torch_ddp",
@@ -205,6 +209,7 @@ READY_MADE: tuple[ReadyMade, ...] = (
         "torch",
         "torch tensor parallelism (parallelize_module) with a plan drawn for each model, over "
         "every rank (tp = W)",
+        tried=("2.13.0",),  # bench/torch_matrix.py has no tensor-parallel row yet
     ),
     ReadyMade(
         "torch_2d",
@@ -212,6 +217,7 @@ READY_MADE: tuple[ReadyMade, ...] = (
         "torch",
         "torch",
         "FSDP2 over dp x torch tensor parallelism over tp, on a (dp, tp) mesh drawn per example",
+        tried=("2.13.0",),  # bench/torch_matrix.py has no tensor-parallel row yet
     ),
     ReadyMade("local", LOCAL, "torch", "torch", "no synchronisation at all: must fail for W > 1"),
     ReadyMade(

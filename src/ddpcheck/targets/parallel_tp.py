@@ -25,7 +25,7 @@ from torch import nn
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.tensor_parallel import mesh_problem, mesh_shape
 from ddpcheck._language.training import OptimizerLike, Params
-from ddpcheck.targets.tensor_parallel import AUTOCAST_ON_A_MESH, PlanTarget
+from ddpcheck.targets.tensor_parallel import AUTOCAST_ON_A_MESH, TP_FLOOR, PlanTarget
 from parallel import DDP
 from parallel import tensor_parallel as tp
 
@@ -79,9 +79,7 @@ class ParallelTPTarget(PlanTarget):
     optimizer, which :meth:`full_tensor` reads."""
 
     declined_features: ClassVar[Mapping[str, str]] = _DECLINED
-    #: ``init_device_mesh`` with named axes (the harness's mesh) is 2.2's; its layers use plain
-    #: collectives only. Not yet measured on it.
-    requires = (("torch", "2.2"),)
+    requires = (("torch", TP_FLOOR),)  # the only release tried so far
     #: the layer classes the plan is applied with (a mutant swaps one)
     column_class: ClassVar[type[tp.ColumnParallelLinear]] = tp.ColumnParallelLinear
     row_class: ClassVar[type[tp.RowParallelLinear]] = tp.RowParallelLinear
