@@ -48,7 +48,7 @@ from ddpcheck._base.errors import (
     InvalidArgument,
     NothingChecked,
 )
-from ddpcheck._base.options import DEFAULT_WORLD_SIZES
+from ddpcheck._base.options import mesh_text
 from ddpcheck._front.environment import keep_hypothesis_out_of_the_current_folder
 from ddpcheck._front.grammar import (
     EXIT_CODES,
@@ -330,13 +330,19 @@ def _prepare(args: argparse.Namespace, progress: ProgressLine) -> Invocation:
     torchrun = _under_torchrun(args)
     spelling = admission.COMMAND_LINE
     sizes_asked = getattr(args, "world_sizes", None) is not None
+    mesh = getattr(args, "mesh", None)
+    if torchrun and mesh is not None:
+        raise UsageError(
+            "--mesh under torchrun: torchrun's world is the one checked (the battery only); "
+            "run ddpcheck check --mesh without torchrun"
+        )
     if torchrun:  # torchrun's world is the one; --world-sizes must contain it (check_in_world)
         sizes: str | tuple[int, ...] = args.world_sizes if sizes_asked else (local_world_size(),)
     elif getattr(args, "world_size", None) is not None:
         sizes = (args.world_size,)
         spelling = dataclasses.replace(spelling, world_sizes="--world-size")
-    else:  # `--world-sizes=` is refused as empty, not read as the default
-        sizes = args.world_sizes if sizes_asked else DEFAULT_WORLD_SIZES
+    else:  # `--world-sizes=` is refused as empty, not read as the default; None: the default
+        sizes = args.world_sizes if sizes_asked else None
     target = getattr(args, "target", admission.NO_TARGET)
     config = getattr(args, "config", None)
     request = admission.admit(
@@ -353,6 +359,7 @@ def _prepare(args: argparse.Namespace, progress: ProgressLine) -> Invocation:
         fits_machine=not torchrun,
         fuzz_config=getattr(args, "fuzz_config", False),
         config=config,
+        meshes=mesh,
     )
     named = target if isinstance(target, str) else ""
     rule_spec = getattr(args, "rule", None)
@@ -431,9 +438,7 @@ def _check(call: Invocation) -> ExitCode:
     request = call.request
     without, dtypes = request.without, request.random_dtypes
     started = time.perf_counter()
-    sizes = ",".join(map(str, call.world_sizes)) + (
-        "" if call.args.device == "cpu" else f" on {call.args.device}"
-    )
+    sizes = _where(call) + ("" if call.args.device == "cpu" else f" on {call.args.device}")
     line = call.progress
     battery_size = len(battery_for(request.target))
 
@@ -442,7 +447,7 @@ def _check(call: Invocation) -> ExitCode:
             line.phase(
                 f"battery 0/{total}",
                 f"ddpcheck check {call.target_spec}: starting worlds "
-                f"(world sizes {sizes}), then the battery: {battery_size} scenarios at each",
+                f"({sizes}), then the battery: {battery_size} scenarios at each",
             )
         else:
             line.show(f"battery {done}/{total}")
@@ -488,7 +493,7 @@ def _check(call: Invocation) -> ExitCode:
         else ""
     )
     say(
-        f"fuzzing {call.target_spec} with {call.args.examples} random examples at world sizes "
+        f"fuzzing {call.target_spec} with {call.args.examples} random examples at "
         f"{sizes}{'' if call.args.seed is None else f' (seed {call.args.seed})'}{options}"
     )
     line.show(f"random examples 0/{call.args.examples}")
@@ -537,6 +542,23 @@ def _declined(declined: dict[str, int]) -> str:
     return text + (f"; {unjudgeable} the oracle could not judge" if unjudgeable else "")
 
 
+def _where(call: Invocation) -> str:
+    """Where the examples run, as the command's lines say it: ``world sizes 1,2,3,4``, or the
+    mesh shapes asked for (``--mesh``), which fix them."""
+    meshes = call.request.meshes
+    if meshes is not None:
+        return "meshes " + ",".join(map(mesh_text, meshes))
+    return "world sizes " + ",".join(map(str, call.world_sizes))
+
+
+def _sizes_flag(call: Invocation) -> list[str]:
+    """``--world-sizes W,...`` or ``--mesh SHAPE,...``: the same examples' places, as asked."""
+    meshes = call.request.meshes
+    if meshes is not None:
+        return ["--mesh", ",".join(map(mesh_text, meshes))]
+    return ["--world-sizes", ",".join(map(str, call.world_sizes))]
+
+
 def _survey_command(call: Invocation) -> str:
     """The ``ddpcheck survey`` that maps which features fail at which of the world sizes this
     check ran (a verdict ends with it: ``_runs.smaller.with_features``)."""
@@ -546,8 +568,7 @@ def _survey_command(call: Invocation) -> str:
         "ddpcheck",
         "survey",
         call.target_word,
-        "--world-sizes",
-        ",".join(map(str, call.world_sizes)),
+        *_sizes_flag(call),
     ]
     for flag, value in (
         ("--config", call.args.config),

@@ -26,6 +26,7 @@ __all__ = [
     "DEFAULT_WORLD_SIZES",
     "FEATURES",
     "MAX_RANKS_PER_CORE",
+    "MESH_AXES",
     "OPT_IN",
     "STARTUP_DEADLINE",
     "WARM_UP_DEADLINE",
@@ -34,9 +35,12 @@ __all__ = [
     "check_positive_number",
     "check_world_size",
     "check_world_sizes",
+    "check_meshes",
     "did_you_mean",
+    "mesh_text",
     "named_fields",
     "parse_features",
+    "parse_meshes",
     "parse_world_sizes",
 ]
 
@@ -65,6 +69,87 @@ def parse_world_sizes(text: str, flag: str = "--world-sizes") -> tuple[int, ...]
             f"{flag}={text!r} must be comma-separated integers, such as 1,2,3,4"
         ) from None
     return check_world_sizes(flag, sizes, shown=text)  # then the rules every door shares
+
+
+#: A mesh's axes as ``--mesh`` spells them, outermost first (``_language.tensor_parallel.AXES``).
+MESH_AXES = ("dp", "tp")
+#: How a mesh shape is written: ``AXIS=N`` joined by ``x``, each axis at most once.
+_MESH_EXAMPLE = "such as tp=2 or dp=2xtp=2"
+
+
+def mesh_text(shape: tuple[int, int]) -> str:
+    """``(dp, tp)`` as ``--mesh`` spells it: ``tp=2``, ``dp=2xtp=2`` (dp=1 left out)."""
+    dp, tp = shape
+    return f"tp={tp}" if dp == 1 else f"dp={dp}xtp={tp}"
+
+
+def _mesh_shape(text: str, name: str, shown: object) -> tuple[int, int]:
+    """One shape, ``tp=2`` / ``dp=2xtp=2``, as ``(dp, tp)``; an axis not named is 1."""
+    degrees: dict[str, int] = {}
+    for part in text.strip().split("x"):
+        axis, sep, value = part.strip().partition("=")
+        axis, value = axis.strip(), value.strip()
+        if not sep or not axis or not value:
+            raise InvalidArgument(
+                f"{name}={shown!r}: {text.strip()!r} is not a mesh shape; write AXIS=N joined "
+                f"by x, {_MESH_EXAMPLE}"
+            )
+        if axis not in MESH_AXES:
+            raise InvalidArgument(
+                f"{name}={shown!r}: unknown axis {axis!r}{did_you_mean(axis, MESH_AXES)}; "
+                f"the axes are {' and '.join(MESH_AXES)}, {_MESH_EXAMPLE}"
+            )
+        if axis in degrees:
+            raise InvalidArgument(f"{name}={shown!r}: {text.strip()!r} names {axis} twice")
+        try:
+            degree = int(value)
+        except ValueError:
+            raise InvalidArgument(
+                f"{name}={shown!r}: {axis}={value!r} is not an integer, {_MESH_EXAMPLE}"
+            ) from None
+        if degree < 1:
+            raise InvalidArgument(f"{name}={shown!r}: {axis}={degree} must be at least 1")
+        degrees[axis] = degree
+    return degrees.get("dp", 1), degrees.get("tp", 1)
+
+
+def parse_meshes(text: str, flag: str = "--mesh") -> tuple[tuple[int, int], ...]:
+    """``"tp=2,dp=2xtp=2"`` -> ``((1, 2), (2, 2))``; anything else is an :class:`InvalidArgument`
+    naming ``flag`` and the problem (a malformed shape, an unknown axis, a degree below 1)."""
+    return check_meshes(flag, [p for p in text.split(",") if p.strip()], shown=text)
+
+
+def check_meshes(name: str, values: object, shown: object = None) -> tuple[tuple[int, int], ...]:
+    """Mesh shapes as distinct ``(dp, tp)`` pairs, smallest world first (then smallest ``tp``: a
+    failure shrinks towards the first): each given as its text (``"dp=2xtp=2"``) or as a
+    ``(dp, tp)`` pair of positive integers."""
+    shown = values if shown is None else shown
+    if isinstance(values, str):
+        values = [p for p in values.split(",") if p.strip()]
+    if not isinstance(values, Iterable):
+        raise InvalidArgument(
+            f"{name}={shown!r} must be mesh shapes, {_MESH_EXAMPLE} (or (dp, tp) pairs)"
+        )
+    shapes: list[tuple[int, int]] = []
+    for value in values:
+        if isinstance(value, str):
+            shapes.append(_mesh_shape(value, name, shown))
+            continue
+        pair = tuple(value) if isinstance(value, Iterable) else ()
+        if len(pair) != 2 or not all(_is_int(d) for d in pair):
+            raise InvalidArgument(
+                f"{name}={shown!r} contains {value!r}; a mesh shape is text, {_MESH_EXAMPLE}, "
+                "or a (dp, tp) pair of integers"
+            )
+        for axis, degree in zip(MESH_AXES, pair):
+            if degree < 1:
+                raise InvalidArgument(f"{name}={shown!r}: {axis}={degree} must be at least 1")
+        shapes.append((int(pair[0]), int(pair[1])))
+    if not shapes:
+        raise InvalidArgument(
+            f"{name}={shown!r} is empty; give at least one shape, {_MESH_EXAMPLE}"
+        )
+    return tuple(sorted(set(shapes), key=lambda s: (s[0] * s[1], s[1])))
 
 
 def check_fits_machine(

@@ -11,6 +11,7 @@ replicated where the plan would otherwise cut one in half.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -28,7 +29,13 @@ from ddpcheck._language.sharded_models import (
 )
 from ddpcheck._language.tensor_parallel import TensorParallel
 
-__all__ = ["DRAWN", "plans", "sharded_models", "tensor_parallel_scenarios"]
+__all__ = [
+    "DRAWN",
+    "largest_degree",
+    "plans",
+    "sharded_models",
+    "tensor_parallel_scenarios",
+]
 
 #: The features tensor-parallel scenarios are drawn with (``exercising`` one of them keeps the
 #: draws that do; the others are not drawn on a mesh yet).
@@ -76,6 +83,23 @@ def plans(draw: st.DrawFn, spec: ShardedSpec, tp: int) -> tuple[tuple[str, str],
     return tuple(pair for group in plan_choices(spec, tp) for pair in draw(st.sampled_from(group)))
 
 
+@functools.cache
+def largest_degree() -> int:
+    """The largest ``tp`` some drawn model can use: one of its layers holds a shard on each of
+    ``tp`` ranks (:func:`plan_choices` offers more than "nothing sharded"). A larger degree
+    would draw only empty plans: a mesh that shards nothing (``--mesh`` refuses it)."""
+    usable = 1
+    for tp in range(2, 4 * max(MAX_WIDTH, MAX_SIZE) + 1):
+        for kind in BLOCK_KINDS:
+            for size in range(1, MAX_SIZE + 1):
+                for width in range(2, MAX_WIDTH + 1):
+                    for head_dim in (1, 2, 3):
+                        spec = ShardedSpec((ShardedBlock(kind, size),), width, head_dim)
+                        if any(len(group) > 1 for group in plan_choices(spec, tp)):
+                            usable = tp
+    return usable
+
+
 def _divisors(world_size: int) -> tuple[int, ...]:
     """The degrees a world of ``world_size`` ranks can hold, smallest first (above 1 when any)."""
     found = tuple(d for d in range(2, world_size + 1) if world_size % d == 0)
@@ -88,12 +112,14 @@ def tensor_parallel_scenarios(
     dtypes: Iterable[str] = ("float64", "float32"),
     without: Iterable[str] = (),
     tp: int | None = None,
+    degrees: Iterable[int] | None = None,
     max_batch: int = 8,
     max_steps: int = 3,
     max_accumulation: int = 2,
 ) -> st.SearchStrategy[Scenario]:
     """Tensor-parallel scenarios at ``world_size``: a degree ``tp`` (default: drawn among the
-    divisors of W; ``tp=W`` is torch_tp's mesh), a :func:`sharded_models` model, a plan of
+    divisors of W; ``tp=W`` is torch_tp's mesh; ``degrees``: drawn among these, each dividing W,
+    as ``--mesh`` asks), a :func:`sharded_models` model, a plan of
     :func:`plans`, and what data-parallel scenarios draw besides -- optimizer, dtype, batch
     (split over ``dp``), steps, accumulation, LR decay, clipping -- none of ``without``."""
     dtypes, without = tuple(dtypes), frozenset(without)
@@ -101,7 +127,17 @@ def tensor_parallel_scenarios(
         raise InvalidArgument("dtypes must name at least one of float64, float32")
     if tp is not None and (tp < 1 or world_size % tp):
         raise InvalidArgument(f"tp={tp!r} must divide world_size={world_size}")
-    degrees = (tp,) if tp is not None else _divisors(world_size)
+    if tp is not None and degrees is not None:
+        raise InvalidArgument("give tp= or degrees=, not both")
+    if degrees is not None:
+        degrees = tuple(sorted(set(degrees)))
+        wrong = [d for d in degrees if d < 1 or world_size % d]
+        if not degrees or wrong:
+            raise InvalidArgument(
+                f"degrees={degrees!r} must be degrees that divide world_size={world_size}"
+            )
+    else:
+        degrees = (tp,) if tp is not None else _divisors(world_size)
     return _scenarios(world_size, dtypes, without, degrees, max_batch, max_steps, max_accumulation)
 
 

@@ -513,13 +513,15 @@ def per_world_size(
     unsupported: frozenset[str],
     focus: frozenset[str],
     who: str,
+    degrees: Mapping[int, tuple[int, ...]] | None = None,
 ) -> dict[int, st.SearchStrategy[Scenario]]:
     """``{W: the scenarios drawn at W}`` for a target checked on none of ``unsupported`` (the
     features it does not support, and those the user excluded), named ``who``: :func:`scenarios`
     at each of ``sizes``, or -- with ``focus`` (``--only``) -- :func:`exercising` one of those
     features, at the world sizes where one can be. Built once per call: Hypothesis validates a
     strategy the first time it draws from it. Raises ``NothingChecked`` when nothing can be
-    drawn."""
+    drawn. ``degrees``: ``{W: the tensor-parallel degrees drawn at W}`` (``--mesh``; default:
+    every divisor of W), for a target that applies plans."""
     opt_in = frozenset(features.OPT_IN) - unsupported  # generated only for a target that opts in
     kept = tuple(d for d in dtypes if d not in unsupported)
     if not kept:
@@ -529,7 +531,12 @@ def per_world_size(
         )
     if "tensor-parallel" in opt_in:  # a target with a plan hook: meshes and plans only
         return {
-            w: tensor_parallel_scenarios(world_size=w, dtypes=kept, without=unsupported)
+            w: tensor_parallel_scenarios(
+                world_size=w,
+                dtypes=kept,
+                without=unsupported,
+                degrees=None if degrees is None else degrees[w],
+            )
             for w in sizes
         }
     if focus:

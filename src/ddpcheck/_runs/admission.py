@@ -34,11 +34,15 @@ from ddpcheck._base.errors import DdpcheckError, InvalidArgument
 from ddpcheck._base.options import (
     DEFAULT_DEADLINE,
     DEFAULT_WORLD_SIZES,
+    OPT_IN,
     check_deadline,
     check_fits_machine,
+    check_meshes,
     check_world_sizes,
     did_you_mean,
+    mesh_text,
     parse_features,
+    parse_meshes,
     parse_world_sizes,
 )
 from ddpcheck._base.scripts import load
@@ -88,6 +92,7 @@ class Spelling:
     #: target's name are read from it; in Python, a string where a number belongs is refused
     text: bool = False
     config: str = "config"
+    meshes: str = "meshes"
 
 
 API = Spelling()
@@ -103,6 +108,7 @@ COMMAND_LINE = Spelling(
     "--fuzz-config",
     text=True,
     config="--config",
+    meshes="--mesh",
 )
 PYTEST = Spelling(
     "target",
@@ -116,6 +122,7 @@ PYTEST = Spelling(
     "--ddpcheck-fuzz-config",
     text=True,
     config="--ddpcheck-config",
+    meshes="--ddpcheck-mesh",
 )
 
 #: ``admit``'s target when a door admits its options alone (the pytest plugin for its session,
@@ -144,6 +151,26 @@ class Request:
     #: a framework configuration given apart from the target (``--config FILE``), applied to
     #: the target when it is admitted (:func:`configured`)
     config: str | None = None
+    #: the ``(dp, tp)`` mesh shapes every example runs on (``--mesh``), or None: any the world
+    #: sizes hold; ``world_sizes`` is then theirs (``dp * tp`` each)
+    meshes: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def degrees(self) -> dict[int, tuple[int, ...]] | None:
+        """``{W: the tensor-parallel degrees drawn at W}`` under ``meshes``, else None."""
+        if self.meshes is None:
+            return None
+        found: dict[int, tuple[int, ...]] = {}
+        for dp, tp in self.meshes:
+            found[dp * tp] = (*found.get(dp * tp, ()), tp)
+        return found
+
+    def off_mesh(self, shape: tuple[int, int]) -> str | None:
+        """Why an example on the ``(dp, tp)`` mesh ``shape`` is not run (None: it is)."""
+        if self.meshes is None or shape in self.meshes:
+            return None
+        asked = ",".join(map(mesh_text, self.meshes))
+        return f"its mesh {mesh_text(shape)} is not among the meshes asked for ({asked})"
 
     @property
     def run(self) -> Settings:
@@ -167,7 +194,7 @@ def admit(
     target: Any = NO_TARGET,
     *,
     scenario: Any = None,
-    world_sizes: Any = DEFAULT_WORLD_SIZES,
+    world_sizes: Any = None,
     deadline: Any = DEFAULT_DEADLINE,
     without: Any = (),
     dtypes: Any = None,
@@ -179,6 +206,7 @@ def admit(
     fits_machine: bool = True,
     fuzz_config: bool = False,
     config: str | None = None,
+    meshes: Any = None,
 ) -> Request:
     """``Request`` from what a door was given, or :class:`InvalidArgument` naming the argument.
 
@@ -190,16 +218,28 @@ def admit(
     limit to the caller (the plugin checks it only for world sizes a user asked for).
     ``fuzz_config``: a target with no options to fuzz (``Target.config_space`` None) is refused.
     ``config``: a framework configuration given apart from the target (``--config FILE``:
-    :func:`configured`)."""
+    :func:`configured`). ``world_sizes`` None: the default ones. ``meshes`` (``--mesh``: text
+    such as ``"tp=2,dp=2xtp=2"``, or ``(dp, tp)`` pairs): every example on one of these mesh
+    shapes, the world sizes theirs -- refused with ``world_sizes`` (a shape fixes its world
+    size), for a target that applies no plans, and for a ``tp`` no drawn model can use."""
     text = spelling.text
-    sizes = (
-        parse_world_sizes(world_sizes, spelling.world_sizes)
-        if text and isinstance(world_sizes, str)
-        else check_world_sizes(spelling.world_sizes, world_sizes)
-    )
+    shapes = _meshes(meshes, world_sizes, spelling)
+    if shapes is not None:
+        sizes = tuple(dict.fromkeys(dp * tp for dp, tp in shapes))
+    elif world_sizes is None:
+        sizes = DEFAULT_WORLD_SIZES
+    else:
+        sizes = (
+            parse_world_sizes(world_sizes, spelling.world_sizes)
+            if text and isinstance(world_sizes, str)
+            else check_world_sizes(spelling.world_sizes, world_sizes)
+        )
+    sizes_flag = spelling.world_sizes if shapes is None else spelling.meshes
     if fits_machine:
-        check_fits_machine(sizes, workers=workers, flag=spelling.world_sizes)
+        check_fits_machine(sizes, workers=workers, flag=sizes_flag)
     check_fits(device, sizes, backend, flag=spelling.device)
+    if shapes is not None:
+        _check_degrees(shapes, meshes, spelling.meshes)
     seconds = check_deadline(
         spelling.deadline, _number(deadline) if text else deadline, shown=deadline
     )
@@ -232,10 +272,42 @@ def admit(
         focus,
         bool(fuzz_config),
         config,
+        shapes,
     )
     if target is NO_TARGET:
         return options
     return dataclasses.replace(options, target=_target(target, options, spelling))
+
+
+def _meshes(
+    meshes: Any, world_sizes: Any, spelling: Spelling
+) -> tuple[tuple[int, int], ...] | None:
+    """The mesh shapes asked for, parsed and checked (None: none asked for); refused with world
+    sizes beside them: each shape fixes its world size, so one of the two says it all."""
+    if meshes is None:
+        return None
+    if world_sizes is not None:
+        raise InvalidArgument(
+            f"{spelling.meshes} and {spelling.world_sizes} together: each mesh shape fixes its "
+            f"world size (dp x tp); give {spelling.meshes} alone"
+        )
+    if spelling.text and isinstance(meshes, str):
+        return parse_meshes(meshes, spelling.meshes)
+    return check_meshes(spelling.meshes, meshes)
+
+
+def _check_degrees(shapes: tuple[tuple[int, int], ...], shown: Any, name: str) -> None:
+    """Refuse a ``tp`` no drawn model can use: every plan drawn at it would shard nothing."""
+    from ddpcheck._language.plans import largest_degree
+
+    largest = largest_degree()
+    for _, tp in shapes:
+        if tp > largest:
+            raise InvalidArgument(
+                f"{name}={shown!r}: tp={tp} is more ranks than any drawn model's layer can "
+                f"give each a shard of (the drawn models use tp up to {largest}); every plan "
+                "drawn would shard nothing"
+            )
 
 
 def admit_target(
@@ -250,6 +322,11 @@ def admit_target(
     with ``target``, and where given a scenario and other world sizes, admitted by the rules of
     :func:`admit`: the options are not admitted again."""
     sizes = request.world_sizes
+    if world_sizes is not None and request.meshes is not None:
+        raise InvalidArgument(
+            f"world_sizes={world_sizes!r} with {spelling.meshes}: each mesh shape fixes its "
+            "world size (dp x tp); leave world_sizes out"
+        )
     if world_sizes is not None:
         sizes = check_world_sizes(spelling.world_sizes, world_sizes)
         check_fits_machine(sizes, flag=spelling.world_sizes)
@@ -267,15 +344,32 @@ def admit_target(
 def _target(target: Any, options: Request, spelling: Spelling) -> Any:
     """The target, resolved where named as text, configured (``config``), and checked against
     the admitted options: it must travel and replay, and serve what they focus on."""
-    if spelling.text and isinstance(target, str):
+    named = target if spelling.text and isinstance(target, str) else None
+    if named is not None:
         target = resolve_target(target, options.config, flag=spelling.config)
     elif options.config is not None:
         target = configured(target, options.config, flag=spelling.config)
+    if options.meshes is not None:
+        _check_parallelizes(target, named, spelling.meshes)
     check_target(target, options.device)
     _check_focus(target, options.only, options.without, spelling.only)
     if options.fuzz_config:
         _check_config_space(target, spelling.fuzz_config)
     return target
+
+
+def _check_parallelizes(target: Any, named: str | None, name: str) -> None:
+    """Refuse a mesh for a target that does not opt into tensor parallelism: it would be drawn
+    no example on one (``Target.parallelizes``)."""
+    flag = OPT_IN["tensor-parallel"]
+    if not getattr(target, flag, False):
+        cls = type(target).__name__
+        who = f"{named} ({cls})" if named and named != cls else cls
+        raise InvalidArgument(
+            f"{name}: {who} does not opt into tensor parallelism ({cls}.{flag} is not set), so "
+            "it runs on no mesh; a mesh is for a target that applies tensor-parallel plans "
+            f"(torch_tp, torch_2d, parallel_tp, or your own with {flag} = True)"
+        )
 
 
 def _check_config_space(target: Any, name: str) -> None:

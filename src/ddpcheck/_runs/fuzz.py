@@ -139,7 +139,7 @@ def fuzz_admitted(
     # tallied by the engine, not filtered).
     focus = request.only
     sizes, scenarios, excluded = support.example_strategies(
-        target, request.world_sizes, dtypes, without, focus
+        target, request.world_sizes, dtypes, without, focus, request.degrees
     )
     space = space_of(target) if request.fuzz_config else None
     draws = Draws(

@@ -11,7 +11,7 @@ duck-typed target (no ``Target`` base) is read with the same defaults, attribute
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ddpcheck._base.options import DEFAULT_WORLD_SIZES, check_world_sizes
@@ -232,18 +232,20 @@ def example_strategies(
     dtypes: Sequence[str],
     without: Iterable[str],
     only: Iterable[str] = (),
+    degrees: Mapping[int, tuple[int, ...]] | None = None,
 ) -> tuple[tuple[int, ...], dict[int, st.SearchStrategy[Scenario]], frozenset[str]]:
     """``(world sizes, {W: scenarios target runs at W}, the features without excludes)``: one
     definition of what a target is drawn, for :func:`examples` and ``ddpcheck check``'s own
     random examples (``_runs.fuzz``), which tallies the declined draws itself. ``only``: drawn
     to exercise one of these features, at the world sizes where one can be
-    (``ddpcheck.strategies.per_world_size`` builds the strategies from the feature sets)."""
+    (``ddpcheck.strategies.per_world_size`` builds the strategies from the feature sets).
+    ``degrees``: ``{W: tensor-parallel degrees}`` drawn at each W (``--mesh``)."""
     from ddpcheck._language import strategies as dst
 
     sizes = check_world_sizes("world_sizes", world_sizes)
     excluded = parse(without, "without")
     focus = parse(only, "only")
     per_size = dst.per_world_size(
-        sizes, dtypes, unsupported(target, excluded), focus, type(target).__name__
+        sizes, dtypes, unsupported(target, excluded), focus, type(target).__name__, degrees
     )
     return tuple(per_size), per_size, excluded
