@@ -68,6 +68,7 @@ def assert_equivalent(
     backend: str | None = None,
     progress: Callable[[int, int], None] | None = None,
     fuzz_config: bool = False,
+    meshes: Iterable[object] | None = None,
 ) -> Report:
     """Check ``target`` against the oracle on ``scenario`` (default: the built-in battery).
 
@@ -95,6 +96,11 @@ def assert_equivalent(
     ``fuzz_config=True``: then again under each single option the target's ``config_space()``
     draws (``ddpcheck.targets.option_space``; refused for a target with none), each verdict
     naming its option and its replay line building it (``fuzz`` draws whole configurations).
+
+    ``meshes``: ``(dp, tp)`` mesh shapes, as pairs or as ``--mesh`` spells them (``"tp=2"``,
+    ``"dp=2xtp=2"``), for a target that applies tensor-parallel plans (``Target.parallelizes``):
+    the world sizes are theirs (``dp * tp``; ``world_sizes`` beside them is refused), and a
+    scenario whose mesh at a world size is none of them is skipped there.
     """
     request = admit(
         target,
@@ -107,5 +113,6 @@ def assert_equivalent(
         backend=backend,
         only=only,
         fuzz_config=fuzz_config,
+        meshes=meshes,
     )
     return assert_admitted(request, progress)

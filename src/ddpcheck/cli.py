@@ -48,7 +48,7 @@ from ddpcheck._base.errors import (
     InvalidArgument,
     NothingChecked,
 )
-from ddpcheck._base.options import mesh_text
+from ddpcheck._base.options import DEFAULT_WORLD_SIZES, mesh_text
 from ddpcheck._front.environment import keep_hypothesis_out_of_the_current_folder
 from ddpcheck._front.grammar import (
     EXIT_CODES,
@@ -341,8 +341,8 @@ def _prepare(args: argparse.Namespace, progress: ProgressLine) -> Invocation:
     elif getattr(args, "world_size", None) is not None:
         sizes = (args.world_size,)
         spelling = dataclasses.replace(spelling, world_sizes="--world-size")
-    else:  # `--world-sizes=` is refused as empty, not read as the default; None: the default
-        sizes = args.world_sizes if sizes_asked else None
+    else:  # `--world-sizes=` is refused as empty, not read as the default
+        sizes = args.world_sizes if sizes_asked else DEFAULT_WORLD_SIZES
     target = getattr(args, "target", admission.NO_TARGET)
     config = getattr(args, "config", None)
     request = admission.admit(
@@ -420,10 +420,17 @@ def _check_writable(path: str, flag: str) -> None:
 
 def _say_notes(call: Invocation, say: Callable[[str], None]) -> None:
     """Before the run, what a default hook means for what is checked (``targets.support``)."""
-    from ddpcheck.targets.support import checked_through_defaults
+    from ddpcheck.targets.support import checked_through_defaults, declined_mesh
 
     for note in checked_through_defaults(call.target, call.request.without):
         say(f"note: {note}")
+    for shape in call.request.meshes or ():
+        why = declined_mesh(call.target, shape)
+        if why is not None:  # every example on it would be declined: said now, not counted
+            say(
+                f"note: {call.target_spec} runs nothing on the mesh {mesh_text(shape)} (--mesh): "
+                f"{why}"
+            )
 
 
 def _check(call: Invocation) -> ExitCode:
@@ -474,6 +481,7 @@ def _check(call: Invocation) -> ExitCode:
             seed=call.args.seed,
             say=say,
             run=request.run,
+            degrees=request.degrees,
         )
         raise smaller.with_features(error, what, _survey_command(call)) from None
     else:
@@ -616,7 +624,7 @@ def _check_under_torchrun(call: Invocation) -> None:
 def _survey(call: Invocation) -> ExitCode:
     from ddpcheck._runs import survey
 
-    sizes = ",".join(map(str, call.world_sizes))
+    sizes = _where(call)
     seed = "" if call.args.seed is None else f" (seed {call.args.seed})"
     line = call.progress
     with line.paused():
@@ -627,7 +635,7 @@ def _survey(call: Invocation) -> ExitCode:
         )
         print(
             f"ddpcheck survey {call.target_spec}: {what}{call.args.examples} random "
-            f"examples per feature at world sizes {sizes}{seed}\n",
+            f"examples per feature at {sizes}{seed}\n",
             flush=True,
         )
 

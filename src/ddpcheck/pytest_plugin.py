@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from ddpcheck._base.errors import DdpcheckError, ExitCode, InvalidArgument
-from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES
+from ddpcheck._base.options import DEFAULT_DEADLINE, DEFAULT_WORLD_SIZES, mesh_text
 
 if TYPE_CHECKING:  # the plugin imports neither torch nor Hypothesis when it loads
     from ddpcheck._language.scenario import Scenario
@@ -45,6 +45,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         metavar="W,W,...",
         help="World sizes the ddpcheck fixtures use (default 1,2,3,4)",
+    )
+    group.addoption(
+        "--ddpcheck-mesh",
+        action="store",
+        default=None,
+        metavar="SHAPE,...",
+        help="Tensor-parallel mesh shapes ddpcheck_run checks on, such as tp=2,dp=2xtp=2 (their "
+        "world sizes dp*tp instead of --ddpcheck-world-sizes; for targets that apply plans)",
     )
     group.addoption(
         "--ddpcheck-deadline",
@@ -148,7 +156,9 @@ class Session:
         return self.request.config
 
     def header(self) -> str:
-        sizes = ",".join(map(str, self.world_sizes))
+        sizes = "world sizes " + ",".join(map(str, self.world_sizes))
+        if self.request.meshes is not None:
+            sizes = "meshes " + ",".join(map(mesh_text, self.request.meshes))
         without = f", without {','.join(sorted(self.without))}" if self.without else ""
         where = (
             ""
@@ -157,7 +167,7 @@ class Session:
         )
         options = ", options fuzzed" if self.request.fuzz_config else ""
         return (
-            f"ddpcheck: world sizes {sizes}, deadline {self.deadline:g} s{without}{where}"
+            f"ddpcheck: {sizes}, deadline {self.deadline:g} s{without}{where}"
             f"{options}, {self.workers} worker process(es) each keeping its own worlds"
         )
 
@@ -177,6 +187,7 @@ def resolve_options(config: pytest.Config) -> Session:
         for name in ("world_sizes", "deadline", "without", "dtypes", "only", "device")
     }
     raw["backend"] = config.getoption("ddpcheck_backend")
+    raw["mesh"] = config.getoption("ddpcheck_mesh")
     raw["config"] = framework_config = config.getoption("ddpcheck_config")
     workers = _xdist_workers(config)
     try:
@@ -192,9 +203,10 @@ def resolve_options(config: pytest.Config) -> Session:
             backend=raw["backend"],
             spelling=PYTEST,
             workers=workers,
-            fits_machine=raw["world_sizes"] is not None,
+            fits_machine=raw["world_sizes"] is not None or raw["mesh"] is not None,
             fuzz_config=bool(config.getoption("ddpcheck_fuzz_config")),
             config=framework_config,
+            meshes=raw["mesh"],
         )
         if framework_config is not None:  # read now: a wrong file is the session's usage error
             config_value(framework_config, flag="--ddpcheck-config")
@@ -400,7 +412,7 @@ def ddpcheck_run(ddpcheck_options: Session) -> Callable[..., Report]:
     from ddpcheck._world.interrupts import interruptible
 
     # Python values, named as assert_equivalent names them; the configuration by its flag
-    spelling = dataclasses.replace(API, config="--ddpcheck-config")
+    spelling = dataclasses.replace(API, config="--ddpcheck-config", meshes="--ddpcheck-mesh")
 
     @interruptible
     def ddpcheck_run(

@@ -51,6 +51,22 @@ BAD = {
         ("--only", "acumulation"),
         "'acumulation' is not a feature (did you mean 'accumulation'?)",
     ),
+    "a malformed mesh shape": (
+        ("meshes", "tp2"),
+        ("--mesh", "tp2"),
+        "'tp2' is not a mesh shape; write AXIS=N joined by x, such as tp=2 or dp=2xtp=2",
+    ),
+    "an unknown mesh axis": (
+        ("meshes", "tp=2,pp=2"),
+        ("--mesh", "tp=2,pp=2"),
+        "unknown axis 'pp'; the axes are dp and tp",
+    ),
+    "a mesh degree below 1": (
+        ("meshes", "dp=2xtp=0"),
+        ("--mesh", "dp=2xtp=0"),
+        "tp=0 must be at least 1",
+    ),
+    "no mesh shape": (("meshes", ""), ("--mesh", ""), "is empty; give at least one shape"),
 }
 
 #: The API's doors, each with what it takes besides the bad argument (a survey maps every
@@ -66,9 +82,12 @@ NOT_TAKEN = {("survey", "dtypes")}
 CLI_DOORS = {
     "check": (
         ["check", "parallel"],
-        {"--world-sizes", "--deadline", "--without", "--dtypes", "--only"},
+        {"--world-sizes", "--deadline", "--without", "--dtypes", "--only", "--mesh"},
     ),
-    "survey": (["survey", "parallel"], {"--world-sizes", "--deadline", "--without", "--only"}),
+    "survey": (
+        ["survey", "parallel"],
+        {"--world-sizes", "--deadline", "--without", "--only", "--mesh"},
+    ),
     "replay": (
         ["replay", "parallel", "--world-size", "2", "--scenario", "ddpcheck.Scenario(steps=1)"],
         {"--deadline"},

@@ -615,6 +615,7 @@ def exercising(
     without: Iterable[str] = (),
     resume_world_sizes: Sequence[int] | None = None,
     opt_in: Iterable[str] = (),
+    tp_degrees: Sequence[int] | None = None,
 ) -> st.SearchStrategy[Scenario]:
     """:func:`scenarios` made to exercise ``feature`` (of ``ddpcheck.features.FEATURES``) at
     ``world_size``: the model gets the layer that produces it (a never-used, sample-gated, frozen,
@@ -627,7 +628,8 @@ def exercising(
     ``tokens`` trains a language model (:func:`gpt_models`) on padded token sequences;
     ``autocast`` and ``param-dtype`` run a precision policy (bfloat16 or float16 autocast, a
     bfloat16 ``param_dtype``) in float32 scenarios; the features a layer gives never train a
-    language model. ``opt_in``: as for :func:`scenarios`.
+    language model. ``opt_in``: as for :func:`scenarios`. ``tp_degrees``: the tensor-parallel
+    degrees drawn, for scenarios on a mesh (default: every divisor of ``world_size``).
 
     ``unused-on-some-ranks`` depends on the data (whether some rank's samples all skip the
     layer) and cannot happen at W=1, nor ``uneven-batches``: check ``feature in
@@ -644,7 +646,7 @@ def exercising(
     if feature in FLOAT32_ONLY and tuple(dtypes) != ("float32",):
         raise InvalidArgument(f"feature={feature!r} needs dtypes=('float32',), not {dtypes!r}")
     if feature == "tensor-parallel" or "tensor-parallel" in opt_in:  # meshes and plans only
-        return _on_a_mesh(feature, world_size, tuple(dtypes), without)
+        return _on_a_mesh(feature, world_size, tuple(dtypes), without, tp_degrees)
     if feature in features.OPT_IN:
         opt_in = (*opt_in, feature)
     model = models(mixed_dtypes=True, without=without)
@@ -670,13 +672,19 @@ def exercising(
 
 
 def _on_a_mesh(
-    feature: str, world_size: int, dtypes: tuple[str, ...], without: frozenset[str]
+    feature: str,
+    world_size: int,
+    dtypes: tuple[str, ...],
+    without: frozenset[str],
+    degrees: Sequence[int] | None = None,
 ) -> st.SearchStrategy[Scenario]:
     """Tensor-parallel scenarios exercising ``feature`` (a target that applies plans is given
     no others); ``NothingChecked`` for a feature they are not drawn with."""
     if feature not in DRAWN or (world_size == 1 and feature == "uneven-batches"):
         raise NothingChecked(f"tensor-parallel scenarios are not drawn with {feature} yet")
-    drawn = tensor_parallel_scenarios(world_size=world_size, dtypes=dtypes, without=without)
+    drawn = tensor_parallel_scenarios(
+        world_size=world_size, dtypes=dtypes, without=without, degrees=degrees
+    )
     return drawn.filter(lambda s: feature in features.of(s, world_size))
 
 

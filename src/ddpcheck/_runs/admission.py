@@ -165,9 +165,16 @@ class Request:
             found[dp * tp] = (*found.get(dp * tp, ()), tp)
         return found
 
-    def off_mesh(self, shape: tuple[int, int]) -> str | None:
-        """Why an example on the ``(dp, tp)`` mesh ``shape`` is not run (None: it is)."""
-        if self.meshes is None or shape in self.meshes:
+    def off_mesh(self, scenario: Scenario, world_size: int) -> str | None:
+        """Why ``scenario`` is not run at ``world_size`` under the meshes asked for: its mesh
+        there is none of them (None: it is one, or none were asked for, or the world cannot
+        hold its mesh at all -- the target declines that, naming why)."""
+        from ddpcheck._language.tensor_parallel import mesh_problem, mesh_shape
+
+        if self.meshes is None or mesh_problem(scenario.tensor_parallel, world_size) is not None:
+            return None
+        shape = mesh_shape(scenario.tensor_parallel, world_size)
+        if shape in self.meshes:
             return None
         asked = ",".join(map(mesh_text, self.meshes))
         return f"its mesh {mesh_text(shape)} is not among the meshes asked for ({asked})"
@@ -194,7 +201,7 @@ def admit(
     target: Any = NO_TARGET,
     *,
     scenario: Any = None,
-    world_sizes: Any = None,
+    world_sizes: Any = DEFAULT_WORLD_SIZES,
     deadline: Any = DEFAULT_DEADLINE,
     without: Any = (),
     dtypes: Any = None,
@@ -218,16 +225,15 @@ def admit(
     limit to the caller (the plugin checks it only for world sizes a user asked for).
     ``fuzz_config``: a target with no options to fuzz (``Target.config_space`` None) is refused.
     ``config``: a framework configuration given apart from the target (``--config FILE``:
-    :func:`configured`). ``world_sizes`` None: the default ones. ``meshes`` (``--mesh``: text
+    :func:`configured`). ``meshes`` (``--mesh``: text
     such as ``"tp=2,dp=2xtp=2"``, or ``(dp, tp)`` pairs): every example on one of these mesh
     shapes, the world sizes theirs -- refused with ``world_sizes`` (a shape fixes its world
-    size), for a target that applies no plans, and for a ``tp`` no drawn model can use."""
+    size: any but the default object, ``DEFAULT_WORLD_SIZES`` itself), for a target that applies
+    no plans, and for a ``tp`` no drawn model can use."""
     text = spelling.text
     shapes = _meshes(meshes, world_sizes, spelling)
     if shapes is not None:
         sizes = tuple(dict.fromkeys(dp * tp for dp, tp in shapes))
-    elif world_sizes is None:
-        sizes = DEFAULT_WORLD_SIZES
     else:
         sizes = (
             parse_world_sizes(world_sizes, spelling.world_sizes)
@@ -286,7 +292,7 @@ def _meshes(
     sizes beside them: each shape fixes its world size, so one of the two says it all."""
     if meshes is None:
         return None
-    if world_sizes is not None:
+    if world_sizes is not DEFAULT_WORLD_SIZES:  # the default itself: not given
         raise InvalidArgument(
             f"{spelling.meshes} and {spelling.world_sizes} together: each mesh shape fixes its "
             f"world size (dp x tp); give {spelling.meshes} alone"

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from ddpcheck._base.errors import EquivalenceError, NothingChecked
 from ddpcheck._language import features
 from ddpcheck._language.scenario import Scenario
-from ddpcheck._language.tensor_parallel import mesh_problem, mesh_shape
 from ddpcheck._oracle.reference import Reference
 from ddpcheck._runs.admission import Request, check_target
 from ddpcheck._runs.example import check_example_keeping_reference, refuse_unconfirmed_hang
@@ -142,7 +141,7 @@ def run_battery(request: Request, progress: Callable[[int, int], None] | None = 
         launch_worlds(sizes[at + 1 : at + 2], device=device, backend=backend)
         for index, (name, given) in enumerate(named):
             sc = _within(given, sizes) if scenario is None else given
-            why = _off_mesh(request, sc, world_size) or support.declines(
+            why = request.off_mesh(sc, world_size) or support.declines(
                 target, sc, world_size, excluded, request.only
             )
             if why is not None:
@@ -168,14 +167,6 @@ def run_battery(request: Request, progress: Callable[[int, int], None] | None = 
             f"{type(target).__name__} declined every scenario: " + "; ".join(report.skipped_lines())
         )
     return report
-
-
-def _off_mesh(request: Request, scenario: Scenario, world_size: int) -> str | None:
-    """Why a scenario is not run at ``world_size`` under the meshes asked for (``--mesh``): its
-    mesh there is none of them (None: it is one, or none were asked for)."""
-    if request.meshes is None or mesh_problem(scenario.tensor_parallel, world_size) is not None:
-        return None  # the target declines a mesh the world cannot hold, naming why
-    return request.off_mesh(mesh_shape(scenario.tensor_parallel, world_size))
 
 
 def _confirmed(

@@ -69,6 +69,7 @@ def fuzz(
     shrink: bool = True,
     only: Iterable[str] = (),
     fuzz_config: bool = False,
+    meshes: Iterable[object] | None = None,
 ) -> FuzzResult:
     """Run up to ``examples`` random examples of ``target``; shrink the first failure.
 
@@ -88,6 +89,9 @@ def fuzz(
     (``Target.config_space``, ``ddpcheck.targets.option_space``), in the same Hypothesis draw, so
     a failure shrinks to the fewest options, then the simplest scenario; its verdict names the
     options and its replay line builds the configured target. Refused for a target with none.
+    ``meshes``: ``(dp, tp)`` mesh shapes -- pairs, or text as ``--mesh`` spells them (``"tp=2"``,
+    ``"dp=2xtp=2"``) -- every example drawn on one of them, at world size ``dp * tp``: for a target
+    that applies tensor-parallel plans (``Target.parallelizes``); refused beside ``world_sizes``.
 
     How (``_runs.engine.search_pipelined``): the examples run one behind the other while
     Hypothesis draws in a thread of its own (``_runs.pipeline``); the first failure is shrunk by
@@ -104,6 +108,7 @@ def fuzz(
         backend=backend,
         only=only,
         fuzz_config=fuzz_config,
+        meshes=meshes,
     )
     return fuzz_admitted(
         request,

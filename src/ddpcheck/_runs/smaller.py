@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from hypothesis import strategies as st
 
@@ -104,6 +104,7 @@ def smaller(
     run: Settings = DEFAULT_SETTINGS,
     examples: int = EXAMPLES,
     seconds: float = SECONDS,
+    degrees: Mapping[int, tuple[int, ...]] | None = None,
 ) -> Search:
     """Look for a counterexample smaller than ``found`` (a battery failure) at its world size
     (:func:`searched_sizes`), with the engine (``_runs.engine.search``): a hang is passed over,
@@ -111,11 +112,12 @@ def smaller(
 
     ``world_sizes``: those the run allows (a drawn checkpoint may resume at one of them);
     ``without``: the features the user excluded; ``seed``: as ``ddpcheck check --seed`` (None:
-    the same search every run). Whatever goes wrong in the search leaves ``found`` standing
+    the same search every run); ``degrees``: ``{W: tensor-parallel degrees}`` the run allows
+    (``--mesh``). Whatever goes wrong in the search leaves ``found`` standing
     (``Search.why`` says what); a Ctrl-C is raised."""
     searching = _Searching(target, run, seconds)
     try:
-        return searching.run(found, world_sizes, without, seed, examples)
+        return searching.run(found, world_sizes, without, seed, examples, degrees)
     except Exception as exc:  # the search's own failure: no verdict of its own
         return searching.ended(None, f"the search failed: {exception_text(exc)}")
 
@@ -155,12 +157,23 @@ class _Searching:
         without: frozenset[str],
         seed: int | None,
         examples: int,
+        degrees: Mapping[int, tuple[int, ...]] | None = None,
     ) -> Search:
         battery, sizes = found.scenario, searched_sizes(found)
         unsupported = support.unsupported(self.target, without)
         draws = Draws(
             self.target,
-            {w: _strategy(battery, found.world_size, w, unsupported, world_sizes) for w in sizes},
+            {
+                w: _strategy(
+                    battery,
+                    found.world_size,
+                    w,
+                    unsupported,
+                    world_sizes,
+                    None if degrees is None else degrees.get(w),
+                )
+                for w in sizes
+            },
         )
         plan = Plan(
             examples=examples,
@@ -228,6 +241,7 @@ def first_verdict(
     seed: int | None,
     say: Callable[[str], object],
     run: Settings,
+    degrees: Mapping[int, tuple[int, ...]] | None = None,
 ) -> tuple[EquivalenceError, str]:
     """``ddpcheck check``'s verdict on a battery failure: the smaller counterexample
     :func:`smaller` confirmed, else ``found``; and what to call it. ``say`` prints each line of
@@ -252,6 +266,7 @@ def first_verdict(
         run=run,
         examples=EXAMPLES,
         seconds=SECONDS,
+        degrees=degrees,
     )
     ran = f"{search.examples} example{'' if search.examples == 1 else 's'}"
     if search.error is None:
@@ -296,6 +311,7 @@ def _strategy(
     world_size: int,
     unsupported: frozenset[str],
     world_sizes: tuple[int, ...],
+    degrees: tuple[int, ...] | None = None,
 ) -> st.SearchStrategy:
     """Scenarios at ``world_size`` in the battery scenario's dtype: plain ones first, then ones
     made to exercise each feature the battery scenario exercises at ``failed_at`` -- but its
@@ -321,6 +337,7 @@ def _strategy(
                 without=unsupported,
                 resume_world_sizes=world_sizes,
                 opt_in=opt_in,
+                tp_degrees=degrees,
             )
             for f in (dtype, *rows)
         ]

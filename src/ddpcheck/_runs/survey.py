@@ -215,6 +215,7 @@ def survey(
     backend: str | None = None,
     only: Iterable[str] = (),
     fuzz_config: bool = False,
+    meshes: Iterable[object] | None = None,
 ) -> Survey | OptionSurvey:
     """Run the battery at every world size and ``examples`` random examples per (feature, world
     size), stopping nowhere; return the :class:`Survey` (``print`` it for the matrix).
@@ -227,7 +228,8 @@ def survey(
     Raises what is not the target's fault (:class:`ddpcheck.InvalidArgument`,
     :class:`ddpcheck.SetupError` and its subclasses) instead of recording it.
     ``fuzz_config=True``: the option x feature matrix instead (``runs.option_survey``: an
-    ``OptionSurvey``), refused for a target with no ``config_space()``.
+    ``OptionSurvey``), refused for a target with no ``config_space()``. ``meshes``: as for
+    :func:`ddpcheck.fuzz` (the world sizes are theirs).
     """
     request = admit(
         target,
@@ -238,6 +240,7 @@ def survey(
         backend=backend,
         only=only,
         fuzz_config=fuzz_config,
+        meshes=meshes,
     )
     return survey_admitted(
         request, examples=examples, seed=seed, shrink_seconds=shrink_seconds, progress=progress
@@ -290,7 +293,10 @@ def survey_admitted(
                     f"{row} W={w}",
                     time.perf_counter() - started,
                 )
-            if scenario is not None:  # a battery row
+            off = None if scenario is None else request.off_mesh(scenario, w)
+            if off is not None:  # a battery row off the meshes asked for (--mesh)
+                cell = Cell("battery", row, w, "declined", reason=off)
+            elif scenario is not None:  # a battery row
                 cell = _battery_cell(target, row, scenario, w, excluded, run, exercised)
             else:
                 cell = _feature_cell(
@@ -304,6 +310,7 @@ def survey_admitted(
                     seed=seed,
                     shrink_seconds=shrink_seconds,
                     exercised=exercised,
+                    degrees=None if request.degrees is None else request.degrees[w],
                 )
             cells.append(cell)
     return Survey(
@@ -366,6 +373,7 @@ def _feature_cell(
     seed: int | None,
     shrink_seconds: float,
     exercised: set[str],
+    degrees: tuple[int, ...] | None = None,
 ) -> Cell:
     cell = Cell("feature", feature, world_size, "ok")
     if not dst.can_exercise(feature, world_size):
@@ -384,6 +392,7 @@ def _feature_cell(
             dtypes=dtypes,
             without=unsupported,
             opt_in=frozenset({"tensor-parallel"}) - unsupported,  # a mesh target's own kind
+            tp_degrees=degrees,
         )
     except NothingChecked as exc:  # no scenario of this target's kind has the feature
         cell.status, cell.reason = "n/a", str(exc)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # hypothesis loads only when examples are drawn: never in a r
 __all__ = [
     "battery_for",
     "checked_through_defaults",
+    "declined_mesh",
     "declines",
     "example_strategies",
     "examples",
@@ -85,6 +86,25 @@ def declines(
     if why is None and world_size is not None and callable(at):
         why = at(scenario, world_size)
     return why
+
+
+def declined_mesh(target: Target, shape: tuple[int, int]) -> str | None:
+    """Why ``target`` runs nothing on the ``(dp, tp)`` mesh ``shape`` (``--mesh``), or None:
+    its answer for a plain scenario on that mesh -- one MLP block, nothing sharded, a sample per
+    ``dp`` group -- which only the mesh itself can make it decline (``torch_tp``: ``dp > 1``)."""
+    from ddpcheck._language.sharded_models import ShardedSpec, sequence_data
+    from ddpcheck._language.tensor_parallel import TensorParallel
+
+    dp, tp = shape
+    scenario = Scenario(
+        ShardedSpec(),
+        data=sequence_data,
+        global_batch=dp,
+        steps=1,
+        rank_seeds=False,
+        tensor_parallel=TensorParallel((), None if dp == 1 else tp),
+    )
+    return declines(target, scenario, dp * tp)
 
 
 def why_unsupported(target: Target, feature: str) -> str:

@@ -196,17 +196,15 @@ class TorchTPTarget(PlanTarget):
     declined_features: ClassVar[Mapping[str, str]] = _DECLINED
 
     def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
-        problem = mesh_problem(scenario.tensor_parallel, world_size) or empty_micro_batch(
-            scenario, world_size
-        )
+        problem = mesh_problem(scenario.tensor_parallel, world_size)
         if problem is not None:
             return problem
         dp, _ = mesh_shape(scenario.tensor_parallel, world_size)
-        if dp > 1:
+        if dp > 1:  # first: the reason that holds whatever the batch (a closing line's tally)
             return (
                 f"dp={dp}: {type(self).__name__} shards over tp only (torch_2d adds FSDP2 over dp)"
             )
-        return None
+        return empty_micro_batch(scenario, world_size)
 
     def parallelize(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         from torch.distributed.tensor.parallel import parallelize_module

@@ -1,0 +1,212 @@
+"""``--mesh`` (``meshes=``, ``--ddpcheck-mesh``): the tensor-parallel mesh shapes every example
+runs on. Refused with one line, before any process starts, where it cannot mean anything; where
+it is admitted, every drawn scenario is on one of the shapes, and a failure's replay line fixes
+its shape (``--world-size W`` and the scenario's ``TensorParallel(tp=...)``).
+"""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ddpcheck
+from ddpcheck import cli
+from ddpcheck._base.options import check_meshes, mesh_text, parse_meshes
+from ddpcheck._language.plans import largest_degree, tensor_parallel_scenarios
+from ddpcheck._language.tensor_parallel import mesh_shape
+from ddpcheck._runs import admission
+from ddpcheck._runs.replay import from_repr
+from ddpcheck.targets import support
+from ddpcheck.targets.catalogue import PARALLEL, PARALLEL_TP, TORCH_2D, TORCH_TP
+from tests.processes import none_started
+
+ASKED = "tp=2,tp=3,dp=2xtp=2"
+
+
+def _cli_error(argv: list[str], capsys) -> str:
+    capsys.readouterr()
+    with none_started():
+        assert cli.main(argv) == ddpcheck.ExitCode.SETUP
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err  # one clear line
+    return lines[0]
+
+
+def test_shapes_are_read_as_dp_by_tp_smallest_world_first():
+    assert parse_meshes(ASKED) == ((1, 2), (1, 3), (2, 2))
+    assert parse_meshes(" dp=2 x tp=2 , tp=4,tp=2") == ((1, 2), (2, 2), (1, 4))
+    assert parse_meshes("dp=3") == ((3, 1),)  # tp not named: 1
+    assert check_meshes("meshes", [(2, 2), "tp=2", (2, 2)]) == ((1, 2), (2, 2))
+    assert [mesh_text(s) for s in parse_meshes(ASKED)] == ASKED.split(",")
+
+
+def test_a_request_with_meshes_has_their_world_sizes_and_degrees():
+    request = admission.admit(TORCH_2D, meshes=ASKED)
+    assert request.meshes == ((1, 2), (1, 3), (2, 2))
+    assert request.world_sizes == (2, 3, 4)
+    assert request.degrees == {2: (2,), 3: (3,), 4: (2,)}
+    both = admission.admit(TORCH_2D, meshes="tp=4,dp=2xtp=2")
+    assert both.world_sizes == (4,) and both.degrees == {4: (2, 4)}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["check", "torch_tp", "--mesh", "tp=2", "--world-sizes", "2"],
+            "--mesh and --world-sizes together: each mesh shape fixes its world size "
+            "(dp x tp); give --mesh alone",
+        ),
+        (
+            ["check", "parallel", "--mesh", "tp=2"],
+            "--mesh: parallel (ParallelTarget) does not opt into tensor parallelism "
+            "(ParallelTarget.parallelizes is not set)",
+        ),
+        (
+            ["survey", "torch_ddp", "--mesh", "dp=2"],
+            "--mesh: torch_ddp (TorchDDPTarget) does not opt into tensor parallelism",
+        ),
+        (["check", "torch_tp", "--mesh", "tp=two"], "--mesh='tp=two': tp='two' is not an integer"),
+        (["check", "torch_tp", "--mesh", "tp=2xtp=3"], "'tp=2xtp=3' names tp twice"),
+        (["check", "torch_tp", "--mesh", "dp=2xtp=-1"], "tp=-1 must be at least 1"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_a_mesh_that_cannot_mean_anything_exits_2_in_one_line(argv, message, capsys):
+    assert message in _cli_error(argv, capsys)
+
+
+def test_a_tp_no_drawn_model_can_use_is_refused(capsys, monkeypatch):
+    # tp=19 ranks would fit a machine of 2 cores (16 ranks each); say it has 4, wherever we run
+    monkeypatch.setattr("ddpcheck._base.options.os.cpu_count", lambda: 4)
+    too_many = largest_degree() + 1
+    assert largest_degree() >= 4  # every degree the default world sizes draw is usable
+    line = _cli_error(["check", "torch_tp", "--mesh", f"tp=2,tp={too_many}"], capsys)
+    assert f"--mesh='tp=2,tp={too_many}': tp={too_many} is more ranks than any drawn" in line
+    assert f"(the drawn models use tp up to {largest_degree()})" in line
+
+
+def test_the_api_and_the_plugin_refuse_alike():
+    with none_started(), pytest.raises(ddpcheck.InvalidArgument, match=r"^meshes and world_sizes"):
+        ddpcheck.fuzz(TORCH_TP, meshes=["tp=2"], world_sizes=(2,))
+    with none_started(), pytest.raises(ddpcheck.InvalidArgument, match=r"^meshes: ParallelTarget"):
+        ddpcheck.assert_equivalent(PARALLEL, meshes=[(1, 2)])
+    with pytest.raises(ddpcheck.InvalidArgument, match="with --ddpcheck-mesh"):
+        admission.admit_target(
+            admission.admit(meshes="tp=2", spelling=admission.PYTEST),
+            TORCH_TP,
+            world_sizes=(2,),
+            spelling=admission.PYTEST,
+        )
+    from ddpcheck import pytest_plugin
+    from tests.front.test_admission import _Config
+
+    with pytest.raises(pytest.UsageError, match=r"^--ddpcheck-mesh and --ddpcheck-world-sizes"):
+        pytest_plugin.resolve_options(_Config(mesh="tp=2", world_sizes="2"))
+    session = pytest_plugin.resolve_options(_Config(mesh="dp=2xtp=2"))
+    assert session.world_sizes == (4,) and "meshes dp=2xtp=2" in session.header()
+
+
+def test_under_torchrun_a_mesh_is_refused(monkeypatch, capsys):
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    assert "--mesh under torchrun" in _cli_error(["check", "torch_tp", "--mesh", "tp=2"], capsys)
+
+
+@pytest.mark.parametrize(
+    "target", [TORCH_TP, TORCH_2D, PARALLEL_TP], ids=lambda t: type(t).__name__
+)
+@settings(max_examples=40, deadline=None, database=None)
+@given(data=st.data())
+def test_every_drawn_example_is_on_a_mesh_asked_for(target, data):
+    request = admission.admit(target, meshes=ASKED)
+    sizes, per_size, _ = support.example_strategies(
+        target, request.world_sizes, ("float64",), (), degrees=request.degrees
+    )
+    assert sizes == (2, 3, 4)
+    world_size = data.draw(st.sampled_from(sizes))
+    scenario = data.draw(per_size[world_size])
+    shape = mesh_shape(scenario.tensor_parallel, world_size)
+    assert shape in request.meshes
+    # the replay line carries --world-size and the scenario's repr: together they fix the mesh
+    assert mesh_shape(from_repr(repr(scenario)).tensor_parallel, world_size) == shape
+
+
+@settings(max_examples=20, deadline=None, database=None)
+@given(data=st.data())
+def test_survey_cells_and_the_smaller_search_draw_only_the_degrees_asked_for(data):
+    feature = data.draw(st.sampled_from(("tensor-parallel", "accumulation", "clipping")))
+    scenario = data.draw(
+        ddpcheck.strategies.exercising(
+            feature, world_size=4, opt_in=("tensor-parallel",), tp_degrees=(2,)
+        )
+    )
+    assert mesh_shape(scenario.tensor_parallel, 4) == (2, 2)
+    drawn = data.draw(tensor_parallel_scenarios(world_size=4, degrees=(4,)))
+    assert mesh_shape(drawn.tensor_parallel, 4) == (1, 4)
+
+
+def test_degrees_that_do_not_divide_the_world_are_refused():
+    with pytest.raises(ddpcheck.InvalidArgument, match="must be degrees that divide world_size=4"):
+        tensor_parallel_scenarios(world_size=4, degrees=(3,))
+    with pytest.raises(ddpcheck.InvalidArgument, match="not both"):
+        tensor_parallel_scenarios(world_size=4, tp=2, degrees=(2,))
+
+
+def test_battery_scenarios_off_the_meshes_are_skipped_naming_why():
+    from ddpcheck._language.battery import TENSOR_PARALLEL_BATTERY
+
+    request = admission.admit(TORCH_2D, meshes="dp=2xtp=2")
+    named = dict(TENSOR_PARALLEL_BATTERY)
+    why = request.off_mesh(named["tp-attention-mlp"], 4)  # tp=None: tp=4 at W=4
+    assert why == "its mesh tp=4 is not among the meshes asked for (dp=2xtp=2)"
+    assert request.off_mesh(named["tp2-mesh-accumulate"], 4) is None
+    assert admission.admit(TORCH_2D).off_mesh(named["tp-attention-mlp"], 4) is None
+
+
+def test_a_mesh_the_target_never_runs_is_named_before_the_run():
+    assert support.declined_mesh(TORCH_TP, (2, 2)) == (
+        "dp=2: TorchTPTarget shards over tp only (torch_2d adds FSDP2 over dp)"
+    )
+    assert support.declined_mesh(TORCH_TP, (1, 2)) is None
+    assert support.declined_mesh(TORCH_2D, (2, 2)) is None
+    assert support.declined_mesh(PARALLEL_TP, (2, 2)) is None
+
+
+@pytest.mark.slow
+def test_a_failure_on_a_mesh_replays_on_that_mesh(capsys):
+    """A seeded tensor-parallel bug found with --mesh dp=2xtp=2: its replay line runs the same
+    mesh (world size 4, tp=2) and exits 1; the survey it points to carries --mesh, not
+    --world-sizes."""
+    from ddpcheck.mutation import broken_tp
+    from tests.patience import patience
+
+    result = ddpcheck.fuzz(
+        broken_tp.RowBiasOnEveryRankTP(),
+        meshes="dp=2xtp=2",
+        examples=40,
+        shrink=False,
+        deadline=patience(60),
+    )
+    assert result.error is not None, result
+    error = result.error
+    assert error.world_size == 4 and mesh_shape(error.scenario.tensor_parallel, 4) == (2, 2)
+    argv = shlex.split(error.replay)
+    assert argv[:4] == ["python", "-m", "ddpcheck", "replay"], error.replay
+    capsys.readouterr()
+    assert cli.main(argv[3:]) == ddpcheck.ExitCode.FOUND
+    assert "--world-size 4" in error.replay
+
+
+def test_the_survey_a_verdict_points_to_carries_the_mesh():
+    import argparse
+
+    args = argparse.Namespace(config=None, without="", device="cpu", backend=None)
+    request = admission.admit(TORCH_2D, meshes=ASKED)
+    call = cli.Invocation(args, None, request, target_word="torch_2d")  # type: ignore[arg-type]
+    assert cli._survey_command(call) == f"ddpcheck survey torch_2d --mesh {ASKED}"
