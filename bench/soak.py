@@ -237,6 +237,7 @@ STRATEGY_TARGETS = [
 TENSOR_PARALLEL_TARGETS = [
     ("torch_tp", targets.TORCH_TP, (1, 2, 3, 4)),
     ("torch_2d", targets.TORCH_2D, (2, 4)),
+    ("parallel_tp", targets.PARALLEL_TP, (1, 2, 3, 4)),
 ]
 
 
@@ -421,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tensor-parallel",
         action="store_true",
-        help="check's own random examples over torch_tp (W=1-4) and torch_2d (W=2, 4): "
+        help="check's own random examples over torch_tp (W=1-4), torch_2d (W=2, 4) and "
+        "parallel_tp (W=1-4): "
         "meshes, models and plans drawn, float32 only, in chunks of 250",
     )
     args = parser.parse_args(argv)

@@ -2,9 +2,10 @@
 
 Why kept: ``init_device_mesh`` creates a process group per mesh axis and coordinate (a collective
 on every rank, and sockets that gloo keeps open), and a persistent world runs many tensor-parallel
-examples of the same few shapes. These groups are the harness's, not the target's: the fitness
-check (``ddpcheck._rank.fitness``) leaves them alone, where it destroys the groups an example
-created and left behind.
+examples of the same few shapes. These groups -- every group ``init_device_mesh`` adds to torch's
+``pg_map``, the axes' and any other -- are the harness's, not the target's: the fitness check
+(``ddpcheck._rank.fitness``) leaves them alone, where it destroys the groups an example created
+and left behind.
 """
 
 from __future__ import annotations
@@ -32,8 +33,12 @@ def mesh(dp: int, tp: int) -> DeviceMesh:
     if key not in _MESHES:
         from torch.distributed.device_mesh import init_device_mesh
 
-        before = _fd_count()
+        before, groups_before = _fd_count(), _group_ids()
         made = init_device_mesh(device, (dp, tp), mesh_dim_names=AXES)
+        # every group it made, not only each axis's: on torch 2.13 they are the same ones
+        # (measured for (1,2), (1,3), (2,2), (1,4), (4,1)), but a release that splits or keeps
+        # a helper group would otherwise see it destroyed as an example's leftover
+        _GROUPS.update(_group_ids() - groups_before)
         for axis in AXES:
             _GROUPS.add(id(made.get_group(axis)))
         _OPENED_FDS[0] += max(0, _fd_count() - before)
@@ -49,6 +54,17 @@ def harness_groups() -> frozenset[int]:
 def opened_fds() -> int:
     """The file descriptors the meshes' groups opened: not an example's leftovers either."""
     return _OPENED_FDS[0]
+
+
+def _group_ids() -> set[int]:
+    """The ids of every process group this process holds (torch's own bookkeeping, as
+    ``_rank.fitness`` reads it)."""
+    import torch.distributed as dist
+
+    try:
+        return {id(g) for g in dist.distributed_c10d._world.pg_map}
+    except Exception:  # torch moved its bookkeeping: the axes' groups are still recorded
+        return set()
 
 
 def _fd_count() -> int:

@@ -23,9 +23,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpcheck._language.scenario import Scenario
-from ddpcheck._language.tensor_parallel import mesh_problem, mesh_shape
+from ddpcheck._language.tensor_parallel import mesh_problem
 from ddpcheck._language.training import OptimizerLike, Params
-from ddpcheck.targets.tensor_parallel import AUTOCAST_ON_A_MESH, TP_FLOOR, PlanTarget
+from ddpcheck.targets.tensor_parallel import (
+    AUTOCAST_ON_A_MESH,
+    TP_FLOOR,
+    PlanTarget,
+    first_empty_shard,
+)
 from parallel import DDP
 from parallel import tensor_parallel as tp
 
@@ -37,26 +42,18 @@ __all__ = ["ParallelTPTarget", "shard_missing"]
 
 def shard_missing(scenario: Scenario, world_size: int) -> str | None:
     """Why ``parallel.tensor_parallel`` refuses the scenario's plan at this world size (a layer
-    whose sharded features leave a rank none, as ``torch.chunk`` splits them); None when it
-    does not. The model is built on the meta device: no memory, no random numbers drawn."""
-    if scenario.tensor_parallel is None or mesh_problem(scenario.tensor_parallel, world_size):
+    whose sharded features leave a rank none, as ``torch.chunk`` splits them, or a module no
+    ``nn.Linear``: ``targets.tensor_parallel.first_empty_shard``, which ``torch_2d`` asks of
+    its row-wise layers); None when it does not."""
+    found = first_empty_shard(scenario, world_size)
+    if found is None:
         return None
-    _, degree = mesh_shape(scenario.tensor_parallel, world_size)
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        module = scenario.model()
-    for name, style in scenario.tensor_parallel.plan:
-        linear = module.get_submodule(name)
-        if not isinstance(linear, nn.Linear):
-            return f"the plan names {name!r}, which is not an nn.Linear"
-        kind, _ = tp.STYLES[style]
-        size = linear.out_features if kind == "column" else linear.in_features
-        start, stop = tp.chunk_bounds(size, degree, degree - 1)
-        if stop <= start:
-            return (
-                f"{name}: {size} features over tp={degree} leave the last rank none "
-                "(torch.chunk); parallel.tensor_parallel needs a feature on every rank"
-            )
-    return None
+    if found.features is None:
+        return f"the plan names {found.name!r}, which is not an nn.Linear"
+    return (
+        f"{found.name}: {found.features} features over tp={found.tp} leave the last rank none "
+        "(torch.chunk); parallel.tensor_parallel needs a feature on every rank"
+    )
 
 
 _DECLINED: Mapping[str, str] = {

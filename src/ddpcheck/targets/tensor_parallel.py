@@ -43,11 +43,13 @@ if TYPE_CHECKING:  # torch.distributed.tensor loads when a tensor-parallel targe
 __all__ = [
     "AUTOCAST_ON_A_MESH",
     "TP_FLOOR",
+    "EmptyShard",
     "PlanTarget",
     "Torch2DTarget",
     "TorchTPTarget",
     "empty_micro_batch",
     "empty_shard",
+    "first_empty_shard",
     "replicate_rest",
     "torch_plan",
 ]
@@ -112,35 +114,74 @@ def empty_micro_batch(scenario: Scenario, world_size: int) -> str | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class EmptyShard:
+    """A module of a scenario's plan that leaves some ``tp`` rank none of its sharded features
+    (``torch.chunk``'s split: 6 over 4 is 2, 2, 2, nothing), or that is no ``nn.Linear``
+    (``features`` None)."""
+
+    name: str
+    style: str
+    features: int | None
+    tp: int
+
+    @property
+    def dimension(self) -> str:
+        """``input`` for a row-wise style, ``output`` for a column-wise one."""
+        return "input" if self.style.startswith("rowwise") else "output"
+
+    @property
+    def empty(self) -> int:
+        """The ranks left none."""
+        return 0 if self.features is None else self.tp - holders(self.features, self.tp)
+
+
+def first_empty_shard(
+    scenario: Scenario, world_size: int, rowwise_only: bool = False
+) -> EmptyShard | None:
+    """The first module of ``scenario``'s plan (its row-wise ones alone with ``rowwise_only``)
+    that some ``tp`` rank would hold none of -- its output features for a column-wise style, its
+    input features for a row-wise one -- or that is no ``nn.Linear``; None when there is none,
+    at ``tp=1``, or when the model or the plan does not build (the example itself reports that).
+    The model is built on the meta device: no memory, no random numbers drawn."""
+    tensor_parallel = scenario.tensor_parallel
+    if tensor_parallel is None or mesh_problem(tensor_parallel, world_size) is not None:
+        return None
+    _, tp = mesh_shape(tensor_parallel, world_size)
+    plan = [(n, s) for n, s in tensor_parallel.plan if s.startswith("rowwise") or not rowwise_only]
+    if tp == 1 or not plan:
+        return None
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = scenario.model()
+        layers = [(name, style, model.get_submodule(name)) for name, style in plan]
+    except Exception:  # the example itself reports a model or a plan that does not build
+        return None
+    for name, style, layer in layers:
+        if not isinstance(layer, nn.Linear):
+            return EmptyShard(name, style, None, tp)
+        found = EmptyShard(name, style, 0, tp)
+        features = layer.in_features if found.dimension == "input" else layer.out_features
+        if holders(features, tp) < tp:
+            return dataclasses.replace(found, features=features)
+    return None
+
+
 def empty_shard(scenario: Scenario, world_size: int) -> str | None:
     """Why FSDP2 over ``dp`` would hang gathering a row-wise layer (None: it would not): a
     row-wise style leaving some ``tp`` rank none of the layer's input features gives that rank a
     ``(out, 0)`` weight shard, which torch 2.13's ``fully_shard`` turns into ``(0, 0)``; its
     ``full_tensor()`` then all-gathers nothing and returns while the other ranks wait for it
     (bench/fsdp2_empty_tp_shard.py confirms it without ddpcheck). ``torch_tp`` trains such
-    plans right. The layers' widths come from the model built on the meta device."""
-    tensor_parallel = scenario.tensor_parallel
-    if tensor_parallel is None or mesh_problem(tensor_parallel, world_size) is not None:
+    plans right (:func:`first_empty_shard` finds the layer)."""
+    found = first_empty_shard(scenario, world_size, rowwise_only=True)
+    if found is None or found.features is None:  # a module no linear: torch's to refuse
         return None
-    _, tp = mesh_shape(tensor_parallel, world_size)
-    rowwise = [name for name, style in tensor_parallel.plan if style.startswith("rowwise")]
-    if tp == 1 or not rowwise:
-        return None
-    try:
-        with torch.device("meta"):
-            model = scenario.model()
-        layers = {name: model.get_submodule(name) for name in rowwise}
-    except Exception:  # the example itself reports a model or a plan that does not build
-        return None
-    for name, layer in layers.items():
-        features = getattr(layer, "in_features", None)
-        if isinstance(features, int) and holders(features, tp) < tp:
-            return (
-                f"{name}: row-wise over tp={tp} leaves {tp - holders(features, tp)} rank(s) "
-                f"none of its {features} input feature(s), and torch's FSDP2 loses such an "
-                "empty shard's shape, so gathering it hangs (bench/fsdp2_empty_tp_shard.py)"
-            )
-    return None
+    return (
+        f"{found.name}: row-wise over tp={found.tp} leaves {found.empty} rank(s) "
+        f"none of its {found.features} input feature(s), and torch's FSDP2 loses such an "
+        "empty shard's shape, so gathering it hangs (bench/fsdp2_empty_tp_shard.py)"
+    )
 
 
 #: The oldest torch the tensor-parallel targets were run on: the only one so far (their public
