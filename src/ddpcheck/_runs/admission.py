@@ -225,11 +225,11 @@ def admit(
     limit to the caller (the plugin checks it only for world sizes a user asked for).
     ``fuzz_config``: a target with no options to fuzz (``Target.config_space`` None) is refused.
     ``config``: a framework configuration given apart from the target (``--config FILE``:
-    :func:`configured`). ``meshes`` (``--mesh``: text
-    such as ``"tp=2,dp=2xtp=2"``, or ``(dp, tp)`` pairs): every example on one of these mesh
-    shapes, the world sizes theirs -- refused with ``world_sizes`` (a shape fixes its world
-    size: any but the default object, ``DEFAULT_WORLD_SIZES`` itself), for a target that applies
-    no plans, and for a ``tp`` no drawn model can use."""
+    :func:`configured`). ``meshes`` (``--mesh``: text such as ``"tp=2,dp=2xtp=2"``, or
+    ``(dp, tp)`` pairs): every example on one of these mesh shapes, the world sizes theirs --
+    refused beside ``world_sizes`` (a shape fixes its world size; any value but the default
+    object, ``DEFAULT_WORLD_SIZES`` itself, counts as given), for a target that applies no
+    plans, and for a ``tp`` no drawn model can use (that check imports torch)."""
     text = spelling.text
     shapes = _meshes(meshes, world_sizes, spelling)
     if shapes is not None:
