@@ -262,6 +262,12 @@ def survey_admitted(
     if request.fuzz_config:
         from ddpcheck._runs.option_survey import option_survey
 
+        if request.meshes is not None:  # its cells draw no tensor-parallel scenario yet
+            raise InvalidArgument(
+                "a mesh (--mesh, meshes=) with the option survey (--fuzz-config): the option "
+                "survey does not draw on meshes yet; run ddpcheck check --fuzz-config --mesh"
+            )
+
         return option_survey(
             request, examples=examples, seed=seed, shrink_seconds=shrink_seconds, progress=progress
         )
