@@ -48,7 +48,8 @@ from ddpcheck._base.errors import (
     InvalidArgument,
     NothingChecked,
 )
-from ddpcheck._base.options import DEFAULT_WORLD_SIZES, mesh_text
+from ddpcheck._base.options import DEFAULT_WORLD_SIZES
+from ddpcheck._front import lines
 from ddpcheck._front.environment import keep_hypothesis_out_of_the_current_folder
 from ddpcheck._front.grammar import (
     EXIT_CODES,
@@ -419,18 +420,18 @@ def _check_writable(path: str, flag: str) -> None:
 
 
 def _say_notes(call: Invocation, say: Callable[[str], None]) -> None:
-    """Before the run, what a default hook means for what is checked (``targets.support``)."""
-    from ddpcheck.targets.support import checked_through_defaults, declined_mesh
+    """Before the run, what a default hook means for what is checked (``targets.support``),
+    and each mesh asked for that the target runs nothing on."""
+    from ddpcheck.targets.support import checked_through_defaults
 
     for note in checked_through_defaults(call.target, call.request.without):
         say(f"note: {note}")
-    for shape in call.request.meshes or ():
-        why = declined_mesh(call.target, shape)
-        if why is not None:  # every example on it would be declined: said now, not counted
-            say(
-                f"note: {call.target_spec} runs nothing on the mesh {mesh_text(shape)} (--mesh): "
-                f"{why}"
-            )
+    for note in lines.mesh_notes(call.request, call.target_spec):
+        say(f"note: {note}")
+
+
+def _survey_command(call: Invocation) -> str:
+    return lines.survey_command(call.target_word, call.request, call.args)
 
 
 def _check(call: Invocation) -> ExitCode:
@@ -445,7 +446,7 @@ def _check(call: Invocation) -> ExitCode:
     request = call.request
     without, dtypes = request.without, request.random_dtypes
     started = time.perf_counter()
-    sizes = _where(call) + ("" if call.args.device == "cpu" else f" on {call.args.device}")
+    sizes = lines.where(request) + ("" if call.args.device == "cpu" else f" on {call.args.device}")
     line = call.progress
     battery_size = len(battery_for(request.target))
 
@@ -531,63 +532,11 @@ def _check(call: Invocation) -> ExitCode:
         print(f"note: {note}")
     print(
         f"ddpcheck check {call.target_spec}: nothing found in {battery} battery and "
-        f"{result.examples} random examples ({_declined(result.declined)}), "
+        f"{result.examples} random examples ({lines.declined(result.declined)}), "
         f"{features.exercised(exercised | result.features)} "
         f"(wall {time.perf_counter() - started:.1f} s, world start-up included)"
     )
     return ExitCode.OK
-
-
-def _declined(declined: dict[str, int]) -> str:
-    """The drawn random examples not run, as the closing line counts them: those the target
-    declined (``supports``, a hook that cannot serve them), then those the oracle could not
-    judge (``fuzz`` keys them ``unjudgeable: ...``)."""
-    judged = {why: n for why, n in declined.items() if not why.startswith("unjudgeable: ")}
-    unjudgeable = sum(declined.values()) - sum(judged.values())
-    text = f"{sum(judged.values())} more drawn and declined by the target"
-    if judged:
-        text += f", most often: {max(judged, key=lambda why: judged[why])}"
-    return text + (f"; {unjudgeable} the oracle could not judge" if unjudgeable else "")
-
-
-def _where(call: Invocation) -> str:
-    """Where the examples run, as the command's lines say it: ``world sizes 1,2,3,4``, or the
-    mesh shapes asked for (``--mesh``), which fix them."""
-    meshes = call.request.meshes
-    if meshes is not None:
-        return "meshes " + ",".join(map(mesh_text, meshes))
-    return "world sizes " + ",".join(map(str, call.world_sizes))
-
-
-def _sizes_flag(call: Invocation) -> list[str]:
-    """``--world-sizes W,...`` or ``--mesh SHAPE,...``: the same examples' places, as asked."""
-    meshes = call.request.meshes
-    if meshes is not None:
-        return ["--mesh", ",".join(map(mesh_text, meshes))]
-    return ["--world-sizes", ",".join(map(str, call.world_sizes))]
-
-
-def _survey_command(call: Invocation) -> str:
-    """The ``ddpcheck survey`` that maps which features fail at which of the world sizes this
-    check ran (a verdict ends with it: ``_runs.smaller.with_features``)."""
-    import shlex
-
-    survey = [
-        "ddpcheck",
-        "survey",
-        call.target_word,
-        *_sizes_flag(call),
-    ]
-    for flag, value in (
-        ("--config", call.args.config),
-        ("--without", call.args.without),
-        ("--device", None if call.args.device == "cpu" else call.args.device),
-        ("--backend", call.args.backend),
-    ):
-        survey += [flag, value] if value else []
-    return shlex.join(
-        survey + (["--fuzz-config"] if getattr(call.args, "fuzz_config", False) else [])
-    )
 
 
 def _check_under_torchrun(call: Invocation) -> None:
@@ -624,7 +573,7 @@ def _check_under_torchrun(call: Invocation) -> None:
 def _survey(call: Invocation) -> ExitCode:
     from ddpcheck._runs import survey
 
-    sizes = _where(call)
+    sizes = lines.where(call.request)
     seed = "" if call.args.seed is None else f" (seed {call.args.seed})"
     line = call.progress
     with line.paused():
