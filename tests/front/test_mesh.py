@@ -210,3 +210,19 @@ def test_the_survey_a_verdict_points_to_carries_the_mesh():
     request = admission.admit(TORCH_2D, meshes=ASKED)
     call = cli.Invocation(args, None, request, target_word="torch_2d")  # type: ignore[arg-type]
     assert cli._survey_command(call) == f"ddpcheck survey torch_2d --mesh {ASKED}"
+
+
+@settings(max_examples=25, deadline=None, database=None)
+@given(pair=ddpcheck.strategies.examples(TORCH_2D, meshes=["tp=3", (2, 2)]))
+def test_the_public_examples_strategy_draws_on_the_meshes_too(pair):
+    scenario, world_size = pair
+    assert mesh_shape(scenario.tensor_parallel, world_size) in ((1, 3), (2, 2))
+
+
+def test_the_public_examples_strategy_refuses_as_the_doors_do():
+    with pytest.raises(ddpcheck.InvalidArgument, match="meshes and world_sizes together"):
+        ddpcheck.strategies.examples(TORCH_2D, meshes=["tp=2"], world_sizes=(2,))
+    with pytest.raises(ddpcheck.InvalidArgument, match="ParallelTarget does not opt into"):
+        ddpcheck.strategies.examples(PARALLEL, meshes=["tp=2"])
+    with pytest.raises(ddpcheck.InvalidArgument, match="tp=99 is more ranks"):
+        ddpcheck.strategies.examples(TORCH_2D, meshes=["tp=99"])

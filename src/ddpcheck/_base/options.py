@@ -35,8 +35,10 @@ __all__ = [
     "check_positive_number",
     "check_world_size",
     "check_world_sizes",
+    "check_mesh_target",
     "check_meshes",
     "did_you_mean",
+    "mesh_degrees",
     "mesh_text",
     "named_fields",
     "parse_features",
@@ -111,6 +113,29 @@ def _mesh_shape(text: str, name: str, shown: object) -> tuple[int, int]:
             raise InvalidArgument(f"{name}={shown!r}: {axis}={degree} must be at least 1")
         degrees[axis] = degree
     return degrees.get("dp", 1), degrees.get("tp", 1)
+
+
+def mesh_degrees(shapes: Iterable[tuple[int, int]]) -> dict[int, tuple[int, ...]]:
+    """``{W: the tensor-parallel degrees of the shapes at W}``, each W being ``dp * tp``: what
+    the draws at each world size may pick."""
+    found: dict[int, tuple[int, ...]] = {}
+    for dp, tp in shapes:
+        found[dp * tp] = (*found.get(dp * tp, ()), tp)
+    return found
+
+
+def check_mesh_target(name: str, target: object, named: str | None = None) -> None:
+    """Refuse a mesh for a target that does not opt into tensor parallelism: it would be drawn
+    no example on one (``Target.parallelizes``). ``named``: the target as the user named it."""
+    flag = OPT_IN["tensor-parallel"]
+    if not getattr(target, flag, False):
+        cls = type(target).__name__
+        who = f"{named} ({cls})" if named and named != cls else cls
+        raise InvalidArgument(
+            f"{name}: {who} does not opt into tensor parallelism ({cls}.{flag} is not set), so "
+            "it runs on no mesh; a mesh is for a target that applies tensor-parallel plans "
+            f"(torch_tp, torch_2d, parallel_tp, or your own with {flag} = True)"
+        )
 
 
 def parse_meshes(text: str, flag: str = "--mesh") -> tuple[tuple[int, int], ...]:

@@ -31,6 +31,7 @@ from ddpcheck._language.tensor_parallel import TensorParallel
 
 __all__ = [
     "DRAWN",
+    "check_degrees",
     "largest_degree",
     "plans",
     "sharded_models",
@@ -98,6 +99,19 @@ def largest_degree() -> int:
                         if any(len(group) > 1 for group in plan_choices(spec, tp)):
                             usable = tp
     return usable
+
+
+def check_degrees(shapes: Iterable[tuple[int, int]], shown: object, name: str) -> None:
+    """Refuse a mesh whose ``tp`` no drawn model can use (above :func:`largest_degree`): every
+    plan drawn at it would shard nothing. ``shown``: the shapes as the user wrote them."""
+    largest = largest_degree()
+    for _, tp in shapes:
+        if tp > largest:
+            raise InvalidArgument(
+                f"{name}={shown!r}: tp={tp} is more ranks than any drawn model's layer can "
+                f"give each a shard of (the drawn models use tp up to {largest}); every plan "
+                "drawn would shard nothing"
+            )
 
 
 def _divisors(world_size: int) -> tuple[int, ...]:

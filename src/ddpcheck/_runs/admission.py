@@ -34,12 +34,13 @@ from ddpcheck._base.errors import DdpcheckError, InvalidArgument
 from ddpcheck._base.options import (
     DEFAULT_DEADLINE,
     DEFAULT_WORLD_SIZES,
-    OPT_IN,
     check_deadline,
     check_fits_machine,
+    check_mesh_target,
     check_meshes,
     check_world_sizes,
     did_you_mean,
+    mesh_degrees,
     mesh_text,
     parse_features,
     parse_meshes,
@@ -160,10 +161,7 @@ class Request:
         """``{W: the tensor-parallel degrees drawn at W}`` under ``meshes``, else None."""
         if self.meshes is None:
             return None
-        found: dict[int, tuple[int, ...]] = {}
-        for dp, tp in self.meshes:
-            found[dp * tp] = (*found.get(dp * tp, ()), tp)
-        return found
+        return mesh_degrees(self.meshes)
 
     def off_mesh(self, scenario: Scenario, world_size: int) -> str | None:
         """Why ``scenario`` is not run at ``world_size`` under the meshes asked for: its mesh
@@ -245,7 +243,9 @@ def admit(
         check_fits_machine(sizes, workers=workers, flag=sizes_flag)
     check_fits(device, sizes, backend, flag=spelling.device)
     if shapes is not None:
-        _check_degrees(shapes, meshes, spelling.meshes)
+        from ddpcheck._language.plans import check_degrees
+
+        check_degrees(shapes, meshes, spelling.meshes)
     seconds = check_deadline(
         spelling.deadline, _number(deadline) if text else deadline, shown=deadline
     )
@@ -302,20 +302,6 @@ def _meshes(
     return check_meshes(spelling.meshes, meshes)
 
 
-def _check_degrees(shapes: tuple[tuple[int, int], ...], shown: Any, name: str) -> None:
-    """Refuse a ``tp`` no drawn model can use: every plan drawn at it would shard nothing."""
-    from ddpcheck._language.plans import largest_degree
-
-    largest = largest_degree()
-    for _, tp in shapes:
-        if tp > largest:
-            raise InvalidArgument(
-                f"{name}={shown!r}: tp={tp} is more ranks than any drawn model's layer can "
-                f"give each a shard of (the drawn models use tp up to {largest}); every plan "
-                "drawn would shard nothing"
-            )
-
-
 def admit_target(
     request: Request,
     target: Any,
@@ -356,26 +342,12 @@ def _target(target: Any, options: Request, spelling: Spelling) -> Any:
     elif options.config is not None:
         target = configured(target, options.config, flag=spelling.config)
     if options.meshes is not None:
-        _check_parallelizes(target, named, spelling.meshes)
+        check_mesh_target(spelling.meshes, target, named)
     check_target(target, options.device)
     _check_focus(target, options.only, options.without, spelling.only)
     if options.fuzz_config:
         _check_config_space(target, spelling.fuzz_config)
     return target
-
-
-def _check_parallelizes(target: Any, named: str | None, name: str) -> None:
-    """Refuse a mesh for a target that does not opt into tensor parallelism: it would be drawn
-    no example on one (``Target.parallelizes``)."""
-    flag = OPT_IN["tensor-parallel"]
-    if not getattr(target, flag, False):
-        cls = type(target).__name__
-        who = f"{named} ({cls})" if named and named != cls else cls
-        raise InvalidArgument(
-            f"{name}: {who} does not opt into tensor parallelism ({cls}.{flag} is not set), so "
-            "it runs on no mesh; a mesh is for a target that applies tensor-parallel plans "
-            f"(torch_tp, torch_2d, parallel_tp, or your own with {flag} = True)"
-        )
 
 
 def _check_config_space(target: Any, name: str) -> None:

@@ -14,7 +14,14 @@ import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ddpcheck._base.options import DEFAULT_WORLD_SIZES, check_world_sizes
+from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._base.options import (
+    DEFAULT_WORLD_SIZES,
+    check_mesh_target,
+    check_meshes,
+    check_world_sizes,
+    mesh_degrees,
+)
 from ddpcheck._language.battery import BATTERY, TENSOR_PARALLEL_BATTERY
 from ddpcheck._language.features import BEYOND_TORCH, FEATURES, OPT_IN, of, parse
 from ddpcheck._language.scenario import Scenario
@@ -211,6 +218,7 @@ def examples(
     dtypes: Sequence[str] = ("float64",),
     without: Iterable[str] = (),
     only: Iterable[str] = (),
+    meshes: Iterable[object] | None = None,
 ) -> st.SearchStrategy[tuple[Scenario, int]]:
     """``(scenario, world_size)`` pairs that ``target`` runs, the random examples ``ddpcheck
     check`` draws for it: a world size of ``world_sizes``, then ``ddpcheck.strategies.scenarios``
@@ -222,14 +230,32 @@ def examples(
     :class:`ddpcheck.NothingChecked` for what the target declines, as it refuses a scenario of
     ``scenarios`` that needs a declined feature. Raises ``NothingChecked`` when the target
     supports none of ``dtypes``. ``only``: every pair exercises one of these features (as
-    ``ddpcheck check --only``). Shrinks towards the first world size and the simplest
-    scenario."""
+    ``ddpcheck check --only``). ``meshes``: ``(dp, tp)`` shapes, as pairs or as ``--mesh``
+    spells them (``"dp=2xtp=2"``), for a target that applies plans: the world sizes are theirs
+    (``world_sizes`` beside them is refused) and every pair is on one of them. Shrinks towards
+    the first world size and the simplest scenario."""
     from hypothesis import strategies as st
 
     from ddpcheck._language import strategies as dst
 
     focus = parse(only, "only")
-    sizes, per_size, excluded = example_strategies(target, world_sizes, dtypes, without, focus)
+    degrees = None
+    if meshes is not None:
+        if world_sizes is not DEFAULT_WORLD_SIZES:
+            raise InvalidArgument(
+                "meshes and world_sizes together: each mesh shape fixes its world size "
+                "(dp x tp); give meshes alone"
+            )
+        check_mesh_target("meshes", target)
+        from ddpcheck._language.plans import check_degrees
+
+        shapes = check_meshes("meshes", meshes)
+        check_degrees(shapes, meshes, "meshes")
+        degrees = mesh_degrees(shapes)
+        world_sizes = tuple(degrees)
+    sizes, per_size, excluded = example_strategies(
+        target, world_sizes, dtypes, without, focus, degrees
+    )
     runs = {
         w: per_size[w].filter(functools.partial(_runs, target, w, excluded, focus)) for w in sizes
     }
