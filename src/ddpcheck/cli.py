@@ -519,10 +519,20 @@ def _check(call: Invocation) -> ExitCode:
     print(
         f"ddpcheck check {call.target_spec}: nothing found in {battery} battery and "
         f"{result.examples} random examples ({_declined(result.declined)}), "
-        f"{features.exercised(exercised | result.features)} "
+        f"{features.exercised(exercised | result.features)}; {_losses(call.target)} "
         f"(wall {time.perf_counter() - started:.1f} s, world start-up included)"
     )
     return ExitCode.OK
+
+
+def _losses(target: object) -> str:
+    """Which losses were checked: every step's, and the one the target reports if it does."""
+    if getattr(target, "reports_loss", False):
+        return "every step's loss checked, and the loss it reports"
+    return (
+        "every step's loss checked; it reports none to check "
+        "(Target.reported_loss: docs/targets.md)"
+    )
 
 
 def _declined(declined: dict[str, int]) -> str:
