@@ -108,6 +108,9 @@ TARGETS = {
     "torch_fsdp": targets.TORCH_FSDP,
     "parallel_strided": PARALLEL_STRIDED,
     "accelerate": targets.ACCELERATE,
+    # the frameworks whose reported loss the oracle reads (--targets): installed on request
+    "hf_trainer": targets.HF_TRAINER,
+    "lightning": targets.LIGHTNING,
 }
 #: The features of the whole step the --whole-step soak counts examples of.
 WHOLE_STEP = ("clipping", "rank-orders", "checkpoint")

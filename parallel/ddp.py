@@ -183,6 +183,24 @@ class DDP(nn.Module):
         self._mark_averaged()
         self._reset_iteration()
 
+    @torch.no_grad()
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to print: this rank's loss for the step (its micro-batches' losses summed,
+        each as it was back-propagated) averaged over the group, exactly as the gradients are.
+
+        A gradient averaged over W ranks is the gradient of the mean of their losses, so the
+        loss that belongs to the averaged gradients is that mean -- not rank 0's own (the loss
+        of a W-th of the batch), not the sum (W times too large). Collective: every rank of the
+        group calls it. Returns a new tensor; ``loss`` is left as it was.
+        """
+        # all-reduce one scalar: the same reduction, and the same division, as a bucket's
+        total = loss.detach().reshape(1).clone()
+        op = dist.ReduceOp.AVG if self._average_in_collective else dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op, group=self.process_group)
+        if not self._average_in_collective:
+            total.div_(self.world_size)  # gloo summed; now the world mean
+        return total[0]
+
     @property
     def bucket_layout(self) -> list[list[str]]:
         """Parameter names of each bucket, in launch order (fixed at construction; no collective).

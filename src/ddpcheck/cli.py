@@ -533,7 +533,7 @@ def _check(call: Invocation) -> ExitCode:
     print(
         f"ddpcheck check {call.target_spec}: nothing found in {battery} battery and "
         f"{result.examples} random examples ({lines.declined(result.declined)}), "
-        f"{features.exercised(exercised | result.features)} "
+        f"{features.exercised(exercised | result.features)}; {lines.losses(call.target)} "
         f"(wall {time.perf_counter() - started:.1f} s, world start-up included)"
     )
     return ExitCode.OK

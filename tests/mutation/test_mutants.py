@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import shlex
 
 import pytest
 
@@ -19,7 +20,7 @@ from ddpcheck.targets import ParallelDDPTarget, TorchFSDPTarget
 #: examples, under a second in warm worlds on an idle machine, but a 2-core machine shared with
 #: other test runs slows examples down by 10-50x, and a mutant out of budget counts as surviving.
 CI_BUDGET = 30.0
-_CATALOGUE_CLASSES = re.compile(r"^[A-K][0-9]{1,2}$")
+_CATALOGUE_CLASSES = re.compile(r"^[A-L][0-9]{1,2}$")
 
 
 def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
@@ -243,3 +244,29 @@ def test_a_piece_the_control_lacks_is_reported_not_a_crash(monkeypatch):
         "mutant GainsScheduler: _GainsScheduler.scheduler_class overrides nothing in "
         f"{__name__}._NoScheduler"
     ]
+
+
+@pytest.mark.slow
+def test_a_logged_loss_with_the_wrong_weights_exits_1_and_its_replay_line_reproduces_it(capsys):
+    # issue 54: every gradient right, the step's reported loss the mean of micro-batch means
+    status = main(
+        [
+            "check",
+            "ddpcheck.mutation.catalogue:MicroBatchMeanLoss()",
+            "--examples",
+            "20",
+            "--world-sizes",
+            "2",
+            "--seed",
+            "3",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert status == 1, out
+    assert "diverged at world size 2: loss differs" in out, out
+    assert "step   reference   target" in out, out
+    replay = next(line for line in out.splitlines() if line.startswith("replay: "))
+    argv = shlex.split(replay.removeprefix("replay: "))
+    assert argv[:3] == ["python", "-m", "ddpcheck"], replay
+    assert main(argv[3:]) == 1
+    assert "loss differs" in capsys.readouterr().out.splitlines()[0]

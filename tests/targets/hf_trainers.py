@@ -48,3 +48,13 @@ class WritesPrecisionToEnvironment(Trainer):
         if kwargs["args"].bf16:
             os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16"
         super().__init__(*args, **kwargs)
+
+
+class LogsLossOverW(Trainer):
+    """A seeded bug in the logged number only: ``training_step`` hands the loop its loss divided
+    by the world size (undoing the Trainer's own W-fold scaling of a token-averaged loss for
+    the log): every gradient is right, the logged loss W times too small."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        return loss / self.accelerator.num_processes

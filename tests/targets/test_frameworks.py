@@ -126,6 +126,43 @@ def test_accelerate_as_its_docs_drive_it():
     assert info.value.kinds[0] == "LR schedule differs", str(info.value)
 
 
+@dataclasses.dataclass(frozen=True)
+class ReducesLossWithSum(targets.AccelerateTarget):
+    """A loop that logs ``accelerator.reduce(loss)`` -- its default reduction is "sum": the
+    logged loss W times the objective, every gradient right."""
+
+    def reported_loss(self, model, optimizer, losses):
+        from ddpcheck.targets.accelerate import _accelerator
+
+        step = torch.stack([m.loss for m in losses]).sum()
+        return _accelerator(model).reduce(step)  # reduction="sum", accelerate's default
+
+
+def test_the_loss_accelerate_reduces_for_the_log_is_checked():
+    # ACCELERATE reports accelerator.reduce(loss, "mean") (right: the test above); "sum" is not
+    _needs("accelerate")
+    with pytest.raises(ddpcheck.EquivalenceError) as info:
+        ddpcheck.check_example(ReducesLossWithSum(), BUSY, 2)
+    assert set(info.value.kinds) == {"loss differs"}, str(info.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogsLossSummed(targets.LightningTarget):
+    """``self.log(..., sync_dist=True, reduce_fx="sum")``: the logged loss W times the
+    objective, every gradient right."""
+
+    log_reduce_fx = "sum"
+
+
+def test_the_loss_lightning_logs_with_sync_dist_is_checked():
+    _needs("lightning")
+    ddpcheck.check_example(LogsLossSummed(), BUSY, 1)  # one rank: a sum of one
+    with pytest.raises(ddpcheck.EquivalenceError) as info:
+        ddpcheck.check_example(LogsLossSummed(), BUSY, 2)
+    assert set(info.value.kinds) == {"loss differs"}, str(info.value)
+    assert "loss rank 1 reports" in str(info.value)  # every rank reads what Lightning logs
+
+
 def test_lightning_fabric():
     _needs("lightning")
     ddpcheck.check_example(targets.FABRIC, BUSY, 2)

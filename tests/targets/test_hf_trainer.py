@@ -187,9 +187,9 @@ def test_a_name_or_value_trainingarguments_rejects_is_a_usage_error():
     ):
         HfTrainerTarget(training_args={"gradient_acumulation_steps": 2})
     # a value only TrainingArguments itself can judge: from the ranks, still exit 2
-    with pytest.raises(ddpcheck.InvalidArgument, match=r"logging_strategy='sometimes'.*raised"):
+    with pytest.raises(ddpcheck.InvalidArgument, match=r"hub_strategy='sometimes'.*raised"):
         ddpcheck.check_example(
-            HfTrainerTarget(training_args={"logging_strategy": "sometimes"}), EVEN, 2
+            HfTrainerTarget(training_args={"hub_strategy": "sometimes"}), EVEN, 2
         )
 
 
@@ -214,3 +214,17 @@ def test_tokens_averaged_per_rank_differ_only_across_ranks():
     with pytest.raises(ddpcheck.EquivalenceError) as info:
         ddpcheck.check_example(per_rank, TOKENS, 2)
     assert info.value.kinds[0] == "reference differs (gradient)", str(info.value)
+
+
+def test_the_loss_the_trainer_logs_is_checked_against_the_reference():
+    # log_history's "loss" of every step (on_log): right on the Trainer as it is (the tests
+    # above pass through it), W times too small on a Trainer that only mislogs it
+    _needs_transformers()
+    from tests.targets.hf_trainers import LogsLossOverW
+
+    seeded = HfTrainerTarget(trainer_class=LogsLossOverW)
+    ddpcheck.check_example(seeded, TOKENS, 1)  # one rank: nothing divided
+    with pytest.raises(ddpcheck.EquivalenceError) as info:
+        ddpcheck.check_example(seeded, TOKENS, 2)
+    assert set(info.value.kinds) == {"loss differs"}, str(info.value)
+    assert "the loss rank 0 reports" in str(info.value)

@@ -1,6 +1,7 @@
 """What the commands' report lines say of where a run's examples ran and what a verdict points
 to: the world sizes or the mesh shapes asked for (``--mesh``), the ``ddpcheck survey`` command a
-verdict ends with, the drawn examples the target declined, and the meshes it runs nothing on.
+verdict ends with, the drawn examples the target declined, the meshes it runs nothing on, and
+which losses were checked.
 Imports no torch (the target's module has loaded it by the time a note is written)."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import shlex
 from ddpcheck._base.options import mesh_text
 from ddpcheck._runs.admission import Request
 
-__all__ = ["declined", "mesh_notes", "sizes_flag", "survey_command", "where"]
+__all__ = ["declined", "losses", "mesh_notes", "sizes_flag", "survey_command", "where"]
 
 
 def where(request: Request) -> str:
@@ -68,3 +69,13 @@ def mesh_notes(request: Request, target_spec: str) -> list[str]:
             shown = mesh_text(shape)
             notes.append(f"{target_spec} runs nothing on the mesh {shown} (--mesh): {why}")
     return notes
+
+
+def losses(target: object) -> str:
+    """Which losses were checked: every step's, and the one the target reports if it does."""
+    if getattr(target, "reports_loss", False):
+        return "every step's loss checked, and the loss it reports"
+    return (
+        "every step's loss checked; it reports none to check "
+        "(Target.reported_loss: docs/targets.md)"
+    )

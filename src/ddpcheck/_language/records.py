@@ -114,6 +114,15 @@ class StepRecord:
     #: indices of each micro-batch this rank consumed in the step, judged against the step's
     #: samples (``ddpcheck._oracle.sample_weights.check_consumed``); None otherwise
     consumed: tuple[tuple[int, ...], ...] | None = None
+    #: this rank's micro-batch losses in the step, each as back-propagated (its summed terms
+    #: times its plan's scale: the ranks' sum over W is the step's objective); None where the
+    #: target computes its losses out of the harness's sight (a framework's own data path)
+    losses: tuple[float, ...] | None = None
+    #: the step's loss as the target reports it (``Target.reported_loss``); None: not reported
+    reported_loss: float | None = None
+    #: the dtype the reported loss was computed in ("float32": a framework's float32 running
+    #: loss), which bounds its precision; None: exact as far as float64 goes
+    reported_dtype: str | None = None
 
 
 @dataclasses.dataclass

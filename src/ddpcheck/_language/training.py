@@ -11,7 +11,8 @@ calling ``optimizer.step()``, the LR schedule and ``zero_grad`` after every micr
 last too, then ``loop.inside_window(step, index)`` (where callers check nothing moved); then
 ``loop.after_backward()``, when the scenario clips (``max_grad_norm``) the clipping of the now
 synchronised gradients, ``loop.before_optimizer_step(step)`` (gradients are final here),
-``optimizer.step()``, the LR schedule, ``loop.after_step(step)`` (where callers snapshot),
+``optimizer.step()``, the LR schedule, ``loop.step_losses(step, losses)`` (each micro-batch's loss
+as back-propagated: what the step reports), ``loop.after_step(step)`` (where callers snapshot),
 ``zero_grad`` (on the given optimizer: a sharded optimizer's own ``zero_grad`` is what runs) and
 ``loop.end_step(step)``. Because the runner (every rank of a world),
 ``ddpcheck._runs.trace`` (timed) and the oracle's reference (one process, the whole batch)
@@ -39,8 +40,9 @@ from ddpcheck._language.scenario import Scenario
 __all__ = [
     "EpochRun",
     "FitRun",
-    "SampleDataset",
     "Loop",
+    "MicroBatchLoss",
+    "SampleDataset",
     "OptimizerLike",
     "Params",
     "SchedulerLike",
@@ -91,6 +93,29 @@ def _backward(loss: torch.Tensor) -> None:
     loss.backward()
 
 
+@dataclasses.dataclass(frozen=True)
+class MicroBatchLoss:
+    """One micro-batch's loss as a step back-propagated it: what a training loop prints, logs,
+    or all-reduces to report the step's loss (``Target.reported_loss``)."""
+
+    #: the loss back-propagated (detached): the micro-batch's summed terms times ``scale``
+    loss: torch.Tensor
+    #: the terms of the objective it holds: its samples, or its non-padding tokens
+    terms: int
+    #: its batch plan's scale (``W / T`` for a mean over T terms at W ranks)
+    scale: float
+
+    @property
+    def summed(self) -> torch.Tensor:
+        """The sum of its terms, unscaled."""
+        return self.loss / self.scale if self.scale else torch.zeros_like(self.loss)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """The mean of its terms: what ``criterion(output, target)`` returns for it."""
+        return self.summed / max(self.terms, 1)
+
+
 @dataclasses.dataclass
 class Loop:
     """What differs between the callers of :func:`train`; the defaults are a plain process."""
@@ -113,6 +138,9 @@ class Loop:
     before_optimizer_step: Callable[[int], None] = _nothing  # after after_backward
     after_step: Callable[[int], None] = _nothing  # after optimizer.step and the schedule
     end_step: Callable[[int], None] = _nothing  # after zero_grad
+    #: ``(step, losses) ->`` the step's micro-batch losses, after its optimizer step, before
+    #: ``after_step``: what a loop prints or reports (``MicroBatchLoss``)
+    step_losses: Callable[[int, list[MicroBatchLoss]], None] = _nothing
     #: When a list, (phase, start, end) ``time.perf_counter()`` spans are appended to it.
     phases: list[tuple[str, float, float]] | None = None
     #: True for the single-process reference: it runs the scenario's ``param_dtype`` policy
@@ -165,6 +193,12 @@ class FitRun:
     started: Callable[[nn.Module, OptimizerLike], None]
     #: ``(model, optimizer, scheduler) ->`` call after every optimizer step (and its schedule)
     record: Callable[[nn.Module, OptimizerLike, SchedulerLike | None], None]
+    #: ``loss ->`` note a micro-batch's loss that :meth:`loss` computed (the harness's)
+    noted: Callable[[MicroBatchLoss], None] = dataclasses.field(default=_nothing, kw_only=True)
+    #: ``(value, dtype=None) ->`` the loss the framework reported (logged) for the step last
+    #: recorded, and the dtype it was computed in when ``value`` is a number (a framework's
+    #: float32 running loss): call it after :attr:`record`, on every rank that reports one
+    reported: Callable[..., None] = dataclasses.field(default=_nothing, kw_only=True)
 
     @property
     def steps(self) -> int:
@@ -173,8 +207,11 @@ class FitRun:
     def loss(
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """One micro-batch's loss through ``model``, as the reference computes it."""
-        return micro_batch_loss(self.scenario, model, x, y, scale)
+        """One micro-batch's loss through ``model``, as the reference computes it (noted as the
+        step's: the oracle compares the step's loss with the reference's)."""
+        loss = micro_batch_loss(self.scenario, model, x, y, scale)
+        self.noted(MicroBatchLoss(loss.detach(), objective.count(self.scenario, y), scale))
+        return loss
 
 
 class SampleDataset(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
@@ -287,6 +324,7 @@ def train(
     for step in range(scenario.steps) if steps is None else steps:
         micro_batches = loop.batches(step)
         loop.before_step(step)
+        losses: list[MicroBatchLoss] = []
         for i, (x, y, scale) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with _micro_batch(loop, i, len(micro_batches)):
@@ -297,6 +335,7 @@ def train(
                 t1 = clock()
                 loop.backward(loss)
                 t2 = clock()
+                losses.append(MicroBatchLoss(loss.detach(), objective.count(scenario, y), scale))
                 if loop.steps_every_micro_batch and not last:  # the framework must not act yet
                     _optimizer_step(scenario, optimizer, scheduler)
                     loop.inside_window(step, i)
@@ -314,6 +353,7 @@ def train(
         t5 = clock()
         if loop.phases is not None:
             loop.phases += [("after_backward", t3, t4), ("optimizer.step", t4, t5)]
+        loop.step_losses(step, losses)
         loop.after_step(step)
         optimizer.zero_grad(set_to_none=scenario.set_to_none)
         loop.end_step(step)

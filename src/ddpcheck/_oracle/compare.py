@@ -23,6 +23,8 @@ Invariant: :func:`compare` returns one of three verdicts, never a mix --
    gradients missing (``None``) as in the reference -- on every rank: rank 0 stands for the others
    only when check 1 ran and found them bitwise identical to it. First, at every step (even one 6
    cannot judge), the ranks' batch plans weigh each sample as the reference (``sample_weights``);
+   and the step's loss -- every rank's micro-batch losses summed over W, and each loss a target
+   reports -- is the reference's (``ddpcheck._oracle.losses``);
 3. the optimizer state the ranks hold matches the reference's, every parameter with reference
    state has it on some rank, and -- for a target that shards optimizer state -- on exactly one;
    so does the LR schedule (``ddpcheck._oracle.compare``);
@@ -70,6 +72,7 @@ from ddpcheck._language.scenario import Scenario, batch_size_of
 from ddpcheck._oracle.budget import check_budget, check_reduce_dtypes
 from ddpcheck._oracle.consumed import STEPS_DIFFER as STEPS_DIFFER
 from ddpcheck._oracle.consumed import data_path_rows, step_counts
+from ddpcheck._oracle.losses import check_losses
 from ddpcheck._oracle.mesh_axes import along_axes
 from ddpcheck._oracle.reference import Reference, reference_run
 from ddpcheck._oracle.rows import (
@@ -240,7 +243,9 @@ def compare(
         tol = tolerance(
             reference.compute_dtype, max(world_size, earlier_world_size), earlier_steps + step
         )
-        found = _compare_step(step, records, reference, target, checks, tol, earlier_steps)
+        found = _compare_step(
+            step, records, reference, scenario, target, checks, tol, earlier_steps
+        )
         if found:  # later steps only repeat the damage (or inherit the chaos)
             return out + along_axes(_one_verdict(found), records, scenario)
     return out + step_counts(len(reference.steps), records, scenario, len(reference.steps))
@@ -250,14 +255,15 @@ def _compare_step(
     step: int,
     records: list[RankRecord],
     reference: Reference,
+    scenario: Scenario,
     target: Target,
     checks: frozenset,
     tol: tuple[float, float],
     earlier_steps: int,
 ) -> list[Divergence]:
     """One step's numbers (``compare``, once the objective and the window were found right):
-    gradients, parameters and buffers, the shards, the optimizer state and the schedule, the
-    communication budget."""
+    gradients, parameters and buffers, the step's loss (``ddpcheck._oracle.losses``), the
+    shards, the optimizer state and the schedule, the communication budget."""
     world_size, ref = len(records), reference.steps[step]
     replicas, against_ref = "replicas" in checks, "reference" in checks
     # a reduction narrower than promised first: it explains the numbers it rounded
@@ -275,6 +281,15 @@ def _compare_step(
             against_ref,
             _noise(reference, earlier_steps + step, field),
         )
+    found += check_losses(
+        step,
+        records,
+        reference,
+        scenario,
+        tol,
+        checks,
+        lambda: None if (n := reference.noise(earlier_steps + step)) is None else n.loss,
+    )
     if replicas:
         found += compare_shards(step, world_size, records)
     if "state" in checks:

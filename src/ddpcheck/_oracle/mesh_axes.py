@@ -47,8 +47,8 @@ def along_axes(
 
 
 def _named(d: Divergence, tp: int, placements: dict[str, dict[str, str]]) -> Divergence:
-    if not d.kind.startswith(_REPLICAS) or d.rank is None:
-        return d
+    if not d.kind.startswith(_REPLICAS) or d.rank is None or " along " in d.kind:
+        return d  # (a row that names its axis itself: the loss of a tp group)
     axis = shared_axis(0, d.rank, tp)
     placed = placements.get(d.name.split(" ")[0], {})
     where = " and ".join(f"{placed[a]} along {a}" for a in axis.split(" and ") if a in placed)

@@ -32,6 +32,7 @@ are trained only when a comparison would otherwise fail, so passing examples nev
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -118,6 +119,8 @@ class Noise:
     params: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
     state: dict[str, torch.Tensor]
+    #: the step's loss (the objective over the global batch before the step)
+    loss: float = 0.0
 
 
 @dataclasses.dataclass
@@ -173,6 +176,7 @@ class Reference:
                     params,
                     buffers,
                     _spread(_flat_state(record.state), [_flat_state(o.state) for o in others]),
+                    max((abs(_loss(o) - _loss(record)) for o in others), default=0.0),
                 )
         return self.noise_cache.get(step)
 
@@ -243,6 +247,7 @@ def _train(
     steps: list[StepRecord] = []
     grads: dict = {}
     terms: dict = {}
+    losses: dict = {}
 
     def batches(step: int) -> list:
         x, y = global_batch(scenario, step)
@@ -272,6 +277,9 @@ def _train(
             )
         )
         steps[-1].tokens = terms[step]
+        # the step's loss: what a correct target reports, the objective over the global batch
+        steps[-1].losses = losses[step]
+        steps[-1].reported_loss = math.fsum(losses[step]) / variant.world
 
     train(
         scenario,
@@ -281,6 +289,9 @@ def _train(
             batches=batches,
             after_backward=lambda: _average_and_perturb(model, variant, grads["step"]),
             before_optimizer_step=lambda step: grads.__setitem__("now", gradients(model)),
+            step_losses=lambda step, done: losses.__setitem__(
+                step, tuple(float(m.loss.double()) for m in done)
+            ),
             after_step=record,
             end_step=lambda step: (
                 _drop_gradients(model) if step == scenario.checkpoint_after else None
@@ -314,6 +325,10 @@ def _average_and_perturb(model: torch.nn.Module, variant: Variant, step: int) ->
                 unit = torch.finfo(g.dtype).eps / 2
                 u = torch.rand(g.shape, generator=generator, dtype=torch.float64) * 2 - 1
                 g.add_((g.double() * (u * unit)).to(g.dtype))
+
+
+def _loss(record: StepRecord) -> float:
+    return record.reported_loss if record.reported_loss is not None else 0.0
 
 
 def _flat_state(state: dict) -> dict[str, object]:

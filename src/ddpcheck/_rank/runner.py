@@ -60,6 +60,7 @@ from ddpcheck._language.training import (
     EpochRun,
     FitRun,
     Loop,
+    MicroBatchLoss,
     OptimizerLike,
     Params,
     SampleDataset,
@@ -164,6 +165,7 @@ def run_example(
                 before_step=lambda step: recorder.reset(),
                 before_optimizer_step=lambda step: records.gradients(model, optimizer),
                 inside_window=lambda step, index: records.inside_window(index),
+                step_losses=lambda step, losses: records.step_losses(model, optimizer, losses),
                 after_step=lambda step: records.step(step, model, optimizer, scheduler),
             ),
             scheduler=scheduler,
@@ -243,6 +245,8 @@ class StepRecords:
         self.steps: list[StepRecord] = []
         self.grads: dict[str, torch.Tensor | None] | None = None
         self.window: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.losses: tuple[float, ...] | None = None  # this step's, until it is recorded
+        self.reported: tuple[float, str | None] | None = None
 
     def initial(self) -> dict:
         with recorder.paused():  # the harness's own gathers of sharded tensors aren't the target's
@@ -277,6 +281,22 @@ class StepRecords:
                 )
             )
 
+    def step_losses(
+        self, model: nn.Module, optimizer: OptimizerLike, losses: list[MicroBatchLoss]
+    ) -> None:
+        """The step's micro-batch losses as back-propagated, and the loss the target reports
+        from them (``Target.reported_loss``: its collectives are the target's, recorded)."""
+        with recorder.paused():
+            self.losses = tuple(_scalar(self.target.full_tensor(m.loss)) for m in losses)
+        report = getattr(self.target, "reported_loss", None)  # duck-typed targets: none
+        reported = report(model, optimizer, losses) if callable(report) else None
+        if reported is not None:
+            with recorder.paused():
+                if torch.is_tensor(reported):
+                    reported = self.target.full_tensor(reported.detach())
+                who = f"what {type(self.target).__name__}.reported_loss returned"
+                self.reported = (_scalar(reported, who), _dtype_of(reported))
+
     def step(
         self,
         step: int,
@@ -301,6 +321,27 @@ class StepRecords:
             )
         self.steps[-1].batch_plan = self.plans.get(step)
         self.steps[-1].window, self.window = self.window, []
+        self.steps[-1].losses, self.losses = self.losses, None
+        if self.reported is not None:
+            self.steps[-1].reported_loss, self.steps[-1].reported_dtype = self.reported
+        self.reported = None
+
+
+def _dtype_of(value: object, given: torch.dtype | None = None) -> str | None:
+    """The dtype a reported loss was computed in: a tensor's own, else ``given``."""
+    dtype = value.dtype if torch.is_tensor(value) else given
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
+def _scalar(value: object, who: str = "a micro-batch's loss") -> float:
+    """``value`` -- a one-element tensor or a number -- as a Python float."""
+    if torch.is_tensor(value):
+        if value.numel() != 1:
+            raise TypeError(f"{who} is a tensor of shape {tuple(value.shape)}, not a scalar")
+        return float(value.detach().double().reshape(()))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"{who} is a {type(value).__name__}, not a tensor or a number")
 
 
 def parallelized(
@@ -370,6 +411,7 @@ class _OwnedRecords:
         #: (model, optimizer) that run.started was given
         self.seen: list[tuple[nn.Module, OptimizerLike]] = []
         self.consumed: list[tuple[int, ...]] = []  # this step's micro-batches, as consumed
+        self.noted: list[MicroBatchLoss] = []  # this step's losses, as run.loss computed them
 
     def started(self, model: nn.Module, optimizer: OptimizerLike) -> None:
         if self.initial:
@@ -395,10 +437,24 @@ class _OwnedRecords:
                 )
             )
         self.records.gradients(model, optimizer)
+        if self.noted:  # what the target computed through run.loss (not a framework's own)
+            losses = list(self.noted)
+            self.noted.clear()
+            self.records.step_losses(model, optimizer, losses)
         self.records.step(step, model, optimizer, scheduler)
         if not self.bounded:
             self.records.steps[-1].consumed, self.consumed = tuple(self.consumed), []
         recorder.reset()
+
+    def reported(self, value: object, dtype: torch.dtype | None = None) -> None:
+        """The loss the framework reported for the step recorded last (``FitRun.reported``)."""
+        if not self.records.steps:
+            raise RuntimeError(
+                f"{type(self.target).__name__} called run.reported before any run.record"
+            )
+        who = f"{type(self.target).__name__}'s reported loss"
+        last = self.records.steps[-1]
+        last.reported_loss, last.reported_dtype = _scalar(value, who), _dtype_of(value, dtype)
 
     def fit(self, fit: Callable[[], None]) -> None:
         """Run ``fit``, then the target's teardown (on what run.started was given)."""
@@ -431,6 +487,8 @@ def _run_fields(scenario: Scenario, module: nn.Module, owned: _OwnedRecords) -> 
         set_to_none=scenario.set_to_none,
         started=owned.started,
         record=owned.record,
+        noted=owned.noted.append,
+        reported=owned.reported,
     )
 
 

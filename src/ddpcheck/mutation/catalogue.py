@@ -7,7 +7,8 @@ overriding one method (rarely two, always named in the docstring; ``broken_ddp``
 ``broken_optimizer``) with a copy that carries one bug of a class in ``docs/bug-catalogue.md``
 -- or whose batch plan (``Target.shard_batch``) is a hook of ``broken_batches`` carrying one bug
 of the training loop's data split or loss normalisation (A3, F1-F3, J1, J2), or whose target hooks
-``save_checkpoint`` / ``load_checkpoint`` are those of a mixin of ``broken_checkpoint`` (E7, E8).
+``save_checkpoint`` / ``load_checkpoint`` are those of a mixin of ``broken_checkpoint`` (E7, E8),
+or whose ``reported_loss`` is a mixin of ``broken_loss`` (family L: the loss a loop logs).
 Family I (sharded parameters) is :class:`~ddpcheck.targets.TorchFSDPTarget` subclasses overriding
 one method (``broken_fsdp``), and so is J3 (a mixed-precision policy that reduces in bfloat16).
 Each docstring says what the bug is and which real report it mirrors. ``ddpcheck mutants``
@@ -53,6 +54,7 @@ from ddpcheck.mutation import broken_data as B
 from ddpcheck.mutation import broken_ddp as D
 from ddpcheck.mutation import broken_fsdp as F
 from ddpcheck.mutation import broken_loop as L
+from ddpcheck.mutation import broken_loss as R
 from ddpcheck.mutation import broken_optimizer as O
 from ddpcheck.mutation import broken_options as P
 from ddpcheck.mutation import broken_tp as T
@@ -474,6 +476,37 @@ _ENTRIES: list[tuple[str, str, str, dict]] = [
         "fp32 accumulator all-reduced before the last micro-batch is added: it stays local",
         {"ddp": D.LastMicroBatchAfterReduceDDP},
     ),
+    # Family L: the loss the loop reports (``broken_loss``), every gradient right
+    (
+        "RankZeroLoss",
+        "L1",
+        "the logged loss is rank 0's own mean; the other ranks report none",
+        {"hooks": R.RankZeroLossHooks},
+    ),
+    (
+        "SummedLoss",
+        "L2",
+        "the logged loss all-reduced with SUM and never divided by W",
+        {"hooks": R.SummedLossHooks},
+    ),
+    (
+        "MicroBatchMeanLoss",
+        "L3",
+        "the logged loss is the mean of micro-batch means: short micro-batches weigh as much",
+        {"hooks": R.MicroBatchMeanLossHooks},
+    ),
+    (
+        "LastMicroBatchLoss",
+        "L4",
+        "the logged loss is the window's last micro-batch's, times the accumulation steps",
+        {"hooks": R.LastMicroBatchLossHooks},
+    ),
+    (
+        "RankMeanLoss",
+        "L5",
+        "the logged loss averages each rank's own mean: a smaller share's terms weigh more",
+        {"hooks": R.RankMeanLossHooks},
+    ),
 ]
 
 
@@ -696,7 +729,7 @@ def stale_overrides() -> list[str]:
             original = DDP if issubclass(broken, DDP) else ShardedOptimizer
             stale += _stale(mutant, broken, original)
         for hooks in type(mutant.target).__mro__:
-            if hooks.__module__ == K.__name__:
+            if hooks.__module__ in (K.__name__, R.__name__):
                 stale += _stale(mutant, hooks, Target)
     return stale
 

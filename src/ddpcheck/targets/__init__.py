@@ -1,7 +1,8 @@
 """Targets: how an implementation under test is driven inside each rank (public).
 
 ``protocol`` says what a target is -- every hook the runner calls, and its default
-(:class:`Target`, :class:`WrapperTarget`, :class:`FitRun` for a target that owns its loop);
+(:class:`Target`, :class:`WrapperTarget`, :class:`FitRun` for a target that owns its loop,
+:class:`MicroBatchLoss` for one that reports its loss);
 ``builtin`` holds ``parallel`` (ours), torch's DDP, ZeRO and FSDP2 and ``local``; ``accelerate``,
 ``fabric``, ``lightning``, ``deepspeed``, ``hf_trainer`` drive those frameworks (each imported
 only when its target runs; ``environment`` joins them to the existing process group,
@@ -51,7 +52,14 @@ from ddpcheck.targets.fabric import FabricTarget
 from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.parallel_tp import ParallelTPTarget
-from ddpcheck.targets.protocol import CONSTRUCTOR_CALL, FitRun, OwnsLoop, Target, WrapperTarget
+from ddpcheck.targets.protocol import (
+    CONSTRUCTOR_CALL,
+    FitRun,
+    MicroBatchLoss,
+    OwnsLoop,
+    Target,
+    WrapperTarget,
+)
 from ddpcheck.targets.tensor_parallel import Torch2DTarget, TorchTPTarget
 
 __all__ = [
@@ -72,6 +80,7 @@ __all__ = [
     "LOCAL",
     "LightningTarget",
     "LocalTarget",
+    "MicroBatchLoss",
     "OwnsLoop",
     "PARALLEL",
     "PARALLEL_DDP",

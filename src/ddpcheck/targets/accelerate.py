@@ -56,7 +56,13 @@ from torch import nn
 
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language.scenario import Scenario
-from ddpcheck._language.training import EpochRun, OptimizerLike, Params, SchedulerLike
+from ddpcheck._language.training import (
+    EpochRun,
+    MicroBatchLoss,
+    OptimizerLike,
+    Params,
+    SchedulerLike,
+)
 from ddpcheck.targets import ddp_options
 from ddpcheck.targets.configuration import (
     Config,
@@ -349,6 +355,13 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
         accelerator = _accelerator(model)
         # accelerate divides by gradient_accumulation_steps; ddpcheck's loss is already scaled
         accelerator.backward(loss * accelerator.gradient_accumulation_steps)
+
+    def reported_loss(
+        self, model: nn.Module, optimizer: OptimizerLike, losses: Sequence[MicroBatchLoss]
+    ) -> torch.Tensor:
+        # what accelerate's examples log: the step's loss through accelerator.reduce(..., "mean")
+        step = torch.stack([m.loss for m in losses]).sum()
+        return _accelerator(model).reduce(step, reduction="mean")
 
     def clip_grad_norm(
         self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float

@@ -9,7 +9,7 @@ import dataclasses
 import difflib
 import importlib.util
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpcheck._base.errors import InvalidArgument, NothingChecked, SetupError
 from ddpcheck._language.scenario import Scenario
-from ddpcheck._language.training import OptimizerLike, Params
+from ddpcheck._language.training import MicroBatchLoss, OptimizerLike, Params
 from ddpcheck.targets.configuration import Config, load_config, reconcile
 from ddpcheck.targets.data_path import SamplerDataPath
 from ddpcheck.targets.fsdp import (
@@ -106,6 +106,14 @@ class ParallelDDPTarget(_Bucketed):
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[object]:
         return cast(DDP, model).no_sync()
+
+    def reported_loss(
+        self, model: nn.Module, optimizer: OptimizerLike, losses: Sequence[MicroBatchLoss]
+    ) -> torch.Tensor | None:
+        # what a loop over parallel.DDP prints: its step's losses averaged as its gradients are
+        if not isinstance(model, DDP):  # (a mutant's ShardedOptimizer without DDP in front)
+            return None
+        return model.reduce_loss(torch.stack([m.loss for m in losses]).sum())
 
     def clip_grad_norm(
         self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float

@@ -126,7 +126,10 @@ def _out_of_torch(exc: BaseException) -> bool:
     if str(exc).startswith(("module 'torch'", "module 'torch.")):
         return True
     frames = list(traceback.walk_tb(exc.__traceback__))
-    return bool(frames) and _in_torch(frames[-1][0].f_code.co_filename)
+    if not frames or not _in_torch(frames[-1][0].f_code.co_filename):
+        return False
+    # nn.Module.__getattr__ raising for a module's own attribute: the caller's miss, not torch's
+    return not (isinstance(exc, AttributeError) and frames[-1][0].f_code.co_name == "__getattr__")
 
 
 def _in_torch(path: str) -> bool:

@@ -13,7 +13,9 @@ through accelerate (``find_unused_parameters=True``, its default for a model tha
 steps. A callback reports to ddpcheck: ``on_train_begin`` (model wrapped, optimizer prepared:
 ``run.started``), ``on_pre_optimizer_step`` (the clipped gradients ``optimizer.step()`` receives:
 kept), and ``on_step_end`` -- after the step and the scheduler, but also after the Trainer's
-``model.zero_grad()`` -- where the kept gradients are put back for ``run.record`` and cleared again.
+``model.zero_grad()`` -- where the kept gradients are put back for ``run.record`` and cleared again
+-- and ``on_log``, right after it: the loss the Trainer logs for the step (``log_history``'s
+``"loss"``, every step's: ``logging_steps=1``), which ``run.reported`` hands to the oracle.
 
 **The loss conventions.** ``ScenarioCausalLM.forward(input_ids, labels, **loss_kwargs)`` returns
 ``{"loss", "logits"}``; the Trainer sees ``**loss_kwargs`` (``model_accepts_loss_kwargs``; 4.46
@@ -41,7 +43,7 @@ loss, so ``TrainingArguments`` keys that set them are refused whatever their val
 value changes from example to example); the harness fixes how the run is driven (its world, its
 loader, no checkpoints, no reporting), so those keys are accepted only with the value ddpcheck
 sets. Every other key reaches ``TrainingArguments`` as given -- ``average_tokens_across_devices``,
-``ddp_find_unused_parameters``, ``ddp_bucket_cap_mb``, ``seed``, logging. A refused key is an
+``ddp_find_unused_parameters``, ``ddp_bucket_cap_mb``, ``seed``, what is logged. A refused key is an
 :class:`InvalidArgument` when the target is built (exit 2), naming it; a value
 ``TrainingArguments`` itself rejects is one too, from the ranks, and so is an
 ``ACCELERATE_MIXED_PRECISION`` in the environment, which ``TrainingArguments`` takes as its
@@ -170,6 +172,12 @@ HARNESS_KEYS: dict[str, tuple[tuple, str]] = {
         "reports leave the machine: the target sets report_to='none'",
     ),
     "push_to_hub": ((False,), "nothing is saved"),
+    "logging_strategy": (
+        ("steps",),
+        "the target reads every step's logged loss (logging_strategy='steps', logging_steps=1) "
+        "and checks it against the reference",
+    ),
+    "logging_steps": ((1,), "the target reads every step's logged loss (logging_steps=1)"),
     "full_determinism": (
         (False,),
         "torch.use_deterministic_algorithms(True) would outlive the "
@@ -373,6 +381,10 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
 
+    @property
+    def reports_loss(self) -> bool:
+        return True  # every step's logged loss, through on_log (run.reported)
+
 
 def _check_environment(scenario: Scenario) -> None:
     """Refuse a precision the environment imposes on a scenario without autocast:
@@ -448,7 +460,6 @@ def arguments(
     return {
         "output_dir": folder,
         "disable_tqdm": True,
-        "logging_strategy": "no",
         # transformers 4.x defaults it to False (each rank's own token count), 5 to True
         **({"average_tokens_across_devices": True} if _AVERAGE_TOKENS in fields else {}),
         **given,
@@ -463,6 +474,9 @@ def arguments(
         "save_strategy": "no",
         "eval_strategy": "no",
         "report_to": "none",
+        # every step's loss logged (on_log): the reported loss the oracle compares
+        "logging_strategy": "steps",
+        "logging_steps": 1,
         "dataloader_pin_memory": False,
     }
 
@@ -568,6 +582,19 @@ def _recorder(
             with _gradients_back(self.kept):
                 run.record(self.trainer.model_wrapped, self.trainer.optimizer, scheduler)
             self.kept = []
+
+        def on_log(
+            self,
+            args: Arguments,
+            state: TrainerState,
+            control: TrainerControl,
+            logs: dict | None = None,
+            **kwargs: object,
+        ) -> None:
+            # after on_step_end, on every rank: the step's logged loss ("train_loss" at the end
+            # of train() is the run's mean, not a step's)
+            if logs is not None and "loss" in logs:  # from the Trainer's float32 tr_loss
+                run.reported(logs["loss"], torch.float32)
 
     return Recorder()
 

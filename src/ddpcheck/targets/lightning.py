@@ -9,7 +9,10 @@ accumulate_grad_batches=A, gradient_clip_val=...)`` over a loader of those micro
 (``use_distributed_sampler=False``: they are already this rank's). A callback reports to
 ddpcheck: ``on_train_start`` (model and optimizer built, DDP's broadcast done) and
 ``on_train_batch_end`` of each window's last micro-batch -- after the optimizer step and the LR
-scheduler, before the next window's ``zero_grad`` -- where ddpcheck records the step. The
+scheduler, before the next window's ``zero_grad`` -- where ddpcheck records the step; the step's
+loss the module logs (``self.log(..., sync_dist=True)``: its window's losses, averaged over the
+ranks) is read from ``trainer.callback_metrics`` when the next window starts, and at the end
+(Lightning fills it after ``on_train_batch_end``), for ``run.reported``. The
 Trainer finds the launcher's environment and the initialised group (``environment``), so it
 spawns and initialises nothing.
 
@@ -143,6 +146,8 @@ class LightningTarget(ddp_options.TorchDDPFramework):
     manual: bool = False  # manual optimization instead of automatic
     static_graph: bool = False  # DDPStrategy(static_graph=True)
     config: Config = None  # Trainer(**config): the module docstring
+    #: how ``self.log(..., sync_dist=True)`` reduces each step's loss over the ranks (a seam)
+    log_reduce_fx: ClassVar[str] = "mean"
 
     declined_features: ClassVar[Mapping[str, str]] = {
         "rank-orders": TORCH_DDP_ORDER,
@@ -219,7 +224,7 @@ class LightningTarget(ddp_options.TorchDDPFramework):
                 "LightningTarget needs the same number of micro-batches every "
                 "step (Trainer(accumulate_grad_batches=...) is one number)"
             )
-        net = _module(pl, module, run, accumulation, self.manual)
+        net = _module(pl, module, run, accumulation, self.manual, self.log_reduce_fx)
         automatic = not self.manual and run.max_grad_norm is not None
         given = vars(self)["_given"]
         callbacks = given.get("callbacks") or []
@@ -265,6 +270,10 @@ class LightningTarget(ddp_options.TorchDDPFramework):
         )
         trainer.fit(net, train_dataloaders=loader)
 
+    @property
+    def reports_loss(self) -> bool:
+        return True  # each step's loss, self.log(..., sync_dist=True) (run.reported)
+
     def _strategy(self) -> DDPStrategy:
         """This run's strategy: the config's, built afresh, or the target's own."""
         from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -304,6 +313,7 @@ def _module(
     run: FitRun,
     accumulation: int,
     manual: bool,
+    reduce_fx: str,
 ) -> LightningModule:
     """The ``LightningModule`` around the scenario's model (classes made here: Lightning is
     imported only when the target runs)."""
@@ -321,6 +331,19 @@ def _module(
         def training_step(self, batch: MicroBatch, batch_idx: int) -> torch.Tensor | None:
             x, y, scale = batch
             loss = run.loss(self.net, x, y, scale)
+            # the step's loss as a LightningModule logs it: its window's losses (each scaled by
+            # the plan: summed, they are this rank's part), averaged over the ranks by sync_dist
+            first = batch_idx % accumulation == 0
+            self.window_loss = loss.detach() + (0.0 if first else self.window_loss)
+            if (batch_idx + 1) % accumulation == 0:
+                self.log(
+                    LOGGED_LOSS,
+                    self.window_loss,
+                    on_step=True,
+                    sync_dist=True,
+                    reduce_fx=reduce_fx,
+                    batch_size=1,
+                )
             if not manual:  # Lightning divides by accumulate_grad_batches; ours is scaled
                 return loss * accumulation
             self.manual_backward(loss)
@@ -373,6 +396,18 @@ def _recorder(pl: Any, run: FitRun, accumulation: int) -> object:  # pl: as _mod
         def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
             run.started(_model(trainer), trainer.optimizers[0])
 
+        # Lightning moves a step's logged values into callback_metrics after on_train_batch_end,
+        # where the step is recorded: the loss of the step recorded last is read when the next
+        # window starts, and at the end
+        def on_train_batch_start(
+            self, trainer: Trainer, pl_module: LightningModule, batch: MicroBatch, batch_idx: int
+        ) -> None:
+            if batch_idx and batch_idx % accumulation == 0:
+                _report(trainer, run)
+
+        def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            _report(trainer, run)
+
         def on_train_batch_end(
             self,
             trainer: Trainer,
@@ -391,6 +426,17 @@ def _recorder(pl: Any, run: FitRun, accumulation: int) -> object:  # pl: as _mod
             )
 
     return Recorder()
+
+
+#: The name under which the module logs each step's loss (``self.log(..., sync_dist=True)``).
+LOGGED_LOSS = "ddpcheck_step_loss"
+
+
+def _report(trainer: Trainer, run: FitRun) -> None:
+    """The loss Lightning holds for the step recorded last, as every rank reads it."""
+    logged = trainer.callback_metrics.get(LOGGED_LOSS)
+    if logged is not None:
+        run.reported(logged)
 
 
 def _model(trainer: Trainer) -> nn.Module:

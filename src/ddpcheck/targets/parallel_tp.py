@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -24,7 +24,7 @@ from torch import nn
 
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.tensor_parallel import mesh_problem
-from ddpcheck._language.training import OptimizerLike, Params
+from ddpcheck._language.training import MicroBatchLoss, OptimizerLike, Params
 from ddpcheck.targets.tensor_parallel import (
     AUTOCAST_ON_A_MESH,
     TP_FLOOR,
@@ -127,6 +127,13 @@ class ParallelTPTarget(PlanTarget):
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[object]:
         return model.no_sync() if isinstance(model, DDP) else contextlib.nullcontext()
+
+    def reported_loss(
+        self, model: nn.Module, optimizer: OptimizerLike, losses: Sequence[MicroBatchLoss]
+    ) -> torch.Tensor:
+        # a tp group's ranks share one loss; the dp groups' are averaged, as their gradients are
+        loss = torch.stack([m.loss for m in losses]).sum()
+        return model.reduce_loss(loss) if isinstance(model, DDP) else loss
 
     def clip_grad_norm(
         self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float

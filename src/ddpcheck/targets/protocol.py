@@ -25,7 +25,9 @@ of an importable module. The runner calls, per example and per rank::
         target.clip_grad_norm(model, optimizer, max_norm, norm_type)   # scenarios that clip
         (gradients recorded here; a target with sharded_gradients: each from its owner,
          target.gradient_shards)
-        optimizer.step(); scheduler.step(); optimizer.zero_grad(set_to_none=...)
+        optimizer.step(); scheduler.step()
+        target.reported_loss(model, optimizer, losses)   # the step's loss, as reported
+        (everything else recorded here); optimizer.zero_grad(set_to_none=...)
         target.after_step(model, optimizer)
     target.teardown(model, optimizer)
 
@@ -63,7 +65,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
@@ -78,6 +80,7 @@ from ddpcheck._language.features import FEATURES, OPT_IN
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.training import (
     FitRun,  # what Target.fit gets: part of the protocol
+    MicroBatchLoss,  # what Target.reported_loss gets
     OptimizerLike,
     Params,
     SchedulerLike,
@@ -93,7 +96,15 @@ if TYPE_CHECKING:  # hypothesis loads only when a configuration space is built
     #: What ``Target.config_space`` returns: a strategy of options, or None (nothing to fuzz).
     ConfigSpace: TypeAlias = SearchStrategy[dict[str, object]] | None
 
-__all__ = ["CONSTRUCTOR_CALL", "FitRun", "OwnsLoop", "Target", "WrapperTarget", "supported_but"]
+__all__ = [
+    "CONSTRUCTOR_CALL",
+    "FitRun",
+    "MicroBatchLoss",
+    "OwnsLoop",
+    "Target",
+    "WrapperTarget",
+    "supported_but",
+]
 
 #: Instance attribute holding ``(args, kwargs)`` of the call that built a target.
 CONSTRUCTOR_CALL = "_ddpcheck_call"
@@ -292,6 +303,27 @@ class Target:
         """Back-propagate one micro-batch's loss. Default: ``loss.backward()``; override it for
         ``accelerator.backward(loss)``, ``fabric.backward(loss)``, ``engine.backward(loss)``."""
         loss.backward()
+
+    def reported_loss(
+        self, model: nn.Module, optimizer: OptimizerLike, losses: Sequence[MicroBatchLoss]
+    ) -> torch.Tensor | float | None:
+        """The step's loss as your loop reports it -- what it prints or logs, what early stopping
+        and ``ReduceLROnPlateau`` read -- given this rank's micro-batch losses of the step as
+        they were back-propagated (``ddpcheck.targets.MicroBatchLoss``: the loss, its terms,
+        its plan's scale). Called on every rank after the optimizer step; it may communicate
+        (an all-reduce of the loss is the usual way), and every rank must call the same
+        collectives. Return the global value -- the objective over the whole global batch, as
+        the one-process reference computes it -- or None where this rank reports nothing. The
+        oracle compares each reported value with the reference's ("loss differs").
+
+        Default: None, nothing reported (the harness still checks the step's loss it computed).
+        """
+        return None
+
+    @property
+    def reports_loss(self) -> bool:
+        """True when :meth:`reported_loss` is the target's own."""
+        return type(self).reported_loss is not Target.reported_loss
 
     @property
     def owns_batch_plan(self) -> bool:

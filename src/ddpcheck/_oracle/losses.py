@@ -1,0 +1,214 @@
+"""The step's loss: the number a user reads, judged against the reference's.
+
+Every rank records its micro-batch losses as it back-propagated them (``StepRecord.losses``: the
+summed terms times the batch plan's scale), and the loss its target reports for the step, if it
+reports one (``Target.reported_loss``). With the plan's scales -- which the sample-weight rule has
+already found right (``ddpcheck._oracle.sample_weights``) -- every rank's losses summed over the
+world and divided by W are the objective over the global batch, which is what the one-process
+reference computes (``Reference.steps[k].reported_loss``): a model whose forward is wrong under
+the target shows here, before any gradient. A reported loss must be that same number, on every
+rank that reports one -- a loss averaged per micro-batch where the objective weighs tokens,
+rank 0's own loss logged as the global one, a SUM all-reduce not divided by W all differ from it
+while every gradient is right. Under tensor parallelism the ranks of one ``tp`` group compute the
+same loss from the same samples, so it must be bitwise identical along ``tp``.
+
+The tolerance is the step's -- a reported loss computed in a coarser dtype than the model (a
+framework's float32 running loss) at that dtype's -- with the reference's own spread over its
+noise variants (``Reference.noise``) widening it where a correct target rounds differently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+
+from ddpcheck._base.errors import Divergence
+from ddpcheck._language.records import RankRecord
+from ddpcheck._language.scenario import Scenario
+from ddpcheck._language.tensor_parallel import mesh_shape
+from ddpcheck._oracle.reference import Reference
+from ddpcheck._oracle.rows import At, Named, reference_row
+from ddpcheck._oracle.tolerances import TOLERANCES
+
+__all__ = ["LOSS_DIFFERS", "LOSS_REPLICAS", "check_losses", "ranks_loss", "step_loss"]
+
+#: The kind of a row whose loss -- the ranks' objective or a reported one -- is not the reference's.
+LOSS_DIFFERS = "loss differs"
+#: The kind of a row whose loss differs between the ranks of one tensor-parallel group.
+LOSS_REPLICAS = "replicas differ along tp (loss)"
+#: How many steps of the two curves a row shows before the one that differs.
+_CURVE = 6
+
+
+def step_loss(record: RankRecord, step: int) -> float | None:
+    """One rank's part of the step's objective: its micro-batch losses summed (None: unknown)."""
+    losses = record.steps[step].losses
+    return None if losses is None else math.fsum(losses)
+
+
+def ranks_loss(records: list[RankRecord], step: int) -> float | None:
+    """The step's objective as the ranks computed it: every rank's part summed, over W."""
+    parts = [step_loss(r, step) for r in records]
+    if not records or any(p is None for p in parts):
+        return None
+    return math.fsum(p for p in parts if p is not None) / len(records)
+
+
+def check_losses(
+    step: int,
+    records: list[RankRecord],
+    reference: Reference,
+    scenario: Scenario,
+    tol: tuple[float, float],
+    checks: frozenset,
+    noise: Callable[[], float | None],
+) -> list[Divergence]:
+    """The step's loss rows (empty: right): the ranks' objective and each reported loss against
+    the reference's (``"reference"`` in ``checks``), and the loss of every rank of a ``tp`` group
+    against its first rank's, bitwise (``"replicas"``). ``noise()``: the reference's spread of the
+    step's loss over its variants, asked only when the tolerance alone is exceeded."""
+    world_size = len(records)
+    out: list[Divergence] = []
+    if "replicas" in checks and scenario.tensor_parallel is not None:
+        out += _along_tp(step, records, scenario)
+    expected = reference.steps[step].reported_loss
+    if "reference" not in checks or expected is None:
+        return out
+    # (whose, what, its value at a step, the dtype it was computed in if coarser than the model's)
+    judged: list[tuple[int | None, str, Callable[[int], float | None], str | None]] = [
+        (
+            None,
+            "the step's loss (every rank's micro-batch losses, summed over W)",
+            lambda k: ranks_loss(records, k),
+            None,
+        )
+    ]
+    judged += [
+        (r.rank, f"the loss rank {r.rank} reports", _reported_by(r), r.steps[step].reported_dtype)
+        for r in records
+        if r.steps[step].reported_loss is not None
+    ]
+    for rank, what, value_of, dtype in judged:
+        got = value_of(step)
+        if got is None:
+            continue
+        widened = _in_dtype(tol, reference.compute_dtype, dtype)
+        row = _against_reference(step, world_size, rank, what, got, expected, widened, noise)
+        if row is not None:
+            curve = _curves(reference, step, value_of)
+            out.append(dataclasses.replace(row, detail=f"{row.detail}\n{curve}"))
+    return out
+
+
+def _in_dtype(
+    tol: tuple[float, float], compute: torch.dtype, reported: str | None
+) -> tuple[float, float]:
+    """``tol`` (the step's, for the model's ``compute`` dtype) for a loss reported in a coarser
+    dtype -- a framework's float32 running loss over a float64 model -- as wide as that dtype's
+    (``tolerances.TOLERANCES``), at the same step and world size; else ``tol``."""
+    dtype = getattr(torch, reported, None) if reported else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        return tol
+    if torch.finfo(dtype).eps <= torch.finfo(compute).eps:
+        return tol
+    (rtol, atol), fallback = tol, TOLERANCES[torch.float32]
+    mine, theirs = TOLERANCES.get(compute, fallback), TOLERANCES.get(dtype, fallback)
+    return rtol * theirs[0] / mine[0], atol * theirs[1] / mine[1]
+
+
+def _reported_by(record: RankRecord) -> Callable[[int], float | None]:
+    return lambda step: record.steps[step].reported_loss
+
+
+def _against_reference(
+    step: int,
+    world_size: int,
+    rank: int | None,
+    what: str,
+    got: float,
+    expected: float,
+    tol: tuple[float, float],
+    noise: Callable[[], float | None],
+) -> Divergence | None:
+    """``got`` against the reference's ``expected`` as any tensor is judged
+    (``rows.reference_row``), in float64: each loss was computed in the model's dtype and summed
+    exactly since. ``rank``: whose reported loss it is (None: the ranks' objective)."""
+
+    def spread() -> tuple[torch.Tensor | None, float]:
+        found = noise()
+        if found is None:
+            return None, 0.0
+        return torch.tensor(found, dtype=torch.float64), abs(expected)
+
+    label = "loss" if rank is None else f"loss rank {rank} reports"
+    row = reference_row(
+        At(step, world_size, 0 if rank is None else rank),
+        Named(label, what, label),
+        LOSS_DIFFERS,
+        torch.tensor(got, dtype=torch.float64),
+        torch.tensor(expected, dtype=torch.float64),
+        tol,
+        spread,
+    )
+    if row is None:
+        return None
+    row = dataclasses.replace(row, rank=rank)
+    if row.kind != LOSS_DIFFERS:
+        return row  # a NaN/inf or chaotic row, which says its own
+    scale = max(abs(expected), 1e-300)
+    return dataclasses.replace(
+        row,
+        max_abs=abs(got - expected),
+        max_rel=abs(got - expected) / scale,
+        detail=f"{what}: {got:.9g}, the reference's {expected:.9g} ({got / scale:.4g}x) at "
+        f"step {step}, W={world_size}",
+    )
+
+
+def _curves(reference: Reference, step: int, value_of: Callable[[int], float | None]) -> str:
+    """Both loss curves up to ``step``, side by side: what the user would have plotted."""
+    lines = ["   step   reference   target"]
+    for k in range(max(0, step - _CURVE + 1), step + 1):
+        mark = "  <- differs" if k == step else ""
+        expected, got = reference.steps[k].reported_loss, value_of(k)
+        lines.append(f"   {k:>4}   {_number(expected):>9}   {_number(got)}{mark}")
+    return "\n".join(lines)
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6g}"
+
+
+def _along_tp(step: int, records: list[RankRecord], scenario: Scenario) -> list[Divergence]:
+    """Every rank's micro-batch losses bitwise its ``tp`` group's first rank's: one group, one
+    batch, one replicated output (a loss placed ``Replicate``)."""
+    assert scenario.tensor_parallel is not None
+    _, tp = mesh_shape(scenario.tensor_parallel, len(records))
+    out = []
+    for record in records:
+        first = records[record.rank - record.rank % tp]
+        mine, theirs = record.steps[step].losses, first.steps[step].losses
+        if record is first or mine is None or theirs is None:
+            continue
+        if [v.hex() for v in mine] != [v.hex() for v in theirs]:
+            out.append(
+                Divergence(
+                    step,
+                    len(records),
+                    record.rank,
+                    "loss",
+                    LOSS_REPLICAS,
+                    detail=f"rank {record.rank} and rank {first.rank} train one tensor-parallel "
+                    f"group's samples, so their losses must be bitwise equal: micro-batch "
+                    f"losses {_values(mine)} on rank {record.rank}, {_values(theirs)} on rank "
+                    f"{first.rank}",
+                )
+            )
+    return out
+
+
+def _values(losses: tuple[float, ...]) -> str:
+    return "[" + ", ".join(f"{v:.9g}" for v in losses) + "]"
