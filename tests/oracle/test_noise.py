@@ -281,6 +281,12 @@ def test_masters_started_from_their_bfloat16_copies_are_no_divergence(monkeypatc
 
 
 def _records_of(steps, initial) -> list[RankRecord]:
+    """A reference run's records as one rank's: its micro-batch losses, scaled for the world its
+    variant emulates, as their sum over that world (the objective it computed), reported by none."""
+    steps = [
+        dataclasses.replace(step, losses=(step.reported_loss,), reported_loss=None)
+        for step in steps
+    ]
     return [RankRecord(0, initial, steps, 0.0)]
 
 
