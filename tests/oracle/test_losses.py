@@ -143,3 +143,23 @@ def test_a_loss_reported_in_float32_is_judged_at_float32s_tolerance():
     assert _compare(records, _reference(1.0)) == []
     records[0].steps[0].reported_loss = 1.01  # a bug, in any dtype
     assert [r.kind for r in _compare(records, _reference(1.0))] == [LOSS_DIFFERS]
+
+
+def test_a_resumed_runs_loss_rows_name_the_step_of_the_whole_run():
+    from ddpcheck._oracle.compare import compare_resumed
+
+    scenario = Scenario(zoo.MLP, steps=3, checkpoint_after=0)
+    before = _ranks([_step((1.0,), 1.0)], [_step((1.0,), 1.0)])
+    after = _ranks(
+        [_step((0.8,), 0.8), _step((0.6,), 0.9)], [_step((0.8,), 0.8), _step((0.6,), 0.6)]
+    )
+    rows = compare_resumed((before, after), _reference(1.0, 0.8, 0.6), scenario, None)
+    assert [(r.step, r.rank, r.kind) for r in rows] == [(2, 0, LOSS_DIFFERS)]
+    assert "at step 2, W=2" in rows[0].detail
+    assert any(line.split()[:3] == ["2", "0.6", "0.9"] for line in rows[0].detail.splitlines())
+
+
+def test_a_reference_loss_of_zero_prints_no_ratio():
+    records = _ranks([_step((0.0,), reported=0.5)], [_step((0.0,))])
+    (row,) = _compare(records, _reference(0.0))
+    assert "x)" not in row.detail.splitlines()[0], row.detail

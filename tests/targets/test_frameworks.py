@@ -134,7 +134,7 @@ class ReducesLossWithSum(targets.AccelerateTarget):
     def reported_loss(self, model, optimizer, losses):
         from ddpcheck.targets.accelerate import _accelerator
 
-        step = torch.stack([m.loss for m in losses]).sum()
+        step = targets.MicroBatchLoss.total(losses)
         return _accelerator(model).reduce(step)  # reduction="sum", accelerate's default
 
 
@@ -161,6 +161,35 @@ def test_the_loss_lightning_logs_with_sync_dist_is_checked():
         ddpcheck.check_example(LogsLossSummed(), BUSY, 2)
     assert set(info.value.kinds) == {"loss differs"}, str(info.value)
     assert "loss rank 1 reports" in str(info.value)  # every rank reads what Lightning logs
+
+
+@dataclasses.dataclass(frozen=True)
+class CountsReportedLosses(targets.LightningTarget):
+    """Lightning with a check, in each rank, that its logged loss reached ``run.reported`` once
+    after every recorded step -- the last one included (read at ``on_train_end``)."""
+
+    def fit(self, module, run):
+        steps, reports = [], []
+
+        def record(*args):
+            steps.append(len(reports))
+            run.record(*args)
+
+        def reported(*args, **kwargs):
+            reports.append(len(steps))
+            run.reported(*args, **kwargs)
+
+        super().fit(module, dataclasses.replace(run, record=record, reported=reported))
+        # the reading after step k comes after its record and before step k + 1's
+        if reports != list(range(1, run.steps + 1)) or steps != list(range(run.steps)):
+            raise AssertionError(f"records at {steps}, readings at {reports}")
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_lightnings_logged_loss_is_read_after_every_step_on_every_rank(manual):
+    _needs("lightning")
+    scenario = dataclasses.replace(BUSY, steps=3, global_batch=6, accumulation=2)
+    assert ddpcheck.check_example(CountsReportedLosses(manual=manual), scenario, 2) == ()
 
 
 def test_lightning_fabric():

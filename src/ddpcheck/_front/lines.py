@@ -72,10 +72,18 @@ def mesh_notes(request: Request, target_spec: str) -> list[str]:
 
 
 def losses(target: object) -> str:
-    """Which losses were checked: every step's, and the one the target reports if it does."""
-    if getattr(target, "reports_loss", False):
-        return "every step's loss checked, and the loss it reports"
-    return (
-        "every step's loss checked; it reports none to check "
-        "(Target.reported_loss: docs/targets.md)"
-    )
+    """Which losses were checked: every step's where the harness sees it computed, and the one
+    the target reports if it reports one; never more than was."""
+    seen = getattr(target, "step_losses_seen", True)
+    reports = getattr(target, "reports_loss", False)
+    text = {
+        (True, True): "every step's loss checked, and the loss it reports",
+        (True, False): "every step's loss checked; it reports none to check "
+        "(Target.reported_loss: docs/targets.md)",
+        (False, True): "the loss it reports checked every step",
+        (False, False): "no loss checked: its framework computes them out of sight and it "
+        "reports none (Target.reported_loss: docs/targets.md)",
+    }[seen, reports]
+    if callable(getattr(target, "fit_epochs", None)):
+        text += " (not over epochs, where its framework's data path computes them)"
+    return text

@@ -115,6 +115,15 @@ class MicroBatchLoss:
         """The mean of its terms: what ``criterion(output, target)`` returns for it."""
         return self.summed / max(self.terms, 1)
 
+    @staticmethod
+    def total(losses: Sequence[MicroBatchLoss]) -> torch.Tensor:
+        """The step's losses summed: this rank's part of the objective (summed over the ranks
+        and divided by W, the step's loss). A rank with no micro-batch: a zero (in torch's
+        default dtype), so that it can still join the collectives that report the loss."""
+        if not losses:
+            return torch.zeros(())
+        return torch.stack([m.loss for m in losses]).sum()
+
 
 @dataclasses.dataclass
 class Loop:
@@ -197,7 +206,9 @@ class FitRun:
     noted: Callable[[MicroBatchLoss], None] = dataclasses.field(default=_nothing, kw_only=True)
     #: ``(value, dtype=None) ->`` the loss the framework reported (logged) for the step last
     #: recorded, and the dtype it was computed in when ``value`` is a number (a framework's
-    #: float32 running loss): call it after :attr:`record`, on every rank that reports one
+    #: float32 running loss): call it after :attr:`record`, on every rank that reports one.
+    #: (Every :meth:`loss` computed between two :attr:`record` calls is noted as that step's:
+    #: the ranks' losses summed over W must be the reference's objective.)
     reported: Callable[..., None] = dataclasses.field(default=_nothing, kw_only=True)
 
     @property

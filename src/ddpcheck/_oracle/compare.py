@@ -289,6 +289,7 @@ def _compare_step(
         tol,
         checks,
         lambda: None if (n := reference.noise(earlier_steps + step)) is None else n.loss,
+        earlier_steps,
     )
     if replicas:
         found += compare_shards(step, world_size, records)

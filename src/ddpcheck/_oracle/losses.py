@@ -65,11 +65,13 @@ def check_losses(
     tol: tuple[float, float],
     checks: frozenset,
     noise: Callable[[], float | None],
+    earlier_steps: int = 0,
 ) -> list[Divergence]:
     """The step's loss rows (empty: right): the ranks' objective and each reported loss against
     the reference's (``"reference"`` in ``checks``), and the loss of every rank of a ``tp`` group
     against its first rank's, bitwise (``"replicas"``). ``noise()``: the reference's spread of the
-    step's loss over its variants, asked only when the tolerance alone is exceeded."""
+    step's loss over its variants, asked only when the tolerance alone is exceeded.
+    ``earlier_steps``: the steps before these records' first (a resumed run), for the text."""
     world_size = len(records)
     out: list[Divergence] = []
     if "replicas" in checks and scenario.tensor_parallel is not None:
@@ -96,9 +98,10 @@ def check_losses(
         if got is None:
             continue
         widened = _in_dtype(tol, reference.compute_dtype, dtype)
-        row = _against_reference(step, world_size, rank, what, got, expected, widened, noise)
+        at = (step, earlier_steps)
+        row = _against_reference(at, world_size, rank, what, got, expected, widened, noise)
         if row is not None:
-            curve = _curves(reference, step, value_of)
+            curve = _curves(reference, at, value_of)
             out.append(dataclasses.replace(row, detail=f"{row.detail}\n{curve}"))
     return out
 
@@ -124,7 +127,7 @@ def _reported_by(record: RankRecord) -> Callable[[int], float | None]:
 
 
 def _against_reference(
-    step: int,
+    at: tuple[int, int],
     world_size: int,
     rank: int | None,
     what: str,
@@ -135,7 +138,9 @@ def _against_reference(
 ) -> Divergence | None:
     """``got`` against the reference's ``expected`` as any tensor is judged
     (``rows.reference_row``), in float64: each loss was computed in the model's dtype and summed
-    exactly since. ``rank``: whose reported loss it is (None: the ranks' objective)."""
+    exactly since. ``rank``: whose reported loss it is (None: the ranks' objective); ``at``:
+    ``(step, earlier steps)``, the step of these records and of the whole run before them."""
+    step, earlier = at
 
     def spread() -> tuple[torch.Tensor | None, float]:
         found = noise()
@@ -159,22 +164,27 @@ def _against_reference(
     if row.kind != LOSS_DIFFERS:
         return row  # a NaN/inf or chaotic row, which says its own
     scale = max(abs(expected), 1e-300)
+    ratio = f" ({got / expected:.4g}x)" if abs(expected) > 1e-12 else ""
     return dataclasses.replace(
         row,
         max_abs=abs(got - expected),
         max_rel=abs(got - expected) / scale,
-        detail=f"{what}: {got:.9g}, the reference's {expected:.9g} ({got / scale:.4g}x) at "
-        f"step {step}, W={world_size}",
+        detail=f"{what}: {got:.9g}, the reference's {expected:.9g}{ratio} at "
+        f"step {earlier + step}, W={world_size}",
     )
 
 
-def _curves(reference: Reference, step: int, value_of: Callable[[int], float | None]) -> str:
-    """Both loss curves up to ``step``, side by side: what the user would have plotted."""
+def _curves(
+    reference: Reference, at: tuple[int, int], value_of: Callable[[int], float | None]
+) -> str:
+    """Both loss curves up to the step ``at`` (these records' step, the steps before them),
+    side by side: what the user would have plotted (of a resumed run, its part)."""
+    step, earlier = at
     lines = ["   step   reference   target"]
     for k in range(max(0, step - _CURVE + 1), step + 1):
         mark = "  <- differs" if k == step else ""
         expected, got = reference.steps[k].reported_loss, value_of(k)
-        lines.append(f"   {k:>4}   {_number(expected):>9}   {_number(got)}{mark}")
+        lines.append(f"   {earlier + k:>4}   {_number(expected):>9}   {_number(got)}{mark}")
     return "\n".join(lines)
 
 

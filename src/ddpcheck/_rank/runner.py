@@ -285,17 +285,19 @@ class StepRecords:
         self, model: nn.Module, optimizer: OptimizerLike, losses: list[MicroBatchLoss]
     ) -> None:
         """The step's micro-batch losses as back-propagated, and the loss the target reports
-        from them (``Target.reported_loss``: its collectives are the target's, recorded)."""
+        from them (``Target.reported_loss``). The loss a loop logs is no part of the gradient
+        communication the budget judges, so its collectives are not logged for the step; like
+        the harness's own, they still go to the sequence file a hang is diagnosed from."""
+        report = getattr(self.target, "reported_loss", None)  # duck-typed targets: none
         with recorder.paused():
             self.losses = tuple(_scalar(self.target.full_tensor(m.loss)) for m in losses)
-        report = getattr(self.target, "reported_loss", None)  # duck-typed targets: none
-        reported = report(model, optimizer, losses) if callable(report) else None
-        if reported is not None:
-            with recorder.paused():
-                if torch.is_tensor(reported):
-                    reported = self.target.full_tensor(reported.detach())
-                who = f"what {type(self.target).__name__}.reported_loss returned"
-                self.reported = (_scalar(reported, who), _dtype_of(reported))
+            reported = report(model, optimizer, losses) if callable(report) else None
+            if reported is None:
+                return
+            if torch.is_tensor(reported):
+                reported = self.target.full_tensor(reported.detach())
+            who = f"what {type(self.target).__name__}.reported_loss returned"
+            self.reported = (_scalar(reported, who), _dtype_of(reported))
 
     def step(
         self,
@@ -418,6 +420,7 @@ class _OwnedRecords:
             raise RuntimeError(f"{type(self.target).__name__} called run.started twice")
         self.initial.append(self.records.initial())
         self.seen.append((model, optimizer))
+        self.noted.clear()  # a forward before training (a sanity check) is no step's loss
         recorder.reset()
 
     def consume(self, indices: list[int]) -> None:

@@ -52,7 +52,7 @@ class SummedLossHooks:
     def reported_loss(
         self, model: nn.Module, optimizer: OptimizerLike, losses: Sequence[MicroBatchLoss]
     ) -> torch.Tensor:
-        total = torch.stack([m.loss for m in losses]).sum().reshape(1)
+        total = MicroBatchLoss.total(losses).reshape(1)
         dist.all_reduce(total)
         return total[0]
 

@@ -360,8 +360,7 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
         self, model: nn.Module, optimizer: OptimizerLike, losses: Sequence[MicroBatchLoss]
     ) -> torch.Tensor:
         # what accelerate's examples log: the step's loss through accelerator.reduce(..., "mean")
-        step = torch.stack([m.loss for m in losses]).sum()
-        return _accelerator(model).reduce(step, reduction="mean")
+        return _accelerator(model).reduce(MicroBatchLoss.total(losses), reduction="mean")
 
     def clip_grad_norm(
         self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float

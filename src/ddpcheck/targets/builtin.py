@@ -113,7 +113,7 @@ class ParallelDDPTarget(_Bucketed):
         # what a loop over parallel.DDP prints: its step's losses averaged as its gradients are
         if not isinstance(model, DDP):  # (a mutant's ShardedOptimizer without DDP in front)
             return None
-        return model.reduce_loss(torch.stack([m.loss for m in losses]).sum())
+        return model.reduce_loss(MicroBatchLoss.total(losses))
 
     def clip_grad_norm(
         self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float

@@ -385,6 +385,10 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
     def reports_loss(self) -> bool:
         return True  # every step's logged loss, through on_log (run.reported)
 
+    #: the Trainer computes each micro-batch's loss through the model (ScenarioCausalLM), not
+    #: through run.loss: only the loss it logs is checked
+    step_losses_seen = False
+
 
 def _check_environment(scenario: Scenario) -> None:
     """Refuse a precision the environment imposes on a scenario without autocast:

@@ -323,6 +323,7 @@ def _module(
             super().__init__()
             self.net = net
             self.automatic_optimization = not manual
+            self.window_loss = torch.zeros(())  # the window's losses so far
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             out: torch.Tensor = self.net(x)
@@ -396,9 +397,9 @@ def _recorder(pl: Any, run: FitRun, accumulation: int) -> object:  # pl: as _mod
         def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
             run.started(_model(trainer), trainer.optimizers[0])
 
-        # Lightning moves a step's logged values into callback_metrics after on_train_batch_end,
-        # where the step is recorded: the loss of the step recorded last is read when the next
-        # window starts, and at the end
+        # the step is recorded in on_train_batch_end, inside the batch that logged its loss: the
+        # loss of the step recorded last is read once Lightning has finished that batch -- when
+        # the next window starts, and at the end
         def on_train_batch_start(
             self, trainer: Trainer, pl_module: LightningModule, batch: MicroBatch, batch_idx: int
         ) -> None:

@@ -132,7 +132,7 @@ class ParallelTPTarget(PlanTarget):
         self, model: nn.Module, optimizer: OptimizerLike, losses: Sequence[MicroBatchLoss]
     ) -> torch.Tensor:
         # a tp group's ranks share one loss; the dp groups' are averaged, as their gradients are
-        loss = torch.stack([m.loss for m in losses]).sum()
+        loss = MicroBatchLoss.total(losses)
         return model.reduce_loss(loss) if isinstance(model, DDP) else loss
 
     def clip_grad_norm(

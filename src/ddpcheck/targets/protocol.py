@@ -194,6 +194,9 @@ class Target:
     #: The target applies a tensor-parallel plan in :meth:`parallelize`. Opt-in: scenarios with
     #: a ``tensor_parallel`` mesh are declined otherwise (``ddpcheck.features.OPT_IN``).
     parallelizes: bool = False
+    #: False for a target whose framework computes each micro-batch's loss out of the harness's
+    #: sight (the Trainer's model wrapper): only the loss it reports is checked then.
+    step_losses_seen: bool = True
     #: The releases the target needs, ``(distribution, oldest supported release)`` pairs (the
     #: DeepSpeed targets: ``(("deepspeed", "0.19.0"),)``): checked in the checking process before
     #: any world runs; a missing or older release is a ``SetupError`` naming both.
@@ -322,7 +325,8 @@ class Target:
 
     @property
     def reports_loss(self) -> bool:
-        """True when :meth:`reported_loss` is the target's own."""
+        """True when :meth:`reported_loss` is the target's own (a target that owns its loop and
+        hands its framework's logged loss to ``FitRun.reported`` says so itself)."""
         return type(self).reported_loss is not Target.reported_loss
 
     @property

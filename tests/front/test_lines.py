@@ -1,0 +1,19 @@
+"""What the closing line of ``ddpcheck check`` says was checked of the losses: never more than
+was (``ddpcheck._front.lines.losses``)."""
+
+from __future__ import annotations
+
+from ddpcheck import targets
+from ddpcheck._front.lines import losses
+
+
+def test_the_closing_line_says_which_losses_were_checked():
+    assert losses(targets.PARALLEL) == "every step's loss checked, and the loss it reports"
+    assert losses(targets.TORCH_FSDP).startswith("every step's loss checked; it reports none")
+    # torch DDP over epochs runs its own DistributedSampler's data path
+    assert losses(targets.TORCH_DDP).endswith(
+        "(not over epochs, where its framework's data path computes them)"
+    )
+    # the Trainer computes its losses through the model: only the one it logs is checked
+    assert losses(targets.HF_TRAINER) == "the loss it reports checked every step"
+    assert losses(targets.ACCELERATE).startswith("every step's loss checked, and the loss it")
