@@ -107,17 +107,17 @@ def worker(rank: int, store_path: str, folder: str) -> None:
             super().__init__()
             self.net = model()
 
-        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        def training_step(self, batch, batch_idx):
             xb, yb = batch
             return ((self.net(xb) - yb) ** 2).mean()
 
-        def configure_optimizers(self):  # noqa: ANN201
+        def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=LR)
 
     steps: list[list[float]] = []
 
     class Gradients(pl.Callback):
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # noqa: ANN001, ANN201
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             steps.append(grads(pl_module.net))
 
     dataset = TensorDataset(*data())

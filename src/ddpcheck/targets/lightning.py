@@ -26,6 +26,15 @@ by ``accumulate_grad_batches`` (ddpcheck's are already scaled, so ``training_ste
 back), and ``gradient_clip_val`` clips the 2-norm only (infinity-norm clipping is declined in
 automatic optimization; manual optimization clips through ``torch.nn.utils.clip_grad_norm_``).
 
+**Epochs** (``fit_epochs``: a scenario with a dataset, ``docs/scenarios.md``): Lightning's own
+epoch loop -- ``Trainer.fit`` with ``max_epochs`` over a ``DataLoader`` of the per-device batch
+with ``DistributedSampler(shuffle=False)`` (``use_distributed_sampler=False``: Lightning's own
+sampler "will add ``shuffle=True`` for the train sampler", where the reference walks the dataset
+in index order), ``training_step`` returning each batch's mean loss; the Trainer decides when it
+steps, and every step it takes is recorded. Declined, quoting Lightning: an epoch's short last
+window under accumulation (:data:`SCALED_BY_ACCUMULATION`; ``bench/lightning_short_window.py``),
+and the sampler's padding (``data_path.sampler_cannot_run``).
+
 **Your own configuration** (``config``: the keyword arguments of ``Trainer(**config)``, a dict or
 the path of a JSON file holding one; the rule: ``ddpcheck.targets.configuration``). The
 scenario's keys (:data:`SCENARIO_KEYS`: steps and epochs, ``accumulate_grad_batches``,
