@@ -1,6 +1,7 @@
-"""A framework's own data path: accelerate's ``prepare(dataloader)`` and torch's
-``DistributedSampler`` over a scenario's epochs, judged by what each step consumed and by the
-numbers; accelerate's ``split_batches`` keyword, accepted and ignored since 1.0, is caught."""
+"""A framework's own data path: accelerate's ``prepare(dataloader)``, torch's
+``DistributedSampler`` and Lightning's ``Trainer.fit`` over a scenario's epochs, judged by what
+each step consumed and by the numbers; accelerate's ``split_batches`` keyword, accepted and
+ignored since 1.0, is caught."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ddpcheck._oracle.compare import STEPS_DIFFER
 from ddpcheck._oracle.consumed import FOREIGN
 from ddpcheck.targets.accelerate import AccelerateTarget
 from ddpcheck.targets.builtin import TorchDDPTarget
+from ddpcheck.targets.lightning import LightningTarget
 from tests.patience import patience
 
 pytest.importorskip("accelerate")
@@ -26,6 +28,27 @@ pytest.importorskip("accelerate")
 FULL = Scenario(zoo.MLP, global_batch=4, accumulation=2, epochs=Epochs(samples=8, epochs=2))
 #: 10 samples in steps of 4: each epoch ends with 2 samples in a window of one micro-batch.
 SHORT = Scenario(zoo.MLP, global_batch=4, accumulation=2, epochs=Epochs(samples=10, epochs=2))
+
+
+#: Lightning's epochs: a micro-batch of 6 samples (per device 3 at W=2, 2 at W=3) over 18 samples
+#: in steps of 12, each epoch's last step a window of one micro-batch of the two.
+L_SHORT = Scenario(zoo.MLP, global_batch=12, accumulation=2, epochs=Epochs(samples=18, epochs=2))
+#: the same without accumulation: the last batch short (per device 3 of 6 at W=2, 2 of 4 at W=3).
+L_SHORT_BATCH = dataclasses.replace(L_SHORT, accumulation=1)
+#: 16 samples in steps of 12: the last window short at W=2, and W=3 does not divide the dataset.
+L_UNEVEN = dataclasses.replace(L_SHORT, epochs=Epochs(samples=16, epochs=2))
+
+
+@dataclasses.dataclass(frozen=True)
+class LightningGlobalBatchPerDevice(LightningTarget):
+    """A Lightning loop whose DataLoader loads the global micro-batch on every rank (the batch
+    size meant across the ranks given per device): each step trains the next steps' samples."""
+
+    def train_loader(self, run):
+        loader = super().train_loader(run)
+        return type(loader)(
+            run.dataset, batch_size=run.global_batch // run.accumulation, sampler=loader.sampler
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +103,43 @@ def test_a_data_path_that_stops_early_is_told_by_its_step_count():
     assert (first.kind, first.step, first.name) == (STEPS_DIFFER, 3, "optimizer steps")
     assert "rank 0: 3, rank 1: 3 optimizer step(s); the reference takes 6" in first.detail
     assert "2 epoch(s) of 10 samples in steps of the global batch B=4" in first.detail
+
+
+def test_lightning_trains_epochs_through_its_own_trainer_and_sampler():
+    pytest.importorskip("lightning")
+    for w in (2, 3):  # the last batch of each epoch short; Lightning steps on it
+        assert ddpcheck.check_example(targets.LIGHTNING, L_SHORT_BATCH, w) == ()
+    full = dataclasses.replace(L_SHORT, epochs=Epochs(samples=24, epochs=2))
+    assert ddpcheck.check_example(targets.LIGHTNING, full, 3) == ()
+
+
+def test_lightning_declines_its_documented_scaling_of_a_short_last_window():
+    # bench/lightning_short_window.py: the window's samples weigh 1 / accumulate_grad_batches
+    pytest.importorskip("lightning")
+    why = targets.LIGHTNING.supports(L_SHORT)
+    assert "its last window holds fewer samples than accumulation=2" in why
+    assert "will be automatically normalized by accumulate_grad_batches internally" in why
+    assert "gradient accumulation" in LightningTarget(manual=True).supports(L_SHORT)
+    for w in (2, 3):
+        with pytest.raises(NothingChecked, match="normalized by accumulate_grad_batches"):
+            ddpcheck.check_example(targets.LIGHTNING, L_SHORT, w)
+    # the sampler's padding, as torch_ddp's data path declines it
+    assert "16 samples over 3 ranks: DistributedSampler(" in targets.LIGHTNING.supports_at(
+        L_UNEVEN, 3
+    )
+    with pytest.raises(NothingChecked, match=r"16 samples over 3 ranks: DistributedSampler\("):
+        ddpcheck.check_example(targets.LIGHTNING, dataclasses.replace(L_UNEVEN, accumulation=1), 3)
+    summed = dataclasses.replace(L_SHORT_BATCH, reduction="sum")
+    assert "the mean loss of each batch" in targets.LIGHTNING.supports(summed)
+
+
+def test_a_lightning_loader_of_the_global_batch_per_device_is_caught():
+    pytest.importorskip("lightning")
+    with pytest.raises(EquivalenceError) as caught:
+        ddpcheck.check_example(LightningGlobalBatchPerDevice(), L_SHORT_BATCH, 2)
+    first = caught.value.divergences[0]
+    assert (first.kind, first.step) == (FOREIGN, 0), caught.value
+    assert "the ranks together took 18 sample(s)" in first.detail  # 9 per rank: all of it
 
 
 @pytest.mark.slow

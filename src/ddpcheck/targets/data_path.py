@@ -32,7 +32,7 @@ from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.training import EpochRun, OptimizerLike, SchedulerLike
 from ddpcheck.targets.protocol import Target
 
-__all__ = ["SAMPLER_PADS", "SamplerDataPath"]
+__all__ = ["SAMPLER_PADS", "SamplerDataPath", "sampler_cannot_run"]
 
 #: torch's documentation of ``DistributedSampler(drop_last=...)``, quoted by the declines.
 SAMPLER_PADS = (
@@ -93,11 +93,7 @@ class SamplerDataPath(Target):
     def sampler_cannot_run(self, micro: int, samples: int, world_size: int) -> str | None:
         """Why a micro-batch of ``micro`` samples over a dataset of ``samples`` cannot be loaded
         through the sampler at ``world_size`` as the reference weighs it; None if it can."""
-        if micro % world_size:
-            return f"a micro-batch of {micro} samples over {world_size} ranks (no per-device size)"
-        if samples % world_size:
-            return f"{samples} samples over {world_size} ranks: {SAMPLER_PADS}"
-        return None
+        return sampler_cannot_run(micro, samples, world_size)
 
     def per_device_batch(self, run: EpochRun, world_size: int) -> int:
         """The ``DataLoader``'s batch size: the global micro-batch over W."""
@@ -160,3 +156,16 @@ class SamplerDataPath(Target):
         run.record(model, optimizer, scheduler)
         optimizer.zero_grad(set_to_none=run.set_to_none)
         self.after_step(model, optimizer)
+
+
+def sampler_cannot_run(micro: int, samples: int, world_size: int) -> str | None:
+    """Why a micro-batch of ``micro`` samples (across the ranks) over a dataset of ``samples``
+    cannot be loaded through torch's ``DistributedSampler`` at ``world_size`` as the reference
+    weighs it -- no per-device batch size gives it, or the sampler evens out the ranks by its
+    documented convention (:data:`SAMPLER_PADS`); None if it can. Shared by every target whose
+    data path is that sampler (``SamplerDataPath``; Lightning's ``use_distributed_sampler``)."""
+    if micro % world_size:
+        return f"a micro-batch of {micro} samples over {world_size} ranks (no per-device size)"
+    if samples % world_size:
+        return f"{samples} samples over {world_size} ranks: {SAMPLER_PADS}"
+    return None

@@ -26,6 +26,15 @@ by ``accumulate_grad_batches`` (ddpcheck's are already scaled, so ``training_ste
 back), and ``gradient_clip_val`` clips the 2-norm only (infinity-norm clipping is declined in
 automatic optimization; manual optimization clips through ``torch.nn.utils.clip_grad_norm_``).
 
+**Epochs** (``fit_epochs``: a scenario with a dataset, ``docs/scenarios.md``): Lightning's own
+epoch loop -- ``Trainer.fit`` with ``max_epochs`` over a ``DataLoader`` of the per-device batch
+with ``DistributedSampler(shuffle=False)`` (``use_distributed_sampler=False``: Lightning's own
+sampler "will add ``shuffle=True`` for the train sampler", where the reference walks the dataset
+in index order), ``training_step`` returning each batch's mean loss; the Trainer decides when it
+steps, and every step it takes is recorded. Declined, quoting Lightning: an epoch's short last
+window under accumulation (:data:`SCALED_BY_ACCUMULATION`; ``bench/lightning_short_window.py``),
+and the sampler's padding (``data_path.sampler_cannot_run``).
+
 **Your own configuration** (``config``: the keyword arguments of ``Trainer(**config)``, a dict or
 the path of a JSON file holding one; the rule: ``ddpcheck.targets.configuration``). The
 scenario's keys (:data:`SCENARIO_KEYS`: steps and epochs, ``accumulate_grad_batches``,
@@ -55,10 +64,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DistributedSampler
 
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language.scenario import Scenario
-from ddpcheck._language.training import FitRun
+from ddpcheck._language.training import EpochRun, FitRun
 from ddpcheck.targets import ddp_options, lightning_strategy
 from ddpcheck.targets.configuration import (
     Config,
@@ -66,10 +76,10 @@ from ddpcheck.targets.configuration import (
     described,
     load_config,
 )
+from ddpcheck.targets.data_path import sampler_cannot_run
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.option_space import options
 from ddpcheck.targets.reasons import (
-    COUNTS_ITS_WINDOW,
     NO_PARAM_DTYPE,
     OWN_CHECKPOINTS,
     TORCH_DDP_ORDER,
@@ -84,7 +94,7 @@ if TYPE_CHECKING:
 #: One micro-batch as the loop feeds it: ``(x, y, scale)``.
 MicroBatch = tuple[torch.Tensor, torch.Tensor, float]
 
-__all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "LightningTarget"]
+__all__ = ["HARNESS_KEYS", "SCALED_BY_ACCUMULATION", "SCENARIO_KEYS", "LightningTarget"]
 
 _STEPS = "steps: the target sets max_steps, one epoch over this rank's micro-batches"
 #: ``Trainer`` keys the scenario sets, example by example: key -> what sets it (refused).
@@ -118,7 +128,12 @@ HARNESS_KEYS: dict[str, tuple[tuple[object, ...], str]] = {
         (None, []),
         "precision plugins are the scenario's, the cluster environment the world's",
     ),
-    "use_distributed_sampler": ((False,), "ddpcheck feeds each rank its own micro-batches"),
+    "use_distributed_sampler": (
+        (False,),
+        "ddpcheck feeds each rank its own micro-batches, or, over a scenario's dataset with "
+        "epochs, a DataLoader with its own DistributedSampler(shuffle=False) (Lightning's would "
+        "shuffle the training set)",
+    ),
     "enable_checkpointing": (
         (False,),
         "checkpoints are declined: the target sets enable_checkpointing=False",
@@ -154,7 +169,6 @@ class LightningTarget(ddp_options.TorchDDPFramework):
         "checkpoint": f"{OWN_CHECKPOINTS} (the Trainer's .ckpt files, which this loop does not "
         "drive)",
         "param-dtype": NO_PARAM_DTYPE,
-        "epochs": COUNTS_ITS_WINDOW,
     }
 
     def __post_init__(self) -> None:
@@ -211,11 +225,20 @@ class LightningTarget(ddp_options.TorchDDPFramework):
                 "(gradient_clip_algorithm 'norm' or 'value'); infinity-norm clipping needs "
                 "manual optimization (LightningTarget(manual=True))"
             )
-        return None
+        return _epochs_cannot_run(scenario, self.manual)
+
+    def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
+        """A scenario with epochs that Lightning's ``DistributedSampler`` cannot load at
+        ``world_size`` as the reference weighs it (``data_path.sampler_cannot_run``: no
+        per-device batch size, or the sampler's padding)."""
+        epochs = scenario.epochs
+        if epochs is None:
+            return None
+        micro = scenario.global_batch // scenario.accumulation
+        return sampler_cannot_run(micro, epochs.samples, world_size)
 
     def fit(self, module: nn.Module, run: FitRun) -> None:
         import lightning.pytorch as pl
-        from lightning.fabric.utilities.exceptions import MisconfigurationException
 
         join_existing_group()
         accumulation = max(len(step) for step in run.batches)
@@ -225,6 +248,76 @@ class LightningTarget(ddp_options.TorchDDPFramework):
                 "step (Trainer(accumulate_grad_batches=...) is one number)"
             )
         net = _module(pl, module, run, accumulation, self.manual, self.log_reduce_fx)
+        trainer = self._trainer(
+            pl,
+            module,
+            run,
+            _recorder(pl, run, accumulation),
+            max_steps=run.steps,
+            max_epochs=1,
+            accumulate_grad_batches=1 if self.manual else accumulation,
+            use_distributed_sampler=False,
+        )
+        # a list is a map-style dataset (len and getitem); torch's annotation asks for Dataset
+        loader: torch.utils.data.DataLoader[MicroBatch] = torch.utils.data.DataLoader(
+            [micro for step in run.batches for micro in step],  # type: ignore[arg-type]
+            batch_size=None,
+            shuffle=False,
+        )
+        trainer.fit(net, train_dataloaders=loader)
+
+    def fit_epochs(self, module: nn.Module, run: EpochRun) -> None:
+        """Lightning's own epoch loop over the scenario's dataset: ``Trainer.fit`` with
+        ``max_epochs`` the scenario's over a ``DataLoader`` of the per-device batch (the global
+        micro-batch over W) whose sampler is a ``DistributedSampler(shuffle=False)`` -- what
+        Lightning's docs say to add with ``use_distributed_sampler=False`` where its own sampler,
+        which adds ``shuffle=True`` for training, must not shuffle (the reference walks the
+        dataset in index order) -- and a ``LightningModule`` whose ``training_step`` returns each
+        batch's mean loss as a user's does. Lightning decides when the optimizer steps (a
+        window's end, and an epoch's last batch), how it scales the losses, and calls the
+        sampler's ``set_epoch``; the callback records every step it took."""
+        import lightning.pytorch as pl
+
+        join_existing_group()
+        micro = run.global_batch // run.accumulation
+        why = sampler_cannot_run(micro, len(run.dataset), run.world_size) or _epochs_cannot_run(
+            run.scenario, self.manual
+        )
+        if why is not None:  # asked to run what supports and supports_at decline
+            raise NothingChecked(f"LightningTarget declines this example: {why}")
+        net = _epoch_module(pl, module, run, self.manual)
+        trainer = self._trainer(
+            pl,
+            module,
+            run,
+            _step_recorder(pl, run),
+            max_steps=-1,
+            max_epochs=run.epochs,
+            accumulate_grad_batches=1 if self.manual else run.accumulation,
+            use_distributed_sampler=False,
+        )
+        trainer.fit(net, train_dataloaders=self.train_loader(run))
+
+    def train_loader(self, run: EpochRun) -> torch.utils.data.DataLoader[Any]:
+        """The ``DataLoader`` ``Trainer.fit`` trains on: the per-device batch (the global
+        micro-batch over W) and the sampler Lightning's docs say to add where its own must not
+        shuffle (``use_distributed_sampler=False``)."""
+        sampler: DistributedSampler[Any] = DistributedSampler(run.dataset, shuffle=False)
+        per_device = run.global_batch // run.accumulation // run.world_size
+        return torch.utils.data.DataLoader(run.dataset, batch_size=per_device, sampler=sampler)
+
+    def _trainer(
+        self,
+        pl: Any,  # lightning.pytorch, imported by fit
+        module: nn.Module,
+        run: FitRun,
+        recorder: object,
+        **scenario: object,  # what the scenario and the data path set: steps, epochs, ...
+    ) -> Trainer:
+        """The ``Trainer``: the user's configuration, the scenario's clipping and ``scenario``,
+        the harness's world, and ddpcheck's callback beside the user's."""
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
         automatic = not self.manual and run.max_grad_norm is not None
         given = vars(self)["_given"]
         callbacks = given.get("callbacks") or []
@@ -234,9 +327,7 @@ class LightningTarget(ddp_options.TorchDDPFramework):
             "num_sanity_val_steps": 0,
             **given,
             # the scenario's
-            "max_steps": run.steps,
-            "max_epochs": 1,
-            "accumulate_grad_batches": 1 if self.manual else accumulation,
+            **scenario,
             "gradient_clip_val": run.max_grad_norm if automatic else None,
             "gradient_clip_algorithm": "norm" if automatic else None,
             # the harness's
@@ -244,31 +335,19 @@ class LightningTarget(ddp_options.TorchDDPFramework):
             "devices": dist.get_world_size(),
             "num_nodes": 1,
             "strategy": self._strategy(),
-            "use_distributed_sampler": False,
             "logger": False,
             "enable_checkpointing": False,
-            "callbacks": [
-                *(callbacks if isinstance(callbacks, list) else [callbacks]),
-                _recorder(pl, run, accumulation),
-            ],
+            "callbacks": [*(callbacks if isinstance(callbacks, list) else [callbacks]), recorder],
         }
-        trainer = (
-            pl.Trainer(**kwargs)
-            if not given
-            else construct(
-                pl.Trainer,
-                kwargs,
-                target=described("LightningTarget", self.config),
-                errors=(TypeError, ValueError, MisconfigurationException),
-            )
+        if not given:
+            trainer: Trainer = pl.Trainer(**kwargs)
+            return trainer
+        return construct(
+            pl.Trainer,
+            kwargs,
+            target=described("LightningTarget", self.config),
+            errors=(TypeError, ValueError, MisconfigurationException),
         )
-        # a list is a map-style dataset (len and getitem); torch's annotation asks for Dataset
-        loader: torch.utils.data.DataLoader[MicroBatch] = torch.utils.data.DataLoader(
-            [micro for step in run.batches for micro in step],  # type: ignore[arg-type]
-            batch_size=None,
-            shuffle=False,
-        )
-        trainer.fit(net, train_dataloaders=loader)
 
     @property
     def reports_loss(self) -> bool:
@@ -362,14 +441,7 @@ def _module(
             optimizer.zero_grad(set_to_none=run.set_to_none)
 
         def configure_optimizers(self) -> torch.optim.Optimizer | dict[str, object]:
-            optimizer = run.optimizer(run.params, **run.optimizer_kwargs)
-            if run.gamma is None:
-                return optimizer
-            schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, run.gamma)
-            return {
-                "optimizer": optimizer,
-                "lr_scheduler": {"scheduler": schedule, "interval": "step"},
-            }
+            return _optimizers(run)
 
     return Module()
 
@@ -446,3 +518,123 @@ def _model(trainer: Trainer) -> nn.Module:
     if model is None:
         raise RuntimeError("Lightning's strategy holds no model inside Trainer.fit")
     return model
+
+
+#: Lightning's documentation of automatic optimization's loss scaling, quoted by the decline of
+#: an epoch's short last window (bench/lightning_short_window.py; Lightning-AI/pytorch-lightning
+#: issue 19987, open, reports the same weighting as a bug)
+SCALED_BY_ACCUMULATION = (
+    'LightningModule.training_step: "When accumulate_grad_batches > 1, the loss returned here '
+    'will be automatically normalized by accumulate_grad_batches internally", also in an '
+    "epoch's last window, where Lightning steps on the final batch whatever the window holds: "
+    "its samples weigh less than in the reference (Lightning-AI/pytorch-lightning#19987)"
+)
+
+
+def _epochs_cannot_run(scenario: Scenario, manual: bool) -> str | None:
+    """Why Lightning's own data path, with the ``training_step`` a user writes (the mean loss of
+    each batch), does not train ``scenario``'s epochs as the reference does, by a documented
+    convention; None when it must."""
+    if scenario.epochs is None:
+        return None
+    if scenario.reduction != "mean" or scenario.loss != "squared_error":
+        return (
+            "epochs with a summed or token objective: a LightningModule's training_step returns "
+            "the mean loss of each batch"
+        )
+    if scenario.accumulation > 1 and scenario.epochs.samples % scenario.global_batch:
+        short = (
+            f"an epoch of {scenario.epochs.samples} samples in steps of {scenario.global_batch}: "
+            f"its last window holds fewer samples than accumulation={scenario.accumulation} "
+            "full micro-batches, and "
+        )
+        if manual:
+            return short + (
+                "under manual optimization accumulation is the module's (\"the users are left "
+                "with optimizer.zero_grad(), gradient accumulation, ...\"); this target's "
+                "module steps every accumulation batches, as Lightning's example does"
+            )
+        return short + SCALED_BY_ACCUMULATION
+    return None
+
+
+def _epoch_module(pl: Any, net: nn.Module, run: EpochRun, manual: bool) -> LightningModule:
+    """The ``LightningModule`` a user writes for the scenario's epochs: ``training_step``
+    returns each batch's mean loss (automatic optimization), or, under manual optimization,
+    back-propagates it over the accumulation and steps every ``accumulation`` batches, as
+    Lightning's docs show (pl: as :func:`_module`'s)."""
+    accumulation = run.accumulation
+
+    class EpochModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+            self.automatic_optimization = not manual
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.net(x)
+            return out
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+            loss = run.loss_of(self.net, batch)
+            if not manual:
+                return loss  # Lightning scales it (accumulate_grad_batches) and steps
+            self.manual_backward(loss / accumulation)
+            if (batch_idx + 1) % accumulation == 0:
+                _manual_step(self, run)
+            return None
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            if manual and batch_idx % accumulation == 0:
+                self.optimizers().zero_grad(set_to_none=run.set_to_none)
+
+        def optimizer_zero_grad(
+            self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer
+        ) -> None:
+            optimizer.zero_grad(set_to_none=run.set_to_none)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer | dict[str, object]:
+            return _optimizers(run)
+
+    return EpochModule()
+
+
+def _optimizers(run: FitRun) -> torch.optim.Optimizer | dict[str, object]:
+    """``configure_optimizers``: the scenario's optimizer, and its ``ExponentialLR`` stepped
+    every optimizer step (``interval="step"``)."""
+    optimizer = run.optimizer(run.params, **run.optimizer_kwargs)
+    if run.gamma is None:
+        return optimizer
+    schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, run.gamma)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def _step_recorder(pl: Any, run: FitRun) -> object:  # pl: as _module's
+    """The callback that records every optimizer step the ``Trainer`` took: after a batch whose
+    optimizer step (and LR schedule) ran -- Lightning counts them in ``global_step`` -- and
+    before the next window's ``zero_grad``."""
+
+    class StepRecorder(pl.Callback):
+        recorded = 0
+
+        def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            run.started(_model(trainer), trainer.optimizers[0])
+
+        def on_train_batch_end(
+            self,
+            trainer: Trainer,
+            pl_module: LightningModule,
+            outputs: object,
+            batch: object,
+            batch_idx: int,
+        ) -> None:
+            while self.recorded < trainer.global_step:  # once per step: Lightning takes one
+                self.recorded += 1
+                configs = trainer.lr_scheduler_configs
+                run.record(
+                    _model(trainer),
+                    trainer.optimizers[0],
+                    configs[0].scheduler if configs else None,
+                )
+
+    return StepRecorder()
