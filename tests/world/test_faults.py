@@ -48,7 +48,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @dataclasses.dataclass(frozen=True)
-class RaisesBeforeCollective(targets.ParallelDDPTarget):
+class _Faulty(targets.ParallelDDPTarget):
+    """``parallel_ddp`` reporting no loss: each fault's collectives are the step's last, as the
+    messages under test say ("after its last collective", "issued nothing at index")."""
+
+    def reported_loss(self, model, optimizer, losses):
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RaisesBeforeCollective(_Faulty):
     guilty: int = 1
 
     def after_backward(self, model, optimizer):
@@ -62,7 +71,7 @@ def _raise_in_hook(grad):
 
 
 @dataclasses.dataclass(frozen=True)
-class _HookOnGuiltyRank(targets.ParallelDDPTarget):
+class _HookOnGuiltyRank(_Faulty):
     """Registers ``fault`` as a gradient hook of fc1.weight on rank ``guilty`` only: it runs in
     backward, after the later layers' buckets were launched (tiny buckets)."""
 
@@ -98,7 +107,7 @@ class _ExitingSGD(torch.optim.SGD):
 
 
 @dataclasses.dataclass(frozen=True)
-class ExitsAfterLastCollective(targets.ParallelDDPTarget):
+class ExitsAfterLastCollective(_Faulty):
     guilty: int = 1
 
     def make_optimizer(self, params, optimizer_cls, **kwargs):
@@ -122,7 +131,7 @@ class _KilledSGD(torch.optim.SGD):
 
 
 @dataclasses.dataclass(frozen=True)
-class KilledMidCollective(targets.ParallelDDPTarget):
+class KilledMidCollective(_Faulty):
     guilty: int = 1
 
     def make_optimizer(self, params, optimizer_cls, **kwargs):
@@ -141,7 +150,7 @@ class SleepsForever(_HookOnGuiltyRank):
 
 
 @dataclasses.dataclass(frozen=True)
-class MismatchedCollective(targets.ParallelDDPTarget):
+class MismatchedCollective(_Faulty):
     """After a correct gradient sync, the guilty rank's next collective differs from the others'."""
 
     how: str = "op"
@@ -164,7 +173,7 @@ class MismatchedCollective(targets.ParallelDDPTarget):
 
 
 @dataclasses.dataclass(frozen=True)
-class ExtraBarrier(targets.ParallelDDPTarget):
+class ExtraBarrier(_Faulty):
     """The guilty rank enters one barrier nobody else does, after a correct gradient sync."""
 
     guilty: int = 1
@@ -431,7 +440,7 @@ class _AbortingSGD(torch.optim.SGD):
 
 
 @dataclasses.dataclass(frozen=True)
-class AbortsInStep(targets.ParallelDDPTarget):
+class AbortsInStep(_Faulty):
     def make_optimizer(self, params, optimizer_cls, **kwargs):
         return _AbortingSGD(params, **kwargs)
 
@@ -498,7 +507,7 @@ def _interrupt_when(cmd: list[str], ready: str, cwd: str, timeout: float = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
-class BusyTarget(targets.ParallelDDPTarget):
+class BusyTarget(_Faulty):
     """Every rank touches a marker file, then computes (not sleeps) for a long time."""
 
     marker: str = ""
