@@ -10,6 +10,7 @@ names of modules that live on a lower floor (pure re-exports). A floor imports o
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import re
 
@@ -98,8 +99,10 @@ def _imports(name: str, path: pathlib.Path) -> list[tuple[str, str, int]]:
     return out
 
 
-def _edges() -> dict[str, set[str]]:
-    """Module -> the modules of this repository it imports."""
+@functools.cache
+def _graph() -> dict[str, set[str]]:
+    """Module -> the modules of this repository it imports. Parsed on first use, not at import:
+    each xdist worker collects this module, and only the one running these tests needs it."""
     graph: dict[str, set[str]] = {m: set() for m in MODULES}
     for name, path in MODULES.items():
         for module, imported, _ in _imports(name, path):
@@ -107,9 +110,6 @@ def _edges() -> dict[str, set[str]]:
             if target in MODULES and target != name:
                 graph[name].add(target)
     return graph
-
-
-GRAPH = _edges()
 
 
 def _place(module: str) -> str:
@@ -136,7 +136,7 @@ def test_there_is_no_import_cycle():
     def visit(module: str) -> None:
         state[module] = 1
         path.append(module)
-        for nxt in sorted(GRAPH[module]):
+        for nxt in sorted(_graph()[module]):
             if state.get(nxt) == 1:
                 cycle = [*path[path.index(nxt) :], nxt]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
@@ -145,7 +145,7 @@ def test_there_is_no_import_cycle():
         path.pop()
         state[module] = 2
 
-    for module in sorted(GRAPH):
+    for module in sorted(_graph()):
         if module not in state:
             visit(module)
 
@@ -153,7 +153,7 @@ def test_there_is_no_import_cycle():
 def test_every_import_stays_within_the_folder_rules():
     bad = [
         f"{name} ({_place(name)}) imports {target} ({_place(target)})"
-        for name, targets in GRAPH.items()
+        for name, targets in _graph().items()
         if name.startswith("ddpcheck")
         for target in targets
         if target.startswith("ddpcheck") and _place(target) not in MAY_IMPORT[_place(name)]
@@ -234,7 +234,7 @@ def test_only_the_targets_and_the_self_test_import_parallel():
     allowed = ("ddpcheck.targets", "ddpcheck.mutation")
     bad = [
         f"{name} imports {target}"
-        for name, targets in GRAPH.items()
+        for name, targets in _graph().items()
         if name.startswith("ddpcheck") and not name.startswith(allowed)
         for target in targets
         if target.split(".")[0] == "parallel"
@@ -246,7 +246,7 @@ def test_the_core_never_imports_the_self_test():
     # Only the self-test itself and the command line (its `mutants` command) may.
     bad = [
         f"{name} imports {target}"
-        for name, targets in GRAPH.items()
+        for name, targets in _graph().items()
         if not name.startswith(("ddpcheck.mutation", "ddpcheck.cli"))
         for target in targets
         if target.startswith("ddpcheck.mutation")
