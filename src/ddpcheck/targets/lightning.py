@@ -59,7 +59,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -397,16 +397,10 @@ def _module(
     """The ``LightningModule`` around the scenario's model (classes made here: Lightning is
     imported only when the target runs)."""
 
-    class Module(pl.LightningModule):
+    class Module(_user_module(pl, net, run, accumulation, manual)):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
-            self.net = net
-            self.automatic_optimization = not manual
             self.window_loss = torch.zeros(())  # the window's losses so far
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = self.net(x)
-            return out
 
         def training_step(self, batch: MicroBatch, batch_idx: int) -> torch.Tensor | None:
             x, y, scale = batch
@@ -431,7 +425,27 @@ def _module(
                 _manual_step(self, run)
             return None
 
-        def on_train_batch_start(self, batch: MicroBatch, batch_idx: int) -> None:
+    return Module()
+
+
+def _user_module(
+    pl: Any, net: nn.Module, run: FitRun, accumulation: int, manual: bool
+) -> type[LightningModule]:
+    """What both modules share -- the scenario's model, the optimization mode, manual
+    accumulation's ``zero_grad`` at a window's start, the scenario's ``zero_grad`` and
+    optimizers -- each adding its own ``training_step`` (pl: as :func:`_module`'s)."""
+
+    class UserModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+            self.automatic_optimization = not manual
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.net(x)
+            return out
+
+        def on_train_batch_start(self, batch: object, batch_idx: int) -> None:
             if manual and batch_idx % accumulation == 0:
                 self.optimizers().zero_grad(set_to_none=run.set_to_none)
 
@@ -443,7 +457,7 @@ def _module(
         def configure_optimizers(self) -> torch.optim.Optimizer | dict[str, object]:
             return _optimizers(run)
 
-    return Module()
+    return cast("type[LightningModule]", UserModule)
 
 
 def _manual_step(module: LightningModule, run: FitRun) -> None:
@@ -565,16 +579,7 @@ def _epoch_module(pl: Any, net: nn.Module, run: EpochRun, manual: bool) -> Light
     Lightning's docs show (pl: as :func:`_module`'s)."""
     accumulation = run.accumulation
 
-    class EpochModule(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = net
-            self.automatic_optimization = not manual
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = self.net(x)
-            return out
-
+    class EpochModule(_user_module(pl, net, run, accumulation, manual)):  # type: ignore[misc]
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
             loss = run.loss_of(self.net, batch)
             if not manual:
@@ -583,18 +588,6 @@ def _epoch_module(pl: Any, net: nn.Module, run: EpochRun, manual: bool) -> Light
             if (batch_idx + 1) % accumulation == 0:
                 _manual_step(self, run)
             return None
-
-        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-            if manual and batch_idx % accumulation == 0:
-                self.optimizers().zero_grad(set_to_none=run.set_to_none)
-
-        def optimizer_zero_grad(
-            self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer
-        ) -> None:
-            optimizer.zero_grad(set_to_none=run.set_to_none)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer | dict[str, object]:
-            return _optimizers(run)
 
     return EpochModule()
 
