@@ -100,10 +100,16 @@ class MicroBatchLoss:
 
     #: the loss back-propagated (detached): the micro-batch's summed terms times ``scale``
     loss: torch.Tensor
-    #: the terms of the objective it holds: its samples, or its non-padding tokens
-    terms: int
     #: its batch plan's scale (``W / T`` for a mean over T terms at W ranks)
     scale: float
+    #: ``() ->`` its terms, counted only when :attr:`terms` is read: every step of every example
+    #: builds these, and only a loop that reports a per-term mean needs the count
+    count: Callable[[], int] = dataclasses.field(repr=False, compare=False)
+
+    @functools.cached_property
+    def terms(self) -> int:
+        """The terms of the objective it holds: its samples, or its non-padding tokens."""
+        return self.count()
 
     @property
     def summed(self) -> torch.Tensor:
@@ -221,7 +227,8 @@ class FitRun:
         """One micro-batch's loss through ``model``, as the reference computes it (noted as the
         step's: the oracle compares the step's loss with the reference's)."""
         loss = micro_batch_loss(self.scenario, model, x, y, scale)
-        self.noted(MicroBatchLoss(loss.detach(), objective.count(self.scenario, y), scale))
+        counted = functools.partial(objective.count, self.scenario, y)
+        self.noted(MicroBatchLoss(loss.detach(), scale, counted))
         return loss
 
 
@@ -346,7 +353,8 @@ def train(
                 t1 = clock()
                 loop.backward(loss)
                 t2 = clock()
-                losses.append(MicroBatchLoss(loss.detach(), objective.count(scenario, y), scale))
+                counted = functools.partial(objective.count, scenario, y)
+                losses.append(MicroBatchLoss(loss.detach(), scale, counted))
                 if loop.steps_every_micro_batch and not last:  # the framework must not act yet
                     _optimizer_step(scenario, optimizer, scheduler)
                     loop.inside_window(step, i)
