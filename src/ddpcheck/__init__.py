@@ -40,6 +40,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Epochs": "ddpcheck.scenario",
     "FuzzResult": "ddpcheck._runs.fuzz",
+    "PipelineParallel": "ddpcheck.scenario",
     "Report": "ddpcheck.api",
     "Scenario": "ddpcheck.scenario",
     "Survey": "ddpcheck._runs.survey",

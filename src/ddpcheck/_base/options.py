@@ -289,6 +289,8 @@ FEATURES: dict[str, str] = {
     "opt-in",
     "tensor-parallel": "a (dp, tp) device mesh: layers sharded over tp by a tensor-parallel plan, "
     "the batch split over dp (Scenario.tensor_parallel); opt-in",
+    "pipeline-parallel": "a (dp, pp) device mesh: the model cut into stages run by a pipeline "
+    "schedule over pp, the batch split over dp (Scenario.pipeline); opt-in",
 }
 
 #: Features beyond torch's own contract, by the target attribute that opts in to each: a target
@@ -300,6 +302,8 @@ OPT_IN: dict[str, str] = {
     "param-dtype": "applies_param_dtype",
     # the target's parallelize(module, mesh) hook applies a plan: data-parallel code has none
     "tensor-parallel": "parallelizes",
+    # the target runs the model's stages with a pipeline schedule: data-parallel code does not
+    "pipeline-parallel": "pipelines",
 }
 
 

@@ -45,10 +45,10 @@ from ddpcheck._language.objective import is_token_loss, tokens
 from ddpcheck._language.scenario import (
     Scenario,
     batch_size_of,
+    data_rank,
     global_batch,
     micro_batches_of,
 )
-from ddpcheck._language.tensor_parallel import data_coordinate
 
 __all__ = [
     "BatchPlan",
@@ -364,7 +364,7 @@ def check_plans(
     for step in range(scenario.steps):
         batch = global_indices(scenario, step, 0, world_size)
         for rank in range(world_size):
-            at, _ = data_coordinate(scenario.tensor_parallel, rank, world_size)
+            at, _ = data_rank(scenario, rank, world_size)
             plan_for(hook, dataclasses.replace(batch, rank=at), who)
 
 
@@ -379,7 +379,7 @@ def global_indices(
     the step's global targets when the caller has drawn them (a token loss counts their tokens;
     otherwise they are drawn here). Under tensor parallelism the hook is told the rank's ``dp``
     coordinate and ``dp`` (``ddpcheck._language.tensor_parallel``: the data follows the mesh)."""
-    rank, world_size = data_coordinate(scenario.tensor_parallel, rank, world_size)
+    rank, world_size = data_rank(scenario, rank, world_size)
     counts = None
     if is_token_loss(scenario):
         if targets is None:

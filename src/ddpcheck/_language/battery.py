@@ -17,11 +17,12 @@ import torch
 
 from ddpcheck._language import zoo
 from ddpcheck._language.models import Layer, ModelSpec, SpecData
+from ddpcheck._language.pipeline_parallel import PipelineParallel
 from ddpcheck._language.scenario import Epochs, Scenario
 from ddpcheck._language.sharded_models import ShardedBlock, ShardedSpec, sequence_data
 from ddpcheck._language.tensor_parallel import TensorParallel
 
-__all__ = ["BATTERY", "TENSOR_PARALLEL_BATTERY"]
+__all__ = ["BATTERY", "PIPELINE_BATTERY", "TENSOR_PARALLEL_BATTERY"]
 
 _SGD_MOMENTUM = {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}
 
@@ -318,5 +319,59 @@ TENSOR_PARALLEL_BATTERY: list[tuple[str, Scenario]] = [
             seed=23,
             tensor_parallel=TensorParallel(_attention_mlp_plan("blocks."), tp=2),
         ),
+    ),
+]
+
+
+def _pipeline(
+    name: str, blocks: tuple[str, ...], pipeline: PipelineParallel, **fields: object
+) -> tuple[str, Scenario]:
+    model = ShardedSpec(blocks=tuple(ShardedBlock(kind, 3) for kind in blocks), width=4)
+    return name, Scenario(model, data=sequence_data, pipeline=pipeline, **fields)  # type: ignore[arg-type]
+
+
+#: The battery of a target that runs pipeline schedules (``Target.pipelines``): each schedule
+#: family once -- one stage per rank, looped, V-shaped -- with the stages, pieces and world sizes
+#: torch accepts (pp=None: the whole world, so each runs where W has its stage count; a W=4
+#: world runs the first as dp=2 x pp=2), accumulation, clipping, Adam and float32 among them.
+PIPELINE_BATTERY: list[tuple[str, Scenario]] = [
+    _pipeline(
+        "pp-gpipe",
+        ("mlp", "attention"),
+        PipelineParallel("GPipe", boundaries=(2,), microbatches=2, pp=2),
+        global_batch=8,
+        steps=2,
+    ),
+    _pipeline(
+        "pp-1f1b-accumulation-adam",
+        ("mlp", "norm"),
+        PipelineParallel("1F1B", boundaries=(1, 3), microbatches=3),
+        optimizer=torch.optim.Adam,
+        optimizer_kwargs={"lr": 0.01},
+        global_batch=12,
+        accumulation=2,
+        steps=2,
+        seed=3,
+    ),
+    _pipeline(
+        "pp-interleaved-clipping",
+        ("mlp", "mlp"),
+        PipelineParallel(
+            "Interleaved1F1B", boundaries=(1, 2, 3), microbatches=2, stages_per_rank=2
+        ),
+        global_batch=4,
+        steps=2,
+        max_grad_norm=0.5,
+        seed=4,
+    ),
+    _pipeline(
+        "pp-zbv-float32",
+        ("attention", "mlp"),
+        PipelineParallel("ZBVZeroBubble", boundaries=(1, 2, 3), microbatches=2, stages_per_rank=2),
+        global_batch=4,
+        steps=2,
+        dtype="float32",
+        lr_decay=0.5,
+        seed=5,
     ),
 ]

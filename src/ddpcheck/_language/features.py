@@ -26,8 +26,13 @@ from ddpcheck._base.options import parse_features as parse
 from ddpcheck._language import objective, torch_limits
 from ddpcheck._language.messages import code_name, exception_text
 from ddpcheck._language.models import ModelSpec, SpecData
-from ddpcheck._language.scenario import Scenario, batch_size_of, build_model, global_batch
-from ddpcheck._language.tensor_parallel import mesh_shape
+from ddpcheck._language.scenario import (
+    Scenario,
+    batch_size_of,
+    build_model,
+    data_parallel_degree,
+    global_batch,
+)
 from ddpcheck._language.zoo import GPTConfig, token_data
 
 __all__ = [
@@ -70,6 +75,7 @@ _FIELD_FEATURES: dict[str, Callable[[Scenario], bool]] = {
     "checkpoint": lambda s: s.checkpoint_after is not None,
     "tokens": lambda s: s.loss == "token_cross_entropy",
     "tensor-parallel": lambda s: s.tensor_parallel is not None,
+    "pipeline-parallel": lambda s: s.pipeline is not None,
     "epochs": lambda s: s.epochs is not None,
     "autocast": lambda s: s.autocast is not None,
     "param-dtype": lambda s: s.param_dtype is not None,
@@ -80,7 +86,7 @@ def data_parallel(scenario: Scenario, world_size: int) -> int:
     """The ranks the global batch is split among: W, or the mesh's ``dp`` (tensor parallelism;
     a world that cannot hold the mesh counts as W, and is declined elsewhere)."""
     try:
-        return mesh_shape(scenario.tensor_parallel, world_size)[0]
+        return data_parallel_degree(scenario, world_size)
     except InvalidArgument:
         return world_size
 

@@ -37,14 +37,18 @@ from ddpcheck._base.scripts import MAIN_NAMES, public_module_name
 from ddpcheck._language import zoo
 from ddpcheck._language.epochs import Epochs, step_count, step_samples, window
 from ddpcheck._language.objective import LOSSES, LOW_PRECISION, per_sample_loss
-from ddpcheck._language.tensor_parallel import TensorParallel, data_coordinate
+from ddpcheck._language.pipeline_parallel import PipelineParallel, pipeline_shape
+from ddpcheck._language.tensor_parallel import TensorParallel, data_coordinate, mesh_shape
 
 __all__ = [
     "Epochs",
+    "PipelineParallel",
     "Scenario",
     "TensorParallel",
     "batch_size_of",
     "build_model",
+    "data_parallel_degree",
+    "data_rank",
     "dataset",
     "global_batch",
     "local_micro_batches",
@@ -99,6 +103,9 @@ class Scenario:
     # trained on a (dp, tp) device mesh with a tensor-parallel plan
     # (``ddpcheck._language.tensor_parallel``; None: data parallelism over the whole world)
     tensor_parallel: TensorParallel | None = None
+    # trained on a (dp, pp) device mesh, the model cut into pipeline stages
+    # (``ddpcheck._language.pipeline_parallel``; None: no pipeline)
+    pipeline: PipelineParallel | None = None
 
     def __post_init__(self) -> None:
         _check_int("global_batch", self.global_batch, 1)
@@ -134,13 +141,7 @@ class Scenario:
             raise InvalidArgument(f"bucket_size_mb={self.bucket_size_mb!r} must be positive")
         _check_clipping(self.max_grad_norm, self.grad_norm_type)
         _check_checkpoint(self.checkpoint_after, self.resume_world_size, self.steps)
-        if self.tensor_parallel is not None and not isinstance(
-            self.tensor_parallel, TensorParallel
-        ):
-            raise InvalidArgument(
-                f"tensor_parallel={self.tensor_parallel!r} must be None or a "
-                "ddpcheck.scenario.TensorParallel(plan, tp)"
-            )
+        _check_meshes(self.tensor_parallel, self.pipeline)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -153,6 +154,23 @@ class Scenario:
             if f.name == "model" or not _is_default(self, f)
         ]
         return f"ddpcheck.Scenario({', '.join(fields)})"
+
+
+def _check_meshes(tensor_parallel: object, pipeline: object) -> None:
+    if tensor_parallel is not None and not isinstance(tensor_parallel, TensorParallel):
+        raise InvalidArgument(
+            f"tensor_parallel={tensor_parallel!r} must be None or a "
+            "ddpcheck.scenario.TensorParallel(plan, tp)"
+        )
+    if pipeline is not None and not isinstance(pipeline, PipelineParallel):
+        raise InvalidArgument(
+            f"pipeline={pipeline!r} must be None or a "
+            "ddpcheck.scenario.PipelineParallel(schedule, boundaries, microbatches, pp)"
+        )
+    if pipeline is not None and tensor_parallel is not None:
+        raise InvalidArgument(
+            "a scenario with both tensor_parallel and pipeline is not supported yet: give one"
+        )
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -376,7 +394,7 @@ def local_micro_batches(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's micro-batches of one step, each as ``(x, y)`` (possibly empty); under tensor
     parallelism, those of the rank's ``dp`` coordinate (the data follows the mesh)."""
-    rank, world_size = data_coordinate(scenario.tensor_parallel, rank, world_size)
+    rank, world_size = data_rank(scenario, rank, world_size)
     x, y = global_batch(scenario, step)
     xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
     return list(
@@ -385,3 +403,21 @@ def local_micro_batches(
             torch.tensor_split(ys, micro_batches_of(scenario, step)),
         )
     )
+
+
+def data_parallel_degree(scenario: Scenario, world_size: int) -> int:
+    """The ranks the global batch is split among: W, or the mesh's ``dp`` under tensor or
+    pipeline parallelism (raises ``InvalidArgument`` for a world that cannot hold the mesh)."""
+    if scenario.pipeline is not None:
+        return pipeline_shape(scenario.pipeline, world_size)[0]
+    return mesh_shape(scenario.tensor_parallel, world_size)[0]
+
+
+def data_rank(scenario: Scenario, rank: int, world_size: int) -> tuple[int, int]:
+    """``(rank, world size)`` as the batch rule sees them: the rank's ``dp`` coordinate and
+    ``dp`` (the data follows the mesh: every rank of a tensor-parallel group or of a pipeline
+    gets the same samples)."""
+    if scenario.pipeline is not None:
+        dp, pp = pipeline_shape(scenario.pipeline, world_size)
+        return rank // pp, dp
+    return data_coordinate(scenario.tensor_parallel, rank, world_size)

@@ -30,6 +30,7 @@ from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language import features
 from ddpcheck._language.models import KINDS, Layer, ModelSpec
 from ddpcheck._language.optimizers import optimizers
+from ddpcheck._language.pipeline_draws import pipeline_scenarios
 from ddpcheck._language.plans import DRAWN, tensor_parallel_scenarios
 from ddpcheck._language.scenario import Epochs, Scenario
 from ddpcheck._language.torch_limits import autocast_unavailable
@@ -49,6 +50,7 @@ __all__ = [
     "models",
     "optimizers",
     "scenarios",
+    "pipeline_scenarios",
     "tensor_parallel_scenarios",
     "world_sizes",
 ]
@@ -529,6 +531,10 @@ def per_world_size(
             f"{who} supports none of the dtypes "
             f"{', '.join(dtypes)} once `without` (--without) is applied"
         )
+    if "pipeline-parallel" in opt_in:  # a target running schedules: pipelines only
+        return {
+            w: pipeline_scenarios(world_size=w, dtypes=kept, without=unsupported) for w in sizes
+        }
     if "tensor-parallel" in opt_in:  # a target with a plan hook: meshes and plans only
         return {
             w: tensor_parallel_scenarios(

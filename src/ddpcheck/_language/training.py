@@ -29,13 +29,16 @@ import inspect
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import torch
 from torch import nn
 
 from ddpcheck._language import objective
 from ddpcheck._language.scenario import Scenario
+
+if TYPE_CHECKING:  # torch.distributed.device_mesh loads when a scenario on a mesh runs
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "EpochRun",
@@ -216,6 +219,8 @@ class FitRun:
     #: (Every :meth:`loss` computed between two :attr:`record` calls is noted as that step's:
     #: the ranks' losses summed over W must be the reference's objective.)
     reported: Callable[..., None] = dataclasses.field(default=_nothing, kw_only=True)
+    #: the world's device mesh for a scenario on one (a pipeline's ``(dp, pp)``), else None
+    mesh: DeviceMesh | None = dataclasses.field(default=None, kw_only=True)
 
     @property
     def steps(self) -> int:

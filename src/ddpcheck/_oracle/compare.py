@@ -190,7 +190,8 @@ def compare(
     resumed run: they widen the tolerance as they would have -- the state loaded is as far from
     the reference as that world left it -- and the reference is the part from there on)."""
     checks = validate_checks(checks)
-    if scenario.tensor_parallel is not None:  # activations cross the wire: no gradient budget
+    if scenario.tensor_parallel is not None or scenario.pipeline is not None:
+        # activations cross the wire: no gradient budget
         checks -= {"budget"}
     world_size = len(records)
     replicas, against_ref = "replicas" in checks, "reference" in checks

@@ -1,4 +1,5 @@
-"""The device meshes of a rank process: one per ``(dp, tp)`` shape, made once and kept.
+"""The device meshes of a rank process: one per shape (``(dp, tp)``, ``(dp, pp)``), made once and
+kept.
 
 Why kept: ``init_device_mesh`` creates a process group per mesh axis and coordinate (a collective
 on every rank, and sockets that gloo keeps open), and a persistent world runs many tensor-parallel
@@ -21,25 +22,26 @@ if TYPE_CHECKING:  # torch.distributed.device_mesh loads when a tensor-parallel 
 
 __all__ = ["harness_groups", "mesh", "opened_fds"]
 
-_MESHES: dict[tuple[str, int, int], DeviceMesh] = {}
+_MESHES: dict[tuple[str, tuple[str, ...], int, int], DeviceMesh] = {}
 _GROUPS: set[int] = set()
 _OPENED_FDS = [0]
 
 
-def mesh(dp: int, tp: int) -> DeviceMesh:
-    """This world's ``(dp, tp)`` mesh on the rank's device type. Collective the first time."""
+def mesh(dp: int, tp: int, axes: tuple[str, str] = AXES) -> DeviceMesh:
+    """This world's ``(dp, tp)`` mesh on the rank's device type, its axes named ``axes`` (a
+    pipeline's: ``("dp", "pp")``). Collective the first time."""
     device = this_rank().type
-    key = (device, dp, tp)
+    key = (device, axes, dp, tp)
     if key not in _MESHES:
         from torch.distributed.device_mesh import init_device_mesh
 
         before, groups_before = _fd_count(), _group_ids()
-        made = init_device_mesh(device, (dp, tp), mesh_dim_names=AXES)
+        made = init_device_mesh(device, (dp, tp), mesh_dim_names=axes)
         # every group it made, not only each axis's: on torch 2.13 they are the same ones
         # (measured for (1,2), (1,3), (2,2), (1,4), (4,1)), but a release that splits or keeps
         # a helper group would otherwise see it destroyed as an example's leftover
         _GROUPS.update(_group_ids() - groups_before)
-        for axis in AXES:
+        for axis in axes:
             _GROUPS.add(id(made.get_group(axis)))
         _OPENED_FDS[0] += max(0, _fd_count() - before)
         _MESHES[key] = made

@@ -30,7 +30,7 @@ import io
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from torch import nn
 from ddpcheck._base.devices import to_rank_device
 from ddpcheck._base.errors import NothingChecked
 from ddpcheck._language.batches import BatchPlan, contiguous, global_indices, plan_for
+from ddpcheck._language.pipeline_parallel import PIPELINE_AXES, held_modules, pipeline_shape
 from ddpcheck._language.records import (
     RankRecord,
     StepRecord,
@@ -72,6 +73,7 @@ from ddpcheck._language.training import (
 from ddpcheck._rank import meshes, recorder
 from ddpcheck._rank.orders import ORDER_SEED_STRIDE, permute_registration
 from ddpcheck._rank.owned import owned_gradients
+from ddpcheck._rank.stages import Stages
 from ddpcheck._rank.transport import Packed, pack
 from ddpcheck.targets.framework import torch_api_missing
 from ddpcheck.targets.protocol import OwnsLoop, Target
@@ -95,6 +97,9 @@ __all__ = [
 
 #: Seed offset between ranks when each rank initialises its own weights differently.
 _RANK_SEED_STRIDE = 7919
+
+
+V = TypeVar("V")
 
 
 def rank_seed(scenario: Scenario, rank: int) -> int:
@@ -240,6 +245,8 @@ class StepRecords:
         plans: dict[int, BatchPlan],
     ):
         self.target, self.module, self.names, self.plans = target, module, names, plans
+        #: a pipeline's: what this rank holds, and how it records the rest (``_rank.stages``)
+        self.stages: Stages | None = None
         self.in_step = getattr(target, "gradients_synchronized_in_step", False)
         self.sharded = getattr(target, "sharded_gradients", False)
         self.steps: list[StepRecord] = []
@@ -250,7 +257,11 @@ class StepRecords:
 
     def initial(self) -> dict:
         with recorder.paused():  # the harness's own gathers of sharded tensors aren't the target's
-            return initial_state(self.module, self.target.full_tensor)
+            return self._whole(initial_state(self.module, self.target.full_tensor))
+
+    def _whole(self, values: dict[str, V]) -> dict[str, V]:
+        """``values``, a pipeline's modules this rank does not hold taken from their holder."""
+        return values if self.stages is None else self.stages.assemble(values)
 
     def _gradients(
         self, model: nn.Module, optimizer: OptimizerLike
@@ -261,7 +272,7 @@ class StepRecords:
                 return owned_gradients(
                     self.module, self.target.gradient_shards(model, optimizer, params)
                 )
-            return gradients(self.module, self.target.full_tensor)
+            return self._whole(gradients(self.module, self.target.full_tensor))
 
     def gradients(self, model: nn.Module, optimizer: OptimizerLike) -> None:
         if not self.in_step:
@@ -321,6 +332,11 @@ class StepRecords:
                     schedule=schedule_state(optimizer, scheduler),
                 )
             )
+        if self.stages is not None:
+            with recorder.paused():
+                last = self.steps[-1]
+                last.params, last.buffers = self._whole(last.params), self._whole(last.buffers)
+                last.state = self._whole(last.state)
         self.steps[-1].batch_plan = self.plans.get(step)
         self.steps[-1].window, self.window = self.window, []
         self.steps[-1].losses, self.losses = self.losses, None
@@ -418,6 +434,8 @@ class _OwnedRecords:
     def started(self, model: nn.Module, optimizer: OptimizerLike) -> None:
         if self.initial:
             raise RuntimeError(f"{type(self.target).__name__} called run.started twice")
+        # by name as the target built them: FSDP2 replaces the parameters it shards
+        self.records.names = {p: n for n, p in self.records.module.named_parameters()}
         self.initial.append(self.records.initial())
         self.seen.append((model, optimizer))
         self.noted.clear()  # a forward before training (a sanity check) is no step's loss
@@ -509,9 +527,16 @@ def fit_owned_loop(
     recording when it calls ``run.started`` and ``run.record`` (``training.FitRun``)."""
     batches = rank_batches(target, scenario, rank, world_size, plans)
     owned = _OwnedRecords(target, module, scenario, plans, bounded=True)
+    mesh = None
+    if scenario.pipeline is not None:  # the stages follow the scenario, the mesh the world
+        dp, pp = pipeline_shape(scenario.pipeline, world_size)
+        mesh = meshes.mesh(dp, pp, PIPELINE_AXES)
+        held = held_modules(scenario.pipeline, scenario.model, rank % pp, pp)
+        owned.records.stages = Stages(held, mesh.get_group("pp"))
     run = FitRun(
         **_run_fields(scenario, module, owned),
         batches=[batches(step) for step in range(scenario.steps)],
+        mesh=mesh,
     )
     owned.fit(lambda: fit(module, run))
     if len(owned.records.steps) != scenario.steps:

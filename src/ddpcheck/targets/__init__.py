@@ -42,6 +42,7 @@ from ddpcheck.targets.catalogue import (
     TORCH_2D,
     TORCH_DDP,
     TORCH_FSDP,
+    TORCH_PP,
     TORCH_TP,
     TORCH_ZERO,
     TORCH_ZERO_BUCKET_VIEW,
@@ -52,6 +53,7 @@ from ddpcheck.targets.fabric import FabricTarget
 from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.parallel_tp import ParallelTPTarget
+from ddpcheck.targets.pipeline import TorchPPTarget
 from ddpcheck.targets.protocol import (
     CONSTRUCTOR_CALL,
     FitRun,
@@ -92,6 +94,7 @@ __all__ = [
     "ReadyMade",
     "TESTED",
     "TORCH_2D",
+    "TORCH_PP",
     "TORCH_DDP",
     "TORCH_FSDP",
     "TORCH_TP",
@@ -99,6 +102,7 @@ __all__ = [
     "TORCH_ZERO_BUCKET_VIEW",
     "Target",
     "Torch2DTarget",
+    "TorchPPTarget",
     "TorchDDPTarget",
     "TorchFSDPTarget",
     "TorchTPTarget",

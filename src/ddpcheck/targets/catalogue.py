@@ -24,6 +24,7 @@ from ddpcheck.targets.framework import install_command, requirements
 from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.parallel_tp import ParallelTPTarget
+from ddpcheck.targets.pipeline import TorchPPTarget
 from ddpcheck.targets.protocol import Target
 from ddpcheck.targets.support import supported_by, why_unsupported
 from ddpcheck.targets.tensor_parallel import Torch2DTarget, TorchTPTarget
@@ -47,6 +48,7 @@ __all__ = [
     "TORCH_FSDP",
     "TORCH_TP",
     "TORCH_2D",
+    "TORCH_PP",
     "TORCH_ZERO",
     "TORCH_ZERO_BUCKET_VIEW",
     "ReadyMade",
@@ -61,6 +63,7 @@ TORCH_ZERO_BUCKET_VIEW = TorchZeroTarget(parameters_as_bucket_view=True)
 TORCH_FSDP = TorchFSDPTarget()
 TORCH_TP = TorchTPTarget()
 TORCH_2D = Torch2DTarget()
+TORCH_PP = TorchPPTarget()
 LOCAL = LocalTarget()
 ACCELERATE = AccelerateTarget()
 FABRIC = FabricTarget()
@@ -218,6 +221,16 @@ READY_MADE: tuple[ReadyMade, ...] = (
         "torch",
         "FSDP2 over dp x torch tensor parallelism over tp, on a (dp, tp) mesh drawn per example",
         tried=("2.13.0",),  # bench/torch_matrix.py has no tensor-parallel row yet
+    ),
+    ReadyMade(
+        "torch_pp",
+        TORCH_PP,
+        "torch",
+        "torch",
+        "torch pipeline parallelism (torch.distributed.pipelining, every schedule it ships) "
+        "over pp x FSDP2 over dp, on a (dp, pp) mesh, stages and schedule drawn per example",
+        "a micro-batch the schedule cannot cut into equal pieces (pytorch#126600)",
+        tried=("2.13.0",),  # bench/torch_matrix.py has no pipeline row yet
     ),
     ReadyMade("local", LOCAL, "torch", "torch", "no synchronisation at all: must fail for W > 1"),
     ReadyMade(

@@ -6,6 +6,7 @@ from __future__ import annotations
 __all__ = [
     "COUNTS_ITS_WINDOW",
     "NO_PARAM_DTYPE",
+    "NO_PIPELINE",
     "NO_PLAN",
     "OPT_IN_REASONS",
     "OWN_CHECKPOINTS",
@@ -38,4 +39,13 @@ NO_PLAN = (
 )
 #: Why a target that does not set an opt-in feature's flag declines it, where its class says
 #: nothing of its own (``ddpcheck.targets.support.why_unsupported``).
-OPT_IN_REASONS = {"param-dtype": NO_PARAM_DTYPE, "tensor-parallel": NO_PLAN}
+#: pipeline-parallel, the opt-in stages and schedule, for a target running none
+NO_PIPELINE = (
+    "a pipeline schedule is the target's to run (pipelines, Target.fit with run.mesh); "
+    "torch_pp runs one"
+)
+OPT_IN_REASONS = {
+    "param-dtype": NO_PARAM_DTYPE,
+    "tensor-parallel": NO_PLAN,
+    "pipeline-parallel": NO_PIPELINE,
+}

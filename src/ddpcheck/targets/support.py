@@ -22,7 +22,7 @@ from ddpcheck._base.options import (
     check_world_sizes,
     mesh_degrees,
 )
-from ddpcheck._language.battery import BATTERY, TENSOR_PARALLEL_BATTERY
+from ddpcheck._language.battery import BATTERY, PIPELINE_BATTERY, TENSOR_PARALLEL_BATTERY
 from ddpcheck._language.features import BEYOND_TORCH, FEATURES, OPT_IN, of, parse
 from ddpcheck._language.scenario import Scenario
 from ddpcheck.targets.protocol import Target
@@ -140,6 +140,8 @@ def battery_for(target: Target) -> list[tuple[str, Scenario]]:
     applies plans (``Target.parallelizes``), the data-parallel one otherwise."""
     if getattr(target, OPT_IN["tensor-parallel"], False):
         return TENSOR_PARALLEL_BATTERY
+    if getattr(target, OPT_IN["pipeline-parallel"], False):
+        return PIPELINE_BATTERY
     return BATTERY
 
 

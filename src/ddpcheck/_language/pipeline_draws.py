@@ -1,0 +1,145 @@
+"""Hypothesis strategies for pipeline scenarios: a mesh, a schedule, stages, and a batch whose
+every micro-batch the schedule can cut into equal pieces.
+
+Drawn as tensor-parallel scenarios are, and shrinking the same way: towards two stages on two
+ranks (``pp`` the smallest divisor of W), GPipe, one piece per micro-batch, the fewest and
+plainest blocks, SGD, one step, float64. Every schedule torch ships is drawn with the stages per
+rank it runs (one, a looped two, a V's two) and the pieces it accepts
+(``ddpcheck._language.pipeline_parallel.pipeline_problem``); the batch is ``dp x accumulation x
+pieces x c`` samples, so that no rank's micro-batch is cut unevenly -- which torch refuses
+(pytorch#126600), so such a draw would test nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from hypothesis import strategies as st
+
+from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._language.optimizers import optimizers
+from ddpcheck._language.pipeline_parallel import SCHEDULES, PipelineParallel, pipeline_problem
+from ddpcheck._language.scenario import Scenario
+from ddpcheck._language.sharded_models import BLOCK_KINDS, ShardedBlock, ShardedSpec, sequence_data
+
+__all__ = ["PIPELINE_DRAWN", "pipeline_scenarios"]
+
+#: The features pipeline scenarios are drawn with.
+PIPELINE_DRAWN = frozenset(
+    {
+        "float64",
+        "float32",
+        "accumulation",
+        "lr-schedule",
+        "clipping",
+        "broadcast",
+        "pipeline-parallel",
+    }
+)
+
+#: The largest number of pieces a micro-batch is cut into, and of samples per piece.
+MAX_PIECES, MAX_PER_PIECE = 4, 2
+
+
+def _divisors(world_size: int) -> tuple[int, ...]:
+    found = tuple(d for d in range(2, world_size + 1) if world_size % d == 0)
+    return found or (1,)
+
+
+def pipeline_scenarios(
+    *,
+    world_size: int,
+    dtypes: Iterable[str] = ("float64", "float32"),
+    without: Iterable[str] = (),
+    degrees: Iterable[int] | None = None,
+    max_steps: int = 3,
+    max_accumulation: int = 2,
+) -> st.SearchStrategy[Scenario]:
+    """Pipeline scenarios at ``world_size``: a degree ``pp`` (drawn among ``degrees``, default
+    the divisors of W), a schedule with its stages per rank, a model of at least as many modules
+    as stages, cut at drawn boundaries, pieces the schedule accepts, and what tensor-parallel
+    scenarios draw besides -- optimizer, dtype, steps, accumulation, LR decay, clipping -- none
+    of ``without``."""
+    dtypes, without = tuple(dtypes), frozenset(without)
+    if not dtypes:
+        raise InvalidArgument("dtypes must name at least one of float64, float32")
+    if degrees is None:
+        degrees = _divisors(world_size)
+    degrees = tuple(sorted(set(degrees)))
+    wrong = [d for d in degrees if d < 1 or world_size % d]
+    if not degrees or wrong:
+        raise InvalidArgument(
+            f"degrees={degrees!r} must be pipeline degrees that divide world_size={world_size}"
+        )
+    return _scenarios(world_size, dtypes, without, degrees, max_steps, max_accumulation)
+
+
+@st.composite
+def _scenarios(
+    draw: st.DrawFn,
+    world_size: int,
+    dtypes: tuple[str, ...],
+    without: frozenset[str],
+    degrees: tuple[int, ...],
+    max_steps: int,
+    max_accumulation: int,
+) -> Scenario:
+    pp = draw(st.sampled_from(degrees))
+    schedule = draw(st.sampled_from(tuple(SCHEDULES)))
+    per_rank = 1 if SCHEDULES[schedule] == "single" else 2
+    stages = pp * per_rank
+    blocks = draw(
+        st.lists(
+            st.builds(
+                ShardedBlock,
+                kind=st.sampled_from(BLOCK_KINDS),
+                size=st.integers(1, 4),
+                bias=st.booleans().map(lambda b: not b),
+            ),
+            min_size=max(1, stages - 2),
+            max_size=max(1, stages - 2) + 2,
+        ).map(tuple)
+    )
+    modules = len(blocks) + 2
+    cuts = draw(
+        st.lists(
+            st.integers(1, modules - 1), min_size=stages - 1, max_size=stages - 1, unique=True
+        ).map(lambda c: tuple(sorted(c)))
+    )
+    fits = [
+        m
+        for m in range(1, max(MAX_PIECES, stages) + 1)
+        if pipeline_problem(PipelineParallel(schedule, cuts, m, None, per_rank), pp, modules)
+        is None
+    ]
+    pieces = draw(st.sampled_from(fits))
+    dtype = draw(st.sampled_from(dtypes))
+    optimizer, kwargs = draw(optimizers())
+    if dtype == "float32" and optimizer is not torch.optim.SGD:
+        kwargs = {**kwargs, "eps": 1e-3}  # as data-parallel float32 scenarios (strategies.py)
+    accumulation = 1 if "accumulation" in without else draw(st.integers(1, max_accumulation))
+    dp = world_size // pp
+    batch = dp * accumulation * pieces * draw(st.integers(1, MAX_PER_PIECE))
+    max_grad_norm = None  # a quarter clip, as data-parallel scenarios do
+    if "clipping" not in without and draw(st.sampled_from((False, False, False, True))):
+        max_grad_norm = draw(st.sampled_from((0.5, 2.0, 8.0)))
+    return Scenario(
+        model=ShardedSpec(
+            blocks=blocks, width=draw(st.integers(2, 6)), head_dim=draw(st.integers(1, 3))
+        ),
+        data=sequence_data,
+        optimizer=optimizer,
+        optimizer_kwargs=kwargs,
+        lr_decay=None if "lr-schedule" in without else draw(st.sampled_from((None, 0.5))),
+        global_batch=batch,
+        steps=draw(st.integers(1, min(max_steps, 2) if dtype == "float32" else max_steps)),
+        accumulation=accumulation,
+        dtype=dtype,
+        seed=draw(st.integers(0, 2**16)),
+        rank_seeds="broadcast" not in without,
+        max_grad_norm=max_grad_norm,
+        pipeline=PipelineParallel(
+            schedule, cuts, pieces, None if pp == world_size else pp, per_rank
+        ),
+    )
