@@ -79,6 +79,16 @@ def test_the_pipeline_battery_matches_the_reference():
     assert ran >= 4  # each schedule family, and a dp=2 x pp=2 mesh
 
 
+def test_several_stages_per_rank_over_dp_match_the_reference():
+    # a looped and a V-shaped schedule over dp=2 x pp=2: FSDP2's asynchronous unshards, which
+    # the pipeline runtime issues there, complete before their parameters are read (a recorded
+    # collective's work must stay a Work: tests/rank/test_recorder.py)
+    for schedule in ("LoopedBFS", "ZBVZeroBubble"):
+        pipeline = PipelineParallel(schedule, (1, 2, 3), 2, pp=2, stages_per_rank=2)
+        scenario = dataclasses.replace(ACCUMULATED, pipeline=pipeline, global_batch=8, steps=1)
+        assert ddpcheck.check_example(TORCH_PP, scenario, 4) == (), schedule
+
+
 def test_torchs_default_scaling_under_accumulation_is_caught():
     one_step = dataclasses.replace(ACCUMULATED, accumulation=1)
     assert ddpcheck.check_example(TorchDefaultScaling(), one_step, 2) == ()  # right without it
@@ -148,8 +158,7 @@ def test_what_torch_refuses_is_declined_with_its_reason():
 def test_drawn_pipelines_fit_their_world(data, world_size):
     scenario = data.draw(pipeline_scenarios(world_size=world_size))
     assert TORCH_PP.supports(scenario) is None
-    reason = TORCH_PP.supports_at(scenario, world_size)
-    assert reason is None or "several stages per rank" in reason, reason
+    assert TORCH_PP.supports_at(scenario, world_size) is None
 
 
 def test_who_gets_pipeline_scenarios():

@@ -234,10 +234,16 @@ def _finish(entry: Collective, completed: float, waited: float | None = None) ->
             return
 
 
-class _RecordedWork:
-    """The ``Work`` of an async collective, timing its completion and its ``wait()``."""
+class _RecordedWork(dist.Work):
+    """The ``Work`` of an async collective, timing its completion and its ``wait()``.
+
+    A ``Work`` itself, delegating every method to the one it wraps: FSDP2 waits on an
+    all-gather's work only ``if isinstance(work, dist.distributed_c10d.Work)``, so a wrapper that
+    is not one made it read the gathered parameters before they arrived (found under a pipeline
+    schedule's asynchronous unshard: every gradient wrong, a false alarm)."""
 
     def __init__(self, work: dist.Work, entry: Collective):
+        super().__init__()
         self._work = work
         self._entry = entry
         self._done_at: float | None = None
@@ -254,6 +260,27 @@ class _RecordedWork:
         now = time.perf_counter()
         _finish(self._entry, completed=min(self._done_at or now, now), waited=now)
         return result
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work.is_success()
+
+    def exception(self) -> object:
+        return self._work.exception()
+
+    def source_rank(self) -> int:
+        return self._work.source_rank()
+
+    def result(self) -> list[torch.Tensor]:
+        return self._work.result()
+
+    def synchronize(self) -> None:
+        self._work.synchronize()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._work.get_future()
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._work, name)

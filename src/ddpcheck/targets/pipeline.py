@@ -103,13 +103,6 @@ def uneven_pieces(scenario: Scenario, world_size: int) -> str | None:
     return None
 
 
-#: Why several stages per rank over dp > 1 are declined: not yet understood, so never judged.
-SEVERAL_STAGES_OVER_DP = (
-    "several stages per rank with FSDP2 over dp > 1: this target's gradients differ from the "
-    "reference there while bench/pipeline_cpu.py (deep-copied stages, torch's mean loss) "
-    "matches; until the difference is explained it is declined, never reported"
-)
-
 _DECLINED: dict[str, str] = {
     "uneven-batches": "a micro-batch the schedule cannot cut into equal pieces is refused by "
     "torch (pytorch#126600); the draws keep every piece equal",
@@ -169,9 +162,6 @@ class TorchPPTarget(Target):
         assert scenario.pipeline is not None
         pipeline = scenario.pipeline
         problem = pipeline_problem(pipeline, world_size, len(module_order(scenario.model)))
-        several = pipeline.stages_per_rank > 1
-        if problem is None and several and pipeline_shape(pipeline, world_size)[0] > 1:
-            problem = SEVERAL_STAGES_OVER_DP
         return problem or uneven_pieces(scenario, world_size)
 
     def requirements(self, device: str) -> tuple[tuple[str, str], ...]:
