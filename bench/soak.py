@@ -14,6 +14,7 @@ the oracle or a real bug in a target; either way it must be looked at.
     python bench/soak.py --tokens --examples 2000                # language models, bf16 policies
     python bench/soak.py --epochs --examples 2000                # epochs: the data paths
     python bench/soak.py --tensor-parallel --examples 2000       # torch_tp, torch_2d, float32
+    python bench/soak.py --pipeline --examples 1000              # torch_pp, float32
 
 ``--strategies`` draws exactly what ``ddpcheck check`` draws after its battery -- ``ddpcheck.fuzz``
 with ``ddpcheck.strategies``: every layer kind (attention, embeddings, tied heads...), SGD/Adam/
@@ -242,6 +243,8 @@ TENSOR_PARALLEL_TARGETS = [
     ("torch_2d", targets.TORCH_2D, (2, 4)),
     ("parallel_tp", targets.PARALLEL_TP, (1, 2, 3, 4)),
 ]
+#: ``--pipeline``: (dp, pp) meshes of <= 4 ranks, every schedule, stages and pieces drawn
+PIPELINE_TARGETS = [("torch_pp", targets.TORCH_PP, (1, 2, 3, 4))]
 
 
 class _Tally:
@@ -429,7 +432,22 @@ def main(argv: list[str] | None = None) -> int:
         "parallel_tp (W=1-4): "
         "meshes, models and plans drawn, float32 only, in chunks of 250",
     )
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="check's own random examples over torch_pp (W=1-4): (dp, pp) meshes, schedules, "
+        "stages and pieces drawn, float32 only, in chunks of 250",
+    )
     args = parser.parse_args(argv)
+    if args.pipeline:
+        return strategies_soak(
+            args.examples,
+            args.seed,
+            chunk=250,
+            max_seconds=args.max_seconds,
+            chosen=PIPELINE_TARGETS,
+            dtypes=("float32",),
+        )
     if args.tensor_parallel:
         return strategies_soak(
             args.examples,

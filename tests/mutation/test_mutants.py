@@ -20,7 +20,7 @@ from ddpcheck.targets import ParallelDDPTarget, TorchFSDPTarget
 #: examples, under a second in warm worlds on an idle machine, but a 2-core machine shared with
 #: other test runs slows examples down by 10-50x, and a mutant out of budget counts as surviving.
 CI_BUDGET = 30.0
-_CATALOGUE_CLASSES = re.compile(r"^[A-L][0-9]{1,2}$")
+_CATALOGUE_CLASSES = re.compile(r"^[A-M][0-9]{1,2}$")
 
 
 def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
@@ -43,6 +43,7 @@ def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
                 "ddpcheck.mutation.broken_loop",
                 "ddpcheck.mutation.broken_data",
                 "ddpcheck.mutation.broken_tp",
+                "ddpcheck.mutation.broken_pp",
             )
             broken = [
                 type(m.target),
@@ -114,13 +115,15 @@ def test_every_mutant_is_killed_and_the_unmutated_target_passes(capsys):
     assert status == 0, out
     rows = [line for line in out.splitlines() if line.startswith("| ")][1:]
     # a control per family: parallel's, FSDP2's for families I and J3, the loop hooks' two,
-    # torch DDP's for the data path and parallel_tp's for tensor parallelism (family K)
+    # torch DDP's for the data path, parallel_tp's for tensor parallelism (family K) and
+    # torch_pp's for pipelines (family M)
     controls = (
         "TorchFSDPTarget",
         "EngineTarget",
         "Zero2Target",
         "TorchDDPTarget",
         "ParallelTPTarget",
+        "TorchPPTarget",
     )
     assert len(rows) == n + 1 + len(controls)
     assert "| (unmutated)" in rows[0] and "| passes " in rows[0]

@@ -333,8 +333,17 @@ def _pipeline(
 #: The battery of a target that runs pipeline schedules (``Target.pipelines``): each schedule
 #: family once -- one stage per rank, looped, V-shaped -- with the stages, pieces and world sizes
 #: torch accepts (pp=None: the whole world, so each runs where W has its stage count; a W=4
-#: world runs the first as dp=2 x pp=2), accumulation, clipping, Adam and float32 among them.
+#: world runs "pp-gpipe" as dp=2 x pp=2), accumulation, clipping, Adam and float32 among them.
 PIPELINE_BATTERY: list[tuple[str, Scenario]] = [
+    # one stage per pipeline, every other rank another pipeline: the cheapest dp > 1 (at W=2)
+    _pipeline(
+        "pp-one-stage-dp",
+        ("mlp",),
+        PipelineParallel("GPipe", boundaries=(), microbatches=2, pp=1),
+        global_batch=8,
+        steps=2,
+        seed=6,
+    ),
     _pipeline(
         "pp-gpipe",
         ("mlp", "attention"),

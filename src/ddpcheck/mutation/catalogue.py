@@ -57,6 +57,7 @@ from ddpcheck.mutation import broken_loop as L
 from ddpcheck.mutation import broken_loss as R
 from ddpcheck.mutation import broken_optimizer as O
 from ddpcheck.mutation import broken_options as P
+from ddpcheck.mutation import broken_pp as PP
 from ddpcheck.mutation import broken_tp as T
 from ddpcheck.targets import (
     ACCELERATE,
@@ -68,7 +69,7 @@ from ddpcheck.targets import (
     Target,
     TorchFSDPTarget,
 )
-from ddpcheck.targets.catalogue import PARALLEL_TP
+from ddpcheck.targets.catalogue import PARALLEL_TP, TORCH_PP
 from parallel import DDP, ShardedOptimizer
 
 __all__ = ["CATALOGUE", "OPTION_CATALOGUE", "Mutant", "by_name", "stale_overrides"]
@@ -648,6 +649,15 @@ TP_CONTROL = PARALLEL_TP
 CATALOGUE += [
     Mutant(name, bug_class, description, getattr(T, name)(), TP_CONTROL)
     for name, bug_class, description in T.ENTRIES
+]
+
+
+# Pipeline parallelism (``broken_pp``): torch_pp with one seeded bug each, in one method of the
+# target, against the unmutated torch_pp. Only pipeline scenarios reach them (the pipeline
+# battery, ``pipeline_scenarios``).
+CATALOGUE += [
+    Mutant(name, bug_class, description, getattr(PP, name)(), TORCH_PP)
+    for name, bug_class, description in PP.ENTRIES
 ]
 
 

@@ -77,6 +77,11 @@ def table_widths(names: Iterable[str]) -> list[int]:
     ]
 
 
+def _label(control: Target) -> str:
+    """A control's row name: ``(unmutated)`` for ``parallel``, else with its class's name."""
+    return CONTROL if control is PARALLEL else f"{CONTROL[:-1]} {type(control).__name__})"
+
+
 def table_lines(rows: list[list[str]], widths: list[int] | None = None) -> list[str]:
     """Markdown-compatible table lines (header, rule, rows), columns padded to ``widths``."""
     widths = widths or [
@@ -113,7 +118,7 @@ def score(
     # several controls (a list) when the mutants seed bugs into several unmutated targets
     controls = [] if control is None else control if isinstance(control, list) else [control]
     for unmutated in reversed(controls):
-        label = CONTROL if unmutated is PARALLEL else f"{CONTROL[:-1]} {type(unmutated).__name__})"
+        label = _label(unmutated)
         todo.insert(0, (label, "-", unmutated, True))
     for name, bug_class, target, is_control in todo:
         budget = float("inf") if is_control else budget_seconds
@@ -141,16 +146,6 @@ def run_mutants(
         mutants = [catalogue.by_name(n.strip()) for n in only.split(",") if n.strip()]
         if not mutants:
             raise InvalidArgument(f"--only={only!r} names no mutant")
-    widths = table_widths(m.name for m in mutants)
-    print(
-        f"ddpcheck mutants: {len(mutants)} mutants, {budget_seconds:g} s each, "
-        f"{search_name} search, world sizes {','.join(map(str, world_sizes))} "
-        "(starting worlds...)",
-        flush=True,
-    )
-    print("\n".join(table_lines([], widths)), flush=True)
-    started = time.perf_counter()
-    chosen = search.shrinking_search if search_name == "shrinking" else search.battery_search
     controls: list[Target] = []  # each family's original, in catalogue order
     for m in mutants:
         control = (
@@ -162,6 +157,17 @@ def run_mutants(
         )
         if all(control is not c for c in controls):
             controls.append(control)
+    # the controls' rows too: "(unmutated TorchPPTarget)" is longer than its mutants' names
+    widths = table_widths([*(m.name for m in mutants), *(_label(c) for c in controls)])
+    print(
+        f"ddpcheck mutants: {len(mutants)} mutants, {budget_seconds:g} s each, "
+        f"{search_name} search, world sizes {','.join(map(str, world_sizes))} "
+        "(starting worlds...)",
+        flush=True,
+    )
+    print("\n".join(table_lines([], widths)), flush=True)
+    started = time.perf_counter()
+    chosen = search.shrinking_search if search_name == "shrinking" else search.battery_search
     rows = score(
         mutants,
         budget_seconds,

@@ -31,7 +31,7 @@ from ddpcheck._base.options import (
     check_positive_number,
     check_world_sizes,
 )
-from ddpcheck._language.battery import BATTERY, TENSOR_PARALLEL_BATTERY
+from ddpcheck._language.battery import BATTERY, PIPELINE_BATTERY, TENSOR_PARALLEL_BATTERY
 from ddpcheck._language.messages import scenario_line as brief
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._oracle.reference import Reference
@@ -117,7 +117,7 @@ def _battery_examples(
 def warm_up(world_sizes: Iterable[int], modules: Iterable[str] = ()) -> None:
     """Start the worlds, import ``modules`` (the targets' own) in every rank, and compute the
     battery's references: shared by every search, so paid outside the budgets."""
-    for name, scenario in [*BATTERY, *TENSOR_PARALLEL_BATTERY]:
+    for name, scenario in [*BATTERY, *TENSOR_PARALLEL_BATTERY, *PIPELINE_BATTERY]:
         _reference(name, scenario)
     for w in world_sizes:
         # a fresh world's first example would otherwise pay for importing the harness

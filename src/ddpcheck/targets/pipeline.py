@@ -145,6 +145,21 @@ class TorchPPTarget(Target):
         scale (the schedule's ``loss_fn``)."""
         return summed(run.scenario, output, target) * scale
 
+    def shard_stage(self, part: Stage, index: int, stages: int, mesh: DeviceMesh) -> None:
+        """Shard stage ``index`` of ``stages`` over ``mesh["dp"]`` (FSDP2; nothing at dp = 1)."""
+        if mesh.size(0) > 1:
+            fsdp2().fully_shard(part, mesh=mesh["dp"])
+
+    def micro_batches(self, batches: list) -> list:
+        """The step's micro-batches ``(x, y, scale)``, each one ``schedule.step``."""
+        return batches
+
+    def clip(
+        self, params: Sequence[torch.Tensor], max_norm: float, norm_type: float, mesh: DeviceMesh
+    ) -> None:
+        """Clip the gradients by the whole model's norm (:func:`clip_pipeline`)."""
+        clip_pipeline(params, max_norm, norm_type, mesh)
+
     def reported_loss_of(
         self, run: FitRun, losses: list[torch.Tensor], mesh: DeviceMesh
     ) -> torch.Tensor:
@@ -174,7 +189,7 @@ class TorchPPTarget(Target):
 
         pipeline, mesh = run.scenario.pipeline, run.mesh
         assert pipeline is not None and mesh is not None
-        dp, pp = mesh.size(0), mesh.size(1)
+        pp = mesh.size(1)
         broadcast_from(module, 0)
         coordinate = mesh.get_local_rank("pp")
         per_stage = stage_modules(pipeline, module_order(run.scenario.model))
@@ -187,8 +202,7 @@ class TorchPPTarget(Target):
             # shapes given, not inferred: inference runs a real forward and backward per stage
             # (torch's docs), whose gradients FSDP2 reduces into the first step's
             inputs, outputs = _shapes(part, rows, run.scenario.torch_dtype, device)
-            if dp > 1:
-                fsdp2().fully_shard(part, mesh=mesh["dp"])
+            self.shard_stage(part, index, pipeline.stages, mesh)
             parts.append(part)
             stages.append(
                 pipelining.PipelineStage(
@@ -224,13 +238,13 @@ class TorchPPTarget(Target):
         run.started(module, optimizer)
         for batches in run.batches:
             losses: list[torch.Tensor] = []
-            for x, y, micro_scale in batches:
+            for x, y, micro_scale in self.micro_batches(batches):
                 scale[0] = micro_scale
                 found: list[torch.Tensor] = []
                 schedule.step(*([x] if first else []), target=y if last else None, losses=found)
                 losses += found
             if run.max_grad_norm is not None:
-                clip_pipeline(params, run.max_grad_norm, run.grad_norm_type, mesh)
+                self.clip(params, run.max_grad_norm, run.grad_norm_type, mesh)
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
