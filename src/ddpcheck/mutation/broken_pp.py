@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+from torch import nn
 
 from ddpcheck._language.objective import summed
 from ddpcheck._language.training import FitRun
@@ -131,9 +132,10 @@ class LastStageNotReducedPP(TorchPPTarget):
     """``shard_stage``: the last stage left out of FSDP2 over ``dp``: its gradients stay each
     pipeline's own, its replicas drift apart."""
 
-    def shard_stage(self, part: Stage, index: int, stages: int, mesh: DeviceMesh) -> None:
+    def shard_stage(self, part: Stage, index: int, stages: int, mesh: DeviceMesh) -> nn.Module:
         if index != stages - 1:  # BUG: the last stage never reduced over dp
-            super().shard_stage(part, index, stages, mesh)
+            return super().shard_stage(part, index, stages, mesh)
+        return part
 
 
 @dataclasses.dataclass(frozen=True)

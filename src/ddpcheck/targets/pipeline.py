@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._language.objective import summed
 from ddpcheck._language.pipeline_parallel import (
     SCHEDULES,
@@ -42,10 +43,13 @@ from ddpcheck._language.pipeline_parallel import (
 from ddpcheck._language.scenario import Scenario, batch_size_of, micro_batches_of
 from ddpcheck._language.training import FitRun
 from ddpcheck.targets.fsdp import CPU_FLOOR, CUDA_FLOOR, broadcast_from, fsdp2
+from ddpcheck.targets.option_space import options
 from ddpcheck.targets.protocol import Target
 
 if TYPE_CHECKING:  # torch.distributed.device_mesh loads when a pipeline target runs
     from torch.distributed.device_mesh import DeviceMesh
+
+    from ddpcheck.targets.protocol import ConfigSpace
 
 __all__ = ["PP_FLOOR", "Stage", "TorchPPTarget", "uneven_pieces"]
 
@@ -103,6 +107,9 @@ def uneven_pieces(scenario: Scenario, world_size: int) -> str | None:
     return None
 
 
+#: What may make a pipeline's stages data-parallel over dp (``TorchPPTarget.dp_wrapper``).
+DP_WRAPPERS = ("fsdp2", "ddp")
+
 _DECLINED: dict[str, str] = {
     "uneven-batches": "a micro-batch the schedule cannot cut into equal pieces is refused by "
     "torch (pytorch#126600); the draws keep every piece equal",
@@ -125,8 +132,25 @@ class TorchPPTarget(Target):
     """``torch.distributed.pipelining`` with the scenario's schedule and stages over ``pp``,
     FSDP2 over ``dp`` (see the module docstring)."""
 
+    #: what makes each stage data-parallel over ``dp``: ``"fsdp2"`` (``fully_shard``, as
+    #: torchtitan composes it) or ``"ddp"`` (torch's DistributedDataParallel per stage; the
+    #: stages get shape hints, which torch DDP needs: ``bench/pipeline_cpu.py``)
+    dp_wrapper: str = "fsdp2"
+
     pipelines = True
     declined_features: ClassVar[Mapping[str, str]] = _DECLINED
+
+    def __post_init__(self) -> None:
+        if self.dp_wrapper not in DP_WRAPPERS:
+            raise InvalidArgument(
+                f"TorchPPTarget(dp_wrapper={self.dp_wrapper!r}) must be one of "
+                f"{', '.join(map(repr, DP_WRAPPERS))}"
+            )
+
+    def config_space(self) -> ConfigSpace:
+        """``dp_wrapper``: FSDP2 (the default) or torch DDP over each stage."""
+        return options(fields={"dp_wrapper": ("ddp",)})
+
     #: the schedule computes each piece's loss on the last stage, out of the harness's sight:
     #: the loss checked is the one the last stage reports (the pieces' losses, averaged over dp)
     step_losses_seen = False
@@ -145,10 +169,18 @@ class TorchPPTarget(Target):
         scale (the schedule's ``loss_fn``)."""
         return summed(run.scenario, output, target) * scale
 
-    def shard_stage(self, part: Stage, index: int, stages: int, mesh: DeviceMesh) -> None:
-        """Shard stage ``index`` of ``stages`` over ``mesh["dp"]`` (FSDP2; nothing at dp = 1)."""
-        if mesh.size(0) > 1:
-            fsdp2().fully_shard(part, mesh=mesh["dp"])
+    def shard_stage(self, part: Stage, index: int, stages: int, mesh: DeviceMesh) -> nn.Module:
+        """Stage ``index`` of ``stages`` made data-parallel over ``mesh["dp"]``, as the schedule
+        runs it: sharded in place by FSDP2, or wrapped in torch DDP (``dp_wrapper``); ``part``
+        itself at dp = 1."""
+        if mesh.size(0) == 1:
+            return part
+        if self.dp_wrapper == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            return DistributedDataParallel(part, process_group=mesh.get_group("dp"))
+        fsdp2().fully_shard(part, mesh=mesh["dp"])
+        return part
 
     def micro_batches(self, batches: list) -> list:
         """The step's micro-batches ``(x, y, scale)``, each one ``schedule.step``."""
@@ -202,11 +234,11 @@ class TorchPPTarget(Target):
             # shapes given, not inferred: inference runs a real forward and backward per stage
             # (torch's docs), whose gradients FSDP2 reduces into the first step's
             inputs, outputs = _shapes(part, rows, run.scenario.torch_dtype, device)
-            self.shard_stage(part, index, pipeline.stages, mesh)
+            runnable = self.shard_stage(part, index, pipeline.stages, mesh)
             parts.append(part)
             stages.append(
                 pipelining.PipelineStage(
-                    part,
+                    runnable,
                     index,
                     pipeline.stages,
                     device,
