@@ -215,4 +215,11 @@ def _settings(scenario: Scenario) -> list[str]:
             for name, style in parallel.plan
         )
         extra.append(f"tp={'W' if parallel.tp is None else parallel.tp} [{sharded}]")
+    pipeline = getattr(scenario, "pipeline", None)
+    if pipeline is not None:  # the degree, the schedule, its stages and each micro-batch's pieces
+        degree = "W" if pipeline.pp is None else pipeline.pp
+        extra.append(
+            f"pp={degree} {pipeline.schedule} stages={pipeline.stages} "
+            f"pieces={pipeline.microbatches}"
+        )
     return extra
