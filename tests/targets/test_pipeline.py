@@ -89,6 +89,21 @@ def test_several_stages_per_rank_over_dp_match_the_reference():
         assert ddpcheck.check_example(TORCH_PP, scenario, 4) == (), schedule
 
 
+def test_ddp_under_a_split_backward_schedule_leaves_stages_unreduced():
+    # pytorch#144530 (open on torch 2.13; bench/pipeline_cpu.py shows it without ddpcheck): a
+    # zero-bubble schedule computes weight gradients outside DDP's backward hooks, so DDP never
+    # all-reduces them; GPipe under DDP is right
+    ddp = TorchPPTarget(dp_wrapper="ddp")
+    gpipe = dataclasses.replace(ACCUMULATED, pipeline=PipelineParallel(boundaries=(2,), pp=2))
+    assert ddpcheck.check_example(ddp, gpipe, 4) == ()
+    zbv = PipelineParallel("ZBVZeroBubble", (1, 2, 3), 2, pp=2, stages_per_rank=2)
+    with pytest.raises(EquivalenceError) as caught:
+        ddpcheck.check_example(ddp, dataclasses.replace(ACCUMULATED, pipeline=zbv), 4)
+    assert caught.value.divergences[0].kind == "replicas differ (gradient)", caught.value
+    with pytest.raises(InvalidArgument, match="dp_wrapper='zero'"):
+        TorchPPTarget(dp_wrapper="zero")
+
+
 def test_torchs_default_scaling_under_accumulation_is_caught():
     one_step = dataclasses.replace(ACCUMULATED, accumulation=1)
     assert ddpcheck.check_example(TorchDefaultScaling(), one_step, 2) == ()  # right without it
