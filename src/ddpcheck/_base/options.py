@@ -141,7 +141,7 @@ def check_mesh_target(name: str, target: object, named: str | None = None) -> No
 def parse_meshes(text: str, flag: str = "--mesh") -> tuple[tuple[int, int], ...]:
     """``"tp=2,dp=2xtp=2"`` -> ``((1, 2), (2, 2))``; anything else is an :class:`InvalidArgument`
     naming ``flag`` and the problem (a malformed shape, an unknown axis, a degree below 1)."""
-    return check_meshes(flag, [p for p in text.split(",") if p.strip()], shown=text)
+    return check_meshes(flag, text)  # (a text is split at its commas there)
 
 
 def check_meshes(name: str, values: object, shown: object = None) -> tuple[tuple[int, int], ...]:
