@@ -208,6 +208,13 @@ def _settings(scenario: Scenario) -> list[str]:
     if getattr(scenario, "checkpoint_after", None) is not None:
         at = scenario.resume_world_size
         extra.append(f"ckpt@{scenario.checkpoint_after}" + ("" if at is None else f"->W={at}"))
+    return extra + _mesh_settings(scenario)
+
+
+def _mesh_settings(scenario: Scenario) -> list[str]:
+    """A scenario's mesh as :func:`scenario_line` shows it: the tensor-parallel degree and the
+    modules its plan shards, or the pipeline's degree, schedule, stages and pieces."""
+    extra: list[str] = []
     parallel = getattr(scenario, "tensor_parallel", None)
     if parallel is not None:  # the degree (W: the whole world) and the modules the plan shards
         sharded = ",".join(

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
 from hypothesis import strategies as st
 
 from ddpcheck._base.errors import InvalidArgument
-from ddpcheck._language.optimizers import optimizers
 from ddpcheck._language.pipeline_parallel import SCHEDULES, PipelineParallel, pipeline_problem
+from ddpcheck._language.plans import clip_norm, divisors, optimizer_for
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.sharded_models import BLOCK_KINDS, ShardedBlock, ShardedSpec, sequence_data
 
@@ -42,11 +41,6 @@ PIPELINE_DRAWN = frozenset(
 MAX_PIECES, MAX_PER_PIECE = 4, 2
 
 
-def _divisors(world_size: int) -> tuple[int, ...]:
-    found = tuple(d for d in range(2, world_size + 1) if world_size % d == 0)
-    return found or (1,)
-
-
 def pipeline_scenarios(
     *,
     world_size: int,
@@ -65,7 +59,7 @@ def pipeline_scenarios(
     if not dtypes:
         raise InvalidArgument("dtypes must name at least one of float64, float32")
     if degrees is None:
-        degrees = _divisors(world_size)
+        degrees = divisors(world_size)
     degrees = tuple(sorted(set(degrees)))
     wrong = [d for d in degrees if d < 1 or world_size % d]
     if not degrees or wrong:
@@ -115,15 +109,11 @@ def _scenarios(
     ]
     pieces = draw(st.sampled_from(fits))
     dtype = draw(st.sampled_from(dtypes))
-    optimizer, kwargs = draw(optimizers())
-    if dtype == "float32" and optimizer is not torch.optim.SGD:
-        kwargs = {**kwargs, "eps": 1e-3}  # as data-parallel float32 scenarios (strategies.py)
+    optimizer, kwargs = optimizer_for(draw, dtype)
     accumulation = 1 if "accumulation" in without else draw(st.integers(1, max_accumulation))
     dp = world_size // pp
     batch = dp * accumulation * pieces * draw(st.integers(1, MAX_PER_PIECE))
-    max_grad_norm = None  # a quarter clip, as data-parallel scenarios do
-    if "clipping" not in without and draw(st.sampled_from((False, False, False, True))):
-        max_grad_norm = draw(st.sampled_from((0.5, 2.0, 8.0)))
+    max_grad_norm = clip_norm(draw, without)
     return Scenario(
         model=ShardedSpec(
             blocks=blocks, width=draw(st.integers(2, 6)), head_dim=draw(st.integers(1, 3))

@@ -32,7 +32,10 @@ from ddpcheck._language.tensor_parallel import TensorParallel
 __all__ = [
     "DRAWN",
     "check_degrees",
+    "clip_norm",
+    "divisors",
     "largest_degree",
+    "optimizer_for",
     "plans",
     "sharded_models",
     "tensor_parallel_scenarios",
@@ -114,8 +117,9 @@ def check_degrees(shapes: Iterable[tuple[int, int]], shown: object, name: str) -
             )
 
 
-def _divisors(world_size: int) -> tuple[int, ...]:
-    """The degrees a world of ``world_size`` ranks can hold, smallest first (above 1 when any)."""
+def divisors(world_size: int) -> tuple[int, ...]:
+    """The degrees a world of ``world_size`` ranks can hold, smallest first (above 1 when any):
+    a tensor-parallel or a pipeline axis."""
     found = tuple(d for d in range(2, world_size + 1) if world_size % d == 0)
     return found or (1,)
 
@@ -151,7 +155,7 @@ def tensor_parallel_scenarios(
                 f"degrees={degrees!r} must be degrees that divide world_size={world_size}"
             )
     else:
-        degrees = (tp,) if tp is not None else _divisors(world_size)
+        degrees = (tp,) if tp is not None else divisors(world_size)
     return _scenarios(world_size, dtypes, without, degrees, max_batch, max_steps, max_accumulation)
 
 
@@ -170,17 +174,13 @@ def _scenarios(
     spec = draw(sharded_models())
     plan = draw(plans(spec, tp))
     dtype = draw(st.sampled_from(dtypes))
-    optimizer, kwargs = draw(optimizers())
-    if dtype == "float32" and optimizer is not torch.optim.SGD:
-        kwargs = {**kwargs, "eps": 1e-3}  # as data-parallel float32 scenarios (strategies.py)
+    optimizer, kwargs = optimizer_for(draw, dtype)
     dp = world_size // tp
     if "uneven-batches" in without:
         batch = dp * draw(st.integers(1, max(1, max_batch // dp)))
     else:
         batch = draw(st.integers(1, max_batch))
-    max_grad_norm = None  # a quarter clip, as data-parallel scenarios do
-    if "clipping" not in without and draw(st.sampled_from((False, False, False, True))):
-        max_grad_norm = draw(st.sampled_from((0.5, 2.0, 8.0)))
+    max_grad_norm = clip_norm(draw, without)
     return Scenario(
         model=spec,
         data=sequence_data,
@@ -196,3 +196,18 @@ def _scenarios(
         max_grad_norm=max_grad_norm,
         tensor_parallel=TensorParallel(plan, None if tp == world_size else tp),
     )
+
+
+def optimizer_for(draw: st.DrawFn, dtype: str) -> tuple[type, dict]:
+    """An optimizer and its keyword arguments for a scenario on a mesh in ``dtype``."""
+    optimizer, kwargs = draw(optimizers())
+    if dtype == "float32" and optimizer is not torch.optim.SGD:
+        kwargs = {**kwargs, "eps": 1e-3}  # as data-parallel float32 scenarios (strategies.py)
+    return optimizer, kwargs
+
+
+def clip_norm(draw: st.DrawFn, without: frozenset[str]) -> float | None:
+    """The clipping norm of a scenario on a mesh: a quarter clip, as data-parallel scenarios do."""
+    if "clipping" not in without and draw(st.sampled_from((False, False, False, True))):
+        return draw(st.sampled_from((0.5, 2.0, 8.0)))
+    return None
