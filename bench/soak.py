@@ -439,22 +439,20 @@ def main(argv: list[str] | None = None) -> int:
         "stages and pieces drawn, float32 only, in chunks of 250",
     )
     args = parser.parse_args(argv)
-    if args.pipeline:
+    on_a_mesh = (
+        PIPELINE_TARGETS
+        if args.pipeline
+        else TENSOR_PARALLEL_TARGETS
+        if args.tensor_parallel
+        else None
+    )
+    if on_a_mesh is not None:  # float32 only, in chunks of 250
         return strategies_soak(
             args.examples,
             args.seed,
             chunk=250,
             max_seconds=args.max_seconds,
-            chosen=PIPELINE_TARGETS,
-            dtypes=("float32",),
-        )
-    if args.tensor_parallel:
-        return strategies_soak(
-            args.examples,
-            args.seed,
-            chunk=250,
-            max_seconds=args.max_seconds,
-            chosen=TENSOR_PARALLEL_TARGETS,
+            chosen=on_a_mesh,
             dtypes=("float32",),
         )
     if args.strategies:
