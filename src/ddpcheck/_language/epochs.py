@@ -15,6 +15,15 @@ index order in steps of ``global_batch`` samples (B; the last step of an epoch h
 ``ceil(s / (B / accumulation))`` micro-batches. The one-process reference trains each step on the
 full-batch objective of exactly the samples that step consumes -- each sample weighed once per
 epoch, the short last step by its own size. ``steps`` is derived: ``epochs * ceil(N / B)``.
+
+The numbers a user reads after an epoch: with ``evaluation`` (E samples), an evaluation set of E
+samples drawn once, apart from the dataset (``ddpcheck._language.scenario.evaluation_set``), is
+evaluated after every epoch's last step (:func:`ends_epoch`) in batches of the micro-batch (B /
+accumulation samples across the ranks: ``B / accumulation / W`` per device) -- so E is often no
+multiple of the per-device batch times W, and a loader pads, drops or leaves the ranks' last
+batches uneven, as real evaluation loops meet them. Its metric is the mean of the objective's
+terms over all E samples, each counted once: what the reference computes with its own model at
+the same point, and what a target's evaluation must report (``EpochRun.evaluated``).
 """
 
 from __future__ import annotations
@@ -25,22 +34,28 @@ import math
 from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._base.options import named_fields
 
-__all__ = ["Epochs", "step_count", "step_samples", "window"]
+__all__ = ["Epochs", "ends_epoch", "step_count", "step_samples", "window"]
 
 
 @named_fields
 @dataclasses.dataclass(frozen=True)
 class Epochs:
     """``epochs`` passes over a dataset of ``samples`` samples, in index order (``Scenario.epochs``;
-    the global batch and the accumulation are the scenario's)."""
+    the global batch and the accumulation are the scenario's), and an evaluation set of
+    ``evaluation`` samples evaluated after each of them (None: no evaluation)."""
 
     samples: int
     epochs: int = 1
+    evaluation: int | None = None
 
     def __post_init__(self) -> None:
-        for name, value in (("samples", self.samples), ("epochs", self.epochs)):
+        counts = [("samples", self.samples), ("epochs", self.epochs)]
+        if self.evaluation is not None:
+            counts.append(("evaluation", self.evaluation))
+        for name, value in counts:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgument(f"Epochs({name}={value!r}) must be an integer >= 1")
+                what = "None or an integer >= 1" if name == "evaluation" else "an integer >= 1"
+                raise InvalidArgument(f"Epochs({name}={value!r}) must be {what}")
 
     def steps_per_epoch(self, global_batch: int) -> int:
         return math.ceil(self.samples / global_batch)
@@ -62,3 +77,10 @@ def window(epochs: Epochs, global_batch: int, accumulation: int, step: int) -> i
     short last one (each micro-batch ``global_batch / accumulation`` samples across the ranks)."""
     size = len(step_samples(epochs, global_batch, step))
     return math.ceil(size * accumulation / global_batch)
+
+
+def ends_epoch(epochs: Epochs, global_batch: int, step: int) -> bool:
+    """Whether step ``step`` is the last of its epoch: the point after which the evaluation set
+    is evaluated (the module's invariant)."""
+    per_epoch = epochs.steps_per_epoch(global_batch)
+    return step % per_epoch == per_epoch - 1

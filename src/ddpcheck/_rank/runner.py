@@ -52,6 +52,7 @@ from ddpcheck._language.scenario import (
     Scenario,
     build_model,
     dataset,
+    evaluation_set,
     global_batch,
     make_param_groups,
 )
@@ -459,6 +460,17 @@ class _OwnedRecords:
         last = self.records.steps[-1]
         last.reported_loss, last.reported_dtype = _scalar(value, who), _dtype_of(value, dtype)
 
+    def evaluated(self, value: object, dtype: torch.dtype | None = None) -> None:
+        """The evaluation metric the framework reported after the step recorded last (an
+        epoch's last: ``EpochRun.evaluated``)."""
+        if not self.records.steps:
+            raise RuntimeError(
+                f"{type(self.target).__name__} called run.evaluated before any run.record"
+            )
+        who = f"{type(self.target).__name__}'s evaluation metric"
+        last = self.records.steps[-1]
+        last.metric, last.metric_dtype = _scalar(value, who), _dtype_of(value, dtype)
+
     def fit(self, fit: Callable[[], None]) -> None:
         """Run ``fit``, then the target's teardown (on what run.started was given)."""
         failed = True
@@ -534,9 +546,11 @@ def fit_data_path(
     started: float,
 ) -> RankRecord:
     """Run a target through its framework's own data path (``Target.fit_epochs(module, run)``)
-    over the scenario's dataset, recording what each step consumed: how many steps the
-    framework took, and which samples, is the oracle's to judge (``training.EpochRun``)."""
+    over the scenario's dataset, recording what each step consumed and the evaluation metric it
+    reports after each epoch: how many steps the framework took, which samples, and what it
+    evaluated, is the oracle's to judge (``training.EpochRun``)."""
     owned = _OwnedRecords(target, module, scenario, plans, bounded=False)
+    evaluation = evaluation_set(scenario)
     run = EpochRun(
         **_run_fields(scenario, module, owned),
         batches=[],
@@ -546,6 +560,10 @@ def fit_data_path(
         accumulation=scenario.accumulation,
         world_size=world_size,
         consumed=owned.consume,
+        evaluation=None
+        if evaluation is None
+        else SampleDataset(*(to_rank_device(t) for t in evaluation)),
+        evaluated=owned.evaluated,
     )
     owned.fit(lambda: fit_epochs(module, run))
     return owned.rank_record(rank, started)
