@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -134,8 +134,12 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
     split_batches: bool = True
     accumulation: int = 1  # the scenario's micro-batches per step, set by configure()
     config: Config = None  # Accelerator(**config): the module docstring
+    #: the evaluation ``DataLoader``'s ``drop_last`` (scenarios with an evaluation set)
+    evaluation_drop_last: bool = False
 
     steps_every_micro_batch = True
+    #: over epochs, it evaluates the scenario's evaluation set with ``gather_for_metrics``
+    reports_metric = True
 
     declined_features: ClassVar[Mapping[str, str]] = {
         "rank-orders": TORCH_DDP_ORDER,
@@ -161,6 +165,7 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
         given = vars(self)["_given"]
         if scenario.epochs is not None:
             why = _data_path_cannot_run(scenario, _even_batches(given))
+            why = why or _drops_evaluation(scenario, self.evaluation_drop_last)
             if why is not None:
                 return why
         sync_each_batch = bool(
@@ -195,7 +200,8 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
         return self.split_batches
 
     def config_space(self) -> ConfigSpace:
-        """``split_batches=False`` (accelerate's default), and ``Accelerator`` keyword arguments
+        """``split_batches=False`` (accelerate's default), the evaluation loader's
+        ``drop_last=True`` (``evaluation_drop_last``), and ``Accelerator`` keyword arguments
         as ``config=`` keys (``ddpcheck.targets.option_space``): ``sync_each_batch`` (gradients
         reduced every micro-batch, not under ``no_sync``), the data path's ``dataloader_config``
         (``dispatch_batches``, ``even_batches``), and torch DDP's options through a
@@ -210,7 +216,7 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
             base={"class": "DistributedDataParallelKwargs", "find_unused_parameters": True},
         )
         return options(
-            fields={"split_batches": (False,)},
+            fields={"split_batches": (False,), "evaluation_drop_last": (True,)},
             config={
                 "gradient_accumulation_plugin": ({"sync_each_batch": True},),
                 "kwargs_handlers": ddp.map(lambda handler: [handler] if handler else {}),
@@ -316,11 +322,19 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
         if why is not None:  # asked to run what supports_at declines
             raise NothingChecked(f"AccelerateTarget declines this example: {why}")
         accelerator = self.accelerator(module)
-        loader = DataLoader(
-            run.dataset, batch_size=micro if self.splits_batches() else micro // run.world_size
+        per_device = micro if self.splits_batches() else micro // run.world_size
+        loader = DataLoader(run.dataset, batch_size=per_device)
+        evaluation = (
+            []
+            if run.evaluation is None
+            else [
+                DataLoader(
+                    run.evaluation, batch_size=per_device, drop_last=self.evaluation_drop_last
+                )
+            ]
         )
-        model, optimizer, loader = accelerator.prepare(
-            module, run.optimizer(run.params, **run.optimizer_kwargs), loader
+        model, optimizer, loader, *evaluation = accelerator.prepare(
+            module, run.optimizer(run.params, **run.optimizer_kwargs), loader, *evaluation
         )
         setattr(model, _ACCELERATOR, accelerator)
         setattr(optimizer, _ACCELERATOR, accelerator)
@@ -340,6 +354,42 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
                     if accelerator.sync_gradients:  # the optimizer stepped
                         run.record(model, optimizer, scheduler)
                     optimizer.zero_grad(set_to_none=run.set_to_none)
+            for evaluation_loader in evaluation:  # (none without an evaluation set)
+                self.evaluate(accelerator, model, run, evaluation_loader)
+
+    def evaluate(
+        self, accelerator: Accelerator, model: nn.Module, run: EpochRun, loader: Iterable[Any]
+    ) -> None:
+        """After an epoch: the prepared evaluation loader, each sample's terms and count
+        gathered and their ratio reported. Where the loader evens out the ranks' batches --
+        ``even_batches=True`` (accelerate's default), or a loader that dispatches
+        (``dispatch_batches=True``: rank 0 loads each batch and slices it, "loop[ing] with
+        indices from the beginning" to complete the last one, as ``prepare_data_loader``'s
+        docstring says, whatever ``even_batches`` says) -- as accelerate's guide shows: every
+        batch's through ``gather_for_metrics``, which drops the samples repeated to complete the
+        last batch. Otherwise (``even_batches=False``) the ranks' last batches differ in size and
+        their batch counts may differ, so no collective can run per batch: each rank's terms
+        are gathered once after the loop, through ``gather_for_metrics(...,
+        use_gather_object=True)`` ("useful for gathering tensors with different sizes"), and
+        the module the DDP wrapper holds evaluates (its forward communicates nothing)."""
+        from accelerate.data_loader import DataLoaderDispatcher
+
+        even = bool(accelerator.even_batches) or isinstance(loader, DataLoaderDispatcher)
+        net = model if even else accelerator.unwrap_model(model)
+        net.eval()
+        gathered, local = [], []
+        for batch in loader:
+            terms = run.evaluation_terms(net, batch)
+            if even:
+                gathered.append(accelerator.gather_for_metrics(terms))
+            else:
+                local.append(terms)
+        net.train()
+        if not even:
+            mine = torch.cat(local) if local else torch.zeros(0, 2, dtype=torch.float64)
+            rows = accelerator.gather_for_metrics(mine, use_gather_object=True)
+            gathered = [torch.stack(list(rows)).reshape(-1, 2)]
+        run.evaluated(run.metric_of(torch.cat(gathered)))
 
     def make_scheduler(self, optimizer: OptimizerLike, gamma: float) -> SchedulerLike:
         prepared: AcceleratedOptimizer = optimizer  # what setup's prepare returned
@@ -421,6 +471,23 @@ def _data_path_cannot_run(scenario: Scenario, even_batches: bool) -> str | None:
             + f"; and {_SCALED_BY_ACCUMULATION}"
         )
     return None
+
+
+def _drops_evaluation(scenario: Scenario, drop_last: bool) -> str | None:
+    """Why an evaluation loader with ``drop_last`` does not evaluate all of ``scenario``'s
+    evaluation set, by torch's and accelerate's documented convention; None when it does."""
+    epochs = scenario.epochs
+    evaluation = None if epochs is None else epochs.evaluation
+    micro = scenario.global_batch // scenario.accumulation  # per device x W, or split
+    if not drop_last or evaluation is None or evaluation % micro == 0:
+        return None
+    return (
+        f"an evaluation set of {evaluation} samples in batches of {micro} across the ranks "
+        "with drop_last=True: torch's DataLoader drops \"the last incomplete batch, if the "
+        "dataset size is not divisible by the batch size\", and accelerate's sharded loader "
+        "every batch that leaves some process without one: the metric is over fewer samples "
+        "than the evaluation set"
+    )
 
 
 def _indivisible(micro: int, world_size: int, split: bool) -> str | None:
