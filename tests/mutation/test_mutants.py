@@ -42,6 +42,7 @@ def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
             assert module in (
                 "ddpcheck.mutation.broken_loop",
                 "ddpcheck.mutation.broken_data",
+                "ddpcheck.mutation.broken_metrics",
                 "ddpcheck.mutation.broken_tp",
             )
             broken = [
@@ -131,11 +132,13 @@ def test_every_mutant_is_killed_and_the_unmutated_target_passes(capsys):
     for name in ("IgnoresSplit", "DividesBatchTwice", "PadsCounted"):
         row = next(r for r in rows if r.startswith(f"| {name} "))
         assert re.search(r": sample (of another step|dropped|duplicated) sample \d+", row), row
-    # the loop hooks' mutants, each named by what only it breaks
+    # the loop hooks' mutants, each named by what only it breaks; the metrics', by the metric
     for name, kind in (
         ("StepsInsideWindow", "stepped inside accumulation window"),
         ("ReducesTwiceZero2", "communication over budget"),
         ("SkipsFirstReduce", "replicas differ"),
+        ("PaddingCountedMetric", "metric differs"),
+        ("DropsUnevenLastBatch", "metric differs"),
     ):
         row = next(r for r in rows if r.startswith(f"| {name} "))
         assert kind in row, row

@@ -107,7 +107,7 @@ def test_the_reference_evaluates_its_own_model_after_every_epochs_last_step():
     assert [m is not None for m in metrics] == [False, True, False, True]
     # the metric of the model it holds after step 3: the mean of the terms over all 5 samples
     model = build_model(scenario, scenario.seed)
-    model.load_state_dict({k: v for k, v in reference.steps[-1].params.items()})
+    model.load_state_dict(reference.steps[-1].params)
     x, y = evaluation_set(scenario)
     assert len(x) == 5
     with torch.no_grad():

@@ -58,11 +58,12 @@ def test_accelerate_gathers_each_evaluation_sample_once():
 
 def test_accelerate_declines_an_evaluation_loader_that_drops_its_last_batch():
     dropping = AccelerateTarget(evaluation_drop_last=True)
-    why = dropping.supports(UNEVEN)
+    why = dropping.supports_at(UNEVEN, 2)
     assert "an evaluation set of 7 samples in batches of 6 across the ranks" in why
     assert 'drops "the last incomplete batch' in why
     twelve = dataclasses.replace(UNEVEN, epochs=Epochs(samples=12, epochs=2, evaluation=12))
-    assert dropping.supports(twelve) is None and targets.ACCELERATE.supports(UNEVEN) is None
+    assert dropping.supports_at(twelve, 2) is None
+    assert targets.ACCELERATE.supports_at(UNEVEN, 2) is None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,9 +18,10 @@ epoch, the short last step by its own size. ``steps`` is derived: ``epochs * cei
 
 The numbers a user reads after an epoch: with ``evaluation`` (E samples), an evaluation set of E
 samples drawn once, apart from the dataset (``ddpcheck._language.scenario.evaluation_set``), is
-evaluated after every epoch's last step (:func:`ends_epoch`) in batches of the micro-batch (B /
-accumulation samples across the ranks: ``B / accumulation / W`` per device) -- so E is often no
-multiple of the per-device batch times W, and a loader pads, drops or leaves the ranks' last
+evaluated after every epoch's last step (:func:`ends_epoch`) in per-device batches of
+``evaluation_batch`` samples (None: the training micro-batch's, ``B / accumulation / W``; an
+evaluation loader's batch is often its own, as ``per_device_eval_batch_size`` is) -- so E is often
+no multiple of the per-device batch times W, and a loader pads, drops or leaves the ranks' last
 batches uneven, as real evaluation loops meet them. Its metric is the mean of the objective's
 terms over all E samples, each counted once: what the reference computes with its own model at
 the same point, and what a target's evaluation must report (``EpochRun.evaluated``).
@@ -42,20 +43,33 @@ __all__ = ["Epochs", "ends_epoch", "step_count", "step_samples", "window"]
 class Epochs:
     """``epochs`` passes over a dataset of ``samples`` samples, in index order (``Scenario.epochs``;
     the global batch and the accumulation are the scenario's), and an evaluation set of
-    ``evaluation`` samples evaluated after each of them (None: no evaluation)."""
+    ``evaluation`` samples evaluated after each of them (None: no evaluation) in per-device
+    batches of ``evaluation_batch`` (None: the training micro-batch's per-device size)."""
 
     samples: int
     epochs: int = 1
     evaluation: int | None = None
+    evaluation_batch: int | None = None
 
     def __post_init__(self) -> None:
         counts = [("samples", self.samples), ("epochs", self.epochs)]
-        if self.evaluation is not None:
-            counts.append(("evaluation", self.evaluation))
-        for name, value in counts:
+        optional = [("evaluation", self.evaluation), ("evaluation_batch", self.evaluation_batch)]
+        for name, value in counts + [(n, v) for n, v in optional if v is not None]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                what = "None or an integer >= 1" if name == "evaluation" else "an integer >= 1"
+                what = "an integer >= 1" if (name, value) in counts else "None or an integer >= 1"
                 raise InvalidArgument(f"Epochs({name}={value!r}) must be {what}")
+        if self.evaluation is None and self.evaluation_batch is not None:
+            raise InvalidArgument(
+                f"Epochs(evaluation_batch={self.evaluation_batch!r}) needs an evaluation set "
+                "(Epochs(evaluation=...): the samples evaluated after every epoch)"
+            )
+
+    def evaluation_batch_at(self, global_batch: int, accumulation: int, world_size: int) -> int:
+        """The evaluation loader's per-device batch at ``world_size``: ``evaluation_batch``, or
+        the training micro-batch's per-device size (at least 1)."""
+        if self.evaluation_batch is not None:
+            return self.evaluation_batch
+        return max(1, global_batch // accumulation // world_size)
 
     def steps_per_epoch(self, global_batch: int) -> int:
         return math.ceil(self.samples / global_batch)

@@ -353,8 +353,9 @@ def _with_epochs(
     divides, which a framework's own data path needs (a per-device batch size) -- 1 to
     ``most_steps`` steps per epoch the last of which is full (shrinking towards it) or holds 1 to
     B - 1 samples, as many epochs as the steps allow, and in half of them (shrinking towards
-    none) an evaluation set of 1 to 3 micro-batches' samples: mostly no multiple of the
-    micro-batch (per-device batch x W), so its last batch is uneven."""
+    none) an evaluation set of 1 to 3 micro-batches' samples, in the training's per-device batch
+    or one of 1-4 of its own: mostly no multiple of the per-device batch x W, so its last batch is
+    uneven."""
     accumulation = scenario.accumulation
     micro = max(1, scenario.global_batch // accumulation)
     if world_size is not None and world_size > 1:
@@ -365,11 +366,14 @@ def _with_epochs(
     samples = (per_epoch - 1) * batch + last
     epochs = draw(st.integers(1, max(1, most_steps // per_epoch)))
     evaluation = draw(st.one_of(st.none(), st.integers(1, 3 * micro)))
+    evaluation_batch = None
+    if evaluation is not None:  # a loader's own per-device batch, or the training one's
+        evaluation_batch = draw(st.one_of(st.none(), st.integers(1, 4)))
     return dataclasses.replace(
         scenario,
         global_batch=batch,
         steps=epochs * per_epoch,
-        epochs=Epochs(samples=samples, epochs=epochs, evaluation=evaluation),
+        epochs=Epochs(samples, epochs, evaluation=evaluation, evaluation_batch=evaluation_batch),
     )
 
 

@@ -274,6 +274,8 @@ class EpochRun(FitRun):
     #: the evaluation set (``Epochs.evaluation`` samples, ``(x, y, index)`` as :attr:`dataset`);
     #: None: the scenario evaluates nothing
     evaluation: SampleDataset | None = dataclasses.field(default=None, kw_only=True)
+    #: the evaluation loader's per-device batch size (``Epochs.evaluation_batch_at``)
+    evaluation_batch: int = dataclasses.field(default=1, kw_only=True)
     #: ``(value, dtype=None) ->`` the evaluation metric the framework reported after an epoch
     #: (the mean of the objective's terms over the whole evaluation set, :meth:`metric_of`):
     #: call it after the epoch's last :attr:`record`, on every rank that reports one

@@ -563,6 +563,11 @@ def fit_data_path(
         evaluation=None
         if evaluation is None
         else SampleDataset(*(to_rank_device(t) for t in evaluation)),
+        evaluation_batch=1
+        if scenario.epochs is None
+        else scenario.epochs.evaluation_batch_at(
+            scenario.global_batch, scenario.accumulation, world_size
+        ),
         evaluated=owned.evaluated,
     )
     owned.fit(lambda: fit_epochs(module, run))

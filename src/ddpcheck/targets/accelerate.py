@@ -165,7 +165,6 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
         given = vars(self)["_given"]
         if scenario.epochs is not None:
             why = _data_path_cannot_run(scenario, _even_batches(given))
-            why = why or _drops_evaluation(scenario, self.evaluation_drop_last)
             if why is not None:
                 return why
         sync_each_batch = bool(
@@ -180,12 +179,13 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
 
     def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
         """A scenario with epochs whose micro-batch ``world_size`` does not divide: no per-device
-        batch size gives it (and split_batches refuses it)."""
+        batch size gives it (and split_batches refuses it); or whose evaluation set an
+        evaluation loader with ``drop_last`` would not evaluate whole."""
         if scenario.epochs is None:
             return None
         return _indivisible(
             scenario.global_batch // scenario.accumulation, world_size, self.splits_batches()
-        )
+        ) or _drops_evaluation(scenario, world_size, self.evaluation_drop_last)
 
     def splits_batches(self) -> bool:
         """Whether the user's configuration means batches split across the ranks -- the
@@ -324,15 +324,12 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
         accelerator = self.accelerator(module)
         per_device = micro if self.splits_batches() else micro // run.world_size
         loader = DataLoader(run.dataset, batch_size=per_device)
-        evaluation = (
-            []
-            if run.evaluation is None
-            else [
-                DataLoader(
-                    run.evaluation, batch_size=per_device, drop_last=self.evaluation_drop_last
-                )
-            ]
-        )
+        evaluation = []
+        if run.evaluation is not None:  # its batch split across the ranks, as the training's
+            batch = run.evaluation_batch * (run.world_size if self.splits_batches() else 1)
+            evaluation.append(
+                DataLoader(run.evaluation, batch_size=batch, drop_last=self.evaluation_drop_last)
+            )
         model, optimizer, loader, *evaluation = accelerator.prepare(
             module, run.optimizer(run.params, **run.optimizer_kwargs), loader, *evaluation
         )
@@ -473,16 +470,21 @@ def _data_path_cannot_run(scenario: Scenario, even_batches: bool) -> str | None:
     return None
 
 
-def _drops_evaluation(scenario: Scenario, drop_last: bool) -> str | None:
+def _drops_evaluation(scenario: Scenario, world_size: int, drop_last: bool) -> str | None:
     """Why an evaluation loader with ``drop_last`` does not evaluate all of ``scenario``'s
-    evaluation set, by torch's and accelerate's documented convention; None when it does."""
+    evaluation set at ``world_size``, by torch's and accelerate's documented convention; None
+    when it does."""
     epochs = scenario.epochs
-    evaluation = None if epochs is None else epochs.evaluation
-    micro = scenario.global_batch // scenario.accumulation  # per device x W, or split
-    if not drop_last or evaluation is None or evaluation % micro == 0:
+    if not drop_last or epochs is None or epochs.evaluation is None:
+        return None
+    per_device = epochs.evaluation_batch_at(
+        scenario.global_batch, scenario.accumulation, world_size
+    )
+    if epochs.evaluation % (per_device * world_size) == 0:
         return None
     return (
-        f"an evaluation set of {evaluation} samples in batches of {micro} across the ranks "
+        f"an evaluation set of {epochs.evaluation} samples in batches of "
+        f"{per_device * world_size} across the ranks "
         "with drop_last=True: torch's DataLoader drops \"the last incomplete batch, if the "
         "dataset size is not divisible by the batch size\", and accelerate's sharded loader "
         "every batch that leaves some process without one: the metric is over fewer samples "

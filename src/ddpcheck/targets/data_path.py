@@ -102,11 +102,12 @@ class SamplerDataPath(Target):
     def evaluation_loader(
         self, run: EpochRun, rank: int, world_size: int
     ) -> DataLoader[tuple[torch.Tensor, torch.Tensor, int]]:
-        """This rank's share of the evaluation set, in per-device batches: samples ``rank, rank
-        + W, ...`` -- no padding, a last batch as short as it comes."""
+        """This rank's share of the evaluation set, in per-device batches
+        (``run.evaluation_batch``): samples ``rank, rank + W, ...`` -- no padding, a last batch
+        as short as it comes."""
         assert run.evaluation is not None
         share = Subset(run.evaluation, range(rank, len(run.evaluation), world_size))
-        return DataLoader(share, batch_size=self.per_device_batch(run, world_size))
+        return DataLoader(share, batch_size=run.evaluation_batch)
 
     def evaluation_model(self, model: nn.Module) -> nn.Module:
         """What evaluates: the module DDP wraps, whose forward communicates nothing (DDP's

@@ -326,12 +326,13 @@ class LightningTarget(ddp_options.TorchDDPFramework):
         return torch.utils.data.DataLoader(run.dataset, batch_size=per_device, sampler=sampler)
 
     def evaluation_loader(self, run: EpochRun) -> torch.utils.data.DataLoader[Any]:
-        """The validation ``DataLoader``: the per-device batch and a ``DistributedSampler``
-        without shuffling, what Lightning's own for validation is."""
+        """The validation ``DataLoader``: the evaluation's per-device batch and a
+        ``DistributedSampler`` without shuffling, what Lightning's own for validation is."""
         assert run.evaluation is not None
         sampler: DistributedSampler[Any] = DistributedSampler(run.evaluation, shuffle=False)
-        per_device = run.global_batch // run.accumulation // run.world_size
-        return torch.utils.data.DataLoader(run.evaluation, batch_size=per_device, sampler=sampler)
+        return torch.utils.data.DataLoader(
+            run.evaluation, batch_size=run.evaluation_batch, sampler=sampler
+        )
 
     def _trainer(
         self,
