@@ -40,6 +40,10 @@ class's name under ``"class"``::
                              "find_unused_parameters": True, "gradient_as_bucket_view": True}]})
     # ddpcheck check accelerate --config accelerate.json  (the same, as a JSON file)
 
+Over a scenario's epochs the target runs accelerate's own data path
+(:meth:`AccelerateTarget.fit_epochs`) and, with an evaluation set, evaluates it after every epoch, gathering each sample's
+terms with ``gather_for_metrics`` (:meth:`AccelerateTarget.evaluate`).
+
 Imports accelerate only inside the hooks (and, given a config, to check it where it is built).
 """
 

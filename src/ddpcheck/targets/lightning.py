@@ -33,7 +33,11 @@ sampler "will add ``shuffle=True`` for the train sampler", where the reference w
 in index order), ``training_step`` returning each batch's mean loss; the Trainer decides when it
 steps, and every step it takes is recorded. Declined, quoting Lightning: an epoch's short last
 window under accumulation (:data:`SCALED_BY_ACCUMULATION`; ``bench/lightning_short_window.py``),
-and the sampler's padding (``data_path.sampler_cannot_run``).
+and the sampler's padding (``data_path.sampler_cannot_run``). With an evaluation set,
+``validation_step`` logs each batch's mean of the objective's terms for the epoch with
+``sync_dist=True`` over a validation loader with a ``DistributedSampler``, and the callback hands
+the logged value to ``run.evaluated`` after every validation run; a set W does not divide is
+declined (:data:`REPLICATES_SAMPLES`, Lightning's own warning).
 
 **Your own configuration** (``config``: the keyword arguments of ``Trainer(**config)``, a dict or
 the path of a JSON file holding one; the rule: ``ddpcheck.targets.configuration``). The
