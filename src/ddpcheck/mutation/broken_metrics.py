@@ -10,7 +10,6 @@ them, and only on scenarios with an evaluation set (``Epochs.evaluation``); the 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
@@ -33,7 +32,7 @@ class PaddingCountedTarget(TorchDDPTarget):
         self, run: EpochRun, rank: int, world_size: int
     ) -> DataLoader[tuple[torch.Tensor, torch.Tensor, int]]:
         assert run.evaluation is not None
-        sampler: DistributedSampler[Any] = DistributedSampler(
+        sampler: DistributedSampler[tuple[torch.Tensor, torch.Tensor, int]] = DistributedSampler(
             run.evaluation, num_replicas=world_size, rank=rank, shuffle=False
         )  # the bug: drop_last=False pads the ranks' shares with repeated samples
         return DataLoader(run.evaluation, batch_size=run.evaluation_batch, sampler=sampler)

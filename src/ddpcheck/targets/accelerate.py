@@ -41,8 +41,9 @@ class's name under ``"class"``::
     # ddpcheck check accelerate --config accelerate.json  (the same, as a JSON file)
 
 Over a scenario's epochs the target runs accelerate's own data path
-(:meth:`AccelerateTarget.fit_epochs`) and, with an evaluation set, evaluates it after every epoch, gathering each sample's
-terms with ``gather_for_metrics`` (:meth:`AccelerateTarget.evaluate`).
+(:meth:`AccelerateTarget.fit_epochs`) and, with an evaluation set, evaluates it after every
+epoch, gathering each sample's terms with ``gather_for_metrics``
+(:meth:`AccelerateTarget.evaluate`).
 
 Imports accelerate only inside the hooks (and, given a config, to check it where it is built).
 """
@@ -359,7 +360,11 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
                 self.evaluate(accelerator, model, run, evaluation_loader)
 
     def evaluate(
-        self, accelerator: Accelerator, model: nn.Module, run: EpochRun, loader: Iterable[Any]
+        self,
+        accelerator: Accelerator,
+        model: nn.Module,
+        run: EpochRun,
+        loader: Iterable[Sequence[torch.Tensor]],
     ) -> None:
         """After an epoch: the prepared evaluation loader, each sample's terms and count
         gathered and their ratio reported. Where the loader evens out the ranks' batches --

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
@@ -97,6 +97,8 @@ if TYPE_CHECKING:
 
 #: One micro-batch as the loop feeds it: ``(x, y, scale)``.
 MicroBatch = tuple[torch.Tensor, torch.Tensor, float]
+#: One sample of a scenario's dataset or evaluation set: ``(x, y, index)``.
+Sample = tuple[torch.Tensor, torch.Tensor, int]
 
 __all__ = ["HARNESS_KEYS", "SCALED_BY_ACCUMULATION", "SCENARIO_KEYS", "LightningTarget"]
 
@@ -329,11 +331,11 @@ class LightningTarget(ddp_options.TorchDDPFramework):
         per_device = run.global_batch // run.accumulation // run.world_size
         return torch.utils.data.DataLoader(run.dataset, batch_size=per_device, sampler=sampler)
 
-    def evaluation_loader(self, run: EpochRun) -> torch.utils.data.DataLoader[Any]:
+    def evaluation_loader(self, run: EpochRun) -> torch.utils.data.DataLoader[Sample]:
         """The validation ``DataLoader``: the evaluation's per-device batch and a
         ``DistributedSampler`` without shuffling, what Lightning's own for validation is."""
         assert run.evaluation is not None
-        sampler: DistributedSampler[Any] = DistributedSampler(run.evaluation, shuffle=False)
+        sampler: DistributedSampler[Sample] = DistributedSampler(run.evaluation, shuffle=False)
         return torch.utils.data.DataLoader(
             run.evaluation, batch_size=run.evaluation_batch, sampler=sampler
         )
@@ -650,8 +652,8 @@ def _epoch_module(
     if run.evaluation is None:
         return EpochModule()
 
-    class EvaluatingModule(EpochModule):  # type: ignore[misc,valid-type]
-        def validation_step(self, batch: Any, batch_idx: int) -> None:
+    class EvaluatingModule(EpochModule):
+        def validation_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> None:
             terms = run.evaluation_terms(self.net, batch)
             self.log(
                 LOGGED_METRIC,
