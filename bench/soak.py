@@ -46,7 +46,10 @@ and float32, ``param-dtype`` opted in), in Hypothesis's derandomized order.
 batches and windows), drawn from ``strategies.exercising("epochs")`` in float64 and float32, over
 ``parallel`` and ``torch_fsdp`` (the harness's split) and ``torch_ddp``, ``torch_zero`` and
 ``accelerate`` (their own ``DistributedSampler`` or ``DataLoader``); an example a data path
-declines in its ranks (a sampler's padding) counts as skipped.
+declines in its ranks (a sampler's padding) counts as skipped. Half of them evaluate an
+evaluation set after every epoch: "evaluation metric judged" counts the examples whose target
+reported the metric the oracle judged (``torch_ddp``, ``torch_zero``, ``accelerate``,
+``lightning``).
 
 Each scenario is checked by every target at every world size (9 examples), sharing one reference.
 """
@@ -131,6 +134,12 @@ PRECISIONS = [
     ("float32", {"param_dtype": torch.bfloat16}),
     ("float32", {"param_dtype": torch.bfloat16}),
 ]
+
+
+def _evaluates(sc: Scenario) -> bool:
+    """Whether ``sc`` has an evaluation set (a data path that reports a metric is judged on it
+    after every epoch)."""
+    return sc.epochs is not None and sc.epochs.evaluation is not None
 
 
 def drawn_token_scenarios(n: int, world_size: int, feature: str = "tokens") -> list[Scenario]:
@@ -540,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
                         used[f"policy {sc.autocast or sc.param_dtype}"] += 1
                     if target is PARALLEL_STRIDED:
                         used["owns its batch"] += 1
+                    if getattr(target, "reports_metric", False) and _evaluates(sc):
+                        used["evaluation metric judged"] += 1
                     if ran % 500 == 0:
                         print(
                             f"  {ran} examples, {len(divergences)} divergences, "

@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, find, given, settings
 
 import ddpcheck
 from ddpcheck import features, strategies
-from ddpcheck._language.epochs import step_samples, window
+from ddpcheck._language.epochs import ends_epoch, step_samples, window
 from ddpcheck._language.messages import scenario_line
 from ddpcheck._oracle.consumed import FOREIGN, check_consumed
 from ddpcheck._oracle.sample_weights import DROPPED, DUPLICATED
@@ -111,3 +111,47 @@ def test_a_replaced_field_keeps_the_epochs_consistent():
     with pytest.raises(ddpcheck.InvalidArgument, match="disagrees with the epochs"):
         dataclasses.replace(TEN, global_batch=2)  # steps=6 given, 10 samples / 2 make 10
     assert dataclasses.replace(TEN, global_batch=2, steps=2).steps == 10  # the default: derived
+
+
+#: TEN with an evaluation set of 7 samples in per-device batches of 2.
+EVALUATED = dataclasses.replace(
+    TEN, epochs=ddpcheck.Epochs(samples=10, epochs=2, evaluation=7, evaluation_batch=2)
+)
+
+
+def test_an_evaluation_set_is_drawn_apart_and_evaluated_after_each_epoch():
+    x, _ = ddpcheck.scenario.evaluation_set(EVALUATED)
+    assert len(x) == 7 and not x[:7].equal(ddpcheck.scenario.dataset(EVALUATED)[0][:7])
+    assert ddpcheck.scenario.evaluation_set(TEN) is None
+    assert [ends_epoch(EVALUATED.epochs, 4, s) for s in range(6)] == [False, False, True] * 2
+    assert eval(repr(EVALUATED), {"ddpcheck": ddpcheck}) == EVALUATED
+    assert "N=10 epochs=2 eval=7 eval_batch=2" in scenario_line(EVALUATED)
+    # its per-device batch: its own, or the training micro-batch's per device
+    assert EVALUATED.epochs.evaluation_batch_at(4, 2, 2) == 2
+    assert ddpcheck.Epochs(samples=10, evaluation=3).evaluation_batch_at(12, 2, 3) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"evaluation": 0}, r"Epochs\(evaluation=0\) must be None or an integer >= 1"),
+        ({"evaluation": 3, "evaluation_batch": 0}, r"evaluation_batch=0\) must be None or"),
+        ({"evaluation_batch": 2}, r"evaluation_batch=2\) needs an evaluation set"),
+    ],
+)
+def test_bad_evaluation_sets_are_refused(kwargs, message):
+    with pytest.raises(ddpcheck.InvalidArgument, match=message):
+        ddpcheck.Epochs(samples=10, **kwargs)
+
+
+def test_the_strategies_draw_evaluation_sets_with_an_uneven_last_batch():
+    def uneven(scenario):  # at W=2: no multiple of the per-device batch x 2
+        epochs = scenario.epochs
+        if epochs is None or epochs.evaluation is None:
+            return False
+        batch = epochs.evaluation_batch_at(scenario.global_batch, scenario.accumulation, 2)
+        return batch > 1 and epochs.evaluation % (2 * batch) != 0
+
+    settings_ = settings(database=None, suppress_health_check=list(HealthCheck), deadline=None)
+    found = find(strategies.exercising("epochs", world_size=2), uneven, settings=settings_)
+    assert found.epochs.evaluation is not None

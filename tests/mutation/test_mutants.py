@@ -42,6 +42,7 @@ def test_the_catalogue_has_one_seeded_bug_per_class_it_covers():
             assert module in (
                 "ddpcheck.mutation.broken_loop",
                 "ddpcheck.mutation.broken_data",
+                "ddpcheck.mutation.broken_metrics",
                 "ddpcheck.mutation.broken_tp",
                 "ddpcheck.mutation.broken_pp",
             )
@@ -134,11 +135,13 @@ def test_every_mutant_is_killed_and_the_unmutated_target_passes(capsys):
     for name in ("IgnoresSplit", "DividesBatchTwice", "PadsCounted"):
         row = next(r for r in rows if r.startswith(f"| {name} "))
         assert re.search(r": sample (of another step|dropped|duplicated) sample \d+", row), row
-    # the loop hooks' mutants, each named by what only it breaks
+    # the loop hooks' mutants, each named by what only it breaks; the metrics', by the metric
     for name, kind in (
         ("StepsInsideWindow", "stepped inside accumulation window"),
         ("ReducesTwiceZero2", "communication over budget"),
         ("SkipsFirstReduce", "replicas differ"),
+        ("PaddingCountedMetric", "metric differs"),
+        ("DropsUnevenLastBatch", "metric differs"),
     ):
         row = next(r for r in rows if r.startswith(f"| {name} "))
         assert kind in row, row
@@ -202,9 +205,15 @@ def test_the_shrinking_search_reports_minimal_random_counterexamples():
         r"step 0: reference differs \(gradient\) head.weight",
         out,
     ), out
+    # (or, found first at W=1, the smallest run that leaves W=1: one step, a checkpoint after it
+    # resumed at W=2 -- which of the two the search meets first moves with the strategies' draws)
     assert re.search(
         r"\| EveryRankStepsEverything .*random\[.* B=1 steps=1\] W=2 "
         r"step 0: optimizer state misplaced",
+        out,
+    ) or re.search(
+        r"\| EveryRankStepsEverything .*random\[head \w+ B=1 steps=2 ckpt@0->W=2\] W=1 "
+        r"step 1: optimizer state misplaced",
         out,
     ), out
     # (a layer used "by some samples" that the one sample skips is unused everywhere: no gradient;

@@ -73,7 +73,8 @@ def mesh_notes(request: Request, target_spec: str) -> list[str]:
 
 def losses(target: object) -> str:
     """Which losses were checked: every step's where the harness sees it computed, and the one
-    the target reports if it reports one; never more than was."""
+    the target reports if it reports one; and, for a target with its own data path over epochs,
+    whether the evaluation metric it reports after every epoch was; never more than was."""
     seen = getattr(target, "step_losses_seen", True)
     reports = getattr(target, "reports_loss", False)
     text = {
@@ -86,4 +87,10 @@ def losses(target: object) -> str:
     }[seen, reports]
     if callable(getattr(target, "fit_epochs", None)):
         text += " (not over epochs, where its framework's data path computes them)"
+        text += (
+            "; over epochs, the evaluation metric it reports checked after every epoch"
+            if getattr(target, "reports_metric", False)
+            else "; over epochs it reports no evaluation metric (EpochRun.evaluated: "
+            "docs/targets.md)"
+        )
     return text

@@ -104,7 +104,9 @@ BATTERY: list[tuple[str, Scenario]] = [
         ),
     ),
     # 26 samples in steps of 24: the epoch ends with 2 samples in a window of one micro-batch,
-    # and W=3 and W=4 do not divide the dataset (a sampler pads, or drops, to even out the ranks)
+    # and W=3 and W=4 do not divide the dataset (a sampler pads, or drops, to even out the ranks);
+    # an evaluation set of 13 after the epoch, in batches of 12 across the ranks: at W=2 shares
+    # of 7 and 6, one padded sample, a last batch on one rank only
     (
         "epochs-short-last",
         Scenario(
@@ -113,7 +115,7 @@ BATTERY: list[tuple[str, Scenario]] = [
             global_batch=24,
             accumulation=2,
             seed=14,
-            epochs=Epochs(samples=26),
+            epochs=Epochs(samples=26, evaluation=13),
         ),
     ),
     (

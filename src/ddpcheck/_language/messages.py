@@ -165,11 +165,18 @@ def _shape(model: object) -> str:
 
 
 def _epochs(scenario: Scenario) -> list[str]:
-    """``N=10``, and ``epochs=2`` when more than one: a scenario's dataset, if it has one."""
+    """``N=10``, ``epochs=2`` when more than one, ``eval=7`` with an evaluation set (and
+    ``eval_batch=2`` with its own batch): a scenario's dataset, if it has one."""
     if scenario.epochs is None:
         return []
     many = scenario.epochs.epochs > 1
-    return [f"N={scenario.epochs.samples}"] + ([f"epochs={scenario.epochs.epochs}"] if many else [])
+    evaluation = scenario.epochs.evaluation
+    return (
+        [f"N={scenario.epochs.samples}"]
+        + ([f"epochs={scenario.epochs.epochs}"] if many else [])
+        + ([] if evaluation is None else [f"eval={evaluation}"])
+        + ([] if (b := scenario.epochs.evaluation_batch) is None else [f"eval_batch={b}"])
+    )
 
 
 #: How :func:`scenario_line` abbreviates a tensor-parallel plan's styles.

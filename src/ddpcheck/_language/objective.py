@@ -46,6 +46,7 @@ __all__ = [
     "is_token_loss",
     "micro_batch_loss",
     "per_sample_loss",
+    "sample_terms",
     "summed",
     "terms",
     "tokens",
@@ -106,6 +107,25 @@ def summed(scenario: object, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+
+
+def sample_terms(scenario: object, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Each sample's summed terms and its number of terms, ``(B, 2)`` in the loss's dtype: what an
+    evaluation loop computes per sample and gathers, so that the mean of the terms over a whole
+    evaluation set -- the first column summed over the second -- counts each sample once."""
+    if not is_token_loss(scenario):
+        losses = per_sample_loss(out, y)
+        return torch.stack([losses, torch.ones_like(losses)], dim=1)
+    wide = torch.promote_types(out.dtype, torch.float32)
+    each = F.cross_entropy(
+        out.reshape(-1, out.shape[-1]).to(wide),
+        y.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    ).reshape(y.shape[0], -1)
+    counted = terms(scenario, y)
+    assert counted is not None  # a token loss
+    return torch.stack([each.sum(dim=1), counted.to(each.dtype)], dim=1)
 
 
 def check_output(scenario: object, out: torch.Tensor, y: torch.Tensor) -> str | None:

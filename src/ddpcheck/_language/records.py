@@ -123,6 +123,12 @@ class StepRecord:
     #: the dtype the reported loss was computed in ("float32": a framework's float32 running
     #: loss), which bounds its precision; None: exact as far as float64 goes
     reported_dtype: str | None = None
+    #: the evaluation metric after the step -- the mean of the objective's terms over the
+    #: scenario's evaluation set (``ddpcheck._language.epochs``) -- at an epoch's last step:
+    #: the reference's own, or what the target reported (``EpochRun.evaluated``); None: none
+    metric: float | None = None
+    #: the dtype the reported metric was computed in (as ``reported_dtype``)
+    metric_dtype: str | None = None
 
 
 @dataclasses.dataclass

@@ -50,6 +50,7 @@ __all__ = [
     "data_parallel_degree",
     "data_rank",
     "dataset",
+    "evaluation_set",
     "global_batch",
     "local_micro_batches",
     "micro_batches_of",
@@ -373,6 +374,19 @@ def dataset(scenario: Scenario) -> tuple[torch.Tensor, torch.Tensor]:
     if scenario.epochs is None:
         raise ValueError("dataset() needs a scenario with epochs")
     return scenario.data(scenario.seed * 1_000, scenario.epochs.samples, scenario.torch_dtype)
+
+
+#: The evaluation set's data seed, past the dataset's (``seed * 1000``): no step draws it.
+_EVALUATION_SEED = 999
+
+
+def evaluation_set(scenario: Scenario) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The evaluation set of a scenario with epochs that evaluates (``Epochs.evaluation``
+    samples, drawn once from its data, apart from the dataset); None without one."""
+    if scenario.epochs is None or scenario.epochs.evaluation is None:
+        return None
+    seed = scenario.seed * 1_000 + _EVALUATION_SEED
+    return scenario.data(seed, scenario.epochs.evaluation, scenario.torch_dtype)
 
 
 def batch_size_of(scenario: Scenario, step: int) -> int:

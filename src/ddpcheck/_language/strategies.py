@@ -354,7 +354,10 @@ def _with_epochs(
     multiple of the accumulation -- at a known ``world_size``, in half of them a micro-batch W
     divides, which a framework's own data path needs (a per-device batch size) -- 1 to
     ``most_steps`` steps per epoch the last of which is full (shrinking towards it) or holds 1 to
-    B - 1 samples, and as many epochs as the steps allow."""
+    B - 1 samples, as many epochs as the steps allow, and in half of them (shrinking towards
+    none) an evaluation set of 1 to 3 micro-batches' samples, in the training's per-device batch
+    or one of 1-4 of its own: mostly no multiple of the per-device batch x W, so its last batch is
+    uneven."""
     accumulation = scenario.accumulation
     micro = max(1, scenario.global_batch // accumulation)
     if world_size is not None and world_size > 1:
@@ -364,11 +367,15 @@ def _with_epochs(
     last = batch if batch == 1 else draw(st.one_of(st.just(batch), st.integers(1, batch - 1)))
     samples = (per_epoch - 1) * batch + last
     epochs = draw(st.integers(1, max(1, most_steps // per_epoch)))
+    evaluation = draw(st.one_of(st.none(), st.integers(1, 3 * micro)))
+    evaluation_batch = None
+    if evaluation is not None:  # a loader's own per-device batch, or the training one's
+        evaluation_batch = draw(st.one_of(st.none(), st.integers(1, 4)))
     return dataclasses.replace(
         scenario,
         global_batch=batch,
         steps=epochs * per_epoch,
-        epochs=Epochs(samples=samples, epochs=epochs),
+        epochs=Epochs(samples, epochs, evaluation=evaluation, evaluation_batch=evaluation_batch),
     )
 
 

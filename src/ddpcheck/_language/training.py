@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ddpcheck._language import objective
-from ddpcheck._language.scenario import Scenario
+from ddpcheck._language.scenario import Scenario, evaluation_set
 
 if TYPE_CHECKING:  # torch.distributed.device_mesh loads when a scenario on a mesh runs
     from torch.distributed.device_mesh import DeviceMesh
@@ -49,6 +49,7 @@ __all__ = [
     "OptimizerLike",
     "Params",
     "SchedulerLike",
+    "evaluation_metric",
     "make_scheduler",
     "micro_batch_loss",
     "optimizer_kwargs",
@@ -275,6 +276,15 @@ class EpochRun(FitRun):
     world_size: int
     #: ``indices ->`` note the samples of one micro-batch this rank consumed (the harness's)
     consumed: Callable[[list[int]], None]
+    #: the evaluation set (``Epochs.evaluation`` samples, ``(x, y, index)`` as :attr:`dataset`);
+    #: None: the scenario evaluates nothing
+    evaluation: SampleDataset | None = dataclasses.field(default=None, kw_only=True)
+    #: the evaluation loader's per-device batch size (``Epochs.evaluation_batch_at``)
+    evaluation_batch: int = dataclasses.field(default=1, kw_only=True)
+    #: ``(value, dtype=None) ->`` the evaluation metric the framework reported after an epoch
+    #: (the mean of the objective's terms over the whole evaluation set, :meth:`metric_of`):
+    #: call it after the epoch's last :attr:`record`, on every rank that reports one
+    evaluated: Callable[..., None] = dataclasses.field(default=_nothing, kw_only=True)
 
     @property
     def steps(self) -> int:
@@ -293,6 +303,47 @@ class EpochRun(FitRun):
         self.consumed([int(i) for i in indices])
         summed = objective.micro_batch_loss(self.scenario, model, x, y)
         return summed / max(objective.count(self.scenario, y), 1)
+
+    def evaluation_terms(self, model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Each sample's summed terms of the objective and its number of terms, ``(n, 2)``, for
+        one evaluation batch ``(x, y, indices)``, as a user's evaluation loop computes them:
+        without gradients, under the precision policy. Gathered across the ranks, each sample
+        once, they give the metric (:meth:`metric_of`)."""
+        x, y, _ = batch
+        with torch.no_grad():
+            return objective.sample_terms(
+                self.scenario, objective.forward(self.scenario, model, x), y
+            )
+
+    @staticmethod
+    def metric_of(terms: torch.Tensor) -> torch.Tensor:
+        """The metric of per-sample terms ``(n, 2)`` (:meth:`evaluation_terms`, gathered): the
+        mean of the objective's terms, each sample counted once."""
+        return terms[:, 0].sum() / terms[:, 1].sum()
+
+
+def evaluation_metric(
+    scenario: Scenario, model: nn.Module, *, emulate: bool = False
+) -> float | None:
+    """The scenario's evaluation metric for ``model`` (None: no evaluation set), as the reference
+    computes it: the mean of the objective's terms over the whole evaluation set, in one
+    forward without gradients, in eval mode as an evaluation loop runs it (``emulate``: the
+    reference's ``param_dtype`` policy)."""
+    found = evaluation_set(scenario)
+    if found is None:
+        return None
+    x, y = found
+    device = next(model.parameters()).device
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            summed = objective.micro_batch_loss(
+                scenario, model, x.to(device), y.to(device), emulate=emulate
+            )
+    finally:
+        model.train(training)
+    return float(summed.double()) / max(objective.count(scenario, y), 1)
 
 
 def optimizer_kwargs(target: object, model: nn.Module, kwargs: dict) -> dict:

@@ -24,7 +24,8 @@ Invariant: :func:`compare` returns one of three verdicts, never a mix --
    only when check 1 ran and found them bitwise identical to it. First, at every step (even one 6
    cannot judge), the ranks' batch plans weigh each sample as the reference (``sample_weights``);
    and the step's loss -- every rank's micro-batch losses summed over W, and each loss a target
-   reports -- is the reference's (``ddpcheck._oracle.losses``);
+   reports -- is the reference's (``ddpcheck._oracle.losses``), and so is the evaluation metric a
+   target reports after an epoch (``ddpcheck._oracle.metrics``);
 3. the optimizer state the ranks hold matches the reference's, every parameter with reference
    state has it on some rank, and -- for a target that shards optimizer state -- on exactly one;
    so does the LR schedule (``ddpcheck._oracle.compare``);
@@ -74,6 +75,7 @@ from ddpcheck._oracle.consumed import STEPS_DIFFER as STEPS_DIFFER
 from ddpcheck._oracle.consumed import data_path_rows, step_counts
 from ddpcheck._oracle.losses import check_losses
 from ddpcheck._oracle.mesh_axes import along_axes
+from ddpcheck._oracle.metrics import check_metric
 from ddpcheck._oracle.reference import Reference, reference_run
 from ddpcheck._oracle.rows import (
     CHAOTIC,
@@ -263,8 +265,9 @@ def _compare_step(
     earlier_steps: int,
 ) -> list[Divergence]:
     """One step's numbers (``compare``, once the objective and the window were found right):
-    gradients, parameters and buffers, the step's loss (``ddpcheck._oracle.losses``), the
-    shards, the optimizer state and the schedule, the communication budget."""
+    gradients, parameters and buffers, the step's loss (``ddpcheck._oracle.losses``) and
+    evaluation metric (``ddpcheck._oracle.metrics``), the shards, the optimizer state and the
+    schedule, the communication budget."""
     world_size, ref = len(records), reference.steps[step]
     replicas, against_ref = "replicas" in checks, "reference" in checks
     # a reduction narrower than promised first: it explains the numbers it rounded
@@ -291,6 +294,14 @@ def _compare_step(
         checks,
         lambda: None if (n := reference.noise(earlier_steps + step)) is None else n.loss,
         earlier_steps,
+    )
+    found += check_metric(
+        step,
+        records,
+        reference,
+        tol,
+        checks,
+        lambda: None if (n := reference.noise(earlier_steps + step)) is None else n.metric,
     )
     if replicas:
         found += compare_shards(step, world_size, records)

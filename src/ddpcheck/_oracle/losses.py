@@ -23,15 +23,13 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-import torch
-
 from ddpcheck._base.errors import Divergence
 from ddpcheck._language.records import RankRecord
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.tensor_parallel import mesh_shape
 from ddpcheck._oracle.reference import Reference
-from ddpcheck._oracle.rows import At, Named, reference_row
-from ddpcheck._oracle.tolerances import TOLERANCES
+from ddpcheck._oracle.rows import Named, scalar_row
+from ddpcheck._oracle.tolerances import in_reported_dtype
 
 __all__ = ["LOSS_DIFFERS", "LOSS_REPLICAS", "check_losses", "ranks_loss", "step_loss"]
 
@@ -97,81 +95,28 @@ def check_losses(
         got = value_of(step)
         if got is None:
             continue
-        widened = _in_dtype(tol, reference.compute_dtype, dtype)
+        widened = in_reported_dtype(tol, reference.compute_dtype, dtype)
         at = (step, earlier_steps)
-        row = _against_reference(at, world_size, rank, what, got, expected, widened, noise)
+        label = "loss" if rank is None else f"loss rank {rank} reports"
+        row = scalar_row(
+            at,
+            world_size,
+            rank,
+            Named(label, what, label),
+            LOSS_DIFFERS,
+            got,
+            expected,
+            widened,
+            noise,
+        )
         if row is not None:
             curve = _curves(reference, at, value_of)
             out.append(dataclasses.replace(row, detail=f"{row.detail}\n{curve}"))
     return out
 
 
-def _in_dtype(
-    tol: tuple[float, float], compute: torch.dtype, reported: str | None
-) -> tuple[float, float]:
-    """``tol`` (the step's, for the model's ``compute`` dtype) for a loss reported in a coarser
-    dtype -- a framework's float32 running loss over a float64 model -- as wide as that dtype's
-    (``tolerances.TOLERANCES``), at the same step and world size; else ``tol``."""
-    dtype = getattr(torch, reported, None) if reported else None
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        return tol
-    if torch.finfo(dtype).eps <= torch.finfo(compute).eps:
-        return tol
-    (rtol, atol), fallback = tol, TOLERANCES[torch.float32]
-    mine, theirs = TOLERANCES.get(compute, fallback), TOLERANCES.get(dtype, fallback)
-    return rtol * theirs[0] / mine[0], atol * theirs[1] / mine[1]
-
-
 def _reported_by(record: RankRecord) -> Callable[[int], float | None]:
     return lambda step: record.steps[step].reported_loss
-
-
-def _against_reference(
-    at: tuple[int, int],
-    world_size: int,
-    rank: int | None,
-    what: str,
-    got: float,
-    expected: float,
-    tol: tuple[float, float],
-    noise: Callable[[], float | None],
-) -> Divergence | None:
-    """``got`` against the reference's ``expected`` as any tensor is judged
-    (``rows.reference_row``), in float64: each loss was computed in the model's dtype and summed
-    exactly since. ``rank``: whose reported loss it is (None: the ranks' objective); ``at``:
-    ``(step, earlier steps)``, the step of these records and of the whole run before them."""
-    step, earlier = at
-
-    def spread() -> tuple[torch.Tensor | None, float]:
-        found = noise()
-        if found is None:
-            return None, 0.0
-        return torch.tensor(found, dtype=torch.float64), abs(expected)
-
-    label = "loss" if rank is None else f"loss rank {rank} reports"
-    row = reference_row(
-        At(step, world_size, 0 if rank is None else rank),
-        Named(label, what, label),
-        LOSS_DIFFERS,
-        torch.tensor(got, dtype=torch.float64),
-        torch.tensor(expected, dtype=torch.float64),
-        tol,
-        spread,
-    )
-    if row is None:
-        return None
-    row = dataclasses.replace(row, rank=rank)
-    if row.kind != LOSS_DIFFERS:
-        return row  # a NaN/inf or chaotic row, which says its own
-    scale = max(abs(expected), 1e-300)
-    ratio = f" ({got / expected:.4g}x)" if abs(expected) > 1e-12 else ""
-    return dataclasses.replace(
-        row,
-        max_abs=abs(got - expected),
-        max_rel=abs(got - expected) / scale,
-        detail=f"{what}: {got:.9g}, the reference's {expected:.9g}{ratio} at "
-        f"step {earlier + step}, W={world_size}",
-    )
 
 
 def _curves(

@@ -8,6 +8,8 @@ rank's target implements it). What it records is what a correct data-parallel ta
 the budgets a target's communication is held to are derived from the same model. A scenario with
 ``checkpoint_after`` trains uninterrupted, except that the gradients are dropped after that step, as
 a run resumed from a checkpoint has none.
+After an epoch's last step of a scenario with an evaluation set it records the evaluation metric
+of its own model (``StepRecord.metric``: ``training.evaluation_metric``).
 
 What the reference cannot pin down (:meth:`Reference.noise`): the same run computed in other,
 equally valid ways -- :data:`NOISE_VARIANTS`: the global batch accumulated in 2, 3, 4 and 5
@@ -36,6 +38,7 @@ import math
 
 import torch
 
+from ddpcheck._language.epochs import ends_epoch
 from ddpcheck._language.objective import count, tokens
 from ddpcheck._language.records import (
     StepRecord,
@@ -45,7 +48,7 @@ from ddpcheck._language.records import (
     snapshot,
 )
 from ddpcheck._language.scenario import Scenario, build_model, global_batch, make_param_groups
-from ddpcheck._language.training import Loop, make_scheduler, train
+from ddpcheck._language.training import Loop, evaluation_metric, make_scheduler, train
 
 __all__ = [
     "NOISE_VARIANTS",
@@ -121,6 +124,8 @@ class Noise:
     state: dict[str, torch.Tensor]
     #: the step's loss (the objective over the global batch before the step)
     loss: float = 0.0
+    #: the evaluation metric after the step (at an epoch's end; else 0)
+    metric: float = 0.0
 
 
 @dataclasses.dataclass
@@ -177,6 +182,7 @@ class Reference:
                     buffers,
                     _spread(_flat_state(record.state), [_flat_state(o.state) for o in others]),
                     max((abs(_loss(o) - _loss(record)) for o in others), default=0.0),
+                    max((abs(_metric(o) - _metric(record)) for o in others), default=0.0),
                 )
         return self.noise_cache.get(step)
 
@@ -280,6 +286,9 @@ def _train(
         # the step's loss: what a correct target reports, the objective over the global batch
         steps[-1].losses = losses[step]
         steps[-1].reported_loss = math.fsum(losses[step]) / variant.world
+        # an epoch's end: the evaluation set's metric, this model's (what a target must report)
+        if scenario.epochs is not None and ends_epoch(scenario.epochs, scenario.global_batch, step):
+            steps[-1].metric = evaluation_metric(scenario, model, emulate=True)
 
     train(
         scenario,
@@ -329,6 +338,10 @@ def _average_and_perturb(model: torch.nn.Module, variant: Variant, step: int) ->
 
 def _loss(record: StepRecord) -> float:
     return record.reported_loss if record.reported_loss is not None else 0.0
+
+
+def _metric(record: StepRecord) -> float:
+    return record.metric if record.metric is not None else 0.0
 
 
 def _flat_state(state: dict) -> dict[str, object]:

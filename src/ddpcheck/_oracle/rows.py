@@ -34,6 +34,7 @@ __all__ = [
     "non_finite",
     "reference_row",
     "replica_row",
+    "scalar_row",
     "when",
 ]
 
@@ -201,6 +202,56 @@ def reference_row(
             "top)",
         )
     return row
+
+
+def scalar_row(
+    at: tuple[int, int],
+    world_size: int,
+    rank: int | None,
+    named: Named,
+    kind: str,
+    got: float,
+    expected: float,
+    tol: tuple[float, float],
+    noise: Callable[[], float | None],
+) -> Divergence | None:
+    """A number the ranks computed or reported -- a loss, a metric -- against the reference's
+    ``expected``, judged as any tensor is (:func:`reference_row`), in float64: each was computed
+    in the model's dtype and summed exactly since. ``rank``: whose number it is (None: the
+    ranks' together); ``at``: ``(step, earlier steps)``, the step of these records and the steps
+    of the whole run before them; ``noise()``: the reference's own spread of the number over its
+    variants (None: unknown), asked only when the tolerance alone is exceeded."""
+    step, earlier = at
+
+    def spread() -> tuple[torch.Tensor | None, float]:
+        found = noise()
+        if found is None:
+            return None, 0.0
+        return torch.tensor(found, dtype=torch.float64), abs(expected)
+
+    row = reference_row(
+        At(step, world_size, 0 if rank is None else rank),
+        named,
+        kind,
+        torch.tensor(got, dtype=torch.float64),
+        torch.tensor(expected, dtype=torch.float64),
+        tol,
+        spread,
+    )
+    if row is None:
+        return None
+    row = dataclasses.replace(row, rank=rank)
+    if row.kind != kind:
+        return row  # a NaN/inf or chaotic row, which says its own
+    scale = max(abs(expected), 1e-300)
+    ratio = f" ({got / expected:.4g}x)" if abs(expected) > 1e-12 else ""
+    return dataclasses.replace(
+        row,
+        max_abs=abs(got - expected),
+        max_rel=abs(got - expected) / scale,
+        detail=f"{named.what}: {got:.9g}, the reference's {expected:.9g}{ratio} at "
+        f"step {earlier + step}, W={world_size}",
+    )
 
 
 def chaotic_row(

@@ -17,6 +17,7 @@ __all__ = [
     "RESOLUTION",
     "TOLERANCES",
     "close",
+    "in_reported_dtype",
     "noise_verdict",
     "scaled_atol",
     "tolerance",
@@ -49,6 +50,22 @@ def tolerance(dtype: torch.dtype, world_size: int, step: int) -> tuple[float, fl
     rtol, atol = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
     factor = (1 + math.log2(max(world_size, 1))) * (1 + step)
     return rtol * factor, atol * factor
+
+
+def in_reported_dtype(
+    tol: tuple[float, float], compute: torch.dtype, reported: str | None
+) -> tuple[float, float]:
+    """``tol`` (the step's, for the model's ``compute`` dtype) for a number reported in a coarser
+    dtype -- a framework's float32 running loss or logged metric over a float64 model -- as wide
+    as that dtype's (:data:`TOLERANCES`), at the same step and world size; else ``tol``."""
+    dtype = getattr(torch, reported, None) if reported else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        return tol
+    if torch.finfo(dtype).eps <= torch.finfo(compute).eps:
+        return tol
+    (rtol, atol), fallback = tol, TOLERANCES[torch.float32]
+    mine, theirs = TOLERANCES.get(compute, fallback), TOLERANCES.get(dtype, fallback)
+    return rtol * theirs[0] / mine[0], atol * theirs[1] / mine[1]
 
 
 def scaled_atol(ref: torch.Tensor, rtol: float, atol: float) -> float:

@@ -53,6 +53,7 @@ from ddpcheck._language.scenario import (
     Scenario,
     build_model,
     dataset,
+    evaluation_set,
     global_batch,
     make_param_groups,
 )
@@ -477,6 +478,17 @@ class _OwnedRecords:
         last = self.records.steps[-1]
         last.reported_loss, last.reported_dtype = _scalar(value, who), _dtype_of(value, dtype)
 
+    def evaluated(self, value: object, dtype: torch.dtype | None = None) -> None:
+        """The evaluation metric the framework reported after the step recorded last (an
+        epoch's last: ``EpochRun.evaluated``)."""
+        if not self.records.steps:
+            raise RuntimeError(
+                f"{type(self.target).__name__} called run.evaluated before any run.record"
+            )
+        who = f"{type(self.target).__name__}'s evaluation metric"
+        last = self.records.steps[-1]
+        last.metric, last.metric_dtype = _scalar(value, who), _dtype_of(value, dtype)
+
     def fit(self, fit: Callable[[], None]) -> None:
         """Run ``fit``, then the target's teardown (on what run.started was given)."""
         failed = True
@@ -559,9 +571,11 @@ def fit_data_path(
     started: float,
 ) -> RankRecord:
     """Run a target through its framework's own data path (``Target.fit_epochs(module, run)``)
-    over the scenario's dataset, recording what each step consumed: how many steps the
-    framework took, and which samples, is the oracle's to judge (``training.EpochRun``)."""
+    over the scenario's dataset, recording what each step consumed and the evaluation metric it
+    reports after each epoch: how many steps the framework took, which samples, and what it
+    evaluated, is the oracle's to judge (``training.EpochRun``)."""
     owned = _OwnedRecords(target, module, scenario, plans, bounded=False)
+    evaluation = evaluation_set(scenario)
     run = EpochRun(
         **_run_fields(scenario, module, owned),
         batches=[],
@@ -571,6 +585,15 @@ def fit_data_path(
         accumulation=scenario.accumulation,
         world_size=world_size,
         consumed=owned.consume,
+        evaluation=None
+        if evaluation is None
+        else SampleDataset(*(to_rank_device(t) for t in evaluation)),
+        evaluation_batch=1
+        if scenario.epochs is None
+        else scenario.epochs.evaluation_batch_at(
+            scenario.global_batch, scenario.accumulation, world_size
+        ),
+        evaluated=owned.evaluated,
     )
     owned.fit(lambda: fit_epochs(module, run))
     return owned.rank_record(rank, started)

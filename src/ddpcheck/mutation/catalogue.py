@@ -8,7 +8,8 @@ overriding one method (rarely two, always named in the docstring; ``broken_ddp``
 -- or whose batch plan (``Target.shard_batch``) is a hook of ``broken_batches`` carrying one bug
 of the training loop's data split or loss normalisation (A3, F1-F3, J1, J2), or whose target hooks
 ``save_checkpoint`` / ``load_checkpoint`` are those of a mixin of ``broken_checkpoint`` (E7, E8),
-or whose ``reported_loss`` is a mixin of ``broken_loss`` (family L: the loss a loop logs).
+or whose ``reported_loss`` is a mixin of ``broken_loss`` (family L: the loss a loop logs; its
+metrics, L6 and L7, are torch DDP's evaluation loop with one bug each, ``broken_metrics``).
 Family I (sharded parameters) is :class:`~ddpcheck.targets.TorchFSDPTarget` subclasses overriding
 one method (``broken_fsdp``), and so is J3 (a mixed-precision policy that reduces in bfloat16).
 Each docstring says what the bug is and which real report it mirrors. ``ddpcheck mutants``
@@ -55,6 +56,7 @@ from ddpcheck.mutation import broken_ddp as D
 from ddpcheck.mutation import broken_fsdp as F
 from ddpcheck.mutation import broken_loop as L
 from ddpcheck.mutation import broken_loss as R
+from ddpcheck.mutation import broken_metrics as M
 from ddpcheck.mutation import broken_optimizer as O
 from ddpcheck.mutation import broken_options as P
 from ddpcheck.mutation import broken_pp as PP
@@ -636,6 +638,26 @@ CATALOGUE += [
         "C1",
         "an epoch's short last window never syncs: its step runs on local gradients",
         B.LastMicroBatchUnreducedTarget(),
+        DATA_CONTROL,
+    ),
+]
+
+
+# Family L's metrics (``broken_metrics``): torch's DDP evaluating a scenario's evaluation set after
+# every epoch, every parameter right; only scenarios with an evaluation set reach them.
+CATALOGUE += [
+    Mutant(
+        "PaddingCountedMetric",
+        "L6",
+        "the evaluation sampler's padding counted in the metric: gather, not gather_for_metrics",
+        M.PaddingCountedTarget(),
+        DATA_CONTROL,
+    ),
+    Mutant(
+        "DropsUnevenLastBatch",
+        "L7",
+        "each rank's evaluation loader drops a short last batch: the uneven end lost on some ranks",
+        M.DropsUnevenLastBatchTarget(),
         DATA_CONTROL,
     ),
 ]

@@ -40,6 +40,11 @@ class's name under ``"class"``::
                              "find_unused_parameters": True, "gradient_as_bucket_view": True}]})
     # ddpcheck check accelerate --config accelerate.json  (the same, as a JSON file)
 
+Over a scenario's epochs the target runs accelerate's own data path
+(:meth:`AccelerateTarget.fit_epochs`) and, with an evaluation set, evaluates it after every
+epoch, gathering each sample's terms with ``gather_for_metrics``
+(:meth:`AccelerateTarget.evaluate`).
+
 Imports accelerate only inside the hooks (and, given a config, to check it where it is built).
 """
 
@@ -47,7 +52,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -134,8 +139,12 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
     split_batches: bool = True
     accumulation: int = 1  # the scenario's micro-batches per step, set by configure()
     config: Config = None  # Accelerator(**config): the module docstring
+    #: the evaluation ``DataLoader``'s ``drop_last`` (scenarios with an evaluation set)
+    evaluation_drop_last: bool = False
 
     steps_every_micro_batch = True
+    #: over epochs, it evaluates the scenario's evaluation set with ``gather_for_metrics``
+    reports_metric = True
 
     declined_features: ClassVar[Mapping[str, str]] = {
         "rank-orders": TORCH_DDP_ORDER,
@@ -175,12 +184,13 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
 
     def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
         """A scenario with epochs whose micro-batch ``world_size`` does not divide: no per-device
-        batch size gives it (and split_batches refuses it)."""
+        batch size gives it (and split_batches refuses it); or whose evaluation set an
+        evaluation loader with ``drop_last`` would not evaluate whole."""
         if scenario.epochs is None:
             return None
         return _indivisible(
             scenario.global_batch // scenario.accumulation, world_size, self.splits_batches()
-        )
+        ) or _drops_evaluation(scenario, world_size, self.evaluation_drop_last)
 
     def splits_batches(self) -> bool:
         """Whether the user's configuration means batches split across the ranks -- the
@@ -195,7 +205,8 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
         return self.split_batches
 
     def config_space(self) -> ConfigSpace:
-        """``split_batches=False`` (accelerate's default), and ``Accelerator`` keyword arguments
+        """``split_batches=False`` (accelerate's default), the evaluation loader's
+        ``drop_last=True`` (``evaluation_drop_last``), and ``Accelerator`` keyword arguments
         as ``config=`` keys (``ddpcheck.targets.option_space``): ``sync_each_batch`` (gradients
         reduced every micro-batch, not under ``no_sync``), the data path's ``dataloader_config``
         (``dispatch_batches``, ``even_batches``), and torch DDP's options through a
@@ -210,7 +221,7 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
             base={"class": "DistributedDataParallelKwargs", "find_unused_parameters": True},
         )
         return options(
-            fields={"split_batches": (False,)},
+            fields={"split_batches": (False,), "evaluation_drop_last": (True,)},
             config={
                 "gradient_accumulation_plugin": ({"sync_each_batch": True},),
                 "kwargs_handlers": ddp.map(lambda handler: [handler] if handler else {}),
@@ -316,11 +327,16 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
         if why is not None:  # asked to run what supports_at declines
             raise NothingChecked(f"AccelerateTarget declines this example: {why}")
         accelerator = self.accelerator(module)
-        loader = DataLoader(
-            run.dataset, batch_size=micro if self.splits_batches() else micro // run.world_size
-        )
-        model, optimizer, loader = accelerator.prepare(
-            module, run.optimizer(run.params, **run.optimizer_kwargs), loader
+        per_device = micro if self.splits_batches() else micro // run.world_size
+        loader = DataLoader(run.dataset, batch_size=per_device)
+        evaluation = []
+        if run.evaluation is not None:  # its batch split across the ranks, as the training's
+            batch = run.evaluation_batch * (run.world_size if self.splits_batches() else 1)
+            evaluation.append(
+                DataLoader(run.evaluation, batch_size=batch, drop_last=self.evaluation_drop_last)
+            )
+        model, optimizer, loader, *evaluation = accelerator.prepare(
+            module, run.optimizer(run.params, **run.optimizer_kwargs), loader, *evaluation
         )
         setattr(model, _ACCELERATOR, accelerator)
         setattr(optimizer, _ACCELERATOR, accelerator)
@@ -340,6 +356,46 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
                     if accelerator.sync_gradients:  # the optimizer stepped
                         run.record(model, optimizer, scheduler)
                     optimizer.zero_grad(set_to_none=run.set_to_none)
+            for evaluation_loader in evaluation:  # (none without an evaluation set)
+                self.evaluate(accelerator, model, run, evaluation_loader)
+
+    def evaluate(
+        self,
+        accelerator: Accelerator,
+        model: nn.Module,
+        run: EpochRun,
+        loader: Iterable[Sequence[torch.Tensor]],
+    ) -> None:
+        """After an epoch: the prepared evaluation loader, each sample's terms and count
+        gathered and their ratio reported. Where the loader evens out the ranks' batches --
+        ``even_batches=True`` (accelerate's default), or a loader that dispatches
+        (``dispatch_batches=True``: rank 0 loads each batch and slices it, "loop[ing] with
+        indices from the beginning" to complete the last one, as ``prepare_data_loader``'s
+        docstring says, whatever ``even_batches`` says) -- as accelerate's guide shows: every
+        batch's through ``gather_for_metrics``, which drops the samples repeated to complete the
+        last batch. Otherwise (``even_batches=False``) the ranks' last batches differ in size and
+        their batch counts may differ, so no collective can run per batch: each rank's terms
+        are gathered once after the loop, through ``gather_for_metrics(...,
+        use_gather_object=True)`` ("useful for gathering tensors with different sizes"), and
+        the module the DDP wrapper holds evaluates (its forward communicates nothing)."""
+        from accelerate.data_loader import DataLoaderDispatcher
+
+        even = bool(accelerator.even_batches) or isinstance(loader, DataLoaderDispatcher)
+        net = model if even else accelerator.unwrap_model(model)
+        net.eval()
+        gathered, local = [], []
+        for batch in loader:
+            terms = run.evaluation_terms(net, batch)
+            if even:
+                gathered.append(accelerator.gather_for_metrics(terms))
+            else:
+                local.append(terms)
+        net.train()
+        if not even:
+            mine = torch.cat(local) if local else torch.zeros(0, 2, dtype=torch.float64)
+            rows = accelerator.gather_for_metrics(mine, use_gather_object=True)
+            gathered = [torch.stack(list(rows)).reshape(-1, 2)]
+        run.evaluated(run.metric_of(torch.cat(gathered)))
 
     def make_scheduler(self, optimizer: OptimizerLike, gamma: float) -> SchedulerLike:
         prepared: AcceleratedOptimizer = optimizer  # what setup's prepare returned
@@ -421,6 +477,28 @@ def _data_path_cannot_run(scenario: Scenario, even_batches: bool) -> str | None:
             + f"; and {_SCALED_BY_ACCUMULATION}"
         )
     return None
+
+
+def _drops_evaluation(scenario: Scenario, world_size: int, drop_last: bool) -> str | None:
+    """Why an evaluation loader with ``drop_last`` does not evaluate all of ``scenario``'s
+    evaluation set at ``world_size``, by torch's and accelerate's documented convention; None
+    when it does."""
+    epochs = scenario.epochs
+    if not drop_last or epochs is None or epochs.evaluation is None:
+        return None
+    per_device = epochs.evaluation_batch_at(
+        scenario.global_batch, scenario.accumulation, world_size
+    )
+    if epochs.evaluation % (per_device * world_size) == 0:
+        return None
+    return (
+        f"an evaluation set of {epochs.evaluation} samples in batches of "
+        f"{per_device * world_size} across the ranks "
+        "with drop_last=True: torch's DataLoader drops \"the last incomplete batch, if the "
+        "dataset size is not divisible by the batch size\", and accelerate's sharded loader "
+        "every batch that leaves some process without one: the metric is over fewer samples "
+        "than the evaluation set"
+    )
 
 
 def _indivisible(micro: int, world_size: int, split: bool) -> str | None:

@@ -9,6 +9,13 @@ the window's last under the target's ``no_sync``, each loss normalised over the 
 whole window on every rank (their count all-reduced: the normalisation that is right whatever
 the split, as ``num_items_in_batch`` is), then the target's ``after_backward``, the clipping, the
 optimizer's and the schedule's step, ``zero_grad`` and ``after_step`` -- the harness's order.
+After every epoch, where the scenario has an evaluation set, each rank evaluates its share of
+it -- samples ``rank, rank + W, ...``, no padding, so the ranks' shares differ by a sample where W
+does not divide the set and their last batches are uneven (what accelerate's
+``even_batches=False`` yields) -- through the module DDP wraps (whose forward communicates
+nothing: the ranks may run different numbers of batches), sums each sample's terms of the
+objective and their count, all-reduces both once, and reports their ratio: every sample counted
+once (``EpochRun.evaluated``).
 
 What torch documents for a dataset W does not divide is another weighting than the reference's,
 so the target declines those examples in the rank (:class:`NothingChecked`, quoting it):
@@ -25,7 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from ddpcheck._base.errors import NothingChecked
 from ddpcheck._language.scenario import Scenario
@@ -47,6 +55,8 @@ class SamplerDataPath(Target):
 
     #: ``DistributedSampler(drop_last=...)``: torch's default
     sampler_drop_last: bool = False
+    #: it evaluates a scenario's evaluation set after every epoch (:meth:`evaluate`)
+    reports_metric = True
 
     def fit_epochs(self, module: nn.Module, run: EpochRun) -> None:
         world_size, rank = dist.get_world_size(), dist.get_rank()
@@ -71,6 +81,38 @@ class SamplerDataPath(Target):
             for window in self.windows(iter(loader), run.accumulation):
                 self.train_window(model, optimizer, run, window)
                 self.step(model, optimizer, scheduler, run)
+            self.evaluate(model, run)
+
+    def evaluate(self, model: nn.Module, run: EpochRun) -> None:
+        """After an epoch: this rank's share of the evaluation set (:meth:`evaluation_loader`)
+        through :meth:`evaluation_model`, each sample's terms and count summed, both all-reduced
+        once, and their ratio reported (nothing without an evaluation set)."""
+        if run.evaluation is None:
+            return
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        net = self.evaluation_model(model)
+        net.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=run.evaluation.x.device)
+        for batch in self.evaluation_loader(run, rank, world_size):
+            totals += run.evaluation_terms(net, batch).double().sum(dim=0)
+        net.train()
+        dist.all_reduce(totals)
+        run.evaluated(run.metric_of(totals.reshape(1, 2)))
+
+    def evaluation_loader(
+        self, run: EpochRun, rank: int, world_size: int
+    ) -> DataLoader[tuple[torch.Tensor, torch.Tensor, int]]:
+        """This rank's share of the evaluation set, in per-device batches
+        (``run.evaluation_batch``): samples ``rank, rank + W, ...`` -- no padding, a last batch
+        as short as it comes."""
+        assert run.evaluation is not None
+        share = Subset(run.evaluation, range(rank, len(run.evaluation), world_size))
+        return DataLoader(share, batch_size=run.evaluation_batch)
+
+    def evaluation_model(self, model: nn.Module) -> nn.Module:
+        """What evaluates: the module DDP wraps, whose forward communicates nothing (DDP's
+        broadcasts buffers), so that ranks may run different numbers of batches."""
+        return model.module if isinstance(model, DistributedDataParallel) else model
 
     def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
         """What the sampler weighs by its own convention, and a micro-batch no per-device batch

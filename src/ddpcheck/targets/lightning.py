@@ -33,7 +33,11 @@ sampler "will add ``shuffle=True`` for the train sampler", where the reference w
 in index order), ``training_step`` returning each batch's mean loss; the Trainer decides when it
 steps, and every step it takes is recorded. Declined, quoting Lightning: an epoch's short last
 window under accumulation (:data:`SCALED_BY_ACCUMULATION`; ``bench/lightning_short_window.py``),
-and the sampler's padding (``data_path.sampler_cannot_run``).
+and the sampler's padding (``data_path.sampler_cannot_run``). With an evaluation set,
+``validation_step`` logs each batch's mean of the objective's terms for the epoch with
+``sync_dist=True`` over a validation loader with a ``DistributedSampler``, and the callback hands
+the logged value to ``run.evaluated`` after every validation run; a set W does not divide is
+declined (:data:`REPLICATES_SAMPLES`, Lightning's own warning).
 
 **Your own configuration** (``config``: the keyword arguments of ``Trainer(**config)``, a dict or
 the path of a JSON file holding one; the rule: ``ddpcheck.targets.configuration``). The
@@ -58,7 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
@@ -93,6 +97,8 @@ if TYPE_CHECKING:
 
 #: One micro-batch as the loop feeds it: ``(x, y, scale)``.
 MicroBatch = tuple[torch.Tensor, torch.Tensor, float]
+#: One sample of a scenario's dataset or evaluation set: ``(x, y, index)``.
+Sample = tuple[torch.Tensor, torch.Tensor, int]
 
 __all__ = ["HARNESS_KEYS", "SCALED_BY_ACCUMULATION", "SCENARIO_KEYS", "LightningTarget"]
 
@@ -111,6 +117,10 @@ SCENARIO_KEYS: dict[str, str] = {
             "overfit_batches",
         ),
         _STEPS,
+    ),
+    **dict.fromkeys(
+        ("check_val_every_n_epoch", "val_check_interval", "limit_val_batches"),
+        "epochs: the evaluation set is evaluated after every epoch",
     ),
     "accumulate_grad_batches": "accumulation",
     "gradient_clip_val": "max_grad_norm",
@@ -163,6 +173,10 @@ class LightningTarget(ddp_options.TorchDDPFramework):
     config: Config = None  # Trainer(**config): the module docstring
     #: how ``self.log(..., sync_dist=True)`` reduces each step's loss over the ranks (a seam)
     log_reduce_fx: ClassVar[str] = "mean"
+    #: whether ``validation_step`` logs the evaluation metric with ``sync_dist=True`` (a seam)
+    metric_sync_dist: ClassVar[bool] = True
+    #: over epochs, it logs the evaluation metric in ``validation_step`` (``self.log``)
+    reports_metric = True
 
     declined_features: ClassVar[Mapping[str, str]] = {
         "rank-orders": TORCH_DDP_ORDER,
@@ -230,12 +244,15 @@ class LightningTarget(ddp_options.TorchDDPFramework):
     def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
         """A scenario with epochs that Lightning's ``DistributedSampler`` cannot load at
         ``world_size`` as the reference weighs it (``data_path.sampler_cannot_run``: no
-        per-device batch size, or the sampler's padding)."""
+        per-device batch size, or the sampler's padding), or whose evaluation set it pads
+        (:func:`_pads_evaluation`)."""
         epochs = scenario.epochs
         if epochs is None:
             return None
         micro = scenario.global_batch // scenario.accumulation
-        return sampler_cannot_run(micro, epochs.samples, world_size)
+        return sampler_cannot_run(micro, epochs.samples, world_size) or _pads_evaluation(
+            epochs.evaluation, world_size
+        )
 
     def fit(self, module: nn.Module, run: FitRun) -> None:
         import lightning.pytorch as pl
@@ -280,12 +297,16 @@ class LightningTarget(ddp_options.TorchDDPFramework):
 
         join_existing_group()
         micro = run.global_batch // run.accumulation
-        why = sampler_cannot_run(micro, len(run.dataset), run.world_size) or _epochs_cannot_run(
-            run.scenario, self.manual
+        why = (
+            sampler_cannot_run(micro, len(run.dataset), run.world_size)
+            or _epochs_cannot_run(run.scenario, self.manual)
+            or _pads_evaluation(
+                None if run.evaluation is None else len(run.evaluation), run.world_size
+            )
         )
         if why is not None:  # asked to run what supports and supports_at decline
             raise NothingChecked(f"LightningTarget declines this example: {why}")
-        net = _epoch_module(pl, module, run, self.manual)
+        net = _epoch_module(pl, module, run, self.manual, self.metric_sync_dist)
         trainer = self._trainer(
             pl,
             module,
@@ -296,7 +317,11 @@ class LightningTarget(ddp_options.TorchDDPFramework):
             accumulate_grad_batches=1 if self.manual else run.accumulation,
             use_distributed_sampler=False,
         )
-        trainer.fit(net, train_dataloaders=self.train_loader(run))
+        trainer.fit(
+            net,
+            train_dataloaders=self.train_loader(run),
+            val_dataloaders=None if run.evaluation is None else self.evaluation_loader(run),
+        )
 
     def train_loader(self, run: EpochRun) -> torch.utils.data.DataLoader[Any]:
         """The ``DataLoader`` ``Trainer.fit`` trains on: the per-device batch (the global
@@ -305,6 +330,15 @@ class LightningTarget(ddp_options.TorchDDPFramework):
         sampler: DistributedSampler[Any] = DistributedSampler(run.dataset, shuffle=False)
         per_device = run.global_batch // run.accumulation // run.world_size
         return torch.utils.data.DataLoader(run.dataset, batch_size=per_device, sampler=sampler)
+
+    def evaluation_loader(self, run: EpochRun) -> torch.utils.data.DataLoader[Sample]:
+        """The validation ``DataLoader``: the evaluation's per-device batch and a
+        ``DistributedSampler`` without shuffling, what Lightning's own for validation is."""
+        assert run.evaluation is not None
+        sampler: DistributedSampler[Sample] = DistributedSampler(run.evaluation, shuffle=False)
+        return torch.utils.data.DataLoader(
+            run.evaluation, batch_size=run.evaluation_batch, sampler=sampler
+        )
 
     def _trainer(
         self,
@@ -517,6 +551,8 @@ def _recorder(pl: Any, run: FitRun, accumulation: int) -> object:  # pl: as _mod
 
 #: The name under which the module logs each step's loss (``self.log(..., sync_dist=True)``).
 LOGGED_LOSS = "ddpcheck_step_loss"
+#: The name under which the module logs the evaluation metric (``validation_step``).
+LOGGED_METRIC = "ddpcheck_evaluation_metric"
 
 
 def _report(trainer: Trainer, run: FitRun) -> None:
@@ -543,6 +579,25 @@ SCALED_BY_ACCUMULATION = (
     "epoch's last window, where Lightning steps on the final batch whatever the window holds: "
     "its samples weigh less than in the reference (Lightning-AI/pytorch-lightning#19987)"
 )
+
+
+#: Lightning's warning where evaluation runs over several devices, quoted by the decline of an
+#: evaluation set W does not divide (data_connector.py)
+REPLICATES_SAMPLES = (
+    'Lightning: "multi-device settings use `DistributedSampler` that replicates some samples to '
+    'make sure all devices have same batch size in case of uneven inputs" (it recommends '
+    "Trainer(devices=1) for each sample to be evaluated exactly once)"
+)
+
+
+def _pads_evaluation(evaluation: int | None, world_size: int) -> str | None:
+    """Why the validation loop's ``DistributedSampler`` does not evaluate each sample of an
+    evaluation set of ``evaluation`` samples once at ``world_size``; None when it does."""
+    if evaluation is None or evaluation % world_size == 0:
+        return None
+    return (
+        f"an evaluation set of {evaluation} samples over {world_size} ranks: {REPLICATES_SAMPLES}"
+    )
 
 
 def _epochs_cannot_run(scenario: Scenario, manual: bool) -> str | None:
@@ -572,11 +627,16 @@ def _epochs_cannot_run(scenario: Scenario, manual: bool) -> str | None:
     return None
 
 
-def _epoch_module(pl: Any, net: nn.Module, run: EpochRun, manual: bool) -> LightningModule:
+def _epoch_module(
+    pl: Any, net: nn.Module, run: EpochRun, manual: bool, sync_dist: bool
+) -> LightningModule:
     """The ``LightningModule`` a user writes for the scenario's epochs: ``training_step``
     returns each batch's mean loss (automatic optimization), or, under manual optimization,
     back-propagates it over the accumulation and steps every ``accumulation`` batches, as
-    Lightning's docs show (pl: as :func:`_module`'s)."""
+    Lightning's docs show; with an evaluation set, ``validation_step`` logs each batch's mean
+    of the objective's terms for the epoch, weighted by its terms and synchronised over the
+    ranks (``self.log(..., on_epoch=True, sync_dist=sync_dist, batch_size=...)``) (pl: as
+    :func:`_module`'s)."""
     accumulation = run.accumulation
 
     class EpochModule(_user_module(pl, net, run, accumulation, manual)):  # type: ignore[misc]
@@ -589,7 +649,22 @@ def _epoch_module(pl: Any, net: nn.Module, run: EpochRun, manual: bool) -> Light
                 _manual_step(self, run)
             return None
 
-    return EpochModule()
+    if run.evaluation is None:
+        return EpochModule()
+
+    class EvaluatingModule(EpochModule):
+        def validation_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> None:
+            terms = run.evaluation_terms(self.net, batch)
+            self.log(
+                LOGGED_METRIC,
+                run.metric_of(terms),
+                on_step=False,
+                on_epoch=True,
+                sync_dist=sync_dist,
+                batch_size=int(terms[:, 1].sum()),
+            )
+
+    return EvaluatingModule()
 
 
 def _optimizers(run: FitRun) -> torch.optim.Optimizer | dict[str, object]:
@@ -602,10 +677,11 @@ def _optimizers(run: FitRun) -> torch.optim.Optimizer | dict[str, object]:
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-def _step_recorder(pl: Any, run: FitRun) -> object:  # pl: as _module's
+def _step_recorder(pl: Any, run: EpochRun) -> object:  # pl: as _module's
     """The callback that records every optimizer step the ``Trainer`` took: after a batch whose
     optimizer step (and LR schedule) ran -- Lightning counts them in ``global_step`` -- and
-    before the next window's ``zero_grad``."""
+    before the next window's ``zero_grad``; and the evaluation metric the module logged, after
+    each validation run."""
 
     class StepRecorder(pl.Callback):
         recorded = 0
@@ -629,5 +705,12 @@ def _step_recorder(pl: Any, run: FitRun) -> object:  # pl: as _module's
                     trainer.optimizers[0],
                     configs[0].scheduler if configs else None,
                 )
+
+        # the validation loop runs after the epoch's last batch (and its step, recorded above);
+        # Lightning fills callback_metrics with the epoch's logged metric before this hook
+        def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            logged = trainer.callback_metrics.get(LOGGED_METRIC)
+            if not trainer.sanity_checking and logged is not None:
+                run.evaluated(logged)
 
     return StepRecorder()

@@ -36,8 +36,12 @@ and, once per rank process before its first example of the target's class,
 
 A target that owns the whole loop (Lightning's ``Trainer.fit``) defines ``fit(module, run)``
 instead: it trains on ``run.batches`` and calls ``run.started(...)`` once model and optimizer are
-built and ``run.record(...)`` after every optimizer step (``ddpcheck.targets.FitRun``).
-Hooks and frameworks: ``docs/frameworks.md``.
+built and ``run.record(...)`` after every optimizer step (``ddpcheck.targets.FitRun``). For a
+scenario with epochs a target may run its framework's own data path, ``fit_epochs(module, run)``
+(``ddpcheck._language.training.EpochRun``): its ``DataLoader`` over the dataset and, where the
+scenario has an evaluation set, its evaluation after every epoch, whose metric it hands to
+``run.evaluated(...)`` (say ``reports_metric = True`` then). Hooks and frameworks:
+``docs/frameworks.md``.
 
 In scenarios with ``checkpoint_after`` the run stops after that step with
 ``target.save_checkpoint(module, model, optimizer, scheduler)`` (collective; the checkpoint is
@@ -329,6 +333,11 @@ class Target:
         hands its framework's logged loss to ``FitRun.reported`` says so itself)."""
         return type(self).reported_loss is not Target.reported_loss
 
+    #: True when the target's own data path (``fit_epochs``) evaluates a scenario's evaluation
+    #: set after every epoch and reports the metric (``EpochRun.evaluated``): what the closing
+    #: line of ``ddpcheck check`` says was checked
+    reports_metric: bool = False
+
     @property
     def owns_batch_plan(self) -> bool:
         """True when :meth:`shard_batch` is the target's own, not the scenario's batch rule."""
@@ -619,6 +628,11 @@ class WrapperTarget(Target):
 
     def wrap(self, module: nn.Module) -> nn.Module:
         return module if self.ddp is None else self.ddp(module, **self.ddp_kwargs)
+
+    #: True when the target's own data path (``fit_epochs``) evaluates a scenario's evaluation
+    #: set after every epoch and reports the metric (``EpochRun.evaluated``): what the closing
+    #: line of ``ddpcheck check`` says was checked
+    reports_metric: bool = False
 
     @property
     def owns_batch_plan(self) -> bool:
