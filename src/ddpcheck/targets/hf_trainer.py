@@ -70,21 +70,24 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
+from torch.utils.data import Sampler, SequentialSampler
 
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language import objective
 from ddpcheck._language.scenario import Scenario
-from ddpcheck._language.training import FitRun, OptimizerLike, SchedulerLike
+from ddpcheck._language.training import (
+    EpochRun,
+    FitRun,
+    OptimizerLike,
+    SampleDataset,
+    SchedulerLike,
+)
 from ddpcheck.targets import ddp_options
 from ddpcheck.targets.configuration import Config, described, load_config, reconcile
+from ddpcheck.targets.data_path import EVEN_BATCHES_PADS
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.option_space import options
-from ddpcheck.targets.reasons import (
-    COUNTS_ITS_WINDOW,
-    NO_PARAM_DTYPE,
-    OWN_CHECKPOINTS,
-    TORCH_DDP_ORDER,
-)
+from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
 if TYPE_CHECKING:  # mypy skips transformers (pyproject.toml): it reads these names untyped
     from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState
@@ -238,7 +241,6 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
         "grads-kept": "the Trainer clears gradients with model.zero_grad(), which sets them to "
         "None, after every step",
         "param-dtype": NO_PARAM_DTYPE,
-        "epochs": COUNTS_ITS_WINDOW,
     }
 
     def __post_init__(self) -> None:
@@ -321,15 +323,28 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
                 "(accelerate's native AMP for fp16 needs a GPU) and adds a GradScaler that "
                 "may skip steps on a GPU, which the reference does not"
             )
-        return None
+        return _epochs_cannot_run(scenario)
 
     def model_for(self, net: torch.nn.Module, scenario: Scenario) -> torch.nn.Module:
         """The model the Trainer trains: the scenario's ``net`` as a causal LM."""
         cls = ScenarioCausalLM if self.loss_kwargs else ScenarioCausalLMWithoutLossKwargs
         return cls(net, scenario)
 
+    def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
+        """A scenario with epochs whose micro-batch (across the ranks) ``world_size`` does not
+        divide: no ``per_device_train_batch_size`` gives it."""
+        if scenario.epochs is None:
+            return None
+        micro = scenario.global_batch // scenario.accumulation
+        if micro % world_size:
+            return (
+                f"a micro-batch of {micro} samples over {world_size} ranks (no "
+                "per_device_train_batch_size gives it)"
+            )
+        return None
+
     def fit(self, module: nn.Module, run: FitRun) -> None:
-        from transformers import Trainer, TrainerCallback, TrainingArguments
+        from transformers import Trainer
 
         join_existing_group()
         accumulation = max(len(step) for step in run.batches)
@@ -339,6 +354,57 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
                 "step (TrainingArguments(gradient_accumulation_steps=...) is "
                 "one number)"
             )
+        trainer_cls = _trainer(self.trainer_class or Trainer, _loader(run))
+        self._train(module, run, trainer_cls, accumulation, data_path={}, train_dataset=None)
+
+    def fit_epochs(self, module: nn.Module, run: EpochRun) -> None:
+        """The Trainer's own data path over the scenario's dataset (the module docstring,
+        "Epochs"): ``Trainer(train_dataset=...)`` with ``num_train_epochs``,
+        ``per_device_train_batch_size`` (the global micro-batch over W),
+        ``gradient_accumulation_steps`` and ``dataloader_drop_last=False`` as the scenario says,
+        and the Trainer's sequential sampler; its ``get_train_dataloader``, accelerate's sharding
+        of that loader, its epoch loop and its accumulation windows decide what each step
+        consumes, which ddpcheck's ``training_step`` notes (``run.consumed``)."""
+        from transformers import Trainer
+
+        join_existing_group()
+        why = self.supports_at(run.scenario, run.world_size) or _epochs_cannot_run(run.scenario)
+        if why is not None:  # asked to run what supports and supports_at decline
+            raise NothingChecked(f"HfTrainerTarget declines this example: {why}")
+        sequential = _SAMPLING in (_fields() or set())
+        trainer_cls = _epoch_trainer(self.trainer_class or Trainer, run, sequential)
+        data_path: dict[str, object] = {
+            "max_steps": -1,  # the epochs decide
+            "num_train_epochs": run.epochs,
+            "per_device_train_batch_size": run.global_batch // run.accumulation // run.world_size,
+            "dataloader_drop_last": False,  # the reference keeps an epoch's short last batch
+            "remove_unused_columns": False,  # the items' sample_index, which training_step reads
+            **({_SAMPLING: "sequential"} if sequential else {}),
+        }
+        self._train(
+            module,
+            run,
+            trainer_cls,
+            run.accumulation,
+            data_path=data_path,
+            train_dataset=TrainerDataset(run.dataset),
+        )
+
+    def _train(
+        self,
+        module: nn.Module,
+        run: FitRun,
+        trainer_cls: type,
+        accumulation: int,
+        *,
+        data_path: Mapping[str, object],
+        train_dataset: torch.utils.data.Dataset[Batch] | None,
+    ) -> None:
+        """Build the ``TrainingArguments`` (the user's, the scenario's, the harness's, and the
+        ``data_path``'s), the optimizer and schedule and the recording callback, and run
+        ``trainer_cls(...).train()``."""
+        from transformers import TrainerCallback, TrainingArguments
+
         _check_environment(run.scenario)
         device = next(module.parameters()).device
         # transformers 4.x's TrainingArguments writes its precision into os.environ, where the
@@ -352,7 +418,7 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
             given = vars(self)["_given"]  # set by __post_init__: no field, not in the replay line
             kwargs = arguments(given, run.scenario, run.steps, accumulation, device, folder)
             try:
-                args = TrainingArguments(**kwargs)
+                args = TrainingArguments(**{**kwargs, **data_path})
             except (TypeError, ValueError) as exc:
                 raise InvalidArgument(
                     f"TrainingArguments({_shown(given)}) as ddpcheck "
@@ -367,9 +433,10 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
             recorder = _recorder(
                 TrainerCallback, run, module, None if run.gamma is None else scheduler
             )
-            recorder.trainer = _trainer(self.trainer_class or Trainer, _loader(run))(
+            recorder.trainer = trainer_cls(
                 model=self.model_for(module, run.scenario),
                 args=args,
+                train_dataset=train_dataset,
                 optimizers=(optimizer, scheduler),
                 callbacks=[recorder],
             )
@@ -552,6 +619,68 @@ def _trainer(trainer_cls: type, batches: list[Batch]) -> type:
                 batch_size=None,
                 shuffle=False,
             )
+
+    return Trainer
+
+
+_SAMPLING = "train_sampling_strategy"
+#: the key under which :class:`TrainerDataset`'s items carry their index
+SAMPLE_INDEX = "sample_index"
+
+
+def _epochs_cannot_run(scenario: Scenario) -> str | None:
+    """Why the Trainer's own data path does not train ``scenario``'s epochs as the reference
+    does, by a documented convention; None when it must. Its loader is prepared by accelerate
+    with the Trainer's ``accelerator_config`` (``even_batches=True``): a dataset the global
+    micro-batch does not divide is evened out with samples from its start."""
+    epochs = scenario.epochs
+    if epochs is None:
+        return None
+    micro = scenario.global_batch // scenario.accumulation
+    if epochs.samples % micro:
+        return (
+            f"an epoch of {epochs.samples} samples in micro-batches of {micro} across the "
+            "ranks: its last micro-batch is short, and the Trainer's DataLoader is prepared by "
+            f"accelerate with the Trainer's accelerator_config {EVEN_BATCHES_PADS}"
+        )
+    return None
+
+
+class TrainerDataset(torch.utils.data.Dataset[Batch]):
+    """The scenario's dataset as a Trainer's ``train_dataset``: item ``i`` is
+    ``{"input_ids": x[i], "labels": y[i], "sample_index": i}``, so every batch the Trainer's
+    loader yields carries the indices it holds (the Trainer's default collator stacks them)."""
+
+    def __init__(self, samples: SampleDataset):
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor | int]:
+        x, y, i = self.samples[index]
+        return {"input_ids": x, "labels": y, SAMPLE_INDEX: i}
+
+
+def _epoch_trainer(trainer_cls: type, run: EpochRun, sequential: bool) -> type:
+    """The ``Trainer`` subclass of the data path: its ``training_step`` notes which samples each
+    micro-batch the Trainer trains holds (``run.consumed``) and hands the rest on; where
+    ``TrainingArguments`` has no ``train_sampling_strategy`` (not ``sequential``: older
+    releases), its ``_get_train_sampler`` is a ``SequentialSampler`` -- the Trainer's default
+    shuffles, where the reference walks the dataset in index order."""
+
+    class Trainer(trainer_cls):  # type: ignore[misc]  # transformers' Trainer
+        def training_step(
+            self, model: nn.Module, inputs: dict, *args: object, **kwargs: object
+        ) -> torch.Tensor:
+            run.consumed([int(i) for i in inputs.pop(SAMPLE_INDEX)])
+            loss: torch.Tensor = super().training_step(model, inputs, *args, **kwargs)
+            return loss
+
+        if not sequential:
+
+            def _get_train_sampler(self, *args: object, **kwargs: object) -> Sampler[int]:
+                return SequentialSampler(self.train_dataset)
 
     return Trainer
 
