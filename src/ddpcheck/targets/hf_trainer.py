@@ -83,7 +83,14 @@ from ddpcheck._language.training import (
     SchedulerLike,
 )
 from ddpcheck.targets import ddp_options
-from ddpcheck.targets.configuration import Config, described, load_config, reconcile
+from ddpcheck.targets.configuration import (
+    Config,
+    described,
+    has,
+    load_config,
+    lookup,
+    reconcile,
+)
 from ddpcheck.targets.data_path import EVEN_BATCHES_PADS
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.option_space import options
@@ -145,8 +152,16 @@ SCENARIO_KEYS: dict[str, str] = {
 }
 
 _LOADER = (
-    "ddpcheck feeds each rank its micro-batches through a loader of its own, which the "
-    "Trainer does not build"
+    "loader worker processes and their options are not tried with this target (over the "
+    "harness's batches the loader is ddpcheck's; over a scenario's epochs, the Trainer's, with "
+    "none)"
+)
+_SAMPLER = (
+    "the reference walks a scenario's dataset in index order: over epochs the target sets the "
+    "Trainer's train_sampling_strategy='sequential' (its default 'random' shuffles)"
+)
+_DISPATCH = (
+    "one process iterating the loader and broadcasting its batches is not tried with this target"
 )
 _WORLD = "ddpcheck's world: the process group exists, on the world's device"
 _MODEL = "the scenario's model is no PreTrainedModel, which this needs"
@@ -190,23 +205,24 @@ HARNESS_KEYS: dict[str, tuple[tuple, str]] = {
     "gradient_checkpointing": ((None, False), _MODEL),
     "use_liger_kernel": ((False,), _MODEL),
     "torch_compile": ((False,), "not tried with this target"),
-    "dataloader_drop_last": ((), _LOADER),
     "dataloader_num_workers": ((), _LOADER),
     "dataloader_pin_memory": ((), _LOADER),
     "dataloader_persistent_workers": ((), _LOADER),
     "dataloader_prefetch_factor": ((), _LOADER),
     "dataloader_multiprocessing_context": ((), _LOADER),
     "dataloader_in_order": ((), _LOADER),
-    "train_sampling_strategy": ((), _LOADER),
-    "group_by_length": ((), _LOADER),
-    "length_column_name": ((), _LOADER),
-    "data_seed": ((), _LOADER),
-    "remove_unused_columns": ((), _LOADER),
-    # ``accelerator_config`` fields about the data loader, which accelerate does not prepare here
-    **{
-        f"accelerator_config.{name}": ((), _LOADER)
-        for name in ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")
-    },
+    "train_sampling_strategy": (("sequential",), _SAMPLER),
+    "group_by_length": ((False,), _SAMPLER),
+    "length_column_name": ((), _SAMPLER),
+    "data_seed": ((), _SAMPLER),
+    "remove_unused_columns": (
+        (False,),
+        "a scenario's dataset carries each sample's index (sample_index), which the target's "
+        "training_step reads and removes: the target sets remove_unused_columns=False",
+    ),
+    # how accelerate prepares the Trainer's loader: split_batches, even_batches and
+    # use_seedable_sampler are the user's (HfTrainerTarget.accelerator_option)
+    "accelerator_config.dispatch_batches": ((None, False), _DISPATCH),
 }
 
 
@@ -270,10 +286,13 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
     def config_space(self) -> ConfigSpace:
         """``TrainingArguments`` keys that change how the Trainer runs DDP but not what it
         computes: counting the input tokens seen (a gather of counts every step), a smaller DDP
-        bucket. Not ``average_tokens_across_devices=False`` nor ``loss_kwargs=False``: each is
-        documented to weigh tokens otherwise (the module docstring), which would fail every
-        run; name them to check them. Drawn keys join the user's own ``config`` (or
-        ``training_args``, its older spelling, where that is the one given)."""
+        bucket, and over a scenario's epochs dropping the last incomplete batch (declined where
+        there is one: :data:`DROPS_LAST`), and ``accelerator_config``'s ``split_batches`` and
+        ``even_batches=False`` (uneven ranks: declined where their steps differ). Not
+        ``average_tokens_across_devices=False`` nor ``loss_kwargs=False``: each is documented to
+        weigh tokens otherwise (the module docstring), which would fail every run; name them to
+        check them. Drawn keys join the user's own ``config`` (or ``training_args``, its older
+        spelling, where that is the one given)."""
         # include_num_input_tokens_seen=True raises at W > 1 on 4.46.3 (fixed in 4.47.0:
         # bench/hf_token_weights.py --tokens-seen): kept, transformers' bug to report there.
         # ddp_find_unused_parameters=False: torch DDP's own option (what it cannot train is
@@ -284,8 +303,15 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
             **{
                 field: {
                     "include_num_input_tokens_seen": (True,),
+                    "dataloader_drop_last": (True,),
                     "ddp_bucket_cap_mb": (1,),
                     "ddp_find_unused_parameters": (False,),
+                    # how accelerate prepares the Trainer's loader (scenarios with epochs)
+                    "accelerator_config": (
+                        {"even_batches": False},
+                        {"split_batches": True},
+                        {"split_batches": True, "even_batches": False},
+                    ),
                 }
             }
         )
@@ -323,7 +349,22 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
                 "(accelerate's native AMP for fp16 needs a GPU) and adds a GradScaler that "
                 "may skip steps on a GPU, which the reference does not"
             )
-        return _epochs_cannot_run(scenario)
+        return _epochs_cannot_run(
+            scenario, self.drops_last(), self.accelerator_option("even_batches")
+        )
+
+    def drops_last(self) -> bool:
+        """The user's ``dataloader_drop_last`` (the Trainer's default: False)."""
+        return bool(vars(self)["_given"].get("dataloader_drop_last", False))
+
+    def accelerator_option(self, name: str) -> bool:
+        """The user's ``accelerator_config`` field ``name`` (a dict's key or an
+        ``AcceleratorConfig``'s field), else the Trainer's default: ``split_batches`` False,
+        ``even_batches`` True."""
+        given, key = vars(self)["_given"], f"accelerator_config.{name}"
+        if has(given, key):
+            return bool(lookup(given, key))
+        return name == "even_batches"
 
     def model_for(self, net: torch.nn.Module, scenario: Scenario) -> torch.nn.Module:
         """The model the Trainer trains: the scenario's ``net`` as a causal LM."""
@@ -332,16 +373,22 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
 
     def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
         """A scenario with epochs whose micro-batch (across the ranks) ``world_size`` does not
-        divide: no ``per_device_train_batch_size`` gives it."""
+        divide -- no ``per_device_train_batch_size`` gives it, and ``split_batches`` refuses
+        it -- or, under ``even_batches=False``, whose ranks' epochs end in different numbers of
+        optimizer steps (:func:`_uneven_steps`)."""
         if scenario.epochs is None:
             return None
         micro = scenario.global_batch // scenario.accumulation
         if micro % world_size:
-            return (
-                f"a micro-batch of {micro} samples over {world_size} ranks (no "
-                "per_device_train_batch_size gives it)"
+            return f"a micro-batch of {micro} samples over {world_size} ranks (" + (
+                "split_batches needs a batch size that is a round multiple of the number of "
+                "processes)"
+                if self.accelerator_option("split_batches")
+                else "no per_device_train_batch_size gives it)"
             )
-        return None
+        if self.accelerator_option("even_batches") or self.drops_last():
+            return None
+        return _uneven_steps(scenario, world_size, self.accelerator_option("split_batches"))
 
     def fit(self, module: nn.Module, run: FitRun) -> None:
         from transformers import Trainer
@@ -361,14 +408,14 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
         """The Trainer's own data path over the scenario's dataset (the module docstring,
         "Epochs"): ``Trainer(train_dataset=...)`` with ``num_train_epochs``,
         ``per_device_train_batch_size`` (the global micro-batch over W),
-        ``gradient_accumulation_steps`` and ``dataloader_drop_last=False`` as the scenario says,
+        and ``gradient_accumulation_steps`` as the scenario says, your ``dataloader_drop_last``,
         and the Trainer's sequential sampler; its ``get_train_dataloader``, accelerate's sharding
         of that loader, its epoch loop and its accumulation windows decide what each step
         consumes, which ddpcheck's ``training_step`` notes (``run.consumed``)."""
         from transformers import Trainer
 
         join_existing_group()
-        why = self.supports_at(run.scenario, run.world_size) or _epochs_cannot_run(run.scenario)
+        why = self.supports_at(run.scenario, run.world_size) or self.supports(run.scenario)
         if why is not None:  # asked to run what supports and supports_at decline
             raise NothingChecked(f"HfTrainerTarget declines this example: {why}")
         sequential = _SAMPLING in (_fields() or set())
@@ -376,8 +423,10 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
         data_path: dict[str, object] = {
             "max_steps": -1,  # the epochs decide
             "num_train_epochs": run.epochs,
-            "per_device_train_batch_size": run.global_batch // run.accumulation // run.world_size,
-            "dataloader_drop_last": False,  # the reference keeps an epoch's short last batch
+            # the global micro-batch, which accelerate splits, or its share of each rank
+            "per_device_train_batch_size": run.global_batch
+            // run.accumulation
+            // (1 if self.accelerator_option("split_batches") else run.world_size),
             "remove_unused_columns": False,  # the items' sample_index, which training_step reads
             **({_SAMPLING: "sequential"} if sequential else {}),
         }
@@ -628,22 +677,74 @@ _SAMPLING = "train_sampling_strategy"
 SAMPLE_INDEX = "sample_index"
 
 
-def _epochs_cannot_run(scenario: Scenario) -> str | None:
+#: transformers' documentation of ``TrainingArguments(dataloader_drop_last=True)``
+DROPS_LAST = (
+    'dataloader_drop_last=True: "Whether to drop the last incomplete batch (if the length of '
+    'the dataset is not divisible by the batch size)", samples the reference trains'
+)
+
+
+#: torch's documentation of ``DistributedDataParallel.join``, which the Trainer does not enter
+UNEVEN_INPUTS = (
+    "the Trainer does not enter torch DDP's join (\"Context manager for training with uneven "
+    'inputs across processes in DDP"): a rank steps where its peers have finished'
+)
+
+
+def _epochs_cannot_run(scenario: Scenario, drop_last: bool, even_batches: bool) -> str | None:
     """Why the Trainer's own data path does not train ``scenario``'s epochs as the reference
-    does, by a documented convention; None when it must. Its loader is prepared by accelerate
-    with the Trainer's ``accelerator_config`` (``even_batches=True``): a dataset the global
-    micro-batch does not divide is evened out with samples from its start."""
+    does, by a documented convention, whatever the world size; None when it may. A dataset the
+    global micro-batch does not divide loses its tail under ``dataloader_drop_last=True``;
+    otherwise accelerate, which prepares the Trainer's loader with its ``accelerator_config``,
+    evens it out with samples from its start (``even_batches=True``, the default) or leaves
+    the ranks' last batches unequal (:func:`_uneven_steps`)."""
     epochs = scenario.epochs
     if epochs is None:
         return None
     micro = scenario.global_batch // scenario.accumulation
-    if epochs.samples % micro:
-        return (
-            f"an epoch of {epochs.samples} samples in micro-batches of {micro} across the "
-            "ranks: its last micro-batch is short, and the Trainer's DataLoader is prepared by "
-            f"accelerate with the Trainer's accelerator_config {EVEN_BATCHES_PADS}"
+    if epochs.samples % micro == 0 or not (drop_last or even_batches):
+        return None
+    return (
+        f"an epoch of {epochs.samples} samples in micro-batches of {micro} across the ranks: "
+        "its last micro-batch is short, and "
+        + (
+            DROPS_LAST
+            if drop_last
+            else "accelerate prepares the Trainer's DataLoader with the Trainer's "
+            f"accelerator_config {EVEN_BATCHES_PADS}"
         )
-    return None
+    )
+
+
+def _uneven_steps(scenario: Scenario, world_size: int, split: bool) -> str | None:
+    """Under ``even_batches=False``, why the ranks' epochs end in different numbers of optimizer
+    steps; None when they do not. Each rank's loader holds its own batches -- every W-th
+    per-device batch, or its part of every global micro-batch under ``split_batches`` (none of
+    a short last one that ends before it) -- and each rank's Trainer counts its own steps
+    (``ceil(batches / gradient_accumulation_steps)``), where torch DDP needs every rank in
+    every step."""
+    epochs = scenario.epochs
+    if epochs is None:
+        return None
+    micro = scenario.global_batch // scenario.accumulation
+    share = micro // world_size
+    if split:
+        batches = [
+            epochs.samples // micro + (epochs.samples % micro > r * share)
+            for r in range(world_size)
+        ]
+    else:
+        batches = [
+            len(range(r, math.ceil(epochs.samples / share), world_size)) for r in range(world_size)
+        ]
+    steps = [math.ceil(n / scenario.accumulation) for n in batches]
+    if len(set(steps)) == 1:
+        return None
+    return (
+        f"an epoch of {epochs.samples} samples with even_batches=False: the ranks' loaders hold "
+        f"{', '.join(map(str, batches))} batches, {', '.join(map(str, steps))} optimizer "
+        f"steps (gradient_accumulation_steps={scenario.accumulation}), and {UNEVEN_INPUTS}"
+    )
 
 
 class TrainerDataset(torch.utils.data.Dataset[Batch]):
