@@ -17,6 +17,20 @@ kept), and ``on_step_end`` -- after the step and the scheduler, but also after t
 -- and ``on_log``, right after it: the loss the Trainer logs for the step (``log_history``'s
 ``"loss"``, every step's: ``logging_steps=1``), which ``run.reported`` hands to the oracle.
 
+**Epochs** (``fit_epochs``: a scenario with a dataset, docs/scenarios.md): the Trainer's own data
+path. ``Trainer(train_dataset=TrainerDataset(...))`` and ``train()`` with ``num_train_epochs``
+the scenario's, ``per_device_train_batch_size`` the global micro-batch over W (or all of it under
+``accelerator_config``'s ``split_batches``), ``gradient_accumulation_steps`` the accumulation and
+``train_sampling_strategy="sequential"`` (its default shuffles; the reference walks the dataset
+in index order). The Trainer's: ``get_train_dataloader``, accelerate's sharding of it, the epoch
+loop, each window's batches and item count, the scaling and stepping. Ours: the dataset, whose
+items carry their ``sample_index``, the sampler's order, and a ``training_step`` that notes which
+samples each micro-batch held (``run.consumed``) and removes the index before the Trainer's own.
+The short last window is the Trainer's to weigh (5.25.0 counts its own items: right). Declined,
+quoting the documentation: a last micro-batch accelerate pads (``even_batches=True``) or
+``dataloader_drop_last`` drops, ranks whose epochs end in different numbers of steps
+(``even_batches=False``), a micro-batch W does not divide.
+
 **The loss conventions.** ``ScenarioCausalLM.forward(input_ids, labels, **loss_kwargs)`` returns
 ``{"loss", "logits"}``; the Trainer sees ``**loss_kwargs`` (``model_accepts_loss_kwargs``; 4.46
 looks for that name), counts the non-padding labels of the step's micro-batches
