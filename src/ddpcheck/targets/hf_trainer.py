@@ -118,6 +118,8 @@ if TYPE_CHECKING:  # mypy skips transformers (pyproject.toml): it reads these na
 
 #: A batch as the Trainer takes it from ddpcheck: a micro-batch's tokens and labels.
 Batch = dict[str, torch.Tensor]
+#: A sample of a scenario's dataset as the Trainer's loader reads it: with its index
+Item = dict[str, torch.Tensor | int]
 
 __all__ = [
     "HARNESS_KEYS",
@@ -461,7 +463,7 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
         accumulation: int,
         *,
         data_path: Mapping[str, object],
-        train_dataset: torch.utils.data.Dataset[Batch] | None,
+        train_dataset: torch.utils.data.Dataset[Item] | None,
     ) -> None:
         """Build the ``TrainingArguments`` (the user's, the scenario's, the harness's, and the
         ``data_path``'s), the optimizer and schedule and the recording callback, and run
@@ -761,7 +763,7 @@ def _uneven_steps(scenario: Scenario, world_size: int, split: bool) -> str | Non
     )
 
 
-class TrainerDataset(torch.utils.data.Dataset[Batch]):
+class TrainerDataset(torch.utils.data.Dataset[Item]):
     """The scenario's dataset as a Trainer's ``train_dataset``: item ``i`` is
     ``{"input_ids": x[i], "labels": y[i], "sample_index": i}``, so every batch the Trainer's
     loader yields carries the indices it holds (the Trainer's default collator stacks them)."""
@@ -772,7 +774,7 @@ class TrainerDataset(torch.utils.data.Dataset[Batch]):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor | int]:
+    def __getitem__(self, index: int) -> Item:
         x, y, i = self.samples[index]
         return {"input_ids": x, "labels": y, SAMPLE_INDEX: i}
 
