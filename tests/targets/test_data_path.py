@@ -167,15 +167,37 @@ def test_the_hf_trainer_trains_epochs_through_its_own_data_path():
     assert ddpcheck.check_example(targets.HF_TRAINER, H_SHORT, 2) == ()
     assert ddpcheck.check_example(HfTrainerTarget(loss_kwargs=False), H_SHORT, 2) == ()
     assert ddpcheck.check_example(targets.HF_TRAINER, H_TOKENS, 2) == ()
+    # even_batches=False: rank 1's last batch holds 1 sample of rank 0's 2, weighed right by the
+    # items counted across the ranks
+    uneven = HfTrainerTarget(config={"accelerator_config": {"even_batches": False}})
+    odd = Scenario(zoo.MLP, global_batch=4, epochs=Epochs(samples=7, epochs=2))
+    assert ddpcheck.check_example(uneven, odd, 2) == ()
 
 
-def test_the_hf_trainer_declines_accelerates_padding_by_name():
+def test_the_hf_trainer_declines_its_loaders_documented_conventions_by_name():
     padded = Scenario(zoo.MLP, global_batch=8, accumulation=2, epochs=Epochs(samples=11))
     why = targets.HF_TRAINER.supports(padded)
     assert "an epoch of 11 samples in micro-batches of 4 across the ranks" in why
     assert "even_batches=True, its default" in why and "samples at the start" in why
+    dropped = HfTrainerTarget(config={"dataloader_drop_last": True}).supports(padded)
+    assert '"Whether to drop the last incomplete batch' in dropped
     assert "no per_device_train_batch_size" in targets.HF_TRAINER.supports_at(H_SHORT, 3)
+    split = HfTrainerTarget(config={"accelerator_config": {"split_batches": True}})
+    assert "a round multiple of the number of processes" in split.supports_at(H_SHORT, 3)
     assert targets.HF_TRAINER.supports_at(H_SHORT, 2) is None
+    # even_batches=False: the ranks' batches may differ, not their steps (nor, where every
+    # batch is gathered, their batches): the Trainer enters no DDP join
+    uneven = {"accelerator_config": {"even_batches": False}}
+    seven = Scenario(zoo.MLP, global_batch=4, epochs=Epochs(samples=7))  # 2, 2 batches
+    six = Scenario(zoo.MLP, global_batch=4, epochs=Epochs(samples=6))  # 2, 1 batches
+    assert HfTrainerTarget(config=uneven).supports(six) is None
+    assert HfTrainerTarget(config=uneven).supports_at(seven, 2) is None
+    why = HfTrainerTarget(config=uneven).supports_at(six, 2)
+    assert "hold 2, 1 batches, 2, 1 optimizer steps" in why and "DDP's join" in why
+    accumulated = Scenario(zoo.MLP, global_batch=8, accumulation=2, epochs=Epochs(samples=6))
+    assert HfTrainerTarget(config=uneven).supports_at(accumulated, 2) is None  # 1 step each
+    counted = HfTrainerTarget(config={**uneven, "include_num_input_tokens_seen": True})
+    assert "gathers every batch's token count" in counted.supports_at(accumulated, 2)
 
 
 def test_hf_trainer_data_path_bugs_are_caught_at_their_step():

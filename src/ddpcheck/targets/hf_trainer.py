@@ -404,7 +404,14 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
             )
         if self.accelerator_option("even_batches") or self.drops_last():
             return None
-        return _uneven_steps(scenario, world_size, self.accelerator_option("split_batches"))
+        # 4.x takes a bool, 5 also "all" / "non_padding" ("no": off)
+        counted = vars(self)["_given"].get("include_num_input_tokens_seen") not in (
+            None,
+            False,
+            "no",
+        )
+        split = self.accelerator_option("split_batches")
+        return _uneven_steps(scenario, world_size, split, every_batch=counted)
 
     def fit(self, module: nn.Module, run: FitRun) -> None:
         from transformers import Trainer
@@ -703,7 +710,7 @@ DROPS_LAST = (
 #: torch's documentation of ``DistributedDataParallel.join``, which the Trainer does not enter
 UNEVEN_INPUTS = (
     "the Trainer does not enter torch DDP's join (\"Context manager for training with uneven "
-    'inputs across processes in DDP"): a rank steps where its peers have finished'
+    "inputs across processes in DDP\"): the ranks' collectives no longer pair up"
 )
 
 
@@ -732,13 +739,16 @@ def _epochs_cannot_run(scenario: Scenario, drop_last: bool, even_batches: bool) 
     )
 
 
-def _uneven_steps(scenario: Scenario, world_size: int, split: bool) -> str | None:
+def _uneven_steps(
+    scenario: Scenario, world_size: int, split: bool, *, every_batch: bool
+) -> str | None:
     """Under ``even_batches=False``, why the ranks' epochs end in different numbers of optimizer
-    steps; None when they do not. Each rank's loader holds its own batches -- every W-th
-    per-device batch, or its part of every global micro-batch under ``split_batches`` (none of
-    a short last one that ends before it) -- and each rank's Trainer counts its own steps
-    (``ceil(batches / gradient_accumulation_steps)``), where torch DDP needs every rank in
-    every step."""
+    steps -- or, where the Trainer gathers across the ranks after every batch
+    (``every_batch``: ``include_num_input_tokens_seen``), of batches; None when they do not.
+    Each rank's loader holds its own batches -- every W-th per-device batch, or its part of
+    every global micro-batch under ``split_batches`` (none of a short last one that ends before
+    it) -- and each rank's Trainer counts its own steps (``ceil(batches /
+    gradient_accumulation_steps)``), where torch DDP needs every rank in every collective."""
     epochs = scenario.epochs
     if epochs is None:
         return None
@@ -754,13 +764,19 @@ def _uneven_steps(scenario: Scenario, world_size: int, split: bool) -> str | Non
             len(range(r, math.ceil(epochs.samples / share), world_size)) for r in range(world_size)
         ]
     steps = [math.ceil(n / scenario.accumulation) for n in batches]
-    if len(set(steps)) == 1:
-        return None
-    return (
+    held = (
         f"an epoch of {epochs.samples} samples with even_batches=False: the ranks' loaders hold "
         f"{', '.join(map(str, batches))} batches, {', '.join(map(str, steps))} optimizer "
-        f"steps (gradient_accumulation_steps={scenario.accumulation}), and {UNEVEN_INPUTS}"
+        f"steps (gradient_accumulation_steps={scenario.accumulation})"
     )
+    if len(set(steps)) > 1:
+        return f"{held}, and {UNEVEN_INPUTS}"
+    if every_batch and len(set(batches)) > 1:
+        return (
+            f"{held}; include_num_input_tokens_seen gathers every batch's token count across "
+            f"the ranks, and {UNEVEN_INPUTS}"
+        )
+    return None
 
 
 class TrainerDataset(torch.utils.data.Dataset[Item]):
