@@ -142,18 +142,23 @@ def _evaluates(sc: Scenario) -> bool:
     return sc.epochs is not None and sc.epochs.evaluation is not None
 
 
-def drawn_token_scenarios(n: int, world_size: int, feature: str = "tokens") -> list[Scenario]:
+def drawn_token_scenarios(
+    n: int, world_size: int, feature: str = "tokens", chunk: int = 0
+) -> list[Scenario]:
     """``n`` scenarios from ``strategies.exercising(feature)`` (float64 and float32, the
-    ``param-dtype`` policy opted in), in Hypothesis's derandomized order."""
-    from hypothesis import HealthCheck, given, settings
+    ``param-dtype`` policy opted in), in Hypothesis's derandomized order; ``chunk`` > 0: ``n``
+    more, from Hypothesis seeded with it (a target that declines most scenarios would otherwise
+    see the same few again and again)."""
+    from hypothesis import HealthCheck, given, seed, settings
 
     found: list[Scenario] = []
 
+    @seed(chunk)
     @settings(
         max_examples=n,
         database=None,
         deadline=None,
-        derandomize=True,
+        derandomize=chunk == 0,
         suppress_health_check=list(HealthCheck),
     )
     @given(
@@ -483,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     ran, skipped, divergences, errors = 0, 0, [], []
     unjudged: list[Exception] = []  # examples the oracle declined as chaotic
     per_target: dict[str, int] = collections.Counter()
+    distinct: set[str] = set()  # the scenarios examples ran, by their replay form
     index = 0
     try:
         while ran < args.examples:
@@ -490,13 +496,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"stopping early: --max-seconds {args.max_seconds} reached")
                 break
             if args.epochs:
-                if not drawn:
-                    drawn.extend(drawn_token_scenarios(args.examples, max(sizes), "epochs"))
-                sc = drawn[index % len(drawn)]
+                if index >= len(drawn):  # fresh draws, never the same scenarios again
+                    chunk = len(drawn) // args.examples
+                    drawn += drawn_token_scenarios(args.examples, max(sizes), "epochs", chunk)
+                sc = drawn[index]
             elif args.tokens and index % 2:
-                if not drawn:
-                    drawn.extend(drawn_token_scenarios(args.examples, max(sizes)))
-                sc = drawn[(index // 2) % len(drawn)]
+                if index // 2 >= len(drawn):
+                    chunk = len(drawn) // args.examples
+                    drawn += drawn_token_scenarios(args.examples, max(sizes), chunk=chunk)
+                sc = drawn[index // 2]
             elif args.tokens:
                 sc = token_scenario(index, args.seed, tuple(sizes))
             else:
@@ -543,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
                         )
                     ran += 1
                     per_target[name] += 1
+                    distinct.add(repr(sc))
                     exercised = of(sc, w)
                     used.update(f for f in WHOLE_STEP + PRECISION if f in exercised)
                     if sc.autocast is not None or sc.param_dtype is not None:
@@ -551,6 +560,10 @@ def main(argv: list[str] | None = None) -> int:
                         used["owns its batch"] += 1
                     if getattr(target, "reports_metric", False) and _evaluates(sc):
                         used["evaluation metric judged"] += 1
+                    if sc.epochs is not None and sc.epochs.samples % sc.global_batch:
+                        used["short last step"] += 1
+                    if sc.epochs is not None and sc.loss == "token_cross_entropy":
+                        used["tokens over epochs"] += 1
                     if ran % 500 == 0:
                         print(
                             f"  {ran} examples, {len(divergences)} divergences, "
@@ -563,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - started
     print(
         f"soak: {ran} examples ({', '.join(f'{n} {c}' for n, c in per_target.items())}) over "
-        f"{index} scenarios at world sizes {sizes}; {skipped} skipped (unsupported); "
+        f"{index} scenarios ({len(distinct)} distinct among those run) at world sizes "
+        f"{sizes}; {skipped} skipped (unsupported); "
         f"{len(divergences)} divergences; {len(unjudged)} unjudgeable (reference chaotic); "
         f"{len(errors)} scenarios the reference could not train; {seconds:.1f} s "
         f"({1e3 * seconds / max(ran, 1):.1f} ms per example, world start-up included)"

@@ -15,7 +15,8 @@ def test_the_closing_line_says_which_losses_were_checked():
         "(not over epochs, where its framework's data path computes them); over epochs, the "
         "evaluation metric it reports checked after every epoch"
     )
-    # the Trainer computes its losses through the model: only the one it logs is checked
+    # the Trainer computes its losses through the model: only the one it logs is checked, over
+    # epochs too (its own data path logs it as its loop over the harness's batches does)
     assert losses(targets.HF_TRAINER) == "the loss it reports checked every step"
     assert losses(targets.ACCELERATE).startswith("every step's loss checked, and the loss it")
 

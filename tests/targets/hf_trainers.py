@@ -58,3 +58,13 @@ class LogsLossOverW(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
         return loss / self.accelerator.num_processes
+
+
+class GlobalBatchPerDevice(Trainer):
+    """A seeded data-path bug: the training loader's batch size is the global micro-batch (the
+    per-device size multiplied by the world size once more), so every rank loads what the ranks
+    together should: each step trains other steps' samples."""
+
+    def get_train_dataloader(self):
+        self._train_batch_size = self.args.per_device_train_batch_size * self.args.world_size
+        return super().get_train_dataloader()

@@ -1,7 +1,7 @@
 """A framework's own data path: accelerate's ``prepare(dataloader)``, torch's
-``DistributedSampler`` and Lightning's ``Trainer.fit`` over a scenario's epochs, judged by what
-each step consumed and by the numbers; accelerate's ``split_batches`` keyword, accepted and
-ignored since 1.0, is caught."""
+``DistributedSampler``, Lightning's ``Trainer.fit`` and transformers' ``Trainer.train`` over a
+scenario's epochs, judged by what each step consumed and by the numbers; accelerate's
+``split_batches`` keyword, accepted and ignored since 1.0, is caught."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from ddpcheck._oracle.compare import STEPS_DIFFER
 from ddpcheck._oracle.consumed import FOREIGN
 from ddpcheck.targets.accelerate import AccelerateTarget
 from ddpcheck.targets.builtin import TorchDDPTarget
+from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
 from tests.patience import patience
 
@@ -37,6 +38,20 @@ L_SHORT = Scenario(zoo.MLP, global_batch=12, accumulation=2, epochs=Epochs(sampl
 L_SHORT_BATCH = dataclasses.replace(L_SHORT, accumulation=1)
 #: 16 samples in steps of 12: the last window short at W=2, and W=3 does not divide the dataset.
 L_UNEVEN = dataclasses.replace(L_SHORT, epochs=Epochs(samples=16, epochs=2))
+
+#: The Trainer's epochs: 12 samples in steps of 8 (micro-batches of 4: 2 per device at W=2),
+#: each epoch's last window one micro-batch of the two.
+H_SHORT = Scenario(zoo.MLP, global_batch=8, accumulation=2, epochs=Epochs(samples=12, epochs=2))
+#: tokens, 8 samples in steps of 6 (3 micro-batches of 2; 1 per device at W=2): the last window
+#: one micro-batch of the three, its tokens counted by the Trainer across the ranks.
+H_TOKENS = Scenario(
+    zoo.TinyGPT,
+    data=zoo.token_data,
+    loss="token_cross_entropy",
+    global_batch=6,
+    accumulation=3,
+    epochs=Epochs(samples=8, epochs=2),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +155,68 @@ def test_a_lightning_loader_of_the_global_batch_per_device_is_caught():
     first = caught.value.divergences[0]
     assert (first.kind, first.step) == (FOREIGN, 0), caught.value
     assert "the ranks together took 18 sample(s)" in first.detail  # 9 per rank: all of it
+
+
+def test_the_hf_trainer_trains_epochs_through_its_own_data_path():
+    # its get_train_dataloader, accelerate's sharding of it and its epoch loop: a short last
+    # window is weighed by the items the Trainer counts in it (num_items_in_batch), or divided
+    # by the micro-batches it holds (current_gradient_accumulation_steps)
+    pytest.importorskip("transformers")
+    assert "epochs" not in targets.HF_TRAINER.declined_features
+    assert targets.HF_TRAINER.supports(H_SHORT) is None
+    assert ddpcheck.check_example(targets.HF_TRAINER, H_SHORT, 2) == ()
+    assert ddpcheck.check_example(HfTrainerTarget(loss_kwargs=False), H_SHORT, 2) == ()
+    assert ddpcheck.check_example(targets.HF_TRAINER, H_TOKENS, 2) == ()
+    # even_batches=False: rank 1's last batch holds 1 sample of rank 0's 2, weighed right by the
+    # items counted across the ranks
+    uneven = HfTrainerTarget(config={"accelerator_config": {"even_batches": False}})
+    odd = Scenario(zoo.MLP, global_batch=4, epochs=Epochs(samples=7, epochs=2))
+    assert ddpcheck.check_example(uneven, odd, 2) == ()
+
+
+def test_the_hf_trainer_declines_its_loaders_documented_conventions_by_name():
+    padded = Scenario(zoo.MLP, global_batch=8, accumulation=2, epochs=Epochs(samples=11))
+    why = targets.HF_TRAINER.supports(padded)
+    assert "an epoch of 11 samples in micro-batches of 4 across the ranks" in why
+    assert "even_batches=True, its default" in why and "samples at the start" in why
+    dropped = HfTrainerTarget(config={"dataloader_drop_last": True}).supports(padded)
+    assert '"Whether to drop the last incomplete batch' in dropped
+    assert "no per_device_train_batch_size" in targets.HF_TRAINER.supports_at(H_SHORT, 3)
+    split = HfTrainerTarget(config={"accelerator_config": {"split_batches": True}})
+    assert "a round multiple of the number of processes" in split.supports_at(H_SHORT, 3)
+    assert targets.HF_TRAINER.supports_at(H_SHORT, 2) is None
+    # even_batches=False: the ranks' batches may differ, not their steps (nor, where every
+    # batch is gathered, their batches): the Trainer enters no DDP join
+    uneven = {"accelerator_config": {"even_batches": False}}
+    seven = Scenario(zoo.MLP, global_batch=4, epochs=Epochs(samples=7))  # 2, 2 batches
+    six = Scenario(zoo.MLP, global_batch=4, epochs=Epochs(samples=6))  # 2, 1 batches
+    assert HfTrainerTarget(config=uneven).supports(six) is None
+    assert HfTrainerTarget(config=uneven).supports_at(seven, 2) is None
+    why = HfTrainerTarget(config=uneven).supports_at(six, 2)
+    assert "hold 2, 1 batches, 2, 1 optimizer steps" in why and "DDP's join" in why
+    accumulated = Scenario(zoo.MLP, global_batch=8, accumulation=2, epochs=Epochs(samples=6))
+    assert HfTrainerTarget(config=uneven).supports_at(accumulated, 2) is None  # 1 step each
+    counted = HfTrainerTarget(config={**uneven, "include_num_input_tokens_seen": True})
+    assert "gathers every batch's token count" in counted.supports_at(accumulated, 2)
+
+
+def test_hf_trainer_data_path_bugs_are_caught_at_their_step():
+    pytest.importorskip("transformers")
+    from tests.targets.hf_trainers import GlobalBatchPerDevice, PerMicroBatchLoss
+
+    # a loss divided by gradient_accumulation_steps in a window of fewer micro-batches: the
+    # short last window's samples weigh half (step 1: one micro-batch of two)
+    with pytest.raises(EquivalenceError) as caught:
+        ddpcheck.check_example(HfTrainerTarget(trainer_class=PerMicroBatchLoss), H_SHORT, 2)
+    first = caught.value.divergences[0]
+    assert (first.kind, first.step) == ("reference differs (gradient)", 1), caught.value
+    assert first.max_rel == pytest.approx(0.5)
+    # a loader of the global micro-batch on every rank: step 0 trains step 1's samples
+    with pytest.raises(EquivalenceError) as caught:
+        ddpcheck.check_example(HfTrainerTarget(trainer_class=GlobalBatchPerDevice), H_SHORT, 2)
+    first = caught.value.divergences[0]
+    assert (first.kind, first.step) == (FOREIGN, 0), caught.value
+    assert "the ranks together took 16 sample(s)" in first.detail
 
 
 @pytest.mark.slow

@@ -109,3 +109,20 @@ def test_transformers_accumulation_bugs_are_named_below_4_46_3(monkeypatch):
         )
         line = known_bugs.known_bug_line(targets.HfTrainerTarget(), {"float32", "accumulation"})
         assert (line is not None and "#34191" in line and "4.46.3" in line) == named, release
+
+
+def test_an_unfixed_bug_behind_two_options_is_named_only_under_both():
+    # accelerate#4122 through the Trainer (bench/hf_split_uneven_batches.py): every release
+    from ddpcheck.targets.hf_trainer import HfTrainerTarget
+
+    both = {"split_batches": True, "even_batches": False}
+    line = known_bugs.known_bug_line(
+        HfTrainerTarget(config={"accelerator_config": both}), {"epochs"}
+    )
+    assert line is not None and "huggingface/accelerate#4122" in line, line
+    assert "not fixed upstream" in line and "bench/hf_split_uneven_batches.py" in line
+    for config in ({"split_batches": True}, {"even_batches": False}):
+        target = HfTrainerTarget(config={"accelerator_config": config})
+        assert known_bugs.known_bug_line(target, {"epochs"}) is None
+    target = HfTrainerTarget(config={"accelerator_config": both})
+    assert known_bugs.known_bug_line(target, {"accumulation"}) is None  # no epochs: not it

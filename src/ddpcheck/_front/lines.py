@@ -85,7 +85,7 @@ def losses(target: object) -> str:
         (False, False): "no loss checked: its framework computes them out of sight and it "
         "reports none (Target.reported_loss: docs/targets.md)",
     }[seen, reports]
-    if callable(getattr(target, "fit_epochs", None)):
+    if seen and callable(getattr(target, "fit_epochs", None)):  # what the harness sees
         text += " (not over epochs, where its framework's data path computes them)"
         text += (
             "; over epochs, the evaluation metric it reports checked after every epoch"

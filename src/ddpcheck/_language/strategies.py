@@ -353,18 +353,28 @@ def _with_epochs(
     """``scenario`` over a dataset (``Scenario.epochs``): the global batch rounded down to a
     multiple of the accumulation -- at a known ``world_size``, in half of them a micro-batch W
     divides, which a framework's own data path needs (a per-device batch size) -- 1 to
-    ``most_steps`` steps per epoch the last of which is full (shrinking towards it) or holds 1 to
-    B - 1 samples, as many epochs as the steps allow, and in half of them (shrinking towards
-    none) an evaluation set of 1 to 3 micro-batches' samples, in the training's per-device batch
-    or one of 1-4 of its own: mostly no multiple of the per-device batch x W, so its last batch is
-    uneven."""
+    ``most_steps`` steps per epoch the last of which is full (shrinking towards it), holds 1 to
+    B - 1 samples, or fewer whole micro-batches than the accumulation, as many epochs as the
+    steps allow, and in half of them (shrinking towards none) an evaluation set of 1 to 3
+    micro-batches' samples, in the training's per-device batch or one of 1-4 of its own: mostly
+    no multiple of the per-device batch x W, so its last batch is uneven."""
     accumulation = scenario.accumulation
     micro = max(1, scenario.global_batch // accumulation)
     if world_size is not None and world_size > 1:
         micro = draw(st.sampled_from((micro, world_size * max(1, micro // world_size))))
     batch = accumulation * micro
     per_epoch = draw(st.integers(1, most_steps))
-    last = batch if batch == 1 else draw(st.one_of(st.just(batch), st.integers(1, batch - 1)))
+    # the last step full, any shorter size, or -- a third of them under accumulation -- whole
+    # micro-batches fewer than the accumulation: a short last window with no short batch, which
+    # a loader that pads or drops a short batch still trains (else A - 1 of B - 1 short draws)
+    windows = (
+        [st.integers(1, accumulation - 1).map(lambda k: k * micro)] if accumulation > 1 else []
+    )
+    last = (
+        batch
+        if batch == 1
+        else draw(st.one_of(st.just(batch), st.integers(1, batch - 1), *windows))
+    )
     samples = (per_epoch - 1) * batch + last
     epochs = draw(st.integers(1, max(1, most_steps // per_epoch)))
     evaluation = draw(st.one_of(st.none(), st.integers(1, 3 * micro)))

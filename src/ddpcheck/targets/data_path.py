@@ -40,13 +40,20 @@ from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.training import EpochRun, OptimizerLike, SchedulerLike
 from ddpcheck.targets.protocol import Target
 
-__all__ = ["SAMPLER_PADS", "SamplerDataPath", "sampler_cannot_run"]
+__all__ = ["EVEN_BATCHES_PADS", "SAMPLER_PADS", "SamplerDataPath", "sampler_cannot_run"]
 
 #: torch's documentation of ``DistributedSampler(drop_last=...)``, quoted by the declines.
 SAMPLER_PADS = (
     'DistributedSampler(drop_last=False), its default: "the sampler will add extra indices to '
     'make the data evenly divisible across the replicas" (samples repeated); with '
     'drop_last=True it "will drop the tail of the data to make it evenly divisible"'
+)
+#: accelerate's documentation of ``even_batches`` (its ``DataLoaderConfiguration``, and the HF
+#: Trainer's ``AcceleratorConfig``, whose loader accelerate prepares), quoted by the declines.
+EVEN_BATCHES_PADS = (
+    'even_batches=True, its default: "in cases where the total batch size across all processes '
+    "does not exactly divide the dataset, samples at the start of the dataset will be "
+    'duplicated so the batch can be divided equally among all workers"'
 )
 
 

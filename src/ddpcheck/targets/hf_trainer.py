@@ -17,6 +17,20 @@ kept), and ``on_step_end`` -- after the step and the scheduler, but also after t
 -- and ``on_log``, right after it: the loss the Trainer logs for the step (``log_history``'s
 ``"loss"``, every step's: ``logging_steps=1``), which ``run.reported`` hands to the oracle.
 
+**Epochs** (``fit_epochs``: a scenario with a dataset, docs/scenarios.md): the Trainer's own data
+path. ``Trainer(train_dataset=TrainerDataset(...))`` and ``train()`` with ``num_train_epochs``
+the scenario's, ``per_device_train_batch_size`` the global micro-batch over W (or all of it under
+``accelerator_config``'s ``split_batches``), ``gradient_accumulation_steps`` the accumulation and
+``train_sampling_strategy="sequential"`` (its default shuffles; the reference walks the dataset
+in index order). The Trainer's: ``get_train_dataloader``, accelerate's sharding of it, the epoch
+loop, each window's batches and item count, the scaling and stepping. Ours: the dataset, whose
+items carry their ``sample_index``, the sampler's order, and a ``training_step`` that notes which
+samples each micro-batch held (``run.consumed``) and removes the index before the Trainer's own.
+The short last window is the Trainer's to weigh (5.25.0 counts its own items: right). Declined,
+quoting the documentation: a last micro-batch accelerate pads (``even_batches=True``) or
+``dataloader_drop_last`` drops, ranks whose epochs end in different numbers of steps
+(``even_batches=False``), a micro-batch W does not divide.
+
 **The loss conventions.** ``ScenarioCausalLM.forward(input_ids, labels, **loss_kwargs)`` returns
 ``{"loss", "logits"}``; the Trainer sees ``**loss_kwargs`` (``model_accepts_loss_kwargs``; 4.46
 looks for that name), counts the non-padding labels of the step's micro-batches
@@ -70,21 +84,31 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
+from torch.utils.data import Sampler, SequentialSampler
 
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language import objective
 from ddpcheck._language.scenario import Scenario
-from ddpcheck._language.training import FitRun, OptimizerLike, SchedulerLike
+from ddpcheck._language.training import (
+    EpochRun,
+    FitRun,
+    OptimizerLike,
+    SampleDataset,
+    SchedulerLike,
+)
 from ddpcheck.targets import ddp_options
-from ddpcheck.targets.configuration import Config, described, load_config, reconcile
+from ddpcheck.targets.configuration import (
+    Config,
+    described,
+    has,
+    load_config,
+    lookup,
+    reconcile,
+)
+from ddpcheck.targets.data_path import EVEN_BATCHES_PADS
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.option_space import options
-from ddpcheck.targets.reasons import (
-    COUNTS_ITS_WINDOW,
-    NO_PARAM_DTYPE,
-    OWN_CHECKPOINTS,
-    TORCH_DDP_ORDER,
-)
+from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
 if TYPE_CHECKING:  # mypy skips transformers (pyproject.toml): it reads these names untyped
     from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState
@@ -94,6 +118,8 @@ if TYPE_CHECKING:  # mypy skips transformers (pyproject.toml): it reads these na
 
 #: A batch as the Trainer takes it from ddpcheck: a micro-batch's tokens and labels.
 Batch = dict[str, torch.Tensor]
+#: A sample of a scenario's dataset as the Trainer's loader reads it: with its index
+Item = dict[str, torch.Tensor | int]
 
 __all__ = [
     "HARNESS_KEYS",
@@ -142,8 +168,16 @@ SCENARIO_KEYS: dict[str, str] = {
 }
 
 _LOADER = (
-    "ddpcheck feeds each rank its micro-batches through a loader of its own, which the "
-    "Trainer does not build"
+    "loader worker processes and their options are not tried with this target (over the "
+    "harness's batches the loader is ddpcheck's; over a scenario's epochs, the Trainer's, with "
+    "none)"
+)
+_SAMPLER = (
+    "the reference walks a scenario's dataset in index order: over epochs the target sets the "
+    "Trainer's train_sampling_strategy='sequential' (its default 'random' shuffles)"
+)
+_DISPATCH = (
+    "one process iterating the loader and broadcasting its batches is not tried with this target"
 )
 _WORLD = "ddpcheck's world: the process group exists, on the world's device"
 _MODEL = "the scenario's model is no PreTrainedModel, which this needs"
@@ -187,23 +221,24 @@ HARNESS_KEYS: dict[str, tuple[tuple, str]] = {
     "gradient_checkpointing": ((None, False), _MODEL),
     "use_liger_kernel": ((False,), _MODEL),
     "torch_compile": ((False,), "not tried with this target"),
-    "dataloader_drop_last": ((), _LOADER),
     "dataloader_num_workers": ((), _LOADER),
     "dataloader_pin_memory": ((), _LOADER),
     "dataloader_persistent_workers": ((), _LOADER),
     "dataloader_prefetch_factor": ((), _LOADER),
     "dataloader_multiprocessing_context": ((), _LOADER),
     "dataloader_in_order": ((), _LOADER),
-    "train_sampling_strategy": ((), _LOADER),
-    "group_by_length": ((), _LOADER),
-    "length_column_name": ((), _LOADER),
-    "data_seed": ((), _LOADER),
-    "remove_unused_columns": ((), _LOADER),
-    # ``accelerator_config`` fields about the data loader, which accelerate does not prepare here
-    **{
-        f"accelerator_config.{name}": ((), _LOADER)
-        for name in ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")
-    },
+    "train_sampling_strategy": (("sequential",), _SAMPLER),
+    "group_by_length": ((False,), _SAMPLER),
+    "length_column_name": ((), _SAMPLER),
+    "data_seed": ((), _SAMPLER),
+    "remove_unused_columns": (
+        (False,),
+        "a scenario's dataset carries each sample's index (sample_index), which the target's "
+        "training_step reads and removes: the target sets remove_unused_columns=False",
+    ),
+    # how accelerate prepares the Trainer's loader: split_batches, even_batches and
+    # use_seedable_sampler are the user's (HfTrainerTarget.accelerator_option)
+    "accelerator_config.dispatch_batches": ((None, False), _DISPATCH),
 }
 
 
@@ -238,7 +273,6 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
         "grads-kept": "the Trainer clears gradients with model.zero_grad(), which sets them to "
         "None, after every step",
         "param-dtype": NO_PARAM_DTYPE,
-        "epochs": COUNTS_ITS_WINDOW,
     }
 
     def __post_init__(self) -> None:
@@ -268,10 +302,13 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
     def config_space(self) -> ConfigSpace:
         """``TrainingArguments`` keys that change how the Trainer runs DDP but not what it
         computes: counting the input tokens seen (a gather of counts every step), a smaller DDP
-        bucket. Not ``average_tokens_across_devices=False`` nor ``loss_kwargs=False``: each is
-        documented to weigh tokens otherwise (the module docstring), which would fail every
-        run; name them to check them. Drawn keys join the user's own ``config`` (or
-        ``training_args``, its older spelling, where that is the one given)."""
+        bucket, and over a scenario's epochs dropping the last incomplete batch (declined where
+        there is one: :data:`DROPS_LAST`), and ``accelerator_config``'s ``split_batches`` and
+        ``even_batches=False`` (uneven ranks: declined where their steps differ). Not
+        ``average_tokens_across_devices=False`` nor ``loss_kwargs=False``: each is documented to
+        weigh tokens otherwise (the module docstring), which would fail every run; name them to
+        check them. Drawn keys join the user's own ``config`` (or ``training_args``, its older
+        spelling, where that is the one given)."""
         # include_num_input_tokens_seen=True raises at W > 1 on 4.46.3 (fixed in 4.47.0:
         # bench/hf_token_weights.py --tokens-seen): kept, transformers' bug to report there.
         # ddp_find_unused_parameters=False: torch DDP's own option (what it cannot train is
@@ -282,8 +319,15 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
             **{
                 field: {
                     "include_num_input_tokens_seen": (True,),
+                    "dataloader_drop_last": (True,),
                     "ddp_bucket_cap_mb": (1,),
                     "ddp_find_unused_parameters": (False,),
+                    # how accelerate prepares the Trainer's loader (scenarios with epochs)
+                    "accelerator_config": (
+                        {"even_batches": False},
+                        {"split_batches": True},
+                        {"split_batches": True, "even_batches": False},
+                    ),
                 }
             }
         )
@@ -321,15 +365,56 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
                 "(accelerate's native AMP for fp16 needs a GPU) and adds a GradScaler that "
                 "may skip steps on a GPU, which the reference does not"
             )
-        return None
+        return _epochs_cannot_run(
+            scenario, self.drops_last(), self.accelerator_option("even_batches")
+        )
+
+    def drops_last(self) -> bool:
+        """The user's ``dataloader_drop_last`` (the Trainer's default: False)."""
+        return bool(vars(self)["_given"].get("dataloader_drop_last", False))
+
+    def accelerator_option(self, name: str) -> bool:
+        """The user's ``accelerator_config`` field ``name`` (a dict's key or an
+        ``AcceleratorConfig``'s field), else the Trainer's default: ``split_batches`` False,
+        ``even_batches`` True."""
+        given, key = vars(self)["_given"], f"accelerator_config.{name}"
+        if has(given, key):
+            return bool(lookup(given, key))
+        return name == "even_batches"
 
     def model_for(self, net: torch.nn.Module, scenario: Scenario) -> torch.nn.Module:
         """The model the Trainer trains: the scenario's ``net`` as a causal LM."""
         cls = ScenarioCausalLM if self.loss_kwargs else ScenarioCausalLMWithoutLossKwargs
         return cls(net, scenario)
 
+    def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
+        """A scenario with epochs whose micro-batch (across the ranks) ``world_size`` does not
+        divide -- no ``per_device_train_batch_size`` gives it, and ``split_batches`` refuses
+        it -- or, under ``even_batches=False``, whose ranks' epochs end in different numbers of
+        optimizer steps (:func:`_uneven_steps`)."""
+        if scenario.epochs is None:
+            return None
+        micro = scenario.global_batch // scenario.accumulation
+        if micro % world_size:
+            return f"a micro-batch of {micro} samples over {world_size} ranks (" + (
+                "split_batches needs a batch size that is a round multiple of the number of "
+                "processes)"
+                if self.accelerator_option("split_batches")
+                else "no per_device_train_batch_size gives it)"
+            )
+        if self.accelerator_option("even_batches") or self.drops_last():
+            return None
+        # 4.x takes a bool, 5 also "all" / "non_padding" ("no": off)
+        counted = vars(self)["_given"].get("include_num_input_tokens_seen") not in (
+            None,
+            False,
+            "no",
+        )
+        split = self.accelerator_option("split_batches")
+        return _uneven_steps(scenario, world_size, split, every_batch=counted)
+
     def fit(self, module: nn.Module, run: FitRun) -> None:
-        from transformers import Trainer, TrainerCallback, TrainingArguments
+        from transformers import Trainer
 
         join_existing_group()
         accumulation = max(len(step) for step in run.batches)
@@ -339,6 +424,59 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
                 "step (TrainingArguments(gradient_accumulation_steps=...) is "
                 "one number)"
             )
+        trainer_cls = _trainer(self.trainer_class or Trainer, _loader(run))
+        self._train(module, run, trainer_cls, accumulation, data_path={}, train_dataset=None)
+
+    def fit_epochs(self, module: nn.Module, run: EpochRun) -> None:
+        """The Trainer's own data path over the scenario's dataset (the module docstring,
+        "Epochs"): ``Trainer(train_dataset=...)`` with ``num_train_epochs``,
+        ``per_device_train_batch_size`` (the global micro-batch over W),
+        and ``gradient_accumulation_steps`` as the scenario says, your ``dataloader_drop_last``,
+        and the Trainer's sequential sampler; its ``get_train_dataloader``, accelerate's sharding
+        of that loader, its epoch loop and its accumulation windows decide what each step
+        consumes, which ddpcheck's ``training_step`` notes (``run.consumed``)."""
+        from transformers import Trainer
+
+        join_existing_group()
+        why = self.supports_at(run.scenario, run.world_size) or self.supports(run.scenario)
+        if why is not None:  # asked to run what supports and supports_at decline
+            raise NothingChecked(f"HfTrainerTarget declines this example: {why}")
+        sequential = _SAMPLING in (_fields() or set())
+        trainer_cls = _epoch_trainer(self.trainer_class or Trainer, run, sequential)
+        data_path: dict[str, object] = {
+            "max_steps": -1,  # the epochs decide
+            "num_train_epochs": run.epochs,
+            # the global micro-batch, which accelerate splits, or its share of each rank
+            "per_device_train_batch_size": run.global_batch
+            // run.accumulation
+            // (1 if self.accelerator_option("split_batches") else run.world_size),
+            "remove_unused_columns": False,  # the items' sample_index, which training_step reads
+            **({_SAMPLING: "sequential"} if sequential else {}),
+        }
+        self._train(
+            module,
+            run,
+            trainer_cls,
+            run.accumulation,
+            data_path=data_path,
+            train_dataset=TrainerDataset(run.dataset),
+        )
+
+    def _train(
+        self,
+        module: nn.Module,
+        run: FitRun,
+        trainer_cls: type,
+        accumulation: int,
+        *,
+        data_path: Mapping[str, object],
+        train_dataset: torch.utils.data.Dataset[Item] | None,
+    ) -> None:
+        """Build the ``TrainingArguments`` (the user's, the scenario's, the harness's, and the
+        ``data_path``'s), the optimizer and schedule and the recording callback, and run
+        ``trainer_cls(...).train()``."""
+        from transformers import TrainerCallback, TrainingArguments
+
         _check_environment(run.scenario)
         device = next(module.parameters()).device
         # transformers 4.x's TrainingArguments writes its precision into os.environ, where the
@@ -352,7 +490,7 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
             given = vars(self)["_given"]  # set by __post_init__: no field, not in the replay line
             kwargs = arguments(given, run.scenario, run.steps, accumulation, device, folder)
             try:
-                args = TrainingArguments(**kwargs)
+                args = TrainingArguments(**{**kwargs, **data_path})
             except (TypeError, ValueError) as exc:
                 raise InvalidArgument(
                     f"TrainingArguments({_shown(given)}) as ddpcheck "
@@ -367,9 +505,10 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
             recorder = _recorder(
                 TrainerCallback, run, module, None if run.gamma is None else scheduler
             )
-            recorder.trainer = _trainer(self.trainer_class or Trainer, _loader(run))(
+            recorder.trainer = trainer_cls(
                 model=self.model_for(module, run.scenario),
                 args=args,
+                train_dataset=train_dataset,
                 optimizers=(optimizer, scheduler),
                 callbacks=[recorder],
             )
@@ -552,6 +691,129 @@ def _trainer(trainer_cls: type, batches: list[Batch]) -> type:
                 batch_size=None,
                 shuffle=False,
             )
+
+    return Trainer
+
+
+_SAMPLING = "train_sampling_strategy"
+#: the key under which :class:`TrainerDataset`'s items carry their index
+SAMPLE_INDEX = "sample_index"
+
+
+#: transformers' documentation of ``TrainingArguments(dataloader_drop_last=True)``
+DROPS_LAST = (
+    'dataloader_drop_last=True: "Whether to drop the last incomplete batch (if the length of '
+    'the dataset is not divisible by the batch size)", samples the reference trains'
+)
+
+
+#: torch's documentation of ``DistributedDataParallel.join``, which the Trainer does not enter
+UNEVEN_INPUTS = (
+    "the Trainer does not enter torch DDP's join (\"Context manager for training with uneven "
+    "inputs across processes in DDP\"): the ranks' collectives no longer pair up"
+)
+
+
+def _epochs_cannot_run(scenario: Scenario, drop_last: bool, even_batches: bool) -> str | None:
+    """Why the Trainer's own data path does not train ``scenario``'s epochs as the reference
+    does, by a documented convention, whatever the world size; None when it may. A dataset the
+    global micro-batch does not divide loses its tail under ``dataloader_drop_last=True``;
+    otherwise accelerate, which prepares the Trainer's loader with its ``accelerator_config``,
+    evens it out with samples from its start (``even_batches=True``, the default) or leaves
+    the ranks' last batches unequal (:func:`_uneven_steps`)."""
+    epochs = scenario.epochs
+    if epochs is None:
+        return None
+    micro = scenario.global_batch // scenario.accumulation
+    if epochs.samples % micro == 0 or not (drop_last or even_batches):
+        return None
+    return (
+        f"an epoch of {epochs.samples} samples in micro-batches of {micro} across the ranks: "
+        "its last micro-batch is short, and "
+        + (
+            DROPS_LAST
+            if drop_last
+            else "accelerate prepares the Trainer's DataLoader with the Trainer's "
+            f"accelerator_config {EVEN_BATCHES_PADS}"
+        )
+    )
+
+
+def _uneven_steps(
+    scenario: Scenario, world_size: int, split: bool, *, every_batch: bool
+) -> str | None:
+    """Under ``even_batches=False``, why the ranks' epochs end in different numbers of optimizer
+    steps -- or, where the Trainer gathers across the ranks after every batch
+    (``every_batch``: ``include_num_input_tokens_seen``), of batches; None when they do not.
+    Each rank's loader holds its own batches -- every W-th per-device batch, or its part of
+    every global micro-batch under ``split_batches`` (none of a short last one that ends before
+    it) -- and each rank's Trainer counts its own steps (``ceil(batches /
+    gradient_accumulation_steps)``), where torch DDP needs every rank in every collective."""
+    epochs = scenario.epochs
+    if epochs is None:
+        return None
+    micro = scenario.global_batch // scenario.accumulation
+    share = micro // world_size
+    if split:
+        batches = [
+            epochs.samples // micro + (epochs.samples % micro > r * share)
+            for r in range(world_size)
+        ]
+    else:
+        batches = [
+            len(range(r, math.ceil(epochs.samples / share), world_size)) for r in range(world_size)
+        ]
+    steps = [math.ceil(n / scenario.accumulation) for n in batches]
+    held = (
+        f"an epoch of {epochs.samples} samples with even_batches=False: the ranks' loaders hold "
+        f"{', '.join(map(str, batches))} batches, {', '.join(map(str, steps))} optimizer "
+        f"steps (gradient_accumulation_steps={scenario.accumulation})"
+    )
+    if len(set(steps)) > 1:
+        return f"{held}, and {UNEVEN_INPUTS}"
+    if every_batch and len(set(batches)) > 1:
+        return (
+            f"{held}; include_num_input_tokens_seen gathers every batch's token count across "
+            f"the ranks, and {UNEVEN_INPUTS}"
+        )
+    return None
+
+
+class TrainerDataset(torch.utils.data.Dataset[Item]):
+    """The scenario's dataset as a Trainer's ``train_dataset``: item ``i`` is
+    ``{"input_ids": x[i], "labels": y[i], "sample_index": i}``, so every batch the Trainer's
+    loader yields carries the indices it holds (the Trainer's default collator stacks them)."""
+
+    def __init__(self, samples: SampleDataset):
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> Item:
+        x, y, i = self.samples[index]
+        return {"input_ids": x, "labels": y, SAMPLE_INDEX: i}
+
+
+def _epoch_trainer(trainer_cls: type, run: EpochRun, sequential: bool) -> type:
+    """The ``Trainer`` subclass of the data path: its ``training_step`` notes which samples each
+    micro-batch the Trainer trains holds (``run.consumed``) and hands the rest on; where
+    ``TrainingArguments`` has no ``train_sampling_strategy`` (not ``sequential``: older
+    releases), its ``_get_train_sampler`` is a ``SequentialSampler`` -- the Trainer's default
+    shuffles, where the reference walks the dataset in index order."""
+
+    class Trainer(trainer_cls):  # type: ignore[misc]  # transformers' Trainer
+        def training_step(
+            self, model: nn.Module, inputs: dict, *args: object, **kwargs: object
+        ) -> torch.Tensor:
+            run.consumed([int(i) for i in inputs.pop(SAMPLE_INDEX)])
+            loss: torch.Tensor = super().training_step(model, inputs, *args, **kwargs)
+            return loss
+
+        if not sequential:
+
+            def _get_train_sampler(self, *args: object, **kwargs: object) -> Sampler[int]:
+                return SequentialSampler(self.train_dataset)
 
     return Trainer
 
