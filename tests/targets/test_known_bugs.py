@@ -126,3 +126,23 @@ def test_an_unfixed_bug_behind_two_options_is_named_only_under_both():
         assert known_bugs.known_bug_line(target, {"epochs"}) is None
     target = HfTrainerTarget(config={"accelerator_config": both})
     assert known_bugs.known_bug_line(target, {"accumulation"}) is None  # no epochs: not it
+
+
+def test_ddp_under_a_split_backward_schedule_is_named_only_for_those_schedules():
+    # pytorch#144530 (bench/pipeline_cpu.py): open, so every release; only under torch_pp's DDP
+    # option and a schedule that splits the backward -- GPipe under DDP is right
+    from ddpcheck.scenario import PipelineParallel
+    from ddpcheck.sharded_models import ShardedSpec, sequence_data
+    from ddpcheck.targets.pipeline import TorchPPTarget
+
+    def scenario(schedule, per_rank):
+        pipeline = PipelineParallel(schedule, (1, 2, 3)[: 2 * per_rank - 1], 2, 2, per_rank)
+        return Scenario(ShardedSpec(), data=sequence_data, pipeline=pipeline)
+
+    zbv, gpipe = scenario("ZBVZeroBubble", 2), scenario("GPipe", 1)
+    ddp, features = TorchPPTarget(dp_wrapper="ddp"), {"pipeline-parallel"}
+    line = known_bugs.known_bug_line(ddp, features, zbv)
+    assert line is not None and "pytorch#144530" in line and "not fixed upstream" in line, line
+    assert known_bugs.known_bug_line(ddp, features, gpipe) is None
+    assert known_bugs.known_bug_line(TorchPPTarget(), features, zbv) is None  # FSDP2: not it
+    assert known_bugs.known_bug_line(ddp, features) is None  # no scenario: cannot tell

@@ -33,6 +33,7 @@ from ddpcheck._base.options import named_fields
 __all__ = [
     "PIPELINE_AXES",
     "SCHEDULES",
+    "SCHEDULES_SPLITTING_BACKWARD",
     "PipelineParallel",
     "held_modules",
     "module_order",
@@ -57,6 +58,9 @@ SCHEDULES: dict[str, str] = {
     "ZBVZeroBubble": "v",
     "DualPipeV": "v",
 }
+
+#: The schedules that split each stage's backward into its input and weight parts (zero bubble).
+SCHEDULES_SPLITTING_BACKWARD = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"})
 
 
 @named_fields

@@ -298,7 +298,7 @@ def with_features(error: EquivalenceError, what: str, survey: str) -> Equivalenc
     lines = [f"{what} exercises: {', '.join(found)} (what the bug needs is among them)"]
     if set(found) - {error.scenario.dtype, "broadcast"}:
         lines.append(f"which of them fail, at which world sizes: {survey}")
-    known = known_bug_line(error.target, set(found))  # an installed release's upstream bug
+    known = known_bug_line(error.target, set(found), error.scenario)  # an upstream bug
     if known is not None:
         lines.append(known)
     error.args = (f"{error.args[0]}\n\n" + "\n".join(lines),)
