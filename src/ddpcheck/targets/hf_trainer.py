@@ -806,6 +806,13 @@ def _epoch_trainer(trainer_cls: type, run: EpochRun, sequential: bool) -> type:
         def training_step(
             self, model: nn.Module, inputs: dict, *args: object, **kwargs: object
         ) -> torch.Tensor:
+            if SAMPLE_INDEX not in inputs:  # a user's loader or collator that drops it
+                raise InvalidArgument(
+                    f"the batches {type(self).__name__} trains carry no {SAMPLE_INDEX!r}, "
+                    "which the scenario's dataset gives each sample: over a scenario's epochs "
+                    "a trainer_class's get_train_dataloader or data collator must keep it "
+                    "(ddpcheck judges what each step consumed by it)"
+                )
             run.consumed([int(i) for i in inputs.pop(SAMPLE_INDEX)])
             loss: torch.Tensor = super().training_step(model, inputs, *args, **kwargs)
             return loss
