@@ -68,3 +68,12 @@ class GlobalBatchPerDevice(Trainer):
     def get_train_dataloader(self):
         self._train_batch_size = self.args.per_device_train_batch_size * self.args.world_size
         return super().get_train_dataloader()
+
+
+class DropsTheIndex(Trainer):
+    """A user's Trainer whose training loader drops every key the model does not take
+    (``remove_unused_columns``' work done by hand): the sample indices never arrive."""
+
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        return [{k: v for k, v in batch.items() if k != "sample_index"} for batch in loader]

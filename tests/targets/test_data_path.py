@@ -202,7 +202,7 @@ def test_the_hf_trainer_declines_its_loaders_documented_conventions_by_name():
 
 def test_hf_trainer_data_path_bugs_are_caught_at_their_step():
     pytest.importorskip("transformers")
-    from tests.targets.hf_trainers import GlobalBatchPerDevice, PerMicroBatchLoss
+    from tests.targets.hf_trainers import DropsTheIndex, GlobalBatchPerDevice, PerMicroBatchLoss
 
     # a loss divided by gradient_accumulation_steps in a window of fewer micro-batches: the
     # short last window's samples weigh half (step 1: one micro-batch of two)
@@ -217,6 +217,9 @@ def test_hf_trainer_data_path_bugs_are_caught_at_their_step():
     first = caught.value.divergences[0]
     assert (first.kind, first.step) == (FOREIGN, 0), caught.value
     assert "the ranks together took 16 sample(s)" in first.detail
+    # a loader that drops the samples' index cannot be judged: a usage error, never a verdict
+    with pytest.raises(ddpcheck.InvalidArgument, match="carry no 'sample_index'"):
+        ddpcheck.check_example(HfTrainerTarget(trainer_class=DropsTheIndex), H_SHORT, 2)
 
 
 @pytest.mark.slow

@@ -84,18 +84,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
-from torch.utils.data import Sampler, SequentialSampler
 
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language import objective
 from ddpcheck._language.scenario import Scenario
-from ddpcheck._language.training import (
-    EpochRun,
-    FitRun,
-    OptimizerLike,
-    SampleDataset,
-    SchedulerLike,
-)
+from ddpcheck._language.training import EpochRun, FitRun, OptimizerLike, SchedulerLike
 from ddpcheck.targets import ddp_options
 from ddpcheck.targets.configuration import (
     Config,
@@ -105,8 +98,15 @@ from ddpcheck.targets.configuration import (
     lookup,
     reconcile,
 )
-from ddpcheck.targets.data_path import EVEN_BATCHES_PADS
 from ddpcheck.targets.environment import join_existing_group
+from ddpcheck.targets.hf_data_path import (
+    SAMPLING,
+    Item,
+    TrainerDataset,
+    epoch_trainer,
+    epochs_cannot_run,
+    uneven_steps,
+)
 from ddpcheck.targets.option_space import options
 from ddpcheck.targets.reasons import NO_PARAM_DTYPE, OWN_CHECKPOINTS, TORCH_DDP_ORDER
 
@@ -118,8 +118,6 @@ if TYPE_CHECKING:  # mypy skips transformers (pyproject.toml): it reads these na
 
 #: A batch as the Trainer takes it from ddpcheck: a micro-batch's tokens and labels.
 Batch = dict[str, torch.Tensor]
-#: A sample of a scenario's dataset as the Trainer's loader reads it: with its index
-Item = dict[str, torch.Tensor | int]
 
 __all__ = [
     "HARNESS_KEYS",
@@ -303,8 +301,9 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
         """``TrainingArguments`` keys that change how the Trainer runs DDP but not what it
         computes: counting the input tokens seen (a gather of counts every step), a smaller DDP
         bucket, and over a scenario's epochs dropping the last incomplete batch (declined where
-        there is one: :data:`DROPS_LAST`), and ``accelerator_config``'s ``split_batches`` and
-        ``even_batches=False`` (uneven ranks: declined where their steps differ). Not
+        there is one: ``hf_data_path.DROPS_LAST``), and ``accelerator_config``'s
+        ``split_batches`` and ``even_batches=False`` (uneven ranks: declined where their steps
+        differ). Not
         ``average_tokens_across_devices=False`` nor ``loss_kwargs=False``: each is documented to
         weigh tokens otherwise (the module docstring), which would fail every run; name them to
         check them. Drawn keys join the user's own ``config`` (or ``training_args``, its older
@@ -365,7 +364,7 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
                 "(accelerate's native AMP for fp16 needs a GPU) and adds a GradScaler that "
                 "may skip steps on a GPU, which the reference does not"
             )
-        return _epochs_cannot_run(
+        return epochs_cannot_run(
             scenario, self.drops_last(), self.accelerator_option("even_batches")
         )
 
@@ -391,7 +390,7 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
         """A scenario with epochs whose micro-batch (across the ranks) ``world_size`` does not
         divide -- no ``per_device_train_batch_size`` gives it, and ``split_batches`` refuses
         it -- or, under ``even_batches=False``, whose ranks' epochs end in different numbers of
-        optimizer steps (:func:`_uneven_steps`)."""
+        optimizer steps (:func:`~ddpcheck.targets.hf_data_path.uneven_steps`)."""
         if scenario.epochs is None:
             return None
         micro = scenario.global_batch // scenario.accumulation
@@ -411,7 +410,7 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
             "no",
         )
         split = self.accelerator_option("split_batches")
-        return _uneven_steps(scenario, world_size, split, every_batch=counted)
+        return uneven_steps(scenario, world_size, split, every_batch=counted)
 
     def fit(self, module: nn.Module, run: FitRun) -> None:
         from transformers import Trainer
@@ -441,8 +440,8 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
         why = self.supports_at(run.scenario, run.world_size) or self.supports(run.scenario)
         if why is not None:  # asked to run what supports and supports_at decline
             raise NothingChecked(f"HfTrainerTarget declines this example: {why}")
-        sequential = _SAMPLING in (_fields() or set())
-        trainer_cls = _epoch_trainer(self.trainer_class or Trainer, run, sequential)
+        sequential = SAMPLING in (_fields() or set())
+        trainer_cls = epoch_trainer(self.trainer_class or Trainer, run, sequential)
         data_path: dict[str, object] = {
             "max_steps": -1,  # the epochs decide
             "num_train_epochs": run.epochs,
@@ -451,7 +450,7 @@ class HfTrainerTarget(ddp_options.TorchDDPFramework):
             // run.accumulation
             // (1 if self.accelerator_option("split_batches") else run.world_size),
             "remove_unused_columns": False,  # the items' sample_index, which training_step reads
-            **({_SAMPLING: "sequential"} if sequential else {}),
+            **({SAMPLING: "sequential"} if sequential else {}),
         }
         self._train(
             module,
@@ -691,129 +690,6 @@ def _trainer(trainer_cls: type, batches: list[Batch]) -> type:
                 batch_size=None,
                 shuffle=False,
             )
-
-    return Trainer
-
-
-_SAMPLING = "train_sampling_strategy"
-#: the key under which :class:`TrainerDataset`'s items carry their index
-SAMPLE_INDEX = "sample_index"
-
-
-#: transformers' documentation of ``TrainingArguments(dataloader_drop_last=True)``
-DROPS_LAST = (
-    'dataloader_drop_last=True: "Whether to drop the last incomplete batch (if the length of '
-    'the dataset is not divisible by the batch size)", samples the reference trains'
-)
-
-
-#: torch's documentation of ``DistributedDataParallel.join``, which the Trainer does not enter
-UNEVEN_INPUTS = (
-    "the Trainer does not enter torch DDP's join (\"Context manager for training with uneven "
-    "inputs across processes in DDP\"): the ranks' collectives no longer pair up"
-)
-
-
-def _epochs_cannot_run(scenario: Scenario, drop_last: bool, even_batches: bool) -> str | None:
-    """Why the Trainer's own data path does not train ``scenario``'s epochs as the reference
-    does, by a documented convention, whatever the world size; None when it may. A dataset the
-    global micro-batch does not divide loses its tail under ``dataloader_drop_last=True``;
-    otherwise accelerate, which prepares the Trainer's loader with its ``accelerator_config``,
-    evens it out with samples from its start (``even_batches=True``, the default) or leaves
-    the ranks' last batches unequal (:func:`_uneven_steps`)."""
-    epochs = scenario.epochs
-    if epochs is None:
-        return None
-    micro = scenario.global_batch // scenario.accumulation
-    if epochs.samples % micro == 0 or not (drop_last or even_batches):
-        return None
-    return (
-        f"an epoch of {epochs.samples} samples in micro-batches of {micro} across the ranks: "
-        "its last micro-batch is short, and "
-        + (
-            DROPS_LAST
-            if drop_last
-            else "accelerate prepares the Trainer's DataLoader with the Trainer's "
-            f"accelerator_config {EVEN_BATCHES_PADS}"
-        )
-    )
-
-
-def _uneven_steps(
-    scenario: Scenario, world_size: int, split: bool, *, every_batch: bool
-) -> str | None:
-    """Under ``even_batches=False``, why the ranks' epochs end in different numbers of optimizer
-    steps -- or, where the Trainer gathers across the ranks after every batch
-    (``every_batch``: ``include_num_input_tokens_seen``), of batches; None when they do not.
-    Each rank's loader holds its own batches -- every W-th per-device batch, or its part of
-    every global micro-batch under ``split_batches`` (none of a short last one that ends before
-    it) -- and each rank's Trainer counts its own steps (``ceil(batches /
-    gradient_accumulation_steps)``), where torch DDP needs every rank in every collective."""
-    epochs = scenario.epochs
-    if epochs is None:
-        return None
-    micro = scenario.global_batch // scenario.accumulation
-    share = micro // world_size
-    if split:
-        batches = [
-            epochs.samples // micro + (epochs.samples % micro > r * share)
-            for r in range(world_size)
-        ]
-    else:
-        batches = [
-            len(range(r, math.ceil(epochs.samples / share), world_size)) for r in range(world_size)
-        ]
-    steps = [math.ceil(n / scenario.accumulation) for n in batches]
-    held = (
-        f"an epoch of {epochs.samples} samples with even_batches=False: the ranks' loaders hold "
-        f"{', '.join(map(str, batches))} batches, {', '.join(map(str, steps))} optimizer "
-        f"steps (gradient_accumulation_steps={scenario.accumulation})"
-    )
-    if len(set(steps)) > 1:
-        return f"{held}, and {UNEVEN_INPUTS}"
-    if every_batch and len(set(batches)) > 1:
-        return (
-            f"{held}; include_num_input_tokens_seen gathers every batch's token count across "
-            f"the ranks, and {UNEVEN_INPUTS}"
-        )
-    return None
-
-
-class TrainerDataset(torch.utils.data.Dataset[Item]):
-    """The scenario's dataset as a Trainer's ``train_dataset``: item ``i`` is
-    ``{"input_ids": x[i], "labels": y[i], "sample_index": i}``, so every batch the Trainer's
-    loader yields carries the indices it holds (the Trainer's default collator stacks them)."""
-
-    def __init__(self, samples: SampleDataset):
-        self.samples = samples
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> Item:
-        x, y, i = self.samples[index]
-        return {"input_ids": x, "labels": y, SAMPLE_INDEX: i}
-
-
-def _epoch_trainer(trainer_cls: type, run: EpochRun, sequential: bool) -> type:
-    """The ``Trainer`` subclass of the data path: its ``training_step`` notes which samples each
-    micro-batch the Trainer trains holds (``run.consumed``) and hands the rest on; where
-    ``TrainingArguments`` has no ``train_sampling_strategy`` (not ``sequential``: older
-    releases), its ``_get_train_sampler`` is a ``SequentialSampler`` -- the Trainer's default
-    shuffles, where the reference walks the dataset in index order."""
-
-    class Trainer(trainer_cls):  # type: ignore[misc]  # transformers' Trainer
-        def training_step(
-            self, model: nn.Module, inputs: dict, *args: object, **kwargs: object
-        ) -> torch.Tensor:
-            run.consumed([int(i) for i in inputs.pop(SAMPLE_INDEX)])
-            loss: torch.Tensor = super().training_step(model, inputs, *args, **kwargs)
-            return loss
-
-        if not sequential:
-
-            def _get_train_sampler(self, *args: object, **kwargs: object) -> Sampler[int]:
-                return SequentialSampler(self.train_dataset)
 
     return Trainer
 
