@@ -49,8 +49,8 @@ __all__ = [
     "layers",
     "models",
     "optimizers",
-    "scenarios",
     "pipeline_scenarios",
+    "scenarios",
     "tensor_parallel_scenarios",
     "world_sizes",
 ]
@@ -549,9 +549,8 @@ def per_world_size(
             f"{', '.join(dtypes)} once `without` (--without) is applied"
         )
     if "pipeline-parallel" in opt_in:  # a target running schedules: pipelines only
-        return {
-            w: pipeline_scenarios(world_size=w, dtypes=kept, without=unsupported) for w in sizes
-        }
+        pipelines = functools.partial(pipeline_scenarios, dtypes=kept, without=unsupported)
+        return {w: pipelines(world_size=w) for w in sizes}
     if "tensor-parallel" in opt_in:  # a target with a plan hook: meshes and plans only
         return {
             w: tensor_parallel_scenarios(
