@@ -248,11 +248,16 @@ def test_a_lightning_strategy_reaches_the_ddp_model():
         ddpcheck.InvalidArgument,
         match=r"Trainer\(\.\.\.\) with the "
         r"configuration.*raised Misconfiguration"
-        r"Exception: .*val_check_interval",
+        r"Exception: .*reload_dataloaders_every_n_epochs",
     ):
         ddpcheck.check_example(
-            targets.LightningTarget(config={"val_check_interval": -1}), ONE_PER_STEP, 2
+            targets.LightningTarget(config={"reload_dataloaders_every_n_epochs": -1}),
+            ONE_PER_STEP,
+            2,
         )
+    # when validation runs is the scenario's: its evaluation set, after every epoch
+    with pytest.raises(ddpcheck.InvalidArgument, match="val_check_interval"):
+        targets.LightningTarget(config={"val_check_interval": 0.5})
     # manual optimization stays the target's field, beside the Trainer's configuration
     manual = targets.LightningTarget(
         manual=True,

@@ -13,6 +13,7 @@ import torch
 
 import ddpcheck
 from ddpcheck import Epochs, EquivalenceError, Scenario, targets, zoo
+from ddpcheck.models import Layer, ModelSpec, SpecData
 from ddpcheck.mutation.broken_metrics import DropsUnevenLastBatchTarget, PaddingCountedTarget
 from ddpcheck.targets.accelerate import AccelerateTarget
 from ddpcheck.targets.lightning import LightningTarget
@@ -21,6 +22,16 @@ from ddpcheck.targets.lightning import LightningTarget
 #: shares of 4 and 3, one padded sample, a short last batch on each rank.
 UNEVEN = Scenario(
     zoo.MLP, global_batch=6, epochs=Epochs(samples=12, epochs=2, evaluation=7), seed=5
+)
+#: A model of 64 bytes evaluated on 35 samples: the evaluation's gathers, more bytes than the
+#: parameters, are no part of the next step's communication budget (the soak's false alarm).
+SMALL_MODEL = Scenario(
+    ModelSpec(layers=(Layer(kind="embedding", use="sample", float32=True),), width=2),
+    data=SpecData(width=2),
+    global_batch=12,
+    dtype="float32",
+    seed=6714,
+    epochs=Epochs(samples=12, epochs=2, evaluation=35),
 )
 #: The same with an evaluation set of 10: 5 per rank at W=2 (batches of 3 and 2), no padding.
 EVEN_RANKS = dataclasses.replace(UNEVEN, epochs=Epochs(samples=12, epochs=2, evaluation=10))
@@ -44,7 +55,7 @@ class GathersWithPadding(AccelerateTarget):
 
 def test_accelerate_gathers_each_evaluation_sample_once():
     pytest.importorskip("accelerate")
-    assert ddpcheck.check_example(targets.ACCELERATE, UNEVEN, 2) == ()
+    assert ddpcheck.check_example(targets.ACCELERATE, SMALL_MODEL, 2) == ()
     uneven = AccelerateTarget(config={"dataloader_config": {"even_batches": False}})
     assert ddpcheck.check_example(uneven, UNEVEN, 2) == ()
     with pytest.raises(EquivalenceError) as caught:

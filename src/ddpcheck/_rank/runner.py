@@ -480,7 +480,10 @@ class _OwnedRecords:
 
     def evaluated(self, value: object, dtype: torch.dtype | None = None) -> None:
         """The evaluation metric the framework reported after the step recorded last (an
-        epoch's last: ``EpochRun.evaluated``)."""
+        epoch's last: ``EpochRun.evaluated``). The evaluation's collectives -- its gathers, a
+        forward's buffer broadcast -- ran since that step's record and are no part of the next
+        step's gradient communication, which the budget judges: they are dropped from it (the
+        sequence file a hang is diagnosed from still holds them)."""
         if not self.records.steps:
             raise RuntimeError(
                 f"{type(self.target).__name__} called run.evaluated before any run.record"
@@ -488,6 +491,7 @@ class _OwnedRecords:
         who = f"{type(self.target).__name__}'s evaluation metric"
         last = self.records.steps[-1]
         last.metric, last.metric_dtype = _scalar(value, who), _dtype_of(value, dtype)
+        recorder.reset()
 
     def fit(self, fit: Callable[[], None]) -> None:
         """Run ``fit``, then the target's teardown (on what run.started was given)."""
