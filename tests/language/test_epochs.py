@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 
 import ddpcheck
 from ddpcheck import features, strategies
@@ -152,6 +152,20 @@ def test_the_strategies_draw_evaluation_sets_with_an_uneven_last_batch():
         batch = epochs.evaluation_batch_at(scenario.global_batch, scenario.accumulation, 2)
         return batch > 1 and epochs.evaluation % (2 * batch) != 0
 
-    settings_ = settings(database=None, suppress_health_check=list(HealthCheck), deadline=None)
-    found = find(strategies.exercising("epochs", world_size=2), uneven, settings=settings_)
-    assert found.epochs.evaluation is not None
+    drawn = []
+
+    @settings(
+        max_examples=40,
+        database=None,
+        derandomize=True,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        deadline=None,
+    )
+    @given(strategies.exercising("epochs", world_size=2))
+    def draw(scenario):
+        drawn.append(scenario)
+
+    draw()
+    assert sum(s.epochs.evaluation is None for s in drawn) >= 5  # shrinking towards none
+    assert sum(map(uneven, drawn)) >= 5, [s.epochs for s in drawn]
