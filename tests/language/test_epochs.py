@@ -155,7 +155,7 @@ def test_the_strategies_draw_evaluation_sets_with_an_uneven_last_batch():
     drawn = []
 
     @settings(
-        max_examples=40,
+        max_examples=100,
         database=None,
         derandomize=True,
         phases=[Phase.generate],

@@ -27,12 +27,17 @@ def test_a_target_that_declares_nothing_is_checked_within_torch_ddps_contract():
     assert (
         supported_by(CourseTarget())
         == DEFAULT_FEATURES
-        == (frozenset(FEATURES) - BEYOND_TORCH - {"param-dtype", "tensor-parallel"})
+        == (
+            frozenset(FEATURES)
+            - BEYOND_TORCH
+            - {"param-dtype", "tensor-parallel", "pipeline-parallel"}
+        )
     )
     assert "rank-orders" in BEYOND_TORCH
     assert supported_by(targets.PARALLEL) == frozenset(FEATURES) - {  # all it can
         "param-dtype",
         "tensor-parallel",
+        "pipeline-parallel",
     }
     ordered = Scenario(ddpcheck.zoo.MLP, rank_orders=True)
     why = ddpcheck.features.declines(CourseTarget(), ordered, 2)
