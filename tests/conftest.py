@@ -1,5 +1,6 @@
 """xdist scheduling for this suite: a worker more than the cores, the slow tests first, and
-tests that share an expensive module-scoped fixture on one worker.
+tests that share an expensive module-scoped fixture (or a framework imported into every rank) on
+one worker.
 
 The suite is CPU-bound on two cores: what decides its wall time is that every core stays busy to
 the end (hence a worker more than the cores, below). Handed out in collection order, a
@@ -40,6 +41,25 @@ SHARED = {
     "tests/parallel/test_sharded_optimizer.py::test_misuse_raises_a_message_naming": "misuse",
     "tests/runs/test_trace.py::": "traces",  # `traces`: one traced step at W=2
 }
+#: The tests that run a framework's target (Lightning, Fabric, accelerate, the HF Trainer) or
+#: build its configurations: one worker. A framework, once imported, stays in every rank of the
+#: worker's persistent worlds (and in the worker): ~1.5 s of CPU per rank for lightning, as much
+#: for transformers' Trainer, paid in each worker that meets it. The first five files here, run
+#: with `-n 3`: 180-184 CPU-s spread over the workers, 156-157 on one (2026-12-07, back to back,
+#: twice each).
+FRAMEWORK_TESTS = [
+    "tests/mutation/test_option_mutants.py::",
+    "tests/targets/test_configurations.py::",
+    "tests/targets/test_frameworks.py::",
+    "tests/targets/test_hf_trainer.py::",
+    "tests/targets/test_data_path.py::",
+    "tests/targets/test_config_spaces.py::",
+    "tests/targets/test_declined_features.py::",
+    "tests/runs/test_fuzz_config.py::test_the_draw_covers_every_option_and_shrinks_them_away",
+    "tests/runs/test_fuzz_config.py::test_a_large_nested_option_is_surveyed_a_key_per_row",
+    "tests/runs/test_fuzz_config.py::test_every_ready_made_option_builds_a_replayable_target",
+]
+SHARED.update(dict.fromkeys(FRAMEWORK_TESTS, "frameworks"))
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -124,27 +125,31 @@ def test_every_ready_made_option_builds_a_replayable_target():
 
 @pytest.mark.slow
 def test_a_shrunk_failure_holds_the_fewest_options_and_its_replay_line_reruns_it(capsys):
+    # The command line's search, once (the battery, then 30 random examples each drawing a
+    # configuration): its verdict names the options, its replay line re-runs the failure. The
+    # target as given passing, its control passing the same option space, and fuzz()'s own
+    # result shrunk to the same option: tests/mutation/test_option_mutants.py, this mutant too.
     mutant = LastMicroBatchAfterReduceBf16()
-    plain = fuzz(mutant, examples=30, world_sizes=(2,))
-    assert not plain.found  # the bug is behind bf16=True, which the target as given never sets
-    result = fuzz(mutant, examples=30, world_sizes=(2,), fuzz_config=True)
-    assert result.found, result
-    error = result.error
+    spec = "ddpcheck.mutation.broken_options:LastMicroBatchAfterReduceBf16()"
+    status = cli.main(["check", spec, "--fuzz-config", "--examples", "30", "--world-sizes", "2"])
+    out = capsys.readouterr()
+    assert status == ExitCode.FOUND, out
+    text = out.out + out.err
+    assert "each with a configuration of its options drawn (--fuzz-config)" in text
     # bucket_size_mb is drawn as often as bf16, and shrunk away: only the option the bug needs
-    assert differences(mutant, error.target) == [("bf16", True)]
-    assert "configuration (drawn by fuzz_config): with bf16=True" in str(error)
-    assert "LastMicroBatchAfterReduceBf16(bf16=True)" in error.replay
+    assert "configuration (drawn by fuzz_config): with bf16=True" in text
+    assert "survey" in text and "--fuzz-config" in text  # the survey it suggests keeps the flag
+    replay = next(line for line in text.splitlines() if line.startswith("replay: "))
+    assert "LastMicroBatchAfterReduceBf16(bf16=True)" in replay
     # the replay line re-runs the failure: the configured target, the scenario, the world size
-    spec = error.replay.split()[4].strip("'\"")
-    scenario = error.replay.split("--scenario ", 1)[1].strip("'\"")
-    status = cli.main(
-        ["replay", spec, "--world-size", str(error.world_size), "--scenario", scenario]
-    )
-    assert status == ExitCode.FOUND, capsys.readouterr()
+    argv = shlex.split(replay.removeprefix("replay: "))
+    assert argv[:4] == ["python", "-m", "ddpcheck", "replay"], replay
+    assert argv[5] == "--world-size" and argv[7] == "--scenario", replay
+    configured, world_size, scenario = evaluate(argv[4]), int(argv[6]), from_repr(argv[8])
+    assert differences(mutant, configured) == [("bf16", True)]
+    assert cli.main(argv[3:]) == ExitCode.FOUND, capsys.readouterr()
     with pytest.raises(ddpcheck.EquivalenceError):
-        ddpcheck.check_example(evaluate(spec), from_repr(scenario), error.world_size)
-    # the control, with the same option space, passes
-    assert not fuzz(Bf16PathTarget(), examples=30, world_sizes=(2,), fuzz_config=True).found
+        ddpcheck.check_example(configured, scenario, world_size)
 
 
 def test_a_target_with_no_options_is_refused_before_any_process(no_process_started, capsys):
@@ -171,18 +176,6 @@ DRAWS_A_FIELD = DrawsAField()
 def test_a_space_drawing_what_the_target_lacks_is_refused_naming_it():
     with pytest.raises(InvalidArgument, match=r"drew 'no_such_field', which is no field"):
         fuzz(DRAWS_A_FIELD, examples=2, world_sizes=(1,), fuzz_config=True)
-
-
-@pytest.mark.slow
-def test_the_command_line_flag_names_the_options_of_a_failure(capsys):
-    spec = "ddpcheck.mutation.broken_options:LastMicroBatchAfterReduceBf16()"
-    status = cli.main(["check", spec, "--fuzz-config", "--examples", "30", "--world-sizes", "2"])
-    out = capsys.readouterr()
-    assert status == ExitCode.FOUND, out
-    text = out.out + out.err
-    assert "each with a configuration of its options drawn (--fuzz-config)" in text
-    assert "configuration (drawn by fuzz_config): with bf16=True" in text
-    assert "survey" in text and "--fuzz-config" in text  # the survey it suggests keeps the flag
 
 
 @pytest.mark.slow

@@ -52,9 +52,12 @@ def test_a_plain_class_target_fails_and_its_replay_line_fails_the_same_way():
     assert err.replay.startswith(f"python -m ddpcheck replay {shlex.quote(spec)} --world-size 2")
     assert f"replay: {err.replay}" in str(err)
 
-    argv = shlex.split(err.replay)
-    argv[0] = sys.executable
-    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=patience(300))
+    # the line as printed, run by a shell (this interpreter for its `python`), as a user pastes it
+    assert err.replay.startswith("python ")
+    command = shlex.quote(sys.executable) + err.replay.removeprefix("python")
+    out = subprocess.run(
+        command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=patience(300)
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     assert _table(out.stdout) == _table(str(err))
     assert f"replay: {err.replay}" in out.stdout  # the replay prints the same line again

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import ddpcheck
-from ddpcheck import check_example, targets, zoo
+from ddpcheck import check_example, cli, targets, zoo
 from ddpcheck._runs.replay import from_repr
 from ddpcheck._world import forking
 from ddpcheck._world.registry import get_world
@@ -388,22 +389,16 @@ def test_scenario_repr_is_code_that_rebuilds_it():
     assert from_repr(repr(scenario)) == scenario
 
 
-@pytest.mark.slow
-def test_the_replay_line_replays(tmp_path):
+def test_the_replay_line_replays(capsys):
+    # in this process: the line run as a shell command, in a process of its own, is
+    # tests/runs/test_replay.py's (a plain-class target, its divergence table compared)
     with pytest.raises(ddpcheck.EquivalenceError) as info:
         check_example(targets.LOCAL, Scenario(seed=3), 2)
-    command = info.value.replay
-    assert command.startswith("python -m ddpcheck replay ")
-    out = subprocess.run(
-        command.replace("python", sys.executable, 1),
-        shell=True,
-        capture_output=True,
-        text=True,
-        timeout=patience(120),
-        cwd=tmp_path,
-    )
-    assert out.returncode == 1, out.stderr
-    assert "replicas differ (initial state)" in out.stdout
+    argv = shlex.split(info.value.replay)
+    assert argv[:4] == ["python", "-m", "ddpcheck", "replay"], info.value.replay
+    capsys.readouterr()
+    assert cli.main(argv[3:]) == 1
+    assert "replicas differ (initial state)" in capsys.readouterr().out
 
 
 def not_a_module():

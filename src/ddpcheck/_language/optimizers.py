@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from hypothesis import strategies as st
 
 __all__ = ["optimizers"]
 
 
+@functools.cache
 def optimizers() -> st.SearchStrategy[tuple[type, dict]]:
     """``(optimizer_cls, kwargs)``: SGD (plain, momentum, nesterov, weight decay), Adam, AdamW.
-    Shrinks towards plain SGD (the optimizer that shows constant-scale bugs)."""
+    Shrinks towards plain SGD (the optimizer that shows constant-scale bugs).
+
+    Built once: every scenario draws it, and a strategy built anew is validated anew by
+    Hypothesis -- its two ``builds`` were a third of a scenario's draw (5.4 -> 3.6 ms each,
+    2026-12-07); the same object draws the same choices, so the examples do not change."""
     sgd = st.builds(
         lambda momentum, nesterov, weight_decay: (
             torch.optim.SGD,
