@@ -59,10 +59,9 @@ __all__ = [
 FLOAT32_ONLY = ("float32", "autocast", "param-dtype")
 #: Adam's eps under a precision policy. A shard rounds a gradient element differently from the
 #: full batch by ~1 % of the tensor's scale in bfloat16, and Adam's first step, lr * g / (|g| +
-#: eps), turns that into a different *sign* wherever |g| is below it: an lr-sized update (a
-#: soak of token scenarios hit 2 * lr at its third example with the default 1e-8). With eps above
-#: the noise the update moves by noise * lr / eps, within the tolerance; float32 needs 1e-3 for
-#: the same reason on gradients that are zero in exact arithmetic (below).
+#: eps), turns that into a different *sign* wherever |g| is below it: an lr-sized update (a token
+#: soak hit 2 * lr at its third example with eps 1e-8). With eps above the noise the update moves
+#: by noise * lr / eps, within the tolerance; float32 needs 1e-3 for zero-in-exact gradients.
 LOW_PRECISION_EPS = 0.1
 
 #: Bucket-size hints: the target's default, one parameter per bucket, a few, all in one.
