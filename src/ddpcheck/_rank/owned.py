@@ -8,7 +8,7 @@ comparing nothing would let a wrongly reduced gradient through. So a target that
 rank records the gradient assembled from the owners' pieces: the replica and reference checks
 then judge exactly what the owners hold.
 
-Invariant: :func:`owned_gradients` is collective (one ``all_gather_object``, issued by the
+Invariant: :func:`owned_gradients` is collective (two ``all_gather`` calls, issued by the
 harness inside ``recorder.paused()``, so it is no part of the target's communication budget) and
 returns, by parameter name, the owners' pieces put together -- the first rank's piece wins where
 two overlap; None where no rank owns any of it or the owner holds no gradient (unused
@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from ddpcheck._rank.pickled import all_gathered
 
 #: One rank's piece of a gradient: (parameter name, offset in its flattened gradient, piece).
 Piece = tuple[str, int, torch.Tensor | None]
@@ -46,8 +47,7 @@ def owned_gradients(
         mine.append(
             (name, int(offset), None if piece is None else piece.detach().reshape(-1).clone())
         )
-    everyone: list[list[Piece]] = [[] for _ in range(dist.get_world_size())]  # all replaced
-    dist.all_gather_object(everyone, mine)
+    everyone = all_gathered(mine)
     held: dict[str, list] = {}
     for rank_pieces in everyone:
         for name, offset, piece in rank_pieces:

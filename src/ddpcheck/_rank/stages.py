@@ -11,21 +11,15 @@ data-parallel replicas are.
 
 Invariant: :meth:`Stages.assemble` is collective over the pipeline group (two ``all_gather``
 calls, issued by the harness inside ``recorder.paused()``, so no part of the target's
-communication budget); a name is held by exactly one rank of a pipeline. Not
-``all_gather_object``: torch decodes its result through numpy, which ddpcheck does not depend on
-(from the wheel alone every pipeline example failed so).
+communication budget); a name is held by exactly one rank of a pipeline.
 """
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, TypeVar
 
-import torch
-import torch.distributed as dist
-
-from ddpcheck._base.devices import this_rank
+from ddpcheck._rank.pickled import all_gathered
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -50,25 +44,6 @@ class Stages:
         holder's (see the module's invariant)."""
         mine = {n: v for n, v in values.items() if self.holds(n)}
         out = dict(values)
-        for theirs in _all_gathered(mine, self.group):
+        for theirs in all_gathered(mine, self.group):
             out.update(theirs)
         return out
-
-
-def _all_gathered(value: dict[str, V], group: ProcessGroup) -> list[dict[str, V]]:
-    """Every rank's ``value`` of ``group``, pickled into byte tensors and all-gathered (each
-    rank's length first, then the bytes padded to the longest)."""
-    device = this_rank()
-    data = pickle.dumps(value)
-    size = torch.tensor([len(data)], dtype=torch.long, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s.item()) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    gathered = [torch.zeros_like(padded) for _ in sizes]
-    dist.all_gather(gathered, padded, group=group)
-    return [
-        pickle.loads(bytes(g[: int(s.item())].cpu().tolist()))  # our own ranks' bytes
-        for g, s in zip(gathered, sizes)
-    ]

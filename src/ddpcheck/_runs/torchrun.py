@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import datetime
 import os
-import pickle
 import tempfile
 import traceback
 from collections.abc import Callable
-from typing import Any, TextIO, TypeVar
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -40,6 +39,7 @@ from ddpcheck._base.devices import (
 from ddpcheck._base.errors import DdpcheckError, InvalidArgument, NothingChecked
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._rank import recorder
+from ddpcheck._rank.pickled import gathered_on_zero
 from ddpcheck._rank.runner import run_example_packed, run_warm_up
 from ddpcheck._rank.transport import unpack
 from ddpcheck._runs.example import check_batch_plans, verdict
@@ -48,36 +48,6 @@ from ddpcheck.targets.protocol import Target
 from ddpcheck.targets.support import battery_for, declines
 
 __all__ = ["check_in_world", "init_world", "local_world_size", "under_torchrun"]
-
-T = TypeVar("T")
-
-
-def _gather_to_zero(obj: T) -> list[T]:
-    """Every rank's ``obj`` on rank 0 (an empty list elsewhere), by pickle.
-
-    NOTE: not ``dist.gather_object``: it decodes through numpy, which torch does not require and
-    which some of our machines lack. Same two steps: sizes, then padded bytes. (``parallel``'s
-    ShardedOptimizer has its own copy: ``parallel/`` imports nothing from ddpcheck.) On the
-    rank's device: NCCL carries only CUDA tensors.
-    """
-    device = this_rank()
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
-    # all-gather one int64 per rank (its record's byte count), so rank 0 can size the buffers
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
-    longest = max(int(s) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data
-    rank0 = dist.get_rank() == 0
-    received = (
-        [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes] if rank0 else []
-    )
-    # gather every rank's pickled record on rank 0, which holds the reference and compares
-    dist.gather(padded, received if rank0 else None, dst=0)
-    return [
-        pickle.loads(bytes(buf[: int(n)].cpu().clone().untyped_storage()))
-        for buf, n in zip(received, sizes)
-    ]
 
 
 def _agree(status: int) -> int:
@@ -180,15 +150,17 @@ def _example(
     with ``checkpoint_after`` saves, then resumes in this same world. ``where``: the run's
     device and backend, for the replay line."""
     if scenario.checkpoint_after is None:
-        gathered = _gather_to_zero(_run_recorded(target, scenario, sequence_path))
+        gathered = gathered_on_zero(_run_recorded(target, scenario, sequence_path))
         return _judge(gathered, target, scenario, name, world_size, **where) if rank == 0 else None
-    saved = _gather_to_zero(_run_recorded(target, scenario, sequence_path, "until checkpoint"))
+    saved = gathered_on_zero(_run_recorded(target, scenario, sequence_path, "until checkpoint"))
     failed = rank == 0 and any(kind != "ok" for (kind, _), _ in saved)
     if _agree(int(failed)):
         return _judge(saved, target, scenario, name, world_size, **where) if rank == 0 else None
     before = [unpack(value) for (_, value), _ in saved]  # (record, bytes); none off rank 0
     checkpoint = _broadcast_bytes(before[0][1] if rank == 0 else None)
-    resumed = _gather_to_zero(_run_recorded(target, scenario, sequence_path, "resumed", checkpoint))
+    resumed = gathered_on_zero(
+        _run_recorded(target, scenario, sequence_path, "resumed", checkpoint)
+    )
     if rank != 0:
         return None
     if any(kind != "ok" for (kind, _), _ in resumed):
