@@ -165,11 +165,11 @@ def test_the_optimizer_state_default_finds_an_inner_optimizer():
 # The vocabulary: declared, honoured, reported
 
 
-@pytest.mark.slow
 def test_declined_features_cost_no_example_of_the_budget():
-    result = fuzz(NO_ACCUMULATION_NO_UNUSED, examples=200, world_sizes=(2,))
+    # 40 examples: undeclined, a third of the draws would hold accumulation or an unused layer
+    result = fuzz(NO_ACCUMULATION_NO_UNUSED, examples=40, world_sizes=(2,))
     assert not result.found, result.error
-    assert result.examples >= 190, (result.examples, result.declined)
+    assert result.examples >= 38, (result.examples, result.declined)
     assert not result.features & {"accumulation", "unused-on-some-ranks", "unused-everywhere"}
 
 
