@@ -1,11 +1,13 @@
 # Two commands do everything on a fresh machine (see README):
 #   make check   create .venv, install (the frameworks of the ready-made targets too), fuzz the
 #                built-in `parallel` target
-#   make test    create .venv, install, lint, run the test suite
+#   make test    create .venv, install, lint, run the test suite but its `thorough` variants
 # and the gate `make test` runs first:
 #   make lint    ruff check and ruff format --check (every Python folder) and mypy (src/ddpcheck
 #                and parallel/), at the releases constraints.txt pins (pyproject.toml's
 #                dependency group `lint`); `ruff format .` writes what the format check wants
+# and the whole suite, the `thorough` variants too (pyproject.toml's markers; ~100 s more CPU):
+#   make test-thorough
 # and one to package:
 #   make dist    the wheel and the sdist in dist/ (`python -m build`, from a tool venv: `build` is
 #                no dependency of ddpcheck)
@@ -16,7 +18,7 @@ STAMP := $(VENV)/.installed
 WARMED := $(VENV)/.warmed
 TOOLS := .venv-build
 
-.PHONY: check lint test bench dist clean
+.PHONY: check lint test test-thorough bench dist clean
 
 # --no-compile: byte-compiling every installed module (torch's thousands) was two thirds of the
 # install's CPU (50 s against 19 s on the 2-core machine). Yet under PYTHONDONTWRITEBYTECODE=1 (our
@@ -86,8 +88,14 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# The lint gates the suite; the bytecode warm-up runs beside it.
+# The lint gates the suite; the bytecode warm-up runs beside it. `thorough`: a test that checks
+# once more what another test of `make test` checks already (another signal, phase or mutant of
+# the same class), kept out of CI's ten minutes.
 test: $(STAMP)
+	$(MAKE) --no-print-directory -j2 lint $(WARMED)
+	$(BIN)/pytest -n auto -q -m "not thorough" tests properties
+
+test-thorough: $(STAMP)
 	$(MAKE) --no-print-directory -j2 lint $(WARMED)
 	$(BIN)/pytest -n auto -q tests properties
 

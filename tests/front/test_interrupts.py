@@ -327,11 +327,20 @@ MOMENTS = {
     # the third failing example taken up: the first was found, the second Hypothesis run shrinks
     "shrinking": lambda run: sum(seed >= FAULTY_FROM for _, seed in run.seeds()) >= 3,
 }
+THOROUGH_MOMENTS = {"ranks-forking", "random-examples"}
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("phase", MOMENTS)
+@pytest.mark.parametrize(
+    "phase",
+    # `make test` interrupts the fork server, the battery and the shrinking; the moments between
+    # (a world forking, the random examples) are `thorough`
+    [
+        pytest.param(m, marks=pytest.mark.thorough if m in THOROUGH_MOMENTS else ())
+        for m in MOMENTS
+    ],
+)
 def test_ctrl_c_of_ddpcheck_check_exits_130_within_seconds(tmp_path, phase):
     status, seconds, out = _interrupt(CHECK, MOMENTS[phase], tmp_path)
     assert status == ExitCode.INTERRUPTED, out

@@ -244,11 +244,18 @@ def test_plugin_leaves_the_users_hypothesis_profile_and_torch_alone(tmp_path):
 
 
 @pytest.mark.slow
-def test_plugin_fixtures_run_a_target_and_count_examples(tmp_path):
+def test_plugin_fixtures_run_a_target_narrowed_by_the_flags_and_count_examples(tmp_path):
+    # One pytest process for the fixtures, the flags that narrow them, and the count (a pytest
+    # with torch, a fork server and its worlds costs ~10 CPU-s: once, not once per flag).
     from ddpcheck.battery import BATTERY
 
-    # every battery scenario parallel runs, at W=1 and W=2
-    n = 2 * sum(declines(targets.PARALLEL, scenario) is None for _, scenario in BATTERY)
+    without = frozenset({"accumulation", "float32"})
+    # every battery scenario parallel runs with those features excluded, at W=1 and W=2
+    n = sum(
+        declines(targets.PARALLEL, scenario, w, without) is None
+        for _, scenario in BATTERY
+        for w in (1, 2)
+    )
     out = _pytest(
         tmp_path,
         f"""
@@ -256,45 +263,29 @@ def test_plugin_fixtures_run_a_target_and_count_examples(tmp_path):
 
         def test_run(ddpcheck_run, ddpcheck_options, ddpcheck_world):
             assert ddpcheck_options.world_sizes == (1, 2)
+            assert ddpcheck_options.without == {{"accumulation", "float32"}}
             report = ddpcheck_run(targets.PARALLEL)
             assert report.count == {n}
+            assert not report.features & {{"accumulation", "float32"}}
+            assert any("excluded with --without" in line for line in report.skipped_lines())
             assert ddpcheck_world(2).world_size == 2
     """,
         "--ddpcheck-world-sizes",
         "1,2",
         "--ddpcheck-deadline",
         "30",
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "ddpcheck: world sizes 1,2, deadline 30 s" in out.stdout
-    assert (
-        f"ddpcheck: {n} data-parallel examples run (fixture world sizes 1,2, deadline 30 s)"
-        in out.stdout
-    )
-
-
-@pytest.mark.slow
-def test_plugin_flags_narrow_the_features_the_fixtures_exercise(tmp_path):
-    out = _pytest(
-        tmp_path,
-        """
-        from ddpcheck import targets
-
-        def test_run(ddpcheck_run, ddpcheck_options):
-            assert ddpcheck_options.without == {"accumulation", "float32"}
-            report = ddpcheck_run(targets.PARALLEL)
-            assert not report.features & {"accumulation", "float32"}
-            assert any("excluded with --without" in line for line in report.skipped_lines())
-    """,
-        "--ddpcheck-world-sizes",
-        "2",
         "--ddpcheck-without",
         "accumulation",
         "--ddpcheck-dtypes",
         "float64",
     )
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "ddpcheck: world sizes 1,2, deadline 30 s" in out.stdout
     assert "without accumulation,float32" in out.stdout
+    assert (
+        f"ddpcheck: {n} data-parallel examples run (fixture world sizes 1,2, deadline 30 s)"
+        in out.stdout
+    )
 
 
 @pytest.mark.parametrize(

@@ -186,6 +186,7 @@ def test_mutants_only_rejects_unknown_names(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.thorough  # `make test` runs the same search on the TP and option mutants
 def test_the_shrinking_search_reports_minimal_random_counterexamples():
     # The search `ddpcheck mutants` runs, without its control's pass: the unmutated target
     # passing the same search is the whole catalogue's test above and the properties' claim, and

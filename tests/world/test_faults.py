@@ -547,6 +547,7 @@ def test_ctrl_c_of_ddpcheck_check_leaves_no_process(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.thorough  # `make test`: the same under xdist (below), its workers pytest processes
 def test_ctrl_c_of_a_pytest_run_leaves_no_process(tmp_path):
     (tmp_path / "test_busy.py").write_text(
         textwrap.dedent(f"""
