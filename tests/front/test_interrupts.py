@@ -336,10 +336,7 @@ THOROUGH_MOMENTS = {"ranks-forking", "random-examples"}
     "phase",
     # `make test` interrupts the fork server, the battery and the shrinking; the moments between
     # (a world forking, the random examples) are `thorough`
-    [
-        pytest.param(m, marks=pytest.mark.thorough if m in THOROUGH_MOMENTS else ())
-        for m in MOMENTS
-    ],
+    [pytest.param(m, marks=pytest.mark.thorough if m in THOROUGH_MOMENTS else ()) for m in MOMENTS],
 )
 def test_ctrl_c_of_ddpcheck_check_exits_130_within_seconds(tmp_path, phase):
     status, seconds, out = _interrupt(CHECK, MOMENTS[phase], tmp_path)

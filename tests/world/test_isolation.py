@@ -356,7 +356,8 @@ def _start_a_world_inside_a_rank():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     # `make test`: SIGKILL, which only the janitor can answer (SIGTERM's status: in-process)
-    "sig", [pytest.param(signal.SIGTERM, marks=pytest.mark.thorough), signal.SIGKILL]
+    "sig",
+    [pytest.param(signal.SIGTERM, marks=pytest.mark.thorough), signal.SIGKILL],
 )
 def test_killing_ddpcheck_check_leaves_no_world_behind(tmp_path, sig):
     proc = subprocess.Popen(
