@@ -151,7 +151,8 @@ class HfTPTarget(TorchTPTarget):
     in transformers' vocabulary) over every rank of the world (``tp = W``, ``dp = 1``): the
     module docstring says what is driven and what is not."""
 
-    requires = (("torch", TP_FLOOR), ("transformers", HF_TP_FLOOR))
+    # PlanTarget's is torch's alone (a one-pair tuple to mypy): this one adds transformers
+    requires = (("torch", TP_FLOOR), ("transformers", HF_TP_FLOOR))  # type: ignore[assignment]
     declined_features: ClassVar[Mapping[str, str]] = {
         **TorchTPTarget.declined_features,
         "clipping": "transformers leaves the layers its plan does not shard plain tensors beside "
