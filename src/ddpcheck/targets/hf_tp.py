@@ -60,8 +60,10 @@ __all__ = [
     "uniform_plan",
 ]
 
-#: The oldest transformers the glue was run on (the only release measured so far: 5.25.0 keeps
-#: its tensor parallelism in ``transformers.distributed``; older layouts are not driven).
+#: The oldest transformers the glue works with: 5.25.0 (5.20.0, tried with the floor lowered and
+#: the plan handed unexpanded, as its ``apply_tensor_parallelism`` takes it, refuses an uneven
+#: ``"colwise_rep"`` output -- a ValueError in the rank, which the checks would report as a
+#: failing rank; 5.0.0 keeps its tensor parallelism in ``integrations.tensor_parallel``).
 HF_TP_FLOOR = "5.25.0"
 
 #: A scenario's style -> the transformers style that does the same to an ``nn.Linear``.
