@@ -2,7 +2,8 @@
 a transformers plan, match the one-process reference; a transformers row-wise style that drops
 its all-reduce (the seeded bug) is caught; plans no transformers plan can say, and the layout
 transformers' row-wise style fails on (bench/hf_tp_noncontiguous.py), are declined with their
-reason. Without transformers the tests that run it skip, naming ddpcheck's install hint."""
+reason; clipping takes the Trainer's own mixed-mesh norm. Without transformers the tests that
+run it skip, naming ddpcheck's install hint."""
 
 from __future__ import annotations
 
@@ -61,10 +62,11 @@ def _needs_transformers() -> None:
         pytest.skip(f"transformers is not installed ({entry.install})")
 
 
-@pytest.mark.slow  # a W=2 world importing transformers in each rank, twice
+@pytest.mark.slow  # a W=2 world importing transformers (and its Trainer) in each rank
 def test_transformers_styles_match_the_reference_and_a_dropped_all_reduce_is_caught():
     _needs_transformers()
-    assert ddpcheck.check_example(HF_TP, MLP, 2) == ()
+    # clipped as the Trainer clips: its mixed-mesh norm over DTensor shards and plain tensors
+    assert ddpcheck.check_example(HF_TP, dataclasses.replace(MLP, max_grad_norm=0.5), 2) == ()
     with pytest.raises(EquivalenceError) as caught:
         ddpcheck.check_example(RowwiseUnreduced(), MLP, 2)
     kinds = {d.kind for d in caught.value.divergences}
@@ -96,3 +98,9 @@ def test_the_layout_transformers_rowwise_fails_on_is_declined_naming_the_script(
     assert noncontiguous_rowwise(scenario, 4) is None  # one head per rank: a contiguous view
     wide = dataclasses.replace(scenario, model=dataclasses.replace(heads, head_dim=2))
     assert noncontiguous_rowwise(wide, 2) is None  # reshape copies: contiguous
+
+
+def test_clipping_another_norm_than_the_trainers_is_declined():
+    assert HF_TP.supports(dataclasses.replace(MLP, max_grad_norm=1.0)) is None
+    infinity = dataclasses.replace(MLP, max_grad_norm=1.0, grad_norm_type=float("inf"))
+    assert "2-norm" in (HF_TP.supports(infinity) or "")

@@ -20,7 +20,8 @@ scenario's plan translated (:data:`HF_STYLES`) and written with generic names
 ``PreTrainedModel`` (``config``, whose text config the styles may ask for a head width, and
 ``_mesh_manager``: a ``TransformersDeviceMesh`` over the harness's mesh), then transformers'
 expansion and ``apply_tensor_parallelism``. The layers the plan leaves alone stay plain tensors,
-as transformers leaves them.
+as transformers leaves them; clipping over both takes the Trainer's own mixed-mesh norm
+(:meth:`HfTPTarget.clip_grad_norm`), which torch's ``clip_grad_norm_`` cannot span.
 
 Not driven: ``from_pretrained`` (the drawn model is no checkpoint; it builds the same styles on
 meta tensors and loads into them), ``DistributedConfig``'s own mesh (the harness's is the same
@@ -36,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -44,6 +45,7 @@ from torch import nn
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.sharded_models import ShardedSpec
 from ddpcheck._language.tensor_parallel import mesh_shape
+from ddpcheck._language.training import OptimizerLike
 from ddpcheck.targets.fsdp import broadcast_from
 from ddpcheck.targets.tensor_parallel import TP_FLOOR, TorchTPTarget
 
@@ -155,12 +157,6 @@ class HfTPTarget(TorchTPTarget):
 
     # PlanTarget's is torch's alone (a one-pair tuple to mypy): this one adds transformers
     requires = (("torch", TP_FLOOR), ("transformers", HF_TP_FLOOR))  # type: ignore[assignment]
-    declined_features: ClassVar[Mapping[str, str]] = {
-        **TorchTPTarget.declined_features,
-        "clipping": "transformers leaves the layers its plan does not shard plain tensors beside "
-        "its DTensor shards, which torch's clip_grad_norm_ refuses in a plain loop (the "
-        "Trainer's mixed-mesh norm is not driven: hf_tp trains a plain loop)",
-    }
 
     def warm_up(self) -> None:
         import transformers.distributed.tensor_parallel  # noqa: F401  (seconds: once per rank)
@@ -171,6 +167,30 @@ class HfTPTarget(TorchTPTarget):
             or uniform_plan(scenario)
             or noncontiguous_rowwise(scenario, world_size)
         )
+
+    def supports(self, scenario: Scenario) -> str | None:
+        if scenario.max_grad_norm is not None and scenario.grad_norm_type != 2.0:
+            return (
+                f"clipping the {scenario.grad_norm_type}-norm: transformers' Trainer clips a "
+                "tensor-parallel model's gradients by their 2-norm (_mixed_mesh_grad_norm)"
+            )
+        return super().supports(scenario)
+
+    def clip_grad_norm(
+        self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float
+    ) -> object:
+        """As transformers' Trainer clips a tensor-parallel model: where the gradients live on
+        different meshes (DTensor shards beside the plain tensors of the layers the plan leaves
+        alone, which torch's ``clip_grad_norm_`` refuses together) its own mixed-mesh norm --
+        one norm per mesh, combined, then ``clip_grads_with_norm_`` -- else torch's."""
+        from transformers import Trainer
+        from transformers.trainer_optimizer import has_mixed_dtensor
+
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if has_mixed_dtensor(grads):
+            # the Trainer's method reads nothing of the Trainer: called with no instance
+            return Trainer._mixed_mesh_grad_norm(None, model, max_norm)
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
 
     def transformers_plan(self) -> dict[str, str]:
         """The plan handed to transformers (a seeded bug overrides it)."""
