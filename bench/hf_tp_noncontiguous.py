@@ -12,6 +12,7 @@ the linear's ``view`` for a contiguous input, and the local ``view`` fails ("vie
 compatible with input tensor's size and stride"). torch's ``RowwiseParallel`` (no stride given)
 trains the same layer on the same input, and matches the one-process layer. transformers' own
 models call ``.contiguous()`` before ``o_proj``, which hides it; a model of your own does not.
+transformers 5.20.0 (``from_local`` without a shape or stride) trains it: exit 0 (2026-12-07).
 
     python bench/hf_tp_noncontiguous.py
 """
