@@ -134,7 +134,7 @@ def check_mesh_target(name: str, target: object, named: str | None = None) -> No
         raise InvalidArgument(
             f"{name}: {who} does not opt into tensor parallelism ({cls}.{flag} is not set), so "
             "it runs on no mesh; a mesh is for a target that applies tensor-parallel plans "
-            f"(torch_tp, torch_2d, parallel_tp, or your own with {flag} = True)"
+            f"(torch_tp, torch_2d, parallel_tp, hf_tp, or your own with {flag} = True)"
         )
 
 

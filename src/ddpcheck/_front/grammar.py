@@ -130,7 +130,7 @@ def _target_options(
         metavar="SHAPE[,SHAPE...]",
         help="tensor-parallel mesh shapes, AXIS=N joined by x (axes dp and tp, 1 where not "
         "named): tp=2,tp=3,dp=2xtp=2 runs every example on one of them, at world size dp*tp; "
-        "for a target that applies plans (torch_tp, torch_2d, parallel_tp); instead of "
+        "for a target that applies plans (torch_tp, torch_2d, parallel_tp, hf_tp); instead of "
         "--world-sizes",
     )
     parser.add_argument(

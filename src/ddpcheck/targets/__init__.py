@@ -31,6 +31,7 @@ from ddpcheck.targets.catalogue import (
     DEEPSPEED_ZERO1,
     DEEPSPEED_ZERO2,
     FABRIC,
+    HF_TP,
     HF_TRAINER,
     LIGHTNING,
     LOCAL,
@@ -50,6 +51,7 @@ from ddpcheck.targets.catalogue import (
 )
 from ddpcheck.targets.deepspeed import DeepSpeedTarget
 from ddpcheck.targets.fabric import FabricTarget
+from ddpcheck.targets.hf_tp import HfTPTarget
 from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.parallel_tp import ParallelTPTarget
@@ -76,7 +78,9 @@ __all__ = [
     "FABRIC",
     "FabricTarget",
     "FitRun",
+    "HF_TP",
     "HF_TRAINER",
+    "HfTPTarget",
     "HfTrainerTarget",
     "LIGHTNING",
     "LOCAL",

@@ -21,6 +21,7 @@ from ddpcheck.targets.deepspeed import DeepSpeedTarget
 from ddpcheck.targets.environment import installed_version
 from ddpcheck.targets.fabric import FabricTarget
 from ddpcheck.targets.framework import install_command, requirements
+from ddpcheck.targets.hf_tp import HfTPTarget
 from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.parallel_tp import ParallelTPTarget
@@ -36,6 +37,7 @@ __all__ = [
     "DEEPSPEED_ZERO1",
     "DEEPSPEED_ZERO2",
     "FABRIC",
+    "HF_TP",
     "HF_TRAINER",
     "LIGHTNING",
     "LOCAL",
@@ -72,6 +74,7 @@ DEEPSPEED = DeepSpeedTarget()  # the stage of its config (DeepSpeedTarget(config
 DEEPSPEED_ZERO1 = DeepSpeedTarget(stage=1)
 DEEPSPEED_ZERO2 = DeepSpeedTarget(stage=2)
 HF_TRAINER = HfTrainerTarget()
+HF_TP = HfTPTarget()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +273,18 @@ READY_MADE: tuple[ReadyMade, ...] = (
         "'args.json', loss_kwargs=False)",
         "reduction='sum' (the Trainer normalises to a mean), clipping a norm other than "
         "the 2-norm, float16 autocast",
+    ),
+    ReadyMade(
+        "hf_tp",
+        HF_TP,
+        "transformers",
+        "transformers",
+        "transformers' own tensor parallelism (apply_tensor_parallelism, its colwise/rowwise/"
+        "colwise_rep/rowwise_rep styles) with a plan drawn for each model, written as a "
+        "transformers plan (generic layer names), over every rank (tp = W); a plain loop",
+        "a plan giving layers of one generic name (blocks.*.up) different styles: no "
+        "transformers plan says that",
+        tried=("5.25.0",),  # its tensor parallelism moved to transformers.distributed
     ),
     ReadyMade(
         "deepspeed",

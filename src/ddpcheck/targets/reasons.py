@@ -35,7 +35,7 @@ NO_PARAM_DTYPE = (
 #: tensor-parallel, the opt-in mesh and plan (``features.OPT_IN``), for a target applying none
 NO_PLAN = (
     "a tensor-parallel plan is the target's to apply (parallelizes, Target.parallelize); "
-    "torch_tp, torch_2d and parallel_tp apply one"
+    "torch_tp, torch_2d, parallel_tp and hf_tp apply one"
 )
 #: Why a target that does not set an opt-in feature's flag declines it, where its class says
 #: nothing of its own (``ddpcheck.targets.support.why_unsupported``).

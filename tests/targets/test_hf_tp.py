@@ -1,0 +1,106 @@
+"""The ``hf_tp`` target: transformers' own tensor-parallel styles, the scenario's plan written as
+a transformers plan, match the one-process reference; a transformers row-wise style that drops
+its all-reduce (the seeded bug) is caught; plans no transformers plan can say, and the layout
+transformers' row-wise style fails on (bench/hf_tp_noncontiguous.py), are declined with their
+reason; clipping takes the Trainer's own mixed-mesh norm. Without transformers the tests that
+run it skip, naming ddpcheck's install hint."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+
+import ddpcheck
+from ddpcheck import EquivalenceError, Scenario, targets
+from ddpcheck._language.sharded_models import ShardedBlock, ShardedSpec, sequence_data
+from ddpcheck._language.tensor_parallel import TensorParallel
+from ddpcheck.targets.catalogue import HF_TP
+from ddpcheck.targets.hf_tp import HfTPTarget, hf_plan, noncontiguous_rowwise, uniform_plan
+
+#: an uneven MLP (5 hidden features over 2 ranks) between two lone linears, biases everywhere:
+#: every drawn style of the plans at once
+MLP = Scenario(
+    ShardedSpec(blocks=(ShardedBlock("mlp", 5),), width=4),
+    data=sequence_data,
+    global_batch=4,
+    steps=2,
+    seed=3,
+    tensor_parallel=TensorParallel(
+        (
+            ("inp", "rowwise-replicate"),
+            ("blocks.0.up", "colwise-dtensor"),
+            ("blocks.0.down", "rowwise"),
+            ("head", "colwise-replicate"),
+        )
+    ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowwiseUnreduced(HfTPTarget):
+    """hf_tp whose ``"rowwise"`` is a transformers ``RowwiseParallel`` handing on its partial
+    output without the all-reduce (the seeded bug: each rank keeps its own partial product)."""
+
+    def transformers_plan(self) -> dict[str, str]:
+        from torch.distributed.tensor import DTensor
+        from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, RowwiseParallel
+
+        class Unreduced(RowwiseParallel):
+            def transform_output_post_forward(self, module, output, mesh, config=None):
+                return output.to_local() if isinstance(output, DTensor) else output
+
+        ALL_PARALLEL_STYLES.register("ddpcheck_rowwise_unreduced", Unreduced())
+        plan = super().transformers_plan()
+        return {k: "ddpcheck_rowwise_unreduced" if v == "rowwise" else v for k, v in plan.items()}
+
+
+def _needs_transformers() -> None:
+    if importlib.util.find_spec("transformers") is None:
+        entry = next(e for e in targets.READY_MADE if e.name == "hf_tp")
+        pytest.skip(f"transformers is not installed ({entry.install})")
+
+
+@pytest.mark.slow  # a W=2 world importing transformers (and its Trainer) in each rank
+def test_transformers_styles_match_the_reference_and_a_dropped_all_reduce_is_caught():
+    _needs_transformers()
+    # clipped as the Trainer clips: its mixed-mesh norm over DTensor shards and plain tensors
+    assert ddpcheck.check_example(HF_TP, dataclasses.replace(MLP, max_grad_norm=0.5), 2) == ()
+    with pytest.raises(EquivalenceError) as caught:
+        ddpcheck.check_example(RowwiseUnreduced(), MLP, 2)
+    kinds = {d.kind for d in caught.value.divergences}
+    assert any(k.startswith("reference differs") for k in kinds), kinds
+
+
+def test_the_plan_is_written_in_transformers_vocabulary_with_generic_names():
+    assert hf_plan(MLP.tensor_parallel.plan) == {
+        "inp": "rowwise_rep",
+        "blocks.*.up": "colwise",
+        "blocks.*.down": "rowwise",
+        "head": "colwise_rep",
+    }
+    assert uniform_plan(MLP) is None
+    two = ShardedSpec(blocks=(ShardedBlock("mlp", 4), ShardedBlock("mlp", 4)), width=4)
+    pair = (("blocks.0.up", "colwise"), ("blocks.0.down", "rowwise"))
+    half = dataclasses.replace(MLP, model=two, tensor_parallel=TensorParallel(pair))
+    reason = uniform_plan(half)
+    assert reason is not None and "(blocks.*.up)" in reason and "blocks.1.up left alone" in reason
+    both = (*pair, ("blocks.1.up", "colwise"), ("blocks.1.down", "rowwise"))
+    assert uniform_plan(dataclasses.replace(half, tensor_parallel=TensorParallel(both))) is None
+
+
+def test_the_layout_transformers_rowwise_fails_on_is_declined_naming_the_script():
+    heads = ShardedSpec(blocks=(ShardedBlock("attention", 4),), width=4, head_dim=1)
+    plan = (*((f"blocks.0.{n}", "colwise") for n in "qkv"), ("blocks.0.out", "rowwise"))
+    scenario = dataclasses.replace(MLP, model=heads, tensor_parallel=TensorParallel(plan))
+    assert "bench/hf_tp_noncontiguous.py" in (noncontiguous_rowwise(scenario, 2) or "")
+    assert noncontiguous_rowwise(scenario, 4) is None  # one head per rank: a contiguous view
+    wide = dataclasses.replace(scenario, model=dataclasses.replace(heads, head_dim=2))
+    assert noncontiguous_rowwise(wide, 2) is None  # reshape copies: contiguous
+
+
+def test_clipping_another_norm_than_the_trainers_is_declined():
+    assert HF_TP.supports(dataclasses.replace(MLP, max_grad_norm=1.0)) is None
+    infinity = dataclasses.replace(MLP, max_grad_norm=1.0, grad_norm_type=float("inf"))
+    assert "2-norm" in (HF_TP.supports(infinity) or "")
