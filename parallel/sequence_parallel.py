@@ -36,18 +36,17 @@ from torch import nn
 from torch.func import functional_call
 
 from parallel._checks import InvalidArgument
-from parallel.tensor_parallel import copy_to_group, gather_from_sequence, scatter_to_sequence
+from parallel.tensor_parallel import (
+    REGION_STYLES,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_group,
+    gather_from_sequence,
+    scatter_to_sequence,
+)
+from parallel.tensor_parallel import parallelize as parallelize_linears
 
-__all__ = ["REGION_STYLES", "SequenceParallelNorm", "apply_regions"]
-
-#: The plan styles of a sequence-parallel region: a norm itself, and its block's ends --
-#: ``(cut the input, gather the output)``.
-REGION_STYLES: dict[str, tuple[bool, bool]] = {
-    "sequence": (False, False),
-    "sequence-in": (True, False),
-    "sequence-out": (False, True),
-    "sequence-in-out": (True, True),
-}
+__all__ = ["SequenceParallelNorm", "apply_regions", "parallelize"]
 
 
 class SequenceParallelNorm(nn.Module):
@@ -101,3 +100,19 @@ def apply_regions(
         if gathered:
             target.register_forward_hook(lambda _, __, out: gather_from_sequence(out, group))
     return module
+
+
+def parallelize(
+    module: nn.Module,
+    group: dist.ProcessGroup,
+    plan: Iterable[tuple[str, str]],
+    *,
+    column: type[ColumnParallelLinear] = ColumnParallelLinear,
+    row: type[RowParallelLinear] = RowParallelLinear,
+    norm: type[SequenceParallelNorm] = SequenceParallelNorm,
+) -> nn.Module:
+    """The whole plan: its linears (``parallel.tensor_parallel.parallelize``), then its
+    sequence-parallel regions (:func:`apply_regions`). Collective over the group."""
+    plan = list(plan)
+    parallelize_linears(module, group, plan, column=column, row=row)
+    return apply_regions(module, group, plan, norm=norm)

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,10 +51,8 @@ from torch import nn
 
 from parallel._checks import InvalidArgument, check_positive_number
 
-if TYPE_CHECKING:
-    from parallel.sequence_parallel import SequenceParallelNorm
-
 __all__ = [
+    "REGION_STYLES",
     "SEQUENCE_LINEARS",
     "STYLES",
     "ColumnParallelLinear",
@@ -95,6 +93,14 @@ STYLES: dict[str, tuple[str, bool]] = {
 }
 #: The styles whose linear meets a sequence-parallel region (see :data:`STYLES`).
 SEQUENCE_LINEARS = frozenset({"rowwise-sequence", "colwise-sequence"})
+#: The plan styles of a sequence-parallel region (``parallel.sequence_parallel``): a norm
+#: itself, and its block's ends -- ``(cut the input, gather the output)``.
+REGION_STYLES: dict[str, tuple[bool, bool]] = {
+    "sequence": (False, False),
+    "sequence-in": (True, False),
+    "sequence-out": (False, True),
+    "sequence-in-out": (True, True),
+}
 
 
 def chunk_bounds(size: int, tp: int, rank: int) -> tuple[int, int]:
@@ -417,27 +423,21 @@ def parallelize(
     *,
     column: type[ColumnParallelLinear] = ColumnParallelLinear,
     row: type[RowParallelLinear] = RowParallelLinear,
-    norm: type[SequenceParallelNorm] | None = None,
 ) -> nn.Module:
     """``module`` with each ``nn.Linear`` named in ``plan`` (``(module name, style)`` pairs,
     styles of :data:`STYLES`) replaced by a column- or row-parallel layer over ``group``, its
     shards scattered from the group's rank 0, and every other parameter and buffer broadcast
     from it. Collective over the group; returns ``module``, changed in place. ``column`` and
-    ``row``: the layer classes (a subclass changes one step); ``norm``: the class of a
-    sequence-parallel norm (``parallel.sequence_parallel``, whose regions are applied last)."""
-    from parallel.sequence_parallel import SequenceParallelNorm, apply_regions
-
+    ``row``: the layer classes (a subclass changes one step). A plan's sequence-parallel
+    regions (:data:`REGION_STYLES`) are ``parallel.sequence_parallel``'s to apply."""
     plan = check_plan(module, plan)
     broadcast_replicated(module, group, plan)
-    shard_linears(module, group, plan, column=column, row=row)
-    return apply_regions(module, group, plan, norm=norm or SequenceParallelNorm)
+    return shard_linears(module, group, plan, column=column, row=row)
 
 
 def check_plan(module: nn.Module, plan: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     """``plan`` as a list, each entry checked: a known style, an ``nn.Linear`` of ``module``
     (a sequence-parallel region's norm or block: ``parallel.sequence_parallel``)."""
-    from parallel.sequence_parallel import REGION_STYLES
-
     plan = [(str(name), str(style)) for name, style in plan]
     for name, style in plan:
         if style in REGION_STYLES:

@@ -345,7 +345,8 @@ class ReplicatedNotBroadcastTP(ParallelTPTarget):
 
     def apply_plan(self, module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
         plan = tp.check_plan(module, self.plan)  # BUG: no broadcast_replicated(module, ...)
-        return tp.shard_linears(module, group, plan, column=self.column_class, row=self.row_class)
+        tp.shard_linears(module, group, plan, column=self.column_class, row=self.row_class)
+        return sp.apply_regions(module, group, plan, norm=self.norm_class)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -126,8 +126,9 @@ class ParallelTPTarget(PlanTarget):
         return module
 
     def apply_plan(self, module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
-        """The plan applied over the ``tp`` group (``parallel.tensor_parallel.parallelize``)."""
-        return tp.parallelize(
+        """The plan applied over the ``tp`` group (``parallel.sequence_parallel.parallelize``:
+        its linears, then its sequence-parallel regions)."""
+        return sp.parallelize(
             module,
             group,
             self.plan,
