@@ -357,8 +357,8 @@ TENSOR_PARALLEL_BATTERY: list[tuple[str, Scenario]] = [
             ),
         ),
     ),
-    # loss parallelism: token cross-entropy of logits sharded over a vocabulary of 5 (3+2,
-    # 2+2+1) under loss_parallel(), padded sequences, after a sequence-parallel norm
+    # loss parallelism: token cross-entropy of logits sharded over a vocabulary of 5 (3+2)
+    # under loss_parallel(), padded sequences, after a sequence-parallel norm
     (
         "tp-loss-parallel",
         Scenario(
@@ -377,7 +377,8 @@ TENSOR_PARALLEL_BATTERY: list[tuple[str, Scenario]] = [
                     ("blocks.1.norm", "sequence"),
                     ("blocks.1", "sequence-in"),
                     ("head", "colwise-sequence-loss"),
-                )
+                ),
+                tp=2,  # at W=4, dp=2 x tp=2: loss_parallel() under FSDP2 (torch_2d)
             ),
         ),
     ),
