@@ -130,7 +130,7 @@ def _shape(model: object) -> str:
             [
                 "inp",
                 *(b.kind + ("" if b.kind.endswith("norm") else str(b.size)) for b in blocks),
-                "head",
+                "vocab" if getattr(model, "tokens", False) else "head",  # a token head's logits
             ]
         )
     elif layers is None:
