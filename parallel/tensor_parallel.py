@@ -36,6 +36,11 @@ its call site):
 
 Gradient clipping needs one global norm: each shard's squares summed over the group, each
 replicated gradient counted once (:func:`clip_grad_norm_`).
+
+Sequence parallelism (norms on each rank's share of the sequence between a row layer and the
+next column layer) is ``parallel.sequence_parallel``'s; the layers here give a region its ends
+(``sequence_output``, ``sequence_input``: :func:`scatter_to_sequence`,
+:func:`gather_from_sequence`).
 """
 
 from __future__ import annotations
