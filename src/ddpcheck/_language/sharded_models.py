@@ -319,14 +319,11 @@ def _regions(spec: ShardedSpec, tp: int, units: list[list[Fragment]]) -> list[li
         members = [list(units[k]) for k in range(i, j)]
         if i == 0 and every_rank_holds(IN_FEATURES, tp):
             members[0].append((("inp", "rowwise-sequence"),))
-        out = units[last + 1][0:0]  # (typed empty)
-        if j == last + 2:
-            width = VOCABULARY if spec.tokens else OUT_FEATURES
-            if every_rank_holds(width, tp):
-                out = [(("head", "colwise-sequence"),)]
-                if spec.tokens:
-                    out.append((("head", "colwise-sequence-loss"),))
-            members[-1] += out
+        width = VOCABULARY if spec.tokens else OUT_FEATURES
+        if j == last + 2 and every_rank_holds(width, tp):  # the head gathers the sequence
+            members[-1].append((("head", "colwise-sequence"),))
+            if spec.tokens:
+                members[-1].append((("head", "colwise-sequence-loss"),))
         combined = [
             fragment
             for choice in itertools.product(*members)
@@ -335,6 +332,14 @@ def _regions(spec: ShardedSpec, tp: int, units: list[list[Fragment]]) -> list[li
         groups.append(sorted(combined, key=len))
         i = j
     return groups
+
+
+#: A norm block's end style by ``(its input is cut, its output is gathered)``.
+_END_STYLES = {
+    (True, True): "sequence-in-out",
+    (True, False): "sequence-in",
+    (False, True): "sequence-out",
+}
 
 
 def _ends(choice: tuple[Fragment, ...], last: int) -> Fragment | None:
@@ -354,9 +359,7 @@ def _ends(choice: tuple[Fragment, ...], last: int) -> Fragment | None:
     for i in norms:
         cut = not (i - 1 in norms or (i == 0 and into))
         gathered = not (i + 1 in norms or (head and i == last))
-        style = {(True, True): "sequence-in-out", (True, False): "sequence-in"}.get(
-            (cut, gathered), "sequence-out" if gathered else None
-        )
-        if style is not None:
+        style = _END_STYLES.get((cut, gathered))
+        if style is not None:  # (a norm between two of the region's norms has no end)
             ends.append((f"blocks.{i}", style))
     return tuple(pairs) + tuple(ends)
