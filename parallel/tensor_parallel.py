@@ -36,6 +36,11 @@ its call site):
 
 Gradient clipping needs one global norm: each shard's squares summed over the group, each
 replicated gradient counted once (:func:`clip_grad_norm_`).
+
+Sequence parallelism (norms on each rank's share of the sequence between a row layer and the
+next column layer) is ``parallel.sequence_parallel``'s; the layers here give a region its ends
+(``sequence_output``, ``sequence_input``: :func:`scatter_to_sequence`,
+:func:`gather_from_sequence`).
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ from torch import nn
 from parallel._checks import InvalidArgument, check_positive_number
 
 __all__ = [
+    "REGION_STYLES",
+    "SEQUENCE_LINEARS",
     "STYLES",
     "ColumnParallelLinear",
     "CopyToGroup",
@@ -68,7 +75,9 @@ __all__ = [
     "gather_from_group",
     "parallelize",
     "reduce_from_group",
+    "gather_from_sequence",
     "scatter_to_group",
+    "scatter_to_sequence",
     "shard_linears",
     "sharded_parameters",
 ]
@@ -82,6 +91,20 @@ STYLES: dict[str, tuple[str, bool]] = {
     "colwise-replicate": ("column", True),  # gather_output=True
     "rowwise": ("row", True),  # input_is_parallel=True: the column layer's sharded output
     "rowwise-replicate": ("row", False),  # a replicated input, sliced here
+    # the ends of a sequence-parallel region (parallel.sequence_parallel): the row layer's
+    # output reduce-scattered along the sequence, the column layer's input gathered along it
+    "rowwise-sequence": ("row", False),
+    "colwise-sequence": ("column", True),
+}
+#: The styles whose linear meets a sequence-parallel region (see :data:`STYLES`).
+SEQUENCE_LINEARS = frozenset({"rowwise-sequence", "colwise-sequence"})
+#: The plan styles of a sequence-parallel region (``parallel.sequence_parallel``): a norm
+#: itself, and its block's ends -- ``(cut the input, gather the output)``.
+REGION_STYLES: dict[str, tuple[bool, bool]] = {
+    "sequence": (False, False),
+    "sequence-in": (True, False),
+    "sequence-out": (False, True),
+    "sequence-in-out": (True, True),
 }
 
 
@@ -215,6 +238,31 @@ def scatter_to_group(
     return out
 
 
+def _sequence_layout(length: int, group: dist.ProcessGroup) -> list[tuple[int, int]]:
+    tp = dist.get_world_size(group)
+    return [chunk_bounds(length, tp, rank) for rank in range(tp)]
+
+
+def scatter_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's tokens of a replicated ``x`` (dim 1); backward: the shares all-gathered."""
+    bounds = _sequence_layout(x.shape[1], group)
+    return scatter_to_group(x.movedim(1, -1), bounds, group).movedim(-1, 1)
+
+
+def gather_from_sequence(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's tokens (dim 1) all-gathered into the whole sequence; backward: each rank
+    keeps its own tokens' gradient. The shares' lengths travel first: uneven shares are not
+    known from one of them."""
+    lengths = [torch.zeros((), dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    # every rank's number of tokens, so that each knows where the others' go
+    dist.all_gather(lengths, torch.tensor(local.shape[1], dtype=torch.int64), group=group)
+    bounds, start = [], 0
+    for n in lengths:
+        bounds.append((start, start + int(n)))
+        start += int(n)
+    return gather_from_group(local.movedim(1, -1), bounds, start, group).movedim(-1, 1)
+
+
 # -- the layers --------------------------------------------------------------------------------
 
 
@@ -293,11 +341,20 @@ class ColumnParallelLinear(ShardedLinear):
 
     ``gather_output``: the output is all-gathered to every rank (a lone layer); otherwise it
     stays sharded, for a :class:`RowParallelLinear` with ``input_is_parallel=True``.
+    ``sequence_input``: the input arrives as this rank's share of the sequence (a region's end)
+    and is all-gathered first (its gradient then summed and cut: a reduce-scatter backward).
     Collective: construction scatters rank 0's weights. Seams: ``_copy_in``, ``_gather_out``.
     """
 
-    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, gather_output: bool = False):
+    def __init__(
+        self,
+        linear: nn.Linear,
+        group: dist.ProcessGroup,
+        gather_output: bool = False,
+        sequence_input: bool = False,
+    ):
         super().__init__(linear, group)
+        self.sequence_input = sequence_input
         self._check_every_rank_holds_a_feature(self.out_features, "output features")
         self.gather_output = gather_output
         self.weight = self._scatter(linear.weight, 0)
@@ -311,6 +368,8 @@ class ColumnParallelLinear(ShardedLinear):
         return gather_from_group(y, self._layout(self.out_features), self.out_features, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_input:
+            x = gather_from_sequence(x, self.group)
         y = F.linear(self._copy_in(x), self.weight, self.bias)
         return self._gather_out(y) if self.gather_output else y
 
@@ -320,12 +379,21 @@ class RowParallelLinear(ShardedLinear):
     ``chunk_bounds(in_features, tp, rank)`` of the weight, and the whole bias.
 
     ``input_is_parallel``: the input arrives sharded (a column layer's output); otherwise it is
-    replicated and each rank takes its slice. The output is whole on every rank. Collective:
-    construction scatters rank 0's weight. Seams: ``_scatter_in``, ``_reduce_out``, ``forward``.
+    replicated and each rank takes its slice. The output is whole on every rank;
+    ``sequence_output``: then cut along the sequence, each rank its tokens (a region's start: with
+    the all-reduce before it, a reduce-scatter). Collective: construction scatters rank 0's
+    weight. Seams: ``_scatter_in``, ``_reduce_out``, ``forward``.
     """
 
-    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, input_is_parallel: bool = True):
+    def __init__(
+        self,
+        linear: nn.Linear,
+        group: dist.ProcessGroup,
+        input_is_parallel: bool = True,
+        sequence_output: bool = False,
+    ):
         super().__init__(linear, group)
+        self.sequence_output = sequence_output
         self._check_every_rank_holds_a_feature(self.in_features, "input features")
         self.input_is_parallel = input_is_parallel
         self.weight = self._scatter(linear.weight, 1)
@@ -344,7 +412,10 @@ class RowParallelLinear(ShardedLinear):
             x = self._scatter_in(x)
         y = self._reduce_out(F.linear(x, self.weight))
         # the bias once, after the sum: added to every partial product it would count tp times
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        # cut after the bias: its gradient then comes from every token (gathered back), not
+        # from this rank's alone
+        return scatter_to_sequence(y, self.group) if self.sequence_output else y
 
 
 # -- applying a plan ---------------------------------------------------------------------------
@@ -362,19 +433,24 @@ def parallelize(
     styles of :data:`STYLES`) replaced by a column- or row-parallel layer over ``group``, its
     shards scattered from the group's rank 0, and every other parameter and buffer broadcast
     from it. Collective over the group; returns ``module``, changed in place. ``column`` and
-    ``row``: the layer classes (a subclass changes one step)."""
+    ``row``: the layer classes (a subclass changes one step). A plan's sequence-parallel
+    regions (:data:`REGION_STYLES`) are ``parallel.sequence_parallel``'s to apply."""
     plan = check_plan(module, plan)
     broadcast_replicated(module, group, plan)
     return shard_linears(module, group, plan, column=column, row=row)
 
 
 def check_plan(module: nn.Module, plan: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
-    """``plan`` as a list, each entry checked: a known style, an ``nn.Linear`` of ``module``."""
+    """``plan`` as a list, each entry checked: a known style, an ``nn.Linear`` of ``module``
+    (a sequence-parallel region's norm or block: ``parallel.sequence_parallel``)."""
     plan = [(str(name), str(style)) for name, style in plan]
     for name, style in plan:
+        if style in REGION_STYLES:
+            module.get_submodule(name)  # there (apply_regions checks a norm is one)
+            continue
         if style not in STYLES:
             raise InvalidArgument(
-                f"plan style {style!r} of {name!r}: the styles are {list(STYLES)}"
+                f"plan style {style!r} of {name!r}: the styles are {[*STYLES, *REGION_STYLES]}"
             )
         if not isinstance(module.get_submodule(name), nn.Linear):
             raise InvalidArgument(f"plan names {name!r}, which is not an nn.Linear")
@@ -390,6 +466,8 @@ def broadcast_replicated(
     rank 0, in registration order (the same on every rank of the group)."""
     scattered = set()
     for name, style in plan:
+        if style not in STYLES:  # a region's norm or block: replicated
+            continue
         linear = module.get_submodule(name)
         assert isinstance(linear, nn.Linear)  # check_plan's promise
         scattered.add(id(linear.weight))
@@ -416,13 +494,16 @@ def shard_linears(
     """Each planned ``nn.Linear`` of ``module`` replaced by its parallel layer (whose
     construction scatters rank 0's weights), in plan order on every rank."""
     for name, style in plan:
+        if style not in STYLES:  # a region's norm or block (parallel.sequence_parallel)
+            continue
         linear = module.get_submodule(name)
         assert isinstance(linear, nn.Linear)  # check_plan's promise
         kind, option = STYLES[style]
+        sequence = style in SEQUENCE_LINEARS
         layer: ShardedLinear = (
-            column(linear, group, gather_output=option)
+            column(linear, group, gather_output=option, sequence_input=sequence)
             if kind == "column"
-            else row(linear, group, input_is_parallel=option)
+            else row(linear, group, input_is_parallel=option, sequence_output=sequence)
         )
         parent, _, child = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, child, layer)

@@ -116,14 +116,15 @@ def test_every_mutant_is_killed_and_the_unmutated_target_passes(capsys):
     assert status == 0, out
     rows = [line for line in out.splitlines() if line.startswith("| ")][1:]
     # a control per family: parallel's, FSDP2's for families I and J3, the loop hooks' two,
-    # torch DDP's for the data path, parallel_tp's for tensor parallelism (family K) and
-    # torch_pp's for pipelines (family M)
+    # torch DDP's for the data path, parallel_tp's and torch_tp's for tensor parallelism
+    # (family K; torch_tp's for loss_parallel) and torch_pp's for pipelines (family M)
     controls = (
         "TorchFSDPTarget",
         "EngineTarget",
         "Zero2Target",
         "TorchDDPTarget",
         "ParallelTPTarget",
+        "TorchTPTarget",
         "TorchPPTarget",
     )
     assert len(rows) == n + 1 + len(controls)

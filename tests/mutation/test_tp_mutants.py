@@ -15,8 +15,9 @@ import pytest
 import ddpcheck
 from ddpcheck.mutation import broken_tp
 from ddpcheck.mutation import catalogue as mutants
-from ddpcheck.targets.catalogue import PARALLEL_TP
+from ddpcheck.targets.catalogue import PARALLEL_TP, TORCH_TP
 from ddpcheck.targets.parallel_tp import ParallelTPTarget
+from ddpcheck.targets.tensor_parallel import TorchTPTarget
 from tests.patience import patience
 
 FAMILY = [m for m in mutants.CATALOGUE if m.bug_class.startswith("K")]
@@ -40,18 +41,24 @@ def _scenario(global_batch):
 
 
 def test_the_tensor_parallel_family_seeds_one_bug_each_into_parallel_tp():
-    assert len(FAMILY) >= 12
-    assert len({m.bug_class for m in FAMILY}) >= 10
+    assert len(FAMILY) >= 14
+    assert len({m.bug_class for m in FAMILY}) >= 12
+    on_torch = {name for name, _, _ in broken_tp.TORCH_ENTRIES}
     for m in FAMILY:
-        assert m.control is PARALLEL_TP
-        assert isinstance(m.target, ParallelTPTarget) and type(m.target) is not ParallelTPTarget
         assert type(m.target).__module__ == broken_tp.__name__ and type(m.target).__doc__
         assert m.target.parallelizes
         assert pickle.loads(pickle.dumps(m.target)) == m.target
+        if m.name in on_torch:  # loss_parallel(), which parallel_tp has not: torch_tp's hook
+            assert m.control is TORCH_TP and type(m.target).__mro__[1] is TorchTPTarget
+            assert [n for n in vars(type(m.target)) if callable(getattr(TorchTPTarget, n, None))]
+            continue
+        assert m.control is PARALLEL_TP
+        assert isinstance(m.target, ParallelTPTarget) and type(m.target) is not ParallelTPTarget
+        pieces = ("column_class", "row_class", "norm_class")
         swapped = [
-            c
-            for c in (type(m.target).column_class, type(m.target).row_class)
-            if c not in (ParallelTPTarget.column_class, ParallelTPTarget.row_class)
+            getattr(type(m.target), piece)
+            for piece in pieces
+            if getattr(type(m.target), piece) is not getattr(ParallelTPTarget, piece)
         ]
         own = [n for n in vars(type(m.target)) if callable(getattr(ParallelTPTarget, n, None))]
         # a layer swapped in (its class the bug), or a hook of the target overridden

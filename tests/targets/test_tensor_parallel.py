@@ -18,7 +18,13 @@ from ddpcheck import EquivalenceError, InvalidArgument, Scenario
 from ddpcheck._language.batches import global_indices
 from ddpcheck._language.battery import TENSOR_PARALLEL_BATTERY
 from ddpcheck._language.plans import plans, sharded_models, tensor_parallel_scenarios
-from ddpcheck._language.sharded_models import ShardedBlock, ShardedSpec, sequence_data
+from ddpcheck._language.sharded_models import (
+    REGION_STYLES,
+    SEQUENCE,
+    ShardedBlock,
+    ShardedSpec,
+    sequence_data,
+)
 from ddpcheck._language.tensor_parallel import TensorParallel, data_coordinate, mesh_problem
 from ddpcheck._oracle.mesh_axes import shared_axis
 from ddpcheck.targets import support
@@ -133,13 +139,18 @@ def test_bad_plans_are_refused_naming_the_module():
 @settings(max_examples=40, deadline=None, database=None)
 @given(data=st.data(), tp=st.sampled_from((1, 2, 3, 4)))
 def test_drawn_plans_name_real_linears_and_shard_no_dimension_emptily(data, tp):
-    spec = data.draw(sharded_models())
+    spec = dataclasses.replace(data.draw(sharded_models()), tokens=data.draw(st.booleans()))
     plan = data.draw(plans(spec, tp))
     model = spec()
     styles = torch_plan(plan)  # every style name maps to one of torch's
     assert set(styles) == {name for name, _ in plan}
     for name, style in plan:
         linear = model.get_submodule(name)
+        if style in REGION_STYLES:  # a sequence-parallel norm, or its block: a token per rank
+            norm = linear if style == "sequence" else linear.norm
+            assert isinstance(norm, (nn.LayerNorm, nn.RMSNorm)), (name, style)
+            assert len(torch.chunk(torch.empty(SEQUENCE), tp)) == tp
+            continue
         assert isinstance(linear, nn.Linear)
         sharded = linear.out_features if style.startswith("colwise") else linear.in_features
         pieces = torch.chunk(torch.empty(sharded), tp)  # torch's shards of that dimension

@@ -19,7 +19,12 @@ from ddpcheck._language import zoo
 from ddpcheck._language.models import Layer, ModelSpec, SpecData
 from ddpcheck._language.pipeline_parallel import PipelineParallel
 from ddpcheck._language.scenario import Epochs, Scenario
-from ddpcheck._language.sharded_models import ShardedBlock, ShardedSpec, sequence_data
+from ddpcheck._language.sharded_models import (
+    ShardedBlock,
+    ShardedSpec,
+    sequence_data,
+    sequence_tokens,
+)
 from ddpcheck._language.tensor_parallel import TensorParallel
 
 __all__ = ["BATTERY", "PIPELINE_BATTERY", "TENSOR_PARALLEL_BATTERY"]
@@ -320,6 +325,61 @@ TENSOR_PARALLEL_BATTERY: list[tuple[str, Scenario]] = [
             accumulation=2,
             seed=23,
             tensor_parallel=TensorParallel(_attention_mlp_plan("blocks."), tp=2),
+        ),
+    ),
+    # sequence parallelism: a LayerNorm entered by the input projection's reduce-scatter and
+    # left by a gather, an MLP, an RMSNorm entered by a cut and left by the head's gather; the
+    # sequence (3) and the head (3) uneven over tp=2, the input (5) over tp=3
+    (
+        "tp-sequence-norms",
+        Scenario(
+            ShardedSpec(
+                blocks=(ShardedBlock("norm"), ShardedBlock("mlp", 6), ShardedBlock("rmsnorm")),
+                width=4,
+            ),
+            data=sequence_data,
+            optimizer=torch.optim.Adam,
+            optimizer_kwargs={"lr": 0.01},
+            global_batch=6,
+            steps=2,
+            seed=24,
+            tensor_parallel=TensorParallel(
+                (
+                    ("inp", "rowwise-sequence"),
+                    ("blocks.0.norm", "sequence"),
+                    ("blocks.0", "sequence-out"),
+                    ("blocks.1.up", "colwise"),
+                    ("blocks.1.down", "rowwise"),
+                    ("blocks.2.norm", "sequence"),
+                    ("blocks.2", "sequence-in"),
+                    ("head", "colwise-sequence"),
+                )
+            ),
+        ),
+    ),
+    # loss parallelism: token cross-entropy of logits sharded over a vocabulary of 5 (3+2)
+    # under loss_parallel(), padded sequences, after a sequence-parallel norm
+    (
+        "tp-loss-parallel",
+        Scenario(
+            ShardedSpec(
+                blocks=(ShardedBlock("mlp", 6), ShardedBlock("norm")), width=4, tokens=True
+            ),
+            data=sequence_tokens,
+            loss="token_cross_entropy",
+            global_batch=6,
+            steps=2,
+            seed=25,
+            tensor_parallel=TensorParallel(
+                (
+                    ("blocks.0.up", "colwise"),
+                    ("blocks.0.down", "rowwise"),
+                    ("blocks.1.norm", "sequence"),
+                    ("blocks.1", "sequence-in"),
+                    ("head", "colwise-sequence-loss"),
+                ),
+                tp=2,  # at W=4, dp=2 x tp=2: loss_parallel() under FSDP2 (torch_2d)
+            ),
         ),
     ),
 ]

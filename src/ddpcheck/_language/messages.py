@@ -127,7 +127,11 @@ def _shape(model: object) -> str:
     blocks = getattr(model, "blocks", None)
     if layers is None and isinstance(blocks, tuple):  # a sharded model (ShardedSpec): its blocks
         shape = "+".join(
-            ["inp", *(b.kind + ("" if b.kind == "norm" else str(b.size)) for b in blocks), "head"]
+            [
+                "inp",
+                *(b.kind + ("" if b.kind.endswith("norm") else str(b.size)) for b in blocks),
+                "vocab" if getattr(model, "tokens", False) else "head",  # a token head's logits
+            ]
         )
     elif layers is None:
         shape = getattr(model, "__qualname__", type(model).__name__)
@@ -186,6 +190,14 @@ _STYLE_ABBREVIATIONS = {
     "colwise-replicate": "col(rep)",
     "rowwise": "row",
     "rowwise-replicate": "row(rep)",
+    "sequence": "seq",
+    "sequence-in": "seq(in)",
+    "sequence-out": "seq(out)",
+    "sequence-in-out": "seq(in,out)",
+    "rowwise-sequence": "row(seq)",
+    "colwise-sequence": "col(seq)",
+    "colwise-loss": "col(loss)",
+    "colwise-sequence-loss": "col(seq,loss)",
 }
 
 

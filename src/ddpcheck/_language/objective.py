@@ -101,12 +101,16 @@ def summed(scenario: object, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor
     if not is_token_loss(scenario):
         return per_sample_loss(out, y).sum()
     wide = torch.promote_types(out.dtype, torch.float32)  # bf16 logits: the loss in float32
-    return F.cross_entropy(
+    loss = F.cross_entropy(
         out.reshape(-1, out.shape[-1]).to(wide),
         y.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+    # logits sharded over the vocabulary under loss_parallel(): a replicated DTensor, handed on
+    # as its local value (the same on every rank), through which the gradient still flows
+    local = getattr(loss, "to_local", None)
+    return loss if local is None else local()
 
 
 def sample_terms(scenario: object, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,10 @@
 A :class:`ShardedSpec` is a transformer-shaped stack on sequences: an input projection, blocks --
 ``"mlp"`` (a column/row pair of linears around a GELU), ``"attention"`` (q, k, v and an output
 projection; heads split by ``view`` from the *local* width, as tensor-parallel code must), or
-``"norm"`` (a LayerNorm, replicated) -- each with a residual connection, and a linear head. Widths,
-hidden sizes and head counts are drawn, **including ones the tensor-parallel degree does not
+``"norm"`` / ``"rmsnorm"`` (a LayerNorm or an RMSNorm) -- the MLP and attention with a residual
+connection -- and a linear head: regression outputs, or with ``tokens=True`` the logits of a
+:data:`VOCABULARY`-token vocabulary trained by token cross-entropy (:func:`sequence_tokens`).
+Widths, hidden sizes and head counts are drawn, **including ones the tensor-parallel degree does not
 divide** (first-class, as an uneven batch is for data parallelism): torch shards them as
 ``torch.chunk`` does, and a plan must still train the one-process model.
 
@@ -13,6 +15,22 @@ function under tensor parallelism (valid by construction): a column-wise layer w
 sharded must be consumed by its row-wise partner; attention may be split only along whole heads;
 a lone linear may be column-wise with its output all-gathered or row-wise on a replicated input.
 
+**Sequence parallelism** (torch's ``SequenceParallel``, Megatron's "sequence parallel"): a norm
+runs on its ``tp`` rank's share of the sequence (dim 1), its weights replicated -- their gradients
+are then partial sums over each rank's tokens, which must be all-reduced over the group. A
+*region* is a run of consecutive norm blocks under ``"sequence"``; the activations entering it
+are cut along the sequence -- the replicated stream sliced by the norm block's
+``PrepareModuleInput`` (``"sequence-in"``), or the input projection's partial outputs
+reduce-scattered (``"rowwise-sequence"``) when the region opens the model -- and leave it
+all-gathered -- by the block's ``PrepareModuleOutput`` (``"sequence-out"``), or by the head
+gathering its input (``"colwise-sequence"``) when the region closes the model. Every rank must
+hold a token: the sequence (:data:`SEQUENCE`) over ``tp`` leaves none empty.
+
+**Loss parallelism** (``loss_parallel()``): with ``tokens=True`` the head may be column-wise with
+its logits left sharded over the vocabulary (``"colwise-loss"``, ``Shard(-1)`` DTensor logits),
+the cross-entropy then computed under ``torch.distributed.tensor.parallel.loss_parallel()``
+without gathering them (``"colwise-sequence-loss"``: the same, its input from a region).
+
 Invariant (as in ``zoo``): every model is a deterministic function of its weights and of each
 sample separately, so W ranks and the reference compute the same objective.
 """
@@ -20,6 +38,7 @@ sample separately, so W ranks and the reference compute the same objective.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import torch
@@ -28,12 +47,18 @@ from torch import nn
 
 from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._base.options import named_fields
+from ddpcheck._language.objective import IGNORE_INDEX
 
 __all__ = [
     "BLOCK_KINDS",
     "IN_FEATURES",
+    "LOSS_STYLES",
+    "NORM_KINDS",
     "OUT_FEATURES",
+    "REGION_STYLES",
     "SEQUENCE",
+    "SEQUENCE_STYLES",
+    "VOCABULARY",
     "ShardedBlock",
     "ShardedModel",
     "ShardedSpec",
@@ -41,10 +66,30 @@ __all__ = [
     "every_rank_holds",
     "holders",
     "sequence_data",
+    "sequence_tokens",
 ]
 
 IN_FEATURES, OUT_FEATURES, SEQUENCE = 5, 3, 3
-BLOCK_KINDS = ("mlp", "attention", "norm")
+#: The vocabulary of a model with ``tokens=True``: 5 is uneven over 2 and 3 ranks (3+2, 2+2+1).
+VOCABULARY = 5
+BLOCK_KINDS = ("mlp", "attention", "norm", "rmsnorm")
+NORM_KINDS = ("norm", "rmsnorm")
+#: The styles of a sequence-parallel region (:func:`plan_choices`), and the heads whose logits
+#: stay sharded over the vocabulary for ``loss_parallel()``.
+SEQUENCE_STYLES = frozenset(
+    {
+        "sequence",
+        "sequence-in",
+        "sequence-out",
+        "sequence-in-out",
+        "rowwise-sequence",
+        "colwise-sequence",
+        "colwise-sequence-loss",
+    }
+)
+LOSS_STYLES = frozenset({"colwise-loss", "colwise-sequence-loss"})
+#: The styles a plan gives a region's norm or its block (no linear).
+REGION_STYLES = frozenset({"sequence", "sequence-in", "sequence-out", "sequence-in-out"})
 
 
 def sequence_data(seed: int, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,6 +97,18 @@ def sequence_data(seed: int, batch: int, dtype: torch.dtype) -> tuple[torch.Tens
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, SEQUENCE, IN_FEATURES, generator=g, dtype=torch.float64).to(dtype)
     y = torch.randn(batch, SEQUENCE, OUT_FEATURES, generator=g, dtype=torch.float64).to(dtype)
+    return x, y
+
+
+def sequence_tokens(seed: int, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global batch of sequences and their target tokens: x ``(B, 3, 5)``, y ``(B, 3)`` int64
+    in ``[0, VOCABULARY)``, each sample 1 to 3 tokens long and padded on the right with
+    ``IGNORE_INDEX`` (no loss term), as ``zoo.token_data`` pads (for ``tokens=True`` models)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, SEQUENCE, IN_FEATURES, generator=g, dtype=torch.float64).to(dtype)
+    y = torch.randint(0, VOCABULARY, (batch, SEQUENCE), generator=g)
+    lengths = torch.randint(1, SEQUENCE + 1, (batch,), generator=g)
+    y[torch.arange(SEQUENCE)[None, :] >= lengths[:, None]] = IGNORE_INDEX
     return x, y
 
 
@@ -75,11 +132,14 @@ class ShardedBlock:
 @named_fields
 @dataclasses.dataclass(frozen=True)
 class ShardedSpec:
-    """A whole model (see the module docstring); ``head_dim``: each attention head's width."""
+    """A whole model (see the module docstring); ``head_dim``: each attention head's width;
+    ``tokens``: the head returns :data:`VOCABULARY` logits (train it with
+    ``loss="token_cross_entropy"`` on :func:`sequence_tokens`)."""
 
     blocks: tuple[ShardedBlock, ...] = (ShardedBlock(),)
     width: int = 4
     head_dim: int = 2
+    tokens: bool = False
 
     def __post_init__(self) -> None:
         for name in ("width", "head_dim"):
@@ -129,9 +189,12 @@ class _Attention(nn.Module):
 
 
 class _Norm(nn.Module):
-    def __init__(self, width: int):
+    """A norm alone in its block: what a plan puts under ``SequenceParallel`` (``.norm``), and
+    the block around it where the sequence is cut and gathered (``PrepareModuleInput/Output``)."""
+
+    def __init__(self, width: int, rms: bool):
         super().__init__()
-        self.norm = nn.LayerNorm(width)
+        self.norm: nn.Module = nn.RMSNorm(width) if rms else nn.LayerNorm(width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x)
@@ -145,7 +208,7 @@ class ShardedModel(nn.Module):
         w = spec.width
         self.inp = nn.Linear(IN_FEATURES, w)
         self.blocks = nn.ModuleList(_block(b, w, spec.head_dim) for b in spec.blocks)
-        self.head = nn.Linear(w, OUT_FEATURES)
+        self.head = nn.Linear(w, VOCABULARY if spec.tokens else OUT_FEATURES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
@@ -159,7 +222,7 @@ def _block(block: ShardedBlock, width: int, head_dim: int) -> nn.Module:
         return _MLP(width, block.size, block.bias)
     if block.kind == "attention":
         return _Attention(width, block.size, head_dim, block.bias)
-    return _Norm(width)
+    return _Norm(width, rms=block.kind == "rmsnorm")
 
 
 def holders(size: int, tp: int) -> int:
@@ -190,12 +253,18 @@ def _lone(
     return found
 
 
-def plan_choices(spec: ShardedSpec, tp: int) -> list[list[tuple[tuple[str, str], ...]]]:
+Fragment = tuple[tuple[str, str], ...]
+
+
+def plan_choices(spec: ShardedSpec, tp: int) -> list[list[Fragment]]:
     """Per module group of ``spec``'s model, the plan fragments that keep it computing the same
     function over a ``tp``-way axis (the first of each: nothing sharded). A plan is one fragment
-    of each group, concatenated."""
+    of each group, concatenated. A run of norm blocks is one group with the input projection
+    (when it opens the model) and the head (when it closes it): a sequence-parallel region's
+    ends depend on its neighbours (:func:`_regions`)."""
     w = spec.width
-    groups = [_lone("inp", w, IN_FEATURES, tp)]
+    out = VOCABULARY if spec.tokens else OUT_FEATURES
+    units: list[list[Fragment]] = [_lone("inp", w, IN_FEATURES, tp)]
     for i, block in enumerate(spec.blocks):
         at = f"blocks.{i}"
         if block.kind == "mlp":
@@ -208,7 +277,7 @@ def plan_choices(spec: ShardedSpec, tp: int) -> list[list[tuple[tuple[str, str],
                     ((f"{at}.up", up), (f"{at}.down", "rowwise"))
                     for up in (*even, "colwise-dtensor")
                 ]
-            groups.append(fragments)
+            units.append(fragments)
         elif block.kind == "attention":
             width = block.size * spec.head_dim
             fragments = _lone(f"{at}.out", w, width, tp, "rowwise-replicate")
@@ -216,6 +285,81 @@ def plan_choices(spec: ShardedSpec, tp: int) -> list[list[tuple[tuple[str, str],
                 fragments.append(
                     (*((f"{at}.{n}", "colwise") for n in "qkv"), (f"{at}.out", "rowwise"))
                 )
-            groups.append(fragments)
-    groups.append(_lone("head", OUT_FEATURES, w, tp))
+            units.append(fragments)
+        else:  # a norm: replicated, or on this rank's tokens (a region's ends added below)
+            sequence = tp > 1 and every_rank_holds(SEQUENCE, tp)
+            units.append([(), ((f"{at}.norm", "sequence"),)] if sequence else [()])
+    head = _lone("head", out, w, tp)
+    if spec.tokens and tp > 1 and every_rank_holds(out, tp):
+        head.append((("head", "colwise-loss"),))  # logits sharded over the vocabulary
+    units.append(head)
+    return _regions(spec, tp, units)
+
+
+def _regions(spec: ShardedSpec, tp: int, units: list[list[Fragment]]) -> list[list[Fragment]]:
+    """``units`` (the input projection, each block, the head) grouped: each run of norm blocks
+    with its neighbours that can carry the sequence shards in and out, its fragments every valid
+    combination of theirs with the region's ends filled in (:func:`_ends`), fewest modules
+    first (what shrinking goes towards)."""
+    kinds = [b.kind for b in spec.blocks]
+    last = len(kinds)  # units: 0 the input projection, i + 1 block i, last + 1 the head
+    groups: list[list[Fragment]] = []
+    i = 0
+    while i < last + 2:
+        opens = i == 0 and last and kinds[0] in NORM_KINDS and len(units[1]) > 1
+        if not opens and not (1 <= i <= last and kinds[i - 1] in NORM_KINDS and len(units[i]) > 1):
+            groups.append(units[i])  # no region here
+            i += 1
+            continue
+        j = i + 1 if i else 2  # past the run: [i, j) are its units
+        while j <= last and kinds[j - 1] in NORM_KINDS:
+            j += 1
+        if j == last + 1:
+            j += 1  # the head closes the model's last region
+        members = [list(units[k]) for k in range(i, j)]
+        if i == 0 and every_rank_holds(IN_FEATURES, tp):
+            members[0].append((("inp", "rowwise-sequence"),))
+        width = VOCABULARY if spec.tokens else OUT_FEATURES
+        if j == last + 2 and every_rank_holds(width, tp):  # the head gathers the sequence
+            members[-1].append((("head", "colwise-sequence"),))
+            if spec.tokens:
+                members[-1].append((("head", "colwise-sequence-loss"),))
+        combined = [
+            fragment
+            for choice in itertools.product(*members)
+            if (fragment := _ends(choice, last - 1)) is not None
+        ]
+        groups.append(sorted(combined, key=len))
+        i = j
     return groups
+
+
+#: A norm block's end style by ``(its input is cut, its output is gathered)``.
+_END_STYLES = {
+    (True, True): "sequence-in-out",
+    (True, False): "sequence-in",
+    (False, True): "sequence-out",
+}
+
+
+def _ends(choice: tuple[Fragment, ...], last: int) -> Fragment | None:
+    """One combination of a region group's fragments with the ends of its sequence-parallel
+    norms filled in: a norm block whose input arrives replicated cuts it (``sequence-in``), one
+    whose output goes on replicated gathers it (``sequence-out``); None when a reduce-scatter
+    into the region or a gather out of it has no sequence-parallel norm beside it (the first
+    block's, the ``last`` block's)."""
+    pairs = [pair for fragment in choice for pair in fragment]
+    styles = dict(pairs)
+    norms = sorted(int(name.split(".")[1]) for name, style in pairs if style == "sequence")
+    into = styles.get("inp") == "rowwise-sequence"
+    head = styles.get("head", "").startswith("colwise-sequence")
+    if (into and 0 not in norms) or (head and last not in norms):
+        return None
+    ends: list[tuple[str, str]] = []
+    for i in norms:
+        cut = not (i - 1 in norms or (i == 0 and into))
+        gathered = not (i + 1 in norms or (head and i == last))
+        style = _END_STYLES.get((cut, gathered))
+        if style is not None:  # (a norm between two of the region's norms has no end)
+            ends.append((f"blocks.{i}", style))
+    return tuple(pairs) + tuple(ends)

@@ -53,6 +53,21 @@ STYLES: dict[str, str] = {
     "the output all-gathered",
     "rowwise-replicate": "RowwiseParallel(input_layouts=Replicate()): input features sharded, "
     "the replicated input sliced, partial outputs all-reduced",
+    "sequence": "SequenceParallel(): a norm on its rank's share of the sequence (dim 1), its "
+    "weights replicated, their gradients all-reduced over tp",
+    "sequence-in": "PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1), "
+    "use_local_output=False): a norm block's replicated input cut along the sequence",
+    "sequence-out": "PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts="
+    "Replicate()): a norm block's sequence shards all-gathered",
+    "sequence-in-out": "PrepareModuleInputOutput(...): both of the above, on one norm block",
+    "rowwise-sequence": "RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), "
+    "use_local_output=False): partial outputs reduce-scattered along the sequence",
+    "colwise-sequence": "ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()): the "
+    "sequence shards all-gathered in, the output features gathered out",
+    "colwise-loss": "ColwiseParallel(use_local_output=False): logits sharded over the "
+    "vocabulary (Shard(-1)), the cross-entropy under loss_parallel()",
+    "colwise-sequence-loss": "ColwiseParallel(input_layouts=Shard(1), use_local_output=False): "
+    "as colwise-loss, its input the sequence shards all-gathered",
 }
 
 

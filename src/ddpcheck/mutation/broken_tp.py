@@ -1,19 +1,21 @@
 """Tensor-parallel mutants: ``parallel_tp`` (``ddpcheck.targets.parallel_tp.ParallelTPTarget``
-over ``parallel.tensor_parallel``) with one seeded bug each (family K of
-``docs/bug-catalogue.md``).
+over ``parallel.tensor_parallel`` and ``parallel.sequence_parallel``) with one seeded bug each
+(family K of ``docs/bug-catalogue.md``), and ``torch_tp`` with one (:data:`TORCH_ENTRIES`).
 
-Each mutant overrides one method: of the column or row layer (the target then swaps that class
-in, ``column_class`` / ``row_class``; ``FlooredShardsTP`` swaps both, each with the same one
-method), or of the target itself (``shard_batch``, ``clip_grad_norm``, ``apply_plan``,
-``backward``, ``after_backward``). Each docstring names the method and says the bug. The unmutated
-``parallel_tp`` is their control, and ``catalogue.stale_overrides`` checks that every override
-still overrides a method of the class it mutates.
+Each mutant overrides one method: of the column or row layer or the sequence-parallel norm (the
+target then swaps that class in, ``column_class`` / ``row_class`` / ``norm_class``;
+``FlooredShardsTP`` swaps both layers, each with the same one method), or of the target itself
+(``shard_batch``, ``clip_grad_norm``, ``apply_plan``, ``backward``, ``after_backward``,
+``loss_context``). Each docstring names the method and says the bug. The unmutated target is
+their control, and ``catalogue.stale_overrides`` checks that every override still overrides a
+method of the class it mutates.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
@@ -24,6 +26,8 @@ from ddpcheck._language.batches import BatchPlan, GlobalBatch, contiguous
 from ddpcheck._language.scenario import Scenario, batch_size_of, micro_batches_of
 from ddpcheck._language.training import OptimizerLike
 from ddpcheck.targets.parallel_tp import ParallelTPTarget
+from ddpcheck.targets.tensor_parallel import TorchTPTarget
+from parallel import sequence_parallel as sp
 from parallel import tensor_parallel as tp
 
 __all__ = [
@@ -32,6 +36,7 @@ __all__ = [
     "DataNotFollowingMeshTP",
     "FlooredShardsTP",
     "GatherReversedTP",
+    "LocalVocabularyLossTP",
     "LossScaledByTpTP",
     "NormCountsReplicasTP",
     "NormNotReducedTP",
@@ -41,8 +46,10 @@ __all__ = [
     "RowBiasOnEveryRankTP",
     "RowOutputAveragedTP",
     "RowOutputUnreducedTP",
+    "SequenceNormGradUnreducedTP",
     "ShardsFromOwnInitTP",
     "ShardsScatteredReversedTP",
+    "TORCH_ENTRIES",
 ]
 
 
@@ -156,6 +163,37 @@ class FlooredRow(tp.RowParallelLinear):
 
     def _bounds(self, size: int, rank: int) -> tuple[int, int]:
         return _floored(size, self.tp, rank)
+
+
+class UnreducedGradNorm(sp.SequenceParallelNorm):
+    """``_share``: the norm's weights used as they are on this rank's tokens, their gradients
+    never all-reduced over the group: each rank's holds its own tokens' part (Megatron's
+    sequence-parallel norms left out of the all-reduce of their gradients)."""
+
+    def _share(self, param: torch.Tensor) -> torch.Tensor:
+        return param  # BUG: no copy_to_group, no all-reduce in backward
+
+
+class _LocalVocabularyCrossEntropy(torch.overrides.TorchFunctionMode):
+    """A home-made vocabulary-parallel cross-entropy: each rank's log-softmax over its own shard
+    of the vocabulary, the target logit's term taken where it lives, the terms summed over the
+    ranks -- the all-reduces of the maximum and of the sum of exponentials left out."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        from torch.distributed.tensor import DTensor, Partial
+
+        kwargs = kwargs or {}
+        if func is not F.cross_entropy or not isinstance(args[0], DTensor):
+            return func(*args, **kwargs)
+        logits, target = args[0], args[1]
+        mesh = logits.device_mesh
+        local = logits.to_local()  # (tokens, this rank's vocabulary)
+        start = math.ceil(logits.shape[-1] / mesh.size()) * mesh.get_local_rank()
+        mine = (target >= start) & (target < start + local.shape[-1])
+        logp = local.log_softmax(-1)  # BUG: normalised over this rank's vocabulary only
+        index = (target - start).clamp(0, local.shape[-1] - 1)[:, None]
+        terms = torch.where(mine, -logp.gather(-1, index).squeeze(-1), 0.0)
+        return DTensor.from_local(terms.sum(), mesh, [Partial()]).full_tensor()
 
 
 # -- the targets -------------------------------------------------------------------------------
@@ -307,7 +345,8 @@ class ReplicatedNotBroadcastTP(ParallelTPTarget):
 
     def apply_plan(self, module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
         plan = tp.check_plan(module, self.plan)  # BUG: no broadcast_replicated(module, ...)
-        return tp.shard_linears(module, group, plan, column=self.column_class, row=self.row_class)
+        tp.shard_linears(module, group, plan, column=self.column_class, row=self.row_class)
+        return sp.apply_regions(module, group, plan, norm=self.norm_class)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,6 +372,24 @@ class ReplicatedGradsSummedTP(ParallelTPTarget):
         for p in state["module"].parameters():
             if p.grad is not None and id(p) not in sharded:
                 dist.all_reduce(p.grad, group=state["tp_group"])  # BUG: already whole
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceNormGradUnreducedTP(ParallelTPTarget):
+    """K13: the sequence-parallel norms' weight gradients never all-reduced over the ``tp``
+    group (``UnreducedGradNorm``): each rank's holds only its share of the sequence."""
+
+    norm_class = UnreducedGradNorm
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalVocabularyLossTP(TorchTPTarget):
+    """K14 (``loss_context``): logits sharded over the vocabulary go through a home-made
+    vocabulary-parallel cross-entropy (``_LocalVocabularyCrossEntropy``) instead of torch's
+    ``loss_parallel()``, each rank's softmax normalised over its own shard of the vocabulary."""
+
+    def loss_context(self) -> AbstractContextManager[object]:
+        return _LocalVocabularyCrossEntropy()  # BUG: the softmax's sums never all-reduced
 
 
 #: The catalogue's rows of this family: ``(mutant class name, bug class, one line)``, in
@@ -396,5 +453,19 @@ ENTRIES: list[tuple[str, str, str]] = [
         "ReplicatedGradsSummedTP",
         "K12",
         "replicated gradients all-reduced over tp as sequence-parallel norms' are: tp times",
+    ),
+    (
+        "SequenceNormGradUnreducedTP",
+        "K13",
+        "sequence-parallel norm weights' gradients never all-reduced over tp",
+    ),
+]
+
+#: The family's rows seeded into ``torch_tp`` (its control): ``(name, bug class, one line)``.
+TORCH_ENTRIES: list[tuple[str, str, str]] = [
+    (
+        "LocalVocabularyLossTP",
+        "K14",
+        "vocabulary-parallel cross-entropy normalised over each rank's own vocabulary shard",
     ),
 ]

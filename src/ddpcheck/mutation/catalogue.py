@@ -71,7 +71,7 @@ from ddpcheck.targets import (
     Target,
     TorchFSDPTarget,
 )
-from ddpcheck.targets.catalogue import PARALLEL_TP, TORCH_PP
+from ddpcheck.targets.catalogue import PARALLEL_TP, TORCH_PP, TORCH_TP
 from parallel import DDP, ShardedOptimizer
 
 __all__ = ["CATALOGUE", "OPTION_CATALOGUE", "Mutant", "by_name", "stale_overrides"]
@@ -671,6 +671,9 @@ TP_CONTROL = PARALLEL_TP
 CATALOGUE += [
     Mutant(name, bug_class, description, getattr(T, name)(), TP_CONTROL)
     for name, bug_class, description in T.ENTRIES
+] + [  # seeded into torch's tensor parallelism: loss_parallel(), which parallel_tp has not
+    Mutant(name, bug_class, description, getattr(T, name)(), TORCH_TP)
+    for name, bug_class, description in T.TORCH_ENTRIES
 ]
 
 
@@ -743,7 +746,13 @@ def stale_overrides() -> list[str]:
         if mutant.control is not None:  # broken_loop: the control's class and its pieces
             control = type(mutant.control)
             stale += _stale(mutant, type(mutant.target), control)
-            for piece in ("optimizer_class", "scheduler_class", "column_class", "row_class"):
+            for piece in (
+                "optimizer_class",
+                "scheduler_class",
+                "column_class",
+                "row_class",
+                "norm_class",
+            ):
                 broken, original = (
                     getattr(type(mutant.target), piece, None),
                     getattr(control, piece, None),

@@ -23,21 +23,24 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpcheck._language.scenario import Scenario
+from ddpcheck._language.sharded_models import LOSS_STYLES
 from ddpcheck._language.tensor_parallel import mesh_problem
 from ddpcheck._language.training import MicroBatchLoss, OptimizerLike, Params
 from ddpcheck.targets.tensor_parallel import (
     AUTOCAST_ON_A_MESH,
     TP_FLOOR,
     PlanTarget,
+    empty_sequence,
     first_empty_shard,
 )
 from parallel import DDP
+from parallel import sequence_parallel as sp
 from parallel import tensor_parallel as tp
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParallelTPTarget", "shard_missing"]
+__all__ = ["ParallelTPTarget", "no_loss_parallel", "shard_missing"]
 
 
 def shard_missing(scenario: Scenario, world_size: int) -> str | None:
@@ -53,6 +56,20 @@ def shard_missing(scenario: Scenario, world_size: int) -> str | None:
     return (
         f"{found.name}: {found.features} features over tp={found.tp} leave the last rank none "
         "(torch.chunk); parallel.tensor_parallel needs a feature on every rank"
+    )
+
+
+def no_loss_parallel(scenario: Scenario) -> str | None:
+    """Why ``parallel.tensor_parallel`` cannot run the scenario's plan: a head whose logits stay
+    sharded over the vocabulary needs a vocabulary-parallel cross-entropy, which it has not
+    (torch's ``loss_parallel()``: ``torch_tp``, ``torch_2d``); None when the plan has none."""
+    plan = () if scenario.tensor_parallel is None else scenario.tensor_parallel.plan
+    found = [name for name, style in plan if style in LOSS_STYLES]
+    if not found:
+        return None
+    return (
+        f"{found[0]}: logits sharded over the vocabulary need a vocabulary-parallel "
+        "cross-entropy, which parallel.tensor_parallel has not (torch_tp has loss_parallel())"
     )
 
 
@@ -80,10 +97,14 @@ class ParallelTPTarget(PlanTarget):
     #: the layer classes the plan is applied with (a mutant swaps one)
     column_class: ClassVar[type[tp.ColumnParallelLinear]] = tp.ColumnParallelLinear
     row_class: ClassVar[type[tp.RowParallelLinear]] = tp.RowParallelLinear
+    norm_class: ClassVar[type[sp.SequenceParallelNorm]] = sp.SequenceParallelNorm
 
     def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
-        return mesh_problem(scenario.tensor_parallel, world_size) or shard_missing(
-            scenario, world_size
+        return (
+            mesh_problem(scenario.tensor_parallel, world_size)
+            or shard_missing(scenario, world_size)
+            or empty_sequence(scenario, world_size)
+            or no_loss_parallel(scenario)
         )
 
     # -- per rank ------------------------------------------------------------------------------
@@ -105,9 +126,15 @@ class ParallelTPTarget(PlanTarget):
         return module
 
     def apply_plan(self, module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
-        """The plan applied over the ``tp`` group (``parallel.tensor_parallel.parallelize``)."""
-        return tp.parallelize(
-            module, group, self.plan, column=self.column_class, row=self.row_class
+        """The plan applied over the ``tp`` group (``parallel.sequence_parallel.parallelize``:
+        its linears, then its sequence-parallel regions)."""
+        return sp.parallelize(
+            module,
+            group,
+            self.plan,
+            column=self.column_class,
+            row=self.row_class,
+            norm=self.norm_class,
         )
 
     def wrap(self, module: nn.Module) -> nn.Module:

@@ -16,6 +16,7 @@ feeding ``RowwiseParallel()`` crashes when ``tp`` does not divide the hidden wid
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -25,8 +26,15 @@ import torch
 from torch import nn
 
 from ddpcheck._language.scenario import Scenario, batch_size_of, micro_batches_of
-from ddpcheck._language.sharded_models import holders
+from ddpcheck._language.sharded_models import (
+    LOSS_STYLES,
+    REGION_STYLES,
+    SEQUENCE,
+    SEQUENCE_STYLES,
+    holders,
+)
 from ddpcheck._language.tensor_parallel import mesh_problem, mesh_shape
+from ddpcheck._language.training import OptimizerLike
 from ddpcheck.targets.fsdp import (
     CPU_FLOOR,
     CUDA_FLOOR,
@@ -48,6 +56,7 @@ __all__ = [
     "Torch2DTarget",
     "TorchTPTarget",
     "empty_micro_batch",
+    "empty_sequence",
     "empty_shard",
     "first_empty_shard",
     "replicate_rest",
@@ -55,17 +64,48 @@ __all__ = [
 ]
 
 
-def torch_plan(plan: tuple[tuple[str, str], ...]) -> dict[str, ParallelStyle]:
-    """``{module name: ParallelStyle}`` for ``parallelize_module``, from a scenario's plan."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+def torch_plan(
+    plan: tuple[tuple[str, str], ...], sequence: type[ParallelStyle] | None = None
+) -> dict[str, ParallelStyle]:
+    """``{module name: ParallelStyle}`` for ``parallelize_module``, from a scenario's plan
+    (``sequence``: the class of its ``"sequence"`` style; default torch's ``SequenceParallel``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
+    seq, rep = Shard(1), Replicate()  # the sequence dim of (batch, sequence, features)
     styles: dict[str, Callable[[], ParallelStyle]] = {
         "colwise": ColwiseParallel,
         "colwise-dtensor": lambda: ColwiseParallel(use_local_output=False),
         "rowwise": RowwiseParallel,
-        "colwise-replicate": lambda: ColwiseParallel(output_layouts=Replicate()),
-        "rowwise-replicate": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "colwise-replicate": lambda: ColwiseParallel(output_layouts=rep),
+        "rowwise-replicate": lambda: RowwiseParallel(input_layouts=rep),
+        "sequence": sequence or SequenceParallel,
+        "sequence-in": lambda: PrepareModuleInput(
+            input_layouts=(rep,), desired_input_layouts=(seq,), use_local_output=False
+        ),
+        "sequence-out": lambda: PrepareModuleOutput(
+            output_layouts=(seq,), desired_output_layouts=(rep,)
+        ),
+        "sequence-in-out": lambda: PrepareModuleInputOutput(
+            input_layouts=(rep,),
+            desired_input_layouts=(seq,),
+            use_local_input=False,
+            output_layouts=(seq,),
+            desired_output_layouts=(rep,),
+        ),
+        "rowwise-sequence": lambda: RowwiseParallel(
+            input_layouts=rep, output_layouts=seq, use_local_output=False
+        ),
+        "colwise-sequence": lambda: ColwiseParallel(input_layouts=seq, output_layouts=rep),
+        "colwise-loss": lambda: ColwiseParallel(use_local_output=False),
+        "colwise-sequence-loss": lambda: ColwiseParallel(input_layouts=seq, use_local_output=False),
     }
     return {name: styles[style]() for name, style in plan}
 
@@ -148,7 +188,11 @@ def first_empty_shard(
     if tensor_parallel is None or mesh_problem(tensor_parallel, world_size) is not None:
         return None
     _, tp = mesh_shape(tensor_parallel, world_size)
-    plan = [(n, s) for n, s in tensor_parallel.plan if s.startswith("rowwise") or not rowwise_only]
+    plan = [
+        (n, s)
+        for n, s in tensor_parallel.plan
+        if (s.startswith("rowwise") or not rowwise_only) and s not in REGION_STYLES
+    ]
     if tp == 1 or not plan:
         return None
     try:
@@ -182,6 +226,22 @@ def empty_shard(scenario: Scenario, world_size: int) -> str | None:
         f"none of its {found.features} input feature(s), and torch's FSDP2 loses such an "
         "empty shard's shape, so gathering it hangs (bench/fsdp2_empty_tp_shard.py)"
     )
+
+
+def empty_sequence(scenario: Scenario, world_size: int) -> str | None:
+    """Why a sequence-parallel plan would leave a ``tp`` rank no token (None: it would not): an
+    empty shard of the sequence, which no plan anybody writes holds, and where torch 2.13's
+    DTensor may never return (bench/dtensor_empty_reshape.py). The drawn plans never do."""
+    tensor_parallel = scenario.tensor_parallel
+    if tensor_parallel is None or mesh_problem(tensor_parallel, world_size) is not None:
+        return None
+    _, tp = mesh_shape(tensor_parallel, world_size)
+    if holders(SEQUENCE, tp) < tp and any(s in SEQUENCE_STYLES for _, s in tensor_parallel.plan):
+        return (
+            f"a sequence of {SEQUENCE} tokens over tp={tp} leaves a rank none, and torch's "
+            "DTensor may hang on an empty shard (bench/dtensor_empty_reshape.py)"
+        )
+    return None
 
 
 #: The oldest torch the tensor-parallel targets were run on: the only one so far (their public
@@ -225,6 +285,26 @@ class PlanTarget(Target):
             return f"{type(self).__name__} checks tensor-parallel scenarios (a plan and a mesh)"
         return None
 
+    def micro_batch(
+        self, model: nn.Module, optimizer: OptimizerLike, index: int, count: int
+    ) -> AbstractContextManager[object]:
+        """:meth:`Target.micro_batch`'s context, inside :meth:`loss_context` when the plan leaves
+        the logits sharded over the vocabulary: forward, loss and backward all run in it."""
+        outer = super().micro_batch(model, optimizer, index, count)
+        if not any(style in LOSS_STYLES for _, style in self.plan):
+            return outer
+        stack = contextlib.ExitStack()
+        stack.enter_context(outer)
+        stack.enter_context(self.loss_context())
+        return stack
+
+    def loss_context(self) -> AbstractContextManager[object]:
+        """Where the cross-entropy of vocabulary-sharded logits is computed and back-propagated:
+        torch's ``loss_parallel()`` (``Shard(-1)`` logits, ``reduction`` sum here)."""
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
 
 @dataclasses.dataclass(frozen=True)
 class TorchTPTarget(PlanTarget):
@@ -245,7 +325,7 @@ class TorchTPTarget(PlanTarget):
             return (
                 f"dp={dp}: {type(self).__name__} shards over tp only (torch_2d adds FSDP2 over dp)"
             )
-        return empty_micro_batch(scenario, world_size)
+        return empty_micro_batch(scenario, world_size) or empty_sequence(scenario, world_size)
 
     def parallelize(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         from torch.distributed.tensor.parallel import parallelize_module
@@ -272,6 +352,7 @@ class Torch2DTarget(TorchTPTarget):
         return (
             mesh_problem(scenario.tensor_parallel, world_size)
             or empty_micro_batch(scenario, world_size)
+            or empty_sequence(scenario, world_size)
             or empty_shard(scenario, world_size)
         )
 
