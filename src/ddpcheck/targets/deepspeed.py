@@ -59,22 +59,16 @@ masters start from the bfloat16 cast of the weights, not from the weights
 (bench/deepspeed_bf16_masters.py): the reference's noise includes that start
 (``PARAM_DTYPE_VARIANTS``), which an ill-conditioned scenario turns into more than rounding.
 
-Declined, with DeepSpeed's documented behaviour where it applies: float64 (ZeRO steps float32
-master copies of the parameters), clipping (``gradient_clipping`` clips inside ``engine.step()``,
-after the point where gradients are recorded -- and its default is 1.0, so the target sets 0.0),
-parameters no rank uses (ZeRO's flat partitions give them a zero gradient and step them),
-parameters some ranks do not use (DeepSpeed's bug, confirmed without ddpcheck by
-``bench/deepspeed_unused_parameter.py``: each rank all-reduces only the gradients it produced, 58
-elements against 49 in ``reduce_ipg_grads``, and gloo aborts, though ``ignore_unused_parameters``
-is documented as "unused parameters are ignored and training continues"), non-contiguous
-parameters (``initialize`` raises broadcasting them: "self.stride(-1) must be 1 to view Float as
-Byte"), several param
-groups (``safe_get_full_optimizer_state`` raises "exp_avg not found in optimizer state
-fragment" for a parameter of the second group, ZeRO-1 at W=2: its state cannot be read per
-parameter), buffers (the engine broadcasts parameters only: ``_broadcast_model`` walks
-``module.named_parameters()``, so buffers initialised differently per rank stay different, where
-torch DDP broadcasts them), mixed dtypes, checkpoints (``engine.save_checkpoint`` is DeepSpeed's own
-format), per-rank registration orders.
+**Epochs** (``fit_epochs``: a scenario with a dataset, docs/scenarios.md): DeepSpeed's own data
+path -- the engine's loader (``engine.deepspeed_io``, what ``initialize(training_data=...)``
+builds, with its sampler in index order) and the loop of DeepSpeed's tutorials, the engine
+deciding where its windows end; what it weighs otherwise than the reference by its design is
+declined, quoting it (``ddpcheck.targets.deepspeed_data_path``).
+
+Declined, with DeepSpeed's documented behaviour where it applies (:attr:`declined_features`, each
+with its reason; docs/frameworks.md): float64, clipping, parameters no rank or some ranks use (the
+latter DeepSpeed's bug, ``bench/deepspeed_unused_parameter.py``), non-contiguous parameters,
+several param groups, buffers, mixed dtypes, checkpoints, per-rank registration orders.
 
 Imports DeepSpeed only inside the hooks. Unverified on GPUs (none here): the accelerator is chosen
 from the parameters' device, so it should run unchanged under ``--device cuda``.
@@ -363,11 +357,10 @@ class DeepSpeedTarget(FrameworkTarget):
         if why is not None:  # asked to run what supports and supports_at decline
             raise NothingChecked(f"DeepSpeedTarget declines this example: {why}")
         micro = run.global_batch // run.accumulation // run.world_size
-        engine, optimizer = self._initialize(
-            module, run.params, run.optimizer, run.optimizer_kwargs, micro
-        )
-        scheduler = None if run.gamma is None else self.make_scheduler(optimizer, run.gamma)
-        train_epochs(engine, optimizer, scheduler, run, self.data_sampler(run))
+        optimizer = run.optimizer(run.params, **run.optimizer_kwargs)
+        engine, wrapped = self._initialize(module, optimizer, micro)
+        scheduler = None if run.gamma is None else self.make_scheduler(wrapped, run.gamma)
+        train_epochs(engine, wrapped, scheduler, run, self.data_sampler(run))
 
     def data_sampler(self, run: EpochRun) -> Sampler[int]:
         """The sampler of the engine's loader (``engine.deepspeed_io(data_sampler=...)``) over
@@ -407,15 +400,10 @@ class DeepSpeedTarget(FrameworkTarget):
         optimizer_cls: type[torch.optim.Optimizer],
         **kwargs: Any,  # the scenario's options, for its optimizer class
     ) -> tuple[nn.Module, OptimizerLike]:
-        return self._initialize(module, params, optimizer_cls, kwargs, 1)
+        return self._initialize(module, optimizer_cls(params, **kwargs), 1)
 
     def _initialize(
-        self,
-        module: nn.Module,
-        params: Params,
-        optimizer_cls: type[torch.optim.Optimizer],
-        kwargs: Mapping[str, Any],
-        micro: int,
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, micro: int
     ) -> tuple[DeepSpeedEngine, _Engine]:
         """``deepspeed.initialize`` with the scenario's optimizer and schedule: ``micro`` is
         ``train_micro_batch_size_per_gpu``, the batch of the engine's loader (1, a placeholder,
@@ -424,7 +412,6 @@ class DeepSpeedTarget(FrameworkTarget):
         _choose_accelerator(next(module.parameters()).device.type)
         import deepspeed
 
-        optimizer = optimizer_cls(params, **kwargs)
         schedule = (
             None
             if self.gamma is None

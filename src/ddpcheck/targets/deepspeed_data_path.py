@@ -33,7 +33,7 @@ the sampler's padding (``data_path.SAMPLER_PADS``); a last batch ``dataloader_dr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, Sampler
@@ -121,10 +121,9 @@ def loader_cannot_run(scenario: Scenario, world_size: int, drop_last: bool) -> s
 def index_order(run: EpochRun) -> Sampler[int]:
     """The sampler of DeepSpeed's loader: ``initialize``'s, ``DistributedSampler(dataset,
     num_replicas, rank)``, without its shuffling (the reference walks the dataset in order)."""
-    sampler: DistributedSampler[Any] = DistributedSampler(
+    return DistributedSampler(
         run.dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank(), shuffle=False
     )
-    return sampler
 
 
 def train_epochs(
