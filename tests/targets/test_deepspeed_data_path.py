@@ -15,6 +15,8 @@ from torch.utils.data import SequentialSampler
 import ddpcheck
 from ddpcheck import Epochs, EquivalenceError, NothingChecked, Scenario, targets, zoo
 from ddpcheck._oracle.sample_weights import DUPLICATED
+from ddpcheck.features import declines, of
+from ddpcheck.models import Layer, ModelSpec, SpecData
 from ddpcheck.targets.deepspeed import DeepSpeedTarget
 
 
@@ -82,3 +84,21 @@ def test_a_deepspeed_loader_of_the_whole_dataset_on_every_rank_is_caught():
         ddpcheck.check_example(WholeDatasetOnEveryRank(stage=1), SHORT_BATCH, 2)
     first = caught.value.divergences[0]  # both ranks took samples 0-3, the step's 4
     assert (first.kind, first.step) == (DUPLICATED, 0), caught.value
+
+
+def test_a_layer_a_rank_skips_in_one_micro_batch_of_the_sampler_is_declined():
+    # found by the soak (bench/soak.py --epochs): a layer each step's contiguous shards use on
+    # both ranks, which DistributedSampler's every-other-sample share of a micro-batch leaves
+    # unused on one -- DeepSpeed's own bug then (bench/deepspeed_unused_parameter.py: the ranks'
+    # reductions differ in size, "collectives mismatched"), which the target declines
+    layers = (Layer(kind="conv2d"), Layer(kind="conv2d", use="sample"))
+    scenario = Scenario(
+        ModelSpec(layers=layers, width=2),
+        data=SpecData(width=2),
+        accumulation=2,
+        dtype="float32",
+        seed=42919,
+        epochs=Epochs(samples=16),
+    )
+    assert "unused-on-some-ranks" in of(scenario, 2)
+    assert "unused-on-some-ranks" in declines(targets.DEEPSPEED_ZERO2, scenario, 2)
