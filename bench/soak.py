@@ -49,7 +49,8 @@ batches and windows), drawn from ``strategies.exercising("epochs")`` in float64 
 declines in its ranks (a sampler's padding) counts as skipped. Half of them evaluate an
 evaluation set after every epoch: "evaluation metric judged" counts the examples whose target
 reported the metric the oracle judged (``torch_ddp``, ``torch_zero``, ``accelerate``,
-``lightning``).
+``lightning``). ``--targets deepspeed_zero1,deepspeed_zero2`` runs DeepSpeed's own data path
+(``engine.deepspeed_io``; float32 only: the float64 draws are declined).
 
 Each scenario is checked by every target at every world size (9 examples), sharing one reference.
 """
@@ -115,6 +116,9 @@ TARGETS = {
     # the frameworks whose reported loss the oracle reads (--targets): installed on request
     "hf_trainer": targets.HF_TRAINER,
     "lightning": targets.LIGHTNING,
+    # DeepSpeed's own data path over epochs (--epochs --targets deepspeed_zero1,...): float32
+    "deepspeed_zero1": targets.DEEPSPEED_ZERO1,
+    "deepspeed_zero2": targets.DEEPSPEED_ZERO2,
 }
 #: The features of the whole step the --whole-step soak counts examples of.
 WHOLE_STEP = ("clipping", "rank-orders", "checkpoint")

@@ -98,9 +98,10 @@ def test_a_large_nested_option_is_surveyed_a_key_per_row_over_its_base():
     drawn = find(large, lambda d: len(str(d)) > 60, settings=settings(database=None))
     variant = vary(targets.FabricTarget(), drawn)
     assert type(variant.config["strategy"]) is dict, variant.config
-    # and the surveyed rows of DeepSpeed's space: one per key and value
+    # and the surveyed rows of DeepSpeed's space: one per key and value, and its loader's
+    # dataloader_drop_last
     ds_rows = drawn_options(space_of(targets.DEEPSPEED_ZERO2))
-    assert len(ds_rows) == 8, [label(o) for o in ds_rows]
+    assert len(ds_rows) == 9, [label(o) for o in ds_rows]
 
 
 def test_a_config_given_as_a_json_file_is_fuzzed_too(tmp_path):

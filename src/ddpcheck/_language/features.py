@@ -194,14 +194,31 @@ def _spec_usage(scenario: Scenario, spec: ModelSpec, world_size: int) -> set[str
     sampled = [i for i, use in gated if use == "sample"]
     for step in range(scenario.steps if sampled else 0):
         x, _ = global_batch(scenario, step)
-        shards = torch.tensor_split(x, world_size)
-        for i in sampled:
-            used = [bool((shard[:, i % spec.width] > 0).any()) for shard in shards]
-            if not any(used):
-                found.add("unused-everywhere")
-            elif not all(used):
-                found.add("unused-on-some-ranks")
+        for rows in _rank_rows(scenario, len(x), world_size):
+            for i in sampled:
+                used = [bool((x[r, i % spec.width] > 0).any()) for r in rows]
+                if not any(used):
+                    found.add("unused-everywhere")
+                elif not all(used):
+                    found.add("unused-on-some-ranks")
     return found
+
+
+def _rank_rows(scenario: Scenario, n: int, world_size: int) -> list[list[torch.Tensor]]:
+    """The ways a step's ``n`` samples are dealt to the ranks, each as the rows every rank
+    takes: the batch rule's contiguous shards of the step; and, over epochs, each micro-batch
+    (``B / accumulation`` samples) as a framework's own data path deals it -- contiguous pieces
+    (accelerate's, the HF Trainer's loader) or every W-th sample (``DistributedSampler`` in index
+    order: torch's, Lightning's, DeepSpeed's) -- where a framework that reduces at a
+    micro-batch (ZeRO) needs every rank to use the parameter."""
+    rows = torch.arange(n)
+    ways = [list(torch.tensor_split(rows, world_size))]
+    if scenario.epochs is not None:
+        micro = max(1, scenario.global_batch // scenario.accumulation)
+        for chunk in torch.split(rows, micro):
+            ways.append(list(torch.tensor_split(chunk, world_size)))
+            ways.append([chunk[r::world_size] for r in range(world_size)])
+    return ways
 
 
 def _usage(scenario: Scenario, model: torch.nn.Module, world_size: int) -> set[str]:
@@ -211,18 +228,19 @@ def _usage(scenario: Scenario, model: torch.nn.Module, world_size: int) -> set[s
     found = set()
     for step in range(scenario.steps):
         x, y = global_batch(scenario, step)
-        used_by = []
-        for xs, ys in zip(torch.tensor_split(x, world_size), torch.tensor_split(y, world_size)):
-            model.zero_grad(set_to_none=True)
-            # as the runner does, an empty shard runs too: its used parameters get zeros, not None
-            loss = objective.micro_batch_loss(scenario, model, xs, ys)
-            if loss.requires_grad:  # else no parameter is used: the reference says why
-                loss.backward()
-            used_by.append([p.grad is not None for p in trainable])
-        for flags in zip(*used_by):
-            if not any(flags):
-                found.add("unused-everywhere")
-            elif not all(flags):
-                found.add("unused-on-some-ranks")
+        for ranks in _rank_rows(scenario, len(x), world_size):
+            used_by = []
+            for rows in ranks:
+                model.zero_grad(set_to_none=True)
+                # as the runner does, an empty shard runs too: its used parameters get zeros
+                loss = objective.micro_batch_loss(scenario, model, x[rows], y[rows])
+                if loss.requires_grad:  # else no parameter is used: the reference says why
+                    loss.backward()
+                used_by.append([p.grad is not None for p in trainable])
+            for flags in zip(*used_by):
+                if not any(flags):
+                    found.add("unused-everywhere")
+                elif not all(flags):
+                    found.add("unused-on-some-ranks")
     model.zero_grad(set_to_none=True)
     return found

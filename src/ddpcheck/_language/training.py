@@ -220,6 +220,12 @@ class FitRun:
     #: (Every :meth:`loss` computed between two :attr:`record` calls is noted as that step's:
     #: the ranks' losses summed over W must be the reference's objective.)
     reported: Callable[..., None] = dataclasses.field(default=_nothing, kw_only=True)
+    #: ``(model, optimizer) ->`` the step's gradients are final and the framework's optimizer
+    #: step will clear them (DeepSpeed's ``engine.step()`` at its accumulation boundary): call
+    #: it then, and the harness reads them now for the next :attr:`record` instead of at it
+    gradients_ready: Callable[[nn.Module, OptimizerLike], None] = dataclasses.field(
+        default=_nothing, kw_only=True
+    )
     #: the world's device mesh for a scenario on one (a pipeline's ``(dp, pp)``), else None
     mesh: DeviceMesh | None = dataclasses.field(default=None, kw_only=True)
 

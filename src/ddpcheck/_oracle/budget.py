@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 
 from ddpcheck._base.errors import Divergence
-from ddpcheck._language.records import Collective, RankRecord
+from ddpcheck._language.records import Collective, RankRecord, StepRecord
 from ddpcheck._oracle.reference import Reference
 
 __all__ = ["GATHERS", "NARROWER", "REDUCTIONS", "check_budget", "check_reduce_dtypes"]
@@ -89,6 +89,15 @@ def check_reduce_dtypes(
     return out
 
 
+def _micro_batches(record: StepRecord) -> int:
+    """The micro-batches a rank's step trained: its batch plan's, or, through a framework's
+    own data path, those it consumed (0: unknown)."""
+    plan = record.batch_plan
+    if plan is not None and plan.micro_batches:
+        return len(plan.micro_batches)
+    return len(record.consumed or ())
+
+
 def check_budget(
     step: int,
     world_size: int,
@@ -119,12 +128,12 @@ def check_budget(
         padding, padded_numel = _padding(record.steps[step].shards, reference, world_size)
         reduced = sum(c.nbytes for c in reductions)
         elements = sum(_numel(c) for c in reductions)
-        plan = record.steps[step].batch_plan
-        if reduces_every_micro_batch and plan is not None and plan.micro_batches:
+        micro_batches = _micro_batches(record.steps[step])
+        if reduces_every_micro_batch and micro_batches:
             # declared: each micro-batch's gradient crosses the wire once (ZeRO-2), so the step
             # may reduce as many gradients' worth as it has micro-batches
-            reduced //= len(plan.micro_batches)
-            elements //= len(plan.micro_batches)
+            reduced //= micro_batches
+            elements //= micro_batches
         if reduced > budget_bytes + padding and elements <= budget_numel + padded_numel:
             # no more elements than the gradients have, but more bytes: they travelled wider
             # (float32 gradients promoted by torch.cat into a float64 bucket, say)

@@ -431,6 +431,7 @@ class _OwnedRecords:
         self.seen: list[tuple[nn.Module, OptimizerLike]] = []
         self.consumed: list[tuple[int, ...]] = []  # this step's micro-batches, as consumed
         self.noted: list[MicroBatchLoss] = []  # this step's losses, as run.loss computed them
+        self.kept = False  # this step's gradients read already (run.gradients_ready)
 
     def started(self, model: nn.Module, optimizer: OptimizerLike) -> None:
         if self.initial:
@@ -445,6 +446,12 @@ class _OwnedRecords:
     def consume(self, indices: list[int]) -> None:
         self.consumed.append(tuple(indices))
 
+    def gradients_ready(self, model: nn.Module, optimizer: OptimizerLike) -> None:
+        """The step's gradients, read before the framework's step clears them
+        (``FitRun.gradients_ready``)."""
+        self.records.gradients(model, optimizer)
+        self.kept = True
+
     def record(
         self, model: nn.Module, optimizer: OptimizerLike, scheduler: SchedulerLike | None
     ) -> None:
@@ -458,7 +465,9 @@ class _OwnedRecords:
                     else f"more often than the scenario's {self.scenario.steps} step(s)"
                 )
             )
-        self.records.gradients(model, optimizer)
+        if not self.kept:
+            self.records.gradients(model, optimizer)
+        self.kept = False
         if self.noted:  # what the target computed through run.loss (not a framework's own)
             losses = list(self.noted)
             self.noted.clear()
@@ -526,6 +535,7 @@ def _run_fields(scenario: Scenario, module: nn.Module, owned: _OwnedRecords) -> 
         record=owned.record,
         noted=owned.noted.append,
         reported=owned.reported,
+        gradients_ready=owned.gradients_ready,
     )
 
 

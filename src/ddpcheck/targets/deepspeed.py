@@ -59,22 +59,16 @@ masters start from the bfloat16 cast of the weights, not from the weights
 (bench/deepspeed_bf16_masters.py): the reference's noise includes that start
 (``PARAM_DTYPE_VARIANTS``), which an ill-conditioned scenario turns into more than rounding.
 
-Declined, with DeepSpeed's documented behaviour where it applies: float64 (ZeRO steps float32
-master copies of the parameters), clipping (``gradient_clipping`` clips inside ``engine.step()``,
-after the point where gradients are recorded -- and its default is 1.0, so the target sets 0.0),
-parameters no rank uses (ZeRO's flat partitions give them a zero gradient and step them),
-parameters some ranks do not use (DeepSpeed's bug, confirmed without ddpcheck by
-``bench/deepspeed_unused_parameter.py``: each rank all-reduces only the gradients it produced, 58
-elements against 49 in ``reduce_ipg_grads``, and gloo aborts, though ``ignore_unused_parameters``
-is documented as "unused parameters are ignored and training continues"), non-contiguous
-parameters (``initialize`` raises broadcasting them: "self.stride(-1) must be 1 to view Float as
-Byte"), several param
-groups (``safe_get_full_optimizer_state`` raises "exp_avg not found in optimizer state
-fragment" for a parameter of the second group, ZeRO-1 at W=2: its state cannot be read per
-parameter), buffers (the engine broadcasts parameters only: ``_broadcast_model`` walks
-``module.named_parameters()``, so buffers initialised differently per rank stay different, where
-torch DDP broadcasts them), mixed dtypes, checkpoints (``engine.save_checkpoint`` is DeepSpeed's own
-format), per-rank registration orders.
+**Epochs** (``fit_epochs``: a scenario with a dataset, docs/scenarios.md): DeepSpeed's own data
+path -- the engine's loader (``engine.deepspeed_io``, what ``initialize(training_data=...)``
+builds, with its sampler in index order) and the loop of DeepSpeed's tutorials, the engine
+deciding where its windows end; what it weighs otherwise than the reference by its design is
+declined, quoting it (``ddpcheck.targets.deepspeed_data_path``).
+
+Declined, with DeepSpeed's documented behaviour where it applies (:attr:`declined_features`, each
+with its reason; docs/frameworks.md): float64, clipping, parameters no rank or some ranks use (the
+latter DeepSpeed's bug, ``bench/deepspeed_unused_parameter.py``), non-contiguous parameters,
+several param groups, buffers, mixed dtypes, checkpoints, per-rank registration orders.
 
 Imports DeepSpeed only inside the hooks. Unverified on GPUs (none here): the accelerator is chosen
 from the parameters' device, so it should run unchanged under ``--device cuda``.
@@ -93,23 +87,31 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import Sampler
 
 from ddpcheck._base.devices import this_rank
-from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language.scenario import Scenario
-from ddpcheck._language.training import OptimizerLike, Params, SchedulerLike
+from ddpcheck._language.training import EpochRun, OptimizerLike, Params, SchedulerLike
 from ddpcheck.targets.configuration import Config, load_config, reconcile
+from ddpcheck.targets.deepspeed_data_path import (
+    epochs_cannot_run,
+    index_order,
+    loader_cannot_run,
+    train_epochs,
+)
 from ddpcheck.targets.environment import join_existing_group
 from ddpcheck.targets.extensions import build_directory, remove_stale_lock
 from ddpcheck.targets.framework import FrameworkTarget
 from ddpcheck.targets.option_space import nested, options
 from ddpcheck.targets.protocol import Target
-from ddpcheck.targets.reasons import COUNTS_ITS_WINDOW, OWN_CHECKPOINTS
+from ddpcheck.targets.reasons import OWN_CHECKPOINTS
 
 if TYPE_CHECKING:  # DeepSpeed ships no type information: mypy reads these names untyped
     from deepspeed import DeepSpeedEngine
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+    from ddpcheck.targets.option_space import Values
     from ddpcheck.targets.protocol import ConfigSpace
 
 __all__ = ["HARNESS_KEYS", "SCENARIO_KEYS", "DeepSpeedTarget", "engine_config", "precision_decline"]
@@ -158,10 +160,6 @@ HARNESS_KEYS: dict[str, tuple[tuple[object, ...], str]] = {
     "zero_optimization.cpu_offload": (
         (None, False),
         "ZeRO-Offload steps DeepSpeed's CPU optimizer, not the scenario's",
-    ),
-    "dataloader_drop_last": (
-        (),
-        "ddpcheck feeds each rank its micro-batches itself; the engine builds no loader",
     ),
 }
 
@@ -261,7 +259,6 @@ class DeepSpeedTarget(FrameworkTarget):
         "mixed-dtypes": "ddpcheck's mixed dtypes are float32 layers in a float64 model, and "
         "float64 is declined",
         "checkpoint": f"{OWN_CHECKPOINTS} (engine.save_checkpoint)",
-        "epochs": COUNTS_ITS_WINDOW,
         "rank-orders": "ZeRO partitions parameters in registration order, which must be the "
         "same on every rank",
         "param-dtype": "DeepSpeed's bf16 mode reduces and accumulates gradients in bfloat16 "
@@ -320,29 +317,55 @@ class DeepSpeedTarget(FrameworkTarget):
         an all-reduce instead of the reduce-scatter, and reduce and all-gather buckets of 64 or
         4096 elements -- several buckets, where the default 5e8 holds every parameter of
         ddpcheck's models in one -- and ``round_robin_gradients`` (meant for CPU offload), under
-        which the target reads the partitions itself (see the module docstring). Not the stage:
-        the target's (``deepspeed_zero1``, ``deepspeed_zero2``); not offload: declined (the
-        harness's)."""
-        if "zero_optimization" in vars(self)["_given"]:
-            return None  # the user's own zero_optimization is kept whole, and nothing is left
+        which the target reads the partitions itself (see the module docstring); and
+        ``dataloader_drop_last``, which the engine's own loader honours over a scenario's epochs.
+        Not the stage: the target's (``deepspeed_zero1``, ``deepspeed_zero2``); not offload:
+        declined (the harness's). A key of the user's config is kept as given, not drawn."""
+        given = vars(self)["_given"]
         buckets = (64, 4096)
-        return options(
-            config={
-                "zero_optimization": nested(
-                    {
-                        "overlap_comm": (True,),
-                        "contiguous_gradients": (False,),
-                        "round_robin_gradients": (True,),
-                        "reduce_scatter": (False,),
-                        "reduce_bucket_size": buckets,
-                        "allgather_bucket_size": buckets,
-                    }
-                )
-            }
-        )
+        space: dict[str, Values] = {
+            "zero_optimization": nested(
+                {
+                    "overlap_comm": (True,),
+                    "contiguous_gradients": (False,),
+                    "round_robin_gradients": (True,),
+                    "reduce_scatter": (False,),
+                    "reduce_bucket_size": buckets,
+                    "allgather_bucket_size": buckets,
+                }
+            ),
+            "dataloader_drop_last": (True,),
+        }
+        drawn = {key: values for key, values in space.items() if key not in given}
+        return options(config=drawn) if drawn else None
 
     def supports(self, scenario: Scenario) -> str | None:
-        return precision_decline(vars(self)["_given"], scenario)
+        return precision_decline(vars(self)["_given"], scenario) or epochs_cannot_run(scenario)
+
+    def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
+        """Epochs DeepSpeed's loader cannot load at ``world_size`` as the reference weighs
+        them (``deepspeed_data_path.loader_cannot_run``)."""
+        drop_last = bool(vars(self)["_given"].get("dataloader_drop_last", False))
+        return loader_cannot_run(scenario, world_size, drop_last)
+
+    def fit_epochs(self, module: nn.Module, run: EpochRun) -> None:
+        """DeepSpeed's own data path over the scenario's epochs
+        (``ddpcheck.targets.deepspeed_data_path``): the engine's loader
+        (``engine.deepspeed_io``) with a sampler in index order, every batch through
+        ``engine.backward`` and ``engine.step``, the engine deciding where its windows end."""
+        why = self.supports(run.scenario) or self.supports_at(run.scenario, run.world_size)
+        if why is not None:  # asked to run what supports and supports_at decline
+            raise NothingChecked(f"DeepSpeedTarget declines this example: {why}")
+        micro = run.global_batch // run.accumulation // run.world_size
+        optimizer = run.optimizer(run.params, **run.optimizer_kwargs)
+        engine, wrapped = self._initialize(module, optimizer, micro)
+        scheduler = None if run.gamma is None else self.make_scheduler(wrapped, run.gamma)
+        train_epochs(engine, wrapped, scheduler, run, self.data_sampler(run))
+
+    def data_sampler(self, run: EpochRun) -> Sampler[int]:
+        """The sampler of the engine's loader (``engine.deepspeed_io(data_sampler=...)``) over
+        ``run.dataset``: DeepSpeed's own, in index order."""
+        return index_order(run)
 
     def configure(self, scenario: Scenario) -> Target:
         return dataclasses.replace(
@@ -377,18 +400,25 @@ class DeepSpeedTarget(FrameworkTarget):
         optimizer_cls: type[torch.optim.Optimizer],
         **kwargs: Any,  # the scenario's options, for its optimizer class
     ) -> tuple[nn.Module, OptimizerLike]:
+        return self._initialize(module, optimizer_cls(params, **kwargs), 1)
+
+    def _initialize(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, micro: int
+    ) -> tuple[DeepSpeedEngine, _Engine]:
+        """``deepspeed.initialize`` with the scenario's optimizer and schedule: ``micro`` is
+        ``train_micro_batch_size_per_gpu``, the batch of the engine's loader (1, a placeholder,
+        where the harness feeds the ranks)."""
         join_existing_group()
         _choose_accelerator(next(module.parameters()).device.type)
         import deepspeed
 
-        optimizer = optimizer_cls(params, **kwargs)
         schedule = (
             None
             if self.gamma is None
             else torch.optim.lr_scheduler.ExponentialLR(optimizer, self.gamma)
         )
         given = vars(self)["_given"]
-        config = engine_config(given, self.zero_stage, self.accumulation, self.bf16)
+        config = engine_config(given, self.zero_stage, self.accumulation, self.bf16, micro)
         if given:  # the user's keys: ddpcheck's own config needs no parsing first
             _check_parses(config)
         if self.bf16:
@@ -569,15 +599,16 @@ def precision_decline(given: Mapping[str, object], scenario: Scenario) -> str | 
 
 
 def engine_config(
-    given: Mapping[str, object], stage: int, accumulation: int, bf16: bool
+    given: Mapping[str, object], stage: int, accumulation: int, bf16: bool, micro: int = 1
 ) -> dict[str, object]:
     """The config ``deepspeed.initialize`` gets: the user's ``given`` keys, and what the scenario
-    and ddpcheck's harness set (see :data:`SCENARIO_KEYS`, :data:`HARNESS_KEYS`)."""
+    and ddpcheck's harness set (see :data:`SCENARIO_KEYS`, :data:`HARNESS_KEYS`). ``micro``: the
+    per-device batch of the engine's own loader (1, a placeholder, where it loads no data)."""
     config: dict[str, object] = {
         "steps_per_print": 2**31,
         **given,
         # the scenario's
-        "train_micro_batch_size_per_gpu": 1,  # a placeholder: the engine loads no data
+        "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0
         # the harness's
