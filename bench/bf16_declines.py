@@ -95,6 +95,12 @@ TARGETS = {
 }
 
 
+#: ``--targets deepspeed`` (deepspeed installed): DeepSpeed's bf16 mode made to keep float32
+#: gradients and reductions, so that the target applies the ``param_dtype`` policy -- the
+#: option-space map's failing cell (docs/frameworks.md).
+DEEPSPEED_BF16 = {"communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "fp32"}}
+
+
 def _mutants() -> dict:
     from ddpcheck.mutation import broken_fsdp as F
 
@@ -138,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         "--mutants", action="store_true", help="FSDP2's seeded bugs (families I and J3) instead"
     )
     args = parser.parse_args(argv)
+    if "deepspeed" in args.targets.split(","):  # DeepSpeed's bf16 mode with float32 gradients
+        TARGETS["deepspeed"] = targets.DeepSpeedTarget(config=DEEPSPEED_BF16)
     chosen = _mutants() if args.mutants else {n: TARGETS[n] for n in args.targets.split(",")}
     if args.without_rounded_variant:
         from ddpcheck._oracle import reference
