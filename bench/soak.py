@@ -15,6 +15,7 @@ the oracle or a real bug in a target; either way it must be looked at.
     python bench/soak.py --epochs --examples 2000                # epochs: the data paths
     python bench/soak.py --tensor-parallel --examples 2000       # torch_tp, torch_2d, float32
     python bench/soak.py --pipeline --examples 1000              # torch_pp, float32
+    python bench/soak.py --precision --examples 1000             # bf16/fp16 policies only
 
 ``--strategies`` draws exactly what ``ddpcheck check`` draws after its battery -- ``ddpcheck.fuzz``
 with ``ddpcheck.strategies``: every layer kind (attention, embeddings, tied heads...), SGD/Adam/
@@ -27,6 +28,12 @@ counts, where ``fuzz`` runs each example, the dtypes, precision policies and wor
 examples declined because the reference is chaotic (its own rounding spread as large as a bug,
 ``_oracle.tolerances.noise_verdict``); and the examples whose judgement computed the reference's
 noise variants at all (a comparison beyond the fixed tolerance), printing each.
+
+``--precision`` draws only float32 examples under a precision policy, in chunks of 100: FSDP2's
+bfloat16 ``param_dtype`` (``--only param-dtype``) on ``torch_fsdp`` and on the two FSDP2s of
+``bench/bf16_declines.py`` whose bfloat16 copies land a step from the reference's (masters started
+from their bfloat16 copies as DeepSpeed's bf16 mode starts them, or moved by a fraction of a step),
+and bfloat16 or float16 autocast (``--only autocast``) on ``parallel`` and ``torch_ddp``, at W=1-4.
 
 ``--whole-step`` makes every scenario use at least one feature of the whole training step --
 gradient clipping (2- or inf-norm), per-rank registration orders, a checkpoint resumed at this
@@ -265,6 +272,20 @@ TENSOR_PARALLEL_TARGETS = [
 PIPELINE_TARGETS = [("torch_pp", targets.TORCH_PP, (1, 2, 3, 4))]
 
 
+def _precision_targets() -> list:
+    """``--precision``: (name, target, world sizes, the feature every example exercises)."""
+    from bf16_declines import NudgedMastersFSDP, RoundedMastersFSDP
+
+    sizes = (1, 2, 3, 4)
+    return [
+        ("torch_fsdp", targets.TORCH_FSDP, sizes, ("param-dtype",)),
+        ("rounded", RoundedMastersFSDP(), sizes, ("param-dtype",)),
+        ("nudged", NudgedMastersFSDP(), sizes, ("param-dtype",)),
+        ("parallel", targets.PARALLEL, sizes, ("autocast",)),
+        ("torch_ddp", targets.TORCH_DDP, sizes, ("autocast",)),
+    ]
+
+
 class _Tally:
     """What the --strategies soak counts of every example ``fuzz`` runs, seen where ``fuzz``
     runs them (``_runs.engine.one_behind_the_other``, wrapped by :meth:`watching`): dtypes and
@@ -343,6 +364,10 @@ def strategies_soak(
     chosen = STRATEGY_TARGETS if chosen is None else chosen
     from ddpcheck._runs import engine
 
+    # --precision: (name, target, sizes, the features every example exercises)
+    only = {entry[0]: tuple(entry[3]) for entry in chosen if len(entry) > 3}
+    chosen = [tuple(entry[:3]) for entry in chosen]
+
     started = time.perf_counter()
     ran: collections.Counter = collections.Counter()
     tally = _Tally()
@@ -364,6 +389,7 @@ def strategies_soak(
                 seed=chunk_seed,
                 dtypes=dtypes,
                 deadline=120.0,
+                only=only.get(name, ()),
             )
             ran[name] += result.examples
             declined += sum(
@@ -451,6 +477,13 @@ def main(argv: list[str] | None = None) -> int:
         "meshes, models and plans drawn, float32 only, in chunks of 250",
     )
     parser.add_argument(
+        "--precision",
+        action="store_true",
+        help="check's own random examples under a precision policy only (bf16 param_dtype on "
+        "FSDP2 and two FSDP2s whose bf16 copies differ; autocast on parallel and torch_ddp), "
+        "float32, W=1-4, in chunks of 100",
+    )
+    parser.add_argument(
         "--pipeline",
         action="store_true",
         help="check's own random examples over torch_pp (W=1-4): (dp, pp) meshes, schedules, "
@@ -475,6 +508,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.strategies:
         return strategies_soak(args.examples, args.seed, max_seconds=args.max_seconds)
+    if args.precision:
+        return strategies_soak(
+            args.examples,
+            args.seed,
+            chunk=100,
+            max_seconds=args.max_seconds,
+            chosen=_precision_targets(),
+            dtypes=("float32",),
+        )
     sizes = [int(w) for w in args.world_sizes.split(",")]
     names = args.targets
     if args.whole_step and names == DEFAULT_TARGETS:

@@ -91,6 +91,13 @@ class Variant:
     reciprocal: bool = False
     perturb: int | None = None
     rounded_masters: bool = False
+    #: under a ``param_dtype`` policy, a seed: every step's low-precision copies taken from the
+    #: masters each moved by a random fraction in [-1/2, 1/2] of its ``param_dtype`` step (the
+    #: masters themselves untouched), so a copy lands one step apart wherever its weight lies
+    #: within that fraction of a rounding boundary -- what any framework whose copies are
+    #: rounded, kept or updated otherwise than the reference's may do. The spread it measures is
+    #: each number's sensitivity to a step of the operands it is computed from.
+    nudge: int | None = None
 
 
 #: The other ways :meth:`Reference.noise` computes the run (see the module docstring): the batch
@@ -109,7 +116,11 @@ NOISE_VARIANTS = (
     Variant(perturb=0),
 )
 #: Added to :data:`NOISE_VARIANTS` under a ``param_dtype`` policy.
-PARAM_DTYPE_VARIANTS = (Variant(rounded_masters=True),)
+PARAM_DTYPE_VARIANTS = (
+    Variant(rounded_masters=True),
+    Variant(nudge=1),
+    Variant(nudge=2),
+)
 
 
 @dataclasses.dataclass
@@ -256,6 +267,8 @@ def _train(
     losses: dict = {}
 
     def batches(step: int) -> list:
+        if variant.nudge is not None and scenario.param_dtype is not None:
+            grads["masters"] = _nudge(model, scenario.param_dtype, variant.nudge, step)
         x, y = global_batch(scenario, step)
         terms[step] = tokens(scenario, y)
         scale = (
@@ -296,7 +309,9 @@ def _train(
         optimizer,
         Loop(
             batches=batches,
-            after_backward=lambda: _average_and_perturb(model, variant, grads["step"]),
+            after_backward=lambda: _restore_average_and_perturb(
+                model, variant, grads["step"], grads.pop("masters", None)
+            ),
             before_optimizer_step=lambda step: grads.__setitem__("now", gradients(model)),
             step_losses=lambda step, done: losses.__setitem__(
                 step, tuple(float(m.loss.double()) for m in done)
@@ -310,6 +325,34 @@ def _train(
         scheduler=scheduler,
     )
     return steps, model, initial
+
+
+def _nudge(model: torch.nn.Module, dtype: torch.dtype, seed: int, step: int) -> list:
+    """Each floating master moved by a seeded random fraction in [-1/2, 1/2] of its step in
+    ``dtype`` (:attr:`Variant.nudge`); returns the masters as they were, for :func:`_restore`."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    kept = []
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.is_floating_point():
+                continue
+            kept.append((p, p.detach().clone()))
+            magnitude = p.detach().double().abs().clamp(min=torch.finfo(dtype).tiny)
+            spacing = torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(magnitude)))
+            u = torch.rand(p.shape, generator=generator, dtype=torch.float64) - 0.5
+            p.add_((u * spacing).to(p.dtype))
+    return kept
+
+
+def _restore_average_and_perturb(
+    model: torch.nn.Module, variant: Variant, step: int, kept: list | None
+) -> None:
+    """The masters :func:`_nudge` moved put back (the gradients stay those of the moved copies),
+    then :func:`_average_and_perturb`."""
+    with torch.no_grad():
+        for p, value in kept or ():
+            p.copy_(value)
+    _average_and_perturb(model, variant, step)
 
 
 def _average_and_perturb(model: torch.nn.Module, variant: Variant, step: int) -> None:

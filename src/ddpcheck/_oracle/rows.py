@@ -55,7 +55,7 @@ CHAOTIC = "reference chaotic"
 _VARIANTS = (
     "over other summation orders, losses scaled by W and divided back, "
     "rounding-level perturbations of the gradients, and under param_dtype float32 masters "
-    "started from their low-precision copies"
+    "started from their low-precision copies or those copies moved by a fraction of a step"
 )
 
 
@@ -172,7 +172,8 @@ def reference_row(
         )
     spread, scale = noise() if noise is not None else (None, 0.0)
     if spread is not None and spread.shape == ref.shape:
-        verdict, where = noise_verdict(got, ref, rtol, atol, spread, scale)
+        resolution = getattr(tol, "resolution", RESOLUTION)
+        verdict, where = noise_verdict(got, ref, rtol, atol, spread, scale, resolution)
         if verdict == "close":
             return None
         if verdict == "chaotic":
@@ -266,6 +267,7 @@ def chaotic_row(
     the reference's spread, where it is chaotic, and the scale a bug is measured against."""
     step, world_size, rank, label, what = at.step, at.world_size, at.rank, named.label, named.what
     (rtol, atol), (spread, where, scale) = tol, noise
+    resolution = getattr(tol, "resolution", RESOLUTION)
     diff = (got.double() - ref.double()).abs()[where]
     allowed = scaled_atol(ref, rtol, atol) + rtol * ref.double().abs()[where]
     return Divergence(
@@ -280,8 +282,8 @@ def chaotic_row(
         detail=f"the reference's own rounding ({_VARIANTS}) moves {what} {when(step)} by up "
         f"to {float(spread[where].max()):.3g} ({count_of(where)}); rank {rank} differs by "
         f"{float(diff.max()):.3g}. {NOISE_FACTOR:g}x that spread exceeds both the "
-        f"tolerance there ({float(allowed.max()):.3g}) and {RESOLUTION:g} of the largest "
-        f"value of its kind at this step ({RESOLUTION * scale:.3g}): no bug of the size "
+        f"tolerance there ({float(allowed.max()):.3g}) and {resolution:.3g} of the largest "
+        f"value of its kind at this step ({resolution * scale:.3g}): no bug of the size "
         "ddpcheck promises to catch could be told apart from rounding there (not the "
         "target's fault)",
     )

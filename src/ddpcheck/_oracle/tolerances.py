@@ -16,6 +16,7 @@ __all__ = [
     "NOISE_FACTOR",
     "RESOLUTION",
     "TOLERANCES",
+    "Tolerance",
     "close",
     "in_reported_dtype",
     "noise_verdict",
@@ -41,15 +42,51 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 }
 
 
-def tolerance(dtype: torch.dtype, world_size: int, step: int) -> tuple[float, float]:
-    """(rtol, atol) after ``step`` (0-based) steps at ``world_size``.
+#: The smallest error ddpcheck promises to tell from rounding wherever its tolerance is looser,
+#: as a fraction of the largest value of its kind at that step (every gradient, every parameter,
+#: every optimizer-state entry under one key): real data-parallel bugs move numbers by >= 1e-3
+#: of their scale (docs/platform.md) -- a division by W missing or repeated, a sample or a shard
+#: dropped, a shard stepped twice. See :func:`noise_verdict` for where the reference cannot.
+RESOLUTION = 1e-3
+
+#: The precision policies' compute dtypes: under them the smallest error ddpcheck can promise to
+#: tell from rounding is the policy's own tolerance, not :data:`RESOLUTION` (:class:`Tolerance`).
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class Tolerance(tuple[float, float]):
+    """``(rtol, atol)`` -- it unpacks as that pair -- and ``resolution``: the smallest error, as a
+    fraction of the largest value of its kind at the step, that :func:`noise_verdict` promises
+    to tell from the reference's own rounding before it calls an element chaotic.
+
+    :data:`RESOLUTION` in float32 and float64. Under a precision policy (bfloat16 or float16
+    compute: ``Scenario.autocast``, ``Scenario.param_dtype``) it is the policy's own ``rtol`` at
+    that step and world size: one bfloat16 step of the values a number is computed from is
+    2^-8 of them, four times RESOLUTION, so a spread of that size is no evidence that the
+    reference cannot pin a number down, only that it was computed from bfloat16 operands. The
+    reference's variants measure that spread element by element (``Reference.noise``, the
+    ``param_dtype`` copies moved by a fraction of a step), and an element is declined only where
+    it exceeds what the policy's tolerance allows the step's largest values."""
+
+    resolution: float
+
+    def __new__(cls, rtol: float, atol: float, resolution: float = RESOLUTION) -> Tolerance:
+        made = super().__new__(cls, (rtol, atol))
+        made.resolution = resolution
+        return made
+
+
+def tolerance(dtype: torch.dtype, world_size: int, step: int) -> Tolerance:
+    """(rtol, atol) after ``step`` (0-based) steps at ``world_size``, and the resolution a spread
+    is measured against (:class:`Tolerance`).
 
     Rounding differences come from summation order, which changes more with more shards, and
     compound over steps; both factors grow slowly so the bound stays far below real bugs.
     """
     rtol, atol = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
     factor = (1 + math.log2(max(world_size, 1))) * (1 + step)
-    return rtol * factor, atol * factor
+    resolution = max(RESOLUTION, rtol * factor) if dtype in LOW_PRECISION else RESOLUTION
+    return Tolerance(rtol * factor, atol * factor, resolution)
 
 
 def in_reported_dtype(
@@ -129,13 +166,6 @@ def all_close(pairs: Iterable[tuple[object, object]], rtol: float, atol: float) 
 #: variants may miss the widest one; measured over the soak (docs/figures.md).
 NOISE_FACTOR = 4.0
 
-#: The smallest error ddpcheck promises to tell from rounding wherever its tolerance is looser,
-#: as a fraction of the largest value of its kind at that step (every gradient, every parameter,
-#: every optimizer-state entry under one key): real data-parallel bugs move numbers by >= 1e-3
-#: of their scale (docs/platform.md) -- a division by W missing or repeated, a sample or a shard
-#: dropped, a shard stepped twice. See :func:`noise_verdict` for where the reference cannot.
-RESOLUTION = 1e-3
-
 
 def noise_verdict(
     got: torch.Tensor,
@@ -144,6 +174,7 @@ def noise_verdict(
     atol: float,
     spread: torch.Tensor,
     scale: float,
+    resolution: float = RESOLUTION,
 ) -> tuple[str, torch.Tensor]:
     """Where :func:`close` fails, the verdict once each element's allowance is widened by
     ``NOISE_FACTOR * spread`` (the reference's rounding spread there, ``Reference.noise``): where
@@ -153,7 +184,8 @@ def noise_verdict(
 
     ``scale``: the largest magnitude among the reference's values of this kind at this step. An
     element beyond its tolerance is *chaotic* where the widening exceeds both its tolerance and
-    :data:`RESOLUTION` of ``scale``: there the reference's own rounding is as large as the bugs
+    ``resolution`` of ``scale`` (:data:`RESOLUTION`; under a precision policy its own tolerance,
+    :class:`Tolerance`): there the reference's own rounding is as large as the bugs
     ddpcheck promises to catch, so none could be told apart, and the element cannot be judged
     (an O(lr) Adam step whose sign is rounding: float32 with the default ``eps``).
 
@@ -165,7 +197,7 @@ def noise_verdict(
     fixed = scaled_atol(ref, rtol, atol) + rtol * reference.abs()
     widening = NOISE_FACTOR * spread.double()
     beyond = ~(diff <= fixed) & ~(got.isnan() & ref.isnan())  # NaN against a number is beyond
-    chaotic = beyond & (widening > torch.clamp(fixed, min=RESOLUTION * scale))
+    chaotic = beyond & (widening > torch.clamp(fixed, min=resolution * scale))
     differs = beyond & ~(diff <= fixed + widening) & ~chaotic
     if bool(differs.any()):
         return "differs", differs
