@@ -316,6 +316,7 @@ def test_plugin_rejects_bad_options_naming_the_flag(tmp_path, args, message):
 
 
 @pytest.mark.slow
+@pytest.mark.thorough  # make test: printed scenarios evaluated in a fresh interpreter
 def test_a_random_scenario_replays_in_a_fresh_process(tmp_path):
     # The replay line must rebuild ModelSpec scenarios where ddpcheck.models was never imported.
     spec = ModelSpec(

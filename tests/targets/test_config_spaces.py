@@ -132,7 +132,12 @@ def test_a_users_own_strategy_or_zero_optimization_is_kept() -> None:
     variant = vary(own, {"config": {"strategy": {"name": "ddp", "gradient_as_bucket_view": True}}})
     assert variant.config["strategy"] == {"name": "ddp", "static_graph": True}
     zero = targets.DeepSpeedTarget(stage=2, config={"zero_optimization": {"overlap_comm": True}})
-    assert space_of(zero) is None
+    # the user's zero_optimization is never varied: only the data path's key is left to draw
+    drawn = drawn_options(space_of(zero), draws=30)
+    assert {"config": {"dataloader_drop_last": True}} in drawn, drawn
+    for single in drawn:
+        assert set(single.get("config", {})) <= {"dataloader_drop_last"}, single
+        assert vary(zero, single).config["zero_optimization"] == {"overlap_comm": True}
 
 
 def test_hf_trainer_honours_ddp_find_unused_parameters_false() -> None:
