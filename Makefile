@@ -6,7 +6,7 @@
 #   make lint    ruff check and ruff format --check (every Python folder) and mypy (src/ddpcheck
 #                and parallel/), at the releases constraints.txt pins (pyproject.toml's
 #                dependency group `lint`); `ruff format .` writes what the format check wants
-# and the whole suite, the `thorough` variants too (pyproject.toml's markers; ~100 s more CPU):
+# and the whole suite, the `thorough` variants too (pyproject.toml's markers; ~150 s more CPU):
 #   make test-thorough
 # and one to package:
 #   make dist    the wheel and the sdist in dist/ (`python -m build`, from a tool venv: `build` is

@@ -227,7 +227,12 @@ def _run_and_find_holders(args, cwd, env=None, timeout=120.0):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
-    [("targets",), ("check", "--world-sizes", "1", "--examples", "1")],
+    [
+        ("targets",),  # make test: the same stop; check's (worlds running) a thorough variant
+        pytest.param(
+            ("check", "--world-sizes", "1", "--examples", "1"), marks=pytest.mark.thorough
+        ),
+    ],
     ids=["targets", "check"],
 )
 def test_a_closed_output_is_a_clean_stop_not_an_internal_error(args):

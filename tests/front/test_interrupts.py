@@ -347,6 +347,7 @@ def test_ctrl_c_of_ddpcheck_check_exits_130_within_seconds(tmp_path, phase):
 
 
 @pytest.mark.slow
+@pytest.mark.thorough  # make test: Ctrl-C while Hypothesis shrinks (the "shrinking" moment above)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ctrl_c_while_check_searches_for_a_smaller_counterexample_exits_130(tmp_path):
     cmd = [

@@ -82,6 +82,7 @@ def test_missed_as_given_killed_with_fuzz_config(mutant):
 
 
 @pytest.mark.slow
+@pytest.mark.thorough  # make test: the shrinking search on the TP mutants; the kill above
 def test_the_shrinking_search_scores_them_with_fuzz_config():
     mutant = catalogue.OPTION_CATALOGUE[-1]  # parallel_ddp underneath: no framework needed
     rows = score(

@@ -54,6 +54,7 @@ def test_a_mutant_fails_on_every_rank_with_one_report(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.thorough  # make test: world sizes refused at admission (front/test_admission.py)
 def test_world_sizes_must_contain_torchruns_size(tmp_path):
     sizes = "1,3"  # (one list stands for all: a size alone is a list of one, the same test)
     out = _torchrun("--world-sizes", sizes, cwd=tmp_path)

@@ -523,6 +523,7 @@ class BusyTarget(_Faulty):
 
 
 @pytest.mark.slow
+@pytest.mark.thorough  # make test: Ctrl-C of check at three moments (front/test_interrupts.py)
 def test_ctrl_c_of_ddpcheck_check_leaves_no_process(tmp_path):
     spec = f"tests.world.test_faults:BusyTarget(marker={str(tmp_path / 'busy')!r})"
     status, out, left = _interrupt_when(
