@@ -218,7 +218,16 @@ def _rank_rows(scenario: Scenario, n: int, world_size: int) -> list[list[torch.T
         for chunk in torch.split(rows, micro):
             ways.append(list(torch.tensor_split(chunk, world_size)))
             ways.append([chunk[r::world_size] for r in range(world_size)])
-    return ways
+    # each deal once: without accumulation the contiguous pieces of the one micro-batch are the
+    # step's shards, and one sample per rank deals alike both ways (a forward per rank each)
+    seen: set[tuple[tuple[int, ...], ...]] = set()
+    unique = []
+    for way in ways:
+        key = tuple(tuple(r.tolist()) for r in way)
+        if key not in seen:
+            seen.add(key)
+            unique.append(way)
+    return unique
 
 
 def _usage(scenario: Scenario, model: torch.nn.Module, world_size: int) -> set[str]:
