@@ -5,8 +5,8 @@ uses for a model loaded with ``DistributedConfig(tp_size=..., fsdp_size=...)``.
 Per example and rank: rank 0's weights broadcast; an ``Accelerator(parallelism_config=
 ParallelismConfig(dp_shard_size=dp, tp_size=tp), gradient_accumulation_steps=A, ...)`` joins the
 existing process group and builds its own device mesh; the scenario's plan, written as a
-transformers plan (``hf_tp``), is applied over that mesh's ``tp`` axis and, with ``dp > 1``,
-transformers' own FSDP2 over ``dp_shard`` (``hf_tp.distribute``); then
+transformers plan (``hf_tp``), is applied over the ``tp`` axis of the same layout and, with
+``dp > 1``, transformers' own FSDP2 over ``dp_shard`` (``hf_tp.distribute``); then
 ``accelerator.prepare(model, optimizer)`` -- which, for a tensor-parallel model, checks the
 model's ``tp_size`` against the config's and wraps nothing -- and accelerate's loop idiom:
 ``accumulate``, ``backward``, ``clip_grad_norm_``, the gated ``step``, ``reduce`` of the loss.
@@ -68,17 +68,15 @@ from ddpcheck.targets.configuration import (
     reconcile,
 )
 from ddpcheck.targets.environment import join_existing_group
-from ddpcheck.targets.fsdp import broadcast_from
-from ddpcheck.targets.hf_tp import FSDP_PLANS, HfTPTarget, distribute
+from ddpcheck.targets.hf_tp import FSDP_PLANS, HfTPTarget
 from ddpcheck.targets.option_space import options
-from ddpcheck.targets.protocol import Target, _rebound
+from ddpcheck.targets.protocol import Target
 from ddpcheck.targets.reasons import OWN_CHECKPOINTS
 from ddpcheck.targets.tensor_parallel import AUTOCAST_ON_A_MESH, TP_FLOOR
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
-    from torch.distributed.device_mesh import DeviceMesh
 
     from ddpcheck.targets.protocol import ConfigSpace
 
@@ -209,11 +207,6 @@ class AccelerateNDTarget(HfTPTarget):
         object.__setattr__(configured, "_tensor_parallel", scenario.tensor_parallel)
         return configured
 
-    def parallelize(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        # transformers distributes the model over accelerate's own mesh, in setup
-        broadcast_from(module, 0)
-        return module
-
     def setup(
         self,
         module: nn.Module,
@@ -221,16 +214,12 @@ class AccelerateNDTarget(HfTPTarget):
         optimizer_cls: type[torch.optim.Optimizer],
         **kwargs: Any,  # the scenario's options, for its optimizer class
     ) -> tuple[nn.Module, OptimizerLike]:
-        names = {id(p): n for n, p in module.named_parameters()}
+        """The model transformers distributed (:meth:`parallelize`, ``hf_tp``'s, over the
+        harness's mesh: the layout of accelerate's, ``dp_shard`` outer and ``tp`` inner, whose
+        groups outlive the example -- a mesh built per example and torn down after it leaves
+        torch's value-keyed submesh caches pointing at destroyed groups), prepared by this
+        example's ``Accelerator`` with the optimizer."""
         accelerator = self.accelerator(module)
-        distribute(
-            module,
-            accelerator.torch_device_mesh,
-            {"fsdp": "dp_shard", "tp": "tp"},
-            self.transformers_plan(),
-            FSDP_PLANS[self.fsdp_plan],
-        )
-        params = _rebound(params, names, dict(module.named_parameters()))
         model, optimizer = accelerator.prepare(module, optimizer_cls(params, **kwargs))
         setattr(model, _ACCELERATOR, accelerator)
         setattr(optimizer, _ACCELERATOR, accelerator)

@@ -284,7 +284,8 @@ READY_MADE: tuple[ReadyMade, ...] = (
         "transformers",
         "transformers' own tensor parallelism (apply_tensor_parallelism, its colwise/rowwise/"
         "colwise_rep/rowwise_rep styles) with a plan drawn for each model, written as a "
-        "transformers plan (generic layer names), over every rank (tp = W); a plain loop",
+        "transformers plan (generic layer names), over tp; with dp > 1 transformers' own FSDP2 "
+        "over dp (DistributedConfig(tp_size, fsdp_size)); a plain loop",
         "a plan giving layers of one generic name (blocks.*.up) different styles: no "
         "transformers plan says that",
         tried=("5.25.0",),  # its tensor parallelism moved to transformers.distributed
