@@ -48,7 +48,7 @@ import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -212,7 +212,7 @@ class AccelerateNDTarget(HfTPTarget):
         module: nn.Module,
         params: Params,
         optimizer_cls: type[torch.optim.Optimizer],
-        **kwargs: Any,  # the scenario's options, for its optimizer class
+        **kwargs: object,  # the scenario's options, for its optimizer class
     ) -> tuple[nn.Module, OptimizerLike]:
         """The model transformers distributed (:meth:`parallelize`, ``hf_tp``'s, over the
         harness's mesh: the layout of accelerate's, ``dp_shard`` outer and ``tp`` inner, whose
@@ -220,7 +220,7 @@ class AccelerateNDTarget(HfTPTarget):
         torch's value-keyed submesh caches pointing at destroyed groups), prepared by this
         example's ``Accelerator`` with the optimizer."""
         accelerator = self.accelerator(module)
-        model, optimizer = accelerator.prepare(module, optimizer_cls(params, **kwargs))
+        model, optimizer = accelerator.prepare(module, optimizer_cls(params, **kwargs))  # type: ignore[arg-type]
         setattr(model, _ACCELERATOR, accelerator)
         setattr(optimizer, _ACCELERATOR, accelerator)
         return model, optimizer
