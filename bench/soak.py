@@ -267,8 +267,12 @@ TENSOR_PARALLEL_TARGETS = [
     ("torch_tp", targets.TORCH_TP, (1, 2, 3, 4)),
     ("torch_2d", targets.TORCH_2D, (2, 4)),
     ("parallel_tp", targets.PARALLEL_TP, (1, 2, 3, 4)),
-    ("hf_tp", targets.HF_TP, (1, 2, 3, 4)),  # transformers' own styles: tp = W
+    ("hf_tp", targets.HF_TP, (1, 2, 3, 4)),  # transformers' own styles; its FSDP2 over dp
+    # accelerate's ParallelismConfig, on request only (--targets accelerate_nd): it declines
+    # every example on the CPU, where accelerate 1.15 refuses it (MULTI_CPU)
+    ("accelerate_nd", targets.ACCELERATE_ND, (2, 3, 4)),
 ]
+ON_REQUEST = {"accelerate_nd"}
 #: ``--pipeline``: (dp, pp) meshes of <= 4 ranks, every schedule, stages and pieces drawn
 PIPELINE_TARGETS = [("torch_pp", targets.TORCH_PP, (1, 2, 3, 4))]
 
@@ -500,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if on_a_mesh is not None and args.targets != DEFAULT_TARGETS:  # --targets picks among them
         on_a_mesh = [entry for entry in on_a_mesh if entry[0] in args.targets.split(",")]
+    elif on_a_mesh is not None:
+        on_a_mesh = [entry for entry in on_a_mesh if entry[0] not in ON_REQUEST]
     if on_a_mesh is not None:  # float32 only, in chunks of 250
         return strategies_soak(
             args.examples,

@@ -17,7 +17,14 @@ from ddpcheck import EquivalenceError, Scenario, targets
 from ddpcheck._language.sharded_models import ShardedBlock, ShardedSpec, sequence_data
 from ddpcheck._language.tensor_parallel import TensorParallel
 from ddpcheck.targets.catalogue import HF_TP
-from ddpcheck.targets.hf_tp import HfTPTarget, hf_plan, noncontiguous_rowwise, uniform_plan
+from ddpcheck.targets.hf_tp import (
+    FSDP_PLANS,
+    HfTPTarget,
+    fsdp_problem,
+    hf_plan,
+    noncontiguous_rowwise,
+    uniform_plan,
+)
 
 #: an uneven MLP (5 hidden features over 2 ranks) between two lone linears, biases everywhere:
 #: every drawn style of the plans at once
@@ -104,3 +111,28 @@ def test_clipping_another_norm_than_the_trainers_is_declined():
     assert HF_TP.supports(dataclasses.replace(MLP, max_grad_norm=1.0)) is None
     infinity = dataclasses.replace(MLP, max_grad_norm=1.0, grad_norm_type=float("inf"))
     assert "2-norm" in (HF_TP.supports(infinity) or "")
+
+
+@pytest.mark.slow  # a W=4 world importing transformers in each rank
+@pytest.mark.thorough  # varies test_transformers_styles_match_the_reference_and_a_dropped_...
+def test_transformers_tp_composed_with_its_own_fsdp2_over_dp_matches_the_reference():
+    _needs_transformers()
+    mesh = TensorParallel(MLP.tensor_parallel.plan, tp=2)
+    scenario = dataclasses.replace(MLP, tensor_parallel=mesh, accumulation=2, max_grad_norm=0.5)
+    for fsdp_plan in ("blocks", "blocks-head-kept"):
+        target = HfTPTarget(fsdp_plan=fsdp_plan, spelling="split")
+        assert ddpcheck.check_example(target, scenario, 4) == ()
+
+
+def test_dp_composes_through_fsdp2_which_declines_what_it_cannot_judge():
+    mesh = TensorParallel(MLP.tensor_parallel.plan, tp=2)
+    scenario = dataclasses.replace(MLP, tensor_parallel=mesh)
+    assert HF_TP.supports_at(scenario, 4) is None  # dp=2 x tp=2: transformers' FSDP2 over dp
+    assert fsdp_problem(scenario, 2) is None  # tp=2 = W: no dp, no FSDP2
+
+
+def test_the_option_space_writes_transformers_other_names_and_fsdp_plans():
+    split = dataclasses.replace(HF_TP, plan=MLP.tensor_parallel.plan, spelling="split")
+    assert split.transformers_plan()["inp"] == "rowwise_split_input"
+    assert split.transformers_plan()["head"] == "colwise_gather_output"
+    assert set(FSDP_PLANS) >= {"blocks", "root"} and HF_TP.config_space() is not None

@@ -14,6 +14,7 @@ short names the command line accepts). This package face hands those names on.
 from __future__ import annotations
 
 from ddpcheck.targets.accelerate import AccelerateTarget
+from ddpcheck.targets.accelerate_nd import AccelerateNDTarget
 from ddpcheck.targets.builtin import (
     ZERO_HARNESS_KEYS,
     ZERO_SCENARIO_KEYS,
@@ -26,6 +27,7 @@ from ddpcheck.targets.builtin import (
 )
 from ddpcheck.targets.catalogue import (
     ACCELERATE,
+    ACCELERATE_ND,
     BUILTIN,
     DEEPSPEED,
     DEEPSPEED_ZERO1,
@@ -68,6 +70,8 @@ from ddpcheck.targets.tensor_parallel import Torch2DTarget, TorchTPTarget
 
 __all__ = [
     "ACCELERATE",
+    "ACCELERATE_ND",
+    "AccelerateNDTarget",
     "AccelerateTarget",
     "BUILTIN",
     "CONSTRUCTOR_CALL",

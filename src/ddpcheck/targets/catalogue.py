@@ -9,6 +9,7 @@ import dataclasses
 
 from ddpcheck._language.features import FEATURES
 from ddpcheck.targets.accelerate import AccelerateTarget
+from ddpcheck.targets.accelerate_nd import AccelerateNDTarget
 from ddpcheck.targets.builtin import (
     LocalTarget,
     ParallelDDPTarget,
@@ -37,6 +38,7 @@ __all__ = [
     "DEEPSPEED_ZERO1",
     "DEEPSPEED_ZERO2",
     "FABRIC",
+    "ACCELERATE_ND",
     "HF_TP",
     "HF_TRAINER",
     "LIGHTNING",
@@ -75,6 +77,7 @@ DEEPSPEED_ZERO1 = DeepSpeedTarget(stage=1)
 DEEPSPEED_ZERO2 = DeepSpeedTarget(stage=2)
 HF_TRAINER = HfTrainerTarget()
 HF_TP = HfTPTarget()
+ACCELERATE_ND = AccelerateNDTarget()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,10 +284,24 @@ READY_MADE: tuple[ReadyMade, ...] = (
         "transformers",
         "transformers' own tensor parallelism (apply_tensor_parallelism, its colwise/rowwise/"
         "colwise_rep/rowwise_rep styles) with a plan drawn for each model, written as a "
-        "transformers plan (generic layer names), over every rank (tp = W); a plain loop",
+        "transformers plan (generic layer names), over tp; with dp > 1 transformers' own FSDP2 "
+        "over dp (DistributedConfig(tp_size, fsdp_size)); a plain loop",
         "a plan giving layers of one generic name (blocks.*.up) different styles: no "
         "transformers plan says that",
         tried=("5.25.0",),  # its tensor parallelism moved to transformers.distributed
+    ),
+    ReadyMade(
+        "accelerate_nd",
+        ACCELERATE_ND,
+        "accelerate",
+        "accelerate",
+        "accelerate's ParallelismConfig(dp_shard_size, tp_size) over a model transformers "
+        "distributed (the drawn plan as a transformers plan, transformers' FSDP2 over "
+        "dp_shard), accelerate's loop, as transformers' Trainer composes them; "
+        "AccelerateNDTarget(config={...}): your own Accelerator arguments",
+        "every example on the CPU (accelerate 1.15 refuses a ParallelismConfig in a MULTI_CPU "
+        "world: hf_tp checks transformers' TP x FSDP2 there), tp=1 meshes, an fsdp_plugin",
+        tried=("1.15.0",),
     ),
     ReadyMade(
         "deepspeed",

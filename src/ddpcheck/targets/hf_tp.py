@@ -13,6 +13,13 @@ only) and shards with ``apply_tensor_parallelism(model, tp_mesh, plan)`` -- exac
 ``from_pretrained(distributed_config=DistributedConfig(tp_size=..., tp_plan=...))`` runs
 (``maybe_distribute_model``) before it loads the weights into the shards.
 
+With ``dp > 1`` the glue composes as transformers composes ``DistributedConfig(tp_size=tp,
+fsdp_size=dp)`` (:func:`distribute`): the plan over ``tp``, then transformers' own FSDP2
+(``apply_fully_sharded_data_parallelism``) over ``dp`` with an FSDP plan of generic names
+(:data:`FSDP_PLANS`: each block ``"free_full_weight"``, the rest by the root ``fully_shard``).
+accelerate 1.15's own FSDP2 x TP path does not run with transformers 5 (``accelerate_nd``'s
+docstring says why), which is why transformers shards and accelerate only drives the loop.
+
 What the glue does per rank and example: rank 0's weights broadcast (the scenarios initialise
 ranks differently; ``shard_param`` slices each rank's own tensor, ``src_data_rank=None``), the
 scenario's plan translated (:data:`HF_STYLES`) and written with generic names
@@ -27,9 +34,9 @@ Not driven: ``from_pretrained`` (the drawn model is no checkpoint; it builds the
 meta tensors and loads into them), ``DistributedConfig``'s own mesh (the harness's is the same
 layout, ``tp`` innermost), the Trainer's TP path (it needs a model loaded that way:
 ``is_distributed_loading_by_transformers``; its loss scaling by ``tp_size`` and the broadcast of
-plain parameters are not exercised), FSDP2 over ``dp`` (``DistributedConfig(fsdp_size=...)``),
-and the styles the drawn plans have no use for (``unit_colwise``/``unit_rowwise`` for heads
-``tp`` does not divide, embeddings, packed and expert styles).
+plain parameters are not exercised), and the styles the drawn plans have no use for
+(``unit_colwise``/``unit_rowwise`` for heads ``tp`` does not divide, embeddings, packed and
+expert styles).
 """
 
 from __future__ import annotations
@@ -44,18 +51,31 @@ from torch import nn
 
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.sharded_models import ShardedSpec
-from ddpcheck._language.tensor_parallel import mesh_shape
+from ddpcheck._language.tensor_parallel import mesh_problem, mesh_shape
 from ddpcheck._language.training import OptimizerLike
 from ddpcheck.targets.fsdp import broadcast_from
-from ddpcheck.targets.tensor_parallel import TP_FLOOR, TorchTPTarget
+from ddpcheck.targets.option_space import options
+from ddpcheck.targets.tensor_parallel import (
+    TP_FLOOR,
+    TorchTPTarget,
+    empty_micro_batch,
+    empty_sequence,
+    empty_shard,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from ddpcheck.targets.protocol import ConfigSpace
+
 __all__ = [
+    "FSDP_PLANS",
     "HF_STYLES",
+    "REPLICATED_SPELLINGS",
     "HF_TP_FLOOR",
     "HfTPTarget",
+    "distribute",
+    "fsdp_problem",
     "generic_name",
     "hf_plan",
     "noncontiguous_rowwise",
@@ -79,6 +99,24 @@ HF_STYLES: Mapping[str, str] = {
     "rowwise": "rowwise",
     "colwise-replicate": "colwise_rep",
     "rowwise-replicate": "rowwise_rep",
+}
+
+#: transformers' other names for the styles whose input and output are both replicated (the same
+#: ``ColwiseParallel``/``RowwiseParallel`` layouts, registered twice): what a user may write
+#: instead, drawn by ``--fuzz-config`` (``HfTPTarget(spelling="split")``).
+REPLICATED_SPELLINGS: Mapping[str, str] = {
+    "colwise_rep": "colwise_gather_output",
+    "rowwise_rep": "rowwise_split_input",
+}
+
+#: FSDP plans a user writes for the drawn models (transformers' ``fsdp_plan``: generic module
+#: names to ``"free_full_weight"`` -- resharded after forward -- or ``"keep_full_weight"``), by
+#: name; what no plan names goes to the root ``fully_shard``.
+FSDP_PLANS: Mapping[str, Mapping[str, str]] = {
+    "blocks": {"blocks.*": "free_full_weight"},
+    "blocks-kept": {"blocks.*": "keep_full_weight"},
+    "blocks-head-kept": {"blocks.*": "free_full_weight", "head": "keep_full_weight"},
+    "root": {},
 }
 
 
@@ -149,23 +187,116 @@ def noncontiguous_rowwise(scenario: Scenario, world_size: int) -> str | None:
     return None
 
 
+def fsdp_problem(scenario: Scenario, world_size: int) -> str | None:
+    """Why FSDP2 over ``dp`` cannot judge the scenario at this world size (None: it can, or
+    ``dp = 1``): a layer some ranks skip (FSDP2 all-gathers it in its forward, so the collectives
+    go unpaired), or a row-wise shard left empty (torch's FSDP2 hang, ``empty_shard``)."""
+    from ddpcheck._language import features
+
+    if scenario.tensor_parallel is None or mesh_problem(scenario.tensor_parallel, world_size):
+        return None
+    dp, _ = mesh_shape(scenario.tensor_parallel, world_size)
+    if dp == 1:
+        return None
+    if "unused-on-some-ranks" in features.of(scenario, world_size):
+        return (
+            f"dp={dp}: FSDP2 all-gathers a layer in its forward, and a layer some ranks skip "
+            "leaves the collectives unpaired"
+        )
+    return empty_shard(scenario, world_size)
+
+
+def distribute(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    names: Mapping[str, str],
+    plan: Mapping[str, str],
+    fsdp_plan: Mapping[str, str],
+) -> nn.Module:
+    """``module`` distributed as transformers' ``maybe_distribute_model`` distributes a model
+    loaded with ``DistributedConfig(tp_size=tp, fsdp_size=dp)``: the attributes it sets (the
+    config's ``distributed_config``, the mesh manager, ``_tp_size``, ...), the generic ``plan``
+    expanded and applied over the ``tp`` axis, then with ``dp > 1`` transformers' FSDP2 over the
+    ``dp`` axis with ``fsdp_plan`` expanded. ``mesh``: a mesh whose axes ``names`` maps from
+    transformers' names (``{"fsdp": "dp", "tp": "tp"}`` for the harness's, ``{"fsdp":
+    "dp_shard", ...}`` for accelerate's): the same ranks, no new process group."""
+    from transformers import PretrainedConfig
+    from transformers.distributed.configuration_utils import DistributedConfig
+    from transformers.distributed.fsdp import apply_fully_sharded_data_parallelism
+    from transformers.distributed.mixin import DistributedMixin
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+    from transformers.distributed.utils import TransformersDeviceMesh
+
+    class Renamed(TransformersDeviceMesh):
+        """transformers' mesh manager over a mesh whose axes are named otherwise."""
+
+        def get_mesh(self, dims: str | tuple[str, ...]) -> DeviceMesh:
+            dims = (dims,) if isinstance(dims, str) else dims
+            return mesh[tuple(names.get(d, d) for d in dims)]
+
+    axes = mesh.mesh_dim_names or ()
+    dp = mesh[names["fsdp"]].size() if names["fsdp"] in axes else 1  # accelerate's: no axis
+    tp = mesh[names["tp"]].size() if names["tp"] in axes else 1
+    config = PretrainedConfig()
+    config.distributed_config = DistributedConfig(tp_size=tp, fsdp_size=dp)
+    manager = Renamed(mesh, mesh)
+    # what maybe_distribute_model sets on a PreTrainedModel (plain attributes here)
+    for name, value in (
+        ("config", config),
+        ("_mesh_manager", manager),
+        ("_tp_size", tp),
+        ("_fsdp_size", dp),
+        ("_is_distributed_loading_by_transformers", True),
+    ):
+        setattr(module, name, value)
+    expand = DistributedMixin._expand_parallel_plan
+    if plan and tp > 1:
+        apply_tensor_parallelism(module, manager.get_mesh("tp"), expand(module, dict(plan)))  # type: ignore[arg-type]
+    if dp > 1:
+        expanded = expand(module, dict(fsdp_plan))  # type: ignore[arg-type]
+        # deepest first, as _resolve_parallel_plans orders it
+        ordered = dict(sorted(expanded.items(), key=lambda kv: kv[0].count("."), reverse=True))
+        apply_fully_sharded_data_parallelism(module, manager, ordered, {})
+    return module
+
+
 @dataclasses.dataclass(frozen=True)
 class HfTPTarget(TorchTPTarget):
     """transformers' tensor parallelism (``apply_tensor_parallelism`` with the scenario's plan
-    in transformers' vocabulary) over every rank of the world (``tp = W``, ``dp = 1``): the
-    module docstring says what is driven and what is not."""
+    in transformers' vocabulary) over ``tp``, and with ``dp > 1`` transformers' FSDP2 over
+    ``dp`` (:func:`distribute`): the module docstring says what is driven and what is not.
+    ``fsdp_plan``: a name of :data:`FSDP_PLANS`; ``spelling="split"``: the replicated styles
+    written with transformers' other names (:data:`REPLICATED_SPELLINGS`)."""
 
     # PlanTarget's is torch's alone (a one-pair tuple to mypy): this one adds transformers
     requires = (("torch", TP_FLOOR), ("transformers", HF_TP_FLOOR))  # type: ignore[assignment]
+
+    fsdp_plan: str = "blocks"
+    spelling: str = "rep"
 
     def warm_up(self) -> None:
         import transformers.distributed.tensor_parallel  # noqa: F401  (seconds: once per rank)
 
     def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
         return (
-            super().supports_at(scenario, world_size)
+            mesh_problem(scenario.tensor_parallel, world_size)
+            or empty_micro_batch(scenario, world_size)
+            or empty_sequence(scenario, world_size)
             or uniform_plan(scenario)
             or noncontiguous_rowwise(scenario, world_size)
+            or fsdp_problem(scenario, world_size)
+        )
+
+    def config_space(self) -> ConfigSpace:
+        """What a user of transformers' distribution writes beside the plan: the replicated
+        styles' other names (``"colwise_gather_output"``, ``"rowwise_split_input"``), and with
+        ``dp > 1`` the FSDP plan (each block resharded or kept, the head kept, or the root
+        alone)."""
+        return options(
+            fields={
+                "spelling": ("split",),
+                "fsdp_plan": tuple(name for name in FSDP_PLANS if name != self.fsdp_plan),
+            }
         )
 
     def supports(self, scenario: Scenario) -> str | None:
@@ -194,21 +325,12 @@ class HfTPTarget(TorchTPTarget):
 
     def transformers_plan(self) -> dict[str, str]:
         """The plan handed to transformers (a seeded bug overrides it)."""
-        return hf_plan(self.plan)
+        plan = hf_plan(self.plan)
+        if self.spelling == "split":
+            return {name: REPLICATED_SPELLINGS.get(s, s) for name, s in plan.items()}
+        return plan
 
     def parallelize(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        from transformers import PretrainedConfig
-        from transformers.distributed.mixin import DistributedMixin
-        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-        from transformers.distributed.utils import TransformersDeviceMesh
-
         broadcast_from(module, 0)
-        plan = self.transformers_plan()
-        if not plan:
-            return module
-        # what apply_tensor_parallelism reads of a PreTrainedModel (set as plain attributes)
-        setattr(module, "config", PretrainedConfig())  # noqa: B010
-        setattr(module, "_mesh_manager", TransformersDeviceMesh(mesh, mesh))  # noqa: B010
-        expanded = DistributedMixin._expand_parallel_plan(module, plan)  # type: ignore[arg-type]
-        apply_tensor_parallelism(module, mesh["tp"], expanded)
-        return module
+        fsdp = FSDP_PLANS[self.fsdp_plan]
+        return distribute(module, mesh, {"fsdp": "dp", "tp": "tp"}, self.transformers_plan(), fsdp)
