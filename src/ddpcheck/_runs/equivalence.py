@@ -74,6 +74,18 @@ class Report:
             for (name, why), sizes in grouped.items()
         ]
 
+    def declined_lines(self) -> list[str]:
+        """One line per reason, naming the scenarios it was given for: when every scenario is
+        declined for one reason (a target that cannot run on this machine), it is said once."""
+        grouped: dict[str, dict[str, list[int]]] = {}
+        for name, world_size, why in self.skipped:
+            grouped.setdefault(why, {}).setdefault(name, []).append(world_size)
+        return [
+            ", ".join(f"{name} (W={','.join(map(str, sizes))})" for name, sizes in names.items())
+            + f": {why}"
+            for why, names in grouped.items()
+        ]
+
 
 def assert_admitted(request: Request, progress: Callable[[int, int], None] | None = None) -> Report:
     """``assert_equivalent`` of an admitted request (the API's and the pytest plugin's): the
@@ -111,7 +123,7 @@ def _under_each_option(request: Request, progress: Callable[[int, int], None] | 
     if not merged.examples:
         raise NothingChecked(
             f"{type(target).__name__} declined every scenario under every "
-            "option: " + "; ".join(merged.skipped_lines())
+            "option: " + "; ".join(merged.declined_lines())
         )
     return merged
 
@@ -164,7 +176,8 @@ def run_battery(request: Request, progress: Callable[[int, int], None] | None = 
             one_more()
     if not report.examples:
         raise NothingChecked(
-            f"{type(target).__name__} declined every scenario: " + "; ".join(report.skipped_lines())
+            f"{type(target).__name__} declined every scenario: "
+            + "; ".join(report.declined_lines())
         )
     return report
 
