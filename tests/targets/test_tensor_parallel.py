@@ -21,6 +21,7 @@ from ddpcheck._language.plans import plans, sharded_models, tensor_parallel_scen
 from ddpcheck._language.sharded_models import (
     REGION_STYLES,
     SEQUENCE,
+    VOCABULARY_STYLES,
     ShardedBlock,
     ShardedSpec,
     sequence_data,
@@ -150,6 +151,10 @@ def test_drawn_plans_name_real_linears_and_shard_no_dimension_emptily(data, tp):
             norm = linear if style == "sequence" else linear.norm
             assert isinstance(norm, (nn.LayerNorm, nn.RMSNorm)), (name, style)
             assert len(torch.chunk(torch.empty(SEQUENCE), tp)) == tp
+            continue
+        if style in VOCABULARY_STYLES:  # an embedding's rows: a word of the vocabulary each
+            assert isinstance(linear, nn.Embedding), (name, style)
+            assert len(torch.chunk(torch.empty(linear.num_embeddings), tp)) == tp
             continue
         assert isinstance(linear, nn.Linear)
         sharded = linear.out_features if style.startswith("colwise") else linear.in_features

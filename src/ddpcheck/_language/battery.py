@@ -22,6 +22,7 @@ from ddpcheck._language.scenario import Epochs, Scenario
 from ddpcheck._language.sharded_models import (
     ShardedBlock,
     ShardedSpec,
+    id_tokens,
     sequence_data,
     sequence_tokens,
 )
@@ -267,6 +268,39 @@ def _attention_mlp_plan(at: str) -> tuple[tuple[str, str], ...]:
 #: where torch shards unevenly -- never leaving a rank an empty shard, which no plan anybody
 #: writes does (and which torch 2.13's FSDP2 hangs on: bench/fsdp2_empty_tp_shard.py).
 TENSOR_PARALLEL_BATTERY: list[tuple[str, Scenario]] = [
+    # first, though not the cheapest: what alone reaches the embedding and tie mutants (K15,
+    # K16), which every other entry's plan leaves untouched. A vocabulary-parallel embedding
+    # (5 words: 3+2) tied to the head, both Shard(0) on that matrix, grouped-query attention
+    # split along its 2 kv heads, a sequence region closed by the loss-parallel head
+    (
+        "tp-vocab-tied-gqa",
+        Scenario(
+            ShardedSpec(
+                blocks=(ShardedBlock("attention", 4, kv_heads=2), ShardedBlock("norm")),
+                width=4,
+                head_dim=1,
+                tokens=True,
+                embedding=True,
+                tied=True,
+            ),
+            data=id_tokens,
+            loss="token_cross_entropy",
+            global_batch=4,
+            steps=2,
+            seed=48,
+            tensor_parallel=TensorParallel(
+                (
+                    ("inp", "vocab"),
+                    *((f"blocks.0.{n}", "colwise") for n in "qkv"),
+                    ("blocks.0.out", "rowwise"),
+                    ("blocks.1.norm", "sequence"),
+                    ("blocks.1", "sequence-in"),
+                    ("head", "colwise-sequence-loss"),
+                ),
+                tp=2,
+            ),
+        ),
+    ),
     (
         "tp-attention-mlp",
         Scenario(

@@ -128,9 +128,15 @@ def _shape(model: object) -> str:
     if layers is None and isinstance(blocks, tuple):  # a sharded model (ShardedSpec): its blocks
         shape = "+".join(
             [
-                "inp",
-                *(b.kind + ("" if b.kind.endswith("norm") else str(b.size)) for b in blocks),
-                "vocab" if getattr(model, "tokens", False) else "head",  # a token head's logits
+                "emb" if getattr(model, "embedding", False) else "inp",  # token ids in
+                *(
+                    b.kind
+                    + ("" if b.kind.endswith("norm") else str(b.size))
+                    + (f"/{kv}" if (kv := getattr(b, "kv_heads", None)) else "")  # kv heads
+                    for b in blocks
+                ),
+                ("vocab" if getattr(model, "tokens", False) else "head")  # a token head's logits
+                + ("(tied)" if getattr(model, "tied", False) else ""),
             ]
         )
     elif layers is None:
@@ -196,6 +202,8 @@ _STYLE_ABBREVIATIONS = {
     "sequence-in-out": "seq(in,out)",
     "rowwise-sequence": "row(seq)",
     "colwise-sequence": "col(seq)",
+    "vocab": "vocab",
+    "vocab-sequence": "vocab(seq)",
     "colwise-loss": "col(loss)",
     "colwise-sequence-loss": "col(seq,loss)",
 }

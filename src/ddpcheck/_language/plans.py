@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from hypothesis import strategies as st
+from torch import Tensor
 
 from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._language.optimizers import optimizers
@@ -25,8 +26,10 @@ from ddpcheck._language.sharded_models import (
     BLOCK_KINDS,
     ShardedBlock,
     ShardedSpec,
+    id_tokens,
     plan_choices,
     sequence_data,
+    sequence_ids,
     sequence_tokens,
 )
 from ddpcheck._language.tensor_parallel import TensorParallel
@@ -63,19 +66,29 @@ DRAWN = frozenset(
 MAX_BLOCKS, MAX_WIDTH, MAX_SIZE = 3, 6, 6
 
 
+@st.composite
+def _blocks(draw: st.DrawFn) -> ShardedBlock:
+    """A block; an attention block of grouped-query attention half the time: 1-3 kv heads, each
+    serving 2 or more q heads (so that ``tp`` = 2 or 3 divides the kv heads in a good share of
+    the draws, the only split drawn), shrinking towards one kv head of two q heads."""
+    kind = draw(st.sampled_from(BLOCK_KINDS))
+    bias = not draw(st.booleans())  # towards biases: the classic row-wise bug
+    if kind == "attention" and draw(st.booleans()):
+        kv = draw(st.integers(1, 3))
+        group = draw(st.integers(2, MAX_SIZE // kv))
+        return ShardedBlock(kind, kv * group, bias, kv)
+    return ShardedBlock(kind, draw(st.integers(1, MAX_SIZE)), bias)
+
+
 def sharded_models() -> st.SearchStrategy[ShardedSpec]:
-    """Models plans apply to (``ShardedSpec``), shrinking towards one MLP block of width 2."""
-    block = st.builds(
-        ShardedBlock,
-        kind=st.sampled_from(BLOCK_KINDS),
-        size=st.integers(1, MAX_SIZE),
-        bias=st.booleans().map(lambda b: not b),  # towards biases: the classic row-wise bug
-    )
+    """Models plans apply to (``ShardedSpec``), shrinking towards one MLP block of width 2 on
+    features (an embedding of token ids: drawn half the time; tied in ``_scenarios``)."""
     return st.builds(
         ShardedSpec,
-        blocks=st.lists(block, min_size=1, max_size=MAX_BLOCKS).map(tuple),
+        blocks=st.lists(_blocks(), min_size=1, max_size=MAX_BLOCKS).map(tuple),
         width=st.integers(2, MAX_WIDTH),
         head_dim=st.integers(1, 3),
+        embedding=st.booleans(),
     )
 
 
@@ -178,7 +191,9 @@ def _scenarios(
     # token cross-entropy on a vocabulary head (shrinking towards none), what loss_parallel()
     # applies to: half the draws (a fifth drew it in 2-8 % of them)
     tokens = "tokens" not in without and draw(st.booleans())
-    spec = dataclasses.replace(spec, tokens=tokens)
+    # the head tied to a vocabulary embedding half the time (shrinking towards untied)
+    tied = tokens and spec.embedding and draw(st.booleans())
+    spec = dataclasses.replace(spec, tokens=tokens, tied=tied)
     plan = draw(plans(spec, tp))
     dtype = draw(st.sampled_from(dtypes))
     optimizer, kwargs = optimizer_for(draw, dtype)
@@ -190,7 +205,7 @@ def _scenarios(
     max_grad_norm = clip_norm(draw, without)
     return Scenario(
         model=spec,
-        data=sequence_tokens if tokens else sequence_data,
+        data=_data(tokens, spec.embedding),
         loss="token_cross_entropy" if tokens else "squared_error",
         optimizer=optimizer,
         optimizer_kwargs=kwargs,
@@ -204,6 +219,13 @@ def _scenarios(
         max_grad_norm=max_grad_norm,
         tensor_parallel=TensorParallel(plan, None if tp == world_size else tp),
     )
+
+
+def _data(tokens: bool, ids: bool) -> Callable[[int, int, torch.dtype], tuple[Tensor, Tensor]]:
+    """The data of a model: token targets or not, token ids in or features."""
+    if ids:
+        return id_tokens if tokens else sequence_ids
+    return sequence_tokens if tokens else sequence_data
 
 
 def optimizer_for(draw: st.DrawFn, dtype: str) -> tuple[type, dict]:

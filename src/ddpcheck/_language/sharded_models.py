@@ -31,6 +31,28 @@ its logits left sharded over the vocabulary (``"colwise-loss"``, ``Shard(-1)`` D
 the cross-entropy then computed under ``torch.distributed.tensor.parallel.loss_parallel()``
 without gathering them (``"colwise-sequence-loss"``: the same, its input from a region).
 
+**Vocabulary-parallel embeddings** (``embedding=True``): the input projection is an
+``nn.Embedding`` of the :data:`VOCABULARY` (5: uneven over 2 and 3 ranks) on token ids
+(:func:`sequence_ids`, :func:`id_tokens`), which a plan may shard over the vocabulary --
+``RowwiseParallel(input_layouts=Replicate())`` (``"vocab"``: each rank looks up the ids of its
+rows, the others masked to zero, the partial sums all-reduced), or with ``Shard(1)`` output
+into a sequence-parallel region (``"vocab-sequence"``, torchtitan's ``tok_embeddings``). With
+``tied=True`` the head's weight *is* the embedding's (a ``(VOCABULARY, width)`` matrix both
+ways). A tied weight has one placement: ``parallelize_module`` distributes each module's
+parameters separately, so the tie must be restored afterwards (the targets' ``retie``), and the
+two uses must agree -- the embedding row-wise and the head column-wise both shard that matrix
+along the vocabulary (``Shard(0)``), or neither is sharded; a row-wise head (``Shard(1)``)
+beside a vocabulary-parallel embedding cannot be tied, and is not drawn.
+
+**Grouped-query attention** (``ShardedBlock(kv_heads=...)``): fewer k and v heads than q heads,
+each serving ``heads // kv_heads`` consecutive q heads (``repeat_interleave``, as Llama's
+``repeat_kv``). Split along heads only where ``tp`` divides the kv heads (then the q heads
+too): Megatron-core's rule (``num_query_groups_per_partition = divide(num_query_groups,
+world_size)``). Replicating kv heads when ``tp`` exceeds them (vLLM's ``tp % kv_heads == 0``
+layout) needs each rank to pick the kv heads of its q heads by its rank, which torch's
+column-wise style on an unmodified model cannot express: such attention stays replicated (its
+output projection may still be row-wise).
+
 Invariant (as in ``zoo``): every model is a deterministic function of its weights and of each
 sample separately, so W ranks and the reference compute the same objective.
 """
@@ -57,15 +79,19 @@ __all__ = [
     "OUT_FEATURES",
     "REGION_STYLES",
     "SEQUENCE",
+    "SHARD0_HEADS",
     "SEQUENCE_STYLES",
     "VOCABULARY",
     "ShardedBlock",
     "ShardedModel",
     "ShardedSpec",
     "plan_choices",
+    "VOCABULARY_STYLES",
     "every_rank_holds",
     "holders",
+    "id_tokens",
     "sequence_data",
+    "sequence_ids",
     "sequence_tokens",
 ]
 
@@ -83,6 +109,7 @@ SEQUENCE_STYLES = frozenset(
         "sequence-out",
         "sequence-in-out",
         "rowwise-sequence",
+        "vocab-sequence",
         "colwise-sequence",
         "colwise-sequence-loss",
     }
@@ -90,6 +117,13 @@ SEQUENCE_STYLES = frozenset(
 LOSS_STYLES = frozenset({"colwise-loss", "colwise-sequence-loss"})
 #: The styles a plan gives a region's norm or its block (no linear).
 REGION_STYLES = frozenset({"sequence", "sequence-in", "sequence-out", "sequence-in-out"})
+#: The styles of an embedding sharded over the vocabulary (its weight ``Shard(0)``).
+VOCABULARY_STYLES = frozenset({"vocab", "vocab-sequence"})
+#: The head's styles that shard its weight along the vocabulary (``Shard(0)``), as a
+#: vocabulary-parallel embedding shards the same matrix: the only ones a tied head may take.
+SHARD0_HEADS = frozenset(
+    {"colwise-replicate", "colwise-loss", "colwise-sequence", "colwise-sequence-loss"}
+)
 
 
 def sequence_data(seed: int, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,21 +146,56 @@ def sequence_tokens(seed: int, batch: int, dtype: torch.dtype) -> tuple[torch.Te
     return x, y
 
 
+def sequence_ids(seed: int, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global batch of token ids and regression targets: x ``(B, 3)`` int64 in
+    ``[0, VOCABULARY)``, y ``(B, 3, 3)`` (for ``embedding=True`` models)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCABULARY, (batch, SEQUENCE), generator=g)
+    y = torch.randn(batch, SEQUENCE, OUT_FEATURES, generator=g, dtype=torch.float64).to(dtype)
+    return x, y
+
+
+def id_tokens(seed: int, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and padded target tokens, both ``(B, 3)`` int64 (as :func:`sequence_tokens`
+    pads them; for ``embedding=True, tokens=True`` models)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCABULARY, (batch, SEQUENCE), generator=g)
+    y = torch.randint(0, VOCABULARY, (batch, SEQUENCE), generator=g)
+    lengths = torch.randint(1, SEQUENCE + 1, (batch,), generator=g)
+    y[torch.arange(SEQUENCE)[None, :] >= lengths[:, None]] = IGNORE_INDEX
+    return x, y
+
+
 @named_fields
 @dataclasses.dataclass(frozen=True)
 class ShardedBlock:
     """One block: ``kind`` one of :data:`BLOCK_KINDS`; ``size``: an MLP's hidden width or the
-    number of attention heads (unused by a norm); ``bias``: whether its linears have biases."""
+    number of attention heads (unused by a norm); ``bias``: whether its linears have biases;
+    ``kv_heads``: an attention block's k and v heads (grouped-query attention; None: ``size``),
+    a divisor of ``size``."""
 
     kind: str = "mlp"
     size: int = 4
     bias: bool = True
+    kv_heads: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in BLOCK_KINDS:
             raise InvalidArgument(f"ShardedBlock(kind={self.kind!r}) must be one of {BLOCK_KINDS}")
         if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
             raise InvalidArgument(f"ShardedBlock(size={self.size!r}) must be an integer >= 1")
+        kv = self.kv_heads
+        if kv is not None and (
+            self.kind != "attention"
+            or isinstance(kv, bool)
+            or not isinstance(kv, int)
+            or kv < 1
+            or self.size % kv
+        ):
+            raise InvalidArgument(
+                f"ShardedBlock(kv_heads={kv!r}) must be a divisor of an attention block's "
+                f"size={self.size} (its q heads), or None"
+            )
 
 
 @named_fields
@@ -134,18 +203,27 @@ class ShardedBlock:
 class ShardedSpec:
     """A whole model (see the module docstring); ``head_dim``: each attention head's width;
     ``tokens``: the head returns :data:`VOCABULARY` logits (train it with
-    ``loss="token_cross_entropy"`` on :func:`sequence_tokens`)."""
+    ``loss="token_cross_entropy"`` on :func:`sequence_tokens`); ``embedding``: the input is
+    token ids through an ``nn.Embedding`` (data :func:`sequence_ids` or :func:`id_tokens`);
+    ``tied``: the head's weight is the embedding's (needs both)."""
 
     blocks: tuple[ShardedBlock, ...] = (ShardedBlock(),)
     width: int = 4
     head_dim: int = 2
     tokens: bool = False
+    embedding: bool = False
+    tied: bool = False
 
     def __post_init__(self) -> None:
         for name in ("width", "head_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"ShardedSpec({name}={value!r}) must be an integer >= 1")
+        if self.tied and not (self.embedding and self.tokens):
+            raise InvalidArgument(
+                "ShardedSpec(tied=True) ties the head to the embedding: it needs embedding=True "
+                "and tokens=True"
+            )
 
     def __call__(self) -> ShardedModel:
         return ShardedModel(self)
@@ -165,12 +243,12 @@ class _Attention(nn.Module):
     """Causal self-attention; the heads come from the local width (``width // head_dim``),
     so column-wise q, k, v hold whole heads on each rank when the plan splits along heads."""
 
-    def __init__(self, width: int, heads: int, head_dim: int, bias: bool):
+    def __init__(self, width: int, heads: int, head_dim: int, bias: bool, kv_heads: int):
         super().__init__()
         self.head_dim = head_dim
         self.q = nn.Linear(width, heads * head_dim, bias=bias)
-        self.k = nn.Linear(width, heads * head_dim, bias=bias)
-        self.v = nn.Linear(width, heads * head_dim, bias=bias)
+        self.k = nn.Linear(width, kv_heads * head_dim, bias=bias)
+        self.v = nn.Linear(width, kv_heads * head_dim, bias=bias)
         self.out = nn.Linear(heads * head_dim, width, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,6 +259,9 @@ class _Attention(nn.Module):
             return t.view(b, length, local_heads, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        if k.shape[1] != q.shape[1]:  # grouped-query: a kv head per run of q heads (repeat_kv)
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
         causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
         weights = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
@@ -206,9 +287,13 @@ class ShardedModel(nn.Module):
     def __init__(self, spec: ShardedSpec):
         super().__init__()
         w = spec.width
-        self.inp = nn.Linear(IN_FEATURES, w)
+        self.inp: nn.Module = (
+            nn.Embedding(VOCABULARY, w) if spec.embedding else nn.Linear(IN_FEATURES, w)
+        )
         self.blocks = nn.ModuleList(_block(b, w, spec.head_dim) for b in spec.blocks)
         self.head = nn.Linear(w, VOCABULARY if spec.tokens else OUT_FEATURES)
+        if spec.tied:
+            self.head.weight = self.inp.weight  # one (VOCABULARY, width) matrix, used twice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
@@ -221,7 +306,7 @@ def _block(block: ShardedBlock, width: int, head_dim: int) -> nn.Module:
     if block.kind == "mlp":
         return _MLP(width, block.size, block.bias)
     if block.kind == "attention":
-        return _Attention(width, block.size, head_dim, block.bias)
+        return _Attention(width, block.size, head_dim, block.bias, block.kv_heads or block.size)
     return _Norm(width, rms=block.kind == "rmsnorm")
 
 
@@ -265,6 +350,9 @@ def plan_choices(spec: ShardedSpec, tp: int) -> list[list[Fragment]]:
     w = spec.width
     out = VOCABULARY if spec.tokens else OUT_FEATURES
     units: list[list[Fragment]] = [_lone("inp", w, IN_FEATURES, tp)]
+    if spec.embedding:  # its vocabulary sharded, or nothing
+        vocab = tp > 1 and every_rank_holds(VOCABULARY, tp)
+        units = [[(), (("inp", "vocab"),)] if vocab else [()]]
     for i, block in enumerate(spec.blocks):
         at = f"blocks.{i}"
         if block.kind == "mlp":
@@ -281,7 +369,7 @@ def plan_choices(spec: ShardedSpec, tp: int) -> list[list[Fragment]]:
         elif block.kind == "attention":
             width = block.size * spec.head_dim
             fragments = _lone(f"{at}.out", w, width, tp, "rowwise-replicate")
-            if block.size % tp == 0:  # whole heads on every rank
+            if (block.kv_heads or block.size) % tp == 0:  # whole kv and q heads on every rank
                 fragments.append(
                     (*((f"{at}.{n}", "colwise") for n in "qkv"), (f"{at}.out", "rowwise"))
                 )
@@ -293,7 +381,28 @@ def plan_choices(spec: ShardedSpec, tp: int) -> list[list[Fragment]]:
     if spec.tokens and tp > 1 and every_rank_holds(out, tp):
         head.append((("head", "colwise-loss"),))  # logits sharded over the vocabulary
     units.append(head)
-    return _regions(spec, tp, units)
+    return _tie(spec, _regions(spec, tp, units))
+
+
+def _tie(spec: ShardedSpec, groups: list[list[Fragment]]) -> list[list[Fragment]]:
+    """``groups`` with, for a tied model, the embedding's and the head's joined into one (first)
+    group, keeping only the combinations where the shared matrix gets one placement: both
+    sharded along the vocabulary (:data:`VOCABULARY_STYLES`, :data:`SHARD0_HEADS`) or neither
+    (see the module docstring)."""
+    if not spec.tied:
+        return groups
+    first, last = groups[0], groups[-1]
+    pairs = [first] if len(groups) == 1 else [first, last]
+    joined = [tuple(p for f in choice for p in f) for choice in itertools.product(*pairs)]
+
+    def one_placement(fragment: Fragment) -> bool:
+        styles = dict(fragment)
+        if styles.get("inp") in VOCABULARY_STYLES:
+            return styles.get("head") in SHARD0_HEADS
+        return "head" not in styles
+
+    kept = sorted((f for f in joined if one_placement(f)), key=len)
+    return [kept, *groups[1 : len(groups) - (len(pairs) - 1)]]
 
 
 def _regions(spec: ShardedSpec, tp: int, units: list[list[Fragment]]) -> list[list[Fragment]]:
@@ -317,7 +426,9 @@ def _regions(spec: ShardedSpec, tp: int, units: list[list[Fragment]]) -> list[li
         if j == last + 1:
             j += 1  # the head closes the model's last region
         members = [list(units[k]) for k in range(i, j)]
-        if i == 0 and every_rank_holds(IN_FEATURES, tp):
+        if i == 0 and spec.embedding and every_rank_holds(VOCABULARY, tp):
+            members[0].append((("inp", "vocab-sequence"),))  # torchtitan's tok_embeddings
+        elif i == 0 and not spec.embedding and every_rank_holds(IN_FEATURES, tp):
             members[0].append((("inp", "rowwise-sequence"),))
         width = VOCABULARY if spec.tokens else OUT_FEATURES
         if j == last + 2 and every_rank_holds(width, tp):  # the head gathers the sequence
@@ -351,7 +462,7 @@ def _ends(choice: tuple[Fragment, ...], last: int) -> Fragment | None:
     pairs = [pair for fragment in choice for pair in fragment]
     styles = dict(pairs)
     norms = sorted(int(name.split(".")[1]) for name, style in pairs if style == "sequence")
-    into = styles.get("inp") == "rowwise-sequence"
+    into = styles.get("inp") in ("rowwise-sequence", "vocab-sequence")
     head = styles.get("head", "").startswith("colwise-sequence")
     if (into and 0 not in norms) or (head and last not in norms):
         return None

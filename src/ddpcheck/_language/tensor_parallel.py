@@ -64,6 +64,12 @@ STYLES: dict[str, str] = {
     "use_local_output=False): partial outputs reduce-scattered along the sequence",
     "colwise-sequence": "ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()): the "
     "sequence shards all-gathered in, the output features gathered out",
+    "vocab": "RowwiseParallel(input_layouts=Replicate()) on an nn.Embedding: its rows (the "
+    "vocabulary) sharded, each rank's lookups of other ranks' ids masked, partial sums "
+    "all-reduced",
+    "vocab-sequence": "RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), "
+    "use_local_output=False) on an nn.Embedding: as vocab, the partial sums reduce-scattered "
+    "along the sequence into a sequence-parallel region",
     "colwise-loss": "ColwiseParallel(use_local_output=False): logits sharded over the "
     "vocabulary (Shard(-1)), the cross-entropy under loss_parallel()",
     "colwise-sequence-loss": "ColwiseParallel(input_layouts=Shard(1), use_local_output=False): "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -24,16 +25,24 @@ from torch import nn
 
 from ddpcheck._language.batches import BatchPlan, GlobalBatch, contiguous
 from ddpcheck._language.scenario import Scenario, batch_size_of, micro_batches_of
+from ddpcheck._language.sharded_models import VOCABULARY_STYLES
 from ddpcheck._language.training import OptimizerLike
 from ddpcheck.targets.parallel_tp import ParallelTPTarget
-from ddpcheck.targets.tensor_parallel import TorchTPTarget
+from ddpcheck.targets.tensor_parallel import TorchTPTarget, torch_plan
 from parallel import sequence_parallel as sp
 from parallel import tensor_parallel as tp
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Placement
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = [
     "ENTRIES",
     "ColumnInputGradUnreducedTP",
     "DataNotFollowingMeshTP",
+    "EmbeddingUnmaskedTP",
+    "EmbeddingUnreducedTP",
     "FlooredShardsTP",
     "GatherReversedTP",
     "LocalVocabularyLossTP",
@@ -50,6 +59,11 @@ __all__ = [
     "ShardsFromOwnInitTP",
     "ShardsScatteredReversedTP",
     "TORCH_ENTRIES",
+    "TieLostTP",
+    "UnmaskedLookup",
+    "UnreducedLookup",
+    "VocabularyLookup",
+    "home_made_vocabulary",
 ]
 
 
@@ -194,6 +208,82 @@ class _LocalVocabularyCrossEntropy(torch.overrides.TorchFunctionMode):
         index = (target - start).clamp(0, local.shape[-1] - 1)[:, None]
         terms = torch.where(mine, -logp.gather(-1, index).squeeze(-1), 0.0)
         return DTensor.from_local(terms.sum(), mesh, [Partial()]).full_tensor()
+
+
+class VocabularyLookup:
+    """A home-made vocabulary-parallel embedding (Megatron's ``VocabParallelEmbedding``) put in
+    place of torch's lookup by :meth:`apply` after ``RowwiseParallel`` has sharded the rows:
+    each rank looks up the ids of its own rows (ids shifted by its first row, the others clamped
+    in range and their rows zeroed: :meth:`mask`), and hands on the result as a ``Partial``
+    DTensor, which the style's output hook all-reduces (or reduce-scatters: :meth:`placement`).
+    Unmutated, it computes what torch's does; each mutant overrides one method."""
+
+    def apply(self, module: nn.Module) -> None:
+        """``module.forward`` replaced by :meth:`lookup` (the style's hooks kept)."""
+        module.forward = lambda ids: self.lookup(module, ids)
+
+    def lookup(self, module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        ids = ids.to_local() if isinstance(ids, DTensor) else ids
+        weight = module.weight
+        assert isinstance(weight, DTensor)
+        mesh, rows = weight.device_mesh, weight.to_local()
+        start = math.ceil(weight.shape[0] / mesh.size()) * mesh.get_local_rank()
+        local = ids - start
+        outside = (local < 0) | (local >= rows.shape[0])
+        found = self.mask(F.embedding(local.clamp(0, rows.shape[0] - 1), rows), outside)
+        return DTensor.from_local(found, mesh, [self.placement()], run_check=False)
+
+    def mask(self, found: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
+        """The rows of ids another rank holds, zeroed."""
+        return found.masked_fill(outside[..., None], 0.0)
+
+    def placement(self) -> Placement:
+        """What the lookups are: partial sums, all-reduced by the style's output hook."""
+        from torch.distributed.tensor import Partial
+
+        return Partial()
+
+
+class UnmaskedLookup(VocabularyLookup):
+    """``mask``: ids of other ranks' rows are clamped into this rank's range and looked up, but
+    their rows are never zeroed: the all-reduce adds a wrong row per rank that holds none."""
+
+    def mask(self, found: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
+        return found  # BUG: out-of-shard ids' rows kept
+
+
+class UnreducedLookup(VocabularyLookup):
+    """``placement``: the lookups declared ``Replicate``, so the style's output hook never
+    all-reduces them: each rank goes on with only its own rows' embeddings."""
+
+    def placement(self) -> Placement:
+        from torch.distributed.tensor import Replicate
+
+        return Replicate()  # BUG: partial sums taken for the whole
+
+
+def home_made_vocabulary(
+    plan: tuple[tuple[str, str], ...], lookup: VocabularyLookup
+) -> dict[str, ParallelStyle]:
+    """torch's styles for ``plan`` (``torch_plan``), each vocabulary-parallel embedding's
+    ``RowwiseParallel`` running ``lookup`` after it shards the rows."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    class HomeMade(RowwiseParallel):
+        def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+            module = super()._apply(module, device_mesh)
+            lookup.apply(module)
+            return module
+
+    styles = torch_plan(plan)
+    for name, style in plan:
+        if style in VOCABULARY_STYLES:
+            new = HomeMade()
+            vars(new).update(vars(styles[name]))  # its layouts and use_local_output
+            styles[name] = new
+    return styles
 
 
 # -- the targets -------------------------------------------------------------------------------
@@ -392,6 +482,35 @@ class LocalVocabularyLossTP(TorchTPTarget):
         return _LocalVocabularyCrossEntropy()  # BUG: the softmax's sums never all-reduced
 
 
+@dataclasses.dataclass(frozen=True)
+class EmbeddingUnmaskedTP(TorchTPTarget):
+    """K15 (``plan_styles``): a vocabulary-parallel embedding looked up by a home-made lookup
+    that never zeroes the rows of ids another rank holds (``UnmaskedLookup``)."""
+
+    def plan_styles(self) -> dict[str, ParallelStyle]:
+        return home_made_vocabulary(self.plan, UnmaskedLookup())  # BUG: in the lookup
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingUnreducedTP(TorchTPTarget):
+    """K15 (``plan_styles``): a vocabulary-parallel embedding whose partial lookups are never
+    all-reduced (``UnreducedLookup``)."""
+
+    def plan_styles(self) -> dict[str, ParallelStyle]:
+        return home_made_vocabulary(self.plan, UnreducedLookup())  # BUG: in the lookup
+
+
+@dataclasses.dataclass(frozen=True)
+class TieLostTP(TorchTPTarget):
+    """K16 (``retie``): the tied embedding and head never tied again after
+    ``parallelize_module``, which distributes each module's parameters separately: the two uses
+    train as two matrices, each with only its own gradient (HF transformers' models re-tie in
+    ``tie_weights``)."""
+
+    def retie(self, module: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
+        pass  # BUG: the tie parallelize_module broke stays broken
+
+
 #: The catalogue's rows of this family: ``(mutant class name, bug class, one line)``, in
 #: catalogue order (``ddpcheck.mutation.catalogue`` builds each mutant from its class).
 ENTRIES: list[tuple[str, str, str]] = [
@@ -467,5 +586,20 @@ TORCH_ENTRIES: list[tuple[str, str, str]] = [
         "LocalVocabularyLossTP",
         "K14",
         "vocabulary-parallel cross-entropy normalised over each rank's own vocabulary shard",
+    ),
+    (
+        "EmbeddingUnmaskedTP",
+        "K15",
+        "vocabulary-parallel embedding: rows of ids other ranks hold never masked to zero",
+    ),
+    (
+        "EmbeddingUnreducedTP",
+        "K15",
+        "vocabulary-parallel embedding: partial lookups never all-reduced over tp",
+    ),
+    (
+        "TieLostTP",
+        "K16",
+        "tied embedding and head not re-tied after parallelize_module: two matrices",
     ),
 ]

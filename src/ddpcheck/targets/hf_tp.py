@@ -141,6 +141,12 @@ def uniform_plan(scenario: Scenario) -> str | None:
     tensor_parallel = scenario.tensor_parallel
     if tensor_parallel is None or not tensor_parallel.plan:
         return None
+    spec = scenario.model
+    if isinstance(spec, ShardedSpec) and spec.tied and "head" in dict(tensor_parallel.plan):
+        return (
+            "head: tied to the embedding; transformers re-ties weights when from_pretrained "
+            "loads them (tie_weights), which the glue does not drive"
+        )
     for name, style in tensor_parallel.plan:
         if style not in HF_STYLES:
             return f"{name}: the style {style!r} has no transformers equivalent"

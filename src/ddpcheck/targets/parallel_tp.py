@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpcheck._language.scenario import Scenario
-from ddpcheck._language.sharded_models import LOSS_STYLES
+from ddpcheck._language.sharded_models import LOSS_STYLES, VOCABULARY_STYLES, ShardedSpec
 from ddpcheck._language.tensor_parallel import mesh_problem
 from ddpcheck._language.training import MicroBatchLoss, OptimizerLike, Params
 from ddpcheck.targets.tensor_parallel import (
@@ -40,7 +40,7 @@ from parallel import tensor_parallel as tp
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParallelTPTarget", "no_loss_parallel", "shard_missing"]
+__all__ = ["ParallelTPTarget", "no_loss_parallel", "no_vocabulary_parallel", "shard_missing"]
 
 
 def shard_missing(scenario: Scenario, world_size: int) -> str | None:
@@ -57,6 +57,23 @@ def shard_missing(scenario: Scenario, world_size: int) -> str | None:
         f"{found.name}: {found.features} features over tp={found.tp} leave the last rank none "
         "(torch.chunk); parallel.tensor_parallel needs a feature on every rank"
     )
+
+
+def no_vocabulary_parallel(scenario: Scenario) -> str | None:
+    """Why ``parallel.tensor_parallel`` cannot run the scenario's plan: an embedding sharded
+    over the vocabulary (it has linear layers only), or a tied head the plan shards (its layers
+    replace the weight they shard, which unties it); None when neither."""
+    tensor_parallel, spec = scenario.tensor_parallel, scenario.model
+    plan = {} if tensor_parallel is None else dict(tensor_parallel.plan)
+    for name, style in plan.items():
+        if style in VOCABULARY_STYLES:
+            return (
+                f"{name}: a vocabulary-parallel embedding, which parallel.tensor_parallel has "
+                "not (torch_tp has RowwiseParallel on an nn.Embedding)"
+            )
+    if isinstance(spec, ShardedSpec) and spec.tied and "head" in plan:
+        return "head: tied to the embedding, and parallel.tensor_parallel's layers untie it"
+    return None
 
 
 def no_loss_parallel(scenario: Scenario) -> str | None:
@@ -105,6 +122,7 @@ class ParallelTPTarget(PlanTarget):
             or shard_missing(scenario, world_size)
             or empty_sequence(scenario, world_size)
             or no_loss_parallel(scenario)
+            or no_vocabulary_parallel(scenario)
         )
 
     # -- per rank ------------------------------------------------------------------------------

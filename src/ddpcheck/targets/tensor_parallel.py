@@ -31,6 +31,7 @@ from ddpcheck._language.sharded_models import (
     REGION_STYLES,
     SEQUENCE,
     SEQUENCE_STYLES,
+    VOCABULARY_STYLES,
     holders,
 )
 from ddpcheck._language.tensor_parallel import mesh_problem, mesh_shape
@@ -60,6 +61,8 @@ __all__ = [
     "empty_shard",
     "first_empty_shard",
     "replicate_rest",
+    "retie",
+    "tied_parameters",
     "torch_plan",
 ]
 
@@ -104,10 +107,42 @@ def torch_plan(
             input_layouts=rep, output_layouts=seq, use_local_output=False
         ),
         "colwise-sequence": lambda: ColwiseParallel(input_layouts=seq, output_layouts=rep),
+        "vocab": lambda: RowwiseParallel(input_layouts=rep),  # on an nn.Embedding
+        "vocab-sequence": lambda: RowwiseParallel(
+            input_layouts=rep, output_layouts=seq, use_local_output=False
+        ),
         "colwise-loss": lambda: ColwiseParallel(use_local_output=False),
         "colwise-sequence-loss": lambda: ColwiseParallel(input_layouts=seq, use_local_output=False),
     }
     return {name: styles[style]() for name, style in plan}
+
+
+def tied_parameters(module: nn.Module) -> list[list[tuple[str, str]]]:
+    """Each parameter ``module`` holds under several names (a tied weight), as its
+    ``(module name, parameter name)`` places, the first the one ``named_parameters`` keeps."""
+    places: dict[int, list[tuple[str, str]]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        owner, _, attr = name.rpartition(".")
+        places.setdefault(id(param), []).append((owner, attr))
+    return [found for found in places.values() if len(found) > 1]
+
+
+def retie(module: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
+    """Restore the ties ``parallelize_module`` (and ``distribute_module``) break: each module's
+    parameters are distributed separately, so a tied weight comes out as two DTensors. Every
+    place gets the first place's parameter; the two must have one placement (a plan that shards
+    the two uses differently cannot be tied: refused, as a set-up error)."""
+    for (owner, attr), *others in ties:
+        kept = getattr(module.get_submodule(owner), attr)
+        for other, name in others:
+            given = getattr(module.get_submodule(other), name)
+            if getattr(given, "placements", None) != getattr(kept, "placements", None):
+                raise ValueError(
+                    f"{owner}.{attr} is tied to {other}.{name}, but the plan places them "
+                    f"differently ({getattr(kept, 'placements', None)} and "
+                    f"{getattr(given, 'placements', None)}): a tied weight has one placement"
+                )
+            setattr(module.get_submodule(other), name, kept)
 
 
 def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
@@ -167,7 +202,10 @@ class EmptyShard:
 
     @property
     def dimension(self) -> str:
-        """``input`` for a row-wise style, ``output`` for a column-wise one."""
+        """``input`` for a row-wise style, ``output`` for a column-wise one, ``vocabulary`` for
+        an embedding's rows."""
+        if self.style in VOCABULARY_STYLES:
+            return "vocabulary"
         return "input" if self.style.startswith("rowwise") else "output"
 
     @property
@@ -191,7 +229,8 @@ def first_empty_shard(
     plan = [
         (n, s)
         for n, s in tensor_parallel.plan
-        if (s.startswith("rowwise") or not rowwise_only) and s not in REGION_STYLES
+        if (s.startswith("rowwise") or s in VOCABULARY_STYLES or not rowwise_only)
+        and s not in REGION_STYLES
     ]
     if tp == 1 or not plan:
         return None
@@ -202,6 +241,10 @@ def first_empty_shard(
     except Exception:  # the example itself reports a model or a plan that does not build
         return None
     for name, style, layer in layers:
+        if isinstance(layer, nn.Embedding) and style in VOCABULARY_STYLES:
+            if holders(layer.num_embeddings, tp) < tp:  # its rows: the vocabulary
+                return EmptyShard(name, style, layer.num_embeddings, tp)
+            continue
         if not isinstance(layer, nn.Linear):
             return EmptyShard(name, style, None, tp)
         found = EmptyShard(name, style, 0, tp)
@@ -331,9 +374,19 @@ class TorchTPTarget(PlanTarget):
         from torch.distributed.tensor.parallel import parallelize_module
 
         broadcast_from(module, 0)
-        parallelize_module(module, mesh["tp"], torch_plan(self.plan))
+        ties = tied_parameters(module)
+        parallelize_module(module, mesh["tp"], self.plan_styles())
         replicate_rest(module, mesh["tp"])
+        self.retie(module, ties)
         return module
+
+    def plan_styles(self) -> dict[str, ParallelStyle]:
+        """The plan as torch's ``ParallelStyle`` objects (:func:`torch_plan`)."""
+        return torch_plan(self.plan)
+
+    def retie(self, module: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
+        """The model's tied weights tied again after the plan (:func:`retie`)."""
+        retie(module, ties)
 
 
 @dataclasses.dataclass(frozen=True)
