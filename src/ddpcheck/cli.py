@@ -722,6 +722,11 @@ def _targets(call: Invocation) -> ExitCode:
             print(f"    declines {feature}: {why}")
         if entry.per_scenario:
             print(f"    declines, scenario by scenario: {entry.per_scenario}")
+    from ddpcheck.targets.surveyed import SURVEYED
+
+    for stack in SURVEYED:  # surveyed, left without a target: the releases tried and why
+        print(f"{stack.name}  (no target: {stack.framework} {', '.join(stack.tried)} tried)")
+        print(f"    {stack.why} ({stack.bench})")
     print("\ncheck one with: ddpcheck check NAME; or your own with ddpcheck check MODULE:EXPR")
     return ExitCode.OK
 

@@ -558,6 +558,11 @@ def _resolve_target(spec: str) -> Any:
             f"installed here: {missing.install} (docs/frameworks.md lists the "
             "releases tried)"
         )
+    from ddpcheck.targets.surveyed import surveyed
+
+    stack = surveyed(spec)
+    if stack is not None:  # a stack surveyed and left without a target: why, not "no such"
+        raise InvalidArgument(stack.message())
     if ":" not in spec:  # a built-in name, mistyped
         names = [*BUILTIN, *(e.name for e in READY_MADE)]
         raise InvalidArgument(

@@ -1,0 +1,150 @@
+"""Does DeepSpeed's AutoTP *training* (``"tensor_parallel": {"autotp_size": N}`` in the config,
+DeepSpeed >= 0.16.4) run on the CPU with gloo? Standalone (no ddpcheck): a tiny random
+transformers ``LlamaForCausalLM`` (hidden 16, 2 layers, 2 heads, vocab 32) given to
+``deepspeed.initialize`` with ``autotp_size=2`` over 2 processes (tp = 2, dp = 1, ZeRO stage 0),
+three SGD steps on the same batch everywhere, every parameter gathered back and compared with the
+same model stepped in one process.
+
+    TORCH_EXTENSIONS_DIR=$(mktemp -d) python bench/deepspeed_autotp_cpu.py   # a venv with DeepSpeed
+    python bench/deepspeed_autotp_cpu.py --no-shm-op     # skip the C++ op's build (see below)
+
+``--no-shm-op`` makes ``deepspeed.comm.torch.build_shm_op`` return None, as it does where the op
+is incompatible: DeepSpeed then all-reduces through torch.distributed (gloo) instead of its CPU
+shared-memory op, whose first build takes minutes on a loaded machine (100-285 s at load 6-11,
+over 5 min at load ~50). It changes how a sum travels, not what AutoTP shards.
+
+Exit 0: AutoTP trains and matches the reference; 1: it runs and the weights differ; 2: it does not
+run (the error printed is what docs/pipeline-parallel.md quotes).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import traceback
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+STEPS = 3
+HANG_SECONDS = 150
+
+
+def tiny_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config).float()
+
+
+def rank_main(rank: int, init: str, q, no_shm_op: bool) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)  # a hang: where each rank waits
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    try:
+        import deepspeed
+
+        if no_shm_op:
+            import importlib
+
+            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        reference, model = tiny_model(), tiny_model()
+        torch.manual_seed(1)
+        tokens = torch.randint(0, 32, (2, 8))
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": 0},
+            "tensor_parallel": {"autotp_size": WORLD},
+            "gradient_clipping": 0.0,
+        }
+        engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
+        opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for _ in range(STEPS):
+            engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+            engine.step()
+            opt.zero_grad()
+            reference(input_ids=tokens, labels=tokens).loss.backward()
+            opt.step()
+        worst, where, sharded = 0.0, "", 0
+        named = dict(reference.named_parameters())
+        for name, p in engine.module.named_parameters():
+            full = p.data
+            want = named[name].data
+            if full.shape != want.shape:  # a tensor-parallel shard: gather it
+                dim = next(i for i, (a, b) in enumerate(zip(full.shape, want.shape)) if a != b)
+                parts = [torch.empty_like(full) for _ in range(WORLD)]
+                dist.all_gather(parts, full.contiguous())
+                full = torch.cat(parts, dim)
+                sharded += 1
+            gap = (full - want).abs().max().item()
+            if gap > worst:
+                worst, where = gap, name
+        if not sharded:  # AutoTP did nothing: a match would prove nothing
+            raise RuntimeError("AutoTP sharded no parameter")
+        text = f"{sharded} parameters sharded, worst weight gap after {STEPS} steps {worst:.2e}"
+        q.put((rank, "ran", f"{text} ({where})", worst))
+    except Exception as error:
+        q.put((rank, "failed", traceback.format_exception_only(error)[-1].strip()[:400], None))
+        traceback.print_exc()
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> int:
+    no_shm_op = "--no-shm-op" in sys.argv[1:]
+    try:
+        import deepspeed
+    except Exception as error:
+        print(f"deepspeed does not import: {error}")
+        return 2
+    print(f"deepspeed {deepspeed.__version__}, torch {torch.__version__}")
+    if not no_shm_op:
+        from deepspeed.accelerator import get_accelerator
+
+        # the CPU accelerator's shared-memory op, built once here (minutes on a loaded machine)
+        # rather than by both ranks inside initialize, where the build reads as a hang
+        get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.NamedTemporaryFile(delete=False) as f:
+        init = f"file://{f.name}"
+    os.unlink(f.name)
+    procs = [ctx.Process(target=rank_main, args=(r, init, q, no_shm_op)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(q.get(timeout=HANG_SECONDS + 30) for _ in procs)
+    except Exception:  # queue.Empty: a rank hung (faulthandler printed its stack) or died
+        for p in procs:
+            p.join(timeout=30)
+        print(f"no result within {HANG_SECONDS} s: exit codes {[p.exitcode for p in procs]}")
+        return 2
+    for p in procs:
+        p.join(timeout=60)
+    for rank, status, text, _ in results:
+        print(f"rank {rank}: {status}: {text}")
+    if any(s == "failed" for _, s, _, _ in results):
+        return 2
+    return 1 if any(w is not None and w > 1e-5 for *_, w in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""The stacks surveyed for a ready-made target and left without one: the releases tried and, for
+each, exactly what stops it on this platform (torch's CPU build, gloo). ``ddpcheck targets``
+prints them after the ready-made ones, and ``ddpcheck check NAME`` answers with the reason
+(exit 2, a set-up error: nothing about the user's code is judged) instead of "no such target".
+Each reason is measured by a standalone ``bench/`` script named in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Surveyed:
+    """One stack without a ready-made target, and why."""
+
+    name: str  # the name ``ddpcheck check NAME`` would take
+    framework: str  # the distribution
+    tried: tuple[str, ...]  # its releases tried, each with torch 2.13.0+cpu
+    why: str  # what stops it, as measured
+    bench: str  # the standalone script that shows it
+
+    def message(self) -> str:
+        """What ``ddpcheck check NAME`` prints (exit 2)."""
+        return (
+            f"target {self.name!r} is not available: {self.framework} "
+            f"{', '.join(self.tried)} tried with torch 2.13.0 on the CPU over gloo; {self.why} "
+            f"(python {self.bench}; docs/pipeline-parallel.md, the N-D option-space map)"
+        )
+
+
+SURVEYED: tuple[Surveyed, ...] = (
+    Surveyed(
+        "torchtitan",
+        "torchtitan",
+        ("0.3.0", "0.2.2"),
+        "its models import only with the CUDA-only triton installed (import triton in "
+        "distributed/minimal_async_ep/kernels.py; 0.2.2: models/moe/kernels.py), and 0.3.0's "
+        "parallelize_llama then trains right (gradients within 2.2e-08 of one process at "
+        "dp_shard=2 or tp=2) only with four changes to torchtitan's own behaviour: "
+        "ParallelDims builds its mesh on device 'cuda' where no accelerator is found; the "
+        "language models refuse sdpa attention and flex attention has no backward on the CPU; "
+        "FSDP's gradient_divide_factor=1.0 reduce-scatters with ReduceOp.PREMUL_SUM, which gloo "
+        "refuses; the default spmd_backend 'spmd_types' refuses the eager model. The script "
+        "makes those changes (the plans stay torchtitan's; the changes touch the device name, "
+        "the attention kernel and the reduce op's form, not the arithmetic): a target could "
+        "too, and none is built yet",
+        "bench/torchtitan_cpu.py",
+    ),
+    Surveyed(
+        "deepspeed_autotp",
+        "deepspeed",
+        ("0.19.8",),
+        "its AutoTP training (tensor_parallel.autotp_size in the config) runs on the CPU over "
+        "gloo and trains right: a tiny transformers LlamaForCausalLM at autotp_size=2 (15 "
+        "parameters sharded, ZeRO stage 0, SGD) within 1.12e-08 of one process after 3 steps, "
+        "with DeepSpeed's CPU shared-memory op skipped (its first build takes minutes on a "
+        "loaded machine). A target needs the scenario's model to be a transformers model "
+        "AutoTP can parse, and none is built yet",
+        "bench/deepspeed_autotp_cpu.py --no-shm-op",
+    ),
+)
+
+
+def surveyed(name: str) -> Surveyed | None:
+    """The surveyed stack called ``name``, if any."""
+    return next((s for s in SURVEYED if s.name == name), None)
