@@ -382,6 +382,27 @@ TENSOR_PARALLEL_BATTERY: list[tuple[str, Scenario]] = [
             ),
         ),
     ),
+    # a policy gradient under loss_parallel(): log_softmax and nll_loss(reduction="none") of
+    # logits sharded over the vocabulary, each token's term times a fixed advantage
+    (
+        "tp-policy-gradient",
+        Scenario(
+            ShardedSpec(blocks=(ShardedBlock("mlp", 4),), width=4, tokens=True),
+            data=sequence_tokens,
+            loss="policy_gradient",
+            global_batch=5,
+            steps=2,
+            seed=48,
+            tensor_parallel=TensorParallel(
+                (
+                    ("blocks.0.up", "colwise"),
+                    ("blocks.0.down", "rowwise"),
+                    ("head", "colwise-loss"),
+                ),
+                tp=2,
+            ),
+        ),
+    ),
 ]
 
 
