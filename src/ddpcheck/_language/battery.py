@@ -218,13 +218,15 @@ BATTERY: list[tuple[str, Scenario]] = [
         ),
     ),
     # 7 sequences of 1-8 tokens in 2 micro-batches: micro-batches and ranks hold different token
-    # counts at every W, so a token mean per micro-batch or per rank misweighs tokens (J1, J2)
+    # counts at every W, so a token mean per micro-batch or per rank misweighs tokens (J1, J2),
+    # and so does an entropy bonus normalised per rank (J5); the other token scenarios below
+    # train the plain cross-entropy
     (
         "tokens-accumulate",
         Scenario(
             zoo.TinyGPT,
             data=zoo.token_data,
-            loss="token_cross_entropy",
+            loss="entropy_bonus",
             optimizer=torch.optim.AdamW,
             optimizer_kwargs={"lr": 0.01},
             global_batch=7,
