@@ -12,6 +12,7 @@ the oracle or a real bug in a target; either way it must be looked at.
     python bench/soak.py --whole-step --examples 2000            # clipping, orders, checkpoints
     python bench/soak.py --strategies --examples 20000            # check's own random examples
     python bench/soak.py --tokens --examples 2000                # language models, bf16 policies
+    python bench/soak.py --losses --examples 300                 # the other token losses
     python bench/soak.py --epochs --examples 2000                # epochs: the data paths
     python bench/soak.py --tensor-parallel --examples 2000       # torch_tp, torch_2d, float32
     python bench/soak.py --pipeline --examples 1000              # torch_pp, float32
@@ -49,6 +50,11 @@ file's generator (half of them with the whole step's features too), the others d
 random strategies ``ddpcheck check`` draws from (``strategies.exercising("tokens")`` in float64
 and float32, ``param-dtype`` opted in), in Hypothesis's derandomized order.
 
+``--losses`` is ``--tokens`` with the language-model losses beside token cross-entropy
+(``objective.TOKEN_LOSSES``: label smoothing, a KL term to a fixed reference, an entropy bonus, a
+policy gradient): this file's half draws one of those four, the strategies' half draws all five;
+it counts the examples of each loss.
+
 ``--epochs`` makes every scenario a run over a dataset in epochs (``Scenario.epochs``: short last
 batches and windows), drawn from ``strategies.exercising("epochs")`` in float64 and float32, over
 ``parallel`` and ``torch_fsdp`` (the harness's split) and ``torch_ddp``, ``torch_zero`` and
@@ -79,6 +85,7 @@ import torch  # noqa: E402
 import ddpcheck  # noqa: E402
 from ddpcheck import batches, targets, zoo  # noqa: E402
 from ddpcheck import strategies as dst  # noqa: E402
+from ddpcheck._language import objective  # noqa: E402
 from ddpcheck._oracle.compare import CHAOTIC  # noqa: E402
 from ddpcheck._oracle.reference import noise_computed  # noqa: E402
 from ddpcheck._runs.example import check_example, prepare_reference  # noqa: E402
@@ -194,8 +201,11 @@ def scenario(index: int, seed: int, whole_step: tuple[int, ...] = ()) -> Scenari
     return Scenario(**{**_plain(rng, optimizer, kwargs), **extra})
 
 
-def token_scenario(index: int, seed: int, sizes: tuple[int, ...]) -> Scenario:
-    """The index-th ``--tokens`` scenario: a pure function of (index, seed, sizes)."""
+def token_scenario(
+    index: int, seed: int, sizes: tuple[int, ...], losses: tuple[str, ...] = ()
+) -> Scenario:
+    """The index-th ``--tokens`` scenario: a pure function of (index, seed, sizes); ``losses``:
+    its loss drawn among them (none: token cross-entropy)."""
     rng = random.Random(seed * 1_000_003 + index + 7)
     optimizer, kwargs = rng.choice(OPTIMIZERS)
     dtype, precision = rng.choice(PRECISIONS)
@@ -208,7 +218,7 @@ def token_scenario(index: int, seed: int, sizes: tuple[int, ...]) -> Scenario:
             tied=rng.random() < 0.7,
         ),
         data=zoo.token_data,
-        loss="token_cross_entropy",
+        loss=rng.choice(losses) if losses else "token_cross_entropy",
         dtype=dtype,
         **precision,
     )
@@ -324,6 +334,10 @@ class _Tally:
                 kind = "autocast" if sc.autocast is not None else "param_dtype"
                 self.counts[f"{kind} {str(policy).replace('torch.', '')}"] += 1
             self.counts[f"W={world_size}"] += 1
+            self.counts[f"loss {sc.loss}"] += 1
+            plan = sc.tensor_parallel.plan if sc.tensor_parallel is not None else ()
+            if any(style.endswith("-loss") for _, style in plan):  # under loss_parallel()
+                self.counts[f"loss {sc.loss} (loss_parallel)"] += 1
             if world_size > sc.global_batch:
                 self.counts["W > batch"] += 1
         if noise_computed() > self.noise:
@@ -423,6 +437,7 @@ def strategies_soak(
         f"strategies soak: {total} examples "
         f"({', '.join(f'{n} {c}' for n, c in ran.items())}) in {rounds} chunks of {chunk}; "
         f"{', '.join(f'{f} {counts[f]}' for f in COUNTED)}; "
+        f"{', '.join(f'{f} {n}' for f, n in sorted(counts.items()) if f.startswith('loss '))}; "
         f"{declined} drawn and declined by the target; {counts['skipped']} unjudgeable or "
         f"declined in the ranks, {chaotic} of them as chaotic "
         f"({100 * chaotic / max(total + counts['skipped'], 1):.2f} % of the examples run); "
@@ -482,6 +497,12 @@ def main(argv: list[str] | None = None) -> int:
         "meshes, models and plans drawn, float32 only, in chunks of 250",
     )
     parser.add_argument(
+        "--losses",
+        action="store_true",
+        help="--tokens with the other language-model losses (label smoothing, KL, entropy "
+        "bonus, policy gradient)",
+    )
+    parser.add_argument(
         "--precision",
         action="store_true",
         help="check's own random examples under a precision policy only (bf16 param_dtype on "
@@ -495,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
         "stages and pieces drawn, float32 only, in chunks of 250",
     )
     args = parser.parse_args(argv)
+    args.tokens = args.tokens or args.losses
+    losses = tuple(objective.TOKEN_LOSSES[1:]) if args.losses else ()
     on_a_mesh = (
         PIPELINE_TARGETS
         if args.pipeline
@@ -561,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
                     drawn += drawn_token_scenarios(args.examples, max(sizes), chunk=chunk)
                 sc = drawn[index // 2]
             elif args.tokens:
-                sc = token_scenario(index, args.seed, tuple(sizes))
+                sc = token_scenario(index, args.seed, tuple(sizes), losses)
             else:
                 sc = scenario(index, args.seed, whole_step)
             try:
@@ -617,6 +640,8 @@ def main(argv: list[str] | None = None) -> int:
                         used["evaluation metric judged"] += 1
                     if sc.epochs is not None and sc.epochs.samples % sc.global_batch:
                         used["short last step"] += 1
+                    if args.losses:
+                        used[f"loss {sc.loss}"] += 1
                     if sc.epochs is not None and sc.loss == "token_cross_entropy":
                         used["tokens over epochs"] += 1
                     if ran % 500 == 0:

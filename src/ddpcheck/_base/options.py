@@ -282,7 +282,8 @@ FEATURES: dict[str, str] = {
     "checkpoint": "a checkpoint saved after a step and the run resumed from it, possibly at "
     "another world size (save_checkpoint / load_checkpoint)",
     "tokens": "a language model trained on padded token sequences: the loss is the mean (or "
-    "sum) over the global batch's non-padding tokens (loss='token_cross_entropy')",
+    "sum) over the global batch's non-padding tokens (loss='token_cross_entropy' or another token "
+    "loss: label smoothing, a KL term, an entropy bonus, a policy gradient)",
     "autocast": "the forward under torch.autocast in bfloat16 or float16 (float32 parameters)",
     "param-dtype": "float32 master weights, forward and backward in bfloat16 or float16, "
     "gradients accumulated and reduced in float32 (FSDP2's MixedPrecisionPolicy); "

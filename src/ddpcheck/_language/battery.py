@@ -219,13 +219,15 @@ BATTERY: list[tuple[str, Scenario]] = [
         ),
     ),
     # 7 sequences of 1-8 tokens in 2 micro-batches: micro-batches and ranks hold different token
-    # counts at every W, so a token mean per micro-batch or per rank misweighs tokens (J1, J2)
+    # counts at every W, so a token mean per micro-batch or per rank misweighs tokens (J1, J2),
+    # and so does an entropy bonus normalised per rank (J5); the other token scenarios below
+    # train the plain cross-entropy
     (
         "tokens-accumulate",
         Scenario(
             zoo.TinyGPT,
             data=zoo.token_data,
-            loss="token_cross_entropy",
+            loss="entropy_bonus",
             optimizer=torch.optim.AdamW,
             optimizer_kwargs={"lr": 0.01},
             global_batch=7,
@@ -413,6 +415,27 @@ TENSOR_PARALLEL_BATTERY: list[tuple[str, Scenario]] = [
                     ("head", "colwise-sequence-loss"),
                 ),
                 tp=2,  # at W=4, dp=2 x tp=2: loss_parallel() under FSDP2 (torch_2d)
+            ),
+        ),
+    ),
+    # a policy gradient under loss_parallel(): log_softmax and nll_loss(reduction="none") of
+    # logits sharded over the vocabulary, each token's term times a fixed advantage
+    (
+        "tp-policy-gradient",
+        Scenario(
+            ShardedSpec(blocks=(ShardedBlock("mlp", 4),), width=4, tokens=True),
+            data=sequence_tokens,
+            loss="policy_gradient",
+            global_batch=5,
+            steps=2,
+            seed=48,
+            tensor_parallel=TensorParallel(
+                (
+                    ("blocks.0.up", "colwise"),
+                    ("blocks.0.down", "rowwise"),
+                    ("head", "colwise-loss"),
+                ),
+                tp=2,
             ),
         ),
     ),

@@ -73,7 +73,7 @@ _FIELD_FEATURES: dict[str, Callable[[Scenario], bool]] = {
     "grads-kept": lambda s: not s.set_to_none,
     "rank-orders": lambda s: s.rank_orders,
     "checkpoint": lambda s: s.checkpoint_after is not None,
-    "tokens": lambda s: s.loss == "token_cross_entropy",
+    "tokens": lambda s: s.loss in objective.TOKEN_LOSSES,
     "tensor-parallel": lambda s: s.tensor_parallel is not None,
     "pipeline-parallel": lambda s: s.pipeline is not None,
     "epochs": lambda s: s.epochs is not None,

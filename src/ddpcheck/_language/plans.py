@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._language.objective import LOSS_PARALLEL, TOKEN_LOSSES
 from ddpcheck._language.optimizers import optimizers
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.sharded_models import (
@@ -44,6 +45,7 @@ __all__ = [
     "plans",
     "sharded_models",
     "tensor_parallel_scenarios",
+    "token_losses",
 ]
 
 #: The features tensor-parallel scenarios are drawn with (``exercising`` one of them keeps the
@@ -92,15 +94,26 @@ def sharded_models() -> st.SearchStrategy[ShardedSpec]:
     )
 
 
+def token_losses() -> st.SearchStrategy[str]:
+    """The losses a language model is trained with (``objective.TOKEN_LOSSES``), shrinking
+    towards token cross-entropy."""
+    return st.sampled_from(TOKEN_LOSSES)
+
+
 @st.composite
-def plans(draw: st.DrawFn, spec: ShardedSpec, tp: int) -> tuple[tuple[str, str], ...]:
+def plans(
+    draw: st.DrawFn, spec: ShardedSpec, tp: int, loss_parallel: bool = True
+) -> tuple[tuple[str, str], ...]:
     """A plan valid for ``spec``'s model at degree ``tp``: one fragment per module group,
     shrinking towards nothing sharded. At ``tp=1`` nothing: a one-rank axis shards nothing,
     and torch 2.13's DTensor refuses some views of a dimension "sharded" over it (a hidden width
-    of 1, column- then row-wise: "would remove or reshape sharded dimension 1")."""
+    of 1, column- then row-wise: "would remove or reshape sharded dimension 1").
+    ``loss_parallel=False``: no head leaves its logits sharded (a loss torch's
+    ``loss_parallel()`` cannot compute, ``objective.LOSS_PARALLEL``)."""
     if tp == 1:
         return ()
-    return tuple(pair for group in plan_choices(spec, tp) for pair in draw(st.sampled_from(group)))
+    groups = plan_choices(spec, tp, loss_head=loss_parallel)
+    return tuple(pair for group in groups for pair in draw(st.sampled_from(group)))
 
 
 @functools.cache
@@ -194,7 +207,8 @@ def _scenarios(
     # the head tied to a vocabulary embedding half the time (shrinking towards untied)
     tied = tokens and spec.embedding and draw(st.booleans())
     spec = dataclasses.replace(spec, tokens=tokens, tied=tied)
-    plan = draw(plans(spec, tp))
+    loss = draw(token_losses()) if tokens else "squared_error"
+    plan = draw(plans(spec, tp, loss_parallel=loss in LOSS_PARALLEL))
     dtype = draw(st.sampled_from(dtypes))
     optimizer, kwargs = optimizer_for(draw, dtype)
     dp = world_size // tp
@@ -206,7 +220,7 @@ def _scenarios(
     return Scenario(
         model=spec,
         data=_data(tokens, spec.embedding),
-        loss="token_cross_entropy" if tokens else "squared_error",
+        loss=loss,
         optimizer=optimizer,
         optimizer_kwargs=kwargs,
         lr_decay=None if "lr-schedule" in without else draw(st.sampled_from((None, 0.5))),

@@ -90,7 +90,8 @@ class Scenario:
     checkpoint_after: int | None = None
     resume_world_size: int | None = None  # the resumed run's world size (None: the same W)
     # the terms of the objective (ddpcheck._language.objective.LOSSES): "squared_error" per
-    # sample, or "token_cross_entropy" per non-padding token (model logits (B, L, V), data tokens)
+    # sample, or per non-padding token "token_cross_entropy" and the other token losses
+    # (objective.TOKEN_LOSSES: model logits (B, L, V), data tokens)
     loss: str = "squared_error"
     # the forward under torch.autocast(device, dtype=autocast): torch.bfloat16 or torch.float16
     autocast: torch.dtype | None = None

@@ -341,12 +341,13 @@ def _lone(
 Fragment = tuple[tuple[str, str], ...]
 
 
-def plan_choices(spec: ShardedSpec, tp: int) -> list[list[Fragment]]:
+def plan_choices(spec: ShardedSpec, tp: int, loss_head: bool = True) -> list[list[Fragment]]:
     """Per module group of ``spec``'s model, the plan fragments that keep it computing the same
     function over a ``tp``-way axis (the first of each: nothing sharded). A plan is one fragment
     of each group, concatenated. A run of norm blocks is one group with the input projection
     (when it opens the model) and the head (when it closes it): a sequence-parallel region's
-    ends depend on its neighbours (:func:`_regions`)."""
+    ends depend on its neighbours (:func:`_regions`). ``loss_head=False``: no head leaves its
+    logits sharded for ``loss_parallel()`` (a loss it cannot compute)."""
     w = spec.width
     out = VOCABULARY if spec.tokens else OUT_FEATURES
     units: list[list[Fragment]] = [_lone("inp", w, IN_FEATURES, tp)]
@@ -378,10 +379,10 @@ def plan_choices(spec: ShardedSpec, tp: int) -> list[list[Fragment]]:
             sequence = tp > 1 and every_rank_holds(SEQUENCE, tp)
             units.append([(), ((f"{at}.norm", "sequence"),)] if sequence else [()])
     head = _lone("head", out, w, tp)
-    if spec.tokens and tp > 1 and every_rank_holds(out, tp):
+    if spec.tokens and loss_head and tp > 1 and every_rank_holds(out, tp):
         head.append((("head", "colwise-loss"),))  # logits sharded over the vocabulary
     units.append(head)
-    return _tie(spec, _regions(spec, tp, units))
+    return _tie(spec, _regions(spec, tp, units, loss_head))
 
 
 def _tie(spec: ShardedSpec, groups: list[list[Fragment]]) -> list[list[Fragment]]:
@@ -405,7 +406,9 @@ def _tie(spec: ShardedSpec, groups: list[list[Fragment]]) -> list[list[Fragment]
     return [kept, *groups[1 : len(groups) - (len(pairs) - 1)]]
 
 
-def _regions(spec: ShardedSpec, tp: int, units: list[list[Fragment]]) -> list[list[Fragment]]:
+def _regions(
+    spec: ShardedSpec, tp: int, units: list[list[Fragment]], loss_head: bool = True
+) -> list[list[Fragment]]:
     """``units`` (the input projection, each block, the head) grouped: each run of norm blocks
     with its neighbours that can carry the sequence shards in and out, its fragments every valid
     combination of theirs with the region's ends filled in (:func:`_ends`), fewest modules
@@ -433,7 +436,7 @@ def _regions(spec: ShardedSpec, tp: int, units: list[list[Fragment]]) -> list[li
         width = VOCABULARY if spec.tokens else OUT_FEATURES
         if j == last + 2 and every_rank_holds(width, tp):  # the head gathers the sequence
             members[-1].append((("head", "colwise-sequence"),))
-            if spec.tokens:
+            if spec.tokens and loss_head:
                 members[-1].append((("head", "colwise-sequence-loss"),))
         combined = [
             fragment

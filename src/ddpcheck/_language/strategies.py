@@ -31,7 +31,7 @@ from ddpcheck._language import features
 from ddpcheck._language.models import KINDS, Layer, ModelSpec
 from ddpcheck._language.optimizers import optimizers
 from ddpcheck._language.pipeline_draws import pipeline_scenarios
-from ddpcheck._language.plans import DRAWN, tensor_parallel_scenarios
+from ddpcheck._language.plans import DRAWN, tensor_parallel_scenarios, token_losses
 from ddpcheck._language.scenario import Epochs, Scenario
 from ddpcheck._language.torch_limits import autocast_unavailable
 from ddpcheck._language.zoo import BiasGroups, GPTConfig, token_data
@@ -278,7 +278,7 @@ def _scenarios(
     spec: GPTConfig | ModelSpec  # a language model, or layers on a hidden state
     mixed = False  # float32 layers in a float64 model
     if tokens:
-        spec, data, loss = draw(gpt_models(without=without)), token_data, "token_cross_entropy"
+        spec, data, loss = draw(gpt_models(without=without)), token_data, draw(token_losses())
     else:
         spec = layered = draw(model_strategy)
         data, loss = layered.data, "squared_error"

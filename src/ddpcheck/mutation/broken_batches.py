@@ -10,23 +10,31 @@ in DDP.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from contextlib import AbstractContextManager
 
 import torch
+from torch import nn
 
+from ddpcheck._language import objective
 from ddpcheck._language.batches import (
     BatchPlan,
     DistributedSamplerBatches,
     GlobalBatch,
     TokenMean,
+    contiguous,
     split,
 )
+from ddpcheck._language.features import FEATURES
+from ddpcheck._language.training import OptimizerLike
 
 __all__ = [
     "FlooredShards",
     "MeanOfRankMeans",
     "MicroBatchTokenMean",
     "PaddingSampler",
+    "RankMeanBonusHooks",
     "RankTokenMean",
     "SamplerSeededPerRank",
     "SkipsEmptyShard",
@@ -119,3 +127,42 @@ class RankTokenMean(TokenMean):
     holds as many tokens."""
 
     over: str = "rank"  # BUG: the rank's token count, not the global batch's
+
+
+#: ``RankMeanBonusHooks``: what this rank's step's plan found, ``T / (W * T_r)`` (1: nothing to
+#: change), read by its micro-batches (the rank is a process of its own)
+_RANK_BONUS = [1.0]
+
+
+class RankMeanBonusHooks:
+    """J5: the entropy bonus and the KL term normalised over the rank's *own* tokens (a
+    ``masked_mean`` of the entropy over the rank's batch, as RL trainers compute it per rank),
+    while the cross-entropy beside them is normalised over the global batch's tokens: the plan is
+    the default one (``shard_batch`` only counts), and each micro-batch (``micro_batch``) weighs
+    the extra term by ``T / (W * T_r)``. Right only when every rank holds as many tokens."""
+
+    # declared with the plan, so token scenarios judge it too (ddpcheck.features.supported_by)
+    supported_features = frozenset(FEATURES) - {"param-dtype"}
+
+    def shard_batch(self, batch: GlobalBatch) -> BatchPlan:
+        plan = contiguous(batch)
+        mine = sum(batch.terms_of(micro) for micro in plan.micro_batches)
+        if batch.tokens is not None and batch.reduction == "mean" and mine:
+            _RANK_BONUS[0] = batch.total / (batch.world_size * mine)  # BUG: the rank's tokens
+        else:
+            _RANK_BONUS[0] = 1.0
+        return plan
+
+    def micro_batch(
+        self, model: nn.Module, optimizer: OptimizerLike, index: int, count: int
+    ) -> AbstractContextManager[object]:
+        stack = contextlib.ExitStack()
+        stack.enter_context(super().micro_batch(model, optimizer, index, count))  # type: ignore[misc]
+        weights = objective.ENTROPY_WEIGHT, objective.KL_WEIGHT
+        objective.ENTROPY_WEIGHT, objective.KL_WEIGHT = (w * _RANK_BONUS[0] for w in weights)
+
+        def restore() -> None:
+            objective.ENTROPY_WEIGHT, objective.KL_WEIGHT = weights
+
+        stack.callback(restore)
+        return stack

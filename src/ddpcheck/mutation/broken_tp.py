@@ -13,6 +13,7 @@ method of the class it mutates.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from contextlib import AbstractContextManager
@@ -45,6 +46,7 @@ __all__ = [
     "EmbeddingUnreducedTP",
     "FlooredShardsTP",
     "GatherReversedTP",
+    "LocalVocabularyLogSoftmaxTP",
     "LocalVocabularyLossTP",
     "LossScaledByTpTP",
     "NormCountsReplicasTP",
@@ -286,6 +288,24 @@ def home_made_vocabulary(
     return styles
 
 
+class _LocalVocabularyLogSoftmax(torch.overrides.TorchFunctionMode):
+    """A home-made vocabulary-parallel log-softmax, inside torch's ``loss_parallel()``: each
+    rank's log-probabilities normalised over its own shard of the vocabulary (the maximum and the
+    sum of exponentials never all-reduced), handed on as the same ``Shard(-1)`` DTensor."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        from torch.distributed.tensor import DTensor
+
+        kwargs = kwargs or {}
+        if func is not F.log_softmax or not isinstance(args[0], DTensor):
+            return func(*args, **kwargs)
+        logits = args[0]
+        local = logits.to_local().log_softmax(-1)  # BUG: this rank's vocabulary only
+        return DTensor.from_local(
+            local, logits.device_mesh, logits.placements, shape=logits.shape, stride=logits.stride()
+        )
+
+
 # -- the targets -------------------------------------------------------------------------------
 
 
@@ -511,6 +531,20 @@ class TieLostTP(TorchTPTarget):
         pass  # BUG: the tie parallelize_module broke stays broken
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalVocabularyLogSoftmaxTP(TorchTPTarget):
+    """K17 (``loss_context``): the policy gradient's log-probabilities of logits sharded over
+    the vocabulary from a home-made log-softmax (``_LocalVocabularyLogSoftmax``) inside torch's
+    ``loss_parallel()``, normalised over each rank's own shard of the vocabulary (the
+    cross-entropy, computed by ``F.cross_entropy``, is untouched: only ``log_softmax`` users)."""
+
+    def loss_context(self) -> AbstractContextManager[object]:
+        stack = contextlib.ExitStack()
+        stack.enter_context(super().loss_context())
+        stack.enter_context(_LocalVocabularyLogSoftmax())  # BUG: normalised per shard
+        return stack
+
+
 #: The catalogue's rows of this family: ``(mutant class name, bug class, one line)``, in
 #: catalogue order (``ddpcheck.mutation.catalogue`` builds each mutant from its class).
 ENTRIES: list[tuple[str, str, str]] = [
@@ -601,5 +635,10 @@ TORCH_ENTRIES: list[tuple[str, str, str]] = [
         "TieLostTP",
         "K16",
         "tied embedding and head not re-tied after parallelize_module: two matrices",
+    ),
+    (
+        "LocalVocabularyLogSoftmaxTP",
+        "K17",
+        "policy gradient's vocabulary-parallel log-softmax normalised over the rank's own shard",
     ),
 ]

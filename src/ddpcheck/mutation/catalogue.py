@@ -474,6 +474,12 @@ _ENTRIES: list[tuple[str, str, str, dict]] = [
         {"batches": S.RankTokenMean},
     ),
     (
+        "RankMeanBonus",
+        "J5",
+        "entropy bonus and KL term normalised over the rank's own tokens, not the global batch's",
+        {"hooks": S.RankMeanBonusHooks},
+    ),
+    (
         "LastMicroBatchAfterReduce",
         "J4",
         "fp32 accumulator all-reduced before the last micro-batch is added: it stays local",
@@ -770,7 +776,7 @@ def stale_overrides() -> list[str]:
             original = DDP if issubclass(broken, DDP) else ShardedOptimizer
             stale += _stale(mutant, broken, original)
         for hooks in type(mutant.target).__mro__:
-            if hooks.__module__ in (K.__name__, R.__name__):
+            if hooks.__module__ in (K.__name__, R.__name__, S.__name__):
                 stale += _stale(mutant, hooks, Target)
     return stale
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
+from ddpcheck._language.objective import LOSS_PARALLEL
 from ddpcheck._language.scenario import Scenario, batch_size_of, micro_batches_of
 from ddpcheck._language.sharded_models import (
     LOSS_STYLES,
@@ -60,6 +61,7 @@ __all__ = [
     "empty_sequence",
     "empty_shard",
     "first_empty_shard",
+    "no_loss_parallel",
     "replicate_rest",
     "retie",
     "tied_parameters",
@@ -326,7 +328,7 @@ class PlanTarget(Target):
     def supports(self, scenario: Scenario) -> str | None:
         if scenario.tensor_parallel is None:
             return f"{type(self).__name__} checks tensor-parallel scenarios (a plan and a mesh)"
-        return None
+        return no_loss_parallel(scenario)
 
     def micro_batch(
         self, model: nn.Module, optimizer: OptimizerLike, index: int, count: int
@@ -347,6 +349,24 @@ class PlanTarget(Target):
         from torch.distributed.tensor.parallel import loss_parallel
 
         return loss_parallel()
+
+
+def no_loss_parallel(scenario: Scenario) -> str | None:
+    """Why torch's ``loss_parallel()`` cannot compute the scenario's loss on the logits its plan
+    leaves sharded over the vocabulary (None: it can, or no head leaves them sharded)."""
+    plan = scenario.tensor_parallel.plan if scenario.tensor_parallel is not None else ()
+    if scenario.loss in LOSS_PARALLEL or not any(style in LOSS_STYLES for _, style in plan):
+        return None
+    if scenario.loss == "label_smoothing":
+        return (
+            "loss='label_smoothing' on logits sharded over the vocabulary: torch's "
+            'loss_parallel() says of label_smoothing "Currently not supported"'
+        )
+    return (
+        f"loss={scenario.loss!r} on logits sharded over the vocabulary: torch's loss_parallel() "
+        "supports the cross-entropy only, and its log_softmax backward is nll_loss's alone (an "
+        "entropy or KL term gets a wrong gradient: bench/loss_parallel_entropy.py)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
