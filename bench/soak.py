@@ -130,6 +130,8 @@ TARGETS = {
     # the frameworks whose reported loss the oracle reads (--targets): installed on request
     "hf_trainer": targets.HF_TRAINER,
     "lightning": targets.LIGHTNING,
+    # Fabric's own data path over epochs (--epochs --targets fabric): setup_dataloaders
+    "fabric": targets.FABRIC,
     # DeepSpeed's own data path over epochs (--epochs --targets deepspeed_zero1,...): float32
     "deepspeed_zero1": targets.DEEPSPEED_ZERO1,
     "deepspeed_zero2": targets.DEEPSPEED_ZERO2,

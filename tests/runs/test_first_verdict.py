@@ -62,6 +62,25 @@ def test_a_failure_needing_accumulation_is_shrunk_and_confirmed(monkeypatch):
     assert calls[-1] == shrunk and calls.count(shrunk) == 2  # run once more: the confirmation
 
 
+def test_a_batch_plan_broken_over_epochs_is_searched_among_epochs_alone(monkeypatch):
+    # accelerate's ignored split_batches keyword breaks the batch plan and, in plain scenarios,
+    # steps the LR schedule W times: the search must not trade the first for the second
+    epochs = dict(BATTERY)["epochs-accumulate"]
+    drawn = []
+
+    def check(target, scenario, world_size, *settings, **run):
+        drawn.append(scenario)
+        if scenario.epochs is None:
+            raise _error(scenario, "LR schedule differs")
+        raise _error(scenario, "sample of another step")
+
+    monkeypatch.setattr(smaller, "check_example", check)
+    fed = _error(epochs, "sample of another step")
+    search = smaller.smaller(targets.PARALLEL, fed, world_sizes=(2,), seconds=5.0)
+    assert search.error is not None and search.error.kinds == ["sample of another step"]
+    assert drawn and all(scenario.epochs is not None for scenario in drawn)
+
+
 def test_a_checkpoint_that_failed_in_the_world_it_resumed_in_is_searched_there_too(monkeypatch):
     # checkpoint-resume at W=1 resumes at W=2: a bug of several ranks fails it "at W=1"
     resumed = dict(BATTERY)["checkpoint-resume"]

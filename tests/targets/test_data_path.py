@@ -1,7 +1,8 @@
 """A framework's own data path: accelerate's ``prepare(dataloader)``, torch's
-``DistributedSampler``, Lightning's ``Trainer.fit`` and transformers' ``Trainer.train`` over a
-scenario's epochs, judged by what each step consumed and by the numbers; accelerate's
-``split_batches`` keyword, accepted and ignored since 1.0, is caught."""
+``DistributedSampler``, Lightning's ``Trainer.fit``, Fabric's ``setup_dataloaders`` and
+transformers' ``Trainer.train`` over a scenario's epochs, judged by what each step consumed and
+by the numbers; accelerate's ``split_batches`` keyword, accepted and ignored since 1.0, is
+caught."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import pytest
 import ddpcheck
 from ddpcheck import Epochs, EquivalenceError, NothingChecked, Scenario, cli, targets, zoo
 from ddpcheck._oracle.compare import STEPS_DIFFER
-from ddpcheck._oracle.consumed import FOREIGN
+from ddpcheck._oracle.consumed import DUPLICATED, FOREIGN
 from ddpcheck.targets.accelerate import AccelerateTarget
 from ddpcheck.targets.builtin import TorchDDPTarget
+from ddpcheck.targets.fabric import FabricTarget
 from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
 
@@ -61,6 +63,17 @@ class LightningGlobalBatchPerDevice(LightningTarget):
         return type(loader)(
             run.dataset, batch_size=run.global_batch // run.accumulation, sampler=loader.sampler
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class FabricLoaderWithoutSampler(FabricTarget):
+    """A Fabric loop that turns Fabric's sampler off and gives its loader none of its own:
+    every rank loads the whole dataset."""
+
+    use_distributed_sampler: bool = False
+
+    def train_loader(self, run):
+        return type(super().train_loader(run))(run.dataset, batch_size=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +167,38 @@ def test_a_lightning_loader_of_the_global_batch_per_device_is_caught():
     assert "the ranks together took 18 sample(s)" in first.detail  # 9 per rank: all of it
 
 
+def test_fabric_trains_epochs_through_its_setup_dataloaders():
+    # a short last window each epoch; Fabric's sampler, then the user's own (an evaluation set
+    # W does not divide: each rank evaluates its share, unpadded, through Fabric's module)
+    pytest.importorskip("lightning")
+    evaluated = dataclasses.replace(SHORT, epochs=Epochs(samples=10, epochs=2, evaluation=5))
+    assert ddpcheck.check_example(targets.FABRIC, evaluated, 2) == ()
+
+
+@pytest.mark.thorough  # varies test_fabric_trains_epochs_through_its_setup_dataloaders
+def test_fabric_trains_epochs_through_the_users_own_sampler_and_catches_none():
+    pytest.importorskip("lightning")
+    assert ddpcheck.check_example(FabricTarget(use_distributed_sampler=False), SHORT, 2) == ()
+    with pytest.raises(EquivalenceError) as caught:  # no sampler at all: each rank loads all
+        ddpcheck.check_example(FabricLoaderWithoutSampler(), SHORT, 2)
+    assert caught.value.divergences[0].kind == DUPLICATED, caught.value
+
+
+def test_fabric_declines_its_samplers_padding_a_dropped_batch_and_shuffling():
+    odd = Scenario(zoo.MLP, global_batch=2, epochs=Epochs(samples=7))
+    why = targets.FABRIC.supports_at(odd, 2)
+    assert "7 samples over 2 ranks: fabric.setup_dataloaders(use_distributed_sampler=True)" in why
+    assert "will add extra indices" in why
+    own = FabricTarget(use_distributed_sampler=False).supports_at(odd, 2)
+    assert own.startswith("7 samples over 2 ranks: DistributedSampler(drop_last=False)")
+    tail = Scenario(zoo.MLP, global_batch=4, epochs=Epochs(samples=10))  # 5 a rank, batches of 2
+    assert targets.FABRIC.supports_at(tail, 2) is None
+    assert "drop the last incomplete batch" in FabricTarget(drop_last=True).supports_at(tail, 2)
+    assert FabricTarget(drop_last=True).supports_at(SHORT, 2) is None  # 5 a rank, batches of 1
+    assert "index order (a limit of ddpcheck)" in FabricTarget(shuffle=True).supports(SHORT)
+    assert FabricTarget(shuffle=True).supports(dataclasses.replace(SHORT, epochs=None)) is None
+
+
 def test_the_hf_trainer_trains_epochs_through_its_own_data_path():
     # its get_train_dataloader, accelerate's sharding of it and its epoch loop: a short last
     # window is weighed by the items the Trainer counts in it (num_items_in_batch), or divided
@@ -231,9 +276,12 @@ def test_the_command_line_exits_1_on_the_keyword(tmp_path, monkeypatch, capsys):
     )
     out = capsys.readouterr().out
     assert status == 1, out
-    # the battery's epochs name the batch; a smaller counterexample may show the keyword's
-    # other consequence, AcceleratedScheduler stepping W times per step (it reads the split too)
+    # the battery's epochs name the batch, and so does the smaller counterexample: it is searched
+    # among scenarios with epochs (elsewhere the keyword's other face, AcceleratedScheduler
+    # stepping W times per step, would be shown); a search out of time under load leaves the
+    # battery's verdict, named
     assert "epochs-accumulate failed at world size 2 (sample of another step)" in out
-    shown = r"diverged at world size 2: (sample of another step|LR schedule differs)"
+    kinds = "(sample of another step|sample duplicated|sample dropped)"
+    shown = rf"diverged at world size 2( \(epochs-accumulate\))?: {kinds}"
     assert re.search(shown, out), out
     assert "replay:" in out

@@ -31,6 +31,8 @@ from ddpcheck._language import features
 from ddpcheck._language import strategies as dst
 from ddpcheck._language.messages import exception_text, scenario_line
 from ddpcheck._language.scenario import Scenario, build_model
+from ddpcheck._oracle.consumed import FOREIGN, STEPS_DIFFER
+from ddpcheck._oracle.sample_weights import DROPPED, DUPLICATED
 from ddpcheck._runs.engine import Draws, Example, Plan, outcome_of, search
 from ddpcheck._runs.example import check_example
 from ddpcheck._runs.replay import possibly_racy
@@ -40,6 +42,7 @@ from ddpcheck.targets.known_bugs import known_bug_line
 from ddpcheck.targets.protocol import Target
 
 __all__ = [
+    "DATA_PATH_KINDS",
     "EXAMPLES",
     "MIN_DEADLINE",
     "SECONDS",
@@ -51,6 +54,8 @@ __all__ = [
     "with_features",
 ]
 
+#: What a framework's own data path fed wrong (``_oracle.consumed``): the batch plan of an epoch.
+DATA_PATH_KINDS = frozenset((FOREIGN, STEPS_DIFFER, DROPPED, DUPLICATED))
 #: Examples Hypothesis may draw before its first failure (shrinking steps not counted).
 EXAMPLES = 60
 #: Seconds the search may take, shrinking included; a shrink cut short keeps the smallest
@@ -171,6 +176,7 @@ class _Searching:
                     unsupported,
                     world_sizes,
                     None if degrees is None else degrees.get(w),
+                    data_path=_fed_wrong(found),
                 )
                 for w in sizes
             },
@@ -305,6 +311,12 @@ def with_features(error: EquivalenceError, what: str, survey: str) -> Equivalenc
     return error
 
 
+def _fed_wrong(found: EquivalenceError) -> bool:
+    """Whether a framework's own data path fed ``found``'s scenario other samples or steps than
+    its epochs make: a failure only scenarios with epochs can show."""
+    return found.scenario.epochs is not None and found.divergences[0].kind in DATA_PATH_KINDS
+
+
 def _strategy(
     battery: Scenario,
     failed_at: int,
@@ -312,11 +324,26 @@ def _strategy(
     unsupported: frozenset[str],
     world_sizes: tuple[int, ...],
     degrees: tuple[int, ...] | None = None,
+    *,
+    data_path: bool = False,
 ) -> st.SearchStrategy:
     """Scenarios at ``world_size`` in the battery scenario's dtype: plain ones first, then ones
     made to exercise each feature the battery scenario exercises at ``failed_at`` -- but its
-    dtype and ``broadcast`` (every scenario has them), and at W=1 what one rank cannot."""
+    dtype and ``broadcast`` (every scenario has them), and at W=1 what one rank cannot. A
+    ``data_path`` failure (:func:`_fed_wrong`) is searched among scenarios with epochs alone:
+    elsewhere the search would shrink to another face of the bug (accelerate's ignored
+    ``split_batches`` keyword also steps the LR schedule W times), not the batch plan it broke."""
     dtype = battery.dtype
+    if data_path and "epochs" not in unsupported and dst.can_exercise("epochs", world_size):
+        return dst.exercising(
+            "epochs",
+            world_size=world_size,
+            dtypes=(dtype,),
+            without=unsupported,
+            resume_world_sizes=world_sizes,
+            opt_in=frozenset(features.OPT_IN) - unsupported,
+            tp_degrees=degrees,
+        )
     found = features.of(battery, failed_at)
     rows = [
         f

@@ -183,11 +183,12 @@ class SamplerDataPath(Target):
         self, model: nn.Module, run: EpochRun, batch: Sequence[torch.Tensor], total: int
     ) -> None:
         """Back-propagate ``batch``'s summed terms times W, over the window's ``total`` terms for
-        a mean objective (``run.loss_of`` is their mean: a user's ``loss.mean()``)."""
+        a mean objective (``run.loss_of`` is their mean: a user's ``loss.mean()``), through the
+        target's ``backward`` hook."""
         scale = float(run.terms_of(batch) * run.world_size)
         if run.scenario.reduction == "mean":
             scale /= max(total, 1)
-        (run.loss_of(model, batch) * scale).backward()
+        self.backward(model, run.loss_of(model, batch) * scale)  # Fabric's fabric.backward
 
     def step(
         self,
