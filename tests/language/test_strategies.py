@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, assume, find, given, settings
+from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis.errors import NoSuchExample
 
 import ddpcheck
@@ -21,6 +21,7 @@ from ddpcheck.features import declines
 from ddpcheck.models import Layer, ModelSpec
 from ddpcheck.scenario import build_model
 from tests.patience import patience
+from tests.shrink import find
 
 FAST = settings(
     max_examples=25,
@@ -125,7 +126,8 @@ def test_shrinking_reaches_small_models():
     scenario = find(
         dst.scenarios(),
         lambda s: s.accumulation > 1 and s.global_batch % 3,
-        settings=settings(database=None, max_examples=500),
+        # derandomized: one run in ten or so stopped at Adam once token losses were drawn too
+        settings=settings(database=None, max_examples=500, derandomize=True),
     )
     assert scenario.model == ModelSpec(width=2)
     assert (scenario.global_batch, scenario.accumulation, scenario.steps) == (1, 2, 1)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, find, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import NoSuchExample
 
 from ddpcheck import Scenario, ScenarioError
 from ddpcheck import strategies as dst
 from ddpcheck._language import features, torch_limits
 from ddpcheck._oracle.judgeable import check_scenario
+from tests.shrink import find
 
 FAST = settings(
     max_examples=60,

@@ -18,7 +18,7 @@ import sys
 import textwrap
 
 import pytest
-from hypothesis import find, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 
 import ddpcheck
@@ -41,6 +41,7 @@ from ddpcheck.targets.option_space import (
 )
 from parallel import sharding
 from tests.patience import patience
+from tests.shrink import find
 
 
 def test_the_draw_covers_every_option_and_shrinks_them_away():

@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis.strategies import SearchStrategy
 
 from ddpcheck import targets
 from ddpcheck.targets.option_space import drawn_options, label, space_of, vary
+from tests.shrink import find
 
 #: target -> the ``config`` keys its space must draw
 CONFIG_KEYS = {
@@ -110,9 +111,9 @@ def test_a_config_key_shrinks_to_absent_and_a_nested_one_to_its_fewest_keys() ->
     ]["kwargs_handlers"]
     base = {"class": "DistributedDataParallelKwargs", "find_unused_parameters": True}
     assert len(handler) == 3 and base.items() <= handler.items(), handler  # one option drawn
-    assert find(_space(targets.ACCELERATE), lambda d: "config" in d) == {
-        "config": {"dataloader_config": {"dispatch_batches": True}}
-    }
+    # any configuration at all shrinks to one option of one key (which one: the search's)
+    ((key, value),) = find(_space(targets.ACCELERATE), lambda d: "config" in d)["config"].items()
+    assert not isinstance(value, dict) or len(value) == 1, (key, value)
 
 
 def test_lightning_draws_the_strategy_or_the_field_never_both() -> None:
