@@ -256,12 +256,13 @@ def _wrap_functional(name: str, original: Callable[..., object]) -> Callable[...
                 site=call_site(),
                 functional=True,
             )
-            # the harness's own gathers (paused) stay out of the sequence file too: every rank
-            # issues them alike, and a DTensor's are many (each tensor recorded, every step)
             if not _paused:
                 _log.append(record)
-                if _sequence_fd is not None:
-                    os.write(_sequence_fd, sequence_line(record))
+            # the harness's own gathers (paused) too, as torch.distributed's: a rank that issued
+            # one DTensor collective more then pairs it with its peer's gather, which the wait
+            # names as mismatched -- without them the peer seems to have issued nothing
+            if _sequence_fd is not None:
+                os.write(_sequence_fd, sequence_line(record))
             return original(*args, **kwargs)
         finally:
             _inside_functional[0] -= 1
