@@ -229,7 +229,7 @@ def _wrap_functional(name: str, original: Callable[..., object]) -> Callable[...
     first argument the tensor(s), ``group`` a process group, a mesh dimension, a name or ranks;
     ``reduceOp`` its reduction, ``src`` its root. Its result stays torch's (an
     ``AsyncCollectiveTensor``, waited for wherever torch reads it): ``completed`` stays None.
-    Cost: 6-8 us per call over torch's ~60 us (a one-rank all-reduce of 12 floats), each group's
+    Cost: ~30 us per call over torch's ~60 us (a one-rank all-reduce of 12 floats), each group's
     ranks looked up once per group name (``bench/comm_record_cost.py``)."""
     op = name.removesuffix("_autograd")
 
