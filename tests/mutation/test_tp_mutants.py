@@ -107,3 +107,30 @@ def test_the_shrinking_search_kills_tp_mutants_with_small_counterexamples():
     assert (
         "replicas differ along tp (initial state)" in rows[1].outcome.counterexample.one_line()
     ), out
+
+
+@pytest.mark.slow
+def test_a_norm_over_dtensors_counting_replicas_is_killed_by_the_norm_alone():
+    # K9 over torch's DTensors (LocalNormsSummedTP): the local tensors' norms summed over tp,
+    # the LayerNorm's Replicate gradients counted twice. At max_grad_norm=100 nothing is clipped,
+    # every gradient and parameter is right; the norm the clipping returned is not (1.408x), and
+    # the report shows the step's DTensor collectives by mesh axis.
+    from ddpcheck._language.sharded_models import ShardedBlock, ShardedSpec, sequence_data
+    from ddpcheck._language.tensor_parallel import TensorParallel
+
+    scenario = ddpcheck.Scenario(
+        ShardedSpec(blocks=(ShardedBlock("mlp", 4), ShardedBlock("norm", 4)), width=4),
+        data=sequence_data,
+        global_batch=4,
+        steps=1,
+        rank_seeds=False,
+        max_grad_norm=100.0,
+        tensor_parallel=TensorParallel((("blocks.0.up", "colwise"), ("blocks.0.down", "rowwise"))),
+    )
+    with pytest.raises(ddpcheck.EquivalenceError) as caught:
+        ddpcheck.check_example(broken_tp.LocalNormsSummedTP(), scenario, 2, deadline=patience(60))
+    assert caught.value.kinds == ["gradient norm differs"], caught.value
+    report = str(caught.value)
+    assert "the reference's 17.5717768 (1.408x)" in report, report
+    # the row-wise output's all-reduce, the column-wise input gradient's, the mutant's norm
+    assert "communication at step 0" in report and "ranks 0, 1: tp all_reduce x3" in report, report

@@ -227,8 +227,11 @@ class EquivalenceError(DdpcheckError, AssertionError):
         replay: str,
         failure: object = None,
         name: str | None = None,
+        communication: str = "",
     ):
         self.divergences = divergences
+        #: on a mesh, the failing step's collectives per rank, by axis (``""``: not shown)
+        self.communication = communication
         self.scenario = scenario
         self.world_size = world_size
         self.target = target
@@ -256,6 +259,8 @@ class EquivalenceError(DdpcheckError, AssertionError):
         for d in details:
             where = f"step {d.step}, rank {'-' if d.rank is None else d.rank}, {d.name!r}"
             lines += ["", f"first divergence ({where}):", d.detail]
+        if self.communication:
+            lines += ["", self.communication]
         if self.failure is not None:
             lines += ["", str(self.failure)]
         lines += ["", f"replay: {self.replay}"]

@@ -47,6 +47,9 @@ class Collective:
     completed: float | None = None  # perf_counter() when the collective finished on this rank
     waited: float | None = None  # perf_counter() when wait() returned (async_op=True only)
     site: str = ""  # "file:line in function" of the caller (see `call_site`); not in the signature
+    #: issued through torch's functional collectives (DTensor's redistributions, FSDP2's norm):
+    #: shown and paired like the others, left out of the data-parallel budget, which predates them
+    functional: bool = False
 
     def signature(self) -> tuple:
         """What every rank of the group must agree on for the collective to pair correctly."""
@@ -129,6 +132,10 @@ class StepRecord:
     metric: float | None = None
     #: the dtype the reported metric was computed in (as ``reported_dtype``)
     metric_dtype: str | None = None
+    #: the global gradient norm the step's clipping returned (``Target.clip_grad_norm``; the
+    #: reference's ``clip_grad_norm_``), a DTensor's as its full value; None: no clipping, or
+    #: no number returned
+    grad_norm: float | None = None
 
 
 @dataclasses.dataclass

@@ -153,6 +153,8 @@ class Loop:
     #: ``(max_norm, norm_type) ->`` clip the synchronised gradients; only called when the
     #: scenario clips. None: ``torch.nn.utils.clip_grad_norm_`` over the model's parameters.
     clip_grad_norm: Callable[[float, float], object] | None = None
+    #: ``(step, norm) ->`` what the clipping returned: the global gradient norm, judged on a mesh
+    clipped: Callable[[int, object], None] = _nothing
     before_step: Callable[[int], None] = _nothing  # after the batches are drawn, before forward
     before_optimizer_step: Callable[[int], None] = _nothing  # after after_backward
     after_step: Callable[[int], None] = _nothing  # after optimizer.step and the schedule
@@ -425,7 +427,7 @@ def train(
         t3 = clock()
         loop.after_backward()
         if scenario.max_grad_norm is not None:
-            _clip(scenario.max_grad_norm, scenario.grad_norm_type, model, loop)
+            loop.clipped(step, _clip(scenario.max_grad_norm, scenario.grad_norm_type, model, loop))
         loop.before_optimizer_step(step)
         t4 = clock()
         optimizer.step()
@@ -456,8 +458,7 @@ def _optimizer_step(
     optimizer.zero_grad(set_to_none=scenario.set_to_none)
 
 
-def _clip(max_norm: float, norm_type: float, model: nn.Module, loop: Loop) -> None:
+def _clip(max_norm: float, norm_type: float, model: nn.Module, loop: Loop) -> object:
     if loop.clip_grad_norm is None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
-    else:
-        loop.clip_grad_norm(max_norm, norm_type)
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    return loop.clip_grad_norm(max_norm, norm_type)

@@ -14,7 +14,8 @@ updated parameters, ZeRO style) -- for targets that do not shard parameters (FSD
 each layer in every forward and backward, which this budget does not model); and -- for a target
 that promises ``flattened_broadcasts`` -- the broadcasts per step are at most W x parameter
 dtypes (one per owner and dtype). Only collectives issued through ``torch.distributed``'s Python
-API are seen (``ddpcheck._rank.recorder``).
+API count (``ddpcheck._rank.recorder``; DTensor's functional ones, recorded since, do not: the
+budget was measured without them).
 
 :func:`check_reduce_dtypes` holds the other side of "in its own dtype": no floating-point
 reduction (all-reduce, reduce, reduce-scatter) in a dtype narrower than the narrowest gradient
@@ -66,7 +67,9 @@ def check_reduce_dtypes(
         narrow = [
             c
             for c in record.steps[step].collectives
-            if c.op in REDUCTIONS and any(_BITS.get(d, 64) < _BITS.get(want, 64) for d in c.dtypes)
+            if c.op in REDUCTIONS
+            and not c.functional
+            and any(_BITS.get(d, 64) < _BITS.get(want, 64) for d in c.dtypes)
         ]
         if (
             any(tuple(shape) in gradient_shapes for c in narrow for shape in c.shapes)
@@ -122,7 +125,8 @@ def check_budget(
     )
     out = []
     for record in records:
-        calls = record.steps[step].collectives
+        # DTensor's functional collectives (FSDP2's norm in clipping): the budget predates them
+        calls = [c for c in record.steps[step].collectives if not c.functional]
         floating = [c for c in calls if any(d.startswith(("float", "bfloat")) for d in c.dtypes)]
         reductions = [c for c in floating if c.op in REDUCTIONS]
         padding, padded_numel = _padding(record.steps[step].shards, reference, world_size)

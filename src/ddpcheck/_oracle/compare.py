@@ -73,7 +73,7 @@ from ddpcheck._language.scenario import Scenario, batch_size_of
 from ddpcheck._oracle.budget import check_budget, check_reduce_dtypes
 from ddpcheck._oracle.consumed import STEPS_DIFFER as STEPS_DIFFER
 from ddpcheck._oracle.consumed import data_path_rows, step_counts
-from ddpcheck._oracle.losses import check_losses
+from ddpcheck._oracle.losses import check_grad_norm, check_losses
 from ddpcheck._oracle.mesh_axes import along_axes
 from ddpcheck._oracle.metrics import check_metric
 from ddpcheck._oracle.reference import Reference, reference_run
@@ -295,6 +295,15 @@ def _compare_step(
         lambda: None if (n := reference.noise(earlier_steps + step)) is None else n.loss,
         earlier_steps,
     )
+    if against_ref:  # the global gradient norm, on a mesh
+        found += check_grad_norm(
+            step,
+            records,
+            reference,
+            scenario,
+            tol,
+            lambda: None if (n := reference.noise(earlier_steps + step)) is None else n.grad_norm,
+        )
     found += check_metric(
         step,
         records,

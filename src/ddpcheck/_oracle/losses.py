@@ -31,7 +31,19 @@ from ddpcheck._oracle.reference import Reference
 from ddpcheck._oracle.rows import Named, scalar_row
 from ddpcheck._oracle.tolerances import in_reported_dtype
 
-__all__ = ["LOSS_DIFFERS", "LOSS_REPLICAS", "check_losses", "ranks_loss", "step_loss"]
+__all__ = [
+    "GRAD_NORM_DIFFERS",
+    "LOSS_DIFFERS",
+    "LOSS_REPLICAS",
+    "check_grad_norm",
+    "check_losses",
+    "ranks_loss",
+    "step_loss",
+]
+
+#: The kind of a row whose global gradient norm -- what the step's clipping returned -- is not
+#: the reference's.
+GRAD_NORM_DIFFERS = "gradient norm differs"
 
 #: The kind of a row whose loss -- the ranks' objective or a reported one -- is not the reference's.
 LOSS_DIFFERS = "loss differs"
@@ -167,3 +179,46 @@ def _along_tp(step: int, records: list[RankRecord], scenario: Scenario) -> list[
 
 def _values(losses: tuple[float, ...]) -> str:
     return "[" + ", ".join(f"{v:.9g}" for v in losses) + "]"
+
+
+def check_grad_norm(
+    step: int,
+    records: list[RankRecord],
+    reference: Reference,
+    scenario: Scenario,
+    tol: tuple[float, float],
+    noise: Callable[[], float | None],
+) -> list[Divergence]:
+    """Each rank's global gradient norm -- what its clipping returned at ``step``, a DTensor's
+    as its full value -- against the reference's ``clip_grad_norm_``, on a mesh (a norm over
+    DTensors, or over a plan's shards: replicated gradients counted once, every shard's part
+    combined). The number a user logs, and the one clipping scales by: a norm counting the ``tp``
+    replicas of a gradient tp times clips too hard, and is wrong in the log even where it does not
+    clip at all. A norm sums every gradient's rounding: the tolerance is the step's times the
+    square root of the gradients' elements. Data-parallel targets' clipping is judged by the
+    gradients it leaves, as before (what ``Target.clip_grad_norm`` returns was never promised)."""
+    expected = reference.steps[step].grad_norm
+    if expected is None or (scenario.tensor_parallel is None and scenario.pipeline is None):
+        return []
+    widen = math.sqrt(max(reference.gradient_numel, 1))
+    norm_tol = (tol[0] * widen, tol[1] * widen)
+    out = []
+    for record in records:
+        got = record.steps[step].grad_norm
+        if got is None:
+            continue
+        what = f"the gradient norm rank {record.rank}'s clipping returned"
+        row = scalar_row(
+            (step, 0),
+            len(records),
+            record.rank,
+            Named("grad norm", what, "grad norm"),
+            GRAD_NORM_DIFFERS,
+            got,
+            expected,
+            norm_tol,
+            noise,
+        )
+        if row is not None:
+            out.append(row)
+    return out

@@ -137,6 +137,8 @@ class Noise:
     loss: float = 0.0
     #: the evaluation metric after the step (at an epoch's end; else 0)
     metric: float = 0.0
+    #: the global gradient norm the step's clipping returned (0 where it does not clip)
+    grad_norm: float = 0.0
 
 
 @dataclasses.dataclass
@@ -194,6 +196,10 @@ class Reference:
                     _spread(_flat_state(record.state), [_flat_state(o.state) for o in others]),
                     max((abs(_loss(o) - _loss(record)) for o in others), default=0.0),
                     max((abs(_metric(o) - _metric(record)) for o in others), default=0.0),
+                    max(
+                        (abs((o.grad_norm or 0.0) - (record.grad_norm or 0.0)) for o in others),
+                        default=0.0,
+                    ),
                 )
         return self.noise_cache.get(step)
 
@@ -265,6 +271,7 @@ def _train(
     grads: dict = {}
     terms: dict = {}
     losses: dict = {}
+    norms: dict = {}
 
     def batches(step: int) -> list:
         if variant.nudge is not None and scenario.param_dtype is not None:
@@ -299,6 +306,7 @@ def _train(
         # the step's loss: what a correct target reports, the objective over the global batch
         steps[-1].losses = losses[step]
         steps[-1].reported_loss = math.fsum(losses[step]) / variant.world
+        steps[-1].grad_norm = norms.get(step)  # what clip_grad_norm_ returned, if it clips
         # an epoch's end: the evaluation set's metric, this model's (what a target must report)
         if scenario.epochs is not None and ends_epoch(scenario.epochs, scenario.global_batch, step):
             steps[-1].metric = evaluation_metric(scenario, model, emulate=True)
@@ -316,6 +324,7 @@ def _train(
             step_losses=lambda step, done: losses.__setitem__(
                 step, tuple(float(m.loss.double()) for m in done)
             ),
+            clipped=lambda step, norm: norms.__setitem__(step, float(norm)),  # type: ignore[arg-type]
             after_step=record,
             end_step=lambda step: (
                 _drop_gradients(model) if step == scenario.checkpoint_after else None

@@ -39,6 +39,7 @@ gc.set_threshold(max(_THRESHOLD[0], 10_000), *_THRESHOLD[1:])
 try:  # never fail the server: a rank that then cannot import torch says why in its log
     import torch
     import torch.distributed
+    import torch.distributed._functional_collectives  # the recorder wraps them (80 ms)
 
     # The first optimizer a process builds imports dynamo (what rank_main does at start-up
     # too); one tensor of one element runs no parallel region, so no thread starts.

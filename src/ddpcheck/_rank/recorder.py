@@ -18,10 +18,14 @@ work finished (its future's callback, or else the ``wait()``), ``waited`` when `
 a collective nobody waited for keeps both None.
 
 What it sees: calls made as ``torch.distributed.<op>(...)`` (``parallel/``, torch's
-ZeroRedundancyOptimizer, FSDP2's all-gathers and reduce-scatters, most hand-written code). What it
-cannot see: collectives issued from C++ (torch DDP's Reducer buckets), which never pass through
-Python, and DTensor's functional collectives (``DTensor.full_tensor()``, FSDP2's gradient-norm
-reduction in clipping).
+ZeroRedundancyOptimizer, FSDP2's all-gathers and reduce-scatters, most hand-written code), and
+torch's functional collectives (``torch.distributed._functional_collectives``: every
+redistribution of a DTensor -- a tensor-parallel plan's all-reduces, gathers and reduce-scatters,
+``loss_parallel()``'s, ``DTensor.full_tensor()``, a norm over DTensors in clipping), marked
+``functional`` (the outermost call only: one function of that module calling another is one
+collective). What it cannot see: collectives issued from C++ (torch DDP's Reducer buckets), which
+never pass through Python, and DTensor's set-up broadcasts and scatters (``distribute_tensor``),
+which call c10d's functions by their own names.
 """
 
 from __future__ import annotations
@@ -69,7 +73,30 @@ _OPS: dict[str, tuple[int, str | None]] = {
 }
 
 
+#: torch's functional collectives (``torch.distributed._functional_collectives``), the leaves
+#: and the names that delegate to them alike: only the outermost call is recorded
+_FUNCTIONAL = (
+    "all_reduce",
+    "broadcast",
+    "all_gather_single",
+    "all_gather_single_autograd",
+    "all_gather_tensor",
+    "all_gather_tensor_autograd",
+    "reduce_scatter_single",
+    "reduce_scatter_single_autograd",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_autograd",
+    "all_reduce_coalesced",
+    "all_gather_single_coalesced",
+    "all_gather_into_tensor_coalesced",
+    "reduce_scatter_single_coalesced",
+    "reduce_scatter_tensor_coalesced",
+    "all_to_all_single",
+    "all_to_all_single_autograd",
+)
+
 _log: list[Collective] = []
+_inside_functional = [0]  # depth of wrapped functional calls on this (the only) thread
 _installed = False
 _paused = False  # inside paused(): collectives are not logged
 _sequence_fd: int | None = None  # the sequence file, opened O_APPEND; None: not recording
@@ -174,7 +201,96 @@ def install() -> None:
         original = getattr(dist, name, None)
         if original is not None:
             setattr(dist, name, _wrap(name, original, index, root_name))
+    import torch.distributed._functional_collectives as funcol  # in every torch >= 2.1
+
+    for name in _FUNCTIONAL:
+        original = getattr(funcol, name, None)
+        if callable(original):
+            _FUNCTIONAL_WRAPPED[name] = (original, _wrap_functional(name, original))
+    record_functional(True)
     _installed = True
+
+
+_FUNCTIONAL_WRAPPED: dict[str, tuple[Callable[..., object], Callable[..., object]]] = {}
+
+
+def record_functional(enabled: bool) -> None:
+    """Record torch's functional collectives (True, what :func:`install` does) or leave them
+    unrecorded (False): ``bench/comm_record_cost.py`` measures what recording them costs, in one
+    run, example by example."""
+    import torch.distributed._functional_collectives as funcol
+
+    for name, (original, wrapper) in _FUNCTIONAL_WRAPPED.items():
+        setattr(funcol, name, wrapper if enabled else original)
+
+
+def _wrap_functional(name: str, original: Callable[..., object]) -> Callable[..., object]:
+    """A functional collective recorded as :func:`_wrap` records ``torch.distributed``'s: its
+    first argument the tensor(s), ``group`` a process group, a mesh dimension, a name or ranks;
+    ``reduceOp`` its reduction, ``src`` its root. Its result stays torch's (an
+    ``AsyncCollectiveTensor``, waited for wherever torch reads it): ``completed`` stays None.
+    Cost: ~30 us per call over torch's ~60 us (a one-rank all-reduce of 12 floats), each group's
+    ranks looked up once per group name (``bench/comm_record_cost.py``)."""
+    op = name.removesuffix("_autograd")
+
+    @functools.wraps(original)
+    def recorded(*args: object, **kwargs: object) -> object:
+        if _inside_functional[0]:
+            return original(*args, **kwargs)
+        _inside_functional[0] += 1
+        try:
+            tensors = _tensors(args[0] if args else kwargs.get(_first_param(original, 0)))
+            group = kwargs.get("group", _positional(original, args, "group"))
+            reduce_op = kwargs.get("reduceOp", _positional(original, args, "reduceOp"))
+            root = kwargs.get("src", _positional(original, args, "src"))
+            record = Collective(
+                op=op,
+                nbytes=sum(t.numel() * t.element_size() for t in tensors),
+                dtypes=tuple(str(t.dtype).replace("torch.", "") for t in tensors),
+                shapes=tuple(tuple(t.shape) for t in tensors),
+                root=root if isinstance(root, int) else None,
+                group=_functional_group(group),
+                reduce_op=None if reduce_op is None else str(reduce_op).upper(),
+                async_op=False,
+                launched=time.perf_counter(),
+                site=call_site(),
+                functional=True,
+            )
+            if not _paused:
+                _log.append(record)
+            # the harness's own gathers (paused) too, as torch.distributed's: a rank that issued
+            # one DTensor collective more then pairs it with its peer's gather, which the wait
+            # names as mismatched -- without them the peer seems to have issued nothing
+            if _sequence_fd is not None:
+                os.write(_sequence_fd, sequence_line(record))
+            return original(*args, **kwargs)
+        finally:
+            _inside_functional[0] -= 1
+
+    recorded.__ddpcheck_original__ = original  # type: ignore[attr-defined]
+    return recorded
+
+
+def _functional_group(group: object) -> tuple[int, ...] | None:
+    """The global ranks of a functional collective's group: a ``(DeviceMesh, dim)`` pair, a
+    one-dimensional mesh, a process group, its name or a list of ranks (None: the world's)."""
+    if isinstance(group, list) and all(isinstance(r, int) for r in group):
+        return tuple(group)
+    try:
+        from torch.distributed._functional_collectives import _resolve_group
+
+        resolved = _resolve_group(cast(dist.ProcessGroup, group))
+        if not isinstance(resolved, str):
+            return _group_ranks(dist, resolved)
+        if resolved not in _RANKS_OF_NAME:  # a group's name is never reused in a process
+            process_group = dist.distributed_c10d._resolve_process_group(resolved)
+            _RANKS_OF_NAME[resolved] = _group_ranks(dist, process_group)
+        return _RANKS_OF_NAME[resolved]
+    except Exception:  # a form this torch does not take: the call itself will say so
+        return ()
+
+
+_RANKS_OF_NAME: dict[str, tuple[int, ...] | None] = {}
 
 
 def _wrap(

@@ -172,6 +172,7 @@ def run_example(
                 before_optimizer_step=lambda step: records.gradients(model, optimizer),
                 inside_window=lambda step, index: records.inside_window(index),
                 step_losses=lambda step, losses: records.step_losses(model, optimizer, losses),
+                clipped=lambda step, norm: records.clipped(norm),
                 after_step=lambda step: records.step(step, model, optimizer, scheduler),
             ),
             scheduler=scheduler,
@@ -255,6 +256,7 @@ class StepRecords:
         self.window: list[tuple[int, dict[str, torch.Tensor]]] = []
         self.losses: tuple[float, ...] | None = None  # this step's, until it is recorded
         self.reported: tuple[float, str | None] | None = None
+        self.grad_norm: float | None = None  # this step's, until it is recorded
 
     def initial(self) -> dict:
         with recorder.paused():  # the harness's own gathers of sharded tensors aren't the target's
@@ -311,6 +313,17 @@ class StepRecords:
             who = f"what {type(self.target).__name__}.reported_loss returned"
             self.reported = (_scalar(reported, who), _dtype_of(reported))
 
+    def clipped(self, norm: object) -> None:
+        """The norm the target's clipping returned, whole (a DTensor's full value: a collective
+        every rank issues alike, so not the target's); anything but a number is not judged."""
+        if torch.is_tensor(norm):
+            with recorder.paused():
+                norm = self.target.full_tensor(norm.detach())
+        try:
+            self.grad_norm = _scalar(norm)
+        except TypeError:
+            self.grad_norm = None
+
     def step(
         self,
         step: int,
@@ -344,6 +357,7 @@ class StepRecords:
         if self.reported is not None:
             self.steps[-1].reported_loss, self.steps[-1].reported_dtype = self.reported
         self.reported = None
+        self.steps[-1].grad_norm, self.grad_norm = self.grad_norm, None
 
 
 def _dtype_of(value: object, given: torch.dtype | None = None) -> str | None:

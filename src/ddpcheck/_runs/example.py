@@ -31,6 +31,7 @@ from ddpcheck._base.errors import (
 from ddpcheck._base.options import check_fits_machine
 from ddpcheck._language.batches import check_plans
 from ddpcheck._language.scenario import Scenario
+from ddpcheck._oracle.communication import step_report
 from ddpcheck._oracle.compare import (
     CHAOTIC,
     cannot_judge,
@@ -530,6 +531,9 @@ def verdict(
             "judged and held."
         )
     # The replay line is built only on failure: the passing path is the hot one.
+    shown = ""
+    if records and not resumed and (scenario.tensor_parallel or scenario.pipeline):
+        shown = step_report(records, scenario, divergences[0].step)
     return EquivalenceError(
         divergences,
         scenario=scenario,
@@ -538,6 +542,7 @@ def verdict(
         replay=replay_command(target, scenario, world_size, device=device, backend=backend),
         failure=failure,
         name=name,
+        communication=shown,
     )
 
 

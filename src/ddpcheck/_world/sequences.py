@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import collections
 import dataclasses
+import functools
 from collections.abc import Iterable, Sequence
 
 from ddpcheck._language.records import Collective
@@ -35,27 +36,29 @@ NO_COLLECTIVE = "no rank issued a collective through torch.distributed's Python 
 def parse(text: str) -> list[Collective]:
     """The collectives of one sequence file (a torn last line, from a killed rank, is dropped),
     each with the call site the recorder wrote after the signature fields."""
-    out = []
-    for line in text.splitlines():
-        try:
-            op, dtypes, shapes, root, group, reduce_op, *site = ast.literal_eval(line)
-        except (ValueError, SyntaxError, TypeError):
-            continue
-        out.append(
-            Collective(
-                op=op,
-                nbytes=0,
-                dtypes=tuple(dtypes),
-                shapes=tuple(tuple(s) for s in shapes),
-                root=root,
-                group=None if group is None else tuple(group),
-                reduce_op=reduce_op,
-                async_op=False,
-                launched=0.0,
-                site=site[0] if site else "",
-            )
-        )
-    return out
+    return [c for line in text.splitlines() if (c := _parse_line(line)) is not None]
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_line(line: str) -> Collective | None:
+    """One line, parsed once: the wait reads the files every 0.3 s while ranks run, and a
+    tensor-parallel step repeats a few lines many times (DTensor's collectives)."""
+    try:
+        op, dtypes, shapes, root, group, reduce_op, *site = ast.literal_eval(line)
+    except (ValueError, SyntaxError, TypeError):
+        return None
+    return Collective(
+        op=op,
+        nbytes=0,
+        dtypes=tuple(dtypes),
+        shapes=tuple(tuple(s) for s in shapes),
+        root=root,
+        group=None if group is None else tuple(group),
+        reduce_op=reduce_op,
+        async_op=False,
+        launched=0.0,
+        site=site[0] if site else "",
+    )
 
 
 def same_texts(texts: Sequence[str]) -> bool:

@@ -47,6 +47,7 @@ __all__ = [
     "FlooredShardsTP",
     "GatherReversedTP",
     "LocalVocabularyLogSoftmaxTP",
+    "LocalNormsSummedTP",
     "LocalVocabularyLossTP",
     "LossScaledByTpTP",
     "NormCountsReplicasTP",
@@ -545,6 +546,32 @@ class LocalVocabularyLogSoftmaxTP(TorchTPTarget):
         return stack
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalNormsSummedTP(TorchTPTarget):
+    """K9 (``clip_grad_norm``) over DTensors: each gradient's local tensor (``to_local()``), its
+    |g|^p summed and all-reduced over the ``tp`` group, as hand-written clipping does -- the
+    ``Replicate`` gradients, whole on every rank, counted tp times: the norm too large, the
+    clipping too strong (torch's ``clip_grad_norm_`` counts each placement once)."""
+
+    def clip_grad_norm(
+        self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float
+    ) -> object:
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        norms = torch.stack([torch.linalg.vector_norm(g.double(), norm_type) for g in local])
+        share = norms.max() if norm_type == math.inf else (norms**norm_type).sum()
+        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+        mesh = next(g.device_mesh for g in grads if isinstance(g, DTensor))
+        dist.all_reduce(share, op=op, group=mesh.get_group())  # BUG: replicas counted tp times
+        norm = share if norm_type == math.inf else share ** (1.0 / norm_type)
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in local:
+            g.mul_(coefficient.to(g.dtype))
+        return norm
+
+
 #: The catalogue's rows of this family: ``(mutant class name, bug class, one line)``, in
 #: catalogue order (``ddpcheck.mutation.catalogue`` builds each mutant from its class).
 ENTRIES: list[tuple[str, str, str]] = [
@@ -640,5 +667,10 @@ TORCH_ENTRIES: list[tuple[str, str, str]] = [
         "LocalVocabularyLogSoftmaxTP",
         "K17",
         "policy gradient's vocabulary-parallel log-softmax normalised over the rank's own shard",
+    ),
+    (
+        "LocalNormsSummedTP",
+        "K9",
+        "norm over DTensors from each rank's local tensors summed over tp: replicas tp times",
     ),
 ]
