@@ -57,6 +57,7 @@ from ddpcheck.mutation import broken_fsdp as F
 from ddpcheck.mutation import broken_loop as L
 from ddpcheck.mutation import broken_loss as R
 from ddpcheck.mutation import broken_metrics as M
+from ddpcheck.mutation import broken_nd as ND
 from ddpcheck.mutation import broken_optimizer as O
 from ddpcheck.mutation import broken_options as P
 from ddpcheck.mutation import broken_pp as PP
@@ -71,7 +72,7 @@ from ddpcheck.targets import (
     Target,
     TorchFSDPTarget,
 )
-from ddpcheck.targets.catalogue import PARALLEL_TP, TORCH_PP, TORCH_TP
+from ddpcheck.targets.catalogue import PARALLEL_TP, TORCH_ND, TORCH_PP, TORCH_TP
 from parallel import DDP, ShardedOptimizer
 
 __all__ = ["CATALOGUE", "OPTION_CATALOGUE", "Mutant", "by_name", "stale_overrides"]
@@ -683,6 +684,9 @@ CATALOGUE += [
 CATALOGUE += [
     Mutant(name, bug_class, description, getattr(PP, name)(), TORCH_PP)
     for name, bug_class, description in PP.ENTRIES
+] + [  # a pipeline of tensor-parallel stages (``broken_nd``), against the unmutated torch_nd
+    Mutant(name, bug_class, description, getattr(ND, name)(), TORCH_ND)
+    for name, bug_class, description in ND.ENTRIES
 ]
 
 

@@ -43,6 +43,7 @@ from ddpcheck.targets.catalogue import (
     TORCH_2D,
     TORCH_DDP,
     TORCH_FSDP,
+    TORCH_ND,
     TORCH_PP,
     TORCH_TP,
     TORCH_ZERO,
@@ -56,6 +57,7 @@ from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.parallel_tp import ParallelTPTarget
 from ddpcheck.targets.pipeline import TorchPPTarget
+from ddpcheck.targets.pipeline_nd import TorchNDTarget
 from ddpcheck.targets.protocol import (
     CONSTRUCTOR_CALL,
     FitRun,
@@ -98,6 +100,7 @@ __all__ = [
     "ReadyMade",
     "TESTED",
     "TORCH_2D",
+    "TORCH_ND",
     "TORCH_PP",
     "TORCH_DDP",
     "TORCH_FSDP",
@@ -106,6 +109,7 @@ __all__ = [
     "TORCH_ZERO_BUCKET_VIEW",
     "Target",
     "Torch2DTarget",
+    "TorchNDTarget",
     "TorchPPTarget",
     "TorchDDPTarget",
     "TorchFSDPTarget",
