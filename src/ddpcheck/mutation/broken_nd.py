@@ -44,7 +44,7 @@ class TPReplicatedSummedND(TorchNDTarget):
 
         for p in part.parameters():
             if isinstance(p, DTensor) and p.placements[-1] == Replicate():
-                p.register_post_accumulate_grad_hook(summed)
+                p.register_post_accumulate_grad_hook(summed)  # type: ignore[no-untyped-call]
         return runnable
 
 

@@ -21,7 +21,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 from torch import nn
 
-from ddpcheck._language.pipeline_parallel import module_order, pipeline_problem
+from ddpcheck._language.pipeline_parallel import (
+    SCHEDULES_SPLITTING_BACKWARD,
+    module_order,
+    pipeline_problem,
+)
 from ddpcheck._language.scenario import Scenario, stage_tp
 from ddpcheck.targets.fsdp import fsdp2
 from ddpcheck.targets.option_space import options
@@ -76,6 +80,9 @@ class TorchNDTarget(TorchPPTarget):
         dp = world_size // (tp * pipeline.degree(world_size // tp)) if problem is None else 1
         if tp > 1 and dp > 1 and self.dp_wrapper == "ddp":
             problem = _DDP_OVER_DTENSORS
+        plan = () if scenario.tensor_parallel is None else scenario.tensor_parallel.plan
+        if problem is None and plan and pipeline.schedule in SCHEDULES_SPLITTING_BACKWARD:
+            problem = _SPLIT_BACKWARD_OVER_TP
         return problem or uneven_pieces(scenario, world_size)
 
     def shard_stage(self, part: Stage, index: int, stages: int, mesh: DeviceMesh) -> nn.Module:
@@ -114,6 +121,16 @@ class TorchNDTarget(TorchPPTarget):
 def _within(name: str, module: str) -> bool:
     """Whether ``name`` is ``module`` or one of its submodules."""
     return name == module or name.startswith(f"{module}.")
+
+
+#: Why a split-backward schedule over a plan is declined: found by ddpcheck's own control run
+#: (docs/pipeline-parallel.md): torch raises, loudly, so nothing is misjudged -- declined until
+#: a standalone script says which styles it needs.
+_SPLIT_BACKWARD_OVER_TP = (
+    "a zero-bubble schedule (its backward split into input and weight parts) over a "
+    "tensor-parallel plan: torch 2.13's stage_backward_input raises 'Can't detach views "
+    "in-place' on a sequence-parallel stage; declined until each style is measured"
+)
 
 
 #: Why torch DDP over a stage's DTensor parameters is declined when dp > 1 (torch's DDP takes
