@@ -24,7 +24,12 @@ from collections.abc import Iterable
 from hypothesis import strategies as st
 
 from ddpcheck._base.errors import InvalidArgument
-from ddpcheck._language.pipeline_parallel import SCHEDULES, PipelineParallel, pipeline_problem
+from ddpcheck._language.pipeline_parallel import (
+    SCHEDULES,
+    SCHEDULES_SPLITTING_BACKWARD,
+    PipelineParallel,
+    pipeline_problem,
+)
 from ddpcheck._language.plans import clip_norm, divisors, optimizer_for
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.sharded_models import (
@@ -166,9 +171,11 @@ def _scenarios(
         blocks=blocks, width=draw(st.integers(2, 6)), head_dim=draw(st.integers(1, 3))
     )
     nd = "tensor-parallel" not in without  # torch_nd: its scenarios name tp, 1 included
+    split = 1 if schedule in SCHEDULES_SPLITTING_BACKWARD else 0  # (stage_plans at 1: none)
     return Scenario(
         model=spec,
-        tensor_parallel=TensorParallel(draw(stage_plans(spec, tp)), tp) if nd else None,
+        # a split-backward schedule over a plan is declined (torch raises on some styles)
+        tensor_parallel=TensorParallel(draw(stage_plans(spec, split or tp)), tp) if nd else None,
         data=sequence_data,
         optimizer=optimizer,
         optimizer_kwargs=kwargs,
