@@ -134,7 +134,9 @@ def _scenarios(
         tp = draw(st.sampled_from(fits or [1]))
         degrees = tuple(d for d in degrees if d * tp <= world_size and (world_size // tp) % d == 0)
     pp = draw(st.sampled_from(degrees))
-    schedule = draw(st.sampled_from(tuple(SCHEDULES)))
+    # a split-backward schedule over tensor-parallel stages is declined (torch raises)
+    split = SCHEDULES_SPLITTING_BACKWARD if tp > 1 else frozenset()
+    schedule = draw(st.sampled_from(tuple(s for s in SCHEDULES if s not in split)))
     per_rank = 1 if SCHEDULES[schedule] == "single" else 2
     stages = pp * per_rank
     blocks = draw(
@@ -171,11 +173,9 @@ def _scenarios(
         blocks=blocks, width=draw(st.integers(2, 6)), head_dim=draw(st.integers(1, 3))
     )
     nd = "tensor-parallel" not in without  # torch_nd: its scenarios name tp, 1 included
-    split = 1 if schedule in SCHEDULES_SPLITTING_BACKWARD else 0  # (stage_plans at 1: none)
     return Scenario(
         model=spec,
-        # a split-backward schedule over a plan is declined (torch raises on some styles)
-        tensor_parallel=TensorParallel(draw(stage_plans(spec, split or tp)), tp) if nd else None,
+        tensor_parallel=TensorParallel(draw(stage_plans(spec, tp)), tp) if nd else None,
         data=sequence_data,
         optimizer=optimizer,
         optimizer_kwargs=kwargs,

@@ -80,8 +80,7 @@ class TorchNDTarget(TorchPPTarget):
         dp = world_size // (tp * pipeline.degree(world_size // tp)) if problem is None else 1
         if tp > 1 and dp > 1 and self.dp_wrapper == "ddp":
             problem = _DDP_OVER_DTENSORS
-        plan = () if scenario.tensor_parallel is None else scenario.tensor_parallel.plan
-        if problem is None and plan and pipeline.schedule in SCHEDULES_SPLITTING_BACKWARD:
+        if problem is None and tp > 1 and pipeline.schedule in SCHEDULES_SPLITTING_BACKWARD:
             problem = _SPLIT_BACKWARD_OVER_TP
         return problem or uneven_pieces(scenario, world_size)
 
@@ -123,13 +122,13 @@ def _within(name: str, module: str) -> bool:
     return name == module or name.startswith(f"{module}.")
 
 
-#: Why a split-backward schedule over a plan is declined: found by ddpcheck's own control run
-#: (docs/pipeline-parallel.md): torch raises, loudly, so nothing is misjudged -- declined until
-#: a standalone script says which styles it needs.
+#: Why a split-backward schedule over tensor-parallel stages is declined: found by ddpcheck's
+#: own runs (docs/pipeline-parallel.md): torch raises, loudly, so nothing is misjudged --
+#: declined until a standalone script says more.
 _SPLIT_BACKWARD_OVER_TP = (
-    "a zero-bubble schedule (its backward split into input and weight parts) over a "
-    "tensor-parallel plan: torch 2.13's stage_backward_input raises 'Can't detach views "
-    "in-place' on a sequence-parallel stage; declined until each style is measured"
+    "a zero-bubble schedule (its backward split into input and weight parts) over "
+    "tensor-parallel stages: torch 2.13's stage_backward_input raises 'Can't detach views "
+    "in-place' on a stage whose output is a DTensor's local view (even with nothing sharded)"
 )
 
 
