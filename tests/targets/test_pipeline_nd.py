@@ -79,6 +79,8 @@ def test_what_torch_nd_cannot_serve_is_declined_with_its_reason():
     ddp = dataclasses.replace(TORCH_ND, dp_wrapper="ddp")
     two_pipelines = dataclasses.replace(ND, global_batch=8)
     assert "_pre_dp_module_transform" in ddp.supports_at(two_pipelines, 8)
+    zbv = PipelineParallel("ZBVZeroBubble", (1, 2, 3), 2, pp=2, stages_per_rank=2)
+    assert "zero-bubble" in TORCH_ND.supports_at(dataclasses.replace(ND, pipeline=zbv), 4)
     assert TORCH_PP.supports(ND) is None and "tensor-parallel" in support.declines(TORCH_PP, ND, 4)
     with pytest.raises(InvalidArgument, match="names its degree"):
         dataclasses.replace(ND, tensor_parallel=TensorParallel(()))
