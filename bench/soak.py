@@ -15,7 +15,7 @@ the oracle or a real bug in a target; either way it must be looked at.
     python bench/soak.py --losses --examples 300                 # the other token losses
     python bench/soak.py --epochs --examples 2000                # epochs: the data paths
     python bench/soak.py --tensor-parallel --examples 2000       # torch_tp, torch_2d, float32
-    python bench/soak.py --pipeline --examples 1000              # torch_pp, float32
+    python bench/soak.py --pipeline --examples 1000              # torch_pp, torch_nd, float32
     python bench/soak.py --precision --examples 1000             # bf16/fp16 policies only
 
 ``--strategies`` draws exactly what ``ddpcheck check`` draws after its battery -- ``ddpcheck.fuzz``
@@ -285,8 +285,12 @@ TENSOR_PARALLEL_TARGETS = [
     ("accelerate_nd", targets.ACCELERATE_ND, (2, 3, 4)),
 ]
 ON_REQUEST = {"accelerate_nd"}
-#: ``--pipeline``: (dp, pp) meshes of <= 4 ranks, every schedule, stages and pieces drawn
-PIPELINE_TARGETS = [("torch_pp", targets.TORCH_PP, (1, 2, 3, 4))]
+#: ``--pipeline``: (dp, pp) meshes of <= 4 ranks, every schedule, stages and pieces drawn; and
+#: torch_nd's (dp, pp, tp): at W=4 half its examples pp=2 x tp=2 (W=2: its tp=1 path)
+PIPELINE_TARGETS = [
+    ("torch_pp", targets.TORCH_PP, (1, 2, 3, 4)),
+    ("torch_nd", targets.TORCH_ND, (2, 4)),
+]
 
 
 def _precision_targets() -> list:
@@ -514,8 +518,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pipeline",
         action="store_true",
-        help="check's own random examples over torch_pp (W=1-4): (dp, pp) meshes, schedules, "
-        "stages and pieces drawn, float32 only, in chunks of 250",
+        help="check's own random examples over torch_pp (W=1-4) and torch_nd (W=2, 4): (dp, pp) "
+        "and (dp, pp, tp) meshes, schedules, stages, pieces and plans drawn, float32 only, in "
+        "chunks of 250",
     )
     args = parser.parse_args(argv)
     args.tokens = args.tokens or args.losses

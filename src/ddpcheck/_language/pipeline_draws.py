@@ -8,6 +8,13 @@ rank it runs (one, a looped two, a V's two) and the pieces it accepts
 (``ddpcheck._language.pipeline_parallel.pipeline_problem``); the batch is ``dp x accumulation x
 pieces x c`` samples, so that no rank's micro-batch is cut unevenly -- which torch refuses
 (pytorch#126600), so such a draw would test nothing.
+
+For a target that also applies plans (``torch_nd``: ``tensor-parallel`` not in ``without``) the
+mesh is ``(dp, pp, tp)``: ``tp`` drawn first (1, or a degree leaving a pipeline of at least two
+ranks), then ``pp``, and the plan drawn for the whole model by ``plans.plans`` -- the same
+fragments -- less those whose activations cross a module's boundary as a DTensor (a
+sequence-parallel region's open ends, vocabulary-sharded logits): a stage hands plain tensors
+to the next, so a region a cut could split is not drawn.
 """
 
 from __future__ import annotations
@@ -17,12 +24,23 @@ from collections.abc import Iterable
 from hypothesis import strategies as st
 
 from ddpcheck._base.errors import InvalidArgument
-from ddpcheck._language.pipeline_parallel import SCHEDULES, PipelineParallel, pipeline_problem
+from ddpcheck._language.pipeline_parallel import (
+    SCHEDULES,
+    SCHEDULES_SPLITTING_BACKWARD,
+    PipelineParallel,
+    pipeline_problem,
+)
 from ddpcheck._language.plans import clip_norm, divisors, optimizer_for
 from ddpcheck._language.scenario import Scenario
-from ddpcheck._language.sharded_models import ShardedBlock, ShardedSpec, sequence_data
+from ddpcheck._language.sharded_models import (
+    ShardedBlock,
+    ShardedSpec,
+    plan_choices,
+    sequence_data,
+)
+from ddpcheck._language.tensor_parallel import TensorParallel
 
-__all__ = ["PIPELINE_DRAWN", "pipeline_scenarios"]
+__all__ = ["CROSSING_STYLES", "PIPELINE_DRAWN", "pipeline_scenarios", "stage_plans"]
 
 #: The features pipeline scenarios are drawn with.
 PIPELINE_DRAWN = frozenset(
@@ -69,6 +87,33 @@ def pipeline_scenarios(
     return _scenarios(world_size, dtypes, without, degrees, max_steps, max_accumulation)
 
 
+#: The styles whose output leaves their module as a DTensor another module takes in (or whose
+#: input arrives so): never drawn for a pipeline's stages, which a cut may separate.
+CROSSING_STYLES = frozenset(
+    {
+        "sequence-in",
+        "sequence-out",
+        "rowwise-sequence",
+        "colwise-sequence",
+        "colwise-loss",
+        "colwise-sequence-loss",
+    }
+)
+
+
+@st.composite
+def stage_plans(draw: st.DrawFn, spec: ShardedSpec, tp: int) -> tuple[tuple[str, str], ...]:
+    """A plan for ``spec``'s model at degree ``tp`` whose every module hands on a plain tensor
+    (no :data:`CROSSING_STYLES`), shrinking towards nothing sharded."""
+    if tp == 1:
+        return ()
+    groups = [
+        [f for f in group if not any(style in CROSSING_STYLES for _, style in f)]
+        for group in plan_choices(spec, tp)
+    ]
+    return tuple(pair for group in groups for pair in draw(st.sampled_from(group)))
+
+
 #: The block kinds pipelines are drawn with (those they were measured with: no RMSNorm yet).
 PIPELINE_KINDS = ("mlp", "attention", "norm")
 
@@ -83,8 +128,15 @@ def _scenarios(
     max_steps: int,
     max_accumulation: int,
 ) -> Scenario:
+    tp = 1  # a pipeline of tensor-parallel stages: tp first, then pp among what is left
+    if "tensor-parallel" not in without:
+        fits = [t for t in (1, *divisors(world_size)) if _pipes(world_size, t)]
+        tp = draw(st.sampled_from(fits or [1]))
+        degrees = tuple(d for d in degrees if d * tp <= world_size and (world_size // tp) % d == 0)
     pp = draw(st.sampled_from(degrees))
-    schedule = draw(st.sampled_from(tuple(SCHEDULES)))
+    # a split-backward schedule over tensor-parallel stages is declined (torch raises)
+    split = SCHEDULES_SPLITTING_BACKWARD if tp > 1 else frozenset()
+    schedule = draw(st.sampled_from(tuple(s for s in SCHEDULES if s not in split)))
     per_rank = 1 if SCHEDULES[schedule] == "single" else 2
     stages = pp * per_rank
     blocks = draw(
@@ -108,20 +160,22 @@ def _scenarios(
     fits = [
         m
         for m in range(1, max(MAX_PIECES, stages) + 1)
-        if pipeline_problem(PipelineParallel(schedule, cuts, m, None, per_rank), pp, modules)
-        is None
+        if pipeline_problem(PipelineParallel(schedule, cuts, m, pp, per_rank), pp, modules) is None
     ]
     pieces = draw(st.sampled_from(fits))
     dtype = draw(st.sampled_from(dtypes))
     optimizer, kwargs = optimizer_for(draw, dtype)
     accumulation = 1 if "accumulation" in without else draw(st.integers(1, max_accumulation))
-    dp = world_size // pp
+    dp = world_size // (pp * tp)
     batch = dp * accumulation * pieces * draw(st.integers(1, MAX_PER_PIECE))
     max_grad_norm = clip_norm(draw, without)
+    spec = ShardedSpec(
+        blocks=blocks, width=draw(st.integers(2, 6)), head_dim=draw(st.integers(1, 3))
+    )
+    nd = "tensor-parallel" not in without  # torch_nd: its scenarios name tp, 1 included
     return Scenario(
-        model=ShardedSpec(
-            blocks=blocks, width=draw(st.integers(2, 6)), head_dim=draw(st.integers(1, 3))
-        ),
+        model=spec,
+        tensor_parallel=TensorParallel(draw(stage_plans(spec, tp)), tp) if nd else None,
         data=sequence_data,
         optimizer=optimizer,
         optimizer_kwargs=kwargs,
@@ -134,6 +188,11 @@ def _scenarios(
         rank_seeds="broadcast" not in without,
         max_grad_norm=max_grad_norm,
         pipeline=PipelineParallel(
-            schedule, cuts, pieces, None if pp == world_size else pp, per_rank
+            schedule, cuts, pieces, None if pp * tp == world_size else pp, per_rank
         ),
     )
+
+
+def _pipes(world_size: int, tp: int) -> bool:
+    """Whether ``tp``-way stages leave a pipeline of at least two ranks in ``world_size``."""
+    return world_size % tp == 0 and world_size // tp >= 2

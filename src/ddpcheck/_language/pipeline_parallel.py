@@ -31,6 +31,7 @@ from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._base.options import named_fields
 
 __all__ = [
+    "ND_AXES",
     "PIPELINE_AXES",
     "SCHEDULES",
     "SCHEDULES_SPLITTING_BACKWARD",
@@ -45,6 +46,9 @@ __all__ = [
 
 #: The mesh's axes, outermost first: data parallelism across pipelines, stages within one.
 PIPELINE_AXES = ("dp", "pp")
+#: A pipeline of tensor-parallel stages (``torch_nd``): rank ``r`` sits at ``dp = r // (pp tp)``,
+#: ``pp = (r // tp) % pp``, ``tp = r % tp``, as ``init_device_mesh`` lays out these names.
+ND_AXES = ("dp", "pp", "tp")
 
 #: The schedules a scenario may name (torch's class names without ``Schedule``), with how many
 #: stages each puts on one rank: 1 (single-stage schedules), 2 (the V-shaped ones), or any
@@ -133,12 +137,16 @@ class PipelineParallel:
 
 
 def pipeline_problem(
-    pipeline: PipelineParallel | None, world_size: int, modules: int | None = None
+    pipeline: PipelineParallel | None, world_size: int, modules: int | None = None, tp: int = 1
 ) -> str | None:
     """Why a world of ``world_size`` ranks cannot run the pipeline (None: it can); ``modules``:
-    how many modules the model has to cut (None: not checked)."""
+    how many modules the model has to cut (None: not checked); ``tp``: the degree of each
+    stage's tensor parallelism (``(dp, pp, tp)``: ``pp`` then divides ``W / tp``)."""
     if pipeline is None:
         return None
+    if world_size % tp:
+        return f"tp={tp} does not divide the world of {world_size} ranks"
+    world_size //= tp
     pp = pipeline.degree(world_size)
     if world_size % pp:
         return f"pp={pp} does not divide the world of {world_size} ranks into dp groups"
@@ -166,15 +174,18 @@ def pipeline_problem(
     return None
 
 
-def pipeline_shape(pipeline: PipelineParallel | None, world_size: int) -> tuple[int, int]:
-    """``(dp, pp)``: a scenario without pipeline parallelism is ``(W, 1)``."""
+def pipeline_shape(
+    pipeline: PipelineParallel | None, world_size: int, tp: int = 1
+) -> tuple[int, int]:
+    """``(dp, pp)``: a scenario without pipeline parallelism is ``(W, 1)``; with ``tp``-way
+    tensor-parallel stages, ``dp = W / (pp tp)``."""
     if pipeline is None:
         return world_size, 1
-    problem = pipeline_problem(pipeline, world_size)
+    problem = pipeline_problem(pipeline, world_size, tp=tp)
     if problem is not None:
         raise InvalidArgument(problem)
-    pp = pipeline.degree(world_size)
-    return world_size // pp, pp
+    pp = pipeline.degree(world_size // tp)
+    return world_size // (pp * tp), pp
 
 
 def stage_modules(pipeline: PipelineParallel, names: list[str]) -> list[list[str]]:

@@ -55,6 +55,7 @@ __all__ = [
     "local_micro_batches",
     "micro_batches_of",
     "per_sample_loss",
+    "stage_tp",
 ]
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -169,9 +170,9 @@ def _check_meshes(tensor_parallel: object, pipeline: object) -> None:
             f"pipeline={pipeline!r} must be None or a "
             "ddpcheck.scenario.PipelineParallel(schedule, boundaries, microbatches, pp)"
         )
-    if pipeline is not None and tensor_parallel is not None:
+    if pipeline is not None and tensor_parallel is not None and tensor_parallel.tp is None:
         raise InvalidArgument(
-            "a scenario with both tensor_parallel and pipeline is not supported yet: give one"
+            "a pipeline of tensor-parallel stages names its degree: TensorParallel(plan, tp=N)"
         )
 
 
@@ -424,7 +425,7 @@ def data_parallel_degree(scenario: Scenario, world_size: int) -> int:
     """The ranks the global batch is split among: W, or the mesh's ``dp`` under tensor or
     pipeline parallelism (raises ``InvalidArgument`` for a world that cannot hold the mesh)."""
     if scenario.pipeline is not None:
-        return pipeline_shape(scenario.pipeline, world_size)[0]
+        return pipeline_shape(scenario.pipeline, world_size, stage_tp(scenario))[0]
     return mesh_shape(scenario.tensor_parallel, world_size)[0]
 
 
@@ -433,6 +434,14 @@ def data_rank(scenario: Scenario, rank: int, world_size: int) -> tuple[int, int]
     ``dp`` (the data follows the mesh: every rank of a tensor-parallel group or of a pipeline
     gets the same samples)."""
     if scenario.pipeline is not None:
-        dp, pp = pipeline_shape(scenario.pipeline, world_size)
-        return rank // pp, dp
+        tp = stage_tp(scenario)
+        dp, pp = pipeline_shape(scenario.pipeline, world_size, tp)
+        return rank // (pp * tp), dp
     return data_coordinate(scenario.tensor_parallel, rank, world_size)
+
+
+def stage_tp(scenario: Scenario) -> int:
+    """The tensor-parallel degree of a pipeline's stages (1: none; a pipeline's ``tp`` is named,
+    ``_check_meshes``)."""
+    parallel = scenario.tensor_parallel
+    return 1 if parallel is None or parallel.tp is None else parallel.tp

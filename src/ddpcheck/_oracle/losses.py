@@ -158,6 +158,8 @@ def _along_tp(step: int, records: list[RankRecord], scenario: Scenario) -> list[
     for record in records:
         first = records[record.rank - record.rank % tp]
         mine, theirs = record.steps[step].losses, first.steps[step].losses
+        if scenario.pipeline is not None:  # a schedule's loss: reported by the last stage's
+            mine, theirs = _reported(record, step), _reported(first, step)
         if record is first or mine is None or theirs is None:
             continue
         if [v.hex() for v in mine] != [v.hex() for v in theirs]:
@@ -175,6 +177,12 @@ def _along_tp(step: int, records: list[RankRecord], scenario: Scenario) -> list[
                 )
             )
     return out
+
+
+def _reported(record: RankRecord, step: int) -> tuple[float, ...] | None:
+    """The loss ``record``'s rank reported at ``step`` (a pipeline's last stage), as a tuple."""
+    loss = record.steps[step].reported_loss
+    return None if loss is None else (loss,)
 
 
 def _values(losses: tuple[float, ...]) -> str:

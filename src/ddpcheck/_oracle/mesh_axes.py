@@ -15,11 +15,12 @@ from __future__ import annotations
 import dataclasses
 
 from ddpcheck._base.errors import Divergence
+from ddpcheck._language.pipeline_parallel import ND_AXES, pipeline_shape
 from ddpcheck._language.records import RankRecord
-from ddpcheck._language.scenario import Scenario
-from ddpcheck._language.tensor_parallel import mesh_shape
+from ddpcheck._language.scenario import Scenario, stage_tp
+from ddpcheck._language.tensor_parallel import AXES, mesh_shape
 
-__all__ = ["along_axes", "shared_axis"]
+__all__ = ["along_axes", "differing_axes", "shared_axis"]
 
 _REPLICAS = "replicas differ"
 
@@ -35,21 +36,42 @@ def shared_axis(rank: int, other: int, tp: int) -> str:
     return "dp and tp"
 
 
+def differing_axes(rank: int, other: int, shape: tuple[int, ...], axes: tuple[str, ...]) -> str:
+    """The axes of a row-major mesh of ``shape`` along which ``rank`` and ``other`` sit apart,
+    joined by "and" (a pipeline of tensor-parallel stages': ``dp``, ``pp``, ``tp``)."""
+    apart = []
+    for axis, size in reversed(list(zip(axes, shape))):
+        if rank % size != other % size:
+            apart.append(axis)
+        rank, other = rank // size, other // size
+    return " and ".join(reversed(apart))
+
+
 def along_axes(
     found: list[Divergence], records: list[RankRecord], scenario: Scenario
 ) -> list[Divergence]:
     """``found`` with each replica row of a scenario on a mesh naming its axis and placement."""
     if scenario.tensor_parallel is None or not any(d.kind.startswith(_REPLICAS) for d in found):
         return found
-    _, tp = mesh_shape(scenario.tensor_parallel, len(records))
+    if scenario.pipeline is not None:  # (dp, pp, tp): a pipeline of tensor-parallel stages
+        tp = stage_tp(scenario)
+        shape: tuple[int, ...] = (*pipeline_shape(scenario.pipeline, len(records), tp), tp)
+        axes: tuple[str, ...] = ND_AXES
+    else:
+        shape, axes = mesh_shape(scenario.tensor_parallel, len(records)), AXES
     placements = records[0].placements if records else {}
-    return [_named(d, tp, placements) for d in found]
+    return [_named(d, shape, axes, placements) for d in found]
 
 
-def _named(d: Divergence, tp: int, placements: dict[str, dict[str, str]]) -> Divergence:
+def _named(
+    d: Divergence,
+    shape: tuple[int, ...],
+    axes: tuple[str, ...],
+    placements: dict[str, dict[str, str]],
+) -> Divergence:
     if not d.kind.startswith(_REPLICAS) or d.rank is None or " along " in d.kind:
         return d  # (a row that names its axis itself: the loss of a tp group)
-    axis = shared_axis(0, d.rank, tp)
+    axis = differing_axes(0, d.rank, shape, axes)
     placed = placements.get(d.name.split(" ")[0], {})
     where = " and ".join(f"{placed[a]} along {a}" for a in axis.split(" and ") if a in placed)
     detail = f"placed {where}; " if where else ""

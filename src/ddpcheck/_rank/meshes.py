@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # torch.distributed.device_mesh loads when a tensor-parallel 
 
 __all__ = ["harness_groups", "mesh", "opened_fds"]
 
-_MESHES: dict[tuple[str, tuple[str, ...], int, int], DeviceMesh] = {}
+_MESHES: dict[tuple[str, tuple[str, ...], tuple[int, ...]], DeviceMesh] = {}
 _GROUPS: set[int] = set()
 _OPENED_FDS = [0]
 
@@ -30,13 +30,19 @@ _OPENED_FDS = [0]
 def mesh(dp: int, tp: int, axes: tuple[str, str] = AXES) -> DeviceMesh:
     """This world's ``(dp, tp)`` mesh on the rank's device type, its axes named ``axes`` (a
     pipeline's: ``("dp", "pp")``). Collective the first time."""
+    return grid((dp, tp), axes)
+
+
+def grid(shape: tuple[int, ...], axes: tuple[str, ...]) -> DeviceMesh:
+    """This world's mesh of ``shape`` (any number of axes, named ``axes``: a pipeline of
+    tensor-parallel stages' ``("dp", "pp", "tp")``). Collective the first time."""
     device = this_rank().type
-    key = (device, axes, dp, tp)
+    key = (device, axes, shape)
     if key not in _MESHES:
         from torch.distributed.device_mesh import init_device_mesh
 
         before, groups_before = _fd_count(), _group_ids()
-        made = init_device_mesh(device, (dp, tp), mesh_dim_names=axes)
+        made = init_device_mesh(device, shape, mesh_dim_names=axes)
         # every group it made, not only each axis's: on torch 2.13 they are the same ones
         # (measured for (1,2), (1,3), (2,2), (1,4), (4,1)), but a release that splits or keeps
         # a helper group would otherwise see it destroyed as an example's leftover

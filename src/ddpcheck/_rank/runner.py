@@ -39,7 +39,12 @@ from torch import nn
 from ddpcheck._base.devices import to_rank_device
 from ddpcheck._base.errors import NothingChecked
 from ddpcheck._language.batches import BatchPlan, contiguous, global_indices, plan_for
-from ddpcheck._language.pipeline_parallel import PIPELINE_AXES, held_modules, pipeline_shape
+from ddpcheck._language.pipeline_parallel import (
+    ND_AXES,
+    PIPELINE_AXES,
+    held_modules,
+    pipeline_shape,
+)
 from ddpcheck._language.records import (
     RankRecord,
     StepRecord,
@@ -56,6 +61,7 @@ from ddpcheck._language.scenario import (
     evaluation_set,
     global_batch,
     make_param_groups,
+    stage_tp,
 )
 from ddpcheck._language.tensor_parallel import mesh_shape
 from ddpcheck._language.training import (
@@ -569,9 +575,11 @@ def fit_owned_loop(
     owned = _OwnedRecords(target, module, scenario, plans, bounded=True)
     mesh = None
     if scenario.pipeline is not None:  # the stages follow the scenario, the mesh the world
-        dp, pp = pipeline_shape(scenario.pipeline, world_size)
-        mesh = meshes.mesh(dp, pp, PIPELINE_AXES)
-        held = held_modules(scenario.pipeline, scenario.model, rank % pp, pp)
+        tp = stage_tp(scenario)  # (dp, pp, tp) when the stages are tensor-parallel
+        dp, pp = pipeline_shape(scenario.pipeline, world_size, tp)
+        nd = scenario.tensor_parallel is not None
+        mesh = meshes.grid((dp, pp, tp), ND_AXES) if nd else meshes.mesh(dp, pp, PIPELINE_AXES)
+        held = held_modules(scenario.pipeline, scenario.model, rank // tp % pp, pp)
         owned.records.stages = Stages(held, mesh.get_group("pp"))
     run = FitRun(
         **_run_fields(scenario, module, owned),

@@ -57,6 +57,7 @@ from ddpcheck.mutation import broken_fsdp as F
 from ddpcheck.mutation import broken_loop as L
 from ddpcheck.mutation import broken_loss as R
 from ddpcheck.mutation import broken_metrics as M
+from ddpcheck.mutation import broken_nd as ND
 from ddpcheck.mutation import broken_optimizer as O
 from ddpcheck.mutation import broken_options as P
 from ddpcheck.mutation import broken_pp as PP
@@ -71,10 +72,17 @@ from ddpcheck.targets import (
     Target,
     TorchFSDPTarget,
 )
-from ddpcheck.targets.catalogue import PARALLEL_TP, TORCH_PP, TORCH_TP
+from ddpcheck.targets.catalogue import PARALLEL_TP, TORCH_ND, TORCH_PP, TORCH_TP
 from parallel import DDP, ShardedOptimizer
 
-__all__ = ["CATALOGUE", "OPTION_CATALOGUE", "Mutant", "by_name", "stale_overrides"]
+__all__ = [
+    "CATALOGUE",
+    "ND_CATALOGUE",
+    "OPTION_CATALOGUE",
+    "Mutant",
+    "by_name",
+    "stale_overrides",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -690,6 +698,13 @@ CATALOGUE += [
     Mutant(name, bug_class, description, getattr(PP, name)(), TORCH_PP)
     for name, bug_class, description in PP.ENTRIES
 ]
+# A pipeline of tensor-parallel stages (``broken_nd``), against the unmutated torch_nd. Not in
+# CATALOGUE: pp x tp needs W=4, beyond the CI battery search's W=2,3; ``ddpcheck mutants --only
+# TPReplicatedSummedND --world-sizes 4`` runs it (``by_name`` finds it).
+ND_CATALOGUE = [
+    Mutant(name, bug_class, description, getattr(ND, name)(), TORCH_ND)
+    for name, bug_class, description in ND.ENTRIES
+]
 
 
 # Behind an option (``broken_options``): each a framework target (or parallel_ddp with a bf16
@@ -731,7 +746,7 @@ OPTION_CATALOGUE: list[Mutant] = [
 
 def by_name(name: str) -> Mutant:
     """The catalogue entry called ``name`` (case-insensitive)."""
-    for mutant in CATALOGUE:
+    for mutant in CATALOGUE + ND_CATALOGUE:
         if mutant.name.lower() == name.lower():
             return mutant
 
@@ -745,7 +760,7 @@ def stale_overrides() -> list[str]:
     when a seam is renamed, such a mutant silently stops being a mutant (and "survives").
     ``tests/mutation/test_mutants.py`` requires this to be empty."""
     stale = []
-    for mutant in CATALOGUE:
+    for mutant in CATALOGUE + ND_CATALOGUE:
         if isinstance(mutant.target, TorchFSDPTarget):  # family I: overrides TorchFSDPTarget's
             stale += _stale(mutant, type(mutant.target), TorchFSDPTarget)
             continue

@@ -45,6 +45,7 @@ from ddpcheck.targets.catalogue import (
     TORCH_2D,
     TORCH_DDP,
     TORCH_FSDP,
+    TORCH_ND,
     TORCH_PP,
     TORCH_TP,
     TORCH_ZERO,
@@ -58,6 +59,7 @@ from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.parallel_tp import ParallelTPTarget
 from ddpcheck.targets.pipeline import TorchPPTarget
+from ddpcheck.targets.pipeline_nd import TorchNDTarget
 from ddpcheck.targets.protocol import (
     CONSTRUCTOR_CALL,
     FitRun,
@@ -102,6 +104,7 @@ __all__ = [
     "ReadyMade",
     "TESTED",
     "TORCH_2D",
+    "TORCH_ND",
     "TORCH_PP",
     "TORCH_DDP",
     "TORCH_FSDP",
@@ -110,6 +113,7 @@ __all__ = [
     "TORCH_ZERO_BUCKET_VIEW",
     "Target",
     "Torch2DTarget",
+    "TorchNDTarget",
     "TorchPPTarget",
     "TorchDDPTarget",
     "TorchFSDPTarget",

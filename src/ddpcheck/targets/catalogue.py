@@ -27,6 +27,7 @@ from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.lightning import LightningTarget
 from ddpcheck.targets.parallel_tp import ParallelTPTarget
 from ddpcheck.targets.pipeline import TorchPPTarget
+from ddpcheck.targets.pipeline_nd import TorchNDTarget
 from ddpcheck.targets.protocol import Target
 from ddpcheck.targets.support import supported_by, why_unsupported
 from ddpcheck.targets.tensor_parallel import Torch2DTarget, TorchTPTarget
@@ -52,6 +53,7 @@ __all__ = [
     "TORCH_FSDP",
     "TORCH_TP",
     "TORCH_2D",
+    "TORCH_ND",
     "TORCH_PP",
     "TORCH_ZERO",
     "TORCH_ZERO_BUCKET_VIEW",
@@ -68,6 +70,7 @@ TORCH_FSDP = TorchFSDPTarget()
 TORCH_TP = TorchTPTarget()
 TORCH_2D = Torch2DTarget()
 TORCH_PP = TorchPPTarget()
+TORCH_ND = TorchNDTarget()
 LOCAL = LocalTarget()
 ACCELERATE = AccelerateTarget()
 FABRIC = FabricTarget()
@@ -237,6 +240,16 @@ READY_MADE: tuple[ReadyMade, ...] = (
         "over pp x FSDP2 over dp, on a (dp, pp) mesh, stages and schedule drawn per example",
         "a micro-batch the schedule cannot cut into equal pieces (pytorch#126600)",
         tried=("2.13.0",),  # bench/torch_matrix.py has no pipeline row yet
+    ),
+    ReadyMade(
+        "torch_nd",
+        TORCH_ND,
+        "torch",
+        "torch",
+        "a pipeline of tensor-parallel stages: torch.distributed.pipelining over pp x torch "
+        "tensor parallelism over tp x FSDP2 over dp, on a (dp, pp, tp) mesh drawn per example",
+        "a micro-batch the schedule cannot cut into equal pieces (pytorch#126600)",
+        tried=("2.13.0",),
     ),
     ReadyMade("local", LOCAL, "torch", "torch", "no synchronisation at all: must fail for W > 1"),
     ReadyMade(

@@ -40,7 +40,7 @@ from ddpcheck._language.pipeline_parallel import (
     stage_modules,
     stages_of_rank,
 )
-from ddpcheck._language.scenario import Scenario, batch_size_of, micro_batches_of
+from ddpcheck._language.scenario import Scenario, batch_size_of, micro_batches_of, stage_tp
 from ddpcheck._language.training import FitRun
 from ddpcheck.targets.fsdp import CPU_FLOOR, CUDA_FLOOR, broadcast_from, fsdp2
 from ddpcheck.targets.option_space import options
@@ -85,7 +85,7 @@ def uneven_pieces(scenario: Scenario, world_size: int) -> str | None:
     one can): torch sizes its receive buffers by the first piece and refuses unequal ones
     (pytorch#126600, "we do not support this"; ``bench/pipeline_cpu.py``)."""
     assert scenario.pipeline is not None
-    dp, _ = pipeline_shape(scenario.pipeline, world_size)
+    dp, _ = pipeline_shape(scenario.pipeline, world_size, stage_tp(scenario))
     pieces = scenario.pipeline.microbatches
     sizes = set()
     for step in range(scenario.steps):

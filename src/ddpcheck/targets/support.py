@@ -138,10 +138,10 @@ def why_unsupported(target: Target, feature: str) -> str:
 def battery_for(target: Target) -> list[tuple[str, Scenario]]:
     """The built-in battery ``target`` is checked on: the tensor-parallel one for a target that
     applies plans (``Target.parallelizes``), the data-parallel one otherwise."""
+    if getattr(target, OPT_IN["pipeline-parallel"], False):  # (of tensor-parallel stages too)
+        return PIPELINE_BATTERY
     if getattr(target, OPT_IN["tensor-parallel"], False):
         return TENSOR_PARALLEL_BATTERY
-    if getattr(target, OPT_IN["pipeline-parallel"], False):
-        return PIPELINE_BATTERY
     return BATTERY
 
 

@@ -1,0 +1,96 @@
+"""A pipeline of tensor-parallel stages on a (dp, pp, tp) mesh (torch_nd): the data follows the
+mesh as init_device_mesh lays it out, drawn scenarios fit their world, a pp=2 x tp=2 example
+matches the one-process reference, and a stage's tp-replicated gradients summed over tp (the
+composition's mutant) is caught."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ddpcheck
+from ddpcheck import EquivalenceError, InvalidArgument, Scenario
+from ddpcheck._language.pipeline_draws import CROSSING_STYLES, pipeline_scenarios
+from ddpcheck._language.pipeline_parallel import PipelineParallel
+from ddpcheck._language.scenario import data_rank
+from ddpcheck._language.sharded_models import ShardedBlock, ShardedSpec, sequence_data
+from ddpcheck._language.tensor_parallel import TensorParallel
+from ddpcheck._oracle.mesh_axes import differing_axes
+from ddpcheck.mutation.broken_nd import TPReplicatedSummedND
+from ddpcheck.targets import TORCH_ND, TORCH_PP, support
+
+#: pp=2 x tp=2: an MLP pair and whole heads sharded in the first stage, the head gathered in the
+#: second, Adam and clipping (the norm made whole over tp, combined over pp).
+ND = Scenario(
+    ShardedSpec(blocks=(ShardedBlock("mlp", 4), ShardedBlock("attention", 2)), width=4, head_dim=2),
+    data=sequence_data,
+    global_batch=4,
+    steps=2,
+    dtype="float32",
+    optimizer=torch.optim.Adam,
+    optimizer_kwargs={"lr": 0.01, "eps": 1e-3},
+    max_grad_norm=0.5,
+    tensor_parallel=TensorParallel(
+        (
+            ("blocks.0.up", "colwise"),
+            ("blocks.0.down", "rowwise"),
+            ("blocks.1.q", "colwise"),
+            ("blocks.1.k", "colwise"),
+            ("blocks.1.v", "colwise"),
+            ("blocks.1.out", "rowwise"),
+            ("head", "colwise-replicate"),
+        ),
+        tp=2,
+    ),
+    pipeline=PipelineParallel("1F1B", boundaries=(2,), microbatches=2, pp=2),
+)
+
+
+# varies tests/targets/test_pipeline.py::test_a_loss_reported_from_one_pipeline_is_caught_on_a_mesh
+# (a W=4 mesh, the control passing and a mutant caught): dp=2 x pp=2 there, pp=2 x tp=2 here
+@pytest.mark.thorough
+def test_a_pipeline_of_tensor_parallel_stages_matches_the_reference_and_kills_its_mutant():
+    assert ddpcheck.check_example(TORCH_ND, ND, 4) == ()
+    plain = dataclasses.replace(
+        ND, max_grad_norm=None, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, steps=1
+    )
+    with pytest.raises(EquivalenceError) as caught:
+        ddpcheck.check_example(TPReplicatedSummedND(), plain, 4)
+    assert caught.value.divergences[0].kind == "reference differs (gradient)", caught.value
+
+
+def test_the_data_follows_the_nd_mesh():
+    # rank r at dp = r // (pp tp): every rank of one pipeline, all its tp ranks, one share
+    at_8 = dataclasses.replace(ND, pipeline=dataclasses.replace(ND.pipeline, pp=2))
+    assert [data_rank(at_8, r, 8) for r in range(8)] == [(0, 2)] * 4 + [(1, 2)] * 4
+    assert [data_rank(ND, r, 4) for r in range(4)] == [(0, 1)] * 4
+    assert differing_axes(0, 5, (2, 2, 2), ("dp", "pp", "tp")) == "dp and tp"
+    assert differing_axes(0, 2, (2, 2, 2), ("dp", "pp", "tp")) == "pp"
+    assert differing_axes(1, 3, (2, 2), ("dp", "tp")) == "dp"
+
+
+def test_what_torch_nd_cannot_serve_is_declined_with_its_reason():
+    assert "pipeline scenarios" in TORCH_ND.supports(dataclasses.replace(ND, pipeline=None))
+    assert "does not divide" in TORCH_ND.supports_at(ND, 3)
+    ddp = dataclasses.replace(TORCH_ND, dp_wrapper="ddp")
+    two_pipelines = dataclasses.replace(ND, global_batch=8)
+    assert "_pre_dp_module_transform" in ddp.supports_at(two_pipelines, 8)
+    zbv = PipelineParallel("ZBVZeroBubble", (1, 2, 3), 2, pp=2, stages_per_rank=2)
+    assert "zero-bubble" in TORCH_ND.supports_at(dataclasses.replace(ND, pipeline=zbv), 4)
+    assert TORCH_PP.supports(ND) is None and "tensor-parallel" in support.declines(TORCH_PP, ND, 4)
+    with pytest.raises(InvalidArgument, match="names its degree"):
+        dataclasses.replace(ND, tensor_parallel=TensorParallel(()))
+
+
+@settings(max_examples=15, deadline=None)
+@given(data=st.data(), world_size=st.sampled_from((1, 2, 4, 8)))
+def test_drawn_nd_scenarios_fit_their_world(data, world_size):
+    without = support.unsupported(TORCH_ND)
+    scenario = data.draw(pipeline_scenarios(world_size=world_size, without=without))
+    assert scenario.tensor_parallel is not None
+    assert TORCH_ND.supports_at(scenario, world_size) is None
+    assert not {s for _, s in scenario.tensor_parallel.plan} & CROSSING_STYLES
