@@ -75,14 +75,7 @@ from ddpcheck.targets import (
 from ddpcheck.targets.catalogue import PARALLEL_TP, TORCH_ND, TORCH_PP, TORCH_TP
 from parallel import DDP, ShardedOptimizer
 
-__all__ = [
-    "CATALOGUE",
-    "ND_CATALOGUE",
-    "OPTION_CATALOGUE",
-    "Mutant",
-    "by_name",
-    "stale_overrides",
-]
+__all__ = ["CATALOGUE", "ND_CATALOGUE", "OPTION_CATALOGUE", "Mutant", "by_name", "stale_overrides"]
 
 
 @dataclasses.dataclass(frozen=True)

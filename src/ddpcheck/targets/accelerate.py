@@ -130,8 +130,53 @@ HARNESS_KEYS: dict[str, tuple[tuple[object, ...], str]] = {
 }
 
 
+class AcceleratorLoop:
+    """accelerate's loop idiom over a prepared model and optimizer that carry their example's
+    ``Accelerator`` (:meth:`hold`): ``accumulate``, ``backward``, ``clip_grad_norm_``, ``reduce``
+    of the loss, the prepared scheduler -- one copy for ``accelerate`` and ``accelerate_nd``."""
+
+    @staticmethod
+    def hold(accelerator: Accelerator, model: nn.Module, optimizer: OptimizerLike) -> None:
+        """The hooks get the model or the optimizer: both carry this example's Accelerator."""
+        setattr(model, _ACCELERATOR, accelerator)
+        setattr(optimizer, _ACCELERATOR, accelerator)
+
+    def make_scheduler(self, optimizer: OptimizerLike, gamma: float) -> SchedulerLike:
+        prepared: AcceleratedOptimizer = optimizer  # what setup's prepare returned
+        inner = torch.optim.lr_scheduler.ExponentialLR(prepared.optimizer, gamma)
+        return _accelerator(prepared).prepare_scheduler(inner)
+
+    def micro_batch(
+        self, model: nn.Module, optimizer: OptimizerLike, index: int, count: int
+    ) -> AbstractContextManager[object]:
+        return _accelerator(model).accumulate(model)
+
+    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
+        accelerator = _accelerator(model)
+        # accelerate divides by gradient_accumulation_steps; ddpcheck's loss is already scaled
+        accelerator.backward(loss * accelerator.gradient_accumulation_steps)
+
+    def reported_loss(
+        self, model: nn.Module, optimizer: OptimizerLike, losses: Sequence[MicroBatchLoss]
+    ) -> torch.Tensor:
+        # what accelerate's examples log: the step's loss through accelerator.reduce(..., "mean")
+        # (on a mesh a tp group's ranks share one loss: the mean over every rank is over dp)
+        return _accelerator(model).reduce(MicroBatchLoss.total(losses), reduction="mean")
+
+    def clip_grad_norm(
+        self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float
+    ) -> object:
+        return _accelerator(model).clip_grad_norm_(model.parameters(), max_norm, norm_type)
+
+    def teardown(self, model: nn.Module, optimizer: OptimizerLike) -> None:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
 @dataclasses.dataclass(frozen=True)
-class AccelerateTarget(ddp_options.TorchDDPFramework):
+class AccelerateTarget(AcceleratorLoop, ddp_options.TorchDDPFramework):
     """accelerate's ``Accelerator`` over torch DDP (see the module docstring)."""
 
     requires = (("accelerate", "0.30.0"),)  # the oldest release tried (docs/frameworks.md)
@@ -258,9 +303,7 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
     ) -> tuple[nn.Module, OptimizerLike]:
         accelerator = self.accelerator(module)
         model, optimizer = accelerator.prepare(module, optimizer_cls(params, **kwargs))
-        # the hooks below get the model or the optimizer: both carry this example's Accelerator
-        setattr(model, _ACCELERATOR, accelerator)
-        setattr(optimizer, _ACCELERATOR, accelerator)
+        self.hold(accelerator, model, optimizer)
         return model, optimizer
 
     def accelerator(self, module: nn.Module) -> Accelerator:
@@ -338,8 +381,7 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
         model, optimizer, loader, *evaluation = accelerator.prepare(
             module, run.optimizer(run.params, **run.optimizer_kwargs), loader, *evaluation
         )
-        setattr(model, _ACCELERATOR, accelerator)
-        setattr(optimizer, _ACCELERATOR, accelerator)
+        self.hold(accelerator, model, optimizer)
         scheduler = None if run.gamma is None else self.make_scheduler(optimizer, run.gamma)
         run.started(model, optimizer)
         for _ in range(run.epochs):
@@ -396,38 +438,6 @@ class AccelerateTarget(ddp_options.TorchDDPFramework):
             rows = accelerator.gather_for_metrics(mine, use_gather_object=True)
             gathered = [torch.stack(list(rows)).reshape(-1, 2)]
         run.evaluated(run.metric_of(torch.cat(gathered)))
-
-    def make_scheduler(self, optimizer: OptimizerLike, gamma: float) -> SchedulerLike:
-        prepared: AcceleratedOptimizer = optimizer  # what setup's prepare returned
-        inner = torch.optim.lr_scheduler.ExponentialLR(prepared.optimizer, gamma)
-        return _accelerator(prepared).prepare_scheduler(inner)
-
-    def micro_batch(
-        self, model: nn.Module, optimizer: OptimizerLike, index: int, count: int
-    ) -> AbstractContextManager[object]:
-        return _accelerator(model).accumulate(model)
-
-    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
-        accelerator = _accelerator(model)
-        # accelerate divides by gradient_accumulation_steps; ddpcheck's loss is already scaled
-        accelerator.backward(loss * accelerator.gradient_accumulation_steps)
-
-    def reported_loss(
-        self, model: nn.Module, optimizer: OptimizerLike, losses: Sequence[MicroBatchLoss]
-    ) -> torch.Tensor:
-        # what accelerate's examples log: the step's loss through accelerator.reduce(..., "mean")
-        return _accelerator(model).reduce(MicroBatchLoss.total(losses), reduction="mean")
-
-    def clip_grad_norm(
-        self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float
-    ) -> object:
-        return _accelerator(model).clip_grad_norm_(model.parameters(), max_norm, norm_type)
-
-    def teardown(self, model: nn.Module, optimizer: OptimizerLike) -> None:
-        from accelerate.state import AcceleratorState, GradientState
-
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
 
 
 #: The attribute of the prepared model and optimizer that holds the example's ``Accelerator``.

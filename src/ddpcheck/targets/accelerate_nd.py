@@ -47,7 +47,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -56,8 +55,8 @@ from torch import nn
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language.scenario import Scenario
 from ddpcheck._language.tensor_parallel import mesh_problem, mesh_shape
-from ddpcheck._language.training import MicroBatchLoss, OptimizerLike, Params, SchedulerLike
-from ddpcheck.targets.accelerate import SCENARIO_KEYS
+from ddpcheck._language.training import OptimizerLike, Params
+from ddpcheck.targets.accelerate import SCENARIO_KEYS, AcceleratorLoop
 from ddpcheck.targets.configuration import (
     Config,
     build,
@@ -76,7 +75,6 @@ from ddpcheck.targets.tensor_parallel import AUTOCAST_ON_A_MESH, TP_FLOOR
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-    from accelerate.optimizer import AcceleratedOptimizer
 
     from ddpcheck.targets.protocol import ConfigSpace
 
@@ -121,16 +119,9 @@ ND_HARNESS_KEYS: dict[str, tuple[tuple[object, ...], str]] = {
     "fsdp_plugin": ((None,), FSDP2_TP_IMPORT),
 }
 
-#: The attribute of the prepared model and optimizer that holds the example's ``Accelerator``.
-_ACCELERATOR = "ddpcheck_accelerator"
-
-
-def _accelerator(prepared: object) -> Accelerator:
-    return getattr(prepared, _ACCELERATOR)
-
 
 @dataclasses.dataclass(frozen=True)
-class AccelerateNDTarget(HfTPTarget):
+class AccelerateNDTarget(AcceleratorLoop, HfTPTarget):
     """accelerate's ``ParallelismConfig`` over a model transformers distributed (the module
     docstring)."""
 
@@ -221,8 +212,7 @@ class AccelerateNDTarget(HfTPTarget):
         example's ``Accelerator`` with the optimizer."""
         accelerator = self.accelerator(module)
         model, optimizer = accelerator.prepare(module, optimizer_cls(params, **kwargs))  # type: ignore[arg-type]
-        setattr(model, _ACCELERATOR, accelerator)
-        setattr(optimizer, _ACCELERATOR, accelerator)
+        self.hold(accelerator, model, optimizer)
         return model, optimizer
 
     def accelerator(self, module: nn.Module) -> Accelerator:
@@ -253,38 +243,6 @@ class AccelerateNDTarget(HfTPTarget):
             loader = DataLoaderConfiguration(**{"split_batches": True, **loader})
         kwargs["dataloader_config"] = loader
         return construct(Accelerator, kwargs, target=where)
-
-    def micro_batch(
-        self, model: nn.Module, optimizer: OptimizerLike, index: int, count: int
-    ) -> AbstractContextManager[object]:
-        return _accelerator(model).accumulate(model)
-
-    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
-        accelerator = _accelerator(model)
-        # accelerate divides by gradient_accumulation_steps; ddpcheck's loss is already scaled
-        accelerator.backward(loss * accelerator.gradient_accumulation_steps)
-
-    def reported_loss(
-        self, model: nn.Module, optimizer: OptimizerLike, losses: Sequence[MicroBatchLoss]
-    ) -> torch.Tensor:
-        # a tp group's ranks share one loss: the mean over every rank is the mean over dp
-        return _accelerator(model).reduce(MicroBatchLoss.total(losses), reduction="mean")
-
-    def clip_grad_norm(
-        self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float
-    ) -> object:
-        return _accelerator(model).clip_grad_norm_(model.parameters(), max_norm, norm_type)
-
-    def make_scheduler(self, optimizer: OptimizerLike, gamma: float) -> SchedulerLike:
-        prepared: AcceleratedOptimizer = optimizer  # what setup's prepare returned
-        inner = torch.optim.lr_scheduler.ExponentialLR(prepared.optimizer, gamma)
-        return _accelerator(prepared).prepare_scheduler(inner)
-
-    def teardown(self, model: nn.Module, optimizer: OptimizerLike) -> None:
-        from accelerate.state import AcceleratorState, GradientState
-
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
 
 
 def _check(given: dict[str, object], where: str) -> tuple[int, int] | None:
