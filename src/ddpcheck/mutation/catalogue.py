@@ -692,8 +692,8 @@ CATALOGUE += [
     for name, bug_class, description in PP.ENTRIES
 ]
 # A pipeline of tensor-parallel stages (``broken_nd``), against the unmutated torch_nd. Not in
-# CATALOGUE: pp x tp needs W=4, beyond the CI battery search's W=2,3; ``ddpcheck mutants --only
-# TPReplicatedSummedND --world-sizes 4`` runs it (``by_name`` finds it).
+# CATALOGUE: pp x tp needs W=4, beyond the CI battery search's W=2,3; ``ddpcheck mutants`` adds
+# it where its world sizes reach 4 (the default 1-4), and ``by_name`` finds it.
 ND_CATALOGUE = [
     Mutant(name, bug_class, description, getattr(ND, name)(), TORCH_ND)
     for name, bug_class, description in ND.ENTRIES

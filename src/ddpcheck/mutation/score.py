@@ -142,6 +142,8 @@ def run_mutants(
 ) -> ExitCode:
     """Print the mutant table as it goes; 0 when every mutant is killed and the control passes."""
     mutants = catalogue.CATALOGUE
+    if max(world_sizes) >= 4:  # a pipeline of tensor-parallel stages needs pp=2 x tp=2
+        mutants = mutants + catalogue.ND_CATALOGUE
     if only is not None:
         mutants = [catalogue.by_name(n.strip()) for n in only.split(",") if n.strip()]
         if not mutants:
