@@ -150,7 +150,7 @@ def test_hangs_slowness_and_errors_in_the_search_leave_the_battery_verdict(
 
 
 def test_a_search_that_fails_itself_leaves_the_battery_verdict(monkeypatch):
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise ValueError("no strategy")
 
     monkeypatch.setattr(smaller, "_strategy", broken)

@@ -26,7 +26,7 @@ from ddpcheck._language.pipeline_parallel import (
 )
 from ddpcheck._language.sharded_models import ShardedBlock, ShardedSpec, sequence_data
 from ddpcheck.targets import TORCH_PP, TorchPPTarget, support
-from ddpcheck.targets.catalogue import PARALLEL
+from ddpcheck.targets.catalogue import PARALLEL, TORCH_ND
 from ddpcheck.targets.pipeline import uneven_pieces
 
 #: Two stages over two ranks, two pieces per micro-batch, two micro-batches per step.
@@ -164,16 +164,22 @@ def test_what_torch_refuses_is_declined_with_its_reason():
     uneven = dataclasses.replace(ACCUMULATED, global_batch=6)  # micro-batches of 3 over 2 pieces
     assert "pytorch#126600" in uneven_pieces(uneven, 2)
     assert "pytorch#126600" in TORCH_PP.supports_at(uneven, 2)
-    with pytest.raises(InvalidArgument, match="both tensor_parallel and pipeline"):
+    # a pipeline of tensor-parallel stages (torch_nd) must say its degree: W = dp x pp x tp
+    with pytest.raises(InvalidArgument, match="tensor-parallel stages names its degree"):
         dataclasses.replace(ACCUMULATED, tensor_parallel=ddpcheck.TensorParallel())
 
 
 @settings(max_examples=30, deadline=None, database=None)
 @given(data=st.data(), world_size=st.sampled_from((1, 2, 3, 4)))
 def test_drawn_pipelines_fit_their_world(data, world_size):
-    scenario = data.draw(pipeline_scenarios(world_size=world_size))
+    # what the engine draws for torch_pp, which applies no plan; torch_nd's draws name a tp
+    plain = pipeline_scenarios(world_size=world_size, without=("tensor-parallel",))
+    scenario = data.draw(plain)
     assert TORCH_PP.supports(scenario) is None
     assert TORCH_PP.supports_at(scenario, world_size) is None
+    staged = data.draw(pipeline_scenarios(world_size=world_size))
+    assert TORCH_ND.supports(staged) is None
+    assert TORCH_ND.supports_at(staged, world_size) is None
 
 
 def test_who_gets_pipeline_scenarios():
