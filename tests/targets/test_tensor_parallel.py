@@ -19,17 +19,20 @@ from ddpcheck._language.batches import global_indices
 from ddpcheck._language.battery import TENSOR_PARALLEL_BATTERY
 from ddpcheck._language.plans import plans, sharded_models, tensor_parallel_scenarios
 from ddpcheck._language.sharded_models import (
+    HEAD_NORM,
     REGION_STYLES,
     SEQUENCE,
     VOCABULARY_STYLES,
     ShardedBlock,
     ShardedSpec,
+    plan_choices,
     sequence_data,
 )
 from ddpcheck._language.tensor_parallel import TensorParallel, data_coordinate, mesh_problem
 from ddpcheck._oracle.mesh_axes import shared_axis
 from ddpcheck.targets import support
 from ddpcheck.targets.catalogue import PARALLEL, TORCH_2D, TORCH_TP
+from ddpcheck.targets.parallel_tp import no_head_norm
 from ddpcheck.targets.tensor_parallel import TorchTPTarget, empty_micro_batch, torch_plan
 
 #: Every parameter sharded over tp (no bias on a replicated layer, no norm): the full tensors
@@ -156,12 +159,28 @@ def test_drawn_plans_name_real_linears_and_shard_no_dimension_emptily(data, tp):
             assert isinstance(linear, nn.Embedding), (name, style)
             assert len(torch.chunk(torch.empty(linear.num_embeddings), tp)) == tp
             continue
+        if style == HEAD_NORM:  # a q/k norm of attention split along whole heads
+            assert isinstance(linear, nn.RMSNorm), (name, style)
+            assert (name.rsplit(".", 1)[0] + ".q", "colwise") in plan, (name, plan)
+            continue
         assert isinstance(linear, nn.Linear)
         sharded = linear.out_features if style.startswith("colwise") else linear.in_features
         pieces = torch.chunk(torch.empty(sharded), tp)  # torch's shards of that dimension
         assert len(pieces) == tp and all(p.numel() for p in pieces), (name, style, sharded)
         if style == "colwise":  # a local output feeds its row-wise partner: even shards only
             assert linear.out_features % tp == 0
+
+
+def test_q_k_norms_are_sharded_with_their_heads_or_declined_naming_why():
+    block = ShardedBlock("attention", 4, kv_heads=2, qk_norm=True)
+    spec = ShardedSpec(blocks=(block,), width=4, head_dim=1)
+    split = [f for f in plan_choices(spec, 2)[1] if ("blocks.0.q", "colwise") in f]
+    assert split and all(("blocks.0.q_norm", HEAD_NORM) in f for f in split), split
+    assert not any(("blocks.0.q_norm", HEAD_NORM) in f for f in plan_choices(spec, 3)[1])
+    scenario = Scenario(spec, data=sequence_data, tensor_parallel=TensorParallel(split[0]))
+    assert "a q/k norm over the heads" in no_head_norm(scenario)
+    with pytest.raises(InvalidArgument, match="qk_norm"):
+        ShardedBlock("mlp", qk_norm=True)
 
 
 @settings(max_examples=30, deadline=None, database=None)

@@ -273,14 +273,18 @@ TENSOR_PARALLEL_BATTERY: list[tuple[str, Scenario]] = [
     # first, though not the cheapest: what alone reaches the embedding and tie mutants (K15,
     # K16), which every other entry's plan leaves untouched. A vocabulary-parallel embedding
     # (5 words: 3+2) tied to the head, both Shard(0) on that matrix, grouped-query attention
-    # split along its 2 kv heads, a sequence region closed by the loss-parallel head
+    # split along its 2 kv heads with q/k norms over the heads (K18), a sequence region closed
+    # by the loss-parallel head
     (
         "tp-vocab-tied-gqa",
         Scenario(
             ShardedSpec(
-                blocks=(ShardedBlock("attention", 4, kv_heads=2), ShardedBlock("norm")),
+                blocks=(
+                    ShardedBlock("attention", 4, kv_heads=2, qk_norm=True),
+                    ShardedBlock("norm"),
+                ),
                 width=4,
-                head_dim=1,
+                head_dim=2,  # q/k norms over two features (one: its sign, chaotic)
                 tokens=True,
                 embedding=True,
                 tied=True,
@@ -294,6 +298,7 @@ TENSOR_PARALLEL_BATTERY: list[tuple[str, Scenario]] = [
                 (
                     ("inp", "vocab"),
                     *((f"blocks.0.{n}", "colwise") for n in "qkv"),
+                    *((f"blocks.0.{n}_norm", "heads-norm") for n in "qk"),
                     ("blocks.0.out", "rowwise"),
                     ("blocks.1.norm", "sequence"),
                     ("blocks.1", "sequence-in"),

@@ -133,6 +133,7 @@ def _shape(model: object) -> str:
                     b.kind
                     + ("" if b.kind.endswith("norm") else str(b.size))
                     + (f"/{kv}" if (kv := getattr(b, "kv_heads", None)) else "")  # kv heads
+                    + ("qk" if getattr(b, "qk_norm", False) else "")  # q/k norms
                     for b in blocks
                 ),
                 ("vocab" if getattr(model, "tokens", False) else "head")  # a token head's logits
@@ -206,6 +207,7 @@ _STYLE_ABBREVIATIONS = {
     "vocab-sequence": "vocab(seq)",
     "colwise-loss": "col(loss)",
     "colwise-sequence-loss": "col(seq,loss)",
+    "heads-norm": "heads",
 }
 
 

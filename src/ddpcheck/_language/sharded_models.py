@@ -74,6 +74,7 @@ from ddpcheck._language.objective import IGNORE_INDEX
 __all__ = [
     "BLOCK_KINDS",
     "IN_FEATURES",
+    "HEAD_NORM",
     "LOSS_STYLES",
     "NORM_KINDS",
     "OUT_FEATURES",
@@ -115,6 +116,10 @@ SEQUENCE_STYLES = frozenset(
     }
 )
 LOSS_STYLES = frozenset({"colwise-loss", "colwise-sequence-loss"})
+#: The style of a q/k norm in attention split over its heads: ``SequenceParallel`` over the
+#: heads dimension of ``(batch, heads, length, head_dim)``, so that its replicated weight's
+#: gradient is summed over ``tp`` (bench/tp_qk_norm.py: left alone, 0.58 off at tp=2)
+HEAD_NORM = "heads-norm"
 #: The styles a plan gives a region's norm or its block (no linear).
 REGION_STYLES = frozenset({"sequence", "sequence-in", "sequence-out", "sequence-in-out"})
 #: The styles of an embedding sharded over the vocabulary (its weight ``Shard(0)``).
@@ -172,12 +177,14 @@ class ShardedBlock:
     """One block: ``kind`` one of :data:`BLOCK_KINDS`; ``size``: an MLP's hidden width or the
     number of attention heads (unused by a norm); ``bias``: whether its linears have biases;
     ``kv_heads``: an attention block's k and v heads (grouped-query attention; None: ``size``),
-    a divisor of ``size``."""
+    a divisor of ``size``; ``qk_norm``: its q and k normalised over ``head_dim`` (an RMSNorm
+    each, shared by the heads: Qwen3's and OLMo-2's ``q_norm``/``k_norm``)."""
 
     kind: str = "mlp"
     size: int = 4
     bias: bool = True
     kv_heads: int | None = None
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in BLOCK_KINDS:
@@ -195,6 +202,11 @@ class ShardedBlock:
             raise InvalidArgument(
                 f"ShardedBlock(kv_heads={kv!r}) must be a divisor of an attention block's "
                 f"size={self.size} (its q heads), or None"
+            )
+        if self.qk_norm is not False and (self.kind != "attention" or self.qk_norm is not True):
+            raise InvalidArgument(
+                f"ShardedBlock(qk_norm={self.qk_norm!r}) must be a bool, True only for an "
+                "attention block"
             )
 
 
@@ -243,13 +255,19 @@ class _Attention(nn.Module):
     """Causal self-attention; the heads come from the local width (``width // head_dim``),
     so column-wise q, k, v hold whole heads on each rank when the plan splits along heads."""
 
-    def __init__(self, width: int, heads: int, head_dim: int, bias: bool, kv_heads: int):
+    def __init__(
+        self, width: int, heads: int, head_dim: int, bias: bool, kv_heads: int, qk_norm: bool
+    ):
         super().__init__()
         self.head_dim = head_dim
         self.q = nn.Linear(width, heads * head_dim, bias=bias)
         self.k = nn.Linear(width, kv_heads * head_dim, bias=bias)
         self.v = nn.Linear(width, kv_heads * head_dim, bias=bias)
         self.out = nn.Linear(heads * head_dim, width, bias=bias)
+        # over head_dim, shared by every head: split over its heads, a rank's norm sees only its
+        # own, and the plan must sum the weight's gradient over tp (HEAD_NORM)
+        self.q_norm = nn.RMSNorm(head_dim) if qk_norm else None
+        self.k_norm = nn.RMSNorm(head_dim) if qk_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, length, _ = x.shape
@@ -259,6 +277,8 @@ class _Attention(nn.Module):
             return t.view(b, length, local_heads, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        if self.q_norm is not None and self.k_norm is not None:  # (batch, heads, length, dim)
+            q, k = self.q_norm(q), self.k_norm(k)
         if k.shape[1] != q.shape[1]:  # grouped-query: a kv head per run of q heads (repeat_kv)
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -306,7 +326,8 @@ def _block(block: ShardedBlock, width: int, head_dim: int) -> nn.Module:
     if block.kind == "mlp":
         return _MLP(width, block.size, block.bias)
     if block.kind == "attention":
-        return _Attention(width, block.size, head_dim, block.bias, block.kv_heads or block.size)
+        kv = block.kv_heads or block.size
+        return _Attention(width, block.size, head_dim, block.bias, kv, block.qk_norm)
     return _Norm(width, rms=block.kind == "rmsnorm")
 
 
@@ -371,8 +392,13 @@ def plan_choices(spec: ShardedSpec, tp: int, loss_head: bool = True) -> list[lis
             width = block.size * spec.head_dim
             fragments = _lone(f"{at}.out", w, width, tp, "rowwise-replicate")
             if (block.kv_heads or block.size) % tp == 0:  # whole kv and q heads on every rank
+                norms = ((f"{at}.q_norm", HEAD_NORM), (f"{at}.k_norm", HEAD_NORM))
                 fragments.append(
-                    (*((f"{at}.{n}", "colwise") for n in "qkv"), (f"{at}.out", "rowwise"))
+                    (
+                        *((f"{at}.{n}", "colwise") for n in "qkv"),
+                        *(norms if block.qk_norm else ()),
+                        (f"{at}.out", "rowwise"),
+                    )
                 )
             units.append(fragments)
         else:  # a norm: replicated, or on this rank's tokens (a region's ends added below)

@@ -74,6 +74,9 @@ STYLES: dict[str, str] = {
     "vocabulary (Shard(-1)), the cross-entropy under loss_parallel()",
     "colwise-sequence-loss": "ColwiseParallel(input_layouts=Shard(1), use_local_output=False): "
     "as colwise-loss, its input the sequence shards all-gathered",
+    "heads-norm": "SequenceParallel(sequence_dim=1, use_local_output=True) on a q/k norm of "
+    "attention split over its heads: its input (batch, heads, length, head_dim) sharded over the "
+    "heads, its replicated weight's gradient summed over tp",
 }
 
 

@@ -62,6 +62,7 @@ __all__ = [
     "ShardsFromOwnInitTP",
     "ShardsScatteredReversedTP",
     "TORCH_ENTRIES",
+    "QKNormAloneTP",
     "TieLostTP",
     "UnmaskedLookup",
     "UnreducedLookup",
@@ -533,6 +534,17 @@ class TieLostTP(TorchTPTarget):
 
 
 @dataclasses.dataclass(frozen=True)
+class QKNormAloneTP(TorchTPTarget):
+    """K18 (``plan_styles``): attention split over its heads with its q/k norms left out of the
+    plan -- replicated, each rank normalising only the heads it holds, so the norms' weights
+    get each rank's partial gradient, never summed over ``tp`` (bench/tp_qk_norm.py)."""
+
+    def plan_styles(self) -> dict[str, ParallelStyle]:
+        styles = super().plan_styles()
+        return {n: s for n, s in styles.items() if not n.endswith(("q_norm", "k_norm"))}  # BUG
+
+
+@dataclasses.dataclass(frozen=True)
 class LocalVocabularyLogSoftmaxTP(TorchTPTarget):
     """K17 (``loss_context``): the policy gradient's log-probabilities of logits sharded over
     the vocabulary from a home-made log-softmax (``_LocalVocabularyLogSoftmax``) inside torch's
@@ -662,6 +674,11 @@ TORCH_ENTRIES: list[tuple[str, str, str]] = [
         "TieLostTP",
         "K16",
         "tied embedding and head not re-tied after parallelize_module: two matrices",
+    ),
+    (
+        "QKNormAloneTP",
+        "K18",
+        "q/k norms over head_dim left out of the plan: their weights' gradients never summed",
     ),
     (
         "LocalVocabularyLogSoftmaxTP",

@@ -23,7 +23,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpcheck._language.scenario import Scenario
-from ddpcheck._language.sharded_models import LOSS_STYLES, VOCABULARY_STYLES, ShardedSpec
+from ddpcheck._language.sharded_models import (
+    HEAD_NORM,
+    LOSS_STYLES,
+    VOCABULARY_STYLES,
+    ShardedSpec,
+)
 from ddpcheck._language.tensor_parallel import mesh_problem
 from ddpcheck._language.training import MicroBatchLoss, OptimizerLike, Params
 from ddpcheck.targets.tensor_parallel import (
@@ -40,7 +45,13 @@ from parallel import tensor_parallel as tp
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParallelTPTarget", "no_loss_parallel", "no_vocabulary_parallel", "shard_missing"]
+__all__ = [
+    "ParallelTPTarget",
+    "no_head_norm",
+    "no_loss_parallel",
+    "no_vocabulary_parallel",
+    "shard_missing",
+]
 
 
 def shard_missing(scenario: Scenario, world_size: int) -> str | None:
@@ -74,6 +85,20 @@ def no_vocabulary_parallel(scenario: Scenario) -> str | None:
     if isinstance(spec, ShardedSpec) and spec.tied and "head" in plan:
         return "head: tied to the embedding, and parallel.tensor_parallel's layers untie it"
     return None
+
+
+def no_head_norm(scenario: Scenario) -> str | None:
+    """Why ``parallel.tensor_parallel`` cannot run the scenario's plan: a q/k norm over the heads
+    a rank holds (its weight's gradient summed over ``tp``), which it has no layer for; None
+    when the plan has none."""
+    plan = () if scenario.tensor_parallel is None else scenario.tensor_parallel.plan
+    found = [name for name, style in plan if style == HEAD_NORM]
+    if not found:
+        return None
+    return (
+        f"{found[0]}: a q/k norm over the heads each rank holds, which parallel.tensor_parallel "
+        "has no layer for (torch_tp: SequenceParallel over the heads dimension)"
+    )
 
 
 def no_loss_parallel(scenario: Scenario) -> str | None:
@@ -119,6 +144,7 @@ class ParallelTPTarget(PlanTarget):
     def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
         return (
             mesh_problem(scenario.tensor_parallel, world_size)
+            or no_head_norm(scenario)
             or shard_missing(scenario, world_size)
             or empty_sequence(scenario, world_size)
             or no_loss_parallel(scenario)

@@ -115,6 +115,8 @@ def torch_plan(
         ),
         "colwise-loss": lambda: ColwiseParallel(use_local_output=False),
         "colwise-sequence-loss": lambda: ColwiseParallel(input_layouts=seq, use_local_output=False),
+        # a q/k norm over head_dim: its input (batch, heads, length, head_dim) sharded on heads
+        "heads-norm": lambda: SequenceParallel(sequence_dim=1, use_local_output=True),
     }
     return {name: styles[style]() for name, style in plan}
 
