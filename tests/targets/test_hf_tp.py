@@ -136,3 +136,36 @@ def test_the_option_space_writes_transformers_other_names_and_fsdp_plans():
     assert split.transformers_plan()["inp"] == "rowwise_split_input"
     assert split.transformers_plan()["head"] == "colwise_gather_output"
     assert set(FSDP_PLANS) >= {"blocks", "root"} and HF_TP.config_space() is not None
+
+
+#: attention split over its 2 kv heads (4 q heads) with q/k norms over heads of 2 features, the
+#: norms under transformers' replicated_with_grad_allreduce (Qwen3's plan for q_norm, k_norm)
+QK_NORMS = Scenario(
+    ShardedSpec(blocks=(ShardedBlock("attention", 4, kv_heads=2, qk_norm=True),), head_dim=2),
+    data=sequence_data,
+    global_batch=4,
+    seed=3,
+    tensor_parallel=TensorParallel(
+        (
+            *((f"blocks.0.{n}", "colwise") for n in "qkv"),
+            *((f"blocks.0.{n}_norm", "heads-norm") for n in "qk"),
+            ("blocks.0.out", "rowwise"),
+        )
+    ),
+)
+
+
+@pytest.mark.slow  # a W=2 world importing transformers in each rank
+def test_transformers_q_k_norm_style_is_right_alone_and_wrong_under_accumulation():
+    # bench/hf_replicated_grad_allreduce.py shows it without ddpcheck (transformers 5.25.0): the
+    # style all-reduces .grad after every backward, so accumulated micro-batches count tp times
+    _needs_transformers()
+    from ddpcheck.targets.known_bugs import known_bug_line
+
+    assert ddpcheck.check_example(HF_TP, dataclasses.replace(QK_NORMS, steps=2), 2) == ()
+    accumulated = dataclasses.replace(QK_NORMS, accumulation=2)
+    with pytest.raises(EquivalenceError) as caught:
+        ddpcheck.check_example(HF_TP, accumulated, 2)
+    wrong = {(d.kind, d.name) for d in caught.value.divergences}
+    assert ("reference differs (gradient)", "blocks.0.q_norm.weight") in wrong, wrong
+    assert "replicated_with_grad_allreduce" in known_bug_line(HF_TP, {"accumulation"}, accumulated)

@@ -99,6 +99,8 @@ HF_STYLES: Mapping[str, str] = {
     "rowwise": "rowwise",
     "colwise-replicate": "colwise_rep",
     "rowwise-replicate": "rowwise_rep",
+    # a q/k norm of attention split over its heads: Qwen3's plan for q_norm and k_norm
+    "heads-norm": "replicated_with_grad_allreduce",
 }
 
 #: transformers' other names for the styles whose input and output are both replicated (the same

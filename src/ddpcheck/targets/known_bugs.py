@@ -19,6 +19,7 @@ from ddpcheck._language.pipeline_parallel import SCHEDULES_SPLITTING_BACKWARD
 from ddpcheck._language.scenario import Scenario
 from ddpcheck.targets.builtin import TorchDDPTarget, TorchFSDPTarget
 from ddpcheck.targets.deepspeed import DeepSpeedTarget
+from ddpcheck.targets.hf_tp import HfTPTarget
 from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.pipeline import TorchPPTarget
 from ddpcheck.targets.protocol import Target
@@ -146,6 +147,24 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         explains=lambda scenario: (
             scenario.pipeline is not None
             and scenario.pipeline.schedule in SCHEDULES_SPLITTING_BACKWARD
+        ),
+    ),
+    KnownBug(
+        distribution="transformers",
+        # bench/hf_replicated_grad_allreduce.py: wrong on 5.25.0 (the pinned release, the only
+        # one measured); no upstream issue found
+        fixed_in=None,
+        upstream="no upstream issue found (measured on 5.25.0)",
+        what="the tensor-parallel style replicated_with_grad_allreduce (Qwen3's q_norm and "
+        "k_norm) all-reduces param.grad from a post-accumulate-grad hook, after every backward: "
+        "under gradient accumulation each earlier micro-batch's already-reduced gradient is "
+        "summed over tp again",
+        needs=frozenset({"accumulation"}),
+        targets=(HfTPTarget,),
+        script="bench/hf_replicated_grad_allreduce.py",
+        explains=lambda scenario: (
+            scenario.tensor_parallel is not None
+            and any(style == "heads-norm" for _, style in scenario.tensor_parallel.plan)
         ),
     ),
 )
