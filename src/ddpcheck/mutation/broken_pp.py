@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ddpcheck._language.objective import summed
@@ -23,6 +24,7 @@ from ddpcheck.targets.pipeline import Stage, TorchPPTarget
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining import PipelineStage
 
 __all__ = [
     "ENTRIES",
@@ -34,6 +36,7 @@ __all__ = [
     "PiecesDividedTwicePP",
     "PieceMeanNotDividedPP",
     "ReportedFromOnePipelinePP",
+    "WeightPassDividedPP",
 ]
 
 
@@ -160,6 +163,45 @@ class ReportedFromOnePipelinePP(TorchPPTarget):
         return torch.stack([loss.detach().reshape(()) for loss in losses]).sum()  # BUG
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightPassDividedPP(TorchPPTarget):
+    """``pipeline_stage``: a split backward (the zero-bubble schedules run each stage's backward
+    as an input pass, then a weight pass) whose weight pass divides the gradients it computes by
+    the number of pieces again, its input pass not: each stage's weights get ``1 / pieces`` of
+    their gradient while the gradients handed upstream stay right. Schedules that do not split
+    the backward never enter the weight pass: on them this is torch_pp."""
+
+    def pipeline_stage(
+        self,
+        runnable: nn.Module,
+        index: int,
+        stages: int,
+        device: torch.device,
+        inputs: torch.Tensor,
+        outputs: torch.Tensor,
+        group: dist.ProcessGroup,
+    ) -> PipelineStage:
+        stage = super().pipeline_stage(runnable, index, stages, device, inputs, outputs, group)
+        in_weight_pass = [False]
+
+        def divide(grad: torch.Tensor) -> torch.Tensor:  # the schedule sets stage.chunks
+            return grad / (stage.chunks or 1) if in_weight_pass[0] else grad  # BUG
+
+        for param in runnable.parameters():  # at dp > 1 FSDP2's unsharded grads bypass these
+            param.register_hook(divide)
+        weight_pass = stage.backward_weight_one_chunk
+
+        def divided(*args: object, **kwargs: object) -> None:
+            in_weight_pass[0] = True
+            try:
+                weight_pass(*args, **kwargs)  # type: ignore[arg-type]
+            finally:
+                in_weight_pass[0] = False
+
+        stage.backward_weight_one_chunk = divided  # type: ignore[method-assign]
+        return stage
+
+
 #: The catalogue's rows of this family: ``(mutant class name, bug class, one line)``.
 ENTRIES: list[tuple[str, str, str]] = [
     ("PieceMeanNotDividedPP", "M1", "each piece's mean loss with scale_grads=False: x pieces"),
@@ -182,4 +224,9 @@ ENTRIES: list[tuple[str, str, str]] = [
     ("LastStageNotReducedPP", "M5", "the last stage's gradients never reduced over dp"),
     ("ClipsByStageNormPP", "M6", "each stage clipped by its own norm, not the whole model's"),
     ("ReportedFromOnePipelinePP", "M7", "the loss reported by each pipeline, not averaged over dp"),
+    (
+        "WeightPassDividedPP",
+        "M9",
+        "a split backward's weight pass dividing by the pieces again, its input pass not",
+    ),
 ]

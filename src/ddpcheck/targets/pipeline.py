@@ -48,6 +48,7 @@ from ddpcheck.targets.protocol import Target
 
 if TYPE_CHECKING:  # torch.distributed.device_mesh loads when a pipeline target runs
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining import PipelineStage
 
     from ddpcheck.targets.protocol import ConfigSpace
 
@@ -182,6 +183,30 @@ class TorchPPTarget(Target):
         fsdp2().fully_shard(part, mesh=mesh["dp"])
         return part
 
+    def pipeline_stage(
+        self,
+        runnable: nn.Module,
+        index: int,
+        stages: int,
+        device: torch.device,
+        inputs: torch.Tensor,
+        outputs: torch.Tensor,
+        group: dist.ProcessGroup,
+    ) -> PipelineStage:
+        """torch's ``PipelineStage`` of stage ``index`` over ``runnable``, its shapes given by
+        example ``inputs`` and ``outputs``, its sends and receives over ``group``."""
+        from torch.distributed.pipelining import PipelineStage
+
+        return PipelineStage(
+            runnable,
+            index,
+            stages,
+            device,
+            input_args=inputs,
+            output_args=outputs,
+            group=group,
+        )
+
     def micro_batches(self, batches: list) -> list:
         """The step's micro-batches ``(x, y, scale)``, each one ``schedule.step``."""
         return batches
@@ -237,14 +262,14 @@ class TorchPPTarget(Target):
             runnable = self.shard_stage(part, index, pipeline.stages, mesh)
             parts.append(part)
             stages.append(
-                pipelining.PipelineStage(
+                self.pipeline_stage(
                     runnable,
                     index,
                     pipeline.stages,
                     device,
-                    input_args=inputs.requires_grad_(index > 0),
-                    output_args=outputs.requires_grad_(True),
-                    group=mesh.get_group("pp"),
+                    inputs.requires_grad_(index > 0),
+                    outputs.requires_grad_(True),
+                    mesh.get_group("pp"),
                 )
             )
         params = [p for part in parts for p in part.parameters()]
