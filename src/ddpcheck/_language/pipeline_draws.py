@@ -67,15 +67,28 @@ def pipeline_scenarios(
     degrees: Iterable[int] | None = None,
     max_steps: int = 3,
     max_accumulation: int = 2,
+    layouts: Iterable[tuple[int, int]] | None = None,
 ) -> st.SearchStrategy[Scenario]:
     """Pipeline scenarios at ``world_size``: a degree ``pp`` (drawn among ``degrees``, default
     the divisors of W), a schedule with its stages per rank, a model of at least as many modules
     as stages, cut at drawn boundaries, pieces the schedule accepts, and what tensor-parallel
     scenarios draw besides -- optimizer, dtype, steps, accumulation, LR decay, clipping -- none
-    of ``without``."""
+    of ``without``. ``layouts``: ``(pp, tp)`` pairs, each drawn as asked (``--mesh``: ``dp`` is
+    what is left of W), instead of ``degrees`` and the drawn ``tp``."""
     dtypes, without = tuple(dtypes), frozenset(without)
     if not dtypes:
         raise InvalidArgument("dtypes must name at least one of float64, float32")
+    if layouts is not None:
+        if degrees is not None:
+            raise InvalidArgument("give degrees= or layouts=, not both")
+        pairs = tuple(sorted(set(layouts), key=lambda pair: (pair[1], pair[0])))
+        bad = [(p, t) for p, t in pairs if p < 1 or t < 1 or world_size % (p * t)]
+        if not pairs or bad:
+            raise InvalidArgument(
+                f"layouts={pairs!r} must be (pp, tp) pairs whose product divides "
+                f"world_size={world_size}"
+            )
+        return _scenarios(world_size, dtypes, without, pairs, max_steps, max_accumulation)
     if degrees is None:
         degrees = divisors(world_size)
     degrees = tuple(sorted(set(degrees)))
@@ -84,7 +97,31 @@ def pipeline_scenarios(
         raise InvalidArgument(
             f"degrees={degrees!r} must be pipeline degrees that divide world_size={world_size}"
         )
-    return _scenarios(world_size, dtypes, without, degrees, max_steps, max_accumulation)
+    return _scenarios(
+        world_size,
+        dtypes,
+        without,
+        _layouts(world_size, degrees, without),
+        max_steps,
+        max_accumulation,
+    )
+
+
+def _layouts(
+    world_size: int, degrees: tuple[int, ...], without: frozenset[str]
+) -> tuple[tuple[int, int], ...]:
+    """The ``(pp, tp)`` layouts drawn without a mesh asked for: ``tp`` 1, or (for stages that
+    take plans) a degree leaving a pipeline of at least two ranks; ``pp`` among ``degrees``
+    dividing what is left."""
+    tps = [1]
+    if "tensor-parallel" not in without:
+        tps = [t for t in (1, *divisors(world_size)) if _pipes(world_size, t)] or [1]
+    return tuple(
+        (p, t)
+        for t in dict.fromkeys(tps)
+        for p in degrees
+        if p * t <= world_size and (world_size // t) % p == 0
+    )
 
 
 #: The styles whose output leaves their module as a DTensor another module takes in (or whose
@@ -124,16 +161,13 @@ def _scenarios(
     world_size: int,
     dtypes: tuple[str, ...],
     without: frozenset[str],
-    degrees: tuple[int, ...],
+    layouts: tuple[tuple[int, int], ...],
     max_steps: int,
     max_accumulation: int,
 ) -> Scenario:
-    tp = 1  # a pipeline of tensor-parallel stages: tp first, then pp among what is left
-    if "tensor-parallel" not in without:
-        fits = [t for t in (1, *divisors(world_size)) if _pipes(world_size, t)]
-        tp = draw(st.sampled_from(fits or [1]))
-        degrees = tuple(d for d in degrees if d * tp <= world_size and (world_size // tp) % d == 0)
-    pp = draw(st.sampled_from(degrees))
+    # a pipeline of tensor-parallel stages: tp first, then pp among what is left
+    tp = draw(st.sampled_from(tuple(dict.fromkeys(t for _, t in layouts))))
+    pp = draw(st.sampled_from(tuple(p for p, t in layouts if t == tp)))
     # a split-backward schedule over tensor-parallel stages is declined (torch raises)
     split = SCHEDULES_SPLITTING_BACKWARD if tp > 1 else frozenset()
     schedule = draw(st.sampled_from(tuple(s for s in SCHEDULES if s not in split)))

@@ -533,6 +533,7 @@ def per_world_size(
     focus: frozenset[str],
     who: str,
     degrees: Mapping[int, tuple[int, ...]] | None = None,
+    layouts: Mapping[int, tuple[tuple[int, int], ...]] | None = None,
 ) -> dict[int, st.SearchStrategy[Scenario]]:
     """``{W: the scenarios drawn at W}`` for a target checked on none of ``unsupported`` (the
     features it does not support, and those the user excluded), named ``who``: :func:`scenarios`
@@ -540,7 +541,9 @@ def per_world_size(
     features, at the world sizes where one can be. Built once per call: Hypothesis validates a
     strategy the first time it draws from it. Raises ``NothingChecked`` when nothing can be
     drawn. ``degrees``: ``{W: the tensor-parallel degrees drawn at W}`` (``--mesh``; default:
-    every divisor of W), for a target that applies plans."""
+    every divisor of W), for a target that applies plans; ``layouts``: ``{W: the (pp, tp)
+    layouts drawn at W}`` (``--mesh``), for a pipeline target. Under a mesh, a world size none
+    of whose shapes the target's scenarios can take is left out."""
     opt_in = frozenset(features.OPT_IN) - unsupported  # generated only for a target that opts in
     kept = tuple(d for d in dtypes if d not in unsupported)
     if not kept:
@@ -550,17 +553,27 @@ def per_world_size(
         )
     if "pipeline-parallel" in opt_in:  # a target running schedules: pipelines only
         pipelines = functools.partial(pipeline_scenarios, dtypes=kept, without=unsupported)
-        return {w: pipelines(world_size=w) for w in sizes}
+        if layouts is None:
+            return {w: pipelines(world_size=w) for w in sizes}
+        nd = "tensor-parallel" in opt_in  # its stages tensor-parallel: any tp, else tp = 1
+        fit = {w: [(p, t) for p, t in layouts.get(w, ()) if nd or t == 1] for w in sizes}
+        return _on_meshes(
+            {w: pipelines(world_size=w, layouts=fit[w]) for w in sizes if fit[w]}, who
+        )
     if "tensor-parallel" in opt_in:  # a target with a plan hook: meshes and plans only
-        return {
-            w: tensor_parallel_scenarios(
-                world_size=w,
-                dtypes=kept,
-                without=unsupported,
-                degrees=None if degrees is None else degrees[w],
-            )
-            for w in sizes
-        }
+        return _on_meshes(
+            {
+                w: tensor_parallel_scenarios(
+                    world_size=w,
+                    dtypes=kept,
+                    without=unsupported,
+                    degrees=None if degrees is None else degrees[w],
+                )
+                for w in sizes
+                if degrees is None or w in degrees
+            },
+            who,
+        )
     if focus:
         per_size = {
             w: st.one_of(
@@ -597,6 +610,20 @@ def per_world_size(
         )
         for w in sizes
     }
+
+
+def _on_meshes(
+    per_size: dict[int, st.SearchStrategy[Scenario]], who: str
+) -> dict[int, st.SearchStrategy[Scenario]]:
+    """``per_size``, refused as ``NothingChecked`` when no world size is left in it: no mesh
+    asked for (``--mesh``) is one the target's scenarios can take."""
+    if not per_size:
+        raise NothingChecked(
+            f"no mesh asked for (--mesh) is one {who}'s scenarios are drawn on: a pipeline "
+            "target's shapes name its pp (and tp where its stages take plans); a target of "
+            "plans alone runs on shapes without pp"
+        )
+    return per_size
 
 
 #: Features no example at W=1 can exercise: one rank holds every sample.
