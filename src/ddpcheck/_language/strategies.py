@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language import features
+from ddpcheck._language.mesh_draws import on_meshes
 from ddpcheck._language.models import KINDS, Layer, ModelSpec
 from ddpcheck._language.optimizers import optimizers
 from ddpcheck._language.pipeline_draws import pipeline_scenarios
@@ -551,29 +552,8 @@ def per_world_size(
             f"{who} supports none of the dtypes "
             f"{', '.join(dtypes)} once `without` (--without) is applied"
         )
-    if "pipeline-parallel" in opt_in:  # a target running schedules: pipelines only
-        pipelines = functools.partial(pipeline_scenarios, dtypes=kept, without=unsupported)
-        if layouts is None:
-            return {w: pipelines(world_size=w) for w in sizes}
-        nd = "tensor-parallel" in opt_in  # its stages tensor-parallel: any tp, else tp = 1
-        fit = {w: [(p, t) for p, t in layouts.get(w, ()) if nd or t == 1] for w in sizes}
-        return _on_meshes(
-            {w: pipelines(world_size=w, layouts=fit[w]) for w in sizes if fit[w]}, who
-        )
-    if "tensor-parallel" in opt_in:  # a target with a plan hook: meshes and plans only
-        return _on_meshes(
-            {
-                w: tensor_parallel_scenarios(
-                    world_size=w,
-                    dtypes=kept,
-                    without=unsupported,
-                    degrees=None if degrees is None else degrees[w],
-                )
-                for w in sizes
-                if degrees is None or w in degrees
-            },
-            who,
-        )
+    if opt_in & {"pipeline-parallel", "tensor-parallel"}:  # schedules, or a plan hook
+        return on_meshes(sizes, kept, unsupported, opt_in, who, degrees, layouts)
     if focus:
         per_size = {
             w: st.one_of(
@@ -610,20 +590,6 @@ def per_world_size(
         )
         for w in sizes
     }
-
-
-def _on_meshes(
-    per_size: dict[int, st.SearchStrategy[Scenario]], who: str
-) -> dict[int, st.SearchStrategy[Scenario]]:
-    """``per_size``, refused as ``NothingChecked`` when no world size is left in it: no mesh
-    asked for (``--mesh``) is one the target's scenarios can take."""
-    if not per_size:
-        raise NothingChecked(
-            f"no mesh asked for (--mesh) is one {who}'s scenarios are drawn on: a pipeline "
-            "target's shapes name its pp (and tp where its stages take plans); a target of "
-            "plans alone runs on shapes without pp"
-        )
-    return per_size
 
 
 #: Features no example at W=1 can exercise: one rank holds every sample.
