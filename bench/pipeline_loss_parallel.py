@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-DEADLINE = 60
+#: seconds: a rank's start-up on a loaded machine included (60 s timed out at load ~24)
+DEADLINE = 180
 WORLD, PP, TP = 4, 2, 2
 VOCAB, SEQ, IN, WIDTH, HIDDEN = 5, 3, 4, 6, 4
 BATCH, PIECES = 4, 2

@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-DEADLINE = 60
+#: seconds: a rank's start-up on a loaded machine included (60 s timed out at load ~24)
+DEADLINE = 180
 WORLD, PP, TP = 4, 2, 2
 IN, WIDTH, OUT = 3, 4, 3
 BATCH, PIECES = 4, 2

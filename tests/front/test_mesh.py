@@ -319,7 +319,10 @@ def test_pipeline_battery_scenarios_off_the_meshes_are_skipped_naming_why():
     assert off["pp-one-stage-dp"] == why
 
 
-@pytest.mark.slow
+# varies test_every_drawn_pipeline_is_on_a_mesh_asked_for (the draws on the meshes, no world)
+# and tests/targets/test_pipeline_nd.py::test_loss_parallel_on_a_pipeline_matches_the_reference
+# (a pipeline run in CI): here the command line's whole path, battery and one random example
+@pytest.mark.thorough
 def test_a_pipeline_mesh_runs_and_says_where(capsys):
     """``ddpcheck check torch_pp --mesh pp=2``: the battery's W=2 pipelines and one random
     example, every one on pp=2, exit 0; the report names the mesh."""

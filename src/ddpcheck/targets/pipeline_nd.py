@@ -10,7 +10,10 @@ torchtitan composes the three (``pipeline_llm``: a model part per stage, its ``p
 part's own modules only, applied with ``parallelize_module``; every module it leaves alone
 replicated over ``tp`` (``replicate_rest``: one mesh for every parameter, which FSDP2 and
 the gradient norm need); then what ``torch_pp`` does. The loss and its scaling are
-``torch_pp``'s (``scale_grads=False``, each piece weighed by its micro-batch's scale).
+``torch_pp``'s (``scale_grads=False``, each piece weighed by its micro-batch's scale). A token
+loss ``loss_parallel()`` computes is served too: where the plan leaves the head's logits sharded
+over the vocabulary (``colwise-loss``), every ``schedule.step`` runs inside ``loss_parallel()``,
+which the last stage's ``loss_fn`` and its backward need (``bench/pipeline_loss_parallel.py``).
 """
 
 from __future__ import annotations
