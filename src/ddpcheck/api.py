@@ -97,9 +97,10 @@ def assert_equivalent(
     draws (``ddpcheck.targets.option_space``; refused for a target with none), each verdict
     naming its option and its replay line building it (``fuzz`` draws whole configurations).
 
-    ``meshes``: ``(dp, tp)`` mesh shapes, as pairs or as ``--mesh`` spells them (``"tp=2"``,
-    ``"dp=2xtp=2"``), for a target that applies tensor-parallel plans (``Target.parallelizes``):
-    the world sizes are theirs (``dp * tp``; ``world_sizes`` beside them is refused), and a
+    ``meshes``: ``(dp, pp, tp)`` mesh shapes, as ``(dp, tp)`` pairs, triples or as ``--mesh``
+    spells them (``"tp=2"``, ``"dp=2xtp=2"``, ``"pp=2xtp=2"``), for a target that applies
+    tensor-parallel plans (``Target.parallelizes``) or runs pipelines (``Target.pipelines``):
+    the world sizes are theirs (``dp * pp * tp``; ``world_sizes`` beside them is refused), and a
     scenario whose mesh at a world size is none of them is skipped there.
     """
     request = admit(

@@ -376,6 +376,10 @@ def _prepare(args: argparse.Namespace, progress: ProgressLine) -> Invocation:
     for flag in ("json", "output"):
         if getattr(args, flag, None):
             _check_writable(getattr(args, flag), "-o" if flag == "output" else f"--{flag}")
+    if args.command == "survey":
+        from ddpcheck._runs.survey import check_survey_meshes
+
+        check_survey_meshes(request)
     if args.command in ("check", "survey") and not torchrun:
         from ddpcheck._world.registry import launch_worlds
 

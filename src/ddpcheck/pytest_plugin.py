@@ -51,8 +51,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store",
         default=None,
         metavar="SHAPE,...",
-        help="Tensor-parallel mesh shapes ddpcheck_run checks on, such as tp=2,dp=2xtp=2 (their "
-        "world sizes dp*tp instead of --ddpcheck-world-sizes; for targets that apply plans)",
+        help="Mesh shapes ddpcheck_run checks on, such as tp=2,dp=2xtp=2,pp=2xtp=2 (their "
+        "world sizes dp*pp*tp instead of --ddpcheck-world-sizes; for targets that apply plans "
+        "or run pipelines)",
     )
     group.addoption(
         "--ddpcheck-deadline",

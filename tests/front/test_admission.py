@@ -54,12 +54,12 @@ BAD = {
     "a malformed mesh shape": (
         ("meshes", "tp2"),
         ("--mesh", "tp2"),
-        "'tp2' is not a mesh shape; write AXIS=N joined by x, such as tp=2 or dp=2xtp=2",
+        "'tp2' is not a mesh shape; write AXIS=N joined by x, such as tp=2, dp=2xtp=2 or pp=2xtp=2",
     ),
     "an unknown mesh axis": (
-        ("meshes", "tp=2,pp=2"),
-        ("--mesh", "tp=2,pp=2"),
-        "unknown axis 'pp'; the axes are dp and tp",
+        ("meshes", "tp=2,cp=2"),
+        ("--mesh", "tp=2,cp=2"),
+        "unknown axis 'cp'; the axes are dp, pp and tp",
     ),
     "a mesh degree below 1": (
         ("meshes", "dp=2xtp=0"),

@@ -1,4 +1,4 @@
-"""``--mesh`` (``meshes=``, ``--ddpcheck-mesh``): the tensor-parallel mesh shapes every example
+"""``--mesh`` (``meshes=``, ``--ddpcheck-mesh``): the ``(dp, pp, tp)`` mesh shapes every example
 runs on. Refused with one line, before any process starts, where it cannot mean anything; where
 it is admitted, every drawn scenario is on one of the shapes, and a failure's replay line fixes
 its shape (``--world-size W`` and the scenario's ``TensorParallel(tp=...)``).
@@ -15,12 +15,21 @@ from hypothesis import strategies as st
 import ddpcheck
 from ddpcheck import cli
 from ddpcheck._base.options import check_meshes, mesh_text, parse_meshes
+from ddpcheck._front import lines
 from ddpcheck._language.plans import largest_degree, tensor_parallel_scenarios
+from ddpcheck._language.scenario import mesh_of
 from ddpcheck._language.tensor_parallel import mesh_shape
 from ddpcheck._runs import admission
 from ddpcheck._runs.replay import from_repr
 from ddpcheck.targets import support
-from ddpcheck.targets.catalogue import PARALLEL, PARALLEL_TP, TORCH_2D, TORCH_TP
+from ddpcheck.targets.catalogue import (
+    PARALLEL,
+    PARALLEL_TP,
+    TORCH_2D,
+    TORCH_ND,
+    TORCH_PP,
+    TORCH_TP,
+)
 from tests.processes import none_started
 
 ASKED = "tp=2,tp=3,dp=2xtp=2"
@@ -37,17 +46,22 @@ def _cli_error(argv: list[str], capsys) -> str:
     return lines[0]
 
 
-def test_shapes_are_read_as_dp_by_tp_smallest_world_first():
-    assert parse_meshes(ASKED) == ((1, 2), (1, 3), (2, 2))
-    assert parse_meshes(" dp=2 x tp=2 , tp=4,tp=2") == ((1, 2), (2, 2), (1, 4))
-    assert parse_meshes("dp=3") == ((3, 1),)  # tp not named: 1
-    assert check_meshes("meshes", [(2, 2), "tp=2", (2, 2)]) == ((1, 2), (2, 2))
+def test_shapes_are_read_as_dp_by_pp_by_tp_smallest_world_first():
+    assert parse_meshes(ASKED) == ((1, 1, 2), (1, 1, 3), (2, 1, 2))
+    assert parse_meshes(" dp=2 x tp=2 , tp=4,tp=2") == ((1, 1, 2), (2, 1, 2), (1, 1, 4))
+    assert parse_meshes("dp=3") == ((3, 1, 1),)  # tp not named: 1
+    # (dp, tp) pairs as before a pp axis, and (dp, pp, tp) triples
+    assert check_meshes("meshes", [(2, 2), "tp=2", (2, 1, 2)]) == ((1, 1, 2), (2, 1, 2))
     assert [mesh_text(s) for s in parse_meshes(ASKED)] == ASKED.split(",")
+    piped = "pp=2,dp=2xpp=2,pp=2xtp=2,dp=2xpp=2xtp=2"
+    assert parse_meshes(piped) == ((1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2))
+    assert [mesh_text(s) for s in parse_meshes(piped)] == piped.split(",")
+    assert parse_meshes("tp=2xpp=2") == ((1, 2, 2),)  # the order written is free
 
 
 def test_a_request_with_meshes_has_their_world_sizes_and_degrees():
     request = admission.admit(TORCH_2D, meshes=ASKED)
-    assert request.meshes == ((1, 2), (1, 3), (2, 2))
+    assert request.meshes == ((1, 1, 2), (1, 1, 3), (2, 1, 2))
     assert request.world_sizes == (2, 3, 4)
     assert request.degrees == {2: (2,), 3: (3,), 4: (2,)}
     both = admission.admit(TORCH_2D, meshes="tp=4,dp=2xtp=2")
@@ -60,16 +74,21 @@ def test_a_request_with_meshes_has_their_world_sizes_and_degrees():
         (
             ["check", "torch_tp", "--mesh", "tp=2", "--world-sizes", "2"],
             "--mesh and --world-sizes together: each mesh shape fixes its world size "
-            "(dp x tp); give --mesh alone",
+            "(dp x pp x tp); give --mesh alone",
         ),
         (
             ["check", "parallel", "--mesh", "tp=2"],
-            "--mesh: parallel (ParallelTarget) does not opt into tensor parallelism "
-            "(ParallelTarget.parallelizes is not set)",
+            "--mesh: parallel (ParallelTarget) opts into neither tensor nor pipeline "
+            "parallelism (ParallelTarget.parallelizes and ParallelTarget.pipelines are not set)",
         ),
         (
             ["survey", "torch_ddp", "--mesh", "dp=2"],
-            "--mesh: torch_ddp (TorchDDPTarget) does not opt into tensor parallelism",
+            "--mesh: torch_ddp (TorchDDPTarget) opts into neither tensor nor pipeline",
+        ),
+        (
+            ["survey", "torch_pp", "--mesh", "pp=2"],
+            "a mesh with a pp axis (--mesh, meshes=) in a survey: its feature cells do not "
+            "draw pipelines on meshes yet",
         ),
         (["check", "torch_tp", "--mesh", "tp=two"], "--mesh='tp=two': tp='two' is not an integer"),
         (["check", "torch_tp", "--mesh", "tp=2xtp=3"], "'tp=2xtp=3' names tp twice"),
@@ -131,10 +150,10 @@ def test_every_drawn_example_is_on_a_mesh_asked_for(target, data):
     assert sizes == (2, 3, 4)
     world_size = data.draw(st.sampled_from(sizes))
     scenario = data.draw(per_size[world_size])
-    shape = mesh_shape(scenario.tensor_parallel, world_size)
+    shape = mesh_of(scenario, world_size)
     assert shape in request.meshes
     # the replay line carries --world-size and the scenario's repr: together they fix the mesh
-    assert mesh_shape(from_repr(repr(scenario)).tensor_parallel, world_size) == shape
+    assert mesh_of(from_repr(repr(scenario)), world_size) == shape
 
 
 @settings(max_examples=20, deadline=None, database=None)
@@ -170,12 +189,12 @@ def test_battery_scenarios_off_the_meshes_are_skipped_naming_why():
 
 
 def test_a_mesh_the_target_never_runs_is_named_before_the_run():
-    assert support.declined_mesh(TORCH_TP, (2, 2)) == (
+    assert support.declined_mesh(TORCH_TP, (2, 1, 2)) == (
         "dp=2: TorchTPTarget shards over tp only (torch_2d adds FSDP2 over dp)"
     )
-    assert support.declined_mesh(TORCH_TP, (1, 2)) is None
-    assert support.declined_mesh(TORCH_2D, (2, 2)) is None
-    assert support.declined_mesh(PARALLEL_TP, (2, 2)) is None
+    assert support.declined_mesh(TORCH_TP, (1, 1, 2)) is None
+    assert support.declined_mesh(TORCH_2D, (2, 1, 2)) is None
+    assert support.declined_mesh(PARALLEL_TP, (2, 1, 2)) is None
 
 
 @pytest.mark.slow
@@ -195,7 +214,7 @@ def test_a_failure_on_a_mesh_replays_on_that_mesh(capsys):
     )
     assert result.error is not None, result
     error = result.error
-    assert error.world_size == 4 and mesh_shape(error.scenario.tensor_parallel, 4) == (2, 2)
+    assert error.world_size == 4 and mesh_of(error.scenario, 4) == (2, 1, 2)
     argv = shlex.split(error.replay)
     assert argv[:4] == ["python", "-m", "ddpcheck", "replay"], error.replay
     capsys.readouterr()
@@ -216,13 +235,98 @@ def test_the_survey_a_verdict_points_to_carries_the_mesh():
 @given(pair=ddpcheck.strategies.examples(TORCH_2D, meshes=["tp=3", (2, 2)]))
 def test_the_public_examples_strategy_draws_on_the_meshes_too(pair):
     scenario, world_size = pair
-    assert mesh_shape(scenario.tensor_parallel, world_size) in ((1, 3), (2, 2))
+    assert mesh_of(scenario, world_size) in ((1, 1, 3), (2, 1, 2))
 
 
 def test_the_public_examples_strategy_refuses_as_the_doors_do():
     with pytest.raises(ddpcheck.InvalidArgument, match="meshes and world_sizes together"):
         ddpcheck.strategies.examples(TORCH_2D, meshes=["tp=2"], world_sizes=(2,))
-    with pytest.raises(ddpcheck.InvalidArgument, match="ParallelTarget does not opt into"):
+    with pytest.raises(ddpcheck.InvalidArgument, match="ParallelTarget opts into neither"):
         ddpcheck.strategies.examples(PARALLEL, meshes=["tp=2"])
     with pytest.raises(ddpcheck.InvalidArgument, match="tp=99 is more ranks"):
         ddpcheck.strategies.examples(TORCH_2D, meshes=["tp=99"])
+
+
+PIPED = "pp=2,dp=2xpp=2,pp=2xtp=2,dp=2xpp=2xtp=2"
+
+
+def test_a_pipeline_request_has_the_layouts_of_its_meshes():
+    request = admission.admit(TORCH_ND, meshes=PIPED)
+    assert request.world_sizes == (2, 4, 8)
+    assert request.layouts == {2: ((2, 1),), 4: ((2, 1), (2, 2)), 8: ((2, 2),)}
+    assert request.degrees == {}  # no shape without pp: nothing for a target of plans alone
+
+
+@pytest.mark.parametrize(
+    "target, meshes",
+    [(TORCH_PP, "dp=2,pp=2,dp=2xpp=2,pp=4"), (TORCH_ND, "tp=2,pp=2xtp=2,pp=3,dp=2xpp=2")],
+    ids=["torch_pp", "torch_nd"],
+)
+@settings(max_examples=30, deadline=None, database=None)
+@given(data=st.data())
+def test_every_drawn_pipeline_is_on_a_mesh_asked_for(target, meshes, data):
+    request = admission.admit(target, meshes=meshes)
+    sizes, per_size, _ = support.example_strategies(
+        target, request.world_sizes, ("float64",), (), (), request.degrees, request.layouts
+    )
+    assert sizes == request.world_sizes
+    world_size = data.draw(st.sampled_from(sizes))
+    scenario = data.draw(per_size[world_size])
+    shape = mesh_of(scenario, world_size)
+    assert shape in request.meshes, (shape, scenario)
+    assert mesh_of(from_repr(repr(scenario)), world_size) == shape  # the replay line's mesh
+
+
+def test_a_mesh_a_pipeline_target_cannot_run_is_named_with_why():
+    # torch_pp's stages take no plans; torch_2d runs no pipeline
+    assert support.declined_mesh(TORCH_PP, (1, 2, 2)) == (
+        "needs tensor-parallel (opt-in: TorchPPTarget.parallelizes is not set)"
+    )
+    assert support.declined_mesh(TORCH_2D, (1, 2, 1)) == (
+        "needs pipeline-parallel (opt-in: Torch2DTarget.pipelines is not set)"
+    )
+    for shape in ((1, 2, 1), (2, 2, 1), (2, 1, 1), (1, 4, 1)):
+        assert support.declined_mesh(TORCH_PP, shape) is None
+    for shape in ((1, 2, 2), (2, 2, 2), (1, 1, 2), (1, 3, 1)):
+        assert support.declined_mesh(TORCH_ND, shape) is None
+    request = admission.admit(TORCH_PP, meshes="pp=2,pp=2xtp=2")
+    assert lines.mesh_notes(request, "torch_pp") == [
+        "torch_pp runs nothing on the mesh pp=2xtp=2 (--mesh): needs tensor-parallel (opt-in: "
+        "TorchPPTarget.parallelizes is not set)"
+    ]
+
+
+def test_no_mesh_a_target_can_take_is_nothing_checked():
+    request = admission.admit(TORCH_2D, meshes="pp=2")
+    with pytest.raises(ddpcheck.NothingChecked, match=r"no mesh asked for .* is one Torch2DTarget"):
+        support.example_strategies(
+            TORCH_2D, request.world_sizes, ("float64",), (), (), request.degrees, request.layouts
+        )
+    request = admission.admit(TORCH_PP, meshes="pp=2xtp=2")
+    with pytest.raises(ddpcheck.NothingChecked, match="TorchPPTarget's scenarios are drawn on"):
+        support.example_strategies(
+            TORCH_PP, request.world_sizes, ("float64",), (), (), request.degrees, request.layouts
+        )
+
+
+def test_pipeline_battery_scenarios_off_the_meshes_are_skipped_naming_why():
+    from ddpcheck._language.battery import PIPELINE_BATTERY
+
+    request = admission.admit(TORCH_ND, meshes="dp=2xpp=2")
+    off = {name: request.off_mesh(sc, 4) for name, sc in PIPELINE_BATTERY}
+    assert off["pp-gpipe"] is None  # the battery's dp=2 x pp=2 scenario runs
+    why = "its mesh dp=4 is not among the meshes asked for (dp=2xpp=2)"
+    assert off["pp-one-stage-dp"] == why
+
+
+# varies test_every_drawn_pipeline_is_on_a_mesh_asked_for (the draws on the meshes, no world)
+# and tests/targets/test_pipeline_nd.py::test_loss_parallel_on_a_pipeline_matches_the_reference
+# (a pipeline run in CI): here the command line's whole path, battery and one random example
+@pytest.mark.thorough
+def test_a_pipeline_mesh_runs_and_says_where(capsys):
+    """``ddpcheck check torch_pp --mesh pp=2``: the battery's W=2 pipelines and one random
+    example, every one on pp=2, exit 0; the report names the mesh."""
+    capsys.readouterr()
+    argv = ["check", "torch_pp", "--mesh", "pp=2", "--examples", "1", "--seed", "1"]
+    assert cli.main(argv) == ddpcheck.ExitCode.OK
+    assert "meshes pp=2" in capsys.readouterr().out

@@ -17,7 +17,12 @@ from ddpcheck import EquivalenceError, InvalidArgument, Scenario
 from ddpcheck._language.pipeline_draws import CROSSING_STYLES, pipeline_scenarios
 from ddpcheck._language.pipeline_parallel import PipelineParallel
 from ddpcheck._language.scenario import data_rank
-from ddpcheck._language.sharded_models import ShardedBlock, ShardedSpec, sequence_data
+from ddpcheck._language.sharded_models import (
+    ShardedBlock,
+    ShardedSpec,
+    sequence_data,
+    sequence_tokens,
+)
 from ddpcheck._language.tensor_parallel import TensorParallel
 from ddpcheck._oracle.mesh_axes import differing_axes
 from ddpcheck.mutation.broken_nd import TPReplicatedSummedND
@@ -94,3 +99,33 @@ def test_drawn_nd_scenarios_fit_their_world(data, world_size):
     assert scenario.tensor_parallel is not None
     assert TORCH_ND.supports_at(scenario, world_size) is None
     assert not {s for _, s in scenario.tensor_parallel.plan} & CROSSING_STYLES
+
+
+#: pp=2 x tp=2, a token cross-entropy on logits the head leaves sharded over the vocabulary
+#: (5 tokens: 3 + 2 over tp=2), computed by the schedule's loss_fn on the last stage under
+#: torch's loss_parallel() (bench/pipeline_loss_parallel.py: torch carries it).
+LOSS_PARALLEL_ND = Scenario(
+    ShardedSpec(blocks=(ShardedBlock("mlp", 4),), width=4, tokens=True),
+    data=sequence_tokens,
+    loss="token_cross_entropy",
+    global_batch=4,
+    steps=1,
+    tensor_parallel=TensorParallel(
+        (("blocks.0.up", "colwise"), ("blocks.0.down", "rowwise"), ("head", "colwise-loss")),
+        tp=2,
+    ),
+    pipeline=PipelineParallel("GPipe", boundaries=(2,), microbatches=2, pp=2),
+)
+
+
+def test_loss_parallel_on_a_pipeline_matches_the_reference():
+    # the one W=4 example of this file in CI (the other is thorough)
+    assert ddpcheck.check_example(TORCH_ND, LOSS_PARALLEL_ND, 4) == ()
+
+
+def test_a_token_loss_loss_parallel_cannot_compute_is_declined_on_a_pipeline():
+    smoothing = dataclasses.replace(LOSS_PARALLEL_ND, loss="label_smoothing")
+    assert "only those torch's loss_parallel() computes" in TORCH_ND.supports(smoothing)
+    assert "tokens" in support.declines(
+        TORCH_PP, dataclasses.replace(LOSS_PARALLEL_ND, tensor_parallel=None), 4
+    )

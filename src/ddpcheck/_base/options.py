@@ -38,7 +38,10 @@ __all__ = [
     "check_mesh_target",
     "check_meshes",
     "did_you_mean",
+    "MeshShape",
     "mesh_degrees",
+    "mesh_layouts",
+    "mesh_size",
     "mesh_text",
     "named_fields",
     "parse_features",
@@ -73,20 +76,36 @@ def parse_world_sizes(text: str, flag: str = "--world-sizes") -> tuple[int, ...]
     return check_world_sizes(flag, sizes, shown=text)  # then the rules every door shares
 
 
-#: A mesh's axes as ``--mesh`` spells them, outermost first (``_language.tensor_parallel.AXES``).
-MESH_AXES = ("dp", "tp")
+#: A mesh's axes as ``--mesh`` spells them, outermost first, as ``init_device_mesh`` lays out
+#: a pipeline of tensor-parallel stages (``_language.pipeline_parallel.ND_AXES``).
+MESH_AXES = ("dp", "pp", "tp")
 #: How a mesh shape is written: ``AXIS=N`` joined by ``x``, each axis at most once.
-_MESH_EXAMPLE = "such as tp=2 or dp=2xtp=2"
+_MESH_EXAMPLE = "such as tp=2, dp=2xtp=2 or pp=2xtp=2"
+
+#: A mesh shape: ``(dp, pp, tp)``.
+MeshShape = tuple[int, int, int]
 
 
-def mesh_text(shape: tuple[int, int]) -> str:
-    """``(dp, tp)`` as ``--mesh`` spells it: ``tp=2``, ``dp=2xtp=2`` (dp=1 left out)."""
-    dp, tp = shape
-    return f"tp={tp}" if dp == 1 else f"dp={dp}xtp={tp}"
+def mesh_text(shape: tuple[int, ...]) -> str:
+    """``(dp, pp, tp)`` as ``--mesh`` spells it: ``tp=2``, ``dp=2xtp=2``, ``pp=2``,
+    ``dp=2xpp=2xtp=2``, ``dp=4`` (an axis of 1 left out; one rank is ``tp=1``)."""
+    dp, pp, tp = _triple(shape)
+    parts = [f"dp={dp}"] if dp > 1 else []
+    parts += [f"pp={pp}"] if pp > 1 else []
+    parts += [f"tp={tp}"] if tp > 1 or not parts else []
+    return "x".join(parts)
 
 
-def _mesh_shape(text: str, name: str, shown: object) -> tuple[int, int]:
-    """One shape, ``tp=2`` / ``dp=2xtp=2``, as ``(dp, tp)``; an axis not named is 1."""
+def _triple(shape: tuple[int, ...]) -> MeshShape:
+    """A ``(dp, tp)`` pair (the shapes before a ``pp`` axis) or a ``(dp, pp, tp)`` triple."""
+    if len(shape) == 2:
+        return shape[0], 1, shape[1]
+    dp, pp, tp = shape
+    return dp, pp, tp
+
+
+def _mesh_shape(text: str, name: str, shown: object) -> MeshShape:
+    """One shape, ``tp=2`` / ``dp=2xpp=2xtp=2``, as ``(dp, pp, tp)``; an axis not named is 1."""
     degrees: dict[str, int] = {}
     for part in text.strip().split("x"):
         axis, sep, value = part.strip().partition("=")
@@ -99,7 +118,7 @@ def _mesh_shape(text: str, name: str, shown: object) -> tuple[int, int]:
         if axis not in MESH_AXES:
             raise InvalidArgument(
                 f"{name}={shown!r}: unknown axis {axis!r}{did_you_mean(axis, MESH_AXES)}; "
-                f"the axes are {' and '.join(MESH_AXES)}, {_MESH_EXAMPLE}"
+                f"the axes are {', '.join(MESH_AXES[:-1])} and {MESH_AXES[-1]}, {_MESH_EXAMPLE}"
             )
         if axis in degrees:
             raise InvalidArgument(f"{name}={shown!r}: {text.strip()!r} names {axis} twice")
@@ -112,69 +131,93 @@ def _mesh_shape(text: str, name: str, shown: object) -> tuple[int, int]:
         if degree < 1:
             raise InvalidArgument(f"{name}={shown!r}: {axis}={degree} must be at least 1")
         degrees[axis] = degree
-    return degrees.get("dp", 1), degrees.get("tp", 1)
+    return degrees.get("dp", 1), degrees.get("pp", 1), degrees.get("tp", 1)
 
 
-def mesh_degrees(shapes: Iterable[tuple[int, int]]) -> dict[int, tuple[int, ...]]:
-    """``{W: the tensor-parallel degrees of the shapes at W}``, each W being ``dp * tp``: what
-    the draws at each world size may pick."""
+def mesh_size(shape: MeshShape) -> int:
+    """The world size a mesh shape fixes: ``dp * pp * tp``."""
+    dp, pp, tp = shape
+    return dp * pp * tp
+
+
+def mesh_degrees(shapes: Iterable[MeshShape]) -> dict[int, tuple[int, ...]]:
+    """``{W: the tensor-parallel degrees of the shapes at W}`` for the shapes without a pipeline
+    (``pp = 1``): what the draws of a target that applies plans may pick at each W."""
     found: dict[int, tuple[int, ...]] = {}
-    for dp, tp in shapes:
-        found[dp * tp] = (*found.get(dp * tp, ()), tp)
+    for dp, pp, tp in shapes:
+        if pp == 1:
+            found[dp * tp] = (*found.get(dp * tp, ()), tp)
+    return found
+
+
+def mesh_layouts(shapes: Iterable[MeshShape]) -> dict[int, tuple[tuple[int, int], ...]]:
+    """``{W: the (pp, tp) layouts of the shapes at W}``: what the draws of a pipeline target may
+    pick at each W (``dp`` is what is left)."""
+    found: dict[int, tuple[tuple[int, int], ...]] = {}
+    for shape in shapes:
+        _, pp, tp = shape
+        found[mesh_size(shape)] = (*found.get(mesh_size(shape), ()), (pp, tp))
     return found
 
 
 def check_mesh_target(name: str, target: object, named: str | None = None) -> None:
-    """Refuse a mesh for a target that does not opt into tensor parallelism: it would be drawn
-    no example on one (``Target.parallelizes``). ``named``: the target as the user named it."""
-    flag = OPT_IN["tensor-parallel"]
-    if not getattr(target, flag, False):
+    """Refuse a mesh for a target that opts into neither tensor nor pipeline parallelism: it
+    would be drawn no example on one (``Target.parallelizes``, ``Target.pipelines``).
+    ``named``: the target as the user named it."""
+    flags = (OPT_IN["tensor-parallel"], OPT_IN["pipeline-parallel"])
+    if not any(getattr(target, flag, False) for flag in flags):
         cls = type(target).__name__
         who = f"{named} ({cls})" if named and named != cls else cls
         raise InvalidArgument(
-            f"{name}: {who} does not opt into tensor parallelism ({cls}.{flag} is not set), so "
-            "it runs on no mesh; a mesh is for a target that applies tensor-parallel plans "
-            f"(torch_tp, torch_2d, parallel_tp, hf_tp, or your own with {flag} = True)"
+            f"{name}: {who} opts into neither tensor nor pipeline parallelism "
+            f"({cls}.{flags[0]} and {cls}.{flags[1]} are not set), so it runs on no mesh; a "
+            "mesh is for a target that applies tensor-parallel plans or runs pipeline stages "
+            f"(torch_tp, torch_2d, parallel_tp, hf_tp, torch_pp, torch_nd, or your own with "
+            f"{flags[0]} = True or {flags[1]} = True)"
         )
 
 
-def parse_meshes(text: str, flag: str = "--mesh") -> tuple[tuple[int, int], ...]:
-    """``"tp=2,dp=2xtp=2"`` -> ``((1, 2), (2, 2))``; anything else is an :class:`InvalidArgument`
-    naming ``flag`` and the problem (a malformed shape, an unknown axis, a degree below 1)."""
+def parse_meshes(text: str, flag: str = "--mesh") -> tuple[MeshShape, ...]:
+    """``"tp=2,pp=2xtp=2"`` -> ``((1, 1, 2), (1, 2, 2))``; anything else is an
+    :class:`InvalidArgument` naming ``flag`` and the problem (a malformed shape, an unknown axis,
+    a degree below 1)."""
     return check_meshes(flag, text)  # (a text is split at its commas there)
 
 
-def check_meshes(name: str, values: object, shown: object = None) -> tuple[tuple[int, int], ...]:
-    """Mesh shapes as distinct ``(dp, tp)`` pairs, smallest world first (then smallest ``tp``: a
-    failure shrinks towards the first): each given as its text (``"dp=2xtp=2"``) or as a
-    ``(dp, tp)`` pair of positive integers."""
+def check_meshes(name: str, values: object, shown: object = None) -> tuple[MeshShape, ...]:
+    """Mesh shapes as distinct ``(dp, pp, tp)`` triples, smallest world first (then smallest
+    ``pp``, then ``tp``: a failure shrinks towards the first): each given as its text
+    (``"dp=2xtp=2"``), as a ``(dp, tp)`` pair or as a ``(dp, pp, tp)`` triple of positive
+    integers."""
     shown = values if shown is None else shown
     if isinstance(values, str):
         values = [p for p in values.split(",") if p.strip()]
     if not isinstance(values, Iterable):
         raise InvalidArgument(
-            f"{name}={shown!r} must be mesh shapes, {_MESH_EXAMPLE} (or (dp, tp) pairs)"
+            f"{name}={shown!r} must be mesh shapes, {_MESH_EXAMPLE} (or (dp, tp) pairs, "
+            "(dp, pp, tp) triples)"
         )
-    shapes: list[tuple[int, int]] = []
+    shapes: list[MeshShape] = []
     for value in values:
         if isinstance(value, str):
             shapes.append(_mesh_shape(value, name, shown))
             continue
-        pair = tuple(value) if isinstance(value, Iterable) else ()
-        if len(pair) != 2 or not all(_is_int(d) for d in pair):
+        given = tuple(value) if isinstance(value, Iterable) else ()
+        if len(given) not in (2, 3) or not all(_is_int(d) for d in given):
             raise InvalidArgument(
                 f"{name}={shown!r} contains {value!r}; a mesh shape is text, {_MESH_EXAMPLE}, "
-                "or a (dp, tp) pair of integers"
+                "a (dp, tp) pair or a (dp, pp, tp) triple of integers"
             )
-        for axis, degree in zip(MESH_AXES, pair):
+        shape = _triple(tuple(int(d) for d in given))
+        for axis, degree in zip(MESH_AXES, shape):
             if degree < 1:
                 raise InvalidArgument(f"{name}={shown!r}: {axis}={degree} must be at least 1")
-        shapes.append((int(pair[0]), int(pair[1])))
+        shapes.append(shape)
     if not shapes:
         raise InvalidArgument(
             f"{name}={shown!r} is empty; give at least one shape, {_MESH_EXAMPLE}"
         )
-    return tuple(sorted(set(shapes), key=lambda s: (s[0] * s[1], s[1])))
+    return tuple(sorted(set(shapes), key=lambda s: (mesh_size(s), s[1], s[2])))
 
 
 def check_fits_machine(

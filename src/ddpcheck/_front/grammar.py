@@ -128,10 +128,10 @@ def _target_options(
         "--mesh",
         default=None,
         metavar="SHAPE[,SHAPE...]",
-        help="tensor-parallel mesh shapes, AXIS=N joined by x (axes dp and tp, 1 where not "
-        "named): tp=2,tp=3,dp=2xtp=2 runs every example on one of them, at world size dp*tp; "
-        "for a target that applies plans (torch_tp, torch_2d, parallel_tp, hf_tp); instead of "
-        "--world-sizes",
+        help="mesh shapes, AXIS=N joined by x (axes dp, pp and tp, 1 where not named): "
+        "tp=2,tp=3,dp=2xtp=2 runs every example on one of them, at world size dp*pp*tp; for a "
+        "target that applies plans (torch_tp, torch_2d, parallel_tp, hf_tp) or runs pipelines "
+        "(torch_pp: pp=2,dp=2xpp=2; torch_nd: pp=2xtp=2 too); instead of --world-sizes",
     )
     parser.add_argument(
         "--deadline",

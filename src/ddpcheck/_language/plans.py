@@ -146,11 +146,12 @@ def largest_degree() -> int:
     return usable
 
 
-def check_degrees(shapes: Iterable[tuple[int, int]], shown: object, name: str) -> None:
+def check_degrees(shapes: Iterable[tuple[int, int, int]], shown: object, name: str) -> None:
     """Refuse a mesh whose ``tp`` no drawn model can use (above :func:`largest_degree`): every
-    plan drawn at it would shard nothing. ``shown``: the shapes as the user wrote them."""
+    plan drawn at it would shard nothing. ``shapes``: ``(dp, pp, tp)``; ``shown``: the shapes as
+    the user wrote them."""
     largest = largest_degree()
-    for _, tp in shapes:
+    for *_, tp in shapes:
         if tp > largest:
             raise InvalidArgument(
                 f"{name}={shown!r}: tp={tp} is more ranks than any drawn model's layer can "

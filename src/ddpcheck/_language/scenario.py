@@ -37,8 +37,17 @@ from ddpcheck._base.scripts import MAIN_NAMES, public_module_name
 from ddpcheck._language import zoo
 from ddpcheck._language.epochs import Epochs, step_count, step_samples, window
 from ddpcheck._language.objective import LOSSES, LOW_PRECISION, per_sample_loss
-from ddpcheck._language.pipeline_parallel import PipelineParallel, pipeline_shape
-from ddpcheck._language.tensor_parallel import TensorParallel, data_coordinate, mesh_shape
+from ddpcheck._language.pipeline_parallel import (
+    PipelineParallel,
+    pipeline_problem,
+    pipeline_shape,
+)
+from ddpcheck._language.tensor_parallel import (
+    TensorParallel,
+    data_coordinate,
+    mesh_problem,
+    mesh_shape,
+)
 
 __all__ = [
     "Epochs",
@@ -49,6 +58,7 @@ __all__ = [
     "build_model",
     "data_parallel_degree",
     "data_rank",
+    "mesh_of",
     "dataset",
     "evaluation_set",
     "global_batch",
@@ -438,6 +448,21 @@ def data_rank(scenario: Scenario, rank: int, world_size: int) -> tuple[int, int]
         dp, pp = pipeline_shape(scenario.pipeline, world_size, tp)
         return rank // (pp * tp), dp
     return data_coordinate(scenario.tensor_parallel, rank, world_size)
+
+
+def mesh_of(scenario: Scenario, world_size: int) -> tuple[int, int, int] | None:
+    """The ``(dp, pp, tp)`` mesh ``scenario`` runs on at ``world_size`` (``--mesh`` names
+    these), or None where that world cannot hold its mesh (the target declines it, saying why)."""
+    if scenario.pipeline is not None:
+        tp = stage_tp(scenario)
+        if pipeline_problem(scenario.pipeline, world_size, tp=tp) is not None:
+            return None
+        dp, pp = pipeline_shape(scenario.pipeline, world_size, tp)
+        return dp, pp, tp
+    if mesh_problem(scenario.tensor_parallel, world_size) is not None:
+        return None
+    dp, tp = mesh_shape(scenario.tensor_parallel, world_size)
+    return dp, 1, tp
 
 
 def stage_tp(scenario: Scenario) -> int:

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._language import features
+from ddpcheck._language.mesh_draws import on_meshes
 from ddpcheck._language.models import KINDS, Layer, ModelSpec
 from ddpcheck._language.optimizers import optimizers
 from ddpcheck._language.pipeline_draws import pipeline_scenarios
@@ -533,6 +534,7 @@ def per_world_size(
     focus: frozenset[str],
     who: str,
     degrees: Mapping[int, tuple[int, ...]] | None = None,
+    layouts: Mapping[int, tuple[tuple[int, int], ...]] | None = None,
 ) -> dict[int, st.SearchStrategy[Scenario]]:
     """``{W: the scenarios drawn at W}`` for a target checked on none of ``unsupported`` (the
     features it does not support, and those the user excluded), named ``who``: :func:`scenarios`
@@ -540,7 +542,9 @@ def per_world_size(
     features, at the world sizes where one can be. Built once per call: Hypothesis validates a
     strategy the first time it draws from it. Raises ``NothingChecked`` when nothing can be
     drawn. ``degrees``: ``{W: the tensor-parallel degrees drawn at W}`` (``--mesh``; default:
-    every divisor of W), for a target that applies plans."""
+    every divisor of W), for a target that applies plans; ``layouts``: ``{W: the (pp, tp)
+    layouts drawn at W}`` (``--mesh``), for a pipeline target. Under a mesh, a world size none
+    of whose shapes the target's scenarios can take is left out."""
     opt_in = frozenset(features.OPT_IN) - unsupported  # generated only for a target that opts in
     kept = tuple(d for d in dtypes if d not in unsupported)
     if not kept:
@@ -548,19 +552,8 @@ def per_world_size(
             f"{who} supports none of the dtypes "
             f"{', '.join(dtypes)} once `without` (--without) is applied"
         )
-    if "pipeline-parallel" in opt_in:  # a target running schedules: pipelines only
-        pipelines = functools.partial(pipeline_scenarios, dtypes=kept, without=unsupported)
-        return {w: pipelines(world_size=w) for w in sizes}
-    if "tensor-parallel" in opt_in:  # a target with a plan hook: meshes and plans only
-        return {
-            w: tensor_parallel_scenarios(
-                world_size=w,
-                dtypes=kept,
-                without=unsupported,
-                degrees=None if degrees is None else degrees[w],
-            )
-            for w in sizes
-        }
+    if opt_in & {"pipeline-parallel", "tensor-parallel"}:  # schedules, or a plan hook
+        return on_meshes(sizes, kept, unsupported, opt_in, who, degrees, layouts)
     if focus:
         per_size = {
             w: st.one_of(

@@ -34,6 +34,7 @@ from ddpcheck._base.errors import DdpcheckError, InvalidArgument
 from ddpcheck._base.options import (
     DEFAULT_DEADLINE,
     DEFAULT_WORLD_SIZES,
+    MeshShape,
     check_deadline,
     check_fits_machine,
     check_mesh_target,
@@ -41,6 +42,8 @@ from ddpcheck._base.options import (
     check_world_sizes,
     did_you_mean,
     mesh_degrees,
+    mesh_layouts,
+    mesh_size,
     mesh_text,
     parse_features,
     parse_meshes,
@@ -152,27 +155,36 @@ class Request:
     #: a framework configuration given apart from the target (``--config FILE``), applied to
     #: the target when it is admitted (:func:`configured`)
     config: str | None = None
-    #: the ``(dp, tp)`` mesh shapes every example runs on (``--mesh``), or None: any the world
-    #: sizes hold; ``world_sizes`` is then theirs (``dp * tp`` each)
-    meshes: tuple[tuple[int, int], ...] | None = None
+    #: the ``(dp, pp, tp)`` mesh shapes every example runs on (``--mesh``), or None: any the
+    #: world sizes hold; ``world_sizes`` is then theirs (``dp * pp * tp`` each)
+    meshes: tuple[MeshShape, ...] | None = None
 
     @property
     def degrees(self) -> dict[int, tuple[int, ...]] | None:
-        """``{W: the tensor-parallel degrees drawn at W}`` under ``meshes``, else None."""
+        """``{W: the tensor-parallel degrees drawn at W}`` under ``meshes`` (their shapes
+        without a pipeline: a target that applies plans), else None."""
         if self.meshes is None:
             return None
         return mesh_degrees(self.meshes)
+
+    @property
+    def layouts(self) -> dict[int, tuple[tuple[int, int], ...]] | None:
+        """``{W: the (pp, tp) layouts drawn at W}`` under ``meshes`` (a pipeline target's),
+        else None."""
+        if self.meshes is None:
+            return None
+        return mesh_layouts(self.meshes)
 
     def off_mesh(self, scenario: Scenario, world_size: int) -> str | None:
         """Why ``scenario`` is not run at ``world_size`` under the meshes asked for: its mesh
         there is none of them (None: it is one, or none were asked for, or the world cannot
         hold its mesh at all -- the target declines that, naming why)."""
-        from ddpcheck._language.tensor_parallel import mesh_problem, mesh_shape
+        from ddpcheck._language.scenario import mesh_of
 
-        if self.meshes is None or mesh_problem(scenario.tensor_parallel, world_size) is not None:
+        if self.meshes is None:
             return None
-        shape = mesh_shape(scenario.tensor_parallel, world_size)
-        if shape in self.meshes:
+        shape = mesh_of(scenario, world_size)
+        if shape is None or shape in self.meshes:
             return None
         asked = ",".join(map(mesh_text, self.meshes))
         return f"its mesh {mesh_text(shape)} is not among the meshes asked for ({asked})"
@@ -223,15 +235,16 @@ def admit(
     limit to the caller (the plugin checks it only for world sizes a user asked for).
     ``fuzz_config``: a target with no options to fuzz (``Target.config_space`` None) is refused.
     ``config``: a framework configuration given apart from the target (``--config FILE``:
-    :func:`configured`). ``meshes`` (``--mesh``: text such as ``"tp=2,dp=2xtp=2"``, or
-    ``(dp, tp)`` pairs): every example on one of these mesh shapes, the world sizes theirs --
-    refused beside ``world_sizes`` (a shape fixes its world size; any value but the default
-    object, ``DEFAULT_WORLD_SIZES`` itself, counts as given), for a target that applies no
-    plans, and for a ``tp`` no drawn model can use (that check imports torch)."""
+    :func:`configured`). ``meshes`` (``--mesh``: text such as ``"tp=2,dp=2xtp=2,pp=2xtp=2"``,
+    ``(dp, tp)`` pairs or ``(dp, pp, tp)`` triples): every example on one of these mesh shapes,
+    the world sizes theirs -- refused beside ``world_sizes`` (a shape fixes its world size; any
+    value but the default object, ``DEFAULT_WORLD_SIZES`` itself, counts as given), for a target
+    that neither applies plans nor runs pipelines, and for a ``tp`` no drawn model can use (that
+    check imports torch)."""
     text = spelling.text
     shapes = _meshes(meshes, world_sizes, spelling)
     if shapes is not None:
-        sizes = tuple(dict.fromkeys(dp * tp for dp, tp in shapes))
+        sizes = tuple(dict.fromkeys(map(mesh_size, shapes)))
     else:
         sizes = (
             parse_world_sizes(world_sizes, spelling.world_sizes)
@@ -285,9 +298,7 @@ def admit(
     return dataclasses.replace(options, target=_target(target, options, spelling))
 
 
-def _meshes(
-    meshes: Any, world_sizes: Any, spelling: Spelling
-) -> tuple[tuple[int, int], ...] | None:
+def _meshes(meshes: Any, world_sizes: Any, spelling: Spelling) -> tuple[MeshShape, ...] | None:
     """The mesh shapes asked for, parsed and checked (None: none asked for); refused with world
     sizes beside them: each shape fixes its world size, so one of the two says it all."""
     if meshes is None:
@@ -295,7 +306,7 @@ def _meshes(
     if world_sizes is not DEFAULT_WORLD_SIZES:  # the default itself: not given
         raise InvalidArgument(
             f"{spelling.meshes} and {spelling.world_sizes} together: each mesh shape fixes its "
-            f"world size (dp x tp); give {spelling.meshes} alone"
+            f"world size (dp x pp x tp); give {spelling.meshes} alone"
         )
     if spelling.text and isinstance(meshes, str):
         return parse_meshes(meshes, spelling.meshes)
@@ -317,7 +328,7 @@ def admit_target(
     if world_sizes is not None and request.meshes is not None:
         raise InvalidArgument(
             f"world_sizes={world_sizes!r} with {spelling.meshes}: each mesh shape fixes its "
-            "world size (dp x tp); leave world_sizes out"
+            "world size (dp x pp x tp); leave world_sizes out"
         )
     if world_sizes is not None:
         sizes = check_world_sizes(spelling.world_sizes, world_sizes)

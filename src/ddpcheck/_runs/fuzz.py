@@ -89,9 +89,11 @@ def fuzz(
     (``Target.config_space``, ``ddpcheck.targets.option_space``), in the same Hypothesis draw, so
     a failure shrinks to the fewest options, then the simplest scenario; its verdict names the
     options and its replay line builds the configured target. Refused for a target with none.
-    ``meshes``: ``(dp, tp)`` mesh shapes -- pairs, or text as ``--mesh`` spells them (``"tp=2"``,
-    ``"dp=2xtp=2"``) -- every example drawn on one of them, at world size ``dp * tp``: for a target
-    that applies tensor-parallel plans (``Target.parallelizes``); refused beside ``world_sizes``.
+    ``meshes``: ``(dp, pp, tp)`` mesh shapes -- ``(dp, tp)`` pairs, triples, or text as ``--mesh``
+    spells them (``"tp=2"``, ``"dp=2xtp=2"``, ``"pp=2xtp=2"``) -- every example drawn on one of
+    them, at world size ``dp * pp * tp``: for a target that applies tensor-parallel plans
+    (``Target.parallelizes``) or runs pipelines (``Target.pipelines``); refused beside
+    ``world_sizes``.
 
     How (``_runs.engine.search_pipelined``): the examples run one behind the other while
     Hypothesis draws in a thread of its own (``_runs.pipeline``); the first failure is shrunk by
@@ -144,7 +146,7 @@ def fuzz_admitted(
     # tallied by the engine, not filtered).
     focus = request.only
     sizes, scenarios, excluded = support.example_strategies(
-        target, request.world_sizes, dtypes, without, focus, request.degrees
+        target, request.world_sizes, dtypes, without, focus, request.degrees, request.layouts
     )
     space = space_of(target) if request.fuzz_config else None
     draws = Draws(

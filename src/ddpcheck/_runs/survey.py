@@ -47,6 +47,7 @@ __all__ = [
     "DEFAULT_SHRINK_SECONDS",
     "Cell",
     "Survey",
+    "check_survey_meshes",
     "survey",
     "survey_admitted",
 ]
@@ -247,6 +248,23 @@ def survey(
     )
 
 
+def check_survey_meshes(request: Request) -> None:
+    """Refuse the meshes a survey cannot draw on (before any world starts: the command line
+    calls this before it launches one): any, for the option survey, whose cells draw no
+    tensor-parallel scenario yet; one with a ``pp`` axis, whose feature cells draw no pipeline.
+    """
+    if request.fuzz_config and request.meshes is not None:
+        raise InvalidArgument(
+            "a mesh (--mesh, meshes=) with the option survey (--fuzz-config): the option "
+            "survey does not draw on meshes yet; run ddpcheck check --fuzz-config --mesh"
+        )
+    if any(pp > 1 for _, pp, _ in request.meshes or ()):
+        raise InvalidArgument(
+            "a mesh with a pp axis (--mesh, meshes=) in a survey: its feature cells do not draw "
+            "pipelines on meshes yet; run ddpcheck check --mesh"
+        )
+
+
 def survey_admitted(
     request: Request,
     *,
@@ -259,14 +277,9 @@ def survey_admitted(
     check_positive_number("shrink_seconds", shrink_seconds)
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
         raise InvalidArgument(f"examples={examples!r} must be a positive integer")
+    check_survey_meshes(request)
     if request.fuzz_config:
         from ddpcheck._runs.option_survey import option_survey
-
-        if request.meshes is not None:  # its cells draw no tensor-parallel scenario yet
-            raise InvalidArgument(
-                "a mesh (--mesh, meshes=) with the option survey (--fuzz-config): the option "
-                "survey does not draw on meshes yet; run ddpcheck check --fuzz-config --mesh"
-            )
 
         return option_survey(
             request, examples=examples, seed=seed, shrink_seconds=shrink_seconds, progress=progress

@@ -21,6 +21,7 @@ FSDP2's DTensors) combined over ``pp``, as torchtitan's ``clip_grad_norm_`` does
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -207,6 +208,11 @@ class TorchPPTarget(Target):
             group=group,
         )
 
+    def step_context(self) -> contextlib.AbstractContextManager[object]:
+        """What each ``schedule.step`` runs under (the loss is computed inside it, on the last
+        stage): nothing here."""
+        return contextlib.nullcontext()
+
     def micro_batches(self, batches: list) -> list:
         """The step's micro-batches ``(x, y, scale)``, each one ``schedule.step``."""
         return batches
@@ -258,7 +264,7 @@ class TorchPPTarget(Target):
             part = Stage(module, per_stage[index])
             # shapes given, not inferred: inference runs a real forward and backward per stage
             # (torch's docs), whose gradients FSDP2 reduces into the first step's
-            inputs, outputs = _shapes(part, rows, run.scenario.torch_dtype, device)
+            inputs, outputs = _shapes(part, rows, run.scenario, device)
             runnable = self.shard_stage(part, index, pipeline.stages, mesh)
             parts.append(part)
             stages.append(
@@ -298,7 +304,8 @@ class TorchPPTarget(Target):
             for x, y, micro_scale in self.micro_batches(batches):
                 scale[0] = micro_scale
                 found: list[torch.Tensor] = []
-                schedule.step(*([x] if first else []), target=y if last else None, losses=found)
+                with self.step_context():
+                    schedule.step(*([x] if first else []), target=y if last else None, losses=found)
                 losses += found
             if run.max_grad_norm is not None:
                 self.clip(params, run.max_grad_norm, run.grad_norm_type, mesh)
@@ -320,17 +327,20 @@ def _piece_rows(run: FitRun) -> int:
 
 
 def _shapes(
-    part: Stage, rows: int, dtype: torch.dtype, device: torch.device
+    part: Stage, rows: int, scenario: Scenario, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Example input and output of ``part`` for a piece of ``rows`` samples (empty tensors of
-    the right shapes: what ``PipelineStage`` takes instead of inferring them)."""
-    from ddpcheck._language.sharded_models import IN_FEATURES, OUT_FEATURES, SEQUENCE
+    the right shapes: what ``PipelineStage`` takes instead of inferring them; the head's are
+    logits of the vocabulary for a model trained on tokens)."""
+    from ddpcheck._language.sharded_models import IN_FEATURES, OUT_FEATURES, SEQUENCE, VOCABULARY
+
+    dtype = scenario.torch_dtype
 
     first = part.get_submodule(part.order[0])
     width = IN_FEATURES if part.order[0] == "inp" else _width(first)
     last = part.get_submodule(part.order[-1])
     if part.order[-1] == "head":
-        out = OUT_FEATURES
+        out = VOCABULARY if getattr(scenario.model, "tokens", False) else OUT_FEATURES
     else:  # the input projection's output, or a block's (residual: the model's width)
         out = last.out_features if isinstance(last, nn.Linear) else _width(last)
     return (

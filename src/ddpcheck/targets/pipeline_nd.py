@@ -10,23 +10,29 @@ torchtitan composes the three (``pipeline_llm``: a model part per stage, its ``p
 part's own modules only, applied with ``parallelize_module``; every module it leaves alone
 replicated over ``tp`` (``replicate_rest``: one mesh for every parameter, which FSDP2 and
 the gradient norm need); then what ``torch_pp`` does. The loss and its scaling are
-``torch_pp``'s (``scale_grads=False``, each piece weighed by its micro-batch's scale).
+``torch_pp``'s (``scale_grads=False``, each piece weighed by its micro-batch's scale). A token
+loss ``loss_parallel()`` computes is served too: where the plan leaves the head's logits sharded
+over the vocabulary (``colwise-loss``), every ``schedule.step`` runs inside ``loss_parallel()``,
+which the last stage's ``loss_fn`` and its backward need (``bench/pipeline_loss_parallel.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 from torch import nn
 
+from ddpcheck._language.objective import LOSS_PARALLEL, is_token_loss
 from ddpcheck._language.pipeline_parallel import (
     SCHEDULES_SPLITTING_BACKWARD,
     module_order,
     pipeline_problem,
 )
 from ddpcheck._language.scenario import Scenario, stage_tp
+from ddpcheck._language.sharded_models import LOSS_STYLES
 from ddpcheck.targets.fsdp import fsdp2
 from ddpcheck.targets.option_space import options
 from ddpcheck.targets.pipeline import _DECLINED, Stage, TorchPPTarget, uneven_pieces
@@ -55,8 +61,9 @@ class TorchNDTarget(TorchPPTarget):
     shard_blocks: bool = False
 
     parallelizes = True
+    #: token losses served: those torch's loss_parallel() computes (``supports``)
     declined_features: ClassVar[Mapping[str, str]] = {
-        **_DECLINED,
+        **{feature: why for feature, why in _DECLINED.items() if feature != "tokens"},
         "autocast": AUTOCAST_ON_A_MESH,
     }
 
@@ -70,7 +77,23 @@ class TorchNDTarget(TorchPPTarget):
     def supports(self, scenario: Scenario) -> str | None:
         if scenario.pipeline is None:
             return f"{type(self).__name__} checks pipeline scenarios (stages and a schedule)"
+        if is_token_loss(scenario) and scenario.loss not in LOSS_PARALLEL:
+            return (
+                f"loss={scenario.loss!r} on a pipeline: of the token losses only those torch's "
+                f"loss_parallel() computes ({', '.join(LOSS_PARALLEL)}) are checked there yet"
+            )
         return None
+
+    def step_context(self) -> contextlib.AbstractContextManager[object]:
+        """``loss_parallel()`` where the plan leaves the head's logits sharded over the
+        vocabulary (``colwise-loss``): the schedule computes the loss, and its backward, inside
+        ``step`` (``bench/pipeline_loss_parallel.py``), as torchtitan steps its pipeline inside
+        its train context."""
+        if not any(style in LOSS_STYLES for _, style in self.plan):
+            return super().step_context()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def supports_at(self, scenario: Scenario, world_size: int) -> str | None:
         pipeline, tp = scenario.pipeline, stage_tp(scenario)

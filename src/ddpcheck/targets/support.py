@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING
 from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._base.options import (
     DEFAULT_WORLD_SIZES,
+    MeshShape,
     check_mesh_target,
     check_meshes,
     check_world_sizes,
     mesh_degrees,
+    mesh_layouts,
 )
 from ddpcheck._language.battery import BATTERY, PIPELINE_BATTERY, TENSOR_PARALLEL_BATTERY
 from ddpcheck._language.features import BEYOND_TORCH, FEATURES, OPT_IN, of, parse
@@ -95,23 +97,42 @@ def declines(
     return why
 
 
-def declined_mesh(target: Target, shape: tuple[int, int]) -> str | None:
-    """Why ``target`` runs nothing on the ``(dp, tp)`` mesh ``shape`` (``--mesh``), or None:
-    its answer for a plain scenario on that mesh -- one MLP block, nothing sharded, a sample per
-    ``dp`` group -- which only the mesh itself can make it decline (``torch_tp``: ``dp > 1``)."""
-    from ddpcheck._language.sharded_models import ShardedSpec, sequence_data
+def declined_mesh(target: Target, shape: MeshShape) -> str | None:
+    """Why ``target`` runs nothing on the ``(dp, pp, tp)`` mesh ``shape`` (``--mesh``), or None:
+    its answer for a plain scenario on that mesh -- one MLP block (or as many as a stage each
+    needs), nothing sharded, a sample per ``dp`` group, and for a pipeline target or ``pp > 1``
+    GPipe over ``pp`` stages -- which only the mesh itself can make it decline (``torch_tp``:
+    ``dp > 1``; ``torch_pp``: ``tp > 1``; a target of plans alone: ``pp > 1``)."""
+    dp, pp, tp = shape
+    return declines(target, _plain_scenario(target, shape), dp * pp * tp)
+
+
+def _plain_scenario(target: Target, shape: MeshShape) -> Scenario:
+    """:func:`declined_mesh`'s scenario on ``shape``."""
+    from ddpcheck._language.pipeline_parallel import PipelineParallel
+    from ddpcheck._language.sharded_models import ShardedBlock, ShardedSpec, sequence_data
     from ddpcheck._language.tensor_parallel import TensorParallel
 
-    dp, tp = shape
-    scenario = Scenario(
-        ShardedSpec(),
+    dp, pp, tp = shape
+    if pp == 1 and not getattr(target, OPT_IN["pipeline-parallel"], False):
+        return Scenario(
+            ShardedSpec(),
+            data=sequence_data,
+            global_batch=dp,
+            steps=1,
+            rank_seeds=False,
+            tensor_parallel=TensorParallel((), None if dp == 1 else tp),
+        )
+    stage_plans = getattr(target, OPT_IN["tensor-parallel"], False) or tp > 1
+    return Scenario(
+        ShardedSpec(blocks=(ShardedBlock("mlp"),) * max(1, pp - 2)),
         data=sequence_data,
         global_batch=dp,
         steps=1,
         rank_seeds=False,
-        tensor_parallel=TensorParallel((), None if dp == 1 else tp),
+        tensor_parallel=TensorParallel((), tp) if stage_plans else None,
+        pipeline=PipelineParallel("GPipe", tuple(range(1, pp)), 1, pp if dp > 1 else None),
     )
-    return declines(target, scenario, dp * tp)
 
 
 def why_unsupported(target: Target, feature: str) -> str:
@@ -232,31 +253,32 @@ def examples(
     :class:`ddpcheck.NothingChecked` for what the target declines, as it refuses a scenario of
     ``scenarios`` that needs a declined feature. Raises ``NothingChecked`` when the target
     supports none of ``dtypes``. ``only``: every pair exercises one of these features (as
-    ``ddpcheck check --only``). ``meshes``: ``(dp, tp)`` shapes, as pairs or as ``--mesh``
-    spells them (``"dp=2xtp=2"``), for a target that applies plans: the world sizes are theirs
-    (``world_sizes`` beside them is refused) and every pair is on one of them. Shrinks towards
-    the first world size and the simplest scenario."""
+    ``ddpcheck check --only``). ``meshes``: ``(dp, pp, tp)`` shapes, as ``(dp, tp)`` pairs,
+    triples or as ``--mesh`` spells them (``"dp=2xtp=2"``, ``"pp=2xtp=2"``), for a target that
+    applies plans or runs pipelines: the world sizes are theirs (``world_sizes`` beside them is
+    refused) and every pair is on one of them. Shrinks towards the first world size and the
+    simplest scenario."""
     from hypothesis import strategies as st
 
     from ddpcheck._language import strategies as dst
 
     focus = parse(only, "only")
-    degrees = None
+    degrees = layouts = None
     if meshes is not None:
         if world_sizes is not DEFAULT_WORLD_SIZES:
             raise InvalidArgument(
                 "meshes and world_sizes together: each mesh shape fixes its world size "
-                "(dp x tp); give meshes alone"
+                "(dp x pp x tp); give meshes alone"
             )
         check_mesh_target("meshes", target)
         from ddpcheck._language.plans import check_degrees
 
         shapes = check_meshes("meshes", meshes)
         check_degrees(shapes, meshes, "meshes")
-        degrees = mesh_degrees(shapes)
-        world_sizes = tuple(degrees)
+        degrees, layouts = mesh_degrees(shapes), mesh_layouts(shapes)
+        world_sizes = tuple(layouts)
     sizes, per_size, excluded = example_strategies(
-        target, world_sizes, dtypes, without, focus, degrees
+        target, world_sizes, dtypes, without, focus, degrees, layouts
     )
     runs = {
         w: per_size[w].filter(functools.partial(_runs, target, w, excluded, focus)) for w in sizes
@@ -281,19 +303,22 @@ def example_strategies(
     without: Iterable[str],
     only: Iterable[str] = (),
     degrees: Mapping[int, tuple[int, ...]] | None = None,
+    layouts: Mapping[int, tuple[tuple[int, int], ...]] | None = None,
 ) -> tuple[tuple[int, ...], dict[int, st.SearchStrategy[Scenario]], frozenset[str]]:
     """``(world sizes, {W: scenarios target runs at W}, the features without excludes)``: one
     definition of what a target is drawn, for :func:`examples` and ``ddpcheck check``'s own
     random examples (``_runs.fuzz``), which tallies the declined draws itself. ``only``: drawn
     to exercise one of these features, at the world sizes where one can be
     (``ddpcheck.strategies.per_world_size`` builds the strategies from the feature sets).
-    ``degrees``: ``{W: tensor-parallel degrees}`` drawn at each W (``--mesh``)."""
+    ``degrees``: ``{W: tensor-parallel degrees}`` drawn at each W (``--mesh``); ``layouts``:
+    ``{W: (pp, tp) layouts}`` a pipeline target is drawn at each W (``--mesh``). A world size
+    no mesh asked for serves the target is left out (``NothingChecked`` when none is left)."""
     from ddpcheck._language import strategies as dst
 
     sizes = check_world_sizes("world_sizes", world_sizes)
     excluded = parse(without, "without")
     focus = parse(only, "only")
     per_size = dst.per_world_size(
-        sizes, dtypes, unsupported(target, excluded), focus, type(target).__name__, degrees
+        sizes, dtypes, unsupported(target, excluded), focus, type(target).__name__, degrees, layouts
     )
     return tuple(per_size), per_size, excluded
