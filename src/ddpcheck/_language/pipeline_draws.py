@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._language.pipeline_parallel import (
     SCHEDULES,
-    SCHEDULES_SPLITTING_BACKWARD,
     PipelineParallel,
     pipeline_problem,
 )
@@ -134,9 +133,7 @@ def _scenarios(
         tp = draw(st.sampled_from(fits or [1]))
         degrees = tuple(d for d in degrees if d * tp <= world_size and (world_size // tp) % d == 0)
     pp = draw(st.sampled_from(degrees))
-    # a split-backward schedule over tensor-parallel stages is declined (torch raises)
-    split = SCHEDULES_SPLITTING_BACKWARD if tp > 1 else frozenset()
-    schedule = draw(st.sampled_from(tuple(s for s in SCHEDULES if s not in split)))
+    schedule = draw(st.sampled_from(tuple(SCHEDULES)))
     per_rank = 1 if SCHEDULES[schedule] == "single" else 2
     stages = pp * per_rank
     blocks = draw(

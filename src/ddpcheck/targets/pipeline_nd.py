@@ -19,13 +19,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
+import torch
 from torch import nn
 
-from ddpcheck._language.pipeline_parallel import (
-    SCHEDULES_SPLITTING_BACKWARD,
-    module_order,
-    pipeline_problem,
-)
+from ddpcheck._language.pipeline_parallel import module_order, pipeline_problem
 from ddpcheck._language.scenario import Scenario, stage_tp
 from ddpcheck.targets.fsdp import fsdp2
 from ddpcheck.targets.option_space import options
@@ -37,7 +34,7 @@ if TYPE_CHECKING:
 
     from ddpcheck.targets.protocol import ConfigSpace
 
-__all__ = ["TorchNDTarget"]
+__all__ = ["TorchNDTarget", "fresh_output"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +77,6 @@ class TorchNDTarget(TorchPPTarget):
         dp = world_size // (tp * pipeline.degree(world_size // tp)) if problem is None else 1
         if tp > 1 and dp > 1 and self.dp_wrapper == "ddp":
             problem = _DDP_OVER_DTENSORS
-        if problem is None and tp > 1 and pipeline.schedule in SCHEDULES_SPLITTING_BACKWARD:
-            problem = _SPLIT_BACKWARD_OVER_TP
         return problem or uneven_pieces(scenario, world_size)
 
     def shard_stage(self, part: Stage, index: int, stages: int, mesh: DeviceMesh) -> nn.Module:
@@ -96,6 +91,7 @@ class TorchNDTarget(TorchPPTarget):
         if plan:
             parallelize_module(part, mesh["tp"], torch_plan(tuple(plan)))
         replicate_rest(part, mesh["tp"])
+        part.register_forward_hook(fresh_output)
         return self._data_parallel(part, mesh)
 
     def _data_parallel(self, part: Stage, mesh: DeviceMesh) -> nn.Module:
@@ -122,14 +118,15 @@ def _within(name: str, module: str) -> bool:
     return name == module or name.startswith(f"{module}.")
 
 
-#: Why a split-backward schedule over tensor-parallel stages is declined: found by ddpcheck's
-#: own runs (docs/pipeline-parallel.md): torch raises, loudly, so nothing is misjudged --
-#: declined until a standalone script says more.
-_SPLIT_BACKWARD_OVER_TP = (
-    "a zero-bubble schedule (its backward split into input and weight parts) over "
-    "tensor-parallel stages: torch 2.13's stage_backward_input raises 'Can't detach views "
-    "in-place' on a stage whose output is a DTensor's local view (even with nothing sharded)"
-)
+def fresh_output(_module: nn.Module, _args: tuple, output: object) -> object:
+    """A stage's output handed on as a tensor of its own where it is a view (a DTensor module's
+    local output always is: ``to_local()`` returns ``view_as``), the same numbers: torch 2.13's
+    split backward (the zero-bubble schedules) detaches every stage output in place and raises
+    "Can't detach views in-place" on a view (pytorch#142229, open; bench/pp_split_backward_view.py
+    confirms it without ddpcheck and shows this clone avoids it)."""
+    if isinstance(output, torch.Tensor) and output._is_view():
+        return output.clone()
+    return output
 
 
 #: Why torch DDP over a stage's DTensor parameters is declined when dp > 1 (torch's DDP takes
