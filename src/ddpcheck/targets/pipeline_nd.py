@@ -9,8 +9,10 @@ torchtitan composes the three (``pipeline_llm``: a model part per stage, its ``p
 ``mesh["dp"]`` -- then the part is the ``PipelineStage``'s module): the scenario's plan, the
 part's own modules only, applied with ``parallelize_module``; every module it leaves alone
 replicated over ``tp`` (``replicate_rest``: one mesh for every parameter, which FSDP2 and
-the gradient norm need); then what ``torch_pp`` does. The loss and its scaling are
-``torch_pp``'s (``scale_grads=False``, each piece weighed by its micro-batch's scale).
+the gradient norm need); a stage whose output is a view (a DTensor module's local output)
+hands on a clone of it (:func:`fresh_output`: torch's split backward refuses views); then
+what ``torch_pp`` does. The loss and its scaling are ``torch_pp``'s (``scale_grads=False``,
+each piece weighed by its micro-batch's scale).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class TorchNDTarget(TorchPPTarget):
 
     #: FSDP2's ``reshard_after_forward`` for each block and stage root (torchtitan's
     #: ``fsdp_reshard_after_forward``; None, torch's default: False at the root, True below);
-    #: only with ``dp_wrapper="fsdp2"`` and ``dp > 1``
+    #: only with ``dp_wrapper="fsdp2"`` and ``dp > 1``. Resharding under a zero-bubble schedule
+    #: meets torch's bug (``config_space``)
     reshard_after_forward: bool | None = None
     #: FSDP2 per block as well as at each stage's root (torchtitan's way); False: at the root
     #: only, as ``torch_pp`` does
@@ -60,8 +63,9 @@ class TorchNDTarget(TorchPPTarget):
     def config_space(self) -> ConfigSpace:
         """``dp_wrapper``: FSDP2 (the default) or torch DDP over each stage (declined over
         tensor-parallel stages at dp > 1). ``reshard_after_forward`` and ``shard_blocks`` are
-        not drawn: a zero-bubble schedule over stages FSDP2 reshards after forward was seen to
-        fail on torch 2.13 without a standalone confirmation yet (docs/pipeline-parallel.md)."""
+        not drawn: under a zero-bubble schedule torch 2.13 silently loses the weight gradients
+        of stages FSDP2 reshards after forward (torch's bug, bench/pp_fsdp_reshard_split.py);
+        configured, such a run fails with the verdict's known-bug line naming it."""
         return options(fields={"dp_wrapper": ("ddp",)})
 
     def supports(self, scenario: Scenario) -> str | None:
