@@ -34,7 +34,8 @@ bug fixed); 2: anything else. Every wait ends after ``DEADLINE`` seconds (the gl
 world still alive ``DEADLINE + 30`` seconds after it started is killed. The ranks are forked,
 each world on a FileStore of its own (no port chosen); a rank that raises records its error and
 exits at once, so its peers see the socket close instead of waiting. Measured on torch 2.13.0+cpu:
-the module docstring's "expected", exit 1 (docs/pipeline-parallel.md).
+as expected, exit 1 -- the matches within 5.4e-16, every raise "Can't detach views in-place";
+25 cases in 553 s on 2 cores at load ~25 (docs/pipeline-parallel.md).
 """
 
 from __future__ import annotations
