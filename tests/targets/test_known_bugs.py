@@ -146,3 +146,24 @@ def test_ddp_under_a_split_backward_schedule_is_named_only_for_those_schedules()
     assert known_bugs.known_bug_line(ddp, features, gpipe) is None
     assert known_bugs.known_bug_line(TorchPPTarget(), features, zbv) is None  # FSDP2: not it
     assert known_bugs.known_bug_line(ddp, features) is None  # no scenario: cannot tell
+
+
+def test_fsdp2_resharding_under_a_split_backward_is_named_only_where_it_reshards():
+    # bench/pp_fsdp_reshard_split.py: torch 2.13 loses the weight gradients of stages FSDP2
+    # reshards after forward under a zero-bubble schedule; keeping them unsharded is right
+    from ddpcheck.scenario import PipelineParallel
+    from ddpcheck.sharded_models import ShardedSpec, sequence_data
+    from ddpcheck.targets.pipeline_nd import TorchNDTarget
+
+    def scenario(schedule, per_rank):
+        pipeline = PipelineParallel(schedule, (1, 2, 3)[: 2 * per_rank - 1], 2, 2, per_rank)
+        return Scenario(ShardedSpec(), data=sequence_data, pipeline=pipeline)
+
+    zbv, gpipe, features = scenario("ZBVZeroBubble", 2), scenario("GPipe", 1), {"pipeline-parallel"}
+    for resharding in (TorchNDTarget(reshard_after_forward=True), TorchNDTarget(shard_blocks=True)):
+        line = known_bugs.known_bug_line(resharding, features, zbv)
+        assert line is not None and "bench/pp_fsdp_reshard_split.py" in line, line
+        assert known_bugs.known_bug_line(resharding, features, gpipe) is None
+    kept = TorchNDTarget(shard_blocks=True, reshard_after_forward=False)
+    assert known_bugs.known_bug_line(kept, features, zbv) is None
+    assert known_bugs.known_bug_line(TorchNDTarget(), features, zbv) is None

@@ -30,7 +30,6 @@ from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._language.objective import LOSS_PARALLEL
 from ddpcheck._language.pipeline_parallel import (
     SCHEDULES,
-    SCHEDULES_SPLITTING_BACKWARD,
     PipelineParallel,
     pipeline_problem,
 )
@@ -182,9 +181,7 @@ def _scenarios(
     # a pipeline of tensor-parallel stages: tp first, then pp among what is left
     tp = draw(st.sampled_from(tuple(dict.fromkeys(t for _, t in layouts))))
     pp = draw(st.sampled_from(tuple(p for p, t in layouts if t == tp)))
-    # a split-backward schedule over tensor-parallel stages is declined (torch raises)
-    split = SCHEDULES_SPLITTING_BACKWARD if tp > 1 else frozenset()
-    schedule = draw(st.sampled_from(tuple(s for s in SCHEDULES if s not in split)))
+    schedule = draw(st.sampled_from(tuple(SCHEDULES)))
     per_rank = 1 if SCHEDULES[schedule] == "single" else 2
     stages = pp * per_rank
     blocks = draw(

@@ -22,6 +22,7 @@ from ddpcheck.targets.deepspeed import DeepSpeedTarget
 from ddpcheck.targets.hf_tp import HfTPTarget
 from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.pipeline import TorchPPTarget
+from ddpcheck.targets.pipeline_nd import TorchNDTarget
 from ddpcheck.targets.protocol import Target
 
 __all__ = ["KNOWN_BUGS", "KnownBug", "known_bug_line"]
@@ -148,6 +149,36 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
             scenario.pipeline is not None
             and scenario.pipeline.schedule in SCHEDULES_SPLITTING_BACKWARD
         ),
+    ),
+    *(
+        KnownBug(
+            distribution="torch",
+            # bench/pp_fsdp_reshard_split.py: on 2.13.0 (the only release measured) dp=2 x pp=2,
+            # InterleavedZeroBubble, ZBVZeroBubble and DualPipeV lose weight gradients of
+            # stages FSDP2 reshards after forward, at the root or per layer; no upstream issue
+            fixed_in=None,
+            upstream="no upstream issue found (measured on 2.13.0; near it, pytorch#164756: "
+            "the pipeline schedules' FSDP unshard and reshard, open)",
+            what="under a pipeline schedule that splits the backward into input and weight "
+            "parts, a stage FSDP2 resharded after its forward shows its sharded parameters when "
+            "the input half looks for its weights in the autograd graph, so the weight half "
+            "skips them: weight gradients None or partial, silently",
+            needs=frozenset({"pipeline-parallel"}),
+            targets=(TorchNDTarget,),
+            script="bench/pp_fsdp_reshard_split.py",
+            option=option,
+            also=also,
+            explains=lambda scenario: (
+                scenario.pipeline is not None
+                and scenario.pipeline.schedule in SCHEDULES_SPLITTING_BACKWARD
+            ),
+        )
+        # at the root and below (torchtitan's reshard_after_forward_policy="always"), or below
+        # only (torch's default, None: True below the root) with FSDP2 per block
+        for option, also in (
+            (("reshard_after_forward", True), ()),
+            (("shard_blocks", True), (("reshard_after_forward", None),)),
+        )
     ),
     KnownBug(
         distribution="transformers",

@@ -9,11 +9,13 @@ torchtitan composes the three (``pipeline_llm``: a model part per stage, its ``p
 ``mesh["dp"]`` -- then the part is the ``PipelineStage``'s module): the scenario's plan, the
 part's own modules only, applied with ``parallelize_module``; every module it leaves alone
 replicated over ``tp`` (``replicate_rest``: one mesh for every parameter, which FSDP2 and
-the gradient norm need); then what ``torch_pp`` does. The loss and its scaling are
-``torch_pp``'s (``scale_grads=False``, each piece weighed by its micro-batch's scale). A token
-loss ``loss_parallel()`` computes is served too: where the plan leaves the head's logits sharded
-over the vocabulary (``colwise-loss``), every ``schedule.step`` runs inside ``loss_parallel()``,
-which the last stage's ``loss_fn`` and its backward need (``bench/pipeline_loss_parallel.py``).
+the gradient norm need); a stage whose output is a view (a DTensor module's local output)
+hands on a clone of it (:func:`fresh_output`: torch's split backward refuses views); then
+what ``torch_pp`` does. The loss and its scaling are ``torch_pp``'s (``scale_grads=False``,
+each piece weighed by its micro-batch's scale). A token loss ``loss_parallel()`` computes is
+served too: where the plan leaves the head's logits sharded over the vocabulary
+(``colwise-loss``), every ``schedule.step`` runs inside ``loss_parallel()``, which the last
+stage's ``loss_fn`` and its backward need (``bench/pipeline_loss_parallel.py``).
 """
 
 from __future__ import annotations
@@ -23,14 +25,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
+import torch
 from torch import nn
 
 from ddpcheck._language.objective import LOSS_PARALLEL, is_token_loss
-from ddpcheck._language.pipeline_parallel import (
-    SCHEDULES_SPLITTING_BACKWARD,
-    module_order,
-    pipeline_problem,
-)
+from ddpcheck._language.pipeline_parallel import module_order, pipeline_problem
 from ddpcheck._language.scenario import Scenario, stage_tp
 from ddpcheck._language.sharded_models import LOSS_STYLES
 from ddpcheck.targets.fsdp import fsdp2
@@ -43,7 +42,7 @@ if TYPE_CHECKING:
 
     from ddpcheck.targets.protocol import ConfigSpace
 
-__all__ = ["TorchNDTarget"]
+__all__ = ["TorchNDTarget", "fresh_output"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +53,8 @@ class TorchNDTarget(TorchPPTarget):
 
     #: FSDP2's ``reshard_after_forward`` for each block and stage root (torchtitan's
     #: ``fsdp_reshard_after_forward``; None, torch's default: False at the root, True below);
-    #: only with ``dp_wrapper="fsdp2"`` and ``dp > 1``
+    #: only with ``dp_wrapper="fsdp2"`` and ``dp > 1``. Resharding under a zero-bubble schedule
+    #: meets torch's bug (``config_space``)
     reshard_after_forward: bool | None = None
     #: FSDP2 per block as well as at each stage's root (torchtitan's way); False: at the root
     #: only, as ``torch_pp`` does
@@ -70,8 +70,9 @@ class TorchNDTarget(TorchPPTarget):
     def config_space(self) -> ConfigSpace:
         """``dp_wrapper``: FSDP2 (the default) or torch DDP over each stage (declined over
         tensor-parallel stages at dp > 1). ``reshard_after_forward`` and ``shard_blocks`` are
-        not drawn: a zero-bubble schedule over stages FSDP2 reshards after forward was seen to
-        fail on torch 2.13 without a standalone confirmation yet (docs/pipeline-parallel.md)."""
+        not drawn: under a zero-bubble schedule torch 2.13 silently loses the weight gradients
+        of stages FSDP2 reshards after forward (torch's bug, bench/pp_fsdp_reshard_split.py);
+        configured, such a run fails with the verdict's known-bug line naming it."""
         return options(fields={"dp_wrapper": ("ddp",)})
 
     def supports(self, scenario: Scenario) -> str | None:
@@ -103,8 +104,6 @@ class TorchNDTarget(TorchPPTarget):
         dp = world_size // (tp * pipeline.degree(world_size // tp)) if problem is None else 1
         if tp > 1 and dp > 1 and self.dp_wrapper == "ddp":
             problem = _DDP_OVER_DTENSORS
-        if problem is None and tp > 1 and pipeline.schedule in SCHEDULES_SPLITTING_BACKWARD:
-            problem = _SPLIT_BACKWARD_OVER_TP
         return problem or uneven_pieces(scenario, world_size)
 
     def shard_stage(self, part: Stage, index: int, stages: int, mesh: DeviceMesh) -> nn.Module:
@@ -119,6 +118,7 @@ class TorchNDTarget(TorchPPTarget):
         if plan:
             parallelize_module(part, mesh["tp"], torch_plan(tuple(plan)))
         replicate_rest(part, mesh["tp"])
+        part.register_forward_hook(fresh_output)
         return self._data_parallel(part, mesh)
 
     def _data_parallel(self, part: Stage, mesh: DeviceMesh) -> nn.Module:
@@ -145,14 +145,15 @@ def _within(name: str, module: str) -> bool:
     return name == module or name.startswith(f"{module}.")
 
 
-#: Why a split-backward schedule over tensor-parallel stages is declined: found by ddpcheck's
-#: own runs (docs/pipeline-parallel.md): torch raises, loudly, so nothing is misjudged --
-#: declined until a standalone script says more.
-_SPLIT_BACKWARD_OVER_TP = (
-    "a zero-bubble schedule (its backward split into input and weight parts) over "
-    "tensor-parallel stages: torch 2.13's stage_backward_input raises 'Can't detach views "
-    "in-place' on a stage whose output is a DTensor's local view (even with nothing sharded)"
-)
+def fresh_output(_module: nn.Module, _args: tuple, output: object) -> object:
+    """A stage's output handed on as a tensor of its own where it is a view (a DTensor module's
+    local output always is: ``to_local()`` returns ``view_as``), the same numbers: torch 2.13's
+    split backward (the zero-bubble schedules) detaches every stage output in place and raises
+    "Can't detach views in-place" on a view (pytorch#142229, open; bench/pp_split_backward_view.py
+    confirms it without ddpcheck and shows this clone avoids it)."""
+    if isinstance(output, torch.Tensor) and output._is_view():
+        return output.clone()
+    return output
 
 
 #: Why torch DDP over a stage's DTensor parameters is declined when dp > 1 (torch's DDP takes
