@@ -11,6 +11,9 @@ Measured 2026-12-07 (load ~20): exit 0, 3 battery + 20 random examples, 104 s. B
 distributed over the harness's mesh (over a mesh accelerate built per example instead): exit 1,
 "Could not resolve the process group registered under the name 6", intermittent -- torch's
 value-keyed submesh cache handing a later example the groups the fitness check destroyed.
+2026-12-08, accelerate 1.15.0 and 1.16.0 at ``dp=2 x tp=2``: exit 1 once an example leaves two
+FSDP2 shards empty on a rank (a rank aborts, gloo "8 vs 4") -- accelerate's optimizer remap by
+storage address, confirmed without ddpcheck by bench/accelerate_tp_empty_shard.py.
 """
 
 import dataclasses

@@ -1,8 +1,9 @@
 """The ``accelerate_nd`` target: accelerate's ``ParallelismConfig`` over a model transformers
-distributed. On the CPU accelerate 1.15 refuses every ``ParallelismConfig`` (a MULTI_CPU world:
-bench/accelerate_nd_cpu.py), so here the target declines with that reason; the user's
-configuration is checked when the target is built (accelerate's own refusals, the keys the
-scenario or the harness sets, the FSDP plugin whose FSDP2 x TP path transformers 5 breaks)."""
+distributed. On the CPU every accelerate release with one (1.10.0 to 1.16.0) refuses a
+``ParallelismConfig`` (a MULTI_CPU world: bench/accelerate_nd_cpu.py), so here the target declines
+with that reason; the user's configuration is checked when the target is built (accelerate's
+own refusals, the keys the scenario or the harness sets, the FSDP plugin whose FSDP2 x TP path
+transformers 5.1 and later break)."""
 
 from __future__ import annotations
 

@@ -11,19 +11,27 @@ transformers plan (``hf_tp``), is applied over the ``tp`` axis of the same layou
 model's ``tp_size`` against the config's and wraps nothing -- and accelerate's loop idiom:
 ``accumulate``, ``backward``, ``clip_grad_norm_``, the gated ``step``, ``reduce`` of the loss.
 
-What accelerate 1.15 does not run, declined with its reason (``bench/accelerate_nd_cpu.py``
-shows each without ddpcheck, exit 1):
+What accelerate does not run, declined with its reason (``bench/accelerate_nd_cpu.py`` shows
+each without ddpcheck, per release: every one with a ``ParallelismConfig``, 1.10.0 to 1.16.0,
+exit 1):
 
-* **anything on the CPU**: a CPU world is ``DistributedType.MULTI_CPU``, which accelerate's
-  state never turns into FSDP (an ``fsdp_plugin`` is ignored there) and which
-  ``ParallelismConfig`` refuses ("is only compatible DistributedType.FSDP (version 2) or
-  DistributedType.Multi{Device} or DistributedType.DEEPSPEED, but got
-  DistributedType.MULTI_CPU"). So on this project's machines (no GPU) the target declines every
-  example; on CUDA it is not tried yet;
+* **anything on the CPU**, in every release: a CPU world is ``DistributedType.MULTI_CPU``
+  (1.13 and later: ``NO`` unless ``cpu=True``, a world of one per process), which accelerate's
+  state never turns into FSDP (neither an ``fsdp_plugin`` nor ``ACCELERATE_USE_FSDP`` is read
+  there) and which ``ParallelismConfig`` refuses ("is only compatible DistributedType.FSDP
+  (version 2) or DistributedType.Multi{Device} or DistributedType.DEEPSPEED, but got
+  DistributedType.MULTI_CPU"): a hard check, no environment variable or field lifts it. So on
+  this project's machines (no GPU) the target declines every example; on CUDA it is not tried
+  yet;
 * **accelerate's own FSDP2 x TP** (``fsdp_plugin``): ``_prepare_tp`` imports
-  ``ReplicateParallel`` from ``transformers.integrations.tensor_parallel``, which transformers 5
-  no longer has (an ``ImportError`` in ``prepare`` for every tensor-parallel model); the config
-  key is refused, and transformers shards over ``dp_shard`` itself, as its Trainer expects;
+  ``ReplicateParallel`` from ``transformers.integrations.tensor_parallel``, which transformers
+  defines from 4.52.2 to 5.0.0 only (an ``ImportError`` in ``prepare`` with the 5.25 this target
+  needs); the config key is refused, and transformers shards over ``dp_shard`` itself, as its
+  Trainer expects. accelerate 1.10-1.12 make that import for every tensor-parallel model (no
+  release of them runs with transformers 5.25, on any device), and 1.13-1.14 look for a
+  ``tp_size`` attribute, which transformers' ``PreTrainedModel`` has as a property and this
+  target's model does not ("Model should undergo tensor parallel"; 1.15 reads the
+  ``distributed_config`` too): the floor is 1.15.0;
 * ``tp = 1``: a model transformers sharded over ``dp`` holds DTensors, which accelerate's DDP
   wrapping refuses (the ``accelerate`` target checks accelerate's data parallelism).
 
@@ -86,21 +94,26 @@ __all__ = [
     "AccelerateNDTarget",
 ]
 
-#: The oldest accelerate tried: 1.15.0, the pinned one (``ParallelismConfig`` came in 1.10).
+#: The oldest accelerate whose ``prepare`` takes this target's model: 1.10-1.12 import
+#: ``ReplicateParallel`` for every tensor-parallel model, 1.13-1.14 look for a ``tp_size``
+#: attribute the model lacks (1.15 reads ``config.distributed_config`` too); 1.10.0 to 1.16.0
+#: tried (bench/accelerate_nd_cpu.py; the glue by bench/accelerate_nd_whatif.py).
 ACCELERATE_ND_FLOOR = "1.15.0"
 
 #: Why every example is declined on the CPU (the module docstring).
 CPU_REFUSED = (
-    "accelerate 1.15 runs a ParallelismConfig only over FSDP2, DeepSpeed or a multi-device "
-    "type, and a CPU world is DistributedType.MULTI_CPU, which it never turns into FSDP: "
-    "Accelerator raises ValueError (bench/accelerate_nd_cpu.py); hf_tp checks transformers' "
-    "TP x FSDP2 on the CPU"
+    "accelerate runs a ParallelismConfig only over FSDP2, DeepSpeed or a multi-device type, and "
+    "a CPU world is DistributedType.MULTI_CPU, which it never turns into FSDP (no plugin, "
+    "environment variable or field changes that): Accelerator raises ValueError in every "
+    "release with a ParallelismConfig, 1.10.0 to 1.16.0 (bench/accelerate_nd_cpu.py); hf_tp "
+    "checks transformers' TP x FSDP2 on the CPU"
 )
 #: Why an ``fsdp_plugin`` is refused (the module docstring).
 FSDP2_TP_IMPORT = (
-    "accelerate 1.15's FSDP2 x TP path (_prepare_tp) imports ReplicateParallel from "
-    "transformers.integrations.tensor_parallel, which transformers 5 no longer has: prepare "
-    "raises ImportError (bench/accelerate_nd_cpu.py); transformers shards over dp_shard itself"
+    "accelerate's FSDP2 x TP path (_prepare_tp, 1.10.0 to 1.16.0) imports ReplicateParallel "
+    "from transformers.integrations.tensor_parallel, which transformers has only from 4.52.2 "
+    "to 5.0.0: prepare raises ImportError with 5.25 (bench/accelerate_nd_cpu.py); transformers "
+    "shards over dp_shard itself"
 )
 
 _WORLD = "ddpcheck's world: the process group exists, on the world's device"

@@ -312,9 +312,11 @@ READY_MADE: tuple[ReadyMade, ...] = (
         "distributed (the drawn plan as a transformers plan, transformers' FSDP2 over "
         "dp_shard), accelerate's loop, as transformers' Trainer composes them; "
         "AccelerateNDTarget(config={...}): your own Accelerator arguments",
-        "every example on the CPU (accelerate 1.15 refuses a ParallelismConfig in a MULTI_CPU "
-        "world: hf_tp checks transformers' TP x FSDP2 there), tp=1 meshes, an fsdp_plugin",
-        tried=("1.15.0",),
+        "every example on the CPU (accelerate 1.10.0 to 1.16.0 refuse a ParallelismConfig in a "
+        "MULTI_CPU world: hf_tp checks transformers' TP x FSDP2 there), tp=1 meshes, an "
+        "fsdp_plugin",
+        # 1.10.0-1.14.0 tried too, below the floor (bench/accelerate_nd_cpu.py, the what-if)
+        tried=("1.15.0", "1.16.0"),
     ),
     ReadyMade(
         "deepspeed",

@@ -17,8 +17,9 @@ With ``dp > 1`` the glue composes as transformers composes ``DistributedConfig(t
 fsdp_size=dp)`` (:func:`distribute`): the plan over ``tp``, then transformers' own FSDP2
 (``apply_fully_sharded_data_parallelism``) over ``dp`` with an FSDP plan of generic names
 (:data:`FSDP_PLANS`: each block ``"free_full_weight"``, the rest by the root ``fully_shard``).
-accelerate 1.15's own FSDP2 x TP path does not run with transformers 5 (``accelerate_nd``'s
-docstring says why), which is why transformers shards and accelerate only drives the loop.
+accelerate's own FSDP2 x TP path (1.10-1.16) does not run with transformers 5.1 and later
+(``accelerate_nd``'s docstring says why), which is why transformers shards and accelerate only
+drives the loop.
 
 What the glue does per rank and example: rank 0's weights broadcast (the scenarios initialise
 ranks differently; ``shard_param`` slices each rank's own tensor, ``src_data_rank=None``), the
