@@ -151,9 +151,9 @@ def _complex_rope(model: nn.Module, factory: TitanLlama) -> None:
     """RoPE's cache is complex64 (torchtitan's ``ComplexRoPE``); ``module.to(float64)`` casts it
     to real numbers, dropping the rotation: rebuilt after the scenario's cast."""
     for module in model.modules():
-        cache = getattr(module, "cache", None)
-        if isinstance(cache, torch.Tensor) and hasattr(module, "_precompute_cache"):
-            module.cache = module._precompute_cache()
+        rebuild = getattr(module, "_precompute_cache", None)
+        if isinstance(getattr(module, "cache", None), torch.Tensor) and callable(rebuild):
+            module.cache = rebuild()
 
 
 #: Why float64 is declined: measured by ddpcheck's first run of this target (a float64 Adam
@@ -196,8 +196,6 @@ class TorchTitanTarget(Target):
     requires = (("torch", TP_FLOOR), ("torchtitan", TITAN_FLOOR))
     parallelizes = True
     config: Config = None
-    #: a seeded bug's switch (``ddpcheck.mutation``): skip the division by dp in backward
-    divides_by_dp: bool = True
 
     declined_features: ClassVar[Mapping[str, str]] = {
         "checkpoint": "torchtitan resumes through torch.distributed.checkpoint (its "
@@ -328,7 +326,7 @@ class TorchTitanTarget(Target):
 
     def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
         """torchtitan's normalisation: the harness's ``dp / T`` scale divided by ``dp``."""
-        (loss / vars(self)["_dp"] if self.divides_by_dp else loss).backward()
+        (loss / vars(self)["_dp"]).backward()
 
     def clip_grad_norm(
         self, model: nn.Module, optimizer: OptimizerLike, max_norm: float, norm_type: float
@@ -394,12 +392,12 @@ def _parallelize(module: nn.Module, dims: object, parallelism: object) -> nn.Mod
     from torchtitan.models.llama3 import parallelize_llama
 
     model = parallelize_llama(
-        module,  # type: ignore[arg-type]
-        parallel_dims=dims,  # type: ignore[arg-type]
+        module,
+        parallel_dims=dims,
         training=TrainingConfig(mixed_precision_param="float32"),  # no mixed precision
-        parallelism=parallelism,  # type: ignore[arg-type]
+        parallelism=parallelism,
         compile_config=CompileConfig(),
-        ac_config=None,  # type: ignore[arg-type]
+        ac_config=None,
         dump_folder=tempfile.gettempdir(),
     )
     for part in model.modules():
