@@ -41,6 +41,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib.util
 import tempfile
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
@@ -209,7 +210,13 @@ class TorchTitanTarget(Target):
         where = described("TorchTitanTarget", self.config)
         given = load_config(self.config, target=where)
         given = dict(given.get("parallelism", given))  # type: ignore[call-overload]
-        known = {f.name for f in dataclasses.fields(_parallelism_class())} if given else set()
+        # the field names are torchtitan's to say: without it the target is refused anyway
+        # (Target.requires), before any example
+        known = (
+            {f.name for f in dataclasses.fields(_parallelism_class())}
+            if given and importlib.util.find_spec("torchtitan") is not None
+            else set(given)
+        )
         unknown = sorted(set(given) - known)
         if unknown:
             raise InvalidArgument(
@@ -360,13 +367,12 @@ def _forget_meshes() -> None:
     compares by layout and names, not by process group: torchtitan's meshes are built anew per
     example (the last example's groups destroyed), and a cached output spec would hand the new
     example the last one's mesh, whose groups no longer resolve ("Could not resolve the process
-    group", seen at the fifth example of a world before this)."""
+    group", seen at the fifth example of a world before this). torch has no public way to clear
+    them: these are the helpers of its public ``torch.distributed.tensor.debug`` module."""
     from torch.distributed.tensor import debug
-    from torch.distributed.tensor._redistribute import _gen_transform_infos
 
     debug._clear_python_sharding_prop_cache()
     debug._clear_fast_path_sharding_prop_cache()
-    _gen_transform_infos.cache_clear()
 
 
 def _parallel_dims(parallelism: object, world_size: int) -> object:
