@@ -162,7 +162,7 @@ def _complex_rope(model: nn.Module, factory: TitanLlama) -> None:
 FLOAT32_ROPE = (
     "torchtitan's RoPE (ComplexRoPE, CosSinRoPE alike) rotates queries and keys in float32 "
     "(query.float()) whatever the model's dtype, so a float64 model rounds to float32 there and "
-    "float64's tolerance cannot judge it: checked in float32"
+    "float64's tolerance cannot judge it: checked in float32 (--dtypes float32)"
 )
 
 
