@@ -69,6 +69,8 @@ def test_the_config_is_torchtitans_parallelism_section_and_its_degrees_fix_the_m
     _needs_torchtitan()
     with pytest.raises(InvalidArgument, match="tensor_paralel_degree"):
         TorchTitanTarget(config={"tensor_paralel_degree": 2})
+    with pytest.raises(InvalidArgument, match="'training' belong to the scenario"):
+        TorchTitanTarget(config={"parallelism": {}, "training": {"local_batch_size": 8}})
     nested = TorchTitanTarget(config={"parallelism": {"tensor_parallel_degree": 2}})
     assert vars(nested)["_given"] == {"tensor_parallel_degree": 2}
     scenario = dataclasses.replace(SCENARIO, tensor_parallel=TensorParallel((), 1))

@@ -209,6 +209,13 @@ class TorchTitanTarget(Target):
     def __post_init__(self) -> None:
         where = described("TorchTitanTarget", self.config)
         given = load_config(self.config, target=where)
+        others = sorted(set(given) - {"parallelism"}) if "parallelism" in given else []
+        if others:
+            raise InvalidArgument(
+                f"{where}: only a job config's [parallelism] section is taken; "
+                f"{', '.join(map(repr, others))} belong to the scenario (training, optimizer, "
+                "model) or to the harness's loop: leave them out"
+            )
         given = dict(given.get("parallelism", given))  # type: ignore[call-overload]
         # the field names are torchtitan's to say: without it the target is refused anyway
         # (Target.requires), before any example
@@ -264,7 +271,8 @@ class TorchTitanTarget(Target):
         return titan_scenarios(world_size, dtypes, without, found)
 
     def own_battery(self) -> list[tuple[str, Scenario]]:
-        """:data:`BATTERY`: torchtitan's model at every degree of 1-4 that its heads allow."""
+        """:data:`BATTERY`: grouped-query attention over ``tp=2`` with accumulation (TP alone at
+        W=2, FSDP2 x TP at W=4) and three heads over ``tp=3`` (W=3)."""
         return BATTERY
 
     def supports(self, scenario: Scenario) -> str | None:
@@ -292,8 +300,9 @@ class TorchTitanTarget(Target):
         for key, size in (("data_parallel_shard_degree", dp), ("tensor_parallel_degree", tp)):
             if given.get(key, -1) not in (-1, size):
                 return f"the config's {key}={given[key]} fixes the mesh; this one has {size}"
-        assert isinstance(scenario.model, TitanLlama)
         model = scenario.model
+        if not isinstance(model, TitanLlama):
+            return self.supports(scenario)
         if model.heads % tp or (model.kv_heads or model.heads) % tp:
             return f"tp={tp} must divide the heads (torchtitan's update_from_config refuses it)"
         if tp > 1 and scenario.loss not in LOSS_PARALLEL:
