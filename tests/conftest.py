@@ -58,6 +58,7 @@ FRAMEWORK_TESTS = [
     "tests/targets/test_data_path.py::",
     "tests/targets/test_config_spaces.py::",
     "tests/targets/test_declined_features.py::",
+    "tests/targets/test_torchtitan.py::",
     "tests/runs/test_fuzz_config.py::test_the_draw_covers_every_option_and_shrinks_them_away",
     "tests/runs/test_fuzz_config.py::test_a_large_nested_option_is_surveyed_a_key_per_row",
     "tests/runs/test_fuzz_config.py::test_every_ready_made_option_builds_a_replayable_target",

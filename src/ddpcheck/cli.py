@@ -502,12 +502,14 @@ def _check(call: Invocation) -> ExitCode:
         say(f"battery: {report}")
     # 2. random examples, shrunk to a minimal counterexample on failure -- if any can be drawn
     cannot = undrawable(call.target, dtypes, without)
-    if cannot is not None:  # no dtype left: the battery, in the same dtypes, checked nothing
+    if cannot is not None:  # no dtype left (a battery in other dtypes may have run: torchtitan's)
         say(f"random examples: none can be drawn: {cannot}")
-        raise NothingChecked(
-            f"every battery scenario was declined (the reasons above) and no "
-            f"random example can be drawn: {cannot}"
+        ran = (
+            f"the battery checked {battery} example(s), but"
+            if battery
+            else "every battery scenario was declined (the reasons above) and"
         )
+        raise NothingChecked(f"{ran} no random example can be drawn: {cannot}")
     options = (
         ", each with a configuration of its options drawn (--fuzz-config)"
         if request.fuzz_config

@@ -162,6 +162,8 @@ def _inspect(scenario: Scenario, world_size: int) -> frozenset[str]:
             # it from the data, with no forward or backward (the measured third of a random
             # example's cost in the checking process)
             return frozenset(found | _spec_usage(scenario, spec, world_size))
+    if getattr(spec, "uses_every_parameter", False):  # a factory that says so (TitanLlama)
+        return frozenset(found)
     if isinstance(spec, GPTConfig) and scenario.data is token_data:
         # every parameter of a TinyGPT takes part in every forward, and every sample has a real
         # token: no shard leaves one without a gradient (held to _usage by

@@ -31,6 +31,7 @@ from ddpcheck.targets.pipeline_nd import TorchNDTarget
 from ddpcheck.targets.protocol import Target
 from ddpcheck.targets.support import supported_by, why_unsupported
 from ddpcheck.targets.tensor_parallel import Torch2DTarget, TorchTPTarget
+from ddpcheck.targets.torchtitan import TorchTitanTarget
 
 __all__ = [
     "ACCELERATE",
@@ -57,6 +58,7 @@ __all__ = [
     "TORCH_PP",
     "TORCH_ZERO",
     "TORCH_ZERO_BUCKET_VIEW",
+    "TORCHTITAN",
     "ReadyMade",
 ]
 
@@ -81,6 +83,7 @@ DEEPSPEED_ZERO2 = DeepSpeedTarget(stage=2)
 HF_TRAINER = HfTrainerTarget()
 HF_TP = HfTPTarget()
 ACCELERATE_ND = AccelerateNDTarget()
+TORCHTITAN = TorchTitanTarget()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,6 +320,20 @@ READY_MADE: tuple[ReadyMade, ...] = (
         "fsdp_plugin",
         # 1.10.0-1.14.0 tried too, below the floor (bench/accelerate_nd_cpu.py, the what-if)
         tried=("1.15.0", "1.16.0"),
+    ),
+    ReadyMade(
+        "torchtitan",
+        TORCHTITAN,
+        "torchtitan",
+        "torchtitan",
+        "torchtitan's own parallelize_llama (its TP/SP plan over tp, FSDP2 over dp_shard) on "
+        "its own Llama 3 at a tiny size, a plain loop with torchtitan's loss normalisation; "
+        "TorchTitanTarget(config={its ParallelismConfig fields} or 'parallelism.json'); needs "
+        "triton installed to import",
+        "a config naming pipeline, context, expert or replicate degrees, or another "
+        "spmd_backend; heads tp does not divide; token losses other than the cross-entropy "
+        "at tp > 1; reduction='sum'",
+        tried=("0.3.0",),
     ),
     ReadyMade(
         "deepspeed",

@@ -234,6 +234,24 @@ class Target:
         run; None for no reason of its own. Default: its class's ``declined_features``."""
         return self.declined_features.get(feature)
 
+    def drawn_scenarios(
+        self,
+        world_size: int,
+        dtypes: tuple[str, ...],
+        without: frozenset[str],
+        degrees: tuple[int, ...] | None,
+    ) -> SearchStrategy[Scenario] | None:
+        """The random scenarios of a target that trains a model of its own (torchtitan's Llama
+        3) at ``world_size``, in ``dtypes``, exercising none of ``without``; ``degrees``: the
+        ``tp`` degrees asked for (``--mesh``; None: the target's choice). Default: None, the
+        scenario language's draws for what the target supports."""
+        return None
+
+    def own_battery(self) -> list[tuple[str, Scenario]] | None:
+        """The built-in battery of a target that trains a model of its own (None, the default:
+        the battery of ``ddpcheck.battery`` that fits it)."""
+        return None
+
     def supports(self, scenario: Scenario) -> str | None:
         """None when the target can run ``scenario``; otherwise why not (the example is skipped
         and the reason reported). Called in the parent process, before any rank runs."""

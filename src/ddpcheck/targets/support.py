@@ -159,6 +159,9 @@ def why_unsupported(target: Target, feature: str) -> str:
 def battery_for(target: Target) -> list[tuple[str, Scenario]]:
     """The built-in battery ``target`` is checked on: the tensor-parallel one for a target that
     applies plans (``Target.parallelizes``), the data-parallel one otherwise."""
+    own = target.own_battery()
+    if own is not None:
+        return own
     if getattr(target, OPT_IN["pipeline-parallel"], False):  # (of tensor-parallel stages too)
         return PIPELINE_BATTERY
     if getattr(target, OPT_IN["tensor-parallel"], False):
@@ -321,4 +324,10 @@ def example_strategies(
     per_size = dst.per_world_size(
         sizes, dtypes, unsupported(target, excluded), focus, type(target).__name__, degrees, layouts
     )
+    kept = tuple(d for d in dtypes if d not in unsupported(target, excluded))
+    for w in per_size:  # a target training a model of its own draws its scenarios itself
+        own = target.drawn_scenarios(
+            w, kept, unsupported(target, excluded), None if degrees is None else degrees[w]
+        )
+        per_size[w] = per_size[w] if own is None else own
     return tuple(per_size), per_size, excluded

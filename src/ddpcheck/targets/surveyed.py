@@ -31,23 +31,6 @@ class Surveyed:
 
 SURVEYED: tuple[Surveyed, ...] = (
     Surveyed(
-        "torchtitan",
-        "torchtitan",
-        ("0.3.0", "0.2.2"),
-        "its models import only with the CUDA-only triton installed (import triton in "
-        "distributed/minimal_async_ep/kernels.py; 0.2.2: models/moe/kernels.py), and 0.3.0's "
-        "parallelize_llama then trains right (gradients within 2.2e-08 of one process at "
-        "dp_shard=2 or tp=2) only with four changes to torchtitan's own behaviour: "
-        "ParallelDims builds its mesh on device 'cuda' where no accelerator is found; the "
-        "language models refuse sdpa attention and flex attention has no backward on the CPU; "
-        "FSDP's gradient_divide_factor=1.0 reduce-scatters with ReduceOp.PREMUL_SUM, which gloo "
-        "refuses; the default spmd_backend 'spmd_types' refuses the eager model. The script "
-        "makes those changes (the plans stay torchtitan's; the changes touch the device name, "
-        "the attention kernel and the reduce op's form, not the arithmetic): a target could "
-        "too, and none is built yet",
-        "bench/torchtitan_cpu.py",
-    ),
-    Surveyed(
         "deepspeed_autotp",
         "deepspeed",
         ("0.19.8",),
