@@ -212,3 +212,19 @@ def test_one_set_of_defaults():
     assert api == command
     assert api.battery_without == frozenset()  # the whole battery, float32 scenario too
     assert api.random_dtypes == ("float64",)
+
+
+class _Float32Only(targets.ParallelDDPTarget):
+    """A target that declines float64, as torchtitan (its RoPE rotates in float32) does."""
+
+    supported_features = frozenset(ddpcheck.features.FEATURES) - {"float64"}
+
+
+def test_a_target_that_declines_float64_draws_the_dtypes_it_checks():
+    assert admission.admit(_Float32Only()).random_dtypes == ("float32",)
+    assert admission.admit(targets.ParallelDDPTarget()).random_dtypes == ("float64",)
+    named = admission.admit(_Float32Only(), dtypes=("float64",))
+    assert named.random_dtypes == ("float64",)  # what is named is drawn (and said undrawable)
+    # what the user excluded stays excluded: nothing to draw, said so (test_options)
+    excluded = admission.admit(_Float32Only(), without=("float32",))
+    assert excluded.random_dtypes == ("float64",)

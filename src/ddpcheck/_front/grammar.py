@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DTYPE[,DTYPE...]",
         help="float64, float32 or both: the dtypes of the battery scenarios and "
         "random examples (default: the whole battery, float64 random "
-        "examples)",
+        "examples -- float32 for a target that declines float64)",
     )
 
     survey = sub.add_parser(

@@ -203,8 +203,18 @@ class Request:
 
     @property
     def random_dtypes(self) -> tuple[str, ...]:
-        """The dtypes random examples are drawn in."""
-        return self.dtypes if self.dtypes is not None else RANDOM_DTYPES
+        """The dtypes random examples are drawn in: those named, else float64 -- or, for a
+        target that declines float64 (torchtitan's float32 RoPE, DeepSpeed's float32 masters),
+        the dtypes it does check, so that its own name alone checks it."""
+        if self.dtypes is not None:
+            return self.dtypes
+        from ddpcheck.targets import support
+
+        declined = support.unsupported(self.target)  # by the target; --without is the user's
+        if self.target is NO_TARGET or not all(d in declined for d in RANDOM_DTYPES):
+            return RANDOM_DTYPES
+        kept = declined | self.without
+        return tuple(d for d in DTYPES if d not in kept) or RANDOM_DTYPES
 
 
 def admit(
