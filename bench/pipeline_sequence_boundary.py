@@ -217,7 +217,7 @@ def _why(error: str) -> str:
     that died without a word (gloo aborts the process on a size mismatch: its message is on
     stderr) is said so."""
     lines = [line.strip() for line in error.strip().splitlines()]
-    found = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b", line)]
+    found = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): \S", line)]
     text = found[-1] if found else lines[-1]
     if text == "no result":
         return "a rank died without a result (its error is on stderr)"

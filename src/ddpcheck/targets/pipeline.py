@@ -121,8 +121,8 @@ _DECLINED: dict[str, str] = {
     "default hooks' rank-0 state_dict",
     "param-groups": "the optimizer is built over this rank's stages: param groups of the whole "
     "model are not split per stage yet",
-    "tokens": "a token loss is not drawn on a pipeline yet (a piece's tokens would need the "
-    "global count)",
+    "tokens": "a token loss on torch_pp's pipelines is not measured yet; torch_nd checks the "
+    "ones loss_parallel() computes (each piece weighed by its micro-batch's dp / T)",
     "epochs": "the harness's steps are fed to the schedule; a DataLoader's epochs are not",
     "autocast": "a low-precision forward on a pipeline has no calibrated tolerance yet: "
     "declined, never misjudged",
