@@ -229,6 +229,19 @@ class Target:
         ``fuzz_config=True`` is refused. Default: None."""
         return None
 
+    def scenario_space(
+        self,
+        world_size: int,
+        dtypes: tuple[str, ...],
+        without: frozenset[str],
+        degrees: tuple[int, ...] | None,
+    ) -> SearchStrategy[Scenario] | None:
+        """The scenarios drawn for this target at ``world_size`` (in ``dtypes``, none of the
+        features ``without``, a tensor-parallel degree of ``degrees`` where ``--mesh`` gives
+        them), for a target that checks models of its own kind only (DeepSpeed AutoTP parses
+        transformers models); None, the default: ddpcheck's own draws."""
+        return None
+
     def declined_reason(self, feature: str) -> str | None:
         """Why this target declines ``feature``, quoted wherever a scenario needing it is not
         run; None for no reason of its own. Default: its class's ``declined_features``."""

@@ -14,7 +14,7 @@ import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._base.options import (
     DEFAULT_WORLD_SIZES,
     check_mesh_target,
@@ -111,6 +111,9 @@ def declined_mesh(target: Target, shape: tuple[int, int]) -> str | None:
         rank_seeds=False,
         tensor_parallel=TensorParallel((), None if dp == 1 else tp),
     )
+    if _own_space(target, (dp * tp,), ("float64",), frozenset(), {dp * tp: (tp,)}) is not None:
+        supports_at = getattr(target, "supports_at", None)  # its own models: the mesh alone
+        return supports_at(scenario, dp * tp) if callable(supports_at) else None
     return declines(target, scenario, dp * tp)
 
 
@@ -293,7 +296,33 @@ def example_strategies(
     sizes = check_world_sizes("world_sizes", world_sizes)
     excluded = parse(without, "without")
     focus = parse(only, "only")
-    per_size = dst.per_world_size(
-        sizes, dtypes, unsupported(target, excluded), focus, type(target).__name__, degrees
-    )
+    never = unsupported(target, excluded)
+    own = _own_space(target, sizes, tuple(dtypes), never, degrees)
+    if own is not None:
+        return sizes, own, excluded
+    per_size = dst.per_world_size(sizes, dtypes, never, focus, type(target).__name__, degrees)
     return tuple(per_size), per_size, excluded
+
+
+def _own_space(
+    target: Target,
+    sizes: tuple[int, ...],
+    dtypes: tuple[str, ...],
+    never: frozenset[str],
+    degrees: Mapping[int, tuple[int, ...]] | None,
+) -> dict[int, st.SearchStrategy[Scenario]] | None:
+    """The target's own scenarios at each world size (``Target.scenario_space``), or None where
+    it draws ddpcheck's (a duck-typed target has no such hook)."""
+    space = getattr(target, "scenario_space", None)
+    if not callable(space):
+        return None
+    kept = tuple(d for d in dtypes if d not in never)
+    if not kept:
+        raise NothingChecked(
+            f"{type(target).__name__} supports none of the dtypes {', '.join(dtypes)} once "
+            "`without` (--without) is applied"
+        )
+    found = {w: space(w, kept, never, None if degrees is None else degrees[w]) for w in sizes}
+    if any(strategy is None for strategy in found.values()):
+        return None
+    return found
