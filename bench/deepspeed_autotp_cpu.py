@@ -7,6 +7,13 @@ same model stepped in one process.
 
     TORCH_EXTENSIONS_DIR=$(mktemp -d) python bench/deepspeed_autotp_cpu.py   # a venv with DeepSpeed
     python bench/deepspeed_autotp_cpu.py --no-shm-op     # skip the C++ op's build (see below)
+    python bench/deepspeed_autotp_cpu.py --no-shm-op --architecture phi3 [--wrapped]
+
+``--architecture NAME``: a tiny random model of another transformers architecture (its
+``model_type``: qwen3, gemma3_text, phi3, olmo2, ...) instead of Llama; ``--wrapped``: hand
+``deepspeed.initialize`` a module that returns the model's logits and has no ``config`` (AutoTP
+then parses its linear layers instead of reading the model's own plan). The loss is the tokens'
+next-token cross-entropy, computed from the logits in both ways.
 
 ``--no-shm-op`` makes ``deepspeed.comm.torch.build_shm_op`` return None, as it does where the op
 is incompatible: DeepSpeed then all-reduces through torch.distributed (gloo) instead of its CPU
@@ -35,23 +42,50 @@ STEPS = 3
 HANG_SECONDS = 150
 
 
-def tiny_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
+class Wrapped(torch.nn.Module):
+    """A causal LM behind a module of its own: logits out, no ``config`` for AutoTP to read."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids):
+        return self.lm(input_ids=input_ids, use_cache=False).logits
+
+
+def tiny_model(architecture: str = "llama", wrapped: bool = False):
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = AutoConfig.for_model(
+        architecture,
         vocab_size=32,
         hidden_size=16,
         intermediate_size=32,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,
+        head_dim=8,
         max_position_embeddings=64,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
-    return LlamaForCausalLM(config).float()
+    lm = AutoModelForCausalLM.from_config(config).float()
+    return Wrapped(lm) if wrapped else lm
 
 
-def rank_main(rank: int, init: str, q, no_shm_op: bool) -> None:
+def logits_of(model, tokens):
+    out = model(input_ids=tokens)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def next_token_loss(model, tokens):
+    logits = logits_of(model, tokens)[:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, 32), tokens[:, 1:].reshape(-1))
+
+
+def rank_main(rank: int, init: str, q, no_shm_op: bool, architecture: str, wrapped: bool) -> None:
     import faulthandler
 
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)  # a hang: where each rank waits
@@ -64,7 +98,8 @@ def rank_main(rank: int, init: str, q, no_shm_op: bool) -> None:
             import importlib
 
             importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-        reference, model = tiny_model(), tiny_model()
+        reference = tiny_model(architecture, wrapped)
+        model = tiny_model(architecture, wrapped)
         torch.manual_seed(1)
         tokens = torch.randint(0, 32, (2, 8))
         config = {
@@ -78,10 +113,10 @@ def rank_main(rank: int, init: str, q, no_shm_op: bool) -> None:
         engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
         opt = torch.optim.SGD(reference.parameters(), lr=0.1)
         for _ in range(STEPS):
-            engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+            engine.backward(next_token_loss(engine, tokens))
             engine.step()
             opt.zero_grad()
-            reference(input_ids=tokens, labels=tokens).loss.backward()
+            next_token_loss(reference, tokens).backward()
             opt.step()
         worst, where, sharded = 0.0, "", 0
         named = dict(reference.named_parameters())
@@ -109,13 +144,18 @@ def rank_main(rank: int, init: str, q, no_shm_op: bool) -> None:
 
 
 def main() -> int:
-    no_shm_op = "--no-shm-op" in sys.argv[1:]
+    no_shm_op, wrapped = "--no-shm-op" in sys.argv[1:], "--wrapped" in sys.argv[1:]
+    args = sys.argv[1:]
+    architecture = args[args.index("--architecture") + 1] if "--architecture" in args else "llama"
     try:
         import deepspeed
     except Exception as error:
         print(f"deepspeed does not import: {error}")
         return 2
-    print(f"deepspeed {deepspeed.__version__}, torch {torch.__version__}")
+    print(
+        f"deepspeed {deepspeed.__version__}, torch {torch.__version__}: {architecture}"
+        f"{' wrapped' if wrapped else ''}"
+    )
     if not no_shm_op:
         from deepspeed.accelerator import get_accelerator
 
@@ -127,7 +167,10 @@ def main() -> int:
     with tempfile.NamedTemporaryFile(delete=False) as f:
         init = f"file://{f.name}"
     os.unlink(f.name)
-    procs = [ctx.Process(target=rank_main, args=(r, init, q, no_shm_op)) for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=rank_main, args=(r, init, q, no_shm_op, architecture, wrapped))
+        for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     try:

@@ -239,7 +239,8 @@ def _usage(scenario: Scenario, model: torch.nn.Module, world_size: int) -> set[s
     found = set()
     for step in range(scenario.steps):
         x, y = global_batch(scenario, step)
-        for ranks in _rank_rows(scenario, len(x), world_size):
+        # a mesh's tp ranks share their dp group's rows: the batch is dealt over dp
+        for ranks in _rank_rows(scenario, len(x), data_parallel(scenario, world_size)):
             used_by = []
             for rows in ranks:
                 model.zero_grad(set_to_none=True)

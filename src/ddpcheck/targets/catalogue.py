@@ -19,6 +19,7 @@ from ddpcheck.targets.builtin import (
     TorchZeroTarget,
 )
 from ddpcheck.targets.deepspeed import DeepSpeedTarget
+from ddpcheck.targets.deepspeed_autotp import AUTOTP_FLOOR, DeepSpeedAutoTPTarget
 from ddpcheck.targets.environment import installed_version
 from ddpcheck.targets.fabric import FabricTarget
 from ddpcheck.targets.framework import install_command, requirements
@@ -37,6 +38,7 @@ __all__ = [
     "ACCELERATE",
     "BUILTIN",
     "DEEPSPEED",
+    "DEEPSPEED_AUTOTP",
     "DEEPSPEED_ZERO1",
     "DEEPSPEED_ZERO2",
     "FABRIC",
@@ -80,6 +82,7 @@ LIGHTNING = LightningTarget()
 DEEPSPEED = DeepSpeedTarget()  # the stage of its config (DeepSpeedTarget(config=...)), else 2
 DEEPSPEED_ZERO1 = DeepSpeedTarget(stage=1)
 DEEPSPEED_ZERO2 = DeepSpeedTarget(stage=2)
+DEEPSPEED_AUTOTP = DeepSpeedAutoTPTarget()
 HF_TRAINER = HfTrainerTarget()
 HF_TP = HfTPTarget()
 ACCELERATE_ND = AccelerateNDTarget()
@@ -358,6 +361,18 @@ READY_MADE: tuple[ReadyMade, ...] = (
         "deepspeed",
         "DeepSpeed's engine, ZeRO stage 2: gradients partitioned, reduced every "
         "micro-batch (float32: --dtypes float32)",
+    ),
+    ReadyMade(
+        "deepspeed_autotp",
+        DEEPSPEED_AUTOTP,
+        "deepspeed",
+        "deepspeed",
+        "DeepSpeed's AutoTP training (tensor_parallel.autotp_size = the mesh's tp), ZeRO stage 0 "
+        "over dp, on tiny transformers causal LMs it shards by their own plan; "
+        "DeepSpeedAutoTPTarget(config={...} or 'ds_config.json')",
+        "models other than transformers causal LMs (HfCausalLM), a scenario's own plan, "
+        "tp=1, empty shards, clipping in float64 (DeepSpeed's norm is float32)",
+        tried=(AUTOTP_FLOOR,),
     ),
 )
 

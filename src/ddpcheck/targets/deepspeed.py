@@ -376,22 +376,7 @@ class DeepSpeedTarget(FrameworkTarget):
         )
 
     def warm_up(self) -> None:
-        # Importing DeepSpeed (3-13 s here) and building the C++ op its comm backend loads on
-        # CPU (``build_shm_op``: 100-285 s the first time after an install on 2 loaded cores,
-        # under a second once built; bench/deepspeed_op_build.py): both once per process, here.
-        _choose_accelerator(this_rank().type)
-        from deepspeed.accelerator import get_accelerator
-
-        # by its full name: ``deepspeed.comm`` has an attribute ``torch``, the torch module
-        comm = importlib.import_module("deepspeed.comm.torch")
-        build = getattr(comm, "build_shm_op", None)  # what TorchBackend() calls (0.19.0-0.19.8)
-        if build is None:
-            return
-        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-        folder = None if builder is None else build_directory(builder.NAME)
-        if folder is not None:
-            remove_stale_lock(folder)  # a killed build's: the build would wait for it forever
-        build()
+        warm_up_deepspeed()
 
     def setup(
         self,
@@ -526,21 +511,46 @@ class DeepSpeedTarget(FrameworkTarget):
         return held
 
     def teardown(self, model: nn.Module, optimizer: OptimizerLike) -> None:
-        from deepspeed.utils import groups
-
         _MASTERS.clear()
         _LAYOUT.clear()
+        release_groups()
 
-        release = getattr(groups, "_release_process_group_references", None)
-        if release is not None:  # 0.19.8
-            release(None)
-            return
-        # 0.19.0 has no such function: the caches it resets, those this release has
-        for name in _CACHED_GROUPS:
-            if isinstance(getattr(groups, name, None), dict):
-                getattr(groups, name).clear()
-            elif hasattr(groups, name):
-                setattr(groups, name, None)
+
+def warm_up_deepspeed() -> None:
+    """Import DeepSpeed (3-13 s here) and build the C++ op its comm backend loads on CPU
+    (``build_shm_op``: 100-285 s the first time after an install on 2 loaded cores, under a
+    second once built; bench/deepspeed_op_build.py): once per rank process, outside any
+    example's deadline (``Target.warm_up``)."""
+    _choose_accelerator(this_rank().type)
+    from deepspeed.accelerator import get_accelerator
+
+    # by its full name: ``deepspeed.comm`` has an attribute ``torch``, the torch module
+    comm = importlib.import_module("deepspeed.comm.torch")
+    build = getattr(comm, "build_shm_op", None)  # what TorchBackend() calls (0.19.0-0.19.8)
+    if build is None:
+        return
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    folder = None if builder is None else build_directory(builder.NAME)
+    if folder is not None:
+        remove_stale_lock(folder)  # a killed build's: the build would wait for it forever
+    build()
+
+
+def release_groups() -> None:
+    """Drop the process groups DeepSpeed caches at module level (ddpcheck destroys the groups
+    an example created, and the next example's engine must build its own)."""
+    from deepspeed.utils import groups
+
+    release = getattr(groups, "_release_process_group_references", None)
+    if release is not None:  # 0.19.8
+        release(None)
+        return
+    # 0.19.0 has no such function: the caches it resets, those this release has
+    for name in _CACHED_GROUPS:
+        if isinstance(getattr(groups, name, None), dict):
+            getattr(groups, name).clear()
+        elif hasattr(groups, name):
+            setattr(groups, name, None)
 
 
 #: What ``deepspeed.utils.groups._release_process_group_references(None)`` resets (0.19.8): the

@@ -241,10 +241,12 @@ class Target:
         without: frozenset[str],
         degrees: tuple[int, ...] | None,
     ) -> SearchStrategy[Scenario] | None:
-        """The random scenarios of a target that trains a model of its own (torchtitan's Llama
-        3) at ``world_size``, in ``dtypes``, exercising none of ``without``; ``degrees``: the
-        ``tp`` degrees asked for (``--mesh``; None: the target's choice). Default: None, the
-        scenario language's draws for what the target supports."""
+        """The random scenarios of a target that trains models of its own kind (torchtitan's
+        Llama 3, the transformers models DeepSpeed's AutoTP parses) at ``world_size``, in
+        ``dtypes``, exercising none of ``without``; ``degrees``: the ``tp`` degrees asked for
+        (``--mesh``; None: the target's choice). Such a target's meshes (``--mesh``) are judged
+        by its ``supports_at`` alone. Default: None, the scenario language's draws for what the
+        target supports."""
         return None
 
     def own_battery(self) -> list[tuple[str, Scenario]] | None:

@@ -14,7 +14,7 @@ import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ddpcheck._base.errors import InvalidArgument
+from ddpcheck._base.errors import InvalidArgument, NothingChecked
 from ddpcheck._base.options import (
     DEFAULT_WORLD_SIZES,
     MeshShape,
@@ -104,7 +104,11 @@ def declined_mesh(target: Target, shape: MeshShape) -> str | None:
     GPipe over ``pp`` stages -- which only the mesh itself can make it decline (``torch_tp``:
     ``dp > 1``; ``torch_pp``: ``tp > 1``; a target of plans alone: ``pp > 1``)."""
     dp, pp, tp = shape
-    return declines(target, _plain_scenario(target, shape), dp * pp * tp)
+    scenario, size = _plain_scenario(target, shape), dp * pp * tp
+    if _own_space(target, (size,), ("float64", "float32"), frozenset(), {size: (tp,)}) is not None:
+        at = getattr(target, "supports_at", None)  # models of its own: the mesh alone decides
+        return at(scenario, size) if callable(at) else None
+    return declines(target, scenario, size)
 
 
 def _plain_scenario(target: Target, shape: MeshShape) -> Scenario:
@@ -321,13 +325,36 @@ def example_strategies(
     sizes = check_world_sizes("world_sizes", world_sizes)
     excluded = parse(without, "without")
     focus = parse(only, "only")
+    never = unsupported(target, excluded)
+    own = _own_space(target, sizes, tuple(dtypes), never, degrees)
+    if own is not None:
+        return sizes, own, excluded
     per_size = dst.per_world_size(
-        sizes, dtypes, unsupported(target, excluded), focus, type(target).__name__, degrees, layouts
+        sizes, dtypes, never, focus, type(target).__name__, degrees, layouts
     )
-    kept = tuple(d for d in dtypes if d not in unsupported(target, excluded))
-    for w in per_size:  # a target training a model of its own draws its scenarios itself
-        own = target.drawn_scenarios(
-            w, kept, unsupported(target, excluded), None if degrees is None else degrees[w]
-        )
-        per_size[w] = per_size[w] if own is None else own
     return tuple(per_size), per_size, excluded
+
+
+def _own_space(
+    target: Target,
+    sizes: tuple[int, ...],
+    dtypes: tuple[str, ...],
+    never: frozenset[str],
+    degrees: Mapping[int, tuple[int, ...]] | None,
+) -> dict[int, st.SearchStrategy[Scenario]] | None:
+    """The target's own scenarios at each world size (``Target.drawn_scenarios``: a target
+    training models of its own kind, torchtitan's or transformers'), or None where it draws
+    ddpcheck's (a duck-typed target has no such hook)."""
+    space = getattr(target, "drawn_scenarios", None)
+    if not callable(space):
+        return None
+    kept = tuple(d for d in dtypes if d not in never)
+    if not kept:
+        raise NothingChecked(
+            f"{type(target).__name__} supports none of the dtypes {', '.join(dtypes)} once "
+            "`without` (--without) is applied"
+        )
+    found = {w: space(w, kept, never, None if degrees is None else degrees[w]) for w in sizes}
+    if any(strategy is None for strategy in found.values()):
+        return None
+    return found

@@ -29,20 +29,7 @@ class Surveyed:
         )
 
 
-SURVEYED: tuple[Surveyed, ...] = (
-    Surveyed(
-        "deepspeed_autotp",
-        "deepspeed",
-        ("0.19.8",),
-        "its AutoTP training (tensor_parallel.autotp_size in the config) runs on the CPU over "
-        "gloo and trains right: a tiny transformers LlamaForCausalLM at autotp_size=2 (15 "
-        "parameters sharded, ZeRO stage 0, SGD) within 1.12e-08 of one process after 3 steps, "
-        "with DeepSpeed's CPU shared-memory op skipped (its first build takes minutes on a "
-        "loaded machine). A target needs the scenario's model to be a transformers model "
-        "AutoTP can parse, and none is built yet",
-        "bench/deepspeed_autotp_cpu.py --no-shm-op",
-    ),
-)
+SURVEYED: tuple[Surveyed, ...] = ()  # torchtitan and DeepSpeed AutoTP were; both have targets now
 
 
 def surveyed(name: str) -> Surveyed | None:
