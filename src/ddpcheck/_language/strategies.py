@@ -31,7 +31,7 @@ from ddpcheck._language import features
 from ddpcheck._language.models import KINDS, Layer, ModelSpec
 from ddpcheck._language.optimizers import optimizers
 from ddpcheck._language.pipeline_draws import pipeline_scenarios
-from ddpcheck._language.plans import DRAWN, tensor_parallel_scenarios, token_losses
+from ddpcheck._language.plans import DRAWN, OwnPlanModels, tensor_parallel_scenarios, token_losses
 from ddpcheck._language.scenario import Epochs, Scenario
 from ddpcheck._language.torch_limits import autocast_unavailable
 from ddpcheck._language.zoo import BiasGroups, GPTConfig, token_data
@@ -533,6 +533,7 @@ def per_world_size(
     focus: frozenset[str],
     who: str,
     degrees: Mapping[int, tuple[int, ...]] | None = None,
+    own_models: OwnPlanModels | None = None,
 ) -> dict[int, st.SearchStrategy[Scenario]]:
     """``{W: the scenarios drawn at W}`` for a target checked on none of ``unsupported`` (the
     features it does not support, and those the user excluded), named ``who``: :func:`scenarios`
@@ -540,7 +541,8 @@ def per_world_size(
     features, at the world sizes where one can be. Built once per call: Hypothesis validates a
     strategy the first time it draws from it. Raises ``NothingChecked`` when nothing can be
     drawn. ``degrees``: ``{W: the tensor-parallel degrees drawn at W}`` (``--mesh``; default:
-    every divisor of W), for a target that applies plans."""
+    every divisor of W), for a target that applies plans; ``own_models``: its models with their
+    own plan (``Target.own_plan_models``), drawn beside the drawn plans."""
     opt_in = frozenset(features.OPT_IN) - unsupported  # generated only for a target that opts in
     kept = tuple(d for d in dtypes if d not in unsupported)
     if not kept:
@@ -552,15 +554,10 @@ def per_world_size(
         pipelines = functools.partial(pipeline_scenarios, dtypes=kept, without=unsupported)
         return {w: pipelines(world_size=w) for w in sizes}
     if "tensor-parallel" in opt_in:  # a target with a plan hook: meshes and plans only
-        return {
-            w: tensor_parallel_scenarios(
-                world_size=w,
-                dtypes=kept,
-                without=unsupported,
-                degrees=None if degrees is None else degrees[w],
-            )
-            for w in sizes
-        }
+        meshes = functools.partial(
+            tensor_parallel_scenarios, dtypes=kept, without=unsupported, own_models=own_models
+        )
+        return {w: meshes(world_size=w, degrees=degrees and degrees[w]) for w in sizes}
     if focus:
         per_size = {
             w: st.one_of(

@@ -293,7 +293,8 @@ def example_strategies(
     sizes = check_world_sizes("world_sizes", world_sizes)
     excluded = parse(without, "without")
     focus = parse(only, "only")
+    own = target.own_plan_models() if target.parallelizes else None
     per_size = dst.per_world_size(
-        sizes, dtypes, unsupported(target, excluded), focus, type(target).__name__, degrees
+        sizes, dtypes, unsupported(target, excluded), focus, type(target).__name__, degrees, own
     )
     return tuple(per_size), per_size, excluded
