@@ -1,6 +1,8 @@
 """``hf_tp``: transformers' own tensor parallelism (``transformers.distributed.tensor_parallel``)
 with the scenario's plan written in transformers' vocabulary, over ``mesh["tp"]``, trained by
-the harness's plain loop.
+the harness's plain loop -- or, for a scenario whose model is one of transformers' own
+architectures (``hf_models.HfCausalLM``, half of the examples drawn), with the model's own plans,
+as ``tp_plan="auto"`` distributes it (:mod:`ddpcheck.targets.hf_auto`).
 
 transformers ships its own style classes, registered by name in ``ALL_PARALLEL_STYLES``
 (``"colwise"``, ``"rowwise"``, ``"colwise_rep"``, ``"rowwise_rep"``, ``"unit_colwise"``, ...):
