@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from ddpcheck._base.errors import NothingChecked
 from ddpcheck._language.pipeline_draws import pipeline_scenarios
-from ddpcheck._language.plans import tensor_parallel_scenarios
+from ddpcheck._language.plans import OwnPlanModels, tensor_parallel_scenarios
 from ddpcheck._language.scenario import Scenario
 
 __all__ = ["on_meshes"]
@@ -28,12 +28,14 @@ def on_meshes(
     who: str,
     degrees: Mapping[int, tuple[int, ...]] | None = None,
     layouts: Mapping[int, tuple[tuple[int, int], ...]] | None = None,
+    own_models: OwnPlanModels | None = None,
 ) -> dict[int, st.SearchStrategy[Scenario]]:
     """``{W: the scenarios drawn at W}`` for a target that runs pipelines (``pipeline-parallel``
     in ``opt_in``: pipelines only, their stages tensor-parallel where ``tensor-parallel`` is too)
     or applies plans (meshes and plans only). ``degrees``, ``layouts``: what ``--mesh`` asked
     for (None: every divisor of W); a world size whose shapes the target's scenarios cannot take
-    is left out, and ``NothingChecked`` raised when none is left."""
+    is left out, and ``NothingChecked`` raised when none is left. ``own_models``: a plan
+    target's models with their own plan, drawn beside the drawn plans."""
     if "pipeline-parallel" in opt_in:
         nd = "tensor-parallel" in opt_in  # its stages tensor-parallel: any tp, else tp = 1
         fit = {
@@ -52,6 +54,7 @@ def on_meshes(
                 dtypes=dtypes,
                 without=unsupported,
                 degrees=None if degrees is None else degrees[w],
+                own_models=own_models,
             )
             for w in sizes
             if degrees is None or w in degrees

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from hypothesis import strategies as st
-from torch import Tensor
+from torch import Tensor, nn
 
 from ddpcheck._base.errors import InvalidArgument
 from ddpcheck._language.objective import LOSS_PARALLEL, TOKEN_LOSSES
@@ -34,9 +34,11 @@ from ddpcheck._language.sharded_models import (
     sequence_tokens,
 )
 from ddpcheck._language.tensor_parallel import TensorParallel
+from ddpcheck._language.zoo import token_data
 
 __all__ = [
     "DRAWN",
+    "OwnPlanModels",
     "check_degrees",
     "clip_norm",
     "divisors",
@@ -63,6 +65,10 @@ DRAWN = frozenset(
         "tensor-parallel",
     }
 )
+
+#: Models that bring their own plan (``Target.own_plan_models``): the tensor-parallel degree to
+#: a strategy of model factories, each a scenario's ``model`` trained on token data.
+OwnPlanModels = Callable[[int], st.SearchStrategy[Callable[[], nn.Module]]]
 
 #: The largest of each size drawn: small, so that an example runs in well under a second.
 MAX_BLOCKS, MAX_WIDTH, MAX_SIZE = 3, 6, 6
@@ -177,12 +183,15 @@ def tensor_parallel_scenarios(
     max_batch: int = 8,
     max_steps: int = 3,
     max_accumulation: int = 2,
+    own_models: OwnPlanModels | None = None,
 ) -> st.SearchStrategy[Scenario]:
     """Tensor-parallel scenarios at ``world_size``: a degree ``tp`` (default: drawn among the
     divisors of W; ``tp=W`` is torch_tp's mesh; ``degrees``: drawn among these, each dividing W,
     as ``--mesh`` asks), a :func:`sharded_models` model, a plan of
     :func:`plans`, and what data-parallel scenarios draw besides -- optimizer, dtype, batch
-    (split over ``dp``), steps, accumulation, LR decay, clipping -- none of ``without``."""
+    (split over ``dp``), steps, accumulation, LR decay, clipping -- none of ``without``.
+    ``own_models``: half the draws are instead one of its models (its own plan; the
+    scenario's left empty) on token data with a token loss (``Target.own_plan_models``)."""
     dtypes, without = tuple(dtypes), frozenset(without)
     if not dtypes:
         raise InvalidArgument("dtypes must name at least one of float64, float32")
@@ -199,7 +208,8 @@ def tensor_parallel_scenarios(
             )
     else:
         degrees = (tp,) if tp is not None else divisors(world_size)
-    return _scenarios(world_size, dtypes, without, degrees, max_batch, max_steps, max_accumulation)
+    limits = (max_batch, max_steps, max_accumulation)
+    return _scenarios(world_size, dtypes, without, degrees, limits, own_models)
 
 
 @st.composite
@@ -209,31 +219,30 @@ def _scenarios(
     dtypes: tuple[str, ...],
     without: frozenset[str],
     degrees: tuple[int, ...],
-    max_batch: int,
-    max_steps: int,
-    max_accumulation: int,
+    limits: tuple[int, int, int],
+    own_models: OwnPlanModels | None,
 ) -> Scenario:
+    max_batch, max_steps, max_accumulation = limits
     tp = draw(st.sampled_from(degrees))
-    spec = draw(sharded_models())
-    # token cross-entropy on a vocabulary head (shrinking towards none), what loss_parallel()
-    # applies to: half the draws (a fifth drew it in 2-8 % of them)
-    tokens = "tokens" not in without and draw(st.booleans())
-    # the head tied to a vocabulary embedding half the time (shrinking towards untied)
-    tied = tokens and spec.embedding and draw(st.booleans())
-    spec = dataclasses.replace(spec, tokens=tokens, tied=tied)
-    loss = draw(token_losses()) if tokens else "squared_error"
-    plan = draw(plans(spec, tp, loss_parallel=loss in LOSS_PARALLEL))
+    # a model with its own plan half the time (shrinking towards the drawn plans)
+    plan: tuple[tuple[str, str], ...] = ()
+    own = own_models is not None and "tokens" not in without and draw(st.booleans())
+    if own_models is not None and own:
+        model, data, loss = draw(own_models(tp)), token_data, draw(token_losses())
+    else:
+        model, data, loss, plan = draw(_sharded(tp, without))
     dtype = draw(st.sampled_from(dtypes))
     optimizer, kwargs = optimizer_for(draw, dtype)
     dp = world_size // tp
     if "uneven-batches" in without:
         batch = dp * draw(st.integers(1, max(1, max_batch // dp)))
-    else:
-        batch = draw(st.integers(1, max_batch))
+    else:  # a sample for each of the W ranks features.of runs a model of its own plan on (a
+        # transformers model fails on an empty batch: its attention cannot reshape 0 elements)
+        batch = draw(st.integers(min(world_size, max_batch) if own else 1, max_batch))
     max_grad_norm = clip_norm(draw, without)
     return Scenario(
-        model=spec,
-        data=_data(tokens, spec.embedding),
+        model=model,
+        data=data,
         loss=loss,
         optimizer=optimizer,
         optimizer_kwargs=kwargs,
@@ -247,6 +256,23 @@ def _scenarios(
         max_grad_norm=max_grad_norm,
         tensor_parallel=TensorParallel(plan, None if tp == world_size else tp),
     )
+
+
+@st.composite
+def _sharded(
+    draw: st.DrawFn, tp: int, without: frozenset[str]
+) -> tuple[ShardedSpec, Callable, str, tuple[tuple[str, str], ...]]:
+    """A :func:`sharded_models` model, its data, its loss, and a plan for it."""
+    spec = draw(sharded_models())
+    # token cross-entropy on a vocabulary head (shrinking towards none), what loss_parallel()
+    # applies to: half the draws (a fifth drew it in 2-8 % of them)
+    tokens = "tokens" not in without and draw(st.booleans())
+    # the head tied to a vocabulary embedding half the time (shrinking towards untied)
+    tied = tokens and spec.embedding and draw(st.booleans())
+    spec = dataclasses.replace(spec, tokens=tokens, tied=tied)
+    loss = draw(token_losses()) if tokens else "squared_error"
+    plan = draw(plans(spec, tp, loss_parallel=loss in LOSS_PARALLEL))
+    return spec, _data(tokens, spec.embedding), loss, plan
 
 
 def _data(tokens: bool, ids: bool) -> Callable[[int, int, torch.dtype], tuple[Tensor, Tensor]]:

@@ -32,7 +32,7 @@ from ddpcheck._language.mesh_draws import on_meshes
 from ddpcheck._language.models import KINDS, Layer, ModelSpec
 from ddpcheck._language.optimizers import optimizers
 from ddpcheck._language.pipeline_draws import pipeline_scenarios
-from ddpcheck._language.plans import DRAWN, tensor_parallel_scenarios, token_losses
+from ddpcheck._language.plans import DRAWN, OwnPlanModels, tensor_parallel_scenarios, token_losses
 from ddpcheck._language.scenario import Epochs, Scenario
 from ddpcheck._language.torch_limits import autocast_unavailable
 from ddpcheck._language.zoo import BiasGroups, GPTConfig, token_data
@@ -535,6 +535,7 @@ def per_world_size(
     who: str,
     degrees: Mapping[int, tuple[int, ...]] | None = None,
     layouts: Mapping[int, tuple[tuple[int, int], ...]] | None = None,
+    own_models: OwnPlanModels | None = None,
 ) -> dict[int, st.SearchStrategy[Scenario]]:
     """``{W: the scenarios drawn at W}`` for a target checked on none of ``unsupported`` (the
     features it does not support, and those the user excluded), named ``who``: :func:`scenarios`
@@ -544,7 +545,9 @@ def per_world_size(
     drawn. ``degrees``: ``{W: the tensor-parallel degrees drawn at W}`` (``--mesh``; default:
     every divisor of W), for a target that applies plans; ``layouts``: ``{W: the (pp, tp)
     layouts drawn at W}`` (``--mesh``), for a pipeline target. Under a mesh, a world size none
-    of whose shapes the target's scenarios can take is left out."""
+    of whose shapes the target's scenarios can take is left out. ``own_models``: a plan
+    target's models with their own plan (``Target.own_plan_models``), drawn beside the drawn
+    plans."""
     opt_in = frozenset(features.OPT_IN) - unsupported  # generated only for a target that opts in
     kept = tuple(d for d in dtypes if d not in unsupported)
     if not kept:
@@ -553,7 +556,7 @@ def per_world_size(
             f"{', '.join(dtypes)} once `without` (--without) is applied"
         )
     if opt_in & {"pipeline-parallel", "tensor-parallel"}:  # schedules, or a plan hook
-        return on_meshes(sizes, kept, unsupported, opt_in, who, degrees, layouts)
+        return on_meshes(sizes, kept, unsupported, opt_in, who, degrees, layouts, own_models)
     if focus:
         per_size = {
             w: st.one_of(

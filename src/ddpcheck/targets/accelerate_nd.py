@@ -172,6 +172,11 @@ class AccelerateNDTarget(AcceleratorLoop, HfTPTarget):
             config={"gradient_accumulation_plugin": ({"sync_each_batch": True},)},
         )
 
+    def own_plan_models(self) -> None:
+        """None: transformers' architectures with their own plans are hf_tp's alone (here the
+        model is distributed through accelerate's mesh with the drawn plan)."""
+        return None
+
     def supports(self, scenario: Scenario) -> str | None:
         if not torch.cuda.is_available():  # first: it holds whatever the scenario
             return CPU_REFUSED

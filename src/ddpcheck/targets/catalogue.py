@@ -303,8 +303,9 @@ READY_MADE: tuple[ReadyMade, ...] = (
         "transformers",
         "transformers' own tensor parallelism (apply_tensor_parallelism, its colwise/rowwise/"
         "colwise_rep/rowwise_rep styles) with a plan drawn for each model, written as a "
-        "transformers plan (generic layer names), over tp; with dp > 1 transformers' own FSDP2 "
-        "over dp (DistributedConfig(tp_size, fsdp_size)); a plain loop",
+        "transformers plan (generic layer names), or on its own architectures (Llama, Qwen3, "
+        "Gemma 3, Phi-3, ...) their own tp_plan (tp_plan='auto'), over tp; with dp > 1 "
+        "transformers' own FSDP2 over dp (DistributedConfig(tp_size, fsdp_size)); a plain loop",
         "a plan giving layers of one generic name (blocks.*.up) different styles: no "
         "transformers plan says that",
         tried=("5.25.0",),  # its tensor parallelism moved to transformers.distributed

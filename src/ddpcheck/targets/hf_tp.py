@@ -1,6 +1,8 @@
 """``hf_tp``: transformers' own tensor parallelism (``transformers.distributed.tensor_parallel``)
 with the scenario's plan written in transformers' vocabulary, over ``mesh["tp"]``, trained by
-the harness's plain loop.
+the harness's plain loop -- or, for a scenario whose model is one of transformers' own
+architectures (``hf_models.HfCausalLM``, half of the examples drawn), with the model's own plans,
+as ``tp_plan="auto"`` distributes it (:mod:`ddpcheck.targets.hf_auto`).
 
 transformers ships its own style classes, registered by name in ``ALL_PARALLEL_STYLES``
 (``"colwise"``, ``"rowwise"``, ``"colwise_rep"``, ``"rowwise_rep"``, ``"unit_colwise"``, ...):
@@ -44,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,6 +57,8 @@ from ddpcheck._language.sharded_models import ShardedSpec
 from ddpcheck._language.tensor_parallel import mesh_problem, mesh_shape
 from ddpcheck._language.training import OptimizerLike
 from ddpcheck.targets.fsdp import broadcast_from
+from ddpcheck.targets.hf_auto import architectures, distribute_auto, heads_problem
+from ddpcheck.targets.hf_models import HfLogits
 from ddpcheck.targets.option_space import options
 from ddpcheck.targets.tensor_parallel import (
     TP_FLOOR,
@@ -65,8 +69,10 @@ from ddpcheck.targets.tensor_parallel import (
 )
 
 if TYPE_CHECKING:
+    from hypothesis import strategies as st
     from torch.distributed.device_mesh import DeviceMesh
 
+    from ddpcheck.targets.hf_models import HfCausalLM
     from ddpcheck.targets.protocol import ConfigSpace
 
 __all__ = [
@@ -294,7 +300,13 @@ class HfTPTarget(TorchTPTarget):
             or uniform_plan(scenario)
             or noncontiguous_rowwise(scenario, world_size)
             or fsdp_problem(scenario, world_size)
+            or heads_problem(scenario, world_size)
         )
+
+    def own_plan_models(self) -> Callable[[int], st.SearchStrategy[HfCausalLM]] | None:
+        """transformers' architectures, each sharded with its own plan (``tp_plan="auto"``,
+        :mod:`ddpcheck.targets.hf_auto`), drawn beside the plans drawn for ddpcheck's models."""
+        return architectures
 
     def config_space(self) -> ConfigSpace:
         """What a user of transformers' distribution writes beside the plan: the replicated
@@ -341,5 +353,8 @@ class HfTPTarget(TorchTPTarget):
 
     def parallelize(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         broadcast_from(module, 0)
+        if isinstance(module, HfLogits):  # a transformers architecture: its own plans
+            distribute_auto(module.lm, mesh)
+            return module
         fsdp = FSDP_PLANS[self.fsdp_plan]
         return distribute(module, mesh, {"fsdp": "dp", "tp": "tp"}, self.transformers_plan(), fsdp)

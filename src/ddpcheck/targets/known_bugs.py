@@ -19,6 +19,8 @@ from ddpcheck._language.pipeline_parallel import SCHEDULES_SPLITTING_BACKWARD
 from ddpcheck._language.scenario import Scenario
 from ddpcheck.targets.builtin import TorchDDPTarget, TorchFSDPTarget
 from ddpcheck.targets.deepspeed import DeepSpeedTarget
+from ddpcheck.targets.hf_auto import own_styles
+from ddpcheck.targets.hf_models import HfCausalLM
 from ddpcheck.targets.hf_tp import HfTPTarget
 from ddpcheck.targets.hf_trainer import HfTrainerTarget
 from ddpcheck.targets.pipeline import TorchPPTarget
@@ -194,8 +196,30 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         targets=(HfTPTarget,),
         script="bench/hf_replicated_grad_allreduce.py",
         explains=lambda scenario: (
-            scenario.tensor_parallel is not None
-            and any(style == "heads-norm" for _, style in scenario.tensor_parallel.plan)
+            (
+                scenario.tensor_parallel is not None
+                and any(style == "heads-norm" for _, style in scenario.tensor_parallel.plan)
+            )
+            or "replicated_with_grad_allreduce" in own_styles(scenario)
+        ),
+    ),
+    KnownBug(
+        distribution="transformers",
+        # bench/hf_fsdp_tied.py: wrong on 5.25.0 (the pinned release, the only one measured)
+        fixed_in=None,
+        upstream="no upstream issue found (measured on 5.25.0)",
+        what="DistributedConfig(tp_size, fsdp_size) applies FSDP2 to the model built untied and "
+        "from_pretrained ties the LM head to the embedding afterwards (tie_weights): the head "
+        "holds a parameter FSDP2 swaps out of the embedding, and training leaves the "
+        "one-process model after the first optimizer step",
+        needs=frozenset({"tensor-parallel"}),
+        targets=(HfTPTarget,),
+        script="bench/hf_fsdp_tied.py",
+        explains=lambda scenario: (
+            isinstance(scenario.model, HfCausalLM)
+            and scenario.model.tied
+            and scenario.tensor_parallel is not None
+            and scenario.tensor_parallel.tp is not None  # a tp below W: dp > 1, FSDP2 over dp
         ),
     ),
 )

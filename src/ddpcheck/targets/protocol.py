@@ -97,6 +97,8 @@ if TYPE_CHECKING:  # hypothesis loads only when a configuration space is built
     from hypothesis.strategies import SearchStrategy
     from torch.distributed.device_mesh import DeviceMesh
 
+    from ddpcheck._language.plans import OwnPlanModels
+
     #: What ``Target.config_space`` returns: a strategy of options, or None (nothing to fuzz).
     ConfigSpace: TypeAlias = SearchStrategy[dict[str, object]] | None
 
@@ -227,6 +229,13 @@ class Target:
         that bear on equivalence, each key optional and drawn only with a non-default value
         (``ddpcheck.targets.option_space.options`` builds one) -- or None: nothing to fuzz, and
         ``fuzz_config=True`` is refused. Default: None."""
+        return None
+
+    def own_plan_models(self) -> OwnPlanModels | None:
+        """For a target that :attr:`parallelizes`: models that bring their own plan (a
+        transformers architecture's ``tp_plan``), drawn beside the drawn plans -- a function of
+        the tensor-parallel degree to a strategy of model factories, the plan left empty -- or
+        None (default): the drawn plans alone."""
         return None
 
     def declined_reason(self, feature: str) -> str | None:

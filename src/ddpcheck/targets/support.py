@@ -329,8 +329,9 @@ def example_strategies(
     own = _own_space(target, sizes, tuple(dtypes), never, degrees)
     if own is not None:
         return sizes, own, excluded
+    models = target.own_plan_models() if target.parallelizes else None
     per_size = dst.per_world_size(
-        sizes, dtypes, never, focus, type(target).__name__, degrees, layouts
+        sizes, dtypes, never, focus, type(target).__name__, degrees, layouts, models
     )
     return tuple(per_size), per_size, excluded
 
