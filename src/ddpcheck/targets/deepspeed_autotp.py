@@ -211,6 +211,11 @@ class DeepSpeedAutoTPTarget(Target):
             architectures=[a for a in ARCHITECTURES if a not in refused],
         )
 
+    def own_battery(self) -> list[tuple[str, Scenario]]:
+        """:data:`BATTERY`: a Llama and a Qwen3 (q/k norms) over ``tp=2``, alone at W=2 and
+        beside ``dp=2`` at W=4 (ZeRO stage 0 all-reducing over ``dp``)."""
+        return BATTERY
+
     def config_space(self) -> ConfigSpace:
         """What an AutoTP user writes beside ``autotp_size``: the all-reduce overlapped with
         the column layers' computation (``tp_overlap_comm``), the grain of uneven splits
@@ -448,3 +453,31 @@ def whole(param: nn.Parameter, shard: torch.Tensor) -> torch.Tensor:
         return param.data.clone()
     finally:
         param.data = kept
+
+
+def _battery_entry(architecture: str, accumulation: int, clip: float | None, seed: int) -> Scenario:
+    from ddpcheck._language.tensor_parallel import TensorParallel
+    from ddpcheck._language.zoo import token_data
+
+    return Scenario(
+        model=HfCausalLM(architecture, heads=4, kv_heads=2, head_dim=2, intermediate=5),
+        data=token_data,
+        loss="token_cross_entropy",
+        optimizer=torch.optim.Adam,
+        optimizer_kwargs={"lr": 0.01, "eps": 1e-3},  # float32's eps (ddpcheck.strategies)
+        dtype="float32",
+        global_batch=8,
+        steps=2,
+        accumulation=accumulation,
+        max_grad_norm=clip,
+        seed=seed,
+        tensor_parallel=TensorParallel((), 2),
+    )
+
+
+#: The built-in battery of ``deepspeed_autotp`` (float32: DeepSpeed reduces no float64), each
+#: over ``tp=2``: at W=2 AutoTP alone, at W=4 beside ``dp=2``.
+BATTERY: list[tuple[str, Scenario]] = [
+    ("autotp-llama-accumulation", _battery_entry("llama", 2, None, 61)),
+    ("autotp-qwen3-clip", _battery_entry("qwen3", 1, 0.5, 62)),
+]
