@@ -54,6 +54,7 @@ FRAMEWORK_TESTS = [
     "tests/targets/test_hf_trainer.py::",
     "tests/targets/test_hf_tp.py::",
     "tests/targets/test_hf_models.py::",
+    "tests/targets/test_deepspeed_autotp.py::",
     "tests/targets/test_hf_auto.py::",
     "tests/targets/test_accelerate_nd.py::",
     "tests/targets/test_data_path.py::",
