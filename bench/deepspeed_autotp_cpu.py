@@ -20,6 +20,13 @@ is incompatible: DeepSpeed then all-reduces through torch.distributed (gloo) ins
 shared-memory op, whose first build takes minutes on a loaded machine (100-285 s at load 6-11,
 over 5 min at load ~50). It changes how a sum travels, not what AutoTP shards.
 
+Measured 2026-12-08 (DeepSpeed 0.19.8, transformers 5.25.0, torch 2.13.0+cpu, --no-shm-op):
+llama, qwen3 handed whole and llama wrapped: exit 0 (within 1.5e-08); **qwen3 --wrapped: exit
+1** -- the parser splits q/k over heads and leaves q_norm/k_norm with each rank's partial
+gradient (2.4e-04 off after 3 steps, the two ranks apart); phi3 and olmo2 handed whole: exit 2
+(their plans' 'rowwise_split_input' refused by TPPlanConverter), wrapped: exit 2 (phi3: the
+packed qkv_proj, TypeError; olmo2: its q/k norms over the whole projection, RuntimeError).
+
 Exit 0: AutoTP trains and matches the reference; 1: it runs and the weights differ; 2: it does not
 run (the error printed is what docs/pipeline-parallel.md quotes).
 """

@@ -73,3 +73,15 @@ def test_autotp_trains_as_one_process_and_a_seeded_bug_is_caught():
     ddpcheck.check_example(DeepSpeedAutoTPTarget(), LLAMA, 2)  # raises where they differ
     with pytest.raises(EquivalenceError):
         ddpcheck.check_example(_Unbroadcast(), LLAMA, 2)
+
+
+def test_autotps_parser_leaving_qk_norms_unreduced_is_named_where_it_can_explain_a_verdict():
+    from ddpcheck.targets.known_bugs import known_bug_line
+
+    pytest.importorskip("deepspeed")
+    qwen3 = dataclasses.replace(LLAMA, model=HfCausalLM("qwen3", heads=4, kv_heads=2))
+    wrapper = DeepSpeedAutoTPTarget(handed="wrapper")
+    line = known_bug_line(wrapper, {"tensor-parallel"}, qwen3)
+    assert line is not None and "--architecture qwen3 --wrapped" in line
+    assert known_bug_line(DeepSpeedAutoTPTarget(), {"tensor-parallel"}, qwen3) is None
+    assert known_bug_line(wrapper, {"tensor-parallel"}, LLAMA) is None
