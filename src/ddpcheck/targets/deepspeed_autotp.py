@@ -9,7 +9,7 @@ AutoTP shards a transformers model by what it is: the model's own tensor-paralle
 config's ``base_model_tp_plan``, converted by DeepSpeed's ``TPPlanConverter``), a
 ``partition_config`` or ``preset_model`` in the config, or -- a model without a plan --
 DeepSpeed's parser of its linear layers. So the scenarios are the target's own
-(:meth:`DeepSpeedAutoTPTarget.drawn_scenarios`, ``ddpcheck.targets.hf_scenarios``): a tiny
+(:meth:`DeepSpeedAutoTPTarget.drawn_scenarios`): a tiny
 random causal LM of one of the transformers architectures of ``ddpcheck.targets.hf_models``,
 its plan left empty, the mesh drawn; the reference is the same model unparallelized.
 
@@ -195,20 +195,23 @@ class DeepSpeedAutoTPTarget(Target):
         degrees: tuple[int, ...] | None,
     ) -> SearchStrategy[Scenario]:
         """Tiny transformers causal LMs of every architecture AutoTP takes as this target hands
-        them (``hf_scenarios``, :data:`REFUSED`) on meshes of a ``tp`` above 1 -- the config's
-        ``autotp_size`` where it names one."""
-        from ddpcheck.targets.hf_scenarios import causal_lm_scenarios
+        them (:data:`REFUSED`), shaped as ``hf_tp`` draws them for their own plans (key/value
+        heads a multiple of ``tp``, no empty shard), on meshes of a ``tp`` above 1 -- the
+        config's ``autotp_size`` where it names one."""
+        from ddpcheck.targets.hf_auto import architectures
+        from ddpcheck.targets.own_model_draws import own_model_scenarios
 
         size = self.given.get("tensor_parallel", {}).get("autotp_size")
         tps = [d for d in (degrees or range(2, world_size + 1)) if world_size % d == 0]
         tps = [d for d in tps if d > 1 and size in (None, d)] or [world_size]
-        refused = self.refused()
-        return causal_lm_scenarios(
-            world_size=world_size,
-            dtypes=dtypes,
-            without=without,
-            degrees=tps,
-            architectures=[a for a in ARCHITECTURES if a not in refused],
+        refused, untied = self.refused(), "tied" in without
+
+        def models(tp: int) -> SearchStrategy[HfCausalLM]:
+            taken = architectures(tp).filter(lambda m: m.architecture not in refused)
+            return taken.map(lambda m: dataclasses.replace(m, tied=False)) if untied else taken
+
+        return own_model_scenarios(
+            world_size=world_size, dtypes=dtypes, without=without, degrees=tps, models=models
         )
 
     def own_battery(self) -> list[tuple[str, Scenario]]:

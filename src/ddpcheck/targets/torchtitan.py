@@ -425,47 +425,34 @@ def titan_scenarios(
     world_size: int, dtypes: tuple[str, ...], without: frozenset[str], degrees: tuple[int, ...]
 ) -> SearchStrategy[Scenario]:
     """Language-model scenarios on a :class:`TitanLlama` at ``world_size``: a ``tp`` of
-    ``degrees``, heads a multiple of it, a token loss, and what the tensor-parallel scenarios
-    draw besides (optimizer, dtype, batch, steps, accumulation, LR decay, clipping)."""
+    ``degrees``, heads a multiple of it, a token loss (cross-entropy over ``tp > 1``, where
+    torchtitan's loss parallelism computes it), and what the tensor-parallel scenarios draw
+    besides (``ddpcheck.targets.own_model_draws``)."""
     from hypothesis import strategies as st
 
-    from ddpcheck._language.plans import clip_norm, optimizer_for, token_losses
-    from ddpcheck._language.scenario import TensorParallel
-    from ddpcheck._language.zoo import token_data
+    from ddpcheck._language.plans import token_losses
+    from ddpcheck.targets.own_model_draws import own_model_scenarios
 
     @st.composite
-    def draw_one(draw: st.DrawFn) -> Scenario:
-        tp = draw(st.sampled_from(degrees))
+    def models(draw: st.DrawFn, tp: int) -> TitanLlama:
         heads = tp * draw(st.sampled_from((1, 2)))
-        model = TitanLlama(
+        return TitanLlama(
             heads=heads,
             head_dim=draw(st.sampled_from((2, 4))),
             kv_heads=draw(st.sampled_from((None, tp))) if heads > tp else None,
             layers=draw(st.integers(1, 2)),
             hidden=draw(st.sampled_from((12, 24))),
         )
-        dtype = draw(st.sampled_from(dtypes))
-        optimizer, kwargs = optimizer_for(draw, dtype)
-        accumulation = 1 if "accumulation" in without else draw(st.integers(1, 2))
-        least = world_size // tp * accumulation  # torchtitan's loader never hands an empty batch
-        return Scenario(
-            model=model,
-            data=token_data,
-            loss=draw(token_losses()) if tp == 1 else "token_cross_entropy",
-            optimizer=optimizer,
-            optimizer_kwargs=kwargs,
-            lr_decay=None if "lr-schedule" in without else draw(st.sampled_from((None, 0.5))),
-            global_batch=draw(st.integers(least, max(least, 8))),
-            steps=draw(st.integers(1, 2)),  # float32: as the tensor-parallel scenarios
-            accumulation=accumulation,
-            dtype=dtype,
-            seed=draw(st.integers(0, 2**16)),
-            rank_seeds="broadcast" not in without,
-            max_grad_norm=clip_norm(draw, without),
-            tensor_parallel=TensorParallel((), None if tp == world_size else tp),
-        )
 
-    return draw_one()
+    return own_model_scenarios(
+        world_size=world_size,
+        dtypes=dtypes,
+        without=without,
+        degrees=degrees,
+        models=models,
+        losses=lambda tp: token_losses() if tp == 1 else st.just("token_cross_entropy"),
+        max_steps=2,
+    )
 
 
 def _battery_entry(heads: int, kv_heads: int | None, accumulation: int, seed: int) -> Scenario:
