@@ -45,9 +45,9 @@ Imports DeepSpeed only inside the hooks. Tried with DeepSpeed 0.19.8 (transforme
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -183,9 +183,14 @@ class DeepSpeedAutoTPTarget(Target):
         object.__setattr__(self, "_given", given)
 
     @property
-    def given(self) -> dict[str, Any]:
+    def given(self) -> dict[str, object]:
         """The user's config, as loaded."""
-        return cast(dict[str, Any], vars(self)["_given"])
+        return cast(dict[str, object], vars(self)["_given"])
+
+    @property
+    def section(self) -> Mapping[str, object]:
+        """The config's ``tensor_parallel`` section (a mapping: ``__post_init__`` checks it)."""
+        return cast(Mapping[str, object], self.given.get("tensor_parallel", {}))
 
     def drawn_scenarios(
         self,
@@ -201,7 +206,7 @@ class DeepSpeedAutoTPTarget(Target):
         from ddpcheck.targets.hf_auto import architectures
         from ddpcheck.targets.own_model_draws import own_model_scenarios
 
-        size = self.given.get("tensor_parallel", {}).get("autotp_size")
+        size = self.section.get("autotp_size")
         tps = [d for d in (degrees or range(2, world_size + 1)) if world_size % d == 0]
         tps = [d for d in tps if d > 1 and size in (None, d)] or [world_size]
         refused, untied = self.refused(), "tied" in without
@@ -253,7 +258,7 @@ class DeepSpeedAutoTPTarget(Target):
 
     def refused(self) -> Mapping[str, str]:
         """The architectures AutoTP refuses as this target hands them (:data:`REFUSED`)."""
-        section = self.given.get("tensor_parallel", {})
+        section = self.section
         own = "partition_config" in section or "preset_model" in section
         return {} if own and self.handed == "causal_lm" else REFUSED[self.handed]
 
@@ -262,7 +267,7 @@ class DeepSpeedAutoTPTarget(Target):
         if problem is not None:
             return problem
         _, tp = mesh_shape(scenario.tensor_parallel, world_size)
-        size = self.given.get("tensor_parallel", {}).get("autotp_size")
+        size = self.section.get("autotp_size")
         if size is not None and size != tp:
             return f"the config's autotp_size={size} is not the mesh's tp={tp}"
         if tp == 1:
@@ -300,13 +305,14 @@ class DeepSpeedAutoTPTarget(Target):
         module: nn.Module,
         params: Params,
         optimizer_cls: type[torch.optim.Optimizer],
-        **kwargs: Any,  # the scenario's options, for its optimizer class
+        **kwargs: object,  # the scenario's options, for its optimizer class
     ) -> tuple[nn.Module, OptimizerLike]:
         join_existing_group()
         _choose_accelerator(next(module.parameters()).device.type)
         import deepspeed
 
-        optimizer = optimizer_cls(params, **kwargs)
+        build: Callable[..., torch.optim.Optimizer] = optimizer_cls  # kwargs: the scenario's
+        optimizer = build(params, **kwargs)
         schedule = (
             None
             if self.gamma is None
@@ -315,7 +321,7 @@ class DeepSpeedAutoTPTarget(Target):
         tp_ranks: list[int] = vars(self)["_tp_ranks"]
         config = engine_config(self.given, 0, self.accumulation, False)
         section = {
-            **self.given.get("tensor_parallel", {}),
+            **self.section,
             "autotp_size": len(tp_ranks),
             "vocab_parallel_lm_head": False,  # whole logits, for the scenario's loss
         }

@@ -347,7 +347,7 @@ def _own_space(
     training models of its own kind, torchtitan's or transformers'), or None where it draws
     ddpcheck's (a duck-typed target has no such hook)."""
     space = getattr(target, "drawn_scenarios", None)
-    if not callable(space):
+    if not callable(space) or space(sizes[0], dtypes, never, None) is None:
         return None
     kept = tuple(d for d in dtypes if d not in never)
     if not kept:
@@ -355,7 +355,7 @@ def _own_space(
             f"{type(target).__name__} supports none of the dtypes {', '.join(dtypes)} once "
             "`without` (--without) is applied"
         )
-    found = {w: space(w, kept, never, None if degrees is None else degrees[w]) for w in sizes}
-    if any(strategy is None for strategy in found.values()):
-        return None
-    return found
+    asked = sizes if degrees is None else tuple(w for w in sizes if w in degrees)
+    if not asked:
+        raise NothingChecked(f"no mesh asked for (--mesh) is one {type(target).__name__} runs on")
+    return {w: space(w, kept, never, None if degrees is None else degrees[w]) for w in asked}
